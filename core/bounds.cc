@@ -1,0 +1,135 @@
+#include "core/bounds.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "core/summary.h"
+
+namespace eps {
+
+const char* MethodName(Method method) {
+  switch (method) {
+    case Method::kOff:
+      return "off";
+    case Method::kJl:
+      return "jl";
+    case Method::kOnePc:
+      return "1pc";
+    case Method::kFro:
+      return "fro";
+    case Method::kQuest:
+      return "quest";
+  }
+  return "unknown";
+}
+
+bool ParseMethod(std::string_view name, Method* method) {
+  for (Method m : {Method::kOff, Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest}) {
+    if (name == MethodName(m)) {
+      *method = m;
+      return true;
+    }
+  }
+  return false;
+}
+
+void QueryTerms::Prepare(const PhiBank& phi, int layer, int kv_head,
+                         std::span<const float> query) {
+  const int d = phi.head_dim();
+  const int m = phi.sketch_dim();
+  q.assign(query.begin(), query.begin() + d);
+  float n2 = 0.0f;
+  for (float x : q) n2 += x * x;
+  norm = std::sqrt(n2);
+  z.resize(m);
+  phi.Project(layer, kv_head, q, z);
+  zz.resize(PackedSize(m));
+  for (int i = 0, p = 0; i < m; ++i) {
+    for (int j = i; j < m; ++j, ++p) zz[p] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
+  }
+}
+
+float JlScore(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q) {
+  float quad = 0.0f;
+  for (int p = 0; p < layout.gram_words; ++p) quad += record[p] * q.zz[p];
+  return std::sqrt(std::max(quad, 0.0f));
+}
+
+float FroBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q) {
+  return q.norm * std::sqrt(std::max(record[layout.fro2], 0.0f));
+}
+
+float OnePcBound(std::span<const float> record, const SummaryLayout& layout,
+                 const QueryTerms& q) {
+  if (layout.principal < 0) return FroBound(record, layout, q);
+  const float lambda = record[layout.principal];
+  const float r2 = record[layout.principal + 1];
+  const float scale = record[layout.principal + 2];
+  if (scale == 0.0f) return FroBound(record, layout, q);  // not sealed
+  float dot = 0.0f;
+  for (int i = 0; i < layout.head_dim; ++i) {
+    dot += static_cast<float>(PrincipalComponent(record, layout, i)) * q.q[i];
+  }
+  // q = (v·q)v + q⊥ with v the unit dequantised direction: ‖C^½q‖ ≤ |v·q|·sqrt(λ1) +
+  // ‖q⊥‖·sqrt(r²), since q⊥ᵀCq⊥ ≤ trace(P⊥CP⊥)‖q⊥‖² = r²‖q⊥‖². Never looser than fro.
+  const float along = std::abs(dot * scale);
+  const float perp = std::sqrt(std::max(q.norm * q.norm - along * along, 0.0f));
+  const float bound =
+      std::sqrt(std::max(lambda, 0.0f)) * along + std::sqrt(std::max(r2, 0.0f)) * perp;
+  return std::min(bound, FroBound(record, layout, q));
+}
+
+float QuestBound(std::span<const float> record, const SummaryLayout& layout,
+                 const QueryTerms& q) {
+  if (layout.quest_min < 0) return FroBound(record, layout, q);
+  if (record[layout.count] <= 0.0f) return -std::numeric_limits<float>::infinity();  // no keys
+  const float* lo = record.data() + layout.quest_min;
+  const float* hi = record.data() + layout.quest_max;
+  float sum = 0.0f;
+  for (int i = 0; i < layout.head_dim; ++i) sum += std::max(q.q[i] * lo[i], q.q[i] * hi[i]);
+  return sum;
+}
+
+float Score(Method method, std::span<const float> record, const SummaryLayout& layout,
+            const QueryTerms& q) {
+  switch (method) {
+    case Method::kOff:
+      return 0.0f;
+    case Method::kJl:
+      return JlScore(record, layout, q);
+    case Method::kOnePc:
+      return OnePcBound(record, layout, q);
+    case Method::kFro:
+      return FroBound(record, layout, q);
+    case Method::kQuest:
+      return QuestBound(record, layout, q);
+  }
+  return 0.0f;
+}
+
+MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayout& layout,
+                                const QueryTerms& q) {
+  const float count = record[layout.count];
+  if (count <= 0.0f) {
+    const float inf = std::numeric_limits<float>::infinity();
+    return {-inf, -inf};
+  }
+  const float slack = kBoundSlack * q.norm * record[layout.max_norm];
+  // fro and 1pc bound max_i |q·k_i|; quest bounds the signed max only.
+  float abs_upper = FroBound(record, layout, q);
+  if (layout.principal >= 0) abs_upper = std::min(abs_upper, OnePcBound(record, layout, q));
+  float upper = abs_upper;
+  if (layout.quest_min >= 0) upper = std::min(upper, QuestBound(record, layout, q));
+  float lower = -abs_upper;
+  if (layout.key_sum >= 0) {
+    const float* sum = record.data() + layout.key_sum;
+    float dot = 0.0f;
+    for (int i = 0; i < layout.head_dim; ++i) dot += q.q[i] * sum[i];
+    lower = dot / count;
+  }
+  return {lower - slack, upper + slack};
+}
+
+}  // namespace eps

@@ -1,0 +1,62 @@
+// Scores of a summary group for one query (DESIGN §3).
+//
+//   jl     sqrt(max(zᵀGz, 0)), z = Φᵀq     estimate of sqrt(Σ_i (q·k_i)²) ≥ max_i |q·k_i|
+//   1pc    sqrt(λ1)|u1·q| + sqrt(r²)‖q⊥‖   upper bound of sqrt(qᵀCq) (min with fro;
+//                                          q⊥ = q − (u1·q)u1, tighter than DESIGN's ‖q‖)
+//   fro    ‖q‖ sqrt(fro2)                   upper bound of sqrt(qᵀCq) (loose)
+//   quest  Σ_j max(q_j min_j, q_j max_j)    upper bound of max_i q·k_i
+//
+// plus the mean-key lower bound q·k̄ ≤ max_i q·k_i used by strict mode.
+// All functions read one record (see core/layout.h) and never allocate.
+#pragma once
+
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "core/layout.h"
+#include "core/phi.h"
+
+namespace eps {
+
+enum class Method { kOff, kJl, kOnePc, kFro, kQuest };
+
+const char* MethodName(Method method);
+bool ParseMethod(std::string_view name, Method* method);
+
+// Per-query values that every group's score reuses: computed once per
+// (query head, step), then applied to all groups of the query's KV head.
+struct QueryTerms {
+  std::vector<float> q;       // d, widened to float
+  float norm = 0.0f;          // ‖q‖
+  std::vector<float> z;       // m, Φᵀq
+  std::vector<float> zz;      // P: z_i z_j packed, off-diagonal doubled, so zᵀGz = Σ G_p zz_p
+
+  void Prepare(const PhiBank& phi, int layer, int kv_head, std::span<const float> query);
+};
+
+// Relative slack that covers fp32 rounding in summaries and scores, applied in
+// units of ‖q‖·max_norm (the scale of max_i |q·k_i|). docs/policy.md derives it.
+inline constexpr float kBoundSlack = 1e-4f;
+
+float JlScore(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
+float OnePcBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
+float FroBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
+float QuestBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
+
+// The score of `method` (kOff scores 0). Methods whose record parts are absent
+// fall back to fro (1pc before Seal) — never to something that is not a bound.
+float Score(Method method, std::span<const float> record, const SummaryLayout& layout,
+            const QueryTerms& q);
+
+// Rigorous bracket of max_i q·k_i over the group's keys, rounding slack included:
+// lower from the mean key (or -fro without key_sum), upper the tightest of fro,
+// 1pc and quest that the record holds. An empty group gets (-inf, -inf).
+struct MaxScoreBracket {
+  float lower;
+  float upper;
+};
+MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayout& layout,
+                                const QueryTerms& q);
+
+}  // namespace eps

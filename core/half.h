@@ -1,0 +1,49 @@
+// Bit-exact conversions between IEEE binary16 / bfloat16 and float.
+//
+// Keys and queries arrive from engines in fp16 or bf16; core/ widens them to
+// float with these functions so that every implementation (C++, CUDA, Python)
+// sees the same float values. Widening is exact; narrowing rounds to nearest
+// even, as the hardware converters do.
+#pragma once
+
+#include <cstdint>
+
+namespace eps {
+
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kInt8 = 4 };
+
+// Size of one element of `dtype` in bytes.
+constexpr int DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt8:
+      return 1;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType dtype);
+
+float HalfToFloat(uint16_t bits);
+uint16_t FloatToHalf(float value);
+float BFloat16ToFloat(uint16_t bits);
+uint16_t FloatToBFloat16(float value);
+
+// Widens element `i` of a key or query vector stored as `dtype` (a float type).
+inline float LoadAsFloat(const void* data, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return HalfToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(data)[i]);
+    default:
+      return static_cast<const float*>(data)[i];
+  }
+}
+
+}  // namespace eps

@@ -1,0 +1,76 @@
+#include "core/layout.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace eps {
+namespace {
+
+absl::Status CheckRange(const char* field, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, "=", value, " not in [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ModelLayout::Validate() const {
+  for (const auto& [field, value, lo, hi] : {
+           std::tuple{"num_layers", num_layers, 1, 4096},
+           std::tuple{"num_q_heads", num_q_heads, 1, 4096},
+           std::tuple{"num_kv_heads", num_kv_heads, 1, 4096},
+           std::tuple{"head_dim", head_dim, 4, 1024},
+           std::tuple{"block_size", block_size, 1, 4096},
+           std::tuple{"group_blocks", group_blocks, 1, 1024},
+           std::tuple{"sketch_dim", sketch_dim, 1, 64},
+       }) {
+    if (absl::Status s = CheckRange(field, value, lo, hi); !s.ok()) return s;
+  }
+  if (num_q_heads % num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_q_heads=", num_q_heads,
+                                                   " is not a multiple of num_kv_heads=",
+                                                   num_kv_heads));
+  }
+  if (head_dim % 4 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim=", head_dim, " is not a multiple of 4"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ModelLayout::DebugString() const {
+  return absl::StrCat("layers=", num_layers, " q_heads=", num_q_heads, " kv_heads=",
+                      num_kv_heads, " d=", head_dim, " block_size=", block_size,
+                      " group_blocks=", group_blocks, " m=", sketch_dim, " seed=", phi_seed,
+                      " key_sum=", features.key_sum, " principal=", features.principal,
+                      " quest=", features.quest);
+}
+
+SummaryLayout SummaryLayout::For(const ModelLayout& model) {
+  SummaryLayout s;
+  s.sketch_dim = model.sketch_dim;
+  s.head_dim = model.head_dim;
+  s.gram_words = PackedSize(model.sketch_dim);
+  int next = s.gram_words;
+  s.fro2 = next++;
+  s.max_norm = next++;
+  s.count = next++;
+  if (model.features.key_sum) {
+    s.key_sum = next;
+    next += model.head_dim;
+  }
+  if (model.features.quest) {
+    s.quest_min = next;
+    s.quest_max = next + model.head_dim;
+    next += 2 * model.head_dim;
+  }
+  if (model.features.principal) {
+    s.principal = next;
+    next += 3 + (model.head_dim + 3) / 4;
+  }
+  s.record_words = (next + 3) / 4 * 4;
+  return s;
+}
+
+}  // namespace eps

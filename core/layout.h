@@ -1,0 +1,87 @@
+// The shapes every part of epsd agrees on: the model, the summary record, and
+// the pool of records (DESIGN §2, §3, §5).
+//
+// A summary record is the EPS summary of one (slot, layer, KV head): a run of
+// 4-byte words, padded to 16 bytes. Word offsets (P = m(m+1)/2):
+//
+//   [0, P)         G, the packed upper triangle of Σ y yᵀ, row-major (i ≤ j)
+//   P, P+1, P+2    fro2 = Σ‖k‖², max_norm = max ‖k‖, count (as float)
+//   key_sum        d floats: Σ k                          (if features.key_sum)
+//   quest          d floats min_j, then d floats max_j    (if features.quest)
+//   principal      λ1, r², scale, then d int8 u1 packed 4 per word
+//                                                         (if features.principal)
+//
+// The pool is [slots, layers, kv_heads, record_words] fp32, row-major.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "core/half.h"
+
+namespace eps {
+
+// Optional parts of a summary record; the packed Gram and the norms are always there.
+struct SummaryFeatures {
+  bool key_sum = true;     // Mean key: a lower bound of max_i q·k_i (strict mode).
+  bool principal = false;  // Top-1 principal pair: the `1pc` bound.
+  bool quest = false;      // Per-channel key min/max: the `quest` bound.
+};
+
+// The model and paging shape a session attaches with.
+struct ModelLayout {
+  int num_layers = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 16;   // tokens per engine KV block
+  int group_blocks = 8;  // g: blocks per summary group
+  int sketch_dim = 8;    // m
+  uint64_t phi_seed = 0;
+  DType kv_dtype = DType::kFloat16;  // element type of the engine's K and V (byte estimates)
+  SummaryFeatures features;
+
+  int group_tokens() const { return block_size * group_blocks; }
+  int gqa_ratio() const { return num_q_heads / num_kv_heads; }
+  int kv_head_of(int q_head) const { return q_head / gqa_ratio(); }
+
+  // Checks every field and their relations; the message names the offending field.
+  absl::Status Validate() const;
+  std::string DebugString() const;
+};
+
+// Word offsets inside one summary record (see the file comment).
+struct SummaryLayout {
+  int sketch_dim = 0;
+  int head_dim = 0;
+  int gram_words = 0;      // P = m(m+1)/2
+  int fro2 = 0;            // offsets of the scalar statistics
+  int max_norm = 0;
+  int count = 0;
+  int key_sum = -1;        // -1 when the feature is off
+  int quest_min = -1;
+  int quest_max = -1;
+  int principal = -1;      // λ1 at +0, r² at +1, scale at +2, u1 bytes from +3
+  int record_words = 0;    // multiple of 4
+
+  static SummaryLayout For(const ModelLayout& model);
+  int64_t record_bytes() const { return int64_t{record_words} * 4; }
+};
+
+// Number of packed words of a symmetric m×m matrix.
+constexpr int PackedSize(int m) { return m * (m + 1) / 2; }
+
+// Index of (i, j), i ≤ j, in the packed upper triangle, row-major.
+constexpr int PackedIndex(int m, int i, int j) { return i * m - i * (i - 1) / 2 + (j - i); }
+
+// Blocks and groups of a context of `tokens` tokens (ceil divisions).
+inline int64_t BlocksFor(int64_t tokens, int block_size) {
+  return (tokens + block_size - 1) / block_size;
+}
+inline int64_t GroupsFor(int64_t tokens, const ModelLayout& model) {
+  return (BlocksFor(tokens, model.block_size) + model.group_blocks - 1) / model.group_blocks;
+}
+
+}  // namespace eps

@@ -1,0 +1,169 @@
+#include "core/select.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace eps {
+
+const char* HeadModeName(HeadMode mode) { return mode == HeadMode::kAll ? "all" : "retrieval"; }
+
+const char* BudgetName(Budget budget) {
+  switch (budget) {
+    case Budget::kThreshold:
+      return "threshold";
+    case Budget::kFixed:
+      return "fixed";
+    case Budget::kTopP:
+      return "top_p";
+  }
+  return "unknown";
+}
+
+const char* GranularityName(Granularity granularity) {
+  return granularity == Granularity::kUnion ? "union" : "per_kv_head";
+}
+
+absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
+  if (!(alpha >= 1.0f) || !std::isfinite(alpha)) {
+    return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " must be finite and >= 1"));
+  }
+  if (first_n < 0 || last_n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_n=", first_n, ", last_n=", last_n, " must be >= 0"));
+  }
+  if (top_pages < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("top_pages=", top_pages, " must be >= 1"));
+  }
+  if (budget == Budget::kTopP && !(top_p > 0.0f && top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_p=", top_p, " not in (0, 1]"));
+  }
+  if (heads == HeadMode::kRetrieval) {
+    const size_t want = static_cast<size_t>(model.num_layers) * model.num_q_heads;
+    if (retrieval_heads.size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat("retrieval_heads has ",
+                                                     retrieval_heads.size(),
+                                                     " marks, want layers*q_heads=", want));
+    }
+  }
+  if (strict && budget != Budget::kThreshold) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("strict mode replaces the budget rule; budget=", BudgetName(budget)));
+  }
+  return absl::OkStatus();
+}
+
+std::string SelectPolicy::DebugString() const {
+  return absl::StrCat("method=", MethodName(method), " alpha=", alpha, " first_n=", first_n,
+                      " last_n=", last_n, " top_pages=", top_pages, " strict=", strict,
+                      " heads=", HeadModeName(heads), " budget=", BudgetName(budget),
+                      " top_p=", top_p, " granularity=", GranularityName(granularity));
+}
+
+void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit) {
+  const int64_t n = static_cast<int64_t>(visit.size());
+  if (n == 0) return;
+  for (int64_t p = 0; p < std::min<int64_t>(policy.first_n, n); ++p) visit[p] = 1;
+  for (int64_t p = std::max<int64_t>(0, n - policy.last_n); p < n; ++p) visit[p] = 1;
+  visit[n - 1] = 1;
+}
+
+void MarkByThreshold(std::span<const float> scores, std::span<const uint8_t> forced,
+                     int top_pages, float alpha, std::span<uint8_t> visit) {
+  std::vector<float> candidates;
+  candidates.reserve(scores.size());
+  for (size_t p = 0; p < scores.size(); ++p) {
+    if (!forced[p]) candidates.push_back(scores[p]);
+  }
+  if (candidates.empty()) return;
+  float threshold = -std::numeric_limits<float>::infinity();
+  if (static_cast<int64_t>(candidates.size()) > top_pages) {
+    std::nth_element(candidates.begin(), candidates.begin() + (top_pages - 1), candidates.end(),
+                     std::greater<float>());
+    const float t = candidates[top_pages - 1];
+    threshold = t > 0.0f ? t / alpha : t * alpha;
+  }
+  for (size_t p = 0; p < scores.size(); ++p) {
+    if (!forced[p] && scores[p] >= threshold) visit[p] = 1;
+  }
+}
+
+void MarkStrict(std::span<const MaxScoreBracket> brackets, int top_pages,
+                std::span<uint8_t> visit) {
+  const int64_t n = static_cast<int64_t>(brackets.size());
+  if (n <= top_pages) {
+    std::fill(visit.begin(), visit.end(), uint8_t{1});
+    return;
+  }
+  std::vector<float> lower(n);
+  for (int64_t p = 0; p < n; ++p) lower[p] = brackets[p].lower;
+  std::nth_element(lower.begin(), lower.begin() + (top_pages - 1), lower.end(),
+                   std::greater<float>());
+  const float floor_of_top = lower[top_pages - 1];
+  for (int64_t p = 0; p < n; ++p) {
+    if (brackets[p].upper >= floor_of_top) visit[p] = 1;
+  }
+}
+
+void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, float top_p,
+              int head_dim, std::span<uint8_t> visit) {
+  std::vector<int64_t> order;
+  float top = -std::numeric_limits<float>::infinity();
+  for (size_t p = 0; p < scores.size(); ++p) {
+    if (!forced[p]) {
+      order.push_back(static_cast<int64_t>(p));
+      top = std::max(top, scores[p]);
+    }
+  }
+  if (order.empty()) return;
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  std::vector<double> mass(scores.size(), 0.0);
+  double total = 0.0;
+  for (int64_t p : order) {
+    mass[p] = std::exp(static_cast<double>(scores[p] - top) * inv_sqrt_d);
+    total += mass[p];
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return mass[a] > mass[b]; });
+  double covered = 0.0;
+  for (int64_t p : order) {
+    visit[p] = 1;
+    covered += mass[p];
+    if (covered >= top_p * total) break;
+  }
+}
+
+void MarkFixedBudget(std::span<const std::span<const float>> head_scores,
+                     std::span<const uint8_t> forced, int top_pages, std::span<uint8_t> visit) {
+  const int64_t n = static_cast<int64_t>(forced.size());
+  std::vector<int64_t> candidates;
+  for (int64_t p = 0; p < n; ++p) {
+    if (!forced[p]) candidates.push_back(p);
+  }
+  if (candidates.empty()) return;
+  if (static_cast<int64_t>(candidates.size()) <= top_pages) {
+    for (int64_t p : candidates) visit[p] = 1;
+    return;
+  }
+  // best_rank[p]: the best (smallest) rank of p over heads; no heads -> recency.
+  std::vector<int64_t> best_rank(n, std::numeric_limits<int64_t>::max());
+  std::vector<int64_t> order;
+  for (std::span<const float> scores : head_scores) {
+    order = candidates;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return scores[a] > scores[b] || (scores[a] == scores[b] && a > b);
+    });
+    for (size_t r = 0; r < order.size(); ++r) {
+      best_rank[order[r]] = std::min<int64_t>(best_rank[order[r]], r);
+    }
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [&](int64_t a, int64_t b) {
+    return best_rank[a] < best_rank[b] || (best_rank[a] == best_rank[b] && a > b);
+  });
+  for (int i = 0; i < top_pages; ++i) visit[candidates[i]] = 1;
+}
+
+}  // namespace eps

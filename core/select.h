@@ -1,0 +1,82 @@
+// The selection policy (DESIGN §4): which groups of one (sequence, layer) a
+// query head — and then the union of heads — must visit.
+//
+// The rules here work on score arrays and know nothing of summaries or tables;
+// core/step.h applies them to a whole decode step.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/bounds.h"
+#include "core/layout.h"
+
+namespace eps {
+
+enum class HeadMode { kAll, kRetrieval };
+// kThreshold: visit score ≥ T/α (T the top_pages-th largest score).
+// kFixed: exactly min(groups, forced + top_pages) groups per output row, so the
+//   counts are known before the step (kernels that plan on the host).
+// kTopP: the fewest groups whose estimated attention mass reaches top_p.
+enum class Budget { kThreshold, kFixed, kTopP };
+// kUnion: one visit list per (sequence, layer), the union over heads.
+// kPerKvHead: one visit list per (sequence, layer, KV head).
+enum class Granularity { kUnion, kPerKvHead };
+
+const char* HeadModeName(HeadMode mode);
+const char* BudgetName(Budget budget);
+const char* GranularityName(Granularity granularity);
+
+struct SelectPolicy {
+  Method method = Method::kJl;
+  float alpha = 1.0f;    // ≥ 1; larger visits more
+  int first_n = 1;       // attention-sink groups always visited
+  int last_n = 2;        // most recent groups always visited, the newest among them
+  int top_pages = 16;    // M
+  bool strict = false;   // superset of the true top-M by max_i q·k_i, guaranteed
+  HeadMode heads = HeadMode::kAll;
+  // [num_layers * num_q_heads], 1 marks a retrieval head; used with kRetrieval.
+  std::vector<uint8_t> retrieval_heads;
+  Budget budget = Budget::kThreshold;
+  float top_p = 0.95f;   // with kTopP, in (0, 1]
+  Granularity granularity = Granularity::kUnion;
+
+  absl::Status Validate(const ModelLayout& model) const;
+  bool HeadIsScored(const ModelLayout& model, int layer, int q_head) const {
+    return heads == HeadMode::kAll ||
+           retrieval_heads[static_cast<size_t>(layer) * model.num_q_heads + q_head] != 0;
+  }
+  std::string DebugString() const;
+};
+
+// Marks the groups every head visits: the first first_n, the last last_n (which
+// include the newest) and the newest (n-1) even when last_n = 0. `visit` has n entries.
+void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit);
+
+// Threshold rule for one head: T = the top_pages-th largest score among the
+// unforced groups; marks every unforced group with score ≥ T/α (T·α when T ≤ 0).
+// With at most top_pages unforced groups, marks them all.
+void MarkByThreshold(std::span<const float> scores, std::span<const uint8_t> forced,
+                     int top_pages, float alpha, std::span<uint8_t> visit);
+
+// Strict rule for one head: L = the top_pages-th largest lower bound over all
+// groups; marks every group whose upper bound is ≥ L. Every group left out is
+// beaten by at least top_pages others, so the marks contain the true top-M.
+void MarkStrict(std::span<const MaxScoreBracket> brackets, int top_pages,
+                std::span<uint8_t> visit);
+
+// Top-p rule for one head: estimated mass w_p = exp((s_p − s_max)/sqrt(d)),
+// marks unforced groups by decreasing w until their share reaches top_p.
+void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, float top_p,
+              int head_dim, std::span<uint8_t> visit);
+
+// Fixed budget over several heads: ranks the unforced groups by their best rank
+// over `head_scores` (ties to the more recent group) and marks the first
+// top_pages. The marked count is exactly min(unforced, top_pages).
+void MarkFixedBudget(std::span<const std::span<const float>> head_scores,
+                     std::span<const uint8_t> forced, int top_pages, std::span<uint8_t> visit);
+
+}  // namespace eps

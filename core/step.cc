@@ -1,0 +1,219 @@
+#include "core/step.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/bounds.h"
+#include "core/visit_list.h"
+
+namespace eps {
+namespace {
+constexpr float kInf = std::numeric_limits<float>::infinity();
+}  // namespace
+
+void StepStats::Add(const StepStats& o) {
+  groups_total += o.groups_total;
+  groups_visited += o.groups_visited;
+  blocks_total += o.blocks_total;
+  blocks_visited += o.blocks_visited;
+  kv_bytes_dense += o.kv_bytes_dense;
+  kv_bytes_read_est += o.kv_bytes_read_est;
+  summary_bytes_read += o.summary_bytes_read;
+}
+
+absl::StatusOr<PageSelector> PageSelector::Create(const ModelLayout& model, const PhiBank& phi) {
+  if (absl::Status s = model.Validate(); !s.ok()) return s;
+  if (phi.seed() != model.phi_seed || phi.head_dim() != model.head_dim ||
+      phi.sketch_dim() != model.sketch_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PhiBank (seed=", phi.seed(), ", d=", phi.head_dim(), ", m=", phi.sketch_dim(),
+        ") does not match the model (", model.DebugString(), ")"));
+  }
+  return PageSelector(model, phi);
+}
+
+absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPolicy& policy) const {
+  if (absl::Status s = policy.Validate(model_); !s.ok()) return s;
+  if (in.rows.empty()) return absl::OkStatus();
+  if (in.summary_pool == nullptr || in.group_table == nullptr || in.block_table == nullptr ||
+      in.queries == nullptr) {
+    return absl::InvalidArgumentError("a step input buffer is missing");
+  }
+  if (static_cast<int64_t>(in.rows.size()) > in.max_batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch of ", in.rows.size(), " rows exceeds max_batch=", in.max_batch));
+  }
+  if (in.query_dtype != DType::kFloat32 && in.query_dtype != DType::kFloat16 &&
+      in.query_dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query dtype ", DTypeName(in.query_dtype), " is not a float type"));
+  }
+  const int d = model_.head_dim;
+  for (size_t i = 0; i < in.rows.size(); ++i) {
+    const StepRow& row = in.rows[i];
+    if (row.table_row < 0 || row.table_row >= in.max_seqs) {
+      return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].table_row=", row.table_row,
+                                                     " not in [0, ", in.max_seqs, ")"));
+    }
+    const int64_t blocks = BlocksFor(row.context_tokens, model_.block_size);
+    const int64_t groups = GroupsFor(row.context_tokens, model_);
+    if (row.context_tokens < 1 || blocks > in.max_blocks || groups > in.max_groups) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rows[", i, "].context_tokens=", row.context_tokens, " not in [1, ",
+          std::min(in.max_blocks * model_.block_size, in.max_groups * model_.group_tokens()),
+          "]"));
+    }
+    const int32_t* groups_row = in.group_table + row.table_row * in.max_groups;
+    for (int64_t p = 0; p < groups; ++p) {
+      if (groups_row[p] < 0 || groups_row[p] >= in.num_slots) {
+        return absl::InvalidArgumentError(absl::StrCat("group_table[", row.table_row, "][", p,
+                                                       "]=", groups_row[p], " not in [0, ",
+                                                       in.num_slots, ")"));
+      }
+    }
+    const int32_t* blocks_row = in.block_table + row.table_row * in.max_blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (blocks_row[b] < 0 ||
+          (in.num_physical_blocks >= 0 && blocks_row[b] >= in.num_physical_blocks)) {
+        return absl::InvalidArgumentError(absl::StrCat("block_table[", row.table_row, "][", b,
+                                                       "]=", blocks_row[b], " not in [0, ",
+                                                       in.num_physical_blocks, ")"));
+      }
+    }
+    for (int layer = 0; layer < model_.num_layers; ++layer) {
+      for (int h = 0; h < model_.num_q_heads; ++h) {
+        if (!policy.HeadIsScored(model_, layer, h)) continue;
+        const int64_t base =
+            ((static_cast<int64_t>(layer) * in.max_batch + i) * model_.num_q_heads + h) * d;
+        for (int k = 0; k < d; ++k) {
+          const float x = LoadAsFloat(in.queries, in.query_dtype, base + k);
+          if (!std::isfinite(x)) {
+            return absl::InvalidArgumentError(absl::StrCat("query[layer ", layer, "][row ", i,
+                                                           "][head ", h, "][", k, "] is ", x));
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& policy,
+                                  const StepOutputs& out, StepStats* stats) const {
+  if (absl::Status s = ValidateInputs(in, policy); !s.ok()) return s;
+  if (!in.rows.empty() && (out.visit_blocks == nullptr || out.visit_count == nullptr)) {
+    return absl::InvalidArgumentError("an output buffer is missing");
+  }
+  const int d = model_.head_dim;
+  const int kv_heads = model_.num_kv_heads;
+  const int ratio = model_.gqa_ratio();
+  const bool per_head = policy.granularity == Granularity::kPerKvHead;
+  const int lists = per_head ? kv_heads : 1;
+  const int64_t kv_token_bytes = int64_t{2} * d * DTypeSize(model_.kv_dtype);
+  StepStats total;
+
+  QueryTerms terms;
+  std::vector<float> query(d);
+  std::vector<float> scores;
+  std::vector<MaxScoreBracket> brackets;
+  std::vector<std::vector<float>> head_scores(model_.num_q_heads);
+
+  for (size_t i = 0; i < in.rows.size(); ++i) {
+    const StepRow& row = in.rows[i];
+    const int64_t n = GroupsFor(row.context_tokens, model_);
+    const int64_t nb = BlocksFor(row.context_tokens, model_.block_size);
+    const int32_t* slots = in.group_table + row.table_row * in.max_groups;
+    const std::span<const int32_t> block_row(in.block_table + row.table_row * in.max_blocks, nb);
+    std::vector<uint8_t> forced(n, 0);
+    MarkForced(policy, forced);
+    std::vector<std::vector<uint8_t>> visit(lists);
+
+    for (int layer = 0; layer < model_.num_layers; ++layer) {
+      for (auto& v : visit) v = forced;
+      std::vector<std::vector<std::span<const float>>> fixed(lists);
+      for (int kvh = 0; kvh < kv_heads; ++kvh) {
+        std::vector<uint8_t>& target = visit[per_head ? kvh : 0];
+        for (int h = kvh * ratio; h < (kvh + 1) * ratio; ++h) {
+          if (policy.method == Method::kOff) {
+            std::fill(target.begin(), target.end(), uint8_t{1});
+            continue;
+          }
+          if (!policy.HeadIsScored(model_, layer, h)) continue;
+          const int64_t qbase =
+              ((static_cast<int64_t>(layer) * in.max_batch + i) * model_.num_q_heads + h) * d;
+          for (int k = 0; k < d; ++k) query[k] = LoadAsFloat(in.queries, in.query_dtype, qbase + k);
+          terms.Prepare(*phi_, layer, kvh, query);
+          scores.resize(n);
+          brackets.resize(n);
+          for (int64_t p = 0; p < n; ++p) {
+            const int64_t record_index =
+                (static_cast<int64_t>(slots[p]) * model_.num_layers + layer) * kv_heads + kvh;
+            const std::span<const float> record(
+                in.summary_pool + record_index * layout_.record_words, layout_.record_words);
+            if (policy.strict) {
+              brackets[p] = BracketMaxScore(record, layout_, terms);
+              scores[p] = brackets[p].upper + brackets[p].lower;  // NaN check only
+            } else {
+              scores[p] = Score(policy.method, record, layout_, terms);
+            }
+            const float* stat = record.data() + layout_.fro2;
+            if (std::isnan(scores[p]) || scores[p] == kInf || !std::isfinite(stat[0]) ||
+                !std::isfinite(stat[1]) || !std::isfinite(stat[2])) {
+              return absl::InvalidArgumentError(absl::StrCat(
+                  "summary of slot ", slots[p], " (layer ", layer, ", kv_head ", kvh,
+                  ") gives a non-finite score: the summary holds NaN or Inf"));
+            }
+          }
+          switch (policy.budget) {
+            case Budget::kThreshold:
+              if (policy.strict) {
+                MarkStrict(brackets, policy.top_pages, target);
+              } else {
+                MarkByThreshold(scores, forced, policy.top_pages, policy.alpha, target);
+              }
+              break;
+            case Budget::kTopP:
+              MarkTopP(scores, forced, policy.top_p, d, target);
+              break;
+            case Budget::kFixed:
+              head_scores[h] = scores;
+              fixed[per_head ? kvh : 0].push_back(head_scores[h]);
+              break;
+          }
+        }
+      }
+      if (policy.budget == Budget::kFixed && policy.method != Method::kOff) {
+        for (int list = 0; list < lists; ++list) {
+          MarkFixedBudget(fixed[list], forced, policy.top_pages, visit[list]);
+        }
+      }
+      for (int list = 0; list < lists; ++list) {
+        const int64_t out_index = (static_cast<int64_t>(layer) * in.max_batch + i) * lists + list;
+        const std::span<int32_t> blocks_out(out.visit_blocks + out_index * in.max_blocks, nb);
+        const int32_t count =
+            WriteVisitList(visit[list], block_row, nb, model_.group_blocks, blocks_out);
+        out.visit_count[out_index] = count;
+        int64_t visited_groups = 0;
+        for (uint8_t v : visit[list]) visited_groups += v;
+        const int heads_read = per_head ? 1 : kv_heads;
+        total.groups_total += n;
+        total.groups_visited += visited_groups;
+        total.blocks_total += nb;
+        total.blocks_visited += count;
+        total.kv_bytes_dense += row.context_tokens * heads_read * kv_token_bytes;
+        total.kv_bytes_read_est +=
+            VisitedTokens(count, row.context_tokens, model_.block_size) * heads_read *
+            kv_token_bytes;
+      }
+      if (policy.method != Method::kOff) {
+        total.summary_bytes_read += n * kv_heads * layout_.record_bytes();
+      }
+    }
+  }
+  if (stats != nullptr) *stats = total;
+  return absl::OkStatus();
+}
+
+}  // namespace eps

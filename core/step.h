@@ -1,0 +1,90 @@
+// One decode step's selection over the shared buffers (DESIGN §5): the
+// reference pre-pass that the CPU backend runs and the CUDA backend must match.
+//
+// Buffers (row-major, element types fixed by the contract):
+//   summary pool   [num_slots, layers, kv_heads, record_words]  fp32
+//   group table    [max_seqs, max_groups]                       int32, group -> slot
+//   block table    [max_seqs, max_blocks]                       int32, logical -> physical
+//   queries        [layers, max_batch, q_heads, d]              fp32 | fp16 | bf16
+//   visit_blocks   [layers, max_batch, max_blocks]              int32 (union), or
+//                  [layers, max_batch, kv_heads, max_blocks]    (per KV head)
+//   visit_count    [layers, max_batch] or [layers, max_batch, kv_heads]   int32
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "core/layout.h"
+#include "core/phi.h"
+#include "core/select.h"
+
+namespace eps {
+
+// One sequence of the step's batch; batch position i reads queries[:, i] and
+// writes visit lists [:, i].
+struct StepRow {
+  int32_t table_row = 0;       // row of the group and block tables
+  int64_t context_tokens = 0;  // tokens in the KV cache, the newest included
+  uint64_t seq_id = 0;         // the engine's id, for logs only
+};
+
+struct StepInputs {
+  const float* summary_pool = nullptr;
+  int64_t num_slots = 0;
+  const int32_t* group_table = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t max_seqs = 0;
+  int64_t max_groups = 0;
+  int64_t max_blocks = 0;
+  int64_t num_physical_blocks = -1;  // block ids must be below this; -1: not checked
+  const void* queries = nullptr;
+  DType query_dtype = DType::kFloat32;
+  int64_t max_batch = 0;
+  std::span<const StepRow> rows;
+};
+
+struct StepOutputs {
+  int32_t* visit_blocks = nullptr;
+  int32_t* visit_count = nullptr;
+};
+
+// Per-step counters (DESIGN §7), summed over rows, layers and output lists.
+struct StepStats {
+  int64_t groups_total = 0;
+  int64_t groups_visited = 0;
+  int64_t blocks_total = 0;
+  int64_t blocks_visited = 0;
+  int64_t kv_bytes_dense = 0;     // K and V bytes a dense step reads
+  int64_t kv_bytes_read_est = 0;  // K and V bytes of the visited blocks
+  int64_t summary_bytes_read = 0;
+
+  void Add(const StepStats& other);
+};
+
+// The reference selector. Thread safety: Select is const and reentrant.
+class PageSelector {
+ public:
+  // `phi` must match `model` (seed, layers, kv_heads, d, m) and outlive this.
+  static absl::StatusOr<PageSelector> Create(const ModelLayout& model, const PhiBank& phi);
+
+  // Validates every row, slot, block id and query first (nothing is written
+  // when they are bad), then scores, selects and writes the visit lists.
+  absl::Status Select(const StepInputs& in, const SelectPolicy& policy, const StepOutputs& out,
+                      StepStats* stats) const;
+
+  const ModelLayout& model() const { return model_; }
+  const SummaryLayout& summary_layout() const { return layout_; }
+
+ private:
+  PageSelector(const ModelLayout& model, const PhiBank& phi)
+      : model_(model), layout_(SummaryLayout::For(model)), phi_(&phi) {}
+
+  absl::Status ValidateInputs(const StepInputs& in, const SelectPolicy& policy) const;
+
+  ModelLayout model_;
+  SummaryLayout layout_;
+  const PhiBank* phi_;
+};
+
+}  // namespace eps

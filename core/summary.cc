@@ -1,0 +1,181 @@
+#include "core/summary.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace eps {
+namespace {
+
+// Widens key `t` of `keys` into `out` (head_dim floats).
+void LoadKey(const KeyRows& keys, int head_dim, int64_t t, float* out) {
+  const int64_t stride = keys.stride == 0 ? head_dim : keys.stride;
+  const int64_t base = t * stride;
+  for (int i = 0; i < head_dim; ++i) out[i] = LoadAsFloat(keys.data, keys.dtype, base + i);
+}
+
+int8_t* PrincipalBytes(std::span<float> record, const SummaryLayout& layout) {
+  return reinterpret_cast<int8_t*>(record.data() + layout.principal + 3);
+}
+
+}  // namespace
+
+int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return reinterpret_cast<const int8_t*>(record.data() + layout.principal + 3)[i];
+}
+
+SummaryWriter::SummaryWriter(const ModelLayout& model, const PhiBank& phi)
+    : model_(model), layout_(SummaryLayout::For(model)), phi_(phi) {}
+
+void SummaryWriter::Reset(std::span<float> record) const {
+  std::fill(record.begin(), record.begin() + layout_.record_words, 0.0f);
+  if (layout_.quest_min >= 0) {
+    std::fill_n(record.begin() + layout_.quest_min, model_.head_dim,
+                std::numeric_limits<float>::infinity());
+    std::fill_n(record.begin() + layout_.quest_max, model_.head_dim,
+                -std::numeric_limits<float>::infinity());
+  }
+}
+
+absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv_head,
+                                      const KeyRows& keys) const {
+  if (static_cast<int64_t>(record.size()) < layout_.record_words) {
+    return absl::InvalidArgumentError(absl::StrCat("record has ", record.size(),
+                                                   " words, layout needs ",
+                                                   layout_.record_words));
+  }
+  if (layer < 0 || layer >= model_.num_layers || kv_head < 0 || kv_head >= model_.num_kv_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("(layer, kv_head)=(", layer, ", ", kv_head, ") out of range"));
+  }
+  if (keys.dtype != DType::kFloat32 && keys.dtype != DType::kFloat16 &&
+      keys.dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key dtype ", DTypeName(keys.dtype), " is not a float type"));
+  }
+  if (keys.count < 0 || (keys.count > 0 && keys.data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad key rows: count=", keys.count));
+  }
+  if (keys.stride != 0 && keys.stride < model_.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key stride=", keys.stride, " < head_dim=", model_.head_dim));
+  }
+  std::vector<float> k(model_.head_dim);
+  for (int64_t t = 0; t < keys.count; ++t) {
+    LoadKey(keys, model_.head_dim, t, k.data());
+    for (int i = 0; i < model_.head_dim; ++i) {
+      if (!std::isfinite(k[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("key ", t, " element ", i, " is ", k[i],
+                                                       " (layer ", layer, ", kv_head ", kv_head,
+                                                       ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SummaryWriter::Append(std::span<float> record, int layer, int kv_head,
+                                   const KeyRows& keys) const {
+  if (absl::Status s = CheckKeys(record, layer, kv_head, keys); !s.ok()) return s;
+  const int d = model_.head_dim;
+  const int m = model_.sketch_dim;
+  std::vector<float> k(d), y(m);
+  float* gram = record.data();
+  float& fro2 = record[layout_.fro2];
+  float& max_norm = record[layout_.max_norm];
+  float& count = record[layout_.count];
+  for (int64_t t = 0; t < keys.count; ++t) {
+    LoadKey(keys, d, t, k.data());
+    phi_.Project(layer, kv_head, k, y);
+    for (int i = 0, p = 0; i < m; ++i) {
+      for (int j = i; j < m; ++j, ++p) gram[p] += y[i] * y[j];
+    }
+    float norm2 = 0.0f;
+    for (int i = 0; i < d; ++i) norm2 += k[i] * k[i];
+    fro2 += norm2;
+    max_norm = std::max(max_norm, std::sqrt(norm2));
+    count += 1.0f;
+    if (layout_.key_sum >= 0) {
+      float* sum = record.data() + layout_.key_sum;
+      for (int i = 0; i < d; ++i) sum[i] += k[i];
+    }
+    if (layout_.quest_min >= 0) {
+      float* lo = record.data() + layout_.quest_min;
+      float* hi = record.data() + layout_.quest_max;
+      for (int i = 0; i < d; ++i) {
+        lo[i] = std::min(lo[i], k[i]);
+        hi[i] = std::max(hi[i], k[i]);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SummaryWriter::Seal(std::span<float> record, int layer, int kv_head,
+                                 const KeyRows& keys) const {
+  if (layout_.principal < 0) return absl::OkStatus();
+  if (absl::Status s = CheckKeys(record, layer, kv_head, keys); !s.ok()) return s;
+  const int d = model_.head_dim;
+  std::vector<float> all(static_cast<size_t>(keys.count) * d);
+  for (int64_t t = 0; t < keys.count; ++t) LoadKey(keys, d, t, all.data() + t * d);
+
+  // Power iteration v <- Kᵀ(K v), started from the longest key, in double.
+  std::vector<double> v(d, 0.0), next(d);
+  double best = -1.0;
+  for (int64_t t = 0; t < keys.count; ++t) {
+    double n2 = 0;
+    for (int i = 0; i < d; ++i) n2 += double{all[t * d + i]} * all[t * d + i];
+    if (n2 > best) {
+      best = n2;
+      for (int i = 0; i < d; ++i) v[i] = all[t * d + i];
+    }
+  }
+  constexpr int kIterations = 32;
+  for (int it = 0; it < kIterations && best > 0; ++it) {
+    std::fill(next.begin(), next.end(), 0.0);
+    for (int64_t t = 0; t < keys.count; ++t) {
+      const float* k = all.data() + t * d;
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += k[i] * v[i];
+      for (int i = 0; i < d; ++i) next[i] += dot * k[i];
+    }
+    double norm = 0;
+    for (double x : next) norm += x * x;
+    norm = std::sqrt(norm);
+    if (norm == 0) break;
+    for (int i = 0; i < d; ++i) v[i] = next[i] / norm;
+  }
+
+  // Quantise to int8 and measure λ1 along the dequantised unit direction.
+  float* pc = record.data() + layout_.principal;
+  int8_t* u = PrincipalBytes(record, layout_);
+  double peak = 0;
+  for (double x : v) peak = std::max(peak, std::abs(x));
+  if (peak == 0 || keys.count == 0) {
+    std::fill_n(pc, 3, 0.0f);  // scale 0: no principal pair; the 1pc bound falls back to fro
+    std::fill_n(u, d, int8_t{0});
+    return absl::OkStatus();
+  }
+  float unorm2 = 0.0f;
+  for (int i = 0; i < d; ++i) {
+    u[i] = static_cast<int8_t>(std::lround(v[i] / peak * 127.0));
+    unorm2 += static_cast<float>(u[i]) * u[i];
+  }
+  const float scale = 1.0f / std::sqrt(unorm2);
+  float lambda = 0.0f;
+  for (int64_t t = 0; t < keys.count; ++t) {
+    float dot = 0.0f;
+    for (int i = 0; i < d; ++i) dot += all[t * d + i] * (u[i] * scale);
+    lambda += dot * dot;
+  }
+  pc[0] = lambda;
+  pc[1] = std::max(record[layout_.fro2] - lambda, 0.0f);
+  pc[2] = scale;
+  return absl::OkStatus();
+}
+
+}  // namespace eps

@@ -1,0 +1,60 @@
+// Writing EPS summaries from keys (DESIGN §3): the engine-side math.
+//
+// The engine calls Append whenever it writes keys of a group (prefill or decode)
+// and Seal once a group is full. Summaries are never rebuilt by re-reading K;
+// Seal alone looks at the group's keys once more, to fit the principal pair.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "core/half.h"
+#include "core/layout.h"
+#include "core/phi.h"
+
+namespace eps {
+
+// A run of keys of one (layer, KV head): `count` vectors of head_dim elements,
+// `stride` elements apart, stored as `dtype` (float32, float16 or bfloat16).
+struct KeyRows {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t count = 0;
+  int64_t stride = 0;  // elements between consecutive keys; 0 means head_dim
+};
+
+// Updates summary records. Borrows the PhiBank, which must outlive it.
+// Thread safety: const methods only; distinct records may be written concurrently.
+class SummaryWriter {
+ public:
+  SummaryWriter(const ModelLayout& model, const PhiBank& phi);
+
+  const SummaryLayout& layout() const { return layout_; }
+
+  // Empties a record (no keys): zero sums, quest min = +inf, max = -inf.
+  void Reset(std::span<float> record) const;
+
+  // Adds keys to the record of (layer, kv_head). Rejects non-finite keys before
+  // touching the record.
+  absl::Status Append(std::span<float> record, int layer, int kv_head, const KeyRows& keys) const;
+
+  // Fits the top-1 principal pair of the group's keys (all of them, as appended)
+  // and stores it; a no-op without features.principal. The stored direction is
+  // the int8-dequantised one and λ1 is measured along it, so the 1pc bound stays
+  // an upper bound despite quantisation (docs/summaries.md).
+  absl::Status Seal(std::span<float> record, int layer, int kv_head, const KeyRows& keys) const;
+
+ private:
+  absl::Status CheckKeys(std::span<float> record, int layer, int kv_head,
+                         const KeyRows& keys) const;
+
+  ModelLayout model_;
+  SummaryLayout layout_;
+  const PhiBank& phi_;
+};
+
+// Reads the int8 principal direction u1 of a record (head_dim values).
+int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& layout, int i);
+
+}  // namespace eps

@@ -1,0 +1,216 @@
+#include "core/bounds.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/summary.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace eps {
+namespace {
+
+using testing::GaussianVector;
+using testing::MaxDot;
+using testing::QuadForm;
+
+// Keys of one group in one of several shapes the bounds must hold for.
+std::vector<float> RandomGroup(std::mt19937_64& rng, int n, int d, int shape) {
+  std::vector<float> keys = GaussianVector(rng, static_cast<size_t>(n) * d);
+  if (shape == 1) {  // low rank: a shared direction plus small noise
+    const std::vector<float> dir = GaussianVector(rng, d, 3.0f);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < d; ++i) keys[t * d + i] = 0.1f * keys[t * d + i] + dir[i] * (t % 3 - 1);
+    }
+  } else if (shape == 2) {  // a large mean (as real keys have) and one outlier channel
+    const std::vector<float> mean = GaussianVector(rng, d, 2.0f);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < d; ++i) keys[t * d + i] += mean[i];
+      keys[t * d] *= 8.0f;
+    }
+  }
+  return keys;
+}
+
+class BoundsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = testing::TestSeed();
+    rng_.seed(seed_);
+    model_.num_layers = 1;
+    model_.num_q_heads = 1;
+    model_.num_kv_heads = 1;
+    model_.head_dim = 64;
+    model_.features = {.key_sum = true, .principal = true, .quest = true};
+    phi_ = std::make_unique<PhiBank>(*PhiBank::Create(5, 1, 1, 64, 8));
+    writer_ = std::make_unique<SummaryWriter>(model_, *phi_);
+  }
+  std::vector<float> Summarise(const std::vector<float>& keys, int n) {
+    std::vector<float> record(writer_->layout().record_words);
+    writer_->Reset(record);
+    const KeyRows rows{keys.data(), DType::kFloat32, n, 0};
+    EXPECT_TRUE(writer_->Append(record, 0, 0, rows).ok());
+    EXPECT_TRUE(writer_->Seal(record, 0, 0, rows).ok());
+    return record;
+  }
+  uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+  ModelLayout model_;
+  std::unique_ptr<PhiBank> phi_;
+  std::unique_ptr<SummaryWriter> writer_;
+};
+
+TEST_F(BoundsTest, JlScoreIsSqrtOfSketchedQuadraticForm) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64, m = 8, n = 32;
+  const std::vector<float> keys = RandomGroup(rng_, n, d, 0);
+  const std::vector<float> record = Summarise(keys, n);
+  const std::vector<float> q = GaussianVector(rng_, d);
+  QueryTerms terms;
+  terms.Prepare(*phi_, 0, 0, q);
+  double quad = 0;
+  for (int a = 0; a < m; ++a) {
+    for (int b = 0; b < m; ++b) {
+      quad += terms.z[a] * terms.z[b] * record[PackedIndex(m, std::min(a, b), std::max(a, b))];
+    }
+  }
+  EXPECT_NEAR(JlScore(record, writer_->layout(), terms), std::sqrt(std::max(quad, 0.0)),
+              1e-4 * std::sqrt(std::abs(quad)) + 1e-5);
+}
+
+TEST_F(BoundsTest, FroAndOnePcBoundTheQuadraticFormOnEveryShape) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int shape = trial % 3, n = 1 + trial % 128;
+    const std::vector<float> keys = RandomGroup(rng_, n, d, shape);
+    const std::vector<float> record = Summarise(keys, n);
+    const std::vector<float> q = GaussianVector(rng_, d);
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    const double exact = std::sqrt(QuadForm(keys, q, d));
+    const double tolerance = 1e-4 * terms.norm * record[writer_->layout().max_norm] * std::sqrt(n);
+    const float fro = FroBound(record, writer_->layout(), terms);
+    const float pc = OnePcBound(record, writer_->layout(), terms);
+    ASSERT_GE(fro + tolerance, exact) << "trial " << trial << " shape " << shape;
+    ASSERT_GE(pc + tolerance, exact) << "trial " << trial << " shape " << shape;
+    ASSERT_LE(pc, fro) << "1pc is never looser than fro";
+  }
+}
+
+TEST_F(BoundsTest, OnePcIsTightForLowRankGroups) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64, n = 96;
+  std::vector<double> ratios, fro_ratios;
+  for (int trial = 0; trial < 51; ++trial) {
+    const std::vector<float> keys = RandomGroup(rng_, n, d, 1);
+    const std::vector<float> record = Summarise(keys, n);
+    const std::vector<float> q = GaussianVector(rng_, d);
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    const double exact = std::sqrt(QuadForm(keys, q, d));
+    ratios.push_back(OnePcBound(record, writer_->layout(), terms) / exact);
+    fro_ratios.push_back(FroBound(record, writer_->layout(), terms) / exact);
+  }
+  // Rank 1 plus 1% noise. Expected ratio ≈ 1 + sqrt(r²)‖q⊥‖ / (sqrt(λ1)|u1·q|) ≈ 1.5
+  // at the median |u1·q|; fro's is ≈ sqrt(fro2)‖q‖ / sqrt(qᵀCq) ≈ 10.
+  const double median = testing::Percentile(ratios, 0.5);
+  const double fro_median = testing::Percentile(fro_ratios, 0.5);
+  std::printf("bound/exact, median: 1pc %.3f, fro %.3f\n", median, fro_median);
+  EXPECT_LT(median, 2.0);
+  EXPECT_LT(median, 0.25 * fro_median);
+}
+
+TEST_F(BoundsTest, QuestBoundsTheSignedMaxScore) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + trial % 64;
+    const std::vector<float> keys = RandomGroup(rng_, n, d, trial % 3);
+    const std::vector<float> record = Summarise(keys, n);
+    const std::vector<float> q = GaussianVector(rng_, d);
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    const double truth = MaxDot(keys, q, d);
+    ASSERT_GE(QuestBound(record, writer_->layout(), terms) + 1e-4 * (1 + std::abs(truth)), truth)
+        << "trial " << trial;
+  }
+}
+
+TEST_F(BoundsTest, BracketContainsTheTrueMaxScore) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64;
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = 1 + trial % 128;
+    const std::vector<float> keys = RandomGroup(rng_, n, d, trial % 3);
+    const std::vector<float> record = Summarise(keys, n);
+    const std::vector<float> q = GaussianVector(rng_, d, trial % 2 ? 1.0f : 10.0f);
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    const MaxScoreBracket b = BracketMaxScore(record, writer_->layout(), terms);
+    const double truth = MaxDot(keys, q, d);
+    ASSERT_LE(b.lower, truth) << "trial " << trial;
+    ASSERT_GE(b.upper, truth) << "trial " << trial;
+  }
+}
+
+TEST_F(BoundsTest, BracketWithoutKeySumFallsBackToMinusAbsoluteBound) {
+  ModelLayout bare = model_;
+  bare.features = {.key_sum = false, .principal = false, .quest = true};
+  SummaryWriter writer(bare, *phi_);
+  std::vector<float> keys = RandomGroup(rng_, 16, 64, 0);
+  std::vector<float> record(writer.layout().record_words);
+  writer.Reset(record);
+  ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 16, 0}).ok());
+  const std::vector<float> q = GaussianVector(rng_, 64);
+  QueryTerms terms;
+  terms.Prepare(*phi_, 0, 0, q);
+  const MaxScoreBracket b = BracketMaxScore(record, writer.layout(), terms);
+  EXPECT_LE(b.lower, -FroBound(record, writer.layout(), terms) * 0.999f);
+  EXPECT_GE(b.upper, MaxDot(keys, q, 64));
+}
+
+TEST_F(BoundsTest, EmptyGroupHasNoScoreAndAnEmptyBracket) {
+  std::vector<float> record(writer_->layout().record_words);
+  writer_->Reset(record);
+  const std::vector<float> q = GaussianVector(rng_, 64);
+  QueryTerms terms;
+  terms.Prepare(*phi_, 0, 0, q);
+  EXPECT_EQ(JlScore(record, writer_->layout(), terms), 0.0f);
+  EXPECT_EQ(FroBound(record, writer_->layout(), terms), 0.0f);
+  EXPECT_EQ(QuestBound(record, writer_->layout(), terms), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(BracketMaxScore(record, writer_->layout(), terms).upper,
+            -std::numeric_limits<float>::infinity());
+}
+
+TEST_F(BoundsTest, MethodsWithoutTheirRecordPartFallBackToFro) {
+  ModelLayout bare = model_;
+  bare.features = {.key_sum = false, .principal = false, .quest = false};
+  SummaryWriter writer(bare, *phi_);
+  std::vector<float> keys = RandomGroup(rng_, 16, 64, 2);
+  std::vector<float> record(writer.layout().record_words);
+  writer.Reset(record);
+  ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 16, 0}).ok());
+  const std::vector<float> q = GaussianVector(rng_, 64);
+  QueryTerms terms;
+  terms.Prepare(*phi_, 0, 0, q);
+  const float fro = FroBound(record, writer.layout(), terms);
+  EXPECT_EQ(Score(Method::kOnePc, record, writer.layout(), terms), fro);
+  EXPECT_EQ(Score(Method::kQuest, record, writer.layout(), terms), fro);
+  EXPECT_EQ(Score(Method::kOff, record, writer.layout(), terms), 0.0f);
+}
+
+TEST(MethodNameTest, ParsesEveryMethodNameBack) {
+  for (Method m : {Method::kOff, Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest}) {
+    Method parsed;
+    ASSERT_TRUE(ParseMethod(MethodName(m), &parsed));
+    EXPECT_EQ(parsed, m);
+  }
+  Method unused;
+  EXPECT_FALSE(ParseMethod("jl2", &unused));
+}
+
+}  // namespace
+}  // namespace eps

@@ -1,0 +1,57 @@
+#include "core/half.h"
+
+#include <cmath>
+#include <cstdint>
+
+#include "gtest/gtest.h"
+
+namespace eps {
+namespace {
+
+TEST(HalfTest, WidensKnownHalfValues) {
+  EXPECT_EQ(HalfToFloat(0x3C00), 1.0f);
+  EXPECT_EQ(HalfToFloat(0xC000), -2.0f);
+  EXPECT_EQ(HalfToFloat(0x7BFF), 65504.0f);
+  EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(HalfToFloat(0x0400), std::ldexp(1.0f, -14));  // smallest normal
+  EXPECT_TRUE(std::isinf(HalfToFloat(0x7C00)));
+  EXPECT_TRUE(std::isnan(HalfToFloat(0x7E00)));
+  EXPECT_TRUE(std::signbit(HalfToFloat(0x8000)));
+}
+
+TEST(HalfTest, EveryFiniteHalfRoundTripsExactly) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    if ((h & 0x7C00) == 0x7C00) continue;  // Inf/NaN
+    ASSERT_EQ(FloatToHalf(HalfToFloat(h)), h) << "bits=0x" << std::hex << bits;
+  }
+}
+
+TEST(HalfTest, NarrowingRoundsToNearestEven) {
+  // 1 + 2^-11 is halfway between 1 and 1 + 2^-10: ties to the even mantissa (1.0).
+  EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3C00);
+  // 1 + 3·2^-11 is halfway between 1+2^-10 and 1+2^-9: ties to 1+2^-9 (even).
+  EXPECT_EQ(FloatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);
+  EXPECT_EQ(FloatToHalf(70000.0f), 0x7C00);  // overflow to Inf
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -26)), 0x0000);  // below half the smallest subnormal
+}
+
+TEST(BFloat16Test, WidensAndRoundsToNearestEven) {
+  EXPECT_EQ(BFloat16ToFloat(0x3F80), 1.0f);
+  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3F80);
+  // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties to even (1).
+  EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
+  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::nanf("")))));
+}
+
+TEST(DTypeTest, SizesMatchTheContract) {
+  EXPECT_EQ(DTypeSize(DType::kFloat32), 4);
+  EXPECT_EQ(DTypeSize(DType::kFloat16), 2);
+  EXPECT_EQ(DTypeSize(DType::kBFloat16), 2);
+  EXPECT_EQ(DTypeSize(DType::kInt32), 4);
+  EXPECT_EQ(DTypeSize(DType::kInt8), 1);
+}
+
+}  // namespace
+}  // namespace eps

@@ -1,0 +1,85 @@
+#include "core/layout.h"
+
+#include "gtest/gtest.h"
+
+namespace eps {
+namespace {
+
+ModelLayout Llama8B() {
+  ModelLayout m;
+  m.num_layers = 32;
+  m.num_q_heads = 32;
+  m.num_kv_heads = 8;
+  m.head_dim = 128;
+  return m;
+}
+
+TEST(LayoutTest, PackedIndexEnumeratesUpperTriangleRowMajor) {
+  for (int m : {1, 4, 8, 16}) {
+    int expected = 0;
+    for (int i = 0; i < m; ++i) {
+      for (int j = i; j < m; ++j) EXPECT_EQ(PackedIndex(m, i, j), expected++);
+    }
+    EXPECT_EQ(expected, PackedSize(m));
+  }
+}
+
+TEST(LayoutTest, MinimalRecordHoldsGramAndNormsPaddedTo16Bytes) {
+  ModelLayout m = Llama8B();
+  m.features = {.key_sum = false, .principal = false, .quest = false};
+  const SummaryLayout s = SummaryLayout::For(m);
+  EXPECT_EQ(s.gram_words, 36);
+  EXPECT_EQ(s.fro2, 36);
+  EXPECT_EQ(s.max_norm, 37);
+  EXPECT_EQ(s.count, 38);
+  EXPECT_EQ(s.key_sum, -1);
+  EXPECT_EQ(s.record_words, 40);
+  EXPECT_EQ(s.record_bytes(), 160);
+}
+
+TEST(LayoutTest, OptionalPartsFollowInDocumentedOrder) {
+  ModelLayout m = Llama8B();
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  const SummaryLayout s = SummaryLayout::For(m);
+  EXPECT_EQ(s.key_sum, 39);
+  EXPECT_EQ(s.quest_min, 39 + 128);
+  EXPECT_EQ(s.quest_max, 39 + 256);
+  EXPECT_EQ(s.principal, 39 + 384);
+  EXPECT_EQ(s.record_words % 4, 0);
+  EXPECT_GE(s.record_words, s.principal + 3 + 32);
+}
+
+TEST(LayoutTest, BlocksAndGroupsRoundUp) {
+  const ModelLayout m = Llama8B();  // 16-token blocks, 8 blocks per group
+  EXPECT_EQ(BlocksFor(1, 16), 1);
+  EXPECT_EQ(BlocksFor(16, 16), 1);
+  EXPECT_EQ(BlocksFor(17, 16), 2);
+  EXPECT_EQ(GroupsFor(128, m), 1);
+  EXPECT_EQ(GroupsFor(129, m), 2);
+  EXPECT_EQ(GroupsFor(32768, m), 256);
+}
+
+TEST(LayoutTest, ValidateNamesTheOffendingField) {
+  ModelLayout m = Llama8B();
+  EXPECT_TRUE(m.Validate().ok());
+  m.num_q_heads = 30;
+  EXPECT_EQ(m.Validate().message(), "num_q_heads=30 is not a multiple of num_kv_heads=8");
+  m = Llama8B();
+  m.sketch_dim = 0;
+  EXPECT_EQ(m.Validate().message(), "sketch_dim=0 not in [1, 64]");
+  m = Llama8B();
+  m.head_dim = 66;
+  EXPECT_FALSE(m.Validate().ok());
+}
+
+TEST(LayoutTest, GqaMapsQueryHeadsToKvHeads) {
+  const ModelLayout m = Llama8B();
+  EXPECT_EQ(m.gqa_ratio(), 4);
+  EXPECT_EQ(m.kv_head_of(0), 0);
+  EXPECT_EQ(m.kv_head_of(3), 0);
+  EXPECT_EQ(m.kv_head_of(4), 1);
+  EXPECT_EQ(m.kv_head_of(31), 7);
+}
+
+}  // namespace
+}  // namespace eps

@@ -1,0 +1,195 @@
+#include "core/select.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace eps {
+namespace {
+
+std::vector<uint8_t> Forced(const SelectPolicy& policy, int n) {
+  std::vector<uint8_t> forced(n, 0);
+  MarkForced(policy, forced);
+  return forced;
+}
+
+int Count(const std::vector<uint8_t>& v) { return std::accumulate(v.begin(), v.end(), 0); }
+
+TEST(SelectTest, ForcedGroupsAreSinksRecentAndNewest) {
+  SelectPolicy policy;
+  policy.first_n = 2;
+  policy.last_n = 3;
+  const std::vector<uint8_t> forced = Forced(policy, 10);
+  EXPECT_EQ(forced, (std::vector<uint8_t>{1, 1, 0, 0, 0, 0, 0, 1, 1, 1}));
+  policy.first_n = policy.last_n = 0;
+  EXPECT_EQ(Forced(policy, 4), (std::vector<uint8_t>{0, 0, 0, 1})) << "newest group always";
+}
+
+TEST(SelectTest, ContextShorterThanSinksPlusRecentIsAllForced) {
+  SelectPolicy policy;
+  policy.first_n = 4;
+  policy.last_n = 4;
+  EXPECT_EQ(Count(Forced(policy, 7)), 7);
+  EXPECT_EQ(Count(Forced(policy, 1)), 1);
+  std::vector<uint8_t> empty;
+  MarkForced(policy, empty);  // no groups: nothing to mark, no crash
+}
+
+TEST(SelectTest, ThresholdWithAlphaOneVisitsExactlyTopPagesOfDistinctScores) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  const int n = 200;
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  std::vector<float> scores = testing::GaussianVector(rng, n);
+  std::vector<uint8_t> visit = forced;
+  MarkByThreshold(scores, forced, 16, 1.0f, visit);
+  EXPECT_EQ(Count(visit), Count(forced) + 16);
+  // Every visited unforced group outscores every skipped one.
+  float lowest_visited = 1e30f, highest_skipped = -1e30f;
+  for (int p = 0; p < n; ++p) {
+    if (forced[p]) continue;
+    if (visit[p]) lowest_visited = std::min(lowest_visited, scores[p]);
+    else highest_skipped = std::max(highest_skipped, scores[p]);
+  }
+  EXPECT_GT(lowest_visited, highest_skipped);
+}
+
+TEST(SelectTest, LargerAlphaNeverVisitsFewerGroups) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  const int n = 300;
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  std::vector<float> scores = testing::GaussianVector(rng, n);
+  for (float& s : scores) s = std::abs(s);
+  int previous = 0;
+  for (float alpha : {1.0f, 1.2f, 1.5f, 2.0f, 4.0f}) {
+    std::vector<uint8_t> visit = forced;
+    MarkByThreshold(scores, forced, 8, alpha, visit);
+    EXPECT_GE(Count(visit), previous) << "alpha " << alpha;
+    previous = Count(visit);
+  }
+}
+
+TEST(SelectTest, ThresholdHandlesNegativeScoresAsQuestProduces) {
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  const std::vector<float> scores = {-5, -1, -3, -2, -4, -10};
+  const std::vector<uint8_t> forced = Forced(policy, 6);  // newest (index 5) forced
+  std::vector<uint8_t> visit = forced;
+  MarkByThreshold(scores, forced, 2, 1.0f, visit);  // T = -2
+  EXPECT_EQ(visit, (std::vector<uint8_t>{0, 1, 0, 1, 0, 1}));
+  visit = forced;
+  MarkByThreshold(scores, forced, 2, 1.5f, visit);  // T·α = -3 admits -3
+  EXPECT_EQ(visit, (std::vector<uint8_t>{0, 1, 1, 1, 0, 1}));
+}
+
+TEST(SelectTest, ThresholdVisitsEveryCandidateWhenAtMostTopPages) {
+  SelectPolicy policy;
+  const std::vector<float> scores = {1, 0, 0, 0, 2};
+  const std::vector<uint8_t> forced = Forced(policy, 5);
+  std::vector<uint8_t> visit = forced;
+  MarkByThreshold(scores, forced, 3, 1.0f, visit);
+  EXPECT_EQ(Count(visit), 5);
+}
+
+TEST(SelectTest, StrictVisitsEverythingWhenNoMoreGroupsThanTopPages) {
+  std::vector<MaxScoreBracket> brackets(5, {0.0f, 1.0f});
+  std::vector<uint8_t> visit(5, 0);
+  MarkStrict(brackets, 5, visit);
+  EXPECT_EQ(Count(visit), 5);
+}
+
+TEST(SelectTest, StrictSkipsOnlyGroupsBeatenByTopPagesLowerBounds) {
+  // Lower bounds of the top 2: 9 and 7, so L = 7; groups with upper < 7 go.
+  const std::vector<MaxScoreBracket> brackets = {
+      {9, 10}, {1, 6.9f}, {7, 8}, {-1, 7}, {0, 3}};
+  std::vector<uint8_t> visit(5, 0);
+  MarkStrict(brackets, 2, visit);
+  EXPECT_EQ(visit, (std::vector<uint8_t>{1, 0, 1, 1, 0}));
+}
+
+TEST(SelectTest, TopPCoversTheRequestedEstimatedMass) {
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  const int n = 64, d = 64;
+  std::vector<float> scores(n, 0.0f);
+  scores[10] = 80;  // exp(80/8) dominates everything
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  std::vector<uint8_t> visit = forced;
+  MarkTopP(scores, forced, 0.9f, d, visit);
+  EXPECT_EQ(Count(visit), 2);  // the dominant group and the newest
+  EXPECT_TRUE(visit[10]);
+  visit = forced;
+  MarkTopP(scores, forced, 1.0f, d, visit);
+  EXPECT_EQ(Count(visit), n);
+}
+
+TEST(SelectTest, FixedBudgetMarksExactlyTopPagesAcrossHeads) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  for (int n : {1, 3, 20, 257}) {
+    const std::vector<uint8_t> forced = Forced(policy, n);
+    std::vector<std::vector<float>> heads;
+    for (int h = 0; h < 4; ++h) heads.push_back(testing::GaussianVector(rng, n));
+    std::vector<std::span<const float>> views(heads.begin(), heads.end());
+    std::vector<uint8_t> visit = forced;
+    MarkFixedBudget(views, forced, 16, visit);
+    EXPECT_EQ(Count(visit), std::min(n, Count(forced) + 16)) << "n=" << n;
+  }
+}
+
+TEST(SelectTest, FixedBudgetGivesEveryHeadItsBestGroup) {
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  const std::vector<float> a = {9, 1, 1, 1, 1, 0};
+  const std::vector<float> b = {1, 1, 1, 8, 7, 0};
+  const std::vector<std::span<const float>> heads = {a, b};
+  const std::vector<uint8_t> forced = Forced(policy, 6);
+  std::vector<uint8_t> visit = forced;
+  MarkFixedBudget(heads, forced, 2, visit);
+  EXPECT_EQ(visit, (std::vector<uint8_t>{1, 0, 0, 1, 0, 1}));
+}
+
+TEST(SelectPolicyTest, ValidateRejectsEveryBadField) {
+  ModelLayout model;
+  model.num_layers = 2;
+  model.num_q_heads = 4;
+  model.num_kv_heads = 2;
+  model.head_dim = 64;
+  SelectPolicy ok;
+  EXPECT_TRUE(ok.Validate(model).ok());
+  SelectPolicy p = ok;
+  p.alpha = 0.5f;
+  EXPECT_EQ(p.Validate(model).message(), "alpha=0.5 must be finite and >= 1");
+  p = ok;
+  p.top_pages = 0;
+  EXPECT_FALSE(p.Validate(model).ok());
+  p = ok;
+  p.first_n = -1;
+  EXPECT_FALSE(p.Validate(model).ok());
+  p = ok;
+  p.budget = Budget::kTopP;
+  p.top_p = 1.5f;
+  EXPECT_FALSE(p.Validate(model).ok());
+  p = ok;
+  p.heads = HeadMode::kRetrieval;
+  p.retrieval_heads.assign(7, 1);
+  EXPECT_EQ(p.Validate(model).message(), "retrieval_heads has 7 marks, want layers*q_heads=8");
+  p = ok;
+  p.strict = true;
+  p.budget = Budget::kFixed;
+  EXPECT_FALSE(p.Validate(model).ok());
+}
+
+}  // namespace
+}  // namespace eps

@@ -1,0 +1,239 @@
+#include "core/summary.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/layout.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace eps {
+namespace {
+
+using testing::GaussianVector;
+
+ModelLayout SmallModel(int d = 32, int m = 8) {
+  ModelLayout model;
+  model.num_layers = 2;
+  model.num_q_heads = 4;
+  model.num_kv_heads = 2;
+  model.head_dim = d;
+  model.sketch_dim = m;
+  model.phi_seed = 11;
+  model.features = {.key_sum = true, .principal = true, .quest = true};
+  return model;
+}
+
+class SummaryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = testing::TestSeed();
+    rng_.seed(seed_);
+  }
+  uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_F(SummaryTest, GramEqualsSketchOfKeyCovariance) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  ASSERT_TRUE(phi.ok());
+  SummaryWriter writer(model, *phi);
+  std::vector<float> record(writer.layout().record_words);
+  writer.Reset(record);
+  const int n = 50, d = model.head_dim, m = model.sketch_dim;
+  const std::vector<float> keys = GaussianVector(rng_, n * d);
+  ASSERT_TRUE(writer.Append(record, 1, 1, {keys.data(), DType::kFloat32, n, d}).ok());
+  const auto mat = phi->Matrix(1, 1);
+  for (int a = 0; a < m; ++a) {
+    for (int b = a; b < m; ++b) {
+      double expected = 0;
+      for (int t = 0; t < n; ++t) {
+        double ya = 0, yb = 0;
+        for (int i = 0; i < d; ++i) {
+          ya += mat[i * m + a] * keys[t * d + i];
+          yb += mat[i * m + b] * keys[t * d + i];
+        }
+        expected += ya * yb;
+      }
+      EXPECT_NEAR(record[PackedIndex(m, a, b)], expected, 1e-4 * (1 + std::abs(expected)));
+    }
+  }
+}
+
+TEST_F(SummaryTest, NormsCountSumAndQuestRangeMatchKeys) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const SummaryLayout& s = writer.layout();
+  std::vector<float> record(s.record_words);
+  writer.Reset(record);
+  const int n = 37, d = model.head_dim;
+  const std::vector<float> keys = GaussianVector(rng_, n * d, 2.0f);
+  ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, d}).ok());
+  double fro2 = 0, max_norm = 0;
+  for (int t = 0; t < n; ++t) {
+    double n2 = 0;
+    for (int i = 0; i < d; ++i) n2 += double{keys[t * d + i]} * keys[t * d + i];
+    fro2 += n2;
+    max_norm = std::max(max_norm, std::sqrt(n2));
+  }
+  EXPECT_NEAR(record[s.fro2], fro2, 1e-4 * fro2);
+  EXPECT_NEAR(record[s.max_norm], max_norm, 1e-5 * max_norm);
+  EXPECT_EQ(record[s.count], n);
+  for (int i = 0; i < d; ++i) {
+    double sum = 0;
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int t = 0; t < n; ++t) {
+      sum += keys[t * d + i];
+      lo = std::min(lo, keys[t * d + i]);
+      hi = std::max(hi, keys[t * d + i]);
+    }
+    EXPECT_NEAR(record[s.key_sum + i], sum, 1e-4 * (1 + std::abs(sum)));
+    EXPECT_EQ(record[s.quest_min + i], lo);
+    EXPECT_EQ(record[s.quest_max + i], hi);
+  }
+}
+
+TEST_F(SummaryTest, AppendingInPiecesEqualsAppendingAtOnce) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const int d = model.head_dim;
+  const std::vector<float> keys = GaussianVector(rng_, 20 * d);
+  std::vector<float> once(writer.layout().record_words), pieces(once.size());
+  writer.Reset(once);
+  writer.Reset(pieces);
+  ASSERT_TRUE(writer.Append(once, 0, 1, {keys.data(), DType::kFloat32, 20, d}).ok());
+  for (int t = 0; t < 20; ++t) {  // one token at a time, as decode writes them
+    ASSERT_TRUE(writer.Append(pieces, 0, 1, {keys.data() + t * d, DType::kFloat32, 1, d}).ok());
+  }
+  EXPECT_EQ(once, pieces);  // same order of float additions: bit-identical
+}
+
+TEST_F(SummaryTest, HalfAndBFloat16KeysEqualTheirWidenedFloats) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const int n = 16, d = model.head_dim;
+  const std::vector<float> keys = GaussianVector(rng_, n * d);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    std::vector<uint16_t> narrow(keys.size());
+    std::vector<float> widened(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      narrow[i] = dtype == DType::kFloat16 ? FloatToHalf(keys[i]) : FloatToBFloat16(keys[i]);
+      widened[i] = dtype == DType::kFloat16 ? HalfToFloat(narrow[i]) : BFloat16ToFloat(narrow[i]);
+    }
+    std::vector<float> a(writer.layout().record_words), b(a.size());
+    writer.Reset(a);
+    writer.Reset(b);
+    ASSERT_TRUE(writer.Append(a, 0, 0, {narrow.data(), dtype, n, d}).ok());
+    ASSERT_TRUE(writer.Append(b, 0, 0, {widened.data(), DType::kFloat32, n, d}).ok());
+    EXPECT_EQ(a, b) << DTypeName(dtype);
+  }
+}
+
+TEST_F(SummaryTest, StridedKeysAreReadWithTheirStride) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const int n = 8, d = model.head_dim, stride = 2 * d;  // e.g. [tokens, kv_heads=2, d]
+  const std::vector<float> interleaved = GaussianVector(rng_, n * stride);
+  std::vector<float> dense(n * d);
+  for (int t = 0; t < n; ++t) {
+    std::copy_n(interleaved.begin() + t * stride + d, d, dense.begin() + t * d);
+  }
+  std::vector<float> a(writer.layout().record_words), b(a.size());
+  writer.Reset(a);
+  writer.Reset(b);
+  ASSERT_TRUE(writer.Append(a, 0, 1, {interleaved.data() + d, DType::kFloat32, n, stride}).ok());
+  ASSERT_TRUE(writer.Append(b, 0, 1, {dense.data(), DType::kFloat32, n, d}).ok());
+  EXPECT_EQ(a, b);
+}
+
+TEST_F(SummaryTest, NonFiniteKeysAreRejectedWithoutTouchingTheRecord) {
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const int d = model.head_dim;
+  std::vector<float> keys(3 * d, 1.0f);
+  std::vector<float> record(writer.layout().record_words);
+  writer.Reset(record);
+  const std::vector<float> before = record;
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    keys[2 * d + 5] = bad;
+    const absl::Status status = writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 3, d});
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("key 2 element 5"), std::string::npos) << status;
+    EXPECT_EQ(record, before);
+  }
+}
+
+TEST_F(SummaryTest, AppendRejectsBadHeadsDtypesAndStrides) {
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  std::vector<float> keys(model.head_dim, 1.0f);
+  std::vector<float> record(writer.layout().record_words);
+  EXPECT_FALSE(writer.Append(record, 2, 0, {keys.data(), DType::kFloat32, 1, 0}).ok());
+  EXPECT_FALSE(writer.Append(record, 0, -1, {keys.data(), DType::kFloat32, 1, 0}).ok());
+  EXPECT_FALSE(writer.Append(record, 0, 0, {keys.data(), DType::kInt32, 1, 0}).ok());
+  EXPECT_FALSE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 1, 3}).ok());
+  std::vector<float> short_record(3);
+  EXPECT_FALSE(writer.Append(short_record, 0, 0, {keys.data(), DType::kFloat32, 1, 0}).ok());
+}
+
+TEST_F(SummaryTest, SealFindsTheDominantDirectionOfLowRankKeys) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const ModelLayout model = SmallModel(64);
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const SummaryLayout& s = writer.layout();
+  const int n = 128, d = model.head_dim;
+  std::vector<float> dir = GaussianVector(rng_, d);
+  double dn = 0;
+  for (float x : dir) dn += x * x;
+  for (float& x : dir) x /= std::sqrt(dn);
+  std::vector<float> keys = GaussianVector(rng_, n * d, 0.05f);
+  std::normal_distribution<float> coef(0.0f, 3.0f);
+  for (int t = 0; t < n; ++t) {
+    const float c = coef(rng_);
+    for (int i = 0; i < d; ++i) keys[t * d + i] += c * dir[i];
+  }
+  std::vector<float> record(s.record_words);
+  writer.Reset(record);
+  const KeyRows rows{keys.data(), DType::kFloat32, n, d};
+  ASSERT_TRUE(writer.Append(record, 0, 0, rows).ok());
+  ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());
+  const float scale = record[s.principal + 2];
+  double cos = 0;
+  for (int i = 0; i < d; ++i) cos += PrincipalComponent(record, s, i) * scale * dir[i];
+  EXPECT_GT(std::abs(cos), 0.99);
+  EXPECT_GT(record[s.principal], 0.95 * record[s.fro2]);  // λ1 holds most of the energy
+  EXPECT_NEAR(record[s.principal] + record[s.principal + 1], record[s.fro2],
+              1e-3 * record[s.fro2]);
+}
+
+TEST_F(SummaryTest, SealOfZeroKeysLeavesNoPrincipalPair) {
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const SummaryLayout& s = writer.layout();
+  std::vector<float> keys(4 * model.head_dim, 0.0f);
+  std::vector<float> record(s.record_words);
+  writer.Reset(record);
+  const KeyRows rows{keys.data(), DType::kFloat32, 4, 0};
+  ASSERT_TRUE(writer.Append(record, 0, 0, rows).ok());
+  ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());
+  EXPECT_EQ(record[s.principal + 2], 0.0f);  // scale 0 marks "no pair"
+}
+
+}  // namespace
+}  // namespace eps
