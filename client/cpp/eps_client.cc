@@ -1,0 +1,266 @@
+#include "client/cpp/eps_client.h"
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+
+namespace eps::client {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+}  // namespace
+
+// One open StreamSelectPages call. Replies are queued by the reactor and taken
+// by the engine thread; a reply for an abandoned step is dropped by step number.
+class StreamCall final
+    : public grpc::ClientBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
+ public:
+  StreamCall(v1::PageSelector::Stub& stub, const std::string& traceparent) {
+    if (!traceparent.empty()) context_.AddMetadata("traceparent", traceparent);
+    stub.async()->StreamSelectPages(&context_, this);
+    StartRead(&incoming_);
+    StartCall();
+  }
+
+  // Sends `request` unless a write is still in flight (then the step falls back).
+  bool Send(const v1::SelectPagesRequest& request) {
+    std::lock_guard lock(mu_);
+    if (done_ || read_closed_ || writing_) return false;
+    writing_ = true;
+    outgoing_ = request;
+    StartWrite(&outgoing_);
+    return true;
+  }
+
+  // Waits for the reply of `step` until `deadline`.
+  absl::Status Receive(uint64_t step, std::chrono::steady_clock::time_point deadline,
+                       v1::SelectPagesResponse* response) {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      while (!replies_.empty()) {
+        v1::SelectPagesResponse reply = std::move(replies_.front());
+        replies_.pop_front();
+        if (reply.step() == step) {
+          *response = std::move(reply);
+          return absl::OkStatus();
+        }
+      }
+      if (done_) return final_status_;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && replies_.empty() && !done_) {
+        return absl::DeadlineExceededError(absl::StrCat("no reply for step ", step, " in time"));
+      }
+    }
+  }
+
+  bool done() {
+    std::lock_guard lock(mu_);
+    return done_ || read_closed_;
+  }
+
+  // Cancels the call if it is open and waits until gRPC is finished with this object.
+  void Close() {
+    {
+      std::lock_guard lock(mu_);
+      if (!done_) context_.TryCancel();
+    }
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return finished_; });
+  }
+
+  void OnWriteDone(bool) override {
+    std::lock_guard lock(mu_);
+    writing_ = false;
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the stream ended; OnDone follows once no write is in flight
+      std::lock_guard lock(mu_);
+      read_closed_ = true;
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      replies_.push_back(incoming_);
+    }
+    cv_.notify_all();
+    StartRead(&incoming_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    std::lock_guard lock(mu_);
+    done_ = true;
+    final_status_ = status.ok() ? absl::UnavailableError("stream closed") : FromGrpc(status);
+    finished_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  v1::SelectPagesRequest outgoing_;
+  v1::SelectPagesResponse incoming_;
+  std::deque<v1::SelectPagesResponse> replies_;
+  bool writing_ = false, done_ = false, finished_ = false, read_closed_ = false;
+  absl::Status final_status_;
+};
+
+EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
+    : options_(std::move(options)), attach_(std::move(attach)) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  channel_ = grpc::CreateCustomChannel(options_.target, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::PageSelector::NewStub(channel_);
+}
+
+EpsClient::~EpsClient() {
+  if (stream_) stream_->Close();
+}
+
+absl::Status EpsClient::Attach() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  v1::AttachResponse response;
+  const grpc::Status status = stub_->Attach(&context, attach_, &response);
+  if (!status.ok()) {
+    next_attach_try_ = std::chrono::steady_clock::now() + options_.reattach_backoff;
+    return FromGrpc(status);
+  }
+  if (!session_id_.empty()) reattaches_.fetch_add(1);
+  session_id_ = response.session_id();
+  return absl::OkStatus();
+}
+
+absl::Status EpsClient::Detach() {
+  if (session_id_.empty()) return absl::OkStatus();
+  if (stream_) {
+    stream_->Close();
+    stream_.reset();
+  }
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  v1::DetachRequest request;
+  request.set_session_id(session_id_);
+  v1::DetachResponse response;
+  session_id_.clear();
+  return FromGrpc(stub_->Detach(&context, request, &response));
+}
+
+absl::Status EpsClient::Ping(std::chrono::microseconds deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  v1::PingRequest request;
+  v1::PingResponse response;
+  return FromGrpc(stub_->Ping(&context, request, &response));
+}
+
+absl::Status EpsClient::Heartbeat() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  v1::HeartbeatRequest request;
+  request.set_session_id(session_id_);
+  v1::HeartbeatResponse response;
+  return FromGrpc(stub_->Heartbeat(&context, request, &response));
+}
+
+StepResult EpsClient::Fallback(absl::Status status, std::atomic<uint64_t>& counter) {
+  counter.fetch_add(1);
+  StepResult result;
+  result.fallback = true;
+  result.status = std::move(status);
+  return result;
+}
+
+absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request,
+                                  v1::SelectPagesResponse* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  if (!options_.traceparent.empty()) context.AddMetadata("traceparent", options_.traceparent);
+  return FromGrpc(stub_->SelectPages(&context, request, response));
+}
+
+absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request,
+                                   v1::SelectPagesResponse* response) {
+  const auto deadline = std::chrono::steady_clock::now() + options_.deadline;
+  if (stream_ && stream_->done()) {
+    stream_->Close();
+    stream_.reset();
+  }
+  if (!stream_) stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent);
+  if (!stream_->Send(request)) {
+    return absl::DeadlineExceededError("the previous step's request is still being written");
+  }
+  return stream_->Receive(request.step(), deadline, response);
+}
+
+StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
+                                  const v1::SelectOptions* options) {
+  steps_.fetch_add(1);
+  const auto start = std::chrono::steady_clock::now();
+  if (session_id_.empty()) {
+    if (start < next_attach_try_) {
+      return Fallback(absl::UnavailableError("not attached; re-attach backing off"),
+                      fb_not_attached_);
+    }
+    if (absl::Status s = Attach(); !s.ok()) return Fallback(s, fb_not_attached_);
+  }
+  v1::SelectPagesRequest request;
+  request.set_session_id(session_id_);
+  request.set_step(step);
+  request.mutable_rows()->Add(rows.begin(), rows.end());
+  if (options != nullptr) *request.mutable_options() = *options;
+  StepResult result;
+  const absl::Status status = options_.use_stream ? CallStream(request, &result.response)
+                                                  : CallUnary(request, &result.response);
+  result.round_trip_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  if (status.ok()) {
+    selected_.fetch_add(1);
+    return result;
+  }
+  if (!options_.fail_open) {
+    fb_error_.fetch_add(1);
+    result.status = status;
+    return result;
+  }
+  switch (status.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+      return Fallback(status, fb_deadline_);
+    case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
+      session_id_.clear();
+      if (stream_) {
+        stream_->Close();
+        stream_.reset();
+      }
+      return Fallback(status, fb_not_attached_);
+    case absl::StatusCode::kUnavailable:
+      if (stream_) {
+        stream_->Close();
+        stream_.reset();
+      }
+      return Fallback(status, fb_unavailable_);
+    default:
+      return Fallback(status, fb_error_);
+  }
+}
+
+ClientCounters EpsClient::counters() const {
+  ClientCounters c;
+  c.steps = steps_.load();
+  c.selected = selected_.load();
+  c.fallback_deadline = fb_deadline_.load();
+  c.fallback_unavailable = fb_unavailable_.load();
+  c.fallback_not_attached = fb_not_attached_.load();
+  c.fallback_error = fb_error_.load();
+  c.reattaches = reattaches_.load();
+  return c;
+}
+
+}  // namespace eps::client

@@ -1,0 +1,92 @@
+// The engine-side client of epsd (DESIGN §5-6).
+//
+// One SelectPages per decode step with a deadline (default 2 ms). Fail open:
+// on a miss, an error or an absent sidecar the step's result says `fallback`
+// and the engine attends densely with its own block table; every fallback is
+// counted by reason. After a sidecar restart the client re-attaches by itself
+// (idempotent per engine_id) at the next step. Unary or bidirectional-stream
+// transport; the stream keeps one call open and matches replies by step.
+//
+// Thread safety: one engine thread calls SelectPages at a time; counters() may
+// be read from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "eps/v1/page_selector.grpc.pb.h"
+
+namespace eps::client {
+
+struct ClientOptions {
+  std::string target = "unix:///tmp/epsd.sock";
+  std::chrono::microseconds deadline{2000};        // per SelectPages
+  std::chrono::milliseconds attach_deadline{500};  // Attach, Detach, re-attach
+  std::chrono::milliseconds reattach_backoff{100}; // between re-attach attempts
+  bool fail_open = true;  // false: a failed step is an error for the engine
+  bool use_stream = false;
+  std::string traceparent;  // W3C trace context to send, when set
+};
+
+struct StepResult {
+  bool fallback = false;  // attend densely this step
+  absl::Status status;    // why, when fallback (or the error when fail-closed)
+  v1::SelectPagesResponse response;
+  double round_trip_us = 0;
+};
+
+struct ClientCounters {
+  uint64_t steps = 0;
+  uint64_t selected = 0;
+  uint64_t fallback_deadline = 0;
+  uint64_t fallback_unavailable = 0;
+  uint64_t fallback_not_attached = 0;
+  uint64_t fallback_error = 0;
+  uint64_t reattaches = 0;
+  uint64_t fallbacks() const {
+    return fallback_deadline + fallback_unavailable + fallback_not_attached + fallback_error;
+  }
+};
+
+class StreamCall;
+
+class EpsClient {
+ public:
+  EpsClient(ClientOptions options, v1::AttachRequest attach);
+  ~EpsClient();
+
+  // Attaches (or re-attaches); SelectPages also does this lazily.
+  absl::Status Attach();
+  StepResult SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
+                         const v1::SelectOptions* options = nullptr);
+  absl::Status Detach();
+  absl::Status Ping(std::chrono::microseconds deadline);
+  absl::Status Heartbeat();
+
+  const std::string& session_id() const { return session_id_; }
+  ClientCounters counters() const;
+  v1::PageSelector::Stub& stub() { return *stub_; }
+
+ private:
+  StepResult Fallback(absl::Status status, std::atomic<uint64_t>& counter);
+  absl::Status CallUnary(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
+  absl::Status CallStream(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
+
+  ClientOptions options_;
+  v1::AttachRequest attach_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::PageSelector::Stub> stub_;
+  std::string session_id_;
+  std::chrono::steady_clock::time_point next_attach_try_{};
+  std::unique_ptr<StreamCall> stream_;
+
+  std::atomic<uint64_t> steps_{0}, selected_{0}, fb_deadline_{0}, fb_unavailable_{0},
+      fb_not_attached_{0}, fb_error_{0}, reattaches_{0};
+};
+
+}  // namespace eps::client

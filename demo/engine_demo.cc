@@ -1,0 +1,249 @@
+// eps-demo: a demo engine that decodes a synthetic long-context workload step
+// by step against epsd.
+//
+// It allocates the shared buffers through the client library, prefills EPS
+// summaries with the core/ writer, then per step appends one token per
+// sequence (summary update, seal when a group fills, block table growth),
+// writes the queries, calls SelectPages, and measures the softmax attention
+// mass of the visited blocks against dense attention.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "client/cpp/engine_buffers.h"
+#include "client/cpp/eps_client.h"
+#include "core/phi.h"
+#include "core/summary.h"
+#include "core/testing/synthetic.h"
+
+namespace {
+
+struct Args {
+  std::string target = "unix:///tmp/epsd.sock";
+  int steps = 16;
+  int batch = 2;
+  int64_t context = 16384;
+  int deadline_us = 20000;
+  bool stream = false;
+  uint64_t seed = 7;
+};
+
+bool Flag(const std::string& arg, const char* name, std::string* value) {
+  const std::string prefix = std::string("--") + name + "=";
+  if (arg.rfind(prefix, 0) != 0) return false;
+  *value = arg.substr(prefix.size());
+  return true;
+}
+
+Args ParseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    std::string v;
+    if (Flag(arg, "target", &v)) a.target = v;
+    else if (Flag(arg, "steps", &v)) a.steps = std::atoi(v.c_str());
+    else if (Flag(arg, "batch", &v)) a.batch = std::atoi(v.c_str());
+    else if (Flag(arg, "context", &v)) a.context = std::atoll(v.c_str());
+    else if (Flag(arg, "deadline-us", &v)) a.deadline_us = std::atoi(v.c_str());
+    else if (Flag(arg, "mode", &v)) a.stream = v == "stream";
+    else if (Flag(arg, "seed", &v)) a.seed = std::strtoull(v.c_str(), nullptr, 10);
+    else {
+      std::fprintf(stderr,
+                   "usage: eps-demo [--target=unix:///tmp/epsd.sock] [--steps=16] [--batch=2]\n"
+                   "                [--context=16384] [--deadline-us=20000] [--mode=unary|stream]\n");
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = ParseArgs(argc, argv);
+  eps::ModelLayout model;
+  model.num_layers = 2;
+  model.num_q_heads = 8;
+  model.num_kv_heads = 2;
+  model.head_dim = 128;
+  model.phi_seed = 42;
+  model.features = {.key_sum = true, .principal = true, .quest = true};
+  const int d = model.head_dim, ratio = model.gqa_ratio();
+  const int64_t gt = model.group_tokens();
+  const int64_t max_context = args.context + args.steps;
+
+  eps::client::BufferShape shape;
+  shape.max_seqs = args.batch;
+  shape.max_context = max_context;
+  shape.max_batch = args.batch;
+  shape.num_slots = args.batch * eps::GroupsFor(max_context, model);
+  auto buffers = eps::client::EngineBuffers::Create(model, shape, "demo");
+  if (!buffers.ok()) {
+    std::fprintf(stderr, "eps-demo: %s\n", buffers.status().ToString().c_str());
+    return 1;
+  }
+  eps::client::EngineBuffers& buf = **buffers;
+  auto phi = eps::PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads, d,
+                                  model.sketch_dim);
+  eps::SummaryWriter writer(model, *phi);
+
+  // Synthetic keys for every (row, layer, kv head), long enough for all steps.
+  std::vector<eps::testing::SyntheticHead> heads;
+  std::mt19937_64 rng(args.seed);
+  for (int row = 0; row < args.batch; ++row) {
+    for (int layer = 0; layer < model.num_layers; ++layer) {
+      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) {
+        eps::testing::SyntheticConfig c;
+        c.head_dim = d;
+        c.tokens = max_context;
+        c.num_queries = ratio;
+        c.num_needles = 1 + static_cast<int>(rng() % 4);
+        c.seed = rng();
+        heads.push_back(eps::testing::MakeSyntheticHead(c));
+      }
+    }
+  }
+  auto head_of = [&](int row, int layer, int kvh) -> const eps::testing::SyntheticHead& {
+    return heads[(row * model.num_layers + layer) * model.num_kv_heads + kvh];
+  };
+  // Tables: slots contiguous per row; physical blocks a shuffled pool.
+  std::vector<int32_t> physical(args.batch * buf.max_blocks());
+  std::iota(physical.begin(), physical.end(), 0);
+  std::shuffle(physical.begin(), physical.end(), rng);
+  for (int row = 0; row < args.batch; ++row) {
+    auto groups = buf.GroupRow(row);
+    for (int64_t p = 0; p < buf.max_groups(); ++p) groups[p] = static_cast<int32_t>(row * buf.max_groups() + p);
+    auto blocks = buf.BlockRow(row);
+    for (int64_t b = 0; b < buf.max_blocks(); ++b) blocks[b] = physical[row * buf.max_blocks() + b];
+  }
+  // Appends tokens [from, to) of every (row, layer, kv head) to their summaries.
+  auto write_tokens = [&](int row, int64_t from, int64_t to) {
+    for (int layer = 0; layer < model.num_layers; ++layer) {
+      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) {
+        const auto& keys = head_of(row, layer, kvh).keys;
+        for (int64_t t = from; t < to;) {
+          const int64_t group = t / gt, end = std::min(to, (group + 1) * gt);
+          auto record = buf.Record(buf.GroupRow(row)[group], layer, kvh);
+          if (t % gt == 0) writer.Reset(record);
+          (void)writer.Append(record, layer, kvh, {keys.data() + t * d, eps::DType::kFloat32, end - t, d});
+          if (end % gt == 0) {
+            (void)writer.Seal(record, layer, kvh, {keys.data() + group * gt * d, eps::DType::kFloat32, gt, d});
+          }
+          t = end;
+        }
+      }
+    }
+  };
+  for (int row = 0; row < args.batch; ++row) write_tokens(row, 0, args.context);
+
+  eps::v1::AttachRequest attach;
+  attach.set_engine_id("eps-demo");
+  auto* l = attach.mutable_layout();
+  l->set_num_layers(model.num_layers);
+  l->set_num_q_heads(model.num_q_heads);
+  l->set_num_kv_heads(model.num_kv_heads);
+  l->set_head_dim(d);
+  l->set_block_size(model.block_size);
+  l->set_group_blocks(model.group_blocks);
+  l->set_sketch_dim(model.sketch_dim);
+  l->set_phi_seed(model.phi_seed);
+  l->mutable_features()->set_key_sum(true);
+  l->mutable_features()->set_principal(true);
+  l->mutable_features()->set_quest(true);
+  *attach.mutable_buffers() = buf.Descriptors();
+  attach.set_max_batch(args.batch);
+  attach.set_num_kv_blocks(physical.size());
+  eps::client::ClientOptions options;
+  options.target = args.target;
+  options.deadline = std::chrono::microseconds(args.deadline_us);
+  options.use_stream = args.stream;
+  eps::client::EpsClient client(options, attach);
+  if (absl::Status s = client.Attach(); !s.ok()) {
+    std::fprintf(stderr, "eps-demo: attach to %s failed: %s (is epsd running?)\n",
+                 args.target.c_str(), s.ToString().c_str());
+  }
+
+  std::printf("eps-demo: %d sequences, %lld prefilled tokens, %d steps, %s over %s\n", args.batch,
+              static_cast<long long>(args.context), args.steps, args.stream ? "stream" : "unary",
+              args.target.c_str());
+  std::printf("%5s %9s %14s %9s %12s %12s %10s %9s\n", "step", "context", "pages vis/tot",
+              "visited", "recall mean", "recall min", "rtt us", "fallback");
+  std::normal_distribution<float> noise(0.0f, 0.05f);
+  double recall_all = 0, rtt_all = 0;
+  int recall_n = 0;
+  for (int step = 1; step <= args.steps; ++step) {
+    const int64_t ctx = args.context + step;  // the new token is in the cache
+    std::vector<eps::v1::BatchRow> rows;
+    for (int row = 0; row < args.batch; ++row) {
+      write_tokens(row, ctx - 1, ctx);
+      for (int layer = 0; layer < model.num_layers; ++layer) {
+        for (int h = 0; h < model.num_q_heads; ++h) {
+          const auto& q = head_of(row, layer, h / ratio).queries;
+          auto out = buf.Query(layer, row, h);
+          for (int i = 0; i < d; ++i) out[i] = q[(h % ratio) * d + i] * (1.0f + noise(rng));
+        }
+      }
+      eps::v1::BatchRow r;
+      r.set_table_row(row);
+      r.set_context_tokens(ctx);
+      r.set_seq_id(100 + row);
+      rows.push_back(r);
+    }
+    const eps::client::StepResult result = client.SelectPages(step, rows);
+    double recall_sum = 0, recall_min = 1;
+    int n = 0;
+    int64_t visited = 0, total = 0;
+    for (int row = 0; row < args.batch; ++row) {
+      std::unordered_map<int32_t, int64_t> logical;
+      const auto block_row = buf.BlockRow(row);
+      const int64_t nb = eps::BlocksFor(ctx, model.block_size);
+      for (int64_t b = 0; b < nb; ++b) logical[block_row[b]] = b;
+      for (int layer = 0; layer < model.num_layers; ++layer) {
+        const auto visit = buf.VisitBlocks(layer, row);
+        total += nb;
+        visited += result.fallback ? nb : static_cast<int64_t>(visit.size());
+        for (int h = 0; h < model.num_q_heads; ++h) {
+          const auto& keys = head_of(row, layer, h / ratio).keys;
+          const auto q = buf.Query(layer, row, h);
+          const auto mass = eps::testing::GroupAttentionMass(
+              std::span<const float>(keys.data(), ctx * d), q, d, model.block_size);
+          double recall = 0;
+          if (result.fallback) {
+            recall = 1.0;
+          } else {
+            for (int32_t block : visit) recall += mass[logical.at(block)];
+          }
+          recall_sum += recall;
+          recall_min = std::min(recall_min, recall);
+          ++n;
+        }
+      }
+    }
+    recall_all += recall_sum / n;
+    ++recall_n;
+    rtt_all += result.round_trip_us;
+    std::printf("%5d %9lld %6lld/%-7lld %8.1f%% %12.4f %12.4f %10.0f %9s\n", step,
+                static_cast<long long>(ctx), static_cast<long long>(visited),
+                static_cast<long long>(total), 100.0 * visited / total, recall_sum / n, recall_min,
+                result.round_trip_us,
+                result.fallback ? std::string(absl::StatusCodeToString(result.status.code())).c_str() : "-");
+  }
+  const eps::client::ClientCounters c = client.counters();
+  std::printf("summary: %llu steps, %llu selected, %llu fallbacks (deadline %llu, unavailable %llu, "
+              "not attached %llu, error %llu), mean recall %.4f, mean rtt %.0f us\n",
+              static_cast<unsigned long long>(c.steps), static_cast<unsigned long long>(c.selected),
+              static_cast<unsigned long long>(c.fallbacks()),
+              static_cast<unsigned long long>(c.fallback_deadline),
+              static_cast<unsigned long long>(c.fallback_unavailable),
+              static_cast<unsigned long long>(c.fallback_not_attached),
+              static_cast<unsigned long long>(c.fallback_error), recall_all / recall_n,
+              rtt_all / args.steps);
+  (void)client.Detach();
+  return 0;
+}

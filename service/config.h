@@ -1,0 +1,39 @@
+// epsd's command-line configuration. Parsing is a pure function (no globals),
+// so tests and the deployment flag check can call it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/select.h"
+
+namespace eps::service {
+
+enum class BackendKind { kCpu, kCuda, kAuto };
+
+struct ServerConfig {
+  std::string listen = "unix:///tmp/epsd.sock";  // unix:///path or host:port
+  bool allow_remote = false;      // TCP beyond loopback only when set
+  uint32_t socket_mode = 0660;    // file mode of the Unix socket
+  BackendKind backend = BackendKind::kAuto;
+  SelectPolicy policy;            // --eps-* defaults for sessions
+  int group_blocks = 8;           // --eps-group-blocks
+  int sketch_dim = 8;             // --eps-dim
+  uint32_t lease_ms = 10000;      // default session lease
+  uint32_t max_sessions = 64;
+  uint32_t max_batch = 1024;
+  uint32_t max_message_bytes = 64u << 20;
+  uint32_t drain_ms = 5000;       // SIGTERM: how long in-flight calls may finish
+  bool help = false;
+};
+
+// Parses --flag=value and --flag value forms; unknown flags are errors.
+absl::StatusOr<ServerConfig> ParseFlags(const std::vector<std::string>& args);
+
+// Every flag name epsd accepts (without "--"), for --help and deployment checks.
+const std::vector<std::string>& FlagNames();
+std::string Usage();
+
+}  // namespace eps::service

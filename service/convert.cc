@@ -1,0 +1,185 @@
+#include "service/convert.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace eps::service {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+absl::StatusOr<DType> FromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DTYPE_FLOAT16:
+      return DType::kFloat16;
+    case v1::DTYPE_BFLOAT16:
+      return DType::kBFloat16;
+    case v1::DTYPE_INT32:
+      return DType::kInt32;
+    case v1::DTYPE_INT8:
+      return DType::kInt8;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("dtype ", ProtoDTypeName(dtype),
+                                                     " has no core equivalent"));
+  }
+}
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::DTYPE_FLOAT32;
+    case DType::kFloat16:
+      return v1::DTYPE_FLOAT16;
+    case DType::kBFloat16:
+      return v1::DTYPE_BFLOAT16;
+    case DType::kInt32:
+      return v1::DTYPE_INT32;
+    case DType::kInt8:
+      return v1::DTYPE_INT8;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+const char* ProtoDTypeName(v1::DType dtype) {
+  const std::string& name = v1::DType_Name(dtype);
+  return name.empty() ? "DTYPE_<unknown>" : name.c_str();
+}
+
+absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int default_group_blocks,
+                                            int default_sketch_dim) {
+  ModelLayout m;
+  auto narrow = [](const char* field, uint64_t value, int* out) -> absl::Status {
+    if (value > (1u << 20)) {
+      return absl::InvalidArgumentError(absl::StrCat("layout.", field, "=", value, " is too large"));
+    }
+    *out = static_cast<int>(value);
+    return absl::OkStatus();
+  };
+  if (absl::Status s = narrow("num_layers", p.num_layers(), &m.num_layers); !s.ok()) return s;
+  if (absl::Status s = narrow("num_q_heads", p.num_q_heads(), &m.num_q_heads); !s.ok()) return s;
+  if (absl::Status s = narrow("num_kv_heads", p.num_kv_heads(), &m.num_kv_heads); !s.ok()) return s;
+  if (absl::Status s = narrow("head_dim", p.head_dim(), &m.head_dim); !s.ok()) return s;
+  if (absl::Status s = narrow("block_size", p.block_size(), &m.block_size); !s.ok()) return s;
+  if (absl::Status s = narrow("group_blocks", p.group_blocks(), &m.group_blocks); !s.ok()) return s;
+  if (absl::Status s = narrow("sketch_dim", p.sketch_dim(), &m.sketch_dim); !s.ok()) return s;
+  if (m.group_blocks == 0) m.group_blocks = default_group_blocks;
+  if (m.sketch_dim == 0) m.sketch_dim = default_sketch_dim;
+  m.phi_seed = p.phi_seed();
+  if (p.kv_dtype() == v1::DTYPE_UNSPECIFIED) {
+    m.kv_dtype = DType::kFloat16;
+  } else {
+    absl::StatusOr<DType> kv = FromProto(p.kv_dtype());
+    if (!kv.ok() || (*kv != DType::kFloat16 && *kv != DType::kBFloat16 && *kv != DType::kFloat32 &&
+                     *kv != DType::kInt8)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout.kv_dtype=", ProtoDTypeName(p.kv_dtype()), " is not a KV type"));
+    }
+    m.kv_dtype = *kv;
+  }
+  m.features = {.key_sum = p.features().key_sum(),
+                .principal = p.features().principal(),
+                .quest = p.features().quest()};
+  if (absl::Status s = m.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("layout.", s.message()));
+  }
+  return m;
+}
+
+absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::SelectOptions& o) {
+  SelectPolicy p = base;
+  switch (o.method()) {
+    case v1::METHOD_UNSPECIFIED:
+      break;
+    case v1::METHOD_OFF:
+      p.method = Method::kOff;
+      break;
+    case v1::METHOD_JL:
+      p.method = Method::kJl;
+      break;
+    case v1::METHOD_1PC:
+      p.method = Method::kOnePc;
+      break;
+    case v1::METHOD_FRO:
+      p.method = Method::kFro;
+      break;
+    case v1::METHOD_QUEST:
+      p.method = Method::kQuest;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("options.method=", o.method(), " is unknown"));
+  }
+  if (o.has_alpha()) p.alpha = o.alpha();
+  if (o.has_first_n()) p.first_n = static_cast<int>(std::min<uint32_t>(o.first_n(), 1u << 30));
+  if (o.has_last_n()) p.last_n = static_cast<int>(std::min<uint32_t>(o.last_n(), 1u << 30));
+  if (o.has_top_pages()) p.top_pages = static_cast<int>(std::min<uint32_t>(o.top_pages(), 1u << 30));
+  if (o.has_strict()) p.strict = o.strict();
+  if (o.heads() == v1::HEAD_MODE_ALL) p.heads = HeadMode::kAll;
+  if (o.heads() == v1::HEAD_MODE_RETRIEVAL) p.heads = HeadMode::kRetrieval;
+  if (o.heads() > v1::HEAD_MODE_RETRIEVAL || o.heads() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("options.heads=", o.heads(), " is unknown"));
+  }
+  if (!o.retrieval_heads().empty()) {
+    p.retrieval_heads.assign(o.retrieval_heads().begin(), o.retrieval_heads().end());
+  }
+  switch (o.budget()) {
+    case v1::BUDGET_UNSPECIFIED:
+      break;
+    case v1::BUDGET_THRESHOLD:
+      p.budget = Budget::kThreshold;
+      break;
+    case v1::BUDGET_FIXED:
+      p.budget = Budget::kFixed;
+      break;
+    case v1::BUDGET_TOP_P:
+      p.budget = Budget::kTopP;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("options.budget=", o.budget(), " is unknown"));
+  }
+  if (o.has_top_p()) p.top_p = o.top_p();
+  if (o.granularity() == v1::GRANULARITY_UNION) p.granularity = Granularity::kUnion;
+  if (o.granularity() == v1::GRANULARITY_PER_KV_HEAD) p.granularity = Granularity::kPerKvHead;
+  if (o.granularity() > v1::GRANULARITY_PER_KV_HEAD || o.granularity() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.granularity=", o.granularity(), " is unknown"));
+  }
+  return p;
+}
+
+v1::SelectOptions ToProto(const SelectPolicy& p) {
+  v1::SelectOptions o;
+  static constexpr v1::Method kMethods[] = {v1::METHOD_OFF, v1::METHOD_JL, v1::METHOD_1PC,
+                                            v1::METHOD_FRO, v1::METHOD_QUEST};
+  o.set_method(kMethods[static_cast<int>(p.method)]);
+  o.set_alpha(p.alpha);
+  o.set_first_n(p.first_n);
+  o.set_last_n(p.last_n);
+  o.set_top_pages(p.top_pages);
+  o.set_strict(p.strict);
+  o.set_heads(p.heads == HeadMode::kAll ? v1::HEAD_MODE_ALL : v1::HEAD_MODE_RETRIEVAL);
+  o.set_retrieval_heads(std::string(p.retrieval_heads.begin(), p.retrieval_heads.end()));
+  static constexpr v1::Budget kBudgets[] = {v1::BUDGET_THRESHOLD, v1::BUDGET_FIXED,
+                                            v1::BUDGET_TOP_P};
+  o.set_budget(kBudgets[static_cast<int>(p.budget)]);
+  o.set_top_p(p.top_p);
+  o.set_granularity(p.granularity == Granularity::kUnion ? v1::GRANULARITY_UNION
+                                                         : v1::GRANULARITY_PER_KV_HEAD);
+  return o;
+}
+
+void ToProto(const StepStats& s, uint64_t step, double prepass_us, v1::StepStats* out) {
+  out->set_step(step);
+  out->set_groups_total(s.groups_total);
+  out->set_groups_visited(s.groups_visited);
+  out->set_pages_total(s.blocks_total);
+  out->set_pages_visited(s.blocks_visited);
+  out->set_bytes_kv_dense(s.kv_bytes_dense);
+  out->set_bytes_kv_read_est(s.kv_bytes_read_est);
+  out->set_bytes_summary_read(s.summary_bytes_read);
+  out->set_prepass_us(prepass_us);
+}
+
+}  // namespace eps::service

@@ -1,0 +1,165 @@
+#include "service/descriptor.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "service/convert.h"
+
+namespace eps::service {
+namespace {
+
+int ElementSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+    case v1::DTYPE_INT32:
+      return 4;
+    case v1::DTYPE_FLOAT16:
+    case v1::DTYPE_BFLOAT16:
+      return 2;
+    case v1::DTYPE_INT8:
+      return 1;
+    case v1::DTYPE_UINT64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<const HostMemory*> MappingCache::Resolve(const v1::MemoryDescriptor& desc,
+                                                        const std::string& name,
+                                                        uint64_t needed_bytes) {
+  switch (desc.memory_case()) {
+    case v1::MemoryDescriptor::kHostShm: {
+      const std::string& shm_name = desc.host_shm().name();
+      auto it = shm_.find(shm_name);
+      if (it != shm_.end()) {
+        if (it->second->size() != desc.host_shm().size()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              name, ".host_shm.size=", desc.host_shm().size(), " differs from ",
+              it->second->size(), " declared for ", shm_name, " by another buffer"));
+        }
+        return it->second.get();
+      }
+      absl::StatusOr<std::unique_ptr<HostMemory>> memory =
+          HostMemory::MapShm(shm_name, desc.host_shm().size());
+      if (!memory.ok()) {
+        return absl::Status(memory.status().code(),
+                            absl::StrCat(name, ": ", memory.status().message()));
+      }
+      const HostMemory* raw = memory->get();
+      shm_.emplace(shm_name, std::move(*memory));
+      return raw;
+    }
+    case v1::MemoryDescriptor::kInlineBytes: {
+      absl::StatusOr<std::unique_ptr<HostMemory>> memory =
+          HostMemory::Allocate(needed_bytes, desc.inline_bytes().data());
+      if (!memory.ok()) {
+        return absl::Status(memory.status().code(),
+                            absl::StrCat(name, ": ", memory.status().message()));
+      }
+      inline_.push_back(std::move(*memory));
+      return inline_.back().get();
+    }
+    case v1::MemoryDescriptor::kCudaIpc:
+    case v1::MemoryDescriptor::kCudaVmm:
+      return absl::FailedPreconditionError(absl::StrCat(
+          name, " is CUDA device memory, which the cpu backend cannot read; attach with "
+                "host_shm or inline_bytes, or with backend=BACKEND_CUDA"));
+    case v1::MemoryDescriptor::MEMORY_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
+}
+
+absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
+                                         MappingCache& cache) {
+  const std::string& name = spec.name;
+  if (desc.dtype() != spec.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".dtype=", ProtoDTypeName(desc.dtype()),
+                                                   ", want ", ProtoDTypeName(spec.dtype)));
+  }
+  if (desc.shape_size() != static_cast<int>(spec.shape.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has rank ", desc.shape_size(),
+                                                   ", want ", spec.shape.size(), " [",
+                                                   absl::StrJoin(spec.dim_names, ", "), "]"));
+  }
+  HostTensor t;
+  int64_t elements = 1;
+  for (int i = 0; i < desc.shape_size(); ++i) {
+    const int64_t dim = desc.shape(i);
+    if (dim < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".shape[", i, "]=", dim, " must be >= 1"));
+    }
+    if (spec.shape[i] >= 0 && dim != spec.shape[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".shape[", i, "]=", dim,
+                                                     " does not match ", spec.dim_names[i], "=",
+                                                     spec.shape[i]));
+    }
+    if (__builtin_mul_overflow(elements, dim, &elements)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".shape overflows int64"));
+    }
+    t.shape.push_back(dim);
+  }
+  if (desc.strides_size() != 0) {
+    if (desc.strides_size() != desc.shape_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " has ", desc.strides_size(),
+                                                     " strides for rank ", desc.shape_size()));
+    }
+    int64_t expected = 1;
+    for (int i = desc.shape_size() - 1; i >= 0; --i) {
+      if (desc.strides(i) != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ".strides[", i, "]=", desc.strides(i),
+                                                       ", want ", expected,
+                                                       ": v1 accepts contiguous row-major only"));
+      }
+      expected *= desc.shape(i);
+    }
+  }
+  const int element = ElementSize(spec.dtype);
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(elements, int64_t{element}, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " size overflows int64"));
+  }
+  if (desc.offset() % element != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".offset=", desc.offset(),
+                                                   " is not aligned to its ", element,
+                                                   "-byte elements"));
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(desc.offset(), static_cast<uint64_t>(bytes), &end)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".offset + size overflows"));
+  }
+  absl::StatusOr<const HostMemory*> memory = cache.Resolve(desc, name, end);
+  if (!memory.ok()) return memory.status();
+  if (end > (*memory)->size()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": offset ", desc.offset(), " + ", bytes,
+                                                   " bytes exceeds the ", (*memory)->size(),
+                                                   "-byte allocation ", (*memory)->name()));
+  }
+  t.data = (*memory)->data() + desc.offset();
+  t.bytes = static_cast<uint64_t>(bytes);
+  t.memory = *memory;
+  t.offset = desc.offset();
+  t.is_inline = (*memory)->is_inline();
+  return t;
+}
+
+absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].first.writable) continue;
+    const HostTensor& a = tensors[i].second;
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      const HostTensor& b = tensors[j].second;
+      if (i == j || a.memory != b.memory) continue;
+      if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(tensors[i].first.name, " overlaps ",
+                                                       tensors[j].first.name, " in ",
+                                                       a.memory->name()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace eps::service

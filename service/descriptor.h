@@ -1,0 +1,60 @@
+// Validation of the memory descriptors a session attaches with, and their
+// resolution to host tensors (CPU backend).
+//
+// Every check happens here, before any byte is touched: the memory kind, the
+// dtype, the rank and every dimension against the layout, contiguity, integer
+// overflow of the extent, alignment, the extent against the allocation, and
+// overlap between outputs and everything else.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "eps/v1/page_selector.pb.h"
+#include "service/host_memory.h"
+
+namespace eps::service {
+
+// What a buffer must look like: a dimension of -1 is free (any value ≥ 1).
+struct TensorSpec {
+  std::string name;  // "summary_pool", ... (used in messages)
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<int64_t> shape;
+  std::vector<std::string> dim_names;  // what each fixed dimension must equal, for messages
+  bool writable = false;               // an output of the sidecar
+};
+
+// A validated tensor in host memory. Borrowed pointer: the HostMemory is owned
+// by the session's MappingCache.
+struct HostTensor {
+  std::byte* data = nullptr;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  const HostMemory* memory = nullptr;
+  uint64_t offset = 0;
+  bool is_inline = false;
+};
+
+// One mapping per shm name per session; inline buffers one per descriptor.
+class MappingCache {
+ public:
+  absl::StatusOr<const HostMemory*> Resolve(const v1::MemoryDescriptor& desc,
+                                            const std::string& name, uint64_t needed_bytes);
+  size_t size() const { return shm_.size() + inline_.size(); }
+
+ private:
+  std::map<std::string, std::unique_ptr<HostMemory>> shm_;
+  std::vector<std::unique_ptr<HostMemory>> inline_;
+};
+
+absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
+                                         MappingCache& cache);
+
+// Rejects any writable tensor that overlaps another tensor of the same memory.
+absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>& tensors);
+
+}  // namespace eps::service

@@ -1,0 +1,39 @@
+// The gRPC face of the Selector: callback API, DefaultReactor for unary calls,
+// a bidirectional reactor for StreamSelectPages. Owns no logic beyond transport.
+#pragma once
+
+#include "eps/v1/page_selector.grpc.pb.h"
+#include "service/selector.h"
+
+namespace eps::service {
+
+class PageSelectorService final : public v1::PageSelector::CallbackService {
+ public:
+  explicit PageSelectorService(Selector& selector) : selector_(selector) {}
+
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context,
+                                   const v1::AttachRequest* request,
+                                   v1::AttachResponse* response) override;
+  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext* context,
+                                   const v1::DetachRequest* request,
+                                   v1::DetachResponse* response) override;
+  grpc::ServerUnaryReactor* SelectPages(grpc::CallbackServerContext* context,
+                                        const v1::SelectPagesRequest* request,
+                                        v1::SelectPagesResponse* response) override;
+  grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>* StreamSelectPages(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
+                                      const v1::HeartbeatRequest* request,
+                                      v1::HeartbeatResponse* response) override;
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* context,
+                                 const v1::PingRequest* request,
+                                 v1::PingResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::GetStatsResponse* response) override;
+
+ private:
+  Selector& selector_;
+};
+
+}  // namespace eps::service

@@ -1,0 +1,46 @@
+// Host memory a CPU-backend session reads and writes: POSIX shared-memory
+// objects the engine created (mapped here), or buffers that live inside the
+// messages (owned here).
+//
+// Ownership: a HostMemory owns its mapping or allocation and releases it in its
+// destructor. Thread safety: immutable after creation; the bytes themselves are
+// shared with the engine and synchronised by the step protocol.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace eps::service {
+
+class HostMemory {
+ public:
+  // Maps the shm object `name` read-write. `declared_size` must equal its size.
+  static absl::StatusOr<std::unique_ptr<HostMemory>> MapShm(const std::string& name,
+                                                            uint64_t declared_size);
+  // Allocates `size` zeroed bytes, then copies `initial` (at most `size` bytes) in.
+  static absl::StatusOr<std::unique_ptr<HostMemory>> Allocate(uint64_t size,
+                                                              const std::string& initial);
+
+  ~HostMemory();
+  HostMemory(const HostMemory&) = delete;
+  HostMemory& operator=(const HostMemory&) = delete;
+
+  std::byte* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  bool is_inline() const { return owned_ != nullptr; }
+  const std::string& name() const { return name_; }
+
+ private:
+  HostMemory() = default;
+  std::byte* data_ = nullptr;
+  uint64_t size_ = 0;
+  std::string name_;
+  std::unique_ptr<std::byte[]> owned_;  // inline buffers
+  bool mapped_ = false;                 // shm: munmap on destruction
+};
+
+}  // namespace eps::service

@@ -1,0 +1,54 @@
+// epsd: the EPS page selector sidecar.
+#include <csignal>
+#include <cstdio>
+#include <pthread.h>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "service/config.h"
+#include "service/server.h"
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  absl::StatusOr<eps::service::ServerConfig> config = eps::service::ParseFlags(args);
+  if (!config.ok()) {
+    std::fprintf(stderr, "epsd: %s\n%s", std::string(config.status().message()).c_str(),
+                 eps::service::Usage().c_str());
+    return 2;
+  }
+  if (config->help) {
+    std::printf("%s", eps::service::Usage().c_str());
+    return 0;
+  }
+  if (config->backend == eps::service::BackendKind::kCuda) {
+    std::fprintf(stderr, "epsd: --backend=cuda is not built into this server yet\n");
+    return 2;
+  }
+  // Block the termination signals in every thread; one thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<eps::service::EpsServer>> server =
+      eps::service::EpsServer::Start(*config);
+  if (!server.ok()) {
+    std::fprintf(stderr, "epsd: %s\n", std::string(server.status().message()).c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "epsd: listening on %s (backend cpu, lease %u ms)\n",
+               config->listen.c_str(), config->lease_ms);
+  std::thread waiter([&] {
+    int signal = 0;
+    sigwait(&signals, &signal);
+    std::fprintf(stderr, "epsd: signal %d, draining for up to %u ms\n", signal, config->drain_ms);
+    (*server)->Shutdown();
+  });
+  (*server)->Wait();
+  waiter.join();
+  server->reset();
+  std::fprintf(stderr, "epsd: stopped\n");
+  return 0;
+}

@@ -1,0 +1,88 @@
+#include "service/server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace eps::service {
+
+absl::Status CheckListenAddress(const std::string& listen, bool allow_remote) {
+  if (absl::StartsWith(listen, "unix://")) {
+    if (listen.size() <= 7) return absl::InvalidArgumentError("--listen=unix:// needs a path");
+    return absl::OkStatus();
+  }
+  if (allow_remote) return absl::OkStatus();
+  const size_t colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
+  if (host == "localhost" || host == "::1" || absl::StartsWith(host, "127.")) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--listen=", listen, " is not a Unix socket or a loopback address; pass --allow-remote"));
+}
+
+absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& config) {
+  if (absl::Status s = CheckListenAddress(config.listen, config.allow_remote); !s.ok()) return s;
+  auto server = std::unique_ptr<EpsServer>(new EpsServer());
+  server->config_ = config;
+  server->selector_ = std::make_unique<Selector>(config);
+  server->service_ = std::make_unique<PageSelectorService>(*server->selector_);
+  const bool is_unix = absl::StartsWith(config.listen, "unix://");
+  if (is_unix) {
+    const std::string path = config.listen.substr(7);
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
+    }
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(),
+                           is_unix ? nullptr : &port);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+  }
+  if (is_unix) {
+    const std::string path = config.listen.substr(7);
+    if (chmod(path.c_str(), config.socket_mode) != 0) {
+      return absl::InternalError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
+    }
+  }
+  return server;
+}
+
+void EpsServer::Shutdown() {
+  if (server_ == nullptr) return;
+  if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(config_.drain_ms));
+}
+
+void EpsServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+EpsServer::~EpsServer() {
+  Shutdown();
+  Wait();
+  if (absl::StartsWith(config_.listen, "unix://")) unlink(config_.listen.substr(7).c_str());
+}
+
+}  // namespace eps::service
