@@ -51,6 +51,11 @@ void QueryTerms::Prepare(const PhiBank& phi, int layer, int kv_head,
   }
 }
 
+float BoundSlack(float count, int head_dim) {
+  const float d = static_cast<float>(head_dim);
+  return std::max(kBoundSlack, std::ldexp(count + d * std::sqrt(d), -22));
+}
+
 float JlScore(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q) {
   float quad = 0.0f;
   for (int p = 0; p < layout.gram_words; ++p) quad += record[p] * q.zz[p];
@@ -75,9 +80,15 @@ float OnePcBound(std::span<const float> record, const SummaryLayout& layout,
   // q = (v·q)v + q⊥ with v the unit dequantised direction: ‖C^½q‖ ≤ |v·q|·sqrt(λ1) +
   // ‖q⊥‖·sqrt(r²), since q⊥ᵀCq⊥ ≤ trace(P⊥CP⊥)‖q⊥‖² = r²‖q⊥‖². Never looser than fro.
   const float along = std::abs(dot * scale);
-  const float perp = std::sqrt(std::max(q.norm * q.norm - along * along, 0.0f));
-  const float bound =
-      std::sqrt(std::max(lambda, 0.0f)) * along + std::sqrt(std::max(r2, 0.0f)) * perp;
+  const float q2 = q.norm * q.norm;
+  const float perp = std::sqrt(std::max(q2 - along * along, 0.0f) +
+                               std::ldexp(static_cast<float>(layout.head_dim), -22) * q2);
+  // r² = fro2 − λ1 cancels for nearly rank-1 groups: pad it by the rounding
+  // error of the two sums, ~(n + d)·u·fro2, so the bound stays a bound.
+  const float fro2 = std::max(record[layout.fro2], 0.0f);
+  const float pad = std::ldexp(record[layout.count] + static_cast<float>(layout.head_dim), -22) * fro2;
+  const float bound = std::sqrt(std::max(lambda, 0.0f)) * along +
+                      std::sqrt(std::max(r2, 0.0f) + pad) * perp;
   return std::min(bound, FroBound(record, layout, q));
 }
 
@@ -116,7 +127,7 @@ MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayo
     const float inf = std::numeric_limits<float>::infinity();
     return {-inf, -inf};
   }
-  const float slack = kBoundSlack * q.norm * record[layout.max_norm];
+  const float slack = BoundSlack(count, layout.head_dim) * q.norm * record[layout.max_norm];
   // fro and 1pc bound max_i |q·k_i|; quest bounds the signed max only.
   float abs_upper = FroBound(record, layout, q);
   if (layout.principal >= 0) abs_upper = std::min(abs_upper, OnePcBound(record, layout, q));

@@ -36,8 +36,10 @@ struct QueryTerms {
 };
 
 // Relative slack that covers fp32 rounding in summaries and scores, applied in
-// units of ‖q‖·max_norm (the scale of max_i |q·k_i|). docs/policy.md derives it.
+// units of ‖q‖·max_norm (the scale of max_i |q·k_i|): at least kBoundSlack, and
+// growing with the n keys summed and the d·sqrt(d) of a quest sum (docs/policy.md).
 inline constexpr float kBoundSlack = 1e-4f;
+float BoundSlack(float count, int head_dim);
 
 float JlScore(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
 float OnePcBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);

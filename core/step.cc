@@ -114,6 +114,13 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
   const int64_t kv_token_bytes = int64_t{2} * d * DTypeSize(model_.kv_dtype);
   StepStats total;
 
+  // Visit lists go to scratch first and reach the outputs only when the whole
+  // step succeeded: a bad summary found mid-step leaves the outputs untouched.
+  const int64_t list_count = static_cast<int64_t>(model_.num_layers) * in.max_batch * lists;
+  std::vector<int32_t> scratch_blocks(static_cast<size_t>(list_count) * in.max_blocks);
+  std::vector<int32_t> scratch_count(list_count, 0);
+  std::vector<uint8_t> written(list_count, 0);
+
   QueryTerms terms;
   std::vector<float> query(d);
   std::vector<float> scores;
@@ -133,14 +140,17 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
     for (int layer = 0; layer < model_.num_layers; ++layer) {
       for (auto& v : visit) v = forced;
       std::vector<std::vector<std::span<const float>>> fixed(lists);
+      int scored_kv_heads = 0;
       for (int kvh = 0; kvh < kv_heads; ++kvh) {
         std::vector<uint8_t>& target = visit[per_head ? kvh : 0];
+        bool kv_head_scored = false;
         for (int h = kvh * ratio; h < (kvh + 1) * ratio; ++h) {
           if (policy.method == Method::kOff) {
             std::fill(target.begin(), target.end(), uint8_t{1});
             continue;
           }
           if (!policy.HeadIsScored(model_, layer, h)) continue;
+          kv_head_scored = true;
           const int64_t qbase =
               ((static_cast<int64_t>(layer) * in.max_batch + i) * model_.num_q_heads + h) * d;
           for (int k = 0; k < d; ++k) query[k] = LoadAsFloat(in.queries, in.query_dtype, qbase + k);
@@ -183,18 +193,23 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
               break;
           }
         }
+        scored_kv_heads += kv_head_scored;
       }
       if (policy.budget == Budget::kFixed && policy.method != Method::kOff) {
         for (int list = 0; list < lists; ++list) {
-          MarkFixedBudget(fixed[list], forced, policy.top_pages, visit[list]);
+          // Lists without a scored head (heads=retrieval) keep sinks + recent only.
+          if (!fixed[list].empty()) {
+            MarkFixedBudget(fixed[list], forced, policy.top_pages, visit[list]);
+          }
         }
       }
       for (int list = 0; list < lists; ++list) {
         const int64_t out_index = (static_cast<int64_t>(layer) * in.max_batch + i) * lists + list;
-        const std::span<int32_t> blocks_out(out.visit_blocks + out_index * in.max_blocks, nb);
+        const std::span<int32_t> blocks_out(scratch_blocks.data() + out_index * in.max_blocks, nb);
         const int32_t count =
             WriteVisitList(visit[list], block_row, nb, model_.group_blocks, blocks_out);
-        out.visit_count[out_index] = count;
+        scratch_count[out_index] = count;
+        written[out_index] = 1;
         int64_t visited_groups = 0;
         for (uint8_t v : visit[list]) visited_groups += v;
         const int heads_read = per_head ? 1 : kv_heads;
@@ -207,10 +222,14 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
             VisitedTokens(count, row.context_tokens, model_.block_size) * heads_read *
             kv_token_bytes;
       }
-      if (policy.method != Method::kOff) {
-        total.summary_bytes_read += n * kv_heads * layout_.record_bytes();
-      }
+      total.summary_bytes_read += n * scored_kv_heads * layout_.record_bytes();
     }
+  }
+  for (int64_t index = 0; index < list_count; ++index) {
+    if (!written[index]) continue;
+    std::copy_n(scratch_blocks.data() + index * in.max_blocks, scratch_count[index],
+                out.visit_blocks + index * in.max_blocks);
+    out.visit_count[index] = scratch_count[index];
   }
   if (stats != nullptr) *stats = total;
   return absl::OkStatus();

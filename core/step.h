@@ -68,8 +68,9 @@ class PageSelector {
   // `phi` must match `model` (seed, layers, kv_heads, d, m) and outlive this.
   static absl::StatusOr<PageSelector> Create(const ModelLayout& model, const PhiBank& phi);
 
-  // Validates every row, slot, block id and query first (nothing is written
-  // when they are bad), then scores, selects and writes the visit lists.
+  // Validates every row, slot, block id and query first, then scores and
+  // selects into scratch; the visit lists reach `out` only when the whole step
+  // succeeded, so any error (a NaN summary too) leaves the outputs untouched.
   absl::Status Select(const StepInputs& in, const SelectPolicy& policy, const StepOutputs& out,
                       StepStats* stats) const;
 

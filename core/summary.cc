@@ -88,6 +88,9 @@ absl::Status SummaryWriter::Append(std::span<float> record, int layer, int kv_he
   float& fro2 = record[layout_.fro2];
   float& max_norm = record[layout_.max_norm];
   float& count = record[layout_.count];
+  if (layout_.principal >= 0 && keys.count > 0) {
+    record[layout_.principal + 2] = 0.0f;  // a principal pair describes the sealed keys only
+  }
   for (int64_t t = 0; t < keys.count; ++t) {
     LoadKey(keys, d, t, k.data());
     phi_.Project(layer, kv_head, k, y);
@@ -119,6 +122,11 @@ absl::Status SummaryWriter::Seal(std::span<float> record, int layer, int kv_head
                                  const KeyRows& keys) const {
   if (layout_.principal < 0) return absl::OkStatus();
   if (absl::Status s = CheckKeys(record, layer, kv_head, keys); !s.ok()) return s;
+  if (static_cast<float>(keys.count) != record[layout_.count]) {
+    return absl::InvalidArgumentError(absl::StrCat("Seal got ", keys.count,
+                                                   " keys but the record summarises ",
+                                                   record[layout_.count]));
+  }
   const int d = model_.head_dim;
   std::vector<float> all(static_cast<size_t>(keys.count) * d);
   for (int64_t t = 0; t < keys.count; ++t) LoadKey(keys, d, t, all.data() + t * d);

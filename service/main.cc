@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "epsd: listening on %s (backend cpu, lease %u ms)\n",
-               config->listen.c_str(), config->lease_ms);
+               (*server)->bound_address().c_str(), config->lease_ms);
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);

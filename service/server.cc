@@ -59,6 +59,11 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   if (server->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
+  server->bound_address_ = config.listen;
+  if (!is_unix) {
+    const size_t colon = config.listen.rfind(':');
+    server->bound_address_ = absl::StrCat(config.listen.substr(0, colon), ":", port);
+  }
   if (is_unix) {
     const std::string path = config.listen.substr(7);
     if (chmod(path.c_str(), config.socket_mode) != 0) {

@@ -25,6 +25,8 @@ class EpsServer {
   void Shutdown();
   void Wait();
   Selector& selector() { return *selector_; }
+  // The address clients dial: for TCP with port 0, the port the kernel chose.
+  const std::string& bound_address() const { return bound_address_; }
 
  private:
   EpsServer() = default;
@@ -32,6 +34,7 @@ class EpsServer {
   std::unique_ptr<Selector> selector_;
   std::unique_ptr<PageSelectorService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::string bound_address_;
 };
 
 }  // namespace eps::service

@@ -123,6 +123,40 @@ TEST_F(BoundsTest, OnePcIsTightForLowRankGroups) {
   EXPECT_LT(median, 0.25 * fro_median);
 }
 
+TEST_F(BoundsTest, OnePcStaysABoundForExactlyRankOneGroups) {
+  // fro2 − λ1 cancels to rounding noise here; the bound must still hold when q
+  // is nearly orthogonal to the keys' direction.
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + trial % 128;
+    const std::vector<float> dir = GaussianVector(rng_, d, 1.0f + trial % 7);
+    std::vector<float> keys(static_cast<size_t>(n) * d);
+    std::normal_distribution<float> coef(0.0f, 2.0f);
+    for (int t = 0; t < n; ++t) {
+      const float c = coef(rng_);
+      for (int i = 0; i < d; ++i) keys[t * d + i] = c * dir[i];
+    }
+    const std::vector<float> record = Summarise(keys, n);
+    // q = a random vector with its component along dir almost removed.
+    std::vector<float> q = GaussianVector(rng_, d);
+    double qd = 0, dd = 0;
+    for (int i = 0; i < d; ++i) {
+      qd += q[i] * dir[i];
+      dd += dir[i] * dir[i];
+    }
+    for (int i = 0; i < d; ++i) q[i] -= static_cast<float>((1 - 1e-3) * qd / dd) * dir[i];
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    const MaxScoreBracket b = BracketMaxScore(record, writer_->layout(), terms);
+    const double truth = MaxDot(keys, q, d);
+    ASSERT_GE(OnePcBound(record, writer_->layout(), terms), std::sqrt(QuadForm(keys, q, d)))
+        << "trial " << trial;
+    ASSERT_GE(b.upper, truth) << "trial " << trial;
+    ASSERT_LE(b.lower, truth) << "trial " << trial;
+  }
+}
+
 TEST_F(BoundsTest, QuestBoundsTheSignedMaxScore) {
   SCOPED_TRACE(testing::SeedTrace(seed_));
   const int d = 64;

@@ -330,13 +330,23 @@ TEST_F(StepValidationTest, InfiniteQueryIsRejected) {
   ExpectRejected(buffers_->Inputs(rows_), "is -inf");
 }
 
-TEST_F(StepValidationTest, NaNSummaryIsRejected) {
-  buffers_->Record(buffers_->SlotOf(1, 3), 0, 1)[0] = std::nanf("");
+TEST_F(StepValidationTest, NaNSummaryInALaterLayerIsRejectedBeforeAnyOutput) {
+  // Layer 0 is scored before the NaN in layer 1 is met: its lists must not leak out.
+  buffers_->Record(buffers_->SlotOf(1, 3), 1, 1)[0] = std::nanf("");
+  ExpectRejected(buffers_->Inputs(rows_), "NaN or Inf");
+}
+
+TEST_F(StepTest, FixedBudgetLayersWithoutRetrievalHeadsKeepSinksAndRecentOnly) {
+  Build(Model(), 64 * 40, {10});
+  SelectPolicy policy;
+  policy.budget = Budget::kFixed;
+  policy.heads = HeadMode::kRetrieval;
+  policy.retrieval_heads = {1, 0, 0, 0, /*layer 1:*/ 0, 0, 0, 0};
   StepStats stats;
-  const absl::Status status =
-      selector_->Select(buffers_->Inputs(rows_), SelectPolicy{}, buffers_->Outputs(), &stats);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(status.message().find("NaN or Inf"), std::string::npos) << status;
+  ASSERT_TRUE(Run(policy, &stats).ok());
+  EXPECT_EQ(buffers_->VisitCount(1, 0), (policy.first_n + policy.last_n) * model_.group_blocks);
+  // Only layer 0's first KV head was scored: one head's records were read.
+  EXPECT_EQ(stats.summary_bytes_read, 40 * SummaryLayout::For(model_).record_bytes());
 }
 
 TEST_F(StepValidationTest, TableRowOutOfRangeIsRejected) {

@@ -221,6 +221,24 @@ TEST_F(SummaryTest, SealFindsTheDominantDirectionOfLowRankKeys) {
               1e-3 * record[s.fro2]);
 }
 
+TEST_F(SummaryTest, SealRejectsKeysThatAreNotTheRecordsAndAppendClearsThePair) {
+  const ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const SummaryLayout& s = writer.layout();
+  const int d = model.head_dim;
+  const std::vector<float> keys = GaussianVector(rng_, 6 * d);
+  std::vector<float> record(s.record_words);
+  writer.Reset(record);
+  ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 5, d}).ok());
+  EXPECT_EQ(writer.Seal(record, 0, 0, {keys.data(), DType::kFloat32, 4, d}).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(writer.Seal(record, 0, 0, {keys.data(), DType::kFloat32, 5, d}).ok());
+  EXPECT_NE(record[s.principal + 2], 0.0f);
+  ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data() + 5 * d, DType::kFloat32, 1, d}).ok());
+  EXPECT_EQ(record[s.principal + 2], 0.0f) << "a stale principal pair would not bound key 6";
+}
+
 TEST_F(SummaryTest, SealOfZeroKeysLeavesNoPrincipalPair) {
   const ModelLayout model = SmallModel();
   auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
