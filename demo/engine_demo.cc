@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct Args {
   int deadline_us = 20000;
   bool stream = false;
   uint64_t seed = 7;
+  int pace_ms = 0;  // sleep between steps, like a real decode cadence
 };
 
 bool Flag(const std::string& arg, const char* name, std::string* value) {
@@ -53,10 +55,12 @@ Args ParseArgs(int argc, char** argv) {
     else if (Flag(arg, "deadline-us", &v)) a.deadline_us = std::atoi(v.c_str());
     else if (Flag(arg, "mode", &v)) a.stream = v == "stream";
     else if (Flag(arg, "seed", &v)) a.seed = std::strtoull(v.c_str(), nullptr, 10);
+    else if (Flag(arg, "pace-ms", &v)) a.pace_ms = std::atoi(v.c_str());
     else {
       std::fprintf(stderr,
                    "usage: eps-demo [--target=unix:///tmp/epsd.sock] [--steps=16] [--batch=2]\n"
-                   "                [--context=16384] [--deadline-us=20000] [--mode=unary|stream]\n");
+                   "                [--context=16384] [--deadline-us=20000] [--mode=unary|stream]\n"
+                   "                [--pace-ms=0] [--seed=7]\n");
       std::exit(2);
     }
   }
@@ -178,6 +182,7 @@ int main(int argc, char** argv) {
   double recall_all = 0, rtt_all = 0;
   int recall_n = 0;
   for (int step = 1; step <= args.steps; ++step) {
+    if (args.pace_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(args.pace_ms));
     const int64_t ctx = args.context + step;  // the new token is in the cache
     std::vector<eps::v1::BatchRow> rows;
     for (int row = 0; row < args.batch; ++row) {

@@ -29,10 +29,15 @@ class StreamCall final
     StartCall();
   }
 
-  // Sends `request` unless a write is still in flight (then the step falls back).
-  bool Send(const v1::SelectPagesRequest& request) {
-    std::lock_guard lock(mu_);
-    if (done_ || read_closed_ || writing_) return false;
+  // Sends `request` once the previous write completed (its reply can arrive
+  // before OnWriteDone); false if that takes past `deadline` or the call ended.
+  bool Send(const v1::SelectPagesRequest& request,
+            std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_until(lock, deadline, [&] { return !writing_ || done_ || read_closed_; })) {
+      return false;
+    }
+    if (done_ || read_closed_) return false;
     writing_ = true;
     outgoing_ = request;
     StartWrite(&outgoing_);
@@ -75,8 +80,11 @@ class StreamCall final
   }
 
   void OnWriteDone(bool) override {
-    std::lock_guard lock(mu_);
-    writing_ = false;
+    {
+      std::lock_guard lock(mu_);
+      writing_ = false;
+    }
+    cv_.notify_all();
   }
   void OnReadDone(bool ok) override {
     if (!ok) {  // the stream ended; OnDone follows once no write is in flight
@@ -122,6 +130,7 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
 
 EpsClient::~EpsClient() {
   if (stream_) stream_->Close();
+  ReapAbandoned(/*wait=*/true);  // cancelled calls finish promptly
 }
 
 absl::Status EpsClient::Attach() {
@@ -133,7 +142,8 @@ absl::Status EpsClient::Attach() {
     next_attach_try_ = std::chrono::steady_clock::now() + options_.reattach_backoff;
     return FromGrpc(status);
   }
-  if (!session_id_.empty()) reattaches_.fetch_add(1);
+  if (attached_before_) reattaches_.fetch_add(1);
+  attached_before_ = true;
   session_id_ = response.session_id();
   return absl::OkStatus();
 }
@@ -178,12 +188,65 @@ StepResult EpsClient::Fallback(absl::Status status, std::atomic<uint64_t>& count
   return result;
 }
 
+// One unary SelectPages in flight. The client owns it; gRPC's callback only
+// signals, so the ClientContext is never destroyed on a gRPC thread.
+struct UnaryCall {
+  grpc::ClientContext context;
+  v1::SelectPagesRequest request;
+  v1::SelectPagesResponse response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+
+  bool Done() {
+    std::lock_guard lock(mu);
+    return done;
+  }
+};
+
+void EpsClient::ReapAbandoned(bool wait) {
+  for (auto it = abandoned_.begin(); it != abandoned_.end();) {
+    if (wait) {
+      std::unique_lock lock((*it)->mu);
+      (*it)->cv.wait(lock, [&] { return (*it)->done; });
+    }
+    if ((*it)->Done()) {
+      it = abandoned_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request,
                                   v1::SelectPagesResponse* response) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  if (!options_.traceparent.empty()) context.AddMetadata("traceparent", options_.traceparent);
-  return FromGrpc(stub_->SelectPages(&context, request, response));
+  ReapAbandoned(/*wait=*/false);
+  // gRPC rounds deadlines up to whole milliseconds; the engine's deadline is
+  // enforced here, to the microsecond, and a late call is cancelled.
+  auto call = std::make_unique<UnaryCall>();
+  call->request = request;
+  const auto deadline = std::chrono::steady_clock::now() + options_.deadline;
+  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline +
+                             std::chrono::milliseconds(1));
+  if (!options_.traceparent.empty()) call->context.AddMetadata("traceparent", options_.traceparent);
+  UnaryCall* raw = call.get();
+  stub_->async()->SelectPages(&raw->context, &raw->request, &raw->response,
+                              [raw](grpc::Status status) {
+                                std::lock_guard lock(raw->mu);
+                                raw->status = std::move(status);
+                                raw->done = true;
+                                raw->cv.notify_all();
+                              });
+  std::unique_lock lock(raw->mu);
+  if (!raw->cv.wait_until(lock, deadline, [&] { return raw->done; })) {
+    lock.unlock();
+    raw->context.TryCancel();
+    abandoned_.push_back(std::move(call));  // freed here once its callback has run
+    return absl::DeadlineExceededError("SelectPages missed the client deadline");
+  }
+  if (raw->status.ok()) *response = std::move(raw->response);
+  return FromGrpc(raw->status);
 }
 
 absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request,
@@ -194,8 +257,9 @@ absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request,
     stream_.reset();
   }
   if (!stream_) stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent);
-  if (!stream_->Send(request)) {
-    return absl::DeadlineExceededError("the previous step's request is still being written");
+  if (!stream_->Send(request, deadline)) {
+    return stream_->done() ? absl::UnavailableError("the stream closed")
+                           : absl::DeadlineExceededError("the previous request is still being written");
   }
   return stream_->Receive(request.step(), deadline, response);
 }

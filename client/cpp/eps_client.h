@@ -17,6 +17,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "eps/v1/page_selector.grpc.pb.h"
@@ -54,6 +55,7 @@ struct ClientCounters {
 };
 
 class StreamCall;
+struct UnaryCall;
 
 class EpsClient {
  public:
@@ -76,14 +78,17 @@ class EpsClient {
   StepResult Fallback(absl::Status status, std::atomic<uint64_t>& counter);
   absl::Status CallUnary(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
   absl::Status CallStream(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
+  void ReapAbandoned(bool wait);
 
   ClientOptions options_;
   v1::AttachRequest attach_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PageSelector::Stub> stub_;
   std::string session_id_;
+  bool attached_before_ = false;
   std::chrono::steady_clock::time_point next_attach_try_{};
   std::unique_ptr<StreamCall> stream_;
+  std::vector<std::unique_ptr<UnaryCall>> abandoned_;  // cancelled, callback pending
 
   std::atomic<uint64_t> steps_{0}, selected_{0}, fb_deadline_{0}, fb_unavailable_{0},
       fb_not_attached_{0}, fb_error_{0}, reattaches_{0};

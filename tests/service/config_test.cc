@@ -1,0 +1,67 @@
+#include "service/config.h"
+
+#include "gtest/gtest.h"
+#include "service/server.h"
+
+namespace eps::service {
+namespace {
+
+TEST(ConfigTest, DefaultsListenOnAUnixSocketWithAutoBackend) {
+  auto config = ParseFlags({});
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(config->listen, "unix:///tmp/epsd.sock");
+  EXPECT_EQ(config->backend, BackendKind::kAuto);
+  EXPECT_EQ(config->policy.method, Method::kJl);
+  EXPECT_EQ(config->socket_mode, 0660u);
+}
+
+TEST(ConfigTest, ParsesEveryEpsFlagInBothForms) {
+  auto config = ParseFlags({"--eps-method=quest", "--eps-dim", "16", "--eps-alpha=1.5",
+                            "--eps-first-n=2", "--eps-last-n=3", "--eps-top-pages=32",
+                            "--eps-heads=retrieval", "--eps-group-blocks=4", "--eps-strict",
+                            "--backend=cpu", "--listen=127.0.0.1:7000", "--lease-ms=500"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->policy.method, Method::kQuest);
+  EXPECT_EQ(config->sketch_dim, 16);
+  EXPECT_FLOAT_EQ(config->policy.alpha, 1.5f);
+  EXPECT_EQ(config->policy.first_n, 2);
+  EXPECT_EQ(config->policy.last_n, 3);
+  EXPECT_EQ(config->policy.top_pages, 32);
+  EXPECT_EQ(config->policy.heads, HeadMode::kRetrieval);
+  EXPECT_EQ(config->group_blocks, 4);
+  EXPECT_TRUE(config->policy.strict);
+  EXPECT_EQ(config->backend, BackendKind::kCpu);
+  EXPECT_EQ(config->lease_ms, 500u);
+}
+
+TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {
+  EXPECT_EQ(ParseFlags({"--eps-methd=jl"}).status().message(), "unknown flag --eps-methd");
+  EXPECT_EQ(ParseFlags({"--eps-method=best"}).status().message(),
+            "--eps-method=best: want off, jl, 1pc, fro or quest");
+  EXPECT_FALSE(ParseFlags({"--eps-alpha=0.5"}).ok());
+  EXPECT_FALSE(ParseFlags({"--eps-dim=0"}).ok());
+  EXPECT_FALSE(ParseFlags({"--eps-top-pages"}).ok());
+  EXPECT_FALSE(ParseFlags({"stray"}).ok());
+  EXPECT_FALSE(ParseFlags({"--eps-strict=maybe"}).ok());
+}
+
+TEST(ConfigTest, FlagNamesListEveryAcceptedFlag) {
+  for (const std::string& name : FlagNames()) {
+    if (name == "help") continue;
+    EXPECT_NE(Usage().find("--" + name), std::string::npos) << name;
+  }
+  EXPECT_GE(FlagNames().size(), 20u);
+}
+
+TEST(ConfigTest, TcpListenIsLoopbackOnlyUnlessAllowed) {
+  EXPECT_TRUE(CheckListenAddress("unix:///tmp/x.sock", false).ok());
+  EXPECT_TRUE(CheckListenAddress("127.0.0.1:5000", false).ok());
+  EXPECT_TRUE(CheckListenAddress("[::1]:5000", false).ok());
+  EXPECT_TRUE(CheckListenAddress("localhost:5000", false).ok());
+  EXPECT_FALSE(CheckListenAddress("0.0.0.0:5000", false).ok());
+  EXPECT_TRUE(CheckListenAddress("0.0.0.0:5000", true).ok());
+  EXPECT_FALSE(CheckListenAddress("unix://", false).ok());
+}
+
+}  // namespace
+}  // namespace eps::service
