@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# The README's first command: installs, builds, and runs the main job.
-# For now: core/ selecting pages on a synthetic long-context workload.
+# The README's run command: installs, builds, starts epsd (CPU backend) on a
+# private Unix socket, and runs eps-demo against it step by step.
+# Extra arguments go to eps-demo, e.g. scripts/demo.sh --steps=32 --mode=stream
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh
-"${EPS_BUILD_DIR:-build}"/demo/eps_core_demo "$@"
+BUILD_DIR=${EPS_BUILD_DIR:-build}
+SOCKET_DIR=$(mktemp -d)
+SOCKET="unix://$SOCKET_DIR/epsd.sock"
+"$BUILD_DIR"/service/epsd --listen="$SOCKET" --backend=cpu &
+EPSD_PID=$!
+trap 'kill -TERM $EPSD_PID 2>/dev/null; wait $EPSD_PID 2>/dev/null; rm -rf "$SOCKET_DIR"' EXIT
+for _ in $(seq 100); do [[ -S "$SOCKET_DIR/epsd.sock" ]] && break; sleep 0.05; done
+"$BUILD_DIR"/demo/eps-demo --target="$SOCKET" "$@"
