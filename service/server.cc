@@ -59,6 +59,9 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   if (server->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
+  if (auto* health = server->server_->GetHealthCheckService()) {
+    health->SetServingStatus(v1::PageSelector::service_full_name(), true);
+  }
   server->bound_address_ = config.listen;
   if (!is_unix) {
     const size_t colon = config.listen.rfind(':');

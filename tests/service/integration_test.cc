@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "client/cpp/eps_client.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 #include "tests/service/epsd_process.h"
@@ -204,6 +205,21 @@ TEST_F(IntegrationTest, PingHeartbeatAndStatsAnswer) {
   ASSERT_EQ(stats.sessions_size(), 1);
   EXPECT_EQ(stats.sessions(0).engine_id(), "engine-stats");
   EXPECT_GT(stats.sessions(0).groups_total(), stats.sessions(0).groups_visited());
+}
+
+TEST_F(IntegrationTest, HealthServiceReportsServingForTheServerAndPageSelector) {
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("health"));
+  ASSERT_NE(epsd, nullptr);
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(epsd->target(), grpc::InsecureChannelCredentials()));
+  for (const std::string service : {"", "eps.v1.PageSelector"}) {
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    ASSERT_TRUE(health->Check(&context, request, &response).ok()) << "service '" << service << "'";
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
 }
 
 TEST_F(IntegrationTest, ReattachingWithTheSameEngineIdReplacesTheSession) {
