@@ -1,0 +1,577 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/phi.h"
+#include "gpu/cuda_check.h"
+#include "gpu/phi.cuh"
+#include "gpu/step.h"
+
+namespace eps::gpu {
+namespace {
+
+// The first error a kernel meets; the host turns it into a status.
+enum ErrorCode : int { kOk = 0, kBadSlot = 1, kBadBlock = 2, kBadScore = 3, kBadQuery = 4 };
+struct DeviceStatus {
+  int code;
+  int row, index, value;
+};
+// Step counters, summed with atomics.
+struct DeviceStats {
+  unsigned long long groups_visited, blocks_visited, visited_tokens;
+};
+struct DeviceRow {
+  int64_t table_row;
+  int64_t context_tokens;
+};
+
+__device__ void Fail(DeviceStatus* status, int code, int row, int index, int value) {
+  if (atomicCAS(&status->code, kOk, code) == kOk) {
+    status->row = row;
+    status->index = index;
+    status->value = value;
+  }
+}
+
+__device__ float LoadQuery(const void* q, int dtype, int64_t i) {
+  switch (dtype) {
+    case static_cast<int>(DType::kFloat16):
+      return __half2float(static_cast<const __half*>(q)[i]);
+    case static_cast<int>(DType::kBFloat16):
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(q)[i]);
+    default:
+      return static_cast<const float*>(q)[i];
+  }
+}
+
+// Φ bank [layers, kv_heads, d, m], generated once.
+__global__ void GeneratePhiKernel(uint64_t seed, int layers, int kv_heads, int per_matrix,
+                                  float scale, float* phi) {
+  const int64_t total = int64_t{layers} * kv_heads * per_matrix;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t matrix = e / per_matrix;
+    phi[e] = PhiElement(seed, static_cast<uint32_t>(matrix / kv_heads),
+                        static_cast<uint32_t>(matrix % kv_heads),
+                        static_cast<uint32_t>(e % per_matrix), scale);
+  }
+}
+
+struct Shape {
+  int layers, q_heads, kv_heads, d, m, packed, record_words, block_size, group_blocks;
+  int fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
+  int64_t max_batch, max_seqs, max_groups, max_blocks, num_slots, num_physical_blocks;
+  int query_dtype, method;
+};
+
+// Query terms [batch, layers, q_heads, packed + 1]: packed z zᵀ (off-diagonal
+// doubled), then ‖q‖. One block per (row, layer, q head).
+__global__ void QueryTermsKernel(Shape s, const void* queries, const float* phi, int rows,
+                                 float* terms, DeviceStatus* status) {
+  extern __shared__ float shared[];
+  float* q = shared;          // d
+  float* z = shared + s.d;    // m
+  const int h = blockIdx.x % s.q_heads;
+  const int layer = (blockIdx.x / s.q_heads) % s.layers;
+  const int row = blockIdx.x / (s.q_heads * s.layers);
+  if (row >= rows) return;
+  const int kvh = h / (s.q_heads / s.kv_heads);
+  const int64_t base = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
+  for (int i = threadIdx.x; i < s.d; i += blockDim.x) {
+    q[i] = LoadQuery(queries, s.query_dtype, base + i);
+    if (!isfinite(q[i])) Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
+  }
+  __syncthreads();
+  const float* matrix = phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
+  for (int j = threadIdx.x; j < s.m; j += blockDim.x) {
+    float acc = 0.0f;
+    for (int i = 0; i < s.d; ++i) acc += matrix[i * s.m + j] * q[i];
+    z[j] = acc;
+  }
+  __syncthreads();
+  float* out = terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * (s.packed + 1);
+  for (int p = threadIdx.x; p < s.packed; p += blockDim.x) {
+    int i = 0, rest = p;  // invert the packed index
+    while (rest >= s.m - i) {
+      rest -= s.m - i;
+      ++i;
+    }
+    const int j = i + rest;
+    out[p] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
+  }
+  if (threadIdx.x == 0) {
+    float n2 = 0.0f;
+    for (int i = 0; i < s.d; ++i) n2 += q[i] * q[i];
+    out[s.packed] = sqrtf(n2);
+  }
+}
+
+__device__ float FroScore(const float* rec, const Shape& s, float qnorm) {
+  return qnorm * sqrtf(fmaxf(rec[s.fro2], 0.0f));
+}
+
+// Scores [batch, layers, q_heads, max_groups]. Grid (group chunks, layers*kv_heads, rows).
+__global__ void ScoreKernel(Shape s, const float* pool, const int32_t* group_table,
+                            const int32_t* block_table, const void* queries, const DeviceRow* rows,
+                            const float* terms, const uint8_t* scored, float* scores,
+                            DeviceStatus* status) {
+  const int row = blockIdx.z;
+  const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
+  const int ratio = s.q_heads / s.kv_heads;
+  const int64_t tokens = rows[row].context_tokens;
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int64_t n = (nb + s.group_blocks - 1) / s.group_blocks;
+  const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (p >= n) return;
+  const int64_t table_row = rows[row].table_row;
+  // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
+  if (blockIdx.y == 0) {
+    for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
+      const int32_t id = block_table[table_row * s.max_blocks + b];
+      if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
+        Fail(status, kBadBlock, row, static_cast<int>(b), id);
+      }
+    }
+  }
+  const int32_t slot = group_table[table_row * s.max_groups + p];
+  if (slot < 0 || slot >= s.num_slots) {
+    Fail(status, kBadSlot, row, static_cast<int>(p), slot);
+    return;  // never read outside the pool
+  }
+  const float* rec =
+      pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
+  const bool stats_ok = isfinite(rec[s.fro2]) && isfinite(rec[s.max_norm]) && isfinite(rec[s.count]);
+  for (int r = 0; r < ratio; ++r) {
+    const int h = kvh * ratio + r;
+    if (scored != nullptr && !scored[layer * s.q_heads + h]) continue;
+    const float* t = terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * (s.packed + 1);
+    const float qnorm = t[s.packed];
+    float score = 0.0f;
+    switch (s.method) {
+      case 1: {  // jl: the record is 16-byte aligned, so read it 4 words at a time
+        float quad = 0.0f;
+        int w = 0;
+        for (; w + 4 <= s.packed; w += 4) {
+          const float4 g4 = *reinterpret_cast<const float4*>(rec + w);
+          quad += g4.x * t[w] + g4.y * t[w + 1] + g4.z * t[w + 2] + g4.w * t[w + 3];
+        }
+        for (; w < s.packed; ++w) quad += rec[w] * t[w];
+        score = sqrtf(fmaxf(quad, 0.0f));
+        if (isnan(quad)) score = quad;
+        break;
+      }
+      case 2: {  // 1pc (falls back to fro when absent or unsealed)
+        score = FroScore(rec, s, qnorm);
+        if (s.principal < 0 || rec[s.principal + 2] == 0.0f) break;
+        const int64_t qbase = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
+        const int8_t* u = reinterpret_cast<const int8_t*>(rec + s.principal + 3);
+        float dot = 0.0f;
+        for (int i = 0; i < s.d; ++i) dot += static_cast<float>(u[i]) * LoadQuery(queries, s.query_dtype, qbase + i);
+        const float along = fabsf(dot * rec[s.principal + 2]);
+        const float q2 = qnorm * qnorm;
+        const float perp = sqrtf(fmaxf(q2 - along * along, 0.0f) + ldexpf(static_cast<float>(s.d), -22) * q2);
+        const float fro2 = fmaxf(rec[s.fro2], 0.0f);
+        const float pad = ldexpf(rec[s.count] + static_cast<float>(s.d), -22) * fro2;
+        score = fminf(sqrtf(fmaxf(rec[s.principal], 0.0f)) * along +
+                          sqrtf(fmaxf(rec[s.principal + 1], 0.0f) + pad) * perp,
+                      score);
+        break;
+      }
+      case 3:  // fro
+        score = FroScore(rec, s, qnorm);
+        break;
+      case 4: {  // quest
+        if (s.quest_min < 0) {
+          score = FroScore(rec, s, qnorm);
+          break;
+        }
+        if (rec[s.count] <= 0.0f) {
+          score = -INFINITY;
+          break;
+        }
+        const int64_t qbase = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
+        float sum = 0.0f;
+        for (int i = 0; i < s.d; ++i) {
+          const float qi = LoadQuery(queries, s.query_dtype, qbase + i);
+          sum += fmaxf(qi * rec[s.quest_min + i], qi * rec[s.quest_max + i]);
+        }
+        score = sum;
+        break;
+      }
+      default:
+        break;
+    }
+    if (isnan(score) || score == INFINITY || !stats_ok) {
+      Fail(status, kBadScore, row, static_cast<int>(p), slot);
+    }
+    scores[((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p] = score;
+  }
+}
+
+// Float -> unsigned key with the same order.
+__device__ unsigned OrderedKey(float f) {
+  const unsigned bits = __float_as_uint(f);
+  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+__device__ float KeyToFloat(unsigned key) {
+  return __uint_as_float((key & 0x80000000u) ? key & 0x7FFFFFFFu : ~key);
+}
+
+__device__ bool IsForced(int p, int n, int first_n, int last_n) {
+  return p < first_n || p >= n - last_n || p == n - 1;
+}
+
+// One warp per (row, layer, q head): the top_pages-th largest score among the
+// unforced groups by exact bitwise radix select (32 passes of a warp-wide
+// count), then the threshold T/α (T·α when T ≤ 0). Unscored heads get +inf
+// (they add nothing); heads with at most top_pages unforced groups get -inf.
+__global__ void ThresholdKernel(Shape s, float alpha, int first_n, int last_n, int top_pages,
+                                int warps, const DeviceRow* rows, const uint8_t* scored,
+                                const float* scores, float* thresholds,
+                                const DeviceStatus* status) {
+  const int warp = static_cast<int>((blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32);
+  const int lane = threadIdx.x % 32;
+  if (warp >= warps || status->code != kOk) return;
+  const int h = warp % s.q_heads;
+  const int layer = (warp / s.q_heads) % s.layers;
+  const int row = warp / (s.q_heads * s.layers);
+  if (scored != nullptr && !scored[layer * s.q_heads + h]) {
+    if (lane == 0) thresholds[warp] = INFINITY;
+    return;
+  }
+  const int64_t tokens = rows[row].context_tokens;
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int n = static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
+  const float* sc = scores + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups;
+  unsigned local = 0;
+  for (int p = lane; p < n; p += 32) local += !IsForced(p, n, first_n, last_n);
+  const unsigned unforced = __reduce_add_sync(0xFFFFFFFFu, local);
+  float threshold = -INFINITY;
+  if (unforced > static_cast<unsigned>(top_pages)) {
+    unsigned prefix = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const unsigned candidate = prefix | (1u << bit);
+      unsigned count = 0;
+      for (int p = lane; p < n; p += 32) {
+        count += !IsForced(p, n, first_n, last_n) && OrderedKey(sc[p]) >= candidate;
+      }
+      if (__reduce_add_sync(0xFFFFFFFFu, count) >= static_cast<unsigned>(top_pages)) {
+        prefix = candidate;
+      }
+    }
+    const float t = KeyToFloat(prefix);
+    threshold = t > 0.0f ? t / alpha : t * alpha;
+  }
+  if (lane == 0) thresholds[warp] = threshold;
+}
+
+// Per (layer, row): the union over heads of groups at or above their head's
+// threshold, plus forced groups, compacted into visit_blocks / visit_count.
+__global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
+                             const int32_t* block_table, const DeviceRow* rows,
+                             const float* scores, const float* thresholds, int32_t* visit_blocks,
+                             int32_t* visit_count, const DeviceStatus* status,
+                             DeviceStats* stats) {
+  extern __shared__ unsigned char visit[];
+  __shared__ float head_threshold[256];
+  __shared__ unsigned counts[256];
+  if (status->code != kOk) return;  // an earlier kernel failed: write nothing
+  const int layer = blockIdx.x, row = blockIdx.y;
+  const int64_t tokens = rows[row].context_tokens;
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int n = static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
+  const int64_t head_base = (int64_t{row} * s.layers + layer) * s.q_heads;
+  for (int h = threadIdx.x; h < s.q_heads && !method_off; h += blockDim.x) {
+    head_threshold[h] = thresholds[head_base + h];
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += blockDim.x) {
+    bool v = method_off || IsForced(p, n, first_n, last_n);
+    for (int h = 0; h < s.q_heads && !v; ++h) {
+      v = scores[(head_base + h) * s.max_groups + p] >= head_threshold[h];
+    }
+    visit[p] = v;
+  }
+  __syncthreads();
+  // Compaction: thread t owns a contiguous chunk of groups, in logical order.
+  const int chunk = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
+  unsigned mine = 0, groups = 0;
+  for (int p = begin; p < end; ++p) {
+    if (visit[p]) {
+      mine += static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) - int64_t{p} * s.group_blocks);
+      ++groups;
+    }
+  }
+  counts[threadIdx.x] = mine;
+  __syncthreads();
+  for (int stride = 1; stride < blockDim.x; stride *= 2) {  // inclusive scan
+    const unsigned add = threadIdx.x >= stride ? counts[threadIdx.x - stride] : 0;
+    __syncthreads();
+    counts[threadIdx.x] += add;
+    __syncthreads();
+  }
+  const int64_t table_row = rows[row].table_row;
+  const int64_t out = (int64_t{layer} * s.max_batch + row) * s.max_blocks;
+  unsigned at = counts[threadIdx.x] - mine;
+  for (int p = begin; p < end; ++p) {
+    if (!visit[p]) continue;
+    for (int64_t b = int64_t{p} * s.group_blocks; b < min(nb, int64_t{p + 1} * s.group_blocks); ++b) {
+      visit_blocks[out + at++] = block_table[table_row * s.max_blocks + b];
+    }
+  }
+  if (groups > 0) atomicAdd(&stats->groups_visited, groups);
+  if (threadIdx.x == blockDim.x - 1) {
+    const unsigned total = counts[threadIdx.x];
+    visit_count[int64_t{layer} * s.max_batch + row] = static_cast<int32_t>(total);
+    atomicAdd(&stats->blocks_visited, total);
+    const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
+    atomicAdd(&stats->visited_tokens,
+              static_cast<unsigned long long>(total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
+  }
+}
+
+}  // namespace
+
+bool DeviceAvailable() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+struct GpuSelector::Impl {
+  ModelLayout model;
+  SummaryLayout layout;
+  int device = 0;
+  int64_t max_batch = 0, max_groups = 0;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  DeviceBuffer<float> phi, terms, scores, thresholds;
+  DeviceBuffer<DeviceRow> rows;
+  DeviceBuffer<uint8_t> scored;
+  DeviceBuffer<DeviceStatus> status;
+  DeviceBuffer<DeviceStats> stats;
+
+  ~Impl() {
+    if (start != nullptr) cudaEventDestroy(start);
+    if (stop != nullptr) cudaEventDestroy(stop);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+GpuSelector::GpuSelector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GpuSelector::~GpuSelector() = default;
+
+absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayout& model,
+                                                                 int device, int64_t max_batch,
+                                                                 int64_t max_groups) {
+  if (absl::Status s = model.Validate(); !s.ok()) return s;
+  if (model.num_q_heads > 256) {
+    return absl::InvalidArgumentError("the GPU pre-pass supports at most 256 query heads");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->model = model;
+  impl->layout = SummaryLayout::For(model);
+  impl->device = device;
+  impl->max_batch = max_batch;
+  impl->max_groups = max_groups;
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
+  const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
+  RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
+  RETURN_IF_CUDA_ALLOC(impl->terms, max_batch * model.num_layers * model.num_q_heads *
+                                        (PackedSize(model.sketch_dim) + 1));
+  RETURN_IF_CUDA_ALLOC(impl->scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
+  RETURN_IF_CUDA_ALLOC(impl->thresholds, max_batch * model.num_layers * model.num_q_heads);
+  RETURN_IF_CUDA_ALLOC(impl->rows, max_batch);
+  RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
+  RETURN_IF_CUDA_ALLOC(impl->status, 1);
+  RETURN_IF_CUDA_ALLOC(impl->stats, 1);
+  GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
+                                                   model.num_kv_heads, static_cast<int>(per_matrix),
+                                                   PhiScale(model.sketch_dim), impl->phi.get());
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl->stream));
+  return std::unique_ptr<GpuSelector>(new GpuSelector(std::move(impl)));
+}
+
+absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& policy,
+                                 const StepOutputs& out, StepStats* stats, float* prepass_us) {
+  Impl& g = *impl_;
+  const ModelLayout& m = g.model;
+  if (absl::Status s = policy.Validate(m); !s.ok()) return s;
+  if (policy.strict || policy.budget != Budget::kThreshold ||
+      policy.granularity != Granularity::kUnion) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the GPU pre-pass supports the threshold budget with union output; got strict=",
+        policy.strict, " budget=", BudgetName(policy.budget),
+        " granularity=", GranularityName(policy.granularity)));
+  }
+  const int64_t batch = static_cast<int64_t>(in.rows.size());
+  if (batch == 0) return absl::OkStatus();
+  if (batch > in.max_batch || batch > g.max_batch) {
+    return absl::InvalidArgumentError(absl::StrCat("batch of ", batch, " rows exceeds max_batch=",
+                                                   std::min(in.max_batch, g.max_batch)));
+  }
+  if (in.max_groups > g.max_groups) {
+    return absl::InvalidArgumentError(absl::StrCat("max_groups=", in.max_groups,
+                                                   " exceeds the selector's ", g.max_groups));
+  }
+  std::vector<DeviceRow> rows(batch);
+  StepStats host;
+  const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
+  for (int64_t i = 0; i < batch; ++i) {
+    const StepRow& r = in.rows[i];
+    if (r.table_row < 0 || r.table_row >= in.max_seqs) {
+      return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].table_row=", r.table_row,
+                                                     " not in [0, ", in.max_seqs, ")"));
+    }
+    const int64_t nb = BlocksFor(r.context_tokens, m.block_size);
+    const int64_t n = GroupsFor(r.context_tokens, m);
+    if (r.context_tokens < 1 || nb > in.max_blocks || n > in.max_groups) {
+      return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].context_tokens=",
+                                                     r.context_tokens, " out of range"));
+    }
+    rows[i] = {r.table_row, r.context_tokens};
+    host.groups_total += n * m.num_layers;
+    host.blocks_total += nb * m.num_layers;
+    host.kv_bytes_dense += r.context_tokens * m.num_kv_heads * kv_token_bytes * m.num_layers;
+  }
+  const bool retrieval = policy.heads == HeadMode::kRetrieval;
+  Shape s{};
+  s.layers = m.num_layers;
+  s.q_heads = m.num_q_heads;
+  s.kv_heads = m.num_kv_heads;
+  s.d = m.head_dim;
+  s.m = m.sketch_dim;
+  s.packed = PackedSize(m.sketch_dim);
+  s.record_words = g.layout.record_words;
+  s.block_size = m.block_size;
+  s.group_blocks = m.group_blocks;
+  s.fro2 = g.layout.fro2;
+  s.max_norm = g.layout.max_norm;
+  s.count = g.layout.count;
+  s.key_sum = g.layout.key_sum;
+  s.quest_min = g.layout.quest_min;
+  s.quest_max = g.layout.quest_max;
+  s.principal = g.layout.principal;
+  s.max_batch = in.max_batch;
+  s.max_seqs = in.max_seqs;
+  s.max_groups = in.max_groups;
+  s.max_blocks = in.max_blocks;
+  s.num_slots = in.num_slots;
+  s.num_physical_blocks = in.num_physical_blocks;
+  s.query_dtype = static_cast<int>(in.query_dtype);
+  s.method = static_cast<int>(policy.method);
+
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.rows.get(), rows.data(), batch * sizeof(DeviceRow),
+                                       cudaMemcpyHostToDevice, g.stream));
+  if (retrieval) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), policy.retrieval_heads.data(),
+                                         policy.retrieval_heads.size(), cudaMemcpyHostToDevice,
+                                         g.stream));
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.status.get(), 0, sizeof(DeviceStatus), g.stream));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.stats.get(), 0, sizeof(DeviceStats), g.stream));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
+  const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
+  QueryTermsKernel<<<batch * m.num_layers * m.num_q_heads, 64, (s.d + s.m) * sizeof(float),
+                     g.stream>>>(s, in.queries, g.phi.get(), static_cast<int>(batch),
+                                 g.terms.get(), g.status.get());
+  int64_t max_n = 0;
+  for (const DeviceRow& r : rows) max_n = std::max(max_n, GroupsFor(r.context_tokens, m));
+  const dim3 score_grid(static_cast<unsigned>((max_n + 127) / 128),
+                        static_cast<unsigned>(m.num_layers * m.num_kv_heads),
+                        static_cast<unsigned>(batch));
+  if (policy.method != Method::kOff) {
+    ScoreKernel<<<score_grid, 128, 0, g.stream>>>(s, in.summary_pool, in.group_table,
+                                                  in.block_table, in.queries, g.rows.get(),
+                                                  g.terms.get(), scored, g.scores.get(),
+                                                  g.status.get());
+  }
+  const int warps = static_cast<int>(batch * m.num_layers * m.num_q_heads);
+  if (policy.method != Method::kOff) {
+    ThresholdKernel<<<(warps + 7) / 8, 256, 0, g.stream>>>(
+        s, policy.alpha, policy.first_n, policy.last_n, policy.top_pages, warps, g.rows.get(),
+        scored, g.scores.get(), g.thresholds.get(), g.status.get());
+  }
+  SelectKernel<<<dim3(m.num_layers, static_cast<unsigned>(batch)), 256, in.max_groups, g.stream>>>(
+      s, policy.first_n, policy.last_n, policy.method == Method::kOff, in.block_table,
+      g.rows.get(), g.scores.get(), g.thresholds.get(), out.visit_blocks, out.visit_count,
+      g.status.get(), g.stats.get());
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
+  DeviceStatus status{};
+  DeviceStats dstats{};
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&status, g.status.get(), sizeof(status), cudaMemcpyDeviceToHost, g.stream));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&dstats, g.stats.get(), sizeof(dstats), cudaMemcpyDeviceToHost, g.stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(g.stream));
+  if (prepass_us != nullptr) {
+    float ms = 0.0f;
+    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, g.start, g.stop));
+    *prepass_us = ms * 1000.0f;
+  }
+  switch (status.code) {
+    case kBadSlot:
+      return absl::InvalidArgumentError(absl::StrCat("group_table[", in.rows[status.row].table_row, "][",
+                                                     status.index, "]=", status.value,
+                                                     " not in [0, ", in.num_slots, ")"));
+    case kBadBlock:
+      return absl::InvalidArgumentError(absl::StrCat("block_table[", in.rows[status.row].table_row, "][",
+                                                     status.index, "]=", status.value, " not in [0, ",
+                                                     in.num_physical_blocks, ")"));
+    case kBadScore:
+      return absl::InvalidArgumentError(absl::StrCat("summary of slot ", status.value,
+                                                     " gives a non-finite score: the summary "
+                                                     "holds NaN or Inf"));
+    case kBadQuery:
+      return absl::InvalidArgumentError(absl::StrCat("query of row ", status.row,
+                                                     " element ", status.index, " is not finite"));
+    default:
+      break;
+  }
+  if (stats != nullptr) {
+    host.groups_visited = static_cast<int64_t>(dstats.groups_visited);
+    host.blocks_visited = static_cast<int64_t>(dstats.blocks_visited);
+    host.kv_bytes_read_est = static_cast<int64_t>(dstats.visited_tokens) * m.num_kv_heads * kv_token_bytes;
+    int scored_kv_heads_total = 0;  // summary bytes: per layer, KV heads with a scored head
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
+        bool any = policy.method != Method::kOff;
+        if (retrieval) {
+          any = false;
+          for (int h = kvh * m.gqa_ratio(); h < (kvh + 1) * m.gqa_ratio(); ++h) {
+            any |= policy.retrieval_heads[layer * m.num_q_heads + h] != 0;
+          }
+        }
+        scored_kv_heads_total += any;
+      }
+    }
+    int64_t groups = 0;
+    for (const DeviceRow& r : rows) groups += GroupsFor(r.context_tokens, m);
+    host.summary_bytes_read = groups * scored_kv_heads_total * g.layout.record_bytes();
+    *stats = host;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GeneratePhiOnDevice(uint64_t seed, int layer, int kv_head, int head_dim, int m,
+                                 float* host_out) {
+  const int per_matrix = head_dim * m;
+  DeviceBuffer<float> all;
+  RETURN_IF_CUDA_ALLOC(all, int64_t{layer + 1} * (kv_head + 1) * per_matrix);
+  GeneratePhiKernel<<<64, 256>>>(seed, layer + 1, kv_head + 1, per_matrix, PhiScale(m), all.get());
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const int64_t offset = (int64_t{layer} * (kv_head + 1) + kv_head) * per_matrix;
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(host_out, all.get() + offset, per_matrix * sizeof(float),
+                                  cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
+}  // namespace eps::gpu
