@@ -22,8 +22,8 @@ int main() {
   cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0);
   const double peak_gbs = 2.0 * clock_khz * 1e3 * (bus_bits / 8) / 1e9;
   std::printf("device: %s, theoretical memory bandwidth %.0f GB/s\n", prop.name, peak_gbs);
-  std::printf("%6s %8s %12s %12s %12s %10s %10s\n", "batch", "context", "summary MB", "p50 us",
-              "floor us", "GB/s", "visited%");
+  std::printf("%6s %8s %12s %12s %12s %10s %10s %9s %9s\n", "batch", "context", "summary MB",
+              "jl p50 us", "floor us", "GB/s", "visited%", "fro us", "off us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;
@@ -60,24 +60,34 @@ int main() {
       in.block_table = static_cast<const int32_t*>(blocks);
       in.queries = queries;
       auto selector = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
-      eps::SelectPolicy policy;
-      std::vector<float> times;
+      // jl is the product; off (no scoring) and fro (one word read per record)
+      // split the time into its parts by subtraction.
+      float p50_by_method[3] = {0, 0, 0};
       eps::StepStats stats;
-      for (int i = 0; i < 60; ++i) {
-        float us = 0;
-        const absl::Status s = (*selector)->Select(in, policy, {static_cast<int32_t*>(visit), static_cast<int32_t*>(count)}, &stats, &us);
-        if (!s.ok()) {
-          std::printf("error: %s\n", s.ToString().c_str());
-          return 1;
+      const eps::Method methods[3] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff};
+      for (int k = 0; k < 3; ++k) {
+        eps::SelectPolicy policy;
+        policy.method = methods[k];
+        std::vector<float> times;
+        eps::StepStats method_stats;
+        for (int i = 0; i < 60; ++i) {
+          float us = 0;
+          const absl::Status s = (*selector)->Select(in, policy, {static_cast<int32_t*>(visit), static_cast<int32_t*>(count)}, &method_stats, &us);
+          if (!s.ok()) {
+            std::printf("error: %s\n", s.ToString().c_str());
+            return 1;
+          }
+          if (i >= 10) times.push_back(us);  // warm-up excluded
         }
-        if (i >= 10) times.push_back(us);  // warm-up excluded
+        std::sort(times.begin(), times.end());
+        p50_by_method[k] = times[times.size() / 2];
+        if (k == 0) stats = method_stats;
       }
-      std::sort(times.begin(), times.end());
       const double mb = stats.summary_bytes_read / 1e6;
-      const double p50 = times[times.size() / 2];
-      std::printf("%6d %8lld %12.1f %12.1f %12.1f %10.0f %9.1f%%\n", batch, static_cast<long long>(context), mb,
+      const double p50 = p50_by_method[0];
+      std::printf("%6d %8lld %12.1f %12.1f %12.1f %10.0f %9.1f%% %9.1f %9.1f\n", batch, static_cast<long long>(context), mb,
                   p50, mb * 1e6 / (peak_gbs * 1e9) * 1e6, mb * 1e6 / (p50 * 1e-6) / 1e9,
-                  100.0 * stats.groups_visited / stats.groups_total);
+                  100.0 * stats.groups_visited / stats.groups_total, p50_by_method[1], p50_by_method[2]);
       for (void* p : {pool, groups, blocks, queries, visit, count}) cudaFree(p);
     }
   }

@@ -69,45 +69,44 @@ struct Shape {
 };
 
 // Query terms [batch, layers, q_heads, packed + 1]: packed z zᵀ (off-diagonal
-// doubled), then ‖q‖. One block per (row, layer, q head).
-__global__ void QueryTermsKernel(Shape s, const void* queries, const float* phi, int rows,
+// doubled), then ‖q‖. One warp per (row, layer, q head); lanes split the d
+// dimension and reduce with shuffles.
+__global__ void QueryTermsKernel(Shape s, const void* queries, const float* phi, int warps,
                                  float* terms, DeviceStatus* status) {
-  extern __shared__ float shared[];
-  float* q = shared;          // d
-  float* z = shared + s.d;    // m
-  const int h = blockIdx.x % s.q_heads;
-  const int layer = (blockIdx.x / s.q_heads) % s.layers;
-  const int row = blockIdx.x / (s.q_heads * s.layers);
-  if (row >= rows) return;
+  __shared__ float z_shared[8][64];
+  const int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = blockIdx.x * (blockDim.x / 32) + warp_in_block;
+  if (warp >= warps) return;
+  const int h = warp % s.q_heads;
+  const int layer = (warp / s.q_heads) % s.layers;
+  const int row = warp / (s.q_heads * s.layers);
   const int kvh = h / (s.q_heads / s.kv_heads);
   const int64_t base = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-  for (int i = threadIdx.x; i < s.d; i += blockDim.x) {
-    q[i] = LoadQuery(queries, s.query_dtype, base + i);
-    if (!isfinite(q[i])) Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
-  }
-  __syncthreads();
   const float* matrix = phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
-  for (int j = threadIdx.x; j < s.m; j += blockDim.x) {
-    float acc = 0.0f;
-    for (int i = 0; i < s.d; ++i) acc += matrix[i * s.m + j] * q[i];
-    z[j] = acc;
-  }
-  __syncthreads();
-  float* out = terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * (s.packed + 1);
-  for (int p = threadIdx.x; p < s.packed; p += blockDim.x) {
-    int i = 0, rest = p;  // invert the packed index
-    while (rest >= s.m - i) {
-      rest -= s.m - i;
-      ++i;
+  float* z = z_shared[warp_in_block];
+  float n2 = 0.0f;
+  for (int j = 0; j < s.m; ++j) {
+    float partial = 0.0f;
+    for (int i = lane; i < s.d; i += 32) {
+      const float qi = LoadQuery(queries, s.query_dtype, base + i);
+      partial += matrix[i * s.m + j] * qi;
+      if (j == 0) {
+        n2 += qi * qi;
+        if (!isfinite(qi)) Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
+      }
     }
-    const int j = i + rest;
-    out[p] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
+    for (int offset = 16; offset > 0; offset /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, offset);
+    if (lane == 0) z[j] = partial;
   }
-  if (threadIdx.x == 0) {
-    float n2 = 0.0f;
-    for (int i = 0; i < s.d; ++i) n2 += q[i] * q[i];
-    out[s.packed] = sqrtf(n2);
+  for (int offset = 16; offset > 0; offset /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, offset);
+  __syncwarp();
+  float* out = terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * (s.packed + 1);
+  for (int i = 0, p = 0; i < s.m; ++i) {
+    for (int j = i; j < s.m; ++j, ++p) {
+      if (p % 32 == lane) out[p] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
+    }
   }
+  if (lane == 0) out[s.packed] = sqrtf(n2);
 }
 
 __device__ float FroScore(const float* rec, const Shape& s, float qnorm) {
@@ -233,6 +232,7 @@ __global__ void ThresholdKernel(Shape s, float alpha, int first_n, int last_n, i
                                 int warps, const DeviceRow* rows, const uint8_t* scored,
                                 const float* scores, float* thresholds,
                                 const DeviceStatus* status) {
+  __shared__ unsigned histograms[8][256];
   const int warp = static_cast<int>((blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32);
   const int lane = threadIdx.x % 32;
   if (warp >= warps || status->code != kOk) return;
@@ -252,16 +252,40 @@ __global__ void ThresholdKernel(Shape s, float alpha, int first_n, int last_n, i
   const unsigned unforced = __reduce_add_sync(0xFFFFFFFFu, local);
   float threshold = -INFINITY;
   if (unforced > static_cast<unsigned>(top_pages)) {
-    unsigned prefix = 0;
-    for (int bit = 31; bit >= 0; --bit) {
-      const unsigned candidate = prefix | (1u << bit);
-      unsigned count = 0;
+    // 8 bits at a time: a 256-bin histogram of the keys that share the prefix
+    // found so far, then the bin where the count from the top reaches k.
+    unsigned* histogram = histograms[threadIdx.x / 32];
+    unsigned prefix = 0, prefix_mask = 0, k = static_cast<unsigned>(top_pages);
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int b = lane; b < 256; b += 32) histogram[b] = 0;
+      __syncwarp();
       for (int p = lane; p < n; p += 32) {
-        count += !IsForced(p, n, first_n, last_n) && OrderedKey(sc[p]) >= candidate;
+        const unsigned key = OrderedKey(sc[p]);
+        if (!IsForced(p, n, first_n, last_n) && (key & prefix_mask) == prefix) {
+          atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
+        }
       }
-      if (__reduce_add_sync(0xFFFFFFFFu, count) >= static_cast<unsigned>(top_pages)) {
-        prefix = candidate;
+      __syncwarp();
+      // Lane 0 walks the bins from the top until the count reaches k.
+      int chosen = -1;
+      unsigned before = 0;
+      if (lane == 0) {
+        unsigned acc = 0;
+        for (int b = 255; b >= 0; --b) {
+          if (acc + histogram[b] >= k) {
+            chosen = b;
+            before = acc;
+            break;
+          }
+          acc += histogram[b];
+        }
       }
+      chosen = __shfl_sync(0xFFFFFFFFu, chosen, 0);
+      before = __shfl_sync(0xFFFFFFFFu, before, 0);
+      prefix |= static_cast<unsigned>(chosen) << shift;
+      prefix_mask |= 0xFFu << shift;
+      k -= before;
+      __syncwarp();
     }
     const float t = KeyToFloat(prefix);
     threshold = t > 0.0f ? t / alpha : t * alpha;
@@ -369,8 +393,8 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
                                                                  int device, int64_t max_batch,
                                                                  int64_t max_groups) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
-  if (model.num_q_heads > 256) {
-    return absl::InvalidArgumentError("the GPU pre-pass supports at most 256 query heads");
+  if (model.num_q_heads > 256 || model.sketch_dim > 64) {
+    return absl::InvalidArgumentError("the GPU pre-pass supports at most 256 query heads, m <= 64");
   }
   auto impl = std::make_unique<Impl>();
   impl->model = model;
@@ -481,9 +505,9 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.stats.get(), 0, sizeof(DeviceStats), g.stream));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
-  QueryTermsKernel<<<batch * m.num_layers * m.num_q_heads, 64, (s.d + s.m) * sizeof(float),
-                     g.stream>>>(s, in.queries, g.phi.get(), static_cast<int>(batch),
-                                 g.terms.get(), g.status.get());
+  const int query_warps = static_cast<int>(batch * m.num_layers * m.num_q_heads);
+  QueryTermsKernel<<<(query_warps + 7) / 8, 256, 0, g.stream>>>(s, in.queries, g.phi.get(), query_warps,
+                                                                 g.terms.get(), g.status.get());
   int64_t max_n = 0;
   for (const DeviceRow& r : rows) max_n = std::max(max_n, GroupsFor(r.context_tokens, m));
   const dim3 score_grid(static_cast<unsigned>((max_n + 127) / 128),
