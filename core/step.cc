@@ -158,8 +158,15 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
           scores.resize(n);
           brackets.resize(n);
           for (int64_t p = 0; p < n; ++p) {
+            // The tables live in memory the engine may write during the step:
+            // read each slot once and re-check it before it becomes an index.
+            const int32_t slot = slots[p];
+            if (slot < 0 || slot >= in.num_slots) {
+              return absl::InvalidArgumentError(absl::StrCat(
+                  "group_table[", row.table_row, "][", p, "]=", slot, " changed during the step"));
+            }
             const int64_t record_index =
-                (static_cast<int64_t>(slots[p]) * model_.num_layers + layer) * kv_heads + kvh;
+                (static_cast<int64_t>(slot) * model_.num_layers + layer) * kv_heads + kvh;
             const std::span<const float> record(
                 in.summary_pool + record_index * layout_.record_words, layout_.record_words);
             if (policy.strict) {
@@ -172,7 +179,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
             if (std::isnan(scores[p]) || scores[p] == kInf || !std::isfinite(stat[0]) ||
                 !std::isfinite(stat[1]) || !std::isfinite(stat[2])) {
               return absl::InvalidArgumentError(absl::StrCat(
-                  "summary of slot ", slots[p], " (layer ", layer, ", kv_head ", kvh,
+                  "summary of slot ", slot, " (layer ", layer, ", kv_head ", kvh,
                   ") gives a non-finite score: the summary holds NaN or Inf"));
             }
           }

@@ -79,7 +79,7 @@ const std::map<std::string, Flag>& Flags() {
           return absl::OkStatus();
         }}},
       {"backend",
-       {"cpu | cuda | auto (cuda when a device is present)",
+       {"cpu | cuda | auto (this version serves cpu; cuda is refused until the CUDA backend lands)",
         [](const std::string& v, ServerConfig& c) {
           if (v == "cpu") c.backend = BackendKind::kCpu;
           else if (v == "cuda") c.backend = BackendKind::kCuda;
@@ -137,7 +137,7 @@ const std::map<std::string, Flag>& Flags() {
           c.policy.top_p = p;
           return absl::OkStatus();
         }}},
-      {"lease-ms", {"session lease in ms, renewed by any call (default 10000)", Number<uint32_t>("lease-ms", &ServerConfig::lease_ms, 50, 3600000)}},
+      {"lease-ms", {"session lease in ms, renewed by Attach, SelectPages and Heartbeat (default 10000)", Number<uint32_t>("lease-ms", &ServerConfig::lease_ms, 50, 3600000)}},
       {"max-sessions", {"sessions at once (default 64)", Number<uint32_t>("max-sessions", &ServerConfig::max_sessions, 1, 100000)}},
       {"max-batch", {"rows per step (default 1024)", Number<uint32_t>("max-batch", &ServerConfig::max_batch, 1, 1u << 20)}},
       {"max-message-bytes", {"largest gRPC message (default 64 MiB)", Number<uint32_t>("max-message-bytes", &ServerConfig::max_message_bytes, 1024, 1u << 30)}},

@@ -65,7 +65,7 @@ absl::StatusOr<const HostMemory*> MappingCache::Resolve(const v1::MemoryDescript
     case v1::MemoryDescriptor::kCudaVmm:
       return absl::FailedPreconditionError(absl::StrCat(
           name, " is CUDA device memory, which the cpu backend cannot read; attach with "
-                "host_shm or inline_bytes, or with backend=BACKEND_CUDA"));
+                "host_shm or inline_bytes (this server has no CUDA backend yet)"));
     case v1::MemoryDescriptor::MEMORY_NOT_SET:
       break;
   }

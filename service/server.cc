@@ -1,6 +1,8 @@
 #include "service/server.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,6 +17,22 @@
 #include "grpcpp/server_builder.h"
 
 namespace eps::service {
+namespace {
+
+// True when something accepts connections on the Unix socket at `path`.
+bool SocketIsLive(const std::string& path) {
+  sockaddr_un address{};
+  if (path.size() >= sizeof(address.sun_path)) return false;
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool live = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  close(fd);
+  return live;
+}
+
+}  // namespace
 
 absl::Status CheckListenAddress(const std::string& listen, bool allow_remote) {
   if (absl::StartsWith(listen, "unix://")) {
@@ -41,6 +59,10 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
     const std::string path = config.listen.substr(7);
+    if (SocketIsLive(path)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("another server is listening on ", path, "; not taking it over"));
+    }
     if (unlink(path.c_str()) != 0 && errno != ENOENT) {
       return absl::FailedPreconditionError(
           absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
@@ -90,7 +112,11 @@ void EpsServer::Wait() {
 EpsServer::~EpsServer() {
   Shutdown();
   Wait();
-  if (absl::StartsWith(config_.listen, "unix://")) unlink(config_.listen.substr(7).c_str());
+  // Only a server that bound the socket removes it: a refused start must not
+  // delete the socket of the server that is live on that path.
+  if (server_ != nullptr && absl::StartsWith(config_.listen, "unix://")) {
+    unlink(config_.listen.substr(7).c_str());
+  }
 }
 
 }  // namespace eps::service

@@ -2,6 +2,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -129,23 +130,51 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
 }
 
 EpsClient::~EpsClient() {
+  if (pending_attach_.valid()) pending_attach_.wait();
   if (stream_) stream_->Close();
   ReapAbandoned(/*wait=*/true);  // cancelled calls finish promptly
 }
 
-absl::Status EpsClient::Attach() {
+absl::StatusOr<std::string> EpsClient::CallAttach() const {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
   v1::AttachResponse response;
   const grpc::Status status = stub_->Attach(&context, attach_, &response);
-  if (!status.ok()) {
+  if (!status.ok()) return FromGrpc(status);
+  return response.session_id();
+}
+
+absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
+  if (!attached.ok()) {
     next_attach_try_ = std::chrono::steady_clock::now() + options_.reattach_backoff;
-    return FromGrpc(status);
+    return attached.status();
   }
   if (attached_before_) reattaches_.fetch_add(1);
   attached_before_ = true;
-  session_id_ = response.session_id();
+  session_id_ = *attached;
   return absl::OkStatus();
+}
+
+absl::Status EpsClient::Attach() {
+  if (pending_attach_.valid()) pending_attach_.wait();  // finish a background one first
+  if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());
+  return Adopt(CallAttach());
+}
+
+// Not attached: collects a finished background re-attach, or starts one when
+// the backoff allows. Never waits; the step falls back meanwhile.
+absl::Status EpsClient::PollReattach() {
+  if (pending_attach_.valid()) {
+    if (pending_attach_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      return absl::UnavailableError("re-attach in progress");
+    }
+    return Adopt(pending_attach_.get());
+  }
+  if (std::chrono::steady_clock::now() < next_attach_try_) {
+    return absl::UnavailableError("not attached; re-attach backing off");
+  }
+  pending_attach_ = std::async(std::launch::async, [this] { return CallAttach(); });
+  return absl::UnavailableError("not attached; re-attach started");
 }
 
 absl::Status EpsClient::Detach() {
@@ -269,11 +298,16 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   steps_.fetch_add(1);
   const auto start = std::chrono::steady_clock::now();
   if (session_id_.empty()) {
-    if (start < next_attach_try_) {
-      return Fallback(absl::UnavailableError("not attached; re-attach backing off"),
-                      fb_not_attached_);
+    absl::Status s = PollReattach();
+    if (!s.ok()) {
+      if (!options_.fail_open) {
+        errors_.fetch_add(1);
+        StepResult result;
+        result.status = s;
+        return result;
+      }
+      return Fallback(s, fb_not_attached_);
     }
-    if (absl::Status s = Attach(); !s.ok()) return Fallback(s, fb_not_attached_);
   }
   v1::SelectPagesRequest request;
   request.set_session_id(session_id_);
@@ -289,8 +323,9 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
     selected_.fetch_add(1);
     return result;
   }
+  if (status.code() == absl::StatusCode::kNotFound) session_id_.clear();  // re-attach next step
   if (!options_.fail_open) {
-    fb_error_.fetch_add(1);
+    errors_.fetch_add(1);
     result.status = status;
     return result;
   }
@@ -298,7 +333,6 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
     case absl::StatusCode::kDeadlineExceeded:
       return Fallback(status, fb_deadline_);
     case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
-      session_id_.clear();
       if (stream_) {
         stream_->Close();
         stream_.reset();
@@ -324,6 +358,7 @@ ClientCounters EpsClient::counters() const {
   c.fallback_not_attached = fb_not_attached_.load();
   c.fallback_error = fb_error_.load();
   c.reattaches = reattaches_.load();
+  c.errors = errors_.load();
   return c;
 }
 

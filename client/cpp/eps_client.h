@@ -1,10 +1,12 @@
 // The engine-side client of epsd (DESIGN §5-6).
 //
-// One SelectPages per decode step with a deadline (default 2 ms). Fail open:
+// One SelectPages per decode step with a deadline (default 2 ms); a step never
+// waits for anything else: re-attaching runs in the background. Fail open:
 // on a miss, an error or an absent sidecar the step's result says `fallback`
 // and the engine attends densely with its own block table; every fallback is
-// counted by reason. After a sidecar restart the client re-attaches by itself
-// (idempotent per engine_id) at the next step. Unary or bidirectional-stream
+// counted by reason. After a sidecar restart (or lease expiry) the client
+// re-attaches by itself (idempotent per engine_id) in the background, with
+// attach_deadline and reattach_backoff, while steps fall back. Unary or bidirectional-stream
 // transport; the stream keeps one call open and matches replies by step.
 //
 // Thread safety: one engine thread calls SelectPages at a time; counters() may
@@ -14,12 +16,14 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "eps/v1/page_selector.grpc.pb.h"
 
 namespace eps::client {
@@ -35,8 +39,8 @@ struct ClientOptions {
 };
 
 struct StepResult {
-  bool fallback = false;  // attend densely this step
-  absl::Status status;    // why, when fallback (or the error when fail-closed)
+  bool fallback = false;  // attend densely this step (fail-open only)
+  absl::Status status;    // why, when fallback; the error when fail-closed
   v1::SelectPagesResponse response;
   double round_trip_us = 0;
 };
@@ -49,6 +53,7 @@ struct ClientCounters {
   uint64_t fallback_not_attached = 0;
   uint64_t fallback_error = 0;
   uint64_t reattaches = 0;
+  uint64_t errors = 0;  // failed steps returned to a fail-closed engine (not fallbacks)
   uint64_t fallbacks() const {
     return fallback_deadline + fallback_unavailable + fallback_not_attached + fallback_error;
   }
@@ -76,6 +81,9 @@ class EpsClient {
 
  private:
   StepResult Fallback(absl::Status status, std::atomic<uint64_t>& counter);
+  absl::StatusOr<std::string> CallAttach() const;  // thread-safe: stub and attach_ only
+  absl::Status Adopt(const absl::StatusOr<std::string>& attached);
+  absl::Status PollReattach();
   absl::Status CallUnary(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
   absl::Status CallStream(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
   void ReapAbandoned(bool wait);
@@ -87,11 +95,12 @@ class EpsClient {
   std::string session_id_;
   bool attached_before_ = false;
   std::chrono::steady_clock::time_point next_attach_try_{};
+  std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
   std::unique_ptr<StreamCall> stream_;
   std::vector<std::unique_ptr<UnaryCall>> abandoned_;  // cancelled, callback pending
 
   std::atomic<uint64_t> steps_{0}, selected_{0}, fb_deadline_{0}, fb_unavailable_{0},
-      fb_not_attached_{0}, fb_error_{0}, reattaches_{0};
+      fb_not_attached_{0}, fb_error_{0}, reattaches_{0}, errors_{0};
 };
 
 }  // namespace eps::client

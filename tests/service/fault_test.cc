@@ -77,6 +77,7 @@ TEST_P(FaultTest, KilledSidecarFallsBackAtOnceThenReattachesWhenItReturns) {
   auto epsd = EpsdProcess::Start(socket);
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(Options(socket), engine_->Attach("engine-kill"));
+  ASSERT_TRUE(client.Attach().ok());
   int step = 0;
   for (; step < 5; ++step) ASSERT_FALSE(client.SelectPages(step + 1, Rows(step + 1)).fallback);
 
@@ -111,10 +112,25 @@ TEST_P(FaultTest, FailClosedReportsTheErrorInsteadOfFallingBack) {
   auto epsd = EpsdProcess::Start(o.target);
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(o, engine_->Attach("engine-closed"));
+  ASSERT_TRUE(client.Attach().ok());
   ASSERT_FALSE(client.SelectPages(1, Rows(1)).fallback);
   const client::StepResult replay = client.SelectPages(1, Rows(1));  // a replayed step
   EXPECT_FALSE(replay.fallback);
   EXPECT_EQ(replay.status.code(), absl::StatusCode::kFailedPrecondition) << replay.status;
+  EXPECT_EQ(client.counters().errors, 1u);
+  EXPECT_EQ(client.counters().fallbacks(), 0u) << "a fail-closed error is not a fallback";
+}
+
+TEST_P(FaultTest, SecondServerRefusesALiveSocket) {
+  const std::string socket = testing::UniqueSocket("live");
+  auto first = EpsdProcess::Start(socket);
+  ASSERT_NE(first, nullptr);
+  auto second = EpsdProcess::Start(socket);
+  EXPECT_EQ(second, nullptr) << "a second epsd took over a live socket";
+  ASSERT_TRUE(first->Running()) << first->Log();
+  client::EpsClient client(Options(socket), engine_->Attach("engine-live"));
+  ASSERT_TRUE(client.Attach().ok());
+  EXPECT_FALSE(client.SelectPages(1, Rows(1)).fallback) << "the first server must keep serving";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FaultTest, ::testing::Values(false, true),

@@ -65,6 +65,7 @@ TEST_F(IntegrationTest, UnaryOverLoopbackTcpMatchesTheCoreReference) {
   ASSERT_NE(epsd, nullptr);
   EXPECT_EQ(epsd->target().rfind("127.0.0.1:", 0), 0u) << epsd->target();
   client::EpsClient client(Options(epsd->target()), engine_->Attach("engine-tcp"));
+  ASSERT_TRUE(client.Attach().ok());
   RunSteps(client, *engine_, 10, 1800);
 }
 
@@ -73,6 +74,7 @@ TEST_F(IntegrationTest, StreamFormAnswersEveryStepInOrder) {
   auto epsd = EpsdProcess::Start(testing::UniqueSocket("stream"));
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(Options(epsd->target(), /*stream=*/true), engine_->Attach("engine-s"));
+  ASSERT_TRUE(client.Attach().ok());
   RunSteps(client, *engine_, 30, 1200);
   EXPECT_EQ(client.counters().selected, 30u);
 }
@@ -94,6 +96,7 @@ TEST_F(IntegrationTest, ConcurrentSessionsAreServedIndependently) {
     threads.emplace_back([&, e] {
       client::EpsClient client(Options(epsd->target(), e % 2 == 1),
                                engines[e]->Attach("engine-" + std::to_string(e)));
+      if (!client.Attach().ok()) ++failures[e];
       for (int step = 1; step <= 25; ++step) {
         std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1000 + step + e),
                                           TestEngine::Row(1, 900 + step)};
@@ -114,6 +117,7 @@ TEST_F(IntegrationTest, PerKvHeadOutputsMatchTheReference) {
   auto epsd = EpsdProcess::Start(testing::UniqueSocket("perhead"));
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(Options(epsd->target()), engine.Attach("engine-ph"));
+  ASSERT_TRUE(client.Attach().ok());
   RunSteps(client, engine, 5, 1900);
 }
 
@@ -145,6 +149,7 @@ TEST_F(IntegrationTest, InlineBuffersCarryDataAndVisitListsInTheMessages) {
   ASSERT_TRUE(stub->Attach(&attach_context, attach, &attached).ok());
   // The shm engine's run is the reference for the inline one.
   client::EpsClient shm_client(Options(epsd->target()), engine_->Attach("engine-shm"));
+  ASSERT_TRUE(shm_client.Attach().ok());
   std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 2000), TestEngine::Row(1, 1000)};
   ASSERT_FALSE(shm_client.SelectPages(1, rows).fallback);
   v1::SelectPagesRequest request;
@@ -193,6 +198,7 @@ TEST_F(IntegrationTest, PingHeartbeatAndStatsAnswer) {
   auto epsd = EpsdProcess::Start(testing::UniqueSocket("stats"));
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(Options(epsd->target()), engine_->Attach("engine-stats"));
+  ASSERT_TRUE(client.Attach().ok());
   ASSERT_TRUE(client.Ping(std::chrono::seconds(1)).ok());
   RunSteps(client, *engine_, 3, 1000);
   ASSERT_TRUE(client.Heartbeat().ok());

@@ -44,6 +44,7 @@ class MalformedTest : public ::testing::TestWithParam<Case> {
     o.target = epsd_->target();
     o.deadline = std::chrono::seconds(2);
     healthy_client_ = new client::EpsClient(o, healthy_->Attach("healthy"));
+    ASSERT_TRUE(healthy_client_->Attach().ok());
     victim_ = new TestEngine(testing::SmallServiceModel(), 2, 2048, 2, 12);
     victim_->Fill(0, 0, 2048);
     victim_->Fill(1, 1, 2048);
