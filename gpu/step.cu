@@ -114,6 +114,10 @@ __device__ float FroScore(const float* rec, const Shape& s, float qnorm) {
 }
 
 // Scores [batch, layers, q_heads, max_groups]. Grid (group chunks, layers*kv_heads, rows).
+// kM > 0 fixes m at compile time: the packed Gram is then read once into
+// registers with unrolled 16-byte loads and reused for every query head of the
+// KV head (GQA), instead of being re-read per head.
+template <int kM>
 __global__ void ScoreKernel(Shape s, const float* pool, const int32_t* group_table,
                             const int32_t* block_table, const void* queries, const DeviceRow* rows,
                             const float* terms, const uint8_t* scored, float* scores,
@@ -144,6 +148,15 @@ __global__ void ScoreKernel(Shape s, const float* pool, const int32_t* group_tab
   const float* rec =
       pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
   const bool stats_ok = isfinite(rec[s.fro2]) && isfinite(rec[s.max_norm]) && isfinite(rec[s.count]);
+  constexpr int kPacked = kM * (kM + 1) / 2;
+  constexpr int kVectors = (kPacked + 3) / 4;  // the record is 16-byte aligned and padded
+  float4 gram[kM > 0 ? kVectors : 1];
+  if constexpr (kM > 0) {
+    if (s.method == 1) {
+#pragma unroll
+      for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
+    }
+  }
   for (int r = 0; r < ratio; ++r) {
     const int h = kvh * ratio + r;
     if (scored != nullptr && !scored[layer * s.q_heads + h]) continue;
@@ -153,6 +166,14 @@ __global__ void ScoreKernel(Shape s, const float* pool, const int32_t* group_tab
     switch (s.method) {
       case 1: {  // jl: the record is 16-byte aligned, so read it 4 words at a time
         float quad = 0.0f;
+        if constexpr (kM > 0) {
+          const float* g = reinterpret_cast<const float*>(gram);
+#pragma unroll
+          for (int w = 0; w < kPacked; ++w) quad += g[w] * t[w];
+          score = sqrtf(fmaxf(quad, 0.0f));
+          if (isnan(quad)) score = quad;
+          break;
+        }
         int w = 0;
         for (; w + 4 <= s.packed; w += 4) {
           const float4 g4 = *reinterpret_cast<const float4*>(rec + w);
@@ -348,7 +369,9 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
       visit_blocks[out + at++] = block_table[table_row * s.max_blocks + b];
     }
   }
-  if (groups > 0) atomicAdd(&stats->groups_visited, groups);
+  // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
+  const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
+  if (threadIdx.x % 32 == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
   if (threadIdx.x == blockDim.x - 1) {
     const unsigned total = counts[threadIdx.x];
     visit_count[int64_t{layer} * s.max_batch + row] = static_cast<int32_t>(total);
@@ -514,10 +537,25 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
                         static_cast<unsigned>(m.num_layers * m.num_kv_heads),
                         static_cast<unsigned>(batch));
   if (policy.method != Method::kOff) {
-    ScoreKernel<<<score_grid, 128, 0, g.stream>>>(s, in.summary_pool, in.group_table,
-                                                  in.block_table, in.queries, g.rows.get(),
-                                                  g.terms.get(), scored, g.scores.get(),
-                                                  g.status.get());
+    auto score = [&](auto kernel) {
+      kernel<<<score_grid, 128, 0, g.stream>>>(s, in.summary_pool, in.group_table, in.block_table,
+                                               in.queries, g.rows.get(), g.terms.get(), scored,
+                                               g.scores.get(), g.status.get());
+    };
+    switch (m.sketch_dim) {  // the common sketch sizes get the register-resident Gram
+      case 4:
+        score(ScoreKernel<4>);
+        break;
+      case 8:
+        score(ScoreKernel<8>);
+        break;
+      case 16:
+        score(ScoreKernel<16>);
+        break;
+      default:
+        score(ScoreKernel<0>);
+        break;
+    }
   }
   const int warps = static_cast<int>(batch * m.num_layers * m.num_q_heads);
   if (policy.method != Method::kOff) {

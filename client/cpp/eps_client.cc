@@ -274,6 +274,9 @@ absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request,
     abandoned_.push_back(std::move(call));  // freed here once its callback has run
     return absl::DeadlineExceededError("SelectPages missed the client deadline");
   }
+  if (std::chrono::steady_clock::now() > deadline) {  // e.g. this thread was descheduled
+    return absl::DeadlineExceededError("SelectPages answered after the client deadline");
+  }
   if (raw->status.ok()) *response = std::move(raw->response);
   return FromGrpc(raw->status);
 }
@@ -290,7 +293,11 @@ absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request,
     return stream_->done() ? absl::UnavailableError("the stream closed")
                            : absl::DeadlineExceededError("the previous request is still being written");
   }
-  return stream_->Receive(request.step(), deadline, response);
+  absl::Status status = stream_->Receive(request.step(), deadline, response);
+  if (status.ok() && std::chrono::steady_clock::now() > deadline) {
+    return absl::DeadlineExceededError("the stream answered after the client deadline");
+  }
+  return status;
 }
 
 StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
