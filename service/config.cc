@@ -79,7 +79,7 @@ const std::map<std::string, Flag>& Flags() {
           return absl::OkStatus();
         }}},
       {"backend",
-       {"cpu | cuda | auto (this version serves cpu; cuda is refused until the CUDA backend lands)",
+       {"cpu | cuda | auto (per session: cuda when its buffers are cuda_ipc handles; default auto)",
         [](const std::string& v, ServerConfig& c) {
           if (v == "cpu") c.backend = BackendKind::kCpu;
           else if (v == "cuda") c.backend = BackendKind::kCuda;

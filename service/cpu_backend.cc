@@ -1,6 +1,7 @@
 #include "service/cpu_backend.h"
 
 #include <atomic>
+#include <chrono>
 
 #include "core/visit_list.h"
 
@@ -60,5 +61,26 @@ void AppendInlineVisitLists(const Session& session, std::span<const StepRow> row
     }
   }
 }
+
+}  // namespace eps::service
+
+namespace eps::service {
+namespace {
+
+class CpuBackend final : public StepBackend {
+ public:
+  const char* name() const override { return "cpu"; }
+  absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
+                   const SelectPolicy& policy, StepStats* stats, double* prepass_us) override {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = RunCpuStep(session, rows, step, policy, stats);
+    *prepass_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    return s;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<StepBackend> MakeCpuBackend() { return std::make_unique<CpuBackend>(); }
 
 }  // namespace eps::service

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "core/step.h"
 #include "eps/v1/page_selector.pb.h"
+#include "service/backend.h"
 #include "service/session.h"
 
 namespace eps::service {

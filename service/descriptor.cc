@@ -26,7 +26,7 @@ int ElementSize(v1::DType dtype) {
 
 }  // namespace
 
-absl::StatusOr<const HostMemory*> MappingCache::Resolve(const v1::MemoryDescriptor& desc,
+absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescriptor& desc,
                                                         const std::string& name,
                                                         uint64_t needed_bytes) {
   switch (desc.memory_case()) {
@@ -47,7 +47,7 @@ absl::StatusOr<const HostMemory*> MappingCache::Resolve(const v1::MemoryDescript
         return absl::Status(memory.status().code(),
                             absl::StrCat(name, ": ", memory.status().message()));
       }
-      const HostMemory* raw = memory->get();
+      const MappedMemory* raw = memory->get();
       shm_.emplace(shm_name, std::move(*memory));
       return raw;
     }
@@ -61,13 +61,31 @@ absl::StatusOr<const HostMemory*> MappingCache::Resolve(const v1::MemoryDescript
       inline_.push_back(std::move(*memory));
       return inline_.back().get();
     }
-    case v1::MemoryDescriptor::kCudaIpc:
+    case v1::MemoryDescriptor::kCudaIpc: {
+      if (!open_ipc_) break;  // cpu backend: refused below
+      const std::string key = desc.cuda_ipc().handle() + "@" + std::to_string(desc.cuda_ipc().device());
+      auto it = ipc_.find(key);
+      if (it != ipc_.end()) return it->second.get();
+      absl::StatusOr<std::unique_ptr<MappedMemory>> memory = open_ipc_(desc.cuda_ipc());
+      if (!memory.ok()) {
+        return absl::Status(memory.status().code(),
+                            absl::StrCat(name, ": ", memory.status().message()));
+      }
+      const MappedMemory* raw = memory->get();
+      ipc_.emplace(key, std::move(*memory));
+      return raw;
+    }
     case v1::MemoryDescriptor::kCudaVmm:
-      return absl::FailedPreconditionError(absl::StrCat(
-          name, " is CUDA device memory, which the cpu backend cannot read; attach with "
-                "host_shm or inline_bytes (this server has no CUDA backend yet)"));
+      return absl::UnimplementedError(absl::StrCat(
+          name, " is a CUDA VMM file descriptor, which this server does not accept yet; "
+                "allocate with cudaMalloc and send a cuda_ipc handle"));
     case v1::MemoryDescriptor::MEMORY_NOT_SET:
-      break;
+      return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
+  }
+  if (desc.memory_case() == v1::MemoryDescriptor::kCudaIpc) {
+    return absl::FailedPreconditionError(absl::StrCat(
+          name, " is CUDA device memory, which the cpu backend cannot read; attach with "
+                "host_shm or inline_bytes, or attach with backend=BACKEND_CUDA"));
   }
   return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
 }
@@ -130,7 +148,7 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
   if (__builtin_add_overflow(desc.offset(), static_cast<uint64_t>(bytes), &end)) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".offset + size overflows"));
   }
-  absl::StatusOr<const HostMemory*> memory = cache.Resolve(desc, name, end);
+  absl::StatusOr<const MappedMemory*> memory = cache.Resolve(desc, name, end);
   if (!memory.ok()) return memory.status();
   if (end > (*memory)->size()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": offset ", desc.offset(), " + ", bytes,
@@ -142,6 +160,7 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
   t.memory = *memory;
   t.offset = desc.offset();
   t.is_inline = (*memory)->is_inline();
+  t.is_device = (*memory)->is_device();
   return t;
 }
 

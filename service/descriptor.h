@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -28,27 +29,36 @@ struct TensorSpec {
   bool writable = false;               // an output of the sidecar
 };
 
-// A validated tensor in host memory. Borrowed pointer: the HostMemory is owned
-// by the session's MappingCache.
+// A validated tensor in host or device memory. Borrowed pointer: the memory is
+// owned by the session's MappingCache.
 struct HostTensor {
   std::byte* data = nullptr;
   std::vector<int64_t> shape;
   uint64_t bytes = 0;
-  const HostMemory* memory = nullptr;
+  const MappedMemory* memory = nullptr;
   uint64_t offset = 0;
   bool is_inline = false;
+  bool is_device = false;
 };
 
-// One mapping per shm name per session; inline buffers one per descriptor.
+// Opens a CUDA IPC handle for a CUDA-backend session.
+using CudaIpcOpener =
+    std::function<absl::StatusOr<std::unique_ptr<MappedMemory>>(const v1::CudaIpcHandle&)>;
+
+// One mapping per shm name or IPC handle per session; inline buffers one per
+// descriptor. Without an IPC opener (the cpu backend), device memory is refused.
 class MappingCache {
  public:
-  absl::StatusOr<const HostMemory*> Resolve(const v1::MemoryDescriptor& desc,
-                                            const std::string& name, uint64_t needed_bytes);
-  size_t size() const { return shm_.size() + inline_.size(); }
+  void set_cuda_ipc_opener(CudaIpcOpener opener) { open_ipc_ = std::move(opener); }
+  absl::StatusOr<const MappedMemory*> Resolve(const v1::MemoryDescriptor& desc,
+                                              const std::string& name, uint64_t needed_bytes);
+  size_t size() const { return shm_.size() + inline_.size() + ipc_.size(); }
 
  private:
-  std::map<std::string, std::unique_ptr<HostMemory>> shm_;
-  std::vector<std::unique_ptr<HostMemory>> inline_;
+  std::map<std::string, std::unique_ptr<MappedMemory>> shm_;
+  std::vector<std::unique_ptr<MappedMemory>> inline_;
+  std::map<std::string, std::unique_ptr<MappedMemory>> ipc_;
+  CudaIpcOpener open_ipc_;
 };
 
 absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,

@@ -16,7 +16,19 @@
 
 namespace eps::service {
 
-class HostMemory {
+// Memory a session's tensors live in: host shm, an inline buffer, or a CUDA
+// IPC mapping (service/cuda_backend.h). Owned by the session's MappingCache.
+class MappedMemory {
+ public:
+  virtual ~MappedMemory() = default;
+  virtual std::byte* data() const = 0;
+  virtual uint64_t size() const = 0;
+  virtual const std::string& name() const = 0;
+  virtual bool is_inline() const { return false; }
+  virtual bool is_device() const { return false; }
+};
+
+class HostMemory final : public MappedMemory {
  public:
   // Maps the shm object `name` read-write. `declared_size` must equal its size.
   static absl::StatusOr<std::unique_ptr<HostMemory>> MapShm(const std::string& name,
@@ -29,10 +41,10 @@ class HostMemory {
   HostMemory(const HostMemory&) = delete;
   HostMemory& operator=(const HostMemory&) = delete;
 
-  std::byte* data() const { return data_; }
-  uint64_t size() const { return size_; }
-  bool is_inline() const { return owned_ != nullptr; }
-  const std::string& name() const { return name_; }
+  std::byte* data() const override { return data_; }
+  uint64_t size() const override { return size_; }
+  bool is_inline() const override { return owned_ != nullptr; }
+  const std::string& name() const override { return name_; }
 
  private:
   HostMemory() = default;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "service/config.h"
+#include "service/cuda_backend.h"
 #include "service/server.h"
 
 int main(int argc, char** argv) {
@@ -21,8 +22,11 @@ int main(int argc, char** argv) {
     std::printf("%s", eps::service::Usage().c_str());
     return 0;
   }
-  if (config->backend == eps::service::BackendKind::kCuda) {
-    std::fprintf(stderr, "epsd: --backend=cuda is not built into this server yet\n");
+  if (config->backend == eps::service::BackendKind::kCuda &&
+      (!eps::service::CudaBackendBuilt() || !eps::service::CudaDevicePresent())) {
+    std::fprintf(stderr, "epsd: --backend=cuda: %s\n",
+                 eps::service::CudaBackendBuilt() ? "no CUDA device is visible"
+                                                  : "this epsd was built without CUDA");
     return 2;
   }
   // Block the termination signals in every thread; one thread waits for them.
@@ -38,8 +42,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epsd: %s\n", std::string(server.status().message()).c_str());
     return 1;
   }
-  std::fprintf(stderr, "epsd: listening on %s (backend cpu, lease %u ms)\n",
-               (*server)->bound_address().c_str(), config->lease_ms);
+  static constexpr const char* kBackends[] = {"cpu", "cuda", "auto"};
+  std::fprintf(stderr, "epsd: listening on %s (backend %s, lease %u ms)\n",
+               (*server)->bound_address().c_str(), kBackends[static_cast<int>(config->backend)],
+               config->lease_ms);
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);

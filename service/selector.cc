@@ -9,6 +9,7 @@
 #include "core/status.h"
 #include "service/convert.h"
 #include "service/cpu_backend.h"
+#include "service/cuda_backend.h"
 
 namespace eps::service {
 namespace {
@@ -78,12 +79,32 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
   s->num_kv_blocks = req.num_kv_blocks() == 0 ? -1 : static_cast<int64_t>(req.num_kv_blocks());
   s->lease_ms = req.lease_ms() == 0 ? config_.lease_ms : std::clamp<uint32_t>(req.lease_ms(), 50, 3600000);
 
-  if (req.backend() == v1::BACKEND_CUDA) {
-    return absl::FailedPreconditionError(
-        "backend BACKEND_CUDA is not available in this server; attach with BACKEND_CPU");
+  // Backend: asked for, or the server's --backend; auto follows the memory kind.
+  bool cuda = false;
+  switch (req.backend()) {
+    case v1::BACKEND_CPU:
+      break;
+    case v1::BACKEND_CUDA:
+      cuda = true;
+      break;
+    case v1::BACKEND_UNSPECIFIED:
+      cuda = config_.backend == BackendKind::kCuda ||
+             (config_.backend == BackendKind::kAuto &&
+              req.buffers().summary_pool().memory_case() == v1::MemoryDescriptor::kCudaIpc);
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("backend=", req.backend(), " is unknown"));
   }
-  if (req.backend() != v1::BACKEND_UNSPECIFIED && req.backend() != v1::BACKEND_CPU) {
-    return absl::InvalidArgumentError(absl::StrCat("backend=", req.backend(), " is unknown"));
+  if (cuda) {
+    if (!CudaBackendBuilt() || !CudaDevicePresent()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "backend BACKEND_CUDA is not available: ",
+          CudaBackendBuilt() ? "no CUDA device is visible to epsd" : "epsd was built without CUDA"));
+    }
+    s->device = req.buffers().summary_pool().has_cuda_ipc()
+                    ? req.buffers().summary_pool().cuda_ipc().device()
+                    : req.device();
+    s->mappings.set_cuda_ipc_opener(MakeCudaIpcOpener());
   }
 
   // Buffers: shapes follow from the layout, the batch and the group/block tables.
@@ -150,6 +171,12 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
     buf.has_flags = true;
   }
   RETURN_IF_ERROR(CheckNoOverlap(tensors));
+  for (const auto& [spec, tensor] : tensors) {
+    if (cuda && !tensor.is_device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          spec.name, " is host memory, but a cuda session needs every buffer as cuda_ipc"));
+    }
+  }
 
   ASSIGN_OR_RETURN(SelectPolicy policy, MergeOptions(config_.policy, req.options()));
   if (req.options().granularity() == v1::GRANULARITY_UNSPECIFIED) {
@@ -171,6 +198,17 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
   s->phi = std::make_unique<PhiBank>(std::move(phi));
   ASSIGN_OR_RETURN(PageSelector selector, PageSelector::Create(m, *s->phi));
   s->selector = std::make_unique<PageSelector>(std::move(selector));
+  if (cuda) {
+    if (s->policy.strict || s->policy.budget != Budget::kThreshold ||
+        s->output_granularity != Granularity::kUnion) {
+      return absl::UnimplementedError(
+          "the cuda backend serves the threshold budget with union output; strict mode, the "
+          "fixed and top-p budgets and per-KV-head output run on the cpu backend");
+    }
+    ASSIGN_OR_RETURN(s->backend, MakeCudaBackend(m, s->device, s->max_batch, s->max_groups));
+  } else {
+    s->backend = MakeCpuBackend();
+  }
   return s;
 }
 
@@ -193,7 +231,8 @@ absl::Status Selector::Attach(const v1::AttachRequest& request, v1::AttachRespon
   response->set_session_id(session->id);
   response->set_lease_ms(session->lease_ms);
   *response->mutable_effective_options() = ToProto(session->policy);
-  response->set_backend(v1::BACKEND_CPU);
+  response->set_backend(std::string(session->backend->name()) == "cuda" ? v1::BACKEND_CUDA
+                                                                         : v1::BACKEND_CPU);
   response->set_record_words(SummaryLayout::For(session->model).record_words);
   response->set_server_version("epsd 0.1.0");
   sessions_.Add(std::move(session));
@@ -262,7 +301,7 @@ absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
   session->Touch();
   if (request.reply_mode() == v1::REPLY_MODE_ASYNC) {
     return CountFailure(absl::UnimplementedError(
-        "reply_mode=REPLY_MODE_ASYNC needs the cuda backend; the cpu backend answers sync"));
+        "reply_mode=REPLY_MODE_ASYNC is not implemented yet; use REPLY_MODE_SYNC"));
   }
   if (request.reply_mode() != v1::REPLY_MODE_UNSPECIFIED &&
       request.reply_mode() != v1::REPLY_MODE_SYNC) {
@@ -301,13 +340,13 @@ absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
     return CountFailure(s);
   }
   StepStats stats;
-  const auto start = std::chrono::steady_clock::now();
-  if (absl::Status s = RunCpuStep(*session, rows, request.step(), *policy, &stats); !s.ok()) {
+  double prepass_us = 0;
+  if (absl::Status s = session->backend->Run(*session, rows, request.step(), *policy, &stats,
+                                             &prepass_us);
+      !s.ok()) {
     session->errors.fetch_add(1);
     return CountFailure(s);
   }
-  const double prepass_us =
-      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
   session->has_step = true;
   session->last_step = request.step();
   session->last_step_seen.store(request.step());
@@ -320,7 +359,9 @@ absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
   response->set_step(request.step());
   response->set_done(true);
   ToProto(stats, request.step(), prepass_us, response->mutable_stats());
-  if (session->buffers.visit_blocks.is_inline) AppendInlineVisitLists(*session, rows, response);
+  if (session->buffers.visit_blocks.is_inline && !session->buffers.visit_blocks.is_device) {
+    AppendInlineVisitLists(*session, rows, response);
+  }
   session->Touch();
   return absl::OkStatus();
 }

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/phi.h"
 #include "core/step.h"
+#include "service/backend.h"
 #include "service/descriptor.h"
 
 namespace eps::service {
@@ -44,6 +45,8 @@ class Session {
   std::unique_ptr<PageSelector> selector;
   MappingCache mappings;
   SessionBuffers buffers;
+  std::unique_ptr<StepBackend> backend;
+  int device = 0;
 
   absl::Mutex step_mu;
   bool has_step ABSL_GUARDED_BY(step_mu) = false;

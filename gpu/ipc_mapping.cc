@@ -1,0 +1,83 @@
+#include "gpu/ipc_mapping.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/cuda_check.h"
+
+namespace eps::gpu {
+namespace {
+
+// cuMemGetAddressRange through the runtime's driver entry point, so that no
+// binary links libcuda (absent where no driver is installed, as on CI).
+using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+GetAddressRange AddressRangeFunction() {
+  static GetAddressRange fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<GetAddressRange>(nullptr);
+    }
+    return reinterpret_cast<GetAddressRange>(f);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(const std::string& handle,
+                                                             int device) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc.handle has ", handle.size(),
+                                                   " bytes, want ", sizeof(cudaIpcMemHandle_t)));
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda_ipc.device=", device, " is not one of this host's ", count, " devices"));
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* ptr = nullptr;
+  const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state
+    return absl::InvalidArgumentError(
+        absl::StrCat("cudaIpcOpenMemHandle: ", cudaGetErrorString(err),
+                     " (a handle of a freed allocation, of another device, or not a handle)"));
+  }
+  auto mapping = std::unique_ptr<IpcMapping>(new IpcMapping());
+  mapping->data_ = static_cast<std::byte*>(ptr);
+  mapping->device_ = device;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const GetAddressRange range = AddressRangeFunction();
+  if (range == nullptr || range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) {
+    return absl::InternalError("cuMemGetAddressRange failed on an opened IPC handle");
+  }
+  // The handle maps the start of its allocation; bytes before ptr are not ours.
+  mapping->size_ = static_cast<uint64_t>(base + size - reinterpret_cast<CUdeviceptr>(ptr));
+  return mapping;
+}
+
+IpcMapping::~IpcMapping() {
+  if (data_ != nullptr) {
+    cudaSetDevice(device_);
+    cudaIpcCloseMemHandle(data_);
+  }
+}
+
+absl::Status WriteCounter(int device, uint64_t* at, uint64_t value) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(at, &value, sizeof(value), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+}  // namespace eps::gpu

@@ -1,0 +1,38 @@
+// A CUDA IPC memory handle opened in this process (DESIGN §5): the engine's
+// client library allocates with cudaMalloc and sends the 64-byte legacy handle.
+//
+// Ownership: the mapping is closed (cudaIpcCloseMemHandle) in the destructor.
+// The allocation's size comes from the driver (cuMemGetAddressRange), so every
+// descriptor's extent is checked against the real allocation.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace eps::gpu {
+
+class IpcMapping {
+ public:
+  static absl::StatusOr<std::unique_ptr<IpcMapping>> Open(const std::string& handle, int device);
+  ~IpcMapping();
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+
+  std::byte* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  int device() const { return device_; }
+
+ private:
+  IpcMapping() = default;
+  std::byte* data_ = nullptr;
+  uint64_t size_ = 0;
+  int device_ = 0;
+};
+
+// Writes `value` to the uint64 at device address `at` (the selection_done counter).
+absl::Status WriteCounter(int device, uint64_t* at, uint64_t value);
+
+}  // namespace eps::gpu

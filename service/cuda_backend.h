@@ -1,0 +1,23 @@
+// The CUDA backend: CUDA IPC mappings of the engine's buffers and the gpu/
+// pre-pass over them. Only built when nvcc is found (EPS_HAVE_CUDA).
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "service/backend.h"
+#include "service/descriptor.h"
+
+namespace eps::service {
+
+// Opens CUDA IPC handles as MappedMemory (device memory, checked extents).
+CudaIpcOpener MakeCudaIpcOpener();
+
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout& model, int device,
+                                                             int64_t max_batch,
+                                                             int64_t max_groups);
+
+// Whether a CUDA device is visible to this process.
+bool CudaDevicePresent();
+
+}  // namespace eps::service

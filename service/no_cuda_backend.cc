@@ -1,0 +1,15 @@
+// Built instead of cuda_backend.cc when nvcc is absent.
+#include "service/cuda_backend.h"
+
+namespace eps::service {
+
+bool CudaBackendBuilt() { return false; }
+bool CudaDevicePresent() { return false; }
+CudaIpcOpener MakeCudaIpcOpener() { return nullptr; }
+
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout&, int, int64_t,
+                                                             int64_t) {
+  return absl::FailedPreconditionError("this epsd was built without CUDA");
+}
+
+}  // namespace eps::service
