@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -40,7 +41,9 @@ class EpsdProcess {
     auto p = std::unique_ptr<EpsdProcess>(new EpsdProcess());
     p->log_ = "/tmp/epsd-test-" + std::to_string(getpid()) + "-" +
               std::to_string(reinterpret_cast<uintptr_t>(p.get())) + ".log";
-    std::vector<std::string> args = {EPSD_PATH, "--listen=" + listen, "--backend=cpu"};
+    // EPSD_BIN overrides the build path (binaries carried to another machine).
+    const char* binary = std::getenv("EPSD_BIN") != nullptr ? std::getenv("EPSD_BIN") : EPSD_PATH;
+    std::vector<std::string> args = {binary, "--listen=" + listen, "--backend=cpu"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -49,7 +52,7 @@ class EpsdProcess {
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, 2, p->log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
                                      0644);
-    const int rc = posix_spawn(&p->pid_, EPSD_PATH, &actions, nullptr, argv.data(), environ);
+    const int rc = posix_spawn(&p->pid_, binary, &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
     if (rc != 0) return nullptr;
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
