@@ -1,8 +1,9 @@
 // Two processes on one GPU: this test is the engine (it allocates the buffers
-// with cudaMalloc, exports one CUDA IPC handle, writes summaries as it decodes)
-// and drives a real `epsd --backend=cuda` through the C++ client for 1000
-// steps; every step's visit lists, read back from device memory, are checked
-// against the core/ reference run on a host copy of the same inputs.
+// with cudaMalloc, exports one CUDA IPC handle, writes each decoded key's summary
+// with the gpu/ writer as it decodes) and drives a real `epsd --backend=cuda`
+// through the C++ client for 1000 steps; every step's visit lists, read back
+// from device memory, are checked against the core/ reference run on a host
+// copy of the same inputs.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
 #include "gpu/step.h"
+#include "gpu/summary.h"
 #include "gtest/gtest.h"
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
@@ -23,7 +25,7 @@ namespace eps {
 namespace {
 
 struct Region {  // one cudaMalloc holding every buffer, 256-byte aligned parts
-  uint64_t pool, groups, blocks, queries, visit, count, flags, size;
+  uint64_t pool, groups, blocks, queries, visit, count, flags, keys, size;
 };
 
 v1::MemoryDescriptor Describe(const std::string& handle, uint64_t offset,
@@ -72,6 +74,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   g.visit = take(size_t{4} * batch * host.max_blocks() * 4);
   g.count = take(size_t{4} * batch * 4);
   g.flags = take(16);
+  g.keys = take(4 * 2 * 128 * 4);  // the step's new keys, [layers, kv_heads, d]
   g.size = at;
   std::byte* device = nullptr;
   ASSERT_EQ(cudaMalloc(&device, g.size), cudaSuccess);
@@ -86,6 +89,8 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   upload(g.groups, host.group_table().data(), host.group_table().size() * 4);
   upload(g.blocks, host.block_table().data(), host.block_table().size() * 4);
   const float* host_queries = &host.Query(0, 0, 0)[0];
+  auto device_writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(device_writer.ok()) << device_writer.status();
   upload(g.queries, host_queries, query_count * 4);
 
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("cuda"), {"--backend=cuda"});
@@ -132,17 +137,31 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
       const int64_t t = tokens[r]++;
       const int64_t group = t / m.group_tokens();
       const int32_t slot = host.SlotOf(r, group);
+      // The device copy is written by the gpu/ writer, as an engine's K-write
+      // hook would; the host copy by core/'s, for the reference.
+      const size_t slot_words = size_t{4} * 2 * layout.record_words;
+      std::vector<float> new_keys(4 * 2 * 128);
+      for (float& x : new_keys) x = normal(rng);
+      if (t % m.group_tokens() == 0) {  // a new group: both copies start empty
+        for (int layer = 0; layer < 4; ++layer) {
+          for (int kvh = 0; kvh < 2; ++kvh) writer.Reset(host.Record(slot, layer, kvh));
+        }
+        upload(g.pool + slot * slot_words * 4, host.Record(slot, 0, 0).data(), slot_words * 4);
+      }
+      upload(g.keys, new_keys.data(), new_keys.size() * 4);
+      std::vector<gpu::KeyAppend> appends;
       for (int layer = 0; layer < 4; ++layer) {
         for (int kvh = 0; kvh < 2; ++kvh) {
-          std::vector<float> key(128);
-          for (float& x : key) x = normal(rng);
-          auto record = host.Record(slot, layer, kvh);
-          if (t % m.group_tokens() == 0) writer.Reset(record);
-          ASSERT_TRUE(writer.Append(record, layer, kvh, {key.data(), DType::kFloat32, 1, 128}).ok());
+          const float* key = new_keys.data() + (layer * 2 + kvh) * 128;
+          ASSERT_TRUE(writer.Append(host.Record(slot, layer, kvh), layer, kvh,
+                                    {key, DType::kFloat32, 1, 128}).ok());
+          const uint64_t record_offset =
+              g.pool + ((uint64_t(slot) * 4 + layer) * 2 + kvh) * layout.record_words * 4;
+          appends.push_back({reinterpret_cast<float*>(device + record_offset),
+                             device + g.keys + (layer * 2 + kvh) * 128 * 4, 1, 0, layer, kvh});
         }
       }
-      const size_t slot_words = size_t{4} * 2 * layout.record_words;
-      upload(g.pool + slot * slot_words * 4, host.Record(slot, 0, 0).data(), slot_words * 4);
+      ASSERT_TRUE((*device_writer)->Append(appends, DType::kFloat32).ok());
       v1::BatchRow row;
       row.set_table_row(r);
       row.set_context_tokens(tokens[r]);

@@ -1,0 +1,183 @@
+#include "gpu/summary.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "core/phi.h"
+#include "gpu/cuda_check.h"
+#include "gpu/phi.cuh"
+
+namespace eps::gpu {
+namespace {
+
+struct WriterShape {
+  int d, m, packed, layers, kv_heads;
+  int fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
+  int dtype;
+};
+
+__device__ float LoadKey(const void* keys, int dtype, int64_t i) {
+  switch (dtype) {
+    case static_cast<int>(DType::kFloat16):
+      return __half2float(static_cast<const __half*>(keys)[i]);
+    case static_cast<int>(DType::kBFloat16):
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(keys)[i]);
+    default:
+      return static_cast<const float*>(keys)[i];
+  }
+}
+
+__global__ void GeneratePhi(uint64_t seed, int layers, int kv_heads, int per_matrix, float scale,
+                            float* phi) {
+  const int64_t total = int64_t{layers} * kv_heads * per_matrix;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t matrix = e / per_matrix;
+    phi[e] = PhiElement(seed, static_cast<uint32_t>(matrix / kv_heads),
+                        static_cast<uint32_t>(matrix % kv_heads),
+                        static_cast<uint32_t>(e % per_matrix), scale);
+  }
+}
+
+// One warp per append. `bad` receives the index of an append that was skipped.
+__global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, const float* phi,
+                             int* bad) {
+  __shared__ float y_shared[8][64];
+  const int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int a = blockIdx.x * (blockDim.x / 32) + warp_in_block;
+  if (a >= n) return;
+  const KeyAppend ap = appends[a];
+  const int64_t stride = ap.stride == 0 ? s.d : ap.stride;
+  // First every key must be finite: nothing of a bad append is written.
+  bool finite = true;
+  for (int64_t t = 0; t < ap.count; ++t) {
+    for (int i = lane; i < s.d; i += 32) finite &= isfinite(LoadKey(ap.keys, s.dtype, t * stride + i));
+  }
+  if (!__all_sync(0xFFFFFFFFu, finite)) {
+    if (lane == 0) atomicMin(bad, a);
+    return;
+  }
+  const float* matrix = phi + (int64_t{ap.layer} * s.kv_heads + ap.kv_head) * s.d * s.m;
+  float* rec = ap.record;
+  float* y = y_shared[warp_in_block];
+  for (int64_t t = 0; t < ap.count; ++t) {
+    const int64_t base = t * stride;
+    float n2 = 0.0f;
+    for (int j = 0; j < s.m; ++j) {
+      float partial = 0.0f;
+      for (int i = lane; i < s.d; i += 32) {
+        const float k = LoadKey(ap.keys, s.dtype, base + i);
+        partial += matrix[i * s.m + j] * k;
+        if (j == 0) n2 += k * k;
+      }
+      for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
+      if (lane == 0) y[j] = partial;
+    }
+    for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
+    __syncwarp();
+    for (int i = 0, p = 0; i < s.m; ++i) {
+      for (int j = i; j < s.m; ++j, ++p) {
+        if (p % 32 == lane) rec[p] += y[i] * y[j];
+      }
+    }
+    for (int i = lane; i < s.d; i += 32) {
+      const float k = LoadKey(ap.keys, s.dtype, base + i);
+      if (s.key_sum >= 0) rec[s.key_sum + i] += k;
+      if (s.quest_min >= 0) {
+        rec[s.quest_min + i] = fminf(rec[s.quest_min + i], k);
+        rec[s.quest_max + i] = fmaxf(rec[s.quest_max + i], k);
+      }
+    }
+    if (lane == 0) {
+      rec[s.fro2] += n2;
+      rec[s.max_norm] = fmaxf(rec[s.max_norm], sqrtf(n2));
+      rec[s.count] += 1.0f;
+    }
+    __syncwarp();
+  }
+  if (lane == 0 && s.principal >= 0 && ap.count > 0) rec[s.principal + 2] = 0.0f;
+}
+
+}  // namespace
+
+struct DeviceSummaryWriter::Impl {
+  ModelLayout model;
+  SummaryLayout layout;
+  int device = 0;
+  DeviceBuffer<float> phi;
+  DeviceBuffer<KeyAppend> appends;
+  int64_t capacity = 0;
+  DeviceBuffer<int> bad;
+};
+
+DeviceSummaryWriter::DeviceSummaryWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DeviceSummaryWriter::~DeviceSummaryWriter() = default;
+
+absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create(
+    const ModelLayout& model, int device) {
+  if (absl::Status s = model.Validate(); !s.ok()) return s;
+  if (model.sketch_dim > 64) return absl::InvalidArgumentError("the device writer supports m <= 64");
+  auto impl = std::make_unique<Impl>();
+  impl->model = model;
+  impl->layout = SummaryLayout::For(model);
+  impl->device = device;
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  const int per_matrix = model.head_dim * model.sketch_dim;
+  RETURN_IF_CUDA_ALLOC(impl->phi, int64_t{model.num_layers} * model.num_kv_heads * per_matrix);
+  RETURN_IF_CUDA_ALLOC(impl->bad, 1);
+  GeneratePhi<<<128, 256>>>(model.phi_seed, model.num_layers, model.num_kv_heads, per_matrix,
+                            PhiScale(model.sketch_dim), impl->phi.get());
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return std::unique_ptr<DeviceSummaryWriter>(new DeviceSummaryWriter(std::move(impl)));
+}
+
+absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, DType key_dtype,
+                                         cudaStream_t stream) {
+  Impl& w = *impl_;
+  if (appends.empty()) return absl::OkStatus();
+  if (key_dtype != DType::kFloat32 && key_dtype != DType::kFloat16 && key_dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("key dtype ", DTypeName(key_dtype), " is not a float type"));
+  }
+  std::set<const float*> records;
+  for (size_t i = 0; i < appends.size(); ++i) {
+    const KeyAppend& a = appends[i];
+    if (a.layer < 0 || a.layer >= w.model.num_layers || a.kv_head < 0 || a.kv_head >= w.model.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "]: (layer, kv_head)=(", a.layer, ", ", a.kv_head, ") out of range"));
+    }
+    if (a.record == nullptr || (a.count > 0 && a.keys == nullptr) || a.count < 0 ||
+        (a.stride != 0 && a.stride < w.model.head_dim)) {
+      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "] is malformed"));
+    }
+    if (!records.insert(a.record).second) {
+      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "] targets a record another append of this call writes"));
+    }
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
+  if (static_cast<int64_t>(appends.size()) > w.capacity) {
+    RETURN_IF_CUDA_ALLOC(w.appends, static_cast<int64_t>(appends.size()));
+    w.capacity = static_cast<int64_t>(appends.size());
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w.appends.get(), appends.data(), appends.size() * sizeof(KeyAppend), cudaMemcpyHostToDevice, stream));
+  const int none = INT32_MAX;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w.bad.get(), &none, sizeof(int), cudaMemcpyHostToDevice, stream));
+  const SummaryLayout& l = w.layout;
+  const WriterShape s{w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers,
+                      w.model.num_kv_heads, l.fro2, l.max_norm, l.count, l.key_sum, l.quest_min,
+                      l.quest_max, l.principal, static_cast<int>(key_dtype)};
+  const int n = static_cast<int>(appends.size());
+  AppendKernel<<<(n + 7) / 8, 256, 0, stream>>>(s, w.appends.get(), n, w.phi.get(), w.bad.get());
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  int bad = none;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&bad, w.bad.get(), sizeof(int), cudaMemcpyDeviceToHost, stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (bad != none) {
+    return absl::InvalidArgumentError(absl::StrCat("appends[", bad, "] holds a non-finite key; it was skipped"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace eps::gpu

@@ -1,0 +1,55 @@
+// Writing EPS summaries on the device, where the engine writes K (DESIGN §3):
+// the CUDA counterpart of core/summary.h's Append, on the same record layout.
+//
+// One warp per append: it checks the append's keys, then folds them in order
+// into the record (y = Φᵀk, G += y yᵀ packed, fro2, max_norm, count, key sum,
+// quest min/max) and clears a principal pair (a later Seal on the host or the
+// core writer refits it). Sums run in another order than core/'s, so results
+// match it to float rounding, not bit for bit.
+//
+// Thread safety: appends of one call must target distinct records (checked);
+// calls on one stream are ordered.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/half.h"
+#include "core/layout.h"
+
+namespace eps::gpu {
+
+// Keys of one (layer, KV head) for one record; device pointers.
+struct KeyAppend {
+  float* record = nullptr;      // record_words floats in the summary pool
+  const void* keys = nullptr;   // `count` keys, `stride` elements apart
+  int64_t count = 0;
+  int64_t stride = 0;           // 0: head_dim
+  int layer = 0;
+  int kv_head = 0;
+};
+
+class DeviceSummaryWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> Create(const ModelLayout& model,
+                                                                     int device);
+  ~DeviceSummaryWriter();
+  DeviceSummaryWriter(const DeviceSummaryWriter&) = delete;
+  DeviceSummaryWriter& operator=(const DeviceSummaryWriter&) = delete;
+
+  // Applies `appends` on `stream` and waits. An append with a non-finite key is
+  // skipped whole and reported (INVALID_ARGUMENT naming it); the others apply.
+  absl::Status Append(const std::vector<KeyAppend>& appends, DType key_dtype,
+                      cudaStream_t stream = nullptr);
+
+ private:
+  struct Impl;
+  explicit DeviceSummaryWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace eps::gpu

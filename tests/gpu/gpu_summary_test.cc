@@ -1,0 +1,128 @@
+// The device summary writer against core/'s SummaryWriter on fresh random keys.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/phi.h"
+#include "core/summary.h"
+#include "gpu/step.h"
+#include "gpu/summary.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace eps {
+namespace {
+
+ModelLayout Model() {
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 8;
+  m.num_kv_heads = 2;
+  m.head_dim = 128;
+  m.phi_seed = 5;
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  return m;
+}
+
+class GpuSummaryTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const ModelLayout m = Model();
+  const DType dtype = GetParam();
+  auto phi = PhiBank::Create(m.phi_seed, 2, 2, 128, 8);
+  SummaryWriter host_writer(m, *phi);
+  auto device_writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(device_writer.ok()) << device_writer.status();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  const int records = 12;
+  std::vector<float> host(records * layout.record_words);
+  for (int r = 0; r < records; ++r) host_writer.Reset({host.data() + r * layout.record_words, size_t(layout.record_words)});
+  float* device = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, host.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  // Two rounds: a prefill of up to 128 keys per record, then single decode tokens.
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::vector<uint16_t>> narrow(records);
+    std::vector<std::vector<float>> wide(records);
+    std::vector<void*> device_keys;
+    std::vector<gpu::KeyAppend> appends;
+    for (int r = 0; r < records; ++r) {
+      const int64_t count = round == 0 ? 1 + static_cast<int64_t>(rng() % 128) : 1;
+      wide[r] = testing::GaussianVector(rng, count * 128, 1.0f + r % 3);
+      const void* src = wide[r].data();
+      size_t bytes = wide[r].size() * 4;
+      if (dtype != DType::kFloat32) {
+        for (float& x : wide[r]) {
+          narrow[r].push_back(dtype == DType::kFloat16 ? FloatToHalf(x) : FloatToBFloat16(x));
+          x = dtype == DType::kFloat16 ? HalfToFloat(narrow[r].back()) : BFloat16ToFloat(narrow[r].back());
+        }
+        src = narrow[r].data();
+        bytes = narrow[r].size() * 2;
+      }
+      void* keys = nullptr;
+      ASSERT_EQ(cudaMalloc(&keys, bytes), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(keys, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      device_keys.push_back(keys);
+      const int layer = r % 2, kvh = (r / 2) % 2;
+      appends.push_back({device + r * layout.record_words, keys, count, 0, layer, kvh});
+      ASSERT_TRUE(host_writer.Append({host.data() + r * layout.record_words, size_t(layout.record_words)},
+                                     layer, kvh, {wide[r].data(), DType::kFloat32, count, 128}).ok());
+    }
+    ASSERT_TRUE((*device_writer)->Append(appends, dtype).ok());
+    for (void* k : device_keys) cudaFree(k);
+  }
+  std::vector<float> got(host.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), device, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(device);
+  for (int r = 0; r < records; ++r) {
+    const float* want = host.data() + r * layout.record_words;
+    const float* have = got.data() + r * layout.record_words;
+    const float scale = want[layout.fro2];  // every Gram entry and sum is bounded by it
+    for (int w = 0; w < layout.principal; ++w) {  // Gram, norms, count, key sum, quest
+      ASSERT_NEAR(have[w], want[w], 1e-5f * scale + 1e-5f) << "record " << r << " word " << w;
+    }
+    EXPECT_EQ(have[layout.principal + 2], 0.0f) << "appends clear the principal pair";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KeyTypes, GpuSummaryTest,
+                         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const auto& p) { return std::string(DTypeName(p.param)); });
+
+TEST(GpuSummaryValidationTest, NonFiniteKeySkipsOnlyItsAppendAndDuplicatesAreRefused) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const ModelLayout m = Model();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok());
+  float* records = nullptr;
+  float* keys = nullptr;
+  ASSERT_EQ(cudaMalloc(&records, 2 * layout.record_words * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(records, 0, 2 * layout.record_words * 4), cudaSuccess);
+  std::vector<float> host_keys(2 * 128, 1.0f);
+  host_keys[128 + 7] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_EQ(cudaMalloc(&keys, host_keys.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(keys, host_keys.data(), host_keys.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const absl::Status status = (*writer)->Append(
+      {{records, keys, 1, 0, 0, 0}, {records + layout.record_words, keys + 128, 1, 0, 0, 1}}, DType::kFloat32);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("appends[1]"), std::string::npos) << status;
+  std::vector<float> got(2 * layout.record_words);
+  ASSERT_EQ(cudaMemcpy(got.data(), records, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got[layout.count], 1.0f) << "the good append applied";
+  EXPECT_EQ(got[layout.record_words + layout.count], 0.0f) << "the bad append wrote nothing";
+  EXPECT_EQ((*writer)->Append({{records, keys, 1, 0, 0, 0}, {records, keys, 1, 0, 0, 0}}, DType::kFloat32).code(),
+            absl::StatusCode::kInvalidArgument);
+  cudaFree(records);
+  cudaFree(keys);
+}
+
+}  // namespace
+}  // namespace eps
