@@ -6,6 +6,7 @@
 // copy of the same inputs.
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -128,6 +129,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   std::vector<int64_t> tokens(batch, start_tokens);
   int64_t lists = 0, differing_lists = 0, differing_groups = 0;
   double prepass_sum = 0;
+  std::vector<double> round_trips;
   for (int step = 1; step <= steps; ++step) {
     std::vector<v1::BatchRow> rows;
     std::vector<StepRow> step_rows;
@@ -180,6 +182,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
     const client::StepResult result = client.SelectPages(step, rows);
     ASSERT_FALSE(result.fallback) << "step " << step << ": " << result.status << "\n" << epsd->Log();
     prepass_sum += result.response.stats().prepass_us();
+    round_trips.push_back(result.round_trip_us);
     uint64_t done = 0;
     ASSERT_EQ(cudaMemcpy(&done, device + g.flags + 8, 8, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(done, static_cast<uint64_t>(step)) << "selection_done";
@@ -214,6 +217,16 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
               steps, static_cast<long long>(lists), static_cast<long long>(differing_lists),
               static_cast<long long>(differing_groups), prepass_sum / steps);
   EXPECT_LE(differing_lists, lists / 100) << "more disagreement than fp32 ties explain";
+  // The floor: an empty Ping on the same channel, measured in the same run.
+  std::vector<double> pings;
+  for (int i = 0; i < 1000; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_TRUE(client.Ping(std::chrono::seconds(1)).ok());
+    pings.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::printf("round trip over UDS: SelectPages p50 %.1f us p99 %.1f us; Ping p50 %.1f us p99 %.1f us\n",
+              testing::Percentile(round_trips, 0.5), testing::Percentile(round_trips, 0.99),
+              testing::Percentile(pings, 0.5), testing::Percentile(pings, 0.99));
   ASSERT_TRUE(client.Detach().ok());
   cudaFree(device);
 }
