@@ -1,7 +1,5 @@
 #include "gpu/summary.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <set>
 
@@ -19,29 +17,6 @@ struct WriterShape {
   int dtype;
 };
 
-__device__ float LoadKey(const void* keys, int dtype, int64_t i) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat16):
-      return __half2float(static_cast<const __half*>(keys)[i]);
-    case static_cast<int>(DType::kBFloat16):
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(keys)[i]);
-    default:
-      return static_cast<const float*>(keys)[i];
-  }
-}
-
-__global__ void GeneratePhi(uint64_t seed, int layers, int kv_heads, int per_matrix, float scale,
-                            float* phi) {
-  const int64_t total = int64_t{layers} * kv_heads * per_matrix;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
-       e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t matrix = e / per_matrix;
-    phi[e] = PhiElement(seed, static_cast<uint32_t>(matrix / kv_heads),
-                        static_cast<uint32_t>(matrix % kv_heads),
-                        static_cast<uint32_t>(e % per_matrix), scale);
-  }
-}
-
 // One warp per append. `bad` receives the index of an append that was skipped.
 __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, const float* phi,
                              int* bad) {
@@ -54,7 +29,7 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
   // First every key must be finite: nothing of a bad append is written.
   bool finite = true;
   for (int64_t t = 0; t < ap.count; ++t) {
-    for (int i = lane; i < s.d; i += 32) finite &= isfinite(LoadKey(ap.keys, s.dtype, t * stride + i));
+    for (int i = lane; i < s.d; i += 32) finite &= isfinite(LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i));
   }
   if (!__all_sync(0xFFFFFFFFu, finite)) {
     if (lane == 0) atomicMin(bad, a);
@@ -69,7 +44,7 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
     for (int j = 0; j < s.m; ++j) {
       float partial = 0.0f;
       for (int i = lane; i < s.d; i += 32) {
-        const float k = LoadKey(ap.keys, s.dtype, base + i);
+        const float k = LoadAsFloatDevice(ap.keys, s.dtype, base + i);
         partial += matrix[i * s.m + j] * k;
         if (j == 0) n2 += k * k;
       }
@@ -84,7 +59,7 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
       }
     }
     for (int i = lane; i < s.d; i += 32) {
-      const float k = LoadKey(ap.keys, s.dtype, base + i);
+      const float k = LoadAsFloatDevice(ap.keys, s.dtype, base + i);
       if (s.key_sum >= 0) rec[s.key_sum + i] += k;
       if (s.quest_min >= 0) {
         rec[s.quest_min + i] = fminf(rec[s.quest_min + i], k);
@@ -128,7 +103,7 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
   const int per_matrix = model.head_dim * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, int64_t{model.num_layers} * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->bad, 1);
-  GeneratePhi<<<128, 256>>>(model.phi_seed, model.num_layers, model.num_kv_heads, per_matrix,
+  GeneratePhiKernel<<<128, 256>>>(model.phi_seed, model.num_layers, model.num_kv_heads, per_matrix,
                             PhiScale(model.sketch_dim), impl->phi.get());
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());

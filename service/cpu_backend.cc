@@ -10,21 +10,8 @@ namespace eps::service {
 absl::Status RunCpuStep(Session& session, std::span<const StepRow> rows, uint64_t step,
                         const SelectPolicy& policy, StepStats* stats) {
   const SessionBuffers& b = session.buffers;
-  StepInputs in;
-  in.summary_pool = reinterpret_cast<const float*>(b.summary_pool.data);
-  in.num_slots = session.num_slots;
-  in.group_table = reinterpret_cast<const int32_t*>(b.group_table.data);
-  in.block_table = reinterpret_cast<const int32_t*>(b.block_table.data);
-  in.max_seqs = session.max_seqs;
-  in.max_groups = session.max_groups;
-  in.max_blocks = session.max_blocks;
-  in.num_physical_blocks = session.num_kv_blocks;
-  in.queries = b.queries.data;
-  in.query_dtype = session.query_dtype;
-  in.max_batch = session.max_batch;
-  in.rows = rows;
-  const StepOutputs out{reinterpret_cast<int32_t*>(b.visit_blocks.data),
-                        reinterpret_cast<int32_t*>(b.visit_count.data)};
+  const StepInputs in = SessionStepInputs(session, rows);
+  const StepOutputs out = SessionStepOutputs(session);
   if (absl::Status s = session.selector->Select(in, policy, out, stats); !s.ok()) return s;
   if (b.has_flags) {
     // flags = [inputs_ready, selection_done]; release orders the outputs before it.

@@ -33,21 +33,8 @@ class CudaBackend final : public StepBackend {
   absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
                    const SelectPolicy& policy, StepStats* stats, double* prepass_us) override {
     const SessionBuffers& b = session.buffers;
-    StepInputs in;
-    in.summary_pool = reinterpret_cast<const float*>(b.summary_pool.data);
-    in.num_slots = session.num_slots;
-    in.group_table = reinterpret_cast<const int32_t*>(b.group_table.data);
-    in.block_table = reinterpret_cast<const int32_t*>(b.block_table.data);
-    in.max_seqs = session.max_seqs;
-    in.max_groups = session.max_groups;
-    in.max_blocks = session.max_blocks;
-    in.num_physical_blocks = session.num_kv_blocks;
-    in.queries = b.queries.data;
-    in.query_dtype = session.query_dtype;
-    in.max_batch = session.max_batch;
-    in.rows = rows;
-    const StepOutputs out{reinterpret_cast<int32_t*>(b.visit_blocks.data),
-                          reinterpret_cast<int32_t*>(b.visit_count.data)};
+    const StepInputs in = SessionStepInputs(session, rows);
+    const StepOutputs out = SessionStepOutputs(session);
     float gpu_us = 0.0f;
     if (absl::Status s = selector_->Select(in, policy, out, stats, &gpu_us); !s.ok()) return s;
     *prepass_us = gpu_us;

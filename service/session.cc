@@ -8,6 +8,29 @@ int64_t SteadyNowMs() {
       .count();
 }
 
+StepInputs SessionStepInputs(const Session& session, std::span<const StepRow> rows) {
+  const SessionBuffers& b = session.buffers;
+  StepInputs in;
+  in.summary_pool = reinterpret_cast<const float*>(b.summary_pool.data);
+  in.num_slots = session.num_slots;
+  in.group_table = reinterpret_cast<const int32_t*>(b.group_table.data);
+  in.block_table = reinterpret_cast<const int32_t*>(b.block_table.data);
+  in.max_seqs = session.max_seqs;
+  in.max_groups = session.max_groups;
+  in.max_blocks = session.max_blocks;
+  in.num_physical_blocks = session.num_kv_blocks;
+  in.queries = b.queries.data;
+  in.query_dtype = session.query_dtype;
+  in.max_batch = session.max_batch;
+  in.rows = rows;
+  return in;
+}
+
+StepOutputs SessionStepOutputs(const Session& session) {
+  return {reinterpret_cast<int32_t*>(session.buffers.visit_blocks.data),
+          reinterpret_cast<int32_t*>(session.buffers.visit_count.data)};
+}
+
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
 std::shared_ptr<Session> SessionRegistry::Add(std::shared_ptr<Session> session) {

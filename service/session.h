@@ -63,6 +63,10 @@ class Session {
 
 int64_t SteadyNowMs();
 
+// The session's buffers as core/step.h inputs and outputs (host or device pointers).
+StepInputs SessionStepInputs(const Session& session, std::span<const StepRow> rows);
+StepOutputs SessionStepOutputs(const Session& session);
+
 // The live sessions, by id and by engine id. Thread safety: all methods lock.
 class SessionRegistry {
  public:
