@@ -94,6 +94,10 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
     return absl::InvalidArgumentError(absl::StrCat("batch of ", batch, " rows exceeds max_batch=",
                                                    std::min(in.max_batch, g.max_batch)));
   }
+  if (in.max_groups > 8192) {  // the select kernel keeps 5 bytes per group in shared memory
+    return absl::InvalidArgumentError(absl::StrCat("max_groups=", in.max_groups,
+                                                   " exceeds the GPU pre-pass limit of 8192"));
+  }
   if (in.max_groups > g.max_groups) {
     return absl::InvalidArgumentError(absl::StrCat("max_groups=", in.max_groups,
                                                    " exceeds the selector's ", g.max_groups));
@@ -192,7 +196,9 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
         s, policy.alpha, policy.first_n, policy.last_n, policy.top_pages, warps, g.rows.get(),
         scored, g.scores.get(), g.thresholds.get(), g.status.get());
   }
-  SelectKernel<<<dim3(m.num_layers, static_cast<unsigned>(batch)), 256, in.max_groups, g.stream>>>(
+  // Dynamic shared memory: visit flags (padded to 16 bytes), then group offsets.
+  const size_t select_shared = (in.max_groups + 15) / 16 * 16 + in.max_groups * sizeof(unsigned);
+  SelectKernel<<<dim3(m.num_layers, static_cast<unsigned>(batch)), 256, select_shared, g.stream>>>(
       s, policy.first_n, policy.last_n, policy.method == Method::kOff, in.block_table,
       g.rows.get(), g.scores.get(), g.thresholds.get(), out.visit_blocks, out.visit_count,
       g.status.get(), g.stats.get());

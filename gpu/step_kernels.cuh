@@ -317,7 +317,11 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
     visit[p] = v;
   }
   __syncthreads();
-  // Compaction: thread t owns a contiguous chunk of groups, in logical order.
+  // Compaction. Per-group output offsets by a block-wide scan over contiguous
+  // chunks, then one thread per output element: it finds its group by binary
+  // search over the offsets, so block-table reads and visit-list writes are
+  // coalesced across the warp.
+  unsigned* offset = reinterpret_cast<unsigned*>(visit + ((s.max_groups + 15) / 16) * 16);
   const int chunk = (n + blockDim.x - 1) / blockDim.x;
   const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
   unsigned mine = 0, groups = 0;
@@ -335,20 +339,28 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
     counts[threadIdx.x] += add;
     __syncthreads();
   }
-  const int64_t table_row = rows[row].table_row;
-  const int64_t out = (int64_t{layer} * s.max_batch + row) * s.max_blocks;
   unsigned at = counts[threadIdx.x] - mine;
   for (int p = begin; p < end; ++p) {
-    if (!visit[p]) continue;
-    for (int64_t b = int64_t{p} * s.group_blocks; b < min(nb, int64_t{p + 1} * s.group_blocks); ++b) {
-      visit_blocks[out + at++] = block_table[table_row * s.max_blocks + b];
+    offset[p] = at;
+    if (visit[p]) at += static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) - int64_t{p} * s.group_blocks);
+  }
+  __syncthreads();
+  const unsigned total = counts[blockDim.x - 1];
+  const int64_t table_row = rows[row].table_row;
+  const int64_t out = (int64_t{layer} * s.max_batch + row) * s.max_blocks;
+  for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
+    int lo = 0, hi = n;  // first group whose offset exceeds o
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (offset[mid] <= o) lo = mid + 1; else hi = mid;
     }
+    const int p = lo - 1;  // visited: an empty group's offset equals the next one's
+    visit_blocks[out + o] = block_table[table_row * s.max_blocks + int64_t{p} * s.group_blocks + (o - offset[p])];
   }
   // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
   const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
   if (threadIdx.x % 32 == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
   if (threadIdx.x == blockDim.x - 1) {
-    const unsigned total = counts[threadIdx.x];
     visit_count[int64_t{layer} * s.max_batch + row] = static_cast<int32_t>(total);
     atomicAdd(&stats->blocks_visited, total);
     const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
