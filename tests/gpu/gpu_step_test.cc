@@ -55,6 +55,7 @@ struct GpuCase {
   Method method;
   int d, q_heads, kv_heads, group_blocks;
   bool retrieval;
+  int sketch_dim = 8;  // 4, 8, 16 take the register-resident Gram; others the generic path
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -71,6 +72,7 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   m.num_kv_heads = c.kv_heads;
   m.head_dim = c.d;
   m.group_blocks = c.group_blocks;
+  m.sketch_dim = c.sketch_dim;
   m.phi_seed = rng();
   m.features = {.key_sum = true, .principal = true, .quest = true};
   auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
@@ -155,12 +157,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(GpuCase{Method::kJl, 128, 32, 8, 8, false}, GpuCase{Method::kJl, 64, 4, 4, 1, false},
                       GpuCase{Method::kJl, 256, 16, 2, 4, true}, GpuCase{Method::kOnePc, 128, 8, 2, 8, false},
                       GpuCase{Method::kFro, 128, 8, 2, 8, false}, GpuCase{Method::kQuest, 128, 8, 2, 2, false},
-                      GpuCase{Method::kOff, 64, 4, 2, 8, false}),
+                      GpuCase{Method::kOff, 64, 4, 2, 8, false},
+                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 4},
+                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 16},
+                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 12}),
     [](const auto& p) {
       return std::string(MethodName(p.param.method)) == "1pc"
                  ? "onepc_d" + std::to_string(p.param.d)
                  : std::string(MethodName(p.param.method)) + "_d" + std::to_string(p.param.d) + "_g" +
-                       std::to_string(p.param.group_blocks) + (p.param.retrieval ? "_retrieval" : "");
+                       std::to_string(p.param.group_blocks) + (p.param.retrieval ? "_retrieval" : "") +
+                       (p.param.sketch_dim != 8 ? "_m" + std::to_string(p.param.sketch_dim) : "");
     });
 
 TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
