@@ -116,10 +116,11 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
 
   // Visit lists go to scratch first and reach the outputs only when the whole
   // step succeeded: a bad summary found mid-step leaves the outputs untouched.
-  const int64_t list_count = static_cast<int64_t>(model_.num_layers) * in.max_batch * lists;
+  // Scratch holds the batch's lists only, indexed [layer][row][list].
+  const int64_t batch = static_cast<int64_t>(in.rows.size());
+  const int64_t list_count = static_cast<int64_t>(model_.num_layers) * batch * lists;
   std::vector<int32_t> scratch_blocks(static_cast<size_t>(list_count) * in.max_blocks);
   std::vector<int32_t> scratch_count(list_count, 0);
-  std::vector<uint8_t> written(list_count, 0);
 
   QueryTerms terms;
   std::vector<float> query(d);
@@ -138,17 +139,19 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
     std::vector<std::vector<uint8_t>> visit(lists);
 
     for (int layer = 0; layer < model_.num_layers; ++layer) {
-      for (auto& v : visit) v = forced;
+      for (auto& v : visit) {
+        if (policy.method == Method::kOff) {
+          v.assign(n, uint8_t{1});
+        } else {
+          v = forced;
+        }
+      }
       std::vector<std::vector<std::span<const float>>> fixed(lists);
       int scored_kv_heads = 0;
-      for (int kvh = 0; kvh < kv_heads; ++kvh) {
+      for (int kvh = 0; kvh < kv_heads && policy.method != Method::kOff; ++kvh) {
         std::vector<uint8_t>& target = visit[per_head ? kvh : 0];
         bool kv_head_scored = false;
         for (int h = kvh * ratio; h < (kvh + 1) * ratio; ++h) {
-          if (policy.method == Method::kOff) {
-            std::fill(target.begin(), target.end(), uint8_t{1});
-            continue;
-          }
           if (!policy.HeadIsScored(model_, layer, h)) continue;
           kv_head_scored = true;
           const int64_t qbase =
@@ -169,15 +172,17 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
                 (static_cast<int64_t>(slot) * model_.num_layers + layer) * kv_heads + kvh;
             const std::span<const float> record(
                 in.summary_pool + record_index * layout_.record_words, layout_.record_words);
+            bool bad_score;
             if (policy.strict) {
               brackets[p] = BracketMaxScore(record, layout_, terms);
-              scores[p] = brackets[p].upper + brackets[p].lower;  // NaN check only
+              bad_score = std::isnan(brackets[p].lower) || std::isnan(brackets[p].upper);
             } else {
               scores[p] = Score(policy.method, record, layout_, terms);
+              bad_score = std::isnan(scores[p]) || scores[p] == kInf;
             }
             const float* stat = record.data() + layout_.fro2;
-            if (std::isnan(scores[p]) || scores[p] == kInf || !std::isfinite(stat[0]) ||
-                !std::isfinite(stat[1]) || !std::isfinite(stat[2])) {
+            if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||
+                !std::isfinite(stat[2])) {
               return absl::InvalidArgumentError(absl::StrCat(
                   "summary of slot ", slot, " (layer ", layer, ", kv_head ", kvh,
                   ") gives a non-finite score: the summary holds NaN or Inf"));
@@ -211,12 +216,11 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         }
       }
       for (int list = 0; list < lists; ++list) {
-        const int64_t out_index = (static_cast<int64_t>(layer) * in.max_batch + i) * lists + list;
-        const std::span<int32_t> blocks_out(scratch_blocks.data() + out_index * in.max_blocks, nb);
+        const int64_t scratch_index = (static_cast<int64_t>(layer) * batch + i) * lists + list;
+        const std::span<int32_t> blocks_out(scratch_blocks.data() + scratch_index * in.max_blocks, nb);
         const int32_t count =
             WriteVisitList(visit[list], block_row, nb, model_.group_blocks, blocks_out);
-        scratch_count[out_index] = count;
-        written[out_index] = 1;
+        scratch_count[scratch_index] = count;
         int64_t visited_groups = 0;
         for (uint8_t v : visit[list]) visited_groups += v;
         const int heads_read = per_head ? 1 : kv_heads;
@@ -232,11 +236,16 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       total.summary_bytes_read += n * scored_kv_heads * layout_.record_bytes();
     }
   }
-  for (int64_t index = 0; index < list_count; ++index) {
-    if (!written[index]) continue;
-    std::copy_n(scratch_blocks.data() + index * in.max_blocks, scratch_count[index],
-                out.visit_blocks + index * in.max_blocks);
-    out.visit_count[index] = scratch_count[index];
+  for (int layer = 0; layer < model_.num_layers; ++layer) {
+    for (int64_t i = 0; i < batch; ++i) {
+      for (int list = 0; list < lists; ++list) {
+        const int64_t from = (static_cast<int64_t>(layer) * batch + i) * lists + list;
+        const int64_t to = (static_cast<int64_t>(layer) * in.max_batch + i) * lists + list;
+        std::copy_n(scratch_blocks.data() + from * in.max_blocks, scratch_count[from],
+                    out.visit_blocks + to * in.max_blocks);
+        out.visit_count[to] = scratch_count[from];
+      }
+    }
   }
   if (stats != nullptr) *stats = total;
   return absl::OkStatus();
