@@ -23,6 +23,22 @@ void StepStats::Add(const StepStats& o) {
   summary_bytes_read += o.summary_bytes_read;
 }
 
+absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t i) {
+  const StepRow& row = in.rows[i];
+  if (row.table_row < 0 || row.table_row >= in.max_seqs) {
+    return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].table_row=", row.table_row,
+                                                   " not in [0, ", in.max_seqs, ")"));
+  }
+  const int64_t blocks = BlocksFor(row.context_tokens, model.block_size);
+  const int64_t groups = GroupsFor(row.context_tokens, model);
+  if (row.context_tokens < 1 || blocks > in.max_blocks || groups > in.max_groups) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rows[", i, "].context_tokens=", row.context_tokens, " not in [1, ",
+        std::min(in.max_blocks * model.block_size, in.max_groups * model.group_tokens()), "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PageSelector> PageSelector::Create(const ModelLayout& model, const PhiBank& phi) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   if (phi.seed() != model.phi_seed || phi.head_dim() != model.head_dim ||
@@ -53,18 +69,9 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
   const int d = model_.head_dim;
   for (size_t i = 0; i < in.rows.size(); ++i) {
     const StepRow& row = in.rows[i];
-    if (row.table_row < 0 || row.table_row >= in.max_seqs) {
-      return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].table_row=", row.table_row,
-                                                     " not in [0, ", in.max_seqs, ")"));
-    }
+    if (absl::Status s = CheckRowFits(model_, in, i); !s.ok()) return s;
     const int64_t blocks = BlocksFor(row.context_tokens, model_.block_size);
     const int64_t groups = GroupsFor(row.context_tokens, model_);
-    if (row.context_tokens < 1 || blocks > in.max_blocks || groups > in.max_groups) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rows[", i, "].context_tokens=", row.context_tokens, " not in [1, ",
-          std::min(in.max_blocks * model_.block_size, in.max_groups * model_.group_tokens()),
-          "]"));
-    }
     const int32_t* groups_row = in.group_table + row.table_row * in.max_groups;
     for (int64_t p = 0; p < groups; ++p) {
       if (groups_row[p] < 0 || groups_row[p] >= in.num_slots) {

@@ -62,6 +62,11 @@ struct StepStats {
   void Add(const StepStats& other);
 };
 
+// Checks what rows[i] alone decides: its table row is in [0, max_seqs) and its
+// context fits max_blocks and max_groups. Reads no buffer, so every backend
+// (host or device memory) calls it before launching anything.
+absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t i);
+
 // The reference selector. Thread safety: Select is const and reentrant.
 class PageSelector {
  public:

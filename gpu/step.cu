@@ -105,19 +105,15 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   std::vector<DeviceRow> rows(batch);
   StepStats host;
   const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
+  int64_t max_n = 0, row_groups = 0;  // the longest row's groups; all rows' groups
   for (int64_t i = 0; i < batch; ++i) {
     const StepRow& r = in.rows[i];
-    if (r.table_row < 0 || r.table_row >= in.max_seqs) {
-      return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].table_row=", r.table_row,
-                                                     " not in [0, ", in.max_seqs, ")"));
-    }
+    if (absl::Status s = CheckRowFits(m, in, static_cast<size_t>(i)); !s.ok()) return s;
     const int64_t nb = BlocksFor(r.context_tokens, m.block_size);
     const int64_t n = GroupsFor(r.context_tokens, m);
-    if (r.context_tokens < 1 || nb > in.max_blocks || n > in.max_groups) {
-      return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].context_tokens=",
-                                                     r.context_tokens, " out of range"));
-    }
     rows[i] = {r.table_row, r.context_tokens};
+    max_n = std::max(max_n, n);
+    row_groups += n;
     host.groups_total += n * m.num_layers;
     host.blocks_total += nb * m.num_layers;
     host.kv_bytes_dense += r.context_tokens * m.num_kv_heads * kv_token_bytes * m.num_layers;
@@ -164,8 +160,6 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   const int query_warps = static_cast<int>(batch * m.num_layers * m.num_q_heads);
   QueryTermsKernel<<<(query_warps + 7) / 8, 256, 0, g.stream>>>(s, in.queries, g.phi.get(), query_warps,
                                                                  g.terms.get(), g.status.get());
-  int64_t max_n = 0;
-  for (const DeviceRow& r : rows) max_n = std::max(max_n, GroupsFor(r.context_tokens, m));
   const dim3 score_grid(static_cast<unsigned>((max_n + 127) / 128),
                         static_cast<unsigned>(m.num_layers * m.num_kv_heads),
                         static_cast<unsigned>(batch));
@@ -250,9 +244,7 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
         scored_kv_heads_total += any;
       }
     }
-    int64_t groups = 0;
-    for (const DeviceRow& r : rows) groups += GroupsFor(r.context_tokens, m);
-    host.summary_bytes_read = groups * scored_kv_heads_total * g.layout.record_bytes();
+    host.summary_bytes_read = row_groups * scored_kv_heads_total * g.layout.record_bytes();
     *stats = host;
   }
   return absl::OkStatus();
