@@ -248,15 +248,15 @@ void EpsClient::ReapAbandoned(bool wait) {
   }
 }
 
-absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request,
+absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request, Deadline deadline,
                                   v1::SelectPagesResponse* response) {
   ReapAbandoned(/*wait=*/false);
   // gRPC rounds deadlines up to whole milliseconds; the engine's deadline is
   // enforced here, to the microsecond, and a late call is cancelled.
   auto call = std::make_unique<UnaryCall>();
   call->request = request;
-  const auto deadline = std::chrono::steady_clock::now() + options_.deadline;
-  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline +
+  call->context.set_deadline(std::chrono::system_clock::now() +
+                             (deadline - std::chrono::steady_clock::now()) +
                              std::chrono::milliseconds(1));
   if (!options_.traceparent.empty()) call->context.AddMetadata("traceparent", options_.traceparent);
   UnaryCall* raw = call.get();
@@ -274,16 +274,12 @@ absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request,
     abandoned_.push_back(std::move(call));  // freed here once its callback has run
     return absl::DeadlineExceededError("SelectPages missed the client deadline");
   }
-  if (std::chrono::steady_clock::now() > deadline) {  // e.g. this thread was descheduled
-    return absl::DeadlineExceededError("SelectPages answered after the client deadline");
-  }
   if (raw->status.ok()) *response = std::move(raw->response);
   return FromGrpc(raw->status);
 }
 
-absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request,
+absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request, Deadline deadline,
                                    v1::SelectPagesResponse* response) {
-  const auto deadline = std::chrono::steady_clock::now() + options_.deadline;
   if (stream_ && stream_->done()) {
     stream_->Close();
     stream_.reset();
@@ -293,11 +289,7 @@ absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request,
     return stream_->done() ? absl::UnavailableError("the stream closed")
                            : absl::DeadlineExceededError("the previous request is still being written");
   }
-  absl::Status status = stream_->Receive(request.step(), deadline, response);
-  if (status.ok() && std::chrono::steady_clock::now() > deadline) {
-    return absl::DeadlineExceededError("the stream answered after the client deadline");
-  }
-  return status;
+  return stream_->Receive(request.step(), deadline, response);
 }
 
 StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
@@ -322,8 +314,14 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   request.mutable_rows()->Add(rows.begin(), rows.end());
   if (options != nullptr) *request.mutable_options() = *options;
   StepResult result;
-  const absl::Status status = options_.use_stream ? CallStream(request, &result.response)
-                                                  : CallUnary(request, &result.response);
+  const Deadline deadline = start + options_.deadline;
+  absl::Status status = options_.use_stream ? CallStream(request, deadline, &result.response)
+                                            : CallUnary(request, deadline, &result.response);
+  if (status.ok() && std::chrono::steady_clock::now() > deadline) {
+    // A reply taken late (this thread was descheduled, say) is a miss: the
+    // engine has moved on and must not use it.
+    status = absl::DeadlineExceededError("SelectPages answered after the client deadline");
+  }
   result.round_trip_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
   if (status.ok()) {

@@ -84,8 +84,11 @@ class EpsClient {
   absl::StatusOr<std::string> CallAttach() const;  // thread-safe: stub and attach_ only
   absl::Status Adopt(const absl::StatusOr<std::string>& attached);
   absl::Status PollReattach();
-  absl::Status CallUnary(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
-  absl::Status CallStream(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response);
+  using Deadline = std::chrono::steady_clock::time_point;
+  absl::Status CallUnary(const v1::SelectPagesRequest& request, Deadline deadline,
+                         v1::SelectPagesResponse* response);
+  absl::Status CallStream(const v1::SelectPagesRequest& request, Deadline deadline,
+                          v1::SelectPagesResponse* response);
   void ReapAbandoned(bool wait);
 
   ClientOptions options_;
