@@ -213,16 +213,6 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
 }
 
 absl::Status Selector::Attach(const v1::AttachRequest& request, v1::AttachResponse* response) {
-  const bool replacing = [&] {
-    for (const auto& s : sessions_.All()) {
-      if (s->engine_id == request.engine_id()) return true;
-    }
-    return false;
-  }();
-  if (!replacing && sessions_.size() >= config_.max_sessions) {
-    return CountFailure(absl::ResourceExhaustedError(
-        absl::StrCat("the server holds --max-sessions=", config_.max_sessions, " sessions")));
-  }
   absl::StatusOr<std::shared_ptr<Session>> built = BuildSession(request);
   if (!built.ok()) return CountFailure(built.status());
   std::shared_ptr<Session> session = *std::move(built);
@@ -235,7 +225,10 @@ absl::Status Selector::Attach(const v1::AttachRequest& request, v1::AttachRespon
                                                                          : v1::BACKEND_CPU);
   response->set_record_words(SummaryLayout::For(session->model).record_words);
   response->set_server_version("epsd 0.1.0");
-  sessions_.Add(std::move(session));
+  if (absl::Status s = sessions_.Add(std::move(session), config_.max_sessions); !s.ok()) {
+    response->Clear();
+    return CountFailure(s);
+  }
   attached_total_.fetch_add(1);
   return absl::OkStatus();
 }

@@ -1,5 +1,7 @@
 #include "service/session.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace eps::service {
 
 int64_t SteadyNowMs() {
@@ -33,19 +35,18 @@ StepOutputs SessionStepOutputs(const Session& session) {
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
-std::shared_ptr<Session> SessionRegistry::Add(std::shared_ptr<Session> session) {
+absl::Status SessionRegistry::Add(std::shared_ptr<Session> session, size_t max_sessions) {
   absl::MutexLock lock(&mu_);
-  std::shared_ptr<Session> replaced;
-  if (auto it = id_by_engine_.find(session->engine_id); it != id_by_engine_.end()) {
-    auto old = by_id_.find(it->second);
-    if (old != by_id_.end()) {
-      replaced = old->second;
-      by_id_.erase(old);
-    }
+  auto it = id_by_engine_.find(session->engine_id);
+  if (it != id_by_engine_.end()) {
+    by_id_.erase(it->second);  // the replaced session unmaps once no call holds it
+  } else if (by_id_.size() >= max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server holds --max-sessions=", max_sessions, " sessions"));
   }
   id_by_engine_[session->engine_id] = session->id;
   by_id_[session->id] = std::move(session);
-  return replaced;
+  return absl::OkStatus();
 }
 
 std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {

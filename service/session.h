@@ -71,8 +71,9 @@ StepOutputs SessionStepOutputs(const Session& session);
 class SessionRegistry {
  public:
   // Publishes `session`; a session of the same engine_id is replaced (re-attach
-  // after an engine restart) and returned so the caller can account for it.
-  std::shared_ptr<Session> Add(std::shared_ptr<Session> session);
+  // after an engine restart). RESOURCE_EXHAUSTED when it would be a new session
+  // beyond `max_sessions` (checked under the lock, so concurrent attaches agree).
+  absl::Status Add(std::shared_ptr<Session> session, size_t max_sessions);
   std::shared_ptr<Session> Find(const std::string& id) const;
   bool Remove(const std::string& id);
   // Removes and returns the sessions whose lease ran out.
