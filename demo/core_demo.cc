@@ -51,15 +51,9 @@ Args ParseArgs(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Args args = ParseArgs(argc, argv);
-  eps::ModelLayout model;
-  model.num_layers = 2;
-  model.num_q_heads = 8;
-  model.num_kv_heads = 2;
-  model.head_dim = 128;
-  model.phi_seed = 42;
+  eps::ModelLayout model = eps::testing::DemoModel();
   model.sketch_dim = args.sketch_dim;
   model.group_blocks = args.group_blocks;
-  model.features = {.key_sum = true, .principal = true, .quest = true};
   auto phi = eps::PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads,
                                   model.head_dim, model.sketch_dim);
   auto selector = eps::PageSelector::Create(model, *phi);

@@ -71,13 +71,7 @@ Args ParseArgs(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Args args = ParseArgs(argc, argv);
-  eps::ModelLayout model;
-  model.num_layers = 2;
-  model.num_q_heads = 8;
-  model.num_kv_heads = 2;
-  model.head_dim = 128;
-  model.phi_seed = 42;
-  model.features = {.key_sum = true, .principal = true, .quest = true};
+  eps::ModelLayout model = eps::testing::DemoModel();
   const int d = model.head_dim, ratio = model.gqa_ratio();
   const int64_t gt = model.group_tokens();
   const int64_t max_context = args.context + args.steps;

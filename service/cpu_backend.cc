@@ -6,7 +6,10 @@
 #include "core/visit_list.h"
 
 namespace eps::service {
+namespace {
 
+// The caller holds session.step_mu. Publishes selection_done = step after the
+// visit lists when a flags buffer is attached.
 absl::Status RunCpuStep(Session& session, std::span<const StepRow> rows, uint64_t step,
                         const SelectPolicy& policy, StepStats* stats) {
   const SessionBuffers& b = session.buffers;
@@ -20,6 +23,8 @@ absl::Status RunCpuStep(Session& session, std::span<const StepRow> rows, uint64_
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 void AppendInlineVisitLists(const Session& session, std::span<const StepRow> rows,
                             v1::SelectPagesResponse* response) {

@@ -6,6 +6,17 @@
 
 namespace eps::testing {
 
+ModelLayout DemoModel() {
+  ModelLayout model;
+  model.num_layers = 2;
+  model.num_q_heads = 8;
+  model.num_kv_heads = 2;
+  model.head_dim = 128;
+  model.phi_seed = 42;
+  model.features = {.key_sum = true, .principal = true, .quest = true};
+  return model;
+}
+
 void ApplyRope(std::span<float> v, int64_t pos, float base) {
   const int half = static_cast<int>(v.size() / 2);
   for (int i = 0; i < half; ++i) {

@@ -16,6 +16,10 @@
 
 namespace eps::testing {
 
+// The small GQA model both demos use: 2 layers, 8 query heads, 2 KV heads,
+// d = 128, 16-token blocks, g = 8, m = 8, every optional summary part on.
+ModelLayout DemoModel();
+
 struct SyntheticConfig {
   int head_dim = 128;
   int64_t tokens = 4096;
