@@ -2,6 +2,7 @@
 # Installs everything a fresh Debian bookworm machine needs to build and test epsd.
 # Idempotent: skips apt-get when every package is already installed.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
@@ -24,5 +25,19 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Python tools for the tests, in a venv of the repository's own (.venv), from PyPI.
+# Re-installs only when scripts/requirements-ci.txt changed.
+VENV=${EPS_VENV:-.venv}
+REQ=scripts/requirements-ci.txt
+stamp="$VENV/.requirements.sha256"
+want=$(sha256sum "$REQ" | cut -d' ' -f1)
+if [[ ! -x "$VENV/bin/python3" ]]; then
+  python3 -m venv "$VENV"
+fi
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+  echo "setup: pip install -r $REQ into $VENV"
+  "$VENV/bin/python3" -m pip install -q --disable-pip-version-check -r "$REQ"
+  echo "$want" >"$stamp"
 fi
 echo "setup: done"
