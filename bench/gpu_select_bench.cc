@@ -1,16 +1,150 @@
 // The GPU pre-pass for one decode step of a Llama-3-8B shape (32 layers, 32 q
 // heads, 8 KV heads, d = 128, g = 8, m = 8, 160-byte records), timed with CUDA
-// events, next to its floor: summary bytes ÷ the device's memory bandwidth.
+// events, next to two floors: summary bytes ÷ the datasheet bandwidth, and
+// summary bytes ÷ the bandwidth of a device-to-device copy measured in the
+// same run (bytes read plus bytes written, METHOD.md's ceiling).
+//
+// Usage: eps_gpu_bench [--batches=1,8,64] [--contexts=8192,32768,131072]
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "core/testing/synthetic.h"
+#include "gpu/cuda_check.h"
 #include "gpu/step.h"
 
-int main() {
+namespace {
+
+using eps::gpu::DeviceBuffer;
+
+std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<int64_t> fallback) {
+  const size_t n = std::strlen(flag);
+  if (std::strncmp(arg, flag, n) != 0) return fallback;
+  std::vector<int64_t> out;
+  for (const char* p = arg + n; *p != '\0';) {
+    char* end = nullptr;
+    out.push_back(std::strtoll(p, &end, 10));
+    p = (*end == ',') ? end + 1 : end;
+  }
+  return out;
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The copy ceiling: a 1 GiB device-to-device copy, bytes read plus written.
+absl::StatusOr<double> MeasureCopyGBs() {
+  const int64_t bytes = int64_t{1} << 30;
+  DeviceBuffer<char> a, b;
+  RETURN_IF_CUDA_ALLOC(a, bytes);
+  RETURN_IF_CUDA_ALLOC(b, bytes);
+  CUDA_RETURN_IF_ERROR(cudaMemset(a.get(), 1, bytes));
+  cudaEvent_t start, stop;
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int i = 0; i < 25; ++i) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(start));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(stop));
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+    float t = 0;
+    CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&t, start, stop));
+    if (i >= 5) ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 2.0 * bytes / (Median(ms) * 1e-3) / 1e9;
+}
+
+template <typename T>
+absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
+  RETURN_IF_CUDA_ALLOC(d, count);
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(d.get(), host, count * sizeof(T), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+struct Row {
+  int64_t batch, context;
+  double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct;
+};
+
+absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
+  eps::testing::StepBuffers buffers(m, batch, context, batch, eps::Granularity::kUnion);
+  std::vector<eps::StepRow> rows;
+  for (int b = 0; b < batch; ++b) {
+    buffers.AssignRow(b, context, b);
+    rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
+  }
+  buffers.FillRandomSummaries(1);
+  eps::StepInputs in = buffers.Inputs(rows);
+  const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
+  DeviceBuffer<float> pool, queries;
+  DeviceBuffer<int32_t> groups, blocks, visit, count;
+  if (auto s = Upload(pool, buffers.pool().data(), buffers.pool().size()); !s.ok()) return s;
+  if (auto s = Upload(groups, buffers.group_table().data(), buffers.group_table().size()); !s.ok()) {
+    return s;
+  }
+  if (auto s = Upload(blocks, buffers.block_table().data(), buffers.block_table().size()); !s.ok()) {
+    return s;
+  }
+  if (auto s = Upload(queries, static_cast<const float*>(in.queries), qcount); !s.ok()) return s;
+  RETURN_IF_CUDA_ALLOC(visit, int64_t{m.num_layers} * batch * buffers.max_blocks());
+  RETURN_IF_CUDA_ALLOC(count, int64_t{m.num_layers} * batch);
+  in.summary_pool = pool.get();
+  in.group_table = groups.get();
+  in.block_table = blocks.get();
+  in.queries = queries.get();
+  auto selector = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
+  if (!selector.ok()) return selector.status();
+  // jl is the product; off (no scoring) and fro (one word read per record)
+  // split the time into its parts by subtraction.
+  Row row{batch, context, 0, 0, 0, 0, 0, 0};
+  const eps::Method methods[3] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff};
+  double* p50[3] = {&row.jl_us, &row.fro_us, &row.off_us};
+  for (int k = 0; k < 3; ++k) {
+    eps::SelectPolicy policy;
+    policy.method = methods[k];
+    std::vector<float> gpu_us, wall_us;
+    eps::StepStats stats;
+    for (int i = 0; i < 60; ++i) {
+      float us = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (absl::Status s = (*selector)->Select(in, policy, {visit.get(), count.get()}, &stats, &us);
+          !s.ok()) {
+        return s;
+      }
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= 10) {  // warm-up excluded
+        gpu_us.push_back(us);
+        wall_us.push_back(std::chrono::duration<float, std::micro>(t1 - t0).count());
+      }
+    }
+    *p50[k] = Median(gpu_us);
+    if (k == 0) {
+      row.wall_us = Median(wall_us);
+      row.summary_mb = stats.summary_bytes_read / 1e6;
+      row.visited_pct = 100.0 * stats.groups_visited / stats.groups_total;
+    }
+  }
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
+  for (int i = 1; i < argc; ++i) {
+    batches = ParseList(argv[i], "--batches=", batches);
+    contexts = ParseList(argv[i], "--contexts=", contexts);
+  }
   if (!eps::gpu::DeviceAvailable()) {
     std::printf("no CUDA device\n");
     return 0;
@@ -21,74 +155,37 @@ int main() {
   cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, 0);
   cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0);
   const double peak_gbs = 2.0 * clock_khz * 1e3 * (bus_bits / 8) / 1e9;
-  std::printf("device: %s, theoretical memory bandwidth %.0f GB/s\n", prop.name, peak_gbs);
-  std::printf("%6s %8s %12s %12s %12s %10s %10s %9s %9s\n", "batch", "context", "summary MB",
-              "jl p50 us", "floor us", "GB/s", "visited%", "fro us", "off us");
+  absl::StatusOr<double> copy_gbs = MeasureCopyGBs();
+  if (!copy_gbs.ok()) {
+    std::printf("error: %s\n", copy_gbs.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("device: %s, theoretical %.0f GB/s, measured d2d copy %.0f GB/s (read + write)\n",
+              prop.name, peak_gbs, *copy_gbs);
+  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s\n", "batch", "context",
+              "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy", "visited%", "fro_us",
+              "off_us", "wall_us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;
   m.num_kv_heads = 8;
   m.head_dim = 128;
   m.features = {.key_sum = false, .principal = false, .quest = false};
-  for (int batch : {1, 8, 32}) {
-    for (int64_t context : {8192, 32768, 131072}) {
-      eps::testing::StepBuffers buffers(m, batch, context, batch, eps::Granularity::kUnion);
-      std::vector<eps::StepRow> rows;
-      for (int b = 0; b < batch; ++b) {
-        buffers.AssignRow(b, context, b);
-        rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
+  for (int64_t batch : batches) {
+    for (int64_t context : contexts) {
+      absl::StatusOr<Row> r = Measure(m, static_cast<int>(batch), context);
+      if (!r.ok()) {
+        std::printf("error at batch %lld context %lld: %s\n", static_cast<long long>(batch),
+                    static_cast<long long>(context), r.status().ToString().c_str());
+        return 1;
       }
-      buffers.FillRandomSummaries(1);
-      eps::StepInputs in = buffers.Inputs(rows);
-      auto upload = [](const auto& v) {
-        void* d = nullptr;
-        cudaMalloc(&d, v.size() * sizeof(v[0]));
-        cudaMemcpy(d, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice);
-        return d;
-      };
-      const size_t qcount = size_t{32} * batch * 32 * 128;
-      std::vector<float> q(static_cast<const float*>(in.queries), static_cast<const float*>(in.queries) + qcount);
-      void* pool = upload(buffers.pool());
-      void* groups = upload(buffers.group_table());
-      void* blocks = upload(buffers.block_table());
-      void* queries = upload(q);
-      void *visit = nullptr, *count = nullptr;
-      cudaMalloc(&visit, size_t{32} * batch * buffers.max_blocks() * 4);
-      cudaMalloc(&count, size_t{32} * batch * 4);
-      in.summary_pool = static_cast<const float*>(pool);
-      in.group_table = static_cast<const int32_t*>(groups);
-      in.block_table = static_cast<const int32_t*>(blocks);
-      in.queries = queries;
-      auto selector = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
-      // jl is the product; off (no scoring) and fro (one word read per record)
-      // split the time into its parts by subtraction.
-      float p50_by_method[3] = {0, 0, 0};
-      eps::StepStats stats;
-      const eps::Method methods[3] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff};
-      for (int k = 0; k < 3; ++k) {
-        eps::SelectPolicy policy;
-        policy.method = methods[k];
-        std::vector<float> times;
-        eps::StepStats method_stats;
-        for (int i = 0; i < 60; ++i) {
-          float us = 0;
-          const absl::Status s = (*selector)->Select(in, policy, {static_cast<int32_t*>(visit), static_cast<int32_t*>(count)}, &method_stats, &us);
-          if (!s.ok()) {
-            std::printf("error: %s\n", s.ToString().c_str());
-            return 1;
-          }
-          if (i >= 10) times.push_back(us);  // warm-up excluded
-        }
-        std::sort(times.begin(), times.end());
-        p50_by_method[k] = times[times.size() / 2];
-        if (k == 0) stats = method_stats;
-      }
-      const double mb = stats.summary_bytes_read / 1e6;
-      const double p50 = p50_by_method[0];
-      std::printf("%6d %8lld %12.1f %12.1f %12.1f %10.0f %9.1f%% %9.1f %9.1f\n", batch, static_cast<long long>(context), mb,
-                  p50, mb * 1e6 / (peak_gbs * 1e9) * 1e6, mb * 1e6 / (p50 * 1e-6) / 1e9,
-                  100.0 * stats.groups_visited / stats.groups_total, p50_by_method[1], p50_by_method[2]);
-      for (void* p : {pool, groups, blocks, queries, visit, count}) cudaFree(p);
+      const double bytes = r->summary_mb * 1e6;
+      const double gbs = bytes / (r->jl_us * 1e-6) / 1e9;
+      std::printf("%6lld %8lld %10.1f %9.1f %9.1f %9.1f %8.0f %6.1f%% %8.1f%% %8.1f %8.1f %9.1f\n",
+                  static_cast<long long>(batch), static_cast<long long>(context), r->summary_mb,
+                  r->jl_us, bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
+                  100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us);
+      std::fflush(stdout);
     }
   }
   return 0;
