@@ -1,0 +1,52 @@
+// Where each shared buffer of a session lives inside one allocation, for the
+// shared-memory (EngineBuffers) and the device-memory (DeviceBuffers) forms
+// alike, and the eps.v1 descriptors of that layout (docs/api.md).
+//
+// Every part is 256-byte aligned, so device loads stay aligned whatever the
+// model shape. Thread safety: an immutable value.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "core/layout.h"
+#include "core/select.h"
+#include "eps/v1/page_selector.pb.h"
+
+namespace eps::client {
+
+struct BufferShape {
+  int64_t num_slots = 0;    // summary records per (layer, kv head)
+  int64_t max_seqs = 0;     // rows of the group and block tables
+  int64_t max_context = 0;  // tokens: fixes max_blocks and max_groups
+  int64_t max_batch = 0;
+  Granularity granularity = Granularity::kUnion;
+  bool with_flags = true;
+};
+
+struct BufferPlan {
+  ModelLayout model;
+  BufferShape shape;
+  int64_t max_blocks = 0, max_groups = 0, record_words = 0, lists = 1, pool_words = 0;
+  uint64_t pool = 0, groups = 0, blocks = 0, queries = 0, visit = 0, count = 0, flags = 0;
+  uint64_t size = 0;  // bytes of the whole allocation
+
+  static absl::StatusOr<BufferPlan> For(const ModelLayout& model, const BufferShape& shape);
+
+  // The descriptors of every buffer; `memory` names the allocation (its oneof
+  // `memory` is copied into each descriptor).
+  v1::SharedBuffers Descriptors(const v1::MemoryDescriptor& memory) const;
+
+  // Element offsets (not bytes) of one record, group row, query and output list.
+  int64_t RecordIndex(int64_t slot, int layer, int kv_head) const {
+    return ((slot * model.num_layers + layer) * model.num_kv_heads + kv_head) * record_words;
+  }
+  int64_t QueryIndex(int layer, int64_t batch_pos, int q_head) const {
+    return ((layer * shape.max_batch + batch_pos) * model.num_q_heads + q_head) * model.head_dim;
+  }
+  int64_t ListIndex(int layer, int64_t batch_pos, int list) const {
+    return (layer * shape.max_batch + batch_pos) * lists + list;
+  }
+};
+
+}  // namespace eps::client
