@@ -1,14 +1,18 @@
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
+#include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/phi.cuh"
 #include "gpu/step.h"
 #include "gpu/step_kernels.cuh"
+#include "gpu/stream_ops.h"
 
 namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
@@ -30,10 +34,33 @@ struct GpuSelector::Impl {
   DeviceBuffer<uint8_t> scored;
   DeviceBuffer<DeviceStatus> status;
   DeviceBuffer<DeviceStats> stats;
+  cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
+  // Pinned host staging: the row list up, the status and statistics down.
+  DeviceRow* host_rows = nullptr;
+  DeviceStatus* host_status = nullptr;
+  DeviceStats* host_stats = nullptr;
+
+  // The step queued by Enqueue and not yet finished.
+  bool pending = false;
+  uint64_t pending_step = 0;
+  StepFence fence;
+  StepStats pending_host;  // the host-side part of its statistics
+  std::vector<StepRow> pending_rows;
+  int scored_kv_heads_total = 0;
+  int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
 
   ~Impl() {
+    if (pending && fence.inputs_ready != nullptr) {
+      // Never leave the stream waiting on an engine that is gone.
+      (void)StreamRaiseCounter(release_stream, fence.inputs_ready, pending_step);  // best effort
+    }
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    if (host_rows != nullptr) cudaFreeHost(host_rows);
+    if (host_status != nullptr) cudaFreeHost(host_status);
+    if (host_stats != nullptr) cudaFreeHost(host_stats);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
+    if (release_stream != nullptr) cudaStreamDestroy(release_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 };
@@ -56,8 +83,12 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   impl->max_groups = max_groups;
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_rows, max_batch * sizeof(DeviceRow)));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_status, sizeof(DeviceStatus)));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_stats, sizeof(DeviceStats)));
   const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->terms, max_batch * model.num_layers * model.num_q_heads *
@@ -78,7 +109,25 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
 
 absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& policy,
                                  const StepOutputs& out, StepStats* stats, float* prepass_us) {
+  if (absl::Status s = Enqueue(in, policy, out, StepFence{}); !s.ok()) return s;
+  if (!pending()) {  // an empty batch queues nothing
+    if (stats != nullptr) *stats = StepStats{};
+    if (prepass_us != nullptr) *prepass_us = 0;
+    return absl::OkStatus();
+  }
+  return Finish(std::chrono::microseconds::max(), stats, prepass_us);
+}
+
+bool GpuSelector::pending() const { return impl_->pending; }
+uint64_t GpuSelector::pending_step() const { return impl_->pending_step; }
+
+absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& policy,
+                                  const StepOutputs& out, const StepFence& fence) {
   Impl& g = *impl_;
+  if (g.pending) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", g.pending_step, " is still pending: finish it first"));
+  }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
   if (policy.strict || policy.budget != Budget::kThreshold ||
@@ -89,7 +138,16 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
         " granularity=", GranularityName(policy.granularity)));
   }
   const int64_t batch = static_cast<int64_t>(in.rows.size());
-  if (batch == 0) return absl::OkStatus();
+  if (batch == 0) {
+    if (fence.selection_done != nullptr) {
+      CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
+      if (fence.inputs_ready != nullptr) {
+        RETURN_IF_ERROR(StreamWaitCounter(g.stream, fence.inputs_ready, fence.step));
+      }
+      RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
+    }
+    return absl::OkStatus();
+  }
   if (batch > in.max_batch || batch > g.max_batch) {
     return absl::InvalidArgumentError(absl::StrCat("batch of ", batch, " rows exceeds max_batch=",
                                                    std::min(in.max_batch, g.max_batch)));
@@ -102,7 +160,7 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
     return absl::InvalidArgumentError(absl::StrCat("max_groups=", in.max_groups,
                                                    " exceeds the selector's ", g.max_groups));
   }
-  std::vector<DeviceRow> rows(batch);
+  DeviceRow* rows = g.host_rows;
   StepStats host;
   const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
   int64_t max_n = 0, row_groups = 0;  // the longest row's groups; all rows' groups
@@ -146,7 +204,10 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   s.method = static_cast<int>(policy.method);
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.rows.get(), rows.data(), batch * sizeof(DeviceRow),
+  if (fence.inputs_ready != nullptr) {
+    RETURN_IF_ERROR(StreamWaitCounter(g.stream, fence.inputs_ready, fence.step));
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.rows.get(), rows, batch * sizeof(DeviceRow),
                                        cudaMemcpyHostToDevice, g.stream));
   if (retrieval) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), policy.retrieval_heads.data(),
@@ -195,28 +256,97 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   SelectKernel<<<dim3(m.num_layers, static_cast<unsigned>(batch)), 256, select_shared, g.stream>>>(
       s, policy.first_n, policy.last_n, policy.method == Method::kOff, in.block_table,
       g.rows.get(), g.scores.get(), g.thresholds.get(), out.visit_blocks, out.visit_count,
-      g.status.get(), g.stats.get());
+      g.status.get(), g.stats.get(), fence.selection_done, fence.step);
+  if (fence.selection_done != nullptr) {
+    // The engine's stream proceeds on selection_done whatever happened: a step
+    // that failed on the device marks its lists "attend densely" (-1).
+    FailOpenKernel<<<1, 256, 0, g.stream>>>(s, static_cast<int>(batch), g.status.get(),
+                                            out.visit_count, fence.selection_done, fence.step);
+  }
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
-  DeviceStatus status{};
-  DeviceStats dstats{};
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&status, g.status.get(), sizeof(status), cudaMemcpyDeviceToHost, g.stream));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&dstats, g.stats.get(), sizeof(dstats), cudaMemcpyDeviceToHost, g.stream));
+  if (fence.selection_done != nullptr) {
+    RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.host_status, g.status.get(), sizeof(DeviceStatus),
+                                       cudaMemcpyDeviceToHost, g.stream));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.host_stats, g.stats.get(), sizeof(DeviceStats),
+                                       cudaMemcpyDeviceToHost, g.stream));
+  int scored_kv_heads_total = 0;  // summary bytes: per layer, KV heads with a scored head
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
+      bool any = policy.method != Method::kOff;
+      if (retrieval) {
+        any = false;
+        for (int h = kvh * m.gqa_ratio(); h < (kvh + 1) * m.gqa_ratio(); ++h) {
+          any |= policy.retrieval_heads[layer * m.num_q_heads + h] != 0;
+        }
+      }
+      scored_kv_heads_total += any;
+    }
+  }
+  g.pending = true;
+  g.pending_step = fence.step;
+  g.fence = fence;
+  g.pending_host = host;
+  g.pending_rows.assign(in.rows.begin(), in.rows.end());
+  g.scored_kv_heads_total = scored_kv_heads_total;
+  g.row_groups = row_groups;
+  g.pending_num_slots = in.num_slots;
+  g.pending_physical_blocks = in.num_physical_blocks;
+  return absl::OkStatus();
+}
+
+absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* stats,
+                                 float* prepass_us) {
+  Impl& g = *impl_;
+  if (!g.pending) return absl::FailedPreconditionError("no step is pending");
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
+  bool released = false;
+  if (timeout != std::chrono::microseconds::max() && g.fence.inputs_ready != nullptr) {
+    // Bounded wait: poll the stream; yield rather than spin a core.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    cudaError_t q;
+    while ((q = cudaStreamQuery(g.stream)) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        // The engine never wrote inputs_ready: release our own wait so the
+        // stream drains (the step then runs on whatever inputs are there).
+        RETURN_IF_ERROR(StreamRaiseCounter(g.release_stream, g.fence.inputs_ready, g.fence.step));
+        released = true;
+        break;
+      }
+      std::this_thread::yield();
+    }
+    if (q != cudaSuccess && q != cudaErrorNotReady) {
+      g.pending = false;
+      return absl::InternalError(absl::StrCat("step stream: ", cudaGetErrorString(q)));
+    }
+  }
+  g.pending = false;
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(g.stream));
+  if (released) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "inputs_ready never reached step ", g.fence.step, " within ", timeout.count(),
+        " us: the wait was released and the step's lists are not trustworthy"));
+  }
   if (prepass_us != nullptr) {
     float ms = 0.0f;
     CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, g.start, g.stop));
     *prepass_us = ms * 1000.0f;
   }
+  const ModelLayout& m = g.model;
+  const DeviceStatus status = *g.host_status;
+  const DeviceStats dstats = *g.host_stats;
+  const std::vector<StepRow>& rows = g.pending_rows;
   switch (status.code) {
     case kBadSlot:
-      return absl::InvalidArgumentError(absl::StrCat("group_table[", in.rows[status.row].table_row, "][",
+      return absl::InvalidArgumentError(absl::StrCat("group_table[", rows[status.row].table_row, "][",
                                                      status.index, "]=", status.value,
-                                                     " not in [0, ", in.num_slots, ")"));
+                                                     " not in [0, ", g.pending_num_slots, ")"));
     case kBadBlock:
-      return absl::InvalidArgumentError(absl::StrCat("block_table[", in.rows[status.row].table_row, "][",
+      return absl::InvalidArgumentError(absl::StrCat("block_table[", rows[status.row].table_row, "][",
                                                      status.index, "]=", status.value, " not in [0, ",
-                                                     in.num_physical_blocks, ")"));
+                                                     g.pending_physical_blocks, ")"));
     case kBadScore:
       return absl::InvalidArgumentError(absl::StrCat("summary of slot ", status.value,
                                                      " gives a non-finite score: the summary "
@@ -228,23 +358,12 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
       break;
   }
   if (stats != nullptr) {
+    StepStats host = g.pending_host;
+    const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
     host.groups_visited = static_cast<int64_t>(dstats.groups_visited);
     host.blocks_visited = static_cast<int64_t>(dstats.blocks_visited);
     host.kv_bytes_read_est = static_cast<int64_t>(dstats.visited_tokens) * m.num_kv_heads * kv_token_bytes;
-    int scored_kv_heads_total = 0;  // summary bytes: per layer, KV heads with a scored head
-    for (int layer = 0; layer < m.num_layers; ++layer) {
-      for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
-        bool any = policy.method != Method::kOff;
-        if (retrieval) {
-          any = false;
-          for (int h = kvh * m.gqa_ratio(); h < (kvh + 1) * m.gqa_ratio(); ++h) {
-            any |= policy.retrieval_heads[layer * m.num_q_heads + h] != 0;
-          }
-        }
-        scored_kv_heads_total += any;
-      }
-    }
-    host.summary_bytes_read = row_groups * scored_kv_heads_total * g.layout.record_bytes();
+    host.summary_bytes_read = g.row_groups * g.scored_kv_heads_total * g.layout.record_bytes();
     *stats = host;
   }
   return absl::OkStatus();

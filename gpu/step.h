@@ -14,9 +14,21 @@
 //
 // Every slot and block id is checked on the device before it is used; a bad
 // one, or a NaN/Inf score, fails the step with INVALID_ARGUMENT and leaves the
-// outputs unwritten. Thread safety: one Select at a time per GpuSelector.
+// outputs unwritten (their counts become -1, "attend densely", when a step fence
+// is given, since the engine's stream proceeds on selection_done regardless).
+//
+// Cross-process ordering (DESIGN §5): with a StepFence the selector's stream
+// first waits until inputs_ready >= step (the engine's stream wrote its
+// queries), and writes selection_done = step after the outputs, so the engine's
+// stream can wait for it without any host round trip. Enqueue returns once the
+// work is queued (the async reply); Finish waits for it with a bound, and when
+// the engine never signals inputs_ready it releases the wait itself (the host
+// watchdog of DESIGN §6), so the selector's stream is never blocked for good.
+//
+// Thread safety: one caller at a time per GpuSelector.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 
@@ -40,11 +52,29 @@ class GpuSelector {
   GpuSelector(const GpuSelector&) = delete;
   GpuSelector& operator=(const GpuSelector&) = delete;
 
+  // Device addresses of the session's counters; null members are not used.
+  struct StepFence {
+    uint64_t* inputs_ready = nullptr;    // wait until >= step before reading inputs
+    uint64_t* selection_done = nullptr;  // = step after the outputs
+    uint64_t step = 0;
+  };
+
   // `in` and `out` hold device pointers (in.rows is host memory); runs on the
   // selector's stream and waits for it. `prepass_us` is the GPU time between
-  // CUDA events around the three kernels.
+  // CUDA events around the kernels.
   absl::Status Select(const StepInputs& in, const SelectPolicy& policy, const StepOutputs& out,
                       StepStats* stats, float* prepass_us);
+
+  // Validates on the host and queues the step; returns without waiting. A step
+  // still pending must be finished first (FAILED_PRECONDITION otherwise).
+  absl::Status Enqueue(const StepInputs& in, const SelectPolicy& policy, const StepOutputs& out,
+                       const StepFence& fence);
+  // Waits up to `timeout` for the pending step, then (when it is still held by
+  // an unsignalled inputs_ready) releases it and answers DEADLINE_EXCEEDED after
+  // the stream drained. Reports the device-side validation result and stats.
+  absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
+  bool pending() const;
+  uint64_t pending_step() const;
 
  private:
   struct Impl;

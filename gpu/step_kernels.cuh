@@ -295,11 +295,16 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
                              const int32_t* block_table, const DeviceRow* rows,
                              const float* scores, const float* thresholds, int32_t* visit_blocks,
                              int32_t* visit_count, const DeviceStatus* status,
-                             DeviceStats* stats) {
+                             DeviceStats* stats, const uint64_t* selection_done, uint64_t step) {
   extern __shared__ unsigned char visit[];
   __shared__ float head_threshold[256];
   __shared__ unsigned counts[256];
   if (status->code != kOk) return;  // an earlier kernel failed: write nothing
+  // The engine gave up on this step (its client released selection_done and
+  // attends densely): leave its outputs alone.
+  if (selection_done != nullptr && *reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) {
+    return;
+  }
   const int layer = blockIdx.x, row = blockIdx.y;
   const int64_t tokens = rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
@@ -366,6 +371,18 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
     const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
     atomicAdd(&stats->visited_tokens,
               static_cast<unsigned long long>(total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
+  }
+}
+
+// After a failed step, with a step fence: every list of the step's rows gets
+// count -1 ("attend densely"), since the engine's stream proceeds on
+// selection_done. One block; visit_count is [layers, max_batch] (union output).
+__global__ void FailOpenKernel(Shape s, int batch, const DeviceStatus* status, int32_t* visit_count,
+                               const uint64_t* selection_done, uint64_t step) {
+  if (status->code == kOk) return;
+  if (*reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) return;
+  for (int i = threadIdx.x; i < s.layers * batch; i += blockDim.x) {
+    visit_count[int64_t{i / batch} * s.max_batch + i % batch] = -1;
   }
 }
 

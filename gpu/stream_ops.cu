@@ -1,0 +1,60 @@
+#include "gpu/stream_ops.h"
+
+#include <cuda.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace eps::gpu {
+namespace {
+
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+StreamValueFn Lookup(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<StreamValueFn>(f);
+}
+
+absl::Status Call(const char* name, StreamValueFn fn, cudaStream_t stream, const uint64_t* at,
+                  uint64_t value, unsigned flags) {
+  if (fn == nullptr) return absl::FailedPreconditionError(absl::StrCat(name, " is not available"));
+  const CUresult r = fn(reinterpret_cast<CUstream>(stream),
+                        reinterpret_cast<CUdeviceptr>(at), value, flags);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat(name, "(value=", value, "): CUresult ", static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
+__global__ void RaiseCounterKernel(unsigned long long* counter, unsigned long long value) {
+  atomicMax(counter, value);
+}
+
+}  // namespace
+
+absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t value) {
+  RaiseCounterKernel<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned long long*>(counter),
+                                          static_cast<unsigned long long>(value));
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("RaiseCounterKernel: ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StreamWaitCounter(cudaStream_t stream, const uint64_t* counter, uint64_t value) {
+  static const StreamValueFn fn = Lookup("cuStreamWaitValue64");
+  return Call("cuStreamWaitValue64", fn, stream, counter, value, CU_STREAM_WAIT_VALUE_GEQ);
+}
+
+absl::Status StreamWriteCounter(cudaStream_t stream, uint64_t* counter, uint64_t value) {
+  static const StreamValueFn fn = Lookup("cuStreamWriteValue64");
+  return Call("cuStreamWriteValue64", fn, stream, counter, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+}
+
+}  // namespace eps::gpu

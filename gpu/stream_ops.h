@@ -1,0 +1,30 @@
+// Stream memory operations for the cross-process step counters of DESIGN §5:
+// a stream waits until a 64-bit counter in device memory reaches a value, or
+// writes one after its earlier work (cuStreamWaitValue64 / cuStreamWriteValue64).
+//
+// The driver API is reached through cudaGetDriverEntryPointByVersion, as in
+// ipc_mapping.cc, so that no binary links libcuda. Thread safety: the functions
+// are safe to call from any thread; the stream's own rules apply.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace eps::gpu {
+
+// Enqueues on `stream`: wait until *counter >= value (unsigned compare).
+absl::Status StreamWaitCounter(cudaStream_t stream, const uint64_t* counter, uint64_t value);
+
+// Enqueues on `stream`: *counter = value once the stream's earlier work is done,
+// with a memory barrier, so a waiter that sees the value sees that work's writes.
+absl::Status StreamWriteCounter(cudaStream_t stream, uint64_t* counter, uint64_t value);
+
+// Enqueues on `stream`: *counter = max(*counter, value), atomically. The
+// watchdogs release a wait with it: a plain write could move a counter that the
+// other side already advanced backwards, and block its next step.
+absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t value);
+
+}  // namespace eps::gpu
