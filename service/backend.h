@@ -2,8 +2,10 @@
 // pre-pass over device memory mapped from the engine (DESIGN §5).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "core/step.h"
@@ -12,14 +14,30 @@ namespace eps::service {
 
 class Session;
 
+// A step that an async reply accepted and a later call found finished.
+struct FinishedStep {
+  uint64_t step = 0;
+  absl::Status status;  // its device-side outcome (its lists are -1 when not ok)
+  StepStats stats;
+  double prepass_us = 0;
+};
+
+struct StepResult {
+  bool done = true;  // false: queued (async), statistics come with a later reply
+  StepStats stats;   // this step's, when done
+  double prepass_us = 0;
+  std::vector<FinishedStep> earlier;  // async steps finished since the last call
+};
+
 class StepBackend {
  public:
   virtual ~StepBackend() = default;
   virtual const char* name() const = 0;
   // Runs one step (the caller holds session.step_mu), writes the visit lists
   // and then publishes selection_done = step when a flags buffer is attached.
+  // `async`: queue the step and return (backends that cannot answer UNIMPLEMENTED).
   virtual absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
-                           const SelectPolicy& policy, StepStats* stats, double* prepass_us) = 0;
+                           const SelectPolicy& policy, bool async, StepResult* result) = 0;
 };
 
 std::unique_ptr<StepBackend> MakeCpuBackend();

@@ -141,6 +141,7 @@ const std::map<std::string, Flag>& Flags() {
       {"max-sessions", {"sessions at once (default 64)", Number<uint32_t>("max-sessions", &ServerConfig::max_sessions, 1, 100000)}},
       {"max-batch", {"rows per step (default 1024)", Number<uint32_t>("max-batch", &ServerConfig::max_batch, 1, 1u << 20)}},
       {"max-message-bytes", {"largest gRPC message (default 64 MiB)", Number<uint32_t>("max-message-bytes", &ServerConfig::max_message_bytes, 1024, 1u << 30)}},
+      {"inputs-timeout-ms", {"cuda backend, async replies: how long a queued step waits for the engine's inputs_ready before epsd releases it and fails the step (default 1000)", Number<uint32_t>("inputs-timeout-ms", &ServerConfig::inputs_timeout_ms, 1, 600000)}},
       {"drain-ms", {"on SIGTERM, how long in-flight calls may finish (default 5000)", Number<uint32_t>("drain-ms", &ServerConfig::drain_ms, 0, 600000)}},
   };
   return *flags;

@@ -26,6 +26,7 @@ struct ServerConfig {
   uint32_t max_batch = 1024;
   uint32_t max_message_bytes = 64u << 20;
   uint32_t drain_ms = 5000;       // SIGTERM: how long in-flight calls may finish
+  uint32_t inputs_timeout_ms = 1000;  // async steps: the watchdog on inputs_ready
   bool help = false;
 };
 

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpu/ipc_mapping.h"
 #include "gpu/step.h"
+#include "core/status.h"
 #include "service/session.h"
 
 namespace eps::service {
@@ -26,28 +27,48 @@ class DeviceMemory final : public MappedMemory {
 
 class CudaBackend final : public StepBackend {
  public:
-  CudaBackend(std::unique_ptr<gpu::GpuSelector> selector, int device)
-      : selector_(std::move(selector)), device_(device) {}
+  CudaBackend(std::unique_ptr<gpu::GpuSelector> selector, std::chrono::microseconds inputs_timeout)
+      : selector_(std::move(selector)), inputs_timeout_(inputs_timeout) {}
   const char* name() const override { return "cuda"; }
 
   absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
-                   const SelectPolicy& policy, StepStats* stats, double* prepass_us) override {
-    const SessionBuffers& b = session.buffers;
-    const StepInputs in = SessionStepInputs(session, rows);
-    const StepOutputs out = SessionStepOutputs(session);
-    float gpu_us = 0.0f;
-    if (absl::Status s = selector_->Select(in, policy, out, stats, &gpu_us); !s.ok()) return s;
-    *prepass_us = gpu_us;
-    if (b.has_flags) {
-      // Select synchronised its stream, so the outputs precede this write.
-      return gpu::WriteCounter(device_, reinterpret_cast<uint64_t*>(b.flags.data) + 1, step);
+                   const SelectPolicy& policy, bool async, StepResult* result) override {
+    // An async step still queued finishes first: its statistics ride on this reply.
+    if (selector_->pending()) {
+      FinishedStep& f = result->earlier.emplace_back();
+      f.step = selector_->pending_step();
+      float us = 0;
+      f.status = selector_->Finish(inputs_timeout_, &f.stats, &us);
+      f.prepass_us = us;
     }
+    const SessionBuffers& b = session.buffers;
+    gpu::GpuSelector::StepFence fence;
+    fence.step = step;
+    if (b.has_flags) {
+      uint64_t* flags = reinterpret_cast<uint64_t*>(b.flags.data);
+      fence.selection_done = flags + 1;
+      // A sync call's inputs are in place before the call (the RPC orders the
+      // two sides); an async step waits for the engine's stream on the device.
+      if (async) fence.inputs_ready = flags;
+    } else if (async) {
+      return absl::FailedPreconditionError(
+          "reply_mode=REPLY_MODE_ASYNC needs a flags buffer (inputs_ready, selection_done) in Attach");
+    }
+    RETURN_IF_ERROR(selector_->Enqueue(SessionStepInputs(session, rows), policy,
+                                       SessionStepOutputs(session), fence));
+    if (async || !selector_->pending()) {
+      result->done = !async;
+      return absl::OkStatus();
+    }
+    float gpu_us = 0.0f;
+    RETURN_IF_ERROR(selector_->Finish(std::chrono::microseconds::max(), &result->stats, &gpu_us));
+    result->prepass_us = gpu_us;
     return absl::OkStatus();
   }
 
  private:
   std::unique_ptr<gpu::GpuSelector> selector_;
-  int device_;
+  const std::chrono::microseconds inputs_timeout_;
 };
 
 }  // namespace
@@ -64,13 +85,13 @@ CudaIpcOpener MakeCudaIpcOpener() {
   };
 }
 
-absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout& model, int device,
-                                                             int64_t max_batch,
-                                                             int64_t max_groups) {
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
+    const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
+    std::chrono::microseconds inputs_timeout) {
   absl::StatusOr<std::unique_ptr<gpu::GpuSelector>> selector =
       gpu::GpuSelector::Create(model, device, max_batch, max_groups);
   if (!selector.ok()) return selector.status();
-  return std::unique_ptr<StepBackend>(new CudaBackend(std::move(*selector), device));
+  return std::unique_ptr<StepBackend>(new CudaBackend(std::move(*selector), inputs_timeout));
 }
 
 }  // namespace eps::service

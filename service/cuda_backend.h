@@ -2,6 +2,7 @@
 // pre-pass over them. Only built when nvcc is found (EPS_HAVE_CUDA).
 #pragma once
 
+#include <chrono>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -13,9 +14,11 @@ namespace eps::service {
 // Opens CUDA IPC handles as MappedMemory (device memory, checked extents).
 CudaIpcOpener MakeCudaIpcOpener();
 
-absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout& model, int device,
-                                                             int64_t max_batch,
-                                                             int64_t max_groups);
+// `inputs_timeout`: how long an async step may wait for the engine's
+// inputs_ready before epsd releases the wait itself (the watchdog of DESIGN §6).
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
+    const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
+    std::chrono::microseconds inputs_timeout);
 
 // Whether a CUDA device is visible to this process.
 bool CudaDevicePresent();

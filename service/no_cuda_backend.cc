@@ -8,7 +8,7 @@ bool CudaDevicePresent() { return false; }
 CudaIpcOpener MakeCudaIpcOpener() { return nullptr; }
 
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout&, int, int64_t,
-                                                             int64_t) {
+                                                             int64_t, std::chrono::microseconds) {
   return absl::FailedPreconditionError("this epsd was built without CUDA");
 }
 

@@ -205,7 +205,9 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
           "the cuda backend serves the threshold budget with union output; strict mode, the "
           "fixed and top-p budgets and per-KV-head output run on the cpu backend");
     }
-    ASSIGN_OR_RETURN(s->backend, MakeCudaBackend(m, s->device, s->max_batch, s->max_groups));
+    ASSIGN_OR_RETURN(s->backend,
+                     MakeCudaBackend(m, s->device, s->max_batch, s->max_groups,
+                                     std::chrono::milliseconds(config_.inputs_timeout_ms)));
   } else {
     s->backend = MakeCpuBackend();
   }
@@ -284,6 +286,15 @@ absl::Status Selector::ApplyWrites(Session& session, const v1::SelectPagesReques
   return absl::OkStatus();
 }
 
+void Selector::CountStep(Session& session, const StepStats& stats) {
+  session.steps.fetch_add(1);
+  session.groups_total.fetch_add(stats.groups_total);
+  session.groups_visited.fetch_add(stats.groups_visited);
+  session.bytes_dense.fetch_add(stats.kv_bytes_dense);
+  session.bytes_read.fetch_add(stats.kv_bytes_read_est);
+  steps_total_.fetch_add(1);
+}
+
 absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
                                    v1::SelectPagesResponse* response) {
   std::shared_ptr<Session> session = sessions_.Find(request.session_id());
@@ -292,12 +303,9 @@ absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
         "session '", request.session_id(), "' not found (detached or lease expired): re-attach")));
   }
   session->Touch();
-  if (request.reply_mode() == v1::REPLY_MODE_ASYNC) {
-    return CountFailure(absl::UnimplementedError(
-        "reply_mode=REPLY_MODE_ASYNC is not implemented yet; use REPLY_MODE_SYNC"));
-  }
+  const bool async = request.reply_mode() == v1::REPLY_MODE_ASYNC;
   if (request.reply_mode() != v1::REPLY_MODE_UNSPECIFIED &&
-      request.reply_mode() != v1::REPLY_MODE_SYNC) {
+      request.reply_mode() != v1::REPLY_MODE_SYNC && !async) {
     return CountFailure(absl::InvalidArgumentError(
         absl::StrCat("reply_mode=", request.reply_mode(), " is unknown")));
   }
@@ -332,26 +340,33 @@ absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
     session->errors.fetch_add(1);
     return CountFailure(s);
   }
-  StepStats stats;
-  double prepass_us = 0;
-  if (absl::Status s = session->backend->Run(*session, rows, request.step(), *policy, &stats,
-                                             &prepass_us);
-      !s.ok()) {
+  StepResult result;
+  const absl::Status run =
+      session->backend->Run(*session, rows, request.step(), *policy, async, &result);
+  // Async steps finished since the last call count now, whatever this step does.
+  for (const FinishedStep& f : result.earlier) {
+    v1::StepStats* earlier = response->add_earlier();
+    ToProto(f.stats, f.step, f.prepass_us, earlier);
+    if (!f.status.ok()) {
+      earlier->set_error(f.status.ToString());
+      session->errors.fetch_add(1);
+      continue;
+    }
+    CountStep(*session, f.stats);
+  }
+  if (!run.ok()) {
     session->errors.fetch_add(1);
-    return CountFailure(s);
+    return CountFailure(run);
   }
   session->has_step = true;
   session->last_step = request.step();
   session->last_step_seen.store(request.step());
-  session->steps.fetch_add(1);
-  session->groups_total.fetch_add(stats.groups_total);
-  session->groups_visited.fetch_add(stats.groups_visited);
-  session->bytes_dense.fetch_add(stats.kv_bytes_dense);
-  session->bytes_read.fetch_add(stats.kv_bytes_read_est);
-  steps_total_.fetch_add(1);
   response->set_step(request.step());
-  response->set_done(true);
-  ToProto(stats, request.step(), prepass_us, response->mutable_stats());
+  response->set_done(result.done);
+  if (result.done) {
+    CountStep(*session, result.stats);
+    ToProto(result.stats, request.step(), result.prepass_us, response->mutable_stats());
+  }
   if (session->buffers.visit_blocks.is_inline && !session->buffers.visit_blocks.is_device) {
     AppendInlineVisitLists(*session, rows, response);
   }

@@ -41,6 +41,7 @@ class Selector {
   absl::StatusOr<std::shared_ptr<Session>> BuildSession(const v1::AttachRequest& request);
   absl::Status ApplyWrites(Session& session, const v1::SelectPagesRequest& request);
   absl::Status CountFailure(absl::Status status);
+  void CountStep(Session& session, const StepStats& stats);
 
   const ServerConfig config_;
   SessionRegistry sessions_;
