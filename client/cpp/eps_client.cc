@@ -209,8 +209,10 @@ absl::Status EpsClient::Heartbeat() {
   return FromGrpc(stub_->Heartbeat(&context, request, &response));
 }
 
-StepResult EpsClient::Fallback(absl::Status status, std::atomic<uint64_t>& counter) {
+StepResult EpsClient::Fallback(uint64_t step, absl::Status status,
+                               std::atomic<uint64_t>& counter) {
   counter.fetch_add(1);
+  if (options_.on_fallback) options_.on_fallback(step);
   StepResult result;
   result.fallback = true;
   result.status = std::move(status);
@@ -305,7 +307,7 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
         result.status = s;
         return result;
       }
-      return Fallback(s, fb_not_attached_);
+      return Fallback(step, s, fb_not_attached_);
     }
   }
   v1::SelectPagesRequest request;
@@ -313,6 +315,7 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   request.set_step(step);
   request.mutable_rows()->Add(rows.begin(), rows.end());
   if (options != nullptr) *request.mutable_options() = *options;
+  if (options_.reply_async) request.set_reply_mode(v1::REPLY_MODE_ASYNC);
   StepResult result;
   const Deadline deadline = start + options_.deadline;
   absl::Status status = options_.use_stream ? CallStream(request, deadline, &result.response)
@@ -336,21 +339,21 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   }
   switch (status.code()) {
     case absl::StatusCode::kDeadlineExceeded:
-      return Fallback(status, fb_deadline_);
+      return Fallback(step, status, fb_deadline_);
     case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
       if (stream_) {
         stream_->Close();
         stream_.reset();
       }
-      return Fallback(status, fb_not_attached_);
+      return Fallback(step, status, fb_not_attached_);
     case absl::StatusCode::kUnavailable:
       if (stream_) {
         stream_->Close();
         stream_.reset();
       }
-      return Fallback(status, fb_unavailable_);
+      return Fallback(step, status, fb_unavailable_);
     default:
-      return Fallback(status, fb_error_);
+      return Fallback(step, status, fb_error_);
   }
 }
 

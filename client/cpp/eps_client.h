@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <span>
@@ -36,6 +37,13 @@ struct ClientOptions {
   bool fail_open = true;  // false: a failed step is an error for the engine
   bool use_stream = false;
   std::string traceparent;  // W3C trace context to send, when set
+  // REPLY_MODE_ASYNC (cuda backend, flags buffer required): the reply comes once
+  // the step is queued; the engine's stream waits on selection_done.
+  bool reply_async = false;
+  // Called with the step number whenever a step falls back (fail open), on the
+  // engine's thread: e.g. DeviceBuffers::ReleaseDense, so that an engine stream
+  // waiting on selection_done proceeds and attends densely.
+  std::function<void(uint64_t step)> on_fallback;
 };
 
 struct StepResult {
@@ -80,7 +88,7 @@ class EpsClient {
   v1::PageSelector::Stub& stub() { return *stub_; }
 
  private:
-  StepResult Fallback(absl::Status status, std::atomic<uint64_t>& counter);
+  StepResult Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter);
   absl::StatusOr<std::string> CallAttach() const;  // thread-safe: stub and attach_ only
   absl::Status Adopt(const absl::StatusOr<std::string>& attached);
   absl::Status PollReattach();

@@ -1,0 +1,74 @@
+#include "client/cpp/device_buffers.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "gpu/cuda_check.h"
+#include "gpu/stream_ops.h"
+
+namespace eps::client {
+
+absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const ModelLayout& model,
+                                                                     const BufferShape& shape,
+                                                                     int device) {
+  ASSIGN_OR_RETURN(BufferPlan plan, BufferPlan::For(model, shape));
+  auto b = std::unique_ptr<DeviceBuffers>(new DeviceBuffers(std::move(plan), device));
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  void* base = nullptr;
+  if (const cudaError_t err = cudaMalloc(&base, b->plan_.size); err != cudaSuccess) {
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc(", b->plan_.size,
+                                                     " bytes): ", cudaGetErrorString(err)));
+  }
+  b->base_ = static_cast<std::byte*>(base);
+  // Counters start at 0 and no list is valid until the first selection.
+  CUDA_RETURN_IF_ERROR(cudaMemset(b->base_, 0, b->plan_.size));
+  cudaIpcMemHandle_t handle;
+  CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, b->base_));
+  b->handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->side_stream_, cudaStreamNonBlocking));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_done_, sizeof(uint64_t)));
+  return b;
+}
+
+DeviceBuffers::~DeviceBuffers() {
+  if (base_ == nullptr) return;
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();  // no stream of this process still reads or waits on it
+  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
+  if (host_done_ != nullptr) cudaFreeHost(host_done_);
+  cudaFree(base_);
+}
+
+v1::SharedBuffers DeviceBuffers::Descriptors() const {
+  v1::MemoryDescriptor memory;
+  memory.mutable_cuda_ipc()->set_handle(handle_);
+  memory.mutable_cuda_ipc()->set_device(device_);
+  return plan_.Descriptors(memory);
+}
+
+absl::Status DeviceBuffers::SignalInputsReady(cudaStream_t stream, uint64_t step) {
+  return gpu::StreamWriteCounter(stream, flags(), step);
+}
+
+absl::Status DeviceBuffers::WaitSelection(cudaStream_t stream, uint64_t step) {
+  return gpu::StreamWaitCounter(stream, flags() + 1, step);
+}
+
+absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const uint64_t lists = uint64_t(plan_.model.num_layers) * plan_.shape.max_batch * plan_.lists;
+  // 0xFF bytes make every int32 count -1.
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(visit_count(), 0xFF, lists * sizeof(int32_t), side_stream_));
+  RETURN_IF_ERROR(gpu::StreamRaiseCounter(side_stream_, flags() + 1, step));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> DeviceBuffers::ReadSelectionDone() {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_done_, flags() + 1, sizeof(uint64_t),
+                                       cudaMemcpyDeviceToHost, side_stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
+  return *host_done_;
+}
+
+}  // namespace eps::client

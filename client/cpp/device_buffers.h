@@ -1,0 +1,77 @@
+// The shared buffers of one engine session in device memory (DESIGN §5): one
+// cudaMalloc allocation, laid out by BufferPlan and exported to epsd with a
+// legacy CUDA IPC handle. The library allocates it itself, never from the
+// engine's own tensors (PyTorch's expandable segments and vLLM's cumem
+// allocator break cudaIpcGetMemHandle); the engine copies its rows in.
+//
+// Cross-process ordering on the engine's stream, without a host round trip:
+//   SignalInputsReady(stream, step)  after the step's queries are written
+//   WaitSelection(stream, step)      before attention reads the visit lists
+// and, when the step falls back (fail open), ReleaseDense(step) sets every
+// visit_count to -1 ("attend densely") and then selection_done = step, so the
+// engine's stream never waits on a sidecar that is gone.
+//
+// Ownership: the allocation is freed in the destructor (after the device is
+// idle for it). Thread safety: ReleaseDense and ReadSelectionDone may run on
+// another thread (the watchdog's) than the engine's; everything else is the
+// engine thread's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "client/cpp/buffer_plan.h"
+#include "eps/v1/page_selector.pb.h"
+
+namespace eps::client {
+
+class DeviceBuffers {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceBuffers>> Create(const ModelLayout& model,
+                                                               const BufferShape& shape,
+                                                               int device);
+  ~DeviceBuffers();
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+
+  // Descriptors of every buffer (CudaIpcHandle), for AttachRequest.buffers.
+  v1::SharedBuffers Descriptors() const;
+
+  // Device pointers, laid out as docs/api.md says.
+  float* summary_pool() const { return At<float>(plan_.pool); }
+  int32_t* group_table() const { return At<int32_t>(plan_.groups); }
+  int32_t* block_table() const { return At<int32_t>(plan_.blocks); }
+  float* queries() const { return At<float>(plan_.queries); }
+  int32_t* visit_blocks() const { return At<int32_t>(plan_.visit); }
+  int32_t* visit_count() const { return At<int32_t>(plan_.count); }
+  uint64_t* flags() const { return At<uint64_t>(plan_.flags); }
+
+  absl::Status SignalInputsReady(cudaStream_t stream, uint64_t step);
+  absl::Status WaitSelection(cudaStream_t stream, uint64_t step);
+  // Fail open on the device: visit_count = -1 everywhere, then
+  // selection_done = step (on a stream of the library's own).
+  absl::Status ReleaseDense(uint64_t step);
+  absl::StatusOr<uint64_t> ReadSelectionDone();
+
+  const BufferPlan& plan() const { return plan_; }
+  int device() const { return device_; }
+
+ private:
+  DeviceBuffers(BufferPlan plan, int device) : plan_(std::move(plan)), device_(device) {}
+  template <typename T>
+  T* At(uint64_t offset) const {
+    return reinterpret_cast<T*>(base_ + offset);
+  }
+
+  const BufferPlan plan_;
+  const int device_;
+  std::byte* base_ = nullptr;
+  std::string handle_;               // the cudaIpcMemHandle_t bytes
+  cudaStream_t side_stream_ = nullptr;  // ReleaseDense and ReadSelectionDone
+  uint64_t* host_done_ = nullptr;       // pinned, for ReadSelectionDone
+};
+
+}  // namespace eps::client
