@@ -99,6 +99,19 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->status, 1);
   RETURN_IF_CUDA_ALLOC(impl->stats, 1);
+  // Load every kernel now: a lazy load at the first launch may wait for the
+  // context to idle, which a stream waiting on inputs_ready prevents (stream_ops.h).
+  RETURN_IF_ERROR(PreloadStreamOps());
+  {
+    cudaFuncAttributes attributes;
+    for (const void* kernel :
+         {reinterpret_cast<const void*>(&QueryTermsKernel), reinterpret_cast<const void*>(&ScoreKernel<4>),
+          reinterpret_cast<const void*>(&ScoreKernel<8>), reinterpret_cast<const void*>(&ScoreKernel<16>),
+          reinterpret_cast<const void*>(&ScoreKernel<0>), reinterpret_cast<const void*>(&ThresholdKernel),
+          reinterpret_cast<const void*>(&SelectKernel), reinterpret_cast<const void*>(&FailOpenKernel)}) {
+      CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
+    }
+  }
   GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
                                                    model.num_kv_heads, static_cast<int>(per_matrix),
                                                    PhiScale(model.sketch_dim), impl->phi.get());

@@ -35,6 +35,16 @@ __global__ void RaiseCounterKernel(unsigned long long* counter, unsigned long lo
   atomicMax(counter, value);
 }
 
+// counts[0, n) = -1, then *counter = max(*counter, value). One block, so that
+// the barrier orders every count before the counter.
+__global__ void ReleaseDenseKernel(int32_t* counts, int64_t n, unsigned long long* counter,
+                                   unsigned long long value) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) counts[i] = -1;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(counter, value);
+}
+
 }  // namespace
 
 absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t value) {
@@ -43,6 +53,29 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     return absl::InternalError(absl::StrCat("RaiseCounterKernel: ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
+                                uint64_t value) {
+  ReleaseDenseKernel<<<1, 1024, 0, stream>>>(counts, n, reinterpret_cast<unsigned long long*>(counter),
+                                             static_cast<unsigned long long>(value));
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("ReleaseDenseKernel: ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreloadStreamOps() {
+  cudaFuncAttributes attributes;
+  for (const void* kernel : {reinterpret_cast<const void*>(&RaiseCounterKernel),
+                             reinterpret_cast<const void*>(&ReleaseDenseKernel)}) {
+    const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaFuncGetAttributes: ", cudaGetErrorString(err)));
+    }
   }
   return absl::OkStatus();
 }

@@ -27,4 +27,16 @@ absl::Status StreamWriteCounter(cudaStream_t stream, uint64_t* counter, uint64_t
 // other side already advanced backwards, and block its next step.
 absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t value);
 
+// Enqueues on `stream`: counts[0, n) = -1 ("attend densely"), then
+// *counter = max(*counter, value): the engine's fail-open release.
+absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
+                                uint64_t value);
+
+// Loads the release kernels now. Under lazy module loading (CUDA's default) a
+// kernel's first launch may wait for the context to go idle, which never
+// happens while one of its streams waits on a counter that only this release
+// would raise: a deadlock, seen on the H100. Call once per device, before any
+// counter wait is queued.
+absl::Status PreloadStreamOps();
+
 }  // namespace eps::gpu

@@ -17,21 +17,20 @@ run() {  # name, command...
   result[$name]+=" ($((SECONDS - t0)) s)"
   tail -n 4 "$OUT/$name.log"
 }
-run gpu_step_test .carry/gpu_step_test
-run gpu_summary_test .carry/gpu_summary_test
-run two_process_test .carry/two_process_test
-run async_fence_test .carry/async_fence_test
-run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 .carry/gpu_step_test
-run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 .carry/gpu_step_test
+# EPS_GPU_ONLY="a b": run only those (names as in the table below).
+want() { [[ -z ${EPS_GPU_ONLY:-} || " $EPS_GPU_ONLY " == *" $1 "* ]]; }
+want gpu_step_test && run gpu_step_test timeout 300 .carry/gpu_step_test
+want gpu_summary_test && run gpu_summary_test timeout 300 .carry/gpu_summary_test
+want two_process_test && run two_process_test timeout 300 .carry/two_process_test
+want async_fence_test && run async_fence_test timeout 120 .carry/async_fence_test
+want memcheck && run memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 .carry/gpu_step_test
+want racecheck && run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 .carry/gpu_step_test
 # shellcheck disable=SC2086
-# shellcheck disable=SC2086
-run bench .carry/eps_gpu_bench ${EPS_BENCH_ARGS:-}
+want bench && run bench timeout 300 .carry/eps_gpu_bench ${EPS_BENCH_ARGS:-}
 echo
-grep -h "round trip\|SelectPages\|Ping \|two-process\|async fence" "$OUT"/two_process_test.log "$OUT"/async_fence_test.log
+grep -h "round trip\|SelectPages\|Ping \|two-process\|async fence\|killed epsd" "$OUT"/*_test.log
 echo
-cat "$OUT/bench.log"
+[[ -f $OUT/bench.log ]] && cat "$OUT/bench.log"
 echo
-for k in gpu_step_test gpu_summary_test two_process_test async_fence_test memcheck racecheck bench; do
-  printf '%-18s %s\n' "$k" "${result[$k]}"
-done
+for k in "${!result[@]}"; do printf '%-18s %s\n' "$k" "${result[$k]}"; done
 grep -q FAIL <<<"${result[*]}" && exit 1 || exit 0

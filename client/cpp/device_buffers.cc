@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, b->base_));
   b->handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->side_stream_, cudaStreamNonBlocking));
+  RETURN_IF_ERROR(gpu::PreloadStreamOps());  // before any wait is queued (stream_ops.h)
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_done_, sizeof(uint64_t)));
   return b;
 }
@@ -55,10 +56,8 @@ absl::Status DeviceBuffers::WaitSelection(cudaStream_t stream, uint64_t step) {
 
 absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  const uint64_t lists = uint64_t(plan_.model.num_layers) * plan_.shape.max_batch * plan_.lists;
-  // 0xFF bytes make every int32 count -1.
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(visit_count(), 0xFF, lists * sizeof(int32_t), side_stream_));
-  RETURN_IF_ERROR(gpu::StreamRaiseCounter(side_stream_, flags() + 1, step));
+  const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;
+  RETURN_IF_ERROR(gpu::StreamReleaseDense(side_stream_, visit_count(), lists, flags() + 1, step));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
   return absl::OkStatus();
 }
