@@ -26,6 +26,8 @@ struct ServerConfig {
   uint32_t max_batch = 1024;
   uint32_t max_message_bytes = 64u << 20;
   uint32_t drain_ms = 5000;       // SIGTERM: how long in-flight calls may finish
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served
+  std::string step_log;           // JSONL step log path; empty: off
   bool help = false;
 };
 
