@@ -66,8 +66,9 @@ int main(int argc, char** argv) {
     // the fail-open client counts as a fallback and reports with the next step.
     const bool stale = stale_after > 0 && i == stale_after + 1;
     const uint64_t this_step = stale ? step : step + 1;
-    std::vector<eps::v1::BatchRow> rows = {TestEngine::Row(0, 1500 + i),
-                                           TestEngine::Row(1, 700 + i)};
+    // Contexts stay within the 2048 filled tokens however many steps run.
+    std::vector<eps::v1::BatchRow> rows = {TestEngine::Row(0, 1500 + i % 500),
+                                           TestEngine::Row(1, 700 + i % 500)};
     const int64_t start_ns = absl::GetCurrentTimeNanos();
     const eps::client::StepResult r = client.SelectPages(this_step, rows);
     const int64_t end_ns = absl::GetCurrentTimeNanos();
