@@ -12,16 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "service"))
-from otlp_receiver import OtlpReceiver  # noqa: E402
+from otlp_receiver import OtlpReceiver
 
 
 def free_port() -> int:
@@ -36,20 +38,48 @@ def run_round(build: Path, env: dict[str, str], steps: int, seed: int) -> dict:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         full_env.update(env)
         epsd = subprocess.Popen(
-            [str(build / "service/epsd"), f"--listen={sock}", "--backend=cpu",
-             "--metrics-listen=127.0.0.1:0"],
-            stderr=subprocess.PIPE, text=True, env=full_env)
+            [
+                str(build / "service/epsd"),
+                f"--listen={sock}",
+                "--backend=cpu",
+                "--metrics-listen=127.0.0.1:0",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+        )
         assert epsd.stderr is not None
+        url = ""
         for line in epsd.stderr:  # ready once it says where it serves
-            if "metrics on" in line:
+            if m := re.search(r"metrics on (http://\S+)", line):
+                url = m.group(1).rstrip(";")
                 break
         out = subprocess.run(
-            [str(build / "tests/service/observability_traffic"), f"--target={sock}",
-             f"--steps={steps}", f"--seed={seed}", "--quiet"],
-            capture_output=True, text=True, check=True).stdout
+            [
+                str(build / "tests/service/observability_traffic"),
+                f"--target={sock}",
+                f"--steps={steps}",
+                f"--seed={seed}",
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        # The service's own time per step (arrival to status), free of the client's scheduling.
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        series = 'grpc_method="SelectPages",grpc_service="eps.v1.PageSelector",grpc_type="unary"}'
+        total = float(
+            re.search(r"grpc_server_handling_seconds_sum\{" + series + r" (\S+)", text).group(1)
+        )
+        count = float(
+            re.search(r"grpc_server_handling_seconds_count\{" + series + r" (\S+)", text).group(1)
+        )
         epsd.send_signal(signal.SIGTERM)
         epsd.wait(timeout=30)
-        return json.loads(out.splitlines()[-1])
+        summary = json.loads(out.splitlines()[-1])
+        summary["server_mean_us"] = 1e6 * total / count
+        return summary
 
 
 def main() -> None:
@@ -63,10 +93,13 @@ def main() -> None:
     configs = {
         "tracing off": {},
         "dead endpoint (grpc)": {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}"},
-        "dead endpoint (http)": {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
-                                 "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+        "dead endpoint (http)": {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        },
         "live receiver (grpc)": {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}"},
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}"
+        },
     }
     results: dict[str, list[dict]] = {name: [] for name in configs}
     for r in range(args.rounds):
@@ -74,15 +107,21 @@ def main() -> None:
             summary = run_round(args.build, env, args.steps, args.seed + r)
             assert summary["fallbacks"] == 0, summary
             results[name].append(summary)
-            print(f"round {r + 1} {name:22s} p50 {summary['p50_us']:7.1f} us  "
-                  f"p99 {summary['p99_us']:7.1f} us", flush=True)
+            print(
+                f"round {r + 1} {name:22s} p50 {summary['p50_us']:7.1f} us  "
+                f"p99 {summary['p99_us']:7.1f} us  server mean "
+                f"{summary['server_mean_us']:6.1f} us",
+                flush=True,
+            )
     receiver.stop()
     print(f"\n{args.steps} steps x {args.rounds} rounds, median over rounds:")
-    print("| configuration | p50 (us) | p99 (us) |\n| --- | --- | --- |")
+    print("| configuration | client p50 (us) | client p99 (us) | server mean (us) |")
+    print("| --- | --- | --- | --- |")
     for name, rounds in results.items():
         p50 = statistics.median(s["p50_us"] for s in rounds)
         p99 = statistics.median(s["p99_us"] for s in rounds)
-        print(f"| {name} | {p50:.1f} | {p99:.1f} |")
+        server = statistics.median(s["server_mean_us"] for s in rounds)
+        print(f"| {name} | {p50:.1f} | {p99:.1f} | {server:.1f} |")
 
 
 if __name__ == "__main__":

@@ -68,8 +68,7 @@ void BatchSpanProcessor::Run() {
       const auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
         return stopping_ || queue_.size() >= config_.max_export_batch_size;
       };
-      mu_.AwaitWithDeadline(absl::Condition(&ready),
-                            ToAbsl(Clock::now() + config_.schedule_delay));
+      mu_.AwaitWithDeadline(absl::Condition(&ready), ToAbsl(Clock::now() + config_.schedule_delay));
       if (stopping_ && (queue_.empty() || Clock::now() >= shutdown_deadline_)) {
         counts_.dropped += queue_.size();
         queue_.clear();

@@ -16,10 +16,10 @@ constexpr const char* kService = "eps.v1.PageSelector";
 
 // The spelling of grpc-go's codes.Code.String(), which go-grpc-prometheus puts in grpc_code.
 constexpr std::array<const char*, kGrpcCodes> kGoCodeNames = {
-    "OK",          "Canceled",          "Unknown",          "InvalidArgument", "DeadlineExceeded",
-    "NotFound",    "AlreadyExists",     "PermissionDenied", "ResourceExhausted",
-    "FailedPrecondition", "Aborted",    "OutOfRange",       "Unimplemented",   "Internal",
-    "Unavailable", "DataLoss",          "Unauthenticated"};
+    "OK",       "Canceled",       "Unknown",          "InvalidArgument",   "DeadlineExceeded",
+    "NotFound", "AlreadyExists",  "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
+    "Aborted",  "OutOfRange",     "Unimplemented",    "Internal",          "Unavailable",
+    "DataLoss", "Unauthenticated"};
 
 const char* GrpcType(RpcMethod method) {
   return method == RpcMethod::kStreamSelectPages ? "bidi_stream" : "unary";
@@ -96,23 +96,22 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
     out.push_back(std::move(prepass));
     if (sources_.sessions) {
       const ScrapeSources::Sessions s = sources_.sessions();
-      out.push_back(Scalar("eps_sessions", "Sessions attached now.",
-                           prometheus::MetricType::Gauge, static_cast<double>(s.active)));
+      out.push_back(Scalar("eps_sessions", "Sessions attached now.", prometheus::MetricType::Gauge,
+                           static_cast<double>(s.active)));
       out.push_back(Scalar("eps_sessions_attached_total", "Sessions attached since start.",
-                           prometheus::MetricType::Counter,
-                           static_cast<double>(s.attached_total)));
+                           prometheus::MetricType::Counter, static_cast<double>(s.attached_total)));
       out.push_back(Scalar("eps_sessions_expired_total",
                            "Sessions whose lease ran out (their engine stopped calling).",
                            prometheus::MetricType::Counter, static_cast<double>(s.expired_total)));
     }
     if (sources_.traces) {
       const ScrapeSources::Traces t = sources_.traces();
-      out.push_back(Scalar("eps_trace_spans_exported_total",
-                           "Spans the OTLP receiver accepted.", prometheus::MetricType::Counter,
-                           static_cast<double>(t.exported)));
-      out.push_back(Scalar("eps_trace_spans_dropped_total",
-                           "Spans dropped: the export queue was full, or an export failed for good.",
-                           prometheus::MetricType::Counter, static_cast<double>(t.dropped)));
+      out.push_back(Scalar("eps_trace_spans_exported_total", "Spans the OTLP receiver accepted.",
+                           prometheus::MetricType::Counter, static_cast<double>(t.exported)));
+      out.push_back(
+          Scalar("eps_trace_spans_dropped_total",
+                 "Spans dropped: the export queue was full, or an export failed for good.",
+                 prometheus::MetricType::Counter, static_cast<double>(t.dropped)));
       out.push_back(Scalar("eps_trace_export_failures_total",
                            "OTLP export attempts that failed (each retry counts).",
                            prometheus::MetricType::Counter,
@@ -143,8 +142,9 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
                       .Register(*registry_);
   auto& handled = prometheus::BuildCounter()
                       .Name("grpc_server_handled_total")
-                      .Help("Total number of RPCs completed on the server, regardless of success "
-                            "or failure.")
+                      .Help(
+                          "Total number of RPCs completed on the server, regardless of success "
+                          "or failure.")
                       .Register(*registry_);
   for (int m = 0; m < kRpcMethods; ++m) {
     const auto method = static_cast<RpcMethod>(m);
@@ -196,20 +196,20 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
   bytes_summary_ = counter("eps_summary_bytes_read_total", "Summary bytes the pre-pass read.");
   auto& fallbacks = prometheus::BuildCounter()
                         .Name("eps_client_fallbacks_total")
-                        .Help("Steps clients attended densely without a selection, as they "
-                              "reported them (SelectPagesRequest.fallbacks), by reason.")
+                        .Help(
+                            "Steps clients attended densely without a selection, as they "
+                            "reported them (SelectPagesRequest.fallbacks), by reason.")
                         .Register(*registry_);
-  fallbacks_ = {&fallbacks.Add({{"reason", "deadline"}}),
-                &fallbacks.Add({{"reason", "unavailable"}}),
-                &fallbacks.Add({{"reason", "not_attached"}}),
-                &fallbacks.Add({{"reason", "error"}})};
+  fallbacks_ = {
+      &fallbacks.Add({{"reason", "deadline"}}), &fallbacks.Add({{"reason", "unavailable"}}),
+      &fallbacks.Add({{"reason", "not_attached"}}), &fallbacks.Add({{"reason", "error"}})};
   auto& validation = prometheus::BuildCounter()
                          .Name("eps_validation_failures_total")
                          .Help("Requests the selector refused, by canonical status code.")
                          .Register(*registry_);
   for (int c = 1; c < kGrpcCodes; ++c) {
-    validation_[c] = &validation.Add(
-        {{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(static_cast<absl::StatusCode>(c)))}});
+    validation_[c] = &validation.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(
+                                                     static_cast<absl::StatusCode>(c)))}});
   }
 }
 

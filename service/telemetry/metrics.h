@@ -53,8 +53,8 @@ struct ScrapeSources {
   struct Traces {
     uint64_t exported = 0, dropped = 0, export_failures = 0;
   };
-  std::function<Sessions()> sessions;  // may be empty
-  std::function<Traces()> traces;      // may be empty
+  std::function<Sessions()> sessions;          // may be empty
+  std::function<Traces()> traces;              // may be empty
   std::function<uint64_t()> step_log_dropped;  // may be empty
 };
 
@@ -97,8 +97,7 @@ class ServerMetrics {
   prometheus::Counter* msg_sent_ = nullptr;
   std::array<prometheus::Counter*, 2> steps_{};
   prometheus::Counter *groups_total_, *groups_visited_, *groups_skipped_, *pages_total_,
-      *pages_visited_, *pages_skipped_, *bytes_dense_, *bytes_read_, *bytes_saved_,
-      *bytes_summary_;
+      *pages_visited_, *pages_skipped_, *bytes_dense_, *bytes_read_, *bytes_saved_, *bytes_summary_;
   std::array<prometheus::Counter*, 4> fallbacks_{};
   std::array<prometheus::Counter*, kGrpcCodes> validation_{};
 };

@@ -46,8 +46,8 @@ void Millis(const EnvLookup& env, const char* name, std::chrono::milliseconds* o
   if (v.empty()) return;
   int64_t ms = 0;
   if (!absl::SimpleAtoi(v, &ms) || ms < 0) {
-    warnings->push_back(absl::StrCat(name, "=", v, " is not a duration in ms; using ",
-                                     out->count()));
+    warnings->push_back(
+        absl::StrCat(name, "=", v, " is not a duration in ms; using ", out->count()));
     return;
   }
   *out = std::chrono::milliseconds(ms);
@@ -161,8 +161,8 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
   } else if (protocol == "http/protobuf") {
     c.protocol = OtlpProtocol::kHttpProtobuf;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "OTEL_EXPORTER_OTLP_PROTOCOL=", protocol, ": epsd speaks grpc or http/protobuf"));
+    return absl::InvalidArgumentError(absl::StrCat("OTEL_EXPORTER_OTLP_PROTOCOL=", protocol,
+                                                   ": epsd speaks grpc or http/protobuf"));
   }
   const char* endpoint_name =
       traces.empty() ? "OTEL_EXPORTER_OTLP_ENDPOINT" : "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
@@ -203,7 +203,8 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
       c.resource.emplace_back(key, value);
     }
   }
-  c.resource.insert(c.resource.begin(), {"service.name", service_name.empty() ? "epsd" : service_name});
+  c.resource.insert(c.resource.begin(),
+                    {"service.name", service_name.empty() ? "epsd" : service_name});
 
   absl::StatusOr<Sampler> sampler =
       Sampler::FromNames(Get(env, "OTEL_TRACES_SAMPLER"), Get(env, "OTEL_TRACES_SAMPLER_ARG"));
@@ -215,9 +216,9 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
   Size(env, "OTEL_BSP_MAX_QUEUE_SIZE", &c.batch.max_queue_size, &c.warnings);
   Size(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", &c.batch.max_export_batch_size, &c.warnings);
   if (c.batch.max_export_batch_size > c.batch.max_queue_size) {
-    c.warnings.push_back(absl::StrCat("OTEL_BSP_MAX_EXPORT_BATCH_SIZE=",
-                                      c.batch.max_export_batch_size,
-                                      " exceeds OTEL_BSP_MAX_QUEUE_SIZE; using the queue size"));
+    c.warnings.push_back(
+        absl::StrCat("OTEL_BSP_MAX_EXPORT_BATCH_SIZE=", c.batch.max_export_batch_size,
+                     " exceeds OTEL_BSP_MAX_QUEUE_SIZE; using the queue size"));
     c.batch.max_export_batch_size = c.batch.max_queue_size;
   }
   return c;

@@ -31,10 +31,10 @@ struct BatchConfig {  // the spec's OTEL_BSP_* defaults
 };
 
 struct OtlpEndpoint {
-  bool tls = false;        // https://
-  std::string host;        // without brackets for IPv6
+  bool tls = false;  // https://
+  std::string host;  // without brackets for IPv6
   int port = 0;
-  std::string path;        // HTTP only: the request path, /v1/traces unless given
+  std::string path;                 // HTTP only: the request path, /v1/traces unless given
   std::string grpc_target() const;  // host:port for grpc::CreateChannel
 };
 
@@ -45,7 +45,7 @@ struct TraceConfig {
   OtlpProtocol protocol = OtlpProtocol::kGrpc;
   OtlpEndpoint endpoint;
   std::vector<std::pair<std::string, std::string>> headers;
-  std::chrono::milliseconds timeout{10000};  // per export attempt
+  std::chrono::milliseconds timeout{10000};                   // per export attempt
   std::vector<std::pair<std::string, std::string>> resource;  // service.name first
   Sampler sampler;
   BatchConfig batch;

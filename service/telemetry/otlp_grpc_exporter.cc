@@ -33,8 +33,8 @@ ExportResult OtlpGrpcExporter::Export(
     }
     return ExportResult::kSuccess;
   }
-  *error = absl::StrCat("TraceService/Export: code ", status.error_code(), ": ",
-                        status.error_message());
+  *error =
+      absl::StrCat("TraceService/Export: code ", status.error_code(), ": ", status.error_message());
   // The OTLP spec's retryable codes (RESOURCE_EXHAUSTED only with RetryInfo, which we do not read).
   switch (status.error_code()) {
     case grpc::StatusCode::CANCELLED:

@@ -140,10 +140,11 @@ ExportResult OtlpHttpExporter::Export(
   const int fd = Connect(config_.endpoint, deadline, error);
   if (fd < 0) return ExportResult::kRetryable;  // refused, unreachable or slow: try later
   Socket socket(fd);
-  std::string head = absl::StrCat("POST ", config_.endpoint.path, " HTTP/1.1\r\nHost: ",
-                                  config_.endpoint.host, ":", config_.endpoint.port,
-                                  "\r\nContent-Type: application/x-protobuf\r\nContent-Length: ",
-                                  body.size(), "\r\nConnection: close\r\n");
+  std::string head =
+      absl::StrCat("POST ", config_.endpoint.path, " HTTP/1.1\r\nHost: ", config_.endpoint.host,
+                   ":", config_.endpoint.port,
+                   "\r\nContent-Type: application/x-protobuf\r\nContent-Length: ", body.size(),
+                   "\r\nConnection: close\r\n");
   for (const auto& [key, value] : config_.headers) absl::StrAppend(&head, key, ": ", value, "\r\n");
   absl::StrAppend(&head, "\r\n");
   if (!SendAll(fd, head + body, deadline, error)) return ExportResult::kRetryable;

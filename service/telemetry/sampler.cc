@@ -31,9 +31,9 @@ absl::StatusOr<Sampler> Sampler::FromNames(const std::string& name, const std::s
       s.ratio_ = ratio;
     }
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "OTEL_TRACES_SAMPLER=", name,
-        ": want always_on, always_off, traceidratio or parentbased_ one of those"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("OTEL_TRACES_SAMPLER=", name,
+                     ": want always_on, always_off, traceidratio or parentbased_ one of those"));
   }
   return s;
 }

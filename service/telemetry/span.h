@@ -21,16 +21,16 @@ struct SpanAttribute {
 struct SpanRecord {
   TraceId trace_id{};
   SpanId span_id{};
-  SpanId parent_span_id{};   // all zero: a root span
+  SpanId parent_span_id{};  // all zero: a root span
   bool parent_is_remote = false;
-  uint8_t trace_flags = 1;   // W3C flags (sampled)
+  uint8_t trace_flags = 1;  // W3C flags (sampled)
   std::string trace_state;
   std::string name;
   SpanKind kind = SpanKind::kInternal;
   uint64_t start_unix_ns = 0;
   uint64_t end_unix_ns = 0;
   std::vector<SpanAttribute> attributes;
-  bool error = false;         // OTLP status ERROR (with status_message) or UNSET
+  bool error = false;  // OTLP status ERROR (with status_message) or UNSET
   std::string status_message;
 };
 

@@ -26,9 +26,9 @@ std::optional<TraceContext> ParentFromMetadata(const grpc::ServerContextBase& co
   const auto parent = metadata.find("traceparent");
   if (parent == metadata.end()) return std::nullopt;
   const auto state = metadata.find("tracestate");
-  return ParseTraceparent(
-      std::string_view(parent->second.data(), parent->second.size()),
-      state == metadata.end() ? std::string_view()
+  return ParseTraceparent(std::string_view(parent->second.data(), parent->second.size()),
+                          state == metadata.end()
+                              ? std::string_view()
                               : std::string_view(state->second.data(), state->second.size()));
 }
 
@@ -54,8 +54,8 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(
     } else {
       exporter = std::make_unique<OtlpHttpExporter>(t->config_);
     }
-    t->processor_ = std::make_unique<BatchSpanProcessor>(
-        std::move(exporter), t->config_.batch, t->config_.timeout, t->config_.resource);
+    t->processor_ = std::make_unique<BatchSpanProcessor>(std::move(exporter), t->config_.batch,
+                                                         t->config_.timeout, t->config_.resource);
   }
   ScrapeSources sources;
   sources.sessions = std::move(sessions);
@@ -91,11 +91,12 @@ void Telemetry::Shutdown(std::chrono::milliseconds budget) {
 }
 
 std::string Telemetry::Describe() const {
-  std::string out = metrics_->port() > 0
-                        ? absl::StrCat("metrics on http://", options_.metrics_listen.substr(
-                                                                 0, options_.metrics_listen.rfind(':')),
-                                       ":", metrics_->port(), "/metrics")
-                        : std::string("metrics not served");
+  std::string out =
+      metrics_->port() > 0
+          ? absl::StrCat("metrics on http://",
+                         options_.metrics_listen.substr(0, options_.metrics_listen.rfind(':')), ":",
+                         metrics_->port(), "/metrics")
+          : std::string("metrics not served");
   absl::StrAppend(&out, "; traces ",
                   processor_ != nullptr
                       ? absl::StrCat("to ", processor_->exporter().Describe(), " (sampler ",
@@ -195,9 +196,9 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
   auto& a = server.attributes;
   a.push_back({"rpc.system", std::string("grpc")});
   a.push_back({"rpc.service", std::string("eps.v1.PageSelector")});
-  a.push_back({"rpc.method", std::string(call.method == RpcMethod::kStreamSelectPages
-                                             ? "StreamSelectPages"
-                                             : "SelectPages")});
+  a.push_back(
+      {"rpc.method", std::string(call.method == RpcMethod::kStreamSelectPages ? "StreamSelectPages"
+                                                                              : "SelectPages")});
   a.push_back({"rpc.grpc.status_code", static_cast<int64_t>(status.code())});
   a.push_back({"eps.session_id", request.session_id()});
   a.push_back({"eps.step", static_cast<int64_t>(request.step())});
@@ -268,7 +269,8 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
         s->bytes_kv_dense(), s->bytes_kv_read_est(), s->bytes_kv_dense() - s->bytes_kv_read_est(),
         s->bytes_summary_read(), s->prepass_us());
   }
-  if (!status.ok()) absl::StrAppend(&line, R"(,"error":")", JsonEscape(std::string(status.message())), "\"");
+  if (!status.ok())
+    absl::StrAppend(&line, R"(,"error":")", JsonEscape(std::string(status.message())), "\"");
   if (!trace_id.empty()) absl::StrAppend(&line, R"(,"trace_id":")", trace_id, "\"");
   line.push_back('}');
   step_log_->Append(line);

@@ -15,9 +15,9 @@ using SpanId = std::array<uint8_t, 8>;
 
 struct TraceContext {
   TraceId trace_id{};
-  SpanId span_id{};        // the caller's span: our server span's parent
-  uint8_t flags = 0;       // bit 0: sampled
-  std::string trace_state; // passed through unchanged
+  SpanId span_id{};         // the caller's span: our server span's parent
+  uint8_t flags = 0;        // bit 0: sampled
+  std::string trace_state;  // passed through unchanged
   bool sampled() const { return (flags & 1) != 0; }
 };
 

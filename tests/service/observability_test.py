@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
-
 from otlp_receiver import OtlpReceiver, ReceivedSpan, attributes
 
 EPSD = os.environ.get("EPSD_BIN", "build/service/epsd")
@@ -55,9 +54,16 @@ class Epsd:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         full_env.update(env)
         self.proc = subprocess.Popen(
-            [EPSD, f"--listen=unix://{tmp}/epsd.sock", "--backend=cpu",
-             "--metrics-listen=127.0.0.1:0", *flags],
-            stderr=subprocess.PIPE, text=True, env=full_env,
+            [
+                EPSD,
+                f"--listen=unix://{tmp}/epsd.sock",
+                "--backend=cpu",
+                "--metrics-listen=127.0.0.1:0",
+                *flags,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
         )
         threading.Thread(target=self._read, daemon=True).start()
         with self._cond:
@@ -105,7 +111,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
-        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)( \d+)?', line)
+        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)( \d+)?", line)
         assert m, f"not a sample line: {line!r}"
         labels = sorted(re.findall(r'([a-zA-Z_]+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
         key = m.group(1) + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "")
@@ -124,7 +130,10 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
 def run_traffic(target: str, seed: int, *args: str) -> tuple[list[dict], dict]:
     out = subprocess.run(
         [TRAFFIC, f"--target={target}", f"--seed={seed}", *args],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     records = [json.loads(line) for line in out.splitlines()]
     return [r for r in records if "summary" not in r], records[-1]
@@ -138,7 +147,12 @@ def free_port() -> int:
 
 @pytest.mark.parametrize(
     ("protocol", "transport"),
-    [("grpc", "unary"), ("http/protobuf", "unary"), ("grpc", "stream"), ("http/protobuf", "stream")],
+    [
+        ("grpc", "unary"),
+        ("http/protobuf", "unary"),
+        ("grpc", "stream"),
+        ("http/protobuf", "stream"),
+    ],
 )
 def test_exported_spans_continue_the_clients_trace_with_step_attributes(
     tmp_path: Path, receiver: OtlpReceiver, seed: int, protocol: str, transport: str
@@ -147,19 +161,27 @@ def test_exported_spans_continue_the_clients_trace_with_step_attributes(
     trace_id = rng.randbytes(16)
     client_span = rng.randbytes(8)
     port = receiver.grpc_port if protocol == "grpc" else receiver.http_port
-    epsd = Epsd(tmp_path, {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-        "OTEL_BSP_SCHEDULE_DELAY": "50",
-        "OTEL_SERVICE_NAME": "epsd-test",
-        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=ci,k8s.pod.name=pod%2C1",
-        "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=eps%20ci",
-    }, [])
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+            "OTEL_SERVICE_NAME": "epsd-test",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=ci,k8s.pod.name=pod%2C1",
+            "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=eps%20ci",
+        },
+        [],
+    )
     steps = 6
     extra = ["--stream"] if transport == "stream" else []
     sent, summary = run_traffic(
-        epsd.target, seed, f"--steps={steps}",
-        f"--traceparent=00-{trace_id.hex()}-{client_span.hex()}-01", *extra)
+        epsd.target,
+        seed,
+        f"--steps={steps}",
+        f"--traceparent=00-{trace_id.hex()}-{client_span.hex()}-01",
+        *extra,
+    )
     assert summary["selected"] == steps
     spans = receiver.wait_for_spans(2 * steps, timeout_s=30)
     epsd.stop()
@@ -195,8 +217,15 @@ def test_exported_spans_continue_the_clients_trace_with_step_attributes(
         assert a["eps.batch_size"] == record["batch"]
         assert a["eps.backend"] == "cpu"
         assert a["eps.reply_mode"] == "sync"
-        for key in ("groups_total", "groups_visited", "pages_total", "pages_visited",
-                    "bytes_kv_dense", "bytes_kv_read_est", "bytes_summary_read"):
+        for key in (
+            "groups_total",
+            "groups_visited",
+            "pages_total",
+            "pages_visited",
+            "bytes_kv_dense",
+            "bytes_kv_read_est",
+            "bytes_summary_read",
+        ):
             assert a[f"eps.{key}"] == record[key], key
         assert a["eps.prepass_us"] == pytest.approx(record["prepass_us"])
         assert record["groups_total"] > record["groups_visited"] > 0
@@ -214,10 +243,14 @@ def test_exported_spans_continue_the_clients_trace_with_step_attributes(
 def test_steps_without_traceparent_start_their_own_traces(
     tmp_path: Path, receiver: OtlpReceiver, seed: int
 ) -> None:
-    epsd = Epsd(tmp_path, {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
-        "OTEL_BSP_SCHEDULE_DELAY": "50",
-    }, [])
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+        },
+        [],
+    )
     run_traffic(epsd.target, seed, "--steps=3")
     spans = receiver.wait_for_spans(6, timeout_s=30)
     epsd.stop()
@@ -239,8 +272,14 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
     m = epsd.scrape()
 
     def rpc(name: str, method: str, **labels: str) -> float:
-        return metric(m, name, grpc_method=method, grpc_service="eps.v1.PageSelector",
-                      grpc_type="unary", **labels)
+        return metric(
+            m,
+            name,
+            grpc_method=method,
+            grpc_service="eps.v1.PageSelector",
+            grpc_type="unary",
+            **labels,
+        )
 
     assert rpc("grpc_server_started_total", "SelectPages") == requests
     assert rpc("grpc_server_handled_total", "SelectPages", grpc_code="OK") == requests - 1
@@ -250,8 +289,10 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
     assert rpc("grpc_server_started_total", "Attach") == 1
     assert rpc("grpc_server_handled_total", "Attach", grpc_code="OK") == 1
     buckets = sorted(
-        (float(re.search(r'le="([^"]+)"', k).group(1)), v) for k, v in m.items()
-        if k.startswith("grpc_server_handling_seconds_bucket") and '"SelectPages"' in k)
+        (float(re.search(r'le="([^"]+)"', k).group(1)), v)
+        for k, v in m.items()
+        if k.startswith("grpc_server_handling_seconds_bucket") and '"SelectPages"' in k
+    )
     assert buckets[0][0] <= 5e-6, "buckets must start at a few microseconds"
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)
 
@@ -268,11 +309,13 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
     assert metric(m, "eps_kv_bytes_dense_total") == total("bytes_kv_dense")
     assert metric(m, "eps_kv_bytes_read_estimated_total") == total("bytes_kv_read_est")
     assert metric(m, "eps_kv_bytes_saved_estimated_total") == (
-        total("bytes_kv_dense") - total("bytes_kv_read_est"))
+        total("bytes_kv_dense") - total("bytes_kv_read_est")
+    )
     assert metric(m, "eps_summary_bytes_read_total") == total("bytes_summary_read")
     assert metric(m, "eps_prepass_seconds_count", backend="cpu") == len(ok)
     assert metric(m, "eps_prepass_seconds_sum", backend="cpu") == pytest.approx(
-        total("prepass_us") * 1e-6, rel=1e-9)
+        total("prepass_us") * 1e-6, rel=1e-9
+    )
     assert metric(m, "eps_client_fallbacks_total", reason="error") == 1
     assert metric(m, "eps_client_fallbacks_total", reason="deadline") == 0
     assert metric(m, "eps_validation_failures_total", reason="failed_precondition") == 1
@@ -291,22 +334,35 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
         if line["status"] != "OK":
             assert line["status"] == "FAILED_PRECONDITION" and "not after" in line["error"]
             continue
-        for key in ("groups_total", "groups_visited", "pages_total", "pages_visited",
-                    "bytes_kv_dense", "bytes_kv_read_est", "bytes_summary_read"):
+        for key in (
+            "groups_total",
+            "groups_visited",
+            "pages_total",
+            "pages_visited",
+            "bytes_kv_dense",
+            "bytes_kv_read_est",
+            "bytes_summary_read",
+        ):
             assert line[key] == record[key], key
         assert line["pages_skipped"] == record["pages_total"] - record["pages_visited"]
         assert line["prepass_us"] == pytest.approx(record["prepass_us"], abs=1e-3)
         assert line["server_us"] >= 0
 
 
-def test_a_dead_collector_fails_no_step_and_does_not_hold_up_exit(tmp_path: Path, seed: int) -> None:
+def test_a_dead_collector_fails_no_step_and_does_not_hold_up_exit(
+    tmp_path: Path, seed: int
+) -> None:
     dead = free_port()  # nothing listens there: connections are refused
-    epsd = Epsd(tmp_path, {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}",
-        "OTEL_BSP_SCHEDULE_DELAY": "10",
-        "OTEL_BSP_MAX_QUEUE_SIZE": "8",
-        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
-    }, [])
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}",
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+            "OTEL_BSP_MAX_QUEUE_SIZE": "8",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
+        },
+        [],
+    )
     _, summary = run_traffic(epsd.target, seed, "--steps=40")
     assert summary["selected"] == 40 and summary["fallbacks"] == 0
     m = epsd.scrape()
@@ -321,12 +377,16 @@ def test_a_silent_collector_does_not_hold_up_exit_past_its_timeouts(
     with socket.socket() as silent:  # accepts connections (backlog) and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
-        epsd = Epsd(tmp_path, {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_EXPORTER_OTLP_TIMEOUT": "1000",
-            "OTEL_BSP_SCHEDULE_DELAY": "10",
-        }, [])
+        epsd = Epsd(
+            tmp_path,
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_EXPORTER_OTLP_TIMEOUT": "1000",
+                "OTEL_BSP_SCHEDULE_DELAY": "10",
+            },
+            [],
+        )
         _, summary = run_traffic(epsd.target, seed, "--steps=20")
         assert summary["selected"] == 20 and summary["fallbacks"] == 0
         # At most one attempt in flight (1 s) plus the 2 s shutdown budget, plus teardown.
@@ -336,8 +396,14 @@ def test_a_silent_collector_does_not_hold_up_exit_past_its_timeouts(
 def test_bad_otel_settings_stop_epsd_with_a_clear_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json", "OTEL_EXPORTER_OTLP_ENDPOINT": "x:1"})
-    run = subprocess.run([EPSD, f"--listen=unix://{tmp_path}/e.sock", "--metrics-listen=off"],
-                         capture_output=True, text=True, env=env, timeout=30)
+    run = subprocess.run(
+        [EPSD, f"--listen=unix://{tmp_path}/e.sock", "--metrics-listen=off"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
     assert run.returncode == 1
     assert "OTEL_EXPORTER_OTLP_PROTOCOL=http/json" in run.stderr
 
@@ -349,6 +415,10 @@ def test_a_busy_metrics_port_stops_epsd_with_a_clear_error(tmp_path: Path) -> No
         port = busy.getsockname()[1]
         run = subprocess.run(
             [EPSD, f"--listen=unix://{tmp_path}/e.sock", f"--metrics-listen=127.0.0.1:{port}"],
-            capture_output=True, text=True, timeout=30)
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     assert run.returncode == 1
     assert f"--metrics-listen=127.0.0.1:{port}" in run.stderr

@@ -43,7 +43,7 @@ class OtlpReceiver:
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(  # noqa: N802 (the gRPC method name)
+            def Export(
                 self,
                 request: trace_service_pb2.ExportTraceServiceRequest,
                 context: grpc.ServicerContext,
@@ -58,7 +58,7 @@ class OtlpReceiver:
         self._grpc.start()
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = self.rfile.read(length)
                 if self.path != "/v1/traces":
@@ -78,7 +78,7 @@ class OtlpReceiver:
                 self.end_headers()
                 self.wfile.write(reply)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

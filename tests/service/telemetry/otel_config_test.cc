@@ -87,10 +87,10 @@ TEST(OtelConfigTest, BadNumbersWarnAndKeepTheDefault) {
 }
 
 TEST(OtelConfigTest, ServiceNameVariableWinsOverTheResourceAttribute) {
-  const auto c = TraceConfigFromEnv(
-      Env({{"OTEL_SERVICE_NAME", "sidecar"},
-           {"OTEL_RESOURCE_ATTRIBUTES", "service.name=x, host.name=node%2D7"},
-           {"OTEL_EXPORTER_OTLP_HEADERS", "Authorization=Bearer%20t,X-A=1"}}));
+  const auto c =
+      TraceConfigFromEnv(Env({{"OTEL_SERVICE_NAME", "sidecar"},
+                              {"OTEL_RESOURCE_ATTRIBUTES", "service.name=x, host.name=node%2D7"},
+                              {"OTEL_EXPORTER_OTLP_HEADERS", "Authorization=Bearer%20t,X-A=1"}}));
   ASSERT_TRUE(c.ok());
   ASSERT_EQ(c->resource.size(), 2u);
   EXPECT_EQ(c->resource[0].second, "sidecar");

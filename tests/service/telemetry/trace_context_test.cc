@@ -19,22 +19,22 @@ TEST(TraceContextTest, ParsesTheSpecExampleAndKeepsTracestate) {
 }
 
 TEST(TraceContextTest, RejectsMalformedHeadersSoANewTraceStarts) {
-  for (const char* bad : {
-           "", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",        // short
-           "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",         // upper case
-           "00-00000000000000000000000000000000-00f067aa0ba902b7-01",         // zero trace id
-           "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",         // zero span id
-           "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",         // version ff
-           "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",   // v0 with more
-           "00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",         // separator
-           "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01"}) {      // not hex
+  for (const char* bad :
+       {"", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",       // short
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",        // upper case
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",        // zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",        // zero span id
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",        // version ff
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",  // v0 with more
+        "00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",        // separator
+        "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01"}) {     // not hex
     EXPECT_FALSE(ParseTraceparent(bad).has_value()) << bad;
   }
 }
 
 TEST(TraceContextTest, AcceptsAFutureVersionWithMoreFields) {
-  EXPECT_TRUE(
-      ParseTraceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-later").has_value());
+  EXPECT_TRUE(ParseTraceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-later")
+                  .has_value());
   EXPECT_FALSE(
       ParseTraceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00x").has_value());
 }
