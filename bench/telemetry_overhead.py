@@ -43,6 +43,7 @@ def run_round(build: Path, env: dict[str, str], steps: int, seed: int) -> dict:
                 f"--listen={sock}",
                 "--backend=cpu",
                 "--metrics-listen=127.0.0.1:0",
+                f"--step-log={tmp}/steps.jsonl",
             ],
             stderr=subprocess.PIPE,
             text=True,
@@ -79,6 +80,11 @@ def run_round(build: Path, env: dict[str, str], steps: int, seed: int) -> dict:
         epsd.wait(timeout=30)
         summary = json.loads(out.splitlines()[-1])
         summary["server_mean_us"] = 1e6 * total / count
+        # Per-step service time from the step log (written after SIGTERM flushed it).
+        log = Path(f"{tmp}/steps.jsonl").read_text().splitlines()
+        server = sorted(json.loads(line)["server_us"] for line in log)
+        summary["server_p50_us"] = server[len(server) // 2]
+        summary["server_p99_us"] = server[min(len(server) - 1, int(0.99 * len(server)))]
         return summary
 
 
@@ -109,19 +115,24 @@ def main() -> None:
             results[name].append(summary)
             print(
                 f"round {r + 1} {name:22s} p50 {summary['p50_us']:7.1f} us  "
-                f"p99 {summary['p99_us']:7.1f} us  server mean "
-                f"{summary['server_mean_us']:6.1f} us",
+                f"p99 {summary['p99_us']:7.1f} us  server p50 {summary['server_p50_us']} us "
+                f"p99 {summary['server_p99_us']} us mean {summary['server_mean_us']:6.1f} us",
                 flush=True,
             )
     receiver.stop()
     print(f"\n{args.steps} steps x {args.rounds} rounds, median over rounds:")
-    print("| configuration | client p50 (us) | client p99 (us) | server mean (us) |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| configuration | client p50 (us) | client p99 (us) | server p50 (us) "
+        "| server p99 (us) | server mean (us) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, rounds in results.items():
         p50 = statistics.median(s["p50_us"] for s in rounds)
         p99 = statistics.median(s["p99_us"] for s in rounds)
         server = statistics.median(s["server_mean_us"] for s in rounds)
-        print(f"| {name} | {p50:.1f} | {p99:.1f} | {server:.1f} |")
+        s50 = statistics.median(s["server_p50_us"] for s in rounds)
+        s99 = statistics.median(s["server_p99_us"] for s in rounds)
+        print(f"| {name} | {p50:.1f} | {p99:.1f} | {s50} | {s99} | {server:.1f} |")
 
 
 if __name__ == "__main__":
