@@ -349,6 +349,36 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
         assert line["server_us"] >= 0
 
 
+def wait_for_metric(epsd: Epsd, name: str, want: float, **labels: str) -> float:
+    """Scrapes until the series reaches `want` (counters move after the reply the client saw)."""
+    deadline = time.monotonic() + 20
+    while True:
+        value = metric(epsd.scrape(), name, **labels)
+        if value >= want or time.monotonic() > deadline:
+            return value
+
+
+def test_stream_metrics_count_every_message_and_the_stream_once(tmp_path: Path, seed: int) -> None:
+    epsd = Epsd(tmp_path, {}, [])
+    steps = 7
+    sent, summary = run_traffic(epsd.target, seed, f"--steps={steps}", "--stream")
+    assert summary["selected"] == steps
+    stream = {
+        "grpc_method": "StreamSelectPages",
+        "grpc_service": "eps.v1.PageSelector",
+        "grpc_type": "bidi_stream",
+    }
+    assert wait_for_metric(epsd, "grpc_server_msg_received_total", steps, **stream) == steps
+    assert wait_for_metric(epsd, "grpc_server_msg_sent_total", steps, **stream) == steps
+    # The client closed the stream when it exited: one stream, finished OK.
+    assert wait_for_metric(epsd, "grpc_server_handled_total", 1, grpc_code="OK", **stream) == 1
+    m = epsd.scrape()
+    assert metric(m, "grpc_server_started_total", **stream) == 1
+    assert metric(m, "eps_steps_total", backend="cpu") == steps
+    assert metric(m, "eps_groups_total") == sum(r["groups_total"] for r in sent)
+    epsd.stop()
+
+
 def test_a_dead_collector_fails_no_step_and_does_not_hold_up_exit(
     tmp_path: Path, seed: int
 ) -> None:
