@@ -452,3 +452,40 @@ def test_a_busy_metrics_port_stops_epsd_with_a_clear_error(tmp_path: Path) -> No
         )
     assert run.returncode == 1
     assert f"--metrics-listen=127.0.0.1:{port}" in run.stderr
+
+
+def test_a_receiver_that_rejects_the_batch_gets_no_retries(
+    tmp_path: Path, receiver: OtlpReceiver, seed: int
+) -> None:
+    # The test receiver answers 404 off /v1/traces: a permanent failure, dropped at once.
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.http_port}/wrong",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+        },
+        [],
+    )
+    _, summary = run_traffic(epsd.target, seed, "--steps=3")
+    assert summary["selected"] == 3
+    # Retrying would hold the spans for OTEL_BSP_EXPORT_TIMEOUT (30 s); dropping is immediate.
+    assert wait_for_metric(epsd, "eps_trace_spans_dropped_total", 6) == 6
+    m = epsd.scrape()
+    assert metric(m, "eps_trace_spans_exported_total") == 0
+    assert 1 <= metric(m, "eps_trace_export_failures_total") <= 6  # one per batch
+    epsd.stop()
+    assert "404" in epsd.log()
+
+
+def test_an_unwritable_step_log_stops_epsd_with_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "missing-dir" / "steps.jsonl"
+    run = subprocess.run(
+        [EPSD, f"--listen=unix://{tmp_path}/e.sock", "--metrics-listen=off", f"--step-log={path}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert f"--step-log={path}: cannot open for appending" in run.stderr
