@@ -55,6 +55,19 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   auto server = std::unique_ptr<EpsServer>(new EpsServer());
   server->config_ = config;
   server->selector_ = std::make_unique<Selector>(config);
+  const bool is_unix = absl::StartsWith(config.listen, "unix://");
+  if (is_unix) {
+    const std::string path = config.listen.substr(7);
+    if (SocketIsLive(path)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("another server is listening on ", path, "; not taking it over"));
+    }
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
+    }
+  }
+  // After the socket check: a second epsd on a live socket must say so, not fail on the port.
   Selector* selector = server->selector_.get();
   absl::StatusOr<std::unique_ptr<telemetry::Telemetry>> telemetry = telemetry::Telemetry::Create(
       {.metrics_listen = config.metrics_listen, .step_log_path = config.step_log},
@@ -68,18 +81,6 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   if (!telemetry.ok()) return telemetry.status();
   server->telemetry_ = *std::move(telemetry);
   server->service_ = std::make_unique<PageSelectorService>(*server->selector_, *server->telemetry_);
-  const bool is_unix = absl::StartsWith(config.listen, "unix://");
-  if (is_unix) {
-    const std::string path = config.listen.substr(7);
-    if (SocketIsLive(path)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("another server is listening on ", path, "; not taking it over"));
-    }
-    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
-    }
-  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
