@@ -142,6 +142,30 @@ const std::map<std::string, Flag>& Flags() {
       {"max-batch", {"rows per step (default 1024)", Number<uint32_t>("max-batch", &ServerConfig::max_batch, 1, 1u << 20)}},
       {"max-message-bytes", {"largest gRPC message (default 64 MiB)", Number<uint32_t>("max-message-bytes", &ServerConfig::max_message_bytes, 1024, 1u << 30)}},
       {"inputs-timeout-ms", {"cuda backend, async replies: how long a queued step waits for the engine's inputs_ready before epsd releases it and fails the step (default 1000)", Number<uint32_t>("inputs-timeout-ms", &ServerConfig::inputs_timeout_ms, 1, 600000)}},
+      {"metrics-listen",
+       {"host:port of the Prometheus /metrics endpoint (default 127.0.0.1:9464; port 0 picks "
+        "one; empty or off: not served)",
+        [](const std::string& v, ServerConfig& c) {
+          if (v.empty() || v == "off") {
+            c.metrics_listen.clear();
+            return absl::OkStatus();
+          }
+          const size_t colon = v.rfind(':');
+          int port = -1;
+          if (colon == std::string::npos || colon == 0 ||
+              !absl::SimpleAtoi(v.substr(colon + 1), &port) || port < 0 || port > 65535) {
+            return Bad("metrics-listen", v, "host:port (port in [0, 65535]), empty or off");
+          }
+          c.metrics_listen = v;
+          return absl::OkStatus();
+        }}},
+      {"step-log",
+       {"append one JSON line per SelectPages step to this file (default: off)",
+        [](const std::string& v, ServerConfig& c) {
+          if (v.empty()) return Bad("step-log", v, "a file path");
+          c.step_log = v;
+          return absl::OkStatus();
+        }}},
       {"drain-ms", {"on SIGTERM, how long in-flight calls may finish (default 5000)", Number<uint32_t>("drain-ms", &ServerConfig::drain_ms, 0, 600000)}},
   };
   return *flags;

@@ -27,6 +27,8 @@ struct ServerConfig {
   uint32_t max_message_bytes = 64u << 20;
   uint32_t drain_ms = 5000;       // SIGTERM: how long in-flight calls may finish
   uint32_t inputs_timeout_ms = 1000;  // async steps: the watchdog on inputs_ready
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served
+  std::string step_log;           // JSONL step log path; empty: off
   bool help = false;
 };
 

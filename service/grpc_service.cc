@@ -5,7 +5,14 @@
 namespace eps::service {
 namespace {
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& status) {
+using telemetry::RpcMethod;
+using telemetry::Telemetry;
+
+// Finishes a unary call and records it. `from_selector`: a failure is the selector's refusal.
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry& telemetry,
+                                 const Telemetry::Call& call, const absl::Status& status,
+                                 bool from_selector = true) {
+  telemetry.EndCall(call, status, from_selector);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -16,32 +23,49 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const abs
 class SelectStream final
     : public grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
-  explicit SelectStream(Selector& selector) : selector_(selector) { StartRead(&request_); }
+  SelectStream(Selector& selector, Telemetry& telemetry, grpc::CallbackServerContext& context)
+      : selector_(selector),
+        telemetry_(telemetry),
+        call_(telemetry.BeginCall(RpcMethod::kStreamSelectPages, context)) {
+    StartRead(&request_);
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status::OK);  // the client closed its side
+      End(absl::OkStatus());  // the client closed its side
       return;
     }
+    telemetry_.metrics().StreamMessageReceived();
     response_.Clear();
+    const Telemetry::Step step = telemetry_.BeginStep(request_);
     const absl::Status status = selector_.SelectPages(request_, &response_);
+    telemetry_.EndStep(call_, step, request_, response_, status);
     if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+      End(status);
       return;
     }
     StartWrite(&response_);
   }
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream write failed"));
+      End(absl::UnavailableError("stream write failed"));
       return;
     }
+    telemetry_.metrics().StreamMessageSent();
     StartRead(&request_);
   }
   void OnDone() override { delete this; }
 
  private:
+  // The stream's own status; a failed step was already counted by EndStep.
+  void End(const absl::Status& status) {
+    telemetry_.EndCall(call_, status, /*selector_failure=*/false);
+    Finish(ToGrpcStatus(status));
+  }
+
   Selector& selector_;
+  Telemetry& telemetry_;
+  const Telemetry::Call call_;
   v1::SelectPagesRequest request_;
   v1::SelectPagesResponse response_;
 };
@@ -51,41 +75,54 @@ class SelectStream final
 grpc::ServerUnaryReactor* PageSelectorService::Attach(grpc::CallbackServerContext* context,
                                                       const v1::AttachRequest* request,
                                                       v1::AttachResponse* response) {
-  return Finish(context, selector_.Attach(*request, response));
+  const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kAttach, *context);
+  const absl::Status status = selector_.Attach(*request, response);
+  if (status.ok()) telemetry_.SessionAttached(*response);
+  return Finish(context, telemetry_, call, status);
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Detach(grpc::CallbackServerContext* context,
                                                       const v1::DetachRequest* request,
                                                       v1::DetachResponse*) {
-  return Finish(context, selector_.Detach(*request));
+  const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kDetach, *context);
+  const absl::Status status = selector_.Detach(*request);
+  if (status.ok()) telemetry_.SessionDetached(request->session_id());
+  return Finish(context, telemetry_, call, status);
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerContext* context,
                                                            const v1::SelectPagesRequest* request,
                                                            v1::SelectPagesResponse* response) {
-  return Finish(context, selector_.SelectPages(*request, response));
+  const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kSelectPages, *context);
+  const Telemetry::Step step = telemetry_.BeginStep(*request);
+  const absl::Status status = selector_.SelectPages(*request, response);
+  telemetry_.EndStep(call, step, *request, *response, status);
+  return Finish(context, telemetry_, call, status, /*from_selector=*/false);  // EndStep counted it
 }
 
 grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>*
-PageSelectorService::StreamSelectPages(grpc::CallbackServerContext*) {
-  return new SelectStream(selector_);
+PageSelectorService::StreamSelectPages(grpc::CallbackServerContext* context) {
+  return new SelectStream(selector_, telemetry_, *context);
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Heartbeat(grpc::CallbackServerContext* context,
                                                          const v1::HeartbeatRequest* request,
                                                          v1::HeartbeatResponse* response) {
-  return Finish(context, selector_.Heartbeat(*request, response));
+  const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kHeartbeat, *context);
+  return Finish(context, telemetry_, call, selector_.Heartbeat(*request, response));
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Ping(grpc::CallbackServerContext* context,
                                                     const v1::PingRequest*, v1::PingResponse*) {
-  return Finish(context, absl::OkStatus());
+  const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kPing, *context);
+  return Finish(context, telemetry_, call, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::GetStats(grpc::CallbackServerContext* context,
                                                         const v1::GetStatsRequest* request,
                                                         v1::GetStatsResponse* response) {
-  return Finish(context, selector_.GetStats(*request, response));
+  const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kGetStats, *context);
+  return Finish(context, telemetry_, call, selector_.GetStats(*request, response));
 }
 
 }  // namespace eps::service

@@ -1,15 +1,18 @@
 // The gRPC face of the Selector: callback API, DefaultReactor for unary calls,
-// a bidirectional reactor for StreamSelectPages. Owns no logic beyond transport.
+// a bidirectional reactor for StreamSelectPages. Owns no logic beyond transport
+// and the telemetry hooks around each call and step.
 #pragma once
 
 #include "eps/v1/page_selector.grpc.pb.h"
 #include "service/selector.h"
+#include "service/telemetry/telemetry.h"
 
 namespace eps::service {
 
 class PageSelectorService final : public v1::PageSelector::CallbackService {
  public:
-  explicit PageSelectorService(Selector& selector) : selector_(selector) {}
+  PageSelectorService(Selector& selector, telemetry::Telemetry& telemetry)
+      : selector_(selector), telemetry_(telemetry) {}
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context,
                                    const v1::AttachRequest* request,
@@ -34,6 +37,7 @@ class PageSelectorService final : public v1::PageSelector::CallbackService {
 
  private:
   Selector& selector_;
+  telemetry::Telemetry& telemetry_;
 };
 
 }  // namespace eps::service

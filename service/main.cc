@@ -46,6 +46,10 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "epsd: listening on %s (backend %s, lease %u ms)\n",
                (*server)->bound_address().c_str(), kBackends[static_cast<int>(config->backend)],
                config->lease_ms);
+  for (const std::string& warning : (*server)->telemetry().warnings()) {
+    std::fprintf(stderr, "epsd: warning: %s\n", warning.c_str());
+  }
+  std::fprintf(stderr, "epsd: %s\n", (*server)->telemetry().Describe().c_str());
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);

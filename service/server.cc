@@ -55,7 +55,6 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   auto server = std::unique_ptr<EpsServer>(new EpsServer());
   server->config_ = config;
   server->selector_ = std::make_unique<Selector>(config);
-  server->service_ = std::make_unique<PageSelectorService>(*server->selector_);
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
     const std::string path = config.listen.substr(7);
@@ -68,6 +67,20 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
           absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
     }
   }
+  // After the socket check: a second epsd on a live socket must say so, not fail on the port.
+  Selector* selector = server->selector_.get();
+  absl::StatusOr<std::unique_ptr<telemetry::Telemetry>> telemetry = telemetry::Telemetry::Create(
+      {.metrics_listen = config.metrics_listen, .step_log_path = config.step_log},
+      telemetry::ProcessEnv(), [selector] {
+        v1::GetStatsResponse stats;
+        (void)selector->GetStats(v1::GetStatsRequest(), &stats);
+        return telemetry::ScrapeSources::Sessions{.active = stats.sessions_active(),
+                                                  .attached_total = stats.sessions_attached_total(),
+                                                  .expired_total = stats.sessions_expired_total()};
+      });
+  if (!telemetry.ok()) return telemetry.status();
+  server->telemetry_ = *std::move(telemetry);
+  server->service_ = std::make_unique<PageSelectorService>(*server->selector_, *server->telemetry_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -112,6 +125,9 @@ void EpsServer::Wait() {
 EpsServer::~EpsServer() {
   Shutdown();
   Wait();
+  // No call is running now: send the spans still queued, for at most 2 s (a dead collector
+  // must not hold up the exit).
+  if (telemetry_ != nullptr) telemetry_->Shutdown(std::chrono::milliseconds(2000));
   // Only a server that bound the socket removes it: a refused start must not
   // delete the socket of the server that is live on that path.
   if (server_ != nullptr && absl::StartsWith(config_.listen, "unix://")) {

@@ -10,6 +10,7 @@
 #include "service/config.h"
 #include "service/grpc_service.h"
 #include "service/selector.h"
+#include "service/telemetry/telemetry.h"
 
 namespace eps::service {
 
@@ -25,6 +26,7 @@ class EpsServer {
   void Shutdown();
   void Wait();
   Selector& selector() { return *selector_; }
+  telemetry::Telemetry& telemetry() { return *telemetry_; }
   // The address clients dial: for TCP with port 0, the port the kernel chose.
   const std::string& bound_address() const { return bound_address_; }
 
@@ -32,6 +34,7 @@ class EpsServer {
   EpsServer() = default;
   ServerConfig config_;
   std::unique_ptr<Selector> selector_;
+  std::unique_ptr<telemetry::Telemetry> telemetry_;  // outlives the service that calls it
   std::unique_ptr<PageSelectorService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string bound_address_;

@@ -316,6 +316,17 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   request.mutable_rows()->Add(rows.begin(), rows.end());
   if (options != nullptr) *request.mutable_options() = *options;
   if (options_.reply_async) request.set_reply_mode(v1::REPLY_MODE_ASYNC);
+  // Fallbacks since the last report ride on the step for epsd's metrics (DESIGN §6: a silent
+  // fallback is a bug). They count as reported once the server has seen them: on any reply
+  // but UNAVAILABLE and DEADLINE_EXCEEDED, which may not have reached it (a report can then
+  // arrive twice, never be lost).
+  const ClientCounters now = counters();
+  v1::ClientFallbacks* fallbacks = request.mutable_fallbacks();
+  fallbacks->set_deadline(now.fallback_deadline - reported_.fallback_deadline);
+  fallbacks->set_unavailable(now.fallback_unavailable - reported_.fallback_unavailable);
+  fallbacks->set_not_attached(now.fallback_not_attached - reported_.fallback_not_attached);
+  fallbacks->set_error(now.fallback_error - reported_.fallback_error);
+  if (now.fallbacks() == reported_.fallbacks()) request.clear_fallbacks();
   StepResult result;
   const Deadline deadline = start + options_.deadline;
   absl::Status status = options_.use_stream ? CallStream(request, deadline, &result.response)
@@ -327,6 +338,10 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   }
   result.round_trip_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  if (status.code() != absl::StatusCode::kUnavailable &&
+      status.code() != absl::StatusCode::kDeadlineExceeded) {
+    reported_ = now;
+  }
   if (status.ok()) {
     selected_.fetch_add(1);
     return result;

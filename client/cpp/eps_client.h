@@ -110,6 +110,7 @@ class EpsClient {
   std::unique_ptr<StreamCall> stream_;
   std::vector<std::unique_ptr<UnaryCall>> abandoned_;  // cancelled, callback pending
 
+  ClientCounters reported_;  // fallbacks epsd has been told about (engine thread only)
   std::atomic<uint64_t> steps_{0}, selected_{0}, fb_deadline_{0}, fb_unavailable_{0},
       fb_not_attached_{0}, fb_error_{0}, reattaches_{0}, errors_{0};
 };

@@ -63,5 +63,21 @@ TEST(ConfigTest, TcpListenIsLoopbackOnlyUnlessAllowed) {
   EXPECT_FALSE(CheckListenAddress("unix://", false).ok());
 }
 
+TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
+  EXPECT_EQ(ParseFlags({})->metrics_listen, "127.0.0.1:9464");
+  EXPECT_EQ(ParseFlags({"--metrics-listen=off"})->metrics_listen, "");
+  EXPECT_EQ(ParseFlags({"--metrics-listen="})->metrics_listen, "");
+  EXPECT_EQ(ParseFlags({"--metrics-listen", "0.0.0.0:0"})->metrics_listen, "0.0.0.0:0");
+  EXPECT_EQ(ParseFlags({"--metrics-listen=127.0.0.1:70000"}).status().message(),
+            "--metrics-listen=127.0.0.1:70000: want host:port (port in [0, 65535]), empty or off");
+  EXPECT_FALSE(ParseFlags({"--metrics-listen=9464"}).ok());
+}
+
+TEST(ConfigTest, StepLogTakesAPathAndIsOffByDefault) {
+  EXPECT_EQ(ParseFlags({})->step_log, "");
+  EXPECT_EQ(ParseFlags({"--step-log=/tmp/steps.jsonl"})->step_log, "/tmp/steps.jsonl");
+  EXPECT_FALSE(ParseFlags({"--step-log="}).ok());
+}
+
 }  // namespace
 }  // namespace eps::service

@@ -43,7 +43,9 @@ class EpsdProcess {
               std::to_string(reinterpret_cast<uintptr_t>(p.get())) + ".log";
     // EPSD_BIN overrides the build path (binaries carried to another machine).
     const char* binary = std::getenv("EPSD_BIN") != nullptr ? std::getenv("EPSD_BIN") : EPSD_PATH;
-    std::vector<std::string> args = {binary, "--listen=" + listen, "--backend=cpu"};
+    // Port 0 for /metrics: tests run epsd processes side by side (a flag in `flags` wins).
+    std::vector<std::string> args = {binary, "--listen=" + listen, "--backend=cpu",
+                                     "--metrics-listen=127.0.0.1:0"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());

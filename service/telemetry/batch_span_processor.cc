@@ -1,0 +1,130 @@
+#include "service/telemetry/batch_span_processor.h"
+
+#include <cstdio>
+#include <random>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "service/telemetry/otlp_encode.h"
+
+namespace eps::telemetry {
+namespace {
+
+absl::Time ToAbsl(std::chrono::steady_clock::time_point t) {
+  return absl::Now() + absl::FromChrono(t - std::chrono::steady_clock::now());
+}
+
+}  // namespace
+
+BatchSpanProcessor::BatchSpanProcessor(std::unique_ptr<SpanExporter> exporter, BatchConfig config,
+                                       std::chrono::milliseconds attempt_timeout,
+                                       std::vector<std::pair<std::string, std::string>> resource)
+    : exporter_(std::move(exporter)),
+      config_(config),
+      attempt_timeout_(attempt_timeout),
+      resource_(std::move(resource)) {
+  worker_ = std::thread([this] { Run(); });
+}
+
+BatchSpanProcessor::~BatchSpanProcessor() { Shutdown(std::chrono::milliseconds(2000)); }
+
+void BatchSpanProcessor::OnEnd(std::vector<SpanRecord>& spans) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    counts_.dropped += spans.size();
+    return;
+  }
+  for (SpanRecord& s : spans) {
+    if (queue_.size() >= config_.max_queue_size) {
+      ++counts_.dropped;
+      continue;
+    }
+    queue_.push_back(std::move(s));
+  }
+}
+
+BatchSpanProcessor::Counts BatchSpanProcessor::counts() const {
+  absl::MutexLock lock(&mu_);
+  return counts_;
+}
+
+void BatchSpanProcessor::Shutdown(std::chrono::milliseconds budget) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) {
+      stopping_ = true;
+      shutdown_deadline_ = Clock::now() + budget;
+    }
+  }
+  if (worker_.joinable()) worker_.join();
+}
+
+void BatchSpanProcessor::Run() {
+  for (;;) {
+    std::vector<SpanRecord> batch;
+    Clock::time_point give_up;
+    {
+      absl::MutexLock lock(&mu_);
+      const auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stopping_ || queue_.size() >= config_.max_export_batch_size;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&ready), ToAbsl(Clock::now() + config_.schedule_delay));
+      if (stopping_ && (queue_.empty() || Clock::now() >= shutdown_deadline_)) {
+        counts_.dropped += queue_.size();
+        queue_.clear();
+        return;
+      }
+      const size_t n = std::min(queue_.size(), config_.max_export_batch_size);
+      batch.reserve(n);
+      for (size_t i = 0; i < n; ++i) {
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+      give_up = stopping_ ? shutdown_deadline_ : Clock::now() + config_.export_timeout;
+    }
+    if (!batch.empty()) ExportBatch(batch, give_up);
+  }
+}
+
+void BatchSpanProcessor::ExportBatch(const std::vector<SpanRecord>& batch,
+                                     Clock::time_point give_up) {
+  const auto request = EncodeSpans(resource_, batch);
+  std::minstd_rand jitter(static_cast<uint32_t>(Clock::now().time_since_epoch().count()));
+  auto backoff = std::chrono::milliseconds(100);
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
+    }
+    const Clock::time_point attempt_deadline = std::min(give_up, Clock::now() + attempt_timeout_);
+    std::string error;
+    const ExportResult result = exporter_->Export(request, attempt_deadline, &error);
+    absl::MutexLock lock(&mu_);
+    if (result == ExportResult::kSuccess) {
+      counts_.exported += batch.size();
+      return;
+    }
+    ++counts_.export_failures;
+    // Stderr once per failed batch, not per retry, so a dead collector cannot flood the log.
+    if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
+    const bool last = result == ExportResult::kFailed || Clock::now() >= give_up;
+    if (last) {
+      counts_.dropped += batch.size();
+      std::fprintf(stderr, "epsd: dropped %zu spans: %s: %s\n", batch.size(),
+                   exporter_->Describe().c_str(), error.c_str());
+      return;
+    }
+    // Sleep the backoff (jittered to 50-150 %); a shutdown wakes it for one last try in budget.
+    const auto sleep = std::chrono::duration_cast<std::chrono::milliseconds>(
+        backoff * (0.5 + static_cast<double>(jitter() % 1000) / 1000.0));
+    const Clock::time_point wake = std::min(give_up, Clock::now() + sleep);
+    const bool was_stopping = stopping_;
+    const auto shutdown_began = [this, was_stopping]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return stopping_ && !was_stopping;
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&shutdown_began), ToAbsl(wake));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
+  }
+}
+
+}  // namespace eps::telemetry

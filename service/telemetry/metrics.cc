@@ -1,0 +1,283 @@
+#include "service/telemetry/metrics.h"
+
+#include <algorithm>
+#include <exception>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/text_serializer.h"
+
+namespace eps::telemetry {
+namespace {
+
+constexpr const char* kService = "eps.v1.PageSelector";
+
+// The spelling of grpc-go's codes.Code.String(), which go-grpc-prometheus puts in grpc_code.
+constexpr std::array<const char*, kGrpcCodes> kGoCodeNames = {
+    "OK",       "Canceled",       "Unknown",          "InvalidArgument",   "DeadlineExceeded",
+    "NotFound", "AlreadyExists",  "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
+    "Aborted",  "OutOfRange",     "Unimplemented",    "Internal",          "Unavailable",
+    "DataLoss", "Unauthenticated"};
+
+const char* GrpcType(RpcMethod method) {
+  return method == RpcMethod::kStreamSelectPages ? "bidi_stream" : "unary";
+}
+
+int CodeIndex(int code) { return code >= 0 && code < kGrpcCodes ? code : 2 /* Unknown */; }
+
+void Add(prometheus::Counter* counter, int64_t value) {
+  if (value > 0) counter->Increment(static_cast<double>(value));
+}
+
+prometheus::MetricFamily Scalar(const std::string& name, const std::string& help,
+                                prometheus::MetricType type, double value) {
+  prometheus::MetricFamily f{name, help, type, {}};
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(m);
+  return f;
+}
+
+}  // namespace
+
+const char* RpcMethodName(RpcMethod method) {
+  static constexpr const char* kNames[kRpcMethods] = {
+      "Attach", "Detach", "SelectPages", "StreamSelectPages", "Heartbeat", "Ping", "GetStats"};
+  return kNames[static_cast<int>(method)];
+}
+
+const char* BackendName(BackendLabel backend) {
+  return backend == BackendLabel::kCuda ? "cuda" : "cpu";
+}
+
+// The histograms (per-method handling time, per-backend pre-pass time) and the
+// values read from callbacks, rendered at scrape time.
+class ServerMetrics::HistogramCollectable final : public prometheus::Collectable {
+ public:
+  explicit HistogramCollectable(ScrapeSources sources) : sources_(std::move(sources)) {
+    for (auto& h : handling_) h = std::make_unique<ShardedHistogram>(LatencyBucketsSeconds());
+    for (auto& h : prepass_) h = std::make_unique<ShardedHistogram>(LatencyBucketsSeconds());
+  }
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> out;
+    prometheus::MetricFamily handling{
+        "grpc_server_handling_seconds",
+        "Histogram of response latency (seconds) of gRPC that had been application-level "
+        "handled by the server.",
+        prometheus::MetricType::Histogram,
+        {}};
+    for (int m = 0; m < kRpcMethods; ++m) {
+      const auto method = static_cast<RpcMethod>(m);
+      prometheus::ClientMetric metric;
+      metric.label = {{"grpc_method", RpcMethodName(method)},
+                      {"grpc_service", kService},
+                      {"grpc_type", GrpcType(method)}};
+      metric.histogram = handling_[m]->Snapshot();
+      handling.metric.push_back(std::move(metric));
+    }
+    out.push_back(std::move(handling));
+    prometheus::MetricFamily prepass{
+        "eps_prepass_seconds",
+        "Pre-pass time per step: GPU event time on the cuda backend, wall time on the cpu backend.",
+        prometheus::MetricType::Histogram,
+        {}};
+    for (int b = 0; b < 2; ++b) {
+      prometheus::ClientMetric metric;
+      metric.label = {{"backend", BackendName(static_cast<BackendLabel>(b))}};
+      metric.histogram = prepass_[b]->Snapshot();
+      prepass.metric.push_back(std::move(metric));
+    }
+    out.push_back(std::move(prepass));
+    if (sources_.sessions) {
+      const ScrapeSources::Sessions s = sources_.sessions();
+      out.push_back(Scalar("eps_sessions", "Sessions attached now.", prometheus::MetricType::Gauge,
+                           static_cast<double>(s.active)));
+      out.push_back(Scalar("eps_sessions_attached_total", "Sessions attached since start.",
+                           prometheus::MetricType::Counter, static_cast<double>(s.attached_total)));
+      out.push_back(Scalar("eps_sessions_expired_total",
+                           "Sessions whose lease ran out (their engine stopped calling).",
+                           prometheus::MetricType::Counter, static_cast<double>(s.expired_total)));
+    }
+    if (sources_.traces) {
+      const ScrapeSources::Traces t = sources_.traces();
+      out.push_back(Scalar("eps_trace_spans_exported_total", "Spans the OTLP receiver accepted.",
+                           prometheus::MetricType::Counter, static_cast<double>(t.exported)));
+      out.push_back(
+          Scalar("eps_trace_spans_dropped_total",
+                 "Spans dropped: the export queue was full, or an export failed for good.",
+                 prometheus::MetricType::Counter, static_cast<double>(t.dropped)));
+      out.push_back(Scalar("eps_trace_export_failures_total",
+                           "OTLP export attempts that failed (each retry counts).",
+                           prometheus::MetricType::Counter,
+                           static_cast<double>(t.export_failures)));
+    }
+    if (sources_.step_log_dropped) {
+      out.push_back(Scalar("eps_step_log_lines_dropped_total",
+                           "Step-log lines dropped because the writer fell behind.",
+                           prometheus::MetricType::Counter,
+                           static_cast<double>(sources_.step_log_dropped())));
+    }
+    return out;
+  }
+
+  std::array<std::unique_ptr<ShardedHistogram>, kRpcMethods> handling_;
+  std::array<std::unique_ptr<ShardedHistogram>, 2> prepass_;
+
+ private:
+  ScrapeSources sources_;
+};
+
+ServerMetrics::ServerMetrics(ScrapeSources sources)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      histograms_(std::make_shared<HistogramCollectable>(std::move(sources))) {
+  auto& started = prometheus::BuildCounter()
+                      .Name("grpc_server_started_total")
+                      .Help("Total number of RPCs started on the server.")
+                      .Register(*registry_);
+  auto& handled = prometheus::BuildCounter()
+                      .Name("grpc_server_handled_total")
+                      .Help(
+                          "Total number of RPCs completed on the server, regardless of success "
+                          "or failure.")
+                      .Register(*registry_);
+  for (int m = 0; m < kRpcMethods; ++m) {
+    const auto method = static_cast<RpcMethod>(m);
+    const prometheus::Labels labels = {{"grpc_service", kService},
+                                       {"grpc_method", RpcMethodName(method)},
+                                       {"grpc_type", GrpcType(method)}};
+    started_[m] = &started.Add(labels);
+    for (int c = 0; c < kGrpcCodes; ++c) {
+      prometheus::Labels with_code = labels;
+      with_code["grpc_code"] = kGoCodeNames[c];
+      handled_[m][c] = &handled.Add(with_code);
+    }
+  }
+  const prometheus::Labels stream = {{"grpc_service", kService},
+                                     {"grpc_method", "StreamSelectPages"},
+                                     {"grpc_type", "bidi_stream"}};
+  msg_received_ = &prometheus::BuildCounter()
+                       .Name("grpc_server_msg_received_total")
+                       .Help("Total number of RPC stream messages received on the server.")
+                       .Register(*registry_)
+                       .Add(stream);
+  msg_sent_ = &prometheus::BuildCounter()
+                   .Name("grpc_server_msg_sent_total")
+                   .Help("Total number of gRPC stream messages sent by the server.")
+                   .Register(*registry_)
+                   .Add(stream);
+
+  auto counter = [&](const std::string& name, const std::string& help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  auto& steps = prometheus::BuildCounter()
+                    .Name("eps_steps_total")
+                    .Help("SelectPages steps selected (unary and stream), by backend.")
+                    .Register(*registry_);
+  steps_[0] = &steps.Add({{"backend", "cpu"}});
+  steps_[1] = &steps.Add({{"backend", "cuda"}});
+  groups_total_ = counter("eps_groups_total",
+                          "Page-groups considered: (sequence, layer, list) x groups in context.");
+  groups_visited_ = counter("eps_groups_visited_total", "Page-groups selected for attention.");
+  groups_skipped_ = counter("eps_groups_skipped_total", "Page-groups attention may skip.");
+  pages_total_ = counter("eps_pages_total", "KV blocks considered (pages_total per step).");
+  pages_visited_ = counter("eps_pages_visited_total", "KV blocks selected (pages_visited).");
+  pages_skipped_ = counter("eps_pages_skipped_total", "KV blocks skipped (pages_skipped).");
+  bytes_dense_ = counter("eps_kv_bytes_dense_total", "K and V bytes dense attention would read.");
+  bytes_read_ = counter("eps_kv_bytes_read_estimated_total",
+                        "K and V bytes of the visited blocks (estimated read).");
+  bytes_saved_ = counter("eps_kv_bytes_saved_estimated_total",
+                         "K and V bytes of the skipped blocks (dense minus estimated read).");
+  bytes_summary_ = counter("eps_summary_bytes_read_total", "Summary bytes the pre-pass read.");
+  auto& fallbacks = prometheus::BuildCounter()
+                        .Name("eps_client_fallbacks_total")
+                        .Help(
+                            "Steps clients attended densely without a selection, as they "
+                            "reported them (SelectPagesRequest.fallbacks), by reason.")
+                        .Register(*registry_);
+  fallbacks_ = {
+      &fallbacks.Add({{"reason", "deadline"}}), &fallbacks.Add({{"reason", "unavailable"}}),
+      &fallbacks.Add({{"reason", "not_attached"}}), &fallbacks.Add({{"reason", "error"}})};
+  auto& validation = prometheus::BuildCounter()
+                         .Name("eps_validation_failures_total")
+                         .Help("Requests the selector refused, by canonical status code.")
+                         .Register(*registry_);
+  for (int c = 1; c < kGrpcCodes; ++c) {
+    validation_[c] = &validation.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(
+                                                     static_cast<absl::StatusCode>(c)))}});
+  }
+}
+
+ServerMetrics::~ServerMetrics() = default;
+
+void ServerMetrics::RpcStarted(RpcMethod method) {
+  started_[static_cast<int>(method)]->Increment();
+}
+
+void ServerMetrics::RpcHandled(RpcMethod method, grpc::StatusCode code, double seconds) {
+  handled_[static_cast<int>(method)][CodeIndex(code)]->Increment();
+  histograms_->handling_[static_cast<int>(method)]->Observe(seconds);
+}
+
+void ServerMetrics::StreamMessageReceived() { msg_received_->Increment(); }
+void ServerMetrics::StreamMessageSent() { msg_sent_->Increment(); }
+
+void ServerMetrics::StepSelected(const v1::StepStats& s, BackendLabel backend) {
+  steps_[static_cast<int>(backend)]->Increment();
+  Add(groups_total_, s.groups_total());
+  Add(groups_visited_, s.groups_visited());
+  Add(groups_skipped_, s.groups_total() - s.groups_visited());
+  Add(pages_total_, s.pages_total());
+  Add(pages_visited_, s.pages_visited());
+  Add(pages_skipped_, s.pages_total() - s.pages_visited());
+  Add(bytes_dense_, s.bytes_kv_dense());
+  Add(bytes_read_, s.bytes_kv_read_est());
+  Add(bytes_saved_, s.bytes_kv_dense() - s.bytes_kv_read_est());
+  Add(bytes_summary_, s.bytes_summary_read());
+  histograms_->prepass_[static_cast<int>(backend)]->Observe(s.prepass_us() * 1e-6);
+}
+
+void ServerMetrics::ClientFallbacks(const v1::ClientFallbacks& f) {
+  // Reports are deltas; an absurd one (a client bug) must not wreck the counter's rate.
+  constexpr uint64_t kMaxPerReport = uint64_t{1} << 40;
+  const uint64_t values[4] = {f.deadline(), f.unavailable(), f.not_attached(), f.error()};
+  for (int i = 0; i < 4; ++i) {
+    if (values[i] > 0 && values[i] < kMaxPerReport) {
+      fallbacks_[i]->Increment(static_cast<double>(values[i]));
+    }
+  }
+}
+
+void ServerMetrics::ValidationFailure(absl::StatusCode code) {
+  const int c = CodeIndex(static_cast<int>(code));
+  if (c != 0) validation_[c]->Increment();
+}
+
+absl::Status ServerMetrics::Serve(const std::string& listen) {
+  if (exposer_ != nullptr) return absl::FailedPreconditionError("/metrics is already served");
+  try {
+    // civetweb takes "host:port"; one thread is plenty for a scrape every few seconds.
+    exposer_ = std::make_unique<prometheus::Exposer>(listen, 1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("--metrics-listen=", listen, ": cannot serve /metrics: ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(histograms_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports.front();
+  return absl::OkStatus();
+}
+
+std::string ServerMetrics::Render() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (auto& f : histograms_->Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace eps::telemetry

@@ -1,0 +1,66 @@
+#include "service/telemetry/otlp_encode.h"
+
+namespace eps::telemetry {
+namespace {
+
+namespace otlp_common = opentelemetry::proto::common::v1;
+namespace otlp_trace = opentelemetry::proto::trace::v1;
+
+// OTLP span flags: bits 0-7 the W3C flags, bit 8 "has remote-ness", bit 9 "parent is remote".
+constexpr uint32_t kHasIsRemote = 0x100, kIsRemote = 0x200;
+
+void SetValue(const SpanAttribute& a, otlp_common::AnyValue* out) {
+  if (const auto* s = std::get_if<std::string>(&a.value)) {
+    out->set_string_value(*s);
+  } else if (const auto* i = std::get_if<int64_t>(&a.value)) {
+    out->set_int_value(*i);
+  } else if (const auto* d = std::get_if<double>(&a.value)) {
+    out->set_double_value(*d);
+  } else {
+    out->set_bool_value(std::get<bool>(a.value));
+  }
+}
+
+}  // namespace
+
+opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest EncodeSpans(
+    const std::vector<std::pair<std::string, std::string>>& resource,
+    const std::vector<SpanRecord>& spans) {
+  opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest request;
+  otlp_trace::ResourceSpans* rs = request.add_resource_spans();
+  for (const auto& [key, value] : resource) {
+    otlp_common::KeyValue* kv = rs->mutable_resource()->add_attributes();
+    kv->set_key(key);
+    kv->mutable_value()->set_string_value(value);
+  }
+  otlp_trace::ScopeSpans* ss = rs->add_scope_spans();
+  ss->mutable_scope()->set_name(kScopeName);
+  ss->mutable_scope()->set_version(kScopeVersion);
+  for (const SpanRecord& s : spans) {
+    otlp_trace::Span* out = ss->add_spans();
+    out->set_trace_id(s.trace_id.data(), s.trace_id.size());
+    out->set_span_id(s.span_id.data(), s.span_id.size());
+    if (s.parent_span_id != SpanId{}) {
+      out->set_parent_span_id(s.parent_span_id.data(), s.parent_span_id.size());
+    }
+    out->set_trace_state(s.trace_state);
+    out->set_flags(s.trace_flags | kHasIsRemote | (s.parent_is_remote ? kIsRemote : 0));
+    out->set_name(s.name);
+    out->set_kind(s.kind == SpanKind::kServer ? otlp_trace::Span::SPAN_KIND_SERVER
+                                              : otlp_trace::Span::SPAN_KIND_INTERNAL);
+    out->set_start_time_unix_nano(s.start_unix_ns);
+    out->set_end_time_unix_nano(s.end_unix_ns);
+    for (const SpanAttribute& a : s.attributes) {
+      otlp_common::KeyValue* kv = out->add_attributes();
+      kv->set_key(a.key);
+      SetValue(a, kv->mutable_value());
+    }
+    if (s.error) {
+      out->mutable_status()->set_code(otlp_trace::Status::STATUS_CODE_ERROR);
+      out->mutable_status()->set_message(s.status_message);
+    }
+  }
+  return request;
+}
+
+}  // namespace eps::telemetry

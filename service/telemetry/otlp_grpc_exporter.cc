@@ -1,0 +1,57 @@
+#include "service/telemetry/otlp_grpc_exporter.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+
+namespace eps::telemetry {
+
+OtlpGrpcExporter::OtlpGrpcExporter(const TraceConfig& config) : config_(config) {
+  grpc::ChannelArguments args;
+  // Reconnect quickly once a collector comes back; the processor paces the retries.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
+  auto credentials = config.endpoint.tls ? grpc::SslCredentials(grpc::SslCredentialsOptions())
+                                         : grpc::InsecureChannelCredentials();
+  stub_ = opentelemetry::proto::collector::trace::v1::TraceService::NewStub(
+      grpc::CreateCustomChannel(config.endpoint.grpc_target(), credentials, args));
+}
+
+ExportResult OtlpGrpcExporter::Export(
+    const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
+    std::chrono::steady_clock::time_point deadline, std::string* error) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       (deadline - std::chrono::steady_clock::now()));
+  for (const auto& [key, value] : config_.headers) context.AddMetadata(key, value);
+  opentelemetry::proto::collector::trace::v1::ExportTraceServiceResponse response;
+  const grpc::Status status = stub_->Export(&context, request, &response);
+  if (status.ok()) {
+    if (response.partial_success().rejected_spans() > 0) {
+      *error = absl::StrCat("receiver rejected ", response.partial_success().rejected_spans(),
+                            " spans: ", response.partial_success().error_message());
+    }
+    return ExportResult::kSuccess;
+  }
+  *error =
+      absl::StrCat("TraceService/Export: code ", status.error_code(), ": ", status.error_message());
+  // The OTLP spec's retryable codes (RESOURCE_EXHAUSTED only with RetryInfo, which we do not read).
+  switch (status.error_code()) {
+    case grpc::StatusCode::CANCELLED:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::OUT_OF_RANGE:
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DATA_LOSS:
+      return ExportResult::kRetryable;
+    default:
+      return ExportResult::kFailed;
+  }
+}
+
+std::string OtlpGrpcExporter::Describe() const {
+  return absl::StrCat("otlp/grpc ", config_.endpoint.tls ? "https://" : "http://",
+                      config_.endpoint.grpc_target());
+}
+
+}  // namespace eps::telemetry

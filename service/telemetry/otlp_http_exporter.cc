@@ -1,0 +1,165 @@
+#include "service/telemetry/otlp_http_exporter.h"
+
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace eps::telemetry {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int MillisLeft(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return left.count() <= 0 ? 0 : static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX));
+}
+
+// A socket closed on every path out.
+class Socket {
+ public:
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+bool WaitFor(int fd, short events, Clock::time_point deadline) {
+  pollfd p{fd, events, 0};
+  for (;;) {
+    const int rc = poll(&p, 1, MillisLeft(deadline));
+    if (rc > 0) return true;
+    if (rc == 0) return false;
+    if (errno != EINTR) return false;
+  }
+}
+
+// Connects without blocking past the deadline; -1 with `error` set on failure.
+int Connect(const OtlpEndpoint& e, Clock::time_point deadline, std::string* error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(e.port);
+  if (const int rc = getaddrinfo(e.host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    *error = absl::StrCat("resolve ", e.host, ": ", gai_strerror(rc));
+    return -1;
+  }
+  int connected = -1;
+  for (addrinfo* a = found; a != nullptr && connected < 0; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 ||
+        (errno == EINPROGRESS && WaitFor(fd, POLLOUT, deadline))) {
+      int so_error = 0;
+      socklen_t len = sizeof(so_error);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len);
+      if (so_error == 0) {
+        connected = fd;
+        break;
+      }
+      *error = absl::StrCat("connect ", e.host, ":", e.port, ": ", std::strerror(so_error));
+    } else {
+      *error = absl::StrCat("connect ", e.host, ":", e.port, ": ",
+                            errno == EINPROGRESS ? "timed out" : std::strerror(errno));
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return connected;
+}
+
+bool SendAll(int fd, const std::string& bytes, Clock::time_point deadline, std::string* error) {
+  size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n = send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+    } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+      if (!WaitFor(fd, POLLOUT, deadline)) {
+        *error = "send timed out";
+        return false;
+      }
+    } else {
+      *error = absl::StrCat("send: ", std::strerror(errno));
+      return false;
+    }
+  }
+  return true;
+}
+
+// Reads until the status line and headers are in (the body is not needed: the
+// status decides success); returns the status code, 0 on failure.
+int ReadStatus(int fd, Clock::time_point deadline, std::string* error) {
+  std::string in;
+  char buffer[4096];
+  while (in.find("\r\n\r\n") == std::string::npos && in.size() < 65536) {
+    if (!WaitFor(fd, POLLIN, deadline)) {
+      *error = "no HTTP response before the timeout";
+      return 0;
+    }
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      *error = absl::StrCat("recv: ", std::strerror(errno));
+      return 0;
+    }
+    in.append(buffer, static_cast<size_t>(n));
+  }
+  // "HTTP/1.1 200 OK"
+  int code = 0;
+  const size_t space = in.find(' ');
+  if (in.rfind("HTTP/1.", 0) != 0 || space == std::string::npos ||
+      !absl::SimpleAtoi(in.substr(space + 1, 3), &code)) {
+    *error = absl::StrCat("not an HTTP response: '", in.substr(0, 40), "'");
+    return 0;
+  }
+  if (code / 100 != 2) *error = in.substr(0, in.find("\r\n"));
+  return code;
+}
+
+}  // namespace
+
+ExportResult OtlpHttpExporter::Export(
+    const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
+    Clock::time_point deadline, std::string* error) {
+  const std::string body = request.SerializeAsString();
+  const int fd = Connect(config_.endpoint, deadline, error);
+  if (fd < 0) return ExportResult::kRetryable;  // refused, unreachable or slow: try later
+  Socket socket(fd);
+  std::string head =
+      absl::StrCat("POST ", config_.endpoint.path, " HTTP/1.1\r\nHost: ", config_.endpoint.host,
+                   ":", config_.endpoint.port,
+                   "\r\nContent-Type: application/x-protobuf\r\nContent-Length: ", body.size(),
+                   "\r\nConnection: close\r\n");
+  for (const auto& [key, value] : config_.headers) absl::StrAppend(&head, key, ": ", value, "\r\n");
+  absl::StrAppend(&head, "\r\n");
+  if (!SendAll(fd, head + body, deadline, error)) return ExportResult::kRetryable;
+  const int code = ReadStatus(fd, deadline, error);
+  if (code / 100 == 2) return ExportResult::kSuccess;
+  // OTLP/HTTP: 429, 502, 503 and 504 are retryable, any other status is not.
+  if (code == 0 || code == 429 || code == 502 || code == 503 || code == 504) {
+    return ExportResult::kRetryable;
+  }
+  return ExportResult::kFailed;
+}
+
+std::string OtlpHttpExporter::Describe() const {
+  return absl::StrCat("otlp/http http://", config_.endpoint.host, ":", config_.endpoint.port,
+                      config_.endpoint.path);
+}
+
+}  // namespace eps::telemetry

@@ -1,0 +1,49 @@
+// The JSONL step log (--step-log=PATH): one JSON object per line, appended by
+// RPC threads into a buffer that a writer thread flushes every 200 ms, so a
+// step never waits on the disk. If the disk falls 8 MiB behind, lines are
+// dropped and counted (eps_step_log_lines_dropped_total) rather than stalling.
+//
+// Thread safety: Append and dropped() may be called from any thread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace eps::telemetry {
+
+class StepLog {
+ public:
+  // Opens `path` for appending (created 0644 if absent).
+  static absl::StatusOr<std::unique_ptr<StepLog>> Open(const std::string& path);
+  ~StepLog();  // writes what is buffered, then closes
+  StepLog(const StepLog&) = delete;
+  StepLog& operator=(const StepLog&) = delete;
+
+  // `line`: one JSON object without the newline.
+  void Append(const std::string& line);
+  uint64_t dropped() const;
+
+ private:
+  StepLog(int fd, std::string path);
+  void Run();
+  void Write(const std::string& bytes);
+
+  const int fd_;
+  const std::string path_;
+  mutable absl::Mutex mu_;
+  std::string pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ = false;  // writer thread only
+  std::thread writer_;
+};
+
+// Escapes `text` for a JSON string literal (without the quotes).
+std::string JsonEscape(const std::string& text);
+
+}  // namespace eps::telemetry

@@ -1,0 +1,102 @@
+// epsd's telemetry, composed: Prometheus metrics, OTLP traces through the batch
+// span processor, the JSONL step log. The gRPC layer calls it around every RPC
+// and every SelectPages step; it knows nothing of selection itself, only the
+// requests, replies and StepStats that pass by.
+//
+// Per step on the RPC thread: relaxed atomic counter adds, a sharded histogram
+// observation, and — only when a span is sampled or the step log is on —
+// building two SpanRecords / one JSON line and handing them off under a short
+// lock. Export and disk writes happen on their own threads.
+//
+// Thread safety: every method may be called concurrently.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "eps/v1/page_selector.pb.h"
+#include "grpcpp/server_context.h"
+#include "service/telemetry/batch_span_processor.h"
+#include "service/telemetry/metrics.h"
+#include "service/telemetry/otel_config.h"
+#include "service/telemetry/step_log.h"
+#include "service/telemetry/trace_context.h"
+
+namespace eps::telemetry {
+
+struct TelemetryOptions {
+  std::string metrics_listen;  // host:port, empty: no /metrics endpoint (metrics still counted)
+  std::string step_log_path;   // empty: no step log
+};
+
+class Telemetry {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Reads the OTEL_* variables through `env`. `sessions` reports the selector's session counts.
+  static absl::StatusOr<std::unique_ptr<Telemetry>> Create(
+      const TelemetryOptions& options, const EnvLookup& env,
+      std::function<ScrapeSources::Sessions()> sessions);
+  ~Telemetry();  // Shutdown(2 s) if not done
+  Telemetry(const Telemetry&) = delete;
+  Telemetry& operator=(const Telemetry&) = delete;
+
+  // One RPC (a whole stream for StreamSelectPages).
+  struct Call {
+    RpcMethod method;
+    Clock::time_point start;
+    std::optional<TraceContext> parent;  // from traceparent / tracestate metadata
+  };
+  Call BeginCall(RpcMethod method, const grpc::ServerContextBase& context);
+  // `selector_failure`: the status came from the selector (counted as a validation failure).
+  void EndCall(const Call& call, const absl::Status& status, bool selector_failure);
+
+  // One SelectPages step, unary or one message of a stream.
+  struct Step {
+    Clock::time_point start;
+    int64_t start_unix_ns;
+  };
+  Step BeginStep(const v1::SelectPagesRequest& request);  // counts the client's fallback report
+  void EndStep(const Call& call, const Step& step, const v1::SelectPagesRequest& request,
+               const v1::SelectPagesResponse& response, const absl::Status& status);
+
+  // Session bookkeeping for the backend label.
+  void SessionAttached(const v1::AttachResponse& response);
+  void SessionDetached(const std::string& session_id);
+
+  // Exports what is queued (within `budget`) and closes the step log.
+  void Shutdown(std::chrono::milliseconds budget);
+
+  ServerMetrics& metrics() { return *metrics_; }
+  bool tracing() const { return processor_ != nullptr; }
+  // A line for epsd's start-up log: where metrics, traces and steps go.
+  std::string Describe() const;
+  const std::vector<std::string>& warnings() const { return config_.warnings; }
+
+ private:
+  Telemetry() = default;
+  BackendLabel BackendOf(const std::string& session_id) const;
+  void ExportSpans(const Call& call, const Step& step, Clock::time_point selected,
+                   const v1::SelectPagesRequest& request, const v1::SelectPagesResponse& response,
+                   const absl::Status& status, BackendLabel backend, std::string* trace_id);
+  void LogStep(const Step& step, Clock::time_point end, const v1::SelectPagesRequest& request,
+               const v1::StepStats* stats, const absl::Status& status, BackendLabel backend,
+               const std::string& trace_id, RpcMethod method);
+
+  TraceConfig config_;
+  TelemetryOptions options_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<BatchSpanProcessor> processor_;
+  std::unique_ptr<StepLog> step_log_;
+  mutable absl::Mutex backends_mu_;
+  absl::flat_hash_map<std::string, BackendLabel> backends_ ABSL_GUARDED_BY(backends_mu_);
+};
+
+}  // namespace eps::telemetry

@@ -1,0 +1,151 @@
+#include "service/telemetry/batch_span_processor.h"
+
+#include <atomic>
+
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+
+namespace eps::telemetry {
+namespace {
+
+using Request = opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest;
+using std::chrono::milliseconds;
+
+// Answers each Export from a script; records what it was sent.
+class ScriptedExporter final : public SpanExporter {
+ public:
+  struct Shared {
+    absl::Mutex mu;
+    std::vector<ExportResult> script ABSL_GUARDED_BY(mu);  // then kSuccess forever
+    std::vector<size_t> batch_sizes ABSL_GUARDED_BY(mu);
+    std::vector<std::string> span_names ABSL_GUARDED_BY(mu);
+    bool block = false;  // hold every Export until `release`
+    absl::Notification release;
+  };
+  explicit ScriptedExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+  ExportResult Export(const Request& request, std::chrono::steady_clock::time_point,
+                      std::string* error) override {
+    if (shared_->block) shared_->release.WaitForNotification();
+    absl::MutexLock lock(&shared_->mu);
+    const auto& spans = request.resource_spans(0).scope_spans(0).spans();
+    shared_->batch_sizes.push_back(spans.size());
+    for (const auto& s : spans) shared_->span_names.push_back(s.name());
+    if (shared_->script.empty()) return ExportResult::kSuccess;
+    const ExportResult r = shared_->script.front();
+    shared_->script.erase(shared_->script.begin());
+    *error = "scripted failure";
+    return r;
+  }
+  std::string Describe() const override { return "scripted"; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
+
+std::vector<SpanRecord> Spans(int n, const std::string& prefix) {
+  std::vector<SpanRecord> spans(n);
+  for (int i = 0; i < n; ++i) {
+    spans[i].name = prefix + std::to_string(i);
+    spans[i].trace_id = NewTraceId();
+    spans[i].span_id = NewSpanId();
+  }
+  return spans;
+}
+
+BatchConfig Config(size_t queue, size_t batch, int delay_ms) {
+  BatchConfig c;
+  c.max_queue_size = queue;
+  c.max_export_batch_size = batch;
+  c.schedule_delay = milliseconds(delay_ms);
+  c.export_timeout = milliseconds(30000);
+  return c;
+}
+
+TEST(BatchSpanProcessorTest, ExportsEverySpanInBatchesOfAtMostTheBatchSize) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(100, 4, 60000),
+                       milliseconds(1000), {{"service.name", "t"}});
+  auto spans = Spans(10, "s");
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(5000));  // flushes the rest without waiting for the schedule delay
+  EXPECT_EQ(p.counts().exported, 10u);
+  EXPECT_EQ(p.counts().dropped, 0u);
+  absl::MutexLock lock(&shared->mu);
+  EXPECT_EQ(shared->batch_sizes, (std::vector<size_t>{4, 4, 2}));
+  EXPECT_EQ(shared->span_names.front(), "s0");
+  EXPECT_EQ(shared->span_names.back(), "s9");
+}
+
+TEST(BatchSpanProcessorTest, AFullQueueDropsAndCountsNewSpansWithoutBlocking) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  shared->block = true;  // the exporter hangs: the queue cannot drain
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(5, 1, 1),
+                       milliseconds(1000), {});
+  auto first = Spans(1, "a");
+  p.OnEnd(first);  // the worker takes it and blocks in Export
+  auto more = Spans(20, "b");
+  p.OnEnd(more);  // at most 5 fit
+  const auto counts = p.counts();
+  EXPECT_GE(counts.dropped, 15u);
+  EXPECT_LE(counts.dropped, 16u);  // 16 when the worker had not yet taken the first span
+  shared->release.Notify();
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported + p.counts().dropped, 21u);
+}
+
+TEST(BatchSpanProcessorTest, RetriesARetryableFailureThenSucceeds) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->script = {ExportResult::kRetryable, ExportResult::kRetryable};
+  }
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(10, 2, 60000),
+                       milliseconds(1000), {});
+  auto spans = Spans(2, "r");
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(10000));  // backoff 100 ms then 200 ms (jittered) fits easily
+  EXPECT_EQ(p.counts().exported, 2u);
+  EXPECT_EQ(p.counts().export_failures, 2u);
+  absl::MutexLock lock(&shared->mu);
+  EXPECT_EQ(shared->batch_sizes.size(), 3u);
+}
+
+TEST(BatchSpanProcessorTest, APermanentFailureDropsTheBatchWithoutRetrying) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->script = {ExportResult::kFailed};
+  }
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(10, 3, 60000),
+                       milliseconds(1000), {});
+  auto spans = Spans(3, "f");
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 0u);
+  EXPECT_EQ(p.counts().dropped, 3u);
+  EXPECT_EQ(p.counts().export_failures, 1u);
+}
+
+TEST(BatchSpanProcessorTest, ShutdownGivesUpOnAnUnavailableReceiverWithinItsBudget) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->script.assign(1000, ExportResult::kRetryable);
+  }
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(100, 10, 60000),
+                       milliseconds(1000), {});
+  auto spans = Spans(30, "u");
+  p.OnEnd(spans);
+  const auto start = std::chrono::steady_clock::now();
+  p.Shutdown(milliseconds(300));
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, milliseconds(2000));  // the budget, with room for a slow shared machine
+  EXPECT_EQ(p.counts().exported, 0u);
+  EXPECT_EQ(p.counts().dropped, 30u);
+  auto late = Spans(2, "late");
+  p.OnEnd(late);  // after shutdown: dropped, counted
+  EXPECT_EQ(p.counts().dropped, 32u);
+}
+
+}  // namespace
+}  // namespace eps::telemetry

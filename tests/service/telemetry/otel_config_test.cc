@@ -1,0 +1,103 @@
+#include "service/telemetry/otel_config.h"
+
+#include <map>
+
+#include "gtest/gtest.h"
+
+namespace eps::telemetry {
+namespace {
+
+EnvLookup Env(std::map<std::string, std::string> values) {
+  auto shared = std::make_shared<std::map<std::string, std::string>>(std::move(values));
+  return [shared](const char* name) -> const char* {
+    const auto it = shared->find(name);
+    return it == shared->end() ? nullptr : it->second.c_str();
+  };
+}
+
+TEST(OtelConfigTest, TracesAreOffUntilAnEndpointIsGiven) {
+  const auto c = TraceConfigFromEnv(Env({}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->enabled);
+  EXPECT_EQ(c->resource.front(), (std::pair<std::string, std::string>{"service.name", "epsd"}));
+  EXPECT_EQ(c->batch.schedule_delay.count(), 5000);  // the spec's OTEL_BSP_* defaults
+  EXPECT_EQ(c->batch.export_timeout.count(), 30000);
+  EXPECT_EQ(c->batch.max_queue_size, 2048u);
+  EXPECT_EQ(c->batch.max_export_batch_size, 512u);
+  EXPECT_EQ(c->timeout.count(), 10000);
+  EXPECT_TRUE(TraceConfigFromEnv(Env({{"OTEL_TRACES_EXPORTER", "otlp"}}))->enabled);
+}
+
+TEST(OtelConfigTest, SdkDisabledAndExporterNoneWinOverAnEndpoint) {
+  EXPECT_FALSE(TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"},
+                                       {"OTEL_SDK_DISABLED", "true"}}))
+                   ->enabled);
+  EXPECT_FALSE(TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"},
+                                       {"OTEL_TRACES_EXPORTER", "none"}}))
+                   ->enabled);
+}
+
+TEST(OtelConfigTest, GrpcEndpointDefaultsToPort4317AndTlsFollowsTheScheme) {
+  const auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector"}}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->enabled);
+  EXPECT_EQ(c->protocol, OtlpProtocol::kGrpc);
+  EXPECT_TRUE(c->endpoint.tls);
+  EXPECT_EQ(c->endpoint.grpc_target(), "collector:4317");
+  EXPECT_EQ(TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1]:5555"}}))
+                ->endpoint.grpc_target(),
+            "[::1]:5555");
+}
+
+TEST(OtelConfigTest, HttpAppendsV1TracesToTheGeneralEndpointOnly) {
+  auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"},
+                                   {"OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318/base/"}}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->endpoint.path, "/base/v1/traces");
+  c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"},
+                              {"OTEL_EXPORTER_OTLP_ENDPOINT", "http://ignored:1"},
+                              {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:9/custom"}}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->endpoint.host, "c");
+  EXPECT_EQ(c->endpoint.port, 9);
+  EXPECT_EQ(c->endpoint.path, "/custom");
+}
+
+TEST(OtelConfigTest, UnsupportedSettingsAreErrorsNamingTheVariable) {
+  auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"}}));
+  EXPECT_NE(c.status().message().find("OTEL_EXPORTER_OTLP_PROTOCOL=http/json"), std::string::npos);
+  c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"},
+                              {"OTEL_EXPORTER_OTLP_ENDPOINT", "https://c:4318"}}));
+  EXPECT_NE(c.status().message().find("TLS"), std::string::npos);
+  c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:99999"}}));
+  EXPECT_NE(c.status().message().find("bad port"), std::string::npos);
+  c = TraceConfigFromEnv(Env({{"OTEL_RESOURCE_ATTRIBUTES", "novalue"}}));
+  EXPECT_NE(c.status().message().find("OTEL_RESOURCE_ATTRIBUTES"), std::string::npos);
+}
+
+TEST(OtelConfigTest, BadNumbersWarnAndKeepTheDefault) {
+  const auto c = TraceConfigFromEnv(Env({{"OTEL_BSP_MAX_QUEUE_SIZE", "lots"},
+                                         {"OTEL_BSP_SCHEDULE_DELAY", "250"},
+                                         {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-3"}}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->batch.max_queue_size, 2048u);
+  EXPECT_EQ(c->batch.schedule_delay.count(), 250);
+  EXPECT_EQ(c->timeout.count(), 10000);
+  EXPECT_EQ(c->warnings.size(), 2u);
+}
+
+TEST(OtelConfigTest, ServiceNameVariableWinsOverTheResourceAttribute) {
+  const auto c =
+      TraceConfigFromEnv(Env({{"OTEL_SERVICE_NAME", "sidecar"},
+                              {"OTEL_RESOURCE_ATTRIBUTES", "service.name=x, host.name=node%2D7"},
+                              {"OTEL_EXPORTER_OTLP_HEADERS", "Authorization=Bearer%20t,X-A=1"}}));
+  ASSERT_TRUE(c.ok());
+  ASSERT_EQ(c->resource.size(), 2u);
+  EXPECT_EQ(c->resource[0].second, "sidecar");
+  EXPECT_EQ(c->resource[1], (std::pair<std::string, std::string>{"host.name", "node-7"}));
+  ASSERT_EQ(c->headers.size(), 2u);
+  EXPECT_EQ(c->headers[0], (std::pair<std::string, std::string>{"authorization", "Bearer t"}));
+}
+
+}  // namespace
+}  // namespace eps::telemetry

@@ -1,0 +1,74 @@
+#include "service/telemetry/trace_context.h"
+
+#include "gtest/gtest.h"
+#include "service/telemetry/sampler.h"
+
+namespace eps::telemetry {
+namespace {
+
+constexpr const char* kValid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+TEST(TraceContextTest, ParsesTheSpecExampleAndKeepsTracestate) {
+  const auto c = ParseTraceparent(kValid, "congo=t61rcWkgMzE");
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(Hex(c->trace_id), "4bf92f3577b34da6a3ce929d0e0e4736");
+  EXPECT_EQ(Hex(c->span_id), "00f067aa0ba902b7");
+  EXPECT_TRUE(c->sampled());
+  EXPECT_EQ(c->trace_state, "congo=t61rcWkgMzE");
+  EXPECT_EQ(FormatTraceparent(c->trace_id, c->span_id, c->flags), kValid);
+}
+
+TEST(TraceContextTest, RejectsMalformedHeadersSoANewTraceStarts) {
+  for (const char* bad :
+       {"", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",       // short
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",        // upper case
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",        // zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",        // zero span id
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",        // version ff
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",  // v0 with more
+        "00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",        // separator
+        "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01"}) {     // not hex
+    EXPECT_FALSE(ParseTraceparent(bad).has_value()) << bad;
+  }
+}
+
+TEST(TraceContextTest, AcceptsAFutureVersionWithMoreFields) {
+  EXPECT_TRUE(ParseTraceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-later")
+                  .has_value());
+  EXPECT_FALSE(
+      ParseTraceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00x").has_value());
+}
+
+TEST(TraceContextTest, DropsAnOversizedTracestate) {
+  EXPECT_EQ(ParseTraceparent(kValid, std::string(513, 'a'))->trace_state, "");
+}
+
+TEST(TraceContextTest, NewIdsAreNonZeroAndDistinct) {
+  const TraceId a = NewTraceId(), b = NewTraceId();
+  EXPECT_NE(a, b);
+  EXPECT_NE(a, TraceId{});
+  EXPECT_NE(NewSpanId(), SpanId{});
+}
+
+TEST(SamplerTest, ParentBasedFollowsTheCallersSampledFlag) {
+  const auto s = Sampler::FromNames("parentbased_always_off", "");
+  ASSERT_TRUE(s.ok());
+  auto parent = ParseTraceparent(kValid);
+  EXPECT_TRUE(s->ShouldSample(parent, parent->trace_id));
+  parent->flags = 0;
+  EXPECT_FALSE(s->ShouldSample(parent, parent->trace_id));
+  EXPECT_FALSE(s->ShouldSample(std::nullopt, NewTraceId()));  // a root: always_off
+}
+
+TEST(SamplerTest, TraceIdRatioKeepsAboutThatShareOfTraces) {
+  const auto s = Sampler::FromNames("traceidratio", "0.25");
+  ASSERT_TRUE(s.ok());
+  int kept = 0;
+  for (int i = 0; i < 20000; ++i) kept += s->ShouldSample(std::nullopt, NewTraceId());
+  EXPECT_NEAR(kept / 20000.0, 0.25, 0.02);  // 6.5 standard deviations
+  EXPECT_FALSE(Sampler::FromNames("traceidratio", "1.5").ok());
+  EXPECT_FALSE(Sampler::FromNames("sometimes", "").ok());
+}
+
+}  // namespace
+}  // namespace eps::telemetry
