@@ -15,14 +15,17 @@ Usage: validate_manifests.py [--k8s-dir deploy/k8s]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import kubernetes_validate
 from kubernetes_validate import utils as kv_utils
+from packaging.version import Version
+import referencing
 
 from kustomize_render import RenderError, Resource, render
 
@@ -59,6 +62,29 @@ def flag_value(flags: list[str], name: str) -> str | None:
     return values[-1] if values else None
 
 
+@functools.lru_cache(maxsize=None)
+def k8s_validator(kind: str, api_version: str, version: str) -> jsonschema.Draft202012Validator:
+    """The strict schema kubernetes-validate ships for kind in the newest release <= version.
+
+    The lookup is kubernetes_validate.validate's, kept here so that each schema is loaded
+    and compiled once per run rather than once per resource.
+    """
+    known = [v for v in kv_utils.all_versions() if Version(kv_utils.major_minor(v)) <= Version(version)]
+    if not known:
+        raise kv_utils.VersionNotSupportedError(version)
+    schema_dir = f"kubernetes-json-schema/v{known[-1]}-local-strict"
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = kv_utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group}.json", version)
+    except FileNotFoundError:
+        raise kv_utils.SchemaNotFoundError(kind=kind, version=version, api_version=api_version) from None
+    definitions = kv_utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry = referencing.Resource.from_contents(definitions) @ (
+        referencing.Resource.from_contents(schema) @ referencing.Registry()
+    )
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
 def schema_errors(resource: Resource, versions: list[str]) -> list[str]:
     where = f"{resource['kind']}/{resource.get('metadata', {}).get('name')}"
     if resource["kind"] == "ServiceMonitor":
@@ -68,12 +94,13 @@ def schema_errors(resource: Resource, versions: list[str]) -> list[str]:
     errors = []
     for version in versions:
         try:
-            kubernetes_validate.validate(resource, version, strict=True)
-        except kv_utils.ValidationError as e:
-            path = ".".join(str(p) for p in e.absolute_path)
-            errors.append(f"{where} (Kubernetes {version}): {path}: {e.message}")
+            validator = k8s_validator(resource["kind"], resource["apiVersion"], version)
         except kv_utils.SchemaNotFoundError as e:
             errors.append(f"{where}: {e.message}")
+            continue
+        for e in validator.iter_errors(resource):
+            path = ".".join(str(p) for p in e.absolute_path)
+            errors.append(f"{where} (Kubernetes {version}): {path}: {e.message}")
     return errors
 
 
