@@ -49,22 +49,36 @@ def check(epsd: str, k8s_dir: Path) -> list[str]:
         except RenderError as e:
             problems.append(f"{name}: {e}")
             continue
-        text = next(r for r in resources if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "epsd-flags")
+        text = next(
+            r
+            for r in resources
+            if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "epsd-flags"
+        )
         for flag in flags:
             flag_name = flag[2:].split("=", 1)[0] if flag.startswith("--") else None
             if flag_name not in accepted:
-                problems.append(f"{name}: '{flag}' is not an epsd flag (epsd accepts {sorted(accepted)})")
+                problems.append(
+                    f"{name}: '{flag}' is not an epsd flag (epsd accepts {sorted(accepted)})"
+                )
         with tempfile.NamedTemporaryFile("w", suffix=".flags", delete=False) as f:
             f.write(text["data"]["epsd.flags"])
         try:
             env = dict(os.environ, EPSD_BIN=epsd, EPSD_FLAGS_FILE=f.name)
-            done = subprocess.run(["sh", str(ENTRYPOINT), "--help"], env=env, capture_output=True,
-                                  text=True, timeout=30, check=False)
+            done = subprocess.run(
+                ["sh", str(ENTRYPOINT), "--help"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
         finally:
             os.unlink(f.name)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
-            problems.append(f"{name}: epsd rejects the ConfigMap's flags (exit {done.returncode}): {first}")
+            problems.append(
+                f"{name}: epsd rejects the ConfigMap's flags (exit {done.returncode}): {first}"
+            )
         print(f"{name}: {len(flags)} flags: {'ok' if done.returncode == 0 else 'rejected'}")
     return problems
 

@@ -87,13 +87,17 @@ def own_rule_findings(dockerfile: Path, repo_root: Path) -> list[str]:
     users = [rest for _, word, rest in runtime if word == "USER"]
     uid = users[-1].split(":")[0] if users else "0"
     if not uid.isdigit() or int(uid) == 0:
-        findings.append(f"{dockerfile}: the runtime stage must end as a numeric non-root USER, not {uid!r}")
+        findings.append(
+            f"{dockerfile}: the runtime stage must end as a numeric non-root USER, not {uid!r}"
+        )
     entry = [rest for _, word, rest in runtime if word == "ENTRYPOINT"]
     if not entry or not entry[-1].startswith("["):
         findings.append(f"{dockerfile}: the runtime stage needs an exec-form ENTRYPOINT")
     health = [rest for _, word, rest in runtime if word == "HEALTHCHECK"]
     if not health or "eps-health-probe" not in health[-1]:
-        findings.append(f"{dockerfile}: the runtime stage needs a HEALTHCHECK running eps-health-probe")
+        findings.append(
+            f"{dockerfile}: the runtime stage needs a HEALTHCHECK running eps-health-probe"
+        )
     return findings
 
 
@@ -111,7 +115,9 @@ def main() -> int:
         config = args.dockerfile.parent / ".hadolint.yaml"
         done = subprocess.run(
             [hadolint, "--no-color", "--config", str(config), str(args.dockerfile)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if done.returncode != 0:
             findings += [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-from kubernetes_validate import utils as kv_utils
-from packaging.version import Version
 import referencing
-
+from kubernetes_validate import utils as kv_utils
 from kustomize_render import RenderError, Resource, render
+from packaging.version import Version
 
 # The lowest Kubernetes release each kustomization targets (native sidecars: 1.29;
 # resource.k8s.io/v1 for DRA: 1.34). A new overlay must be added here.
@@ -39,7 +38,9 @@ HERE = Path(__file__).resolve().parent
 
 def flags_of(resources: list[Resource]) -> list[str]:
     """The epsd flags in the epsd-flags ConfigMap: one per line, '#' comments, no blanks."""
-    maps = [r for r in resources if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "epsd-flags"]
+    maps = [
+        r for r in resources if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "epsd-flags"
+    ]
     if len(maps) != 1:
         raise RenderError(f"want one ConfigMap epsd-flags, found {len(maps)}")
     text = maps[0].get("data", {}).get("epsd.flags", "")
@@ -62,14 +63,16 @@ def flag_value(flags: list[str], name: str) -> str | None:
     return values[-1] if values else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def k8s_validator(kind: str, api_version: str, version: str) -> jsonschema.Draft202012Validator:
     """The strict schema kubernetes-validate ships for kind in the newest release <= version.
 
     The lookup is kubernetes_validate.validate's, kept here so that each schema is loaded
     and compiled once per run rather than once per resource.
     """
-    known = [v for v in kv_utils.all_versions() if Version(kv_utils.major_minor(v)) <= Version(version)]
+    known = [
+        v for v in kv_utils.all_versions() if Version(kv_utils.major_minor(v)) <= Version(version)
+    ]
     if not known:
         raise kv_utils.VersionNotSupportedError(version)
     schema_dir = f"kubernetes-json-schema/v{known[-1]}-local-strict"
@@ -77,7 +80,9 @@ def k8s_validator(kind: str, api_version: str, version: str) -> jsonschema.Draft
     try:
         schema = kv_utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group}.json", version)
     except FileNotFoundError:
-        raise kv_utils.SchemaNotFoundError(kind=kind, version=version, api_version=api_version) from None
+        raise kv_utils.SchemaNotFoundError(
+            kind=kind, version=version, api_version=api_version
+        ) from None
     definitions = kv_utils.schema_contents(f"{schema_dir}/_definitions.json", version)
     registry = referencing.Resource.from_contents(definitions) @ (
         referencing.Resource.from_contents(schema) @ referencing.Registry()
@@ -131,7 +136,10 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
     engines = spec.get("containers", [])
     need(len(engines) == 1, f"want one engine container, found {len(engines)}")
     engine = engines[0]
-    need(sidecar.get("restartPolicy") == "Always", "epsd must be a native sidecar (restartPolicy: Always)")
+    need(
+        sidecar.get("restartPolicy") == "Always",
+        "epsd must be a native sidecar (restartPolicy: Always)",
+    )
     need(spec.get("shareProcessNamespace") is True, "CUDA IPC needs shareProcessNamespace: true")
     pod_nonroot = spec.get("securityContext", {}).get("runAsNonRoot") is True
 
@@ -139,12 +147,20 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         sc = c.get("securityContext", {})
         cn = f"container {c['name']}"
         need(sc.get("readOnlyRootFilesystem") is True, f"{cn}: readOnlyRootFilesystem must be true")
-        need(sc.get("allowPrivilegeEscalation") is False, f"{cn}: allowPrivilegeEscalation must be false")
-        need("ALL" in sc.get("capabilities", {}).get("drop", []), f"{cn}: capabilities must drop ALL")
+        need(
+            sc.get("allowPrivilegeEscalation") is False,
+            f"{cn}: allowPrivilegeEscalation must be false",
+        )
+        need(
+            "ALL" in sc.get("capabilities", {}).get("drop", []), f"{cn}: capabilities must drop ALL"
+        )
         need(pod_nonroot or sc.get("runAsNonRoot") is True, f"{cn}: runAsNonRoot must be true")
         for kind in ("requests", "limits"):
             for res in ("cpu", "memory"):
-                need(res in c.get("resources", {}).get(kind, {}), f"{cn}: resources.{kind}.{res} missing")
+                need(
+                    res in c.get("resources", {}).get(kind, {}),
+                    f"{cn}: resources.{kind}.{res} missing",
+                )
 
     listen = flag_value(flags, "listen") or ""
     need(listen.startswith("unix:///"), f"--listen={listen!r} is not a unix:/// socket")
@@ -153,15 +169,27 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     for c in (sidecar, engine):
         mounts = _mounts(c)
-        need(socket_dir in mounts, f"container {c['name']} does not mount the socket dir {socket_dir}")
+        need(
+            socket_dir in mounts,
+            f"container {c['name']} does not mount the socket dir {socket_dir}",
+        )
         need("/dev/shm" in mounts, f"container {c['name']} does not mount /dev/shm")
     if socket_dir in _mounts(sidecar) and socket_dir in _mounts(engine):
-        need(_mounts(sidecar)[socket_dir] == _mounts(engine)[socket_dir], "socket dirs are different volumes")
-        need("emptyDir" in volumes.get(_mounts(sidecar)[socket_dir], {}), "socket volume is not an emptyDir")
+        need(
+            _mounts(sidecar)[socket_dir] == _mounts(engine)[socket_dir],
+            "socket dirs are different volumes",
+        )
+        need(
+            "emptyDir" in volumes.get(_mounts(sidecar)[socket_dir], {}),
+            "socket volume is not an emptyDir",
+        )
     if "/dev/shm" in _mounts(sidecar) and "/dev/shm" in _mounts(engine):
         shm = _mounts(sidecar)["/dev/shm"]
         need(_mounts(engine)["/dev/shm"] == shm, "the two /dev/shm mounts are different volumes")
-        need(volumes.get(shm, {}).get("emptyDir", {}).get("medium") == "Memory", "/dev/shm is not a memory emptyDir")
+        need(
+            volumes.get(shm, {}).get("emptyDir", {}).get("medium") == "Memory",
+            "/dev/shm is not a memory emptyDir",
+        )
     need(_env(engine).get("EPS_TARGET") == listen, f"engine EPS_TARGET is not --listen ({listen})")
 
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -172,11 +200,16 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         )
 
     otel = _env(sidecar)
-    need(otel.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").startswith("http"), "epsd has no OTEL_EXPORTER_OTLP_ENDPOINT")
+    need(
+        otel.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").startswith("http"),
+        "epsd has no OTEL_EXPORTER_OTLP_ENDPOINT",
+    )
     need("OTEL_SERVICE_NAME" in otel, "epsd has no OTEL_SERVICE_NAME")
     annotations = template.get("metadata", {}).get("annotations", {})
     ports = {p["containerPort"]: p.get("name") for p in sidecar.get("ports", [])}
-    need(annotations.get("prometheus.io/scrape") == "true", "pod lacks prometheus.io/scrape: 'true'")
+    need(
+        annotations.get("prometheus.io/scrape") == "true", "pod lacks prometheus.io/scrape: 'true'"
+    )
     metrics_port = annotations.get("prometheus.io/port", "")
     need(
         metrics_port.isdigit() and int(metrics_port) in ports,
@@ -188,21 +221,28 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         return int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
 
     backend = flag_value(flags, "backend")
-    claims = {n: {cl["name"] for cl in c.get("resources", {}).get("claims", [])} for n, c in
-              (("epsd", sidecar), ("engine", engine))}
+    claims = {
+        n: {cl["name"] for cl in c.get("resources", {}).get("claims", [])}
+        for n, c in (("epsd", sidecar), ("engine", engine))
+    }
     need(gpus(sidecar) == 0, "epsd must not request nvidia.com/gpu: that would be a second GPU")
     if gpus(engine):
-        need(_env(sidecar).get("NVIDIA_VISIBLE_DEVICES") == "all", "engine has a GPU but epsd has no NVIDIA_VISIBLE_DEVICES=all")
+        need(
+            _env(sidecar).get("NVIDIA_VISIBLE_DEVICES") == "all",
+            "engine has a GPU but epsd has no NVIDIA_VISIBLE_DEVICES=all",
+        )
         count = spec.get("nodeSelector", {}).get("nvidia.com/gpu.count")
         need(
             count == str(gpus(engine)),
-            f"engine requests {gpus(engine)} GPU(s) but nodeSelector nvidia.com/gpu.count is {count!r}: "
-            "epsd sees every GPU of the node, so the pod must hold them all",
+            f"engine requests {gpus(engine)} GPU(s) but nodeSelector nvidia.com/gpu.count is "
+            f"{count!r}: epsd sees every GPU of the node, so the pod must hold them all",
         )
     if claims["epsd"] or claims["engine"]:
         need(claims["epsd"] == claims["engine"], f"epsd and engine name different claims: {claims}")
         pod_claims = {c["name"] for c in spec.get("resourceClaims", [])}
-        need(claims["epsd"] <= pod_claims, f"claims {claims['epsd']} are not in spec.resourceClaims")
+        need(
+            claims["epsd"] <= pod_claims, f"claims {claims['epsd']} are not in spec.resourceClaims"
+        )
     has_gpu = bool(gpus(engine)) or bool(claims["epsd"])
     need(backend != "cuda" or has_gpu, "--backend=cuda but no GPU is given to the pod")
     need(backend != "cpu" or not has_gpu, "--backend=cpu on a pod that holds a GPU")
@@ -229,20 +269,30 @@ def wiring_errors(resources: list[Resource]) -> list[str]:
             errors.append(f"Service/{svc['metadata']['name']}: selector matches no pod template")
         for p in svc["spec"].get("ports", []):
             if isinstance(p.get("targetPort"), str) and p["targetPort"] not in port_names:
-                errors.append(f"Service/{svc['metadata']['name']}: targetPort {p['targetPort']} is no container port")
+                errors.append(
+                    f"Service/{svc['metadata']['name']}: "
+                    f"targetPort {p['targetPort']} is no container port"
+                )
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(selects(sel, p["metadata"]["labels"]) for p in pods):
-            errors.append(f"PodDisruptionBudget/{pdb['metadata']['name']}: selector matches no pod template")
+            errors.append(
+                f"PodDisruptionBudget/{pdb['metadata']['name']}: selector matches no pod template"
+            )
     for sm in by_kind.get("ServiceMonitor", []):
         sel = sm["spec"]["selector"].get("matchLabels", {})
-        services = [s for s in by_kind.get("Service", []) if selects(sel, s["metadata"].get("labels", {}))]
+        services = [
+            s for s in by_kind.get("Service", []) if selects(sel, s["metadata"].get("labels", {}))
+        ]
         if not services:
             errors.append(f"ServiceMonitor/{sm['metadata']['name']}: selector matches no Service")
         names = {p.get("name") for s in services for p in s["spec"].get("ports", [])}
         for ep in sm["spec"]["endpoints"]:
             if ep.get("port") not in names:
-                errors.append(f"ServiceMonitor/{sm['metadata']['name']}: port {ep.get('port')} is not a Service port")
+                errors.append(
+                    f"ServiceMonitor/{sm['metadata']['name']}: "
+                    f"port {ep.get('port')} is not a Service port"
+                )
     return errors
 
 
@@ -275,8 +325,10 @@ def validate(k8s_dir: Path) -> list[str]:
                 found += pod_errors(r, flags)
         found += wiring_errors(resources)
         problems += [f"{name}: {p}" for p in found]
-        print(f"{name}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
-              f"{'ok' if not found else f'{len(found)} problem(s)'}")
+        print(
+            f"{name}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
+            f"{'ok' if not found else f'{len(found)} problem(s)'}"
+        )
     return problems
 
 

@@ -27,13 +27,16 @@ def binary(name: str) -> str:
 
 
 def probe(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([binary("EPS_HEALTH_PROBE"), *args], capture_output=True, text=True,
-                          timeout=30, check=False)
+    return subprocess.run(
+        [binary("EPS_HEALTH_PROBE"), *args], capture_output=True, text=True, timeout=30, check=False
+    )
 
 
 def start_epsd(flags_file: Path | None, *args: str) -> subprocess.Popen[str]:
     environment = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE=str(flags_file or ""))
-    return subprocess.Popen(["sh", str(ENTRYPOINT), *args], env=environment, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["sh", str(ENTRYPOINT), *args], env=environment, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_listening(process: subprocess.Popen[str], seconds: float = 20) -> str:
@@ -78,8 +81,10 @@ def socket_dir(tmp_path: Path) -> Path:
 def epsd(socket_dir: Path) -> Iterator[str]:
     """epsd started from a flags file written as the ConfigMap's is; yields its address."""
     flags = socket_dir / "epsd.flags"
-    flags.write_text(f"# as in the ConfigMap\n--listen=unix://{socket_dir}/epsd.sock\n--socket-mode=0660  # comment\n"
-                     "\n--backend=cpu")  # last line without a newline
+    flags.write_text(
+        f"# as in the ConfigMap\n--listen=unix://{socket_dir}/epsd.sock\n"
+        "--socket-mode=0660  # comment\n\n--backend=cpu"
+    )  # last line without a newline
     process = start_epsd(flags)
     try:
         yield wait_listening(process)
@@ -124,7 +129,9 @@ def test_probe_fails_after_epsd_is_killed(socket_dir: Path) -> None:
     assert done.returncode == 1, done.stdout
 
 
-@pytest.mark.parametrize("args", [["--timeout-ms=0"], ["--timeout-ms=abc"], ["--addr="], ["stray"], ["--port=1"]])
+@pytest.mark.parametrize(
+    "args", [["--timeout-ms=0"], ["--timeout-ms=abc"], ["--addr="], ["stray"], ["--port=1"]]
+)
 def test_probe_rejects_bad_usage(args: list[str]) -> None:
     done = probe(*args)
     assert done.returncode == 2
@@ -154,7 +161,14 @@ def test_entrypoint_does_not_glob_flag_values(socket_dir: Path) -> None:
     flags = socket_dir / "epsd.flags"
     flags.write_text("--eps-method=*\n")
     env = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE=str(flags))
-    done = subprocess.run(["sh", str(ENTRYPOINT), "--help"], env=env, cwd=socket_dir, capture_output=True,
-                          text=True, timeout=30, check=False)
+    done = subprocess.run(
+        ["sh", str(ENTRYPOINT), "--help"],
+        env=env,
+        cwd=socket_dir,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 2
     assert "--eps-method=*" in done.stderr

@@ -51,16 +51,21 @@ def write(directory: Path, files: dict[str, str]) -> Path:
 
 
 def kustomization(body: str) -> str:
-    return "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n" + textwrap.dedent(body)
+    return "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n" + textwrap.dedent(
+        body
+    )
 
 
 def overlay(tmp_path: Path, body: str, extra: dict[str, str] | None = None) -> Path:
-    write(tmp_path, {
-        "base/kustomization.yaml": kustomization("resources:\n  - deployment.yaml\n"),
-        "base/deployment.yaml": DEPLOYMENT,
-        "overlay/kustomization.yaml": kustomization(body),
-        **(extra or {}),
-    })
+    write(
+        tmp_path,
+        {
+            "base/kustomization.yaml": kustomization("resources:\n  - deployment.yaml\n"),
+            "base/deployment.yaml": DEPLOYMENT,
+            "overlay/kustomization.yaml": kustomization(body),
+            **(extra or {}),
+        },
+    )
     return tmp_path / "overlay"
 
 
@@ -70,7 +75,12 @@ def containers(resources: list[dict]) -> dict[str, dict]:
 
 
 def test_patch_merges_named_list_elements_and_appends_new_ones(tmp_path: Path) -> None:
-    out = render(overlay(tmp_path, "resources: [../base]\npatches:\n  - path: p.yaml\n", {"overlay/p.yaml": """
+    out = render(
+        overlay(
+            tmp_path,
+            "resources: [../base]\npatches:\n  - path: p.yaml\n",
+            {
+                "overlay/p.yaml": """
         apiVersion: apps/v1
         kind: Deployment
         metadata: {name: app}
@@ -84,15 +94,28 @@ def test_patch_merges_named_list_elements_and_appends_new_ones(tmp_path: Path) -
                       value: "changed"
                     - name: NEW
                       value: "3"
-    """}))
+    """
+            },
+        )
+    )
     env = containers(out)["main"]["env"]
-    assert env == [{"name": "KEEP", "value": "changed"}, {"name": "DROP", "value": "2"},
-                   {"name": "NEW", "value": "3"}]
+    assert env == [
+        {"name": "KEEP", "value": "changed"},
+        {"name": "DROP", "value": "2"},
+        {"name": "NEW", "value": "3"},
+    ]
     assert containers(out)["side"]["restartPolicy"] == "Always"
 
 
-def test_patch_null_removes_a_field_and_dollar_patch_delete_removes_an_element(tmp_path: Path) -> None:
-    out = render(overlay(tmp_path, "resources: [../base]\npatches:\n  - path: p.yaml\n", {"overlay/p.yaml": """
+def test_patch_null_removes_a_field_and_dollar_patch_delete_removes_an_element(
+    tmp_path: Path,
+) -> None:
+    out = render(
+        overlay(
+            tmp_path,
+            "resources: [../base]\npatches:\n  - path: p.yaml\n",
+            {
+                "overlay/p.yaml": """
         apiVersion: apps/v1
         kind: Deployment
         metadata: {name: app}
@@ -105,14 +128,22 @@ def test_patch_null_removes_a_field_and_dollar_patch_delete_removes_an_element(t
                   env:
                     - name: DROP
                       $patch: delete
-    """}))
+    """
+            },
+        )
+    )
     main = containers(out)["main"]
     assert "readinessProbe" not in main
     assert [e["name"] for e in main["env"]] == ["KEEP"]
 
 
 def test_patch_replaces_lists_without_a_merge_key(tmp_path: Path) -> None:
-    out = render(overlay(tmp_path, "resources: [../base]\npatches:\n  - path: p.yaml\n", {"overlay/p.yaml": """
+    out = render(
+        overlay(
+            tmp_path,
+            "resources: [../base]\npatches:\n  - path: p.yaml\n",
+            {
+                "overlay/p.yaml": """
         apiVersion: apps/v1
         kind: Deployment
         metadata: {name: app}
@@ -122,12 +153,18 @@ def test_patch_replaces_lists_without_a_merge_key(tmp_path: Path) -> None:
               containers:
                 - name: main
                   args: ["--c"]
-    """}))
+    """
+            },
+        )
+    )
     assert containers(out)["main"]["args"] == ["--c"]
 
 
 def test_images_rename_and_retag_containers_and_init_containers(tmp_path: Path) -> None:
-    out = render(overlay(tmp_path, """
+    out = render(
+        overlay(
+            tmp_path,
+            """
         resources: [../base]
         images:
           - name: side
@@ -135,7 +172,9 @@ def test_images_rename_and_retag_containers_and_init_containers(tmp_path: Path) 
             newTag: "2.0"
           - name: example/main
             digest: sha256:abc
-    """))
+    """,
+        )
+    )
     assert containers(out)["side"]["image"] == "registry.example.com/side:2.0"
     assert containers(out)["main"]["image"] == "example/main@sha256:abc"
 
@@ -147,32 +186,64 @@ def test_merge_does_not_modify_its_arguments() -> None:
     assert base["containers"][0]["env"][0]["value"] == "1"
 
 
-@pytest.mark.parametrize("body, extra, message", [
-    ("resources: [../base]\nnamespace: prod\n", {}, "unsupported keys ['namespace']"),
-    ("resources: [missing.yaml]\n", {}, "resource missing.yaml does not exist"),
-    ("resources: [../base]\npatches:\n  - path: nope.yaml\n", {}, "patch nope.yaml does not exist"),
-    ("resources: [../base]\npatches:\n  - path: p.yaml\n    target: {kind: Deployment}\n",
-     {"overlay/p.yaml": "kind: Deployment\nmetadata: {name: app}\n"}, "must have only 'path'"),
-    ("resources: [../base]\npatches:\n  - path: p.yaml\n",
-     {"overlay/p.yaml": "kind: Deployment\nmetadata: {name: other}\n"}, "is not a resource"),
-    ("resources: [../base]\npatches:\n  - path: ../base/deployment.yaml\n", {}, "outside the kustomization root"),
-    ("resources: [../base]\nimages:\n  - name: nothing-uses-this\n    newTag: x\n", {}, "matches no container"),
-    ("resources: [../base, ../base/deployment.yaml]\n", {}, "outside the kustomization root"),
-    ("resources: [../base]\npatches:\n  - path: p.yaml\n",
-     {"overlay/p.yaml": "kind: Deployment\nmetadata: {name: app}\nspec:\n  template:\n    spec:\n"
-                        "      containers:\n        - name: ghost\n          $patch: delete\n"},
-     "no element name='ghost'"),
-])
+@pytest.mark.parametrize(
+    "body, extra, message",
+    [
+        ("resources: [../base]\nnamespace: prod\n", {}, "unsupported keys ['namespace']"),
+        ("resources: [missing.yaml]\n", {}, "resource missing.yaml does not exist"),
+        (
+            "resources: [../base]\npatches:\n  - path: nope.yaml\n",
+            {},
+            "patch nope.yaml does not exist",
+        ),
+        (
+            "resources: [../base]\npatches:\n  - path: p.yaml\n    target: {kind: Deployment}\n",
+            {"overlay/p.yaml": "kind: Deployment\nmetadata: {name: app}\n"},
+            "must have only 'path'",
+        ),
+        (
+            "resources: [../base]\npatches:\n  - path: p.yaml\n",
+            {"overlay/p.yaml": "kind: Deployment\nmetadata: {name: other}\n"},
+            "is not a resource",
+        ),
+        (
+            "resources: [../base]\npatches:\n  - path: ../base/deployment.yaml\n",
+            {},
+            "outside the kustomization root",
+        ),
+        (
+            "resources: [../base]\nimages:\n  - name: nothing-uses-this\n    newTag: x\n",
+            {},
+            "matches no container",
+        ),
+        ("resources: [../base, ../base/deployment.yaml]\n", {}, "outside the kustomization root"),
+        (
+            "resources: [../base]\npatches:\n  - path: p.yaml\n",
+            {
+                "overlay/p.yaml": "kind: Deployment\nmetadata: {name: app}\n"
+                "spec:\n  template:\n    spec:\n      containers:\n"
+                "        - name: ghost\n          $patch: delete\n"
+            },
+            "no element name='ghost'",
+        ),
+    ],
+)
 def test_unsupported_or_broken_kustomizations_are_errors(
-        tmp_path: Path, body: str, extra: dict[str, str], message: str) -> None:
+    tmp_path: Path, body: str, extra: dict[str, str], message: str
+) -> None:
     with pytest.raises(RenderError, match=message.replace("[", r"\[").replace("]", r"\]")):
         render(overlay(tmp_path, body, extra))
 
 
 def test_duplicate_resources_are_an_error(tmp_path: Path) -> None:
-    write(tmp_path, {"kustomization.yaml": kustomization("resources: [a.yaml, b.yaml]\n"),
-                     "a.yaml": "kind: ConfigMap\nmetadata: {name: x}\n",
-                     "b.yaml": "kind: ConfigMap\nmetadata: {name: x}\n"})
+    write(
+        tmp_path,
+        {
+            "kustomization.yaml": kustomization("resources: [a.yaml, b.yaml]\n"),
+            "a.yaml": "kind: ConfigMap\nmetadata: {name: x}\n",
+            "b.yaml": "kind: ConfigMap\nmetadata: {name: x}\n",
+        },
+    )
     with pytest.raises(RenderError, match="defined twice"):
         render(tmp_path)
 

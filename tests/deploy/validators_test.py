@@ -42,8 +42,11 @@ def test_the_committed_manifests_pass(deploy: Path) -> None:
 
 
 def test_an_unknown_field_fails_the_schema_check(deploy: Path) -> None:
-    edit(deploy / "k8s/base/deployment.yaml", "      shareProcessNamespace: true\n",
-         "      shareProcessNamespace: true\n      shareProcessNamespaces: true\n")
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "      shareProcessNamespace: true\n",
+        "      shareProcessNamespace: true\n      shareProcessNamespaces: true\n",
+    )
     problems = validate_manifests.validate(deploy / "k8s")
     assert any("shareProcessNamespaces" in p and "Kubernetes 1.29" in p for p in problems), problems
 
@@ -61,32 +64,53 @@ def test_epsd_as_a_plain_init_container_fails(deploy: Path) -> None:
 
 
 def test_a_writable_root_filesystem_fails(deploy: Path) -> None:
-    edit(deploy / "k8s/base/deployment.yaml", "readOnlyRootFilesystem: true", "readOnlyRootFilesystem: false")
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "readOnlyRootFilesystem: true",
+        "readOnlyRootFilesystem: false",
+    )
     problems = validate_manifests.validate(deploy / "k8s")
     assert any("container epsd: readOnlyRootFilesystem" in p for p in problems), problems
 
 
 def test_a_probe_on_another_socket_fails(deploy: Path) -> None:
-    edit(deploy / "k8s/overlays/gpu/configmap-patch.yaml", "unix:///run/eps/epsd.sock", "unix:///run/eps/other.sock")
+    edit(
+        deploy / "k8s/overlays/gpu/configmap-patch.yaml",
+        "unix:///run/eps/epsd.sock",
+        "unix:///run/eps/other.sock",
+    )
     problems = validate_manifests.validate(deploy / "k8s")
     assert any(p.startswith("gpu:") and "startupProbe must exec" in p for p in problems), problems
 
 
 def test_a_gpu_engine_without_a_gpu_for_epsd_fails(deploy: Path) -> None:
-    edit(deploy / "k8s/overlays/gpu/deployment-patch.yaml", "              value: all\n", "              value: void\n")
+    edit(
+        deploy / "k8s/overlays/gpu/deployment-patch.yaml",
+        "              value: all\n",
+        "              value: void\n",
+    )
     problems = validate_manifests.validate(deploy / "k8s")
-    assert any(p.startswith("gpu:") and "NVIDIA_VISIBLE_DEVICES=all" in p for p in problems), problems
+    assert any(p.startswith("gpu:") and "NVIDIA_VISIBLE_DEVICES=all" in p for p in problems), (
+        problems
+    )
 
 
 def test_claims_that_differ_between_the_containers_fail(deploy: Path) -> None:
-    edit(deploy / "k8s/overlays/gpu-dra/deployment-patch.yaml", "            claims:\n              - name: gpu\n",
-         "            claims:\n              - name: other\n")
+    edit(
+        deploy / "k8s/overlays/gpu-dra/deployment-patch.yaml",
+        "            claims:\n              - name: gpu\n",
+        "            claims:\n              - name: other\n",
+    )
     problems = validate_manifests.validate(deploy / "k8s")
     assert any(p.startswith("gpu-dra:") and "different claims" in p for p in problems), problems
 
 
 def test_a_servicemonitor_on_a_missing_port_fails(deploy: Path) -> None:
-    edit(deploy / "k8s/base/servicemonitor.yaml", "    - port: eps-metrics\n", "    - port: metrics\n")
+    edit(
+        deploy / "k8s/base/servicemonitor.yaml",
+        "    - port: eps-metrics\n",
+        "    - port: metrics\n",
+    )
     problems = validate_manifests.validate(deploy / "k8s")
     assert any("port metrics is not a Service port" in p for p in problems), problems
 
@@ -108,10 +132,18 @@ def test_the_committed_flags_are_accepted_by_epsd(deploy: Path) -> None:
 
 
 def test_an_unknown_flag_fails_the_flag_check(deploy: Path) -> None:
-    edit(deploy / "k8s/base/configmap-epsd-flags.yaml", "    --eps-dim=8\n", "    --eps-dimension=8\n")
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "    --eps-dim=8\n",
+        "    --eps-dimension=8\n",
+    )
     problems = check_epsd_flags.check(epsd(), deploy / "k8s")
-    assert any(p.startswith("base:") and "'--eps-dimension=8' is not an epsd flag" in p for p in problems), problems
-    assert any(p.startswith("base:") and "unknown flag --eps-dimension" in p for p in problems), problems
+    assert any(
+        p.startswith("base:") and "'--eps-dimension=8' is not an epsd flag" in p for p in problems
+    ), problems
+    assert any(p.startswith("base:") and "unknown flag --eps-dimension" in p for p in problems), (
+        problems
+    )
 
 
 def test_a_bad_flag_value_fails_the_flag_check(deploy: Path) -> None:
@@ -121,9 +153,15 @@ def test_a_bad_flag_value_fails_the_flag_check(deploy: Path) -> None:
 
 
 def test_a_value_with_a_space_fails_the_flag_check(deploy: Path) -> None:
-    edit(deploy / "k8s/base/configmap-epsd-flags.yaml", "    --eps-method=jl\n", "    --eps-method=jl quest\n")
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "    --eps-method=jl\n",
+        "    --eps-method=jl quest\n",
+    )
     problems = check_epsd_flags.check(epsd(), deploy / "k8s")
-    assert any(p.startswith("base:") and "unexpected argument 'quest'" in p for p in problems), problems
+    assert any(p.startswith("base:") and "unexpected argument 'quest'" in p for p in problems), (
+        problems
+    )
 
 
 def test_the_committed_dockerfile_passes(deploy: Path) -> None:
@@ -143,15 +181,28 @@ def test_a_root_runtime_user_fails(deploy: Path) -> None:
 
 
 def test_a_runtime_base_outside_the_cuda_version_argument_fails(deploy: Path) -> None:
-    edit(deploy / "docker/Dockerfile", "FROM nvidia/cuda:${CUDA_VERSION}-${CUDA_RUNTIME_FLAVOR}",
-         "FROM nvidia/cuda:12.8.0-${CUDA_RUNTIME_FLAVOR}")
+    edit(
+        deploy / "docker/Dockerfile",
+        "FROM nvidia/cuda:${CUDA_VERSION}-${CUDA_RUNTIME_FLAVOR}",
+        "FROM nvidia/cuda:12.8.0-${CUDA_RUNTIME_FLAVOR}",
+    )
     findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
     assert any("does not use ${CUDA_VERSION}" in f for f in findings), findings
 
 
-def test_hadolint_findings_fail_the_lint(deploy: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_hadolint_findings_fail_the_lint(
+    deploy: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     edit(deploy / "docker/Dockerfile", "WORKDIR /src\n", "RUN cd /src\n")
-    monkeypatch.setattr("sys.argv", ["lint_dockerfile.py", "--dockerfile", str(deploy / "docker/Dockerfile"),
-                                     "--repo-root", str(REPO)])
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "lint_dockerfile.py",
+            "--dockerfile",
+            str(deploy / "docker/Dockerfile"),
+            "--repo-root",
+            str(REPO),
+        ],
+    )
     assert lint_dockerfile.main() == 1
     assert "DL3003" in capsys.readouterr().err
