@@ -135,6 +135,8 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
     sidecar = sidecars[0]
     engines = spec.get("containers", [])
     need(len(engines) == 1, f"want one engine container, found {len(engines)}")
+    if not engines:
+        return errors
     engine = engines[0]
     need(
         sidecar.get("restartPolicy") == "Always",
