@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,14 +69,11 @@ def stop(process: subprocess.Popen[str]) -> None:
 
 
 @pytest.fixture()
-def socket_dir(tmp_path: Path) -> Path:
-    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be long.
-    short = Path("/tmp") / f"eps-probe-{os.getpid()}-{time.monotonic_ns()}"
-    short.mkdir()
+def socket_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    short = Path(tempfile.mkdtemp(prefix="eps-probe-", dir="/tmp"))
     yield short
-    for item in short.iterdir():
-        item.unlink()
-    short.rmdir()
+    shutil.rmtree(short)
 
 
 @pytest.fixture()
