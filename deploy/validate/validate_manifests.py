@@ -306,10 +306,13 @@ def kustomization_dirs(k8s_dir: Path) -> dict[str, Path]:
     return dirs
 
 
-def validate(k8s_dir: Path) -> list[str]:
+def validate(k8s_dir: Path, only: set[str] | None = None) -> list[str]:
+    """Problems of every kustomization under k8s_dir (or of those named in only)."""
     latest = kv_utils.latest_version()
     problems: list[str] = []
     for name, directory in kustomization_dirs(k8s_dir).items():
+        if only is not None and name not in only:
+            continue
         if name not in MIN_VERSIONS:
             problems.append(f"{name}: add its lowest Kubernetes version to MIN_VERSIONS")
             continue
