@@ -217,6 +217,15 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         metrics_port.isdigit() and int(metrics_port) in ports,
         f"prometheus.io/port={metrics_port!r} is not a port of epsd",
     )
+    # Once the ConfigMap sets epsd's metrics listener, Prometheus must reach it on the pod IP.
+    metrics_listen = flag_value(flags, "metrics-listen")
+    if metrics_listen is not None:
+        host, _, port = metrics_listen.rpartition(":")
+        need(port == metrics_port, f"--metrics-listen={metrics_listen} is not prometheus.io/port")
+        need(
+            host not in ("localhost", "[::1]") and not host.startswith("127."),
+            f"--metrics-listen={metrics_listen} binds loopback: Prometheus cannot scrape it",
+        )
 
     # One GPU for both containers (docs/deploy.md, "One GPU for two containers").
     def gpus(c: dict[str, Any]) -> int:

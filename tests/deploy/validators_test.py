@@ -121,6 +121,22 @@ def test_a_servicemonitor_typo_fails_its_schema(deploy: Path) -> None:
     assert any("intervall" in p for p in problems), problems
 
 
+@pytest.mark.parametrize(
+    "listen, message",
+    [("127.0.0.1:9464", "binds loopback"), ("0.0.0.0:9000", "is not prometheus.io/port")],
+)
+def test_a_metrics_listener_prometheus_cannot_scrape_fails(
+    deploy: Path, listen: str, message: str
+) -> None:
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "    --backend=auto\n",
+        f"    --backend=auto\n    --metrics-listen={listen}\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any(message in p for p in problems), problems
+
+
 def test_an_overlay_without_a_minimum_version_fails(deploy: Path) -> None:
     shutil.copytree(deploy / "k8s/overlays/gpu", deploy / "k8s/overlays/gpu-new")
     problems = validate_manifests.validate(deploy / "k8s", {"gpu-new"})
