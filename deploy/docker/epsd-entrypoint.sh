@@ -1,0 +1,24 @@
+#!/bin/sh
+# Starts epsd with the flags in $EPSD_FLAGS_FILE (default /etc/epsd/epsd.flags:
+# one --flag=value a line, '#' starts a comment, values hold no spaces) and then
+# the container's own arguments, which therefore override the file (epsd keeps
+# the last value of a flag). EPSD_FLAGS_FILE= (empty) reads no file.
+set -eu
+EPSD_BIN=${EPSD_BIN:-/usr/local/bin/epsd}
+EPSD_FLAGS_FILE=${EPSD_FLAGS_FILE-/etc/epsd/epsd.flags}
+
+flags=""
+if [ -n "$EPSD_FLAGS_FILE" ]; then
+  if [ ! -r "$EPSD_FLAGS_FILE" ]; then
+    echo "epsd-entrypoint: cannot read flags file $EPSD_FLAGS_FILE" >&2
+    exit 2
+  fi
+  while IFS= read -r line || [ -n "$line" ]; do
+    flags="$flags ${line%%#*}"
+  done <"$EPSD_FLAGS_FILE"
+fi
+
+# Split the flags on whitespace, with globbing off so that no value expands.
+set -f
+# shellcheck disable=SC2086
+exec "$EPSD_BIN" $flags "$@"

@@ -1,0 +1,360 @@
+"""Validates deploy/k8s offline: schemas of Kubernetes >= 1.29 and the pod's sidecar contract.
+
+For the base and every overlay, the kustomization is rendered (kustomize_render) and
+every resource is validated against the strict JSON schemas that kubernetes-validate
+ships for the lowest Kubernetes version the overlay supports and for the newest one
+it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
+Deployment's pod template is checked for what docs/deploy.md promises: epsd as a
+native sidecar with health probes on its socket, the socket and /dev/shm shared with
+the engine, hardened containers with resources, and GPU sharing that hands both
+containers the same device. Exit status 1 lists every problem found.
+
+Usage: validate_manifests.py [--k8s-dir deploy/k8s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import referencing
+from kubernetes_validate import utils as kv_utils
+from kustomize_render import RenderError, Resource, render
+from packaging.version import Version
+
+# The lowest Kubernetes release each kustomization targets (native sidecars: 1.29;
+# resource.k8s.io/v1 for DRA: 1.34). A new overlay must be added here.
+MIN_VERSIONS = {"base": "1.29", "cpu-demo": "1.29", "gpu": "1.29", "gpu-dra": "1.34"}
+SIDECAR = "epsd"
+PROBE = "/usr/local/bin/eps-health-probe"
+HERE = Path(__file__).resolve().parent
+
+
+def flags_of(resources: list[Resource]) -> list[str]:
+    """The epsd flags in the epsd-flags ConfigMap: one per line, '#' comments, no blanks."""
+    maps = [
+        r for r in resources if r["kind"] == "ConfigMap" and r["metadata"]["name"] == "epsd-flags"
+    ]
+    if len(maps) != 1:
+        raise RenderError(f"want one ConfigMap epsd-flags, found {len(maps)}")
+    text = maps[0].get("data", {}).get("epsd.flags", "")
+    return parse_flags_file(text)
+
+
+def parse_flags_file(text: str) -> list[str]:
+    """Flags of an epsd flags file, as deploy/docker/epsd-entrypoint.sh reads it."""
+    flags = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            flags.extend(line.split())
+    return flags
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    prefix = f"--{name}="
+    values = [f[len(prefix) :] for f in flags if f.startswith(prefix)]
+    return values[-1] if values else None
+
+
+@functools.cache
+def k8s_validator(kind: str, api_version: str, version: str) -> jsonschema.Draft202012Validator:
+    """The strict schema kubernetes-validate ships for kind in the newest release <= version.
+
+    The lookup is kubernetes_validate.validate's, kept here so that each schema is loaded
+    and compiled once per run rather than once per resource.
+    """
+    known = [
+        v for v in kv_utils.all_versions() if Version(kv_utils.major_minor(v)) <= Version(version)
+    ]
+    if not known:
+        raise kv_utils.VersionNotSupportedError(version)
+    schema_dir = f"kubernetes-json-schema/v{known[-1]}-local-strict"
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = kv_utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group}.json", version)
+    except FileNotFoundError:
+        raise kv_utils.SchemaNotFoundError(
+            kind=kind, version=version, api_version=api_version
+        ) from None
+    definitions = kv_utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry = referencing.Resource.from_contents(definitions) @ (
+        referencing.Resource.from_contents(schema) @ referencing.Registry()
+    )
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def schema_errors(resource: Resource, versions: list[str]) -> list[str]:
+    where = f"{resource['kind']}/{resource.get('metadata', {}).get('name')}"
+    if resource["kind"] == "ServiceMonitor":
+        schema = json.loads((HERE / "servicemonitor.schema.json").read_text())
+        validator = jsonschema.Draft202012Validator(schema)
+        return [f"{where}: {e.json_path}: {e.message}" for e in validator.iter_errors(resource)]
+    errors = []
+    for version in versions:
+        try:
+            validator = k8s_validator(resource["kind"], resource["apiVersion"], version)
+        except kv_utils.SchemaNotFoundError as e:
+            errors.append(f"{where}: {e.message}")
+            continue
+        for e in validator.iter_errors(resource):
+            path = ".".join(str(p) for p in e.absolute_path)
+            errors.append(f"{where} (Kubernetes {version}): {path}: {e.message}")
+    return errors
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, str]:
+    return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+
+
+def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
+    """What the sidecar contract of docs/deploy.md needs of a Deployment's pod template."""
+    name = f"Deployment/{deployment['metadata']['name']}"
+    template = deployment["spec"]["template"]
+    spec = template["spec"]
+    errors: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(f"{name}: {message}")
+
+    sidecars = [c for c in spec.get("initContainers", []) if c["name"] == SIDECAR]
+    need(len(sidecars) == 1, f"no init container named {SIDECAR}")
+    if not sidecars:
+        return errors
+    sidecar = sidecars[0]
+    engines = spec.get("containers", [])
+    need(len(engines) == 1, f"want one engine container, found {len(engines)}")
+    if not engines:
+        return errors
+    engine = engines[0]
+    need(
+        sidecar.get("restartPolicy") == "Always",
+        "epsd must be a native sidecar (restartPolicy: Always)",
+    )
+    need(spec.get("shareProcessNamespace") is True, "CUDA IPC needs shareProcessNamespace: true")
+    pod_nonroot = spec.get("securityContext", {}).get("runAsNonRoot") is True
+
+    for c in spec.get("initContainers", []) + engines:
+        sc = c.get("securityContext", {})
+        cn = f"container {c['name']}"
+        need(sc.get("readOnlyRootFilesystem") is True, f"{cn}: readOnlyRootFilesystem must be true")
+        need(
+            sc.get("allowPrivilegeEscalation") is False,
+            f"{cn}: allowPrivilegeEscalation must be false",
+        )
+        need(
+            "ALL" in sc.get("capabilities", {}).get("drop", []), f"{cn}: capabilities must drop ALL"
+        )
+        need(pod_nonroot or sc.get("runAsNonRoot") is True, f"{cn}: runAsNonRoot must be true")
+        for kind in ("requests", "limits"):
+            for res in ("cpu", "memory"):
+                need(
+                    res in c.get("resources", {}).get(kind, {}),
+                    f"{cn}: resources.{kind}.{res} missing",
+                )
+
+    listen = flag_value(flags, "listen") or ""
+    need(listen.startswith("unix:///"), f"--listen={listen!r} is not a unix:/// socket")
+    socket_path = listen[len("unix://") :]
+    socket_dir = socket_path.rsplit("/", 1)[0]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for c in (sidecar, engine):
+        mounts = _mounts(c)
+        need(
+            socket_dir in mounts,
+            f"container {c['name']} does not mount the socket dir {socket_dir}",
+        )
+        need("/dev/shm" in mounts, f"container {c['name']} does not mount /dev/shm")
+    if socket_dir in _mounts(sidecar) and socket_dir in _mounts(engine):
+        need(
+            _mounts(sidecar)[socket_dir] == _mounts(engine)[socket_dir],
+            "socket dirs are different volumes",
+        )
+        need(
+            "emptyDir" in volumes.get(_mounts(sidecar)[socket_dir], {}),
+            "socket volume is not an emptyDir",
+        )
+    if "/dev/shm" in _mounts(sidecar) and "/dev/shm" in _mounts(engine):
+        shm = _mounts(sidecar)["/dev/shm"]
+        need(_mounts(engine)["/dev/shm"] == shm, "the two /dev/shm mounts are different volumes")
+        need(
+            volumes.get(shm, {}).get("emptyDir", {}).get("medium") == "Memory",
+            "/dev/shm is not a memory emptyDir",
+        )
+    need(_env(engine).get("EPS_TARGET") == listen, f"engine EPS_TARGET is not --listen ({listen})")
+
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = sidecar.get(probe, {}).get("exec", {}).get("command", [])
+        need(
+            command[:1] == [PROBE] and f"--addr={listen}" in command,
+            f"epsd {probe} must exec {PROBE} --addr={listen}",
+        )
+
+    otel = _env(sidecar)
+    need(
+        otel.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").startswith("http"),
+        "epsd has no OTEL_EXPORTER_OTLP_ENDPOINT",
+    )
+    need("OTEL_SERVICE_NAME" in otel, "epsd has no OTEL_SERVICE_NAME")
+    annotations = template.get("metadata", {}).get("annotations", {})
+    ports = {p["containerPort"]: p.get("name") for p in sidecar.get("ports", [])}
+    need(
+        annotations.get("prometheus.io/scrape") == "true", "pod lacks prometheus.io/scrape: 'true'"
+    )
+    metrics_port = annotations.get("prometheus.io/port", "")
+    need(
+        metrics_port.isdigit() and int(metrics_port) in ports,
+        f"prometheus.io/port={metrics_port!r} is not a port of epsd",
+    )
+    # Once the ConfigMap sets epsd's metrics listener, Prometheus must reach it on the pod IP.
+    metrics_listen = flag_value(flags, "metrics-listen")
+    if metrics_listen is not None:
+        host, _, port = metrics_listen.rpartition(":")
+        need(port == metrics_port, f"--metrics-listen={metrics_listen} is not prometheus.io/port")
+        need(
+            host not in ("localhost", "[::1]") and not host.startswith("127."),
+            f"--metrics-listen={metrics_listen} binds loopback: Prometheus cannot scrape it",
+        )
+
+    # One GPU for both containers (docs/deploy.md, "One GPU for two containers").
+    def gpus(c: dict[str, Any]) -> int:
+        return int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+
+    backend = flag_value(flags, "backend")
+    claims = {
+        n: {cl["name"] for cl in c.get("resources", {}).get("claims", [])}
+        for n, c in (("epsd", sidecar), ("engine", engine))
+    }
+    need(gpus(sidecar) == 0, "epsd must not request nvidia.com/gpu: that would be a second GPU")
+    if gpus(engine):
+        need(
+            _env(sidecar).get("NVIDIA_VISIBLE_DEVICES") == "all",
+            "engine has a GPU but epsd has no NVIDIA_VISIBLE_DEVICES=all",
+        )
+        count = spec.get("nodeSelector", {}).get("nvidia.com/gpu.count")
+        need(
+            count == str(gpus(engine)),
+            f"engine requests {gpus(engine)} GPU(s) but nodeSelector nvidia.com/gpu.count is "
+            f"{count!r}: epsd sees every GPU of the node, so the pod must hold them all",
+        )
+    if claims["epsd"] or claims["engine"]:
+        need(claims["epsd"] == claims["engine"], f"epsd and engine name different claims: {claims}")
+        pod_claims = {c["name"] for c in spec.get("resourceClaims", [])}
+        need(
+            claims["epsd"] <= pod_claims, f"claims {claims['epsd']} are not in spec.resourceClaims"
+        )
+    has_gpu = bool(gpus(engine)) or bool(claims["epsd"])
+    need(backend != "cuda" or has_gpu, "--backend=cuda but no GPU is given to the pod")
+    need(backend != "cpu" or not has_gpu, "--backend=cpu on a pod that holds a GPU")
+    return errors
+
+
+def wiring_errors(resources: list[Resource]) -> list[str]:
+    """Service, ServiceMonitor and PodDisruptionBudget select the pods and ports that exist."""
+    errors: list[str] = []
+    by_kind: dict[str, list[Resource]] = {}
+    for r in resources:
+        by_kind.setdefault(r["kind"], []).append(r)
+    pods = [d["spec"]["template"] for d in by_kind.get("Deployment", [])]
+
+    def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+        return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+    port_names = set()
+    for pod in pods:
+        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
+            port_names.update(p.get("name") for p in c.get("ports", []))
+    for svc in by_kind.get("Service", []):
+        if not any(selects(svc["spec"].get("selector", {}), p["metadata"]["labels"]) for p in pods):
+            errors.append(f"Service/{svc['metadata']['name']}: selector matches no pod template")
+        for p in svc["spec"].get("ports", []):
+            if isinstance(p.get("targetPort"), str) and p["targetPort"] not in port_names:
+                errors.append(
+                    f"Service/{svc['metadata']['name']}: "
+                    f"targetPort {p['targetPort']} is no container port"
+                )
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
+        if not any(selects(sel, p["metadata"]["labels"]) for p in pods):
+            errors.append(
+                f"PodDisruptionBudget/{pdb['metadata']['name']}: selector matches no pod template"
+            )
+    for sm in by_kind.get("ServiceMonitor", []):
+        sel = sm["spec"]["selector"].get("matchLabels", {})
+        services = [
+            s for s in by_kind.get("Service", []) if selects(sel, s["metadata"].get("labels", {}))
+        ]
+        if not services:
+            errors.append(f"ServiceMonitor/{sm['metadata']['name']}: selector matches no Service")
+        names = {p.get("name") for s in services for p in s["spec"].get("ports", [])}
+        for ep in sm["spec"]["endpoints"]:
+            if ep.get("port") not in names:
+                errors.append(
+                    f"ServiceMonitor/{sm['metadata']['name']}: "
+                    f"port {ep.get('port')} is not a Service port"
+                )
+    return errors
+
+
+def kustomization_dirs(k8s_dir: Path) -> dict[str, Path]:
+    dirs = {"base": k8s_dir / "base"}
+    for overlay in sorted((k8s_dir / "overlays").iterdir()):
+        if overlay.is_dir():
+            dirs[overlay.name] = overlay
+    return dirs
+
+
+def validate(k8s_dir: Path, only: set[str] | None = None) -> list[str]:
+    """Problems of every kustomization under k8s_dir (or of those named in only)."""
+    latest = kv_utils.latest_version()
+    problems: list[str] = []
+    for name, directory in kustomization_dirs(k8s_dir).items():
+        if only is not None and name not in only:
+            continue
+        if name not in MIN_VERSIONS:
+            problems.append(f"{name}: add its lowest Kubernetes version to MIN_VERSIONS")
+            continue
+        versions = [MIN_VERSIONS[name], latest]
+        try:
+            resources = render(directory)
+            flags = flags_of(resources)
+        except (RenderError, OSError) as e:
+            problems.append(f"{name}: {e}")
+            continue
+        found = []
+        for r in resources:
+            found += schema_errors(r, versions)
+            if r["kind"] == "Deployment":
+                found += pod_errors(r, flags)
+        found += wiring_errors(resources)
+        problems += [f"{name}: {p}" for p in found]
+        print(
+            f"{name}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
+            f"{'ok' if not found else f'{len(found)} problem(s)'}"
+        )
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k8s-dir", type=Path, default=HERE.parent / "k8s")
+    args = parser.parse_args()
+    problems = validate(args.k8s_dir)
+    for p in problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

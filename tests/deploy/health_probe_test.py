@@ -1,0 +1,173 @@
+"""eps-health-probe and the image's entrypoint against the real epsd.
+
+ctest sets EPSD and EPS_HEALTH_PROBE to the built binaries. epsd is started the
+way the container starts it: deploy/docker/epsd-entrypoint.sh with a flags file.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRYPOINT = REPO / "deploy/docker/epsd-entrypoint.sh"
+
+
+def binary(name: str) -> str:
+    path = os.environ.get(name)
+    assert path, f"set {name} to the built binary (ctest does)"
+    return os.path.abspath(path)
+
+
+def probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [binary("EPS_HEALTH_PROBE"), *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def start_epsd(flags_file: Path | None, *args: str) -> subprocess.Popen[str]:
+    environment = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE=str(flags_file or ""))
+    return subprocess.Popen(
+        ["sh", str(ENTRYPOINT), *args], env=environment, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_listening(process: subprocess.Popen[str], seconds: float = 20) -> str:
+    """The address epsd prints once it serves; fails if it exits or stays silent."""
+    assert process.stderr is not None
+    selector = selectors.DefaultSelector()
+    selector.register(process.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if not selector.select(left):
+            break
+        line = process.stderr.readline()
+        if not line:
+            pytest.fail(f"epsd exited with {process.wait()} before listening")
+        if "listening on" in line:
+            return line.split("listening on ", 1)[1].split()[0]
+    pytest.fail(f"epsd did not listen within {seconds} s")
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture()
+def socket_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    short = Path(tempfile.mkdtemp(prefix="eps-probe-", dir="/tmp"))
+    yield short
+    shutil.rmtree(short)
+
+
+@pytest.fixture()
+def epsd(socket_dir: Path) -> Iterator[str]:
+    """epsd started from a flags file written as the ConfigMap's is; yields its address."""
+    flags = socket_dir / "epsd.flags"
+    flags.write_text(
+        f"# as in the ConfigMap\n--listen=unix://{socket_dir}/epsd.sock\n"
+        "--socket-mode=0660  # comment\n\n--backend=cpu"
+    )  # last line without a newline
+    process = start_epsd(flags)
+    try:
+        yield wait_listening(process)
+    finally:
+        stop(process)
+
+
+def test_probe_reports_serving_for_the_page_selector(epsd: str, socket_dir: Path) -> None:
+    assert epsd == f"unix://{socket_dir}/epsd.sock"
+    done = probe(f"--addr={epsd}")
+    assert done.returncode == 0, done.stderr
+    assert "'eps.v1.PageSelector': SERVING" in done.stdout
+    assert probe(f"--addr={epsd}", "--service=").returncode == 0
+
+
+def test_probe_fails_for_an_unknown_service(socket_dir: Path) -> None:
+    process = start_epsd(None, f"--listen=unix://{socket_dir}/epsd.sock")
+    try:
+        address = wait_listening(process)
+        done = probe(f"--addr={address}", "--service=no.such.Service")
+        assert done.returncode == 1
+        assert "code 5" in done.stderr  # NOT_FOUND
+    finally:
+        stop(process)
+
+
+def test_probe_fails_fast_when_no_server_listens(socket_dir: Path) -> None:
+    started = time.monotonic()
+    done = probe(f"--addr=unix://{socket_dir}/absent.sock", "--timeout-ms=2000")
+    assert done.returncode == 1
+    assert time.monotonic() - started < 10
+    assert "absent.sock" in done.stderr
+
+
+def test_probe_fails_after_epsd_is_killed(socket_dir: Path) -> None:
+    process = start_epsd(None, f"--listen=unix://{socket_dir}/epsd.sock")
+    address = wait_listening(process)
+    assert probe(f"--addr={address}").returncode == 0
+    process.kill()
+    process.wait()
+    done = probe(f"--addr={address}", "--timeout-ms=2000")
+    assert done.returncode == 1, done.stdout
+
+
+@pytest.mark.parametrize(
+    "args", [["--timeout-ms=0"], ["--timeout-ms=abc"], ["--addr="], ["stray"], ["--port=1"]]
+)
+def test_probe_rejects_bad_usage(args: list[str]) -> None:
+    done = probe(*args)
+    assert done.returncode == 2
+    assert "usage: eps-health-probe" in done.stderr
+
+
+def test_entrypoint_arguments_override_the_flags_file(socket_dir: Path) -> None:
+    flags = socket_dir / "epsd.flags"
+    flags.write_text(f"--listen=unix://{socket_dir}/from-file.sock\n")
+    process = start_epsd(flags, f"--listen=unix://{socket_dir}/from-args.sock")
+    try:
+        assert wait_listening(process) == f"unix://{socket_dir}/from-args.sock"
+    finally:
+        stop(process)
+
+
+def test_entrypoint_refuses_a_missing_flags_file(socket_dir: Path) -> None:
+    process = start_epsd(socket_dir / "missing.flags")
+    assert process.wait(timeout=30) == 2
+    assert process.stderr is not None
+    assert "cannot read flags file" in process.stderr.read()
+
+
+def test_entrypoint_does_not_glob_flag_values(socket_dir: Path) -> None:
+    # With globbing, '--eps-method=*' would expand to this file's name, a valid flag.
+    (socket_dir / "--eps-method=jl").write_text("")
+    flags = socket_dir / "epsd.flags"
+    flags.write_text("--eps-method=*\n")
+    env = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE=str(flags))
+    done = subprocess.run(
+        ["sh", str(ENTRYPOINT), "--help"],
+        env=env,
+        cwd=socket_dir,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--eps-method=*" in done.stderr

@@ -1,0 +1,224 @@
+"""The deploy/ checks fail on broken manifests, flags and Dockerfiles, and pass on the real ones.
+
+Each test copies deploy/ into a temporary directory, breaks one thing and runs the
+check on the copy. EPSD (set by ctest) is the built epsd, for the flag check.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import check_epsd_flags
+import lint_dockerfile
+import pytest
+import validate_manifests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def deploy(tmp_path: Path) -> Path:
+    copy = tmp_path / "deploy"
+    shutil.copytree(REPO / "deploy", copy)
+    return copy
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def epsd() -> str:
+    path = os.environ.get("EPSD")
+    assert path, "set EPSD to the built epsd (ctest does)"
+    return path
+
+
+def test_the_committed_manifests_pass(deploy: Path) -> None:
+    assert validate_manifests.validate(deploy / "k8s") == []
+
+
+def test_an_unknown_field_fails_the_schema_check(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "      shareProcessNamespace: true\n",
+        "      shareProcessNamespace: true\n      shareProcessNamespaces: true\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("shareProcessNamespaces" in p and "Kubernetes 1.29" in p for p in problems), problems
+
+
+def test_a_wrong_type_fails_the_schema_check(deploy: Path) -> None:
+    edit(deploy / "k8s/base/deployment.yaml", "  replicas: 2\n", "  replicas: two\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("replicas" in p for p in problems), problems
+
+
+def test_epsd_as_a_plain_init_container_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/base/deployment.yaml", "          restartPolicy: Always\n", "")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("native sidecar" in p for p in problems), problems
+
+
+def test_a_writable_root_filesystem_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "readOnlyRootFilesystem: true",
+        "readOnlyRootFilesystem: false",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("container epsd: readOnlyRootFilesystem" in p for p in problems), problems
+
+
+def test_a_probe_on_another_socket_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/gpu/configmap-patch.yaml",
+        "unix:///run/eps/epsd.sock",
+        "unix:///run/eps/other.sock",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(p.startswith("gpu:") and "startupProbe must exec" in p for p in problems), problems
+
+
+def test_a_gpu_engine_without_a_gpu_for_epsd_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/gpu/deployment-patch.yaml",
+        "              value: all\n",
+        "              value: void\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(p.startswith("gpu:") and "NVIDIA_VISIBLE_DEVICES=all" in p for p in problems), (
+        problems
+    )
+
+
+def test_claims_that_differ_between_the_containers_fail(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/gpu-dra/deployment-patch.yaml",
+        "            claims:\n              - name: gpu\n",
+        "            claims:\n              - name: other\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu-dra"})
+    assert any(p.startswith("gpu-dra:") and "different claims" in p for p in problems), problems
+
+
+def test_a_servicemonitor_on_a_missing_port_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/servicemonitor.yaml",
+        "    - port: eps-metrics\n",
+        "    - port: metrics\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("port metrics is not a Service port" in p for p in problems), problems
+
+
+def test_a_servicemonitor_typo_fails_its_schema(deploy: Path) -> None:
+    edit(deploy / "k8s/base/servicemonitor.yaml", "      interval: 15s\n", "      intervall: 15s\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("intervall" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "listen, message",
+    [("127.0.0.1:9464", "binds loopback"), ("0.0.0.0:9000", "is not prometheus.io/port")],
+)
+def test_a_metrics_listener_prometheus_cannot_scrape_fails(
+    deploy: Path, listen: str, message: str
+) -> None:
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "    --backend=auto\n",
+        f"    --backend=auto\n    --metrics-listen={listen}\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any(message in p for p in problems), problems
+
+
+def test_an_overlay_without_a_minimum_version_fails(deploy: Path) -> None:
+    shutil.copytree(deploy / "k8s/overlays/gpu", deploy / "k8s/overlays/gpu-new")
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu-new"})
+    assert any(p.startswith("gpu-new:") and "MIN_VERSIONS" in p for p in problems), problems
+
+
+def test_the_committed_flags_are_accepted_by_epsd(deploy: Path) -> None:
+    assert check_epsd_flags.check(epsd(), deploy / "k8s") == []
+
+
+def test_an_unknown_flag_fails_the_flag_check(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "    --eps-dim=8\n",
+        "    --eps-dimension=8\n",
+    )
+    problems = check_epsd_flags.check(epsd(), deploy / "k8s")
+    assert any(
+        p.startswith("base:") and "'--eps-dimension=8' is not an epsd flag" in p for p in problems
+    ), problems
+    assert any(p.startswith("base:") and "unknown flag --eps-dimension" in p for p in problems), (
+        problems
+    )
+
+
+def test_a_bad_flag_value_fails_the_flag_check(deploy: Path) -> None:
+    edit(deploy / "k8s/overlays/cpu-demo/configmap-patch.yaml", "--backend=cpu", "--backend=tpu")
+    problems = check_epsd_flags.check(epsd(), deploy / "k8s")
+    assert any(p.startswith("cpu-demo:") and "--backend=tpu" in p for p in problems), problems
+
+
+def test_a_value_with_a_space_fails_the_flag_check(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "    --eps-method=jl\n",
+        "    --eps-method=jl quest\n",
+    )
+    problems = check_epsd_flags.check(epsd(), deploy / "k8s")
+    assert any(p.startswith("base:") and "unexpected argument 'quest'" in p for p in problems), (
+        problems
+    )
+
+
+def test_the_committed_dockerfile_passes(deploy: Path) -> None:
+    assert lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO) == []
+
+
+def test_a_copy_of_a_missing_path_fails(deploy: Path) -> None:
+    edit(deploy / "docker/Dockerfile", "COPY core core\n", "COPY kernel kernel\n")
+    findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
+    assert any("COPY source kernel does not exist" in f for f in findings), findings
+
+
+def test_a_root_runtime_user_fails(deploy: Path) -> None:
+    edit(deploy / "docker/Dockerfile", "USER 10001:10001\n", "USER root\n")
+    findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
+    assert any("non-root USER" in f for f in findings), findings
+
+
+def test_a_runtime_base_outside_the_cuda_version_argument_fails(deploy: Path) -> None:
+    edit(
+        deploy / "docker/Dockerfile",
+        "FROM nvidia/cuda:${CUDA_VERSION}-${CUDA_RUNTIME_FLAVOR}",
+        "FROM nvidia/cuda:12.8.0-${CUDA_RUNTIME_FLAVOR}",
+    )
+    findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
+    assert any("does not use ${CUDA_VERSION}" in f for f in findings), findings
+
+
+def test_hadolint_findings_fail_the_lint(
+    deploy: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    edit(deploy / "docker/Dockerfile", "WORKDIR /src\n", "RUN cd /src\n")
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "lint_dockerfile.py",
+            "--dockerfile",
+            str(deploy / "docker/Dockerfile"),
+            "--repo-root",
+            str(REPO),
+        ],
+    )
+    assert lint_dockerfile.main() == 1
+    assert "DL3003" in capsys.readouterr().err
