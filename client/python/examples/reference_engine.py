@@ -211,7 +211,7 @@ class Engine:
         self.writer.reset(self.pool, torch.arange(self.pool.shape[0]))
         options = pb.SelectOptions(method=pb.Method.Value(f"METHOD_{args.method.upper()}"),
                                    alpha=args.alpha, first_n=args.first_n, last_n=args.last_n,
-                                   top_pages=args.top_pages, granularity=pb.GRANULARITY_UNION)
+                                   top_pages=args.top_pages_list[0], granularity=pb.GRANULARITY_UNION)
         attach = attach_request(f"reference-engine-{id(self)}", eps_model,
                                 self.buffers.descriptors(), max_batch=self.B,
                                 num_kv_blocks=self.num_blocks, options=options, backend=backend,
@@ -356,7 +356,8 @@ def main() -> int:
     ap.add_argument("--check-steps", type=int, default=4,
                     help="steps with method=off, which must equal dense exactly")
     ap.add_argument("--method", default="jl", choices=["jl", "fro", "quest", "1pc", "off"])
-    ap.add_argument("--top-pages", type=int, default=8)
+    ap.add_argument("--top-pages", default="8",
+                    help="comma-separated: one gated run per value, against one dense run")
     ap.add_argument("--alpha", type=float, default=1.0)
     ap.add_argument("--first-n", type=int, default=1)
     ap.add_argument("--last-n", type=int, default=2)
@@ -369,6 +370,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     args.step_base = 1
+    args.top_pages_list = [int(v) for v in str(args.top_pages).split(",")]
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -420,51 +422,72 @@ def main() -> int:
                               args.prompt_tokens, gated=True, options=off)
         args.step_base += args.check_steps + 1
         engine.restore(snap)
-    gated = engine.decode(inputs[:, :steps], targets[:, :steps], args.prompt_tokens, gated=True)
-    counters = engine.client.counters()
-
     w = args.warmup_steps
     d_ms = [x * 1e3 for x in dense["times"][w:]]
-    g_ms = [x * 1e3 for x in gated["times"][w:]]
-    dlp = (gated["logp"] - dense["logp"]).double()
-    agree = (gated["argmax"] == dense["argmax"]).double().mean().item()
-    gv = sum(s[0] for s in gated["stats"])
-    gt = sum(s[1] for s in gated["stats"])
-    pv = sum(s[2] for s in gated["stats"])
-    pt = sum(s[3] for s in gated["stats"])
-    results = {
+    common = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": Path(args.gguf).name, "dtype": args.dtype, "batch": args.batch,
-        "prompt_tokens": args.prompt_tokens, "decode_steps": steps, "buffers": args.buffers,
-        "method": args.method, "top_pages": args.top_pages, "alpha": args.alpha,
-        "first_n": args.first_n, "last_n": args.last_n, "group_blocks": args.group_blocks,
+        "prompt_tokens": args.prompt_tokens, "decode_steps": steps, "warmup_steps": w,
+        "buffers": args.buffers, "method": args.method, "alpha": args.alpha,
+        "first_n": args.first_n, "last_n": args.last_n, "block_size": args.block_size,
+        "group_blocks": args.group_blocks, "sketch_dim": args.sketch_dim,
         "dense_step_ms_p50": percentile(d_ms, 50), "dense_step_ms_p95": percentile(d_ms, 95),
-        "gated_step_ms_p50": percentile(g_ms, 50), "gated_step_ms_p95": percentile(g_ms, 95),
-        "select_rtt_us_p50": percentile(gated["rtt_us"], 50),
-        "select_rtt_us_p95": percentile(gated["rtt_us"], 95),
-        "prepass_us_p50": percentile([s[4] for s in gated["stats"]], 50),
-        "groups_visited_fraction": gv / gt if gt else float("nan"),
-        "pages_visited_fraction": pv / pt if pt else float("nan"),
-        "next_token_agreement": agree,
         "dense_nll_per_token": -dense["logp"].double().mean().item(),
-        "gated_nll_per_token": -gated["logp"].double().mean().item(),
-        "delta_loglik_per_token": dlp.mean().item(),
-        "delta_loglik_max_abs": dlp.abs().max().item(),
-        "fallbacks": counters.fallbacks, "selected": counters.selected,
         "check_off_max_abs_delta_logp": (
             (check["logp"] - dense["logp"][:, : args.check_steps]).abs().max().item()
             if check else None),
         "check_off_fallbacks": check["fallbacks"] if check else None,
     }
-    for key, value in results.items():
+    for key, value in common.items():
         print(f"{key:32s} {value}")
+    runs = []
+    for top in args.top_pages_list:
+        engine.restore(snap)
+        options = pb.SelectOptions(top_pages=top)
+        gated = engine.decode(inputs[:, :steps], targets[:, :steps], args.prompt_tokens,
+                              gated=True, options=options)
+        args.step_base += steps + 1
+        g_ms = [x * 1e3 for x in gated["times"][w:]]
+        dlp = (gated["logp"] - dense["logp"]).double()
+        st = gated["stats"]
+        gv, gt = sum(x[0] for x in st), sum(x[1] for x in st)
+        pv, pt = sum(x[2] for x in st), sum(x[3] for x in st)
+        run = {
+            "top_pages": top,
+            "gated_step_ms_p50": percentile(g_ms, 50), "gated_step_ms_p95": percentile(g_ms, 95),
+            "select_rtt_us_p50": percentile(gated["rtt_us"], 50),
+            "select_rtt_us_p95": percentile(gated["rtt_us"], 95),
+            "prepass_us_p50": percentile([x[4] for x in st], 50),
+            "groups_visited_fraction": gv / gt if gt else float("nan"),
+            "pages_visited_fraction": pv / pt if pt else float("nan"),
+            "next_token_agreement": (gated["argmax"] == dense["argmax"]).double().mean().item(),
+            "gated_nll_per_token": -gated["logp"].double().mean().item(),
+            "delta_loglik_per_token": dlp.mean().item(),
+            "delta_loglik_max_abs": dlp.abs().max().item(),
+            "fallbacks": gated["fallbacks"],
+        }
+        runs.append(run)
+        print(f"--- gated, top_pages={top}")
+        for key, value in run.items():
+            print(f"{key:32s} {value}")
+    print("\n| top_pages | groups visited | step p50 ms | step p95 ms | agreement | "
+          "Δ loglik/token |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| dense | 100% | {common['dense_step_ms_p50']:.2f} | "
+          f"{common['dense_step_ms_p95']:.2f} | 1 | 0 |")
+    for r in runs:
+        print(f"| {r['top_pages']} | {100 * r['groups_visited_fraction']:.1f}% | "
+              f"{r['gated_step_ms_p50']:.2f} | {r['gated_step_ms_p95']:.2f} | "
+              f"{r['next_token_agreement']:.4f} | {r['delta_loglik_per_token']:+.4f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps({"common": common, "gated": runs}, indent=2))
     engine.client.detach()
     engine.client.close()
-    ok = counters.fallbacks == 0 and (check is None or results["check_off_max_abs_delta_logp"] == 0)
+    counters = engine.client.counters()
+    ok = counters.fallbacks == 0 and (check is None or common["check_off_max_abs_delta_logp"] == 0)
     if not ok:
-        print("FAILED: fallbacks happened or method=off did not equal dense", file=sys.stderr)
+        print(f"FAILED: {counters.fallbacks} fallbacks, or method=off differed from dense",
+              file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -148,8 +148,8 @@ int Select(char** argv) {
     return static_cast<const char*>(base) + d.offset();
   };
   std::vector<eps::StepRow> rows;
-  for (std::string_view part : absl::StrSplit(argv[1], ',', absl::SkipEmpty())) {
-    std::vector<std::string_view> f = absl::StrSplit(part, ':');
+  for (absl::string_view part : absl::StrSplit(argv[1], ',', absl::SkipEmpty())) {
+    std::vector<absl::string_view> f = absl::StrSplit(part, ':');
     eps::StepRow row;
     if (f.size() != 2 || !absl::SimpleAtoi(f[0], &row.table_row) ||
         !absl::SimpleAtoi(f[1], &row.context_tokens)) {
