@@ -27,8 +27,10 @@ runs the whole loop on the CPU (for checking the engine without a GPU).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,7 +78,7 @@ class Llama:
         self.c = config
 
         def w(name: str) -> torch.Tensor:
-            return torch.from_numpy(weights[name]).to(device=device, dtype=dtype)
+            return torch.from_numpy(weights[name].copy()).to(device=device, dtype=dtype)
 
         self.embed = w("token_embd.weight")
         self.lm_head = w("output.weight") if "output.weight" in weights else self.embed
@@ -157,7 +159,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, blocks: torch.Tensor,
     j = torch.arange(n * block_size, device=q.device)
     block_of, within = j // block_size, j % block_size
     cnt = counts[:, None]
-    valid = (block_of[None] < cnt - 1) | ((block_of[None] == cnt - 1) & (within[None] < last_tokens))
+    full = block_of[None] < cnt - 1
+    valid = full | ((block_of[None] == cnt - 1) & (within[None] < last_tokens))
     g = qh // kvh
     qg = q.view(B, kvh, g, d).float()
     scores = torch.einsum("bhgd,bnhd->bhgn", qg, k.float()) / math.sqrt(d)
@@ -195,7 +198,8 @@ class Engine:
 
             self.buffers = CudaBuffers(eps_model, shape, device=device.index or 0)
             self.pool, self.queries = self.buffers.summary_pool, self.buffers.queries
-            self.visit_blocks, self.visit_count = self.buffers.visit_blocks, self.buffers.visit_count
+            self.visit_blocks = self.buffers.visit_blocks
+            self.visit_count = self.buffers.visit_count
             backend = pb.BACKEND_CUDA
         else:
             self.buffers = ShmBuffers(eps_model, shape, tag="refengine")
@@ -211,7 +215,8 @@ class Engine:
         self.writer.reset(self.pool, torch.arange(self.pool.shape[0]))
         options = pb.SelectOptions(method=pb.Method.Value(f"METHOD_{args.method.upper()}"),
                                    alpha=args.alpha, first_n=args.first_n, last_n=args.last_n,
-                                   top_pages=args.top_pages_list[0], granularity=pb.GRANULARITY_UNION)
+                                   top_pages=args.top_pages_list[0],
+                                   granularity=pb.GRANULARITY_UNION)
         attach = attach_request(f"reference-engine-{id(self)}", eps_model,
                                 self.buffers.descriptors(), max_batch=self.B,
                                 num_kv_blocks=self.num_blocks, options=options, backend=backend,
@@ -343,6 +348,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--epsd-target", default="unix:///tmp/epsd.sock")
@@ -413,6 +419,7 @@ def main() -> int:
     inputs, targets = cont[:, :-1], cont[:, 1:]
     steps = args.decode_steps
 
+    print("decode: dense", flush=True)
     dense = engine.decode(inputs[:, :steps], targets[:, :steps], args.prompt_tokens, gated=False)
     engine.restore(snap)
     check = None

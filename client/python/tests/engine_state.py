@@ -43,7 +43,8 @@ class EngineState:
         self.buffers.queries[...] = rng.standard_normal(self.buffers.queries.shape)
 
 
-def make_state(rng: np.random.Generator, contexts: list[int], max_context: int = 1024) -> EngineState:
+def make_state(rng: np.random.Generator, contexts: list[int],
+               max_context: int = 1024) -> EngineState:
     max_groups = groups_for(max_context, MODEL)
     shape = BufferShape(num_slots=len(contexts) * max_groups, max_seqs=len(contexts) + 1,
                         max_context=max_context, max_batch=len(contexts))

@@ -85,9 +85,8 @@ def test_missed_deadline_falls_back_within_the_deadline(stalled, use_stream):
 
 
 def test_epsd_killed_mid_session_falls_back_as_unavailable(epsd, tmp_path):
-    from engine_state import make_state
-
     import numpy as np
+    from engine_state import make_state
 
     state = make_state(np.random.default_rng(5), contexts=[200])
     options = ClientOptions(target=epsd.target, deadline_s=2.0, reattach_backoff_s=10.0)

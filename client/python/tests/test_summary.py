@@ -15,7 +15,7 @@ from eps_client.summary import SummaryWriter
 def core_pool(tool: str, tmp: Path, model: ModelLayout, slots: int,
               ops: list[tuple[int, int, np.ndarray]], dtype: str) -> np.ndarray:
     """Runs core/'s writer on ops (layer, slot, keys [count, H, d]) and returns its pool."""
-    (tmp / "ops.txt").write_text("".join(f"{l} {s} {k.shape[0]}\n" for l, s, k in ops))
+    (tmp / "ops.txt").write_text("".join(f"{ly} {s} {k.shape[0]}\n" for ly, s, k in ops))
     with open(tmp / "keys.bin", "wb") as f:
         for _, _, k in ops:
             f.write(np.ascontiguousarray(k).tobytes())

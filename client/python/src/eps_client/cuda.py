@@ -100,7 +100,9 @@ class CudaBuffers:
         self.ipc_handle = handle.raw
         for name, dims in self.layout.shapes.items():
             # flags are uint64 counters; torch sees them as int64 (same bits below 2^63).
-            np_dtype = np.int64 if self.layout.dtypes[name] is np.uint64 else self.layout.dtypes[name]
+            np_dtype = self.layout.dtypes[name]
+            if np_dtype is np.uint64:
+                np_dtype = np.int64
             view = _DeviceArray(self._ptr + self.layout.offsets[name], dims, np_dtype, self)
             setattr(self, name, torch.as_tensor(view, device=f"cuda:{device}"))
 

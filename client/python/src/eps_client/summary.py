@@ -23,7 +23,8 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
 def _as_float32(keys: np.ndarray, bf16_bits: bool) -> np.ndarray:
     if bf16_bits:
         if keys.dtype != np.uint16:
-            raise ValueError(f"bfloat16 keys must be passed as uint16 bit patterns, got {keys.dtype}")
+            raise ValueError(
+                f"bfloat16 keys must be passed as uint16 bit patterns, got {keys.dtype}")
         return bfloat16_to_float32(keys)
     if keys.dtype not in (np.float32, np.float16):
         raise ValueError(f"key dtype {keys.dtype} is not float32, float16 or bfloat16")
@@ -77,7 +78,8 @@ class SummaryWriter:
         if k.shape != want:
             raise ValueError(f"keys.shape={k.shape}, expected {want}")
         if slots.size and (slots.min() < 0 or slots.max() >= pool.shape[0]):
-            raise ValueError(f"slot out of range [0, {pool.shape[0]}): {slots.min()}..{slots.max()}")
+            raise ValueError(
+                f"slot out of range [0, {pool.shape[0]}): {slots.min()}..{slots.max()}")
         bad = np.argwhere(~np.isfinite(k))
         if bad.size:
             t, h, i = bad[0]
