@@ -10,7 +10,7 @@
 # MODEL      the .gguf file, or a prefix whose pieces PREFIX.part-* are concatenated
 #            (a model larger than one carry travels in pieces); checked against MODEL.sha256
 #            (or PREFIX.sha256) when that file exists
-# OUT_DIR    where reference.json and the logs go (default: $OUT if set, else /tmp/eps-ref)
+# OUT_DIR    where reference-b*.json and the logs go (default: $OUT if set, else /tmp/eps-ref)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 epsd_dir=$(cd "$1" && pwd); wheels=$(cd "$2" && pwd); model=$3; shift 3
@@ -52,7 +52,15 @@ echo "epsd up: $(head -1 "$out/epsd.log")"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 export PYTHONUNBUFFERED=1
-python3 "$here/reference_engine.py" --gguf "$gguf" --epsd-target "unix://$sock" \
-  --buffers cuda --device cuda --dtype bf16 --batch 4 --prompt-tokens 7680 \
-  --decode-steps 128 --warmup-steps 8 --top-pages 4,8,16 --json "$out/reference.json" "$@" \
-  2>&1 | tee "$out/engine.log"
+# One engine process per batch size (EPS_REF_BATCHES, default "4 32"): at batch 4 a
+# 135M model's step is launch-bound; at 32 the 8k-token attention reads dominate.
+status=0
+for batch in ${EPS_REF_BATCHES:-4 32}; do
+  echo "=== batch $batch"
+  python3 "$here/reference_engine.py" --gguf "$gguf" --epsd-target "unix://$sock" \
+    --buffers cuda --device cuda --dtype bf16 --batch "$batch" --prompt-tokens 7680 \
+    --decode-steps 128 --warmup-steps 8 --top-pages 4,8,16 \
+    --json "$out/reference-b$batch.json" "$@" 2>&1 | tee "$out/engine-b$batch.log" || status=1
+done
+tail -n 20 "$out/epsd.log" >&2 || true
+exit $status
