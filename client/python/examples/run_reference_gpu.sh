@@ -40,7 +40,8 @@ fi
 
 sock=/tmp/eps-ref-$$.sock
 export LD_LIBRARY_PATH="$epsd_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-"$epsd_dir/epsd" --listen="unix://$sock" --backend=cuda >"$out/epsd.log" 2>&1 &
+# EPS_REF_BACKEND=cpu (with engine flags -- --buffers shm) checks the script without a GPU.
+"$epsd_dir/epsd" --listen="unix://$sock" --backend="${EPS_REF_BACKEND:-cuda}" >"$out/epsd.log" 2>&1 &
 epsd_pid=$!
 trap 'kill $epsd_pid 2>/dev/null || true; wait $epsd_pid 2>/dev/null || true' EXIT
 python3 - "$sock" <<'PY'
