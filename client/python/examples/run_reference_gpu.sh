@@ -5,8 +5,8 @@
 #   client/python/examples/run_reference_gpu.sh EPSD_DIR WHEEL_DIR MODEL [OUT_DIR] [-- engine flags]
 #
 # EPSD_DIR   folder with the epsd binary and lib/ (its non-libc shared libraries, from ldd)
-# WHEEL_DIR  folder of wheels for Python 3.12: grpcio, protobuf, gguf (and eps_client, else
-#            client/python/src is used); installed with pip --no-index into /tmp/eps-site
+# WHEEL_DIR  folder of wheels for Python 3.12: grpcio, protobuf, gguf (eps_client optional);
+#            installed with pip --no-index into /tmp/eps-site
 # MODEL      the .gguf file, or a prefix whose pieces PREFIX.part-* are concatenated
 #            (a model larger than one carry travels in pieces); checked against MODEL.sha256
 #            (or PREFIX.sha256) when that file exists
@@ -22,10 +22,9 @@ mkdir -p "$out"
 site=/tmp/eps-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$site" "$wheels"/*.whl
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-if ! python3 -c 'import eps_client' 2>/dev/null; then
-  export PYTHONPATH="$PYTHONPATH:$here/../src"
-fi
+# The tree's own eps_client (client/python/src) comes first, so the engine and the library
+# always match; an eps_client wheel in WHEEL_DIR is only a fallback.
+export PYTHONPATH="$here/../src:$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import eps_client, grpc, google.protobuf, gguf, torch; print("eps_client", eps_client.__file__, "grpc", grpc.__version__, "protobuf", google.protobuf.__version__, "torch", torch.__version__)'
 
 if [[ -f $model ]]; then
