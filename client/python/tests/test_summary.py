@@ -13,16 +13,21 @@ from eps_client.summary import SummaryWriter
 
 
 def core_pool(tool: str, tmp: Path, model: ModelLayout, slots: int,
-              ops: list[tuple[int, int, np.ndarray]], dtype: str) -> np.ndarray:
-    """Runs core/'s writer on ops (layer, slot, keys [count, H, d]) and returns its pool."""
-    (tmp / "ops.txt").write_text("".join(f"{ly} {s} {k.shape[0]}\n" for ly, s, k in ops))
+              ops: list[tuple[int, int, np.ndarray]], dtype: str,
+              seals: list[int] | None = None) -> np.ndarray:
+    """Runs core/'s writer on ops (layer, slot, keys [count, H, d]); op j is a Seal when
+    j is in ``seals``, else an Append. Returns core/'s pool."""
+    seals = seals or []
+    (tmp / "ops.txt").write_text("".join(f"{ly} {s} {k.shape[0]} {int(j in seals)}\n"
+                                         for j, (ly, s, k) in enumerate(ops)))
     with open(tmp / "keys.bin", "wb") as f:
         for _, _, k in ops:
             f.write(np.ascontiguousarray(k).tobytes())
     f = model.features
     subprocess.run([tool, "summaries", str(model.num_layers), str(model.num_kv_heads),
                     str(model.head_dim), str(model.sketch_dim), str(model.phi_seed),
-                    str(int(f.key_sum)), str(int(f.quest)), str(slots), dtype,
+                    str(int(f.key_sum)), str(int(f.quest)), str(int(f.principal)), str(slots),
+                    dtype,
                     str(tmp / "ops.txt"), str(tmp / "keys.bin"), str(tmp / "pool.bin")],
                    check=True)
     words = SummaryLayout.for_model(model).record_words
@@ -83,6 +88,44 @@ def test_half_precision_keys_equal_core_bit_for_bit(core_reference, tmp_path, rn
     pool = np.zeros_like(expected)
     SummaryWriter(model).append(pool, 0, [1] * 40, keys, bf16_bits=dtype == "bf16")
     assert pool.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("d", [64, 30 * 4 + 2 * 2])
+def test_sealed_principal_pairs_equal_core_bit_for_bit(core_reference, tmp_path, rng, d):
+    model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=d,
+                        phi_seed=int(rng.integers(0, 1 << 63)),
+                        features=SummaryFeatures(key_sum=True, quest=True, principal=True))
+    ops, seals = [], []
+    groups = [(0, 0, 64), (1, 0, 128), (0, 2, 1), (1, 3, 0), (0, 1, 40)]
+    for layer, slot, n in groups:
+        keys = random_keys(rng, n, model)
+        keys[:, :, 0] += rng.standard_normal() * 10  # a dominant direction
+        ops.append((layer, slot, keys))
+        seals.append(len(ops))
+        ops.append((layer, slot, keys))  # Seal with all the group's keys
+    ops.append((0, 1, random_keys(rng, 3, model)))  # a later Append clears the pair's scale
+    expected = core_pool(core_reference, tmp_path, model, 4, ops, "f32", seals)
+    writer = SummaryWriter(model)
+    pool = np.zeros_like(expected)
+    writer.reset(pool)
+    for j, (layer, slot, keys) in enumerate(ops):
+        if j in seals:
+            writer.seal(pool, layer, slot, keys)
+        else:
+            writer.append(pool, layer, [slot] * keys.shape[0], keys)
+    assert pool.tobytes() == expected.tobytes()
+    p = writer.layout.principal
+    assert pool[0, 0, :, p + 2].all() and not pool[1, 0, :, p + 2].any()
+
+
+def test_seal_with_the_wrong_key_count_is_rejected():
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8,
+                        features=SummaryFeatures(principal=True))
+    writer = SummaryWriter(model)
+    pool = np.zeros((1, 1, 1, writer.layout.record_words), np.float32)
+    writer.append(pool, 0, [0, 0], np.ones((2, 1, 8), np.float32))
+    with pytest.raises(ValueError, match="seal got 3 keys"):
+        writer.seal(pool, 0, 0, np.ones((3, 1, 8), np.float32))
 
 
 def test_one_key_at_a_time_equals_one_call():

@@ -1,10 +1,10 @@
 // What core/ and client/cpp compute, for the Python package's tests to compare
 // against bit for bit (client/python/tests). Not installed; built with the tests.
 //
-//   eps_core_reference summaries L H D M SEED KEY_SUM QUEST SLOTS DTYPE OPS KEYS OUT
-//       Replays OPS (text lines "layer slot count") with core::SummaryWriter::Append
-//       on a zeroed pool (Reset first), reading each op's keys [count, H, D] of
-//       DTYPE (f32 | f16 | bf16) from KEYS in order; writes the pool to OUT.
+//   eps_core_reference summaries L H D M SEED KEY_SUM QUEST PRINCIPAL SLOTS DTYPE OPS KEYS OUT
+//       Replays OPS (text lines "layer slot count kind", kind 0 = Append, 1 = Seal) with
+//       core::SummaryWriter on a pool of Reset records, reading each op's keys
+//       [count, H, D] of DTYPE (f32 | f16 | bf16) from KEYS in order; writes the pool to OUT.
 //   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL SLOTS MAX_SEQS
 //                      MAX_CONTEXT MAX_BATCH PER_HEAD
 //       Creates client::EngineBuffers and writes its SharedBuffers message to stdout.
@@ -60,8 +60,9 @@ int Summaries(char** argv) {
   model.phi_seed = seed;
   model.features.key_sum = Int(argv[5]) != 0;
   model.features.quest = Int(argv[6]) != 0;
-  const int64_t slots = Int(argv[7]);
-  const std::string dtype = argv[8];
+  model.features.principal = Int(argv[7]) != 0;
+  const int64_t slots = Int(argv[8]);
+  const std::string dtype = argv[9];
   const eps::DType key_dtype = dtype == "f16"    ? eps::DType::kFloat16
                                : dtype == "bf16" ? eps::DType::kBFloat16
                                                  : eps::DType::kFloat32;
@@ -83,24 +84,26 @@ int Summaries(char** argv) {
       for (int h = 0; h < model.num_kv_heads; ++h) writer.Reset(record(s, l, h));
     }
   }
-  std::ifstream ops(argv[9]);
-  const std::string keys = ReadFile(argv[10]);
+  std::ifstream ops(argv[10]);
+  const std::string keys = ReadFile(argv[11]);
   size_t at = 0;
-  int layer = 0;
+  int layer = 0, kind = 0;
   int64_t slot = 0, count = 0;
-  while (ops >> layer >> slot >> count) {
+  while (ops >> layer >> slot >> count >> kind) {
     const size_t bytes = count * model.num_kv_heads * model.head_dim * elem;
     if (at + bytes > keys.size()) return Fail("keys file too short");
     for (int h = 0; h < model.num_kv_heads; ++h) {
       const eps::KeyRows rows{keys.data() + at + h * model.head_dim * elem, key_dtype, count,
                               int64_t{model.num_kv_heads} * model.head_dim};
-      if (absl::Status s = writer.Append(record(slot, layer, h), layer, h, rows); !s.ok()) {
+      const absl::Status s = kind == 1 ? writer.Seal(record(slot, layer, h), layer, h, rows)
+                                       : writer.Append(record(slot, layer, h), layer, h, rows);
+      if (!s.ok()) {
         return Fail(std::string(s.message()));
       }
     }
     at += bytes;
   }
-  std::ofstream out(argv[11], std::ios::binary);
+  std::ofstream out(argv[12], std::ios::binary);
   out.write(reinterpret_cast<const char*>(pool.data()), pool.size() * sizeof(float));
   return out ? 0 : Fail("cannot write output");
 }
@@ -194,7 +197,7 @@ int Select(char** argv) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "summaries" && argc == 14) return Summaries(argv + 2);
+  if (mode == "summaries" && argc == 15) return Summaries(argv + 2);
   if (mode == "descriptors" && argc == 17) return Descriptors(argv + 2);
   if (mode == "select" && argc == 5) return Select(argv + 2);
   return Fail("usage: see the comment at the top of client/python/tools/core_reference.cc");

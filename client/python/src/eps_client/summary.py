@@ -1,4 +1,4 @@
-"""The CPU (numpy) summary writer: bit-exact with core/'s SummaryWriter.
+"""The CPU (numpy) summary writer: bit-exact with core/'s SummaryWriter (Append and Seal).
 
 Records follow docs/summaries.md. The float32 additions happen in the order
 core/summary.cc performs them (keys in order, products accumulated over i =
@@ -39,9 +39,6 @@ class SummaryWriter:
     """
 
     def __init__(self, model: ModelLayout) -> None:
-        if model.features.principal:
-            raise NotImplementedError(
-                "the numpy writer has no Seal: principal pairs are written by core/ and gpu/ only")
         self.model = model
         self.layout = SummaryLayout.for_model(model)
         self.phi = phi_bank(model.phi_seed, model.num_layers, model.num_kv_heads, model.head_dim,
@@ -107,6 +104,8 @@ class SummaryWriter:
         rec[..., lay.fro2] += norm2
         rec[..., lay.max_norm] = np.maximum(rec[..., lay.max_norm], np.sqrt(norm2))
         rec[..., lay.count] += np.float32(1.0)
+        if lay.principal >= 0:
+            rec[..., lay.principal + 2] = 0.0  # a principal pair describes the sealed keys only
         d = self.model.head_dim
         if lay.key_sum >= 0:
             rec[..., lay.key_sum : lay.key_sum + d] += k
@@ -116,6 +115,82 @@ class SummaryWriter:
             rec[..., lay.quest_min : lay.quest_min + d] = np.minimum(lo, k)
             rec[..., lay.quest_max : lay.quest_max + d] = np.maximum(hi, k)
         pool[slots, layer] = rec
+
+    def seal(self, pool: np.ndarray, layer: int, slot: int, keys: np.ndarray, *,
+             bf16_bits: bool = False) -> None:
+        """Fits the top-1 principal pair of a full group (core's SummaryWriter::Seal) for every
+        KV head of (slot, layer). ``keys`` [n, kv_heads, d] are all the group's keys, exactly as
+        appended. A no-op without features.principal."""
+        model, lay = self.model, self.layout
+        if lay.principal < 0:
+            return
+        self._check_pool(pool)
+        if not 0 <= layer < model.num_layers or not 0 <= slot < pool.shape[0]:
+            raise ValueError(f"(layer, slot)=({layer}, {slot}) out of range")
+        k = _as_float32(np.asarray(keys), bf16_bits)
+        n, d = k.shape[0], model.head_dim
+        if k.shape != (n, model.num_kv_heads, d):
+            raise ValueError(f"keys.shape={k.shape}, expected [n, {model.num_kv_heads}, {d}]")
+        if not np.all(np.isfinite(k)):
+            raise ValueError("non-finite key passed to seal")
+        rec = pool[slot, layer]  # [H, W] view
+        counts = rec[:, lay.count]
+        if np.any(counts != np.float32(n)):
+            raise ValueError(f"seal got {n} keys but the records summarise {counts.tolist()}")
+        kh = np.ascontiguousarray(k.transpose(1, 0, 2))  # [H, n, d] float32
+        kd = kh.astype(np.float64)
+        H = kh.shape[0]
+        # Power iteration in double from the longest key (the first on ties), 32 rounds.
+        n2 = np.zeros((H, n))
+        for i in range(d):
+            n2 += kd[..., i] * kd[..., i]
+        v = np.zeros((H, d))
+        best = np.full(H, -1.0)
+        for t in range(n):
+            longer = n2[:, t] > best
+            best = np.where(longer, n2[:, t], best)
+            v[longer] = kd[longer, t]
+        active = best > 0
+        for _ in range(32):
+            if not active.any():
+                break
+            dot = np.zeros((H, n))
+            for i in range(d):
+                dot += kd[..., i] * v[:, None, i]
+            nxt = np.zeros((H, d))
+            for t in range(n):
+                nxt += dot[:, t, None] * kd[:, t]
+            norm = np.zeros(H)
+            for i in range(d):
+                norm += nxt[:, i] * nxt[:, i]
+            norm = np.sqrt(norm)
+            active &= norm != 0
+            v = np.where(active[:, None], nxt / np.where(norm == 0, 1.0, norm)[:, None], v)
+        # Quantise (lround: half away from zero) and measure λ1 along the dequantised direction.
+        peak = np.abs(v).max(axis=1)
+        ok = (peak != 0) & (n > 0)
+        x = v / np.where(ok, peak, 1.0)[:, None] * 127.0
+        u = (np.sign(x) * np.floor(np.abs(x) + 0.5)).astype(np.int8)
+        uf = u.astype(np.float32)
+        unorm2 = np.zeros(H, np.float32)
+        for i in range(d):
+            unorm2 += uf[:, i] * uf[:, i]
+        with np.errstate(divide="ignore", invalid="ignore"):  # heads without a pair: unused
+            scale = np.float32(1.0) / np.sqrt(unorm2)
+            direction = uf * scale[:, None]  # u[i] * scale, float32
+        lam = np.zeros(H, np.float32)
+        for t in range(n):
+            dot32 = np.zeros(H, np.float32)
+            for i in range(d):
+                dot32 += kh[:, t, i] * direction[:, i]
+            lam += dot32 * dot32
+        p = lay.principal
+        resid = np.maximum(rec[:, lay.fro2] - lam, np.float32(0.0))
+        rec[:, p] = np.where(ok, lam, 0.0)
+        rec[:, p + 1] = np.where(ok, resid, 0.0)
+        rec[:, p + 2] = np.where(ok, scale, 0.0)
+        raw = rec.view(np.uint8)  # [H, W*4]: u1 bytes from word p + 3
+        raw[:, 4 * (p + 3) : 4 * (p + 3) + d] = np.where(ok[:, None], u, 0).view(np.uint8)
 
     def _check_pool(self, pool: np.ndarray) -> None:
         m = self.model
