@@ -45,7 +45,7 @@ __all__ = [
 def attach_request(engine_id: str, model: ModelLayout, buffers: pb.SharedBuffers, *,
                    max_batch: int, num_kv_blocks: int = 0,
                    options: pb.SelectOptions | None = None,
-                   backend: int = pb.BACKEND_UNSPECIFIED, device: int = 0,
+                   backend: pb.Backend = pb.BACKEND_UNSPECIFIED, device: int = 0,
                    lease_ms: int = 0) -> pb.AttachRequest:
     """The AttachRequest that EpsClient sends (and re-sends on every re-attach)."""
     request = pb.AttachRequest(engine_id=engine_id, layout=model.to_proto(), buffers=buffers,

@@ -99,7 +99,7 @@ class BufferLayout:
 
     def descriptors(self, memory: dict[str, object]) -> pb.SharedBuffers:
         """SharedBuffers with ``memory`` (one oneof field, e.g. {"host_shm": HostShm}) in each."""
-        proto_dtype = {np.float32: pb.DTYPE_FLOAT32, np.int32: pb.DTYPE_INT32,
+        proto_dtype: dict[type, int] = {np.float32: pb.DTYPE_FLOAT32, np.int32: pb.DTYPE_INT32,
                        np.uint64: pb.DTYPE_UINT64}
         out = pb.SharedBuffers()
         for name, dims in self.shapes.items():
@@ -130,7 +130,7 @@ class ShmBuffers:
             name=name, create=True, size=self.layout.size)
         self.shm_name = "/" + name
         buf = self._shm.buf
-        views = {
+        views: dict[str, np.ndarray] = {
             n: np.ndarray(dims, dtype=self.layout.dtypes[n], buffer=buf,
                           offset=self.layout.offsets[n])
             for n, dims in self.layout.shapes.items()

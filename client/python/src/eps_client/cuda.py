@@ -93,7 +93,10 @@ class CudaBuffers:
         ptr = ctypes.c_void_p()
         self._rt.check(self._rt.lib.cudaMalloc(ctypes.byref(ptr), self.layout.size),
                        f"cudaMalloc({self.layout.size})")
+        if ptr.value is None:
+            raise CudaError(f"cudaMalloc({self.layout.size}) returned a null pointer")
         self._ptr: int | None = ptr.value
+        base: int = ptr.value
         self._rt.check(self._rt.lib.cudaMemset(ptr, 0, self.layout.size), "cudaMemset")
         handle = ctypes.create_string_buffer(_IPC_HANDLE_BYTES)
         self._rt.check(self._rt.lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
@@ -103,7 +106,7 @@ class CudaBuffers:
             np_dtype = self.layout.dtypes[name]
             if np_dtype is np.uint64:
                 np_dtype = np.int64
-            view = _DeviceArray(self._ptr + self.layout.offsets[name], dims, np_dtype, self)
+            view = _DeviceArray(base + self.layout.offsets[name], dims, np_dtype, self)
             setattr(self, name, torch.as_tensor(view, device=f"cuda:{device}"))
 
     summary_pool: Any

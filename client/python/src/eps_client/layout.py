@@ -33,7 +33,7 @@ class ModelLayout:
     group_blocks: int = 8
     sketch_dim: int = 8
     phi_seed: int = 0
-    kv_dtype: int = pb.DTYPE_FLOAT16
+    kv_dtype: pb.DType = pb.DTYPE_FLOAT16
     features: SummaryFeatures = field(default_factory=SummaryFeatures)
 
     def __post_init__(self) -> None:

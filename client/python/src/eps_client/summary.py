@@ -144,8 +144,8 @@ class SummaryWriter:
         n2 = np.zeros((H, n))
         for i in range(d):
             n2 += kd[..., i] * kd[..., i]
-        v = np.zeros((H, d))
-        best = np.full(H, -1.0)
+        v: np.ndarray = np.zeros((H, d))
+        best: np.ndarray = np.full(H, -1.0)
         for t in range(n):
             longer = n2[:, t] > best
             best = np.where(longer, n2[:, t], best)
@@ -160,7 +160,7 @@ class SummaryWriter:
             nxt = np.zeros((H, d))
             for t in range(n):
                 nxt += dot[:, t, None] * kd[:, t]
-            norm = np.zeros(H)
+            norm: np.ndarray = np.zeros(H)
             for i in range(d):
                 norm += nxt[:, i] * nxt[:, i]
             norm = np.sqrt(norm)
