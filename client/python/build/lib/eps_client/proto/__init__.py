@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of eps.v1 (tools/generate_stubs.py); do not edit."""
