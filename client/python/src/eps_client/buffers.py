@@ -1,0 +1,194 @@
+"""The shared buffers of one engine session, allocated by this library (DESIGN §5).
+
+Never the engine's own tensors: PyTorch's expandable segments and vLLM's cumem
+allocator break legacy CUDA IPC, so the library allocates one region and the
+engine copies its few per-step rows in. Same layout as client/cpp's
+EngineBuffers (every buffer 64-byte aligned, in this order):
+
+    summary_pool  [slots, layers, kv_heads, record_words]  float32
+    group_table   [max_seqs, max_groups]                   int32   group -> slot
+    block_table   [max_seqs, max_blocks]                   int32   logical -> physical
+    queries       [layers, max_batch, q_heads, d]          float32
+    visit_blocks  [layers, max_batch(, kv_heads), max_blocks] int32
+    visit_count   [layers, max_batch(, kv_heads)]          int32
+    flags         [2]                                      uint64  inputs_ready, selection_done
+
+``ShmBuffers`` puts them in one POSIX shared-memory object as numpy arrays
+(CPU mode); ``CudaBuffers`` (eps_client.cuda) in one cudaMalloc region exported
+through CUDA IPC, as torch tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from eps_client.layout import ModelLayout, SummaryLayout, blocks_for, groups_for
+from eps_client.proto import page_selector_pb2 as pb
+
+_ALIGN = 64
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class BufferShape:
+    """Sizes of the shared buffers (client::BufferShape)."""
+
+    num_slots: int  # summary records per (layer, kv head)
+    max_seqs: int  # rows of the group and block tables
+    max_context: int  # tokens: fixes max_blocks and max_groups
+    max_batch: int
+    per_kv_head: bool = False  # visit lists per (sequence, layer, KV head) instead of the union
+    with_flags: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "max_seqs", "max_context", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BufferShape.{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Byte offsets and shapes of every buffer inside the one allocation."""
+
+    model: ModelLayout
+    shape: BufferShape
+    max_blocks: int
+    max_groups: int
+    record_words: int
+    lists: int
+    shapes: dict[str, tuple[int, ...]]
+    offsets: dict[str, int]
+    dtypes: dict[str, type]
+    size: int
+
+    @staticmethod
+    def compute(model: ModelLayout, shape: BufferShape) -> BufferLayout:
+        max_blocks = blocks_for(shape.max_context, model.block_size)
+        max_groups = groups_for(shape.max_context, model)
+        words = SummaryLayout.for_model(model).record_words
+        lists = model.num_kv_heads if shape.per_kv_head else 1
+        per_list = (lists,) if shape.per_kv_head else ()
+        L, B = model.num_layers, shape.max_batch
+        shapes: dict[str, tuple[int, ...]] = {
+            "summary_pool": (shape.num_slots, L, model.num_kv_heads, words),
+            "group_table": (shape.max_seqs, max_groups),
+            "block_table": (shape.max_seqs, max_blocks),
+            "queries": (L, B, model.num_q_heads, model.head_dim),
+            "visit_blocks": (L, B, *per_list, max_blocks),
+            "visit_count": (L, B, *per_list),
+            "flags": (2,),
+        }
+        dtypes: dict[str, type] = {
+            "summary_pool": np.float32, "group_table": np.int32, "block_table": np.int32,
+            "queries": np.float32, "visit_blocks": np.int32, "visit_count": np.int32,
+            "flags": np.uint64,
+        }
+        offsets: dict[str, int] = {}
+        at = 0
+        for name, dims in shapes.items():
+            offsets[name] = at
+            nbytes = int(np.prod(dims)) * np.dtype(dtypes[name]).itemsize
+            at = (at + nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        return BufferLayout(model, shape, max_blocks, max_groups, words, lists, shapes, offsets,
+                            dtypes, at)
+
+    def descriptors(self, memory: dict[str, object]) -> pb.SharedBuffers:
+        """SharedBuffers with ``memory`` (one oneof field, e.g. {"host_shm": HostShm}) in each."""
+        proto_dtype: dict[type, int] = {np.float32: pb.DTYPE_FLOAT32, np.int32: pb.DTYPE_INT32,
+                       np.uint64: pb.DTYPE_UINT64}
+        out = pb.SharedBuffers()
+        for name, dims in self.shapes.items():
+            if name == "flags" and not self.shape.with_flags:
+                continue
+            d = getattr(out, name)
+            for field, value in memory.items():
+                getattr(d, field).CopyFrom(value)
+            d.offset = self.offsets[name]
+            d.shape.extend(dims)
+            d.dtype = proto_dtype[self.dtypes[name]]
+        return out
+
+
+class ShmBuffers:
+    """The shared buffers in one POSIX shared-memory object, as numpy views.
+
+    Creates ``/eps-<tag>-<pid>-<n>``; ``close()`` (or the context manager, or
+    garbage collection) unmaps and unlinks it. Not thread-safe: the engine writes
+    inputs before SelectPages and reads outputs after it.
+    """
+
+    def __init__(self, model: ModelLayout, shape: BufferShape, tag: str = "py") -> None:
+        self.layout = BufferLayout.compute(model, shape)
+        self.model, self.shape = model, shape
+        name = f"eps-{tag}-{os.getpid()}-{next(_counter)}"
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+            name=name, create=True, size=self.layout.size)
+        self.shm_name = "/" + name
+        buf = self._shm.buf
+        views: dict[str, np.ndarray] = {
+            n: np.ndarray(dims, dtype=self.layout.dtypes[n], buffer=buf,
+                          offset=self.layout.offsets[n])
+            for n, dims in self.layout.shapes.items()
+        }
+        self.summary_pool: np.ndarray = views["summary_pool"]
+        self.group_table: np.ndarray = views["group_table"]
+        self.block_table: np.ndarray = views["block_table"]
+        self.queries: np.ndarray = views["queries"]
+        self.visit_blocks: np.ndarray = views["visit_blocks"]
+        self.visit_count: np.ndarray = views["visit_count"]
+        self.flags: np.ndarray = views["flags"]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.layout.max_blocks
+
+    @property
+    def max_groups(self) -> int:
+        return self.layout.max_groups
+
+    def descriptors(self) -> pb.SharedBuffers:
+        """Descriptors of every buffer, for AttachRequest.buffers."""
+        shm = pb.HostShm(name=self.shm_name, size=self.layout.size)
+        return self.layout.descriptors({"host_shm": shm})
+
+    def visits(self, layer: int, batch_pos: int, kv_head: int = 0) -> np.ndarray:
+        """The visit list of (layer, batch position[, KV head]): physical blocks, ascending."""
+        index = (layer, batch_pos, kv_head) if self.shape.per_kv_head else (layer, batch_pos)
+        count = int(self.visit_count[index])
+        return self.visit_blocks[index][: max(count, 0)]
+
+    def selection_done(self) -> int:
+        return int(self.flags[1])
+
+    def close(self) -> None:
+        if self._shm is None:
+            return
+        # Drop our views first: SharedMemory.close() refuses while buffers are exported.
+        for name in ("summary_pool", "group_table", "block_table", "queries", "visit_blocks",
+                     "visit_count", "flags"):
+            setattr(self, name, None)
+        shm, self._shm = self._shm, None
+        try:
+            shm.unlink()  # the name goes now; the mapping when the last view does
+        finally:
+            try:
+                shm.close()
+            except BufferError:  # the caller still holds a view: unmapped when it goes
+                pass
+
+    def __enter__(self) -> ShmBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to report to
+            pass

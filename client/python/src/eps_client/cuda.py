@@ -1,0 +1,151 @@
+"""Device buffers that the library allocates itself and exports through CUDA IPC.
+
+DESIGN §5: PyTorch's expandable segments and vLLM's cumem allocator break legacy
+``cudaIpcGetMemHandle`` on the engine's own tensors, so ``CudaBuffers`` takes one
+region with ``cudaMalloc`` (through ctypes on libcudart), exports its 64-byte
+legacy IPC handle in every descriptor (``CudaIpcHandle``) and wraps the buffers
+as torch tensors (``__cuda_array_interface__``, no copy). Same layout as
+``ShmBuffers``. torch is imported lazily, here only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from eps_client.buffers import BufferLayout, BufferShape
+from eps_client.layout import ModelLayout
+from eps_client.proto import page_selector_pb2 as pb
+
+_IPC_HANDLE_BYTES = 64
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def _candidate_libraries() -> list[str]:
+    names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.insert(0, found)
+    # The runtime that PyTorch's wheels bring (nvidia-cuda-runtime-*), then the toolkit's.
+    for base in sys.path:
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "cu*", "lib", "libcudart.so*")))
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "cuda_runtime", "lib",
+                                               "libcudart.so*")))
+    names += sorted(glob.glob("/usr/local/cuda*/lib64/libcudart.so*"))
+    return names
+
+
+def load_cudart(path: str | None = None) -> ctypes.CDLL:
+    """Loads libcudart (EPS_CUDART overrides the search)."""
+    tried = []
+    for name in [path or os.environ.get("EPS_CUDART", "")] + _candidate_libraries():
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            tried.append(f"{name}: {e}")
+    raise CudaError("cannot load libcudart; set EPS_CUDART. Tried: " + "; ".join(tried[-6:]))
+
+
+class _Runtime:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+
+    def check(self, rc: int, call: str) -> None:
+        if rc != 0:
+            message = self.lib.cudaGetErrorString(rc).decode()
+            raise CudaError(f"{call} failed: error {rc} ({message})")
+
+
+class CudaBuffers:
+    """The shared buffers in one cudaMalloc region on ``device``, as torch tensors.
+
+    Attributes mirror ShmBuffers (summary_pool, group_table, block_table, queries,
+    visit_blocks, visit_count, flags). ``close()`` frees the region (after the
+    sidecar detached: freeing memory another process maps is undefined).
+    Not thread-safe.
+    """
+
+    def __init__(self, model: ModelLayout, shape: BufferShape, device: int = 0,
+                 cudart: str | None = None) -> None:
+        import torch  # lazy: torch is an optional extra
+
+        self.layout = BufferLayout.compute(model, shape)
+        self.model, self.shape, self.device = model, shape, device
+        self._rt = _Runtime(load_cudart(cudart))
+        self._rt.check(self._rt.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
+        ptr = ctypes.c_void_p()
+        self._rt.check(self._rt.lib.cudaMalloc(ctypes.byref(ptr), self.layout.size),
+                       f"cudaMalloc({self.layout.size})")
+        if ptr.value is None:
+            raise CudaError(f"cudaMalloc({self.layout.size}) returned a null pointer")
+        self._ptr: int | None = ptr.value
+        base: int = ptr.value
+        self._rt.check(self._rt.lib.cudaMemset(ptr, 0, self.layout.size), "cudaMemset")
+        handle = ctypes.create_string_buffer(_IPC_HANDLE_BYTES)
+        self._rt.check(self._rt.lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
+        self.ipc_handle = handle.raw
+        for name, dims in self.layout.shapes.items():
+            # flags are uint64 counters; torch sees them as int64 (same bits below 2^63).
+            np_dtype = self.layout.dtypes[name]
+            if np_dtype is np.uint64:
+                np_dtype = np.int64
+            view = _DeviceArray(base + self.layout.offsets[name], dims, np_dtype, self)
+            setattr(self, name, torch.as_tensor(view, device=f"cuda:{device}"))
+
+    summary_pool: Any
+    group_table: Any
+    block_table: Any
+    queries: Any
+    visit_blocks: Any
+    visit_count: Any
+    flags: Any
+
+    def descriptors(self) -> pb.SharedBuffers:
+        handle = pb.CudaIpcHandle(handle=self.ipc_handle, device=self.device)
+        return self.layout.descriptors({"cuda_ipc": handle})
+
+    def close(self) -> None:
+        if self._ptr is None:
+            return
+        for name in self.layout.shapes:
+            setattr(self, name, None)
+        ptr, self._ptr = self._ptr, None
+        self._rt.check(self._rt.lib.cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
+
+    def __enter__(self) -> CudaBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _DeviceArray:
+    """A raw device pointer described by __cuda_array_interface__ (v2) for torch.as_tensor.
+    Holds the owning CudaBuffers so the region outlives every tensor made from it."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: type, owner: CudaBuffers) -> None:
+        self._owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": np.dtype(dtype).str,
+            "data": (ptr, False),
+            "version": 2,
+            "strides": None,
+        }

@@ -1,0 +1,160 @@
+"""The shapes every part of epsd agrees on (core/layout.h, docs/summaries.md).
+
+A summary record is the EPS summary of the keys of one group for one
+(layer, KV head): a run of float32 words, padded to a multiple of 4. The pool is
+``[slots, layers, kv_heads, record_words]`` float32, row-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eps_client.proto import page_selector_pb2 as pb
+
+
+@dataclass(frozen=True)
+class SummaryFeatures:
+    """Optional parts of a record; core/'s defaults (key_sum on)."""
+
+    key_sum: bool = True
+    principal: bool = False
+    quest: bool = False
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The model and paging shape a session attaches with (core::ModelLayout)."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    group_blocks: int = 8
+    sketch_dim: int = 8
+    phi_seed: int = 0
+    kv_dtype: pb.DType = pb.DTYPE_FLOAT16
+    features: SummaryFeatures = field(default_factory=SummaryFeatures)
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (
+            ("num_layers", 1, 4096),
+            ("num_q_heads", 1, 4096),
+            ("num_kv_heads", 1, 4096),
+            ("head_dim", 4, 1024),
+            ("block_size", 1, 4096),
+            ("group_blocks", 1, 1024),
+            ("sketch_dim", 1, 64),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{name}={value} not in [{lo}, {hi}]")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 4:
+            raise ValueError(f"head_dim={self.head_dim} is not a multiple of 4")
+        if not 0 <= self.phi_seed < 1 << 64:
+            raise ValueError(f"phi_seed={self.phi_seed} is not a 64-bit unsigned integer")
+
+    @property
+    def group_tokens(self) -> int:
+        return self.block_size * self.group_blocks
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def to_proto(self) -> pb.ModelLayout:
+        return pb.ModelLayout(
+            num_layers=self.num_layers,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            group_blocks=self.group_blocks,
+            sketch_dim=self.sketch_dim,
+            phi_seed=self.phi_seed,
+            kv_dtype=self.kv_dtype,
+            query_dtype=pb.DTYPE_FLOAT32,
+            features=pb.SummaryFeatures(
+                key_sum=self.features.key_sum,
+                principal=self.features.principal,
+                quest=self.features.quest,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class SummaryLayout:
+    """Word offsets inside one record; -1 marks an absent part (core::SummaryLayout)."""
+
+    sketch_dim: int
+    head_dim: int
+    gram_words: int
+    fro2: int
+    max_norm: int
+    count: int
+    key_sum: int
+    quest_min: int
+    quest_max: int
+    principal: int
+    record_words: int
+
+    @staticmethod
+    def for_model(model: ModelLayout) -> SummaryLayout:
+        m, d = model.sketch_dim, model.head_dim
+        gram = packed_size(m)
+        nxt = gram + 3
+        key_sum = quest_min = quest_max = principal = -1
+        if model.features.key_sum:
+            key_sum, nxt = nxt, nxt + d
+        if model.features.quest:
+            quest_min, quest_max, nxt = nxt, nxt + d, nxt + 2 * d
+        if model.features.principal:
+            principal, nxt = nxt, nxt + 3 + (d + 3) // 4
+        return SummaryLayout(
+            sketch_dim=m,
+            head_dim=d,
+            gram_words=gram,
+            fro2=gram,
+            max_norm=gram + 1,
+            count=gram + 2,
+            key_sum=key_sum,
+            quest_min=quest_min,
+            quest_max=quest_max,
+            principal=principal,
+            record_words=(nxt + 3) // 4 * 4,
+        )
+
+    @property
+    def record_bytes(self) -> int:
+        return self.record_words * 4
+
+
+def packed_size(m: int) -> int:
+    """Words of the packed upper triangle of a symmetric m×m matrix."""
+    return m * (m + 1) // 2
+
+
+def packed_index(m: int, i: int, j: int) -> int:
+    """Index of (i, j), i ≤ j, in the packed upper triangle, row-major."""
+    return i * m - i * (i - 1) // 2 + (j - i)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return (tokens + block_size - 1) // block_size
+
+
+def groups_for(tokens: int, model: ModelLayout) -> int:
+    return (blocks_for(tokens, model.block_size) + model.group_blocks - 1) // model.group_blocks
+
+
+def visited_tokens(visit_count: int, context_tokens: int, block_size: int) -> int:
+    """seqused_k of a visit list whose last block is the sequence's last block."""
+    if visit_count <= 0:
+        return 0
+    last = context_tokens - (blocks_for(context_tokens, block_size) - 1) * block_size
+    return (visit_count - 1) * block_size + last

@@ -1,0 +1,201 @@
+"""The CPU (numpy) summary writer: bit-exact with core/'s SummaryWriter (Append and Seal).
+
+Records follow docs/summaries.md. The float32 additions happen in the order
+core/summary.cc performs them (keys in order, products accumulated over i =
+0..d-1), so a record built here equals core/'s bit for bit; tests check it
+against the C++ writer. Vectorised over records: each key's update is applied
+to all the records it touches at once, keys of one record strictly in order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eps_client.layout import ModelLayout, SummaryLayout, packed_index
+from eps_client.phi import phi_bank, project
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widens bfloat16 values given as their uint16 bit patterns (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _as_float32(keys: np.ndarray, bf16_bits: bool) -> np.ndarray:
+    if bf16_bits:
+        if keys.dtype != np.uint16:
+            raise ValueError(
+                f"bfloat16 keys must be passed as uint16 bit patterns, got {keys.dtype}")
+        return bfloat16_to_float32(keys)
+    if keys.dtype not in (np.float32, np.float16):
+        raise ValueError(f"key dtype {keys.dtype} is not float32, float16 or bfloat16")
+    return keys.astype(np.float32)  # float16 -> float32 is exact
+
+
+class SummaryWriter:
+    """Writes summary records into a pool ``[slots, layers, kv_heads, record_words]`` float32.
+
+    Immutable after construction (Φ is generated once); distinct records may be
+    written from different threads.
+    """
+
+    def __init__(self, model: ModelLayout) -> None:
+        self.model = model
+        self.layout = SummaryLayout.for_model(model)
+        self.phi = phi_bank(model.phi_seed, model.num_layers, model.num_kv_heads, model.head_dim,
+                            model.sketch_dim)
+        m = model.sketch_dim
+        pairs = [(i, j) for i in range(m) for j in range(i, m)]
+        assert [packed_index(m, i, j) for i, j in pairs] == list(range(len(pairs)))
+        self._gi = np.array([i for i, _ in pairs])
+        self._gj = np.array([j for _, j in pairs])
+
+    def reset(self, records: np.ndarray) -> None:
+        """Empties records ``[..., record_words]`` in place: zeros, quest min +inf, max -inf."""
+        lay = self.layout
+        records[..., : lay.record_words] = 0.0
+        if lay.quest_min >= 0:
+            d = self.model.head_dim
+            records[..., lay.quest_min : lay.quest_min + d] = np.inf
+            records[..., lay.quest_max : lay.quest_max + d] = -np.inf
+
+    def append(self, pool: np.ndarray, layer: int, slots: np.ndarray | list[int],
+               keys: np.ndarray, *, bf16_bits: bool = False) -> None:
+        """Adds keys ``[n, kv_heads, d]`` (token t to the records of ``slots[t]``, layer ``layer``).
+
+        Tokens are added in order; several tokens may share a slot (prefill).
+        Rejects non-finite keys and bad indices before touching the pool.
+        """
+        model, lay = self.model, self.layout
+        self._check_pool(pool)
+        if not 0 <= layer < model.num_layers:
+            raise ValueError(f"layer={layer} not in [0, {model.num_layers})")
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        k = _as_float32(np.asarray(keys), bf16_bits)
+        want = (slots.size, model.num_kv_heads, model.head_dim)
+        if k.shape != want:
+            raise ValueError(f"keys.shape={k.shape}, expected {want}")
+        if slots.size and (slots.min() < 0 or slots.max() >= pool.shape[0]):
+            raise ValueError(
+                f"slot out of range [0, {pool.shape[0]}): {slots.min()}..{slots.max()}")
+        bad = np.argwhere(~np.isfinite(k))
+        if bad.size:
+            t, h, i = bad[0]
+            raise ValueError(f"key {t} element {i} is {k[t, h, i]} (layer {layer}, kv_head {h})")
+        if slots.size == 0:
+            return
+        # Round r applies the r-th key of every slot; slots are distinct within a round.
+        order = np.argsort(slots, kind="stable")
+        sorted_slots = slots[order]
+        first = np.searchsorted(sorted_slots, sorted_slots, side="left")
+        rank = np.empty_like(slots)
+        rank[order] = np.arange(slots.size) - first
+        y_all = project(self.phi[layer][None], k)  # [n, H, m]
+        for r in range(int(rank.max()) + 1):
+            sel = np.nonzero(rank == r)[0]
+            self._apply(pool, layer, slots[sel], k[sel], y_all[sel], lay)
+
+    def _apply(self, pool: np.ndarray, layer: int, slots: np.ndarray, k: np.ndarray,
+               y: np.ndarray, lay: SummaryLayout) -> None:
+        rec = pool[slots, layer]  # [s, H, W], a copy
+        rec[..., : lay.gram_words] += y[..., self._gi] * y[..., self._gj]
+        norm2 = np.zeros(k.shape[:-1], dtype=np.float32)
+        for i in range(k.shape[-1]):
+            norm2 += k[..., i] * k[..., i]
+        rec[..., lay.fro2] += norm2
+        rec[..., lay.max_norm] = np.maximum(rec[..., lay.max_norm], np.sqrt(norm2))
+        rec[..., lay.count] += np.float32(1.0)
+        if lay.principal >= 0:
+            rec[..., lay.principal + 2] = 0.0  # a principal pair describes the sealed keys only
+        d = self.model.head_dim
+        if lay.key_sum >= 0:
+            rec[..., lay.key_sum : lay.key_sum + d] += k
+        if lay.quest_min >= 0:
+            lo = rec[..., lay.quest_min : lay.quest_min + d]
+            hi = rec[..., lay.quest_max : lay.quest_max + d]
+            rec[..., lay.quest_min : lay.quest_min + d] = np.minimum(lo, k)
+            rec[..., lay.quest_max : lay.quest_max + d] = np.maximum(hi, k)
+        pool[slots, layer] = rec
+
+    def seal(self, pool: np.ndarray, layer: int, slot: int, keys: np.ndarray, *,
+             bf16_bits: bool = False) -> None:
+        """Fits the top-1 principal pair of a full group (core's SummaryWriter::Seal) for every
+        KV head of (slot, layer). ``keys`` [n, kv_heads, d] are all the group's keys, exactly as
+        appended. A no-op without features.principal."""
+        model, lay = self.model, self.layout
+        if lay.principal < 0:
+            return
+        self._check_pool(pool)
+        if not 0 <= layer < model.num_layers or not 0 <= slot < pool.shape[0]:
+            raise ValueError(f"(layer, slot)=({layer}, {slot}) out of range")
+        k = _as_float32(np.asarray(keys), bf16_bits)
+        n, d = k.shape[0], model.head_dim
+        if k.shape != (n, model.num_kv_heads, d):
+            raise ValueError(f"keys.shape={k.shape}, expected [n, {model.num_kv_heads}, {d}]")
+        if not np.all(np.isfinite(k)):
+            raise ValueError("non-finite key passed to seal")
+        rec = pool[slot, layer]  # [H, W] view
+        counts = rec[:, lay.count]
+        if np.any(counts != np.float32(n)):
+            raise ValueError(f"seal got {n} keys but the records summarise {counts.tolist()}")
+        kh = np.ascontiguousarray(k.transpose(1, 0, 2))  # [H, n, d] float32
+        kd = kh.astype(np.float64)
+        H = kh.shape[0]
+        # Power iteration in double from the longest key (the first on ties), 32 rounds.
+        n2 = np.zeros((H, n))
+        for i in range(d):
+            n2 += kd[..., i] * kd[..., i]
+        v: np.ndarray = np.zeros((H, d))
+        best: np.ndarray = np.full(H, -1.0)
+        for t in range(n):
+            longer = n2[:, t] > best
+            best = np.where(longer, n2[:, t], best)
+            v[longer] = kd[longer, t]
+        active = best > 0
+        for _ in range(32):
+            if not active.any():
+                break
+            dot = np.zeros((H, n))
+            for i in range(d):
+                dot += kd[..., i] * v[:, None, i]
+            nxt = np.zeros((H, d))
+            for t in range(n):
+                nxt += dot[:, t, None] * kd[:, t]
+            norm: np.ndarray = np.zeros(H)
+            for i in range(d):
+                norm += nxt[:, i] * nxt[:, i]
+            norm = np.sqrt(norm)
+            active &= norm != 0
+            v = np.where(active[:, None], nxt / np.where(norm == 0, 1.0, norm)[:, None], v)
+        # Quantise (lround: half away from zero) and measure λ1 along the dequantised direction.
+        peak = np.abs(v).max(axis=1)
+        ok = (peak != 0) & (n > 0)
+        x = v / np.where(ok, peak, 1.0)[:, None] * 127.0
+        u = (np.sign(x) * np.floor(np.abs(x) + 0.5)).astype(np.int8)
+        uf = u.astype(np.float32)
+        unorm2 = np.zeros(H, np.float32)
+        for i in range(d):
+            unorm2 += uf[:, i] * uf[:, i]
+        with np.errstate(divide="ignore", invalid="ignore"):  # heads without a pair: unused
+            scale = np.float32(1.0) / np.sqrt(unorm2)
+            direction = uf * scale[:, None]  # u[i] * scale, float32
+        lam = np.zeros(H, np.float32)
+        for t in range(n):
+            dot32 = np.zeros(H, np.float32)
+            for i in range(d):
+                dot32 += kh[:, t, i] * direction[:, i]
+            lam += dot32 * dot32
+        p = lay.principal
+        resid = np.maximum(rec[:, lay.fro2] - lam, np.float32(0.0))
+        rec[:, p] = np.where(ok, lam, 0.0)
+        rec[:, p + 1] = np.where(ok, resid, 0.0)
+        rec[:, p + 2] = np.where(ok, scale, 0.0)
+        raw = rec.view(np.uint8)  # [H, W*4]: u1 bytes from word p + 3
+        raw[:, 4 * (p + 3) : 4 * (p + 3) + d] = np.where(ok[:, None], u, 0).view(np.uint8)
+
+    def _check_pool(self, pool: np.ndarray) -> None:
+        m = self.model
+        want = (m.num_layers, m.num_kv_heads, self.layout.record_words)
+        if pool.dtype != np.float32 or pool.ndim != 4 or pool.shape[1:] != want:
+            raise ValueError(
+                f"pool must be float32 [slots, {want[0]}, {want[1]}, {want[2]}], "
+                f"got {pool.dtype} {list(pool.shape)}")

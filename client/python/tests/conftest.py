@@ -1,0 +1,73 @@
+"""Fixtures: the real epsd (EPSD_BIN, set by ctest), the C++ reference tool
+(EPS_CORE_REFERENCE), and a printed seed for every randomized test."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+
+class Epsd:
+    """One epsd process on a Unix socket in a temporary folder (CPU backend)."""
+
+    def __init__(self, folder: Path, flags: list[str] | None = None) -> None:
+        binary = os.environ.get("EPSD_BIN")
+        if not binary:
+            pytest.fail("EPSD_BIN is not set (ctest sets it to build/service/epsd)")
+        self.socket = folder / "epsd.sock"
+        self.target = f"unix://{self.socket}"
+        self.log_path = folder / "epsd.log"
+        self.binary = binary
+        self.flags = flags or []
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [self.binary, f"--listen={self.target}", "--backend=cpu", *self.flags],
+                stdout=log, stderr=log)
+        with grpc.insecure_channel(self.target) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=10)
+            except grpc.FutureTimeoutError:
+                self.stop()
+                pytest.fail(f"epsd did not come up: {self.log()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def epsd(tmp_path: Path) -> Iterator[Epsd]:
+    server = Epsd(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def core_reference() -> str:
+    tool = os.environ.get("EPS_CORE_REFERENCE")
+    if not tool:
+        pytest.fail("EPS_CORE_REFERENCE is not set (ctest sets it to eps_core_reference)")
+    return tool
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    seed = int(os.environ.get("EPS_TEST_SEED", random.randrange(1 << 31)))
+    print(f"{request.node.name}: seed {seed} (replay with EPS_TEST_SEED={seed})")
+    return np.random.default_rng(seed)

@@ -1,0 +1,70 @@
+"""ShmBuffers has client/cpp EngineBuffers' layout and cleans up after itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures, pb
+
+
+def cpp_descriptors(tool: str, model: ModelLayout, shape: BufferShape) -> pb.SharedBuffers:
+    f = model.features
+    args = [model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
+            model.block_size, model.group_blocks, model.sketch_dim, int(f.key_sum),
+            int(f.quest), int(f.principal), shape.num_slots, shape.max_seqs, shape.max_context,
+            shape.max_batch, int(shape.per_kv_head)]
+    out = subprocess.run([tool, "descriptors", *map(str, args)], check=True,
+                         capture_output=True).stdout
+    return pb.SharedBuffers.FromString(out)
+
+
+def without_names(buffers: pb.SharedBuffers) -> pb.SharedBuffers:
+    copy = pb.SharedBuffers()
+    copy.CopyFrom(buffers)
+    for field in copy.DESCRIPTOR.fields:
+        getattr(copy, field.name).host_shm.name = ""
+    return copy
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(quest=True,
+                                                                         principal=True)])
+def test_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head, features):
+    model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,
+                        group_blocks=4, sketch_dim=6, features=features)
+    shape = BufferShape(num_slots=37, max_seqs=5, max_context=1000, max_batch=3,
+                        per_kv_head=per_kv_head)
+    with ShmBuffers(model, shape) as buf:
+        ours = buf.descriptors()
+        assert ours.summary_pool.host_shm.name == buf.shm_name
+    assert without_names(ours) == without_names(cpp_descriptors(core_reference, model, shape))
+
+
+def test_views_alias_the_shared_object():
+    model = ModelLayout(num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    with ShmBuffers(model, BufferShape(4, 2, 256, 2)) as buf:
+        buf.block_table[1, 3] = 77
+        offset = buf.layout.offsets["block_table"] + (1 * buf.max_blocks + 3) * 4
+        with open(f"/dev/shm{buf.shm_name}", "rb") as f:
+            f.seek(offset)
+            assert np.frombuffer(f.read(4), np.int32)[0] == 77
+
+
+def test_close_unlinks_the_object_even_while_a_view_is_held():
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4)
+    buf = ShmBuffers(model, BufferShape(1, 1, 16, 1))
+    held = buf.queries  # noqa: F841 - the engine may keep a view past close()
+    path = f"/dev/shm{buf.shm_name}"
+    assert os.path.exists(path)
+    buf.close()
+    assert not os.path.exists(path)
+    buf.close()  # idempotent
+
+
+def test_bad_shape_is_rejected():
+    with pytest.raises(ValueError, match="max_batch=0"):
+        BufferShape(num_slots=1, max_seqs=1, max_context=1, max_batch=0)

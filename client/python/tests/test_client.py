@@ -1,0 +1,158 @@
+"""EpsClient against the real epsd (CPU backend, shared memory): the visit lists equal
+core/'s reference step, over unary and stream transports, and re-attach works."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+from engine_state import core_visits, make_state
+
+from eps_client import ClientOptions, EpsClient, EpsError, pb
+from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+
+
+def assert_visits_equal_core(core_reference, tmp_path, state, attach, batch: int) -> int:
+    want_blocks, want_count = core_visits(core_reference, tmp_path, state, attach)
+    buf = state.buffers
+    np.testing.assert_array_equal(buf.visit_count[:, :batch], want_count[:, :batch])
+    visited = 0
+    for layer in range(buf.visit_count.shape[0]):
+        for b in range(batch):
+            n = int(want_count[layer, b])
+            np.testing.assert_array_equal(buf.visits(layer, b), want_blocks[layer, b, :n])
+            visited += n
+    return visited
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_visit_lists_equal_the_core_reference_step(epsd, core_reference, tmp_path, rng,
+                                                   use_stream):
+    state = make_state(rng, contexts=[900, 517, 1000])
+    attach = state.attach()
+    options = ClientOptions(target=epsd.target, deadline_s=2.0, use_stream=use_stream)
+    with EpsClient(options, attach) as client:
+        response = client.attach()
+        assert response.session_id and response.record_words == state.buffers.layout.record_words
+        total_blocks = sum((c + 15) // 16 for c in state.contexts) * 2
+        for step in range(1, 4):
+            state.new_queries(rng)
+            result = client.select_pages(step, state.rows)
+            assert result.ok, result.message
+            assert result.response.step == step and result.response.done
+            visited = assert_visits_equal_core(core_reference, tmp_path, state, attach, 3)
+            assert result.response.stats.pages_visited == visited
+            assert result.response.stats.pages_total == total_blocks
+            assert visited < total_blocks  # the selection skipped something
+            # every list ends with the sequence's last block
+            for layer in range(2):
+                for b, (row, ctx, _) in enumerate(state.rows):
+                    last = state.buffers.block_table[row, (ctx - 1) // 16]
+                    assert state.buffers.visits(layer, b)[-1] == last
+        assert client.counters().selected == 3 and client.counters().fallbacks == 0
+        stats = client.stats()
+        assert stats.sessions[0].steps == 3
+        client.detach()
+    state.buffers.close()
+
+
+def test_invalid_row_is_an_error_fallback_and_the_session_keeps_serving(epsd, rng):
+    state = make_state(rng, contexts=[300])
+    with EpsClient(ClientOptions(target=epsd.target, deadline_s=2.0), state.attach()) as client:
+        client.attach()
+        bad = client.select_pages(1, [(1, 10**6, 0)])  # context beyond max_blocks
+        assert bad.fallback and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.counters().fallback_error == 1
+        assert client.select_pages(2, state.rows).ok
+    state.buffers.close()
+
+
+def test_fail_closed_returns_the_error_instead_of_a_fallback(epsd, rng):
+    state = make_state(rng, contexts=[300])
+    options = ClientOptions(target=epsd.target, deadline_s=2.0, fail_open=False)
+    with EpsClient(options, state.attach()) as client:
+        client.attach()
+        bad = client.select_pages(1, [(1, 10**6, 0)])
+        assert not bad.fallback and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.counters().errors == 1 and client.counters().fallbacks == 0
+    state.buffers.close()
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_client_reattaches_by_itself_after_epsd_restarts(epsd, rng, use_stream):
+    state = make_state(rng, contexts=[400, 200])
+    options = ClientOptions(target=epsd.target, deadline_s=2.0, reattach_backoff_s=0.05,
+                            use_stream=use_stream)
+    with EpsClient(options, state.attach()) as client:
+        client.attach()
+        assert client.select_pages(1, state.rows).ok
+        first_session = client.session_id
+        epsd.stop()
+        down = client.select_pages(2, state.rows)
+        assert down.fallback and down.code == grpc.StatusCode.UNAVAILABLE
+        epsd.start()
+        step, until = 3, time.monotonic() + 10
+        while not (result := client.select_pages(step, state.rows)).ok:
+            assert result.fallback, result.message
+            assert time.monotonic() < until, f"no re-attach: {result.code} {result.message}"
+            step += 1
+        counters = client.counters()
+        assert counters.reattaches == 1 and client.session_id != first_session
+        assert counters.fallbacks == step - 2 and counters.selected == 2
+    state.buffers.close()
+
+
+def test_detach_then_unknown_session_reattaches(epsd, rng):
+    state = make_state(rng, contexts=[256])
+    with EpsClient(ClientOptions(target=epsd.target, deadline_s=2.0), state.attach()) as client:
+        client.attach()
+        client.detach()
+        with pytest.raises(EpsError) as e:
+            client.heartbeat()
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+    state.buffers.close()
+
+
+class RecordingSelector(pb_grpc.PageSelectorServicer):
+    """A fake epsd that records metadata and answers SelectPages with an empty reply."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        self.metadata.append(dict(context.invocation_metadata()))
+        return pb.AttachResponse(session_id="fake-session")
+
+    def SelectPages(self, request, context):  # noqa: N802
+        self.metadata.append(dict(context.invocation_metadata()))
+        return pb.SelectPagesResponse(step=request.step, done=True)
+
+    def StreamSelectPages(self, request_iterator, context):  # noqa: N802
+        self.metadata.append(dict(context.invocation_metadata()))
+        for request in request_iterator:
+            yield pb.SelectPagesResponse(step=request.step, done=True)
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_traceparent_is_sent_as_metadata(tmp_path, use_stream):
+    servicer = RecordingSelector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
+    target = f"unix://{tmp_path}/fake.sock"
+    server.add_insecure_port(target)
+    server.start()
+    ids = iter(["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"])
+    options = ClientOptions(target=target, deadline_s=2.0, use_stream=use_stream,
+                            traceparent=lambda: next(ids))
+    try:
+        with EpsClient(options, pb.AttachRequest(engine_id="e")) as client:
+            client.attach()
+            assert client.select_pages(1, [(0, 1, 0)]).ok
+    finally:
+        server.stop(grace=None)
+    assert servicer.metadata[0]["traceparent"].endswith("b7ad6b7169203331-01")
+    assert servicer.metadata[1]["traceparent"].endswith("00f067aa0ba902b7-01")

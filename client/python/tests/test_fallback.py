@@ -1,0 +1,102 @@
+"""Fail-open: an absent or slow sidecar costs the engine at most the deadline, never a hang,
+and every fallback is counted by reason."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from eps_client import ClientOptions, EpsClient, EpsError, pb
+from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+
+
+def test_absent_sidecar_falls_back_at_once_and_attach_fails_fast(tmp_path):
+    options = ClientOptions(target=f"unix://{tmp_path}/nobody.sock", deadline_s=0.002,
+                            attach_deadline_s=0.5, reattach_backoff_s=0.05)
+    with EpsClient(options, pb.AttachRequest(engine_id="e")) as client:
+        start = time.monotonic()
+        results = [client.select_pages(step, [(0, 1, 0)]) for step in range(1, 51)]
+        elapsed = time.monotonic() - start
+        assert all(r.fallback for r in results)
+        assert elapsed < 1.0, f"50 fallback steps took {elapsed:.3f} s"
+        counters = client.counters()
+        assert counters.steps == 50 and counters.fallback_not_attached == 50
+        assert counters.selected == 0
+        start = time.monotonic()
+        with pytest.raises(EpsError) as e:
+            client.attach()
+        assert e.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert time.monotonic() - start < 2.0
+
+
+class StalledSelector(pb_grpc.PageSelectorServicer):
+    """Attaches, then holds every SelectPages until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.AttachResponse(session_id="stalled")
+
+    def SelectPages(self, request, context):  # noqa: N802
+        self.release.wait(timeout=30)
+        return pb.SelectPagesResponse(step=request.step, done=True)
+
+    def StreamSelectPages(self, request_iterator, context):  # noqa: N802
+        for request in request_iterator:
+            self.release.wait(timeout=30)
+            yield pb.SelectPagesResponse(step=request.step, done=True)
+
+
+@pytest.fixture
+def stalled(tmp_path):
+    servicer = StalledSelector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
+    target = f"unix://{tmp_path}/stalled.sock"
+    server.add_insecure_port(target)
+    server.start()
+    yield target, servicer
+    servicer.release.set()
+    server.stop(grace=None)
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_missed_deadline_falls_back_within_the_deadline(stalled, use_stream):
+    target, servicer = stalled
+    options = ClientOptions(target=target, deadline_s=0.02, use_stream=use_stream)
+    with EpsClient(options, pb.AttachRequest(engine_id="e")) as client:
+        client.attach()
+        for step in (1, 2, 3):
+            start = time.monotonic()
+            result = client.select_pages(step, [(0, 1, 0)])
+            elapsed = time.monotonic() - start
+            assert result.fallback and result.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert elapsed < 0.5, f"step {step} took {elapsed:.3f} s with a 20 ms deadline"
+        assert client.counters().fallback_deadline == 3
+        # Once the sidecar answers again, the next step selects (late replies are dropped).
+        servicer.release.set()
+        options.deadline_s = 2.0
+        assert client.select_pages(4, [(0, 1, 0)]).ok
+
+
+def test_epsd_killed_mid_session_falls_back_as_unavailable(epsd, tmp_path):
+    import numpy as np
+    from engine_state import make_state
+
+    state = make_state(np.random.default_rng(5), contexts=[200])
+    options = ClientOptions(target=epsd.target, deadline_s=2.0, reattach_backoff_s=10.0)
+    with EpsClient(options, state.attach()) as client:
+        client.attach()
+        assert client.select_pages(1, state.rows).ok
+        epsd.stop()
+        start = time.monotonic()
+        result = client.select_pages(2, state.rows)
+        assert result.fallback and result.code == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 2.5
+        assert client.counters().fallback_unavailable == 1
+    state.buffers.close()

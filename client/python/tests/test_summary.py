@@ -1,0 +1,180 @@
+"""The numpy SummaryWriter equals core/'s SummaryWriter bit for bit (via eps_core_reference)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eps_client.layout import ModelLayout, SummaryFeatures, SummaryLayout
+from eps_client.summary import SummaryWriter
+
+
+def core_pool(tool: str, tmp: Path, model: ModelLayout, slots: int,
+              ops: list[tuple[int, int, np.ndarray]], dtype: str,
+              seals: list[int] | None = None) -> np.ndarray:
+    """Runs core/'s writer on ops (layer, slot, keys [count, H, d]); op j is a Seal when
+    j is in ``seals``, else an Append. Returns core/'s pool."""
+    seals = seals or []
+    (tmp / "ops.txt").write_text("".join(f"{ly} {s} {k.shape[0]} {int(j in seals)}\n"
+                                         for j, (ly, s, k) in enumerate(ops)))
+    with open(tmp / "keys.bin", "wb") as f:
+        for _, _, k in ops:
+            f.write(np.ascontiguousarray(k).tobytes())
+    f = model.features
+    subprocess.run([tool, "summaries", str(model.num_layers), str(model.num_kv_heads),
+                    str(model.head_dim), str(model.sketch_dim), str(model.phi_seed),
+                    str(int(f.key_sum)), str(int(f.quest)), str(int(f.principal)), str(slots),
+                    dtype,
+                    str(tmp / "ops.txt"), str(tmp / "keys.bin"), str(tmp / "pool.bin")],
+                   check=True)
+    words = SummaryLayout.for_model(model).record_words
+    raw = np.fromfile(tmp / "pool.bin", dtype=np.float32)
+    return raw.reshape(slots, model.num_layers, model.num_kv_heads, words)
+
+
+def random_keys(rng: np.random.Generator, n: int, model: ModelLayout) -> np.ndarray:
+    # Heavy-tailed, with outlier channels, like real keys.
+    k = rng.standard_normal((n, model.num_kv_heads, model.head_dim)).astype(np.float32)
+    k[..., rng.integers(0, model.head_dim, 3)] *= 20
+    return k
+
+
+@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(key_sum=False),
+                                      SummaryFeatures(key_sum=True, quest=True)])
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_records_equal_core_bit_for_bit(core_reference, tmp_path, rng, features, m):
+    model = ModelLayout(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=64, sketch_dim=m,
+                        phi_seed=int(rng.integers(0, 1 << 63)), features=features)
+    slots = 5
+    ops = [(int(rng.integers(0, 3)), int(rng.integers(0, slots)),
+            random_keys(rng, int(rng.integers(0, 20)), model)) for _ in range(25)]
+    expected = core_pool(core_reference, tmp_path, model, slots, ops, "f32")
+    writer = SummaryWriter(model)
+    pool = np.zeros_like(expected)
+    writer.reset(pool)
+    for layer, slot, keys in ops:
+        writer.append(pool, layer, [slot] * keys.shape[0], keys)
+    assert pool.tobytes() == expected.tobytes()
+
+
+def test_prefill_with_interleaved_slots_equals_core_per_slot_appends(core_reference, tmp_path,
+                                                                     rng):
+    model = ModelLayout(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=128,
+                        phi_seed=int(rng.integers(0, 1 << 63)))
+    slots = 6
+    token_slots = rng.integers(0, slots, 300)
+    keys = random_keys(rng, 300, model)
+    # core/ sees each slot's keys in token order, slot by slot.
+    ops = [(1, s, keys[token_slots == s]) for s in range(slots)]
+    expected = core_pool(core_reference, tmp_path, model, slots, ops, "f32")
+    pool = np.zeros_like(expected)
+    SummaryWriter(model).append(pool, 1, token_slots, keys)
+    assert pool.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_half_precision_keys_equal_core_bit_for_bit(core_reference, tmp_path, rng, dtype):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=32,
+                        phi_seed=int(rng.integers(0, 1 << 63)))
+    f32 = random_keys(rng, 40, model)
+    if dtype == "f16":
+        keys = f32.astype(np.float16)
+    else:
+        keys = (f32.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # truncated bf16 bits
+    expected = core_pool(core_reference, tmp_path, model, 2, [(0, 1, keys)], dtype)
+    pool = np.zeros_like(expected)
+    SummaryWriter(model).append(pool, 0, [1] * 40, keys, bf16_bits=dtype == "bf16")
+    assert pool.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("d", [64, 30 * 4 + 2 * 2])
+def test_sealed_principal_pairs_equal_core_bit_for_bit(core_reference, tmp_path, rng, d):
+    model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=d,
+                        phi_seed=int(rng.integers(0, 1 << 63)),
+                        features=SummaryFeatures(key_sum=True, quest=True, principal=True))
+    ops, seals = [], []
+    groups = [(0, 0, 64), (1, 0, 128), (0, 2, 1), (1, 3, 0), (0, 1, 40)]
+    for layer, slot, n in groups:
+        keys = random_keys(rng, n, model)
+        keys[:, :, 0] += rng.standard_normal() * 10  # a dominant direction
+        ops.append((layer, slot, keys))
+        seals.append(len(ops))
+        ops.append((layer, slot, keys))  # Seal with all the group's keys
+    ops.append((0, 1, random_keys(rng, 3, model)))  # a later Append clears the pair's scale
+    expected = core_pool(core_reference, tmp_path, model, 4, ops, "f32", seals)
+    writer = SummaryWriter(model)
+    pool = np.zeros_like(expected)
+    writer.reset(pool)
+    for j, (layer, slot, keys) in enumerate(ops):
+        if j in seals:
+            writer.seal(pool, layer, slot, keys)
+        else:
+            writer.append(pool, layer, [slot] * keys.shape[0], keys)
+    assert pool.tobytes() == expected.tobytes()
+    p = writer.layout.principal
+    assert pool[0, 0, :, p + 2].all() and not pool[1, 0, :, p + 2].any()
+
+
+def test_seal_with_the_wrong_key_count_is_rejected():
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8,
+                        features=SummaryFeatures(principal=True))
+    writer = SummaryWriter(model)
+    pool = np.zeros((1, 1, 1, writer.layout.record_words), np.float32)
+    writer.append(pool, 0, [0, 0], np.ones((2, 1, 8), np.float32))
+    with pytest.raises(ValueError, match="seal got 3 keys"):
+        writer.seal(pool, 0, 0, np.ones((3, 1, 8), np.float32))
+
+
+def test_one_key_at_a_time_equals_one_call():
+    rng = np.random.default_rng(3)
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=16)
+    keys = random_keys(rng, 17, model)
+    writer = SummaryWriter(model)
+    words = writer.layout.record_words
+    a = np.zeros((1, 1, 1, words), np.float32)
+    b = np.zeros_like(a)
+    writer.append(a, 0, [0] * 17, keys)
+    for t in range(17):
+        writer.append(b, 0, [0], keys[t : t + 1])
+    assert a.tobytes() == b.tobytes()
+
+
+def test_non_finite_key_is_rejected_and_leaves_the_pool_unchanged():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = SummaryWriter(model)
+    pool = np.zeros((2, 1, 2, writer.layout.record_words), np.float32)
+    keys = np.ones((3, 2, 8), np.float32)
+    keys[2, 1, 5] = np.nan
+    with pytest.raises(ValueError, match=r"key 2 element 5 is nan \(layer 0, kv_head 1\)"):
+        writer.append(pool, 0, [0, 1, 0], keys)
+    assert not pool.any()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"layer": 1}, "layer=1"),
+    ({"slots": [0, 7]}, "slot out of range"),
+    ({"keys": np.ones((2, 2, 4), np.float32)}, "keys.shape"),
+    ({"keys": np.ones((2, 2, 8), np.int32)}, "key dtype"),
+])
+def test_bad_arguments_get_a_clear_error(kwargs, message):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = SummaryWriter(model)
+    pool = np.zeros((2, 1, 2, writer.layout.record_words), np.float32)
+    args = {"layer": 0, "slots": [0, 1], "keys": np.ones((2, 2, 8), np.float32)}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        writer.append(pool, args["layer"], args["slots"], args["keys"])
+
+
+def test_layout_offsets_match_the_documented_worked_example():
+    def words(**f: bool) -> int:
+        model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=128,
+                            features=SummaryFeatures(**f))
+        return SummaryLayout.for_model(model).record_words
+    assert words(key_sum=False) == 40
+    assert words() == 168
+    assert words(principal=True) == 204
+    assert words(quest=True, principal=True) == 460

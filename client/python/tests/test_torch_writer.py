@@ -1,0 +1,45 @@
+"""TorchSummaryWriter writes the core/ record layout: equal to the numpy writer (which is
+bit-exact with core/) up to float rounding. Needs torch; skipped without it (CI has none):
+run by hand with a Python that has torch, e.g. PYTHONPATH=src python3 -m pytest tests/."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eps_client import ModelLayout, SummaryFeatures, SummaryWriter
+
+torch = pytest.importorskip("torch")
+from eps_client.torch_writer import TorchSummaryWriter  # noqa: E402
+
+
+@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(key_sum=True,
+                                                                         quest=True)])
+def test_records_match_the_numpy_writer(rng, features):
+    model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                        phi_seed=int(rng.integers(0, 1 << 63)), features=features)
+    slots = rng.integers(0, 5, 200)
+    keys = rng.standard_normal((200, 2, 32)).astype(np.float32)
+    ref = SummaryWriter(model)
+    expected = np.zeros((5, 2, 2, ref.layout.record_words), np.float32)
+    ref.reset(expected)
+    ref.append(expected, 1, slots, keys)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(expected.shape)
+    writer.reset(pool, torch.arange(5))
+    writer.append(pool, 1, torch.from_numpy(slots), torch.from_numpy(keys))
+    got = pool.numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-3)
+    lay = ref.layout
+    np.testing.assert_array_equal(got[..., lay.count], expected[..., lay.count])
+    if lay.quest_min >= 0:  # min and max of the same floats: exact
+        span = slice(lay.quest_min, lay.quest_max + model.head_dim)
+        np.testing.assert_array_equal(got[..., span], expected[..., span])
+    np.testing.assert_array_equal(writer.phi.numpy(), ref.phi)
+
+
+def test_wrong_pool_shape_is_rejected():
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8)
+    writer = TorchSummaryWriter(model, device="cpu")
+    with pytest.raises(ValueError, match="pool must be float32"):
+        writer.append(torch.zeros(2, 1, 1, 3), 0, [0], torch.zeros(1, 1, 8))

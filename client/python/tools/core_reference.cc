@@ -1,0 +1,204 @@
+// What core/ and client/cpp compute, for the Python package's tests to compare
+// against bit for bit (client/python/tests). Not installed; built with the tests.
+//
+//   eps_core_reference summaries L H D M SEED KEY_SUM QUEST PRINCIPAL SLOTS DTYPE OPS KEYS OUT
+//       Replays OPS (text lines "layer slot count kind", kind 0 = Append, 1 = Seal) with
+//       core::SummaryWriter on a pool of Reset records, reading each op's keys
+//       [count, H, D] of DTYPE (f32 | f16 | bf16) from KEYS in order; writes the pool to OUT.
+//   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL SLOTS MAX_SEQS
+//                      MAX_CONTEXT MAX_BATCH PER_HEAD
+//       Creates client::EngineBuffers and writes its SharedBuffers message to stdout.
+//   eps_core_reference select ATTACH ROWS OUT
+//       Maps the host_shm buffers of the serialized AttachRequest ATTACH, runs
+//       core::PageSelector::Select with the server's defaults merged with
+//       ATTACH's options, for ROWS ("table_row:context_tokens,..."), and writes
+//       visit_blocks then visit_count (int32, whole buffers) to OUT.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "client/cpp/engine_buffers.h"
+#include "core/phi.h"
+#include "core/step.h"
+#include "core/summary.h"
+#include "service/convert.h"
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "eps_core_reference: %s\n", message.c_str());
+  return 2;
+}
+
+int Int(const char* s) { return std::atoi(s); }
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+int Summaries(char** argv) {
+  eps::ModelLayout model;
+  model.num_layers = Int(argv[0]);
+  model.num_kv_heads = Int(argv[1]);
+  model.num_q_heads = model.num_kv_heads;
+  model.head_dim = Int(argv[2]);
+  model.sketch_dim = Int(argv[3]);
+  uint64_t seed = 0;
+  if (!absl::SimpleAtoi(argv[4], &seed)) return Fail("bad seed");
+  model.phi_seed = seed;
+  model.features.key_sum = Int(argv[5]) != 0;
+  model.features.quest = Int(argv[6]) != 0;
+  model.features.principal = Int(argv[7]) != 0;
+  const int64_t slots = Int(argv[8]);
+  const std::string dtype = argv[9];
+  const eps::DType key_dtype = dtype == "f16"    ? eps::DType::kFloat16
+                               : dtype == "bf16" ? eps::DType::kBFloat16
+                                                 : eps::DType::kFloat32;
+  const size_t elem = key_dtype == eps::DType::kFloat32 ? 4 : 2;
+  if (absl::Status s = model.Validate(); !s.ok()) return Fail(std::string(s.message()));
+  auto phi = eps::PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads,
+                                  model.head_dim, model.sketch_dim);
+  if (!phi.ok()) return Fail(std::string(phi.status().message()));
+  const eps::SummaryWriter writer(model, *phi);
+  const int64_t words = writer.layout().record_words;
+  std::vector<float> pool(slots * model.num_layers * model.num_kv_heads * words);
+  auto record = [&](int64_t slot, int layer, int head) {
+    return std::span<float>(
+        pool.data() + ((slot * model.num_layers + layer) * model.num_kv_heads + head) * words,
+        words);
+  };
+  for (int64_t s = 0; s < slots; ++s) {
+    for (int l = 0; l < model.num_layers; ++l) {
+      for (int h = 0; h < model.num_kv_heads; ++h) writer.Reset(record(s, l, h));
+    }
+  }
+  std::ifstream ops(argv[10]);
+  const std::string keys = ReadFile(argv[11]);
+  size_t at = 0;
+  int layer = 0, kind = 0;
+  int64_t slot = 0, count = 0;
+  while (ops >> layer >> slot >> count >> kind) {
+    const size_t bytes = count * model.num_kv_heads * model.head_dim * elem;
+    if (at + bytes > keys.size()) return Fail("keys file too short");
+    for (int h = 0; h < model.num_kv_heads; ++h) {
+      const eps::KeyRows rows{keys.data() + at + h * model.head_dim * elem, key_dtype, count,
+                              int64_t{model.num_kv_heads} * model.head_dim};
+      const absl::Status s = kind == 1 ? writer.Seal(record(slot, layer, h), layer, h, rows)
+                                       : writer.Append(record(slot, layer, h), layer, h, rows);
+      if (!s.ok()) {
+        return Fail(std::string(s.message()));
+      }
+    }
+    at += bytes;
+  }
+  std::ofstream out(argv[12], std::ios::binary);
+  out.write(reinterpret_cast<const char*>(pool.data()), pool.size() * sizeof(float));
+  return out ? 0 : Fail("cannot write output");
+}
+
+int Descriptors(char** argv) {
+  eps::ModelLayout model;
+  model.num_layers = Int(argv[0]);
+  model.num_q_heads = Int(argv[1]);
+  model.num_kv_heads = Int(argv[2]);
+  model.head_dim = Int(argv[3]);
+  model.block_size = Int(argv[4]);
+  model.group_blocks = Int(argv[5]);
+  model.sketch_dim = Int(argv[6]);
+  model.features = {Int(argv[7]) != 0, Int(argv[9]) != 0, Int(argv[8]) != 0};
+  eps::client::BufferShape shape;
+  shape.num_slots = Int(argv[10]);
+  shape.max_seqs = Int(argv[11]);
+  shape.max_context = Int(argv[12]);
+  shape.max_batch = Int(argv[13]);
+  shape.granularity = Int(argv[14]) != 0 ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
+  auto buffers = eps::client::EngineBuffers::Create(model, shape, "pyref");
+  if (!buffers.ok()) return Fail(std::string(buffers.status().message()));
+  std::string bytes;
+  (*buffers)->Descriptors().SerializeToString(&bytes);
+  std::cout << bytes;
+  return 0;
+}
+
+int Select(char** argv) {
+  eps::v1::AttachRequest attach;
+  if (!attach.ParseFromString(ReadFile(argv[0]))) return Fail("cannot parse the AttachRequest");
+  auto model = eps::service::LayoutFromProto(attach.layout(), 8, 8);
+  if (!model.ok()) return Fail(std::string(model.status().message()));
+  auto policy = eps::service::MergeOptions(eps::SelectPolicy{}, attach.options());
+  if (!policy.ok()) return Fail(std::string(policy.status().message()));
+  const eps::v1::SharedBuffers& b = attach.buffers();
+  const std::string name = b.summary_pool().host_shm().name();
+  const uint64_t size = b.summary_pool().host_shm().size();
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return Fail("shm_open " + name);
+  void* base = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return Fail("mmap " + name);
+  auto at = [&](const eps::v1::MemoryDescriptor& d) {
+    return static_cast<const char*>(base) + d.offset();
+  };
+  std::vector<eps::StepRow> rows;
+  for (absl::string_view part : absl::StrSplit(argv[1], ',', absl::SkipEmpty())) {
+    std::vector<absl::string_view> f = absl::StrSplit(part, ':');
+    eps::StepRow row;
+    if (f.size() != 2 || !absl::SimpleAtoi(f[0], &row.table_row) ||
+        !absl::SimpleAtoi(f[1], &row.context_tokens)) {
+      return Fail("bad rows");
+    }
+    rows.push_back(row);
+  }
+  eps::StepInputs in;
+  in.summary_pool = reinterpret_cast<const float*>(at(b.summary_pool()));
+  in.num_slots = b.summary_pool().shape(0);
+  in.group_table = reinterpret_cast<const int32_t*>(at(b.group_table()));
+  in.block_table = reinterpret_cast<const int32_t*>(at(b.block_table()));
+  in.max_seqs = b.group_table().shape(0);
+  in.max_groups = b.group_table().shape(1);
+  in.max_blocks = b.block_table().shape(1);
+  in.num_physical_blocks = attach.num_kv_blocks() == 0 ? -1 : attach.num_kv_blocks();
+  in.queries = at(b.queries());
+  in.max_batch = attach.max_batch();
+  in.rows = rows;
+  int64_t visit_elems = 1, count_elems = 1;
+  for (int64_t d : b.visit_blocks().shape()) visit_elems *= d;
+  for (int64_t d : b.visit_count().shape()) count_elems *= d;
+  std::vector<int32_t> visit(visit_elems, 0), count(count_elems, 0);
+  auto phi = eps::PhiBank::Create(model->phi_seed, model->num_layers, model->num_kv_heads,
+                                  model->head_dim, model->sketch_dim);
+  if (!phi.ok()) return Fail(std::string(phi.status().message()));
+  auto selector = eps::PageSelector::Create(*model, *phi);
+  if (!selector.ok()) return Fail(std::string(selector.status().message()));
+  eps::StepStats stats;
+  if (absl::Status s = selector->Select(in, *policy, {visit.data(), count.data()}, &stats);
+      !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  munmap(base, size);
+  std::ofstream out(argv[2], std::ios::binary);
+  out.write(reinterpret_cast<const char*>(visit.data()), visit.size() * 4);
+  out.write(reinterpret_cast<const char*>(count.data()), count.size() * 4);
+  return out ? 0 : Fail("cannot write output");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "summaries" && argc == 15) return Summaries(argv + 2);
+  if (mode == "descriptors" && argc == 17) return Descriptors(argv + 2);
+  if (mode == "select" && argc == 5) return Select(argv + 2);
+  return Fail("usage: see the comment at the top of client/python/tools/core_reference.cc");
+}
