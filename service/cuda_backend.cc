@@ -7,6 +7,7 @@
 #include "gpu/step.h"
 #include "core/status.h"
 #include "service/session.h"
+#include "service/telemetry/nvtx.h"
 
 namespace eps::service {
 namespace {
@@ -33,8 +34,10 @@ class CudaBackend final : public StepBackend {
 
   absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
                    const SelectPolicy& policy, bool async, StepResult* result) override {
+    telemetry::NvtxRange step_range("eps.step");
     // An async step still queued finishes first: its statistics ride on this reply.
     if (selector_->pending()) {
+      telemetry::NvtxRange range("eps.finish_earlier");
       FinishedStep& f = result->earlier.emplace_back();
       f.step = selector_->pending_step();
       float us = 0;
@@ -54,13 +57,17 @@ class CudaBackend final : public StepBackend {
       return absl::FailedPreconditionError(
           "reply_mode=REPLY_MODE_ASYNC needs a flags buffer (inputs_ready, selection_done) in Attach");
     }
-    RETURN_IF_ERROR(selector_->Enqueue(SessionStepInputs(session, rows), policy,
-                                       SessionStepOutputs(session), fence));
+    {
+      telemetry::NvtxRange range("eps.enqueue");  // host checks, the inputs_ready wait, launches
+      RETURN_IF_ERROR(selector_->Enqueue(SessionStepInputs(session, rows), policy,
+                                         SessionStepOutputs(session), fence));
+    }
     if (async || !selector_->pending()) {
       result->done = !async;
       return absl::OkStatus();
     }
     float gpu_us = 0.0f;
+    telemetry::NvtxRange range("eps.prepass_wait");
     RETURN_IF_ERROR(selector_->Finish(std::chrono::microseconds::max(), &result->stats, &gpu_us));
     result->prepass_us = gpu_us;
     return absl::OkStatus();

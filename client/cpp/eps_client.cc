@@ -23,8 +23,10 @@ absl::Status FromGrpc(const grpc::Status& s) {
 class StreamCall final
     : public grpc::ClientBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
-  StreamCall(v1::PageSelector::Stub& stub, const std::string& traceparent) {
+  StreamCall(v1::PageSelector::Stub& stub, const std::string& traceparent,
+             const std::string& tracestate) {
     if (!traceparent.empty()) context_.AddMetadata("traceparent", traceparent);
+    if (!traceparent.empty() && !tracestate.empty()) context_.AddMetadata("tracestate", tracestate);
     stub.async()->StreamSelectPages(&context_, this);
     StartRead(&incoming_);
     StartCall();
@@ -260,7 +262,10 @@ absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request, Deadlin
   call->context.set_deadline(std::chrono::system_clock::now() +
                              (deadline - std::chrono::steady_clock::now()) +
                              std::chrono::milliseconds(1));
-  if (!options_.traceparent.empty()) call->context.AddMetadata("traceparent", options_.traceparent);
+  if (!options_.traceparent.empty()) {
+    call->context.AddMetadata("traceparent", options_.traceparent);
+    if (!options_.tracestate.empty()) call->context.AddMetadata("tracestate", options_.tracestate);
+  }
   UnaryCall* raw = call.get();
   stub_->async()->SelectPages(&raw->context, &raw->request, &raw->response,
                               [raw](grpc::Status status) {
@@ -286,7 +291,7 @@ absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request, Deadli
     stream_->Close();
     stream_.reset();
   }
-  if (!stream_) stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent);
+  if (!stream_) stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent, options_.tracestate);
   if (!stream_->Send(request, deadline)) {
     return stream_->done() ? absl::UnavailableError("the stream closed")
                            : absl::DeadlineExceededError("the previous request is still being written");

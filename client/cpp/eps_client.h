@@ -37,6 +37,7 @@ struct ClientOptions {
   bool fail_open = true;  // false: a failed step is an error for the engine
   bool use_stream = false;
   std::string traceparent;  // W3C trace context to send, when set
+  std::string tracestate;   // its vendor state, sent with it when both are set
   // REPLY_MODE_ASYNC (cuda backend, flags buffer required): the reply comes once
   // the step is queued; the engine's stream waits on selection_done.
   bool reply_async = false;

@@ -37,7 +37,11 @@ def probe(*args: str) -> subprocess.CompletedProcess[str]:
 def start_epsd(flags_file: Path | None, *args: str) -> subprocess.Popen[str]:
     environment = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE=str(flags_file or ""))
     return subprocess.Popen(
-        ["sh", str(ENTRYPOINT), *args], env=environment, stderr=subprocess.PIPE, text=True
+        # Several epsd run at once under ctest -j: none binds the default metrics port.
+        ["sh", str(ENTRYPOINT), *args, "--metrics-listen=off"],
+        env=environment,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

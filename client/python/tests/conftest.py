@@ -32,7 +32,13 @@ class Epsd:
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [self.binary, f"--listen={self.target}", "--backend=cpu", *self.flags],
+                [
+                    self.binary,
+                    f"--listen={self.target}",
+                    "--backend=cpu",
+                    "--metrics-listen=off",  # tests run side by side under ctest -j
+                    *self.flags,
+                ],
                 stdout=log, stderr=log)
         with grpc.insecure_channel(self.target) as channel:
             try:

@@ -302,23 +302,37 @@ class BufferWrite(_message.Message):
     def __init__(self, target: _Optional[_Union[BufferWrite.Target, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SelectPagesRequest(_message.Message):
-    __slots__ = ("session_id", "step", "rows", "options", "reply_mode", "writes")
+    __slots__ = ("session_id", "step", "rows", "options", "reply_mode", "writes", "fallbacks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     REPLY_MODE_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     rows: _containers.RepeatedCompositeFieldContainer[BatchRow]
     options: SelectOptions
     reply_mode: ReplyMode
     writes: _containers.RepeatedCompositeFieldContainer[BufferWrite]
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[BatchRow, _Mapping]]] = ..., options: _Optional[_Union[SelectOptions, _Mapping]] = ..., reply_mode: _Optional[_Union[ReplyMode, str]] = ..., writes: _Optional[_Iterable[_Union[BufferWrite, _Mapping]]] = ...) -> None: ...
+    fallbacks: ClientFallbacks
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[BatchRow, _Mapping]]] = ..., options: _Optional[_Union[SelectOptions, _Mapping]] = ..., reply_mode: _Optional[_Union[ReplyMode, str]] = ..., writes: _Optional[_Iterable[_Union[BufferWrite, _Mapping]]] = ..., fallbacks: _Optional[_Union[ClientFallbacks, _Mapping]] = ...) -> None: ...
+
+class ClientFallbacks(_message.Message):
+    __slots__ = ("deadline", "unavailable", "not_attached", "error")
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    NOT_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    deadline: int
+    unavailable: int
+    not_attached: int
+    error: int
+    def __init__(self, deadline: _Optional[int] = ..., unavailable: _Optional[int] = ..., not_attached: _Optional[int] = ..., error: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "groups_total", "groups_visited", "pages_total", "pages_visited", "bytes_kv_dense", "bytes_kv_read_est", "bytes_summary_read", "prepass_us")
+    __slots__ = ("step", "groups_total", "groups_visited", "pages_total", "pages_visited", "bytes_kv_dense", "bytes_kv_read_est", "bytes_summary_read", "prepass_us", "error")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GROUPS_VISITED_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +342,7 @@ class StepStats(_message.Message):
     BYTES_KV_READ_EST_FIELD_NUMBER: _ClassVar[int]
     BYTES_SUMMARY_READ_FIELD_NUMBER: _ClassVar[int]
     PREPASS_US_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step: int
     groups_total: int
     groups_visited: int
@@ -337,7 +352,8 @@ class StepStats(_message.Message):
     bytes_kv_read_est: int
     bytes_summary_read: int
     prepass_us: float
-    def __init__(self, step: _Optional[int] = ..., groups_total: _Optional[int] = ..., groups_visited: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_visited: _Optional[int] = ..., bytes_kv_dense: _Optional[int] = ..., bytes_kv_read_est: _Optional[int] = ..., bytes_summary_read: _Optional[int] = ..., prepass_us: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, step: _Optional[int] = ..., groups_total: _Optional[int] = ..., groups_visited: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_visited: _Optional[int] = ..., bytes_kv_dense: _Optional[int] = ..., bytes_kv_read_est: _Optional[int] = ..., bytes_summary_read: _Optional[int] = ..., prepass_us: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class VisitList(_message.Message):
     __slots__ = ("layer", "batch_index", "kv_head", "blocks", "visited_tokens")
