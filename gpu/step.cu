@@ -48,6 +48,7 @@ struct GpuSelector::Impl {
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
   int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
+  bool per_head = false;  // per-KV-head lists: each reads one KV head's K and V
 
   ~Impl() {
     if (pending && fence.inputs_ready != nullptr) {
@@ -143,13 +144,13 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
-  if (policy.strict || policy.budget != Budget::kThreshold ||
-      policy.granularity != Granularity::kUnion) {
+  if (policy.strict || policy.budget != Budget::kThreshold) {
     return absl::UnimplementedError(absl::StrCat(
-        "the GPU pre-pass supports the threshold budget with union output; got strict=",
-        policy.strict, " budget=", BudgetName(policy.budget),
-        " granularity=", GranularityName(policy.granularity)));
+        "the GPU pre-pass supports the threshold budget; got strict=", policy.strict,
+        " budget=", BudgetName(policy.budget)));
   }
+  const bool per_head = policy.granularity == Granularity::kPerKvHead;
+  const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());
   if (batch == 0) {
     if (fence.selection_done != nullptr) {
@@ -185,8 +186,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     rows[i] = {r.table_row, r.context_tokens};
     max_n = std::max(max_n, n);
     row_groups += n;
-    host.groups_total += n * m.num_layers;
-    host.blocks_total += nb * m.num_layers;
+    host.groups_total += n * m.num_layers * lists;
+    host.blocks_total += nb * m.num_layers * lists;
     host.kv_bytes_dense += r.context_tokens * m.num_kv_heads * kv_token_bytes * m.num_layers;
   }
   const bool retrieval = policy.heads == HeadMode::kRetrieval;
@@ -215,6 +216,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   s.num_physical_blocks = in.num_physical_blocks;
   s.query_dtype = static_cast<int>(in.query_dtype);
   s.method = static_cast<int>(policy.method);
+  s.lists = lists;
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {
@@ -266,7 +268,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   // Dynamic shared memory: visit flags (padded to 16 bytes), then group offsets.
   const size_t select_shared = (in.max_groups + 15) / 16 * 16 + in.max_groups * sizeof(unsigned);
-  SelectKernel<<<dim3(m.num_layers, static_cast<unsigned>(batch)), 256, select_shared, g.stream>>>(
+  SelectKernel<<<dim3(m.num_layers * lists, static_cast<unsigned>(batch)), 256, select_shared,
+                 g.stream>>>(
       s, policy.first_n, policy.last_n, policy.method == Method::kOff, in.block_table,
       g.rows.get(), g.scores.get(), g.thresholds.get(), out.visit_blocks, out.visit_count,
       g.status.get(), g.stats.get(), fence.selection_done, fence.step);
@@ -304,6 +307,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   g.pending_host = host;
   g.pending_rows.assign(in.rows.begin(), in.rows.end());
   g.scored_kv_heads_total = scored_kv_heads_total;
+  g.per_head = per_head;
   g.row_groups = row_groups;
   g.pending_num_slots = in.num_slots;
   g.pending_physical_blocks = in.num_physical_blocks;
@@ -375,7 +379,8 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
     host.groups_visited = static_cast<int64_t>(dstats.groups_visited);
     host.blocks_visited = static_cast<int64_t>(dstats.blocks_visited);
-    host.kv_bytes_read_est = static_cast<int64_t>(dstats.visited_tokens) * m.num_kv_heads * kv_token_bytes;
+    host.kv_bytes_read_est = static_cast<int64_t>(dstats.visited_tokens) *
+                             (g.per_head ? 1 : m.num_kv_heads) * kv_token_bytes;
     host.summary_bytes_read = g.row_groups * g.scored_kv_heads_total * g.layout.record_bytes();
     *stats = host;
   }

@@ -8,8 +8,8 @@
 //                    exact radix select, the T/α threshold, union over heads,
 //                    and compaction into visit_blocks / visit_count
 //
-// Supported now: threshold budget, union output, heads all|retrieval, every
-// method. Strict mode, the fixed and top-p budgets and per-KV-head output
+// Supported now: threshold budget, union and per-KV-head output, heads
+// all|retrieval, every method. Strict mode and the fixed and top-p budgets
 // return UNIMPLEMENTED (the CPU backend has them).
 //
 // Every slot and block id is checked on the device before it is used; a bad

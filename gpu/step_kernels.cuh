@@ -41,6 +41,7 @@ struct Shape {
   int fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
   int64_t max_batch, max_seqs, max_groups, max_blocks, num_slots, num_physical_blocks;
   int query_dtype, method;
+  int lists;  // visit lists per (layer, row): 1 (union) or kv_heads (per KV head)
 };
 
 // Query terms [batch, layers, q_heads, packed + 1]: packed z zᵀ (off-diagonal
@@ -300,12 +301,15 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   __shared__ float head_threshold[256];
   __shared__ unsigned counts[256];
   if (status->code != kOk) return;  // an earlier kernel failed: write nothing
+  // blockIdx.x = layer * lists + list; a list unions the query heads of one KV
+  // head (per-KV-head output) or of all of them (union).
   // The engine gave up on this step (its client released selection_done and
   // attends densely): leave its outputs alone.
   if (selection_done != nullptr && *reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) {
     return;
   }
-  const int layer = blockIdx.x, row = blockIdx.y;
+  const int layer = blockIdx.x / s.lists, list = blockIdx.x % s.lists, row = blockIdx.y;
+  const int heads_per_list = s.q_heads / s.lists, first_head = list * heads_per_list;
   const int64_t tokens = rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
@@ -316,7 +320,7 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += blockDim.x) {
     bool v = method_off || IsForced(p, n, first_n, last_n);
-    for (int h = 0; h < s.q_heads && !v; ++h) {
+    for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {
       v = scores[(head_base + h) * s.max_groups + p] >= head_threshold[h];
     }
     visit[p] = v;
@@ -352,7 +356,8 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   __syncthreads();
   const unsigned total = counts[blockDim.x - 1];
   const int64_t table_row = rows[row].table_row;
-  const int64_t out = (int64_t{layer} * s.max_batch + row) * s.max_blocks;
+  const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
+  const int64_t out = list_index * s.max_blocks;
   for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
     int lo = 0, hi = n;  // first group whose offset exceeds o
     while (lo < hi) {
@@ -366,7 +371,7 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
   if (threadIdx.x % 32 == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
   if (threadIdx.x == blockDim.x - 1) {
-    visit_count[int64_t{layer} * s.max_batch + row] = static_cast<int32_t>(total);
+    visit_count[list_index] = static_cast<int32_t>(total);
     atomicAdd(&stats->blocks_visited, total);
     const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
     atomicAdd(&stats->visited_tokens,
@@ -376,13 +381,14 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
 
 // After a failed step, with a step fence: every list of the step's rows gets
 // count -1 ("attend densely"), since the engine's stream proceeds on
-// selection_done. One block; visit_count is [layers, max_batch] (union output).
+// selection_done. One block; visit_count is [layers, max_batch, lists].
 __global__ void FailOpenKernel(Shape s, int batch, const DeviceStatus* status, int32_t* visit_count,
                                const uint64_t* selection_done, uint64_t step) {
   if (status->code == kOk) return;
   if (*reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) return;
-  for (int i = threadIdx.x; i < s.layers * batch; i += blockDim.x) {
-    visit_count[int64_t{i / batch} * s.max_batch + i % batch] = -1;
+  const int per_layer = batch * s.lists;
+  for (int i = threadIdx.x; i < s.layers * per_layer; i += blockDim.x) {
+    visit_count[int64_t{i / per_layer} * s.max_batch * s.lists + i % per_layer] = -1;
   }
 }
 

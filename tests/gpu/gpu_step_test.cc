@@ -56,6 +56,7 @@ struct GpuCase {
   int d, q_heads, kv_heads, group_blocks;
   bool retrieval;
   int sketch_dim = 8;  // 4, 8, 16 take the register-resident Gram; others the generic path
+  Granularity granularity = Granularity::kUnion;
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -80,7 +81,8 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   SummaryWriter writer(m, *phi);
   const int64_t max_context = 6000;
   const int batch = 4;
-  testing::StepBuffers buffers(m, batch, max_context, batch, Granularity::kUnion);
+  testing::StepBuffers buffers(m, batch, max_context, batch, c.granularity);
+  const int lists = c.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
   std::vector<StepRow> rows;
   for (int r = 0; r < batch; ++r) {
     const int64_t tokens = 1 + static_cast<int64_t>(rng() % max_context);
@@ -91,6 +93,7 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   policy.method = c.method;
   policy.top_pages = 8;
   policy.alpha = 1.25f;
+  policy.granularity = c.granularity;
   if (c.retrieval) {
     policy.heads = HeadMode::kRetrieval;
     for (int i = 0; i < m.num_layers * m.num_q_heads; ++i) policy.retrieval_heads.push_back(rng() % 2);
@@ -105,9 +108,9 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   std::vector<float> queries(static_cast<const float*>(in.queries),
                              static_cast<const float*>(in.queries) + m.num_layers * batch * m.num_q_heads * m.head_dim);
   float* q = Upload(queries);
-  std::vector<int32_t> zeros(m.num_layers * batch * buffers.max_blocks(), -1);
+  std::vector<int32_t> zeros(m.num_layers * batch * lists * buffers.max_blocks(), -1);
   int32_t* visit = Upload(zeros);
-  int32_t* count = Upload(std::vector<int32_t>(m.num_layers * batch, -1));
+  int32_t* count = Upload(std::vector<int32_t>(m.num_layers * batch * lists, -1));
   in.summary_pool = pool;
   in.group_table = groups;
   in.block_table = blocks;
@@ -119,24 +122,26 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   const absl::Status status = (*gpu_selector)->Select(in, policy, {visit, count}, &got_stats, &prepass_us);
   ASSERT_TRUE(status.ok()) << status;
   const auto got_visit = Download(visit, zeros.size());
-  const auto got_count = Download(count, m.num_layers * batch);
+  const auto got_count = Download(count, m.num_layers * batch * lists);
 
   // Equal visit sets, except groups whose score sits within fp32 tolerance of a
   // head's threshold (the GPU sums in another order).
   int near_threshold = 0;
   for (int layer = 0; layer < m.num_layers; ++layer) {
     for (int b = 0; b < batch; ++b) {
-      const auto want = buffers.VisitBlocks(layer, b);
-      const std::vector<int32_t> got(got_visit.begin() + (layer * batch + b) * buffers.max_blocks(),
-                                     got_visit.begin() + (layer * batch + b) * buffers.max_blocks() +
-                                         got_count[layer * batch + b]);
+     for (int list = 0; list < lists; ++list) {
+      const auto want = buffers.VisitBlocks(layer, b, list);
+      const int64_t index = (int64_t{layer} * batch + b) * lists + list;
+      const std::vector<int32_t> got(got_visit.begin() + index * buffers.max_blocks(),
+                                     got_visit.begin() + index * buffers.max_blocks() + got_count[index]);
       if (std::vector<int32_t>(want.begin(), want.end()) == got) continue;
       const auto a = testing::VisitedGroups(buffers, b, want, GroupsFor(rows[b].context_tokens, m));
       const auto g = testing::VisitedGroups(buffers, b, got, GroupsFor(rows[b].context_tokens, m));
       int differing = 0;
       for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
       near_threshold += differing;
-      EXPECT_LE(differing, 1) << "layer " << layer << " row " << b;
+      EXPECT_LE(differing, 1) << "layer " << layer << " row " << b << " list " << list;
+     }
     }
   }
   EXPECT_LE(near_threshold, 2) << "more disagreements than fp32 ties explain";
@@ -160,13 +165,16 @@ INSTANTIATE_TEST_SUITE_P(
                       GpuCase{Method::kOff, 64, 4, 2, 8, false},
                       GpuCase{Method::kJl, 128, 8, 2, 8, false, 4},
                       GpuCase{Method::kJl, 128, 8, 2, 8, false, 16},
-                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 12}),
+                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 12},
+                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, Granularity::kPerKvHead},
+                      GpuCase{Method::kQuest, 256, 16, 4, 4, true, 8, Granularity::kPerKvHead}),
     [](const auto& p) {
       return std::string(MethodName(p.param.method)) == "1pc"
                  ? "onepc_d" + std::to_string(p.param.d)
                  : std::string(MethodName(p.param.method)) + "_d" + std::to_string(p.param.d) + "_g" +
                        std::to_string(p.param.group_blocks) + (p.param.retrieval ? "_retrieval" : "") +
-                       (p.param.sketch_dim != 8 ? "_m" + std::to_string(p.param.sketch_dim) : "");
+                       (p.param.sketch_dim != 8 ? "_m" + std::to_string(p.param.sketch_dim) : "") +
+                       (p.param.granularity == Granularity::kPerKvHead ? "_per_kv_head" : "");
     });
 
 TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
