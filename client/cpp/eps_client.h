@@ -20,6 +20,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,9 @@ struct ClientOptions {
   bool fail_open = true;  // false: a failed step is an error for the engine
   bool use_stream = false;
   std::string traceparent;  // W3C trace context to send, when set
+  // Extra integer gRPC channel arguments (e.g. "grpc.enable_retries" = 0), set
+  // after the client's own reconnect-backoff arguments; for tuning and benchmarks.
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 struct StepResult {
