@@ -1,0 +1,42 @@
+// eps-load: a load generator and latency benchmark for epsd. It plays N
+// engines against one epsd and reports SelectPages latency next to an empty
+// Ping on the same channel (docs/benchmarks/latency.md has results and usage).
+//
+// Exit status: 0 when every measured call succeeded, 3 when some failed (the
+// report says which), 2 for bad flags, 1 when the run could not be set up.
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "load/load_config.h"
+#include "load/load_run.h"
+#include "load/report.h"
+
+int main(int argc, char** argv) {
+  auto config = eps::load::ParseFlags(std::vector<std::string>(argv + 1, argv + argc));
+  if (!config.ok()) {
+    std::fprintf(stderr, "eps-load: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  if (config->help) {
+    std::fputs(eps::load::Usage().c_str(), stdout);
+    return 0;
+  }
+  auto result = eps::load::RunLoad(*config);
+  if (!result.ok()) {
+    std::fprintf(stderr, "eps-load: %s\n", result.status().ToString().c_str());
+    return 1;
+  }
+  eps::load::PrintTable(*config, *result, stdout);
+  if (!config->json_path.empty()) {
+    std::ofstream out(config->json_path);
+    out << eps::load::ToJson(*config, *result);
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "eps-load: cannot write %s\n", config->json_path.c_str());
+      return 1;
+    }
+  }
+  return result->select.errors() + result->ping.errors() == 0 ? 0 : 3;
+}
