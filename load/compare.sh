@@ -24,15 +24,12 @@ SOCK=/tmp/eps-load-compare-$$.sock
 # A small step, so that transport costs are visible next to the selection work.
 SMALL=(--preset=smollm2-135m --batch=1 --context=4k --duration="$DURATION" --warmup=1s)
 
-run() {  # run NAME TARGET FLAGS...: two runs, NAME-1.json and NAME-2.json
+run() {  # run NAME TARGET FLAGS...: writes NAME-$rep.json
   local name=$1 target=$2
   shift 2
-  local rep
-  for rep in 1 2; do
-    echo "== $name ($rep/2)"
-    "$EPS_LOAD" --target="$target" "$@" "${EXTRA[@]}" --json="$OUT/$name-$rep.json" ||
-      echo "(eps-load exited $?)"
-  done
+  echo "== $name ($rep/2)"
+  "$EPS_LOAD" --target="$target" "$@" "${EXTRA[@]}" --json="$OUT/$name-$rep.json" ||
+    echo "(eps-load exited $?)"
 }
 
 UDS_PID= TCP_PID=
@@ -44,23 +41,27 @@ epsd_start 127.0.0.1:0 --backend=cpu
 TCP=$EPSD_TARGET
 TCP_PID=$EPSD_PID
 
-# 1. Unix socket vs loopback TCP; 2. unary vs stream (closed loop, one session).
-run uds-unary "$UDS" "${SMALL[@]}" --mode=unary
-run tcp-unary "$TCP" "${SMALL[@]}" --mode=unary
-run uds-stream "$UDS" "${SMALL[@]}" --mode=stream
-run tcp-stream "$TCP" "${SMALL[@]}" --mode=stream
-# 3. The client's wait: callback API and a condition variable (as EpsClient) vs the sync stub.
-run uds-ping-sync "$UDS" "${SMALL[@]}" --mode=unary --ping-api=sync
-# 4. Channel arguments (two sessions, so that sharing one connection can matter).
-run chan-default "$UDS" "${SMALL[@]}" --sessions=2
-run chan-noretry "$UDS" "${SMALL[@]}" --sessions=2 --channel-arg=grpc.enable_retries=0
-run chan-localpool "$UDS" "${SMALL[@]}" --sessions=2 --channel-arg=grpc.use_local_subchannel_pool=1
-# 5. Server concurrency: more sessions (epsd runs each step on a gRPC callback thread).
-run sessions-4 "$UDS" "${SMALL[@]}" --sessions=4
-# 6. Open loop at a fixed Poisson rate: tail latency under load, no coordinated omission.
-run open-poisson200 "$UDS" "${SMALL[@]}" --rate=poisson:200
-# 7. The headline shape: Llama-3-8B, batch 8, 32k context (CPU backend: the selection dominates).
-run llama8b-b8-32k "$UDS" --preset=llama-3-8b --batch=8 --context=32768 --duration="$DURATION" --warmup=1s
-run llama8b-b1-8k-stream "$UDS" --preset=llama-3-8b --batch=1 --context=8k --mode=stream --duration="$DURATION" --warmup=1s
+# Every configuration once, then all of them again: the two runs of one
+# configuration are minutes apart, so the spread includes the machine's drift.
+for rep in 1 2; do
+  # 1. Unix socket vs loopback TCP; 2. unary vs stream (closed loop, one session).
+  run uds-unary "$UDS" "${SMALL[@]}" --mode=unary
+  run tcp-unary "$TCP" "${SMALL[@]}" --mode=unary
+  run uds-stream "$UDS" "${SMALL[@]}" --mode=stream
+  run tcp-stream "$TCP" "${SMALL[@]}" --mode=stream
+  # 3. The client's wait: callback API and a condition variable (as EpsClient) vs the sync stub.
+  run uds-ping-sync "$UDS" "${SMALL[@]}" --mode=unary --ping-api=sync
+  # 4. Channel arguments (two sessions, so that sharing one connection can matter).
+  run chan-default "$UDS" "${SMALL[@]}" --sessions=2
+  run chan-noretry "$UDS" "${SMALL[@]}" --sessions=2 --channel-arg=grpc.enable_retries=0
+  run chan-localpool "$UDS" "${SMALL[@]}" --sessions=2 --channel-arg=grpc.use_local_subchannel_pool=1
+  # 5. Server concurrency: more sessions (epsd runs each step on a gRPC callback thread).
+  run sessions-4 "$UDS" "${SMALL[@]}" --sessions=4
+  # 6. Open loop at a fixed Poisson rate: tail latency under load, no coordinated omission.
+  run open-poisson200 "$UDS" "${SMALL[@]}" --rate=poisson:200
+  # 7. The headline shape: Llama-3-8B, batch 8, 32k context (CPU backend: the selection dominates).
+  run llama8b-b8-32k "$UDS" --preset=llama-3-8b --batch=8 --context=32768 --duration="$DURATION" --warmup=1s
+  run llama8b-b1-8k-stream "$UDS" --preset=llama-3-8b --batch=1 --context=8k --mode=stream --duration="$DURATION" --warmup=1s
+done
 
 "$PYTHON" "$HERE/summarize.py" "$OUT"/*.json

@@ -152,7 +152,7 @@ struct Session {
   std::unique_ptr<BufferSet> buffers;
   std::unique_ptr<client::EpsClient> client;
   CallResults select, ping;
-  LatencySamples prepass_us;
+  LatencySamples prepass_us, overhead_us;
   int64_t pages_visited = 0, pages_total = 0;
 };
 
@@ -212,6 +212,7 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     });
     if (ok && scheduled >= measure_begin) {
       s.prepass_us.Record(result.response.stats().prepass_us());
+      s.overhead_us.Record(result.round_trip_us - result.response.stats().prepass_us());
       s.pages_visited += result.response.stats().pages_visited();
       s.pages_total += result.response.stats().pages_total();
     }
@@ -333,6 +334,7 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config) {
     r.select.Merge(s.select);
     r.ping.Merge(s.ping);
     r.prepass_us.Merge(s.prepass_us);
+    r.overhead_us.Merge(s.overhead_us);
     r.pages_visited += s.pages_visited;
     r.pages_total += s.pages_total;
     const client::ClientCounters c = s.client->counters();

@@ -64,6 +64,9 @@ struct ErrorEvent {
 struct RunResult {
   CallResults select, ping;
   LatencySamples prepass_us;  // the server's selection time of each measured SelectPages
+  // Per SelectPages: the client's round trip (from its send) minus the server's
+  // selection time: transport, (de)serialisation, gRPC threads and validation.
+  LatencySamples overhead_us;
   int64_t pages_visited = 0, pages_total = 0;
   client::ClientCounters fallbacks;  // summed over sessions, warm-up included
   double measured_s = 0;             // the measured window

@@ -115,10 +115,11 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
                Ratio(sel.lat.p999_us, png.lat.p999_us), Ratio(sel.lat.max_us, png.lat.max_us),
                Ratio(sel.lat.mean_us, png.lat.mean_us));
   const LatencySummary prepass = r.prepass_us.Summarize();
+  const LatencySummary overhead = r.overhead_us.Summarize();
   std::fprintf(out,
-               "server selection time p50 %.1f us p99 %.1f us; visited %.1f%% of pages; "
-               "SelectPages over %lld us: %llu",
-               prepass.p50_us, prepass.p99_us,
+               "server selection time p50 %.1f us p99 %.1f us; round trip minus selection p50 "
+               "%.1f us p99 %.1f us; visited %.1f%% of pages; SelectPages over %lld us: %llu",
+               prepass.p50_us, prepass.p99_us, overhead.p50_us, overhead.p99_us,
                r.pages_total > 0 ? 100.0 * r.pages_visited / r.pages_total : 0.0,
                static_cast<long long>(config.slo.count()),
                static_cast<unsigned long long>(sel.over_slo));
@@ -162,6 +163,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
   const CallView sel = View(config, r, r.select);
   const CallView png = View(config, r, r.ping);
   const LatencySummary prepass = r.prepass_us.Summarize();
+  const LatencySummary overhead = r.overhead_us.Summarize();
   const ModelLayout& m = config.model;
   utsname u{};
   uname(&u);
@@ -191,7 +193,10 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
       ", \"mean\": ", Num(Ratio(sel.lat.mean_us, png.lat.mean_us)), "},\n",
       "\"server\": {\"prepass_p50_us\": ", Num(prepass.p50_us),
       ", \"prepass_p99_us\": ", Num(prepass.p99_us), ", \"prepass_max_us\": ", Num(prepass.max_us),
-      ", \"pages_visited\": ", r.pages_visited, ", \"pages_total\": ", r.pages_total, "},\n",
+      ", \"overhead_p50_us\": ", Num(overhead.p50_us),
+      ", \"overhead_p90_us\": ", Num(overhead.p90_us),
+      ", \"overhead_p99_us\": ", Num(overhead.p99_us), ", \"pages_visited\": ", r.pages_visited,
+      ", \"pages_total\": ", r.pages_total, "},\n",
       "\"client_fallbacks\": {\"deadline\": ", f.fallback_deadline,
       ", \"unavailable\": ", f.fallback_unavailable,
       ", \"not_attached\": ", f.fallback_not_attached, ", \"error\": ", f.fallback_error,

@@ -3,7 +3,8 @@
 // JSON top level: "select" and "ping" (p50_us, p90_us, p99_us, p999_us, max_us,
 // min_us, mean_us, stddev_us, count, errors, errors_by_code, rps, over_slo,
 // send_lag_p50_us, send_lag_p99_us), "ratio" (SelectPages/Ping per
-// percentile), "server" (prepass percentiles, visited fraction),
+// percentile), "server" (selection time and round trip minus selection
+// percentiles, visited fraction),
 // "client_fallbacks", "config", "machine", "epsd" (pid, samples) and "errors".
 #pragma once
 

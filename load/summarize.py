@@ -16,7 +16,7 @@ def _row(path: Path, report: dict[str, Any]) -> str:
     load = report["machine"]["loadavg_start"].split(" ")[0]
 
     def us(block: dict[str, Any], key: str) -> str:
-        value = block[key]
+        value = block.get(key)
         return "-" if value is None else f"{value:.0f}"
 
     return (
@@ -24,19 +24,20 @@ def _row(path: Path, report: dict[str, Any]) -> str:
         f"{sel['rps']:.0f} | {us(sel, 'p50_us')} | {us(sel, 'p90_us')} | {us(sel, 'p99_us')} | "
         f"{us(sel, 'p999_us')} | {us(sel, 'max_us')} | {us(ping, 'p50_us')} | "
         f"{us(ping, 'p99_us')} | {'-' if ratio is None else f'{ratio:.1f}'} | "
-        f"{report['server']['prepass_p50_us']:.0f} | {errors} | {load} |"
+        f"{us(report['server'], 'prepass_p50_us')} | {us(report['server'], 'overhead_p50_us')} | "
+        f"{errors} | {load} |"
     )
 
 
 def main(paths: list[str]) -> int:
     print(
         "| run | transport | sessions | rate | select rps | p50 µs | p90 µs | p99 µs | p99.9 µs "
-        "| max µs | ping p50 µs | ping p99 µs | select/ping p50 | server p50 µs | errors "
-        "| load avg |"
+        "| max µs | ping p50 µs | ping p99 µs | select/ping p50 | server p50 µs "
+        "| rtt − server p50 µs | errors | load avg |"
     )
     print(
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: | ---: |"
+        "| ---: | ---: | ---: | ---: | ---: |"
     )
     for name in paths:
         path = Path(name)
