@@ -13,8 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=$PWD/.carry/load
-export LD_LIBRARY_PATH=$CARRY/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export EPSD=$CARRY/epsd EPS_LOAD=$CARRY/eps-load
+export EPSD=$CARRY/epsd EPS_LOAD=$CARRY/eps-load  # wrappers that set their library path
 OUT_DIR=${OUT:-$PWD/latency-out}/latency
 mkdir -p "$OUT_DIR"
 {

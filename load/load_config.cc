@@ -165,7 +165,7 @@ std::string Usage() {
       "                                   R = fixed gaps, poisson:R = Poisson arrivals\n"
       "  --sessions=1                     engines, each with its own buffers, client and channel\n"
       "  --mode=unary|stream              SelectPages transport\n"
-      "  --deadline=1s                    the client's per-call deadline (a miss is an error)\n"
+      "  --deadline=10s                   the client's per-call deadline (a miss is an error)\n"
       "  --slo=2ms                        calls slower than this are counted as over_slo\n"
       "  --ping-every=1                   one Ping per N SelectPages on each session (0 = none)\n"
       "  --ping-api=callback|sync         Ping like EpsClient's unary call, or via the sync stub\n"

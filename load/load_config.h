@@ -48,7 +48,8 @@ struct LoadConfig {
   Arrivals arrivals;
   int sessions = 1;
   bool stream = false;
-  std::chrono::microseconds deadline{std::chrono::seconds(1)};  // the client's per-call deadline
+  // The client's per-call deadline: long, so that a slow step is measured, not cut off.
+  std::chrono::microseconds deadline{std::chrono::seconds(10)};
   std::chrono::microseconds slo{2000};  // a call slower than this is counted as over_slo
   int ping_every = 1;                   // one Ping per this many SelectPages; 0 = no Ping
   bool ping_sync = false;  // Ping through the synchronous stub instead of the callback API

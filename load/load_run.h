@@ -14,7 +14,7 @@
 //
 // Transport: SelectPages goes through client::EpsClient (the engine's real
 // path: callback-API unary or the bidirectional stream, deadline, fail-open
-// bookkeeping); its deadline defaults to 1 s so that the latency tail is
+// bookkeeping); its deadline defaults to 10 s so that the latency tail is
 // measured rather than cut at the engine's 2 ms (--slo counts the calls an
 // engine with that deadline would have lost). Ping is a unary callback-API
 // call on the client's stub, waited for the same way as EpsClient's unary

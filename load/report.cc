@@ -60,7 +60,12 @@ CallView View(const LoadConfig& config, const RunResult& r, CallResults& c) {
   return v;
 }
 
-double Ratio(double a, double b) { return b > 0 ? a / b : std::nan(""); }
+double Ratio(double a, double b) { return a > 0 && b > 0 ? a / b : std::nan(""); }
+
+// A latency for the table: "-" when there is none.
+std::string Cell(double us, uint64_t count) {
+  return count == 0 ? "-" : absl::StrFormat("%.1f", us);
+}
 
 std::string CallJson(CallView v, const CallResults& c) {
   if (v.lat.count == 0) {  // no latency to report: null, not a misleading 0
@@ -102,18 +107,26 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
   std::fprintf(out, "%-12s %9s %7s %9s %10s %10s %10s %10s %10s %10s\n", "call", "count", "errors",
                "rps", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us", "mean us");
   auto row = [&](const char* name, const CallView& v) {
-    std::fprintf(out, "%-12s %9llu %7llu %9.1f %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f\n", name,
-                 static_cast<unsigned long long>(v.lat.count),
-                 static_cast<unsigned long long>(v.errors), v.rps, v.lat.p50_us, v.lat.p90_us,
-                 v.lat.p99_us, v.lat.p999_us, v.lat.max_us, v.lat.mean_us);
+    const uint64_t n = v.lat.count;
+    std::fprintf(out, "%-12s %9llu %7llu %9.1f %10s %10s %10s %10s %10s %10s\n", name,
+                 static_cast<unsigned long long>(n), static_cast<unsigned long long>(v.errors),
+                 v.rps, Cell(v.lat.p50_us, n).c_str(), Cell(v.lat.p90_us, n).c_str(),
+                 Cell(v.lat.p99_us, n).c_str(), Cell(v.lat.p999_us, n).c_str(),
+                 Cell(v.lat.max_us, n).c_str(), Cell(v.lat.mean_us, n).c_str());
   };
   row("SelectPages", sel);
   row("Ping", png);
-  std::fprintf(out, "%-12s %9s %7s %9s %9.1fx %9.1fx %9.1fx %9.1fx %9.1fx %9.1fx\n", "Select/Ping",
-               "", "", "", Ratio(sel.lat.p50_us, png.lat.p50_us),
-               Ratio(sel.lat.p90_us, png.lat.p90_us), Ratio(sel.lat.p99_us, png.lat.p99_us),
-               Ratio(sel.lat.p999_us, png.lat.p999_us), Ratio(sel.lat.max_us, png.lat.max_us),
-               Ratio(sel.lat.mean_us, png.lat.mean_us));
+  auto ratio = [&](double a, double b) {
+    const double x = Ratio(a, b);
+    return std::isfinite(x) ? absl::StrFormat("%.1fx", x) : std::string("-");
+  };
+  std::fprintf(out, "%-12s %9s %7s %9s %10s %10s %10s %10s %10s %10s\n", "Select/Ping", "", "", "",
+               ratio(sel.lat.p50_us, png.lat.p50_us).c_str(),
+               ratio(sel.lat.p90_us, png.lat.p90_us).c_str(),
+               ratio(sel.lat.p99_us, png.lat.p99_us).c_str(),
+               ratio(sel.lat.p999_us, png.lat.p999_us).c_str(),
+               ratio(sel.lat.max_us, png.lat.max_us).c_str(),
+               ratio(sel.lat.mean_us, png.lat.mean_us).c_str());
   const LatencySummary prepass = r.prepass_us.Summarize();
   const LatencySummary overhead = r.overhead_us.Summarize();
   std::fprintf(out,

@@ -147,6 +147,32 @@ def test_an_unreachable_target_is_counted_by_status_code_and_ends(tmp_path: Path
     assert "UNAVAILABLE" in result.stdout
 
 
+def test_calls_past_the_deadline_count_as_deadline_exceeded(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=2k",
+            "--duration=1s",
+            "--warmup=0",
+            "--deadline=1us",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["select"]["count"] == 0
+    assert report["select"]["errors"] > 0
+    assert report["select"]["errors_by_code"] == {"DEADLINE_EXCEEDED": report["select"]["errors"]}
+    assert report["client_fallbacks"]["deadline"] >= report["select"]["errors"]
+    assert report["select"]["p50_us"] is None
+
+
 def test_bad_flags_exit_2_and_name_the_flag() -> None:
     result = _run(["--rate=fast"])
     assert result.returncode == 2
