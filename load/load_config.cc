@@ -164,7 +164,7 @@ std::string Usage() {
       "  --rate=0                         SelectPages/s over all sessions: 0 = closed loop,\n"
       "                                   R = fixed gaps, poisson:R = Poisson arrivals\n"
       "  --sessions=1                     engines, each with its own buffers, client and channel\n"
-      "  --mode=unary|stream              SelectPages transport\n"
+      "  --mode=stream|unary              SelectPages transport (default stream)\n"
       "  --deadline=10s                   the client's per-call deadline (a miss is an error)\n"
       "  --slo=2ms                        calls slower than this are counted as over_slo\n"
       "  --ping-every=1                   one Ping per N SelectPages on each session (0 = none)\n"

@@ -84,6 +84,14 @@ TEST(ParseFlags, PresetsCarryTheirPublishedShapes) {
   EXPECT_EQ(s.num_kv_heads, 3);
 }
 
+TEST(ParseFlags, DefaultsToTheMeasuredWinners) {
+  const LoadConfig c = *ParseFlags({});
+  EXPECT_TRUE(c.stream);
+  EXPECT_EQ(c.target, "unix:///tmp/epsd.sock");
+  EXPECT_TRUE(c.arrivals.closed_loop());
+  EXPECT_FALSE(ParseFlags({"--mode=unary"}).value().stream);
+}
+
 TEST(ParseFlags, CustomShapeFlagsOverrideThePresetInAnyOrder) {
   const LoadConfig c = *ParseFlags({"--layers=4", "--preset=smollm2-135m", "--kv-heads=1"});
   EXPECT_EQ(c.model.num_layers, 4);
