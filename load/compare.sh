@@ -52,15 +52,15 @@ for rep in 1 2; do
   # 3. The client's wait: callback API and a condition variable (as EpsClient) vs the sync stub.
   run uds-ping-sync "$UDS" "${SMALL[@]}" --mode=unary --ping-api=sync
   # 4. Channel arguments (two sessions, so that sharing one connection can matter).
-  run chan-default "$UDS" "${SMALL[@]}" --sessions=2
-  run chan-noretry "$UDS" "${SMALL[@]}" --sessions=2 --channel-arg=grpc.enable_retries=0
-  run chan-localpool "$UDS" "${SMALL[@]}" --sessions=2 --channel-arg=grpc.use_local_subchannel_pool=1
+  run chan-default "$UDS" "${SMALL[@]}" --mode=unary --sessions=2
+  run chan-noretry "$UDS" "${SMALL[@]}" --mode=unary --sessions=2 --channel-arg=grpc.enable_retries=0
+  run chan-localpool "$UDS" "${SMALL[@]}" --mode=unary --sessions=2 --channel-arg=grpc.use_local_subchannel_pool=1
   # 5. Server concurrency: more sessions (epsd runs each step on a gRPC callback thread).
-  run sessions-4 "$UDS" "${SMALL[@]}" --sessions=4
+  run sessions-4 "$UDS" "${SMALL[@]}" --mode=unary --sessions=4
   # 6. Open loop at a fixed Poisson rate: tail latency under load, no coordinated omission.
-  run open-poisson200 "$UDS" "${SMALL[@]}" --rate=poisson:200
+  run open-poisson200 "$UDS" "${SMALL[@]}" --mode=unary --rate=poisson:200
   # 7. The headline shape: Llama-3-8B, batch 8, 32k context (CPU backend: the selection dominates).
-  run llama8b-b8-32k "$UDS" --preset=llama-3-8b --batch=8 --context=32768 --duration="$DURATION" --warmup=1s
+  run llama8b-b8-32k "$UDS" --mode=unary --preset=llama-3-8b --batch=8 --context=32768 --duration="$DURATION" --warmup=1s
   run llama8b-b1-8k-stream "$UDS" --preset=llama-3-8b --batch=1 --context=8k --mode=stream --duration="$DURATION" --warmup=1s
 done
 
