@@ -4,6 +4,8 @@
 //
 // Exit status: 0 when every measured call succeeded, 3 when some failed (the
 // report says which), 2 for bad flags, 1 when the run could not be set up.
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -12,6 +14,14 @@
 #include "load/load_config.h"
 #include "load/load_run.h"
 #include "load/report.h"
+
+namespace {
+
+std::atomic<bool> stop_requested{false};  // lock-free, so safe to set from a signal handler
+
+extern "C" void RequestStop(int) { stop_requested.store(true); }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   auto config = eps::load::ParseFlags(std::vector<std::string>(argv + 1, argv + argc));
@@ -23,7 +33,14 @@ int main(int argc, char** argv) {
     std::fputs(eps::load::Usage().c_str(), stdout);
     return 0;
   }
-  auto result = eps::load::RunLoad(*config);
+  // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
+  // destructors remove the shared-memory objects (a killed run would leave them).
+  struct sigaction action {};
+  action.sa_handler = RequestStop;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  auto result = eps::load::RunLoad(*config, &stop_requested);
   if (!result.ok()) {
     std::fprintf(stderr, "eps-load: %s\n", result.status().ToString().c_str());
     return 1;

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -158,7 +159,8 @@ struct Session {
 
 // The per-session loop; see the file comment of load_run.h for the schedule.
 void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Clock::time_point t0,
-                Clock::time_point measure_begin, Clock::time_point end) {
+                Clock::time_point measure_begin, Clock::time_point end,
+                const std::atomic<bool>* stop) {
   std::mt19937_64 rng(config.seed * 1000003 + index);
   const bool closed = config.arrivals.closed_loop();
   const double per_session_rate = config.arrivals.rate / config.sessions;
@@ -203,7 +205,7 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   uint64_t step = 0;
   for (uint64_t k = 0;; ++k) {
     const Clock::time_point scheduled = closed ? Clock::now() : next;
-    if (scheduled >= end) break;
+    if (scheduled >= end || (stop != nullptr && stop->load())) break;
     for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
     client::StepResult result;
     const bool ok = timed(scheduled, s.select, "SelectPages", [&] {
@@ -246,7 +248,7 @@ void CallResults::Merge(const CallResults& other) {
   for (const auto& [code, count] : other.errors_by_code) errors_by_code[code] += count;
 }
 
-absl::StatusOr<RunResult> RunLoad(const LoadConfig& config) {
+absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bool>* stop) {
   RunResult r;
   const auto prefill_start = Clock::now();
   const WorkloadImage image =
@@ -312,10 +314,12 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config) {
       }
     });
   }
+  std::fprintf(stderr, "eps-load: %d session%s running on %s (SIGINT or SIGTERM stops early)\n",
+               config.sessions, config.sessions == 1 ? "" : "s", config.target.c_str());
   std::vector<std::thread> threads;
   for (int i = 0; i < config.sessions; ++i) {
     threads.emplace_back(
-        [&, i] { RunSession(config, i, sessions[i], log, t0, measure_begin, end); });
+        [&, i] { RunSession(config, i, sessions[i], log, t0, measure_begin, end, stop); });
   }
   for (std::thread& t : threads) t.join();
   if (sampler.joinable()) {
@@ -328,7 +332,9 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config) {
   }
   log.Sample("end");
   r.load_end = ReadLoadAvg();
-  r.measured_s = Seconds(config.duration);
+  r.stopped_early = stop != nullptr && stop->load();
+  r.measured_s =
+      Seconds(std::clamp(std::min(Clock::now(), end), measure_begin, end) - measure_begin);
 
   for (Session& s : sessions) {
     r.select.Merge(s.select);

@@ -22,6 +22,7 @@
 // synchronous stub instead, to measure what the callback hop costs).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -69,7 +70,8 @@ struct RunResult {
   LatencySamples overhead_us;
   int64_t pages_visited = 0, pages_total = 0;
   client::ClientCounters fallbacks;  // summed over sessions, warm-up included
-  double measured_s = 0;             // the measured window
+  double measured_s = 0;             // the measured window (shorter when stopped early)
+  bool stopped_early = false;
   std::string started_utc;
   pid_t epsd_pid = 0;
   std::string epsd_pid_note;  // how it was found, or why not
@@ -84,6 +86,9 @@ struct RunResult {
 
 // Builds every session's buffers, attaches and runs the load. Errors only for
 // setup failures (bad backend, shared memory); call failures are results.
-absl::StatusOr<RunResult> RunLoad(const LoadConfig& config);
+// Setting `*stop` (e.g. from a signal handler) ends the run early: each session
+// stops before its next call, and the report covers the window run so far.
+absl::StatusOr<RunResult> RunLoad(const LoadConfig& config,
+                                  const std::atomic<bool>* stop = nullptr);
 
 }  // namespace eps::load

@@ -104,6 +104,7 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
                config.sessions, config.sessions == 1 ? "" : "s", ModeName(config).c_str(),
                config.target.c_str(), r.measured_s,
                std::chrono::duration<double>(config.warmup).count());
+  if (r.stopped_early) std::fprintf(out, "(stopped early by a signal)\n");
   std::fprintf(out, "%-12s %9s %7s %9s %10s %10s %10s %10s %10s %10s\n", "call", "count", "errors",
                "rps", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us", "mean us");
   auto row = [&](const char* name, const CallView& v) {
@@ -197,7 +198,9 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
   const client::ClientCounters& f = r.fallbacks;
   auto us = [](std::chrono::microseconds d) { return d.count(); };
   return absl::StrCat(
-      "{\n\"select\": ", CallJson(sel, r.select), ",\n\"ping\": ", CallJson(png, r.ping),
+      "{\n\"measured_s\": ", Num(r.measured_s),
+      ", \"stopped_early\": ", r.stopped_early ? "true" : "false",
+      ",\n\"select\": ", CallJson(sel, r.select), ",\n\"ping\": ", CallJson(png, r.ping),
       ",\n\"ratio\": {\"p50\": ", Num(Ratio(sel.lat.p50_us, png.lat.p50_us)),
       ", \"p90\": ", Num(Ratio(sel.lat.p90_us, png.lat.p90_us)),
       ", \"p99\": ", Num(Ratio(sel.lat.p99_us, png.lat.p99_us)),

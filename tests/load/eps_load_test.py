@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -171,6 +172,38 @@ def test_calls_past_the_deadline_count_as_deadline_exceeded(
     assert report["select"]["errors_by_code"] == {"DEADLINE_EXCEEDED": report["select"]["errors"]}
     assert report["client_fallbacks"]["deadline"] >= report["select"]["errors"]
     assert report["select"]["p50_us"] is None
+
+
+def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_path: Path) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen(
+        [
+            EPS_LOAD,
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=1k",
+            "--duration=10m",
+            "--warmup=0",
+            "--rate=poisson:50",
+            f"--json={out}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()  # printed once the sessions are attached and running
+    assert "running" in line, line
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stdout + stderr
+    assert "stopped early" in stdout
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True
+    assert report["measured_s"] < 60
+    assert not [p for p in Path("/dev/shm").glob(f"eps-load-{proc.pid}-*")]
 
 
 def test_bad_flags_exit_2_and_name_the_flag() -> None:
