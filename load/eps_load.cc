@@ -2,8 +2,8 @@
 // engines against one epsd and reports SelectPages latency next to an empty
 // Ping on the same channel (docs/benchmarks/latency.md has results and usage).
 //
-// Exit status: 0 when every measured call succeeded, 3 when some failed (the
-// report says which), 2 for bad flags, 1 when the run could not be set up.
+// Exit status: 0 when every measured call succeeded, 3 when some failed or
+// were never sent (the report says which), 2 for bad flags, 1 when the run could not be set up.
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -55,5 +55,5 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  return result->select.errors() + result->ping.errors() == 0 ? 0 : 3;
+  return result->select.errors() + result->ping.errors() + result->select.unsent == 0 ? 0 : 3;
 }

@@ -206,6 +206,13 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   for (uint64_t k = 0;; ++k) {
     const Clock::time_point scheduled = closed ? Clock::now() : next;
     if (scheduled >= end || (stop != nullptr && stop->load())) break;
+    if (!closed && Clock::now() >= end + kDrain) {
+      // Hopelessly behind: count what is left of the schedule instead of sending it.
+      for (Clock::time_point t = scheduled; t < end; t += next_gap()) {
+        if (t >= measure_begin) ++s.select.unsent;
+      }
+      break;
+    }
     for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
     client::StepResult result;
     const bool ok = timed(scheduled, s.select, "SelectPages", [&] {
@@ -245,6 +252,7 @@ uint64_t CallResults::errors() const {
 void CallResults::Merge(const CallResults& other) {
   latency.Merge(other.latency);
   send_lag.Merge(other.send_lag);
+  unsent += other.unsent;
   for (const auto& [code, count] : other.errors_by_code) errors_by_code[code] += count;
 }
 

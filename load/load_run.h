@@ -44,9 +44,16 @@ struct CallResults {
   LatencySamples latency;   // calls scheduled in the measured window that succeeded
   LatencySamples send_lag;  // actual send time - scheduled time (open loop)
   std::map<std::string, uint64_t> errors_by_code;
+  // Open loop: calls scheduled in the window but never sent, because the
+  // session was still more than kDrain behind its schedule when the window ended.
+  uint64_t unsent = 0;
   uint64_t errors() const;
   void Merge(const CallResults& other);
 };
+
+// How long an open-loop session may go on sending calls scheduled before the
+// end of the window, once the window is over.
+inline constexpr std::chrono::seconds kDrain{5};
 
 struct EpsdSample {
   double t_s = 0;   // seconds since the run started

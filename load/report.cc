@@ -83,9 +83,10 @@ std::string CallJson(CallView v, const CallResults& c) {
       ", \"max_us\": ", Num(v.lat.max_us), ", \"min_us\": ", Num(v.lat.min_us),
       ", \"mean_us\": ", Num(v.lat.mean_us), ", \"stddev_us\": ", Num(v.lat.stddev_us),
       ", \"count\": ", v.lat.count, ", \"errors\": ", v.errors, ", \"errors_by_code\": {",
-      absl::StrJoin(codes, ", "), "}, \"rps\": ", Num(v.rps), ", \"over_slo\": ", v.over_slo,
-      ", \"send_lag_p50_us\": ", Num(v.lag.p50_us), ", \"send_lag_p99_us\": ", Num(v.lag.p99_us),
-      ", \"send_lag_max_us\": ", Num(v.lag.max_us), "}");
+      absl::StrJoin(codes, ", "), "}, \"unsent\": ", c.unsent, ", \"rps\": ", Num(v.rps),
+      ", \"over_slo\": ", v.over_slo, ", \"send_lag_p50_us\": ", Num(v.lag.p50_us),
+      ", \"send_lag_p99_us\": ", Num(v.lag.p99_us), ", \"send_lag_max_us\": ", Num(v.lag.max_us),
+      "}");
 }
 
 std::string ModeName(const LoadConfig& c) { return c.stream ? "stream" : "unary"; }
@@ -148,6 +149,13 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
     std::vector<std::string> codes;
     for (const auto& [code, n] : c->errors_by_code) codes.push_back(absl::StrCat(code, " ", n));
     std::fprintf(out, "%s errors by code: %s\n", name, absl::StrJoin(codes, ", ").c_str());
+  }
+  if (r.select.unsent > 0) {
+    std::fprintf(
+        out,
+        "SelectPages unsent: %llu calls of the schedule (the sessions were more than %lld s "
+        "behind it when the window ended)\n",
+        static_cast<unsigned long long>(r.select.unsent), static_cast<long long>(kDrain.count()));
   }
   const client::ClientCounters& f = r.fallbacks;
   std::fprintf(out,

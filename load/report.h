@@ -1,7 +1,7 @@
 // eps-load's reports: a table for people and a JSON document for scripts.
 //
-// JSON top level: "measured_s", "stopped_early", "select" and "ping" (p50_us, p90_us, p99_us, p999_us, max_us,
-// min_us, mean_us, stddev_us, count, errors, errors_by_code, rps, over_slo,
+// JSON top level: "measured_s", "stopped_early", "select" and "ping" (p50_us, p90_us, p99_us,
+// p999_us, max_us, min_us, mean_us, stddev_us, count, errors, errors_by_code, rps, over_slo,
 // send_lag_p50_us, send_lag_p99_us), "ratio" (SelectPages/Ping per
 // percentile), "server" (selection time and round trip minus selection
 // percentiles, visited fraction),

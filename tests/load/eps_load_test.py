@@ -174,6 +174,35 @@ def test_calls_past_the_deadline_count_as_deadline_exceeded(
     assert report["select"]["p50_us"] is None
 
 
+def test_an_open_loop_far_behind_its_schedule_counts_the_unsent_calls_and_ends(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    start = time.monotonic()
+    # 1000 steps of ~20-100 ms each in 1 s: no machine keeps up, so the session
+    # stops 5 s after the window and counts what it never sent.
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=8",
+            "--context=32k",
+            "--duration=1s",
+            "--warmup=0",
+            "--rate=1000",
+            f"--json={out}",
+        ]
+    )
+    assert time.monotonic() - start < 40
+    assert result.returncode == 3, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    select = report["select"]
+    assert select["unsent"] > 0
+    assert select["count"] + select["errors"] + select["unsent"] == 1000, select
+    assert "unsent" in result.stdout
+
+
 def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_path: Path) -> None:
     target, _ = epsd
     out = tmp_path / "out.json"
