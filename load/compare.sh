@@ -32,14 +32,12 @@ run() {  # run NAME TARGET FLAGS...: writes NAME-$rep.json
     echo "(eps-load exited $?)"
 }
 
-UDS_PID= TCP_PID=
-trap 'kill -TERM $UDS_PID $TCP_PID 2>/dev/null; wait; rm -f $SOCK' EXIT
+UDS_PID= TCP_PID= UDS_LOG= TCP_LOG=
+trap 'kill -TERM $UDS_PID $TCP_PID 2>/dev/null; wait; rm -f $SOCK $UDS_LOG $TCP_LOG' EXIT
 epsd_start "unix://$SOCK" --backend=cpu
-UDS=$EPSD_TARGET
-UDS_PID=$EPSD_PID
+UDS=$EPSD_TARGET UDS_PID=$EPSD_PID UDS_LOG=$EPSD_LOG
 epsd_start 127.0.0.1:0 --backend=cpu
-TCP=$EPSD_TARGET
-TCP_PID=$EPSD_PID
+TCP=$EPSD_TARGET TCP_PID=$EPSD_PID TCP_LOG=$EPSD_LOG
 
 # Every configuration once, then all of them again: the two runs of one
 # configuration are minutes apart, so the spread includes the machine's drift.
