@@ -127,6 +127,7 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  for (const auto& [key, value] : options_.channel_args) args.SetInt(key, value);
   channel_ = grpc::CreateCustomChannel(options_.target, grpc::InsecureChannelCredentials(), args);
   stub_ = v1::PageSelector::NewStub(channel_);
 }

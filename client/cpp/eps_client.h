@@ -21,6 +21,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -45,6 +46,9 @@ struct ClientOptions {
   // engine's thread: e.g. DeviceBuffers::ReleaseDense, so that an engine stream
   // waiting on selection_done proceeds and attends densely.
   std::function<void(uint64_t step)> on_fallback;
+  // Extra integer gRPC channel arguments (e.g. "grpc.enable_retries" = 0), set
+  // after the client's own reconnect-backoff arguments; for tuning and benchmarks.
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 struct StepResult {

@@ -1,0 +1,94 @@
+#include "load/buffer_set.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/engine_buffers.h"
+
+namespace eps::load {
+namespace {
+
+absl::Status CheckSize(const char* what, size_t got, int64_t want) {
+  if (got != static_cast<size_t>(want)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " has ", got, " elements, want ", want));
+  }
+  return absl::OkStatus();
+}
+
+class ShmBufferSet final : public BufferSet {
+ public:
+  explicit ShmBufferSet(std::unique_ptr<client::EngineBuffers> buffers)
+      : buffers_(std::move(buffers)) {}
+
+  v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
+  v1::Backend backend() const override { return v1::BACKEND_CPU; }
+  int64_t max_groups() const override { return buffers_->max_groups(); }
+  int64_t max_blocks() const override { return buffers_->max_blocks(); }
+
+  absl::Status WriteSummaryPool(std::span<const float> pool) override {
+    auto dst = buffers_->summary_pool();
+    if (absl::Status s = CheckSize("summary pool", pool.size(), dst.size()); !s.ok()) return s;
+    std::copy(pool.begin(), pool.end(), dst.begin());
+    return absl::OkStatus();
+  }
+  absl::Status WriteGroupTable(std::span<const int32_t> table) override {
+    return WriteRows(table, max_groups(), [&](int64_t r) { return buffers_->GroupRow(r); });
+  }
+  absl::Status WriteBlockTable(std::span<const int32_t> table) override {
+    return WriteRows(table, max_blocks(), [&](int64_t r) { return buffers_->BlockRow(r); });
+  }
+  absl::Status WriteQueries(std::span<const float> queries) override {
+    const ModelLayout& m = buffers_->model();
+    const int64_t batch = buffers_->shape().max_batch;
+    const int d = m.head_dim;
+    if (absl::Status s =
+            CheckSize("queries", queries.size(), int64_t{m.num_layers} * batch * m.num_q_heads * d);
+        !s.ok()) {
+      return s;
+    }
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int64_t pos = 0; pos < batch; ++pos) {
+        for (int h = 0; h < m.num_q_heads; ++h) {
+          const int64_t at = ((layer * batch + pos) * m.num_q_heads + h) * d;
+          std::copy_n(queries.begin() + at, d, buffers_->Query(layer, pos, h).begin());
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  template <typename RowOf>
+  absl::Status WriteRows(std::span<const int32_t> table, int64_t width, RowOf row_of) {
+    const int64_t rows = buffers_->shape().max_seqs;
+    if (absl::Status s = CheckSize("table", table.size(), rows * width); !s.ok()) return s;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(table.begin() + r * width, width, row_of(r).begin());
+    }
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<client::EngineBuffers> buffers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
+                                                           const ModelLayout& model,
+                                                           const BufferSetShape& shape) {
+  if (backend == BufferBackend::kCuda) {
+    return absl::UnimplementedError(
+        "--backend=cuda: device-memory buffers are not built into eps-load yet (they need the "
+        "client library's CUDA allocator); use --backend=cpu");
+  }
+  client::BufferShape s;
+  s.num_slots = shape.num_slots;
+  s.max_seqs = shape.max_seqs;
+  s.max_context = shape.max_context;
+  s.max_batch = shape.max_batch;
+  auto buffers = client::EngineBuffers::Create(model, s, "load");
+  if (!buffers.ok()) return buffers.status();
+  return std::unique_ptr<BufferSet>(std::make_unique<ShmBufferSet>(std::move(*buffers)));
+}
+
+}  // namespace eps::load

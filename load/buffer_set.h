@@ -1,0 +1,57 @@
+// The shared buffers of one simulated engine, behind a small interface so that
+// eps-load runs the same load over host shared memory (the cpu backend) and,
+// later, device memory (the cuda backend).
+//
+// eps-load builds host images of every input buffer once and copies them in
+// with the Write* calls before it attaches; the calls take row-major host
+// arrays in the shapes of docs/api.md. Ownership: a BufferSet owns its memory
+// and frees it in its destructor. Thread safety: none (one session each).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "core/layout.h"
+#include "eps/v1/page_selector.pb.h"
+#include "load/load_config.h"
+
+namespace eps::load {
+
+struct BufferSetShape {
+  int64_t num_slots = 0;
+  int64_t max_seqs = 0;
+  int64_t max_context = 0;
+  int64_t max_batch = 0;
+};
+
+class BufferSet {
+ public:
+  virtual ~BufferSet() = default;
+
+  // Descriptors for AttachRequest.buffers, and the backend and device to attach with.
+  virtual v1::SharedBuffers Descriptors() const = 0;
+  virtual v1::Backend backend() const = 0;
+  virtual int device() const { return 0; }
+
+  virtual int64_t max_groups() const = 0;
+  virtual int64_t max_blocks() const = 0;
+
+  // [num_slots, layers, kv_heads, record_words] float32
+  virtual absl::Status WriteSummaryPool(std::span<const float> pool) = 0;
+  // [max_seqs, max_groups] int32
+  virtual absl::Status WriteGroupTable(std::span<const int32_t> table) = 0;
+  // [max_seqs, max_blocks] int32
+  virtual absl::Status WriteBlockTable(std::span<const int32_t> table) = 0;
+  // [layers, max_batch, q_heads, head_dim] float32
+  virtual absl::Status WriteQueries(std::span<const float> queries) = 0;
+};
+
+// Host shared memory through client::EngineBuffers (cpu), or an
+// UNIMPLEMENTED error for cuda until the device allocator lands in client/cpp.
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
+                                                           const ModelLayout& model,
+                                                           const BufferSetShape& shape);
+
+}  // namespace eps::load

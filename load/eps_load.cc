@@ -1,0 +1,59 @@
+// eps-load: a load generator and latency benchmark for epsd. It plays N
+// engines against one epsd and reports SelectPages latency next to an empty
+// Ping on the same channel (docs/benchmarks/latency.md has results and usage).
+//
+// Exit status: 0 when every measured call succeeded, 3 when some failed or
+// were never sent (the report says which), 2 for bad flags, 1 when the run could not be set up.
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "load/load_config.h"
+#include "load/load_run.h"
+#include "load/report.h"
+
+namespace {
+
+std::atomic<bool> stop_requested{false};  // lock-free, so safe to set from a signal handler
+
+extern "C" void RequestStop(int) { stop_requested.store(true); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto config = eps::load::ParseFlags(std::vector<std::string>(argv + 1, argv + argc));
+  if (!config.ok()) {
+    std::fprintf(stderr, "eps-load: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  if (config->help) {
+    std::fputs(eps::load::Usage().c_str(), stdout);
+    return 0;
+  }
+  // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
+  // destructors remove the shared-memory objects (a killed run would leave them).
+  struct sigaction action {};
+  action.sa_handler = RequestStop;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  auto result = eps::load::RunLoad(*config, &stop_requested);
+  if (!result.ok()) {
+    std::fprintf(stderr, "eps-load: %s\n", result.status().ToString().c_str());
+    return 1;
+  }
+  eps::load::PrintTable(*config, *result, stdout);
+  if (!config->json_path.empty()) {
+    std::ofstream out(config->json_path);
+    out << eps::load::ToJson(*config, *result);
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "eps-load: cannot write %s\n", config->json_path.c_str());
+      return 1;
+    }
+  }
+  return result->select.errors() + result->ping.errors() + result->select.unsent == 0 ? 0 : 3;
+}

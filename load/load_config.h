@@ -1,0 +1,84 @@
+// eps-load's command line: the model shape, the batch, the arrival process and
+// the transport of one load run. Parsing is a pure function (no globals), so
+// tests call it directly.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/layout.h"
+
+namespace eps::load {
+
+// Context length of each batch row, drawn per request: fixed, or uniform in [lo, hi].
+struct ContextDistribution {
+  int64_t lo = 32768;
+  int64_t hi = 32768;
+  int64_t max() const { return hi; }
+  int64_t Draw(std::mt19937_64& rng) const {
+    return lo == hi ? lo : std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  }
+  std::string ToString() const;
+};
+
+// Arrival process of SelectPages calls, summed over all sessions. rate == 0 is
+// a closed loop: each session sends its next call as soon as the last one ended.
+struct Arrivals {
+  double rate = 0;       // SelectPages per second over all sessions
+  bool poisson = false;  // exponential gaps (a Poisson process) instead of fixed ones
+  bool closed_loop() const { return rate <= 0; }
+  std::string ToString() const;
+};
+
+enum class BufferBackend { kCpu, kCuda };
+
+struct LoadConfig {
+  std::string target = "unix:///tmp/epsd.sock";
+  std::string preset = "llama-3-8b";
+  ModelLayout model;  // the preset, then the custom shape flags
+  int batch = 8;
+  ContextDistribution context;
+  std::chrono::microseconds duration{std::chrono::seconds(10)};
+  std::chrono::microseconds warmup{std::chrono::seconds(1)};
+  Arrivals arrivals;
+  int sessions = 1;
+  bool stream = true;  // the stream: 40-340 µs less per call than unary here (latency.md)
+  // The client's per-call deadline: long, so that a slow step is measured, not cut off.
+  std::chrono::microseconds deadline{std::chrono::seconds(10)};
+  std::chrono::microseconds slo{2000};  // a call slower than this is counted as over_slo
+  int ping_every = 1;                   // one Ping per this many SelectPages; 0 = no Ping
+  bool ping_sync = false;  // Ping through the synchronous stub instead of the callback API
+  BufferBackend backend = BufferBackend::kCpu;
+  std::vector<std::pair<std::string, int>> channel_args;
+  std::string json_path;
+  uint64_t seed = 1;
+  // Soak mode: samples epsd's RSS and open fds every sample_every and at every
+  // error, and prints every error as it happens.
+  bool soak = false;
+  std::chrono::microseconds sample_every{std::chrono::seconds(60)};
+  int epsd_pid = 0;  // 0: the process listening on the target's socket, when found
+  bool help = false;
+};
+
+// The shapes eps-load knows: llama-3-8b, qwen2.5-7b, llama-3-70b-tp8 (one
+// tensor-parallel rank of 8: 8 query heads, 1 KV head), smollm2-135m.
+absl::StatusOr<ModelLayout> PresetModel(const std::string& name);
+const std::vector<std::string>& PresetNames();
+
+// "5s", "250ms", "100us", "10m", "1.5s"; a bare number is seconds.
+absl::StatusOr<std::chrono::microseconds> ParseDuration(const std::string& text);
+// "32768", "32k", "uniform:1024-32768" (k = 1024).
+absl::StatusOr<ContextDistribution> ParseContext(const std::string& text);
+// "0" (closed loop), "200" (fixed gaps), "poisson:200".
+absl::StatusOr<Arrivals> ParseRate(const std::string& text);
+
+// Parses --flag=value forms (args exclude argv[0]); unknown flags are errors.
+absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args);
+std::string Usage();
+
+}  // namespace eps::load

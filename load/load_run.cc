@@ -1,0 +1,369 @@
+#include "load/load_run.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "load/buffer_set.h"
+#include "load/workload.h"
+
+namespace eps::load {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+std::string CodeName(absl::StatusCode code) { return absl::StatusCodeToString(code); }
+
+std::string ReadLoadAvg() {
+  std::ifstream in("/proc/loadavg");
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string UtcNow() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers, int batch,
+                             int64_t num_kv_blocks, const std::string& engine_id) {
+  v1::AttachRequest a;
+  a.set_engine_id(engine_id);
+  v1::ModelLayout* l = a.mutable_layout();
+  l->set_num_layers(model.num_layers);
+  l->set_num_q_heads(model.num_q_heads);
+  l->set_num_kv_heads(model.num_kv_heads);
+  l->set_head_dim(model.head_dim);
+  l->set_block_size(model.block_size);
+  l->set_group_blocks(model.group_blocks);
+  l->set_sketch_dim(model.sketch_dim);
+  l->set_phi_seed(model.phi_seed);
+  l->mutable_features()->set_key_sum(model.features.key_sum);
+  l->mutable_features()->set_principal(model.features.principal);
+  l->mutable_features()->set_quest(model.features.quest);
+  *a.mutable_buffers() = buffers.Descriptors();
+  a.set_max_batch(static_cast<uint32_t>(batch));
+  a.set_num_kv_blocks(static_cast<uint64_t>(num_kv_blocks));
+  a.set_backend(buffers.backend());
+  a.set_device(buffers.device());
+  return a;
+}
+
+// A unary Ping through the callback API, waited for on a condition variable
+// like EpsClient's unary SelectPages. gRPC enforces the deadline and always
+// runs the callback, so waiting for it cannot hang.
+absl::Status CallbackPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  v1::PingRequest request;
+  v1::PingResponse response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.async()->Ping(&context, &request, &response, [&](grpc::Status s) {
+    std::lock_guard lock(mu);
+    status = std::move(s);
+    done = true;
+    cv.notify_all();
+  });
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return done; });
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+// Shared between the sessions: the error log and epsd's samples.
+class RunLog {
+ public:
+  RunLog(const LoadConfig& config, Clock::time_point t0, pid_t epsd_pid)
+      : config_(config), t0_(t0), epsd_pid_(epsd_pid) {}
+
+  void Sample(const std::string& why) {
+    if (epsd_pid_ <= 0) return;
+    auto stats = ReadProcessStats(epsd_pid_);
+    std::lock_guard lock(mu_);
+    if (!stats.ok()) {
+      if (why != "error") notes_.push_back(absl::StrCat(why, ": ", stats.status().message()));
+      return;
+    }
+    samples_.push_back({Seconds(Clock::now() - t0_), why, *stats});
+  }
+
+  void Error(int session, const char* call, const absl::Status& status) {
+    const double t = Seconds(Clock::now() - t0_);
+    bool sample = false;
+    {
+      std::lock_guard lock(mu_);
+      if (errors_.size() < RunResult::kMaxErrorLog) {
+        errors_.push_back(
+            {t, session, call, CodeName(status.code()), std::string(status.message())});
+      } else {
+        ++dropped_;
+      }
+      // epsd's resources at an error, at most once a second.
+      if (config_.soak && t - last_error_sample_ >= 1.0) {
+        last_error_sample_ = t;
+        sample = true;
+      }
+    }
+    if (config_.soak) {
+      std::fprintf(stderr, "eps-load: t=%.3fs session %d %s %s: %s\n", t, session, call,
+                   CodeName(status.code()).c_str(), std::string(status.message()).c_str());
+    }
+    if (sample) Sample("error");
+  }
+
+  void MoveInto(RunResult& r) {
+    std::lock_guard lock(mu_);
+    r.epsd_samples = std::move(samples_);
+    r.error_log = std::move(errors_);
+    r.error_log_dropped = dropped_;
+    for (const std::string& note : notes_) r.epsd_pid_note += "; " + note;
+  }
+
+ private:
+  const LoadConfig& config_;
+  const Clock::time_point t0_;
+  const pid_t epsd_pid_;
+  std::mutex mu_;
+  std::vector<EpsdSample> samples_;
+  std::vector<ErrorEvent> errors_;
+  std::vector<std::string> notes_;
+  uint64_t dropped_ = 0;
+  double last_error_sample_ = -1e9;
+};
+
+struct Session {
+  std::unique_ptr<BufferSet> buffers;
+  std::unique_ptr<client::EpsClient> client;
+  CallResults select, ping;
+  LatencySamples prepass_us, overhead_us;
+  int64_t pages_visited = 0, pages_total = 0;
+};
+
+// The per-session loop; see the file comment of load_run.h for the schedule.
+void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Clock::time_point t0,
+                Clock::time_point measure_begin, Clock::time_point end,
+                const std::atomic<bool>* stop) {
+  std::mt19937_64 rng(config.seed * 1000003 + index);
+  const bool closed = config.arrivals.closed_loop();
+  const double per_session_rate = config.arrivals.rate / config.sessions;
+  std::exponential_distribution<double> exp_gap(closed ? 1.0 : per_session_rate);
+  auto next_gap = [&]() -> Clock::duration {
+    if (closed) return Clock::duration::zero();
+    const double gap_s = config.arrivals.poisson ? exp_gap(rng) : 1.0 / per_session_rate;
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
+  };
+  // Fixed rate: sessions evenly staggered, so the sum is evenly spaced too.
+  Clock::time_point next = t0;
+  if (!closed) {
+    next += config.arrivals.poisson
+                ? next_gap()
+                : std::chrono::duration_cast<Clock::duration>(
+                      std::chrono::duration<double>(index / config.arrivals.rate));
+  }
+  std::vector<v1::BatchRow> rows(config.batch);
+  for (int r = 0; r < config.batch; ++r) {
+    rows[r].set_table_row(r);
+    rows[r].set_seq_id(static_cast<uint64_t>(index) * 100000 + r);
+  }
+  // One call: waits for its scheduled time, then records it (when in the window).
+  auto timed = [&](Clock::time_point scheduled, CallResults& out, const char* name,
+                   auto&& call) -> bool {
+    if (!closed) std::this_thread::sleep_until(scheduled);
+    const Clock::time_point sent = Clock::now();
+    const absl::Status status = call();
+    const Clock::time_point done = Clock::now();
+    const bool measured = scheduled >= measure_begin;
+    if (status.ok()) {
+      if (measured) {
+        out.latency.Record(Micros(done - scheduled));
+        if (!closed) out.send_lag.Record(Micros(sent - scheduled));
+      }
+    } else {
+      if (measured) ++out.errors_by_code[CodeName(status.code())];
+      log.Error(index, name, status);
+    }
+    return status.ok();
+  };
+  uint64_t step = 0;
+  for (uint64_t k = 0;; ++k) {
+    const Clock::time_point scheduled = closed ? Clock::now() : next;
+    if (scheduled >= end || (stop != nullptr && stop->load())) break;
+    if (!closed && Clock::now() >= end + kDrain) {
+      // Hopelessly behind: count what is left of the schedule instead of sending it.
+      for (Clock::time_point t = scheduled; t < end; t += next_gap()) {
+        if (t >= measure_begin) ++s.select.unsent;
+      }
+      break;
+    }
+    for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
+    client::StepResult result;
+    const bool ok = timed(scheduled, s.select, "SelectPages", [&] {
+      result = s.client->SelectPages(++step, rows);
+      return result.fallback ? result.status : absl::OkStatus();
+    });
+    if (ok && scheduled >= measure_begin) {
+      s.prepass_us.Record(result.response.stats().prepass_us());
+      s.overhead_us.Record(result.round_trip_us - result.response.stats().prepass_us());
+      s.pages_visited += result.response.stats().pages_visited();
+      s.pages_total += result.response.stats().pages_total();
+    }
+    const Clock::duration gap = next_gap();
+    if (config.ping_every > 0 && k % config.ping_every == 0) {
+      const Clock::time_point ping_at = closed ? Clock::now() : scheduled + gap / 2;
+      if (ping_at < end) {
+        timed(ping_at, s.ping, "Ping", [&] {
+          return config.ping_sync ? s.client->Ping(config.deadline)
+                                  : CallbackPing(s.client->stub(), config.deadline);
+        });
+      }
+    }
+    // A closed loop against a dead target would spin: pause a little after a failure.
+    if (closed && !ok) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    next = scheduled + gap;
+  }
+}
+
+}  // namespace
+
+uint64_t CallResults::errors() const {
+  uint64_t n = 0;
+  for (const auto& [code, count] : errors_by_code) n += count;
+  return n;
+}
+
+void CallResults::Merge(const CallResults& other) {
+  latency.Merge(other.latency);
+  send_lag.Merge(other.send_lag);
+  unsent += other.unsent;
+  for (const auto& [code, count] : other.errors_by_code) errors_by_code[code] += count;
+}
+
+absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bool>* stop) {
+  RunResult r;
+  const auto prefill_start = Clock::now();
+  const WorkloadImage image =
+      BuildWorkload(config.model, config.batch, config.context.max(), config.seed);
+  r.summary_bytes_per_session = static_cast<int64_t>(image.summary_pool.size() * sizeof(float));
+
+  std::vector<Session> sessions(config.sessions);
+  for (int i = 0; i < config.sessions; ++i) {
+    Session& s = sessions[i];
+    auto buffers = CreateBufferSet(config.backend, config.model, image.shape);
+    if (!buffers.ok()) return buffers.status();
+    s.buffers = std::move(*buffers);
+    if (absl::Status st = image.WriteTo(*s.buffers); !st.ok()) return st;
+    client::ClientOptions options;
+    options.target = config.target;
+    options.deadline = config.deadline;
+    options.use_stream = config.stream;
+    options.channel_args = config.channel_args;
+    options.fail_open = true;
+    s.client = std::make_unique<client::EpsClient>(
+        options, MakeAttach(config.model, *s.buffers, config.batch, image.num_kv_blocks,
+                            absl::StrCat("eps-load-", getpid(), "-", i)));
+  }
+  r.prefill_s = Seconds(Clock::now() - prefill_start);
+  for (int i = 0; i < config.sessions; ++i) {
+    if (absl::Status st = sessions[i].client->Attach(); !st.ok()) {
+      std::fprintf(stderr,
+                   "eps-load: session %d: attach to %s failed: %s (the run goes on and "
+                   "counts every failed call)\n",
+                   i, config.target.c_str(), st.ToString().c_str());
+    }
+  }
+
+  if (config.epsd_pid > 0) {
+    r.epsd_pid = config.epsd_pid;
+    r.epsd_pid_note = "from --epsd-pid";
+  } else if (auto pid = FindListeningProcess(config.target); pid.ok()) {
+    r.epsd_pid = *pid;
+    r.epsd_pid_note = "found listening on the target";
+  } else {
+    r.epsd_pid_note = std::string(pid.status().message());
+  }
+
+  r.started_utc = UtcNow();
+  r.load_start = ReadLoadAvg();
+  const Clock::time_point t0 = Clock::now() + std::chrono::milliseconds(10);
+  const Clock::time_point measure_begin = t0 + config.warmup;
+  const Clock::time_point end = measure_begin + config.duration;
+  RunLog log(config, t0, r.epsd_pid);
+  log.Sample("start");
+
+  std::mutex sampler_mu;
+  std::condition_variable sampler_cv;
+  bool stop_sampler = false;
+  std::thread sampler;
+  if (config.soak && r.epsd_pid > 0) {
+    sampler = std::thread([&] {
+      std::unique_lock lock(sampler_mu);
+      while (!sampler_cv.wait_for(lock, config.sample_every, [&] { return stop_sampler; })) {
+        lock.unlock();
+        log.Sample("periodic");
+        lock.lock();
+      }
+    });
+  }
+  std::fprintf(stderr, "eps-load: %d session%s running on %s (SIGINT or SIGTERM stops early)\n",
+               config.sessions, config.sessions == 1 ? "" : "s", config.target.c_str());
+  std::vector<std::thread> threads;
+  for (int i = 0; i < config.sessions; ++i) {
+    threads.emplace_back(
+        [&, i] { RunSession(config, i, sessions[i], log, t0, measure_begin, end, stop); });
+  }
+  for (std::thread& t : threads) t.join();
+  if (sampler.joinable()) {
+    {
+      std::lock_guard lock(sampler_mu);
+      stop_sampler = true;
+    }
+    sampler_cv.notify_all();
+    sampler.join();
+  }
+  log.Sample("end");
+  r.load_end = ReadLoadAvg();
+  r.stopped_early = stop != nullptr && stop->load();
+  r.measured_s =
+      Seconds(std::clamp(std::min(Clock::now(), end), measure_begin, end) - measure_begin);
+
+  for (Session& s : sessions) {
+    r.select.Merge(s.select);
+    r.ping.Merge(s.ping);
+    r.prepass_us.Merge(s.prepass_us);
+    r.overhead_us.Merge(s.overhead_us);
+    r.pages_visited += s.pages_visited;
+    r.pages_total += s.pages_total;
+    const client::ClientCounters c = s.client->counters();
+    r.fallbacks.steps += c.steps;
+    r.fallbacks.selected += c.selected;
+    r.fallbacks.fallback_deadline += c.fallback_deadline;
+    r.fallbacks.fallback_unavailable += c.fallback_unavailable;
+    r.fallbacks.fallback_not_attached += c.fallback_not_attached;
+    r.fallbacks.fallback_error += c.fallback_error;
+    r.fallbacks.reattaches += c.reattaches;
+    r.fallbacks.errors += c.errors;
+    (void)s.client->Detach();
+  }
+  log.MoveInto(r);
+  return r;
+}
+
+}  // namespace eps::load

@@ -1,0 +1,93 @@
+#include "load/workload.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "core/phi.h"
+#include "core/summary.h"
+#include "core/testing/synthetic.h"
+
+namespace eps::load {
+
+absl::Status WorkloadImage::WriteTo(BufferSet& buffers) const {
+  if (absl::Status s = buffers.WriteSummaryPool(summary_pool); !s.ok()) return s;
+  if (absl::Status s = buffers.WriteGroupTable(group_table); !s.ok()) return s;
+  if (absl::Status s = buffers.WriteBlockTable(block_table); !s.ok()) return s;
+  return buffers.WriteQueries(queries);
+}
+
+WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_context, uint64_t seed,
+                            int patterns) {
+  WorkloadImage w;
+  const SummaryLayout layout = SummaryLayout::For(model);
+  const int d = model.head_dim, words = layout.record_words;
+  const int pairs = model.num_layers * model.num_kv_heads;
+  patterns = std::clamp(patterns, 1, pairs);
+  w.max_blocks = BlocksFor(max_context, model.block_size);
+  w.max_groups = GroupsFor(max_context, model);
+  w.shape = {.num_slots = batch * w.max_groups,
+             .max_seqs = batch,
+             .max_context = max_context,
+             .max_batch = batch};
+  std::mt19937_64 rng(seed);
+
+  // Records of every group of each pattern: [patterns, max_groups, words].
+  const PhiBank phi =
+      *PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads, d, model.sketch_dim);
+  const SummaryWriter writer(model, phi);
+  const int64_t gt = model.group_tokens();
+  std::vector<float> records(static_cast<size_t>(patterns) * w.max_groups * words, 0.0f);
+  std::vector<std::vector<float>> pattern_queries;  // [gqa, d] per pattern
+  for (int p = 0; p < patterns; ++p) {
+    const int layer = p / model.num_kv_heads, kvh = p % model.num_kv_heads;
+    testing::SyntheticConfig c;
+    c.head_dim = d;
+    c.tokens = max_context;
+    c.num_queries = model.gqa_ratio();
+    c.seed = rng();
+    const testing::SyntheticHead head = testing::MakeSyntheticHead(c);
+    for (int64_t g = 0; g < w.max_groups; ++g) {
+      std::span<float> record(records.data() + (p * w.max_groups + g) * words, words);
+      writer.Reset(record);
+      const int64_t begin = g * gt, count = std::min(gt, max_context - begin);
+      // Well-formed synthetic keys cannot be rejected; a failure here is a bug.
+      (void)writer.Append(record, layer, kvh,
+                          {head.keys.data() + begin * d, DType::kFloat32, count, d});
+    }
+    pattern_queries.push_back(head.queries);
+  }
+
+  w.summary_pool.resize(static_cast<size_t>(w.shape.num_slots) * pairs * words);
+  for (int64_t slot = 0; slot < w.shape.num_slots; ++slot) {
+    const int64_t g = slot % w.max_groups;
+    for (int pair = 0; pair < pairs; ++pair) {
+      const int p = pair % patterns;
+      std::copy_n(records.data() + (p * w.max_groups + g) * words, words,
+                  w.summary_pool.data() + (slot * pairs + pair) * words);
+    }
+  }
+  w.group_table.resize(static_cast<size_t>(batch) * w.max_groups);
+  std::iota(w.group_table.begin(), w.group_table.end(), 0);
+  w.block_table.resize(static_cast<size_t>(batch) * w.max_blocks);
+  std::iota(w.block_table.begin(), w.block_table.end(), 0);
+  std::shuffle(w.block_table.begin(), w.block_table.end(), rng);
+  w.num_kv_blocks = static_cast<int64_t>(w.block_table.size());
+
+  const int ratio = model.gqa_ratio();
+  w.queries.resize(static_cast<size_t>(model.num_layers) * batch * model.num_q_heads * d);
+  for (int layer = 0; layer < model.num_layers; ++layer) {
+    for (int pos = 0; pos < batch; ++pos) {
+      for (int h = 0; h < model.num_q_heads; ++h) {
+        const int pair = layer * model.num_kv_heads + h / ratio;
+        const std::vector<float>& q = pattern_queries[pair % patterns];
+        std::copy_n(q.data() + (h % ratio) * d, d,
+                    w.queries.data() +
+                        ((static_cast<int64_t>(layer) * batch + pos) * model.num_q_heads + h) * d);
+      }
+    }
+  }
+  return w;
+}
+
+}  // namespace eps::load

@@ -1,0 +1,247 @@
+"""End-to-end tests of the eps-load binary against a real epsd (CPU backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+EPS_LOAD = os.environ.get("EPS_LOAD_BIN", "build/load/eps-load")
+EPSD = os.environ.get("EPSD_BIN", "build/service/epsd")
+CALL_KEYS = ("p50_us", "p90_us", "p99_us", "p999_us", "max_us", "count", "errors", "rps")
+
+
+def _socket_accepts(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+@pytest.fixture
+def epsd(tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """Starts epsd on a fresh Unix socket; yields (target, pid)."""
+    path = f"/tmp/eps-load-test-{uuid.uuid4().hex[:12]}.sock"
+    with open(tmp_path / "epsd.log", "w") as log:
+        proc = subprocess.Popen(
+            [EPSD, f"--listen=unix://{path}", "--backend=cpu"], stderr=log, stdout=log
+        )
+        try:
+            deadline = time.monotonic() + 15
+            while not _socket_accepts(path):
+                assert proc.poll() is None, (tmp_path / "epsd.log").read_text()
+                assert time.monotonic() < deadline, "epsd did not listen within 15 s"
+                time.sleep(0.02)  # polling a child's start-up, not synchronising threads
+            yield f"unix://{path}", proc.pid
+        finally:
+            proc.kill()
+            proc.wait()
+            Path(path).unlink(missing_ok=True)
+
+
+def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [EPS_LOAD, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _check_call_block(block: dict[str, object]) -> None:
+    for key in CALL_KEYS:
+        assert key in block, f"missing {key} in {block}"
+    p50, p90, p99, p999, mx = (float(block[k]) for k in CALL_KEYS[:5])  # type: ignore[arg-type]
+    assert 0 < p50 <= p90 <= p99 <= p999 <= mx
+
+
+def test_a_short_run_reports_both_calls_without_errors(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, pid = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=2",
+            "--context=uniform:1k-4k",
+            "--duration=1s",
+            "--warmup=200ms",
+            "--sessions=2",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SelectPages" in result.stdout and "Select/Ping" in result.stdout
+    report = json.loads(out.read_text())
+    for name in ("select", "ping"):
+        _check_call_block(report[name])
+        assert report[name]["count"] > 0
+        assert report[name]["errors"] == 0
+        assert report[name]["rps"] > 0
+    assert report["ratio"]["p50"] > 0
+    assert report["config"]["preset"] == "smollm2-135m"
+    assert report["config"]["sessions"] == 2
+    assert report["server"]["pages_total"] > 0
+    assert report["epsd"]["pid"] == pid, report["epsd"]
+    assert report["epsd"]["samples"][0]["rss_kb"] > 0
+    assert report["epsd"]["samples"][0]["open_fds"] > 0
+
+
+def test_an_open_loop_stream_run_keeps_near_its_rate(epsd: tuple[str, int], tmp_path: Path) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=2k",
+            "--duration=2s",
+            "--warmup=200ms",
+            "--rate=poisson:100",
+            "--mode=stream",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["select"]["errors"] == 0
+    # A Poisson process of 100/s over 2 s: 200 ± 5 standard deviations (sqrt(200) ≈ 14).
+    assert 130 <= report["select"]["count"] <= 270, report["select"]
+    assert report["config"]["mode"] == "stream"
+
+
+def test_an_unreachable_target_is_counted_by_status_code_and_ends(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    target = f"unix:///tmp/eps-load-test-nobody-{uuid.uuid4().hex[:12]}.sock"
+    start = time.monotonic()
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=1k",
+            "--duration=1s",
+            "--warmup=0",
+            f"--json={out}",
+        ],
+        timeout=30,
+    )
+    assert time.monotonic() - start < 20
+    assert result.returncode == 3, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["select"]["count"] == 0
+    assert report["select"]["errors"] > 0
+    assert report["select"]["errors_by_code"].get("UNAVAILABLE", 0) == report["select"]["errors"]
+    assert report["ping"]["errors_by_code"].get("UNAVAILABLE", 0) > 0
+    fallbacks = report["client_fallbacks"]
+    assert fallbacks["not_attached"] + fallbacks["unavailable"] > 0
+    assert "UNAVAILABLE" in result.stdout
+
+
+def test_calls_past_the_deadline_count_as_deadline_exceeded(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=2k",
+            "--duration=1s",
+            "--warmup=0",
+            "--deadline=1us",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["select"]["count"] == 0
+    assert report["select"]["errors"] > 0
+    assert report["select"]["errors_by_code"] == {"DEADLINE_EXCEEDED": report["select"]["errors"]}
+    assert report["client_fallbacks"]["deadline"] >= report["select"]["errors"]
+    assert report["select"]["p50_us"] is None
+
+
+def test_an_open_loop_far_behind_its_schedule_counts_the_unsent_calls_and_ends(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    start = time.monotonic()
+    # 1000 steps of ~20-100 ms each in 1 s: no machine keeps up, so the session
+    # stops 5 s after the window and counts what it never sent.
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=8",
+            "--context=32k",
+            "--duration=1s",
+            "--warmup=0",
+            "--rate=1000",
+            f"--json={out}",
+        ]
+    )
+    assert time.monotonic() - start < 40
+    assert result.returncode == 3, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    select = report["select"]
+    assert select["unsent"] > 0
+    assert select["count"] + select["errors"] + select["unsent"] == 1000, select
+    assert "unsent" in result.stdout
+
+
+def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_path: Path) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen(
+        [
+            EPS_LOAD,
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=1k",
+            "--duration=10m",
+            "--warmup=0",
+            "--rate=poisson:50",
+            f"--json={out}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()  # printed once the sessions are attached and running
+    assert "running" in line, line
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stdout + stderr
+    assert "stopped early" in stdout
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True
+    assert report["measured_s"] < 60
+    assert not [p for p in Path("/dev/shm").glob(f"eps-load-{proc.pid}-*")]
+
+
+def test_bad_flags_exit_2_and_name_the_flag() -> None:
+    result = _run(["--rate=fast"])
+    assert result.returncode == 2
+    assert "--rate" in result.stderr
+
+
+def test_the_cuda_backend_says_it_is_not_built_yet() -> None:
+    result = _run(["--backend=cuda", "--preset=smollm2-135m", "--context=1k", "--batch=1"])
+    assert result.returncode == 1
+    assert "not built" in result.stderr

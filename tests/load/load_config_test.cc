@@ -1,0 +1,155 @@
+#include "load/load_config.h"
+
+#include "gtest/gtest.h"
+#include "load/buffer_set.h"
+
+namespace eps::load {
+namespace {
+
+using std::chrono::microseconds;
+
+TEST(ParseDuration, ReadsEveryUnitAndBareSeconds) {
+  EXPECT_EQ(*ParseDuration("5s"), microseconds(5'000'000));
+  EXPECT_EQ(*ParseDuration("250ms"), microseconds(250'000));
+  EXPECT_EQ(*ParseDuration("100us"), microseconds(100));
+  EXPECT_EQ(*ParseDuration("10m"), microseconds(600'000'000));
+  EXPECT_EQ(*ParseDuration("1.5"), microseconds(1'500'000));
+}
+
+TEST(ParseDuration, RejectsGarbageAndNegatives) {
+  for (const char* bad : {"", "s", "-1s", "5x", "abc", "1e30s"}) {
+    EXPECT_FALSE(ParseDuration(bad).ok()) << bad;
+  }
+}
+
+TEST(ParseContext, ReadsFixedKiloAndUniform) {
+  EXPECT_EQ(ParseContext("32768")->lo, 32768);
+  EXPECT_EQ(ParseContext("32k")->hi, 32768);
+  const ContextDistribution d = *ParseContext("uniform:1k-4096");
+  EXPECT_EQ(d.lo, 1024);
+  EXPECT_EQ(d.hi, 4096);
+  EXPECT_EQ(d.ToString(), "uniform:1024-4096");
+}
+
+TEST(ParseContext, RejectsInvertedOrMalformedRanges) {
+  for (const char* bad : {"0", "uniform:9-3", "uniform:5", "normal:1-2", "-4"}) {
+    EXPECT_FALSE(ParseContext(bad).ok()) << bad;
+  }
+}
+
+TEST(ContextDistribution, DrawsStayInsideTheRange) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const ContextDistribution d = *ParseContext("uniform:100-130");
+  bool saw_lo = false, saw_hi = false;
+  for (int i = 0; i < 5000; ++i) {
+    const int64_t t = d.Draw(rng);
+    ASSERT_GE(t, 100);
+    ASSERT_LE(t, 130);
+    saw_lo |= t == 100;
+    saw_hi |= t == 130;
+  }
+  EXPECT_TRUE(saw_lo && saw_hi);
+}
+
+TEST(ParseRate, ReadsClosedFixedAndPoisson) {
+  EXPECT_TRUE(ParseRate("0")->closed_loop());
+  const Arrivals fixed = *ParseRate("200");
+  EXPECT_FALSE(fixed.closed_loop());
+  EXPECT_FALSE(fixed.poisson);
+  EXPECT_DOUBLE_EQ(fixed.rate, 200);
+  const Arrivals p = *ParseRate("poisson:50.5");
+  EXPECT_TRUE(p.poisson);
+  EXPECT_DOUBLE_EQ(p.rate, 50.5);
+  EXPECT_FALSE(ParseRate("poisson:0").ok());
+  EXPECT_FALSE(ParseRate("-3").ok());
+  EXPECT_FALSE(ParseRate("fast").ok());
+}
+
+TEST(ParseFlags, PresetsCarryTheirPublishedShapes) {
+  const ModelLayout l8 = ParseFlags({"--preset=llama-3-8b"})->model;
+  EXPECT_EQ(l8.num_layers, 32);
+  EXPECT_EQ(l8.num_q_heads, 32);
+  EXPECT_EQ(l8.num_kv_heads, 8);
+  const ModelLayout tp = ParseFlags({"--preset=llama-3-70b-tp8"})->model;
+  EXPECT_EQ(tp.num_layers, 80);
+  EXPECT_EQ(tp.num_q_heads, 8);
+  EXPECT_EQ(tp.num_kv_heads, 1);
+  const ModelLayout q = ParseFlags({"--preset=qwen2.5-7b"})->model;
+  EXPECT_EQ(q.num_q_heads, 28);
+  EXPECT_EQ(q.num_kv_heads, 4);
+  const ModelLayout s = ParseFlags({"--preset=smollm2-135m"})->model;
+  EXPECT_EQ(s.head_dim, 64);
+  EXPECT_EQ(s.num_kv_heads, 3);
+}
+
+TEST(ParseFlags, DefaultsToTheMeasuredWinners) {
+  const LoadConfig c = *ParseFlags({});
+  EXPECT_TRUE(c.stream);
+  EXPECT_EQ(c.target, "unix:///tmp/epsd.sock");
+  EXPECT_TRUE(c.arrivals.closed_loop());
+  EXPECT_FALSE(ParseFlags({"--mode=unary"}).value().stream);
+}
+
+TEST(ParseFlags, CustomShapeFlagsOverrideThePresetInAnyOrder) {
+  const LoadConfig c = *ParseFlags({"--layers=4", "--preset=smollm2-135m", "--kv-heads=1"});
+  EXPECT_EQ(c.model.num_layers, 4);
+  EXPECT_EQ(c.model.num_kv_heads, 1);
+  EXPECT_EQ(c.model.num_q_heads, 9);
+}
+
+TEST(ParseFlags, RejectsAShapeTheServerWouldRefuse) {
+  auto c = ParseFlags({"--preset=llama-3-8b", "--kv-heads=5"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("num_kv_heads=5"), std::string::npos) << c.status();
+}
+
+TEST(ParseFlags, ReadsTheRunFlags) {
+  const LoadConfig c = *ParseFlags(
+      {"--target=127.0.0.1:5000", "--batch=4", "--context=uniform:1k-2k", "--duration=2s",
+       "--warmup=0", "--rate=poisson:30", "--sessions=3", "--mode=stream", "--deadline=5ms",
+       "--json=/tmp/x.json", "--channel-arg=grpc.enable_retries=0", "--soak", "--epsd-pid=12"});
+  EXPECT_EQ(c.target, "127.0.0.1:5000");
+  EXPECT_EQ(c.batch, 4);
+  EXPECT_EQ(c.context.hi, 2048);
+  EXPECT_EQ(c.duration, microseconds(2'000'000));
+  EXPECT_EQ(c.warmup, microseconds(0));
+  EXPECT_TRUE(c.arrivals.poisson);
+  EXPECT_EQ(c.sessions, 3);
+  EXPECT_TRUE(c.stream);
+  EXPECT_EQ(c.deadline, microseconds(5000));
+  EXPECT_EQ(c.json_path, "/tmp/x.json");
+  ASSERT_EQ(c.channel_args.size(), 1u);
+  EXPECT_EQ(c.channel_args[0].first, "grpc.enable_retries");
+  EXPECT_EQ(c.channel_args[0].second, 0);
+  EXPECT_TRUE(c.soak);
+  EXPECT_EQ(c.epsd_pid, 12);
+}
+
+TEST(ParseFlags, NamesTheOffendingFlag) {
+  for (const auto& [arg, name] :
+       std::vector<std::pair<std::string, std::string>>{{"--batch=0", "--batch"},
+                                                        {"--mode=fast", "--mode"},
+                                                        {"--preset=gpt-5", "--preset"},
+                                                        {"--duration=0s", "--duration"},
+                                                        {"--channel-arg=nokey", "--channel-arg"},
+                                                        {"--bogus=1", "--bogus"},
+                                                        {"--backend=tpu", "--backend"}}) {
+    auto c = ParseFlags({arg});
+    ASSERT_FALSE(c.ok()) << arg;
+    EXPECT_NE(c.status().message().find(name), std::string::npos) << c.status();
+  }
+}
+
+TEST(CreateBufferSet, CudaAnswersNotBuiltYet) {
+  const LoadConfig c = *ParseFlags({"--preset=smollm2-135m", "--backend=cuda"});
+  auto set = CreateBufferSet(c.backend, c.model,
+                             {.num_slots = 8, .max_seqs = 1, .max_context = 1024, .max_batch = 1});
+  ASSERT_FALSE(set.ok());
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(set.status().message().find("not built"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace eps::load
