@@ -76,11 +76,7 @@ class ShmBufferSet final : public BufferSet {
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape) {
-  if (backend == BufferBackend::kCuda) {
-    return absl::UnimplementedError(
-        "--backend=cuda: device-memory buffers are not built into eps-load yet (they need the "
-        "client library's CUDA allocator); use --backend=cpu");
-  }
+  if (backend == BufferBackend::kCuda) return CreateDeviceBufferSet(model, shape);
   client::BufferShape s;
   s.num_slots = shape.num_slots;
   s.max_seqs = shape.max_seqs;

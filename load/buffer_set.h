@@ -1,6 +1,6 @@
 // The shared buffers of one simulated engine, behind a small interface so that
-// eps-load runs the same load over host shared memory (the cpu backend) and,
-// later, device memory (the cuda backend).
+// eps-load runs the same load over host shared memory (the cpu backend) and
+// device memory (the cuda backend).
 //
 // eps-load builds host images of every input buffer once and copies them in
 // with the Write* calls before it attaches; the calls take row-major host
@@ -48,10 +48,13 @@ class BufferSet {
   virtual absl::Status WriteQueries(std::span<const float> queries) = 0;
 };
 
-// Host shared memory through client::EngineBuffers (cpu), or an
-// UNIMPLEMENTED error for cuda until the device allocator lands in client/cpp.
+// Host shared memory through client::EngineBuffers (cpu), or device memory on
+// device 0 through client::DeviceBuffers (cuda; FAILED_PRECONDITION without a
+// device or in a build without CUDA).
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape);
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout& model,
+                                                                 const BufferSetShape& shape);
 
 }  // namespace eps::load

@@ -169,7 +169,7 @@ std::string Usage() {
       "  --slo=2ms                        calls slower than this are counted as over_slo\n"
       "  --ping-every=1                   one Ping per N SelectPages on each session (0 = none)\n"
       "  --ping-api=callback|sync         Ping like EpsClient's unary call, or via the sync stub\n"
-      "  --backend=cpu|cuda               where the shared buffers live (cuda: not built yet)\n"
+      "  --backend=cpu|cuda               where the shared buffers live (cuda: device 0, CUDA IPC)\n"
       "  --channel-arg=KEY=INT            extra gRPC channel argument (repeatable)\n"
       "  --json=PATH                      write the report as JSON\n"
       "  --seed=1                         synthetic data and Poisson gaps\n"

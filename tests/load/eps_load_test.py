@@ -241,7 +241,8 @@ def test_bad_flags_exit_2_and_name_the_flag() -> None:
     assert "--rate" in result.stderr
 
 
-def test_the_cuda_backend_says_it_is_not_built_yet() -> None:
+def test_the_cuda_backend_without_a_device_is_a_clear_error() -> None:
+    # CI has no GPU: eps-load must say so and exit, never hang or crash.
     result = _run(["--backend=cuda", "--preset=smollm2-135m", "--context=1k", "--batch=1"])
     assert result.returncode == 1
-    assert "not built" in result.stderr
+    assert "--backend=cuda" in result.stderr

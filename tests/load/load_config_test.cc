@@ -142,13 +142,17 @@ TEST(ParseFlags, NamesTheOffendingFlag) {
   }
 }
 
-TEST(CreateBufferSet, CudaAnswersNotBuiltYet) {
+TEST(CreateBufferSet, CudaWithoutADeviceIsAClearPreconditionError) {
   const LoadConfig c = *ParseFlags({"--preset=smollm2-135m", "--backend=cuda"});
   auto set = CreateBufferSet(c.backend, c.model,
                              {.num_slots = 8, .max_seqs = 1, .max_context = 1024, .max_batch = 1});
-  ASSERT_FALSE(set.ok());
-  EXPECT_EQ(set.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(set.status().message().find("not built"), std::string::npos);
+  if (set.ok()) {  // a machine with a GPU: device buffers, attached as cuda
+    EXPECT_EQ((*set)->backend(), v1::BACKEND_CUDA);
+    EXPECT_TRUE((*set)->Descriptors().summary_pool().has_cuda_ipc());
+    return;
+  }
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(set.status().message().find("--backend=cuda"), std::string::npos) << set.status();
 }
 
 }  // namespace

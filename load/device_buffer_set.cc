@@ -1,0 +1,77 @@
+// Device-memory buffers for eps-load --backend=cuda: client::DeviceBuffers (one
+// cudaMalloc exported over CUDA IPC), filled from eps-load's host images.
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/device_buffers.h"
+#include "gpu/step.h"
+#include "load/buffer_set.h"
+
+namespace eps::load {
+namespace {
+
+class DeviceBufferSet final : public BufferSet {
+ public:
+  explicit DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers)
+      : buffers_(std::move(buffers)) {}
+
+  v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
+  v1::Backend backend() const override { return v1::BACKEND_CUDA; }
+  int device() const override { return buffers_->device(); }
+  int64_t max_groups() const override { return buffers_->plan().max_groups; }
+  int64_t max_blocks() const override { return buffers_->plan().max_blocks; }
+
+  absl::Status WriteSummaryPool(std::span<const float> pool) override {
+    return Copy("summary pool", buffers_->summary_pool(), pool, buffers_->plan().pool_words);
+  }
+  absl::Status WriteGroupTable(std::span<const int32_t> table) override {
+    const client::BufferPlan& p = buffers_->plan();
+    return Copy("group table", buffers_->group_table(), table, p.shape.max_seqs * p.max_groups);
+  }
+  absl::Status WriteBlockTable(std::span<const int32_t> table) override {
+    const client::BufferPlan& p = buffers_->plan();
+    return Copy("block table", buffers_->block_table(), table, p.shape.max_seqs * p.max_blocks);
+  }
+  absl::Status WriteQueries(std::span<const float> queries) override {
+    const client::BufferPlan& p = buffers_->plan();
+    const int64_t count =
+        int64_t{p.model.num_layers} * p.shape.max_batch * p.model.num_q_heads * p.model.head_dim;
+    return Copy("queries", buffers_->queries(), queries, count);
+  }
+
+ private:
+  template <typename T>
+  static absl::Status Copy(const char* what, T* device, std::span<const T> host, int64_t want) {
+    if (host.size() != static_cast<size_t>(want)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " has ", host.size(), " elements, want ", want));
+    }
+    const cudaError_t err =
+        cudaMemcpy(device, host.data(), host.size_bytes(), cudaMemcpyHostToDevice);
+    if (err != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaMemcpy(", what, "): ", cudaGetErrorString(err)));
+    }
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<client::DeviceBuffers> buffers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout& model,
+                                                                 const BufferSetShape& shape) {
+  if (!gpu::DeviceAvailable()) {
+    return absl::FailedPreconditionError("--backend=cuda: no CUDA device is visible to eps-load");
+  }
+  client::BufferShape s;
+  s.num_slots = shape.num_slots;
+  s.max_seqs = shape.max_seqs;
+  s.max_context = shape.max_context;
+  s.max_batch = shape.max_batch;
+  auto buffers = client::DeviceBuffers::Create(model, s, /*device=*/0);
+  if (!buffers.ok()) return buffers.status();
+  return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(std::move(*buffers)));
+}
+
+}  // namespace eps::load

@@ -1,0 +1,11 @@
+// Built instead of device_buffer_set.cc when nvcc is absent.
+#include "load/buffer_set.h"
+
+namespace eps::load {
+
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout&,
+                                                                 const BufferSetShape&) {
+  return absl::FailedPreconditionError("--backend=cuda: this eps-load was built without CUDA");
+}
+
+}  // namespace eps::load
