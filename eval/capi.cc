@@ -56,8 +56,8 @@ class EvalSequence {
     if (max_tokens < 1) {
       return absl::InvalidArgumentError("max_tokens=" + std::to_string(max_tokens) + " < 1");
     }
-    absl::StatusOr<PhiBank> phi = PhiBank::Create(model.phi_seed, 1, model.num_kv_heads,
-                                                  model.head_dim, model.sketch_dim);
+    absl::StatusOr<PhiBank> phi =
+        PhiBank::Create(model.phi_seed, 1, model.num_kv_heads, model.head_dim, model.sketch_dim);
     if (!phi.ok()) return phi.status();
     return std::unique_ptr<EvalSequence>(new EvalSequence(model, max_tokens, *std::move(phi)));
   }
@@ -66,8 +66,8 @@ class EvalSequence {
   absl::Status Append(const float* keys, int64_t n) {
     if (n < 0 || tokens_ + n > max_tokens_) {
       return absl::InvalidArgumentError("append of " + std::to_string(n) + " keys to " +
-                                        std::to_string(tokens_) + " exceeds max_tokens=" +
-                                        std::to_string(max_tokens_));
+                                        std::to_string(tokens_) +
+                                        " exceeds max_tokens=" + std::to_string(max_tokens_));
     }
     const int d = model_.head_dim;
     const int64_t gt = model_.group_tokens();
@@ -300,8 +300,8 @@ int eps_eval_select(const void* seq, const char* method, const float* queries, i
   eps::StepStats st;
   absl::Status s = static_cast<const EvalSequence*>(seq)->Select(policy, queries, visit, &st);
   if (!s.ok()) return Fail(s, err, err_len);
-  const int64_t values[7] = {st.groups_total,   st.groups_visited,    st.blocks_total,
-                             st.blocks_visited, st.kv_bytes_dense,    st.kv_bytes_read_est,
+  const int64_t values[7] = {st.groups_total,      st.groups_visited, st.blocks_total,
+                             st.blocks_visited,    st.kv_bytes_dense, st.kv_bytes_read_est,
                              st.summary_bytes_read};
   std::copy_n(values, 7, stats);
   return 0;

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -134,7 +134,7 @@ class RealModel:
         def select(layer: int, q: F32, _k: F32) -> npt.NDArray[np.bool_]:
             s = seqs[layer]
             G = s.groups
-            tp = max(1, int(round(frac * max(1, G - 3))))
+            tp = max(1, round(frac * max(1, G - 3)))
             qs = q if lag == 0 else prev_q(layer)
             if qs is None:
                 qs = q

@@ -248,9 +248,9 @@ def write(out: Path, *, t0: float | None = None, load0: tuple[float, ...] | None
     if real_meta:
         m0 = real_meta[0]
         lines += ["", "## Real-model sanity", "",
-                  f"{m0['model']}, text {m0['text']}: dense perplexity over the last 256 positions "
+                  (f"{m0['model']}, text {m0['text']}: dense perplexity over the last 256 positions "
                   f"of a {m0['context']}-token passage {m0['dense_ppl_last_256']}; greedy sample: "
-                  f"`{m0['greedy_sample']!r}`; prefill {m0['prefill_seconds']} s."]
+                  f"`{m0['greedy_sample']!r}`; prefill {m0['prefill_seconds']} s.")]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Units", "", "| unit | seconds |", "| --- | --- |"]
     lines += [f"| {k} | {float(m.get('seconds', 0)):.0f} |" for k, m in sorted(metas.items())]

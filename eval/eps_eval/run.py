@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.selection import Plan, LayerSequences, step_rows
+from eps_eval.selection import LayerSequences, Plan, step_rows
 
 
 @dataclass

@@ -81,7 +81,7 @@ class LayerSequences:
 
 def top_pages_for(groups: int, fractions: tuple[float, ...]) -> list[int]:
     unforced = max(1, groups - 3)
-    return sorted({max(1, int(round(f * unforced))) for f in fractions})
+    return sorted({max(1, round(f * unforced)) for f in fractions})
 
 
 def step_rows(
@@ -108,7 +108,10 @@ def step_rows(
         tps = top_pages_for(G, plan.fractions)
         batches: list[tuple[str, int, str, npt.NDArray[np.uint8], list[int]]] = []
 
-        def add(method: str, lag: int, scores: F32, per_kv: bool = False) -> None:
+        def add(method: str, lag: int, scores: F32, per_kv: bool = False,
+                tps: list[int] = tps,
+                batches: list[tuple[str, int, str, npt.NDArray[np.uint8], list[int]]] = batches,
+                ) -> None:
             masks = core.mark(scores, kvh, tps, per_kv_head=per_kv)
             batches.append((method, lag, "per_kv_head" if per_kv else "union", masks, tps))
 
@@ -142,12 +145,12 @@ def step_rows(
             for i, t in enumerate(tp):
                 rows.append(_row(method, g, lag, gran, t, G, {k2: v2[i] for k2, v2 in met.items()}))
         # Strict mode and the cross-check go through PageSelector::Select.
-        if g == 8 or len(plan.group_blocks) == 1:
+        if g == (8 if 8 in plan.group_blocks else max(plan.group_blocks)):
             for lag in sorted({0, 1} & set(plan.lags)):
                 stps = top_pages_for(G, plan.strict_fractions)
                 masks = []
                 for t in stps:
-                    vis, st = s8.select("jl", lag_q[lag], t, strict=True)
+                    vis, _st = s8.select("jl", lag_q[lag], t, strict=True)
                     masks.append(vis)
                 met = evaluate(dn, g, np.stack(masks), stps, [record_bytes("strict", d, g)] * len(stps))
                 for i, t in enumerate(stps):
@@ -180,7 +183,7 @@ def _cross_check(s8: core.Sequence, q: F32, tps: list[int], dn: Dense, g: int) -
     if not np.array_equal(marks, vis):
         raise AssertionError(f"mark path differs from PageSelector::Select (g={g}, top_pages={t})")
     met = evaluate(dn, g, vis[None], [t], [0.0])
-    if int(round(met["kv_bytes_read"][0])) != st["kv_bytes_read_est"]:
+    if round(met["kv_bytes_read"][0]) != st["kv_bytes_read_est"]:
         raise AssertionError(
             f"kv bytes {met['kv_bytes_read'][0]} != StepStats {st['kv_bytes_read_est']}"
         )

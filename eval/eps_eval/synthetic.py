@@ -104,7 +104,8 @@ def make_layer(
         qnorm = float(np.linalg.norm(target))
         target = target / qnorm
 
-        def plant(t: npt.NDArray[np.int64], logit: npt.ArrayLike) -> None:
+        def plant(t: npt.NDArray[np.int64], logit: npt.ArrayLike, k: F32 = k,
+                  target: F32 = target, qnorm: float = qnorm) -> None:
             along = np.asarray(logit, dtype=np.float32) * np.sqrt(d) / qnorm
             k[t] = 0.3 * k[t] + np.atleast_1d(along)[:, None] * target[None, :]
 
