@@ -35,6 +35,10 @@ class Settings:
     passkey_context: int
     plan: Plan = field(default_factory=Plan)
     seed: int = 20261122
+    context_plans: dict[int, Plan] = field(default_factory=dict)  # overrides `plan` per context
+
+    def plan_for(self, context: int) -> Plan:
+        return self.context_plans.get(context, self.plan)
 
 
 QUICK = Settings(
@@ -48,15 +52,18 @@ QUICK = Settings(
     passkey_context=384,
     plan=Plan(group_blocks=(1, 8), jl_dims=(4, 8, 32), fractions=(0.02, 0.05, 0.1, 0.2, 0.4)),
 )
+# Sized for the shared 2-vCPU developer machine (each process got ~10-15 % of a
+# core under the load of the other agents): see docs/eval/README.md.
 FULL = Settings(
     synthetic_contexts=(8192, 32768, 131072),
-    synthetic_steps={8192: 6, 32768: 4, 131072: 2},
-    real_context=8192,
-    real_layers=(0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29),
-    real_steps=4,
-    ppl_positions=24,
-    passkey_prompts=3,
-    passkey_context=2048,
+    synthetic_steps={8192: 6, 32768: 3, 131072: 1},
+    real_context=2048,
+    real_layers=(0, 5, 10, 15, 20, 25, 29),
+    real_steps=3,
+    ppl_positions=40,
+    passkey_prompts=5,
+    passkey_context=1024,
+    context_plans={131072: Plan(group_blocks=(1, 8, 16), jl_dims=(4, 8, 32))},
 )
 
 
@@ -84,7 +91,7 @@ def run_synthetic(s: Settings, units: Path) -> None:
     for ctx in s.synthetic_contexts:
         steps = s.synthetic_steps[ctx]
         positions = [ctx - steps + i for i in range(steps)]
-        max_lag = max(s.plan.lags)
+        max_lag = max(s.plan_for(ctx).lags)
         q_positions = sorted({p - lag for p in positions for lag in range(max_lag + 1)})
         for li, kind in enumerate(synthetic.KINDS):
             name = f"synthetic_{ctx}_L{li}"
@@ -94,7 +101,7 @@ def run_synthetic(s: Settings, units: Path) -> None:
             seed = s.seed + 1000 * li + ctx
             t0 = time.time()
             tr = synthetic.make_layer(kind, ctx, q_positions, seed=seed)
-            seqs = LayerSequences(s.plan, 8, 2, 128, ctx)
+            seqs = LayerSequences(s.plan_for(ctx), 8, 2, 128, ctx)
             rows: list[dict[str, object]] = []
             for si, p in enumerate(positions):
                 for r in step_rows(seqs, tr.k, tr.v, tr.q, p):
@@ -117,11 +124,12 @@ def run_real(s: Settings, units: Path, cache: Path) -> None:
         return
     rm = realmodel.RealModel(cache)
     if todo_layers or not quality_done:
-        trace, info = rm.passage_trace(s.real_context, s.real_steps, s.ppl_positions, max(s.plan.lags))
+        plan = s.plan_for(s.real_context)
+        trace, info = rm.passage_trace(s.real_context, s.real_steps, s.ppl_positions, max(plan.lags))
         log(f"real model prefill of {s.real_context} tokens: {info}")
         for layer in todo_layers:
             t0 = time.time()
-            rows = rm.selection_rows(trace, layer, s.plan, s.real_context, s.real_steps)
+            rows = rm.selection_rows(trace, layer, plan, s.real_context, s.real_steps)
             write_unit(units, f"real_{s.real_context}_L{layer}", rows,
                        {"layer": layer, **info, "seconds": time.time() - t0})
             log(f"real layer {layer}: {len(rows)} rows in {time.time() - t0:.0f} s")
