@@ -100,8 +100,9 @@ def _plots(out: Path, agg: list[dict[str, object]]) -> list[str]:
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
         made.append(name)
-        # Lag and granularity at the product's g = 8 (or the largest g run).
-        g0 = 8 if 8 in gs else gs[-1]
+        # Lag and granularity at the product's g = 8 (or the largest g run); the
+        # short real-model context reaches high skip only with the smallest g.
+        g0 = gs[0] if wl == "real" else (8 if 8 in gs else gs[-1])
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for m, color in (("jl8", "C0"), ("1pc", "C2"), ("quest", "C3")):
             for lag, ls in ((0, "-"), (1, "--"), (4, ":")):
