@@ -1,0 +1,310 @@
+// A C ABI over the shipped core/ code, for the Python evaluation harness
+// (eval/eps_eval/core.py loads it with ctypes).
+//
+// An EvalSequence is one sequence of one layer: its keys, its summary records
+// (core/summary.h, sealed as groups fill) and a PageSelector over them. The
+// harness appends keys as a decode would, then asks for
+//   - scores of every group for every query head (core/bounds.h),
+//   - visit marks from given scores under a top_pages sweep (core/select.h:
+//     MarkForced + MarkByThreshold, OR-ed per list as PageSelector does),
+//   - the whole reference step (PageSelector::Select, core/step.h), which the
+//     harness uses for strict mode and to cross-check the two calls above.
+// Every function returns 0 on success or -1 with a message in `err`.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/bounds.h"
+#include "core/layout.h"
+#include "core/phi.h"
+#include "core/select.h"
+#include "core/step.h"
+#include "core/summary.h"
+
+namespace eps::eval {
+namespace {
+
+int Fail(const absl::Status& status, char* err, int err_len) {
+  if (err != nullptr && err_len > 0) {
+    const std::string msg(status.message());
+    const size_t n = std::min(msg.size(), static_cast<size_t>(err_len - 1));
+    std::memcpy(err, msg.data(), n);
+    err[n] = '\0';
+  }
+  return -1;
+}
+
+SummaryFeatures FeaturesFromMask(int mask) {
+  return {.key_sum = (mask & 1) != 0, .principal = (mask & 2) != 0, .quest = (mask & 4) != 0};
+}
+
+}  // namespace
+
+// One layer of one sequence: summaries in a pool, the open group's keys for Seal.
+class EvalSequence {
+ public:
+  static absl::StatusOr<std::unique_ptr<EvalSequence>> Create(const ModelLayout& model,
+                                                              int64_t max_tokens) {
+    if (absl::Status s = model.Validate(); !s.ok()) return s;
+    if (model.num_layers != 1) return absl::InvalidArgumentError("an EvalSequence has one layer");
+    if (max_tokens < 1) {
+      return absl::InvalidArgumentError("max_tokens=" + std::to_string(max_tokens) + " < 1");
+    }
+    absl::StatusOr<PhiBank> phi =
+        PhiBank::Create(model.phi_seed, 1, model.num_kv_heads, model.head_dim, model.sketch_dim);
+    if (!phi.ok()) return phi.status();
+    return std::unique_ptr<EvalSequence>(new EvalSequence(model, max_tokens, *std::move(phi)));
+  }
+
+  // keys: [kv_heads, n, d] fp32.
+  absl::Status Append(const float* keys, int64_t n) {
+    if (n < 0 || tokens_ + n > max_tokens_) {
+      return absl::InvalidArgumentError("append of " + std::to_string(n) + " keys to " +
+                                        std::to_string(tokens_) +
+                                        " exceeds max_tokens=" + std::to_string(max_tokens_));
+    }
+    const int d = model_.head_dim;
+    const int64_t gt = model_.group_tokens();
+    for (int kvh = 0; kvh < model_.num_kv_heads; ++kvh) {
+      const float* in = keys + static_cast<size_t>(kvh) * n * d;
+      // The open group's keys, for Seal (an engine re-reads them once, as core/summary.h says).
+      float* open = open_group_.data() + static_cast<size_t>(kvh) * gt * d;
+      // Append group by group (bit-identical to one key at a time) and seal full groups.
+      for (int64_t t = tokens_; t < tokens_ + n;) {
+        const int64_t group = t / gt;
+        const int64_t end = std::min(tokens_ + n, (group + 1) * gt);
+        const float* rows_in = in + (t - tokens_) * d;
+        std::copy_n(rows_in, (end - t) * d, open + (t - group * gt) * d);
+        const std::span<float> record = Record(group, kvh);
+        const KeyRows rows{.data = rows_in, .count = end - t};
+        if (absl::Status s = writer_.Append(record, 0, kvh, rows); !s.ok()) return s;
+        if (end == (group + 1) * gt) {
+          const KeyRows all{.data = open, .count = gt};
+          if (absl::Status s = writer_.Seal(record, 0, kvh, all); !s.ok()) return s;
+        }
+        t = end;
+      }
+    }
+    tokens_ += n;
+    return absl::OkStatus();
+  }
+
+  // queries: [q_heads, d]; out: [q_heads, groups].
+  absl::Status Scores(Method method, const float* queries, float* out) const {
+    const int d = model_.head_dim;
+    const int64_t n = groups();
+    QueryTerms terms;
+    for (int h = 0; h < model_.num_q_heads; ++h) {
+      const int kvh = model_.kv_head_of(h);
+      terms.Prepare(phi_, 0, kvh, {queries + static_cast<size_t>(h) * d, static_cast<size_t>(d)});
+      for (int64_t p = 0; p < n; ++p) {
+        out[h * n + p] = Score(method, Record(p, kvh), layout_, terms);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The reference step for this sequence: visit[list][group] marks.
+  absl::Status Select(const SelectPolicy& policy, const float* queries, uint8_t* visit,
+                      StepStats* stats) const {
+    absl::StatusOr<PageSelector> selector = PageSelector::Create(model_, phi_);
+    if (!selector.ok()) return selector.status();
+    const int64_t n = groups();
+    const int64_t blocks = BlocksFor(tokens_, model_.block_size);
+    const int lists = policy.granularity == Granularity::kPerKvHead ? model_.num_kv_heads : 1;
+    std::vector<int32_t> group_table(max_groups_), block_table(max_blocks_);
+    std::iota(group_table.begin(), group_table.end(), 0);
+    std::iota(block_table.begin(), block_table.end(), 0);
+    std::vector<int32_t> visit_blocks(static_cast<size_t>(lists) * max_blocks_), count(lists);
+    const StepRow row{.table_row = 0, .context_tokens = tokens_};
+    StepInputs in;
+    in.summary_pool = pool_.data();
+    in.num_slots = max_groups_;
+    in.group_table = group_table.data();
+    in.block_table = block_table.data();
+    in.max_seqs = 1;
+    in.max_groups = max_groups_;
+    in.max_blocks = max_blocks_;
+    in.num_physical_blocks = max_blocks_;
+    in.queries = queries;
+    in.max_batch = 1;
+    in.rows = {&row, 1};
+    if (absl::Status s = selector->Select(in, policy, {visit_blocks.data(), count.data()}, stats);
+        !s.ok()) {
+      return s;
+    }
+    std::fill_n(visit, static_cast<size_t>(lists) * n, uint8_t{0});
+    for (int list = 0; list < lists; ++list) {
+      for (int32_t b = 0; b < count[list]; ++b) {
+        const int32_t block = visit_blocks[static_cast<size_t>(list) * max_blocks_ + b];
+        if (block < 0 || block >= blocks) return absl::InternalError("visit list out of range");
+        visit[list * n + block / model_.group_blocks] = 1;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t tokens() const { return tokens_; }
+  int64_t groups() const { return GroupsFor(tokens_, model_); }
+  const SummaryLayout& layout() const { return layout_; }
+
+ private:
+  EvalSequence(const ModelLayout& model, int64_t max_tokens, PhiBank phi)
+      : model_(model),
+        layout_(SummaryLayout::For(model)),
+        max_tokens_(max_tokens),
+        max_blocks_(BlocksFor(max_tokens, model.block_size)),
+        max_groups_(GroupsFor(max_tokens, model)),
+        phi_(std::move(phi)),
+        writer_(model, phi_) {
+    open_group_.assign(
+        static_cast<size_t>(model.num_kv_heads) * model.group_tokens() * model.head_dim, 0.0f);
+    pool_.assign(static_cast<size_t>(max_groups_) * model.num_kv_heads * layout_.record_words,
+                 0.0f);
+    for (int64_t p = 0; p < max_groups_; ++p) {
+      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) writer_.Reset(Record(p, kvh));
+    }
+  }
+
+  // Pool layout [slots, layers = 1, kv_heads, record_words]; slot = group.
+  std::span<float> Record(int64_t group, int kvh) {
+    return {pool_.data() + (group * model_.num_kv_heads + kvh) * layout_.record_words,
+            static_cast<size_t>(layout_.record_words)};
+  }
+  std::span<const float> Record(int64_t group, int kvh) const {
+    return {pool_.data() + (group * model_.num_kv_heads + kvh) * layout_.record_words,
+            static_cast<size_t>(layout_.record_words)};
+  }
+
+  ModelLayout model_;
+  SummaryLayout layout_;
+  int64_t max_tokens_, max_blocks_, max_groups_;
+  PhiBank phi_;
+  SummaryWriter writer_;  // borrows phi_ (declared before it)
+  int64_t tokens_ = 0;
+  std::vector<float> open_group_;  // [kv_heads, group_tokens, d]
+  std::vector<float> pool_;
+};
+
+}  // namespace eps::eval
+
+using eps::eval::EvalSequence;
+using eps::eval::Fail;
+
+extern "C" {
+
+// features: bit 0 key_sum, bit 1 principal, bit 2 quest.
+void* eps_eval_new(int q_heads, int kv_heads, int head_dim, int group_blocks, int sketch_dim,
+                   uint64_t phi_seed, int features, int64_t max_tokens, char* err, int err_len) {
+  eps::ModelLayout model;
+  model.num_layers = 1;
+  model.num_q_heads = q_heads;
+  model.num_kv_heads = kv_heads;
+  model.head_dim = head_dim;
+  model.block_size = 16;
+  model.group_blocks = group_blocks;
+  model.sketch_dim = sketch_dim;
+  model.phi_seed = phi_seed;
+  model.kv_dtype = eps::DType::kFloat16;
+  model.features = eps::eval::FeaturesFromMask(features);
+  absl::StatusOr<std::unique_ptr<EvalSequence>> seq = EvalSequence::Create(model, max_tokens);
+  if (!seq.ok()) {
+    Fail(seq.status(), err, err_len);
+    return nullptr;
+  }
+  return seq->release();
+}
+
+void eps_eval_free(void* seq) { delete static_cast<EvalSequence*>(seq); }
+
+int eps_eval_append(void* seq, const float* keys, int64_t n, char* err, int err_len) {
+  absl::Status s = static_cast<EvalSequence*>(seq)->Append(keys, n);
+  return s.ok() ? 0 : Fail(s, err, err_len);
+}
+
+int64_t eps_eval_tokens(const void* seq) { return static_cast<const EvalSequence*>(seq)->tokens(); }
+int64_t eps_eval_groups(const void* seq) { return static_cast<const EvalSequence*>(seq)->groups(); }
+
+// Bytes of one summary record of head dim d, sketch dim m and `features`.
+int eps_eval_record_bytes(int head_dim, int sketch_dim, int features) {
+  eps::ModelLayout model;
+  model.head_dim = head_dim;
+  model.sketch_dim = sketch_dim;
+  model.features = eps::eval::FeaturesFromMask(features);
+  return static_cast<int>(eps::SummaryLayout::For(model).record_bytes());
+}
+
+int eps_eval_scores(const void* seq, const char* method, const float* queries, float* out,
+                    char* err, int err_len) {
+  eps::Method m;
+  if (!eps::ParseMethod(method, &m)) {
+    return Fail(absl::InvalidArgumentError(std::string("unknown method ") + method), err, err_len);
+  }
+  absl::Status s = static_cast<const EvalSequence*>(seq)->Scores(m, queries, out);
+  return s.ok() ? 0 : Fail(s, err, err_len);
+}
+
+// Threshold selection (core/select.h) from given scores [q_heads, n] for each
+// top_pages[i]: out [n_top, lists, n] marks, lists = kv_heads if per_kv_head else 1.
+int eps_eval_mark(int64_t n, int q_heads, int kv_heads, const float* scores, int first_n,
+                  int last_n, const int* top_pages, int n_top, float alpha, int per_kv_head,
+                  uint8_t* out, char* err, int err_len) {
+  eps::SelectPolicy policy;
+  policy.first_n = first_n;
+  policy.last_n = last_n;
+  policy.alpha = alpha;
+  if (n < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0) {
+    return Fail(absl::InvalidArgumentError("bad shape for eps_eval_mark"), err, err_len);
+  }
+  const int ratio = q_heads / kv_heads;
+  const int lists = per_kv_head ? kv_heads : 1;
+  std::vector<uint8_t> forced(n, 0);
+  eps::MarkForced(policy, forced);
+  for (int i = 0; i < n_top; ++i) {
+    policy.top_pages = top_pages[i];
+    if (absl::Status s = policy.Validate(eps::ModelLayout{}); !s.ok()) return Fail(s, err, err_len);
+    for (int list = 0; list < lists; ++list) {
+      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
+      std::copy(forced.begin(), forced.end(), visit.begin());
+    }
+    for (int h = 0; h < q_heads; ++h) {
+      const int list = per_kv_head ? h / ratio : 0;
+      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
+      eps::MarkByThreshold({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)}, forced,
+                           top_pages[i], alpha, visit);
+    }
+  }
+  return 0;
+}
+
+// PageSelector::Select on this sequence. stats: 7 int64 (StepStats field order).
+int eps_eval_select(const void* seq, const char* method, const float* queries, int top_pages,
+                    float alpha, int strict, int per_kv_head, int first_n, int last_n,
+                    uint8_t* visit, int64_t* stats, char* err, int err_len) {
+  eps::SelectPolicy policy;
+  if (!eps::ParseMethod(method, &policy.method)) {
+    return Fail(absl::InvalidArgumentError(std::string("unknown method ") + method), err, err_len);
+  }
+  policy.top_pages = top_pages;
+  policy.alpha = alpha;
+  policy.strict = strict != 0;
+  policy.first_n = first_n;
+  policy.last_n = last_n;
+  policy.granularity = per_kv_head ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
+  eps::StepStats st;
+  absl::Status s = static_cast<const EvalSequence*>(seq)->Select(policy, queries, visit, &st);
+  if (!s.ok()) return Fail(s, err, err_len);
+  const int64_t values[7] = {st.groups_total,      st.groups_visited, st.blocks_total,
+                             st.blocks_visited,    st.kv_bytes_dense, st.kv_bytes_read_est,
+                             st.summary_bytes_read};
+  std::copy_n(values, 7, stats);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,247 @@
+"""ctypes binding of libeps_eval (eval/capi.cc): one layer of one sequence."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+KEY_SUM, PRINCIPAL, QUEST = 1, 2, 4
+ALL_FEATURES = KEY_SUM | PRINCIPAL | QUEST
+STAT_FIELDS = (
+    "groups_total",
+    "groups_visited",
+    "blocks_total",
+    "blocks_visited",
+    "kv_bytes_dense",
+    "kv_bytes_read_est",
+    "summary_bytes_read",
+)
+
+_F32P = ctypes.POINTER(ctypes.c_float)
+_U8P = ctypes.POINTER(ctypes.c_uint8)
+_I32P = ctypes.POINTER(ctypes.c_int32)
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _find_library() -> Path:
+    env = os.environ.get("EPS_EVAL_LIB")
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parents[2]
+    for cand in (root / "build" / "eval" / "libeps_eval.so",):
+        if cand.exists():
+            return cand
+    raise FileNotFoundError(
+        "libeps_eval.so not found: build it (cmake --build build --target eps_eval) "
+        "or set EPS_EVAL_LIB"
+    )
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def lib() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        so = ctypes.CDLL(str(_find_library()))
+        so.eps_eval_new.restype = ctypes.c_void_p
+        so.eps_eval_new.argtypes = [ctypes.c_int] * 5 + [
+            ctypes.c_uint64,
+            ctypes.c_int,
+            ctypes.c_int64,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        so.eps_eval_free.argtypes = [ctypes.c_void_p]
+        so.eps_eval_append.argtypes = [
+            ctypes.c_void_p,
+            _F32P,
+            ctypes.c_int64,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        so.eps_eval_tokens.restype = ctypes.c_int64
+        so.eps_eval_tokens.argtypes = [ctypes.c_void_p]
+        so.eps_eval_groups.restype = ctypes.c_int64
+        so.eps_eval_groups.argtypes = [ctypes.c_void_p]
+        so.eps_eval_record_bytes.argtypes = [ctypes.c_int] * 3
+        so.eps_eval_scores.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            _F32P,
+            _F32P,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        so.eps_eval_mark.argtypes = [
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_int,
+            _F32P,
+            ctypes.c_int,
+            ctypes.c_int,
+            _I32P,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_int,
+            _U8P,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        so.eps_eval_select.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            _F32P,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            _U8P,
+            _I64P,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        _LIB = so
+    return _LIB
+
+
+class CoreError(RuntimeError):
+    """An error status returned by the core."""
+
+
+def _f32(a: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _ptr(a: np.ndarray, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]
+    return a.ctypes.data_as(kind)
+
+
+def record_bytes(head_dim: int, sketch_dim: int, features: int) -> int:
+    return int(lib().eps_eval_record_bytes(head_dim, sketch_dim, features))
+
+
+def mark(
+    scores: npt.NDArray[np.float32],
+    kv_heads: int,
+    top_pages: list[int],
+    *,
+    alpha: float = 1.0,
+    per_kv_head: bool = False,
+    first_n: int = 1,
+    last_n: int = 2,
+) -> npt.NDArray[np.uint8]:
+    """Threshold selection from scores [q_heads, n]: marks [len(top_pages), lists, n]."""
+    s = _f32(scores)
+    q_heads, n = s.shape
+    lists = kv_heads if per_kv_head else 1
+    out = np.zeros((len(top_pages), lists, n), dtype=np.uint8)
+    tp = np.ascontiguousarray(top_pages, dtype=np.int32)
+    err = ctypes.create_string_buffer(512)
+    rc = lib().eps_eval_mark(
+        n, q_heads, kv_heads, _ptr(s, _F32P), first_n, last_n, _ptr(tp, _I32P), len(tp),
+        alpha, int(per_kv_head), _ptr(out, _U8P), err, len(err),
+    )
+    if rc != 0:
+        raise CoreError(err.value.decode())
+    return out
+
+
+class Sequence:
+    """One layer of one sequence in the core: keys, summaries, selection."""
+
+    def __init__(
+        self,
+        *,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        group_blocks: int,
+        sketch_dim: int,
+        features: int,
+        max_tokens: int,
+        phi_seed: int = 42,
+    ) -> None:
+        err = ctypes.create_string_buffer(512)
+        self._h = lib().eps_eval_new(
+            q_heads, kv_heads, head_dim, group_blocks, sketch_dim, phi_seed, features,
+            max_tokens, err, len(err),
+        )
+        if not self._h:
+            raise CoreError(err.value.decode())
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.group_blocks, self.sketch_dim, self.features = group_blocks, sketch_dim, features
+
+    def close(self) -> None:
+        if self._h:
+            lib().eps_eval_free(self._h)
+            self._h = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    @property
+    def tokens(self) -> int:
+        return int(lib().eps_eval_tokens(self._h))
+
+    @property
+    def groups(self) -> int:
+        return int(lib().eps_eval_groups(self._h))
+
+    def append(self, keys: npt.ArrayLike) -> None:
+        """keys: [kv_heads, n, d]."""
+        k = _f32(keys)
+        if k.ndim != 3 or k.shape[0] != self.kv_heads or k.shape[2] != self.head_dim:
+            raise ValueError(f"keys shape {k.shape} is not [kv_heads, n, {self.head_dim}]")
+        err = ctypes.create_string_buffer(512)
+        if lib().eps_eval_append(self._h, _ptr(k, _F32P), k.shape[1], err, len(err)) != 0:
+            raise CoreError(err.value.decode())
+
+    def scores(self, method: str, queries: npt.ArrayLike) -> npt.NDArray[np.float32]:
+        """Scores [q_heads, groups] of `method` for queries [q_heads, d]."""
+        q = _f32(queries)
+        if q.shape != (self.q_heads, self.head_dim):
+            raise ValueError(f"queries shape {q.shape} != {(self.q_heads, self.head_dim)}")
+        out = np.empty((self.q_heads, self.groups), dtype=np.float32)
+        err = ctypes.create_string_buffer(512)
+        rc = lib().eps_eval_scores(
+            self._h, method.encode(), _ptr(q, _F32P), _ptr(out, _F32P), err, len(err)
+        )
+        if rc != 0:
+            raise CoreError(err.value.decode())
+        return out
+
+    def select(
+        self,
+        method: str,
+        queries: npt.ArrayLike,
+        top_pages: int,
+        *,
+        alpha: float = 1.0,
+        strict: bool = False,
+        per_kv_head: bool = False,
+        first_n: int = 1,
+        last_n: int = 2,
+    ) -> tuple[npt.NDArray[np.uint8], dict[str, int]]:
+        """PageSelector::Select: marks [lists, groups] and the step's StepStats."""
+        q = _f32(queries)
+        if q.shape != (self.q_heads, self.head_dim):
+            raise ValueError(f"queries shape {q.shape} != {(self.q_heads, self.head_dim)}")
+        lists = self.kv_heads if per_kv_head else 1
+        visit = np.zeros((lists, self.groups), dtype=np.uint8)
+        stats = np.zeros(7, dtype=np.int64)
+        err = ctypes.create_string_buffer(512)
+        rc = lib().eps_eval_select(
+            self._h, method.encode(), _ptr(q, _F32P), top_pages, alpha, int(strict),
+            int(per_kv_head), first_n, last_n, _ptr(visit, _U8P), _ptr(stats, _I64P), err,
+            len(err),
+        )
+        if rc != 0:
+            raise CoreError(err.value.decode())
+        return visit, dict(zip(STAT_FIELDS, (int(x) for x in stats)))

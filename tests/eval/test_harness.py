@@ -1,0 +1,191 @@
+"""Tests of the evaluation harness (eval/eps_eval) against hand-computed cases.
+
+Fresh random inputs each run; the seed is printed (EPS_TEST_SEED=N replays it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
+
+import itertools
+
+from eps_eval import core, metrics, run, selection, synthetic
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(os.environ.get("EPS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"EPS_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+def _seq(kv: int = 2, q: int = 4, d: int = 32, g: int = 1, m: int = 8, tokens: int = 0,
+         features: int = core.ALL_FEATURES) -> core.Sequence:
+    return core.Sequence(q_heads=q, kv_heads=kv, head_dim=d, group_blocks=g, sketch_dim=m,
+                         features=features, max_tokens=max(tokens, 1))
+
+
+def test_mark_path_equals_page_selector_select(rng: np.random.Generator) -> None:
+    for _ in range(6):
+        kv = int(rng.choice([1, 2, 4]))
+        q = kv * int(rng.choice([1, 2, 3]))
+        g = int(rng.choice([1, 2, 8]))
+        tokens = int(rng.integers(17, 3000))
+        s = _seq(kv, q, 32, g, int(rng.choice([4, 8])), tokens)
+        s.append(rng.standard_normal((kv, tokens, 32)))
+        queries = rng.standard_normal((q, 32)).astype(np.float32)
+        for method in ("jl", "1pc", "fro", "quest"):
+            for per_kv in (False, True):
+                tp = int(rng.integers(1, s.groups + 1))
+                marks = core.mark(s.scores(method, queries), kv, [tp], per_kv_head=per_kv)[0]
+                vis, stats = s.select(method, queries, tp, per_kv_head=per_kv)
+                assert np.array_equal(marks, vis), (method, per_kv, tp)
+                dn = metrics.dense(queries, _keys_of(s, rng, kv, tokens), np.ones((kv, tokens, 32),
+                                                                                    np.float32))
+                met = metrics.evaluate(dn, g, vis[None], [tp], [0.0])
+                assert round(met["kv_bytes_read"][0]) == stats["kv_bytes_read_est"]
+
+
+def _keys_of(s: core.Sequence, rng: np.random.Generator, kv: int, tokens: int) -> np.ndarray:
+    # Byte accounting does not depend on the keys' values, only on the context length.
+    return rng.standard_normal((kv, tokens, 32)).astype(np.float32)
+
+
+def test_visiting_everything_skips_no_kv_bytes_and_has_exact_output(
+    rng: np.random.Generator,
+) -> None:
+    kv, q, d, tokens = 2, 4, 16, 1000
+    k = rng.standard_normal((kv, tokens, d)).astype(np.float32)
+    v = rng.standard_normal((kv, tokens, d)).astype(np.float32)
+    qs = rng.standard_normal((q, d)).astype(np.float32)
+    dn = metrics.dense(qs, k, v)
+    G = -(-tokens // 16)
+    all_on = np.ones((1, 1, G), np.uint8)
+    met = metrics.evaluate(dn, 1, all_on, [G], [0.0])
+    assert met["skip"][0] == pytest.approx(0.0)
+    assert met["recall"][0] == pytest.approx(1.0)
+    assert met["out_err"][0] == pytest.approx(0.0, abs=1e-5)
+    assert met["false_skip"][0] == 0.0
+    assert met["top10"][0] == 1.0
+    # With summaries read, skip is minus their share.
+    met = metrics.evaluate(dn, 1, all_on, [G], [100.0])
+    assert met["skip"][0] == pytest.approx(-100.0 * G * kv / (tokens * kv * 2 * d * 2))
+
+
+def test_skip_counts_the_partial_last_block_and_summary_bytes() -> None:
+    kv, d, tokens = 1, 8, 100  # 7 blocks, the last holds 4 tokens
+    qs = np.ones((1, d), np.float32)
+    k = np.zeros((kv, tokens, d), np.float32)
+    dn = metrics.dense(qs, k, np.ones_like(k))
+    mask = np.zeros((1, 1, 7), np.uint8)
+    mask[0, 0, [0, 6]] = 1
+    met = metrics.evaluate(dn, 1, mask, [1], [64.0])
+    dense_bytes = tokens * 2 * d * 2
+    assert met["visited"][0] == pytest.approx(20 / 100)
+    assert met["skip"][0] == pytest.approx(1 - (20 * 2 * d * 2 + 64 * 7) / dense_bytes)
+    # Uniform attention: recall is the visited token share.
+    assert met["recall"][0] == pytest.approx(0.2)
+
+
+def test_oracle_by_mass_reaches_recall_one_at_its_budget(rng: np.random.Generator) -> None:
+    # All attention mass in 3 unforced groups (besides forced ones): a budget of 3 recalls it all.
+    kv, q, d, tokens = 1, 2, 32, 64 * 16
+    k = (0.01 * rng.standard_normal((kv, tokens, d))).astype(np.float32)
+    qs = np.zeros((q, d), np.float32)
+    qs[:, 0] = 10.0
+    hot = rng.choice(np.arange(2, 60), size=3, replace=False)
+    for b, x in zip(hot, (50.0, 49.0, 48.0)):
+        k[0, b * 16 + int(rng.integers(16)), 0] = x  # logits ≈ 88, 87, 85
+    dn = metrics.dense(qs, k, rng.standard_normal((kv, tokens, d)).astype(np.float32))
+    scores = np.log(np.maximum(metrics.group_sum(dn.mass, 1), 1e-300)).astype(np.float32)
+    masks = core.mark(scores, kv, [3, 2])
+    met = metrics.evaluate(dn, 1, masks, [3, 2], [0.0, 0.0])
+    assert met["recall"][0] == pytest.approx(1.0, abs=1e-9)
+    assert met["false_skip"][0] == 0.0
+    # A budget of 2 leaves out the weakest needle's group, and exactly its mass.
+    weakest = metrics.group_sum(dn.mass, 1)[:, hot[2]].mean()
+    assert weakest > 1e-3
+    assert met["recall"][1] == pytest.approx(1.0 - weakest, abs=1e-9)
+
+
+def test_step_rows_cover_every_method_and_strict_mode_never_false_skips(
+    rng: np.random.Generator,
+) -> None:
+    seed = int(rng.integers(1 << 30))
+    tokens = 2048
+    positions = [tokens - 2, tokens - 1]
+    tr = synthetic.make_layer("multi", tokens, [p - lag for p in positions for lag in (0, 1, 4)],
+                              q_heads=4, kv_heads=2, head_dim=32, seed=seed)
+    plan = selection.Plan(group_blocks=(1, 4), jl_dims=(4, 8), fractions=(0.05, 0.3))
+    seqs = selection.LayerSequences(plan, 4, 2, 32, tokens)
+    rows = []
+    for p in positions:
+        rows += selection.step_rows(seqs, tr.k, tr.v, tr.q, p)
+    methods = {r["method"] for r in rows}
+    assert {"jl4", "jl8", "1pc", "fro", "quest", "exact", "oracle_max", "oracle_mass",
+            "jl8-2l", "quest-2l", "1pc-2l", "strict"} <= methods
+    for r in rows:
+        assert 0.0 <= float(r["recall"]) <= 1.0 + 1e-9
+        if r["method"] in ("strict", "oracle_max"):
+            assert r["false_skip"] == 0.0, r
+    # More budget never lowers an oracle's recall.
+    om = sorted((r["top_pages"], r["recall"]) for r in rows
+                if r["method"] == "oracle_mass" and r["g"] == 1)
+    assert all(a[1] <= b[1] + 1e-12 for a, b in itertools.pairwise(om) if a[0] < b[0])
+
+
+def test_resume_skips_finished_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = run.Settings(
+        synthetic_contexts=(1024,), synthetic_steps={1024: 1}, real_context=0, real_layers=(),
+        real_steps=0, ppl_positions=0, passkey_prompts=0, passkey_context=0,
+        plan=selection.Plan(group_blocks=(1,), jl_dims=(8,), lags=(0, 1), fractions=(0.1,),
+                            two_level=False),
+    )
+    units = tmp_path / "units"
+    run.run_synthetic(s, units)
+    done = sorted(p.name for p in units.glob("*.csv"))
+    assert done == [f"synthetic_1024_L{i}.csv" for i in range(3)]
+    stamps = {p: p.stat().st_mtime_ns for p in units.glob("*.csv")}
+    (units / "synthetic_1024_L1.csv").unlink()  # as if interrupted while on layer 1
+    made = []
+    real_make = synthetic.make_layer
+
+    def counting(kind: str, *a: object, **kw: object) -> synthetic.LayerTrace:
+        made.append(kind)
+        return real_make(kind, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(run.synthetic, "make_layer", counting)
+    run.run_synthetic(s, units)
+    assert made == ["multi"]
+    for p, t in stamps.items():
+        if p.name != "synthetic_1024_L1.csv":
+            assert p.stat().st_mtime_ns == t
+
+
+def test_core_errors_name_the_problem() -> None:
+    with pytest.raises(core.CoreError, match="num_q_heads"):
+        core.Sequence(q_heads=3, kv_heads=2, head_dim=32, group_blocks=1, sketch_dim=8,
+                      features=0, max_tokens=16)
+    s = _seq(tokens=20)
+    with pytest.raises(core.CoreError, match="exceeds max_tokens"):
+        s.append(np.zeros((2, 21, 32), np.float32))
+    bad = np.zeros((2, 4, 32), np.float32)
+    bad[1, 2, 5] = np.nan
+    with pytest.raises(core.CoreError, match="is nan"):
+        s.append(bad)
+    with pytest.raises(ValueError, match="keys shape"):
+        s.append(np.zeros((3, 4, 32), np.float32))
+    s.append(np.ones((2, 4, 32), np.float32))
+    with pytest.raises(core.CoreError, match="unknown method"):
+        s.scores("bogus", np.zeros((4, 32), np.float32))
+    with pytest.raises(core.CoreError, match="top_pages"):
+        core.mark(np.zeros((4, 5), np.float32), 2, [0])
+    with pytest.raises(ValueError, match="unknown synthetic kind"):
+        synthetic.make_layer("nope", 64, [63])
