@@ -6,7 +6,8 @@ epsd_start() {
   local listen=$1
   shift
   EPSD_LOG=$(mktemp /tmp/eps-load-epsd-XXXXXX.log)
-  "$EPSD" --listen="$listen" "$@" 2>"$EPSD_LOG" &
+  # Metrics on an ephemeral port: served as in production, never a clash between runs.
+  "$EPSD" --listen="$listen" --metrics-listen=127.0.0.1:0 "$@" 2>"$EPSD_LOG" &
   EPSD_PID=$!
   local i
   for i in $(seq 1 300); do
