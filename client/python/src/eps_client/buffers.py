@@ -3,7 +3,8 @@
 Never the engine's own tensors: PyTorch's expandable segments and vLLM's cumem
 allocator break legacy CUDA IPC, so the library allocates one region and the
 engine copies its few per-step rows in. Same layout as client/cpp's
-EngineBuffers (every buffer 64-byte aligned, in this order):
+EngineBuffers and DeviceBuffers (client/cpp/buffer_plan.h: every buffer
+256-byte aligned, in this order):
 
     summary_pool  [slots, layers, kv_heads, record_words]  float32
     group_table   [max_seqs, max_groups]                   int32   group -> slot
@@ -30,7 +31,7 @@ import numpy as np
 from eps_client.layout import ModelLayout, SummaryLayout, blocks_for, groups_for
 from eps_client.proto import page_selector_pb2 as pb
 
-_ALIGN = 64
+_ALIGN = 256  # client/cpp/buffer_plan.cc
 _counter = itertools.count()
 
 
