@@ -89,10 +89,12 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   DeviceBuffer<float> pool, queries;
   DeviceBuffer<int32_t> groups, blocks, visit, count;
   if (auto s = Upload(pool, buffers.pool().data(), buffers.pool().size()); !s.ok()) return s;
-  if (auto s = Upload(groups, buffers.group_table().data(), buffers.group_table().size()); !s.ok()) {
+  if (auto s = Upload(groups, buffers.group_table().data(), buffers.group_table().size());
+      !s.ok()) {
     return s;
   }
-  if (auto s = Upload(blocks, buffers.block_table().data(), buffers.block_table().size()); !s.ok()) {
+  if (auto s = Upload(blocks, buffers.block_table().data(), buffers.block_table().size());
+      !s.ok()) {
     return s;
   }
   if (auto s = Upload(queries, static_cast<const float*>(in.queries), qcount); !s.ok()) return s;
@@ -162,9 +164,9 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s, theoretical %.0f GB/s, measured d2d copy %.0f GB/s (read + write)\n",
               prop.name, peak_gbs, *copy_gbs);
-  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s\n", "batch", "context",
-              "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy", "visited%", "fro_us",
-              "off_us", "wall_us");
+  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s\n", "batch", "context", "summaryMB",
+              "jl_us", "floor_us", "copy_us", "GB/s", "%copy", "visited%", "fro_us", "off_us",
+              "wall_us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;

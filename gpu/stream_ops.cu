@@ -1,8 +1,7 @@
-#include "gpu/stream_ops.h"
-
 #include <cuda.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/stream_ops.h"
 
 namespace eps::gpu {
 namespace {
@@ -12,8 +11,7 @@ using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned i
 StreamValueFn Lookup(const char* name) {
   void* f = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
       found != cudaDriverEntryPointSuccess) {
     return nullptr;
   }
@@ -23,10 +21,11 @@ StreamValueFn Lookup(const char* name) {
 absl::Status Call(const char* name, StreamValueFn fn, cudaStream_t stream, const uint64_t* at,
                   uint64_t value, unsigned flags) {
   if (fn == nullptr) return absl::FailedPreconditionError(absl::StrCat(name, " is not available"));
-  const CUresult r = fn(reinterpret_cast<CUstream>(stream),
-                        reinterpret_cast<CUdeviceptr>(at), value, flags);
+  const CUresult r =
+      fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(at), value, flags);
   if (r != CUDA_SUCCESS) {
-    return absl::InternalError(absl::StrCat(name, "(value=", value, "): CUresult ", static_cast<int>(r)));
+    return absl::InternalError(
+        absl::StrCat(name, "(value=", value, "): CUresult ", static_cast<int>(r)));
   }
   return absl::OkStatus();
 }
@@ -59,7 +58,8 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
 
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
                                 uint64_t value) {
-  ReleaseDenseKernel<<<1, 1024, 0, stream>>>(counts, n, reinterpret_cast<unsigned long long*>(counter),
+  ReleaseDenseKernel<<<1, 1024, 0, stream>>>(counts, n,
+                                             reinterpret_cast<unsigned long long*>(counter),
                                              static_cast<unsigned long long>(value));
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {

@@ -52,17 +52,19 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
 v1::SharedBuffers BufferPlan::Descriptors(const v1::MemoryDescriptor& memory) const {
   const ModelLayout& m = model;
   v1::SharedBuffers s;
-  *s.mutable_summary_pool() = Part(
-      memory, pool, {shape.num_slots, m.num_layers, m.num_kv_heads, record_words}, v1::DTYPE_FLOAT32);
+  *s.mutable_summary_pool() =
+      Part(memory, pool, {shape.num_slots, m.num_layers, m.num_kv_heads, record_words},
+           v1::DTYPE_FLOAT32);
   *s.mutable_group_table() = Part(memory, groups, {shape.max_seqs, max_groups}, v1::DTYPE_INT32);
   *s.mutable_block_table() = Part(memory, blocks, {shape.max_seqs, max_blocks}, v1::DTYPE_INT32);
-  *s.mutable_queries() = Part(memory, queries,
-                              {m.num_layers, shape.max_batch, m.num_q_heads, m.head_dim},
-                              v1::DTYPE_FLOAT32);
+  *s.mutable_queries() =
+      Part(memory, queries, {m.num_layers, shape.max_batch, m.num_q_heads, m.head_dim},
+           v1::DTYPE_FLOAT32);
   if (lists == 1) {
     *s.mutable_visit_blocks() =
         Part(memory, visit, {m.num_layers, shape.max_batch, max_blocks}, v1::DTYPE_INT32);
-    *s.mutable_visit_count() = Part(memory, count, {m.num_layers, shape.max_batch}, v1::DTYPE_INT32);
+    *s.mutable_visit_count() =
+        Part(memory, count, {m.num_layers, shape.max_batch}, v1::DTYPE_INT32);
   } else {
     *s.mutable_visit_blocks() =
         Part(memory, visit, {m.num_layers, shape.max_batch, lists, max_blocks}, v1::DTYPE_INT32);

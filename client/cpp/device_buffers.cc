@@ -15,8 +15,8 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   void* base = nullptr;
   if (const cudaError_t err = cudaMalloc(&base, b->plan_.size); err != cudaSuccess) {
-    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc(", b->plan_.size,
-                                                     " bytes): ", cudaGetErrorString(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaMalloc(", b->plan_.size, " bytes): ", cudaGetErrorString(err)));
   }
   b->base_ = static_cast<std::byte*>(base);
   // Counters start at 0 and no list is valid until the first selection.

@@ -69,7 +69,7 @@ class DeviceBuffers {
   const BufferPlan plan_;
   const int device_;
   std::byte* base_ = nullptr;
-  std::string handle_;               // the cudaIpcMemHandle_t bytes
+  std::string handle_;                  // the cudaIpcMemHandle_t bytes
   cudaStream_t side_stream_ = nullptr;  // ReleaseDense and ReadSelectionDone
   uint64_t* host_done_ = nullptr;       // pinned, for ReadSelectionDone
 };

@@ -32,9 +32,8 @@ void SelectionWatchdog::Loop() {
   while (!stop_) {
     if (armed_step_ == 0) {
       mu_.Await(absl::Condition(
-          +[](SelectionWatchdog* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return w->stop_ || w->armed_step_ != 0;
-          },
+          +[](SelectionWatchdog* w)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->stop_ || w->armed_step_ != 0; },
           this));
       continue;
     }

@@ -53,15 +53,18 @@ class AsyncFenceTest : public ::testing::Test {
     m_.features = {.key_sum = true, .principal = false, .quest = false};
     phi_ = std::make_unique<PhiBank>(*PhiBank::Create(m_.phi_seed, kLayers, kKvHeads, kDim, 8));
     reference_ = std::make_unique<PageSelector>(*PageSelector::Create(m_, *phi_));
-    host_ = std::make_unique<testing::StepBuffers>(m_, kBatch, kTokens, kBatch, Granularity::kUnion);
+    host_ =
+        std::make_unique<testing::StepBuffers>(m_, kBatch, kTokens, kBatch, Granularity::kUnion);
     SummaryWriter writer(m_, *phi_);
     for (int r = 0; r < kBatch; ++r) {
       testing::WriteSequence(*host_, writer, r, r, kTokens - 7 * r, 2,
                              testing::GroupShapes::kSynthetic, rng_);
       rows_.push_back({.table_row = r, .context_tokens = kTokens - 7 * r, .seq_id = 0});
     }
-    client::BufferShape shape{.num_slots = host_->num_slots(), .max_seqs = kBatch,
-                              .max_context = kTokens, .max_batch = kBatch};
+    client::BufferShape shape{.num_slots = host_->num_slots(),
+                              .max_seqs = kBatch,
+                              .max_context = kTokens,
+                              .max_batch = kBatch};
     auto buffers = client::DeviceBuffers::Create(m_, shape, 0);
     ASSERT_TRUE(buffers.ok()) << buffers.status();
     buffers_ = std::move(*buffers);
@@ -79,8 +82,9 @@ class AsyncFenceTest : public ::testing::Test {
 
   template <typename T, typename V>
   void Upload(T* device, const V& host) {
-    ASSERT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice),
-              cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpy(device, host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice),
+        cudaSuccess);
   }
 
   v1::AttachRequest Attach() const {
@@ -101,6 +105,15 @@ class AsyncFenceTest : public ::testing::Test {
     attach.set_num_kv_blocks(kBatch * host_->max_blocks());
     attach.set_backend(v1::BACKEND_CUDA);
     return attach;
+  }
+
+  // Async replies to `epsd`, with a deadline no GPU step here comes near.
+  static client::ClientOptions AsyncOptions(testing::EpsdProcess& epsd) {
+    client::ClientOptions options;
+    options.target = epsd.target();
+    options.deadline = std::chrono::seconds(2);
+    options.reply_async = true;
+    return options;
   }
 
   std::vector<v1::BatchRow> Rows() const {
@@ -144,9 +157,9 @@ class AsyncFenceTest : public ::testing::Test {
 
   std::vector<int32_t> Counts() {
     std::vector<int32_t> count(kLayers * kBatch);
-    EXPECT_EQ(cudaMemcpy(count.data(), buffers_->visit_count(), count.size() * 4,
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    EXPECT_EQ(
+        cudaMemcpy(count.data(), buffers_->visit_count(), count.size() * 4, cudaMemcpyDeviceToHost),
+        cudaSuccess);
     return count;
   }
 
@@ -154,7 +167,8 @@ class AsyncFenceTest : public ::testing::Test {
   // returns the number of lists that differ (by at most 2 groups: fp32 ties).
   int CompareWithReference() {
     StepStats stats;
-    EXPECT_TRUE(reference_->Select(host_->Inputs(rows_), SelectPolicy{}, host_->Outputs(), &stats).ok());
+    EXPECT_TRUE(
+        reference_->Select(host_->Inputs(rows_), SelectPolicy{}, host_->Outputs(), &stats).ok());
     std::vector<int32_t> visit(size_t{kLayers} * kBatch * host_->max_blocks());
     EXPECT_EQ(cudaMemcpy(visit.data(), buffers_->visit_blocks(), visit.size() * 4,
                          cudaMemcpyDeviceToHost),
@@ -251,7 +265,8 @@ TEST_F(AsyncFenceTest, AsyncStepsWaitForTheEnginesInputsOnTheDevice) {
     const auto start = std::chrono::steady_clock::now();
     ASSERT_TRUE(async_client.Ping(std::chrono::seconds(1)).ok());
     ping_rtt.push_back(
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+            .count());
   }
   const double ping50 = testing::Percentile(ping_rtt, 0.5);
   std::printf("async fence: %d lists, %d differ (fp32 ties)\n", lists, differing);
@@ -271,11 +286,7 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("inputs"),
                                           {"--backend=cuda", "--inputs-timeout-ms=100"});
   ASSERT_NE(epsd, nullptr);
-  client::ClientOptions options;
-  options.target = epsd->target();
-  options.deadline = std::chrono::seconds(2);
-  options.reply_async = true;
-  client::EpsClient client(options, Attach());
+  client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
   // Step 1 is accepted, but the engine never signals inputs_ready = 1.
   const client::StepResult first = client.SelectPages(1, Rows());
@@ -299,11 +310,7 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
 TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("killed"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
-  client::ClientOptions options;
-  options.target = epsd->target();
-  options.deadline = std::chrono::seconds(2);
-  options.reply_async = true;
-  client::EpsClient client(options, Attach());
+  client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
   client::SelectionWatchdog watchdog(*buffers_, std::chrono::milliseconds(200));
   // Accepted, then the sidecar dies while its stream waits for the engine's
@@ -335,9 +342,12 @@ TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   const auto t0 = std::chrono::steady_clock::now();
   const bool after = before || exited_within(std::chrono::seconds(20));
-  std::printf("killed epsd exited %s (%.0f ms after inputs_ready)\n",
-              before ? "within 2 s, before inputs_ready" : after ? "only after inputs_ready" : "not at all",
-              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  std::printf(
+      "killed epsd exited %s (%.0f ms after inputs_ready)\n",
+      before  ? "within 2 s, before inputs_ready"
+      : after ? "only after inputs_ready"
+              : "not at all",
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   EXPECT_TRUE(after) << "a killed epsd never exited";
 }
 
@@ -360,11 +370,7 @@ TEST_F(AsyncFenceTest, FallbackWithAnAbsentSidecarReleasesTheEngineStream) {
 TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("badslot"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
-  client::ClientOptions options;
-  options.target = epsd->target();
-  options.deadline = std::chrono::seconds(2);
-  options.reply_async = true;
-  client::EpsClient client(options, Attach());
+  client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
   const int32_t bad = static_cast<int32_t>(host_->num_slots()) + 5;
   ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &bad, 4, cudaMemcpyHostToDevice), cudaSuccess);
