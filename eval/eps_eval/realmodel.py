@@ -12,6 +12,7 @@ selection at every step.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from eps_eval.model import Model, Trace, fetch_gguf
 from eps_eval.selection import LayerSequences, Plan, step_rows
 
 F32 = npt.NDArray[np.float32]
-LICENCES = Path("/usr/share/common-licenses")
+# EPS_EVAL_LICENCES: a copy of that folder (the same texts on a machine that lacks it).
+LICENCES = Path(os.environ.get("EPS_EVAL_LICENCES", "/usr/share/common-licenses"))
 PASSAGE_FILES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2")
 FILLER_FILES = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0", "MPL-1.1")
 # (method, lag, top_pages fraction) for the teacher-forced and passkey runs, g = 1.

@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -153,8 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("synthetic", "real", "report"), default=None)
     ap.add_argument("--cache", type=Path, default=None, help="model cache (default OUT/../.eval-cache)")
+    ap.add_argument("--real-context", type=int, default=None,
+                    help="the real model's passage length (default: the mode's)")
+    ap.add_argument("--passkey-context", type=int, default=None,
+                    help="the passkey prompts' length (default: the mode's)")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write the units only (e.g. on a machine without matplotlib)")
     a = ap.parse_args(argv)
     s = QUICK if a.quick else FULL
+    if a.real_context is not None:
+        s = replace(s, real_context=a.real_context)
+    if a.passkey_context is not None:
+        s = replace(s, passkey_context=a.passkey_context)
     out: Path = a.out
     units = out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", out.parent / ".eval-cache"))
@@ -169,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         run_synthetic(s, units)
     if a.only in (None, "real"):
         run_real(s, units, cache)
+    if a.no_report:
+        log(f"done in {time.time() - t0:.0f} s; units in {units}")
+        return 0
     from eps_eval import report
 
     report.write(out, t0=t0, load0=load0)
