@@ -74,10 +74,11 @@ IpcMapping::~IpcMapping() {
   }
 }
 
-absl::Status WriteCounter(int device, uint64_t* at, uint64_t value) {
+absl::StatusOr<uint64_t> ReadCounter(int device, const uint64_t* at) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(at, &value, sizeof(value), cudaMemcpyHostToDevice));
-  return absl::OkStatus();
+  uint64_t value = 0;
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(&value, at, sizeof(value), cudaMemcpyDeviceToHost));
+  return value;
 }
 
 }  // namespace eps::gpu

@@ -32,7 +32,7 @@ class IpcMapping {
   int device_ = 0;
 };
 
-// Writes `value` to the uint64 at device address `at` (the selection_done counter).
-absl::Status WriteCounter(int device, uint64_t* at, uint64_t value);
+// Reads the uint64 at device address `at` (a step counter of the flags buffer).
+absl::StatusOr<uint64_t> ReadCounter(int device, const uint64_t* at);
 
 }  // namespace eps::gpu

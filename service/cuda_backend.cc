@@ -28,8 +28,9 @@ class DeviceMemory final : public MappedMemory {
 
 class CudaBackend final : public StepBackend {
  public:
-  CudaBackend(std::unique_ptr<gpu::GpuSelector> selector, std::chrono::microseconds inputs_timeout)
-      : selector_(std::move(selector)), inputs_timeout_(inputs_timeout) {}
+  CudaBackend(std::unique_ptr<gpu::GpuSelector> selector, int device,
+              std::chrono::microseconds inputs_timeout)
+      : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
   const char* name() const override { return "cuda"; }
 
   absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
@@ -45,6 +46,19 @@ class CudaBackend final : public StepBackend {
       f.prepass_us = us;
     }
     const SessionBuffers& b = session.buffers;
+    if (b.has_flags && !done_floor_read_) {
+      // Counters only grow: a step at or below the buffer's selection_done would be
+      // neither awaited by the engine nor written here (a silent stale list), so a
+      // session's first step reads it once and such steps are refused.
+      ASSIGN_OR_RETURN(done_floor_, gpu::ReadCounter(device_, reinterpret_cast<const uint64_t*>(
+                                                                   b.flags.data) + 1));
+      done_floor_read_ = true;
+    }
+    if (b.has_flags && step <= done_floor_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", step, " is not after selection_done=", done_floor_,
+          " in the flags buffer: step numbers must keep increasing for the buffer's lifetime"));
+    }
     gpu::GpuSelector::StepFence fence;
     fence.step = step;
     if (b.has_flags) {
@@ -75,7 +89,10 @@ class CudaBackend final : public StepBackend {
 
  private:
   std::unique_ptr<gpu::GpuSelector> selector_;
+  const int device_;
   const std::chrono::microseconds inputs_timeout_;
+  bool done_floor_read_ = false;  // steps run under the session's step lock
+  uint64_t done_floor_ = 0;       // selection_done when the session's first step came
 };
 
 }  // namespace
@@ -98,7 +115,7 @@ absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
   absl::StatusOr<std::unique_ptr<gpu::GpuSelector>> selector =
       gpu::GpuSelector::Create(model, device, max_batch, max_groups);
   if (!selector.ok()) return selector.status();
-  return std::unique_ptr<StepBackend>(new CudaBackend(std::move(*selector), inputs_timeout));
+  return std::unique_ptr<StepBackend>(new CudaBackend(std::move(*selector), device, inputs_timeout));
 }
 
 }  // namespace eps::service

@@ -393,5 +393,33 @@ TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) 
   EXPECT_LE(CompareWithReference(), 1);
 }
 
+TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattach) {
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("floor"), {"--backend=cuda"});
+  ASSERT_NE(epsd, nullptr);
+  client::ClientOptions options = AsyncOptions(*epsd);
+  options.reply_async = false;
+  options.fail_open = false;
+  {
+    client::EpsClient first(options, Attach());
+    ASSERT_TRUE(first.Attach().ok()) << epsd->Log();
+    WriteQueries(5, 0);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    const client::StepResult r = first.SelectPages(5, Rows());
+    ASSERT_TRUE(r.status.ok()) << r.status;
+  }
+  // A new session over the same buffers (selection_done = 5) that restarts its
+  // numbering would get neither a wait nor a write: epsd refuses it instead.
+  client::EpsClient second(options, Attach());
+  ASSERT_TRUE(second.Attach().ok()) << epsd->Log();
+  const client::StepResult stale = second.SelectPages(3, Rows());
+  EXPECT_EQ(stale.status.code(), absl::StatusCode::kFailedPrecondition) << stale.status;
+  EXPECT_NE(stale.status.message().find("selection_done=5"), std::string::npos) << stale.status;
+  WriteQueries(6, 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  const client::StepResult next = second.SelectPages(6, Rows());
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  EXPECT_LE(CompareWithReference(), 1);
+}
+
 }  // namespace
 }  // namespace eps
