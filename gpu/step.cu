@@ -42,8 +42,7 @@ struct GpuSelector::Impl {
 
   // The step queued by Enqueue and not yet finished.
   bool pending = false;
-  uint64_t pending_step = 0;
-  StepFence fence;
+  StepFence fence;  // of the pending step (fence.step is its number)
   StepStats pending_host;  // the host-side part of its statistics
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
@@ -53,7 +52,7 @@ struct GpuSelector::Impl {
   ~Impl() {
     if (pending && fence.inputs_ready != nullptr) {
       // Never leave the stream waiting on an engine that is gone.
-      (void)StreamRaiseCounter(release_stream, fence.inputs_ready, pending_step);  // best effort
+      (void)StreamRaiseCounter(release_stream, fence.inputs_ready, fence.step);  // best effort
     }
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (host_rows != nullptr) cudaFreeHost(host_rows);
@@ -109,7 +108,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
          {reinterpret_cast<const void*>(&QueryTermsKernel), reinterpret_cast<const void*>(&ScoreKernel<4>),
           reinterpret_cast<const void*>(&ScoreKernel<8>), reinterpret_cast<const void*>(&ScoreKernel<16>),
           reinterpret_cast<const void*>(&ScoreKernel<0>), reinterpret_cast<const void*>(&ThresholdKernel),
-          reinterpret_cast<const void*>(&SelectKernel), reinterpret_cast<const void*>(&FailOpenKernel)}) {
+          reinterpret_cast<const void*>(&SelectKernel)}) {
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
     }
   }
@@ -133,14 +132,14 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
 }
 
 bool GpuSelector::pending() const { return impl_->pending; }
-uint64_t GpuSelector::pending_step() const { return impl_->pending_step; }
+uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }
 
 absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& policy,
                                   const StepOutputs& out, const StepFence& fence) {
   Impl& g = *impl_;
   if (g.pending) {
     return absl::FailedPreconditionError(
-        absl::StrCat("step ", g.pending_step, " is still pending: finish it first"));
+        absl::StrCat("step ", g.fence.step, " is still pending: finish it first"));
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
@@ -273,12 +272,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
       s, policy.first_n, policy.last_n, policy.method == Method::kOff, in.block_table,
       g.rows.get(), g.scores.get(), g.thresholds.get(), out.visit_blocks, out.visit_count,
       g.status.get(), g.stats.get(), fence.selection_done, fence.step);
-  if (fence.selection_done != nullptr) {
-    // The engine's stream proceeds on selection_done whatever happened: a step
-    // that failed on the device marks its lists "attend densely" (-1).
-    FailOpenKernel<<<1, 256, 0, g.stream>>>(s, static_cast<int>(batch), g.status.get(),
-                                            out.visit_count, fence.selection_done, fence.step);
-  }
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
   if (fence.selection_done != nullptr) {
@@ -302,7 +295,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     }
   }
   g.pending = true;
-  g.pending_step = fence.step;
   g.fence = fence;
   g.pending_host = host;
   g.pending_rows.assign(in.rows.begin(), in.rows.end());

@@ -300,15 +300,22 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   extern __shared__ unsigned char visit[];
   __shared__ float head_threshold[256];
   __shared__ unsigned counts[256];
-  if (status->code != kOk) return;  // an earlier kernel failed: write nothing
   // blockIdx.x = layer * lists + list; a list unions the query heads of one KV
   // head (per-KV-head output) or of all of them (union).
+  const int layer = blockIdx.x / s.lists, list = blockIdx.x % s.lists, row = blockIdx.y;
+  const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
   // The engine gave up on this step (its client released selection_done and
   // attends densely): leave its outputs alone.
   if (selection_done != nullptr && *reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) {
     return;
   }
-  const int layer = blockIdx.x / s.lists, list = blockIdx.x % s.lists, row = blockIdx.y;
+  if (status->code != kOk) {
+    // An earlier kernel failed: no list is computed. With a step fence the
+    // engine's stream proceeds on selection_done regardless, so each list of
+    // the step says "attend densely" (-1); without one, nothing is written.
+    if (selection_done != nullptr && threadIdx.x == 0) visit_count[list_index] = -1;
+    return;
+  }
   const int heads_per_list = s.q_heads / s.lists, first_head = list * heads_per_list;
   const int64_t tokens = rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
@@ -356,7 +363,6 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   __syncthreads();
   const unsigned total = counts[blockDim.x - 1];
   const int64_t table_row = rows[row].table_row;
-  const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
   const int64_t out = list_index * s.max_blocks;
   for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
     int lo = 0, hi = n;  // first group whose offset exceeds o
@@ -376,19 +382,6 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
     const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
     atomicAdd(&stats->visited_tokens,
               static_cast<unsigned long long>(total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
-  }
-}
-
-// After a failed step, with a step fence: every list of the step's rows gets
-// count -1 ("attend densely"), since the engine's stream proceeds on
-// selection_done. One block; visit_count is [layers, max_batch, lists].
-__global__ void FailOpenKernel(Shape s, int batch, const DeviceStatus* status, int32_t* visit_count,
-                               const uint64_t* selection_done, uint64_t step) {
-  if (status->code == kOk) return;
-  if (*reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) return;
-  const int per_layer = batch * s.lists;
-  for (int i = threadIdx.x; i < s.layers * per_layer; i += blockDim.x) {
-    visit_count[int64_t{i / per_layer} * s.max_batch * s.lists + i % per_layer] = -1;
   }
 }
 
