@@ -33,9 +33,12 @@ class StepBackend {
  public:
   virtual ~StepBackend() = default;
   virtual const char* name() const = 0;
+  // Whether Run takes async = true (the cuda backend); the selector refuses
+  // async requests for other backends before it takes the step lock.
+  virtual bool async_replies() const { return false; }
   // Runs one step (the caller holds session.step_mu), writes the visit lists
   // and then publishes selection_done = step when a flags buffer is attached.
-  // `async`: queue the step and return (backends that cannot answer UNIMPLEMENTED).
+  // `async` (only where async_replies()): queue the step and return.
   virtual absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
                            const SelectPolicy& policy, bool async, StepResult* result) = 0;
 };

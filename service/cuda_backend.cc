@@ -32,6 +32,7 @@ class CudaBackend final : public StepBackend {
               std::chrono::microseconds inputs_timeout)
       : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
   const char* name() const override { return "cuda"; }
+  bool async_replies() const override { return true; }
 
   absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
                    const SelectPolicy& policy, bool async, StepResult* result) override {

@@ -308,6 +308,11 @@ absl::Status Selector::SelectPages(const v1::SelectPagesRequest& request,
     return CountFailure(absl::InvalidArgumentError(
         absl::StrCat("reply_mode=", request.reply_mode(), " is unknown")));
   }
+  if (async && !session->backend->async_replies()) {
+    return CountFailure(absl::UnimplementedError(absl::StrCat(
+        "reply_mode=REPLY_MODE_ASYNC needs the cuda backend; the ", session->backend->name(),
+        " backend answers sync")));
+  }
   if (request.rows_size() > static_cast<int>(session->max_batch)) {
     return CountFailure(absl::InvalidArgumentError(
         absl::StrCat("batch of ", request.rows_size(), " rows exceeds the session's max_batch=",
