@@ -73,16 +73,20 @@ class ShmBufferSet final : public BufferSet {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
-                                                           const ModelLayout& model,
-                                                           const BufferSetShape& shape) {
-  if (backend == BufferBackend::kCuda) return CreateDeviceBufferSet(model, shape);
+client::BufferShape ClientShape(const BufferSetShape& shape) {
   client::BufferShape s;
   s.num_slots = shape.num_slots;
   s.max_seqs = shape.max_seqs;
   s.max_context = shape.max_context;
   s.max_batch = shape.max_batch;
-  auto buffers = client::EngineBuffers::Create(model, s, "load");
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
+                                                           const ModelLayout& model,
+                                                           const BufferSetShape& shape) {
+  if (backend == BufferBackend::kCuda) return CreateDeviceBufferSet(model, shape);
+  auto buffers = client::EngineBuffers::Create(model, ClientShape(shape), "load");
   if (!buffers.ok()) return buffers.status();
   return std::unique_ptr<BufferSet>(std::make_unique<ShmBufferSet>(std::move(*buffers)));
 }

@@ -13,6 +13,7 @@
 #include <span>
 
 #include "absl/status/statusor.h"
+#include "client/cpp/buffer_plan.h"
 #include "core/layout.h"
 #include "eps/v1/page_selector.pb.h"
 #include "load/load_config.h"
@@ -54,6 +55,9 @@ class BufferSet {
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape);
+// The client library's shape for these buffers (union output, with flags).
+client::BufferShape ClientShape(const BufferSetShape& shape);
+
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout& model,
                                                                  const BufferSetShape& shape);
 

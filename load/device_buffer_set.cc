@@ -64,12 +64,7 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayo
   if (!gpu::DeviceAvailable()) {
     return absl::FailedPreconditionError("--backend=cuda: no CUDA device is visible to eps-load");
   }
-  client::BufferShape s;
-  s.num_slots = shape.num_slots;
-  s.max_seqs = shape.max_seqs;
-  s.max_context = shape.max_context;
-  s.max_batch = shape.max_batch;
-  auto buffers = client::DeviceBuffers::Create(model, s, /*device=*/0);
+  auto buffers = client::DeviceBuffers::Create(model, ClientShape(shape), /*device=*/0);
   if (!buffers.ok()) return buffers.status();
   return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(std::move(*buffers)));
 }
