@@ -41,8 +41,8 @@ class ShmBufferSet final : public BufferSet {
     const ModelLayout& m = buffers_->model();
     const int64_t batch = buffers_->shape().max_batch;
     const int d = m.head_dim;
-    if (absl::Status s =
-            CheckSize("queries", queries.size(), int64_t{m.num_layers} * batch * m.num_q_heads * d);
+    if (absl::Status s = CheckSize("queries", queries.size(),
+                                   buffers_->plan().ElementsOf(SharedBuffer::kQueries));
         !s.ok()) {
       return s;
     }

@@ -4,7 +4,8 @@
 //
 // eps-load builds host images of every input buffer once and copies them in
 // with the Write* calls before it attaches; the calls take row-major host
-// arrays in the shapes of docs/api.md. Ownership: a BufferSet owns its memory
+// arrays in the shapes of core/buffer_contract.h, and check their sizes
+// against the client library's BufferPlan of that contract. Ownership: a BufferSet owns its memory
 // and frees it in its destructor. Thread safety: none (one session each).
 #pragma once
 
