@@ -191,7 +191,7 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
                         "K and V bytes of the visited blocks (estimated read).");
   bytes_saved_ = counter("eps_kv_bytes_saved_estimated_total",
                          "K and V bytes of the skipped blocks (dense minus estimated read).");
-  bytes_summary_ = counter("eps_summary_bytes_read_total", "Summary bytes the pre-pass read.");
+  bytes_summary_ = counter("eps_summaries_bytes_read_total", "Summary bytes the pre-pass read.");
   auto& fallbacks = prometheus::BuildCounter()
                         .Name("eps_client_fallbacks_total")
                         .Help(
