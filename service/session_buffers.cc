@@ -12,28 +12,18 @@
 namespace eps::service {
 namespace {
 
-const v1::MemoryDescriptor& DescriptorOf(const v1::SharedBuffers& b, SharedBuffer buffer) {
-  switch (buffer) {
-    case SharedBuffer::kSummaryPool:
-      return b.summary_pool();
-    case SharedBuffer::kGroupTable:
-      return b.group_table();
-    case SharedBuffer::kBlockTable:
-      return b.block_table();
-    case SharedBuffer::kQueries:
-      return b.queries();
-    case SharedBuffer::kVisitBlocks:
-      return b.visit_blocks();
-    case SharedBuffer::kVisitCount:
-      return b.visit_count();
-    case SharedBuffer::kFlags:
-      break;
-  }
-  return b.flags();
+// The contract's names are the SharedBuffers field names (session_service_test checks).
+const google::protobuf::FieldDescriptor* FieldOf(const BufferSpec& spec) {
+  return v1::SharedBuffers::descriptor()->FindFieldByName(spec.name);
 }
 
-bool HasDescriptor(const v1::SharedBuffers& b, SharedBuffer buffer) {
-  return buffer != SharedBuffer::kFlags || b.has_flags();
+// The descriptor of `spec` (the default, "memory is not set", when absent).
+const v1::MemoryDescriptor& DescriptorOf(const v1::SharedBuffers& b, const BufferSpec& spec) {
+  return static_cast<const v1::MemoryDescriptor&>(b.GetReflection()->GetMessage(b, FieldOf(spec)));
+}
+
+bool HasDescriptor(const v1::SharedBuffers& b, const BufferSpec& spec) {
+  return b.GetReflection()->HasField(b, FieldOf(spec));
 }
 
 // The input buffer a write targets; null for a target that is not a writable input.
@@ -65,7 +55,7 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
   SessionBuffers buf;
   std::vector<std::pair<TensorSpec, HostTensor>> tensors;
   for (const BufferSpec& contract : kBufferContract) {
-    if (contract.optional && !HasDescriptor(b, contract.id)) continue;
+    if (contract.optional && !HasDescriptor(b, contract)) continue;
     TensorSpec t;
     t.name = contract.name;
     t.dtype = ToProto(contract.id == SharedBuffer::kQueries ? spec.query_dtype : contract.dtype);
@@ -76,7 +66,7 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
       const std::string& at = fixed_by[static_cast<int>(dim)];
       t.dim_names.push_back(at.empty() ? DimName(dim) : at);
     }
-    ASSIGN_OR_RETURN(HostTensor tensor, ResolveTensor(DescriptorOf(b, contract.id), t, mappings));
+    ASSIGN_OR_RETURN(HostTensor tensor, ResolveTensor(DescriptorOf(b, contract), t, mappings));
     for (size_t i = 0; i < shape.size(); ++i) {
       if (dims[shape[i]] >= 0) continue;
       dims[shape[i]] = tensor.shape[i];

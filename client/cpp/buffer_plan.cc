@@ -14,24 +14,10 @@ v1::DType ProtoDType(DType dtype) {
   }
 }
 
-v1::MemoryDescriptor* MutableDescriptor(v1::SharedBuffers& s, SharedBuffer buffer) {
-  switch (buffer) {
-    case SharedBuffer::kSummaryPool:
-      return s.mutable_summary_pool();
-    case SharedBuffer::kGroupTable:
-      return s.mutable_group_table();
-    case SharedBuffer::kBlockTable:
-      return s.mutable_block_table();
-    case SharedBuffer::kQueries:
-      return s.mutable_queries();
-    case SharedBuffer::kVisitBlocks:
-      return s.mutable_visit_blocks();
-    case SharedBuffer::kVisitCount:
-      return s.mutable_visit_count();
-    case SharedBuffer::kFlags:
-      break;
-  }
-  return s.mutable_flags();
+// The contract's names are the SharedBuffers field names.
+v1::MemoryDescriptor* MutableDescriptor(v1::SharedBuffers& s, const BufferSpec& spec) {
+  return static_cast<v1::MemoryDescriptor*>(s.GetReflection()->MutableMessage(
+      &s, v1::SharedBuffers::descriptor()->FindFieldByName(spec.name)));
 }
 
 }  // namespace
@@ -82,7 +68,7 @@ v1::SharedBuffers BufferPlan::Descriptors(const v1::MemoryDescriptor& memory) co
   v1::SharedBuffers s;
   for (const BufferSpec& spec : kBufferContract) {
     if (spec.id == SharedBuffer::kFlags && !shape.with_flags) continue;
-    v1::MemoryDescriptor* d = MutableDescriptor(s, spec.id);
+    v1::MemoryDescriptor* d = MutableDescriptor(s, spec);
     *d = memory;
     d->clear_shape();
     d->clear_strides();

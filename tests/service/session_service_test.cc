@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "core/buffer_contract.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/cuda_backend.h"
@@ -48,6 +49,16 @@ class SessionServiceTest : public ::testing::Test {
   SessionService service_{config_};
   const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300), TestEngine::Row(1, 200)};
 };
+
+TEST(BufferContractNamesTest, EveryContractBufferIsASharedBuffersMessageField) {
+  for (const BufferSpec& spec : kBufferContract) {
+    const google::protobuf::FieldDescriptor* field =
+        v1::SharedBuffers::descriptor()->FindFieldByName(spec.name);
+    ASSERT_NE(field, nullptr) << spec.name;
+    EXPECT_EQ(field->message_type(), v1::MemoryDescriptor::descriptor()) << spec.name;
+  }
+  EXPECT_EQ(v1::SharedBuffers::descriptor()->field_count(), kSharedBuffers);
+}
 
 TEST_F(SessionServiceTest, AStepWritesTheCoreReferenceListsAndReportsTheCpuBackend) {
   SCOPED_TRACE(eps::testing::SeedTrace(seed_));
