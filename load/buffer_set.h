@@ -53,7 +53,7 @@ class BufferSet {
 // Host shared memory through client::EngineBuffers (cpu), or device memory on
 // device 0 through client::DeviceBuffers (cuda; FAILED_PRECONDITION without a
 // device or in a build without CUDA).
-absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(service::BackendKind backend,
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape);
 // The client library's shape for these buffers (union output, with flags).
