@@ -63,8 +63,17 @@ class StepBackend {
   virtual absl::Status Run(const BackendStep& step, StepOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) = 0;
 
+  // The session's step order: FAILED_PRECONDITION unless `step` comes after
+  // the last step that ran; StepRan records one (sync, or queued async).
+  absl::Status CheckStepOrder(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  void StepRan(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+
  protected:
   mutable absl::Mutex step_mu_;
+
+ private:
+  bool has_step_ ABSL_GUARDED_BY(step_mu_) = false;
+  uint64_t last_step_ ABSL_GUARDED_BY(step_mu_) = 0;
 };
 
 }  // namespace eps::service

@@ -129,8 +129,9 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     steps_total_.fetch_add(1);
   };
   const SessionBuffers& buffers = session.buffers();
-  absl::MutexLock lock(&session.step_mu());
-  absl::Status ready = session.CheckStepOrder(request.step());
+  StepBackend& backend = session.backend();
+  absl::MutexLock lock(&backend.step_mu());
+  absl::Status ready = backend.CheckStepOrder(request.step());
   if (ready.ok()) ready = ApplyInlineWrites(request.writes(), buffers);
   if (!ready.ok()) {
     session.errors.fetch_add(1);
@@ -144,7 +145,7 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
       .policy = policy,
       .async = request.reply_mode() == v1::REPLY_MODE_ASYNC};
   StepOutcome outcome;
-  const absl::Status run = session.backend().Run(step, &outcome);
+  const absl::Status run = backend.Run(step, &outcome);
   // Async steps finished since the last call count now, whatever this step does.
   for (const FinishedStep& f : outcome.earlier) {
     v1::StepStats* earlier = response->add_earlier();
@@ -160,7 +161,8 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     session.errors.fetch_add(1);
     return CountFailure(run);
   }
-  session.StepRan(request.step());
+  backend.StepRan(request.step());
+  session.last_step_seen.store(request.step());
   response->set_step(request.step());
   response->set_done(outcome.done);
   if (outcome.done) {

@@ -203,7 +203,7 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
       &fallbacks.Add({{"reason", "not_attached"}}), &fallbacks.Add({{"reason", "error"}})};
   auto& validation = prometheus::BuildCounter()
                          .Name("eps_validation_failures_total")
-                         .Help("Requests the selector refused, by canonical status code.")
+                         .Help("Requests the session service refused, by canonical status code.")
                          .Register(*registry_);
   for (int c = 1; c < kGrpcCodes; ++c) {
     validation_[c] = &validation.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(
