@@ -116,7 +116,8 @@ def _engine_lib() -> Any:
 
 def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any,
                           context_tokens: Any, block_size: int, *,
-                          out: tuple[Any, Any] | None = None, use_kernel: bool | None = None) -> tuple[Any, Any]:
+                          out: tuple[Any, Any] | None = None,
+                          use_kernel: bool | None = None) -> tuple[Any, Any]:
     """Device tensors (torch, int32): block_table [layers, batch, lists, max_blocks] and
     seqused_k [layers, batch, lists] for batch = len(context_tokens). Entries past a row's
     blocks are unspecified. ``out`` reuses preallocated tensors (e.g. in a CUDA graph)."""
