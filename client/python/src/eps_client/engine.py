@@ -233,10 +233,11 @@ class SummaryQueue:
 
 
 def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: np.ndarray,
-                count: int = 1, stride: int = 0) -> np.ndarray:
+                count: int | np.ndarray = 1, stride: int = 0) -> np.ndarray:
     """Appends of keys to records: ``slots`` [n] summary slots and ``key_ptrs`` [layers, n,
-    kv_heads] device addresses of each key run (``count`` keys ``stride`` elements apart),
-    for every layer and KV head. Returns a KEY_APPEND array of layers * n * kv_heads."""
+    kv_heads] device addresses of each key run (``count`` keys, a scalar or [n], ``stride``
+    elements apart), for every layer and KV head. Returns a KEY_APPEND array of
+    layers * n * kv_heads, ordered by layer, then n, then KV head."""
     L, H = model.num_layers, model.num_kv_heads
     words = SummaryLayout.for_model(model).record_words
     slots = np.asarray(slots, dtype=np.int64)
@@ -249,7 +250,8 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
     out = np.empty(L * n * H, dtype=KEY_APPEND)
     out["record"] = record.reshape(-1).astype(np.uint64)
     out["keys"] = key_ptrs.reshape(-1).astype(np.uint64)
-    out["count"] = count
+    out["count"] = np.broadcast_to(np.asarray(count, dtype=np.int64)[None, ..., None]
+                                   if np.ndim(count) else count, (L, n, H)).reshape(-1)
     out["stride"] = stride
     out["layer"] = np.broadcast_to(layer, (L, n, H)).reshape(-1)
     out["kv_head"] = np.broadcast_to(head, (L, n, H)).reshape(-1)
