@@ -307,6 +307,12 @@ class PagedEngine:
         self.pos.fill_(position)
         self.ctx.fill_(position + 1)
         self.buffers.visit_count.fill_(-1)  # dense lists: valid whatever epsd wrote before
+        # load the kernels that run outside the graphs now: a first launch under lazy loading
+        # can stall while the stream waits on a counter
+        mark = torch.zeros(1, dtype=torch.bool, device=self.device)
+        torch.lt(self.buffers.visit_count[0, 0], 0, out=mark[0])
+        self.ids.copy_(self.argmax_out)
+        self.logp_out.copy_(self.logp_out)
         for gated in (False, True):
             if gated not in self.graphs:
                 try:
@@ -336,6 +342,7 @@ class PagedEngine:
         argmaxes = torch.zeros(self.B, steps, dtype=torch.long, device=dev)
         base = self.step_base
         self.step_base += steps + 2
+        self.stream.wait_stream(torch.cuda.current_stream(dev))  # inputs made on the default
         with torch.cuda.stream(self.stream):
             sid = self.stream.cuda_stream
             if gated:
@@ -343,10 +350,10 @@ class PagedEngine:
             for t in range(steps):
                 if on_step is not None:
                     on_step(t)
-                h0 = time.perf_counter()
                 pos = start + t
                 if t >= 2:
                     ev[t - 2][2].synchronize()  # at most two steps ahead of the GPU
+                h0 = time.perf_counter()  # host time to queue the step (the throttle excluded)
                 if greedy and t > 0:
                     self.ids.copy_(self.argmax_out)
                 else:

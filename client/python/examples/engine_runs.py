@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -87,10 +88,10 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     model = Model.random(config, torch.device("cuda"), torch.bfloat16, seed=args.seed)
     P, N = args.context, args.decode_steps
     engine = _engine(model, args, args.batch, P + N + 4)
+    engine.prepare_graphs(P)  # first: its warm-up steps write junk K/V and queries
     engine.fill_random(P)
     engine.write_prompt_summaries(P)
     engine.client.attach()
-    engine.prepare_graphs(P)
     g = torch.Generator(device="cuda")
     g.manual_seed(args.seed)
     ids = torch.randint(0, config.vocab, (args.batch, N + 1), device="cuda", generator=g)
@@ -143,13 +144,19 @@ def _kill_run(engine: PagedEngine, args: argparse.Namespace, inputs: torch.Tenso
     P = args.context
     top, _ = calibrate(engine, P + 1, fractions(args.fractions)[0], base)
     events: list[str] = []
+    restarted: list[float] = []
 
     def on_step(t: int) -> None:
         if t == args.kill_at:
             events.append(f"step {t}: kill -9 epsd (pid {kill_epsd(args)})")
         elif t == args.restart_at:
-            restart_epsd(args)
-            events.append(f"step {t}: epsd restarted")
+            took = restart_epsd(args)
+            restarted.append(time.monotonic())
+            events.append(f"step {t}: epsd restarted (listening after {took:.2f} s)")
+        elif restarted and len(restarted) == 1 and engine.client.session_id:
+            restarted.append(time.monotonic())
+            events.append(f"step {t}: re-attached {restarted[1] - restarted[0]:.3f} s after "
+                          "epsd was listening")
 
     first = engine.step_base
     run = engine.decode(inputs, targets, P, gated=True, options=_with(base, top_pages=top),
@@ -203,10 +210,10 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     P, N = args.context, args.decode_steps
     seqs = torch.from_numpy(_text_tokens(ByteBpeTokenizer(reader), P + N + 1, args.batch)).cuda()
     engine = _engine(model, args, args.batch, P + N + 4)
+    engine.prepare_graphs(P)  # first: its warm-up steps write junk K/V and queries
     engine.prefill(seqs[:, :P])
     engine.write_prompt_summaries(P)
     engine.client.attach()
-    engine.prepare_graphs(P)
     saved = engine.snapshot_pool()
     inputs, targets = seqs[:, P:-1], seqs[:, P + 1 :]
     common = _common(engine, args)
@@ -267,11 +274,11 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
         prompts.append(hay[:depth] + needle + hay[depth:] + question)
     tokens = torch.tensor(prompts, device="cuda")
     engine = _engine(model, args, n, P + gen + 4)
+    engine.prepare_graphs(P - 1)  # first: its warm-up steps write junk K/V and queries
     # prefill all but the last prompt token; decoding starts by feeding it at P - 1
     engine.prefill(tokens[:, :-1])
     engine.write_prompt_summaries(P - 1)
     engine.client.attach()
-    engine.prepare_graphs(P - 1)
     saved = engine.snapshot_pool()
     common = _common(engine, args)
     common["depths"] = "10-90 %"

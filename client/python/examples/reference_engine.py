@@ -84,11 +84,19 @@ def main() -> int:
     return 0 if result.get("ok", True) else 1
 
 
-def restart_epsd(args: argparse.Namespace) -> None:
-    """kill mode: starts epsd again with --epsd-cmd, records its pid."""
+def restart_epsd(args: argparse.Namespace) -> float:
+    """kill mode: starts epsd again with --epsd-cmd, records its pid, and waits until it
+    accepts connections (as an operator's restart would be done before the engine's next
+    step). Returns the seconds that took."""
+    import grpc
+
+    start = time.monotonic()
     proc = subprocess.Popen(args.epsd_cmd, shell=True, start_new_session=True)
     if args.epsd_pid_file:
         Path(args.epsd_pid_file).write_text(str(proc.pid))
+    with grpc.insecure_channel(args.epsd_target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+    return time.monotonic() - start
 
 
 def kill_epsd(args: argparse.Namespace) -> int:
