@@ -376,7 +376,7 @@ def _check_tensor(name: str, t: Any, device: Any, dtype: Any = None) -> None:
 def _run(
     q: Any, kv_cache: Any, lists: Any, lengths: Any, *, kind: int, dense: Any,
     context: Any, softmax_scale: float | None, softcap: float, out: Any, return_lse: bool,
-    names: tuple[str, str],
+    names: tuple[str, str], num_splits: int = 0,
 ) -> Any:
     import torch
 
@@ -422,6 +422,7 @@ def _run(
         p.lse, p.lse_stride_row, p.lse_stride_head = lse.data_ptr(), lse.stride(0), lse.stride(1)
     p.softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     p.softcap = float(softcap)
+    p.num_splits = num_splits  # 0: the library's choice; benchmarks sweep it
     p.error_word = _error_word(device).data_ptr()
 
     lib = load_library()
