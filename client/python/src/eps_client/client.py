@@ -51,7 +51,7 @@ class ClientOptions:
     2-core machine (docs/integration/python-client.md): a healthy epsd misses none."""
 
     target: str = "unix:///tmp/epsd.sock"
-    deadline_s: float = 0.050  # per select_pages
+    deadline_s: float = 0.100  # per select_pages
     attach_deadline_s: float = 0.5  # attach, detach, heartbeat, re-attach
     reattach_backoff_s: float = 0.05  # between re-attach attempts
     fail_open: bool = True  # False: a failed step raises EpsError
