@@ -36,8 +36,8 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/eps-engine-wheels
 mkdir -p "$cache"
 python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --dest "$cache" \
-  grpcio==1.76.0 protobuf==6.33.1 gguf==0.19.0
-cp "$cache"/grpcio-1.76.0-*.whl "$cache"/protobuf-6.33.1-*.whl "$cache"/gguf-0.19.0-*.whl \
+  grpcio==1.76.0 protobuf==6.33.6 gguf==0.19.0
+cp "$cache"/grpcio-1.76.0-*.whl "$cache"/protobuf-6.33.6-*.whl "$cache"/gguf-0.19.0-*.whl \
   "$dest/wheels/"
 if [[ $with_model == 1 ]]; then
   mcache=$cache/model && mkdir -p "$mcache"
