@@ -23,7 +23,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$carry/python/src:$carry/python/examples:$site"
 export EPS_ENGINE_LIB="$carry/libeps_engine.so"
 [[ -f $carry/libeps_attention.so ]] && export EPS_ATTENTION_LIB="$carry/libeps_attention.so"
-export LD_LIBRARY_PATH="$carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$carry:$carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, grpc, eps_client; print("torch", torch.__version__, "grpc", grpc.__version__, torch.cuda.get_device_name())'
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -66,6 +66,17 @@ engine() {  # name, then reference_engine.py flags
   kill -0 "$(cat "$pidfile")" 2>/dev/null || start_epsd
 }
 status=0
+# The client library's device tests first: outputs kernels, summary queue, watchdog, and the
+# torch/kernel paths of eps_client.outputs against their numpy references.
+for t in engine_outputs_test engine_capi_test; do
+  "$carry/$t" --gtest_brief=1 >"$out/$t.log" 2>&1; rc=$?
+  echo "$t: exit $rc ($(grep -cE '^\[       OK|^\[  PASSED' "$out/$t.log") ok lines)"; tail -n 3 "$out/$t.log"
+  [[ $rc -eq 0 ]] || status=1
+done
+(cd "$carry/python/tests" && python3 -m pytest -q -p no:cacheprovider test_outputs.py -k torch \
+  >"$out/python-outputs.log" 2>&1); rc=$?
+echo "python outputs (torch, kernel): exit $rc: $(tail -n 1 "$out/python-outputs.log")"
+[[ $rc -eq 0 ]] || status=1
 if [[ ${EPS_ENGINE_QUICK:-0} == 1 ]]; then
   engine speed-quick --mode speed --batch 4 --context 8192 --decode-steps 24 --warmup-steps 4 \
     --fractions 0.25

@@ -24,21 +24,26 @@ cmake --build "$BUILD" -j2 --target "${targets[@]}"
 rm -rf "$dest" && mkdir -p "$dest/lib" "$dest/python" "$dest/wheels"
 cp "$BUILD/service/epsd" "$dest/" && strip "$dest/epsd"
 cp "$BUILD/client/cpp/libeps_engine.so" "$dest/" && strip "$dest/libeps_engine.so"
+for t in engine_outputs_test engine_capi_test; do  # the device tests of the client library
+  cp "$BUILD/client/cpp/$t" "$dest/" && strip "$dest/$t"
+done
 attention=$(find "$BUILD" -name libeps_attention.so -print -quit)
 if [[ -n $attention ]]; then cp "$attention" "$dest/" && strip "$dest/libeps_attention.so"; fi
-for b in "$dest"/epsd "$dest"/*.so; do
+for b in "$dest"/epsd "$dest"/*.so "$dest"/engine_*_test; do
   ldd "$b" | awk '/=> \//{print $3}'
 done | sort -u | grep -Ev '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' |
   while read -r lib; do cp -L "$lib" "$dest/lib/"; done
-cp -r client/python/src client/python/examples "$dest/python/"
+cp -r client/python/src client/python/examples client/python/tests "$dest/python/"
 find "$dest/python" -name __pycache__ -prune -exec rm -rf {} +
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/eps-engine-wheels
 mkdir -p "$cache"
 python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --dest "$cache" \
-  grpcio==1.76.0 protobuf==6.33.6 gguf==0.19.0
+  grpcio==1.76.0 protobuf==6.33.6 gguf==0.19.0 pytest==8.3.4 pluggy==1.6.0 iniconfig==2.1.0 \
+  packaging==26.3
 cp "$cache"/grpcio-1.76.0-*.whl "$cache"/protobuf-6.33.6-*.whl "$cache"/gguf-0.19.0-*.whl \
-  "$dest/wheels/"
+  "$cache"/pytest-8.3.4-*.whl "$cache"/pluggy-1.6.0-*.whl "$cache"/iniconfig-2.1.0-*.whl \
+  "$cache"/packaging-26.3-*.whl "$dest/wheels/"
 if [[ $with_model == 1 ]]; then
   mcache=$cache/model && mkdir -p "$mcache"
   gguf=$mcache/SmolLM2-135M-Instruct.Q4_1.gguf
