@@ -4,10 +4,13 @@ wheelhouse that scripts/setup.sh fills) and runs examples/integrate.py there aga
 epsd (cpu backend): what an integrator's first ten minutes look like.
 
     python3 client/python/tools/fresh_venv_example.py client/python EPSD WHEELHOUSE
+
+EPS_WHEELHOUSE overrides WHEELHOUSE (a checkout whose .venv is shared keeps its own).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,7 +19,8 @@ from pathlib import Path
 
 
 def main() -> int:
-    source, epsd, wheels = Path(sys.argv[1]).resolve(), sys.argv[2], Path(sys.argv[3])
+    source, epsd = Path(sys.argv[1]).resolve(), sys.argv[2]
+    wheels = Path(os.environ.get("EPS_WHEELHOUSE", sys.argv[3]))  # the env var overrides
     if not any(wheels.glob("grpcio-*.whl")):
         print(f"no dependency wheels in {wheels}: run scripts/setup.sh", file=sys.stderr)
         return 1
