@@ -408,6 +408,11 @@ int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
   chunk = std::min(chunk, width);
   plan->chunk = static_cast<int>(chunk);
   plan->splits = static_cast<int>((width + chunk - 1) / chunk);
+  if (int64_t{p.batch} * p.num_q_heads > INT32_MAX) {  // CombineKernel's grid
+    return Fail(EPS_ATTN_EINVAL,
+                "batch * num_q_heads = " + std::to_string(int64_t{p.batch} * p.num_q_heads) +
+                    " is too many rows for one launch");
+  }
   if (rows * plan->splits > INT32_MAX) {
     return Fail(EPS_ATTN_EINVAL, "batch * num_kv_heads * splits = " +
                                      std::to_string(rows * plan->splits) + " CTAs is too many");
