@@ -81,8 +81,8 @@ if [[ ${EPS_ENGINE_QUICK:-0} == 1 ]]; then
   engine speed-quick --mode speed --batch 4 --context 8192 --decode-steps 24 --warmup-steps 4 \
     --fractions 0.25
   engine kill-quick --mode kill --model small-random --batch 4 --context 4096 \
-    --decode-steps 40 --kill-at 10 \
-    --restart-at 20 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
+    --decode-steps 400 --kill-at 10 --restart-at 20 --epsd-pid-file "$pidfile" \
+    --epsd-cmd "$epsd_cmd"
 else
   engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64
   engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64
