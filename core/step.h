@@ -1,4 +1,4 @@
-// One decode step's selection over the shared buffers (DESIGN §5): the
+// One decode step's selection over the shared buffers (docs/design.md §5): the
 // reference pre-pass that the CPU backend runs and the CUDA backend must match.
 //
 // The buffers' shapes and element types are core/buffer_contract.h's table
@@ -43,7 +43,7 @@ struct StepOutputs {
   int32_t* visit_count = nullptr;
 };
 
-// Per-step counters (DESIGN §7), summed over rows, layers and output lists.
+// Per-step counters (docs/design.md §7), summed over rows, layers and output lists.
 struct StepStats {
   int64_t groups_total = 0;
   int64_t groups_visited = 0;

@@ -1,5 +1,5 @@
 // A session's step backend: the CPU reference over host memory, or the CUDA
-// pre-pass over device memory mapped from the engine (DESIGN §5).
+// pre-pass over device memory mapped from the engine (docs/design.md §5).
 //
 // A backend owns the state its steps need (the cpu backend its Φ bank and
 // core selector, the cuda backend its device scratch and pending step) and

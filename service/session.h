@@ -1,6 +1,6 @@
 // A session: one engine process (per device) attached to epsd, with its
 // validated spec and policy, its mapped buffers, its backend and its lease
-// (DESIGN §5-6).
+// (docs/design.md §5-6).
 //
 // Thread safety: everything but the lease and the counters is immutable once
 // Create returns; the backend serialises the session's steps (and keeps their

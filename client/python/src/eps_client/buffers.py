@@ -1,4 +1,4 @@
-"""The shared buffers of one engine session, allocated by this library (DESIGN §5).
+"""The shared buffers of one engine session, allocated by this library (docs/design.md §5).
 
 Never the engine's own tensors: PyTorch's expandable segments and vLLM's cumem
 allocator break legacy CUDA IPC, so the library allocates one region and the
