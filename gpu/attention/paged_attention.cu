@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -32,12 +33,26 @@ constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Launch shape, computed on the host in one place (Plan()).
+// How work units map onto the GPU. kWarpPerKvHead is the default: the fastest in
+// docs/benchmarks/attention.md; the others are kept, selectable through the private
+// environment variable EPS_ATTN_VARIANT, so that one benchmark run compares them.
+enum class KernelVariant : int32_t {
+  kCtaSplitInner,     // "cta": one CTA per unit, a row's splits adjacent in the grid
+  kCtaKvInner,        // "cta_kv_inner": one CTA per unit, a row's KV heads adjacent
+  kWarpPerKvHead,     // "warp": one warp per unit, a CTA's warps on adjacent KV heads
+  kWarpPerKvHeadLean  // "warp_lean": as "warp", half the loads in flight, 4 CTAs per SM
+};
+
+// Launch shape, computed on the host in one place (MakePlan()). A unit is one
+// (row, KV head, head group, split); units are numbered with the KV head fastest
+// (except kCtaSplitInner: split fastest), so the units that read the same blocks of a
+// union list run at the same time and together read each block's rows contiguously.
 struct Plan {
-  int gt = 1;           // query heads per CTA (template parameter): 1, 2, 4 or 8
-  int head_groups = 1;  // CTAs per (row, KV head) along the query heads
-  int splits = 1;       // CTAs per (row, KV head, head group) along the list
-  int chunk = 1;        // list entries per split
+  KernelVariant variant = KernelVariant::kWarpPerKvHead;
+  int gt = 1;           // query heads per unit (template parameter): 1, 2, 4 or 8
+  int head_groups = 1;  // units per (row, KV head) along the query heads
+  int splits = 1;       // units per (row, KV head, head group) along the list
+  int min_chunk = 1;    // a split covers max(min_chunk, ceil(count / splits)) entries
   uint64_t workspace_bytes = 0;
   uint64_t lse_offset = 0;  // bytes: where the partial lse start in the workspace
 };
@@ -85,10 +100,12 @@ __device__ __forceinline__ void RecordError(int32_t* word, int32_t code, int64_t
 }
 
 // Writes a zero output and lse -inf for heads [qh0, qh0 + n) of `row`: the result of a
-// row whose list was refused (NaN-free, and recognisable through lse).
+// row whose list was refused (NaN-free, and recognisable through lse). Threads
+// first, first + stride, ... of the caller's CTA or warp share the work.
 template <typename T>
-__device__ void WriteEmpty(const EpsAttnParams& p, int64_t row, int qh0, int n, int d) {
-  for (int i = threadIdx.x; i < n * d; i += blockDim.x) {
+__device__ void WriteEmpty(const EpsAttnParams& p, int64_t row, int qh0, int n, int d, int first,
+                           int stride) {
+  for (int i = first; i < n * d; i += stride) {
     const int64_t qh = qh0 + i / d;
     T* out = static_cast<T*>(p.out) + row * p.out_stride_row + qh * p.out_stride_head;
     out[i % d] = FromFloat<T>(0.0f);
@@ -98,42 +115,81 @@ __device__ void WriteEmpty(const EpsAttnParams& p, int64_t row, int qh0, int n, 
   }
 }
 
-template <typename T, int D, int GT>
-__global__ void __launch_bounds__(kThreads)
+// List entries per split of a row with `count` entries: the split count is fixed by
+// the grid (from the list width), the chunk follows the count read on the device, so a
+// short list in a wide buffer still spreads over every split. SplitKernel and
+// CombineKernel both use this, so they agree on which splits have work.
+__device__ __forceinline__ int SplitChunk(const Plan& plan, int count) {
+  return max(plan.min_chunk, (count + plan.splits - 1) / plan.splits);
+}
+
+// CTAs per SM the register budget is set for: 3 (at most 168 registers) keeps 12 warps
+// on an SM without spills up to 4 query heads per unit; kLean halves the loads in
+// flight per warp to fit 4 (16 warps, at most 128 registers).
+template <bool kLean, int GT>
+constexpr int MinCtasPerSm() {
+  return GT > 4 ? 1 : kLean ? 4 : 3;
+}
+
+// kWarpUnit: each warp is a unit (the CTA's warps take consecutive units); else the
+// CTA is one unit and its warps take the unit's tiles round-robin.
+template <typename T, int D, int GT, bool kWarpUnit, bool kLean>
+__global__ void __launch_bounds__(kThreads, (MinCtasPerSm<kLean, GT>()))
     SplitKernel(const __grid_constant__ EpsAttnParams p, const Plan plan) {
-  constexpr int kLpt = D / 8;           // lanes per token row
-  constexpr int kTp = 32 / kLpt;        // tokens per pass
-  constexpr int kPt = GT <= 4 ? 8 : 4;  // passes per tile
-  constexpr int kTt = kPt * kTp;        // tokens per tile
+  constexpr int kLpt = D / 8;                               // lanes per token row
+  constexpr int kTp = 32 / kLpt;                            // tokens per pass
+  constexpr int kPt = (GT <= 4 ? 8 : 4) / (kLean ? 2 : 1);  // passes per tile
+  constexpr int kTt = kPt * kTp;                            // tokens per tile
   constexpr int kIdsPerTile = kTt > 16 ? kTt / 16 : 1;
-
-  // blockIdx.x = ((row * kv_heads + kv_head) * head_groups + head_group) * splits + split
-  int64_t index = blockIdx.x;
-  const int split = static_cast<int>(index % plan.splits);
-  index /= plan.splits;
-  const int head_group = static_cast<int>(index % plan.head_groups);
-  index /= plan.head_groups;
-  const int kv_head = static_cast<int>(index % p.num_kv_heads);
-  const int64_t row = index / p.num_kv_heads;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int qh0 = kv_head * group + head_group * GT;   // first query head of this CTA
-  const int heads = min(GT, group - head_group * GT);  // valid heads of this CTA
-
-  const RowList list = ResolveRow(p, row, kv_head);
-  if (list.error != kListOk) {
-    if (split == 0 && head_group == 0 && threadIdx.x == 0) {
-      RecordError(p.error_word, list.error, row, kv_head, list.value);
-    }
-    if (plan.splits == 1) WriteEmpty<T>(p, row, qh0, heads, D);
-    return;  // with splits, CombineKernel writes the empty result
-  }
-  const int first_entry = split * plan.chunk;
-  if (first_entry >= list.count) return;  // CombineKernel reads only the active splits
-  const int t_begin = first_entry * 16;
-  const int t_end = min(min(list.count, first_entry + plan.chunk) * 16, list.tokens);
+  constexpr int kTileWarps = kWarpUnit ? 1 : kWarps;  // warps sharing a unit's tiles
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  // unit = ((row * head_groups + head_group) * splits + split) * kv_heads + kv_head,
+  // or, for kCtaSplitInner, ((row * kv_heads + kv_head) * head_groups + head_group) *
+  // splits + split.
+  int64_t index = kWarpUnit ? int64_t{blockIdx.x} * kWarps + warp : int64_t{blockIdx.x};
+  int split;
+  int head_group;
+  int kv_head;
+  if (plan.variant == KernelVariant::kCtaSplitInner) {
+    split = static_cast<int>(index % plan.splits);
+    index /= plan.splits;
+    head_group = static_cast<int>(index % plan.head_groups);
+    index /= plan.head_groups;
+    kv_head = static_cast<int>(index % p.num_kv_heads);
+    index /= p.num_kv_heads;
+  } else {
+    kv_head = static_cast<int>(index % p.num_kv_heads);
+    index /= p.num_kv_heads;
+    split = static_cast<int>(index % plan.splits);
+    index /= plan.splits;
+    head_group = static_cast<int>(index % plan.head_groups);
+    index /= plan.head_groups;
+  }
+  const int64_t row = index;
+  if (kWarpUnit && row >= p.batch) return;  // the last CTA's spare warps
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int qh0 = kv_head * group + head_group * GT;   // first query head of this unit
+  const int heads = min(GT, group - head_group * GT);  // valid heads of this unit
+
+  const RowList list = ResolveRow(p, row, kv_head);
+  if (list.error != kListOk) {
+    if (split == 0 && head_group == 0 && (kWarpUnit ? lane : threadIdx.x) == 0) {
+      RecordError(p.error_word, list.error, row, kv_head, list.value);
+    }
+    if (plan.splits == 1) {
+      WriteEmpty<T>(p, row, qh0, heads, D, kWarpUnit ? lane : threadIdx.x,
+                    kWarpUnit ? 32 : kThreads);
+    }
+    return;  // with splits, CombineKernel writes the empty result
+  }
+  const int chunk = SplitChunk(plan, list.count);
+  const int first_entry = split * chunk;
+  if (first_entry >= list.count) return;  // CombineKernel reads only the active splits
+  const int t_begin = first_entry * 16;
+  const int t_end = min(min(list.count, first_entry + chunk) * 16, list.tokens);
+  const int tile_warp = kWarpUnit ? 0 : warp;
   const int sub = lane % kLpt;  // this lane's 8 elements: [sub*8, sub*8 + 8)
   const int token_in_pass = lane / kLpt;
 
@@ -178,8 +234,8 @@ __global__ void __launch_bounds__(kThreads)
       ids[i] = tile < t_end && entry < list.count ? __ldg(list.blocks + entry) : 0;
     }
   };
-  load_ids(t_begin + warp * kTt, next_ids);
-  for (int tile = t_begin + warp * kTt; tile < t_end; tile += kWarps * kTt) {
+  load_ids(t_begin + tile_warp * kTt, next_ids);
+  for (int tile = t_begin + tile_warp * kTt; tile < t_end; tile += kTileWarps * kTt) {
     // This tile's block ids (warp-uniform), checked before any address is formed.
     int32_t ids[kIdsPerTile];
     bool id_ok[kIdsPerTile];
@@ -192,7 +248,7 @@ __global__ void __launch_bounds__(kThreads)
         RecordError(p.error_word, kListBlockId, row, kv_head, ids[i]);
       }
     }
-    load_ids(tile + kWarps * kTt, next_ids);
+    load_ids(tile + kTileWarps * kTt, next_ids);
     uint4 kv[2][kPt];
     bool valid[kPt];
 #pragma unroll
@@ -270,55 +326,80 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
     }
   }
-  // Across warps through shared memory.
-  __shared__ float warp_m[kWarps][GT];
-  __shared__ float warp_l[kWarps][GT];
-  __shared__ float warp_acc[kWarps][GT][D];
-  if (lane < kLpt) {
+  const int64_t slot0 = (row * p.num_q_heads + qh0) * plan.splits + split;
+  float* partial_out = static_cast<float*>(p.workspace);
+  float* partial_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.lse_offset);
+  if constexpr (kWarpUnit) {  // the warp holds the unit's result: lanes [0, kLpt) write it
+    if (lane >= kLpt) return;
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
-      if (sub == 0) {
-        warp_m[warp][g] = m[g];
-        warp_l[warp][g] = l[g];
+      if (g >= heads) break;
+      const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+      // log2-sum-exp of this split; -inf when every id was bad
+      const float lse2 = l[g] > 0.0f ? m[g] + log2f(l[g]) : -INFINITY;
+      const int64_t qh = qh0 + g;
+      if (plan.splits == 1) {
+        T* out = static_cast<T*>(p.out) + row * p.out_stride_row + qh * p.out_stride_head;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[sub * 8 + e] = FromFloat<T>(acc[g][e] * inv);
+        if (p.lse != nullptr && sub == 0) {
+          p.lse[row * p.lse_stride_row + qh * p.lse_stride_head] = lse2 * kLn2;
+        }
+      } else {
+        // partial_out [batch, num_q_heads, splits, D], partial_lse [batch, num_q_heads, splits]
+        const int64_t slot = slot0 + int64_t{g} * plan.splits;
+        float4* dst = reinterpret_cast<float4*>(partial_out + slot * D + sub * 8);
+        dst[0] = make_float4(acc[g][0] * inv, acc[g][1] * inv, acc[g][2] * inv, acc[g][3] * inv);
+        dst[1] = make_float4(acc[g][4] * inv, acc[g][5] * inv, acc[g][6] * inv, acc[g][7] * inv);
+        if (sub == 0) partial_lse[slot] = lse2;
       }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) warp_acc[warp][g][sub * 8 + e] = acc[g][e];
     }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-    const int g = i / D;
-    const int e = i % D;
-    float m_all = -INFINITY;
+  } else {  // across warps through shared memory
+    __shared__ float warp_m[kWarps][GT];
+    __shared__ float warp_l[kWarps][GT];
+    __shared__ float warp_acc[kWarps][GT][D];
+    if (lane < kLpt) {
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, warp_m[w][g]);
-    const float m_use = m_all == -INFINITY ? 0.0f : m_all;
-    float sum = 0.0f;
-    float o = 0.0f;
+      for (int g = 0; g < GT; ++g) {
+        if (sub == 0) {
+          warp_m[warp][g] = m[g];
+          warp_l[warp][g] = l[g];
+        }
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float weight = exp2f(warp_m[w][g] - m_use);
-      sum += warp_l[w][g] * weight;
-      o += warp_acc[w][g][e] * weight;
-    }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    // log2-sum-exp of this split; -inf when every id was bad
-    const float lse2 = sum > 0.0f ? m_use + log2f(sum) : -INFINITY;
-    const int64_t qh = qh0 + g;
-    if (plan.splits == 1) {
-      T* out = static_cast<T*>(p.out) + row * p.out_stride_row + qh * p.out_stride_head;
-      out[e] = FromFloat<T>(o * inv);
-      if (p.lse != nullptr && e == 0) {
-        p.lse[row * p.lse_stride_row + qh * p.lse_stride_head] = lse2 * kLn2;
+        for (int e = 0; e < 8; ++e) warp_acc[warp][g][sub * 8 + e] = acc[g][e];
       }
-    } else {
-      // partial_out [batch, num_q_heads, splits, D], partial_lse [batch, num_q_heads, splits]
-      const int64_t slot = (row * p.num_q_heads + qh) * plan.splits + split;
-      float* partial_out = static_cast<float*>(p.workspace);
-      float* partial_lse =
-          reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.lse_offset);
-      partial_out[slot * D + e] = o * inv;
-      if (e == 0) partial_lse[slot] = lse2;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < heads * D; i += kThreads) {
+      const int g = i / D;
+      const int e = i % D;
+      float m_all = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, warp_m[w][g]);
+      const float m_use = m_all == -INFINITY ? 0.0f : m_all;
+      float sum = 0.0f;
+      float o = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float weight = exp2f(warp_m[w][g] - m_use);
+        sum += warp_l[w][g] * weight;
+        o += warp_acc[w][g][e] * weight;
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      // log2-sum-exp of this split; -inf when every id was bad
+      const float lse2 = sum > 0.0f ? m_use + log2f(sum) : -INFINITY;
+      const int64_t qh = qh0 + g;
+      if (plan.splits == 1) {
+        T* out = static_cast<T*>(p.out) + row * p.out_stride_row + qh * p.out_stride_head;
+        out[e] = FromFloat<T>(o * inv);
+        if (p.lse != nullptr && e == 0) {
+          p.lse[row * p.lse_stride_row + qh * p.lse_stride_head] = lse2 * kLn2;
+        }
+      } else {
+        const int64_t slot = slot0 + int64_t{g} * plan.splits;
+        partial_out[slot * D + e] = o * inv;
+        if (e == 0) partial_lse[slot] = lse2;
+      }
     }
   }
 }
@@ -332,10 +413,11 @@ __global__ void __launch_bounds__(D)
   const int kv_head = qh / (p.num_q_heads / p.num_kv_heads);
   const RowList list = ResolveRow(p, row, kv_head);
   if (list.error != kListOk) {
-    WriteEmpty<T>(p, row, qh, 1, D);
+    WriteEmpty<T>(p, row, qh, 1, D, threadIdx.x, D);
     return;
   }
-  const int active = (list.count + plan.chunk - 1) / plan.chunk;
+  const int chunk = SplitChunk(plan, list.count);
+  const int active = (list.count + chunk - 1) / chunk;
   const int64_t slot0 = (row * p.num_q_heads + qh) * plan.splits;
   const float* partial_out = static_cast<const float*>(p.workspace) + slot0 * D;
   const float* partial_lse =
@@ -381,14 +463,45 @@ int32_t SmCount(int* sms) {
   return EPS_ATTN_OK;
 }
 
-// The launch shape: splits sized so that the grid holds about kCtasPerSm CTAs per SM
-// when every list is as long as its row allows (a gated list shorter than that
-// leaves trailing splits idle; they return at once), and no split shorter than
-// kMinChunk entries, where the partials would cost more than they spread.
+// The kernel variant: EPS_ATTN_VARIANT (private, for benchmarks: "cta", "cta_kv_inner",
+// "warp", "warp_lean"), else the default. Read once per process.
+int32_t ChooseVariant(KernelVariant* variant) {
+  static const std::string chosen = [] {
+    const char* env = std::getenv("EPS_ATTN_VARIANT");
+    return std::string(env == nullptr ? "" : env);
+  }();
+  static const struct {
+    const char* name;
+    KernelVariant variant;
+  } kNames[] = {{"", KernelVariant::kWarpPerKvHead},
+                {"cta", KernelVariant::kCtaSplitInner},
+                {"cta_kv_inner", KernelVariant::kCtaKvInner},
+                {"warp", KernelVariant::kWarpPerKvHead},
+                {"warp_lean", KernelVariant::kWarpPerKvHeadLean}};
+  for (const auto& n : kNames) {
+    if (chosen == n.name) {
+      *variant = n.variant;
+      return EPS_ATTN_OK;
+    }
+  }
+  return Fail(EPS_ATTN_EINVAL,
+              "EPS_ATTN_VARIANT=" + chosen + " is not one of cta, cta_kv_inner, warp, warp_lean");
+}
+
+// The launch shape: splits sized so that the grid holds about kCtasPerSm CTAs' worth of
+// units per SM when every list is as long as its row allows, and no split shorter than
+// kMinChunk entries, where the partials would cost more than they spread. The split
+// count follows the list width (the counts live on the device); each row's chunk
+// follows its count (SplitChunk), so a short list in a wide buffer still uses every
+// split, and passing epsd's full-width visit_blocks costs about what a sliced one does.
 constexpr int64_t kCtasPerSm = 8;
 constexpr int64_t kMinChunk = 8;
 
 int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
+  if (int32_t code = ChooseVariant(&plan->variant); code != EPS_ATTN_OK) return code;
+  const bool warp_units = plan->variant == KernelVariant::kWarpPerKvHead ||
+                          plan->variant == KernelVariant::kWarpPerKvHeadLean;
+  const int64_t units_per_cta = warp_units ? kWarps : 1;
   const int group = p.num_q_heads / p.num_kv_heads;
   plan->gt = group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
   plan->head_groups = (group + plan->gt - 1) / plan->gt;
@@ -396,18 +509,19 @@ int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
                             ? std::max(p.max_list_blocks, p.dense_max_blocks)
                             : p.max_list_blocks;
   const int64_t rows = int64_t{p.batch} * p.num_kv_heads * plan->head_groups;
-  int64_t chunk;
+  int64_t splits;
   if (p.num_splits > 0) {
-    chunk = (width + p.num_splits - 1) / p.num_splits;
+    splits = std::min<int64_t>(p.num_splits, width);
+    plan->min_chunk = 1;
   } else {
     int sms = 0;
     if (int32_t code = SmCount(&sms); code != EPS_ATTN_OK) return code;
-    const int64_t target = kCtasPerSm * sms;
-    chunk = std::max(kMinChunk, (width * rows + target - 1) / target);
+    const int64_t target = kCtasPerSm * units_per_cta * sms;
+    const int64_t chunk = std::max(kMinChunk, (width * rows + target - 1) / target);
+    splits = (width + chunk - 1) / chunk;
+    plan->min_chunk = static_cast<int>(kMinChunk);
   }
-  chunk = std::min(chunk, width);
-  plan->chunk = static_cast<int>(chunk);
-  plan->splits = static_cast<int>((width + chunk - 1) / chunk);
+  plan->splits = static_cast<int>(std::max<int64_t>(splits, 1));
   if (int64_t{p.batch} * p.num_q_heads > INT32_MAX) {  // CombineKernel's grid
     return Fail(EPS_ATTN_EINVAL,
                 "batch * num_q_heads = " + std::to_string(int64_t{p.batch} * p.num_q_heads) +
@@ -429,8 +543,20 @@ int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
 
 template <typename T, int D, int GT>
 cudaError_t LaunchSplit(const EpsAttnParams& p, const Plan& plan, cudaStream_t stream) {
-  const int64_t ctas = int64_t{p.batch} * p.num_kv_heads * plan.head_groups * plan.splits;
-  SplitKernel<T, D, GT><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p, plan);
+  const int64_t units = int64_t{p.batch} * p.num_kv_heads * plan.head_groups * plan.splits;
+  const auto warp_ctas = static_cast<unsigned>((units + kWarps - 1) / kWarps);
+  switch (plan.variant) {
+    case KernelVariant::kWarpPerKvHead:
+      SplitKernel<T, D, GT, true, false><<<warp_ctas, kThreads, 0, stream>>>(p, plan);
+      break;
+    case KernelVariant::kWarpPerKvHeadLean:
+      SplitKernel<T, D, GT, true, true><<<warp_ctas, kThreads, 0, stream>>>(p, plan);
+      break;
+    default:
+      SplitKernel<T, D, GT, false, false>
+          <<<static_cast<unsigned>(units), kThreads, 0, stream>>>(p, plan);
+      break;
+  }
   return cudaGetLastError();
 }
 
