@@ -156,7 +156,7 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true",
-                        help="batch 8 x 32k and 1 x 128k, 100 and 25 %% of blocks only")
+                        help="batch 1 x 8k, 8 x 32k, 1 x 128k and 32 x 32k; 100 and 25 %% only")
     parser.add_argument("--splits", action="store_true",
                         help="also sweep num_splits at batch 8 x 32k dense and batch 1 x 128k")
     args = parser.parse_args()
@@ -170,7 +170,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     print(f"# device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)")
     shares = [1.0, 0.25] if args.quick else [1.0, 0.5, 0.25, 0.125]
-    configs = [(8, 32768), (1, 131072)] if args.quick else [
+    configs = [(1, 8192), (8, 32768), (1, 131072), (32, 32768)] if args.quick else [
         (b, c) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
     rows: list[dict] = []
     for batch, context in configs:
