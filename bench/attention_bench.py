@@ -116,9 +116,9 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
                     q, cache, wide[i % layers], seqused, out=out), layers * 4)
         if share == 1.0:
             dense_us = us
-        rows.append(dict(batch=batch, context=context, share=share, us=us,
-                         gbs=read / us / 1e3, copy=copy_gbs, padded_us=padded_us,
-                         vs_dense=us / dense_us if dense_us else float("nan")))
+        rows.append({"batch": batch, "context": context, "share": share, "us": us,
+                     "gbs": read / us / 1e3, "copy": copy_gbs, "padded_us": padded_us,
+                     "vs_dense": us / dense_us if dense_us else float("nan")})
     # The dense baseline an engine already has: SDPA's flash kernel over contiguous K/V.
     sdpa_us = float("nan")
     sdpa_err = float("nan")
@@ -162,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     lib = os.environ.get("EPS_ATTENTION_LIB")
     variant = os.environ.get("EPS_ATTN_VARIANT", "")
     print(f"# command: {' '.join(sys.argv)}  EPS_ATTENTION_LIB={lib}  "
