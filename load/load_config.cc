@@ -35,6 +35,8 @@ const std::map<std::string, ModelLayout>& Presets() {
       {"llama-3-8b", Shape(32, 32, 8, 128)},
       {"qwen2.5-7b", Shape(28, 28, 4, 128)},
       // Llama-3-70B is 80 layers, 64 query heads, 8 KV heads; one rank of TP 8 holds 1/8.
+      {"llama-3-70b-tp2", Shape(80, 32, 4, 128)},
+      {"llama-3-70b-tp4", Shape(80, 16, 2, 128)},
       {"llama-3-70b-tp8", Shape(80, 8, 1, 128)},
       {"smollm2-135m", Shape(30, 9, 3, 64)},
   };
@@ -164,12 +166,15 @@ std::string Usage() {
       "  --rate=0                         SelectPages/s over all sessions: 0 = closed loop,\n"
       "                                   R = fixed gaps, poisson:R = Poisson arrivals\n"
       "  --sessions=1                     engines, each with its own buffers, client and channel\n"
+      "  --ranks=N                        N tensor-parallel ranks (one session each, rank r on\n"
+      "                                   device r mod devices), the same step to all at once;\n"
+      "                                   closed loop, no Ping; per-rank latency and spread\n"
       "  --mode=stream|unary              SelectPages transport (default stream)\n"
       "  --deadline=10s                   the client's per-call deadline (a miss is an error)\n"
       "  --slo=2ms                        calls slower than this are counted as over_slo\n"
       "  --ping-every=1                   one Ping per N SelectPages on each session (0 = none)\n"
       "  --ping-api=callback|sync         Ping like EpsClient's unary call, or via the sync stub\n"
-      "  --backend=cpu|cuda               where the shared buffers live (cuda: device 0, CUDA IPC)\n"
+      "  --backend=cpu|cuda               where the buffers live (cuda: CUDA IPC on device 0)\n"
       "  --channel-arg=KEY=INT            extra gRPC channel argument (repeatable)\n"
       "  --json=PATH                      write the report as JSON\n"
       "  --seed=1                         synthetic data and Poisson gaps\n"
@@ -181,6 +186,7 @@ std::string Usage() {
 absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   LoadConfig c;
   std::map<std::string, std::string> shape;  // custom shape flags, applied after the preset
+  bool sessions_set = false;
   for (const std::string& arg : args) {
     if (!absl::StartsWith(arg, "--")) {
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
@@ -234,6 +240,9 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
       c.arrivals = *a;
     } else if (name == "sessions") {
       s = SetInt(name, v, 1, 256, &c.sessions);
+      sessions_set = true;
+    } else if (name == "ranks") {
+      s = SetInt(name, v, 1, 64, &c.ranks);
     } else if (name == "mode") {
       if (v != "unary" && v != "stream") return Bad(name, v, "unary or stream");
       c.stream = v == "stream";
@@ -269,6 +278,17 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, "\n", Usage()));
     }
     if (!s.ok()) return s;
+  }
+  if (c.ranks > 0) {
+    if (sessions_set) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ranks=", c.ranks, " runs one session per rank: drop --sessions"));
+    }
+    if (!c.arrivals.closed_loop()) {
+      return Bad("rate", c.arrivals.ToString(), "0 with --ranks (the ranks step in lockstep)");
+    }
+    c.sessions = c.ranks;
+    c.ping_every = 0;  // a Ping between two lockstep steps would delay one rank
   }
   auto model = PresetModel(c.preset);
   if (!model.ok()) return model.status();

@@ -91,6 +91,51 @@ std::string CallJson(CallView v, const CallResults& c) {
 
 std::string ModeName(const LoadConfig& c) { return c.stream ? "stream" : "unary"; }
 
+// --ranks: one line per rank, then the spread between ranks at the same step.
+void PrintRanks(RunResult& r, std::FILE* out) {
+  std::fprintf(out, "%-12s %9s %7s %10s %10s %10s %10s %14s\n", "rank", "device", "count", "p50 us",
+               "p90 us", "p99 us", "max us", "selection p50");
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    const LatencySummary lat = r.ranks[i].latency.Summarize();
+    const LatencySummary pre = r.ranks[i].prepass_us.Summarize();
+    std::fprintf(out, "%-12zu %9d %7llu %10s %10s %10s %10s %14s\n", i, r.ranks[i].device,
+                 static_cast<unsigned long long>(lat.count), Cell(lat.p50_us, lat.count).c_str(),
+                 Cell(lat.p90_us, lat.count).c_str(), Cell(lat.p99_us, lat.count).c_str(),
+                 Cell(lat.max_us, lat.count).c_str(), Cell(pre.p50_us, pre.count).c_str());
+  }
+  const LatencySummary spread = r.rank_spread_us.Summarize();
+  std::fprintf(out,
+               "spread between ranks at the same step (last reply - first): p50 %s us, p90 %s "
+               "us, p99 %s us, max %s us over %llu steps\n",
+               Cell(spread.p50_us, spread.count).c_str(), Cell(spread.p90_us, spread.count).c_str(),
+               Cell(spread.p99_us, spread.count).c_str(), Cell(spread.max_us, spread.count).c_str(),
+               static_cast<unsigned long long>(spread.count));
+}
+
+std::string RanksJson(RunResult& r) {
+  std::vector<std::string> ranks;
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    const LatencySummary lat = r.ranks[i].latency.Summarize();
+    const LatencySummary pre = r.ranks[i].prepass_us.Summarize();
+    const bool any = lat.count > 0;
+    const double none = std::nan("");
+    ranks.push_back(
+        absl::StrCat("{\"rank\": ", i, ", \"device\": ", r.ranks[i].device,
+                     ", \"count\": ", lat.count, ", \"p50_us\": ", Num(any ? lat.p50_us : none),
+                     ", \"p90_us\": ", Num(any ? lat.p90_us : none), ", \"p99_us\": ",
+                     Num(any ? lat.p99_us : none), ", \"max_us\": ", Num(any ? lat.max_us : none),
+                     ", \"prepass_p50_us\": ", Num(pre.count > 0 ? pre.p50_us : none), "}"));
+  }
+  const LatencySummary s = r.rank_spread_us.Summarize();
+  const bool any = s.count > 0;
+  const double none = std::nan("");
+  return absl::StrCat(
+      "\"ranks\": [", absl::StrJoin(ranks, ", "), "],\n\"rank_spread\": {\"steps\": ", s.count,
+      ", \"p50_us\": ", Num(any ? s.p50_us : none), ", \"p90_us\": ", Num(any ? s.p90_us : none),
+      ", \"p99_us\": ", Num(any ? s.p99_us : none), ", \"max_us\": ", Num(any ? s.max_us : none),
+      "},\n");
+}
+
 }  // namespace
 
 void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
@@ -142,6 +187,7 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
     std::fprintf(out, "; send lag p50 %.1f us p99 %.1f us", sel.lag.p50_us, sel.lag.p99_us);
   }
   std::fprintf(out, "\n");
+  if (config.ranks > 0) PrintRanks(r, out);
   const std::pair<const char*, CallResults*> calls[] = {{"SelectPages", &r.select},
                                                         {"Ping", &r.ping}};
   for (const auto& [name, c] : calls) {
@@ -220,7 +266,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
       ", \"overhead_p50_us\": ", Num(overhead.p50_us),
       ", \"overhead_p90_us\": ", Num(overhead.p90_us),
       ", \"overhead_p99_us\": ", Num(overhead.p99_us), ", \"pages_visited\": ", r.pages_visited,
-      ", \"pages_total\": ", r.pages_total, "},\n",
+      ", \"pages_total\": ", r.pages_total, "},\n", config.ranks > 0 ? RanksJson(r) : std::string(),
       "\"client_fallbacks\": {\"deadline\": ", f.fallback_deadline,
       ", \"unavailable\": ", f.fallback_unavailable,
       ", \"not_attached\": ", f.fallback_not_attached, ", \"error\": ", f.fallback_error,
@@ -232,12 +278,13 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
       ", \"group_blocks\": ", m.group_blocks, ", \"sketch_dim\": ", m.sketch_dim,
       ", \"batch\": ", config.batch, ", \"context\": ", Quote(config.context.ToString()),
       ", \"rate\": ", Quote(config.arrivals.ToString()), ", \"sessions\": ", config.sessions,
-      ", \"mode\": ", Quote(ModeName(config)), ", \"duration_us\": ", us(config.duration),
-      ", \"warmup_us\": ", us(config.warmup), ", \"deadline_us\": ", us(config.deadline),
-      ", \"slo_us\": ", us(config.slo), ", \"ping_every\": ", config.ping_every,
+      ", \"ranks\": ", config.ranks, ", \"mode\": ", Quote(ModeName(config)),
+      ", \"duration_us\": ", us(config.duration), ", \"warmup_us\": ", us(config.warmup),
+      ", \"deadline_us\": ", us(config.deadline), ", \"slo_us\": ", us(config.slo),
+      ", \"ping_every\": ", config.ping_every,
       ", \"ping_api\": ", Quote(config.ping_sync ? "sync" : "callback"),
-      ", \"backend\": ", Quote(service::BackendKindName(config.backend)),
-      ", \"channel_args\": {", absl::StrJoin(args, ", "), "}, \"seed\": ", config.seed,
+      ", \"backend\": ", Quote(service::BackendKindName(config.backend)), ", \"channel_args\": {",
+      absl::StrJoin(args, ", "), "}, \"seed\": ", config.seed,
       ", \"soak\": ", config.soak ? "true" : "false",
       ", \"summary_bytes_per_session\": ", r.summary_bytes_per_session,
       ", \"prefill_s\": ", Num(r.prefill_s), "},\n",

@@ -4,10 +4,52 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "google/protobuf/descriptor.h"
 #include "service/convert.h"
 #include "service/cuda_backend.h"
 
 namespace eps::service {
+namespace {
+
+// The cuda session's device as epsd numbers it (docs/api.md §3.7):
+// the device_uuid's when set; else the ordinal of summary_pool.cuda_ipc (or `device` without
+// one), which `device` and every cuda_ipc.device must repeat: a step's kernels run on one device.
+absl::StatusOr<int> SessionDevice(const v1::AttachRequest& req) {
+  if (!req.device_uuid().empty()) {
+    if (req.device_uuid().size() != 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device_uuid has ", req.device_uuid().size(), " bytes, want 16"));
+    }
+    return CudaDeviceWithUuid(req.device_uuid());
+  }
+  const v1::SharedBuffers& b = req.buffers();
+  const int device =
+      b.summary_pool().has_cuda_ipc() ? b.summary_pool().cuda_ipc().device() : req.device();
+  if (req.device() != 0 && req.device() != device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device=", req.device(), " differs from buffers.summary_pool.cuda_ipc.device=", device));
+  }
+  const google::protobuf::Descriptor* fields = v1::SharedBuffers::descriptor();
+  for (int i = 0; i < fields->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* field = fields->field(i);
+    if (!b.GetReflection()->HasField(b, field)) continue;
+    const auto& d =
+        static_cast<const v1::MemoryDescriptor&>(b.GetReflection()->GetMessage(b, field));
+    if (d.has_cuda_ipc() && d.cuda_ipc().device() != device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffers.", field->name(), ".cuda_ipc.device=", d.cuda_ipc().device(),
+          " differs from the session's device ", device, ": a session's buffers live on one GPU"));
+    }
+  }
+  const int count = CudaDeviceCount();
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device=", device, " is not one of epsd's CUDA devices (ordinals 0-", count - 1, ")"));
+  }
+  return device;
+}
+
+}  // namespace
 
 absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
                                                  const ServerConfig& config) {
@@ -59,9 +101,16 @@ absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
                                                             ? "no CUDA device is visible to epsd"
                                                             : "epsd was built without CUDA"));
     }
-    s.device = req.buffers().summary_pool().has_cuda_ipc()
-                   ? req.buffers().summary_pool().cuda_ipc().device()
-                   : req.device();
+    ASSIGN_OR_RETURN(s.device, SessionDevice(req));
+  } else if (!req.device_uuid().empty()) {
+    return absl::InvalidArgumentError(
+        "device_uuid names a CUDA device, but the session runs on the cpu backend over host "
+        "memory");
+  } else if (req.device() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device=", req.device(),
+                     " names a CUDA device, but the session runs on the cpu backend over host "
+                     "memory"));
   }
   s.output_granularity = req.buffers().visit_blocks().shape_size() == 4 ? Granularity::kPerKvHead
                                                                         : Granularity::kUnion;

@@ -24,7 +24,7 @@ struct SessionSpec {
   int64_t num_kv_blocks = -1;  // block ids must be below this; -1: not checked
   uint32_t lease_ms = 0;
   BackendKind backend = BackendKind::kCpu;  // never kAuto
-  int device = 0;                           // the cuda backend's device
+  int device = 0;  // epsd's ordinal of a cuda session's device (device_uuid or the ordinals)
   // Union or per-KV-head lists, from the rank of the visit_blocks descriptor.
   Granularity output_granularity = Granularity::kUnion;
 };

@@ -96,6 +96,40 @@ def test_a_short_run_reports_both_calls_without_errors(
     assert report["epsd"]["samples"][0]["open_fds"] > 0
 
 
+def test_ranks_step_in_lockstep_and_report_each_rank_and_their_spread(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=llama-3-70b-tp4",
+            "--layers=2",
+            "--ranks=4",
+            "--batch=1",
+            "--context=2k",
+            "--duration=1s",
+            "--warmup=100ms",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "spread between ranks at the same step" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["ranks"] == 4 and report["config"]["sessions"] == 4
+    assert report["config"]["q_heads"] == 16 and report["config"]["kv_heads"] == 2
+    assert report["ping"]["count"] == 0
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["device"] == 0 and r["count"] > 0 and r["p50_us"] > 0 for r in ranks)
+    # Lockstep: every rank ran the same steps, and each step's spread is measured.
+    assert len({r["count"] for r in ranks}) == 1, ranks
+    spread = report["rank_spread"]
+    assert spread["steps"] == ranks[0]["count"]
+    assert 0 <= spread["p50_us"] <= spread["p99_us"] <= spread["max_us"]
+
+
 def test_an_open_loop_stream_run_keeps_near_its_rate(epsd: tuple[str, int], tmp_path: Path) -> None:
     target, _ = epsd
     out = tmp_path / "out.json"

@@ -150,6 +150,22 @@ TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
   }
 }
 
+TEST_F(SessionServiceTest, ACpuSessionNamingACudaDeviceIsInvalidArgument) {
+  v1::AttachRequest by_ordinal = engine_.Attach("engine-a");
+  by_ordinal.set_device(3);
+  v1::AttachResponse response;
+  absl::Status s = service_.Attach(by_ordinal, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device=3 names a CUDA device"));
+
+  v1::AttachRequest by_uuid = engine_.Attach("engine-b");
+  by_uuid.set_device_uuid(std::string(16, '\x01'));
+  s = service_.Attach(by_uuid, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device_uuid"));
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
 TEST_F(SessionServiceTest, CudaWithoutADeviceIsAFailedPrecondition) {
   if (CudaBackendBuilt() && CudaDevicePresent()) GTEST_SKIP() << "a CUDA device is present";
   v1::AttachRequest request = engine_.Attach("engine-a");
