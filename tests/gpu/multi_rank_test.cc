@@ -135,6 +135,7 @@ TEST(MultiRankTest, RanksOnTheirOwnGpusStepInLockstepAndMatchTheCoreReference) {
   int ranks = 8;
   while (ranks > count) ranks /= 2;
   ranks = std::min(ranks, EnvInt("EPS_TEST_RANKS", ranks));
+  ASSERT_EQ(8 % ranks, 0) << "EPS_TEST_RANKS=" << ranks << " must divide the 8 KV heads";
   std::vector<std::string> visible;
   if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"); v != nullptr && *v != '\0') {
     visible = absl::StrSplit(v, ',');
