@@ -27,8 +27,9 @@ absl::StatusOr<std::optional<int>> RequestedDevice(const v1::AttachRequest& req)
   const v1::SharedBuffers& b = req.buffers();
   const int device =
       b.summary_pool().has_cuda_ipc() ? b.summary_pool().cuda_ipc().device() : req.device();
-  if (device < 0)
+  if (device < 0) {
     return absl::InvalidArgumentError(absl::StrCat("device=", device, " is negative"));
+  }
   if (req.device() != 0 && req.device() != device) {
     return absl::InvalidArgumentError(absl::StrCat(
         "device=", req.device(), " differs from buffers.summary_pool.cuda_ipc.device=", device));
