@@ -88,7 +88,7 @@ const std::map<std::string, Flag>& Flags() {
           return absl::OkStatus();
         }}},
       {"eps-method",
-       {"off | jl | 1pc | fro | quest (default jl)",
+       {"off | jl | 1pc | fro | quest (default quest)",
         [](const std::string& v, ServerConfig& c) {
           if (!ParseMethod(v, &c.policy.method)) return Bad("eps-method", v, "off, jl, 1pc, fro or quest");
           return absl::OkStatus();

@@ -268,10 +268,14 @@ std::vector<Case> Cases() {
          "query[layer 1][row 0][head 2][4] is nan");
   select("InfInASummary",
          [](S&, TestEngine& e) {
-           e.buffers().Record(e.buffers().GroupRow(0)[2], 1, 0)[0] =
+           // fro2: read by every method (quest without its part falls back to fro).
+           e.buffers().Record(e.buffers().GroupRow(0)[2], 1, 0)[SummaryLayout::For(e.model()).fro2] =
                std::numeric_limits<float>::infinity();
          },
-         [](TestEngine& e) { e.buffers().Record(e.buffers().GroupRow(0)[2], 1, 0)[0] = 1.0f; },
+         [](TestEngine& e) {
+           e.buffers().Record(e.buffers().GroupRow(0)[2], 1, 0)[SummaryLayout::For(e.model()).fro2] =
+               1.0f;
+         },
          Code::INVALID_ARGUMENT, "the summary holds NaN or Inf");
   select("WriteIntoSharedMemory",
          [](S& r, TestEngine&) {

@@ -365,7 +365,7 @@ def main() -> int:
     ap.add_argument("--warmup-steps", type=int, default=8, help="excluded from the timings")
     ap.add_argument("--check-steps", type=int, default=4,
                     help="steps with method=off, which must equal dense exactly")
-    ap.add_argument("--method", default="jl", choices=["jl", "fro", "quest", "1pc", "off"])
+    ap.add_argument("--method", default="quest", choices=["jl", "fro", "quest", "1pc", "off"])
     ap.add_argument("--top-pages", default="8",
                     help="comma-separated: one gated run per value, against one dense run")
     ap.add_argument("--alpha", type=float, default=1.0)

@@ -31,7 +31,7 @@ def without_names(buffers: pb.SharedBuffers) -> pb.SharedBuffers:
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])
-@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(quest=True,
+@pytest.mark.parametrize("features", [SummaryFeatures(quest=False), SummaryFeatures(quest=True,
                                                                          principal=True)])
 def test_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head, features):
     model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,
