@@ -201,8 +201,8 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
   if (cuda) {
     if (s->policy.strict || s->policy.budget != Budget::kThreshold) {
       return absl::UnimplementedError(
-          "the cuda backend serves the threshold budget; strict mode and the fixed and top-p "
-          "budgets run on the cpu backend");
+          "the cuda backend serves the threshold budget; strict mode and the fixed, top-p and "
+          "mass budgets run on the cpu backend");
     }
     ASSIGN_OR_RETURN(s->backend,
                      MakeCudaBackend(m, s->device, s->max_batch, s->max_groups,

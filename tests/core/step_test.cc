@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -267,6 +268,17 @@ TEST_F(StepTest, TopPBudgetVisitsTheDominantNeedle) {
   policy.top_p = 0.5f;
   ASSERT_TRUE(Run(policy).ok());
   EXPECT_TRUE(Visited(0)[12]);
+}
+
+TEST_F(StepTest, MassBudgetVisitsTheDominantNeedleAndSkipsTheRest) {
+  Build(Model(), 64 * 40, {12});
+  SelectPolicy policy;
+  policy.budget = Budget::kMass;
+  policy.mass_target = 0.5f;
+  ASSERT_TRUE(Run(policy).ok());
+  const std::vector<uint8_t> visit = Visited(0);
+  EXPECT_TRUE(visit[12]);
+  EXPECT_LT(std::accumulate(visit.begin(), visit.end(), 0), static_cast<int>(visit.size()));
 }
 
 TEST_F(StepTest, HalfQueriesSelectLikeTheirWidenedFloats) {
