@@ -121,12 +121,13 @@ const std::map<std::string, Flag>& Flags() {
         [](const std::string& v, ServerConfig& c) { return ParseBool("eps-strict", v, &c.policy.strict); },
         true}},
       {"eps-budget",
-       {"threshold | fixed | top_p (default threshold)",
+       {"threshold | fixed | top_p | mass (default threshold; mass: docs/policy.md)",
         [](const std::string& v, ServerConfig& c) {
           if (v == "threshold") c.policy.budget = Budget::kThreshold;
           else if (v == "fixed") c.policy.budget = Budget::kFixed;
           else if (v == "top_p") c.policy.budget = Budget::kTopP;
-          else return Bad("eps-budget", v, "threshold, fixed or top_p");
+          else if (v == "mass") c.policy.budget = Budget::kMass;
+          else return Bad("eps-budget", v, "threshold, fixed, top_p or mass");
           return absl::OkStatus();
         }}},
       {"eps-top-p",
@@ -137,6 +138,24 @@ const std::map<std::string, Flag>& Flags() {
           c.policy.top_p = p;
           return absl::OkStatus();
         }}},
+      {"eps-budget-mass",
+       {"estimated attention mass p to reach with --eps-budget=mass (default 0.95)",
+        [](const std::string& v, ServerConfig& c) {
+          float p = 0;
+          if (!absl::SimpleAtof(v, &p) || !(p > 0.0f && p <= 1.0f)) return Bad("eps-budget-mass", v, "a number in (0, 1]");
+          c.policy.mass_target = p;
+          return absl::OkStatus();
+        }}},
+      {"eps-mass-temperature",
+       {"calibration temperature of the mass estimate with --eps-budget=mass (default 1)",
+        [](const std::string& v, ServerConfig& c) {
+          float t = 0;
+          if (!absl::SimpleAtof(v, &t) || !(t > 0.0f && t <= 1000.0f)) return Bad("eps-mass-temperature", v, "a number in (0, 1000]");
+          c.policy.mass_temperature = t;
+          return absl::OkStatus();
+        }}},
+      {"eps-min-pages", {"with --eps-budget=mass: unforced groups always kept per head (default 0)", PolicyInt("eps-min-pages", &SelectPolicy::min_pages, 0)}},
+      {"eps-max-pages", {"with --eps-budget=mass: unforced groups kept per head at most, 0 = no ceiling (default 0)", PolicyInt("eps-max-pages", &SelectPolicy::max_pages, 0)}},
       {"lease-ms", {"session lease in ms, renewed by Attach, SelectPages and Heartbeat (default 10000)", Number<uint32_t>("lease-ms", &ServerConfig::lease_ms, 50, 3600000)}},
       {"max-sessions", {"sessions at once (default 64)", Number<uint32_t>("max-sessions", &ServerConfig::max_sessions, 1, 100000)}},
       {"max-batch", {"rows per step (default 1024)", Number<uint32_t>("max-batch", &ServerConfig::max_batch, 1, 1u << 20)}},

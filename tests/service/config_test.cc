@@ -34,6 +34,19 @@ TEST(ConfigTest, ParsesEveryEpsFlagInBothForms) {
   EXPECT_EQ(config->lease_ms, 500u);
 }
 
+TEST(ConfigTest, ParsesTheMassBudgetFlags) {
+  auto config = ParseFlags({"--eps-budget=mass", "--eps-budget-mass=0.9",
+                            "--eps-mass-temperature=0.5", "--eps-min-pages=2", "--eps-max-pages=64"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->policy.budget, Budget::kMass);
+  EXPECT_FLOAT_EQ(config->policy.mass_target, 0.9f);
+  EXPECT_FLOAT_EQ(config->policy.mass_temperature, 0.5f);
+  EXPECT_EQ(config->policy.min_pages, 2);
+  EXPECT_EQ(config->policy.max_pages, 64);
+  EXPECT_EQ(ParseFlags({"--eps-budget-mass=0"}).status().message(),
+            "--eps-budget-mass=0: want a number in (0, 1]");
+}
+
 TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {
   EXPECT_EQ(ParseFlags({"--eps-methd=jl"}).status().message(), "unknown flag --eps-methd");
   EXPECT_EQ(ParseFlags({"--eps-method=best"}).status().message(),
