@@ -36,6 +36,7 @@ FRACTIONS = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8)
 CORE_METHODS = ("jl8", "1pc", "fro", "quest")
 MASS_TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
 MASS_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
+MASS_FLOORS = (0.0, 0.05, 0.1, 0.2)  # min_pages as a share of the unforced groups
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class QualityPlan:
     group_blocks: tuple[int, ...] = (1, 2, 4, 8, 16)
     lags: tuple[int, ...] = (0, 1, 2, 3, 4)
     fractions: tuple[float, ...] = FRACTIONS
-    mass_methods: tuple[str, ...] = ("quest", "quest8", "oracle_mass")
+    mass_methods: tuple[str, ...] = ("quest", "quest8", "questmid", "oracle_mass")
     mass_group_blocks: tuple[int, ...] = (1, 2, 4, 8)
     mass_lags: tuple[int, ...] = (0, 1)
     c2f_coarse: tuple[int, ...] = (8, 16)
@@ -62,6 +63,8 @@ def record_bytes(method: str, d: int) -> float:
         return 4.0 * d  # Quest's fp16 min and max
     if method == "quest8":
         return 2.0 * d + 4.0
+    if method == "questmid":
+        return 6.0 * d  # quest fp16 plus the key sum in fp16
     return 0.0  # oracles
 
 
@@ -89,6 +92,9 @@ class QuestTables:
         hi_code += hi_code * scale < kmax
         lo_code, hi_code = np.clip(lo_code, -128, 127), np.clip(hi_code, -128, 127)
         self.min8, self.max8 = lo_code * scale, hi_code * scale
+        counts = np.minimum(gt, tokens - np.arange(G) * gt)
+        self.mean = np.pad(kk, ((0, 0), (0, pad), (0, 0))).reshape(kv, G, gt, d).sum(axis=2)
+        self.mean /= counts[None, :, None]
         assert np.all(self.min8 <= kmin) and np.all(self.max8 >= kmax)
         self.kv = kv
 
@@ -103,6 +109,13 @@ class QuestTables:
             out[i] = np.maximum(qd[i], 0) @ self.max8[kvh].T + np.minimum(qd[i], 0) @ self.min8[kvh].T
         return out.astype(np.float32)
 
+    def mean_scores(self, q: F32) -> F32:
+        """q·k̄ [H, G]: the mean key's score, a lower bound of max_i q·k_i (key_sum / count)."""
+        h = q.shape[0]
+        r = h // self.kv
+        return np.stack([self.mean[i // r] @ q[i].astype(np.float64) for i in range(h)]).astype(
+            np.float32)
+
 
 def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:
     unforced = max(1, groups - forced)
@@ -112,7 +125,8 @@ def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) ->
 def _row(workload: dict[str, object], budget: str, method: str, g: int, lag: int, param: float,
          temperature: float, groups: int, met: dict[str, float]) -> dict[str, object]:
     row: dict[str, object] = {**workload, "budget": budget, "method": method, "g": g, "lag": lag,
-                              "param": param, "temperature": temperature, "groups": groups}
+                              "param": param, "temperature": temperature, "floor": 0.0,
+                              "groups": groups}
     row.update({k: float(v) for k, v in met.items()})
     return row
 
@@ -176,7 +190,10 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 rows += _rows(workload, "threshold", name, g, lag, [float(t) for t in tps], 0.0,
                               G, evaluate(dn, g, masks, tps, [rb] * len(tps)))
             if g in plan.mass_group_blocks and lag in plan.mass_lags:
-                mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"]}
+                # questmid: the middle of the bracket [q·k̄, quest], both in the default record.
+                mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
+                mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
+                               "questmid": mid.astype(np.float32)}
                 if lag == 0:
                     mass_scores["oracle_mass"] = oracle["oracle_mass"]
                 for name, sc in mass_scores.items():
@@ -186,11 +203,18 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                     for tau in MASS_TEMPERATURES:
                         if name == "oracle_mass" and tau != 1.0:
                             continue
-                        masks = core.mark_mass(sc, kvh, list(MASS_TARGETS), temperature=tau,
-                                               head_dim=d)
-                        rows += _rows(workload, "mass", name, g, lag, list(MASS_TARGETS), tau, G,
-                                      evaluate(dn, g, masks, [1] * len(MASS_TARGETS),
-                                               [rb] * len(MASS_TARGETS)))
+                        for floor in MASS_FLOORS:
+                            if name == "oracle_mass" and floor > 0:
+                                continue
+                            min_pages = round(floor * max(1, G - 3))
+                            masks = core.mark_mass(sc, kvh, list(MASS_TARGETS), temperature=tau,
+                                                   head_dim=d, min_pages=min_pages)
+                            met = evaluate(dn, g, masks, [1] * len(MASS_TARGETS),
+                                           [rb] * len(MASS_TARGETS))
+                            for r in _rows(workload, "mass", name, g, lag, list(MASS_TARGETS),
+                                           tau, G, met):
+                                r["floor"] = floor
+                                rows.append(r)
     for lag in sorted({0, 1} & set(plan.lags)):
         q = q_by_pos[position - lag]
         fine = q8[1].scores(q)

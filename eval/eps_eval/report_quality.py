@@ -20,7 +20,8 @@ SKIP = 0.75
 TARGET = 0.95
 Row = dict[str, object]
 PAIR = ("workload", "kind", "context", "layer", "step")
-NUMERIC = {"context", "layer", "step", "g", "lag", "param", "temperature", "groups", "recall",
+NUMERIC = {"context", "layer", "step", "g", "lag", "param", "temperature", "floor", "groups",
+           "recall",
            "recall_min", "top10", "out_err", "visited", "summary_frac", "skip"}
 
 
@@ -156,7 +157,7 @@ def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
         out.append(f"\n### {wl}, context {int(ctx)}: (τ, p) chosen on layers "  # type: ignore[call-overload]
                    f"{sorted({int(r['layer']) for r in calib})}, tested on "  # type: ignore[call-overload]
                    f"{sorted({int(r['layer']) for r in test})}\n")  # type: ignore[call-overload]
-        out.append("| method | g | lag | chosen τ, p | test: pairs with recall ≥ 0.95 | "
+        out.append("| method | g | lag | chosen τ, p, floor | test: pairs with recall ≥ 0.95 | "
                    "test: mean recall | test: mean skip | best fixed budget with mean recall "
                    "≥ 0.95 (test): skip |")
         out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -165,11 +166,12 @@ def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
             def same(r: Row, m: object = m, g: object = g, lag: object = lag) -> bool:
                 return r["budget"] == "mass" and r["method"] == m and r["g"] == g and r["lag"] == lag
             best = None
-            for (tau, p), sel in group(where(calib, same), ("temperature", "param")).items():
+            for (tau, p, fl), sel in group(where(calib, same),
+                                           ("temperature", "param", "floor")).items():
                 share = float((col(sel, "recall") >= target).mean())
                 sk = float(col(sel, "skip").mean())
                 if share >= 0.95 and (best is None or sk > best[2]):
-                    best = (tau, p, sk)
+                    best = (tau, p, sk, fl)
             fixed_lag = 0 if str(m).startswith("oracle") else lag
             tf = where(test, lambda r, m=m, g=g, fl=fixed_lag: r["budget"] == "threshold"
                        and r["method"] == m and r["g"] == g and r["lag"] == fl)
@@ -178,9 +180,9 @@ def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
                 out.append(f"| {m} | {int(g)} | {int(lag)} | none reaches 95 % of pairs | | | | {fixed} |")  # type: ignore[call-overload]
                 continue
             sel = where(test, lambda r, b=best, s=same: s(r) and r["temperature"] == b[0]
-                        and r["param"] == b[1])
+                        and r["param"] == b[1] and r["floor"] == b[3])
             rec = col(sel, "recall")
-            out.append(f"| {m} | {int(g)} | {int(lag)} | {best[0]:g}, {best[1]:g} | "  # type: ignore[call-overload]
+            out.append(f"| {m} | {int(g)} | {int(lag)} | {best[0]:g}, {best[1]:g}, {best[3]:g} | "  # type: ignore[call-overload]
                        f"{(rec >= target).mean():.3f} of {len(sel)} | {rec.mean():.3f} | "
                        f"{col(sel, 'skip').mean():.3f} | {fixed} |")
     return out
