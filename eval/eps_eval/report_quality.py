@@ -71,6 +71,21 @@ def fmt(mean: float, half: float) -> str:
     return f"{mean:.3f} ± {half:.3f}" if not np.isnan(half) else f"{mean:.3f}"
 
 
+HEAD_DIM = {"real": 64, "synthetic": 128, "gemma": 256}
+
+
+def epsd_record_rows(rows: list[Row], d: int) -> list[Row]:
+    """quest rows re-costed with epsd's record today (fp32: G and norms at m = 8, key_sum,
+    quest min/max; docs/summaries.md) instead of Quest's fp16 min/max (4·d bytes)."""
+    words = 8 * 9 // 2 + 3 + d + 2 * d
+    ratio = (-(-words // 4) * 4 * 4) / (4.0 * d)
+    out = []
+    for r in rows:
+        frac = float(r["summary_frac"]) * ratio  # type: ignore[arg-type]
+        out.append({**r, "summary_frac": frac, "skip": 1.0 - float(r["visited"]) - frac})  # type: ignore[arg-type]
+    return out
+
+
 def table_methods(rows: list[Row], lag: int) -> list[str]:
     out: list[str] = []
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
@@ -88,6 +103,13 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
                 sel = [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == want_lag]
                 cells.append(fmt(*at_skip(sel)[:2]) if sel else "")
             out.append(f"| {m}{' (lag 0)' if want_lag != lag else ''} | " + " | ".join(cells) + " |")
+            if m == "quest":
+                d = HEAD_DIM.get(str(wl), 128)
+                cells = []
+                for g in gs:
+                    sel = [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == lag]
+                    cells.append(fmt(*at_skip(epsd_record_rows(sel, d))[:2]) if sel else "")
+                out.append("| quest, epsd's fp32 record today | " + " | ".join(cells) + " |")
         q16 = where(thr, lambda r: r["method"] == "quest" and r["g"] == 1 and r["lag"] == lag)
         q16_frac = float(col(q16, "summary_frac").mean()) if q16 else float("nan")
         c2f = where(w, lambda r: r["budget"] == "c2f" and r["lag"] == lag)
@@ -149,11 +171,14 @@ def fixed_skip_at_recall(rows: list[Row], target: float) -> str:
 
 
 def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
-    """Adaptive budget: choose (τ, p) on even layers, report on odd layers."""
+    """Adaptive budget: choose (τ, p, floor) on every other evaluated layer (the 1st, 3rd, …),
+    report on the others."""
     out: list[str] = []
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
-        calib = where(w, lambda r: int(r["layer"]) % 2 == 0)  # type: ignore[call-overload]
-        test = where(w, lambda r: int(r["layer"]) % 2 == 1)  # type: ignore[call-overload]
+        layers = sorted({int(r["layer"]) for r in w})  # type: ignore[call-overload]
+        calib_layers = set(layers[0::2])
+        calib = [r for r in w if int(r["layer"]) in calib_layers]  # type: ignore[call-overload]
+        test = [r for r in w if int(r["layer"]) not in calib_layers]  # type: ignore[call-overload]
         out.append(f"\n### {wl}, context {int(ctx)}: (τ, p) chosen on layers "  # type: ignore[call-overload]
                    f"{sorted({int(r['layer']) for r in calib})}, tested on "  # type: ignore[call-overload]
                    f"{sorted({int(r['layer']) for r in test})}\n")  # type: ignore[call-overload]
@@ -188,6 +213,79 @@ def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
     return out
 
 
+def curve(rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean (skip, recall) per sweep point (k-th smallest parameter of every pair)."""
+    ranked: dict[int, list[Row]] = defaultdict(list)
+    for pts in group(rows, PAIR).values():
+        for i, r in enumerate(sorted(pts, key=lambda r: float(r["param"]))):  # type: ignore[arg-type]
+            ranked[i].append(r)
+    pts = sorted((col(v, "skip").mean(), col(v, "recall").mean()) for v in ranked.values())
+    return np.asarray([p[0] for p in pts]), np.asarray([p[1] for p in pts])
+
+
+def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
+    """recall vs skip per method at g = 1 and g = 8 (and c2f), one PNG per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        for ax, g in zip(axes, (1, 8)):
+            for m in ("jl8", "1pc", "quest", "quest8", "oracle_mass"):
+                want = 0 if m.startswith("oracle") else lag
+                sel = [r for r in w if r["budget"] == "threshold" and r["method"] == m
+                       and r["g"] == g and r["lag"] == want]
+                if sel:
+                    x, y = curve(sel)
+                    ax.plot(x, y, marker=".", label=m)
+            if g == 1:
+                for m in ("c2f8x2", "c2f16x2"):
+                    sel = [r for r in w if r["budget"] == "c2f" and r["method"] == m
+                           and r["lag"] == lag]
+                    if sel:
+                        x, y = curve(sel)
+                        ax.plot(x, y, marker="x", linestyle="--", label=m)
+            ax.axvline(SKIP, color="grey", linewidth=0.5)
+            ax.set_title(f"{wl} {int(ctx)}, g = {g}, lag {lag}")  # type: ignore[call-overload]
+            ax.set_xlabel("KV bytes skipped (summary bytes counted)")
+            ax.set_xlim(0, 1)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("attention-mass recall")
+        for ax in axes:
+            ax.legend(fontsize=8)
+        name = f"q19_recall_vs_skip_{wl}_{int(ctx)}.png"  # type: ignore[call-overload]
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def table_passkeys(units: Path) -> list[str]:
+    """Gemma passkeys per variant: retrieved, and retrieved where dense retrieves."""
+    out = []
+    for f in sorted(units.glob("q19gemma_passkey_*.csv")):
+        with f.open() as fh:
+            rows = list(csv.DictReader(fh))
+        dense_ok = {r["prompt"] for r in rows if r["method"] == "dense" and r["correct"] == "1"}
+        n = len({r["prompt"] for r in rows})
+        out += ["", f"Passkeys ({f.stem}): {n} prompts, dense retrieves {len(dense_ok)}.", "",
+                "| variant | retrieved | retrieved where dense does | tokens visited (global layers) |",
+                "| --- | --- | --- | --- |"]
+        for (m, g), sel in sorted(group(rows, ("method", "g")).items()):  # type: ignore[arg-type]
+            if m == "dense":
+                continue
+            ok = sum(r["correct"] == "1" for r in sel)
+            both = sum(r["correct"] == "1" for r in sel if r["prompt"] in dense_ok)
+            vis = np.mean([float(r["visited"]) for r in sel])
+            out.append(f"| {m}, g = {g} | {ok} of {len(sel)} | {both} of {len(dense_ok)} | "
+                       f"{vis:.3f} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
@@ -203,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
     lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
     lines += table_mass(rows)
+    lines += ["", "## Gemma 3 270M passkeys"] + table_passkeys(a.out / "units")
+    lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots(rows, a.out)]
     (a.out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
