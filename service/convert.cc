@@ -151,8 +151,10 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
   if (o.has_top_p()) p.top_p = o.top_p();
   if (o.has_mass_target()) p.mass_target = o.mass_target();
   if (o.has_mass_temperature()) p.mass_temperature = o.mass_temperature();
-  if (o.has_min_pages()) p.min_pages = static_cast<int>(std::min<uint32_t>(o.min_pages(), 1u << 30));
-  if (o.has_max_pages()) p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
+  if (o.has_min_pages())
+    p.min_pages = static_cast<int>(std::min<uint32_t>(o.min_pages(), 1u << 30));
+  if (o.has_max_pages())
+    p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
   if (o.granularity() == v1::GRANULARITY_UNION) p.granularity = Granularity::kUnion;
   if (o.granularity() == v1::GRANULARITY_PER_KV_HEAD) p.granularity = Granularity::kPerKvHead;
   if (o.granularity() > v1::GRANULARITY_PER_KV_HEAD || o.granularity() < 0) {

@@ -35,8 +35,9 @@ TEST(ConfigTest, ParsesEveryEpsFlagInBothForms) {
 }
 
 TEST(ConfigTest, ParsesTheMassBudgetFlags) {
-  auto config = ParseFlags({"--eps-budget=mass", "--eps-budget-mass=0.9",
-                            "--eps-mass-temperature=0.5", "--eps-min-pages=2", "--eps-max-pages=64"});
+  auto config =
+      ParseFlags({"--eps-budget=mass", "--eps-budget-mass=0.9", "--eps-mass-temperature=0.5",
+                  "--eps-min-pages=2", "--eps-max-pages=64"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->policy.budget, Budget::kMass);
   EXPECT_FLOAT_EQ(config->policy.mass_target, 0.9f);
