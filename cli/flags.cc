@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "absl/flags/reflection.h"
 #include "absl/strings/ascii.h"
@@ -42,6 +43,12 @@ struct Resolved {
   bool is_bool = false;
 };
 
+// Older flag names (with '-'), to the names they stand for.
+std::map<std::string, std::string>& Aliases() {
+  static auto* aliases = new std::map<std::string, std::string>();
+  return *aliases;
+}
+
 // What a value of the flag's type looks like, for an error message.
 std::string TypeHint(const absl::CommandLineFlag& flag) {
   if (flag.IsOfType<bool>()) return "want true or false";
@@ -54,6 +61,9 @@ std::string TypeHint(const absl::CommandLineFlag& flag) {
 }
 
 Resolved Find(absl::string_view name) {
+  if (const auto alias = Aliases().find(std::string(name)); alias != Aliases().end()) {
+    name = alias->second;
+  }
   Resolved r;
   r.flag = absl::FindCommandLineFlag(absl::StrReplaceAll(name, {{"-", "_"}}));
   if (r.flag != nullptr) r.is_bool = r.flag->IsOfType<bool>();
@@ -61,6 +71,8 @@ Resolved Find(absl::string_view name) {
 }
 
 }  // namespace
+
+FlagAlias::FlagAlias(const char* old_name, const char* name) { Aliases()[old_name] = name; }
 
 std::string DisplayName(const absl::CommandLineFlag& flag) {
   return absl::StrReplaceAll(flag.Name(), {{"_", "-"}});
@@ -178,6 +190,9 @@ std::string Usage(absl::string_view synopsis) {
     for (absl::string_view line : absl::StrSplit(flag->Help(), '\n')) {
       absl::StrAppend(&out, "      ", line, "\n");
     }
+  }
+  for (const auto& [old_name, name] : Aliases()) {
+    absl::StrAppend(&out, "  --", old_name, "  (the older name of --", name, ")\n");
   }
   absl::StrAppend(&out,
                   "  --help      this text\n"

@@ -46,6 +46,13 @@ struct Micros {
 bool AbslParseFlag(absl::string_view text, Micros* out, std::string* error);
 std::string AbslUnparseFlag(Micros d);
 
+// An older name of a flag, still accepted: a static FlagAlias registers it.
+//   static const eps::cli::FlagAlias kOld("group-blocks", "eps-group-blocks");
+class FlagAlias {
+ public:
+  FlagAlias(const char* old_name, const char* name);
+};
+
 // What a command line asked for besides flag values.
 struct CommandLine {
   bool help = false;     // --help or -h

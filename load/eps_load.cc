@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/flags.h"
 #include "load/load_config.h"
 #include "load/load_run.h"
 #include "load/report.h"
@@ -26,11 +27,16 @@ extern "C" void RequestStop(int) { stop_requested.store(true); }
 int main(int argc, char** argv) {
   auto config = eps::load::ParseFlags(std::vector<std::string>(argv + 1, argv + argc));
   if (!config.ok()) {
-    std::fprintf(stderr, "eps-load: %s\n", std::string(config.status().message()).c_str());
+    std::fprintf(stderr, "eps-load: %s (eps-load --help lists the flags)\n",
+                 std::string(config.status().message()).c_str());
     return 2;
   }
   if (config->help) {
     std::fputs(eps::load::Usage().c_str(), stdout);
+    return 0;
+  }
+  if (config->version) {
+    std::printf("%s\n", eps::cli::VersionLine("eps-load").c_str());
     return 0;
   }
   // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
