@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <map>
 
@@ -81,9 +82,10 @@ std::string DisplayName(const absl::CommandLineFlag& flag) {
 bool AbslParseFlag(absl::string_view text, Size* out, std::string* error) {
   absl::string_view digits = absl::StripAsciiWhitespace(text);
   int64_t scale = 1;
-  for (const auto& [suffix, factor] :
-       {std::pair<absl::string_view, int64_t>{"k", int64_t{1} << 10}, {"K", int64_t{1} << 10},
-        {"M", int64_t{1} << 20}, {"G", int64_t{1} << 30}}) {
+  for (const auto& [suffix, factor] : {std::pair<absl::string_view, int64_t>{"k", int64_t{1} << 10},
+                                       {"K", int64_t{1} << 10},
+                                       {"M", int64_t{1} << 20},
+                                       {"G", int64_t{1} << 30}}) {
     if (absl::ConsumeSuffix(&digits, suffix)) {
       scale = factor;
       break;
@@ -202,6 +204,29 @@ std::string Usage(absl::string_view synopsis) {
   return out;
 }
 
+int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis) {
+  CommandLine command_line;
+  if (absl::Status s = ParseArgs(std::vector<std::string>(argv + 1, argv + argc), &command_line);
+      !s.ok()) {
+    return BadFlag(program, s);
+  }
+  if (command_line.help) {
+    std::fputs(Usage(synopsis).c_str(), stdout);
+    return 0;
+  }
+  if (command_line.version) {
+    std::printf("%s\n", VersionLine(program).c_str());
+    return 0;
+  }
+  return -1;
+}
+
+int BadFlag(absl::string_view program, const absl::Status& error) {
+  std::fprintf(stderr, "%s: %s (%s --help lists the flags)\n", std::string(program).c_str(),
+               std::string(error.message()).c_str(), std::string(program).c_str());
+  return 2;
+}
+
 std::string VersionLine(absl::string_view program) {
   return absl::StrCat(program, " ", EPS_VERSION);
 }
@@ -211,8 +236,8 @@ absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) 
       absl::StrCat("--", DisplayName(flag), "=", flag.CurrentValue(), ": want ", want));
 }
 
-absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value,
-                         absl::Duration lo, absl::Duration hi, absl::Duration* out) {
+absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value, absl::Duration lo,
+                         absl::Duration hi, absl::Duration* out) {
   if (value < lo || value > hi) {
     return Invalid(flag, absl::StrCat("a duration in [", absl::FormatDuration(lo), ", ",
                                       absl::FormatDuration(hi), "]"));

@@ -68,6 +68,16 @@ struct CommandLine {
 // "--steps=abc: ...", "unexpected argument 'x'".
 absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line);
 
+// The whole command line of a main() without a config struct of its own: parses argv
+// into the flags, then prints the usage (--help), the version (--version) or the error.
+// Returns the exit status to return at once (0 after --help or --version, 2 on a bad
+// command line), or -1 to go on and read the flags.
+int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis);
+
+// Prints "<program>: <error> (<program> --help lists the flags)" and returns 2, for a flag
+// value that ParseMain accepted but the program's range check refused.
+int BadFlag(absl::string_view program, const absl::Status& error);
+
 // "usage: <synopsis>" and then every registered flag, sorted: its name, default and help.
 std::string Usage(absl::string_view synopsis);
 
@@ -112,8 +122,8 @@ absl::Status ReadInRange(const absl::Flag<Size>& flag, U lo, U hi, U* out) {
 }
 
 // A duration flag in [lo, hi].
-absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value,
-                         absl::Duration lo, absl::Duration hi, absl::Duration* out);
+absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value, absl::Duration lo,
+                         absl::Duration hi, absl::Duration* out);
 template <typename T>
 absl::Status ReadDuration(const absl::Flag<T>& flag, absl::Duration lo, absl::Duration hi,
                           absl::Duration* out) {

@@ -3,7 +3,8 @@
 
 #include "absl/flags/flag.h"
 
-ABSL_FLAG(std::string, target, "unix:///tmp/epsd.sock", "epsd's address: unix:///path or host:port");
+ABSL_FLAG(std::string, target, "unix:///tmp/epsd.sock",
+          "epsd's address: unix:///path or host:port");
 ABSL_FLAG(std::string, preset, "llama-3-8b",
           "model shape: llama-3-8b, qwen2.5-7b, llama-3-70b-tp8 (one rank of TP 8), "
           "smollm2-135m");

@@ -145,9 +145,7 @@ bool AbslParseFlag(absl::string_view text, Arrivals* out, std::string* error) {
   return true;
 }
 
-std::string AbslUnparseFlag(const Arrivals& a) {
-  return a.closed_loop() ? "0" : a.ToString();
-}
+std::string AbslUnparseFlag(const Arrivals& a) { return a.closed_loop() ? "0" : a.ToString(); }
 
 std::string Usage() { return cli::Usage("eps-load [flags]"); }
 
@@ -157,10 +155,9 @@ std::chrono::microseconds Us(absl::Duration d) {
   return std::chrono::microseconds(absl::ToInt64Microseconds(d));
 }
 
-#define EPS_RETURN_IF_ERROR(expr)           \
-  do {                                      \
-    if (absl::Status s_ = (expr); !s_.ok()) \
-      return s_;                            \
+#define EPS_RETURN_IF_ERROR(expr)                      \
+  do {                                                 \
+    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
   } while (false)
 
 // A shape flag: 0 keeps the preset's value.
@@ -197,16 +194,14 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   EPS_RETURN_IF_ERROR(
       cli::ReadDuration(FLAGS_duration, absl::Microseconds(1), absl::Hours(24 * 365), &d));
   c.duration = Us(d);
-  EPS_RETURN_IF_ERROR(
-      cli::ReadDuration(FLAGS_warmup, absl::ZeroDuration(), absl::Hours(24), &d));
+  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_warmup, absl::ZeroDuration(), absl::Hours(24), &d));
   c.warmup = Us(d);
   c.arrivals = absl::GetFlag(FLAGS_rate);
   EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_sessions, 1, 256, &c.sessions));
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode != "unary" && mode != "stream") return cli::Invalid(FLAGS_mode, "unary or stream");
   c.stream = mode == "stream";
-  EPS_RETURN_IF_ERROR(
-      cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &d));
+  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &d));
   c.deadline = Us(d);
   EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_slo, absl::Microseconds(1), absl::Hours(1), &d));
   c.slo = Us(d);

@@ -215,14 +215,11 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                      {"p999", Num(Ratio(sel.lat.p999_us, png.lat.p999_us))},
                      {"max", Num(Ratio(sel.lat.max_us, png.lat.max_us))},
                      {"mean", Num(Ratio(sel.lat.mean_us, png.lat.mean_us))}};
-  report["server"] = {{"prepass_p50_us", Num(prepass.p50_us)},
-                      {"prepass_p99_us", Num(prepass.p99_us)},
-                      {"prepass_max_us", Num(prepass.max_us)},
-                      {"overhead_p50_us", Num(overhead.p50_us)},
-                      {"overhead_p90_us", Num(overhead.p90_us)},
-                      {"overhead_p99_us", Num(overhead.p99_us)},
-                      {"pages_visited", r.pages_visited},
-                      {"pages_total", r.pages_total}};
+  report["server"] = {
+      {"prepass_p50_us", Num(prepass.p50_us)},   {"prepass_p99_us", Num(prepass.p99_us)},
+      {"prepass_max_us", Num(prepass.max_us)},   {"overhead_p50_us", Num(overhead.p50_us)},
+      {"overhead_p90_us", Num(overhead.p90_us)}, {"overhead_p99_us", Num(overhead.p99_us)},
+      {"pages_visited", r.pages_visited},        {"pages_total", r.pages_total}};
   report["client_fallbacks"] = {{"deadline", f.fallback_deadline},
                                 {"unavailable", f.fallback_unavailable},
                                 {"not_attached", f.fallback_not_attached},

@@ -36,8 +36,8 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
   }
   const size_t colon = v.rfind(':');
   int port = -1;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(v.substr(colon + 1), &port) || port < 0 || port > 65535) {
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(v.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
     return cli::Invalid(flag, "host:port (port in [0, 65535]), empty or off");
   }
   *out = v;
@@ -46,10 +46,9 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
 
 uint32_t Ms(absl::Duration d) { return static_cast<uint32_t>(absl::ToInt64Milliseconds(d)); }
 
-#define EPS_RETURN_IF_ERROR(expr)          \
-  do {                                     \
-    if (absl::Status s_ = (expr); !s_.ok()) \
-      return s_;                           \
+#define EPS_RETURN_IF_ERROR(expr)                      \
+  do {                                                 \
+    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
   } while (false)
 
 // Reads the process's flags into a config, checking every range.
@@ -97,15 +96,16 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   c.policy.top_p = static_cast<float>(top_p);
 
   absl::Duration d;
-  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));
+  EPS_RETURN_IF_ERROR(
+      cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));
   c.lease_ms = Ms(d);
   EPS_RETURN_IF_ERROR(
       cli::ReadDuration(FLAGS_inputs_timeout_ms, absl::Milliseconds(1), absl::Minutes(10), &d));
   c.inputs_timeout_ms = Ms(d);
-  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_drain_ms, absl::ZeroDuration(), absl::Minutes(10), &d));
-  c.drain_ms = Ms(d);
   EPS_RETURN_IF_ERROR(
-      cli::ReadInRange(FLAGS_max_sessions, 1u, 100000u, &c.max_sessions));
+      cli::ReadDuration(FLAGS_drain_ms, absl::ZeroDuration(), absl::Minutes(10), &d));
+  c.drain_ms = Ms(d);
+  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_sessions, 1u, 100000u, &c.max_sessions));
   EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_batch, 1u, 1u << 20, &c.max_batch));
   EPS_RETURN_IF_ERROR(
       cli::ReadInRange(FLAGS_max_message_bytes, 1u << 10, 1u << 30, &c.max_message_bytes));
@@ -152,8 +152,8 @@ absl::Status CheckListeners(const ServerConfig& config) {
   }
   if (!config.health_listen.empty()) {
     if (absl::StartsWith(config.health_listen, "unix:")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--health-listen=", config.health_listen, ": want host:port (kubelet probes TCP)"));
+      return absl::InvalidArgumentError(absl::StrCat("--health-listen=", config.health_listen,
+                                                     ": want host:port (kubelet probes TCP)"));
     }
     EPS_RETURN_IF_ERROR(
         CheckListenAddress("health-listen", config.health_listen, config.allow_remote));

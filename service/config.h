@@ -17,21 +17,21 @@ enum class BackendKind { kCpu, kCuda, kAuto };
 
 struct ServerConfig {
   std::string listen = "unix:///tmp/epsd.sock";  // unix:///path or host:port
-  bool allow_remote = false;      // TCP beyond loopback only when set (every listener)
-  uint32_t socket_mode = 0660;    // file mode of the Unix socket
+  bool allow_remote = false;    // TCP beyond loopback only when set (every listener)
+  uint32_t socket_mode = 0660;  // file mode of the Unix socket
   BackendKind backend = BackendKind::kAuto;
-  SelectPolicy policy;            // --eps-* defaults for sessions
-  int group_blocks = 8;           // --eps-group-blocks
-  int sketch_dim = 8;             // --eps-dim
-  uint32_t lease_ms = 10000;      // default session lease
+  SelectPolicy policy;        // --eps-* defaults for sessions
+  int group_blocks = 8;       // --eps-group-blocks
+  int sketch_dim = 8;         // --eps-dim
+  uint32_t lease_ms = 10000;  // default session lease
   uint32_t max_sessions = 64;
   uint32_t max_batch = 1024;
   uint32_t max_message_bytes = 64u << 20;
-  uint32_t drain_ms = 5000;       // SIGTERM: how long in-flight calls may finish
-  uint32_t inputs_timeout_ms = 1000;  // async steps: the watchdog on inputs_ready
+  uint32_t drain_ms = 5000;                       // SIGTERM: how long in-flight calls may finish
+  uint32_t inputs_timeout_ms = 1000;              // async steps: the watchdog on inputs_ready
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served
-  std::string health_listen;      // grpc.health.v1 over TCP (host:port); empty: not served
-  std::string step_log;           // JSONL step log path; empty: off
+  std::string health_listen;  // grpc.health.v1 over TCP (host:port); empty: not served
+  std::string step_log;       // JSONL step log path; empty: off
   bool help = false;
   bool version = false;
 };

@@ -1,7 +1,8 @@
 // epsd: the EPS page selector sidecar.
+#include <pthread.h>
+
 #include <csignal>
 #include <cstdio>
-#include <pthread.h>
 #include <string>
 #include <thread>
 #include <vector>

@@ -125,8 +125,7 @@ void EpsServer::Shutdown() {
   if (health_server_ != nullptr) {
     if (auto* health = health_server_->GetHealthCheckService()) health->Shutdown();
   }
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(config_.drain_ms));
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_ms));
   if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
 }
 

@@ -267,10 +267,10 @@ absl::Status ServerMetrics::Serve(const std::string& listen) {
     // read: a client that connects and sends nothing (or half a request) holds a thread
     // for the request timeout. Several threads and a short timeout keep one such client
     // from blocking the scrapes of others (tests/service/telemetry/metrics_http_test.cc).
-    exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-        "listening_ports", listen,                                     //
-        "num_threads", std::to_string(kHttpThreads),                   //
-        "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs)});
+    exposer_ = std::make_unique<prometheus::Exposer>(
+        std::vector<std::string>{"listening_ports", listen,                    //
+                                 "num_threads", std::to_string(kHttpThreads),  //
+                                 "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs)});
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("--metrics-listen=", listen, ": cannot serve /metrics: ", e.what()));

@@ -22,8 +22,8 @@ TEST(ParseFlags, DurationsTakeAbseilUnitsAndRefuseBareNumbers) {
 }
 
 TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
-  const LoadConfig c = *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16",
-                                    "--group-blocks=4"});
+  const LoadConfig c =
+      *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16", "--group-blocks=4"});
   EXPECT_EQ(c.batch, 1024);
   EXPECT_EQ(c.context.lo, 128 * 1024);
   EXPECT_EQ(c.model.sketch_dim, 16);

@@ -75,8 +75,8 @@ TEST(ListenersTest, HealthListenBeyondLoopbackNeedsAllowRemote) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("--health-listen=0.0.0.0:0"), std::string::npos)
       << refused.status();
-  EXPECT_TRUE(StartWith({"--metrics-listen=off", "--health-listen=0.0.0.0:0", "--allow-remote"})
-                  .ok());
+  EXPECT_TRUE(
+      StartWith({"--metrics-listen=off", "--health-listen=0.0.0.0:0", "--allow-remote"}).ok());
 }
 
 TEST(ListenersTest, HealthListenServesGrpcHealthOverTcpWithoutTheApi) {
@@ -90,8 +90,8 @@ TEST(ListenersTest, HealthListenServesGrpcHealthOverTcpWithoutTheApi) {
   EXPECT_EQ(Check(address, "eps.v1.PageSelector").value_or(HealthCheckResponse::UNKNOWN),
             HealthCheckResponse::SERVING);
   // The TCP port carries health only: the page-selection API stays on the socket.
-  auto api = v1::PageSelector::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto api =
+      v1::PageSelector::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   v1::PingRequest ping;
