@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "load/load_config.h"
 #include "load/load_run.h"
 #include "load/report.h"
+#include "load/rpc_floor.h"
 
 namespace {
 
@@ -46,11 +48,21 @@ int main(int argc, char** argv) {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  std::optional<eps::load::FloorResult> floor;
+  if (config->floor_calls > 0) {
+    auto measured = eps::load::MeasureFloor(*config);
+    if (!measured.ok()) {
+      std::fprintf(stderr, "eps-load: %s\n", measured.status().ToString().c_str());
+      return 1;
+    }
+    floor = *std::move(measured);
+  }
   auto result = eps::load::RunLoad(*config, &stop_requested);
   if (!result.ok()) {
     std::fprintf(stderr, "eps-load: %s\n", result.status().ToString().c_str());
     return 1;
   }
+  result->floor = std::move(floor);
   eps::load::PrintTable(*config, *result, stdout);
   if (!config->json_path.empty()) {
     std::ofstream out(config->json_path);

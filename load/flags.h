@@ -30,6 +30,8 @@ ABSL_DECLARE_FLAG(std::string, mode);
 ABSL_DECLARE_FLAG(absl::Duration, deadline);
 ABSL_DECLARE_FLAG(absl::Duration, slo);
 ABSL_DECLARE_FLAG(int, ping_every);
+ABSL_DECLARE_FLAG(int, floor_calls);
+ABSL_DECLARE_FLAG(std::string, floor_server);
 ABSL_DECLARE_FLAG(std::string, ping_api);
 ABSL_DECLARE_FLAG(std::string, backend);
 ABSL_DECLARE_FLAG(std::vector<std::string>, channel_arg);

@@ -206,6 +206,12 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_slo, absl::Microseconds(1), absl::Hours(1), &d));
   c.slo = Us(d);
   EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_ping_every, 0, 1000000, &c.ping_every));
+  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_floor_calls, 0, 10000000, &c.floor_calls));
+  const std::string floor_server = absl::GetFlag(FLAGS_floor_server);
+  if (floor_server != "process" && floor_server != "in-process") {
+    return cli::Invalid(FLAGS_floor_server, "process or in-process");
+  }
+  c.floor_in_process = floor_server == "in-process";
   const std::string api = absl::GetFlag(FLAGS_ping_api);
   if (api != "callback" && api != "sync") return cli::Invalid(FLAGS_ping_api, "callback or sync");
   c.ping_sync = api == "sync";

@@ -53,7 +53,9 @@ struct LoadConfig {
   std::chrono::microseconds deadline{std::chrono::seconds(10)};
   std::chrono::microseconds slo{2000};  // a call slower than this is counted as over_slo
   int ping_every = 1;                   // one Ping per this many SelectPages; 0 = no Ping
-  bool ping_sync = false;  // Ping through the synchronous stub instead of the callback API
+  int floor_calls = 1000;         // rounds of the RPC floor measurement before the run; 0 = none
+  bool floor_in_process = false;  // the floor's minimal server in this process, not a child
+  bool ping_sync = false;         // Ping through the synchronous stub instead of the callback API
   BufferBackend backend = BufferBackend::kCpu;
   std::vector<std::pair<std::string, int>> channel_args;
   std::string json_path;

@@ -86,6 +86,47 @@ Json CallJson(CallView v, const CallResults& c) {
 
 std::string ModeName(const LoadConfig& c) { return c.stream ? "stream" : "unary"; }
 
+// The RPC floor next to epsd's Ping and SelectPages: p50 and p99 of each, and the
+// ratios the latency goals are written in (docs/benchmarks/latency.md).
+void PrintFloor(FloorResult& f, const CallView& sel, std::FILE* out) {
+  const LatencySummary fc = f.floor_callback.Summarize(), fs = f.floor_sync.Summarize();
+  const LatencySummary pc = f.ping_callback.Summarize(), ps = f.ping_sync.Summarize();
+  std::fprintf(out,
+               "rpc floor: %llu interleaved rounds before the run, minimal server (%s) at %s "
+               "(%llu failed calls)\n",
+               static_cast<unsigned long long>(fc.count), f.where.c_str(), f.floor_address.c_str(),
+               static_cast<unsigned long long>(f.errors));
+  std::fprintf(out, "%-34s %10s %10s %12s\n", "call", "p50 us", "p99 us", "p50 / floor");
+  auto row = [&](const char* name, const LatencySummary& l, const LatencySummary& floor) {
+    std::fprintf(out, "%-34s %10s %10s %11.2fx\n", name, Cell(l.p50_us, l.count).c_str(),
+                 Cell(l.p99_us, l.count).c_str(), Ratio(l.p50_us, floor.p50_us));
+  };
+  row("floor, callback client", fc, fc);
+  row("floor, sync client", fs, fc);
+  row("epsd Ping, callback client", pc, fc);
+  row("epsd Ping, sync client", ps, fs);
+  row("epsd SelectPages (the run)", sel.lat, fc);
+  std::fprintf(out, "SelectPages / Ping (the run) p50 %.2fx; Ping / floor (callback) p50 %.2fx\n",
+               Ratio(sel.lat.p50_us, pc.p50_us), Ratio(pc.p50_us, fc.p50_us));
+}
+
+Json FloorJson(FloorResult& f) {
+  auto summary = [](LatencySamples& samples) {
+    const LatencySummary l = samples.Summarize();
+    return Json{{"p50_us", Num(l.p50_us)}, {"p99_us", Num(l.p99_us)}, {"count", l.count}};
+  };
+  const double floor_p50 = f.floor_callback.Summarize().p50_us;
+  const double ping_p50 = f.ping_callback.Summarize().p50_us;
+  return Json{{"address", f.floor_address},
+              {"server", f.where},
+              {"floor_callback", summary(f.floor_callback)},
+              {"floor_sync", summary(f.floor_sync)},
+              {"ping_callback", summary(f.ping_callback)},
+              {"ping_sync", summary(f.ping_sync)},
+              {"ping_over_floor_p50", Num(Ratio(ping_p50, floor_p50))},
+              {"errors", f.errors}};
+}
+
 }  // namespace
 
 void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
@@ -174,6 +215,7 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
   } else {
     std::fprintf(out, "epsd resources not sampled: %s\n", r.epsd_pid_note.c_str());
   }
+  if (r.floor.has_value()) PrintFloor(*r.floor, sel, out);
 }
 
 std::string ToJson(const LoadConfig& config, RunResult& r) {
@@ -260,6 +302,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                        {"loadavg_start", r.load_start},
                        {"loadavg_end", r.load_end}};
   report["epsd"] = {{"pid", r.epsd_pid}, {"note", r.epsd_pid_note}, {"samples", samples}};
+  if (r.floor.has_value()) report["rpc_floor"] = FloorJson(*r.floor);
   report["errors"] = errors;
   report["errors_dropped"] = r.error_log_dropped;
   // Invalid UTF-8 in an error message is replaced, not thrown on.
