@@ -204,12 +204,14 @@ std::string Usage(absl::string_view synopsis) {
   return out;
 }
 
-int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis) {
+int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis,
+              const std::function<absl::Status()>& check) {
   CommandLine command_line;
   if (absl::Status s = ParseArgs(std::vector<std::string>(argv + 1, argv + argc), &command_line);
       !s.ok()) {
     return BadFlag(program, s);
   }
+  if (absl::Status s = check(); !s.ok()) return BadFlag(program, s);
   if (command_line.help) {
     std::fputs(Usage(synopsis).c_str(), stdout);
     return 0;

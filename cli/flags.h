@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -68,14 +69,14 @@ struct CommandLine {
 // "--steps=abc: ...", "unexpected argument 'x'".
 absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line);
 
-// The whole command line of a main() without a config struct of its own: parses argv
-// into the flags, then prints the usage (--help), the version (--version) or the error.
-// Returns the exit status to return at once (0 after --help or --version, 2 on a bad
-// command line), or -1 to go on and read the flags.
-int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis);
+// The whole command line of a main(): parses argv into the flags, runs `check` (the
+// program's range checks, which read the flags), then prints the error, the usage
+// (--help) or the version (--version). Returns the exit status to return at once (2 on
+// a bad command line, else 0 after --help or --version), or -1 to go on.
+int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis,
+              const std::function<absl::Status()>& check);
 
-// Prints "<program>: <error> (<program> --help lists the flags)" and returns 2, for a flag
-// value that ParseMain accepted but the program's range check refused.
+// Prints "<program>: <error> (<program> --help lists the flags)" and returns 2.
 int BadFlag(absl::string_view program, const absl::Status& error);
 
 // "usage: <synopsis>" and then every registered flag, sorted: its name, default and help.

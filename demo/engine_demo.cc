@@ -81,11 +81,12 @@ absl::StatusOr<Args> ReadFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (const int done = eps::cli::ParseMain(argc, argv, "eps-demo", "eps-demo [flags]"); done >= 0) {
-    return done;
-  }
-  const absl::StatusOr<Args> read = ReadFlags();
-  if (!read.ok()) return eps::cli::BadFlag("eps-demo", read.status());
+  absl::StatusOr<Args> read;
+  const int done = eps::cli::ParseMain(argc, argv, "eps-demo", "eps-demo [flags]", [&] {
+    read = ReadFlags();
+    return read.status();
+  });
+  if (done >= 0) return done;
   const Args& args = *read;
   eps::ModelLayout model = eps::testing::DemoModel();
   const int d = model.head_dim, ratio = model.gqa_ratio();

@@ -34,23 +34,16 @@ struct ProbeArgs {
 };
 
 int main(int argc, char** argv) {
-  if (const int done =
-          eps::cli::ParseMain(argc, argv, "eps-health-probe", "eps-health-probe [flags]");
-      done >= 0) {
-    return done;
-  }
   ProbeArgs args;
-  args.addr = absl::GetFlag(FLAGS_addr);
-  args.service = absl::GetFlag(FLAGS_service);
-  if (args.addr.empty()) {
-    return eps::cli::BadFlag("eps-health-probe",
-                             eps::cli::Invalid(FLAGS_addr, "unix:///path or host:port"));
-  }
-  if (absl::Status s = eps::cli::ReadDuration(FLAGS_timeout_ms, absl::Milliseconds(1),
-                                              absl::Seconds(60), &args.timeout);
-      !s.ok()) {
-    return eps::cli::BadFlag("eps-health-probe", s);
-  }
+  const int done =
+      eps::cli::ParseMain(argc, argv, "eps-health-probe", "eps-health-probe [flags]", [&] {
+        args.addr = absl::GetFlag(FLAGS_addr);
+        args.service = absl::GetFlag(FLAGS_service);
+        if (args.addr.empty()) return eps::cli::Invalid(FLAGS_addr, "unix:///path or host:port");
+        return eps::cli::ReadDuration(FLAGS_timeout_ms, absl::Milliseconds(1), absl::Seconds(60),
+                                      &args.timeout);
+      });
+  if (done >= 0) return done;
 
   auto channel = grpc::CreateChannel(args.addr, grpc::InsecureChannelCredentials());
   auto stub = grpc::health::v1::Health::NewStub(channel);
