@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "cli/flags.h"
 #include "core/phi.h"
+#include "core/status.h"
 #include "core/step.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
@@ -47,23 +48,17 @@ struct Args {
   int group_blocks = 0;
 };
 
-#define EPS_RETURN_IF_ERROR(expr)                      \
-  do {                                                 \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (false)
-
 absl::StatusOr<Args> ReadFlags() {
   Args a;
-  EPS_RETURN_IF_ERROR(
-      eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
   a.seed = absl::GetFlag(FLAGS_seed);
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_top_pages, 1, 1 << 30, &a.top_pages));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_top_pages, 1, 1 << 30, &a.top_pages));
   double alpha = 0;
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
   a.alpha = static_cast<float>(alpha);
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_dim, 1, 64, &a.sketch_dim));
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &a.group_blocks));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_dim, 1, 64, &a.sketch_dim));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &a.group_blocks));
   return a;
 }
 

@@ -25,6 +25,7 @@
 #include "client/cpp/engine_buffers.h"
 #include "client/cpp/eps_client.h"
 #include "core/phi.h"
+#include "core/status.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
 
@@ -54,26 +55,20 @@ struct Args {
   absl::Duration pace;  // sleep between steps, like a real decode cadence
 };
 
-#define EPS_RETURN_IF_ERROR(expr)                      \
-  do {                                                 \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (false)
-
 absl::StatusOr<Args> ReadFlags() {
   Args a;
   a.target = absl::GetFlag(FLAGS_target);
   if (a.target.empty()) return eps::cli::Invalid(FLAGS_target, "unix:///path or host:port");
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_steps, 1, 10'000'000, &a.steps));
-  EPS_RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
-  EPS_RETURN_IF_ERROR(
-      eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
-  EPS_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_steps, 1, 10'000'000, &a.steps));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
+  RETURN_IF_ERROR(
       eps::cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &a.deadline));
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode != "unary" && mode != "stream") return eps::cli::Invalid(FLAGS_mode, "unary or stream");
   a.stream = mode == "stream";
   a.seed = absl::GetFlag(FLAGS_seed);
-  EPS_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(
       eps::cli::ReadDuration(FLAGS_pace_ms, absl::ZeroDuration(), absl::Hours(1), &a.pace));
   return a;
 }

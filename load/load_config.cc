@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "cli/flags.h"
+#include "core/status.h"
 #include "load/flags.h"
 
 namespace eps::load {
@@ -155,11 +156,6 @@ std::chrono::microseconds Us(absl::Duration d) {
   return std::chrono::microseconds(absl::ToInt64Microseconds(d));
 }
 
-#define EPS_RETURN_IF_ERROR(expr)                      \
-  do {                                                 \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (false)
-
 // A shape flag: 0 keeps the preset's value.
 absl::Status Override(const absl::Flag<int>& flag, int* field) {
   if (absl::GetFlag(flag) == 0) return absl::OkStatus();
@@ -170,7 +166,7 @@ absl::Status Override(const absl::Flag<int>& flag, int* field) {
 
 absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   cli::CommandLine command_line;
-  EPS_RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
+  RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
   LoadConfig c;
   c.help = command_line.help;
   c.version = command_line.version;
@@ -180,33 +176,33 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   absl::StatusOr<ModelLayout> model = PresetModel(c.preset);
   if (!model.ok()) return model.status();
   c.model = *model;
-  EPS_RETURN_IF_ERROR(Override(FLAGS_layers, &c.model.num_layers));
-  EPS_RETURN_IF_ERROR(Override(FLAGS_q_heads, &c.model.num_q_heads));
-  EPS_RETURN_IF_ERROR(Override(FLAGS_kv_heads, &c.model.num_kv_heads));
-  EPS_RETURN_IF_ERROR(Override(FLAGS_head_dim, &c.model.head_dim));
-  EPS_RETURN_IF_ERROR(Override(FLAGS_block_size, &c.model.block_size));
-  EPS_RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, &c.model.group_blocks));
-  EPS_RETURN_IF_ERROR(Override(FLAGS_eps_dim, &c.model.sketch_dim));
-  EPS_RETURN_IF_ERROR(c.model.Validate());
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_batch, 1, 4096, &c.batch));
+  RETURN_IF_ERROR(Override(FLAGS_layers, &c.model.num_layers));
+  RETURN_IF_ERROR(Override(FLAGS_q_heads, &c.model.num_q_heads));
+  RETURN_IF_ERROR(Override(FLAGS_kv_heads, &c.model.num_kv_heads));
+  RETURN_IF_ERROR(Override(FLAGS_head_dim, &c.model.head_dim));
+  RETURN_IF_ERROR(Override(FLAGS_block_size, &c.model.block_size));
+  RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, &c.model.group_blocks));
+  RETURN_IF_ERROR(Override(FLAGS_eps_dim, &c.model.sketch_dim));
+  RETURN_IF_ERROR(c.model.Validate());
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_batch, 1, 4096, &c.batch));
   c.context = absl::GetFlag(FLAGS_context);
   absl::Duration d;
-  EPS_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(
       cli::ReadDuration(FLAGS_duration, absl::Microseconds(1), absl::Hours(24 * 365), &d));
   c.duration = Us(d);
-  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_warmup, absl::ZeroDuration(), absl::Hours(24), &d));
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_warmup, absl::ZeroDuration(), absl::Hours(24), &d));
   c.warmup = Us(d);
   c.arrivals = absl::GetFlag(FLAGS_rate);
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_sessions, 1, 256, &c.sessions));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_sessions, 1, 256, &c.sessions));
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode != "unary" && mode != "stream") return cli::Invalid(FLAGS_mode, "unary or stream");
   c.stream = mode == "stream";
-  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &d));
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &d));
   c.deadline = Us(d);
-  EPS_RETURN_IF_ERROR(cli::ReadDuration(FLAGS_slo, absl::Microseconds(1), absl::Hours(1), &d));
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_slo, absl::Microseconds(1), absl::Hours(1), &d));
   c.slo = Us(d);
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_ping_every, 0, 1000000, &c.ping_every));
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_floor_calls, 0, 10000000, &c.floor_calls));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_ping_every, 0, 1000000, &c.ping_every));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_floor_calls, 0, 10000000, &c.floor_calls));
   const std::string floor_server = absl::GetFlag(FLAGS_floor_server);
   if (floor_server != "process" && floor_server != "in-process") {
     return cli::Invalid(FLAGS_floor_server, "process or in-process");
@@ -229,10 +225,10 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   c.json_path = absl::GetFlag(FLAGS_json);
   c.seed = absl::GetFlag(FLAGS_seed);
   c.soak = absl::GetFlag(FLAGS_soak);
-  EPS_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(
       cli::ReadDuration(FLAGS_sample_every, absl::Milliseconds(1), absl::Hours(24), &d));
   c.sample_every = Us(d);
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_epsd_pid, 0, INT32_MAX, &c.epsd_pid));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_epsd_pid, 0, INT32_MAX, &c.epsd_pid));
   return c;
 }
 

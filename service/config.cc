@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cli/flags.h"
+#include "core/status.h"
 #include "service/flags.h"
 
 namespace eps::service {
@@ -46,11 +47,6 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
 
 uint32_t Ms(absl::Duration d) { return static_cast<uint32_t>(absl::ToInt64Milliseconds(d)); }
 
-#define EPS_RETURN_IF_ERROR(expr)                      \
-  do {                                                 \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (false)
-
 // Reads the process's flags into a config, checking every range.
 absl::StatusOr<ServerConfig> ReadFlags() {
   ServerConfig c;
@@ -66,28 +62,28 @@ absl::StatusOr<ServerConfig> ReadFlags() {
     }
     c.socket_mode = static_cast<uint32_t>(parsed);
   }
-  EPS_RETURN_IF_ERROR(ReadHostPort(FLAGS_metrics_listen, &c.metrics_listen));
-  EPS_RETURN_IF_ERROR(ReadHostPort(FLAGS_health_listen, &c.health_listen));
-  EPS_RETURN_IF_ERROR(ReadChoice<BackendKind>(
+  RETURN_IF_ERROR(ReadHostPort(FLAGS_metrics_listen, &c.metrics_listen));
+  RETURN_IF_ERROR(ReadHostPort(FLAGS_health_listen, &c.health_listen));
+  RETURN_IF_ERROR(ReadChoice<BackendKind>(
       FLAGS_backend,
       {{"cpu", BackendKind::kCpu}, {"cuda", BackendKind::kCuda}, {"auto", BackendKind::kAuto}},
       &c.backend));
   if (!ParseMethod(absl::GetFlag(FLAGS_eps_method), &c.policy.method)) {
     return cli::Invalid(FLAGS_eps_method, "off, jl, 1pc, fro or quest");
   }
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_dim, 1, 64, &c.sketch_dim));
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &c.group_blocks));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_dim, 1, 64, &c.sketch_dim));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &c.group_blocks));
   double alpha = 0;
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
   c.policy.alpha = static_cast<float>(alpha);
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_first_n, 0, 1 << 30, &c.policy.first_n));
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_last_n, 0, 1 << 30, &c.policy.last_n));
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_top_pages, 1, 1 << 30, &c.policy.top_pages));
-  EPS_RETURN_IF_ERROR(ReadChoice<HeadMode>(
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_first_n, 0, 1 << 30, &c.policy.first_n));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_last_n, 0, 1 << 30, &c.policy.last_n));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_top_pages, 1, 1 << 30, &c.policy.top_pages));
+  RETURN_IF_ERROR(ReadChoice<HeadMode>(
       FLAGS_eps_heads, {{"all", HeadMode::kAll}, {"retrieval", HeadMode::kRetrieval}},
       &c.policy.heads));
   c.policy.strict = absl::GetFlag(FLAGS_eps_strict);
-  EPS_RETURN_IF_ERROR(ReadChoice<Budget>(
+  RETURN_IF_ERROR(ReadChoice<Budget>(
       FLAGS_eps_budget,
       {{"threshold", Budget::kThreshold}, {"fixed", Budget::kFixed}, {"top_p", Budget::kTopP}},
       &c.policy.budget));
@@ -96,18 +92,16 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   c.policy.top_p = static_cast<float>(top_p);
 
   absl::Duration d;
-  EPS_RETURN_IF_ERROR(
-      cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));
   c.lease_ms = Ms(d);
-  EPS_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(
       cli::ReadDuration(FLAGS_inputs_timeout_ms, absl::Milliseconds(1), absl::Minutes(10), &d));
   c.inputs_timeout_ms = Ms(d);
-  EPS_RETURN_IF_ERROR(
-      cli::ReadDuration(FLAGS_drain_ms, absl::ZeroDuration(), absl::Minutes(10), &d));
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_drain_ms, absl::ZeroDuration(), absl::Minutes(10), &d));
   c.drain_ms = Ms(d);
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_sessions, 1u, 100000u, &c.max_sessions));
-  EPS_RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_batch, 1u, 1u << 20, &c.max_batch));
-  EPS_RETURN_IF_ERROR(
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_sessions, 1u, 100000u, &c.max_sessions));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_batch, 1u, 1u << 20, &c.max_batch));
+  RETURN_IF_ERROR(
       cli::ReadInRange(FLAGS_max_message_bytes, 1u << 10, 1u << 30, &c.max_message_bytes));
   c.step_log = absl::GetFlag(FLAGS_step_log);
   return c;
@@ -145,9 +139,9 @@ absl::Status CheckListenAddress(const std::string& flag, const std::string& addr
 }
 
 absl::Status CheckListeners(const ServerConfig& config) {
-  EPS_RETURN_IF_ERROR(CheckListenAddress("listen", config.listen, config.allow_remote));
+  RETURN_IF_ERROR(CheckListenAddress("listen", config.listen, config.allow_remote));
   if (!config.metrics_listen.empty()) {
-    EPS_RETURN_IF_ERROR(
+    RETURN_IF_ERROR(
         CheckListenAddress("metrics-listen", config.metrics_listen, config.allow_remote));
   }
   if (!config.health_listen.empty()) {
@@ -155,18 +149,17 @@ absl::Status CheckListeners(const ServerConfig& config) {
       return absl::InvalidArgumentError(absl::StrCat("--health-listen=", config.health_listen,
                                                      ": want host:port (kubelet probes TCP)"));
     }
-    EPS_RETURN_IF_ERROR(
-        CheckListenAddress("health-listen", config.health_listen, config.allow_remote));
+    RETURN_IF_ERROR(CheckListenAddress("health-listen", config.health_listen, config.allow_remote));
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<ServerConfig> ParseFlags(const std::vector<std::string>& args) {
   cli::CommandLine command_line;
-  EPS_RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
+  RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
   absl::StatusOr<ServerConfig> config = ReadFlags();
   if (!config.ok()) return config.status();
-  EPS_RETURN_IF_ERROR(CheckListeners(*config));
+  RETURN_IF_ERROR(CheckListeners(*config));
   config->help = command_line.help;
   config->version = command_line.version;
   return config;
