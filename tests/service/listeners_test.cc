@@ -103,6 +103,24 @@ TEST(ListenersTest, HealthListenServesGrpcHealthOverTcpWithoutTheApi) {
             HealthCheckResponse::SERVING);
 }
 
+TEST(ListenersTest, ASecondServerCannotShareATakenHealthOrApiPort) {
+  // gRPC binds with SO_REUSEPORT by default: a second epsd on the same port would
+  // split the probes between two processes instead of failing.
+  const int health_port = FreePort();
+  const std::string health = "127.0.0.1:" + std::to_string(health_port);
+  auto first = StartWith({"--metrics-listen=off", "--health-listen=" + health});
+  ASSERT_TRUE(first.ok()) << first.status();
+  const auto second = StartWith({"--metrics-listen=off", "--health-listen=" + health});
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("--health-listen"), std::string::npos)
+      << second.status();
+
+  const std::string api = "127.0.0.1:" + std::to_string(FreePort());
+  auto one = EpsServer::Start(*ParseFlags({"--listen=" + api, "--metrics-listen=off"}));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_FALSE(EpsServer::Start(*ParseFlags({"--listen=" + api, "--metrics-listen=off"})).ok());
+}
+
 TEST(ListenersTest, HealthListenTakesHostAndPortOrOff) {
   EXPECT_TRUE(ParseFlags({"--health-listen=off"}).ok());
   EXPECT_TRUE(ParseFlags({"--health-listen=[::1]:8081"}).ok());
