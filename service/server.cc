@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -68,6 +69,9 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second server on a taken TCP port would share
+  // it (the kernel splitting connections between the two) instead of failing.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(),
                            is_unix ? nullptr : &port);
@@ -103,6 +107,7 @@ absl::Status EpsServer::StartHealthListener() {
   // EnableDefaultHealthCheckService adds to every server): the TCP port that kubelet
   // probes must not carry the page-selection API, which stays on --listen.
   grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port is an error
   int port = 0;
   builder.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &port);
   health_server_ = builder.BuildAndStart();
