@@ -150,7 +150,12 @@ def wait_line(process: subprocess.Popen[str], marker: str, seconds: float = 20) 
     assert process.stderr is not None
     stderr = process.stderr
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in stderr], daemon=True).start()
+
+    def read() -> None:
+        for line in stderr:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         try:
