@@ -213,7 +213,7 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   c.ping_sync = api == "sync";
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend != "cpu" && backend != "cuda") return cli::Invalid(FLAGS_backend, "cpu or cuda");
-  c.backend = backend == "cuda" ? BufferBackend::kCuda : BufferBackend::kCpu;
+  c.backend = backend == "cuda" ? service::BackendKind::kCuda : service::BackendKind::kCpu;
   for (const std::string& arg : absl::GetFlag(FLAGS_channel_arg)) {
     const size_t at = arg.find('=');
     int value = 0;

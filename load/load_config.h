@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/layout.h"
+#include "service/backend_kind.h"
 
 namespace eps::load {
 
@@ -36,8 +37,6 @@ struct Arrivals {
   std::string ToString() const;
 };
 
-enum class BufferBackend { kCpu, kCuda };
-
 struct LoadConfig {
   std::string target = "unix:///tmp/epsd.sock";
   std::string preset = "llama-3-8b";
@@ -56,7 +55,7 @@ struct LoadConfig {
   int floor_calls = 1000;         // rounds of the RPC floor measurement before the run; 0 = none
   bool floor_in_process = false;  // the floor's minimal server in this process, not a child
   bool ping_sync = false;         // Ping through the synchronous stub instead of the callback API
-  BufferBackend backend = BufferBackend::kCpu;
+  service::BackendKind backend = service::BackendKind::kCpu;  // kCpu or kCuda
   std::vector<std::pair<std::string, int>> channel_args;
   std::string json_path;
   uint64_t seed = 1;

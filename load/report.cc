@@ -289,7 +289,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                       {"slo_us", us(config.slo)},
                       {"ping_every", config.ping_every},
                       {"ping_api", config.ping_sync ? "sync" : "callback"},
-                      {"backend", config.backend == BufferBackend::kCuda ? "cuda" : "cpu"},
+                      {"backend", service::BackendKindName(config.backend)},
                       {"channel_args", channel_args},
                       {"seed", config.seed},
                       {"soak", config.soak},

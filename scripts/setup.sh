@@ -9,6 +9,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev nlohmann-json3-dev clang-format-14
   libssl-dev zlib1g-dev python3 python3-pip python3-venv
+  prometheus  # promtool, which checks a real /metrics scrape in tests/service/observability_test.py
 )
 
 missing=()
@@ -39,5 +40,15 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "setup: pip install -r $REQ into $VENV"
   "$VENV/bin/python3" -m pip install -q --disable-pip-version-check -r "$REQ"
   echo "$want" >"$stamp"
+fi
+# The eps-client package's dependencies as wheels, for the check that installs the package
+# into a fresh venv and runs its example offline (client/python/tools/fresh_venv_example.py).
+WHEELS="$VENV/wheelhouse"
+if [[ ! -f "$WHEELS/.stamp" || "$(cat "$WHEELS/.stamp")" != "$want" ]]; then
+  echo "setup: pip download the client's dependencies into $WHEELS"
+  mkdir -p "$WHEELS"
+  "$VENV/bin/python3" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+    -d "$WHEELS" $(grep -E '^(grpcio|protobuf|numpy)==' "$REQ")
+  echo "$want" >"$WHEELS/.stamp"
 fi
 echo "setup: done"
