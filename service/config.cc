@@ -83,13 +83,12 @@ absl::StatusOr<ServerConfig> ReadFlags() {
       FLAGS_eps_heads, {{"all", HeadMode::kAll}, {"retrieval", HeadMode::kRetrieval}},
       &c.policy.heads));
   c.policy.strict = absl::GetFlag(FLAGS_eps_strict);
-  RETURN_IF_ERROR(ReadChoice<Budget>(
-      FLAGS_eps_budget,
-      {{"threshold", Budget::kThreshold},
-       {"fixed", Budget::kFixed},
-       {"top_p", Budget::kTopP},
-       {"mass", Budget::kMass}},
-      &c.policy.budget));
+  RETURN_IF_ERROR(ReadChoice<Budget>(FLAGS_eps_budget,
+                                     {{"threshold", Budget::kThreshold},
+                                      {"fixed", Budget::kFixed},
+                                      {"top_p", Budget::kTopP},
+                                      {"mass", Budget::kMass}},
+                                     &c.policy.budget));
   const double top_p = absl::GetFlag(FLAGS_eps_top_p);
   if (!(top_p > 0.0 && top_p <= 1.0)) return cli::Invalid(FLAGS_eps_top_p, "a number in (0, 1]");
   c.policy.top_p = static_cast<float>(top_p);
