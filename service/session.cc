@@ -27,8 +27,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
   if (spec.backend == BackendKind::kCuda) {
     if (s->policy_.strict || s->policy_.budget != Budget::kThreshold) {
       return absl::UnimplementedError(
-          "the cuda backend serves the threshold budget; strict mode and the fixed and top-p "
-          "budgets run on the cpu backend");
+          "the cuda backend serves the threshold budget; strict mode and the fixed, top-p and "
+          "mass budgets run on the cpu backend");
     }
     ASSIGN_OR_RETURN(
         s->backend_,
