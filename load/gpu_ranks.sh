@@ -4,6 +4,9 @@
 #
 #   here:  scripts/build.sh && load/make_carry.sh
 #   there: bash load/gpu_ranks.sh          (carry: .carry; EPS_RANK_TPS="2 4 8" by default)
+#   here, a dry run of the script on the cpu backend:
+#     EPSD=build/service/epsd EPS_LOAD=build/load/eps-load EPS_RANK_BACKEND=cpu \
+#       EPS_RANK_ARGS="--batch=1 --context=2k --duration=1s --warmup=100ms" bash load/gpu_ranks.sh
 #
 # For each tensor-parallel size T: one epsd --backend=cuda, first one rank of the
 # llama-3-70b-tpT shape alone on GPU 0 (the single-GPU number), then T ranks in
@@ -11,7 +14,7 @@
 # of per-rank SelectPages p50 against the single-rank p50 and the spread between
 # ranks at the same step comes last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 CARRY=$PWD/.carry/load
 export EPSD=${EPSD:-$CARRY/epsd} EPS_LOAD=${EPS_LOAD:-$CARRY/eps-load}
 OUT_DIR=${OUT:-$PWD/ranks-out}/ranks
@@ -26,12 +29,13 @@ SCRIPTS=load
 [[ -f load/epsd_ctl.sh ]] || SCRIPTS=$CARRY
 source "$SCRIPTS/epsd_ctl.sh"
 trap epsd_stop EXIT
-ARGS=${EPS_RANK_ARGS:---batch=8 --context=32768 --duration=5s --warmup=1s}
+ARGS=${EPS_RANK_ARGS:---batch=8 --context=32768 --duration=5s --warmup=1s --floor-calls=0}
+BACKEND=${EPS_RANK_BACKEND:-cuda}
 for tp in ${EPS_RANK_TPS:-2 4 8}; do
-  epsd_start "unix:///tmp/eps-ranks-$$-$tp.sock" --backend=cuda || exit 1
+  epsd_start "unix:///tmp/eps-ranks-$$-$tp.sock" --backend="$BACKEND" || exit 1
   for ranks in 1 "$tp"; do
     # shellcheck disable=SC2086
-    "$EPS_LOAD" --target="$EPSD_TARGET" --backend=cuda --preset="llama-3-70b-tp$tp" \
+    "$EPS_LOAD" --target="$EPSD_TARGET" --backend="$BACKEND" --preset="llama-3-70b-tp$tp" \
       --ranks="$ranks" $ARGS --json="$OUT_DIR/tp$tp-ranks$ranks.json" 2>&1 |
       tee -a "$OUT_DIR/ranks.log"
   done
