@@ -27,7 +27,7 @@ namespace eps {
 struct SummaryFeatures {
   bool key_sum = true;     // Mean key: a lower bound of max_i q·k_i (strict mode).
   bool principal = false;  // Top-1 principal pair: the `1pc` bound.
-  bool quest = false;      // Per-channel key min/max: the `quest` bound.
+  bool quest = true;       // Per-channel key min/max: the `quest` bound (the default method).
 };
 
 // The model and paging shape a session attaches with.

@@ -37,6 +37,18 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
     return absl::InvalidArgumentError(
         absl::StrCat("first_n=", first_n, ", last_n=", last_n, " must be >= 0"));
   }
+  // A bound whose part the records lack would silently score as fro (core/bounds.cc):
+  // refuse it, so a default method never degrades quietly on an engine's layout.
+  if (method == Method::kQuest && !model.features.quest) {
+    return absl::InvalidArgumentError(
+        "method=quest needs the quest part in the summary records (features.quest); write it "
+        "or choose another method (jl, fro)");
+  }
+  if (method == Method::kOnePc && !model.features.principal) {
+    return absl::InvalidArgumentError(
+        "method=1pc needs the principal pair in the summary records (features.principal); "
+        "write it or choose another method (jl, fro)");
+  }
   if (top_pages < 1) {
     return absl::InvalidArgumentError(absl::StrCat("top_pages=", top_pages, " must be >= 1"));
   }

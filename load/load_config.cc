@@ -29,7 +29,7 @@ ModelLayout Shape(int layers, int q_heads, int kv_heads, int head_dim) {
   m.sketch_dim = 8;
   m.phi_seed = 42;
   // Minimal records (Gram + norms), the default policy's needs (jl, not strict).
-  m.features = {.key_sum = false, .principal = false, .quest = false};
+  m.features = {.key_sum = false, .principal = false, .quest = true};
   return m;
 }
 

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 
@@ -317,6 +318,27 @@ TEST(SelectPolicyTest, ValidateRejectsEveryBadField) {
   p.strict = true;
   p.budget = Budget::kFixed;
   EXPECT_FALSE(p.Validate(model).ok());
+}
+
+TEST(SelectPolicyTest, ABoundWhoseRecordPartIsMissingIsRefusedNotScoredAsFro) {
+  ModelLayout model;
+  model.num_layers = 1;
+  model.num_q_heads = 2;
+  model.num_kv_heads = 1;
+  model.head_dim = 32;
+  SelectPolicy quest;  // the default method
+  ASSERT_EQ(quest.method, Method::kQuest);
+  EXPECT_TRUE(quest.Validate(model).ok());  // features.quest is on by default
+  model.features.quest = false;
+  EXPECT_THAT(quest.Validate(model).message(), ::testing::HasSubstr("method=quest needs"));
+  SelectPolicy onepc;
+  onepc.method = Method::kOnePc;
+  EXPECT_THAT(onepc.Validate(model).message(), ::testing::HasSubstr("method=1pc needs"));
+  model.features.principal = true;
+  EXPECT_TRUE(onepc.Validate(model).ok());
+  SelectPolicy jl;
+  jl.method = Method::kJl;
+  EXPECT_TRUE(jl.Validate(model).ok());
 }
 
 }  // namespace

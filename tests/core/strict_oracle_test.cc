@@ -42,6 +42,8 @@ OracleCase RandomCase(std::mt19937_64& rng) {
   c.tokens = 1 + static_cast<int64_t>(rng() % 400);     // partial last groups, tiny contexts
   c.needles = static_cast<int>(rng() % 5);
   c.policy.strict = true;
+  // quest needs its record part; without it the case exercises jl (SelectPolicy::Validate).
+  if (!m.features.quest) c.policy.method = Method::kJl;
   c.policy.first_n = static_cast<int>(rng() % 3);
   c.policy.last_n = static_cast<int>(rng() % 3);
   c.policy.top_pages = 1 + static_cast<int>(rng() % 12);

@@ -172,7 +172,7 @@ std::vector<Case> Cases() {
   attach("PoolLayersMismatch", [](A& r) { Pool(r)->set_shape(1, 3); }, Code::INVALID_ARGUMENT,
          "summary_pool.shape[1]=3 does not match num_layers=2");
   attach("RecordWordsDoNotMatchFeatures",
-         [](A& r) { r.mutable_layout()->mutable_features()->set_quest(true); },
+         [](A& r) { r.mutable_layout()->mutable_features()->set_principal(true); },
          Code::INVALID_ARGUMENT, "does not match record_words=");
   attach("NonContiguousStrides",
          [](A& r) {

@@ -29,7 +29,7 @@ inline ModelLayout SmallServiceModel() {
   m.group_blocks = 2;
   m.sketch_dim = 8;
   m.phi_seed = 99;
-  m.features = {.key_sum = true, .principal = false, .quest = false};
+  m.features = {.key_sum = true, .principal = false, .quest = true};
   return m;
 }
 
