@@ -52,6 +52,12 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
       return raw;
     }
     case v1::MemoryDescriptor::kInlineBytes: {
+      if (budget_ != nullptr) {
+        absl::StatusOr<MemoryCharge> charge =
+            budget_->Charge(needed_bytes, absl::StrCat(name, " inline buffer"));
+        if (!charge.ok()) return charge.status();
+        charges_.push_back(*std::move(charge));
+      }
       absl::StatusOr<std::unique_ptr<HostMemory>> memory =
           HostMemory::Allocate(needed_bytes, desc.inline_bytes().data());
       if (!memory.ok()) {
@@ -88,6 +94,17 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
                 "host_shm or inline_bytes, or attach with backend=BACKEND_CUDA"));
   }
   return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
+}
+
+absl::Status MappingCache::CheckIntact() const {
+  for (const auto& [name, memory] : shm_) {
+    if (memory->faulted()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "host_shm ", name, " shrank below its attached size of ", memory->size(),
+          " bytes while attached; epsd no longer reads it: re-attach with whole buffers"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "eps/v1/page_selector.pb.h"
 #include "service/host_memory.h"
+#include "service/memory_budget.h"
 
 namespace eps::service {
 
@@ -50,11 +51,19 @@ using CudaIpcOpener =
 class MappingCache {
  public:
   void set_cuda_ipc_opener(CudaIpcOpener opener) { open_ipc_ = std::move(opener); }
+  // Inline buffers are charged to `budget` before they are allocated (null: not
+  // charged). The budget must outlive the cache.
+  void set_budget(MemoryBudget* budget) { budget_ = budget; }
   absl::StatusOr<const MappedMemory*> Resolve(const v1::MemoryDescriptor& desc,
                                               const std::string& name, uint64_t needed_bytes);
   size_t size() const { return shm_.size() + inline_.size() + ipc_.size(); }
+  // FAILED_PRECONDITION naming the first shm object that the engine shrank
+  // under epsd (ShmFaultGuard); OK while every mapping is whole.
+  absl::Status CheckIntact() const;
 
  private:
+  MemoryBudget* budget_ = nullptr;
+  std::vector<MemoryCharge> charges_;  // released after the buffers they paid for
   std::map<std::string, std::unique_ptr<MappedMemory>> shm_;
   std::vector<std::unique_ptr<MappedMemory>> inline_;
   std::map<std::string, std::unique_ptr<MappedMemory>> ipc_;
