@@ -107,7 +107,7 @@ absl::Status MappingCache::CheckIntact() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
+absl::StatusOr<MappedTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
                                          MappingCache& cache) {
   const std::string& name = spec.name;
   if (desc.dtype() != spec.dtype) {
@@ -119,7 +119,7 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
                                                    ", want ", spec.shape.size(), " [",
                                                    absl::StrJoin(spec.dim_names, ", "), "]"));
   }
-  HostTensor t;
+  MappedTensor t;
   int64_t elements = 1;
   for (int i = 0; i < desc.shape_size(); ++i) {
     const int64_t dim = desc.shape(i);
@@ -181,12 +181,12 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
   return t;
 }
 
-absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>& tensors) {
+absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, MappedTensor>>& tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!tensors[i].first.writable) continue;
-    const HostTensor& a = tensors[i].second;
+    const MappedTensor& a = tensors[i].second;
     for (size_t j = 0; j < tensors.size(); ++j) {
-      const HostTensor& b = tensors[j].second;
+      const MappedTensor& b = tensors[j].second;
       if (i == j || a.memory != b.memory) continue;
       if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) {
         return absl::InvalidArgumentError(absl::StrCat(tensors[i].first.name, " overlaps ",

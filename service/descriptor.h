@@ -30,9 +30,10 @@ struct TensorSpec {
   bool writable = false;               // an output of the sidecar
 };
 
-// A validated tensor in host or device memory. Borrowed pointer: the memory is
-// owned by the session's MappingCache.
-struct HostTensor {
+// A validated tensor in mapped memory: host shm, an inline buffer, or a CUDA
+// IPC mapping of device memory. Borrowed pointer: the memory is owned by the
+// session's MappingCache.
+struct MappedTensor {
   std::byte* data = nullptr;
   std::vector<int64_t> shape;
   uint64_t bytes = 0;
@@ -70,10 +71,10 @@ class MappingCache {
   CudaIpcOpener open_ipc_;
 };
 
-absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
+absl::StatusOr<MappedTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
                                          MappingCache& cache);
 
 // Rejects any writable tensor that overlaps another tensor of the same memory.
-absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>& tensors);
+absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, MappedTensor>>& tensors);
 
 }  // namespace eps::service

@@ -6,13 +6,13 @@
 #include <cstdint>
 #include <memory>
 
-#include "service/selector.h"
+#include "service/session_service.h"
 #include "tests/fuzz/fuzz_session.h"
 
 namespace {
 
-eps::service::Selector& TheSelector() {
-  static auto* selector = new eps::service::Selector(eps::fuzz::FuzzConfig());
+eps::service::SessionService& TheService() {
+  static auto* selector = new eps::service::SessionService(eps::fuzz::FuzzConfig());
   return *selector;
 }
 
@@ -22,10 +22,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   eps::v1::AttachRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
   eps::v1::AttachResponse response;
-  if (TheSelector().Attach(request, &response).ok()) {
+  if (TheService().Attach(request, &response).ok()) {
     eps::v1::DetachRequest detach;
     detach.set_session_id(response.session_id());
-    (void)TheSelector().Detach(detach);
+    (void)TheService().Detach(detach);
   }
   return 0;
 }

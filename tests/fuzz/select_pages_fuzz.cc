@@ -10,13 +10,13 @@
 #include <cstdlib>
 #include <string>
 
-#include "service/selector.h"
+#include "service/session_service.h"
 #include "tests/fuzz/fuzz_session.h"
 
 namespace {
 
 struct Target {
-  eps::service::Selector selector{eps::fuzz::FuzzConfig()};
+  eps::service::SessionService selector{eps::fuzz::FuzzConfig()};
   std::string session_id;
   uint64_t next_step = 1;
 };
