@@ -140,6 +140,8 @@ const std::map<std::string, Flag>& Flags() {
       {"lease-ms", {"session lease in ms, renewed by Attach, SelectPages and Heartbeat (default 10000)", Number<uint32_t>("lease-ms", &ServerConfig::lease_ms, 50, 3600000)}},
       {"max-sessions", {"sessions at once (default 64)", Number<uint32_t>("max-sessions", &ServerConfig::max_sessions, 1, 100000)}},
       {"max-batch", {"rows per step (default 1024)", Number<uint32_t>("max-batch", &ServerConfig::max_batch, 1, 1u << 20)}},
+      {"max-session-bytes", {"bytes epsd may allocate for one session: inline buffers, its Phi bank, step scratch, device buffers; an Attach past it is RESOURCE_EXHAUSTED (default 536870912 = 512 MiB)", Number<uint64_t>("max-session-bytes", &ServerConfig::max_session_bytes, 1u << 20, uint64_t{1} << 40)}},
+      {"max-server-bytes", {"bytes epsd may allocate for all sessions together (default 2147483648 = 2 GiB)", Number<uint64_t>("max-server-bytes", &ServerConfig::max_server_bytes, 1u << 20, uint64_t{1} << 42)}},
       {"max-message-bytes", {"largest gRPC message (default 64 MiB)", Number<uint32_t>("max-message-bytes", &ServerConfig::max_message_bytes, 1024, 1u << 30)}},
       {"inputs-timeout-ms", {"cuda backend, async replies: how long a queued step waits for the engine's inputs_ready before epsd releases it and fails the step (default 1000)", Number<uint32_t>("inputs-timeout-ms", &ServerConfig::inputs_timeout_ms, 1, 600000)}},
       {"metrics-listen",

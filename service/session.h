@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -22,6 +23,7 @@
 #include "service/backend.h"
 #include "service/config.h"
 #include "service/descriptor.h"
+#include "service/memory_budget.h"
 #include "service/session_buffers.h"
 #include "service/session_spec.h"
 
@@ -30,9 +32,13 @@ namespace eps::service {
 class Session {
  public:
   // Validates `request` (spec, buffers, policy, in that order), maps its
-  // buffers and builds the backend the spec names.
+  // buffers and builds the backend the spec names. Every allocation the
+  // request sizes is charged first to the session's budget
+  // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
+  // naming the limit before anything is allocated past it.
   static absl::StatusOr<std::unique_ptr<Session>> Create(const v1::AttachRequest& request,
-                                                         const ServerConfig& config);
+                                                         const ServerConfig& config,
+                                                         MemoryBudget& server_budget);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
@@ -45,6 +51,11 @@ class Session {
   absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(backend_->step_mu()) {
     return backend_->step_mu();
   }
+
+  // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
+  // session's objects under epsd (service/shm_fault_guard.h).
+  absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
+  uint64_t charged_bytes() const { return budget_->used(); }
 
   // FAILED_PRECONDITION unless `step` comes after the last step that ran.
   absl::Status CheckStepOrder(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu());
@@ -67,7 +78,9 @@ class Session {
   std::string id_;
   SessionSpec spec_;
   SelectPolicy policy_;
-  MappingCache mappings_;  // owns the memory buffers_ points into
+  std::unique_ptr<MemoryBudget> budget_;  // outlives the charges below
+  std::vector<MemoryCharge> charges_;     // the Phi bank, step scratch, device buffers
+  MappingCache mappings_;                 // owns the memory buffers_ points into
   SessionBuffers buffers_;
   std::unique_ptr<StepBackend> backend_;
   bool has_step_ ABSL_GUARDED_BY(step_mu()) = false;

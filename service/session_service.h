@@ -8,16 +8,30 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "eps/v1/page_selector.pb.h"
 #include "service/backend_kind.h"
 #include "service/config.h"
+#include "service/memory_budget.h"
 #include "service/session_registry.h"
 
 namespace eps::service {
+
+// Whether the caller still waits for a call's answer: a call cancelled or past
+// its deadline is not run (its step is neither taken nor counted). Checked when
+// the call arrives and again once it holds the session's step lock, where a
+// call may wait behind a slow step.
+struct CallLiveness {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty
+  // CANCELLED or DEADLINE_EXCEEDED when the call is dead, naming `what`.
+  absl::Status Check(const char* what) const;
+};
 
 class SessionService {
  public:
@@ -30,22 +44,25 @@ class SessionService {
   absl::Status Detach(const v1::DetachRequest& request);
   // `backend` (may be null): set to the session's backend kind once the session is found.
   absl::Status SelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
-                           BackendKind* backend = nullptr);
+                           BackendKind* backend = nullptr, const CallLiveness& liveness = {});
   absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
   absl::Status GetStats(const v1::GetStatsRequest& request, v1::GetStatsResponse* response);
 
   // Expires sessions whose lease ran out; the reaper thread calls this.
   void ExpireSessions();
   size_t session_count() const { return sessions_.size(); }
+  // Bytes charged to --max-server-bytes by the live sessions.
+  uint64_t charged_bytes() const { return server_budget_.used(); }
 
  private:
   absl::Status CountFailure(absl::Status status);
   // Runs one validated step under the session's step lock.
   absl::Status RunStep(Session& session, const v1::SelectPagesRequest& request,
                        std::span<const StepRow> rows, const SelectPolicy& policy,
-                       v1::SelectPagesResponse* response);
+                       const CallLiveness& liveness, v1::SelectPagesResponse* response);
 
   const ServerConfig config_;
+  MemoryBudget server_budget_;  // outlives the sessions that charge it
   SessionRegistry sessions_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},

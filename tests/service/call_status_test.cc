@@ -127,6 +127,7 @@ TEST_F(EveryCallEndsWithStatus, SigtermEndsWithinDrainMsWithStuckSlowAndIdleClie
   EXPECT_TRUE(exited) << "epsd did not exit within 5 s of SIGTERM with --drain-ms=300\n"
                       << epsd_->Log();
   EXPECT_NE(epsd_->Log().find("stopped"), std::string::npos) << epsd_->Log();
+  EXPECT_EQ(epsd_->Log().find("drain timed out"), std::string::npos) << epsd_->Log();
 }
 
 }  // namespace
