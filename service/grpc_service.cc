@@ -32,10 +32,12 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
 class SelectStream final
     : public grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
-  SelectStream(SessionService& sessions, Telemetry& telemetry, grpc::CallbackServerContext& context)
+  SelectStream(SessionService& sessions, Telemetry& telemetry, grpc::CallbackServerContext& context,
+               Peer caller)
       : sessions_(sessions),
         telemetry_(telemetry),
         context_(context),
+        caller_(std::move(caller)),
         call_(telemetry.BeginCall(RpcMethod::kStreamSelectPages, context)) {
     StartRead(&request_);
   }
@@ -52,7 +54,7 @@ class SelectStream final
       const Telemetry::Step step = telemetry_.BeginStep(request_);
       BackendKind backend = BackendKind::kCpu;
       const absl::Status s =
-          sessions_.SelectPages(request_, &response_, &backend, LivenessOf(context_));
+          sessions_.SelectPages(request_, &response_, &backend, LivenessOf(context_), caller_);
       telemetry_.EndStep(call_, step, request_, response_, s, backend);
       return s;
     });
@@ -87,6 +89,7 @@ class SelectStream final
   SessionService& sessions_;
   Telemetry& telemetry_;
   grpc::CallbackServerContext& context_;
+  const Peer caller_;
   bool ended_ = false;  // gRPC serialises a reactor's callbacks
   const Telemetry::Call call_;
   v1::SelectPagesRequest request_;
@@ -95,13 +98,17 @@ class SelectStream final
 
 }  // namespace
 
+Peer PageSelectorService::CallerOf(const grpc::CallbackServerContext& context) const {
+  return peers_ == nullptr ? Peer{} : peers_->Lookup(context.peer());
+}
+
 grpc::ServerUnaryReactor* PageSelectorService::Attach(grpc::CallbackServerContext* context,
                                                       const v1::AttachRequest* request,
                                                       v1::AttachResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kAttach, *context);
   const absl::Status status = CallGuarded("Attach", [&] {
     RETURN_IF_ERROR(LivenessOf(*context).Check("Attach"));
-    return sessions_.Attach(*request, response);
+    return sessions_.Attach(*request, response, CallerOf(*context));
   });
   if (!status.ok()) response->Clear();
   return Finish(context, telemetry_, call, status);
@@ -113,7 +120,7 @@ grpc::ServerUnaryReactor* PageSelectorService::Detach(grpc::CallbackServerContex
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kDetach, *context);
   const absl::Status status = CallGuarded("Detach", [&] {
     RETURN_IF_ERROR(LivenessOf(*context).Check("Detach"));
-    return sessions_.Detach(*request);
+    return sessions_.Detach(*request, CallerOf(*context));
   });
   return Finish(context, telemetry_, call, status);
 }
@@ -125,8 +132,8 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   const absl::Status status = CallGuarded("SelectPages", [&] {
     const Telemetry::Step step = telemetry_.BeginStep(*request);
     BackendKind backend = BackendKind::kCpu;
-    const absl::Status s =
-        sessions_.SelectPages(*request, response, &backend, LivenessOf(*context));
+    const absl::Status s = sessions_.SelectPages(*request, response, &backend, LivenessOf(*context),
+                                                 CallerOf(*context));
     telemetry_.EndStep(call, step, *request, *response, s, backend);
     return s;
   });
@@ -136,7 +143,7 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
 
 grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>*
 PageSelectorService::StreamSelectPages(grpc::CallbackServerContext* context) {
-  return new SelectStream(sessions_, telemetry_, *context);
+  return new SelectStream(sessions_, telemetry_, *context, CallerOf(*context));
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Heartbeat(grpc::CallbackServerContext* context,
@@ -145,7 +152,7 @@ grpc::ServerUnaryReactor* PageSelectorService::Heartbeat(grpc::CallbackServerCon
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kHeartbeat, *context);
   const absl::Status status = CallGuarded("Heartbeat", [&] {
     RETURN_IF_ERROR(LivenessOf(*context).Check("Heartbeat"));
-    return sessions_.Heartbeat(*request, response);
+    return sessions_.Heartbeat(*request, response, CallerOf(*context));
   });
   return Finish(context, telemetry_, call, status);
 }
@@ -160,8 +167,8 @@ grpc::ServerUnaryReactor* PageSelectorService::GetStats(grpc::CallbackServerCont
                                                         const v1::GetStatsRequest* request,
                                                         v1::GetStatsResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kGetStats, *context);
-  const absl::Status status =
-      CallGuarded("GetStats", [&] { return sessions_.GetStats(*request, response); });
+  const absl::Status status = CallGuarded(
+      "GetStats", [&] { return sessions_.GetStats(*request, response, CallerOf(*context)); });
   return Finish(context, telemetry_, call, status);
 }
 

@@ -42,7 +42,8 @@ absl::Status CheckListenAddress(const std::string& listen, bool allow_remote) {
   if (allow_remote) return absl::OkStatus();
   const size_t colon = listen.rfind(':');
   std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]"))
+    host = host.substr(1, host.size() - 2);
   if (host == "localhost" || host == "::1" || absl::StartsWith(host, "127.")) {
     return absl::OkStatus();
   }
@@ -80,13 +81,14 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
       });
   if (!telemetry.ok()) return telemetry.status();
   server->telemetry_ = *std::move(telemetry);
-  server->service_ = std::make_unique<PageSelectorService>(*server->sessions_, *server->telemetry_);
+  server->service_ = std::make_unique<PageSelectorService>(*server->sessions_, *server->telemetry_,
+                                                           is_unix ? &server->peers_ : nullptr);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(),
-                           is_unix ? nullptr : &port);
+  // The Unix socket is epsd's own (UnixAcceptor): it reads each peer's credentials.
+  if (!is_unix) builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -103,19 +105,19 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
     server->bound_address_ = absl::StrCat(config.listen.substr(0, colon), ":", port);
   }
   if (is_unix) {
-    const std::string path = config.listen.substr(7);
-    if (chmod(path.c_str(), config.socket_mode) != 0) {
-      return absl::InternalError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
-    }
+    absl::StatusOr<std::unique_ptr<UnixAcceptor>> acceptor = UnixAcceptor::Start(
+        config.listen.substr(7), config.socket_mode, *server->server_, server->peers_);
+    if (!acceptor.ok()) return acceptor.status();
+    server->acceptor_ = *std::move(acceptor);
   }
   return server;
 }
 
 void EpsServer::Shutdown() {
+  if (acceptor_ != nullptr) acceptor_->Stop();  // no new connection from here on
   if (server_ == nullptr) return;
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(config_.drain_ms));
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_ms));
 }
 
 void EpsServer::Wait() {

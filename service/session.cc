@@ -97,6 +97,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
   return s;
 }
 
+absl::Status Session::CheckCaller(const Peer& caller) const {
+  if (!owner_.known) return absl::OkStatus();
+  if (caller.known && (caller.uid == owner_.uid || caller.uid == 0)) return absl::OkStatus();
+  // Not the id in the message: an Attach that may not replace the session must not learn it.
+  return absl::PermissionDeniedError(absl::StrCat("the session of engine '", spec_.engine_id,
+                                                  "' belongs to uid ", owner_.uid, ", not to ",
+                                                  caller.Describe()));
+}
+
 absl::Status Session::CheckStepOrder(uint64_t step) const {
   if (has_step_ && step <= last_step_) {
     return absl::FailedPreconditionError(

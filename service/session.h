@@ -24,6 +24,7 @@
 #include "service/config.h"
 #include "service/descriptor.h"
 #include "service/memory_budget.h"
+#include "service/peer.h"
 #include "service/session_buffers.h"
 #include "service/session_spec.h"
 
@@ -44,6 +45,12 @@ class Session {
 
   const std::string& id() const { return id_; }
   void set_id(std::string id) { id_ = std::move(id); }  // before the session is published
+  // Who attached it (service/peer.h); set before the session is published.
+  const Peer& owner() const { return owner_; }
+  void set_owner(const Peer& owner) { owner_ = owner; }
+  // PERMISSION_DENIED unless `caller` may use the session: its owner's user, or
+  // root. A session attached over TCP (owner unknown) is reached by its id alone.
+  absl::Status CheckCaller(const Peer& caller) const;
   const SessionSpec& spec() const { return spec_; }
   const SelectPolicy& policy() const { return policy_; }  // the defaults; calls may override
   const SessionBuffers& buffers() const { return buffers_; }
@@ -76,6 +83,7 @@ class Session {
   Session() = default;
 
   std::string id_;
+  Peer owner_;
   SessionSpec spec_;
   SelectPolicy policy_;
   std::unique_ptr<MemoryBudget> budget_;  // outlives the charges below

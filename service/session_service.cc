@@ -74,13 +74,25 @@ void SessionService::ExpireSessions() {
   }
 }
 
-absl::Status SessionService::Attach(const v1::AttachRequest& request,
-                                    v1::AttachResponse* response) {
+absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::string& id,
+                                                                 const Peer& caller,
+                                                                 const char* hint) const {
+  std::shared_ptr<Session> session = sessions_.Find(id);
+  if (session == nullptr) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found", hint));
+  }
+  RETURN_IF_ERROR(session->CheckCaller(caller));
+  return session;
+}
+
+absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
+                                    const Peer& caller) {
   absl::StatusOr<std::unique_ptr<Session>> built =
       Session::Create(request, config_, server_budget_);
   if (!built.ok()) return CountFailure(built.status());
   std::shared_ptr<Session> session = *std::move(built);
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
+  session->set_owner(caller);
   session->Touch();
   response->set_session_id(session->id());
   response->set_lease_ms(session->spec().lease_ms);
@@ -96,7 +108,9 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status SessionService::Detach(const v1::DetachRequest& request) {
+absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
+  if (!session.ok()) return CountFailure(session.status());
   if (!sessions_.Remove(request.session_id())) {
     return CountFailure(
         absl::NotFoundError(absl::StrCat("session '", request.session_id(), "' not found")));
@@ -106,13 +120,12 @@ absl::Status SessionService::Detach(const v1::DetachRequest& request) {
 
 absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
                                          v1::SelectPagesResponse* response, BackendKind* backend,
-                                         const CallLiveness& liveness) {
+                                         const CallLiveness& liveness, const Peer& caller) {
   if (absl::Status alive = liveness.Check("SelectPages"); !alive.ok()) return alive;
-  std::shared_ptr<Session> session = sessions_.Find(request.session_id());
-  if (session == nullptr) {
-    return CountFailure(absl::NotFoundError(absl::StrCat(
-        "session '", request.session_id(), "' not found (detached or lease expired): re-attach")));
-  }
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindFor(request.session_id(), caller, " (detached or lease expired): re-attach");
+  if (!found.ok()) return CountFailure(found.status());
+  std::shared_ptr<Session> session = *std::move(found);
   if (backend != nullptr) *backend = session->backend().kind();
   session->Touch();
   const bool async = request.reply_mode() == v1::REPLY_MODE_ASYNC;
@@ -205,19 +218,22 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
 }
 
 absl::Status SessionService::Heartbeat(const v1::HeartbeatRequest& request,
-                                       v1::HeartbeatResponse* response) {
-  std::shared_ptr<Session> session = sessions_.Find(request.session_id());
-  if (session == nullptr) {
-    return CountFailure(absl::NotFoundError(
-        absl::StrCat("session '", request.session_id(), "' not found: re-attach")));
-  }
+                                       v1::HeartbeatResponse* response, const Peer& caller) {
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindFor(request.session_id(), caller, ": re-attach");
+  if (!found.ok()) return CountFailure(found.status());
+  std::shared_ptr<Session> session = *std::move(found);
   session->Touch();
   response->set_lease_ms(session->spec().lease_ms);
   return absl::OkStatus();
 }
 
 absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
-                                      v1::GetStatsResponse* response) {
+                                      v1::GetStatsResponse* response, const Peer& caller) {
+  if (!request.session_id().empty()) {
+    absl::StatusOr<std::shared_ptr<Session>> found = FindFor(request.session_id(), caller, "");
+    if (!found.ok()) return found.status();
+  }
   response->set_sessions_active(sessions_.size());
   response->set_sessions_attached_total(attached_total_.load());
   response->set_sessions_expired_total(expired_total_.load());
@@ -225,6 +241,7 @@ absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
   response->set_validation_failures_total(validation_failures_.load());
   for (const auto& s : sessions_.All()) {
     if (!request.session_id().empty() && s->id() != request.session_id()) continue;
+    if (!s->CheckCaller(caller).ok()) continue;  // another user's session is not listed
     v1::SessionStats* out = response->add_sessions();
     // A session id is a capability: shown only to a caller who named it.
     if (!request.session_id().empty()) out->set_session_id(s->id());
