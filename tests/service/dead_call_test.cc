@@ -9,7 +9,10 @@
 #include <string>
 #include <thread>
 
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "service/session_service.h"
+#include "tests/fuzz/fuzz_session.h"
 #include "tests/core/test_util.h"
 #include "tests/service/epsd_process.h"
 #include "tests/service/raw_calls.h"
@@ -48,7 +51,8 @@ bool WaitForState(pid_t pid, char state) {
 }
 
 // epsd is stopped (SIGSTOP) while the client sends a step and gives up on it:
-// when epsd resumes, the request and its cancellation are both waiting.
+// when epsd resumes, the request and its cancellation are both waiting. (gRPC
+// itself drops such a call before dispatch; this guards that end to end.)
 TEST(DeadCalls, AStepItsClientGaveUpOnBeforeEpsdReadItIsNotRun) {
   const uint64_t seed = testing::TestSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));
@@ -79,6 +83,55 @@ TEST(DeadCalls, AStepItsClientGaveUpOnBeforeEpsdReadItIsNotRun) {
       testing::RawStep(*stub, testing::StepRequest(attached.session_id(), 2, rows));
   EXPECT_TRUE(retry.ok()) << retry.error_message();
   EXPECT_EQ(StepsTaken(*stub, attached.session_id()), 2u);
+}
+
+// In process: what the gRPC layer passes for a call that is dead when the session
+// service gets it. The same check runs again once the call holds the session's
+// step lock, where a call can die waiting behind a slow step.
+class DeadCallsInProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    v1::AttachResponse response;
+    ASSERT_TRUE(service_.Attach(fuzz::SmallInlineAttach("engine-dead"), &response).ok());
+    session_ = response.session_id();
+  }
+  uint64_t Steps() {
+    v1::GetStatsRequest request;
+    request.set_session_id(session_);
+    v1::GetStatsResponse response;
+    EXPECT_TRUE(service_.GetStats(request, &response).ok());
+    return response.sessions_size() == 1 ? response.sessions(0).steps() : ~uint64_t{0};
+  }
+  v1::SelectPagesRequest Step(uint64_t step) {
+    v1::BatchRow row;
+    row.set_table_row(0);
+    row.set_context_tokens(200);
+    return testing::StepRequest(session_, step, {row});
+  }
+  service::SessionService service_{fuzz::FuzzConfig()};
+  std::string session_;
+};
+
+TEST_F(DeadCallsInProcess, AStepPastItsDeadlineOnArrivalIsNotRun) {
+  v1::SelectPagesResponse response;
+  const absl::Status dead =
+      service_.SelectPages(Step(1), &response, nullptr,
+                           {.deadline = absl::Now() - absl::Milliseconds(1), .cancelled = {}});
+  EXPECT_EQ(dead.code(), absl::StatusCode::kDeadlineExceeded) << dead;
+  EXPECT_EQ(Steps(), 0u);
+  EXPECT_TRUE(service_.SelectPages(Step(1), &response).ok());  // step 1 is still free
+  EXPECT_EQ(Steps(), 1u);
+}
+
+TEST_F(DeadCallsInProcess, ACancelledStepIsNotRun) {
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(1), &response).ok());
+  const absl::Status dead = service_.SelectPages(
+      Step(2), &response, nullptr,
+      {.deadline = absl::InfiniteFuture(), .cancelled = [] { return true; }});
+  EXPECT_EQ(dead.code(), absl::StatusCode::kCancelled) << dead;
+  EXPECT_EQ(Steps(), 1u);
+  EXPECT_TRUE(service_.SelectPages(Step(2), &response).ok());
 }
 
 }  // namespace
