@@ -8,6 +8,17 @@
 #include "service/telemetry/otlp_http_exporter.h"
 
 namespace eps::telemetry {
+
+std::string SessionLabel(const std::string& session_id) {
+  // "s-<counter>-<32 hex digits of randomness>": the part before the last '-' names the
+  // session in traces and logs; the random part is the capability and stays out of them.
+  const size_t dash = session_id.rfind('-');
+  if (dash != std::string::npos && session_id.size() - dash - 1 == 32 &&
+      session_id.find_first_not_of("0123456789abcdef", dash + 1) == std::string::npos) {
+    return session_id.substr(0, dash);
+  }
+  return session_id.substr(0, 64);  // not one of ours: no capability, but bounded
+}
 namespace {
 
 int64_t Micros(Telemetry::Clock::duration d) {
@@ -181,7 +192,7 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
       {"rpc.method", std::string(call.method == RpcMethod::kStreamSelectPages ? "StreamSelectPages"
                                                                               : "SelectPages")});
   a.push_back({"rpc.grpc.status_code", static_cast<int64_t>(status.code())});
-  a.push_back({"eps.session_id", request.session_id()});
+  a.push_back({"eps.session_id", SessionLabel(request.session_id())});
   a.push_back({"eps.step", static_cast<int64_t>(request.step())});
   a.push_back({"eps.batch_size", static_cast<int64_t>(request.rows_size())});
   a.push_back({"eps.backend", std::string(service::BackendKindName(backend))});
@@ -236,7 +247,7 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
       R"("transport":"%s","status":"%s","server_us":%d)",
       absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(step.start_unix_ns),
                        absl::UTCTimeZone()),
-      JsonEscape(request.session_id()), request.step(), request.rows_size(),
+      JsonEscape(SessionLabel(request.session_id())), request.step(), request.rows_size(),
       service::BackendKindName(backend), ReplyModeName(request.reply_mode()),
       method == RpcMethod::kStreamSelectPages ? "stream" : "unary",
       absl::StatusCodeToString(status.code()), Micros(end - step.start));
