@@ -9,6 +9,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev
   libssl-dev zlib1g-dev python3 python3-pip python3-venv
+  clang-14 libclang-rt-14-dev  # libFuzzer and the sanitizers (scripts/fuzz.sh)
 )
 
 missing=()
