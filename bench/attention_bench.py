@@ -65,7 +65,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     us = graph_time_us(lambda i: dst.copy_(src), 4)
-    del src, dst
     return 2 * n / us / 1e3
 
 
@@ -104,13 +103,21 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
         seqused = torch.full((batch,), (keep - 1) * BLOCK + BLOCK, dtype=torch.int32,
                              device="cuda")
         us = graph_time_us(
-            lambda i: attention.paged_decode_attention(
+            lambda i, lists=lists, seqused=seqused: attention.paged_decode_attention(
                 q, cache, lists[i % layers], seqused, out=out), layers * 4)
         read = batch * keep * BLOCK * KV_HEADS * D * 2 * 2
+        padded_us = float("nan")
+        if keep < blocks:
+            # epsd's visit_blocks rows are as wide as the block table: the same lists in
+            # a full-width buffer size the grid for the full width (idle splits return).
+            wide = [torch.nn.functional.pad(lst, (0, blocks - keep)) for lst in lists]
+            padded_us = graph_time_us(
+                lambda i, wide=wide, seqused=seqused: attention.paged_decode_attention(
+                    q, cache, wide[i % layers], seqused, out=out), layers * 4)
         if share == 1.0:
             dense_us = us
         rows.append(dict(batch=batch, context=context, share=share, us=us,
-                         gbs=read / us / 1e3, copy=copy_gbs,
+                         gbs=read / us / 1e3, copy=copy_gbs, padded_us=padded_us,
                          vs_dense=us / dense_us if dense_us else float("nan")))
     # The dense baseline an engine already has: SDPA's flash kernel over contiguous K/V.
     sdpa_us = float("nan")
@@ -137,7 +144,6 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
         seqused = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         ours = attention.paged_decode_attention(q, cache, tables[0].cuda(), seqused).float()
         sdpa_err = (ours - ref).abs().max().item()
-        del ks, vs
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"SDPA flash baseline failed for batch {batch} context {context}: {e}",
               file=sys.stderr)
@@ -145,8 +151,6 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
         if row["batch"] == batch and row["context"] == context:
             row["sdpa_us"] = sdpa_us
             row["sdpa_err"] = sdpa_err
-    del cache
-    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -158,7 +162,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# command: {' '.join(sys.argv)}  EPS_ATTENTION_LIB={os.environ.get('EPS_ATTENTION_LIB')}")
+    lib = os.environ.get("EPS_ATTENTION_LIB")
+    print(f"# command: {' '.join(sys.argv)}  EPS_ATTENTION_LIB={lib}")
     copy_gbs = copy_bandwidth()
     print(f"# device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)")
     shares = [1.0, 0.5, 0.25, 0.125]
@@ -167,38 +172,42 @@ def main() -> None:
     rows: list[dict] = []
     for batch, context in configs:
         run_config(batch, context, shares, copy_gbs, rows)
+        torch.cuda.empty_cache()  # the configuration's caches are gone with its frame
     print("| batch | context | blocks read | µs/layer | GB/s KV read | % of copy | "
-          "× dense | SDPA flash µs | × SDPA | max |ours − SDPA| |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "× dense | µs, full-width lists | SDPA flash µs | × SDPA | max abs diff to SDPA |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         vs_sdpa = r["us"] / r["sdpa_us"] if r["share"] == 1.0 else float("nan")
         print(f"| {r['batch']} | {r['context'] // 1024}k | {r['share'] * 100:g} % | "
               f"{r['us']:.1f} | {r['gbs']:.0f} | {100 * r['gbs'] / r['copy']:.0f} % | "
-              f"{r['vs_dense']:.2f} | "
+              f"{r['vs_dense']:.2f} | {r['padded_us']:.1f} | "
               + (f"{r['sdpa_us']:.1f} | {vs_sdpa:.2f} | {r['sdpa_err']:.1e} |"
                  if r["share"] == 1.0 else "| | |"))
     if args.splits:
         for batch, context in ((8, 32768), (1, 131072)):
-            blocks = context // BLOCK
-            layers = max(1, math.ceil(L2_FLUSH_BYTES / (batch * context * KV_HEADS * D * 4)))
-            cache = torch.empty(2, batch * blocks * layers, BLOCK, KV_HEADS, D, dtype=DTYPE,
-                                device="cuda").normal_()
-            tables = torch.randperm(batch * blocks * layers).to(torch.int32).cuda().view(
-                layers, batch, blocks)
-            q = torch.randn(batch, Q_HEADS, D, dtype=DTYPE, device="cuda")
-            seqused = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            line = []
-            for splits in (0, 4, 8, 16, 32, 64, 128, 256):
-                us = graph_time_us(lambda i, s=splits: attention._run(
-                    q, cache, tables[i % layers], seqused, kind=0, dense=None, context=None,
-                    softmax_scale=None, softcap=0.0, out=None, return_lse=False,
-                    names=("block_table", "seqused_k"), num_splits=s), layers * 4)
-                gbs = batch * context * KV_HEADS * D * 4 / us / 1e3
-                line.append(f"{splits or 'auto'}: {us:.1f} µs {gbs:.0f} GB/s")
-            print(f"# splits, batch {batch} x {context // 1024}k dense: " + "; ".join(line))
-            del cache
+            sweep_splits(batch, context)
             torch.cuda.empty_cache()
 
+
+def sweep_splits(batch: int, context: int) -> None:
+    """Dense time for several num_splits (0: the library's choice)."""
+    blocks = context // BLOCK
+    layers = max(1, math.ceil(L2_FLUSH_BYTES / (batch * context * KV_HEADS * D * 4)))
+    cache = torch.empty(2, batch * blocks * layers, BLOCK, KV_HEADS, D, dtype=DTYPE,
+                        device="cuda").normal_()
+    tables = torch.randperm(batch * blocks * layers).to(torch.int32).cuda().view(
+        layers, batch, blocks)
+    q = torch.randn(batch, Q_HEADS, D, dtype=DTYPE, device="cuda")
+    seqused = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    line = []
+    for splits in (0, 4, 8, 16, 32, 64, 128, 256):
+        us = graph_time_us(lambda i, s=splits: attention._run(
+            q, cache, tables[i % layers], seqused, kind=0, dense=None, context=None,
+            softmax_scale=None, softcap=0.0, out=None, return_lse=False,
+            names=("block_table", "seqused_k"), num_splits=s), layers * 4)
+        gbs = batch * context * KV_HEADS * D * 4 / us / 1e3
+        line.append(f"{splits or 'auto'}: {us:.1f} µs {gbs:.0f} GB/s")
+    print(f"# splits, batch {batch} x {context // 1024}k dense: " + "; ".join(line))
 
 if __name__ == "__main__":
     main()

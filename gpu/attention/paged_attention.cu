@@ -169,19 +169,30 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
   }
 
+  // Block ids are loaded one tile ahead, so that a tile's K/V loads never wait on them.
+  int32_t next_ids[kIdsPerTile];
+  auto load_ids = [&](int tile, int32_t(&ids)[kIdsPerTile]) {
+#pragma unroll
+    for (int i = 0; i < kIdsPerTile; ++i) {
+      const int entry = tile / 16 + i;
+      ids[i] = tile < t_end && entry < list.count ? __ldg(list.blocks + entry) : 0;
+    }
+  };
+  load_ids(t_begin + warp * kTt, next_ids);
   for (int tile = t_begin + warp * kTt; tile < t_end; tile += kWarps * kTt) {
-    // Block ids of the tile (warp-uniform), checked before any address is formed.
+    // This tile's block ids (warp-uniform), checked before any address is formed.
     int32_t ids[kIdsPerTile];
     bool id_ok[kIdsPerTile];
 #pragma unroll
     for (int i = 0; i < kIdsPerTile; ++i) {
       const int entry = tile / 16 + i;
-      ids[i] = entry < list.count ? __ldg(list.blocks + entry) : 0;
+      ids[i] = next_ids[i];
       id_ok[i] = ids[i] >= 0 && ids[i] < p.num_blocks;
       if (!id_ok[i] && entry < list.count && lane == 0) {
         RecordError(p.error_word, kListBlockId, row, kv_head, ids[i]);
       }
     }
+    load_ids(tile + kWarps * kTt, next_ids);
     uint4 kv[2][kPt];
     bool valid[kPt];
 #pragma unroll
@@ -397,6 +408,11 @@ int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
   chunk = std::min(chunk, width);
   plan->chunk = static_cast<int>(chunk);
   plan->splits = static_cast<int>((width + chunk - 1) / chunk);
+  if (int64_t{p.batch} * p.num_q_heads > INT32_MAX) {  // CombineKernel's grid
+    return Fail(EPS_ATTN_EINVAL,
+                "batch * num_q_heads = " + std::to_string(int64_t{p.batch} * p.num_q_heads) +
+                    " is too many rows for one launch");
+  }
   if (rows * plan->splits > INT32_MAX) {
     return Fail(EPS_ATTN_EINVAL, "batch * num_kv_heads * splits = " +
                                      std::to_string(rows * plan->splits) + " CTAs is too many");

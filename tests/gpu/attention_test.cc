@@ -235,7 +235,8 @@ TEST(PagedAttention, EmptyRowIsReportedAndWrittenAsZeros) {
     const GpuResult r = RunOnDevice(c);
     ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
     EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
-    EXPECT_NE(r.message.find("row 1 KV head 0"), std::string::npos) << r.message;
+    // Both heads of row 1 are empty; whichever CTA records first is named.
+    EXPECT_NE(r.message.find("row 1 KV head "), std::string::npos) << r.message;
     EXPECT_NE(r.message.find("empty list"), std::string::npos) << r.message;
     const size_t row = static_cast<size_t>(s.num_q_heads) * s.head_dim;
     for (size_t i = 0; i < r.out.size(); ++i) {
