@@ -72,7 +72,7 @@ class MappingCache {
 };
 
 absl::StatusOr<MappedTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
-                                         MappingCache& cache);
+                                           MappingCache& cache);
 
 // Rejects any writable tensor that overlaps another tensor of the same memory.
 absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, MappedTensor>>& tensors);

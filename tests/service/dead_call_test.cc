@@ -12,8 +12,8 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "service/session_service.h"
-#include "tests/fuzz/fuzz_session.h"
 #include "tests/core/test_util.h"
+#include "tests/fuzz/fuzz_session.h"
 #include "tests/service/epsd_process.h"
 #include "tests/service/raw_calls.h"
 #include "tests/service/test_engine.h"
@@ -126,9 +126,9 @@ TEST_F(DeadCallsInProcess, AStepPastItsDeadlineOnArrivalIsNotRun) {
 TEST_F(DeadCallsInProcess, ACancelledStepIsNotRun) {
   v1::SelectPagesResponse response;
   ASSERT_TRUE(service_.SelectPages(Step(1), &response).ok());
-  const absl::Status dead = service_.SelectPages(
-      Step(2), &response, nullptr,
-      {.deadline = absl::InfiniteFuture(), .cancelled = [] { return true; }});
+  const absl::Status dead =
+      service_.SelectPages(Step(2), &response, nullptr,
+                           {.deadline = absl::InfiniteFuture(), .cancelled = [] { return true; }});
   EXPECT_EQ(dead.code(), absl::StatusCode::kCancelled) << dead;
   EXPECT_EQ(Steps(), 1u);
   EXPECT_TRUE(service_.SelectPages(Step(2), &response).ok());
