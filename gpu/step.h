@@ -1,4 +1,4 @@
-// The GPU pre-pass of one decode step (DESIGN §5), the CUDA counterpart of
+// The GPU pre-pass of one decode step (docs/design.md §5), the CUDA counterpart of
 // core/step.h over device memory with the same buffer layouts:
 //
 //   1. query terms   z = Φᵀq, packed z zᵀ and ‖q‖ per (row, layer, q head)
@@ -17,13 +17,13 @@
 // outputs unwritten (their counts become -1, "attend densely", when a step fence
 // is given, since the engine's stream proceeds on selection_done regardless).
 //
-// Cross-process ordering (DESIGN §5): with a StepFence the selector's stream
+// Cross-process ordering (docs/design.md §5): with a StepFence the selector's stream
 // first waits until inputs_ready >= step (the engine's stream wrote its
 // queries), and writes selection_done = step after the outputs, so the engine's
 // stream can wait for it without any host round trip. Enqueue returns once the
 // work is queued (the async reply); Finish waits for it with a bound, and when
 // the engine never signals inputs_ready it releases the wait itself (the host
-// watchdog of DESIGN §6), so the selector's stream is never blocked for good.
+// watchdog of docs/design.md §6), so the selector's stream is never blocked for good.
 //
 // Thread safety: one caller at a time per GpuSelector.
 #pragma once

@@ -8,20 +8,8 @@ namespace eps::service {
 namespace {
 
 int ElementSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-    case v1::DTYPE_INT32:
-      return 4;
-    case v1::DTYPE_FLOAT16:
-    case v1::DTYPE_BFLOAT16:
-      return 2;
-    case v1::DTYPE_INT8:
-      return 1;
-    case v1::DTYPE_UINT64:
-      return 8;
-    default:
-      return 0;
-  }
+  const absl::StatusOr<DType> core = FromProto(dtype);
+  return core.ok() ? DTypeSize(*core) : 0;
 }
 
 }  // namespace

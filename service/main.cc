@@ -10,6 +10,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "cli/flags.h"
 #include "service/config.h"
 #include "service/cuda_backend.h"
 #include "service/server.h"
@@ -18,12 +19,16 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<eps::service::ServerConfig> config = eps::service::ParseFlags(args);
   if (!config.ok()) {
-    std::fprintf(stderr, "epsd: %s\n%s", std::string(config.status().message()).c_str(),
-                 eps::service::Usage().c_str());
+    std::fprintf(stderr, "epsd: %s (epsd --help lists the flags)\n",
+                 std::string(config.status().message()).c_str());
     return 2;
   }
   if (config->help) {
     std::printf("%s", eps::service::Usage().c_str());
+    return 0;
+  }
+  if (config->version) {
+    std::printf("%s\n", eps::cli::VersionLine("epsd").c_str());
     return 0;
   }
   if (config->backend == eps::service::BackendKind::kCuda &&
@@ -54,6 +59,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epsd: warning: %s\n", warning.c_str());
   }
   std::fprintf(stderr, "epsd: %s\n", (*server)->telemetry().Describe().c_str());
+  if (!(*server)->health_address().empty()) {
+    std::fprintf(stderr, "epsd: grpc.health.v1 on %s\n", (*server)->health_address().c_str());
+  }
   absl::Notification stopped;
   std::thread waiter([&] {
     int signal = 0;

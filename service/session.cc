@@ -7,7 +7,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "service/cpu_backend.h"
 #include "service/cuda_backend.h"
@@ -52,7 +51,8 @@ std::vector<std::pair<std::string, uint64_t>> BackendAllocations(const SessionSp
   // Per step: the visit lists' scratch, and per row a score, bracket and mark per group
   // for each query head and list.
   const uint64_t scratch =
-      Sum({b.visit_blocks.bytes, b.visit_count.bytes, Product({groups, Sum({Hq, lists, 4}), 8})});
+      Sum({b[SharedBuffer::kVisitBlocks].bytes, b[SharedBuffer::kVisitCount].bytes,
+           Product({groups, Sum({Hq, lists, 4}), 8})});
   return {{"the Phi bank", phi}, {"the step scratch", scratch}};
 }
 
@@ -84,8 +84,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
   if (spec.backend == BackendKind::kCuda) {
     if (s->policy_.strict || s->policy_.budget != Budget::kThreshold) {
       return absl::UnimplementedError(
-          "the cuda backend serves the threshold budget; strict mode and the fixed and top-p "
-          "budgets run on the cpu backend");
+          "the cuda backend serves the threshold budget; strict mode and the fixed, top-p and "
+          "mass budgets run on the cpu backend");
     }
     ASSIGN_OR_RETURN(
         s->backend_,
@@ -104,20 +104,6 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
   return absl::PermissionDeniedError(absl::StrCat("the session of engine '", spec_.engine_id,
                                                   "' belongs to uid ", owner_.uid, ", not to ",
                                                   caller.Describe()));
-}
-
-absl::Status Session::CheckStepOrder(uint64_t step) const {
-  if (has_step_ && step <= last_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, " is not after the session's last step ", last_step_));
-  }
-  return absl::OkStatus();
-}
-
-void Session::StepRan(uint64_t step) {
-  has_step_ = true;
-  last_step_ = step;
-  last_step_seen.store(step);
 }
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }

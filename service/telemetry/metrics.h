@@ -73,8 +73,14 @@ class ServerMetrics {
   // eps_* counters of one finished step, and its pre-pass time.
   void StepSelected(const v1::StepStats& stats, service::BackendKind backend);
   void ClientFallbacks(const v1::ClientFallbacks& fallbacks);
-  // A request the selector refused, by canonical code (eps_validation_failures_total{reason}).
+  // A request the session service refused, by canonical code
+  // (eps_validation_failures_total{reason}).
   void ValidationFailure(absl::StatusCode code);
+
+  // The /metrics listener: worker threads, and how long one connection may take to send
+  // its request (or receive the reply) before it is dropped.
+  static constexpr int kHttpThreads = 4;
+  static constexpr int kHttpRequestTimeoutMs = 2000;
 
   // Serves /metrics on `listen` (host:port; port 0 picks one). Call once.
   absl::Status Serve(const std::string& listen);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
+from eps_client.buffers import ALIGNMENT, CONTRACT
 from eps_client.proto import page_selector_pb2 as pb
 
 
@@ -31,8 +33,17 @@ def without_names(buffers: pb.SharedBuffers) -> pb.SharedBuffers:
     return copy
 
 
+def test_contract_table_equals_core_buffer_contract(core_reference):
+    cpp = json.loads(subprocess.run([core_reference, "contract"], check=True,
+                                    capture_output=True, text=True).stdout)
+    assert cpp["alignment"] == ALIGNMENT
+    ours = [{"name": spec.name, "dims": list(spec.dims), "dtype": np.dtype(spec.dtype).name,
+             "output": spec.output, "optional": spec.optional} for spec in CONTRACT]
+    assert ours == cpp["buffers"]
+
+
 @pytest.mark.parametrize("per_kv_head", [False, True])
-@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(quest=True,
+@pytest.mark.parametrize("features", [SummaryFeatures(quest=False), SummaryFeatures(quest=True,
                                                                          principal=True)])
 def test_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head, features):
     model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,
