@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 BUILD=${EPS_BUILD_DIR:-build}
 rm -rf .carry && mkdir -p .carry/lib
 bins=(service/epsd tests/gpu_step_test tests/gpu_summary_test tests/two_process_test
-      tests/async_fence_test bench/eps_gpu_bench "$@")
+      tests/async_fence_test tests/multi_rank_test tests/rank_engine bench/eps_gpu_bench "$@")
 for b in "${bins[@]}"; do
   cp "$BUILD/$b" .carry/
   strip .carry/"$(basename "$b")"

@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/eps-gpu}
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.carry/lib EPSD_BIN=$PWD/.carry/epsd
+export LD_LIBRARY_PATH=$PWD/.carry/lib EPSD_BIN=$PWD/.carry/epsd RANK_ENGINE_BIN=$PWD/.carry/rank_engine
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 declare -A result
 run() {  # name, command...
@@ -23,12 +23,14 @@ want gpu_step_test && run gpu_step_test timeout 300 .carry/gpu_step_test
 want gpu_summary_test && run gpu_summary_test timeout 300 .carry/gpu_summary_test
 want two_process_test && run two_process_test timeout 300 .carry/two_process_test
 want async_fence_test && run async_fence_test timeout 120 .carry/async_fence_test
+# Tensor-parallel ranks (docs/api.md §3.7): several on one GPU; rank r on GPU r where there are more.
+want multi_rank_test && run multi_rank_test timeout 400 .carry/multi_rank_test
 want memcheck && run memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 .carry/gpu_step_test
 want racecheck && run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 .carry/gpu_step_test
 # shellcheck disable=SC2086
 want bench && run bench timeout 300 .carry/eps_gpu_bench ${EPS_BENCH_ARGS:-}
 echo
-grep -h "round trip\|SelectPages\|Ping \|two-process\|async fence\|killed epsd" "$OUT"/*_test.log
+grep -h "round trip\|SelectPages\|Ping \|two-process\|async fence\|killed epsd\|in lockstep" "$OUT"/*_test.log
 echo
 [[ -f $OUT/bench.log ]] && cat "$OUT/bench.log"
 echo
