@@ -76,12 +76,15 @@ constexpr int PackedSize(int m) { return m * (m + 1) / 2; }
 // Index of (i, j), i ≤ j, in the packed upper triangle, row-major.
 constexpr int PackedIndex(int m, int i, int j) { return i * m - i * (i - 1) / 2 + (j - i); }
 
-// Blocks and groups of a context of `tokens` tokens (ceil divisions).
+// Blocks and groups of a context of `tokens` tokens (ceil divisions; 0 for
+// tokens <= 0). Written so that no int64 value, however near the limit, can
+// overflow: a request's context length reaches here before it is bounded.
 inline int64_t BlocksFor(int64_t tokens, int block_size) {
-  return (tokens + block_size - 1) / block_size;
+  return tokens <= 0 ? 0 : (tokens - 1) / block_size + 1;
 }
 inline int64_t GroupsFor(int64_t tokens, const ModelLayout& model) {
-  return (BlocksFor(tokens, model.block_size) + model.group_blocks - 1) / model.group_blocks;
+  const int64_t blocks = BlocksFor(tokens, model.block_size);
+  return blocks <= 0 ? 0 : (blocks - 1) / model.group_blocks + 1;
 }
 
 }  // namespace eps

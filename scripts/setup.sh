@@ -9,6 +9,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev nlohmann-json3-dev clang-format-14
   libssl-dev zlib1g-dev python3 python3-pip python3-venv
+  clang-14 libclang-rt-14-dev  # libFuzzer and the sanitizers (scripts/fuzz.sh)
   prometheus  # promtool, which checks a real /metrics scrape in tests/service/observability_test.py
 )
 

@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh "$@"
-cd "${EPS_BUILD_DIR:-build}"
-ctest --output-on-failure -j "$(nproc)" --timeout 600
+(cd "${EPS_BUILD_DIR:-build}" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
+# A short fuzz run of Attach and SelectPages validation (clang, ASan + UBSan; docs/security.md).
+if [[ -z ${EPS_SKIP_FUZZ:-} ]]; then bash scripts/fuzz.sh 5; fi

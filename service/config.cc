@@ -117,6 +117,10 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_batch, 1u, 1u << 20, &c.max_batch));
   RETURN_IF_ERROR(
       cli::ReadInRange(FLAGS_max_message_bytes, 1u << 10, 1u << 30, &c.max_message_bytes));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_session_bytes, uint64_t{1} << 20, uint64_t{1} << 40,
+                                   &c.max_session_bytes));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_server_bytes, uint64_t{1} << 20, uint64_t{1} << 42,
+                                   &c.max_server_bytes));
   c.step_log = absl::GetFlag(FLAGS_step_log);
   return c;
 }

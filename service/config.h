@@ -26,6 +26,10 @@ struct ServerConfig {
   uint32_t max_sessions = 64;
   uint32_t max_batch = 1024;
   uint32_t max_message_bytes = 64u << 20;
+  // What epsd may allocate for requests (inline buffers, Phi banks, step scratch,
+  // device buffers): per session, and for all sessions together (docs/security.md).
+  uint64_t max_session_bytes = uint64_t{512} << 20;
+  uint64_t max_server_bytes = uint64_t{2} << 30;
   uint32_t drain_ms = 5000;                       // SIGTERM: how long in-flight calls may finish
   uint32_t inputs_timeout_ms = 1000;              // async steps: the watchdog on inputs_ready
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served

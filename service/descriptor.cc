@@ -40,6 +40,12 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
       return raw;
     }
     case v1::MemoryDescriptor::kInlineBytes: {
+      if (budget_ != nullptr) {
+        absl::StatusOr<MemoryCharge> charge =
+            budget_->Charge(needed_bytes, absl::StrCat(name, " inline buffer"));
+        if (!charge.ok()) return charge.status();
+        charges_.push_back(*std::move(charge));
+      }
       absl::StatusOr<std::unique_ptr<HostMemory>> memory =
           HostMemory::Allocate(needed_bytes, desc.inline_bytes().data());
       if (!memory.ok()) {
@@ -81,8 +87,19 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
   return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
 }
 
-absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
-                                         MappingCache& cache) {
+absl::Status MappingCache::CheckIntact() const {
+  for (const auto& [name, memory] : shm_) {
+    if (memory->faulted()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "host_shm ", name, " shrank below its attached size of ", memory->size(),
+          " bytes while attached; epsd no longer reads it: re-attach with whole buffers"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MappedTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
+                                           MappingCache& cache) {
   const std::string& name = spec.name;
   if (desc.dtype() != spec.dtype) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".dtype=", ProtoDTypeName(desc.dtype()),
@@ -93,7 +110,7 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
                                                    spec.shape.size(), " [",
                                                    absl::StrJoin(spec.dim_names, ", "), "]"));
   }
-  HostTensor t;
+  MappedTensor t;
   int64_t elements = 1;
   for (int i = 0; i < desc.shape_size(); ++i) {
     const int64_t dim = desc.shape(i);
@@ -155,12 +172,12 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
   return t;
 }
 
-absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>& tensors) {
+absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, MappedTensor>>& tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!tensors[i].first.writable) continue;
-    const HostTensor& a = tensors[i].second;
+    const MappedTensor& a = tensors[i].second;
     for (size_t j = 0; j < tensors.size(); ++j) {
-      const HostTensor& b = tensors[j].second;
+      const MappedTensor& b = tensors[j].second;
       if (i == j || a.memory != b.memory) continue;
       if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) {
         return absl::InvalidArgumentError(absl::StrCat(

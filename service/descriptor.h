@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "eps/v1/page_selector.pb.h"
 #include "service/host_memory.h"
+#include "service/memory_budget.h"
 
 namespace eps::service {
 
@@ -29,9 +30,10 @@ struct TensorSpec {
   bool writable = false;               // an output of the sidecar
 };
 
-// A validated tensor in host or device memory. Borrowed pointer: the memory is
-// owned by the session's MappingCache.
-struct HostTensor {
+// A validated tensor in mapped memory: host shm, an inline buffer, or a CUDA
+// IPC mapping of device memory. Borrowed pointer: the memory is owned by the
+// session's MappingCache.
+struct MappedTensor {
   std::byte* data = nullptr;
   std::vector<int64_t> shape;
   uint64_t bytes = 0;
@@ -50,21 +52,29 @@ using CudaIpcOpener =
 class MappingCache {
  public:
   void set_cuda_ipc_opener(CudaIpcOpener opener) { open_ipc_ = std::move(opener); }
+  // Inline buffers are charged to `budget` before they are allocated (null: not
+  // charged). The budget must outlive the cache.
+  void set_budget(MemoryBudget* budget) { budget_ = budget; }
   absl::StatusOr<const MappedMemory*> Resolve(const v1::MemoryDescriptor& desc,
                                               const std::string& name, uint64_t needed_bytes);
   size_t size() const { return shm_.size() + inline_.size() + ipc_.size(); }
+  // FAILED_PRECONDITION naming the first shm object that the engine shrank
+  // under epsd (ShmFaultGuard); OK while every mapping is whole.
+  absl::Status CheckIntact() const;
 
  private:
+  MemoryBudget* budget_ = nullptr;
+  std::vector<MemoryCharge> charges_;  // released after the buffers they paid for
   std::map<std::string, std::unique_ptr<MappedMemory>> shm_;
   std::vector<std::unique_ptr<MappedMemory>> inline_;
   std::map<std::string, std::unique_ptr<MappedMemory>> ipc_;
   CudaIpcOpener open_ipc_;
 };
 
-absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
-                                         MappingCache& cache);
+absl::StatusOr<MappedTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const TensorSpec& spec,
+                                           MappingCache& cache);
 
 // Rejects any writable tensor that overlaps another tensor of the same memory.
-absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>& tensors);
+absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, MappedTensor>>& tensors);
 
 }  // namespace eps::service

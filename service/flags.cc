@@ -45,6 +45,12 @@ ABSL_FLAG(eps::cli::Millis, lease_ms, {absl::Milliseconds(10000)},
 ABSL_FLAG(int64_t, max_sessions, 64, "sessions at once, in [1, 100000]");
 ABSL_FLAG(eps::cli::Size, max_batch, {1024}, "rows per step, in [1, 1M]");
 ABSL_FLAG(eps::cli::Size, max_message_bytes, {64 << 20}, "largest gRPC message, in [1k, 1G]");
+ABSL_FLAG(eps::cli::Size, max_session_bytes, {int64_t{512} << 20},
+          "bytes epsd may allocate for one session (inline buffers, its Phi bank, step "
+          "scratch, device buffers); an Attach past it is RESOURCE_EXHAUSTED, in [1M, 1T] "
+          "(docs/security.md)");
+ABSL_FLAG(eps::cli::Size, max_server_bytes, {int64_t{2} << 30},
+          "bytes epsd may allocate for all sessions together, in [1M, 4T] (docs/security.md)");
 ABSL_FLAG(eps::cli::Millis, inputs_timeout_ms, {absl::Milliseconds(1000)},
           "cuda backend, async replies: how long a queued step waits for the engine's "
           "inputs_ready before epsd releases it and fails the step, in [1ms, 10m]");

@@ -36,6 +36,8 @@ ABSL_DECLARE_FLAG(eps::cli::Millis, lease_ms);
 ABSL_DECLARE_FLAG(int64_t, max_sessions);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_batch);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_message_bytes);
+ABSL_DECLARE_FLAG(eps::cli::Size, max_session_bytes);
+ABSL_DECLARE_FLAG(eps::cli::Size, max_server_bytes);
 ABSL_DECLARE_FLAG(eps::cli::Millis, inputs_timeout_ms);
 ABSL_DECLARE_FLAG(eps::cli::Millis, drain_ms);
 // Telemetry.

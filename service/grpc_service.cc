@@ -1,5 +1,8 @@
 #include "service/grpc_service.h"
 
+#include "absl/time/time.h"
+#include "core/status.h"
+#include "service/call_guard.h"
 #include "service/convert.h"
 
 namespace eps::service {
@@ -7,6 +10,12 @@ namespace {
 
 using telemetry::RpcMethod;
 using telemetry::Telemetry;
+
+// What the session service needs to know of the call's life (not run once dead).
+CallLiveness LivenessOf(grpc::CallbackServerContext& context) {
+  return {.deadline = absl::FromChrono(context.deadline()),
+          .cancelled = [&context] { return context.IsCancelled(); }};
+}
 
 // Finishes a unary call and records it. `refused`: a failure is the session service's refusal.
 grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry& telemetry,
@@ -23,9 +32,12 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
 class SelectStream final
     : public grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
-  SelectStream(SessionService& sessions, Telemetry& telemetry, grpc::CallbackServerContext& context)
+  SelectStream(SessionService& sessions, Telemetry& telemetry, grpc::CallbackServerContext& context,
+               Peer caller)
       : sessions_(sessions),
         telemetry_(telemetry),
+        context_(context),
+        caller_(std::move(caller)),
         call_(telemetry.BeginCall(RpcMethod::kStreamSelectPages, context)) {
     StartRead(&request_);
   }
@@ -35,12 +47,17 @@ class SelectStream final
       End(absl::OkStatus());  // the client closed its side
       return;
     }
-    telemetry_.metrics().StreamMessageReceived();
-    response_.Clear();
-    const Telemetry::Step step = telemetry_.BeginStep(request_);
-    BackendKind backend = BackendKind::kCpu;
-    const absl::Status status = sessions_.SelectPages(request_, &response_, &backend);
-    telemetry_.EndStep(call_, step, request_, response_, status, backend);
+    // Whatever happens in the step, the stream either writes a reply or ends.
+    const absl::Status status = CallGuarded("StreamSelectPages", [&] {
+      telemetry_.metrics().StreamMessageReceived();
+      response_.Clear();
+      const Telemetry::Step step = telemetry_.BeginStep(request_);
+      BackendKind backend = BackendKind::kCpu;
+      const absl::Status s =
+          sessions_.SelectPages(request_, &response_, &backend, LivenessOf(context_), caller_);
+      telemetry_.EndStep(call_, step, request_, response_, s, backend);
+      return s;
+    });
     if (!status.ok()) {
       End(status);
       return;
@@ -60,12 +77,20 @@ class SelectStream final
  private:
   // The stream's own status; a failed step was already counted by EndStep.
   void End(const absl::Status& status) {
-    telemetry_.EndCall(call_, status, /*refused=*/false);
+    if (ended_) return;  // Finish once, whatever called twice
+    ended_ = true;
+    (void)CallGuarded("StreamSelectPages", [&] {
+      telemetry_.EndCall(call_, status, /*refused=*/false);
+      return absl::OkStatus();
+    });
     Finish(ToGrpcStatus(status));
   }
 
   SessionService& sessions_;
   Telemetry& telemetry_;
+  grpc::CallbackServerContext& context_;
+  const Peer caller_;
+  bool ended_ = false;  // gRPC serialises a reactor's callbacks
   const Telemetry::Call call_;
   v1::SelectPagesRequest request_;
   v1::SelectPagesResponse response_;
@@ -73,11 +98,19 @@ class SelectStream final
 
 }  // namespace
 
+Peer PageSelectorService::CallerOf(const grpc::CallbackServerContext& context) const {
+  return peers_ == nullptr ? Peer{} : peers_->Lookup(context.peer());
+}
+
 grpc::ServerUnaryReactor* PageSelectorService::Attach(grpc::CallbackServerContext* context,
                                                       const v1::AttachRequest* request,
                                                       v1::AttachResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kAttach, *context);
-  const absl::Status status = sessions_.Attach(*request, response);
+  const absl::Status status = CallGuarded("Attach", [&] {
+    RETURN_IF_ERROR(LivenessOf(*context).Check("Attach"));
+    return sessions_.Attach(*request, response, CallerOf(*context));
+  });
+  if (!status.ok()) response->Clear();
   return Finish(context, telemetry_, call, status);
 }
 
@@ -85,7 +118,10 @@ grpc::ServerUnaryReactor* PageSelectorService::Detach(grpc::CallbackServerContex
                                                       const v1::DetachRequest* request,
                                                       v1::DetachResponse*) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kDetach, *context);
-  const absl::Status status = sessions_.Detach(*request);
+  const absl::Status status = CallGuarded("Detach", [&] {
+    RETURN_IF_ERROR(LivenessOf(*context).Check("Detach"));
+    return sessions_.Detach(*request, CallerOf(*context));
+  });
   return Finish(context, telemetry_, call, status);
 }
 
@@ -93,23 +129,32 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
                                                            const v1::SelectPagesRequest* request,
                                                            v1::SelectPagesResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kSelectPages, *context);
-  const Telemetry::Step step = telemetry_.BeginStep(*request);
-  BackendKind backend = BackendKind::kCpu;
-  const absl::Status status = sessions_.SelectPages(*request, response, &backend);
-  telemetry_.EndStep(call, step, *request, *response, status, backend);
+  const absl::Status status = CallGuarded("SelectPages", [&] {
+    const Telemetry::Step step = telemetry_.BeginStep(*request);
+    BackendKind backend = BackendKind::kCpu;
+    const absl::Status s = sessions_.SelectPages(*request, response, &backend, LivenessOf(*context),
+                                                 CallerOf(*context));
+    telemetry_.EndStep(call, step, *request, *response, s, backend);
+    return s;
+  });
+  if (!status.ok()) response->Clear();
   return Finish(context, telemetry_, call, status, /*refused=*/false);  // EndStep counted it
 }
 
 grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>*
 PageSelectorService::StreamSelectPages(grpc::CallbackServerContext* context) {
-  return new SelectStream(sessions_, telemetry_, *context);
+  return new SelectStream(sessions_, telemetry_, *context, CallerOf(*context));
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Heartbeat(grpc::CallbackServerContext* context,
                                                          const v1::HeartbeatRequest* request,
                                                          v1::HeartbeatResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kHeartbeat, *context);
-  return Finish(context, telemetry_, call, sessions_.Heartbeat(*request, response));
+  const absl::Status status = CallGuarded("Heartbeat", [&] {
+    RETURN_IF_ERROR(LivenessOf(*context).Check("Heartbeat"));
+    return sessions_.Heartbeat(*request, response, CallerOf(*context));
+  });
+  return Finish(context, telemetry_, call, status);
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Ping(grpc::CallbackServerContext* context,
@@ -122,7 +167,9 @@ grpc::ServerUnaryReactor* PageSelectorService::GetStats(grpc::CallbackServerCont
                                                         const v1::GetStatsRequest* request,
                                                         v1::GetStatsResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kGetStats, *context);
-  return Finish(context, telemetry_, call, sessions_.GetStats(*request, response));
+  const absl::Status status = CallGuarded(
+      "GetStats", [&] { return sessions_.GetStats(*request, response, CallerOf(*context)); });
+  return Finish(context, telemetry_, call, status);
 }
 
 }  // namespace eps::service

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "eps/v1/page_selector.grpc.pb.h"
+#include "service/peer.h"
 #include "service/session_service.h"
 #include "service/telemetry/telemetry.h"
 
@@ -11,8 +12,10 @@ namespace eps::service {
 
 class PageSelectorService final : public v1::PageSelector::CallbackService {
  public:
-  PageSelectorService(SessionService& sessions, telemetry::Telemetry& telemetry)
-      : sessions_(sessions), telemetry_(telemetry) {}
+  // `peers` (null over TCP): the Unix socket's connections, to bind sessions to their users.
+  PageSelectorService(SessionService& sessions, telemetry::Telemetry& telemetry,
+                      const PeerTable* peers = nullptr)
+      : sessions_(sessions), telemetry_(telemetry), peers_(peers) {}
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context,
                                    const v1::AttachRequest* request,
@@ -36,8 +39,11 @@ class PageSelectorService final : public v1::PageSelector::CallbackService {
                                      v1::GetStatsResponse* response) override;
 
  private:
+  Peer CallerOf(const grpc::CallbackServerContext& context) const;
+
   SessionService& sessions_;
   telemetry::Telemetry& telemetry_;
+  const PeerTable* const peers_;
 };
 
 }  // namespace eps::service

@@ -8,7 +8,10 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "service/shm_fault_guard.h"
 
 namespace eps::service {
 namespace {
@@ -19,19 +22,42 @@ absl::Status Errno(const std::string& what, int err) {
   const std::string message = absl::StrCat(what, ": ", std::strerror(err));
   if (err == ENOENT) return absl::NotFoundError(message);
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
+  // The name passed CheckShmName; what is left of these is still the request's fault.
+  if (err == EINVAL || err == ENAMETOOLONG || err == ELOOP || err == ENOTDIR || err == EISDIR) {
+    return absl::InvalidArgumentError(message);
+  }
   return absl::InternalError(message);
 }
 
 }  // namespace
 
+absl::Status CheckShmName(const std::string& field, const std::string& name) {
+  // The name as the message shows it: NUL and other control bytes escaped.
+  auto shown = [&] { return absl::StrCat(field, "='", absl::CHexEscape(name), "'"); };
+  if (name.size() < 2 || name.size() > 255 || name[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat(shown(), " must be '/' followed by 1-254 bytes"));
+  }
+  for (size_t i = 1; i < name.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    if (c == '/' || c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: byte %d (0x%02x) is not allowed: a shm name is one plain name of printable "
+          "ASCII without '/'",
+          shown(), i, c));
+    }
+  }
+  if (name == "/." || name == "/..") {
+    return absl::InvalidArgumentError(absl::StrCat(shown(), " is a directory, not a shm name"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::MapShm(const std::string& name,
                                                                uint64_t declared_size) {
-  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
-      name.size() > 255) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host_shm.name='", name, "' must be '/' followed by 1-254 chars, no '/'"));
-  }
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (absl::Status s = CheckShmName("host_shm.name", name); !s.ok()) return s;
+  // O_NONBLOCK: a FIFO planted under /dev/shm must not block the open.
+  const int fd = shm_open(name.c_str(), O_RDWR | O_NONBLOCK, 0);
   if (fd < 0) return Errno(absl::StrCat("shm_open(", name, ")"), errno);
   struct stat st {};
   if (fstat(fd, &st) != 0) {
@@ -39,12 +65,17 @@ absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::MapShm(const std::string
     close(fd);
     return Errno(absl::StrCat("fstat(", name, ")"), err);
   }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("host_shm ", name, " is not a regular shared-memory object"));
+  }
   const uint64_t actual = static_cast<uint64_t>(st.st_size);
   if (actual != declared_size || actual == 0) {
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat("host_shm ", name, ": declared size ",
-                                                   declared_size, " but the object holds ",
-                                                   actual, " bytes"));
+                                                   declared_size, " but the object holds ", actual,
+                                                   " bytes"));
   }
   void* addr = mmap(nullptr, actual, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
@@ -55,6 +86,10 @@ absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::MapShm(const std::string
   memory->size_ = actual;
   memory->name_ = name;
   memory->mapped_ = true;
+  // Covered before epsd touches a byte: the engine may shrink the object at any time.
+  absl::StatusOr<int> region = ShmFaultGuard::Register(addr, actual);
+  if (!region.ok()) return region.status();  // the destructor unmaps
+  memory->guard_region_ = *region;
   return memory;
 }
 
@@ -65,8 +100,8 @@ absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::Allocate(uint64_t size,
         absl::StrCat("inline buffer of ", size, " bytes not in [1, ", kMaxInlineBytes, "]"));
   }
   if (initial.size() > size) {
-    return absl::InvalidArgumentError(absl::StrCat("inline data of ", initial.size(),
-                                                   " bytes exceeds the buffer's ", size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("inline data of ", initial.size(), " bytes exceeds the buffer's ", size));
   }
   auto memory = std::unique_ptr<HostMemory>(new HostMemory());
   memory->owned_ = std::make_unique<std::byte[]>(size);  // value-initialised: zeros
@@ -77,7 +112,10 @@ absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::Allocate(uint64_t size,
   return memory;
 }
 
+bool HostMemory::faulted() const { return ShmFaultGuard::Faulted(guard_region_); }
+
 HostMemory::~HostMemory() {
+  ShmFaultGuard::Unregister(guard_region_);
   if (mapped_) munmap(data_, size_);
 }
 

@@ -4,7 +4,9 @@
 //
 // Ownership: a HostMemory owns its mapping or allocation and releases it in its
 // destructor. Thread safety: immutable after creation; the bytes themselves are
-// shared with the engine and synchronised by the step protocol.
+// shared with the engine and synchronised by the step protocol. A shm mapping
+// is covered by ShmFaultGuard: an engine that shrinks its object cannot crash
+// epsd, and faulted() then says the session's memory is gone.
 #pragma once
 
 #include <cstddef>
@@ -26,11 +28,18 @@ class MappedMemory {
   virtual const std::string& name() const = 0;
   virtual bool is_inline() const { return false; }
   virtual bool is_device() const { return false; }
+  // True once the engine shrank the object under epsd (its pages now read as zeros).
+  virtual bool faulted() const { return false; }
 };
+
+// Whether `name` is one plain POSIX shm name: '/' then 1-254 bytes of printable
+// ASCII, no '/', not "." or ".." (INVALID_ARGUMENT naming `field` otherwise).
+absl::Status CheckShmName(const std::string& field, const std::string& name);
 
 class HostMemory final : public MappedMemory {
  public:
-  // Maps the shm object `name` read-write. `declared_size` must equal its size.
+  // Maps the shm object `name` (a regular file under /dev/shm, no symlink)
+  // read-write. `declared_size` must equal its size.
   static absl::StatusOr<std::unique_ptr<HostMemory>> MapShm(const std::string& name,
                                                             uint64_t declared_size);
   // Allocates `size` zeroed bytes, then copies `initial` (at most `size` bytes) in.
@@ -45,6 +54,7 @@ class HostMemory final : public MappedMemory {
   uint64_t size() const override { return size_; }
   bool is_inline() const override { return owned_ != nullptr; }
   const std::string& name() const override { return name_; }
+  bool faulted() const override;
 
  private:
   HostMemory() = default;
@@ -53,6 +63,7 @@ class HostMemory final : public MappedMemory {
   std::string name_;
   std::unique_ptr<std::byte[]> owned_;  // inline buffers
   bool mapped_ = false;                 // shm: munmap on destruction
+  int guard_region_ = -1;               // shm: its ShmFaultGuard region
 };
 
 }  // namespace eps::service

@@ -3,10 +3,13 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "cli/flags.h"
 #include "service/config.h"
 #include "service/cuda_backend.h"
@@ -59,15 +62,25 @@ int main(int argc, char** argv) {
   if (!(*server)->health_address().empty()) {
     std::fprintf(stderr, "epsd: grpc.health.v1 on %s\n", (*server)->health_address().c_str());
   }
+  absl::Notification stopped;
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);
     std::fprintf(stderr, "epsd: signal %d, draining for up to %u ms\n", signal, config->drain_ms);
     (*server)->Shutdown();
+    // The backstop of the drain: gRPC cancels the calls left at drain_ms, and every call
+    // ends then (service/call_guard.h); should one still not, exit regardless.
+    constexpr uint32_t kGraceMs = 2500;  // the span flush after the drain takes up to 2 s
+    if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(config->drain_ms + kGraceMs))) {
+      std::fprintf(stderr, "epsd: drain timed out %u ms after the signal; exiting\n",
+                   config->drain_ms + kGraceMs);
+      std::_Exit(1);
+    }
   });
   (*server)->Wait();
-  waiter.join();
   server->reset();
+  stopped.Notify();
+  waiter.join();
   std::fprintf(stderr, "epsd: stopped\n");
   return 0;
 }

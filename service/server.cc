@@ -65,7 +65,8 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
       });
   if (!telemetry.ok()) return telemetry.status();
   server->telemetry_ = *std::move(telemetry);
-  server->service_ = std::make_unique<PageSelectorService>(*server->sessions_, *server->telemetry_);
+  server->service_ = std::make_unique<PageSelectorService>(*server->sessions_, *server->telemetry_,
+                                                           is_unix ? &server->peers_ : nullptr);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -73,8 +74,8 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   // it (the kernel splitting connections between the two) instead of failing.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(),
-                           is_unix ? nullptr : &port);
+  // The Unix socket is epsd's own (UnixAcceptor): it reads each peer's credentials.
+  if (!is_unix) builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -94,10 +95,10 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
     server->bound_address_ = absl::StrCat(config.listen.substr(0, colon), ":", port);
   }
   if (is_unix) {
-    const std::string path = config.listen.substr(7);
-    if (chmod(path.c_str(), config.socket_mode) != 0) {
-      return absl::InternalError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
-    }
+    absl::StatusOr<std::unique_ptr<UnixAcceptor>> acceptor = UnixAcceptor::Start(
+        config.listen.substr(7), config.socket_mode, *server->server_, server->peers_);
+    if (!acceptor.ok()) return acceptor.status();
+    server->acceptor_ = *std::move(acceptor);
   }
   return server;
 }
@@ -124,6 +125,7 @@ absl::Status EpsServer::StartHealthListener() {
 }
 
 void EpsServer::Shutdown() {
+  if (acceptor_ != nullptr) acceptor_->Stop();  // no new connection from here on
   if (server_ == nullptr) return;
   // Probes see NOT_SERVING while calls drain, then the health port closes.
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();

@@ -11,6 +11,7 @@
 #include "grpcpp/server.h"
 #include "service/config.h"
 #include "service/grpc_service.h"
+#include "service/peer.h"
 #include "service/session_service.h"
 #include "service/telemetry/telemetry.h"
 
@@ -37,7 +38,9 @@ class EpsServer {
   std::unique_ptr<SessionService> sessions_;
   std::unique_ptr<telemetry::Telemetry> telemetry_;  // outlives the service that calls it
   std::unique_ptr<PageSelectorService> service_;
+  PeerTable peers_;  // the Unix socket's connections: who is on the other end
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixAcceptor> acceptor_;  // stopped before server_ shuts down
   std::string bound_address_;
   std::unique_ptr<grpc::Server> health_server_;  // --health-listen; null when off
   std::string health_address_;

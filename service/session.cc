@@ -1,12 +1,62 @@
 #include "service/session.h"
 
 #include <chrono>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/status.h"
 #include "service/cpu_backend.h"
 #include "service/cuda_backend.h"
 
 namespace eps::service {
+namespace {
+
+// a * b * ..., saturating at UINT64_MAX (a saturated charge is refused by any limit).
+uint64_t Product(std::initializer_list<uint64_t> factors) {
+  uint64_t product = 1;
+  for (uint64_t f : factors) {
+    if (__builtin_mul_overflow(product, f, &product)) return UINT64_MAX;
+  }
+  return product;
+}
+
+uint64_t Sum(std::initializer_list<uint64_t> terms) {
+  uint64_t sum = 0;
+  for (uint64_t t : terms) {
+    if (__builtin_add_overflow(sum, t, &sum)) return UINT64_MAX;
+  }
+  return sum;
+}
+
+// The allocations a session's backend makes, sized by its request: the Φ bank
+// and the step's scratch (cpu: core/step.cc's lists, scores and marks; cuda:
+// gpu/step.cu's device buffers), as (what, bytes).
+std::vector<std::pair<std::string, uint64_t>> BackendAllocations(const SessionSpec& spec,
+                                                                 const SessionBuffers& b) {
+  const ModelLayout& m = spec.model;
+  const uint64_t L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads, d = m.head_dim,
+                 sketch = m.sketch_dim, batch = spec.max_batch,
+                 groups = static_cast<uint64_t>(b.max_groups);
+  const uint64_t phi = Product({L, Hkv, d, sketch, sizeof(float)});
+  if (spec.backend == BackendKind::kCuda) {
+    const uint64_t device =
+        Sum({phi, Product({batch, L, Hq, static_cast<uint64_t>(PackedSize(m.sketch_dim)) + 1, 4}),
+             Product({batch, L, Hq, groups, 4}), Product({batch, L, Hq, 4}), Product({L, Hq, 4})});
+    return {{"the cuda backend's device buffers", device}};
+  }
+  const uint64_t lists = spec.output_granularity == Granularity::kPerKvHead ? Hkv : 1;
+  // Per step: the visit lists' scratch, and per row a score, bracket and mark per group
+  // for each query head and list.
+  const uint64_t scratch =
+      Sum({b[SharedBuffer::kVisitBlocks].bytes, b[SharedBuffer::kVisitCount].bytes,
+           Product({groups, Sum({Hq, lists, 4}), 8})});
+  return {{"the Phi bank", phi}, {"the step scratch", scratch}};
+}
+
+}  // namespace
 
 int64_t SteadyNowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -15,15 +65,24 @@ int64_t SteadyNowMs() {
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest& request,
-                                                         const ServerConfig& config) {
+                                                         const ServerConfig& config,
+                                                         MemoryBudget& server_budget) {
   std::unique_ptr<Session> s(new Session());
+  s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
+                                              &server_budget);
   ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
   const SessionSpec& spec = s->spec_;
   if (spec.backend == BackendKind::kCuda) {
     s->mappings_.set_cuda_ipc_opener(MakeCudaIpcOpener(spec.device));
   }
+  s->mappings_.set_budget(s->budget_.get());  // inline buffers are charged as they are made
   ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
   ASSIGN_OR_RETURN(s->policy_, SessionPolicy(spec, request, config.policy));
+  // What the backend will allocate, charged before it does.
+  for (const auto& [what, bytes] : BackendAllocations(spec, s->buffers_)) {
+    ASSIGN_OR_RETURN(MemoryCharge charge, s->budget_->Charge(bytes, what));
+    s->charges_.push_back(std::move(charge));
+  }
   if (spec.backend == BackendKind::kCuda) {
     if (s->policy_.strict || s->policy_.budget != Budget::kThreshold) {
       return absl::UnimplementedError(
@@ -38,6 +97,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     ASSIGN_OR_RETURN(s->backend_, MakeCpuBackend(spec.model));
   }
   return s;
+}
+
+absl::Status Session::CheckCaller(const Peer& caller) const {
+  if (!owner_.known) return absl::OkStatus();
+  if (caller.known && (caller.uid == owner_.uid || caller.uid == 0)) return absl::OkStatus();
+  // Not the id in the message: an Attach that may not replace the session must not learn it.
+  return absl::PermissionDeniedError(absl::StrCat("the session of engine '", spec_.engine_id,
+                                                  "' belongs to uid ", owner_.uid, ", not to ",
+                                                  caller.Describe()));
 }
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -21,6 +22,8 @@
 #include "service/backend.h"
 #include "service/config.h"
 #include "service/descriptor.h"
+#include "service/memory_budget.h"
+#include "service/peer.h"
 #include "service/session_buffers.h"
 #include "service/session_spec.h"
 
@@ -29,19 +32,33 @@ namespace eps::service {
 class Session {
  public:
   // Validates `request` (spec, buffers, policy, in that order), maps its
-  // buffers and builds the backend the spec names.
+  // buffers and builds the backend the spec names. Every allocation the
+  // request sizes is charged first to the session's budget
+  // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
+  // naming the limit before anything is allocated past it.
   static absl::StatusOr<std::unique_ptr<Session>> Create(const v1::AttachRequest& request,
-                                                         const ServerConfig& config);
+                                                         const ServerConfig& config,
+                                                         MemoryBudget& server_budget);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   const std::string& id() const { return id_; }
   void set_id(std::string id) { id_ = std::move(id); }  // before the session is published
+  // Who attached it (service/peer.h); set before the session is published.
+  const Peer& owner() const { return owner_; }
+  void set_owner(const Peer& owner) { owner_ = owner; }
+  // PERMISSION_DENIED unless `caller` may use the session: its owner's user, or
+  // root. A session attached over TCP (owner unknown) is reached by its id alone.
+  absl::Status CheckCaller(const Peer& caller) const;
   const SessionSpec& spec() const { return spec_; }
   const SelectPolicy& policy() const { return policy_; }  // the defaults; calls may override
   const SessionBuffers& buffers() const { return buffers_; }
   // Runs the session's steps, one at a time under its step_mu().
   StepBackend& backend() const { return *backend_; }
+  // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
+  // session's objects under epsd (service/shm_fault_guard.h).
+  absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
+  uint64_t charged_bytes() const { return budget_->used(); }
 
   std::atomic<int64_t> last_active_ms{0};  // steady clock
   std::atomic<uint64_t> steps{0}, errors{0};
@@ -57,9 +74,12 @@ class Session {
   Session() = default;
 
   std::string id_;
+  Peer owner_;
   SessionSpec spec_;
   SelectPolicy policy_;
-  MappingCache mappings_;  // owns the memory buffers_ points into
+  std::unique_ptr<MemoryBudget> budget_;  // outlives the charges below
+  std::vector<MemoryCharge> charges_;     // the Phi bank, step scratch, device buffers
+  MappingCache mappings_;                 // owns the memory buffers_ points into
   SessionBuffers buffers_;
   std::unique_ptr<StepBackend> backend_;
 };

@@ -27,7 +27,7 @@ bool HasDescriptor(const v1::SharedBuffers& b, const BufferSpec& spec) {
 }
 
 // The input buffer a write targets; null for a target that is not a writable input.
-const HostTensor* WriteTarget(const SessionBuffers& b, v1::BufferWrite::Target target) {
+const MappedTensor* WriteTarget(const SessionBuffers& b, v1::BufferWrite::Target target) {
   switch (target) {
     case v1::BufferWrite::TARGET_SUMMARY_POOL:
       return &b[SharedBuffer::kSummaryPool];
@@ -53,7 +53,7 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
   // Where an engine-chosen dimension was fixed ("group_table.shape[0]"), for messages.
   std::array<std::string, kDims> fixed_by;
   SessionBuffers buf;
-  std::vector<std::pair<TensorSpec, HostTensor>> tensors;
+  std::vector<std::pair<TensorSpec, MappedTensor>> tensors;
   for (const BufferSpec& contract : kBufferContract) {
     if (contract.optional && !HasDescriptor(b, contract)) continue;
     TensorSpec t;
@@ -66,7 +66,7 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
       const std::string& at = fixed_by[static_cast<int>(dim)];
       t.dim_names.push_back(at.empty() ? DimName(dim) : at);
     }
-    ASSIGN_OR_RETURN(HostTensor tensor, ResolveTensor(DescriptorOf(b, contract), t, mappings));
+    ASSIGN_OR_RETURN(MappedTensor tensor, ResolveTensor(DescriptorOf(b, contract), t, mappings));
     for (size_t i = 0; i < shape.size(); ++i) {
       if (dims[shape[i]] >= 0) continue;
       dims[shape[i]] = tensor.shape[i];
@@ -97,7 +97,7 @@ absl::Status ApplyInlineWrites(const google::protobuf::RepeatedPtrField<v1::Buff
                                const SessionBuffers& buffers) {
   for (int i = 0; i < writes.size(); ++i) {
     const v1::BufferWrite& w = writes[i];
-    const HostTensor* target = WriteTarget(buffers, w.target());
+    const MappedTensor* target = WriteTarget(buffers, w.target());
     if (target == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("writes[", i, "].target=", w.target(), " is not a writable input"));

@@ -22,12 +22,12 @@
 namespace eps::service {
 
 struct SessionBuffers {
-  std::array<HostTensor, kSharedBuffers> tensors;  // by SharedBuffer; flags empty when absent
+  std::array<MappedTensor, kSharedBuffers> tensors;  // by SharedBuffer; flags empty when absent
   bool has_flags = false;
   // The engine's choices, fixed by the descriptors (core/buffer_contract.h).
   int64_t num_slots = 0, max_seqs = 0, max_groups = 0, max_blocks = 0;
 
-  const HostTensor& operator[](SharedBuffer buffer) const {
+  const MappedTensor& operator[](SharedBuffer buffer) const {
     return tensors[static_cast<int>(buffer)];
   }
   template <typename T>

@@ -8,6 +8,11 @@ absl::Status SessionRegistry::Add(std::shared_ptr<Session> session, size_t max_s
   absl::MutexLock lock(&mu_);
   auto it = id_by_engine_.find(session->spec().engine_id);
   if (it != id_by_engine_.end()) {
+    // Only the user that attached a session (or root) replaces it (docs/security.md).
+    const auto existing = by_id_.find(it->second);
+    if (existing != by_id_.end()) {
+      if (absl::Status s = existing->second->CheckCaller(session->owner()); !s.ok()) return s;
+    }
     by_id_.erase(it->second);  // the replaced session unmaps once no call holds it
   } else if (by_id_.size() >= max_sessions) {
     return absl::ResourceExhaustedError(

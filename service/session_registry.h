@@ -20,7 +20,8 @@ namespace eps::service {
 class SessionRegistry {
  public:
   // Publishes `session`; a session of the same engine_id is replaced (re-attach
-  // after an engine restart). RESOURCE_EXHAUSTED when it would be a new session
+  // after an engine restart) when the new one's owner may use it, and
+  // PERMISSION_DENIED otherwise. RESOURCE_EXHAUSTED when it would be a new session
   // beyond `max_sessions` (checked under the lock, so concurrent attaches agree).
   absl::Status Add(std::shared_ptr<Session> session, size_t max_sessions);
   std::shared_ptr<Session> Find(const std::string& id) const;

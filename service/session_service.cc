@@ -1,6 +1,7 @@
 #include "service/session_service.h"
 
-#include <random>
+#include <sys/random.h>
+
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -11,10 +12,17 @@
 namespace eps::service {
 namespace {
 
+// A capability: 128 bits from the kernel's CSPRNG, returned only to the attacher
+// (docs/security.md). The counter only makes a collision with a live id impossible.
 std::string NewSessionId(uint64_t counter) {
-  static const uint64_t process_nonce = std::random_device{}();
-  return absl::StrFormat("s-%08x-%llu", static_cast<uint32_t>(process_nonce),
-                         static_cast<unsigned long long>(counter));
+  uint64_t random[2] = {0, 0};
+  size_t filled = 0;
+  while (filled < sizeof(random)) {
+    const ssize_t n =
+        getrandom(reinterpret_cast<char*>(random) + filled, sizeof(random) - filled, 0);
+    if (n > 0) filled += static_cast<size_t>(n);
+  }
+  return absl::StrFormat("s-%x-%016x%016x", counter, random[0], random[1]);
 }
 
 HostVisitLists VisitListsOf(const SessionSpec& spec, const SessionBuffers& buffers) {
@@ -29,7 +37,19 @@ HostVisitLists VisitListsOf(const SessionSpec& spec, const SessionBuffers& buffe
 
 }  // namespace
 
-SessionService::SessionService(const ServerConfig& config) : config_(config) {
+absl::Status CallLiveness::Check(const char* what) const {
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(absl::StrCat(what, ": the client cancelled the call; not run"));
+  }
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, ": the call's deadline passed before it could run; not run"));
+  }
+  return absl::OkStatus();
+}
+
+SessionService::SessionService(const ServerConfig& config)
+    : config_(config), server_budget_("--max-server-bytes", config.max_server_bytes) {
   reaper_ = std::thread([this] {
     const auto period = absl::Milliseconds(std::max<uint32_t>(10, config_.lease_ms / 10));
     while (!stop_.WaitForNotificationWithTimeout(period)) ExpireSessions();
@@ -54,12 +74,25 @@ void SessionService::ExpireSessions() {
   }
 }
 
-absl::Status SessionService::Attach(const v1::AttachRequest& request,
-                                    v1::AttachResponse* response) {
-  absl::StatusOr<std::unique_ptr<Session>> built = Session::Create(request, config_);
+absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::string& id,
+                                                                 const Peer& caller,
+                                                                 const char* hint) const {
+  std::shared_ptr<Session> session = sessions_.Find(id);
+  if (session == nullptr) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found", hint));
+  }
+  RETURN_IF_ERROR(session->CheckCaller(caller));
+  return session;
+}
+
+absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
+                                    const Peer& caller) {
+  absl::StatusOr<std::unique_ptr<Session>> built =
+      Session::Create(request, config_, server_budget_);
   if (!built.ok()) return CountFailure(built.status());
   std::shared_ptr<Session> session = *std::move(built);
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
+  session->set_owner(caller);
   session->Touch();
   response->set_session_id(session->id());
   response->set_lease_ms(session->spec().lease_ms);
@@ -75,7 +108,9 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status SessionService::Detach(const v1::DetachRequest& request) {
+absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
+  if (!session.ok()) return CountFailure(session.status());
   if (!sessions_.Remove(request.session_id())) {
     return CountFailure(
         absl::NotFoundError(absl::StrCat("session '", request.session_id(), "' not found")));
@@ -84,12 +119,13 @@ absl::Status SessionService::Detach(const v1::DetachRequest& request) {
 }
 
 absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
-                                         v1::SelectPagesResponse* response, BackendKind* backend) {
-  std::shared_ptr<Session> session = sessions_.Find(request.session_id());
-  if (session == nullptr) {
-    return CountFailure(absl::NotFoundError(absl::StrCat(
-        "session '", request.session_id(), "' not found (detached or lease expired): re-attach")));
-  }
+                                         v1::SelectPagesResponse* response, BackendKind* backend,
+                                         const CallLiveness& liveness, const Peer& caller) {
+  if (absl::Status alive = liveness.Check("SelectPages"); !alive.ok()) return alive;
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindFor(request.session_id(), caller, " (detached or lease expired): re-attach");
+  if (!found.ok()) return CountFailure(found.status());
+  std::shared_ptr<Session> session = *std::move(found);
   if (backend != nullptr) *backend = session->backend().kind();
   session->Touch();
   const bool async = request.reply_mode() == v1::REPLY_MODE_ASYNC;
@@ -118,11 +154,12 @@ absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
                      GranularityName(spec.output_granularity), ")")));
   }
   const std::vector<StepRow> rows = RowsFromProto(request.rows());
-  return RunStep(*session, request, rows, *policy, response);
+  return RunStep(*session, request, rows, *policy, liveness, response);
 }
 
 absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequest& request,
                                      std::span<const StepRow> rows, const SelectPolicy& policy,
+                                     const CallLiveness& liveness,
                                      v1::SelectPagesResponse* response) {
   auto count_step = [&](const StepStats& stats) {
     session.CountStep(stats);
@@ -131,7 +168,11 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   const SessionBuffers& buffers = session.buffers();
   StepBackend& backend = session.backend();
   absl::MutexLock lock(&backend.step_mu());
-  absl::Status ready = backend.CheckStepOrder(request.step());
+  // A call that died waiting for the lock behind a slow step is not run: its step
+  // number stays free for the engine's next call.
+  if (absl::Status alive = liveness.Check("SelectPages"); !alive.ok()) return alive;
+  absl::Status ready = session.CheckMemoryIntact();
+  if (ready.ok()) ready = backend.CheckStepOrder(request.step());
   if (ready.ok()) ready = ApplyInlineWrites(request.writes(), buffers);
   if (!ready.ok()) {
     session.errors.fetch_add(1);
@@ -145,7 +186,9 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
       .policy = policy,
       .async = request.reply_mode() == v1::REPLY_MODE_ASYNC};
   StepOutcome outcome;
-  const absl::Status run = backend.Run(step, &outcome);
+  absl::Status run = backend.Run(step, &outcome);
+  // A SIGBUS in the engine's shm during the step left zeros in its place (shm_fault_guard.h).
+  if (run.ok()) run = session.CheckMemoryIntact();
   // Async steps finished since the last call count now, whatever this step does.
   for (const FinishedStep& f : outcome.earlier) {
     v1::StepStats* earlier = response->add_earlier();
@@ -169,7 +212,7 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     count_step(outcome.stats);
     ToProto(outcome.stats, request.step(), outcome.prepass_us, response->mutable_stats());
   }
-  const HostTensor& visit_blocks = buffers[SharedBuffer::kVisitBlocks];
+  const MappedTensor& visit_blocks = buffers[SharedBuffer::kVisitBlocks];
   if (visit_blocks.is_inline && !visit_blocks.is_device) {
     AppendVisitLists(VisitListsOf(session.spec(), buffers), rows, response);
   }
@@ -178,19 +221,22 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
 }
 
 absl::Status SessionService::Heartbeat(const v1::HeartbeatRequest& request,
-                                       v1::HeartbeatResponse* response) {
-  std::shared_ptr<Session> session = sessions_.Find(request.session_id());
-  if (session == nullptr) {
-    return CountFailure(absl::NotFoundError(
-        absl::StrCat("session '", request.session_id(), "' not found: re-attach")));
-  }
+                                       v1::HeartbeatResponse* response, const Peer& caller) {
+  absl::StatusOr<std::shared_ptr<Session>> found =
+      FindFor(request.session_id(), caller, ": re-attach");
+  if (!found.ok()) return CountFailure(found.status());
+  std::shared_ptr<Session> session = *std::move(found);
   session->Touch();
   response->set_lease_ms(session->spec().lease_ms);
   return absl::OkStatus();
 }
 
 absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
-                                      v1::GetStatsResponse* response) {
+                                      v1::GetStatsResponse* response, const Peer& caller) {
+  if (!request.session_id().empty()) {
+    absl::StatusOr<std::shared_ptr<Session>> found = FindFor(request.session_id(), caller, "");
+    if (!found.ok()) return found.status();
+  }
   response->set_sessions_active(sessions_.size());
   response->set_sessions_attached_total(attached_total_.load());
   response->set_sessions_expired_total(expired_total_.load());
@@ -198,8 +244,10 @@ absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
   response->set_validation_failures_total(validation_failures_.load());
   for (const auto& s : sessions_.All()) {
     if (!request.session_id().empty() && s->id() != request.session_id()) continue;
+    if (!s->CheckCaller(caller).ok()) continue;  // another user's session is not listed
     v1::SessionStats* out = response->add_sessions();
-    out->set_session_id(s->id());
+    // A session id is a capability: shown only to a caller who named it.
+    if (!request.session_id().empty()) out->set_session_id(s->id());
     out->set_engine_id(s->spec().engine_id);
     out->set_steps(s->steps.load());
     out->set_last_step(s->last_step_seen.load());

@@ -8,16 +8,31 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "eps/v1/page_selector.pb.h"
 #include "service/backend_kind.h"
 #include "service/config.h"
+#include "service/memory_budget.h"
+#include "service/peer.h"
 #include "service/session_registry.h"
 
 namespace eps::service {
+
+// Whether the caller still waits for a call's answer: a call cancelled or past
+// its deadline is not run (its step is neither taken nor counted). Checked when
+// the call arrives and again once it holds the session's step lock, where a
+// call may wait behind a slow step.
+struct CallLiveness {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty
+  // CANCELLED or DEADLINE_EXCEEDED when the call is dead, naming `what`.
+  absl::Status Check(const char* what) const;
+};
 
 class SessionService {
  public:
@@ -26,26 +41,41 @@ class SessionService {
   SessionService(const SessionService&) = delete;
   SessionService& operator=(const SessionService&) = delete;
 
-  absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response);
-  absl::Status Detach(const v1::DetachRequest& request);
+  // `caller`: who made the call (service/peer.h). A session belongs to the user
+  // that attached it: calls from another user are PERMISSION_DENIED, an Attach
+  // of its engine_id from another user does not replace it, and the listing
+  // (GetStats without a session_id) shows only the caller's own sessions,
+  // never a session id (docs/security.md). Root may inspect and detach any.
+  absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
+                      const Peer& caller = {});
+  absl::Status Detach(const v1::DetachRequest& request, const Peer& caller = {});
   // `backend` (may be null): set to the session's backend kind once the session is found.
   absl::Status SelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
-                           BackendKind* backend = nullptr);
-  absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response);
-  absl::Status GetStats(const v1::GetStatsRequest& request, v1::GetStatsResponse* response);
+                           BackendKind* backend = nullptr, const CallLiveness& liveness = {},
+                           const Peer& caller = {});
+  absl::Status Heartbeat(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
+                         const Peer& caller = {});
+  absl::Status GetStats(const v1::GetStatsRequest& request, v1::GetStatsResponse* response,
+                        const Peer& caller = {});
 
   // Expires sessions whose lease ran out; the reaper thread calls this.
   void ExpireSessions();
   size_t session_count() const { return sessions_.size(); }
+  // Bytes charged to --max-server-bytes by the live sessions.
+  uint64_t charged_bytes() const { return server_budget_.used(); }
 
  private:
   absl::Status CountFailure(absl::Status status);
+  // The session `id` names, if `caller` may use it: NOT_FOUND or PERMISSION_DENIED.
+  absl::StatusOr<std::shared_ptr<Session>> FindFor(const std::string& id, const Peer& caller,
+                                                   const char* hint) const;
   // Runs one validated step under the session's step lock.
   absl::Status RunStep(Session& session, const v1::SelectPagesRequest& request,
                        std::span<const StepRow> rows, const SelectPolicy& policy,
-                       v1::SelectPagesResponse* response);
+                       const CallLiveness& liveness, v1::SelectPagesResponse* response);
 
   const ServerConfig config_;
+  MemoryBudget server_budget_;  // outlives the sessions that charge it
   SessionRegistry sessions_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},

@@ -4,6 +4,7 @@
 #include <deque>
 #include <future>
 #include <mutex>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
@@ -34,8 +35,7 @@ class StreamCall final
 
   // Sends `request` once the previous write completed (its reply can arrive
   // before OnWriteDone); false if that takes past `deadline` or the call ended.
-  bool Send(const v1::SelectPagesRequest& request,
-            std::chrono::steady_clock::time_point deadline) {
+  bool Send(const v1::SelectPagesRequest& request, std::chrono::steady_clock::time_point deadline) {
     std::unique_lock lock(mu_);
     if (!cv_.wait_until(lock, deadline, [&] { return !writing_ || done_ || read_closed_; })) {
       return false;
@@ -121,8 +121,20 @@ class StreamCall final
   absl::Status final_status_;
 };
 
+namespace {
+
+// A random, non-zero id for one client's fallback reports.
+uint64_t NewClientId() {
+  std::random_device device;
+  uint64_t id = 0;
+  while (id == 0) id = (static_cast<uint64_t>(device()) << 32) ^ device();
+  return id;
+}
+
+}  // namespace
+
 EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
-    : options_(std::move(options)), attach_(std::move(attach)) {
+    : options_(std::move(options)), attach_(std::move(attach)), client_id_(NewClientId()) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
@@ -212,8 +224,7 @@ absl::Status EpsClient::Heartbeat() {
   return FromGrpc(stub_->Heartbeat(&context, request, &response));
 }
 
-StepResult EpsClient::Fallback(uint64_t step, absl::Status status,
-                               std::atomic<uint64_t>& counter) {
+StepResult EpsClient::Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter) {
   counter.fetch_add(1);
   if (options_.on_fallback) options_.on_fallback(step);
   StepResult result;
@@ -292,10 +303,12 @@ absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request, Deadli
     stream_->Close();
     stream_.reset();
   }
-  if (!stream_) stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent, options_.tracestate);
+  if (!stream_)
+    stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent, options_.tracestate);
   if (!stream_->Send(request, deadline)) {
-    return stream_->done() ? absl::UnavailableError("the stream closed")
-                           : absl::DeadlineExceededError("the previous request is still being written");
+    return stream_->done()
+               ? absl::UnavailableError("the stream closed")
+               : absl::DeadlineExceededError("the previous request is still being written");
   }
   return stream_->Receive(request.step(), deadline, response);
 }
@@ -322,17 +335,19 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   request.mutable_rows()->Add(rows.begin(), rows.end());
   if (options != nullptr) *request.mutable_options() = *options;
   if (options_.reply_async) request.set_reply_mode(v1::REPLY_MODE_ASYNC);
-  // Fallbacks since the last report ride on the step for epsd's metrics (docs/design.md
-  // §6: a silent fallback is a bug). They count as reported once the server has seen them:
-  // on any reply but UNAVAILABLE and DEADLINE_EXCEEDED, which may not have reached it (a
-  // report can then arrive twice, never be lost).
+  // The client's fallback totals ride on the step for epsd's metrics until the server has
+  // surely seen them: until a reply other than UNAVAILABLE or DEADLINE_EXCEEDED, which may or
+  // may not have reached it. Totals with this client's id, not deltas: epsd counts only their
+  // increase, so a report that arrives twice counts once and none is lost.
   const ClientCounters now = counters();
-  v1::ClientFallbacks* fallbacks = request.mutable_fallbacks();
-  fallbacks->set_deadline(now.fallback_deadline - reported_.fallback_deadline);
-  fallbacks->set_unavailable(now.fallback_unavailable - reported_.fallback_unavailable);
-  fallbacks->set_not_attached(now.fallback_not_attached - reported_.fallback_not_attached);
-  fallbacks->set_error(now.fallback_error - reported_.fallback_error);
-  if (now.fallbacks() == reported_.fallbacks()) request.clear_fallbacks();
+  if (now.fallbacks() != reported_.fallbacks()) {
+    v1::ClientFallbacks* fallbacks = request.mutable_fallbacks();
+    fallbacks->set_client_id(client_id_);
+    fallbacks->set_deadline(now.fallback_deadline);
+    fallbacks->set_unavailable(now.fallback_unavailable);
+    fallbacks->set_not_attached(now.fallback_not_attached);
+    fallbacks->set_error(now.fallback_error);
+  }
   StepResult result;
   const Deadline deadline = start + options_.deadline;
   absl::Status status = options_.use_stream ? CallStream(request, deadline, &result.response)

@@ -32,9 +32,9 @@ namespace eps::client {
 
 struct ClientOptions {
   std::string target = "unix:///tmp/epsd.sock";
-  std::chrono::microseconds deadline{2000};        // per SelectPages
-  std::chrono::milliseconds attach_deadline{500};  // Attach, Detach, re-attach
-  std::chrono::milliseconds reattach_backoff{100}; // between re-attach attempts
+  std::chrono::microseconds deadline{2000};         // per SelectPages
+  std::chrono::milliseconds attach_deadline{500};   // Attach, Detach, re-attach
+  std::chrono::milliseconds reattach_backoff{100};  // between re-attach attempts
   bool fail_open = true;  // false: a failed step is an error for the engine
   bool use_stream = false;
   std::string traceparent;  // W3C trace context to send, when set
@@ -115,7 +115,8 @@ class EpsClient {
   std::unique_ptr<StreamCall> stream_;
   std::vector<std::unique_ptr<UnaryCall>> abandoned_;  // cancelled, callback pending
 
-  ClientCounters reported_;  // fallbacks epsd has been told about (engine thread only)
+  const uint64_t client_id_;  // names this client's fallback reports (random)
+  ClientCounters reported_;   // fallbacks epsd has surely been told about (engine thread only)
   std::atomic<uint64_t> steps_{0}, selected_{0}, fb_deadline_{0}, fb_unavailable_{0},
       fb_not_attached_{0}, fb_error_{0}, reattaches_{0}, errors_{0};
 };

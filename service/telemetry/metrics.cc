@@ -243,9 +243,10 @@ void ServerMetrics::StepSelected(const v1::StepStats& s, service::BackendKind ba
 }
 
 void ServerMetrics::ClientFallbacks(const v1::ClientFallbacks& f) {
-  // Reports are deltas; an absurd one (a client bug) must not wreck the counter's rate.
+  // Totals become increments once per client (FallbackReports); an absurd increment (a client
+  // bug) must not wreck the counter's rate.
   constexpr uint64_t kMaxPerReport = uint64_t{1} << 40;
-  const uint64_t values[4] = {f.deadline(), f.unavailable(), f.not_attached(), f.error()};
+  const FallbackReports::Counts values = reports_.Increase(f);
   for (int i = 0; i < 4; ++i) {
     if (values[i] > 0 && values[i] < kMaxPerReport) {
       fallbacks_[i]->Increment(static_cast<double>(values[i]));

@@ -22,6 +22,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
 #include "service/backend_kind.h"
+#include "service/telemetry/fallback_reports.h"
 #include "service/telemetry/sharded_histogram.h"
 
 namespace prometheus {
@@ -103,6 +104,7 @@ class ServerMetrics {
   prometheus::Counter *groups_total_, *groups_visited_, *groups_skipped_, *pages_total_,
       *pages_visited_, *pages_skipped_, *bytes_dense_, *bytes_read_, *bytes_saved_, *bytes_summary_;
   std::array<prometheus::Counter*, 4> fallbacks_{};
+  FallbackReports reports_;  // client totals -> increments
   std::array<prometheus::Counter*, kGrpcCodes> validation_{};
 };
 

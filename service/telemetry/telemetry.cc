@@ -11,6 +11,17 @@
 #include "service/telemetry/otlp_http_exporter.h"
 
 namespace eps::telemetry {
+
+std::string SessionLabel(const std::string& session_id) {
+  // "s-<counter>-<32 hex digits of randomness>": the part before the last '-' names the
+  // session in traces and logs; the random part is the capability and stays out of them.
+  const size_t dash = session_id.rfind('-');
+  if (dash != std::string::npos && session_id.size() - dash - 1 == 32 &&
+      session_id.find_first_not_of("0123456789abcdef", dash + 1) == std::string::npos) {
+    return session_id.substr(0, dash);
+  }
+  return session_id.substr(0, 64);  // not one of ours: no capability, but bounded
+}
 namespace {
 
 int64_t Micros(Telemetry::Clock::duration d) {
@@ -184,7 +195,7 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
       {"rpc.method", std::string(call.method == RpcMethod::kStreamSelectPages ? "StreamSelectPages"
                                                                               : "SelectPages")});
   a.push_back({"rpc.grpc.status_code", static_cast<int64_t>(status.code())});
-  a.push_back({"eps.session_id", request.session_id()});
+  a.push_back({"eps.session_id", SessionLabel(request.session_id())});
   a.push_back({"eps.step", static_cast<int64_t>(request.step())});
   a.push_back({"eps.batch_size", static_cast<int64_t>(request.rows_size())});
   a.push_back({"eps.backend", std::string(service::BackendKindName(backend))});
@@ -238,7 +249,7 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
   nlohmann::ordered_json line = {
       {"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(step.start_unix_ns),
                                 absl::UTCTimeZone())},
-      {"session", request.session_id()},
+      {"session", SessionLabel(request.session_id())},
       {"step", request.step()},
       {"batch", request.rows_size()},
       {"backend", service::BackendKindName(backend)},

@@ -33,6 +33,10 @@ struct TelemetryOptions {
   std::string step_log_path;   // empty: no step log
 };
 
+// What traces and the step log show of a session id: its public part only (a
+// session id is a capability, docs/security.md).
+std::string SessionLabel(const std::string& session_id);
+
 class Telemetry {
  public:
   using Clock = std::chrono::steady_clock;

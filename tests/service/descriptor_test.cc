@@ -58,7 +58,7 @@ class ShmObject {
 
 TEST(DescriptorTest, AnInlineTensorResolvesToItsShapeAndBytes) {
   MappingCache cache;
-  absl::StatusOr<HostTensor> t = ResolveTensor(Inline({2, 4, 8}), QueriesSpec(), cache);
+  absl::StatusOr<MappedTensor> t = ResolveTensor(Inline({2, 4, 8}), QueriesSpec(), cache);
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->shape, (std::vector<int64_t>{2, 4, 8}));
   EXPECT_EQ(t->bytes, 2u * 4 * 8 * 4);
@@ -154,12 +154,12 @@ TEST(DescriptorTest, AnOutputOverlappingAnotherBufferIsRefused) {
   MappingCache cache;
   TensorSpec in{"block_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_blocks"}};
   TensorSpec out{"visit_count", v1::DTYPE_INT32, {-1}, {"lists"}, /*writable=*/true};
-  absl::StatusOr<HostTensor> a = ResolveTensor(shm.Descriptor(4096, 0, {4, 4}), in, cache);
-  absl::StatusOr<HostTensor> b = ResolveTensor(shm.Descriptor(4096, 32, {8}), out, cache);
+  absl::StatusOr<MappedTensor> a = ResolveTensor(shm.Descriptor(4096, 0, {4, 4}), in, cache);
+  absl::StatusOr<MappedTensor> b = ResolveTensor(shm.Descriptor(4096, 32, {8}), out, cache);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_THAT(CheckNoOverlap({{in, *a}, {out, *b}}).message(),
               HasSubstr("visit_count overlaps block_table"));
-  absl::StatusOr<HostTensor> c = ResolveTensor(shm.Descriptor(4096, 64, {8}), out, cache);
+  absl::StatusOr<MappedTensor> c = ResolveTensor(shm.Descriptor(4096, 64, {8}), out, cache);
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(CheckNoOverlap({{in, *a}, {out, *c}}).ok());
 }

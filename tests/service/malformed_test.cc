@@ -238,7 +238,7 @@ std::vector<Case> Cases() {
            Pool(r)->set_offset(0);
            Pool(r)->set_shape(0, int64_t{1} << 28);
          },
-         Code::RESOURCE_EXHAUSTED, "inline buffer of");
+         Code::RESOURCE_EXHAUSTED, "summary_pool inline buffer needs");
   // ---- SelectPages ----
   using S = v1::SelectPagesRequest;
   select("UnknownSession", [](S& r, TestEngine&) { r.set_session_id("s-nope"); }, nullptr,

@@ -332,16 +332,18 @@ class SelectPagesRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[BatchRow, _Mapping]]] = ..., options: _Optional[_Union[SelectOptions, _Mapping]] = ..., reply_mode: _Optional[_Union[ReplyMode, str]] = ..., writes: _Optional[_Iterable[_Union[BufferWrite, _Mapping]]] = ..., fallbacks: _Optional[_Union[ClientFallbacks, _Mapping]] = ...) -> None: ...
 
 class ClientFallbacks(_message.Message):
-    __slots__ = ("deadline", "unavailable", "not_attached", "error")
+    __slots__ = ("deadline", "unavailable", "not_attached", "error", "client_id")
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     NOT_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     deadline: int
     unavailable: int
     not_attached: int
     error: int
-    def __init__(self, deadline: _Optional[int] = ..., unavailable: _Optional[int] = ..., not_attached: _Optional[int] = ..., error: _Optional[int] = ...) -> None: ...
+    client_id: int
+    def __init__(self, deadline: _Optional[int] = ..., unavailable: _Optional[int] = ..., not_attached: _Optional[int] = ..., error: _Optional[int] = ..., client_id: _Optional[int] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("step", "groups_total", "groups_visited", "pages_total", "pages_visited", "bytes_kv_dense", "bytes_kv_read_est", "bytes_summary_read", "prepass_us", "error")

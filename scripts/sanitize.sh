@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds the whole project with AddressSanitizer + UndefinedBehaviorSanitizer
+# into build-asan/ (gcc, no CUDA) and runs the whole test suite under them.
+# Any report fails its test (UB is fatal: -fno-sanitize-recover). Extra
+# arguments go to ctest, e.g. scripts/sanitize.sh -R service
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${EPS_ASAN_BUILD_DIR:-build-asan}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPS_SANITIZE=ON \
+  -DEPS_WITH_CUDA=OFF -DEPS_BUILD_TESTS=ON -DEPS_BUILD_BENCH=OFF >/dev/null
+cmake --build "$BUILD_DIR" -j "$(nproc)"
+# Leak checks on: epsd and the tests must free what they allocate.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:halt_on_error=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+cd "$BUILD_DIR"
+ctest --output-on-failure -j "$(nproc)" --timeout 900 "$@"

@@ -1,0 +1,72 @@
+// Bounds on the memory epsd allocates because a request asked for it: inline
+// buffers, a session's Φ bank, its step scratch and its device buffers. Each
+// session charges its own budget (--max-session-bytes), which charges the
+// server's (--max-server-bytes); a charge that would pass either limit is
+// refused with RESOURCE_EXHAUSTED naming the flag, before anything is
+// allocated (docs/security.md). Memory the engine owns (its shm objects, CUDA
+// IPC allocations) is mapped, not allocated, and is not charged.
+//
+// Thread safety: Charge and the destructor of a MemoryCharge may run on any
+// thread. A budget must outlive its charges and its child budgets.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace eps::service {
+
+class MemoryBudget;
+
+// Bytes held against a budget (and its parent) until destroyed. Move-only.
+class MemoryCharge {
+ public:
+  MemoryCharge() = default;
+  MemoryCharge(MemoryCharge&& other) noexcept;
+  MemoryCharge& operator=(MemoryCharge&& other) noexcept;
+  MemoryCharge(const MemoryCharge&) = delete;
+  MemoryCharge& operator=(const MemoryCharge&) = delete;
+  ~MemoryCharge();
+
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  friend class MemoryBudget;
+  MemoryCharge(MemoryBudget* budget, uint64_t bytes) : budget_(budget), bytes_(bytes) {}
+  void Release();
+
+  MemoryBudget* budget_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+class MemoryBudget {
+ public:
+  // `flag` names the limit in messages ("--max-session-bytes").
+  MemoryBudget(std::string flag, uint64_t limit, MemoryBudget* parent = nullptr)
+      : flag_(std::move(flag)), limit_(limit), parent_(parent) {}
+  MemoryBudget(const MemoryBudget&) = delete;
+  MemoryBudget& operator=(const MemoryBudget&) = delete;
+
+  // Reserves `bytes` here and in every parent; `what` says what for, in the
+  // message of a refusal ("summary_pool inline buffer").
+  absl::StatusOr<MemoryCharge> Charge(uint64_t bytes, std::string_view what);
+
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t limit() const { return limit_; }
+  const std::string& flag() const { return flag_; }
+
+ private:
+  friend class MemoryCharge;
+  bool TryAdd(uint64_t bytes);
+  void Subtract(uint64_t bytes);
+
+  const std::string flag_;
+  const uint64_t limit_;
+  MemoryBudget* const parent_;
+  std::atomic<uint64_t> used_{0};
+};
+
+}  // namespace eps::service

@@ -1,0 +1,116 @@
+#include "service/peer.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/server_posix.h"
+
+namespace eps::service {
+
+std::string Peer::Describe() const {
+  return known ? absl::StrCat("uid ", uid, " (pid ", pid, ")") : "an unknown peer";
+}
+
+void PeerTable::Set(int fd, const Peer& peer) {
+  absl::MutexLock lock(&mu_);
+  by_fd_[fd] = peer;  // a reused descriptor: its old connection is closed, this one replaces it
+}
+
+Peer PeerTable::Lookup(std::string_view grpc_peer) const {
+  int fd = -1;
+  if (grpc_peer.substr(0, 3) != "fd:" ||
+      !absl::SimpleAtoi(absl::string_view(grpc_peer.data() + 3, grpc_peer.size() - 3), &fd))
+    return {};
+  absl::MutexLock lock(&mu_);
+  const auto it = by_fd_.find(fd);
+  return it == by_fd_.end() ? Peer{} : it->second;
+}
+
+absl::StatusOr<std::unique_ptr<UnixAcceptor>> UnixAcceptor::Start(const std::string& path,
+                                                                  uint32_t mode,
+                                                                  grpc::Server& server,
+                                                                  PeerTable& peers) {
+  auto acceptor = std::unique_ptr<UnixAcceptor>(new UnixAcceptor());
+  sockaddr_un address{};
+  if (path.size() >= sizeof(address.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen=unix://", path, " is too long"));
+  }
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  acceptor->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (acceptor->listen_fd_ < 0) {
+    return absl::InternalError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
+  }
+  if (bind(acceptor->listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    return absl::UnavailableError(absl::StrCat("bind ", path, ": ", std::strerror(errno)));
+  }
+  if (chmod(path.c_str(), mode) != 0) {
+    return absl::InternalError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
+  }
+  if (listen(acceptor->listen_fd_, SOMAXCONN) != 0) {
+    return absl::UnavailableError(absl::StrCat("listen ", path, ": ", std::strerror(errno)));
+  }
+  acceptor->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (acceptor->wake_fd_ < 0) {
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  UnixAcceptor* raw = acceptor.get();
+  acceptor->thread_ = std::thread([raw, &server, &peers] { raw->Loop(server, peers); });
+  return acceptor;
+}
+
+void UnixAcceptor::Loop(grpc::Server& server, PeerTable& peers) {
+  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  for (;;) {
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      std::fprintf(stderr, "epsd: poll on the Unix socket: %s\n", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;  // Stop()
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        std::fprintf(stderr, "epsd: accept on the Unix socket: %s\n", std::strerror(errno));
+        if (errno == EMFILE || errno == ENFILE) usleep(10000);  // let descriptors free up
+      }
+      continue;
+    }
+    ucred credentials{};
+    socklen_t length = sizeof(credentials);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
+      close(fd);  // a peer without credentials is not served on the Unix socket
+      continue;
+    }
+    // Recorded before gRPC sees the connection: no call on it can come first.
+    peers.Set(fd, {.known = true, .uid = credentials.uid, .pid = credentials.pid});
+    grpc::AddInsecureChannelFromFd(&server, fd);
+  }
+}
+
+void UnixAcceptor::Stop() {
+  if (thread_.joinable()) {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+    thread_.join();
+  }
+}
+
+UnixAcceptor::~UnixAcceptor() {
+  Stop();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+}  // namespace eps::service

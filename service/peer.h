@@ -1,0 +1,66 @@
+// Who is on the other end of a call: on the Unix socket, the user and process
+// that connected, from the kernel (SO_PEERCRED); over TCP, unknown. epsd
+// accepts Unix connections itself (UnixAcceptor), records each one's
+// credentials by file descriptor, then hands the connection to gRPC, whose
+// calls name it as "fd:N" (grpc::ServerContext::peer()). Sessions are bound to
+// the user that attached them (docs/security.md).
+//
+// Thread safety: PeerTable may be used from any thread. UnixAcceptor's Start
+// and Stop are called by the server's owner, once each.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server.h"
+
+namespace eps::service {
+
+struct Peer {
+  bool known = false;  // false: TCP, or an in-process caller
+  uid_t uid = 0;
+  pid_t pid = 0;
+  std::string Describe() const;  // "uid 1000 (pid 4242)" or "an unknown peer"
+};
+
+class PeerTable {
+ public:
+  void Set(int fd, const Peer& peer);
+  // The credentials of the connection gRPC names `grpc_peer` ("fd:N"); unknown otherwise.
+  Peer Lookup(std::string_view grpc_peer) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<int, Peer> by_fd_ ABSL_GUARDED_BY(mu_);
+};
+
+// Listens on a Unix socket path and gives every connection, with its
+// credentials recorded in `peers`, to a running gRPC server.
+class UnixAcceptor {
+ public:
+  // Binds `path` (which must not exist), sets its file mode and starts accepting.
+  static absl::StatusOr<std::unique_ptr<UnixAcceptor>> Start(const std::string& path, uint32_t mode,
+                                                             grpc::Server& server,
+                                                             PeerTable& peers);
+  ~UnixAcceptor();  // Stop()
+  // Stops accepting new connections (those accepted stay with gRPC).
+  void Stop();
+
+ private:
+  UnixAcceptor() = default;
+  void Loop(grpc::Server& server, PeerTable& peers);
+
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd: Stop() wakes the loop's poll
+  std::thread thread_;
+};
+
+}  // namespace eps::service

@@ -1,0 +1,128 @@
+// Hardening, class 6 (C++ client): each fallback is counted once by epsd. A
+// step that misses its deadline may still reach epsd, so its report can arrive
+// twice; repeated misses once made epsd count the same fallbacks again and
+// again. A fake epsd slows the first steps past the client's deadline, records
+// every report it receives, and feeds them to epsd's own accounting.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "client/cpp/eps_client.h"
+#include "eps/v1/page_selector.grpc.pb.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "gtest/gtest.h"
+#include "service/telemetry/fallback_reports.h"
+
+namespace eps {
+namespace {
+
+class SlowFirstSteps final : public v1::PageSelector::CallbackService {
+ public:
+  explicit SlowFirstSteps(uint64_t slow_steps) : slow_steps_(slow_steps) {}
+
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context, const v1::AttachRequest*,
+                                   v1::AttachResponse* response) override {
+    response->set_session_id("s-fake");
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  grpc::ServerUnaryReactor* SelectPages(grpc::CallbackServerContext* context,
+                                        const v1::SelectPagesRequest* request,
+                                        v1::SelectPagesResponse* response) override {
+    {
+      std::lock_guard lock(mu_);
+      if (request->has_fallbacks()) reports_.push_back(request->fallbacks());
+    }
+    // Far past the client's 2 ms: the step reached epsd, yet the client falls back.
+    if (request->step() <= slow_steps_) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    response->set_step(request->step());
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  std::vector<v1::ClientFallbacks> reports() {
+    std::lock_guard lock(mu_);
+    return reports_;
+  }
+
+ private:
+  const uint64_t slow_steps_;
+  std::mutex mu_;
+  std::vector<v1::ClientFallbacks> reports_;
+};
+
+TEST(FallbackCounting, RepeatedDeadlineMissesAreEachCountedOnceByEpsd) {
+  constexpr uint64_t kMisses = 8;
+  SlowFirstSteps fake(kMisses);
+  const std::string target = "unix:///tmp/eps-fake-" + std::to_string(getpid()) + ".sock";
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+
+  client::ClientOptions options;
+  options.target = target;
+  options.deadline = std::chrono::milliseconds(2);
+  options.attach_deadline = std::chrono::seconds(5);
+  v1::AttachRequest attach;
+  attach.set_engine_id("engine-fallbacks");
+  {
+    client::EpsClient client(options, attach);
+    ASSERT_TRUE(client.Attach().ok());
+    v1::BatchRow row;
+    row.set_context_tokens(16);
+    for (uint64_t step = 1; step <= kMisses; ++step) {
+      EXPECT_TRUE(client.SelectPages(step, {&row, 1}).fallback);
+    }
+    // A prompt step carries the final report; retry a few times on a loaded machine.
+    bool selected = false;
+    for (uint64_t step = kMisses + 1; step < kMisses + 50 && !selected; ++step) {
+      selected = !client.SelectPages(step, {&row, 1}).fallback;
+    }
+    ASSERT_TRUE(selected);
+    ASSERT_EQ(client.counters().fallback_deadline, client.counters().fallbacks());
+  }
+  // What epsd's eps_client_fallbacks_total{reason="deadline"} adds up from these reports.
+  telemetry::FallbackReports accounting;
+  uint64_t counted = 0;
+  const std::vector<v1::ClientFallbacks> reports = fake.reports();
+  ASSERT_FALSE(reports.empty());
+  for (const v1::ClientFallbacks& report : reports) counted += accounting.Increase(report)[0];
+  uint64_t local = 0;
+  for (const v1::ClientFallbacks& report : reports) local = std::max(local, report.deadline());
+  EXPECT_GE(local, kMisses);
+  EXPECT_EQ(counted, local) << reports.size() << " reports received";
+  server->Shutdown();
+}
+
+TEST(FallbackCounting, EpsdAddsOnlyTheIncreaseOfAClientsTotals) {
+  telemetry::FallbackReports accounting;
+  v1::ClientFallbacks report;
+  report.set_client_id(42);
+  report.set_deadline(3);
+  EXPECT_EQ(accounting.Increase(report)[0], 3u);
+  EXPECT_EQ(accounting.Increase(report)[0], 0u);  // the same report again
+  report.set_deadline(5);
+  report.set_error(1);
+  EXPECT_EQ(accounting.Increase(report)[0], 2u);
+  report.set_deadline(4);  // an older report, late
+  EXPECT_EQ(accounting.Increase(report)[0], 0u);
+  v1::ClientFallbacks other = report;
+  other.set_client_id(43);  // another client's totals are its own
+  EXPECT_EQ(accounting.Increase(other)[0], 4u);
+  v1::ClientFallbacks deltas;  // no client_id: deltas, added as they come
+  deltas.set_deadline(2);
+  EXPECT_EQ(accounting.Increase(deltas)[0], 2u);
+  EXPECT_EQ(accounting.Increase(deltas)[0], 2u);
+}
+
+}  // namespace
+}  // namespace eps

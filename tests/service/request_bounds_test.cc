@@ -1,0 +1,166 @@
+// Hardening, class 2: arithmetic and allocation sized by a request. Values near
+// the integer limits are INVALID_ARGUMENT before any arithmetic can overflow;
+// every allocation a request sizes is bounded by --max-session-bytes and
+// --max-server-bytes (RESOURCE_EXHAUSTED naming the flag); a few hundred bytes
+// of request never make epsd allocate gigabytes.
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/service/epsd_process.h"
+#include "tests/service/raw_calls.h"
+#include "tests/service/test_engine.h"
+
+namespace eps {
+namespace {
+
+using testing::EpsdProcess;
+using testing::TestEngine;
+
+// Peak resident bytes of a process (VmHWM), 0 when unreadable.
+uint64_t PeakRssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+v1::MemoryDescriptor Inline(v1::DType dtype, std::vector<int64_t> shape) {
+  v1::MemoryDescriptor d;
+  d.set_dtype(dtype);
+  for (int64_t s : shape) d.add_shape(s);
+  d.mutable_inline_bytes();  // no data: epsd zero-fills the declared shape
+  return d;
+}
+
+// A tiny message that asks for a large model: every buffer inline and empty.
+v1::AttachRequest LargeModelAttach(const std::string& engine, int layers, int kv_heads, int d,
+                                   int m, int64_t record_words) {
+  v1::AttachRequest a;
+  a.set_engine_id(engine);
+  v1::ModelLayout* l = a.mutable_layout();
+  l->set_num_layers(layers);
+  l->set_num_q_heads(kv_heads);
+  l->set_num_kv_heads(kv_heads);
+  l->set_head_dim(d);
+  l->set_block_size(16);
+  l->set_group_blocks(1);
+  l->set_sketch_dim(m);
+  a.set_max_batch(1);
+  v1::SharedBuffers* b = a.mutable_buffers();
+  *b->mutable_summary_pool() = Inline(v1::DTYPE_FLOAT32, {1, layers, kv_heads, record_words});
+  *b->mutable_group_table() = Inline(v1::DTYPE_INT32, {1, 1});
+  *b->mutable_block_table() = Inline(v1::DTYPE_INT32, {1, 1});
+  *b->mutable_queries() = Inline(v1::DTYPE_FLOAT32, {layers, 1, kv_heads, d});
+  *b->mutable_visit_blocks() = Inline(v1::DTYPE_INT32, {layers, 1, 1});
+  *b->mutable_visit_count() = Inline(v1::DTYPE_INT32, {layers, 1});
+  return a;
+}
+
+int64_t RecordWords(int layers, int kv_heads, int d, int m) {
+  ModelLayout model;
+  model.num_layers = layers;
+  model.num_q_heads = kv_heads;
+  model.num_kv_heads = kv_heads;
+  model.head_dim = d;
+  model.sketch_dim = m;
+  model.features = {.key_sum = false, .principal = false, .quest = false};
+  return SummaryLayout::For(model).record_words;
+}
+
+TEST(RequestSizedAllocation, AFewHundredBytesOfAttachNeverAllocateAGigabyte) {
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("bounds-phi"));
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  // 64 layers x 64 KV heads x d=1024 x m=64: a 1 GiB Φ bank for a ~200-byte message.
+  const v1::AttachRequest attach =
+      LargeModelAttach("engine-big", 64, 64, 1024, 64, RecordWords(64, 64, 1024, 64));
+  ASSERT_LT(attach.ByteSizeLong(), 400u);
+  v1::AttachResponse response;
+  const grpc::Status status = testing::RawAttach(*stub, attach, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("--max-session-bytes"), std::string::npos)
+      << status.error_message();
+  EXPECT_LT(PeakRssBytes(epsd->pid()), uint64_t{512} << 20);
+  EXPECT_TRUE(epsd->Running());
+}
+
+TEST(RequestSizedAllocation, InlineBuffersBeyondTheSessionLimitAreResourceExhausted) {
+  auto epsd =
+      EpsdProcess::Start(testing::UniqueSocket("bounds-session"), {"--max-session-bytes=8388608"});
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  v1::AttachRequest attach =
+      LargeModelAttach("engine-inline", 4, 8, 128, 8, RecordWords(4, 8, 128, 8));
+  attach.set_max_batch(1024);  // queries [4, 1024, 8, 128] fp32 = 16 MiB inline
+  *attach.mutable_buffers()->mutable_queries() = Inline(v1::DTYPE_FLOAT32, {4, 1024, 8, 128});
+  *attach.mutable_buffers()->mutable_visit_blocks() = Inline(v1::DTYPE_INT32, {4, 1024, 1});
+  *attach.mutable_buffers()->mutable_visit_count() = Inline(v1::DTYPE_INT32, {4, 1024});
+  v1::AttachResponse response;
+  const grpc::Status status = testing::RawAttach(*stub, attach, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("--max-session-bytes=8388608"), std::string::npos)
+      << status.error_message();
+  EXPECT_NE(status.error_message().find("queries"), std::string::npos) << status.error_message();
+}
+
+TEST(RequestSizedAllocation, SessionsTogetherBeyondTheServerLimitAreResourceExhausted) {
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("bounds-server"),
+                                 {"--max-session-bytes=33554432", "--max-server-bytes=50331648"});
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  auto attach = [&](const std::string& engine) {
+    v1::AttachRequest a = LargeModelAttach(engine, 4, 8, 128, 8, RecordWords(4, 8, 128, 8));
+    a.set_max_batch(1024);  // queries [4, 1024, 8, 128] fp32 = 16 MiB inline
+    *a.mutable_buffers()->mutable_queries() = Inline(v1::DTYPE_FLOAT32, {4, 1024, 8, 128});
+    *a.mutable_buffers()->mutable_visit_blocks() = Inline(v1::DTYPE_INT32, {4, 1024, 1});
+    *a.mutable_buffers()->mutable_visit_count() = Inline(v1::DTYPE_INT32, {4, 1024});
+    v1::AttachResponse response;
+    return testing::RawAttach(*stub, a, &response);
+  };
+  ASSERT_TRUE(attach("engine-1").ok());
+  ASSERT_TRUE(attach("engine-2").ok());
+  const grpc::Status third = attach("engine-3");
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << third.error_message();
+  EXPECT_NE(third.error_message().find("--max-server-bytes=50331648"), std::string::npos)
+      << third.error_message();
+}
+
+class RequestArithmetic : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(RequestArithmetic, ContextTokensNearTheInt64LimitsAreInvalidArgument) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("bounds-ctx"));
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  TestEngine engine(testing::SmallServiceModel(), 1, 1024, 1, seed);
+  engine.Fill(0, 0, 1024);
+  v1::AttachResponse session;
+  ASSERT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-ctx"), &session).ok());
+  const grpc::Status status = testing::RawStep(
+      *stub, testing::StepRequest(session.session_id(), 1, {TestEngine::Row(0, GetParam())}));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("context_tokens"), std::string::npos)
+      << status.error_message();
+  // The session is still served.
+  EXPECT_TRUE(testing::RawStep(
+                  *stub, testing::StepRequest(session.session_id(), 2, {TestEngine::Row(0, 1000)}))
+                  .ok());
+  EXPECT_TRUE(epsd->Running());
+}
+
+INSTANTIATE_TEST_SUITE_P(Limits, RequestArithmetic,
+                         ::testing::Values(std::numeric_limits<int64_t>::max(),
+                                           std::numeric_limits<int64_t>::max() - 1,
+                                           std::numeric_limits<int64_t>::max() - 15,
+                                           std::numeric_limits<int64_t>::min(), int64_t{-1},
+                                           int64_t{0}));
+
+}  // namespace
+}  // namespace eps

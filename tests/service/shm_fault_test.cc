@@ -1,0 +1,140 @@
+// Hardening, class 1: shared memory that changes under epsd. An engine that
+// shrinks its shm object after Attach must not crash epsd (SIGBUS) or harm the
+// other sessions; a shm name that is not one plain name is INVALID_ARGUMENT.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "absl/strings/escaping.h"
+#include "gtest/gtest.h"
+#include "service/host_memory.h"
+#include "tests/core/test_util.h"
+#include "tests/service/epsd_process.h"
+#include "tests/service/raw_calls.h"
+#include "tests/service/test_engine.h"
+
+namespace eps {
+namespace {
+
+using testing::EpsdProcess;
+using testing::TestEngine;
+
+void Shrink(const std::string& shm_name, off_t size) {
+  const int fd = shm_open(shm_name.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << shm_name;
+  ASSERT_EQ(ftruncate(fd, size), 0);
+  close(fd);
+}
+
+TEST(ShmChangesUnderEpsd, ShrunkObjectFailsItsSessionsStepAndEpsdServesTheOthers) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("shm-shrink"));
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  TestEngine bad(testing::SmallServiceModel(), 1, 1024, 1, seed);
+  TestEngine good(testing::SmallServiceModel(), 1, 1024, 1, seed + 1);
+  bad.Fill(0, 0, 1024);
+  good.Fill(0, 0, 1024);
+  v1::AttachResponse bad_session, good_session;
+  ASSERT_TRUE(testing::RawAttach(*stub, bad.Attach("engine-shrinks"), &bad_session).ok());
+  ASSERT_TRUE(testing::RawAttach(*stub, good.Attach("engine-good"), &good_session).ok());
+  const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1000)};
+  ASSERT_TRUE(
+      testing::RawStep(*stub, testing::StepRequest(bad_session.session_id(), 1, rows)).ok());
+
+  Shrink(bad.buffers().shm_name(), 0);  // every page epsd mapped is gone
+  const grpc::Status shrunk =
+      testing::RawStep(*stub, testing::StepRequest(bad_session.session_id(), 2, rows));
+  EXPECT_EQ(shrunk.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << shrunk.error_message();
+  EXPECT_NE(shrunk.error_message().find(bad.buffers().shm_name()), std::string::npos)
+      << shrunk.error_message();
+  ASSERT_TRUE(epsd->Running()) << "epsd died:\n" << epsd->Log();
+
+  // The other engine is served, correctly, as before.
+  const grpc::Status other =
+      testing::RawStep(*stub, testing::StepRequest(good_session.session_id(), 1, rows));
+  EXPECT_TRUE(other.ok()) << other.error_message();
+  EXPECT_TRUE(good.MatchesReference(rows));
+  // And the shrunk session keeps failing rather than reading zeros as summaries.
+  const grpc::Status again =
+      testing::RawStep(*stub, testing::StepRequest(bad_session.session_id(), 3, rows));
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << again.error_message();
+  EXPECT_TRUE(epsd->Running());
+}
+
+TEST(ShmChangesUnderEpsd, ObjectShrunkHalfwayFailsTheStepWithoutCrashing) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("shm-half"));
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  TestEngine engine(testing::SmallServiceModel(), 2, 2048, 2, seed);
+  engine.Fill(0, 0, 2048);
+  engine.Fill(1, 1, 2048);
+  v1::AttachResponse session;
+  ASSERT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-half"), &session).ok());
+  Shrink(engine.buffers().shm_name(),
+         static_cast<off_t>(engine.buffers().plan().size / 2) & ~off_t{4095});
+  const grpc::Status status = testing::RawStep(
+      *stub, testing::StepRequest(session.session_id(), 1,
+                                  {TestEngine::Row(0, 2000), TestEngine::Row(1, 1500)}));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_TRUE(epsd->Running()) << epsd->Log();
+  // A fresh attach of the same engine id over new, whole buffers works again.
+  TestEngine fresh(testing::SmallServiceModel(), 2, 2048, 2, seed + 7);
+  fresh.Fill(0, 0, 2048);
+  v1::AttachResponse again;
+  ASSERT_TRUE(testing::RawAttach(*stub, fresh.Attach("engine-half-2"), &again).ok());
+  EXPECT_TRUE(testing::RawStep(
+                  *stub, testing::StepRequest(again.session_id(), 1, {TestEngine::Row(0, 900)}))
+                  .ok());
+  EXPECT_TRUE(fresh.MatchesReference({TestEngine::Row(0, 900)}));
+}
+
+TEST(ShmNames, NamesThatAreNotOnePlainNameAreInvalidArgument) {
+  const std::string kNames[] = {
+      std::string("/eps-a\0b", 8),  // NUL: the kernel would see "/eps-a"
+      "/..",
+      "/.",
+      "/",
+      "//eps",
+      "/dir/eps",
+      "eps",
+      "/eps\n",
+      "/eps\x7f",
+      "/" + std::string(255, 'x'),  // longer than NAME_MAX
+  };
+  for (const std::string& name : kNames) {
+    absl::StatusOr<std::unique_ptr<service::HostMemory>> memory =
+        service::HostMemory::MapShm(name, 4096);
+    EXPECT_EQ(memory.status().code(), absl::StatusCode::kInvalidArgument)
+        << absl::CHexEscape(name) << ": " << memory.status();
+  }
+}
+
+TEST(ShmNames, NulInANameIsRefusedEvenWhenItsPrefixExists) {
+  const std::string prefix = "/eps-shmname-" + std::to_string(getpid());
+  const int fd = shm_open(prefix.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  absl::StatusOr<std::unique_ptr<service::HostMemory>> memory =
+      service::HostMemory::MapShm(prefix + std::string("\0tail", 5), 4096);
+  EXPECT_EQ(memory.status().code(), absl::StatusCode::kInvalidArgument) << memory.status();
+  shm_unlink(prefix.c_str());
+}
+
+TEST(ShmNames, AFifoUnderDevShmIsNotMapped) {
+  const std::string name = "/eps-fifo-" + std::to_string(getpid());
+  ASSERT_EQ(mkfifo(("/dev/shm" + name).c_str(), 0600), 0);
+  absl::StatusOr<std::unique_ptr<service::HostMemory>> memory =
+      service::HostMemory::MapShm(name, 4096);
+  EXPECT_EQ(memory.status().code(), absl::StatusCode::kInvalidArgument) << memory.status();
+  unlink(("/dev/shm" + name).c_str());
+}
+
+}  // namespace
+}  // namespace eps
