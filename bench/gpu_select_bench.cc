@@ -2,9 +2,12 @@
 // heads, 8 KV heads, d = 128, g = 8, m = 8, 160-byte records), timed with CUDA
 // events, next to two floors: summary bytes ÷ the datasheet bandwidth, and
 // summary bytes ÷ the bandwidth of a device-to-device copy measured in the
-// same run (bytes read plus bytes written, METHOD.md's ceiling).
+// same run (bytes read plus bytes written, METHOD.md's ceiling). A second
+// table times every policy at one shape (default batch 8 × 32k): the budgets,
+// strict mode, per-KV-head lists, and quest over its 16-bit summaries.
 //
 // Usage: eps_gpu_bench [--batches=1,8,64] [--contexts=8192,32768,131072]
+//                      [--policy-batch=8] [--policy-context=32768]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
 #include "gpu/step.h"
@@ -139,13 +143,93 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   return row;
 }
 
+// One shape, many policies: p50 GPU µs of each, with the summary bytes it read.
+struct PolicyCase {
+  const char* name;
+  eps::SummaryFeatures features;
+  eps::SelectPolicy policy;
+};
+
+absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, double copy_gbs) {
+  std::vector<PolicyCase> cases;
+  auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
+    eps::SelectPolicy p;
+    edit(p);
+    cases.push_back({name, f, p});
+  };
+  const eps::SummaryFeatures minimal{.key_sum = false, .principal = false, .quest = false};
+  const eps::SummaryFeatures quest{.key_sum = false, .principal = false, .quest = true};
+  const eps::SummaryFeatures bracket{.key_sum = true, .principal = false, .quest = true};
+  add("jl threshold", minimal, [](eps::SelectPolicy&) {});
+  add("jl threshold per_kv_head", minimal,
+      [](eps::SelectPolicy& p) { p.granularity = eps::Granularity::kPerKvHead; });
+  add("jl fixed", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kFixed; });
+  add("jl fixed per_kv_head", minimal, [](eps::SelectPolicy& p) {
+    p.budget = eps::Budget::kFixed;
+    p.granularity = eps::Granularity::kPerKvHead;
+  });
+  add("jl top_p 0.95", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kTopP; });
+  add("quest threshold (16-bit)", quest,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuest; });
+  add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
+  std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
+              static_cast<long long>(context));
+  std::printf("%-28s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
+              "copy_us", "%copy", "visited%");
+  for (const PolicyCase& c : cases) {
+    m.features = c.features;
+    eps::testing::StepBuffers buffers(m, batch, context, batch, c.policy.granularity);
+    std::vector<eps::StepRow> rows;
+    for (int b = 0; b < batch; ++b) {
+      buffers.AssignRow(b, context, b);
+      rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
+    }
+    buffers.FillRandomSummaries(1);
+    eps::StepInputs in = buffers.Inputs(rows);
+    const int lists = c.policy.granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
+    const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
+    DeviceBuffer<float> pool, queries;
+    DeviceBuffer<int32_t> groups, blocks, visit, count;
+    RETURN_IF_ERROR(Upload(pool, buffers.pool().data(), buffers.pool().size()));
+    RETURN_IF_ERROR(Upload(groups, buffers.group_table().data(), buffers.group_table().size()));
+    RETURN_IF_ERROR(Upload(blocks, buffers.block_table().data(), buffers.block_table().size()));
+    RETURN_IF_ERROR(Upload(queries, static_cast<const float*>(in.queries), qcount));
+    RETURN_IF_CUDA_ALLOC(visit, int64_t{m.num_layers} * batch * lists * buffers.max_blocks());
+    RETURN_IF_CUDA_ALLOC(count, int64_t{m.num_layers} * batch * lists);
+    in.summary_pool = pool.get();
+    in.group_table = groups.get();
+    in.block_table = blocks.get();
+    in.queries = queries.get();
+    ASSIGN_OR_RETURN(auto selector,
+                     eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups()));
+    std::vector<float> gpu_us;
+    eps::StepStats stats;
+    for (int i = 0; i < 60; ++i) {
+      float us = 0;
+      RETURN_IF_ERROR(selector->Select(in, c.policy, {visit.get(), count.get()}, &stats, &us));
+      if (i >= 10) gpu_us.push_back(us);
+    }
+    const double us = Median(gpu_us);
+    const double bytes = static_cast<double>(stats.summary_bytes_read);
+    const double copy_us = bytes / (copy_gbs * 1e9) * 1e6;
+    std::printf("%-28s %8lld %10.1f %9.1f %9.1f %7.1f%% %8.1f%%\n", c.name,
+                static_cast<long long>(eps::SummaryLayout::For(m).record_bytes()), bytes / 1e6, us,
+                copy_us, 100.0 * copy_us / us, 100.0 * stats.groups_visited / stats.groups_total);
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
+  std::vector<int64_t> policy_batch{8}, policy_context{32768};
   for (int i = 1; i < argc; ++i) {
     batches = ParseList(argv[i], "--batches=", batches);
     contexts = ParseList(argv[i], "--contexts=", contexts);
+    policy_batch = ParseList(argv[i], "--policy-batch=", policy_batch);
+    policy_context = ParseList(argv[i], "--policy-context=", policy_context);
   }
   if (!eps::gpu::DeviceAvailable()) {
     std::printf("no CUDA device\n");
@@ -188,6 +272,14 @@ int main(int argc, char** argv) {
                   r->jl_us, bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
                   100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us);
       std::fflush(stdout);
+    }
+  }
+  if (!policy_batch.empty() && !policy_context.empty()) {
+    if (absl::Status s =
+            MeasurePolicies(m, static_cast<int>(policy_batch[0]), policy_context[0], *copy_gbs);
+        !s.ok()) {
+      std::printf("error in the policy table: %s\n", s.ToString().c_str());
+      return 1;
     }
   }
   return 0;

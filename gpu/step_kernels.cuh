@@ -1,6 +1,7 @@
-// The kernels of one decode step's GPU pre-pass (gpu/step.h says what each
+// The two kernels of one decode step's GPU pre-pass (gpu/step.h says what each
 // stage does). Included by gpu/step.cu only; shapes in comments, the launch
-// configuration is computed there.
+// configuration is computed there. The score is keyed by the core `Method`,
+// the selection rule by the core `Budget` (template parameters, no integer codes).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,10 +9,11 @@
 #include <cstdint>
 
 #include "core/half.h"
+#include "core/select.h"
+#include "gpu/bounds.cuh"
 #include "gpu/phi.cuh"
 
 namespace eps::gpu::kernels {
-
 
 // The first error a kernel meets; the host turns it into a status.
 enum ErrorCode : int { kOk = 0, kBadSlot = 1, kBadBlock = 2, kBadScore = 3, kBadQuery = 4 };
@@ -23,12 +25,19 @@ struct DeviceStatus {
 struct DeviceStats {
   unsigned long long groups_visited, blocks_visited, visited_tokens;
 };
+// What one step reports back: copied to the host in one transfer. The selector
+// keeps two and alternates by step, so each step clears the other one for the
+// next step instead of a memset before its kernels.
+struct StepReport {
+  DeviceStatus status;
+  DeviceStats stats;
+};
 struct DeviceRow {
   int64_t table_row;
   int64_t context_tokens;
 };
 
-__device__ void Fail(DeviceStatus* status, int code, int row, int index, int value) {
+__device__ inline void Fail(DeviceStatus* status, int code, int row, int index, int value) {
   if (atomicCAS(&status->code, kOk, code) == kOk) {
     status->row = row;
     status->index = index;
@@ -37,313 +46,548 @@ __device__ void Fail(DeviceStatus* status, int code, int row, int index, int val
 }
 
 struct Shape {
-  int layers, q_heads, kv_heads, d, m, packed, record_words, block_size, group_blocks;
-  int fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
+  int layers, q_heads, kv_heads, d, m, record_words, block_size, group_blocks;
+  RecordOffsets record;
   int64_t max_batch, max_seqs, max_groups, max_blocks, num_slots, num_physical_blocks;
-  int query_dtype, method;
+  DType query_dtype;
   int lists;  // visit lists per (layer, row): 1 (union) or kv_heads (per KV head)
 };
 
-// Query terms [batch, layers, q_heads, packed + 1]: packed z zᵀ (off-diagonal
-// doubled), then ‖q‖. One warp per (row, layer, q head); lanes split the d
-// dimension and reduce with shuffles.
-__global__ void QueryTermsKernel(Shape s, const void* queries, const float* phi, int warps,
-                                 float* terms, DeviceStatus* status) {
-  __shared__ float z_shared[8][64];
-  const int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * (blockDim.x / 32) + warp_in_block;
-  if (warp >= warps) return;
-  const int h = warp % s.q_heads;
-  const int layer = (warp / s.q_heads) % s.layers;
-  const int row = warp / (s.q_heads * s.layers);
-  const int kvh = h / (s.q_heads / s.kv_heads);
-  const int64_t base = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-  const float* matrix = phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
-  float* z = z_shared[warp_in_block];
-  float n2 = 0.0f;
-  for (int j = 0; j < s.m; ++j) {
-    float partial = 0.0f;
-    for (int i = lane; i < s.d; i += 32) {
-      const float qi = LoadAsFloatDevice(queries, s.query_dtype, base + i);
-      partial += matrix[i * s.m + j] * qi;
-      if (j == 0) {
-        n2 += qi * qi;
-        if (!isfinite(qi)) Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
-      }
-    }
-    for (int offset = 16; offset > 0; offset /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, offset);
-    if (lane == 0) z[j] = partial;
-  }
-  for (int offset = 16; offset > 0; offset /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, offset);
-  __syncwarp();
-  float* out = terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * (s.packed + 1);
-  for (int i = 0, p = 0; i < s.m; ++i) {
-    for (int j = i; j < s.m; ++j, ++p) {
-      if (p % 32 == lane) out[p] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
-    }
-  }
-  if (lane == 0) out[s.packed] = sqrtf(n2);
+__device__ inline int GroupsOf(const Shape& s, int64_t tokens) {
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  return static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
 }
 
-__device__ float FroScore(const float* rec, const Shape& s, float qnorm) {
-  return qnorm * sqrtf(fmaxf(rec[s.fro2], 0.0f));
+__device__ inline bool IsForced(int p, int n, int first_n, int last_n) {
+  return p < first_n || p >= n - last_n || p == n - 1;
 }
 
-// Scores [batch, layers, q_heads, max_groups]. Grid (group chunks, layers*kv_heads, rows).
-// kM > 0 fixes m at compile time: the packed Gram is then read once into
-// registers with unrolled 16-byte loads and reused for every query head of the
-// KV head (GQA), instead of being re-read per head.
-template <int kM>
-__global__ void ScoreKernel(Shape s, const float* pool, const int32_t* group_table,
-                            const int32_t* block_table, const void* queries, const DeviceRow* rows,
-                            const float* terms, const uint8_t* scored, float* scores,
-                            DeviceStatus* status) {
+// ---------------------------------------------------------------------------
+// Scoring. Grid (group chunks, layers * kv_heads, rows), 128 threads. Each
+// block first widens the queries of its KV head's query heads into shared
+// memory and builds their terms (z = Φᵀq serially in i, as core/ does; the
+// packed z zᵀ; ‖q‖), then each thread scores one group: it reads the record
+// once and scores it for every query head of the KV head (GQA).
+//
+// Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio].
+// Outputs [rows, layers, q_heads, max_groups]: `scores` (strict: the lower
+// bounds) and, in strict mode, `uppers`.
+struct ScoreArgs {
+  const float* pool;
+  const int32_t* group_table;
+  const int32_t* block_table;
+  const void* queries;  // [layers, max_batch, q_heads, d]
+  const float* phi;     // [layers, kv_heads, d, m]
+  const DeviceRow* rows;
+  const uint8_t* scored;  // [layers, q_heads] or null (every head scored)
+  float* scores;
+  float* uppers;
+  StepReport* report;
+};
+
+template <Method kMethod, int kM, bool kStrict>
+__global__ void ScoreKernel(Shape s, ScoreArgs a) {
+  extern __shared__ float shared[];
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
-  const int64_t tokens = rows[row].context_tokens;
+  const int packed = s.record.packed;
+  float* q_sh = shared;                     // [ratio, d]
+  float* zz_sh = q_sh + ratio * s.d;        // [ratio, packed]
+  float* norm_sh = zz_sh + ratio * packed;  // [ratio]
+  float* z_sh = norm_sh + ratio;            // [ratio, m]
+  DeviceStatus* status = &a.report->status;
+
+  // Stage the widened queries; a non-finite element of a scored head fails the step.
+  for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
+    const int h = kvh * ratio + e / s.d;
+    const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
+    const float x = LoadAsFloatDevice(a.queries, s.query_dtype, at);
+    q_sh[e] = x;
+    const bool head_scored = a.scored == nullptr || a.scored[layer * s.q_heads + h];
+    if (head_scored && !isfinite(x) && blockIdx.x == 0) {
+      Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + e % s.d, 0);
+    }
+  }
+  __syncthreads();
+  if constexpr (kMethod != Method::kOff || kStrict) {
+    const float* matrix = a.phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
+    for (int e = threadIdx.x; e < ratio * s.m; e += blockDim.x) {
+      const int r = e / s.m, j = e % s.m;
+      float z = 0.0f;
+      for (int i = 0; i < s.d; ++i) z += matrix[i * s.m + j] * q_sh[r * s.d + i];
+      z_sh[e] = z;
+    }
+    for (int r = threadIdx.x; r < ratio; r += blockDim.x) {
+      float n2 = 0.0f;
+      for (int i = 0; i < s.d; ++i) n2 += q_sh[r * s.d + i] * q_sh[r * s.d + i];
+      norm_sh[r] = sqrtf(n2);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < ratio * packed; e += blockDim.x) {
+      const int r = e / packed;
+      int p = e % packed, i = 0;
+      while (p >= s.m - i) {  // packed index -> (i, j), i ≤ j
+        p -= s.m - i;
+        ++i;
+      }
+      const int j = i + p;
+      zz_sh[e] = (i == j ? 1.0f : 2.0f) * z_sh[r * s.m + i] * z_sh[r * s.m + j];
+    }
+    __syncthreads();
+  }
+
+  const int64_t tokens = a.rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
-  const int64_t n = (nb + s.group_blocks - 1) / s.group_blocks;
+  const int n = GroupsOf(s, tokens);
   const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (p >= n) return;
-  const int64_t table_row = rows[row].table_row;
+  const int64_t table_row = a.rows[row].table_row;
   // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
   if (blockIdx.y == 0) {
     for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
-      const int32_t id = block_table[table_row * s.max_blocks + b];
+      const int32_t id = a.block_table[table_row * s.max_blocks + b];
       if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
         Fail(status, kBadBlock, row, static_cast<int>(b), id);
       }
     }
   }
-  const int32_t slot = group_table[table_row * s.max_groups + p];
+  const int32_t slot = a.group_table[table_row * s.max_groups + p];
   if (slot < 0 || slot >= s.num_slots) {
     Fail(status, kBadSlot, row, static_cast<int>(p), slot);
     return;  // never read outside the pool
   }
-  const float* rec =
-      pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
-  const bool stats_ok = isfinite(rec[s.fro2]) && isfinite(rec[s.max_norm]) && isfinite(rec[s.count]);
-  constexpr int kPacked = kM * (kM + 1) / 2;
-  constexpr int kVectors = (kPacked + 3) / 4;  // the record is 16-byte aligned and padded
-  float4 gram[kM > 0 ? kVectors : 1];
-  if constexpr (kM > 0) {
-    if (s.method == 1) {
+  if constexpr (kMethod == Method::kOff && !kStrict) {
+    return;  // nothing is scored; the tables were still checked, as core/ does
+  } else {
+    const float* rec =
+        a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
+    const RecordOffsets& o = s.record;
+    const bool stats_ok =
+        isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]);
+    // jl with m known: the packed Gram read once, 16 bytes at a time (records are
+    // 16-byte aligned and padded), and kept in registers for every head.
+    constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
+    float4 gram[kVectors];
+    if constexpr (kMethod == Method::kJl && kM > 0 && !kStrict) {
 #pragma unroll
       for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
     }
-  }
-  for (int r = 0; r < ratio; ++r) {
-    const int h = kvh * ratio + r;
-    if (scored != nullptr && !scored[layer * s.q_heads + h]) continue;
-    const float* t = terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * (s.packed + 1);
-    const float qnorm = t[s.packed];
-    float score = 0.0f;
-    switch (s.method) {
-      case 1: {  // jl: the record is 16-byte aligned, so read it 4 words at a time
-        float quad = 0.0f;
-        if constexpr (kM > 0) {
-          const float* g = reinterpret_cast<const float*>(gram);
-#pragma unroll
-          for (int w = 0; w < kPacked; ++w) quad += g[w] * t[w];
-          score = sqrtf(fmaxf(quad, 0.0f));
-          if (isnan(quad)) score = quad;
-          break;
-        }
-        int w = 0;
-        for (; w + 4 <= s.packed; w += 4) {
-          const float4 g4 = *reinterpret_cast<const float4*>(rec + w);
-          quad += g4.x * t[w] + g4.y * t[w + 1] + g4.z * t[w + 2] + g4.w * t[w + 3];
-        }
-        for (; w < s.packed; ++w) quad += rec[w] * t[w];
-        score = sqrtf(fmaxf(quad, 0.0f));
-        if (isnan(quad)) score = quad;
-        break;
+    for (int r = 0; r < ratio; ++r) {
+      const int h = kvh * ratio + r;
+      if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
+      const HeadQuery hq{q_sh + r * s.d, zz_sh + r * packed, norm_sh[r]};
+      const int64_t out = ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
+      bool bad;
+      if constexpr (kStrict) {
+        const MaxScoreBracket b = BracketMaxScore(rec, o, hq);
+        a.scores[out] = b.lower;
+        a.uppers[out] = b.upper;
+        bad = isnan(b.lower) || isnan(b.upper);
+      } else {
+        const float score = Score<kMethod, kM>(rec, reinterpret_cast<const float*>(gram), o, hq);
+        a.scores[out] = score;
+        bad = isnan(score) || score == INFINITY;
       }
-      case 2: {  // 1pc (falls back to fro when absent or unsealed)
-        score = FroScore(rec, s, qnorm);
-        if (s.principal < 0 || rec[s.principal + 2] == 0.0f) break;
-        const int64_t qbase = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-        const int8_t* u = reinterpret_cast<const int8_t*>(rec + s.principal + 3);
-        float dot = 0.0f;
-        for (int i = 0; i < s.d; ++i) dot += static_cast<float>(u[i]) * LoadAsFloatDevice(queries, s.query_dtype, qbase + i);
-        const float along = fabsf(dot * rec[s.principal + 2]);
-        const float q2 = qnorm * qnorm;
-        const float perp = sqrtf(fmaxf(q2 - along * along, 0.0f) + ldexpf(static_cast<float>(s.d), -22) * q2);
-        const float fro2 = fmaxf(rec[s.fro2], 0.0f);
-        const float pad = ldexpf(rec[s.count] + static_cast<float>(s.d), -22) * fro2;
-        score = fminf(sqrtf(fmaxf(rec[s.principal], 0.0f)) * along +
-                          sqrtf(fmaxf(rec[s.principal + 1], 0.0f) + pad) * perp,
-                      score);
-        break;
-      }
-      case 3:  // fro
-        score = FroScore(rec, s, qnorm);
-        break;
-      case 4: {  // quest
-        if (s.quest_min < 0) {
-          score = FroScore(rec, s, qnorm);
-          break;
-        }
-        if (rec[s.count] <= 0.0f) {
-          score = -INFINITY;
-          break;
-        }
-        const int64_t qbase = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-        float sum = 0.0f;
-        for (int i = 0; i < s.d; ++i) {
-          const float qi = LoadAsFloatDevice(queries, s.query_dtype, qbase + i);
-          sum += fmaxf(qi * rec[s.quest_min + i], qi * rec[s.quest_max + i]);
-        }
-        score = sum;
-        break;
-      }
-      default:
-        break;
+      if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
     }
-    if (isnan(score) || score == INFINITY || !stats_ok) {
-      Fail(status, kBadScore, row, static_cast<int>(p), slot);
-    }
-    scores[((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p] = score;
   }
 }
 
+// ---------------------------------------------------------------------------
+// Selection: one block of 256 threads per (layer * lists + list, row).
+//   1. each warp takes query heads of the list in turn and finds its cut
+//      (threshold budget and strict: the top_pages-th largest value by an
+//      8-bit radix select; top-p: the score where the mass reaches top_p);
+//      the fixed budget ranks groups per head instead (below);
+//   2. visit flags: forced groups, plus every group a head's cut admits;
+//   3. compaction of the visited groups' blocks into visit_blocks, and stats.
+//
+// Dynamic shared memory: visit flags [max_groups] (padded to 16 bytes), then
+// [max_groups] words (best ranks of the fixed budget, then block offsets),
+// then [max_groups] floats (one head's scores, fixed budget only).
+struct SelectArgs {
+  const int32_t* block_table;
+  const DeviceRow* rows;
+  const uint8_t* scored;  // [layers, q_heads] or null
+  const float* scores;    // [rows, layers, q_heads, max_groups]; strict: lower bounds
+  const float* uppers;    // strict only: upper bounds
+  int32_t* visit_blocks;
+  int32_t* visit_count;
+  StepReport* report;
+  StepReport* next_report;  // cleared here for the next step
+  const uint64_t* selection_done;
+  uint64_t step;
+};
+
+struct SelectRule {
+  bool method_off;  // visit everything
+  float alpha;
+  int first_n, last_n, top_pages;
+  float top_p;
+  float inv_sqrt_d;  // top-p: 1/sqrt(d), rounded on the host as core/ does
+};
+
 // Float -> unsigned key with the same order.
-__device__ unsigned OrderedKey(float f) {
+__device__ inline unsigned OrderedKey(float f) {
   const unsigned bits = __float_as_uint(f);
   return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
 }
-__device__ float KeyToFloat(unsigned key) {
+__device__ inline float KeyToFloat(unsigned key) {
   return __uint_as_float((key & 0x80000000u) ? key & 0x7FFFFFFFu : ~key);
 }
 
-__device__ bool IsForced(int p, int n, int first_n, int last_n) {
-  return p < first_n || p >= n - last_n || p == n - 1;
+// Finds, walking 256 histogram bins from the top, the bin where the running sum
+// (started at `base`) reaches `target`: lane l holds bins [8l, 8l + 8), a warp
+// scan from lane 31 down finds the lane where the sum crosses, and that lane
+// walks its 8 bins. Empty bins (count 0) are passed over. Returns the bin and
+// the sum of the bins above it (plus base) to every lane, or bin -1 when the
+// total never reaches the target.
+template <typename T>
+__device__ void WarpWalkBins(const unsigned* counts, const T* values, T base, T target, int lane,
+                             int* bin, T* above) {
+  T own = 0;
+  for (int b = 8 * lane; b < 8 * lane + 8; ++b) own += counts[b] != 0 ? values[b] : T{0};
+  T inclusive = own;  // sum over lanes >= this one
+  for (int o = 1; o < 32; o *= 2) {
+    const T down = __shfl_down_sync(0xFFFFFFFFu, inclusive, o);
+    if (lane + o < 32) inclusive += down;
+  }
+  const unsigned crossed = __ballot_sync(0xFFFFFFFFu, base + inclusive >= target);
+  int chosen = -1;
+  T chosen_above = 0;
+  if (crossed != 0) {
+    const int crossing = 31 - __clz(crossed);  // the highest lane whose sum reaches the target
+    if (lane == crossing) {
+      T acc = base + (inclusive - own);
+      int last = -1;
+      T last_above = acc;
+      for (int b = 8 * lane + 7; b >= 8 * lane; --b) {
+        if (counts[b] == 0) continue;
+        if (acc + values[b] >= target) {
+          chosen = b;
+          chosen_above = acc;
+          break;
+        }
+        last = b;
+        last_above = acc;
+        acc += values[b];
+      }
+      if (chosen < 0) {  // rounding between the scan and the walk: the lane's lowest bin
+        chosen = last;
+        chosen_above = last_above;
+      }
+    }
+    chosen = __shfl_sync(0xFFFFFFFFu, chosen, crossing);
+    chosen_above = __shfl_sync(0xFFFFFFFFu, chosen_above, crossing);
+  }
+  *bin = chosen;
+  *above = chosen_above;
 }
 
-// One warp per (row, layer, q head): the top_pages-th largest score among the
-// unforced groups by exact bitwise radix select (32 passes of a warp-wide
-// count), then the threshold T/α (T·α when T ≤ 0). Unscored heads get +inf
-// (they add nothing); heads with at most top_pages unforced groups get -inf.
-__global__ void ThresholdKernel(Shape s, float alpha, int first_n, int last_n, int top_pages,
-                                int warps, const DeviceRow* rows, const uint8_t* scored,
-                                const float* scores, float* thresholds,
-                                const DeviceStatus* status) {
-  __shared__ unsigned histograms[8][256];
-  const int warp = static_cast<int>((blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32);
-  const int lane = threadIdx.x % 32;
-  if (warp >= warps || status->code != kOk) return;
-  const int h = warp % s.q_heads;
-  const int layer = (warp / s.q_heads) % s.layers;
-  const int row = warp / (s.q_heads * s.layers);
-  if (scored != nullptr && !scored[layer * s.q_heads + h]) {
-    if (lane == 0) thresholds[warp] = INFINITY;
+// The k-th largest key (1-based) among the groups p < n that `take(p)` admits,
+// by four 8-bit radix passes of a warp-wide histogram. Needs at least k such groups.
+template <typename Take>
+__device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take take,
+                                   unsigned* histogram, int lane) {
+  unsigned prefix = 0, prefix_mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = lane; b < 256; b += 32) histogram[b] = 0;
+    __syncwarp();
+    for (int p = lane; p < n; p += 32) {
+      const unsigned key = OrderedKey(values[p]);
+      if (take(p) && (key & prefix_mask) == prefix)
+        atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
+    }
+    __syncwarp();
+    int chosen;
+    unsigned before;
+    WarpWalkBins<unsigned>(histogram, histogram, 0u, k, lane, &chosen, &before);
+    prefix |= static_cast<unsigned>(max(chosen, 0)) << shift;
+    prefix_mask |= 0xFFu << shift;
+    k -= before;
+    __syncwarp();
+  }
+  return prefix;
+}
+
+// core MarkTopP for one head: the estimated mass w_p = exp((s_p - s_max)/sqrt(d))
+// of the unforced groups, taken by decreasing score (ties by increasing group)
+// until their share reaches top_p. Returns the cut as (key, tie): group p is
+// taken when key_p > key, or key_p == key and p <= tie. Masses are summed in
+// double, in another order than core/'s, so a group at the cut may differ.
+__device__ void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
+                            double* masses, int lane, unsigned* cut_key, int* cut_tie) {
+  float top = -INFINITY;
+  bool any = false;
+  for (int p = lane; p < n; p += 32) {
+    if (!IsForced(p, n, rule.first_n, rule.last_n)) {
+      top = fmaxf(top, sc[p]);
+      any = true;
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xFFFFFFFFu, top, o));
+  if (!__any_sync(0xFFFFFFFFu, any)) {  // no unforced group: nothing to take
+    *cut_key = 0xFFFFFFFFu;
+    *cut_tie = -1;
     return;
   }
-  const int64_t tokens = rows[row].context_tokens;
-  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
-  const int n = static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
-  const float* sc = scores + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups;
-  unsigned local = 0;
-  for (int p = lane; p < n; p += 32) local += !IsForced(p, n, first_n, last_n);
-  const unsigned unforced = __reduce_add_sync(0xFFFFFFFFu, local);
-  float threshold = -INFINITY;
-  if (unforced > static_cast<unsigned>(top_pages)) {
-    // 8 bits at a time: a 256-bin histogram of the keys that share the prefix
-    // found so far, then the bin where the count from the top reaches k.
-    unsigned* histogram = histograms[threadIdx.x / 32];
-    unsigned prefix = 0, prefix_mask = 0, k = static_cast<unsigned>(top_pages);
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = lane; b < 256; b += 32) histogram[b] = 0;
-      __syncwarp();
-      for (int p = lane; p < n; p += 32) {
-        const unsigned key = OrderedKey(sc[p]);
-        if (!IsForced(p, n, first_n, last_n) && (key & prefix_mask) == prefix) {
-          atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
-        }
-      }
-      __syncwarp();
-      // Lane 0 walks the bins from the top until the count reaches k.
-      int chosen = -1;
-      unsigned before = 0;
-      if (lane == 0) {
-        unsigned acc = 0;
-        for (int b = 255; b >= 0; --b) {
-          if (acc + histogram[b] >= k) {
-            chosen = b;
-            before = acc;
-            break;
-          }
-          acc += histogram[b];
-        }
-      }
-      chosen = __shfl_sync(0xFFFFFFFFu, chosen, 0);
-      before = __shfl_sync(0xFFFFFFFFu, before, 0);
-      prefix |= static_cast<unsigned>(chosen) << shift;
-      prefix_mask |= 0xFFu << shift;
-      k -= before;
-      __syncwarp();
-    }
-    const float t = KeyToFloat(prefix);
-    threshold = t > 0.0f ? t / alpha : t * alpha;
+  auto mass = [&](int p) {
+    return exp(static_cast<double>(sc[p] - top) * static_cast<double>(rule.inv_sqrt_d));
+  };
+  double total = 0.0;
+  for (int p = lane; p < n; p += 32) {
+    if (!IsForced(p, n, rule.first_n, rule.last_n)) total += mass(p);
   }
-  if (lane == 0) thresholds[warp] = threshold;
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+  const double target = static_cast<double>(rule.top_p) * total;
+  // Radix walk over keys from the top: the bin where the mass above plus the
+  // bin's reaches the target; with rounding short of it, the lowest bin.
+  unsigned prefix = 0, prefix_mask = 0;
+  double above = 0.0;  // mass of the unforced groups with a key above the prefix range
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = lane; b < 256; b += 32) {
+      counts[b] = 0;
+      masses[b] = 0.0;
+    }
+    __syncwarp();
+    for (int p = lane; p < n; p += 32) {
+      const unsigned key = OrderedKey(sc[p]);
+      if (!IsForced(p, n, rule.first_n, rule.last_n) && (key & prefix_mask) == prefix) {
+        const unsigned b = (key >> shift) & 0xFFu;
+        atomicAdd(&counts[b], 1u);
+        atomicAdd(&masses[b], mass(p));
+      }
+    }
+    __syncwarp();
+    int chosen;
+    double chosen_above;
+    WarpWalkBins<double>(counts, masses, above, target, lane, &chosen, &chosen_above);
+    if (chosen < 0) {  // rounding kept the sum short of the target: the lowest bin
+      const unsigned nonempty = __ballot_sync(
+          0xFFFFFFFFu, counts[8 * lane] | counts[8 * lane + 1] | counts[8 * lane + 2] |
+                           counts[8 * lane + 3] | counts[8 * lane + 4] | counts[8 * lane + 5] |
+                           counts[8 * lane + 6] | counts[8 * lane + 7]);
+      const int low_lane = __ffs(nonempty) - 1;
+      double own = 0.0;
+      int low_bin = 8 * lane + 7;
+      for (int b = 8 * lane + 7; b >= 8 * lane; --b) {
+        if (counts[b] == 0) continue;
+        low_bin = b;
+        own += masses[b];
+      }
+      own -= counts[low_bin] != 0 ? masses[low_bin] : 0.0;  // the bins above the lowest one
+      double higher = 0.0;                                  // lanes above low_lane
+      for (int b = 8 * low_lane + 8; b < 256; ++b) higher += counts[b] != 0 ? masses[b] : 0.0;
+      chosen = __shfl_sync(0xFFFFFFFFu, low_bin, low_lane);
+      chosen_above = above + higher + __shfl_sync(0xFFFFFFFFu, own, low_lane);
+    }
+    above = chosen_above;
+    prefix |= static_cast<unsigned>(chosen) << shift;
+    prefix_mask |= 0xFFu << shift;
+    __syncwarp();
+  }
+  // Among the groups at the cut key, in group order: the one where the mass
+  // reaches the target (all of them when rounding never gets there).
+  int tie = n;
+  for (int base = 0; base < n; base += 32) {
+    const int p = base + lane;
+    double w = 0.0;
+    if (p < n && !IsForced(p, n, rule.first_n, rule.last_n) && OrderedKey(sc[p]) == prefix) {
+      w = mass(p);
+    }
+    double inclusive = w;
+    for (int o = 1; o < 32; o *= 2) {
+      const double up = __shfl_up_sync(0xFFFFFFFFu, inclusive, o);
+      if (lane >= o) inclusive += up;
+    }
+    const unsigned reached = __ballot_sync(0xFFFFFFFFu, w > 0.0 && above + inclusive >= target);
+    if (reached != 0) {
+      tie = base + __ffs(reached) - 1;
+      break;
+    }
+    above += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+  }
+  *cut_key = prefix;
+  *cut_tie = tie;
 }
 
-// Per (layer, row): the union over heads of groups at or above their head's
-// threshold, plus forced groups, compacted into visit_blocks / visit_count.
-__global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
-                             const int32_t* block_table, const DeviceRow* rows,
-                             const float* scores, const float* thresholds, int32_t* visit_blocks,
-                             int32_t* visit_count, const DeviceStatus* status,
-                             DeviceStats* stats, const uint64_t* selection_done, uint64_t step) {
+template <Budget kBudget, bool kStrict>
+__global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
   extern __shared__ unsigned char visit[];
-  __shared__ float head_threshold[256];
+  __shared__ float head_cut[256];     // threshold and strict: visit when value >= cut
+  __shared__ unsigned head_key[256];  // top-p: the cut key and tie group
+  __shared__ int head_tie[256];
   __shared__ unsigned counts[256];
+  __shared__ unsigned histograms[8][256];
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
   // blockIdx.x = layer * lists + list; a list unions the query heads of one KV
   // head (per-KV-head output) or of all of them (union).
   const int layer = blockIdx.x / s.lists, list = blockIdx.x % s.lists, row = blockIdx.y;
   const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
   // The engine gave up on this step (its client released selection_done and
   // attends densely): leave its outputs alone.
-  if (selection_done != nullptr && *reinterpret_cast<const volatile uint64_t*>(selection_done) >= step) {
+  if (a.selection_done != nullptr &&
+      *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step) {
     return;
   }
-  if (status->code != kOk) {
-    // An earlier kernel failed: no list is computed. With a step fence the
+  if (a.report->status.code != kOk) {
+    // The scoring kernel failed: no list is computed. With a step fence the
     // engine's stream proceeds on selection_done regardless, so each list of
     // the step says "attend densely" (-1); without one, nothing is written.
-    if (selection_done != nullptr && threadIdx.x == 0) visit_count[list_index] = -1;
+    if (a.selection_done != nullptr && threadIdx.x == 0) a.visit_count[list_index] = -1;
     return;
   }
   const int heads_per_list = s.q_heads / s.lists, first_head = list * heads_per_list;
-  const int64_t tokens = rows[row].context_tokens;
+  const int64_t tokens = a.rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
-  const int n = static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
+  const int n = GroupsOf(s, tokens);
   const int64_t head_base = (int64_t{row} * s.layers + layer) * s.q_heads;
-  for (int h = threadIdx.x; h < s.q_heads && !method_off; h += blockDim.x) {
-    head_threshold[h] = thresholds[head_base + h];
-  }
-  __syncthreads();
-  for (int p = threadIdx.x; p < n; p += blockDim.x) {
-    bool v = method_off || IsForced(p, n, first_n, last_n);
-    for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {
-      v = scores[(head_base + h) * s.max_groups + p] >= head_threshold[h];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  unsigned* offset = reinterpret_cast<unsigned*>(visit + ((s.max_groups + 15) / 16) * 16);
+  auto head_scored = [&](int h) { return a.scored == nullptr || a.scored[layer * s.q_heads + h]; };
+  auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
+
+  // 1. Per-head cuts (threshold, strict, top-p).
+  if constexpr (kBudget != Budget::kFixed) {
+    if constexpr (kBudget == Budget::kTopP) {
+      __shared__ double masses[8][256];
+      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
+           h += warps) {
+        unsigned key = 0xFFFFFFFFu;
+        int tie = -1;
+        if (head_scored(h)) {
+          WarpTopPCut(a.scores + (head_base + h) * s.max_groups, n, rule, histograms[warp],
+                      masses[warp], lane, &key, &tie);
+        }
+        if (lane == 0) {
+          head_key[h - first_head] = key;
+          head_tie[h - first_head] = tie;
+        }
+      }
+    } else {
+      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
+           h += warps) {
+        float cut = INFINITY;  // unscored heads admit nothing
+        if (head_scored(h)) {
+          const float* values = a.scores + (head_base + h) * s.max_groups;
+          if constexpr (kStrict) {
+            // core MarkStrict: L = the top_pages-th largest lower bound over all
+            // groups; every group whose upper bound reaches L is visited.
+            cut = -INFINITY;
+            if (n > rule.top_pages) {
+              cut = KeyToFloat(WarpKthLargest(
+                  values, n, rule.top_pages, [](int) { return true; }, histograms[warp], lane));
+            }
+          } else {
+            // core MarkByThreshold: T = the top_pages-th largest unforced score;
+            // visit every unforced group with score >= T/α (T·α when T ≤ 0).
+            unsigned local = 0;
+            for (int p = lane; p < n; p += 32) local += !forced(p);
+            const unsigned unforced = __reduce_add_sync(0xFFFFFFFFu, local);
+            cut = -INFINITY;
+            if (unforced > static_cast<unsigned>(rule.top_pages)) {
+              const float t = KeyToFloat(WarpKthLargest(
+                  values, n, rule.top_pages, [&](int p) { return !forced(p); }, histograms[warp],
+                  lane));
+              cut = t > 0.0f ? t / rule.alpha : t * rule.alpha;
+            }
+          }
+        }
+        if (lane == 0) head_cut[h - first_head] = cut;
+      }
     }
-    visit[p] = v;
+    __syncthreads();
   }
+
+  // 2. Visit flags.
+  for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
   __syncthreads();
-  // Compaction. Per-group output offsets by a block-wide scan over contiguous
+  if constexpr (kBudget == Budget::kFixed) {
+    // core MarkFixedBudget: rank the unforced groups per head (score descending,
+    // ties to the more recent group), keep each group's best rank over the
+    // list's heads, and take the top_pages best (ties to the more recent).
+    // Ranks by counting, O(n²) per head: plain, not fast (docs/benchmarks/gpu.md).
+    float* stage = reinterpret_cast<float*>(offset + s.max_groups);
+    unsigned* best = offset;
+    __shared__ unsigned unforced_shared;
+    __shared__ bool any_head_shared;
+    if (threadIdx.x == 0) {
+      unforced_shared = 0;
+      any_head_shared = false;
+    }
+    for (int p = threadIdx.x; p < n; p += blockDim.x) best[p] = 0xFFFFFFFFu;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      if (!forced(p)) atomicAdd(&unforced_shared, 1u);
+    }
+    for (int h = first_head; h < first_head + heads_per_list && !rule.method_off; ++h) {
+      if (!head_scored(h)) continue;
+      if (threadIdx.x == 0) any_head_shared = true;
+      const float* sc = a.scores + (head_base + h) * s.max_groups;
+      for (int p = threadIdx.x; p < n; p += blockDim.x) stage[p] = sc[p];
+      __syncthreads();
+      for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        if (forced(p)) continue;
+        const float mine = stage[p];
+        unsigned rank = 0;
+        for (int q = 0; q < n; ++q) {
+          rank += !forced(q) && (stage[q] > mine || (stage[q] == mine && q > p));
+        }
+        best[p] = min(best[p], rank);
+      }
+      __syncthreads();
+    }
+    __syncthreads();
+    if (any_head_shared) {
+      const unsigned unforced = unforced_shared;
+      for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        if (forced(p)) continue;
+        bool take = unforced <= static_cast<unsigned>(rule.top_pages);
+        if (!take) {
+          unsigned before = 0;
+          for (int q = 0; q < n; ++q) {
+            before += !forced(q) && (best[q] < best[p] || (best[q] == best[p] && q > p));
+          }
+          take = before < static_cast<unsigned>(rule.top_pages);
+        }
+        if (take) visit[p] = 1;
+      }
+    }
+    __syncthreads();
+  } else {
+    for (int p = threadIdx.x; p < n && !rule.method_off; p += blockDim.x) {
+      if (visit[p]) continue;
+      bool v = false;
+      for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {
+        const float value = (kStrict ? a.uppers : a.scores)[(head_base + h) * s.max_groups + p];
+        if constexpr (kBudget == Budget::kTopP) {
+          const unsigned key = OrderedKey(value);
+          const int i = h - first_head;
+          v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
+        } else {
+          v = value >= head_cut[h - first_head];
+        }
+      }
+      if (v) visit[p] = 1;
+    }
+    __syncthreads();
+  }
+
+  // 3. Compaction. Per-group output offsets by a block-wide scan over contiguous
   // chunks, then one thread per output element: it finds its group by binary
   // search over the offsets, so block-table reads and visit-list writes are
   // coalesced across the warp.
-  unsigned* offset = reinterpret_cast<unsigned*>(visit + ((s.max_groups + 15) / 16) * 16);
   const int chunk = (n + blockDim.x - 1) / blockDim.x;
   const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
+  auto blocks_of = [&](int p) {
+    return static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) -
+                                 int64_t{p} * s.group_blocks);
+  };
   unsigned mine = 0, groups = 0;
   for (int p = begin; p < end; ++p) {
     if (visit[p]) {
-      mine += static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) - int64_t{p} * s.group_blocks);
+      mine += blocks_of(p);
       ++groups;
     }
   }
@@ -358,30 +602,37 @@ __global__ void SelectKernel(Shape s, int first_n, int last_n, int method_off,
   unsigned at = counts[threadIdx.x] - mine;
   for (int p = begin; p < end; ++p) {
     offset[p] = at;
-    if (visit[p]) at += static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) - int64_t{p} * s.group_blocks);
+    if (visit[p]) at += blocks_of(p);
   }
   __syncthreads();
   const unsigned total = counts[blockDim.x - 1];
-  const int64_t table_row = rows[row].table_row;
+  const int64_t table_row = a.rows[row].table_row;
   const int64_t out = list_index * s.max_blocks;
   for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
     int lo = 0, hi = n;  // first group whose offset exceeds o
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
-      if (offset[mid] <= o) lo = mid + 1; else hi = mid;
+      if (offset[mid] <= o) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
     }
     const int p = lo - 1;  // visited: an empty group's offset equals the next one's
-    visit_blocks[out + o] = block_table[table_row * s.max_blocks + int64_t{p} * s.group_blocks + (o - offset[p])];
+    a.visit_blocks[out + o] =
+        a.block_table[table_row * s.max_blocks + int64_t{p} * s.group_blocks + (o - offset[p])];
   }
   // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
+  DeviceStats* stats = &a.report->stats;
   const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
-  if (threadIdx.x % 32 == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
+  if (lane == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
   if (threadIdx.x == blockDim.x - 1) {
-    visit_count[list_index] = static_cast<int32_t>(total);
+    a.visit_count[list_index] = static_cast<int32_t>(total);
     atomicAdd(&stats->blocks_visited, total);
     const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
     atomicAdd(&stats->visited_tokens,
-              static_cast<unsigned long long>(total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
+              static_cast<unsigned long long>(
+                  total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
   }
 }
 

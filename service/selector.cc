@@ -199,11 +199,6 @@ absl::StatusOr<std::shared_ptr<Session>> Selector::BuildSession(const v1::Attach
   ASSIGN_OR_RETURN(PageSelector selector, PageSelector::Create(m, *s->phi));
   s->selector = std::make_unique<PageSelector>(std::move(selector));
   if (cuda) {
-    if (s->policy.strict || s->policy.budget != Budget::kThreshold) {
-      return absl::UnimplementedError(
-          "the cuda backend serves the threshold budget; strict mode and the fixed and top-p "
-          "budgets run on the cpu backend");
-    }
     ASSIGN_OR_RETURN(s->backend,
                      MakeCudaBackend(m, s->device, s->max_batch, s->max_groups,
                                      std::chrono::milliseconds(config_.inputs_timeout_ms)));
