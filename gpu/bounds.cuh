@@ -8,7 +8,9 @@
 //   fro    ‖q‖ sqrt(fro2)
 //   quest  Σ_j max(q_j min_j, q_j max_j), min and max binary16 (rounded outward)
 //
-// and BracketMaxScore for strict mode. Sums run in core/'s order (j = 0..d-1),
+// and BracketMaxScore for strict mode. The per-channel sums (quest, u1·q, q·Σk)
+// are taken for a batch of query heads in one pass over the record (HeadSums).
+// Sums run in core/'s order (j = 0..d-1),
 // but the device contracts products into FMAs, so values agree with core/ to
 // float rounding, not bit for bit; strict mode's slack covers that.
 #pragma once
@@ -26,10 +28,9 @@ struct RecordOffsets {
   int d, packed, fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
 };
 
-// One query head's terms, in shared memory: q widened (d), packed z zᵀ with
-// doubled off-diagonal (packed), and ‖q‖.
+// One query head's terms: packed z zᵀ with doubled off-diagonal (in shared
+// memory; jl only) and ‖q‖.
 struct HeadQuery {
-  const float* q;
   const float* zz;
   float norm;
 };
@@ -53,12 +54,77 @@ __device__ inline float JlScore(const float* rec, const float* gram, const Recor
   return isnan(quad) ? quad : sqrtf(fmaxf(quad, 0.0f));  // a NaN summary must surface
 }
 
-__device__ inline float OnePcBound(const float* rec, const RecordOffsets& o, const HeadQuery& h) {
+// The per-channel sums of the record for a batch of up to kHeadBatch query
+// heads at once, so the record's channels are read once for all of them (GQA).
+// `q` holds the heads' queries one after the other, d floats each; sums run
+// over j = 0..d-1 in order, as core/'s do. Results land in out[0, heads).
+inline constexpr int kHeadBatch = 8;
+
+// quest: Σ_j max(q_j min_j, q_j max_j), min and max read as binary16 pairs.
+__device__ inline void QuestSums(const float* rec, const RecordOffsets& o, const float* q,
+                                 int heads, float* out) {
+  const __half2* lo = reinterpret_cast<const __half2*>(rec + o.quest_min);
+  const __half2* hi = reinterpret_cast<const __half2*>(rec + o.quest_max);
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  for (int i = 0; i < o.d / 2; ++i) {
+    const float2 l = __half22float2(lo[i]);
+    const float2 h = __half22float2(hi[i]);
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) {
+        const float q0 = q[r * o.d + 2 * i], q1 = q[r * o.d + 2 * i + 1];
+        out[r] += fmaxf(q0 * l.x, q0 * h.x);
+        out[r] += fmaxf(q1 * l.y, q1 * h.y);
+      }
+    }
+  }
+}
+
+// 1pc: u1·q with the int8 direction read four bytes at a time.
+__device__ inline void PrincipalDots(const float* rec, const RecordOffsets& o, const float* q,
+                                     int heads, float* out) {
+  const char4* u = reinterpret_cast<const char4*>(rec + o.principal + 3);
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  for (int w = 0; w < o.d / 4; ++w) {
+    const char4 c = u[w];
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) {
+        const float* qr = q + r * o.d + 4 * w;
+        out[r] += static_cast<float>(c.x) * qr[0];
+        out[r] += static_cast<float>(c.y) * qr[1];
+        out[r] += static_cast<float>(c.z) * qr[2];
+        out[r] += static_cast<float>(c.w) * qr[3];
+      }
+    }
+  }
+}
+
+// Mean-key lower bound: q·Σk.
+__device__ inline void KeySumDots(const float* rec, const RecordOffsets& o, const float* q,
+                                  int heads, float* out) {
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  for (int i = 0; i < o.d; ++i) {
+    const float k = rec[o.key_sum + i];
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) out[r] += q[r * o.d + i] * k;
+    }
+  }
+}
+
+__device__ inline bool HasPrincipalPair(const float* rec, const RecordOffsets& o) {
+  return o.principal >= 0 && rec[o.principal + 2] != 0.0f;  // scale 0: absent or unsealed
+}
+
+// 1pc from the head's u1·q (`dot`, from PrincipalDots).
+__device__ inline float OnePcBound(const float* rec, const RecordOffsets& o, const HeadQuery& h,
+                                   float dot) {
   const float fro = FroBound(rec, o, h);
-  if (o.principal < 0 || rec[o.principal + 2] == 0.0f) return fro;  // absent or not sealed
-  const int8_t* u = reinterpret_cast<const int8_t*>(rec + o.principal + 3);
-  float dot = 0.0f;
-  for (int i = 0; i < o.d; ++i) dot += static_cast<float>(u[i]) * h.q[i];
+  if (!HasPrincipalPair(rec, o)) return fro;
   const float along = fabsf(dot * rec[o.principal + 2]);
   const float q2 = h.norm * h.norm;
   const float perp =
@@ -70,31 +136,33 @@ __device__ inline float OnePcBound(const float* rec, const RecordOffsets& o, con
                fro);
 }
 
-__device__ inline float QuestBound(const float* rec, const RecordOffsets& o, const HeadQuery& h) {
+// quest from the head's channel sum (`sum`, from QuestSums); fro without the part.
+__device__ inline float QuestBound(const float* rec, const RecordOffsets& o, const HeadQuery& h,
+                                   float sum) {
   if (o.quest_min < 0) return FroBound(rec, o, h);
   if (rec[o.count] <= 0.0f) return -INFINITY;  // no keys
-  const __half* lo = reinterpret_cast<const __half*>(rec + o.quest_min);
-  const __half* hi = reinterpret_cast<const __half*>(rec + o.quest_max);
-  float sum = 0.0f;
-  for (int i = 0; i < o.d; ++i) {
-    const float qi = h.q[i];
-    sum += fmaxf(qi * __half2float(lo[i]), qi * __half2float(hi[i]));
-  }
   return sum;
 }
 
-// core Score(): kOff scores 0.
+// The per-head sums a score needs, for one batch of heads.
+struct HeadSums {
+  float principal[kHeadBatch];  // u1·q (1pc, strict with a principal pair)
+  float quest[kHeadBatch];      // quest channel sum (quest, strict with the quest part)
+  float key_sum[kHeadBatch];    // q·Σk (strict with key_sum)
+};
+
+// core Score(): kOff scores 0. `r` is the head's index in the batch of `sums`.
 template <Method kMethod, int kM>
 __device__ inline float Score(const float* rec, const float* gram, const RecordOffsets& o,
-                              const HeadQuery& h) {
+                              const HeadQuery& h, const HeadSums& sums, int r) {
   if constexpr (kMethod == Method::kJl) {
     return JlScore<kM>(rec, gram, o, h);
   } else if constexpr (kMethod == Method::kOnePc) {
-    return OnePcBound(rec, o, h);
+    return OnePcBound(rec, o, h, sums.principal[r]);
   } else if constexpr (kMethod == Method::kFro) {
     return FroBound(rec, o, h);
   } else if constexpr (kMethod == Method::kQuest) {
-    return QuestBound(rec, o, h);
+    return QuestBound(rec, o, h, sums.quest[r]);
   } else {
     return 0.0f;
   }
@@ -102,22 +170,17 @@ __device__ inline float Score(const float* rec, const float* gram, const RecordO
 
 // core BracketMaxScore(): a rigorous bracket of max_i q·k_i, slack included.
 __device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const RecordOffsets& o,
-                                                  const HeadQuery& h) {
+                                                  const HeadQuery& h, const HeadSums& sums, int r) {
   const float count = rec[o.count];
   if (count <= 0.0f) return {-INFINITY, -INFINITY};
   const float d = static_cast<float>(o.d);
   const float slack =
       fmaxf(kBoundSlack, ldexpf(count + d * sqrtf(d), -22)) * h.norm * rec[o.max_norm];
   float abs_upper = FroBound(rec, o, h);
-  if (o.principal >= 0) abs_upper = fminf(abs_upper, OnePcBound(rec, o, h));
+  if (o.principal >= 0) abs_upper = fminf(abs_upper, OnePcBound(rec, o, h, sums.principal[r]));
   float upper = abs_upper;
-  if (o.quest_min >= 0) upper = fminf(upper, QuestBound(rec, o, h));
-  float lower = -abs_upper;
-  if (o.key_sum >= 0) {
-    float dot = 0.0f;
-    for (int i = 0; i < o.d; ++i) dot += h.q[i] * rec[o.key_sum + i];
-    lower = dot / count;
-  }
+  if (o.quest_min >= 0) upper = fminf(upper, QuestBound(rec, o, h, sums.quest[r]));
+  const float lower = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
   return {lower - slack, upper + slack};
 }
 

@@ -322,16 +322,17 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
-  // Scoring: one thread per group of (row, layer, KV head), 128 per block.
+  // Scoring: one thread per group of (row, layer, KV head), 256 per block.
   {
     ScoreArgs args{in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
                    g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
-    const dim3 grid(static_cast<unsigned>((max_n + 127) / 128),
+    const dim3 grid(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
                     static_cast<unsigned>(m.num_layers * m.num_kv_heads),
                     static_cast<unsigned>(batch));
     void* params[] = {&s, &args};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(ScoreKernelFor(policy.method, m.sketch_dim, strict), grid,
-                                          dim3(128), params, ScoreSharedBytes(m), g.stream));
+                                          dim3(kScoreThreads), params, ScoreSharedBytes(m),
+                                          g.stream));
   }
   // Selection: one block per (layer, list, row).
   {

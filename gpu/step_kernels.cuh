@@ -63,15 +63,18 @@ __device__ inline bool IsForced(int p, int n, int first_n, int last_n) {
 }
 
 // ---------------------------------------------------------------------------
-// Scoring. Grid (group chunks, layers * kv_heads, rows), 128 threads. Each
-// block first widens the queries of its KV head's query heads into shared
-// memory and builds their terms (z = Φᵀq serially in i, as core/ does; the
-// packed z zᵀ; ‖q‖), then each thread scores one group: it reads the record
-// once and scores it for every query head of the KV head (GQA).
+// Scoring. Grid (group chunks of 256, layers * kv_heads, rows), 256 threads.
+// Each block first widens the queries of its KV head's query heads into shared
+// memory and builds their terms, a warp per head (‖q‖; for jl z = Φᵀq and the
+// packed z zᵀ), then each thread scores one group: it reads the record once
+// and scores it for every query head of the KV head (GQA), the per-channel
+// sums of quest, 1pc and strict taken for up to kHeadBatch heads per pass.
 //
-// Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio].
-// Outputs [rows, layers, q_heads, max_groups]: `scores` (strict: the lower
-// bounds) and, in strict mode, `uppers`.
+// Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio],
+// z [ratio, m]. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict:
+// the lower bounds) and, in strict mode, `uppers`.
+inline constexpr int kScoreThreads = 256;
+
 struct ScoreArgs {
   const float* pool;
   const int32_t* group_table;
@@ -97,6 +100,7 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
   float* norm_sh = zz_sh + ratio * packed;  // [ratio]
   float* z_sh = norm_sh + ratio;            // [ratio, m]
   DeviceStatus* status = &a.report->status;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
 
   // Stage the widened queries; a non-finite element of a scored head fails the step.
   for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
@@ -111,28 +115,35 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
   }
   __syncthreads();
   if constexpr (kMethod != Method::kOff || kStrict) {
+    // A warp per head: lanes split d, shuffles reduce.
     const float* matrix = a.phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
-    for (int e = threadIdx.x; e < ratio * s.m; e += blockDim.x) {
-      const int r = e / s.m, j = e % s.m;
-      float z = 0.0f;
-      for (int i = 0; i < s.d; ++i) z += matrix[i * s.m + j] * q_sh[r * s.d + i];
-      z_sh[e] = z;
-    }
-    for (int r = threadIdx.x; r < ratio; r += blockDim.x) {
+    for (int r = warp; r < ratio; r += warps) {
+      const float* q = q_sh + r * s.d;
       float n2 = 0.0f;
-      for (int i = 0; i < s.d; ++i) n2 += q_sh[r * s.d + i] * q_sh[r * s.d + i];
-      norm_sh[r] = sqrtf(n2);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < ratio * packed; e += blockDim.x) {
-      const int r = e / packed;
-      int p = e % packed, i = 0;
-      while (p >= s.m - i) {  // packed index -> (i, j), i ≤ j
-        p -= s.m - i;
-        ++i;
+      for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
+      for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
+      if (lane == 0) norm_sh[r] = sqrtf(n2);
+      if constexpr (kMethod == Method::kJl && !kStrict) {
+        for (int j = 0; j < s.m; ++j) {
+          float partial = 0.0f;
+          for (int i = lane; i < s.d; i += 32) partial += matrix[i * s.m + j] * q[i];
+          for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
+          if (lane == 0) z_sh[r * s.m + j] = partial;
+        }
       }
-      const int j = i + p;
-      zz_sh[e] = (i == j ? 1.0f : 2.0f) * z_sh[r * s.m + i] * z_sh[r * s.m + j];
+    }
+    if constexpr (kMethod == Method::kJl && !kStrict) {
+      __syncthreads();
+      for (int e = threadIdx.x; e < ratio * packed; e += blockDim.x) {
+        const int r = e / packed;
+        int p = e % packed, i = 0;
+        while (p >= s.m - i) {  // packed index -> (i, j), i ≤ j
+          p -= s.m - i;
+          ++i;
+        }
+        const int j = i + p;
+        zz_sh[e] = (i == j ? 1.0f : 2.0f) * z_sh[r * s.m + i] * z_sh[r * s.m + j];
+      }
     }
     __syncthreads();
   }
@@ -173,23 +184,42 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
 #pragma unroll
       for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
     }
-    for (int r = 0; r < ratio; ++r) {
-      const int h = kvh * ratio + r;
-      if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
-      const HeadQuery hq{q_sh + r * s.d, zz_sh + r * packed, norm_sh[r]};
-      const int64_t out = ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
-      bool bad;
-      if constexpr (kStrict) {
-        const MaxScoreBracket b = BracketMaxScore(rec, o, hq);
-        a.scores[out] = b.lower;
-        a.uppers[out] = b.upper;
-        bad = isnan(b.lower) || isnan(b.upper);
-      } else {
-        const float score = Score<kMethod, kM>(rec, reinterpret_cast<const float*>(gram), o, hq);
-        a.scores[out] = score;
-        bad = isnan(score) || score == INFINITY;
+    constexpr bool kQuestSums = kStrict || kMethod == Method::kQuest;
+    constexpr bool kPrincipalSums = kStrict || kMethod == Method::kOnePc;
+    for (int r0 = 0; r0 < ratio; r0 += kHeadBatch) {
+      const int heads = min(kHeadBatch, ratio - r0);
+      const float* q = q_sh + r0 * s.d;
+      HeadSums sums;
+      if constexpr (kQuestSums) {
+        if (o.quest_min >= 0) QuestSums(rec, o, q, heads, sums.quest);
       }
-      if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
+      if constexpr (kPrincipalSums) {
+        if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
+      }
+      if constexpr (kStrict) {
+        if (o.key_sum >= 0) KeySumDots(rec, o, q, heads, sums.key_sum);
+      }
+#pragma unroll
+      for (int rr = 0; rr < kHeadBatch; ++rr) {
+        if (rr >= heads) break;
+        const int r = r0 + rr, h = kvh * ratio + r;
+        if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
+        const HeadQuery hq{zz_sh + r * packed, norm_sh[r]};
+        const int64_t out = ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
+        bool bad;
+        if constexpr (kStrict) {
+          const MaxScoreBracket b = BracketMaxScore(rec, o, hq, sums, rr);
+          a.scores[out] = b.lower;
+          a.uppers[out] = b.upper;
+          bad = isnan(b.lower) || isnan(b.upper);
+        } else {
+          const float score =
+              Score<kMethod, kM>(rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
+          a.scores[out] = score;
+          bad = isnan(score) || score == INFINITY;
+        }
+        if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
+      }
     }
   }
 }
@@ -448,9 +478,27 @@ __global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
   auto head_scored = [&](int h) { return a.scored == nullptr || a.scored[layer * s.q_heads + h]; };
   auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
 
-  // 1. Per-head cuts (threshold, strict, top-p).
-  if constexpr (kBudget != Budget::kFixed) {
-    if constexpr (kBudget == Budget::kTopP) {
+  // 1. Per-head cuts (threshold, strict, top-p; fixed: the top_pages-th score).
+  {
+    if constexpr (kBudget == Budget::kFixed) {
+      // Only a group within some head's top top_pages can be taken (each head
+      // alone has top_pages groups ranked below top_pages), so ranks are
+      // counted only for groups at or above the head's top_pages-th score.
+      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
+           h += warps) {
+        float cut = -INFINITY;
+        if (head_scored(h)) {
+          unsigned local = 0;
+          for (int p = lane; p < n; p += 32) local += !forced(p);
+          if (__reduce_add_sync(0xFFFFFFFFu, local) > static_cast<unsigned>(rule.top_pages)) {
+            cut = KeyToFloat(WarpKthLargest(
+                a.scores + (head_base + h) * s.max_groups, n, rule.top_pages,
+                [&](int p) { return !forced(p); }, histograms[warp], lane));
+          }
+        }
+        if (lane == 0) head_cut[h - first_head] = cut;
+      }
+    } else if constexpr (kBudget == Budget::kTopP) {
       __shared__ double masses[8][256];
       for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
            h += warps) {
@@ -507,7 +555,8 @@ __global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
     // core MarkFixedBudget: rank the unforced groups per head (score descending,
     // ties to the more recent group), keep each group's best rank over the
     // list's heads, and take the top_pages best (ties to the more recent).
-    // Ranks by counting, O(n²) per head: plain, not fast (docs/benchmarks/gpu.md).
+    // Ranks by counting, for the groups at or above the head's cut only: O(n) per
+    // such group (about top_pages per head, more with ties at the cut).
     float* stage = reinterpret_cast<float*>(offset + s.max_groups);
     unsigned* best = offset;
     __shared__ unsigned unforced_shared;
@@ -527,14 +576,15 @@ __global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
       const float* sc = a.scores + (head_base + h) * s.max_groups;
       for (int p = threadIdx.x; p < n; p += blockDim.x) stage[p] = sc[p];
       __syncthreads();
+      const float cut = head_cut[h - first_head];
       for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        if (forced(p)) continue;
+        if (forced(p) || !(stage[p] >= cut)) continue;
         const float mine = stage[p];
         unsigned rank = 0;
         for (int q = 0; q < n; ++q) {
           rank += !forced(q) && (stage[q] > mine || (stage[q] == mine && q > p));
         }
-        best[p] = min(best[p], rank);
+        if (rank < static_cast<unsigned>(rule.top_pages)) best[p] = min(best[p], rank);
       }
       __syncthreads();
     }
@@ -544,10 +594,11 @@ __global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
       for (int p = threadIdx.x; p < n; p += blockDim.x) {
         if (forced(p)) continue;
         bool take = unforced <= static_cast<unsigned>(rule.top_pages);
-        if (!take) {
+        if (!take && best[p] != 0xFFFFFFFFu) {  // ranked: within some head's top top_pages
           unsigned before = 0;
           for (int q = 0; q < n; ++q) {
-            before += !forced(q) && (best[q] < best[p] || (best[q] == best[p] && q > p));
+            before +=
+                best[q] != 0xFFFFFFFFu && (best[q] < best[p] || (best[q] == best[p] && q > p));
           }
           take = before < static_cast<unsigned>(rule.top_pages);
         }
