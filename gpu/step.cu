@@ -1,9 +1,14 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <span>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -22,13 +27,15 @@ using namespace kernels;  // NOLINT: this file launches them
 namespace {
 
 // Every kernel the step may launch, so Create can load them all up front.
-template <Budget kBudget, bool kStrict>
+template <Budget kBudget, bool kStrict, int kWarps>
 const void* SelectKernelOf() {
-  return reinterpret_cast<const void*>(&SelectKernel<kBudget, kStrict>);
+  return reinterpret_cast<const void*>(&SelectKernel<kBudget, kStrict, kWarps>);
 }
 const void* const kSelectKernels[] = {
-    SelectKernelOf<Budget::kThreshold, false>(), SelectKernelOf<Budget::kThreshold, true>(),
-    SelectKernelOf<Budget::kFixed, false>(), SelectKernelOf<Budget::kTopP, false>()};
+    SelectKernelOf<Budget::kThreshold, false, 8>(), SelectKernelOf<Budget::kThreshold, false, 32>(),
+    SelectKernelOf<Budget::kThreshold, true, 8>(),  SelectKernelOf<Budget::kThreshold, true, 32>(),
+    SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
+    SelectKernelOf<Budget::kTopP, false, 8>()};
 
 template <Method kMethod, int kM, bool kStrict>
 const void* ScoreKernelOf() {
@@ -70,17 +77,25 @@ const void* ScoreKernelFor(Method method, int m, bool strict) {
   return ScoreKernelOf<Method::kOff, 0, false>();
 }
 
-const void* SelectKernelFor(Budget budget, bool strict) {
+// The selection kernel and its warps per block: a warp per head for lists of
+// more than 8 heads (up to 32), else 8 warps.
+std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int heads_per_list) {
+  const bool wide = heads_per_list > 8;
   switch (budget) {
     case Budget::kThreshold:
-      return strict ? SelectKernelOf<Budget::kThreshold, true>()
-                    : SelectKernelOf<Budget::kThreshold, false>();
+      if (strict) {
+        return wide ? std::pair{SelectKernelOf<Budget::kThreshold, true, 32>(), 32}
+                    : std::pair{SelectKernelOf<Budget::kThreshold, true, 8>(), 8};
+      }
+      return wide ? std::pair{SelectKernelOf<Budget::kThreshold, false, 32>(), 32}
+                  : std::pair{SelectKernelOf<Budget::kThreshold, false, 8>(), 8};
     case Budget::kFixed:
-      return SelectKernelOf<Budget::kFixed, false>();
+      return wide ? std::pair{SelectKernelOf<Budget::kFixed, false, 32>(), 32}
+                  : std::pair{SelectKernelOf<Budget::kFixed, false, 8>(), 8};
     case Budget::kTopP:
-      return SelectKernelOf<Budget::kTopP, false>();
+      break;
   }
-  return SelectKernelOf<Budget::kThreshold, false>();
+  return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
 }
 
 // Dynamic shared memory of the two kernels (step_kernels.cuh lays them out).
@@ -94,7 +109,55 @@ size_t SelectSharedBytes(int64_t max_groups) {
 }
 constexpr int64_t kMaxGroups = 8192;  // the select kernel's shared memory holds a row's groups
 
+// The two kernels of one step with every parameter, launched one by one or
+// captured as a graph. Built zeroed (padding included), so its bytes are a key.
+struct StepLaunch {
+  Shape shape;
+  SelectRule rule;
+  ScoreArgs score;
+  SelectArgs select;
+  const void* score_kernel;
+  dim3 score_grid;
+  size_t score_shared;
+  const void* select_kernel;
+  dim3 select_grid, select_block;
+  size_t select_shared;
+
+  absl::Status Launch(cudaStream_t stream) {
+    void* score_params[] = {&shape, &score};
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(score_kernel, score_grid, dim3(kScoreThreads),
+                                          score_params, score_shared, stream));
+    void* select_params[] = {&shape, &rule, &select};
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
+                                          select_shared, stream));
+    return absl::OkStatus();
+  }
+
+  cudaKernelNodeParams SelectNode(void** params) {
+    params[0] = &shape;
+    params[1] = &rule;
+    params[2] = &select;
+    cudaKernelNodeParams node{};
+    node.func = const_cast<void*>(select_kernel);
+    node.gridDim = select_grid;
+    node.blockDim = select_block;
+    node.sharedMemBytes = static_cast<unsigned>(select_shared);
+    node.kernelParams = params;
+    return node;
+  }
+
+  // Every parameter's bytes but the step number, which a replay sets.
+  std::string Key() const {
+    std::string key(reinterpret_cast<const char*>(this), sizeof(StepLaunch));
+    const size_t step = offsetof(StepLaunch, select) + offsetof(SelectArgs, step);
+    std::fill_n(key.begin() + step, sizeof(uint64_t), '\0');
+    return key;
+  }
+};
+
 }  // namespace
+
+constexpr size_t kCapturedSteps = 8;
 
 struct GpuSelector::Impl {
   ModelLayout model;
@@ -107,8 +170,79 @@ struct GpuSelector::Impl {
   DeviceBuffer<float> uppers;  // strict mode's upper bounds, allocated by its first step
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
-  DeviceBuffer<StepReport> reports;       // two, alternating by step (step_kernels.cuh)
-  uint64_t sequence = 0;                  // steps launched: picks this step's report
+  DeviceBuffer<StepReport> reports;  // two, alternating by step (step_kernels.cuh)
+  uint64_t sequence = 0;             // steps launched: picks this step's report
+  GpuSelectorOptions options;
+  // Captured steps (the two kernels), most recent first: a step whose kernel
+  // parameters equal a cached one's apart from the step number replays it.
+  struct CapturedStep {
+    std::string key;  // the launch parameters' bytes, step number zeroed
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaGraphNode_t select = nullptr;  // its parameters carry the step number
+  };
+  std::vector<CapturedStep> captured;
+
+  // Launches `launch` as a graph: the cached one with the same key (its select
+  // node given this step's number), or a new capture.
+  absl::Status Replay(StepLaunch& launch) {
+    const std::string key = launch.Key();
+    auto it = std::find_if(captured.begin(), captured.end(),
+                           [&](const CapturedStep& c) { return c.key == key; });
+    if (it == captured.end()) {
+      CapturedStep c;
+      c.key = key;
+      CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const absl::Status launched = launch.Launch(stream);
+      const cudaError_t ended = cudaStreamEndCapture(stream, &c.graph);
+      RETURN_IF_ERROR(launched);
+      CUDA_RETURN_IF_ERROR(ended);
+      if (absl::Status found = FindSelectNode(c.graph, launch.select_kernel, &c.select);
+          !found.ok()) {
+        cudaGraphDestroy(c.graph);
+        return found;
+      }
+      if (const cudaError_t made = cudaGraphInstantiate(&c.exec, c.graph, 0); made != cudaSuccess) {
+        cudaGraphDestroy(c.graph);
+        return absl::InternalError(
+            absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(made)));
+      }
+      if (captured.size() == kCapturedSteps) {
+        cudaGraphExecDestroy(captured.back().exec);
+        cudaGraphDestroy(captured.back().graph);
+        captured.pop_back();
+      }
+      captured.insert(captured.begin(), std::move(c));
+    } else if (it != captured.begin()) {
+      std::rotate(captured.begin(), it, it + 1);  // most recent first
+    }
+    CapturedStep& c = captured.front();
+    void* params[3];
+    const cudaKernelNodeParams node = launch.SelectNode(params);
+    CUDA_RETURN_IF_ERROR(cudaGraphExecKernelNodeSetParams(c.exec, c.select, &node));
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(c.exec, stream));
+    return absl::OkStatus();
+  }
+
+  static absl::Status FindSelectNode(cudaGraph_t graph, const void* kernel,
+                                     cudaGraphNode_t* select) {
+    size_t count = 0;
+    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &count));
+    std::vector<cudaGraphNode_t> nodes(count);
+    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nodes.data(), &count));
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type;
+      CUDA_RETURN_IF_ERROR(cudaGraphNodeGetType(node, &type));
+      if (type != cudaGraphNodeTypeKernel) continue;
+      cudaKernelNodeParams params{};
+      CUDA_RETURN_IF_ERROR(cudaGraphKernelNodeGetParams(node, &params));
+      if (params.func == kernel) {
+        *select = node;
+        return absl::OkStatus();
+      }
+    }
+    return absl::InternalError("the captured step has no selection kernel node");
+  }
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
   // Pinned host staging: the row list up, the step's report down.
   DeviceRow* host_rows = nullptr;
@@ -133,6 +267,10 @@ struct GpuSelector::Impl {
     if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
+    for (CapturedStep& c : captured) {
+      cudaGraphExecDestroy(c.exec);
+      cudaGraphDestroy(c.graph);
+    }
     if (release_stream != nullptr) cudaStreamDestroy(release_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -143,7 +281,8 @@ GpuSelector::~GpuSelector() = default;
 
 absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayout& model,
                                                                  int device, int64_t max_batch,
-                                                                 int64_t max_groups) {
+                                                                 int64_t max_groups,
+                                                                 GpuSelectorOptions options) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   if (model.num_q_heads > 256 || model.sketch_dim > 64) {
     return absl::InvalidArgumentError(
@@ -154,11 +293,11 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  // Static shared memory of the select kernel: at most 28 KiB (step_kernels.cuh).
+  // Static shared memory of the select kernel: at most 40 KiB (step_kernels.cuh).
   const size_t score_shared = ScoreSharedBytes(model);
   const size_t select_shared = SelectSharedBytes(std::min(max_groups, kMaxGroups));
   if (score_shared > static_cast<size_t>(max_shared) ||
-      select_shared + 28 * 1024 > static_cast<size_t>(max_shared)) {
+      select_shared + 40 * 1024 > static_cast<size_t>(max_shared)) {
     return absl::InvalidArgumentError(
         absl::StrCat("the GPU pre-pass needs ", score_shared,
                      " bytes of shared memory per scoring block "
@@ -171,6 +310,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   impl->device = device;
   impl->max_batch = max_batch;
   impl->max_groups = max_groups;
+  impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
@@ -278,7 +418,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   if (strict && g.uppers.get() == nullptr) {  // strict mode's second score array, once
     RETURN_IF_CUDA_ALLOC(g.uppers, g.max_batch * m.num_layers * m.num_q_heads * g.max_groups);
   }
-  Shape s{};
+  StepLaunch launch;
+  std::memset(static_cast<void*>(&launch), 0, sizeof launch);  // the bytes are a key
+  Shape& s = launch.shape;
   s.layers = m.num_layers;
   s.q_heads = m.num_q_heads;
   s.kv_heads = m.num_kv_heads;
@@ -298,7 +440,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   s.num_physical_blocks = in.num_physical_blocks;
   s.query_dtype = in.query_dtype;
   s.lists = lists;
-  SelectRule rule{};
+  SelectRule& rule = launch.rule;
   rule.method_off = method_off;
   rule.alpha = policy.alpha;
   rule.first_n = policy.first_n;
@@ -308,6 +450,24 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
+  const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
+  // Scoring: one thread per group of (row, layer, KV head), 256 per block.
+  launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
+                  g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
+  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict);
+  launch.score_grid =
+      dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
+           static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
+  launch.score_shared = ScoreSharedBytes(m);
+  // Selection: one block per (layer, list, row).
+  launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
+                   g.uppers.get(), out.visit_blocks,     out.visit_count, report,
+                   next_report,    fence.selection_done, fence.step};
+  const auto [select_kernel, warps] = SelectKernelFor(policy.budget, strict, m.num_q_heads / lists);
+  launch.select_kernel = select_kernel;
+  launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
+  launch.select_block = dim3(32 * warps);
+  launch.select_shared = SelectSharedBytes(in.max_groups);
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {
@@ -321,29 +481,10 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                                          g.stream));
   }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
-  const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
-  // Scoring: one thread per group of (row, layer, KV head), 256 per block.
-  {
-    ScoreArgs args{in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
-                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
-    const dim3 grid(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
-                    static_cast<unsigned>(m.num_layers * m.num_kv_heads),
-                    static_cast<unsigned>(batch));
-    void* params[] = {&s, &args};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(ScoreKernelFor(policy.method, m.sketch_dim, strict), grid,
-                                          dim3(kScoreThreads), params, ScoreSharedBytes(m),
-                                          g.stream));
-  }
-  // Selection: one block per (layer, list, row).
-  {
-    SelectArgs args{in.block_table, g.rows.get(),         scored,          g.scores.get(),
-                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,
-                    next_report,    fence.selection_done, fence.step};
-    void* params[] = {&s, &rule, &args};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(SelectKernelFor(policy.budget, strict),
-                                          dim3(m.num_layers * lists, static_cast<unsigned>(batch)),
-                                          dim3(256), params, SelectSharedBytes(in.max_groups),
-                                          g.stream));
+  if (g.options.graphs) {
+    RETURN_IF_ERROR(g.Replay(launch));
+  } else {
+    RETURN_IF_ERROR(launch.Launch(g.stream));
   }
   ++g.sequence;
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));

@@ -47,11 +47,19 @@
 
 namespace eps::gpu {
 
+struct GpuSelectorOptions {
+  // Replay each step's two kernels as one captured CUDA graph (a launch per
+  // step); a step whose shapes, buffers or policy change is captured anew
+  // (the last 8 are kept). false: launch the kernels one by one.
+  bool graphs = true;
+};
+
 class GpuSelector {
  public:
   // Scratch for up to `max_batch` rows of up to `max_groups` groups, on `device`.
   static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(const ModelLayout& model, int device,
-                                                             int64_t max_batch, int64_t max_groups);
+                                                             int64_t max_batch, int64_t max_groups,
+                                                             GpuSelectorOptions options = {});
   ~GpuSelector();
   GpuSelector(const GpuSelector&) = delete;
   GpuSelector& operator=(const GpuSelector&) = delete;

@@ -225,7 +225,7 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
 }
 
 // ---------------------------------------------------------------------------
-// Selection: one block of 256 threads per (layer * lists + list, row).
+// Selection: one block of 256 or 1024 threads per (layer * lists + list, row).
 //   1. each warp takes query heads of the list in turn and finds its cut
 //      (threshold budget and strict: the top_pages-th largest value by an
 //      8-bit radix select; top-p: the score where the mass reaches top_p);
@@ -442,14 +442,19 @@ __device__ void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsi
   *cut_tie = tie;
 }
 
-template <Budget kBudget, bool kStrict>
-__global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
+// kWarps warps per block: 32 for lists of many heads (a union), so each warp
+// finds one head's cut, 8 otherwise (and for top-p, whose double histograms
+// would not fit 32 warps' static shared memory).
+template <Budget kBudget, bool kStrict, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+    SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
+  static_assert(kBudget != Budget::kTopP || kWarps <= 8, "top-p keeps 2 KiB per warp");
   extern __shared__ unsigned char visit[];
   __shared__ float head_cut[256];     // threshold and strict: visit when value >= cut
   __shared__ unsigned head_key[256];  // top-p: the cut key and tie group
   __shared__ int head_tie[256];
-  __shared__ unsigned counts[256];
-  __shared__ unsigned histograms[8][256];
+  __shared__ unsigned counts[kWarps * 32];
+  __shared__ unsigned histograms[kWarps][256];
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
   // blockIdx.x = layer * lists + list; a list unions the query heads of one KV
   // head (per-KV-head output) or of all of them (union).
@@ -499,7 +504,7 @@ __global__ void SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
         if (lane == 0) head_cut[h - first_head] = cut;
       }
     } else if constexpr (kBudget == Budget::kTopP) {
-      __shared__ double masses[8][256];
+      __shared__ double masses[kWarps][256];
       for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
            h += warps) {
         unsigned key = 0xFFFFFFFFu;
