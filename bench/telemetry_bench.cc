@@ -30,7 +30,7 @@ void BM_MetricsPerSelectPages(benchmark::State& state) {
   s.set_prepass_us(85.0);
   for (auto _ : state) {
     Metrics().RpcStarted(RpcMethod::kSelectPages);
-    Metrics().StepSelected(s, BackendLabel::kCpu);
+    Metrics().StepSelected(s, service::BackendKind::kCpu);
     Metrics().RpcHandled(RpcMethod::kSelectPages, grpc::StatusCode::OK, 120e-6);
   }
 }

@@ -1,18 +1,35 @@
 // A session's step backend: the CPU reference over host memory, or the CUDA
 // pre-pass over device memory mapped from the engine (DESIGN §5).
+//
+// A backend owns the state its steps need (the cpu backend its Φ bank and
+// core selector, the cuda backend its device scratch and pending step) and
+// borrows nothing from its session: each call gets the step's buffers as
+// values. Thread safety: Run is serialised by step_mu(); kind() and
+// async_replies() are immutable.
 #pragma once
 
-#include <chrono>
-#include <memory>
-#include <span>
+#include <cstdint>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "core/layout.h"
+#include "core/select.h"
 #include "core/step.h"
+#include "service/backend_kind.h"
 
 namespace eps::service {
 
-class Session;
+// One step as a backend sees it: where to read, where to write, and how.
+struct BackendStep {
+  StepInputs inputs;  // host or device pointers, as the backend's memory kind
+  StepOutputs outputs;
+  uint64_t* flags = nullptr;  // [inputs_ready, selection_done]; null without a flags buffer
+  uint64_t step = 0;
+  SelectPolicy policy;  // the session's defaults with this call's options applied
+  bool async = false;   // queue the step and return (only where async_replies())
+};
 
 // A step that an async reply accepted and a later call found finished.
 struct FinishedStep {
@@ -22,7 +39,8 @@ struct FinishedStep {
   double prepass_us = 0;
 };
 
-struct StepResult {
+// What one Run reports.
+struct StepOutcome {
   bool done = true;  // false: queued (async), statistics come with a later reply
   StepStats stats;   // this step's, when done
   double prepass_us = 0;
@@ -32,20 +50,21 @@ struct StepResult {
 class StepBackend {
  public:
   virtual ~StepBackend() = default;
-  virtual const char* name() const = 0;
-  // Whether Run takes async = true (the cuda backend); the selector refuses
-  // async requests for other backends before it takes the step lock.
+  virtual BackendKind kind() const = 0;
+  // Whether Run takes async = true (the cuda backend); the session service
+  // refuses async requests for other backends before it takes the step lock.
   virtual bool async_replies() const { return false; }
-  // Runs one step (the caller holds session.step_mu), writes the visit lists
-  // and then publishes selection_done = step when a flags buffer is attached.
-  // `async` (only where async_replies()): queue the step and return.
-  virtual absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
-                           const SelectPolicy& policy, bool async, StepResult* result) = 0;
+
+  // Serialises the steps of the session this backend serves.
+  absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(step_mu_) { return step_mu_; }
+
+  // Runs one step, writes the visit lists and then publishes
+  // selection_done = step when a flags buffer is given.
+  virtual absl::Status Run(const BackendStep& step, StepOutcome* outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) = 0;
+
+ protected:
+  mutable absl::Mutex step_mu_;
 };
-
-std::unique_ptr<StepBackend> MakeCpuBackend();
-
-// True when this build has the CUDA backend (nvcc was found).
-bool CudaBackendBuilt();
 
 }  // namespace eps::service

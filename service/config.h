@@ -8,10 +8,9 @@
 
 #include "absl/status/statusor.h"
 #include "core/select.h"
+#include "service/backend_kind.h"
 
 namespace eps::service {
-
-enum class BackendKind { kCpu, kCuda, kAuto };
 
 struct ServerConfig {
   std::string listen = "unix:///tmp/epsd.sock";  // unix:///path or host:port

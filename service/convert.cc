@@ -1,12 +1,12 @@
 #include "service/convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/visit_list.h"
 
 namespace eps::service {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 absl::StatusOr<DType> FromProto(v1::DType dtype) {
@@ -22,8 +22,8 @@ absl::StatusOr<DType> FromProto(v1::DType dtype) {
     case v1::DTYPE_INT8:
       return DType::kInt8;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("dtype ", ProtoDTypeName(dtype),
-                                                     " has no core equivalent"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", ProtoDTypeName(dtype), " has no core equivalent"));
   }
 }
 
@@ -53,7 +53,8 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
   ModelLayout m;
   auto narrow = [](const char* field, uint64_t value, int* out) -> absl::Status {
     if (value > (1u << 20)) {
-      return absl::InvalidArgumentError(absl::StrCat("layout.", field, "=", value, " is too large"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout.", field, "=", value, " is too large"));
     }
     *out = static_cast<int>(value);
     return absl::OkStatus();
@@ -114,7 +115,8 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
   if (o.has_alpha()) p.alpha = o.alpha();
   if (o.has_first_n()) p.first_n = static_cast<int>(std::min<uint32_t>(o.first_n(), 1u << 30));
   if (o.has_last_n()) p.last_n = static_cast<int>(std::min<uint32_t>(o.last_n(), 1u << 30));
-  if (o.has_top_pages()) p.top_pages = static_cast<int>(std::min<uint32_t>(o.top_pages(), 1u << 30));
+  if (o.has_top_pages())
+    p.top_pages = static_cast<int>(std::min<uint32_t>(o.top_pages(), 1u << 30));
   if (o.has_strict()) p.strict = o.strict();
   if (o.heads() == v1::HEAD_MODE_ALL) p.heads = HeadMode::kAll;
   if (o.heads() == v1::HEAD_MODE_RETRIEVAL) p.heads = HeadMode::kRetrieval;
@@ -180,6 +182,54 @@ void ToProto(const StepStats& s, uint64_t step, double prepass_us, v1::StepStats
   out->set_bytes_kv_read_est(s.kv_bytes_read_est);
   out->set_bytes_summary_read(s.summary_bytes_read);
   out->set_prepass_us(prepass_us);
+}
+
+absl::StatusOr<BackendKind> BackendFromProto(v1::Backend backend) {
+  switch (backend) {
+    case v1::BACKEND_UNSPECIFIED:
+      return BackendKind::kAuto;
+    case v1::BACKEND_CPU:
+      return BackendKind::kCpu;
+    case v1::BACKEND_CUDA:
+      return BackendKind::kCuda;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("backend=", backend, " is unknown"));
+  }
+}
+
+v1::Backend ToProto(BackendKind kind) {
+  return kind == BackendKind::kCuda ? v1::BACKEND_CUDA : v1::BACKEND_CPU;
+}
+
+std::vector<StepRow> RowsFromProto(const google::protobuf::RepeatedPtrField<v1::BatchRow>& rows) {
+  std::vector<StepRow> out;
+  out.reserve(rows.size());
+  for (const v1::BatchRow& r : rows) {
+    out.push_back(
+        {.table_row = r.table_row(), .context_tokens = r.context_tokens(), .seq_id = r.seq_id()});
+  }
+  return out;
+}
+
+void AppendVisitLists(const HostVisitLists& in, std::span<const StepRow> rows,
+                      v1::SelectPagesResponse* response) {
+  for (int layer = 0; layer < in.num_layers; ++layer) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      for (int list = 0; list < in.lists; ++list) {
+        const int64_t index =
+            (static_cast<int64_t>(layer) * in.max_batch + static_cast<int64_t>(i)) * in.lists +
+            list;
+        v1::VisitList* v = response->add_visit_lists();
+        v->set_layer(layer);
+        v->set_batch_index(static_cast<uint32_t>(i));
+        v->set_kv_head(list);
+        const int32_t count = in.counts[index];
+        const int32_t* first = in.blocks + index * in.max_blocks;
+        v->mutable_blocks()->Add(first, first + count);
+        v->set_visited_tokens(VisitedTokens(count, rows[i].context_tokens, in.block_size));
+      }
+    }
+  }
 }
 
 }  // namespace eps::service

@@ -1,5 +1,10 @@
-// Conversions between the eps.v1 messages and core/ types, and absl -> gRPC status.
+// Conversions between the eps.v1 messages and core/ and service types, the
+// reply's visit lists included, and absl -> gRPC status.
 #pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -8,7 +13,9 @@
 #include "core/select.h"
 #include "core/step.h"
 #include "eps/v1/page_selector.pb.h"
+#include "google/protobuf/repeated_field.h"
 #include "grpcpp/support/status.h"
+#include "service/backend_kind.h"
 
 namespace eps::service {
 
@@ -24,9 +31,31 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& proto, int de
                                             int default_sketch_dim);
 
 // Returns `base` with every field that `options` sets replaced.
-absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::SelectOptions& options);
+absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base,
+                                          const v1::SelectOptions& options);
 v1::SelectOptions ToProto(const SelectPolicy& policy);
 
 void ToProto(const StepStats& stats, uint64_t step, double prepass_us, v1::StepStats* out);
+
+// BACKEND_UNSPECIFIED is kAuto; an unknown value is INVALID_ARGUMENT.
+absl::StatusOr<BackendKind> BackendFromProto(v1::Backend backend);
+v1::Backend ToProto(BackendKind kind);  // kCpu or kCuda
+
+std::vector<StepRow> RowsFromProto(const google::protobuf::RepeatedPtrField<v1::BatchRow>& rows);
+
+// Visit lists in host memory, as core/step.h writes them:
+//   blocks [layers, max_batch, lists, max_blocks], counts [layers, max_batch, lists] int32.
+struct HostVisitLists {
+  const int32_t* blocks = nullptr;
+  const int32_t* counts = nullptr;
+  int num_layers = 0;
+  int64_t max_batch = 0;
+  int lists = 1;  // 1 (union) or num_kv_heads (per KV head)
+  int64_t max_blocks = 0;
+  int block_size = 0;  // tokens per block, for visited_tokens
+};
+// Appends the lists of `rows` to the reply, layer-major, then row, then list.
+void AppendVisitLists(const HostVisitLists& lists, std::span<const StepRow> rows,
+                      v1::SelectPagesResponse* response);
 
 }  // namespace eps::service

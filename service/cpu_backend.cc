@@ -3,77 +3,49 @@
 #include <atomic>
 #include <chrono>
 
-#include "core/visit_list.h"
-
-namespace eps::service {
-namespace {
-
-// The caller holds session.step_mu. Publishes selection_done = step after the
-// visit lists when a flags buffer is attached.
-absl::Status RunCpuStep(Session& session, std::span<const StepRow> rows, uint64_t step,
-                        const SelectPolicy& policy, StepStats* stats) {
-  const SessionBuffers& b = session.buffers;
-  const StepInputs in = SessionStepInputs(session, rows);
-  const StepOutputs out = SessionStepOutputs(session);
-  if (absl::Status s = session.selector->Select(in, policy, out, stats); !s.ok()) return s;
-  if (b.has_flags) {
-    // flags = [inputs_ready, selection_done]; release orders the outputs before it.
-    std::atomic_ref<uint64_t> done(reinterpret_cast<uint64_t*>(b.flags.data)[1]);
-    done.store(step, std::memory_order_release);
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-void AppendInlineVisitLists(const Session& session, std::span<const StepRow> rows,
-                            v1::SelectPagesResponse* response) {
-  const SessionBuffers& b = session.buffers;
-  const int lists = session.output_granularity == Granularity::kPerKvHead
-                        ? session.model.num_kv_heads
-                        : 1;
-  const auto* blocks = reinterpret_cast<const int32_t*>(b.visit_blocks.data);
-  const auto* counts = reinterpret_cast<const int32_t*>(b.visit_count.data);
-  for (int layer = 0; layer < session.model.num_layers; ++layer) {
-    for (size_t i = 0; i < rows.size(); ++i) {
-      for (int list = 0; list < lists; ++list) {
-        const int64_t index =
-            (static_cast<int64_t>(layer) * session.max_batch + static_cast<int64_t>(i)) * lists +
-            list;
-        v1::VisitList* v = response->add_visit_lists();
-        v->set_layer(layer);
-        v->set_batch_index(static_cast<uint32_t>(i));
-        v->set_kv_head(list);
-        const int32_t count = counts[index];
-        v->mutable_blocks()->Add(blocks + index * session.max_blocks,
-                                 blocks + index * session.max_blocks + count);
-        v->set_visited_tokens(
-            VisitedTokens(count, rows[i].context_tokens, session.model.block_size));
-      }
-    }
-  }
-}
-
-}  // namespace eps::service
+#include "core/phi.h"
+#include "core/status.h"
+#include "core/step.h"
 
 namespace eps::service {
 namespace {
 
 class CpuBackend final : public StepBackend {
  public:
-  const char* name() const override { return "cpu"; }
-  absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
-                   const SelectPolicy& policy, bool /*async: never*/, StepResult* result) override {
+  // `phi` is heap-allocated so the selector's pointer to it survives moves.
+  CpuBackend(std::unique_ptr<PhiBank> phi, PageSelector selector)
+      : phi_(std::move(phi)), selector_(std::move(selector)) {}
+
+  BackendKind kind() const override { return BackendKind::kCpu; }
+
+  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = RunCpuStep(session, rows, step, policy, &result->stats);
-    result->prepass_us =
+    absl::Status s = selector_.Select(step.inputs, step.policy, step.outputs, &outcome->stats);
+    if (s.ok() && step.flags != nullptr) {
+      // flags = [inputs_ready, selection_done]; release orders the outputs before it.
+      std::atomic_ref<uint64_t> done(step.flags[1]);
+      done.store(step.step, std::memory_order_release);
+    }
+    outcome->prepass_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
     return s;
   }
+
+ private:
+  const std::unique_ptr<PhiBank> phi_;
+  const PageSelector selector_;  // reads *phi_
 };
 
 }  // namespace
 
-std::unique_ptr<StepBackend> MakeCpuBackend() { return std::make_unique<CpuBackend>(); }
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeCpuBackend(const ModelLayout& model) {
+  ASSIGN_OR_RETURN(PhiBank phi,
+                   PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads,
+                                   model.head_dim, model.sketch_dim));
+  auto bank = std::make_unique<PhiBank>(std::move(phi));
+  ASSIGN_OR_RETURN(PageSelector selector, PageSelector::Create(model, *bank));
+  return std::make_unique<CpuBackend>(std::move(bank), std::move(selector));
+}
 
 }  // namespace eps::service

@@ -1,20 +1,17 @@
-// The CPU backend (MakeCpuBackend in service/backend.h): runs one step of a
-// session with the core/ reference selector over host memory, then publishes
-// selection_done; and reads inline outputs back for the reply.
+// The CPU backend: runs each step with the core/ reference selector over host
+// memory, then publishes selection_done. It owns the session's Φ bank and
+// core selector; a cuda session builds neither.
 #pragma once
 
-#include <span>
+#include <memory>
 
-#include "absl/status/status.h"
-#include "core/step.h"
-#include "eps/v1/page_selector.pb.h"
+#include "absl/status/statusor.h"
+#include "core/layout.h"
 #include "service/backend.h"
-#include "service/session.h"
 
 namespace eps::service {
 
-// Copies the visit lists of `rows` out of inline output buffers into `response`.
-void AppendInlineVisitLists(const Session& session, std::span<const StepRow> rows,
-                            v1::SelectPagesResponse* response);
+// Builds the Φ bank and the core selector for `model`.
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeCpuBackend(const ModelLayout& model);
 
 }  // namespace eps::service

@@ -6,7 +6,6 @@
 #include "gpu/ipc_mapping.h"
 #include "gpu/step.h"
 #include "core/status.h"
-#include "service/session.h"
 #include "service/telemetry/nvtx.h"
 
 namespace eps::service {
@@ -31,11 +30,13 @@ class CudaBackend final : public StepBackend {
   CudaBackend(std::unique_ptr<gpu::GpuSelector> selector, int device,
               std::chrono::microseconds inputs_timeout)
       : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
-  const char* name() const override { return "cuda"; }
+  BackendKind kind() const override { return BackendKind::kCuda; }
   bool async_replies() const override { return true; }
 
-  absl::Status Run(Session& session, std::span<const StepRow> rows, uint64_t step,
-                   const SelectPolicy& policy, bool async, StepResult* result) override {
+  absl::Status Run(const BackendStep& call, StepOutcome* result) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    const uint64_t step = call.step;
+    const bool async = call.async;
     telemetry::NvtxRange step_range("eps.step");
     // An async step still queued finishes first: its statistics ride on this reply.
     if (selector_->pending()) {
@@ -46,24 +47,22 @@ class CudaBackend final : public StepBackend {
       f.status = selector_->Finish(inputs_timeout_, &f.stats, &us);
       f.prepass_us = us;
     }
-    const SessionBuffers& b = session.buffers;
-    if (b.has_flags && !done_floor_read_) {
+    uint64_t* const flags = call.flags;
+    if (flags != nullptr && !done_floor_read_) {
       // Counters only grow: a step at or below the buffer's selection_done would be
       // neither awaited by the engine nor written here (a silent stale list), so a
       // session's first step reads it once and such steps are refused.
-      ASSIGN_OR_RETURN(done_floor_, gpu::ReadCounter(device_, reinterpret_cast<const uint64_t*>(
-                                                                   b.flags.data) + 1));
+      ASSIGN_OR_RETURN(done_floor_, gpu::ReadCounter(device_, flags + 1));
       done_floor_read_ = true;
     }
-    if (b.has_flags && step <= done_floor_) {
+    if (flags != nullptr && step <= done_floor_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step ", step, " is not after selection_done=", done_floor_,
           " in the flags buffer: step numbers must keep increasing for the buffer's lifetime"));
     }
     gpu::GpuSelector::StepFence fence;
     fence.step = step;
-    if (b.has_flags) {
-      uint64_t* flags = reinterpret_cast<uint64_t*>(b.flags.data);
+    if (flags != nullptr) {
       fence.selection_done = flags + 1;
       // A sync call's inputs are in place before the call (the RPC orders the
       // two sides); an async step waits for the engine's stream on the device.
@@ -74,8 +73,7 @@ class CudaBackend final : public StepBackend {
     }
     {
       telemetry::NvtxRange range("eps.enqueue");  // host checks, the inputs_ready wait, launches
-      RETURN_IF_ERROR(selector_->Enqueue(SessionStepInputs(session, rows), policy,
-                                         SessionStepOutputs(session), fence));
+      RETURN_IF_ERROR(selector_->Enqueue(call.inputs, call.policy, call.outputs, fence));
     }
     if (async || !selector_->pending()) {
       result->done = !async;
@@ -92,8 +90,8 @@ class CudaBackend final : public StepBackend {
   std::unique_ptr<gpu::GpuSelector> selector_;
   const int device_;
   const std::chrono::microseconds inputs_timeout_;
-  bool done_floor_read_ = false;  // steps run under the session's step lock
-  uint64_t done_floor_ = 0;       // selection_done when the session's first step came
+  bool done_floor_read_ ABSL_GUARDED_BY(step_mu_) = false;
+  uint64_t done_floor_ ABSL_GUARDED_BY(step_mu_) = 0;  // selection_done at the first step
 };
 
 }  // namespace

@@ -20,6 +20,9 @@ absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     std::chrono::microseconds inputs_timeout);
 
+// True when this build has the CUDA backend (nvcc was found).
+bool CudaBackendBuilt();
+
 // Whether a CUDA device is visible to this process.
 bool CudaDevicePresent();
 

@@ -8,11 +8,11 @@ namespace {
 using telemetry::RpcMethod;
 using telemetry::Telemetry;
 
-// Finishes a unary call and records it. `from_selector`: a failure is the selector's refusal.
+// Finishes a unary call and records it. `refused`: a failure is the session service's refusal.
 grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry& telemetry,
                                  const Telemetry::Call& call, const absl::Status& status,
-                                 bool from_selector = true) {
-  telemetry.EndCall(call, status, from_selector);
+                                 bool refused = true) {
+  telemetry.EndCall(call, status, refused);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -23,8 +23,8 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
 class SelectStream final
     : public grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
-  SelectStream(Selector& selector, Telemetry& telemetry, grpc::CallbackServerContext& context)
-      : selector_(selector),
+  SelectStream(SessionService& sessions, Telemetry& telemetry, grpc::CallbackServerContext& context)
+      : sessions_(sessions),
         telemetry_(telemetry),
         call_(telemetry.BeginCall(RpcMethod::kStreamSelectPages, context)) {
     StartRead(&request_);
@@ -38,8 +38,9 @@ class SelectStream final
     telemetry_.metrics().StreamMessageReceived();
     response_.Clear();
     const Telemetry::Step step = telemetry_.BeginStep(request_);
-    const absl::Status status = selector_.SelectPages(request_, &response_);
-    telemetry_.EndStep(call_, step, request_, response_, status);
+    BackendKind backend = BackendKind::kCpu;
+    const absl::Status status = sessions_.SelectPages(request_, &response_, &backend);
+    telemetry_.EndStep(call_, step, request_, response_, status, backend);
     if (!status.ok()) {
       End(status);
       return;
@@ -59,11 +60,11 @@ class SelectStream final
  private:
   // The stream's own status; a failed step was already counted by EndStep.
   void End(const absl::Status& status) {
-    telemetry_.EndCall(call_, status, /*selector_failure=*/false);
+    telemetry_.EndCall(call_, status, /*refused=*/false);
     Finish(ToGrpcStatus(status));
   }
 
-  Selector& selector_;
+  SessionService& sessions_;
   Telemetry& telemetry_;
   const Telemetry::Call call_;
   v1::SelectPagesRequest request_;
@@ -76,8 +77,7 @@ grpc::ServerUnaryReactor* PageSelectorService::Attach(grpc::CallbackServerContex
                                                       const v1::AttachRequest* request,
                                                       v1::AttachResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kAttach, *context);
-  const absl::Status status = selector_.Attach(*request, response);
-  if (status.ok()) telemetry_.SessionAttached(*response);
+  const absl::Status status = sessions_.Attach(*request, response);
   return Finish(context, telemetry_, call, status);
 }
 
@@ -85,8 +85,7 @@ grpc::ServerUnaryReactor* PageSelectorService::Detach(grpc::CallbackServerContex
                                                       const v1::DetachRequest* request,
                                                       v1::DetachResponse*) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kDetach, *context);
-  const absl::Status status = selector_.Detach(*request);
-  if (status.ok()) telemetry_.SessionDetached(request->session_id());
+  const absl::Status status = sessions_.Detach(*request);
   return Finish(context, telemetry_, call, status);
 }
 
@@ -95,21 +94,22 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
                                                            v1::SelectPagesResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kSelectPages, *context);
   const Telemetry::Step step = telemetry_.BeginStep(*request);
-  const absl::Status status = selector_.SelectPages(*request, response);
-  telemetry_.EndStep(call, step, *request, *response, status);
-  return Finish(context, telemetry_, call, status, /*from_selector=*/false);  // EndStep counted it
+  BackendKind backend = BackendKind::kCpu;
+  const absl::Status status = sessions_.SelectPages(*request, response, &backend);
+  telemetry_.EndStep(call, step, *request, *response, status, backend);
+  return Finish(context, telemetry_, call, status, /*refused=*/false);  // EndStep counted it
 }
 
 grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>*
 PageSelectorService::StreamSelectPages(grpc::CallbackServerContext* context) {
-  return new SelectStream(selector_, telemetry_, *context);
+  return new SelectStream(sessions_, telemetry_, *context);
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Heartbeat(grpc::CallbackServerContext* context,
                                                          const v1::HeartbeatRequest* request,
                                                          v1::HeartbeatResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kHeartbeat, *context);
-  return Finish(context, telemetry_, call, selector_.Heartbeat(*request, response));
+  return Finish(context, telemetry_, call, sessions_.Heartbeat(*request, response));
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Ping(grpc::CallbackServerContext* context,
@@ -122,7 +122,7 @@ grpc::ServerUnaryReactor* PageSelectorService::GetStats(grpc::CallbackServerCont
                                                         const v1::GetStatsRequest* request,
                                                         v1::GetStatsResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kGetStats, *context);
-  return Finish(context, telemetry_, call, selector_.GetStats(*request, response));
+  return Finish(context, telemetry_, call, sessions_.GetStats(*request, response));
 }
 
 }  // namespace eps::service

@@ -1,18 +1,18 @@
-// The gRPC face of the Selector: callback API, DefaultReactor for unary calls,
+// The gRPC face of the SessionService: callback API, DefaultReactor for unary calls,
 // a bidirectional reactor for StreamSelectPages. Owns no logic beyond transport
 // and the telemetry hooks around each call and step.
 #pragma once
 
 #include "eps/v1/page_selector.grpc.pb.h"
-#include "service/selector.h"
+#include "service/session_service.h"
 #include "service/telemetry/telemetry.h"
 
 namespace eps::service {
 
 class PageSelectorService final : public v1::PageSelector::CallbackService {
  public:
-  PageSelectorService(Selector& selector, telemetry::Telemetry& telemetry)
-      : selector_(selector), telemetry_(telemetry) {}
+  PageSelectorService(SessionService& sessions, telemetry::Telemetry& telemetry)
+      : sessions_(sessions), telemetry_(telemetry) {}
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context,
                                    const v1::AttachRequest* request,
@@ -36,7 +36,7 @@ class PageSelectorService final : public v1::PageSelector::CallbackService {
                                      v1::GetStatsResponse* response) override;
 
  private:
-  Selector& selector_;
+  SessionService& sessions_;
   telemetry::Telemetry& telemetry_;
 };
 

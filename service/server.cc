@@ -54,7 +54,7 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   if (absl::Status s = CheckListenAddress(config.listen, config.allow_remote); !s.ok()) return s;
   auto server = std::unique_ptr<EpsServer>(new EpsServer());
   server->config_ = config;
-  server->selector_ = std::make_unique<Selector>(config);
+  server->sessions_ = std::make_unique<SessionService>(config);
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
     const std::string path = config.listen.substr(7);
@@ -68,19 +68,19 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
     }
   }
   // After the socket check: a second epsd on a live socket must say so, not fail on the port.
-  Selector* selector = server->selector_.get();
+  SessionService* sessions = server->sessions_.get();
   absl::StatusOr<std::unique_ptr<telemetry::Telemetry>> telemetry = telemetry::Telemetry::Create(
       {.metrics_listen = config.metrics_listen, .step_log_path = config.step_log},
-      telemetry::ProcessEnv(), [selector] {
+      telemetry::ProcessEnv(), [sessions] {
         v1::GetStatsResponse stats;
-        (void)selector->GetStats(v1::GetStatsRequest(), &stats);
+        (void)sessions->GetStats(v1::GetStatsRequest(), &stats);
         return telemetry::ScrapeSources::Sessions{.active = stats.sessions_active(),
                                                   .attached_total = stats.sessions_attached_total(),
                                                   .expired_total = stats.sessions_expired_total()};
       });
   if (!telemetry.ok()) return telemetry.status();
   server->telemetry_ = *std::move(telemetry);
-  server->service_ = std::make_unique<PageSelectorService>(*server->selector_, *server->telemetry_);
+  server->service_ = std::make_unique<PageSelectorService>(*server->sessions_, *server->telemetry_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

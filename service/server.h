@@ -9,7 +9,7 @@
 #include "grpcpp/server.h"
 #include "service/config.h"
 #include "service/grpc_service.h"
-#include "service/selector.h"
+#include "service/session_service.h"
 #include "service/telemetry/telemetry.h"
 
 namespace eps::service {
@@ -25,7 +25,7 @@ class EpsServer {
   // Stops accepting calls, lets in-flight ones finish for up to drain_ms, then cancels them.
   void Shutdown();
   void Wait();
-  Selector& selector() { return *selector_; }
+  SessionService& sessions() { return *sessions_; }
   telemetry::Telemetry& telemetry() { return *telemetry_; }
   // The address clients dial: for TCP with port 0, the port the kernel chose.
   const std::string& bound_address() const { return bound_address_; }
@@ -33,7 +33,7 @@ class EpsServer {
  private:
   EpsServer() = default;
   ServerConfig config_;
-  std::unique_ptr<Selector> selector_;
+  std::unique_ptr<SessionService> sessions_;
   std::unique_ptr<telemetry::Telemetry> telemetry_;  // outlives the service that calls it
   std::unique_ptr<PageSelectorService> service_;
   std::unique_ptr<grpc::Server> server_;

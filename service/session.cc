@@ -1,6 +1,11 @@
 #include "service/session.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "service/cpu_backend.h"
+#include "service/cuda_backend.h"
 
 namespace eps::service {
 
@@ -10,89 +15,47 @@ int64_t SteadyNowMs() {
       .count();
 }
 
-StepInputs SessionStepInputs(const Session& session, std::span<const StepRow> rows) {
-  const SessionBuffers& b = session.buffers;
-  StepInputs in;
-  in.summary_pool = reinterpret_cast<const float*>(b.summary_pool.data);
-  in.num_slots = session.num_slots;
-  in.group_table = reinterpret_cast<const int32_t*>(b.group_table.data);
-  in.block_table = reinterpret_cast<const int32_t*>(b.block_table.data);
-  in.max_seqs = session.max_seqs;
-  in.max_groups = session.max_groups;
-  in.max_blocks = session.max_blocks;
-  in.num_physical_blocks = session.num_kv_blocks;
-  in.queries = b.queries.data;
-  in.query_dtype = session.query_dtype;
-  in.max_batch = session.max_batch;
-  in.rows = rows;
-  return in;
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest& request,
+                                                         const ServerConfig& config) {
+  std::unique_ptr<Session> s(new Session());
+  ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
+  const SessionSpec& spec = s->spec_;
+  if (spec.backend == BackendKind::kCuda) s->mappings_.set_cuda_ipc_opener(MakeCudaIpcOpener());
+  ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
+  ASSIGN_OR_RETURN(s->policy_, SessionPolicy(spec, request, config.policy));
+  if (spec.backend == BackendKind::kCuda) {
+    ASSIGN_OR_RETURN(
+        s->backend_,
+        MakeCudaBackend(spec.model, spec.device, spec.max_batch, s->buffers_.max_groups,
+                        std::chrono::milliseconds(config.inputs_timeout_ms)));
+  } else {
+    ASSIGN_OR_RETURN(s->backend_, MakeCpuBackend(spec.model));
+  }
+  return s;
 }
 
-StepOutputs SessionStepOutputs(const Session& session) {
-  return {reinterpret_cast<int32_t*>(session.buffers.visit_blocks.data),
-          reinterpret_cast<int32_t*>(session.buffers.visit_count.data)};
+absl::Status Session::CheckStepOrder(uint64_t step) const {
+  if (has_step_ && step <= last_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is not after the session's last step ", last_step_));
+  }
+  return absl::OkStatus();
+}
+
+void Session::StepRan(uint64_t step) {
+  has_step_ = true;
+  last_step_ = step;
+  last_step_seen.store(step);
 }
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
-absl::Status SessionRegistry::Add(std::shared_ptr<Session> session, size_t max_sessions) {
-  absl::MutexLock lock(&mu_);
-  auto it = id_by_engine_.find(session->engine_id);
-  if (it != id_by_engine_.end()) {
-    by_id_.erase(it->second);  // the replaced session unmaps once no call holds it
-  } else if (by_id_.size() >= max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the server holds --max-sessions=", max_sessions, " sessions"));
-  }
-  id_by_engine_[session->engine_id] = session->id;
-  by_id_[session->id] = std::move(session);
-  return absl::OkStatus();
-}
-
-std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(id);
-  return it == by_id_.end() ? nullptr : it->second;
-}
-
-bool SessionRegistry::Remove(const std::string& id) {
-  absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(id);
-  if (it == by_id_.end()) return false;
-  auto engine = id_by_engine_.find(it->second->engine_id);
-  if (engine != id_by_engine_.end() && engine->second == id) id_by_engine_.erase(engine);
-  by_id_.erase(it);
-  return true;
-}
-
-std::vector<std::shared_ptr<Session>> SessionRegistry::TakeExpired(int64_t now_ms) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::shared_ptr<Session>> expired;
-  for (auto it = by_id_.begin(); it != by_id_.end();) {
-    if (it->second->Expired(now_ms)) {
-      auto engine = id_by_engine_.find(it->second->engine_id);
-      if (engine != id_by_engine_.end() && engine->second == it->first) {
-        id_by_engine_.erase(engine);
-      }
-      expired.push_back(std::move(it->second));
-      it = by_id_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  return expired;
-}
-
-size_t SessionRegistry::size() const {
-  absl::MutexLock lock(&mu_);
-  return by_id_.size();
-}
-
-std::vector<std::shared_ptr<Session>> SessionRegistry::All() const {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::shared_ptr<Session>> all;
-  for (const auto& [id, session] : by_id_) all.push_back(session);
-  return all;
+void Session::CountStep(const StepStats& stats) {
+  steps.fetch_add(1);
+  groups_total.fetch_add(stats.groups_total);
+  groups_visited.fetch_add(stats.groups_visited);
+  bytes_dense.fetch_add(stats.kv_bytes_dense);
+  bytes_read.fetch_add(stats.kv_bytes_read_est);
 }
 
 }  // namespace eps::service

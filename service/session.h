@@ -1,56 +1,55 @@
 // A session: one engine process (per device) attached to epsd, with its
-// layout, policy, validated buffers and lease (DESIGN §5-6).
+// validated spec and policy, its mapped buffers, its backend and its lease
+// (DESIGN §5-6).
 //
-// Thread safety: immutable fields are set before the session is published in
-// the registry; steps of one session are serialised by step_mu; the lease and
-// counters are atomics. A session stays alive while a call holds its
-// shared_ptr, so expiry never unmaps memory under a running step.
+// Thread safety: everything but the lease, the counters and the step order is
+// immutable once Create returns; the step order is guarded by the backend's
+// step lock, which serialises the session's steps; the lease and counters are
+// atomics. A session stays alive while a call holds its shared_ptr, so expiry
+// never unmaps memory under a running step.
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
-#include "core/phi.h"
+#include "absl/status/statusor.h"
+#include "core/select.h"
 #include "core/step.h"
+#include "eps/v1/page_selector.pb.h"
 #include "service/backend.h"
+#include "service/config.h"
 #include "service/descriptor.h"
+#include "service/session_buffers.h"
+#include "service/session_spec.h"
 
 namespace eps::service {
 
-struct SessionBuffers {
-  HostTensor summary_pool, group_table, block_table, queries, visit_blocks, visit_count, flags;
-  bool has_flags = false;
-};
-
 class Session {
  public:
-  std::string id;
-  std::string engine_id;
-  ModelLayout model;
-  SelectPolicy policy;  // the session's defaults; calls may override
-  DType query_dtype = DType::kFloat32;
-  uint32_t max_batch = 0;
-  int64_t num_kv_blocks = -1;
-  uint32_t lease_ms = 0;
-  int64_t num_slots = 0, max_seqs = 0, max_groups = 0, max_blocks = 0;
-  Granularity output_granularity = Granularity::kUnion;
-  std::unique_ptr<PhiBank> phi;
-  std::unique_ptr<PageSelector> selector;
-  MappingCache mappings;
-  SessionBuffers buffers;
-  std::unique_ptr<StepBackend> backend;
-  int device = 0;
+  // Validates `request` (spec, buffers, policy, in that order), maps its
+  // buffers and builds the backend the spec names.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(const v1::AttachRequest& request,
+                                                         const ServerConfig& config);
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
 
-  absl::Mutex step_mu;
-  bool has_step ABSL_GUARDED_BY(step_mu) = false;
-  uint64_t last_step ABSL_GUARDED_BY(step_mu) = 0;
+  const std::string& id() const { return id_; }
+  void set_id(std::string id) { id_ = std::move(id); }  // before the session is published
+  const SessionSpec& spec() const { return spec_; }
+  const SelectPolicy& policy() const { return policy_; }  // the defaults; calls may override
+  const SessionBuffers& buffers() const { return buffers_; }
+  StepBackend& backend() const { return *backend_; }
+  absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(backend_->step_mu()) {
+    return backend_->step_mu();
+  }
+
+  // FAILED_PRECONDITION unless `step` comes after the last step that ran.
+  absl::Status CheckStepOrder(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu());
+  // `step` ran (sync, or queued async): later steps must come after it.
+  void StepRan(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu());
 
   std::atomic<int64_t> last_active_ms{0};  // steady clock
   std::atomic<uint64_t> steps{0}, errors{0};
@@ -58,33 +57,23 @@ class Session {
   std::atomic<uint64_t> last_step_seen{0};
 
   void Touch();
-  bool Expired(int64_t now_ms) const { return now_ms - last_active_ms.load() > lease_ms; }
+  bool Expired(int64_t now_ms) const { return now_ms - last_active_ms.load() > spec_.lease_ms; }
+  // Adds one finished step's statistics to the session's counters.
+  void CountStep(const StepStats& stats);
+
+ private:
+  Session() = default;
+
+  std::string id_;
+  SessionSpec spec_;
+  SelectPolicy policy_;
+  MappingCache mappings_;  // owns the memory buffers_ points into
+  SessionBuffers buffers_;
+  std::unique_ptr<StepBackend> backend_;
+  bool has_step_ ABSL_GUARDED_BY(step_mu()) = false;
+  uint64_t last_step_ ABSL_GUARDED_BY(step_mu()) = 0;
 };
 
 int64_t SteadyNowMs();
-
-// The session's buffers as core/step.h inputs and outputs (host or device pointers).
-StepInputs SessionStepInputs(const Session& session, std::span<const StepRow> rows);
-StepOutputs SessionStepOutputs(const Session& session);
-
-// The live sessions, by id and by engine id. Thread safety: all methods lock.
-class SessionRegistry {
- public:
-  // Publishes `session`; a session of the same engine_id is replaced (re-attach
-  // after an engine restart). RESOURCE_EXHAUSTED when it would be a new session
-  // beyond `max_sessions` (checked under the lock, so concurrent attaches agree).
-  absl::Status Add(std::shared_ptr<Session> session, size_t max_sessions);
-  std::shared_ptr<Session> Find(const std::string& id) const;
-  bool Remove(const std::string& id);
-  // Removes and returns the sessions whose lease ran out.
-  std::vector<std::shared_ptr<Session>> TakeExpired(int64_t now_ms);
-  size_t size() const;
-  std::vector<std::shared_ptr<Session>> All() const;
-
- private:
-  mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<Session>> by_id_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> id_by_engine_ ABSL_GUARDED_BY(mu_);
-};
 
 }  // namespace eps::service

@@ -52,10 +52,6 @@ const char* RpcMethodName(RpcMethod method) {
   return kNames[static_cast<int>(method)];
 }
 
-const char* BackendName(BackendLabel backend) {
-  return backend == BackendLabel::kCuda ? "cuda" : "cpu";
-}
-
 // The histograms (per-method handling time, per-backend pre-pass time) and the
 // values read from callbacks, rendered at scrape time.
 class ServerMetrics::HistogramCollectable final : public prometheus::Collectable {
@@ -87,9 +83,9 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
         "Pre-pass time per step: GPU event time on the cuda backend, wall time on the cpu backend.",
         prometheus::MetricType::Histogram,
         {}};
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < service::kSessionBackendKinds; ++b) {
       prometheus::ClientMetric metric;
-      metric.label = {{"backend", BackendName(static_cast<BackendLabel>(b))}};
+      metric.label = {{"backend", service::BackendKindName(static_cast<service::BackendKind>(b))}};
       metric.histogram = prepass_[b]->Snapshot();
       prepass.metric.push_back(std::move(metric));
     }
@@ -127,7 +123,7 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
   }
 
   std::array<std::unique_ptr<ShardedHistogram>, kRpcMethods> handling_;
-  std::array<std::unique_ptr<ShardedHistogram>, 2> prepass_;
+  std::array<std::unique_ptr<ShardedHistogram>, service::kSessionBackendKinds> prepass_;
 
  private:
   ScrapeSources sources_;
@@ -179,8 +175,10 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
                     .Name("eps_steps_total")
                     .Help("SelectPages steps selected (unary and stream), by backend.")
                     .Register(*registry_);
-  steps_[0] = &steps.Add({{"backend", "cpu"}});
-  steps_[1] = &steps.Add({{"backend", "cuda"}});
+  for (int b = 0; b < service::kSessionBackendKinds; ++b) {
+    steps_[b] =
+        &steps.Add({{"backend", service::BackendKindName(static_cast<service::BackendKind>(b))}});
+  }
   groups_total_ = counter("eps_groups_total",
                           "Page-groups considered: (sequence, layer, list) x groups in context.");
   groups_visited_ = counter("eps_groups_visited_total", "Page-groups selected for attention.");
@@ -227,7 +225,7 @@ void ServerMetrics::RpcHandled(RpcMethod method, grpc::StatusCode code, double s
 void ServerMetrics::StreamMessageReceived() { msg_received_->Increment(); }
 void ServerMetrics::StreamMessageSent() { msg_sent_->Increment(); }
 
-void ServerMetrics::StepSelected(const v1::StepStats& s, BackendLabel backend) {
+void ServerMetrics::StepSelected(const v1::StepStats& s, service::BackendKind backend) {
   steps_[static_cast<int>(backend)]->Increment();
   Add(groups_total_, s.groups_total());
   Add(groups_visited_, s.groups_visited());

@@ -21,6 +21,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
+#include "service/backend_kind.h"
 #include "service/telemetry/sharded_histogram.h"
 
 namespace prometheus {
@@ -41,9 +42,6 @@ enum class RpcMethod : int {
 inline constexpr int kRpcMethods = 7;
 inline constexpr int kGrpcCodes = 17;  // OK .. UNAUTHENTICATED
 const char* RpcMethodName(RpcMethod method);
-
-enum class BackendLabel : int { kCpu, kCuda };
-const char* BackendName(BackendLabel backend);
 
 // Values read at scrape time from their owners.
 struct ScrapeSources {
@@ -72,7 +70,7 @@ class ServerMetrics {
   void StreamMessageSent();
 
   // eps_* counters of one finished step, and its pre-pass time.
-  void StepSelected(const v1::StepStats& stats, BackendLabel backend);
+  void StepSelected(const v1::StepStats& stats, service::BackendKind backend);
   void ClientFallbacks(const v1::ClientFallbacks& fallbacks);
   // A request the selector refused, by canonical code (eps_validation_failures_total{reason}).
   void ValidationFailure(absl::StatusCode code);
@@ -95,7 +93,7 @@ class ServerMetrics {
   std::array<std::array<prometheus::Counter*, kGrpcCodes>, kRpcMethods> handled_{};
   prometheus::Counter* msg_received_ = nullptr;
   prometheus::Counter* msg_sent_ = nullptr;
-  std::array<prometheus::Counter*, 2> steps_{};
+  std::array<prometheus::Counter*, service::kSessionBackendKinds> steps_{};
   prometheus::Counter *groups_total_, *groups_visited_, *groups_skipped_, *pages_total_,
       *pages_visited_, *pages_skipped_, *bytes_dense_, *bytes_read_, *bytes_saved_, *bytes_summary_;
   std::array<prometheus::Counter*, 4> fallbacks_{};

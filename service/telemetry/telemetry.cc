@@ -117,10 +117,10 @@ Telemetry::Call Telemetry::BeginCall(RpcMethod method, const grpc::ServerContext
   return call;
 }
 
-void Telemetry::EndCall(const Call& call, const absl::Status& status, bool selector_failure) {
+void Telemetry::EndCall(const Call& call, const absl::Status& status, bool refused) {
   const double seconds = std::chrono::duration<double>(Clock::now() - call.start).count();
   metrics_->RpcHandled(call.method, static_cast<grpc::StatusCode>(status.code()), seconds);
-  if (selector_failure && !status.ok()) metrics_->ValidationFailure(status.code());
+  if (refused && !status.ok()) metrics_->ValidationFailure(status.code());
 }
 
 Telemetry::Step Telemetry::BeginStep(const v1::SelectPagesRequest& request) {
@@ -128,30 +128,11 @@ Telemetry::Step Telemetry::BeginStep(const v1::SelectPagesRequest& request) {
   return Step{Clock::now(), absl::GetCurrentTimeNanos()};
 }
 
-void Telemetry::SessionAttached(const v1::AttachResponse& response) {
-  absl::MutexLock lock(&backends_mu_);
-  // Sessions that expire are never detached: bound the map by forgetting them in bulk.
-  if (backends_.size() >= 100000) backends_.clear();
-  backends_[response.session_id()] =
-      response.backend() == v1::BACKEND_CUDA ? BackendLabel::kCuda : BackendLabel::kCpu;
-}
-
-void Telemetry::SessionDetached(const std::string& session_id) {
-  absl::MutexLock lock(&backends_mu_);
-  backends_.erase(session_id);
-}
-
-BackendLabel Telemetry::BackendOf(const std::string& session_id) const {
-  absl::ReaderMutexLock lock(&backends_mu_);
-  const auto it = backends_.find(session_id);
-  return it == backends_.end() ? BackendLabel::kCpu : it->second;
-}
-
 void Telemetry::EndStep(const Call& call, const Step& step, const v1::SelectPagesRequest& request,
-                        const v1::SelectPagesResponse& response, const absl::Status& status) {
+                        const v1::SelectPagesResponse& response, const absl::Status& status,
+                        service::BackendKind backend) {
   const Clock::time_point selected = Clock::now();
   if (!status.ok()) metrics_->ValidationFailure(status.code());
-  const BackendLabel backend = BackendOf(request.session_id());
   // Sync replies carry this step's stats; async ones carry earlier steps' as they finish.
   const bool has_stats = status.ok() && response.has_stats() && response.done();
   if (has_stats) metrics_->StepSelected(response.stats(), backend);
@@ -176,7 +157,7 @@ void Telemetry::EndStep(const Call& call, const Step& step, const v1::SelectPage
 void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_point selected,
                             const v1::SelectPagesRequest& request,
                             const v1::SelectPagesResponse& response, const absl::Status& status,
-                            BackendLabel backend, std::string* trace_id_hex) {
+                            service::BackendKind backend, std::string* trace_id_hex) {
   const TraceId trace_id = call.parent ? call.parent->trace_id : NewTraceId();
   if (!config_.sampler.ShouldSample(call.parent, trace_id)) return;
   std::vector<SpanRecord> spans(1);
@@ -203,7 +184,7 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
   a.push_back({"eps.session_id", request.session_id()});
   a.push_back({"eps.step", static_cast<int64_t>(request.step())});
   a.push_back({"eps.batch_size", static_cast<int64_t>(request.rows_size())});
-  a.push_back({"eps.backend", std::string(BackendName(backend))});
+  a.push_back({"eps.backend", std::string(service::BackendKindName(backend))});
   a.push_back({"eps.reply_mode", std::string(ReplyModeName(request.reply_mode()))});
   const bool has_stats = status.ok() && response.has_stats() && response.done();
   if (has_stats) {
@@ -223,7 +204,7 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
   }
   if (has_stats) {
     // The pre-pass as measured by the backend (CUDA events on the GPU), placed so it ends
-    // when the selector returned, and never before the server span starts.
+    // when the session service returned, and never before the server span starts.
     SpanRecord prepass;
     prepass.trace_id = trace_id;
     prepass.span_id = NewSpanId();
@@ -235,9 +216,10 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
     const auto length = static_cast<uint64_t>(std::max(0.0, response.stats().prepass_us()) * 1e3);
     prepass.start_unix_ns =
         std::max(server.start_unix_ns, prepass.end_unix_ns - std::min(length, prepass.end_unix_ns));
-    prepass.attributes.push_back({"eps.backend", std::string(BackendName(backend))});
+    prepass.attributes.push_back({"eps.backend", std::string(service::BackendKindName(backend))});
     prepass.attributes.push_back(
-        {"eps.timing", std::string(backend == BackendLabel::kCuda ? "cuda_events" : "cpu_wall")});
+        {"eps.timing",
+         std::string(backend == service::BackendKind::kCuda ? "cuda_events" : "cpu_wall")});
     prepass.attributes.push_back({"eps.prepass_us", response.stats().prepass_us()});
     spans.push_back(std::move(prepass));
   }
@@ -247,15 +229,15 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
 
 void Telemetry::LogStep(const Step& step, Clock::time_point end,
                         const v1::SelectPagesRequest& request, const v1::StepStats* s,
-                        const absl::Status& status, BackendLabel backend,
+                        const absl::Status& status, service::BackendKind backend,
                         const std::string& trace_id, RpcMethod method) {
   std::string line = absl::StrFormat(
       R"({"time":"%s","session":"%s","step":%d,"batch":%d,"backend":"%s","reply_mode":"%s",)"
       R"("transport":"%s","status":"%s","server_us":%d)",
       absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(step.start_unix_ns),
                        absl::UTCTimeZone()),
-      JsonEscape(request.session_id()), request.step(), request.rows_size(), BackendName(backend),
-      ReplyModeName(request.reply_mode()),
+      JsonEscape(request.session_id()), request.step(), request.rows_size(),
+      service::BackendKindName(backend), ReplyModeName(request.reply_mode()),
       method == RpcMethod::kStreamSelectPages ? "stream" : "unary",
       absl::StatusCodeToString(status.code()), Micros(end - step.start));
   if (s != nullptr) {

@@ -17,10 +17,7 @@
 #include <optional>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "eps/v1/page_selector.pb.h"
 #include "grpcpp/server_context.h"
 #include "service/telemetry/batch_span_processor.h"
@@ -40,7 +37,8 @@ class Telemetry {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // Reads the OTEL_* variables through `env`. `sessions` reports the selector's session counts.
+  // Reads the OTEL_* variables through `env`. `sessions` reports the session service's session
+  // counts.
   static absl::StatusOr<std::unique_ptr<Telemetry>> Create(
       const TelemetryOptions& options, const EnvLookup& env,
       std::function<ScrapeSources::Sessions()> sessions);
@@ -55,8 +53,8 @@ class Telemetry {
     std::optional<TraceContext> parent;  // from traceparent / tracestate metadata
   };
   Call BeginCall(RpcMethod method, const grpc::ServerContextBase& context);
-  // `selector_failure`: the status came from the selector (counted as a validation failure).
-  void EndCall(const Call& call, const absl::Status& status, bool selector_failure);
+  // `refused`: the status came from the session service (counted as a validation failure).
+  void EndCall(const Call& call, const absl::Status& status, bool refused);
 
   // One SelectPages step, unary or one message of a stream.
   struct Step {
@@ -64,12 +62,10 @@ class Telemetry {
     int64_t start_unix_ns;
   };
   Step BeginStep(const v1::SelectPagesRequest& request);  // counts the client's fallback report
+  // `backend`: the kind of the session's backend (kCpu when no session was found).
   void EndStep(const Call& call, const Step& step, const v1::SelectPagesRequest& request,
-               const v1::SelectPagesResponse& response, const absl::Status& status);
-
-  // Session bookkeeping for the backend label.
-  void SessionAttached(const v1::AttachResponse& response);
-  void SessionDetached(const std::string& session_id);
+               const v1::SelectPagesResponse& response, const absl::Status& status,
+               service::BackendKind backend);
 
   // Exports what is queued (within `budget`) and closes the step log.
   void Shutdown(std::chrono::milliseconds budget);
@@ -82,12 +78,11 @@ class Telemetry {
 
  private:
   Telemetry() = default;
-  BackendLabel BackendOf(const std::string& session_id) const;
   void ExportSpans(const Call& call, const Step& step, Clock::time_point selected,
                    const v1::SelectPagesRequest& request, const v1::SelectPagesResponse& response,
-                   const absl::Status& status, BackendLabel backend, std::string* trace_id);
+                   const absl::Status& status, service::BackendKind backend, std::string* trace_id);
   void LogStep(const Step& step, Clock::time_point end, const v1::SelectPagesRequest& request,
-               const v1::StepStats* stats, const absl::Status& status, BackendLabel backend,
+               const v1::StepStats* stats, const absl::Status& status, service::BackendKind backend,
                const std::string& trace_id, RpcMethod method);
 
   TraceConfig config_;
@@ -95,8 +90,6 @@ class Telemetry {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<BatchSpanProcessor> processor_;
   std::unique_ptr<StepLog> step_log_;
-  mutable absl::Mutex backends_mu_;
-  absl::flat_hash_map<std::string, BackendLabel> backends_ ABSL_GUARDED_BY(backends_mu_);
 };
 
 }  // namespace eps::telemetry

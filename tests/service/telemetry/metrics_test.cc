@@ -42,8 +42,8 @@ TEST(ServerMetricsTest, StepCountersAddTheStepStats) {
   s.set_bytes_kv_read_est(300);
   s.set_bytes_summary_read(50);
   s.set_prepass_us(12.5);
-  m.StepSelected(s, BackendLabel::kCuda);
-  m.StepSelected(s, BackendLabel::kCuda);
+  m.StepSelected(s, service::BackendKind::kCuda);
+  m.StepSelected(s, service::BackendKind::kCuda);
   const std::string text = m.Render();
   EXPECT_EQ(Sample(text, R"(eps_steps_total{backend="cuda"})"), 2);
   EXPECT_EQ(Sample(text, "eps_groups_total"), 200);

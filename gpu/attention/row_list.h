@@ -1,0 +1,66 @@
+// The list one (row, KV head) reads, resolved from EpsAttnParams the same way on the
+// host (the float64 reference) and on the device (the kernels): one definition of
+// the seqused_k / visit_count / dense-fallback semantics of paged_attention.h.
+#pragma once
+
+#include <cstdint>
+
+#include "gpu/attention/paged_attention.h"
+
+#if defined(__CUDACC__)
+#define EPS_ATTN_HD __host__ __device__ __forceinline__
+#else
+#define EPS_ATTN_HD inline
+#endif
+
+namespace eps::attention {
+
+// Codes in word 0 of an error word; words 1-3 hold row, KV head and the offending value.
+enum ListError : int32_t {
+  kListOk = 0,
+  kListEmpty = 1,    // tokens (or count) 0 or negative: value = the length
+  kListTooLong = 2,  // more blocks than the list row holds: value = blocks needed
+  kListBlockId = 3,  // a block id outside [0, num_blocks): value = the id
+  kListContext = 4,  // context_lens[row] <= 0 in EPS_ATTN_VISIT_COUNT: value = it
+};
+
+struct RowList {
+  const int32_t* blocks;  // count entries, in the order they are read
+  int32_t count;          // blocks to read; 0 when error != kListOk
+  int32_t tokens;         // tokens over them: (count - 1) * block_size < tokens <= count * bs
+  int32_t error;          // ListError
+  int32_t value;          // the offending value when error != kListOk
+};
+
+EPS_ATTN_HD RowList ResolveRow(const EpsAttnParams& p, int64_t row, int64_t kv_head) {
+  const int64_t bs = p.block_size;
+  const int32_t* list = p.lists + row * p.lists_stride_row + kv_head * p.lists_stride_head;
+  const int32_t n = p.lengths[row * p.lengths_stride_row + kv_head * p.lengths_stride_head];
+  RowList r{list, 0, 0, kListOk, 0};
+  int64_t count = 0;
+  int64_t tokens = 0;
+  int64_t width = p.max_list_blocks;
+  if (p.length_kind == EPS_ATTN_VISIT_COUNT) {
+    const int32_t context = p.context_lens[row];
+    if (context <= 0) return RowList{list, 0, 0, kListContext, context};
+    if (n < 0) {  // epsd's "attend densely" marker
+      r.blocks = p.dense_table + row * p.dense_stride_row;
+      width = p.dense_max_blocks;
+      tokens = context;
+      count = (context + bs - 1) / bs;
+    } else {
+      count = n;
+      tokens = n == 0 ? 0 : (n - 1) * bs + (context - (context - 1) / bs * bs);
+    }
+  } else {
+    tokens = n;
+    count = n > 0 ? (n + bs - 1) / bs : 0;
+  }
+  if (tokens <= 0) return RowList{list, 0, 0, kListEmpty, n};
+  if (count > width) return RowList{list, 0, 0, kListTooLong, static_cast<int32_t>(count)};
+  r.count = static_cast<int32_t>(count);
+  r.tokens = static_cast<int32_t>(tokens);
+  return r;
+}
+
+}  // namespace eps::attention

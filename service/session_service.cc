@@ -1,0 +1,215 @@
+#include "service/session_service.h"
+
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status.h"
+#include "service/convert.h"
+
+namespace eps::service {
+namespace {
+
+std::string NewSessionId(uint64_t counter) {
+  static const uint64_t process_nonce = std::random_device{}();
+  return absl::StrFormat("s-%08x-%llu", static_cast<uint32_t>(process_nonce),
+                         static_cast<unsigned long long>(counter));
+}
+
+HostVisitLists VisitListsOf(const SessionSpec& spec, const SessionBuffers& buffers) {
+  return {.blocks = reinterpret_cast<const int32_t*>(buffers.visit_blocks.data),
+          .counts = reinterpret_cast<const int32_t*>(buffers.visit_count.data),
+          .num_layers = spec.model.num_layers,
+          .max_batch = spec.max_batch,
+          .lists = spec.output_granularity == Granularity::kPerKvHead ? spec.model.num_kv_heads : 1,
+          .max_blocks = buffers.max_blocks,
+          .block_size = spec.model.block_size};
+}
+
+}  // namespace
+
+SessionService::SessionService(const ServerConfig& config) : config_(config) {
+  reaper_ = std::thread([this] {
+    const auto period = absl::Milliseconds(std::max<uint32_t>(10, config_.lease_ms / 10));
+    while (!stop_.WaitForNotificationWithTimeout(period)) ExpireSessions();
+  });
+}
+
+SessionService::~SessionService() {
+  stop_.Notify();
+  reaper_.join();
+}
+
+absl::Status SessionService::CountFailure(absl::Status status) {
+  if (!status.ok()) validation_failures_.fetch_add(1, std::memory_order_relaxed);
+  return status;
+}
+
+void SessionService::ExpireSessions() {
+  for (const auto& session : sessions_.TakeExpired(SteadyNowMs())) {
+    expired_total_.fetch_add(1);
+    // The last shared_ptr released (here, or by a call still running) unmaps its memory.
+    (void)session;
+  }
+}
+
+absl::Status SessionService::Attach(const v1::AttachRequest& request,
+                                    v1::AttachResponse* response) {
+  absl::StatusOr<std::unique_ptr<Session>> built = Session::Create(request, config_);
+  if (!built.ok()) return CountFailure(built.status());
+  std::shared_ptr<Session> session = *std::move(built);
+  session->set_id(NewSessionId(next_session_.fetch_add(1)));
+  session->Touch();
+  response->set_session_id(session->id());
+  response->set_lease_ms(session->spec().lease_ms);
+  *response->mutable_effective_options() = ToProto(session->policy());
+  response->set_backend(ToProto(session->backend().kind()));
+  response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
+  response->set_server_version("epsd 0.1.0");
+  if (absl::Status s = sessions_.Add(std::move(session), config_.max_sessions); !s.ok()) {
+    response->Clear();
+    return CountFailure(s);
+  }
+  attached_total_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+absl::Status SessionService::Detach(const v1::DetachRequest& request) {
+  if (!sessions_.Remove(request.session_id())) {
+    return CountFailure(
+        absl::NotFoundError(absl::StrCat("session '", request.session_id(), "' not found")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
+                                         v1::SelectPagesResponse* response, BackendKind* backend) {
+  std::shared_ptr<Session> session = sessions_.Find(request.session_id());
+  if (session == nullptr) {
+    return CountFailure(absl::NotFoundError(absl::StrCat(
+        "session '", request.session_id(), "' not found (detached or lease expired): re-attach")));
+  }
+  if (backend != nullptr) *backend = session->backend().kind();
+  session->Touch();
+  const bool async = request.reply_mode() == v1::REPLY_MODE_ASYNC;
+  if (request.reply_mode() != v1::REPLY_MODE_UNSPECIFIED &&
+      request.reply_mode() != v1::REPLY_MODE_SYNC && !async) {
+    return CountFailure(absl::InvalidArgumentError(
+        absl::StrCat("reply_mode=", request.reply_mode(), " is unknown")));
+  }
+  if (async && !session->backend().async_replies()) {
+    return CountFailure(absl::UnimplementedError(
+        absl::StrCat("reply_mode=REPLY_MODE_ASYNC needs the cuda backend; the ",
+                     BackendKindName(session->backend().kind()), " backend answers sync")));
+  }
+  const SessionSpec& spec = session->spec();
+  if (request.rows_size() > static_cast<int>(spec.max_batch)) {
+    return CountFailure(absl::InvalidArgumentError(
+        absl::StrCat("batch of ", request.rows_size(),
+                     " rows exceeds the session's max_batch=", spec.max_batch)));
+  }
+  absl::StatusOr<SelectPolicy> policy = MergeOptions(session->policy(), request.options());
+  if (!policy.ok()) return CountFailure(policy.status());
+  if (policy->granularity != spec.output_granularity) {
+    return CountFailure(absl::InvalidArgumentError(
+        absl::StrCat("options.granularity=", GranularityName(policy->granularity),
+                     " does not match the session's output buffers (",
+                     GranularityName(spec.output_granularity), ")")));
+  }
+  const std::vector<StepRow> rows = RowsFromProto(request.rows());
+  return RunStep(*session, request, rows, *policy, response);
+}
+
+absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequest& request,
+                                     std::span<const StepRow> rows, const SelectPolicy& policy,
+                                     v1::SelectPagesResponse* response) {
+  auto count_step = [&](const StepStats& stats) {
+    session.CountStep(stats);
+    steps_total_.fetch_add(1);
+  };
+  const SessionBuffers& buffers = session.buffers();
+  absl::MutexLock lock(&session.step_mu());
+  absl::Status ready = session.CheckStepOrder(request.step());
+  if (ready.ok()) ready = ApplyInlineWrites(request.writes(), buffers);
+  if (!ready.ok()) {
+    session.errors.fetch_add(1);
+    return CountFailure(ready);
+  }
+  const BackendStep step{
+      .inputs = StepInputsOf(session.spec(), buffers, rows),
+      .outputs = StepOutputsOf(buffers),
+      .flags = buffers.has_flags ? reinterpret_cast<uint64_t*>(buffers.flags.data) : nullptr,
+      .step = request.step(),
+      .policy = policy,
+      .async = request.reply_mode() == v1::REPLY_MODE_ASYNC};
+  StepOutcome outcome;
+  const absl::Status run = session.backend().Run(step, &outcome);
+  // Async steps finished since the last call count now, whatever this step does.
+  for (const FinishedStep& f : outcome.earlier) {
+    v1::StepStats* earlier = response->add_earlier();
+    ToProto(f.stats, f.step, f.prepass_us, earlier);
+    if (!f.status.ok()) {
+      earlier->set_error(f.status.ToString());
+      session.errors.fetch_add(1);
+      continue;
+    }
+    count_step(f.stats);
+  }
+  if (!run.ok()) {
+    session.errors.fetch_add(1);
+    return CountFailure(run);
+  }
+  session.StepRan(request.step());
+  response->set_step(request.step());
+  response->set_done(outcome.done);
+  if (outcome.done) {
+    count_step(outcome.stats);
+    ToProto(outcome.stats, request.step(), outcome.prepass_us, response->mutable_stats());
+  }
+  if (buffers.visit_blocks.is_inline && !buffers.visit_blocks.is_device) {
+    AppendVisitLists(VisitListsOf(session.spec(), buffers), rows, response);
+  }
+  session.Touch();
+  return absl::OkStatus();
+}
+
+absl::Status SessionService::Heartbeat(const v1::HeartbeatRequest& request,
+                                       v1::HeartbeatResponse* response) {
+  std::shared_ptr<Session> session = sessions_.Find(request.session_id());
+  if (session == nullptr) {
+    return CountFailure(absl::NotFoundError(
+        absl::StrCat("session '", request.session_id(), "' not found: re-attach")));
+  }
+  session->Touch();
+  response->set_lease_ms(session->spec().lease_ms);
+  return absl::OkStatus();
+}
+
+absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
+                                      v1::GetStatsResponse* response) {
+  response->set_sessions_active(sessions_.size());
+  response->set_sessions_attached_total(attached_total_.load());
+  response->set_sessions_expired_total(expired_total_.load());
+  response->set_steps_total(steps_total_.load());
+  response->set_validation_failures_total(validation_failures_.load());
+  for (const auto& s : sessions_.All()) {
+    if (!request.session_id().empty() && s->id() != request.session_id()) continue;
+    v1::SessionStats* out = response->add_sessions();
+    out->set_session_id(s->id());
+    out->set_engine_id(s->spec().engine_id);
+    out->set_steps(s->steps.load());
+    out->set_last_step(s->last_step_seen.load());
+    out->set_groups_total(s->groups_total.load());
+    out->set_groups_visited(s->groups_visited.load());
+    out->set_bytes_kv_dense(s->bytes_dense.load());
+    out->set_bytes_kv_read_est(s->bytes_read.load());
+    out->set_errors(s->errors.load());
+  }
+  if (!request.session_id().empty() && response->sessions_size() == 0) {
+    return absl::NotFoundError(absl::StrCat("session '", request.session_id(), "' not found"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace eps::service

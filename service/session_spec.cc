@@ -1,0 +1,89 @@
+#include "service/session_spec.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "service/convert.h"
+#include "service/cuda_backend.h"
+
+namespace eps::service {
+
+absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
+                                                 const ServerConfig& config) {
+  SessionSpec s;
+  if (req.engine_id().empty() || req.engine_id().size() > 256) {
+    return absl::InvalidArgumentError("engine_id must be 1-256 bytes");
+  }
+  s.engine_id = req.engine_id();
+  ASSIGN_OR_RETURN(s.model, LayoutFromProto(req.layout(), config.group_blocks, config.sketch_dim));
+  if (req.layout().query_dtype() == v1::DTYPE_UNSPECIFIED) {
+    s.query_dtype = DType::kFloat32;
+  } else {
+    absl::StatusOr<DType> q = FromProto(req.layout().query_dtype());
+    if (!q.ok() || *q == DType::kInt32 || *q == DType::kInt8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout.query_dtype=", ProtoDTypeName(req.layout().query_dtype()),
+                       " is not a float type"));
+    }
+    s.query_dtype = *q;
+  }
+  if (req.max_batch() < 1) return absl::InvalidArgumentError("max_batch=0 must be >= 1");
+  if (req.max_batch() > config.max_batch) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_batch=", req.max_batch(), " exceeds the server's --max-batch=", config.max_batch));
+  }
+  s.max_batch = req.max_batch();
+  if (req.num_kv_blocks() > static_cast<uint64_t>(INT32_MAX) + 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_kv_blocks=", req.num_kv_blocks(), " exceeds the int32 block id range"));
+  }
+  s.num_kv_blocks = req.num_kv_blocks() == 0 ? -1 : static_cast<int64_t>(req.num_kv_blocks());
+  s.lease_ms =
+      req.lease_ms() == 0 ? config.lease_ms : std::clamp<uint32_t>(req.lease_ms(), 50, 3600000);
+
+  // Backend: asked for, or the server's --backend; auto follows the memory kind.
+  ASSIGN_OR_RETURN(s.backend, BackendFromProto(req.backend()));
+  if (s.backend == BackendKind::kAuto) {
+    s.backend =
+        config.backend == BackendKind::kCuda ||
+                (config.backend == BackendKind::kAuto &&
+                 req.buffers().summary_pool().memory_case() == v1::MemoryDescriptor::kCudaIpc)
+            ? BackendKind::kCuda
+            : BackendKind::kCpu;
+  }
+  if (s.backend == BackendKind::kCuda) {
+    if (!CudaBackendBuilt() || !CudaDevicePresent()) {
+      return absl::FailedPreconditionError(absl::StrCat("backend BACKEND_CUDA is not available: ",
+                                                        CudaBackendBuilt()
+                                                            ? "no CUDA device is visible to epsd"
+                                                            : "epsd was built without CUDA"));
+    }
+    s.device = req.buffers().summary_pool().has_cuda_ipc()
+                   ? req.buffers().summary_pool().cuda_ipc().device()
+                   : req.device();
+  }
+  s.output_granularity = req.buffers().visit_blocks().shape_size() == 4 ? Granularity::kPerKvHead
+                                                                        : Granularity::kUnion;
+  return s;
+}
+
+absl::StatusOr<SelectPolicy> SessionPolicy(const SessionSpec& spec, const v1::AttachRequest& req,
+                                           const SelectPolicy& server_defaults) {
+  ASSIGN_OR_RETURN(SelectPolicy policy, MergeOptions(server_defaults, req.options()));
+  if (req.options().granularity() == v1::GRANULARITY_UNSPECIFIED) {
+    policy.granularity = spec.output_granularity;
+  } else if (policy.granularity != spec.output_granularity) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.granularity=", GranularityName(policy.granularity), " does not match the rank-",
+        req.buffers().visit_blocks().shape_size(), " visit_blocks buffer"));
+  }
+  if (policy.heads == HeadMode::kRetrieval && policy.retrieval_heads.empty()) {
+    return absl::InvalidArgumentError(
+        "heads=retrieval needs options.retrieval_heads ([layers * q_heads] marks)");
+  }
+  RETURN_IF_ERROR(policy.Validate(spec.model));
+  return policy;
+}
+
+}  // namespace eps::service

@@ -1,0 +1,294 @@
+// The CUDA kernels of libeps_attention.so against the float64 reference
+// (eps_attn_reference_host) on fresh random problems; skips without a device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/attention/paged_attention.h"
+#include "tests/gpu/attention_case.h"
+
+namespace eps::attention {
+namespace {
+
+using testing::AttentionCase;
+using testing::CaseShape;
+using testing::FromBits;
+
+bool HaveDevice() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device"
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+template <typename T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
+    EXPECT_EQ(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  explicit DeviceArray(size_t n) {
+    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
+  }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  std::vector<T> Read(size_t n) const {
+    std::vector<T> host(n);
+    EXPECT_EQ(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+};
+
+struct GpuResult {
+  int32_t code = EPS_ATTN_OK;       // of the launch
+  int32_t list_code = EPS_ATTN_OK;  // of eps_attn_read_error
+  std::string message;
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+};
+
+// Runs the case on the device: the same params with every pointer moved there.
+GpuResult RunOnDevice(const AttentionCase& c) {
+  DeviceArray<uint16_t> q(c.q), kv(c.kv), out(c.OutElements());
+  DeviceArray<int32_t> lists(c.lists), lengths(c.lengths), table(c.table), context(c.context);
+  DeviceArray<float> lse(c.LseElements());
+  DeviceArray<int32_t> error_word(std::vector<int32_t>(EPS_ATTN_ERROR_WORDS, 0));
+  // Poison the outputs: a kernel that skips a write leaves NaN behind.
+  EXPECT_EQ(cudaMemset(out.ptr, 0xff, c.OutElements() * 2), cudaSuccess);
+  EXPECT_EQ(cudaMemset(lse.ptr, 0xff, c.LseElements() * 4), cudaSuccess);
+  EpsAttnParams p = c.params;
+  p.q = q.ptr;
+  p.k_cache = kv.ptr;
+  p.v_cache = kv.ptr + c.kv.size() / 2;
+  p.lists = lists.ptr;
+  p.lengths = lengths.ptr;
+  p.dense_table = table.ptr;
+  p.context_lens = context.ptr;
+  p.out = out.ptr;
+  p.lse = lse.ptr;
+  p.error_word = error_word.ptr;
+  GpuResult r;
+  uint64_t bytes = 0;
+  r.code = eps_attn_workspace_bytes(&p, &bytes);
+  if (r.code != EPS_ATTN_OK) {
+    r.message = eps_attn_last_error();
+    return r;
+  }
+  DeviceArray<uint8_t> workspace(bytes);
+  p.workspace = bytes ? workspace.ptr : nullptr;
+  p.workspace_bytes = bytes;
+  r.code = eps_attn_paged_decode(&p, nullptr);
+  if (r.code != EPS_ATTN_OK) {
+    r.message = eps_attn_last_error();
+    return r;
+  }
+  r.list_code = eps_attn_read_error(error_word.ptr, nullptr, 1);
+  r.message = eps_attn_last_error();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.out = out.Read(c.OutElements());
+  r.lse = lse.Read(c.LseElements());
+  return r;
+}
+
+// Compares with the reference; out within bf16/fp16 rounding plus float accumulation.
+void ExpectMatchesReference(const AttentionCase& c, uint32_t seed) {
+  std::vector<double> ref_out(c.OutElements()), ref_lse(c.LseElements());
+  ASSERT_EQ(eps_attn_reference_host(&c.params, ref_out.data(), ref_lse.data()), EPS_ATTN_OK)
+      << eps_attn_last_error();
+  const GpuResult r = RunOnDevice(c);
+  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+  ASSERT_EQ(r.list_code, EPS_ATTN_OK) << r.message;
+  const double tol = c.shape.dtype == EPS_ATTN_BF16 ? 1.2e-2 : 2e-3;
+  int bad = 0;
+  for (size_t i = 0; i < ref_out.size() && bad < 5; ++i) {
+    const double got = FromBits(r.out[i], c.shape.dtype);
+    if (!(std::abs(got - ref_out[i]) <= tol * (1.0 + std::abs(ref_out[i])))) {
+      ADD_FAILURE() << "seed " << seed << " out[" << i << "] = " << got << ", reference "
+                    << ref_out[i];
+      ++bad;
+    }
+  }
+  for (size_t i = 0; i < ref_lse.size() && bad < 5; ++i) {
+    if (!(std::abs(r.lse[i] - ref_lse[i]) <= 2e-3 * (1.0 + std::abs(ref_lse[i])))) {
+      ADD_FAILURE() << "seed " << seed << " lse[" << i << "] = " << r.lse[i] << ", reference "
+                    << ref_lse[i];
+      ++bad;
+    }
+  }
+}
+
+uint32_t FreshSeed() { return std::random_device{}(); }
+
+TEST(PagedAttention, MatchesReferenceForEveryDtypeHeadDimAndGqaRatio) {
+  SKIP_WITHOUT_DEVICE();
+  for (int32_t dtype : {EPS_ATTN_BF16, EPS_ATTN_FP16}) {
+    for (int d : {64, 128, 256}) {
+      for (int gqa : {1, 4, 8}) {
+        CaseShape s;
+        s.dtype = dtype;
+        s.head_dim = d;
+        s.num_kv_heads = 2;
+        s.num_q_heads = 2 * gqa;
+        const uint32_t seed = FreshSeed();
+        SCOPED_TRACE("dtype " + std::to_string(dtype) + " d " + std::to_string(d) + " gqa " +
+                     std::to_string(gqa) + " seed " + std::to_string(seed));
+        ExpectMatchesReference(AttentionCase(s, seed), seed);
+      }
+    }
+  }
+}
+
+TEST(PagedAttention, OneBlockOneTokenAndPartialLastBlocks) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.batch = 6;
+  s.contexts = {1, 16, 17, 15, 33, 31};
+  s.keep = 1.0;
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ExpectMatchesReference(AttentionCase(s, seed), seed);
+}
+
+TEST(PagedAttention, PerKvHeadListsMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.per_head_lists = true;
+  s.num_kv_heads = 4;
+  s.num_q_heads = 16;
+  s.keep = 0.3;
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ExpectMatchesReference(AttentionCase(s, seed), seed);
+}
+
+TEST(PagedAttention, GqaRatiosOfAnySizeMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  for (int gqa : {2, 3, 5, 12, 16}) {
+    CaseShape s;
+    s.num_kv_heads = 2;
+    s.num_q_heads = 2 * gqa;
+    const uint32_t seed = FreshSeed();
+    SCOPED_TRACE("gqa " + std::to_string(gqa) + " seed " + std::to_string(seed));
+    ExpectMatchesReference(AttentionCase(s, seed), seed);
+  }
+}
+
+TEST(PagedAttention, EverySplitCountMatchesReference) {
+  SKIP_WITHOUT_DEVICE();
+  for (int splits : {1, 2, 7, 300}) {
+    CaseShape s;
+    s.batch = 2;
+    s.contexts = {4000, 777};
+    s.num_splits = splits;
+    const uint32_t seed = FreshSeed();
+    SCOPED_TRACE("splits " + std::to_string(splits) + " seed " + std::to_string(seed));
+    ExpectMatchesReference(AttentionCase(s, seed), seed);
+  }
+}
+
+TEST(PagedAttention, SoftcapAndScaleMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.softcap = 5.0f;
+  s.softmax_scale = 0.5f;  // large scores, so the cap bites
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ExpectMatchesReference(AttentionCase(s, seed), seed);
+}
+
+TEST(PagedAttention, VisitCountsWithDenseFallbackMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  for (bool per_head : {false, true}) {
+    CaseShape s;
+    s.batch = 4;
+    s.length_kind = EPS_ATTN_VISIT_COUNT;
+    s.per_head_lists = per_head;
+    const uint32_t seed = FreshSeed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    AttentionCase c(s, seed);
+    c.lengths[1 * s.num_kv_heads + 0] = -1;  // epsd's "attend densely" marker
+    if (!per_head) c.lengths[1 * s.num_kv_heads + 1] = -1;
+    ExpectMatchesReference(c, seed);
+  }
+}
+
+TEST(PagedAttention, EmptyRowIsReportedAndWrittenAsZeros) {
+  SKIP_WITHOUT_DEVICE();
+  for (int splits : {1, 4}) {
+    CaseShape s;
+    s.batch = 3;
+    s.num_splits = splits;
+    s.contexts = {500, 600, 700};
+    AttentionCase c(s, FreshSeed());
+    c.lengths[1 * s.num_kv_heads + 0] = 0;
+    c.lengths[1 * s.num_kv_heads + 1] = 0;
+    const GpuResult r = RunOnDevice(c);
+    ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+    EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
+    // Both heads of row 1 are empty; whichever CTA records first is named.
+    EXPECT_NE(r.message.find("row 1 KV head "), std::string::npos) << r.message;
+    EXPECT_NE(r.message.find("empty list"), std::string::npos) << r.message;
+    const size_t row = static_cast<size_t>(s.num_q_heads) * s.head_dim;
+    for (size_t i = 0; i < r.out.size(); ++i) {
+      const double x = FromBits(r.out[i], s.dtype);
+      ASSERT_TRUE(std::isfinite(x)) << "out[" << i << "]";
+      if (i / row == 1) {
+        ASSERT_EQ(x, 0.0) << "out[" << i << "]";
+      }
+    }
+    for (int h = 0; h < s.num_q_heads; ++h) EXPECT_EQ(r.lse[s.num_q_heads + h], -INFINITY);
+    EXPECT_TRUE(std::isfinite(r.lse[0]));
+  }
+}
+
+TEST(PagedAttention, BlockIdOutOfRangeIsReportedAndNeverRead) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.batch = 2;
+  s.contexts = {300, 300};
+  s.keep = 1.0;
+  AttentionCase c(s, FreshSeed());
+  c.lists[c.max_blocks + 3] = c.num_blocks + 100000;
+  const GpuResult r = RunOnDevice(c);
+  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+  EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
+  EXPECT_NE(r.message.find("block id " + std::to_string(c.num_blocks + 100000)), std::string::npos)
+      << r.message;
+  for (uint16_t bits : r.out) ASSERT_TRUE(std::isfinite(FromBits(bits, s.dtype)));
+}
+
+TEST(PagedAttention, ErrorWordIsClearedByReading) {
+  SKIP_WITHOUT_DEVICE();
+  int32_t* word = nullptr;
+  CUDA_OK(cudaMalloc(&word, EPS_ATTN_ERROR_WORDS * sizeof(int32_t)));
+  const int32_t bad[EPS_ATTN_ERROR_WORDS] = {1, 2, 0, 0};
+  CUDA_OK(cudaMemcpy(word, bad, sizeof(bad), cudaMemcpyHostToDevice));
+  EXPECT_EQ(eps_attn_read_error(word, nullptr, 1), EPS_ATTN_ELIST);
+  EXPECT_EQ(eps_attn_read_error(word, nullptr, 1), EPS_ATTN_OK) << eps_attn_last_error();
+  CUDA_OK(cudaFree(word));
+}
+
+TEST(PagedAttention, MisalignedCacheIsRefusedBeforeLaunch) {
+  // No device needed: arguments are checked before any CUDA call.
+  AttentionCase c(CaseShape{}, 1);
+  EpsAttnParams p = c.params;
+  p.k_cache = static_cast<const char*>(p.k_cache) + 2;
+  p.out = c.q.data();
+  EXPECT_EQ(eps_attn_paged_decode(&p, nullptr), EPS_ATTN_EINVAL);
+  EXPECT_NE(std::string(eps_attn_last_error()).find("k_cache is not 16-byte aligned"),
+            std::string::npos)
+      << eps_attn_last_error();
+}
+
+}  // namespace
+}  // namespace eps::attention
