@@ -17,8 +17,10 @@
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "gpu/phi.cuh"
+#include "gpu/score_kernel.cuh"
+#include "gpu/select_kernel.cuh"
 #include "gpu/step.h"
-#include "gpu/step_kernels.cuh"
+#include "gpu/step_launch.cuh"
 #include "gpu/stream_ops.h"
 
 namespace eps::gpu {
@@ -98,7 +100,7 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
   return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
 }
 
-// Dynamic shared memory of the two kernels (step_kernels.cuh lays them out).
+// Dynamic shared memory of the two kernels (score_kernel.cuh and select_kernel.cuh lay them out).
 size_t ScoreSharedBytes(const ModelLayout& m) {
   const int ratio = m.gqa_ratio();
   return sizeof(float) * static_cast<size_t>(ratio) *
@@ -109,55 +111,7 @@ size_t SelectSharedBytes(int64_t max_groups) {
 }
 constexpr int64_t kMaxGroups = 8192;  // the select kernel's shared memory holds a row's groups
 
-// The two kernels of one step with every parameter, launched one by one or
-// captured as a graph. Built zeroed (padding included), so its bytes are a key.
-struct StepLaunch {
-  Shape shape;
-  SelectRule rule;
-  ScoreArgs score;
-  SelectArgs select;
-  const void* score_kernel;
-  dim3 score_grid;
-  size_t score_shared;
-  const void* select_kernel;
-  dim3 select_grid, select_block;
-  size_t select_shared;
-
-  absl::Status Launch(cudaStream_t stream) {
-    void* score_params[] = {&shape, &score};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(score_kernel, score_grid, dim3(kScoreThreads),
-                                          score_params, score_shared, stream));
-    void* select_params[] = {&shape, &rule, &select};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
-                                          select_shared, stream));
-    return absl::OkStatus();
-  }
-
-  cudaKernelNodeParams SelectNode(void** params) {
-    params[0] = &shape;
-    params[1] = &rule;
-    params[2] = &select;
-    cudaKernelNodeParams node{};
-    node.func = const_cast<void*>(select_kernel);
-    node.gridDim = select_grid;
-    node.blockDim = select_block;
-    node.sharedMemBytes = static_cast<unsigned>(select_shared);
-    node.kernelParams = params;
-    return node;
-  }
-
-  // Every parameter's bytes but the step number, which a replay sets.
-  std::string Key() const {
-    std::string key(reinterpret_cast<const char*>(this), sizeof(StepLaunch));
-    const size_t step = offsetof(StepLaunch, select) + offsetof(SelectArgs, step);
-    std::fill_n(key.begin() + step, sizeof(uint64_t), '\0');
-    return key;
-  }
-};
-
 }  // namespace
-
-constexpr size_t kCapturedSteps = 8;
 
 struct GpuSelector::Impl {
   ModelLayout model;
@@ -170,79 +124,10 @@ struct GpuSelector::Impl {
   DeviceBuffer<float> uppers;  // strict mode's upper bounds, allocated by its first step
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
-  DeviceBuffer<StepReport> reports;  // two, alternating by step (step_kernels.cuh)
+  DeviceBuffer<StepReport> reports;  // two, alternating by step (step_shape.cuh)
   uint64_t sequence = 0;             // steps launched: picks this step's report
   GpuSelectorOptions options;
-  // Captured steps (the two kernels), most recent first: a step whose kernel
-  // parameters equal a cached one's apart from the step number replays it.
-  struct CapturedStep {
-    std::string key;  // the launch parameters' bytes, step number zeroed
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cudaGraphNode_t select = nullptr;  // its parameters carry the step number
-  };
-  std::vector<CapturedStep> captured;
-
-  // Launches `launch` as a graph: the cached one with the same key (its select
-  // node given this step's number), or a new capture.
-  absl::Status Replay(StepLaunch& launch) {
-    const std::string key = launch.Key();
-    auto it = std::find_if(captured.begin(), captured.end(),
-                           [&](const CapturedStep& c) { return c.key == key; });
-    if (it == captured.end()) {
-      CapturedStep c;
-      c.key = key;
-      CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const absl::Status launched = launch.Launch(stream);
-      const cudaError_t ended = cudaStreamEndCapture(stream, &c.graph);
-      RETURN_IF_ERROR(launched);
-      CUDA_RETURN_IF_ERROR(ended);
-      if (absl::Status found = FindSelectNode(c.graph, launch.select_kernel, &c.select);
-          !found.ok()) {
-        cudaGraphDestroy(c.graph);
-        return found;
-      }
-      if (const cudaError_t made = cudaGraphInstantiate(&c.exec, c.graph, 0); made != cudaSuccess) {
-        cudaGraphDestroy(c.graph);
-        return absl::InternalError(
-            absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(made)));
-      }
-      if (captured.size() == kCapturedSteps) {
-        cudaGraphExecDestroy(captured.back().exec);
-        cudaGraphDestroy(captured.back().graph);
-        captured.pop_back();
-      }
-      captured.insert(captured.begin(), std::move(c));
-    } else if (it != captured.begin()) {
-      std::rotate(captured.begin(), it, it + 1);  // most recent first
-    }
-    CapturedStep& c = captured.front();
-    void* params[3];
-    const cudaKernelNodeParams node = launch.SelectNode(params);
-    CUDA_RETURN_IF_ERROR(cudaGraphExecKernelNodeSetParams(c.exec, c.select, &node));
-    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(c.exec, stream));
-    return absl::OkStatus();
-  }
-
-  static absl::Status FindSelectNode(cudaGraph_t graph, const void* kernel,
-                                     cudaGraphNode_t* select) {
-    size_t count = 0;
-    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &count));
-    std::vector<cudaGraphNode_t> nodes(count);
-    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nodes.data(), &count));
-    for (cudaGraphNode_t node : nodes) {
-      cudaGraphNodeType type;
-      CUDA_RETURN_IF_ERROR(cudaGraphNodeGetType(node, &type));
-      if (type != cudaGraphNodeTypeKernel) continue;
-      cudaKernelNodeParams params{};
-      CUDA_RETURN_IF_ERROR(cudaGraphKernelNodeGetParams(node, &params));
-      if (params.func == kernel) {
-        *select = node;
-        return absl::OkStatus();
-      }
-    }
-    return absl::InternalError("the captured step has no selection kernel node");
-  }
+  CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
   // Pinned host staging: the row list up, the step's report down.
   DeviceRow* host_rows = nullptr;
@@ -267,10 +152,6 @@ struct GpuSelector::Impl {
     if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
-    for (CapturedStep& c : captured) {
-      cudaGraphExecDestroy(c.exec);
-      cudaGraphDestroy(c.graph);
-    }
     if (release_stream != nullptr) cudaStreamDestroy(release_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -293,7 +174,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  // Static shared memory of the select kernel: at most 40 KiB (step_kernels.cuh).
+  // Static shared memory of the select kernel: at most 40 KiB (select_kernel.cuh).
   const size_t score_shared = ScoreSharedBytes(model);
   const size_t select_shared = SelectSharedBytes(std::min(max_groups, kMaxGroups));
   if (score_shared > static_cast<size_t>(max_shared) ||
@@ -482,7 +363,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
   if (g.options.graphs) {
-    RETURN_IF_ERROR(g.Replay(launch));
+    RETURN_IF_ERROR(g.captured.Replay(g.stream, launch));
   } else {
     RETURN_IF_ERROR(launch.Launch(g.stream));
   }

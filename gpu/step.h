@@ -1,6 +1,6 @@
 // The GPU pre-pass of one decode step (DESIGN §5), the CUDA counterpart of
 // core/step.h over device memory with the same buffer layouts, in two kernels
-// (gpu/step_kernels.cuh):
+// (gpu/score_kernel.cuh, gpu/select_kernel.cuh):
 //
 //   1. scoring     per (row, layer, KV head, 128 groups): the query terms of
 //                  the KV head's query heads (z = Φᵀq, packed z zᵀ, ‖q‖) in

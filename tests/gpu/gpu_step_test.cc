@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/bounds.h"
@@ -159,6 +161,11 @@ std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
   if (c.budget != Budget::kThreshold) name += std::string("_") + BudgetName(c.budget);
   if (c.strict) name += "_strict";
   return name;
+}
+
+// gtest prints the case by its name rather than its bytes.
+void PrintTo(const GpuCase& c, std::ostream* os) {
+  *os << CaseName(::testing::TestParamInfo<GpuCase>(c, 0));
 }
 
 constexpr Granularity kUnion = Granularity::kUnion, kPerKvHead = Granularity::kPerKvHead;
