@@ -38,14 +38,14 @@ def half_down(x: np.ndarray) -> np.ndarray:
     """The largest float16 <= x (core FloatToHalfDown), for float32 x within the float16 range."""
     with np.errstate(over="ignore"):  # beyond ±65504: inf, then stepped in
         h = np.asarray(x, dtype=np.float32).astype(np.float16)  # nearest, ties to even
-    return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
+        return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
 
 
 def half_up(x: np.ndarray) -> np.ndarray:
     """The smallest float16 >= x (core FloatToHalfUp)."""
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # nextafter(65504, inf) is inf, where it is not taken
         h = np.asarray(x, dtype=np.float32).astype(np.float16)
-    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+        return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
 
 
 def quest_halves(records: np.ndarray, lay: SummaryLayout, d: int) -> tuple[np.ndarray, np.ndarray]:
