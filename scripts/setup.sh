@@ -40,4 +40,14 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   "$VENV/bin/python3" -m pip install -q --disable-pip-version-check -r "$REQ"
   echo "$want" >"$stamp"
 fi
+# The eps-client package's dependencies as wheels, for the check that installs the package
+# into a fresh venv and runs its example offline (client/python/tools/fresh_venv_example.py).
+WHEELS="$VENV/wheelhouse"
+if [[ ! -f "$WHEELS/.stamp" || "$(cat "$WHEELS/.stamp")" != "$want" ]]; then
+  echo "setup: pip download the client's dependencies into $WHEELS"
+  mkdir -p "$WHEELS"
+  "$VENV/bin/python3" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+    -d "$WHEELS" $(grep -E '^(grpcio|protobuf|numpy)==' "$REQ")
+  echo "$want" >"$WHEELS/.stamp"
+fi
 echo "setup: done"

@@ -21,12 +21,14 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(const Model
   const uint64_t size = b->plan_.size;
   b->name_ = absl::StrCat("/eps-", tag, "-", getpid(), "-", counter.fetch_add(1));
   const int fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open ", b->name_, ": ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::InternalError(absl::StrCat("shm_open ", b->name_, ": ", std::strerror(errno)));
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     const int err = errno;
     close(fd);
     shm_unlink(b->name_.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat("ftruncate ", b->name_, ": ", std::strerror(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ftruncate ", b->name_, ": ", std::strerror(err)));
   }
   void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
@@ -59,11 +61,13 @@ std::span<float> EngineBuffers::Record(int64_t slot, int layer, int kv_head) {
 }
 
 std::span<int32_t> EngineBuffers::GroupRow(int64_t row) {
-  return {At<int32_t>(plan_.groups) + row * plan_.max_groups, static_cast<size_t>(plan_.max_groups)};
+  return {At<int32_t>(plan_.groups) + row * plan_.max_groups,
+          static_cast<size_t>(plan_.max_groups)};
 }
 
 std::span<int32_t> EngineBuffers::BlockRow(int64_t row) {
-  return {At<int32_t>(plan_.blocks) + row * plan_.max_blocks, static_cast<size_t>(plan_.max_blocks)};
+  return {At<int32_t>(plan_.blocks) + row * plan_.max_blocks,
+          static_cast<size_t>(plan_.max_blocks)};
 }
 
 std::span<float> EngineBuffers::Query(int layer, int64_t batch_pos, int q_head) {
@@ -72,8 +76,9 @@ std::span<float> EngineBuffers::Query(int layer, int64_t batch_pos, int q_head) 
 }
 
 std::span<const int32_t> EngineBuffers::VisitBlocks(int layer, int64_t batch_pos, int list) const {
-  return {At<const int32_t>(plan_.visit) + plan_.ListIndex(layer, batch_pos, list) * plan_.max_blocks,
-          static_cast<size_t>(std::max(0, VisitCount(layer, batch_pos, list)))};
+  return {
+      At<const int32_t>(plan_.visit) + plan_.ListIndex(layer, batch_pos, list) * plan_.max_blocks,
+      static_cast<size_t>(std::max(0, VisitCount(layer, batch_pos, list)))};
 }
 
 int32_t EngineBuffers::VisitCount(int layer, int64_t batch_pos, int list) const {

@@ -19,7 +19,6 @@
 
 namespace eps::client {
 
-
 class EngineBuffers {
  public:
   // Creates `/eps-<tag>-<pid>-<n>` sized for `model` and `shape`.
@@ -35,8 +34,8 @@ class EngineBuffers {
 
   std::span<float> Record(int64_t slot, int layer, int kv_head);
   std::span<float> summary_pool() { return {pool_, static_cast<size_t>(plan_.pool_words)}; }
-  std::span<int32_t> GroupRow(int64_t row);   // max_groups slots
-  std::span<int32_t> BlockRow(int64_t row);   // max_blocks physical ids
+  std::span<int32_t> GroupRow(int64_t row);  // max_groups slots
+  std::span<int32_t> BlockRow(int64_t row);  // max_blocks physical ids
   std::span<float> Query(int layer, int64_t batch_pos, int q_head);
   std::span<const int32_t> VisitBlocks(int layer, int64_t batch_pos, int list = 0) const;
   int32_t VisitCount(int layer, int64_t batch_pos, int list = 0) const;

@@ -11,20 +11,22 @@ import numpy as np
 
 from eps_client import (
     BufferShape,
+    ClientOptions,
+    EpsClient,
     ModelLayout,
+    SelectOptions,
     ShmBuffers,
     SummaryWriter,
-    attach_request,
     blocks_for,
     groups_for,
-    pb,
 )
+from eps_client.client import attach_request
+from eps_client.proto import page_selector_pb2 as pb
 
 MODEL = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                     group_blocks=2, sketch_dim=8, phi_seed=1234)
-OPTIONS = pb.SelectOptions(method=pb.METHOD_JL, alpha=1.0, first_n=1, last_n=1, top_pages=3,
-                           strict=False, heads=pb.HEAD_MODE_ALL, budget=pb.BUDGET_THRESHOLD,
-                           granularity=pb.GRANULARITY_UNION)
+OPTIONS = SelectOptions(method="jl", alpha=1.0, first_n=1, last_n=1, top_pages=3, strict=False,
+                        heads="all", budget="threshold", granularity="union")
 NUM_KV_BLOCKS = 512
 
 
@@ -34,10 +36,14 @@ class EngineState:
     contexts: list[int]
     rows: list[tuple[int, int, int]]  # (table_row, context_tokens, seq_id)
 
+    def client(self, options: ClientOptions, engine_id: str = "pytest-engine") -> EpsClient:
+        return EpsClient(self.buffers, engine_id=engine_id, num_kv_blocks=NUM_KV_BLOCKS,
+                         select=OPTIONS, options=options)
+
     def attach(self, engine_id: str = "pytest-engine") -> pb.AttachRequest:
-        return attach_request(engine_id, MODEL, self.buffers.descriptors(),
-                              max_batch=self.buffers.shape.max_batch,
-                              num_kv_blocks=NUM_KV_BLOCKS, options=OPTIONS)
+        """The AttachRequest such a client sends (for the core/ reference tool)."""
+        return attach_request(self.buffers, engine_id=engine_id, num_kv_blocks=NUM_KV_BLOCKS,
+                              select=OPTIONS)
 
     def new_queries(self, rng: np.random.Generator) -> None:
         self.buffers.queries[...] = rng.standard_normal(self.buffers.queries.shape)

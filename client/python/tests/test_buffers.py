@@ -8,7 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures, pb
+from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
+from eps_client.proto import page_selector_pb2 as pb
 
 
 def cpp_descriptors(tool: str, model: ModelLayout, shape: BufferShape) -> pb.SharedBuffers:

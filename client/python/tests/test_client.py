@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from engine_state import core_visits, make_state
 
-from eps_client import ClientOptions, EpsClient, EpsError, pb
+from eps_client import ClientOptions, EpsClient, EpsError, Row, StatusCode
+from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 
 
@@ -34,18 +35,19 @@ def test_visit_lists_equal_the_core_reference_step(epsd, core_reference, tmp_pat
     state = make_state(rng, contexts=[900, 517, 1000])
     attach = state.attach()
     options = ClientOptions(target=epsd.target, deadline_s=2.0, use_stream=use_stream)
-    with EpsClient(options, attach) as client:
-        response = client.attach()
-        assert response.session_id and response.record_words == state.buffers.layout.record_words
+    with state.client(options) as client:
+        info = client.attach()
+        assert info.session_id and info.record_words == state.buffers.layout.record_words
+        assert info.options.method == "jl" and info.options.top_pages == 3
         total_blocks = sum((c + 15) // 16 for c in state.contexts) * 2
         for step in range(1, 4):
             state.new_queries(rng)
             result = client.select_pages(step, state.rows)
             assert result.ok, result.message
-            assert result.response.step == step and result.response.done
+            assert result.step == step and result.done and result.stats is not None
             visited = assert_visits_equal_core(core_reference, tmp_path, state, attach, 3)
-            assert result.response.stats.pages_visited == visited
-            assert result.response.stats.pages_total == total_blocks
+            assert result.stats.pages_visited == visited
+            assert result.stats.pages_total == total_blocks
             assert visited < total_blocks  # the selection skipped something
             # every list ends with the sequence's last block
             for layer in range(2):
@@ -55,15 +57,17 @@ def test_visit_lists_equal_the_core_reference_step(epsd, core_reference, tmp_pat
         assert client.counters().selected == 3 and client.counters().fallbacks == 0
         stats = client.stats()
         assert stats.sessions[0].steps == 3
-        client.detach()
+    # leaving the block detached the session
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as probe:
+        assert probe.stats(session_only=False).sessions_active == 0
     state.buffers.close()
 
 
 def test_invalid_row_is_an_error_fallback_and_the_session_keeps_serving(epsd, rng):
     state = make_state(rng, contexts=[300])
-    with EpsClient(ClientOptions(target=epsd.target, deadline_s=2.0), state.attach()) as client:
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
         client.attach()
-        bad = client.select_pages(1, [(1, 10**6, 0)])  # context beyond max_blocks
+        bad = client.select_pages(1, [Row(1, 10**6)])  # context beyond max_blocks
         assert bad.fallback and bad.code == grpc.StatusCode.INVALID_ARGUMENT
         assert client.counters().fallback_error == 1
         assert client.select_pages(2, state.rows).ok
@@ -73,10 +77,11 @@ def test_invalid_row_is_an_error_fallback_and_the_session_keeps_serving(epsd, rn
 def test_fail_closed_returns_the_error_instead_of_a_fallback(epsd, rng):
     state = make_state(rng, contexts=[300])
     options = ClientOptions(target=epsd.target, deadline_s=2.0, fail_open=False)
-    with EpsClient(options, state.attach()) as client:
+    with state.client(options) as client:
         client.attach()
-        bad = client.select_pages(1, [(1, 10**6, 0)])
-        assert not bad.fallback and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(EpsError) as e:
+            client.select_pages(1, [(1, 10**6, 0)])
+        assert e.value.code == StatusCode.INVALID_ARGUMENT and "context_tokens" in e.value.message
         assert client.counters().errors == 1 and client.counters().fallbacks == 0
     state.buffers.close()
 
@@ -86,7 +91,7 @@ def test_client_reattaches_by_itself_after_epsd_restarts(epsd, rng, use_stream):
     state = make_state(rng, contexts=[400, 200])
     options = ClientOptions(target=epsd.target, deadline_s=2.0, reattach_backoff_s=0.05,
                             use_stream=use_stream)
-    with EpsClient(options, state.attach()) as client:
+    with state.client(options) as client:
         client.attach()
         assert client.select_pages(1, state.rows).ok
         first_session = client.session_id
@@ -107,7 +112,7 @@ def test_client_reattaches_by_itself_after_epsd_restarts(epsd, rng, use_stream):
 
 def test_detach_then_unknown_session_reattaches(epsd, rng):
     state = make_state(rng, contexts=[256])
-    with EpsClient(ClientOptions(target=epsd.target, deadline_s=2.0), state.attach()) as client:
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
         client.attach()
         client.detach()
         with pytest.raises(EpsError) as e:
@@ -147,9 +152,9 @@ def test_traceparent_is_sent_as_metadata(tmp_path, use_stream):
     ids = iter(["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
                 "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"])
     options = ClientOptions(target=target, deadline_s=2.0, use_stream=use_stream,
-                            traceparent=lambda: next(ids))
+                            traceparent=lambda: next(ids, None))
     try:
-        with EpsClient(options, pb.AttachRequest(engine_id="e")) as client:
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             client.attach()
             assert client.select_pages(1, [(0, 1, 0)]).ok
     finally:

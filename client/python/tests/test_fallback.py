@@ -10,14 +10,15 @@ from concurrent import futures
 import grpc
 import pytest
 
-from eps_client import ClientOptions, EpsClient, EpsError, pb
+from eps_client import ClientOptions, EpsClient, EpsError
+from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 
 
 def test_absent_sidecar_falls_back_at_once_and_attach_fails_fast(tmp_path):
     options = ClientOptions(target=f"unix://{tmp_path}/nobody.sock", deadline_s=0.002,
                             attach_deadline_s=0.5, reattach_backoff_s=0.05)
-    with EpsClient(options, pb.AttachRequest(engine_id="e")) as client:
+    with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
         start = time.monotonic()
         results = [client.select_pages(step, [(0, 1, 0)]) for step in range(1, 51)]
         elapsed = time.monotonic() - start
@@ -69,7 +70,7 @@ def stalled(tmp_path):
 def test_missed_deadline_falls_back_within_the_deadline(stalled, use_stream):
     target, servicer = stalled
     options = ClientOptions(target=target, deadline_s=0.02, use_stream=use_stream)
-    with EpsClient(options, pb.AttachRequest(engine_id="e")) as client:
+    with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
         client.attach()
         for step in (1, 2, 3):
             start = time.monotonic()
@@ -90,7 +91,7 @@ def test_epsd_killed_mid_session_falls_back_as_unavailable(epsd, tmp_path):
 
     state = make_state(np.random.default_rng(5), contexts=[200])
     options = ClientOptions(target=epsd.target, deadline_s=2.0, reattach_backoff_s=10.0)
-    with EpsClient(options, state.attach()) as client:
+    with state.client(options) as client:
         client.attach()
         assert client.select_pages(1, state.rows).ok
         epsd.stop()

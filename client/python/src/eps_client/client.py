@@ -1,13 +1,18 @@
-"""The engine-side client of epsd (DESIGN §5-6), mirroring client/cpp/eps_client.h.
+"""The engine-side client of epsd, mirroring client/cpp/eps_client.h (docs/api.md).
 
-One ``select_pages`` per decode step with a deadline (default 2 ms); a step never
-waits for anything else: re-attaching runs in the background. Fail open: on a
-miss, an error or an absent sidecar the step's result says ``fallback`` and the
-engine attends densely with its own block table; every fallback is counted by
-reason. After a sidecar restart (or lease expiry) the client re-attaches by
-itself (idempotent per engine_id) while steps fall back. Unary or
-bidirectional-stream transport; the stream keeps one call open and matches
-replies by step.
+One ``select_pages`` per decode step with a deadline; a step never waits for
+anything else: re-attaching runs in the background. Fail open: on a miss, an
+error or an absent sidecar the step's result says ``fallback`` and the engine
+attends densely with its own block table; every fallback is counted by reason
+and reported to epsd on the next step that reaches it (its
+``eps_client_fallbacks_total`` metric), as the C++ client does. After a sidecar
+restart (or lease expiry) the client re-attaches by itself (idempotent per
+engine_id) while steps fall back. Unary or bidirectional-stream transport; the
+stream keeps one call open and matches replies by step.
+
+The API takes and returns plain Python values (eps_client.types); failed calls
+raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
+detaches the session and closes the channel.
 
 Thread safety: one engine thread calls select_pages / attach / detach at a time;
 ``counters()`` may be read from any thread.
@@ -18,36 +23,58 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+from eps_client.types import (
+    AttachInfo,
+    Backend,
+    EpsError,
+    Row,
+    SelectOptions,
+    StepStats,
+    backend_proto,
+    rows_proto,
+)
 
 Traceparent = str | Callable[[], str | None] | None
 
 
 @dataclass
 class ClientOptions:
+    """How the client talks to epsd. The defaults come from measurements on a loaded
+    2-core machine (docs/integration/python-client.md): a healthy epsd misses none."""
+
     target: str = "unix:///tmp/epsd.sock"
-    deadline_s: float = 0.002  # per select_pages
+    deadline_s: float = 0.100  # per select_pages
     attach_deadline_s: float = 0.5  # attach, detach, heartbeat, re-attach
-    reattach_backoff_s: float = 0.1  # between re-attach attempts
-    fail_open: bool = True  # False: a failed step is an error for the engine
-    use_stream: bool = False
+    reattach_backoff_s: float = 0.05  # between re-attach attempts
+    fail_open: bool = True  # False: a failed step raises EpsError
+    use_stream: bool = True  # one open call: p50 0.3 ms vs 0.7 ms unary on 2 loaded cores
     # W3C trace context sent as "traceparent" metadata: a fixed string, or a
     # callable asked once per call (e.g. the current OpenTelemetry span's).
     traceparent: Traceparent = None
+    # Called with the step number on every fallback, before select_pages returns: an
+    # engine whose stream waits on selection_done releases it here (ReleaseDense).
+    on_fallback: Callable[[int], None] | None = None
 
 
 @dataclass
 class StepResult:
-    fallback: bool = False  # attend densely this step (fail-open only)
-    code: grpc.StatusCode = grpc.StatusCode.OK  # why, when fallback; the error when fail-closed
+    """One step's outcome. ``fallback``: attend densely this step (fail-open)."""
+
+    step: int = 0
+    fallback: bool = False
+    code: grpc.StatusCode = grpc.StatusCode.OK  # why, when fallback
     message: str = ""
-    response: pb.SelectPagesResponse | None = None
+    done: bool = False  # the outputs are written (sync); False for an accepted async step
+    stats: StepStats | None = None  # this step's (sync replies)
+    earlier: list[StepStats] = field(default_factory=list)  # async steps finished since
     round_trip_us: float = 0.0
 
     @property
@@ -64,21 +91,12 @@ class ClientCounters:
     fallback_not_attached: int = 0
     fallback_error: int = 0
     reattaches: int = 0
-    errors: int = 0  # failed steps returned to a fail-closed engine (not fallbacks)
+    errors: int = 0  # failed steps raised to a fail-closed engine (not fallbacks)
 
     @property
     def fallbacks(self) -> int:
         return (self.fallback_deadline + self.fallback_unavailable + self.fallback_not_attached
                 + self.fallback_error)
-
-
-class EpsError(Exception):
-    """A failed call: ``code`` is the gRPC status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 _FALLBACK_REASON = {
@@ -147,31 +165,71 @@ class _Stream:
         self._reader.join(timeout=5)
 
 
-class EpsClient:
-    """Attaches an engine's buffers to epsd and selects pages once per decode step."""
+def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None,
+                   num_kv_blocks: int = 0, select: SelectOptions | None = None,
+                   backend: Backend = "auto", device: int = 0,
+                   lease_ms: int = 0) -> pb.AttachRequest:
+    """The AttachRequest that EpsClient sends (and re-sends on every re-attach)."""
+    layout = buffers.layout
+    request = pb.AttachRequest(
+        engine_id=engine_id, layout=layout.model.to_proto(), buffers=buffers.descriptors(),
+        max_batch=max_batch if max_batch is not None else layout.shape.max_batch,
+        num_kv_blocks=num_kv_blocks, backend=backend_proto(backend),  # type: ignore[arg-type]
+        device=device, lease_ms=lease_ms)
+    if select is not None:
+        request.options.CopyFrom(select.to_proto())
+    return request
 
-    def __init__(self, options: ClientOptions, attach: pb.AttachRequest) -> None:
+
+class EpsClient:
+    """Attaches an engine's buffers to epsd and selects pages once per decode step.
+
+    ``buffers`` is the library's ShmBuffers or CudaBuffers (anything with ``layout`` and
+    ``descriptors()``); ``select`` the session's policy; ``options`` the transport."""
+
+    def __init__(self, buffers: Any, *, engine_id: str, max_batch: int | None = None,
+                 num_kv_blocks: int = 0, select: SelectOptions | None = None,
+                 backend: Backend = "auto", device: int = 0, lease_ms: int = 0,
+                 options: ClientOptions | None = None) -> None:
+        request = attach_request(buffers, engine_id=engine_id, max_batch=max_batch,
+                                 num_kv_blocks=num_kv_blocks, select=select, backend=backend,
+                                 device=device, lease_ms=lease_ms)
+        self._init(options or ClientOptions(), request)
+
+    @classmethod
+    def from_request(cls, options: ClientOptions, request: pb.AttachRequest) -> EpsClient:
+        """A client for a prepared AttachRequest (tests, tools; engines use the constructor)."""
+        client = cls.__new__(cls)
+        client._init(options, request)
+        return client
+
+    def _init(self, options: ClientOptions, request: pb.AttachRequest) -> None:
         self.options = options
         self._attach = pb.AttachRequest()
-        self._attach.CopyFrom(attach)
-        self._channel = grpc.insecure_channel(options.target, options=[
-            ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ])
-        self.stub = pb_grpc.PageSelectorStub(self._channel)
+        self._attach.CopyFrom(request)
+        self._channel = self._new_channel()
         self.session_id = ""
-        self.attach_response: pb.AttachResponse | None = None
+        self.attach_info: AttachInfo | None = None
         self._attached_before = False
         self._next_attach_try = 0.0
         self._pending_attach: grpc.Future | None = None
         self._stream: _Stream | None = None
         self._lock = threading.Lock()  # guards the counters
         self._counters = ClientCounters()
+        self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
+
+    def _new_channel(self) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.options.target, options=[
+            ("grpc.initial_reconnect_backoff_ms", 20),
+            ("grpc.min_reconnect_backoff_ms", 20),
+            ("grpc.max_reconnect_backoff_ms", 100),
+        ])
+        self.stub = pb_grpc.PageSelectorStub(channel)
+        return channel
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def attach(self) -> pb.AttachResponse:
+    def attach(self) -> AttachInfo:
         """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily."""
         if self._pending_attach is not None:
             pending, self._pending_attach = self._pending_attach, None
@@ -185,10 +243,10 @@ class EpsClient:
         except grpc.RpcError as e:
             self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
             raise EpsError(e.code(), e.details() or "") from None
-        self._adopt(response)
-        return response
+        return self._adopt(response)
 
     def detach(self) -> None:
+        """Ends the session (raises EpsError if epsd refuses; nothing to do if not attached)."""
         self._close_stream()
         if not self.session_id:
             return
@@ -202,9 +260,9 @@ class EpsClient:
     def heartbeat(self) -> int:
         """Renews the lease; returns it in ms."""
         try:
-            return self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
-                                       timeout=self.options.attach_deadline_s,
-                                       metadata=self._metadata()).lease_ms
+            return int(self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
+                                           timeout=self.options.attach_deadline_s,
+                                           metadata=self._metadata()).lease_ms)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 self.session_id = ""
@@ -217,6 +275,7 @@ class EpsClient:
             raise EpsError(e.code(), e.details() or "") from None
 
     def stats(self, session_only: bool = True) -> pb.GetStatsResponse:
+        """GetStats (an operator's view; the message is returned as is)."""
         request = pb.GetStatsRequest(session_id=self.session_id if session_only else "")
         try:
             return self.stub.GetStats(request, timeout=self.options.attach_deadline_s,
@@ -236,7 +295,13 @@ class EpsClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Detaches (best effort: an absent sidecar has nothing to detach) and closes."""
+        try:
+            self.detach()
+        except EpsError:
+            pass
+        finally:
+            self.close()
 
     def counters(self) -> ClientCounters:
         with self._lock:
@@ -244,29 +309,31 @@ class EpsClient:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def select_pages(self, step: int, rows: Iterable[pb.BatchRow | tuple[int, int, int]],
-                     options: pb.SelectOptions | None = None) -> StepResult:
-        """One decode step. ``rows`` are BatchRow messages or (table_row, context_tokens, seq_id).
+    def select_pages(self, step: int, rows: Iterable[Row | tuple[int, int] | tuple[int, int, int]],
+                     options: SelectOptions | None = None, *,
+                     async_reply: bool = False) -> StepResult:
+        """One decode step. ``rows``: Row or (table_row, context_tokens[, seq_id]) per batch
+        position. ``async_reply`` (cuda backend): the reply comes once the step is queued and
+        the engine's stream waits on selection_done.
 
-        Never waits past the deadline; on a fallback, attend densely."""
+        Never waits past the deadline; on a fallback, attend densely. A fail-closed client
+        raises EpsError instead of falling back."""
         self._count("steps")
         start = time.monotonic()
         deadline = start + self.options.deadline_s
         if not self.session_id:
             reason = self._poll_reattach()
             if reason is not None:
-                return self._failed(grpc.StatusCode.UNAVAILABLE, reason, start,
+                return self._failed(step, grpc.StatusCode.UNAVAILABLE, reason, start,
                                     counter="fallback_not_attached")
-        request = pb.SelectPagesRequest(session_id=self.session_id, step=step)
-        for row in rows:
-            if isinstance(row, pb.BatchRow):
-                request.rows.append(row)
-            else:
-                table_row, context_tokens, seq_id = row
-                request.rows.add(table_row=table_row, context_tokens=context_tokens,
-                                 seq_id=seq_id)
+        request = pb.SelectPagesRequest(session_id=self.session_id, step=step,
+                                        rows=rows_proto(rows))
         if options is not None:
-            request.options.CopyFrom(options)
+            request.options.CopyFrom(options.to_proto())
+        if async_reply:
+            request.reply_mode = pb.REPLY_MODE_ASYNC
+        now = self.counters()
+        self._add_report(request, now)
         try:
             if self.options.use_stream:
                 response = self._call_stream(request, deadline)
@@ -278,15 +345,33 @@ class EpsClient:
                 raise EpsError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                "SelectPages answered after the client deadline")
         except EpsError as e:
+            if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._reported = now  # the server saw the report
             if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
                 self._close_stream()
-            if e.code == grpc.StatusCode.NOT_FOUND:
-                self.session_id = ""  # re-attach at the next step
-            return self._failed(e.code, e.message, start)
+                self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
+            return self._failed(step, e.code, e.message, start)
+        self._reported = now
         self._count("selected")
-        return StepResult(response=response, round_trip_us=(time.monotonic() - start) * 1e6)
+        return StepResult(step=step, done=response.done,
+                          stats=StepStats.from_proto(response.stats) if response.done else None,
+                          earlier=[StepStats.from_proto(s) for s in response.earlier],
+                          round_trip_us=(time.monotonic() - start) * 1e6)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _add_report(self, request: pb.SelectPagesRequest, now: ClientCounters) -> None:
+        """Fallbacks since the last report ride on the step for epsd's metrics. They count as
+        reported once the server has seen them: on any reply but UNAVAILABLE and
+        DEADLINE_EXCEEDED, which may not have reached it (a report may then arrive twice,
+        never be lost)."""
+        if now.fallbacks == self._reported.fallbacks:
+            return
+        r = self._reported
+        request.fallbacks.deadline = now.fallback_deadline - r.fallback_deadline
+        request.fallbacks.unavailable = now.fallback_unavailable - r.fallback_unavailable
+        request.fallbacks.not_attached = now.fallback_not_attached - r.fallback_not_attached
+        request.fallbacks.error = now.fallback_error - r.fallback_error
 
     def _metadata(self) -> list[tuple[str, str]]:
         tp = self.options.traceparent
@@ -297,23 +382,24 @@ class EpsClient:
         with self._lock:
             setattr(self._counters, name, getattr(self._counters, name) + 1)
 
-    def _failed(self, code: grpc.StatusCode, message: str, start: float,
+    def _failed(self, step: int, code: grpc.StatusCode, message: str, start: float,
                 counter: str | None = None) -> StepResult:
-        result = StepResult(code=code, message=message,
-                            round_trip_us=(time.monotonic() - start) * 1e6)
         if not self.options.fail_open:
             self._count("errors")
-            return result
+            raise EpsError(code, message)
         self._count(counter or _FALLBACK_REASON.get(code, "fallback_error"))
-        result.fallback = True
-        return result
+        if self.options.on_fallback is not None:
+            self.options.on_fallback(step)
+        return StepResult(step=step, fallback=True, code=code, message=message,
+                          round_trip_us=(time.monotonic() - start) * 1e6)
 
-    def _adopt(self, response: pb.AttachResponse) -> None:
+    def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
         if self._attached_before:
             self._count("reattaches")
         self._attached_before = True
         self.session_id = response.session_id
-        self.attach_response = response
+        self.attach_info = AttachInfo.from_proto(response)
+        return self.attach_info
 
     def _poll_reattach(self) -> str | None:
         """Not attached: collects a finished background re-attach or starts one when the
@@ -330,8 +416,12 @@ class EpsClient:
                 return f"re-attach failed: {e.code().name}: {e.details()}"
         if time.monotonic() < self._next_attach_try:
             return "not attached; re-attach backing off"
+        # wait_for_ready: the Attach waits (up to its deadline) for the channel to connect
+        # instead of failing at once while the channel is in reconnect backoff, so the first
+        # attempt after epsd comes back succeeds.
         self._pending_attach = self.stub.Attach.future(
-            self._attach, timeout=self.options.attach_deadline_s, metadata=self._metadata())
+            self._attach, timeout=self.options.attach_deadline_s, metadata=self._metadata(),
+            wait_for_ready=True)
         return "not attached; re-attach started"
 
     def _call_unary(self, request: pb.SelectPagesRequest,
@@ -362,10 +452,3 @@ class EpsClient:
         if self._stream is not None:
             stream, self._stream = self._stream, None
             stream.close()
-
-
-def batch_rows(rows: Sequence[tuple[int, int, int]]) -> list[pb.BatchRow]:
-    """BatchRow messages from (table_row, context_tokens, seq_id) triples."""
-    return [pb.BatchRow(table_row=r, context_tokens=c, seq_id=s) for r, c, s in rows]
-
-

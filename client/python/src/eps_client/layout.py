@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from eps_client.proto import page_selector_pb2 as pb
 
+_KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
+              "float32": pb.DTYPE_FLOAT32}
+
 
 @dataclass(frozen=True)
 class SummaryFeatures:
@@ -33,10 +36,14 @@ class ModelLayout:
     group_blocks: int = 8
     sketch_dim: int = 8
     phi_seed: int = 0
-    kv_dtype: pb.DType = pb.DTYPE_FLOAT16
+    kv_dtype: str | int = "float16"  # "float16", "bfloat16", "float32" (or an eps.v1 DType)
     features: SummaryFeatures = field(default_factory=SummaryFeatures)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_dtype, str):
+            if self.kv_dtype not in _KV_DTYPES:
+                raise ValueError(f"kv_dtype={self.kv_dtype!r} is not one of {sorted(_KV_DTYPES)}")
+            object.__setattr__(self, "kv_dtype", _KV_DTYPES[self.kv_dtype])
         for name, lo, hi in (
             ("num_layers", 1, 4096),
             ("num_q_heads", 1, 4096),
@@ -77,7 +84,7 @@ class ModelLayout:
             group_blocks=self.group_blocks,
             sketch_dim=self.sketch_dim,
             phi_seed=self.phi_seed,
-            kv_dtype=self.kv_dtype,
+            kv_dtype=self.kv_dtype,  # type: ignore[arg-type]
             query_dtype=pb.DTYPE_FLOAT32,
             features=pb.SummaryFeatures(
                 key_sum=self.features.key_sum,

@@ -1,0 +1,352 @@
+// The C ABI of engine_capi.h over gpu/stream_ops.h, gpu/summary.h,
+// engine_summary_queue.h and engine_outputs.h: conversions and error codes only.
+#include "client/cpp/engine_capi.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/cpp/engine_outputs.h"
+#include "client/cpp/engine_summary_queue.h"
+#include "core/layout.h"
+#include "gpu/cuda_check.h"
+#include "gpu/stream_ops.h"
+#include "gpu/summary.h"
+
+namespace {
+
+thread_local std::string last_error;
+
+int Report(const absl::Status& status) {
+  if (status.ok()) return 0;
+  last_error = status.ToString();
+  return static_cast<int>(status.code());
+}
+
+cudaStream_t Stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
+template <typename T>
+T* Ptr(uint64_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+absl::StatusOr<eps::DType> KeyDType(int32_t code) {
+  switch (code) {
+    case EPS_ENGINE_FLOAT32:
+      return eps::DType::kFloat32;
+    case EPS_ENGINE_FLOAT16:
+      return eps::DType::kFloat16;
+    case EPS_ENGINE_BFLOAT16:
+      return eps::DType::kBFloat16;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("key_dtype=", code, " is not 1, 2 or 3"));
+  }
+}
+
+std::vector<eps::gpu::KeyAppend> Appends(const EpsKeyAppend* in, int64_t n) {
+  std::vector<eps::gpu::KeyAppend> out(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = {Ptr<float>(in[i].record),
+              Ptr<const void>(in[i].keys),
+              in[i].count,
+              in[i].stride,
+              in[i].layer,
+              in[i].kv_head};
+  }
+  return out;
+}
+
+}  // namespace
+
+// Releases a step epsd accepted but never finished: after `timeout` from Arm,
+// if selection_done < step, visit_count = -1 and selection_done raised to step
+// (the contract of client/cpp/selection_watchdog.h, on raw pointers). A newer
+// Arm supersedes an older one: counters only grow, so releasing the newer step
+// releases the older wait too.
+struct EpsEngineWatchdog {
+  int device = 0;
+  int32_t* counts = nullptr;
+  int64_t n = 0;
+  uint64_t* flags = nullptr;
+  std::chrono::microseconds timeout{0};
+  cudaStream_t stream = nullptr;
+  uint64_t* host_done = nullptr;  // pinned
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;                               // guarded by mu
+  uint64_t armed = 0;                              // guarded by mu; 0: nothing armed
+  std::chrono::steady_clock::time_point armed_at;  // guarded by mu
+  uint64_t releases = 0;                           // guarded by mu
+  std::thread thread;
+
+  absl::StatusOr<uint64_t> ReadDone() {
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(host_done, flags + 1, sizeof(uint64_t), cudaMemcpyDeviceToHost, stream));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return *host_done;
+  }
+
+  void Loop() {
+    cudaSetDevice(device);
+    std::unique_lock lock(mu);
+    while (!stop) {
+      if (armed == 0) {
+        cv.wait(lock, [this] { return stop || armed != 0; });
+        continue;
+      }
+      const uint64_t step = armed;
+      const auto due = armed_at + timeout;
+      if (cv.wait_until(lock, due, [&] { return stop || armed != step; })) continue;
+      armed = 0;
+      lock.unlock();
+      absl::StatusOr<uint64_t> done = ReadDone();
+      bool released = false;
+      if (!done.ok() || *done < step) {
+        released = eps::gpu::StreamReleaseDense(stream, counts, n, flags + 1, step).ok() &&
+                   cudaStreamSynchronize(stream) == cudaSuccess;
+      }
+      lock.lock();
+      if (released) ++releases;
+    }
+  }
+};
+
+struct EpsSummaryWriter {
+  std::unique_ptr<eps::gpu::DeviceSummaryWriter> writer;
+};
+
+struct EpsSummaryQueue {
+  std::unique_ptr<eps::client::SummaryQueue> queue;
+};
+
+extern "C" {
+
+int eps_engine_abi_version(void) { return EPS_ENGINE_ABI_VERSION; }
+
+const char* eps_engine_last_error(void) { return last_error.c_str(); }
+
+int eps_engine_device_count(int32_t* count) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  cudaGetLastError();  // no device is not an error here
+  *count = n;
+  return 0;
+}
+
+int eps_engine_preload(int32_t device) {
+  if (cudaSetDevice(device) != cudaSuccess) {
+    return Report(absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, ")")));
+  }
+  return Report(eps::gpu::PreloadStreamOps());
+}
+
+int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step) {
+  return Report(eps::gpu::StreamWriteCounter(Stream(stream), Ptr<uint64_t>(flags), step));
+}
+
+int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step) {
+  return Report(eps::gpu::StreamWaitCounter(Stream(stream), Ptr<uint64_t>(flags) + 1, step));
+}
+
+int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value) {
+  return Report(eps::gpu::StreamWaitCounter(Stream(stream), Ptr<uint64_t>(counter), value));
+}
+
+int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
+                             uint64_t step) {
+  if (cudaSetDevice(device) != cudaSuccess) {
+    return Report(absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, ")")));
+  }
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    return Report(absl::InternalError("cudaStreamCreateWithFlags"));
+  }
+  absl::Status s = eps::gpu::StreamReleaseDense(stream, Ptr<int32_t>(visit_count), n,
+                                                Ptr<uint64_t>(flags) + 1, step);
+  if (s.ok() && cudaStreamSynchronize(stream) != cudaSuccess) {
+    s = absl::InternalError("cudaStreamSynchronize after ReleaseDense");
+  }
+  cudaStreamDestroy(stream);
+  return Report(s);
+}
+
+int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
+                               int64_t timeout_us, EpsEngineWatchdog** out) {
+  if (timeout_us < 1 || n < 1 || visit_count == 0 || flags == 0) {
+    return Report(
+        absl::InvalidArgumentError(absl::StrCat("watchdog: timeout_us=", timeout_us, ", n=", n,
+                                                " must be >= 1 and the ", "pointers non-null")));
+  }
+  auto w = std::make_unique<EpsEngineWatchdog>();
+  w->device = device;
+  w->counts = Ptr<int32_t>(visit_count);
+  w->n = n;
+  w->flags = Ptr<uint64_t>(flags);
+  w->timeout = std::chrono::microseconds(timeout_us);
+  auto fail = [](const char* call) {
+    return Report(absl::InternalError(absl::StrCat("watchdog: ", call)));
+  };
+  if (cudaSetDevice(device) != cudaSuccess) return fail("cudaSetDevice");
+  if (cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking) != cudaSuccess) {
+    return fail("cudaStreamCreateWithFlags");
+  }
+  if (cudaMallocHost(&w->host_done, sizeof(uint64_t)) != cudaSuccess) {
+    cudaStreamDestroy(w->stream);
+    return fail("cudaMallocHost");
+  }
+  if (int rc = Report(eps::gpu::PreloadStreamOps()); rc != 0) return rc;
+  w->thread = std::thread([raw = w.get()] { raw->Loop(); });
+  *out = w.release();
+  return 0;
+}
+
+int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step) {
+  {
+    std::lock_guard lock(w->mu);
+    w->armed = step;
+    w->armed_at = std::chrono::steady_clock::now();
+  }
+  w->cv.notify_all();
+  return 0;
+}
+
+uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {
+  std::lock_guard lock(w->mu);
+  return w->releases;
+}
+
+void eps_engine_watchdog_destroy(EpsEngineWatchdog* w) {
+  if (w == nullptr) return;
+  {
+    std::lock_guard lock(w->mu);
+    w->stop = true;
+  }
+  w->cv.notify_all();
+  w->thread.join();
+  cudaSetDevice(w->device);
+  cudaStreamDestroy(w->stream);
+  cudaFreeHost(w->host_done);
+  delete w;
+}
+
+int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
+                                     EpsSummaryWriter** out) {
+  eps::ModelLayout model;
+  model.num_layers = m->num_layers;
+  model.num_q_heads = m->num_q_heads;
+  model.num_kv_heads = m->num_kv_heads;
+  model.head_dim = m->head_dim;
+  model.block_size = m->block_size;
+  model.group_blocks = m->group_blocks;
+  model.sketch_dim = m->sketch_dim;
+  model.phi_seed = m->phi_seed;
+  model.features.key_sum = m->key_sum != 0;
+  model.features.principal = m->principal != 0;
+  model.features.quest = m->quest != 0;
+  if (int rc = Report(model.Validate()); rc != 0) return rc;
+  auto writer = eps::gpu::DeviceSummaryWriter::Create(model, device);
+  if (!writer.ok()) return Report(writer.status());
+  // One append into a scratch record now: the kernel is loaded before any engine stream
+  // waits on the queue's counter (lazy loading would otherwise wait for an idle context).
+  const int words = eps::SummaryLayout::For(model).record_words;
+  eps::gpu::DeviceBuffer<float> scratch;
+  if (absl::Status s = scratch.Allocate(words + model.head_dim); !s.ok()) return Report(s);
+  if (cudaMemset(scratch.get(), 0, sizeof(float) * (words + model.head_dim)) != cudaSuccess) {
+    return Report(absl::InternalError("cudaMemset of the scratch record"));
+  }
+  const eps::gpu::KeyAppend warm{scratch.get(), scratch.get() + words, 1, 0, 0, 0};
+  if (int rc = Report((*writer)->Append({warm}, eps::DType::kFloat32)); rc != 0) return rc;
+  *out = new EpsSummaryWriter{std::move(*writer)};
+  return 0;
+}
+
+int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, int64_t n,
+                              int32_t key_dtype, uint64_t stream) {
+  absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
+  if (!dtype.ok()) return Report(dtype.status());
+  return Report(w->writer->Append(Appends(appends, n), *dtype, Stream(stream)));
+}
+
+void eps_engine_summary_writer_destroy(EpsSummaryWriter* w) { delete w; }
+
+int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
+                                    EpsSummaryQueue** out) {
+  auto q = eps::client::SummaryQueue::Create(*writer->writer, device);
+  if (!q.ok()) return Report(q.status());
+  *out = new EpsSummaryQueue{std::move(*q)};
+  return 0;
+}
+
+int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
+                                    int32_t key_dtype, uint64_t after_stream, uint64_t step) {
+  absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
+  if (!dtype.ok()) return Report(dtype.status());
+  return Report(q->queue->Submit(Appends(appends, n), *dtype, Stream(after_stream), step));
+}
+
+int eps_engine_summary_queue_wait(EpsSummaryQueue* q, uint64_t stream, uint64_t step) {
+  return Report(q->queue->WaitSummaries(Stream(stream), step));
+}
+
+int eps_engine_summary_queue_drain(EpsSummaryQueue* q) { return Report(q->queue->Drain()); }
+
+uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t buf_len) {
+  std::string message;
+  const uint64_t errors = q->queue->errors(&message);
+  if (buf != nullptr && buf_len > 0) {
+    const size_t n = std::min<size_t>(message.size(), static_cast<size_t>(buf_len - 1));
+    std::memcpy(buf, message.data(), n);
+    buf[n] = '\0';
+  }
+  return errors;
+}
+
+void eps_engine_summary_queue_destroy(EpsSummaryQueue* q) { delete q; }
+
+int eps_engine_flash_attention_views(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
+                                     int64_t max_batch, int32_t lists, int64_t max_blocks,
+                                     uint64_t engine_table, int64_t table_stride,
+                                     uint64_t context_tokens, int64_t batch, int32_t block_size,
+                                     uint64_t block_table_out, uint64_t seqused_out,
+                                     uint64_t stream) {
+  const eps::client::VisitListsDevice v{Ptr<const int32_t>(visit_blocks),
+                                        Ptr<const int32_t>(visit_count),
+                                        layers,
+                                        max_batch,
+                                        lists,
+                                        max_blocks};
+  const eps::client::EngineTableDevice e{Ptr<const int32_t>(engine_table), table_stride,
+                                         Ptr<const int32_t>(context_tokens), batch, block_size};
+  return Report(eps::client::BuildFlashAttentionViews(v, e, Ptr<int32_t>(block_table_out),
+                                                      Ptr<int32_t>(seqused_out), Stream(stream)));
+}
+
+int eps_engine_flashinfer_fixed(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
+                                int64_t max_batch, int32_t lists, int64_t max_blocks,
+                                uint64_t engine_table, int64_t table_stride,
+                                uint64_t context_tokens, int64_t batch, int32_t block_size,
+                                uint64_t indptr, int64_t nnz, uint64_t indices_out,
+                                uint64_t last_page_len_out, uint64_t mismatched, uint64_t stream) {
+  const eps::client::VisitListsDevice v{Ptr<const int32_t>(visit_blocks),
+                                        Ptr<const int32_t>(visit_count),
+                                        layers,
+                                        max_batch,
+                                        lists,
+                                        max_blocks};
+  const eps::client::EngineTableDevice e{Ptr<const int32_t>(engine_table), table_stride,
+                                         Ptr<const int32_t>(context_tokens), batch, block_size};
+  return Report(eps::client::BuildFlashInferFixedBudget(
+      v, e, Ptr<const int32_t>(indptr), nnz, Ptr<int32_t>(indices_out),
+      Ptr<int32_t>(last_page_len_out), Ptr<int32_t>(mismatched), Stream(stream)));
+}
+
+}  // extern "C"

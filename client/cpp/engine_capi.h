@@ -1,0 +1,116 @@
+/* libeps_engine: the engine-side device pieces of the client library behind a C ABI,
+ * for engines in Python (ctypes, eps_client.engine) or any other language:
+ *
+ *  - step counters on the engine's stream (gpu/stream_ops.h): signal inputs_ready,
+ *    wait for selection_done, release a step densely; and a watchdog that releases
+ *    a step epsd accepted but never finished (client/cpp/selection_watchdog.h's
+ *    contract, on raw device pointers);
+ *  - the device summary writer (gpu/summary.h), synchronous, and a queue that runs it
+ *    off the engine's thread: Submit records an event on the engine's stream and
+ *    returns; a worker applies the appends after that event on a stream of its own
+ *    and raises a device counter, on which the engine's stream can wait
+ *    (WaitSummaries) before it signals the next step's inputs: no host wait;
+ *  - the engine-ready outputs of client/cpp/engine_outputs.h.
+ *
+ * Every function returns 0 or a canonical status code (absl::StatusCode values),
+ * with the message in eps_engine_last_error() (per thread). Streams are cudaStream_t
+ * handles (torch.cuda.Stream.cuda_stream), pointers device addresses. Handles are
+ * owned by the caller and freed with their destroy function. Thread safety: each
+ * handle is used by one thread at a time, except eps_engine_watchdog_* which may be
+ * called from any thread.
+ */
+#ifndef EPS_CLIENT_CPP_ENGINE_CAPI_H_
+#define EPS_CLIENT_CPP_ENGINE_CAPI_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPS_ENGINE_ABI_VERSION 1
+
+typedef struct EpsEngineModel {
+  int32_t num_layers, num_q_heads, num_kv_heads, head_dim;
+  int32_t block_size, group_blocks, sketch_dim;
+  uint64_t phi_seed;
+  int32_t key_sum, principal, quest; /* SummaryFeatures */
+} EpsEngineModel;
+
+/* Keys of one (layer, KV head) for one summary record (gpu::KeyAppend). */
+typedef struct EpsKeyAppend {
+  uint64_t record; /* float32 record in the summary pool */
+  uint64_t keys;   /* `count` keys, `stride` elements apart (0: head_dim) */
+  int64_t count;
+  int64_t stride;
+  int32_t layer;
+  int32_t kv_head;
+} EpsKeyAppend;
+
+/* Key element types: the eps.v1 DType numbers. */
+enum { EPS_ENGINE_FLOAT32 = 1, EPS_ENGINE_FLOAT16 = 2, EPS_ENGINE_BFLOAT16 = 3 };
+
+int eps_engine_abi_version(void);
+const char* eps_engine_last_error(void);
+int eps_engine_device_count(int32_t* count);
+
+/* Step counters (docs/api.md §3.4). `flags` points at the [2] uint64 flags buffer. */
+int eps_engine_preload(int32_t device);
+int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step);
+int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step);
+int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value);
+/* visit_count[0, n) = -1, then selection_done = max(selection_done, step); waits for it. */
+int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
+                             uint64_t step);
+
+typedef struct EpsEngineWatchdog EpsEngineWatchdog;
+int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
+                               int64_t timeout_us, EpsEngineWatchdog** out);
+int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step);
+uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w);
+void eps_engine_watchdog_destroy(EpsEngineWatchdog* w);
+
+/* The device summary writer. */
+typedef struct EpsSummaryWriter EpsSummaryWriter;
+int eps_engine_summary_writer_create(const EpsEngineModel* model, int32_t device,
+                                     EpsSummaryWriter** out);
+/* Applies the appends on `stream` and waits for them. */
+int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, int64_t n,
+                              int32_t key_dtype, uint64_t stream);
+void eps_engine_summary_writer_destroy(EpsSummaryWriter* w);
+
+typedef struct EpsSummaryQueue EpsSummaryQueue;
+/* Borrows `writer` (destroy the queue first). */
+int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
+                                    EpsSummaryQueue** out);
+/* Copies the appends; they run after the work queued on `after_stream` so far, then
+ * the queue's counter is raised to `step` (also when they fail: see errors()). */
+int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
+                                    int32_t key_dtype, uint64_t after_stream, uint64_t step);
+/* Enqueues on `stream`: wait until the appends of `step` are applied. */
+int eps_engine_summary_queue_wait(EpsSummaryQueue* q, uint64_t stream, uint64_t step);
+/* Host: blocks until every submitted append is applied. */
+int eps_engine_summary_queue_drain(EpsSummaryQueue* q);
+/* Submissions that failed, and the last one's message (copied into buf). */
+uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t buf_len);
+void eps_engine_summary_queue_destroy(EpsSummaryQueue* q);
+
+/* Engine-ready outputs (client/cpp/engine_outputs.h). */
+int eps_engine_flash_attention_views(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
+                                     int64_t max_batch, int32_t lists, int64_t max_blocks,
+                                     uint64_t engine_table, int64_t table_stride,
+                                     uint64_t context_tokens, int64_t batch, int32_t block_size,
+                                     uint64_t block_table_out, uint64_t seqused_out,
+                                     uint64_t stream);
+int eps_engine_flashinfer_fixed(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
+                                int64_t max_batch, int32_t lists, int64_t max_blocks,
+                                uint64_t engine_table, int64_t table_stride,
+                                uint64_t context_tokens, int64_t batch, int32_t block_size,
+                                uint64_t indptr, int64_t nnz, uint64_t indices_out,
+                                uint64_t last_page_len_out, uint64_t mismatched, uint64_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPS_CLIENT_CPP_ENGINE_CAPI_H_ */

@@ -1,0 +1,73 @@
+// Engine-ready attention inputs built on the device from epsd's visit lists
+// (docs/api.md §3.6, docs/integration/outputs.md), with no host copy:
+//
+//   FlashAttention: per (layer, batch position[, KV head]) a block-table row and
+//     seqused_k, the arguments of flash_attn_with_kvcache / a paged decode kernel.
+//   FlashInfer (fixed budget): the paged-KV arrays indptr, indices and
+//     last_page_len of BatchDecodeWithPagedKVCacheWrapper. FlashInfer plans a
+//     step on the host from indptr, so indptr must be known before selection:
+//     with a fixed budget each list holds n = min(budget_blocks, blocks) blocks,
+//     and FixedBudgetIndptr computes it from the contexts alone.
+//
+// A list whose count is < 0 ("attend densely": a fallback or a failed step) is
+// replaced by the engine's own block-table row: in full for FlashAttention; for
+// FlashInfer, whose plan has room for n blocks only, by the sequence's newest
+// n blocks, and the list is counted in `*mismatched` (so is a list whose count
+// is not n), which the engine reads when it likes (it never forces a sync).
+//
+// Shapes (int32, row-major, lists = 1 for union lists or kv_heads):
+//   visit_blocks [layers, max_batch, lists, max_blocks]   visit_count [layers, max_batch, lists]
+//   engine_table [batch, table_stride] (row i: batch position i's physical blocks)
+//   context_tokens [batch]
+// Thread safety: the functions enqueue on `stream` and return; nothing is shared.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace eps::client {
+
+struct VisitListsDevice {
+  const int32_t* blocks = nullptr;  // visit_blocks
+  const int32_t* count = nullptr;   // visit_count
+  int layers = 0;
+  int64_t max_batch = 0;
+  int lists = 1;
+  int64_t max_blocks = 0;
+};
+
+struct EngineTableDevice {
+  const int32_t* table = nullptr;           // [batch, stride]
+  int64_t stride = 0;                       // entries per row, >= blocks of the longest context
+  const int32_t* context_tokens = nullptr;  // [batch], >= 1
+  int64_t batch = 0;
+  int block_size = 16;
+};
+
+// Writes block_table [layers, batch, lists, max_blocks] (entries past a row's
+// blocks are left as they are) and seqused_k [layers, batch, lists].
+absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
+                                      const EngineTableDevice& engine, int32_t* block_table,
+                                      int32_t* seqused_k, cudaStream_t stream);
+
+// Blocks of a fixed-budget list: k = budget_groups groups of g = group_blocks blocks.
+int64_t FixedBudgetBlocks(int64_t context_tokens, int budget_groups, int group_blocks,
+                          int block_size);
+
+// indptr [batch * lists + 1] of the fixed-budget plan (host; the same for every layer).
+std::vector<int32_t> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens, int lists,
+                                       int budget_groups, int group_blocks, int block_size);
+
+// Writes indices [layers, indptr.back()] and last_page_len [batch * lists] for the
+// plan `indptr` (device, from FixedBudgetIndptr); adds mismatched lists to
+// *mismatched (device int32). `nnz` = indptr.back().
+absl::Status BuildFlashInferFixedBudget(const VisitListsDevice& lists,
+                                        const EngineTableDevice& engine, const int32_t* indptr,
+                                        int64_t nnz, int32_t* indices, int32_t* last_page_len,
+                                        int32_t* mismatched, cudaStream_t stream);
+
+}  // namespace eps::client

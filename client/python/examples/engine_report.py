@@ -1,0 +1,90 @@
+"""Numbers and tables of the reference engine (numpy only, so they are tested without torch).
+
+- ``summarize``: a decode run's per-step lists -> p50/p95 and the breakdown.
+- ``attention_limit_ms``: the step time if attention cost exactly its share of bytes read.
+- ``account_fallbacks``: every step that ran densely has a counted reason.
+- ``markdown``: the tables printed last and pasted into docs/benchmarks/reference-engine.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), p)) if len(values) else \
+        float("nan")
+
+
+def summarize(run: Any, warmup: int) -> dict[str, float]:
+    """p50/p95 of the step and the p50 of each part, after ``warmup`` steps."""
+    w = min(warmup, max(len(run.step_ms) - 1, 0))
+    stats = [s for s in run.stats if not s.error]
+    visited = sum(s.pages_visited for s in stats)
+    total = sum(s.pages_total for s in stats)
+    return {
+        "step_ms_p50": pct(run.step_ms[w:], 50),
+        "step_ms_p95": pct(run.step_ms[w:], 95),
+        "graph_ms_p50": pct(run.graph_ms[w:], 50),
+        "wait_selection_ms_p50": pct(run.wait_selection_ms[w:], 50),
+        "wait_selection_ms_p95": pct(run.wait_selection_ms[w:], 95),
+        "wait_summaries_ms_p50": pct(run.wait_summaries_ms[w:], 50),
+        "host_ms_p50": pct(run.host_ms[w:], 50),
+        "rpc_us_p50": pct(run.rtt_us, 50),
+        "rpc_us_p95": pct(run.rtt_us, 95),
+        "prepass_us_p50": pct([s.prepass_us for s in stats], 50),
+        "pages_read_fraction": visited / total if total else float("nan"),
+        "steps": len(run.step_ms),
+    }
+
+
+def attention_limit_ms(dense_step_ms: float, dense_attention_ms: float,
+                       fraction_read: float) -> float:
+    """The gated step if attention cost exactly its share of the KV bytes read and nothing
+    else changed: dense step - dense attention * (1 - fraction read)."""
+    return dense_step_ms - dense_attention_ms * (1.0 - fraction_read)
+
+
+def account_fallbacks(fallback_steps: Sequence[int], accepted_steps: Sequence[int],
+                      first_step: int, dense_marks: Sequence[bool], watchdog_releases: int,
+                      device_errors: int) -> dict[str, Any]:
+    """Every step whose lists were dense on the device (``dense_marks[t]`` for selection step
+    first_step + t) must have a counted reason: a client fallback (released by the engine at
+    once), or an accepted step released later (by the watchdog, or by the release of a later
+    fallback: counters only grow), or a step that failed on the device (reported by epsd)."""
+    dense = {first_step + t for t, d in enumerate(dense_marks) if d}
+    fell_back = set(fallback_steps) & {first_step + t for t in range(len(dense_marks))}
+    accepted_dense = dense & set(accepted_steps)
+    unexplained = dense - fell_back - accepted_dense
+    not_dense = fell_back - dense
+    return {
+        "dense_steps": len(dense),
+        "client_fallbacks": len(fell_back),
+        "accepted_then_released": len(accepted_dense),
+        "watchdog_releases": watchdog_releases,
+        "released_by_a_later_fallback_or_failed": max(len(accepted_dense) - watchdog_releases, 0),
+        "device_errors": device_errors,
+        "unexplained_dense_steps": sorted(unexplained),
+        "fallbacks_not_dense": sorted(not_dense),
+        "ok": not unexplained and not not_dense and watchdog_releases <= len(accepted_dense),
+    }
+
+
+def delta_ppl_percent(delta_nll_per_token: float) -> float:
+    return 100.0 * (math.exp(delta_nll_per_token) - 1.0)
+
+
+def markdown(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |",
+             "| " + " | ".join("---" if i == 0 else "---:" for i in range(len(header))) + " |"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,330 @@
+"""The reference engine's four modes (speed, quality, passkey, kill) over engine_loop."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from engine_loop import PagedEngine
+from engine_model import LLAMA3_8B_SHAPE, SMALL_SHAPE, Model
+from engine_report import (
+    account_fallbacks,
+    attention_limit_ms,
+    delta_ppl_percent,
+    markdown,
+    summarize,
+)
+from reference_engine import fractions, kill_epsd, now, restart_epsd
+
+from eps_client import ModelLayout, SelectOptions, SummaryFeatures
+
+
+def _layout(model: Model, args: argparse.Namespace) -> ModelLayout:
+    # quest (the default method) needs the per-channel min/max in the records
+    return ModelLayout(num_layers=model.c.num_layers, num_q_heads=model.c.num_q_heads,
+                       num_kv_heads=model.c.num_kv_heads, head_dim=model.c.head_dim,
+                       block_size=16, group_blocks=args.group_blocks,
+                       sketch_dim=args.sketch_dim, phi_seed=0x5EED, kv_dtype="bfloat16",
+                       features=SummaryFeatures(key_sum=True, quest=True))
+
+
+def _engine(model: Model, args: argparse.Namespace, batch: int, max_context: int,
+            select: SelectOptions | None = None) -> PagedEngine:
+    device = torch.device("cuda")
+    return PagedEngine(model, _layout(model, args), batch=batch, max_context=max_context,
+                       target=args.epsd_target,
+                       select=select or SelectOptions(first_n=args.first_n, last_n=args.last_n,
+                                                      granularity="union"),
+                       deadline_s=args.deadline_ms / 1e3, watchdog_s=args.watchdog_ms / 1e3,
+                       device=device, dtype=torch.bfloat16, seed=args.seed,
+                       use_graphs=not args.no_graphs)
+
+
+def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
+    return {"date": now(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "model": engine.model.c.name, "attention": engine.attention_name,
+            "cuda_graphs": engine.use_graphs, "batch": engine.B, "prompt_tokens": args.context,
+            "decode_steps": args.decode_steps, "warmup_steps": args.warmup_steps,
+            "group_blocks": args.group_blocks, "sketch_dim": args.sketch_dim,
+            "session_method": engine.client.attach_info.options.method
+            if engine.client.attach_info else None}
+
+
+def calibrate(engine: PagedEngine, context: int, target: float,
+              base: SelectOptions) -> tuple[int, float]:
+    """The top_pages whose measured fraction of blocks read is closest to ``target``."""
+    groups = -(-context // engine.eps_model.group_tokens)
+    cache: dict[int, float] = {}
+
+    def frac(k: int) -> float:
+        if k not in cache:
+            st = engine.select_sync(context, _with(base, top_pages=k))
+            cache[k] = st.pages_visited / st.pages_total if st and st.pages_total else math.nan
+        return cache[k]
+
+    lo, hi = 1, groups
+    while lo < hi:  # smallest k with frac(k) >= target (frac grows with k)
+        mid = (lo + hi) // 2
+        if frac(mid) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = min((k for k in (lo - 1, lo) if k >= 1), key=lambda k: abs(frac(k) - target))
+    return best, frac(best)
+
+
+def _with(options: SelectOptions, **changes: Any) -> SelectOptions:
+    from dataclasses import replace
+
+    return replace(options, **changes)
+
+
+def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
+    config = LLAMA3_8B_SHAPE if args.model == "llama3-8b-random" else SMALL_SHAPE
+    model = Model.random(config, torch.device("cuda"), torch.bfloat16, seed=args.seed)
+    P, N = args.context, args.decode_steps
+    engine = _engine(model, args, args.batch, P + N + 4)
+    engine.prepare_graphs(P)  # first: its warm-up steps write junk K/V and queries
+    engine.fill_random(P)
+    engine.write_prompt_summaries(P)
+    engine.client.attach()
+    g = torch.Generator(device="cuda")
+    g.manual_seed(args.seed)
+    ids = torch.randint(0, config.vocab, (args.batch, N + 1), device="cuda", generator=g)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    common = _common(engine, args)
+    saved = engine.snapshot_pool()
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n)
+    if kill:
+        return _kill_run(engine, args, inputs, targets, base, common)
+    dense = engine.decode(inputs, targets, P, gated=False)
+    d = summarize(dense, args.warmup_steps)
+    dense_attn = engine.attention_ms(False, P + 1)
+    sdpa_attn = engine.sdpa_attention_ms(P + 1)
+    rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], dense_attn, "-", "-",
+             "-", "-", d["host_ms_p50"], "-", 0]]
+    runs = []
+    for f in fractions(args.fractions):
+        engine.restore_pool(saved)
+        top, measured = calibrate(engine, P + 1, f, base)
+        gated = engine.decode(inputs, targets, P, gated=True, options=_with(base, top_pages=top))
+        s = summarize(gated, args.warmup_steps)
+        attn = engine.attention_ms(True, P + N)
+        limit = attention_limit_ms(d["step_ms_p50"], dense_attn, s["pages_read_fraction"])
+        s.update({"target_fraction": f, "top_pages": top, "calibrated_fraction": measured,
+                  "attention_ms": attn, "limit_ms": limit,
+                  "p50_vs_dense": s["step_ms_p50"] / d["step_ms_p50"] - 1.0,
+                  "fallbacks": len(gated.fallback_steps),
+                  "fallback_reasons": gated.fallback_reasons})
+        runs.append(s)
+        rows.append([f"gated {f:.3g}", f"{100 * s['pages_read_fraction']:.1f}%", top,
+                     s["step_ms_p50"], s["step_ms_p95"], attn, s["wait_selection_ms_p50"],
+                     s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["rpc_us_p50"],
+                     s["host_ms_p50"], limit, len(gated.fallback_steps)])
+    engine.close()
+    table = markdown(["run", "blocks read", "top_pages", "step p50 ms", "step p95 ms",
+                      "attention ms", "wait sel ms", "wait sum ms", "pre-pass us", "RPC us",
+                      "host ms", "limit ms", "fallbacks"], rows)
+    title = (f"speed: {common['model']}, batch {args.batch} x {P} tokens, {N} steps "
+             f"({args.warmup_steps} warm-up), {common['device']}, {common['date']}; "
+             f"SDPA dense attention {sdpa_attn:.3f} ms/step (one layer x {config.num_layers})")
+    ok = all(r["fallbacks"] == 0 for r in runs)
+    return {"common": common, "dense": d, "dense_attention_ms": dense_attn,
+            "sdpa_attention_ms": sdpa_attn, "gated": runs, "ok": ok,
+            "table": title + "\n" + table}
+
+
+def _kill_run(engine: PagedEngine, args: argparse.Namespace, inputs: torch.Tensor,
+              targets: torch.Tensor, base: SelectOptions, common: dict[str, Any]
+              ) -> dict[str, Any]:
+    P = args.context
+    top, _ = calibrate(engine, P + 1, fractions(args.fractions)[0], base)
+    events: list[str] = []
+    restarted: list[float] = []
+
+    def on_step(t: int) -> None:
+        if t == args.kill_at:
+            events.append(f"step {t}: kill -9 epsd (pid {kill_epsd(args)})")
+        elif t == args.restart_at:
+            took = restart_epsd(args)
+            restarted.append(time.monotonic())
+            events.append(f"step {t}: epsd restarted (listening after {took:.2f} s)")
+        elif restarted and len(restarted) == 1 and engine.client.session_id:
+            restarted.append(time.monotonic())
+            events.append(f"step {t}: re-attached {restarted[1] - restarted[0]:.3f} s after "
+                          "epsd was listening")
+
+    first = engine.step_base
+    run = engine.decode(inputs, targets, P, gated=True, options=_with(base, top_pages=top),
+                        on_step=on_step)
+    counters = engine.client.counters()
+    releases = engine.watchdog.releases
+    device_errors = sum(1 for s in run.stats if s.error)
+    acc = account_fallbacks(run.fallback_steps, run.accepted_steps, first, run.dense_marks,
+                            releases, device_errors)
+    selected_after = [s for s in run.accepted_steps if s >= first + args.restart_at]
+    acc.update({"client_counters": vars(counters), "events": events,
+                "reattaches": counters.reattaches,
+                "steps_selected_after_restart": len(selected_after),
+                "fallback_reasons": run.fallback_reasons,
+                "steps": len(run.step_ms), "step_ms_p50": float(np.median(run.step_ms)),
+                "step_ms_max": float(np.max(run.step_ms))})
+    ok = bool(acc["ok"]) and counters.reattaches >= 1 and len(selected_after) > 0 \
+        and len(run.step_ms) == inputs.shape[1]
+    acc["ok"] = ok
+    engine.close()
+    table = markdown(
+        ["steps", "dense steps", "client fallbacks", "accepted then released",
+         "watchdog releases", "re-attaches", "selected after restart", "unexplained", "ok"],
+        [[acc["steps"], acc["dense_steps"], acc["client_fallbacks"],
+          acc["accepted_then_released"], releases, counters.reattaches, len(selected_after),
+          len(acc["unexplained_dense_steps"]), ok]])
+    title = (f"kill -9: {common['model']}, batch {args.batch} x {P} tokens, epsd killed at "
+             f"step {args.kill_at}, restarted at {args.restart_at}; {'; '.join(events)}")
+    return {"common": common, "kill": acc, "ok": ok, "table": title + "\n" + table}
+
+
+def _text_tokens(tokenizer: Any, need: int, rows: int) -> np.ndarray:
+    import sysconfig
+    from pathlib import Path
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    ids: list[int] = []
+    for path in sorted(lib.glob("*.py")):
+        ids += tokenizer.encode(path.read_text(errors="replace"))
+        if len(ids) >= need * rows:
+            break
+    if len(ids) < need * rows:
+        raise SystemExit(f"corpus too short: {len(ids)} tokens for {rows} x {need}")
+    return np.array(ids[: need * rows]).reshape(rows, need)
+
+
+def run_quality(args: argparse.Namespace) -> dict[str, Any]:
+    from gguf_llama import ByteBpeTokenizer
+
+    model, reader = Model.from_gguf(args.gguf, torch.device("cuda"), torch.bfloat16)
+    P, N = args.context, args.decode_steps
+    seqs = torch.from_numpy(_text_tokens(ByteBpeTokenizer(reader), P + N + 1, args.batch)).cuda()
+    engine = _engine(model, args, args.batch, P + N + 4)
+    engine.prepare_graphs(P)  # first: its warm-up steps write junk K/V and queries
+    engine.prefill(seqs[:, :P])
+    engine.write_prompt_summaries(P)
+    engine.client.attach()
+    saved = engine.snapshot_pool()
+    inputs, targets = seqs[:, P:-1], seqs[:, P + 1 :]
+    common = _common(engine, args)
+    dense = engine.decode(inputs, targets, P, gated=False)
+    dense_nll = -dense.logp.double().mean().item()
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n)
+    engine.restore_pool(saved)
+    off = engine.decode(inputs, targets, P, gated=True, options=_with(base, method="off"))
+    off_delta = (off.logp - dense.logp).abs().max().item()
+    rows, runs = [], []
+    for method in args.methods.split(","):
+        for top in [int(v) for v in args.top_pages.split(",")]:
+            engine.restore_pool(saved)
+            gated = engine.decode(inputs, targets, P, gated=True,
+                                  options=_with(base, method=method, top_pages=top))
+            s = summarize(gated, args.warmup_steps)
+            dnll = -gated.logp.double().mean().item() - dense_nll
+            agree = (gated.argmax == dense.argmax).double().mean().item()
+            r = {"method": method, "top_pages": top,
+                 "blocks_read": s["pages_read_fraction"], "delta_nll_per_token": dnll,
+                 "delta_ppl_percent": delta_ppl_percent(dnll), "top1_agreement": agree,
+                 "fallbacks": len(gated.fallback_steps)}
+            runs.append(r)
+            meets = abs(r["delta_ppl_percent"]) <= 1.0 and agree >= 0.95 and \
+                r["blocks_read"] <= 0.5
+            rows.append([method, top, f"{100 * r['blocks_read']:.1f}%", dnll,
+                         r["delta_ppl_percent"], agree, r["fallbacks"], "yes" if meets else ""])
+    engine.close()
+    table = markdown(["method", "top_pages", "blocks read", "Δ NLL/token", "Δ ppl %",
+                      "top-1 agreement", "fallbacks", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
+                     rows)
+    title = (f"quality: {common['model']}, batch {args.batch} x {P} tokens of Python stdlib "
+             f"source, {N} teacher-forced steps, {common['device']}, {common['date']}; dense "
+             f"NLL/token {dense_nll:.4f}; method=off max |Δ logp| {off_delta:.3g}")
+    ok = off_delta == 0.0 and all(r["fallbacks"] == 0 for r in runs)
+    return {"common": common, "dense_nll_per_token": dense_nll,
+            "off_max_abs_delta_logp": off_delta, "gated": runs, "ok": ok,
+            "table": title + "\n" + table}
+
+
+def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
+    from gguf_llama import ByteBpeTokenizer
+
+    model, reader = Model.from_gguf(args.gguf, torch.device("cuda"), torch.bfloat16)
+    tok = ByteBpeTokenizer(reader)
+    P, n, gen = args.context, args.passkeys, 8
+    rng = np.random.default_rng(args.seed)
+    filler = tok.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+                        "There and back again. " * 12)
+    question = tok.encode("\nWhat is the pass key? The pass key is")
+    keys = [int(k) for k in rng.integers(10000, 99999, size=n)]
+    prompts = []
+    for i, key in enumerate(keys):
+        needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        body = P - len(question) - len(needle)
+        hay = (filler * (body // len(filler) + 1))[:body]
+        depth = int(body * (0.1 + 0.8 * i / max(n - 1, 1)))
+        prompts.append(hay[:depth] + needle + hay[depth:] + question)
+    tokens = torch.tensor(prompts, device="cuda")
+    engine = _engine(model, args, n, P + gen + 4)
+    engine.prepare_graphs(P - 1)  # first: its warm-up steps write junk K/V and queries
+    # prefill all but the last prompt token; decoding starts by feeding it at P - 1
+    engine.prefill(tokens[:, :-1])
+    engine.write_prompt_summaries(P - 1)
+    engine.client.attach()
+    saved = engine.snapshot_pool()
+    common = _common(engine, args)
+    common["depths"] = "10-90 %"
+    vocab = {i: t for t, i in tok.vocab.items()}
+    inverse = {c: b for b, c in tok.byte_map.items()}
+
+    def text(ids: list[int]) -> str:
+        return bytes(inverse.get(ch, 32) for i in ids for ch in vocab.get(i, "")).decode(
+            errors="replace")
+
+    start = tokens[:, -1:].expand(n, gen).contiguous()
+
+    def accuracy(run: Any) -> tuple[float, list[str]]:
+        # greedy: step 0 feeds the prompt's last token at position P - 1, then each argmax
+        outs = [text(run.argmax[i].tolist()) for i in range(n)]
+        return sum(str(k) in o for k, o in zip(keys, outs, strict=True)) / n, outs
+
+    dense = engine.decode(start, None, P - 1, gated=False, greedy=True)
+    d_acc, d_out = accuracy(dense)
+    rows = [["dense", "-", "100%", d_acc]]
+    runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n)
+    for method in args.methods.split(","):
+        for top in [int(v) for v in args.top_pages.split(",")]:
+            engine.restore_pool(saved)
+            run = engine.decode(start, None, P - 1, gated=True, greedy=True,
+                                options=_with(base, method=method, top_pages=top))
+            acc, outs = accuracy(run)
+            frac = summarize(run, 0)["pages_read_fraction"]
+            runs.append({"method": method, "top_pages": top, "blocks_read": frac,
+                         "accuracy": acc, "fallbacks": len(run.fallback_steps),
+                         "outputs": outs[:3]})
+            rows.append([method, top, f"{100 * frac:.1f}%", acc])
+    engine.close()
+    table = markdown(["run", "top_pages", "blocks read", "passkey accuracy"], rows)
+    title = (f"passkey: {common['model']}, {n} prompts of {P} tokens, depths 10-90 %, greedy "
+             f"{gen} tokens, {common['device']}, {common['date']}")
+    return {"common": common, "runs": runs, "keys": keys, "ok": True,
+            "table": title + "\n" + table}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.mode == "speed":
+        return run_speed(args)
+    if args.mode == "kill":
+        return run_speed(args, kill=True)
+    if args.mode == "quality":
+        return run_quality(args)
+    return run_passkey(args)

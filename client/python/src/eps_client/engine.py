@@ -1,0 +1,258 @@
+"""The device side of an engine through libeps_engine's C ABI (client/cpp/engine_capi.h).
+
+- ``StepCounters``: ``inputs_ready`` / ``selection_done`` on the engine's stream
+  (docs/api.md §3.4) and the dense release of a step that fell back.
+- ``Watchdog``: releases a step epsd accepted but never finished (a sidecar killed
+  mid-step), so the engine's stream never waits on it for longer than the timeout.
+- ``DeviceSummaryWriter`` / ``SummaryQueue``: gpu/summary.h's writer, synchronous or
+  run by a worker thread after an event of the engine's stream (the engine's stream
+  then waits for the queue's counter on the device).
+- ``key_appends``: the EpsKeyAppend records of one decode step, built with numpy.
+
+Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
+addresses (``tensor.data_ptr()``). The library is found through ``EPS_ENGINE_LIB``, next to
+this package, or in a build folder of the source tree. Not thread-safe except Watchdog.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eps_client.layout import ModelLayout, SummaryLayout
+
+KEY_APPEND = np.dtype([("record", "<u8"), ("keys", "<u8"), ("count", "<i8"),
+                       ("stride", "<i8"), ("layer", "<i4"), ("kv_head", "<i4")])
+KEY_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
+
+
+class EngineLibError(RuntimeError):
+    """A failed call of libeps_engine: ``code`` is the canonical status code number."""
+
+    def __init__(self, call: str, code: int, message: str) -> None:
+        super().__init__(f"{call}: code {code}: {message}")
+        self.code = code
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("num_layers", "num_q_heads", "num_kv_heads",
+                                              "head_dim", "block_size", "group_blocks",
+                                              "sketch_dim")] + [
+        ("phi_seed", ctypes.c_uint64), ("key_sum", ctypes.c_int32),
+        ("principal", ctypes.c_int32), ("quest", ctypes.c_int32)]
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    out = [here / "lib" / "libeps_engine.so"]
+    for up in here.parents:
+        out.append(up / "build" / "client" / "cpp" / "libeps_engine.so")
+    return out
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def library(path: str | None = None) -> ctypes.CDLL:
+    """Loads libeps_engine once (``path``, then EPS_ENGINE_LIB, then the usual places)."""
+    global _LIB
+    if _LIB is not None and path is None:
+        return _LIB
+    tried = []
+    for candidate in [path or os.environ.get("EPS_ENGINE_LIB", "")] + [str(p) for p in
+                                                                        _candidates()]:
+        if not candidate:
+            continue
+        try:
+            lib = ctypes.CDLL(candidate)
+        except OSError as e:
+            tried.append(f"{candidate}: {e}")
+            continue
+        _declare(lib)
+        if lib.eps_engine_abi_version() != 1:
+            raise EngineLibError("eps_engine_abi_version", 9, f"{candidate}: ABI version "
+                                 f"{lib.eps_engine_abi_version()}, expected 1")
+        _LIB = lib
+        return lib
+    raise EngineLibError("load", 5, "libeps_engine.so not found; set EPS_ENGINE_LIB. Tried: "
+                         + "; ".join(tried[-4:]))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    u64, i64, i32, p = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    lib.eps_engine_last_error.restype = ctypes.c_char_p
+    lib.eps_engine_watchdog_releases.restype = u64
+    lib.eps_engine_summary_queue_errors.restype = u64
+    sigs: dict[str, list[Any]] = {
+        "eps_engine_preload": [i32],
+        "eps_engine_signal_inputs_ready": [u64, u64, u64],
+        "eps_engine_wait_selection": [u64, u64, u64],
+        "eps_engine_wait_counter": [u64, u64, u64],
+        "eps_engine_release_dense": [i32, u64, i64, u64, u64],
+        "eps_engine_watchdog_create": [i32, u64, i64, u64, i64, ctypes.POINTER(p)],
+        "eps_engine_watchdog_arm": [p, u64],
+        "eps_engine_watchdog_releases": [p],
+        "eps_engine_watchdog_destroy": [p],
+        "eps_engine_summary_writer_create": [ctypes.POINTER(_Model), i32, ctypes.POINTER(p)],
+        "eps_engine_summary_append": [p, p, i64, i32, u64],
+        "eps_engine_summary_writer_destroy": [p],
+        "eps_engine_summary_queue_create": [p, i32, ctypes.POINTER(p)],
+        "eps_engine_summary_queue_submit": [p, p, i64, i32, u64, u64],
+        "eps_engine_summary_queue_wait": [p, u64, u64],
+        "eps_engine_summary_queue_drain": [p],
+        "eps_engine_summary_queue_errors": [p, ctypes.c_char_p, i64],
+        "eps_engine_summary_queue_destroy": [p],
+        "eps_engine_flash_attention_views": [u64, u64, i32, i64, i32, i64, u64, i64, u64, i64,
+                                             i32, u64, u64, u64],
+        "eps_engine_flashinfer_fixed": [u64, u64, i32, i64, i32, i64, u64, i64, u64, i64, i32,
+                                        u64, i64, u64, u64, u64, u64],
+    }
+    for name, args in sigs.items():
+        getattr(lib, name).argtypes = args
+
+
+def check(call: str, rc: int) -> None:
+    if rc != 0:
+        message = library().eps_engine_last_error().decode(errors="replace")
+        raise EngineLibError(call, rc, message)
+
+
+class StepCounters:
+    """The flags buffer's counters (``flags`` [2] uint64 on the device) and the visit counts
+    that a dense release marks -1."""
+
+    def __init__(self, flags_ptr: int, visit_count_ptr: int, lists: int, device: int) -> None:
+        self.flags, self.counts, self.lists, self.device = flags_ptr, visit_count_ptr, lists, device
+        check("eps_engine_preload", library().eps_engine_preload(device))
+
+    @staticmethod
+    def of(buffers: Any) -> StepCounters:
+        """For eps_client.cuda.CudaBuffers."""
+        return StepCounters(buffers.flags.data_ptr(), buffers.visit_count.data_ptr(),
+                            buffers.visit_count.numel(), buffers.device)
+
+    def signal_inputs_ready(self, stream: int, step: int) -> None:
+        check("signal_inputs_ready",
+              library().eps_engine_signal_inputs_ready(stream, self.flags, step))
+
+    def wait_selection(self, stream: int, step: int) -> None:
+        check("wait_selection", library().eps_engine_wait_selection(stream, self.flags, step))
+
+    def release_dense(self, step: int) -> None:
+        """visit_count = -1, then selection_done raised to ``step``; waits for it."""
+        check("release_dense", library().eps_engine_release_dense(
+            self.device, self.counts, self.lists, self.flags, step))
+
+
+class Watchdog:
+    """Arm(step) after each accepted async reply; after ``timeout_s`` a step whose
+    selection_done has not come is released densely (counted in ``releases``)."""
+
+    def __init__(self, counters: StepCounters, timeout_s: float) -> None:
+        handle = ctypes.c_void_p()
+        check("watchdog_create", library().eps_engine_watchdog_create(
+            counters.device, counters.counts, counters.lists, counters.flags,
+            max(1, int(timeout_s * 1e6)), ctypes.byref(handle)))
+        self._h: int | None = handle.value
+
+    def arm(self, step: int) -> None:
+        check("watchdog_arm", library().eps_engine_watchdog_arm(self._h, step))
+
+    @property
+    def releases(self) -> int:
+        return int(library().eps_engine_watchdog_releases(self._h))
+
+    def close(self) -> None:
+        if self._h is not None:
+            library().eps_engine_watchdog_destroy(self._h)
+            self._h = None
+
+
+class DeviceSummaryWriter:
+    """gpu::DeviceSummaryWriter for ``model`` on ``device``."""
+
+    def __init__(self, model: ModelLayout, device: int = 0) -> None:
+        f = model.features
+        m = _Model(model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
+                   model.block_size, model.group_blocks, model.sketch_dim, model.phi_seed,
+                   int(f.key_sum), int(f.principal), int(f.quest))
+        handle = ctypes.c_void_p()
+        check("summary_writer_create", library().eps_engine_summary_writer_create(
+            ctypes.byref(m), device, ctypes.byref(handle)))
+        self._h: int | None = handle.value
+        self.model, self.device = model, device
+
+    def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
+        """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
+        a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
+        check("summary_append", library().eps_engine_summary_append(
+            self._h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], stream))
+
+    def close(self) -> None:
+        if self._h is not None:
+            library().eps_engine_summary_writer_destroy(self._h)
+            self._h = None
+
+
+class SummaryQueue:
+    """Runs a DeviceSummaryWriter on a worker thread, ordered after the engine's stream."""
+
+    def __init__(self, writer: DeviceSummaryWriter) -> None:
+        handle = ctypes.c_void_p()
+        check("summary_queue_create", library().eps_engine_summary_queue_create(
+            writer._h, writer.device, ctypes.byref(handle)))
+        self._h: int | None = handle.value
+        self._writer = writer  # outlives the queue
+
+    def submit(self, appends: np.ndarray, key_dtype: str, after_stream: int, step: int) -> None:
+        a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
+        check("summary_queue_submit", library().eps_engine_summary_queue_submit(
+            self._h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], after_stream, step))
+
+    def wait(self, stream: int, step: int) -> None:
+        """Enqueues on ``stream``: wait until the appends of ``step`` are applied."""
+        check("summary_queue_wait", library().eps_engine_summary_queue_wait(self._h, stream,
+                                                                              step))
+
+    def drain(self) -> None:
+        check("summary_queue_drain", library().eps_engine_summary_queue_drain(self._h))
+
+    def errors(self) -> tuple[int, str]:
+        buf = ctypes.create_string_buffer(512)
+        n = library().eps_engine_summary_queue_errors(self._h, buf, len(buf))
+        return int(n), buf.value.decode(errors="replace")
+
+    def close(self) -> None:
+        if self._h is not None:
+            library().eps_engine_summary_queue_destroy(self._h)
+            self._h = None
+
+
+def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: np.ndarray,
+                count: int | np.ndarray = 1, stride: int = 0) -> np.ndarray:
+    """Appends of keys to records: ``slots`` [n] summary slots and ``key_ptrs`` [layers, n,
+    kv_heads] device addresses of each key run (``count`` keys, a scalar or [n], ``stride``
+    elements apart), for every layer and KV head. Returns a KEY_APPEND array of
+    layers * n * kv_heads, ordered by layer, then n, then KV head."""
+    L, H = model.num_layers, model.num_kv_heads
+    words = SummaryLayout.for_model(model).record_words
+    slots = np.asarray(slots, dtype=np.int64)
+    n = slots.shape[0]
+    if key_ptrs.shape != (L, n, H):
+        raise ValueError(f"key_ptrs.shape={key_ptrs.shape}, expected {(L, n, H)}")
+    layer = np.arange(L, dtype=np.int64)[:, None, None]
+    head = np.arange(H, dtype=np.int64)[None, None, :]
+    record = pool_ptr + (((slots[None, :, None] * L + layer) * H + head) * words * 4)
+    out = np.empty(L * n * H, dtype=KEY_APPEND)
+    out["record"] = record.reshape(-1).astype(np.uint64)
+    out["keys"] = key_ptrs.reshape(-1).astype(np.uint64)
+    out["count"] = np.broadcast_to(np.asarray(count, dtype=np.int64)[None, ..., None]
+                                   if np.ndim(count) else count, (L, n, H)).reshape(-1)
+    out["stride"] = stride
+    out["layer"] = np.broadcast_to(layer, (L, n, H)).reshape(-1)
+    out["kv_head"] = np.broadcast_to(head, (L, n, H)).reshape(-1)
+    return out

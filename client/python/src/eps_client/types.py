@@ -1,0 +1,166 @@
+"""Plain Python values of the client API; protobuf messages stay inside the package.
+
+``SelectOptions`` (the selection policy), ``Row`` (one sequence of a step),
+``StepStats`` (a step's counters), ``AttachInfo`` (what Attach granted) and
+``EpsError`` (a failed call, with its status code). Each converts to or from
+its eps.v1 message here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import grpc
+
+from eps_client.proto import page_selector_pb2 as pb
+
+StatusCode = grpc.StatusCode  # the canonical codes, as gRPC spells them
+
+Method = Literal["off", "jl", "1pc", "fro", "quest"]
+HeadMode = Literal["all", "retrieval"]
+Budget = Literal["threshold", "fixed", "top_p"]
+Granularity = Literal["union", "per_kv_head"]
+Backend = Literal["auto", "cpu", "cuda"]
+
+_METHOD = {"off": pb.METHOD_OFF, "jl": pb.METHOD_JL, "1pc": pb.METHOD_1PC,
+           "fro": pb.METHOD_FRO, "quest": pb.METHOD_QUEST}
+_HEADS = {"all": pb.HEAD_MODE_ALL, "retrieval": pb.HEAD_MODE_RETRIEVAL}
+_BUDGET = {"threshold": pb.BUDGET_THRESHOLD, "fixed": pb.BUDGET_FIXED,
+           "top_p": pb.BUDGET_TOP_P}
+_GRANULARITY = {"union": pb.GRANULARITY_UNION, "per_kv_head": pb.GRANULARITY_PER_KV_HEAD}
+_BACKEND = {"auto": pb.BACKEND_UNSPECIFIED, "cpu": pb.BACKEND_CPU, "cuda": pb.BACKEND_CUDA}
+
+
+class EpsError(Exception):
+    """A failed call. ``code`` is the canonical status code (``grpc.StatusCode``), ``message``
+    the server's or the client's explanation (it names the offending field and value)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _pick(table: Mapping[str, int], name: str, value: str | None) -> int:
+    if value is None:
+        return 0  # UNSPECIFIED: keep the server's or the session's setting
+    if value not in table:
+        raise ValueError(f"{name}={value!r} is not one of {sorted(table)}")
+    return table[value]
+
+
+@dataclass(frozen=True)
+class SelectOptions:
+    """The selection policy (docs/policy.md). ``None`` keeps the server's flag (at attach) or
+    the session's setting (per step)."""
+
+    method: Method | None = None
+    alpha: float | None = None
+    first_n: int | None = None
+    last_n: int | None = None
+    top_pages: int | None = None
+    strict: bool | None = None
+    heads: HeadMode | None = None
+    retrieval_heads: bytes = b""  # [layers * q_heads], nonzero marks a retrieval head
+    budget: Budget | None = None
+    top_p: float | None = None
+    granularity: Granularity | None = None
+
+    def to_proto(self) -> pb.SelectOptions:
+        out = pb.SelectOptions(method=_pick(_METHOD, "method", self.method),  # type: ignore[arg-type]
+                               heads=_pick(_HEADS, "heads", self.heads),  # type: ignore[arg-type]
+                               budget=_pick(_BUDGET, "budget", self.budget),  # type: ignore[arg-type]
+                               granularity=_pick(_GRANULARITY, "granularity",  # type: ignore[arg-type]
+                                                 self.granularity),
+                               retrieval_heads=self.retrieval_heads)
+        for name in ("alpha", "first_n", "last_n", "top_pages", "strict", "top_p"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(out, name, value)
+        return out
+
+    @staticmethod
+    def from_proto(message: pb.SelectOptions) -> SelectOptions:
+        def name_of(table: dict[str, int], value: int) -> str | None:
+            return next((k for k, v in table.items() if v == value), None)
+
+        def opt(field_name: str) -> object:
+            return getattr(message, field_name) if message.HasField(field_name) else None
+
+        return SelectOptions(
+            method=name_of(_METHOD, message.method),  # type: ignore[arg-type]
+            alpha=opt("alpha"), first_n=opt("first_n"), last_n=opt("last_n"),  # type: ignore[arg-type]
+            top_pages=opt("top_pages"), strict=opt("strict"),  # type: ignore[arg-type]
+            heads=name_of(_HEADS, message.heads),  # type: ignore[arg-type]
+            retrieval_heads=bytes(message.retrieval_heads),
+            budget=name_of(_BUDGET, message.budget),  # type: ignore[arg-type]
+            top_p=opt("top_p"),  # type: ignore[arg-type]
+            granularity=name_of(_GRANULARITY, message.granularity))  # type: ignore[arg-type]
+
+
+def backend_proto(backend: Backend) -> int:
+    return _pick(_BACKEND, "backend", backend)
+
+
+class Row(NamedTuple):
+    """One sequence of a step: batch position i reads queries[:, i] and writes lists [:, i]."""
+
+    table_row: int  # row of the group and block tables
+    context_tokens: int  # tokens in the KV cache, the newest included
+    seq_id: int = 0  # the engine's own id (not used by epsd)
+
+
+def rows_proto(rows: Iterable[Row | tuple[int, int] | tuple[int, int, int]]) -> list[pb.BatchRow]:
+    out = []
+    for r in rows:
+        row = Row(*r)
+        out.append(pb.BatchRow(table_row=row.table_row, context_tokens=row.context_tokens,
+                               seq_id=row.seq_id))
+    return out
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """A step's counters, summed over rows, layers and lists (the reply's StepStats)."""
+
+    step: int = 0
+    groups_total: int = 0
+    groups_visited: int = 0
+    pages_total: int = 0
+    pages_visited: int = 0
+    bytes_kv_dense: int = 0
+    bytes_kv_read_est: int = 0
+    bytes_summary_read: int = 0
+    prepass_us: float = 0.0
+    error: str = ""  # an async step that failed on the device (its lists were set dense)
+
+    @staticmethod
+    def from_proto(m: pb.StepStats) -> StepStats:
+        return StepStats(step=m.step, groups_total=m.groups_total,
+                         groups_visited=m.groups_visited, pages_total=m.pages_total,
+                         pages_visited=m.pages_visited, bytes_kv_dense=m.bytes_kv_dense,
+                         bytes_kv_read_est=m.bytes_kv_read_est,
+                         bytes_summary_read=m.bytes_summary_read, prepass_us=m.prepass_us,
+                         error=m.error)
+
+
+@dataclass(frozen=True)
+class AttachInfo:
+    """What Attach granted."""
+
+    session_id: str
+    lease_ms: int
+    backend: Backend
+    record_words: int
+    server_version: str
+    options: SelectOptions = field(default_factory=SelectOptions)
+
+    @staticmethod
+    def from_proto(m: pb.AttachResponse) -> AttachInfo:
+        backend = next((k for k, v in _BACKEND.items() if v == m.backend), "auto")
+        return AttachInfo(session_id=m.session_id, lease_ms=m.lease_ms,
+                          backend=backend,  # type: ignore[arg-type]
+                          record_words=m.record_words, server_version=m.server_version,
+                          options=SelectOptions.from_proto(m.effective_options))

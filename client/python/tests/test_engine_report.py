@@ -1,0 +1,57 @@
+"""The reference engine's bookkeeping (examples/engine_report.py, numpy only): the fallback
+accounting finds every dense step's reason and flags the ones without, the limit and the
+summaries are what their definitions say."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from engine_report import (  # noqa: E402
+    account_fallbacks,
+    attention_limit_ms,
+    delta_ppl_percent,
+    summarize,
+)
+
+from eps_client import StepStats  # noqa: E402
+
+
+def test_every_dense_step_of_a_kill_run_has_a_counted_reason():
+    first = 100
+    # steps 100..109: accepted 100-104 (103, 104 released after epsd died), fallbacks 105-109
+    marks = [False] * 3 + [True] * 7
+    acc = account_fallbacks(fallback_steps=[105, 106, 107, 108, 109],
+                            accepted_steps=[100, 101, 102, 103, 104], first_step=first,
+                            dense_marks=marks, watchdog_releases=1, device_errors=0)
+    assert acc["ok"] and acc["dense_steps"] == 7 and acc["client_fallbacks"] == 5
+    assert acc["accepted_then_released"] == 2
+    assert acc["released_by_a_later_fallback_or_failed"] == 1
+
+
+def test_a_dense_step_without_a_reason_or_a_fallback_that_was_not_dense_fails():
+    acc = account_fallbacks([3], [1, 2], 1, [False, False, True, True], 0, 0)
+    assert not acc["ok"] and acc["unexplained_dense_steps"] == [4]
+    acc = account_fallbacks([2], [1], 1, [False, False], 0, 0)
+    assert not acc["ok"] and acc["fallbacks_not_dense"] == [2]
+    # more watchdog releases than accepted steps that ended dense cannot be
+    acc = account_fallbacks([], [1, 2], 1, [False, True], 2, 0)
+    assert not acc["ok"]
+
+
+def test_limit_and_summaries():
+    assert attention_limit_ms(20.0, 12.0, 0.25) == pytest.approx(11.0)
+    assert delta_ppl_percent(0.0) == 0.0
+    assert delta_ppl_percent(0.01) == pytest.approx(1.005, rel=1e-3)
+    run = SimpleNamespace(step_ms=[9.0, 1.0, 2.0, 3.0], graph_ms=[1.0] * 4,
+                          wait_selection_ms=[0.1] * 4, wait_summaries_ms=[0.2] * 4,
+                          host_ms=[0.5] * 4, rtt_us=[300.0, 500.0],
+                          stats=[StepStats(pages_visited=25, pages_total=100, prepass_us=50.0),
+                                 StepStats(pages_visited=0, pages_total=100, error="boom")])
+    s = summarize(run, warmup=1)
+    assert s["step_ms_p50"] == 2.0 and s["pages_read_fraction"] == 0.25
+    assert s["rpc_us_p50"] == 400.0 and s["prepass_us_p50"] == 50.0

@@ -1,0 +1,142 @@
+"""Engine-ready outputs (eps_client.outputs) from visit lists that the real epsd wrote:
+the FlashAttention views reproduce each list and its seqused_k, the fixed-budget FlashInfer
+plan has exactly the room epsd's BUDGET_FIXED lists need, fallback lists become the
+engine's rows; the torch/device versions equal the numpy reference (where torch runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_state import MODEL, make_state
+
+from eps_client import ClientOptions, SelectOptions, blocks_for, visited_tokens
+from eps_client.outputs import (
+    fixed_budget_blocks,
+    fixed_budget_indptr,
+    flash_attention_views_reference,
+    flashinfer_fixed_budget_reference,
+)
+
+BS, G = MODEL.block_size, MODEL.group_blocks
+
+
+def engine_table(state) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's own rows by batch position, and the contexts."""
+    rows = [r for r, _, _ in state.rows]
+    return state.buffers.block_table[rows], np.array(state.contexts, dtype=np.int32)
+
+
+def test_flash_attention_views_reproduce_epsd_lists_and_dense_fallbacks(epsd, rng):
+    state = make_state(rng, contexts=[900, 517, 1000])
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        assert client.select_pages(1, state.rows).ok
+    buf = state.buffers
+    table, ctx = engine_table(state)
+    count = buf.visit_count.copy()
+    count[1, 2] = -1  # a list released densely
+    block_table, seqused = flash_attention_views_reference(buf.visit_blocks, count, table, ctx,
+                                                           BS)
+    for layer in range(MODEL.num_layers):
+        for b, c in enumerate(state.contexts):
+            if count[layer, b] < 0:
+                n = blocks_for(c, BS)
+                np.testing.assert_array_equal(block_table[layer, b, 0, :n], table[b, :n])
+                assert seqused[layer, b, 0] == c
+                continue
+            visits = buf.visits(layer, b)
+            n = len(visits)
+            assert n < blocks_for(c, BS)  # something was skipped
+            np.testing.assert_array_equal(block_table[layer, b, 0, :n], visits)
+            assert seqused[layer, b, 0] == visited_tokens(n, c, BS)
+            # the kernel reads ceil(seqused / block_size) entries: exactly the list
+            assert -(-int(seqused[layer, b, 0]) // BS) == n
+    state.buffers.close()
+
+
+def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng):
+    state = make_state(rng, contexts=[900, 517, 1000, 40])
+    budget = SelectOptions(budget="fixed", first_n=1, last_n=1, top_pages=2)
+    k = 1 + 1 + 2
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        result = client.select_pages(1, state.rows, budget)
+        assert result.ok, result.message
+    buf = state.buffers
+    table, ctx = engine_table(state)
+    indptr = fixed_budget_indptr(ctx, 1, k, G, BS)
+    for layer in range(MODEL.num_layers):
+        for b, c in enumerate(state.contexts):
+            assert buf.visit_count[layer, b] == fixed_budget_blocks(c, k, G, BS), (layer, b, c)
+    indices, last, mismatched = flashinfer_fixed_budget_reference(
+        buf.visit_blocks, buf.visit_count, table, ctx, BS, indptr)
+    assert mismatched == 0
+    for layer in range(MODEL.num_layers):
+        for b in range(len(state.contexts)):
+            np.testing.assert_array_equal(indices[layer, indptr[b] : indptr[b + 1]],
+                                          buf.visits(layer, b))
+    np.testing.assert_array_equal(last, [c - (blocks_for(c, BS) - 1) * BS for c in ctx])
+    # a dense release does not fit the plan: the newest blocks, counted
+    count = buf.visit_count.copy()
+    count[0, 0] = -1
+    indices, _, mismatched = flashinfer_fixed_budget_reference(buf.visit_blocks, count, table,
+                                                               ctx, BS, indptr)
+    n = indptr[1] - indptr[0]
+    blocks = blocks_for(state.contexts[0], BS)
+    np.testing.assert_array_equal(indices[0, : indptr[1]], table[0, blocks - n : blocks])
+    assert mismatched == 1
+    state.buffers.close()
+
+
+def test_fixed_budget_blocks_by_hand():
+    # 16-token blocks, g = 4: 1000 tokens = 63 blocks = 16 groups, the newest 3 blocks long
+    assert fixed_budget_blocks(1000, 3, 4, 16) == 2 * 4 + 3
+    assert fixed_budget_blocks(1000, 16, 4, 16) == 63
+    assert fixed_budget_blocks(1, 3, 4, 16) == 1
+    np.testing.assert_array_equal(fixed_budget_indptr([1000, 1], 2, 3, 4, 16), [0, 11, 22, 23, 24])
+
+
+def random_lists(rng, L=3, max_batch=5, B=4, lists=1, max_blocks=40):
+    ctx = rng.integers(1, max_blocks * BS + 1, size=B).astype(np.int32)
+    table = rng.integers(0, 10**5, size=(B, max_blocks)).astype(np.int32)
+    vb = rng.integers(0, 10**5, size=(L, max_batch, lists, max_blocks)).astype(np.int32)
+    vc = np.zeros((L, max_batch, lists), dtype=np.int32)
+    for layer in range(L):
+        for b in range(B):
+            blocks = blocks_for(int(ctx[b]), BS)
+            for h in range(lists):
+                vc[layer, b, h] = rng.choice([-1, blocks + 1, rng.integers(0, blocks + 1)])
+    return vb, vc, table, ctx
+
+
+@pytest.mark.parametrize("lists", [1, 2])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_torch_views_and_arrays_equal_the_reference(rng, lists, use_kernel):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if use_kernel:
+        from eps_client.engine import library
+
+        library()  # the kernel path needs libeps_engine; fail loudly if it is missing
+    from eps_client.outputs import flash_attention_views, flashinfer_fixed_budget
+
+    for _ in range(10):
+        vb, vc, table, ctx = random_lists(rng, lists=lists)
+        d = {k: torch.from_numpy(v).cuda() for k, v in
+             dict(vb=vb, vc=vc, table=table, ctx=ctx).items()}
+        got_t, got_u = flash_attention_views(d["vb"], d["vc"], d["table"], d["ctx"], BS,
+                                             use_kernel=use_kernel)
+        want_t, want_u = flash_attention_views_reference(vb, vc, table, ctx, BS)
+        np.testing.assert_array_equal(got_u.cpu().numpy(), want_u)
+        valid = want_t >= 0
+        np.testing.assert_array_equal(got_t.cpu().numpy()[valid], want_t[valid])
+        indptr = fixed_budget_indptr(ctx, lists, 3, G, BS)
+        got_i, got_l, got_m = flashinfer_fixed_budget(
+            d["vb"], d["vc"], d["table"], d["ctx"], BS, torch.from_numpy(indptr).cuda(),
+            use_kernel=use_kernel)
+        want_i, want_l, want_m = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS,
+                                                                   indptr)
+        np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
+        np.testing.assert_array_equal(got_l.cpu().numpy(), want_l)
+        assert int(got_m.item()) == want_m

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# On the lent GPU machine: the reference engine's measurement (issue 14 item 4) and the
+# kill -9 run, in one call, from the carry that scripts/engine_stage.sh packs:
+#
+#   bash scripts/engine_gpu.sh            (carry: .carry-engine; model staged, see below)
+#
+# .carry-engine/ holds epsd and lib/ (its non-libc shared libraries), libeps_engine.so,
+# libeps_attention.so (when built), python/ (eps_client and the examples) and wheels/
+# (grpcio, protobuf, gguf for the image's Python). The SmolLM2 GGUF for the quality and
+# passkey runs is found at $EPS_MODEL, else joined from /tmp/eps-stage/*.part-* (staged
+# by earlier calls to the same warm machine); without it those runs are skipped.
+# EPS_ENGINE_QUICK=1 runs a small plan (a debugging pass). Results: $OUT/*.json, logs,
+# and the tables printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+carry=${EPS_ENGINE_CARRY:-.carry-engine}
+carry=$(cd "$carry" && pwd)
+out=${OUT:-/tmp/eps-engine}
+mkdir -p "$out"
+site=/tmp/eps-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$site" "$carry"/wheels/*.whl >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
+export PYTHONPATH="$carry/python/src:$carry/python/examples:$site"
+export EPS_ENGINE_LIB="$carry/libeps_engine.so"
+[[ -f $carry/libeps_attention.so ]] && export EPS_ATTENTION_LIB="$carry/libeps_attention.so"
+export LD_LIBRARY_PATH="$carry:$carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1
+python3 -c 'import torch, grpc, eps_client; print("torch", torch.__version__, "grpc", grpc.__version__, torch.cuda.get_device_name())'
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+model=${EPS_MODEL:-}
+if [[ -z $model ]] && ls /tmp/eps-stage/*.part-* >/dev/null 2>&1; then
+  model=/tmp/eps-model.gguf
+  cat /tmp/eps-stage/*.part-* > "$model"
+  if ls /tmp/eps-stage/*.sha256 >/dev/null 2>&1; then
+    echo "$(cut -d' ' -f1 /tmp/eps-stage/*.sha256 | head -1)  $model" | sha256sum -c - || exit 1
+  fi
+fi
+
+sock=/tmp/eps-engine-$$.sock
+pidfile=$out/epsd.pid
+epsd_cmd="exec $carry/epsd --listen=unix://$sock --backend=cuda --metrics-listen=off >>$out/epsd.log 2>&1"
+start_epsd() {
+  bash -c "$epsd_cmd" & echo $! > "$pidfile"
+  python3 - "$sock" <<'PY'
+import sys, grpc
+with grpc.insecure_channel(f"unix://{sys.argv[1]}") as ch:
+    grpc.channel_ready_future(ch).result(timeout=30)
+PY
+}
+stop_epsd() { [[ -f $pidfile ]] && kill "$(cat "$pidfile")" 2>/dev/null; sleep 0.2; }
+trap stop_epsd EXIT
+start_epsd || { tail "$out/epsd.log"; exit 1; }
+echo "epsd up: $(head -1 "$out/epsd.log")"
+
+engine() {  # name, then reference_engine.py flags
+  local name=$1; shift
+  echo "=== $name: $*"
+  timeout "${EPS_RUN_TIMEOUT:-240}" python3 "$carry/python/examples/reference_engine.py" \
+    --epsd-target "unix://$sock" --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "=== $name: exit $rc"
+  [[ $rc -eq 0 ]] || status=1
+  # a failed run may have left epsd dead: bring it back for the next
+  kill -0 "$(cat "$pidfile")" 2>/dev/null || start_epsd
+}
+status=0
+# The client library's device tests first: outputs kernels, summary queue, watchdog, and the
+# torch/kernel paths of eps_client.outputs against their numpy references.
+for t in engine_outputs_test engine_capi_test; do
+  "$carry/$t" --gtest_brief=1 >"$out/$t.log" 2>&1; rc=$?
+  echo "$t: exit $rc ($(grep -cE '^\[       OK|^\[  PASSED' "$out/$t.log") ok lines)"; tail -n 3 "$out/$t.log"
+  [[ $rc -eq 0 ]] || status=1
+done
+(cd "$carry/python/tests" && python3 -m pytest -q -p no:cacheprovider test_outputs.py -k torch \
+  >"$out/python-outputs.log" 2>&1); rc=$?
+echo "python outputs (torch, kernel): exit $rc: $(tail -n 1 "$out/python-outputs.log")"
+[[ $rc -eq 0 ]] || status=1
+if [[ ${EPS_ENGINE_QUICK:-0} == 1 ]]; then
+  engine speed-quick --mode speed --batch 4 --context 8192 --decode-steps 24 --warmup-steps 4 \
+    --fractions 0.25
+  engine kill-quick --mode kill --model small-random --batch 4 --context 4096 \
+    --decode-steps 400 --kill-at 10 --restart-at 20 --epsd-pid-file "$pidfile" \
+    --epsd-cmd "$epsd_cmd"
+else
+  engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64
+  engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64
+  engine kill --mode kill --batch 8 --context 8192 --decode-steps 120 --kill-at 20 \
+    --restart-at 40 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
+  if [[ -n $model ]]; then
+    engine quality --mode quality --model gguf --gguf "$model" --batch 4 --context 8000 \
+      --decode-steps 64 --top-pages 4,8,12,16,24,32
+    engine passkey --mode passkey --model gguf --gguf "$model" --context 8000 --passkeys 20 \
+      --top-pages 8,16
+  else
+    echo "no model staged: quality and passkey runs skipped"
+  fi
+fi
+echo
+echo "################ tables"
+for f in "$out"/*.log; do
+  case $f in */epsd.log|*/pip.log) continue;; esac
+  awk '/^(speed|kill|quality|passkey)[: -]/{p=1} p' "$f"
+done
+exit $status

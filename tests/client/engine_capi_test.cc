@@ -1,0 +1,179 @@
+// libeps_engine's C ABI (client/cpp/engine_capi.h) on a device: the summary queue
+// applies exactly what the synchronous writer does and always raises its counter,
+// the watchdog releases a step that never completes and leaves a completed one
+// alone, and the C entry points report bad arguments. Skips without a device.
+#include "client/cpp/engine_capi.h"
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/layout.h"
+#include "gpu/step.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace {
+
+uint64_t Addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
+
+class EngineCapiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!eps::gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+    model_ = {2, 4, 2, 64, 16, 8, 8, 0x5EEDULL, 1, 0, 1};
+  }
+  template <typename T>
+  T* Alloc(size_t n) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(p, 0, n * sizeof(T)), cudaSuccess);
+    owned_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  void TearDown() override {
+    for (void* p : owned_) cudaFree(p);
+  }
+  int RecordWords() const {
+    eps::ModelLayout m;
+    m.num_layers = model_.num_layers;
+    m.num_q_heads = model_.num_q_heads;
+    m.num_kv_heads = model_.num_kv_heads;
+    m.head_dim = model_.head_dim;
+    m.sketch_dim = model_.sketch_dim;
+    m.features.key_sum = true;
+    m.features.quest = true;
+    return eps::SummaryLayout::For(m).record_words;
+  }
+  EpsEngineModel model_{};
+  std::vector<void*> owned_;
+};
+
+TEST_F(EngineCapiTest, SummaryQueueWritesWhatTheSynchronousWriterWrites) {
+  const uint64_t seed = eps::testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  const int words = RecordWords(), records = 6, d = model_.head_dim, keys_per = 16;
+  std::vector<float> host_keys(records * keys_per * d);
+  for (float& k : host_keys) k = normal(rng);
+  float* keys = Alloc<float>(host_keys.size());
+  ASSERT_EQ(cudaMemcpy(keys, host_keys.data(), host_keys.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  float* sync_pool = Alloc<float>(records * words);
+  float* queued_pool = Alloc<float>(records * words);
+  std::vector<EpsKeyAppend> sync_appends, queued_appends;
+  for (int r = 0; r < records; ++r) {
+    const EpsKeyAppend a{Addr(sync_pool + r * words),
+                         Addr(keys + r * keys_per * d),
+                         keys_per,
+                         0,
+                         r % 2,
+                         (r / 2) % 2};
+    sync_appends.push_back(a);
+    EpsKeyAppend b = a;
+    b.record = Addr(queued_pool + r * words);
+    queued_appends.push_back(b);
+  }
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0) << eps_engine_last_error();
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0) << eps_engine_last_error();
+  ASSERT_EQ(eps_engine_summary_append(writer, sync_appends.data(), records, EPS_ENGINE_FLOAT32, 0),
+            0)
+      << eps_engine_last_error();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(eps_engine_summary_queue_submit(queue, queued_appends.data(), records,
+                                            EPS_ENGINE_FLOAT32, Addr(stream), 7),
+            0);
+  ASSERT_EQ(eps_engine_summary_queue_wait(queue, Addr(stream), 7), 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // returns: the counter reached 7
+  std::vector<float> a(records * words), b(records * words);
+  cudaMemcpy(a.data(), sync_pool, a.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(b.data(), queued_pool, b.size() * 4, cudaMemcpyDeviceToHost);
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << "seed " << seed << " word " << i;
+  }
+  EXPECT_EQ(eps_engine_summary_queue_errors(queue, nullptr, 0), 0u);
+  eps_engine_summary_queue_destroy(queue);
+  eps_engine_summary_writer_destroy(writer);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(EngineCapiTest, AFailedSubmissionIsCountedAndStillRaisesTheCounter) {
+  const int words = RecordWords(), d = model_.head_dim;
+  std::vector<float> host_key(d, 1.0f);
+  host_key[3] = std::nanf("");
+  float* key = Alloc<float>(d);
+  cudaMemcpy(key, host_key.data(), d * 4, cudaMemcpyHostToDevice);
+  float* pool = Alloc<float>(words);
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0);
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0);
+  const EpsKeyAppend bad{Addr(pool), Addr(key), 1, 0, 0, 0};
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(eps_engine_summary_queue_submit(queue, &bad, 1, EPS_ENGINE_FLOAT32, Addr(stream), 3),
+            0);
+  ASSERT_EQ(eps_engine_summary_queue_wait(queue, Addr(stream), 3), 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0);
+  char message[256];
+  EXPECT_EQ(eps_engine_summary_queue_errors(queue, message, sizeof(message)), 1u);
+  EXPECT_NE(std::string(message).find("step 3"), std::string::npos) << message;
+  eps_engine_summary_queue_destroy(queue);
+  eps_engine_summary_writer_destroy(writer);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(EngineCapiTest, WatchdogReleasesAStepThatNeverCompletesAndSparesACompletedOne) {
+  const int64_t n = 12;
+  int32_t* counts = Alloc<int32_t>(n);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  ASSERT_EQ(cudaMemset(counts, 0x11, n * 4), cudaSuccess);
+  EpsEngineWatchdog* dog = nullptr;
+  ASSERT_EQ(eps_engine_watchdog_create(0, Addr(counts), n, Addr(flags), 20000, &dog), 0)
+      << eps_engine_last_error();
+  // completed: selection_done already 4 when step 4's timeout comes
+  const uint64_t four = 4;
+  cudaMemcpy(flags + 1, &four, 8, cudaMemcpyHostToDevice);
+  ASSERT_EQ(eps_engine_watchdog_arm(dog, 4), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(eps_engine_watchdog_releases(dog), 0u);
+  // never completed: step 5 is released densely after the 20 ms timeout
+  ASSERT_EQ(eps_engine_watchdog_arm(dog, 5), 0);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (eps_engine_watchdog_releases(dog) == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(eps_engine_watchdog_releases(dog), 1u);
+  uint64_t done = 0;
+  std::vector<int32_t> host(n);
+  cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost);
+  cudaMemcpy(host.data(), counts, n * 4, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(done, 5u);
+  for (int32_t c : host) EXPECT_EQ(c, -1);
+  eps_engine_watchdog_destroy(dog);
+}
+
+TEST(EngineCapiArgs, BadArgumentsAreReportedWithTheirValues) {
+  EpsEngineWatchdog* dog = nullptr;
+  EXPECT_EQ(eps_engine_watchdog_create(0, 0, 0, 0, 0, &dog), 3);  // INVALID_ARGUMENT
+  EXPECT_NE(std::string(eps_engine_last_error()).find("timeout_us=0"), std::string::npos)
+      << eps_engine_last_error();
+  EpsEngineModel bad{0, 4, 2, 64, 16, 8, 8, 1, 1, 0, 0};
+  EpsSummaryWriter* writer = nullptr;
+  EXPECT_EQ(eps_engine_summary_writer_create(&bad, 0, &writer), 3);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("num_layers"), std::string::npos)
+      << eps_engine_last_error();
+  EXPECT_EQ(eps_engine_abi_version(), EPS_ENGINE_ABI_VERSION);
+}
+
+}  // namespace

@@ -1,0 +1,224 @@
+// Engine-ready outputs (client/cpp/engine_outputs.h) against a host reference built
+// from the visit-list contract of docs/api.md §3.6, on fresh random lists (some dense,
+// some malformed). Skips without a device.
+#include "client/cpp/engine_outputs.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gpu/cuda_check.h"
+#include "gpu/step.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+
+namespace eps::client {
+namespace {
+
+struct Case {
+  int layers = 3, lists = 1, block_size = 16;
+  int64_t max_batch = 5, batch = 4, max_blocks = 40;
+  std::vector<int32_t> blocks, count, table, context;  // host, epsd's and the engine's layouts
+};
+
+int64_t BlocksOf(int64_t context, int block_size) {
+  return (context + block_size - 1) / block_size;
+}
+
+// Random lists: ascending subsets of each row that end with its last block, some -1
+// (dense), some with a count larger than the row (malformed: treated as dense).
+Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_blocks) {
+  Case c;
+  c.lists = lists;
+  c.table.assign(c.batch * c.max_blocks, -7);
+  c.context.resize(c.batch);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    c.context[b] = 1 + static_cast<int32_t>(rng() % (c.max_blocks * c.block_size));
+    for (int64_t j = 0; j < BlocksOf(c.context[b], c.block_size); ++j) {
+      c.table[b * c.max_blocks + j] = static_cast<int32_t>(rng() % 100000);
+    }
+  }
+  const int64_t n_lists = int64_t{c.layers} * c.max_batch * lists;
+  c.blocks.assign(n_lists * c.max_blocks, -3);
+  c.count.assign(n_lists, 0);
+  for (int layer = 0; layer < c.layers; ++layer) {
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const int64_t blocks = BlocksOf(c.context[b], c.block_size);
+      for (int h = 0; h < lists; ++h) {
+        const int64_t in = (layer * c.max_batch + b) * lists + h;
+        const int kind = static_cast<int>(rng() % 8);
+        if (kind == 0) {
+          c.count[in] = -1;
+          continue;
+        }
+        if (kind == 1) {
+          c.count[in] = static_cast<int32_t>(blocks + 1);
+          continue;
+        }
+        std::vector<int64_t> picked;
+        if (kind <= 4 && budget_groups > 0) {  // the fixed budget's shape
+          const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
+          std::vector<int64_t> g(groups - 1);
+          std::iota(g.begin(), g.end(), 0);
+          std::shuffle(g.begin(), g.end(), rng);
+          g.resize(std::min<int64_t>(g.size(), budget_groups - 1));
+          g.push_back(groups - 1);
+          std::sort(g.begin(), g.end());
+          for (int64_t p : g) {
+            for (int64_t j = p * group_blocks; j < std::min(blocks, (p + 1) * group_blocks); ++j) {
+              picked.push_back(j);
+            }
+          }
+        } else {
+          for (int64_t j = 0; j + 1 < blocks; ++j)
+            if (rng() % 3 == 0) picked.push_back(j);
+          picked.push_back(blocks - 1);
+        }
+        c.count[in] = static_cast<int32_t>(picked.size());
+        for (size_t j = 0; j < picked.size(); ++j) {
+          c.blocks[in * c.max_blocks + j] = c.table[b * c.max_blocks + picked[j]];
+        }
+      }
+    }
+  }
+  return c;
+}
+
+template <typename T>
+void Upload(const std::vector<T>& host, gpu::DeviceBuffer<T>& d) {
+  ASSERT_TRUE(d.Allocate(std::max<int64_t>(host.size(), 1)).ok());
+  ASSERT_EQ(cudaMemcpy(d.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
+template <typename T>
+std::vector<T> Download(const gpu::DeviceBuffer<T>& d, size_t n) {
+  std::vector<T> host(n);
+  EXPECT_EQ(cudaMemcpy(host.data(), d.get(), n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+class EngineOutputsTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(EngineOutputsTest, FlashAttentionViewsEqualTheHostReference) {
+  const uint64_t seed = testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 20; ++trial) {
+    const Case c = MakeCase(rng, GetParam(), 0, 4);
+    gpu::DeviceBuffer<int32_t> blocks, count, table, context;
+    Upload(c.blocks, blocks), Upload(c.count, count), Upload(c.table, table),
+        Upload(c.context, context);
+    const int64_t rows = int64_t{c.layers} * c.batch * c.lists;
+    gpu::DeviceBuffer<int32_t> out, used;
+    ASSERT_TRUE(out.Allocate(rows * c.max_blocks).ok());
+    ASSERT_TRUE(used.Allocate(rows).ok());
+    ASSERT_TRUE(BuildFlashAttentionViews(
+                    {blocks.get(), count.get(), c.layers, c.max_batch, c.lists, c.max_blocks},
+                    {table.get(), c.max_blocks, context.get(), c.batch, c.block_size}, out.get(),
+                    used.get(), nullptr)
+                    .ok());
+    const auto got = Download(out, rows * c.max_blocks);
+    const auto got_used = Download(used, rows);
+    for (int layer = 0; layer < c.layers; ++layer) {
+      for (int64_t b = 0; b < c.batch; ++b) {
+        const int64_t blocks_b = BlocksOf(c.context[b], c.block_size);
+        const int64_t last = c.context[b] - (blocks_b - 1) * c.block_size;
+        for (int h = 0; h < c.lists; ++h) {
+          const int64_t in = (layer * c.max_batch + b) * c.lists + h;
+          const int64_t r = (layer * c.batch + b) * c.lists + h;
+          const int32_t n = c.count[in];
+          const bool dense = n < 0 || n > blocks_b;
+          const int32_t* want = dense ? &c.table[b * c.max_blocks] : &c.blocks[in * c.max_blocks];
+          const int64_t k = dense ? blocks_b : n;
+          EXPECT_EQ(got_used[r],
+                    dense ? c.context[b] : (n == 0 ? 0 : (n - 1) * c.block_size + last))
+              << "seed " << seed << " layer " << layer << " b " << b << " h " << h;
+          for (int64_t j = 0; j < k; ++j) {
+            ASSERT_EQ(got[r * c.max_blocks + j], want[j]) << "seed " << seed << " entry " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
+  const uint64_t seed = testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  const int budget = 3, g = 4;
+  for (int trial = 0; trial < 20; ++trial) {
+    const Case c = MakeCase(rng, GetParam(), budget, g);
+    std::vector<int64_t> contexts(c.context.begin(), c.context.end());
+    const std::vector<int32_t> indptr =
+        FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size);
+    const int64_t nnz = indptr.back();
+    gpu::DeviceBuffer<int32_t> blocks, count, table, context, dptr;
+    Upload(c.blocks, blocks), Upload(c.count, count), Upload(c.table, table),
+        Upload(c.context, context), Upload(indptr, dptr);
+    gpu::DeviceBuffer<int32_t> indices, last, mismatched;
+    ASSERT_TRUE(indices.Allocate(std::max<int64_t>(c.layers * nnz, 1)).ok());
+    ASSERT_TRUE(last.Allocate(c.batch * c.lists).ok());
+    ASSERT_TRUE(mismatched.Allocate(1).ok());
+    ASSERT_EQ(cudaMemset(mismatched.get(), 0, sizeof(int32_t)), cudaSuccess);
+    ASSERT_TRUE(BuildFlashInferFixedBudget(
+                    {blocks.get(), count.get(), c.layers, c.max_batch, c.lists, c.max_blocks},
+                    {table.get(), c.max_blocks, context.get(), c.batch, c.block_size}, dptr.get(),
+                    nnz, indices.get(), last.get(), mismatched.get(), nullptr)
+                    .ok());
+    const auto got = Download(indices, c.layers * nnz);
+    const auto got_last = Download(last, c.batch * c.lists);
+    int32_t want_mismatched = 0;
+    for (int layer = 0; layer < c.layers; ++layer) {
+      for (int64_t b = 0; b < c.batch; ++b) {
+        const int64_t blocks_b = BlocksOf(c.context[b], c.block_size);
+        for (int h = 0; h < c.lists; ++h) {
+          const int64_t q = b * c.lists + h;
+          const int64_t n = indptr[q + 1] - indptr[q];
+          ASSERT_EQ(n, FixedBudgetBlocks(c.context[b], budget, g, c.block_size));
+          const int64_t in = (layer * c.max_batch + b) * c.lists + h;
+          const bool fits = c.count[in] == n && n <= blocks_b;
+          if (!fits) ++want_mismatched;
+          const int32_t* want =
+              fits ? &c.blocks[in * c.max_blocks] : &c.table[b * c.max_blocks + blocks_b - n];
+          for (int64_t j = 0; j < n; ++j) {
+            ASSERT_EQ(got[layer * nnz + indptr[q] + j], want[j]) << "seed " << seed;
+          }
+          EXPECT_EQ(got_last[q], c.context[b] - (blocks_b - 1) * c.block_size);
+        }
+      }
+    }
+    EXPECT_EQ(Download(mismatched, 1)[0], want_mismatched) << "seed " << seed;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(UnionAndPerKvHead, EngineOutputsTest, ::testing::Values(1, 3));
+
+TEST(EngineOutputsArgs, NullPointersAndBadShapesAreInvalidArgument) {
+  int32_t dummy = 0;
+  const absl::Status s = BuildFlashAttentionViews(
+      {&dummy, &dummy, 0, 1, 1, 1}, {&dummy, 1, &dummy, 1, 16}, &dummy, &dummy, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("layers=0"), std::string::npos) << s;
+  const absl::Status t = BuildFlashAttentionViews(
+      {&dummy, &dummy, 1, 2, 1, 4}, {&dummy, 4, &dummy, 3, 16}, &dummy, &dummy, nullptr);
+  EXPECT_NE(t.message().find("batch=3"), std::string::npos) << t;
+}
+
+TEST(EngineOutputsArgs, FixedBudgetBlocksFollowsTheBudgetShape) {
+  // 16-token blocks, g = 4: 1000 tokens = 63 blocks = 16 groups, the newest with 3 blocks.
+  EXPECT_EQ(FixedBudgetBlocks(1000, 3, 4, 16), 2 * 4 + 3);
+  EXPECT_EQ(FixedBudgetBlocks(1000, 16, 4, 16), 63);  // every group
+  EXPECT_EQ(FixedBudgetBlocks(1, 3, 4, 16), 1);
+  EXPECT_EQ(FixedBudgetIndptr({1000, 1}, 2, 3, 4, 16), (std::vector<int32_t>{0, 11, 22, 23, 24}));
+}
+
+}  // namespace
+}  // namespace eps::client
