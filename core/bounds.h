@@ -1,4 +1,4 @@
-// Scores of a summary group for one query (DESIGN §3).
+// Scores of a summary group for one query (docs/design.md §3).
 //
 //   jl     sqrt(max(zᵀGz, 0)), z = Φᵀq     estimate of sqrt(Σ_i (q·k_i)²) ≥ max_i |q·k_i|
 //   1pc    sqrt(λ1)|u1·q| + sqrt(r²)‖q⊥‖   upper bound of sqrt(qᵀCq) (min with fro;

@@ -17,6 +17,8 @@ const char* DTypeName(DType dtype) {
       return "int32";
     case DType::kInt8:
       return "int8";
+    case DType::kUInt64:
+      return "uint64";
   }
   return "unknown";
 }

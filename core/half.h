@@ -10,7 +10,14 @@
 
 namespace eps {
 
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kInt8 = 4 };
+enum class DType : uint8_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kInt32 = 3,
+  kInt8 = 4,
+  kUInt64 = 5,  // the step counters of the flags buffer only
+};
 
 // Size of one element of `dtype` in bytes.
 constexpr int DTypeSize(DType dtype) {
@@ -23,6 +30,8 @@ constexpr int DTypeSize(DType dtype) {
       return 2;
     case DType::kInt8:
       return 1;
+    case DType::kUInt64:
+      return 8;
   }
   return 0;
 }

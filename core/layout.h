@@ -1,5 +1,5 @@
 // The shapes every part of epsd agrees on: the model, the summary record, and
-// the pool of records (DESIGN §2, §3, §5).
+// the pool of records (docs/design.md §2, §3, §5).
 //
 // A summary record is the EPS summary of one (slot, layer, KV head): a run of
 // 4-byte words, padded to 16 bytes. Word offsets (P = m(m+1)/2):

@@ -1,4 +1,4 @@
-// The selection policy (DESIGN §4): which groups of one (sequence, layer) a
+// The selection policy (docs/design.md §4): which groups of one (sequence, layer) a
 // query head — and then the union of heads — must visit.
 //
 // The rules here work on score arrays and know nothing of summaries or tables;

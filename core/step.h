@@ -1,14 +1,8 @@
-// One decode step's selection over the shared buffers (DESIGN §5): the
+// One decode step's selection over the shared buffers (docs/design.md §5): the
 // reference pre-pass that the CPU backend runs and the CUDA backend must match.
 //
-// Buffers (row-major, element types fixed by the contract):
-//   summary pool   [num_slots, layers, kv_heads, record_words]  fp32
-//   group table    [max_seqs, max_groups]                       int32, group -> slot
-//   block table    [max_seqs, max_blocks]                       int32, logical -> physical
-//   queries        [layers, max_batch, q_heads, d]              fp32 | fp16 | bf16
-//   visit_blocks   [layers, max_batch, max_blocks]              int32 (union), or
-//                  [layers, max_batch, kv_heads, max_blocks]    (per KV head)
-//   visit_count    [layers, max_batch] or [layers, max_batch, kv_heads]   int32
+// The buffers' shapes and element types are core/buffer_contract.h's table
+// (queries may also be fp16 or bf16); StepInputs and StepOutputs point into them.
 #pragma once
 
 #include <cstdint>
@@ -49,7 +43,7 @@ struct StepOutputs {
   int32_t* visit_count = nullptr;
 };
 
-// Per-step counters (DESIGN §7), summed over rows, layers and output lists.
+// Per-step counters (docs/design.md §7), summed over rows, layers and output lists.
 struct StepStats {
   int64_t groups_total = 0;
   int64_t groups_visited = 0;

@@ -1,4 +1,4 @@
-// Writing EPS summaries from keys (DESIGN §3): the engine-side math.
+// Writing EPS summaries from keys (docs/design.md §3): the engine-side math.
 //
 // The engine calls Append whenever it writes keys of a group (prefill or decode)
 // and Seal once a group is full. Summaries are never rebuilt by re-reading K;

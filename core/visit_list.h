@@ -1,4 +1,4 @@
-// Visit lists (DESIGN §5): the blocks a sequence's attention reads this step.
+// Visit lists (docs/design.md §5): the blocks a sequence's attention reads this step.
 //
 // A visit list is a row of physical block ids taken from the sequence's block
 // table in ascending logical order, so the last (possibly partial) block is

@@ -1,4 +1,4 @@
-// A CUDA IPC memory handle opened in this process (DESIGN §5): the engine's
+// A CUDA IPC memory handle opened in this process (docs/design.md §5): the engine's
 // client library allocates with cudaMalloc and sends the 64-byte legacy handle.
 //
 // Ownership: the mapping is closed (cudaIpcCloseMemHandle) in the destructor.

@@ -1,8 +1,8 @@
-// The GPU pre-pass of one decode step (DESIGN §5), the CUDA counterpart of
-// core/step.h over device memory with the same buffer layouts, in two kernels
+// The GPU pre-pass of one decode step (docs/design.md §5), the CUDA counterpart
+// of core/step.h over device memory with the same buffer layouts, in two kernels
 // (gpu/score_kernel.cuh, gpu/select_kernel.cuh):
 //
-//   1. scoring     per (row, layer, KV head, 128 groups): the query terms of
+//   1. scoring     per (row, layer, KV head, 256 groups): the query terms of
 //                  the KV head's query heads (z = Φᵀq, packed z zᵀ, ‖q‖) in
 //                  shared memory, then one thread per group reads its record
 //                  once and scores it for every one of those heads (jl, 1pc,
@@ -24,13 +24,13 @@
 // outputs unwritten (their counts become -1, "attend densely", when a step fence
 // is given, since the engine's stream proceeds on selection_done regardless).
 //
-// Cross-process ordering (DESIGN §5): with a StepFence the selector's stream
+// Cross-process ordering (docs/design.md §5): with a StepFence the selector's stream
 // first waits until inputs_ready >= step (the engine's stream wrote its
 // queries), and writes selection_done = step after the outputs, so the engine's
 // stream can wait for it without any host round trip. Enqueue returns once the
 // work is queued (the async reply); Finish waits for it with a bound, and when
 // the engine never signals inputs_ready it releases the wait itself (the host
-// watchdog of DESIGN §6), so the selector's stream is never blocked for good.
+// watchdog of docs/design.md §6), so the selector's stream is never blocked for good.
 //
 // Thread safety: one caller at a time per GpuSelector.
 #pragma once

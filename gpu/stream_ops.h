@@ -1,4 +1,4 @@
-// Stream memory operations for the cross-process step counters of DESIGN §5:
+// Stream memory operations for the cross-process step counters of docs/design.md §5:
 // a stream waits until a 64-bit counter in device memory reaches a value, or
 // writes one after its earlier work (cuStreamWaitValue64 / cuStreamWriteValue64).
 //

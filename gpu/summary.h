@@ -1,4 +1,4 @@
-// Writing EPS summaries on the device, where the engine writes K (DESIGN §3):
+// Writing EPS summaries on the device, where the engine writes K (docs/design.md §3):
 // the CUDA counterpart of core/summary.h's Append, on the same record layout.
 //
 // One warp per append: it checks the append's keys, then folds them in order

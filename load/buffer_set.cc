@@ -41,8 +41,8 @@ class ShmBufferSet final : public BufferSet {
     const ModelLayout& m = buffers_->model();
     const int64_t batch = buffers_->shape().max_batch;
     const int d = m.head_dim;
-    if (absl::Status s =
-            CheckSize("queries", queries.size(), int64_t{m.num_layers} * batch * m.num_q_heads * d);
+    if (absl::Status s = CheckSize("queries", queries.size(),
+                                   buffers_->plan().ElementsOf(SharedBuffer::kQueries));
         !s.ok()) {
       return s;
     }
@@ -82,10 +82,10 @@ client::BufferShape ClientShape(const BufferSetShape& shape) {
   return s;
 }
 
-absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(service::BackendKind backend,
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape) {
-  if (backend == BufferBackend::kCuda) return CreateDeviceBufferSet(model, shape);
+  if (backend == service::BackendKind::kCuda) return CreateDeviceBufferSet(model, shape);
   auto buffers = client::EngineBuffers::Create(model, ClientShape(shape), "load");
   if (!buffers.ok()) return buffers.status();
   return std::unique_ptr<BufferSet>(std::make_unique<ShmBufferSet>(std::move(*buffers)));

@@ -4,7 +4,8 @@
 //
 // eps-load builds host images of every input buffer once and copies them in
 // with the Write* calls before it attaches; the calls take row-major host
-// arrays in the shapes of docs/api.md. Ownership: a BufferSet owns its memory
+// arrays in the shapes of core/buffer_contract.h, and check their sizes
+// against the client library's BufferPlan of that contract. Ownership: a BufferSet owns its memory
 // and frees it in its destructor. Thread safety: none (one session each).
 #pragma once
 
@@ -52,7 +53,7 @@ class BufferSet {
 // Host shared memory through client::EngineBuffers (cpu), or device memory on
 // device 0 through client::DeviceBuffers (cuda; FAILED_PRECONDITION without a
 // device or in a build without CUDA).
-absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(BufferBackend backend,
+absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(service::BackendKind backend,
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape);
 // The client library's shape for these buffers (union output, with flags).

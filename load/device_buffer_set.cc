@@ -22,21 +22,19 @@ class DeviceBufferSet final : public BufferSet {
   int64_t max_blocks() const override { return buffers_->plan().max_blocks; }
 
   absl::Status WriteSummaryPool(std::span<const float> pool) override {
-    return Copy("summary pool", buffers_->summary_pool(), pool, buffers_->plan().pool_words);
+    return Copy("summary pool", buffers_->summary_pool(), pool,
+                ElementsOf(SharedBuffer::kSummaryPool));
   }
   absl::Status WriteGroupTable(std::span<const int32_t> table) override {
-    const client::BufferPlan& p = buffers_->plan();
-    return Copy("group table", buffers_->group_table(), table, p.shape.max_seqs * p.max_groups);
+    return Copy("group table", buffers_->group_table(), table,
+                ElementsOf(SharedBuffer::kGroupTable));
   }
   absl::Status WriteBlockTable(std::span<const int32_t> table) override {
-    const client::BufferPlan& p = buffers_->plan();
-    return Copy("block table", buffers_->block_table(), table, p.shape.max_seqs * p.max_blocks);
+    return Copy("block table", buffers_->block_table(), table,
+                ElementsOf(SharedBuffer::kBlockTable));
   }
   absl::Status WriteQueries(std::span<const float> queries) override {
-    const client::BufferPlan& p = buffers_->plan();
-    const int64_t count =
-        int64_t{p.model.num_layers} * p.shape.max_batch * p.model.num_q_heads * p.model.head_dim;
-    return Copy("queries", buffers_->queries(), queries, count);
+    return Copy("queries", buffers_->queries(), queries, ElementsOf(SharedBuffer::kQueries));
   }
 
  private:
@@ -53,6 +51,8 @@ class DeviceBufferSet final : public BufferSet {
     }
     return absl::OkStatus();
   }
+
+  int64_t ElementsOf(SharedBuffer buffer) const { return buffers_->plan().ElementsOf(buffer); }
 
   std::unique_ptr<client::DeviceBuffers> buffers_;
 };

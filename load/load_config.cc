@@ -248,7 +248,7 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
       c.ping_sync = v == "sync";
     } else if (name == "backend") {
       if (v != "cpu" && v != "cuda") return Bad(name, v, "cpu or cuda");
-      c.backend = v == "cuda" ? BufferBackend::kCuda : BufferBackend::kCpu;
+      c.backend = v == "cuda" ? service::BackendKind::kCuda : service::BackendKind::kCpu;
     } else if (name == "channel-arg") {
       const size_t at = v.find('=');
       int value = 0;

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/layout.h"
+#include "service/backend_kind.h"
 
 namespace eps::load {
 
@@ -35,8 +36,6 @@ struct Arrivals {
   std::string ToString() const;
 };
 
-enum class BufferBackend { kCpu, kCuda };
-
 struct LoadConfig {
   std::string target = "unix:///tmp/epsd.sock";
   std::string preset = "llama-3-8b";
@@ -53,7 +52,7 @@ struct LoadConfig {
   std::chrono::microseconds slo{2000};  // a call slower than this is counted as over_slo
   int ping_every = 1;                   // one Ping per this many SelectPages; 0 = no Ping
   bool ping_sync = false;  // Ping through the synchronous stub instead of the callback API
-  BufferBackend backend = BufferBackend::kCpu;
+  service::BackendKind backend = service::BackendKind::kCpu;  // kCpu or kCuda
   std::vector<std::pair<std::string, int>> channel_args;
   std::string json_path;
   uint64_t seed = 1;

@@ -236,7 +236,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
       ", \"warmup_us\": ", us(config.warmup), ", \"deadline_us\": ", us(config.deadline),
       ", \"slo_us\": ", us(config.slo), ", \"ping_every\": ", config.ping_every,
       ", \"ping_api\": ", Quote(config.ping_sync ? "sync" : "callback"),
-      ", \"backend\": ", Quote(config.backend == BufferBackend::kCuda ? "cuda" : "cpu"),
+      ", \"backend\": ", Quote(service::BackendKindName(config.backend)),
       ", \"channel_args\": {", absl::StrJoin(args, ", "), "}, \"seed\": ", config.seed,
       ", \"soak\": ", config.soak ? "true" : "false",
       ", \"summary_bytes_per_session\": ", r.summary_bytes_per_session,

@@ -9,7 +9,8 @@ bash scripts/build.sh
 BUILD_DIR=${EPS_BUILD_DIR:-build}
 SOCKET_DIR=$(mktemp -d)
 SOCKET="unix://$SOCKET_DIR/epsd.sock"
-"$BUILD_DIR"/service/epsd --listen="$SOCKET" --backend=cpu &
+# Metrics on a port the kernel picks (epsd prints it), so a busy 9464 never stops the demo.
+"$BUILD_DIR"/service/epsd --listen="$SOCKET" --backend=cpu --metrics-listen=127.0.0.1:0 &
 EPSD_PID=$!
 trap 'kill -TERM $EPSD_PID 2>/dev/null; wait $EPSD_PID 2>/dev/null; rm -rf "$SOCKET_DIR"' EXIT
 for _ in $(seq 100); do [[ -S "$SOCKET_DIR/epsd.sock" ]] && break; sleep 0.05; done

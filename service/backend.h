@@ -1,5 +1,5 @@
 // A session's step backend: the CPU reference over host memory, or the CUDA
-// pre-pass over device memory mapped from the engine (DESIGN §5).
+// pre-pass over device memory mapped from the engine (docs/design.md §5).
 //
 // A backend owns the state its steps need (the cpu backend its Φ bank and
 // core selector, the cuda backend its device scratch and pending step) and
@@ -63,8 +63,17 @@ class StepBackend {
   virtual absl::Status Run(const BackendStep& step, StepOutcome* outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) = 0;
 
+  // The session's step order: FAILED_PRECONDITION unless `step` comes after
+  // the last step that ran; StepRan records one (sync, or queued async).
+  absl::Status CheckStepOrder(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  void StepRan(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+
  protected:
   mutable absl::Mutex step_mu_;
+
+ private:
+  bool has_step_ ABSL_GUARDED_BY(step_mu_) = false;
+  uint64_t last_step_ ABSL_GUARDED_BY(step_mu_) = 0;
 };
 
 }  // namespace eps::service

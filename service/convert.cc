@@ -21,6 +21,8 @@ absl::StatusOr<DType> FromProto(v1::DType dtype) {
       return DType::kInt32;
     case v1::DTYPE_INT8:
       return DType::kInt8;
+    case v1::DTYPE_UINT64:
+      return DType::kUInt64;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("dtype ", ProtoDTypeName(dtype), " has no core equivalent"));
@@ -39,6 +41,8 @@ v1::DType ToProto(DType dtype) {
       return v1::DTYPE_INT32;
     case DType::kInt8:
       return v1::DTYPE_INT8;
+    case DType::kUInt64:
+      return v1::DTYPE_UINT64;
   }
   return v1::DTYPE_UNSPECIFIED;
 }

@@ -15,7 +15,7 @@ namespace eps::service {
 CudaIpcOpener MakeCudaIpcOpener();
 
 // `inputs_timeout`: how long an async step may wait for the engine's
-// inputs_ready before epsd releases the wait itself (the watchdog of DESIGN §6).
+// inputs_ready before epsd releases the wait itself (the watchdog of docs/design.md §6).
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     std::chrono::microseconds inputs_timeout);

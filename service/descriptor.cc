@@ -8,36 +8,24 @@ namespace eps::service {
 namespace {
 
 int ElementSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_FLOAT32:
-    case v1::DTYPE_INT32:
-      return 4;
-    case v1::DTYPE_FLOAT16:
-    case v1::DTYPE_BFLOAT16:
-      return 2;
-    case v1::DTYPE_INT8:
-      return 1;
-    case v1::DTYPE_UINT64:
-      return 8;
-    default:
-      return 0;
-  }
+  const absl::StatusOr<DType> core = FromProto(dtype);
+  return core.ok() ? DTypeSize(*core) : 0;
 }
 
 }  // namespace
 
 absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescriptor& desc,
-                                                        const std::string& name,
-                                                        uint64_t needed_bytes) {
+                                                          const std::string& name,
+                                                          uint64_t needed_bytes) {
   switch (desc.memory_case()) {
     case v1::MemoryDescriptor::kHostShm: {
       const std::string& shm_name = desc.host_shm().name();
       auto it = shm_.find(shm_name);
       if (it != shm_.end()) {
         if (it->second->size() != desc.host_shm().size()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              name, ".host_shm.size=", desc.host_shm().size(), " differs from ",
-              it->second->size(), " declared for ", shm_name, " by another buffer"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(name, ".host_shm.size=", desc.host_shm().size(), " differs from ",
+                           it->second->size(), " declared for ", shm_name, " by another buffer"));
         }
         return it->second.get();
       }
@@ -63,7 +51,8 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
     }
     case v1::MemoryDescriptor::kCudaIpc: {
       if (!open_ipc_) break;  // cpu backend: refused below
-      const std::string key = desc.cuda_ipc().handle() + "@" + std::to_string(desc.cuda_ipc().device());
+      const std::string key =
+          desc.cuda_ipc().handle() + "@" + std::to_string(desc.cuda_ipc().device());
       auto it = ipc_.find(key);
       if (it != ipc_.end()) return it->second.get();
       absl::StatusOr<std::unique_ptr<MappedMemory>> memory = open_ipc_(desc.cuda_ipc());
@@ -76,16 +65,18 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
       return raw;
     }
     case v1::MemoryDescriptor::kCudaVmm:
-      return absl::UnimplementedError(absl::StrCat(
-          name, " is a CUDA VMM file descriptor, which this server does not accept yet; "
-                "allocate with cudaMalloc and send a cuda_ipc handle"));
+      return absl::UnimplementedError(
+          absl::StrCat(name,
+                       " is a CUDA VMM file descriptor, which this server does not accept yet; "
+                       "allocate with cudaMalloc and send a cuda_ipc handle"));
     case v1::MemoryDescriptor::MEMORY_NOT_SET:
       return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
   }
   if (desc.memory_case() == v1::MemoryDescriptor::kCudaIpc) {
-    return absl::FailedPreconditionError(absl::StrCat(
-          name, " is CUDA device memory, which the cpu backend cannot read; attach with "
-                "host_shm or inline_bytes, or attach with backend=BACKEND_CUDA"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(name,
+                     " is CUDA device memory, which the cpu backend cannot read; attach with "
+                     "host_shm or inline_bytes, or attach with backend=BACKEND_CUDA"));
   }
   return absl::InvalidArgumentError(absl::StrCat(name, ".memory is not set"));
 }
@@ -98,8 +89,8 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
                                                    ", want ", ProtoDTypeName(spec.dtype)));
   }
   if (desc.shape_size() != static_cast<int>(spec.shape.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " has rank ", desc.shape_size(),
-                                                   ", want ", spec.shape.size(), " [",
+    return absl::InvalidArgumentError(absl::StrCat(name, " has rank ", desc.shape_size(), ", want ",
+                                                   spec.shape.size(), " [",
                                                    absl::StrJoin(spec.dim_names, ", "), "]"));
   }
   HostTensor t;
@@ -107,7 +98,8 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
   for (int i = 0; i < desc.shape_size(); ++i) {
     const int64_t dim = desc.shape(i);
     if (dim < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ".shape[", i, "]=", dim, " must be >= 1"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".shape[", i, "]=", dim, " must be >= 1"));
     }
     if (spec.shape[i] >= 0 && dim != spec.shape[i]) {
       return absl::InvalidArgumentError(absl::StrCat(name, ".shape[", i, "]=", dim,
@@ -140,9 +132,8 @@ absl::StatusOr<HostTensor> ResolveTensor(const v1::MemoryDescriptor& desc, const
     return absl::InvalidArgumentError(absl::StrCat(name, " size overflows int64"));
   }
   if (desc.offset() % element != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ".offset=", desc.offset(),
-                                                   " is not aligned to its ", element,
-                                                   "-byte elements"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ".offset=", desc.offset(), " is not aligned to its ", element, "-byte elements"));
   }
   uint64_t end = 0;
   if (__builtin_add_overflow(desc.offset(), static_cast<uint64_t>(bytes), &end)) {
@@ -172,9 +163,8 @@ absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, HostTensor>>
       const HostTensor& b = tensors[j].second;
       if (i == j || a.memory != b.memory) continue;
       if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(tensors[i].first.name, " overlaps ",
-                                                       tensors[j].first.name, " in ",
-                                                       a.memory->name()));
+        return absl::InvalidArgumentError(absl::StrCat(
+            tensors[i].first.name, " overlaps ", tensors[j].first.name, " in ", a.memory->name()));
       }
     }
   }

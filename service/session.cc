@@ -2,7 +2,6 @@
 
 #include <chrono>
 
-#include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "service/cpu_backend.h"
 #include "service/cuda_backend.h"
@@ -32,20 +31,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     ASSIGN_OR_RETURN(s->backend_, MakeCpuBackend(spec.model));
   }
   return s;
-}
-
-absl::Status Session::CheckStepOrder(uint64_t step) const {
-  if (has_step_ && step <= last_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, " is not after the session's last step ", last_step_));
-  }
-  return absl::OkStatus();
-}
-
-void Session::StepRan(uint64_t step) {
-  has_step_ = true;
-  last_step_ = step;
-  last_step_seen.store(step);
 }
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }

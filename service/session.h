@@ -1,12 +1,11 @@
 // A session: one engine process (per device) attached to epsd, with its
 // validated spec and policy, its mapped buffers, its backend and its lease
-// (DESIGN §5-6).
+// (docs/design.md §5-6).
 //
-// Thread safety: everything but the lease, the counters and the step order is
-// immutable once Create returns; the step order is guarded by the backend's
-// step lock, which serialises the session's steps; the lease and counters are
-// atomics. A session stays alive while a call holds its shared_ptr, so expiry
-// never unmaps memory under a running step.
+// Thread safety: everything but the lease and the counters is immutable once
+// Create returns; the backend serialises the session's steps (and keeps their
+// order) under its step lock; the lease and counters are atomics. A session stays alive while a
+// call holds its shared_ptr, so expiry never unmaps memory under a running step.
 #pragma once
 
 #include <atomic>
@@ -41,15 +40,8 @@ class Session {
   const SessionSpec& spec() const { return spec_; }
   const SelectPolicy& policy() const { return policy_; }  // the defaults; calls may override
   const SessionBuffers& buffers() const { return buffers_; }
+  // Runs the session's steps, one at a time under its step_mu().
   StepBackend& backend() const { return *backend_; }
-  absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(backend_->step_mu()) {
-    return backend_->step_mu();
-  }
-
-  // FAILED_PRECONDITION unless `step` comes after the last step that ran.
-  absl::Status CheckStepOrder(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu());
-  // `step` ran (sync, or queued async): later steps must come after it.
-  void StepRan(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu());
 
   std::atomic<int64_t> last_active_ms{0};  // steady clock
   std::atomic<uint64_t> steps{0}, errors{0};
@@ -70,8 +62,6 @@ class Session {
   MappingCache mappings_;  // owns the memory buffers_ points into
   SessionBuffers buffers_;
   std::unique_ptr<StepBackend> backend_;
-  bool has_step_ ABSL_GUARDED_BY(step_mu()) = false;
-  uint64_t last_step_ ABSL_GUARDED_BY(step_mu()) = 0;
 };
 
 int64_t SteadyNowMs();

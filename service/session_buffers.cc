@@ -1,6 +1,7 @@
 #include "service/session_buffers.h"
 
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -11,17 +12,31 @@
 namespace eps::service {
 namespace {
 
+// The contract's names are the SharedBuffers field names (session_service_test checks).
+const google::protobuf::FieldDescriptor* FieldOf(const BufferSpec& spec) {
+  return v1::SharedBuffers::descriptor()->FindFieldByName(spec.name);
+}
+
+// The descriptor of `spec` (the default, "memory is not set", when absent).
+const v1::MemoryDescriptor& DescriptorOf(const v1::SharedBuffers& b, const BufferSpec& spec) {
+  return static_cast<const v1::MemoryDescriptor&>(b.GetReflection()->GetMessage(b, FieldOf(spec)));
+}
+
+bool HasDescriptor(const v1::SharedBuffers& b, const BufferSpec& spec) {
+  return b.GetReflection()->HasField(b, FieldOf(spec));
+}
+
 // The input buffer a write targets; null for a target that is not a writable input.
 const HostTensor* WriteTarget(const SessionBuffers& b, v1::BufferWrite::Target target) {
   switch (target) {
     case v1::BufferWrite::TARGET_SUMMARY_POOL:
-      return &b.summary_pool;
+      return &b[SharedBuffer::kSummaryPool];
     case v1::BufferWrite::TARGET_GROUP_TABLE:
-      return &b.group_table;
+      return &b[SharedBuffer::kGroupTable];
     case v1::BufferWrite::TARGET_BLOCK_TABLE:
-      return &b.block_table;
+      return &b[SharedBuffer::kBlockTable];
     case v1::BufferWrite::TARGET_QUERIES:
-      return &b.queries;
+      return &b[SharedBuffer::kQueries];
     default:
       return nullptr;
   }
@@ -32,76 +47,42 @@ const HostTensor* WriteTarget(const SessionBuffers& b, v1::BufferWrite::Target t
 absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
                                                      const SessionSpec& spec,
                                                      MappingCache& mappings) {
-  // Shapes follow from the layout, the batch and the group/block tables.
-  const ModelLayout& m = spec.model;
-  const SummaryLayout record = SummaryLayout::For(m);
+  const Granularity granularity = spec.output_granularity;
+  BufferDims dims = BufferDims::For(spec.model, granularity);
+  dims[Dim::kMaxBatch] = spec.max_batch;
+  // Where an engine-chosen dimension was fixed ("group_table.shape[0]"), for messages.
+  std::array<std::string, kDims> fixed_by;
   SessionBuffers buf;
   std::vector<std::pair<TensorSpec, HostTensor>> tensors;
-  auto resolve = [&](const v1::MemoryDescriptor& desc, TensorSpec tensor_spec,
-                     HostTensor* out) -> absl::Status {
-    ASSIGN_OR_RETURN(*out, ResolveTensor(desc, tensor_spec, mappings));
-    tensors.emplace_back(std::move(tensor_spec), *out);
-    return absl::OkStatus();
-  };
-  RETURN_IF_ERROR(resolve(b.summary_pool(),
-                          {"summary_pool",
-                           v1::DTYPE_FLOAT32,
-                           {-1, m.num_layers, m.num_kv_heads, record.record_words},
-                           {"slots", "num_layers", "num_kv_heads", "record_words"}},
-                          &buf.summary_pool));
-  buf.num_slots = buf.summary_pool.shape[0];
-  if (buf.num_slots > INT32_MAX) {
-    return absl::InvalidArgumentError("summary_pool.shape[0] exceeds the int32 slot range");
+  for (const BufferSpec& contract : kBufferContract) {
+    if (contract.optional && !HasDescriptor(b, contract)) continue;
+    TensorSpec t;
+    t.name = contract.name;
+    t.dtype = ToProto(contract.id == SharedBuffer::kQueries ? spec.query_dtype : contract.dtype);
+    t.writable = contract.output;
+    const std::vector<Dim> shape = DimsOf(contract, granularity);
+    for (Dim dim : shape) {
+      t.shape.push_back(dims[dim]);
+      const std::string& at = fixed_by[static_cast<int>(dim)];
+      t.dim_names.push_back(at.empty() ? DimName(dim) : at);
+    }
+    ASSIGN_OR_RETURN(HostTensor tensor, ResolveTensor(DescriptorOf(b, contract), t, mappings));
+    for (size_t i = 0; i < shape.size(); ++i) {
+      if (dims[shape[i]] >= 0) continue;
+      dims[shape[i]] = tensor.shape[i];
+      fixed_by[static_cast<int>(shape[i])] = absl::StrCat(contract.name, ".shape[", i, "]");
+    }
+    if (contract.id == SharedBuffer::kSummaryPool && dims[Dim::kSlots] > INT32_MAX) {
+      return absl::InvalidArgumentError("summary_pool.shape[0] exceeds the int32 slot range");
+    }
+    buf.tensors[static_cast<int>(contract.id)] = tensor;
+    tensors.emplace_back(std::move(t), tensor);
   }
-  RETURN_IF_ERROR(resolve(b.group_table(),
-                          {"group_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_groups"}},
-                          &buf.group_table));
-  buf.max_seqs = buf.group_table.shape[0];
-  buf.max_groups = buf.group_table.shape[1];
-  RETURN_IF_ERROR(resolve(
-      b.block_table(),
-      {"block_table", v1::DTYPE_INT32, {buf.max_seqs, -1}, {"group_table.shape[0]", "max_blocks"}},
-      &buf.block_table));
-  buf.max_blocks = buf.block_table.shape[1];
-  const int64_t batch = spec.max_batch;
-  RETURN_IF_ERROR(resolve(b.queries(),
-                          {"queries",
-                           ToProto(spec.query_dtype),
-                           {m.num_layers, batch, m.num_q_heads, m.head_dim},
-                           {"num_layers", "max_batch", "num_q_heads", "head_dim"}},
-                          &buf.queries));
-  if (spec.output_granularity == Granularity::kPerKvHead) {
-    RETURN_IF_ERROR(resolve(b.visit_blocks(),
-                            {"visit_blocks",
-                             v1::DTYPE_INT32,
-                             {m.num_layers, batch, m.num_kv_heads, buf.max_blocks},
-                             {"num_layers", "max_batch", "num_kv_heads", "max_blocks"},
-                             true},
-                            &buf.visit_blocks));
-    RETURN_IF_ERROR(resolve(b.visit_count(),
-                            {"visit_count",
-                             v1::DTYPE_INT32,
-                             {m.num_layers, batch, m.num_kv_heads},
-                             {"num_layers", "max_batch", "num_kv_heads"},
-                             true},
-                            &buf.visit_count));
-  } else {
-    RETURN_IF_ERROR(resolve(b.visit_blocks(),
-                            {"visit_blocks",
-                             v1::DTYPE_INT32,
-                             {m.num_layers, batch, buf.max_blocks},
-                             {"num_layers", "max_batch", "max_blocks"},
-                             true},
-                            &buf.visit_blocks));
-    RETURN_IF_ERROR(resolve(
-        b.visit_count(),
-        {"visit_count", v1::DTYPE_INT32, {m.num_layers, batch}, {"num_layers", "max_batch"}, true},
-        &buf.visit_count));
-  }
-  if (b.has_flags()) {
-    RETURN_IF_ERROR(resolve(b.flags(), {"flags", v1::DTYPE_UINT64, {2}, {"2"}, true}, &buf.flags));
-    buf.has_flags = true;
-  }
+  buf.has_flags = b.has_flags();
+  buf.num_slots = dims[Dim::kSlots];
+  buf.max_seqs = dims[Dim::kMaxSeqs];
+  buf.max_groups = dims[Dim::kMaxGroups];
+  buf.max_blocks = dims[Dim::kMaxBlocks];
   RETURN_IF_ERROR(CheckNoOverlap(tensors));
   for (const auto& [tensor_spec, tensor] : tensors) {
     if (spec.backend == BackendKind::kCuda && !tensor.is_device) {
@@ -143,15 +124,15 @@ absl::Status ApplyInlineWrites(const google::protobuf::RepeatedPtrField<v1::Buff
 StepInputs StepInputsOf(const SessionSpec& spec, const SessionBuffers& b,
                         std::span<const StepRow> rows) {
   StepInputs in;
-  in.summary_pool = reinterpret_cast<const float*>(b.summary_pool.data);
+  in.summary_pool = b.data<const float>(SharedBuffer::kSummaryPool);
   in.num_slots = b.num_slots;
-  in.group_table = reinterpret_cast<const int32_t*>(b.group_table.data);
-  in.block_table = reinterpret_cast<const int32_t*>(b.block_table.data);
+  in.group_table = b.data<const int32_t>(SharedBuffer::kGroupTable);
+  in.block_table = b.data<const int32_t>(SharedBuffer::kBlockTable);
   in.max_seqs = b.max_seqs;
   in.max_groups = b.max_groups;
   in.max_blocks = b.max_blocks;
   in.num_physical_blocks = spec.num_kv_blocks;
-  in.queries = b.queries.data;
+  in.queries = b[SharedBuffer::kQueries].data;
   in.query_dtype = spec.query_dtype;
   in.max_batch = spec.max_batch;
   in.rows = rows;
@@ -159,8 +140,7 @@ StepInputs StepInputsOf(const SessionSpec& spec, const SessionBuffers& b,
 }
 
 StepOutputs StepOutputsOf(const SessionBuffers& b) {
-  return {reinterpret_cast<int32_t*>(b.visit_blocks.data),
-          reinterpret_cast<int32_t*>(b.visit_count.data)};
+  return {b.data<int32_t>(SharedBuffer::kVisitBlocks), b.data<int32_t>(SharedBuffer::kVisitCount)};
 }
 
 }  // namespace eps::service

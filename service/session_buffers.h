@@ -7,10 +7,12 @@
 // outlive the cache it was resolved with.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 
 #include "absl/status/statusor.h"
+#include "core/buffer_contract.h"
 #include "core/step.h"
 #include "eps/v1/page_selector.pb.h"
 #include "google/protobuf/repeated_field.h"
@@ -20,14 +22,24 @@
 namespace eps::service {
 
 struct SessionBuffers {
-  HostTensor summary_pool, group_table, block_table, queries, visit_blocks, visit_count, flags;
+  std::array<HostTensor, kSharedBuffers> tensors;  // by SharedBuffer; flags empty when absent
   bool has_flags = false;
-  // Free dimensions, fixed by the descriptors.
+  // The engine's choices, fixed by the descriptors (core/buffer_contract.h).
   int64_t num_slots = 0, max_seqs = 0, max_groups = 0, max_blocks = 0;
+
+  const HostTensor& operator[](SharedBuffer buffer) const {
+    return tensors[static_cast<int>(buffer)];
+  }
+  template <typename T>
+  T* data(SharedBuffer buffer) const {
+    return reinterpret_cast<T*>((*this)[buffer].data);
+  }
 };
 
-// Maps and validates every buffer of `buffers` for `spec`; a cuda session
-// needs every buffer in device memory, a cpu session every one in host memory.
+// Maps and validates every buffer of `buffers` for `spec`, in the contract's
+// order (core/buffer_contract.h); an engine-chosen dimension is fixed by the
+// first buffer that has it. A cuda session needs every buffer in device
+// memory, a cpu session every one in host memory.
 absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& buffers,
                                                      const SessionSpec& spec,
                                                      MappingCache& mappings);

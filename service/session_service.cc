@@ -18,8 +18,8 @@ std::string NewSessionId(uint64_t counter) {
 }
 
 HostVisitLists VisitListsOf(const SessionSpec& spec, const SessionBuffers& buffers) {
-  return {.blocks = reinterpret_cast<const int32_t*>(buffers.visit_blocks.data),
-          .counts = reinterpret_cast<const int32_t*>(buffers.visit_count.data),
+  return {.blocks = buffers.data<const int32_t>(SharedBuffer::kVisitBlocks),
+          .counts = buffers.data<const int32_t>(SharedBuffer::kVisitCount),
           .num_layers = spec.model.num_layers,
           .max_batch = spec.max_batch,
           .lists = spec.output_granularity == Granularity::kPerKvHead ? spec.model.num_kv_heads : 1,
@@ -129,8 +129,9 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     steps_total_.fetch_add(1);
   };
   const SessionBuffers& buffers = session.buffers();
-  absl::MutexLock lock(&session.step_mu());
-  absl::Status ready = session.CheckStepOrder(request.step());
+  StepBackend& backend = session.backend();
+  absl::MutexLock lock(&backend.step_mu());
+  absl::Status ready = backend.CheckStepOrder(request.step());
   if (ready.ok()) ready = ApplyInlineWrites(request.writes(), buffers);
   if (!ready.ok()) {
     session.errors.fetch_add(1);
@@ -139,12 +140,12 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   const BackendStep step{
       .inputs = StepInputsOf(session.spec(), buffers, rows),
       .outputs = StepOutputsOf(buffers),
-      .flags = buffers.has_flags ? reinterpret_cast<uint64_t*>(buffers.flags.data) : nullptr,
+      .flags = buffers.has_flags ? buffers.data<uint64_t>(SharedBuffer::kFlags) : nullptr,
       .step = request.step(),
       .policy = policy,
       .async = request.reply_mode() == v1::REPLY_MODE_ASYNC};
   StepOutcome outcome;
-  const absl::Status run = session.backend().Run(step, &outcome);
+  const absl::Status run = backend.Run(step, &outcome);
   // Async steps finished since the last call count now, whatever this step does.
   for (const FinishedStep& f : outcome.earlier) {
     v1::StepStats* earlier = response->add_earlier();
@@ -160,14 +161,16 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     session.errors.fetch_add(1);
     return CountFailure(run);
   }
-  session.StepRan(request.step());
+  backend.StepRan(request.step());
+  session.last_step_seen.store(request.step());
   response->set_step(request.step());
   response->set_done(outcome.done);
   if (outcome.done) {
     count_step(outcome.stats);
     ToProto(outcome.stats, request.step(), outcome.prepass_us, response->mutable_stats());
   }
-  if (buffers.visit_blocks.is_inline && !buffers.visit_blocks.is_device) {
+  const HostTensor& visit_blocks = buffers[SharedBuffer::kVisitBlocks];
+  if (visit_blocks.is_inline && !visit_blocks.is_device) {
     AppendVisitLists(VisitListsOf(session.spec(), buffers), rows, response);
   }
   session.Touch();

@@ -21,7 +21,7 @@ absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
     s.query_dtype = DType::kFloat32;
   } else {
     absl::StatusOr<DType> q = FromProto(req.layout().query_dtype());
-    if (!q.ok() || *q == DType::kInt32 || *q == DType::kInt8) {
+    if (!q.ok() || *q == DType::kInt32 || *q == DType::kInt8 || *q == DType::kUInt64) {
       return absl::InvalidArgumentError(
           absl::StrCat("layout.query_dtype=", ProtoDTypeName(req.layout().query_dtype()),
                        " is not a float type"));

@@ -3,17 +3,21 @@
 namespace eps::client {
 namespace {
 
-constexpr uint64_t kAlign = 256;
+v1::DType ProtoDType(DType dtype) {
+  switch (dtype) {
+    case DType::kInt32:
+      return v1::DTYPE_INT32;
+    case DType::kUInt64:
+      return v1::DTYPE_UINT64;
+    default:
+      return v1::DTYPE_FLOAT32;  // the contract's only other type; queries are float32 here
+  }
+}
 
-v1::MemoryDescriptor Part(const v1::MemoryDescriptor& memory, uint64_t offset,
-                          std::initializer_list<int64_t> shape, v1::DType dtype) {
-  v1::MemoryDescriptor d = memory;
-  d.clear_shape();
-  d.clear_strides();
-  d.set_offset(offset);
-  for (int64_t dim : shape) d.add_shape(dim);
-  d.set_dtype(dtype);
-  return d;
+// The contract's names are the SharedBuffers field names.
+v1::MemoryDescriptor* MutableDescriptor(v1::SharedBuffers& s, const BufferSpec& spec) {
+  return static_cast<v1::MemoryDescriptor*>(s.GetReflection()->MutableMessage(
+      &s, v1::SharedBuffers::descriptor()->FindFieldByName(spec.name)));
 }
 
 }  // namespace
@@ -30,48 +34,48 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
   p.max_groups = GroupsFor(shape.max_context, model);
   p.record_words = SummaryLayout::For(model).record_words;
   p.lists = shape.granularity == Granularity::kPerKvHead ? model.num_kv_heads : 1;
-  p.pool_words = shape.num_slots * model.num_layers * model.num_kv_heads * p.record_words;
+  p.dims = BufferDims::For(model, shape.granularity);
+  p.dims[Dim::kSlots] = shape.num_slots;
+  p.dims[Dim::kMaxSeqs] = shape.max_seqs;
+  p.dims[Dim::kMaxGroups] = p.max_groups;
+  p.dims[Dim::kMaxBlocks] = p.max_blocks;
+  p.dims[Dim::kMaxBatch] = shape.max_batch;
+  // Every buffer in the contract's order (flags too, used or not), each aligned.
   uint64_t offset = 0;
-  auto take = [&](uint64_t bytes) {
-    const uint64_t at = offset;
-    offset = (offset + bytes + kAlign - 1) / kAlign * kAlign;
-    return at;
-  };
-  const uint64_t rows_by_layer = uint64_t(model.num_layers) * shape.max_batch;
-  p.pool = take(uint64_t(p.pool_words) * 4);
-  p.groups = take(uint64_t(shape.max_seqs) * p.max_groups * 4);
-  p.blocks = take(uint64_t(shape.max_seqs) * p.max_blocks * 4);
-  p.queries = take(rows_by_layer * model.num_q_heads * model.head_dim * 4);
-  p.visit = take(rows_by_layer * p.lists * p.max_blocks * 4);
-  p.count = take(rows_by_layer * p.lists * 4);
-  p.flags = take(16);
+  for (const BufferSpec& spec : kBufferContract) {
+    const int i = static_cast<int>(spec.id);
+    int64_t elements = 1;
+    for (int64_t dim : ShapeOf(spec, p.dims, shape.granularity)) elements *= dim;
+    p.offsets[i] = offset;
+    p.elements[i] = elements;
+    const uint64_t bytes = uint64_t(elements) * DTypeSize(spec.dtype);
+    offset = (offset + bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+  }
   p.size = offset;
+  p.pool_words = p.elements[static_cast<int>(SharedBuffer::kSummaryPool)];
+  const auto at = [&](SharedBuffer b) { return p.offsets[static_cast<int>(b)]; };
+  p.pool = at(SharedBuffer::kSummaryPool);
+  p.groups = at(SharedBuffer::kGroupTable);
+  p.blocks = at(SharedBuffer::kBlockTable);
+  p.queries = at(SharedBuffer::kQueries);
+  p.visit = at(SharedBuffer::kVisitBlocks);
+  p.count = at(SharedBuffer::kVisitCount);
+  p.flags = at(SharedBuffer::kFlags);
   return p;
 }
 
 v1::SharedBuffers BufferPlan::Descriptors(const v1::MemoryDescriptor& memory) const {
-  const ModelLayout& m = model;
   v1::SharedBuffers s;
-  *s.mutable_summary_pool() =
-      Part(memory, pool, {shape.num_slots, m.num_layers, m.num_kv_heads, record_words},
-           v1::DTYPE_FLOAT32);
-  *s.mutable_group_table() = Part(memory, groups, {shape.max_seqs, max_groups}, v1::DTYPE_INT32);
-  *s.mutable_block_table() = Part(memory, blocks, {shape.max_seqs, max_blocks}, v1::DTYPE_INT32);
-  *s.mutable_queries() =
-      Part(memory, queries, {m.num_layers, shape.max_batch, m.num_q_heads, m.head_dim},
-           v1::DTYPE_FLOAT32);
-  if (lists == 1) {
-    *s.mutable_visit_blocks() =
-        Part(memory, visit, {m.num_layers, shape.max_batch, max_blocks}, v1::DTYPE_INT32);
-    *s.mutable_visit_count() =
-        Part(memory, count, {m.num_layers, shape.max_batch}, v1::DTYPE_INT32);
-  } else {
-    *s.mutable_visit_blocks() =
-        Part(memory, visit, {m.num_layers, shape.max_batch, lists, max_blocks}, v1::DTYPE_INT32);
-    *s.mutable_visit_count() =
-        Part(memory, count, {m.num_layers, shape.max_batch, lists}, v1::DTYPE_INT32);
+  for (const BufferSpec& spec : kBufferContract) {
+    if (spec.id == SharedBuffer::kFlags && !shape.with_flags) continue;
+    v1::MemoryDescriptor* d = MutableDescriptor(s, spec);
+    *d = memory;
+    d->clear_shape();
+    d->clear_strides();
+    d->set_offset(offsets[static_cast<int>(spec.id)]);
+    for (int64_t dim : ShapeOf(spec, dims, shape.granularity)) d->add_shape(dim);
+    d->set_dtype(ProtoDType(spec.dtype));
   }
-  if (shape.with_flags) *s.mutable_flags() = Part(memory, flags, {2}, v1::DTYPE_UINT64);
   return s;
 }
 

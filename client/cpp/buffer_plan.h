@@ -2,13 +2,17 @@
 // shared-memory (EngineBuffers) and the device-memory (DeviceBuffers) forms
 // alike, and the eps.v1 descriptors of that layout (docs/api.md).
 //
-// Every part is 256-byte aligned, so device loads stay aligned whatever the
-// model shape. Thread safety: an immutable value.
+// The buffers, their shapes, element types and order are core/buffer_contract.h's
+// table; every part starts at a multiple of kBufferAlignment (256 bytes), so
+// device loads stay aligned whatever the model shape. Thread safety: an
+// immutable value.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "core/buffer_contract.h"
 #include "core/layout.h"
 #include "core/select.h"
 #include "eps/v1/page_selector.pb.h"
@@ -27,7 +31,11 @@ struct BufferShape {
 struct BufferPlan {
   ModelLayout model;
   BufferShape shape;
+  BufferDims dims;  // every dim of the contract, fixed by `model` and `shape`
+  std::array<uint64_t, kSharedBuffers> offsets{};  // bytes, by SharedBuffer
+  std::array<int64_t, kSharedBuffers> elements{};  // by SharedBuffer
   int64_t max_blocks = 0, max_groups = 0, record_words = 0, lists = 1, pool_words = 0;
+  // offsets[] by name, for the buffers' accessors.
   uint64_t pool = 0, groups = 0, blocks = 0, queries = 0, visit = 0, count = 0, flags = 0;
   uint64_t size = 0;  // bytes of the whole allocation
 
@@ -36,6 +44,8 @@ struct BufferPlan {
   // The descriptors of every buffer; `memory` names the allocation (its oneof
   // `memory` is copied into each descriptor).
   v1::SharedBuffers Descriptors(const v1::MemoryDescriptor& memory) const;
+
+  int64_t ElementsOf(SharedBuffer buffer) const { return elements[static_cast<int>(buffer)]; }
 
   // Element offsets (not bytes) of one record, group row, query and output list.
   int64_t RecordIndex(int64_t slot, int layer, int kv_head) const {

@@ -1,4 +1,4 @@
-// The shared buffers of one engine session in device memory (DESIGN §5): one
+// The shared buffers of one engine session in device memory (docs/design.md §5): one
 // cudaMalloc allocation, laid out by BufferPlan and exported to epsd with a
 // legacy CUDA IPC handle. The library allocates it itself, never from the
 // engine's own tensors (PyTorch's expandable segments and vLLM's cumem

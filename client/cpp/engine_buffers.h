@@ -1,5 +1,5 @@
 // The shared buffers of one engine session, allocated by the client library
-// (DESIGN §5: never the engine's own tensors) in one POSIX shared-memory
+// (docs/design.md §5: never the engine's own tensors) in one POSIX shared-memory
 // object that epsd maps. CPU mode; the CUDA allocator comes with the GPU backend.
 //
 // Ownership: EngineBuffers creates the object, maps it, and unlinks and unmaps

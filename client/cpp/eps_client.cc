@@ -322,10 +322,10 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   request.mutable_rows()->Add(rows.begin(), rows.end());
   if (options != nullptr) *request.mutable_options() = *options;
   if (options_.reply_async) request.set_reply_mode(v1::REPLY_MODE_ASYNC);
-  // Fallbacks since the last report ride on the step for epsd's metrics (DESIGN §6: a silent
-  // fallback is a bug). They count as reported once the server has seen them: on any reply
-  // but UNAVAILABLE and DEADLINE_EXCEEDED, which may not have reached it (a report can then
-  // arrive twice, never be lost).
+  // Fallbacks since the last report ride on the step for epsd's metrics (docs/design.md
+  // §6: a silent fallback is a bug). They count as reported once the server has seen them:
+  // on any reply but UNAVAILABLE and DEADLINE_EXCEEDED, which may not have reached it (a
+  // report can then arrive twice, never be lost).
   const ClientCounters now = counters();
   v1::ClientFallbacks* fallbacks = request.mutable_fallbacks();
   fallbacks->set_deadline(now.fallback_deadline - reported_.fallback_deadline);

@@ -1,4 +1,4 @@
-// The engine-side client of epsd (DESIGN §5-6).
+// The engine-side client of epsd (docs/design.md §5-6).
 //
 // One SelectPages per decode step with a deadline (default 2 ms); a step never
 // waits for anything else: re-attaching runs in the background. Fail open:

@@ -1,4 +1,4 @@
-// The engine-side watchdog of DESIGN §6: a step that epsd accepted
+// The engine-side watchdog of docs/design.md §6: a step that epsd accepted
 // asynchronously holds the engine's stream on selection_done >= step; if the
 // sidecar dies (or stalls) before it writes that counter, the watchdog
 // releases the stream after `timeout` with DeviceBuffers::ReleaseDense (every

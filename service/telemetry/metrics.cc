@@ -191,7 +191,7 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
                         "K and V bytes of the visited blocks (estimated read).");
   bytes_saved_ = counter("eps_kv_bytes_saved_estimated_total",
                          "K and V bytes of the skipped blocks (dense minus estimated read).");
-  bytes_summary_ = counter("eps_summary_bytes_read_total", "Summary bytes the pre-pass read.");
+  bytes_summary_ = counter("eps_summaries_bytes_read_total", "Summary bytes the pre-pass read.");
   auto& fallbacks = prometheus::BuildCounter()
                         .Name("eps_client_fallbacks_total")
                         .Help(
@@ -203,7 +203,7 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
       &fallbacks.Add({{"reason", "not_attached"}}), &fallbacks.Add({{"reason", "error"}})};
   auto& validation = prometheus::BuildCounter()
                          .Name("eps_validation_failures_total")
-                         .Help("Requests the selector refused, by canonical status code.")
+                         .Help("Requests the session service refused, by canonical status code.")
                          .Register(*registry_);
   for (int c = 1; c < kGrpcCodes; ++c) {
     validation_[c] = &validation.Add({{"reason", absl::AsciiStrToLower(absl::StatusCodeToString(

@@ -72,7 +72,8 @@ class ServerMetrics {
   // eps_* counters of one finished step, and its pre-pass time.
   void StepSelected(const v1::StepStats& stats, service::BackendKind backend);
   void ClientFallbacks(const v1::ClientFallbacks& fallbacks);
-  // A request the selector refused, by canonical code (eps_validation_failures_total{reason}).
+  // A request the session service refused, by canonical code
+  // (eps_validation_failures_total{reason}).
   void ValidationFailure(absl::StatusCode code);
 
   // Serves /metrics on `listen` (host:port; port 0 picks one). Call once.

@@ -40,7 +40,7 @@ class ShardedHistogram {
   Shard shards_[kShards];
 };
 
-// Latency buckets from a few microseconds up to 10 s (DESIGN §7: microsecond-scale).
+// Latency buckets from a few microseconds up to 10 s (docs/design.md §7: microsecond-scale).
 std::vector<double> LatencyBucketsSeconds();
 
 }  // namespace eps::telemetry

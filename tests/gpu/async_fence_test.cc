@@ -1,5 +1,5 @@
 // Device-side ordering between an engine process and `epsd --backend=cuda`
-// (DESIGN §5-6): the engine's stream signals inputs_ready and waits on
+// (docs/design.md §5-6): the engine's stream signals inputs_ready and waits on
 // selection_done with stream memory operations, replies are async, and every
 // way the other side can fail (inputs never signalled, sidecar killed, sidecar
 // absent, a bad slot found on the device) ends with the engine's stream

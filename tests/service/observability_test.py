@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,9 +90,12 @@ class Epsd:
         return None
 
     def scrape(self) -> dict[str, float]:
+        return parse_metrics(self.scrape_text())
+
+    def scrape_text(self) -> str:
         assert self.metrics_url is not None
         with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
-            return parse_metrics(reply.read().decode())
+            return reply.read().decode()
 
     def stop(self) -> float:
         """SIGTERM; returns seconds until exit (fails past 20 s)."""
@@ -311,7 +315,7 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
     assert metric(m, "eps_kv_bytes_saved_estimated_total") == (
         total("bytes_kv_dense") - total("bytes_kv_read_est")
     )
-    assert metric(m, "eps_summary_bytes_read_total") == total("bytes_summary_read")
+    assert metric(m, "eps_summaries_bytes_read_total") == total("bytes_summary_read")
     assert metric(m, "eps_prepass_seconds_count", backend="cpu") == len(ok)
     assert metric(m, "eps_prepass_seconds_sum", backend="cpu") == pytest.approx(
         total("prepass_us") * 1e-6, rel=1e-9
@@ -356,6 +360,20 @@ def wait_for_metric(epsd: Epsd, name: str, want: float, **labels: str) -> float:
         value = metric(epsd.scrape(), name, **labels)
         if value >= want or time.monotonic() > deadline:
             return value
+
+
+def test_a_scrape_after_traffic_passes_promtool_check_metrics(tmp_path: Path, seed: int) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: scripts/setup.sh installs Debian's prometheus package"
+    epsd = Epsd(tmp_path, {}, [])
+    run_traffic(epsd.target, seed, "--steps=3")
+    text = epsd.scrape_text()
+    epsd.stop()
+    assert "eps_steps_total" in text
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_stream_metrics_count_every_message_and_the_stream_once(tmp_path: Path, seed: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
+from eps_client.buffers import ALIGNMENT, CONTRACT
 from eps_client.proto import page_selector_pb2 as pb
 
 
@@ -29,6 +31,15 @@ def without_names(buffers: pb.SharedBuffers) -> pb.SharedBuffers:
     for field in copy.DESCRIPTOR.fields:
         getattr(copy, field.name).host_shm.name = ""
     return copy
+
+
+def test_contract_table_equals_core_buffer_contract(core_reference):
+    cpp = json.loads(subprocess.run([core_reference, "contract"], check=True,
+                                    capture_output=True, text=True).stdout)
+    assert cpp["alignment"] == ALIGNMENT
+    ours = [{"name": spec.name, "dims": list(spec.dims), "dtype": np.dtype(spec.dtype).name,
+             "output": spec.output, "optional": spec.optional} for spec in CONTRACT]
+    assert ours == cpp["buffers"]
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])

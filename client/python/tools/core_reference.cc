@@ -8,6 +8,9 @@
 //   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL SLOTS MAX_SEQS
 //                      MAX_CONTEXT MAX_BATCH PER_HEAD
 //       Creates client::EngineBuffers and writes its SharedBuffers message to stdout.
+//   eps_core_reference contract
+//       Writes core/buffer_contract.h's table as JSON to stdout:
+//       {"alignment": 256, "buffers": [{"name", "dims", "dtype", "output", "optional"}]}.
 //   eps_core_reference select ATTACH ROWS OUT
 //       Maps the host_shm buffers of the serialized AttachRequest ATTACH, runs
 //       core::PageSelector::Select with the server's defaults merged with
@@ -29,9 +32,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/cpp/engine_buffers.h"
+#include "core/buffer_contract.h"
 #include "core/phi.h"
 #include "core/step.h"
 #include "core/summary.h"
+#include "nlohmann/json.hpp"
 #include "service/convert.h"
 
 namespace {
@@ -195,10 +200,27 @@ int Select(char** argv) {
 
 }  // namespace
 
+int Contract() {
+  nlohmann::json buffers = nlohmann::json::array();
+  for (const eps::BufferSpec& spec : eps::kBufferContract) {
+    nlohmann::json dims = nlohmann::json::array();
+    for (int i = 0; i < spec.rank; ++i) dims.push_back(eps::DimName(spec.dims[i]));
+    buffers.push_back({{"name", spec.name},
+                       {"dims", dims},
+                       {"dtype", eps::DTypeName(spec.dtype)},
+                       {"output", spec.output},
+                       {"optional", spec.optional}});
+  }
+  const nlohmann::json contract = {{"alignment", eps::kBufferAlignment}, {"buffers", buffers}};
+  std::cout << contract.dump(2) << "\n";
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "summaries" && argc == 15) return Summaries(argv + 2);
   if (mode == "descriptors" && argc == 17) return Descriptors(argv + 2);
   if (mode == "select" && argc == 5) return Select(argv + 2);
+  if (mode == "contract" && argc == 2) return Contract();
   return Fail("usage: see the comment at the top of client/python/tools/core_reference.cc");
 }

@@ -1,18 +1,19 @@
-"""The shared buffers of one engine session, allocated by this library (DESIGN §5).
+"""The shared buffers of one engine session, allocated by this library (docs/design.md §5).
 
 Never the engine's own tensors: PyTorch's expandable segments and vLLM's cumem
 allocator break legacy CUDA IPC, so the library allocates one region and the
-engine copies its few per-step rows in. Same layout as client/cpp's
-EngineBuffers and DeviceBuffers (client/cpp/buffer_plan.h: every buffer
-256-byte aligned, in this order):
+engine copies its few per-step rows in. The buffers are ``CONTRACT``, the
+table of core/buffer_contract.h (a test compares the two), laid out as
+client/cpp's BufferPlan lays them out: in this order, every buffer 256-byte
+aligned:
 
-    summary_pool  [slots, layers, kv_heads, record_words]  float32
+    summary_pool  [slots, num_layers, num_kv_heads, record_words]  float32
     group_table   [max_seqs, max_groups]                   int32   group -> slot
     block_table   [max_seqs, max_blocks]                   int32   logical -> physical
-    queries       [layers, max_batch, q_heads, d]          float32
-    visit_blocks  [layers, max_batch(, kv_heads), max_blocks] int32
-    visit_count   [layers, max_batch(, kv_heads)]          int32
-    flags         [2]                                      uint64  inputs_ready, selection_done
+    queries       [num_layers, max_batch, num_q_heads, head_dim]   float32
+    visit_blocks  [num_layers, max_batch(, lists), max_blocks]     int32
+    visit_count   [num_layers, max_batch(, lists)]         int32   lists: kv_heads, per KV head only
+    flags         [counters]                               uint64  inputs_ready, selection_done
 
 ``ShmBuffers`` puts them in one POSIX shared-memory object as numpy arrays
 (CPU mode); ``CudaBuffers`` (eps_client.cuda) in one cudaMalloc region exported
@@ -31,8 +32,32 @@ import numpy as np
 from eps_client.layout import ModelLayout, SummaryLayout, blocks_for, groups_for
 from eps_client.proto import page_selector_pb2 as pb
 
-_ALIGN = 256  # client/cpp/buffer_plan.cc
+ALIGNMENT = 256  # core/buffer_contract.h kBufferAlignment
 _counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One row of the buffer contract (core::BufferSpec)."""
+
+    name: str
+    dims: tuple[str, ...]  # core::DimName of each dim; "lists" only per KV head
+    dtype: type
+    output: bool  # written by epsd
+    optional: bool = False
+
+
+CONTRACT: tuple[BufferSpec, ...] = (
+    BufferSpec("summary_pool", ("slots", "num_layers", "num_kv_heads", "record_words"),
+               np.float32, False),
+    BufferSpec("group_table", ("max_seqs", "max_groups"), np.int32, False),
+    BufferSpec("block_table", ("max_seqs", "max_blocks"), np.int32, False),
+    BufferSpec("queries", ("num_layers", "max_batch", "num_q_heads", "head_dim"), np.float32,
+               False),
+    BufferSpec("visit_blocks", ("num_layers", "max_batch", "lists", "max_blocks"), np.int32, True),
+    BufferSpec("visit_count", ("num_layers", "max_batch", "lists"), np.int32, True),
+    BufferSpec("flags", ("counters",), np.uint64, True, optional=True),
+)
 
 
 @dataclass(frozen=True)
@@ -73,28 +98,24 @@ class BufferLayout:
         max_groups = groups_for(shape.max_context, model)
         words = SummaryLayout.for_model(model).record_words
         lists = model.num_kv_heads if shape.per_kv_head else 1
-        per_list = (lists,) if shape.per_kv_head else ()
-        L, B = model.num_layers, shape.max_batch
+        dims: dict[str, int] = {
+            "slots": shape.num_slots, "num_layers": model.num_layers,
+            "num_kv_heads": model.num_kv_heads, "record_words": words,
+            "max_seqs": shape.max_seqs, "max_groups": max_groups, "max_blocks": max_blocks,
+            "max_batch": shape.max_batch, "num_q_heads": model.num_q_heads,
+            "head_dim": model.head_dim, "lists": lists, "counters": 2,
+        }
         shapes: dict[str, tuple[int, ...]] = {
-            "summary_pool": (shape.num_slots, L, model.num_kv_heads, words),
-            "group_table": (shape.max_seqs, max_groups),
-            "block_table": (shape.max_seqs, max_blocks),
-            "queries": (L, B, model.num_q_heads, model.head_dim),
-            "visit_blocks": (L, B, *per_list, max_blocks),
-            "visit_count": (L, B, *per_list),
-            "flags": (2,),
+            spec.name: tuple(dims[d] for d in spec.dims if d != "lists" or shape.per_kv_head)
+            for spec in CONTRACT
         }
-        dtypes: dict[str, type] = {
-            "summary_pool": np.float32, "group_table": np.int32, "block_table": np.int32,
-            "queries": np.float32, "visit_blocks": np.int32, "visit_count": np.int32,
-            "flags": np.uint64,
-        }
+        dtypes: dict[str, type] = {spec.name: spec.dtype for spec in CONTRACT}
         offsets: dict[str, int] = {}
         at = 0
-        for name, dims in shapes.items():
+        for name, shape_of in shapes.items():
             offsets[name] = at
-            nbytes = int(np.prod(dims)) * np.dtype(dtypes[name]).itemsize
-            at = (at + nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            nbytes = int(np.prod(shape_of)) * np.dtype(dtypes[name]).itemsize
+            at = (at + nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         return BufferLayout(model, shape, max_blocks, max_groups, words, lists, shapes, offsets,
                             dtypes, at)
 

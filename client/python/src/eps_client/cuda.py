@@ -1,6 +1,6 @@
 """Device buffers that the library allocates itself and exports through CUDA IPC.
 
-DESIGN §5: PyTorch's expandable segments and vLLM's cumem allocator break legacy
+docs/design.md §5: PyTorch's expandable segments and vLLM's cumem allocator break legacy
 ``cudaIpcGetMemHandle`` on the engine's own tensors, so ``CudaBuffers`` takes one
 region with ``cudaMalloc`` (through ctypes on libcudart), exports its 64-byte
 legacy IPC handle in every descriptor (``CudaIpcHandle``) and wraps the buffers

@@ -1,0 +1,50 @@
+#include "core/buffer_contract.h"
+
+#include <gtest/gtest.h>
+
+namespace eps {
+namespace {
+
+ModelLayout Model() {
+  ModelLayout m;
+  m.num_layers = 3;
+  m.num_q_heads = 8;
+  m.num_kv_heads = 2;
+  m.head_dim = 64;
+  return m;
+}
+
+TEST(BufferContractTest, TableIsInSharedBufferOrder) {
+  for (int i = 0; i < kSharedBuffers; ++i) {
+    EXPECT_EQ(static_cast<int>(kBufferContract[i].id), i) << kBufferContract[i].name;
+  }
+}
+
+TEST(BufferContractTest, UnionListsDropTheListsDimension) {
+  BufferDims dims = BufferDims::For(Model(), Granularity::kUnion);
+  dims[Dim::kMaxBatch] = 4;
+  dims[Dim::kMaxBlocks] = 100;
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kVisitBlocks), dims, Granularity::kUnion),
+            (std::vector<int64_t>{3, 4, 100}));
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kVisitCount), dims, Granularity::kUnion),
+            (std::vector<int64_t>{3, 4}));
+}
+
+TEST(BufferContractTest, PerKvHeadListsHaveOneListPerKvHead) {
+  BufferDims dims = BufferDims::For(Model(), Granularity::kPerKvHead);
+  dims[Dim::kMaxBatch] = 4;
+  dims[Dim::kMaxBlocks] = 100;
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kVisitBlocks), dims, Granularity::kPerKvHead),
+            (std::vector<int64_t>{3, 4, 2, 100}));
+}
+
+TEST(BufferContractTest, EngineChosenDimsAreUnknownUntilSet) {
+  const BufferDims dims = BufferDims::For(Model(), Granularity::kUnion);
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kSummaryPool), dims, Granularity::kUnion),
+            (std::vector<int64_t>{-1, 3, 2, SummaryLayout::For(Model()).record_words}));
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kFlags), dims, Granularity::kUnion),
+            (std::vector<int64_t>{2}));
+}
+
+}  // namespace
+}  // namespace eps

@@ -1,0 +1,174 @@
+// In-process tests of service/convert.h: eps.v1 messages <-> core/ and service types.
+#include "service/convert.h"
+
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace eps::service {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ConvertTest, StatusKeepsItsCodeAndMessageOverGrpc) {
+  const grpc::Status s = ToGrpcStatus(absl::FailedPreconditionError("step 3 is not after 4"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(s.error_message(), "step 3 is not after 4");
+}
+
+TEST(ConvertTest, EveryCoreDTypeRoundTrips) {
+  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32, DType::kInt8,
+                  DType::kUInt64}) {
+    absl::StatusOr<DType> back = FromProto(ToProto(d));
+    ASSERT_TRUE(back.ok()) << DTypeName(d);
+    EXPECT_EQ(*back, d);
+  }
+  EXPECT_FALSE(FromProto(v1::DTYPE_UNSPECIFIED).ok());
+}
+
+TEST(ConvertTest, LayoutFillsServerDefaultsForUnsetFields) {
+  v1::ModelLayout p;
+  p.set_num_layers(2);
+  p.set_num_q_heads(8);
+  p.set_num_kv_heads(2);
+  p.set_head_dim(64);
+  p.set_block_size(16);
+  absl::StatusOr<ModelLayout> m = LayoutFromProto(p, /*default_group_blocks=*/4,
+                                                  /*default_sketch_dim=*/6);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->group_blocks, 4);
+  EXPECT_EQ(m->sketch_dim, 6);
+  EXPECT_EQ(m->kv_dtype, DType::kFloat16);
+}
+
+TEST(ConvertTest, LayoutErrorsNameTheFieldAndValue) {
+  v1::ModelLayout p;
+  p.set_num_layers(2000000);
+  EXPECT_THAT(LayoutFromProto(p, 8, 8).status().message(),
+              HasSubstr("layout.num_layers=2000000 is too large"));
+  p.set_num_layers(2);
+  p.set_num_q_heads(8);
+  p.set_num_kv_heads(2);
+  p.set_head_dim(64);
+  p.set_block_size(16);
+  p.set_kv_dtype(v1::DTYPE_INT32);
+  EXPECT_THAT(LayoutFromProto(p, 8, 8).status().message(),
+              HasSubstr("layout.kv_dtype=DTYPE_INT32 is not a KV type"));
+}
+
+TEST(ConvertTest, OptionsReplaceOnlyTheFieldsTheySet) {
+  SelectPolicy base;
+  base.alpha = 0.25f;
+  base.first_n = 3;
+  v1::SelectOptions o;
+  o.set_method(v1::METHOD_QUEST);
+  o.set_top_pages(7);
+  absl::StatusOr<SelectPolicy> p = MergeOptions(base, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->method, Method::kQuest);
+  EXPECT_EQ(p->top_pages, 7);
+  EXPECT_EQ(p->alpha, 0.25f);
+  EXPECT_EQ(p->first_n, 3);
+}
+
+TEST(ConvertTest, UnknownOptionValuesAreErrorsNamingTheField) {
+  v1::SelectOptions o;
+  o.set_method(static_cast<v1::Method>(99));
+  EXPECT_EQ(MergeOptions(SelectPolicy{}, o).status().message(), "options.method=99 is unknown");
+  o.Clear();
+  o.set_budget(static_cast<v1::Budget>(42));
+  EXPECT_EQ(MergeOptions(SelectPolicy{}, o).status().message(), "options.budget=42 is unknown");
+}
+
+TEST(ConvertTest, EffectiveOptionsRoundTrip) {
+  SelectPolicy p;
+  p.method = Method::kOnePc;
+  p.budget = Budget::kTopP;
+  p.top_p = 0.9f;
+  p.granularity = Granularity::kPerKvHead;
+  absl::StatusOr<SelectPolicy> back = MergeOptions(SelectPolicy{}, ToProto(p));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->method, Method::kOnePc);
+  EXPECT_EQ(back->budget, Budget::kTopP);
+  EXPECT_EQ(back->top_p, 0.9f);
+  EXPECT_EQ(back->granularity, Granularity::kPerKvHead);
+}
+
+TEST(ConvertTest, BackendUnspecifiedIsAutoAndUnknownIsAnError) {
+  EXPECT_EQ(*BackendFromProto(v1::BACKEND_UNSPECIFIED), BackendKind::kAuto);
+  EXPECT_EQ(*BackendFromProto(v1::BACKEND_CUDA), BackendKind::kCuda);
+  EXPECT_EQ(ToProto(BackendKind::kCpu), v1::BACKEND_CPU);
+  EXPECT_EQ(ToProto(BackendKind::kCuda), v1::BACKEND_CUDA);
+  EXPECT_EQ(BackendFromProto(static_cast<v1::Backend>(7)).status().message(),
+            "backend=7 is unknown");
+}
+
+TEST(ConvertTest, StepStatsCarryTheStepAndPrepassTime) {
+  StepStats s;
+  s.groups_total = 10;
+  s.groups_visited = 4;
+  s.blocks_total = 80;
+  s.blocks_visited = 32;
+  s.summary_bytes_read = 1234;
+  v1::StepStats out;
+  ToProto(s, 17, 55.5, &out);
+  EXPECT_EQ(out.step(), 17u);
+  EXPECT_EQ(out.groups_visited(), 4u);
+  EXPECT_EQ(out.pages_total(), 80u);
+  EXPECT_EQ(out.pages_visited(), 32u);
+  EXPECT_EQ(out.bytes_summary_read(), 1234u);
+  EXPECT_DOUBLE_EQ(out.prepass_us(), 55.5);
+}
+
+TEST(ConvertTest, VisitListsAreReadLayerMajorThenRowThenList) {
+  // 2 layers, max_batch 3 (2 rows used), 2 lists per row, max_blocks 4.
+  const int layers = 2, lists = 2;
+  const int64_t max_batch = 3, max_blocks = 4;
+  std::vector<int32_t> blocks(layers * max_batch * lists * max_blocks);
+  std::vector<int32_t> counts(layers * max_batch * lists);
+  for (size_t i = 0; i < counts.size(); ++i) {
+    counts[i] = static_cast<int32_t>(i % 4);
+    for (int b = 0; b < max_blocks; ++b)
+      blocks[i * max_blocks + b] = static_cast<int32_t>(i * 10 + b);
+  }
+  const std::vector<StepRow> rows = {{.table_row = 0, .context_tokens = 64},
+                                     {.table_row = 1, .context_tokens = 20}};
+  v1::SelectPagesResponse response;
+  AppendVisitLists({.blocks = blocks.data(),
+                    .counts = counts.data(),
+                    .num_layers = layers,
+                    .max_batch = max_batch,
+                    .lists = lists,
+                    .max_blocks = max_blocks,
+                    .block_size = 16},
+                   rows, &response);
+  ASSERT_EQ(response.visit_lists_size(), layers * 2 * lists);
+  for (const v1::VisitList& v : response.visit_lists()) {
+    const int64_t index = (v.layer() * max_batch + v.batch_index()) * lists + v.kv_head();
+    ASSERT_EQ(v.blocks_size(), counts[index]);
+    for (int b = 0; b < v.blocks_size(); ++b) EXPECT_EQ(v.blocks(b), index * 10 + b);
+  }
+  // Layer 1, row 1, list 1: index (1*3+1)*2+1 = 9, 1 block.
+  const v1::VisitList& last = response.visit_lists(response.visit_lists_size() - 1);
+  EXPECT_EQ(last.layer(), 1u);
+  EXPECT_EQ(last.batch_index(), 1u);
+  EXPECT_EQ(last.kv_head(), 1u);
+  EXPECT_EQ(last.blocks_size(), 1);
+}
+
+TEST(ConvertTest, RowsKeepTableRowContextAndSeqId) {
+  google::protobuf::RepeatedPtrField<v1::BatchRow> rows;
+  v1::BatchRow* r = rows.Add();
+  r->set_table_row(3);
+  r->set_context_tokens(4097);
+  r->set_seq_id(77);
+  const std::vector<StepRow> out = RowsFromProto(rows);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].table_row, 3);
+  EXPECT_EQ(out[0].context_tokens, 4097);
+  EXPECT_EQ(out[0].seq_id, 77u);
+}
+
+}  // namespace
+}  // namespace eps::service

@@ -1,0 +1,168 @@
+// In-process tests of descriptor validation (service/descriptor.h): every
+// refusal is INVALID_ARGUMENT or FAILED_PRECONDITION naming the buffer.
+#include "service/descriptor.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace eps::service {
+namespace {
+
+using ::testing::HasSubstr;
+
+TensorSpec QueriesSpec() {
+  return {"queries", v1::DTYPE_FLOAT32, {2, 4, 8}, {"num_layers", "max_batch", "head_dim"}};
+}
+
+v1::MemoryDescriptor Inline(std::initializer_list<int64_t> shape,
+                            v1::DType dtype = v1::DTYPE_FLOAT32) {
+  v1::MemoryDescriptor d;
+  d.mutable_inline_bytes()->set_data("");
+  for (int64_t dim : shape) d.add_shape(dim);
+  d.set_dtype(dtype);
+  return d;
+}
+
+// A POSIX shm object of `size` bytes, unlinked at scope exit.
+class ShmObject {
+ public:
+  explicit ShmObject(uint64_t size)
+      : name_("/eps-descriptor-test-" + std::to_string(getpid()) + "-" + std::to_string(next_++)) {
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    close(fd);
+  }
+  ~ShmObject() { shm_unlink(name_.c_str()); }
+  v1::MemoryDescriptor Descriptor(uint64_t size, uint64_t offset,
+                                  std::initializer_list<int64_t> shape) const {
+    v1::MemoryDescriptor d;
+    d.mutable_host_shm()->set_name(name_);
+    d.mutable_host_shm()->set_size(size);
+    d.set_offset(offset);
+    for (int64_t dim : shape) d.add_shape(dim);
+    d.set_dtype(v1::DTYPE_INT32);
+    return d;
+  }
+
+ private:
+  static inline int next_ = 0;
+  std::string name_;
+};
+
+TEST(DescriptorTest, AnInlineTensorResolvesToItsShapeAndBytes) {
+  MappingCache cache;
+  absl::StatusOr<HostTensor> t = ResolveTensor(Inline({2, 4, 8}), QueriesSpec(), cache);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->shape, (std::vector<int64_t>{2, 4, 8}));
+  EXPECT_EQ(t->bytes, 2u * 4 * 8 * 4);
+  EXPECT_TRUE(t->is_inline);
+  EXPECT_FALSE(t->is_device);
+}
+
+TEST(DescriptorTest, AWrongDTypeNamesBothTypes) {
+  MappingCache cache;
+  EXPECT_EQ(
+      ResolveTensor(Inline({2, 4, 8}, v1::DTYPE_INT32), QueriesSpec(), cache).status().message(),
+      "queries.dtype=DTYPE_INT32, want DTYPE_FLOAT32");
+}
+
+TEST(DescriptorTest, AWrongRankListsTheDimensionsWanted) {
+  MappingCache cache;
+  EXPECT_EQ(ResolveTensor(Inline({2, 4}), QueriesSpec(), cache).status().message(),
+            "queries has rank 2, want 3 [num_layers, max_batch, head_dim]");
+}
+
+TEST(DescriptorTest, AFixedDimensionMismatchNamesWhatItMustEqual) {
+  MappingCache cache;
+  EXPECT_EQ(ResolveTensor(Inline({2, 5, 8}), QueriesSpec(), cache).status().message(),
+            "queries.shape[1]=5 does not match max_batch=4");
+  EXPECT_THAT(ResolveTensor(Inline({2, 0, 8}), QueriesSpec(), cache).status().message(),
+              HasSubstr("queries.shape[1]=0 must be >= 1"));
+}
+
+TEST(DescriptorTest, NonContiguousStridesAreRefused) {
+  MappingCache cache;
+  v1::MemoryDescriptor d = Inline({2, 4, 8});
+  for (int64_t s : {32, 8, 2}) d.add_strides(s);
+  EXPECT_THAT(ResolveTensor(d, QueriesSpec(), cache).status().message(),
+              HasSubstr("queries.strides[2]=2, want 1"));
+}
+
+TEST(DescriptorTest, AnOverflowingShapeIsRefused) {
+  MappingCache cache;
+  TensorSpec spec{"big", v1::DTYPE_FLOAT32, {-1, -1}, {"a", "b"}};
+  EXPECT_THAT(
+      ResolveTensor(Inline({int64_t{1} << 40, int64_t{1} << 40}), spec, cache).status().message(),
+      HasSubstr("big.shape overflows int64"));
+}
+
+TEST(DescriptorTest, AMisalignedOffsetIsRefused) {
+  ShmObject shm(4096);
+  MappingCache cache;
+  TensorSpec spec{"group_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_groups"}};
+  EXPECT_EQ(ResolveTensor(shm.Descriptor(4096, 6, {2, 2}), spec, cache).status().message(),
+            "group_table.offset=6 is not aligned to its 4-byte elements");
+}
+
+TEST(DescriptorTest, AnExtentBeyondTheObjectIsRefused) {
+  ShmObject shm(4096);
+  MappingCache cache;
+  TensorSpec spec{"group_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_groups"}};
+  EXPECT_THAT(ResolveTensor(shm.Descriptor(4096, 4000, {4, 8}), spec, cache).status().message(),
+              HasSubstr("group_table: offset 4000 + 128 bytes exceeds the 4096-byte allocation"));
+}
+
+TEST(DescriptorTest, TwoSizesForOneShmObjectAreRefused) {
+  ShmObject shm(4096);
+  MappingCache cache;
+  TensorSpec spec{"group_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_groups"}};
+  ASSERT_TRUE(ResolveTensor(shm.Descriptor(4096, 0, {2, 2}), spec, cache).ok());
+  spec.name = "block_table";
+  EXPECT_THAT(ResolveTensor(shm.Descriptor(8192, 256, {2, 2}), spec, cache).status().message(),
+              HasSubstr("block_table.host_shm.size=8192 differs from 4096"));
+  EXPECT_EQ(cache.size(), 1u);
+}
+
+TEST(DescriptorTest, DeviceMemoryIsRefusedWithoutAnIpcOpener) {
+  MappingCache cache;  // a cpu session's cache
+  v1::MemoryDescriptor d;
+  d.mutable_cuda_ipc()->set_handle(std::string(64, '\0'));
+  d.set_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t dim : {2, 4, 8}) d.add_shape(dim);
+  const absl::Status s = ResolveTensor(d, QueriesSpec(), cache).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("queries is CUDA device memory"));
+}
+
+TEST(DescriptorTest, AnUnsetMemoryIsRefused) {
+  MappingCache cache;
+  v1::MemoryDescriptor d;
+  d.set_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t dim : {2, 4, 8}) d.add_shape(dim);
+  EXPECT_EQ(ResolveTensor(d, QueriesSpec(), cache).status().message(), "queries.memory is not set");
+}
+
+TEST(DescriptorTest, AnOutputOverlappingAnotherBufferIsRefused) {
+  ShmObject shm(4096);
+  MappingCache cache;
+  TensorSpec in{"block_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_blocks"}};
+  TensorSpec out{"visit_count", v1::DTYPE_INT32, {-1}, {"lists"}, /*writable=*/true};
+  absl::StatusOr<HostTensor> a = ResolveTensor(shm.Descriptor(4096, 0, {4, 4}), in, cache);
+  absl::StatusOr<HostTensor> b = ResolveTensor(shm.Descriptor(4096, 32, {8}), out, cache);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_THAT(CheckNoOverlap({{in, *a}, {out, *b}}).message(),
+              HasSubstr("visit_count overlaps block_table"));
+  absl::StatusOr<HostTensor> c = ResolveTensor(shm.Descriptor(4096, 64, {8}), out, cache);
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(CheckNoOverlap({{in, *a}, {out, *c}}).ok());
+}
+
+}  // namespace
+}  // namespace eps::service

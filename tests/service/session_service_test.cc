@@ -1,0 +1,164 @@
+// In-process tests of the session service (no epsd process, no gRPC): attach
+// validation through the buffer contract, steps against the core/ reference,
+// and the refusals a step can meet.
+#include "service/session_service.h"
+
+#include <vector>
+
+#include "core/buffer_contract.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "service/cuda_backend.h"
+#include "tests/core/test_util.h"
+#include "tests/service/test_engine.h"
+
+namespace eps::service {
+namespace {
+
+using eps::testing::TestEngine;
+using ::testing::HasSubstr;
+
+class SessionServiceTest : public ::testing::Test {
+ protected:
+  SessionServiceTest()
+      : seed_(eps::testing::TestSeed()),
+        engine_(eps::testing::SmallServiceModel(), /*max_seqs=*/2, /*max_context=*/512,
+                /*max_batch=*/2, seed_) {
+    engine_.Fill(0, 0, 300);
+    engine_.Fill(1, 1, 200);
+  }
+
+  std::string Attach(const v1::AttachRequest& request) {
+    v1::AttachResponse response;
+    const absl::Status s = service_.Attach(request, &response);
+    EXPECT_TRUE(s.ok()) << s;
+    return response.session_id();
+  }
+
+  v1::SelectPagesRequest Step(const std::string& session, uint64_t step) {
+    v1::SelectPagesRequest r;
+    r.set_session_id(session);
+    r.set_step(step);
+    for (const v1::BatchRow& row : rows_) *r.add_rows() = row;
+    return r;
+  }
+
+  uint64_t seed_;
+  TestEngine engine_;
+  ServerConfig config_;
+  SessionService service_{config_};
+  const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300), TestEngine::Row(1, 200)};
+};
+
+TEST(BufferContractNamesTest, EveryContractBufferIsASharedBuffersMessageField) {
+  for (const BufferSpec& spec : kBufferContract) {
+    const google::protobuf::FieldDescriptor* field =
+        v1::SharedBuffers::descriptor()->FindFieldByName(spec.name);
+    ASSERT_NE(field, nullptr) << spec.name;
+    EXPECT_EQ(field->message_type(), v1::MemoryDescriptor::descriptor()) << spec.name;
+  }
+  EXPECT_EQ(v1::SharedBuffers::descriptor()->field_count(), kSharedBuffers);
+}
+
+TEST_F(SessionServiceTest, AStepWritesTheCoreReferenceListsAndReportsTheCpuBackend) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &attached).ok());
+  EXPECT_EQ(attached.backend(), v1::BACKEND_CPU);
+  v1::SelectPagesResponse response;
+  BackendKind backend = BackendKind::kAuto;
+  const absl::Status s = service_.SelectPages(Step(attached.session_id(), 1), &response, &backend);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(backend, BackendKind::kCpu);
+  EXPECT_TRUE(response.done());
+  EXPECT_GT(response.stats().groups_total(), 0u);
+  EXPECT_TRUE(engine_.MatchesReference(rows_));
+  EXPECT_EQ(engine_.buffers().selection_done(), 1u);
+}
+
+TEST_F(SessionServiceTest, AReplayedStepIsRefusedAndCountedAsAnError) {
+  const std::string id = Attach(engine_.Attach("engine-a"));
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(id, 5), &response).ok());
+  const absl::Status replay = service_.SelectPages(Step(id, 5), &response);
+  EXPECT_EQ(replay.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(replay.message(), "step 5 is not after the session's last step 5");
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats(v1::GetStatsRequest(), &stats).ok());
+  ASSERT_EQ(stats.sessions_size(), 1);
+  EXPECT_EQ(stats.sessions(0).steps(), 1u);
+  EXPECT_EQ(stats.sessions(0).errors(), 1u);
+  EXPECT_EQ(stats.validation_failures_total(), 1u);
+}
+
+TEST_F(SessionServiceTest, AsyncRepliesOnTheCpuBackendAreUnimplemented) {
+  const std::string id = Attach(engine_.Attach("engine-a"));
+  v1::SelectPagesRequest request = Step(id, 1);
+  request.set_reply_mode(v1::REPLY_MODE_ASYNC);
+  v1::SelectPagesResponse response;
+  const absl::Status s = service_.SelectPages(request, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("the cpu backend answers sync"));
+}
+
+TEST_F(SessionServiceTest, AnUnknownSessionIsNotFound) {
+  v1::SelectPagesResponse response;
+  EXPECT_EQ(service_.SelectPages(Step("s-none", 1), &response).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionServiceTest, ABlockTableOfOtherRowsNamesTheGroupTable) {
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.mutable_buffers()->mutable_block_table()->set_shape(0, 1);
+  v1::AttachResponse response;
+  EXPECT_EQ(service_.Attach(request, &response).message(),
+            "block_table.shape[0]=1 does not match group_table.shape[0]=2");
+}
+
+TEST_F(SessionServiceTest, VisitListsWiderThanTheBlockTableNameIt) {
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  v1::MemoryDescriptor* visit = request.mutable_buffers()->mutable_visit_blocks();
+  visit->set_shape(2, visit->shape(2) + 1);
+  v1::AttachResponse response;
+  EXPECT_THAT(service_.Attach(request, &response).message(),
+              HasSubstr("visit_blocks.shape[2]=" + std::to_string(visit->shape(2)) +
+                        " does not match block_table.shape[1]="));
+}
+
+TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  for (v1::MemoryDescriptor* d : {request.mutable_buffers()->mutable_visit_blocks(),
+                                  request.mutable_buffers()->mutable_visit_count()}) {
+    d->mutable_inline_bytes()->set_data("");
+    d->set_offset(0);
+  }
+  request.mutable_buffers()->clear_flags();
+  const std::string id = Attach(request);
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(id, 1), &response).ok());
+  const int layers = engine_.model().num_layers;
+  ASSERT_EQ(response.visit_lists_size(), layers * 2);
+  // The same step over the shared outputs of a second session gives the same lists.
+  const std::string shared = Attach(engine_.Attach("engine-b"));
+  v1::SelectPagesResponse ignored;
+  ASSERT_TRUE(service_.SelectPages(Step(shared, 1), &ignored).ok());
+  for (const v1::VisitList& v : response.visit_lists()) {
+    const auto want = engine_.buffers().VisitBlocks(v.layer(), v.batch_index(), 0);
+    EXPECT_EQ(std::vector<int32_t>(v.blocks().begin(), v.blocks().end()),
+              std::vector<int32_t>(want.begin(), want.end()))
+        << "layer " << v.layer() << " row " << v.batch_index();
+  }
+}
+
+TEST_F(SessionServiceTest, CudaWithoutADeviceIsAFailedPrecondition) {
+  if (CudaBackendBuilt() && CudaDevicePresent()) GTEST_SKIP() << "a CUDA device is present";
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.set_backend(v1::BACKEND_CUDA);
+  v1::AttachResponse response;
+  const absl::Status s = service_.Attach(request, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("backend BACKEND_CUDA is not available"));
+}
+
+}  // namespace
+}  // namespace eps::service
