@@ -116,9 +116,9 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
                     q, cache, wide[i % layers], seqused, out=out), layers * 4)
         if share == 1.0:
             dense_us = us
-        rows.append(dict(batch=batch, context=context, share=share, us=us,
-                         gbs=read / us / 1e3, copy=copy_gbs, padded_us=padded_us,
-                         vs_dense=us / dense_us if dense_us else float("nan")))
+        rows.append({"batch": batch, "context": context, "share": share, "us": us,
+                     "gbs": read / us / 1e3, "copy": copy_gbs, "padded_us": padded_us,
+                     "vs_dense": us / dense_us if dense_us else float("nan")})
     # The dense baseline an engine already has: SDPA's flash kernel over contiguous K/V.
     sdpa_us = float("nan")
     sdpa_err = float("nan")
@@ -155,19 +155,22 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="batch 8 x 32k only")
+    parser.add_argument("--quick", action="store_true",
+                        help="batch 1 x 8k, 8 x 32k, 1 x 128k and 32 x 32k; 100 and 25 %% only")
     parser.add_argument("--splits", action="store_true",
                         help="also sweep num_splits at batch 8 x 32k dense and batch 1 x 128k")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     lib = os.environ.get("EPS_ATTENTION_LIB")
-    print(f"# command: {' '.join(sys.argv)}  EPS_ATTENTION_LIB={lib}")
+    variant = os.environ.get("EPS_ATTN_VARIANT", "")
+    print(f"# command: {' '.join(sys.argv)}  EPS_ATTENTION_LIB={lib}  "
+          f"EPS_ATTN_VARIANT={variant or '(default)'}")
     copy_gbs = copy_bandwidth()
     print(f"# device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)")
-    shares = [1.0, 0.5, 0.25, 0.125]
-    configs = [(8, 32768)] if args.quick else [
+    shares = [1.0, 0.25] if args.quick else [1.0, 0.5, 0.25, 0.125]
+    configs = [(1, 8192), (8, 32768), (1, 131072), (32, 32768)] if args.quick else [
         (b, c) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
     rows: list[dict] = []
     for batch, context in configs:

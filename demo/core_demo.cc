@@ -11,11 +11,27 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "cli/flags.h"
 #include "core/phi.h"
+#include "core/status.h"
 #include "core/step.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
+
+// The same names, types and units as epsd's and eps-load's flags (docs/cli.md).
+ABSL_FLAG(eps::cli::Size, context, {32768}, "tokens per sequence (16k, 32k, ...)");
+ABSL_FLAG(eps::cli::Size, batch, {2}, "sequences, in [1, 4k]");
+ABSL_FLAG(uint64_t, seed, 7, "synthetic keys");
+ABSL_FLAG(int, eps_top_pages, 16, "top_pages M");
+ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
+ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
+ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
+static const eps::cli::FlagAlias kTopPages("top-pages", "eps-top-pages");
+static const eps::cli::FlagAlias kAlpha("alpha", "eps-alpha");
+static const eps::cli::FlagAlias kGroupBlocks("group-blocks", "eps-group-blocks");
 
 namespace {
 
@@ -23,34 +39,39 @@ using eps::testing::SyntheticConfig;
 using eps::testing::SyntheticHead;
 
 struct Args {
-  int64_t context = 32768;
-  int batch = 2;
-  uint64_t seed = 7;
-  int top_pages = 16;
-  float alpha = 1.0f;
-  int sketch_dim = 8;
-  int group_blocks = 8;
+  int64_t context = 0;
+  int batch = 0;
+  uint64_t seed = 0;
+  int top_pages = 0;
+  float alpha = 0;
+  int sketch_dim = 0;
+  int group_blocks = 0;
 };
 
-Args ParseArgs(int argc, char** argv) {
-  Args args;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--context=", 0) == 0) args.context = std::atoll(a.c_str() + 10);
-    if (a.rfind("--batch=", 0) == 0) args.batch = std::atoi(a.c_str() + 8);
-    if (a.rfind("--seed=", 0) == 0) args.seed = std::strtoull(a.c_str() + 7, nullptr, 10);
-    if (a.rfind("--top-pages=", 0) == 0) args.top_pages = std::atoi(a.c_str() + 12);
-    if (a.rfind("--alpha=", 0) == 0) args.alpha = std::strtof(a.c_str() + 8, nullptr);
-    if (a.rfind("--eps-dim=", 0) == 0) args.sketch_dim = std::atoi(a.c_str() + 10);
-    if (a.rfind("--group-blocks=", 0) == 0) args.group_blocks = std::atoi(a.c_str() + 15);
-  }
-  return args;
+absl::StatusOr<Args> ReadFlags() {
+  Args a;
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
+  a.seed = absl::GetFlag(FLAGS_seed);
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_top_pages, 1, 1 << 30, &a.top_pages));
+  double alpha = 0;
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
+  a.alpha = static_cast<float>(alpha);
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_dim, 1, 64, &a.sketch_dim));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &a.group_blocks));
+  return a;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Args args = ParseArgs(argc, argv);
+  absl::StatusOr<Args> read;
+  const int done = eps::cli::ParseMain(argc, argv, "eps_core_demo", "eps_core_demo [flags]", [&] {
+    read = ReadFlags();
+    return read.status();
+  });
+  if (done >= 0) return done;
+  const Args& args = *read;
   eps::ModelLayout model = eps::testing::DemoModel();
   model.sketch_dim = args.sketch_dim;
   model.group_blocks = args.group_blocks;
@@ -106,8 +127,7 @@ int main(int argc, char** argv) {
         for (int r = 0; r < ratio; ++r) {
           const std::span<const float> q(head.queries.data() + r * d, d);
           std::copy(q.begin(), q.end(), buffers.Query(layer, row, kvh * ratio + r).begin());
-          block_mass.push_back(
-              eps::testing::GroupAttentionMass(head.keys, q, d, model.block_size));
+          block_mass.push_back(eps::testing::GroupAttentionMass(head.keys, q, d, model.block_size));
         }
       }
     }
@@ -163,12 +183,11 @@ int main(int argc, char** argv) {
         }
       }
     }
-    std::printf("%-10s %7lld / %-6lld %9.1f%% %11.1f%% %12.4f %12.4f\n", v.name.c_str(),
-                static_cast<long long>(stats.groups_visited),
-                static_cast<long long>(stats.groups_total),
-                100.0 * stats.groups_visited / stats.groups_total,
-                100.0 * stats.kv_bytes_read_est / stats.kv_bytes_dense, recall_sum / heads,
-                recall_min);
+    std::printf(
+        "%-10s %7lld / %-6lld %9.1f%% %11.1f%% %12.4f %12.4f\n", v.name.c_str(),
+        static_cast<long long>(stats.groups_visited), static_cast<long long>(stats.groups_total),
+        100.0 * stats.groups_visited / stats.groups_total,
+        100.0 * stats.kv_bytes_read_est / stats.kv_bytes_dense, recall_sum / heads, recall_min);
   }
   return 0;
 }

@@ -17,60 +17,72 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cli/flags.h"
 #include "client/cpp/engine_buffers.h"
 #include "client/cpp/eps_client.h"
 #include "core/phi.h"
+#include "core/status.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
 
+ABSL_FLAG(std::string, target, "unix:///tmp/epsd.sock",
+          "epsd's address: unix:///path or host:port");
+ABSL_FLAG(int, steps, 16, "decode steps");
+ABSL_FLAG(eps::cli::Size, batch, {2}, "sequences, in [1, 4k]");
+ABSL_FLAG(eps::cli::Size, context, {16384}, "prefilled tokens per sequence (16k, 32k, ...)");
+ABSL_FLAG(absl::Duration, deadline, absl::Milliseconds(20),
+          "the client's per-call deadline; a miss falls back to dense attention");
+ABSL_FLAG(std::string, mode, "unary", "SelectPages transport: unary | stream");
+ABSL_FLAG(uint64_t, seed, 7, "synthetic keys");
+ABSL_FLAG(eps::cli::Millis, pace_ms, {absl::ZeroDuration()},
+          "sleep between steps, like a real decode cadence (a bare number is ms)");
+
 namespace {
 
+// The same names, types and units as eps-load's flags (docs/cli.md).
 struct Args {
-  std::string target = "unix:///tmp/epsd.sock";
-  int steps = 16;
-  int batch = 2;
-  int64_t context = 16384;
-  int deadline_us = 20000;
+  std::string target;
+  int steps = 0;
+  int batch = 0;
+  int64_t context = 0;
+  absl::Duration deadline;
   bool stream = false;
-  uint64_t seed = 7;
-  int pace_ms = 0;  // sleep between steps, like a real decode cadence
+  uint64_t seed = 0;
+  absl::Duration pace;  // sleep between steps, like a real decode cadence
 };
 
-bool Flag(const std::string& arg, const char* name, std::string* value) {
-  const std::string prefix = std::string("--") + name + "=";
-  if (arg.rfind(prefix, 0) != 0) return false;
-  *value = arg.substr(prefix.size());
-  return true;
-}
-
-Args ParseArgs(int argc, char** argv) {
+absl::StatusOr<Args> ReadFlags() {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    std::string v;
-    if (Flag(arg, "target", &v)) a.target = v;
-    else if (Flag(arg, "steps", &v)) a.steps = std::atoi(v.c_str());
-    else if (Flag(arg, "batch", &v)) a.batch = std::atoi(v.c_str());
-    else if (Flag(arg, "context", &v)) a.context = std::atoll(v.c_str());
-    else if (Flag(arg, "deadline-us", &v)) a.deadline_us = std::atoi(v.c_str());
-    else if (Flag(arg, "mode", &v)) a.stream = v == "stream";
-    else if (Flag(arg, "seed", &v)) a.seed = std::strtoull(v.c_str(), nullptr, 10);
-    else if (Flag(arg, "pace-ms", &v)) a.pace_ms = std::atoi(v.c_str());
-    else {
-      std::fprintf(stderr,
-                   "usage: eps-demo [--target=unix:///tmp/epsd.sock] [--steps=16] [--batch=2]\n"
-                   "                [--context=16384] [--deadline-us=20000] [--mode=unary|stream]\n"
-                   "                [--pace-ms=0] [--seed=7]\n");
-      std::exit(2);
-    }
-  }
+  a.target = absl::GetFlag(FLAGS_target);
+  if (a.target.empty()) return eps::cli::Invalid(FLAGS_target, "unix:///path or host:port");
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_steps, 1, 10'000'000, &a.steps));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
+  RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
+  RETURN_IF_ERROR(
+      eps::cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &a.deadline));
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "unary" && mode != "stream") return eps::cli::Invalid(FLAGS_mode, "unary or stream");
+  a.stream = mode == "stream";
+  a.seed = absl::GetFlag(FLAGS_seed);
+  RETURN_IF_ERROR(
+      eps::cli::ReadDuration(FLAGS_pace_ms, absl::ZeroDuration(), absl::Hours(1), &a.pace));
   return a;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Args args = ParseArgs(argc, argv);
+  absl::StatusOr<Args> read;
+  const int done = eps::cli::ParseMain(argc, argv, "eps-demo", "eps-demo [flags]", [&] {
+    read = ReadFlags();
+    return read.status();
+  });
+  if (done >= 0) return done;
+  const Args& args = *read;
   eps::ModelLayout model = eps::testing::DemoModel();
   const int d = model.head_dim, ratio = model.gqa_ratio();
   const int64_t gt = model.group_tokens();
@@ -116,7 +128,8 @@ int main(int argc, char** argv) {
   std::shuffle(physical.begin(), physical.end(), rng);
   for (int row = 0; row < args.batch; ++row) {
     auto groups = buf.GroupRow(row);
-    for (int64_t p = 0; p < buf.max_groups(); ++p) groups[p] = static_cast<int32_t>(row * buf.max_groups() + p);
+    for (int64_t p = 0; p < buf.max_groups(); ++p)
+      groups[p] = static_cast<int32_t>(row * buf.max_groups() + p);
     auto blocks = buf.BlockRow(row);
     for (int64_t b = 0; b < buf.max_blocks(); ++b) blocks[b] = physical[row * buf.max_blocks() + b];
   }
@@ -129,9 +142,11 @@ int main(int argc, char** argv) {
           const int64_t group = t / gt, end = std::min(to, (group + 1) * gt);
           auto record = buf.Record(buf.GroupRow(row)[group], layer, kvh);
           if (t % gt == 0) writer.Reset(record);
-          (void)writer.Append(record, layer, kvh, {keys.data() + t * d, eps::DType::kFloat32, end - t, d});
+          (void)writer.Append(record, layer, kvh,
+                              {keys.data() + t * d, eps::DType::kFloat32, end - t, d});
           if (end % gt == 0) {
-            (void)writer.Seal(record, layer, kvh, {keys.data() + group * gt * d, eps::DType::kFloat32, gt, d});
+            (void)writer.Seal(record, layer, kvh,
+                              {keys.data() + group * gt * d, eps::DType::kFloat32, gt, d});
           }
           t = end;
         }
@@ -159,7 +174,7 @@ int main(int argc, char** argv) {
   attach.set_num_kv_blocks(physical.size());
   eps::client::ClientOptions options;
   options.target = args.target;
-  options.deadline = std::chrono::microseconds(args.deadline_us);
+  options.deadline = absl::ToChronoMicroseconds(args.deadline);
   options.use_stream = args.stream;
   eps::client::EpsClient client(options, attach);
   if (absl::Status s = client.Attach(); !s.ok()) {
@@ -176,7 +191,7 @@ int main(int argc, char** argv) {
   double recall_all = 0, rtt_all = 0;
   int recall_n = 0;
   for (int step = 1; step <= args.steps; ++step) {
-    if (args.pace_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(args.pace_ms));
+    if (args.pace > absl::ZeroDuration()) absl::SleepFor(args.pace);
     const int64_t ctx = args.context + step;  // the new token is in the cache
     std::vector<eps::v1::BatchRow> rows;
     for (int row = 0; row < args.batch; ++row) {
@@ -227,22 +242,24 @@ int main(int argc, char** argv) {
     recall_all += recall_sum / n;
     ++recall_n;
     rtt_all += result.round_trip_us;
-    std::printf("%5d %9lld %6lld/%-7lld %8.1f%% %12.4f %12.4f %10.0f %9s\n", step,
-                static_cast<long long>(ctx), static_cast<long long>(visited),
-                static_cast<long long>(total), 100.0 * visited / total, recall_sum / n, recall_min,
-                result.round_trip_us,
-                result.fallback ? std::string(absl::StatusCodeToString(result.status.code())).c_str() : "-");
+    std::printf(
+        "%5d %9lld %6lld/%-7lld %8.1f%% %12.4f %12.4f %10.0f %9s\n", step,
+        static_cast<long long>(ctx), static_cast<long long>(visited), static_cast<long long>(total),
+        100.0 * visited / total, recall_sum / n, recall_min, result.round_trip_us,
+        result.fallback ? std::string(absl::StatusCodeToString(result.status.code())).c_str()
+                        : "-");
   }
   const eps::client::ClientCounters c = client.counters();
-  std::printf("summary: %llu steps, %llu selected, %llu fallbacks (deadline %llu, unavailable %llu, "
-              "not attached %llu, error %llu), mean recall %.4f, mean rtt %.0f us\n",
-              static_cast<unsigned long long>(c.steps), static_cast<unsigned long long>(c.selected),
-              static_cast<unsigned long long>(c.fallbacks()),
-              static_cast<unsigned long long>(c.fallback_deadline),
-              static_cast<unsigned long long>(c.fallback_unavailable),
-              static_cast<unsigned long long>(c.fallback_not_attached),
-              static_cast<unsigned long long>(c.fallback_error), recall_all / recall_n,
-              rtt_all / args.steps);
+  std::printf(
+      "summary: %llu steps, %llu selected, %llu fallbacks (deadline %llu, unavailable %llu, "
+      "not attached %llu, error %llu), mean recall %.4f, mean rtt %.0f us\n",
+      static_cast<unsigned long long>(c.steps), static_cast<unsigned long long>(c.selected),
+      static_cast<unsigned long long>(c.fallbacks()),
+      static_cast<unsigned long long>(c.fallback_deadline),
+      static_cast<unsigned long long>(c.fallback_unavailable),
+      static_cast<unsigned long long>(c.fallback_not_attached),
+      static_cast<unsigned long long>(c.fallback_error), recall_all / recall_n,
+      rtt_all / args.steps);
   (void)client.Detach();
   return 0;
 }

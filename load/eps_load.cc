@@ -8,12 +8,15 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cli/flags.h"
 #include "load/load_config.h"
 #include "load/load_run.h"
 #include "load/report.h"
+#include "load/rpc_floor.h"
 
 namespace {
 
@@ -26,11 +29,16 @@ extern "C" void RequestStop(int) { stop_requested.store(true); }
 int main(int argc, char** argv) {
   auto config = eps::load::ParseFlags(std::vector<std::string>(argv + 1, argv + argc));
   if (!config.ok()) {
-    std::fprintf(stderr, "eps-load: %s\n", std::string(config.status().message()).c_str());
+    std::fprintf(stderr, "eps-load: %s (eps-load --help lists the flags)\n",
+                 std::string(config.status().message()).c_str());
     return 2;
   }
   if (config->help) {
     std::fputs(eps::load::Usage().c_str(), stdout);
+    return 0;
+  }
+  if (config->version) {
+    std::printf("%s\n", eps::cli::VersionLine("eps-load").c_str());
     return 0;
   }
   // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
@@ -40,11 +48,21 @@ int main(int argc, char** argv) {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  std::optional<eps::load::FloorResult> floor;
+  if (config->floor_calls > 0) {
+    auto measured = eps::load::MeasureFloor(*config);
+    if (!measured.ok()) {
+      std::fprintf(stderr, "eps-load: %s\n", measured.status().ToString().c_str());
+      return 1;
+    }
+    floor = *std::move(measured);
+  }
   auto result = eps::load::RunLoad(*config, &stop_requested);
   if (!result.ok()) {
     std::fprintf(stderr, "eps-load: %s\n", result.status().ToString().c_str());
     return 1;
   }
+  result->floor = std::move(floor);
   eps::load::PrintTable(*config, *result, stdout);
   if (!config->json_path.empty()) {
     std::ofstream out(config->json_path);

@@ -11,6 +11,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "cli/flags.h"
+#include "core/status.h"
+#include "load/flags.h"
 
 namespace eps::load {
 namespace {
@@ -45,25 +48,14 @@ absl::Status Bad(const std::string& flag, const std::string& value, const std::s
   return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": want ", want));
 }
 
+// A token count, with the sizes' k, M, G suffixes (cli::Size), in [1, 2^24].
 absl::StatusOr<int64_t> ParseTokens(const std::string& text) {
-  absl::string_view v = text;
-  int64_t scale = 1;
-  if (absl::ConsumeSuffix(&v, "k") || absl::ConsumeSuffix(&v, "K")) scale = 1024;
-  int64_t n = 0;
-  if (!absl::SimpleAtoi(v, &n) || n < 1 || n > (int64_t{1} << 24) / scale) {
+  cli::Size n;
+  std::string error;
+  if (!cli::AbslParseFlag(text, &n, &error) || n.value < 1 || n.value > (int64_t{1} << 24)) {
     return absl::InvalidArgumentError(text);
   }
-  return n * scale;
-}
-
-template <typename T>
-absl::Status SetInt(const std::string& flag, const std::string& v, T lo, T hi, T* out) {
-  T parsed{};
-  if (!absl::SimpleAtoi(v, &parsed) || parsed < lo || parsed > hi) {
-    return Bad(flag, v, absl::StrCat("an integer in [", lo, ", ", hi, "]"));
-  }
-  *out = parsed;
-  return absl::OkStatus();
+  return n.value;
 }
 
 }  // namespace
@@ -93,28 +85,6 @@ std::string ContextDistribution::ToString() const {
 std::string Arrivals::ToString() const {
   if (closed_loop()) return "closed";
   return poisson ? absl::StrCat("poisson:", rate) : absl::StrCat(rate);
-}
-
-absl::StatusOr<std::chrono::microseconds> ParseDuration(const std::string& text) {
-  absl::string_view v = text;
-  double scale = 1e6;  // seconds by default
-  if (absl::ConsumeSuffix(&v, "us")) {
-    scale = 1;
-  } else if (absl::ConsumeSuffix(&v, "ms")) {
-    scale = 1e3;
-  } else if (absl::ConsumeSuffix(&v, "s")) {
-    scale = 1e6;
-  } else if (absl::ConsumeSuffix(&v, "m")) {
-    scale = 60e6;
-  } else if (absl::ConsumeSuffix(&v, "h")) {
-    scale = 3600e6;
-  }
-  double n = 0;
-  if (v.empty() || !absl::SimpleAtod(v, &n) || !std::isfinite(n) || n < 0 || n * scale > 1e12) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("duration '", text, "': want a number with us, ms, s, m or h"));
-  }
-  return std::chrono::microseconds(static_cast<int64_t>(std::llround(n * scale)));
 }
 
 absl::StatusOr<ContextDistribution> ParseContext(const std::string& text) {
@@ -149,141 +119,116 @@ absl::StatusOr<Arrivals> ParseRate(const std::string& text) {
   return a;
 }
 
-std::string Usage() {
-  return absl::StrCat(
-      "usage: eps-load [flags]\n"
-      "  --target=unix:///tmp/epsd.sock   epsd's address (unix:///path or host:port)\n"
-      "  --preset=llama-3-8b              model shape: ",
-      absl::StrJoin(PresetNames(), ", "),
-      "\n"
-      "  --layers= --q-heads= --kv-heads= --head-dim= --block-size= --group-blocks= --sketch-dim=\n"
-      "                                   override the preset's shape\n"
-      "  --batch=8                        sequences per SelectPages call\n"
-      "  --context=32768                  tokens per sequence: N, Nk or uniform:LO-HI (per call)\n"
-      "  --duration=10s --warmup=1s       measured window, and the unrecorded lead-in\n"
-      "  --rate=0                         SelectPages/s over all sessions: 0 = closed loop,\n"
-      "                                   R = fixed gaps, poisson:R = Poisson arrivals\n"
-      "  --sessions=1                     engines, each with its own buffers, client and channel\n"
-      "  --mode=stream|unary              SelectPages transport (default stream)\n"
-      "  --deadline=10s                   the client's per-call deadline (a miss is an error)\n"
-      "  --slo=2ms                        calls slower than this are counted as over_slo\n"
-      "  --ping-every=1                   one Ping per N SelectPages on each session (0 = none)\n"
-      "  --ping-api=callback|sync         Ping like EpsClient's unary call, or via the sync stub\n"
-      "  --backend=cpu|cuda               where the shared buffers live (cuda: device 0, CUDA IPC)\n"
-      "  --channel-arg=KEY=INT            extra gRPC channel argument (repeatable)\n"
-      "  --json=PATH                      write the report as JSON\n"
-      "  --seed=1                         synthetic data and Poisson gaps\n"
-      "  --soak                           print every error; sample epsd's RSS and fds\n"
-      "  --sample-every=60s               soak: epsd sampling period\n"
-      "  --epsd-pid=PID                   epsd's pid (default: found from the target's socket)\n");
+bool AbslParseFlag(absl::string_view text, ContextDistribution* out, std::string* error) {
+  absl::StatusOr<ContextDistribution> d = ParseContext(std::string(text));
+  if (!d.ok()) {
+    // "--context=x: want ...": keep the want.
+    const std::string message(d.status().message());
+    const size_t want = message.find(": ");
+    *error = want == std::string::npos ? message : message.substr(want + 2);
+    return false;
+  }
+  *out = *d;
+  return true;
 }
 
-absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
-  LoadConfig c;
-  std::map<std::string, std::string> shape;  // custom shape flags, applied after the preset
-  for (const std::string& arg : args) {
-    if (!absl::StartsWith(arg, "--")) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
-    }
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
-    const bool has_value = eq != std::string::npos;
-    const std::string v = has_value ? arg.substr(eq + 1) : "";
-    auto need_value = [&]() -> absl::Status {
-      if (!has_value) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs =VALUE"));
-      return absl::OkStatus();
-    };
-    auto duration = [&](std::chrono::microseconds* out, bool positive) -> absl::Status {
-      if (absl::Status s = need_value(); !s.ok()) return s;
-      auto d = ParseDuration(v);
-      if (!d.ok())
-        return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", d.status().message()));
-      if (positive && d->count() <= 0) return Bad(name, v, "a duration > 0");
-      *out = *d;
-      return absl::OkStatus();
-    };
-    absl::Status s;
-    if (name == "help") {
-      c.help = true;
-    } else if (name == "soak") {
-      c.soak = v.empty() || v == "true" || v == "1";
-      if (!c.soak && v != "false" && v != "0") s = Bad(name, v, "true or false");
-    } else if (!(s = need_value()).ok()) {
-      return s;
-    } else if (name == "target") {
-      if (v.empty()) return Bad(name, v, "unix:///path or host:port");
-      c.target = v;
-    } else if (name == "preset") {
-      c.preset = v;
-    } else if (name == "layers" || name == "q-heads" || name == "kv-heads" || name == "head-dim" ||
-               name == "block-size" || name == "group-blocks" || name == "sketch-dim") {
-      shape[name] = v;
-    } else if (name == "batch") {
-      s = SetInt(name, v, 1, 4096, &c.batch);
-    } else if (name == "context") {
-      auto d = ParseContext(v);
-      if (!d.ok()) return d.status();
-      c.context = *d;
-    } else if (name == "duration") {
-      s = duration(&c.duration, true);
-    } else if (name == "warmup") {
-      s = duration(&c.warmup, false);
-    } else if (name == "rate") {
-      auto a = ParseRate(v);
-      if (!a.ok()) return a.status();
-      c.arrivals = *a;
-    } else if (name == "sessions") {
-      s = SetInt(name, v, 1, 256, &c.sessions);
-    } else if (name == "mode") {
-      if (v != "unary" && v != "stream") return Bad(name, v, "unary or stream");
-      c.stream = v == "stream";
-    } else if (name == "deadline") {
-      s = duration(&c.deadline, true);
-    } else if (name == "slo") {
-      s = duration(&c.slo, true);
-    } else if (name == "ping-every") {
-      s = SetInt(name, v, 0, 1000000, &c.ping_every);
-    } else if (name == "ping-api") {
-      if (v != "callback" && v != "sync") return Bad(name, v, "callback or sync");
-      c.ping_sync = v == "sync";
-    } else if (name == "backend") {
-      if (v != "cpu" && v != "cuda") return Bad(name, v, "cpu or cuda");
-      c.backend = v == "cuda" ? service::BackendKind::kCuda : service::BackendKind::kCpu;
-    } else if (name == "channel-arg") {
-      const size_t at = v.find('=');
-      int value = 0;
-      if (at == std::string::npos || at == 0 || !absl::SimpleAtoi(v.substr(at + 1), &value)) {
-        return Bad(name, v, "KEY=INT, e.g. grpc.enable_retries=0");
-      }
-      c.channel_args.emplace_back(v.substr(0, at), value);
-    } else if (name == "json") {
-      if (v.empty()) return Bad(name, v, "a file path");
-      c.json_path = v;
-    } else if (name == "seed") {
-      s = SetInt<uint64_t>(name, v, 0, UINT64_MAX, &c.seed);
-    } else if (name == "sample-every") {
-      s = duration(&c.sample_every, true);
-    } else if (name == "epsd-pid") {
-      s = SetInt(name, v, 1, INT32_MAX, &c.epsd_pid);
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, "\n", Usage()));
-    }
-    if (!s.ok()) return s;
+std::string AbslUnparseFlag(const ContextDistribution& d) { return d.ToString(); }
+
+bool AbslParseFlag(absl::string_view text, Arrivals* out, std::string* error) {
+  absl::StatusOr<Arrivals> a = ParseRate(std::string(text));
+  if (!a.ok()) {
+    const std::string message(a.status().message());
+    const size_t want = message.find(": ");
+    *error = want == std::string::npos ? message : message.substr(want + 2);
+    return false;
   }
-  auto model = PresetModel(c.preset);
+  *out = *a;
+  return true;
+}
+
+std::string AbslUnparseFlag(const Arrivals& a) { return a.closed_loop() ? "0" : a.ToString(); }
+
+std::string Usage() { return cli::Usage("eps-load [flags]"); }
+
+namespace {
+
+std::chrono::microseconds Us(absl::Duration d) {
+  return std::chrono::microseconds(absl::ToInt64Microseconds(d));
+}
+
+// A shape flag: 0 keeps the preset's value.
+absl::Status Override(const absl::Flag<int>& flag, int* field) {
+  if (absl::GetFlag(flag) == 0) return absl::OkStatus();
+  return cli::ReadInRange(flag, 1, 4096, field);
+}
+
+}  // namespace
+
+absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
+  cli::CommandLine command_line;
+  RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
+  LoadConfig c;
+  c.help = command_line.help;
+  c.version = command_line.version;
+  c.target = absl::GetFlag(FLAGS_target);
+  if (c.target.empty()) return cli::Invalid(FLAGS_target, "unix:///path or host:port");
+  c.preset = absl::GetFlag(FLAGS_preset);
+  absl::StatusOr<ModelLayout> model = PresetModel(c.preset);
   if (!model.ok()) return model.status();
   c.model = *model;
-  for (const auto& [name, v] : shape) {
-    int* field = name == "layers"         ? &c.model.num_layers
-                 : name == "q-heads"      ? &c.model.num_q_heads
-                 : name == "kv-heads"     ? &c.model.num_kv_heads
-                 : name == "head-dim"     ? &c.model.head_dim
-                 : name == "block-size"   ? &c.model.block_size
-                 : name == "group-blocks" ? &c.model.group_blocks
-                                          : &c.model.sketch_dim;
-    if (absl::Status s = SetInt(name, v, 1, 4096, field); !s.ok()) return s;
+  RETURN_IF_ERROR(Override(FLAGS_layers, &c.model.num_layers));
+  RETURN_IF_ERROR(Override(FLAGS_q_heads, &c.model.num_q_heads));
+  RETURN_IF_ERROR(Override(FLAGS_kv_heads, &c.model.num_kv_heads));
+  RETURN_IF_ERROR(Override(FLAGS_head_dim, &c.model.head_dim));
+  RETURN_IF_ERROR(Override(FLAGS_block_size, &c.model.block_size));
+  RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, &c.model.group_blocks));
+  RETURN_IF_ERROR(Override(FLAGS_eps_dim, &c.model.sketch_dim));
+  RETURN_IF_ERROR(c.model.Validate());
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_batch, 1, 4096, &c.batch));
+  c.context = absl::GetFlag(FLAGS_context);
+  absl::Duration d;
+  RETURN_IF_ERROR(
+      cli::ReadDuration(FLAGS_duration, absl::Microseconds(1), absl::Hours(24 * 365), &d));
+  c.duration = Us(d);
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_warmup, absl::ZeroDuration(), absl::Hours(24), &d));
+  c.warmup = Us(d);
+  c.arrivals = absl::GetFlag(FLAGS_rate);
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_sessions, 1, 256, &c.sessions));
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "unary" && mode != "stream") return cli::Invalid(FLAGS_mode, "unary or stream");
+  c.stream = mode == "stream";
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_deadline, absl::Microseconds(1), absl::Hours(1), &d));
+  c.deadline = Us(d);
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_slo, absl::Microseconds(1), absl::Hours(1), &d));
+  c.slo = Us(d);
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_ping_every, 0, 1000000, &c.ping_every));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_floor_calls, 0, 10000000, &c.floor_calls));
+  const std::string floor_server = absl::GetFlag(FLAGS_floor_server);
+  if (floor_server != "process" && floor_server != "in-process") {
+    return cli::Invalid(FLAGS_floor_server, "process or in-process");
   }
-  if (absl::Status s = c.model.Validate(); !s.ok()) return s;
+  c.floor_in_process = floor_server == "in-process";
+  const std::string api = absl::GetFlag(FLAGS_ping_api);
+  if (api != "callback" && api != "sync") return cli::Invalid(FLAGS_ping_api, "callback or sync");
+  c.ping_sync = api == "sync";
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend != "cpu" && backend != "cuda") return cli::Invalid(FLAGS_backend, "cpu or cuda");
+  c.backend = backend == "cuda" ? service::BackendKind::kCuda : service::BackendKind::kCpu;
+  for (const std::string& arg : absl::GetFlag(FLAGS_channel_arg)) {
+    const size_t at = arg.find('=');
+    int value = 0;
+    if (at == std::string::npos || at == 0 || !absl::SimpleAtoi(arg.substr(at + 1), &value)) {
+      return cli::Invalid(FLAGS_channel_arg, "KEY=INT, e.g. grpc.enable_retries=0");
+    }
+    c.channel_args.emplace_back(arg.substr(0, at), value);
+  }
+  c.json_path = absl::GetFlag(FLAGS_json);
+  c.seed = absl::GetFlag(FLAGS_seed);
+  c.soak = absl::GetFlag(FLAGS_soak);
+  RETURN_IF_ERROR(
+      cli::ReadDuration(FLAGS_sample_every, absl::Milliseconds(1), absl::Hours(24), &d));
+  c.sample_every = Us(d);
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_epsd_pid, 0, INT32_MAX, &c.epsd_pid));
   return c;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/layout.h"
 #include "service/backend_kind.h"
 
@@ -51,7 +52,9 @@ struct LoadConfig {
   std::chrono::microseconds deadline{std::chrono::seconds(10)};
   std::chrono::microseconds slo{2000};  // a call slower than this is counted as over_slo
   int ping_every = 1;                   // one Ping per this many SelectPages; 0 = no Ping
-  bool ping_sync = false;  // Ping through the synchronous stub instead of the callback API
+  int floor_calls = 1000;         // rounds of the RPC floor measurement before the run; 0 = none
+  bool floor_in_process = false;  // the floor's minimal server in this process, not a child
+  bool ping_sync = false;         // Ping through the synchronous stub instead of the callback API
   service::BackendKind backend = service::BackendKind::kCpu;  // kCpu or kCuda
   std::vector<std::pair<std::string, int>> channel_args;
   std::string json_path;
@@ -62,6 +65,7 @@ struct LoadConfig {
   std::chrono::microseconds sample_every{std::chrono::seconds(60)};
   int epsd_pid = 0;  // 0: the process listening on the target's socket, when found
   bool help = false;
+  bool version = false;
 };
 
 // The shapes eps-load knows: llama-3-8b, qwen2.5-7b, llama-3-70b-tp8 (one
@@ -69,14 +73,20 @@ struct LoadConfig {
 absl::StatusOr<ModelLayout> PresetModel(const std::string& name);
 const std::vector<std::string>& PresetNames();
 
-// "5s", "250ms", "100us", "10m", "1.5s"; a bare number is seconds.
-absl::StatusOr<std::chrono::microseconds> ParseDuration(const std::string& text);
 // "32768", "32k", "uniform:1024-32768" (k = 1024).
 absl::StatusOr<ContextDistribution> ParseContext(const std::string& text);
 // "0" (closed loop), "200" (fixed gaps), "poisson:200".
 absl::StatusOr<Arrivals> ParseRate(const std::string& text);
 
-// Parses --flag=value forms (args exclude argv[0]); unknown flags are errors.
+// The flag forms of the two above (--context, --rate).
+bool AbslParseFlag(absl::string_view text, ContextDistribution* out, std::string* error);
+std::string AbslUnparseFlag(const ContextDistribution& d);
+bool AbslParseFlag(absl::string_view text, Arrivals* out, std::string* error);
+std::string AbslUnparseFlag(const Arrivals& a);
+
+// Parses a command line (args exclude argv[0]) through eps-load's abseil flags
+// (load/flags.cc); unknown flags and bad values are errors naming the flag. Each call
+// starts from the defaults (not thread-safe).
 absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args);
 std::string Usage();
 

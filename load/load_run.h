@@ -37,6 +37,7 @@
 #include "load/latency_summary.h"
 #include "load/load_config.h"
 #include "load/process_stats.h"
+#include "load/rpc_floor.h"
 
 namespace eps::load {
 
@@ -88,6 +89,7 @@ struct RunResult {
   double prefill_s = 0;
   int64_t summary_bytes_per_session = 0;
   std::string load_start, load_end;  // /proc/loadavg at start and end
+  std::optional<FloorResult> floor;  // the RPC floor, measured before the run (--floor-calls)
   static constexpr size_t kMaxErrorLog = 1000;
 };
 

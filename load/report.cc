@@ -9,26 +9,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
 
 namespace eps::load {
 namespace {
 
-std::string Quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
+using Json = nlohmann::ordered_json;
 
-std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.3f", v) : "null"; }
+// A measured number in the report: rounded to 1e-3, null when there is none.
+Json Num(double v) { return std::isfinite(v) ? Json(std::round(v * 1000) / 1000) : Json(nullptr); }
 
 std::string CpuModel() {
   std::ifstream in("/proc/cpuinfo");
@@ -67,29 +56,76 @@ std::string Cell(double us, uint64_t count) {
   return count == 0 ? "-" : absl::StrFormat("%.1f", us);
 }
 
-std::string CallJson(CallView v, const CallResults& c) {
+Json CallJson(CallView v, const CallResults& c) {
   if (v.lat.count == 0) {  // no latency to report: null, not a misleading 0
     const double none = std::nan("");
     v.lat.min_us = v.lat.p50_us = v.lat.p90_us = v.lat.p99_us = v.lat.p999_us = v.lat.max_us =
         v.lat.mean_us = v.lat.stddev_us = none;
   }
   if (v.lag.count == 0) v.lag.p50_us = v.lag.p99_us = v.lag.max_us = std::nan("");
-  std::vector<std::string> codes;
-  for (const auto& [code, n] : c.errors_by_code)
-    codes.push_back(absl::StrCat(Quote(code), ": ", n));
-  return absl::StrCat(
-      "{\"p50_us\": ", Num(v.lat.p50_us), ", \"p90_us\": ", Num(v.lat.p90_us),
-      ", \"p99_us\": ", Num(v.lat.p99_us), ", \"p999_us\": ", Num(v.lat.p999_us),
-      ", \"max_us\": ", Num(v.lat.max_us), ", \"min_us\": ", Num(v.lat.min_us),
-      ", \"mean_us\": ", Num(v.lat.mean_us), ", \"stddev_us\": ", Num(v.lat.stddev_us),
-      ", \"count\": ", v.lat.count, ", \"errors\": ", v.errors, ", \"errors_by_code\": {",
-      absl::StrJoin(codes, ", "), "}, \"unsent\": ", c.unsent, ", \"rps\": ", Num(v.rps),
-      ", \"over_slo\": ", v.over_slo, ", \"send_lag_p50_us\": ", Num(v.lag.p50_us),
-      ", \"send_lag_p99_us\": ", Num(v.lag.p99_us), ", \"send_lag_max_us\": ", Num(v.lag.max_us),
-      "}");
+  Json codes = Json::object();
+  for (const auto& [code, n] : c.errors_by_code) codes[code] = n;
+  return Json{{"p50_us", Num(v.lat.p50_us)},
+              {"p90_us", Num(v.lat.p90_us)},
+              {"p99_us", Num(v.lat.p99_us)},
+              {"p999_us", Num(v.lat.p999_us)},
+              {"max_us", Num(v.lat.max_us)},
+              {"min_us", Num(v.lat.min_us)},
+              {"mean_us", Num(v.lat.mean_us)},
+              {"stddev_us", Num(v.lat.stddev_us)},
+              {"count", v.lat.count},
+              {"errors", v.errors},
+              {"errors_by_code", codes},
+              {"unsent", c.unsent},
+              {"rps", Num(v.rps)},
+              {"over_slo", v.over_slo},
+              {"send_lag_p50_us", Num(v.lag.p50_us)},
+              {"send_lag_p99_us", Num(v.lag.p99_us)},
+              {"send_lag_max_us", Num(v.lag.max_us)}};
 }
 
 std::string ModeName(const LoadConfig& c) { return c.stream ? "stream" : "unary"; }
+
+// The RPC floor next to epsd's Ping and SelectPages: p50 and p99 of each, and the
+// ratios the latency goals are written in (docs/benchmarks/latency.md).
+void PrintFloor(FloorResult& f, const CallView& sel, std::FILE* out) {
+  const LatencySummary fc = f.floor_callback.Summarize(), fs = f.floor_sync.Summarize();
+  const LatencySummary pc = f.ping_callback.Summarize(), ps = f.ping_sync.Summarize();
+  std::fprintf(out,
+               "rpc floor: %llu interleaved rounds before the run, minimal server (%s) at %s "
+               "(%llu failed calls)\n",
+               static_cast<unsigned long long>(fc.count), f.where.c_str(), f.floor_address.c_str(),
+               static_cast<unsigned long long>(f.errors));
+  std::fprintf(out, "%-34s %10s %10s %12s\n", "call", "p50 us", "p99 us", "p50 / floor");
+  auto row = [&](const char* name, const LatencySummary& l, const LatencySummary& floor) {
+    std::fprintf(out, "%-34s %10s %10s %11.2fx\n", name, Cell(l.p50_us, l.count).c_str(),
+                 Cell(l.p99_us, l.count).c_str(), Ratio(l.p50_us, floor.p50_us));
+  };
+  row("floor, callback client", fc, fc);
+  row("floor, sync client", fs, fc);
+  row("epsd Ping, callback client", pc, fc);
+  row("epsd Ping, sync client", ps, fs);
+  row("epsd SelectPages (the run)", sel.lat, fc);
+  std::fprintf(out, "SelectPages / Ping (the run) p50 %.2fx; Ping / floor (callback) p50 %.2fx\n",
+               Ratio(sel.lat.p50_us, pc.p50_us), Ratio(pc.p50_us, fc.p50_us));
+}
+
+Json FloorJson(FloorResult& f) {
+  auto summary = [](LatencySamples& samples) {
+    const LatencySummary l = samples.Summarize();
+    return Json{{"p50_us", Num(l.p50_us)}, {"p99_us", Num(l.p99_us)}, {"count", l.count}};
+  };
+  const double floor_p50 = f.floor_callback.Summarize().p50_us;
+  const double ping_p50 = f.ping_callback.Summarize().p50_us;
+  return Json{{"address", f.floor_address},
+              {"server", f.where},
+              {"floor_callback", summary(f.floor_callback)},
+              {"floor_sync", summary(f.floor_sync)},
+              {"ping_callback", summary(f.ping_callback)},
+              {"ping_sync", summary(f.ping_sync)},
+              {"ping_over_floor_p50", Num(Ratio(ping_p50, floor_p50))},
+              {"errors", f.errors}};
+}
 
 }  // namespace
 
@@ -179,6 +215,7 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
   } else {
     std::fprintf(out, "epsd resources not sampled: %s\n", r.epsd_pid_note.c_str());
   }
+  if (r.floor.has_value()) PrintFloor(*r.floor, sel, out);
 }
 
 std::string ToJson(const LoadConfig& config, RunResult& r) {
@@ -189,65 +226,87 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
   const ModelLayout& m = config.model;
   utsname u{};
   uname(&u);
-  std::vector<std::string> args;
-  for (const auto& [k, v] : config.channel_args) args.push_back(absl::StrCat(Quote(k), ": ", v));
-  std::vector<std::string> samples;
+  Json channel_args = Json::object();
+  for (const auto& [k, v] : config.channel_args) channel_args[k] = v;
+  Json samples = Json::array();
   for (const EpsdSample& s : r.epsd_samples) {
-    samples.push_back(absl::StrCat(
-        "{\"t_s\": ", Num(s.t_s), ", \"why\": ", Quote(s.why), ", \"rss_kb\": ", s.stats.rss_kb,
-        ", \"open_fds\": ", s.stats.open_fds, ", \"threads\": ", s.stats.threads, "}"));
+    samples.push_back({{"t_s", Num(s.t_s)},
+                       {"why", s.why},
+                       {"rss_kb", s.stats.rss_kb},
+                       {"open_fds", s.stats.open_fds},
+                       {"threads", s.stats.threads}});
   }
-  std::vector<std::string> errors;
+  Json errors = Json::array();
   for (const ErrorEvent& e : r.error_log) {
-    errors.push_back(absl::StrCat("{\"t_s\": ", Num(e.t_s), ", \"session\": ", e.session,
-                                  ", \"call\": ", Quote(e.call), ", \"code\": ", Quote(e.code),
-                                  ", \"message\": ", Quote(e.message), "}"));
+    errors.push_back({{"t_s", Num(e.t_s)},
+                      {"session", e.session},
+                      {"call", e.call},
+                      {"code", e.code},
+                      {"message", e.message}});
   }
   const client::ClientCounters& f = r.fallbacks;
   auto us = [](std::chrono::microseconds d) { return d.count(); };
-  return absl::StrCat(
-      "{\n\"measured_s\": ", Num(r.measured_s),
-      ", \"stopped_early\": ", r.stopped_early ? "true" : "false",
-      ",\n\"select\": ", CallJson(sel, r.select), ",\n\"ping\": ", CallJson(png, r.ping),
-      ",\n\"ratio\": {\"p50\": ", Num(Ratio(sel.lat.p50_us, png.lat.p50_us)),
-      ", \"p90\": ", Num(Ratio(sel.lat.p90_us, png.lat.p90_us)),
-      ", \"p99\": ", Num(Ratio(sel.lat.p99_us, png.lat.p99_us)),
-      ", \"p999\": ", Num(Ratio(sel.lat.p999_us, png.lat.p999_us)),
-      ", \"max\": ", Num(Ratio(sel.lat.max_us, png.lat.max_us)),
-      ", \"mean\": ", Num(Ratio(sel.lat.mean_us, png.lat.mean_us)), "},\n",
-      "\"server\": {\"prepass_p50_us\": ", Num(prepass.p50_us),
-      ", \"prepass_p99_us\": ", Num(prepass.p99_us), ", \"prepass_max_us\": ", Num(prepass.max_us),
-      ", \"overhead_p50_us\": ", Num(overhead.p50_us),
-      ", \"overhead_p90_us\": ", Num(overhead.p90_us),
-      ", \"overhead_p99_us\": ", Num(overhead.p99_us), ", \"pages_visited\": ", r.pages_visited,
-      ", \"pages_total\": ", r.pages_total, "},\n",
-      "\"client_fallbacks\": {\"deadline\": ", f.fallback_deadline,
-      ", \"unavailable\": ", f.fallback_unavailable,
-      ", \"not_attached\": ", f.fallback_not_attached, ", \"error\": ", f.fallback_error,
-      ", \"reattaches\": ", f.reattaches, ", \"steps\": ", f.steps, ", \"selected\": ", f.selected,
-      "},\n", "\"config\": {\"target\": ", Quote(config.target),
-      ", \"preset\": ", Quote(config.preset), ", \"layers\": ", m.num_layers,
-      ", \"q_heads\": ", m.num_q_heads, ", \"kv_heads\": ", m.num_kv_heads,
-      ", \"head_dim\": ", m.head_dim, ", \"block_size\": ", m.block_size,
-      ", \"group_blocks\": ", m.group_blocks, ", \"sketch_dim\": ", m.sketch_dim,
-      ", \"batch\": ", config.batch, ", \"context\": ", Quote(config.context.ToString()),
-      ", \"rate\": ", Quote(config.arrivals.ToString()), ", \"sessions\": ", config.sessions,
-      ", \"mode\": ", Quote(ModeName(config)), ", \"duration_us\": ", us(config.duration),
-      ", \"warmup_us\": ", us(config.warmup), ", \"deadline_us\": ", us(config.deadline),
-      ", \"slo_us\": ", us(config.slo), ", \"ping_every\": ", config.ping_every,
-      ", \"ping_api\": ", Quote(config.ping_sync ? "sync" : "callback"),
-      ", \"backend\": ", Quote(service::BackendKindName(config.backend)),
-      ", \"channel_args\": {", absl::StrJoin(args, ", "), "}, \"seed\": ", config.seed,
-      ", \"soak\": ", config.soak ? "true" : "false",
-      ", \"summary_bytes_per_session\": ", r.summary_bytes_per_session,
-      ", \"prefill_s\": ", Num(r.prefill_s), "},\n",
-      "\"machine\": {\"started_utc\": ", Quote(r.started_utc),
-      ", \"cpus\": ", std::thread::hardware_concurrency(), ", \"cpu_model\": ", Quote(CpuModel()),
-      ", \"kernel\": ", Quote(absl::StrCat(u.sysname, " ", u.release, " ", u.machine)),
-      ", \"loadavg_start\": ", Quote(r.load_start), ", \"loadavg_end\": ", Quote(r.load_end),
-      "},\n", "\"epsd\": {\"pid\": ", r.epsd_pid, ", \"note\": ", Quote(r.epsd_pid_note),
-      ", \"samples\": [", absl::StrJoin(samples, ", "), "]},\n", "\"errors\": [",
-      absl::StrJoin(errors, ",\n  "), "], \"errors_dropped\": ", r.error_log_dropped, "\n}\n");
+  Json report;
+  report["measured_s"] = Num(r.measured_s);
+  report["stopped_early"] = r.stopped_early;
+  report["select"] = CallJson(sel, r.select);
+  report["ping"] = CallJson(png, r.ping);
+  report["ratio"] = {{"p50", Num(Ratio(sel.lat.p50_us, png.lat.p50_us))},
+                     {"p90", Num(Ratio(sel.lat.p90_us, png.lat.p90_us))},
+                     {"p99", Num(Ratio(sel.lat.p99_us, png.lat.p99_us))},
+                     {"p999", Num(Ratio(sel.lat.p999_us, png.lat.p999_us))},
+                     {"max", Num(Ratio(sel.lat.max_us, png.lat.max_us))},
+                     {"mean", Num(Ratio(sel.lat.mean_us, png.lat.mean_us))}};
+  report["server"] = {
+      {"prepass_p50_us", Num(prepass.p50_us)},   {"prepass_p99_us", Num(prepass.p99_us)},
+      {"prepass_max_us", Num(prepass.max_us)},   {"overhead_p50_us", Num(overhead.p50_us)},
+      {"overhead_p90_us", Num(overhead.p90_us)}, {"overhead_p99_us", Num(overhead.p99_us)},
+      {"pages_visited", r.pages_visited},        {"pages_total", r.pages_total}};
+  report["client_fallbacks"] = {{"deadline", f.fallback_deadline},
+                                {"unavailable", f.fallback_unavailable},
+                                {"not_attached", f.fallback_not_attached},
+                                {"error", f.fallback_error},
+                                {"reattaches", f.reattaches},
+                                {"steps", f.steps},
+                                {"selected", f.selected}};
+  report["config"] = {{"target", config.target},
+                      {"preset", config.preset},
+                      {"layers", m.num_layers},
+                      {"q_heads", m.num_q_heads},
+                      {"kv_heads", m.num_kv_heads},
+                      {"head_dim", m.head_dim},
+                      {"block_size", m.block_size},
+                      {"group_blocks", m.group_blocks},
+                      {"sketch_dim", m.sketch_dim},
+                      {"batch", config.batch},
+                      {"context", config.context.ToString()},
+                      {"rate", config.arrivals.ToString()},
+                      {"sessions", config.sessions},
+                      {"mode", ModeName(config)},
+                      {"duration_us", us(config.duration)},
+                      {"warmup_us", us(config.warmup)},
+                      {"deadline_us", us(config.deadline)},
+                      {"slo_us", us(config.slo)},
+                      {"ping_every", config.ping_every},
+                      {"ping_api", config.ping_sync ? "sync" : "callback"},
+                      {"backend", service::BackendKindName(config.backend)},
+                      {"channel_args", channel_args},
+                      {"seed", config.seed},
+                      {"soak", config.soak},
+                      {"summary_bytes_per_session", r.summary_bytes_per_session},
+                      {"prefill_s", Num(r.prefill_s)}};
+  report["machine"] = {{"started_utc", r.started_utc},
+                       {"cpus", std::thread::hardware_concurrency()},
+                       {"cpu_model", CpuModel()},
+                       {"kernel", absl::StrCat(u.sysname, " ", u.release, " ", u.machine)},
+                       {"loadavg_start", r.load_start},
+                       {"loadavg_end", r.load_end}};
+  report["epsd"] = {{"pid", r.epsd_pid}, {"note", r.epsd_pid_note}, {"samples", samples}};
+  if (r.floor.has_value()) report["rpc_floor"] = FloorJson(*r.floor);
+  report["errors"] = errors;
+  report["errors_dropped"] = r.error_log_dropped;
+  // Invalid UTF-8 in an error message is replaced, not thrown on.
+  return report.dump(1, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace eps::load

@@ -1,223 +1,167 @@
 #include "service/config.h"
 
-#include <functional>
-#include <map>
+#include <cstdlib>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "cli/flags.h"
+#include "core/status.h"
+#include "service/flags.h"
 
 namespace eps::service {
 namespace {
 
-using Setter = std::function<absl::Status(const std::string&, ServerConfig&)>;
-
-struct Flag {
-  std::string help;
-  Setter set;
-  bool is_bool = false;
-};
-
-absl::Status Bad(const std::string& flag, const std::string& value, const std::string& want) {
-  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": want ", want));
-}
-
+// One of `names`, by the flag's value; an error naming the flag otherwise.
 template <typename T>
-Setter Number(const std::string& flag, T ServerConfig::*field, T lo, T hi) {
-  return [=](const std::string& v, ServerConfig& c) -> absl::Status {
-    T parsed{};
-    if (!absl::SimpleAtoi(v, &parsed) || parsed < lo || parsed > hi) {
-      return Bad(flag, v, absl::StrCat("an integer in [", lo, ", ", hi, "]"));
+absl::Status ReadChoice(const absl::Flag<std::string>& flag,
+                        std::initializer_list<std::pair<const char*, T>> names, T* out) {
+  const std::string value = absl::GetFlag(flag);
+  std::string want;
+  for (const auto& [name, choice] : names) {
+    if (value == name) {
+      *out = choice;
+      return absl::OkStatus();
     }
-    c.*field = parsed;
-    return absl::OkStatus();
-  };
-}
-
-Setter PolicyInt(const std::string& flag, int SelectPolicy::*field, int lo) {
-  return [=](const std::string& v, ServerConfig& c) -> absl::Status {
-    int parsed = 0;
-    if (!absl::SimpleAtoi(v, &parsed) || parsed < lo) {
-      return Bad(flag, v, absl::StrCat("an integer >= ", lo));
-    }
-    c.policy.*field = parsed;
-    return absl::OkStatus();
-  };
-}
-
-absl::Status ParseBool(const std::string& flag, const std::string& v, bool* out) {
-  if (v.empty() || v == "true" || v == "1") {
-    *out = true;
-  } else if (v == "false" || v == "0") {
-    *out = false;
-  } else {
-    return Bad(flag, v, "true or false");
+    absl::StrAppend(&want, want.empty() ? "" : ", ", name);
   }
+  return cli::Invalid(flag, absl::StrCat("one of ", want));
+}
+
+// host:port with a port in [0, 65535], or "off"/empty for none.
+absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out) {
+  const std::string v = absl::GetFlag(flag);
+  if (v.empty() || v == "off") {
+    out->clear();
+    return absl::OkStatus();
+  }
+  const size_t colon = v.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(v.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return cli::Invalid(flag, "host:port (port in [0, 65535]), empty or off");
+  }
+  *out = v;
   return absl::OkStatus();
 }
 
-const std::map<std::string, Flag>& Flags() {
-  static const auto* flags = new std::map<std::string, Flag>{
-      {"listen",
-       {"unix:///path (default unix:///tmp/epsd.sock) or host:port (loopback unless --allow-remote)",
-        [](const std::string& v, ServerConfig& c) {
-          if (v.empty()) return Bad("listen", v, "unix:///path or host:port");
-          c.listen = v;
-          return absl::OkStatus();
-        }}},
-      {"allow-remote",
-       {"accept a non-loopback TCP --listen address",
-        [](const std::string& v, ServerConfig& c) { return ParseBool("allow-remote", v, &c.allow_remote); },
-        true}},
-      {"socket-mode",
-       {"octal file mode of the Unix socket (default 0660)",
-        [](const std::string& v, ServerConfig& c) {
-          char* end = nullptr;
-          const unsigned long mode = std::strtoul(v.c_str(), &end, 8);
-          if (v.empty() || *end != '\0' || mode > 0777) return Bad("socket-mode", v, "octal <= 0777");
-          c.socket_mode = static_cast<uint32_t>(mode);
-          return absl::OkStatus();
-        }}},
-      {"backend",
-       {"cpu | cuda | auto (per session: cuda when its buffers are cuda_ipc handles; default auto)",
-        [](const std::string& v, ServerConfig& c) {
-          if (v == "cpu") c.backend = BackendKind::kCpu;
-          else if (v == "cuda") c.backend = BackendKind::kCuda;
-          else if (v == "auto") c.backend = BackendKind::kAuto;
-          else return Bad("backend", v, "cpu, cuda or auto");
-          return absl::OkStatus();
-        }}},
-      {"eps-method",
-       {"off | jl | 1pc | fro | quest (default jl)",
-        [](const std::string& v, ServerConfig& c) {
-          if (!ParseMethod(v, &c.policy.method)) return Bad("eps-method", v, "off, jl, 1pc, fro or quest");
-          return absl::OkStatus();
-        }}},
-      {"eps-dim", {"sketch dimension m (default 8)", Number<int>("eps-dim", &ServerConfig::sketch_dim, 1, 64)}},
-      {"eps-group-blocks",
-       {"blocks per summary group g (default 8)",
-        Number<int>("eps-group-blocks", &ServerConfig::group_blocks, 1, 1024)}},
-      {"eps-alpha",
-       {"visit groups scoring >= T/alpha (default 1.0)",
-        [](const std::string& v, ServerConfig& c) {
-          float a = 0;
-          if (!absl::SimpleAtof(v, &a) || !(a >= 1.0f) || a > 1e6f) return Bad("eps-alpha", v, "a number >= 1");
-          c.policy.alpha = a;
-          return absl::OkStatus();
-        }}},
-      {"eps-first-n", {"attention-sink groups always visited (default 1)", PolicyInt("eps-first-n", &SelectPolicy::first_n, 0)}},
-      {"eps-last-n", {"recent groups always visited, the newest among them (default 2)", PolicyInt("eps-last-n", &SelectPolicy::last_n, 0)}},
-      {"eps-top-pages", {"top_pages M (default 16)", PolicyInt("eps-top-pages", &SelectPolicy::top_pages, 1)}},
-      {"eps-heads",
-       {"all | retrieval (default all)",
-        [](const std::string& v, ServerConfig& c) {
-          if (v == "all") c.policy.heads = HeadMode::kAll;
-          else if (v == "retrieval") c.policy.heads = HeadMode::kRetrieval;
-          else return Bad("eps-heads", v, "all or retrieval");
-          return absl::OkStatus();
-        }}},
-      {"eps-strict",
-       {"guarantee a superset of the true top-M (default false)",
-        [](const std::string& v, ServerConfig& c) { return ParseBool("eps-strict", v, &c.policy.strict); },
-        true}},
-      {"eps-budget",
-       {"threshold | fixed | top_p (default threshold)",
-        [](const std::string& v, ServerConfig& c) {
-          if (v == "threshold") c.policy.budget = Budget::kThreshold;
-          else if (v == "fixed") c.policy.budget = Budget::kFixed;
-          else if (v == "top_p") c.policy.budget = Budget::kTopP;
-          else return Bad("eps-budget", v, "threshold, fixed or top_p");
-          return absl::OkStatus();
-        }}},
-      {"eps-top-p",
-       {"estimated attention mass to cover with --eps-budget=top_p (default 0.95)",
-        [](const std::string& v, ServerConfig& c) {
-          float p = 0;
-          if (!absl::SimpleAtof(v, &p) || !(p > 0.0f && p <= 1.0f)) return Bad("eps-top-p", v, "a number in (0, 1]");
-          c.policy.top_p = p;
-          return absl::OkStatus();
-        }}},
-      {"lease-ms", {"session lease in ms, renewed by Attach, SelectPages and Heartbeat (default 10000)", Number<uint32_t>("lease-ms", &ServerConfig::lease_ms, 50, 3600000)}},
-      {"max-sessions", {"sessions at once (default 64)", Number<uint32_t>("max-sessions", &ServerConfig::max_sessions, 1, 100000)}},
-      {"max-batch", {"rows per step (default 1024)", Number<uint32_t>("max-batch", &ServerConfig::max_batch, 1, 1u << 20)}},
-      {"max-message-bytes", {"largest gRPC message (default 64 MiB)", Number<uint32_t>("max-message-bytes", &ServerConfig::max_message_bytes, 1024, 1u << 30)}},
-      {"inputs-timeout-ms", {"cuda backend, async replies: how long a queued step waits for the engine's inputs_ready before epsd releases it and fails the step (default 1000)", Number<uint32_t>("inputs-timeout-ms", &ServerConfig::inputs_timeout_ms, 1, 600000)}},
-      {"metrics-listen",
-       {"host:port of the Prometheus /metrics endpoint (default 127.0.0.1:9464; port 0 picks "
-        "one; empty or off: not served)",
-        [](const std::string& v, ServerConfig& c) {
-          if (v.empty() || v == "off") {
-            c.metrics_listen.clear();
-            return absl::OkStatus();
-          }
-          const size_t colon = v.rfind(':');
-          int port = -1;
-          if (colon == std::string::npos || colon == 0 ||
-              !absl::SimpleAtoi(v.substr(colon + 1), &port) || port < 0 || port > 65535) {
-            return Bad("metrics-listen", v, "host:port (port in [0, 65535]), empty or off");
-          }
-          c.metrics_listen = v;
-          return absl::OkStatus();
-        }}},
-      {"step-log",
-       {"append one JSON line per SelectPages step to this file (default: off)",
-        [](const std::string& v, ServerConfig& c) {
-          if (v.empty()) return Bad("step-log", v, "a file path");
-          c.step_log = v;
-          return absl::OkStatus();
-        }}},
-      {"drain-ms", {"on SIGTERM, how long in-flight calls may finish (default 5000)", Number<uint32_t>("drain-ms", &ServerConfig::drain_ms, 0, 600000)}},
-  };
-  return *flags;
+uint32_t Ms(absl::Duration d) { return static_cast<uint32_t>(absl::ToInt64Milliseconds(d)); }
+
+// Reads the process's flags into a config, checking every range.
+absl::StatusOr<ServerConfig> ReadFlags() {
+  ServerConfig c;
+  c.listen = absl::GetFlag(FLAGS_listen);
+  if (c.listen.empty()) return cli::Invalid(FLAGS_listen, "unix:///path or host:port");
+  c.allow_remote = absl::GetFlag(FLAGS_allow_remote);
+  {
+    const std::string mode = absl::GetFlag(FLAGS_socket_mode);
+    char* end = nullptr;
+    const unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
+    if (mode.empty() || *end != '\0' || parsed > 0777) {
+      return cli::Invalid(FLAGS_socket_mode, "octal <= 0777");
+    }
+    c.socket_mode = static_cast<uint32_t>(parsed);
+  }
+  RETURN_IF_ERROR(ReadHostPort(FLAGS_metrics_listen, &c.metrics_listen));
+  RETURN_IF_ERROR(ReadHostPort(FLAGS_health_listen, &c.health_listen));
+  RETURN_IF_ERROR(ReadChoice<BackendKind>(
+      FLAGS_backend,
+      {{"cpu", BackendKind::kCpu}, {"cuda", BackendKind::kCuda}, {"auto", BackendKind::kAuto}},
+      &c.backend));
+  if (!ParseMethod(absl::GetFlag(FLAGS_eps_method), &c.policy.method)) {
+    return cli::Invalid(FLAGS_eps_method, "off, jl, 1pc, fro or quest");
+  }
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_dim, 1, 64, &c.sketch_dim));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &c.group_blocks));
+  double alpha = 0;
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
+  c.policy.alpha = static_cast<float>(alpha);
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_first_n, 0, 1 << 30, &c.policy.first_n));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_last_n, 0, 1 << 30, &c.policy.last_n));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_top_pages, 1, 1 << 30, &c.policy.top_pages));
+  RETURN_IF_ERROR(ReadChoice<HeadMode>(
+      FLAGS_eps_heads, {{"all", HeadMode::kAll}, {"retrieval", HeadMode::kRetrieval}},
+      &c.policy.heads));
+  c.policy.strict = absl::GetFlag(FLAGS_eps_strict);
+  RETURN_IF_ERROR(ReadChoice<Budget>(
+      FLAGS_eps_budget,
+      {{"threshold", Budget::kThreshold}, {"fixed", Budget::kFixed}, {"top_p", Budget::kTopP}},
+      &c.policy.budget));
+  const double top_p = absl::GetFlag(FLAGS_eps_top_p);
+  if (!(top_p > 0.0 && top_p <= 1.0)) return cli::Invalid(FLAGS_eps_top_p, "a number in (0, 1]");
+  c.policy.top_p = static_cast<float>(top_p);
+
+  absl::Duration d;
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));
+  c.lease_ms = Ms(d);
+  RETURN_IF_ERROR(
+      cli::ReadDuration(FLAGS_inputs_timeout_ms, absl::Milliseconds(1), absl::Minutes(10), &d));
+  c.inputs_timeout_ms = Ms(d);
+  RETURN_IF_ERROR(cli::ReadDuration(FLAGS_drain_ms, absl::ZeroDuration(), absl::Minutes(10), &d));
+  c.drain_ms = Ms(d);
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_sessions, 1u, 100000u, &c.max_sessions));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_batch, 1u, 1u << 20, &c.max_batch));
+  RETURN_IF_ERROR(
+      cli::ReadInRange(FLAGS_max_message_bytes, 1u << 10, 1u << 30, &c.max_message_bytes));
+  c.step_log = absl::GetFlag(FLAGS_step_log);
+  return c;
 }
 
 }  // namespace
 
 const std::vector<std::string>& FlagNames() {
-  static const auto* names = [] {
-    auto* v = new std::vector<std::string>{"help"};
-    for (const auto& [name, flag] : Flags()) v->push_back(name);
-    return v;
-  }();
+  static const auto* names = new std::vector<std::string>(cli::FlagNames());
   return *names;
 }
 
-std::string Usage() {
-  std::string out = "usage: epsd [flags]\n";
-  for (const auto& [name, flag] : Flags()) absl::StrAppend(&out, "  --", name, "  ", flag.help, "\n");
-  return out;
+std::string Usage() { return cli::Usage("epsd [flags]"); }
+
+absl::Status CheckListenAddress(const std::string& flag, const std::string& address,
+                                bool allow_remote) {
+  if (absl::StartsWith(address, "unix://")) {
+    if (address.size() <= 7) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=unix:// needs a path"));
+    }
+    return absl::OkStatus();
+  }
+  if (allow_remote) return absl::OkStatus();
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host == "localhost" || host == "::1" || absl::StartsWith(host, "127.")) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", address,
+                                                 " is not a Unix socket or a loopback address; "
+                                                 "pass --allow-remote"));
+}
+
+absl::Status CheckListeners(const ServerConfig& config) {
+  RETURN_IF_ERROR(CheckListenAddress("listen", config.listen, config.allow_remote));
+  if (!config.metrics_listen.empty()) {
+    RETURN_IF_ERROR(
+        CheckListenAddress("metrics-listen", config.metrics_listen, config.allow_remote));
+  }
+  if (!config.health_listen.empty()) {
+    if (absl::StartsWith(config.health_listen, "unix:")) {
+      return absl::InvalidArgumentError(absl::StrCat("--health-listen=", config.health_listen,
+                                                     ": want host:port (kubelet probes TCP)"));
+    }
+    RETURN_IF_ERROR(CheckListenAddress("health-listen", config.health_listen, config.allow_remote));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ServerConfig> ParseFlags(const std::vector<std::string>& args) {
-  ServerConfig config;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    if (arg == "--help" || arg == "-h") {
-      config.help = true;
-      continue;
-    }
-    if (arg.rfind("--", 0) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
-    }
-    std::string name = arg.substr(2), value;
-    bool has_value = false;
-    if (const size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    const auto it = Flags().find(name);
-    if (it == Flags().end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
-    }
-    if (!has_value && !it->second.is_bool) {
-      if (i + 1 >= args.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
-      }
-      value = args[++i];
-    }
-    if (absl::Status s = it->second.set(value, config); !s.ok()) return s;
-  }
+  cli::CommandLine command_line;
+  RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
+  absl::StatusOr<ServerConfig> config = ReadFlags();
+  if (!config.ok()) return config.status();
+  RETURN_IF_ERROR(CheckListeners(*config));
+  config->help = command_line.help;
+  config->version = command_line.version;
   return config;
 }
 

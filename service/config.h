@@ -1,5 +1,7 @@
-// epsd's command-line configuration. Parsing is a pure function (no globals),
-// so tests and the deployment flag check can call it.
+// epsd's command-line configuration. The flags themselves are abseil flags defined in
+// service/flags.cc; ParseFlags parses a command line into them and reads them into a
+// ServerConfig. Each call starts from the defaults, so tests can call it any number of
+// times (not concurrently).
 #pragma once
 
 #include <cstdint>
@@ -14,28 +16,38 @@ namespace eps::service {
 
 struct ServerConfig {
   std::string listen = "unix:///tmp/epsd.sock";  // unix:///path or host:port
-  bool allow_remote = false;      // TCP beyond loopback only when set
-  uint32_t socket_mode = 0660;    // file mode of the Unix socket
+  bool allow_remote = false;    // TCP beyond loopback only when set (every listener)
+  uint32_t socket_mode = 0660;  // file mode of the Unix socket
   BackendKind backend = BackendKind::kAuto;
-  SelectPolicy policy;            // --eps-* defaults for sessions
-  int group_blocks = 8;           // --eps-group-blocks
-  int sketch_dim = 8;             // --eps-dim
-  uint32_t lease_ms = 10000;      // default session lease
+  SelectPolicy policy;        // --eps-* defaults for sessions
+  int group_blocks = 8;       // --eps-group-blocks
+  int sketch_dim = 8;         // --eps-dim
+  uint32_t lease_ms = 10000;  // default session lease
   uint32_t max_sessions = 64;
   uint32_t max_batch = 1024;
   uint32_t max_message_bytes = 64u << 20;
-  uint32_t drain_ms = 5000;       // SIGTERM: how long in-flight calls may finish
-  uint32_t inputs_timeout_ms = 1000;  // async steps: the watchdog on inputs_ready
+  uint32_t drain_ms = 5000;                       // SIGTERM: how long in-flight calls may finish
+  uint32_t inputs_timeout_ms = 1000;              // async steps: the watchdog on inputs_ready
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served
-  std::string step_log;           // JSONL step log path; empty: off
+  std::string health_listen;  // grpc.health.v1 over TCP (host:port); empty: not served
+  std::string step_log;       // JSONL step log path; empty: off
   bool help = false;
+  bool version = false;
 };
 
-// Parses --flag=value and --flag value forms; unknown flags are errors.
+// Parses --flag=value and --flag value forms; unknown flags, stray words and bad values
+// are errors that name the flag and the value.
 absl::StatusOr<ServerConfig> ParseFlags(const std::vector<std::string>& args);
 
 // Every flag name epsd accepts (without "--"), for --help and deployment checks.
 const std::vector<std::string>& FlagNames();
 std::string Usage();
+
+// Rejects a listener address that is not a Unix socket or loopback unless allow_remote;
+// `flag` names the flag in the error ("listen", "metrics-listen", "health-listen").
+absl::Status CheckListenAddress(const std::string& flag, const std::string& address,
+                                bool allow_remote);
+// Every listener of `config`, by that rule.
+absl::Status CheckListeners(const ServerConfig& config);
 
 }  // namespace eps::service

@@ -1,11 +1,13 @@
 // epsd: the EPS page selector sidecar.
+#include <pthread.h>
+
 #include <csignal>
 #include <cstdio>
-#include <pthread.h>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cli/flags.h"
 #include "service/config.h"
 #include "service/cuda_backend.h"
 #include "service/server.h"
@@ -14,12 +16,16 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<eps::service::ServerConfig> config = eps::service::ParseFlags(args);
   if (!config.ok()) {
-    std::fprintf(stderr, "epsd: %s\n%s", std::string(config.status().message()).c_str(),
-                 eps::service::Usage().c_str());
+    std::fprintf(stderr, "epsd: %s (epsd --help lists the flags)\n",
+                 std::string(config.status().message()).c_str());
     return 2;
   }
   if (config->help) {
     std::printf("%s", eps::service::Usage().c_str());
+    return 0;
+  }
+  if (config->version) {
+    std::printf("%s\n", eps::cli::VersionLine("epsd").c_str());
     return 0;
   }
   if (config->backend == eps::service::BackendKind::kCuda &&
@@ -50,6 +56,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epsd: warning: %s\n", warning.c_str());
   }
   std::fprintf(stderr, "epsd: %s\n", (*server)->telemetry().Describe().c_str());
+  if (!(*server)->health_address().empty()) {
+    std::fprintf(stderr, "epsd: grpc.health.v1 on %s\n", (*server)->health_address().c_str());
+  }
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -34,24 +35,8 @@ bool SocketIsLive(const std::string& path) {
 
 }  // namespace
 
-absl::Status CheckListenAddress(const std::string& listen, bool allow_remote) {
-  if (absl::StartsWith(listen, "unix://")) {
-    if (listen.size() <= 7) return absl::InvalidArgumentError("--listen=unix:// needs a path");
-    return absl::OkStatus();
-  }
-  if (allow_remote) return absl::OkStatus();
-  const size_t colon = listen.rfind(':');
-  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
-  if (host == "localhost" || host == "::1" || absl::StartsWith(host, "127.")) {
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--listen=", listen, " is not a Unix socket or a loopback address; pass --allow-remote"));
-}
-
 absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& config) {
-  if (absl::Status s = CheckListenAddress(config.listen, config.allow_remote); !s.ok()) return s;
+  if (absl::Status s = CheckListeners(config); !s.ok()) return s;
   auto server = std::unique_ptr<EpsServer>(new EpsServer());
   server->config_ = config;
   server->sessions_ = std::make_unique<SessionService>(config);
@@ -84,6 +69,9 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second server on a taken TCP port would share
+  // it (the kernel splitting connections between the two) instead of failing.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(),
                            is_unix ? nullptr : &port);
@@ -96,6 +84,9 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   }
   if (auto* health = server->server_->GetHealthCheckService()) {
     health->SetServingStatus(v1::PageSelector::service_full_name(), true);
+  }
+  if (!config.health_listen.empty()) {
+    if (absl::Status s = server->StartHealthListener(); !s.ok()) return s;
   }
   server->bound_address_ = config.listen;
   if (!is_unix) {
@@ -111,15 +102,41 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   return server;
 }
 
+absl::Status EpsServer::StartHealthListener() {
+  // A server of its own with only grpc.health.v1 (the default service that
+  // EnableDefaultHealthCheckService adds to every server): the TCP port that kubelet
+  // probes must not carry the page-selection API, which stays on --listen.
+  grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port is an error
+  int port = 0;
+  builder.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &port);
+  health_server_ = builder.BuildAndStart();
+  if (health_server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--health-listen=", config_.health_listen, ": cannot listen"));
+  }
+  if (auto* health = health_server_->GetHealthCheckService()) {
+    health->SetServingStatus(v1::PageSelector::service_full_name(), true);
+  }
+  health_address_ =
+      absl::StrCat(config_.health_listen.substr(0, config_.health_listen.rfind(':')), ":", port);
+  return absl::OkStatus();
+}
+
 void EpsServer::Shutdown() {
   if (server_ == nullptr) return;
+  // Probes see NOT_SERVING while calls drain, then the health port closes.
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(config_.drain_ms));
+  if (health_server_ != nullptr) {
+    if (auto* health = health_server_->GetHealthCheckService()) health->Shutdown();
+  }
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_ms));
+  if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
 }
 
 void EpsServer::Wait() {
   if (server_ != nullptr) server_->Wait();
+  if (health_server_ != nullptr) health_server_->Wait();
 }
 
 EpsServer::~EpsServer() {

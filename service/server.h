@@ -1,6 +1,8 @@
 // Builds and runs the epsd gRPC server: listen address policy (Unix socket by
 // default, TCP on loopback unless allowed), health and reflection services,
-// message-size limits, graceful drain.
+// message-size limits, graceful drain; grpc.health.v1 alone on a TCP port for
+// kubelet's native probes (--health-listen). Every listener is loopback unless
+// --allow-remote (CheckListeners in config.h).
 #pragma once
 
 #include <memory>
@@ -14,9 +16,6 @@
 
 namespace eps::service {
 
-// Rejects a TCP address that is not loopback unless allow_remote.
-absl::Status CheckListenAddress(const std::string& listen, bool allow_remote);
-
 class EpsServer {
  public:
   static absl::StatusOr<std::unique_ptr<EpsServer>> Start(const ServerConfig& config);
@@ -29,6 +28,8 @@ class EpsServer {
   telemetry::Telemetry& telemetry() { return *telemetry_; }
   // The address clients dial: for TCP with port 0, the port the kernel chose.
   const std::string& bound_address() const { return bound_address_; }
+  // host:port of the grpc.health.v1 TCP listener (--health-listen); empty when off.
+  const std::string& health_address() const { return health_address_; }
 
  private:
   EpsServer() = default;
@@ -38,6 +39,10 @@ class EpsServer {
   std::unique_ptr<PageSelectorService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string bound_address_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health-listen; null when off
+  std::string health_address_;
+
+  absl::Status StartHealthListener();
 };
 
 }  // namespace eps::service

@@ -5,7 +5,7 @@ every resource is validated against the strict JSON schemas that kubernetes-vali
 ships for the lowest Kubernetes version the overlay supports and for the newest one
 it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
 Deployment's pod template is checked for what docs/deploy.md promises: epsd as a
-native sidecar with health probes on its socket, the socket and /dev/shm shared with
+native sidecar with kubelet gRPC probes on its health port, the socket and /dev/shm shared with
 the engine, hardened containers with resources, and GPU sharing that hands both
 containers the same device. Exit status 1 lists every problem found.
 
@@ -32,7 +32,7 @@ from packaging.version import Version
 # resource.k8s.io/v1 for DRA: 1.34). A new overlay must be added here.
 MIN_VERSIONS = {"base": "1.29", "cpu-demo": "1.29", "gpu": "1.29", "gpu-dra": "1.34"}
 SIDECAR = "epsd"
-PROBE = "/usr/local/bin/eps-health-probe"
+SERVICE = "eps.v1.PageSelector"
 HERE = Path(__file__).resolve().parent
 
 
@@ -107,6 +107,10 @@ def schema_errors(resource: Resource, versions: list[str]) -> list[str]:
             path = ".".join(str(p) for p in e.absolute_path)
             errors.append(f"{where} (Kubernetes {version}): {path}: {e.message}")
     return errors
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "[::1]") or host.startswith("127.")
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
@@ -194,12 +198,28 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         )
     need(_env(engine).get("EPS_TARGET") == listen, f"engine EPS_TARGET is not --listen ({listen})")
 
+    # kubelet's gRPC probes dial the pod IP on --health-listen's port.
+    health_listen = flag_value(flags, "health-listen") or ""
+    health_host, _, health_port = health_listen.rpartition(":")
+    need(
+        health_port.isdigit() and not _loopback(health_host),
+        f"--health-listen={health_listen!r} is not host:port on the pod IP: kubelet cannot "
+        "probe it",
+    )
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        command = sidecar.get(probe, {}).get("exec", {}).get("command", [])
+        grpc = sidecar.get(probe, {}).get("grpc", {})
         need(
-            command[:1] == [PROBE] and f"--addr={listen}" in command,
-            f"epsd {probe} must exec {PROBE} --addr={listen}",
+            str(grpc.get("port")) == health_port and grpc.get("service") == SERVICE,
+            f"epsd {probe} must be a grpc probe of service {SERVICE} on port {health_port} "
+            f"(--health-listen={health_listen})",
         )
+    for name_ in ("metrics-listen", "health-listen"):
+        value = flag_value(flags, name_)
+        if value and not _loopback(value.rpartition(":")[0]):
+            need(
+                "--allow-remote" in flags or flag_value(flags, "allow-remote") == "true",
+                f"--{name_}={value} binds beyond loopback: epsd refuses it without --allow-remote",
+            )
 
     otel = _env(sidecar)
     need(
@@ -223,7 +243,7 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         host, _, port = metrics_listen.rpartition(":")
         need(port == metrics_port, f"--metrics-listen={metrics_listen} is not prometheus.io/port")
         need(
-            host not in ("localhost", "[::1]") and not host.startswith("127."),
+            not _loopback(host),
             f"--metrics-listen={metrics_listen} binds loopback: Prometheus cannot scrape it",
         )
 

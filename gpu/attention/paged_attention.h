@@ -108,7 +108,10 @@ typedef struct EpsAttnParams {
   int32_t max_list_blocks;  /* entries per list row */
   int32_t dense_max_blocks; /* entries per dense_table row */
   int32_t length_kind;      /* EPS_ATTN_SEQUSED_TOKENS | EPS_ATTN_VISIT_COUNT */
-  int32_t num_splits;       /* KV splits per row; 0 = chosen from the shape and SM count */
+  int32_t num_splits;       /* KV splits per row; 0 = chosen from the list width, shape and
+                               occupancy. A row's split covers ceil(count / splits) of its
+                               entries (at least 8 when chosen), from its count on the
+                               device, so trailing splits may idle */
   float softmax_scale;      /* scores are q.k * softmax_scale (e.g. 1/sqrt(head_dim)) */
   float softcap;            /* > 0: scores become softcap * tanh(score / softcap) */
   int32_t reserved;         /* 0 */

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -259,8 +261,14 @@ void ServerMetrics::ValidationFailure(absl::StatusCode code) {
 absl::Status ServerMetrics::Serve(const std::string& listen) {
   if (exposer_ != nullptr) return absl::FailedPreconditionError("/metrics is already served");
   try {
-    // civetweb takes "host:port"; one thread is plenty for a scrape every few seconds.
-    exposer_ = std::make_unique<prometheus::Exposer>(listen, 1);
+    // civetweb serves each connection on one of its worker threads until the request is
+    // read: a client that connects and sends nothing (or half a request) holds a thread
+    // for the request timeout. Several threads and a short timeout keep one such client
+    // from blocking the scrapes of others (tests/service/telemetry/metrics_http_test.cc).
+    exposer_ = std::make_unique<prometheus::Exposer>(
+        std::vector<std::string>{"listening_ports", listen,                    //
+                                 "num_threads", std::to_string(kHttpThreads),  //
+                                 "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs)});
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("--metrics-listen=", listen, ": cannot serve /metrics: ", e.what()));

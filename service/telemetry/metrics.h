@@ -76,6 +76,11 @@ class ServerMetrics {
   // (eps_validation_failures_total{reason}).
   void ValidationFailure(absl::StatusCode code);
 
+  // The /metrics listener: worker threads, and how long one connection may take to send
+  // its request (or receive the reply) before it is dropped.
+  static constexpr int kHttpThreads = 4;
+  static constexpr int kHttpRequestTimeoutMs = 2000;
+
   // Serves /metrics on `listen` (host:port; port 0 picks one). Call once.
   absl::Status Serve(const std::string& listen);
   // The port /metrics is served on, 0 when not serving.

@@ -43,7 +43,4 @@ class StepLog {
   std::thread writer_;
 };
 
-// Escapes `text` for a JSON string literal (without the quotes).
-std::string JsonEscape(const std::string& text);
-
 }  // namespace eps::telemetry

@@ -1,9 +1,12 @@
 #include "service/telemetry/telemetry.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "nlohmann/json.hpp"
 #include "service/telemetry/otlp_grpc_exporter.h"
 #include "service/telemetry/otlp_http_exporter.h"
 
@@ -231,31 +234,34 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
                         const v1::SelectPagesRequest& request, const v1::StepStats* s,
                         const absl::Status& status, service::BackendKind backend,
                         const std::string& trace_id, RpcMethod method) {
-  std::string line = absl::StrFormat(
-      R"({"time":"%s","session":"%s","step":%d,"batch":%d,"backend":"%s","reply_mode":"%s",)"
-      R"("transport":"%s","status":"%s","server_us":%d)",
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(step.start_unix_ns),
-                       absl::UTCTimeZone()),
-      JsonEscape(request.session_id()), request.step(), request.rows_size(),
-      service::BackendKindName(backend), ReplyModeName(request.reply_mode()),
-      method == RpcMethod::kStreamSelectPages ? "stream" : "unary",
-      absl::StatusCodeToString(status.code()), Micros(end - step.start));
+  // One object per line; invalid UTF-8 (a session id is bytes) is replaced, not thrown on.
+  nlohmann::ordered_json line = {
+      {"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(step.start_unix_ns),
+                                absl::UTCTimeZone())},
+      {"session", request.session_id()},
+      {"step", request.step()},
+      {"batch", request.rows_size()},
+      {"backend", service::BackendKindName(backend)},
+      {"reply_mode", ReplyModeName(request.reply_mode())},
+      {"transport", method == RpcMethod::kStreamSelectPages ? "stream" : "unary"},
+      {"status", absl::StatusCodeToString(status.code())},
+      {"server_us", Micros(end - step.start)}};
   if (s != nullptr) {
-    absl::StrAppendFormat(
-        &line,
-        R"(,"groups_total":%d,"groups_visited":%d,"groups_skipped":%d,"pages_total":%d,)"
-        R"("pages_visited":%d,"pages_skipped":%d,"bytes_kv_dense":%d,"bytes_kv_read_est":%d,)"
-        R"("bytes_kv_saved_est":%d,"bytes_summary_read":%d,"prepass_us":%.3f)",
-        s->groups_total(), s->groups_visited(), s->groups_total() - s->groups_visited(),
-        s->pages_total(), s->pages_visited(), s->pages_total() - s->pages_visited(),
-        s->bytes_kv_dense(), s->bytes_kv_read_est(), s->bytes_kv_dense() - s->bytes_kv_read_est(),
-        s->bytes_summary_read(), s->prepass_us());
+    line["groups_total"] = s->groups_total();
+    line["groups_visited"] = s->groups_visited();
+    line["groups_skipped"] = s->groups_total() - s->groups_visited();
+    line["pages_total"] = s->pages_total();
+    line["pages_visited"] = s->pages_visited();
+    line["pages_skipped"] = s->pages_total() - s->pages_visited();
+    line["bytes_kv_dense"] = s->bytes_kv_dense();
+    line["bytes_kv_read_est"] = s->bytes_kv_read_est();
+    line["bytes_kv_saved_est"] = s->bytes_kv_dense() - s->bytes_kv_read_est();
+    line["bytes_summary_read"] = s->bytes_summary_read();
+    line["prepass_us"] = std::round(s->prepass_us() * 1000) / 1000;
   }
-  if (!status.ok())
-    absl::StrAppend(&line, R"(,"error":")", JsonEscape(std::string(status.message())), "\"");
-  if (!trace_id.empty()) absl::StrAppend(&line, R"(,"trace_id":")", trace_id, "\"");
-  line.push_back('}');
-  step_log_->Append(line);
+  if (!status.ok()) line["error"] = std::string(status.message());
+  if (!trace_id.empty()) line["trace_id"] = trace_id;
+  step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }
 
 }  // namespace eps::telemetry

@@ -7,11 +7,13 @@ way the container starts it: deploy/docker/epsd-entrypoint.sh with a flags file.
 from __future__ import annotations
 
 import os
+import queue
 import selectors
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,10 +137,58 @@ def test_probe_fails_after_epsd_is_killed(socket_dir: Path) -> None:
 @pytest.mark.parametrize(
     "args", [["--timeout-ms=0"], ["--timeout-ms=abc"], ["--addr="], ["stray"], ["--port=1"]]
 )
-def test_probe_rejects_bad_usage(args: list[str]) -> None:
+def test_probe_rejects_bad_usage_naming_the_argument(args: list[str]) -> None:
     done = probe(*args)
     assert done.returncode == 2
-    assert "usage: eps-health-probe" in done.stderr
+    assert done.stderr.startswith("eps-health-probe: ")
+    assert args[0].split("=")[0] in done.stderr
+    assert "eps-health-probe --help" in done.stderr
+
+
+def wait_line(process: subprocess.Popen[str], marker: str, seconds: float = 20) -> str:
+    """The word after marker in epsd's stderr (read on a thread: lines arrive in bursts)."""
+    assert process.stderr is not None
+    stderr = process.stderr
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in stderr:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if marker in line:
+            return line.split(marker, 1)[1].split()[0]
+    pytest.fail(f"epsd did not print {marker!r} within {seconds} s")
+
+
+def test_probe_over_the_tcp_health_port_as_kubelet_does(socket_dir: Path) -> None:
+    process = start_epsd(
+        None, f"--listen=unix://{socket_dir}/epsd.sock", "--health-listen=127.0.0.1:0"
+    )
+    try:
+        address = wait_line(process, "grpc.health.v1 on ")
+        assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+        for service in ("", "eps.v1.PageSelector"):
+            done = probe(f"--addr={address}", f"--service={service}", "--timeout-ms=2s")
+            assert done.returncode == 0, done.stderr
+            assert "SERVING" in done.stdout
+    finally:
+        stop(process)
+
+
+def test_a_non_loopback_health_port_needs_allow_remote(socket_dir: Path) -> None:
+    process = start_epsd(
+        None, f"--listen=unix://{socket_dir}/epsd.sock", "--health-listen=0.0.0.0:0"
+    )
+    assert process.wait(timeout=30) == 2
+    assert process.stderr is not None
+    assert "--allow-remote" in process.stderr.read()
 
 
 def test_entrypoint_arguments_override_the_flags_file(socket_dir: Path) -> None:

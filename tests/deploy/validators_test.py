@@ -73,14 +73,46 @@ def test_a_writable_root_filesystem_fails(deploy: Path) -> None:
     assert any("container epsd: readOnlyRootFilesystem" in p for p in problems), problems
 
 
-def test_a_probe_on_another_socket_fails(deploy: Path) -> None:
+def test_a_probe_on_another_port_than_health_listen_fails(deploy: Path) -> None:
     edit(
         deploy / "k8s/overlays/gpu/configmap-patch.yaml",
-        "unix:///run/eps/epsd.sock",
-        "unix:///run/eps/other.sock",
+        "--health-listen=0.0.0.0:9465",
+        "--health-listen=0.0.0.0:9466",
     )
     problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
-    assert any(p.startswith("gpu:") and "startupProbe must exec" in p for p in problems), problems
+    assert any(p.startswith("gpu:") and "startupProbe must be a grpc probe" in p for p in problems), (
+        problems
+    )
+
+
+def test_an_exec_probe_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "          livenessProbe:\n            grpc:\n              port: 9465\n"
+        "              service: eps.v1.PageSelector\n",
+        "          livenessProbe:\n            exec:\n              command:\n"
+        "                - /usr/local/bin/eps-health-probe\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("livenessProbe must be a grpc probe" in p for p in problems), problems
+
+
+def test_a_loopback_health_listen_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/base/configmap-epsd-flags.yaml",
+        "--health-listen=0.0.0.0:9465",
+        "--health-listen=127.0.0.1:9465",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("kubelet cannot probe it" in p for p in problems), problems
+
+
+def test_a_remote_listener_without_allow_remote_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/overlays/cpu-demo/configmap-patch.yaml", "    --allow-remote\n", "")
+    problems = validate_manifests.validate(deploy / "k8s", {"cpu-demo"})
+    assert any(p.startswith("cpu-demo:") and "without --allow-remote" in p for p in problems), (
+        problems
+    )
 
 
 def test_a_gpu_engine_without_a_gpu_for_epsd_fails(deploy: Path) -> None:

@@ -196,6 +196,23 @@ TEST(PagedAttention, EverySplitCountMatchesReference) {
   }
 }
 
+// The split count follows the list width and each row's chunk its count on the device:
+// rows far shorter than the buffer (epsd's full-width visit_blocks) must still cover
+// exactly their own blocks, whatever the count, next to a row as long as the width.
+TEST(PagedAttention, ShortListsInAWideBufferMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  for (int splits : {0, 5}) {
+    CaseShape s;
+    s.batch = 4;
+    s.contexts = {20000, 17, 300, 2500};
+    s.keep = 0.125;
+    s.num_splits = splits;
+    const uint32_t seed = FreshSeed();
+    SCOPED_TRACE("splits " + std::to_string(splits) + " seed " + std::to_string(seed));
+    ExpectMatchesReference(AttentionCase(s, seed), seed);
+  }
+}
+
 TEST(PagedAttention, SoftcapAndScaleMatchReference) {
   SKIP_WITHOUT_DEVICE();
   CaseShape s;

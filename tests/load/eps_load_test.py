@@ -94,6 +94,33 @@ def test_a_short_run_reports_both_calls_without_errors(
     assert report["epsd"]["pid"] == pid, report["epsd"]
     assert report["epsd"]["samples"][0]["rss_kb"] > 0
     assert report["epsd"]["samples"][0]["open_fds"] > 0
+    floor = report["rpc_floor"]
+    assert floor["server"] == "child process" and floor["errors"] == 0
+    for name in ("floor_callback", "floor_sync", "ping_callback", "ping_sync"):
+        assert floor[name]["count"] == 1000 and floor[name]["p50_us"] > 0, floor
+    assert floor["ping_over_floor_p50"] > 0
+    assert "Ping / floor (callback) p50" in result.stdout
+
+
+def test_the_rpc_floor_runs_in_process_on_request(epsd: tuple[str, int], tmp_path: Path) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=1k",
+            "--duration=200ms",
+            "--warmup=0",
+            "--floor-calls=50",
+            "--floor-server=in-process",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    floor = json.loads(out.read_text())["rpc_floor"]
+    assert floor["server"] == "in-process" and floor["ping_callback"]["count"] == 50
 
 
 def test_an_open_loop_stream_run_keeps_near_its_rate(epsd: tuple[str, int], tmp_path: Path) -> None:

@@ -8,18 +8,29 @@ namespace {
 
 using std::chrono::microseconds;
 
-TEST(ParseDuration, ReadsEveryUnitAndBareSeconds) {
-  EXPECT_EQ(*ParseDuration("5s"), microseconds(5'000'000));
-  EXPECT_EQ(*ParseDuration("250ms"), microseconds(250'000));
-  EXPECT_EQ(*ParseDuration("100us"), microseconds(100));
-  EXPECT_EQ(*ParseDuration("10m"), microseconds(600'000'000));
-  EXPECT_EQ(*ParseDuration("1.5"), microseconds(1'500'000));
+TEST(ParseFlags, DurationsTakeAbseilUnitsAndRefuseBareNumbers) {
+  EXPECT_EQ(ParseFlags({"--duration=5s"})->duration, microseconds(5'000'000));
+  EXPECT_EQ(ParseFlags({"--duration=250ms"})->duration, microseconds(250'000));
+  EXPECT_EQ(ParseFlags({"--slo=100us"})->slo, microseconds(100));
+  EXPECT_EQ(ParseFlags({"--duration=10m"})->duration, microseconds(600'000'000));
+  EXPECT_EQ(ParseFlags({"--deadline=1.5s"})->deadline, microseconds(1'500'000));
+  for (const char* bad : {"", "s", "-1s", "5x", "abc", "1.5", "0s"}) {
+    const auto c = ParseFlags({std::string("--duration=") + bad});
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_NE(c.status().message().find("--duration="), std::string::npos) << c.status();
+  }
 }
 
-TEST(ParseDuration, RejectsGarbageAndNegatives) {
-  for (const char* bad : {"", "s", "-1s", "5x", "abc", "1e30s"}) {
-    EXPECT_FALSE(ParseDuration(bad).ok()) << bad;
-  }
+TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
+  const LoadConfig c =
+      *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16", "--group-blocks=4"});
+  EXPECT_EQ(c.batch, 1024);
+  EXPECT_EQ(c.context.lo, 128 * 1024);
+  EXPECT_EQ(c.model.sketch_dim, 16);
+  EXPECT_EQ(c.model.group_blocks, 4);
+  EXPECT_EQ(ParseFlags({"--sketch-dim=4"})->model.sketch_dim, 4);
+  EXPECT_FALSE(ParseFlags({"--batch=abc"}).ok());
+  EXPECT_TRUE(ParseFlags({"--version"})->version);
 }
 
 TEST(ParseContext, ReadsFixedKiloAndUniform) {
@@ -109,7 +120,8 @@ TEST(ParseFlags, ReadsTheRunFlags) {
   const LoadConfig c = *ParseFlags(
       {"--target=127.0.0.1:5000", "--batch=4", "--context=uniform:1k-2k", "--duration=2s",
        "--warmup=0", "--rate=poisson:30", "--sessions=3", "--mode=stream", "--deadline=5ms",
-       "--json=/tmp/x.json", "--channel-arg=grpc.enable_retries=0", "--soak", "--epsd-pid=12"});
+       "--json=/tmp/x.json", "--channel-arg=grpc.enable_retries=0", "--soak", "--epsd-pid=12",
+       "--channel-arg=grpc.http2.max_pings_without_data=5"});
   EXPECT_EQ(c.target, "127.0.0.1:5000");
   EXPECT_EQ(c.batch, 4);
   EXPECT_EQ(c.context.hi, 2048);
@@ -120,9 +132,10 @@ TEST(ParseFlags, ReadsTheRunFlags) {
   EXPECT_TRUE(c.stream);
   EXPECT_EQ(c.deadline, microseconds(5000));
   EXPECT_EQ(c.json_path, "/tmp/x.json");
-  ASSERT_EQ(c.channel_args.size(), 1u);
+  ASSERT_EQ(c.channel_args.size(), 2u);
   EXPECT_EQ(c.channel_args[0].first, "grpc.enable_retries");
   EXPECT_EQ(c.channel_args[0].second, 0);
+  EXPECT_EQ(c.channel_args[1].second, 5);
   EXPECT_TRUE(c.soak);
   EXPECT_EQ(c.epsd_pid, 12);
 }

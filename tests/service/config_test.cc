@@ -54,29 +54,30 @@ TEST(ConfigTest, FlagNamesListEveryAcceptedFlag) {
 }
 
 TEST(ConfigTest, TcpListenIsLoopbackOnlyUnlessAllowed) {
-  EXPECT_TRUE(CheckListenAddress("unix:///tmp/x.sock", false).ok());
-  EXPECT_TRUE(CheckListenAddress("127.0.0.1:5000", false).ok());
-  EXPECT_TRUE(CheckListenAddress("[::1]:5000", false).ok());
-  EXPECT_TRUE(CheckListenAddress("localhost:5000", false).ok());
-  EXPECT_FALSE(CheckListenAddress("0.0.0.0:5000", false).ok());
-  EXPECT_TRUE(CheckListenAddress("0.0.0.0:5000", true).ok());
-  EXPECT_FALSE(CheckListenAddress("unix://", false).ok());
+  EXPECT_TRUE(CheckListenAddress("listen", "unix:///tmp/x.sock", false).ok());
+  EXPECT_TRUE(CheckListenAddress("listen", "127.0.0.1:5000", false).ok());
+  EXPECT_TRUE(CheckListenAddress("listen", "[::1]:5000", false).ok());
+  EXPECT_TRUE(CheckListenAddress("listen", "localhost:5000", false).ok());
+  EXPECT_FALSE(CheckListenAddress("listen", "0.0.0.0:5000", false).ok());
+  EXPECT_TRUE(CheckListenAddress("listen", "0.0.0.0:5000", true).ok());
+  EXPECT_FALSE(CheckListenAddress("listen", "unix://", false).ok());
 }
 
 TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
   EXPECT_EQ(ParseFlags({})->metrics_listen, "127.0.0.1:9464");
   EXPECT_EQ(ParseFlags({"--metrics-listen=off"})->metrics_listen, "");
   EXPECT_EQ(ParseFlags({"--metrics-listen="})->metrics_listen, "");
-  EXPECT_EQ(ParseFlags({"--metrics-listen", "0.0.0.0:0"})->metrics_listen, "0.0.0.0:0");
+  EXPECT_EQ(ParseFlags({"--metrics-listen", "0.0.0.0:0", "--allow-remote"})->metrics_listen,
+            "0.0.0.0:0");
   EXPECT_EQ(ParseFlags({"--metrics-listen=127.0.0.1:70000"}).status().message(),
             "--metrics-listen=127.0.0.1:70000: want host:port (port in [0, 65535]), empty or off");
   EXPECT_FALSE(ParseFlags({"--metrics-listen=9464"}).ok());
 }
 
-TEST(ConfigTest, StepLogTakesAPathAndIsOffByDefault) {
+TEST(ConfigTest, StepLogTakesAPathAndIsOffByDefaultOrEmpty) {
   EXPECT_EQ(ParseFlags({})->step_log, "");
   EXPECT_EQ(ParseFlags({"--step-log=/tmp/steps.jsonl"})->step_log, "/tmp/steps.jsonl");
-  EXPECT_FALSE(ParseFlags({"--step-log="}).ok());
+  EXPECT_EQ(ParseFlags({"--step-log="})->step_log, "");
 }
 
 }  // namespace

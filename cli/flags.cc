@@ -1,0 +1,251 @@
+#include "cli/flags.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+
+#include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace eps::cli {
+namespace {
+
+// A duration: abseil's syntax ("2ms", "1.5s"), or a bare number of `unit`.
+bool ParseDurationIn(absl::string_view text, absl::Duration unit, absl::Duration* out,
+                     std::string* error) {
+  double n = 0;
+  if (absl::SimpleAtod(text, &n)) {
+    if (!std::isfinite(n) || n < 0) {
+      *error = "want a non-negative duration";
+      return false;
+    }
+    *out = n * unit;
+    return true;
+  }
+  if (!absl::ParseDuration(text, out) || *out < absl::ZeroDuration() ||
+      *out == absl::InfiniteDuration()) {
+    *error = absl::StrCat("want a duration such as 500us, 2ms, 1.5s or a number of ",
+                          absl::FormatDuration(unit));
+    return false;
+  }
+  return true;
+}
+
+// The flag "--name" names, and whether it takes a value after a space.
+struct Resolved {
+  absl::CommandLineFlag* flag = nullptr;
+  bool is_bool = false;
+};
+
+// Older flag names (with '-'), to the names they stand for.
+std::map<std::string, std::string>& Aliases() {
+  static auto* aliases = new std::map<std::string, std::string>();
+  return *aliases;
+}
+
+// What a value of the flag's type looks like, for an error message.
+std::string TypeHint(const absl::CommandLineFlag& flag) {
+  if (flag.IsOfType<bool>()) return "want true or false";
+  if (flag.IsOfType<int>() || flag.IsOfType<int64_t>() || flag.IsOfType<uint32_t>() ||
+      flag.IsOfType<uint64_t>()) {
+    return "want an integer";
+  }
+  if (flag.IsOfType<double>() || flag.IsOfType<float>()) return "want a number";
+  return "not a valid value";
+}
+
+Resolved Find(absl::string_view name) {
+  if (const auto alias = Aliases().find(std::string(name)); alias != Aliases().end()) {
+    name = alias->second;
+  }
+  Resolved r;
+  r.flag = absl::FindCommandLineFlag(absl::StrReplaceAll(name, {{"-", "_"}}));
+  if (r.flag != nullptr) r.is_bool = r.flag->IsOfType<bool>();
+  return r;
+}
+
+}  // namespace
+
+FlagAlias::FlagAlias(const char* old_name, const char* name) { Aliases()[old_name] = name; }
+
+std::string DisplayName(const absl::CommandLineFlag& flag) {
+  return absl::StrReplaceAll(flag.Name(), {{"_", "-"}});
+}
+
+bool AbslParseFlag(absl::string_view text, Size* out, std::string* error) {
+  absl::string_view digits = absl::StripAsciiWhitespace(text);
+  int64_t scale = 1;
+  for (const auto& [suffix, factor] : {std::pair<absl::string_view, int64_t>{"k", int64_t{1} << 10},
+                                       {"K", int64_t{1} << 10},
+                                       {"M", int64_t{1} << 20},
+                                       {"G", int64_t{1} << 30}}) {
+    if (absl::ConsumeSuffix(&digits, suffix)) {
+      scale = factor;
+      break;
+    }
+  }
+  int64_t n = 0;
+  if (digits.empty() || !absl::SimpleAtoi(digits, &n) || n < 0 ||
+      n > std::numeric_limits<int64_t>::max() / scale) {
+    *error = "want a non-negative integer with an optional k, M or G (powers of 1024)";
+    return false;
+  }
+  out->value = n * scale;
+  return true;
+}
+
+std::string AbslUnparseFlag(Size size) {
+  for (const auto& [suffix, shift] : {std::pair<const char*, int>{"G", 30}, {"M", 20}, {"k", 10}}) {
+    const int64_t unit = int64_t{1} << shift;
+    if (size.value != 0 && size.value % unit == 0) return absl::StrCat(size.value / unit, suffix);
+  }
+  return absl::StrCat(size.value);
+}
+
+bool AbslParseFlag(absl::string_view text, Millis* out, std::string* error) {
+  return ParseDurationIn(text, absl::Milliseconds(1), &out->value, error);
+}
+std::string AbslUnparseFlag(Millis d) { return absl::FormatDuration(d.value); }
+
+bool AbslParseFlag(absl::string_view text, Micros* out, std::string* error) {
+  return ParseDurationIn(text, absl::Microseconds(1), &out->value, error);
+}
+std::string AbslUnparseFlag(Micros d) { return absl::FormatDuration(d.value); }
+
+absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line) {
+  // Start from the defaults, so that a second parse (tests) sees none of the first.
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    std::string error;
+    if (!flag->ParseFrom(flag->DefaultValue(), &error)) {
+      return absl::InternalError(absl::StrCat("--", DisplayName(*flag), ": default: ", error));
+    }
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--help" || arg == "-h") {
+      command_line->help = true;
+      continue;
+    }
+    if (arg == "--version") {
+      command_line->version = true;
+      continue;
+    }
+    if (!absl::StartsWith(arg, "--") || arg.size() == 2) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    }
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    const Resolved resolved = Find(name);
+    if (resolved.flag == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+    }
+    std::string value;
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+    } else if (resolved.is_bool) {
+      value = "true";
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+    }
+    // A list flag gathers the values of every occurrence.
+    if (resolved.flag->IsOfType<std::vector<std::string>>() && !value.empty()) {
+      const std::string current = resolved.flag->CurrentValue();
+      const std::string defaults = resolved.flag->DefaultValue();
+      if (!current.empty() && current != defaults) value = absl::StrCat(current, ",", value);
+    }
+    std::string error;
+    if (!resolved.flag->ParseFrom(value, &error)) {
+      // abseil says "Illegal value 'v' specified for flag 'f'; <why>": keep the why.
+      const size_t why = error.find("; ");
+      error = why == std::string::npos ? TypeHint(*resolved.flag) : error.substr(why + 2);
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": ", error));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> FlagNames() {
+  std::vector<std::string> names = {"help", "version"};
+  for (const auto& [name, flag] : absl::GetAllFlags()) names.push_back(DisplayName(*flag));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string Usage(absl::string_view synopsis) {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) flags.push_back(flag);
+  std::sort(flags.begin(), flags.end(),
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  std::string out = absl::StrCat("usage: ", synopsis, "\n");
+  for (const absl::CommandLineFlag* flag : flags) {
+    const std::string value = flag->DefaultValue();
+    absl::StrAppend(&out, "  --", DisplayName(*flag), "=", value.empty() ? "\"\"" : value, "\n");
+    for (absl::string_view line : absl::StrSplit(flag->Help(), '\n')) {
+      absl::StrAppend(&out, "      ", line, "\n");
+    }
+  }
+  for (const auto& [old_name, name] : Aliases()) {
+    absl::StrAppend(&out, "  --", old_name, "  (the older name of --", name, ")\n");
+  }
+  absl::StrAppend(&out,
+                  "  --help      this text\n"
+                  "  --version   print the version and exit\n"
+                  "Sizes take k, M, G (powers of 1024); durations a unit (500us, 2ms, 1.5s), and\n"
+                  "flags named *-ms or *-us also a bare number in that unit.\n");
+  return out;
+}
+
+int ParseMain(int argc, char** argv, absl::string_view program, absl::string_view synopsis,
+              const std::function<absl::Status()>& check) {
+  CommandLine command_line;
+  if (absl::Status s = ParseArgs(std::vector<std::string>(argv + 1, argv + argc), &command_line);
+      !s.ok()) {
+    return BadFlag(program, s);
+  }
+  if (absl::Status s = check(); !s.ok()) return BadFlag(program, s);
+  if (command_line.help) {
+    std::fputs(Usage(synopsis).c_str(), stdout);
+    return 0;
+  }
+  if (command_line.version) {
+    std::printf("%s\n", VersionLine(program).c_str());
+    return 0;
+  }
+  return -1;
+}
+
+int BadFlag(absl::string_view program, const absl::Status& error) {
+  std::fprintf(stderr, "%s: %s (%s --help lists the flags)\n", std::string(program).c_str(),
+               std::string(error.message()).c_str(), std::string(program).c_str());
+  return 2;
+}
+
+std::string VersionLine(absl::string_view program) {
+  return absl::StrCat(program, " ", EPS_VERSION);
+}
+
+absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", DisplayName(flag), "=", flag.CurrentValue(), ": want ", want));
+}
+
+absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value, absl::Duration lo,
+                         absl::Duration hi, absl::Duration* out) {
+  if (value < lo || value > hi) {
+    return Invalid(flag, absl::StrCat("a duration in [", absl::FormatDuration(lo), ", ",
+                                      absl::FormatDuration(hi), "]"));
+  }
+  *out = value;
+  return absl::OkStatus();
+}
+
+}  // namespace eps::cli

@@ -1,0 +1,34 @@
+// The RPC floor: what an empty unary call costs on this machine and transport when
+// the server does nothing else, measured in the same run as epsd's Ping so that
+// both see the same background load (docs/benchmarks/latency.md, "RPC floor").
+//
+// The minimal server is the generated PageSelector callback service with only Ping,
+// which finishes at once (no health or reflection service, no telemetry, default
+// builder options), on the transport of --target (a Unix socket when the target is
+// one, loopback TCP otherwise). It runs in a forked child process by default, as epsd
+// runs in its own, or in this process (--floor-server=in-process), where it shares
+// gRPC's threads with the client. Rounds interleave four calls: floor and epsd, each
+// through the callback API (as EpsClient calls) and through the synchronous stub.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "load/latency_summary.h"
+#include "load/load_config.h"
+
+namespace eps::load {
+
+struct FloorResult {
+  std::string floor_address;                  // where the minimal server listened
+  std::string where;                          // "child process" or "in-process"
+  LatencySamples floor_callback, floor_sync;  // minimal server
+  LatencySamples ping_callback, ping_sync;    // epsd's Ping
+  uint64_t errors = 0;                        // failed calls (not recorded)
+};
+
+// config.floor_calls measured rounds after a tenth as many unrecorded ones. With the
+// server in a child process, call it before this process uses gRPC (it forks).
+absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config);
+
+}  // namespace eps::load

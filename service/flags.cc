@@ -1,0 +1,45 @@
+// Every flag epsd accepts (docs/api.md lists them with their ranges; config.cc checks them).
+#include "service/flags.h"
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, listen, "unix:///tmp/epsd.sock",
+          "the gRPC API: unix:///path, or host:port (loopback unless --allow-remote)");
+ABSL_FLAG(bool, allow_remote, false,
+          "let --listen, --metrics-listen and --health-listen bind a non-loopback address");
+ABSL_FLAG(std::string, socket_mode, "0660", "octal file mode of the Unix socket");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "host:port of the Prometheus /metrics endpoint (port 0 picks one; off or empty: not "
+          "served; loopback unless --allow-remote)");
+ABSL_FLAG(std::string, health_listen, "",
+          "host:port where grpc.health.v1 (and nothing else) is served over TCP, for kubelet's "
+          "native gRPC probes (off or empty: not served; loopback unless --allow-remote)");
+
+ABSL_FLAG(std::string, backend, "auto",
+          "cpu | cuda | auto (per session: cuda when its buffers are cuda_ipc handles)");
+ABSL_FLAG(std::string, eps_method, "jl", "off | jl | 1pc | fro | quest");
+ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
+ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
+ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
+ABSL_FLAG(int, eps_first_n, 1, "attention-sink groups always visited");
+ABSL_FLAG(int, eps_last_n, 2, "recent groups always visited, the newest among them");
+ABSL_FLAG(int, eps_top_pages, 16, "top_pages M");
+ABSL_FLAG(std::string, eps_heads, "all", "all | retrieval");
+ABSL_FLAG(bool, eps_strict, false, "guarantee a superset of the true top-M");
+ABSL_FLAG(std::string, eps_budget, "threshold", "threshold | fixed | top_p");
+ABSL_FLAG(double, eps_top_p, 0.95,
+          "estimated attention mass to cover with --eps-budget=top_p, in (0, 1]");
+
+ABSL_FLAG(eps::cli::Millis, lease_ms, {absl::Milliseconds(10000)},
+          "session lease, renewed by Attach, SelectPages and Heartbeat, in [50ms, 1h]");
+ABSL_FLAG(int64_t, max_sessions, 64, "sessions at once, in [1, 100000]");
+ABSL_FLAG(eps::cli::Size, max_batch, {1024}, "rows per step, in [1, 1M]");
+ABSL_FLAG(eps::cli::Size, max_message_bytes, {64 << 20}, "largest gRPC message, in [1k, 1G]");
+ABSL_FLAG(eps::cli::Millis, inputs_timeout_ms, {absl::Milliseconds(1000)},
+          "cuda backend, async replies: how long a queued step waits for the engine's "
+          "inputs_ready before epsd releases it and fails the step, in [1ms, 10m]");
+ABSL_FLAG(eps::cli::Millis, drain_ms, {absl::Milliseconds(5000)},
+          "on SIGTERM, how long in-flight calls may finish, in [0, 10m]");
+
+ABSL_FLAG(std::string, step_log, "",
+          "append one JSON line per SelectPages step to this file (empty: off)");

@@ -1,0 +1,88 @@
+"""Every binary reads a shared flag name the same way (docs/cli.md).
+
+ctest sets EPS_BINARIES to "name=path;..." for epsd, eps-load, eps-demo, eps_core_demo and
+eps-health-probe. For every flag name that two or more of them accept, the same probe
+values must be accepted by all or refused by all (a size, a duration, a bare number, a
+fraction, a word), checked with `<flags> --help`: each binary parses and range-checks
+every flag before it prints its usage, and exits 2 on a bad one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections import defaultdict
+
+import pytest
+
+PROBES = ["16k", "2ms", "7", "1.5", "abc"]
+
+
+def binaries() -> dict[str, str]:
+    spec = os.environ.get("EPS_BINARIES", "")
+    assert spec, "set EPS_BINARIES (ctest does)"
+    return dict(item.split("=", 1) for item in spec.split(";") if item)
+
+
+def run(path: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [path, *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def flags_of(path: str) -> set[str]:
+    done = run(path, "--help")
+    assert done.returncode == 0, done.stderr
+    return set(re.findall(r"^  --([a-z0-9-]+)=", done.stdout, re.MULTILINE))
+
+
+def shared_flags() -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = defaultdict(list)
+    for name, path in binaries().items():
+        for flag in flags_of(path):
+            owners[flag].append(name)
+    return {flag: names for flag, names in sorted(owners.items()) if len(names) > 1}
+
+
+def test_every_binary_prints_its_version_and_usage() -> None:
+    for name, path in binaries().items():
+        done = run(path, "--version")
+        assert done.returncode == 0 and done.stdout.startswith(f"{name} "), done
+        assert re.match(rf"{re.escape(name)} \d+\.\d+\.\d+$", done.stdout.strip()), (
+            done.stdout
+        )
+        assert run(path, "--help").stdout.startswith(f"usage: {name}")
+
+
+def test_the_binaries_share_their_common_flags() -> None:
+    shared = shared_flags()
+    for flag in ("target", "context", "batch", "seed", "mode", "deadline", "eps-dim"):
+        assert flag in shared, f"--{flag} is in at most one binary: {shared}"
+
+
+@pytest.mark.parametrize("value", PROBES)
+def test_a_shared_flag_accepts_the_same_values_everywhere(value: str) -> None:
+    paths = binaries()
+    mismatches = []
+    for flag, names in shared_flags().items():
+        verdicts = {}
+        for name in names:
+            done = run(paths[name], f"--{flag}={value}", "--help")
+            assert done.returncode in (0, 2), done
+            verdicts[name] = "accepts" if done.returncode == 0 else "refuses"
+        if len(set(verdicts.values())) > 1:
+            mismatches.append(f"--{flag}={value}: {verdicts}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_a_bad_value_is_an_error_naming_the_flag() -> None:
+    for path in binaries().values():
+        done = run(path, "--no-such-flag=1")
+        assert done.returncode == 2
+        assert "--no-such-flag" in done.stderr, done.stderr
+    paths = binaries()
+    done = run(paths["eps-demo"], "--steps=abc")
+    assert done.returncode == 2 and "--steps=abc" in done.stderr, done.stderr
+    done = run(paths["eps-demo"], "--deadline=2ms", "--context=16k", "--help")
+    assert done.returncode == 0, done.stderr
