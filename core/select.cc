@@ -19,6 +19,8 @@ const char* BudgetName(Budget budget) {
       return "fixed";
     case Budget::kTopP:
       return "top_p";
+    case Budget::kMass:
+      return "mass";
   }
   return "unknown";
 }
@@ -41,6 +43,24 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (budget == Budget::kTopP && !(top_p > 0.0f && top_p <= 1.0f)) {
     return absl::InvalidArgumentError(absl::StrCat("top_p=", top_p, " not in (0, 1]"));
   }
+  if (budget == Budget::kMass) {
+    if (!(mass_target > 0.0f && mass_target <= 1.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mass_target=", mass_target, " not in (0, 1]"));
+    }
+    if (!(mass_temperature > 0.0f && mass_temperature <= 1000.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mass_temperature=", mass_temperature, " not in (0, 1000]"));
+    }
+    if (min_pages < 0 || max_pages < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("min_pages=", min_pages, ", max_pages=", max_pages, " must be >= 0"));
+    }
+    if (max_pages > 0 && min_pages > max_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("min_pages=", min_pages, " exceeds max_pages=", max_pages));
+    }
+  }
   if (heads == HeadMode::kRetrieval) {
     const size_t want = static_cast<size_t>(model.num_layers) * model.num_q_heads;
     if (retrieval_heads.size() != want) {
@@ -60,7 +80,9 @@ std::string SelectPolicy::DebugString() const {
   return absl::StrCat("method=", MethodName(method), " alpha=", alpha, " first_n=", first_n,
                       " last_n=", last_n, " top_pages=", top_pages, " strict=", strict,
                       " heads=", HeadModeName(heads), " budget=", BudgetName(budget),
-                      " top_p=", top_p, " granularity=", GranularityName(granularity));
+                      " top_p=", top_p, " mass_target=", mass_target,
+                      " mass_temperature=", mass_temperature, " min_pages=", min_pages,
+                      " max_pages=", max_pages, " granularity=", GranularityName(granularity));
 }
 
 void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit) {
@@ -133,6 +155,45 @@ void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, fl
     visit[p] = 1;
     covered += mass[p];
     if (covered >= top_p * total) break;
+  }
+}
+
+void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, float target,
+                float temperature, int head_dim, int min_pages, int max_pages,
+                std::span<uint8_t> visit) {
+  const int64_t n = static_cast<int64_t>(scores.size());
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < n; ++p) top = std::max(top, scores[p]);
+  // Scores are bounds or estimates of a group's largest q·k; divided by
+  // τ·sqrt(d) they stand in for its largest logit. Every group counts in the
+  // total, so the sinks' and recent groups' mass is credited to the target.
+  const double inv_scale = 1.0 / (static_cast<double>(temperature) * std::sqrt(head_dim));
+  std::vector<double> mass(n, 0.0);
+  double total = 0.0;
+  double covered = 0.0;
+  std::vector<int64_t> order;
+  for (int64_t p = 0; p < n; ++p) {
+    if (std::isfinite(top) && scores[p] > -std::numeric_limits<float>::infinity()) {
+      mass[p] = std::exp((static_cast<double>(scores[p]) - top) * inv_scale);
+    }
+    total += mass[p];
+    if (forced[p]) {
+      covered += mass[p];
+    } else {
+      order.push_back(p);
+    }
+  }
+  // Decreasing mass; ties to the more recent (higher-index) group.
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return mass[a] != mass[b] ? mass[a] > mass[b] : a > b; });
+  const int64_t ceiling = max_pages > 0
+                              ? std::min<int64_t>(max_pages, static_cast<int64_t>(order.size()))
+                              : static_cast<int64_t>(order.size());
+  const double goal = static_cast<double>(target) * total;
+  for (int64_t i = 0; i < ceiling; ++i) {
+    if (i >= min_pages && covered >= goal) break;
+    visit[order[i]] = 1;
+    covered += mass[order[i]];
   }
 }
 

@@ -21,7 +21,11 @@ enum class HeadMode { kAll, kRetrieval };
 // kFixed: exactly min(groups, forced + top_pages) groups per output row, so the
 //   counts are known before the step (kernels that plan on the host).
 // kTopP: the fewest groups whose estimated attention mass reaches top_p.
-enum class Budget { kThreshold, kFixed, kTopP };
+// kMass: the adaptive budget (docs/policy.md, "Mass budget"): per head, add
+//   groups by decreasing calibrated mass estimate until the estimated share of
+//   the whole context's attention mass, forced groups included, reaches
+//   mass_target; at least min_pages and at most max_pages unforced groups.
+enum class Budget { kThreshold, kFixed, kTopP, kMass };
 // kUnion: one visit list per (sequence, layer), the union over heads.
 // kPerKvHead: one visit list per (sequence, layer, KV head).
 enum class Granularity { kUnion, kPerKvHead };
@@ -31,7 +35,8 @@ const char* BudgetName(Budget budget);
 const char* GranularityName(Granularity granularity);
 
 struct SelectPolicy {
-  Method method = Method::kJl;
+  // quest: the best bound on real keys (docs/policy.md, "The default method").
+  Method method = Method::kQuest;
   float alpha = 1.0f;    // ≥ 1; larger visits more
   int first_n = 1;       // attention-sink groups always visited
   int last_n = 2;        // most recent groups always visited, the newest among them
@@ -42,6 +47,11 @@ struct SelectPolicy {
   std::vector<uint8_t> retrieval_heads;
   Budget budget = Budget::kThreshold;
   float top_p = 0.95f;   // with kTopP, in (0, 1]
+  // With kMass (defaults chosen by the evaluation, docs/eval/README.md):
+  float mass_target = 0.95f;      // p, in (0, 1]
+  float mass_temperature = 1.0f;  // τ, in (0, 1000]: logit estimate = score / (τ·sqrt(d))
+  int min_pages = 0;              // floor: unforced groups always added per head, ≥ 0
+  int max_pages = 0;              // ceiling: unforced groups per head at most; 0 = none
   Granularity granularity = Granularity::kUnion;
 
   absl::Status Validate(const ModelLayout& model) const;
@@ -72,6 +82,17 @@ void MarkStrict(std::span<const MaxScoreBracket> brackets, int top_pages,
 // marks unforced groups by decreasing w until their share reaches top_p.
 void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, float top_p,
               int head_dim, std::span<uint8_t> visit);
+
+// Mass budget for one head (docs/policy.md, "Mass budget"). Over all n groups,
+// forced ones included, w_p = exp((s_p − s_max) / (temperature·sqrt(d))),
+// W = Σ w. Covered mass C starts at the forced groups' w. Unforced groups are
+// taken by decreasing w (ties: the more recent group first): the first
+// min_pages always, then one more while C < target·W, never more than
+// max_pages in all (max_pages = 0: no ceiling). Groups with score −∞ (empty)
+// have w = 0 and are only taken to fill the floor.
+void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, float target,
+                float temperature, int head_dim, int min_pages, int max_pages,
+                std::span<uint8_t> visit);
 
 // Fixed budget over several heads: ranks the unforced groups by their best rank
 // over `head_scores` (ties to the more recent group) and marks the first

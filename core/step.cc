@@ -206,6 +206,10 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
             case Budget::kTopP:
               MarkTopP(scores, forced, policy.top_p, d, target);
               break;
+            case Budget::kMass:
+              MarkByMass(scores, forced, policy.mass_target, policy.mass_temperature, d,
+                         policy.min_pages, policy.max_pages, target);
+              break;
             case Budget::kFixed:
               head_scores[h] = scores;
               fixed[per_head ? kvh : 0].push_back(head_scores[h]);

@@ -283,6 +283,43 @@ int eps_eval_mark(int64_t n, int q_heads, int kv_heads, const float* scores, int
   return 0;
 }
 
+// Mass budget (core MarkByMass) from scores [q_heads, n], OR-ed per list, for
+// each target of `targets`: out [n_targets, lists, n].
+int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores, int first_n,
+                       int last_n, const float* targets, int n_targets, float temperature,
+                       int head_dim, int min_pages, int max_pages, int per_kv_head, uint8_t* out,
+                       char* err, int err_len) {
+  eps::SelectPolicy policy;
+  policy.first_n = first_n;
+  policy.last_n = last_n;
+  policy.budget = eps::Budget::kMass;
+  policy.mass_temperature = temperature;
+  policy.min_pages = min_pages;
+  policy.max_pages = max_pages;
+  if (n < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || head_dim < 1) {
+    return Fail(absl::InvalidArgumentError("bad shape for eps_eval_mark_mass"), err, err_len);
+  }
+  const int ratio = q_heads / kv_heads;
+  const int lists = per_kv_head ? kv_heads : 1;
+  std::vector<uint8_t> forced(n, 0);
+  eps::MarkForced(policy, forced);
+  for (int i = 0; i < n_targets; ++i) {
+    policy.mass_target = targets[i];
+    if (absl::Status s = policy.Validate(eps::ModelLayout{}); !s.ok()) return Fail(s, err, err_len);
+    for (int list = 0; list < lists; ++list) {
+      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
+      std::copy(forced.begin(), forced.end(), visit.begin());
+    }
+    for (int h = 0; h < q_heads; ++h) {
+      const int list = per_kv_head ? h / ratio : 0;
+      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
+      eps::MarkByMass({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)}, forced,
+                      targets[i], temperature, head_dim, min_pages, max_pages, visit);
+    }
+  }
+  return 0;
+}
+
 // PageSelector::Select on this sequence. stats: 7 int64 (StepStats field order).
 int eps_eval_select(const void* seq, const char* method, const float* queries, int top_pages,
                     float alpha, int strict, int per_kv_head, int first_n, int last_n,

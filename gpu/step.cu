@@ -95,6 +95,7 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
       return wide ? std::pair{SelectKernelOf<Budget::kFixed, false, 32>(), 32}
                   : std::pair{SelectKernelOf<Budget::kFixed, false, 8>(), 8};
     case Budget::kTopP:
+    case Budget::kMass:  // refused by Enqueue
       break;
   }
   return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
@@ -252,6 +253,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
+  if (policy.budget == Budget::kMass) {
+    return absl::UnimplementedError(
+        "the GPU pre-pass serves the threshold, fixed and top-p budgets and strict mode; the mass "
+        "budget runs on the cpu backend");
+  }
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
   const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());

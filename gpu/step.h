@@ -14,8 +14,9 @@
 //                  best ranks; forced groups; the union over the list's heads;
 //                  compaction into visit_blocks / visit_count; the statistics
 //
-// Every policy of core/select.h: threshold, fixed and top-p budgets, strict
-// mode, heads all|retrieval, union and per-KV-head output, every method.
+// The policies of core/select.h: threshold, fixed and top-p budgets, strict
+// mode, heads all|retrieval, union and per-KV-head output, every method. The
+// mass budget is not served here (UNIMPLEMENTED; the cpu backend has it).
 // Lists equal core/'s except for groups whose score sits within float rounding
 // of a cut (the device sums in another order).
 //

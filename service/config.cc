@@ -83,13 +83,27 @@ absl::StatusOr<ServerConfig> ReadFlags() {
       FLAGS_eps_heads, {{"all", HeadMode::kAll}, {"retrieval", HeadMode::kRetrieval}},
       &c.policy.heads));
   c.policy.strict = absl::GetFlag(FLAGS_eps_strict);
-  RETURN_IF_ERROR(ReadChoice<Budget>(
-      FLAGS_eps_budget,
-      {{"threshold", Budget::kThreshold}, {"fixed", Budget::kFixed}, {"top_p", Budget::kTopP}},
-      &c.policy.budget));
+  RETURN_IF_ERROR(ReadChoice<Budget>(FLAGS_eps_budget,
+                                     {{"threshold", Budget::kThreshold},
+                                      {"fixed", Budget::kFixed},
+                                      {"top_p", Budget::kTopP},
+                                      {"mass", Budget::kMass}},
+                                     &c.policy.budget));
   const double top_p = absl::GetFlag(FLAGS_eps_top_p);
   if (!(top_p > 0.0 && top_p <= 1.0)) return cli::Invalid(FLAGS_eps_top_p, "a number in (0, 1]");
   c.policy.top_p = static_cast<float>(top_p);
+  const double mass = absl::GetFlag(FLAGS_eps_budget_mass);
+  if (!(mass > 0.0 && mass <= 1.0)) {
+    return cli::Invalid(FLAGS_eps_budget_mass, "a number in (0, 1]");
+  }
+  c.policy.mass_target = static_cast<float>(mass);
+  const double tau = absl::GetFlag(FLAGS_eps_mass_temperature);
+  if (!(tau > 0.0 && tau <= 1000.0)) {
+    return cli::Invalid(FLAGS_eps_mass_temperature, "a number in (0, 1000]");
+  }
+  c.policy.mass_temperature = static_cast<float>(tau);
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_min_pages, 0, 1 << 30, &c.policy.min_pages));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_max_pages, 0, 1 << 30, &c.policy.max_pages));
 
   absl::Duration d;
   RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));

@@ -142,10 +142,19 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
     case v1::BUDGET_TOP_P:
       p.budget = Budget::kTopP;
       break;
+    case v1::BUDGET_MASS:
+      p.budget = Budget::kMass;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("options.budget=", o.budget(), " is unknown"));
   }
   if (o.has_top_p()) p.top_p = o.top_p();
+  if (o.has_mass_target()) p.mass_target = o.mass_target();
+  if (o.has_mass_temperature()) p.mass_temperature = o.mass_temperature();
+  if (o.has_min_pages())
+    p.min_pages = static_cast<int>(std::min<uint32_t>(o.min_pages(), 1u << 30));
+  if (o.has_max_pages())
+    p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
   if (o.granularity() == v1::GRANULARITY_UNION) p.granularity = Granularity::kUnion;
   if (o.granularity() == v1::GRANULARITY_PER_KV_HEAD) p.granularity = Granularity::kPerKvHead;
   if (o.granularity() > v1::GRANULARITY_PER_KV_HEAD || o.granularity() < 0) {
@@ -168,9 +177,13 @@ v1::SelectOptions ToProto(const SelectPolicy& p) {
   o.set_heads(p.heads == HeadMode::kAll ? v1::HEAD_MODE_ALL : v1::HEAD_MODE_RETRIEVAL);
   o.set_retrieval_heads(std::string(p.retrieval_heads.begin(), p.retrieval_heads.end()));
   static constexpr v1::Budget kBudgets[] = {v1::BUDGET_THRESHOLD, v1::BUDGET_FIXED,
-                                            v1::BUDGET_TOP_P};
+                                            v1::BUDGET_TOP_P, v1::BUDGET_MASS};
   o.set_budget(kBudgets[static_cast<int>(p.budget)]);
   o.set_top_p(p.top_p);
+  o.set_mass_target(p.mass_target);
+  o.set_mass_temperature(p.mass_temperature);
+  o.set_min_pages(p.min_pages);
+  o.set_max_pages(p.max_pages);
   o.set_granularity(p.granularity == Granularity::kUnion ? v1::GRANULARITY_UNION
                                                          : v1::GRANULARITY_PER_KV_HEAD);
   return o;

@@ -17,7 +17,9 @@ ABSL_FLAG(std::string, health_listen, "",
 
 ABSL_FLAG(std::string, backend, "auto",
           "cpu | cuda | auto (per session: cuda when its buffers are cuda_ipc handles)");
-ABSL_FLAG(std::string, eps_method, "jl", "off | jl | 1pc | fro | quest");
+ABSL_FLAG(
+    std::string, eps_method, "quest",
+    "off | jl | 1pc | fro | quest (quest: the evaluation's best on real keys, docs/policy.md)");
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
 ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
@@ -26,9 +28,17 @@ ABSL_FLAG(int, eps_last_n, 2, "recent groups always visited, the newest among th
 ABSL_FLAG(int, eps_top_pages, 16, "top_pages M");
 ABSL_FLAG(std::string, eps_heads, "all", "all | retrieval");
 ABSL_FLAG(bool, eps_strict, false, "guarantee a superset of the true top-M");
-ABSL_FLAG(std::string, eps_budget, "threshold", "threshold | fixed | top_p");
+ABSL_FLAG(std::string, eps_budget, "threshold", "threshold | fixed | top_p | mass");
 ABSL_FLAG(double, eps_top_p, 0.95,
           "estimated attention mass to cover with --eps-budget=top_p, in (0, 1]");
+ABSL_FLAG(double, eps_budget_mass, 0.95,
+          "estimated attention mass p to reach with --eps-budget=mass, in (0, 1] "
+          "(docs/policy.md, Mass budget)");
+ABSL_FLAG(double, eps_mass_temperature, 1.0,
+          "calibration temperature of the mass estimate with --eps-budget=mass, in (0, 1000]");
+ABSL_FLAG(int, eps_min_pages, 0, "with --eps-budget=mass: unforced groups always kept per head");
+ABSL_FLAG(int, eps_max_pages, 0,
+          "with --eps-budget=mass: unforced groups kept per head at most (0: no ceiling)");
 
 ABSL_FLAG(eps::cli::Millis, lease_ms, {absl::Milliseconds(10000)},
           "session lease, renewed by Attach, SelectPages and Heartbeat, in [50ms, 1h]");

@@ -27,6 +27,10 @@ ABSL_DECLARE_FLAG(std::string, eps_heads);
 ABSL_DECLARE_FLAG(bool, eps_strict);
 ABSL_DECLARE_FLAG(std::string, eps_budget);
 ABSL_DECLARE_FLAG(double, eps_top_p);
+ABSL_DECLARE_FLAG(double, eps_budget_mass);
+ABSL_DECLARE_FLAG(double, eps_mass_temperature);
+ABSL_DECLARE_FLAG(int, eps_min_pages);
+ABSL_DECLARE_FLAG(int, eps_max_pages);
 // Sessions, limits and lifetimes.
 ABSL_DECLARE_FLAG(eps::cli::Millis, lease_ms);
 ABSL_DECLARE_FLAG(int64_t, max_sessions);

@@ -92,6 +92,24 @@ def lib() -> ctypes.CDLL:
             ctypes.c_char_p,
             ctypes.c_int,
         ]
+        so.eps_eval_mark_mass.argtypes = [
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_int,
+            _F32P,
+            ctypes.c_int,
+            ctypes.c_int,
+            _F32P,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            _U8P,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         so.eps_eval_select.argtypes = [
             ctypes.c_void_p,
             ctypes.c_char_p,
@@ -147,6 +165,36 @@ def mark(
     rc = lib().eps_eval_mark(
         n, q_heads, kv_heads, _ptr(s, _F32P), first_n, last_n, _ptr(tp, _I32P), len(tp),
         alpha, int(per_kv_head), _ptr(out, _U8P), err, len(err),
+    )
+    if rc != 0:
+        raise CoreError(err.value.decode())
+    return out
+
+
+def mark_mass(
+    scores: npt.NDArray[np.float32],
+    kv_heads: int,
+    targets: list[float],
+    *,
+    temperature: float,
+    head_dim: int,
+    min_pages: int = 0,
+    max_pages: int = 0,
+    per_kv_head: bool = False,
+    first_n: int = 1,
+    last_n: int = 2,
+) -> npt.NDArray[np.uint8]:
+    """Mass budget (core MarkByMass) from scores [q_heads, n]: marks [len(targets), lists, n]."""
+    s = _f32(scores)
+    q_heads, n = s.shape
+    lists = kv_heads if per_kv_head else 1
+    out = np.zeros((len(targets), lists, n), dtype=np.uint8)
+    tg = _f32(targets)
+    err = ctypes.create_string_buffer(512)
+    rc = lib().eps_eval_mark_mass(
+        n, q_heads, kv_heads, _ptr(s, _F32P), first_n, last_n, _ptr(tg, _F32P), len(tg),
+        temperature, head_dim, min_pages, max_pages, int(per_kv_head), _ptr(out, _U8P), err,
+        len(err),
     )
     if rc != 0:
         raise CoreError(err.value.decode())

@@ -1,6 +1,8 @@
 #include "core/select.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -132,6 +134,116 @@ TEST(SelectTest, TopPCoversTheRequestedEstimatedMass) {
   EXPECT_EQ(Count(visit), n);
 }
 
+// The estimated mass of `visit` (forced included) over the whole context, as
+// MarkByMass defines it, recomputed here in the plainest way.
+double EstimatedShare(const std::vector<float>& scores, const std::vector<uint8_t>& visit,
+                      float temperature, int d) {
+  const float top = *std::max_element(scores.begin(), scores.end());
+  double total = 0, kept = 0;
+  for (size_t p = 0; p < scores.size(); ++p) {
+    const double w = std::exp((scores[p] - top) / (temperature * std::sqrt(double(d))));
+    total += w;
+    if (visit[p]) kept += w;
+  }
+  return kept / total;
+}
+
+TEST(SelectTest, MassBudgetTakesTheFewestGroupsReachingTheTarget) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  const int d = 64;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 300);
+    std::vector<float> scores = testing::GaussianVector(rng, n);
+    for (float& s : scores) s *= 20.0f;
+    const float target = 0.05f + 0.95f * static_cast<float>(rng() % 1000) / 1000.0f;
+    const float tau = 0.5f + static_cast<float>(rng() % 4);
+    const std::vector<uint8_t> forced = Forced(policy, n);
+    std::vector<uint8_t> visit = forced;
+    MarkByMass(scores, forced, target, tau, d, 0, 0, visit);
+    const double share = EstimatedShare(scores, visit, tau, d);
+    EXPECT_GE(share, target - 1e-9) << "n=" << n << " target=" << target;
+    // Minimal: without the lightest added group the share is below the target.
+    int lightest = -1;
+    for (int p = 0; p < n; ++p) {
+      if (visit[p] && !forced[p] && (lightest < 0 || scores[p] <= scores[lightest])) lightest = p;
+    }
+    if (lightest >= 0) {
+      visit[lightest] = 0;
+      EXPECT_LT(EstimatedShare(scores, visit, tau, d), target + 1e-9) << "n=" << n;
+    }
+  }
+}
+
+TEST(SelectTest, MassBudgetCreditsTheForcedGroupsMass) {
+  SelectPolicy policy;  // forced: group 0 and the last two
+  const int n = 40, d = 64;
+  std::vector<float> scores(n, 0.0f);
+  scores[0] = 200;  // the sink holds nearly all the estimated mass
+  scores[20] = 40;
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  std::vector<uint8_t> visit = forced;
+  MarkByMass(scores, forced, 0.99f, 1.0f, d, 0, 0, visit);
+  EXPECT_EQ(visit, forced);
+  // MarkTopP ignores the forced mass and must take group 20 at least.
+  visit = forced;
+  MarkTopP(scores, forced, 0.99f, d, visit);
+  EXPECT_TRUE(visit[20]);
+}
+
+TEST(SelectTest, MassBudgetKeepsItsFloorAndCeiling) {
+  SelectPolicy policy;
+  const int n = 50, d = 64;
+  std::vector<float> scores(n, 0.0f);
+  for (int p = 0; p < n; ++p) scores[p] = static_cast<float>(p % 7);
+  scores[0] = 500;
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  std::vector<uint8_t> visit = forced;
+  MarkByMass(scores, forced, 0.5f, 1.0f, d, /*min_pages=*/5, 0, visit);
+  EXPECT_EQ(Count(visit), Count(forced) + 5) << "the floor, although the sink covers 0.5";
+  scores[0] = 0;  // no dominant sink: target 1.0 wants every group
+  visit = forced;
+  MarkByMass(scores, forced, 1.0f, 1.0f, d, 0, /*max_pages=*/7, visit);
+  EXPECT_EQ(Count(visit), Count(forced) + 7) << "the ceiling, although 1.0 wants every group";
+  visit = forced;
+  MarkByMass(scores, forced, 1.0f, 1.0f, d, 0, 0, visit);
+  EXPECT_EQ(Count(visit), n);
+}
+
+TEST(SelectTest, MassBudgetNeverVisitsFewerForAHigherTarget) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  const int n = 200, d = 128;
+  std::vector<float> scores = testing::GaussianVector(rng, n);
+  for (float& s : scores) s *= 30.0f;
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  int last = 0;
+  for (float target : {0.1f, 0.5f, 0.8f, 0.9f, 0.95f, 0.99f, 1.0f}) {
+    std::vector<uint8_t> visit = forced;
+    MarkByMass(scores, forced, target, 1.0f, d, 0, 0, visit);
+    EXPECT_GE(Count(visit), last) << "target=" << target;
+    last = Count(visit);
+  }
+}
+
+TEST(SelectTest, MassBudgetLeavesEmptyGroupsOutUnlessTheFloorNeedsThem) {
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const std::vector<float> scores = {ninf, 3.0f, ninf, 1.0f};
+  const std::vector<uint8_t> forced = Forced(policy, 4);
+  std::vector<uint8_t> visit = forced;
+  MarkByMass(scores, forced, 1.0f, 1.0f, 16, 0, 0, visit);
+  EXPECT_EQ(visit, (std::vector<uint8_t>{0, 1, 0, 1}));
+  visit = forced;
+  MarkByMass(scores, forced, 0.01f, 1.0f, 16, 2, 0, visit);
+  EXPECT_EQ(visit, (std::vector<uint8_t>{0, 1, 1, 1})) << "ties among empty: more recent first";
+}
+
 TEST(SelectTest, FixedBudgetMarksExactlyTopPagesAcrossHeads) {
   const uint64_t seed = testing::TestSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));
@@ -181,6 +293,22 @@ TEST(SelectPolicyTest, ValidateRejectsEveryBadField) {
   p.budget = Budget::kTopP;
   p.top_p = 1.5f;
   EXPECT_FALSE(p.Validate(model).ok());
+  p = ok;
+  p.budget = Budget::kMass;
+  EXPECT_TRUE(p.Validate(model).ok());
+  p.mass_target = 0.0f;
+  EXPECT_EQ(p.Validate(model).message(), "mass_target=0 not in (0, 1]");
+  p = ok;
+  p.budget = Budget::kMass;
+  p.mass_temperature = -1.0f;
+  EXPECT_EQ(p.Validate(model).message(), "mass_temperature=-1 not in (0, 1000]");
+  p = ok;
+  p.budget = Budget::kMass;
+  p.min_pages = 9;
+  p.max_pages = 4;
+  EXPECT_EQ(p.Validate(model).message(), "min_pages=9 exceeds max_pages=4");
+  p.min_pages = -1;
+  EXPECT_EQ(p.Validate(model).message(), "min_pages=-1, max_pages=4 must be >= 0");
   p = ok;
   p.heads = HeadMode::kRetrieval;
   p.retrieval_heads.assign(7, 1);

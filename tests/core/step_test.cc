@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -269,6 +270,17 @@ TEST_F(StepTest, TopPBudgetVisitsTheDominantNeedle) {
   EXPECT_TRUE(Visited(0)[12]);
 }
 
+TEST_F(StepTest, MassBudgetVisitsTheDominantNeedleAndSkipsTheRest) {
+  Build(Model(), 64 * 40, {12});
+  SelectPolicy policy;
+  policy.budget = Budget::kMass;
+  policy.mass_target = 0.5f;
+  ASSERT_TRUE(Run(policy).ok());
+  const std::vector<uint8_t> visit = Visited(0);
+  EXPECT_TRUE(visit[12]);
+  EXPECT_LT(std::accumulate(visit.begin(), visit.end(), 0), static_cast<int>(visit.size()));
+}
+
 TEST_F(StepTest, HalfQueriesSelectLikeTheirWidenedFloats) {
   Build(Model(), 64 * 30, {4, 20});
   std::vector<float> widened;
@@ -311,9 +323,10 @@ TEST_F(StepTest, StatsCountGroupsBlocksAndBytes) {
 class StepValidationTest : public StepTest {
  protected:
   void SetUp() override { Build(Model(), 64 * 10, {}); }
-  void ExpectRejected(const StepInputs& in, const std::string& fragment) {
+  void ExpectRejected(const StepInputs& in, const std::string& fragment,
+                      const SelectPolicy& policy = SelectPolicy{}) {
     StepStats stats;
-    const absl::Status status = selector_->Select(in, SelectPolicy{}, buffers_->Outputs(), &stats);
+    const absl::Status status = selector_->Select(in, policy, buffers_->Outputs(), &stats);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_NE(status.message().find(fragment), std::string::npos) << status;
     EXPECT_EQ(buffers_->VisitCount(0, 0), -1) << "output written despite the error";
@@ -332,8 +345,11 @@ TEST_F(StepValidationTest, InfiniteQueryIsRejected) {
 
 TEST_F(StepValidationTest, NaNSummaryInALaterLayerIsRejectedBeforeAnyOutput) {
   // Layer 0 is scored before the NaN in layer 1 is met: its lists must not leak out.
+  // The NaN sits in the Gram, which jl reads (quest, the default, would not).
   buffers_->Record(buffers_->SlotOf(1, 3), 1, 1)[0] = std::nanf("");
-  ExpectRejected(buffers_->Inputs(rows_), "NaN or Inf");
+  SelectPolicy jl;
+  jl.method = Method::kJl;
+  ExpectRejected(buffers_->Inputs(rows_), "NaN or Inf", jl);
 }
 
 TEST_F(StepTest, FixedBudgetLayersWithoutRetrievalHeadsKeepSinksAndRecentOnly) {

@@ -203,11 +203,11 @@ def test_a_bad_flag_value_fails_the_flag_check(deploy: Path) -> None:
 def test_a_value_with_a_space_fails_the_flag_check(deploy: Path) -> None:
     edit(
         deploy / "k8s/base/configmap-epsd-flags.yaml",
-        "    --eps-method=jl\n",
-        "    --eps-method=jl quest\n",
+        "    --eps-method=quest\n",
+        "    --eps-method=quest jl\n",
     )
     problems = check_epsd_flags.check(epsd(), deploy / "k8s")
-    assert any(p.startswith("base:") and "unexpected argument 'quest'" in p for p in problems), (
+    assert any(p.startswith("base:") and "unexpected argument 'jl'" in p for p in problems), (
         problems
     )
 

@@ -11,7 +11,7 @@ TEST(ConfigTest, DefaultsListenOnAUnixSocketWithAutoBackend) {
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(config->listen, "unix:///tmp/epsd.sock");
   EXPECT_EQ(config->backend, BackendKind::kAuto);
-  EXPECT_EQ(config->policy.method, Method::kJl);
+  EXPECT_EQ(config->policy.method, Method::kQuest);
   EXPECT_EQ(config->socket_mode, 0660u);
 }
 
@@ -32,6 +32,20 @@ TEST(ConfigTest, ParsesEveryEpsFlagInBothForms) {
   EXPECT_TRUE(config->policy.strict);
   EXPECT_EQ(config->backend, BackendKind::kCpu);
   EXPECT_EQ(config->lease_ms, 500u);
+}
+
+TEST(ConfigTest, ParsesTheMassBudgetFlags) {
+  auto config =
+      ParseFlags({"--eps-budget=mass", "--eps-budget-mass=0.9", "--eps-mass-temperature=0.5",
+                  "--eps-min-pages=2", "--eps-max-pages=64"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->policy.budget, Budget::kMass);
+  EXPECT_FLOAT_EQ(config->policy.mass_target, 0.9f);
+  EXPECT_FLOAT_EQ(config->policy.mass_temperature, 0.5f);
+  EXPECT_EQ(config->policy.min_pages, 2);
+  EXPECT_EQ(config->policy.max_pages, 64);
+  EXPECT_EQ(ParseFlags({"--eps-budget-mass=0"}).status().message(),
+            "--eps-budget-mass=0: want a number in (0, 1]");
 }
 
 TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {

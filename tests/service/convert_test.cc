@@ -95,6 +95,22 @@ TEST(ConvertTest, EffectiveOptionsRoundTrip) {
   EXPECT_EQ(back->granularity, Granularity::kPerKvHead);
 }
 
+TEST(ConvertTest, MassBudgetOptionsRoundTrip) {
+  SelectPolicy p;
+  p.budget = Budget::kMass;
+  p.mass_target = 0.8f;
+  p.mass_temperature = 0.5f;
+  p.min_pages = 3;
+  p.max_pages = 40;
+  absl::StatusOr<SelectPolicy> back = MergeOptions(SelectPolicy{}, ToProto(p));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->budget, Budget::kMass);
+  EXPECT_EQ(back->mass_target, 0.8f);
+  EXPECT_EQ(back->mass_temperature, 0.5f);
+  EXPECT_EQ(back->min_pages, 3);
+  EXPECT_EQ(back->max_pages, 40);
+}
+
 TEST(ConvertTest, BackendUnspecifiedIsAutoAndUnknownIsAnError) {
   EXPECT_EQ(*BackendFromProto(v1::BACKEND_UNSPECIFIED), BackendKind::kAuto);
   EXPECT_EQ(*BackendFromProto(v1::BACKEND_CUDA), BackendKind::kCuda);

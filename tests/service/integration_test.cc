@@ -121,6 +121,38 @@ TEST_F(IntegrationTest, PerKvHeadOutputsMatchTheReference) {
   RunSteps(client, engine, 5, 1900);
 }
 
+TEST_F(IntegrationTest, MassBudgetPerCallMatchesTheReferenceAndRejectsABadTarget) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("mass"));
+  ASSERT_NE(epsd, nullptr);
+  client::EpsClient client(Options(epsd->target()), engine_->Attach("engine-mass"));
+  ASSERT_TRUE(client.Attach().ok());
+  v1::SelectOptions options;
+  options.set_budget(v1::BUDGET_MASS);
+  options.set_mass_target(0.8f);
+  options.set_mass_temperature(2.0f);
+  options.set_min_pages(1);
+  options.set_max_pages(6);
+  SelectPolicy policy;
+  policy.budget = Budget::kMass;
+  policy.mass_target = 0.8f;
+  policy.mass_temperature = 2.0f;
+  policy.min_pages = 1;
+  policy.max_pages = 6;
+  for (int step = 1; step <= 5; ++step) {
+    std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1700 + step),
+                                      TestEngine::Row(1, 1000 + step)};
+    const client::StepResult r = client.SelectPages(step, rows, &options);
+    ASSERT_FALSE(r.fallback) << "step " << step << ": " << r.status;
+    ASSERT_TRUE(engine_->MatchesReference(rows, policy)) << "step " << step;
+  }
+  options.set_mass_target(1.5f);
+  const std::vector<v1::BatchRow> one = {TestEngine::Row(0, 1800)};
+  const client::StepResult bad = client.SelectPages(6, one, &options);
+  EXPECT_TRUE(bad.fallback);
+  EXPECT_NE(bad.status.message().find("mass_target=1.5"), std::string::npos) << bad.status;
+}
+
 TEST_F(IntegrationTest, InlineBuffersCarryDataAndVisitListsInTheMessages) {
   SCOPED_TRACE(testing::SeedTrace(seed_));
   auto epsd = EpsdProcess::Start(testing::UniqueSocket("inline"));

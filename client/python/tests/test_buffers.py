@@ -43,7 +43,7 @@ def test_contract_table_equals_core_buffer_contract(core_reference):
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])
-@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(quest=True,
+@pytest.mark.parametrize("features", [SummaryFeatures(quest=False), SummaryFeatures(quest=True,
                                                                          principal=True)])
 def test_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head, features):
     model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,

@@ -17,11 +17,12 @@ _KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
 
 @dataclass(frozen=True)
 class SummaryFeatures:
-    """Optional parts of a record; core/'s defaults (key_sum on)."""
+    """Optional parts of a record. key_sum on, as in core/; quest on (core/ leaves it off)
+    because epsd's default method, quest, reads it (without it quest falls back to fro)."""
 
     key_sum: bool = True
     principal: bool = False
-    quest: bool = False
+    quest: bool = True
 
 
 @dataclass(frozen=True)

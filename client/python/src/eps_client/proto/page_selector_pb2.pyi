@@ -39,6 +39,7 @@ class Budget(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUDGET_THRESHOLD: _ClassVar[Budget]
     BUDGET_FIXED: _ClassVar[Budget]
     BUDGET_TOP_P: _ClassVar[Budget]
+    BUDGET_MASS: _ClassVar[Budget]
 
 class Granularity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -77,6 +78,7 @@ BUDGET_UNSPECIFIED: Budget
 BUDGET_THRESHOLD: Budget
 BUDGET_FIXED: Budget
 BUDGET_TOP_P: Budget
+BUDGET_MASS: Budget
 GRANULARITY_UNSPECIFIED: Granularity
 GRANULARITY_UNION: Granularity
 GRANULARITY_PER_KV_HEAD: Granularity
@@ -196,7 +198,7 @@ class SharedBuffers(_message.Message):
     def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
 
 class SelectOptions(_message.Message):
-    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity")
+    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     FIRST_N_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,10 @@ class SelectOptions(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     GRANULARITY_FIELD_NUMBER: _ClassVar[int]
+    MASS_TARGET_FIELD_NUMBER: _ClassVar[int]
+    MASS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MIN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
     method: Method
     alpha: float
     first_n: int
@@ -219,7 +225,11 @@ class SelectOptions(_message.Message):
     budget: Budget
     top_p: float
     granularity: Granularity
-    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ...) -> None: ...
+    mass_target: float
+    mass_temperature: float
+    min_pages: int
+    max_pages: int
+    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("engine_id", "layout", "buffers", "options", "max_batch", "num_kv_blocks", "lease_ms", "backend", "device")

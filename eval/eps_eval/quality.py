@@ -1,0 +1,254 @@
+"""Issue 19's measurements for one (layer, step): group sizes, reuse, 8-bit quest,
+coarse-to-fine selection and the adaptive mass budget.
+
+Scores of jl8, 1pc, fro and quest come from core/bounds.h through libeps_eval;
+the threshold marks from core/select.h's MarkByThreshold, the mass-budget marks
+from MarkByMass (core.mark_mass). Two experimental scorers live here until
+they prove themselves:
+
+  quest8  Quest's per-channel min/max stored in int8 with one fp32 scale per
+          (group, KV head), scale = max_j max(|min_j|, |max_j|) / 127, min
+          rounded down and max rounded up (float64), so the bound stays an
+          upper bound of max_i q·k_i. Record: 2·d + 4 bytes.
+  c2f     coarse-to-fine: every g_c-block group is scored with its quest8
+          record; the best groups (a candidate budget per head, OR-ed over
+          heads) have their 16-token blocks scored with block-level quest8
+          records, read for those groups only; the final list is
+          block-granular (MarkByThreshold over blocks, forced = the blocks of
+          the first group and of the last two groups, as at g = g_c).
+
+Rows carry `budget` (threshold, mass or c2f) and its parameters; `skip` counts
+summary bytes read (see metrics.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from eps_eval import core
+from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
+
+F32 = npt.NDArray[np.float32]
+FRACTIONS = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8)
+CORE_METHODS = ("jl8", "1pc", "fro", "quest")
+MASS_TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
+MASS_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
+MASS_FLOORS = (0.0, 0.05, 0.1, 0.2)  # min_pages as a share of the unforced groups
+
+
+@dataclass(frozen=True)
+class QualityPlan:
+    group_blocks: tuple[int, ...] = (1, 2, 4, 8, 16)
+    lags: tuple[int, ...] = (0, 1, 2, 3, 4)
+    fractions: tuple[float, ...] = FRACTIONS
+    mass_methods: tuple[str, ...] = ("quest", "quest8", "questmid", "oracle_mass")
+    mass_group_blocks: tuple[int, ...] = (1, 2, 4, 8)
+    mass_lags: tuple[int, ...] = (0, 1)
+    c2f_coarse: tuple[int, ...] = (8, 16)
+    c2f_candidates: tuple[float, ...] = (1.5, 2.0, 3.0)  # candidate groups per final block budget
+
+
+def record_bytes(method: str, d: int) -> float:
+    """Summary bytes per (group, KV head) read by `method`."""
+    if method == "jl8":
+        return core.record_bytes(d, 8, 0)
+    if method == "fro":
+        return core.record_bytes(d, 8, 0)
+    if method == "1pc":
+        return core.record_bytes(d, 8, core.PRINCIPAL)
+    if method == "quest":
+        return 4.0 * d  # Quest's fp16 min and max
+    if method == "quest8":
+        return 2.0 * d + 4.0
+    if method == "questmid":
+        return 6.0 * d  # quest fp16 plus the key sum in fp16
+    return 0.0  # oracles
+
+
+class QuestTables:
+    """Per-group key min/max [kv, G, d] (float64) of one layer, for quest8."""
+
+    def __init__(self, k: F32, tokens: int, g: int) -> None:
+        kv, _, d = k.shape
+        gt = g * BLOCK
+        G = -(-tokens // gt)
+        kk = k[:, :tokens].astype(np.float64)
+        pad = G * gt - tokens
+        lo = np.pad(kk, ((0, 0), (0, pad), (0, 0)), constant_values=np.inf)
+        hi = np.pad(kk, ((0, 0), (0, pad), (0, 0)), constant_values=-np.inf)
+        kmin = lo.reshape(kv, G, gt, d).min(axis=2)
+        kmax = hi.reshape(kv, G, gt, d).max(axis=2)
+        # The scale is widened by 1e-6 so every |code| stays below 127 after rounding.
+        scale = np.maximum(np.abs(kmin), np.abs(kmax)).max(axis=2, keepdims=True) / 127.0
+        scale = np.where(scale > 0, scale * (1 + 1e-6), 1.0)
+        # Outward rounding: the int8 codes bracket the true range (one code more
+        # where the product code·scale rounded back inside it).
+        lo_code = np.floor(kmin / scale)
+        hi_code = np.ceil(kmax / scale)
+        lo_code -= lo_code * scale > kmin
+        hi_code += hi_code * scale < kmax
+        lo_code, hi_code = np.clip(lo_code, -128, 127), np.clip(hi_code, -128, 127)
+        self.min8, self.max8 = lo_code * scale, hi_code * scale
+        counts = np.minimum(gt, tokens - np.arange(G) * gt)
+        self.mean = np.pad(kk, ((0, 0), (0, pad), (0, 0))).reshape(kv, G, gt, d).sum(axis=2)
+        self.mean /= counts[None, :, None]
+        assert np.all(self.min8 <= kmin) and np.all(self.max8 >= kmax)
+        self.kv = kv
+
+    def scores(self, q: F32) -> F32:
+        """quest8 scores [H, G]: Σ_j max(q_j·min_j, q_j·max_j) ≥ max_i q·k_i."""
+        h = q.shape[0]
+        r = h // self.kv
+        qd = q.astype(np.float64)
+        out = np.empty((h, self.min8.shape[1]))
+        for i in range(h):
+            kvh = i // r
+            out[i] = np.maximum(qd[i], 0) @ self.max8[kvh].T + np.minimum(qd[i], 0) @ self.min8[kvh].T
+        return out.astype(np.float32)
+
+    def mean_scores(self, q: F32) -> F32:
+        """q·k̄ [H, G]: the mean key's score, a lower bound of max_i q·k_i (key_sum / count)."""
+        h = q.shape[0]
+        r = h // self.kv
+        return np.stack([self.mean[i // r] @ q[i].astype(np.float64) for i in range(h)]).astype(
+            np.float32)
+
+
+def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:
+    unforced = max(1, groups - forced)
+    return sorted({max(1, round(f * unforced)) for f in fractions})
+
+
+def _row(workload: dict[str, object], budget: str, method: str, g: int, lag: int, param: float,
+         temperature: float, groups: int, met: dict[str, float]) -> dict[str, object]:
+    row: dict[str, object] = {**workload, "budget": budget, "method": method, "g": g, "lag": lag,
+                              "param": param, "temperature": temperature, "floor": 0.0,
+                              "groups": groups}
+    row.update({k: float(v) for k, v in met.items()})
+    return row
+
+
+def _rows(workload: dict[str, object], budget: str, method: str, g: int, lag: int,
+          params: list[float], temperature: float, groups: int,
+          met: dict[str, npt.NDArray[np.float64]]) -> list[dict[str, object]]:
+    keep = ("recall", "recall_min", "top10", "out_err", "visited", "summary_frac", "skip")
+    return [_row(workload, budget, method, g, lag, p, temperature, groups,
+                 {k: met[k][i] for k in keep}) for i, p in enumerate(params)]
+
+
+class LayerState:
+    """The core's summaries of one layer at every group size (m = 8, every feature)."""
+
+    def __init__(self, plan: QualityPlan, q_heads: int, kv_heads: int, d: int,
+                 max_tokens: int) -> None:
+        self.plan = plan
+        gs = sorted(set(plan.group_blocks) | {1} | set(plan.c2f_coarse))
+        self.seqs = {g: core.Sequence(q_heads=q_heads, kv_heads=kv_heads, head_dim=d,
+                                      group_blocks=g, sketch_dim=8, features=core.ALL_FEATURES,
+                                      max_tokens=max_tokens) for g in gs}
+        self.tokens = 0
+
+    def extend_to(self, k: F32, tokens: int) -> None:
+        if tokens > self.tokens:
+            chunk = np.ascontiguousarray(k[:, self.tokens:tokens])
+            for s in self.seqs.values():
+                s.append(chunk)
+            self.tokens = tokens
+
+
+def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], position: int,
+              workload: dict[str, object]) -> list[dict[str, object]]:
+    plan = state.plan
+    c = position + 1
+    state.extend_to(k, c)
+    kc, vc = k[:, :c], v[:, :c]
+    kvh, d = k.shape[0], k.shape[2]
+    dn: Dense = dense(q_by_pos[position], kc, vc)
+    rows: list[dict[str, object]] = []
+    q8 = {g: QuestTables(k, c, g) for g in sorted(set(plan.group_blocks) | set(plan.c2f_coarse))}
+    for g in plan.group_blocks:
+        s = state.seqs[g]
+        G = s.groups
+        tps = top_pages_for(G, plan.fractions)
+        log_mass = np.log(np.maximum(group_sum(dn.mass, g), 1e-300))
+        oracle = {"oracle_mass": (log_mass * np.sqrt(d)).astype(np.float32),
+                  "oracle_max": group_max(dn.maxdot, g).astype(np.float32)}
+        for name, sc in oracle.items():
+            masks = core.mark(sc, kvh, tps)
+            rows += _rows(workload, "threshold", name, g, 0, [float(t) for t in tps], 0.0, G,
+                          evaluate(dn, g, masks, tps, [0.0] * len(tps)))
+        for lag in plan.lags:
+            q = q_by_pos[position - lag]
+            scores = {m: s.scores("jl" if m == "jl8" else m, q) for m in CORE_METHODS}
+            scores["quest8"] = q8[g].scores(q)
+            for name, sc in scores.items():
+                masks = core.mark(sc, kvh, tps)
+                rb = record_bytes(name, d)
+                rows += _rows(workload, "threshold", name, g, lag, [float(t) for t in tps], 0.0,
+                              G, evaluate(dn, g, masks, tps, [rb] * len(tps)))
+            if g in plan.mass_group_blocks and lag in plan.mass_lags:
+                # questmid: the middle of the bracket [q·k̄, quest], both in the default record.
+                mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
+                mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
+                               "questmid": mid.astype(np.float32)}
+                if lag == 0:
+                    mass_scores["oracle_mass"] = oracle["oracle_mass"]
+                for name, sc in mass_scores.items():
+                    if name not in plan.mass_methods:
+                        continue
+                    rb = record_bytes(name, d)
+                    for tau in MASS_TEMPERATURES:
+                        if name == "oracle_mass" and tau != 1.0:
+                            continue
+                        for floor in MASS_FLOORS:
+                            if name == "oracle_mass" and floor > 0:
+                                continue
+                            min_pages = round(floor * max(1, G - 3))
+                            masks = core.mark_mass(sc, kvh, list(MASS_TARGETS), temperature=tau,
+                                                   head_dim=d, min_pages=min_pages)
+                            met = evaluate(dn, g, masks, [1] * len(MASS_TARGETS),
+                                           [rb] * len(MASS_TARGETS))
+                            for r in _rows(workload, "mass", name, g, lag, list(MASS_TARGETS),
+                                           tau, G, met):
+                                r["floor"] = floor
+                                rows.append(r)
+    for lag in sorted({0, 1} & set(plan.lags)):
+        q = q_by_pos[position - lag]
+        fine = q8[1].scores(q)
+        for gc in plan.c2f_coarse:
+            rows += _c2f_rows(workload, dn, q8[gc].scores(q), fine, gc, lag, plan, kvh, d)
+    return rows
+
+
+def _c2f_rows(workload: dict[str, object], dn: Dense, coarse: F32, fine: F32, gc: int, lag: int,
+              plan: QualityPlan, kvh: int, d: int) -> list[dict[str, object]]:
+    Gc = coarse.shape[1]
+    nb = fine.shape[1]
+    rb = record_bytes("quest8", d)
+    out: list[dict[str, object]] = []
+    for cand in plan.c2f_candidates:
+        masks, bytes_per_block, params = [], [], []
+        for f in plan.fractions:
+            blocks = max(1, round(f * max(1, nb - 3 * gc)))
+            n_cand = max(1, min(Gc, round(cand * blocks / gc)))
+            cmask = core.mark(coarse, kvh, [n_cand])[0, 0].astype(bool)  # forced groups included
+            cblock = np.repeat(cmask, gc)[:nb]
+            forced = np.zeros(nb, dtype=bool)
+            forced[: min(gc, nb)] = True
+            forced[max(0, (Gc - 2) * gc):] = True
+            sc = np.where(cblock[None], fine, -np.inf).astype(np.float32)
+            m = core.mark(sc, kvh, [blocks], first_n=gc, last_n=nb - max(0, (Gc - 2) * gc))[0]
+            m = m & cblock[None].astype(np.uint8)
+            m[:, forced] = 1
+            masks.append(m)
+            fine_read = int((cblock & ~forced).sum())
+            # Summary bytes per (block, KV head): every coarse record plus the fine
+            # records of the candidate blocks (forced blocks need no score).
+            bytes_per_block.append((Gc * rb + fine_read * rb) / nb)
+            params.append(float(f))
+        met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), bytes_per_block)
+        out += _rows(workload, "c2f", f"c2f{gc}x{cand:g}", 1, lag, params, 0.0, nb, met)
+    return out

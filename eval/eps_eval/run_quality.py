@@ -1,0 +1,106 @@
+"""Issue 19's evaluation: `python -m eps_eval.run_quality --out=DIR [--synthetic=8192,...]
+[--real-context=N --real-layers=0,5,...] [--steps=N]`.
+
+Same unit files as eps_eval.run (one CSV + JSON per synthetic layer or real layer,
+skipped when present); the rows come from eps_eval.quality.step_rows. The report
+is eps_eval.report_quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eps_eval import synthetic
+from eps_eval.quality import LayerState, QualityPlan, step_rows
+from eps_eval.run import log, unit_done, write_unit
+
+SEED = 20261122
+
+
+def run_synthetic(ctx: int, steps: int, plan: QualityPlan, units: Path) -> None:
+    positions = [ctx - steps + i for i in range(steps)]
+    max_lag = max(plan.lags)
+    q_positions = sorted({p - lag for p in positions for lag in range(max_lag + 1)})
+    for li, kind in enumerate(synthetic.KINDS):
+        name = f"q19_synthetic_{ctx}_L{li}"
+        if unit_done(units, name):
+            log(f"{name}: done before, skipped")
+            continue
+        seed = SEED + 1000 * li + ctx
+        t0 = time.time()
+        tr = synthetic.make_layer(kind, ctx, q_positions, seed=seed)
+        state = LayerState(plan, 8, 2, 128, ctx)
+        rows: list[dict[str, object]] = []
+        for si, p in enumerate(positions):
+            rows += step_rows(state, tr.k, tr.v, tr.q, p,
+                              {"workload": "synthetic", "kind": kind, "context": ctx,
+                               "layer": li, "step": si})
+        write_unit(units, name, rows, {"kind": kind, "seed": seed, "context": ctx,
+                                       "positions": positions, "seconds": time.time() - t0})
+        log(f"{name}: {len(rows)} rows in {time.time() - t0:.0f} s")
+
+
+def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: Path,
+             cache: Path) -> None:
+    from eps_eval import realmodel
+
+    todo = [layer for layer in layers if not unit_done(units, f"q19_real_{ctx}_L{layer}")]
+    if not todo:
+        log("real model: done before, skipped")
+        return
+    rm = realmodel.RealModel(cache)
+    tr, info = rm.passage_trace(ctx, steps, 1, max(plan.lags))
+    log(f"real model prefill of {ctx} tokens: {info}")
+    c = rm.cfg
+    for layer in todo:
+        t0 = time.time()
+        state = LayerState(plan, c.heads, c.kv_heads, c.head_dim, ctx)
+        q = {p: tr.q[p][layer] for p in tr.q}
+        rows: list[dict[str, object]] = []
+        for si, p in enumerate(range(ctx - steps, ctx)):
+            rows += step_rows(state, tr.k[layer], tr.v[layer], q, p,
+                              {"workload": "real", "kind": "smollm2", "context": ctx,
+                               "layer": layer, "step": si})
+        write_unit(units, f"q19_real_{ctx}_L{layer}", rows,
+                   {"layer": layer, **info, "seconds": time.time() - t0})
+        log(f"real layer {layer}: {len(rows)} rows in {time.time() - t0:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--synthetic", default="", help="comma-separated contexts")
+    ap.add_argument("--synthetic-steps", type=int, default=2)
+    ap.add_argument("--real-context", type=int, default=0)
+    ap.add_argument("--real-layers", default="0,5,10,15,20,25,29")
+    ap.add_argument("--real-steps", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=None)
+    a = ap.parse_args(argv)
+    units = a.out / "units"
+    a.out.mkdir(parents=True, exist_ok=True)
+    cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
+    plan = QualityPlan()
+    t0 = time.time()
+    (a.out / f"settings_{int(t0)}.json").write_text(json.dumps(
+        {"args": vars(a), "plan": plan.__dict__, "machine": platform.platform(),
+         "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "numpy": np.__version__,
+         "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t0))},
+        indent=1, default=str))
+    for ctx in [int(x) for x in a.synthetic.split(",") if x]:
+        run_synthetic(ctx, a.synthetic_steps, plan, units)
+    if a.real_context:
+        run_real(a.real_context, [int(x) for x in a.real_layers.split(",")], a.real_steps, plan,
+                 units, cache)
+    log(f"done in {time.time() - t0:.0f} s, load average now {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
