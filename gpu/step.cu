@@ -144,6 +144,8 @@ struct GpuSelector::Impl {
   bool per_head = false;  // per-KV-head lists: each reads one KV head's K and V
 
   ~Impl() {
+    // Sessions end on any thread (the lease reaper's device is 0): free on ours.
+    cudaSetDevice(device);
     if (pending && fence.inputs_ready != nullptr) {
       // Never leave the stream waiting on an engine that is gone.
       (void)StreamRaiseCounter(release_stream, fence.inputs_ready, fence.step);  // best effort

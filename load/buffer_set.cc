@@ -84,8 +84,9 @@ client::BufferShape ClientShape(const BufferSetShape& shape) {
 
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(service::BackendKind backend,
                                                            const ModelLayout& model,
-                                                           const BufferSetShape& shape) {
-  if (backend == service::BackendKind::kCuda) return CreateDeviceBufferSet(model, shape);
+                                                           const BufferSetShape& shape,
+                                                           int device) {
+  if (backend == service::BackendKind::kCuda) return CreateDeviceBufferSet(model, shape, device);
   auto buffers = client::EngineBuffers::Create(model, ClientShape(shape), "load");
   if (!buffers.ok()) return buffers.status();
   return std::unique_ptr<BufferSet>(std::make_unique<ShmBufferSet>(std::move(*buffers)));

@@ -51,15 +51,20 @@ class BufferSet {
 };
 
 // Host shared memory through client::EngineBuffers (cpu), or device memory on
-// device 0 through client::DeviceBuffers (cuda; FAILED_PRECONDITION without a
-// device or in a build without CUDA).
+// `device` through client::DeviceBuffers (cuda; FAILED_PRECONDITION without a
+// device or in a build without CUDA). The cpu backend ignores `device`.
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(service::BackendKind backend,
                                                            const ModelLayout& model,
-                                                           const BufferSetShape& shape);
+                                                           const BufferSetShape& shape,
+                                                           int device = 0);
 // The client library's shape for these buffers (union output, with flags).
 client::BufferShape ClientShape(const BufferSetShape& shape);
 
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout& model,
-                                                                 const BufferSetShape& shape);
+                                                                 const BufferSetShape& shape,
+                                                                 int device);
+
+// How many CUDA devices eps-load sees (0 without CUDA): rank r uses r mod this.
+int DeviceCount();
 
 }  // namespace eps::load

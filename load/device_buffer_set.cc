@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/device_buffers.h"
+#include "gpu/device.h"
 #include "gpu/step.h"
 #include "load/buffer_set.h"
 
@@ -39,13 +40,15 @@ class DeviceBufferSet final : public BufferSet {
 
  private:
   template <typename T>
-  static absl::Status Copy(const char* what, T* device, std::span<const T> host, int64_t want) {
+  absl::Status Copy(const char* what, T* device, std::span<const T> host, int64_t want) const {
     if (host.size() != static_cast<size_t>(want)) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, " has ", host.size(), " elements, want ", want));
     }
-    const cudaError_t err =
-        cudaMemcpy(device, host.data(), host.size_bytes(), cudaMemcpyHostToDevice);
+    cudaError_t err = cudaSetDevice(buffers_->device());  // a rank's buffers live on its GPU
+    if (err == cudaSuccess) {
+      err = cudaMemcpy(device, host.data(), host.size_bytes(), cudaMemcpyHostToDevice);
+    }
     if (err != cudaSuccess) {
       return absl::InternalError(absl::StrCat("cudaMemcpy(", what, "): ", cudaGetErrorString(err)));
     }
@@ -59,12 +62,15 @@ class DeviceBufferSet final : public BufferSet {
 
 }  // namespace
 
+int DeviceCount() { return gpu::DeviceCount(); }
+
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout& model,
-                                                                 const BufferSetShape& shape) {
+                                                                 const BufferSetShape& shape,
+                                                                 int device) {
   if (!gpu::DeviceAvailable()) {
     return absl::FailedPreconditionError("--backend=cuda: no CUDA device is visible to eps-load");
   }
-  auto buffers = client::DeviceBuffers::Create(model, ClientShape(shape), /*device=*/0);
+  auto buffers = client::DeviceBuffers::Create(model, ClientShape(shape), device);
   if (!buffers.ok()) return buffers.status();
   return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(std::move(*buffers)));
 }

@@ -6,8 +6,8 @@
 ABSL_FLAG(std::string, target, "unix:///tmp/epsd.sock",
           "epsd's address: unix:///path or host:port");
 ABSL_FLAG(std::string, preset, "llama-3-8b",
-          "model shape: llama-3-8b, qwen2.5-7b, llama-3-70b-tp8 (one rank of TP 8), "
-          "smollm2-135m");
+          "model shape: llama-3-8b, qwen2.5-7b, llama-3-70b-tp2|tp4|tp8 (one rank of TP 2, 4, "
+          "8), smollm2-135m");
 ABSL_FLAG(int, layers, 0, "override the preset's layers (0: the preset's)");
 ABSL_FLAG(int, q_heads, 0, "override the preset's query heads (0: the preset's)");
 ABSL_FLAG(int, kv_heads, 0, "override the preset's KV heads (0: the preset's)");
@@ -24,6 +24,10 @@ ABSL_FLAG(eps::load::Arrivals, rate, {},
           "SelectPages/s over all sessions: 0 = closed loop, R = fixed gaps, poisson:R = "
           "Poisson arrivals");
 ABSL_FLAG(int, sessions, 1, "engines, each with its own buffers, client and channel, in [1, 256]");
+ABSL_FLAG(int, ranks, 0,
+          "N tensor-parallel ranks in [1, 64], one session each (rank r on device r mod the "
+          "devices), every step sent to all at once: closed loop, no Ping, per-rank latency and "
+          "the spread between ranks (0: off)");
 ABSL_FLAG(std::string, mode, "stream", "SelectPages transport: stream | unary");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(10),
           "the client's per-call deadline (a miss is an error)");

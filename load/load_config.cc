@@ -38,6 +38,8 @@ const std::map<std::string, ModelLayout>& Presets() {
       {"llama-3-8b", Shape(32, 32, 8, 128)},
       {"qwen2.5-7b", Shape(28, 28, 4, 128)},
       // Llama-3-70B is 80 layers, 64 query heads, 8 KV heads; one rank of TP 8 holds 1/8.
+      {"llama-3-70b-tp2", Shape(80, 32, 4, 128)},
+      {"llama-3-70b-tp4", Shape(80, 16, 2, 128)},
       {"llama-3-70b-tp8", Shape(80, 8, 1, 128)},
       {"smollm2-135m", Shape(30, 9, 3, 64)},
   };
@@ -229,6 +231,17 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
       cli::ReadDuration(FLAGS_sample_every, absl::Milliseconds(1), absl::Hours(24), &d));
   c.sample_every = Us(d);
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_epsd_pid, 0, INT32_MAX, &c.epsd_pid));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_ranks, 0, 64, &c.ranks));
+  if (c.ranks > 0) {
+    if (c.sessions != 1) {
+      return cli::Invalid(FLAGS_ranks, "no --sessions with it: --ranks runs one session per rank");
+    }
+    if (!c.arrivals.closed_loop()) {
+      return cli::Invalid(FLAGS_rate, "0 with --ranks (the ranks step in lockstep)");
+    }
+    c.sessions = c.ranks;
+    c.ping_every = 0;  // a Ping between two lockstep steps would delay one rank
+  }
   return c;
 }
 

@@ -47,6 +47,10 @@ struct LoadConfig {
   std::chrono::microseconds warmup{std::chrono::seconds(1)};
   Arrivals arrivals;
   int sessions = 1;
+  // > 0: that many tensor-parallel ranks, one session each, stepped in lockstep: every
+  // step number goes to all ranks at once (closed loop, no Ping), and the report adds
+  // per-rank latency and the spread between ranks at the same step (load_run.h).
+  int ranks = 0;
   bool stream = true;  // the stream: 40-340 µs less per call than unary here (latency.md)
   // The client's per-call deadline: long, so that a slow step is measured, not cut off.
   std::chrono::microseconds deadline{std::chrono::seconds(10)};
@@ -68,8 +72,9 @@ struct LoadConfig {
   bool version = false;
 };
 
-// The shapes eps-load knows: llama-3-8b, qwen2.5-7b, llama-3-70b-tp8 (one
-// tensor-parallel rank of 8: 8 query heads, 1 KV head), smollm2-135m.
+// The shapes eps-load knows: llama-3-8b, qwen2.5-7b, smollm2-135m, and one
+// tensor-parallel rank of Llama-3-70B: llama-3-70b-tp2, -tp4, -tp8 (64 query and
+// 8 KV heads over 2, 4 or 8 ranks).
 absl::StatusOr<ModelLayout> PresetModel(const std::string& name);
 const std::vector<std::string>& PresetNames();
 

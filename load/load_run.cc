@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <condition_variable>
 #include <cstdio>
 #include <ctime>
@@ -149,18 +150,41 @@ class RunLog {
   double last_error_sample_ = -1e9;
 };
 
+// The ranks of a --ranks run: each rank arrives before every step, and the
+// barrier's completion, run once per step, decides for all whether the run goes on.
+struct Lockstep {
+  struct Decide {
+    Lockstep* self;
+    void operator()() noexcept {
+      self->released = Clock::now();
+      self->go = self->released < self->end && (self->stop == nullptr || !self->stop->load());
+    }
+  };
+  Lockstep(int ranks, Clock::time_point end_at, const std::atomic<bool>* stop_flag)
+      : end(end_at), stop(stop_flag), barrier(ranks, Decide{this}) {}
+  const Clock::time_point end;
+  const std::atomic<bool>* const stop;
+  // Written by the completion, read after the barrier releases: whether to go
+  // on, and the step's release time, every rank's scheduled time (so all ranks
+  // agree on which steps fall in the measured window).
+  bool go = true;
+  Clock::time_point released;
+  std::barrier<Decide> barrier;
+};
+
 struct Session {
   std::unique_ptr<BufferSet> buffers;
   std::unique_ptr<client::EpsClient> client;
   CallResults select, ping;
   LatencySamples prepass_us, overhead_us;
   int64_t pages_visited = 0, pages_total = 0;
+  std::vector<std::pair<uint64_t, double>> step_done_us;  // --ranks: (step, reply time since t0)
 };
 
 // The per-session loop; see the file comment of load_run.h for the schedule.
 void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Clock::time_point t0,
                 Clock::time_point measure_begin, Clock::time_point end,
-                const std::atomic<bool>* stop) {
+                const std::atomic<bool>* stop, Lockstep* lockstep) {
   std::mt19937_64 rng(config.seed * 1000003 + index);
   const bool closed = config.arrivals.closed_loop();
   const double per_session_rate = config.arrivals.rate / config.sessions;
@@ -204,8 +228,14 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   };
   uint64_t step = 0;
   for (uint64_t k = 0;; ++k) {
-    const Clock::time_point scheduled = closed ? Clock::now() : next;
-    if (scheduled >= end || (stop != nullptr && stop->load())) break;
+    if (lockstep != nullptr) {  // every rank stops together, or the barrier would wait forever
+      lockstep->barrier.arrive_and_wait();
+      if (!lockstep->go) break;
+    }
+    const Clock::time_point scheduled = lockstep != nullptr ? lockstep->released
+                                        : closed            ? Clock::now()
+                                                            : next;
+    if (lockstep == nullptr && (scheduled >= end || (stop != nullptr && stop->load()))) break;
     if (!closed && Clock::now() >= end + kDrain) {
       // Hopelessly behind: count what is left of the schedule instead of sending it.
       for (Clock::time_point t = scheduled; t < end; t += next_gap()) {
@@ -224,6 +254,7 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
       s.overhead_us.Record(result.round_trip_us - result.response.stats().prepass_us());
       s.pages_visited += result.response.stats().pages_visited();
       s.pages_total += result.response.stats().pages_total();
+      if (lockstep != nullptr) s.step_done_us.emplace_back(step, Micros(Clock::now() - t0));
     }
     const Clock::duration gap = next_gap();
     if (config.ping_every > 0 && k % config.ping_every == 0) {
@@ -264,9 +295,13 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
   r.summary_bytes_per_session = static_cast<int64_t>(image.summary_pool.size() * sizeof(float));
 
   std::vector<Session> sessions(config.sessions);
+  const int devices = config.backend == service::BackendKind::kCuda ? DeviceCount() : 0;
   for (int i = 0; i < config.sessions; ++i) {
     Session& s = sessions[i];
-    auto buffers = CreateBufferSet(config.backend, config.model, image.shape);
+    // A rank's buffers on its own GPU where there are enough, else sharing them.
+    const int device = config.ranks > 0 && devices > 0 ? i % devices : 0;
+    if (config.ranks > 0) r.ranks.emplace_back().device = device;
+    auto buffers = CreateBufferSet(config.backend, config.model, image.shape, device);
     if (!buffers.ok()) return buffers.status();
     s.buffers = std::move(*buffers);
     if (absl::Status st = image.WriteTo(*s.buffers); !st.ok()) return st;
@@ -277,8 +312,9 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     options.channel_args = config.channel_args;
     options.fail_open = true;
     s.client = std::make_unique<client::EpsClient>(
-        options, MakeAttach(config.model, *s.buffers, config.batch, image.num_kv_blocks,
-                            absl::StrCat("eps-load-", getpid(), "-", i)));
+        options,
+        MakeAttach(config.model, *s.buffers, config.batch, image.num_kv_blocks,
+                   absl::StrCat("eps-load-", getpid(), config.ranks > 0 ? "/rank" : "-", i)));
   }
   r.prefill_s = Seconds(Clock::now() - prefill_start);
   for (int i = 0; i < config.sessions; ++i) {
@@ -324,10 +360,13 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
   }
   std::fprintf(stderr, "eps-load: %d session%s running on %s (SIGINT or SIGTERM stops early)\n",
                config.sessions, config.sessions == 1 ? "" : "s", config.target.c_str());
+  std::unique_ptr<Lockstep> lockstep;
+  if (config.ranks > 0) lockstep = std::make_unique<Lockstep>(config.sessions, end, stop);
   std::vector<std::thread> threads;
   for (int i = 0; i < config.sessions; ++i) {
-    threads.emplace_back(
-        [&, i] { RunSession(config, i, sessions[i], log, t0, measure_begin, end, stop); });
+    threads.emplace_back([&, i] {
+      RunSession(config, i, sessions[i], log, t0, measure_begin, end, stop, lockstep.get());
+    });
   }
   for (std::thread& t : threads) t.join();
   if (sampler.joinable()) {
@@ -344,6 +383,26 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
   r.measured_s =
       Seconds(std::clamp(std::min(Clock::now(), end), measure_begin, end) - measure_begin);
 
+  if (config.ranks > 0) {
+    // The spread of every step that all ranks measured (a failed call has no reply time).
+    std::map<uint64_t, std::pair<int, std::pair<double, double>>> by_step;  // ranks, first, last
+    for (int i = 0; i < config.sessions; ++i) {
+      r.ranks[i].latency = sessions[i].select.latency;
+      r.ranks[i].prepass_us = sessions[i].prepass_us;
+      for (const auto& [step, done] : sessions[i].step_done_us) {
+        auto [it, fresh] = by_step.try_emplace(step, 0, std::make_pair(done, done));
+        auto& [count, range] = it->second;
+        ++count;
+        range.first = std::min(range.first, done);
+        range.second = std::max(range.second, done);
+      }
+    }
+    for (const auto& [step, entry] : by_step) {
+      if (entry.first == config.sessions) {
+        r.rank_spread_us.Record(entry.second.second - entry.second.first);
+      }
+    }
+  }
   for (Session& s : sessions) {
     r.select.Merge(s.select);
     r.ping.Merge(s.ping);

@@ -12,6 +12,12 @@
 // same channel, scheduled halfway between two SelectPages (closed loop: right
 // after one), so both see the same server, machine load and connection.
 //
+// Ranks (--ranks=N): N sessions play the tensor-parallel ranks of one engine, rank r's
+// buffers on device r mod the devices eps-load sees. They step in lockstep: a barrier
+// releases step k to every rank at once (a closed loop, no Ping), and the run records each
+// rank's latency and, per step, the spread between the first and the last rank's reply:
+// what an engine step, which needs every rank's lists, waits for beyond the fastest rank.
+//
 // Transport: SelectPages goes through client::EpsClient (the engine's real
 // path: callback-API unary or the bidirectional stream, deadline, fail-open
 // bookkeeping); its deadline defaults to 10 s so that the latency tail is
@@ -70,6 +76,13 @@ struct ErrorEvent {
   std::string message;
 };
 
+// One rank of a --ranks run.
+struct RankResult {
+  int device = 0;
+  LatencySamples latency;  // its measured SelectPages calls
+  LatencySamples prepass_us;
+};
+
 struct RunResult {
   CallResults select, ping;
   LatencySamples prepass_us;  // the server's selection time of each measured SelectPages
@@ -86,6 +99,9 @@ struct RunResult {
   std::vector<EpsdSample> epsd_samples;
   std::vector<ErrorEvent> error_log;  // the first kMaxErrorLog errors
   uint64_t error_log_dropped = 0;
+  std::vector<RankResult> ranks;  // --ranks only
+  // Per step that every rank measured: its last rank's reply time minus its first's.
+  LatencySamples rank_spread_us;
   double prefill_s = 0;
   int64_t summary_bytes_per_session = 0;
   std::string load_start, load_end;  // /proc/loadavg at start and end

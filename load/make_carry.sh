@@ -26,5 +26,5 @@ for bin in "$BUILD/service/epsd" "$BUILD/load/eps-load"; do
     esac
   done
 done
-cp load/compare.sh load/epsd_ctl.sh load/summarize.py load/gpu_latency.sh "$DEST/"
+cp load/compare.sh load/epsd_ctl.sh load/summarize.py load/gpu_latency.sh load/gpu_ranks.sh "$DEST/"
 du -sh "$DEST"

@@ -3,8 +3,10 @@
 
 namespace eps::load {
 
+int DeviceCount() { return 0; }
+
 absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayout&,
-                                                                 const BufferSetShape&) {
+                                                                 const BufferSetShape&, int) {
   return absl::FailedPreconditionError("--backend=cuda: this eps-load was built without CUDA");
 }
 

@@ -86,6 +86,56 @@ Json CallJson(CallView v, const CallResults& c) {
 
 std::string ModeName(const LoadConfig& c) { return c.stream ? "stream" : "unary"; }
 
+// --ranks: one line per rank, then the spread between ranks at the same step.
+void PrintRanks(RunResult& r, std::FILE* out) {
+  std::fprintf(out, "%-12s %9s %7s %10s %10s %10s %10s %14s\n", "rank", "device", "count", "p50 us",
+               "p90 us", "p99 us", "max us", "selection p50");
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    const LatencySummary lat = r.ranks[i].latency.Summarize();
+    const LatencySummary pre = r.ranks[i].prepass_us.Summarize();
+    std::fprintf(out, "%-12zu %9d %7llu %10s %10s %10s %10s %14s\n", i, r.ranks[i].device,
+                 static_cast<unsigned long long>(lat.count), Cell(lat.p50_us, lat.count).c_str(),
+                 Cell(lat.p90_us, lat.count).c_str(), Cell(lat.p99_us, lat.count).c_str(),
+                 Cell(lat.max_us, lat.count).c_str(), Cell(pre.p50_us, pre.count).c_str());
+  }
+  const LatencySummary spread = r.rank_spread_us.Summarize();
+  std::fprintf(out,
+               "spread between ranks at the same step (last reply - first): p50 %s us, p90 %s "
+               "us, p99 %s us, max %s us over %llu steps\n",
+               Cell(spread.p50_us, spread.count).c_str(), Cell(spread.p90_us, spread.count).c_str(),
+               Cell(spread.p99_us, spread.count).c_str(), Cell(spread.max_us, spread.count).c_str(),
+               static_cast<unsigned long long>(spread.count));
+}
+
+// A latency for the JSON: null when there is none.
+Json Latency(double us, uint64_t count) { return count > 0 ? Num(us) : Json(nullptr); }
+
+Json RanksJson(RunResult& r) {
+  Json ranks = Json::array();
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    const LatencySummary lat = r.ranks[i].latency.Summarize();
+    const LatencySummary pre = r.ranks[i].prepass_us.Summarize();
+    ranks.push_back({{"rank", i},
+                     {"device", r.ranks[i].device},
+                     {"count", lat.count},
+                     {"p50_us", Latency(lat.p50_us, lat.count)},
+                     {"p90_us", Latency(lat.p90_us, lat.count)},
+                     {"p99_us", Latency(lat.p99_us, lat.count)},
+                     {"max_us", Latency(lat.max_us, lat.count)},
+                     {"prepass_p50_us", Latency(pre.p50_us, pre.count)}});
+  }
+  return ranks;
+}
+
+Json SpreadJson(RunResult& r) {
+  const LatencySummary s = r.rank_spread_us.Summarize();
+  return Json{{"steps", s.count},
+              {"p50_us", Latency(s.p50_us, s.count)},
+              {"p90_us", Latency(s.p90_us, s.count)},
+              {"p99_us", Latency(s.p99_us, s.count)},
+              {"max_us", Latency(s.max_us, s.count)}};
+}
+
 // The RPC floor next to epsd's Ping and SelectPages: p50 and p99 of each, and the
 // ratios the latency goals are written in (docs/benchmarks/latency.md).
 void PrintFloor(FloorResult& f, const CallView& sel, std::FILE* out) {
@@ -178,6 +228,7 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
     std::fprintf(out, "; send lag p50 %.1f us p99 %.1f us", sel.lag.p50_us, sel.lag.p99_us);
   }
   std::fprintf(out, "\n");
+  if (config.ranks > 0) PrintRanks(r, out);
   const std::pair<const char*, CallResults*> calls[] = {{"SelectPages", &r.select},
                                                         {"Ping", &r.ping}};
   for (const auto& [name, c] : calls) {
@@ -262,6 +313,10 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
       {"prepass_max_us", Num(prepass.max_us)},   {"overhead_p50_us", Num(overhead.p50_us)},
       {"overhead_p90_us", Num(overhead.p90_us)}, {"overhead_p99_us", Num(overhead.p99_us)},
       {"pages_visited", r.pages_visited},        {"pages_total", r.pages_total}};
+  if (config.ranks > 0) {
+    report["ranks"] = RanksJson(r);
+    report["rank_spread"] = SpreadJson(r);
+  }
   report["client_fallbacks"] = {{"deadline", f.fallback_deadline},
                                 {"unavailable", f.fallback_unavailable},
                                 {"not_attached", f.fallback_not_attached},
@@ -282,6 +337,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                       {"context", config.context.ToString()},
                       {"rate", config.arrivals.ToString()},
                       {"sessions", config.sessions},
+                      {"ranks", config.ranks},
                       {"mode", ModeName(config)},
                       {"duration_us", us(config.duration)},
                       {"warmup_us", us(config.warmup)},

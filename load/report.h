@@ -5,7 +5,10 @@
 // send_lag_p50_us, send_lag_p99_us), "ratio" (SelectPages/Ping per
 // percentile), "server" (selection time and round trip minus selection
 // percentiles, visited fraction),
-// "client_fallbacks", "config", "machine", "epsd" (pid, samples) and "errors".
+// with --ranks, "ranks" (per rank: rank, device, count, p50_us, p90_us, p99_us, max_us,
+// prepass_p50_us) and "rank_spread" (steps, p50_us, p90_us, p99_us, max_us: per step, the last
+// rank's reply time minus the first's), "client_fallbacks", "config", "machine", "epsd" (pid,
+// samples) and "errors".
 #pragma once
 
 #include <cstdio>

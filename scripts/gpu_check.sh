@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 CARRY=${EPS_CARRY_DIR:-.carry}
 OUT=${OUT:-/tmp/eps-gpu}
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/$CARRY/lib EPSD_BIN=$PWD/$CARRY/epsd
+export LD_LIBRARY_PATH=$PWD/$CARRY/lib EPSD_BIN=$PWD/$CARRY/epsd RANK_ENGINE_BIN=$PWD/$CARRY/rank_engine
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 declare -A result
 want() { [[ -z ${EPS_GPU_ONLY:-} || " $EPS_GPU_ONLY " == *" $1 "* ]]; }
@@ -40,10 +40,12 @@ run memcheck 300 6 compute-sanitizer --tool memcheck --error-exitcode 1 "$CARRY/
 run racecheck 300 6 compute-sanitizer --tool racecheck --error-exitcode 1 "$CARRY/gpu_step_test" \
   --gtest_filter="$filter"
 run two_process_test 300 1 "$CARRY/two_process_test"
+# Tensor-parallel ranks (docs/api.md §3.7): several on one GPU; rank r on GPU r where there are more.
+run multi_rank_test 400 1 "$CARRY/multi_rank_test"
 echo
 [[ -f $OUT/bench.0.log ]] && cat "$OUT/bench.0.log"
 echo
-grep -h "strict mode\|SelectPages\|Ping \|two-process\|ERROR SUMMARY\|RACECHECK SUMMARY\|Failure" \
+grep -h "strict mode\|SelectPages\|Ping \|two-process\|in lockstep\|ERROR SUMMARY\|RACECHECK SUMMARY\|Failure" \
   "$OUT"/*.log | sort | uniq -c
 for k in "${!result[@]}"; do printf '%-24s %s\n' "$k" "${result[$k]}"; done
 grep -q FAIL <<<"${result[*]}" && exit 1 || exit 0

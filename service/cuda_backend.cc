@@ -3,9 +3,10 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "gpu/device.h"
 #include "gpu/ipc_mapping.h"
 #include "gpu/step.h"
-#include "core/status.h"
 #include "service/telemetry/nvtx.h"
 
 namespace eps::service {
@@ -100,9 +101,14 @@ bool CudaBackendBuilt() { return true; }
 
 bool CudaDevicePresent() { return gpu::DeviceAvailable(); }
 
-CudaIpcOpener MakeCudaIpcOpener() {
-  return [](const v1::CudaIpcHandle& h) -> absl::StatusOr<std::unique_ptr<MappedMemory>> {
-    absl::StatusOr<std::unique_ptr<gpu::IpcMapping>> m = gpu::IpcMapping::Open(h.handle(), h.device());
+int CudaDeviceCount() { return gpu::DeviceCount(); }
+
+absl::StatusOr<int> CudaDeviceWithUuid(std::string_view uuid) { return gpu::DeviceWithUuid(uuid); }
+
+CudaIpcOpener MakeCudaIpcOpener(int device) {
+  // The session's device, not h.device(): with a device_uuid that is the engine's ordinal.
+  return [device](const v1::CudaIpcHandle& h) -> absl::StatusOr<std::unique_ptr<MappedMemory>> {
+    absl::StatusOr<std::unique_ptr<gpu::IpcMapping>> m = gpu::IpcMapping::Open(h.handle(), device);
     if (!m.ok()) return m.status();
     return std::unique_ptr<MappedMemory>(new DeviceMemory(std::move(*m)));
   };

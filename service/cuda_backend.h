@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "service/backend.h"
@@ -11,8 +12,9 @@
 
 namespace eps::service {
 
-// Opens CUDA IPC handles as MappedMemory (device memory, checked extents).
-CudaIpcOpener MakeCudaIpcOpener();
+// Opens CUDA IPC handles on `device`, the session's (epsd's ordinal), as
+// MappedMemory (device memory, checked extents).
+CudaIpcOpener MakeCudaIpcOpener(int device);
 
 // `inputs_timeout`: how long an async step may wait for the engine's
 // inputs_ready before epsd releases the wait itself (the watchdog of docs/design.md §6).
@@ -25,5 +27,12 @@ bool CudaBackendBuilt();
 
 // Whether a CUDA device is visible to this process.
 bool CudaDevicePresent();
+
+// How many CUDA devices epsd sees (0 without CUDA).
+int CudaDeviceCount();
+
+// epsd's ordinal of the device whose 16-byte UUID is `uuid`; INVALID_ARGUMENT
+// naming the UUID when no device has it.
+absl::StatusOr<int> CudaDeviceWithUuid(std::string_view uuid);
 
 }  // namespace eps::service

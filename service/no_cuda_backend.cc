@@ -5,7 +5,11 @@ namespace eps::service {
 
 bool CudaBackendBuilt() { return false; }
 bool CudaDevicePresent() { return false; }
-CudaIpcOpener MakeCudaIpcOpener() { return nullptr; }
+CudaIpcOpener MakeCudaIpcOpener(int) { return nullptr; }
+int CudaDeviceCount() { return 0; }
+absl::StatusOr<int> CudaDeviceWithUuid(std::string_view) {
+  return absl::FailedPreconditionError("this epsd was built without CUDA");
+}
 
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout&, int, int64_t,
                                                              int64_t, std::chrono::microseconds) {

@@ -19,7 +19,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
   std::unique_ptr<Session> s(new Session());
   ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
   const SessionSpec& spec = s->spec_;
-  if (spec.backend == BackendKind::kCuda) s->mappings_.set_cuda_ipc_opener(MakeCudaIpcOpener());
+  if (spec.backend == BackendKind::kCuda) {
+    s->mappings_.set_cuda_ipc_opener(MakeCudaIpcOpener(spec.device));
+  }
   ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
   ASSIGN_OR_RETURN(s->policy_, SessionPolicy(spec, request, config.policy));
   if (spec.backend == BackendKind::kCuda) {

@@ -1,13 +1,66 @@
 #include "service/session_spec.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "google/protobuf/descriptor.h"
 #include "service/convert.h"
 #include "service/cuda_backend.h"
 
 namespace eps::service {
+namespace {
+
+// The cuda session's device as the request names it (docs/api.md §3.7), checked
+// without CUDA: a 16-byte device_uuid, or the ordinal of summary_pool.cuda_ipc (of
+// `device` without one), which `device` and every cuda_ipc.device must repeat, since
+// a step's kernels run on one device. Returns that ordinal (none for a UUID).
+absl::StatusOr<std::optional<int>> RequestedDevice(const v1::AttachRequest& req) {
+  if (!req.device_uuid().empty()) {
+    if (req.device_uuid().size() != 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device_uuid has ", req.device_uuid().size(), " bytes, want 16"));
+    }
+    return std::nullopt;  // the ordinals are the engine's own, not checked
+  }
+  const v1::SharedBuffers& b = req.buffers();
+  const int device =
+      b.summary_pool().has_cuda_ipc() ? b.summary_pool().cuda_ipc().device() : req.device();
+  if (device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device=", device, " is negative"));
+  }
+  if (req.device() != 0 && req.device() != device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device=", req.device(), " differs from buffers.summary_pool.cuda_ipc.device=", device));
+  }
+  const google::protobuf::Descriptor* fields = v1::SharedBuffers::descriptor();
+  for (int i = 0; i < fields->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* field = fields->field(i);
+    if (!b.GetReflection()->HasField(b, field)) continue;
+    const auto& d =
+        static_cast<const v1::MemoryDescriptor&>(b.GetReflection()->GetMessage(b, field));
+    if (d.has_cuda_ipc() && d.cuda_ipc().device() != device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffers.", field->name(), ".cuda_ipc.device=", d.cuda_ipc().device(),
+          " differs from the session's device ", device, ": a session's buffers live on one GPU"));
+    }
+  }
+  return device;
+}
+
+// epsd's ordinal of the requested device: the UUID's, or the ordinal when epsd has it.
+absl::StatusOr<int> ResolveDevice(const v1::AttachRequest& req, std::optional<int> requested) {
+  if (!requested.has_value()) return CudaDeviceWithUuid(req.device_uuid());
+  const int count = CudaDeviceCount();
+  if (*requested >= count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device=", *requested, " is not one of epsd's CUDA devices (ordinals 0-", count - 1, ")"));
+  }
+  return *requested;
+}
+
+}  // namespace
 
 absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
                                                  const ServerConfig& config) {
@@ -53,15 +106,23 @@ absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
             : BackendKind::kCpu;
   }
   if (s.backend == BackendKind::kCuda) {
+    ASSIGN_OR_RETURN(const std::optional<int> requested, RequestedDevice(req));
     if (!CudaBackendBuilt() || !CudaDevicePresent()) {
       return absl::FailedPreconditionError(absl::StrCat("backend BACKEND_CUDA is not available: ",
                                                         CudaBackendBuilt()
                                                             ? "no CUDA device is visible to epsd"
                                                             : "epsd was built without CUDA"));
     }
-    s.device = req.buffers().summary_pool().has_cuda_ipc()
-                   ? req.buffers().summary_pool().cuda_ipc().device()
-                   : req.device();
+    ASSIGN_OR_RETURN(s.device, ResolveDevice(req, requested));
+  } else if (!req.device_uuid().empty()) {
+    return absl::InvalidArgumentError(
+        "device_uuid names a CUDA device, but the session runs on the cpu backend over host "
+        "memory");
+  } else if (req.device() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device=", req.device(),
+                     " names a CUDA device, but the session runs on the cpu backend over host "
+                     "memory"));
   }
   s.output_granularity = req.buffers().visit_blocks().shape_size() == 4 ? Granularity::kPerKvHead
                                                                         : Granularity::kUnion;

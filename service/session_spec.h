@@ -24,14 +24,16 @@ struct SessionSpec {
   int64_t num_kv_blocks = -1;  // block ids must be below this; -1: not checked
   uint32_t lease_ms = 0;
   BackendKind backend = BackendKind::kCpu;  // never kAuto
-  int device = 0;                           // the cuda backend's device
+  int device = 0;  // epsd's ordinal of a cuda session's device (device_uuid or the ordinals)
   // Union or per-KV-head lists, from the rank of the visit_blocks descriptor.
   Granularity output_granularity = Granularity::kUnion;
 };
 
 // Validates everything of `request` but its buffers and options, in the order
 // clients see errors: engine_id, layout, query dtype, batch, block ids, lease,
-// backend (FAILED_PRECONDITION when CUDA is asked for and absent).
+// backend and device: the device fields (docs/api.md §3.7), then
+// FAILED_PRECONDITION when CUDA is asked for and absent, then the device's
+// existence (INVALID_ARGUMENT); a cpu session naming a device is INVALID_ARGUMENT.
 absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& request,
                                                  const ServerConfig& config);
 

@@ -123,6 +123,41 @@ def test_the_rpc_floor_runs_in_process_on_request(epsd: tuple[str, int], tmp_pat
     assert floor["server"] == "in-process" and floor["ping_callback"]["count"] == 50
 
 
+def test_ranks_step_in_lockstep_and_report_each_rank_and_their_spread(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=llama-3-70b-tp4",
+            "--layers=2",
+            "--ranks=4",
+            "--floor-calls=0",
+            "--batch=1",
+            "--context=2k",
+            "--duration=1s",
+            "--warmup=100ms",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "spread between ranks at the same step" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["ranks"] == 4 and report["config"]["sessions"] == 4
+    assert report["config"]["q_heads"] == 16 and report["config"]["kv_heads"] == 2
+    assert report["ping"]["count"] == 0
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["device"] == 0 and r["count"] > 0 and r["p50_us"] > 0 for r in ranks)
+    # Lockstep: every rank ran the same steps, and each step's spread is measured.
+    assert len({r["count"] for r in ranks}) == 1, ranks
+    spread = report["rank_spread"]
+    assert spread["steps"] == ranks[0]["count"]
+    assert 0 <= spread["p50_us"] <= spread["p99_us"] <= spread["max_us"]
+
+
 def test_an_open_loop_stream_run_keeps_near_its_rate(epsd: tuple[str, int], tmp_path: Path) -> None:
     target, _ = epsd
     out = tmp_path / "out.json"

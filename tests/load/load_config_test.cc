@@ -95,6 +95,33 @@ TEST(ParseFlags, PresetsCarryTheirPublishedShapes) {
   EXPECT_EQ(s.num_kv_heads, 3);
 }
 
+TEST(ParseFlags, TheSeventyBPresetsSplitItsHeadsOverTheRanks) {
+  for (const int tp : {2, 4, 8}) {
+    const ModelLayout m = ParseFlags({"--preset=llama-3-70b-tp" + std::to_string(tp)})->model;
+    EXPECT_EQ(m.num_layers, 80) << tp;
+    EXPECT_EQ(m.num_q_heads * tp, 64) << tp;
+    EXPECT_EQ(m.num_kv_heads * tp, 8) << tp;
+    EXPECT_EQ(m.head_dim, 128) << tp;
+  }
+}
+
+TEST(ParseFlags, RanksRunOneSessionEachInAClosedLoopWithoutPing) {
+  const LoadConfig c = *ParseFlags({"--preset=llama-3-70b-tp4", "--ranks=4"});
+  EXPECT_EQ(c.ranks, 4);
+  EXPECT_EQ(c.sessions, 4);
+  EXPECT_EQ(c.ping_every, 0);
+  EXPECT_EQ(ParseFlags({}).value().ranks, 0);
+  auto both = ParseFlags({"--ranks=2", "--sessions=2"});
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.status().message().find("--sessions"), std::string::npos) << both.status();
+  auto open = ParseFlags({"--ranks=2", "--rate=100"});
+  ASSERT_FALSE(open.ok());
+  EXPECT_NE(open.status().message().find("--rate"), std::string::npos) << open.status();
+  EXPECT_EQ(ParseFlags({"--ranks=0"}).value().sessions, 1);  // 0: off
+  EXPECT_FALSE(ParseFlags({"--ranks=-1"}).ok());
+  EXPECT_FALSE(ParseFlags({"--ranks=65"}).ok());
+}
+
 TEST(ParseFlags, DefaultsToTheMeasuredWinners) {
   const LoadConfig c = *ParseFlags({});
   EXPECT_TRUE(c.stream);

@@ -150,6 +150,59 @@ TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
   }
 }
 
+TEST_F(SessionServiceTest, ACpuSessionNamingACudaDeviceIsInvalidArgument) {
+  v1::AttachRequest by_ordinal = engine_.Attach("engine-a");
+  by_ordinal.set_device(3);
+  v1::AttachResponse response;
+  absl::Status s = service_.Attach(by_ordinal, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device=3 names a CUDA device"));
+
+  v1::AttachRequest by_uuid = engine_.Attach("engine-b");
+  by_uuid.set_device_uuid(std::string(16, '\x01'));
+  s = service_.Attach(by_uuid, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device_uuid"));
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
+// Checked before epsd looks for a device, so these hold with or without one.
+TEST_F(SessionServiceTest, ACudaSessionNamesOneDeviceForAllItsBuffers) {
+  v1::AttachRequest split = engine_.Attach("engine-a");
+  split.set_backend(v1::BACKEND_CUDA);
+  split.mutable_buffers()->mutable_summary_pool()->mutable_cuda_ipc()->set_device(0);
+  split.mutable_buffers()->mutable_queries()->mutable_cuda_ipc()->set_device(1);
+  v1::AttachResponse response;
+  absl::Status s = service_.Attach(split, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("buffers.queries.cuda_ipc.device=1 differs from the "
+                                     "session's device 0"));
+
+  v1::AttachRequest disagree = engine_.Attach("engine-b");
+  disagree.set_backend(v1::BACKEND_CUDA);
+  disagree.set_device(2);
+  disagree.mutable_buffers()->mutable_summary_pool()->mutable_cuda_ipc()->set_device(1);
+  s = service_.Attach(disagree, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(),
+              HasSubstr("device=2 differs from buffers.summary_pool.cuda_ipc.device=1"));
+
+  v1::AttachRequest negative = engine_.Attach("engine-c");
+  negative.set_backend(v1::BACKEND_CUDA);
+  negative.set_device(-1);
+  s = service_.Attach(negative, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device=-1 is negative"));
+
+  v1::AttachRequest short_uuid = engine_.Attach("engine-d");
+  short_uuid.set_backend(v1::BACKEND_CUDA);
+  short_uuid.set_device_uuid("abcd");
+  s = service_.Attach(short_uuid, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device_uuid has 4 bytes, want 16"));
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
 TEST_F(SessionServiceTest, CudaWithoutADeviceIsAFailedPrecondition) {
   if (CudaBackendBuilt() && CudaDevicePresent()) GTEST_SKIP() << "a CUDA device is present";
   v1::AttachRequest request = engine_.Attach("engine-a");

@@ -168,14 +168,17 @@ class _Stream:
 def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None,
                    num_kv_blocks: int = 0, select: SelectOptions | None = None,
                    backend: Backend = "auto", device: int = 0,
-                   lease_ms: int = 0) -> pb.AttachRequest:
-    """The AttachRequest that EpsClient sends (and re-sends on every re-attach)."""
+                   lease_ms: int = 0, device_uuid: bytes = b"") -> pb.AttachRequest:
+    """The AttachRequest that EpsClient sends (and re-sends on every re-attach).
+
+    ``device_uuid``: the 16-byte CUDA UUID of the session's GPU, for a rank whose device
+    ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api.md §3.7)."""
     layout = buffers.layout
     request = pb.AttachRequest(
         engine_id=engine_id, layout=layout.model.to_proto(), buffers=buffers.descriptors(),
         max_batch=max_batch if max_batch is not None else layout.shape.max_batch,
         num_kv_blocks=num_kv_blocks, backend=backend_proto(backend),  # type: ignore[arg-type]
-        device=device, lease_ms=lease_ms)
+        device=device, lease_ms=lease_ms, device_uuid=device_uuid)
     if select is not None:
         request.options.CopyFrom(select.to_proto())
     return request
@@ -190,10 +193,10 @@ class EpsClient:
     def __init__(self, buffers: Any, *, engine_id: str, max_batch: int | None = None,
                  num_kv_blocks: int = 0, select: SelectOptions | None = None,
                  backend: Backend = "auto", device: int = 0, lease_ms: int = 0,
-                 options: ClientOptions | None = None) -> None:
+                 options: ClientOptions | None = None, device_uuid: bytes = b"") -> None:
         request = attach_request(buffers, engine_id=engine_id, max_batch=max_batch,
                                  num_kv_blocks=num_kv_blocks, select=select, backend=backend,
-                                 device=device, lease_ms=lease_ms)
+                                 device=device, lease_ms=lease_ms, device_uuid=device_uuid)
         self._init(options or ClientOptions(), request)
 
     @classmethod

@@ -232,7 +232,7 @@ class SelectOptions(_message.Message):
     def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("engine_id", "layout", "buffers", "options", "max_batch", "num_kv_blocks", "lease_ms", "backend", "device")
+    __slots__ = ("engine_id", "layout", "buffers", "options", "max_batch", "num_kv_blocks", "lease_ms", "backend", "device", "device_uuid")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class AttachRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: ModelLayout
     buffers: SharedBuffers
@@ -251,7 +252,8 @@ class AttachRequest(_message.Message):
     lease_ms: int
     backend: Backend
     device: int
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., buffers: _Optional[_Union[SharedBuffers, _Mapping]] = ..., options: _Optional[_Union[SelectOptions, _Mapping]] = ..., max_batch: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., device: _Optional[int] = ...) -> None: ...
+    device_uuid: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[ModelLayout, _Mapping]] = ..., buffers: _Optional[_Union[SharedBuffers, _Mapping]] = ..., options: _Optional[_Union[SelectOptions, _Mapping]] = ..., max_batch: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., device: _Optional[int] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease_ms", "effective_options", "backend", "record_words", "server_version")
