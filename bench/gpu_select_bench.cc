@@ -2,9 +2,12 @@
 // heads, 8 KV heads, d = 128, g = 8, m = 8, 160-byte records), timed with CUDA
 // events, next to two floors: summary bytes ÷ the datasheet bandwidth, and
 // summary bytes ÷ the bandwidth of a device-to-device copy measured in the
-// same run (bytes read plus bytes written, METHOD.md's ceiling).
+// same run (bytes read plus bytes written, METHOD.md's ceiling). A second
+// table times every policy at one shape (default batch 8 × 32k): the budgets,
+// strict mode, per-KV-head lists, and quest over its 16-bit summaries.
 //
 // Usage: eps_gpu_bench [--batches=1,8,64] [--contexts=8192,32768,131072]
+//                      [--policy-batch=8] [--policy-context=32768]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
 #include "gpu/step.h"
@@ -73,7 +77,7 @@ absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
 
 struct Row {
   int64_t batch, context;
-  double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct;
+  double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct, direct_us, direct_wall_us;
 };
 
 absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
@@ -106,12 +110,17 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   in.queries = queries.get();
   auto selector = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
   if (!selector.ok()) return selector.status();
+  auto direct = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.graphs = false});
+  if (!direct.ok()) return direct.status();
   // jl is the product; off (no scoring) and fro (one word read per record)
-  // split the time into its parts by subtraction.
-  Row row{batch, context, 0, 0, 0, 0, 0, 0};
-  const eps::Method methods[3] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff};
-  double* p50[3] = {&row.jl_us, &row.fro_us, &row.off_us};
-  for (int k = 0; k < 3; ++k) {
+  // split the time into its parts by subtraction; `direct` is jl with the two
+  // kernels launched one by one instead of replayed as a graph.
+  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0};
+  const eps::Method methods[4] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff,
+                                  eps::Method::kJl};
+  double* p50[4] = {&row.jl_us, &row.fro_us, &row.off_us, &row.direct_us};
+  for (int k = 0; k < 4; ++k) {
+    eps::gpu::GpuSelector* selector_k = k == 3 ? direct->get() : selector->get();
     eps::SelectPolicy policy;
     policy.method = methods[k];
     std::vector<float> gpu_us, wall_us;
@@ -119,7 +128,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
     for (int i = 0; i < 60; ++i) {
       float us = 0;
       const auto t0 = std::chrono::steady_clock::now();
-      if (absl::Status s = (*selector)->Select(in, policy, {visit.get(), count.get()}, &stats, &us);
+      if (absl::Status s = selector_k->Select(in, policy, {visit.get(), count.get()}, &stats, &us);
           !s.ok()) {
         return s;
       }
@@ -130,6 +139,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
       }
     }
     *p50[k] = Median(gpu_us);
+    if (k == 3) row.direct_wall_us = Median(wall_us);
     if (k == 0) {
       row.wall_us = Median(wall_us);
       row.summary_mb = stats.summary_bytes_read / 1e6;
@@ -139,13 +149,93 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   return row;
 }
 
+// One shape, many policies: p50 GPU µs of each, with the summary bytes it read.
+struct PolicyCase {
+  const char* name;
+  eps::SummaryFeatures features;
+  eps::SelectPolicy policy;
+};
+
+absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, double copy_gbs) {
+  std::vector<PolicyCase> cases;
+  auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
+    eps::SelectPolicy p;
+    edit(p);
+    cases.push_back({name, f, p});
+  };
+  const eps::SummaryFeatures minimal{.key_sum = false, .principal = false, .quest = false};
+  const eps::SummaryFeatures quest{.key_sum = false, .principal = false, .quest = true};
+  const eps::SummaryFeatures bracket{.key_sum = true, .principal = false, .quest = true};
+  add("jl threshold", minimal, [](eps::SelectPolicy&) {});
+  add("jl threshold per_kv_head", minimal,
+      [](eps::SelectPolicy& p) { p.granularity = eps::Granularity::kPerKvHead; });
+  add("jl fixed", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kFixed; });
+  add("jl fixed per_kv_head", minimal, [](eps::SelectPolicy& p) {
+    p.budget = eps::Budget::kFixed;
+    p.granularity = eps::Granularity::kPerKvHead;
+  });
+  add("jl top_p 0.95", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kTopP; });
+  add("quest threshold (16-bit)", quest,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuest; });
+  add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
+  std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
+              static_cast<long long>(context));
+  std::printf("%-28s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
+              "copy_us", "%copy", "visited%");
+  for (const PolicyCase& c : cases) {
+    m.features = c.features;
+    eps::testing::StepBuffers buffers(m, batch, context, batch, c.policy.granularity);
+    std::vector<eps::StepRow> rows;
+    for (int b = 0; b < batch; ++b) {
+      buffers.AssignRow(b, context, b);
+      rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
+    }
+    buffers.FillRandomSummaries(1);
+    eps::StepInputs in = buffers.Inputs(rows);
+    const int lists = c.policy.granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
+    const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
+    DeviceBuffer<float> pool, queries;
+    DeviceBuffer<int32_t> groups, blocks, visit, count;
+    RETURN_IF_ERROR(Upload(pool, buffers.pool().data(), buffers.pool().size()));
+    RETURN_IF_ERROR(Upload(groups, buffers.group_table().data(), buffers.group_table().size()));
+    RETURN_IF_ERROR(Upload(blocks, buffers.block_table().data(), buffers.block_table().size()));
+    RETURN_IF_ERROR(Upload(queries, static_cast<const float*>(in.queries), qcount));
+    RETURN_IF_CUDA_ALLOC(visit, int64_t{m.num_layers} * batch * lists * buffers.max_blocks());
+    RETURN_IF_CUDA_ALLOC(count, int64_t{m.num_layers} * batch * lists);
+    in.summary_pool = pool.get();
+    in.group_table = groups.get();
+    in.block_table = blocks.get();
+    in.queries = queries.get();
+    ASSIGN_OR_RETURN(auto selector,
+                     eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups()));
+    std::vector<float> gpu_us;
+    eps::StepStats stats;
+    for (int i = 0; i < 60; ++i) {
+      float us = 0;
+      RETURN_IF_ERROR(selector->Select(in, c.policy, {visit.get(), count.get()}, &stats, &us));
+      if (i >= 10) gpu_us.push_back(us);
+    }
+    const double us = Median(gpu_us);
+    const double bytes = static_cast<double>(stats.summary_bytes_read);
+    const double copy_us = bytes / (copy_gbs * 1e9) * 1e6;
+    std::printf("%-28s %8lld %10.1f %9.1f %9.1f %7.1f%% %8.1f%%\n", c.name,
+                static_cast<long long>(eps::SummaryLayout::For(m).record_bytes()), bytes / 1e6, us,
+                copy_us, 100.0 * copy_us / us, 100.0 * stats.groups_visited / stats.groups_total);
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
+  std::vector<int64_t> policy_batch{8}, policy_context{32768};
   for (int i = 1; i < argc; ++i) {
     batches = ParseList(argv[i], "--batches=", batches);
     contexts = ParseList(argv[i], "--contexts=", contexts);
+    policy_batch = ParseList(argv[i], "--policy-batch=", policy_batch);
+    policy_context = ParseList(argv[i], "--policy-context=", policy_context);
   }
   if (!eps::gpu::DeviceAvailable()) {
     std::printf("no CUDA device\n");
@@ -164,9 +254,9 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s, theoretical %.0f GB/s, measured d2d copy %.0f GB/s (read + write)\n",
               prop.name, peak_gbs, *copy_gbs);
-  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s\n", "batch", "context", "summaryMB",
-              "jl_us", "floor_us", "copy_us", "GB/s", "%copy", "visited%", "fro_us", "off_us",
-              "wall_us");
+  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s\n", "batch", "context",
+              "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy", "visited%", "fro_us",
+              "off_us", "wall_us", "direct_us", "dwall_us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;
@@ -183,11 +273,22 @@ int main(int argc, char** argv) {
       }
       const double bytes = r->summary_mb * 1e6;
       const double gbs = bytes / (r->jl_us * 1e-6) / 1e9;
-      std::printf("%6lld %8lld %10.1f %9.1f %9.1f %9.1f %8.0f %6.1f%% %8.1f%% %8.1f %8.1f %9.1f\n",
-                  static_cast<long long>(batch), static_cast<long long>(context), r->summary_mb,
-                  r->jl_us, bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
-                  100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us);
+      std::printf(
+          "%6lld %8lld %10.1f %9.1f %9.1f %9.1f %8.0f %6.1f%% %8.1f%% %8.1f %8.1f %9.1f %9.1f "
+          "%10.1f\n",
+          static_cast<long long>(batch), static_cast<long long>(context), r->summary_mb, r->jl_us,
+          bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
+          100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us, r->direct_us,
+          r->direct_wall_us);
       std::fflush(stdout);
+    }
+  }
+  if (!policy_batch.empty() && !policy_context.empty()) {
+    if (absl::Status s =
+            MeasurePolicies(m, static_cast<int>(policy_batch[0]), policy_context[0], *copy_gbs);
+        !s.ok()) {
+      std::printf("error in the policy table: %s\n", s.ToString().c_str());
+      return 1;
     }
   }
   return 0;

@@ -96,10 +96,10 @@ float QuestBound(std::span<const float> record, const SummaryLayout& layout,
                  const QueryTerms& q) {
   if (layout.quest_min < 0) return FroBound(record, layout, q);
   if (record[layout.count] <= 0.0f) return -std::numeric_limits<float>::infinity();  // no keys
-  const float* lo = record.data() + layout.quest_min;
-  const float* hi = record.data() + layout.quest_max;
   float sum = 0.0f;
-  for (int i = 0; i < layout.head_dim; ++i) sum += std::max(q.q[i] * lo[i], q.q[i] * hi[i]);
+  for (int i = 0; i < layout.head_dim; ++i) {
+    sum += std::max(q.q[i] * QuestMin(record, layout, i), q.q[i] * QuestMax(record, layout, i));
+  }
   return sum;
 }
 

@@ -70,6 +70,22 @@ uint16_t FloatToHalf(float value) {
   return static_cast<uint16_t>(sign | half);
 }
 
+// The neighbours of a binary16 value in its bit pattern: positive values grow
+// with their bits, negative ones shrink; ±0 step to the smallest subnormal.
+uint16_t FloatToHalfDown(float value) {
+  const uint16_t h = FloatToHalf(value);
+  if (!(HalfToFloat(h) > value)) return h;  // exact, below, or NaN
+  if (h == 0x0000u || h == 0x8000u) return 0x8001u;
+  return (h & 0x8000u) ? static_cast<uint16_t>(h + 1) : static_cast<uint16_t>(h - 1);
+}
+
+uint16_t FloatToHalfUp(float value) {
+  const uint16_t h = FloatToHalf(value);
+  if (!(HalfToFloat(h) < value)) return h;
+  if (h == 0x0000u || h == 0x8000u) return 0x0001u;
+  return (h & 0x8000u) ? static_cast<uint16_t>(h - 1) : static_cast<uint16_t>(h + 1);
+}
+
 float BFloat16ToFloat(uint16_t bits) {
   return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
 }

@@ -40,6 +40,12 @@ const char* DTypeName(DType dtype);
 
 float HalfToFloat(uint16_t bits);
 uint16_t FloatToHalf(float value);
+// Directed narrowing: the largest binary16 value <= `value` (Down) and the
+// smallest >= `value` (Up), as CUDA's __float2half_rd / __float2half_ru. Used
+// where a stored 16-bit value must stay a bound (the quest min and max).
+uint16_t FloatToHalfDown(float value);
+uint16_t FloatToHalfUp(float value);
+inline constexpr float kHalfMax = 65504.0f;
 float BFloat16ToFloat(uint16_t bits);
 uint16_t FloatToBFloat16(float value);
 

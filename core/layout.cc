@@ -62,8 +62,8 @@ SummaryLayout SummaryLayout::For(const ModelLayout& model) {
   }
   if (model.features.quest) {
     s.quest_min = next;
-    s.quest_max = next + model.head_dim;
-    next += 2 * model.head_dim;
+    s.quest_max = next + model.head_dim / 2;  // head_dim is a multiple of 4
+    next += model.head_dim;
   }
   if (model.features.principal) {
     s.principal = next;

@@ -7,7 +7,9 @@
 //   [0, P)         G, the packed upper triangle of Σ y yᵀ, row-major (i ≤ j)
 //   P, P+1, P+2    fro2 = Σ‖k‖², max_norm = max ‖k‖, count (as float)
 //   key_sum        d floats: Σ k                          (if features.key_sum)
-//   quest          d floats min_j, then d floats max_j    (if features.quest)
+//   quest          d binary16 min_j, then d binary16 max_j, two per word, low
+//                  half first: d words (if features.quest); min rounded down,
+//                  max rounded up, so the quest bound stays an upper bound
 //   principal      λ1, r², scale, then d int8 u1 packed 4 per word
 //                                                         (if features.principal)
 //
@@ -61,8 +63,8 @@ struct SummaryLayout {
   int max_norm = 0;
   int count = 0;
   int key_sum = -1;        // -1 when the feature is off
-  int quest_min = -1;
-  int quest_max = -1;
+  int quest_min = -1;      // word offsets of the binary16 min and max halves
+  int quest_max = -1;      // (d/2 words each; QuestMin/QuestMax in core/summary.h read them)
   int principal = -1;      // λ1 at +0, r² at +1, scale at +2, u1 bytes from +3
   int record_words = 0;    // multiple of 4
 

@@ -18,6 +18,16 @@ void LoadKey(const KeyRows& keys, int head_dim, int64_t t, float* out) {
   for (int i = 0; i < head_dim; ++i) out[i] = LoadAsFloat(keys.data, keys.dtype, base + i);
 }
 
+uint16_t* QuestHalves(std::span<float> record, int word) {
+  return reinterpret_cast<uint16_t*>(record.data() + word);
+}
+
+float ReadHalf(std::span<const float> record, int word, int i) {
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const std::byte*>(record.data() + word) + 2 * i, 2);
+  return HalfToFloat(bits);
+}
+
 int8_t* PrincipalBytes(std::span<float> record, const SummaryLayout& layout) {
   return reinterpret_cast<int8_t*>(record.data() + layout.principal + 3);
 }
@@ -28,16 +38,22 @@ int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& la
   return reinterpret_cast<const int8_t*>(record.data() + layout.principal + 3)[i];
 }
 
+float QuestMin(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return ReadHalf(record, layout.quest_min, i);
+}
+
+float QuestMax(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return ReadHalf(record, layout.quest_max, i);
+}
+
 SummaryWriter::SummaryWriter(const ModelLayout& model, const PhiBank& phi)
     : model_(model), layout_(SummaryLayout::For(model)), phi_(phi) {}
 
 void SummaryWriter::Reset(std::span<float> record) const {
   std::fill(record.begin(), record.begin() + layout_.record_words, 0.0f);
   if (layout_.quest_min >= 0) {
-    std::fill_n(record.begin() + layout_.quest_min, model_.head_dim,
-                std::numeric_limits<float>::infinity());
-    std::fill_n(record.begin() + layout_.quest_max, model_.head_dim,
-                -std::numeric_limits<float>::infinity());
+    std::fill_n(QuestHalves(record, layout_.quest_min), model_.head_dim, uint16_t{0x7C00});  // +inf
+    std::fill_n(QuestHalves(record, layout_.quest_max), model_.head_dim, uint16_t{0xFC00});  // -inf
   }
 }
 
@@ -73,6 +89,11 @@ absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv
                                                        " (layer ", layer, ", kv_head ", kv_head,
                                                        ")"));
       }
+      if (layout_.quest_min >= 0 && std::abs(k[i]) > kHalfMax) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "key ", t, " element ", i, " is ", k[i], " (layer ", layer, ", kv_head ", kv_head,
+            "): beyond the binary16 range of the quest summary, |k| <= 65504"));
+      }
     }
   }
   return absl::OkStatus();
@@ -107,11 +128,12 @@ absl::Status SummaryWriter::Append(std::span<float> record, int layer, int kv_he
       for (int i = 0; i < d; ++i) sum[i] += k[i];
     }
     if (layout_.quest_min >= 0) {
-      float* lo = record.data() + layout_.quest_min;
-      float* hi = record.data() + layout_.quest_max;
+      // Rounded outward, so min ≤ every key and max ≥ every key still hold.
+      uint16_t* lo = QuestHalves(record, layout_.quest_min);
+      uint16_t* hi = QuestHalves(record, layout_.quest_max);
       for (int i = 0; i < d; ++i) {
-        lo[i] = std::min(lo[i], k[i]);
-        hi[i] = std::max(hi[i], k[i]);
+        if (k[i] < HalfToFloat(lo[i])) lo[i] = FloatToHalfDown(k[i]);
+        if (k[i] > HalfToFloat(hi[i])) hi[i] = FloatToHalfUp(k[i]);
       }
     }
   }

@@ -35,8 +35,8 @@ class SummaryWriter {
   // Empties a record (no keys): zero sums, quest min = +inf, max = -inf.
   void Reset(std::span<float> record) const;
 
-  // Adds keys to the record of (layer, kv_head). Rejects non-finite keys before
-  // touching the record.
+  // Adds keys to the record of (layer, kv_head). Rejects non-finite keys (and,
+  // with features.quest, keys beyond the binary16 range) before touching the record.
   absl::Status Append(std::span<float> record, int layer, int kv_head, const KeyRows& keys) const;
 
   // Fits the top-1 principal pair of the group's keys (all of them, as appended:
@@ -57,5 +57,11 @@ class SummaryWriter {
 
 // Reads the int8 principal direction u1 of a record (head_dim values).
 int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& layout, int i);
+
+// The quest part: per-channel key minimum and maximum, stored as binary16
+// (docs/summaries.md), the minimum rounded down and the maximum up. Keys beyond
+// ±65504 cannot be summarised this way; Append rejects them when quest is on.
+float QuestMin(std::span<const float> record, const SummaryLayout& layout, int i);
+float QuestMax(std::span<const float> record, const SummaryLayout& layout, int i);
 
 }  // namespace eps

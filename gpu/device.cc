@@ -42,4 +42,6 @@ std::string UuidText(std::string_view uuid) {
                       hex.substr(16, 4), "-", hex.substr(20));
 }
 
+bool DeviceAvailable() { return DeviceCount() > 0; }
+
 }  // namespace eps::gpu

@@ -27,4 +27,8 @@ absl::StatusOr<int> DeviceWithUuid(std::string_view uuid);
 // byte string of another length is printed as hex).
 std::string UuidText(std::string_view uuid);
 
+// True when a CUDA device is usable by this process: tests skip, and binaries
+// refuse the cuda backend, without one.
+bool DeviceAvailable();
+
 }  // namespace eps::gpu

@@ -8,32 +8,17 @@
 #include <cstdint>
 
 #include "core/half.h"
+#include "core/phi.h"
 
 namespace eps::gpu {
 
-__host__ __device__ inline uint64_t Mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
-}
-
-__host__ __device__ inline uint64_t PhiHash(uint64_t seed, uint32_t layer, uint32_t kv_head,
-                                            uint32_t index) {
-  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-  const uint64_t key = Mix64(seed + kGolden);
-  const uint64_t counter =
-      (static_cast<uint64_t>(layer) << 48) | (static_cast<uint64_t>(kv_head) << 32) | index;
-  return Mix64(key ^ (counter * kGolden));
-}
-
+// core/phi.h's PhiHash is constexpr: with --expt-relaxed-constexpr the device
+// calls the very same function, so there is one definition of Φ's bits.
 // Φ[layer, kv_head][i][j] with index = i*m + j; `scale` is 1/sqrt(m) computed on
 // the host (core PhiScale), so the device never rounds it differently.
 __host__ __device__ inline float PhiElement(uint64_t seed, uint32_t layer, uint32_t kv_head,
                                             uint32_t index, float scale) {
-  return (PhiHash(seed, layer, kv_head, index) >> 63) ? -scale : scale;
+  return (eps::PhiHash(seed, layer, kv_head, index) >> 63) ? -scale : scale;
 }
 
 // Φ for every (layer, KV head), [layers, kv_heads, d*m], as core/ lays it out.
@@ -51,11 +36,11 @@ __global__ inline void GeneratePhiKernel(uint64_t seed, int layers, int kv_heads
 
 // Element i of a key or query vector stored as `dtype` (a core DType), widened
 // to float exactly as core/half.h does.
-__device__ inline float LoadAsFloatDevice(const void* data, int dtype, int64_t i) {
+__device__ inline float LoadAsFloatDevice(const void* data, DType dtype, int64_t i) {
   switch (dtype) {
-    case static_cast<int>(DType::kFloat16):
+    case DType::kFloat16:
       return __half2float(static_cast<const __half*>(data)[i]);
-    case static_cast<int>(DType::kBFloat16):
+    case DType::kBFloat16:
       return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]);
     default:
       return static_cast<const float*>(data)[i];

@@ -1,26 +1,118 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
+#include "gpu/device.h"
 #include "gpu/phi.cuh"
+#include "gpu/score_kernel.cuh"
+#include "gpu/select_kernel.cuh"
 #include "gpu/step.h"
-#include "gpu/step_kernels.cuh"
+#include "gpu/step_launch.cuh"
 #include "gpu/stream_ops.h"
 
 namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
 
-bool DeviceAvailable() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+namespace {
+
+// Every kernel the step may launch, so Create can load them all up front.
+template <Budget kBudget, bool kStrict, int kWarps>
+const void* SelectKernelOf() {
+  return reinterpret_cast<const void*>(&SelectKernel<kBudget, kStrict, kWarps>);
 }
+const void* const kSelectKernels[] = {
+    SelectKernelOf<Budget::kThreshold, false, 8>(), SelectKernelOf<Budget::kThreshold, false, 32>(),
+    SelectKernelOf<Budget::kThreshold, true, 8>(),  SelectKernelOf<Budget::kThreshold, true, 32>(),
+    SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
+    SelectKernelOf<Budget::kTopP, false, 8>()};
+
+template <Method kMethod, int kM, bool kStrict>
+const void* ScoreKernelOf() {
+  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict>);
+}
+const void* const kScoreKernels[] = {
+    ScoreKernelOf<Method::kJl, 4, false>(),    ScoreKernelOf<Method::kJl, 8, false>(),
+    ScoreKernelOf<Method::kJl, 16, false>(),   ScoreKernelOf<Method::kJl, 0, false>(),
+    ScoreKernelOf<Method::kOnePc, 0, false>(), ScoreKernelOf<Method::kFro, 0, false>(),
+    ScoreKernelOf<Method::kQuest, 0, false>(), ScoreKernelOf<Method::kOff, 0, false>(),
+    ScoreKernelOf<Method::kOff, 0, true>()};
+
+// The scoring kernel for a step: keyed by the core Method (and m for jl's
+// register-resident Gram); strict mode scores brackets whatever the method.
+const void* ScoreKernelFor(Method method, int m, bool strict) {
+  if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
+  if (strict) return ScoreKernelOf<Method::kOff, 0, true>();
+  switch (method) {
+    case Method::kJl:
+      switch (m) {  // the common sketch sizes keep the Gram in registers
+        case 4:
+          return ScoreKernelOf<Method::kJl, 4, false>();
+        case 8:
+          return ScoreKernelOf<Method::kJl, 8, false>();
+        case 16:
+          return ScoreKernelOf<Method::kJl, 16, false>();
+        default:
+          return ScoreKernelOf<Method::kJl, 0, false>();
+      }
+    case Method::kOnePc:
+      return ScoreKernelOf<Method::kOnePc, 0, false>();
+    case Method::kFro:
+      return ScoreKernelOf<Method::kFro, 0, false>();
+    case Method::kQuest:
+      return ScoreKernelOf<Method::kQuest, 0, false>();
+    case Method::kOff:
+      break;
+  }
+  return ScoreKernelOf<Method::kOff, 0, false>();
+}
+
+// The selection kernel and its warps per block: a warp per head for lists of
+// more than 8 heads (up to 32), else 8 warps.
+std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int heads_per_list) {
+  const bool wide = heads_per_list > 8;
+  switch (budget) {
+    case Budget::kThreshold:
+      if (strict) {
+        return wide ? std::pair{SelectKernelOf<Budget::kThreshold, true, 32>(), 32}
+                    : std::pair{SelectKernelOf<Budget::kThreshold, true, 8>(), 8};
+      }
+      return wide ? std::pair{SelectKernelOf<Budget::kThreshold, false, 32>(), 32}
+                  : std::pair{SelectKernelOf<Budget::kThreshold, false, 8>(), 8};
+    case Budget::kFixed:
+      return wide ? std::pair{SelectKernelOf<Budget::kFixed, false, 32>(), 32}
+                  : std::pair{SelectKernelOf<Budget::kFixed, false, 8>(), 8};
+    case Budget::kTopP:
+    case Budget::kMass:  // refused by Enqueue
+      break;
+  }
+  return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
+}
+
+// Dynamic shared memory of the two kernels (score_kernel.cuh and select_kernel.cuh lay them out).
+size_t ScoreSharedBytes(const ModelLayout& m) {
+  const int ratio = m.gqa_ratio();
+  return sizeof(float) * static_cast<size_t>(ratio) *
+         (m.head_dim + PackedSize(m.sketch_dim) + 1 + m.sketch_dim);
+}
+size_t SelectSharedBytes(int64_t max_groups) {
+  return static_cast<size_t>((max_groups + 15) / 16 * 16 + 2 * max_groups * sizeof(unsigned));
+}
+constexpr int64_t kMaxGroups = 8192;  // the select kernel's shared memory holds a row's groups
+
+}  // namespace
 
 struct GpuSelector::Impl {
   ModelLayout model;
@@ -29,20 +121,22 @@ struct GpuSelector::Impl {
   int64_t max_batch = 0, max_groups = 0;
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
-  DeviceBuffer<float> phi, terms, scores, thresholds;
+  DeviceBuffer<float> phi, scores;
+  DeviceBuffer<float> uppers;  // strict mode's upper bounds, allocated by its first step
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
-  DeviceBuffer<DeviceStatus> status;
-  DeviceBuffer<DeviceStats> stats;
+  DeviceBuffer<StepReport> reports;  // two, alternating by step (step_shape.cuh)
+  uint64_t sequence = 0;             // steps launched: picks this step's report
+  GpuSelectorOptions options;
+  CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
-  // Pinned host staging: the row list up, the status and statistics down.
+  // Pinned host staging: the row list up, the step's report down.
   DeviceRow* host_rows = nullptr;
-  DeviceStatus* host_status = nullptr;
-  DeviceStats* host_stats = nullptr;
+  StepReport* host_report = nullptr;
 
   // The step queued by Enqueue and not yet finished.
   bool pending = false;
-  StepFence fence;  // of the pending step (fence.step is its number)
+  StepFence fence;         // of the pending step (fence.step is its number)
   StepStats pending_host;  // the host-side part of its statistics
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
@@ -58,8 +152,7 @@ struct GpuSelector::Impl {
     }
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (host_rows != nullptr) cudaFreeHost(host_rows);
-    if (host_status != nullptr) cudaFreeHost(host_status);
-    if (host_stats != nullptr) cudaFreeHost(host_stats);
+    if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
     if (release_stream != nullptr) cudaStreamDestroy(release_stream);
@@ -72,10 +165,28 @@ GpuSelector::~GpuSelector() = default;
 
 absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayout& model,
                                                                  int device, int64_t max_batch,
-                                                                 int64_t max_groups) {
+                                                                 int64_t max_groups,
+                                                                 GpuSelectorOptions options) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   if (model.num_q_heads > 256 || model.sketch_dim > 64) {
-    return absl::InvalidArgumentError("the GPU pre-pass supports at most 256 query heads, m <= 64");
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_q_heads=", model.num_q_heads, ", sketch_dim=", model.sketch_dim,
+                     ": the GPU pre-pass supports at most 256 query heads and m <= 64"));
+  }
+  int max_shared = 0;
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // Static shared memory of the select kernel: at most 40 KiB (select_kernel.cuh).
+  const size_t score_shared = ScoreSharedBytes(model);
+  const size_t select_shared = SelectSharedBytes(std::min(max_groups, kMaxGroups));
+  if (score_shared > static_cast<size_t>(max_shared) ||
+      select_shared + 40 * 1024 > static_cast<size_t>(max_shared)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the GPU pre-pass needs ", score_shared,
+                     " bytes of shared memory per scoring block "
+                     "(gqa_ratio * (head_dim + m(m+1)/2 + m + 1) floats) and ",
+                     select_shared, " per selection block; the device offers ", max_shared));
   }
   auto impl = std::make_unique<Impl>();
   impl->model = model;
@@ -83,35 +194,34 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   impl->device = device;
   impl->max_batch = max_batch;
   impl->max_groups = max_groups;
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_rows, max_batch * sizeof(DeviceRow)));
-  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_status, sizeof(DeviceStatus)));
-  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_stats, sizeof(DeviceStats)));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_report, sizeof(StepReport)));
   const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
-  RETURN_IF_CUDA_ALLOC(impl->terms, max_batch * model.num_layers * model.num_q_heads *
-                                        (PackedSize(model.sketch_dim) + 1));
   RETURN_IF_CUDA_ALLOC(impl->scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
-  RETURN_IF_CUDA_ALLOC(impl->thresholds, max_batch * model.num_layers * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->rows, max_batch);
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
-  RETURN_IF_CUDA_ALLOC(impl->status, 1);
-  RETURN_IF_CUDA_ALLOC(impl->stats, 1);
+  RETURN_IF_CUDA_ALLOC(impl->reports, 2);
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
   // Load every kernel now: a lazy load at the first launch may wait for the
   // context to idle, which a stream waiting on inputs_ready prevents (stream_ops.h).
+  // Kernels past 48 KiB of dynamic shared memory must say so before launch; the
+  // attribute is per process, so every selector sets the device's maximum (a
+  // cap, not a reservation) rather than its own need.
   RETURN_IF_ERROR(PreloadStreamOps());
-  {
-    cudaFuncAttributes attributes;
-    for (const void* kernel :
-         {reinterpret_cast<const void*>(&QueryTermsKernel), reinterpret_cast<const void*>(&ScoreKernel<4>),
-          reinterpret_cast<const void*>(&ScoreKernel<8>), reinterpret_cast<const void*>(&ScoreKernel<16>),
-          reinterpret_cast<const void*>(&ScoreKernel<0>), reinterpret_cast<const void*>(&ThresholdKernel),
-          reinterpret_cast<const void*>(&SelectKernel)}) {
+  for (const auto& kernels : {std::span<const void* const>(kScoreKernels),
+                              std::span<const void* const>(kSelectKernels)}) {
+    for (const void* kernel : kernels) {
+      cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
+      CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               max_shared - static_cast<int>(attributes.sharedSizeBytes)));
     }
   }
   GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
@@ -145,10 +255,10 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
-  if (policy.strict || policy.budget != Budget::kThreshold) {
-    return absl::UnimplementedError(absl::StrCat(
-        "the GPU pre-pass supports the threshold budget; got strict=", policy.strict,
-        " budget=", BudgetName(policy.budget)));
+  if (policy.budget == Budget::kMass) {
+    return absl::UnimplementedError(
+        "the GPU pre-pass serves the threshold, fixed and top-p budgets and strict mode; the mass "
+        "budget runs on the cpu backend");
   }
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
   const int lists = per_head ? m.num_kv_heads : 1;
@@ -164,16 +274,16 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     return absl::OkStatus();
   }
   if (batch > in.max_batch || batch > g.max_batch) {
-    return absl::InvalidArgumentError(absl::StrCat("batch of ", batch, " rows exceeds max_batch=",
-                                                   std::min(in.max_batch, g.max_batch)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch of ", batch, " rows exceeds max_batch=", std::min(in.max_batch, g.max_batch)));
   }
-  if (in.max_groups > 8192) {  // the select kernel keeps 5 bytes per group in shared memory
-    return absl::InvalidArgumentError(absl::StrCat("max_groups=", in.max_groups,
-                                                   " exceeds the GPU pre-pass limit of 8192"));
+  if (in.max_groups > kMaxGroups) {  // the select kernel keeps 9 bytes per group in shared memory
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_groups=", in.max_groups, " exceeds the GPU pre-pass limit of ", kMaxGroups));
   }
   if (in.max_groups > g.max_groups) {
-    return absl::InvalidArgumentError(absl::StrCat("max_groups=", in.max_groups,
-                                                   " exceeds the selector's ", g.max_groups));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }
   DeviceRow* rows = g.host_rows;
   StepStats host;
@@ -192,32 +302,61 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     host.kv_bytes_dense += r.context_tokens * m.num_kv_heads * kv_token_bytes * m.num_layers;
   }
   const bool retrieval = policy.heads == HeadMode::kRetrieval;
-  Shape s{};
+  const bool method_off = policy.method == Method::kOff;
+  const bool strict = policy.strict && !method_off;
+  if (strict && g.uppers.get() == nullptr) {  // strict mode's second score array, once
+    RETURN_IF_CUDA_ALLOC(g.uppers, g.max_batch * m.num_layers * m.num_q_heads * g.max_groups);
+  }
+  StepLaunch launch;
+  std::memset(static_cast<void*>(&launch), 0, sizeof launch);  // the bytes are a key
+  Shape& s = launch.shape;
   s.layers = m.num_layers;
   s.q_heads = m.num_q_heads;
   s.kv_heads = m.num_kv_heads;
   s.d = m.head_dim;
   s.m = m.sketch_dim;
-  s.packed = PackedSize(m.sketch_dim);
   s.record_words = g.layout.record_words;
   s.block_size = m.block_size;
   s.group_blocks = m.group_blocks;
-  s.fro2 = g.layout.fro2;
-  s.max_norm = g.layout.max_norm;
-  s.count = g.layout.count;
-  s.key_sum = g.layout.key_sum;
-  s.quest_min = g.layout.quest_min;
-  s.quest_max = g.layout.quest_max;
-  s.principal = g.layout.principal;
+  const SummaryLayout& l = g.layout;
+  s.record = {m.head_dim, l.gram_words, l.fro2,      l.max_norm, l.count,
+              l.key_sum,  l.quest_min,  l.quest_max, l.principal};
   s.max_batch = in.max_batch;
   s.max_seqs = in.max_seqs;
   s.max_groups = in.max_groups;
   s.max_blocks = in.max_blocks;
   s.num_slots = in.num_slots;
   s.num_physical_blocks = in.num_physical_blocks;
-  s.query_dtype = static_cast<int>(in.query_dtype);
-  s.method = static_cast<int>(policy.method);
+  s.query_dtype = in.query_dtype;
   s.lists = lists;
+  SelectRule& rule = launch.rule;
+  rule.method_off = method_off;
+  rule.alpha = policy.alpha;
+  rule.first_n = policy.first_n;
+  rule.last_n = policy.last_n;
+  rule.top_pages = policy.top_pages;
+  rule.top_p = policy.top_p;
+  rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
+  StepReport* report = g.reports.get() + (g.sequence & 1);
+  StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
+  const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
+  // Scoring: one thread per group of (row, layer, KV head), 256 per block.
+  launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
+                  g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
+  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict);
+  launch.score_grid =
+      dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
+           static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
+  launch.score_shared = ScoreSharedBytes(m);
+  // Selection: one block per (layer, list, row).
+  launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
+                   g.uppers.get(), out.visit_blocks,     out.visit_count, report,
+                   next_report,    fence.selection_done, fence.step};
+  const auto [select_kernel, warps] = SelectKernelFor(policy.budget, strict, m.num_q_heads / lists);
+  launch.select_kernel = select_kernel;
+  launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
+  launch.select_block = dim3(32 * warps);
+  launch.select_shared = SelectSharedBytes(in.max_groups);
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {
@@ -230,59 +369,19 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                                          policy.retrieval_heads.size(), cudaMemcpyHostToDevice,
                                          g.stream));
   }
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.status.get(), 0, sizeof(DeviceStatus), g.stream));
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.stats.get(), 0, sizeof(DeviceStats), g.stream));
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
-  const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
-  const int query_warps = static_cast<int>(batch * m.num_layers * m.num_q_heads);
-  QueryTermsKernel<<<(query_warps + 7) / 8, 256, 0, g.stream>>>(s, in.queries, g.phi.get(), query_warps,
-                                                                 g.terms.get(), g.status.get());
-  const dim3 score_grid(static_cast<unsigned>((max_n + 127) / 128),
-                        static_cast<unsigned>(m.num_layers * m.num_kv_heads),
-                        static_cast<unsigned>(batch));
-  if (policy.method != Method::kOff) {
-    auto score = [&](auto kernel) {
-      kernel<<<score_grid, 128, 0, g.stream>>>(s, in.summary_pool, in.group_table, in.block_table,
-                                               in.queries, g.rows.get(), g.terms.get(), scored,
-                                               g.scores.get(), g.status.get());
-    };
-    switch (m.sketch_dim) {  // the common sketch sizes get the register-resident Gram
-      case 4:
-        score(ScoreKernel<4>);
-        break;
-      case 8:
-        score(ScoreKernel<8>);
-        break;
-      case 16:
-        score(ScoreKernel<16>);
-        break;
-      default:
-        score(ScoreKernel<0>);
-        break;
-    }
+  if (g.options.graphs) {
+    RETURN_IF_ERROR(g.captured.Replay(g.stream, launch));
+  } else {
+    RETURN_IF_ERROR(launch.Launch(g.stream));
   }
-  const int warps = static_cast<int>(batch * m.num_layers * m.num_q_heads);
-  if (policy.method != Method::kOff) {
-    ThresholdKernel<<<(warps + 7) / 8, 256, 0, g.stream>>>(
-        s, policy.alpha, policy.first_n, policy.last_n, policy.top_pages, warps, g.rows.get(),
-        scored, g.scores.get(), g.thresholds.get(), g.status.get());
-  }
-  // Dynamic shared memory: visit flags (padded to 16 bytes), then group offsets.
-  const size_t select_shared = (in.max_groups + 15) / 16 * 16 + in.max_groups * sizeof(unsigned);
-  SelectKernel<<<dim3(m.num_layers * lists, static_cast<unsigned>(batch)), 256, select_shared,
-                 g.stream>>>(
-      s, policy.first_n, policy.last_n, policy.method == Method::kOff, in.block_table,
-      g.rows.get(), g.scores.get(), g.thresholds.get(), out.visit_blocks, out.visit_count,
-      g.status.get(), g.stats.get(), fence.selection_done, fence.step);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  ++g.sequence;
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
   if (fence.selection_done != nullptr) {
     RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.host_status, g.status.get(), sizeof(DeviceStatus),
-                                       cudaMemcpyDeviceToHost, g.stream));
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.host_stats, g.stats.get(), sizeof(DeviceStats),
-                                       cudaMemcpyDeviceToHost, g.stream));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(g.host_report, report, sizeof(StepReport), cudaMemcpyDeviceToHost, g.stream));
   int scored_kv_heads_total = 0;  // summary bytes: per layer, KV heads with a scored head
   for (int layer = 0; layer < m.num_layers; ++layer) {
     for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
@@ -336,9 +435,9 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
   g.pending = false;
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(g.stream));
   if (released) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "inputs_ready never reached step ", g.fence.step, " within ", timeout.count(),
-        " us: the wait was released and the step's lists are not trustworthy"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("inputs_ready never reached step ", g.fence.step, " within ", timeout.count(),
+                     " us: the wait was released and the step's lists are not trustworthy"));
   }
   if (prepass_us != nullptr) {
     float ms = 0.0f;
@@ -346,25 +445,25 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     *prepass_us = ms * 1000.0f;
   }
   const ModelLayout& m = g.model;
-  const DeviceStatus status = *g.host_status;
-  const DeviceStats dstats = *g.host_stats;
+  const DeviceStatus status = g.host_report->status;
+  const DeviceStats dstats = g.host_report->stats;
   const std::vector<StepRow>& rows = g.pending_rows;
   switch (status.code) {
     case kBadSlot:
-      return absl::InvalidArgumentError(absl::StrCat("group_table[", rows[status.row].table_row, "][",
-                                                     status.index, "]=", status.value,
+      return absl::InvalidArgumentError(absl::StrCat("group_table[", rows[status.row].table_row,
+                                                     "][", status.index, "]=", status.value,
                                                      " not in [0, ", g.pending_num_slots, ")"));
     case kBadBlock:
-      return absl::InvalidArgumentError(absl::StrCat("block_table[", rows[status.row].table_row, "][",
-                                                     status.index, "]=", status.value, " not in [0, ",
-                                                     g.pending_physical_blocks, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("block_table[", rows[status.row].table_row, "][", status.index,
+                       "]=", status.value, " not in [0, ", g.pending_physical_blocks, ")"));
     case kBadScore:
       return absl::InvalidArgumentError(absl::StrCat("summary of slot ", status.value,
                                                      " gives a non-finite score: the summary "
                                                      "holds NaN or Inf"));
     case kBadQuery:
-      return absl::InvalidArgumentError(absl::StrCat("query of row ", status.row,
-                                                     " element ", status.index, " is not finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("query of row ", status.row, " element ", status.index, " is not finite"));
     default:
       break;
   }
@@ -389,8 +488,8 @@ absl::Status GeneratePhiOnDevice(uint64_t seed, int layer, int kv_head, int head
   GeneratePhiKernel<<<64, 256>>>(seed, layer + 1, kv_head + 1, per_matrix, PhiScale(m), all.get());
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t offset = (int64_t{layer} * (kv_head + 1) + kv_head) * per_matrix;
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(host_out, all.get() + offset, per_matrix * sizeof(float),
-                                  cudaMemcpyDeviceToHost));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host_out, all.get() + offset, per_matrix * sizeof(float), cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 

@@ -1,16 +1,24 @@
-// The GPU pre-pass of one decode step (docs/design.md §5), the CUDA counterpart of
-// core/step.h over device memory with the same buffer layouts:
+// The GPU pre-pass of one decode step (docs/design.md §5), the CUDA counterpart
+// of core/step.h over device memory with the same buffer layouts, in two kernels
+// (gpu/score_kernel.cuh, gpu/select_kernel.cuh):
 //
-//   1. query terms   z = Φᵀq, packed z zᵀ and ‖q‖ per (row, layer, q head)
-//   2. scoring       one thread per group reads each record once and scores it
-//                    for every query head of its KV head (jl, 1pc, fro, quest)
-//   3. selection     per (row, layer): forced groups, the top_pages-th score by
-//                    exact radix select, the T/α threshold, union over heads,
-//                    and compaction into visit_blocks / visit_count
+//   1. scoring     per (row, layer, KV head, 256 groups): the query terms of
+//                  the KV head's query heads (z = Φᵀq, packed z zᵀ, ‖q‖) in
+//                  shared memory, then one thread per group reads its record
+//                  once and scores it for every one of those heads (jl, 1pc,
+//                  fro, quest; strict mode: the bracket of max_i q·k_i)
+//   2. selection   per (row, layer, list): each head's cut (threshold budget:
+//                  the top_pages-th score by exact radix select and T/α;
+//                  strict: the top_pages-th lower bound; top-p: the score where
+//                  the estimated mass reaches top_p), or the fixed budget's
+//                  best ranks; forced groups; the union over the list's heads;
+//                  compaction into visit_blocks / visit_count; the statistics
 //
-// Supported now: threshold budget, union and per-KV-head output, heads
-// all|retrieval, every method. Strict mode and the fixed and top-p budgets
-// return UNIMPLEMENTED (the CPU backend has them).
+// The policies of core/select.h: threshold, fixed and top-p budgets, strict
+// mode, heads all|retrieval, union and per-KV-head output, every method. The
+// mass budget is not served here (UNIMPLEMENTED; the cpu backend has it).
+// Lists equal core/'s except for groups whose score sits within float rounding
+// of a cut (the device sums in another order).
 //
 // Every slot and block id is checked on the device before it is used; a bad
 // one, or a NaN/Inf score, fails the step with INVALID_ARGUMENT and leaves the
@@ -36,18 +44,23 @@
 #include "core/layout.h"
 #include "core/select.h"
 #include "core/step.h"
+#include "gpu/device.h"
 
 namespace eps::gpu {
 
-// True when a CUDA device is usable by this process.
-bool DeviceAvailable();
+struct GpuSelectorOptions {
+  // Replay each step's two kernels as one captured CUDA graph (a launch per
+  // step); a step whose shapes, buffers or policy change is captured anew
+  // (the last 8 are kept). false: launch the kernels one by one.
+  bool graphs = true;
+};
 
 class GpuSelector {
  public:
   // Scratch for up to `max_batch` rows of up to `max_groups` groups, on `device`.
   static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(const ModelLayout& model, int device,
-                                                             int64_t max_batch,
-                                                             int64_t max_groups);
+                                                             int64_t max_batch, int64_t max_groups,
+                                                             GpuSelectorOptions options = {});
   ~GpuSelector();
   GpuSelector(const GpuSelector&) = delete;
   GpuSelector& operator=(const GpuSelector&) = delete;

@@ -1,12 +1,10 @@
-#include "gpu/summary.h"
-
-
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
 #include "gpu/cuda_check.h"
 #include "gpu/phi.cuh"
+#include "gpu/summary.h"
 
 namespace eps::gpu {
 namespace {
@@ -14,7 +12,7 @@ namespace {
 struct WriterShape {
   int d, m, packed, layers, kv_heads;
   int fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
-  int dtype;
+  DType dtype;
 };
 
 // One warp per append. `bad` receives the index of an append that was skipped.
@@ -29,7 +27,16 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
   // First every key must be finite: nothing of a bad append is written.
   bool finite = true;
   for (int64_t t = 0; t < ap.count; ++t) {
-    for (int i = lane; i < s.d; i += 32) finite &= isfinite(LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i));
+    for (int i = lane; i < s.d; i += 32)
+      finite &= isfinite(LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i));
+  }
+  // With quest on, keys must fit binary16 (core SummaryWriter rejects the rest too).
+  if (s.quest_min >= 0) {
+    for (int64_t t = 0; t < ap.count; ++t) {
+      for (int i = lane; i < s.d; i += 32) {
+        finite &= fabsf(LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i)) <= kHalfMax;
+      }
+    }
   }
   if (!__all_sync(0xFFFFFFFFu, finite)) {
     if (lane == 0) atomicMin(bad, a);
@@ -61,9 +68,11 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
     for (int i = lane; i < s.d; i += 32) {
       const float k = LoadAsFloatDevice(ap.keys, s.dtype, base + i);
       if (s.key_sum >= 0) rec[s.key_sum + i] += k;
-      if (s.quest_min >= 0) {
-        rec[s.quest_min + i] = fminf(rec[s.quest_min + i], k);
-        rec[s.quest_max + i] = fmaxf(rec[s.quest_max + i], k);
+      if (s.quest_min >= 0) {  // binary16, rounded outward (docs/summaries.md)
+        __half* lo = reinterpret_cast<__half*>(rec + s.quest_min);
+        __half* hi = reinterpret_cast<__half*>(rec + s.quest_max);
+        if (k < __half2float(lo[i])) lo[i] = __float2half_rd(k);
+        if (k > __half2float(hi[i])) hi[i] = __float2half_ru(k);
       }
     }
     if (lane == 0) {
@@ -94,7 +103,8 @@ DeviceSummaryWriter::~DeviceSummaryWriter() = default;
 absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create(
     const ModelLayout& model, int device) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
-  if (model.sketch_dim > 64) return absl::InvalidArgumentError("the device writer supports m <= 64");
+  if (model.sketch_dim > 64)
+    return absl::InvalidArgumentError("the device writer supports m <= 64");
   auto impl = std::make_unique<Impl>();
   impl->model = model;
   impl->layout = SummaryLayout::For(model);
@@ -104,7 +114,7 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
   RETURN_IF_CUDA_ALLOC(impl->phi, int64_t{model.num_layers} * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->bad, 1);
   GeneratePhiKernel<<<128, 256>>>(model.phi_seed, model.num_layers, model.num_kv_heads, per_matrix,
-                            PhiScale(model.sketch_dim), impl->phi.get());
+                                  PhiScale(model.sketch_dim), impl->phi.get());
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return std::unique_ptr<DeviceSummaryWriter>(new DeviceSummaryWriter(std::move(impl)));
@@ -114,21 +124,26 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
                                          cudaStream_t stream) {
   Impl& w = *impl_;
   if (appends.empty()) return absl::OkStatus();
-  if (key_dtype != DType::kFloat32 && key_dtype != DType::kFloat16 && key_dtype != DType::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat("key dtype ", DTypeName(key_dtype), " is not a float type"));
+  if (key_dtype != DType::kFloat32 && key_dtype != DType::kFloat16 &&
+      key_dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key dtype ", DTypeName(key_dtype), " is not a float type"));
   }
   std::set<const float*> records;
   for (size_t i = 0; i < appends.size(); ++i) {
     const KeyAppend& a = appends[i];
-    if (a.layer < 0 || a.layer >= w.model.num_layers || a.kv_head < 0 || a.kv_head >= w.model.num_kv_heads) {
-      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "]: (layer, kv_head)=(", a.layer, ", ", a.kv_head, ") out of range"));
+    if (a.layer < 0 || a.layer >= w.model.num_layers || a.kv_head < 0 ||
+        a.kv_head >= w.model.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "]: (layer, kv_head)=(",
+                                                     a.layer, ", ", a.kv_head, ") out of range"));
     }
     if (a.record == nullptr || (a.count > 0 && a.keys == nullptr) || a.count < 0 ||
         (a.stride != 0 && a.stride < w.model.head_dim)) {
       return absl::InvalidArgumentError(absl::StrCat("appends[", i, "] is malformed"));
     }
     if (!records.insert(a.record).second) {
-      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "] targets a record another append of this call writes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("appends[", i, "] targets a record another append of this call writes"));
     }
   }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
@@ -136,21 +151,29 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
     RETURN_IF_CUDA_ALLOC(w.appends, static_cast<int64_t>(appends.size()));
     w.capacity = static_cast<int64_t>(appends.size());
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w.appends.get(), appends.data(), appends.size() * sizeof(KeyAppend), cudaMemcpyHostToDevice, stream));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w.appends.get(), appends.data(),
+                                       appends.size() * sizeof(KeyAppend), cudaMemcpyHostToDevice,
+                                       stream));
   const int none = INT32_MAX;
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w.bad.get(), &none, sizeof(int), cudaMemcpyHostToDevice, stream));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(w.bad.get(), &none, sizeof(int), cudaMemcpyHostToDevice, stream));
   const SummaryLayout& l = w.layout;
-  const WriterShape s{w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers,
-                      w.model.num_kv_heads, l.fro2, l.max_norm, l.count, l.key_sum, l.quest_min,
-                      l.quest_max, l.principal, static_cast<int>(key_dtype)};
+  const WriterShape s{
+      w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers, w.model.num_kv_heads,
+      l.fro2,           l.max_norm,         l.count,      l.key_sum,          l.quest_min,
+      l.quest_max,      l.principal,        key_dtype};
   const int n = static_cast<int>(appends.size());
   AppendKernel<<<(n + 7) / 8, 256, 0, stream>>>(s, w.appends.get(), n, w.phi.get(), w.bad.get());
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   int bad = none;
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&bad, w.bad.get(), sizeof(int), cudaMemcpyDeviceToHost, stream));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&bad, w.bad.get(), sizeof(int), cudaMemcpyDeviceToHost, stream));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   if (bad != none) {
-    return absl::InvalidArgumentError(absl::StrCat("appends[", bad, "] holds a non-finite key; it was skipped"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "appends[", bad, "] holds a non-finite key",
+        w.layout.quest_min >= 0 ? " or one beyond the binary16 range of the quest summary" : "",
+        "; it was skipped"));
   }
   return absl::OkStatus();
 }

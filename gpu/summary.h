@@ -3,9 +3,9 @@
 //
 // One warp per append: it checks the append's keys, then folds them in order
 // into the record (y = Φᵀk, G += y yᵀ packed, fro2, max_norm, count, key sum,
-// quest min/max) and clears a principal pair (a later Seal on the host or the
-// core writer refits it). Sums run in another order than core/'s, so results
-// match it to float rounding, not bit for bit.
+// quest min/max in binary16 rounded outward, as core/ stores them) and clears a principal pair (a
+// later Seal on the host or the core writer refits it). Sums run in another order than core/'s, so
+// results match it to float rounding, not bit for bit.
 //
 // Thread safety: appends of one call must target distinct records (checked);
 // calls on one stream are ordered.
@@ -25,10 +25,10 @@ namespace eps::gpu {
 
 // Keys of one (layer, KV head) for one record; device pointers.
 struct KeyAppend {
-  float* record = nullptr;      // record_words floats in the summary pool
-  const void* keys = nullptr;   // `count` keys, `stride` elements apart
+  float* record = nullptr;     // record_words floats in the summary pool
+  const void* keys = nullptr;  // `count` keys, `stride` elements apart
   int64_t count = 0;
-  int64_t stride = 0;           // 0: head_dim
+  int64_t stride = 0;  // 0: head_dim
   int layer = 0;
   int kv_head = 0;
 };

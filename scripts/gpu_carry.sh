@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Here (the developer machine): packs what the lent GPU machine needs into .carry/
-# (ignored by git): the GPU tests, the benchmark, epsd, and the Debian shared
-# libraries they link that the GPU machine's Ubuntu image lacks. Then run, there:
+# (ignored by git; EPS_CARRY_DIR names another folder): the GPU tests, the
+# benchmark, epsd, and the Debian shared libraries they link that the GPU
+# machine's Ubuntu image lacks. Then run, there:
 #   bash scripts/gpu_check.sh        (the device tool's command; carry: .carry)
+#   EPS_CARRY_DIR=.carry-x bash scripts/gpu_check.sh   (carry: .carry-x)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${EPS_BUILD_DIR:-build}
-rm -rf .carry && mkdir -p .carry/lib
-bins=(service/epsd tests/gpu_step_test tests/gpu_summary_test tests/two_process_test
-      tests/async_fence_test tests/multi_rank_test tests/rank_engine bench/eps_gpu_bench "$@")
+CARRY=${EPS_CARRY_DIR:-.carry}
+rm -rf "$CARRY" && mkdir -p "$CARRY/lib"
+bins=(service/epsd tests/gpu_step_test tests/gpu_strict_oracle_test tests/gpu_summary_test
+      tests/two_process_test tests/async_fence_test tests/multi_rank_test tests/rank_engine
+      bench/eps_gpu_bench "$@")
 for b in "${bins[@]}"; do
-  cp "$BUILD/$b" .carry/
-  strip .carry/"$(basename "$b")"
+  cp "$BUILD/$b" "$CARRY/"
+  strip "$CARRY/$(basename "$b")"
 done
 # Every library outside glibc's core set (the image has its own, newer glibc).
-for b in .carry/*; do
+for b in "$CARRY"/*; do
   [[ -f $b && -x $b ]] || continue
   ldd "$b" | awk '/=> \//{print $3}'
 done | sort -u | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' |
-  while read -r lib; do cp -L "$lib" .carry/lib/; done
-du -sh .carry
+  while read -r lib; do cp -L "$lib" "$CARRY/lib/"; done
+du -sh "$CARRY"

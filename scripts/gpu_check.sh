@@ -1,38 +1,51 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, in one call (the device tool; carry: .carry, made
-# here by scripts/gpu_carry.sh): every GPU test, compute-sanitizer memcheck and
-# racecheck on the kernels, the pre-pass benchmark, and a short table last.
-# Logs go to $OUT when it is set.
+# On the lent GPU machine, in one call (the device tool; carry: .carry, or the
+# folder EPS_CARRY_DIR names, made here by scripts/gpu_carry.sh): every GPU test
+# (the CPU-bound step test in parallel gtest shards), the pre-pass benchmark,
+# the async-fence and two-process tests against epsd, compute-sanitizer memcheck
+# and racecheck on the step test, and a short table last. Logs go to $OUT.
+#   EPS_GPU_ONLY="gpu_step_test bench"   run only those (names as below)
+#   EPS_BENCH_ARGS="--contexts=32768"    arguments of eps_gpu_bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
+CARRY=${EPS_CARRY_DIR:-.carry}
 OUT=${OUT:-/tmp/eps-gpu}
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.carry/lib EPSD_BIN=$PWD/.carry/epsd RANK_ENGINE_BIN=$PWD/.carry/rank_engine
+export LD_LIBRARY_PATH=$PWD/$CARRY/lib EPSD_BIN=$PWD/$CARRY/epsd RANK_ENGINE_BIN=$PWD/$CARRY/rank_engine
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 declare -A result
-run() {  # name, command...
-  local name=$1; shift
-  local t0=$SECONDS
-  if "$@" >"$OUT/$name.log" 2>&1; then result[$name]="pass"; else result[$name]="FAIL"; fi
-  result[$name]+=" ($((SECONDS - t0)) s)"
-  tail -n 4 "$OUT/$name.log"
-}
-# EPS_GPU_ONLY="a b": run only those (names as in the table below).
 want() { [[ -z ${EPS_GPU_ONLY:-} || " $EPS_GPU_ONLY " == *" $1 "* ]]; }
-want gpu_step_test && run gpu_step_test timeout 300 .carry/gpu_step_test
-want gpu_summary_test && run gpu_summary_test timeout 300 .carry/gpu_summary_test
-want two_process_test && run two_process_test timeout 300 .carry/two_process_test
-want async_fence_test && run async_fence_test timeout 120 .carry/async_fence_test
-# Tensor-parallel ranks (docs/api.md §3.7): several on one GPU; rank r on GPU r where there are more.
-want multi_rank_test && run multi_rank_test timeout 400 .carry/multi_rank_test
-want memcheck && run memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 .carry/gpu_step_test
-want racecheck && run racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 .carry/gpu_step_test
+run() {  # name, timeout, shards, command...: the shards run in parallel
+  local name=$1 limit=$2 shards=$3 t0=$SECONDS ok=pass pids=()
+  shift 3
+  want "$name" || return 0
+  for i in $(seq 0 $((shards - 1))); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "$limit" "$@" >"$OUT/$name.$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || ok=FAIL; done
+  result[$name]="$ok ($((SECONDS - t0)) s)"
+  echo "$name ${result[$name]}"
+}
+run gpu_step_test 120 6 "$CARRY/gpu_step_test"
+run gpu_strict_oracle_test 60 1 "$CARRY/gpu_strict_oracle_test"
+run gpu_summary_test 60 1 "$CARRY/gpu_summary_test"
 # shellcheck disable=SC2086
-want bench && run bench timeout 300 .carry/eps_gpu_bench ${EPS_BENCH_ARGS:-}
+run bench 300 1 "$CARRY/eps_gpu_bench" ${EPS_BENCH_ARGS:-}
+run async_fence_test 120 1 "$CARRY/async_fence_test"
+# The sanitizers on the device-heavy cases (the others repeat them on other shapes).
+filter='Methods/*jl_d128_g8:Methods/*quest_d128_g2:Budgets/*:GpuStepGraphTest.*:GpuStepValidationTest.*'
+run memcheck 300 6 compute-sanitizer --tool memcheck --error-exitcode 1 "$CARRY/gpu_step_test" \
+  --gtest_filter="$filter"
+run racecheck 300 6 compute-sanitizer --tool racecheck --error-exitcode 1 "$CARRY/gpu_step_test" \
+  --gtest_filter="$filter"
+run two_process_test 300 1 "$CARRY/two_process_test"
+# Tensor-parallel ranks (docs/api.md §3.7): several on one GPU; rank r on GPU r where there are more.
+run multi_rank_test 400 1 "$CARRY/multi_rank_test"
 echo
-grep -h "round trip\|SelectPages\|Ping \|two-process\|async fence\|killed epsd\|in lockstep" "$OUT"/*_test.log
+[[ -f $OUT/bench.0.log ]] && cat "$OUT/bench.0.log"
 echo
-[[ -f $OUT/bench.log ]] && cat "$OUT/bench.log"
-echo
-for k in "${!result[@]}"; do printf '%-18s %s\n' "$k" "${result[$k]}"; done
+grep -h "strict mode\|SelectPages\|Ping \|two-process\|in lockstep\|ERROR SUMMARY\|RACECHECK SUMMARY\|Failure" \
+  "$OUT"/*.log | sort | uniq -c
+for k in "${!result[@]}"; do printf '%-24s %s\n' "$k" "${result[$k]}"; done
 grep -q FAIL <<<"${result[*]}" && exit 1 || exit 0

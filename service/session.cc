@@ -84,10 +84,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     s->charges_.push_back(std::move(charge));
   }
   if (spec.backend == BackendKind::kCuda) {
-    if (s->policy_.strict || s->policy_.budget != Budget::kThreshold) {
+    if (s->policy_.budget == Budget::kMass) {
       return absl::UnimplementedError(
-          "the cuda backend serves the threshold budget; strict mode and the fixed, top-p and "
-          "mass budgets run on the cpu backend");
+          "the cuda backend serves the threshold, fixed and top-p budgets and strict mode; the "
+          "mass budget runs on the cpu backend");
     }
     ASSIGN_OR_RETURN(
         s->backend_,

@@ -201,9 +201,11 @@ void StepBuffers::FillRandomSummaries(uint64_t seed) {
       for (int i = 0; i < model_.head_dim; ++i) rec[layout_.key_sum + i] = uniform(rng) - 0.5f;
     }
     if (layout_.quest_min >= 0) {
+      uint16_t* lo = reinterpret_cast<uint16_t*>(rec + layout_.quest_min);  // binary16 pairs
+      uint16_t* hi = reinterpret_cast<uint16_t*>(rec + layout_.quest_max);
       for (int i = 0; i < model_.head_dim; ++i) {
-        rec[layout_.quest_min + i] = -uniform(rng);
-        rec[layout_.quest_max + i] = uniform(rng);
+        lo[i] = FloatToHalfDown(-uniform(rng));
+        hi[i] = FloatToHalfUp(uniform(rng));
       }
     }
   }

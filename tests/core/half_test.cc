@@ -2,8 +2,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <random>
 
 #include "gtest/gtest.h"
+#include "tests/core/test_util.h"
 
 namespace eps {
 namespace {
@@ -32,8 +34,39 @@ TEST(HalfTest, NarrowingRoundsToNearestEven) {
   EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3C00);
   // 1 + 3·2^-11 is halfway between 1+2^-10 and 1+2^-9: ties to 1+2^-9 (even).
   EXPECT_EQ(FloatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);
-  EXPECT_EQ(FloatToHalf(70000.0f), 0x7C00);  // overflow to Inf
+  EXPECT_EQ(FloatToHalf(70000.0f), 0x7C00);               // overflow to Inf
   EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -26)), 0x0000);  // below half the smallest subnormal
+}
+
+TEST(HalfTest, DirectedNarrowingBracketsTheValueWithAdjacentHalves) {
+  std::mt19937_64 rng(testing::TestSeed());
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int trial = 0; trial < 100000; ++trial) {
+    const float x = unit(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 44) - 28);
+    const uint16_t down = FloatToHalfDown(x), up = FloatToHalfUp(x);
+    ASSERT_LE(HalfToFloat(down), x) << x;
+    ASSERT_GE(HalfToFloat(up), x) << x;
+    if (HalfToFloat(down) == x) {
+      ASSERT_EQ(down, up) << x;
+    } else {  // no half lies strictly between them
+      ASSERT_GT(HalfToFloat(up), HalfToFloat(down)) << x;
+      const float mid = 0.5f * (HalfToFloat(up) + HalfToFloat(down));
+      ASSERT_TRUE(FloatToHalf(mid) == down || FloatToHalf(mid) == up) << x;
+    }
+  }
+}
+
+TEST(HalfTest, DirectedNarrowingAtZeroAndTheRangeEnds) {
+  EXPECT_EQ(FloatToHalfDown(0.0f), 0x0000);
+  EXPECT_EQ(FloatToHalfUp(0.0f), 0x0000);
+  EXPECT_EQ(FloatToHalfDown(-1e-9f), 0x8001);  // below zero: the smallest negative subnormal
+  EXPECT_EQ(FloatToHalfUp(1e-9f), 0x0001);
+  EXPECT_EQ(FloatToHalfUp(-1e-9f), 0x8000);      // -0
+  EXPECT_EQ(FloatToHalfDown(70000.0f), 0x7BFF);  // 65504
+  EXPECT_EQ(FloatToHalfUp(70000.0f), 0x7C00);    // +inf
+  EXPECT_EQ(FloatToHalfDown(-70000.0f), 0xFC00);
+  EXPECT_EQ(FloatToHalfUp(1.0f + std::ldexp(1.0f, -12)), 0x3C01);
+  EXPECT_EQ(FloatToHalfDown(1.0f + std::ldexp(1.0f, -12)), 0x3C00);
 }
 
 TEST(BFloat16Test, WidensAndRoundsToNearestEven) {

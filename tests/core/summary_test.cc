@@ -94,8 +94,11 @@ TEST_F(SummaryTest, NormsCountSumAndQuestRangeMatchKeys) {
       hi = std::max(hi, keys[t * d + i]);
     }
     EXPECT_NEAR(record[s.key_sum + i], sum, 1e-4 * (1 + std::abs(sum)));
-    EXPECT_EQ(record[s.quest_min + i], lo);
-    EXPECT_EQ(record[s.quest_max + i], hi);
+    // binary16, rounded outward: the nearest half at or beyond the true extreme.
+    EXPECT_EQ(QuestMin(record, s, i), HalfToFloat(FloatToHalfDown(lo)));
+    EXPECT_EQ(QuestMax(record, s, i), HalfToFloat(FloatToHalfUp(hi)));
+    EXPECT_LE(QuestMin(record, s, i), lo);
+    EXPECT_GE(QuestMax(record, s, i), hi);
   }
 }
 
@@ -174,6 +177,27 @@ TEST_F(SummaryTest, NonFiniteKeysAreRejectedWithoutTouchingTheRecord) {
     EXPECT_NE(status.message().find("key 2 element 5"), std::string::npos) << status;
     EXPECT_EQ(record, before);
   }
+}
+
+TEST_F(SummaryTest, KeysBeyondTheHalfRangeAreRejectedWhenQuestIsOn) {
+  ModelLayout model = SmallModel();
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  const int d = model.head_dim;
+  std::vector<float> keys(2 * d, 1.0f);
+  keys[d + 3] = -70000.0f;
+  SummaryWriter writer(model, *phi);
+  std::vector<float> record(writer.layout().record_words);
+  writer.Reset(record);
+  const std::vector<float> before = record;
+  const absl::Status status = writer.Append(record, 1, 0, {keys.data(), DType::kFloat32, 2, d});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("key 1 element 3 is -70000"), std::string::npos) << status;
+  EXPECT_EQ(record, before);
+  model.features.quest = false;  // without quest the float sums take such keys
+  SummaryWriter plain(model, *phi);
+  std::vector<float> other(plain.layout().record_words);
+  plain.Reset(other);
+  EXPECT_TRUE(plain.Append(other, 1, 0, {keys.data(), DType::kFloat32, 2, d}).ok());
 }
 
 TEST_F(SummaryTest, AppendRejectsBadHeadsDtypesAndStrides) {

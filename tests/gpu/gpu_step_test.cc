@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/bounds.h"
@@ -15,32 +17,33 @@
 #include "gtest/gtest.h"
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
+#include "tests/gpu/device_step.h"
 
 namespace eps {
 namespace {
-
-#define SKIP_WITHOUT_DEVICE() \
-  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device"
 
 template <typename T>
 T* Upload(const std::vector<T>& host) {
   T* device = nullptr;
   EXPECT_EQ(cudaMalloc(&device, std::max<size_t>(1, host.size()) * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
   return device;
 }
 
 template <typename T>
 std::vector<T> Download(const T* device, size_t count) {
   std::vector<T> host(count);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost),
+            cudaSuccess);
   return host;
 }
 
 TEST(GpuPhiTest, DeviceGeneratorMatchesCoreBitExactly) {
   SKIP_WITHOUT_DEVICE();
   for (const auto& [seed, layer, head, d, m] :
-       {std::tuple{42ull, 0, 0, 128, 8}, std::tuple{7ull, 31, 7, 128, 16}, std::tuple{~0ull, 3, 1, 64, 4}}) {
+       {std::tuple{42ull, 0, 0, 128, 8}, std::tuple{7ull, 31, 7, 128, 16},
+        std::tuple{~0ull, 3, 1, 64, 4}}) {
     auto bank = PhiBank::Create(seed, layer + 1, head + 1, d, m);
     ASSERT_TRUE(bank.ok());
     std::vector<float> device(d * m);
@@ -57,6 +60,8 @@ struct GpuCase {
   bool retrieval;
   int sketch_dim = 8;  // 4, 8, 16 take the register-resident Gram; others the generic path
   Granularity granularity = Granularity::kUnion;
+  Budget budget = Budget::kThreshold;
+  bool strict = false;
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -86,7 +91,8 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   std::vector<StepRow> rows;
   for (int r = 0; r < batch; ++r) {
     const int64_t tokens = 1 + static_cast<int64_t>(rng() % max_context);
-    testing::WriteSequence(buffers, writer, r, r, tokens, 1 + r % 3, testing::GroupShapes::kMixedRank, rng);
+    testing::WriteSequence(buffers, writer, r, r, tokens, 1 + r % 3,
+                           testing::GroupShapes::kMixedRank, rng);
     rows.push_back({.table_row = r, .context_tokens = tokens, .seq_id = 0});
   }
   SelectPolicy policy;
@@ -94,88 +100,205 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   policy.top_pages = 8;
   policy.alpha = 1.25f;
   policy.granularity = c.granularity;
+  policy.budget = c.budget;
+  policy.strict = c.strict;
+  policy.top_p = 0.9f;
   if (c.retrieval) {
     policy.heads = HeadMode::kRetrieval;
-    for (int i = 0; i < m.num_layers * m.num_q_heads; ++i) policy.retrieval_heads.push_back(rng() % 2);
+    for (int i = 0; i < m.num_layers * m.num_q_heads; ++i)
+      policy.retrieval_heads.push_back(rng() % 2);
   }
   StepStats want_stats;
   ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), &want_stats).ok());
 
-  StepInputs in = buffers.Inputs(rows);
-  float* pool = Upload(buffers.pool());
-  int32_t* groups = Upload(buffers.group_table());
-  int32_t* blocks = Upload(buffers.block_table());
-  std::vector<float> queries(static_cast<const float*>(in.queries),
-                             static_cast<const float*>(in.queries) + m.num_layers * batch * m.num_q_heads * m.head_dim);
-  float* q = Upload(queries);
-  std::vector<int32_t> zeros(m.num_layers * batch * lists * buffers.max_blocks(), -1);
-  int32_t* visit = Upload(zeros);
-  int32_t* count = Upload(std::vector<int32_t>(m.num_layers * batch * lists, -1));
-  in.summary_pool = pool;
-  in.group_table = groups;
-  in.block_table = blocks;
-  in.queries = q;
   auto gpu_selector = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
   ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
-  StepStats got_stats;
-  float prepass_us = 0;
-  const absl::Status status = (*gpu_selector)->Select(in, policy, {visit, count}, &got_stats, &prepass_us);
-  ASSERT_TRUE(status.ok()) << status;
-  const auto got_visit = Download(visit, zeros.size());
-  const auto got_count = Download(count, m.num_layers * batch * lists);
+  const testing::DeviceStep got =
+      testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy);
+  ASSERT_TRUE(got.status.ok()) << got.status;
 
   // Equal visit sets, except groups whose score sits within fp32 tolerance of a
-  // head's threshold (the GPU sums in another order).
-  int near_threshold = 0;
+  // head's cut (the GPU sums in another order); with the fixed budget such a
+  // group swaps with another, so the count of each list is exact.
+  int near_cut = 0;
   for (int layer = 0; layer < m.num_layers; ++layer) {
     for (int b = 0; b < batch; ++b) {
-     for (int list = 0; list < lists; ++list) {
-      const auto want = buffers.VisitBlocks(layer, b, list);
-      const int64_t index = (int64_t{layer} * batch + b) * lists + list;
-      const std::vector<int32_t> got(got_visit.begin() + index * buffers.max_blocks(),
-                                     got_visit.begin() + index * buffers.max_blocks() + got_count[index]);
-      if (std::vector<int32_t>(want.begin(), want.end()) == got) continue;
-      const auto a = testing::VisitedGroups(buffers, b, want, GroupsFor(rows[b].context_tokens, m));
-      const auto g = testing::VisitedGroups(buffers, b, got, GroupsFor(rows[b].context_tokens, m));
-      int differing = 0;
-      for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
-      near_threshold += differing;
-      EXPECT_LE(differing, 1) << "layer " << layer << " row " << b << " list " << list;
-     }
+      for (int list = 0; list < lists; ++list) {
+        const auto want = buffers.VisitBlocks(layer, b, list);
+        const std::vector<int32_t> list_blocks =
+            got.List(batch, lists, buffers.max_blocks(), layer, b, list);
+        if (c.budget == Budget::kFixed) {
+          EXPECT_EQ(list_blocks.size(), want.size()) << "layer " << layer << " row " << b;
+        }
+        if (std::vector<int32_t>(want.begin(), want.end()) == list_blocks) continue;
+        const int64_t n = GroupsFor(rows[b].context_tokens, m);
+        const auto a = testing::VisitedGroups(buffers, b, want, n);
+        const auto g = testing::VisitedGroups(buffers, b, list_blocks, n);
+        int differing = 0;
+        for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
+        near_cut += differing;
+        EXPECT_LE(differing, c.budget == Budget::kFixed ? 2 : 1)
+            << "layer " << layer << " row " << b << " list " << list;
+      }
     }
   }
-  EXPECT_LE(near_threshold, 2) << "more disagreements than fp32 ties explain";
-  EXPECT_EQ(got_stats.groups_total, want_stats.groups_total);
-  if (near_threshold == 0) {
-    EXPECT_EQ(got_stats.groups_visited, want_stats.groups_visited);
-    EXPECT_EQ(got_stats.kv_bytes_read_est, want_stats.kv_bytes_read_est);
-    EXPECT_EQ(got_stats.summary_bytes_read, want_stats.summary_bytes_read);
-  }
-  for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
-                  static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
-    cudaFree(p);
+  EXPECT_LE(near_cut, 4) << "more disagreements than fp32 ties explain";
+  EXPECT_EQ(got.stats.groups_total, want_stats.groups_total);
+  EXPECT_EQ(got.stats.summary_bytes_read, want_stats.summary_bytes_read);
+  if (near_cut == 0) {
+    EXPECT_EQ(got.stats.groups_visited, want_stats.groups_visited);
+    EXPECT_EQ(got.stats.kv_bytes_read_est, want_stats.kv_bytes_read_est);
   }
 }
 
+std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
+  const GpuCase& c = p.param;
+  std::string name = std::string(MethodName(c.method)) == "1pc" ? "onepc" : MethodName(c.method);
+  name += "_d" + std::to_string(c.d) + "_g" + std::to_string(c.group_blocks);
+  if (c.retrieval) name += "_retrieval";
+  if (c.sketch_dim != 8) name += "_m" + std::to_string(c.sketch_dim);
+  if (c.granularity == Granularity::kPerKvHead) name += "_per_kv_head";
+  if (c.budget != Budget::kThreshold) name += std::string("_") + BudgetName(c.budget);
+  if (c.strict) name += "_strict";
+  return name;
+}
+
+// gtest prints the case by its name rather than its bytes.
+void PrintTo(const GpuCase& c, std::ostream* os) {
+  *os << CaseName(::testing::TestParamInfo<GpuCase>(c, 0));
+}
+
+constexpr Granularity kUnion = Granularity::kUnion, kPerKvHead = Granularity::kPerKvHead;
+
 INSTANTIATE_TEST_SUITE_P(
     Methods, GpuStepTest,
-    ::testing::Values(GpuCase{Method::kJl, 128, 32, 8, 8, false}, GpuCase{Method::kJl, 64, 4, 4, 1, false},
-                      GpuCase{Method::kJl, 256, 16, 2, 4, true}, GpuCase{Method::kOnePc, 128, 8, 2, 8, false},
-                      GpuCase{Method::kFro, 128, 8, 2, 8, false}, GpuCase{Method::kQuest, 128, 8, 2, 2, false},
-                      GpuCase{Method::kOff, 64, 4, 2, 8, false},
-                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 4},
-                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 16},
-                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 12},
-                      GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, Granularity::kPerKvHead},
-                      GpuCase{Method::kQuest, 256, 16, 4, 4, true, 8, Granularity::kPerKvHead}),
-    [](const auto& p) {
-      return std::string(MethodName(p.param.method)) == "1pc"
-                 ? "onepc_d" + std::to_string(p.param.d)
-                 : std::string(MethodName(p.param.method)) + "_d" + std::to_string(p.param.d) + "_g" +
-                       std::to_string(p.param.group_blocks) + (p.param.retrieval ? "_retrieval" : "") +
-                       (p.param.sketch_dim != 8 ? "_m" + std::to_string(p.param.sketch_dim) : "") +
-                       (p.param.granularity == Granularity::kPerKvHead ? "_per_kv_head" : "");
-    });
+    ::testing::Values(
+        GpuCase{Method::kJl, 128, 32, 8, 8, false}, GpuCase{Method::kJl, 64, 4, 4, 1, false},
+        GpuCase{Method::kJl, 256, 16, 2, 4, true}, GpuCase{Method::kOnePc, 128, 8, 2, 8, false},
+        GpuCase{Method::kFro, 128, 8, 2, 8, false}, GpuCase{Method::kQuest, 128, 8, 2, 2, false},
+        GpuCase{Method::kOff, 64, 4, 2, 8, false}, GpuCase{Method::kJl, 128, 8, 2, 8, false, 4},
+        GpuCase{Method::kJl, 128, 8, 2, 8, false, 16},
+        GpuCase{Method::kJl, 128, 8, 2, 8, false, 12},
+        GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, kPerKvHead},
+        GpuCase{Method::kQuest, 256, 16, 4, 4, true, 8, kPerKvHead}),
+    CaseName);
+
+INSTANTIATE_TEST_SUITE_P(
+    Budgets, GpuStepTest,
+    ::testing::Values(
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, Budget::kFixed},
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kPerKvHead, Budget::kFixed},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, true, 8, kUnion, Budget::kFixed},
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, Budget::kTopP},
+        GpuCase{Method::kJl, 64, 4, 4, 1, false, 8, kPerKvHead, Budget::kTopP},
+        GpuCase{Method::kOnePc, 128, 8, 2, 8, true, 8, kUnion, Budget::kTopP},
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, Budget::kThreshold, true},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kThreshold, true},
+        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, Budget::kFixed}),
+    CaseName);
+
+// One selector over fixed device buffers for many steps, as a session runs:
+// steps with equal shapes replay a captured graph (only the step number
+// changes), others are captured anew. Every step's lists must equal those of
+// kernels launched one by one, exactly, and core/'s up to ties at a cut.
+TEST(GpuStepGraphTest, ReplayedStepsEqualDirectLaunchesAndTheReference) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 16;
+  m.num_kv_heads = 4;
+  m.head_dim = 64;
+  m.phi_seed = rng();
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  SummaryWriter writer(m, *phi);
+  const int max_batch = 4;
+  testing::StepBuffers buffers(m, max_batch, 5000, max_batch, Granularity::kPerKvHead);
+  std::vector<StepRow> all_rows;
+  for (int r = 0; r < max_batch; ++r) {
+    const int64_t tokens = 1000 + static_cast<int64_t>(rng() % 4000);
+    testing::WriteSequence(buffers, writer, r, r, tokens, 2, testing::GroupShapes::kMixedRank, rng);
+    all_rows.push_back({.table_row = r, .context_tokens = tokens, .seq_id = 0});
+  }
+  StepInputs in = buffers.Inputs(all_rows);
+  const int64_t query_count = int64_t{m.num_layers} * max_batch * m.num_q_heads * m.head_dim;
+  const int64_t list_count = int64_t{m.num_layers} * max_batch * m.num_kv_heads;
+  float* pool = Upload(buffers.pool());
+  int32_t* groups = Upload(buffers.group_table());
+  int32_t* blocks = Upload(buffers.block_table());
+  float* queries = Upload(std::vector<float>(query_count));
+  int32_t* visit[2] = {Upload(std::vector<int32_t>(list_count * buffers.max_blocks(), -1)),
+                       Upload(std::vector<int32_t>(list_count * buffers.max_blocks(), -1))};
+  int32_t* count[2] = {Upload(std::vector<int32_t>(list_count, -1)),
+                       Upload(std::vector<int32_t>(list_count, -1))};
+  auto graphs = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups());
+  auto direct = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.graphs = false});
+  ASSERT_TRUE(graphs.ok() && direct.ok());
+  gpu::GpuSelector* selectors[2] = {graphs->get(), direct->get()};
+  const Budget budgets[3] = {Budget::kThreshold, Budget::kFixed, Budget::kTopP};
+  for (int step = 0; step < 12; ++step) {
+    // Fresh queries every step; the batch and the budget change every third step.
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int b = 0; b < max_batch; ++b) {
+        for (int h = 0; h < m.num_q_heads; ++h) {
+          const std::vector<float> q = testing::GaussianVector(rng, m.head_dim);
+          std::copy(q.begin(), q.end(), buffers.Query(layer, b, h).begin());
+        }
+      }
+    }
+    ASSERT_EQ(cudaMemcpy(queries, in.queries, query_count * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const int batch = 2 + (step / 3) % 3;
+    const std::span<const StepRow> rows(all_rows.data(), batch);
+    SelectPolicy policy;
+    policy.granularity = Granularity::kPerKvHead;
+    policy.budget = budgets[(step / 3) % 3];
+    StepInputs device_in = buffers.Inputs(rows);
+    device_in.summary_pool = pool;
+    device_in.group_table = groups;
+    device_in.block_table = blocks;
+    device_in.queries = queries;
+    StepStats stats[2];
+    for (int k = 0; k < 2; ++k) {
+      const absl::Status status =
+          selectors[k]->Select(device_in, policy, {visit[k], count[k]}, &stats[k], nullptr);
+      ASSERT_TRUE(status.ok()) << status << " step " << step;
+    }
+    ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+    const auto got_count = Download(count[0], list_count);
+    EXPECT_EQ(got_count, Download(count[1], list_count)) << "step " << step;
+    const auto got_visit = Download(visit[0], list_count * buffers.max_blocks());
+    EXPECT_EQ(got_visit, Download(visit[1], list_count * buffers.max_blocks())) << "step " << step;
+    EXPECT_EQ(stats[0].groups_visited, stats[1].groups_visited) << "step " << step;
+    int differing = 0;
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int b = 0; b < batch; ++b) {
+        for (int list = 0; list < m.num_kv_heads; ++list) {
+          const int64_t index = (int64_t{layer} * max_batch + b) * m.num_kv_heads + list;
+          const std::vector<int32_t> got(
+              got_visit.begin() + index * buffers.max_blocks(),
+              got_visit.begin() + index * buffers.max_blocks() + got_count[index]);
+          const auto want = buffers.VisitBlocks(layer, b, list);
+          if (std::vector<int32_t>(want.begin(), want.end()) == got) continue;
+          const int64_t n = GroupsFor(rows[b].context_tokens, m);
+          const auto a = testing::VisitedGroups(buffers, b, want, n);
+          const auto g = testing::VisitedGroups(buffers, b, got, n);
+          for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
+        }
+      }
+    }
+    EXPECT_LE(differing, 2) << "step " << step << ": more disagreements with core/ than ties";
+  }
+  for (void* p :
+       {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
+        static_cast<void*>(queries), static_cast<void*>(visit[0]), static_cast<void*>(visit[1]),
+        static_cast<void*>(count[0]), static_cast<void*>(count[1])}) {
+    cudaFree(p);
+  }
+}
 
 TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   SKIP_WITHOUT_DEVICE();
@@ -194,7 +317,8 @@ TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   float* pool = Upload(buffers.pool());
   int32_t* groups = Upload(buffers.group_table());
   int32_t* blocks = Upload(buffers.block_table());
-  std::vector<float> queries(static_cast<const float*>(in.queries), static_cast<const float*>(in.queries) + 2 * 4 * 64);
+  std::vector<float> queries(static_cast<const float*>(in.queries),
+                             static_cast<const float*>(in.queries) + 2 * 4 * 64);
   float* q = Upload(queries);
   int32_t* visit = Upload(std::vector<int32_t>(2 * buffers.max_blocks(), -1));
   int32_t* count = Upload(std::vector<int32_t>(2, -1));
@@ -204,7 +328,8 @@ TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   in.queries = q;
   auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
   ASSERT_TRUE(selector.ok());
-  const absl::Status status = (*selector)->Select(in, SelectPolicy{}, {visit, count}, nullptr, nullptr);
+  const absl::Status status =
+      (*selector)->Select(in, SelectPolicy{}, {visit, count}, nullptr, nullptr);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_NE(status.message().find("group_table[0][5]=1073741824"), std::string::npos) << status;
   EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));

@@ -43,7 +43,8 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
   const SummaryLayout layout = SummaryLayout::For(m);
   const int records = 12;
   std::vector<float> host(records * layout.record_words);
-  for (int r = 0; r < records; ++r) host_writer.Reset({host.data() + r * layout.record_words, size_t(layout.record_words)});
+  for (int r = 0; r < records; ++r)
+    host_writer.Reset({host.data() + r * layout.record_words, size_t(layout.record_words)});
   float* device = nullptr;
   ASSERT_EQ(cudaMalloc(&device, host.size() * 4), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
@@ -61,7 +62,8 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
       if (dtype != DType::kFloat32) {
         for (float& x : wide[r]) {
           narrow[r].push_back(dtype == DType::kFloat16 ? FloatToHalf(x) : FloatToBFloat16(x));
-          x = dtype == DType::kFloat16 ? HalfToFloat(narrow[r].back()) : BFloat16ToFloat(narrow[r].back());
+          x = dtype == DType::kFloat16 ? HalfToFloat(narrow[r].back())
+                                       : BFloat16ToFloat(narrow[r].back());
         }
         src = narrow[r].data();
         bytes = narrow[r].size() * 2;
@@ -72,8 +74,10 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
       device_keys.push_back(keys);
       const int layer = r % 2, kvh = (r / 2) % 2;
       appends.push_back({device + r * layout.record_words, keys, count, 0, layer, kvh});
-      ASSERT_TRUE(host_writer.Append({host.data() + r * layout.record_words, size_t(layout.record_words)},
-                                     layer, kvh, {wide[r].data(), DType::kFloat32, count, 128}).ok());
+      ASSERT_TRUE(host_writer
+                      .Append({host.data() + r * layout.record_words, size_t(layout.record_words)},
+                              layer, kvh, {wide[r].data(), DType::kFloat32, count, 128})
+                      .ok());
     }
     ASSERT_TRUE((*device_writer)->Append(appends, dtype).ok());
     for (void* k : device_keys) cudaFree(k);
@@ -84,9 +88,18 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
   for (int r = 0; r < records; ++r) {
     const float* want = host.data() + r * layout.record_words;
     const float* have = got.data() + r * layout.record_words;
-    const float scale = want[layout.fro2];  // every Gram entry and sum is bounded by it
-    for (int w = 0; w < layout.principal; ++w) {  // Gram, norms, count, key sum, quest
+    const float scale = want[layout.fro2];        // every Gram entry and sum is bounded by it
+    for (int w = 0; w < layout.quest_min; ++w) {  // Gram, norms, count, key sum
       ASSERT_NEAR(have[w], want[w], 1e-5f * scale + 1e-5f) << "record " << r << " word " << w;
+    }
+    // quest: binary16 min and max of the same keys, rounded outward alike: exact.
+    const std::span<const float> want_record(want, layout.record_words);
+    const std::span<const float> have_record(have, layout.record_words);
+    for (int i = 0; i < m.head_dim; ++i) {
+      ASSERT_EQ(QuestMin(have_record, layout, i), QuestMin(want_record, layout, i))
+          << "record " << r;
+      ASSERT_EQ(QuestMax(have_record, layout, i), QuestMax(want_record, layout, i))
+          << "record " << r;
     }
     EXPECT_EQ(have[layout.principal + 2], 0.0f) << "appends clear the principal pair";
   }
@@ -109,17 +122,22 @@ TEST(GpuSummaryValidationTest, NonFiniteKeySkipsOnlyItsAppendAndDuplicatesAreRef
   std::vector<float> host_keys(2 * 128, 1.0f);
   host_keys[128 + 7] = std::numeric_limits<float>::quiet_NaN();
   ASSERT_EQ(cudaMalloc(&keys, host_keys.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(keys, host_keys.data(), host_keys.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(keys, host_keys.data(), host_keys.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
   const absl::Status status = (*writer)->Append(
-      {{records, keys, 1, 0, 0, 0}, {records + layout.record_words, keys + 128, 1, 0, 0, 1}}, DType::kFloat32);
+      {{records, keys, 1, 0, 0, 0}, {records + layout.record_words, keys + 128, 1, 0, 0, 1}},
+      DType::kFloat32);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("appends[1]"), std::string::npos) << status;
   std::vector<float> got(2 * layout.record_words);
   ASSERT_EQ(cudaMemcpy(got.data(), records, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(got[layout.count], 1.0f) << "the good append applied";
   EXPECT_EQ(got[layout.record_words + layout.count], 0.0f) << "the bad append wrote nothing";
-  EXPECT_EQ((*writer)->Append({{records, keys, 1, 0, 0, 0}, {records, keys, 1, 0, 0, 0}}, DType::kFloat32).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      (*writer)
+          ->Append({{records, keys, 1, 0, 0, 0}, {records, keys, 1, 0, 0, 0}}, DType::kFloat32)
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   cudaFree(records);
   cudaFree(keys);
 }

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eps_client.layout import ModelLayout, SummaryFeatures, SummaryLayout
-from eps_client.summary import SummaryWriter
+from eps_client.summary import SummaryWriter, half_down, half_up, quest_halves
 
 
 def core_pool(tool: str, tmp: Path, model: ModelLayout, slots: int,
@@ -181,4 +181,30 @@ def test_layout_offsets_match_the_documented_worked_example():
     assert words(key_sum=False, quest=False) == 40
     assert words(quest=False) == 168
     assert words(principal=True, quest=False) == 204
-    assert words(quest=True, principal=True) == 460
+    assert words(quest=True, principal=True) == 332  # quest: 128 words of float16 min and max
+
+
+def test_quest_halves_round_outward_and_reject_keys_beyond_float16(rng):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=16,
+                        features=SummaryFeatures(key_sum=False, quest=True))
+    writer = SummaryWriter(model)
+    lay = writer.layout
+    pool = np.zeros((1, 1, 2, lay.record_words), np.float32)
+    writer.reset(pool)
+    keys = (rng.standard_normal((9, 2, 16)) * 10).astype(np.float32)
+    writer.append(pool, 0, [0] * 9, keys)
+    lo, hi = quest_halves(pool[0, 0], lay, 16)
+    true_lo, true_hi = keys.min(axis=0), keys.max(axis=0)
+    assert np.all(lo.astype(np.float32) <= true_lo) and np.all(hi.astype(np.float32) >= true_hi)
+    # the nearest float16 on the outward side: one step inward crosses the true value
+    assert np.all(np.nextafter(lo, np.float16(np.inf)).astype(np.float32) > true_lo)
+    assert np.all(np.nextafter(hi, np.float16(-np.inf)).astype(np.float32) < true_hi)
+    keys[4, 1, 7] = 7e4
+    with pytest.raises(ValueError, match="key 4 element 7 is 70000.0 .*binary16 range"):
+        writer.append(pool, 0, [0] * 9, keys)
+
+
+def test_directed_float16_rounding_at_zero_and_the_range_ends():
+    x = np.array([0.0, -1e-9, 1e-9, 7e4, -7e4], np.float32)
+    assert half_down(x).view(np.uint16).tolist() == [0x0000, 0x8001, 0x0000, 0x7BFF, 0xFC00]
+    assert half_up(x).view(np.uint16).tolist() == [0x0000, 0x8000, 0x0001, 0x7C00, 0xFBFF]

@@ -120,7 +120,8 @@ class SummaryLayout:
         if model.features.key_sum:
             key_sum, nxt = nxt, nxt + d
         if model.features.quest:
-            quest_min, quest_max, nxt = nxt, nxt + d, nxt + 2 * d
+            # binary16 min then max, two per word: d words in all (docs/summaries.md)
+            quest_min, quest_max, nxt = nxt, nxt + d // 2, nxt + d
         if model.features.principal:
             principal, nxt = nxt, nxt + 3 + (d + 3) // 4
         return SummaryLayout(

@@ -31,6 +31,30 @@ def _as_float32(keys: np.ndarray, bf16_bits: bool) -> np.ndarray:
     return keys.astype(np.float32)  # float16 -> float32 is exact
 
 
+HALF_MAX = 65504.0  # the largest binary16 value: the quest part's range
+
+
+def half_down(x: np.ndarray) -> np.ndarray:
+    """The largest float16 <= x (core FloatToHalfDown), for float32 x within the float16 range."""
+    with np.errstate(over="ignore"):  # beyond ±65504: inf, then stepped in
+        h = np.asarray(x, dtype=np.float32).astype(np.float16)  # nearest, ties to even
+        return np.where(h.astype(np.float32) > x, np.nextafter(h, np.float16(-np.inf)), h)
+
+
+def half_up(x: np.ndarray) -> np.ndarray:
+    """The smallest float16 >= x (core FloatToHalfUp)."""
+    with np.errstate(over="ignore"):  # nextafter(65504, inf) is inf, where it is not taken
+        h = np.asarray(x, dtype=np.float32).astype(np.float16)
+        return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+
+
+def quest_halves(records: np.ndarray, lay: SummaryLayout, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Views of the quest min and max ``[..., d]`` float16 of float32 records ``[..., W]``."""
+    halves = records.view(np.float16)  # [..., 2W]
+    return (halves[..., 2 * lay.quest_min : 2 * lay.quest_min + d],
+            halves[..., 2 * lay.quest_max : 2 * lay.quest_max + d])
+
+
 class SummaryWriter:
     """Writes summary records into a pool ``[slots, layers, kv_heads, record_words]`` float32.
 
@@ -54,9 +78,9 @@ class SummaryWriter:
         lay = self.layout
         records[..., : lay.record_words] = 0.0
         if lay.quest_min >= 0:
-            d = self.model.head_dim
-            records[..., lay.quest_min : lay.quest_min + d] = np.inf
-            records[..., lay.quest_max : lay.quest_max + d] = -np.inf
+            lo, hi = quest_halves(records, lay, self.model.head_dim)
+            lo[...] = np.inf
+            hi[...] = -np.inf
 
     def append(self, pool: np.ndarray, layer: int, slots: np.ndarray | list[int],
                keys: np.ndarray, *, bf16_bits: bool = False) -> None:
@@ -81,6 +105,13 @@ class SummaryWriter:
         if bad.size:
             t, h, i = bad[0]
             raise ValueError(f"key {t} element {i} is {k[t, h, i]} (layer {layer}, kv_head {h})")
+        if lay.quest_min >= 0:
+            big = np.argwhere(np.abs(k) > HALF_MAX)
+            if big.size:
+                t, h, i = big[0]
+                raise ValueError(
+                    f"key {t} element {i} is {k[t, h, i]} (layer {layer}, kv_head {h}): beyond "
+                    f"the binary16 range of the quest summary, |k| <= 65504")
         if slots.size == 0:
             return
         # Round r applies the r-th key of every slot; slots are distinct within a round.
@@ -109,11 +140,10 @@ class SummaryWriter:
         d = self.model.head_dim
         if lay.key_sum >= 0:
             rec[..., lay.key_sum : lay.key_sum + d] += k
-        if lay.quest_min >= 0:
-            lo = rec[..., lay.quest_min : lay.quest_min + d]
-            hi = rec[..., lay.quest_max : lay.quest_max + d]
-            rec[..., lay.quest_min : lay.quest_min + d] = np.minimum(lo, k)
-            rec[..., lay.quest_max : lay.quest_max + d] = np.maximum(hi, k)
+        if lay.quest_min >= 0:  # float16, rounded outward: still a min and a max
+            lo, hi = quest_halves(rec, lay, d)
+            lo[...] = np.minimum(lo, half_down(k))
+            hi[...] = np.maximum(hi, half_up(k))
         pool[slots, layer] = rec
 
     def seal(self, pool: np.ndarray, layer: int, slot: int, keys: np.ndarray, *,

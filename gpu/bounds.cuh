@@ -1,0 +1,187 @@
+// The scores of core/bounds.h on the device, one function per core `Method`
+// (the kernels take the method as a template parameter, so each instantiation
+// holds only its own arithmetic). Each reads one record of core/layout.h's
+// layout; the query arrives widened to float with its terms precomputed.
+//
+//   jl     sqrt(max(zᵀGz, 0)) = sqrt(max(Σ_p G_p zz_p, 0))
+//   1pc    sqrt(λ1)|v̂·q| + sqrt(r² + pad)·‖q⊥‖, at most fro
+//   fro    ‖q‖ sqrt(fro2)
+//   quest  Σ_j max(q_j min_j, q_j max_j), min and max binary16 (rounded outward)
+//
+// and BracketMaxScore for strict mode. The per-channel sums (quest, u1·q, q·Σk)
+// are taken for a batch of query heads in one pass over the record (HeadSums).
+// Sums run in core/'s order (j = 0..d-1),
+// but the device contracts products into FMAs, so values agree with core/ to
+// float rounding, not bit for bit; strict mode's slack covers that.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "core/bounds.h"
+
+namespace eps::gpu {
+
+// Word offsets of the record parts (core SummaryLayout); -1 marks an absent part.
+struct RecordOffsets {
+  int d, packed, fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
+};
+
+// One query head's terms: packed z zᵀ with doubled off-diagonal (in shared
+// memory; jl only) and ‖q‖.
+struct HeadQuery {
+  const float* zz;
+  float norm;
+};
+
+__device__ inline float FroBound(const float* rec, const RecordOffsets& o, const HeadQuery& h) {
+  return h.norm * sqrtf(fmaxf(rec[o.fro2], 0.0f));
+}
+
+// kM > 0: m fixed at compile time, `gram` the packed Gram already in registers.
+template <int kM>
+__device__ inline float JlScore(const float* rec, const float* gram, const RecordOffsets& o,
+                                const HeadQuery& h) {
+  float quad = 0.0f;
+  if constexpr (kM > 0) {
+    constexpr int kPacked = kM * (kM + 1) / 2;
+#pragma unroll
+    for (int w = 0; w < kPacked; ++w) quad += gram[w] * h.zz[w];
+  } else {
+    for (int w = 0; w < o.packed; ++w) quad += rec[w] * h.zz[w];
+  }
+  return isnan(quad) ? quad : sqrtf(fmaxf(quad, 0.0f));  // a NaN summary must surface
+}
+
+// The per-channel sums of the record for a batch of up to kHeadBatch query
+// heads at once, so the record's channels are read once for all of them (GQA).
+// `q` holds the heads' queries one after the other, d floats each; sums run
+// over j = 0..d-1 in order, as core/'s do. Results land in out[0, heads).
+inline constexpr int kHeadBatch = 8;
+
+// quest: Σ_j max(q_j min_j, q_j max_j), min and max read as binary16 pairs.
+__device__ inline void QuestSums(const float* rec, const RecordOffsets& o, const float* q,
+                                 int heads, float* out) {
+  const __half2* lo = reinterpret_cast<const __half2*>(rec + o.quest_min);
+  const __half2* hi = reinterpret_cast<const __half2*>(rec + o.quest_max);
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  for (int i = 0; i < o.d / 2; ++i) {
+    const float2 l = __half22float2(lo[i]);
+    const float2 h = __half22float2(hi[i]);
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) {
+        const float q0 = q[r * o.d + 2 * i], q1 = q[r * o.d + 2 * i + 1];
+        out[r] += fmaxf(q0 * l.x, q0 * h.x);
+        out[r] += fmaxf(q1 * l.y, q1 * h.y);
+      }
+    }
+  }
+}
+
+// 1pc: u1·q with the int8 direction read four bytes at a time.
+__device__ inline void PrincipalDots(const float* rec, const RecordOffsets& o, const float* q,
+                                     int heads, float* out) {
+  const char4* u = reinterpret_cast<const char4*>(rec + o.principal + 3);
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  for (int w = 0; w < o.d / 4; ++w) {
+    const char4 c = u[w];
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) {
+        const float* qr = q + r * o.d + 4 * w;
+        out[r] += static_cast<float>(c.x) * qr[0];
+        out[r] += static_cast<float>(c.y) * qr[1];
+        out[r] += static_cast<float>(c.z) * qr[2];
+        out[r] += static_cast<float>(c.w) * qr[3];
+      }
+    }
+  }
+}
+
+// Mean-key lower bound: q·Σk.
+__device__ inline void KeySumDots(const float* rec, const RecordOffsets& o, const float* q,
+                                  int heads, float* out) {
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  for (int i = 0; i < o.d; ++i) {
+    const float k = rec[o.key_sum + i];
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) out[r] += q[r * o.d + i] * k;
+    }
+  }
+}
+
+__device__ inline bool HasPrincipalPair(const float* rec, const RecordOffsets& o) {
+  return o.principal >= 0 && rec[o.principal + 2] != 0.0f;  // scale 0: absent or unsealed
+}
+
+// 1pc from the head's u1·q (`dot`, from PrincipalDots).
+__device__ inline float OnePcBound(const float* rec, const RecordOffsets& o, const HeadQuery& h,
+                                   float dot) {
+  const float fro = FroBound(rec, o, h);
+  if (!HasPrincipalPair(rec, o)) return fro;
+  const float along = fabsf(dot * rec[o.principal + 2]);
+  const float q2 = h.norm * h.norm;
+  const float perp =
+      sqrtf(fmaxf(q2 - along * along, 0.0f) + ldexpf(static_cast<float>(o.d), -22) * q2);
+  const float fro2 = fmaxf(rec[o.fro2], 0.0f);
+  const float pad = ldexpf(rec[o.count] + static_cast<float>(o.d), -22) * fro2;
+  return fminf(sqrtf(fmaxf(rec[o.principal], 0.0f)) * along +
+                   sqrtf(fmaxf(rec[o.principal + 1], 0.0f) + pad) * perp,
+               fro);
+}
+
+// quest from the head's channel sum (`sum`, from QuestSums); fro without the part.
+__device__ inline float QuestBound(const float* rec, const RecordOffsets& o, const HeadQuery& h,
+                                   float sum) {
+  if (o.quest_min < 0) return FroBound(rec, o, h);
+  if (rec[o.count] <= 0.0f) return -INFINITY;  // no keys
+  return sum;
+}
+
+// The per-head sums a score needs, for one batch of heads.
+struct HeadSums {
+  float principal[kHeadBatch];  // u1·q (1pc, strict with a principal pair)
+  float quest[kHeadBatch];      // quest channel sum (quest, strict with the quest part)
+  float key_sum[kHeadBatch];    // q·Σk (strict with key_sum)
+};
+
+// core Score(): kOff scores 0. `r` is the head's index in the batch of `sums`.
+template <Method kMethod, int kM>
+__device__ inline float Score(const float* rec, const float* gram, const RecordOffsets& o,
+                              const HeadQuery& h, const HeadSums& sums, int r) {
+  if constexpr (kMethod == Method::kJl) {
+    return JlScore<kM>(rec, gram, o, h);
+  } else if constexpr (kMethod == Method::kOnePc) {
+    return OnePcBound(rec, o, h, sums.principal[r]);
+  } else if constexpr (kMethod == Method::kFro) {
+    return FroBound(rec, o, h);
+  } else if constexpr (kMethod == Method::kQuest) {
+    return QuestBound(rec, o, h, sums.quest[r]);
+  } else {
+    return 0.0f;
+  }
+}
+
+// core BracketMaxScore(): a rigorous bracket of max_i q·k_i, slack included.
+__device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const RecordOffsets& o,
+                                                  const HeadQuery& h, const HeadSums& sums, int r) {
+  const float count = rec[o.count];
+  if (count <= 0.0f) return {-INFINITY, -INFINITY};
+  const float d = static_cast<float>(o.d);
+  const float slack =
+      fmaxf(kBoundSlack, ldexpf(count + d * sqrtf(d), -22)) * h.norm * rec[o.max_norm];
+  float abs_upper = FroBound(rec, o, h);
+  if (o.principal >= 0) abs_upper = fminf(abs_upper, OnePcBound(rec, o, h, sums.principal[r]));
+  float upper = abs_upper;
+  if (o.quest_min >= 0) upper = fminf(upper, QuestBound(rec, o, h, sums.quest[r]));
+  const float lower = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
+  return {lower - slack, upper + slack};
+}
+
+}  // namespace eps::gpu

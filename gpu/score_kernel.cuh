@@ -1,0 +1,177 @@
+// The scoring kernel of the GPU pre-pass (gpu/step.h), keyed by the core
+// `Method`; gpu/bounds.cuh holds the bounds it applies.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/bounds.h"
+#include "gpu/bounds.cuh"
+#include "gpu/phi.cuh"
+#include "gpu/step_shape.cuh"
+
+namespace eps::gpu::kernels {
+
+// Scoring. Grid (group chunks of 256, layers * kv_heads, rows), 256 threads.
+// Each block first widens the queries of its KV head's query heads into shared
+// memory and builds their terms, a warp per head (‖q‖; for jl z = Φᵀq and the
+// packed z zᵀ), then each thread scores one group: it reads the record once
+// and scores it for every query head of the KV head (GQA), the per-channel
+// sums of quest, 1pc and strict taken for up to kHeadBatch heads per pass.
+//
+// Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio],
+// z [ratio, m]. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict:
+// the lower bounds) and, in strict mode, `uppers`.
+inline constexpr int kScoreThreads = 256;
+
+struct ScoreArgs {
+  const float* pool;
+  const int32_t* group_table;
+  const int32_t* block_table;
+  const void* queries;  // [layers, max_batch, q_heads, d]
+  const float* phi;     // [layers, kv_heads, d, m]
+  const DeviceRow* rows;
+  const uint8_t* scored;  // [layers, q_heads] or null (every head scored)
+  float* scores;
+  float* uppers;
+  StepReport* report;
+};
+
+template <Method kMethod, int kM, bool kStrict>
+__global__ void ScoreKernel(Shape s, ScoreArgs a) {
+  extern __shared__ float shared[];
+  const int row = blockIdx.z;
+  const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
+  const int ratio = s.q_heads / s.kv_heads;
+  const int packed = s.record.packed;
+  float* q_sh = shared;                     // [ratio, d]
+  float* zz_sh = q_sh + ratio * s.d;        // [ratio, packed]
+  float* norm_sh = zz_sh + ratio * packed;  // [ratio]
+  float* z_sh = norm_sh + ratio;            // [ratio, m]
+  DeviceStatus* status = &a.report->status;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+
+  // Stage the widened queries; a non-finite element of a scored head fails the step.
+  for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
+    const int h = kvh * ratio + e / s.d;
+    const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
+    const float x = LoadAsFloatDevice(a.queries, s.query_dtype, at);
+    q_sh[e] = x;
+    const bool head_scored = a.scored == nullptr || a.scored[layer * s.q_heads + h];
+    if (head_scored && !isfinite(x) && blockIdx.x == 0) {
+      Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + e % s.d, 0);
+    }
+  }
+  __syncthreads();
+  if constexpr (kMethod != Method::kOff || kStrict) {
+    // A warp per head: lanes split d, shuffles reduce.
+    const float* matrix = a.phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
+    for (int r = warp; r < ratio; r += warps) {
+      const float* q = q_sh + r * s.d;
+      float n2 = 0.0f;
+      for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
+      for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
+      if (lane == 0) norm_sh[r] = sqrtf(n2);
+      if constexpr (kMethod == Method::kJl && !kStrict) {
+        for (int j = 0; j < s.m; ++j) {
+          float partial = 0.0f;
+          for (int i = lane; i < s.d; i += 32) partial += matrix[i * s.m + j] * q[i];
+          for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
+          if (lane == 0) z_sh[r * s.m + j] = partial;
+        }
+      }
+    }
+    if constexpr (kMethod == Method::kJl && !kStrict) {
+      __syncthreads();
+      for (int e = threadIdx.x; e < ratio * packed; e += blockDim.x) {
+        const int r = e / packed;
+        int p = e % packed, i = 0;
+        while (p >= s.m - i) {  // packed index -> (i, j), i ≤ j
+          p -= s.m - i;
+          ++i;
+        }
+        const int j = i + p;
+        zz_sh[e] = (i == j ? 1.0f : 2.0f) * z_sh[r * s.m + i] * z_sh[r * s.m + j];
+      }
+    }
+    __syncthreads();
+  }
+
+  const int64_t tokens = a.rows[row].context_tokens;
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int n = GroupsOf(s, tokens);
+  const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (p >= n) return;
+  const int64_t table_row = a.rows[row].table_row;
+  // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
+  if (blockIdx.y == 0) {
+    for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
+      const int32_t id = a.block_table[table_row * s.max_blocks + b];
+      if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
+        Fail(status, kBadBlock, row, static_cast<int>(b), id);
+      }
+    }
+  }
+  const int32_t slot = a.group_table[table_row * s.max_groups + p];
+  if (slot < 0 || slot >= s.num_slots) {
+    Fail(status, kBadSlot, row, static_cast<int>(p), slot);
+    return;  // never read outside the pool
+  }
+  if constexpr (kMethod == Method::kOff && !kStrict) {
+    return;  // nothing is scored; the tables were still checked, as core/ does
+  } else {
+    const float* rec =
+        a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
+    const RecordOffsets& o = s.record;
+    const bool stats_ok =
+        isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]);
+    // jl with m known: the packed Gram read once, 16 bytes at a time (records are
+    // 16-byte aligned and padded), and kept in registers for every head.
+    constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
+    float4 gram[kVectors];
+    if constexpr (kMethod == Method::kJl && kM > 0 && !kStrict) {
+#pragma unroll
+      for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
+    }
+    constexpr bool kQuestSums = kStrict || kMethod == Method::kQuest;
+    constexpr bool kPrincipalSums = kStrict || kMethod == Method::kOnePc;
+    for (int r0 = 0; r0 < ratio; r0 += kHeadBatch) {
+      const int heads = min(kHeadBatch, ratio - r0);
+      const float* q = q_sh + r0 * s.d;
+      HeadSums sums;
+      if constexpr (kQuestSums) {
+        if (o.quest_min >= 0) QuestSums(rec, o, q, heads, sums.quest);
+      }
+      if constexpr (kPrincipalSums) {
+        if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
+      }
+      if constexpr (kStrict) {
+        if (o.key_sum >= 0) KeySumDots(rec, o, q, heads, sums.key_sum);
+      }
+#pragma unroll
+      for (int rr = 0; rr < kHeadBatch; ++rr) {
+        if (rr >= heads) break;
+        const int r = r0 + rr, h = kvh * ratio + r;
+        if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
+        const HeadQuery hq{zz_sh + r * packed, norm_sh[r]};
+        const int64_t out = ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
+        bool bad;
+        if constexpr (kStrict) {
+          const MaxScoreBracket b = BracketMaxScore(rec, o, hq, sums, rr);
+          a.scores[out] = b.lower;
+          a.uppers[out] = b.upper;
+          bad = isnan(b.lower) || isnan(b.upper);
+        } else {
+          const float score =
+              Score<kMethod, kM>(rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
+          a.scores[out] = score;
+          bad = isnan(score) || score == INFINITY;
+        }
+        if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
+      }
+    }
+  }
+}
+
+}  // namespace eps::gpu::kernels

@@ -1,0 +1,287 @@
+// The selection kernel of the GPU pre-pass (gpu/step.h), keyed by the core
+// `Budget`: per-head cuts, the union, compaction and the step's statistics.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/select.h"
+#include "gpu/step_shape.cuh"
+#include "gpu/warp_select.cuh"
+
+namespace eps::gpu::kernels {
+
+// Selection: one block of 256 or 1024 threads per (layer * lists + list, row).
+//   1. each warp takes query heads of the list in turn and finds its cut
+//      (threshold budget and strict: the top_pages-th largest value by an
+//      8-bit radix select; top-p: the score where the mass reaches top_p);
+//      the fixed budget ranks groups per head instead (below);
+//   2. visit flags: forced groups, plus every group a head's cut admits;
+//   3. compaction of the visited groups' blocks into visit_blocks, and stats.
+//
+// Dynamic shared memory: visit flags [max_groups] (padded to 16 bytes), then
+// [max_groups] words (best ranks of the fixed budget, then block offsets),
+// then [max_groups] floats (one head's scores, fixed budget only).
+struct SelectArgs {
+  const int32_t* block_table;
+  const DeviceRow* rows;
+  const uint8_t* scored;  // [layers, q_heads] or null
+  const float* scores;    // [rows, layers, q_heads, max_groups]; strict: lower bounds
+  const float* uppers;    // strict only: upper bounds
+  int32_t* visit_blocks;
+  int32_t* visit_count;
+  StepReport* report;
+  StepReport* next_report;  // cleared here for the next step
+  const uint64_t* selection_done;
+  uint64_t step;
+};
+
+template <Budget kBudget, bool kStrict, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+    SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
+  static_assert(kBudget != Budget::kTopP || kWarps <= 8, "top-p keeps 2 KiB per warp");
+  extern __shared__ unsigned char visit[];
+  __shared__ float head_cut[256];     // threshold and strict: visit when value >= cut
+  __shared__ unsigned head_key[256];  // top-p: the cut key and tie group
+  __shared__ int head_tie[256];
+  __shared__ unsigned counts[kWarps * 32];
+  __shared__ unsigned histograms[kWarps][256];
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
+  // blockIdx.x = layer * lists + list; a list unions the query heads of one KV
+  // head (per-KV-head output) or of all of them (union).
+  const int layer = blockIdx.x / s.lists, list = blockIdx.x % s.lists, row = blockIdx.y;
+  const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
+  // The engine gave up on this step (its client released selection_done and
+  // attends densely): leave its outputs alone.
+  if (a.selection_done != nullptr &&
+      *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step) {
+    return;
+  }
+  if (a.report->status.code != kOk) {
+    // The scoring kernel failed: no list is computed. With a step fence the
+    // engine's stream proceeds on selection_done regardless, so each list of
+    // the step says "attend densely" (-1); without one, nothing is written.
+    if (a.selection_done != nullptr && threadIdx.x == 0) a.visit_count[list_index] = -1;
+    return;
+  }
+  const int heads_per_list = s.q_heads / s.lists, first_head = list * heads_per_list;
+  const int64_t tokens = a.rows[row].context_tokens;
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int n = GroupsOf(s, tokens);
+  const int64_t head_base = (int64_t{row} * s.layers + layer) * s.q_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  unsigned* offset = reinterpret_cast<unsigned*>(visit + ((s.max_groups + 15) / 16) * 16);
+  auto head_scored = [&](int h) { return a.scored == nullptr || a.scored[layer * s.q_heads + h]; };
+  auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
+
+  // 1. Per-head cuts (threshold, strict, top-p; fixed: the top_pages-th score).
+  {
+    if constexpr (kBudget == Budget::kFixed) {
+      // Only a group within some head's top top_pages can be taken (each head
+      // alone has top_pages groups ranked below top_pages), so ranks are
+      // counted only for groups at or above the head's top_pages-th score.
+      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
+           h += warps) {
+        float cut = -INFINITY;
+        if (head_scored(h)) {
+          unsigned local = 0;
+          for (int p = lane; p < n; p += 32) local += !forced(p);
+          if (__reduce_add_sync(0xFFFFFFFFu, local) > static_cast<unsigned>(rule.top_pages)) {
+            cut = KeyToFloat(WarpKthLargest(
+                a.scores + (head_base + h) * s.max_groups, n, rule.top_pages,
+                [&](int p) { return !forced(p); }, histograms[warp], lane));
+          }
+        }
+        if (lane == 0) head_cut[h - first_head] = cut;
+      }
+    } else if constexpr (kBudget == Budget::kTopP) {
+      __shared__ double masses[kWarps][256];
+      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
+           h += warps) {
+        unsigned key = 0xFFFFFFFFu;
+        int tie = -1;
+        if (head_scored(h)) {
+          WarpTopPCut(a.scores + (head_base + h) * s.max_groups, n, rule, histograms[warp],
+                      masses[warp], lane, &key, &tie);
+        }
+        if (lane == 0) {
+          head_key[h - first_head] = key;
+          head_tie[h - first_head] = tie;
+        }
+      }
+    } else {
+      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
+           h += warps) {
+        float cut = INFINITY;  // unscored heads admit nothing
+        if (head_scored(h)) {
+          const float* values = a.scores + (head_base + h) * s.max_groups;
+          if constexpr (kStrict) {
+            // core MarkStrict: L = the top_pages-th largest lower bound over all
+            // groups; every group whose upper bound reaches L is visited.
+            cut = -INFINITY;
+            if (n > rule.top_pages) {
+              cut = KeyToFloat(WarpKthLargest(
+                  values, n, rule.top_pages, [](int) { return true; }, histograms[warp], lane));
+            }
+          } else {
+            // core MarkByThreshold: T = the top_pages-th largest unforced score;
+            // visit every unforced group with score >= T/α (T·α when T ≤ 0).
+            unsigned local = 0;
+            for (int p = lane; p < n; p += 32) local += !forced(p);
+            const unsigned unforced = __reduce_add_sync(0xFFFFFFFFu, local);
+            cut = -INFINITY;
+            if (unforced > static_cast<unsigned>(rule.top_pages)) {
+              const float t = KeyToFloat(WarpKthLargest(
+                  values, n, rule.top_pages, [&](int p) { return !forced(p); }, histograms[warp],
+                  lane));
+              cut = t > 0.0f ? t / rule.alpha : t * rule.alpha;
+            }
+          }
+        }
+        if (lane == 0) head_cut[h - first_head] = cut;
+      }
+    }
+    __syncthreads();
+  }
+
+  // 2. Visit flags.
+  for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
+  __syncthreads();
+  if constexpr (kBudget == Budget::kFixed) {
+    // core MarkFixedBudget: rank the unforced groups per head (score descending,
+    // ties to the more recent group), keep each group's best rank over the
+    // list's heads, and take the top_pages best (ties to the more recent).
+    // Ranks by counting, for the groups at or above the head's cut only: O(n) per
+    // such group (about top_pages per head, more with ties at the cut).
+    float* stage = reinterpret_cast<float*>(offset + s.max_groups);
+    unsigned* best = offset;
+    __shared__ unsigned unforced_shared;
+    __shared__ bool any_head_shared;
+    if (threadIdx.x == 0) {
+      unforced_shared = 0;
+      any_head_shared = false;
+    }
+    for (int p = threadIdx.x; p < n; p += blockDim.x) best[p] = 0xFFFFFFFFu;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      if (!forced(p)) atomicAdd(&unforced_shared, 1u);
+    }
+    for (int h = first_head; h < first_head + heads_per_list && !rule.method_off; ++h) {
+      if (!head_scored(h)) continue;
+      if (threadIdx.x == 0) any_head_shared = true;
+      const float* sc = a.scores + (head_base + h) * s.max_groups;
+      for (int p = threadIdx.x; p < n; p += blockDim.x) stage[p] = sc[p];
+      __syncthreads();
+      const float cut = head_cut[h - first_head];
+      for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        if (forced(p) || !(stage[p] >= cut)) continue;
+        const float mine = stage[p];
+        unsigned rank = 0;
+        for (int q = 0; q < n; ++q) {
+          rank += !forced(q) && (stage[q] > mine || (stage[q] == mine && q > p));
+        }
+        if (rank < static_cast<unsigned>(rule.top_pages)) best[p] = min(best[p], rank);
+      }
+      __syncthreads();
+    }
+    __syncthreads();
+    if (any_head_shared) {
+      const unsigned unforced = unforced_shared;
+      for (int p = threadIdx.x; p < n; p += blockDim.x) {
+        if (forced(p)) continue;
+        bool take = unforced <= static_cast<unsigned>(rule.top_pages);
+        if (!take && best[p] != 0xFFFFFFFFu) {  // ranked: within some head's top top_pages
+          unsigned before = 0;
+          for (int q = 0; q < n; ++q) {
+            before +=
+                best[q] != 0xFFFFFFFFu && (best[q] < best[p] || (best[q] == best[p] && q > p));
+          }
+          take = before < static_cast<unsigned>(rule.top_pages);
+        }
+        if (take) visit[p] = 1;
+      }
+    }
+    __syncthreads();
+  } else {
+    for (int p = threadIdx.x; p < n && !rule.method_off; p += blockDim.x) {
+      if (visit[p]) continue;
+      bool v = false;
+      for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {
+        const float value = (kStrict ? a.uppers : a.scores)[(head_base + h) * s.max_groups + p];
+        if constexpr (kBudget == Budget::kTopP) {
+          const unsigned key = OrderedKey(value);
+          const int i = h - first_head;
+          v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
+        } else {
+          v = value >= head_cut[h - first_head];
+        }
+      }
+      if (v) visit[p] = 1;
+    }
+    __syncthreads();
+  }
+
+  // 3. Compaction. Per-group output offsets by a block-wide scan over contiguous
+  // chunks, then one thread per output element: it finds its group by binary
+  // search over the offsets, so block-table reads and visit-list writes are
+  // coalesced across the warp.
+  const int chunk = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
+  auto blocks_of = [&](int p) {
+    return static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) -
+                                 int64_t{p} * s.group_blocks);
+  };
+  unsigned mine = 0, groups = 0;
+  for (int p = begin; p < end; ++p) {
+    if (visit[p]) {
+      mine += blocks_of(p);
+      ++groups;
+    }
+  }
+  counts[threadIdx.x] = mine;
+  __syncthreads();
+  for (int stride = 1; stride < blockDim.x; stride *= 2) {  // inclusive scan
+    const unsigned add = threadIdx.x >= stride ? counts[threadIdx.x - stride] : 0;
+    __syncthreads();
+    counts[threadIdx.x] += add;
+    __syncthreads();
+  }
+  unsigned at = counts[threadIdx.x] - mine;
+  for (int p = begin; p < end; ++p) {
+    offset[p] = at;
+    if (visit[p]) at += blocks_of(p);
+  }
+  __syncthreads();
+  const unsigned total = counts[blockDim.x - 1];
+  const int64_t table_row = a.rows[row].table_row;
+  const int64_t out = list_index * s.max_blocks;
+  for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
+    int lo = 0, hi = n;  // first group whose offset exceeds o
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (offset[mid] <= o) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const int p = lo - 1;  // visited: an empty group's offset equals the next one's
+    a.visit_blocks[out + o] =
+        a.block_table[table_row * s.max_blocks + int64_t{p} * s.group_blocks + (o - offset[p])];
+  }
+  // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
+  DeviceStats* stats = &a.report->stats;
+  const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
+  if (lane == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
+  if (threadIdx.x == blockDim.x - 1) {
+    a.visit_count[list_index] = static_cast<int32_t>(total);
+    atomicAdd(&stats->blocks_visited, total);
+    const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
+    atomicAdd(&stats->visited_tokens,
+              static_cast<unsigned long long>(
+                  total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
+  }
+}
+
+}  // namespace eps::gpu::kernels

@@ -1,0 +1,159 @@
+// One step's launch of the pre-pass (gpu/step.h): the two kernels with all
+// their parameters, launched one by one or replayed as a captured CUDA graph.
+// Included by gpu/step.cu only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "gpu/cuda_check.h"
+#include "gpu/score_kernel.cuh"
+#include "gpu/select_kernel.cuh"
+
+namespace eps::gpu {
+
+// The two kernels of one step with every parameter, launched one by one or
+// captured as a graph. Built zeroed (padding included), so its bytes are a key.
+struct StepLaunch {
+  kernels::Shape shape;
+  kernels::SelectRule rule;
+  kernels::ScoreArgs score;
+  kernels::SelectArgs select;
+  const void* score_kernel;
+  dim3 score_grid;
+  size_t score_shared;
+  const void* select_kernel;
+  dim3 select_grid, select_block;
+  size_t select_shared;
+
+  absl::Status Launch(cudaStream_t stream) {
+    void* score_params[] = {&shape, &score};
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(score_kernel, score_grid, dim3(kernels::kScoreThreads),
+                                          score_params, score_shared, stream));
+    void* select_params[] = {&shape, &rule, &select};
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
+                                          select_shared, stream));
+    return absl::OkStatus();
+  }
+
+  cudaKernelNodeParams SelectNode(void** params) {
+    params[0] = &shape;
+    params[1] = &rule;
+    params[2] = &select;
+    cudaKernelNodeParams node{};
+    node.func = const_cast<void*>(select_kernel);
+    node.gridDim = select_grid;
+    node.blockDim = select_block;
+    node.sharedMemBytes = static_cast<unsigned>(select_shared);
+    node.kernelParams = params;
+    return node;
+  }
+
+  // Every parameter's bytes but the step number, which a replay sets.
+  std::string Key() const {
+    std::string key(reinterpret_cast<const char*>(this), sizeof(StepLaunch));
+    const size_t step = offsetof(StepLaunch, select) + offsetof(kernels::SelectArgs, step);
+    std::fill_n(key.begin() + step, sizeof(uint64_t), '\0');
+    return key;
+  }
+};
+
+// The graphs of recent steps, most recent first: a step whose launch equals a
+// cached one's apart from the step number replays it, with the selection
+// node given this step's number; any other step is captured anew (up to
+// kCapacity are kept). Thread safety: one caller at a time, as GpuSelector.
+class CapturedSteps {
+ public:
+  CapturedSteps() = default;
+  CapturedSteps(const CapturedSteps&) = delete;
+  CapturedSteps& operator=(const CapturedSteps&) = delete;
+  ~CapturedSteps() {
+    for (Captured& c : steps_) Destroy(c);
+  }
+
+  absl::Status Replay(cudaStream_t stream, StepLaunch& launch) {
+    const std::string key = launch.Key();
+    auto it =
+        std::find_if(steps_.begin(), steps_.end(), [&](const Captured& c) { return c.key == key; });
+    if (it == steps_.end()) {
+      Captured c;
+      c.key = key;
+      CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const absl::Status launched = launch.Launch(stream);
+      const cudaError_t ended = cudaStreamEndCapture(stream, &c.graph);
+      RETURN_IF_ERROR(launched);
+      CUDA_RETURN_IF_ERROR(ended);
+      if (absl::Status found = FindSelectNode(c.graph, launch.select_kernel, &c.select);
+          !found.ok()) {
+        Destroy(c);
+        return found;
+      }
+      if (const cudaError_t made = cudaGraphInstantiate(&c.exec, c.graph, 0); made != cudaSuccess) {
+        Destroy(c);
+        return absl::InternalError(
+            absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(made)));
+      }
+      if (steps_.size() == kCapacity) {
+        Destroy(steps_.back());
+        steps_.pop_back();
+      }
+      steps_.insert(steps_.begin(), std::move(c));
+    } else if (it != steps_.begin()) {
+      std::rotate(steps_.begin(), it, it + 1);  // most recent first
+    }
+    Captured& c = steps_.front();
+    void* params[3];
+    const cudaKernelNodeParams node = launch.SelectNode(params);
+    CUDA_RETURN_IF_ERROR(cudaGraphExecKernelNodeSetParams(c.exec, c.select, &node));
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(c.exec, stream));
+    return absl::OkStatus();
+  }
+
+ private:
+  static constexpr size_t kCapacity = 8;
+  struct Captured {
+    std::string key;  // the launch's bytes, step number zeroed
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaGraphNode_t select = nullptr;  // its parameters carry the step number
+  };
+
+  static void Destroy(Captured& c) {
+    if (c.exec != nullptr) cudaGraphExecDestroy(c.exec);
+    if (c.graph != nullptr) cudaGraphDestroy(c.graph);
+    c.exec = nullptr;
+    c.graph = nullptr;
+  }
+
+  static absl::Status FindSelectNode(cudaGraph_t graph, const void* kernel,
+                                     cudaGraphNode_t* select) {
+    size_t count = 0;
+    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &count));
+    std::vector<cudaGraphNode_t> nodes(count);
+    CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nodes.data(), &count));
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type;
+      CUDA_RETURN_IF_ERROR(cudaGraphNodeGetType(node, &type));
+      if (type != cudaGraphNodeTypeKernel) continue;
+      cudaKernelNodeParams params{};
+      CUDA_RETURN_IF_ERROR(cudaGraphKernelNodeGetParams(node, &params));
+      if (params.func == kernel) {
+        *select = node;
+        return absl::OkStatus();
+      }
+    }
+    return absl::InternalError("the captured step has no selection kernel node");
+  }
+
+  std::vector<Captured> steps_;
+};
+
+}  // namespace eps::gpu

@@ -1,0 +1,61 @@
+// What both kernels of the GPU pre-pass share (gpu/step.h): the step's shape,
+// the row list, the report the host reads back, and the forced-group rule.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/half.h"
+#include "gpu/bounds.cuh"
+
+namespace eps::gpu::kernels {
+
+// The first error a kernel meets; the host turns it into a status.
+enum ErrorCode : int { kOk = 0, kBadSlot = 1, kBadBlock = 2, kBadScore = 3, kBadQuery = 4 };
+struct DeviceStatus {
+  int code;
+  int row, index, value;
+};
+// Step counters, summed with atomics.
+struct DeviceStats {
+  unsigned long long groups_visited, blocks_visited, visited_tokens;
+};
+// What one step reports back: copied to the host in one transfer. The selector
+// keeps two and alternates by step, so each step clears the other one for the
+// next step instead of a memset before its kernels.
+struct StepReport {
+  DeviceStatus status;
+  DeviceStats stats;
+};
+struct DeviceRow {
+  int64_t table_row;
+  int64_t context_tokens;
+};
+
+__device__ inline void Fail(DeviceStatus* status, int code, int row, int index, int value) {
+  if (atomicCAS(&status->code, kOk, code) == kOk) {
+    status->row = row;
+    status->index = index;
+    status->value = value;
+  }
+}
+
+struct Shape {
+  int layers, q_heads, kv_heads, d, m, record_words, block_size, group_blocks;
+  RecordOffsets record;
+  int64_t max_batch, max_seqs, max_groups, max_blocks, num_slots, num_physical_blocks;
+  DType query_dtype;
+  int lists;  // visit lists per (layer, row): 1 (union) or kv_heads (per KV head)
+};
+
+__device__ inline int GroupsOf(const Shape& s, int64_t tokens) {
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  return static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
+}
+
+__device__ inline bool IsForced(int p, int n, int first_n, int last_n) {
+  return p < first_n || p >= n - last_n || p == n - 1;
+}
+
+}  // namespace eps::gpu::kernels

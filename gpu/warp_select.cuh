@@ -1,0 +1,210 @@
+// Warp-wide order statistics for the selection kernel (gpu/select_kernel.cuh):
+// the k-th largest score by 8-bit radix passes, and the top-p cut by the same
+// passes over estimated attention mass.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gpu/step_shape.cuh"
+
+namespace eps::gpu::kernels {
+
+struct SelectRule {
+  bool method_off;  // visit everything
+  float alpha;
+  int first_n, last_n, top_pages;
+  float top_p;
+  float inv_sqrt_d;  // top-p: 1/sqrt(d), rounded on the host as core/ does
+};
+
+// Float -> unsigned key with the same order.
+__device__ inline unsigned OrderedKey(float f) {
+  const unsigned bits = __float_as_uint(f);
+  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+__device__ inline float KeyToFloat(unsigned key) {
+  return __uint_as_float((key & 0x80000000u) ? key & 0x7FFFFFFFu : ~key);
+}
+
+// Finds, walking 256 histogram bins from the top, the bin where the running sum
+// (started at `base`) reaches `target`: lane l holds bins [8l, 8l + 8), a warp
+// scan from lane 31 down finds the lane where the sum crosses, and that lane
+// walks its 8 bins. Empty bins (count 0) are passed over. Returns the bin and
+// the sum of the bins above it (plus base) to every lane, or bin -1 when the
+// total never reaches the target.
+template <typename T>
+__device__ void WarpWalkBins(const unsigned* counts, const T* values, T base, T target, int lane,
+                             int* bin, T* above) {
+  T own = 0;
+  for (int b = 8 * lane; b < 8 * lane + 8; ++b) own += counts[b] != 0 ? values[b] : T{0};
+  T inclusive = own;  // sum over lanes >= this one
+  for (int o = 1; o < 32; o *= 2) {
+    const T down = __shfl_down_sync(0xFFFFFFFFu, inclusive, o);
+    if (lane + o < 32) inclusive += down;
+  }
+  const unsigned crossed = __ballot_sync(0xFFFFFFFFu, base + inclusive >= target);
+  int chosen = -1;
+  T chosen_above = 0;
+  if (crossed != 0) {
+    const int crossing = 31 - __clz(crossed);  // the highest lane whose sum reaches the target
+    if (lane == crossing) {
+      T acc = base + (inclusive - own);
+      int last = -1;
+      T last_above = acc;
+      for (int b = 8 * lane + 7; b >= 8 * lane; --b) {
+        if (counts[b] == 0) continue;
+        if (acc + values[b] >= target) {
+          chosen = b;
+          chosen_above = acc;
+          break;
+        }
+        last = b;
+        last_above = acc;
+        acc += values[b];
+      }
+      if (chosen < 0) {  // rounding between the scan and the walk: the lane's lowest bin
+        chosen = last;
+        chosen_above = last_above;
+      }
+    }
+    chosen = __shfl_sync(0xFFFFFFFFu, chosen, crossing);
+    chosen_above = __shfl_sync(0xFFFFFFFFu, chosen_above, crossing);
+  }
+  *bin = chosen;
+  *above = chosen_above;
+}
+
+// The k-th largest key (1-based) among the groups p < n that `take(p)` admits,
+// by four 8-bit radix passes of a warp-wide histogram. Needs at least k such groups.
+template <typename Take>
+__device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take take,
+                                   unsigned* histogram, int lane) {
+  unsigned prefix = 0, prefix_mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = lane; b < 256; b += 32) histogram[b] = 0;
+    __syncwarp();
+    for (int p = lane; p < n; p += 32) {
+      const unsigned key = OrderedKey(values[p]);
+      if (take(p) && (key & prefix_mask) == prefix)
+        atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
+    }
+    __syncwarp();
+    int chosen;
+    unsigned before;
+    WarpWalkBins<unsigned>(histogram, histogram, 0u, k, lane, &chosen, &before);
+    prefix |= static_cast<unsigned>(max(chosen, 0)) << shift;
+    prefix_mask |= 0xFFu << shift;
+    k -= before;
+    __syncwarp();
+  }
+  return prefix;
+}
+
+// core MarkTopP for one head: the estimated mass w_p = exp((s_p - s_max)/sqrt(d))
+// of the unforced groups, taken by decreasing score (ties by increasing group)
+// until their share reaches top_p. Returns the cut as (key, tie): group p is
+// taken when key_p > key, or key_p == key and p <= tie. Masses are summed in
+// double, in another order than core/'s, so a group at the cut may differ.
+__device__ void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
+                            double* masses, int lane, unsigned* cut_key, int* cut_tie) {
+  float top = -INFINITY;
+  bool any = false;
+  for (int p = lane; p < n; p += 32) {
+    if (!IsForced(p, n, rule.first_n, rule.last_n)) {
+      top = fmaxf(top, sc[p]);
+      any = true;
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xFFFFFFFFu, top, o));
+  if (!__any_sync(0xFFFFFFFFu, any)) {  // no unforced group: nothing to take
+    *cut_key = 0xFFFFFFFFu;
+    *cut_tie = -1;
+    return;
+  }
+  auto mass = [&](int p) {
+    return exp(static_cast<double>(sc[p] - top) * static_cast<double>(rule.inv_sqrt_d));
+  };
+  double total = 0.0;
+  for (int p = lane; p < n; p += 32) {
+    if (!IsForced(p, n, rule.first_n, rule.last_n)) total += mass(p);
+  }
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+  const double target = static_cast<double>(rule.top_p) * total;
+  // Radix walk over keys from the top: the bin where the mass above plus the
+  // bin's reaches the target; with rounding short of it, the lowest bin.
+  unsigned prefix = 0, prefix_mask = 0;
+  double above = 0.0;  // mass of the unforced groups with a key above the prefix range
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = lane; b < 256; b += 32) {
+      counts[b] = 0;
+      masses[b] = 0.0;
+    }
+    __syncwarp();
+    for (int p = lane; p < n; p += 32) {
+      const unsigned key = OrderedKey(sc[p]);
+      if (!IsForced(p, n, rule.first_n, rule.last_n) && (key & prefix_mask) == prefix) {
+        const unsigned b = (key >> shift) & 0xFFu;
+        atomicAdd(&counts[b], 1u);
+        atomicAdd(&masses[b], mass(p));
+      }
+    }
+    __syncwarp();
+    int chosen;
+    double chosen_above;
+    WarpWalkBins<double>(counts, masses, above, target, lane, &chosen, &chosen_above);
+    if (chosen < 0) {  // rounding kept the sum short of the target: the lowest bin
+      const unsigned nonempty = __ballot_sync(
+          0xFFFFFFFFu, counts[8 * lane] | counts[8 * lane + 1] | counts[8 * lane + 2] |
+                           counts[8 * lane + 3] | counts[8 * lane + 4] | counts[8 * lane + 5] |
+                           counts[8 * lane + 6] | counts[8 * lane + 7]);
+      const int low_lane = __ffs(nonempty) - 1;
+      double own = 0.0;
+      int low_bin = 8 * lane + 7;
+      for (int b = 8 * lane + 7; b >= 8 * lane; --b) {
+        if (counts[b] == 0) continue;
+        low_bin = b;
+        own += masses[b];
+      }
+      own -= counts[low_bin] != 0 ? masses[low_bin] : 0.0;  // the bins above the lowest one
+      double higher = 0.0;                                  // lanes above low_lane
+      for (int b = 8 * low_lane + 8; b < 256; ++b) higher += counts[b] != 0 ? masses[b] : 0.0;
+      chosen = __shfl_sync(0xFFFFFFFFu, low_bin, low_lane);
+      chosen_above = above + higher + __shfl_sync(0xFFFFFFFFu, own, low_lane);
+    }
+    above = chosen_above;
+    prefix |= static_cast<unsigned>(chosen) << shift;
+    prefix_mask |= 0xFFu << shift;
+    __syncwarp();
+  }
+  // Among the groups at the cut key, in group order: the one where the mass
+  // reaches the target (all of them when rounding never gets there).
+  int tie = n;
+  for (int base = 0; base < n; base += 32) {
+    const int p = base + lane;
+    double w = 0.0;
+    if (p < n && !IsForced(p, n, rule.first_n, rule.last_n) && OrderedKey(sc[p]) == prefix) {
+      w = mass(p);
+    }
+    double inclusive = w;
+    for (int o = 1; o < 32; o *= 2) {
+      const double up = __shfl_up_sync(0xFFFFFFFFu, inclusive, o);
+      if (lane >= o) inclusive += up;
+    }
+    const unsigned reached = __ballot_sync(0xFFFFFFFFu, w > 0.0 && above + inclusive >= target);
+    if (reached != 0) {
+      tie = base + __ffs(reached) - 1;
+      break;
+    }
+    above += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+  }
+  *cut_key = prefix;
+  *cut_tie = tie;
+}
+
+// kWarps warps per block: 32 for lists of many heads (a union), so each warp
+// finds one head's cut, 8 otherwise (and for top-p, whose double histograms
+// would not fit 32 warps' static shared memory).
+
+}  // namespace eps::gpu::kernels

@@ -1,0 +1,88 @@
+// Runs the GPU pre-pass on the contents of a testing::StepBuffers: copies the
+// pool, tables and queries to the device, selects, and brings the lists back.
+// For tests that compare the device with core/ on the same inputs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/testing/synthetic.h"
+#include "gpu/cuda_check.h"
+#include "gpu/step.h"
+#include "gtest/gtest.h"
+
+namespace eps::testing {
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device"
+
+struct DeviceStep {
+  absl::Status status;
+  std::vector<int32_t> visit_blocks;  // [layers, max_batch, lists, max_blocks]
+  std::vector<int32_t> visit_count;   // [layers, max_batch, lists]
+  StepStats stats;
+  float prepass_us = 0;
+
+  // The visit list of (layer, batch position, list), as core's VisitBlocks.
+  std::vector<int32_t> List(int64_t max_batch, int lists, int64_t max_blocks, int layer,
+                            int64_t pos, int list) const {
+    const int64_t index = (int64_t{layer} * max_batch + pos) * lists + list;
+    const auto begin = visit_blocks.begin() + index * max_blocks;
+    return {begin, begin + std::max(0, visit_count[index])};
+  }
+};
+
+template <typename T>
+absl::Status CopyToDevice(gpu::DeviceBuffer<T>& device, const T* host, int64_t count) {
+  RETURN_IF_CUDA_ALLOC(device, count);
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(device.get(), host, count * sizeof(T), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+// `max_batch` must be the one `buffers` was built with; the queries are fp32.
+inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffers,
+                                 int64_t max_batch, std::span<const StepRow> rows,
+                                 const SelectPolicy& policy) {
+  const ModelLayout& m = buffers.model();
+  const int lists = policy.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
+  StepInputs in = buffers.Inputs(rows);
+  DeviceStep result;
+  gpu::DeviceBuffer<float> pool, queries;
+  gpu::DeviceBuffer<int32_t> groups, blocks, visit, count;
+  StepBuffers& b = buffers;  // read only
+  const int64_t query_count = int64_t{m.num_layers} * max_batch * m.num_q_heads * m.head_dim;
+  const int64_t list_count = int64_t{m.num_layers} * max_batch * lists;
+  std::vector<int32_t> minus_one(list_count * buffers.max_blocks(), -1);
+  for (absl::Status s :
+       {CopyToDevice(pool, b.pool().data(), static_cast<int64_t>(b.pool().size())),
+        CopyToDevice(groups, b.group_table().data(), static_cast<int64_t>(b.group_table().size())),
+        CopyToDevice(blocks, b.block_table().data(), static_cast<int64_t>(b.block_table().size())),
+        CopyToDevice(queries, static_cast<const float*>(in.queries), query_count),
+        CopyToDevice(visit, minus_one.data(), list_count * buffers.max_blocks()),
+        CopyToDevice(count, minus_one.data(), list_count)}) {
+    if (!s.ok()) {
+      result.status = s;
+      return result;
+    }
+  }
+  in.summary_pool = pool.get();
+  in.group_table = groups.get();
+  in.block_table = blocks.get();
+  in.queries = queries.get();
+  result.status =
+      selector.Select(in, policy, {visit.get(), count.get()}, &result.stats, &result.prepass_us);
+  result.visit_blocks.resize(list_count * buffers.max_blocks());
+  result.visit_count.resize(list_count);
+  EXPECT_EQ(cudaMemcpy(result.visit_blocks.data(), visit.get(),
+                       result.visit_blocks.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(result.visit_count.data(), count.get(),
+                       result.visit_count.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  return result;
+}
+
+}  // namespace eps::testing
