@@ -54,6 +54,7 @@ inline v1::AttachRequest SmallInlineAttach(const std::string& engine_id) {
   l->set_sketch_dim(kSketch);
   l->set_phi_seed(7);
   a.set_max_batch(kBatch);
+  a.mutable_options()->set_method(v1::METHOD_JL);  // minimal records: no quest part
   a.set_num_kv_blocks(kSeqs * kBlocks);
   v1::SharedBuffers* b = a.mutable_buffers();
   *b->mutable_summary_pool() =

@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   l->set_group_blocks(1);
   l->set_sketch_dim(1);
   attach.set_max_batch(1);
+  attach.mutable_options()->set_method(v1::METHOD_JL);  // minimal records: no quest part
   auto inline_desc = [](v1::MemoryDescriptor* d, v1::DType dtype, std::vector<int64_t> shape) {
     d->set_dtype(dtype);
     for (int64_t s : shape) d->add_shape(s);

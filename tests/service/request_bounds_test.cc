@@ -52,6 +52,7 @@ v1::AttachRequest LargeModelAttach(const std::string& engine, int layers, int kv
   l->set_group_blocks(1);
   l->set_sketch_dim(m);
   a.set_max_batch(1);
+  a.mutable_options()->set_method(v1::METHOD_JL);  // minimal records: no quest part
   v1::SharedBuffers* b = a.mutable_buffers();
   *b->mutable_summary_pool() = Inline(v1::DTYPE_FLOAT32, {1, layers, kv_heads, record_words});
   *b->mutable_group_table() = Inline(v1::DTYPE_INT32, {1, 1});
