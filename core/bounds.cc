@@ -35,8 +35,7 @@ bool ParseMethod(std::string_view name, Method* method) {
   return false;
 }
 
-void QueryTerms::Prepare(const PhiBank& phi, int layer, int kv_head,
-                         std::span<const float> query) {
+void QueryTerms::Prepare(const PhiBank& phi, int layer, int kv_head, std::span<const float> query) {
   const int d = phi.head_dim();
   const int m = phi.sketch_dim();
   q.assign(query.begin(), query.begin() + d);
@@ -66,8 +65,7 @@ float FroBound(std::span<const float> record, const SummaryLayout& layout, const
   return q.norm * std::sqrt(std::max(record[layout.fro2], 0.0f));
 }
 
-float OnePcBound(std::span<const float> record, const SummaryLayout& layout,
-                 const QueryTerms& q) {
+float OnePcBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q) {
   if (layout.principal < 0) return FroBound(record, layout, q);
   const float lambda = record[layout.principal];
   const float r2 = record[layout.principal + 1];
@@ -86,14 +84,14 @@ float OnePcBound(std::span<const float> record, const SummaryLayout& layout,
   // r² = fro2 − λ1 cancels for nearly rank-1 groups: pad it by the rounding
   // error of the two sums, ~(n + d)·u·fro2, so the bound stays a bound.
   const float fro2 = std::max(record[layout.fro2], 0.0f);
-  const float pad = std::ldexp(record[layout.count] + static_cast<float>(layout.head_dim), -22) * fro2;
-  const float bound = std::sqrt(std::max(lambda, 0.0f)) * along +
-                      std::sqrt(std::max(r2, 0.0f) + pad) * perp;
+  const float pad =
+      std::ldexp(record[layout.count] + static_cast<float>(layout.head_dim), -22) * fro2;
+  const float bound =
+      std::sqrt(std::max(lambda, 0.0f)) * along + std::sqrt(std::max(r2, 0.0f) + pad) * perp;
   return std::min(bound, FroBound(record, layout, q));
 }
 
-float QuestBound(std::span<const float> record, const SummaryLayout& layout,
-                 const QueryTerms& q) {
+float QuestBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q) {
   if (layout.quest_min < 0) return FroBound(record, layout, q);
   if (record[layout.count] <= 0.0f) return -std::numeric_limits<float>::infinity();  // no keys
   float sum = 0.0f;

@@ -27,10 +27,10 @@ bool ParseMethod(std::string_view name, Method* method);
 // Per-query values that every group's score reuses: computed once per
 // (query head, step), then applied to all groups of the query's KV head.
 struct QueryTerms {
-  std::vector<float> q;       // d, widened to float
-  float norm = 0.0f;          // ‖q‖
-  std::vector<float> z;       // m, Φᵀq
-  std::vector<float> zz;      // P: z_i z_j packed, off-diagonal doubled, so zᵀGz = Σ G_p zz_p
+  std::vector<float> q;   // d, widened to float
+  float norm = 0.0f;      // ‖q‖
+  std::vector<float> z;   // m, Φᵀq
+  std::vector<float> zz;  // P: z_i z_j packed, off-diagonal doubled, so zᵀGz = Σ G_p zz_p
 
   void Prepare(const PhiBank& phi, int layer, int kv_head, std::span<const float> query);
 };

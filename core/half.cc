@@ -53,8 +53,8 @@ uint16_t FloatToHalf(float value) {
     return static_cast<uint16_t>(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0u));
   }
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // Overflow.
-  if (abs < 0x38800000u) {  // Subnormal half or zero.
-    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // Rounds to zero.
+  if (abs < 0x38800000u) {                                               // Subnormal half or zero.
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);           // Rounds to zero.
     const uint32_t exponent = abs >> 23;
     const uint32_t mantissa = (abs & 0x7FFFFFu) | 0x800000u;
     const uint32_t shift = 126 - exponent;  // 14..24

@@ -28,9 +28,8 @@ absl::Status ModelLayout::Validate() const {
     if (absl::Status s = CheckRange(field, value, lo, hi); !s.ok()) return s;
   }
   if (num_q_heads % num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("num_q_heads=", num_q_heads,
-                                                   " is not a multiple of num_kv_heads=",
-                                                   num_kv_heads));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_q_heads=", num_q_heads, " is not a multiple of num_kv_heads=", num_kv_heads));
   }
   if (head_dim % 4 != 0) {
     return absl::InvalidArgumentError(
@@ -40,11 +39,10 @@ absl::Status ModelLayout::Validate() const {
 }
 
 std::string ModelLayout::DebugString() const {
-  return absl::StrCat("layers=", num_layers, " q_heads=", num_q_heads, " kv_heads=",
-                      num_kv_heads, " d=", head_dim, " block_size=", block_size,
-                      " group_blocks=", group_blocks, " m=", sketch_dim, " seed=", phi_seed,
-                      " key_sum=", features.key_sum, " principal=", features.principal,
-                      " quest=", features.quest);
+  return absl::StrCat("layers=", num_layers, " q_heads=", num_q_heads, " kv_heads=", num_kv_heads,
+                      " d=", head_dim, " block_size=", block_size, " group_blocks=", group_blocks,
+                      " m=", sketch_dim, " seed=", phi_seed, " key_sum=", features.key_sum,
+                      " principal=", features.principal, " quest=", features.quest);
 }
 
 SummaryLayout SummaryLayout::For(const ModelLayout& model) {

@@ -58,15 +58,15 @@ struct ModelLayout {
 struct SummaryLayout {
   int sketch_dim = 0;
   int head_dim = 0;
-  int gram_words = 0;      // P = m(m+1)/2
-  int fro2 = 0;            // offsets of the scalar statistics
+  int gram_words = 0;  // P = m(m+1)/2
+  int fro2 = 0;        // offsets of the scalar statistics
   int max_norm = 0;
   int count = 0;
-  int key_sum = -1;        // -1 when the feature is off
-  int quest_min = -1;      // word offsets of the binary16 min and max halves
-  int quest_max = -1;      // (d/2 words each; QuestMin/QuestMax in core/summary.h read them)
-  int principal = -1;      // λ1 at +0, r² at +1, scale at +2, u1 bytes from +3
-  int record_words = 0;    // multiple of 4
+  int key_sum = -1;      // -1 when the feature is off
+  int quest_min = -1;    // word offsets of the binary16 min and max halves
+  int quest_max = -1;    // (d/2 words each; QuestMin/QuestMax in core/summary.h read them)
+  int principal = -1;    // λ1 at +0, r² at +1, scale at +2, u1 bytes from +3
+  int record_words = 0;  // multiple of 4
 
   static SummaryLayout For(const ModelLayout& model);
   int64_t record_bytes() const { return int64_t{record_words} * 4; }

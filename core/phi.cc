@@ -11,7 +11,8 @@ float PhiScale(int m) { return 1.0f / std::sqrt(static_cast<float>(m)); }
 absl::StatusOr<PhiBank> PhiBank::Create(uint64_t seed, int num_layers, int num_kv_heads,
                                         int head_dim, int sketch_dim) {
   if (num_layers <= 0 || num_layers > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("num_layers=", num_layers, " not in [1, 65535]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers=", num_layers, " not in [1, 65535]"));
   }
   if (num_kv_heads <= 0 || num_kv_heads > 65535) {
     return absl::InvalidArgumentError(
@@ -42,8 +43,7 @@ absl::StatusOr<PhiBank> PhiBank::Create(uint64_t seed, int num_layers, int num_k
   return bank;
 }
 
-void PhiBank::Project(int layer, int kv_head, std::span<const float> q,
-                      std::span<float> z) const {
+void PhiBank::Project(int layer, int kv_head, std::span<const float> q, std::span<float> z) const {
   const std::span<const float> phi = Matrix(layer, kv_head);
   const int m = sketch_dim_;
   for (int j = 0; j < m; ++j) z[j] = 0.0f;

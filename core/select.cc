@@ -76,8 +76,7 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (heads == HeadMode::kRetrieval) {
     const size_t want = static_cast<size_t>(model.num_layers) * model.num_q_heads;
     if (retrieval_heads.size() != want) {
-      return absl::InvalidArgumentError(absl::StrCat("retrieval_heads has ",
-                                                     retrieval_heads.size(),
+      return absl::InvalidArgumentError(absl::StrCat("retrieval_heads has ", retrieval_heads.size(),
                                                      " marks, want layers*q_heads=", want));
     }
   }
@@ -105,8 +104,8 @@ void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit) {
   visit[n - 1] = 1;
 }
 
-void MarkByThreshold(std::span<const float> scores, std::span<const uint8_t> forced,
-                     int top_pages, float alpha, std::span<uint8_t> visit) {
+void MarkByThreshold(std::span<const float> scores, std::span<const uint8_t> forced, int top_pages,
+                     float alpha, std::span<uint8_t> visit) {
   std::vector<float> candidates;
   candidates.reserve(scores.size());
   for (size_t p = 0; p < scores.size(); ++p) {

@@ -37,16 +37,16 @@ const char* GranularityName(Granularity granularity);
 struct SelectPolicy {
   // quest: the best bound on real keys (docs/policy.md, "The default method").
   Method method = Method::kQuest;
-  float alpha = 1.0f;    // ≥ 1; larger visits more
-  int first_n = 1;       // attention-sink groups always visited
-  int last_n = 2;        // most recent groups always visited, the newest among them
-  int top_pages = 16;    // M
-  bool strict = false;   // superset of the true top-M by max_i q·k_i, guaranteed
+  float alpha = 1.0f;   // ≥ 1; larger visits more
+  int first_n = 1;      // attention-sink groups always visited
+  int last_n = 2;       // most recent groups always visited, the newest among them
+  int top_pages = 16;   // M
+  bool strict = false;  // superset of the true top-M by max_i q·k_i, guaranteed
   HeadMode heads = HeadMode::kAll;
   // [num_layers * num_q_heads], 1 marks a retrieval head; used with kRetrieval.
   std::vector<uint8_t> retrieval_heads;
   Budget budget = Budget::kThreshold;
-  float top_p = 0.95f;   // with kTopP, in (0, 1]
+  float top_p = 0.95f;  // with kTopP, in (0, 1]
   // With kMass (defaults chosen by the evaluation, docs/eval/README.md):
   float mass_target = 0.95f;      // p, in (0, 1]
   float mass_temperature = 1.0f;  // τ, in (0, 1000]: logit estimate = score / (τ·sqrt(d))
@@ -69,14 +69,13 @@ void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit);
 // Threshold rule for one head: T = the top_pages-th largest score among the
 // unforced groups; marks every unforced group with score ≥ T/α (T·α when T ≤ 0).
 // With at most top_pages unforced groups, marks them all.
-void MarkByThreshold(std::span<const float> scores, std::span<const uint8_t> forced,
-                     int top_pages, float alpha, std::span<uint8_t> visit);
+void MarkByThreshold(std::span<const float> scores, std::span<const uint8_t> forced, int top_pages,
+                     float alpha, std::span<uint8_t> visit);
 
 // Strict rule for one head: L = the top_pages-th largest lower bound over all
 // groups; marks every group whose upper bound is ≥ L. Every group left out is
 // beaten by at least top_pages others, so the marks contain the true top-M.
-void MarkStrict(std::span<const MaxScoreBracket> brackets, int top_pages,
-                std::span<uint8_t> visit);
+void MarkStrict(std::span<const MaxScoreBracket> brackets, int top_pages, std::span<uint8_t> visit);
 
 // Top-p rule for one head: estimated mass w_p = exp((s_p − s_max)/sqrt(d)),
 // marks unforced groups by decreasing w until their share reaches top_p.

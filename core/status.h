@@ -12,10 +12,10 @@
 #define EPS_STATUS_CONCAT_(a, b) EPS_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define RETURN_IF_ERROR(expr)                          \
-  do {                                                 \
-    ::absl::Status eps_status_ = (expr);               \
-    if (!eps_status_.ok()) return eps_status_;         \
+#define RETURN_IF_ERROR(expr)                  \
+  do {                                         \
+    ::absl::Status eps_status_ = (expr);       \
+    if (!eps_status_.ok()) return eps_status_; \
   } while (false)
 
 // `ASSIGN_OR_RETURN(T x, MakeT());` declares x from an absl::StatusOr<T>, or
@@ -24,6 +24,6 @@
   EPS_ASSIGN_OR_RETURN_IMPL_(EPS_STATUS_CONCAT_(eps_statusor_, __LINE__), lhs, expr)
 
 #define EPS_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                              \
-  if (!statusor.ok()) return statusor.status();        \
+  auto statusor = (expr);                               \
+  if (!statusor.ok()) return statusor.status();         \
   lhs = std::move(statusor).value()

@@ -26,8 +26,8 @@ void StepStats::Add(const StepStats& o) {
 absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t i) {
   const StepRow& row = in.rows[i];
   if (row.table_row < 0 || row.table_row >= in.max_seqs) {
-    return absl::InvalidArgumentError(absl::StrCat("rows[", i, "].table_row=", row.table_row,
-                                                   " not in [0, ", in.max_seqs, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows[", i, "].table_row=", row.table_row, " not in [0, ", in.max_seqs, ")"));
   }
   const int64_t blocks = BlocksFor(row.context_tokens, model.block_size);
   const int64_t groups = GroupsFor(row.context_tokens, model);
@@ -43,9 +43,9 @@ absl::StatusOr<PageSelector> PageSelector::Create(const ModelLayout& model, cons
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   if (phi.seed() != model.phi_seed || phi.head_dim() != model.head_dim ||
       phi.sketch_dim() != model.sketch_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "PhiBank (seed=", phi.seed(), ", d=", phi.head_dim(), ", m=", phi.sketch_dim(),
-        ") does not match the model (", model.DebugString(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("PhiBank (seed=", phi.seed(), ", d=", phi.head_dim(), ", m=", phi.sketch_dim(),
+                     ") does not match the model (", model.DebugString(), ")"));
   }
   return PageSelector(model, phi);
 }
@@ -190,9 +190,9 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
             const float* stat = record.data() + layout_.fro2;
             if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||
                 !std::isfinite(stat[2])) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  "summary of slot ", slot, " (layer ", layer, ", kv_head ", kvh,
-                  ") gives a non-finite score: the summary holds NaN or Inf"));
+              return absl::InvalidArgumentError(
+                  absl::StrCat("summary of slot ", slot, " (layer ", layer, ", kv_head ", kvh,
+                               ") gives a non-finite score: the summary holds NaN or Inf"));
             }
           }
           switch (policy.budget) {
@@ -228,7 +228,8 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       }
       for (int list = 0; list < lists; ++list) {
         const int64_t scratch_index = (static_cast<int64_t>(layer) * batch + i) * lists + list;
-        const std::span<int32_t> blocks_out(scratch_blocks.data() + scratch_index * in.max_blocks, nb);
+        const std::span<int32_t> blocks_out(scratch_blocks.data() + scratch_index * in.max_blocks,
+                                            nb);
         const int32_t count =
             WriteVisitList(visit[list], block_row, nb, model_.group_blocks, blocks_out);
         scratch_count[scratch_index] = count;
@@ -240,9 +241,8 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         total.blocks_total += nb;
         total.blocks_visited += count;
         total.kv_bytes_dense += row.context_tokens * heads_read * kv_token_bytes;
-        total.kv_bytes_read_est +=
-            VisitedTokens(count, row.context_tokens, model_.block_size) * heads_read *
-            kv_token_bytes;
+        total.kv_bytes_read_est += VisitedTokens(count, row.context_tokens, model_.block_size) *
+                                   heads_read * kv_token_bytes;
       }
       total.summary_bytes_read += n * scored_kv_heads * layout_.record_bytes();
     }

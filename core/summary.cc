@@ -60,9 +60,8 @@ void SummaryWriter::Reset(std::span<float> record) const {
 absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv_head,
                                       const KeyRows& keys) const {
   if (static_cast<int64_t>(record.size()) < layout_.record_words) {
-    return absl::InvalidArgumentError(absl::StrCat("record has ", record.size(),
-                                                   " words, layout needs ",
-                                                   layout_.record_words));
+    return absl::InvalidArgumentError(
+        absl::StrCat("record has ", record.size(), " words, layout needs ", layout_.record_words));
   }
   if (layer < 0 || layer >= model_.num_layers || kv_head < 0 || kv_head >= model_.num_kv_heads) {
     return absl::InvalidArgumentError(
@@ -145,9 +144,8 @@ absl::Status SummaryWriter::Seal(std::span<float> record, int layer, int kv_head
   if (layout_.principal < 0) return absl::OkStatus();
   if (absl::Status s = CheckKeys(record, layer, kv_head, keys); !s.ok()) return s;
   if (static_cast<float>(keys.count) != record[layout_.count]) {
-    return absl::InvalidArgumentError(absl::StrCat("Seal got ", keys.count,
-                                                   " keys but the record summarises ",
-                                                   record[layout_.count]));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Seal got ", keys.count, " keys but the record summarises ", record[layout_.count]));
   }
   const int d = model_.head_dim;
   std::vector<float> all(static_cast<size_t>(keys.count) * d);

@@ -41,9 +41,9 @@ class SummaryWriter {
 
   // Fits the top-1 principal pair of the group's keys (all of them, as appended:
   // their count must equal the record's) and stores it; a no-op without
-  // features.principal. A later Append clears the pair (1pc falls back to fro). The stored direction is
-  // the int8-dequantised one and λ1 is measured along it, so the 1pc bound stays
-  // an upper bound despite quantisation (docs/summaries.md).
+  // features.principal. A later Append clears the pair (1pc falls back to fro). The stored
+  // direction is the int8-dequantised one and λ1 is measured along it, so the 1pc bound stays an
+  // upper bound despite quantisation (docs/summaries.md).
   absl::Status Seal(std::span<float> record, int layer, int kv_head, const KeyRows& keys) const;
 
  private:

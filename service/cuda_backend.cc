@@ -15,7 +15,8 @@ namespace {
 class DeviceMemory final : public MappedMemory {
  public:
   explicit DeviceMemory(std::unique_ptr<gpu::IpcMapping> mapping)
-      : mapping_(std::move(mapping)), name_(absl::StrCat("<cuda ipc, device ", mapping_->device(), ">")) {}
+      : mapping_(std::move(mapping)),
+        name_(absl::StrCat("<cuda ipc, device ", mapping_->device(), ">")) {}
   std::byte* data() const override { return mapping_->data(); }
   uint64_t size() const override { return mapping_->size(); }
   const std::string& name() const override { return name_; }
@@ -70,7 +71,8 @@ class CudaBackend final : public StepBackend {
       if (async) fence.inputs_ready = flags;
     } else if (async) {
       return absl::FailedPreconditionError(
-          "reply_mode=REPLY_MODE_ASYNC needs a flags buffer (inputs_ready, selection_done) in Attach");
+          "reply_mode=REPLY_MODE_ASYNC needs a flags buffer (inputs_ready, selection_done) in "
+          "Attach");
     }
     {
       telemetry::NvtxRange range("eps.enqueue");  // host checks, the inputs_ready wait, launches
@@ -120,7 +122,8 @@ absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
   absl::StatusOr<std::unique_ptr<gpu::GpuSelector>> selector =
       gpu::GpuSelector::Create(model, device, max_batch, max_groups);
   if (!selector.ok()) return selector.status();
-  return std::unique_ptr<StepBackend>(new CudaBackend(std::move(*selector), device, inputs_timeout));
+  return std::unique_ptr<StepBackend>(
+      new CudaBackend(std::move(*selector), device, inputs_timeout));
 }
 
 }  // namespace eps::service

@@ -89,7 +89,8 @@ SyntheticHead MakeSyntheticHead(const SyntheticConfig& c) {
     }
   };
   for (int64_t t = 0; t < std::min<int64_t>(c.num_sinks, c.tokens); ++t) plant(t, c.sink_logit);
-  std::uniform_int_distribution<int64_t> position(c.num_sinks, std::max<int64_t>(c.num_sinks, c.tokens - 1));
+  std::uniform_int_distribution<int64_t> position(c.num_sinks,
+                                                  std::max<int64_t>(c.num_sinks, c.tokens - 1));
   for (int n = 0; n < c.num_needles && c.tokens > c.num_sinks; ++n) {
     const int64_t t = position(rng);
     head.needles.push_back(t);
@@ -157,9 +158,8 @@ StepBuffers::StepBuffers(const ModelLayout& model, int64_t max_seqs, int64_t max
                0.0f);
   group_table_.assign(max_seqs_ * max_groups_, 0);
   block_table_.assign(max_seqs_ * max_blocks_, 0);
-  queries_.assign(static_cast<size_t>(model.num_layers) * max_batch * model.num_q_heads *
-                      model.head_dim,
-                  0.0f);
+  queries_.assign(
+      static_cast<size_t>(model.num_layers) * max_batch * model.num_q_heads * model.head_dim, 0.0f);
   visit_blocks_.assign(model.num_layers * max_batch * lists_ * max_blocks_, -1);
   visit_count_.assign(model.num_layers * max_batch * lists_, -1);
 }
@@ -233,8 +233,7 @@ StepOutputs StepBuffers::Outputs() { return {visit_blocks_.data(), visit_count_.
 
 std::span<const int32_t> StepBuffers::VisitBlocks(int layer, int64_t batch_pos, int list) const {
   const int64_t index = (layer * max_batch_ + batch_pos) * lists_ + list;
-  return {visit_blocks_.data() + index * max_blocks_,
-          static_cast<size_t>(visit_count_[index])};
+  return {visit_blocks_.data() + index * max_blocks_, static_cast<size_t>(visit_count_[index])};
 }
 
 int32_t StepBuffers::VisitCount(int layer, int64_t batch_pos, int list) const {

@@ -32,15 +32,15 @@ struct SyntheticConfig {
   int num_sinks = 4;            // leading tokens every query attends to
   float sink_logit = 8.0f;
   float outlier_fraction = 0.03f;  // channels with 4x scale
-  float drift = 0.5f;           // amplitude of the slow mean drift
-  float query_spread = 0.5f;    // how far GQA heads of one KV head differ
+  float drift = 0.5f;              // amplitude of the slow mean drift
+  float query_spread = 0.5f;       // how far GQA heads of one KV head differ
   float rope_base = 10000.0f;
   uint64_t seed = 1;
 };
 
 struct SyntheticHead {
-  std::vector<float> keys;     // [tokens, d], RoPE applied
-  std::vector<float> queries;  // [num_queries, d], RoPE applied at position `tokens`
+  std::vector<float> keys;       // [tokens, d], RoPE applied
+  std::vector<float> queries;    // [num_queries, d], RoPE applied at position `tokens`
   std::vector<int64_t> needles;  // positions of the needles
   std::vector<std::pair<int64_t, int64_t>> spans;  // [begin, end) of the relevant spans
 };

@@ -79,11 +79,12 @@ TEST_P(JlPreservationTest, NormalisedErrorMatchesJlTheory) {
   const double median = testing::Percentile(errors, 0.5);
   const double p95 = testing::Percentile(errors, 0.95);
   const double theory = 2.0 / m;
-  std::printf("m=%d %s: mean r^2=%.4f (theory <= %.4f), median r=%.4f (<= %.4f), "
-              "p95 r=%.4f (<= %.4f); relative to sqrt(qCq): median %.3f p95 %.3f\n",
-              m, realistic ? "rope-keys" : "gaussian", mean_r2, theory, median,
-              std::sqrt(2 * theory), p95, std::sqrt(20 * theory),
-              testing::Percentile(relative, 0.5), testing::Percentile(relative, 0.95));
+  std::printf(
+      "m=%d %s: mean r^2=%.4f (theory <= %.4f), median r=%.4f (<= %.4f), "
+      "p95 r=%.4f (<= %.4f); relative to sqrt(qCq): median %.3f p95 %.3f\n",
+      m, realistic ? "rope-keys" : "gaussian", mean_r2, theory, median, std::sqrt(2 * theory), p95,
+      std::sqrt(20 * theory), testing::Percentile(relative, 0.5),
+      testing::Percentile(relative, 0.95));
   // 1200 trials: the sample mean of r² is within ~15% of its expectation.
   EXPECT_LE(mean_r2, 1.15 * theory);
   EXPECT_LE(median, std::sqrt(2 * theory));
@@ -91,9 +92,8 @@ TEST_P(JlPreservationTest, NormalisedErrorMatchesJlTheory) {
 }
 
 INSTANTIATE_TEST_SUITE_P(SketchDims, JlPreservationTest,
-                         ::testing::Values(JlCase{4, false}, JlCase{8, false},
-                                           JlCase{16, false}, JlCase{4, true},
-                                           JlCase{8, true}, JlCase{16, true}),
+                         ::testing::Values(JlCase{4, false}, JlCase{8, false}, JlCase{16, false},
+                                           JlCase{4, true}, JlCase{8, true}, JlCase{16, true}),
                          [](const auto& test_param) {
                            return "m" + std::to_string(test_param.param.m) +
                                   (test_param.param.realistic ? "_rope_keys" : "_gaussian_keys");
@@ -121,9 +121,9 @@ TEST(JlPreservationTrendTest, ErrorShrinksAsSketchGrows) {
       ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, d}).ok());
       QueryTerms terms;
       terms.Prepare(*phi, 0, 0, q);
-      const double r = (JlScore(record, writer.layout(), terms) -
-                        std::sqrt(testing::QuadForm(keys, q, d))) /
-                       (terms.norm * std::sqrt(record[writer.layout().fro2]));
+      const double r =
+          (JlScore(record, writer.layout(), terms) - std::sqrt(testing::QuadForm(keys, q, d))) /
+          (terms.norm * std::sqrt(record[writer.layout().fro2]));
       sum += r * r;
     }
     mean_r2.push_back(sum / trials);

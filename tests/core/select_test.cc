@@ -57,8 +57,10 @@ TEST(SelectTest, ThresholdWithAlphaOneVisitsExactlyTopPagesOfDistinctScores) {
   float lowest_visited = 1e30f, highest_skipped = -1e30f;
   for (int p = 0; p < n; ++p) {
     if (forced[p]) continue;
-    if (visit[p]) lowest_visited = std::min(lowest_visited, scores[p]);
-    else highest_skipped = std::max(highest_skipped, scores[p]);
+    if (visit[p])
+      lowest_visited = std::min(lowest_visited, scores[p]);
+    else
+      highest_skipped = std::max(highest_skipped, scores[p]);
   }
   EXPECT_GT(lowest_visited, highest_skipped);
 }
@@ -112,8 +114,7 @@ TEST(SelectTest, StrictVisitsEverythingWhenNoMoreGroupsThanTopPages) {
 
 TEST(SelectTest, StrictSkipsOnlyGroupsBeatenByTopPagesLowerBounds) {
   // Lower bounds of the top 2: 9 and 7, so L = 7; groups with upper < 7 go.
-  const std::vector<MaxScoreBracket> brackets = {
-      {9, 10}, {1, 6.9f}, {7, 8}, {-1, 7}, {0, 3}};
+  const std::vector<MaxScoreBracket> brackets = {{9, 10}, {1, 6.9f}, {7, 8}, {-1, 7}, {0, 3}};
   std::vector<uint8_t> visit(5, 0);
   MarkStrict(brackets, 2, visit);
   EXPECT_EQ(visit, (std::vector<uint8_t>{1, 0, 1, 1, 0}));

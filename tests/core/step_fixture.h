@@ -26,8 +26,8 @@ enum class GroupShapes { kSynthetic, kMixedRank };
 // Writes a sequence of `tokens` tokens at table row `row` (summaries of every
 // group, sealed when full) and its queries at batch position `pos`.
 inline SequenceKeys WriteSequence(StepBuffers& buffers, const SummaryWriter& writer, int32_t row,
-                                  int64_t pos, int64_t tokens, int num_needles,
-                                  GroupShapes shapes, std::mt19937_64& rng) {
+                                  int64_t pos, int64_t tokens, int num_needles, GroupShapes shapes,
+                                  std::mt19937_64& rng) {
   const ModelLayout& m = buffers.model();
   const int d = m.head_dim;
   buffers.AssignRow(row, tokens, rng());

@@ -42,9 +42,8 @@ class StepTest : public ::testing::Test {
     seed_ = testing::TestSeed();
     rng_.seed(seed_);
     model_ = model;
-    phi_ = std::make_unique<PhiBank>(*PhiBank::Create(model.phi_seed, model.num_layers,
-                                                      model.num_kv_heads, model.head_dim,
-                                                      model.sketch_dim));
+    phi_ = std::make_unique<PhiBank>(*PhiBank::Create(
+        model.phi_seed, model.num_layers, model.num_kv_heads, model.head_dim, model.sketch_dim));
     selector_ = std::make_unique<PageSelector>(*PageSelector::Create(model, *phi_));
     writer_ = std::make_unique<SummaryWriter>(model, *phi_);
     buffers_ = std::make_unique<StepBuffers>(model, 2, tokens, 2, granularity);
@@ -56,7 +55,8 @@ class StepTest : public ::testing::Test {
         const std::vector<float> q = testing::GaussianVector(rng_, d);
         for (int r = 0; r < model.gqa_ratio(); ++r) {
           auto out = buffers_->Query(layer, 0, kvh * model.gqa_ratio() + r);
-          for (int i = 0; i < d; ++i) out[i] = q[i] + 0.1f * (static_cast<float>(rng_() % 100) / 100);
+          for (int i = 0; i < d; ++i)
+            out[i] = q[i] + 0.1f * (static_cast<float>(rng_() % 100) / 100);
         }
         std::vector<float> keys = testing::GaussianVector(rng_, tokens * d, 0.3f);
         for (int64_t g : needle_groups) {
@@ -110,7 +110,8 @@ TEST_F(StepTest, VisitListIsInLogicalOrderWithTheLastBlockLast) {
     ASSERT_FALSE(visit.empty());
     int64_t previous = -1;
     for (int32_t block : visit) {
-      const int64_t logical = std::find(block_row.begin(), block_row.end(), block) - block_row.begin();
+      const int64_t logical =
+          std::find(block_row.begin(), block_row.end(), block) - block_row.begin();
       EXPECT_GT(logical, previous);
       previous = logical;
     }
@@ -231,8 +232,8 @@ TEST_F(StepTest, PerKvHeadListsUniteToTheUnionList) {
   }
   policy.granularity = Granularity::kUnion;
   StepStats stats;
-  ASSERT_TRUE(selector_->Select(union_buffers.Inputs(rows_), policy, union_buffers.Outputs(),
-                                &stats).ok());
+  ASSERT_TRUE(
+      selector_->Select(union_buffers.Inputs(rows_), policy, union_buffers.Outputs(), &stats).ok());
   EXPECT_EQ(testing::VisitedGroups(union_buffers, 1, union_buffers.VisitBlocks(0, 0), 50), united);
 }
 
@@ -312,8 +313,7 @@ TEST_F(StepTest, StatsCountGroupsBlocksAndBytes) {
   EXPECT_EQ(stats.groups_total, 2 * 20);
   EXPECT_EQ(stats.blocks_total, 2 * 80);
   EXPECT_EQ(stats.kv_bytes_dense, 2 /*layers*/ * 1280 * 2 /*kv heads*/ * 2 * 64 * 2);
-  EXPECT_EQ(stats.summary_bytes_read,
-            2 * 20 * 2 * SummaryLayout::For(model_).record_bytes());
+  EXPECT_EQ(stats.summary_bytes_read, 2 * 20 * 2 * SummaryLayout::For(model_).record_bytes());
   int64_t blocks = buffers_->VisitCount(0, 0) + buffers_->VisitCount(1, 0);
   EXPECT_EQ(stats.blocks_visited, blocks);
 }
@@ -378,7 +378,8 @@ TEST_F(StepValidationTest, ContextLongerThanCapacityIsRejected) {
 }
 
 TEST_F(StepValidationTest, SlotOutOfRangeIsRejected) {
-  buffers_->group_table()[1 * buffers_->max_groups() + 4] = static_cast<int32_t>(buffers_->num_slots());
+  buffers_->group_table()[1 * buffers_->max_groups() + 4] =
+      static_cast<int32_t>(buffers_->num_slots());
   ExpectRejected(buffers_->Inputs(rows_), "group_table[1][4]=");
 }
 
@@ -394,8 +395,8 @@ TEST_F(StepValidationTest, BatchLargerThanMaxBatchIsRejected) {
 
 TEST(PageSelectorTest, CreateRejectsAPhiBankOfAnotherModel) {
   ModelLayout m = Model();
-  auto phi = PhiBank::Create(m.phi_seed + 1, m.num_layers, m.num_kv_heads, m.head_dim,
-                             m.sketch_dim);
+  auto phi =
+      PhiBank::Create(m.phi_seed + 1, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
   const auto selector = PageSelector::Create(m, *phi);
   EXPECT_EQ(selector.status().code(), absl::StatusCode::kInvalidArgument);
 }

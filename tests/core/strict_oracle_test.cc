@@ -32,14 +32,14 @@ OracleCase RandomCase(std::mt19937_64& rng) {
   m.num_kv_heads = 1 + static_cast<int>(rng() % 2);
   m.num_q_heads = m.num_kv_heads * (1 << (rng() % 3));  // GQA 1, 2, 4
   m.head_dim = 16 * (1 + static_cast<int>(rng() % 2));
-  m.block_size = 1 << (rng() % 3);                      // 1, 2, 4 tokens
-  m.group_blocks = 1 << (rng() % 4);                    // 1..8 blocks
+  m.block_size = 1 << (rng() % 3);    // 1, 2, 4 tokens
+  m.group_blocks = 1 << (rng() % 4);  // 1..8 blocks
   m.sketch_dim = 4 << (rng() % 2);
   m.phi_seed = rng();
   m.features.key_sum = rng() % 4 != 0;
   m.features.principal = rng() % 2;
   m.features.quest = rng() % 2;
-  c.tokens = 1 + static_cast<int64_t>(rng() % 400);     // partial last groups, tiny contexts
+  c.tokens = 1 + static_cast<int64_t>(rng() % 400);  // partial last groups, tiny contexts
   c.needles = static_cast<int>(rng() % 5);
   c.policy.strict = true;
   // quest needs its record part; without it the case exercises jl (SelectPolicy::Validate).
@@ -70,15 +70,14 @@ TEST(StrictOracleTest, StrictModeReturnsSupersetOfTrueTopMOnRandomSequences) {
   for (int trial = 0; trial < trials; ++trial) {
     const OracleCase c = RandomCase(rng);
     const ModelLayout& m = c.model;
-    auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim,
-                               m.sketch_dim);
+    auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
     ASSERT_TRUE(phi.ok());
     auto selector = PageSelector::Create(m, *phi);
     ASSERT_TRUE(selector.ok()) << selector.status();
     SummaryWriter writer(m, *phi);
     StepBuffers buffers(m, 2, c.tokens, 1, c.policy.granularity);
-    const auto shapes = trial % 2 ? testing::GroupShapes::kMixedRank
-                                  : testing::GroupShapes::kSynthetic;
+    const auto shapes =
+        trial % 2 ? testing::GroupShapes::kMixedRank : testing::GroupShapes::kSynthetic;
     const testing::SequenceKeys seq =
         testing::WriteSequence(buffers, writer, 1, 0, c.tokens, c.needles, shapes, rng);
     const StepRow rows[] = {{.table_row = 1, .context_tokens = c.tokens, .seq_id = 9}};
@@ -92,17 +91,17 @@ TEST(StrictOracleTest, StrictModeReturnsSupersetOfTrueTopMOnRandomSequences) {
       for (int h = 0; h < m.num_q_heads; ++h) {
         const int kvh = m.kv_head_of(h);
         std::vector<float> q(buffers.Query(layer, 0, h).begin(), buffers.Query(layer, 0, h).end());
-        const std::vector<double> best = testing::GroupMaxScore(
-            seq.Of(m, layer, kvh), q, m.head_dim, m.group_tokens());
+        const std::vector<double> best =
+            testing::GroupMaxScore(seq.Of(m, layer, kvh), q, m.head_dim, m.group_tokens());
         const std::vector<uint8_t> top = TrueTopM(best, c.policy.top_pages);
         const std::vector<uint8_t> got = testing::VisitedGroups(
             buffers, 1, buffers.VisitBlocks(layer, 0, per_head ? kvh : 0), groups);
         for (int64_t p = 0; p < groups; ++p) {
           ASSERT_TRUE(!top[p] || got[p])
               << "trial " << trial << ": group " << p << " of " << groups << " (max score "
-              << best[p] << ") is in the true top-" << c.policy.top_pages
-              << " of layer " << layer << " head " << h << " but was skipped; model "
-              << m.DebugString() << "; policy " << c.policy.DebugString();
+              << best[p] << ") is in the true top-" << c.policy.top_pages << " of layer " << layer
+              << " head " << h << " but was skipped; model " << m.DebugString() << "; policy "
+              << c.policy.DebugString();
         }
       }
     }
@@ -154,8 +153,10 @@ TEST(StrictOracleTest, DefaultModeRecallOfTrueTopMIsReported) {
   }
   const double recall = static_cast<double>(hits) / wanted;
   const double fraction = static_cast<double>(visited) / groups_total;
-  std::printf("default mode (jl, m=8, top_pages=8, alpha=1): recall of true top-8 = %.3f "
-              "visiting %.1f%% of groups\n", recall, 100 * fraction);
+  std::printf(
+      "default mode (jl, m=8, top_pages=8, alpha=1): recall of true top-8 = %.3f "
+      "visiting %.1f%% of groups\n",
+      recall, 100 * fraction);
   EXPECT_GT(recall, fraction) << "no better than visiting groups at random";
 }
 

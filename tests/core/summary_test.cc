@@ -241,8 +241,7 @@ TEST_F(SummaryTest, SealFindsTheDominantDirectionOfLowRankKeys) {
   for (int i = 0; i < d; ++i) cos += PrincipalComponent(record, s, i) * scale * dir[i];
   EXPECT_GT(std::abs(cos), 0.99);
   EXPECT_GT(record[s.principal], 0.95 * record[s.fro2]);  // λ1 holds most of the energy
-  EXPECT_NEAR(record[s.principal] + record[s.principal + 1], record[s.fro2],
-              1e-3 * record[s.fro2]);
+  EXPECT_NEAR(record[s.principal] + record[s.principal + 1], record[s.fro2], 1e-3 * record[s.fro2]);
 }
 
 TEST_F(SummaryTest, SealRejectsKeysThatAreNotTheRecordsAndAppendClearsThePair) {

@@ -66,14 +66,19 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   SummaryWriter writer(m, *phi);
   testing::StepBuffers host(m, batch, max_context, batch, Granularity::kUnion);
   for (int r = 0; r < batch; ++r) {
-    testing::WriteSequence(host, writer, r, r, start_tokens, 2, testing::GroupShapes::kSynthetic, rng);
+    testing::WriteSequence(host, writer, r, r, start_tokens, 2, testing::GroupShapes::kSynthetic,
+                           rng);
   }
   const SummaryLayout layout = SummaryLayout::For(m);
   const int64_t slots = host.num_slots();
   auto align = [](uint64_t x) { return (x + 255) / 256 * 256; };
   Region g{};
   uint64_t at = 0;
-  auto take = [&](uint64_t bytes) { const uint64_t o = at; at = align(at + bytes); return o; };
+  auto take = [&](uint64_t bytes) {
+    const uint64_t o = at;
+    at = align(at + bytes);
+    return o;
+  };
   g.pool = take(host.pool().size() * 4);
   g.groups = take(host.group_table().size() * 4);
   g.blocks = take(host.block_table().size() * 4);
@@ -117,11 +122,15 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   l->mutable_features()->set_key_sum(true);
   attach.mutable_options()->set_method(v1::METHOD_JL);  // records without a quest part
   v1::SharedBuffers* b = attach.mutable_buffers();
-  *b->mutable_summary_pool() = Describe(handle_bytes, g.pool, {slots, 4, 2, layout.record_words}, v1::DTYPE_FLOAT32);
-  *b->mutable_group_table() = Describe(handle_bytes, g.groups, {batch, host.max_groups()}, v1::DTYPE_INT32);
-  *b->mutable_block_table() = Describe(handle_bytes, g.blocks, {batch, host.max_blocks()}, v1::DTYPE_INT32);
+  *b->mutable_summary_pool() =
+      Describe(handle_bytes, g.pool, {slots, 4, 2, layout.record_words}, v1::DTYPE_FLOAT32);
+  *b->mutable_group_table() =
+      Describe(handle_bytes, g.groups, {batch, host.max_groups()}, v1::DTYPE_INT32);
+  *b->mutable_block_table() =
+      Describe(handle_bytes, g.blocks, {batch, host.max_blocks()}, v1::DTYPE_INT32);
   *b->mutable_queries() = Describe(handle_bytes, g.queries, {4, batch, 8, 128}, v1::DTYPE_FLOAT32);
-  *b->mutable_visit_blocks() = Describe(handle_bytes, g.visit, {4, batch, host.max_blocks()}, v1::DTYPE_INT32);
+  *b->mutable_visit_blocks() =
+      Describe(handle_bytes, g.visit, {4, batch, host.max_blocks()}, v1::DTYPE_INT32);
   *b->mutable_visit_count() = Describe(handle_bytes, g.count, {4, batch}, v1::DTYPE_INT32);
   *b->mutable_flags() = Describe(handle_bytes, g.flags, {2}, v1::DTYPE_UINT64);
   attach.set_max_batch(batch);
@@ -163,8 +172,10 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
       for (int layer = 0; layer < 4; ++layer) {
         for (int kvh = 0; kvh < 2; ++kvh) {
           const float* key = new_keys.data() + (layer * 2 + kvh) * 128;
-          ASSERT_TRUE(writer.Append(host.Record(slot, layer, kvh), layer, kvh,
-                                    {key, DType::kFloat32, 1, 128}).ok());
+          ASSERT_TRUE(
+              writer
+                  .Append(host.Record(slot, layer, kvh), layer, kvh, {key, DType::kFloat32, 1, 128})
+                  .ok());
           const uint64_t record_offset =
               g.pool + ((uint64_t(slot) * 4 + layer) * 2 + kvh) * layout.record_words * 4;
           appends.push_back({reinterpret_cast<float*>(device + record_offset),
@@ -188,7 +199,8 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
     upload(g.queries, host_queries, query_count * 4);
 
     const client::StepResult result = client.SelectPages(step, rows);
-    ASSERT_FALSE(result.fallback) << "step " << step << ": " << result.status << "\n" << epsd->Log();
+    ASSERT_FALSE(result.fallback) << "step " << step << ": " << result.status << "\n"
+                                  << epsd->Log();
     prepass_sum += result.response.stats().prepass_us();
     round_trips.push_back(result.round_trip_us);
     uint64_t done = 0;
@@ -198,8 +210,10 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
     StepStats stats;
     ASSERT_TRUE(reference->Select(host.Inputs(step_rows), JlPolicy(), host.Outputs(), &stats).ok());
     std::vector<int32_t> visit(size_t{4} * batch * host.max_blocks()), count(4 * batch);
-    ASSERT_EQ(cudaMemcpy(visit.data(), device + g.visit, visit.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(count.data(), device + g.count, count.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(visit.data(), device + g.visit, visit.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(count.data(), device + g.count, count.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
     for (int layer = 0; layer < 4; ++layer) {
       for (int r = 0; r < batch; ++r) {
         ++lists;
@@ -220,21 +234,25 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
       }
     }
   }
-  std::printf("two-process cuda: %d steps, %lld lists, %lld differ from the reference "
-              "(%lld groups, fp32 ties), mean pre-pass %.1f us\n",
-              steps, static_cast<long long>(lists), static_cast<long long>(differing_lists),
-              static_cast<long long>(differing_groups), prepass_sum / steps);
+  std::printf(
+      "two-process cuda: %d steps, %lld lists, %lld differ from the reference "
+      "(%lld groups, fp32 ties), mean pre-pass %.1f us\n",
+      steps, static_cast<long long>(lists), static_cast<long long>(differing_lists),
+      static_cast<long long>(differing_groups), prepass_sum / steps);
   EXPECT_LE(differing_lists, lists / 100) << "more disagreement than fp32 ties explain";
   // The floor: an empty Ping on the same channel, measured in the same run.
   std::vector<double> pings;
   for (int i = 0; i < 1000; ++i) {
     const auto start = std::chrono::steady_clock::now();
     ASSERT_TRUE(client.Ping(std::chrono::seconds(1)).ok());
-    pings.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+    pings.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+            .count());
   }
-  std::printf("round trip over UDS: SelectPages p50 %.1f us p99 %.1f us; Ping p50 %.1f us p99 %.1f us\n",
-              testing::Percentile(round_trips, 0.5), testing::Percentile(round_trips, 0.99),
-              testing::Percentile(pings, 0.5), testing::Percentile(pings, 0.99));
+  std::printf(
+      "round trip over UDS: SelectPages p50 %.1f us p99 %.1f us; Ping p50 %.1f us p99 %.1f us\n",
+      testing::Percentile(round_trips, 0.5), testing::Percentile(round_trips, 0.99),
+      testing::Percentile(pings, 0.5), testing::Percentile(pings, 0.99));
   ASSERT_TRUE(client.Detach().ok());
   cudaFree(device);
 }

@@ -140,8 +140,9 @@ TEST(FaultEngineDeathTest, KilledEngineSessionExpiresAndItsMemoryIsUnmapped) {
   auto epsd = EpsdProcess::Start(testing::UniqueSocket("death"), {"--lease-ms=200"});
   ASSERT_NE(epsd, nullptr);
   // The engine is a real eps-demo process, killed with SIGKILL mid-run.
-  std::vector<std::string> args = {EPS_DEMO_PATH, "--target=" + epsd->target(), "--steps=20000",
-                                   "--context=1024", "--batch=1", "--pace-ms=2"};
+  std::vector<std::string> args = {EPS_DEMO_PATH,   "--target=" + epsd->target(),
+                                   "--steps=20000", "--context=1024",
+                                   "--batch=1",     "--pace-ms=2"};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

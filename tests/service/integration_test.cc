@@ -86,7 +86,8 @@ TEST_F(IntegrationTest, ConcurrentSessionsAreServedIndependently) {
   constexpr int kEngines = 4;
   std::vector<std::unique_ptr<TestEngine>> engines;
   for (int e = 0; e < kEngines; ++e) {
-    engines.push_back(std::make_unique<TestEngine>(testing::SmallServiceModel(), 2, 2048, 2, seed_ + e));
+    engines.push_back(
+        std::make_unique<TestEngine>(testing::SmallServiceModel(), 2, 2048, 2, seed_ + e));
     engines.back()->Fill(0, 0, 2048);
     engines.back()->Fill(1, 1, 2048);
   }

@@ -47,9 +47,8 @@ class TestEngine {
     auto b = client::EngineBuffers::Create(model, shape, "test");
     EXPECT_TRUE(b.ok()) << b.status();
     buffers_ = std::move(*b);
-    phi_ = std::make_unique<PhiBank>(*PhiBank::Create(model.phi_seed, model.num_layers,
-                                                      model.num_kv_heads, model.head_dim,
-                                                      model.sketch_dim));
+    phi_ = std::make_unique<PhiBank>(*PhiBank::Create(
+        model.phi_seed, model.num_layers, model.num_kv_heads, model.head_dim, model.sketch_dim));
     writer_ = std::make_unique<SummaryWriter>(model, *phi_);
     std::vector<int32_t> physical(max_seqs * buffers_->max_blocks());
     std::iota(physical.begin(), physical.end(), 0);
@@ -86,8 +85,10 @@ class TestEngine {
           const int64_t count = std::min(gt, tokens - begin);
           auto record = buffers_->Record(buffers_->GroupRow(row)[p], layer, kvh);
           writer_->Reset(record);
-          EXPECT_TRUE(
-              writer_->Append(record, layer, kvh, {head.keys.data() + begin * d, DType::kFloat32, count, d}).ok());
+          EXPECT_TRUE(writer_
+                          ->Append(record, layer, kvh,
+                                   {head.keys.data() + begin * d, DType::kFloat32, count, d})
+                          .ok());
         }
         for (int r = 0; r < model_.gqa_ratio(); ++r) {
           auto q = buffers_->Query(layer, pos, kvh * model_.gqa_ratio() + r);
@@ -131,12 +132,13 @@ class TestEngine {
                                               const SelectPolicy& policy = SelectPolicy{}) {
     const client::BufferShape& shape = buffers_->shape();
     const int lists = shape.granularity == Granularity::kPerKvHead ? model_.num_kv_heads : 1;
-    std::vector<int32_t> blocks(model_.num_layers * shape.max_batch * lists * buffers_->max_blocks());
+    std::vector<int32_t> blocks(model_.num_layers * shape.max_batch * lists *
+                                buffers_->max_blocks());
     std::vector<int32_t> counts(model_.num_layers * shape.max_batch * lists, -1);
     std::vector<StepRow> step_rows;
     for (const auto& r : rows) {
-      step_rows.push_back({.table_row = r.table_row(), .context_tokens = r.context_tokens(),
-                           .seq_id = r.seq_id()});
+      step_rows.push_back(
+          {.table_row = r.table_row(), .context_tokens = r.context_tokens(), .seq_id = r.seq_id()});
     }
     StepInputs in;
     in.summary_pool = buffers_->summary_pool().data();
@@ -162,8 +164,9 @@ class TestEngine {
         for (int list = 0; list < lists; ++list) {
           const int64_t index = (layer * shape.max_batch + static_cast<int64_t>(i)) * lists + list;
           const auto got = buffers_->VisitBlocks(layer, static_cast<int64_t>(i), list);
-          const std::vector<int32_t> want(blocks.begin() + index * buffers_->max_blocks(),
-                                          blocks.begin() + index * buffers_->max_blocks() + counts[index]);
+          const std::vector<int32_t> want(
+              blocks.begin() + index * buffers_->max_blocks(),
+              blocks.begin() + index * buffers_->max_blocks() + counts[index]);
           if (std::vector<int32_t>(got.begin(), got.end()) != want) {
             return ::testing::AssertionFailure()
                    << "layer " << layer << " row " << i << " list " << list << ": epsd wrote "
