@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "load/buffer_set.h"
+#include "load/rpc_floor.h"
 #include "load/workload.h"
 
 namespace eps::load {
@@ -64,29 +65,6 @@ v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers,
   a.set_backend(buffers.backend());
   a.set_device(buffers.device());
   return a;
-}
-
-// A unary Ping through the callback API, waited for on a condition variable
-// like EpsClient's unary SelectPages. gRPC enforces the deadline and always
-// runs the callback, so waiting for it cannot hang.
-absl::Status CallbackPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + deadline);
-  v1::PingRequest request;
-  v1::PingResponse response;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  stub.async()->Ping(&context, &request, &response, [&](grpc::Status s) {
-    std::lock_guard lock(mu);
-    status = std::move(s);
-    done = true;
-    cv.notify_all();
-  });
-  std::unique_lock lock(mu);
-  cv.wait(lock, [&] { return done; });
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 // Shared between the sessions: the error log and epsd's samples.

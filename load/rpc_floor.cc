@@ -36,33 +36,12 @@ class FloorService final : public v1::PageSelector::CallbackService {
   }
 };
 
-// A unary Ping through the callback API, waited for on a condition variable as
-// EpsClient waits for its unary calls.
-grpc::Status CallbackPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + deadline);
-  v1::PingRequest request;
-  v1::PingResponse response;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  stub.async()->Ping(&context, &request, &response, [&](grpc::Status s) {
-    std::lock_guard lock(mu);
-    status = std::move(s);
-    done = true;
-    cv.notify_all();
-  });
-  std::unique_lock lock(mu);
-  cv.wait(lock, [&] { return done; });
-  return status;
-}
-
-grpc::Status SyncPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline) {
+absl::Status SyncPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + deadline);
   v1::PingResponse response;
-  return stub.Ping(&context, v1::PingRequest(), &response);
+  const grpc::Status status = stub.Ping(&context, v1::PingRequest(), &response);
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 std::shared_ptr<grpc::Channel> Channel(const std::string& target, const LoadConfig& config) {
@@ -114,6 +93,26 @@ std::unique_ptr<grpc::Server> StartFloorServer(bool unix_socket, const std::stri
 
 }  // namespace
 
+absl::Status CallbackPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  v1::PingRequest request;
+  v1::PingResponse response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.async()->Ping(&context, &request, &response, [&](grpc::Status s) {
+    std::lock_guard lock(mu);
+    status = std::move(s);
+    done = true;
+    cv.notify_all();
+  });
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return done; });
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
 absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config) {
   FloorResult result;
   const bool unix_socket = absl::StartsWith(config.target, "unix:");
@@ -159,7 +158,7 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config) {
   auto epsd = v1::PageSelector::NewStub(Channel(config.target, config));
   struct Kind {
     v1::PageSelector::Stub* stub;
-    std::function<grpc::Status(v1::PageSelector::Stub&, std::chrono::microseconds)> call;
+    std::function<absl::Status(v1::PageSelector::Stub&, std::chrono::microseconds)> call;
     LatencySamples* samples;
   };
   const Kind kinds[] = {{floor.get(), CallbackPing, &result.floor_callback},
@@ -170,7 +169,7 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config) {
   for (int round = -warmup; round < config.floor_calls; ++round) {
     for (const Kind& kind : kinds) {
       const Clock::time_point start = Clock::now();
-      const grpc::Status status = kind.call(*kind.stub, config.deadline);
+      const absl::Status status = kind.call(*kind.stub, config.deadline);
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (!status.ok()) {
         ++result.errors;

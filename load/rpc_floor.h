@@ -11,9 +11,11 @@
 // through the callback API (as EpsClient calls) and through the synchronous stub.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "eps/v1/page_selector.grpc.pb.h"
 #include "load/latency_summary.h"
 #include "load/load_config.h"
 
@@ -30,5 +32,10 @@ struct FloorResult {
 // config.floor_calls measured rounds after a tenth as many unrecorded ones. With the
 // server in a child process, call it before this process uses gRPC (it forks).
 absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config);
+
+// A unary Ping through the callback API, waited for on a condition variable as
+// EpsClient waits for its unary calls. gRPC enforces the deadline and always runs
+// the callback, so the wait cannot hang.
+absl::Status CallbackPing(v1::PageSelector::Stub& stub, std::chrono::microseconds deadline);
 
 }  // namespace eps::load
