@@ -44,6 +44,22 @@ SummaryFeatures FeaturesFromMask(int mask) {
   return {.key_sum = (mask & 1) != 0, .principal = (mask & 2) != 0, .quest = (mask & 4) != 0};
 }
 
+// Writes one budget's lists out_i [lists, n]: the forced groups, then every query
+// head's marks OR-ed into its list (its KV head's, or the one union list).
+template <typename MarkHead>
+void MarkLists(int64_t n, int q_heads, int kv_heads, bool per_kv_head,
+               const std::vector<uint8_t>& forced, uint8_t* out_i, MarkHead mark_head) {
+  const int ratio = q_heads / kv_heads;
+  const int lists = per_kv_head ? kv_heads : 1;
+  for (int list = 0; list < lists; ++list) {
+    std::copy(forced.begin(), forced.end(), out_i + static_cast<size_t>(list) * n);
+  }
+  for (int h = 0; h < q_heads; ++h) {
+    const int list = per_kv_head ? h / ratio : 0;
+    mark_head(h, std::span<uint8_t>(out_i + static_cast<size_t>(list) * n, n));
+  }
+}
+
 }  // namespace
 
 // One layer of one sequence: summaries in a pool, the open group's keys for Seal.
@@ -262,23 +278,18 @@ int eps_eval_mark(int64_t n, int q_heads, int kv_heads, const float* scores, int
   if (n < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0) {
     return Fail(absl::InvalidArgumentError("bad shape for eps_eval_mark"), err, err_len);
   }
-  const int ratio = q_heads / kv_heads;
   const int lists = per_kv_head ? kv_heads : 1;
   std::vector<uint8_t> forced(n, 0);
   eps::MarkForced(policy, forced);
   for (int i = 0; i < n_top; ++i) {
     policy.top_pages = top_pages[i];
     if (absl::Status s = policy.Validate(eps::ModelLayout{}); !s.ok()) return Fail(s, err, err_len);
-    for (int list = 0; list < lists; ++list) {
-      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
-      std::copy(forced.begin(), forced.end(), visit.begin());
-    }
-    for (int h = 0; h < q_heads; ++h) {
-      const int list = per_kv_head ? h / ratio : 0;
-      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
-      eps::MarkByThreshold({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)}, forced,
-                           top_pages[i], alpha, visit);
-    }
+    eps::eval::MarkLists(
+        n, q_heads, kv_heads, per_kv_head, forced, out + static_cast<size_t>(i) * lists * n,
+        [&](int h, std::span<uint8_t> visit) {
+          eps::MarkByThreshold({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)},
+                               forced, top_pages[i], alpha, visit);
+        });
   }
   return 0;
 }
@@ -299,23 +310,18 @@ int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores
   if (n < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || head_dim < 1) {
     return Fail(absl::InvalidArgumentError("bad shape for eps_eval_mark_mass"), err, err_len);
   }
-  const int ratio = q_heads / kv_heads;
   const int lists = per_kv_head ? kv_heads : 1;
   std::vector<uint8_t> forced(n, 0);
   eps::MarkForced(policy, forced);
   for (int i = 0; i < n_targets; ++i) {
     policy.mass_target = targets[i];
     if (absl::Status s = policy.Validate(eps::ModelLayout{}); !s.ok()) return Fail(s, err, err_len);
-    for (int list = 0; list < lists; ++list) {
-      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
-      std::copy(forced.begin(), forced.end(), visit.begin());
-    }
-    for (int h = 0; h < q_heads; ++h) {
-      const int list = per_kv_head ? h / ratio : 0;
-      std::span<uint8_t> visit(out + (static_cast<size_t>(i) * lists + list) * n, n);
-      eps::MarkByMass({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)}, forced,
-                      targets[i], temperature, head_dim, min_pages, max_pages, visit);
-    }
+    eps::eval::MarkLists(
+        n, q_heads, kv_heads, per_kv_head, forced, out + static_cast<size_t>(i) * lists * n,
+        [&](int h, std::span<uint8_t> visit) {
+          eps::MarkByMass({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)}, forced,
+                          targets[i], temperature, head_dim, min_pages, max_pages, visit);
+        });
   }
   return 0;
 }
