@@ -1,7 +1,10 @@
-#include <set>
+#include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
+#include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/phi.cuh"
 #include "gpu/summary.h"
@@ -15,9 +18,10 @@ struct WriterShape {
   DType dtype;
 };
 
-// One warp per append. `bad` receives the index of an append that was skipped.
+// One warp per append. `bad` (when given) receives the lowest index of an append
+// that was skipped; `skipped` (when given) counts them.
 __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, const float* phi,
-                             int* bad) {
+                             int* bad, unsigned long long* skipped) {
   __shared__ float y_shared[8][64];
   const int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int a = blockIdx.x * (blockDim.x / 32) + warp_in_block;
@@ -39,7 +43,8 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
     }
   }
   if (!__all_sync(0xFFFFFFFFu, finite)) {
-    if (lane == 0) atomicMin(bad, a);
+    if (lane == 0 && bad != nullptr) atomicMin(bad, a);
+    if (lane == 0 && skipped != nullptr) atomicAdd(skipped, 1ull);
     return;
   }
   const float* matrix = phi + (int64_t{ap.layer} * s.kv_heads + ap.kv_head) * s.d * s.m;
@@ -120,16 +125,17 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
   return std::unique_ptr<DeviceSummaryWriter>(new DeviceSummaryWriter(std::move(impl)));
 }
 
-absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, DType key_dtype,
-                                         cudaStream_t stream) {
-  Impl& w = *impl_;
-  if (appends.empty()) return absl::OkStatus();
+absl::Status DeviceSummaryWriter::Check(const std::vector<KeyAppend>& appends,
+                                        DType key_dtype) const {
+  const Impl& w = *impl_;
   if (key_dtype != DType::kFloat32 && key_dtype != DType::kFloat16 &&
       key_dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(
         absl::StrCat("key dtype ", DTypeName(key_dtype), " is not a float type"));
   }
-  std::set<const float*> records;
+  if (appends.size() > static_cast<size_t>(INT32_MAX / 32)) {
+    return absl::InvalidArgumentError(absl::StrCat(appends.size(), " appends in one call"));
+  }
   for (size_t i = 0; i < appends.size(); ++i) {
     const KeyAppend& a = appends[i];
     if (a.layer < 0 || a.layer >= w.model.num_layers || a.kv_head < 0 ||
@@ -141,11 +147,40 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
         (a.stride != 0 && a.stride < w.model.head_dim)) {
       return absl::InvalidArgumentError(absl::StrCat("appends[", i, "] is malformed"));
     }
-    if (!records.insert(a.record).second) {
+  }
+  // Distinct records: sorted addresses, then neighbours (a set costs more per step).
+  std::vector<std::pair<const float*, size_t>> records(appends.size());
+  for (size_t i = 0; i < appends.size(); ++i) records[i] = {appends[i].record, i};
+  std::sort(records.begin(), records.end());
+  for (size_t i = 1; i < records.size(); ++i) {
+    if (records[i].first == records[i - 1].first) {
       return absl::InvalidArgumentError(
-          absl::StrCat("appends[", i, "] targets a record another append of this call writes"));
+          absl::StrCat("appends[", std::max(records[i].second, records[i - 1].second),
+                       "] targets a record another append of this call writes"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceSummaryWriter::Launch(const KeyAppend* device_appends, int n, DType key_dtype,
+                                         cudaStream_t stream, int* bad,
+                                         unsigned long long* skipped) {
+  const Impl& w = *impl_;
+  const SummaryLayout& l = w.layout;
+  const WriterShape s{
+      w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers, w.model.num_kv_heads,
+      l.fro2,           l.max_norm,         l.count,      l.key_sum,          l.quest_min,
+      l.quest_max,      l.principal,        key_dtype};
+  AppendKernel<<<(n + 7) / 8, 256, 0, stream>>>(s, device_appends, n, w.phi.get(), bad, skipped);
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, DType key_dtype,
+                                         cudaStream_t stream) {
+  Impl& w = *impl_;
+  if (appends.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(Check(appends, key_dtype));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
   if (static_cast<int64_t>(appends.size()) > w.capacity) {
     RETURN_IF_CUDA_ALLOC(w.appends, static_cast<int64_t>(appends.size()));
@@ -157,14 +192,8 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
   const int none = INT32_MAX;
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(w.bad.get(), &none, sizeof(int), cudaMemcpyHostToDevice, stream));
-  const SummaryLayout& l = w.layout;
-  const WriterShape s{
-      w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers, w.model.num_kv_heads,
-      l.fro2,           l.max_norm,         l.count,      l.key_sum,          l.quest_min,
-      l.quest_max,      l.principal,        key_dtype};
-  const int n = static_cast<int>(appends.size());
-  AppendKernel<<<(n + 7) / 8, 256, 0, stream>>>(s, w.appends.get(), n, w.phi.get(), w.bad.get());
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  RETURN_IF_ERROR(Launch(w.appends.get(), static_cast<int>(appends.size()), key_dtype, stream,
+                         w.bad.get(), nullptr));
   int bad = none;
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(&bad, w.bad.get(), sizeof(int), cudaMemcpyDeviceToHost, stream));
@@ -176,6 +205,33 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
         "; it was skipped"));
   }
   return absl::OkStatus();
+}
+
+absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appends,
+                                              DType key_dtype, cudaStream_t stream,
+                                              unsigned long long* skipped) {
+  if (appends.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(Check(appends, key_dtype));
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(impl_->device));
+  // Stream-ordered scratch: calls on different streams never share it, and a
+  // copy from pageable memory is staged before cudaMemcpyAsync returns.
+  const size_t bytes = appends.size() * sizeof(KeyAppend);
+  void* scratch = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
+  absl::Status s = absl::OkStatus();
+  if (const cudaError_t err =
+          cudaMemcpyAsync(scratch, appends.data(), bytes, cudaMemcpyHostToDevice, stream);
+      err != cudaSuccess) {
+    s = absl::InternalError(absl::StrCat("cudaMemcpyAsync: ", cudaGetErrorString(err)));
+  } else {
+    s = Launch(static_cast<const KeyAppend*>(scratch), static_cast<int>(appends.size()), key_dtype,
+               stream, nullptr, skipped);
+  }
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  if (s.ok() && freed != cudaSuccess) {
+    s = absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
+  }
+  return s;
 }
 
 }  // namespace eps::gpu

@@ -46,7 +46,20 @@ class DeviceSummaryWriter {
   absl::Status Append(const std::vector<KeyAppend>& appends, DType key_dtype,
                       cudaStream_t stream = nullptr);
 
+  // Queues `appends` on `stream` and returns without waiting for the device, so
+  // an engine can write summaries on its own stream, in order with its other
+  // work, and never wait on another stream. The host-side checks fail the call
+  // as Append's do (nothing is queued); an append with a bad key is skipped
+  // whole on the device and counted in `*skipped` (a device counter, may be
+  // null). Calls on different streams may overlap.
+  absl::Status AppendAsync(const std::vector<KeyAppend>& appends, DType key_dtype,
+                           cudaStream_t stream, unsigned long long* skipped);
+
  private:
+  absl::Status Check(const std::vector<KeyAppend>& appends, DType key_dtype) const;
+  absl::Status Launch(const KeyAppend* device_appends, int n, DType key_dtype, cudaStream_t stream,
+                      int* bad, unsigned long long* skipped);
+
   struct Impl;
   explicit DeviceSummaryWriter(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

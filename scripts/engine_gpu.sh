@@ -66,14 +66,16 @@ engine() {  # name, then reference_engine.py flags
   kill -0 "$(cat "$pidfile")" 2>/dev/null || start_epsd
 }
 status=0
-# The client library's device tests first: outputs kernels, summary queue, watchdog, and the
-# torch/kernel paths of eps_client.outputs against their numpy references.
-for t in engine_outputs_test engine_capi_test; do
+# The client library's device tests first: outputs kernels, summary queue, watchdog, the
+# counter protocol with every stream in one hardware queue, and the torch/kernel paths of
+# eps_client.outputs against their numpy references.
+for t in engine_outputs_test engine_capi_test one_queue_test; do
   "$carry/$t" --gtest_brief=1 >"$out/$t.log" 2>&1; rc=$?
   echo "$t: exit $rc ($(grep -cE '^\[       OK|^\[  PASSED' "$out/$t.log") ok lines)"; tail -n 3 "$out/$t.log"
   [[ $rc -eq 0 ]] || status=1
 done
-(cd "$carry/python/tests" && python3 -m pytest -q -p no:cacheprovider test_outputs.py -k torch \
+# PYTEST_DISABLE_PLUGIN_AUTOLOAD: the image's pytest plugins do not load into the carried pytest.
+(cd "$carry/python/tests" && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -p no:cacheprovider test_outputs.py -k torch \
   >"$out/python-outputs.log" 2>&1); rc=$?
 echo "python outputs (torch, kernel): exit $rc: $(tail -n 1 "$out/python-outputs.log")"
 [[ $rc -eq 0 ]] || status=1
@@ -97,6 +99,14 @@ else
     echo "no model staged: quality and passkey runs skipped"
   fi
 fi
+# The engine loop and the kill -9 release with every stream of each process in ONE hardware
+# queue: any wait queued before the work that satisfies it in the same process hangs here.
+# Last: the kill run restarts epsd with the same setting.
+CUDA_DEVICE_MAX_CONNECTIONS=1 engine speed-one-queue --mode speed --batch 2 --context 8192 \
+  --decode-steps 24 --warmup-steps 4 --fractions 0.25
+CUDA_DEVICE_MAX_CONNECTIONS=1 engine kill-one-queue --mode kill --model small-random --batch 4 \
+  --context 4096 --decode-steps 200 --kill-at 10 --restart-at 20 --epsd-pid-file "$pidfile" \
+  --epsd-cmd "$epsd_cmd"
 echo
 echo "################ tables"
 for f in "$out"/*.log; do

@@ -24,7 +24,7 @@ cmake --build "$BUILD" -j2 --target "${targets[@]}"
 rm -rf "$dest" && mkdir -p "$dest/lib" "$dest/python" "$dest/wheels"
 cp "$BUILD/service/epsd" "$dest/" && strip "$dest/epsd"
 cp "$BUILD/client/cpp/libeps_engine.so" "$dest/" && strip "$dest/libeps_engine.so"
-for t in engine_outputs_test engine_capi_test; do  # the device tests of the client library
+for t in engine_outputs_test engine_capi_test one_queue_test; do  # the client library's device tests
   cp "$BUILD/client/cpp/$t" "$dest/" && strip "$dest/$t"
 done
 attention=$(find "$BUILD" -name libeps_attention.so -print -quit)

@@ -16,6 +16,11 @@
 #include "service/server.h"
 
 int main(int argc, char** argv) {
+  // Each session's stream waits on its engine's inputs_ready in a hardware queue;
+  // streams that share a queue wait behind each other (docs/design.md §6). CUDA's
+  // default is 8 queues per process; take its maximum, 32, unless the operator chose.
+  // Before anything starts CUDA.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   const std::vector<std::string> args(argv + 1, argv + argc);
   absl::StatusOr<eps::service::ServerConfig> config = eps::service::ParseFlags(args);
   if (!config.ok()) {

@@ -162,20 +162,24 @@ int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value) {
 }
 
 int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
-                             uint64_t step) {
+                             uint64_t step, uint64_t stream) {
   if (cudaSetDevice(device) != cudaSuccess) {
     return Report(absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, ")")));
   }
-  cudaStream_t stream = nullptr;
-  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+  if (stream != 0) {
+    return Report(eps::gpu::StreamReleaseDense(Stream(stream), Ptr<int32_t>(visit_count), n,
+                                               Ptr<uint64_t>(flags) + 1, step));
+  }
+  cudaStream_t own = nullptr;
+  if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) {
     return Report(absl::InternalError("cudaStreamCreateWithFlags"));
   }
-  absl::Status s = eps::gpu::StreamReleaseDense(stream, Ptr<int32_t>(visit_count), n,
+  absl::Status s = eps::gpu::StreamReleaseDense(own, Ptr<int32_t>(visit_count), n,
                                                 Ptr<uint64_t>(flags) + 1, step);
-  if (s.ok() && cudaStreamSynchronize(stream) != cudaSuccess) {
+  if (s.ok() && cudaStreamSynchronize(own) != cudaSuccess) {
     s = absl::InternalError("cudaStreamSynchronize after ReleaseDense");
   }
-  cudaStreamDestroy(stream);
+  cudaStreamDestroy(own);
   return Report(s);
 }
 

@@ -6,10 +6,9 @@
  *    a step epsd accepted but never finished (client/cpp/selection_watchdog.h's
  *    contract, on raw device pointers);
  *  - the device summary writer (gpu/summary.h), synchronous, and a queue that runs it
- *    off the engine's thread: Submit records an event on the engine's stream and
- *    returns; a worker applies the appends after that event on a stream of its own
- *    and raises a device counter, on which the engine's stream can wait
- *    (WaitSummaries) before it signals the next step's inputs: no host wait;
+ *    on the engine's stream without a host wait: Submit queues the appends and a
+ *    device counter raise behind them and returns; WaitSummaries waits for that
+ *    counter (engine_summary_queue.h says why nothing runs on a stream of its own);
  *  - the engine-ready outputs of client/cpp/engine_outputs.h.
  *
  * Every function returns 0 or a canonical status code (absl::StatusCode values),
@@ -28,7 +27,7 @@
 extern "C" {
 #endif
 
-#define EPS_ENGINE_ABI_VERSION 1
+#define EPS_ENGINE_ABI_VERSION 2
 
 typedef struct EpsEngineModel {
   int32_t num_layers, num_q_heads, num_kv_heads, head_dim;
@@ -59,9 +58,12 @@ int eps_engine_preload(int32_t device);
 int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step);
 int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step);
 int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value);
-/* visit_count[0, n) = -1, then selection_done = max(selection_done, step); waits for it. */
+/* visit_count[0, n) = -1, then selection_done = max(selection_done, step). With a
+ * `stream` (non-zero) it is queued there and not waited for: the engine's own stream,
+ * before its wait for `step`, is the place (no other stream can be held up behind that
+ * wait). With stream 0 it runs on a private stream and is waited for. */
 int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
-                             uint64_t step);
+                             uint64_t step, uint64_t stream);
 
 typedef struct EpsEngineWatchdog EpsEngineWatchdog;
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
@@ -83,15 +85,16 @@ typedef struct EpsSummaryQueue EpsSummaryQueue;
 /* Borrows `writer` (destroy the queue first). */
 int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
                                     EpsSummaryQueue** out);
-/* Copies the appends; they run after the work queued on `after_stream` so far, then
- * the queue's counter is raised to `step` (also when they fail: see errors()). */
+/* Queues the appends on `after_stream` (after its work so far), then the queue's counter
+ * is raised to `step` there (also when they are refused: see errors()). No host wait. */
 int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
                                     int32_t key_dtype, uint64_t after_stream, uint64_t step);
 /* Enqueues on `stream`: wait until the appends of `step` are applied. */
 int eps_engine_summary_queue_wait(EpsSummaryQueue* q, uint64_t stream, uint64_t step);
-/* Host: blocks until every submitted append is applied. */
+/* Host: blocks until the newest submission is applied. */
 int eps_engine_summary_queue_drain(EpsSummaryQueue* q);
-/* Submissions that failed, and the last one's message (copied into buf). */
+/* Submissions refused plus appends skipped on the device (a device read: call after
+ * drain), and the last message (copied into buf). */
 uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t buf_len);
 void eps_engine_summary_queue_destroy(EpsSummaryQueue* q);
 

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/stream_ops.h"
 
@@ -11,45 +13,39 @@ absl::StatusOr<std::unique_ptr<SummaryQueue>> SummaryQueue::Create(gpu::DeviceSu
                                                                    int device) {
   auto q = std::unique_ptr<SummaryQueue>(new SummaryQueue(writer, device));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&q->stream_, cudaStreamNonBlocking));
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&q->done_, sizeof(uint64_t)));
-  CUDA_RETURN_IF_ERROR(cudaMemset(q->done_, 0, sizeof(uint64_t)));
+  void* counters = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&counters, 2 * sizeof(uint64_t)));
+  q->done_ = static_cast<uint64_t*>(counters);
+  q->skipped_ = reinterpret_cast<unsigned long long*>(q->done_ + 1);
+  CUDA_RETURN_IF_ERROR(cudaMemset(counters, 0, 2 * sizeof(uint64_t)));
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&q->last_, cudaEventDisableTiming));
   // Load the stream-op kernels before any wait is queued (gpu/stream_ops.h).
-  if (absl::Status s = gpu::PreloadStreamOps(); !s.ok()) return s;
-  q->worker_ = std::thread([raw = q.get()] { raw->Loop(); });
+  RETURN_IF_ERROR(gpu::PreloadStreamOps());
   return q;
 }
 
 SummaryQueue::~SummaryQueue() {
-  {
-    std::lock_guard lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
   cudaSetDevice(device_);
-  if (stream_ != nullptr) {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+  if (last_ != nullptr) {
+    if (submitted_) cudaEventSynchronize(last_);
+    cudaEventDestroy(last_);
   }
   if (done_ != nullptr) cudaFree(done_);
 }
 
 absl::Status SummaryQueue::Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype,
-                                  cudaStream_t after, uint64_t step) {
+                                  cudaStream_t stream, uint64_t step) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  cudaEvent_t event = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  if (const cudaError_t err = cudaEventRecord(event, after); err != cudaSuccess) {
-    cudaEventDestroy(event);
-    return absl::InternalError(absl::StrCat("cudaEventRecord: ", cudaGetErrorString(err)));
-  }
-  {
+  const absl::Status applied = writer_.AppendAsync(appends, key_dtype, stream, skipped_);
+  if (!applied.ok()) {
     std::lock_guard lock(mu_);
-    jobs_.push_back(Job{std::move(appends), key_dtype, event, step});
-    ++in_flight_;
+    ++refused_;
+    last_error_ = absl::StrCat("step ", step, ": ", applied.ToString());
   }
-  cv_.notify_all();
+  // Raised whatever happened: a waiting stream must never hang on a refused write.
+  RETURN_IF_ERROR(gpu::StreamRaiseCounter(stream, done_, step));
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(last_, stream));
+  submitted_ = true;
   return absl::OkStatus();
 }
 
@@ -58,48 +54,29 @@ absl::Status SummaryQueue::WaitSummaries(cudaStream_t stream, uint64_t step) {
 }
 
 absl::Status SummaryQueue::Drain() {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [this] { return in_flight_ == 0; });
+  if (!submitted_) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_));
   return absl::OkStatus();
 }
 
 uint64_t SummaryQueue::errors(std::string* last_error) const {
+  unsigned long long skipped = 0;
+  const bool read =
+      cudaSetDevice(device_) == cudaSuccess &&
+      cudaMemcpy(&skipped, skipped_, sizeof skipped, cudaMemcpyDeviceToHost) == cudaSuccess;
   std::lock_guard lock(mu_);
-  if (last_error != nullptr) *last_error = last_error_;
-  return errors_;
-}
-
-void SummaryQueue::Loop() {
-  cudaSetDevice(device_);
-  std::unique_lock lock(mu_);
-  while (true) {
-    cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopping, nothing left
-    Job job = std::move(jobs_.front());
-    jobs_.pop_front();
-    lock.unlock();
-    // Off the lock: the device work of one step, in order on the queue's stream.
-    absl::Status status = absl::OkStatus();
-    if (const cudaError_t err = cudaStreamWaitEvent(stream_, job.after, 0); err != cudaSuccess) {
-      status = absl::InternalError(absl::StrCat("cudaStreamWaitEvent: ", cudaGetErrorString(err)));
-    } else {
-      status = writer_.Append(job.appends, job.dtype, stream_);
+  if (last_error != nullptr) {
+    *last_error = last_error_;
+    if (skipped > 0 && last_error_.empty()) {
+      *last_error = absl::StrCat(skipped,
+                                 " appends skipped on the device: a non-finite key, or one beyond "
+                                 "the binary16 range of the quest summary");
+    } else if (!read) {
+      *last_error = "could not read the skipped-append counter back from the device";
     }
-    cudaEventDestroy(job.after);
-    // Raised whatever happened: a waiting engine stream must never hang on a failed write.
-    absl::Status raised = gpu::StreamRaiseCounter(stream_, done_, job.step);
-    if (raised.ok() && cudaStreamSynchronize(stream_) != cudaSuccess) {
-      raised = absl::InternalError("cudaStreamSynchronize after the summary counter");
-    }
-    lock.lock();
-    if (!status.ok() || !raised.ok()) {
-      ++errors_;
-      last_error_ =
-          absl::StrCat("step ", job.step, ": ", (!status.ok() ? status : raised).ToString());
-    }
-    --in_flight_;
-    cv_.notify_all();
   }
+  return refused_ + skipped;
 }
 
 }  // namespace eps::client

@@ -1,28 +1,31 @@
-// Runs the device summary writer (gpu/summary.h) off the engine's thread.
+// The device summary writer (gpu/summary.h) on the engine's own stream.
 //
-// gpu::DeviceSummaryWriter::Append waits for its kernel (it reads back which
-// appends it skipped), so calling it on the engine's thread would stall the
-// launches of the next step. Submit() instead records an event on the engine's
-// stream and hands the appends to a worker thread, which makes its own stream
-// wait for that event, applies them, and raises a device counter to the step;
-// WaitSummaries() enqueues a wait for that counter on the engine's stream.
-// Ordering is kept on the device; no host waits on the GPU in the engine thread.
+// Submit() queues one step's appends on the stream the engine passes (after
+// the work that wrote the keys) and raises a device counter to the step behind
+// them, on the same stream; it never waits for the device. WaitSummaries()
+// enqueues a wait for that counter on any stream.
 //
-// A failed submission (a non-finite key, a malformed append) still raises the
-// counter, so no stream waits forever; it is counted in errors().
-// Thread safety: Submit, WaitSummaries and Drain from one engine thread;
-// errors() from any thread. The worker is joined in the destructor.
+// Why one stream: a stream memory wait that blocks a hardware queue also blocks
+// every later command in that queue, and CUDA may map several streams of a
+// process onto one queue (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default). A wait
+// for a counter that another stream of the same process raises later (the
+// earlier design: a worker thread and its own stream) can therefore deadlock;
+// seen on the H100 with CUDA_DEVICE_MAX_CONNECTIONS=1. Here the raise is always
+// queued before any wait for it.
+//
+// A submission the host checks refuse (a malformed append) queues nothing but
+// the counter raise, so no stream waits forever; it is counted in errors(),
+// as are appends the device skipped (a non-finite key), which errors() reads
+// back from the device: call it after Drain().
+// Thread safety: one engine thread.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,34 +41,26 @@ class SummaryQueue {
   SummaryQueue(const SummaryQueue&) = delete;
   SummaryQueue& operator=(const SummaryQueue&) = delete;
 
-  absl::Status Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype, cudaStream_t after,
+  // Queues the appends of `step` on `stream`, then summaries_done = step.
+  absl::Status Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype, cudaStream_t stream,
                       uint64_t step);
   absl::Status WaitSummaries(cudaStream_t stream, uint64_t step);
-  absl::Status Drain();  // blocks until the worker has applied everything submitted
+  // Blocks until the newest submission, and all earlier work of its stream, is applied.
+  absl::Status Drain();
   uint64_t errors(std::string* last_error) const;
 
  private:
-  struct Job {
-    std::vector<gpu::KeyAppend> appends;
-    DType dtype;
-    cudaEvent_t after;
-    uint64_t step;
-  };
   SummaryQueue(gpu::DeviceSummaryWriter& writer, int device) : writer_(writer), device_(device) {}
-  void Loop();
 
   gpu::DeviceSummaryWriter& writer_;
   const int device_;
-  cudaStream_t stream_ = nullptr;
-  uint64_t* done_ = nullptr;  // device counter: the newest step applied
+  uint64_t* done_ = nullptr;               // device counter: the newest step applied
+  unsigned long long* skipped_ = nullptr;  // device counter: appends the device skipped
+  cudaEvent_t last_ = nullptr;             // after the newest submission
+  bool submitted_ = false;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;    // guarded by mu_
-  int64_t in_flight_ = 0;   // guarded by mu_: submitted and not yet applied
-  bool stop_ = false;       // guarded by mu_
-  uint64_t errors_ = 0;     // guarded by mu_
+  uint64_t refused_ = 0;    // guarded by mu_: submissions the host checks refused
   std::string last_error_;  // guarded by mu_
-  std::thread worker_;
 };
 
 }  // namespace eps::client

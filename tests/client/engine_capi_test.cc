@@ -1,5 +1,6 @@
 // libeps_engine's C ABI (client/cpp/engine_capi.h) on a device: the summary queue
 // applies exactly what the synchronous writer does and always raises its counter,
+// a dense release queued on the engine's stream lands before that stream's wait,
 // the watchdog releases a step that never completes and leaves a completed one
 // alone, and the C entry points report bad arguments. Skips without a device.
 #include "client/cpp/engine_capi.h"
@@ -106,30 +107,70 @@ TEST_F(EngineCapiTest, SummaryQueueWritesWhatTheSynchronousWriterWrites) {
   cudaStreamDestroy(stream);
 }
 
-TEST_F(EngineCapiTest, AFailedSubmissionIsCountedAndStillRaisesTheCounter) {
+TEST_F(EngineCapiTest, FailedSubmissionsAreCountedAndStillRaiseTheCounter) {
   const int words = RecordWords(), d = model_.head_dim;
   std::vector<float> host_key(d, 1.0f);
   host_key[3] = std::nanf("");
   float* key = Alloc<float>(d);
   cudaMemcpy(key, host_key.data(), d * 4, cudaMemcpyHostToDevice);
-  float* pool = Alloc<float>(words);
+  float* pool = Alloc<float>(2 * words);
   EpsSummaryWriter* writer = nullptr;
   ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0);
   EpsSummaryQueue* queue = nullptr;
   ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0);
-  const EpsKeyAppend bad{Addr(pool), Addr(key), 1, 0, 0, 0};
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(eps_engine_summary_queue_submit(queue, &bad, 1, EPS_ENGINE_FLOAT32, Addr(stream), 3),
-            0);
+  // A non-finite key: skipped on the device, counted when read back.
+  const EpsKeyAppend nan_key{Addr(pool), Addr(key), 1, 0, 0, 0};
+  ASSERT_EQ(
+      eps_engine_summary_queue_submit(queue, &nan_key, 1, EPS_ENGINE_FLOAT32, Addr(stream), 3), 0);
   ASSERT_EQ(eps_engine_summary_queue_wait(queue, Addr(stream), 3), 0);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // returns: the counter reached 3
   ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0);
   char message[256];
   EXPECT_EQ(eps_engine_summary_queue_errors(queue, message, sizeof(message)), 1u);
-  EXPECT_NE(std::string(message).find("step 3"), std::string::npos) << message;
+  EXPECT_NE(std::string(message).find("skipped"), std::string::npos) << message;
+  std::vector<float> record(words);
+  cudaMemcpy(record.data(), pool, words * 4, cudaMemcpyDeviceToHost);
+  for (int i = 0; i < words; ++i) ASSERT_EQ(record[i], 0.0f) << "word " << i << " was written";
+  // A malformed append (stride below head_dim): refused on the host, nothing queued
+  // but the counter.
+  const EpsKeyAppend malformed{Addr(pool + words), Addr(key), 1, d - 1, 0, 0};
+  ASSERT_EQ(
+      eps_engine_summary_queue_submit(queue, &malformed, 1, EPS_ENGINE_FLOAT32, Addr(stream), 4),
+      0);
+  ASSERT_EQ(eps_engine_summary_queue_wait(queue, Addr(stream), 4), 0);
+  ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(eps_engine_summary_queue_errors(queue, message, sizeof(message)), 2u);
+  EXPECT_NE(std::string(message).find("step 4"), std::string::npos) << message;
+  EXPECT_NE(std::string(message).find("malformed"), std::string::npos) << message;
   eps_engine_summary_queue_destroy(queue);
   eps_engine_summary_writer_destroy(writer);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(EngineCapiTest, ReleaseDenseOnAStreamIsOrderedWithThatStreamAndNotWaitedFor) {
+  const int64_t n = 9;
+  int32_t* counts = Alloc<int32_t>(n);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  // the engine's wait for step 6 comes after the release on the same stream: no hang
+  ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), n, Addr(flags), 6, Addr(stream)), 0)
+      << eps_engine_last_error();
+  ASSERT_EQ(eps_engine_wait_selection(Addr(stream), Addr(flags), 6), 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  uint64_t done = 0;
+  std::vector<int32_t> host(n);
+  cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost);
+  cudaMemcpy(host.data(), counts, n * 4, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(done, 6u);
+  for (int32_t c : host) EXPECT_EQ(c, -1);
+  // a release never lowers the counter
+  ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), n, Addr(flags), 2, 0), 0);
+  cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(done, 6u);
   cudaStreamDestroy(stream);
 }
 

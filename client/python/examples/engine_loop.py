@@ -6,16 +6,16 @@ and with no host wait on the GPU:
 
     wait selection_done >= s            (the lists of step t; a stream memory op)
     the step's CUDA graph               (views of the lists, 32 layers, logits)
-    summary appends of step t's keys    (libeps_engine's queue, after an event)
+    summary appends of step t's keys    (libeps_engine's queue, on this stream)
     wait summaries_done >= s, then inputs_ready = s + 1
     SelectPages(s + 1, async)           (lag-1 queries: step t's; the pre-pass of t+1 runs
                                          while the host already queues step t+1)
 
 The dense run executes the same graph code with the engine's block table and the context
 as seqused_k; both call the same attention kernel. Fail open: a fallback releases step
-s + 1 densely at once (visit_count = -1); a step epsd accepted and never finished (epsd
-killed) is released by the watchdog. CUDA events around the waits and the graph give the
-breakdown; the host runs at most two steps ahead of the GPU.
+s + 1 densely on this stream, before its wait (visit_count = -1); a step epsd accepted and
+never finished (epsd killed) is released by the watchdog. CUDA events around the waits and
+the graph give the breakdown; the host runs at most two steps ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -134,14 +134,14 @@ class PagedEngine:
         self.queue = SummaryQueue(self.writer)
         self.counters = StepCounters.of(self.buffers)
         self.watchdog = Watchdog(self.counters, watchdog_s)
+        self.stream = torch.cuda.Stream(device)
         self.client = EpsClient(self.buffers, engine_id=engine_id, num_kv_blocks=self.num_blocks,
                                 select=select, backend="cuda", device=device.index or 0,
                                 lease_ms=600_000,
                                 options=ClientOptions(target=target, deadline_s=deadline_s,
                                                       attach_deadline_s=5.0, use_stream=True,
-                                                      on_fallback=self.counters.release_dense))
+                                                      on_fallback=self._release_dense))
         self.attend, self.attention_name = attention_kernel()
-        self.stream = torch.cuda.Stream(device)
         self.use_graphs = use_graphs
         self.graphs: dict[bool, Any] = {}
         # static inputs and outputs of a step (graph-captured addresses)
@@ -282,7 +282,7 @@ class PagedEngine:
 
     def _capture(self, gated: bool) -> Any:
         # warm up on a side stream (torch's recipe), then capture on it. thread_local: the
-        # summary worker and the watchdog may call CUDA meanwhile without breaking capture.
+        # watchdog may call CUDA meanwhile without breaking capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -400,6 +400,10 @@ class PagedEngine:
             rec.stats += [s for s in done.earlier]
         del L
         return rec
+
+    def _release_dense(self, step: int) -> None:
+        """A fallback: released on the engine's stream, ahead of its wait for ``step``."""
+        self.counters.release_dense(step, self.stream.cuda_stream)
 
     def _rows(self, context: int) -> list[Row]:
         return [Row(b, context, b) for b in range(self.B)]

@@ -5,8 +5,9 @@
 - ``Watchdog``: releases a step epsd accepted but never finished (a sidecar killed
   mid-step), so the engine's stream never waits on it for longer than the timeout.
 - ``DeviceSummaryWriter`` / ``SummaryQueue``: gpu/summary.h's writer, synchronous or
-  run by a worker thread after an event of the engine's stream (the engine's stream
-  then waits for the queue's counter on the device).
+  queued on the engine's own stream with a step counter behind it (no host wait, and no
+  stream of the engine's process ever waits for work another of its streams queues
+  later: CUDA may put both in one hardware queue, a deadlock).
 - ``key_appends``: the EpsKeyAppend records of one decode step, built with numpy.
 
 Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
@@ -28,6 +29,7 @@ from eps_client.layout import ModelLayout, SummaryLayout
 KEY_APPEND = np.dtype([("record", "<u8"), ("keys", "<u8"), ("count", "<i8"),
                        ("stride", "<i8"), ("layer", "<i4"), ("kv_head", "<i4")])
 KEY_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
+ABI_VERSION = 2  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
 
 
 class EngineLibError(RuntimeError):
@@ -73,9 +75,9 @@ def library(path: str | None = None) -> ctypes.CDLL:
             tried.append(f"{candidate}: {e}")
             continue
         _declare(lib)
-        if lib.eps_engine_abi_version() != 1:
+        if lib.eps_engine_abi_version() != ABI_VERSION:
             raise EngineLibError("eps_engine_abi_version", 9, f"{candidate}: ABI version "
-                                 f"{lib.eps_engine_abi_version()}, expected 1")
+                                 f"{lib.eps_engine_abi_version()}, expected {ABI_VERSION}")
         _LIB = lib
         return lib
     raise EngineLibError("load", 5, "libeps_engine.so not found; set EPS_ENGINE_LIB. Tried: "
@@ -92,7 +94,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "eps_engine_signal_inputs_ready": [u64, u64, u64],
         "eps_engine_wait_selection": [u64, u64, u64],
         "eps_engine_wait_counter": [u64, u64, u64],
-        "eps_engine_release_dense": [i32, u64, i64, u64, u64],
+        "eps_engine_release_dense": [i32, u64, i64, u64, u64, u64],
         "eps_engine_watchdog_create": [i32, u64, i64, u64, i64, ctypes.POINTER(p)],
         "eps_engine_watchdog_arm": [p, u64],
         "eps_engine_watchdog_releases": [p],
@@ -142,10 +144,12 @@ class StepCounters:
     def wait_selection(self, stream: int, step: int) -> None:
         check("wait_selection", library().eps_engine_wait_selection(stream, self.flags, step))
 
-    def release_dense(self, step: int) -> None:
-        """visit_count = -1, then selection_done raised to ``step``; waits for it."""
+    def release_dense(self, step: int, stream: int = 0) -> None:
+        """visit_count = -1, then selection_done raised to ``step``. With a ``stream`` (the
+        engine's, before its wait for ``step``) it is queued there and not waited for;
+        without one it runs on a private stream and is waited for."""
         check("release_dense", library().eps_engine_release_dense(
-            self.device, self.counts, self.lists, self.flags, step))
+            self.device, self.counts, self.lists, self.flags, step, stream))
 
 
 class Watchdog:
@@ -199,7 +203,8 @@ class DeviceSummaryWriter:
 
 
 class SummaryQueue:
-    """Runs a DeviceSummaryWriter on a worker thread, ordered after the engine's stream."""
+    """A DeviceSummaryWriter on the engine's stream, with a step counter and no host wait
+    (client/cpp/engine_summary_queue.h)."""
 
     def __init__(self, writer: DeviceSummaryWriter) -> None:
         handle = ctypes.c_void_p()
@@ -222,6 +227,7 @@ class SummaryQueue:
         check("summary_queue_drain", library().eps_engine_summary_queue_drain(self._h))
 
     def errors(self) -> tuple[int, str]:
+        """Submissions refused plus appends skipped on the device; call after ``drain``."""
         buf = ctypes.create_string_buffer(512)
         n = library().eps_engine_summary_queue_errors(self._h, buf, len(buf))
         return int(n), buf.value.decode(errors="replace")
