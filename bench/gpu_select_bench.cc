@@ -160,6 +160,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   std::vector<PolicyCase> cases;
   auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
     eps::SelectPolicy p;
+    if (!f.quest) p.method = eps::Method::kJl;  // the default method (quest) needs its part
     edit(p);
     cases.push_back({name, f, p});
   };
@@ -177,6 +178,10 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   add("jl top_p 0.95", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kTopP; });
   add("quest threshold (16-bit)", quest,
       [](eps::SelectPolicy& p) { p.method = eps::Method::kQuest; });
+  add("quest fixed (16-bit)", quest, [](eps::SelectPolicy& p) {
+    p.method = eps::Method::kQuest;
+    p.budget = eps::Budget::kFixed;
+  });
   add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
   std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
               static_cast<long long>(context));

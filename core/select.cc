@@ -39,12 +39,14 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   }
   // A bound whose part the records lack would silently score as fro (core/bounds.cc):
   // refuse it, so a default method never degrades quietly on an engine's layout.
-  if (method == Method::kQuest && !model.features.quest) {
+  // Strict mode scores with its own bracket (BracketMaxScore), not the method.
+  const bool scores_by_method = !strict || method == Method::kOff;
+  if (scores_by_method && method == Method::kQuest && !model.features.quest) {
     return absl::InvalidArgumentError(
         "method=quest needs the quest part in the summary records (features.quest); write it "
         "or choose another method (jl, fro)");
   }
-  if (method == Method::kOnePc && !model.features.principal) {
+  if (scores_by_method && method == Method::kOnePc && !model.features.principal) {
     return absl::InvalidArgumentError(
         "method=1pc needs the principal pair in the summary records (features.principal); "
         "write it or choose another method (jl, fro)");

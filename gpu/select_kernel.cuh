@@ -16,13 +16,12 @@ namespace eps::gpu::kernels {
 //   1. each warp takes query heads of the list in turn and finds its cut
 //      (threshold budget and strict: the top_pages-th largest value by an
 //      8-bit radix select; top-p: the score where the mass reaches top_p);
-//      the fixed budget ranks groups per head instead (below);
+//      the fixed budget ranks the groups at or above that value instead;
 //   2. visit flags: forced groups, plus every group a head's cut admits;
 //   3. compaction of the visited groups' blocks into visit_blocks, and stats.
 //
 // Dynamic shared memory: visit flags [max_groups] (padded to 16 bytes), then
-// [max_groups] words (best ranks of the fixed budget, then block offsets),
-// then [max_groups] floats (one head's scores, fixed budget only).
+// [max_groups] words (best ranks of the fixed budget, then block offsets).
 struct SelectArgs {
   const int32_t* block_table;
   const DeviceRow* rows;
@@ -75,25 +74,65 @@ __global__ void __launch_bounds__(kWarps * 32)
   auto head_scored = [&](int h) { return a.scored == nullptr || a.scored[layer * s.q_heads + h]; };
   auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
 
-  // 1. Per-head cuts (threshold, strict, top-p; fixed: the top_pages-th score).
+  // Fixed budget: each group's best rank over the list's heads (ranked groups only).
+  unsigned* fixed_best = offset;
+  __shared__ bool fixed_any_head;
+  __shared__ unsigned fixed_unforced;
+  if constexpr (kBudget == Budget::kFixed) {
+    if (threadIdx.x == 0) {
+      fixed_any_head = false;
+      fixed_unforced = 0;
+    }
+    __syncthreads();
+    unsigned local = 0;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      fixed_best[p] = 0xFFFFFFFFu;
+      local += !forced(p);
+    }
+    local = __reduce_add_sync(0xFFFFFFFFu, local);
+    if (lane == 0 && local > 0) atomicAdd(&fixed_unforced, local);
+    __syncthreads();
+  }
+
+  // 1. Per-head cuts (threshold, strict, top-p; fixed: the ranks, as above).
   {
     if constexpr (kBudget == Budget::kFixed) {
-      // Only a group within some head's top top_pages can be taken (each head
-      // alone has top_pages groups ranked below top_pages), so ranks are
-      // counted only for groups at or above the head's top_pages-th score.
+      // core MarkFixedBudget ranks the unforced groups per head (score
+      // descending, ties to the more recent group). Only a group within some
+      // head's top top_pages can be taken, and only groups at or above the
+      // head's top_pages-th score can rank there: a warp per head finds that
+      // score, then ranks each such group with one warp-wide count (n / 32 per
+      // lane) and keeps each group's best rank over the list's heads.
       for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
            h += warps) {
-        float cut = -INFINITY;
-        if (head_scored(h)) {
-          unsigned local = 0;
-          for (int p = lane; p < n; p += 32) local += !forced(p);
-          if (__reduce_add_sync(0xFFFFFFFFu, local) > static_cast<unsigned>(rule.top_pages)) {
-            cut = KeyToFloat(WarpKthLargest(
-                a.scores + (head_base + h) * s.max_groups, n, rule.top_pages,
-                [&](int p) { return !forced(p); }, histograms[warp], lane));
+        if (!head_scored(h)) continue;
+        if (lane == 0) fixed_any_head = true;
+        unsigned local = 0;
+        for (int p = lane; p < n; p += 32) local += !forced(p);
+        if (__reduce_add_sync(0xFFFFFFFFu, local) <= static_cast<unsigned>(rule.top_pages)) {
+          continue;  // every unforced group is taken (below)
+        }
+        const float* sc = a.scores + (head_base + h) * s.max_groups;
+        const float cut = KeyToFloat(WarpKthLargest(
+            sc, n, rule.top_pages, [&](int p) { return !forced(p); }, histograms[warp], lane));
+        for (int base = 0; base < n; base += 32) {
+          const int p = base + lane;
+          unsigned candidates = __ballot_sync(0xFFFFFFFFu, p < n && !forced(p) && sc[p] >= cut);
+          while (candidates != 0) {
+            const int c = base + __ffs(candidates) - 1;
+            candidates &= candidates - 1;
+            const float mine = sc[c];
+            unsigned above = 0;
+            for (int q = lane; q < n; q += 32) {
+              const float v = sc[q];
+              above += !forced(q) && (v > mine || (v == mine && q > c));
+            }
+            const unsigned rank = __reduce_add_sync(0xFFFFFFFFu, above);
+            if (lane == 0 && rank < static_cast<unsigned>(rule.top_pages)) {
+              atomicMin(&fixed_best[c], rank);
+            }
           }
         }
-        if (lane == 0) head_cut[h - first_head] = cut;
       }
     } else if constexpr (kBudget == Budget::kTopP) {
       __shared__ double masses[kWarps][256];
@@ -149,53 +188,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
   __syncthreads();
   if constexpr (kBudget == Budget::kFixed) {
-    // core MarkFixedBudget: rank the unforced groups per head (score descending,
-    // ties to the more recent group), keep each group's best rank over the
-    // list's heads, and take the top_pages best (ties to the more recent).
-    // Ranks by counting, for the groups at or above the head's cut only: O(n) per
-    // such group (about top_pages per head, more with ties at the cut).
-    float* stage = reinterpret_cast<float*>(offset + s.max_groups);
-    unsigned* best = offset;
-    __shared__ unsigned unforced_shared;
-    __shared__ bool any_head_shared;
-    if (threadIdx.x == 0) {
-      unforced_shared = 0;
-      any_head_shared = false;
-    }
-    for (int p = threadIdx.x; p < n; p += blockDim.x) best[p] = 0xFFFFFFFFu;
-    __syncthreads();
-    for (int p = threadIdx.x; p < n; p += blockDim.x) {
-      if (!forced(p)) atomicAdd(&unforced_shared, 1u);
-    }
-    for (int h = first_head; h < first_head + heads_per_list && !rule.method_off; ++h) {
-      if (!head_scored(h)) continue;
-      if (threadIdx.x == 0) any_head_shared = true;
-      const float* sc = a.scores + (head_base + h) * s.max_groups;
-      for (int p = threadIdx.x; p < n; p += blockDim.x) stage[p] = sc[p];
-      __syncthreads();
-      const float cut = head_cut[h - first_head];
-      for (int p = threadIdx.x; p < n; p += blockDim.x) {
-        if (forced(p) || !(stage[p] >= cut)) continue;
-        const float mine = stage[p];
-        unsigned rank = 0;
-        for (int q = 0; q < n; ++q) {
-          rank += !forced(q) && (stage[q] > mine || (stage[q] == mine && q > p));
-        }
-        if (rank < static_cast<unsigned>(rule.top_pages)) best[p] = min(best[p], rank);
-      }
-      __syncthreads();
-    }
-    __syncthreads();
-    if (any_head_shared) {
-      const unsigned unforced = unforced_shared;
+    // Take the top_pages groups of best rank over the list's heads (ties to
+    // the more recent group); all unforced groups when there are no more.
+    if (fixed_any_head) {
+      const unsigned unforced = fixed_unforced;
       for (int p = threadIdx.x; p < n; p += blockDim.x) {
         if (forced(p)) continue;
         bool take = unforced <= static_cast<unsigned>(rule.top_pages);
-        if (!take && best[p] != 0xFFFFFFFFu) {  // ranked: within some head's top top_pages
+        if (!take && fixed_best[p] != 0xFFFFFFFFu) {
           unsigned before = 0;
           for (int q = 0; q < n; ++q) {
-            before +=
-                best[q] != 0xFFFFFFFFu && (best[q] < best[p] || (best[q] == best[p] && q > p));
+            before += fixed_best[q] != 0xFFFFFFFFu &&
+                      (fixed_best[q] < fixed_best[p] || (fixed_best[q] == fixed_best[p] && q > p));
           }
           take = before < static_cast<unsigned>(rule.top_pages);
         }

@@ -108,7 +108,7 @@ size_t ScoreSharedBytes(const ModelLayout& m) {
          (m.head_dim + PackedSize(m.sketch_dim) + 1 + m.sketch_dim);
 }
 size_t SelectSharedBytes(int64_t max_groups) {
-  return static_cast<size_t>((max_groups + 15) / 16 * 16 + 2 * max_groups * sizeof(unsigned));
+  return static_cast<size_t>((max_groups + 15) / 16 * 16 + max_groups * sizeof(unsigned));
 }
 constexpr int64_t kMaxGroups = 8192;  // the select kernel's shared memory holds a row's groups
 

@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "client/cpp/engine_capi.h"
 #include "absl/status/status.h"
+#include "client/cpp/engine_capi.h"
 #include "gpu/device.h"
 #include "gpu/stream_ops.h"
 #include "gtest/gtest.h"
@@ -74,9 +74,9 @@ class OneQueueTest : public ::testing::Test {
 // could: each would queue behind it too).
 TEST_F(OneQueueTest, ControlAnotherStreamQueuesBehindTheWaitUntilACpuStoreEndsIt) {
   uint64_t* host_counter = nullptr;
-  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host_counter), sizeof(uint64_t),
-                          cudaHostAllocMapped),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaHostAlloc(reinterpret_cast<void**>(&host_counter), sizeof(uint64_t), cudaHostAllocMapped),
+      cudaSuccess);
   *host_counter = 0;
   uint64_t* mapped = nullptr;
   ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped), host_counter, 0),
@@ -111,8 +111,7 @@ TEST_F(OneQueueTest, SummaryQueueAndDenseReleaseOnTheEngineStreamComplete) {
   for (uint64_t step = 1; step <= 50; ++step) {
     // the engine's step: its dense release (a fallback) and its wait for the lists,
     // then the summary appends of its keys and the wait for them before the next inputs
-    ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), lists, Addr(flags), step, Addr(engine_)),
-              0)
+    ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), lists, Addr(flags), step, Addr(engine_)), 0)
         << eps_engine_last_error();
     ASSERT_EQ(eps_engine_wait_selection(Addr(engine_), Addr(flags), step), 0);
     std::vector<EpsKeyAppend> appends;

@@ -340,6 +340,14 @@ TEST(SelectPolicyTest, ABoundWhoseRecordPartIsMissingIsRefusedNotScoredAsFro) {
   SelectPolicy jl;
   jl.method = Method::kJl;
   EXPECT_TRUE(jl.Validate(model).ok());
+  // Strict mode scores with its bracket, not the method: no part of the method is needed.
+  model.features.principal = false;
+  SelectPolicy strict_quest;
+  strict_quest.strict = true;
+  EXPECT_TRUE(strict_quest.Validate(model).ok());
+  SelectPolicy strict_onepc = onepc;
+  strict_onepc.strict = true;
+  EXPECT_TRUE(strict_onepc.Validate(model).ok());
 }
 
 }  // namespace

@@ -224,7 +224,7 @@ TEST_F(AsyncFenceTest, AsyncStepsWaitForTheEnginesInputsOnTheDevice) {
   options.target = epsd->target();
   options.deadline = std::chrono::seconds(2);
   client::EpsClient sync_client(options, Attach());
-  ASSERT_TRUE(sync_client.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(sync_client.Attach(), absl::OkStatus()) << epsd->Log();
   std::vector<double> sync_rtt, async_rtt, ping_rtt;
   int lists = 0, differing = 0;
   uint64_t step = 0;
@@ -247,7 +247,7 @@ TEST_F(AsyncFenceTest, AsyncStepsWaitForTheEnginesInputsOnTheDevice) {
   // inputs_ready makes the lists right.
   options.reply_async = true;
   client::EpsClient async_client(options, Attach());  // same engine_id: replaces the session
-  ASSERT_TRUE(async_client.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(async_client.Attach(), absl::OkStatus()) << epsd->Log();
   uint64_t previous = 0;
   for (int i = 0; i < 300; ++i) {
     ++step;
@@ -295,7 +295,7 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
                                           {"--backend=cuda", "--inputs-timeout-ms=100"});
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(AsyncOptions(*epsd), Attach());
-  ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   // Step 1 is accepted, but the engine never signals inputs_ready = 1.
   const client::StepResult first = client.SelectPages(1, Rows());
   ASSERT_FALSE(first.fallback) << first.status;
@@ -319,7 +319,7 @@ TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("killed"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(AsyncOptions(*epsd), Attach());
-  ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   client::SelectionWatchdog watchdog(*buffers_, std::chrono::milliseconds(200));
   // Accepted, then the sidecar dies while its stream waits for the engine's
   // inputs: nothing will ever write selection_done = 1.
@@ -379,7 +379,7 @@ TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) 
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("badslot"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(AsyncOptions(*epsd), Attach());
-  ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   const int32_t bad = static_cast<int32_t>(host_->num_slots()) + 5;
   ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &bad, 4, cudaMemcpyHostToDevice), cudaSuccess);
   WriteQueries(1, 0);
@@ -409,7 +409,7 @@ TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattac
   options.fail_open = false;
   {
     client::EpsClient first(options, Attach());
-    ASSERT_TRUE(first.Attach().ok()) << epsd->Log();
+    ASSERT_EQ(first.Attach(), absl::OkStatus()) << epsd->Log();
     WriteQueries(5, 0);
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
     const client::StepResult r = first.SelectPages(5, Rows());
@@ -418,7 +418,7 @@ TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattac
   // A new session over the same buffers (selection_done = 5) that restarts its
   // numbering would get neither a wait nor a write: epsd refuses it instead.
   client::EpsClient second(options, Attach());
-  ASSERT_TRUE(second.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(second.Attach(), absl::OkStatus()) << epsd->Log();
   const client::StepResult stale = second.SelectPages(3, Rows());
   EXPECT_EQ(stale.status.code(), absl::StatusCode::kFailedPrecondition) << stale.status;
   EXPECT_NE(stale.status.message().find("selection_done=5"), std::string::npos) << stale.status;

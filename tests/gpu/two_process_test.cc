@@ -140,7 +140,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   options.target = epsd->target();
   options.deadline = std::chrono::seconds(2);
   client::EpsClient client(options, attach);
-  ASSERT_TRUE(client.Attach().ok()) << epsd->Log();
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
 
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<int64_t> tokens(batch, start_tokens);
