@@ -163,6 +163,20 @@ struct GpuSelector::Impl {
 GpuSelector::GpuSelector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GpuSelector::~GpuSelector() = default;
 
+absl::Status GpuSelector::WarmUp(int device) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  CUDA_RETURN_IF_ERROR(cudaFree(nullptr));  // the primary context
+  RETURN_IF_ERROR(PreloadStreamOps());
+  for (const auto& kernels : {std::span<const void* const>(kScoreKernels),
+                              std::span<const void* const>(kSelectKernels)}) {
+    for (const void* kernel : kernels) {
+      cudaFuncAttributes attributes;
+      CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayout& model,
                                                                  int device, int64_t max_batch,
                                                                  int64_t max_groups,

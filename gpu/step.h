@@ -57,6 +57,10 @@ struct GpuSelectorOptions {
 
 class GpuSelector {
  public:
+  // Creates `device`'s context and loads the pre-pass and stream-op kernels, so
+  // that the first Create on it (a first Attach) pays neither.
+  static absl::Status WarmUp(int device);
+
   // Scratch for up to `max_batch` rows of up to `max_groups` groups, on `device`.
   static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(const ModelLayout& model, int device,
                                                              int64_t max_batch, int64_t max_groups,

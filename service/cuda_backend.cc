@@ -105,6 +105,15 @@ bool CudaDevicePresent() { return gpu::DeviceAvailable(); }
 
 int CudaDeviceCount() { return gpu::DeviceCount(); }
 
+absl::Status WarmUpCuda() {
+  for (int device = 0; device < gpu::DeviceCount(); ++device) {
+    if (absl::Status s = gpu::GpuSelector::WarmUp(device); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("device ", device, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> CudaDeviceWithUuid(std::string_view uuid) { return gpu::DeviceWithUuid(uuid); }
 
 CudaIpcOpener MakeCudaIpcOpener(int device) {

@@ -28,6 +28,10 @@ bool CudaBackendBuilt();
 // Whether a CUDA device is visible to this process.
 bool CudaDevicePresent();
 
+// Creates every visible device's context and loads the pre-pass kernels, so that
+// a first Attach pays for neither (500 ms is the clients' default Attach deadline).
+absl::Status WarmUpCuda();
+
 // How many CUDA devices epsd sees (0 without CUDA).
 int CudaDeviceCount();
 

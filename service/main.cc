@@ -1,6 +1,7 @@
 // epsd: the EPS page selector sidecar.
 #include <pthread.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +43,18 @@ int main(int argc, char** argv) {
                  eps::service::CudaBackendBuilt() ? "no CUDA device is visible"
                                                   : "this epsd was built without CUDA");
     return 2;
+  }
+  if (config->backend != eps::service::BackendKind::kCpu && eps::service::CudaDevicePresent()) {
+    const auto start = std::chrono::steady_clock::now();
+    if (absl::Status s = eps::service::WarmUpCuda(); !s.ok()) {
+      std::fprintf(stderr, "epsd: CUDA warm-up: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "epsd: CUDA ready on %d device(s) in %lld ms\n",
+                 eps::service::CudaDeviceCount(),
+                 static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            std::chrono::steady_clock::now() - start)
+                                            .count()));
   }
   // Block the termination signals in every thread; one thread waits for them.
   sigset_t signals;

@@ -7,6 +7,7 @@ bool CudaBackendBuilt() { return false; }
 bool CudaDevicePresent() { return false; }
 CudaIpcOpener MakeCudaIpcOpener(int) { return nullptr; }
 int CudaDeviceCount() { return 0; }
+absl::Status WarmUpCuda() { return absl::OkStatus(); }
 absl::StatusOr<int> CudaDeviceWithUuid(std::string_view) {
   return absl::FailedPreconditionError("this epsd was built without CUDA");
 }
