@@ -81,6 +81,48 @@ __device__ inline void QuestSums(const float* rec, const RecordOffsets& o, const
   }
 }
 
+// QuestSums for the records of a whole warp, read cooperatively: each lane's
+// `rec` (null for a lane with no record) is taken in turn, its lanes split the
+// channels (coalesced 128-byte loads instead of one thread walking 2·d halves),
+// and shuffles add the heads' partial sums. Every lane of the warp must call it;
+// on return `out` holds the caller's own record's sums. The sums run in another
+// order than QuestSums' (a float rounding apart).
+__device__ inline void QuestSumsWarp(const float* rec, const RecordOffsets& o, const float* q,
+                                     int heads, float* out, int lane) {
+#pragma unroll
+  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
+  unsigned pending = __ballot_sync(0xFFFFFFFFu, rec != nullptr);
+  while (pending != 0) {
+    const int src = __ffs(pending) - 1;
+    pending &= pending - 1;
+    const float* srec = reinterpret_cast<const float*>(
+        __shfl_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(rec), src));
+    const __half2* lo = reinterpret_cast<const __half2*>(srec + o.quest_min);
+    const __half2* hi = reinterpret_cast<const __half2*>(srec + o.quest_max);
+    float acc[kHeadBatch];
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) acc[r] = 0.0f;
+    for (int i = lane; i < o.d / 2; i += 32) {
+      const float2 l = __half22float2(lo[i]);
+      const float2 h = __half22float2(hi[i]);
+#pragma unroll
+      for (int r = 0; r < kHeadBatch; ++r) {
+        if (r < heads) {
+          const float2 qq = reinterpret_cast<const float2*>(q + r * o.d)[i];
+          acc[r] += fmaxf(qq.x * l.x, qq.x * h.x) + fmaxf(qq.y * l.y, qq.y * h.y);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kHeadBatch; ++r) {
+      if (r < heads) {
+        for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+        if (lane == src) out[r] = acc[r];
+      }
+    }
+  }
+}
+
 // 1pc: u1·q with the int8 direction read four bytes at a time.
 __device__ inline void PrincipalDots(const float* rec, const RecordOffsets& o, const float* q,
                                      int heads, float* out) {

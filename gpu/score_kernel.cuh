@@ -18,7 +18,8 @@ namespace eps::gpu::kernels {
 // memory and builds their terms, a warp per head (‖q‖; for jl z = Φᵀq and the
 // packed z zᵀ), then each thread scores one group: it reads the record once
 // and scores it for every query head of the KV head (GQA), the per-channel
-// sums of quest, 1pc and strict taken for up to kHeadBatch heads per pass.
+// sums of quest, 1pc and strict taken for up to kHeadBatch heads per pass
+// (quest's with the warp's lanes reading each record together).
 //
 // Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio],
 // z [ratio, m]. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict:
@@ -102,10 +103,14 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
   const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (p >= n) return;
+  // quest reads each warp's records together (QuestSumsWarp), so its lanes stay
+  // to the end; the other methods leave as soon as they have nothing to score.
+  constexpr bool kWarpQuest = kMethod == Method::kQuest && !kStrict;
+  if (kWarpQuest ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
+  bool active = p < n;
   const int64_t table_row = a.rows[row].table_row;
   // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
-  if (blockIdx.y == 0) {
+  if (active && blockIdx.y == 0) {
     for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
       const int32_t id = a.block_table[table_row * s.max_blocks + b];
       if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
@@ -113,19 +118,21 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
       }
     }
   }
-  const int32_t slot = a.group_table[table_row * s.max_groups + p];
-  if (slot < 0 || slot >= s.num_slots) {
+  const int32_t slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
+  if (active && (slot < 0 || slot >= s.num_slots)) {
     Fail(status, kBadSlot, row, static_cast<int>(p), slot);
-    return;  // never read outside the pool
+    active = false;  // never read outside the pool
   }
+  if (!kWarpQuest && !active) return;
   if constexpr (kMethod == Method::kOff && !kStrict) {
     return;  // nothing is scored; the tables were still checked, as core/ does
   } else {
     const float* rec =
-        a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
+        active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
+               : nullptr;
     const RecordOffsets& o = s.record;
     const bool stats_ok =
-        isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]);
+        !active || (isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]));
     // jl with m known: the packed Gram read once, 16 bytes at a time (records are
     // 16-byte aligned and padded), and kept in registers for every head.
     constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
@@ -140,7 +147,10 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
       const int heads = min(kHeadBatch, ratio - r0);
       const float* q = q_sh + r0 * s.d;
       HeadSums sums;
-      if constexpr (kQuestSums) {
+      if constexpr (kWarpQuest) {
+        if (o.quest_min >= 0) QuestSumsWarp(rec, o, q, heads, sums.quest, lane);
+        if (!active) continue;
+      } else if constexpr (kQuestSums) {
         if (o.quest_min >= 0) QuestSums(rec, o, q, heads, sums.quest);
       }
       if constexpr (kPrincipalSums) {
