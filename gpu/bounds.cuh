@@ -92,32 +92,44 @@ __device__ inline void QuestSumsWarp(const float* rec, const RecordOffsets& o, c
 #pragma unroll
   for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
   unsigned pending = __ballot_sync(0xFFFFFFFFu, rec != nullptr);
+  const auto address = reinterpret_cast<unsigned long long>(rec);
   while (pending != 0) {
-    const int src = __ffs(pending) - 1;
+    // Two records per pass, so that each lane has four loads in flight.
+    const int src0 = __ffs(pending) - 1;
     pending &= pending - 1;
-    const float* srec = reinterpret_cast<const float*>(
-        __shfl_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(rec), src));
-    const __half2* lo = reinterpret_cast<const __half2*>(srec + o.quest_min);
-    const __half2* hi = reinterpret_cast<const __half2*>(srec + o.quest_max);
-    float acc[kHeadBatch];
+    const int src1 = pending != 0 ? __ffs(pending) - 1 : -1;
+    if (src1 >= 0) pending &= pending - 1;
+    const auto* rec0 = reinterpret_cast<const float*>(__shfl_sync(0xFFFFFFFFu, address, src0));
+    const auto* rec1 =
+        reinterpret_cast<const float*>(__shfl_sync(0xFFFFFFFFu, address, src1 >= 0 ? src1 : src0));
+    const __half2* lo0 = reinterpret_cast<const __half2*>(rec0 + o.quest_min);
+    const __half2* hi0 = reinterpret_cast<const __half2*>(rec0 + o.quest_max);
+    const __half2* lo1 = reinterpret_cast<const __half2*>(rec1 + o.quest_min);
+    const __half2* hi1 = reinterpret_cast<const __half2*>(rec1 + o.quest_max);
+    float acc0[kHeadBatch], acc1[kHeadBatch];
 #pragma unroll
-    for (int r = 0; r < kHeadBatch; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < kHeadBatch; ++r) acc0[r] = acc1[r] = 0.0f;
     for (int i = lane; i < o.d / 2; i += 32) {
-      const float2 l = __half22float2(lo[i]);
-      const float2 h = __half22float2(hi[i]);
+      const float2 l0 = __half22float2(lo0[i]), h0 = __half22float2(hi0[i]);
+      const float2 l1 = __half22float2(lo1[i]), h1 = __half22float2(hi1[i]);
 #pragma unroll
       for (int r = 0; r < kHeadBatch; ++r) {
         if (r < heads) {
           const float2 qq = reinterpret_cast<const float2*>(q + r * o.d)[i];
-          acc[r] += fmaxf(qq.x * l.x, qq.x * h.x) + fmaxf(qq.y * l.y, qq.y * h.y);
+          acc0[r] += fmaxf(qq.x * l0.x, qq.x * h0.x) + fmaxf(qq.y * l0.y, qq.y * h0.y);
+          acc1[r] += fmaxf(qq.x * l1.x, qq.x * h1.x) + fmaxf(qq.y * l1.y, qq.y * h1.y);
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < kHeadBatch; ++r) {
       if (r < heads) {
-        for (int off = 16; off > 0; off /= 2) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
-        if (lane == src) out[r] = acc[r];
+        for (int off = 16; off > 0; off /= 2) {
+          acc0[r] += __shfl_xor_sync(0xFFFFFFFFu, acc0[r], off);
+          acc1[r] += __shfl_xor_sync(0xFFFFFFFFu, acc1[r], off);
+        }
+        if (lane == src0) out[r] = acc0[r];
+        if (lane == src1) out[r] = acc1[r];
       }
     }
   }
