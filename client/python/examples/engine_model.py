@@ -16,33 +16,30 @@ a fused gate/up SwiGLU FFN.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from gguf_llama import LlamaConfig
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    num_layers: int
-    hidden: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    rope_theta: float
-    rms_eps: float
-    context_length: int
-    rope_interleaved: bool  # GGUF's (2i, 2i+1) pairs; False: Hugging Face's half split
-    random_weights: bool
+class ModelConfig(LlamaConfig):
+    """A LlamaConfig with what the engine adds: a label, the RoPE pairing, the weights' kind."""
+
+    name: str = ""
+    rope_interleaved: bool = False  # GGUF's (2i, 2i+1) pairs; False: Hugging Face's half split
+    random_weights: bool = False
 
 
-LLAMA3_8B_SHAPE = ModelConfig("llama-3-8b-shape, RANDOM bf16 weights", 32, 4096, 32, 8, 128,
-                              14336, 128256, 500000.0, 1e-5, 131072, False, True)
-SMALL_SHAPE = ModelConfig("small llama shape, RANDOM weights", 2, 256, 4, 2, 64, 512, 1000,
-                          10000.0, 1e-5, 65536, False, True)
+LLAMA3_8B_SHAPE = ModelConfig(num_layers=32, hidden=4096, num_q_heads=32, num_kv_heads=8,
+                              head_dim=128, ffn=14336, vocab=128256, rope_theta=500000.0,
+                              rms_eps=1e-5, context_length=131072,
+                              name="llama-3-8b-shape, RANDOM bf16 weights", random_weights=True)
+SMALL_SHAPE = ModelConfig(num_layers=2, hidden=256, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                          ffn=512, vocab=1000, rope_theta=10000.0, rms_eps=1e-5,
+                          context_length=65536, name="small llama shape, RANDOM weights",
+                          random_weights=True)
 
 
 class Model:
@@ -90,10 +87,8 @@ class Model:
         from gguf_llama import load_gguf
 
         cfg, weights, reader = load_gguf(path)
-        config = ModelConfig(f"{path.rsplit('/', 1)[-1]} (pretrained)", cfg.num_layers,
-                             cfg.hidden, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.ffn, cfg.vocab, cfg.rope_theta, cfg.rms_eps,
-                             cfg.context_length, True, False)
+        config = ModelConfig(**asdict(cfg), name=f"{path.rsplit('/', 1)[-1]} (pretrained)",
+                             rope_interleaved=True)
 
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(weights[name].copy()).to(device=device, dtype=dtype)
