@@ -54,6 +54,12 @@ absl::Status DeviceBuffers::WaitSelection(cudaStream_t stream, uint64_t step) {
   return gpu::StreamWaitCounter(stream, flags() + 1, step);
 }
 
+absl::Status DeviceBuffers::ReleaseDense(uint64_t step, cudaStream_t stream) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;
+  return gpu::StreamReleaseDense(stream, visit_count(), lists, flags() + 1, step);
+}
+
 absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;

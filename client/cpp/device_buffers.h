@@ -7,9 +7,12 @@
 // Cross-process ordering on the engine's stream, without a host round trip:
 //   SignalInputsReady(stream, step)  after the step's queries are written
 //   WaitSelection(stream, step)      before attention reads the visit lists
-// and, when the step falls back (fail open), ReleaseDense(step) sets every
-// visit_count to -1 ("attend densely") and then selection_done = step, so the
-// engine's stream never waits on a sidecar that is gone.
+// and, when the step falls back (fail open), ReleaseDense(step, stream) sets
+// every visit_count to -1 ("attend densely") and then selection_done = step on
+// the engine's stream, ahead of its wait, so that stream never waits on a
+// sidecar that is gone. (ReleaseDense(step) does it on a stream of the
+// library's own, as the watchdog must; that stream may share a hardware queue
+// with the engine's waiting one: docs/design.md §6.)
 //
 // Ownership: the allocation is freed in the destructor (after the device is
 // idle for it). Thread safety: ReleaseDense and ReadSelectionDone may run on
@@ -52,7 +55,10 @@ class DeviceBuffers {
   absl::Status SignalInputsReady(cudaStream_t stream, uint64_t step);
   absl::Status WaitSelection(cudaStream_t stream, uint64_t step);
   // Fail open on the device: visit_count = -1 everywhere, then
-  // selection_done = step (on a stream of the library's own).
+  // selection_done = step; queued on `stream` (the engine's, before its wait
+  // for `step`) without a host wait.
+  absl::Status ReleaseDense(uint64_t step, cudaStream_t stream);
+  // The same on a stream of the library's own, waited for (the watchdog's form).
   absl::Status ReleaseDense(uint64_t step);
   absl::StatusOr<uint64_t> ReadSelectionDone();
 

@@ -12,9 +12,12 @@
 // CUDA_VISIBLE_DEVICES must: its ordinal D is not epsd's).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -22,6 +25,7 @@
 
 #include "absl/strings/numbers.h"
 #include "client/cpp/eps_client.h"
+#include "core/bounds.h"
 #include "core/phi.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
@@ -34,6 +38,40 @@ namespace eps {
 namespace {
 
 constexpr int kLayers = 4, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBatch = 2;
+
+// How far group p of (layer, row) is from being visited under core's threshold
+// rule for a union list: max over the layer's query heads of (score - cut) / |cut|,
+// the cut being the head's top_pages-th largest unforced score over alpha
+// (negative: not visited). Forced groups return +inf.
+double CutMargin(const ModelLayout& m, const PhiBank& phi, testing::StepBuffers& host,
+                 const SelectPolicy& policy, int layer, int row, int64_t n, int64_t p) {
+  auto forced = [&](int64_t g) {
+    return g < policy.first_n || g >= n - policy.last_n || g == n - 1;
+  };
+  if (forced(p)) return INFINITY;
+  const SummaryLayout layout = SummaryLayout::For(m);
+  double best = -INFINITY;
+  for (int h = 0; h < m.num_q_heads; ++h) {
+    const int kvh = h / m.gqa_ratio();
+    QueryTerms terms;
+    terms.Prepare(phi, layer, kvh, host.Query(layer, row, h));
+    std::vector<float> scores;
+    float mine = 0.0f;
+    for (int64_t g = 0; g < n; ++g) {
+      const float score =
+          Score(policy.method, host.Record(host.SlotOf(row, g), layer, kvh), layout, terms);
+      if (g == p) mine = score;
+      if (!forced(g)) scores.push_back(score);
+    }
+    if (static_cast<int64_t>(scores.size()) <= policy.top_pages) return INFINITY;
+    std::nth_element(scores.begin(), scores.begin() + (policy.top_pages - 1), scores.end(),
+                     std::greater<float>());
+    const float t = scores[policy.top_pages - 1];
+    const float cut = t > 0.0f ? t / policy.alpha : t * policy.alpha;
+    best = std::max(best, (static_cast<double>(mine) - cut) / std::max(std::abs(cut), 1e-30f));
+  }
+  return best;
+}
 constexpr int64_t kStartTokens = 6000;
 
 struct Flags {
@@ -229,6 +267,10 @@ int Run(const Flags& flags, testing::RankBoard* board) {
       }
     }
     RANK_CHECK(upload(queries, host_queries, query_count * 4), "queries upload");
+    // A sync step's inputs must have landed before the call: cudaMemcpy from pageable
+    // memory may return while its DMA is still in flight, and epsd (another process)
+    // is not ordered after it.
+    CUDA_CHECK(cudaDeviceSynchronize());
 
     RANK_CHECK(board->ArriveAndWait(step, std::chrono::seconds(60)),
                "step %d: another rank failed, or the barrier timed out", step);
@@ -268,10 +310,24 @@ int Run(const Flags& flags, testing::RankBoard* board) {
         const auto a = testing::VisitedGroups(host, r, want, n);
         const auto c = testing::VisitedGroups(host, r, got, n);
         int differing = 0;
-        for (int64_t p = 0; p < n; ++p) differing += a[p] != c[p];
+        double worst = 0.0;  // the largest relative distance of a differing group from a cut
+        for (int64_t p = 0; p < n; ++p) {
+          if (a[p] == c[p]) continue;
+          ++differing;
+          const double margin = CutMargin(m, *phi, host, policy, layer, r, n, p);
+          worst = std::max(worst, std::abs(margin));
+          std::fprintf(stderr,
+                       "rank %d: step %d layer %d row %d group %lld: core %d, device %d, "
+                       "score - cut = %.3g of the cut\n",
+                       flags.rank, step, layer, r, static_cast<long long>(p), a[p], c[p], margin);
+        }
         ++differing_lists;
-        RANK_CHECK(differing <= 2, "step %d layer %d row %d: %d groups differ from core/", step,
-                   layer, r, differing);
+        // Only groups at a cut within float rounding may differ (scores and cuts are
+        // summed in another order on the device).
+        RANK_CHECK(worst <= 1e-4,
+                   "step %d layer %d row %d: %d groups differ from core/, "
+                   "one %.3g of its cut away: more than float rounding",
+                   step, layer, r, differing, worst);
       }
     }
   }
