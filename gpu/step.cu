@@ -163,18 +163,37 @@ struct GpuSelector::Impl {
 GpuSelector::GpuSelector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GpuSelector::~GpuSelector() = default;
 
-absl::Status GpuSelector::WarmUp(int device) {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  CUDA_RETURN_IF_ERROR(cudaFree(nullptr));  // the primary context
+namespace {
+
+// Loads every kernel now: a lazy load at the first launch may wait for the
+// context to idle, which a stream waiting on inputs_ready prevents (stream_ops.h).
+// Kernels past 48 KiB of dynamic shared memory must say so before launch; the
+// attribute is per process, so every caller sets the device's maximum (a cap,
+// not a reservation) rather than its own need.
+absl::Status LoadKernels(int device) {
+  int max_shared = 0;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   RETURN_IF_ERROR(PreloadStreamOps());
   for (const auto& kernels : {std::span<const void* const>(kScoreKernels),
                               std::span<const void* const>(kSelectKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
+      CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               max_shared - static_cast<int>(attributes.sharedSizeBytes)));
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status GpuSelector::WarmUp(int device) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  CUDA_RETURN_IF_ERROR(cudaFree(nullptr));  // the primary context
+  return LoadKernels(device);
 }
 
 absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayout& model,
@@ -222,22 +241,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
-  // Load every kernel now: a lazy load at the first launch may wait for the
-  // context to idle, which a stream waiting on inputs_ready prevents (stream_ops.h).
-  // Kernels past 48 KiB of dynamic shared memory must say so before launch; the
-  // attribute is per process, so every selector sets the device's maximum (a
-  // cap, not a reservation) rather than its own need.
-  RETURN_IF_ERROR(PreloadStreamOps());
-  for (const auto& kernels : {std::span<const void* const>(kScoreKernels),
-                              std::span<const void* const>(kSelectKernels)}) {
-    for (const void* kernel : kernels) {
-      cudaFuncAttributes attributes;
-      CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
-      CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               max_shared - static_cast<int>(attributes.sharedSizeBytes)));
-    }
-  }
+  RETURN_IF_ERROR(LoadKernels(device));
   GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
                                                    model.num_kv_heads, static_cast<int>(per_matrix),
                                                    PhiScale(model.sketch_dim), impl->phi.get());

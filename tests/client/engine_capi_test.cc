@@ -18,6 +18,7 @@
 #include "core/layout.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
+#include "tests/client/device_memory.h"
 #include "tests/core/test_util.h"
 
 namespace {
@@ -32,14 +33,7 @@ class EngineCapiTest : public ::testing::Test {
   }
   template <typename T>
   T* Alloc(size_t n) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
-    EXPECT_EQ(cudaMemset(p, 0, n * sizeof(T)), cudaSuccess);
-    owned_.push_back(p);
-    return static_cast<T*>(p);
-  }
-  void TearDown() override {
-    for (void* p : owned_) cudaFree(p);
+    return memory_.Alloc<T>(n);
   }
   int RecordWords() const {
     eps::ModelLayout m;
@@ -53,7 +47,7 @@ class EngineCapiTest : public ::testing::Test {
     return eps::SummaryLayout::For(m).record_words;
   }
   EpsEngineModel model_{};
-  std::vector<void*> owned_;
+  eps::testing::DeviceMemory memory_;
 };
 
 TEST_F(EngineCapiTest, SummaryQueueWritesWhatTheSynchronousWriterWrites) {

@@ -22,6 +22,7 @@
 #include "gpu/device.h"
 #include "gpu/stream_ops.h"
 #include "gtest/gtest.h"
+#include "tests/client/device_memory.h"
 
 namespace {
 
@@ -55,18 +56,13 @@ class OneQueueTest : public ::testing::Test {
   }
   void TearDown() override {
     if (engine_ != nullptr) cudaStreamDestroy(engine_);
-    for (void* p : owned_) cudaFree(p);
   }
   template <typename T>
   T* Alloc(size_t n) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
-    EXPECT_EQ(cudaMemset(p, 0, n * sizeof(T)), cudaSuccess);
-    owned_.push_back(p);
-    return static_cast<T*>(p);
+    return memory_.Alloc<T>(n);
   }
   cudaStream_t engine_ = nullptr;
-  std::vector<void*> owned_;
+  eps::testing::DeviceMemory memory_;
 };
 
 // The control: another stream's command really queues behind the engine stream's
