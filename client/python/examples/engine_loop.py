@@ -96,6 +96,8 @@ class RunRecord:
     logp: Any = None
     argmax: Any = None
     events: list[str] = field(default_factory=list)
+    summary_errors: int = 0  # appends refused or skipped (a non-finite key) in this run
+    summary_error: str = ""  # the last one's message
 
 
 class PagedEngine:
@@ -132,6 +134,7 @@ class PagedEngine:
                                                           torch.arange(self.pool.shape[0]))
         self.writer = DeviceSummaryWriter(eps_model, device.index or 0)
         self.queue = SummaryQueue(self.writer)
+        self._summary_errors_seen = 0
         self.counters = StepCounters.of(self.buffers)
         self.watchdog = Watchdog(self.counters, watchdog_s)
         self.stream = torch.cuda.Stream(device)
@@ -394,6 +397,9 @@ class PagedEngine:
         rec.logp, rec.argmax = logps.cpu(), argmaxes.cpu()
         if gated:
             self.queue.drain()
+            errors, rec.summary_error = self.queue.errors()  # counted since the queue began
+            rec.summary_errors = errors - self._summary_errors_seen
+            self._summary_errors_seen = errors
             # a final sync step collects the statistics of the last async steps
             done = self.client.select_pages(self.step_base, self._rows(start + steps), options)
             self.step_base += 1

@@ -119,7 +119,8 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
                   "attention_ms": attn, "limit_ms": limit,
                   "p50_vs_dense": s["step_ms_p50"] / d["step_ms_p50"] - 1.0,
                   "fallbacks": len(gated.fallback_steps),
-                  "fallback_reasons": gated.fallback_reasons})
+                  "fallback_reasons": gated.fallback_reasons,
+                  "summary_errors": gated.summary_errors, "summary_error": gated.summary_error})
         runs.append(s)
         rows.append([f"gated {f:.3g}", f"{100 * s['pages_read_fraction']:.1f}%", top,
                      s["step_ms_p50"], s["step_ms_p95"], attn, s["wait_selection_ms_p50"],
@@ -171,6 +172,7 @@ def _kill_run(engine: PagedEngine, args: argparse.Namespace, inputs: torch.Tenso
                 "reattaches": counters.reattaches,
                 "steps_selected_after_restart": len(selected_after),
                 "fallback_reasons": run.fallback_reasons,
+                "summary_errors": run.summary_errors, "summary_error": run.summary_error,
                 "steps": len(run.step_ms), "step_ms_p50": float(np.median(run.step_ms)),
                 "step_ms_max": float(np.max(run.step_ms))})
     ok = bool(acc["ok"]) and counters.reattaches >= 1 and len(selected_after) > 0 \
