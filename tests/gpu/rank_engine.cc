@@ -27,6 +27,7 @@
 #include "client/cpp/eps_client.h"
 #include "core/bounds.h"
 #include "core/phi.h"
+#include "core/select.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
 #include "gpu/device.h"
@@ -45,10 +46,9 @@ constexpr int kLayers = 4, kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBatch = 
 // (negative: not visited). Forced groups return +inf.
 double CutMargin(const ModelLayout& m, const PhiBank& phi, testing::StepBuffers& host,
                  const SelectPolicy& policy, int layer, int row, int64_t n, int64_t p) {
-  auto forced = [&](int64_t g) {
-    return g < policy.first_n || g >= n - policy.last_n || g == n - 1;
-  };
-  if (forced(p)) return INFINITY;
+  std::vector<uint8_t> forced(static_cast<size_t>(n), 0);
+  MarkForced(policy, forced);
+  if (forced[p]) return INFINITY;
   const SummaryLayout layout = SummaryLayout::For(m);
   double best = -INFINITY;
   for (int h = 0; h < m.num_q_heads; ++h) {
@@ -61,7 +61,7 @@ double CutMargin(const ModelLayout& m, const PhiBank& phi, testing::StepBuffers&
       const float score =
           Score(policy.method, host.Record(host.SlotOf(row, g), layer, kvh), layout, terms);
       if (g == p) mine = score;
-      if (!forced(g)) scores.push_back(score);
+      if (!forced[g]) scores.push_back(score);
     }
     if (static_cast<int64_t>(scores.size()) <= policy.top_pages) return INFINITY;
     std::nth_element(scores.begin(), scores.begin() + (policy.top_pages - 1), scores.end(),
