@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -75,39 +76,56 @@ absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
   return absl::OkStatus();
 }
 
+// One step's inputs on the device: `batch` rows of `context` tokens each with
+// random summaries, and room for the lists; `in` points at the device copies.
+struct DeviceStep {
+  explicit DeviceStep(const eps::ModelLayout& m, int batch, int64_t context,
+                      eps::Granularity granularity)
+      : buffers(m, batch, context, batch, granularity) {}
+  eps::testing::StepBuffers buffers;
+  std::vector<eps::StepRow> rows;  // `in.rows` views it
+  eps::StepInputs in;
+  DeviceBuffer<float> pool, queries;
+  DeviceBuffer<int32_t> groups, blocks, visit, count;
+  eps::StepOutputs outputs() { return {visit.get(), count.get()}; }
+};
+
+absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayout& m, int batch,
+                                                           int64_t context,
+                                                           eps::Granularity granularity) {
+  auto d = std::make_unique<DeviceStep>(m, batch, context, granularity);
+  for (int b = 0; b < batch; ++b) {
+    d->buffers.AssignRow(b, context, b);
+    d->rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
+  }
+  d->buffers.FillRandomSummaries(1);
+  d->in = d->buffers.Inputs(d->rows);
+  const int lists = granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
+  const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
+  eps::testing::StepBuffers& b = d->buffers;  // read only (its accessors are not const)
+  RETURN_IF_ERROR(Upload(d->pool, b.pool().data(), b.pool().size()));
+  RETURN_IF_ERROR(Upload(d->groups, b.group_table().data(), b.group_table().size()));
+  RETURN_IF_ERROR(Upload(d->blocks, b.block_table().data(), b.block_table().size()));
+  RETURN_IF_ERROR(Upload(d->queries, static_cast<const float*>(d->in.queries), qcount));
+  RETURN_IF_CUDA_ALLOC(d->visit, int64_t{m.num_layers} * batch * lists * b.max_blocks());
+  RETURN_IF_CUDA_ALLOC(d->count, int64_t{m.num_layers} * batch * lists);
+  d->in.summary_pool = d->pool.get();
+  d->in.group_table = d->groups.get();
+  d->in.block_table = d->blocks.get();
+  d->in.queries = d->queries.get();
+  return d;
+}
+
 struct Row {
   int64_t batch, context;
   double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct, direct_us, direct_wall_us;
 };
 
 absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
-  eps::testing::StepBuffers buffers(m, batch, context, batch, eps::Granularity::kUnion);
-  std::vector<eps::StepRow> rows;
-  for (int b = 0; b < batch; ++b) {
-    buffers.AssignRow(b, context, b);
-    rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
-  }
-  buffers.FillRandomSummaries(1);
-  eps::StepInputs in = buffers.Inputs(rows);
-  const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
-  DeviceBuffer<float> pool, queries;
-  DeviceBuffer<int32_t> groups, blocks, visit, count;
-  if (auto s = Upload(pool, buffers.pool().data(), buffers.pool().size()); !s.ok()) return s;
-  if (auto s = Upload(groups, buffers.group_table().data(), buffers.group_table().size());
-      !s.ok()) {
-    return s;
-  }
-  if (auto s = Upload(blocks, buffers.block_table().data(), buffers.block_table().size());
-      !s.ok()) {
-    return s;
-  }
-  if (auto s = Upload(queries, static_cast<const float*>(in.queries), qcount); !s.ok()) return s;
-  RETURN_IF_CUDA_ALLOC(visit, int64_t{m.num_layers} * batch * buffers.max_blocks());
-  RETURN_IF_CUDA_ALLOC(count, int64_t{m.num_layers} * batch);
-  in.summary_pool = pool.get();
-  in.group_table = groups.get();
-  in.block_table = blocks.get();
-  in.queries = queries.get();
+  ASSIGN_OR_RETURN(std::unique_ptr<DeviceStep> step,
+                   MakeDeviceStep(m, batch, context, eps::Granularity::kUnion));
+  const eps::StepInputs& in = step->in;
+  eps::testing::StepBuffers& buffers = step->buffers;
   auto selector = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
   if (!selector.ok()) return selector.status();
   auto direct = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.graphs = false});
@@ -128,8 +146,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
     for (int i = 0; i < 60; ++i) {
       float us = 0;
       const auto t0 = std::chrono::steady_clock::now();
-      if (absl::Status s = selector_k->Select(in, policy, {visit.get(), count.get()}, &stats, &us);
-          !s.ok()) {
+      if (absl::Status s = selector_k->Select(in, policy, step->outputs(), &stats, &us); !s.ok()) {
         return s;
       }
       const auto t1 = std::chrono::steady_clock::now();
@@ -189,35 +206,16 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
               "copy_us", "%copy", "visited%");
   for (const PolicyCase& c : cases) {
     m.features = c.features;
-    eps::testing::StepBuffers buffers(m, batch, context, batch, c.policy.granularity);
-    std::vector<eps::StepRow> rows;
-    for (int b = 0; b < batch; ++b) {
-      buffers.AssignRow(b, context, b);
-      rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
-    }
-    buffers.FillRandomSummaries(1);
-    eps::StepInputs in = buffers.Inputs(rows);
-    const int lists = c.policy.granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
-    const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
-    DeviceBuffer<float> pool, queries;
-    DeviceBuffer<int32_t> groups, blocks, visit, count;
-    RETURN_IF_ERROR(Upload(pool, buffers.pool().data(), buffers.pool().size()));
-    RETURN_IF_ERROR(Upload(groups, buffers.group_table().data(), buffers.group_table().size()));
-    RETURN_IF_ERROR(Upload(blocks, buffers.block_table().data(), buffers.block_table().size()));
-    RETURN_IF_ERROR(Upload(queries, static_cast<const float*>(in.queries), qcount));
-    RETURN_IF_CUDA_ALLOC(visit, int64_t{m.num_layers} * batch * lists * buffers.max_blocks());
-    RETURN_IF_CUDA_ALLOC(count, int64_t{m.num_layers} * batch * lists);
-    in.summary_pool = pool.get();
-    in.group_table = groups.get();
-    in.block_table = blocks.get();
-    in.queries = queries.get();
+    ASSIGN_OR_RETURN(std::unique_ptr<DeviceStep> step,
+                     MakeDeviceStep(m, batch, context, c.policy.granularity));
+    eps::testing::StepBuffers& buffers = step->buffers;
     ASSIGN_OR_RETURN(auto selector,
                      eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups()));
     std::vector<float> gpu_us;
     eps::StepStats stats;
     for (int i = 0; i < 60; ++i) {
       float us = 0;
-      RETURN_IF_ERROR(selector->Select(in, c.policy, {visit.get(), count.get()}, &stats, &us));
+      RETURN_IF_ERROR(selector->Select(step->in, c.policy, step->outputs(), &stats, &us));
       if (i >= 10) gpu_us.push_back(us);
     }
     const double us = Median(gpu_us);
