@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +47,25 @@ def _nll(logits: F32, target: int) -> float:
     lg = logits.astype(np.float64)
     top = lg.max()
     return float(np.log(np.exp(lg - top).sum()) + top - lg[target])
+
+
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tok: Any, filler_ids: list[int], ctx: int,
+                   rng: np.random.Generator) -> tuple[str, float, str]:
+    """A pass-key prompt of about `ctx` tokens: filler text from a random start, the key
+    stated at a random depth in [0.1, 0.9) (at a sentence boundary), then the question.
+    Returns (key, depth, prompt)."""
+    key = str(int(rng.integers(10000, 99999)))
+    depth = float(rng.uniform(0.1, 0.9))
+    budget = ctx - len(tok.encode(PASSKEY_QUESTION)) - 40
+    start = int(rng.integers(0, max(1, len(filler_ids) - budget)))
+    filler = tok.decode(filler_ids[start:start + budget])
+    cut = filler.find(". ", int(depth * len(filler)))
+    cut = len(filler) // 2 if cut < 0 else cut + 2
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    return key, depth, filler[:cut] + needle + filler[cut:] + PASSKEY_QUESTION
 
 
 class RealModel:
@@ -196,19 +216,10 @@ class RealModel:
         rng = np.random.default_rng(seed)
         tok = self.model.tokenizer
         filler_ids = tok.encode(_text(FILLER_FILES))
-        question = "\n\nWhat is the pass key? The pass key is"
         rows = []
         prompts = []
         for i in range(n):
-            key = str(int(rng.integers(10000, 99999)))
-            depth = float(rng.uniform(0.1, 0.9))
-            budget = ctx - len(tok.encode(question)) - 40
-            start = int(rng.integers(0, max(1, len(filler_ids) - budget)))
-            filler = tok.decode(filler_ids[start:start + budget])
-            cut = filler.find(". ", int(depth * len(filler)))
-            cut = len(filler) // 2 if cut < 0 else cut + 2
-            needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-            prompt = filler[:cut] + needle + filler[cut:] + question
+            key, depth, prompt = passkey_prompt(tok, filler_ids, ctx, rng)
             ids = tok.encode(prompt)
             prompts.append({"key": key, "depth": depth, "tokens": len(ids)})
             tr = self.model.prefill(ids[:-1], [len(ids) - 2], [])

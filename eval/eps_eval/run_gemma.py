@@ -27,6 +27,7 @@ from eps_eval import core
 from eps_eval.gemma import GLOBAL_LAYERS, Gemma, fetch_gguf
 from eps_eval.metrics import BLOCK
 from eps_eval.quality import LayerState, QualityPlan, QuestTables, step_rows
+from eps_eval.realmodel import passkey_prompt
 from eps_eval.run import log, unit_done, write_unit
 
 LICENCES = Path(os.environ.get("EPS_EVAL_LICENCES", "/usr/share/common-licenses"))
@@ -116,19 +117,11 @@ def passkeys(m: Gemma, n: int, ctx: int, seed: int) -> list[dict[str, object]]:
     rng = np.random.default_rng(seed)
     tok = m.tokenizer
     filler_ids = tok.encode(text(FILLER), bos=False)
-    question = "\n\nWhat is the pass key? The pass key is"
     rows: list[dict[str, object]] = []
     for i in range(n):
         t0 = time.time()
-        key = str(int(rng.integers(10000, 99999)))
-        depth = float(rng.uniform(0.1, 0.9))
-        budget = ctx - len(tok.encode(question)) - 40
-        start = int(rng.integers(0, max(1, len(filler_ids) - budget)))
-        filler = tok.decode(filler_ids[start:start + budget])
-        cut = filler.find(". ", int(depth * len(filler)))
-        cut = len(filler) // 2 if cut < 0 else cut + 2
-        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-        ids = tok.encode(filler[:cut] + needle + filler[cut:] + question)
+        key, depth, prompt = passkey_prompt(tok, filler_ids, ctx, rng)
+        ids = tok.encode(prompt)
         answer = tok.encode(" " + key, bos=False)
         P = len(ids)
         tr = m.prefill(ids[:-1], [P - 2], [])
