@@ -73,6 +73,12 @@ class ShmBufferSet final : public BufferSet {
 
 }  // namespace
 
+absl::Status BufferSet::SignalInputsReady(uint64_t) {
+  return absl::FailedPreconditionError("async replies need device buffers (--backend=cuda)");
+}
+absl::Status BufferSet::WaitSelection(uint64_t step) { return SignalInputsReady(step); }
+absl::Status BufferSet::ReleaseDense(uint64_t step) { return SignalInputsReady(step); }
+
 client::BufferShape ClientShape(const BufferSetShape& shape) {
   client::BufferShape s;
   s.num_slots = shape.num_slots;

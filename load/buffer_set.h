@@ -48,6 +48,16 @@ class BufferSet {
   virtual absl::Status WriteBlockTable(std::span<const int32_t> table) = 0;
   // [layers, max_batch, q_heads, head_dim] float32
   virtual absl::Status WriteQueries(std::span<const float> queries) = 0;
+
+  // Async replies (--reply=async; device buffers only): the engine's side of one
+  // step's fence on a stream of this set's own. SignalInputsReady queues
+  // inputs_ready = step (the queries are in place), WaitSelection queues the wait
+  // for selection_done >= step and waits for that stream, as an engine's forward
+  // pass would before its next step; ReleaseDense is the client's fail-open path.
+  virtual bool supports_async() const { return false; }
+  virtual absl::Status SignalInputsReady(uint64_t step);
+  virtual absl::Status WaitSelection(uint64_t step);
+  virtual absl::Status ReleaseDense(uint64_t step);
 };
 
 // Host shared memory through client::EngineBuffers (cpu), or device memory on

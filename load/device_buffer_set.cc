@@ -2,6 +2,8 @@
 // cudaMalloc exported over CUDA IPC), filled from eps-load's host images.
 #include <cuda_runtime.h>
 
+#include <memory>
+
 #include "absl/strings/str_cat.h"
 #include "client/cpp/device_buffers.h"
 #include "gpu/device.h"
@@ -11,10 +13,17 @@
 namespace eps::load {
 namespace {
 
+// The stream that stands for the engine's in --reply=async: created with the
+// buffers, destroyed before them.
+struct StreamDeleter {
+  void operator()(CUstream_st* stream) const { cudaStreamDestroy(stream); }
+};
+using OwnedStream = std::unique_ptr<CUstream_st, StreamDeleter>;
+
 class DeviceBufferSet final : public BufferSet {
  public:
-  explicit DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers)
-      : buffers_(std::move(buffers)) {}
+  DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers, OwnedStream stream)
+      : buffers_(std::move(buffers)), stream_(std::move(stream)) {}
 
   v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
   v1::Backend backend() const override { return v1::BACKEND_CUDA; }
@@ -38,6 +47,22 @@ class DeviceBufferSet final : public BufferSet {
     return Copy("queries", buffers_->queries(), queries, ElementsOf(SharedBuffer::kQueries));
   }
 
+  bool supports_async() const override { return true; }
+  absl::Status SignalInputsReady(uint64_t step) override {
+    return buffers_->SignalInputsReady(stream_.get(), step);
+  }
+  absl::Status WaitSelection(uint64_t step) override {
+    if (absl::Status s = buffers_->WaitSelection(stream_.get(), step); !s.ok()) return s;
+    if (cudaError_t err = cudaStreamSynchronize(stream_.get()); err != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("cudaStreamSynchronize(step ", step, "): ", cudaGetErrorString(err)));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ReleaseDense(uint64_t step) override {
+    return buffers_->ReleaseDense(step, stream_.get());
+  }
+
  private:
   template <typename T>
   absl::Status Copy(const char* what, T* device, std::span<const T> host, int64_t want) const {
@@ -58,6 +83,7 @@ class DeviceBufferSet final : public BufferSet {
   int64_t ElementsOf(SharedBuffer buffer) const { return buffers_->plan().ElementsOf(buffer); }
 
   std::unique_ptr<client::DeviceBuffers> buffers_;
+  OwnedStream stream_;  // declared after buffers_: destroyed first
 };
 
 }  // namespace
@@ -72,7 +98,14 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayo
   }
   auto buffers = client::DeviceBuffers::Create(model, ClientShape(shape), device);
   if (!buffers.ok()) return buffers.status();
-  return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(std::move(*buffers)));
+  cudaStream_t stream = nullptr;
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaStreamCreate: ", cudaGetErrorString(err)));
+  }
+  return std::unique_ptr<BufferSet>(
+      std::make_unique<DeviceBufferSet>(std::move(*buffers), OwnedStream(stream)));
 }
 
 }  // namespace eps::load

@@ -29,6 +29,9 @@ ABSL_FLAG(int, ranks, 0,
           "devices), every step sent to all at once: closed loop, no Ping, per-rank latency and "
           "the spread between ranks (0: off)");
 ABSL_FLAG(std::string, mode, "stream", "SelectPages transport: stream | unary");
+ABSL_FLAG(std::string, reply, "sync",
+          "sync | async: SelectPages replies after the selection (sync) or once it is queued on "
+          "the GPU (async, --backend=cuda; the step's fence runs on a stream of eps-load's own)");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(10),
           "the client's per-call deadline (a miss is an error)");
 ABSL_FLAG(absl::Duration, slo, absl::Milliseconds(2), "calls slower than this count as over_slo");

@@ -28,6 +28,7 @@ ABSL_DECLARE_FLAG(eps::load::Arrivals, rate);
 ABSL_DECLARE_FLAG(int, sessions);
 ABSL_DECLARE_FLAG(int, ranks);
 ABSL_DECLARE_FLAG(std::string, mode);
+ABSL_DECLARE_FLAG(std::string, reply);
 ABSL_DECLARE_FLAG(absl::Duration, deadline);
 ABSL_DECLARE_FLAG(absl::Duration, slo);
 ABSL_DECLARE_FLAG(int, ping_every);

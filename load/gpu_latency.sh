@@ -7,9 +7,9 @@
 #
 # Runs load/compare.sh (CPU backend: the transport, stream, channel and session
 # comparisons, and the Llama-3-8B shapes) into $OUT/latency (or ./latency-out),
-# then the same Llama-3-8B shapes against epsd --backend=cuda; eps-load
-# --backend=cuda needs the client library's device allocator and says so until
-# it has one.
+# then the same Llama-3-8B shapes against epsd --backend=cuda, with sync and
+# with async replies (--reply=async: the reply comes once the step is queued).
+# EPS_LATENCY_CUDA_ONLY=1 skips the CPU-backend comparisons.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=$PWD/.carry/load
@@ -26,12 +26,15 @@ mkdir -p "$OUT_DIR"
 # compare.sh and its helpers: from the working tree when present, else from the carry.
 SCRIPTS=load
 [[ -x load/compare.sh ]] || SCRIPTS=$CARRY
-bash "$SCRIPTS/compare.sh" "$OUT_DIR" 2>&1 | tee "$OUT_DIR/compare.log"
+if [[ ${EPS_LATENCY_CUDA_ONLY:-0} != 1 ]]; then
+  bash "$SCRIPTS/compare.sh" "$OUT_DIR" 2>&1 | tee "$OUT_DIR/compare.log"
+fi
 
 source "$SCRIPTS/epsd_ctl.sh"
 trap epsd_stop EXIT
 if epsd_start "unix:///tmp/eps-load-gpu-$$.sock" --backend=cuda; then
-  for shape in "--batch=8 --context=32768" "--batch=1 --context=32768" "--batch=8 --context=131072"; do
+  for shape in "--batch=8 --context=32768" "--batch=1 --context=32768" "--batch=8 --context=131072" \
+    "--batch=8 --context=32768 --reply=async" "--batch=1 --context=32768 --reply=async"; do
     name=cuda-llama8b-$(echo "$shape" | tr -d ' -' | tr '=' '_')
     for rep in 1 2; do
       # shellcheck disable=SC2086

@@ -216,6 +216,12 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend != "cpu" && backend != "cuda") return cli::Invalid(FLAGS_backend, "cpu or cuda");
   c.backend = backend == "cuda" ? service::BackendKind::kCuda : service::BackendKind::kCpu;
+  const std::string reply = absl::GetFlag(FLAGS_reply);
+  if (reply != "sync" && reply != "async") return cli::Invalid(FLAGS_reply, "sync or async");
+  c.reply_async = reply == "async";
+  if (c.reply_async && c.backend != service::BackendKind::kCuda) {
+    return cli::Invalid(FLAGS_reply, "sync: async replies need --backend=cuda (device buffers)");
+  }
   for (const std::string& arg : absl::GetFlag(FLAGS_channel_arg)) {
     const size_t at = arg.find('=');
     int value = 0;

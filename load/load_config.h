@@ -52,6 +52,10 @@ struct LoadConfig {
   // per-rank latency and the spread between ranks at the same step (load_run.h).
   int ranks = 0;
   bool stream = true;  // the stream: 40-340 µs less per call than unary here (latency.md)
+  // REPLY_MODE_ASYNC (--backend=cuda): epsd replies once the step is queued; each
+  // step signals inputs_ready before the call and waits for selection_done after it,
+  // outside the measured call, as an engine's stream would.
+  bool reply_async = false;
   // The client's per-call deadline: long, so that a slow step is measured, not cut off.
   std::chrono::microseconds deadline{std::chrono::seconds(10)};
   std::chrono::microseconds slo{2000};  // a call slower than this is counted as over_slo

@@ -223,15 +223,35 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     }
     for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
     client::StepResult result;
+    // Async: the engine's side of the fence stays outside the measured call.
+    if (config.reply_async) {
+      if (absl::Status st = s.buffers->SignalInputsReady(step + 1); !st.ok()) {
+        log.Error(index, "SignalInputsReady", st);
+      }
+    }
     const bool ok = timed(scheduled, s.select, "SelectPages", [&] {
       result = s.client->SelectPages(++step, rows);
       return result.fallback ? result.status : absl::OkStatus();
     });
+    if (config.reply_async) {
+      if (absl::Status st = s.buffers->WaitSelection(step); !st.ok()) {
+        log.Error(index, "WaitSelection", st);
+      }
+    }
+    // An async reply carries the previous step's statistics (its own are not known yet).
+    const v1::StepStats* stats = &result.response.stats();
+    if (config.reply_async) {
+      stats = result.response.earlier_size() > 0 ? &result.response.earlier(0) : nullptr;
+    }
     if (ok && scheduled >= measure_begin) {
-      s.prepass_us.Record(result.response.stats().prepass_us());
-      s.overhead_us.Record(result.round_trip_us - result.response.stats().prepass_us());
-      s.pages_visited += result.response.stats().pages_visited();
-      s.pages_total += result.response.stats().pages_total();
+      if (stats != nullptr) {
+        s.prepass_us.Record(stats->prepass_us());
+        s.pages_visited += stats->pages_visited();
+        s.pages_total += stats->pages_total();
+      }
+      // rtt - server: an async call's whole round trip is host work (the GPU runs after it).
+      s.overhead_us.Record(result.round_trip_us -
+                           (config.reply_async || stats == nullptr ? 0.0 : stats->prepass_us()));
       if (lockstep != nullptr) s.step_done_us.emplace_back(step, Micros(Clock::now() - t0));
     }
     const Clock::duration gap = next_gap();
@@ -287,6 +307,12 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     options.target = config.target;
     options.deadline = config.deadline;
     options.use_stream = config.stream;
+    options.reply_async = config.reply_async;
+    if (config.reply_async) {
+      // Fail open as an engine must: release the step densely on the same stream.
+      BufferSet* set = s.buffers.get();
+      options.on_fallback = [set](uint64_t step) { set->ReleaseDense(step).IgnoreError(); };
+    }
     options.channel_args = config.channel_args;
     options.fail_open = true;
     s.client = std::make_unique<client::EpsClient>(

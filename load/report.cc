@@ -84,7 +84,10 @@ Json CallJson(CallView v, const CallResults& c) {
               {"send_lag_max_us", Num(v.lag.max_us)}};
 }
 
-std::string ModeName(const LoadConfig& c) { return c.stream ? "stream" : "unary"; }
+// "stream" or "unary", and ", async replies" when the reply comes before the selection ends.
+std::string ModeName(const LoadConfig& c) {
+  return absl::StrCat(c.stream ? "stream" : "unary", c.reply_async ? ", async replies" : "");
+}
 
 // --ranks: one line per rank, then the spread between ranks at the same step.
 void PrintRanks(RunResult& r, std::FILE* out) {
@@ -338,7 +341,8 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                       {"rate", config.arrivals.ToString()},
                       {"sessions", config.sessions},
                       {"ranks", config.ranks},
-                      {"mode", ModeName(config)},
+                      {"mode", config.stream ? "stream" : "unary"},
+                      {"reply", config.reply_async ? "async" : "sync"},
                       {"duration_us", us(config.duration)},
                       {"warmup_us", us(config.warmup)},
                       {"deadline_us", us(config.deadline)},

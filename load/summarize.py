@@ -19,8 +19,9 @@ def _row(path: Path, report: dict[str, Any]) -> str:
         value = block.get(key)
         return "-" if value is None else f"{value:.0f}"
 
+    reply = " async" if cfg.get("reply") == "async" else ""
     return (
-        f"| {path.stem} | {target} {cfg['mode']} | {cfg['sessions']} | {cfg['rate']} | "
+        f"| {path.stem} | {target} {cfg['mode']}{reply} | {cfg['sessions']} | {cfg['rate']} | "
         f"{sel['rps']:.0f} | {us(sel, 'p50_us')} | {us(sel, 'p90_us')} | {us(sel, 'p99_us')} | "
         f"{us(sel, 'p999_us')} | {us(sel, 'max_us')} | {us(ping, 'p50_us')} | "
         f"{us(ping, 'p99_us')} | {'-' if ratio is None else f'{ratio:.1f}'} | "

@@ -130,6 +130,27 @@ TEST(ParseFlags, DefaultsToTheMeasuredWinners) {
   EXPECT_FALSE(ParseFlags({"--mode=unary"}).value().stream);
 }
 
+TEST(ParseFlags, AsyncRepliesNeedDeviceBuffers) {
+  EXPECT_FALSE(ParseFlags({}).value().reply_async);
+  EXPECT_TRUE(ParseFlags({"--backend=cuda", "--reply=async"}).value().reply_async);
+  auto cpu = ParseFlags({"--reply=async"});
+  ASSERT_FALSE(cpu.ok());
+  EXPECT_NE(cpu.status().message().find("--reply=async"), std::string::npos) << cpu.status();
+  EXPECT_NE(cpu.status().message().find("--backend=cuda"), std::string::npos) << cpu.status();
+  EXPECT_FALSE(ParseFlags({"--reply=later"}).ok());
+}
+
+TEST(CreateBufferSet, HostBuffersRefuseTheAsyncFenceClearly) {
+  const LoadConfig c = *ParseFlags({"--preset=smollm2-135m"});
+  auto set = CreateBufferSet(c.backend, c.model,
+                             {.num_slots = 8, .max_seqs = 1, .max_context = 1024, .max_batch = 1});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_FALSE((*set)->supports_async());
+  const absl::Status st = (*set)->SignalInputsReady(1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("--backend=cuda"), std::string::npos) << st;
+}
+
 TEST(ParseFlags, CustomShapeFlagsOverrideThePresetInAnyOrder) {
   const LoadConfig c = *ParseFlags({"--layers=4", "--preset=smollm2-135m", "--kv-heads=1"});
   EXPECT_EQ(c.model.num_layers, 4);
