@@ -4,14 +4,16 @@
 # with the faster of the two automatic choices, and compute-sanitizer memcheck /
 # racecheck. $1: a folder holding libeps_attention.so, attention_test and the bench's
 # layout (bench/attention_bench.py, client/python/src/eps_client/attention.py); logs go
-# to $OUT.
+# to $OUT. EPS_ATTN_VARIANTS (space-separated) narrows the variants, so that a run fits
+# the device's per-command limit.
 set -u
 C=$(cd "${1:?carry folder}" && pwd)
 OUT=${OUT:-/tmp/attention_run}
 mkdir -p "$OUT"
 export EPS_ATTENTION_LIB=$C/libeps_attention.so
 export LD_LIBRARY_PATH=$C${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-variants=(cta cta_kv_inner warp_lean warp_pipe auto auto_pipe)
+all_variants="cta cta_kv_inner warp_lean warp_pipe warp_mma auto auto_pipe auto_mma"
+read -r -a variants <<<"${EPS_ATTN_VARIANTS:-$all_variants}"
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 for v in "${variants[@]}"; do
   EPS_ATTN_VARIANT=$v timeout 50 python3 "$C/bench/attention_bench.py" --quick \
@@ -30,10 +32,19 @@ for v in "${variants[@]}"; do
 done
 EPS_ATTN_VARIANT=$best timeout 120 python3 "$C/bench/attention_bench.py" >"$OUT/full_$best.md" 2>&1
 cat "$OUT/full_$best.md"
-large=warp_lean
-[[ $best == auto_pipe ]] && large=warp_pipe
+case $best in
+  auto_pipe) large=warp_pipe ;;
+  auto_mma) large=warp_mma ;;
+  *) large=warp_lean ;;
+esac
 filter='-PagedAttention.GqaRatiosOfAnySizeMatchReference'
-for run in "memcheck $best" "memcheck $large" "racecheck $best"; do
+runs=("memcheck $best" "memcheck $large" "racecheck $best")
+# warp_mma keeps q in shared memory: checked whichever automatic choice won
+if [[ " ${variants[*]} " == *" warp_mma "* ]]; then
+  [[ $large != warp_mma ]] && runs+=("memcheck warp_mma")
+  runs+=("racecheck warp_mma")
+fi
+for run in "${runs[@]}"; do
   read -r tool v <<<"$run"
   EPS_ATTN_VARIANT=$v timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
     "$C/attention_test" --gtest_brief=1 --gtest_filter="$filter" >"$OUT/sanitizer_${tool}_$v.log" 2>&1

@@ -37,7 +37,8 @@ enum class KernelVariant : int32_t {
   kCtaSplitInner,  // one CTA per unit, a row's splits adjacent in the grid
   kCtaKvInner,     // one CTA per unit, a row's KV heads adjacent in the grid
   kWarpLean,       // one warp per unit, a CTA's warps on adjacent KV heads; 16 warps/SM
-  kWarpPipe        // as kWarpLean, two tiles in flight per warp; 12 warps/SM
+  kWarpPipe,       // as kWarpLean, two tiles in flight per warp; 12 warps/SM
+  kWarpMma         // as kWarpLean, q·Kᵀ and P·V on tensor cores (decode_mma.cuh)
 };
 
 // Launch shape, computed on the host in one place (MakePlan()). A unit is one

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gpu/attention/decode_kernels.cuh"
+#include "gpu/attention/decode_mma.cuh"
 #include "gpu/attention/paged_attention.h"
 #include "gpu/attention/params_check.h"
 
@@ -63,10 +64,12 @@ int32_t ChooseVariant(VariantChoice* choice) {
   } kNames[] = {{"", {V::kCtaKvInner, V::kWarpLean}},
                 {"auto", {V::kCtaKvInner, V::kWarpLean}},
                 {"auto_pipe", {V::kCtaKvInner, V::kWarpPipe}},
+                {"auto_mma", {V::kCtaKvInner, V::kWarpMma}},
                 {"cta", {V::kCtaSplitInner, V::kCtaSplitInner}},
                 {"cta_kv_inner", {V::kCtaKvInner, V::kCtaKvInner}},
                 {"warp_lean", {V::kWarpLean, V::kWarpLean}},
-                {"warp_pipe", {V::kWarpPipe, V::kWarpPipe}}};
+                {"warp_pipe", {V::kWarpPipe, V::kWarpPipe}},
+                {"warp_mma", {V::kWarpMma, V::kWarpMma}}};
   for (const auto& n : kNames) {
     if (chosen == n.name) {
       *choice = n.choice;
@@ -74,12 +77,13 @@ int32_t ChooseVariant(VariantChoice* choice) {
     }
   }
   return Fail(EPS_ATTN_EINVAL, "EPS_ATTN_VARIANT=" + chosen +
-                                   " is not one of auto, auto_pipe, cta, cta_kv_inner, "
-                                   "warp_lean, warp_pipe");
+                                   " is not one of auto, auto_pipe, auto_mma, cta, "
+                                   "cta_kv_inner, warp_lean, warp_pipe, warp_mma");
 }
 
 bool IsWarpUnit(KernelVariant v) {
-  return v == KernelVariant::kWarpLean || v == KernelVariant::kWarpPipe;
+  return v == KernelVariant::kWarpLean || v == KernelVariant::kWarpPipe ||
+         v == KernelVariant::kWarpMma;
 }
 
 using SplitFn = void (*)(EpsAttnParams, Plan);
@@ -93,6 +97,8 @@ SplitFn SplitKernelFor(KernelVariant v) {
       return SplitKernel<T, D, GT, true, true, false>;
     case KernelVariant::kWarpPipe:
       return SplitKernel<T, D, GT, true, true, true>;
+    case KernelVariant::kWarpMma:  // every group size: heads padded to the mma's 8
+      return MmaSplitKernel<T, D>;
     default:
       return SplitKernel<T, D, GT, false, false, false>;
   }
