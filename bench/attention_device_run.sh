@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/attention_run}
 mkdir -p "$OUT"
 export EPS_ATTENTION_LIB=$C/libeps_attention.so
 export LD_LIBRARY_PATH=$C${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-all_variants="cta cta_kv_inner warp_lean warp_pipe warp_mma auto auto_pipe auto_mma"
+all_variants="cta cta_kv_inner warp_lean warp_pipe warp_mma auto auto_lean auto_pipe"
 read -r -a variants <<<"${EPS_ATTN_VARIANTS:-$all_variants}"
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 for v in "${variants[@]}"; do
@@ -34,8 +34,8 @@ EPS_ATTN_VARIANT=$best timeout 120 python3 "$C/bench/attention_bench.py" >"$OUT/
 cat "$OUT/full_$best.md"
 case $best in
   auto_pipe) large=warp_pipe ;;
-  auto_mma) large=warp_mma ;;
-  *) large=warp_lean ;;
+  auto_lean) large=warp_lean ;;
+  *) large=warp_mma ;;
 esac
 filter='-PagedAttention.GqaRatiosOfAnySizeMatchReference'
 runs=("memcheck $best" "memcheck $large" "racecheck $best")

@@ -61,10 +61,10 @@ int32_t ChooseVariant(VariantChoice* choice) {
   static const struct {
     const char* name;
     VariantChoice choice;
-  } kNames[] = {{"", {V::kCtaKvInner, V::kWarpLean}},
-                {"auto", {V::kCtaKvInner, V::kWarpLean}},
+  } kNames[] = {{"", {V::kCtaKvInner, V::kWarpMma}},
+                {"auto", {V::kCtaKvInner, V::kWarpMma}},
+                {"auto_lean", {V::kCtaKvInner, V::kWarpLean}},
                 {"auto_pipe", {V::kCtaKvInner, V::kWarpPipe}},
-                {"auto_mma", {V::kCtaKvInner, V::kWarpMma}},
                 {"cta", {V::kCtaSplitInner, V::kCtaSplitInner}},
                 {"cta_kv_inner", {V::kCtaKvInner, V::kCtaKvInner}},
                 {"warp_lean", {V::kWarpLean, V::kWarpLean}},
@@ -77,7 +77,7 @@ int32_t ChooseVariant(VariantChoice* choice) {
     }
   }
   return Fail(EPS_ATTN_EINVAL, "EPS_ATTN_VARIANT=" + chosen +
-                                   " is not one of auto, auto_pipe, auto_mma, cta, "
+                                   " is not one of auto, auto_lean, auto_pipe, cta, "
                                    "cta_kv_inner, warp_lean, warp_pipe, warp_mma");
 }
 
