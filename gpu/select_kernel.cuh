@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/select.h"
+#include "gpu/mass_select.cuh"
 #include "gpu/step_shape.cuh"
 #include "gpu/warp_select.cuh"
 
@@ -15,8 +16,10 @@ namespace eps::gpu::kernels {
 // Selection: one block of 256 or 1024 threads per (layer * lists + list, row).
 //   1. each warp takes query heads of the list in turn and finds its cut
 //      (threshold budget and strict: the top_pages-th largest value by an
-//      8-bit radix select; top-p: the score where the mass reaches top_p);
-//      the fixed budget ranks the groups at or above that value instead;
+//      8-bit radix select; top-p: the score where the mass reaches top_p;
+//      mass: the group where the covered mass reaches mass_target, within the
+//      floor and ceiling); the fixed budget ranks the groups at or above that
+//      value instead;
 //   2. visit flags: forced groups, plus every group a head's cut admits;
 //   3. compaction of the visited groups' blocks into visit_blocks, and stats.
 //
@@ -39,10 +42,12 @@ struct SelectArgs {
 template <Budget kBudget, bool kStrict, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
     SelectKernel(Shape s, SelectRule rule, SelectArgs a) {
-  static_assert(kBudget != Budget::kTopP || kWarps <= 8, "top-p keeps 2 KiB per warp");
+  static_assert((kBudget != Budget::kTopP && kBudget != Budget::kMass) || kWarps <= 8,
+                "top-p and mass keep 2 KiB of masses per warp");
   extern __shared__ unsigned char visit[];
-  __shared__ float head_cut[256];     // threshold and strict: visit when value >= cut
-  __shared__ unsigned head_key[256];  // top-p: the cut key and tie group
+  __shared__ float head_cut[256];     // threshold and strict: visit when value >= cut;
+                                      // mass: the head's largest score (for MassKey)
+  __shared__ unsigned head_key[256];  // top-p and mass: the cut key and tie group
   __shared__ int head_tie[256];
   __shared__ unsigned counts[kWarps * 32];
   __shared__ unsigned histograms[kWarps][256];
@@ -94,7 +99,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();
   }
 
-  // 1. Per-head cuts (threshold, strict, top-p; fixed: the ranks, as above).
+  // 1. Per-head cuts (threshold, strict, top-p, mass; fixed: the ranks, as above).
   {
     if constexpr (kBudget == Budget::kFixed) {
       // core MarkFixedBudget ranks the unforced groups per head (score
@@ -134,19 +139,26 @@ __global__ void __launch_bounds__(kWarps * 32)
           }
         }
       }
-    } else if constexpr (kBudget == Budget::kTopP) {
+    } else if constexpr (kBudget == Budget::kTopP || kBudget == Budget::kMass) {
       __shared__ double masses[kWarps][256];
       for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
            h += warps) {
-        unsigned key = 0xFFFFFFFFu;
-        int tie = -1;
+        // Unscored heads take nothing.
+        unsigned key = kBudget == Budget::kTopP ? 0xFFFFFFFFu : kMassNoneKey;
+        int tie = kBudget == Budget::kTopP ? -1 : kMassNoneTie;
+        float top = 0.0f;
         if (head_scored(h)) {
-          WarpTopPCut(a.scores + (head_base + h) * s.max_groups, n, rule, histograms[warp],
-                      masses[warp], lane, &key, &tie);
+          const float* sc = a.scores + (head_base + h) * s.max_groups;
+          if constexpr (kBudget == Budget::kTopP) {
+            WarpTopPCut(sc, n, rule, histograms[warp], masses[warp], lane, &key, &tie);
+          } else {
+            WarpMassCut(sc, n, rule, histograms[warp], masses[warp], lane, &top, &key, &tie);
+          }
         }
         if (lane == 0) {
           head_key[h - first_head] = key;
           head_tie[h - first_head] = tie;
+          head_cut[h - first_head] = top;
         }
       }
     } else {
@@ -217,6 +229,10 @@ __global__ void __launch_bounds__(kWarps * 32)
           const unsigned key = OrderedKey(value);
           const int i = h - first_head;
           v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
+        } else if constexpr (kBudget == Budget::kMass) {
+          const int i = h - first_head;
+          v = MassTaken(MassKey(value, head_cut[i], rule.mass_inv_scale), p, head_key[i],
+                        head_tie[i]);
         } else {
           v = value >= head_cut[h - first_head];
         }

@@ -37,7 +37,7 @@ const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kThreshold, false, 8>(), SelectKernelOf<Budget::kThreshold, false, 32>(),
     SelectKernelOf<Budget::kThreshold, true, 8>(),  SelectKernelOf<Budget::kThreshold, true, 32>(),
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
-    SelectKernelOf<Budget::kTopP, false, 8>()};
+    SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
 
 template <Method kMethod, int kM, bool kStrict>
 const void* ScoreKernelOf() {
@@ -95,8 +95,9 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
       return wide ? std::pair{SelectKernelOf<Budget::kFixed, false, 32>(), 32}
                   : std::pair{SelectKernelOf<Budget::kFixed, false, 8>(), 8};
     case Budget::kTopP:
-    case Budget::kMass:  // refused by Enqueue
       break;
+    case Budget::kMass:
+      return {SelectKernelOf<Budget::kMass, false, 8>(), 8};
   }
   return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
 }
@@ -273,11 +274,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
-  if (policy.budget == Budget::kMass) {
-    return absl::UnimplementedError(
-        "the GPU pre-pass serves the threshold, fixed and top-p budgets and strict mode; the mass "
-        "budget runs on the cpu backend");
-  }
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
   const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());
@@ -355,6 +351,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   rule.top_pages = policy.top_pages;
   rule.top_p = policy.top_p;
   rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
+  rule.mass_target = policy.mass_target;
+  rule.min_pages = policy.min_pages;
+  rule.max_pages = policy.max_pages;
+  rule.mass_inv_scale =  // as core MarkByMass
+      1.0 / (static_cast<double>(policy.mass_temperature) * std::sqrt(m.head_dim));
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;

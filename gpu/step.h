@@ -10,13 +10,14 @@
 //   2. selection   per (row, layer, list): each head's cut (threshold budget:
 //                  the top_pages-th score by exact radix select and T/α;
 //                  strict: the top_pages-th lower bound; top-p: the score where
-//                  the estimated mass reaches top_p), or the fixed budget's
+//                  the estimated mass reaches top_p; mass: the group where the
+//                  covered share reaches mass_target, within min_pages and
+//                  max_pages), or the fixed budget's
 //                  best ranks; forced groups; the union over the list's heads;
 //                  compaction into visit_blocks / visit_count; the statistics
 //
-// The policies of core/select.h: threshold, fixed and top-p budgets, strict
-// mode, heads all|retrieval, union and per-KV-head output, every method. The
-// mass budget is not served here (UNIMPLEMENTED; the cpu backend has it).
+// The policies of core/select.h: threshold, fixed, top-p and mass budgets,
+// strict mode, heads all|retrieval, union and per-KV-head output, every method.
 // Lists equal core/'s except for groups whose score sits within float rounding
 // of a cut (the device sums in another order).
 //

@@ -17,6 +17,11 @@ struct SelectRule {
   int first_n, last_n, top_pages;
   float top_p;
   float inv_sqrt_d;  // top-p: 1/sqrt(d), rounded on the host as core/ does
+  // Mass budget (core MarkByMass): target p, floor and ceiling of unforced
+  // groups per head (max_pages 0: none), and 1/(τ·sqrt(d)) in double as core/.
+  float mass_target;
+  int min_pages, max_pages;
+  double mass_inv_scale;
 };
 
 // Float -> unsigned key with the same order.
@@ -76,19 +81,21 @@ __device__ void WarpWalkBins(const unsigned* counts, const T* values, T base, T 
   *above = chosen_above;
 }
 
-// The k-th largest key (1-based) among the groups p < n that `take(p)` admits,
-// by four 8-bit radix passes of a warp-wide histogram. Needs at least k such groups.
-template <typename Take>
-__device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take take,
-                                   unsigned* histogram, int lane) {
+// The k-th largest of the keys `key(p)` (1-based) among the groups p < n that
+// `take(p)` admits, by four 8-bit radix passes of a warp-wide histogram. Needs
+// at least k such groups. `rank` (when given) receives the k-th's rank among
+// the groups with its key (1-based), for a caller that breaks ties by group.
+template <typename Key, typename Take>
+__device__ __forceinline__ unsigned WarpKthLargestKey(int n, unsigned k, Key key, Take take,
+                                                      unsigned* histogram, int lane,
+                                                      unsigned* rank = nullptr) {
   unsigned prefix = 0, prefix_mask = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = lane; b < 256; b += 32) histogram[b] = 0;
     __syncwarp();
     for (int p = lane; p < n; p += 32) {
-      const unsigned key = OrderedKey(values[p]);
-      if (take(p) && (key & prefix_mask) == prefix)
-        atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
+      const unsigned kp = key(p);
+      if (take(p) && (kp & prefix_mask) == prefix) atomicAdd(&histogram[(kp >> shift) & 0xFFu], 1u);
     }
     __syncwarp();
     int chosen;
@@ -99,7 +106,16 @@ __device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take 
     k -= before;
     __syncwarp();
   }
+  if (rank != nullptr) *rank = k;
   return prefix;
+}
+
+// The k-th largest score's key among the groups `take(p)` admits.
+template <typename Take>
+__device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take take,
+                                   unsigned* histogram, int lane) {
+  return WarpKthLargestKey(
+      n, k, [&](int p) { return OrderedKey(values[p]); }, take, histogram, lane);
 }
 
 // core MarkTopP for one head: the estimated mass w_p = exp((s_p - s_max)/sqrt(d))
@@ -204,7 +220,7 @@ __device__ void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsi
 }
 
 // kWarps warps per block: 32 for lists of many heads (a union), so each warp
-// finds one head's cut, 8 otherwise (and for top-p, whose double histograms
-// would not fit 32 warps' static shared memory).
+// finds one head's cut, 8 otherwise (and for top-p and mass, whose double
+// histograms would not fit 32 warps' static shared memory).
 
 }  // namespace eps::gpu::kernels

@@ -84,11 +84,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     s->charges_.push_back(std::move(charge));
   }
   if (spec.backend == BackendKind::kCuda) {
-    if (s->policy_.budget == Budget::kMass) {
-      return absl::UnimplementedError(
-          "the cuda backend serves the threshold, fixed and top-p budgets and strict mode; the "
-          "mass budget runs on the cpu backend");
-    }
     ASSIGN_OR_RETURN(
         s->backend_,
         MakeCudaBackend(spec.model, spec.device, spec.max_batch, s->buffers_.max_groups,

@@ -54,6 +54,15 @@ TEST(GpuPhiTest, DeviceGeneratorMatchesCoreBitExactly) {
   }
 }
 
+// The mass budget's options (docs/policy.md, "Mass budget") and whether its
+// floor or ceiling must change core/'s lists in the case (else not checked).
+struct MassCase {
+  float target = 0.95f;
+  float temperature = 1.0f;
+  int min_pages = 0, max_pages = 0;
+  bool limits_bind = false;
+};
+
 struct GpuCase {
   Method method;
   int d, q_heads, kv_heads, group_blocks;
@@ -62,6 +71,7 @@ struct GpuCase {
   Granularity granularity = Granularity::kUnion;
   Budget budget = Budget::kThreshold;
   bool strict = false;
+  MassCase mass = {};
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -103,13 +113,45 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   policy.budget = c.budget;
   policy.strict = c.strict;
   policy.top_p = 0.9f;
+  policy.mass_target = c.mass.target;
+  policy.mass_temperature = c.mass.temperature;
+  policy.min_pages = c.mass.min_pages;
+  policy.max_pages = c.mass.max_pages;
   if (c.retrieval) {
     policy.heads = HeadMode::kRetrieval;
     for (int i = 0; i < m.num_layers * m.num_q_heads; ++i)
       policy.retrieval_heads.push_back(rng() % 2);
   }
+  // A case whose floor or ceiling must bind keeps core/'s lists without them.
+  std::vector<std::vector<int32_t>> unlimited_lists;
+  if (c.mass.limits_bind) {
+    SelectPolicy unlimited = policy;
+    unlimited.min_pages = unlimited.max_pages = 0;
+    ASSERT_TRUE(
+        reference->Select(buffers.Inputs(rows), unlimited, buffers.Outputs(), nullptr).ok());
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int b = 0; b < batch; ++b) {
+        for (int list = 0; list < lists; ++list) {
+          const auto l = buffers.VisitBlocks(layer, b, list);
+          unlimited_lists.emplace_back(l.begin(), l.end());
+        }
+      }
+    }
+  }
   StepStats want_stats;
   ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), &want_stats).ok());
+  if (c.mass.limits_bind) {
+    int changed = 0;
+    for (int layer = 0, i = 0; layer < m.num_layers; ++layer) {
+      for (int b = 0; b < batch; ++b) {
+        for (int list = 0; list < lists; ++list, ++i) {
+          const auto l = buffers.VisitBlocks(layer, b, list);
+          changed += std::vector<int32_t>(l.begin(), l.end()) != unlimited_lists[i];
+        }
+      }
+    }
+    EXPECT_GT(changed, 0) << "min_pages/max_pages bind in no list: the case tests nothing of them";
+  }
 
   auto gpu_selector = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
   ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
@@ -160,6 +202,18 @@ std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
   if (c.granularity == Granularity::kPerKvHead) name += "_per_kv_head";
   if (c.budget != Budget::kThreshold) name += std::string("_") + BudgetName(c.budget);
   if (c.strict) name += "_strict";
+  if (c.budget == Budget::kMass) {
+    // e.g. _p099_t05_min24_max0: target 0.99, τ 0.5
+    auto digits = [](float x) {
+      std::string d = std::to_string(x);
+      d.erase(d.find_last_not_of('0') + 1);
+      if (d.back() == '.') d.pop_back();
+      d.erase(std::remove(d.begin(), d.end(), '.'), d.end());
+      return d;
+    };
+    name += "_p" + digits(c.mass.target) + "_t" + digits(c.mass.temperature) + "_min" +
+            std::to_string(c.mass.min_pages) + "_max" + std::to_string(c.mass.max_pages);
+  }
   return name;
 }
 
@@ -195,6 +249,46 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, Budget::kThreshold, true},
         GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kThreshold, true},
         GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, Budget::kFixed}),
+    CaseName);
+
+// The mass budget: union and per-KV-head lists, the methods that score, targets
+// 0.5…1, temperatures 0.5…4, floors and ceilings that bind and that do not.
+// A ceiling above any row's groups (100000) never binds. Target 1 takes every
+// group whose mass is above double rounding, so it runs with quest at τ = 4,
+// whose smallest w here is about e^-17; jl's estimates spread to e^-89 (a
+// group's place past rounding is arbitrary), so jl at target 1 runs only
+// under a ceiling that binds first.
+constexpr MassCase Mass(float target, float temperature, int min_pages = 0, int max_pages = 0,
+                        bool limits_bind = false) {
+  return {target, temperature, min_pages, max_pages, limits_bind};
+}
+constexpr Budget kMass = Budget::kMass;
+INSTANTIATE_TEST_SUITE_P(
+    Mass, GpuStepTest,
+    ::testing::Values(
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, kMass, false, Mass(0.9f, 1.0f)},
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kPerKvHead, kMass, false, Mass(0.99f, 4.0f)},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, kMass, false, Mass(0.5f, 0.5f)},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kPerKvHead, kMass, false,
+                Mass(0.99f, 0.5f)},
+        GpuCase{Method::kQuest, 64, 4, 4, 1, false, 8, kPerKvHead, kMass, false, Mass(1.0f, 4.0f)},
+        GpuCase{Method::kJl, 64, 4, 4, 1, false, 8, kPerKvHead, kMass, false,
+                Mass(1.0f, 4.0f, 0, 6, true)},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, kMass, false,
+                Mass(0.5f, 0.5f, 24, 0, true)},
+        GpuCase{Method::kQuest, 64, 4, 4, 1, false, 8, kPerKvHead, kMass, false,
+                Mass(0.5f, 1.0f, 12, 0, true)},
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kPerKvHead, kMass, false,
+                Mass(0.99f, 4.0f, 0, 3, true)},
+        GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, kUnion, kMass, false,
+                Mass(0.9f, 1.0f, 5, 5, true)},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, kMass, false,
+                Mass(0.9f, 1.0f, 0, 100000)},
+        GpuCase{Method::kJl, 256, 16, 2, 4, true, 8, kUnion, kMass, false, Mass(0.9f, 1.0f, 1)},
+        GpuCase{Method::kOnePc, 128, 8, 2, 8, false, 8, kPerKvHead, kMass, false, Mass(0.9f, 0.5f)},
+        GpuCase{Method::kFro, 128, 8, 2, 8, false, 8, kUnion, kMass, false, Mass(0.99f, 1.0f)},
+        GpuCase{Method::kJl, 128, 8, 2, 8, false, 12, kUnion, kMass, false, Mass(0.9f, 4.0f)},
+        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, kMass, false, Mass(0.9f, 1.0f)}),
     CaseName);
 
 // One selector over fixed device buffers for many steps, as a session runs:
@@ -238,7 +332,7 @@ TEST(GpuStepGraphTest, ReplayedStepsEqualDirectLaunchesAndTheReference) {
   auto direct = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.graphs = false});
   ASSERT_TRUE(graphs.ok() && direct.ok());
   gpu::GpuSelector* selectors[2] = {graphs->get(), direct->get()};
-  const Budget budgets[3] = {Budget::kThreshold, Budget::kFixed, Budget::kTopP};
+  const Budget budgets[4] = {Budget::kThreshold, Budget::kFixed, Budget::kTopP, Budget::kMass};
   for (int step = 0; step < 12; ++step) {
     // Fresh queries every step; the batch and the budget change every third step.
     for (int layer = 0; layer < m.num_layers; ++layer) {
@@ -255,7 +349,7 @@ TEST(GpuStepGraphTest, ReplayedStepsEqualDirectLaunchesAndTheReference) {
     const std::span<const StepRow> rows(all_rows.data(), batch);
     SelectPolicy policy;
     policy.granularity = Granularity::kPerKvHead;
-    policy.budget = budgets[(step / 3) % 3];
+    policy.budget = budgets[(step / 3) % 4];
     StepInputs device_in = buffers.Inputs(rows);
     device_in.summary_pool = pool;
     device_in.group_table = groups;
