@@ -10,20 +10,23 @@
 #include "gpu/bounds.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/step_shape.cuh"
+#include "gpu/warp_sums.cuh"
 
 namespace eps::gpu::kernels {
 
 // Scoring. Grid (group chunks of 256, layers * kv_heads, rows), 256 threads.
 // Each block first widens the queries of its KV head's query heads into shared
 // memory and builds their terms, a warp per head (‖q‖; for jl z = Φᵀq and the
-// packed z zᵀ), then each thread scores one group: it reads the record once
-// and scores it for every query head of the KV head (GQA), the per-channel
-// sums of quest, 1pc and strict taken for up to kHeadBatch heads per pass
-// (quest's with the warp's lanes reading each record together).
+// packed z zᵀ; for quest and strict the sign-split query of QuestSplitQuery),
+// then each thread scores one group: it reads the record once and scores it
+// for every query head of the KV head (GQA), the per-channel sums of 1pc taken
+// for up to kHeadBatch heads per pass, those of quest and strict for kHeads
+// heads per pass with the warp's lanes reading its records together
+// (gpu/warp_sums.cuh).
 //
-// Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio],
-// z [ratio, m]. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict:
-// the lower bounds) and, in strict mode, `uppers`.
+// Shared memory (dynamic): q [ratio, d], qsplit [ratio, d] float2, zz [ratio,
+// packed], norm [ratio], z [ratio, m]. Outputs [rows, layers, q_heads,
+// max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
 
 struct ScoreArgs {
@@ -39,17 +42,42 @@ struct ScoreArgs {
   StepReport* report;
 };
 
-template <Method kMethod, int kM, bool kStrict>
-__global__ void ScoreKernel(Shape s, ScoreArgs a) {
+// Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head.
+__host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m) {
+  return static_cast<size_t>(ratio) * (d + 2 * d + m * (m + 1) / 2 + 1 + m);
+}
+
+// Scoring blocks resident per SM that the compiler must allow: the warp-read
+// sums keep a pass's loads and sums in registers (up to ~170 unbounded, one
+// block per SM); two blocks (128 registers) keep twice the loads in flight,
+// except for strict mode's 8-head passes, which would spill.
+template <Method kMethod, bool kStrict, int kHeads>
+inline constexpr int kScoreMinBlocks = (kStrict && kHeads <= 4) ||
+                                               (!kStrict && kMethod == Method::kQuest)
+                                           ? 2
+                                           : 1;
+
+// kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
+// the other methods take kHeadBatch per pass.
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
+__global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kStrict, kHeads>))
+    ScoreKernel(Shape s, ScoreArgs a) {
+  // quest and strict read each warp's records together (gpu/warp_sums.cuh), so
+  // their lanes stay to the end; the other methods leave as soon as they have
+  // nothing to score.
+  constexpr bool kWarpSums = kStrict || kMethod == Method::kQuest;
+  constexpr int kBatch = kWarpSums ? kHeads : kHeadBatch;
+  static_assert(kBatch <= kHeadBatch, "HeadSums holds kHeadBatch heads");
   extern __shared__ float shared[];
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
   const int packed = s.record.packed;
-  float* q_sh = shared;                     // [ratio, d]
-  float* zz_sh = q_sh + ratio * s.d;        // [ratio, packed]
-  float* norm_sh = zz_sh + ratio * packed;  // [ratio]
-  float* z_sh = norm_sh + ratio;            // [ratio, m]
+  float* q_sh = shared;                                               // [ratio, d]
+  float2* qsplit_sh = reinterpret_cast<float2*>(q_sh + ratio * s.d);  // [ratio, d]
+  float* zz_sh = q_sh + 3 * ratio * s.d;                              // [ratio, packed]
+  float* norm_sh = zz_sh + ratio * packed;                            // [ratio]
+  float* z_sh = norm_sh + ratio;                                      // [ratio, m]
   DeviceStatus* status = &a.report->status;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
 
@@ -65,6 +93,13 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
     }
   }
   __syncthreads();
+  if constexpr (kWarpSums) {
+    if (s.record.quest_min >= 0) {
+      for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
+        qsplit_sh[e] = QuestSplitQuery(q_sh + (e / s.d) * s.d, s.d, e % s.d);
+      }
+    }
+  }
   if constexpr (kMethod != Method::kOff || kStrict) {
     // A warp per head: lanes split d, shuffles reduce.
     const float* matrix = a.phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
@@ -103,10 +138,7 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
   const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  // quest reads each warp's records together (QuestSumsWarp), so its lanes stay
-  // to the end; the other methods leave as soon as they have nothing to score.
-  constexpr bool kWarpQuest = kMethod == Method::kQuest && !kStrict;
-  if (kWarpQuest ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
+  if (kWarpSums ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
   bool active = p < n;
   const int64_t table_row = a.rows[row].table_row;
   // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
@@ -123,7 +155,7 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
     Fail(status, kBadSlot, row, static_cast<int>(p), slot);
     active = false;  // never read outside the pool
   }
-  if (!kWarpQuest && !active) return;
+  if (!kWarpSums && !active) return;
   if constexpr (kMethod == Method::kOff && !kStrict) {
     return;  // nothing is scored; the tables were still checked, as core/ does
   } else {
@@ -141,26 +173,23 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
 #pragma unroll
       for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
     }
-    constexpr bool kQuestSums = kStrict || kMethod == Method::kQuest;
-    constexpr bool kPrincipalSums = kStrict || kMethod == Method::kOnePc;
-    for (int r0 = 0; r0 < ratio; r0 += kHeadBatch) {
-      const int heads = min(kHeadBatch, ratio - r0);
+    for (int r0 = 0; r0 < ratio; r0 += kBatch) {
+      const int heads = min(kBatch, ratio - r0);
       const float* q = q_sh + r0 * s.d;
       HeadSums sums;
-      if constexpr (kWarpQuest) {
-        if (o.quest_min >= 0) QuestSumsWarp(rec, o, q, heads, sums.quest, lane);
+      if constexpr (kStrict) {
+        BracketSumsWarp<kHeads>(rec, o, q, qsplit_sh + r0 * s.d, heads, sums, lane);
         if (!active) continue;
-      } else if constexpr (kQuestSums) {
-        if (o.quest_min >= 0) QuestSums(rec, o, q, heads, sums.quest);
-      }
-      if constexpr (kPrincipalSums) {
+      } else if constexpr (kMethod == Method::kQuest) {
+        if (o.quest_min >= 0) {
+          QuestSumsWarp<kHeads>(rec, o, qsplit_sh + r0 * s.d, heads, sums.quest, lane);
+        }
+        if (!active) continue;
+      } else if constexpr (kMethod == Method::kOnePc) {
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
       }
-      if constexpr (kStrict) {
-        if (o.key_sum >= 0) KeySumDots(rec, o, q, heads, sums.key_sum);
-      }
 #pragma unroll
-      for (int rr = 0; rr < kHeadBatch; ++rr) {
+      for (int rr = 0; rr < kBatch; ++rr) {
         if (rr >= heads) break;
         const int r = r0 + rr, h = kvh * ratio + r;
         if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;

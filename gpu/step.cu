@@ -39,22 +39,29 @@ const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
     SelectKernelOf<Budget::kTopP, false, 8>()};
 
-template <Method kMethod, int kM, bool kStrict>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
 const void* ScoreKernelOf() {
-  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict>);
+  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads>);
 }
 const void* const kScoreKernels[] = {
-    ScoreKernelOf<Method::kJl, 4, false>(),    ScoreKernelOf<Method::kJl, 8, false>(),
-    ScoreKernelOf<Method::kJl, 16, false>(),   ScoreKernelOf<Method::kJl, 0, false>(),
-    ScoreKernelOf<Method::kOnePc, 0, false>(), ScoreKernelOf<Method::kFro, 0, false>(),
-    ScoreKernelOf<Method::kQuest, 0, false>(), ScoreKernelOf<Method::kOff, 0, false>(),
-    ScoreKernelOf<Method::kOff, 0, true>()};
+    ScoreKernelOf<Method::kJl, 4, false>(),       ScoreKernelOf<Method::kJl, 8, false>(),
+    ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
+    ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
+    ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
+    ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
+    ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
 // register-resident Gram); strict mode scores brackets whatever the method.
-const void* ScoreKernelFor(Method method, int m, bool strict) {
+// quest and strict read their sums for 4 query heads per pass of the warp when
+// a KV head has at most 4 (more records per pass), else 8.
+const void* ScoreKernelFor(Method method, int m, bool strict, int ratio) {
+  const bool four = ratio <= 4;
   if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
-  if (strict) return ScoreKernelOf<Method::kOff, 0, true>();
+  if (strict) {
+    return four ? ScoreKernelOf<Method::kOff, 0, true, 4>()
+                : ScoreKernelOf<Method::kOff, 0, true, 8>();
+  }
   switch (method) {
     case Method::kJl:
       switch (m) {  // the common sketch sizes keep the Gram in registers
@@ -72,7 +79,8 @@ const void* ScoreKernelFor(Method method, int m, bool strict) {
     case Method::kFro:
       return ScoreKernelOf<Method::kFro, 0, false>();
     case Method::kQuest:
-      return ScoreKernelOf<Method::kQuest, 0, false>();
+      return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
+                  : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kOff:
       break;
   }
@@ -103,9 +111,7 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
 
 // Dynamic shared memory of the two kernels (score_kernel.cuh and select_kernel.cuh lay them out).
 size_t ScoreSharedBytes(const ModelLayout& m) {
-  const int ratio = m.gqa_ratio();
-  return sizeof(float) * static_cast<size_t>(ratio) *
-         (m.head_dim + PackedSize(m.sketch_dim) + 1 + m.sketch_dim);
+  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim);
 }
 size_t SelectSharedBytes(int64_t max_groups) {
   return static_cast<size_t>((max_groups + 15) / 16 * 16 + max_groups * sizeof(unsigned));
@@ -218,7 +224,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
     return absl::InvalidArgumentError(
         absl::StrCat("the GPU pre-pass needs ", score_shared,
                      " bytes of shared memory per scoring block "
-                     "(gqa_ratio * (head_dim + m(m+1)/2 + m + 1) floats) and ",
+                     "(gqa_ratio * (3 * head_dim + m(m+1)/2 + m + 1) floats) and ",
                      select_shared, " per selection block; the device offers ", max_shared));
   }
   auto impl = std::make_unique<Impl>();
@@ -361,7 +367,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // Scoring: one thread per group of (row, layer, KV head), 256 per block.
   launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
-  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict);
+  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio());
   launch.score_grid =
       dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
