@@ -22,9 +22,11 @@ namespace eps::gpu::kernels {
 // for every query head of the KV head (GQA), the per-channel sums of 1pc taken
 // for up to kHeadBatch heads per pass, those of quest and strict for kHeads
 // heads per pass with the warp's lanes reading its records together
-// (gpu/warp_sums.cuh).
+// (gpu/warp_sums.cuh); jl with m known scores a copy of its record that the
+// warp staged in shared memory together.
 //
-// Shared memory (dynamic): q [ratio, d], qsplit [ratio, d] float2, zz [ratio,
+// Shared memory (dynamic): the staged records of jl with m known [threads,
+// StagedStride(m)], q [ratio, d], qsplit [ratio, d] float2, zz [ratio,
 // packed], norm [ratio], z [ratio, m]. Outputs [rows, layers, q_heads,
 // max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
@@ -42,9 +44,11 @@ struct ScoreArgs {
   StepReport* report;
 };
 
-// Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head.
-__host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m) {
-  return static_cast<size_t>(ratio) * (d + 2 * d + m * (m + 1) / 2 + 1 + m);
+// Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
+// `staged`: jl with m known, which stages its records (StagedWords).
+__host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged) {
+  return static_cast<size_t>(ratio) * (d + 2 * d + m * (m + 1) / 2 + 1 + m) +
+         (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0);
 }
 
 // Scoring blocks resident per SM that the compiler must allow: the warp-read
@@ -67,13 +71,19 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kStri
   // nothing to score.
   constexpr bool kWarpSums = kStrict || kMethod == Method::kQuest;
   constexpr int kBatch = kWarpSums ? kHeads : kHeadBatch;
+  // jl with m known copies its warp's records to shared memory together
+  // (StageWarpRecords) and scores the copies; its lanes too stay until then.
+  constexpr bool kStaged = kMethod == Method::kJl && kM > 0 && !kStrict;
+  constexpr bool kWarpRead = kWarpSums || kStaged;
+  constexpr int kStride = kStaged ? StagedStride(kM) : 0;
   static_assert(kBatch <= kHeadBatch, "HeadSums holds kHeadBatch heads");
   extern __shared__ float shared[];
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
   const int packed = s.record.packed;
-  float* q_sh = shared;                                               // [ratio, d]
+  float* stage = shared;                                              // [threads, kStride]
+  float* q_sh = stage + kScoreThreads * kStride;                      // [ratio, d]
   float2* qsplit_sh = reinterpret_cast<float2*>(q_sh + ratio * s.d);  // [ratio, d]
   float* zz_sh = q_sh + 3 * ratio * s.d;                              // [ratio, packed]
   float* norm_sh = zz_sh + ratio * packed;                            // [ratio]
@@ -138,7 +148,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kStri
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
   const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (kWarpSums ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
+  if (kWarpRead ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
   bool active = p < n;
   const int64_t table_row = a.rows[row].table_row;
   // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
@@ -155,18 +165,23 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kStri
     Fail(status, kBadSlot, row, static_cast<int>(p), slot);
     active = false;  // never read outside the pool
   }
-  if (!kWarpSums && !active) return;
+  if (!kWarpRead && !active) return;
   if constexpr (kMethod == Method::kOff && !kStrict) {
     return;  // nothing is scored; the tables were still checked, as core/ does
   } else {
     const float* rec =
         active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
                : nullptr;
+    if constexpr (kStaged) {
+      StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
+      if (!active) return;
+      rec = stage + threadIdx.x * kStride;  // the copy holds every word jl reads
+    }
     const RecordOffsets& o = s.record;
     const bool stats_ok =
         !active || (isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]));
-    // jl with m known: the packed Gram read once, 16 bytes at a time (records are
-    // 16-byte aligned and padded), and kept in registers for every head.
+    // jl with m known: the packed Gram read once from the staged copy, 16 bytes
+    // at a time, and kept in registers for every head.
     constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
     float4 gram[kVectors];
     if constexpr (kMethod == Method::kJl && kM > 0 && !kStrict) {

@@ -51,11 +51,18 @@ const void* const kScoreKernels[] = {
     ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
     ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
+// jl with m of 4, 8 or 16 stages its records in shared memory (score_kernel.cuh)
+// when they fit beside the query terms; any other m, or a model whose terms
+// leave no room, takes the generic kernel, which reads each record itself.
+bool StagesRecords(Method method, int m, bool strict) {
+  return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
+}
+
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
-// register-resident Gram); strict mode scores brackets whatever the method.
-// quest and strict read their sums for 4 query heads per pass of the warp when
-// a KV head has at most 4 (more records per pass), else 8.
-const void* ScoreKernelFor(Method method, int m, bool strict, int ratio) {
+// register-resident Gram of staged records); strict mode scores brackets
+// whatever the method. quest and strict read their sums for 4 query heads per
+// pass of the warp when a KV head has at most 4 (more records per pass), else 8.
+const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged) {
   const bool four = ratio <= 4;
   if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
   if (strict) {
@@ -64,6 +71,7 @@ const void* ScoreKernelFor(Method method, int m, bool strict, int ratio) {
   }
   switch (method) {
     case Method::kJl:
+      if (!staged) return ScoreKernelOf<Method::kJl, 0, false>();
       switch (m) {  // the common sketch sizes keep the Gram in registers
         case 4:
           return ScoreKernelOf<Method::kJl, 4, false>();
@@ -110,8 +118,8 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
 }
 
 // Dynamic shared memory of the two kernels (score_kernel.cuh and select_kernel.cuh lay them out).
-size_t ScoreSharedBytes(const ModelLayout& m) {
-  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim);
+size_t ScoreSharedBytes(const ModelLayout& m, bool staged) {
+  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged);
 }
 size_t SelectSharedBytes(int64_t max_groups) {
   return static_cast<size_t>((max_groups + 15) / 16 * 16 + max_groups * sizeof(unsigned));
@@ -125,6 +133,7 @@ struct GpuSelector::Impl {
   SummaryLayout layout;
   int device = 0;
   int64_t max_batch = 0, max_groups = 0;
+  int max_shared = 0;  // dynamic shared memory a block may have (bytes)
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   DeviceBuffer<float> phi, scores;
@@ -217,7 +226,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // Static shared memory of the select kernel: at most 40 KiB (select_kernel.cuh).
-  const size_t score_shared = ScoreSharedBytes(model);
+  const size_t score_shared = ScoreSharedBytes(model, false);
   const size_t select_shared = SelectSharedBytes(std::min(max_groups, kMaxGroups));
   if (score_shared > static_cast<size_t>(max_shared) ||
       select_shared + 40 * 1024 > static_cast<size_t>(max_shared)) {
@@ -233,6 +242,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   impl->device = device;
   impl->max_batch = max_batch;
   impl->max_groups = max_groups;
+  impl->max_shared = max_shared;
   impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
@@ -367,11 +377,13 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // Scoring: one thread per group of (row, layer, KV head), 256 per block.
   launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
-  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio());
+  const bool staged = StagesRecords(policy.method, m.sketch_dim, strict) &&
+                      ScoreSharedBytes(m, true) <= static_cast<size_t>(g.max_shared);
+  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio(), staged);
   launch.score_grid =
       dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
-  launch.score_shared = ScoreSharedBytes(m);
+  launch.score_shared = ScoreSharedBytes(m, staged);
   // Selection: one block per (layer, list, row).
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,

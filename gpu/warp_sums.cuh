@@ -10,9 +10,14 @@
 // Sums run over the channels in another order than core/'s (lane by lane,
 // then a tree), and products are contracted into FMAs: the results are a
 // float rounding from core/'s, which strict mode's slack covers.
+//
+// jl needs no per-channel sums, only the Gram: StageWarpRecords copies a
+// warp's records into shared memory the same coalesced way, and each thread
+// then scores its own copy exactly as it would the record (bit for bit).
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 
 #include <cstdint>
 
@@ -227,6 +232,37 @@ __device__ inline void BracketSumsWarp(const float* rec, const RecordOffsets& o,
       DealSums<kRecords, kHeads>(dot, pass.mine, sums.principal, lane);
     }
   }
+}
+
+// jl's staged record (ScoreKernel with m known): the packed Gram and the three
+// statistics, rounded up to 16 bytes ...
+constexpr int StagedWords(int m) { return (m * (m + 1) / 2 + 3 + 3) / 4 * 4; }
+// ... at a stride of an odd number of 16-byte pieces, so that the eight lanes
+// of a quarter warp reading a float4 of their own records hit distinct banks.
+constexpr int StagedStride(int m) {
+  return StagedWords(m) + ((StagedWords(m) / 4) % 2 == 0 ? 4 : 0);
+}
+
+// Copies the first kWords words of each lane's record (null: none) to
+// stage + lane * kStride, with cp.async: piece c of the warp's 32 * kWords / 4
+// sixteen-byte pieces goes to lane c % 32, so each copy instruction reads
+// consecutive pieces of consecutive records (a thread per record reads 32
+// records 16 bytes at a time, a cache line per lane). Returns when the warp's
+// copies have landed. Records are 16-byte aligned (core/layout.h pads them).
+template <int kWords, int kStride>
+__device__ inline void StageWarpRecords(const float* rec, float* stage, int lane) {
+  static_assert(kWords % 4 == 0 && kStride % 4 == 0 && kStride >= kWords);
+  constexpr int kPieces = kWords / 4;
+  const auto address = reinterpret_cast<unsigned long long>(rec);
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    const int c = 32 * i + lane, k = c / kPieces, v = c % kPieces;
+    const auto* src = reinterpret_cast<const float4*>(__shfl_sync(kFullWarp, address, k));
+    if (src != nullptr) __pipeline_memcpy_async(stage + k * kStride + 4 * v, src + v, 16);
+  }
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncwarp();
 }
 
 }  // namespace eps::gpu

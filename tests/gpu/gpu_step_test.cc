@@ -7,6 +7,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/bounds.h"
@@ -345,11 +346,19 @@ TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   in.queries = q;
   auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
   ASSERT_TRUE(selector.ok());
-  const absl::Status status =
-      (*selector)->Select(in, SelectPolicy{}, {visit, count}, nullptr, nullptr);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_NE(status.message().find("group_table[0][5]=1073741824"), std::string::npos) << status;
-  EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
+  // Each way of reading records: quest's warp sums, jl's staged copies, strict
+  // mode's warp sums; the bad slot's lane reads nothing while its warp reads.
+  for (const auto& [method, strict] :
+       {std::pair{Method::kQuest, false}, std::pair{Method::kJl, false},
+        std::pair{Method::kJl, true}}) {
+    SelectPolicy policy;
+    policy.method = method;
+    policy.strict = strict;
+    const absl::Status status = (*selector)->Select(in, policy, {visit, count}, nullptr, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("group_table[0][5]=1073741824"), std::string::npos) << status;
+    EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
+  }
   for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
                   static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
     cudaFree(p);
