@@ -22,6 +22,7 @@
 #include "gpu/step.h"
 #include "gpu/step_launch.cuh"
 #include "gpu/stream_ops.h"
+#include "gpu/terms_kernel.cuh"
 
 namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
@@ -50,6 +51,9 @@ const void* const kScoreKernels[] = {
     ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
     ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
     ScoreKernelOf<Method::kOff, 0, true, 8>()};
+
+const void* const kTermsKernels[] = {reinterpret_cast<const void*>(&TermsKernel<true>),
+                                     reinterpret_cast<const void*>(&TermsKernel<false>)};
 
 // jl with m of 4, 8 or 16 stages its records in shared memory (score_kernel.cuh)
 // when they fit beside the query terms; any other m, or a model whose terms
@@ -117,7 +121,8 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
   return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
 }
 
-// Dynamic shared memory of the two kernels (score_kernel.cuh and select_kernel.cuh lay them out).
+// Dynamic shared memory of the scoring and selection kernels (score_kernel.cuh
+// and select_kernel.cuh lay them out; terms_kernel.cuh has its own).
 size_t ScoreSharedBytes(const ModelLayout& m, bool staged) {
   return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged);
 }
@@ -137,6 +142,7 @@ struct GpuSelector::Impl {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   DeviceBuffer<float> phi, scores;
+  DeviceBuffer<float> terms;   // the step's query terms (terms_kernel.cuh)
   DeviceBuffer<float> uppers;  // strict mode's upper bounds, allocated by its first step
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
@@ -190,8 +196,9 @@ absl::Status LoadKernels(int device) {
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   RETURN_IF_ERROR(PreloadStreamOps());
-  for (const auto& kernels : {std::span<const void* const>(kScoreKernels),
-                              std::span<const void* const>(kSelectKernels)}) {
+  for (const auto& kernels :
+       {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
+        std::span<const void* const>(kSelectKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -233,7 +240,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
     return absl::InvalidArgumentError(
         absl::StrCat("the GPU pre-pass needs ", score_shared,
                      " bytes of shared memory per scoring block "
-                     "(gqa_ratio * (3 * head_dim + m(m+1)/2 + m + 1) floats) and ",
+                     "(gqa_ratio * (3 * head_dim + m(m+1)/2 + 1, padded to 4) floats) and ",
                      select_shared, " per selection block; the device offers ", max_shared));
   }
   auto impl = std::make_unique<Impl>();
@@ -253,6 +260,8 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
+  RETURN_IF_CUDA_ALLOC(
+      impl->terms, max_batch * model.num_layers * model.num_q_heads * TermWords(model.sketch_dim));
   RETURN_IF_CUDA_ALLOC(impl->rows, max_batch);
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
@@ -374,8 +383,16 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
+  // Query terms: a warp per query head, a block per (layer, KV head, row).
+  launch.terms = {in.queries, g.phi.get(), scored, g.terms.get(), report};
+  launch.terms_kernel = policy.method == Method::kJl && !strict
+                            ? reinterpret_cast<const void*>(&TermsKernel<true>)
+                            : reinterpret_cast<const void*>(&TermsKernel<false>);
+  launch.terms_grid =
+      dim3(static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
+  launch.terms_shared = sizeof(float) * TermsSharedWords(m.head_dim, m.sketch_dim);
   // Scoring: one thread per group of (row, layer, KV head), 256 per block.
-  launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
+  launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.terms.get(),
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
   const bool staged = StagesRecords(policy.method, m.sketch_dim, strict) &&
                       ScoreSharedBytes(m, true) <= static_cast<size_t>(g.max_shared);

@@ -247,8 +247,9 @@ constexpr int StagedStride(int m) {
 // stage + lane * kStride, with cp.async: piece c of the warp's 32 * kWords / 4
 // sixteen-byte pieces goes to lane c % 32, so each copy instruction reads
 // consecutive pieces of consecutive records (a thread per record reads 32
-// records 16 bytes at a time, a cache line per lane). Returns when the warp's
-// copies have landed. Records are 16-byte aligned (core/layout.h pads them).
+// records 16 bytes at a time, a cache line per lane). Returns once they are
+// queued: WaitStagedRecords waits for them. Records are 16-byte aligned
+// (core/layout.h pads them).
 template <int kWords, int kStride>
 __device__ inline void StageWarpRecords(const float* rec, float* stage, int lane) {
   static_assert(kWords % 4 == 0 && kStride % 4 == 0 && kStride >= kWords);
@@ -261,6 +262,10 @@ __device__ inline void StageWarpRecords(const float* rec, float* stage, int lane
     if (src != nullptr) __pipeline_memcpy_async(stage + k * kStride + 4 * v, src + v, 16);
   }
   __pipeline_commit();
+}
+
+// Waits until the warp's StageWarpRecords copies have landed.
+__device__ inline void WaitStagedRecords() {
   __pipeline_wait_prior(0);
   __syncwarp();
 }

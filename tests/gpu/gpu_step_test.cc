@@ -365,5 +365,54 @@ TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   }
 }
 
+// The query check runs once per (row, layer, head) in the terms kernel: a NaN
+// in a scored head's query fails the step, for every way of scoring.
+TEST(GpuStepValidationTest, NonFiniteQueryFailsTheStepAndWritesNothing) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 64;
+  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  buffers.AssignRow(0, 4096, 1);
+  buffers.FillRandomSummaries(2);
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
+  StepInputs in = buffers.Inputs(rows);
+  std::vector<float> queries(static_cast<const float*>(in.queries),
+                             static_cast<const float*>(in.queries) + 2 * 4 * 64);
+  const int bad = (1 * 4 + 3) * 64 + 17;  // layer 1, head 3, element 17
+  queries[bad] = std::nanf("");
+  float* pool = Upload(buffers.pool());
+  int32_t* groups = Upload(buffers.group_table());
+  int32_t* blocks = Upload(buffers.block_table());
+  float* q = Upload(queries);
+  int32_t* visit = Upload(std::vector<int32_t>(2 * buffers.max_blocks(), -1));
+  int32_t* count = Upload(std::vector<int32_t>(2, -1));
+  in.summary_pool = pool;
+  in.group_table = groups;
+  in.block_table = blocks;
+  in.queries = q;
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok());
+  for (const auto& [method, strict] :
+       {std::pair{Method::kQuest, false}, std::pair{Method::kJl, false},
+        std::pair{Method::kJl, true}, std::pair{Method::kOff, false}}) {
+    SelectPolicy policy;
+    policy.method = method;
+    policy.strict = strict;
+    const absl::Status status = (*selector)->Select(in, policy, {visit, count}, nullptr, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("element " + std::to_string(bad) + " is not finite"),
+              std::string::npos)
+        << status;
+    EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
+  }
+  for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
+                  static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
+    cudaFree(p);
+  }
+}
+
 }  // namespace
 }  // namespace eps
