@@ -123,10 +123,15 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, k
     }
   }
   if constexpr (kMethod == Method::kOff && !kStrict) {
-    return;  // nothing is scored; the tables were still checked, as core/ does
+    // Nothing is scored; the tables were still checked, as core/ does. No
+    // block finishes before the terms kernel, whose query check the selection
+    // kernel (ordered after this one only) reads.
+    WaitForQueryTerms();
+    return;
   } else {
     // The heads' terms (TermsKernel wrote them: zz then ‖q‖), and the widened
     // queries where the sums need them; the TermsKernel checked them.
+    WaitForQueryTerms();  // everything above overlaps the terms kernel, nothing below
     const float* terms =
         a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + kvh * ratio) * words;
     for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) terms_sh[e] = terms[e];

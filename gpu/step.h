@@ -4,7 +4,9 @@
 //
 //   1. query terms per (row, layer, query head): ‖q‖, and for jl z = Φᵀq and
 //                  the packed z zᵀ, into the selector's scratch; the check
-//                  that every scored query is finite
+//                  that every scored query is finite. Scoring is its
+//                  programmatic dependent: its blocks start while this runs
+//                  and wait for the terms only before reading them
 //   2. scoring     per (row, layer, KV head, 256 groups): one thread per group
 //                  queues its record's loads, reads the KV head's query terms,
 //                  then scores the record once for every one of its query

@@ -44,9 +44,20 @@ struct StepLaunch {
     void* terms_params[] = {&shape, &terms};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(terms_kernel, terms_grid, dim3(kernels::kTermsThreads),
                                           terms_params, terms_shared, stream));
+    // Scoring may start while the terms kernel runs (terms_kernel.cuh,
+    // LetScoringStart); in a captured graph this is a programmatic edge.
     void* score_params[] = {&shape, &score};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(score_kernel, score_grid, dim3(kernels::kScoreThreads),
-                                          score_params, score_shared, stream));
+    cudaLaunchAttribute overlap{};
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = score_grid;
+    config.blockDim = dim3(kernels::kScoreThreads);
+    config.dynamicSmemBytes = score_shared;
+    config.stream = stream;
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernelExC(&config, score_kernel, score_params));
     void* select_params[] = {&shape, &rule, &select};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
                                           select_shared, stream));

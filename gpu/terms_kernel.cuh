@@ -18,6 +18,14 @@ namespace eps::gpu::kernels {
 
 inline constexpr int kTermsThreads = 128;
 
+// The scoring kernel is launched as this kernel's programmatic dependent
+// (gpu/step_launch.cuh): once every block of this one has started, scoring
+// blocks may start too, read their slots and queue their record loads, and
+// wait in WaitForQueryTerms until this kernel has finished and its writes are
+// visible. Launched without that attribute, both are no-ops.
+__device__ inline void LetScoringStart() { asm volatile("griddepcontrol.launch_dependents;"); }
+__device__ inline void WaitForQueryTerms() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // Words of one head's terms: packed z zᵀ [m(m+1)/2], then ‖q‖, padded to 16 bytes.
 __host__ __device__ constexpr int TermWords(int m) { return (m * (m + 1) / 2 + 1 + 3) / 4 * 4; }
 
@@ -39,6 +47,7 @@ __host__ __device__ inline size_t TermsSharedWords(int d, int m) {
 // scoring blocks used (so the terms are the same bits as before).
 template <bool kJl>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs a) {
+  LetScoringStart();
   extern __shared__ float shared[];
   const int row = blockIdx.y;
   const int layer = blockIdx.x / s.kv_heads, kvh = blockIdx.x % s.kv_heads;
