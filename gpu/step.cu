@@ -52,8 +52,28 @@ const void* const kScoreKernels[] = {
     ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
     ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
-const void* const kTermsKernels[] = {reinterpret_cast<const void*>(&TermsKernel<true>),
-                                     reinterpret_cast<const void*>(&TermsKernel<false>)};
+template <int kM>
+const void* TermsKernelOf() {
+  return reinterpret_cast<const void*>(&TermsKernel<kM>);
+}
+const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(), TermsKernelOf<4>(),
+                                     TermsKernelOf<8>(), TermsKernelOf<16>()};
+
+// The terms kernel: ‖q‖ only unless jl scores, and for jl Φᵀq with m known
+// where it is one of the common sketch sizes.
+const void* TermsKernelFor(Method method, int m, bool strict) {
+  if (method != Method::kJl || strict) return TermsKernelOf<-1>();
+  switch (m) {
+    case 4:
+      return TermsKernelOf<4>();
+    case 8:
+      return TermsKernelOf<8>();
+    case 16:
+      return TermsKernelOf<16>();
+    default:
+      return TermsKernelOf<0>();
+  }
+}
 
 // jl with m of 4, 8 or 16 stages its records in shared memory (score_kernel.cuh)
 // when they fit beside the query terms; any other m, or a model whose terms
@@ -385,9 +405,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
   // Query terms: a warp per query head, a block per (layer, KV head, row).
   launch.terms = {in.queries, g.phi.get(), scored, g.terms.get(), report};
-  launch.terms_kernel = policy.method == Method::kJl && !strict
-                            ? reinterpret_cast<const void*>(&TermsKernel<true>)
-                            : reinterpret_cast<const void*>(&TermsKernel<false>);
+  launch.terms_kernel = TermsKernelFor(policy.method, m.sketch_dim, strict);
   launch.terms_grid =
       dim3(static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
   launch.terms_shared = sizeof(float) * TermsSharedWords(m.head_dim, m.sketch_dim);

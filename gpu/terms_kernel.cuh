@@ -42,10 +42,47 @@ __host__ __device__ inline size_t TermsSharedWords(int d, int m) {
   return static_cast<size_t>(kTermsThreads / 32) * (d + m);
 }
 
+// z_j = Σ_i Φ[i][j] q_i for j < m: lane l sums i = l, l + 32, ... in order
+// and shuffles reduce, as the scoring blocks summed (the same bits). With m
+// known (kM > 0) each lane reads whole rows of Φ, 16 bytes at a time, for
+// every j at once, so all its loads are in flight together; otherwise one j
+// at a time.
+template <int kM>
+__device__ inline void ProjectQuery(const float* matrix, const float* q, int d, int m, int lane,
+                                    float* z) {
+  if constexpr (kM > 0) {
+    float partial[kM] = {};
+#pragma unroll 4
+    for (int i = lane; i < d; i += 32) {
+      const float qi = q[i];
+#pragma unroll
+      for (int v = 0; v < kM / 4; ++v) {
+        const float4 row = reinterpret_cast<const float4*>(matrix + i * kM)[v];
+        partial[4 * v] += row.x * qi;
+        partial[4 * v + 1] += row.y * qi;
+        partial[4 * v + 2] += row.z * qi;
+        partial[4 * v + 3] += row.w * qi;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kM; ++j) {
+      for (int o = 16; o > 0; o /= 2) partial[j] += __shfl_xor_sync(0xFFFFFFFFu, partial[j], o);
+      if (lane == 0) z[j] = partial[j];
+    }
+  } else {
+    for (int j = 0; j < m; ++j) {
+      float partial = 0.0f;
+      for (int i = lane; i < d; i += 32) partial += matrix[i * m + j] * q[i];
+      for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
+      if (lane == 0) z[j] = partial;
+    }
+  }
+}
+
 // Grid (layers * kv_heads, rows), kTermsThreads threads: a warp per query head
-// of the KV head, lanes splitting d and shuffles reducing, in the order the
-// scoring blocks used (so the terms are the same bits as before).
-template <bool kJl>
+// of the KV head. kM < 0: ‖q‖ only (every method but jl); 0: jl, m from the
+// shape; 4, 8, 16: jl with m known (ProjectQuery).
+template <int kM>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs a) {
   LetScoringStart();
   extern __shared__ float shared[];
@@ -60,11 +97,22 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs 
     const int h = kvh * ratio + r;
     const bool scored = a.scored == nullptr || a.scored[layer * s.q_heads + h];
     const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-    for (int i = lane; i < s.d; i += 32) {
-      const float x = LoadAsFloatDevice(a.queries, s.query_dtype, at + i);
-      q[i] = x;
-      if (scored && !isfinite(x)) {
-        Fail(&a.report->status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
+    // Four elements per lane loaded before any is checked, so the loads are in flight together.
+    for (int i0 = 0; i0 < s.d; i0 += 128) {
+      float x[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = i0 + 32 * k + lane;
+        x[k] = i < s.d ? LoadAsFloatDevice(a.queries, s.query_dtype, at + i) : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = i0 + 32 * k + lane;
+        if (i >= s.d) break;
+        q[i] = x[k];
+        if (scored && !isfinite(x[k])) {
+          Fail(&a.report->status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
+        }
       }
     }
     __syncwarp();
@@ -73,13 +121,8 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs 
     for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
     for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
     if (lane == 0) out[packed] = sqrtf(n2);
-    if constexpr (kJl) {
-      for (int j = 0; j < s.m; ++j) {
-        float partial = 0.0f;
-        for (int i = lane; i < s.d; i += 32) partial += matrix[i * s.m + j] * q[i];
-        for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
-        if (lane == 0) z[j] = partial;
-      }
+    if constexpr (kM >= 0) {
+      ProjectQuery<kM>(matrix, q, s.d, s.m, lane, z);
       __syncwarp();
       for (int e = lane; e < packed; e += 32) {
         int p = e, i = 0;
