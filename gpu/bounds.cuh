@@ -9,10 +9,11 @@
 //   quest  Σ_j max(q_j min_j, q_j max_j), min and max binary16 (rounded outward)
 //
 // and BracketMaxScore for strict mode. The per-channel sums (quest, u1·q, q·Σk)
-// are taken for a batch of query heads in one pass over the record (HeadSums).
-// Sums run in core/'s order (j = 0..d-1),
-// but the device contracts products into FMAs, so values agree with core/ to
-// float rounding, not bit for bit; strict mode's slack covers that.
+// are taken for a batch of query heads in one pass over the record (HeadSums):
+// 1pc's here, a thread per record, in core/'s order (j = 0..d-1); quest's and
+// strict mode's by the warp's lanes together (gpu/warp_sums.cuh), in another
+// order. The device contracts products into FMAs, so values agree with core/
+// to float rounding, not bit for bit; strict mode's slack covers that.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -60,81 +61,6 @@ __device__ inline float JlScore(const float* rec, const float* gram, const Recor
 // over j = 0..d-1 in order, as core/'s do. Results land in out[0, heads).
 inline constexpr int kHeadBatch = 8;
 
-// quest: Σ_j max(q_j min_j, q_j max_j), min and max read as binary16 pairs.
-__device__ inline void QuestSums(const float* rec, const RecordOffsets& o, const float* q,
-                                 int heads, float* out) {
-  const __half2* lo = reinterpret_cast<const __half2*>(rec + o.quest_min);
-  const __half2* hi = reinterpret_cast<const __half2*>(rec + o.quest_max);
-#pragma unroll
-  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
-  for (int i = 0; i < o.d / 2; ++i) {
-    const float2 l = __half22float2(lo[i]);
-    const float2 h = __half22float2(hi[i]);
-#pragma unroll
-    for (int r = 0; r < kHeadBatch; ++r) {
-      if (r < heads) {
-        const float q0 = q[r * o.d + 2 * i], q1 = q[r * o.d + 2 * i + 1];
-        out[r] += fmaxf(q0 * l.x, q0 * h.x);
-        out[r] += fmaxf(q1 * l.y, q1 * h.y);
-      }
-    }
-  }
-}
-
-// QuestSums for the records of a whole warp, read cooperatively: each lane's
-// `rec` (null for a lane with no record) is taken in turn, its lanes split the
-// channels (coalesced 128-byte loads instead of one thread walking 2·d halves),
-// and shuffles add the heads' partial sums. Every lane of the warp must call it;
-// on return `out` holds the caller's own record's sums. The sums run in another
-// order than QuestSums' (a float rounding apart).
-__device__ inline void QuestSumsWarp(const float* rec, const RecordOffsets& o, const float* q,
-                                     int heads, float* out, int lane) {
-#pragma unroll
-  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
-  unsigned pending = __ballot_sync(0xFFFFFFFFu, rec != nullptr);
-  const auto address = reinterpret_cast<unsigned long long>(rec);
-  while (pending != 0) {
-    // Two records per pass, so that each lane has four loads in flight.
-    const int src0 = __ffs(pending) - 1;
-    pending &= pending - 1;
-    const int src1 = pending != 0 ? __ffs(pending) - 1 : -1;
-    if (src1 >= 0) pending &= pending - 1;
-    const auto* rec0 = reinterpret_cast<const float*>(__shfl_sync(0xFFFFFFFFu, address, src0));
-    const auto* rec1 =
-        reinterpret_cast<const float*>(__shfl_sync(0xFFFFFFFFu, address, src1 >= 0 ? src1 : src0));
-    const __half2* lo0 = reinterpret_cast<const __half2*>(rec0 + o.quest_min);
-    const __half2* hi0 = reinterpret_cast<const __half2*>(rec0 + o.quest_max);
-    const __half2* lo1 = reinterpret_cast<const __half2*>(rec1 + o.quest_min);
-    const __half2* hi1 = reinterpret_cast<const __half2*>(rec1 + o.quest_max);
-    float acc0[kHeadBatch], acc1[kHeadBatch];
-#pragma unroll
-    for (int r = 0; r < kHeadBatch; ++r) acc0[r] = acc1[r] = 0.0f;
-    for (int i = lane; i < o.d / 2; i += 32) {
-      const float2 l0 = __half22float2(lo0[i]), h0 = __half22float2(hi0[i]);
-      const float2 l1 = __half22float2(lo1[i]), h1 = __half22float2(hi1[i]);
-#pragma unroll
-      for (int r = 0; r < kHeadBatch; ++r) {
-        if (r < heads) {
-          const float2 qq = reinterpret_cast<const float2*>(q + r * o.d)[i];
-          acc0[r] += fmaxf(qq.x * l0.x, qq.x * h0.x) + fmaxf(qq.y * l0.y, qq.y * h0.y);
-          acc1[r] += fmaxf(qq.x * l1.x, qq.x * h1.x) + fmaxf(qq.y * l1.y, qq.y * h1.y);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kHeadBatch; ++r) {
-      if (r < heads) {
-        for (int off = 16; off > 0; off /= 2) {
-          acc0[r] += __shfl_xor_sync(0xFFFFFFFFu, acc0[r], off);
-          acc1[r] += __shfl_xor_sync(0xFFFFFFFFu, acc1[r], off);
-        }
-        if (lane == src0) out[r] = acc0[r];
-        if (lane == src1) out[r] = acc1[r];
-      }
-    }
-  }
-}
-
 // 1pc: u1·q with the int8 direction read four bytes at a time.
 __device__ inline void PrincipalDots(const float* rec, const RecordOffsets& o, const float* q,
                                      int heads, float* out) {
@@ -152,20 +78,6 @@ __device__ inline void PrincipalDots(const float* rec, const RecordOffsets& o, c
         out[r] += static_cast<float>(c.z) * qr[2];
         out[r] += static_cast<float>(c.w) * qr[3];
       }
-    }
-  }
-}
-
-// Mean-key lower bound: q·Σk.
-__device__ inline void KeySumDots(const float* rec, const RecordOffsets& o, const float* q,
-                                  int heads, float* out) {
-#pragma unroll
-  for (int r = 0; r < kHeadBatch; ++r) out[r] = 0.0f;
-  for (int i = 0; i < o.d; ++i) {
-    const float k = rec[o.key_sum + i];
-#pragma unroll
-    for (int r = 0; r < kHeadBatch; ++r) {
-      if (r < heads) out[r] += q[r * o.d + i] * k;
     }
   }
 }
@@ -190,7 +102,7 @@ __device__ inline float OnePcBound(const float* rec, const RecordOffsets& o, con
                fro);
 }
 
-// quest from the head's channel sum (`sum`, from QuestSums); fro without the part.
+// quest from the head's channel sum (`sum`, from QuestSumsWarp); fro without the part.
 __device__ inline float QuestBound(const float* rec, const RecordOffsets& o, const HeadQuery& h,
                                    float sum) {
   if (o.quest_min < 0) return FroBound(rec, o, h);

@@ -10,20 +10,26 @@
 #include "gpu/bounds.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/step_shape.cuh"
+#include "gpu/terms_kernel.cuh"
+#include "gpu/warp_sums.cuh"
 
 namespace eps::gpu::kernels {
 
 // Scoring. Grid (group chunks of 256, layers * kv_heads, rows), 256 threads.
-// Each block first widens the queries of its KV head's query heads into shared
-// memory and builds their terms, a warp per head (‖q‖; for jl z = Φᵀq and the
-// packed z zᵀ), then each thread scores one group: it reads the record once
-// and scores it for every query head of the KV head (GQA), the per-channel
-// sums of quest, 1pc and strict taken for up to kHeadBatch heads per pass
-// (quest's with the warp's lanes reading each record together).
+// Each thread scores one group: it reads the group's slot and queues its
+// record's loads first (jl with m known: the warp copies its records to shared
+// memory together), then the block reads its KV head's query terms, which
+// TermsKernel built before (‖q‖; for jl the packed z zᵀ), and, for the
+// per-channel sums, the widened queries; then each thread scores its record
+// for every query head of the KV head (GQA), the per-channel sums of 1pc taken
+// for up to kHeadBatch heads per pass, those of quest and strict for kHeads
+// heads per pass with the warp's lanes reading its records together
+// (gpu/warp_sums.cuh).
 //
-// Shared memory (dynamic): q [ratio, d], zz [ratio, packed], norm [ratio],
-// z [ratio, m]. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict:
-// the lower bounds) and, in strict mode, `uppers`.
+// Shared memory (dynamic): the staged records of jl with m known [threads,
+// StagedStride(m)], terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
+// d] float2. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict: the
+// lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
 
 struct ScoreArgs {
@@ -31,7 +37,7 @@ struct ScoreArgs {
   const int32_t* group_table;
   const int32_t* block_table;
   const void* queries;  // [layers, max_batch, q_heads, d]
-  const float* phi;     // [layers, kv_heads, d, m]
+  const float* terms;   // [max_batch, layers, q_heads, TermWords(m)] (terms_kernel.cuh)
   const DeviceRow* rows;
   const uint8_t* scored;  // [layers, q_heads] or null (every head scored)
   float* scores;
@@ -39,78 +45,76 @@ struct ScoreArgs {
   StepReport* report;
 };
 
-template <Method kMethod, int kM, bool kStrict>
-__global__ void ScoreKernel(Shape s, ScoreArgs a) {
+// Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
+// `staged`: jl with m known, which stages its records (StagedWords).
+__host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged) {
+  return static_cast<size_t>(ratio) * (TermWords(m) + 3 * d) +
+         (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0);
+}
+
+// Scoring blocks resident per SM that the compiler must allow: the warp-read
+// sums keep a pass's loads and sums in registers (up to ~170 unbounded, one
+// block per SM); two blocks (128 registers) keep twice the loads in flight,
+// except for strict mode's 8-head passes, which would spill. jl with m ≤ 8
+// keeps three blocks (80 registers), as it had before it staged its records.
+template <Method kMethod, int kM, bool kStrict, int kHeads>
+inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM > 0 && kM <= 8 ? 3
+                                       : (kStrict&& kHeads <= 4) ||
+                                               (!kStrict && kMethod == Method::kQuest)
+                                           ? 2
+                                           : 1;
+
+// kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
+// the other methods take kHeadBatch per pass.
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
+__global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
+    ScoreKernel(Shape s, ScoreArgs a) {
+  // quest and strict read each warp's records together (gpu/warp_sums.cuh), so
+  // their lanes stay to the end; the other methods leave as soon as they have
+  // nothing to score.
+  constexpr bool kWarpSums = kStrict || kMethod == Method::kQuest;
+  constexpr int kBatch = kWarpSums ? kHeads : kHeadBatch;
+  // jl with m known copies its warp's records to shared memory together
+  // (StageWarpRecords) and scores the copies; its lanes too stay until then.
+  constexpr bool kStaged = kMethod == Method::kJl && kM > 0 && !kStrict;
+  constexpr bool kWarpRead = kWarpSums || kStaged;
+  constexpr int kStride = kStaged ? StagedStride(kM) : 0;
+  static_assert(kBatch <= kHeadBatch, "HeadSums holds kHeadBatch heads");
+  // q in shared memory: the per-channel sums of quest (its sign-split copy), 1pc, strict.
+  constexpr bool kQueries = kWarpSums || kMethod == Method::kOnePc;
   extern __shared__ float shared[];
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
-  const int packed = s.record.packed;
-  float* q_sh = shared;                     // [ratio, d]
-  float* zz_sh = q_sh + ratio * s.d;        // [ratio, packed]
-  float* norm_sh = zz_sh + ratio * packed;  // [ratio]
-  float* z_sh = norm_sh + ratio;            // [ratio, m]
+  const int words = TermWords(s.m);
+  float* stage = shared;                                              // [threads, kStride]
+  float* terms_sh = stage + kScoreThreads * kStride;                  // [ratio, words]
+  float* q_sh = terms_sh + ratio * words;                             // [ratio, d]
+  float2* qsplit_sh = reinterpret_cast<float2*>(q_sh + ratio * s.d);  // [ratio, d]
   DeviceStatus* status = &a.report->status;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  // Stage the widened queries; a non-finite element of a scored head fails the step.
-  for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
-    const int h = kvh * ratio + e / s.d;
-    const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
-    const float x = LoadAsFloatDevice(a.queries, s.query_dtype, at);
-    q_sh[e] = x;
-    const bool head_scored = a.scored == nullptr || a.scored[layer * s.q_heads + h];
-    if (head_scored && !isfinite(x) && blockIdx.x == 0) {
-      Fail(status, kBadQuery, row, (layer * s.q_heads + h) * s.d + e % s.d, 0);
-    }
-  }
-  __syncthreads();
-  if constexpr (kMethod != Method::kOff || kStrict) {
-    // A warp per head: lanes split d, shuffles reduce.
-    const float* matrix = a.phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
-    for (int r = warp; r < ratio; r += warps) {
-      const float* q = q_sh + r * s.d;
-      float n2 = 0.0f;
-      for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
-      for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
-      if (lane == 0) norm_sh[r] = sqrtf(n2);
-      if constexpr (kMethod == Method::kJl && !kStrict) {
-        for (int j = 0; j < s.m; ++j) {
-          float partial = 0.0f;
-          for (int i = lane; i < s.d; i += 32) partial += matrix[i * s.m + j] * q[i];
-          for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
-          if (lane == 0) z_sh[r * s.m + j] = partial;
-        }
-      }
-    }
-    if constexpr (kMethod == Method::kJl && !kStrict) {
-      __syncthreads();
-      for (int e = threadIdx.x; e < ratio * packed; e += blockDim.x) {
-        const int r = e / packed;
-        int p = e % packed, i = 0;
-        while (p >= s.m - i) {  // packed index -> (i, j), i ≤ j
-          p -= s.m - i;
-          ++i;
-        }
-        const int j = i + p;
-        zz_sh[e] = (i == j ? 1.0f : 2.0f) * z_sh[r * s.m + i] * z_sh[r * s.m + j];
-      }
-    }
-    __syncthreads();
-  }
-
+  // The group's slot first, and (jl) the warp's record copies queued, so that
+  // the record loads are in flight while the block reads its heads' terms.
   const int64_t tokens = a.rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
   const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  // quest reads each warp's records together (QuestSumsWarp), so its lanes stay
-  // to the end; the other methods leave as soon as they have nothing to score.
-  constexpr bool kWarpQuest = kMethod == Method::kQuest && !kStrict;
-  if (kWarpQuest ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
   bool active = p < n;
   const int64_t table_row = a.rows[row].table_row;
+  int32_t slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
+  if (active && (slot < 0 || slot >= s.num_slots)) {
+    Fail(status, kBadSlot, row, static_cast<int>(p), slot);
+    active = false;  // never read outside the pool
+  }
+  const float* rec =
+      active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
+             : nullptr;
+  if constexpr (kStaged) {
+    StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
+  }
   // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
-  if (active && blockIdx.y == 0) {
+  if (p < n && blockIdx.y == 0) {
     for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
       const int32_t id = a.block_table[table_row * s.max_blocks + b];
       if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
@@ -118,53 +122,74 @@ __global__ void ScoreKernel(Shape s, ScoreArgs a) {
       }
     }
   }
-  const int32_t slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
-  if (active && (slot < 0 || slot >= s.num_slots)) {
-    Fail(status, kBadSlot, row, static_cast<int>(p), slot);
-    active = false;  // never read outside the pool
-  }
-  if (!kWarpQuest && !active) return;
   if constexpr (kMethod == Method::kOff && !kStrict) {
-    return;  // nothing is scored; the tables were still checked, as core/ does
+    // Nothing is scored; the tables were still checked, as core/ does. No
+    // block finishes before the terms kernel, whose query check the selection
+    // kernel (ordered after this one only) reads.
+    WaitForQueryTerms();
+    return;
   } else {
-    const float* rec =
-        active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
-               : nullptr;
+    // The heads' terms (TermsKernel wrote them: zz then ‖q‖), and the widened
+    // queries where the sums need them; the TermsKernel checked them.
+    WaitForQueryTerms();  // everything above overlaps the terms kernel, nothing below
+    const float* terms =
+        a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + kvh * ratio) * words;
+    for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) terms_sh[e] = terms[e];
+    if constexpr (kQueries) {
+      for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
+        const int h = kvh * ratio + e / s.d;
+        const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
+        q_sh[e] = LoadAsFloatDevice(a.queries, s.query_dtype, at);
+      }
+      if constexpr (kWarpSums) {
+        if (s.record.quest_min >= 0) {
+          __syncthreads();
+          for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
+            qsplit_sh[e] = QuestSplitQuery(q_sh + (e / s.d) * s.d, s.d, e % s.d);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (kWarpRead ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
+    if (!kWarpRead && !active) return;
+    if constexpr (kStaged) {
+      WaitStagedRecords();
+      if (!active) return;
+      rec = stage + threadIdx.x * kStride;  // the copy holds every word jl reads
+    }
     const RecordOffsets& o = s.record;
     const bool stats_ok =
         !active || (isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]));
-    // jl with m known: the packed Gram read once, 16 bytes at a time (records are
-    // 16-byte aligned and padded), and kept in registers for every head.
+    // jl with m known: the packed Gram read once from the staged copy, 16 bytes
+    // at a time, and kept in registers for every head.
     constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
     float4 gram[kVectors];
     if constexpr (kMethod == Method::kJl && kM > 0 && !kStrict) {
 #pragma unroll
       for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
     }
-    constexpr bool kQuestSums = kStrict || kMethod == Method::kQuest;
-    constexpr bool kPrincipalSums = kStrict || kMethod == Method::kOnePc;
-    for (int r0 = 0; r0 < ratio; r0 += kHeadBatch) {
-      const int heads = min(kHeadBatch, ratio - r0);
+    for (int r0 = 0; r0 < ratio; r0 += kBatch) {
+      const int heads = min(kBatch, ratio - r0);
       const float* q = q_sh + r0 * s.d;
       HeadSums sums;
-      if constexpr (kWarpQuest) {
-        if (o.quest_min >= 0) QuestSumsWarp(rec, o, q, heads, sums.quest, lane);
+      if constexpr (kStrict) {
+        BracketSumsWarp<kHeads>(rec, o, q, qsplit_sh + r0 * s.d, heads, sums, lane);
         if (!active) continue;
-      } else if constexpr (kQuestSums) {
-        if (o.quest_min >= 0) QuestSums(rec, o, q, heads, sums.quest);
-      }
-      if constexpr (kPrincipalSums) {
+      } else if constexpr (kMethod == Method::kQuest) {
+        if (o.quest_min >= 0) {
+          QuestSumsWarp<kHeads>(rec, o, qsplit_sh + r0 * s.d, heads, sums.quest, lane);
+        }
+        if (!active) continue;
+      } else if constexpr (kMethod == Method::kOnePc) {
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
       }
-      if constexpr (kStrict) {
-        if (o.key_sum >= 0) KeySumDots(rec, o, q, heads, sums.key_sum);
-      }
 #pragma unroll
-      for (int rr = 0; rr < kHeadBatch; ++rr) {
+      for (int rr = 0; rr < kBatch; ++rr) {
         if (rr >= heads) break;
         const int r = r0 + rr, h = kvh * ratio + r;
         if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
-        const HeadQuery hq{zz_sh + r * packed, norm_sh[r]};
+        const HeadQuery hq{terms_sh + r * words, terms_sh[r * words + s.record.packed]};
         const int64_t out = ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
         bool bad;
         if constexpr (kStrict) {

@@ -22,6 +22,7 @@
 #include "gpu/step.h"
 #include "gpu/step_launch.cuh"
 #include "gpu/stream_ops.h"
+#include "gpu/terms_kernel.cuh"
 
 namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
@@ -39,24 +40,62 @@ const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
     SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
 
-template <Method kMethod, int kM, bool kStrict>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
 const void* ScoreKernelOf() {
-  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict>);
+  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads>);
 }
 const void* const kScoreKernels[] = {
-    ScoreKernelOf<Method::kJl, 4, false>(),    ScoreKernelOf<Method::kJl, 8, false>(),
-    ScoreKernelOf<Method::kJl, 16, false>(),   ScoreKernelOf<Method::kJl, 0, false>(),
-    ScoreKernelOf<Method::kOnePc, 0, false>(), ScoreKernelOf<Method::kFro, 0, false>(),
-    ScoreKernelOf<Method::kQuest, 0, false>(), ScoreKernelOf<Method::kOff, 0, false>(),
-    ScoreKernelOf<Method::kOff, 0, true>()};
+    ScoreKernelOf<Method::kJl, 4, false>(),       ScoreKernelOf<Method::kJl, 8, false>(),
+    ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
+    ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
+    ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
+    ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
+    ScoreKernelOf<Method::kOff, 0, true, 8>()};
+
+template <int kM>
+const void* TermsKernelOf() {
+  return reinterpret_cast<const void*>(&TermsKernel<kM>);
+}
+const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(), TermsKernelOf<4>(),
+                                     TermsKernelOf<8>(), TermsKernelOf<16>()};
+
+// The terms kernel: ‖q‖ only unless jl scores, and for jl Φᵀq with m known
+// where it is one of the common sketch sizes.
+const void* TermsKernelFor(Method method, int m, bool strict) {
+  if (method != Method::kJl || strict) return TermsKernelOf<-1>();
+  switch (m) {
+    case 4:
+      return TermsKernelOf<4>();
+    case 8:
+      return TermsKernelOf<8>();
+    case 16:
+      return TermsKernelOf<16>();
+    default:
+      return TermsKernelOf<0>();
+  }
+}
+
+// jl with m of 4, 8 or 16 stages its records in shared memory (score_kernel.cuh)
+// when they fit beside the query terms; any other m, or a model whose terms
+// leave no room, takes the generic kernel, which reads each record itself.
+bool StagesRecords(Method method, int m, bool strict) {
+  return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
+}
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
-// register-resident Gram); strict mode scores brackets whatever the method.
-const void* ScoreKernelFor(Method method, int m, bool strict) {
+// register-resident Gram of staged records); strict mode scores brackets
+// whatever the method. quest and strict read their sums for 4 query heads per
+// pass of the warp when a KV head has at most 4 (more records per pass), else 8.
+const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged) {
+  const bool four = ratio <= 4;
   if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
-  if (strict) return ScoreKernelOf<Method::kOff, 0, true>();
+  if (strict) {
+    return four ? ScoreKernelOf<Method::kOff, 0, true, 4>()
+                : ScoreKernelOf<Method::kOff, 0, true, 8>();
+  }
   switch (method) {
     case Method::kJl:
+      if (!staged) return ScoreKernelOf<Method::kJl, 0, false>();
       switch (m) {  // the common sketch sizes keep the Gram in registers
         case 4:
           return ScoreKernelOf<Method::kJl, 4, false>();
@@ -72,7 +111,8 @@ const void* ScoreKernelFor(Method method, int m, bool strict) {
     case Method::kFro:
       return ScoreKernelOf<Method::kFro, 0, false>();
     case Method::kQuest:
-      return ScoreKernelOf<Method::kQuest, 0, false>();
+      return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
+                  : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kOff:
       break;
   }
@@ -102,11 +142,10 @@ std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int head
   return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
 }
 
-// Dynamic shared memory of the two kernels (score_kernel.cuh and select_kernel.cuh lay them out).
-size_t ScoreSharedBytes(const ModelLayout& m) {
-  const int ratio = m.gqa_ratio();
-  return sizeof(float) * static_cast<size_t>(ratio) *
-         (m.head_dim + PackedSize(m.sketch_dim) + 1 + m.sketch_dim);
+// Dynamic shared memory of the scoring and selection kernels (score_kernel.cuh
+// and select_kernel.cuh lay them out; terms_kernel.cuh has its own).
+size_t ScoreSharedBytes(const ModelLayout& m, bool staged) {
+  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged);
 }
 size_t SelectSharedBytes(int64_t max_groups) {
   return static_cast<size_t>((max_groups + 15) / 16 * 16 + max_groups * sizeof(unsigned));
@@ -120,9 +159,11 @@ struct GpuSelector::Impl {
   SummaryLayout layout;
   int device = 0;
   int64_t max_batch = 0, max_groups = 0;
+  int max_shared = 0;  // dynamic shared memory a block may have (bytes)
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   DeviceBuffer<float> phi, scores;
+  DeviceBuffer<float> terms;   // the step's query terms (terms_kernel.cuh)
   DeviceBuffer<float> uppers;  // strict mode's upper bounds, allocated by its first step
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
@@ -176,8 +217,9 @@ absl::Status LoadKernels(int device) {
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   RETURN_IF_ERROR(PreloadStreamOps());
-  for (const auto& kernels : {std::span<const void* const>(kScoreKernels),
-                              std::span<const void* const>(kSelectKernels)}) {
+  for (const auto& kernels :
+       {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
+        std::span<const void* const>(kSelectKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -212,14 +254,14 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // Static shared memory of the select kernel: at most 40 KiB (select_kernel.cuh).
-  const size_t score_shared = ScoreSharedBytes(model);
+  const size_t score_shared = ScoreSharedBytes(model, false);
   const size_t select_shared = SelectSharedBytes(std::min(max_groups, kMaxGroups));
   if (score_shared > static_cast<size_t>(max_shared) ||
       select_shared + 40 * 1024 > static_cast<size_t>(max_shared)) {
     return absl::InvalidArgumentError(
         absl::StrCat("the GPU pre-pass needs ", score_shared,
                      " bytes of shared memory per scoring block "
-                     "(gqa_ratio * (head_dim + m(m+1)/2 + m + 1) floats) and ",
+                     "(gqa_ratio * (3 * head_dim + m(m+1)/2 + 1, padded to 4) floats) and ",
                      select_shared, " per selection block; the device offers ", max_shared));
   }
   auto impl = std::make_unique<Impl>();
@@ -228,6 +270,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   impl->device = device;
   impl->max_batch = max_batch;
   impl->max_groups = max_groups;
+  impl->max_shared = max_shared;
   impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
@@ -238,6 +281,8 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
+  RETURN_IF_CUDA_ALLOC(
+      impl->terms, max_batch * model.num_layers * model.num_q_heads * TermWords(model.sketch_dim));
   RETURN_IF_CUDA_ALLOC(impl->rows, max_batch);
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
@@ -359,14 +404,22 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
+  // Query terms: a warp per query head, a block per (layer, KV head, row).
+  launch.terms = {in.queries, g.phi.get(), scored, g.terms.get(), report};
+  launch.terms_kernel = TermsKernelFor(policy.method, m.sketch_dim, strict);
+  launch.terms_grid =
+      dim3(static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
+  launch.terms_shared = sizeof(float) * TermsSharedWords(m.head_dim, m.sketch_dim);
   // Scoring: one thread per group of (row, layer, KV head), 256 per block.
-  launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.phi.get(),
+  launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.terms.get(),
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
-  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict);
+  const bool staged = StagesRecords(policy.method, m.sketch_dim, strict) &&
+                      ScoreSharedBytes(m, true) <= static_cast<size_t>(g.max_shared);
+  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio(), staged);
   launch.score_grid =
       dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
-  launch.score_shared = ScoreSharedBytes(m);
+  launch.score_shared = ScoreSharedBytes(m, staged);
   // Selection: one block per (layer, list, row).
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,

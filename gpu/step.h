@@ -1,13 +1,19 @@
 // The GPU pre-pass of one decode step (docs/design.md §5), the CUDA counterpart
-// of core/step.h over device memory with the same buffer layouts, in two kernels
-// (gpu/score_kernel.cuh, gpu/select_kernel.cuh):
+// of core/step.h over device memory with the same buffer layouts, in three
+// kernels (gpu/terms_kernel.cuh, gpu/score_kernel.cuh, gpu/select_kernel.cuh):
 //
-//   1. scoring     per (row, layer, KV head, 256 groups): the query terms of
-//                  the KV head's query heads (z = Φᵀq, packed z zᵀ, ‖q‖) in
-//                  shared memory, then one thread per group reads its record
-//                  once and scores it for every one of those heads (jl, 1pc,
-//                  fro, quest; strict mode: the bracket of max_i q·k_i)
-//   2. selection   per (row, layer, list): each head's cut (threshold budget:
+//   1. query terms per (row, layer, query head): ‖q‖, and for jl z = Φᵀq and
+//                  the packed z zᵀ, into the selector's scratch; the check
+//                  that every scored query is finite. Scoring is its
+//                  programmatic dependent: its blocks start while this runs
+//                  and wait for the terms only before reading them
+//   2. scoring     per (row, layer, KV head, 256 groups): one thread per group
+//                  queues its record's loads, reads the KV head's query terms,
+//                  then scores the record once for every one of its query
+//                  heads (jl, 1pc, fro, quest; strict mode: the bracket of
+//                  max_i q·k_i); quest's and strict mode's sums and jl's record
+//                  copies are read by each warp together
+//   3. selection   per (row, layer, list): each head's cut (threshold budget:
 //                  the top_pages-th score by exact radix select and T/α;
 //                  strict: the top_pages-th lower bound; top-p: the score where
 //                  the estimated mass reaches top_p; mass: the group where the
@@ -50,7 +56,7 @@
 namespace eps::gpu {
 
 struct GpuSelectorOptions {
-  // Replay each step's two kernels as one captured CUDA graph (a launch per
+  // Replay each step's three kernels as one captured CUDA graph (a launch per
   // step); a step whose shapes, buffers or policy change is captured anew
   // (the last 8 are kept). false: launch the kernels one by one.
   bool graphs = true;

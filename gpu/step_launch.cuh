@@ -1,4 +1,4 @@
-// One step's launch of the pre-pass (gpu/step.h): the two kernels with all
+// One step's launch of the pre-pass (gpu/step.h): the three kernels with all
 // their parameters, launched one by one or replayed as a captured CUDA graph.
 // Included by gpu/step.cu only.
 #pragma once
@@ -17,16 +17,22 @@
 #include "gpu/cuda_check.h"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
+#include "gpu/terms_kernel.cuh"
 
 namespace eps::gpu {
 
-// The two kernels of one step with every parameter, launched one by one or
-// captured as a graph. Built zeroed (padding included), so its bytes are a key.
+// The three kernels of one step (query terms, scoring, selection) with every
+// parameter, launched one by one or captured as a graph. Built zeroed
+// (padding included), so its bytes are a key.
 struct StepLaunch {
   kernels::Shape shape;
   kernels::SelectRule rule;
+  kernels::TermsArgs terms;
   kernels::ScoreArgs score;
   kernels::SelectArgs select;
+  const void* terms_kernel;
+  dim3 terms_grid;
+  size_t terms_shared;
   const void* score_kernel;
   dim3 score_grid;
   size_t score_shared;
@@ -35,9 +41,23 @@ struct StepLaunch {
   size_t select_shared;
 
   absl::Status Launch(cudaStream_t stream) {
+    void* terms_params[] = {&shape, &terms};
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(terms_kernel, terms_grid, dim3(kernels::kTermsThreads),
+                                          terms_params, terms_shared, stream));
+    // Scoring may start while the terms kernel runs (terms_kernel.cuh,
+    // LetScoringStart); in a captured graph this is a programmatic edge.
     void* score_params[] = {&shape, &score};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(score_kernel, score_grid, dim3(kernels::kScoreThreads),
-                                          score_params, score_shared, stream));
+    cudaLaunchAttribute overlap{};
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = score_grid;
+    config.blockDim = dim3(kernels::kScoreThreads);
+    config.dynamicSmemBytes = score_shared;
+    config.stream = stream;
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+    CUDA_RETURN_IF_ERROR(cudaLaunchKernelExC(&config, score_kernel, score_params));
     void* select_params[] = {&shape, &rule, &select};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
                                           select_shared, stream));

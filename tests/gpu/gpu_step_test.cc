@@ -7,6 +7,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/bounds.h"
@@ -237,6 +238,23 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuest, 256, 16, 4, 4, true, 8, kPerKvHead}),
     CaseName);
 
+// The warp-read sums of quest and strict mode (gpu/warp_sums.cuh): passes of 4
+// heads (GQA ratio <= 4) and of 8 (ratio 8, and 16 in two batches), fewer heads
+// than a pass holds (ratio 1), d = 64 (half the lanes idle) and 256 (two runs
+// of 128 words), and the quest part at other offsets (m = 4, 12, 16).
+INSTANTIATE_TEST_SUITE_P(
+    WarpSums, GpuStepTest,
+    ::testing::Values(
+        GpuCase{Method::kQuest, 128, 16, 2, 8, false}, GpuCase{Method::kQuest, 64, 32, 2, 4, true},
+        GpuCase{Method::kQuest, 64, 4, 4, 1, false},
+        GpuCase{Method::kQuest, 128, 8, 2, 8, false, 4},
+        GpuCase{Method::kQuest, 128, 8, 2, 8, false, 12},
+        GpuCase{Method::kQuest, 256, 16, 2, 2, false, 16, kPerKvHead},
+        GpuCase{Method::kJl, 128, 16, 2, 8, false, 8, kUnion, Budget::kThreshold, true},
+        GpuCase{Method::kQuest, 64, 32, 2, 4, true, 12, kPerKvHead, Budget::kThreshold, true},
+        GpuCase{Method::kJl, 256, 8, 8, 2, false, 4, kUnion, Budget::kThreshold, true}),
+    CaseName);
+
 INSTANTIATE_TEST_SUITE_P(
     Budgets, GpuStepTest,
     ::testing::Values(
@@ -422,11 +440,68 @@ TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   in.queries = q;
   auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
   ASSERT_TRUE(selector.ok());
-  const absl::Status status =
-      (*selector)->Select(in, SelectPolicy{}, {visit, count}, nullptr, nullptr);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_NE(status.message().find("group_table[0][5]=1073741824"), std::string::npos) << status;
-  EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
+  // Each way of reading records: quest's warp sums, jl's staged copies, strict
+  // mode's warp sums; the bad slot's lane reads nothing while its warp reads.
+  for (const auto& [method, strict] :
+       {std::pair{Method::kQuest, false}, std::pair{Method::kJl, false},
+        std::pair{Method::kJl, true}}) {
+    SelectPolicy policy;
+    policy.method = method;
+    policy.strict = strict;
+    const absl::Status status = (*selector)->Select(in, policy, {visit, count}, nullptr, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("group_table[0][5]=1073741824"), std::string::npos) << status;
+    EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
+  }
+  for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
+                  static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
+    cudaFree(p);
+  }
+}
+
+// The query check runs once per (row, layer, head) in the terms kernel: a NaN
+// in a scored head's query fails the step, for every way of scoring.
+TEST(GpuStepValidationTest, NonFiniteQueryFailsTheStepAndWritesNothing) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 64;
+  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  buffers.AssignRow(0, 4096, 1);
+  buffers.FillRandomSummaries(2);
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
+  StepInputs in = buffers.Inputs(rows);
+  std::vector<float> queries(static_cast<const float*>(in.queries),
+                             static_cast<const float*>(in.queries) + 2 * 4 * 64);
+  const int bad = (1 * 4 + 3) * 64 + 17;  // layer 1, head 3, element 17
+  queries[bad] = std::nanf("");
+  float* pool = Upload(buffers.pool());
+  int32_t* groups = Upload(buffers.group_table());
+  int32_t* blocks = Upload(buffers.block_table());
+  float* q = Upload(queries);
+  int32_t* visit = Upload(std::vector<int32_t>(2 * buffers.max_blocks(), -1));
+  int32_t* count = Upload(std::vector<int32_t>(2, -1));
+  in.summary_pool = pool;
+  in.group_table = groups;
+  in.block_table = blocks;
+  in.queries = q;
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok());
+  for (const auto& [method, strict] :
+       {std::pair{Method::kQuest, false}, std::pair{Method::kJl, false},
+        std::pair{Method::kJl, true}, std::pair{Method::kOff, false}}) {
+    SelectPolicy policy;
+    policy.method = method;
+    policy.strict = strict;
+    const absl::Status status = (*selector)->Select(in, policy, {visit, count}, nullptr, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find("element " + std::to_string(bad) + " is not finite"),
+              std::string::npos)
+        << status;
+    EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
+  }
   for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
                   static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
     cudaFree(p);
