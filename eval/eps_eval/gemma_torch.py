@@ -259,7 +259,7 @@ def _test_gate(seed: int) -> Gate:
 
     def gate(layer: int, position: int, q: F32, keys: F32) -> npt.NDArray[np.bool_]:
         rng = np.random.default_rng([seed, layer, position])
-        m = rng.random(keys.shape[1]) < 0.5
+        m = np.asarray(rng.random(keys.shape[1]) < 0.5, dtype=bool)
         m[0] = m[-1] = True
         return m
 
