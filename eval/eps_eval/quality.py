@@ -68,6 +68,17 @@ def record_bytes(method: str, d: int) -> float:
     return 0.0  # oracles
 
 
+def quest8_scores(q: F32, min8: npt.NDArray[np.float64], max8: npt.NDArray[np.float64]) -> F32:
+    """Scores [H, G] of q [H, d] against int8-rounded ranges [kv, G, d] (GQA by head // r)."""
+    h = q.shape[0]
+    r = h // min8.shape[0]
+    qd = q.astype(np.float64)
+    out = np.empty((h, min8.shape[1]))
+    for i in range(h):
+        out[i] = np.maximum(qd[i], 0) @ max8[i // r].T + np.minimum(qd[i], 0) @ min8[i // r].T
+    return out.astype(np.float32)
+
+
 class QuestTables:
     """Per-group key min/max [kv, G, d] (float64) of one layer, for quest8."""
 
@@ -100,14 +111,7 @@ class QuestTables:
 
     def scores(self, q: F32) -> F32:
         """quest8 scores [H, G]: Σ_j max(q_j·min_j, q_j·max_j) ≥ max_i q·k_i."""
-        h = q.shape[0]
-        r = h // self.kv
-        qd = q.astype(np.float64)
-        out = np.empty((h, self.min8.shape[1]))
-        for i in range(h):
-            kvh = i // r
-            out[i] = np.maximum(qd[i], 0) @ self.max8[kvh].T + np.minimum(qd[i], 0) @ self.min8[kvh].T
-        return out.astype(np.float32)
+        return quest8_scores(q, self.min8, self.max8)
 
     def mean_scores(self, q: F32) -> F32:
         """q·k̄ [H, G]: the mean key's score, a lower bound of max_i q·k_i (key_sum / count)."""
@@ -115,6 +119,46 @@ class QuestTables:
         r = h // self.kv
         return np.stack([self.mean[i // r] @ q[i].astype(np.float64) for i in range(h)]).astype(
             np.float32)
+
+
+class GrowingQuestTables:
+    """quest8 scores over keys that grow (a decode): a group's int8 record depends on its
+    own keys only, so complete groups are built once and only the open group each call.
+    Scores equal QuestTables(keys, tokens, g).scores(q)."""
+
+    def __init__(self, g: int) -> None:
+        self.g = g
+        self.done = 0  # tokens in the complete groups built so far
+        self.min8: npt.NDArray[np.float64] | None = None  # [kv, groups, d]
+        self.max8: npt.NDArray[np.float64] | None = None
+
+    def copy(self) -> GrowingQuestTables:
+        """An independent copy (the built groups are shared read-only)."""
+        other = GrowingQuestTables(self.g)
+        other.done, other.min8, other.max8 = self.done, self.min8, self.max8
+        return other
+
+    def grow(self, keys: F32, tokens: int) -> None:
+        """Builds the complete groups of keys [kv, >= tokens, d] not yet built."""
+        gt = self.g * BLOCK
+        full = tokens // gt * gt
+        if full > self.done:
+            t = QuestTables(keys[:, self.done:full], full - self.done, self.g)
+            cat = self.min8 is not None
+            self.min8 = np.concatenate([self.min8, t.min8], axis=1) if cat else t.min8
+            self.max8 = np.concatenate([self.max8, t.max8], axis=1) if cat else t.max8
+            self.done = full
+
+    def scores(self, keys: F32, tokens: int, q: F32) -> F32:
+        """quest8 scores [H, G] of q [H, d] over keys[:, :tokens]."""
+        self.grow(keys, tokens)
+        lo = [] if self.min8 is None else [self.min8]
+        hi = [] if self.max8 is None else [self.max8]
+        if tokens > self.done:
+            t = QuestTables(keys[:, self.done:tokens], tokens - self.done, self.g)
+            lo.append(t.min8)
+            hi.append(t.max8)
+        return quest8_scores(q, np.concatenate(lo, axis=1), np.concatenate(hi, axis=1))
 
 
 def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -267,12 +268,15 @@ def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
 def table_passkeys(units: Path) -> list[str]:
     """Gemma passkeys per variant: retrieved, and retrieved where dense retrieves."""
     out = []
+    # One file per context (q19gemma_passkey_4096) or per prompt (q19gemma_passkey_32768_p07).
+    by_context: dict[str, list[dict[str, str]]] = defaultdict(list)
     for f in sorted(units.glob("q19gemma_passkey_*.csv")):
         with f.open() as fh:
-            rows = list(csv.DictReader(fh))
+            by_context[re.sub(r"_p\d+$", "", f.stem)] += list(csv.DictReader(fh))
+    for stem, rows in sorted(by_context.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])):
         dense_ok = {r["prompt"] for r in rows if r["method"] == "dense" and r["correct"] == "1"}
         n = len({r["prompt"] for r in rows})
-        out += ["", f"Passkeys ({f.stem}): {n} prompts, dense retrieves {len(dense_ok)}.", "",
+        out += ["", f"Passkeys ({stem}): {n} prompts, dense retrieves {len(dense_ok)}.", "",
                 "| variant | retrieved | retrieved where dense does | tokens visited (global layers) |",
                 "| --- | --- | --- | --- |"]
         for (m, g), sel in sorted(group(rows, ("method", "g")).items()):  # type: ignore[arg-type]

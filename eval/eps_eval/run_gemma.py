@@ -1,5 +1,10 @@
 """Gemma 3 270M in the evaluation: `python -m eps_eval.run_gemma --out=DIR [--context=4096]
-[--passkeys=5 --passkey-context=2048]`.
+[--passkeys=5 --passkey-context=2048] [--device=cpu|cuda --workers=N --compare-tokens=N]`.
+
+Contexts may be lists (`--context=16384,32768`). Without --device the numpy model
+runs (eps_eval.gemma); with it, the same forward in PyTorch (eps_eval.gemma_torch),
+and --compare-tokens checks it against numpy first. --workers computes the selection
+rows of each global layer in that many processes while the passkeys run.
 
 1. Forward-pass checks: greedy answers to known-answer prompts and the dense
    perplexity of positions 512-1022 of GPL-3's first 1,024 tokens.
@@ -17,22 +22,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from eps_eval import core
-from eps_eval.gemma import GLOBAL_LAYERS, Gemma, fetch_gguf
+from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
 from eps_eval.metrics import BLOCK
-from eps_eval.quality import LayerState, QualityPlan, QuestTables, step_rows
+from eps_eval.quality import GrowingQuestTables, LayerState, QualityPlan, step_rows
 from eps_eval.realmodel import passkey_prompt
 from eps_eval.run import log, unit_done, write_unit
 
 LICENCES = Path(os.environ.get("EPS_EVAL_LICENCES", "/usr/share/common-licenses"))
+# PASSAGE holds ~32.1k tokens: PASSAGE_MORE (distinct texts, no near-duplicate versions)
+# follows it so 32k contexts fit; shorter contexts read the same prefix as before.
 PASSAGE = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "Apache-2.0", "MPL-2.0", "Artistic")
+PASSAGE_MORE = ("MPL-1.1", "GPL-1", "LGPL-3", "CC0-1.0", "BSD")
+# FILLER holds ~22.8k tokens; longer prompts draw from FILLER + FILLER_MORE (~45.8k), shorter
+# ones from FILLER alone (the prompts of earlier runs stay as they were).
 FILLER = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0", "MPL-1.1", "GFDL-1.3")
+FILLER_MORE = ("GPL-3", "GPL-2", "LGPL-2.1", "GPL-1", "LGPL-3")
 # (method, g): gated variants of the passkey runs, each reading `READ` of the groups.
 VARIANTS = (("quest", 1), ("quest8", 1), ("quest", 8), ("jl8", 8), ("oracle_mass", 1))
 READ = 0.25
@@ -78,123 +92,219 @@ def keep_groups(scores: np.ndarray, groups: int, forced: np.ndarray) -> np.ndarr
 
 
 def make_gate(method: str, g: int, prompt_k: dict[int, np.ndarray], prev_q: dict[int, np.ndarray],
-              visited: list[float]):  # type: ignore[no-untyped-def]
+              visited: list[float], quest8: dict[int, GrowingQuestTables]) -> Gate:
+    """The gate of one passkey variant: the global layers read READ of the groups, chosen
+    by `method` from the previous position's query. `quest8`: per layer, tables of the
+    prompt's complete groups (copied, so variants share the prompt's part)."""
     seqs: dict[int, core.Sequence] = {}
-    for layer in GLOBAL_LAYERS:
-        s = core.Sequence(q_heads=4, kv_heads=1, head_dim=256, group_blocks=g, sketch_dim=8,
-                          features=core.ALL_FEATURES, max_tokens=prompt_k[layer].shape[1] + 64)
-        seqs[layer] = s
+    tables = {layer: t.copy() for layer, t in quest8.items()}
+    if method in ("quest", "jl8"):
+        # Only the record the method reads (the other features cost time, not scores).
+        feats = core.QUEST if method == "quest" else 0
+        for layer in GLOBAL_LAYERS:
+            seqs[layer] = core.Sequence(q_heads=4, kv_heads=1, head_dim=256, group_blocks=g,
+                                        sketch_dim=8, features=feats,
+                                        max_tokens=prompt_k[layer].shape[1] + 64)
 
     def gate(layer: int, position: int, q: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        s = seqs[layer]
-        if s.tokens < position + 1:
-            s.append(np.ascontiguousarray(keys[:, s.tokens:position + 1]))
+        gt = g * BLOCK
+        G = -(-(position + 1) // gt)
         qs = prev_q[layer]
-        G = s.groups
         if method == "oracle_mass":
             sc = (q @ keys[0].T).astype(np.float64) / 16.0
             p = np.exp(sc - sc.max(axis=1, keepdims=True))
-            gt = g * BLOCK
             p = np.pad(p, ((0, 0), (0, G * gt - p.shape[1]))).reshape(4, G, gt).sum(2)
             scores = np.log(np.maximum(p, 1e-300))
         elif method == "quest8":
-            scores = QuestTables(keys, position + 1, g).scores(qs)
+            scores = tables[layer].scores(keys, position + 1, qs)
         else:
+            s = seqs[layer]
+            if s.tokens < position + 1:
+                s.append(np.ascontiguousarray(keys[:, s.tokens:position + 1]))
             scores = s.scores("jl" if method == "jl8" else method, qs)
         forced = np.zeros(G, dtype=bool)
         forced[0] = True
         forced[max(0, G - 2):] = True
         keep = keep_groups(scores, G, forced)
         prev_q[layer] = q
-        mask = np.repeat(keep, g * BLOCK)[: position + 1]
+        mask = np.repeat(keep, gt)[: position + 1]
         visited.append(float(mask.mean()))
         return mask
 
     return gate
 
 
-def passkeys(m: Gemma, n: int, ctx: int, seed: int) -> list[dict[str, object]]:
+Decode = Callable[[int, int, "Gate | None"], np.ndarray]
+
+
+def decoder(m: Any, tr: GemmaTrace, filled: int, capacity: int) -> Decode:
+    """(token, position, gate) -> logits over caches holding the trace's [0, filled).
+    A decode at p writes p and reads at most [0, p], so one decoder serves every variant
+    of a prompt: each overwrites, in order, the positions it then reads."""
+    if hasattr(m, "decoder"):  # TorchGemma: caches on its device
+        dec = m.decoder(tr, filled, capacity)
+        return lambda t, p, gate: dec.decode(t, p, gate)[0]
+    kc = {layer: np.zeros((1, capacity, 256), np.float32) for layer in tr.k}
+    vc = {layer: np.zeros((1, capacity, 256), np.float32) for layer in tr.v}
+    for layer in tr.k:
+        kc[layer][:, :filled] = tr.k[layer][:, :filled]
+        vc[layer][:, :filled] = tr.v[layer][:, :filled]
+    return lambda t, p, gate: m.decode(t, p, kc, vc, gate)[0]
+
+
+def filler_ids(tok: Any, ctx: int) -> list[int]:
+    ids = tok.encode(text(FILLER), bos=False)
+    return ids if len(ids) >= ctx else tok.encode(text(FILLER + FILLER_MORE), bos=False)
+
+
+def passkey_rows(m: Any, i: int, key: str, depth: float, prompt: str) -> list[dict[str, object]]:
+    """One prompt: dense, then each gated variant, teacher-forced over the key's tokens."""
+    tok = m.tokenizer
+    ids = tok.encode(prompt)
+    answer = tok.encode(" " + key, bos=False)
+    P = len(ids)
+    tr = m.prefill(ids[:-1], [P - 2], [])
+    dec = decoder(m, tr, P - 1, P + len(answer))
+    # quest8's tables of the prompt's complete g = 1 groups, built once for every variant.
+    q8 = {layer: GrowingQuestTables(1) for layer in GLOBAL_LAYERS}
+    for layer in GLOBAL_LAYERS:
+        q8[layer].grow(tr.k[layer], P - 1)
+    rows: list[dict[str, object]] = []
+    for method, g in (("dense", 0),) + VARIANTS:
+        visited: list[float] = []
+        gate = None
+        if method != "dense":
+            prev = {layer: tr.q[layer][P - 2] for layer in GLOBAL_LAYERS}
+            gate = make_gate(method, g, tr.k, prev, visited,
+                             q8 if method == "quest8" and g == 1 else
+                             {layer: GrowingQuestTables(g) for layer in GLOBAL_LAYERS})
+        feed = [ids[-1]] + answer[:-1]
+        ok = True
+        for j, t in enumerate(feed):
+            lg = dec(t, P - 1 + j, gate)
+            ok = ok and int(np.argmax(lg)) == answer[j]
+        rows.append({"prompt": i, "context": P, "key": key, "depth": round(depth, 3),
+                     "method": method, "g": g, "read": READ if method != "dense" else 1.0,
+                     "correct": int(ok),
+                     "visited": float(np.mean(visited)) if visited else 1.0})
+    return rows
+
+
+def passkeys(m: Any, n: int, ctx: int, seed: int, units: Path) -> None:
+    """n prompts of ~ctx tokens, one unit each (q19gemma_passkey_{ctx}_pNN). Every prompt is
+    drawn, done or not, so prompt i is the same in every run."""
     rng = np.random.default_rng(seed)
     tok = m.tokenizer
-    filler_ids = tok.encode(text(FILLER), bos=False)
-    rows: list[dict[str, object]] = []
+    filler = filler_ids(tok, ctx)
     for i in range(n):
+        key, depth, prompt = passkey_prompt(tok, filler, ctx, rng)
+        name = f"q19gemma_passkey_{ctx}_p{i:02d}"
+        if unit_done(units, name):
+            continue
         t0 = time.time()
-        key, depth, prompt = passkey_prompt(tok, filler_ids, ctx, rng)
-        ids = tok.encode(prompt)
-        answer = tok.encode(" " + key, bos=False)
-        P = len(ids)
-        tr = m.prefill(ids[:-1], [P - 2], [])
-        cap = P + len(answer)
-        for method, g in (("dense", 0),) + VARIANTS:
-            kc = {layer: np.zeros((1, cap, 256), np.float32) for layer in tr.k}
-            vc = {layer: np.zeros((1, cap, 256), np.float32) for layer in tr.v}
-            for layer in tr.k:
-                kc[layer][:, : P - 1] = tr.k[layer]
-                vc[layer][:, : P - 1] = tr.v[layer]
-            visited: list[float] = []
-            gate = None
-            if method != "dense":
-                prev = {layer: tr.q[layer][P - 2] for layer in GLOBAL_LAYERS}
-                gate = make_gate(method, g, tr.k, prev, visited)
-            feed = [ids[-1]] + answer[:-1]
-            ok = True
-            for j, t in enumerate(feed):
-                lg, _ = m.decode(t, P - 1 + j, kc, vc, gate)
-                ok = ok and int(np.argmax(lg)) == answer[j]
-            rows.append({"prompt": i, "context": P, "key": key, "depth": round(depth, 3),
-                         "method": method, "g": g, "read": READ if method != "dense" else 1.0,
-                         "correct": int(ok),
-                         "visited": float(np.mean(visited)) if visited else 1.0})
-        log(f"passkey {i} ({P} tokens, depth {depth:.2f}): "
-            + ", ".join(f"{r['method']}@{r['g']}={r['correct']}" for r in rows[-6:])
-            + f" in {time.time() - t0:.0f} s")
-    return rows
+        rows = passkey_rows(m, i, key, depth, prompt)
+        write_unit(units, name, rows, {"context": ctx, "read": READ, "prompt": i,
+                                       "seconds": time.time() - t0})
+        log(f"passkey {ctx} #{i} ({rows[0]['context']} tokens, depth {depth:.2f}): "
+            + ", ".join(f"{r['method']}@{r['g']}={r['correct']}" for r in rows)
+            + f" in {time.time() - t0:.1f} s")
+
+
+def passage_ids(tok: Any, ctx: int) -> list[int]:
+    ids = tok.encode(text(PASSAGE + PASSAGE_MORE))[:ctx]
+    if len(ids) < ctx:
+        raise ValueError(f"passage has {len(ids)} tokens < {ctx}")
+    return ids
+
+
+def layer_unit(units: Path, name: str, layer: int, ctx: int, steps: int, k: np.ndarray,
+               v: np.ndarray, q: dict[int, np.ndarray]) -> str:
+    """The selection rows of one global layer at its last `steps` positions (a unit)."""
+    t0 = time.time()
+    state = LayerState(QualityPlan(), 4, 1, 256, ctx)
+    rows: list[dict[str, object]] = []
+    for si, p in enumerate(range(ctx - steps, ctx)):
+        rows += step_rows(state, k, v, q, p, {"workload": "gemma", "kind": "gemma3-270m",
+                                              "context": ctx, "layer": layer, "step": si})
+    write_unit(units, f"{name}_L{layer}", rows, {"layer": layer, "context": ctx,
+                                                 "seconds": time.time() - t0})
+    return f"{name}_L{layer}: {len(rows)} rows in {time.time() - t0:.0f} s"
+
+
+def contexts(arg: str) -> list[int]:
+    return [int(c) for c in arg.split(",") if int(c) > 0]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--context", type=contexts, default=[4096], help="e.g. 16384,32768; 0: none")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--passkeys", type=int, default=5)
-    ap.add_argument("--passkey-context", type=int, default=2048)
+    ap.add_argument("--passkey-context", type=contexts, default=[2048])
     ap.add_argument("--cache", type=Path, default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="run the forward in PyTorch there (default: numpy)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes for the selection rows (0: in this process, in order)")
+    ap.add_argument("--compare-tokens", type=int, default=0,
+                    help="with --device: first check it against numpy on this many tokens")
     a = ap.parse_args(argv)
     units = a.out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
     t0 = time.time()
-    m = Gemma(fetch_gguf(cache))
-    log(f"Gemma 3 270M loaded in {time.time() - t0:.0f} s")
+    host = Gemma(fetch_gguf(cache))
+    m: Any = host
+    if a.device:
+        from eps_eval.gemma_torch import TorchGemma
+
+        m = TorchGemma(host, a.device, a.dtype)
+    log(f"Gemma 3 270M loaded in {time.time() - t0:.0f} s ({a.device or 'numpy'})")
+    a.out.mkdir(parents=True, exist_ok=True)
     info_path = a.out / "gemma_checks.json"
     if not info_path.exists():
-        a.out.mkdir(parents=True, exist_ok=True)
         info = checks(m)
-        info_path.write_text(json.dumps(info, indent=1))
+        if a.device and a.compare_tokens:
+            from eps_eval.gemma_torch import compare
+
+            m.chunk, chunk = 256, m.chunk  # several chunks and the window's edge in the check
+            ids = host.tokenizer.encode(text(("GPL-3",)))[: a.compare_tokens]
+            info["torch_vs_numpy"] = compare(host, m, ids)
+            m.chunk = chunk
+        info["device"] = a.device or "numpy"
+        tmp = info_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.rename(info_path)
         log(f"checks: {info}")
-    name = f"q19_gemma_{a.context}"
-    if a.context and not all(unit_done(units, f"{name}_L{layer}") for layer in GLOBAL_LAYERS):
-        ids = m.tokenizer.encode(text(PASSAGE))[: a.context]
-        if len(ids) < a.context:
-            raise ValueError(f"passage has {len(ids)} tokens < {a.context}")
-        plan = QualityPlan()
-        qpos = list(range(a.context - a.steps - max(plan.lags), a.context))
+    del host
+    pool = multiprocessing.get_context("spawn").Pool(a.workers) if a.workers else None
+    pending = []
+    plan = QualityPlan()
+    for ctx in a.context:
+        name = f"q19_gemma_{ctx}"
+        todo = [layer for layer in GLOBAL_LAYERS if not unit_done(units, f"{name}_L{layer}")]
+        if not todo:
+            continue
+        ids = passage_ids(m.tokenizer, ctx)
+        qpos = list(range(ctx - a.steps - max(plan.lags), ctx))
         t1 = time.time()
         tr = m.prefill(ids, qpos, [])
-        log(f"prefill of {a.context} tokens in {time.time() - t1:.0f} s")
-        for layer in GLOBAL_LAYERS:
-            state = LayerState(plan, 4, 1, 256, a.context)
-            rows: list[dict[str, object]] = []
-            for si, p in enumerate(range(a.context - a.steps, a.context)):
-                rows += step_rows(state, tr.k[layer], tr.v[layer], tr.q[layer], p,
-                                  {"workload": "gemma", "kind": "gemma3-270m",
-                                   "context": a.context, "layer": layer, "step": si})
-            write_unit(units, f"{name}_L{layer}", rows, {"layer": layer, "context": a.context})
-            log(f"{name}_L{layer}: {len(rows)} rows")
-    pk = f"q19gemma_passkey_{a.passkey_context}"
-    if a.passkeys and not unit_done(units, pk):
-        rows = passkeys(m, a.passkeys, a.passkey_context, 20261123)
-        write_unit(units, pk, rows, {"context": a.passkey_context, "read": READ})
+        log(f"prefill of {ctx} tokens in {time.time() - t1:.1f} s")
+        for layer in todo:
+            args = (units, name, layer, ctx, a.steps, tr.k[layer], tr.v[layer], tr.q[layer])
+            if pool is None:
+                log(layer_unit(*args))
+            else:
+                pending.append(pool.apply_async(layer_unit, args))
+        del tr
+    for ctx in a.passkey_context if a.passkeys else []:
+        passkeys(m, a.passkeys, ctx, 20261123, units)
+    for r in pending:
+        log(r.get())
+    if pool is not None:
+        pool.close()
+        pool.join()
     log(f"done in {time.time() - t0:.0f} s")
     return 0
 

@@ -65,3 +65,39 @@ def test_mark_mass_reaches_the_target_share_of_the_estimate(rng: np.random.Gener
 def test_mark_mass_refuses_a_bad_target() -> None:
     with pytest.raises(core.CoreError, match="mass_target=1.5"):
         core.mark_mass(np.zeros((1, 8), np.float32), 1, [1.5], temperature=1.0, head_dim=16)
+
+
+@pytest.mark.parametrize("g", [1, 4])
+def test_growing_quest_tables_score_as_tables_built_from_scratch(rng: np.random.Generator,
+                                                                 g: int) -> None:
+    kv, h, d = 1, 4, 32
+    total = int(rng.integers(3 * g * BLOCK, 12 * g * BLOCK))
+    k = (rng.standard_normal((kv, total, d)) * rng.uniform(0.1, 10, d)).astype(np.float32)
+    grow = quality.GrowingQuestTables(g)
+    start = int(rng.integers(1, total - 2 * g * BLOCK))
+    grow.grow(k, start)
+    fork = grow.copy()
+    for tokens in range(start, total + 1, max(1, (total - start) // 9)):
+        q = rng.standard_normal((h, d)).astype(np.float32)
+        want = quality.QuestTables(k, tokens, g).scores(q)
+        np.testing.assert_allclose(grow.scores(k, tokens, q), want, rtol=1e-6, atol=1e-5)
+    # The copy made before growing still scores its own, shorter prefix.
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    np.testing.assert_allclose(fork.scores(k, start, q), quality.QuestTables(k, start, g).scores(q),
+                               rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "features"), [("jl", 0), ("quest", core.QUEST)])
+def test_the_passkey_gates_minimal_record_scores_as_the_full_one(
+        rng: np.random.Generator, method: str, features: int) -> None:
+    """run_gemma's gates build only the record their method reads."""
+    tokens = int(rng.integers(BLOCK, 30 * BLOCK))
+    k = rng.standard_normal((1, tokens, 64)).astype(np.float32)
+    q = rng.standard_normal((4, 64)).astype(np.float32)
+    out = []
+    for feats in (core.ALL_FEATURES, features):
+        s = core.Sequence(q_heads=4, kv_heads=1, head_dim=64, group_blocks=2, sketch_dim=8,
+                          features=feats, max_tokens=tokens)
+        s.append(k)
+        out.append(s.scores(method, q))
+    np.testing.assert_array_equal(out[0], out[1])
