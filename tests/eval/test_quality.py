@@ -40,8 +40,11 @@ def test_quest8_stays_an_upper_bound_and_near_quest(rng: np.random.Generator, g:
                       features=core.QUEST, max_tokens=tokens)
     s.append(k)
     quest = s.scores("quest", q)
-    # Each channel's range widens by at most one code (max|k| / 127) on each side.
-    widen = (np.abs(q) @ np.abs(k).max(axis=1).T / 127.0)  # [h, kv] upper bound of the widening
+    # Each channel's range widens by at most one code on each side, and a code is the
+    # group's scale: the largest |k| over all of the group's channels / 127 (not the
+    # channel's own), at most the KV head's largest |k| / 127.
+    code = np.abs(k).max(axis=(1, 2)) / 127.0 * (1 + 1e-6)  # [kv]
+    widen = np.abs(q).sum(axis=1)[:, None] * code[None, :]  # [h, kv] bound of the widening
     slack = 2 * widen[np.arange(h), np.arange(h) // 2][:, None] + 1e-3
     assert np.all(q8 <= quest + slack)
     # The mean-key score is a lower bound of the group maximum.
