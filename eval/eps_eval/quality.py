@@ -62,7 +62,7 @@ class QualityPlan:
 # threshold budget and c2f8x2 only (what their comparison needs, at a CPU's cost).
 ESTIMATOR_PLAN = QualityPlan(
     group_blocks=(1, 2, 4, 8), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(8,),
-    c2f_candidates=(2.0,), methods=("quest", "quest8", "momentlgn"),
+    c2f_candidates=(2.0, 3.0), methods=("quest", "quest8", "momentlgn", "oracle_mass_lag"),
     estimators=estimators.ESTIMATORS,
     c2f_scorers=("quest8", "questclt0.5", "questclt1", "questclt2", "questblend0.5", "questlgn"))
 
@@ -239,6 +239,7 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
     dn: Dense = dense(q_by_pos[position], kc, vc)
     rows: list[dict[str, object]] = []
     q8 = {g: QuestTables(k, c, g) for g in sorted(set(plan.group_blocks) | set(plan.c2f_coarse))}
+    lag_mass: dict[int, npt.NDArray[np.float64]] = {}
     moments = ({g: estimators.MomentTables(k, c, g) for g in plan.group_blocks}
                if "momentlgn" in plan.methods else {})
     for g in plan.group_blocks:
@@ -261,6 +262,13 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 scores[e] = q8[g].estimate(e, q)
             if "momentlgn" in plan.methods:
                 scores["momentlgn"] = moments[g].scores(q)
+            if "oracle_mass_lag" in plan.methods:
+                # The exact mass under the lagged query: the ceiling of any estimator at this
+                # lag (the oracles above read the current query).
+                if lag not in lag_mass:
+                    lag_mass[lag] = dense(q, kc, vc).mass
+                lm = np.log(np.maximum(group_sum(lag_mass[lag], g), 1e-300)) * np.sqrt(d)
+                scores["oracle_mass_lag"] = lm.astype(np.float32)
             for name, sc in scores.items():
                 if name not in plan.methods and name not in plan.estimators:
                     continue

@@ -154,7 +154,8 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
         thr = where(w, lambda r: r["budget"] == "threshold")
         names = sorted({str(r["method"]) for r in thr
-                        if is_estimator(str(r["method"])) or r["method"] == "momentlgn"})
+                        if is_estimator(str(r["method"]))
+                        or r["method"] in ("momentlgn", "oracle_mass_lag")})
         if not names:
             continue
         o = at_skip(where(thr, lambda r: r["method"] == "oracle_mass" and r["g"] == 1))
@@ -310,7 +311,7 @@ def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, g in zip(axes, (1, 8)):
-            for m in ("jl8", "1pc", "quest", "quest8", "oracle_mass"):
+            for m in ("jl8", "1pc", "quest", "quest8", "questclt1", "oracle_mass"):
                 want = 0 if m.startswith("oracle") else lag
                 sel = [r for r in w if r["budget"] == "threshold" and r["method"] == m
                        and r["g"] == g and r["lag"] == want]
@@ -318,7 +319,7 @@ def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
                     x, y = curve(sel)
                     ax.plot(x, y, marker=".", label=m)
             if g == 1:
-                for m in ("c2f8x2", "c2f16x2"):
+                for m in ("c2f8x2", "c2f16x2", "c2f8x2-questclt1"):
                     sel = [r for r in w if r["budget"] == "c2f" and r["method"] == m
                            and r["lag"] == lag]
                     if sel:

@@ -121,7 +121,8 @@ def test_estimator_plan_rows_cost_the_quest8_record(rng: np.random.Generator) ->
             for key in keys:
                 assert frac[key] == frac[("quest8", g, key[2])]
     c2f = {r["method"] for r in rows if r["budget"] == "c2f"}
-    assert {f"c2f8x2-{s}" for s in plan.c2f_scorers if s != "quest8"} | {"c2f8x2"} == c2f
+    assert c2f == {f"c2f{gc}x{c:g}" + ("" if s == "quest8" else f"-{s}")
+                   for gc in plan.c2f_coarse for c in plan.c2f_candidates for s in plan.c2f_scorers}
 
 
 def test_paired_gain_of_a_constant_shift_is_that_shift(rng: np.random.Generator) -> None:
