@@ -104,3 +104,43 @@ def test_the_passkey_gates_minimal_record_scores_as_the_full_one(
         s.append(k)
         out.append(s.scores(method, q))
     np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_estimator_plan_rows_cost_the_quest8_record(rng: np.random.Generator) -> None:
+    from eps_eval import estimators, synthetic
+
+    tokens, d = 1024, 32
+    tr = synthetic.make_layer("multi", tokens, [tokens - 2, tokens - 1], q_heads=4, kv_heads=2,
+                              head_dim=d, seed=int(rng.integers(1 << 30)))
+    plan = quality.ESTIMATOR_PLAN
+    state = quality.LayerState(plan, 4, 2, d, tokens)
+    rows = quality.step_rows(state, tr.k, tr.v, tr.q, tokens - 1, {"workload": "test"})
+    frac = {(r["method"], r["g"], r["param"]): r["summary_frac"] for r in rows
+            if r["budget"] == "threshold"}
+    for name in estimators.ESTIMATORS:
+        for g in plan.group_blocks:
+            keys = [key for key in frac if key[0] == name and key[1] == g]
+            assert keys, (name, g)
+            for key in keys:
+                assert frac[key] == frac[("quest8", g, key[2])]
+    c2f = {r["method"] for r in rows if r["budget"] == "c2f"}
+    assert c2f == {f"c2f{gc}x{c:g}" + ("" if s == "quest8" else f"-{s}")
+                   for gc in plan.c2f_coarse for c in plan.c2f_candidates for s in plan.c2f_scorers}
+
+
+def test_paired_gain_of_a_constant_shift_is_that_shift(rng: np.random.Generator) -> None:
+    from eps_eval import report_quality
+
+    base, shifted = [], []
+    for layer in range(3):
+        for step in range(4):
+            pair = {"workload": "w", "kind": "k", "context": 1.0, "layer": float(layer),
+                    "step": float(step)}
+            for skip in (0.5, 0.7, 0.9):
+                rec = float(rng.uniform(0.3, 0.8))
+                base.append({**pair, "skip": skip, "recall": rec})
+                shifted.append({**pair, "skip": skip, "recall": rec + 0.1})
+    mean, half, n = report_quality.paired_gain(shifted, base)
+    assert n == 12 and abs(mean - 0.1) < 1e-12 and half < 1e-12
+    # Unpaired, the same data carry an interval much wider than the paired one.
+    assert report_quality.at_skip(base)[1] > 0.01
