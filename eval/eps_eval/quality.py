@@ -37,7 +37,7 @@ from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
 
 F32 = npt.NDArray[np.float32]
 FRACTIONS = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8)
-CORE_METHODS = ("jl8", "1pc", "fro", "quest")
+CORE_METHODS = ("jl8", "1pc", "fro", "quest", "questclt")  # questclt: core's, on the fp16 record
 MASS_TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
 MASS_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MASS_FLOORS = (0.0, 0.05, 0.1, 0.2)  # min_pages as a share of the unforced groups
@@ -53,7 +53,7 @@ class QualityPlan:
     mass_lags: tuple[int, ...] = (0, 1)
     c2f_coarse: tuple[int, ...] = (8, 16)
     c2f_candidates: tuple[float, ...] = (1.5, 2.0, 3.0)  # candidate groups per final block budget
-    methods: tuple[str, ...] = CORE_METHODS + ("quest8",)  # threshold-budget scorers
+    methods: tuple[str, ...] = ("jl8", "1pc", "fro", "quest", "quest8")  # threshold-budget scorers
     estimators: tuple[str, ...] = ()  # eps_eval.estimators names, from the quest8 record
     c2f_scorers: tuple[str, ...] = ("quest8",)  # scorer of both c2f levels
 
@@ -62,7 +62,8 @@ class QualityPlan:
 # threshold budget and c2f8x2 only (what their comparison needs, at a CPU's cost).
 ESTIMATOR_PLAN = QualityPlan(
     group_blocks=(1, 2, 4, 8), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(8,),
-    c2f_candidates=(2.0, 3.0), methods=("quest", "quest8", "momentlgn", "oracle_mass_lag"),
+    c2f_candidates=(2.0, 3.0),
+    methods=("quest", "questclt", "quest8", "momentlgn", "oracle_mass_lag"),
     estimators=estimators.ESTIMATORS,
     c2f_scorers=("quest8", "questclt0.5", "questclt1", "questclt2", "questblend0.5", "questlgn"))
 
@@ -75,7 +76,7 @@ def record_bytes(method: str, d: int) -> float:
         return core.record_bytes(d, 8, 0)
     if method == "1pc":
         return core.record_bytes(d, 8, core.PRINCIPAL)
-    if method == "quest":
+    if method in ("quest", "questclt"):
         return 4.0 * d  # Quest's fp16 min and max
     if method == "quest8":
         return 2.0 * d + 4.0

@@ -116,7 +116,7 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
         gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
         out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
         out.append("| --- |" + " --- |" * len(gs))
-        for m in ("jl8", "1pc", "fro", "quest", "quest8", "oracle_max", "oracle_mass"):
+        for m in ("jl8", "1pc", "fro", "quest", "questclt", "quest8", "oracle_max", "oracle_mass"):
             want_lag = 0 if m.startswith("oracle") else lag
             cells = []
             for g in gs:

@@ -144,3 +144,25 @@ def test_paired_gain_of_a_constant_shift_is_that_shift(rng: np.random.Generator)
     assert n == 12 and abs(mean - 0.1) < 1e-12 and half < 1e-12
     # Unpaired, the same data carry an interval much wider than the paired one.
     assert report_quality.at_skip(base)[1] > 0.01
+
+
+def test_core_questclt_is_the_centre_plus_the_root_of_the_squared_spreads(
+        rng: np.random.Generator) -> None:
+    kv, h, d, groups = 2, 4, 64, 12
+    tokens = groups * BLOCK
+    k = (rng.standard_normal((kv, tokens, d)) * rng.uniform(0.1, 5, d)).astype(np.float32)
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    s = core.Sequence(q_heads=h, kv_heads=kv, head_dim=d, group_blocks=1, sketch_dim=8,
+                      features=core.QUEST, max_tokens=tokens)
+    s.append(k)
+    got = s.scores("questclt", q)  # [h, groups]
+    blocks = k.reshape(kv, groups, BLOCK, d).astype(np.float64)
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)  # [kv, groups, d]
+    qk = q.astype(np.float64)[:, None, :]  # [h, 1, d], head i reads KV head i // (h // kv)
+    c, w = ((lo + hi) / 2)[np.arange(h) // (h // kv)], ((hi - lo) / 2)[np.arange(h) // (h // kv)]
+    want = (qk * c).sum(-1) + np.sqrt(((qk * w) ** 2).sum(-1))
+    # The record keeps min and max in binary16, rounded outward: a relative 2^-10 per channel.
+    tol = 2.0 ** -9 * (np.abs(qk) * (np.abs(lo) + np.abs(hi))[np.arange(h) // (h // kv)]).sum(-1)
+    assert np.all(np.abs(got - want) <= tol + 1e-4)
+    # Never above quest's bound, which it relaxes.
+    assert np.all(got <= s.scores("quest", q) + 1e-4)
