@@ -11,6 +11,10 @@ cd "$(dirname "$0")/.."
 CARRY=${EPS_CARRY_DIR:-.carry}
 OUT=${OUT:-/tmp/eps-gpu}
 mkdir -p "$OUT"
+# scripts/gpu_carry.sh packs the carry into one archive: unpack it in place.
+if [[ -f $CARRY/pack.tar.xz ]]; then
+  tar xJf "$CARRY/pack.tar.xz" -C "$CARRY" && rm -f "$CARRY/pack.tar.xz"
+fi
 export LD_LIBRARY_PATH=$PWD/$CARRY/lib EPSD_BIN=$PWD/$CARRY/epsd RANK_ENGINE_BIN=$PWD/$CARRY/rank_engine
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 declare -A result
