@@ -1,29 +1,16 @@
 """Tests of the estimators from the quest8 record (eval/eps_eval/estimators.py).
 
-Fresh random inputs each run; the seed is printed (EPS_TEST_SEED=N replays it).
+The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
-
 from eps_eval import estimators, quality
 from eps_eval.metrics import BLOCK
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("EPS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
-    print(f"EPS_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
 
 
 def _tables(rng: np.random.Generator, d: int, g: int) -> tuple[quality.QuestTables, np.ndarray]:

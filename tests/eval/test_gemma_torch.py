@@ -8,12 +8,9 @@ of GPL-3 in chunks of 256 cross the local layers' 512-token window and chunk edg
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
 
 pytest.importorskip("torch")
 pytest.importorskip("gguf")

@@ -1,29 +1,16 @@
 """Tests of the evaluation harness (eval/eps_eval) against hand-computed cases.
 
-Fresh random inputs each run; the seed is printed (EPS_TEST_SEED=N replays it).
+The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
-
-import itertools
-
 from eps_eval import core, metrics, run, selection, synthetic
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("EPS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
-    print(f"EPS_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
 
 
 def _seq(kv: int = 2, q: int = 4, d: int = 32, g: int = 1, m: int = 8, tokens: int = 0,

@@ -1,28 +1,14 @@
 """Tests of issue 19's scorers and the mass-budget binding (eval/eps_eval/quality.py).
 
-Fresh random inputs each run; the seed is printed (EPS_TEST_SEED=N replays it).
+The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
-
 from eps_eval import core, quality
 from eps_eval.metrics import BLOCK, dots, group_max
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(os.environ.get("EPS_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
-    print(f"EPS_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
 
 
 @pytest.mark.parametrize("g", [1, 2, 8])
