@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <ostream>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -412,100 +414,63 @@ TEST(GpuStepGraphTest, ReplayedStepsEqualDirectLaunchesAndTheReference) {
   }
 }
 
-TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
-  SKIP_WITHOUT_DEVICE();
+// A failed step reports the first bad input by name and leaves every count at -1
+// (SelectOnDevice starts them there): `buffers` holds the bad input, `want` the message.
+void ExpectEveryPathRefuses(testing::StepBuffers& buffers, std::span<const StepRow> rows,
+                            std::initializer_list<std::pair<Method, bool>> paths,
+                            const std::string& want) {
+  const ModelLayout& m = buffers.model();
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  for (const auto& [method, strict] : paths) {
+    SelectPolicy policy;
+    policy.method = method;
+    policy.strict = strict;
+    const testing::DeviceStep r = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_NE(r.status.message().find(want), std::string::npos) << r.status;
+    EXPECT_EQ(r.visit_count, (std::vector<int32_t>(m.num_layers, -1)));
+  }
+}
+
+ModelLayout ValidationModel() {
   ModelLayout m;
   m.num_layers = 2;
   m.num_q_heads = 4;
   m.num_kv_heads = 2;
   m.head_dim = 64;
-  auto phi = PhiBank::Create(m.phi_seed, 2, 2, 64, 8);
-  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  return m;
+}
+
+TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
+  SKIP_WITHOUT_DEVICE();
+  testing::StepBuffers buffers(ValidationModel(), 1, 4096, 1, Granularity::kUnion);
   buffers.AssignRow(0, 4096, 1);
   buffers.FillRandomSummaries(2);
   buffers.group_table()[5] = 1 << 30;
   const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
-  StepInputs in = buffers.Inputs(rows);
-  float* pool = Upload(buffers.pool());
-  int32_t* groups = Upload(buffers.group_table());
-  int32_t* blocks = Upload(buffers.block_table());
-  std::vector<float> queries(static_cast<const float*>(in.queries),
-                             static_cast<const float*>(in.queries) + 2 * 4 * 64);
-  float* q = Upload(queries);
-  int32_t* visit = Upload(std::vector<int32_t>(2 * buffers.max_blocks(), -1));
-  int32_t* count = Upload(std::vector<int32_t>(2, -1));
-  in.summary_pool = pool;
-  in.group_table = groups;
-  in.block_table = blocks;
-  in.queries = q;
-  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
-  ASSERT_TRUE(selector.ok());
   // Each way of reading records: quest's warp sums, jl's staged copies, strict
   // mode's warp sums; the bad slot's lane reads nothing while its warp reads.
-  for (const auto& [method, strict] :
-       {std::pair{Method::kQuest, false}, std::pair{Method::kJl, false},
-        std::pair{Method::kJl, true}}) {
-    SelectPolicy policy;
-    policy.method = method;
-    policy.strict = strict;
-    const absl::Status status = (*selector)->Select(in, policy, {visit, count}, nullptr, nullptr);
-    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-    EXPECT_NE(status.message().find("group_table[0][5]=1073741824"), std::string::npos) << status;
-    EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
-  }
-  for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
-                  static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
-    cudaFree(p);
-  }
+  ExpectEveryPathRefuses(buffers, rows,
+                         {{Method::kQuest, false}, {Method::kJl, false}, {Method::kJl, true}},
+                         "group_table[0][5]=1073741824");
 }
 
 // The query check runs once per (row, layer, head) in the terms kernel: a NaN
 // in a scored head's query fails the step, for every way of scoring.
 TEST(GpuStepValidationTest, NonFiniteQueryFailsTheStepAndWritesNothing) {
   SKIP_WITHOUT_DEVICE();
-  ModelLayout m;
-  m.num_layers = 2;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 64;
-  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  testing::StepBuffers buffers(ValidationModel(), 1, 4096, 1, Granularity::kUnion);
   buffers.AssignRow(0, 4096, 1);
   buffers.FillRandomSummaries(2);
+  buffers.Query(1, 0, 3)[17] = std::nanf("");
+  const int bad =
+      (1 * 4 + 3) * 64 + 17;  // layer 1, head 3, element 17 of [layers, batch, heads, d]
   const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
-  StepInputs in = buffers.Inputs(rows);
-  std::vector<float> queries(static_cast<const float*>(in.queries),
-                             static_cast<const float*>(in.queries) + 2 * 4 * 64);
-  const int bad = (1 * 4 + 3) * 64 + 17;  // layer 1, head 3, element 17
-  queries[bad] = std::nanf("");
-  float* pool = Upload(buffers.pool());
-  int32_t* groups = Upload(buffers.group_table());
-  int32_t* blocks = Upload(buffers.block_table());
-  float* q = Upload(queries);
-  int32_t* visit = Upload(std::vector<int32_t>(2 * buffers.max_blocks(), -1));
-  int32_t* count = Upload(std::vector<int32_t>(2, -1));
-  in.summary_pool = pool;
-  in.group_table = groups;
-  in.block_table = blocks;
-  in.queries = q;
-  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
-  ASSERT_TRUE(selector.ok());
-  for (const auto& [method, strict] :
-       {std::pair{Method::kQuest, false}, std::pair{Method::kJl, false},
-        std::pair{Method::kJl, true}, std::pair{Method::kOff, false}}) {
-    SelectPolicy policy;
-    policy.method = method;
-    policy.strict = strict;
-    const absl::Status status = (*selector)->Select(in, policy, {visit, count}, nullptr, nullptr);
-    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-    EXPECT_NE(status.message().find("element " + std::to_string(bad) + " is not finite"),
-              std::string::npos)
-        << status;
-    EXPECT_EQ(Download(count, 2), (std::vector<int32_t>{-1, -1}));
-  }
-  for (void* p : {static_cast<void*>(pool), static_cast<void*>(groups), static_cast<void*>(blocks),
-                  static_cast<void*>(q), static_cast<void*>(visit), static_cast<void*>(count)}) {
-    cudaFree(p);
-  }
+  ExpectEveryPathRefuses(
+      buffers, rows,
+      {{Method::kQuest, false}, {Method::kJl, false}, {Method::kJl, true}, {Method::kOff, false}},
+      "element " + std::to_string(bad) + " is not finite");
 }
 
 }  // namespace
