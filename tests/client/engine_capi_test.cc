@@ -46,6 +46,20 @@ class EngineCapiTest : public ::testing::Test {
     m.features.quest = true;
     return eps::SummaryLayout::For(m).record_words;
   }
+  // selection_done (flags[1]), read back from the device.
+  static uint64_t SelectionDone(const uint64_t* flags) {
+    uint64_t done = 0;
+    EXPECT_EQ(cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    return done;
+  }
+  // A dense release of `step`: selection_done reached it and every count is -1.
+  static void ExpectReleasedDensely(const int32_t* counts, int64_t n, const uint64_t* flags,
+                                    uint64_t step) {
+    std::vector<int32_t> host(n);
+    EXPECT_EQ(cudaMemcpy(host.data(), counts, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(SelectionDone(flags), step);
+    for (int32_t c : host) EXPECT_EQ(c, -1);
+  }
   EpsEngineModel model_{};
   eps::testing::DeviceMemory memory_;
 };
@@ -155,16 +169,10 @@ TEST_F(EngineCapiTest, ReleaseDenseOnAStreamIsOrderedWithThatStreamAndNotWaitedF
       << eps_engine_last_error();
   ASSERT_EQ(eps_engine_wait_selection(Addr(stream), Addr(flags), 6), 0);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  uint64_t done = 0;
-  std::vector<int32_t> host(n);
-  cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost);
-  cudaMemcpy(host.data(), counts, n * 4, cudaMemcpyDeviceToHost);
-  EXPECT_EQ(done, 6u);
-  for (int32_t c : host) EXPECT_EQ(c, -1);
+  ExpectReleasedDensely(counts, n, flags, 6);
   // a release never lowers the counter
   ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), n, Addr(flags), 2, 0), 0);
-  cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost);
-  EXPECT_EQ(done, 6u);
+  EXPECT_EQ(SelectionDone(flags), 6u);
   cudaStreamDestroy(stream);
 }
 
@@ -189,12 +197,7 @@ TEST_F(EngineCapiTest, WatchdogReleasesAStepThatNeverCompletesAndSparesAComplete
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   ASSERT_EQ(eps_engine_watchdog_releases(dog), 1u);
-  uint64_t done = 0;
-  std::vector<int32_t> host(n);
-  cudaMemcpy(&done, flags + 1, 8, cudaMemcpyDeviceToHost);
-  cudaMemcpy(host.data(), counts, n * 4, cudaMemcpyDeviceToHost);
-  EXPECT_EQ(done, 5u);
-  for (int32_t c : host) EXPECT_EQ(c, -1);
+  ExpectReleasedDensely(counts, n, flags, 5);
   eps_engine_watchdog_destroy(dog);
 }
 
