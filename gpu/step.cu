@@ -16,6 +16,7 @@
 #include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
+#include "gpu/fused_select.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -51,6 +52,16 @@ const void* const kScoreKernels[] = {
     ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
     ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
     ScoreKernelOf<Method::kOff, 0, true, 8>()};
+
+template <Method kMethod, int kM, int kHeads = kHeadBatch>
+const void* FusedKernelOf() {
+  return reinterpret_cast<const void*>(&FusedSelectKernel<kMethod, kM, kHeads>);
+}
+const void* const kFusedKernels[] = {
+    FusedKernelOf<Method::kJl, 4>(),       FusedKernelOf<Method::kJl, 8>(),
+    FusedKernelOf<Method::kJl, 16>(),      FusedKernelOf<Method::kJl, 0>(),
+    FusedKernelOf<Method::kOnePc, 0>(),    FusedKernelOf<Method::kFro, 0>(),
+    FusedKernelOf<Method::kQuest, 0, 4>(), FusedKernelOf<Method::kQuest, 0, 8>()};
 
 template <int kM>
 const void* TermsKernelOf() {
@@ -119,6 +130,35 @@ const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool st
   return ScoreKernelOf<Method::kOff, 0, false>();
 }
 
+// The fused scoring-and-selection kernel (fused_select.cuh) for a method that
+// scores, chosen as ScoreKernelFor chooses.
+const void* FusedKernelFor(Method method, int m, int ratio, bool staged) {
+  const bool four = ratio <= 4;
+  switch (method) {
+    case Method::kJl:
+      if (!staged) return FusedKernelOf<Method::kJl, 0>();
+      switch (m) {
+        case 4:
+          return FusedKernelOf<Method::kJl, 4>();
+        case 8:
+          return FusedKernelOf<Method::kJl, 8>();
+        case 16:
+          return FusedKernelOf<Method::kJl, 16>();
+        default:
+          return FusedKernelOf<Method::kJl, 0>();
+      }
+    case Method::kOnePc:
+      return FusedKernelOf<Method::kOnePc, 0>();
+    case Method::kFro:
+      return FusedKernelOf<Method::kFro, 0>();
+    case Method::kQuest:
+      return four ? FusedKernelOf<Method::kQuest, 0, 4>() : FusedKernelOf<Method::kQuest, 0, 8>();
+    case Method::kOff:
+      break;
+  }
+  return nullptr;
+}
+
 // The selection kernel and its warps per block: a warp per head for lists of
 // more than 8 heads (up to 32), else 8 warps.
 std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int heads_per_list) {
@@ -168,7 +208,11 @@ struct GpuSelector::Impl {
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
   DeviceBuffer<StepReport> reports;  // two, alternating by step (step_shape.cuh)
-  uint64_t sequence = 0;             // steps launched: picks this step's report
+  // The fused selection's scratch (fused_select.cuh), zero between steps:
+  // union masks [max_batch, layers, kFusedMaskWords]; arrivals [max_batch,
+  // layers] and the step's count of finished (row, layer)s after them.
+  DeviceBuffer<unsigned> fused_masks, fused_arrivals;
+  uint64_t sequence = 0;  // steps launched: picks this step's report
   GpuSelectorOptions options;
   CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
@@ -219,7 +263,8 @@ absl::Status LoadKernels(int device) {
   RETURN_IF_ERROR(PreloadStreamOps());
   for (const auto& kernels :
        {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
-        std::span<const void* const>(kSelectKernels)}) {
+        std::span<const void* const>(kSelectKernels),
+        std::span<const void* const>(kFusedKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -287,6 +332,13 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
+  const int64_t row_layers = max_batch * model.num_layers;
+  RETURN_IF_CUDA_ALLOC(impl->fused_masks, row_layers * kFusedMaskWords);
+  RETURN_IF_CUDA_ALLOC(impl->fused_arrivals, row_layers + 1);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemset(impl->fused_masks.get(), 0, row_layers * kFusedMaskWords * sizeof(unsigned)));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemset(impl->fused_arrivals.get(), 0, (row_layers + 1) * sizeof(unsigned)));
   RETURN_IF_ERROR(LoadKernels(device));
   GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
                                                    model.num_kv_heads, static_cast<int>(per_matrix),
@@ -424,8 +476,25 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,
                    next_report,    fence.selection_done, fence.step};
+  // Or fused into scoring (fused_select.cuh): the threshold budget, not strict,
+  // every row within one scoring block, and its shared memory within the
+  // device's (it keeps the block's scores and the cut's histograms besides
+  // the scoring's).
+  const size_t fused_shared = launch.score_shared + sizeof(float) * FusedSharedWords(m.gqa_ratio());
+  if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
+      max_n <= kScoreThreads && fused_shared <= static_cast<size_t>(g.max_shared)) {
+    launch.fused_selection = true;
+    launch.fused = {g.fused_masks.get(), g.fused_arrivals.get(),
+                    g.fused_arrivals.get() + g.max_batch * m.num_layers};
+    launch.score_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);
+    launch.score_shared = fused_shared;
+    launch.score.scores = nullptr;  // written by no one
+    launch.select = {in.block_table, g.rows.get(),         scored,          nullptr,
+                     nullptr,        out.visit_blocks,     out.visit_count, report,
+                     next_report,    fence.selection_done, fence.step};
+  }
   const auto [select_kernel, warps] = SelectKernelFor(policy.budget, strict, m.num_q_heads / lists);
-  launch.select_kernel = select_kernel;
+  launch.select_kernel = launch.fused_selection ? nullptr : select_kernel;
   launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
   launch.select_block = dim3(32 * warps);
   launch.select_shared = SelectSharedBytes(in.max_groups);

@@ -25,9 +25,8 @@ namespace eps::gpu::kernels {
 __device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t tokens,
                                                  const unsigned char* visit, unsigned* offset,
                                                  unsigned* counts, const int32_t* block_table,
-                                                 const DeviceRow* row,
-                                                 int32_t* list_out, int32_t* count_out,
-                                                 DeviceStats* stats) {
+                                                 const DeviceRow* row, int32_t* list_out,
+                                                 int32_t* count_out, DeviceStats* stats) {
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int lane = threadIdx.x % 32;
   const int chunk = (n + blockDim.x - 1) / blockDim.x;
