@@ -49,9 +49,9 @@ inline constexpr int kFusedWarps = kScoreThreads / 32;
 inline constexpr int kFusedMaskWords = kScoreThreads / 32;  // a bit per group of a row
 
 struct FusedArgs {
-  unsigned* masks;           // [max_batch, layers, kFusedMaskWords]: union lists' marks so far
-  unsigned* arrivals;        // [max_batch, layers]: KV-head blocks done
-  unsigned* step_arrivals;   // (row, layer)s done
+  unsigned* masks;          // [max_batch, layers, kFusedMaskWords]: union lists' marks so far
+  unsigned* arrivals;       // [max_batch, layers]: KV-head blocks done
+  unsigned* step_arrivals;  // (row, layer)s done
 };
 
 // Dynamic shared memory beyond ScoreSharedWords, in words: scores [ratio,
@@ -88,7 +88,9 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
   constexpr bool kStaged = kMethod == Method::kJl && kM > 0;
   extern __shared__ float shared[];
   // Nothing is held in registers across the scoring, whose passes need them all.
-  auto scores_of = [&] { return shared + ScoreSharedWords(s.q_heads / s.kv_heads, s.d, s.m, kStaged); };
+  auto scores_of = [&] {
+    return shared + ScoreSharedWords(s.q_heads / s.kv_heads, s.d, s.m, kStaged);
+  };
   if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
 
   // 1. Scores into shared memory [ratio, kScoreThreads].
@@ -99,9 +101,9 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
   const int ratio = s.q_heads / s.kv_heads;
   float* scores = scores_of();
   auto* histograms = reinterpret_cast<unsigned(*)[256]>(scores + ratio * kScoreThreads);
-  unsigned* counts = histograms[kFusedWarps];  // [threads]
-  unsigned* offset = counts + kScoreThreads;   // [threads]
-  unsigned* marks = offset + kScoreThreads;    // [kFusedMaskWords]
+  unsigned* counts = histograms[kFusedWarps];                               // [threads]
+  unsigned* offset = counts + kScoreThreads;                                // [threads]
+  unsigned* marks = offset + kScoreThreads;                                 // [kFusedMaskWords]
   auto* visit = reinterpret_cast<unsigned char*>(marks + kFusedMaskWords);  // [threads]
   int* decision = reinterpret_cast<int*>(visit + kScoreThreads);            // [4]
   if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = 0;

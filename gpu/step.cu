@@ -227,7 +227,8 @@ struct GpuSelector::Impl {
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
   int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
-  bool per_head = false;  // per-KV-head lists: each reads one KV head's K and V
+  bool per_head = false;    // per-KV-head lists: each reads one KV head's K and V
+  bool last_fused = false;  // the last step queued fused its selection
 
   ~Impl() {
     // Sessions end on any thread (the lease reaper's device is 0): free on ours.
@@ -361,6 +362,7 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
 
 bool GpuSelector::pending() const { return impl_->pending; }
 uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }
+bool GpuSelector::last_step_fused() const { return impl_->last_fused; }
 
 absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& policy,
                                   const StepOutputs& out, const StepFence& fence) {
@@ -375,6 +377,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());
   if (batch == 0) {
+    g.last_fused = false;
     if (fence.selection_done != nullptr) {
       CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
       if (fence.inputs_ready != nullptr) {
@@ -542,6 +545,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   g.pending_rows.assign(in.rows.begin(), in.rows.end());
   g.scored_kv_heads_total = scored_kv_heads_total;
   g.per_head = per_head;
+  g.last_fused = launch.fused_selection;
   g.row_groups = row_groups;
   g.pending_num_slots = in.num_slots;
   g.pending_physical_blocks = in.num_physical_blocks;

@@ -114,6 +114,9 @@ class GpuSelector {
   absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
   bool pending() const;
   uint64_t pending_step() const;
+  // Whether the last step queued ran its selection fused into scoring
+  // (gpu/fused_select.cuh), for tests and benchmarks.
+  bool last_step_fused() const;
 
  private:
   struct Impl;
