@@ -193,7 +193,8 @@ INSTANTIATE_TEST_SUITE_P(
         FusedCase{Method::kJl, 128, 32, 8, 8, 8, kPerKvHead, true, Contexts::kMixed},
         FusedCase{Method::kJl, 128, 32, 8, 8, 8, kUnion, false, Contexts::kForcedOnly},
         FusedCase{Method::kJl, 128, 32, 8, 8, 8, kPerKvHead, false, Contexts::kForcedOnly},
-        FusedCase{Method::kJl, 64, 4, 4, 2, 4}, FusedCase{Method::kJl, 128, 8, 2, 4, 16, kPerKvHead},
+        FusedCase{Method::kJl, 64, 4, 4, 2, 4},
+        FusedCase{Method::kJl, 128, 8, 2, 4, 16, kPerKvHead},
         FusedCase{Method::kJl, 128, 8, 2, 4, 12, kUnion, true},
         FusedCase{Method::kOnePc, 128, 8, 2, 4}, FusedCase{Method::kFro, 128, 8, 2, 8},
         FusedCase{Method::kQuest, 128, 8, 2, 2, 8, kUnion, true, Contexts::kMixed},
@@ -225,8 +226,7 @@ TEST(FusedSelectPathTest, OnlyTheThresholdBudgetWithRowsOfOneBlockFuses) {
   const StepRow both[] = {{.table_row = 0, .context_tokens = most, .seq_id = 0},
                           {.table_row = 1, .context_tokens = most + 1, .seq_id = 0}};
   auto fuses = [&](std::span<const StepRow> rows, const SelectPolicy& policy) {
-    const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 2, rows,
-                                                            policy);
+    const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 2, rows, policy);
     EXPECT_TRUE(got.status.ok()) << got.status << " " << policy.DebugString();
     return (*selector)->last_step_fused();
   };
@@ -413,8 +413,8 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
   auto fused = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups());
-  auto separate = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
-                                           {.fuse_selection = false});
+  auto separate =
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = false});
   ASSERT_TRUE(fused.ok() && separate.ok());
   const StepInputs in = device.Inputs(buffers, rows);
   std::vector<int32_t> bad = device.host_groups;
