@@ -52,8 +52,9 @@ template <int kM>
 const void* TermsKernelOf() {
   return reinterpret_cast<const void*>(&TermsKernel<kM>);
 }
-inline const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(), TermsKernelOf<4>(),
-                                     TermsKernelOf<8>(), TermsKernelOf<16>()};
+inline const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(),
+                                            TermsKernelOf<4>(), TermsKernelOf<8>(),
+                                            TermsKernelOf<16>()};
 
 // The terms kernel: ‖q‖ only unless jl scores, and for jl Φᵀq with m known
 // where it is one of the common sketch sizes.
