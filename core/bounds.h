@@ -5,6 +5,10 @@
 //                                          q⊥ = q − (u1·q)u1, tighter than DESIGN's ‖q‖)
 //   fro    ‖q‖ sqrt(fro2)                   upper bound of sqrt(qᵀCq) (loose)
 //   quest  Σ_j max(q_j min_j, q_j max_j)    upper bound of max_i q·k_i
+//   questclt  q·c + sqrt(Σ_j (q_j w_j)²)    estimate, not a bound: c = (min + max)/2 and
+//                                          w = (max − min)/2 per channel of the quest part;
+//                                          the spread of q·k over independent channels
+//                                          (docs/policy.md "questclt")
 //
 // plus the mean-key lower bound q·k̄ ≤ max_i q·k_i used by strict mode.
 // All functions read one record (see core/layout.h) and never allocate.
@@ -19,7 +23,7 @@
 
 namespace eps {
 
-enum class Method { kOff, kJl, kOnePc, kFro, kQuest };
+enum class Method { kOff, kJl, kOnePc, kFro, kQuest, kQuestClt };
 
 const char* MethodName(Method method);
 bool ParseMethod(std::string_view name, Method* method);
@@ -45,6 +49,8 @@ float JlScore(std::span<const float> record, const SummaryLayout& layout, const 
 float OnePcBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
 float FroBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
 float QuestBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q);
+float QuestCltScore(std::span<const float> record, const SummaryLayout& layout,
+                    const QueryTerms& q);
 
 // The score of `method` (kOff scores 0). Methods whose record parts are absent
 // fall back to fro (1pc before Seal) — never to something that is not a bound.

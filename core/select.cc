@@ -41,10 +41,12 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   // refuse it, so a default method never degrades quietly on an engine's layout.
   // Strict mode scores with its own bracket (BracketMaxScore), not the method.
   const bool scores_by_method = !strict || method == Method::kOff;
-  if (scores_by_method && method == Method::kQuest && !model.features.quest) {
-    return absl::InvalidArgumentError(
-        "method=quest needs the quest part in the summary records (features.quest); write it "
-        "or choose another method (jl, fro)");
+  if (scores_by_method && (method == Method::kQuest || method == Method::kQuestClt) &&
+      !model.features.quest) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "method=", MethodName(method),
+        " needs the quest part in the summary records (features.quest); write it or choose "
+        "another method (jl, fro)"));
   }
   if (scores_by_method && method == Method::kOnePc && !model.features.principal) {
     return absl::InvalidArgumentError(

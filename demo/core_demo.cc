@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Variant> variants;
   for (eps::Method method : {eps::Method::kOff, eps::Method::kJl, eps::Method::kOnePc,
-                             eps::Method::kFro, eps::Method::kQuest}) {
+                             eps::Method::kFro, eps::Method::kQuest, eps::Method::kQuestClt}) {
     eps::SelectPolicy policy;
     policy.method = method;
     policy.top_pages = args.top_pages;

@@ -111,6 +111,7 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kOff:
+    case Method::kQuestClt:  // refused by Enqueue
       break;
   }
   return ScoreKernelOf<Method::kOff, 0, false>();
@@ -140,6 +141,7 @@ inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged) 
     case Method::kQuest:
       return four ? FusedKernelOf<Method::kQuest, 0, 4>() : FusedKernelOf<Method::kQuest, 0, 8>();
     case Method::kOff:
+    case Method::kQuestClt:  // refused by Enqueue
       break;
   }
   return nullptr;

@@ -69,7 +69,7 @@ absl::StatusOr<ServerConfig> ReadFlags() {
       {{"cpu", BackendKind::kCpu}, {"cuda", BackendKind::kCuda}, {"auto", BackendKind::kAuto}},
       &c.backend));
   if (!ParseMethod(absl::GetFlag(FLAGS_eps_method), &c.policy.method)) {
-    return cli::Invalid(FLAGS_eps_method, "off, jl, 1pc, fro or quest");
+    return cli::Invalid(FLAGS_eps_method, "off, jl, 1pc, fro, quest or questclt");
   }
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_dim, 1, 64, &c.sketch_dim));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &c.group_blocks));

@@ -113,6 +113,9 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
     case v1::METHOD_QUEST:
       p.method = Method::kQuest;
       break;
+    case v1::METHOD_QUEST_CLT:
+      p.method = Method::kQuestClt;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("options.method=", o.method(), " is unknown"));
   }
@@ -166,8 +169,8 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
 
 v1::SelectOptions ToProto(const SelectPolicy& p) {
   v1::SelectOptions o;
-  static constexpr v1::Method kMethods[] = {v1::METHOD_OFF, v1::METHOD_JL, v1::METHOD_1PC,
-                                            v1::METHOD_FRO, v1::METHOD_QUEST};
+  static constexpr v1::Method kMethods[] = {v1::METHOD_OFF, v1::METHOD_JL,    v1::METHOD_1PC,
+                                            v1::METHOD_FRO, v1::METHOD_QUEST, v1::METHOD_QUEST_CLT};
   o.set_method(kMethods[static_cast<int>(p.method)]);
   o.set_alpha(p.alpha);
   o.set_first_n(p.first_n);

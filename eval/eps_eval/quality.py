@@ -17,6 +17,10 @@ they prove themselves:
           block-granular (MarkByThreshold over blocks, forced = the blocks of
           the first group and of the last two groups, as at g = g_c).
 
+Estimators (eps_eval.estimators: questclt, questblend, questlgn) read quest8's
+record and are scored at its bytes, at every g and as both levels of c2f
+(`c2f8x2-questclt1`, ...); QualityPlan.estimators and .c2f_scorers pick them.
+
 Rows carry `budget` (threshold, mass or c2f) and its parameters; `skip` counts
 summary bytes read (see metrics.py).
 """
@@ -28,12 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from eps_eval import core
+from eps_eval import core, estimators
 from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
 
 F32 = npt.NDArray[np.float32]
 FRACTIONS = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8)
-CORE_METHODS = ("jl8", "1pc", "fro", "quest")
+CORE_METHODS = ("jl8", "1pc", "fro", "quest", "questclt")  # questclt: core's, on the fp16 record
 MASS_TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
 MASS_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MASS_FLOORS = (0.0, 0.05, 0.1, 0.2)  # min_pages as a share of the unforced groups
@@ -49,6 +53,28 @@ class QualityPlan:
     mass_lags: tuple[int, ...] = (0, 1)
     c2f_coarse: tuple[int, ...] = (8, 16)
     c2f_candidates: tuple[float, ...] = (1.5, 2.0, 3.0)  # candidate groups per final block budget
+    methods: tuple[str, ...] = ("jl8", "1pc", "fro", "quest", "quest8")  # threshold-budget scorers
+    estimators: tuple[str, ...] = ()  # eps_eval.estimators names, from the quest8 record
+    c2f_scorers: tuple[str, ...] = ("quest8",)  # scorer of both c2f levels
+
+
+# Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
+# threshold budget and c2f8x2 only (what their comparison needs, at a CPU's cost).
+ESTIMATOR_PLAN = QualityPlan(
+    group_blocks=(1, 2, 4, 8), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(8,),
+    c2f_candidates=(2.0, 3.0),
+    methods=("quest", "questclt", "quest8", "momentlgn", "oracle_mass_lag"),
+    estimators=estimators.ESTIMATORS,
+    c2f_scorers=("quest8", "questclt0.5", "questclt1", "questclt2", "questblend0.5", "questlgn"))
+
+
+# The mass budget scored by epsd's questclt against quest's bound: lag 1, the threshold
+# budget beside it for the best fixed budget, no c2f (what that comparison needs).
+MASS_PLAN = QualityPlan(
+    group_blocks=(1, 2, 8), lags=(1,), mass_methods=("quest", "questclt", "oracle_mass"),
+    mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
+    methods=("quest", "questclt"), c2f_scorers=())
+PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
@@ -59,12 +85,16 @@ def record_bytes(method: str, d: int) -> float:
         return core.record_bytes(d, 8, 0)
     if method == "1pc":
         return core.record_bytes(d, 8, core.PRINCIPAL)
-    if method == "quest":
+    if method in ("quest", "questclt"):
         return 4.0 * d  # Quest's fp16 min and max
     if method == "quest8":
         return 2.0 * d + 4.0
     if method == "questmid":
         return 6.0 * d  # quest fp16 plus the key sum in fp16
+    if estimators.is_estimator(method):
+        return 2.0 * d + 4.0  # quest8's record
+    if method == "momentlgn":
+        return 2.0 * d + 8.0  # int8 mean and std, a scale each
     return 0.0  # oracles
 
 
@@ -112,6 +142,12 @@ class QuestTables:
     def scores(self, q: F32) -> F32:
         """quest8 scores [H, G]: Σ_j max(q_j·min_j, q_j·max_j) ≥ max_i q·k_i."""
         return quest8_scores(q, self.min8, self.max8)
+
+    def estimate(self, name: str, q: F32) -> F32:
+        """Scores [H, G] of an eps_eval.estimators estimator from the same int8 record."""
+        if name == "quest8":
+            return self.scores(q)
+        return estimators.estimate(name, q, self.min8, self.max8)
 
     def mean_scores(self, q: F32) -> F32:
         """q·k̄ [H, G]: the mean key's score, a lower bound of max_i q·k_i (key_sum / count)."""
@@ -213,6 +249,9 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
     dn: Dense = dense(q_by_pos[position], kc, vc)
     rows: list[dict[str, object]] = []
     q8 = {g: QuestTables(k, c, g) for g in sorted(set(plan.group_blocks) | set(plan.c2f_coarse))}
+    lag_mass: dict[int, npt.NDArray[np.float64]] = {}
+    moments = ({g: estimators.MomentTables(k, c, g) for g in plan.group_blocks}
+               if "momentlgn" in plan.methods else {})
     for g in plan.group_blocks:
         s = state.seqs[g]
         G = s.groups
@@ -226,9 +265,23 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                           evaluate(dn, g, masks, tps, [0.0] * len(tps)))
         for lag in plan.lags:
             q = q_by_pos[position - lag]
-            scores = {m: s.scores("jl" if m == "jl8" else m, q) for m in CORE_METHODS}
+            scores = {m: s.scores("jl" if m == "jl8" else m, q) for m in CORE_METHODS
+                      if m in plan.methods}
             scores["quest8"] = q8[g].scores(q)
+            for e in plan.estimators:
+                scores[e] = q8[g].estimate(e, q)
+            if "momentlgn" in plan.methods:
+                scores["momentlgn"] = moments[g].scores(q)
+            if "oracle_mass_lag" in plan.methods:
+                # The exact mass under the lagged query: the ceiling of any estimator at this
+                # lag (the oracles above read the current query).
+                if lag not in lag_mass:
+                    lag_mass[lag] = dense(q, kc, vc).mass
+                lm = np.log(np.maximum(group_sum(lag_mass[lag], g), 1e-300)) * np.sqrt(d)
+                scores["oracle_mass_lag"] = lm.astype(np.float32)
             for name, sc in scores.items():
+                if name not in plan.methods and name not in plan.estimators:
+                    continue
                 masks = core.mark(sc, kvh, tps)
                 rb = record_bytes(name, d)
                 rows += _rows(workload, "threshold", name, g, lag, [float(t) for t in tps], 0.0,
@@ -238,6 +291,8 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
                 mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
                                "questmid": mid.astype(np.float32)}
+                if "questclt" in scores:
+                    mass_scores["questclt"] = scores["questclt"]
                 if lag == 0:
                     mass_scores["oracle_mass"] = oracle["oracle_mass"]
                 for name, sc in mass_scores.items():
@@ -261,14 +316,17 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                 rows.append(r)
     for lag in sorted({0, 1} & set(plan.lags)):
         q = q_by_pos[position - lag]
-        fine = q8[1].scores(q)
-        for gc in plan.c2f_coarse:
-            rows += _c2f_rows(workload, dn, q8[gc].scores(q), fine, gc, lag, plan, kvh, d)
+        for scorer in plan.c2f_scorers:
+            fine = q8[1].estimate(scorer, q)
+            suffix = "" if scorer == "quest8" else f"-{scorer}"
+            for gc in plan.c2f_coarse:
+                rows += _c2f_rows(workload, dn, q8[gc].estimate(scorer, q), fine, gc, lag, plan,
+                                  kvh, d, suffix)
     return rows
 
 
 def _c2f_rows(workload: dict[str, object], dn: Dense, coarse: F32, fine: F32, gc: int, lag: int,
-              plan: QualityPlan, kvh: int, d: int) -> list[dict[str, object]]:
+              plan: QualityPlan, kvh: int, d: int, suffix: str = "") -> list[dict[str, object]]:
     Gc = coarse.shape[1]
     nb = fine.shape[1]
     rb = record_bytes("quest8", d)
@@ -294,5 +352,5 @@ def _c2f_rows(workload: dict[str, object], dn: Dense, coarse: F32, fine: F32, gc
             bytes_per_block.append((Gc * rb + fine_read * rb) / nb)
             params.append(float(f))
         met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), bytes_per_block)
-        out += _rows(workload, "c2f", f"c2f{gc}x{cand:g}", 1, lag, params, 0.0, nb, met)
+        out += _rows(workload, "c2f", f"c2f{gc}x{cand:g}{suffix}", 1, lag, params, 0.0, nb, met)
     return out

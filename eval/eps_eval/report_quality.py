@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eps_eval.estimators import is_estimator
+
 SKIP = 0.75
 TARGET = 0.95
 Row = dict[str, object]
@@ -50,20 +52,37 @@ def col(rows: list[Row], name: str) -> np.ndarray:
     return np.asarray([float(r[name]) for r in rows])  # type: ignore[arg-type]
 
 
-def at_skip(rows: list[Row], skip: float = SKIP) -> tuple[float, float, int]:
-    """Mean over pairs of recall interpolated at `skip`; NaN when a pair's sweep misses it."""
-    vals = []
-    for g in group(rows, PAIR).values():
+def per_pair_at_skip(rows: list[Row], skip: float = SKIP) -> dict[tuple[object, ...], float]:
+    """Recall interpolated at `skip` per (layer, step) pair; {} when a pair's sweep misses it."""
+    vals = {}
+    for key, g in group(rows, PAIR).items():
         g = sorted(g, key=lambda r: float(r["skip"]))  # type: ignore[arg-type]
         x, y = col(g, "skip"), col(g, "recall")
         if x.min() > skip or x.max() < skip:
-            return float("nan"), float("nan"), 0
-        vals.append(float(np.interp(skip, x, y)))
+            return {}
+        vals[key] = float(np.interp(skip, x, y))
+    return vals
+
+
+def mean_interval(vals: list[float]) -> tuple[float, float, int]:
     if not vals:
         return float("nan"), float("nan"), 0
     v = np.asarray(vals)
     half = 1.96 * v.std(ddof=1) / np.sqrt(len(v)) if len(v) > 1 else float("nan")
     return float(v.mean()), float(half), len(v)
+
+
+def at_skip(rows: list[Row], skip: float = SKIP) -> tuple[float, float, int]:
+    """Mean over pairs of recall interpolated at `skip`; NaN when a pair's sweep misses it."""
+    return mean_interval(list(per_pair_at_skip(rows, skip).values()))
+
+
+def paired_gain(rows: list[Row], base: list[Row], skip: float = SKIP) -> tuple[float, float, int]:
+    """Mean over the pairs both cover of (recall of rows − recall of base) at `skip`: the
+    interval of a difference measured on the same pairs, much tighter than the two
+    unpaired intervals."""
+    a, b = per_pair_at_skip(rows, skip), per_pair_at_skip(base, skip)
+    return mean_interval([a[k] - b[k] for k in a if k in b])
 
 
 def fmt(mean: float, half: float) -> str:
@@ -97,7 +116,7 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
         gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
         out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
         out.append("| --- |" + " --- |" * len(gs))
-        for m in ("jl8", "1pc", "fro", "quest", "quest8", "oracle_max", "oracle_mass"):
+        for m in ("jl8", "1pc", "fro", "quest", "questclt", "quest8", "oracle_max", "oracle_mass"):
             want_lag = 0 if m.startswith("oracle") else lag
             cells = []
             for g in gs:
@@ -124,6 +143,63 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
                 near = [r for r in sel if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
                 frac = float(col(near, "summary_frac").mean()) / q16_frac if near else float("nan")
                 out.append(f"| {name} | {fmt(*at_skip(sel)[:2])} | {frac:.2f} |")
+    return out
+
+
+def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
+    """Estimators from the quest8 record (eps_eval.estimators) against quest8 at the same g,
+    i.e. the same summary bytes, and c2f with estimator levels against c2f with quest8
+    levels; each gain is paired over the (layer, step) pairs."""
+    out: list[str] = []
+    for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
+        thr = where(w, lambda r: r["budget"] == "threshold")
+        names = sorted({str(r["method"]) for r in thr
+                        if is_estimator(str(r["method"]))
+                        or r["method"] in ("momentlgn", "oracle_mass_lag")})
+        if not names:
+            continue
+        o = at_skip(where(thr, lambda r: r["method"] == "oracle_mass" and r["g"] == 1))
+        gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
+        d = HEAD_DIM.get(str(wl), 128)
+        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {o[2]}; "  # type: ignore[call-overload]
+                   f"mass oracle at g = 1: {fmt(o[0], o[1])}\n")
+        out.append("Recall at 75 % skipped (gain over quest8 at the same g, paired).\n")
+        out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
+        out.append("| --- |" + " --- |" * len(gs))
+        out.append("| summary bytes / quest fp16 g = 1 | "
+                   + " | ".join(f"{(2 * d + 4) / (4 * d * g):.2f}" for g in gs) + " |")
+
+        def sel(m: str, g: int, thr: list[Row] = thr) -> list[Row]:
+            return [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == lag]
+
+        for m in ["quest", "quest8"] + names:
+            cells = []
+            for g in gs:
+                rec = at_skip(sel(m, g))
+                gain = paired_gain(sel(m, g), sel("quest8", g))
+                paired = m != "quest8" and not np.isnan(gain[0])
+                cells.append(fmt(*rec[:2]) + (f" ({gain[0]:+.3f} ± {gain[1]:.3f})" if paired
+                                              else ""))
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
+        c2f = where(w, lambda r: r["budget"] == "c2f" and r["lag"] == lag)
+        q16 = sel("quest", 1)
+        q16_frac = float(col(q16, "summary_frac").mean()) if q16 else float("nan")
+        for (base,), bsel in sorted(group(c2f, ("method",)).items()):
+            if "-" in str(base):
+                continue
+            variants = [(str(m), v) for (m,), v in sorted(group(c2f, ("method",)).items())
+                        if str(m).startswith(f"{base}-")]
+            if not variants:
+                continue
+            out.append(f"\n| configuration | recall at 75 % skipped | gain over {base} (paired) | "
+                       "summary bytes / quest fp16 g = 1 |")
+            out.append("| --- | --- | --- | --- |")
+            for m, v in [(str(base), bsel)] + variants:
+                near = [r for r in v if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
+                frac = float(col(near, "summary_frac").mean()) / q16_frac if near else float("nan")
+                gain = paired_gain(v, bsel) if m != base else (float("nan"), 0.0, 0)
+                gtxt = "" if np.isnan(gain[0]) else f"{gain[0]:+.3f} ± {gain[1]:.3f}"
+                out.append(f"| {m} | {fmt(*at_skip(v)[:2])} | {gtxt} | {frac:.2f} |")
     return out
 
 
@@ -235,7 +311,7 @@ def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, g in zip(axes, (1, 8)):
-            for m in ("jl8", "1pc", "quest", "quest8", "oracle_mass"):
+            for m in ("jl8", "1pc", "quest", "quest8", "questclt1", "oracle_mass"):
                 want = 0 if m.startswith("oracle") else lag
                 sel = [r for r in w if r["budget"] == "threshold" and r["method"] == m
                        and r["g"] == g and r["lag"] == want]
@@ -243,7 +319,7 @@ def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
                     x, y = curve(sel)
                     ax.plot(x, y, marker=".", label=m)
             if g == 1:
-                for m in ("c2f8x2", "c2f16x2"):
+                for m in ("c2f8x2", "c2f16x2", "c2f8x2-questclt1"):
                     sel = [r for r in w if r["budget"] == "c2f" and r["method"] == m
                            and r["lag"] == lag]
                     if sel:
@@ -301,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
              "## Recall at 75 % of KV bytes skipped (summary bytes counted), threshold budget"]
     for lag in (1, 0):
         lines += table_methods(rows, lag)
+    est = table_estimators(rows)
+    if est:
+        lines += ["", "## Estimators from the quest8 record, at quest8's bytes"] + est
     lines += ["", "## Reusing one selection for k steps (recall at 75 % skipped)"]
     lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
     lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]

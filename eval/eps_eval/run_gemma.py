@@ -1,5 +1,6 @@
 """Gemma 3 270M in the evaluation: `python -m eps_eval.run_gemma --out=DIR [--context=4096]
-[--passkeys=5 --passkey-context=2048] [--device=cpu|cuda --workers=N --compare-tokens=N]`.
+[--passkeys=5 --passkey-context=2048] [--device=cpu|cuda --workers=N --compare-tokens=N]
+[--plan=full|estimators --skip-checks]`.
 
 Contexts may be lists (`--context=16384,32768`). Without --device the numpy model
 runs (eps_eval.gemma); with it, the same forward in PyTorch (eps_eval.gemma_torch),
@@ -34,7 +35,13 @@ import numpy as np
 from eps_eval import core
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
 from eps_eval.metrics import BLOCK
-from eps_eval.quality import GrowingQuestTables, LayerState, QualityPlan, step_rows
+from eps_eval.quality import (
+    PLANS,
+    GrowingQuestTables,
+    LayerState,
+    QualityPlan,
+    step_rows,
+)
 from eps_eval.realmodel import passkey_prompt
 from eps_eval.run import log, unit_done, write_unit
 
@@ -218,10 +225,10 @@ def passage_ids(tok: Any, ctx: int) -> list[int]:
 
 
 def layer_unit(units: Path, name: str, layer: int, ctx: int, steps: int, k: np.ndarray,
-               v: np.ndarray, q: dict[int, np.ndarray]) -> str:
+               v: np.ndarray, q: dict[int, np.ndarray], plan: QualityPlan | None = None) -> str:
     """The selection rows of one global layer at its last `steps` positions (a unit)."""
     t0 = time.time()
-    state = LayerState(QualityPlan(), 4, 1, 256, ctx)
+    state = LayerState(plan or QualityPlan(), 4, 1, 256, ctx)
     rows: list[dict[str, object]] = []
     for si, p in enumerate(range(ctx - steps, ctx)):
         rows += step_rows(state, k, v, q, p, {"workload": "gemma", "kind": "gemma3-270m",
@@ -250,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes for the selection rows (0: in this process, in order)")
     ap.add_argument("--compare-tokens", type=int, default=0,
                     help="with --device: first check it against numpy on this many tokens")
+    ap.add_argument("--plan", choices=("full", "estimators", "mass"), default="full",
+                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
+                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt)")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="leave out the forward-pass checks (known answers, perplexity)")
     a = ap.parse_args(argv)
     units = a.out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"Gemma 3 270M loaded in {time.time() - t0:.0f} s ({a.device or 'numpy'})")
     a.out.mkdir(parents=True, exist_ok=True)
     info_path = a.out / "gemma_checks.json"
-    if not info_path.exists():
+    if not info_path.exists() and not a.skip_checks:
         info = checks(m)
         if a.device and a.compare_tokens:
             from eps_eval.gemma_torch import compare
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     del host
     pool = multiprocessing.get_context("spawn").Pool(a.workers) if a.workers else None
     pending = []
-    plan = QualityPlan()
+    plan = PLANS[a.plan]
     for ctx in a.context:
         name = f"q19_gemma_{ctx}"
         todo = [layer for layer in GLOBAL_LAYERS if not unit_done(units, f"{name}_L{layer}")]
@@ -292,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         tr = m.prefill(ids, qpos, [])
         log(f"prefill of {ctx} tokens in {time.time() - t1:.1f} s")
         for layer in todo:
-            args = (units, name, layer, ctx, a.steps, tr.k[layer], tr.v[layer], tr.q[layer])
+            args = (units, name, layer, ctx, a.steps, tr.k[layer], tr.v[layer], tr.q[layer],
+                    plan)
             if pool is None:
                 log(layer_unit(*args))
             else:

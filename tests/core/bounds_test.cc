@@ -173,6 +173,47 @@ TEST_F(BoundsTest, QuestBoundsTheSignedMaxScore) {
   }
 }
 
+// quest = q·c + Σ_j |q_j| w_j per channel; questclt replaces the sum by the root
+// of the sum of squares, so it lies between the centre's score and quest, and
+// equals quest when one channel carries the whole spread.
+TEST_F(BoundsTest, QuestCltLiesBetweenTheCentreAndQuest) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64;
+  const SummaryLayout& layout = writer_->layout();
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + trial % 64;
+    const std::vector<float> keys = RandomGroup(rng_, n, d, trial % 3);
+    const std::vector<float> record = Summarise(keys, n);
+    const std::vector<float> q = GaussianVector(rng_, d);
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    double centre = 0.0, spread = 0.0;
+    for (int i = 0; i < d; ++i) {
+      const double lo = QuestMin(record, layout, i), hi = QuestMax(record, layout, i);
+      centre += q[i] * 0.5 * (lo + hi);
+      spread += std::pow(q[i] * 0.5 * (hi - lo), 2);
+    }
+    const float clt = QuestCltScore(record, layout, terms);
+    const double tol = 1e-4 * (1 + std::abs(centre) + std::sqrt(spread));
+    ASSERT_NEAR(clt, centre + std::sqrt(spread), tol) << "trial " << trial;
+    ASSERT_GE(clt + tol, centre) << "trial " << trial;
+    ASSERT_LE(clt, QuestBound(record, layout, terms) + tol) << "trial " << trial;
+    EXPECT_EQ(Score(Method::kQuestClt, record, layout, terms), clt);
+  }
+}
+
+TEST_F(BoundsTest, QuestCltEqualsQuestWhenOneChannelSpreads) {
+  const int d = 64, n = 8;
+  std::vector<float> keys(static_cast<size_t>(n) * d, 0.5f);
+  for (int t = 0; t < n; ++t) keys[t * d + 3] = static_cast<float>(t) - 2.0f;  // only channel 3
+  const std::vector<float> record = Summarise(keys, n);
+  const std::vector<float> q = GaussianVector(rng_, d);
+  QueryTerms terms;
+  terms.Prepare(*phi_, 0, 0, q);
+  EXPECT_NEAR(QuestCltScore(record, writer_->layout(), terms),
+              QuestBound(record, writer_->layout(), terms), 1e-4);
+}
+
 TEST_F(BoundsTest, BracketContainsTheTrueMaxScore) {
   SCOPED_TRACE(testing::SeedTrace(seed_));
   const int d = 64;
@@ -215,6 +256,8 @@ TEST_F(BoundsTest, EmptyGroupHasNoScoreAndAnEmptyBracket) {
   EXPECT_EQ(JlScore(record, writer_->layout(), terms), 0.0f);
   EXPECT_EQ(FroBound(record, writer_->layout(), terms), 0.0f);
   EXPECT_EQ(QuestBound(record, writer_->layout(), terms), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(QuestCltScore(record, writer_->layout(), terms),
+            -std::numeric_limits<float>::infinity());
   EXPECT_EQ(BracketMaxScore(record, writer_->layout(), terms).upper,
             -std::numeric_limits<float>::infinity());
 }
@@ -233,11 +276,13 @@ TEST_F(BoundsTest, MethodsWithoutTheirRecordPartFallBackToFro) {
   const float fro = FroBound(record, writer.layout(), terms);
   EXPECT_EQ(Score(Method::kOnePc, record, writer.layout(), terms), fro);
   EXPECT_EQ(Score(Method::kQuest, record, writer.layout(), terms), fro);
+  EXPECT_EQ(Score(Method::kQuestClt, record, writer.layout(), terms), fro);
   EXPECT_EQ(Score(Method::kOff, record, writer.layout(), terms), 0.0f);
 }
 
 TEST(MethodNameTest, ParsesEveryMethodNameBack) {
-  for (Method m : {Method::kOff, Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest}) {
+  for (Method m : {Method::kOff, Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest,
+                   Method::kQuestClt}) {
     Method parsed;
     ASSERT_TRUE(ParseMethod(MethodName(m), &parsed));
     EXPECT_EQ(parsed, m);

@@ -332,6 +332,9 @@ TEST(SelectPolicyTest, ABoundWhoseRecordPartIsMissingIsRefusedNotScoredAsFro) {
   EXPECT_TRUE(quest.Validate(model).ok());  // features.quest is on by default
   model.features.quest = false;
   EXPECT_THAT(quest.Validate(model).message(), ::testing::HasSubstr("method=quest needs"));
+  SelectPolicy questclt;
+  questclt.method = Method::kQuestClt;
+  EXPECT_THAT(questclt.Validate(model).message(), ::testing::HasSubstr("method=questclt needs"));
   SelectPolicy onepc;
   onepc.method = Method::kOnePc;
   EXPECT_THAT(onepc.Validate(model).message(), ::testing::HasSubstr("method=1pc needs"));

@@ -136,7 +136,8 @@ TEST_F(StepTest, MethodOffVisitsEveryBlock) {
 TEST_F(StepTest, EveryMethodFindsNeedlesInDistantGroups) {
   Build(Model(), 64 * 60, {3, 4, 7, 11});  // 60 groups, needles far from the recent end
   SCOPED_TRACE(testing::SeedTrace(seed_));
-  for (Method method : {Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest}) {
+  for (Method method :
+       {Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest, Method::kQuestClt}) {
     SelectPolicy policy;
     policy.method = method;
     policy.top_pages = 4;

@@ -40,8 +40,11 @@ def test_quest8_stays_an_upper_bound_and_near_quest(rng: np.random.Generator, g:
                       features=core.QUEST, max_tokens=tokens)
     s.append(k)
     quest = s.scores("quest", q)
-    # Each channel's range widens by at most one code (max|k| / 127) on each side.
-    widen = (np.abs(q) @ np.abs(k).max(axis=1).T / 127.0)  # [h, kv] upper bound of the widening
+    # Each channel's range widens by at most one code on each side, and a code is the
+    # group's scale: the largest |k| over all of the group's channels / 127 (not the
+    # channel's own), at most the KV head's largest |k| / 127.
+    code = np.abs(k).max(axis=(1, 2)) / 127.0 * (1 + 1e-6)  # [kv]
+    widen = np.abs(q).sum(axis=1)[:, None] * code[None, :]  # [h, kv] bound of the widening
     slack = 2 * widen[np.arange(h), np.arange(h) // 2][:, None] + 1e-3
     assert np.all(q8 <= quest + slack)
     # The mean-key score is a lower bound of the group maximum.
@@ -101,3 +104,65 @@ def test_the_passkey_gates_minimal_record_scores_as_the_full_one(
         s.append(k)
         out.append(s.scores(method, q))
     np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_estimator_plan_rows_cost_the_quest8_record(rng: np.random.Generator) -> None:
+    from eps_eval import estimators, synthetic
+
+    tokens, d = 1024, 32
+    tr = synthetic.make_layer("multi", tokens, [tokens - 2, tokens - 1], q_heads=4, kv_heads=2,
+                              head_dim=d, seed=int(rng.integers(1 << 30)))
+    plan = quality.ESTIMATOR_PLAN
+    state = quality.LayerState(plan, 4, 2, d, tokens)
+    rows = quality.step_rows(state, tr.k, tr.v, tr.q, tokens - 1, {"workload": "test"})
+    frac = {(r["method"], r["g"], r["param"]): r["summary_frac"] for r in rows
+            if r["budget"] == "threshold"}
+    for name in estimators.ESTIMATORS:
+        for g in plan.group_blocks:
+            keys = [key for key in frac if key[0] == name and key[1] == g]
+            assert keys, (name, g)
+            for key in keys:
+                assert frac[key] == frac[("quest8", g, key[2])]
+    c2f = {r["method"] for r in rows if r["budget"] == "c2f"}
+    assert c2f == {f"c2f{gc}x{c:g}" + ("" if s == "quest8" else f"-{s}")
+                   for gc in plan.c2f_coarse for c in plan.c2f_candidates for s in plan.c2f_scorers}
+
+
+def test_paired_gain_of_a_constant_shift_is_that_shift(rng: np.random.Generator) -> None:
+    from eps_eval import report_quality
+
+    base, shifted = [], []
+    for layer in range(3):
+        for step in range(4):
+            pair = {"workload": "w", "kind": "k", "context": 1.0, "layer": float(layer),
+                    "step": float(step)}
+            for skip in (0.5, 0.7, 0.9):
+                rec = float(rng.uniform(0.3, 0.8))
+                base.append({**pair, "skip": skip, "recall": rec})
+                shifted.append({**pair, "skip": skip, "recall": rec + 0.1})
+    mean, half, n = report_quality.paired_gain(shifted, base)
+    assert n == 12 and abs(mean - 0.1) < 1e-12 and half < 1e-12
+    # Unpaired, the same data carry an interval much wider than the paired one.
+    assert report_quality.at_skip(base)[1] > 0.01
+
+
+def test_core_questclt_is_the_centre_plus_the_root_of_the_squared_spreads(
+        rng: np.random.Generator) -> None:
+    kv, h, d, groups = 2, 4, 64, 12
+    tokens = groups * BLOCK
+    k = (rng.standard_normal((kv, tokens, d)) * rng.uniform(0.1, 5, d)).astype(np.float32)
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    s = core.Sequence(q_heads=h, kv_heads=kv, head_dim=d, group_blocks=1, sketch_dim=8,
+                      features=core.QUEST, max_tokens=tokens)
+    s.append(k)
+    got = s.scores("questclt", q)  # [h, groups]
+    blocks = k.reshape(kv, groups, BLOCK, d).astype(np.float64)
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)  # [kv, groups, d]
+    qk = q.astype(np.float64)[:, None, :]  # [h, 1, d], head i reads KV head i // (h // kv)
+    c, w = ((lo + hi) / 2)[np.arange(h) // (h // kv)], ((hi - lo) / 2)[np.arange(h) // (h // kv)]
+    want = (qk * c).sum(-1) + np.sqrt(((qk * w) ** 2).sum(-1))
+    # The record keeps min and max in binary16, rounded outward: a relative 2^-10 per channel.
+    tol = 2.0 ** -9 * (np.abs(qk) * (np.abs(lo) + np.abs(hi))[np.arange(h) // (h // kv)]).sum(-1)
+    assert np.all(np.abs(got - want) <= tol + 1e-4)
+    # Never above quest's bound, which it relaxes.
+    assert np.all(got <= s.scores("quest", q) + 1e-4)

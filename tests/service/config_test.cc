@@ -51,7 +51,7 @@ TEST(ConfigTest, ParsesTheMassBudgetFlags) {
 TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {
   EXPECT_EQ(ParseFlags({"--eps-methd=jl"}).status().message(), "unknown flag --eps-methd");
   EXPECT_EQ(ParseFlags({"--eps-method=best"}).status().message(),
-            "--eps-method=best: want off, jl, 1pc, fro or quest");
+            "--eps-method=best: want off, jl, 1pc, fro, quest or questclt");
   EXPECT_FALSE(ParseFlags({"--eps-alpha=0.5"}).ok());
   EXPECT_FALSE(ParseFlags({"--eps-dim=0"}).ok());
   EXPECT_FALSE(ParseFlags({"--eps-top-pages"}).ok());

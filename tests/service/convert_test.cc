@@ -95,6 +95,17 @@ TEST(ConvertTest, EffectiveOptionsRoundTrip) {
   EXPECT_EQ(back->granularity, Granularity::kPerKvHead);
 }
 
+TEST(ConvertTest, EveryMethodRoundTrips) {
+  for (Method m : {Method::kOff, Method::kJl, Method::kOnePc, Method::kFro, Method::kQuest,
+                   Method::kQuestClt}) {
+    SelectPolicy p;
+    p.method = m;
+    absl::StatusOr<SelectPolicy> back = MergeOptions(SelectPolicy{}, ToProto(p));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->method, m) << MethodName(m);
+  }
+}
+
 TEST(ConvertTest, MassBudgetOptionsRoundTrip) {
   SelectPolicy p;
   p.budget = Budget::kMass;

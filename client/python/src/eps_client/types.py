@@ -18,17 +18,17 @@ from eps_client.proto import page_selector_pb2 as pb
 
 StatusCode = grpc.StatusCode  # the canonical codes, as gRPC spells them
 
-Method = Literal["off", "jl", "1pc", "fro", "quest"]
+Method = Literal["off", "jl", "1pc", "fro", "quest", "questclt"]
 HeadMode = Literal["all", "retrieval"]
-Budget = Literal["threshold", "fixed", "top_p"]
+Budget = Literal["threshold", "fixed", "top_p", "mass"]
 Granularity = Literal["union", "per_kv_head"]
 Backend = Literal["auto", "cpu", "cuda"]
 
 _METHOD = {"off": pb.METHOD_OFF, "jl": pb.METHOD_JL, "1pc": pb.METHOD_1PC,
-           "fro": pb.METHOD_FRO, "quest": pb.METHOD_QUEST}
+           "fro": pb.METHOD_FRO, "quest": pb.METHOD_QUEST, "questclt": pb.METHOD_QUEST_CLT}
 _HEADS = {"all": pb.HEAD_MODE_ALL, "retrieval": pb.HEAD_MODE_RETRIEVAL}
 _BUDGET = {"threshold": pb.BUDGET_THRESHOLD, "fixed": pb.BUDGET_FIXED,
-           "top_p": pb.BUDGET_TOP_P}
+           "top_p": pb.BUDGET_TOP_P, "mass": pb.BUDGET_MASS}
 _GRANULARITY = {"union": pb.GRANULARITY_UNION, "per_kv_head": pb.GRANULARITY_PER_KV_HEAD}
 _BACKEND = {"auto": pb.BACKEND_UNSPECIFIED, "cpu": pb.BACKEND_CPU, "cuda": pb.BACKEND_CUDA}
 
@@ -67,6 +67,10 @@ class SelectOptions:
     budget: Budget | None = None
     top_p: float | None = None
     granularity: Granularity | None = None
+    mass_target: float | None = None  # budget "mass": p in (0, 1]
+    mass_temperature: float | None = None  # budget "mass": τ in (0, 1000]
+    min_pages: int | None = None  # budget "mass": floor per head
+    max_pages: int | None = None  # budget "mass": ceiling per head, 0 = none
 
     def to_proto(self) -> pb.SelectOptions:
         out = pb.SelectOptions(method=_pick(_METHOD, "method", self.method),  # type: ignore[arg-type]
@@ -75,7 +79,8 @@ class SelectOptions:
                                granularity=_pick(_GRANULARITY, "granularity",  # type: ignore[arg-type]
                                                  self.granularity),
                                retrieval_heads=self.retrieval_heads)
-        for name in ("alpha", "first_n", "last_n", "top_pages", "strict", "top_p"):
+        for name in ("alpha", "first_n", "last_n", "top_pages", "strict", "top_p", "mass_target",
+                     "mass_temperature", "min_pages", "max_pages"):
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, value)
@@ -97,7 +102,10 @@ class SelectOptions:
             retrieval_heads=bytes(message.retrieval_heads),
             budget=name_of(_BUDGET, message.budget),  # type: ignore[arg-type]
             top_p=opt("top_p"),  # type: ignore[arg-type]
-            granularity=name_of(_GRANULARITY, message.granularity))  # type: ignore[arg-type]
+            granularity=name_of(_GRANULARITY, message.granularity),  # type: ignore[arg-type]
+            mass_target=opt("mass_target"),  # type: ignore[arg-type]
+            mass_temperature=opt("mass_temperature"),  # type: ignore[arg-type]
+            min_pages=opt("min_pages"), max_pages=opt("max_pages"))  # type: ignore[arg-type]
 
 
 def backend_proto(backend: Backend) -> int:

@@ -26,6 +26,7 @@ class Method(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     METHOD_1PC: _ClassVar[Method]
     METHOD_FRO: _ClassVar[Method]
     METHOD_QUEST: _ClassVar[Method]
+    METHOD_QUEST_CLT: _ClassVar[Method]
 
 class HeadMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ METHOD_JL: Method
 METHOD_1PC: Method
 METHOD_FRO: Method
 METHOD_QUEST: Method
+METHOD_QUEST_CLT: Method
 HEAD_MODE_UNSPECIFIED: HeadMode
 HEAD_MODE_ALL: HeadMode
 HEAD_MODE_RETRIEVAL: HeadMode
