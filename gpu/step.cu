@@ -337,12 +337,15 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // device's (it keeps the block's scores and the cut's histograms besides
   // the scoring's).
   const size_t fused_shared = launch.score_shared + sizeof(float) * FusedSharedWords(m.gqa_ratio());
+  // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
+  const void* fused_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);
   if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
-      max_n <= kScoreThreads && fused_shared <= static_cast<size_t>(g.max_shared)) {
+      fused_kernel != nullptr && max_n <= kScoreThreads &&
+      fused_shared <= static_cast<size_t>(g.max_shared)) {
     launch.fused_selection = true;
     launch.fused = {g.fused_masks.get(), g.fused_arrivals.get(),
                     g.fused_arrivals.get() + g.max_batch * m.num_layers};
-    launch.score_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);
+    launch.score_kernel = fused_kernel;
     launch.score_shared = fused_shared;
     launch.score.scores = nullptr;  // written by no one
     launch.select = {in.block_table, g.rows.get(),         scored,          nullptr,
