@@ -64,11 +64,16 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
                                            ? 2
                                            : 1;
 
-// kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
-// the other methods take kHeadBatch per pass.
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
-__global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
-    ScoreKernel(Shape s, ScoreArgs a) {
+// One scoring block's work (ScoreKernel, and the fused selection of
+// gpu/fused_select.cuh): kFused keeps the block's scores in shared memory,
+// head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
+// writing them to a.scores; the same bits either way. A thread without a
+// group (or with a bad slot) writes none. Returns early, so the caller syncs
+// the block before reading the scores.
+template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused>
+__device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
+                                            float* fused_scores) {
+  static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
   // quest and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
   // nothing to score.
@@ -82,7 +87,6 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, k
   static_assert(kBatch <= kHeadBatch, "HeadSums holds kHeadBatch heads");
   // q in shared memory: the per-channel sums of quest (its sign-split copy), 1pc, strict.
   constexpr bool kQueries = kWarpSums || kMethod == Method::kOnePc;
-  extern __shared__ float shared[];
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
@@ -200,13 +204,26 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, k
         } else {
           const float score =
               Score<kMethod, kM>(rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
-          a.scores[out] = score;
+          if constexpr (kFused) {
+            fused_scores[r * kScoreThreads + threadIdx.x] = score;
+          } else {
+            a.scores[out] = score;
+          }
           bad = isnan(score) || score == INFINITY;
         }
         if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
       }
     }
   }
+}
+
+// kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
+// the other methods take kHeadBatch per pass.
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
+__global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
+    ScoreKernel(Shape s, ScoreArgs a) {
+  extern __shared__ float shared[];
+  ScoreGroups<kMethod, kM, kStrict, kHeads, false>(s, a, shared, nullptr);
 }
 
 }  // namespace eps::gpu::kernels

@@ -9,6 +9,7 @@
 #include "core/select.h"
 #include "gpu/mass_select.cuh"
 #include "gpu/step_shape.cuh"
+#include "gpu/visit_compaction.cuh"
 #include "gpu/warp_select.cuh"
 
 namespace eps::gpu::kernels {
@@ -71,7 +72,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   const int heads_per_list = s.q_heads / s.lists, first_head = list * heads_per_list;
   const int64_t tokens = a.rows[row].context_tokens;
-  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
   const int64_t head_base = (int64_t{row} * s.layers + layer) * s.q_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -242,66 +242,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();
   }
 
-  // 3. Compaction. Per-group output offsets by a block-wide scan over contiguous
-  // chunks, then one thread per output element: it finds its group by binary
-  // search over the offsets, so block-table reads and visit-list writes are
-  // coalesced across the warp.
-  const int chunk = (n + blockDim.x - 1) / blockDim.x;
-  const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
-  auto blocks_of = [&](int p) {
-    return static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) -
-                                 int64_t{p} * s.group_blocks);
-  };
-  unsigned mine = 0, groups = 0;
-  for (int p = begin; p < end; ++p) {
-    if (visit[p]) {
-      mine += blocks_of(p);
-      ++groups;
-    }
-  }
-  counts[threadIdx.x] = mine;
-  __syncthreads();
-  for (int stride = 1; stride < blockDim.x; stride *= 2) {  // inclusive scan
-    const unsigned add = threadIdx.x >= stride ? counts[threadIdx.x - stride] : 0;
-    __syncthreads();
-    counts[threadIdx.x] += add;
-    __syncthreads();
-  }
-  unsigned at = counts[threadIdx.x] - mine;
-  for (int p = begin; p < end; ++p) {
-    offset[p] = at;
-    if (visit[p]) at += blocks_of(p);
-  }
-  __syncthreads();
-  const unsigned total = counts[blockDim.x - 1];
-  const int64_t table_row = a.rows[row].table_row;
-  const int64_t out = list_index * s.max_blocks;
-  for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
-    int lo = 0, hi = n;  // first group whose offset exceeds o
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (offset[mid] <= o) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    const int p = lo - 1;  // visited: an empty group's offset equals the next one's
-    a.visit_blocks[out + o] =
-        a.block_table[table_row * s.max_blocks + int64_t{p} * s.group_blocks + (o - offset[p])];
-  }
-  // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
-  DeviceStats* stats = &a.report->stats;
-  const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
-  if (lane == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
-  if (threadIdx.x == blockDim.x - 1) {
-    a.visit_count[list_index] = static_cast<int32_t>(total);
-    atomicAdd(&stats->blocks_visited, total);
-    const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
-    atomicAdd(&stats->visited_tokens,
-              static_cast<unsigned long long>(
-                  total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
-  }
+  // 3. Compaction into the list's place in the outputs, and the statistics.
+  CompactVisitList(s, n, tokens, visit, offset, counts, a.block_table, a.rows + row,
+                   a.visit_blocks + list_index * s.max_blocks, a.visit_count + list_index,
+                   &a.report->stats);
 }
 
 }  // namespace eps::gpu::kernels

@@ -16,10 +16,12 @@
 #include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
+#include "gpu/fused_select.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
 #include "gpu/step.h"
+#include "gpu/step_kernels.cuh"
 #include "gpu/step_launch.cuh"
 #include "gpu/stream_ops.h"
 #include "gpu/terms_kernel.cuh"
@@ -28,120 +30,6 @@ namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
 
 namespace {
-
-// Every kernel the step may launch, so Create can load them all up front.
-template <Budget kBudget, bool kStrict, int kWarps>
-const void* SelectKernelOf() {
-  return reinterpret_cast<const void*>(&SelectKernel<kBudget, kStrict, kWarps>);
-}
-const void* const kSelectKernels[] = {
-    SelectKernelOf<Budget::kThreshold, false, 8>(), SelectKernelOf<Budget::kThreshold, false, 32>(),
-    SelectKernelOf<Budget::kThreshold, true, 8>(),  SelectKernelOf<Budget::kThreshold, true, 32>(),
-    SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
-    SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
-
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
-const void* ScoreKernelOf() {
-  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads>);
-}
-const void* const kScoreKernels[] = {
-    ScoreKernelOf<Method::kJl, 4, false>(),       ScoreKernelOf<Method::kJl, 8, false>(),
-    ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
-    ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
-    ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
-    ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
-    ScoreKernelOf<Method::kOff, 0, true, 8>()};
-
-template <int kM>
-const void* TermsKernelOf() {
-  return reinterpret_cast<const void*>(&TermsKernel<kM>);
-}
-const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(), TermsKernelOf<4>(),
-                                     TermsKernelOf<8>(), TermsKernelOf<16>()};
-
-// The terms kernel: ‖q‖ only unless jl scores, and for jl Φᵀq with m known
-// where it is one of the common sketch sizes.
-const void* TermsKernelFor(Method method, int m, bool strict) {
-  if (method != Method::kJl || strict) return TermsKernelOf<-1>();
-  switch (m) {
-    case 4:
-      return TermsKernelOf<4>();
-    case 8:
-      return TermsKernelOf<8>();
-    case 16:
-      return TermsKernelOf<16>();
-    default:
-      return TermsKernelOf<0>();
-  }
-}
-
-// jl with m of 4, 8 or 16 stages its records in shared memory (score_kernel.cuh)
-// when they fit beside the query terms; any other m, or a model whose terms
-// leave no room, takes the generic kernel, which reads each record itself.
-bool StagesRecords(Method method, int m, bool strict) {
-  return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
-}
-
-// The scoring kernel for a step: keyed by the core Method (and m for jl's
-// register-resident Gram of staged records); strict mode scores brackets
-// whatever the method. quest and strict read their sums for 4 query heads per
-// pass of the warp when a KV head has at most 4 (more records per pass), else 8.
-const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged) {
-  const bool four = ratio <= 4;
-  if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
-  if (strict) {
-    return four ? ScoreKernelOf<Method::kOff, 0, true, 4>()
-                : ScoreKernelOf<Method::kOff, 0, true, 8>();
-  }
-  switch (method) {
-    case Method::kJl:
-      if (!staged) return ScoreKernelOf<Method::kJl, 0, false>();
-      switch (m) {  // the common sketch sizes keep the Gram in registers
-        case 4:
-          return ScoreKernelOf<Method::kJl, 4, false>();
-        case 8:
-          return ScoreKernelOf<Method::kJl, 8, false>();
-        case 16:
-          return ScoreKernelOf<Method::kJl, 16, false>();
-        default:
-          return ScoreKernelOf<Method::kJl, 0, false>();
-      }
-    case Method::kOnePc:
-      return ScoreKernelOf<Method::kOnePc, 0, false>();
-    case Method::kFro:
-      return ScoreKernelOf<Method::kFro, 0, false>();
-    case Method::kQuest:
-      return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
-                  : ScoreKernelOf<Method::kQuest, 0, false, 8>();
-    case Method::kOff:
-    case Method::kQuestClt:  // refused by Enqueue
-      break;
-  }
-  return ScoreKernelOf<Method::kOff, 0, false>();
-}
-
-// The selection kernel and its warps per block: a warp per head for lists of
-// more than 8 heads (up to 32), else 8 warps.
-std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int heads_per_list) {
-  const bool wide = heads_per_list > 8;
-  switch (budget) {
-    case Budget::kThreshold:
-      if (strict) {
-        return wide ? std::pair{SelectKernelOf<Budget::kThreshold, true, 32>(), 32}
-                    : std::pair{SelectKernelOf<Budget::kThreshold, true, 8>(), 8};
-      }
-      return wide ? std::pair{SelectKernelOf<Budget::kThreshold, false, 32>(), 32}
-                  : std::pair{SelectKernelOf<Budget::kThreshold, false, 8>(), 8};
-    case Budget::kFixed:
-      return wide ? std::pair{SelectKernelOf<Budget::kFixed, false, 32>(), 32}
-                  : std::pair{SelectKernelOf<Budget::kFixed, false, 8>(), 8};
-    case Budget::kTopP:
-      break;
-    case Budget::kMass:
-      return {SelectKernelOf<Budget::kMass, false, 8>(), 8};
-  }
-  return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
-}
 
 // Dynamic shared memory of the scoring and selection kernels (score_kernel.cuh
 // and select_kernel.cuh lay them out; terms_kernel.cuh has its own).
@@ -169,7 +57,11 @@ struct GpuSelector::Impl {
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
   DeviceBuffer<StepReport> reports;  // two, alternating by step (step_shape.cuh)
-  uint64_t sequence = 0;             // steps launched: picks this step's report
+  // The fused selection's scratch (fused_select.cuh), zero between steps:
+  // union masks [max_batch, layers, kFusedMaskWords]; arrivals [max_batch,
+  // layers] and the step's count of finished (row, layer)s after them.
+  DeviceBuffer<unsigned> fused_masks, fused_arrivals;
+  uint64_t sequence = 0;  // steps launched: picks this step's report
   GpuSelectorOptions options;
   CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
@@ -184,7 +76,8 @@ struct GpuSelector::Impl {
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
   int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
-  bool per_head = false;  // per-KV-head lists: each reads one KV head's K and V
+  bool per_head = false;    // per-KV-head lists: each reads one KV head's K and V
+  bool last_fused = false;  // the last step queued fused its selection
 
   ~Impl() {
     // Sessions end on any thread (the lease reaper's device is 0): free on ours.
@@ -220,7 +113,8 @@ absl::Status LoadKernels(int device) {
   RETURN_IF_ERROR(PreloadStreamOps());
   for (const auto& kernels :
        {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
-        std::span<const void* const>(kSelectKernels)}) {
+        std::span<const void* const>(kSelectKernels),
+        std::span<const void* const>(kFusedKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -288,6 +182,13 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
+  const int64_t row_layers = max_batch * model.num_layers;
+  RETURN_IF_CUDA_ALLOC(impl->fused_masks, row_layers * kFusedMaskWords);
+  RETURN_IF_CUDA_ALLOC(impl->fused_arrivals, row_layers + 1);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemset(impl->fused_masks.get(), 0, row_layers * kFusedMaskWords * sizeof(unsigned)));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemset(impl->fused_arrivals.get(), 0, (row_layers + 1) * sizeof(unsigned)));
   RETURN_IF_ERROR(LoadKernels(device));
   GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
                                                    model.num_kv_heads, static_cast<int>(per_matrix),
@@ -310,6 +211,7 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
 
 bool GpuSelector::pending() const { return impl_->pending; }
 uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }
+bool GpuSelector::last_step_fused() const { return impl_->last_fused; }
 
 absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& policy,
                                   const StepOutputs& out, const StepFence& fence) {
@@ -328,6 +230,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());
   if (batch == 0) {
+    g.last_fused = false;
     if (fence.selection_done != nullptr) {
       CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
       if (fence.inputs_ready != nullptr) {
@@ -429,8 +332,28 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,
                    next_report,    fence.selection_done, fence.step};
+  // Or fused into scoring (fused_select.cuh): the threshold budget, not strict,
+  // every row within one scoring block, and its shared memory within the
+  // device's (it keeps the block's scores and the cut's histograms besides
+  // the scoring's).
+  const size_t fused_shared = launch.score_shared + sizeof(float) * FusedSharedWords(m.gqa_ratio());
+  // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
+  const void* fused_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);
+  if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
+      fused_kernel != nullptr && max_n <= kScoreThreads &&
+      fused_shared <= static_cast<size_t>(g.max_shared)) {
+    launch.fused_selection = true;
+    launch.fused = {g.fused_masks.get(), g.fused_arrivals.get(),
+                    g.fused_arrivals.get() + g.max_batch * m.num_layers};
+    launch.score_kernel = fused_kernel;
+    launch.score_shared = fused_shared;
+    launch.score.scores = nullptr;  // written by no one
+    launch.select = {in.block_table, g.rows.get(),         scored,          nullptr,
+                     nullptr,        out.visit_blocks,     out.visit_count, report,
+                     next_report,    fence.selection_done, fence.step};
+  }
   const auto [select_kernel, warps] = SelectKernelFor(policy.budget, strict, m.num_q_heads / lists);
-  launch.select_kernel = select_kernel;
+  launch.select_kernel = launch.fused_selection ? nullptr : select_kernel;
   launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
   launch.select_block = dim3(32 * warps);
   launch.select_shared = SelectSharedBytes(in.max_groups);
@@ -478,6 +401,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   g.pending_rows.assign(in.rows.begin(), in.rows.end());
   g.scored_kv_heads_total = scored_kv_heads_total;
   g.per_head = per_head;
+  g.last_fused = launch.fused_selection;
   g.row_groups = row_groups;
   g.pending_num_slots = in.num_slots;
   g.pending_physical_blocks = in.num_physical_blocks;

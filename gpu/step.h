@@ -22,6 +22,15 @@
 //                  best ranks; forced groups; the union over the list's heads;
 //                  compaction into visit_blocks / visit_count; the statistics
 //
+// The default policy's selection is fused into scoring (gpu/fused_select.cuh)
+// when it can be: threshold budget, not strict, a method that scores, union or
+// per-KV-head lists, every row within one scoring block (at most 256 groups:
+// 32k tokens at g = 8). Each scoring block keeps its heads' scores in shared
+// memory and cuts them there; the union is ORed into a per-(row, layer) mask
+// that the (row, layer)'s last block compacts. Same scores and cuts as the
+// three kernels, so the same lists and statistics; no score reaches global
+// memory, and no selection kernel waits for the whole scoring grid.
+//
 // The policies of core/select.h: threshold, fixed, top-p and mass budgets,
 // strict mode, heads all|retrieval, union and per-KV-head output, every method.
 // Lists equal core/'s except for groups whose score sits within float rounding
@@ -31,6 +40,9 @@
 // one, or a NaN/Inf score, fails the step with INVALID_ARGUMENT and leaves the
 // outputs unwritten (their counts become -1, "attend densely", when a step fence
 // is given, since the engine's stream proceeds on selection_done regardless).
+// With the selection fused, a list may be written before another block fails,
+// so a failed step's counts all become -1, fence or not (visit_blocks partly
+// written).
 //
 // Cross-process ordering (docs/design.md §5): with a StepFence the selector's stream
 // first waits until inputs_ready >= step (the engine's stream wrote its
@@ -60,6 +72,9 @@ struct GpuSelectorOptions {
   // step); a step whose shapes, buffers or policy change is captured anew
   // (the last 8 are kept). false: launch the kernels one by one.
   bool graphs = true;
+  // Fuse the selection into scoring where the policy and shapes allow (above).
+  // false: always the separate selection kernel (tests compare the two).
+  bool fuse_selection = true;
 };
 
 class GpuSelector {
@@ -99,6 +114,9 @@ class GpuSelector {
   absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
   bool pending() const;
   uint64_t pending_step() const;
+  // Whether the last step queued ran its selection fused into scoring
+  // (gpu/fused_select.cuh), for tests and benchmarks.
+  bool last_step_fused() const;
 
  private:
   struct Impl;

@@ -1,5 +1,6 @@
-// One step's launch of the pre-pass (gpu/step.h): the three kernels with all
-// their parameters, launched one by one or replayed as a captured CUDA graph.
+// One step's launch of the pre-pass (gpu/step.h): the three kernels (or two,
+// with the selection fused into scoring: gpu/fused_select.cuh) with all their
+// parameters, launched one by one or replayed as a captured CUDA graph.
 // Included by gpu/step.cu only.
 #pragma once
 
@@ -15,21 +16,25 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
+#include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
 #include "gpu/terms_kernel.cuh"
 
 namespace eps::gpu {
 
-// The three kernels of one step (query terms, scoring, selection) with every
-// parameter, launched one by one or captured as a graph. Built zeroed
-// (padding included), so its bytes are a key.
+// The kernels of one step (query terms, scoring, selection; or query terms,
+// then scoring with the selection fused) with every parameter, launched one by
+// one or captured as a graph. Built zeroed (padding included), so its bytes
+// are a key.
 struct StepLaunch {
   kernels::Shape shape;
   kernels::SelectRule rule;
   kernels::TermsArgs terms;
   kernels::ScoreArgs score;
-  kernels::SelectArgs select;
+  kernels::SelectArgs select;  // the fused kernel's too
+  kernels::FusedArgs fused;
+  bool fused_selection;  // score_kernel is a FusedSelectKernel; no selection kernel
   const void* terms_kernel;
   dim3 terms_grid;
   size_t terms_shared;
@@ -47,6 +52,7 @@ struct StepLaunch {
     // Scoring may start while the terms kernel runs (terms_kernel.cuh,
     // LetScoringStart); in a captured graph this is a programmatic edge.
     void* score_params[] = {&shape, &score};
+    void* fused_params[] = {&shape, &score, &rule, &select, &fused};
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -57,14 +63,34 @@ struct StepLaunch {
     config.stream = stream;
     config.attrs = &overlap;
     config.numAttrs = 1;
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernelExC(&config, score_kernel, score_params));
+    CUDA_RETURN_IF_ERROR(
+        cudaLaunchKernelExC(&config, score_kernel, fused_selection ? fused_params : score_params));
+    if (fused_selection) return absl::OkStatus();
     void* select_params[] = {&shape, &rule, &select};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
                                           select_shared, stream));
     return absl::OkStatus();
   }
 
-  cudaKernelNodeParams SelectNode(void** params) {
+  // The kernel whose parameters carry the step number (SelectArgs::step).
+  const void* StepKernel() const { return fused_selection ? score_kernel : select_kernel; }
+
+  // That kernel's node parameters; `params` has room for 5.
+  cudaKernelNodeParams StepNode(void** params) {
+    if (fused_selection) {
+      params[0] = &shape;
+      params[1] = &score;
+      params[2] = &rule;
+      params[3] = &select;
+      params[4] = &fused;
+      cudaKernelNodeParams node{};
+      node.func = const_cast<void*>(score_kernel);
+      node.gridDim = score_grid;
+      node.blockDim = dim3(kernels::kScoreThreads);
+      node.sharedMemBytes = static_cast<unsigned>(score_shared);
+      node.kernelParams = params;
+      return node;
+    }
     params[0] = &shape;
     params[1] = &rule;
     params[2] = &select;
@@ -87,8 +113,8 @@ struct StepLaunch {
 };
 
 // The graphs of recent steps, most recent first: a step whose launch equals a
-// cached one's apart from the step number replays it, with the selection
-// node given this step's number; any other step is captured anew (up to
+// cached one's apart from the step number replays it, with the selection (or
+// fused) node given this step's number; any other step is captured anew (up to
 // kCapacity are kept). Thread safety: one caller at a time, as GpuSelector.
 class CapturedSteps {
  public:
@@ -111,7 +137,7 @@ class CapturedSteps {
       const cudaError_t ended = cudaStreamEndCapture(stream, &c.graph);
       RETURN_IF_ERROR(launched);
       CUDA_RETURN_IF_ERROR(ended);
-      if (absl::Status found = FindSelectNode(c.graph, launch.select_kernel, &c.select);
+      if (absl::Status found = FindStepNode(c.graph, launch.StepKernel(), &c.step_node);
           !found.ok()) {
         Destroy(c);
         return found;
@@ -130,9 +156,9 @@ class CapturedSteps {
       std::rotate(steps_.begin(), it, it + 1);  // most recent first
     }
     Captured& c = steps_.front();
-    void* params[3];
-    const cudaKernelNodeParams node = launch.SelectNode(params);
-    CUDA_RETURN_IF_ERROR(cudaGraphExecKernelNodeSetParams(c.exec, c.select, &node));
+    void* params[5];
+    const cudaKernelNodeParams node = launch.StepNode(params);
+    CUDA_RETURN_IF_ERROR(cudaGraphExecKernelNodeSetParams(c.exec, c.step_node, &node));
     CUDA_RETURN_IF_ERROR(cudaGraphLaunch(c.exec, stream));
     return absl::OkStatus();
   }
@@ -143,7 +169,7 @@ class CapturedSteps {
     std::string key;  // the launch's bytes, step number zeroed
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    cudaGraphNode_t select = nullptr;  // its parameters carry the step number
+    cudaGraphNode_t step_node = nullptr;  // its parameters carry the step number
   };
 
   static void Destroy(Captured& c) {
@@ -153,8 +179,8 @@ class CapturedSteps {
     c.graph = nullptr;
   }
 
-  static absl::Status FindSelectNode(cudaGraph_t graph, const void* kernel,
-                                     cudaGraphNode_t* select) {
+  static absl::Status FindStepNode(cudaGraph_t graph, const void* kernel,
+                                   cudaGraphNode_t* step_node) {
     size_t count = 0;
     CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &count));
     std::vector<cudaGraphNode_t> nodes(count);
@@ -166,11 +192,11 @@ class CapturedSteps {
       cudaKernelNodeParams params{};
       CUDA_RETURN_IF_ERROR(cudaGraphKernelNodeGetParams(node, &params));
       if (params.func == kernel) {
-        *select = node;
+        *step_node = node;
         return absl::OkStatus();
       }
     }
-    return absl::InternalError("the captured step has no selection kernel node");
+    return absl::InternalError("the captured step has no selection (or fused) kernel node");
   }
 
   std::vector<Captured> steps_;

@@ -1,0 +1,173 @@
+// Which kernels a step of the GPU pre-pass launches (gpu/step.h), keyed by the
+// core Method, Budget and strict mode, and the list of every kernel a step may
+// launch, so the selector can load them all up front. Included by gpu/step.cu
+// only.
+#pragma once
+
+#include <utility>
+
+#include "core/bounds.h"
+#include "core/select.h"
+#include "gpu/fused_select.cuh"
+#include "gpu/score_kernel.cuh"
+#include "gpu/select_kernel.cuh"
+#include "gpu/terms_kernel.cuh"
+
+namespace eps::gpu::kernels {
+
+// Every kernel the step may launch, so Create can load them all up front.
+template <Budget kBudget, bool kStrict, int kWarps>
+const void* SelectKernelOf() {
+  return reinterpret_cast<const void*>(&SelectKernel<kBudget, kStrict, kWarps>);
+}
+inline const void* const kSelectKernels[] = {
+    SelectKernelOf<Budget::kThreshold, false, 8>(), SelectKernelOf<Budget::kThreshold, false, 32>(),
+    SelectKernelOf<Budget::kThreshold, true, 8>(),  SelectKernelOf<Budget::kThreshold, true, 32>(),
+    SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
+    SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
+
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
+const void* ScoreKernelOf() {
+  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads>);
+}
+inline const void* const kScoreKernels[] = {
+    ScoreKernelOf<Method::kJl, 4, false>(),       ScoreKernelOf<Method::kJl, 8, false>(),
+    ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
+    ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
+    ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
+    ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
+    ScoreKernelOf<Method::kOff, 0, true, 8>()};
+
+template <Method kMethod, int kM, int kHeads = kHeadBatch>
+const void* FusedKernelOf() {
+  return reinterpret_cast<const void*>(&FusedSelectKernel<kMethod, kM, kHeads>);
+}
+inline const void* const kFusedKernels[] = {
+    FusedKernelOf<Method::kJl, 4>(),       FusedKernelOf<Method::kJl, 8>(),
+    FusedKernelOf<Method::kJl, 16>(),      FusedKernelOf<Method::kJl, 0>(),
+    FusedKernelOf<Method::kOnePc, 0>(),    FusedKernelOf<Method::kFro, 0>(),
+    FusedKernelOf<Method::kQuest, 0, 4>(), FusedKernelOf<Method::kQuest, 0, 8>()};
+
+template <int kM>
+const void* TermsKernelOf() {
+  return reinterpret_cast<const void*>(&TermsKernel<kM>);
+}
+inline const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(),
+                                            TermsKernelOf<4>(), TermsKernelOf<8>(),
+                                            TermsKernelOf<16>()};
+
+// The terms kernel: ‖q‖ only unless jl scores, and for jl Φᵀq with m known
+// where it is one of the common sketch sizes.
+inline const void* TermsKernelFor(Method method, int m, bool strict) {
+  if (method != Method::kJl || strict) return TermsKernelOf<-1>();
+  switch (m) {
+    case 4:
+      return TermsKernelOf<4>();
+    case 8:
+      return TermsKernelOf<8>();
+    case 16:
+      return TermsKernelOf<16>();
+    default:
+      return TermsKernelOf<0>();
+  }
+}
+
+// jl with m of 4, 8 or 16 stages its records in shared memory (score_kernel.cuh)
+// when they fit beside the query terms; any other m, or a model whose terms
+// leave no room, takes the generic kernel, which reads each record itself.
+inline bool StagesRecords(Method method, int m, bool strict) {
+  return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
+}
+
+// The scoring kernel for a step: keyed by the core Method (and m for jl's
+// register-resident Gram of staged records); strict mode scores brackets
+// whatever the method. quest and strict read their sums for 4 query heads per
+// pass of the warp when a KV head has at most 4 (more records per pass), else 8.
+inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged) {
+  const bool four = ratio <= 4;
+  if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
+  if (strict) {
+    return four ? ScoreKernelOf<Method::kOff, 0, true, 4>()
+                : ScoreKernelOf<Method::kOff, 0, true, 8>();
+  }
+  switch (method) {
+    case Method::kJl:
+      if (!staged) return ScoreKernelOf<Method::kJl, 0, false>();
+      switch (m) {  // the common sketch sizes keep the Gram in registers
+        case 4:
+          return ScoreKernelOf<Method::kJl, 4, false>();
+        case 8:
+          return ScoreKernelOf<Method::kJl, 8, false>();
+        case 16:
+          return ScoreKernelOf<Method::kJl, 16, false>();
+        default:
+          return ScoreKernelOf<Method::kJl, 0, false>();
+      }
+    case Method::kOnePc:
+      return ScoreKernelOf<Method::kOnePc, 0, false>();
+    case Method::kFro:
+      return ScoreKernelOf<Method::kFro, 0, false>();
+    case Method::kQuest:
+      return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
+                  : ScoreKernelOf<Method::kQuest, 0, false, 8>();
+    case Method::kOff:
+    case Method::kQuestClt:  // refused by Enqueue
+      break;
+  }
+  return ScoreKernelOf<Method::kOff, 0, false>();
+}
+
+// The fused scoring-and-selection kernel (fused_select.cuh) for a method that
+// scores, chosen as ScoreKernelFor chooses.
+inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged) {
+  const bool four = ratio <= 4;
+  switch (method) {
+    case Method::kJl:
+      if (!staged) return FusedKernelOf<Method::kJl, 0>();
+      switch (m) {
+        case 4:
+          return FusedKernelOf<Method::kJl, 4>();
+        case 8:
+          return FusedKernelOf<Method::kJl, 8>();
+        case 16:
+          return FusedKernelOf<Method::kJl, 16>();
+        default:
+          return FusedKernelOf<Method::kJl, 0>();
+      }
+    case Method::kOnePc:
+      return FusedKernelOf<Method::kOnePc, 0>();
+    case Method::kFro:
+      return FusedKernelOf<Method::kFro, 0>();
+    case Method::kQuest:
+      return four ? FusedKernelOf<Method::kQuest, 0, 4>() : FusedKernelOf<Method::kQuest, 0, 8>();
+    case Method::kOff:
+    case Method::kQuestClt:  // refused by Enqueue
+      break;
+  }
+  return nullptr;
+}
+
+// The selection kernel and its warps per block: a warp per head for lists of
+// more than 8 heads (up to 32), else 8 warps.
+inline std::pair<const void*, int> SelectKernelFor(Budget budget, bool strict, int heads_per_list) {
+  const bool wide = heads_per_list > 8;
+  switch (budget) {
+    case Budget::kThreshold:
+      if (strict) {
+        return wide ? std::pair{SelectKernelOf<Budget::kThreshold, true, 32>(), 32}
+                    : std::pair{SelectKernelOf<Budget::kThreshold, true, 8>(), 8};
+      }
+      return wide ? std::pair{SelectKernelOf<Budget::kThreshold, false, 32>(), 32}
+                  : std::pair{SelectKernelOf<Budget::kThreshold, false, 8>(), 8};
+    case Budget::kFixed:
+      return wide ? std::pair{SelectKernelOf<Budget::kFixed, false, 32>(), 32}
+                  : std::pair{SelectKernelOf<Budget::kFixed, false, 8>(), 8};
+    case Budget::kTopP:
+      break;
+    case Budget::kMass:
+      return {SelectKernelOf<Budget::kMass, false, 8>(), 8};
+  }
+  return {SelectKernelOf<Budget::kTopP, false, 8>(), 8};
+}
+
+}  // namespace eps::gpu::kernels

@@ -1,0 +1,87 @@
+// The last stage of every selection on the GPU (gpu/select_kernel.cuh and
+// gpu/fused_select.cuh): one list's visit flags become its blocks in
+// visit_blocks and its count in visit_count, and the list's statistics are
+// added to the step's report. One contract, so the two paths' lists and
+// statistics are the same by construction.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gpu/step_shape.cuh"
+
+namespace eps::gpu::kernels {
+
+// Every thread of the block calls it. Per-group output offsets by a block-wide
+// scan over contiguous chunks, then one thread per output element: it finds
+// its group by binary search over the offsets, so block-table reads and
+// visit-list writes are coalesced across the warp.
+//
+// visit [n] flags and offset [n] words in shared memory, counts [blockDim.x]
+// words in shared memory; list_out [max_blocks] and *count_out: the list's
+// place in the outputs. The row's table row is read only after the scan, as a
+// register held across it spills in the 1024-thread selection kernel.
+__device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t tokens,
+                                                 const unsigned char* visit, unsigned* offset,
+                                                 unsigned* counts, const int32_t* block_table,
+                                                 const DeviceRow* row, int32_t* list_out,
+                                                 int32_t* count_out, DeviceStats* stats) {
+  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int lane = threadIdx.x % 32;
+  const int chunk = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
+  auto blocks_of = [&](int p) {
+    return static_cast<unsigned>(min(nb, int64_t{p + 1} * s.group_blocks) -
+                                 int64_t{p} * s.group_blocks);
+  };
+  unsigned mine = 0, groups = 0;
+  for (int p = begin; p < end; ++p) {
+    if (visit[p]) {
+      mine += blocks_of(p);
+      ++groups;
+    }
+  }
+  counts[threadIdx.x] = mine;
+  __syncthreads();
+  for (int stride = 1; stride < blockDim.x; stride *= 2) {  // inclusive scan
+    const unsigned add = threadIdx.x >= stride ? counts[threadIdx.x - stride] : 0;
+    __syncthreads();
+    counts[threadIdx.x] += add;
+    __syncthreads();
+  }
+  unsigned at = counts[threadIdx.x] - mine;
+  for (int p = begin; p < end; ++p) {
+    offset[p] = at;
+    if (visit[p]) at += blocks_of(p);
+  }
+  __syncthreads();
+  const unsigned total = counts[blockDim.x - 1];
+  const int32_t* block_row = block_table + row->table_row * s.max_blocks;
+  for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
+    int lo = 0, hi = n;  // first group whose offset exceeds o
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (offset[mid] <= o) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const int p = lo - 1;  // visited: an empty group's offset equals the next one's
+    list_out[o] = block_row[int64_t{p} * s.group_blocks + (o - offset[p])];
+  }
+  // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
+  const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
+  if (lane == 0 && warp_groups > 0) atomicAdd(&stats->groups_visited, warp_groups);
+  if (threadIdx.x == blockDim.x - 1) {
+    *count_out = static_cast<int32_t>(total);
+    atomicAdd(&stats->blocks_visited, total);
+    const int64_t last = tokens - (tokens - 1) / s.block_size * s.block_size;
+    atomicAdd(&stats->visited_tokens,
+              static_cast<unsigned long long>(
+                  total == 0 ? 0 : (int64_t{total} - 1) * s.block_size + last));
+  }
+}
+
+}  // namespace eps::gpu::kernels
