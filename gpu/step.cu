@@ -49,8 +49,8 @@ const void* const kScoreKernels[] = {
     ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
     ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
     ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
-    ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
-    ScoreKernelOf<Method::kOff, 0, true, 8>()};
+    ScoreKernelOf<Method::kQuestClt, 0, false>(), ScoreKernelOf<Method::kOff, 0, false>(),
+    ScoreKernelOf<Method::kOff, 0, true, 4>(),    ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
 template <int kM>
 const void* TermsKernelOf() {
@@ -113,8 +113,9 @@ const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool st
     case Method::kQuest:
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
+    case Method::kQuestClt:
+      return ScoreKernelOf<Method::kQuestClt, 0, false>();
     case Method::kOff:
-    case Method::kQuestClt:  // refused by Enqueue
       break;
   }
   return ScoreKernelOf<Method::kOff, 0, false>();
@@ -320,10 +321,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
-  if (policy.method == Method::kQuestClt) {
-    return absl::UnimplementedError(
-        "method=questclt runs on the cpu backend; the GPU pre-pass scores jl, 1pc, fro and quest");
-  }
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
   const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());
