@@ -68,6 +68,15 @@ ESTIMATOR_PLAN = QualityPlan(
     c2f_scorers=("quest8", "questclt0.5", "questclt1", "questclt2", "questblend0.5", "questlgn"))
 
 
+# The mass budget scored by epsd's questclt against quest's bound: lag 1, the threshold
+# budget beside it for the best fixed budget, no c2f (what that comparison needs).
+MASS_PLAN = QualityPlan(
+    group_blocks=(1, 2, 8), lags=(1,), mass_methods=("quest", "questclt", "oracle_mass"),
+    mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
+    methods=("quest", "questclt"), c2f_scorers=())
+PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN}
+
+
 def record_bytes(method: str, d: int) -> float:
     """Summary bytes per (group, KV head) read by `method`."""
     if method == "jl8":
@@ -282,6 +291,8 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
                 mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
                                "questmid": mid.astype(np.float32)}
+                if "questclt" in scores:
+                    mass_scores["questclt"] = scores["questclt"]
                 if lag == 0:
                     mass_scores["oracle_mass"] = oracle["oracle_mass"]
                 for name, sc in mass_scores.items():

@@ -36,7 +36,7 @@ from eps_eval import core
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
 from eps_eval.metrics import BLOCK
 from eps_eval.quality import (
-    ESTIMATOR_PLAN,
+    PLANS,
     GrowingQuestTables,
     LayerState,
     QualityPlan,
@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes for the selection rows (0: in this process, in order)")
     ap.add_argument("--compare-tokens", type=int, default=0,
                     help="with --device: first check it against numpy on this many tokens")
-    ap.add_argument("--plan", choices=("full", "estimators"), default="full",
-                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators)")
+    ap.add_argument("--plan", choices=("full", "estimators", "mass"), default="full",
+                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
+                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt)")
     ap.add_argument("--skip-checks", action="store_true",
                     help="leave out the forward-pass checks (known answers, perplexity)")
     a = ap.parse_args(argv)
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     del host
     pool = multiprocessing.get_context("spawn").Pool(a.workers) if a.workers else None
     pending = []
-    plan = ESTIMATOR_PLAN if a.plan == "estimators" else QualityPlan()
+    plan = PLANS[a.plan]
     for ctx in a.context:
         name = f"q19_gemma_{ctx}"
         todo = [layer for layer in GLOBAL_LAYERS if not unit_done(units, f"{name}_L{layer}")]

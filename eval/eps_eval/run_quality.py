@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.quality import ESTIMATOR_PLAN, LayerState, QualityPlan, step_rows
+from eps_eval.quality import PLANS, LayerState, QualityPlan, step_rows
 from eps_eval.run import log, unit_done, write_unit
 
 SEED = 20261122
@@ -82,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-layers", default="0,5,10,15,20,25,29")
     ap.add_argument("--real-steps", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=None)
-    ap.add_argument("--plan", choices=("full", "estimators"), default="full",
-                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators)")
+    ap.add_argument("--plan", choices=("full", "estimators", "mass"), default="full",
+                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
+                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt)")
     a = ap.parse_args(argv)
     units = a.out / "units"
     a.out.mkdir(parents=True, exist_ok=True)
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
-    plan = ESTIMATOR_PLAN if a.plan == "estimators" else QualityPlan()
+    plan = PLANS[a.plan]
     t0 = time.time()
     (a.out / f"settings_{int(t0)}.json").write_text(json.dumps(
         {"args": vars(a), "plan": plan.__dict__, "machine": platform.platform(),
