@@ -86,7 +86,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   constexpr int kStride = kStaged ? StagedStride(kM) : 0;
   static_assert(kBatch <= kHeadBatch, "HeadSums holds kHeadBatch heads");
   // q in shared memory: the per-channel sums of quest (its sign-split copy), 1pc, strict.
-  constexpr bool kQueries = kWarpSums || kMethod == Method::kOnePc;
+  constexpr bool kQueries = kWarpSums || kMethod == Method::kOnePc || kMethod == Method::kQuestClt;
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
@@ -187,6 +187,8 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         if (!active) continue;
       } else if constexpr (kMethod == Method::kOnePc) {
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
+      } else if constexpr (kMethod == Method::kQuestClt) {
+        if (o.quest_min >= 0) QuestCltSums(rec, o, q, heads, sums);
       }
 #pragma unroll
       for (int rr = 0; rr < kBatch; ++rr) {

@@ -222,10 +222,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
-  if (policy.method == Method::kQuestClt) {
-    return absl::UnimplementedError(
-        "method=questclt runs on the cpu backend; the GPU pre-pass scores jl, 1pc, fro and quest");
-  }
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
   const int lists = per_head ? m.num_kv_heads : 1;
   const int64_t batch = static_cast<int64_t>(in.rows.size());

@@ -35,8 +35,8 @@ inline const void* const kScoreKernels[] = {
     ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
     ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
     ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
-    ScoreKernelOf<Method::kOff, 0, false>(),      ScoreKernelOf<Method::kOff, 0, true, 4>(),
-    ScoreKernelOf<Method::kOff, 0, true, 8>()};
+    ScoreKernelOf<Method::kQuestClt, 0, false>(), ScoreKernelOf<Method::kOff, 0, false>(),
+    ScoreKernelOf<Method::kOff, 0, true, 4>(),    ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
 template <Method kMethod, int kM, int kHeads = kHeadBatch>
 const void* FusedKernelOf() {
@@ -46,7 +46,8 @@ inline const void* const kFusedKernels[] = {
     FusedKernelOf<Method::kJl, 4>(),       FusedKernelOf<Method::kJl, 8>(),
     FusedKernelOf<Method::kJl, 16>(),      FusedKernelOf<Method::kJl, 0>(),
     FusedKernelOf<Method::kOnePc, 0>(),    FusedKernelOf<Method::kFro, 0>(),
-    FusedKernelOf<Method::kQuest, 0, 4>(), FusedKernelOf<Method::kQuest, 0, 8>()};
+    FusedKernelOf<Method::kQuest, 0, 4>(), FusedKernelOf<Method::kQuest, 0, 8>(),
+    FusedKernelOf<Method::kQuestClt, 0>()};
 
 template <int kM>
 const void* TermsKernelOf() {
@@ -110,8 +111,9 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
     case Method::kQuest:
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
+    case Method::kQuestClt:
+      return ScoreKernelOf<Method::kQuestClt, 0, false>();
     case Method::kOff:
-    case Method::kQuestClt:  // refused by Enqueue
       break;
   }
   return ScoreKernelOf<Method::kOff, 0, false>();
@@ -140,8 +142,9 @@ inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged) 
       return FusedKernelOf<Method::kFro, 0>();
     case Method::kQuest:
       return four ? FusedKernelOf<Method::kQuest, 0, 4>() : FusedKernelOf<Method::kQuest, 0, 8>();
+    case Method::kQuestClt:
+      return FusedKernelOf<Method::kQuestClt, 0>();
     case Method::kOff:
-    case Method::kQuestClt:  // refused by Enqueue
       break;
   }
   return nullptr;

@@ -20,7 +20,7 @@ ABSL_FLAG(std::string, backend, "auto",
 ABSL_FLAG(
     std::string, eps_method, "quest",
     "off | jl | 1pc | fro | quest | questclt (quest: the default; questclt: an estimate from the "
-    "same record that ranks better on real keys, cpu backend only; docs/policy.md)");
+    "same record that ranks better on real keys; docs/policy.md)");
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
 ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");

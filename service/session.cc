@@ -84,11 +84,6 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     s->charges_.push_back(std::move(charge));
   }
   if (spec.backend == BackendKind::kCuda) {
-    if (s->policy_.method == Method::kQuestClt) {
-      return absl::UnimplementedError(
-          "method=questclt runs on the cpu backend; the GPU pre-pass scores jl, 1pc, fro and "
-          "quest");
-    }
     ASSIGN_OR_RETURN(
         s->backend_,
         MakeCudaBackend(spec.model, spec.device, spec.max_batch, s->buffers_.max_groups,

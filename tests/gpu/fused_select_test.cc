@@ -181,7 +181,7 @@ void PrintTo(const FusedCase& c, std::ostream* os) {
 
 constexpr Granularity kUnion = Granularity::kUnion, kPerKvHead = Granularity::kPerKvHead;
 
-// Every fused kernel (jl with m 4, 8, 16 and generic; 1pc; fro; quest with 4
+// Every fused kernel (jl with m 4, 8, 16 and generic; 1pc; fro; questclt; quest with 4
 // and 8 heads per pass), union and per-KV-head lists, retrieval heads, more
 // query heads per KV head than warps (16), rows of one token, rows of exactly
 // 256 groups, and rows whose groups are all forced.
@@ -199,6 +199,8 @@ INSTANTIATE_TEST_SUITE_P(
         FusedCase{Method::kOnePc, 128, 8, 2, 4}, FusedCase{Method::kFro, 128, 8, 2, 8},
         FusedCase{Method::kQuest, 128, 8, 2, 2, 8, kUnion, true, Contexts::kMixed},
         FusedCase{Method::kQuest, 128, 16, 2, 2, 8, kPerKvHead},
+        FusedCase{Method::kQuestClt, 128, 8, 2, 2, 8, kUnion, true, Contexts::kMixed},
+        FusedCase{Method::kQuestClt, 256, 16, 4, 4, 8, kPerKvHead},
         FusedCase{Method::kJl, 64, 32, 2, 4, 8, kUnion, true, Contexts::kMixed}),
     FusedCaseName);
 

@@ -237,7 +237,10 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kJl, 128, 8, 2, 8, false, 16},
         GpuCase{Method::kJl, 128, 8, 2, 8, false, 12},
         GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, kPerKvHead},
-        GpuCase{Method::kQuest, 256, 16, 4, 4, true, 8, kPerKvHead}),
+        GpuCase{Method::kQuest, 256, 16, 4, 4, true, 8, kPerKvHead},
+        GpuCase{Method::kQuestClt, 128, 8, 2, 2, false},
+        GpuCase{Method::kQuestClt, 64, 9, 3, 8, false},
+        GpuCase{Method::kQuestClt, 256, 16, 4, 4, true, 8, kPerKvHead}),
     CaseName);
 
 // The warp-read sums of quest and strict mode (gpu/warp_sums.cuh): passes of 4
