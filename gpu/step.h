@@ -40,9 +40,8 @@
 // one, or a NaN/Inf score, fails the step with INVALID_ARGUMENT and leaves the
 // outputs unwritten (their counts become -1, "attend densely", when a step fence
 // is given, since the engine's stream proceeds on selection_done regardless).
-// With the selection fused, a list may be written before another block fails,
-// so a failed step's counts all become -1, fence or not (visit_blocks partly
-// written).
+// With the selection fused (opt-in, GpuSelectorOptions), a list may be written before another block
+// fails, so a failed step's counts all become -1, fence or not (visit_blocks partly written).
 //
 // Cross-process ordering (docs/design.md §5): with a StepFence the selector's stream
 // first waits until inputs_ready >= step (the engine's stream wrote its
@@ -73,8 +72,10 @@ struct GpuSelectorOptions {
   // (the last 8 are kept). false: launch the kernels one by one.
   bool graphs = true;
   // Fuse the selection into scoring where the policy and shapes allow (above).
-  // false: always the separate selection kernel (tests compare the two).
-  bool fuse_selection = true;
+  // Off by default: on the H100 the fused kernel was slower than the separate
+  // selection kernel at every shape measured (docs/benchmarks/gpu.md,
+  // "fused selection": 98 vs 77 us at 8 x 32k). Tests compare the two.
+  bool fuse_selection = false;
 };
 
 class GpuSelector {

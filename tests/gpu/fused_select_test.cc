@@ -119,7 +119,8 @@ TEST_P(FusedSelectTest, ListsEqualTheSelectionKernelsBitForBit) {
       policy.retrieval_heads.push_back(rng() % 2);
     }
   }
-  auto fused = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
+  auto fused =
+      gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fuse_selection = true});
   auto separate =
       gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fuse_selection = false});
   ASSERT_TRUE(fused.ok() && separate.ok());
@@ -222,7 +223,7 @@ TEST(FusedSelectPathTest, OnlyTheThresholdBudgetWithRowsOfOneBlockFuses) {
   buffers.AssignRow(0, most, 1);
   buffers.AssignRow(1, most + 1, 2);
   buffers.FillRandomSummaries(7);
-  auto selector = gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups());
+  auto selector = gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups(), {.fuse_selection = true});
   ASSERT_TRUE(selector.ok());
   const StepRow fits[] = {{.table_row = 0, .context_tokens = most, .seq_id = 0}};
   const StepRow both[] = {{.table_row = 0, .context_tokens = most, .seq_id = 0},
@@ -350,7 +351,8 @@ TEST(FusedSelectGraphTest, ReplayedFencedStepsEqualTheSelectionKernels) {
   const uint64_t initial[2] = {std::numeric_limits<uint64_t>::max() / 2, 0};
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
-  auto fused = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups());
+  auto fused =
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = true});
   auto separate = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
                                            {.graphs = false, .fuse_selection = false});
   ASSERT_TRUE(fused.ok() && separate.ok());
@@ -414,7 +416,8 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
   const uint64_t initial[2] = {std::numeric_limits<uint64_t>::max() / 2, 0};
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
-  auto fused = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups());
+  auto fused =
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = true});
   auto separate =
       gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = false});
   ASSERT_TRUE(fused.ok() && separate.ok());
