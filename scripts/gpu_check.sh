@@ -11,14 +11,7 @@ cd "$(dirname "$0")/.."
 CARRY=${EPS_CARRY_DIR:-.carry}
 OUT=${OUT:-/tmp/eps-gpu}
 mkdir -p "$OUT"
-# scripts/gpu_carry.sh packs the carry into one archive: unpack it in place.
-# (Python's tarfile when the image has no xz.)
-if [[ -f $CARRY/pack.tar.xz ]]; then
-  tar xJf "$CARRY/pack.tar.xz" -C "$CARRY" 2>/dev/null ||
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-      "$CARRY/pack.tar.xz" "$CARRY" || { echo "cannot unpack $CARRY/pack.tar.xz" >&2; exit 1; }
-  rm -f "$CARRY/pack.tar.xz"
-fi
+bash scripts/carry_unpack.sh "$CARRY" || exit 1
 export LD_LIBRARY_PATH=$PWD/$CARRY/lib EPSD_BIN=$PWD/$CARRY/epsd RANK_ENGINE_BIN=$PWD/$CARRY/rank_engine
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 declare -A result
