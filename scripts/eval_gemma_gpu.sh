@@ -10,7 +10,8 @@
 #   .carry-gemma-units/ (optional) gemma-q19.tar.gz of an earlier run: its finished units
 #                       are unpacked first and skipped
 # Units are written atomically; a rerun on the same warm machine skips the finished ones.
-# Settings: EPS_GEMMA_CONTEXTS (16384,32768), EPS_GEMMA_PASSKEYS (20), EPS_GEMMA_STEPS (3),
+# Settings: EPS_GEMMA_CONTEXTS (16384,32768), EPS_GEMMA_ROW_CONTEXTS (the contexts of the
+# selection rows; default EPS_GEMMA_CONTEXTS, 0 for passkeys only), EPS_GEMMA_PASSKEYS (20), EPS_GEMMA_STEPS (3),
 # EPS_GEMMA_WORKERS (6), EPS_GEMMA_TIMEOUT (480 s for run_gemma, inside the call's 600),
 # EPS_GEMMA_DEVICE (cuda; cpu tries the script on a machine without a GPU).
 set -uo pipefail
@@ -70,7 +71,7 @@ fi
 contexts=${EPS_GEMMA_CONTEXTS:-16384,32768}
 (cd eval && timeout -k 10 "${EPS_GEMMA_TIMEOUT:-480}" python3 -m eps_eval.run_gemma \
   --out="$res" --cache="$cache" --device="${EPS_GEMMA_DEVICE:-cuda}" --compare-tokens=600 \
-  --context="$contexts" --steps="${EPS_GEMMA_STEPS:-3}" \
+  --context="${EPS_GEMMA_ROW_CONTEXTS:-$contexts}" --steps="${EPS_GEMMA_STEPS:-3}" \
   --passkeys="${EPS_GEMMA_PASSKEYS:-20}" --passkey-context="$contexts" \
   --workers="${EPS_GEMMA_WORKERS:-6}") 2>&1 | tee "$out/run.log"
 rc=${PIPESTATUS[0]}

@@ -55,7 +55,8 @@ PASSAGE_MORE = ("MPL-1.1", "GPL-1", "LGPL-3", "CC0-1.0", "BSD")
 FILLER = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0", "MPL-1.1", "GFDL-1.3")
 FILLER_MORE = ("GPL-3", "GPL-2", "LGPL-2.1", "GPL-1", "LGPL-3")
 # (method, g): gated variants of the passkey runs, each reading `READ` of the groups.
-VARIANTS = (("quest", 1), ("quest8", 1), ("quest", 8), ("jl8", 8), ("oracle_mass", 1))
+VARIANTS = (("quest", 1), ("quest8", 1), ("quest", 8), ("questclt", 1), ("questclt", 2),
+            ("jl8", 8), ("oracle_mass", 1))
 READ = 0.25
 
 
@@ -105,9 +106,9 @@ def make_gate(method: str, g: int, prompt_k: dict[int, np.ndarray], prev_q: dict
     prompt's complete groups (copied, so variants share the prompt's part)."""
     seqs: dict[int, core.Sequence] = {}
     tables = {layer: t.copy() for layer, t in quest8.items()}
-    if method in ("quest", "jl8"):
+    if method in ("quest", "questclt", "jl8"):
         # Only the record the method reads (the other features cost time, not scores).
-        feats = core.QUEST if method == "quest" else 0
+        feats = 0 if method == "jl8" else core.QUEST
         for layer in GLOBAL_LAYERS:
             seqs[layer] = core.Sequence(q_heads=4, kv_heads=1, head_dim=256, group_blocks=g,
                                         sketch_dim=8, features=feats,
