@@ -92,9 +92,9 @@ else
     --restart-at 40 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
   if [[ -n $model ]]; then
     engine quality --mode quality --model gguf --gguf "$model" --batch 4 --context 8000 \
-      --decode-steps 64 --top-pages 4,8,12,16,24,32
+      --decode-steps 64 --top-pages 4,8,12,16,24,32 --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
     engine passkey --mode passkey --model gguf --gguf "$model" --context 8000 --passkeys 20 \
-      --top-pages 8,16
+      --top-pages 8,16 --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
   else
     echo "no model staged: quality and passkey runs skipped"
   fi
