@@ -139,6 +139,44 @@ __global__ void __launch_bounds__(kWarps * 32)
         const float* sc = a.scores + (head_base + h) * s.max_groups;
         const float cut = KeyToFloat(WarpKthLargest(
             sc, n, rule.top_pages, [&](int p) { return !forced(p); }, histograms[warp], lane));
+        auto candidate = [&](int p) { return p < n && !forced(p) && sc[p] >= cut; };
+        // Usually the candidates are top_pages groups and a few ties: with at
+        // most 32, lane i takes the i-th and ranks it against the others by
+        // shuffles (the warp's histogram holds them), instead of a warp-wide
+        // count over every group per candidate.
+        unsigned total = 0;
+        for (int base = 0; base < n; base += 32) {
+          total += __popc(__ballot_sync(0xFFFFFFFFu, candidate(base + lane)));
+        }
+        if (total <= 32) {
+          unsigned* values = histograms[warp];  // [32] the candidates' scores (bits)
+          unsigned* groups = values + 32;       // [32] and groups
+          unsigned filled = 0;
+          for (int base = 0; base < n; base += 32) {
+            const int p = base + lane;
+            const bool mine = candidate(p);
+            const unsigned took = __ballot_sync(0xFFFFFFFFu, mine);
+            if (mine) {
+              const unsigned slot = filled + __popc(took & ((1u << lane) - 1u));
+              values[slot] = __float_as_uint(sc[p]);
+              groups[slot] = static_cast<unsigned>(p);
+            }
+            filled += __popc(took);
+          }
+          __syncwarp();
+          const bool held = static_cast<unsigned>(lane) < total;
+          const float v = held ? __uint_as_float(values[lane]) : -INFINITY;
+          const int c = held ? static_cast<int>(groups[lane]) : -1;
+          unsigned rank = 0;
+          for (unsigned j = 0; j < total; ++j) {
+            const float vj = __shfl_sync(0xFFFFFFFFu, v, static_cast<int>(j));
+            const int cj = __shfl_sync(0xFFFFFFFFu, c, static_cast<int>(j));
+            rank += vj > v || (vj == v && cj > c);
+          }
+          if (held && rank < static_cast<unsigned>(rule.top_pages)) atomicMin(&fixed_best[c], rank);
+          __syncwarp();  // the next head's select clears the histogram
+          continue;
+        }
         for (int base = 0; base < n; base += 32) {
           const int p = base + lane;
           unsigned candidates = __ballot_sync(0xFFFFFFFFu, p < n && !forced(p) && sc[p] >= cut);

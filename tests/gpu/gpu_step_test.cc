@@ -75,6 +75,9 @@ struct GpuCase {
   Budget budget = Budget::kThreshold;
   bool strict = false;
   MassCase mass = {};
+  // > 0: runs of `tied` consecutive groups of a row share one record (every
+  // full group takes its run's first record), so scores tie exactly.
+  int tied = 0;
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -107,6 +110,16 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
     testing::WriteSequence(buffers, writer, r, r, tokens, 1 + r % 3,
                            testing::GroupShapes::kMixedRank, rng);
     rows.push_back({.table_row = r, .context_tokens = tokens, .seq_id = 0});
+    const int64_t full = tokens / m.group_tokens();  // a partial last group keeps its own
+    for (int64_t p = 0; c.tied > 0 && p < full; ++p) {
+      for (int layer = 0; layer < m.num_layers; ++layer) {
+        for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
+          const auto from = buffers.Record(buffers.SlotOf(r, p - p % c.tied), layer, kvh);
+          const auto to = buffers.Record(buffers.SlotOf(r, p), layer, kvh);
+          std::copy(from.begin(), from.end(), to.begin());
+        }
+      }
+    }
   }
   SelectPolicy policy;
   policy.method = c.method;
@@ -205,6 +218,7 @@ std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
   if (c.granularity == Granularity::kPerKvHead) name += "_per_kv_head";
   if (c.budget != Budget::kThreshold) name += std::string("_") + BudgetName(c.budget);
   if (c.strict) name += "_strict";
+  if (c.tied > 0) name += "_tied" + std::to_string(c.tied);
   if (c.budget == Budget::kMass) {
     // e.g. _p099_t05_min24_max0: target 0.99, τ 0.5
     auto digits = [](float x) {
@@ -271,7 +285,12 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kOnePc, 128, 8, 2, 8, true, 8, kUnion, Budget::kTopP},
         GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, Budget::kThreshold, true},
         GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kThreshold, true},
-        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, Budget::kFixed}),
+        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, Budget::kFixed},
+        // Exact ties: a few per cut (the fixed budget ranks them by shuffles),
+        // and runs longer than a warp (it counts over every group instead).
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, Budget::kFixed, false, {}, 3},
+        GpuCase{Method::kJl, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kFixed, false, {}, 64},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, false, {}, 3}),
     CaseName);
 
 // The mass budget: union and per-KV-head lists, the methods that score, targets
