@@ -12,8 +12,9 @@
 # EPS_ENGINE_QUICK=1 runs a small plan (a debugging pass). Results: $OUT/*.json, logs,
 # and the tables printed last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 carry=${EPS_ENGINE_CARRY:-.carry-engine}
+bash scripts/carry_unpack.sh "$carry" || exit 1  # engine_stage.sh packs it
 carry=$(cd "$carry" && pwd)
 out=${OUT:-/tmp/eps-engine}
 mkdir -p "$out"

