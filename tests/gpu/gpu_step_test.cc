@@ -106,7 +106,10 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   const int lists = c.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
   std::vector<StepRow> rows;
   for (int r = 0; r < batch; ++r) {
-    const int64_t tokens = 1 + static_cast<int64_t>(rng() % max_context);
+    // A case whose floor or ceiling must bind gets long rows (room for both).
+    const int64_t shortest = c.mass.limits_bind ? max_context / 2 : 1;
+    const int64_t tokens =
+        shortest + static_cast<int64_t>(rng() % static_cast<uint64_t>(max_context - shortest));
     testing::WriteSequence(buffers, writer, r, r, tokens, 1 + r % 3,
                            testing::GroupShapes::kMixedRank, rng);
     rows.push_back({.table_row = r, .context_tokens = tokens, .seq_id = 0});
