@@ -21,14 +21,11 @@ namespace eps::gpu::kernels {
 //      mass: the group where the covered mass reaches mass_target, within the
 //      floor and ceiling); the fixed budget ranks the groups at or above that
 //      value instead;
-//      and (every budget but fixed) marks the groups its cut admits in a
-//      bitmask with one coalesced pass over its scores;
 //   2. visit flags: forced groups, plus every group a head's cut admits;
 //   3. compaction of the visited groups' blocks into visit_blocks, and stats.
 //
 // Dynamic shared memory: visit flags [max_groups] (padded to 16 bytes), then
-// [max_groups] words (best ranks of the fixed budget or the admitted groups'
-// bitmask, then block offsets).
+// [max_groups] words (best ranks of the fixed budget, then block offsets).
 struct SelectArgs {
   const int32_t* block_table;
   const DeviceRow* rows;
@@ -49,6 +46,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   static_assert((kBudget != Budget::kTopP && kBudget != Budget::kMass) || kWarps <= 8,
                 "top-p and mass keep 2 KiB of masses per warp");
   extern __shared__ unsigned char visit[];
+  __shared__ float head_cut[256];     // threshold and strict: visit when value >= cut;
+                                      // mass: the head's largest score (for MassKey)
+  __shared__ unsigned head_key[256];  // top-p and mass: the cut key and tie group
+  __shared__ int head_tie[256];
   __shared__ unsigned counts[kWarps * 32];
   __shared__ unsigned histograms[kWarps][256];
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
@@ -97,26 +98,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (lane == 0 && local > 0) atomicAdd(&fixed_unforced, local);
     __syncthreads();
   }
-
-  // Visit flags start with the forced groups (every group with method off);
-  // the other budgets collect the groups a head admits as bits, a word per
-  // 32 groups, in the words that compaction later takes for block offsets.
-  unsigned* admitted = offset;
-  for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
-  if constexpr (kBudget != Budget::kFixed) {
-    for (int w = threadIdx.x; w < (n + 31) / 32; w += blockDim.x) admitted[w] = 0;
-  }
-  __syncthreads();
-  // A warp marks the groups `admits(p)` takes for its head: a ballot per 32
-  // groups and one atomicOr, the loads coalesced and independent (a thread
-  // per group looping over the heads waited on one load per head).
-  auto mark = [&](auto admits) {
-    for (int base = 0; base < n; base += 32) {
-      const int p = base + lane;
-      const unsigned took = __ballot_sync(0xFFFFFFFFu, p < n && admits(p));
-      if (lane == 0 && took != 0) atomicOr(&admitted[base / 32], took);
-    }
-  };
 
   // 1. Per-head cuts (threshold, strict, top-p, mass; fixed: the ranks, as above).
   {
@@ -200,30 +181,29 @@ __global__ void __launch_bounds__(kWarps * 32)
       __shared__ double masses[kWarps][256];
       for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
            h += warps) {
-        if (!head_scored(h)) continue;  // unscored heads take nothing
-        unsigned key;
-        int tie;
-        const float* sc = a.scores + (head_base + h) * s.max_groups;
-        if constexpr (kBudget == Budget::kTopP) {
-          WarpTopPCut(sc, n, rule, histograms[warp], masses[warp], lane, &key, &tie);
-          mark([&](int p) {
-            const unsigned k = OrderedKey(sc[p]);
-            return !forced(p) && (k > key || (k == key && p <= tie));
-          });
-        } else {
-          float top;
-          WarpMassCut(sc, n, rule, histograms[warp], masses[warp], lane, &top, &key, &tie);
-          mark([&](int p) {
-            return !forced(p) && MassTaken(MassKey(sc[p], top, rule.mass_inv_scale), p, key, tie);
-          });
+        // Unscored heads take nothing.
+        unsigned key = kBudget == Budget::kTopP ? 0xFFFFFFFFu : kMassNoneKey;
+        int tie = kBudget == Budget::kTopP ? -1 : kMassNoneTie;
+        float top = 0.0f;
+        if (head_scored(h)) {
+          const float* sc = a.scores + (head_base + h) * s.max_groups;
+          if constexpr (kBudget == Budget::kTopP) {
+            WarpTopPCut(sc, n, rule, histograms[warp], masses[warp], lane, &key, &tie);
+          } else {
+            WarpMassCut(sc, n, rule, histograms[warp], masses[warp], lane, &top, &key, &tie);
+          }
+        }
+        if (lane == 0) {
+          head_key[h - first_head] = key;
+          head_tie[h - first_head] = tie;
+          head_cut[h - first_head] = top;
         }
       }
     } else {
       for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
            h += warps) {
-        if (!head_scored(h)) continue;  // unscored heads admit nothing
-        float cut;
-        {
+        float cut = INFINITY;  // unscored heads admit nothing
+        if (head_scored(h)) {
           const float* values = a.scores + (head_base + h) * s.max_groups;
           if constexpr (kStrict) {
             // core MarkStrict: L = the top_pages-th largest lower bound over all
@@ -248,15 +228,15 @@ __global__ void __launch_bounds__(kWarps * 32)
             }
           }
         }
-        // strict: a group is visited when its upper bound reaches the cut.
-        const float* admit = (kStrict ? a.uppers : a.scores) + (head_base + h) * s.max_groups;
-        mark([&](int p) { return !forced(p) && admit[p] >= cut; });
+        if (lane == 0) head_cut[h - first_head] = cut;
       }
     }
     __syncthreads();
   }
 
   // 2. Visit flags.
+  for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
+  __syncthreads();
   if constexpr (kBudget == Budget::kFixed) {
     // Take the top_pages groups of best rank over the list's heads (ties to
     // the more recent group); all unforced groups when there are no more.
@@ -278,8 +258,24 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     __syncthreads();
   } else {
-    for (int p = threadIdx.x; p < n; p += blockDim.x) {
-      if ((admitted[p / 32] >> (p % 32)) & 1u) visit[p] = 1;
+    for (int p = threadIdx.x; p < n && !rule.method_off; p += blockDim.x) {
+      if (visit[p]) continue;
+      bool v = false;
+      for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {
+        const float value = (kStrict ? a.uppers : a.scores)[(head_base + h) * s.max_groups + p];
+        if constexpr (kBudget == Budget::kTopP) {
+          const unsigned key = OrderedKey(value);
+          const int i = h - first_head;
+          v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
+        } else if constexpr (kBudget == Budget::kMass) {
+          const int i = h - first_head;
+          v = MassTaken(MassKey(value, head_cut[i], rule.mass_inv_scale), p, head_key[i],
+                        head_tie[i]);
+        } else {
+          v = value >= head_cut[h - first_head];
+        }
+      }
+      if (v) visit[p] = 1;
     }
     __syncthreads();
   }
