@@ -119,30 +119,6 @@ struct HeadSums {
   float spread[kHeadBatch];     // questclt: Σ_j (q_j (max_j − min_j) / 2)²
 };
 
-// questclt's two channel sums, a thread per record (as 1pc's dot): the quest
-// part's binary16 min and max two channels per word, as core/layout.h lays them out.
-__device__ inline void QuestCltSums(const float* rec, const RecordOffsets& o, const float* q,
-                                    int heads, HeadSums& sums) {
-#pragma unroll
-  for (int r = 0; r < kHeadBatch; ++r) sums.centre[r] = sums.spread[r] = 0.0f;
-  const __half2* lo = reinterpret_cast<const __half2*>(rec + o.quest_min);
-  const __half2* hi = reinterpret_cast<const __half2*>(rec + o.quest_max);
-  for (int i = 0; i < o.d / 2; ++i) {
-    const float2 l = __half22float2(lo[i]), u = __half22float2(hi[i]);
-    const float cx = 0.5f * (l.x + u.x), cy = 0.5f * (l.y + u.y);
-    const float wx = 0.5f * (u.x - l.x), wy = 0.5f * (u.y - l.y);
-#pragma unroll
-    for (int r = 0; r < kHeadBatch; ++r) {
-      if (r < heads) {
-        const float2 qq = reinterpret_cast<const float2*>(q + r * o.d)[i];
-        sums.centre[r] += qq.x * cx + qq.y * cy;
-        const float ax = qq.x * wx, ay = qq.y * wy;
-        sums.spread[r] += ax * ax + ay * ay;
-      }
-    }
-  }
-}
-
 // core QuestCltScore from its two sums; fro without the quest part.
 __device__ inline float QuestCltScore(const float* rec, const RecordOffsets& o, const HeadQuery& h,
                                       float centre, float spread) {

@@ -55,12 +55,14 @@ __host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool
 // Scoring blocks resident per SM that the compiler must allow: the warp-read
 // sums keep a pass's loads and sums in registers (up to ~170 unbounded, one
 // block per SM); two blocks (128 registers) keep twice the loads in flight,
-// except for strict mode's 8-head passes, which would spill. jl with m ≤ 8
+// except for strict mode's and questclt's 8-head passes, which would spill. jl with m ≤ 8
 // keeps three blocks (80 registers), as it had before it staged its records.
 template <Method kMethod, int kM, bool kStrict, int kHeads>
 inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM > 0 && kM <= 8 ? 3
                                        : (kStrict&& kHeads <= 4) ||
-                                               (!kStrict && kMethod == Method::kQuest)
+                                               (!kStrict &&
+                                                (kMethod == Method::kQuest ||
+                                                 (kMethod == Method::kQuestClt && kHeads <= 4)))
                                            ? 2
                                            : 1;
 
@@ -74,10 +76,12 @@ template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
                                             float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
-  // quest and strict read each warp's records together (gpu/warp_sums.cuh), so
+  // quest, questclt and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
   // nothing to score.
-  constexpr bool kWarpSums = kStrict || kMethod == Method::kQuest;
+  constexpr bool kWarpSums = kStrict || kMethod == Method::kQuest || kMethod == Method::kQuestClt;
+  // quest's sign-split queries (QuestSplitQuery): quest's and strict mode's sums.
+  constexpr bool kSplit = kStrict || kMethod == Method::kQuest;
   constexpr int kBatch = kWarpSums ? kHeads : kHeadBatch;
   // jl with m known copies its warp's records to shared memory together
   // (StageWarpRecords) and scores the copies; its lanes too stay until then.
@@ -145,7 +149,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
         q_sh[e] = LoadAsFloatDevice(a.queries, s.query_dtype, at);
       }
-      if constexpr (kWarpSums) {
+      if constexpr (kSplit) {
         if (s.record.quest_min >= 0) {
           __syncthreads();
           for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
@@ -188,7 +192,8 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       } else if constexpr (kMethod == Method::kOnePc) {
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
       } else if constexpr (kMethod == Method::kQuestClt) {
-        if (o.quest_min >= 0) QuestCltSums(rec, o, q, heads, sums);
+        if (o.quest_min >= 0) QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+        if (!active) continue;
       }
 #pragma unroll
       for (int rr = 0; rr < kBatch; ++rr) {

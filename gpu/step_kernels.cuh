@@ -30,24 +30,30 @@ template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
 const void* ScoreKernelOf() {
   return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads>);
 }
-inline const void* const kScoreKernels[] = {
-    ScoreKernelOf<Method::kJl, 4, false>(),       ScoreKernelOf<Method::kJl, 8, false>(),
-    ScoreKernelOf<Method::kJl, 16, false>(),      ScoreKernelOf<Method::kJl, 0, false>(),
-    ScoreKernelOf<Method::kOnePc, 0, false>(),    ScoreKernelOf<Method::kFro, 0, false>(),
-    ScoreKernelOf<Method::kQuest, 0, false, 4>(), ScoreKernelOf<Method::kQuest, 0, false, 8>(),
-    ScoreKernelOf<Method::kQuestClt, 0, false>(), ScoreKernelOf<Method::kOff, 0, false>(),
-    ScoreKernelOf<Method::kOff, 0, true, 4>(),    ScoreKernelOf<Method::kOff, 0, true, 8>()};
+inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>(),
+                                            ScoreKernelOf<Method::kJl, 8, false>(),
+                                            ScoreKernelOf<Method::kJl, 16, false>(),
+                                            ScoreKernelOf<Method::kJl, 0, false>(),
+                                            ScoreKernelOf<Method::kOnePc, 0, false>(),
+                                            ScoreKernelOf<Method::kFro, 0, false>(),
+                                            ScoreKernelOf<Method::kQuest, 0, false, 4>(),
+                                            ScoreKernelOf<Method::kQuest, 0, false, 8>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8>(),
+                                            ScoreKernelOf<Method::kOff, 0, false>(),
+                                            ScoreKernelOf<Method::kOff, 0, true, 4>(),
+                                            ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
 template <Method kMethod, int kM, int kHeads = kHeadBatch>
 const void* FusedKernelOf() {
   return reinterpret_cast<const void*>(&FusedSelectKernel<kMethod, kM, kHeads>);
 }
 inline const void* const kFusedKernels[] = {
-    FusedKernelOf<Method::kJl, 4>(),       FusedKernelOf<Method::kJl, 8>(),
-    FusedKernelOf<Method::kJl, 16>(),      FusedKernelOf<Method::kJl, 0>(),
-    FusedKernelOf<Method::kOnePc, 0>(),    FusedKernelOf<Method::kFro, 0>(),
-    FusedKernelOf<Method::kQuest, 0, 4>(), FusedKernelOf<Method::kQuest, 0, 8>(),
-    FusedKernelOf<Method::kQuestClt, 0>()};
+    FusedKernelOf<Method::kJl, 4>(),          FusedKernelOf<Method::kJl, 8>(),
+    FusedKernelOf<Method::kJl, 16>(),         FusedKernelOf<Method::kJl, 0>(),
+    FusedKernelOf<Method::kOnePc, 0>(),       FusedKernelOf<Method::kFro, 0>(),
+    FusedKernelOf<Method::kQuest, 0, 4>(),    FusedKernelOf<Method::kQuest, 0, 8>(),
+    FusedKernelOf<Method::kQuestClt, 0, 4>(), FusedKernelOf<Method::kQuestClt, 0, 8>()};
 
 template <int kM>
 const void* TermsKernelOf() {
@@ -82,7 +88,7 @@ inline bool StagesRecords(Method method, int m, bool strict) {
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
 // register-resident Gram of staged records); strict mode scores brackets
-// whatever the method. quest and strict read their sums for 4 query heads per
+// whatever the method. quest, questclt and strict read their sums for 4 query heads per
 // pass of the warp when a KV head has at most 4 (more records per pass), else 8.
 inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged) {
   const bool four = ratio <= 4;
@@ -112,7 +118,8 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kQuestClt:
-      return ScoreKernelOf<Method::kQuestClt, 0, false>();
+      return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4>()
+                  : ScoreKernelOf<Method::kQuestClt, 0, false, 8>();
     case Method::kOff:
       break;
   }
@@ -143,7 +150,8 @@ inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged) 
     case Method::kQuest:
       return four ? FusedKernelOf<Method::kQuest, 0, 4>() : FusedKernelOf<Method::kQuest, 0, 8>();
     case Method::kQuestClt:
-      return FusedKernelOf<Method::kQuestClt, 0>();
+      return four ? FusedKernelOf<Method::kQuestClt, 0, 4>()
+                  : FusedKernelOf<Method::kQuestClt, 0, 8>();
     case Method::kOff:
       break;
   }

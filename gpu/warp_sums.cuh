@@ -234,6 +234,48 @@ __device__ inline void BracketSumsWarp(const float* rec, const RecordOffsets& o,
   }
 }
 
+// questclt's two sums (HeadSums centre and spread) for the warp's records, as
+// QuestSumsWarp: lane l reads min word w and its max word w + d/2 (channels
+// 2w and 2w + 1, core/layout.h), for w = l, l + 32, ...; `q` [heads, d] holds
+// the widened queries. Two sums per (record, head): half of quest's records
+// per pass, so that the words and sums of a pass stay in registers.
+template <int kHeads>
+__device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o, const float* q,
+                                        int heads, HeadSums& sums, int lane) {
+  constexpr int kRecords = kWarpRecords<kHeads, true>;
+  unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
+  const auto address = reinterpret_cast<unsigned long long>(rec);
+  const int half = o.d / 2;
+  while (pending != 0) {
+    const WarpPass<kRecords> pass = NextWarpPass<kRecords>(pending, address, lane);
+    float centre[kRecords * kHeads] = {}, spread[kRecords * kHeads] = {};
+    for (int w0 = 0; w0 < half; w0 += 128) {
+      __half2 lo[kRecords][4], hi[kRecords][4];  // zero past the part: adds 0
+      LoadPartWords(pass, o.quest_min, half, w0, lane, lo);
+      LoadPartWords(pass, o.quest_min + half, half, w0, lane, hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int w = min(w0 + 32 * j + lane, half - 1);
+#pragma unroll
+        for (int r = 0; r < kHeads; ++r) {
+          const float2 qv = reinterpret_cast<const float2*>(q + (r < heads ? r : 0) * o.d)[w];
+#pragma unroll
+          for (int k = 0; k < kRecords; ++k) {
+            const float2 l = __half22float2(lo[k][j]), u = __half22float2(hi[k][j]);
+            float& c = centre[k * kHeads + r];
+            c = fmaf(qv.y, 0.5f * (l.y + u.y), fmaf(qv.x, 0.5f * (l.x + u.x), c));
+            const float ax = qv.x * (0.5f * (u.x - l.x)), ay = qv.y * (0.5f * (u.y - l.y));
+            float& v = spread[k * kHeads + r];
+            v = fmaf(ay, ay, fmaf(ax, ax, v));
+          }
+        }
+      }
+    }
+    DealSums<kRecords, kHeads>(centre, pass.mine, sums.centre, lane);
+    DealSums<kRecords, kHeads>(spread, pass.mine, sums.spread, lane);
+  }
+}
+
 // jl's staged record (ScoreKernel with m known): the packed Gram and the three
 // statistics, rounded up to 16 bytes ...
 constexpr int StagedWords(int m) { return (m * (m + 1) / 2 + 3 + 3) / 4 * 4; }

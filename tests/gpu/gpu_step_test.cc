@@ -260,7 +260,7 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuestClt, 256, 16, 4, 4, true, 8, kPerKvHead}),
     CaseName);
 
-// The warp-read sums of quest and strict mode (gpu/warp_sums.cuh): passes of 4
+// The warp-read sums of quest, questclt and strict mode (gpu/warp_sums.cuh): passes of 4
 // heads (GQA ratio <= 4) and of 8 (ratio 8, and 16 in two batches), fewer heads
 // than a pass holds (ratio 1), d = 64 (half the lanes idle) and 256 (two runs
 // of 128 words), and the quest part at other offsets (m = 4, 12, 16).
@@ -274,7 +274,12 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuest, 256, 16, 2, 2, false, 16, kPerKvHead},
         GpuCase{Method::kJl, 128, 16, 2, 8, false, 8, kUnion, Budget::kThreshold, true},
         GpuCase{Method::kQuest, 64, 32, 2, 4, true, 12, kPerKvHead, Budget::kThreshold, true},
-        GpuCase{Method::kJl, 256, 8, 8, 2, false, 4, kUnion, Budget::kThreshold, true}),
+        GpuCase{Method::kJl, 256, 8, 8, 2, false, 4, kUnion, Budget::kThreshold, true},
+        // questclt's warp-read sums: passes of 4 and 8 heads, one head, d 64 and 256.
+        GpuCase{Method::kQuestClt, 128, 16, 2, 8, false},
+        GpuCase{Method::kQuestClt, 64, 4, 4, 1, false},
+        GpuCase{Method::kQuestClt, 256, 16, 2, 2, false, 16, kPerKvHead},
+        GpuCase{Method::kQuestClt, 64, 32, 2, 4, true, 12, kPerKvHead}),
     CaseName);
 
 INSTANTIATE_TEST_SUITE_P(
