@@ -184,7 +184,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   std::vector<PolicyCase> cases;
   auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
     eps::SelectPolicy p;
-    if (!f.quest) p.method = eps::Method::kJl;  // the default method (quest) needs its part
+    if (!f.quest) p.method = eps::Method::kJl;  // the default method (questclt) needs quest's part
     edit(p);
     cases.push_back({name, f, p});
   };

@@ -35,8 +35,9 @@ const char* BudgetName(Budget budget);
 const char* GranularityName(Granularity granularity);
 
 struct SelectPolicy {
-  // quest: the best bound on real keys (docs/policy.md, "The default method").
-  Method method = Method::kQuest;
+  // questclt: the best ranking of real keys from quest's record (docs/policy.md,
+  // "The default method").
+  Method method = Method::kQuestClt;
   float alpha = 1.0f;   // ≥ 1; larger visits more
   int first_n = 1;      // attention-sink groups always visited
   int last_n = 2;       // most recent groups always visited, the newest among them

@@ -18,9 +18,9 @@ ABSL_FLAG(std::string, health_listen, "",
 ABSL_FLAG(std::string, backend, "auto",
           "cpu | cuda | auto (per session: cuda when its buffers are cuda_ipc handles)");
 ABSL_FLAG(
-    std::string, eps_method, "quest",
-    "off | jl | 1pc | fro | quest | questclt (quest: the default; questclt: an estimate from the "
-    "same record that ranks better on real keys; docs/policy.md)");
+    std::string, eps_method, "questclt",
+    "off | jl | 1pc | fro | quest | questclt (questclt: the default, an estimate from quest's "
+    "record that ranks better on real keys; quest: the bound; docs/policy.md)");
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
 ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");

@@ -327,9 +327,11 @@ TEST(SelectPolicyTest, ABoundWhoseRecordPartIsMissingIsRefusedNotScoredAsFro) {
   model.num_q_heads = 2;
   model.num_kv_heads = 1;
   model.head_dim = 32;
-  SelectPolicy quest;  // the default method
-  ASSERT_EQ(quest.method, Method::kQuest);
-  EXPECT_TRUE(quest.Validate(model).ok());  // features.quest is on by default
+  SelectPolicy defaults;  // the default method reads the quest part
+  ASSERT_EQ(defaults.method, Method::kQuestClt);
+  EXPECT_TRUE(defaults.Validate(model).ok());  // features.quest is on by default
+  SelectPolicy quest;
+  quest.method = Method::kQuest;
   model.features.quest = false;
   EXPECT_THAT(quest.Validate(model).message(), ::testing::HasSubstr("method=quest needs"));
   SelectPolicy questclt;

@@ -346,7 +346,7 @@ TEST_F(StepValidationTest, InfiniteQueryIsRejected) {
 
 TEST_F(StepValidationTest, NaNSummaryInALaterLayerIsRejectedBeforeAnyOutput) {
   // Layer 0 is scored before the NaN in layer 1 is met: its lists must not leak out.
-  // The NaN sits in the Gram, which jl reads (quest, the default, would not).
+  // The NaN sits in the Gram, which jl reads (questclt, the default, would not).
   buffers_->Record(buffers_->SlotOf(1, 3), 1, 1)[0] = std::nanf("");
   SelectPolicy jl;
   jl.method = Method::kJl;

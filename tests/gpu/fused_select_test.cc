@@ -430,7 +430,7 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
     const int64_t used = int64_t{m.num_layers} * max_batch * per_list;
     for (const bool with_fence : {false, true}) {
       SCOPED_TRACE(std::string(GranularityName(granularity)) + (with_fence ? " fence" : ""));
-      SelectPolicy policy;  // quest, the default method: its warp-read sums
+      SelectPolicy policy;  // questclt, the default method: its warp-read sums
       policy.granularity = granularity;
       ASSERT_EQ(cudaMemcpy(device.groups.get(), bad.data(), bad.size() * sizeof(int32_t),
                            cudaMemcpyHostToDevice),

@@ -11,7 +11,7 @@ TEST(ConfigTest, DefaultsListenOnAUnixSocketWithAutoBackend) {
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(config->listen, "unix:///tmp/epsd.sock");
   EXPECT_EQ(config->backend, BackendKind::kAuto);
-  EXPECT_EQ(config->policy.method, Method::kQuest);
+  EXPECT_EQ(config->policy.method, Method::kQuestClt);
   EXPECT_EQ(config->socket_mode, 0660u);
 }
 

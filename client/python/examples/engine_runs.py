@@ -24,7 +24,7 @@ from eps_client import ModelLayout, SelectOptions, SummaryFeatures
 
 
 def _layout(model: Model, args: argparse.Namespace) -> ModelLayout:
-    # quest (the default method) needs the per-channel min/max in the records
+    # questclt (the default method) and quest need the per-channel min/max in the records
     return ModelLayout(num_layers=model.c.num_layers, num_q_heads=model.c.num_q_heads,
                        num_kv_heads=model.c.num_kv_heads, head_dim=model.c.head_dim,
                        block_size=16, group_blocks=args.group_blocks,

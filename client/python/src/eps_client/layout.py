@@ -18,7 +18,8 @@ _KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
 @dataclass(frozen=True)
 class SummaryFeatures:
     """Optional parts of a record. key_sum on, as in core/; quest on (core/ leaves it off)
-    because epsd's default method, quest, reads it (without it quest falls back to fro)."""
+    because epsd's default method, questclt, reads it, as quest does (without it the policy is
+    refused)."""
 
     key_sum: bool = True
     principal: bool = False
