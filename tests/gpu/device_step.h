@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <random>
 #include <span>
 #include <vector>
 
@@ -18,6 +19,22 @@ namespace eps::testing {
 
 #define SKIP_WITHOUT_DEVICE() \
   if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device"
+
+// A model of the given shape with every summary part and a phi seed drawn from
+// `rng` (its first draw), for the tests that compare the device with core/.
+inline ModelLayout RandomModel(int layers, int q_heads, int kv_heads, int d, int group_blocks,
+                               int sketch_dim, std::mt19937_64& rng) {
+  ModelLayout m;
+  m.num_layers = layers;
+  m.num_q_heads = q_heads;
+  m.num_kv_heads = kv_heads;
+  m.head_dim = d;
+  m.group_blocks = group_blocks;
+  m.sketch_dim = sketch_dim;
+  m.phi_seed = rng();
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  return m;
+}
 
 struct DeviceStep {
   absl::Status status;

@@ -87,15 +87,8 @@ TEST_P(FusedSelectTest, ListsEqualTheSelectionKernelsBitForBit) {
   const uint64_t seed = testing::TestSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));
   std::mt19937_64 rng(seed);
-  ModelLayout m;
-  m.num_layers = 2;
-  m.num_q_heads = c.q_heads;
-  m.num_kv_heads = c.kv_heads;
-  m.head_dim = c.d;
-  m.group_blocks = c.group_blocks;
-  m.sketch_dim = c.sketch_dim;
-  m.phi_seed = rng();
-  m.features = {.key_sum = true, .principal = true, .quest = true};
+  const ModelLayout m =
+      testing::RandomModel(2, c.q_heads, c.kv_heads, c.d, c.group_blocks, c.sketch_dim, rng);
   auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
   auto reference = PageSelector::Create(m, *phi);
   SummaryWriter writer(m, *phi);
