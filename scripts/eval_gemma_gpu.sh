@@ -13,7 +13,8 @@
 # Settings: EPS_GEMMA_CONTEXTS (16384,32768), EPS_GEMMA_ROW_CONTEXTS (the contexts of the
 # selection rows; default EPS_GEMMA_CONTEXTS, 0 for passkeys only), EPS_GEMMA_PASSKEYS (20), EPS_GEMMA_STEPS (3),
 # EPS_GEMMA_WORKERS (6), EPS_GEMMA_TIMEOUT (480 s for run_gemma, inside the call's 600),
-# EPS_GEMMA_DEVICE (cuda; cpu tries the script on a machine without a GPU).
+# EPS_GEMMA_DEVICE (cuda; cpu tries the script on a machine without a GPU), EPS_GEMMA_VARIANTS
+# (the gated passkey variants, METHOD:G,...; default run_gemma.VARIANTS).
 set -uo pipefail
 shopt -s nullglob
 cd "$(dirname "$0")/.." || exit 1
@@ -73,7 +74,7 @@ contexts=${EPS_GEMMA_CONTEXTS:-16384,32768}
   --out="$res" --cache="$cache" --device="${EPS_GEMMA_DEVICE:-cuda}" --compare-tokens=600 \
   --context="${EPS_GEMMA_ROW_CONTEXTS:-$contexts}" --steps="${EPS_GEMMA_STEPS:-3}" \
   --passkeys="${EPS_GEMMA_PASSKEYS:-20}" --passkey-context="$contexts" \
-  --workers="${EPS_GEMMA_WORKERS:-6}") 2>&1 | tee "$out/run.log"
+  --workers="${EPS_GEMMA_WORKERS:-6}" --variants="${EPS_GEMMA_VARIANTS:-}") 2>&1 | tee "$out/run.log"
 rc=${PIPESTATUS[0]}
 tar -czf "$out/gemma-q19.tar.gz" -C "$res" .
 echo "run_gemma exit $rc; $(units_in "$res/units") units in $out/gemma-q19.tar.gz"

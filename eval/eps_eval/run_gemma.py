@@ -165,7 +165,8 @@ def filler_ids(tok: Any, ctx: int) -> list[int]:
     return ids if len(ids) >= ctx else tok.encode(text(FILLER + FILLER_MORE), bos=False)
 
 
-def passkey_rows(m: Any, i: int, key: str, depth: float, prompt: str) -> list[dict[str, object]]:
+def passkey_rows(m: Any, i: int, key: str, depth: float, prompt: str,
+                 variants: tuple[tuple[str, int], ...] = VARIANTS) -> list[dict[str, object]]:
     """One prompt: dense, then each gated variant, teacher-forced over the key's tokens."""
     tok = m.tokenizer
     ids = tok.encode(prompt)
@@ -178,7 +179,7 @@ def passkey_rows(m: Any, i: int, key: str, depth: float, prompt: str) -> list[di
     for layer in GLOBAL_LAYERS:
         q8[layer].grow(tr.k[layer], P - 1)
     rows: list[dict[str, object]] = []
-    for method, g in (("dense", 0),) + VARIANTS:
+    for method, g in (("dense", 0),) + variants:
         visited: list[float] = []
         gate = None
         if method != "dense":
@@ -198,7 +199,8 @@ def passkey_rows(m: Any, i: int, key: str, depth: float, prompt: str) -> list[di
     return rows
 
 
-def passkeys(m: Any, n: int, ctx: int, seed: int, units: Path) -> None:
+def passkeys(m: Any, n: int, ctx: int, seed: int, units: Path,
+             variants: tuple[tuple[str, int], ...] = VARIANTS) -> None:
     """n prompts of ~ctx tokens, one unit each (q19gemma_passkey_{ctx}_pNN). Every prompt is
     drawn, done or not, so prompt i is the same in every run."""
     rng = np.random.default_rng(seed)
@@ -210,7 +212,7 @@ def passkeys(m: Any, n: int, ctx: int, seed: int, units: Path) -> None:
         if unit_done(units, name):
             continue
         t0 = time.time()
-        rows = passkey_rows(m, i, key, depth, prompt)
+        rows = passkey_rows(m, i, key, depth, prompt, variants)
         write_unit(units, name, rows, {"context": ctx, "read": READ, "prompt": i,
                                        "seconds": time.time() - t0})
         log(f"passkey {ctx} #{i} ({rows[0]['context']} tokens, depth {depth:.2f}): "
@@ -243,6 +245,19 @@ def contexts(arg: str) -> list[int]:
     return [int(c) for c in arg.split(",") if int(c) > 0]
 
 
+def variant_list(arg: str) -> tuple[tuple[str, int], ...]:
+    """`questclt:8,quest:1` -> (("questclt", 8), ("quest", 1)); empty: VARIANTS."""
+    if not arg:
+        return VARIANTS
+    out = []
+    for item in arg.split(","):
+        method, sep, g = item.partition(":")
+        if not sep or not g.isdigit() or int(g) < 1:
+            raise argparse.ArgumentTypeError(f"variant {item!r}: want METHOD:G, G >= 1")
+        out.append((method, int(g)))
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
@@ -261,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", choices=("full", "estimators", "mass"), default="full",
                     help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
                          "mass: quality.MASS_PLAN (the mass budget, quest and questclt)")
+    ap.add_argument("--variants", type=variant_list, default=VARIANTS,
+                    help="gated passkey variants METHOD:G,... (default: run_gemma.VARIANTS)")
     ap.add_argument("--skip-checks", action="store_true",
                     help="leave out the forward-pass checks (known answers, perplexity)")
     a = ap.parse_args(argv)
@@ -313,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 pending.append(pool.apply_async(layer_unit, args))
         del tr
     for ctx in a.passkey_context if a.passkeys else []:
-        passkeys(m, a.passkeys, ctx, 20261123, units)
+        passkeys(m, a.passkeys, ctx, 20261123, units, a.variants)
     for r in pending:
         log(r.get())
     if pool is not None:
