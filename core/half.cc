@@ -23,28 +23,6 @@ const char* DTypeName(DType dtype) {
   return "unknown";
 }
 
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1Fu;
-  uint32_t mantissa = h & 0x3FFu;
-  uint32_t bits;
-  if (exponent == 0x1F) {  // Inf or NaN: keep the payload.
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {  // Normal.
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {  // Signed zero.
-    bits = sign;
-  } else {  // Subnormal half: normalise into a float.
-    int e = -1;
-    do {
-      ++e;
-      mantissa <<= 1;
-    } while ((mantissa & 0x400u) == 0);
-    bits = sign | ((112 - e) << 23) | ((mantissa & 0x3FFu) << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
-
 uint16_t FloatToHalf(float value) {
   const uint32_t f = std::bit_cast<uint32_t>(value);
   const uint32_t sign = (f >> 16) & 0x8000u;

@@ -6,6 +6,7 @@
 // even, as the hardware converters do.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
 namespace eps {
@@ -38,7 +39,18 @@ constexpr int DTypeSize(DType dtype) {
 
 const char* DTypeName(DType dtype);
 
-float HalfToFloat(uint16_t bits);
+// Exact widening of a binary16 value (normal, subnormal, zero, Inf and NaN with
+// its payload). Inline and without branches on the value, as scoring loops read
+// two per channel: the magnitude's bits shifted into a float's place are the
+// value scaled by 2^-112 (subnormals included), so one multiply rescales them;
+// an all-ones exponent becomes the float's all-ones exponent (Inf, NaN).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7FFFu) << 13;
+  const float scaled = std::bit_cast<float>(magnitude) * 0x1p112f;
+  const uint32_t special = (h & 0x7C00u) == 0x7C00u ? 0x7F800000u | magnitude : 0u;
+  const uint32_t bits = special != 0u ? special : std::bit_cast<uint32_t>(scaled);
+  return std::bit_cast<float>(bits | (static_cast<uint32_t>(h & 0x8000u) << 16));
+}
 uint16_t FloatToHalf(float value);
 // Directed narrowing: the largest binary16 value <= `value` (Down) and the
 // smallest >= `value` (Up), as CUDA's __float2half_rd / __float2half_ru. Used

@@ -22,12 +22,6 @@ uint16_t* QuestHalves(std::span<float> record, int word) {
   return reinterpret_cast<uint16_t*>(record.data() + word);
 }
 
-float ReadHalf(std::span<const float> record, int word, int i) {
-  uint16_t bits;
-  std::memcpy(&bits, reinterpret_cast<const std::byte*>(record.data() + word) + 2 * i, 2);
-  return HalfToFloat(bits);
-}
-
 int8_t* PrincipalBytes(std::span<float> record, const SummaryLayout& layout) {
   return reinterpret_cast<int8_t*>(record.data() + layout.principal + 3);
 }
@@ -36,14 +30,6 @@ int8_t* PrincipalBytes(std::span<float> record, const SummaryLayout& layout) {
 
 int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& layout, int i) {
   return reinterpret_cast<const int8_t*>(record.data() + layout.principal + 3)[i];
-}
-
-float QuestMin(std::span<const float> record, const SummaryLayout& layout, int i) {
-  return ReadHalf(record, layout.quest_min, i);
-}
-
-float QuestMax(std::span<const float> record, const SummaryLayout& layout, int i) {
-  return ReadHalf(record, layout.quest_max, i);
 }
 
 SummaryWriter::SummaryWriter(const ModelLayout& model, const PhiBank& phi)

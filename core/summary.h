@@ -5,7 +5,9 @@
 // Seal alone looks at the group's keys once more, to fit the principal pair.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 #include "absl/status/status.h"
@@ -61,7 +63,17 @@ int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& la
 // The quest part: per-channel key minimum and maximum, stored as binary16
 // (docs/summaries.md), the minimum rounded down and the maximum up. Keys beyond
 // ±65504 cannot be summarised this way; Append rejects them when quest is on.
-float QuestMin(std::span<const float> record, const SummaryLayout& layout, int i);
-float QuestMax(std::span<const float> record, const SummaryLayout& layout, int i);
+// Inline: the CPU scoring loops read two per channel and query head.
+inline float ReadHalf(std::span<const float> record, int word, int i) {
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const std::byte*>(record.data() + word) + 2 * i, 2);
+  return HalfToFloat(bits);
+}
+inline float QuestMin(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return ReadHalf(record, layout.quest_min, i);
+}
+inline float QuestMax(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return ReadHalf(record, layout.quest_max, i);
+}
 
 }  // namespace eps

@@ -1,5 +1,6 @@
 #include "core/half.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -19,6 +20,26 @@ TEST(HalfTest, WidensKnownHalfValues) {
   EXPECT_TRUE(std::isinf(HalfToFloat(0x7C00)));
   EXPECT_TRUE(std::isnan(HalfToFloat(0x7E00)));
   EXPECT_TRUE(std::signbit(HalfToFloat(0x8000)));
+}
+
+// The binary16 definition read field by field (IEEE 754: sign, 5-bit exponent
+// biased by 15, 10-bit mantissa; exponent 0 subnormal, 31 Inf/NaN), as the
+// oracle of the branch-free HalfToFloat.
+uint32_t WidenByFields(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0x1F) return sign | 0x7F800000u | (mantissa << 13);
+  if (exponent != 0) return sign | ((exponent + 112) << 23) | (mantissa << 13);
+  const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);  // exact
+  return sign | std::bit_cast<uint32_t>(magnitude);
+}
+
+TEST(HalfTest, EveryHalfWidensToTheBitsItsFieldsDefine) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    ASSERT_EQ(std::bit_cast<uint32_t>(HalfToFloat(h)), WidenByFields(h)) << std::hex << bits;
+  }
 }
 
 TEST(HalfTest, EveryFiniteHalfRoundTripsExactly) {
