@@ -34,6 +34,7 @@ void BM_SelectStepLlama3_8B(benchmark::State& state) {
   }
   buffers.FillRandomSummaries(1);
   eps::SelectPolicy policy;
+  policy.top_pages = 16;  // the budget of docs/benchmarks/latency.md's tables, at g = 8
   eps::StepStats stats;
   for (auto _ : state) {
     const absl::Status status =

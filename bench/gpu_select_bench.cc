@@ -1,5 +1,5 @@
 // The GPU pre-pass for one decode step of a Llama-3-8B shape (32 layers, 32 q
-// heads, 8 KV heads, d = 128, g = 8, m = 8, 160-byte records), timed with CUDA
+// heads, 8 KV heads, d = 128, g = 8 (--group-blocks), m = 8, 160-byte records), timed with CUDA
 // events, next to two floors: summary bytes ÷ the datasheet bandwidth, and
 // summary bytes ÷ the bandwidth of a device-to-device copy measured in the
 // same run (bytes read plus bytes written, METHOD.md's ceiling). A second
@@ -7,7 +7,7 @@
 // strict mode, per-KV-head lists, and quest over its 16-bit summaries.
 //
 // Usage: eps_gpu_bench [--batches=1,8,64] [--contexts=8192,32768,131072]
-//                      [--policy-batch=8] [--policy-context=32768]
+//                      [--policy-batch=8] [--policy-context=32768] [--group-blocks=8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +26,10 @@
 namespace {
 
 using eps::gpu::DeviceBuffer;
+
+// The benchmark's budget since its first table (docs/benchmarks/gpu.md), kept
+// when epsd's default moved to 64 groups of g = 2.
+constexpr int kTopPages = 16;
 
 std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<int64_t> fallback) {
   const size_t n = std::strlen(flag);
@@ -147,6 +151,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
                                         : k == 4 ? fused->get()
                                                  : selector->get();
     eps::SelectPolicy policy;
+    policy.top_pages = kTopPages;
     policy.method = methods[k];
     std::vector<float> gpu_us, wall_us;
     eps::StepStats stats;
@@ -184,6 +189,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   std::vector<PolicyCase> cases;
   auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
     eps::SelectPolicy p;
+    p.top_pages = kTopPages;
     if (!f.quest) p.method = eps::Method::kJl;  // the default method (questclt) needs quest's part
     edit(p);
     cases.push_back({name, f, p});
@@ -245,8 +251,9 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
 
 int main(int argc, char** argv) {
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
-  std::vector<int64_t> policy_batch{8}, policy_context{32768};
+  std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8};
   for (int i = 1; i < argc; ++i) {
+    group_blocks = ParseList(argv[i], "--group-blocks=", group_blocks);
     batches = ParseList(argv[i], "--batches=", batches);
     contexts = ParseList(argv[i], "--contexts=", contexts);
     policy_batch = ParseList(argv[i], "--policy-batch=", policy_batch);
@@ -277,6 +284,12 @@ int main(int argc, char** argv) {
   m.num_q_heads = 32;
   m.num_kv_heads = 8;
   m.head_dim = 128;
+  m.group_blocks = group_blocks.empty() ? 8 : static_cast<int>(group_blocks[0]);
+  if (m.group_blocks < 1 || m.group_blocks > 1024) {
+    std::printf("error: --group-blocks=%d not in [1, 1024]\n", m.group_blocks);
+    return 1;
+  }
+  std::printf("g = %d blocks of 16 tokens per group\n", m.group_blocks);
   m.features = {.key_sum = false, .principal = false, .quest = false};
   for (int64_t batch : batches) {
     for (int64_t context : contexts) {

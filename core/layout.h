@@ -39,7 +39,7 @@ struct ModelLayout {
   int num_kv_heads = 0;
   int head_dim = 0;
   int block_size = 16;   // tokens per engine KV block
-  int group_blocks = 8;  // g: blocks per summary group
+  int group_blocks = 2;  // g: blocks per summary group (docs/eval/README.md, "Defaults chosen")
   int sketch_dim = 8;    // m
   uint64_t phi_seed = 0;
   DType kv_dtype = DType::kFloat16;  // element type of the engine's K and V (byte estimates)

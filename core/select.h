@@ -41,7 +41,7 @@ struct SelectPolicy {
   float alpha = 1.0f;   // ≥ 1; larger visits more
   int first_n = 1;      // attention-sink groups always visited
   int last_n = 2;       // most recent groups always visited, the newest among them
-  int top_pages = 16;   // M
+  int top_pages = 64;   // M (64 groups of g = 2 blocks: 2,048 tokens per head)
   bool strict = false;  // superset of the true top-M by max_i q·k_i, guaranteed
   HeadMode heads = HeadMode::kAll;
   // [num_layers * num_q_heads], 1 marks a retrieval head; used with kRetrieval.

@@ -25,10 +25,10 @@
 ABSL_FLAG(eps::cli::Size, context, {32768}, "tokens per sequence (16k, 32k, ...)");
 ABSL_FLAG(eps::cli::Size, batch, {2}, "sequences, in [1, 4k]");
 ABSL_FLAG(uint64_t, seed, 7, "synthetic keys");
-ABSL_FLAG(int, eps_top_pages, 16, "top_pages M");
+ABSL_FLAG(int, eps_top_pages, 64, "top_pages M");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
-ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
+ABSL_FLAG(int, eps_group_blocks, 2, "blocks per summary group g, in [1, 1024]");
 static const eps::cli::FlagAlias kTopPages("top-pages", "eps-top-pages");
 static const eps::cli::FlagAlias kAlpha("alpha", "eps-alpha");
 static const eps::cli::FlagAlias kGroupBlocks("group-blocks", "eps-group-blocks");

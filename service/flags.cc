@@ -22,11 +22,11 @@ ABSL_FLAG(
     "off | jl | 1pc | fro | quest | questclt (questclt: the default, an estimate from quest's "
     "record that ranks better on real keys; quest: the bound; docs/policy.md)");
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
-ABSL_FLAG(int, eps_group_blocks, 8, "blocks per summary group g, in [1, 1024]");
+ABSL_FLAG(int, eps_group_blocks, 2, "blocks per summary group g, in [1, 1024]");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
 ABSL_FLAG(int, eps_first_n, 1, "attention-sink groups always visited");
 ABSL_FLAG(int, eps_last_n, 2, "recent groups always visited, the newest among them");
-ABSL_FLAG(int, eps_top_pages, 16, "top_pages M");
+ABSL_FLAG(int, eps_top_pages, 64, "top_pages M");
 ABSL_FLAG(std::string, eps_heads, "all", "all | retrieval");
 ABSL_FLAG(bool, eps_strict, false, "guarantee a superset of the true top-M");
 ABSL_FLAG(std::string, eps_budget, "threshold", "threshold | fixed | top_p | mass");

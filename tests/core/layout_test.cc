@@ -11,6 +11,7 @@ ModelLayout Llama8B() {
   m.num_q_heads = 32;
   m.num_kv_heads = 8;
   m.head_dim = 128;
+  m.group_blocks = 8;
   return m;
 }
 

@@ -228,12 +228,21 @@ TEST_F(IntegrationTest, InlineWritesUpdateInputsBeforeTheStep) {
 }
 
 TEST_F(IntegrationTest, PingHeartbeatAndStatsAnswer) {
-  auto epsd = EpsdProcess::Start(testing::UniqueSocket("stats"));
+  // A budget that leaves groups of these rows out (the default top_pages covers 2,048 tokens).
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("stats"), {"--eps-top-pages=4"});
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(Options(epsd->target()), engine_->Attach("engine-stats"));
   ASSERT_TRUE(client.Attach().ok());
   ASSERT_TRUE(client.Ping(std::chrono::seconds(1)).ok());
-  RunSteps(client, *engine_, 3, 1000);
+  SelectPolicy policy;
+  policy.top_pages = 4;
+  for (int step = 1; step <= 3; ++step) {
+    const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1000 + step),
+                                            TestEngine::Row(1, 500 + step)};
+    const client::StepResult r = client.SelectPages(step, rows);
+    ASSERT_FALSE(r.fallback) << "step " << step << ": " << r.status;
+    ASSERT_TRUE(engine_->MatchesReference(rows, policy)) << "step " << step;
+  }
   ASSERT_TRUE(client.Heartbeat().ok());
   grpc::ClientContext context;
   v1::GetStatsRequest request;

@@ -25,7 +25,9 @@ L, H, QH, D, BS, PROMPT, STEPS = 2, 2, 4, 64, 16, 2048, 32
 model = ModelLayout(num_layers=L, num_q_heads=QH, num_kv_heads=H, head_dim=D, kv_dtype="float32")
 rng = np.random.default_rng(0)
 kv = np.zeros((L, 2, 256, BS, H, D), np.float32)  # the engine's paged cache: 256 blocks of 16
-shape = BufferShape(num_slots=64, max_seqs=1, max_context=4096, max_batch=1)
+CONTEXT = 4096  # tokens a sequence may reach; one summary slot per group of them
+shape = BufferShape(num_slots=CONTEXT // model.group_tokens, max_seqs=1, max_context=CONTEXT,
+                    max_batch=1)
 with ShmBuffers(model, shape) as buf, EpsClient(
         buf, engine_id="integrate-example", select=SelectOptions(top_pages=4),
         options=ClientOptions(target=sys.argv[1])) as client:

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-pages", default="4,8,16,32,64", help="quality/passkey budgets")
     ap.add_argument("--first-n", type=int, default=1)
     ap.add_argument("--last-n", type=int, default=2)
-    ap.add_argument("--group-blocks", type=int, default=8)
+    ap.add_argument("--group-blocks", type=int, default=8,
+                    help="g (8: the published runs' layout; epsd's default is 2)")
     ap.add_argument("--sketch-dim", type=int, default=8)
     ap.add_argument("--passkeys", type=int, default=20)
     ap.add_argument("--deadline-ms", type=float, default=50.0)

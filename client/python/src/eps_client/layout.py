@@ -35,7 +35,7 @@ class ModelLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int = 16
-    group_blocks: int = 8
+    group_blocks: int = 2
     sketch_dim: int = 8
     phi_seed: int = 0
     kv_dtype: str | int = "float16"  # "float16", "bfloat16", "float32" (or an eps.v1 DType)
