@@ -57,6 +57,7 @@ class AsyncFenceTest : public ::testing::Test {
     m_.num_kv_heads = kKvHeads;
     m_.head_dim = kDim;
     m_.phi_seed = 91;
+    m_.group_blocks = 8;
     m_.features = {.key_sum = true, .principal = false, .quest = false};
     phi_ = std::make_unique<PhiBank>(*PhiBank::Create(m_.phi_seed, kLayers, kKvHeads, kDim, 8));
     reference_ = std::make_unique<PageSelector>(*PageSelector::Create(m_, *phi_));
@@ -103,7 +104,7 @@ class AsyncFenceTest : public ::testing::Test {
     l->set_num_kv_heads(kKvHeads);
     l->set_head_dim(kDim);
     l->set_block_size(16);
-    l->set_group_blocks(8);
+    l->set_group_blocks(m_.group_blocks);
     l->set_sketch_dim(8);
     l->set_phi_seed(m_.phi_seed);
     l->mutable_features()->set_key_sum(true);

@@ -133,6 +133,7 @@ int Run(const Flags& flags, testing::RankBoard* board) {
   m.num_kv_heads = kv;
   m.head_dim = kHeadDim;
   m.phi_seed = 77 + flags.rank;
+  m.group_blocks = 8;
   m.features = {.key_sum = true, .principal = false, .quest = false};
   const int64_t max_context = kStartTokens + flags.steps + 8;
   auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
@@ -182,7 +183,7 @@ int Run(const Flags& flags, testing::RankBoard* board) {
   l->set_num_kv_heads(kv);
   l->set_head_dim(kHeadDim);
   l->set_block_size(16);
-  l->set_group_blocks(8);
+  l->set_group_blocks(m.group_blocks);
   l->set_sketch_dim(8);
   l->set_phi_seed(m.phi_seed);
   l->mutable_features()->set_key_sum(true);

@@ -58,6 +58,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   m.num_kv_heads = 2;
   m.head_dim = 128;
   m.phi_seed = 77;
+  m.group_blocks = 8;
   m.features = {.key_sum = true, .principal = false, .quest = false};
   const int batch = 2, steps = 1000;
   const int64_t start_tokens = 6000, max_context = start_tokens + steps + 8;
@@ -116,7 +117,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   l->set_num_kv_heads(2);
   l->set_head_dim(128);
   l->set_block_size(16);
-  l->set_group_blocks(8);
+  l->set_group_blocks(m.group_blocks);
   l->set_sketch_dim(8);
   l->set_phi_seed(m.phi_seed);
   l->mutable_features()->set_key_sum(true);
