@@ -1,0 +1,142 @@
+"""The mass budget calibrated per layer, tested on other positions or other contexts.
+
+`python -m eps_eval.layer_calibration --calibrate='DIR/units/q19_real_8192_*.csv'
+--test='DIR/units/q19_real_4096_*.csv' [--margin=0.97] [--floors=0.0]` (comma-separated
+globs; a pair is (layer, context, step))
+
+Reads the unit CSVs of `run_quality --plan=mass` (lag 1; every (τ, p, floor) of the
+mass budget and the threshold budget's sweep for each (method, g)). For each layer it
+picks the (τ, p, floor) with the most bytes skipped whose recall reaches `margin` on
+every calibration pair of that layer, then reports on the test pairs: how many reach
+the target recall (0.95) and the mean skip, beside the best single fixed budget whose
+mean recall over the test pairs reaches 0.95 (at a swept point, and interpolated
+linearly between the two swept points around 0.95). With --split-steps=0,2,4 the
+calibration and test pairs come from the same files, split by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import itertools
+from collections import defaultdict
+
+TARGET = 0.95
+Pair = tuple[int, int, int]  # (layer, context, step)
+Point = tuple[float, float]  # (recall, skip)
+Table = dict[tuple[str, ...], dict[Pair, Point]]
+
+
+def load(patterns: str) -> list[dict[str, str]]:
+    """The rows of every unit CSV matching the comma-separated globs."""
+    rows: list[dict[str, str]] = []
+    for pattern in patterns.split(","):
+        for path in sorted(glob.glob(pattern)):
+            with open(path, newline="") as f:
+                rows += list(csv.DictReader(f))
+    return rows
+
+
+def tables(rows: list[dict[str, str]], method: str, g: str) -> tuple[Table, Table]:
+    """(mass[(p, τ, floor)], threshold[(param,)]) -> pair -> (recall, skip), lag 1."""
+    mass: Table = defaultdict(dict)
+    fixed: Table = defaultdict(dict)
+    for r in rows:
+        if r["method"] != method or r["g"] != g or r["lag"] != "1":
+            continue
+        pair = (int(r["layer"]), int(r["context"]), int(r["step"]))
+        point = (float(r["recall"]), float(r["skip"]))
+        if r["budget"] == "mass":
+            mass[(r["param"], r["temperature"], r["floor"])][pair] = point
+        elif r["budget"] == "threshold":
+            fixed[(r["param"],)][pair] = point
+    return mass, fixed
+
+
+def calibrate(mass: Table, pairs: list[Pair], margin: float,
+              floors: set[str] | None) -> dict[int, tuple[str, ...]]:
+    """Per layer, the setting with the most mean skip reaching `margin` on all its pairs."""
+    chosen: dict[int, tuple[str, ...]] = {}
+    for layer in sorted({p[0] for p in pairs}):
+        mine = [p for p in pairs if p[0] == layer]
+        best: tuple[float, tuple[str, ...]] | None = None
+        for setting, points in mass.items():
+            if floors is not None and setting[2] not in floors:
+                continue
+            if not all(p in points and points[p][0] >= margin for p in mine):
+                continue
+            skip = sum(points[p][1] for p in mine) / len(mine)
+            if best is None or skip > best[0]:
+                best = (skip, setting)
+        if best is not None:
+            chosen[layer] = best[1]
+    return chosen
+
+
+def best_fixed(fixed: Table, pairs: list[Pair]) -> tuple[float, float]:
+    """(swept, interpolated) mean skip of the best fixed budget with mean recall >= TARGET."""
+    curve = sorted((sum(pts[p][1] for p in pairs) / len(pairs),
+                    sum(pts[p][0] for p in pairs) / len(pairs))
+                   for pts in fixed.values() if all(p in pts for p in pairs))
+    swept = max((s for s, r in curve if r >= TARGET), default=float("nan"))
+    interpolated = swept
+    for (s1, r1), (s2, r2) in itertools.pairwise(curve):
+        if r1 >= TARGET > r2:
+            interpolated = max(interpolated, s1 + (s2 - s1) * (r1 - TARGET) / (r1 - r2))
+    return swept, interpolated
+
+
+def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], margin: float,
+           floors: set[str] | None) -> list[str]:
+    header = ("| method | g | test pairs >= 0.95 | test mean skip | test mean recall | "
+              "best fixed (swept / interpolated) skip |")
+    out = [f"margin {margin}, floors {sorted(floors) if floors else 'all'}", header,
+           "| --- | --- | --- | --- | --- | --- |"]
+    methods = sorted({(r["method"], r["g"]) for r in test_rows if r["budget"] == "mass"})
+    for method, g in methods:
+        cm, _ = tables(calib_rows, method, g)
+        tm, tf = tables(test_rows, method, g)
+        cpairs = sorted({p for pts in cm.values() for p in pts})
+        tpairs = sorted({p for pts in tm.values() for p in pts})
+        chosen = calibrate(cm, cpairs, margin, floors)
+        points = [tm[chosen[p[0]]][p] for p in tpairs if p[0] in chosen]
+        uncalibrated = len({p[0] for p in tpairs} - set(chosen))
+        swept, interpolated = best_fixed(tf, tpairs)
+        if not points:
+            out.append(f"| {method} | {g} | no layer calibrated | | | {swept:.3f} / "
+                       f"{interpolated:.3f} |")
+            continue
+        ok = sum(r >= TARGET for r, _ in points)
+        skip = sum(s for _, s in points) / len(points)
+        recall = sum(r for r, _ in points) / len(points)
+        note = f" ({uncalibrated} layers without a setting)" if uncalibrated else ""
+        out.append(f"| {method} | {g} | {ok} of {len(points)}{note} | {skip:.3f} | "
+                   f"{recall:.3f} | {swept:.3f} / {interpolated:.3f} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--calibrate", required=True, help="comma-separated globs of unit CSVs")
+    ap.add_argument("--test", default="", help="globs of unit CSVs (default: --split-steps)")
+    ap.add_argument("--split-steps", default="", help="calibration steps, e.g. 0,2,4")
+    ap.add_argument("--margin", type=float, default=0.97)
+    ap.add_argument("--floors", default="", help="e.g. 0.0 (default: every swept floor)")
+    a = ap.parse_args(argv)
+    floors = set(a.floors.split(",")) if a.floors else None
+    if a.test:
+        calib, test = load(a.calibrate), load(a.test)
+    else:
+        steps = {int(s) for s in a.split_steps.split(",") if s}
+        if not steps:
+            ap.error("give --test or --split-steps")
+        rows = load(a.calibrate)
+        calib = [r for r in rows if int(r["step"]) in steps]
+        test = [r for r in rows if int(r["step"]) not in steps]
+    print("\n".join(report(calib, test, a.margin, floors)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

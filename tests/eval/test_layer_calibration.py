@@ -1,0 +1,55 @@
+"""Tests of the per-layer calibration of the mass budget (eval/eps_eval/layer_calibration.py).
+
+The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from eps_eval import layer_calibration as lc
+
+
+def _row(layer: int, step: int, budget: str, param: float, recall: float, skip: float,
+         tau: float = 1.0, floor: float = 0.0) -> dict[str, str]:
+    return {"method": "questclt", "g": "2", "lag": "1", "layer": str(layer), "context": "8192",
+            "step": str(step), "budget": budget, "param": str(param), "temperature": str(tau),
+            "floor": str(floor), "recall": str(recall), "skip": str(skip)}
+
+
+def test_each_layer_gets_the_most_frugal_setting_that_is_safe_on_all_its_pairs(
+        rng: np.random.Generator) -> None:
+    rows = []
+    targets = [0.9, 0.95, 0.99]
+    # Layer L: target p gives recall p + 0.02·L - 0.01·step; skip falls as p rises.
+    for layer in range(3):
+        for step in range(4):
+            for p in targets:
+                noise = float(rng.uniform(-0.001, 0.001))
+                rows.append(_row(layer, step, "mass", p, p + 0.02 * layer - 0.01 * step + noise,
+                                 1.0 - p + noise))
+    mass, _ = lc.tables(rows, "questclt", "2")
+    pairs = sorted({p for pts in mass.values() for p in pts})
+    chosen = lc.calibrate(mass, pairs, 0.95, None)
+    # Worst step is 3 (−0.03): layer 0 needs p with p − 0.03 ≥ 0.95, none of the targets
+    # but 0.99; layer 1 (+0.02) needs p ≥ 0.96: 0.99; layer 2 (+0.04) needs p ≥ 0.94: 0.95.
+    assert {layer: float(s[0]) for layer, s in chosen.items()} == {0: 0.99, 1: 0.99, 2: 0.95}
+
+
+def test_a_layer_with_no_safe_setting_is_left_out() -> None:
+    rows = [_row(0, s, "mass", 0.9, 0.8, 0.5) for s in range(2)]
+    mass, _ = lc.tables(rows, "questclt", "2")
+    assert lc.calibrate(mass, sorted(next(iter(mass.values()))), 0.95, None) == {}
+
+
+def test_the_fixed_budget_is_interpolated_between_the_points_around_the_target() -> None:
+    # Two pairs; budget A: recall 0.97 at skip 0.5, budget B: recall 0.93 at skip 0.7.
+    rows = []
+    for step in range(2):
+        rows.append(_row(0, step, "threshold", 10, 0.97, 0.5))
+        rows.append(_row(0, step, "threshold", 5, 0.93, 0.7))
+    _, fixed = lc.tables(rows, "questclt", "2")
+    pairs = sorted({p for pts in fixed.values() for p in pts})
+    swept, interpolated = lc.best_fixed(fixed, pairs)
+    assert swept == pytest.approx(0.5)
+    assert interpolated == pytest.approx(0.6)  # halfway: 0.95 is halfway from 0.97 to 0.93
