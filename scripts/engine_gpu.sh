@@ -9,8 +9,10 @@
 # (grpcio, protobuf, gguf for the image's Python). The SmolLM2 GGUF for the quality and
 # passkey runs is found at $EPS_MODEL, else joined from /tmp/eps-stage/*.part-* (staged
 # by earlier calls to the same warm machine); without it those runs are skipped.
-# EPS_ENGINE_QUICK=1 runs a small plan (a debugging pass). Results: $OUT/*.json, logs,
-# and the tables printed last.
+# EPS_ENGINE_QUICK=1 runs a small plan (a debugging pass). EPS_ENGINE_ARGS adds flags to
+# every run (e.g. "--group-blocks 2"); EPS_ENGINE_TOP_PAGES and EPS_ENGINE_PASSKEY_TOP_PAGES
+# replace the quality and passkey budgets (defaults 4,8,12,16,24,32 and 8,16 groups, for
+# the reference engine's g = 8). Results: $OUT/*.json, logs, and the tables printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 carry=${EPS_ENGINE_CARRY:-.carry-engine}
@@ -58,7 +60,8 @@ engine() {  # name, then reference_engine.py flags
   local name=$1; shift
   echo "=== $name: $*"
   timeout "${EPS_RUN_TIMEOUT:-240}" python3 "$carry/python/examples/reference_engine.py" \
-    --epsd-target "unix://$sock" --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1
+    --epsd-target "unix://$sock" --json "$out/$name.json" "$@" ${EPS_ENGINE_ARGS:-} \
+    >"$out/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$out/$name.log"
   echo "=== $name: exit $rc"
@@ -93,9 +96,9 @@ else
     --restart-at 40 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
   if [[ -n $model ]]; then
     engine quality --mode quality --model gguf --gguf "$model" --batch 4 --context 8000 \
-      --decode-steps 64 --top-pages 4,8,12,16,24,32 --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
+      --decode-steps 64 --top-pages "${EPS_ENGINE_TOP_PAGES:-4,8,12,16,24,32}" --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
     engine passkey --mode passkey --model gguf --gguf "$model" --context 8000 --passkeys 20 \
-      --top-pages 8,16 --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
+      --top-pages "${EPS_ENGINE_PASSKEY_TOP_PAGES:-8,16}" --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
   else
     echo "no model staged: quality and passkey runs skipped"
   fi
