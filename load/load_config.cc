@@ -28,7 +28,7 @@ ModelLayout Shape(int layers, int q_heads, int kv_heads, int head_dim) {
   m.group_blocks = 8;
   m.sketch_dim = 8;
   m.phi_seed = 42;
-  // Minimal records (Gram + norms), the default policy's needs (jl, not strict).
+  // Gram, norms and quest's 16-bit part: the default method (questclt) reads the quest part.
   m.features = {.key_sum = false, .principal = false, .quest = true};
   return m;
 }
