@@ -256,17 +256,28 @@ __device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int w = min(w0 + 32 * j + lane, half - 1);
+        // Per record and channel, once for every head: lo + hi and (hi − lo)²; the
+        // halves and quarters go on the query (q/2 and q²/4), so a head adds four
+        // FMAs per word: centre += (q/2)·(lo + hi), spread += (q²/4)·(hi − lo)².
+        float2 sum[kRecords], width2[kRecords];
+#pragma unroll
+        for (int k = 0; k < kRecords; ++k) {
+          const float2 l = __half22float2(lo[k][j]), u = __half22float2(hi[k][j]);
+          sum[k] = make_float2(l.x + u.x, l.y + u.y);
+          const float dx = u.x - l.x, dy = u.y - l.y;
+          width2[k] = make_float2(dx * dx, dy * dy);
+        }
 #pragma unroll
         for (int r = 0; r < kHeads; ++r) {
           const float2 qv = reinterpret_cast<const float2*>(q + (r < heads ? r : 0) * o.d)[w];
+          const float cx = 0.5f * qv.x, cy = 0.5f * qv.y;
+          const float sx = 0.25f * qv.x * qv.x, sy = 0.25f * qv.y * qv.y;
 #pragma unroll
           for (int k = 0; k < kRecords; ++k) {
-            const float2 l = __half22float2(lo[k][j]), u = __half22float2(hi[k][j]);
             float& c = centre[k * kHeads + r];
-            c = fmaf(qv.y, 0.5f * (l.y + u.y), fmaf(qv.x, 0.5f * (l.x + u.x), c));
-            const float ax = qv.x * (0.5f * (u.x - l.x)), ay = qv.y * (0.5f * (u.y - l.y));
+            c = fmaf(cy, sum[k].y, fmaf(cx, sum[k].x, c));
             float& v = spread[k * kHeads + r];
-            v = fmaf(ay, ay, fmaf(ax, ax, v));
+            v = fmaf(sy, width2[k].y, fmaf(sx, width2[k].x, v));
           }
         }
       }
