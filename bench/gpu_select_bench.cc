@@ -8,6 +8,7 @@
 //
 // Usage: eps_gpu_bench [--batches=1,8,64] [--contexts=8192,32768,131072]
 //                      [--policy-batch=8] [--policy-context=32768] [--group-blocks=8]
+//                      [--top-pages=16]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,8 +29,8 @@ namespace {
 using eps::gpu::DeviceBuffer;
 
 // The benchmark's budget since its first table (docs/benchmarks/gpu.md), kept
-// when epsd's default moved to 64 groups of g = 2.
-constexpr int kTopPages = 16;
+// when epsd's default moved to 64 groups of g = 2 (--top-pages sets it).
+int top_pages_per_head = 16;
 
 std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<int64_t> fallback) {
   const size_t n = std::strlen(flag);
@@ -151,7 +152,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
                                         : k == 4 ? fused->get()
                                                  : selector->get();
     eps::SelectPolicy policy;
-    policy.top_pages = kTopPages;
+    policy.top_pages = top_pages_per_head;
     policy.method = methods[k];
     std::vector<float> gpu_us, wall_us;
     eps::StepStats stats;
@@ -183,13 +184,14 @@ struct PolicyCase {
   const char* name;
   eps::SummaryFeatures features;
   eps::SelectPolicy policy;
+  eps::gpu::GpuSelectorOptions options = {};
 };
 
 absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, double copy_gbs) {
   std::vector<PolicyCase> cases;
   auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
     eps::SelectPolicy p;
-    p.top_pages = kTopPages;
+    p.top_pages = top_pages_per_head;
     if (!f.quest) p.method = eps::Method::kJl;  // the default method (questclt) needs quest's part
     edit(p);
     cases.push_back({name, f, p});
@@ -213,6 +215,12 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
     p.budget = eps::Budget::kFixed;
   });
   add("questclt threshold", quest, [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
+  add("questclt threshold (registers)", quest,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
+  cases.back().options.register_sums = true;  // the sums before the ring (gpu/step.h)
+  // The reference engine's record (key_sum and quest: 1,184 bytes at d = 128).
+  add("questclt threshold key_sum", bracket,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
   add("quest mass 0.95", quest, [](eps::SelectPolicy& p) {
     p.method = eps::Method::kQuest;
     p.budget = eps::Budget::kMass;
@@ -228,7 +236,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
                      MakeDeviceStep(m, batch, context, c.policy.granularity));
     eps::testing::StepBuffers& buffers = step->buffers;
     ASSIGN_OR_RETURN(auto selector,
-                     eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups()));
+                     eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), c.options));
     std::vector<float> gpu_us;
     eps::StepStats stats;
     for (int i = 0; i < 60; ++i) {
@@ -251,14 +259,20 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
 
 int main(int argc, char** argv) {
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
-  std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8};
+  std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8}, top_pages{16};
   for (int i = 1; i < argc; ++i) {
     group_blocks = ParseList(argv[i], "--group-blocks=", group_blocks);
     batches = ParseList(argv[i], "--batches=", batches);
     contexts = ParseList(argv[i], "--contexts=", contexts);
     policy_batch = ParseList(argv[i], "--policy-batch=", policy_batch);
     policy_context = ParseList(argv[i], "--policy-context=", policy_context);
+    top_pages = ParseList(argv[i], "--top-pages=", top_pages);
   }
+  if (top_pages.empty() || top_pages[0] < 1) {
+    std::printf("error: --top-pages must be a positive count\n");
+    return 1;
+  }
+  top_pages_per_head = static_cast<int>(top_pages[0]);
   if (!eps::gpu::DeviceAvailable()) {
     std::printf("no CUDA device\n");
     return 0;
@@ -289,7 +303,8 @@ int main(int argc, char** argv) {
     std::printf("error: --group-blocks=%d not in [1, 1024]\n", m.group_blocks);
     return 1;
   }
-  std::printf("g = %d blocks of 16 tokens per group\n", m.group_blocks);
+  std::printf("g = %d blocks of 16 tokens per group, top_pages %d\n", m.group_blocks,
+              top_pages_per_head);
   m.features = {.key_sum = false, .principal = false, .quest = false};
   for (int64_t batch : batches) {
     for (int64_t context : contexts) {

@@ -27,7 +27,8 @@ namespace eps::gpu::kernels {
 // (gpu/warp_sums.cuh).
 //
 // Shared memory (dynamic): the staged records of jl with m known [threads,
-// StagedStride(m)], terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
+// StagedStride(m)] or questclt's ring of quest parts [warps, RingWarpWords]
+// (gpu/warp_sums.cuh QuestCltSumsRing), terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
 // d] float2. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict: the
 // lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
@@ -46,10 +47,13 @@ struct ScoreArgs {
 };
 
 // Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
-// `staged`: jl with m known, which stages its records (StagedWords).
-__host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged) {
+// `staged`: jl with m known, which stages its records (StagedWords); `ring`:
+// questclt, which stages its quest parts in a ring (RingWarpWords).
+__host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged,
+                                                   bool ring = false) {
   return static_cast<size_t>(ratio) * (TermWords(m) + 3 * d) +
-         (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0);
+         (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0) +
+         (ring ? kScoreThreads / 32 * RingWarpWords(ratio <= 4 ? 4 : 8, d) : 0);
 }
 
 // Scoring blocks resident per SM that the compiler must allow: the warp-read
@@ -69,13 +73,15 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // One scoring block's work (ScoreKernel, and the fused selection of
 // gpu/fused_select.cuh): kFused keeps the block's scores in shared memory,
 // head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
-// writing them to a.scores; the same bits either way. A thread without a
-// group (or with a bad slot) writes none. Returns early, so the caller syncs
-// the block before reading the scores.
-template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused>
+// writing them to a.scores; the same bits either way. kRing: questclt reads
+// its sums through a ring of shared memory (QuestCltSumsRing), the same bits. A
+// thread without a group (or with a bad slot) writes none. Returns early, so
+// the caller syncs the block before reading the scores.
+template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, bool kRing = false>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
                                             float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
+  static_assert(!kRing || (kMethod == Method::kQuestClt && !kStrict), "the ring is questclt's");
   // quest, questclt and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
   // nothing to score.
@@ -95,8 +101,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
   const int words = TermWords(s.m);
-  float* stage = shared;                                              // [threads, kStride]
-  float* terms_sh = stage + kScoreThreads * kStride;                  // [ratio, words]
+  float* stage = shared;  // [threads, kStride], or the ring [warps, RingWarpWords]
+  float* terms_sh =
+      stage + (kRing ? kScoreThreads / 32 * RingWarpWords(kHeads, s.d) : kScoreThreads * kStride);
   float* q_sh = terms_sh + ratio * words;                             // [ratio, d]
   float2* qsplit_sh = reinterpret_cast<float2*>(q_sh + ratio * s.d);  // [ratio, d]
   DeviceStatus* status = &a.report->status;
@@ -192,7 +199,14 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       } else if constexpr (kMethod == Method::kOnePc) {
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
       } else if constexpr (kMethod == Method::kQuestClt) {
-        if (o.quest_min >= 0) QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+        if (o.quest_min >= 0) {
+          if constexpr (kRing) {
+            QuestCltSumsRing<kHeads>(rec, o, q, heads, sums, lane,
+                                     stage + warp * RingWarpWords(kHeads, s.d));
+          } else {
+            QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+          }
+        }
         if (!active) continue;
       }
 #pragma unroll
@@ -226,11 +240,11 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
 
 // kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
 // the other methods take kHeadBatch per pass.
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, bool kRing = false>
 __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
     ScoreKernel(Shape s, ScoreArgs a) {
   extern __shared__ float shared[];
-  ScoreGroups<kMethod, kM, kStrict, kHeads, false>(s, a, shared, nullptr);
+  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kRing>(s, a, shared, nullptr);
 }
 
 }  // namespace eps::gpu::kernels

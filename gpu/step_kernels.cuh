@@ -26,9 +26,9 @@ inline const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
     SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
 
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, bool kRing = false>
 const void* ScoreKernelOf() {
-  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads>);
+  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads, kRing>);
 }
 inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>(),
                                             ScoreKernelOf<Method::kJl, 8, false>(),
@@ -40,6 +40,8 @@ inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>
                                             ScoreKernelOf<Method::kQuest, 0, false, 8>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 4>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 8>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, true>(),
                                             ScoreKernelOf<Method::kOff, 0, false>(),
                                             ScoreKernelOf<Method::kOff, 0, true, 4>(),
                                             ScoreKernelOf<Method::kOff, 0, true, 8>()};
@@ -85,12 +87,19 @@ inline const void* TermsKernelFor(Method method, int m, bool strict) {
 inline bool StagesRecords(Method method, int m, bool strict) {
   return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
 }
+// questclt stages its quest parts in a ring (warp_sums.cuh QuestCltSumsRing)
+// when the ring fits beside the query terms; else it reads them into registers.
+inline bool RingsQuestParts(Method method, bool strict) {
+  return method == Method::kQuestClt && !strict;
+}
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
 // register-resident Gram of staged records); strict mode scores brackets
 // whatever the method. quest, questclt and strict read their sums for 4 query heads per
-// pass of the warp when a KV head has at most 4 (more records per pass), else 8.
-inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged) {
+// pass of the warp when a KV head has at most 4 (more records per pass), else 8;
+// `ring`: questclt's ring fits (RingsQuestParts).
+inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged,
+                                  bool ring) {
   const bool four = ratio <= 4;
   if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
   if (strict) {
@@ -118,6 +127,10 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kQuestClt:
+      if (ring) {
+        return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, true>()
+                    : ScoreKernelOf<Method::kQuestClt, 0, false, 8, true>();
+      }
       return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuestClt, 0, false, 8>();
     case Method::kOff:

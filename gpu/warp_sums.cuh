@@ -287,6 +287,92 @@ __device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o
   }
 }
 
+// questclt's sums as QuestCltSumsWarp (the same words per lane, the same FMAs in
+// the same order: bit for bit), with each pass's quest parts copied into a ring
+// of shared memory by cp.async kRingStages - 1 passes ahead. The register path
+// holds a pass's words in registers, so at its 128-register cap a warp has one
+// pass of loads in flight and none while it adds and reduces; here the copies
+// of the next passes are in flight throughout and hold no registers.
+// `ring`: the warp's RingWarpWords(kHeads, d) words.
+inline constexpr int kRingStages = 3;
+
+__host__ __device__ constexpr size_t RingWarpWords(int heads_per_pass, int d) {
+  const int records = heads_per_pass <= 4 ? kWarpRecords<4, true> : kWarpRecords<8, true>;
+  return static_cast<size_t>(kRingStages) * records * d;
+}
+
+template <int kHeads>
+__device__ inline void QuestCltSumsRing(const float* rec, const RecordOffsets& o, const float* q,
+                                        int heads, HeadSums& sums, int lane, float* ring) {
+  constexpr int kRecords = kWarpRecords<kHeads, true>;
+  static_assert(kRingStages >= 2 && kRingStages <= 4, "the owners' queue holds 4 passes");
+  unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
+  const auto address = reinterpret_cast<unsigned long long>(rec);
+  const int d = o.d, half = o.d / 2;
+  const int slot_words = kRecords * d;
+  // Queues the next pass's copies (an empty group once every record is taken, so
+  // that group i is always pass i) and the lane's index in it on `owners`, 8
+  // bits a pass, oldest lowest.
+  unsigned owners = 0;
+  int issued = 0;
+  auto issue = [&](int queued) {
+    if (pending != 0) {
+      const WarpPass<kRecords> pass = NextWarpPass<kRecords>(pending, address, lane);
+      float* slot = ring + (issued % kRingStages) * slot_words;
+#pragma unroll
+      for (int k = 0; k < kRecords; ++k) {
+        for (int w = lane; w < d; w += 32) {
+          __pipeline_memcpy_async(slot + k * d + w, pass.rec[k] + o.quest_min + w, 4);
+        }
+      }
+      owners |= static_cast<unsigned>(pass.mine + 1) << (8 * queued);
+      ++issued;
+    }
+    __pipeline_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kRingStages - 1; ++s) issue(s);
+  for (int done = 0; done < issued; ++done) {
+    issue(issued - done);  // into the slot of pass done - 1, which every lane has read
+    __pipeline_wait_prior(kRingStages - 1);
+    __syncwarp();
+    const float* slot = ring + (done % kRingStages) * slot_words;
+    const int mine = static_cast<int>(owners & 0xFFu) - 1;
+    owners >>= 8;
+    float centre[kRecords * kHeads] = {}, spread[kRecords * kHeads] = {};
+    for (int w = lane; w < half; w += 32) {
+      // As QuestCltSumsWarp: lo + hi and (hi − lo)² once per record and word,
+      // then four FMAs per head.
+      float2 sum[kRecords], width2[kRecords];
+#pragma unroll
+      for (int k = 0; k < kRecords; ++k) {
+        const float2 l = __half22float2(reinterpret_cast<const __half2*>(slot + k * d)[w]);
+        const float2 u = __half22float2(reinterpret_cast<const __half2*>(slot + k * d + half)[w]);
+        sum[k] = make_float2(l.x + u.x, l.y + u.y);
+        const float dx = u.x - l.x, dy = u.y - l.y;
+        width2[k] = make_float2(dx * dx, dy * dy);
+      }
+#pragma unroll
+      for (int r = 0; r < kHeads; ++r) {
+        const float2 qv = reinterpret_cast<const float2*>(q + (r < heads ? r : 0) * d)[w];
+        const float cx = 0.5f * qv.x, cy = 0.5f * qv.y;
+        const float sx = 0.25f * qv.x * qv.x, sy = 0.25f * qv.y * qv.y;
+#pragma unroll
+        for (int k = 0; k < kRecords; ++k) {
+          float& c = centre[k * kHeads + r];
+          c = fmaf(cy, sum[k].y, fmaf(cx, sum[k].x, c));
+          float& v = spread[k * kHeads + r];
+          v = fmaf(sy, width2[k].y, fmaf(sx, width2[k].x, v));
+        }
+      }
+    }
+    DealSums<kRecords, kHeads>(centre, mine, sums.centre, lane);
+    DealSums<kRecords, kHeads>(spread, mine, sums.spread, lane);
+    __syncwarp();  // the slot is refilled two passes on
+  }
+  __pipeline_wait_prior(0);  // no copy outlives the call (the tail groups are empty)
+}
+
 // jl's staged record (ScoreKernel with m known): the packed Gram and the three
 // statistics, rounded up to 16 bytes ...
 constexpr int StagedWords(int m) { return (m * (m + 1) / 2 + 3 + 3) / 4 * 4; }

@@ -12,7 +12,12 @@
 # EPS_ENGINE_QUICK=1 runs a small plan (a debugging pass). EPS_ENGINE_ARGS adds flags to
 # every run (e.g. "--group-blocks 2"); EPS_ENGINE_TOP_PAGES and EPS_ENGINE_PASSKEY_TOP_PAGES
 # replace the quality and passkey budgets (defaults 4,8,12,16,24,32 and 8,16 groups, for
-# the reference engine's g = 8). Results: $OUT/*.json, logs, and the tables printed last.
+# the reference engine's g = 8). EPS_ENGINE_PLAN=speed runs only the two speed runs (no
+# device tests, kill, quality or one-queue runs). EPS_ENGINE_MPS=1 runs epsd and the engine
+# as clients of a CUDA Multi-Process Service daemon started here (private pipe and log
+# directories under /tmp, stopped at exit; the card's settings are left alone), so their
+# kernels share the GPU without time-slicing between two contexts.
+# Results: $OUT/*.json, logs, and the tables printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 carry=${EPS_ENGINE_CARRY:-.carry-engine}
@@ -40,6 +45,17 @@ if [[ -z $model ]] && ls /tmp/eps-stage/*.part-* >/dev/null 2>&1; then
   fi
 fi
 
+if [[ ${EPS_ENGINE_MPS:-0} == 1 ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/eps-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/eps-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS: the control daemon did not start"; exit 1; }
+  echo "MPS: control daemon started"
+fi
+stop_mps() {
+  [[ ${EPS_ENGINE_MPS:-0} == 1 ]] || return 0
+  echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')"
+  echo quit | nvidia-cuda-mps-control
+}
 sock=/tmp/eps-engine-$$.sock
 pidfile=$out/epsd.pid
 epsd_cmd="exec $carry/epsd --listen=unix://$sock --backend=cuda --metrics-listen=off >>$out/epsd.log 2>&1"
@@ -52,7 +68,7 @@ with grpc.insecure_channel(f"unix://{sys.argv[1]}") as ch:
 PY
 }
 stop_epsd() { [[ -f $pidfile ]] && kill "$(cat "$pidfile")" 2>/dev/null; sleep 0.2; }
-trap stop_epsd EXIT
+trap 'stop_epsd; stop_mps' EXIT
 start_epsd || { tail "$out/epsd.log"; exit 1; }
 echo "epsd up: $(head -1 "$out/epsd.log")"
 
@@ -70,6 +86,12 @@ engine() {  # name, then reference_engine.py flags
   kill -0 "$(cat "$pidfile")" 2>/dev/null || start_epsd
 }
 status=0
+if [[ ${EPS_ENGINE_PLAN:-full} == speed ]]; then
+  engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64
+  engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64
+  for f in "$out"/speed-*.log; do awk '/^(speed)[: -]/{p=1} p' "$f"; done
+  exit $status
+fi
 # The client library's device tests first: outputs kernels, summary queue, watchdog, the
 # counter protocol with every stream in one hardware queue, and the torch/kernel paths of
 # eps_client.outputs against their numpy references.

@@ -170,6 +170,19 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   const testing::DeviceStep got =
       testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy);
   ASSERT_TRUE(got.status.ok()) << got.status;
+  if (c.method == Method::kQuestClt && !c.strict) {
+    // questclt's ring of shared memory (the default) and its register path sum
+    // the same words in the same order: the same scores, so the same lists.
+    auto registers =
+        gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.register_sums = true});
+    ASSERT_TRUE(registers.ok()) << registers.status();
+    const testing::DeviceStep again =
+        testing::SelectOnDevice(**registers, buffers, batch, rows, policy);
+    ASSERT_TRUE(again.status.ok()) << again.status;
+    EXPECT_EQ(again.visit_count, got.visit_count);
+    EXPECT_EQ(again.visit_blocks, got.visit_blocks);
+    EXPECT_EQ(again.stats.groups_visited, got.stats.groups_visited);
+  }
 
   // Equal visit sets, except groups whose score sits within fp32 tolerance of a
   // head's cut (the GPU sums in another order); with the fixed budget such a
@@ -272,7 +285,13 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuestClt, 128, 16, 2, 8, false},
         GpuCase{Method::kQuestClt, 64, 4, 4, 1, false},
         GpuCase{Method::kQuestClt, 256, 16, 2, 2, false, 16, kPerKvHead},
-        GpuCase{Method::kQuestClt, 64, 32, 2, 4, true, 12, kPerKvHead}),
+        GpuCase{Method::kQuestClt, 64, 32, 2, 4, true, 12, kPerKvHead},
+        // its ring (QuestCltSumsRing) with d = 96 (a partial run of words), the
+        // fixed and mass budgets, and a row of one pass or less (exact ties).
+        GpuCase{Method::kQuestClt, 96, 8, 2, 1, false, 8, kUnion, Budget::kFixed},
+        GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass},
+        GpuCase{
+            Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, false, {}, 3}),
     CaseName);
 
 INSTANTIATE_TEST_SUITE_P(
