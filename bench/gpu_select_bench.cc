@@ -8,13 +8,21 @@
 //
 // Usage: eps_gpu_bench [--batches=1,8,64] [--contexts=8192,32768,131072]
 //                      [--policy-batch=8] [--policy-context=32768] [--group-blocks=8]
-//                      [--top-pages=16]
+//                      [--top-pages=16] [--slots=consecutive|scattered]
+//                      [--policies=questclt,jl threshold]   (policy rows whose name holds one)
+//
+// --slots=scattered gives every group a slot drawn from a random permutation of
+// the pool's slots, as an engine's allocator does after churn (the reference
+// engine's slots are such a permutation); consecutive (the default, and every
+// table before 2026-11-25) gives a row's groups consecutive slots.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -31,6 +39,8 @@ using eps::gpu::DeviceBuffer;
 // The benchmark's budget since its first table (docs/benchmarks/gpu.md), kept
 // when epsd's default moved to 64 groups of g = 2 (--top-pages sets it).
 int top_pages_per_head = 16;
+bool scattered_slots = false;           // --slots=scattered
+std::vector<std::string> policy_names;  // --policies: the rows to run (empty: all)
 
 std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<int64_t> fallback) {
   const size_t n = std::strlen(flag);
@@ -102,6 +112,17 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
   for (int b = 0; b < batch; ++b) {
     d->buffers.AssignRow(b, context, b);
     d->rows.push_back({.table_row = b, .context_tokens = context, .seq_id = 0});
+  }
+  if (scattered_slots) {
+    std::vector<int32_t>& table = d->buffers.group_table();
+    std::vector<int32_t> slots(d->buffers.num_slots());
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), std::mt19937_64(7));
+    for (int b = 0; b < batch; ++b) {
+      for (int64_t p = 0; p < d->buffers.max_groups(); ++p) {
+        table[b * d->buffers.max_groups() + p] = slots[b * d->buffers.max_groups() + p];
+      }
+    }
   }
   d->buffers.FillRandomSummaries(1);
   d->in = d->buffers.Inputs(d->rows);
@@ -231,6 +252,12 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   std::printf("%-28s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
               "copy_us", "%copy", "visited%");
   for (const PolicyCase& c : cases) {
+    if (!policy_names.empty() &&
+        std::none_of(policy_names.begin(), policy_names.end(), [&](const std::string& n) {
+          return std::string(c.name).find(n) != std::string::npos;
+        })) {
+      continue;
+    }
     m.features = c.features;
     ASSIGN_OR_RETURN(std::unique_ptr<DeviceStep> step,
                      MakeDeviceStep(m, batch, context, c.policy.granularity));
@@ -267,6 +294,15 @@ int main(int argc, char** argv) {
     policy_batch = ParseList(argv[i], "--policy-batch=", policy_batch);
     policy_context = ParseList(argv[i], "--policy-context=", policy_context);
     top_pages = ParseList(argv[i], "--top-pages=", top_pages);
+    if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
+    if (std::strncmp(argv[i], "--policies=", 11) == 0) {
+      std::string list = argv[i] + 11;
+      for (size_t at = 0; at <= list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        if (comma > at) policy_names.push_back(list.substr(at, comma - at));
+        at = comma + 1;
+      }
+    }
   }
   if (top_pages.empty() || top_pages[0] < 1) {
     std::printf("error: --top-pages must be a positive count\n");
@@ -303,8 +339,8 @@ int main(int argc, char** argv) {
     std::printf("error: --group-blocks=%d not in [1, 1024]\n", m.group_blocks);
     return 1;
   }
-  std::printf("g = %d blocks of 16 tokens per group, top_pages %d\n", m.group_blocks,
-              top_pages_per_head);
+  std::printf("g = %d blocks of 16 tokens per group, top_pages %d, %s slots\n", m.group_blocks,
+              top_pages_per_head, scattered_slots ? "scattered" : "consecutive");
   m.features = {.key_sum = false, .principal = false, .quest = false};
   for (int64_t batch : batches) {
     for (int64_t context : contexts) {

@@ -335,7 +335,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // every row within one scoring block, and its shared memory within the
   // device's (it keeps the block's scores and the cut's histograms besides
   // the scoring's).
-  const size_t fused_shared = launch.score_shared + sizeof(float) * FusedSharedWords(m.gqa_ratio());
+  const size_t fused_shared =  // its scoring reads questclt's sums into registers: no ring
+      ScoreSharedBytes(m, staged) + sizeof(float) * FusedSharedWords(m.gqa_ratio());
   // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
   const void* fused_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);
   if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&

@@ -12,11 +12,14 @@
 # EPS_ENGINE_QUICK=1 runs a small plan (a debugging pass). EPS_ENGINE_ARGS adds flags to
 # every run (e.g. "--group-blocks 2"); EPS_ENGINE_TOP_PAGES and EPS_ENGINE_PASSKEY_TOP_PAGES
 # replace the quality and passkey budgets (defaults 4,8,12,16,24,32 and 8,16 groups, for
-# the reference engine's g = 8). EPS_ENGINE_PLAN=speed runs only the two speed runs (no
-# device tests, kill, quality or one-queue runs). EPS_ENGINE_MPS=1 runs epsd and the engine
-# as clients of a CUDA Multi-Process Service daemon started here (private pipe and log
-# directories under /tmp, stopped at exit; the card's settings are left alone), so their
-# kernels share the GPU without time-slicing between two contexts.
+# the reference engine's g = 8). EPS_ENGINE_PLAN=speed runs only the speed runs named in
+# EPS_ENGINE_SPEED (default "b8-32k b2-128k"; no device tests, kill, quality or one-queue
+# runs). EPS_EPSD_PREFIX goes before epsd's command (a wrapper; ncu wrapped this way wrote
+# no report on 2026-11-25: epsd is killed at the end, and ncu writes its report at exit).
+# EPS_ENGINE_MPS=1 runs epsd and the engine as clients of a CUDA Multi-Process Service
+# daemon started here (private pipe and log directories under /tmp, stopped at exit; the
+# card's settings are left alone), so their kernels share the GPU without time-slicing
+# between two contexts.
 # Results: $OUT/*.json, logs, and the tables printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -58,7 +61,7 @@ stop_mps() {
 }
 sock=/tmp/eps-engine-$$.sock
 pidfile=$out/epsd.pid
-epsd_cmd="exec $carry/epsd --listen=unix://$sock --backend=cuda --metrics-listen=off >>$out/epsd.log 2>&1"
+epsd_cmd="exec ${EPS_EPSD_PREFIX:-} $carry/epsd --listen=unix://$sock --backend=cuda --metrics-listen=off >>$out/epsd.log 2>&1"
 start_epsd() {
   bash -c "$epsd_cmd" & echo $! > "$pidfile"
   python3 - "$sock" <<'PY'
@@ -87,8 +90,13 @@ engine() {  # name, then reference_engine.py flags
 }
 status=0
 if [[ ${EPS_ENGINE_PLAN:-full} == speed ]]; then
-  engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64
-  engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64
+  for run in ${EPS_ENGINE_SPEED:-b8-32k b2-128k}; do
+    case $run in
+      b8-32k) engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64 ;;
+      b2-128k) engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64 ;;
+      *) echo "EPS_ENGINE_SPEED: no run $run"; status=1 ;;
+    esac
+  done
   for f in "$out"/speed-*.log; do awk '/^(speed)[: -]/{p=1} p' "$f"; done
   exit $status
 fi
