@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from typing import Any
 
@@ -106,7 +107,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     dense_attn = engine.attention_ms(False, P + 1)
     sdpa_attn = engine.sdpa_attention_ms(P + 1)
     rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], dense_attn, "-", "-",
-             "-", "-", d["host_ms_p50"], "-", 0]]
+             "-", "-", "-", d["host_ms_p50"], "-", 0]]
     runs = []
     for f in fractions(args.fractions):
         engine.restore_pool(saved)
@@ -114,9 +115,14 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
         gated = engine.decode(inputs, targets, P, gated=True, options=_with(base, top_pages=top))
         s = summarize(gated, args.warmup_steps)
         attn = engine.attention_ms(True, P + N)
+        # The same pre-pass on the same buffers with the engine idle: synchronous
+        # selections with nothing else on the GPU (docs/benchmarks/gpu.md, "2026-11-25").
+        idle = [st.prepass_us for st in
+                (engine.select_sync(P + N, _with(base, top_pages=top)) for _ in range(12)) if st]
         limit = attention_limit_ms(d["step_ms_p50"], dense_attn, s["pages_read_fraction"])
         s.update({"target_fraction": f, "top_pages": top, "calibrated_fraction": measured,
                   "attention_ms": attn, "limit_ms": limit,
+                  "prepass_idle_us_p50": statistics.median(idle) if idle else math.nan,
                   "p50_vs_dense": s["step_ms_p50"] / d["step_ms_p50"] - 1.0,
                   "fallbacks": len(gated.fallback_steps),
                   "fallback_reasons": gated.fallback_reasons,
@@ -124,11 +130,13 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
         runs.append(s)
         rows.append([f"gated {f:.3g}", f"{100 * s['pages_read_fraction']:.1f}%", top,
                      s["step_ms_p50"], s["step_ms_p95"], attn, s["wait_selection_ms_p50"],
-                     s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["rpc_us_p50"],
+                     s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["prepass_idle_us_p50"],
+                     s["rpc_us_p50"],
                      s["host_ms_p50"], limit, len(gated.fallback_steps)])
     engine.close()
     table = markdown(["run", "blocks read", "top_pages", "step p50 ms", "step p95 ms",
-                      "attention ms", "wait sel ms", "wait sum ms", "pre-pass us", "RPC us",
+                      "attention ms", "wait sel ms", "wait sum ms", "pre-pass us",
+                      "pre-pass idle us", "RPC us",
                       "host ms", "limit ms", "fallbacks"], rows)
     title = (f"speed: {common['model']}, batch {args.batch} x {P} tokens, {N} steps "
              f"({args.warmup_steps} warm-up), {common['device']}, {common['date']}; "
