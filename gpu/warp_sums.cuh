@@ -234,6 +234,41 @@ __device__ inline void BracketSumsWarp(const float* rec, const RecordOffsets& o,
   }
 }
 
+// questclt's sums over one word w (channels 2w, 2w + 1) of each of a pass's
+// records, lo[k] and hi[k] its min and max halves, for kHeads heads of the
+// widened queries `q` [heads, d]. Per record and channel, once for every head:
+// lo + hi and (hi − lo)²; the halves and quarters go on the query (q/2 and
+// q²/4), so a head adds four FMAs per word: centre += (q/2)·(lo + hi),
+// spread += (q²/4)·(hi − lo)².
+template <int kRecords, int kHeads>
+__device__ __forceinline__ void QuestCltAddWord(const __half2 (&lo)[kRecords],
+                                                const __half2 (&hi)[kRecords], const float* q,
+                                                int heads, int d, int w,
+                                                float (&centre)[kRecords * kHeads],
+                                                float (&spread)[kRecords * kHeads]) {
+  float2 sum[kRecords], width2[kRecords];
+#pragma unroll
+  for (int k = 0; k < kRecords; ++k) {
+    const float2 l = __half22float2(lo[k]), u = __half22float2(hi[k]);
+    sum[k] = make_float2(l.x + u.x, l.y + u.y);
+    const float dx = u.x - l.x, dy = u.y - l.y;
+    width2[k] = make_float2(dx * dx, dy * dy);
+  }
+#pragma unroll
+  for (int r = 0; r < kHeads; ++r) {
+    const float2 qv = reinterpret_cast<const float2*>(q + (r < heads ? r : 0) * d)[w];
+    const float cx = 0.5f * qv.x, cy = 0.5f * qv.y;
+    const float sx = 0.25f * qv.x * qv.x, sy = 0.25f * qv.y * qv.y;
+#pragma unroll
+    for (int k = 0; k < kRecords; ++k) {
+      float& c = centre[k * kHeads + r];
+      c = fmaf(cy, sum[k].y, fmaf(cx, sum[k].x, c));
+      float& v = spread[k * kHeads + r];
+      v = fmaf(sy, width2[k].y, fmaf(sx, width2[k].x, v));
+    }
+  }
+}
+
 // questclt's two sums (HeadSums centre and spread) for the warp's records, as
 // QuestSumsWarp: lane l reads min word w and its max word w + d/2 (channels
 // 2w and 2w + 1, core/layout.h), for w = l, l + 32, ...; `q` [heads, d] holds
@@ -256,30 +291,13 @@ __device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int w = min(w0 + 32 * j + lane, half - 1);
-        // Per record and channel, once for every head: lo + hi and (hi − lo)²; the
-        // halves and quarters go on the query (q/2 and q²/4), so a head adds four
-        // FMAs per word: centre += (q/2)·(lo + hi), spread += (q²/4)·(hi − lo)².
-        float2 sum[kRecords], width2[kRecords];
+        __half2 l[kRecords], u[kRecords];
 #pragma unroll
         for (int k = 0; k < kRecords; ++k) {
-          const float2 l = __half22float2(lo[k][j]), u = __half22float2(hi[k][j]);
-          sum[k] = make_float2(l.x + u.x, l.y + u.y);
-          const float dx = u.x - l.x, dy = u.y - l.y;
-          width2[k] = make_float2(dx * dx, dy * dy);
+          l[k] = lo[k][j];
+          u[k] = hi[k][j];
         }
-#pragma unroll
-        for (int r = 0; r < kHeads; ++r) {
-          const float2 qv = reinterpret_cast<const float2*>(q + (r < heads ? r : 0) * o.d)[w];
-          const float cx = 0.5f * qv.x, cy = 0.5f * qv.y;
-          const float sx = 0.25f * qv.x * qv.x, sy = 0.25f * qv.y * qv.y;
-#pragma unroll
-          for (int k = 0; k < kRecords; ++k) {
-            float& c = centre[k * kHeads + r];
-            c = fmaf(cy, sum[k].y, fmaf(cx, sum[k].x, c));
-            float& v = spread[k * kHeads + r];
-            v = fmaf(sy, width2[k].y, fmaf(sx, width2[k].x, v));
-          }
-        }
+        QuestCltAddWord<kRecords, kHeads>(l, u, q, heads, o.d, w, centre, spread);
       }
     }
     DealSums<kRecords, kHeads>(centre, pass.mine, sums.centre, lane);
@@ -341,30 +359,13 @@ __device__ inline void QuestCltSumsRing(const float* rec, const RecordOffsets& o
     owners >>= 8;
     float centre[kRecords * kHeads] = {}, spread[kRecords * kHeads] = {};
     for (int w = lane; w < half; w += 32) {
-      // As QuestCltSumsWarp: lo + hi and (hi − lo)² once per record and word,
-      // then four FMAs per head.
-      float2 sum[kRecords], width2[kRecords];
+      __half2 l[kRecords], u[kRecords];
 #pragma unroll
       for (int k = 0; k < kRecords; ++k) {
-        const float2 l = __half22float2(reinterpret_cast<const __half2*>(slot + k * d)[w]);
-        const float2 u = __half22float2(reinterpret_cast<const __half2*>(slot + k * d + half)[w]);
-        sum[k] = make_float2(l.x + u.x, l.y + u.y);
-        const float dx = u.x - l.x, dy = u.y - l.y;
-        width2[k] = make_float2(dx * dx, dy * dy);
+        l[k] = reinterpret_cast<const __half2*>(slot + k * d)[w];
+        u[k] = reinterpret_cast<const __half2*>(slot + k * d + half)[w];
       }
-#pragma unroll
-      for (int r = 0; r < kHeads; ++r) {
-        const float2 qv = reinterpret_cast<const float2*>(q + (r < heads ? r : 0) * d)[w];
-        const float cx = 0.5f * qv.x, cy = 0.5f * qv.y;
-        const float sx = 0.25f * qv.x * qv.x, sy = 0.25f * qv.y * qv.y;
-#pragma unroll
-        for (int k = 0; k < kRecords; ++k) {
-          float& c = centre[k * kHeads + r];
-          c = fmaf(cy, sum[k].y, fmaf(cx, sum[k].x, c));
-          float& v = spread[k * kHeads + r];
-          v = fmaf(sy, width2[k].y, fmaf(sx, width2[k].x, v));
-        }
-      }
+      QuestCltAddWord<kRecords, kHeads>(l, u, q, heads, d, w, centre, spread);
     }
     DealSums<kRecords, kHeads>(centre, mine, sums.centre, lane);
     DealSums<kRecords, kHeads>(spread, mine, sums.spread, lane);
