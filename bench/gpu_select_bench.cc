@@ -10,12 +10,21 @@
 //                      [--policy-batch=8] [--policy-context=32768] [--group-blocks=8]
 //                      [--top-pages=16] [--slots=consecutive|scattered]
 //                      [--policies=questclt,jl threshold]   (policy rows whose name holds one)
+//                      [--pool=local|ipc]
+//
+// --pool=ipc puts each step's summary pool in a child process (this binary run
+// with --serve-pool=BYTES) and maps it here through CUDA IPC, as epsd maps an
+// engine's pool; local (the default) allocates it here.
 //
 // --slots=scattered gives every group a slot drawn from a random permutation of
 // the pool's slots, as an engine's allocator does after churn (the reference
 // engine's slots are such a permutation); consecutive (the default, and every
 // table before 2026-11-25) gives a row's groups consecutive slots.
 #include <cuda_runtime.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -41,6 +50,7 @@ using eps::gpu::DeviceBuffer;
 int top_pages_per_head = 16;
 bool scattered_slots = false;           // --slots=scattered
 std::vector<std::string> policy_names;  // --policies: the rows to run (empty: all)
+bool ipc_pool = false;                  // --pool=ipc
 
 std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<int64_t> fallback) {
   const size_t n = std::strlen(flag);
@@ -93,6 +103,78 @@ absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
 
 // One step's inputs on the device: `batch` rows of `context` tokens each with
 // random summaries, and room for the lists; `in` points at the device copies.
+// A summary pool that a child process allocates and this one maps through CUDA
+// IPC (--pool=ipc). The child (ServePool) lives until its stdin closes.
+class IpcPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<IpcPool>> Spawn(int64_t bytes) {
+    int down[2], up[2];  // down: our writes to its stdin; up: its stdout to us
+    if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, down[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, up[1], 1);
+    posix_spawn_file_actions_addclose(&actions, down[1]);
+    posix_spawn_file_actions_addclose(&actions, up[0]);
+    const std::string arg = "--serve-pool=" + std::to_string(bytes);
+    char self[] = "/proc/self/exe";
+    char* child_argv[] = {self, const_cast<char*>(arg.c_str()), nullptr};
+    auto pool = std::unique_ptr<IpcPool>(new IpcPool());
+    const int spawned = posix_spawn(&pool->pid_, self, &actions, nullptr, child_argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    close(down[0]);
+    close(up[1]);
+    pool->to_child_ = down[1];
+    if (spawned != 0) {
+      close(up[0]);
+      pool->pid_ = -1;
+      return absl::InternalError("posix_spawn of the pool process failed");
+    }
+    cudaIpcMemHandle_t handle;
+    size_t got = 0;
+    while (got < sizeof(handle)) {
+      const ssize_t n = read(up[0], reinterpret_cast<char*>(&handle) + got, sizeof(handle) - got);
+      if (n <= 0) break;
+      got += static_cast<size_t>(n);
+    }
+    close(up[0]);
+    if (got != sizeof(handle)) return absl::InternalError("the pool process sent no handle");
+    void* ptr = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
+    pool->data_ = static_cast<float*>(ptr);
+    return pool;
+  }
+  ~IpcPool() {
+    if (data_ != nullptr) cudaIpcCloseMemHandle(data_);
+    if (to_child_ >= 0) close(to_child_);  // the child frees its pool and exits
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+  float* get() const { return data_; }
+
+ private:
+  IpcPool() = default;
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  float* data_ = nullptr;
+};
+
+// The child of IpcPool::Spawn: allocates `bytes`, writes its IPC handle to
+// stdout, and frees it once stdin closes.
+int ServePool(int64_t bytes) {
+  void* pool = nullptr;
+  cudaIpcMemHandle_t handle;
+  if (cudaMalloc(&pool, bytes) != cudaSuccess ||
+      cudaIpcGetMemHandle(&handle, pool) != cudaSuccess) {
+    return 1;
+  }
+  if (write(1, &handle, sizeof(handle)) != static_cast<ssize_t>(sizeof(handle))) return 1;
+  char c;
+  while (read(0, &c, 1) > 0) {
+  }
+  cudaFree(pool);
+  return 0;
+}
+
 struct DeviceStep {
   explicit DeviceStep(const eps::ModelLayout& m, int batch, int64_t context,
                       eps::Granularity granularity)
@@ -101,6 +183,7 @@ struct DeviceStep {
   std::vector<eps::StepRow> rows;  // `in.rows` views it
   eps::StepInputs in;
   DeviceBuffer<float> pool, queries;
+  std::unique_ptr<IpcPool> ipc;  // --pool=ipc: the pool, in place of `pool`
   DeviceBuffer<int32_t> groups, blocks, visit, count;
   eps::StepOutputs outputs() { return {visit.get(), count.get()}; }
 };
@@ -129,13 +212,19 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
   const int lists = granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
   const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
   eps::testing::StepBuffers& b = d->buffers;  // read only (its accessors are not const)
-  RETURN_IF_ERROR(Upload(d->pool, b.pool().data(), b.pool().size()));
+  if (ipc_pool) {
+    const int64_t bytes = static_cast<int64_t>(b.pool().size() * sizeof(float));
+    ASSIGN_OR_RETURN(d->ipc, IpcPool::Spawn(bytes));
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(d->ipc->get(), b.pool().data(), bytes, cudaMemcpyHostToDevice));
+  } else {
+    RETURN_IF_ERROR(Upload(d->pool, b.pool().data(), b.pool().size()));
+  }
   RETURN_IF_ERROR(Upload(d->groups, b.group_table().data(), b.group_table().size()));
   RETURN_IF_ERROR(Upload(d->blocks, b.block_table().data(), b.block_table().size()));
   RETURN_IF_ERROR(Upload(d->queries, static_cast<const float*>(d->in.queries), qcount));
   RETURN_IF_CUDA_ALLOC(d->visit, int64_t{m.num_layers} * batch * lists * b.max_blocks());
   RETURN_IF_CUDA_ALLOC(d->count, int64_t{m.num_layers} * batch * lists);
-  d->in.summary_pool = d->pool.get();
+  d->in.summary_pool = ipc_pool ? d->ipc->get() : d->pool.get();
   d->in.group_table = d->groups.get();
   d->in.block_table = d->blocks.get();
   d->in.queries = d->queries.get();
@@ -285,6 +374,9 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::strncmp(argv[1], "--serve-pool=", 13) == 0) {
+    return ServePool(std::strtoll(argv[1] + 13, nullptr, 10));
+  }
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
   std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8}, top_pages{16};
   for (int i = 1; i < argc; ++i) {
@@ -295,6 +387,7 @@ int main(int argc, char** argv) {
     policy_context = ParseList(argv[i], "--policy-context=", policy_context);
     top_pages = ParseList(argv[i], "--top-pages=", top_pages);
     if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
+    if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
     if (std::strncmp(argv[i], "--policies=", 11) == 0) {
       std::string list = argv[i] + 11;
       for (size_t at = 0; at <= list.size();) {
@@ -339,8 +432,9 @@ int main(int argc, char** argv) {
     std::printf("error: --group-blocks=%d not in [1, 1024]\n", m.group_blocks);
     return 1;
   }
-  std::printf("g = %d blocks of 16 tokens per group, top_pages %d, %s slots\n", m.group_blocks,
-              top_pages_per_head, scattered_slots ? "scattered" : "consecutive");
+  std::printf("g = %d blocks of 16 tokens per group, top_pages %d, %s slots, pool %s\n",
+              m.group_blocks, top_pages_per_head, scattered_slots ? "scattered" : "consecutive",
+              ipc_pool ? "mapped from another process (CUDA IPC)" : "allocated here");
   m.features = {.key_sum = false, .principal = false, .quest = false};
   for (int64_t batch : batches) {
     for (int64_t context : contexts) {
