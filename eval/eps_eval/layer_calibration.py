@@ -1,8 +1,8 @@
 """The mass budget calibrated per layer, tested on other positions or other contexts.
 
 `python -m eps_eval.layer_calibration --calibrate='DIR/units/q19_real_8192_*.csv'
---test='DIR/units/q19_real_4096_*.csv' [--margin=0.97] [--floors=0.0]` (comma-separated
-globs; a pair is (layer, context, step))
+--test='DIR/units/q19_real_4096_*.csv' [--margin=0.97] [--floors=0.0] [--budget=massunion]
+[--scope=all]` (comma-separated globs; a pair is (layer, context, step))
 
 Reads the unit CSVs of `run_quality --plan=mass` (lag 1; every (τ, p, floor) of the
 mass budget and the threshold budget's sweep for each (method, g)). For each layer it
@@ -11,7 +11,9 @@ every calibration pair of that layer, then reports on the test pairs: how many r
 the target recall (0.95) and the mean skip, beside the best single fixed budget whose
 mean recall over the test pairs reaches 0.95 (at a swept point, and interpolated
 linearly between the two swept points around 0.95). With --split-steps=0,2,4 the
-calibration and test pairs come from the same files, split by step.
+calibration and test pairs come from the same files, split by step. --budget picks the
+adaptive budget's rows (mass: core's per-head MarkByMass; massunion: the list-level
+budget of quality.py); --scope=all calibrates one setting for every layer.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def load(patterns: str) -> list[dict[str, str]]:
     return rows
 
 
-def tables(rows: list[dict[str, str]], method: str, g: str) -> tuple[Table, Table]:
+def tables(rows: list[dict[str, str]], method: str, g: str,
+           budget: str = "mass") -> tuple[Table, Table]:
     """(mass[(p, τ, floor)], threshold[(param,)]) -> pair -> (recall, skip), lag 1."""
     mass: Table = defaultdict(dict)
     fixed: Table = defaultdict(dict)
@@ -47,19 +50,21 @@ def tables(rows: list[dict[str, str]], method: str, g: str) -> tuple[Table, Tabl
             continue
         pair = (int(r["layer"]), int(r["context"]), int(r["step"]))
         point = (float(r["recall"]), float(r["skip"]))
-        if r["budget"] == "mass":
+        if r["budget"] == budget:
             mass[(r["param"], r["temperature"], r["floor"])][pair] = point
         elif r["budget"] == "threshold":
             fixed[(r["param"],)][pair] = point
     return mass, fixed
 
 
-def calibrate(mass: Table, pairs: list[Pair], margin: float,
-              floors: set[str] | None) -> dict[int, tuple[str, ...]]:
-    """Per layer, the setting with the most mean skip reaching `margin` on all its pairs."""
+def calibrate(mass: Table, pairs: list[Pair], margin: float, floors: set[str] | None,
+              per_layer: bool = True) -> dict[int, tuple[str, ...]]:
+    """Per layer (or one for all: per_layer False), the setting with the most mean skip
+    reaching `margin` on all its pairs."""
     chosen: dict[int, tuple[str, ...]] = {}
-    for layer in sorted({p[0] for p in pairs}):
-        mine = [p for p in pairs if p[0] == layer]
+    layers = sorted({p[0] for p in pairs})
+    for layer in layers if per_layer else [-1]:
+        mine = [p for p in pairs if p[0] == layer or not per_layer]
         best: tuple[float, tuple[str, ...]] | None = None
         for setting, points in mass.items():
             if floors is not None and setting[2] not in floors:
@@ -70,7 +75,8 @@ def calibrate(mass: Table, pairs: list[Pair], margin: float,
             if best is None or skip > best[0]:
                 best = (skip, setting)
         if best is not None:
-            chosen[layer] = best[1]
+            for at in [layer] if per_layer else layers:
+                chosen[at] = best[1]
     return chosen
 
 
@@ -88,18 +94,20 @@ def best_fixed(fixed: Table, pairs: list[Pair]) -> tuple[float, float]:
 
 
 def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], margin: float,
-           floors: set[str] | None) -> list[str]:
+           floors: set[str] | None, budget: str = "mass", per_layer: bool = True) -> list[str]:
     header = ("| method | g | test pairs >= 0.95 | test mean skip | test mean recall | "
               "best fixed (swept / interpolated) skip |")
-    out = [f"margin {margin}, floors {sorted(floors) if floors else 'all'}", header,
+    scope = "per layer" if per_layer else "one setting"
+    floors_text = sorted(floors) if floors else "all"
+    out = [f"budget {budget}, {scope}, margin {margin}, floors {floors_text}", header,
            "| --- | --- | --- | --- | --- | --- |"]
-    methods = sorted({(r["method"], r["g"]) for r in test_rows if r["budget"] == "mass"})
+    methods = sorted({(r["method"], r["g"]) for r in test_rows if r["budget"] == budget})
     for method, g in methods:
-        cm, _ = tables(calib_rows, method, g)
-        tm, tf = tables(test_rows, method, g)
+        cm, _ = tables(calib_rows, method, g, budget)
+        tm, tf = tables(test_rows, method, g, budget)
         cpairs = sorted({p for pts in cm.values() for p in pts})
         tpairs = sorted({p for pts in tm.values() for p in pts})
-        chosen = calibrate(cm, cpairs, margin, floors)
+        chosen = calibrate(cm, cpairs, margin, floors, per_layer)
         points = [tm[chosen[p[0]]][p] for p in tpairs if p[0] in chosen]
         uncalibrated = len({p[0] for p in tpairs} - set(chosen))
         swept, interpolated = best_fixed(tf, tpairs)
@@ -123,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-steps", default="", help="calibration steps, e.g. 0,2,4")
     ap.add_argument("--margin", type=float, default=0.97)
     ap.add_argument("--floors", default="", help="e.g. 0.0 (default: every swept floor)")
+    ap.add_argument("--budget", choices=("mass", "massunion"), default="mass")
+    ap.add_argument("--scope", choices=("layer", "all"), default="layer")
     a = ap.parse_args(argv)
     floors = set(a.floors.split(",")) if a.floors else None
     if a.test:
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = load(a.calibrate)
         calib = [r for r in rows if int(r["step"]) in steps]
         test = [r for r in rows if int(r["step"]) not in steps]
-    print("\n".join(report(calib, test, a.margin, floors)))
+    print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer")))
     return 0
 
 

@@ -17,6 +17,16 @@ they prove themselves:
           block-granular (MarkByThreshold over blocks, forced = the blocks of
           the first group and of the last two groups, as at g = g_c).
 
+  massunion  the mass budget over the list rather than each head: a group's
+          estimated share of the attention (MarkByMass's w over its sum, per head)
+          averaged over the list's heads, groups taken by decreasing average
+          share until the forced groups and the taken ones hold `target` of it.
+          The union of per-head mass budgets (core MarkByMass, budget "mass")
+          gives every head the target, more than a union list needs: a group
+          one head takes counts for every head; and the mean over heads of the
+          exact shares is exactly the union list's recall (metrics.py), so with
+          exact masses this takes the fewest groups that reach the target.
+
 Estimators (eps_eval.estimators: questclt, questblend, questlgn) read quest8's
 record and are scored at its bytes, at every g and as both levels of c2f
 (`c2f8x2-questclt1`, ...); QualityPlan.estimators and .c2f_scorers pick them.
@@ -56,6 +66,7 @@ class QualityPlan:
     methods: tuple[str, ...] = ("jl8", "1pc", "fro", "quest", "quest8")  # threshold-budget scorers
     estimators: tuple[str, ...] = ()  # eps_eval.estimators names, from the quest8 record
     c2f_scorers: tuple[str, ...] = ("quest8",)  # scorer of both c2f levels
+    mass_union: bool = False  # also the list-level mass budget (massunion)
 
 
 # Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
@@ -74,7 +85,16 @@ MASS_PLAN = QualityPlan(
     group_blocks=(1, 2, 8), lags=(1,), mass_methods=("quest", "questclt", "oracle_mass"),
     mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
     methods=("quest", "questclt"), c2f_scorers=())
-PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN}
+# The mass plan with the list-level mass budget beside the per-head one, and the exact
+# mass under the lag-1 query (oracle_mass_lag) under both budgets and the threshold
+# budget: what the best estimator at this lag could reach.
+MASS_UNION_PLAN = QualityPlan(
+    group_blocks=(1, 2, 8), lags=(1,),
+    mass_methods=("quest", "questclt", "oracle_mass", "oracle_mass_lag"),
+    mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
+    methods=("quest", "questclt", "oracle_mass_lag"), c2f_scorers=(), mass_union=True)
+PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
+         "massunion": MASS_UNION_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
@@ -197,6 +217,40 @@ class GrowingQuestTables:
         return quest8_scores(q, np.concatenate(lo, axis=1), np.concatenate(hi, axis=1))
 
 
+def mark_mass_union(scores: F32, targets: list[float], *, temperature: float, head_dim: int,
+                    min_pages: int = 0, first_n: int = 1, last_n: int = 2
+                    ) -> npt.NDArray[np.uint8]:
+    """The list-level mass budget (massunion above) from scores [q_heads, n]: marks
+    [len(targets), 1, n]. Forced groups as core's IsForced; ties to the more recent group;
+    the first min_pages unforced groups always; groups of score -inf have no share."""
+    s = np.asarray(scores, dtype=np.float64)
+    n = s.shape[1]
+    finite = np.isfinite(s)
+    top = np.max(np.where(finite, s, -np.inf), axis=1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    w = np.where(finite, np.exp((np.where(finite, s, 0.0) - top) /
+                                (temperature * np.sqrt(head_dim))), 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    share = (w / np.where(total > 0, total, 1.0)).mean(axis=0)
+    idx = np.arange(n)
+    forced = (idx < first_n) | (idx >= n - last_n) | (idx == n - 1)
+    unforced = idx[~forced]
+    order = unforced[np.lexsort((-unforced, -share[unforced]))]  # by share, then recency
+    covered = share[forced].sum() + np.cumsum(share[order])
+    out = np.zeros((len(targets), 1, n), dtype=np.uint8)
+    out[:, 0, forced] = 1
+    for i, t in enumerate(targets):
+        if not 0.0 < t <= 1.0:
+            raise ValueError(f"mass target {t} not in (0, 1]")
+        reached = np.nonzero(covered >= t)[0]
+        k = int(reached[0]) + 1 if reached.size else len(order)
+        if share[forced].sum() >= t:
+            k = 0
+        k = min(len(order), max(k, min_pages))
+        out[i, 0, order[:k]] = 1
+    return out
+
+
 def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:
     unforced = max(1, groups - forced)
     return sorted({max(1, round(f * unforced)) for f in fractions})
@@ -291,19 +345,21 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
                 mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
                                "questmid": mid.astype(np.float32)}
-                if "questclt" in scores:
-                    mass_scores["questclt"] = scores["questclt"]
+                for exact in ("questclt", "oracle_mass_lag"):
+                    if exact in scores:
+                        mass_scores[exact] = scores[exact]
                 if lag == 0:
                     mass_scores["oracle_mass"] = oracle["oracle_mass"]
                 for name, sc in mass_scores.items():
                     if name not in plan.mass_methods:
                         continue
                     rb = record_bytes(name, d)
+                    exact_mass = name.startswith("oracle_mass")  # τ = 1, no floor
                     for tau in MASS_TEMPERATURES:
-                        if name == "oracle_mass" and tau != 1.0:
+                        if exact_mass and tau != 1.0:
                             continue
                         for floor in MASS_FLOORS:
-                            if name == "oracle_mass" and floor > 0:
+                            if exact_mass and floor > 0:
                                 continue
                             min_pages = round(floor * max(1, G - 3))
                             masks = core.mark_mass(sc, kvh, list(MASS_TARGETS), temperature=tau,
@@ -312,6 +368,16 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                            [rb] * len(MASS_TARGETS))
                             for r in _rows(workload, "mass", name, g, lag, list(MASS_TARGETS),
                                            tau, G, met):
+                                r["floor"] = floor
+                                rows.append(r)
+                            if not plan.mass_union:
+                                continue
+                            masks = mark_mass_union(sc, list(MASS_TARGETS), temperature=tau,
+                                                    head_dim=d, min_pages=min_pages)
+                            met = evaluate(dn, g, masks, [1] * len(MASS_TARGETS),
+                                           [rb] * len(MASS_TARGETS))
+                            for r in _rows(workload, "massunion", name, g, lag,
+                                           list(MASS_TARGETS), tau, G, met):
                                 r["floor"] = floor
                                 rows.append(r)
     for lag in sorted({0, 1} & set(plan.lags)):

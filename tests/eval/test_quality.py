@@ -51,6 +51,53 @@ def test_mark_mass_reaches_the_target_share_of_the_estimate(rng: np.random.Gener
         assert np.all(np.diff(counts) >= 0), "a higher target never keeps fewer groups"
 
 
+def test_mark_mass_union_takes_the_fewest_groups_whose_mean_share_reaches_the_target(
+        rng: np.random.Generator) -> None:
+    h, d, n = 4, 64, int(rng.integers(8, 300))
+    scores = (rng.standard_normal((h, n)) * 20).astype(np.float32)
+    scores[0, 3] = -np.inf  # an empty group: no share
+    targets = [0.5, 0.9, 0.99, 1.0]
+    tau = 1.0
+    w = np.exp((scores.astype(np.float64) - scores.max(axis=1, keepdims=True)) / (tau * np.sqrt(d)))
+    w[~np.isfinite(scores)] = 0.0
+    share = (w / w.sum(axis=1, keepdims=True)).mean(axis=0)
+    forced = np.zeros(n, bool)
+    forced[[0, n - 2, n - 1]] = True
+    marks = quality.mark_mass_union(scores, targets, temperature=tau, head_dim=d)
+    assert marks.shape == (len(targets), 1, n)
+    for i, p in enumerate(targets):
+        m = marks[i, 0] == 1
+        assert m[forced].all()
+        assert share[m].sum() >= p - 1e-9 or m.all()
+        # fewest: dropping the smallest-share unforced group taken falls short of the target
+        taken = np.nonzero(m & ~forced)[0]
+        if p < 1.0 and taken.size:
+            assert share[m].sum() - share[taken].min() < p
+    counts = marks.sum(axis=2)[:, 0]
+    assert np.all(np.diff(counts) >= 0), "a higher target never keeps fewer groups"
+    # the floor: the first min_pages unforced groups by share, whatever the target
+    floor = quality.mark_mass_union(scores, [0.01], temperature=tau, head_dim=d, min_pages=5)
+    assert floor[0, 0, ~forced].sum() == min(5, int((~forced).sum()))
+    with pytest.raises(ValueError, match="not in"):
+        quality.mark_mass_union(scores, [1.5], temperature=tau, head_dim=d)
+
+
+def test_mark_mass_union_never_keeps_more_than_the_union_of_per_head_budgets(
+        rng: np.random.Generator) -> None:
+    # With one head the two budgets are the same rule; with several, a union list
+    # needs no head to reach the target alone.
+    kv, d, n = 1, 64, int(rng.integers(20, 300))
+    one = (rng.standard_normal((1, n)) * 20).astype(np.float32)
+    targets = [0.5, 0.8, 0.95]
+    per_head = core.mark_mass(one, kv, targets, temperature=1.0, head_dim=d)
+    union = quality.mark_mass_union(one, targets, temperature=1.0, head_dim=d)
+    assert np.array_equal(per_head, union)
+    many = (rng.standard_normal((8, n)) * 20).astype(np.float32)
+    per_head = core.mark_mass(many, kv, targets, temperature=1.0, head_dim=d)
+    union = quality.mark_mass_union(many, targets, temperature=1.0, head_dim=d)
+    assert np.all(union.sum(axis=2) <= per_head.sum(axis=2))
+
+
 def test_mark_mass_refuses_a_bad_target() -> None:
     with pytest.raises(core.CoreError, match="mass_target=1.5"):
         core.mark_mass(np.zeros((1, 8), np.float32), 1, [1.5], temperature=1.0, head_dim=16)
