@@ -13,7 +13,9 @@ mean recall over the test pairs reaches 0.95 (at a swept point, and interpolated
 linearly between the two swept points around 0.95). With --split-steps=0,2,4 the
 calibration and test pairs come from the same files, split by step. --budget picks the
 adaptive budget's rows (mass: core's per-head MarkByMass; massunion: the list-level
-budget of quality.py); --scope=all calibrates one setting for every layer.
+budget of quality.py); --scope=all calibrates one setting for every layer; --setting=p,τ,floor
+takes that setting without calibrating (e.g. --setting=0.95,1.0,0.0 --lag=0 with the exact
+mass of the current query: the best an adaptive budget can do); --lag picks the rows' lag.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ def load(patterns: str) -> list[dict[str, str]]:
 
 
 def tables(rows: list[dict[str, str]], method: str, g: str,
-           budget: str = "mass") -> tuple[Table, Table]:
+           budget: str = "mass", lag: str = "1") -> tuple[Table, Table]:
     """(mass[(p, τ, floor)], threshold[(param,)]) -> pair -> (recall, skip), lag 1."""
     mass: Table = defaultdict(dict)
     fixed: Table = defaultdict(dict)
     for r in rows:
-        if r["method"] != method or r["g"] != g or r["lag"] != "1":
+        if r["method"] != method or r["g"] != g or r["lag"] != lag:
             continue
         pair = (int(r["layer"]), int(r["context"]), int(r["step"]))
         point = (float(r["recall"]), float(r["skip"]))
@@ -94,20 +96,27 @@ def best_fixed(fixed: Table, pairs: list[Pair]) -> tuple[float, float]:
 
 
 def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], margin: float,
-           floors: set[str] | None, budget: str = "mass", per_layer: bool = True) -> list[str]:
+           floors: set[str] | None, budget: str = "mass", per_layer: bool = True,
+           lag: str = "1", setting: tuple[str, ...] | None = None) -> list[str]:
     header = ("| method | g | test pairs >= 0.95 | test mean skip | test mean recall | "
               "best fixed (swept / interpolated) skip |")
     scope = "per layer" if per_layer else "one setting"
     floors_text = sorted(floors) if floors else "all"
     out = [f"budget {budget}, {scope}, margin {margin}, floors {floors_text}", header,
            "| --- | --- | --- | --- | --- | --- |"]
-    methods = sorted({(r["method"], r["g"]) for r in test_rows if r["budget"] == budget})
+    methods = sorted({(r["method"], r["g"]) for r in test_rows
+                      if r["budget"] == budget and r["lag"] == lag})
     for method, g in methods:
-        cm, _ = tables(calib_rows, method, g, budget)
-        tm, tf = tables(test_rows, method, g, budget)
+        cm, _ = tables(calib_rows, method, g, budget, lag)
+        tm, tf = tables(test_rows, method, g, budget, lag)
         cpairs = sorted({p for pts in cm.values() for p in pts})
         tpairs = sorted({p for pts in tm.values() for p in pts})
-        chosen = calibrate(cm, cpairs, margin, floors, per_layer)
+        if setting is not None:
+            if setting not in tm:
+                continue
+            chosen = {p[0]: setting for p in tpairs}
+        else:
+            chosen = calibrate(cm, cpairs, margin, floors, per_layer)
         points = [tm[chosen[p[0]]][p] for p in tpairs if p[0] in chosen]
         uncalibrated = len({p[0] for p in tpairs} - set(chosen))
         swept, interpolated = best_fixed(tf, tpairs)
@@ -133,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floors", default="", help="e.g. 0.0 (default: every swept floor)")
     ap.add_argument("--budget", choices=("mass", "massunion"), default="mass")
     ap.add_argument("--scope", choices=("layer", "all"), default="layer")
+    ap.add_argument("--lag", default="1")
+    ap.add_argument("--setting", default="", help="p,τ,floor as in the CSVs: no calibration")
     a = ap.parse_args(argv)
     floors = set(a.floors.split(",")) if a.floors else None
     if a.test:
@@ -144,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = load(a.calibrate)
         calib = [r for r in rows if int(r["step"]) in steps]
         test = [r for r in rows if int(r["step"]) not in steps]
-    print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer")))
+    setting = tuple(a.setting.split(",")) if a.setting else None
+    print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer", a.lag,
+                            setting)))
     return 0
 
 

@@ -317,6 +317,15 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
             masks = core.mark(sc, kvh, tps)
             rows += _rows(workload, "threshold", name, g, 0, [float(t) for t in tps], 0.0, G,
                           evaluate(dn, g, masks, tps, [0.0] * len(tps)))
+        if plan.mass_union and g in plan.mass_group_blocks:
+            # The exact mass of the current query under the list-level budget: at target p
+            # the fewest groups that give this list recall p, the best any adaptive budget
+            # can do at this g (lag 0, no summary bytes).
+            masks = mark_mass_union(oracle["oracle_mass"], list(MASS_TARGETS), temperature=1.0,
+                                    head_dim=d)
+            rows += _rows(workload, "massunion", "oracle_mass", g, 0, list(MASS_TARGETS), 1.0, G,
+                          evaluate(dn, g, masks, [1] * len(MASS_TARGETS),
+                                   [0.0] * len(MASS_TARGETS)))
         for lag in plan.lags:
             q = q_by_pos[position - lag]
             scores = {m: s.scores("jl" if m == "jl8" else m, q) for m in CORE_METHODS

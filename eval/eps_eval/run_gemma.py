@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes for the selection rows (0: in this process, in order)")
     ap.add_argument("--compare-tokens", type=int, default=0,
                     help="with --device: first check it against numpy on this many tokens")
-    ap.add_argument("--plan", choices=("full", "estimators", "mass"), default="full",
+    ap.add_argument("--plan", choices=tuple(PLANS), default="full",
                     help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
                          "mass: quality.MASS_PLAN (the mass budget, quest and questclt)")
     ap.add_argument("--variants", type=variant_list, default=VARIANTS,

@@ -53,3 +53,31 @@ def test_the_fixed_budget_is_interpolated_between_the_points_around_the_target()
     swept, interpolated = lc.best_fixed(fixed, pairs)
     assert swept == pytest.approx(0.5)
     assert interpolated == pytest.approx(0.6)  # halfway: 0.95 is halfway from 0.97 to 0.93
+
+
+def test_one_setting_for_all_layers_is_the_most_frugal_safe_on_every_layer() -> None:
+    # Layer 0 is safe at p = 0.9, layer 1 only at 0.95: per layer 0.9 and 0.95, one for all 0.95.
+    rows = []
+    for step in range(2):
+        rows.append(_row(0, step, "massunion", 0.9, 0.96, 0.6))
+        rows.append(_row(0, step, "massunion", 0.95, 0.98, 0.5))
+        rows.append(_row(1, step, "massunion", 0.9, 0.93, 0.6))
+        rows.append(_row(1, step, "massunion", 0.95, 0.97, 0.5))
+    mass, _ = lc.tables(rows, "questclt", "2", budget="massunion")
+    assert lc.tables(rows, "questclt", "2")[0] == {}  # the per-head budget's rows: none here
+    pairs = sorted({p for pts in mass.values() for p in pts})
+    per_layer = lc.calibrate(mass, pairs, 0.95, None)
+    assert {layer: float(s[0]) for layer, s in per_layer.items()} == {0: 0.9, 1: 0.95}
+    one = lc.calibrate(mass, pairs, 0.95, None, per_layer=False)
+    assert {layer: float(s[0]) for layer, s in one.items()} == {0: 0.95, 1: 0.95}
+
+
+def test_a_given_setting_is_reported_without_calibration() -> None:
+    rows = [_row(0, s, "massunion", 0.95, 0.96, 0.4) for s in range(2)]
+    rows += [_row(0, s, "threshold", 8, 0.95, 0.3) for s in range(2)]
+    for r in rows:
+        r["lag"] = "0"
+    lines = lc.report(rows, rows, 0.99, None, "massunion", lag="0",
+                      setting=("0.95", "1.0", "0.0"))
+    assert lines[-1].split("|")[3:6] == [" 2 of 2 ", " 0.400 ", " 0.960 "]
+    assert lc.report(rows, rows, 0.99, None, "massunion", lag="1")[-1].startswith("| ---")
