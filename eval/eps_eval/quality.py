@@ -90,9 +90,10 @@ MASS_PLAN = QualityPlan(
 # budget: what the best estimator at this lag could reach.
 MASS_UNION_PLAN = QualityPlan(
     group_blocks=(1, 2, 8), lags=(1,),
-    mass_methods=("quest", "questclt", "oracle_mass", "oracle_mass_lag"),
+    mass_methods=("quest", "questclt", "questlgn", "oracle_mass", "oracle_mass_lag"),
     mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
-    methods=("quest", "questclt", "oracle_mass_lag"), c2f_scorers=(), mass_union=True)
+    methods=("quest", "questclt", "oracle_mass_lag"), c2f_scorers=(), mass_union=True,
+    estimators=("questlgn",))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN}
 
@@ -354,8 +355,8 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
                 mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
                                "questmid": mid.astype(np.float32)}
-                for exact in ("questclt", "oracle_mass_lag"):
-                    if exact in scores:
+                for exact in ("questclt", "questlgn", "oracle_mass_lag"):
+                    if exact in scores:  # questlgn: an estimate of the log mass itself
                         mass_scores[exact] = scores[exact]
                 if lag == 0:
                     mass_scores["oracle_mass"] = oracle["oracle_mass"]
