@@ -21,7 +21,7 @@
 // engine's slots are such a permutation); consecutive (the default, and every
 // table before 2026-11-25) gives a row's groups consecutive slots.
 #include <cuda_runtime.h>
-#include <signal.h>
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -108,8 +108,12 @@ absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
 class IpcPool {
  public:
   static absl::StatusOr<std::unique_ptr<IpcPool>> Spawn(int64_t bytes) {
-    int down[2], up[2];  // down: our writes to its stdin; up: its stdout to us
-    if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
+    // down: our writes to its stdin; up: its stdout to us. Close-on-exec, so that no
+    // later child holds this one's stdin open (the dup2 copies in the child are not).
+    int down[2], up[2];
+    if (pipe2(down, O_CLOEXEC) != 0 || pipe2(up, O_CLOEXEC) != 0) {
+      return absl::InternalError("pipe2 failed");
+    }
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, down[0], 0);
