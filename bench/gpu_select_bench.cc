@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_split.h"
 #include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
@@ -101,8 +102,6 @@ absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
   return absl::OkStatus();
 }
 
-// One step's inputs on the device: `batch` rows of `context` tokens each with
-// random summaries, and room for the lists; `in` points at the device copies.
 // A summary pool that a child process allocates and this one maps through CUDA
 // IPC (--pool=ipc). The child (ServePool) lives until its stdin closes.
 class IpcPool {
@@ -179,6 +178,8 @@ int ServePool(int64_t bytes) {
   return 0;
 }
 
+// One step's inputs on the device: `batch` rows of `context` tokens each with
+// random summaries, and room for the lists; `in` points at the device copies.
 struct DeviceStep {
   explicit DeviceStep(const eps::ModelLayout& m, int batch, int64_t context,
                       eps::Granularity granularity)
@@ -393,12 +394,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
     if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
     if (std::strncmp(argv[i], "--policies=", 11) == 0) {
-      std::string list = argv[i] + 11;
-      for (size_t at = 0; at <= list.size();) {
-        const size_t comma = std::min(list.find(',', at), list.size());
-        if (comma > at) policy_names.push_back(list.substr(at, comma - at));
-        at = comma + 1;
-      }
+      policy_names = absl::StrSplit(argv[i] + 11, ',', absl::SkipEmpty());
     }
   }
   if (top_pages.empty() || top_pages[0] < 1) {
