@@ -287,7 +287,7 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuestClt, 256, 16, 2, 2, false, 16, kPerKvHead},
         GpuCase{Method::kQuestClt, 64, 32, 2, 4, true, 12, kPerKvHead},
         // its ring (QuestCltSumsRing) with d = 96 (a partial run of words), the
-        // fixed and mass budgets, and a row of one pass or less (exact ties).
+        // fixed and mass budgets, and runs of 3 records that tie exactly.
         GpuCase{Method::kQuestClt, 96, 8, 2, 1, false, 8, kUnion, Budget::kFixed},
         GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass},
         GpuCase{
