@@ -88,15 +88,19 @@ engine() {  # name, then reference_engine.py flags
   # a failed run may have left epsd dead: bring it back for the next
   kill -0 "$(cat "$pidfile")" 2>/dev/null || start_epsd
 }
-status=0
-if [[ ${EPS_ENGINE_PLAN:-full} == speed ]]; then
-  for run in ${EPS_ENGINE_SPEED:-b8-32k b2-128k}; do
+speed() {  # the speed runs named in $1 (b8-32k, b2-128k)
+  local run
+  for run in $1; do
     case $run in
       b8-32k) engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64 ;;
       b2-128k) engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64 ;;
       *) echo "EPS_ENGINE_SPEED: no run $run"; status=1 ;;
     esac
   done
+}
+status=0
+if [[ ${EPS_ENGINE_PLAN:-full} == speed ]]; then
+  speed "${EPS_ENGINE_SPEED:-b8-32k b2-128k}"
   for f in "$out"/speed-*.log; do awk '/^(speed)[: -]/{p=1} p' "$f"; done
   exit $status
 fi
@@ -120,8 +124,7 @@ if [[ ${EPS_ENGINE_QUICK:-0} == 1 ]]; then
     --decode-steps 400 --kill-at 10 --restart-at 20 --epsd-pid-file "$pidfile" \
     --epsd-cmd "$epsd_cmd"
 else
-  engine speed-b8-32k --mode speed --batch 8 --context 32768 --decode-steps 64
-  engine speed-b2-128k --mode speed --batch 2 --context 131072 --decode-steps 64
+  speed "b8-32k b2-128k"
   engine kill --mode kill --batch 8 --context 8192 --decode-steps 120 --kill-at 20 \
     --restart-at 40 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
   if [[ -n $model ]]; then
