@@ -237,16 +237,15 @@ def mark_mass_union(scores: F32, targets: list[float], *, temperature: float, he
     forced = (idx < first_n) | (idx >= n - last_n) | (idx == n - 1)
     unforced = idx[~forced]
     order = unforced[np.lexsort((-unforced, -share[unforced]))]  # by share, then recency
-    covered = share[forced].sum() + np.cumsum(share[order])
+    # covered[k]: the share held with the first k unforced groups taken
+    covered = share[forced].sum() + np.concatenate(([0.0], np.cumsum(share[order])))
     out = np.zeros((len(targets), 1, n), dtype=np.uint8)
     out[:, 0, forced] = 1
     for i, t in enumerate(targets):
         if not 0.0 < t <= 1.0:
             raise ValueError(f"mass target {t} not in (0, 1]")
         reached = np.nonzero(covered >= t)[0]
-        k = int(reached[0]) + 1 if reached.size else len(order)
-        if share[forced].sum() >= t:
-            k = 0
+        k = int(reached[0]) if reached.size else len(order)
         k = min(len(order), max(k, min_pages))
         out[i, 0, order[:k]] = 1
     return out
@@ -355,9 +354,9 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
                 mass_scores = {"quest": scores["quest"], "quest8": scores["quest8"],
                                "questmid": mid.astype(np.float32)}
-                for exact in ("questclt", "questlgn", "oracle_mass_lag"):
-                    if exact in scores:  # questlgn: an estimate of the log mass itself
-                        mass_scores[exact] = scores[exact]
+                for extra in ("questclt", "questlgn", "oracle_mass_lag"):
+                    if extra in scores:  # questlgn: an estimate of the log mass itself
+                        mass_scores[extra] = scores[extra]
                 if lag == 0:
                     mass_scores["oracle_mass"] = oracle["oracle_mass"]
                 for name, sc in mass_scores.items():

@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --device: first check it against numpy on this many tokens")
     ap.add_argument("--plan", choices=tuple(PLANS), default="full",
                     help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
-                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt)")
+                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
+                         "massunion: quality.MASS_UNION_PLAN (mass plus the list-level mass "
+                         "budget and the exact lag-1 mass)")
     ap.add_argument("--variants", type=variant_list, default=VARIANTS,
                     help="gated passkey variants METHOD:G,... (default: run_gemma.VARIANTS)")
     ap.add_argument("--skip-checks", action="store_true",

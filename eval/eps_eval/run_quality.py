@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-layers", default="0,5,10,15,20,25,29")
     ap.add_argument("--real-steps", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=None)
-    ap.add_argument("--plan", choices=("full", "estimators", "mass", "massunion"), default="full",
+    ap.add_argument("--plan", choices=tuple(PLANS), default="full",
                     help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
                          "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
                          "massunion: quality.MASS_UNION_PLAN (mass plus the list-level mass "
