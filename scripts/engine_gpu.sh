@@ -14,8 +14,9 @@
 # replace the quality and passkey budgets (defaults 4,8,12,16,24,32 and 8,16 groups, for
 # the reference engine's g = 8). EPS_ENGINE_PLAN=speed runs only the speed runs named in
 # EPS_ENGINE_SPEED (default "b8-32k b2-128k"; no device tests, kill, quality or one-queue
-# runs). EPS_EPSD_PREFIX goes before epsd's command (a wrapper; ncu wrapped this way wrote
-# no report on 2026-11-25: epsd is killed at the end, and ncu writes its report at exit).
+# runs). EPS_EPSD_PREFIX goes before epsd's command (a wrapper, e.g. ncu). At the end epsd
+# gets SIGTERM and EPS_EPSD_STOP_S seconds (default 15) to drain and exit, and its wrapper
+# the same to finish (ncu writes its report at exit); then SIGKILL.
 # EPS_ENGINE_MPS=1 runs epsd and the engine as clients of a CUDA Multi-Process Service
 # daemon started here (private pipe and log directories under /tmp, stopped at exit; the
 # card's settings are left alone), so their kernels share the GPU without time-slicing
@@ -70,7 +71,18 @@ with grpc.insecure_channel(f"unix://{sys.argv[1]}") as ch:
     grpc.channel_ready_future(ch).result(timeout=30)
 PY
 }
-stop_epsd() { [[ -f $pidfile ]] && kill "$(cat "$pidfile")" 2>/dev/null; sleep 0.2; }
+stop_epsd() {  # SIGTERM to epsd itself (under a wrapper, its child), then wait for the drain
+  [[ -f $pidfile ]] || return 0
+  local pid target i
+  pid=$(cat "$pidfile")
+  target=$(pgrep -x epsd -P "$pid" | head -1)
+  kill -TERM "${target:-$pid}" 2>/dev/null
+  for ((i = 0; i < ${EPS_EPSD_STOP_S:-15} * 5; ++i)); do
+    kill -0 "$pid" 2>/dev/null || return 0
+    sleep 0.2
+  done
+  kill -KILL "$pid" 2>/dev/null
+}
 trap 'stop_epsd; stop_mps' EXIT
 start_epsd || { tail "$out/epsd.log"; exit 1; }
 echo "epsd up: $(head -1 "$out/epsd.log")"
