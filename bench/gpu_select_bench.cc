@@ -10,7 +10,11 @@
 //                      [--policy-batch=8] [--policy-context=32768] [--group-blocks=8]
 //                      [--top-pages=16] [--slots=consecutive|scattered]
 //                      [--policies=questclt,jl threshold]   (policy rows whose name holds one)
-//                      [--pool=local|ipc]
+//                      [--pool=local|ipc] [--pool-offset=0] [--pool-pad=0]
+//
+// --pool-offset and --pool-pad place the pool that many bytes into its allocation
+// and allocate that many bytes after it, as an engine's region holds the pool among
+// its other buffers (whose total need not be a multiple of 2 MiB).
 //
 // --pool=ipc puts each step's summary pool in a child process (this binary run
 // with --serve-pool=BYTES) and maps it here through CUDA IPC, as epsd maps an
@@ -27,6 +31,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -52,6 +57,8 @@ int top_pages_per_head = 16;
 bool scattered_slots = false;           // --slots=scattered
 std::vector<std::string> policy_names;  // --policies: the rows to run (empty: all)
 bool ipc_pool = false;                  // --pool=ipc
+int64_t pool_offset = 0;                // --pool-offset: the pool's bytes into its allocation
+int64_t pool_pad = 0;                   // --pool-pad: bytes allocated after the pool
 
 std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<int64_t> fallback) {
   const size_t n = std::strlen(flag);
@@ -217,19 +224,25 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
   const int lists = granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
   const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
   eps::testing::StepBuffers& b = d->buffers;  // read only (its accessors are not const)
+  // The pool at pool_offset bytes into an allocation of pool_offset + pool + pool_pad
+  // bytes, as an engine's region holds it among the other buffers (client/cpp/buffer_plan.h).
+  const int64_t bytes = static_cast<int64_t>(b.pool().size() * sizeof(float));
+  float* pool = nullptr;
   if (ipc_pool) {
-    const int64_t bytes = static_cast<int64_t>(b.pool().size() * sizeof(float));
-    ASSIGN_OR_RETURN(d->ipc, IpcPool::Spawn(bytes));
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(d->ipc->get(), b.pool().data(), bytes, cudaMemcpyHostToDevice));
+    ASSIGN_OR_RETURN(d->ipc, IpcPool::Spawn(pool_offset + bytes + pool_pad));
+    pool = d->ipc->get();
   } else {
-    RETURN_IF_ERROR(Upload(d->pool, b.pool().data(), b.pool().size()));
+    RETURN_IF_CUDA_ALLOC(d->pool, (pool_offset + bytes + pool_pad + 3) / 4);
+    pool = d->pool.get();
   }
+  pool = reinterpret_cast<float*>(reinterpret_cast<std::byte*>(pool) + pool_offset);
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(pool, b.pool().data(), bytes, cudaMemcpyHostToDevice));
   RETURN_IF_ERROR(Upload(d->groups, b.group_table().data(), b.group_table().size()));
   RETURN_IF_ERROR(Upload(d->blocks, b.block_table().data(), b.block_table().size()));
   RETURN_IF_ERROR(Upload(d->queries, static_cast<const float*>(d->in.queries), qcount));
   RETURN_IF_CUDA_ALLOC(d->visit, int64_t{m.num_layers} * batch * lists * b.max_blocks());
   RETURN_IF_CUDA_ALLOC(d->count, int64_t{m.num_layers} * batch * lists);
-  d->in.summary_pool = ipc_pool ? d->ipc->get() : d->pool.get();
+  d->in.summary_pool = pool;
   d->in.group_table = d->groups.get();
   d->in.block_table = d->blocks.get();
   d->in.queries = d->queries.get();
@@ -393,6 +406,8 @@ int main(int argc, char** argv) {
     top_pages = ParseList(argv[i], "--top-pages=", top_pages);
     if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
     if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
+    pool_offset = ParseList(argv[i], "--pool-offset=", {pool_offset})[0];
+    pool_pad = ParseList(argv[i], "--pool-pad=", {pool_pad})[0];
     if (std::strncmp(argv[i], "--policies=", 11) == 0) {
       policy_names = absl::StrSplit(argv[i] + 11, ',', absl::SkipEmpty());
     }

@@ -75,8 +75,11 @@ stop_epsd() {  # SIGTERM to epsd itself (under a wrapper, its child), then wait 
   [[ -f $pidfile ]] || return 0
   local pid target i
   pid=$(cat "$pidfile")
-  target=$(pgrep -x epsd -P "$pid" | head -1)
-  kill -TERM "${target:-$pid}" 2>/dev/null
+  target=$pid
+  for i in $(pgrep -x epsd); do  # epsd itself, when a wrapper started it
+    grep -qF "$sock" "/proc/$i/cmdline" 2>/dev/null && target=$i
+  done
+  kill -TERM "$target" 2>/dev/null
   for ((i = 0; i < ${EPS_EPSD_STOP_S:-15} * 5; ++i)); do
     kill -0 "$pid" 2>/dev/null || return 0
     sleep 0.2

@@ -6,6 +6,11 @@
 #include "gpu/stream_ops.h"
 
 namespace eps::client {
+namespace {
+
+constexpr uint64_t kRegionAlignment = uint64_t{2} << 20;
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const ModelLayout& model,
                                                                      const BufferShape& shape,
@@ -14,13 +19,16 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   auto b = std::unique_ptr<DeviceBuffers>(new DeviceBuffers(std::move(plan), device));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   void* base = nullptr;
-  if (const cudaError_t err = cudaMalloc(&base, b->plan_.size); err != cudaSuccess) {
+  // A whole number of 2 MiB pages (docs/design.md §5, "Allocate whole 2 MiB pages").
+  const uint64_t bytes =
+      (b->plan_.size + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+  if (const cudaError_t err = cudaMalloc(&base, bytes); err != cudaSuccess) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cudaMalloc(", b->plan_.size, " bytes): ", cudaGetErrorString(err)));
+        absl::StrCat("cudaMalloc(", bytes, " bytes): ", cudaGetErrorString(err)));
   }
   b->base_ = static_cast<std::byte*>(base);
   // Counters start at 0 and no list is valid until the first selection.
-  CUDA_RETURN_IF_ERROR(cudaMemset(b->base_, 0, b->plan_.size));
+  CUDA_RETURN_IF_ERROR(cudaMemset(b->base_, 0, bytes));
   cudaIpcMemHandle_t handle;
   CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, b->base_));
   b->handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));

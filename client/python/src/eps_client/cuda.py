@@ -24,6 +24,7 @@ from eps_client.layout import ModelLayout
 from eps_client.proto import page_selector_pb2 as pb
 
 _IPC_HANDLE_BYTES = 64
+_REGION_ALIGNMENT = 2 << 20  # bytes: the region is allocated in whole 2 MiB pages
 
 
 class CudaError(RuntimeError):
@@ -91,13 +92,14 @@ class CudaBuffers:
         self._rt = _Runtime(load_cudart(cudart))
         self._rt.check(self._rt.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
         ptr = ctypes.c_void_p()
-        self._rt.check(self._rt.lib.cudaMalloc(ctypes.byref(ptr), self.layout.size),
-                       f"cudaMalloc({self.layout.size})")
+        # a whole number of 2 MiB pages (docs/design.md §5, "Allocate whole 2 MiB pages")
+        size = -(-self.layout.size // _REGION_ALIGNMENT) * _REGION_ALIGNMENT
+        self._rt.check(self._rt.lib.cudaMalloc(ctypes.byref(ptr), size), f"cudaMalloc({size})")
         if ptr.value is None:
-            raise CudaError(f"cudaMalloc({self.layout.size}) returned a null pointer")
+            raise CudaError(f"cudaMalloc({size}) returned a null pointer")
         self._ptr: int | None = ptr.value
         base: int = ptr.value
-        self._rt.check(self._rt.lib.cudaMemset(ptr, 0, self.layout.size), "cudaMemset")
+        self._rt.check(self._rt.lib.cudaMemset(ptr, 0, size), "cudaMemset")
         handle = ctypes.create_string_buffer(_IPC_HANDLE_BYTES)
         self._rt.check(self._rt.lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
         self.ipc_handle = handle.raw
