@@ -430,5 +430,46 @@ TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattac
   EXPECT_LE(CompareWithReference(), 1);
 }
 
+// epsd warns when it maps a region that is not whole 2 MiB pages, which its pre-pass
+// reads up to 2.4 times slower (docs/design.md §5): never for the client library's
+// region, which is rounded up; once for a region of the buffers' exact total.
+TEST_F(AsyncFenceTest, ARegionNotInWhole2MiBPagesAttachesWithAWarning) {
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("pages"), {"--backend=cuda"});
+  ASSERT_NE(epsd, nullptr);
+  client::ClientOptions options = AsyncOptions(*epsd);
+  options.reply_async = false;
+  options.fail_open = false;
+  const std::string warning = "not a whole number of 2 MiB pages";
+  {
+    client::EpsClient whole(options, Attach());
+    ASSERT_EQ(whole.Attach(), absl::OkStatus()) << epsd->Log();
+  }
+  EXPECT_EQ(epsd->Log().find(warning), std::string::npos) << epsd->Log();
+
+  const uint64_t bytes = buffers_->plan().size;
+  ASSERT_NE(bytes % (uint64_t{2} << 20), 0u) << "this shape's buffers fill whole pages";
+  void* exact = nullptr;
+  ASSERT_EQ(cudaMalloc(&exact, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(exact, 0, bytes), cudaSuccess);
+  cudaIpcMemHandle_t handle;
+  ASSERT_EQ(cudaIpcGetMemHandle(&handle, exact), cudaSuccess);
+  v1::AttachRequest attach = Attach();
+  attach.set_engine_id("async-fence-exact-region");
+  v1::SharedBuffers* b = attach.mutable_buffers();
+  ASSERT_TRUE(b->has_flags());
+  for (v1::MemoryDescriptor* d :
+       {b->mutable_summary_pool(), b->mutable_group_table(), b->mutable_block_table(),
+        b->mutable_queries(), b->mutable_visit_blocks(), b->mutable_visit_count(),
+        b->mutable_flags()}) {
+    d->mutable_cuda_ipc()->set_handle(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  }
+  {
+    client::EpsClient unrounded(options, attach);
+    ASSERT_EQ(unrounded.Attach(), absl::OkStatus()) << epsd->Log();
+  }
+  EXPECT_NE(epsd->Log().find(warning), std::string::npos) << epsd->Log();
+  EXPECT_EQ(cudaFree(exact), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace eps
