@@ -12,9 +12,10 @@
 //                      [--policies=questclt,jl threshold]   (policy rows whose name holds one)
 //                      [--pool=local|ipc] [--pool-offset=0] [--pool-pad=0]
 //
-// --pool-offset and --pool-pad place the pool that many bytes into its allocation
-// and allocate that many bytes after it, as an engine's region holds the pool among
-// its other buffers (whose total need not be a multiple of 2 MiB).
+// --pool-offset places the pool that many bytes into its allocation, which is rounded
+// up to whole 2 MiB pages as the client libraries round theirs; --pool-pad adds that
+// many bytes past the rounding (4096: an IPC allocation that is not whole pages, which
+// epsd reads up to 2.4x slower; docs/design.md §5).
 //
 // --pool=ipc puts each step's summary pool in a child process (this binary run
 // with --serve-pool=BYTES) and maps it here through CUDA IPC, as epsd maps an
@@ -224,15 +225,18 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
   const int lists = granularity == eps::Granularity::kPerKvHead ? m.num_kv_heads : 1;
   const int64_t qcount = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
   eps::testing::StepBuffers& b = d->buffers;  // read only (its accessors are not const)
-  // The pool at pool_offset bytes into an allocation of pool_offset + pool + pool_pad
-  // bytes, as an engine's region holds it among the other buffers (client/cpp/buffer_plan.h).
+  // The pool at pool_offset bytes into its allocation, as an engine's region holds it
+  // among the other buffers (client/cpp/buffer_plan.h), the allocation rounded up to
+  // whole 2 MiB pages as the client libraries round theirs, then pool_pad bytes more.
   const int64_t bytes = static_cast<int64_t>(b.pool().size() * sizeof(float));
+  constexpr int64_t kPage = int64_t{2} << 20;
+  const int64_t allocation = (pool_offset + bytes + kPage - 1) / kPage * kPage + pool_pad;
   float* pool = nullptr;
   if (ipc_pool) {
-    ASSIGN_OR_RETURN(d->ipc, IpcPool::Spawn(pool_offset + bytes + pool_pad));
+    ASSIGN_OR_RETURN(d->ipc, IpcPool::Spawn(allocation));
     pool = d->ipc->get();
   } else {
-    RETURN_IF_CUDA_ALLOC(d->pool, (pool_offset + bytes + pool_pad + 3) / 4);
+    RETURN_IF_CUDA_ALLOC(d->pool, (allocation + 3) / 4);
     pool = d->pool.get();
   }
   pool = reinterpret_cast<float*>(reinterpret_cast<std::byte*>(pool) + pool_offset);
