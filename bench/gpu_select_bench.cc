@@ -43,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_split.h"
+#include "core/buffer_contract.h"
 #include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
@@ -229,8 +230,8 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
   // among the other buffers (client/cpp/buffer_plan.h), the allocation rounded up to
   // whole 2 MiB pages as the client libraries round theirs, then pool_pad bytes more.
   const int64_t bytes = static_cast<int64_t>(b.pool().size() * sizeof(float));
-  constexpr int64_t kPage = int64_t{2} << 20;
-  const int64_t allocation = (pool_offset + bytes + kPage - 1) / kPage * kPage + pool_pad;
+  const auto allocation =
+      static_cast<int64_t>(eps::RegionBytes(static_cast<uint64_t>(pool_offset + bytes))) + pool_pad;
   float* pool = nullptr;
   if (ipc_pool) {
     ASSIGN_OR_RETURN(d->ipc, IpcPool::Spawn(allocation));

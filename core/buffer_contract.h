@@ -24,6 +24,14 @@ namespace eps {
 // loads stay aligned whatever the model shape.
 inline constexpr uint64_t kBufferAlignment = 256;
 
+// A device allocation holding the buffers is a whole number of these (2 MiB pages):
+// mapped in epsd through CUDA IPC, an allocation of any other size was read up to
+// 2.4 times slower by its pre-pass (docs/design.md §5, "Allocate whole 2 MiB pages").
+inline constexpr uint64_t kRegionAlignment = uint64_t{2} << 20;
+inline constexpr uint64_t RegionBytes(uint64_t bytes) {
+  return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+}
+
 // In allocation order.
 enum class SharedBuffer : int {
   kSummaryPool,

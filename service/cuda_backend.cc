@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "core/buffer_contract.h"
 #include "core/status.h"
 #include "gpu/device.h"
 #include "gpu/ipc_mapping.h"
@@ -13,10 +14,6 @@
 
 namespace eps::service {
 namespace {
-
-// An allocation whose size is not a multiple of this, mapped here through CUDA IPC,
-// is read at less than half the speed of one that is (H100, 2026-11-25).
-constexpr uint64_t kIpcPageBytes = uint64_t{2} << 20;
 
 class DeviceMemory final : public MappedMemory {
  public:
@@ -127,7 +124,7 @@ CudaIpcOpener MakeCudaIpcOpener(int device) {
   return [device](const v1::CudaIpcHandle& h) -> absl::StatusOr<std::unique_ptr<MappedMemory>> {
     absl::StatusOr<std::unique_ptr<gpu::IpcMapping>> m = gpu::IpcMapping::Open(h.handle(), device);
     if (!m.ok()) return m.status();
-    if ((*m)->size() % kIpcPageBytes != 0) {
+    if ((*m)->size() % kRegionAlignment != 0) {
       // Served, but slowly: docs/design.md §5, "Allocate whole 2 MiB pages".
       std::fprintf(stderr,
                    "epsd: warning: a cuda_ipc allocation of %llu bytes is not a whole number of "

@@ -6,11 +6,6 @@
 #include "gpu/stream_ops.h"
 
 namespace eps::client {
-namespace {
-
-constexpr uint64_t kRegionAlignment = uint64_t{2} << 20;
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const ModelLayout& model,
                                                                      const BufferShape& shape,
@@ -19,9 +14,7 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   auto b = std::unique_ptr<DeviceBuffers>(new DeviceBuffers(std::move(plan), device));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   void* base = nullptr;
-  // A whole number of 2 MiB pages (docs/design.md §5, "Allocate whole 2 MiB pages").
-  const uint64_t bytes =
-      (b->plan_.size + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+  const uint64_t bytes = RegionBytes(b->plan_.size);  // whole 2 MiB pages
   if (const cudaError_t err = cudaMalloc(&base, bytes); err != cudaSuccess) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cudaMalloc(", bytes, " bytes): ", cudaGetErrorString(err)));

@@ -18,6 +18,7 @@
 #include "client/cpp/device_buffers.h"
 #include "client/cpp/eps_client.h"
 #include "client/cpp/selection_watchdog.h"
+#include "core/buffer_contract.h"
 #include "core/phi.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
@@ -447,7 +448,7 @@ TEST_F(AsyncFenceTest, ARegionNotInWhole2MiBPagesAttachesWithAWarning) {
   EXPECT_EQ(epsd->Log().find(warning), std::string::npos) << epsd->Log();
 
   const uint64_t bytes = buffers_->plan().size;
-  ASSERT_NE(bytes % (uint64_t{2} << 20), 0u) << "this shape's buffers fill whole pages";
+  ASSERT_NE(bytes % kRegionAlignment, 0u) << "this shape's buffers fill whole pages";
   void* exact = nullptr;
   ASSERT_EQ(cudaMalloc(&exact, bytes), cudaSuccess);
   ASSERT_EQ(cudaMemset(exact, 0, bytes), cudaSuccess);

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
-from eps_client.buffers import ALIGNMENT, CONTRACT
+from eps_client.buffers import ALIGNMENT, CONTRACT, REGION_ALIGNMENT
 from eps_client.proto import page_selector_pb2 as pb
 
 
@@ -37,6 +37,7 @@ def test_contract_table_equals_core_buffer_contract(core_reference):
     cpp = json.loads(subprocess.run([core_reference, "contract"], check=True,
                                     capture_output=True, text=True).stdout)
     assert cpp["alignment"] == ALIGNMENT
+    assert cpp["region_alignment"] == REGION_ALIGNMENT
     ours = [{"name": spec.name, "dims": list(spec.dims), "dtype": np.dtype(spec.dtype).name,
              "output": spec.output, "optional": spec.optional} for spec in CONTRACT]
     assert ours == cpp["buffers"]

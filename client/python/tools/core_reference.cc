@@ -10,7 +10,8 @@
 //       Creates client::EngineBuffers and writes its SharedBuffers message to stdout.
 //   eps_core_reference contract
 //       Writes core/buffer_contract.h's table as JSON to stdout:
-//       {"alignment": 256, "buffers": [{"name", "dims", "dtype", "output", "optional"}]}.
+//       {"alignment": 256, "region_alignment": 2097152,
+//        "buffers": [{"name", "dims", "dtype", "output", "optional"}]}.
 //   eps_core_reference select ATTACH ROWS OUT
 //       Maps the host_shm buffers of the serialized AttachRequest ATTACH, runs
 //       core::PageSelector::Select with the server's defaults merged with
@@ -211,7 +212,9 @@ int Contract() {
                        {"output", spec.output},
                        {"optional", spec.optional}});
   }
-  const nlohmann::json contract = {{"alignment", eps::kBufferAlignment}, {"buffers", buffers}};
+  const nlohmann::json contract = {{"alignment", eps::kBufferAlignment},
+                                   {"region_alignment", eps::kRegionAlignment},
+                                   {"buffers", buffers}};
   std::cout << contract.dump(2) << "\n";
   return 0;
 }

@@ -33,6 +33,7 @@ from eps_client.layout import ModelLayout, SummaryLayout, blocks_for, groups_for
 from eps_client.proto import page_selector_pb2 as pb
 
 ALIGNMENT = 256  # core/buffer_contract.h kBufferAlignment
+REGION_ALIGNMENT = 2 << 20  # core/buffer_contract.h kRegionAlignment: a device region's size
 _counter = itertools.count()
 
 

@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from eps_client.buffers import BufferLayout, BufferShape
+from eps_client.buffers import REGION_ALIGNMENT, BufferLayout, BufferShape
 from eps_client.layout import ModelLayout
 from eps_client.proto import page_selector_pb2 as pb
 
 _IPC_HANDLE_BYTES = 64
-_REGION_ALIGNMENT = 2 << 20  # bytes: the region is allocated in whole 2 MiB pages
 
 
 class CudaError(RuntimeError):
@@ -92,8 +91,8 @@ class CudaBuffers:
         self._rt = _Runtime(load_cudart(cudart))
         self._rt.check(self._rt.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
         ptr = ctypes.c_void_p()
-        # a whole number of 2 MiB pages (docs/design.md §5, "Allocate whole 2 MiB pages")
-        size = -(-self.layout.size // _REGION_ALIGNMENT) * _REGION_ALIGNMENT
+        # whole 2 MiB pages (docs/design.md §5, "Allocate whole 2 MiB pages")
+        size = -(-self.layout.size // REGION_ALIGNMENT) * REGION_ALIGNMENT
         self._rt.check(self._rt.lib.cudaMalloc(ctypes.byref(ptr), size), f"cudaMalloc({size})")
         if ptr.value is None:
             raise CudaError(f"cudaMalloc({size}) returned a null pointer")
