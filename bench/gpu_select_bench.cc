@@ -12,10 +12,11 @@
 //                      [--policies=questclt,jl threshold]   (policy rows whose name holds one)
 //                      [--pool=local|ipc] [--pool-offset=0] [--pool-pad=0]
 //
-// --pool-offset places the pool that many bytes into its allocation, which is rounded
-// up to whole 2 MiB pages as the client libraries round theirs; --pool-pad adds that
-// many bytes past the rounding (4096: an IPC allocation that is not whole pages, which
-// epsd reads up to 2.4x slower; docs/design.md §5).
+// --pool-offset places the pool that many bytes (a multiple of 256, as the clients
+// place their buffers) into its allocation, which is rounded up to whole 2 MiB pages
+// as the client libraries round theirs; --pool-pad adds that many bytes past the
+// rounding (4096: an IPC allocation that is not whole pages, which epsd reads up to
+// 2.4x slower; docs/design.md §5).
 //
 // --pool=ipc puts each step's summary pool in a child process (this binary run
 // with --serve-pool=BYTES) and maps it here through CUDA IPC, as epsd maps an
@@ -402,6 +403,7 @@ int main(int argc, char** argv) {
   }
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
   std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8}, top_pages{16};
+  std::vector<int64_t> pool_offsets{0}, pool_pads{0};
   for (int i = 1; i < argc; ++i) {
     group_blocks = ParseList(argv[i], "--group-blocks=", group_blocks);
     batches = ParseList(argv[i], "--batches=", batches);
@@ -411,8 +413,8 @@ int main(int argc, char** argv) {
     top_pages = ParseList(argv[i], "--top-pages=", top_pages);
     if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
     if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
-    pool_offset = ParseList(argv[i], "--pool-offset=", {pool_offset})[0];
-    pool_pad = ParseList(argv[i], "--pool-pad=", {pool_pad})[0];
+    pool_offsets = ParseList(argv[i], "--pool-offset=", pool_offsets);
+    pool_pads = ParseList(argv[i], "--pool-pad=", pool_pads);
     if (std::strncmp(argv[i], "--policies=", 11) == 0) {
       policy_names = absl::StrSplit(argv[i] + 11, ',', absl::SkipEmpty());
     }
@@ -422,6 +424,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   top_pages_per_head = static_cast<int>(top_pages[0]);
+  if (pool_offsets.empty() || pool_offsets[0] < 0 ||
+      pool_offsets[0] % static_cast<int64_t>(eps::kBufferAlignment) != 0 || pool_pads.empty() ||
+      pool_pads[0] < 0) {
+    std::printf("error: --pool-offset must be a multiple of %llu and --pool-pad at least 0\n",
+                static_cast<unsigned long long>(eps::kBufferAlignment));
+    return 1;
+  }
+  pool_offset = pool_offsets[0];
+  pool_pad = pool_pads[0];
   if (!eps::gpu::DeviceAvailable()) {
     std::printf("no CUDA device\n");
     return 0;
