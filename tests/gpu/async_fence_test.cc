@@ -126,6 +126,14 @@ class AsyncFenceTest : public ::testing::Test {
     return options;
   }
 
+  // Sync replies, and errors returned instead of falling back.
+  static client::ClientOptions SyncFailClosedOptions(testing::EpsdProcess& epsd) {
+    client::ClientOptions options = AsyncOptions(epsd);
+    options.reply_async = false;
+    options.fail_open = false;
+    return options;
+  }
+
   std::vector<v1::BatchRow> Rows() const {
     std::vector<v1::BatchRow> rows;
     for (const StepRow& r : rows_) {
@@ -406,9 +414,7 @@ TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) 
 TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattach) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("floor"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
-  client::ClientOptions options = AsyncOptions(*epsd);
-  options.reply_async = false;
-  options.fail_open = false;
+  const client::ClientOptions options = SyncFailClosedOptions(*epsd);
   {
     client::EpsClient first(options, Attach());
     ASSERT_EQ(first.Attach(), absl::OkStatus()) << epsd->Log();
@@ -437,9 +443,7 @@ TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattac
 TEST_F(AsyncFenceTest, ARegionNotInWhole2MiBPagesAttachesWithAWarning) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("pages"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
-  client::ClientOptions options = AsyncOptions(*epsd);
-  options.reply_async = false;
-  options.fail_open = false;
+  const client::ClientOptions options = SyncFailClosedOptions(*epsd);
   const std::string warning = "not a whole number of 2 MiB pages";
   {
     client::EpsClient whole(options, Attach());
