@@ -73,11 +73,11 @@ PY
 }
 stop_epsd() {  # SIGTERM to epsd itself (under a wrapper, its child), then wait for the drain
   [[ -f $pidfile ]] || return 0
-  local pid target i
+  local pid target p i
   pid=$(cat "$pidfile")
   target=$pid
-  for i in $(pgrep -x epsd); do  # epsd itself, when a wrapper started it
-    grep -qF "$sock" "/proc/$i/cmdline" 2>/dev/null && target=$i
+  for p in $(pgrep -x epsd); do  # epsd itself, when a wrapper started it
+    grep -qF "$sock" "/proc/$p/cmdline" 2>/dev/null && target=$p
   done
   kill -TERM "$target" 2>/dev/null
   for ((i = 0; i < ${EPS_EPSD_STOP_S:-15} * 5; ++i)); do
