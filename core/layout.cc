@@ -59,6 +59,10 @@ SummaryLayout SummaryLayout::For(const ModelLayout& model) {
     next += model.head_dim;
   }
   if (model.features.quest) {
+    // On a 16-byte boundary, so that the GPU pre-pass copies it 16 bytes at a
+    // time (gpu/questclt_octets.cuh); without the principal part the record's
+    // size is the same as without the padding.
+    next = (next + 3) / 4 * 4;
     s.quest_min = next;
     s.quest_max = next + model.head_dim / 2;  // head_dim is a multiple of 4
     next += model.head_dim;

@@ -8,7 +8,8 @@
 //   P, P+1, P+2    fro2 = Σ‖k‖², max_norm = max ‖k‖, count (as float)
 //   key_sum        d floats: Σ k                          (if features.key_sum)
 //   quest          d binary16 min_j, then d binary16 max_j, two per word, low
-//                  half first: d words (if features.quest); min rounded down,
+//                  half first: d words (if features.quest), starting at a
+//                  multiple of 4 words (padding before it); min rounded down,
 //                  max rounded up, so the quest bound stays an upper bound
 //   principal      λ1, r², scale, then d int8 u1 packed 4 per word
 //                                                         (if features.principal)

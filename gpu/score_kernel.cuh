@@ -9,6 +9,7 @@
 #include "core/bounds.h"
 #include "gpu/bounds.cuh"
 #include "gpu/phi.cuh"
+#include "gpu/questclt_octets.cuh"
 #include "gpu/step_shape.cuh"
 #include "gpu/terms_kernel.cuh"
 #include "gpu/warp_sums.cuh"
@@ -27,10 +28,11 @@ namespace eps::gpu::kernels {
 // (gpu/warp_sums.cuh).
 //
 // Shared memory (dynamic): the staged records of jl with m known [threads,
-// StagedStride(m)] or questclt's ring of quest parts [warps, RingWarpWords]
-// (gpu/warp_sums.cuh QuestCltSumsRing), terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
-// d] float2. Outputs [rows, layers, q_heads, max_groups]: `scores` (strict: the
-// lower bounds) and, in strict mode, `uppers`.
+// StagedStride(m)] or questclt's ring of quest parts [warps, OctetRingWarpWords]
+// (gpu/questclt_octets.cuh), terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
+// d] float2 (the octet path instead: q/2 then q²/4 [ratio, OctetQueryStride(d)]
+// each, from q's start). Outputs [rows, layers,
+// q_heads, max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
 
 struct ScoreArgs {
@@ -47,19 +49,20 @@ struct ScoreArgs {
 };
 
 // Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
-// `staged`: jl with m known, which stages its records (StagedWords); `ring`:
-// questclt, which stages its quest parts in a ring (RingWarpWords).
+// `staged`: jl with m known, which stages its records (StagedWords); `octets`:
+// questclt's octet path, which stages its quest parts in a ring (OctetRingWarpWords).
 __host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged,
-                                                   bool ring = false) {
+                                                   bool octets = false) {
   return static_cast<size_t>(ratio) * (TermWords(m) + 3 * d) +
          (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0) +
-         (ring ? kScoreThreads / 32 * RingWarpWords(ratio <= 4 ? 4 : 8, d) : 0);
+         (octets ? kScoreThreads / 32 * OctetRingWarpWords(d) : 0);
 }
 
 // Scoring blocks resident per SM that the compiler must allow: the warp-read
 // sums keep a pass's loads and sums in registers (up to ~170 unbounded, one
 // block per SM); two blocks (128 registers) keep twice the loads in flight,
-// except for strict mode's and questclt's 8-head passes, which would spill. jl with m ≤ 8
+// except for strict mode's and questclt's 8-head passes, which would spill
+// (questclt's octet path likewise: ScoreKernel). jl with m ≤ 8
 // keeps three blocks (80 registers), as it had before it staged its records.
 template <Method kMethod, int kM, bool kStrict, int kHeads>
 inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM > 0 && kM <= 8 ? 3
@@ -73,15 +76,18 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // One scoring block's work (ScoreKernel, and the fused selection of
 // gpu/fused_select.cuh): kFused keeps the block's scores in shared memory,
 // head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
-// writing them to a.scores; the same bits either way. kRing: questclt reads
-// its sums through a ring of shared memory (QuestCltSumsRing), the same bits. A
+// writing them to a.scores; the same bits either way. kOctetD (64, 128 or 256:
+// the model's d): questclt takes its sums an octet of lanes per record
+// (gpu/questclt_octets.cuh), a float rounding from the general path. A
 // thread without a group (or with a bad slot) writes none. Returns early, so
 // the caller syncs the block before reading the scores.
-template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, bool kRing = false>
+template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
                                             float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
-  static_assert(!kRing || (kMethod == Method::kQuestClt && !kStrict), "the ring is questclt's");
+  static_assert(kOctetD == 0 || (kMethod == Method::kQuestClt && !kStrict && HasOctetPath(kOctetD)),
+                "the octet path is questclt's");
+  constexpr bool kOctets = kOctetD > 0;
   // quest, questclt and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
   // nothing to score.
@@ -101,9 +107,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
   const int words = TermWords(s.m);
-  float* stage = shared;  // [threads, kStride], or the ring [warps, RingWarpWords]
-  float* terms_sh =
-      stage + (kRing ? kScoreThreads / 32 * RingWarpWords(kHeads, s.d) : kScoreThreads * kStride);
+  float* stage = shared;  // [threads, kStride], or the ring [warps, OctetRingWarpWords]
+  float* terms_sh = stage + (kOctets ? kScoreThreads / 32 * OctetRingWarpWords(kOctetD)
+                                     : kScoreThreads * kStride);
   float* q_sh = terms_sh + ratio * words;                             // [ratio, d]
   float2* qsplit_sh = reinterpret_cast<float2*>(q_sh + ratio * s.d);  // [ratio, d]
   DeviceStatus* status = &a.report->status;
@@ -154,7 +160,15 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
         const int h = kvh * ratio + e / s.d;
         const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
-        q_sh[e] = LoadAsFloatDevice(a.queries, s.query_dtype, at);
+        const float q = LoadAsFloatDevice(a.queries, s.query_dtype, at);
+        if constexpr (kOctets) {  // the octet path's halves and quarters (q/2, q²/4)
+          constexpr int kStride = OctetQueryStride(kOctetD);
+          const int i = e / kOctetD * kStride + OctetQueryIndex(e % kOctetD);
+          q_sh[i] = 0.5f * q;
+          q_sh[ratio * kStride + i] = 0.25f * q * q;
+        } else {
+          q_sh[e] = q;
+        }
       }
       if constexpr (kSplit) {
         if (s.record.quest_min >= 0) {
@@ -200,9 +214,11 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
       } else if constexpr (kMethod == Method::kQuestClt) {
         if (o.quest_min >= 0) {
-          if constexpr (kRing) {
-            QuestCltSumsRing<kHeads>(rec, o, q, heads, sums, lane,
-                                     stage + warp * RingWarpWords(kHeads, s.d));
+          if constexpr (kOctets) {
+            constexpr int kStride = OctetQueryStride(kOctetD);
+            QuestCltSumsOctets<kOctetD, kHeads>(rec, o, q_sh + r0 * kStride,
+                                                q_sh + (ratio + r0) * kStride, heads, sums, lane,
+                                                stage + warp * OctetRingWarpWords(kOctetD));
           } else {
             QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
           }
@@ -240,11 +256,13 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
 
 // kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
 // the other methods take kHeadBatch per pass.
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, bool kRing = false>
-__global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0>
+__global__ void __launch_bounds__(kScoreThreads,
+                                  (kOctetD > 0 ? (kHeads <= 4 ? 2 : 1)
+                                               : kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
     ScoreKernel(Shape s, ScoreArgs a) {
-  extern __shared__ float shared[];
-  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kRing>(s, a, shared, nullptr);
+  extern __shared__ __align__(16) float shared[];
+  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kOctetD>(s, a, shared, nullptr);
 }
 
 }  // namespace eps::gpu::kernels

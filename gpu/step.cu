@@ -33,8 +33,8 @@ namespace {
 
 // Dynamic shared memory of the scoring and selection kernels (score_kernel.cuh
 // and select_kernel.cuh lay them out; terms_kernel.cuh has its own).
-size_t ScoreSharedBytes(const ModelLayout& m, bool staged, bool ring = false) {
-  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged, ring);
+size_t ScoreSharedBytes(const ModelLayout& m, bool staged, bool octets = false) {
+  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged, octets);
 }
 size_t SelectSharedBytes(int64_t max_groups) {
   return static_cast<size_t>((max_groups + 15) / 16 * 16 + max_groups * sizeof(unsigned));
@@ -319,14 +319,15 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
   const bool staged = StagesRecords(policy.method, m.sketch_dim, strict) &&
                       ScoreSharedBytes(m, true) <= static_cast<size_t>(g.max_shared);
-  const bool ring = RingsQuestParts(policy.method, strict) && !g.options.register_sums &&
-                    ScoreSharedBytes(m, false, true) <= static_cast<size_t>(g.max_shared);
-  launch.score_kernel =
-      ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio(), staged, ring);
+  const bool octets = TakesOctetPath(policy.method, strict, m.head_dim, g.layout.quest_min) &&
+                      !g.options.register_sums &&
+                      ScoreSharedBytes(m, false, true) <= static_cast<size_t>(g.max_shared);
+  launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio(), staged,
+                                       octets, m.head_dim);
   launch.score_grid =
       dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
-  launch.score_shared = ScoreSharedBytes(m, staged, ring);
+  launch.score_shared = ScoreSharedBytes(m, staged, octets);
   // Selection: one block per (layer, list, row).
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,
@@ -335,7 +336,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // every row within one scoring block, and its shared memory within the
   // device's (it keeps the block's scores and the cut's histograms besides
   // the scoring's).
-  const size_t fused_shared =  // its scoring reads questclt's sums into registers: no ring
+  const size_t fused_shared =  // its scoring takes questclt's general path: no ring
       ScoreSharedBytes(m, staged) + sizeof(float) * FusedSharedWords(m.gqa_ratio());
   // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
   const void* fused_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);

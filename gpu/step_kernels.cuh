@@ -26,9 +26,9 @@ inline const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
     SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
 
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, bool kRing = false>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0>
 const void* ScoreKernelOf() {
-  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads, kRing>);
+  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads, kOctetD>);
 }
 inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>(),
                                             ScoreKernelOf<Method::kJl, 8, false>(),
@@ -40,8 +40,12 @@ inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>
                                             ScoreKernelOf<Method::kQuest, 0, false, 8>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 4>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 8>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>(),
                                             ScoreKernelOf<Method::kOff, 0, false>(),
                                             ScoreKernelOf<Method::kOff, 0, true, 4>(),
                                             ScoreKernelOf<Method::kOff, 0, true, 8>()};
@@ -87,19 +91,23 @@ inline const void* TermsKernelFor(Method method, int m, bool strict) {
 inline bool StagesRecords(Method method, int m, bool strict) {
   return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
 }
-// questclt stages its quest parts in a ring (warp_sums.cuh QuestCltSumsRing)
-// when the ring fits beside the query terms; else it reads them into registers.
-inline bool RingsQuestParts(Method method, bool strict) {
-  return method == Method::kQuestClt && !strict;
+// questclt takes its sums an octet of lanes per record (questclt_octets.cuh)
+// for d of 64, 128 or 256 with its quest part on a 16-byte boundary (as
+// core/layout.h places it), when its ring fits beside the query terms; else
+// the general path reads each record's words into registers (warp_sums.cuh).
+inline bool TakesOctetPath(Method method, bool strict, int d, int quest_min) {
+  return method == Method::kQuestClt && !strict && HasOctetPath(d) && quest_min >= 0 &&
+         quest_min % 4 == 0;
 }
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
 // register-resident Gram of staged records); strict mode scores brackets
 // whatever the method. quest, questclt and strict read their sums for 4 query heads per
 // pass of the warp when a KV head has at most 4 (more records per pass), else 8;
-// `ring`: questclt's ring fits (RingsQuestParts).
+// `octets`: questclt takes the octet path (TakesOctetPath and its ring fits) for head
+// dimension d.
 inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged,
-                                  bool ring) {
+                                  bool octets, int d) {
   const bool four = ratio <= 4;
   if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
   if (strict) {
@@ -127,9 +135,20 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kQuestClt:
-      if (ring) {
-        return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, true>()
-                    : ScoreKernelOf<Method::kQuestClt, 0, false, 8, true>();
+      if (octets) {
+        switch (d) {
+          case 64:
+            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>()
+                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>();
+          case 128:
+            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>()
+                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>();
+          case 256:
+            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>()
+                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>();
+          default:
+            break;
+        }
       }
       return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuestClt, 0, false, 8>();

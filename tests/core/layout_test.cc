@@ -43,11 +43,28 @@ TEST(LayoutTest, OptionalPartsFollowInDocumentedOrder) {
   m.features = {.key_sum = true, .principal = true, .quest = true};
   const SummaryLayout s = SummaryLayout::For(m);
   EXPECT_EQ(s.key_sum, 39);
-  EXPECT_EQ(s.quest_min, 39 + 128);
-  EXPECT_EQ(s.quest_max, 39 + 128 + 64);  // 128 binary16 minima in 64 words
-  EXPECT_EQ(s.principal, 39 + 256);       // quest takes d words, 4·d bytes, not 8·d
+  EXPECT_EQ(s.quest_min, 39 + 128 + 1);  // one word of padding: a 16-byte boundary
+  EXPECT_EQ(s.quest_max, 168 + 64);      // 128 binary16 minima in 64 words
+  EXPECT_EQ(s.principal, 168 + 128);     // quest takes d words, 4·d bytes, not 8·d
   EXPECT_EQ(s.record_words % 4, 0);
   EXPECT_GE(s.record_words, s.principal + 3 + 32);
+}
+
+// The quest part starts on a 16-byte boundary (the GPU copies it 16 bytes at a
+// time) whatever comes before it, and without the principal part the padding
+// costs no record bytes.
+TEST(LayoutTest, QuestPartStartsOnA16ByteBoundary) {
+  for (int m_dim : {1, 2, 3, 4, 5, 8, 12, 16}) {
+    for (bool key_sum : {false, true}) {
+      ModelLayout m = Llama8B();
+      m.sketch_dim = m_dim;
+      m.features = {.key_sum = key_sum, .principal = false, .quest = true};
+      const SummaryLayout s = SummaryLayout::For(m);
+      EXPECT_EQ(s.quest_min % 4, 0) << "m " << m_dim << " key_sum " << key_sum;
+      const int before = PackedSize(m_dim) + 3 + (key_sum ? m.head_dim : 0);
+      EXPECT_EQ(s.record_words, (before + m.head_dim + 3) / 4 * 4) << "m " << m_dim;
+    }
+  }
 }
 
 TEST(LayoutTest, BlocksAndGroupsRoundUp) {

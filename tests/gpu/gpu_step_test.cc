@@ -165,56 +165,51 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
     EXPECT_GT(changed, 0) << "min_pages/max_pages bind in no list: the case tests nothing of them";
   }
 
-  auto gpu_selector = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups());
-  ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
-  const testing::DeviceStep got =
-      testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy);
-  ASSERT_TRUE(got.status.ok()) << got.status;
-  if (c.method == Method::kQuestClt && !c.strict) {
-    // questclt's ring of shared memory (the default) and its register path sum
-    // the same words in the same order: the same scores, so the same lists.
-    auto registers =
-        gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.register_sums = true});
-    ASSERT_TRUE(registers.ok()) << registers.status();
-    const testing::DeviceStep again =
-        testing::SelectOnDevice(**registers, buffers, batch, rows, policy);
-    ASSERT_TRUE(again.status.ok()) << again.status;
-    EXPECT_EQ(again.visit_count, got.visit_count);
-    EXPECT_EQ(again.visit_blocks, got.visit_blocks);
-    EXPECT_EQ(again.stats.groups_visited, got.stats.groups_visited);
-  }
+  // questclt has two paths: its octet path (d of 64, 128, 256; the default
+  // there) and the general one (any d; GpuSelectorOptions::register_sums). Each
+  // is held to core/ alone.
+  const bool two_paths = c.method == Method::kQuestClt && !c.strict;
+  for (const bool general : two_paths ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+    SCOPED_TRACE(general ? "questclt's general path" : "the default path");
+    auto gpu_selector =
+        gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.register_sums = general});
+    ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
+    const testing::DeviceStep got =
+        testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy);
+    ASSERT_TRUE(got.status.ok()) << got.status;
 
-  // Equal visit sets, except groups whose score sits within fp32 tolerance of a
-  // head's cut (the GPU sums in another order); with the fixed budget such a
-  // group swaps with another, so the count of each list is exact.
-  int near_cut = 0;
-  for (int layer = 0; layer < m.num_layers; ++layer) {
-    for (int b = 0; b < batch; ++b) {
-      for (int list = 0; list < lists; ++list) {
-        const auto want = buffers.VisitBlocks(layer, b, list);
-        const std::vector<int32_t> list_blocks =
-            got.List(batch, lists, buffers.max_blocks(), layer, b, list);
-        if (c.budget == Budget::kFixed) {
-          EXPECT_EQ(list_blocks.size(), want.size()) << "layer " << layer << " row " << b;
+    // Equal visit sets, except groups whose score sits within fp32 tolerance of a
+    // head's cut (the GPU sums in another order); with the fixed budget such a
+    // group swaps with another, so the count of each list is exact.
+    int near_cut = 0;
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int b = 0; b < batch; ++b) {
+        for (int list = 0; list < lists; ++list) {
+          const auto want = buffers.VisitBlocks(layer, b, list);
+          const std::vector<int32_t> list_blocks =
+              got.List(batch, lists, buffers.max_blocks(), layer, b, list);
+          if (c.budget == Budget::kFixed) {
+            EXPECT_EQ(list_blocks.size(), want.size()) << "layer " << layer << " row " << b;
+          }
+          if (std::vector<int32_t>(want.begin(), want.end()) == list_blocks) continue;
+          const int64_t n = GroupsFor(rows[b].context_tokens, m);
+          const auto a = testing::VisitedGroups(buffers, b, want, n);
+          const auto g = testing::VisitedGroups(buffers, b, list_blocks, n);
+          int differing = 0;
+          for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
+          near_cut += differing;
+          EXPECT_LE(differing, c.budget == Budget::kFixed ? 2 : 1)
+              << "layer " << layer << " row " << b << " list " << list;
         }
-        if (std::vector<int32_t>(want.begin(), want.end()) == list_blocks) continue;
-        const int64_t n = GroupsFor(rows[b].context_tokens, m);
-        const auto a = testing::VisitedGroups(buffers, b, want, n);
-        const auto g = testing::VisitedGroups(buffers, b, list_blocks, n);
-        int differing = 0;
-        for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
-        near_cut += differing;
-        EXPECT_LE(differing, c.budget == Budget::kFixed ? 2 : 1)
-            << "layer " << layer << " row " << b << " list " << list;
       }
     }
-  }
-  EXPECT_LE(near_cut, 4) << "more disagreements than fp32 ties explain";
-  EXPECT_EQ(got.stats.groups_total, want_stats.groups_total);
-  EXPECT_EQ(got.stats.summary_bytes_read, want_stats.summary_bytes_read);
-  if (near_cut == 0) {
-    EXPECT_EQ(got.stats.groups_visited, want_stats.groups_visited);
-    EXPECT_EQ(got.stats.kv_bytes_read_est, want_stats.kv_bytes_read_est);
+    EXPECT_LE(near_cut, 4) << "more disagreements than fp32 ties explain";
+    EXPECT_EQ(got.stats.groups_total, want_stats.groups_total);
+    EXPECT_EQ(got.stats.summary_bytes_read, want_stats.summary_bytes_read);
+    if (near_cut == 0) {
+      EXPECT_EQ(got.stats.groups_visited, want_stats.groups_visited);
+      EXPECT_EQ(got.stats.kv_bytes_read_est, want_stats.kv_bytes_read_est);
+    }
   }
 }
 
@@ -286,8 +281,9 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuestClt, 64, 4, 4, 1, false},
         GpuCase{Method::kQuestClt, 256, 16, 2, 2, false, 16, kPerKvHead},
         GpuCase{Method::kQuestClt, 64, 32, 2, 4, true, 12, kPerKvHead},
-        // its ring (QuestCltSumsRing) with d = 96 (a partial run of words), the
-        // fixed and mass budgets, and runs of 3 records that tie exactly.
+        // d = 96 (no octet path: a partial run of words), the fixed and mass
+        // budgets, and runs of 3 records that tie exactly (each case runs both
+        // paths where d has an octet path).
         GpuCase{Method::kQuestClt, 96, 8, 2, 1, false, 8, kUnion, Budget::kFixed},
         GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass},
         GpuCase{

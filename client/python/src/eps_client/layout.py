@@ -121,7 +121,9 @@ class SummaryLayout:
         if model.features.key_sum:
             key_sum, nxt = nxt, nxt + d
         if model.features.quest:
-            # binary16 min then max, two per word: d words in all (docs/summaries.md)
+            # binary16 min then max, two per word: d words in all, from a multiple of 4
+            # words (docs/summaries.md)
+            nxt = (nxt + 3) // 4 * 4
             quest_min, quest_max, nxt = nxt, nxt + d // 2, nxt + d
         if model.features.principal:
             principal, nxt = nxt, nxt + 3 + (d + 3) // 4
