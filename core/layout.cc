@@ -60,7 +60,7 @@ SummaryLayout SummaryLayout::For(const ModelLayout& model) {
   }
   if (model.features.quest) {
     // On a 16-byte boundary, so that the GPU pre-pass copies it 16 bytes at a
-    // time (gpu/quest_octets.cuh); without the principal part the record's
+    // time (gpu/questclt_octets.cuh); without the principal part the record's
     // size is the same as without the padding.
     next = (next + 3) / 4 * 4;
     s.quest_min = next;

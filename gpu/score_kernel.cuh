@@ -9,7 +9,7 @@
 #include "core/bounds.h"
 #include "gpu/bounds.cuh"
 #include "gpu/phi.cuh"
-#include "gpu/quest_octets.cuh"
+#include "gpu/questclt_octets.cuh"
 #include "gpu/step_shape.cuh"
 #include "gpu/terms_kernel.cuh"
 #include "gpu/warp_sums.cuh"
@@ -28,9 +28,9 @@ namespace eps::gpu::kernels {
 // (gpu/warp_sums.cuh).
 //
 // Shared memory (dynamic): the staged records of jl with m known [threads,
-// StagedStride(m)] or the octet path's ring of quest parts [warps, OctetRingWarpWords]
-// (gpu/quest_octets.cuh), terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
-// d] float2 (the octet path instead: its two query terms [ratio, OctetQueryStride(d)]
+// StagedStride(m)] or questclt's ring of quest parts [warps, OctetRingWarpWords]
+// (gpu/questclt_octets.cuh), terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
+// d] float2 (the octet path instead: q/2 then q²/4 [ratio, OctetQueryStride(d)]
 // each, from q's start). Outputs [rows, layers,
 // q_heads, max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
@@ -50,7 +50,7 @@ struct ScoreArgs {
 
 // Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
 // `staged`: jl with m known, which stages its records (StagedWords); `octets`:
-// quest's and questclt's octet path, which stages the quest parts in a ring (OctetRingWarpWords).
+// questclt's octet path, which stages its quest parts in a ring (OctetRingWarpWords).
 __host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged,
                                                    bool octets = false) {
   return static_cast<size_t>(ratio) * (TermWords(m) + 3 * d) +
@@ -62,8 +62,7 @@ __host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool
 // sums keep a pass's loads and sums in registers (up to ~170 unbounded, one
 // block per SM); two blocks (128 registers) keep twice the loads in flight,
 // except for strict mode's and questclt's 8-head passes, which would spill
-// (the octet path: 3 blocks at 4 heads and d ≤ 128, 2 at d = 256, 1 at 8
-// heads; ScoreKernel). jl with m ≤ 8
+// (questclt's octet path likewise: ScoreKernel). jl with m ≤ 8
 // keeps three blocks (80 registers), as it had before it staged its records.
 template <Method kMethod, int kM, bool kStrict, int kHeads>
 inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM > 0 && kM <= 8 ? 3
@@ -78,24 +77,23 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // gpu/fused_select.cuh): kFused keeps the block's scores in shared memory,
 // head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
 // writing them to a.scores; the same bits either way. kOctetD (64, 128 or 256:
-// the model's d): quest and questclt take their sums an octet of lanes per
-// record (gpu/quest_octets.cuh), a float rounding from the general paths. A
+// the model's d): questclt takes its sums an octet of lanes per record
+// (gpu/questclt_octets.cuh), a float rounding from the general path. A
 // thread without a group (or with a bad slot) writes none. Returns early, so
 // the caller syncs the block before reading the scores.
 template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
                                             float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
-  static_assert(kOctetD == 0 || ((kMethod == Method::kQuestClt || kMethod == Method::kQuest) &&
-                                 !kStrict && HasOctetPath(kOctetD)),
-                "the octet path is quest's and questclt's");
+  static_assert(kOctetD == 0 || (kMethod == Method::kQuestClt && !kStrict && HasOctetPath(kOctetD)),
+                "the octet path is questclt's");
   constexpr bool kOctets = kOctetD > 0;
   // quest, questclt and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
   // nothing to score.
   constexpr bool kWarpSums = kStrict || kMethod == Method::kQuest || kMethod == Method::kQuestClt;
   // quest's sign-split queries (QuestSplitQuery): quest's and strict mode's sums.
-  constexpr bool kSplit = kStrict || (kMethod == Method::kQuest && !kOctets);
+  constexpr bool kSplit = kStrict || kMethod == Method::kQuest;
   constexpr int kBatch = kWarpSums ? kHeads : kHeadBatch;
   // jl with m known copies its warp's records to shared memory together
   // (StageWarpRecords) and scores the copies; its lanes too stay until then.
@@ -163,12 +161,11 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         const int h = kvh * ratio + e / s.d;
         const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + e % s.d;
         const float q = LoadAsFloatDevice(a.queries, s.query_dtype, at);
-        if constexpr (kOctets) {  // the octet path's two terms (quest_octets.cuh)
+        if constexpr (kOctets) {  // the octet path's halves and quarters (q/2, q²/4)
           constexpr int kStride = OctetQueryStride(kOctetD);
           const int i = e / kOctetD * kStride + OctetQueryIndex(e % kOctetD);
-          const bool clt = kMethod == Method::kQuestClt;
-          q_sh[i] = clt ? 0.5f * q : fminf(q, 0.0f);
-          q_sh[ratio * kStride + i] = clt ? 0.25f * q * q : fmaxf(q, 0.0f);
+          q_sh[i] = 0.5f * q;
+          q_sh[ratio * kStride + i] = 0.25f * q * q;
         } else {
           q_sh[e] = q;
         }
@@ -210,14 +207,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         if (!active) continue;
       } else if constexpr (kMethod == Method::kQuest) {
         if (o.quest_min >= 0) {
-          if constexpr (kOctets) {
-            constexpr int kStride = OctetQueryStride(kOctetD);
-            QuestSumsOctets<false, kOctetD, kHeads>(
-                rec, o, q_sh + r0 * kStride, q_sh + (ratio + r0) * kStride, heads, sums, lane,
-                stage + warp * OctetRingWarpWords(kOctetD));
-          } else {
-            QuestSumsWarp<kHeads>(rec, o, qsplit_sh + r0 * s.d, heads, sums.quest, lane);
-          }
+          QuestSumsWarp<kHeads>(rec, o, qsplit_sh + r0 * s.d, heads, sums.quest, lane);
         }
         if (!active) continue;
       } else if constexpr (kMethod == Method::kOnePc) {
@@ -226,9 +216,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         if (o.quest_min >= 0) {
           if constexpr (kOctets) {
             constexpr int kStride = OctetQueryStride(kOctetD);
-            QuestSumsOctets<true, kOctetD, kHeads>(rec, o, q_sh + r0 * kStride,
-                                                   q_sh + (ratio + r0) * kStride, heads, sums, lane,
-                                                   stage + warp * OctetRingWarpWords(kOctetD));
+            QuestCltSumsOctets<kOctetD, kHeads>(rec, o, q_sh + r0 * kStride,
+                                                q_sh + (ratio + r0) * kStride, heads, sums, lane,
+                                                stage + warp * OctetRingWarpWords(kOctetD));
           } else {
             QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
           }
@@ -268,9 +258,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
 // the other methods take kHeadBatch per pass.
 template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0>
 __global__ void __launch_bounds__(kScoreThreads,
-                                  (kOctetD > 0 ? (kHeads > 4       ? 1
-                                                  : kOctetD <= 128 ? 3
-                                                                   : 2)
+                                  (kOctetD > 0 ? (kHeads <= 4 ? 2 : 1)
                                                : kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
     ScoreKernel(Shape s, ScoreArgs a) {
   extern __shared__ __align__(16) float shared[];

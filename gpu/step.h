@@ -76,11 +76,10 @@ struct GpuSelectorOptions {
   // selection kernel at every shape measured (docs/benchmarks/gpu.md,
   // "fused selection": 98 vs 77 us at 8 x 32k). Tests compare the two.
   bool fuse_selection = false;
-  // quest and questclt take their general paths (gpu/warp_sums.cuh
-  // QuestSumsWarp, QuestCltSumsWarp: the warp's 32 lanes share each record, for
-  // any d) even where the octet path applies (gpu/quest_octets.cuh: d of 64, 128
-  // or 256; the same scores to a float rounding). For tests and the benchmark's
-  // comparison.
+  // questclt takes its general path (gpu/warp_sums.cuh QuestCltSumsWarp: the
+  // warp's 32 lanes share each record, for any d) even where its octet path
+  // applies (gpu/questclt_octets.cuh: d of 64, 128 or 256; the same scores to a
+  // float rounding). For tests and the benchmark's comparison.
   bool register_sums = false;
 };
 

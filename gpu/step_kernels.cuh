@@ -38,12 +38,6 @@ inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>
                                             ScoreKernelOf<Method::kFro, 0, false>(),
                                             ScoreKernelOf<Method::kQuest, 0, false, 4>(),
                                             ScoreKernelOf<Method::kQuest, 0, false, 8>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 4, 64>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 8, 64>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 4, 128>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 8, 128>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 4, 256>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 8, 256>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 4>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 8>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>(),
@@ -97,38 +91,21 @@ inline const void* TermsKernelFor(Method method, int m, bool strict) {
 inline bool StagesRecords(Method method, int m, bool strict) {
   return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
 }
-// quest and questclt take their sums an octet of lanes per record
-// (quest_octets.cuh) for d of 64, 128 or 256 with the quest part on a 16-byte
-// boundary (as core/layout.h places it), when the ring fits beside the query
-// terms; else the general paths read each record's words into registers
-// (warp_sums.cuh). Strict mode keeps its own sums.
+// questclt takes its sums an octet of lanes per record (questclt_octets.cuh)
+// for d of 64, 128 or 256 with its quest part on a 16-byte boundary (as
+// core/layout.h places it), when its ring fits beside the query terms; else
+// the general path reads each record's words into registers (warp_sums.cuh).
 inline bool TakesOctetPath(Method method, bool strict, int d, int quest_min) {
-  return (method == Method::kQuestClt || method == Method::kQuest) && !strict && HasOctetPath(d) &&
-         quest_min >= 0 && quest_min % 4 == 0;
-}
-
-// The scoring kernel of the octet path for d (HasOctetPath), 4 or 8 heads per pass.
-template <Method kMethod>
-const void* OctetScoreKernel(int d, bool four) {
-  switch (d) {
-    case 64:
-      return four ? ScoreKernelOf<kMethod, 0, false, 4, 64>()
-                  : ScoreKernelOf<kMethod, 0, false, 8, 64>();
-    case 128:
-      return four ? ScoreKernelOf<kMethod, 0, false, 4, 128>()
-                  : ScoreKernelOf<kMethod, 0, false, 8, 128>();
-    default:
-      return four ? ScoreKernelOf<kMethod, 0, false, 4, 256>()
-                  : ScoreKernelOf<kMethod, 0, false, 8, 256>();
-  }
+  return method == Method::kQuestClt && !strict && HasOctetPath(d) && quest_min >= 0 &&
+         quest_min % 4 == 0;
 }
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
 // register-resident Gram of staged records); strict mode scores brackets
 // whatever the method. quest, questclt and strict read their sums for 4 query heads per
 // pass of the warp when a KV head has at most 4 (more records per pass), else 8;
-// `octets`: quest or questclt takes the octet path (TakesOctetPath and its ring fits)
-// for head dimension d.
+// `octets`: questclt takes the octet path (TakesOctetPath and its ring fits) for head
+// dimension d.
 inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged,
                                   bool octets, int d) {
   const bool four = ratio <= 4;
@@ -155,11 +132,24 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
     case Method::kFro:
       return ScoreKernelOf<Method::kFro, 0, false>();
     case Method::kQuest:
-      if (octets) return OctetScoreKernel<Method::kQuest>(d, four);
       return four ? ScoreKernelOf<Method::kQuest, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuest, 0, false, 8>();
     case Method::kQuestClt:
-      if (octets) return OctetScoreKernel<Method::kQuestClt>(d, four);
+      if (octets) {
+        switch (d) {
+          case 64:
+            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>()
+                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>();
+          case 128:
+            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>()
+                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>();
+          case 256:
+            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>()
+                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>();
+          default:
+            break;
+        }
+      }
       return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuestClt, 0, false, 8>();
     case Method::kOff:
