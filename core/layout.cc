@@ -45,6 +45,13 @@ std::string ModelLayout::DebugString() const {
                       " principal=", features.principal, " quest=", features.quest);
 }
 
+bool LayoutDiffersFromRevision1(const ModelLayout& model) {
+  if (!model.features.quest) return false;
+  const int before =
+      PackedSize(model.sketch_dim) + 3 + (model.features.key_sum ? model.head_dim : 0);
+  return before % 4 != 0;
+}
+
 SummaryLayout SummaryLayout::For(const ModelLayout& model) {
   SummaryLayout s;
   s.sketch_dim = model.sketch_dim;

@@ -73,6 +73,19 @@ struct SummaryLayout {
   int64_t record_bytes() const { return int64_t{record_words} * 4; }
 };
 
+// The revision of the record layout above that this build writes and reads.
+// Engines say which one they write (ModelLayout.summary_layout in the API, 0
+// meaning 1), and epsd refuses a session whose records would be read at other
+// offsets than they were written (service/convert.cc). Revisions:
+//   1  every part follows the one before it directly;
+//   2  the quest part starts at a multiple of 4 words (since 2026-11-25).
+inline constexpr int kSummaryLayoutRevision = 2;
+
+// Whether a record of `model` has its parts at other word offsets in revision
+// 1 than in the current one: only the quest part (and the principal part after
+// it) moved, and only when the words before it are not a multiple of 4.
+bool LayoutDiffersFromRevision1(const ModelLayout& model);
+
 // Number of packed words of a symmetric m×m matrix.
 constexpr int PackedSize(int m) { return m * (m + 1) / 2; }
 

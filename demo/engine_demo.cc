@@ -24,6 +24,7 @@
 #include "cli/flags.h"
 #include "client/cpp/engine_buffers.h"
 #include "client/cpp/eps_client.h"
+#include "core/layout.h"
 #include "core/phi.h"
 #include "core/status.h"
 #include "core/summary.h"
@@ -162,6 +163,7 @@ int main(int argc, char** argv) {
   l->set_num_q_heads(model.num_q_heads);
   l->set_num_kv_heads(model.num_kv_heads);
   l->set_head_dim(d);
+  l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
   l->set_block_size(model.block_size);
   l->set_group_blocks(model.group_blocks);
   l->set_sketch_dim(model.sketch_dim);

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/layout.h"
 #include "load/buffer_set.h"
 #include "load/rpc_floor.h"
 #include "load/workload.h"
@@ -52,6 +53,7 @@ v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers,
   l->set_num_q_heads(model.num_q_heads);
   l->set_num_kv_heads(model.num_kv_heads);
   l->set_head_dim(model.head_dim);
+  l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
   l->set_block_size(model.block_size);
   l->set_group_blocks(model.group_blocks);
   l->set_sketch_dim(model.sketch_dim);

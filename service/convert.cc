@@ -90,6 +90,21 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
   if (absl::Status s = m.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("layout.", s.message()));
   }
+  // The record layout the engine writes must be the one epsd reads (core/layout.h).
+  const uint32_t revision = p.summary_layout() == 0 ? 1 : p.summary_layout();
+  if (revision > static_cast<uint32_t>(kSummaryLayoutRevision)) {
+    return absl::InvalidArgumentError(absl::StrCat("layout.summary_layout=", revision,
+                                                   " is newer than this epsd's ",
+                                                   kSummaryLayoutRevision, ": upgrade epsd"));
+  }
+  if (revision < static_cast<uint32_t>(kSummaryLayoutRevision) && LayoutDiffersFromRevision1(m)) {
+    const int written = PackedSize(m.sketch_dim) + 3 + (m.features.key_sum ? m.head_dim : 0);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layout.summary_layout=", revision, ": the engine writes the quest part at word ", written,
+        " of each record, and this epsd reads it at word ", SummaryLayout::For(m).quest_min,
+        " (summary layout revision ", kSummaryLayoutRevision,
+        "): upgrade the engine's client library (docs/summaries.md)"));
+  }
   return m;
 }
 

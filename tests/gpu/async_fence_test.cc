@@ -19,6 +19,7 @@
 #include "client/cpp/eps_client.h"
 #include "client/cpp/selection_watchdog.h"
 #include "core/buffer_contract.h"
+#include "core/layout.h"
 #include "core/phi.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
@@ -104,6 +105,7 @@ class AsyncFenceTest : public ::testing::Test {
     l->set_num_q_heads(kQHeads);
     l->set_num_kv_heads(kKvHeads);
     l->set_head_dim(kDim);
+    l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
     l->set_block_size(16);
     l->set_group_blocks(m_.group_blocks);
     l->set_sketch_dim(8);

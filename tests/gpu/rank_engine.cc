@@ -26,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "client/cpp/eps_client.h"
 #include "core/bounds.h"
+#include "core/layout.h"
 #include "core/phi.h"
 #include "core/select.h"
 #include "core/summary.h"
@@ -182,6 +183,7 @@ int Run(const Flags& flags, testing::RankBoard* board) {
   l->set_num_q_heads(q);
   l->set_num_kv_heads(kv);
   l->set_head_dim(kHeadDim);
+  l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
   l->set_block_size(16);
   l->set_group_blocks(m.group_blocks);
   l->set_sketch_dim(8);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "client/cpp/eps_client.h"
+#include "core/layout.h"
 #include "core/phi.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
@@ -116,6 +117,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   l->set_num_q_heads(8);
   l->set_num_kv_heads(2);
   l->set_head_dim(128);
+  l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
   l->set_block_size(16);
   l->set_group_blocks(m.group_blocks);
   l->set_sketch_dim(8);

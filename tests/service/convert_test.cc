@@ -57,6 +57,42 @@ TEST(ConvertTest, LayoutErrorsNameTheFieldAndValue) {
               HasSubstr("layout.kv_dtype=DTYPE_INT32 is not a KV type"));
 }
 
+// The record layout revision (core/layout.h): a client that writes the quest part
+// where revision 1 put it is refused when that is not where epsd reads it, with both
+// word offsets in the message; a layout that did not move is accepted from any client;
+// a revision newer than epsd's is refused.
+TEST(ConvertTest, LayoutRevisionMustMatchWhereTheRecordsWouldBeRead) {
+  v1::ModelLayout p;
+  p.set_num_layers(2);
+  p.set_num_q_heads(8);
+  p.set_num_kv_heads(2);
+  p.set_head_dim(64);
+  p.set_block_size(16);
+  p.set_sketch_dim(8);  // 36 + 3 words before the quest part: revision 2 pads one
+  p.mutable_features()->set_quest(true);
+  for (uint32_t old_revision : {0u, 1u}) {
+    p.set_summary_layout(old_revision);
+    const absl::Status s = LayoutFromProto(p, 8, 8).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("quest part at word 39"));
+    EXPECT_THAT(s.message(), HasSubstr("reads it at word 40"));
+  }
+  p.set_summary_layout(kSummaryLayoutRevision);
+  EXPECT_TRUE(LayoutFromProto(p, 8, 8).ok());
+  p.set_summary_layout(kSummaryLayoutRevision + 1);
+  EXPECT_EQ(LayoutFromProto(p, 8, 8).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Layouts that did not move: no quest part, or 4·k words before it (m = 1: 1 + 3 + 64).
+  p.set_summary_layout(0);
+  p.mutable_features()->set_quest(false);
+  EXPECT_TRUE(LayoutFromProto(p, 8, 8).ok());
+  p.mutable_features()->set_quest(true);
+  p.mutable_features()->set_key_sum(true);
+  p.set_sketch_dim(1);
+  ASSERT_TRUE(LayoutFromProto(p, 8, 8).ok()) << LayoutFromProto(p, 8, 8).status();
+  EXPECT_FALSE(LayoutDiffersFromRevision1(*LayoutFromProto(p, 8, 8)));
+}
+
 TEST(ConvertTest, OptionsReplaceOnlyTheFieldsTheySet) {
   SelectPolicy base;
   base.alpha = 0.25f;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "client/cpp/engine_buffers.h"
+#include "core/layout.h"
 #include "core/phi.h"
 #include "core/step.h"
 #include "core/summary.h"
@@ -106,6 +107,7 @@ class TestEngine {
     l->set_num_q_heads(model_.num_q_heads);
     l->set_num_kv_heads(model_.num_kv_heads);
     l->set_head_dim(model_.head_dim);
+    l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
     l->set_block_size(model_.block_size);
     l->set_group_blocks(model_.group_blocks);
     l->set_sketch_dim(model_.sketch_dim);

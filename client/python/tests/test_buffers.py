@@ -11,6 +11,7 @@ import pytest
 
 from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
 from eps_client.buffers import ALIGNMENT, CONTRACT, REGION_ALIGNMENT
+from eps_client.layout import SUMMARY_LAYOUT
 from eps_client.proto import page_selector_pb2 as pb
 
 
@@ -38,6 +39,7 @@ def test_contract_table_equals_core_buffer_contract(core_reference):
                                     capture_output=True, text=True).stdout)
     assert cpp["alignment"] == ALIGNMENT
     assert cpp["region_alignment"] == REGION_ALIGNMENT
+    assert cpp["summary_layout"] == SUMMARY_LAYOUT
     ours = [{"name": spec.name, "dims": list(spec.dims), "dtype": np.dtype(spec.dtype).name,
              "output": spec.output, "optional": spec.optional} for spec in CONTRACT]
     assert ours == cpp["buffers"]

@@ -213,6 +213,7 @@ int Contract() {
                        {"optional", spec.optional}});
   }
   const nlohmann::json contract = {{"alignment", eps::kBufferAlignment},
+                                   {"summary_layout", eps::kSummaryLayoutRevision},
                                    {"region_alignment", eps::kRegionAlignment},
                                    {"buffers", buffers}};
   std::cout << contract.dump(2) << "\n";

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 
 from eps_client.proto import page_selector_pb2 as pb
 
+# The record layout revision this client writes (core/layout.h kSummaryLayoutRevision): 2,
+# the quest part on a 16-byte boundary. Sent in Attach, so that an epsd that reads another
+# layout refuses the session instead of reading the records at the wrong offsets.
+SUMMARY_LAYOUT = 2
+
 _KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
               "float32": pb.DTYPE_FLOAT32}
 
@@ -93,6 +98,7 @@ class ModelLayout:
                 principal=self.features.principal,
                 quest=self.features.quest,
             ),
+            summary_layout=SUMMARY_LAYOUT,
         )
 
 

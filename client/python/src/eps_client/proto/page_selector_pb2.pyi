@@ -102,7 +102,7 @@ class SummaryFeatures(_message.Message):
     def __init__(self, key_sum: bool = ..., principal: bool = ..., quest: bool = ...) -> None: ...
 
 class ModelLayout(_message.Message):
-    __slots__ = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "group_blocks", "sketch_dim", "phi_seed", "kv_dtype", "query_dtype", "features")
+    __slots__ = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "group_blocks", "sketch_dim", "phi_seed", "kv_dtype", "query_dtype", "features", "summary_layout")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class ModelLayout(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUERY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
@@ -125,7 +126,8 @@ class ModelLayout(_message.Message):
     kv_dtype: DType
     query_dtype: DType
     features: SummaryFeatures
-    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., group_blocks: _Optional[int] = ..., sketch_dim: _Optional[int] = ..., phi_seed: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., query_dtype: _Optional[_Union[DType, str]] = ..., features: _Optional[_Union[SummaryFeatures, _Mapping]] = ...) -> None: ...
+    summary_layout: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., group_blocks: _Optional[int] = ..., sketch_dim: _Optional[int] = ..., phi_seed: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., query_dtype: _Optional[_Union[DType, str]] = ..., features: _Optional[_Union[SummaryFeatures, _Mapping]] = ..., summary_layout: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "device")
