@@ -62,13 +62,8 @@ __device__ __forceinline__ void OctetTransposeSum(float (&v)[kValues], int lane,
                                                   float (&out)[kValues / (2 * kOffset)]) {
   static_assert(kValues >= 2 * kOffset && (kValues & (kValues - 1)) == 0);
   constexpr int kHalf = kValues / 2;
-  const bool upper = (lane & kOffset) != 0;
   float kept[kHalf];
-#pragma unroll
-  for (int i = 0; i < kHalf; ++i) {
-    const float send = upper ? v[i] : v[i + kHalf];
-    kept[i] = (upper ? v[i + kHalf] : v[i]) + __shfl_xor_sync(kFullWarp, send, kOffset);
-  }
+  TradeHalves<kValues, kOffset>(v, lane, kept);  // warp_sums.cuh
   if constexpr (kOffset == 1) {
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) out[i] = kept[i];

@@ -65,6 +65,22 @@ __device__ inline WarpPass<kRecords> NextWarpPass(unsigned& pending, unsigned lo
 // lane's values with its partner, so after log2(kValues) levels lane l holds
 // the partial sum of value l >> (5 - log2 kValues), which the remaining
 // butterfly levels complete. Value i is then found in lane i << (5 - log2 kValues).
+//
+// TradeHalves is one level: the lane keeps the upper half of its values if
+// (lane & kOffset), else the lower half, each plus its partner's copy kOffset
+// lanes away.
+template <int kValues, int kOffset>
+__device__ __forceinline__ void TradeHalves(const float (&v)[kValues], int lane,
+                                            float (&kept)[kValues / 2]) {
+  constexpr int kHalf = kValues / 2;
+  const bool upper = (lane & kOffset) != 0;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? v[i] : v[i + kHalf];
+    kept[i] = (upper ? v[i + kHalf] : v[i]) + __shfl_xor_sync(kFullWarp, send, kOffset);
+  }
+}
+
 template <int kValues, int kOffset = 16>
 __device__ inline float WarpTransposeSum(float (&v)[kValues], int lane) {
   static_assert(kValues >= 1 && kValues <= 32 && (kValues & (kValues - 1)) == 0);
@@ -76,15 +92,9 @@ __device__ inline float WarpTransposeSum(float (&v)[kValues], int lane) {
     }
     return sum;
   } else {
-    constexpr int kHalf = kValues / 2;
-    const bool upper = (lane & kOffset) != 0;
-    float kept[kHalf];
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      const float send = upper ? v[i] : v[i + kHalf];
-      kept[i] = (upper ? v[i + kHalf] : v[i]) + __shfl_xor_sync(kFullWarp, send, kOffset);
-    }
-    return WarpTransposeSum<kHalf, kOffset / 2>(kept, lane);
+    float kept[kValues / 2];
+    TradeHalves<kValues, kOffset>(v, lane, kept);
+    return WarpTransposeSum<kValues / 2, kOffset / 2>(kept, lane);
   }
 }
 

@@ -27,13 +27,19 @@ TEST(ConvertTest, EveryCoreDTypeRoundTrips) {
   EXPECT_FALSE(FromProto(v1::DTYPE_UNSPECIFIED).ok());
 }
 
-TEST(ConvertTest, LayoutFillsServerDefaultsForUnsetFields) {
+// A valid layout with every field the server has no default for.
+v1::ModelLayout SmallLayout() {
   v1::ModelLayout p;
   p.set_num_layers(2);
   p.set_num_q_heads(8);
   p.set_num_kv_heads(2);
   p.set_head_dim(64);
   p.set_block_size(16);
+  return p;
+}
+
+TEST(ConvertTest, LayoutFillsServerDefaultsForUnsetFields) {
+  v1::ModelLayout p = SmallLayout();
   absl::StatusOr<ModelLayout> m = LayoutFromProto(p, /*default_group_blocks=*/4,
                                                   /*default_sketch_dim=*/6);
   ASSERT_TRUE(m.ok()) << m.status();
@@ -47,11 +53,7 @@ TEST(ConvertTest, LayoutErrorsNameTheFieldAndValue) {
   p.set_num_layers(2000000);
   EXPECT_THAT(LayoutFromProto(p, 8, 8).status().message(),
               HasSubstr("layout.num_layers=2000000 is too large"));
-  p.set_num_layers(2);
-  p.set_num_q_heads(8);
-  p.set_num_kv_heads(2);
-  p.set_head_dim(64);
-  p.set_block_size(16);
+  p = SmallLayout();
   p.set_kv_dtype(v1::DTYPE_INT32);
   EXPECT_THAT(LayoutFromProto(p, 8, 8).status().message(),
               HasSubstr("layout.kv_dtype=DTYPE_INT32 is not a KV type"));
@@ -62,12 +64,7 @@ TEST(ConvertTest, LayoutErrorsNameTheFieldAndValue) {
 // word offsets in the message; a layout that did not move is accepted from any client;
 // a revision newer than epsd's is refused.
 TEST(ConvertTest, LayoutRevisionMustMatchWhereTheRecordsWouldBeRead) {
-  v1::ModelLayout p;
-  p.set_num_layers(2);
-  p.set_num_q_heads(8);
-  p.set_num_kv_heads(2);
-  p.set_head_dim(64);
-  p.set_block_size(16);
+  v1::ModelLayout p = SmallLayout();
   p.set_sketch_dim(8);  // 36 + 3 words before the quest part: revision 2 pads one
   p.mutable_features()->set_quest(true);
   for (uint32_t old_revision : {0u, 1u}) {
