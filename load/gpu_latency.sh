@@ -6,12 +6,13 @@
 #   there: bash load/gpu_latency.sh          (carry: .carry)
 #
 # Runs load/compare.sh (CPU backend: the transport, stream, channel and session
-# comparisons, and the Llama-3-8B shapes) into $OUT/latency (or ./latency-out),
+# comparisons, and the Llama-3-8B shapes) into $OUT/latency (or ./latency-out; with $OUT
+# set, as on the device tool, packed at the end as $OUT/latency.tgz),
 # then the same Llama-3-8B shapes against epsd --backend=cuda, with sync and
 # with async replies (--reply=async: the reply comes once the step is queued).
 # EPS_LATENCY_CUDA_ONLY=1 skips the CPU-backend comparisons.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 CARRY=$PWD/.carry/load
 export EPSD=$CARRY/epsd EPS_LOAD=$CARRY/eps-load  # wrappers that set their library path
 OUT_DIR=${OUT:-$PWD/latency-out}/latency
@@ -45,3 +46,7 @@ if epsd_start "unix:///tmp/eps-load-gpu-$$.sock" --backend=cuda; then
   epsd_stop
 fi
 python3 "$SCRIPTS/summarize.py" "$OUT_DIR"/*.json | tee "$OUT_DIR/summary.md"
+# The device tool brings back at most 8 files from $OUT: there, one archive of the folder.
+if [[ -n ${OUT:-} ]]; then
+  tar czf "$OUT/latency.tgz" -C "$OUT" latency && rm -rf "$OUT_DIR"
+fi

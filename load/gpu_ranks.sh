@@ -10,7 +10,8 @@
 #
 # For each tensor-parallel size T: one epsd --backend=cuda, first one rank of the
 # llama-3-70b-tpT shape alone on GPU 0 (the single-GPU number), then T ranks in
-# lockstep, rank r on GPU r mod the GPUs; JSON reports go to $OUT/ranks, and a table
+# lockstep, rank r on GPU r mod the GPUs; JSON reports go to $OUT/ranks (packed as
+# $OUT/ranks.tgz at the end when $OUT is set), and a table
 # of per-rank SelectPages p50 against the single-rank p50 and the spread between
 # ranks at the same step comes last.
 set -uo pipefail
@@ -58,3 +59,7 @@ for tp in (1, 2, 4, 8, 16):
     print(f"| {tp} | {gpus} | {base:.1f} | {min(p50):.1f}-{max(p50):.1f} | {max(p50) / base:.2f}x "
           f"| {s['p50_us']:.1f} / {s['p99_us']:.1f} |")
 PY
+# The device tool brings back at most 8 files from $OUT: there, one archive of the folder.
+if [[ -n ${OUT:-} ]]; then
+  tar czf "$OUT/ranks.tgz" -C "$OUT" ranks && rm -rf "$OUT_DIR"
+fi
