@@ -67,6 +67,9 @@ class QualityPlan:
     estimators: tuple[str, ...] = ()  # eps_eval.estimators names, from the quest8 record
     c2f_scorers: tuple[str, ...] = ("quest8",)  # scorer of both c2f levels
     mass_union: bool = False  # also the list-level mass budget (massunion)
+    # quest8's scale per (group, KV head): "fp32" the group's max |k| / 127; "pow2" that
+    # rounded up to a power of two, which a writer can apply as keys arrive (QuestTables)
+    quest8_scale: str = "fp32"
 
 
 # Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
@@ -130,10 +133,21 @@ def quest8_scores(q: F32, min8: npt.NDArray[np.float64], max8: npt.NDArray[np.fl
     return out.astype(np.float32)
 
 
-class QuestTables:
-    """Per-group key min/max [kv, G, d] (float64) of one layer, for quest8."""
+QUEST8_SCALES = ("fp32", "pow2")
 
-    def __init__(self, k: F32, tokens: int, g: int) -> None:
+
+class QuestTables:
+    """Per-group key min/max [kv, G, d] (float64) of one layer, for quest8.
+
+    scale "pow2" rounds each group's scale up to a power of two. A writer that sees keys
+    one at a time can then keep int8 codes exactly: when a new key needs a larger scale,
+    2^j times the old one, floor(code / 2^j) of a minimum (ceil of a maximum) is the code
+    the final scale gives the true value, so the record equals this one whatever the order
+    of the keys. It costs up to one bit of each code's resolution."""
+
+    def __init__(self, k: F32, tokens: int, g: int, scale_mode: str = "fp32") -> None:
+        if scale_mode not in QUEST8_SCALES:
+            raise ValueError(f"quest8 scale {scale_mode!r} is not one of {QUEST8_SCALES}")
         kv, _, d = k.shape
         gt = g * BLOCK
         G = -(-tokens // gt)
@@ -146,6 +160,8 @@ class QuestTables:
         # The scale is widened by 1e-6 so every |code| stays below 127 after rounding.
         scale = np.maximum(np.abs(kmin), np.abs(kmax)).max(axis=2, keepdims=True) / 127.0
         scale = np.where(scale > 0, scale * (1 + 1e-6), 1.0)
+        if scale_mode == "pow2":
+            scale = np.exp2(np.ceil(np.log2(scale)))
         # Outward rounding: the int8 codes bracket the true range (one code more
         # where the product code·scale rounded back inside it).
         lo_code = np.floor(kmin / scale)
@@ -183,15 +199,16 @@ class GrowingQuestTables:
     own keys only, so complete groups are built once and only the open group each call.
     Scores equal QuestTables(keys, tokens, g).scores(q)."""
 
-    def __init__(self, g: int) -> None:
+    def __init__(self, g: int, scale_mode: str = "fp32") -> None:
         self.g = g
+        self.scale_mode = scale_mode
         self.done = 0  # tokens in the complete groups built so far
         self.min8: npt.NDArray[np.float64] | None = None  # [kv, groups, d]
         self.max8: npt.NDArray[np.float64] | None = None
 
     def copy(self) -> GrowingQuestTables:
         """An independent copy (the built groups are shared read-only)."""
-        other = GrowingQuestTables(self.g)
+        other = GrowingQuestTables(self.g, self.scale_mode)
         other.done, other.min8, other.max8 = self.done, self.min8, self.max8
         return other
 
@@ -200,7 +217,7 @@ class GrowingQuestTables:
         gt = self.g * BLOCK
         full = tokens // gt * gt
         if full > self.done:
-            t = QuestTables(keys[:, self.done:full], full - self.done, self.g)
+            t = QuestTables(keys[:, self.done:full], full - self.done, self.g, self.scale_mode)
             cat = self.min8 is not None
             self.min8 = np.concatenate([self.min8, t.min8], axis=1) if cat else t.min8
             self.max8 = np.concatenate([self.max8, t.max8], axis=1) if cat else t.max8
@@ -212,7 +229,7 @@ class GrowingQuestTables:
         lo = [] if self.min8 is None else [self.min8]
         hi = [] if self.max8 is None else [self.max8]
         if tokens > self.done:
-            t = QuestTables(keys[:, self.done:tokens], tokens - self.done, self.g)
+            t = QuestTables(keys[:, self.done:tokens], tokens - self.done, self.g, self.scale_mode)
             lo.append(t.min8)
             hi.append(t.max8)
         return quest8_scores(q, np.concatenate(lo, axis=1), np.concatenate(hi, axis=1))
@@ -302,7 +319,8 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
     kvh, d = k.shape[0], k.shape[2]
     dn: Dense = dense(q_by_pos[position], kc, vc)
     rows: list[dict[str, object]] = []
-    q8 = {g: QuestTables(k, c, g) for g in sorted(set(plan.group_blocks) | set(plan.c2f_coarse))}
+    q8 = {g: QuestTables(k, c, g, plan.quest8_scale)
+          for g in sorted(set(plan.group_blocks) | set(plan.c2f_coarse))}
     lag_mass: dict[int, npt.NDArray[np.float64]] = {}
     moments = ({g: estimators.MomentTables(k, c, g) for g in plan.group_blocks}
                if "momentlgn" in plan.methods else {})

@@ -22,6 +22,7 @@ rows of each global layer in that many processes while the passkeys run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -37,6 +38,7 @@ from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
 from eps_eval.metrics import BLOCK
 from eps_eval.quality import (
     PLANS,
+    QUEST8_SCALES,
     GrowingQuestTables,
     LayerState,
     QualityPlan,
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes for the selection rows (0: in this process, in order)")
     ap.add_argument("--compare-tokens", type=int, default=0,
                     help="with --device: first check it against numpy on this many tokens")
+    ap.add_argument("--quest8-scale", choices=QUEST8_SCALES, default="fp32",
+                    help="quest8's scale per group in the recall units (quality.QuestTables); "
+                         "the passkey runs keep fp32")
     ap.add_argument("--plan", choices=tuple(PLANS), default="full",
                     help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
                          "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
@@ -312,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     del host
     pool = multiprocessing.get_context("spawn").Pool(a.workers) if a.workers else None
     pending = []
-    plan = PLANS[a.plan]
+    plan = dataclasses.replace(PLANS[a.plan], quest8_scale=a.quest8_scale)
     for ctx in a.context:
         name = f"q19_gemma_{ctx}"
         todo = [layer for layer in GLOBAL_LAYERS if not unit_done(units, f"{name}_L{layer}")]

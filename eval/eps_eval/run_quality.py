@@ -9,6 +9,7 @@ is eps_eval.report_quality.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.quality import PLANS, LayerState, QualityPlan, step_rows
+from eps_eval.quality import PLANS, QUEST8_SCALES, LayerState, QualityPlan, step_rows
 from eps_eval.run import log, unit_done, write_unit
 
 SEED = 20261122
@@ -87,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                          "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
                          "massunion: quality.MASS_UNION_PLAN (mass plus the list-level mass "
                          "budget and the exact lag-1 mass)")
+    ap.add_argument("--quest8-scale", choices=QUEST8_SCALES, default="fp32",
+                    help="quest8's scale per group: fp32 (max |k| / 127) or pow2 (rounded up to "
+                         "a power of two, as a writer that sees keys one at a time would keep it)")
     a = ap.parse_args(argv)
     units = a.out / "units"
     a.out.mkdir(parents=True, exist_ok=True)
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
-    plan = PLANS[a.plan]
+    plan = dataclasses.replace(PLANS[a.plan], quest8_scale=a.quest8_scale)
     t0 = time.time()
     (a.out / f"settings_{int(t0)}.json").write_text(json.dumps(
         {"args": vars(a), "plan": plan.__dict__, "machine": platform.platform(),

@@ -37,6 +37,37 @@ def test_quest8_stays_an_upper_bound_and_near_quest(rng: np.random.Generator, g:
     assert np.all(tables.mean_scores(q) <= blocks + 1e-3 * np.abs(blocks) + 1e-4)
 
 
+@pytest.mark.parametrize("g", [1, 2, 8])
+def test_quest8_pow2_scale_stays_a_bound_and_is_what_an_incremental_writer_keeps(
+        rng: np.random.Generator, g: int) -> None:
+    kv, h, d = 2, 4, 64
+    tokens = int(rng.integers(1, 20 * BLOCK))
+    k = (rng.standard_normal((kv, tokens, d)) * rng.uniform(0.1, 30, d)).astype(np.float32)
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    pow2 = quality.QuestTables(k, tokens, g, "pow2")
+    blocks = group_max(np.pad(dots(q, k), ((0, 0), (0, -(-tokens // BLOCK) * BLOCK - tokens)),
+                              constant_values=-np.inf).reshape(h, -1, BLOCK).max(2), g)
+    assert np.all(pow2.scores(q) >= blocks - 1e-3 * np.abs(blocks) - 1e-4)
+    # A writer that sees the keys one at a time, with a power-of-two scale that grows as
+    # it must and codes requantized by floor (minima) and ceil (maxima), ends with the
+    # same record (here for the first group of the first KV head).
+    gt = g * BLOCK
+    keys = k[0, :min(gt, tokens)].astype(np.float64)
+    scale, lo, hi = 0.0, None, None
+    for key in keys:
+        need = np.exp2(np.ceil(np.log2(max(np.abs(key).max() / 127.0 * (1 + 1e-6), 1e-300))))
+        if lo is not None and need > scale:
+            step = need / scale  # an integer power of two
+            lo, hi = np.floor(lo / step), np.ceil(hi / step)
+        scale = max(scale, need)
+        lo = np.floor(key / scale) if lo is None else np.minimum(lo, np.floor(key / scale))
+        hi = np.ceil(key / scale) if hi is None else np.maximum(hi, np.ceil(key / scale))
+    np.testing.assert_array_equal(lo * scale, pow2.min8[0, 0])
+    np.testing.assert_array_equal(hi * scale, pow2.max8[0, 0])
+    with pytest.raises(ValueError, match="quest8 scale"):
+        quality.QuestTables(k, tokens, g, "fp16")
+
+
 def test_mark_mass_reaches_the_target_share_of_the_estimate(rng: np.random.Generator) -> None:
     kv, h, d, n = 2, 4, 64, int(rng.integers(5, 400))
     scores = (rng.standard_normal((h, n)) * 20).astype(np.float32)
