@@ -24,6 +24,12 @@ namespace eps {
 // loads stay aligned whatever the model shape.
 inline constexpr uint64_t kBufferAlignment = 256;
 
+// The summary pool starts at a multiple of this many bytes of its allocation: the GPU
+// pre-pass copies records (whose sizes are multiples of 16 bytes, core/layout.h) 16
+// bytes at a time, and a misaligned copy would fault the kernel, and with it every
+// session of epsd's CUDA context. Attach refuses any other offset.
+inline constexpr uint64_t kSummaryPoolAlignment = 16;
+
 // A device allocation holding the buffers is a whole number of these (2 MiB pages):
 // mapped in epsd through CUDA IPC, an allocation of any other size was read up to
 // 2.4 times slower by its pre-pass (docs/design.md §5, "Allocate whole 2 MiB pages").

@@ -156,6 +156,11 @@ absl::StatusOr<MappedTensor> ResolveTensor(const v1::MemoryDescriptor& desc, con
   if (__builtin_add_overflow(desc.offset(), static_cast<uint64_t>(bytes), &end)) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".offset + size overflows"));
   }
+  if (spec.alignment > 0 && desc.offset() % spec.alignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".offset=", desc.offset(), " is not a multiple of ", spec.alignment,
+                     " bytes (its records are read ", spec.alignment, " bytes at a time)"));
+  }
   absl::StatusOr<const MappedMemory*> memory = cache.Resolve(desc, name, end);
   if (!memory.ok()) return memory.status();
   if (end > (*memory)->size()) {

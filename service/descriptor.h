@@ -28,6 +28,7 @@ struct TensorSpec {
   std::vector<int64_t> shape;
   std::vector<std::string> dim_names;  // what each fixed dimension must equal, for messages
   bool writable = false;               // an output of the sidecar
+  int alignment = 0;  // bytes the offset must be a multiple of; 0: the element size
 };
 
 // A validated tensor in mapped memory: host shm, an inline buffer, or a CUDA

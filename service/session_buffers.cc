@@ -60,6 +60,7 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
     t.name = contract.name;
     t.dtype = ToProto(contract.id == SharedBuffer::kQueries ? spec.query_dtype : contract.dtype);
     t.writable = contract.output;
+    if (contract.id == SharedBuffer::kSummaryPool) t.alignment = kSummaryPoolAlignment;
     const std::vector<Dim> shape = DimsOf(contract, granularity);
     for (Dim dim : shape) {
       t.shape.push_back(dims[dim]);

@@ -111,6 +111,19 @@ TEST(DescriptorTest, AMisalignedOffsetIsRefused) {
             "group_table.offset=6 is not aligned to its 4-byte elements");
 }
 
+// The summary pool's records are read 16 bytes at a time on the GPU: an offset
+// aligned to its 4-byte elements but not to 16 bytes is refused, one that is is not.
+TEST(DescriptorTest, AnAlignmentBeyondTheElementsIsEnforced) {
+  ShmObject shm(4096);
+  MappingCache cache;
+  TensorSpec spec{"summary_pool", v1::DTYPE_INT32, {-1, -1}, {"slots", "record_words"}};
+  spec.alignment = 16;
+  EXPECT_EQ(ResolveTensor(shm.Descriptor(4096, 4, {2, 4}), spec, cache).status().message(),
+            "summary_pool.offset=4 is not a multiple of 16 bytes (its records are read 16 bytes "
+            "at a time)");
+  EXPECT_TRUE(ResolveTensor(shm.Descriptor(4096, 32, {2, 4}), spec, cache).ok());
+}
+
 TEST(DescriptorTest, AnExtentBeyondTheObjectIsRefused) {
   ShmObject shm(4096);
   MappingCache cache;
