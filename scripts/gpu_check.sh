@@ -3,11 +3,12 @@
 # folder EPS_CARRY_DIR names, made here by scripts/gpu_carry.sh): every GPU test
 # (the CPU-bound step test in parallel gtest shards), the pre-pass benchmark,
 # the async-fence and two-process tests against epsd, compute-sanitizer memcheck
-# and racecheck on the step test, and a short table last. Logs go to $OUT.
+# and racecheck on the step test, and a short table last. Logs go to $OUT, packed
+# at the end into $OUT/logs.tgz (bench.0.log and device.txt stay beside it).
 #   EPS_GPU_ONLY="gpu_step_test bench"   run only those (names as below)
 #   EPS_BENCH_ARGS="--contexts=32768"    arguments of eps_gpu_bench
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 CARRY=${EPS_CARRY_DIR:-.carry}
 OUT=${OUT:-/tmp/eps-gpu}
 mkdir -p "$OUT"
@@ -50,4 +51,7 @@ echo
 grep -h "strict mode\|SelectPages\|Ping \|two-process\|in lockstep\|ERROR SUMMARY\|RACECHECK SUMMARY\|Failure" \
   "$OUT"/*.log | sort | uniq -c
 for k in "${!result[@]}"; do printf '%-24s %s\n' "$k" "${result[$k]}"; done
+# The device tool brings back at most 8 files from $OUT: the logs go back as one archive
+# (logs.tgz), beside device.txt and the bench's log.
+(cd "$OUT" && tar czf logs.tgz ./*.log && find . -maxdepth 1 -name '*.log' ! -name bench.0.log -delete)
 grep -q FAIL <<<"${result[*]}" && exit 1 || exit 0
