@@ -45,11 +45,13 @@ std::string ModelLayout::DebugString() const {
                       " principal=", features.principal, " quest=", features.quest);
 }
 
+int Revision1QuestMin(const ModelLayout& model) {
+  if (!model.features.quest) return -1;
+  return PackedSize(model.sketch_dim) + 3 + (model.features.key_sum ? model.head_dim : 0);
+}
+
 bool LayoutDiffersFromRevision1(const ModelLayout& model) {
-  if (!model.features.quest) return false;
-  const int before =
-      PackedSize(model.sketch_dim) + 3 + (model.features.key_sum ? model.head_dim : 0);
-  return before % 4 != 0;
+  return Revision1QuestMin(model) != SummaryLayout::For(model).quest_min;
 }
 
 SummaryLayout SummaryLayout::For(const ModelLayout& model) {

@@ -81,9 +81,11 @@ struct SummaryLayout {
 //   2  the quest part starts at a multiple of 4 words (since 2026-11-25).
 inline constexpr int kSummaryLayoutRevision = 2;
 
-// Whether a record of `model` has its parts at other word offsets in revision
-// 1 than in the current one: only the quest part (and the principal part after
-// it) moved, and only when the words before it are not a multiple of 4.
+// The word revision 1 put the quest part at (-1 without one), and whether a
+// record of `model` has its parts at other word offsets in revision 1 than in
+// the current one: only the quest part (and the principal part after it) moved,
+// and only when the words before it are not a multiple of 4.
+int Revision1QuestMin(const ModelLayout& model);
 bool LayoutDiffersFromRevision1(const ModelLayout& model);
 
 // Number of packed words of a symmetric m×m matrix.

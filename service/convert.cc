@@ -98,11 +98,10 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
                                                    kSummaryLayoutRevision, ": upgrade epsd"));
   }
   if (revision < static_cast<uint32_t>(kSummaryLayoutRevision) && LayoutDiffersFromRevision1(m)) {
-    const int written = PackedSize(m.sketch_dim) + 3 + (m.features.key_sum ? m.head_dim : 0);
     return absl::FailedPreconditionError(absl::StrCat(
-        "layout.summary_layout=", revision, ": the engine writes the quest part at word ", written,
-        " of each record, and this epsd reads it at word ", SummaryLayout::For(m).quest_min,
-        " (summary layout revision ", kSummaryLayoutRevision,
+        "layout.summary_layout=", revision, ": the engine writes the quest part at word ",
+        Revision1QuestMin(m), " of each record, and this epsd reads it at word ",
+        SummaryLayout::For(m).quest_min, " (summary layout revision ", kSummaryLayoutRevision,
         "): upgrade the engine's client library (docs/summaries.md)"));
   }
   return m;
