@@ -351,7 +351,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   add("questclt threshold", quest, [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
   add("questclt threshold (registers)", quest,
       [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  cases.back().options.register_sums = true;  // the sums before the ring (gpu/step.h)
+  cases.back().options.register_sums = true;  // questclt's general path (gpu/step.h)
   // The reference engine's record (key_sum and quest: 1,184 bytes at d = 128).
   add("questclt threshold key_sum", bracket,
       [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });

@@ -29,10 +29,10 @@ namespace eps::gpu::kernels {
 //
 // Shared memory (dynamic): the staged records of jl with m known [threads,
 // StagedStride(m)] or questclt's ring of quest parts [warps, OctetRingWarpWords]
-// (gpu/questclt_octets.cuh), terms [ratio, TermWords(m)], q [ratio, d], qsplit [ratio,
-// d] float2 (the octet path instead: q/2 then q²/4 [ratio, OctetQueryStride(d)]
-// each, from q's start). Outputs [rows, layers,
-// q_heads, max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
+// (gpu/questclt_octets.cuh), terms [ratio, TermWords(m)], q [ratio, d], qsplit
+// [ratio, d] float2 (the octet path instead: q/2 then q²/4 [ratio,
+// OctetQueryStride(d)] each, from q's start). Outputs [rows, layers, q_heads,
+// max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
 
 struct ScoreArgs {
