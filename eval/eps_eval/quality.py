@@ -199,16 +199,15 @@ class GrowingQuestTables:
     own keys only, so complete groups are built once and only the open group each call.
     Scores equal QuestTables(keys, tokens, g).scores(q)."""
 
-    def __init__(self, g: int, scale_mode: str = "fp32") -> None:
+    def __init__(self, g: int) -> None:
         self.g = g
-        self.scale_mode = scale_mode
         self.done = 0  # tokens in the complete groups built so far
         self.min8: npt.NDArray[np.float64] | None = None  # [kv, groups, d]
         self.max8: npt.NDArray[np.float64] | None = None
 
     def copy(self) -> GrowingQuestTables:
         """An independent copy (the built groups are shared read-only)."""
-        other = GrowingQuestTables(self.g, self.scale_mode)
+        other = GrowingQuestTables(self.g)
         other.done, other.min8, other.max8 = self.done, self.min8, self.max8
         return other
 
@@ -217,7 +216,7 @@ class GrowingQuestTables:
         gt = self.g * BLOCK
         full = tokens // gt * gt
         if full > self.done:
-            t = QuestTables(keys[:, self.done:full], full - self.done, self.g, self.scale_mode)
+            t = QuestTables(keys[:, self.done:full], full - self.done, self.g)
             cat = self.min8 is not None
             self.min8 = np.concatenate([self.min8, t.min8], axis=1) if cat else t.min8
             self.max8 = np.concatenate([self.max8, t.max8], axis=1) if cat else t.max8
@@ -229,7 +228,7 @@ class GrowingQuestTables:
         lo = [] if self.min8 is None else [self.min8]
         hi = [] if self.max8 is None else [self.max8]
         if tokens > self.done:
-            t = QuestTables(keys[:, self.done:tokens], tokens - self.done, self.g, self.scale_mode)
+            t = QuestTables(keys[:, self.done:tokens], tokens - self.done, self.g)
             lo.append(t.min8)
             hi.append(t.max8)
         return quest8_scores(q, np.concatenate(lo, axis=1), np.concatenate(hi, axis=1))
