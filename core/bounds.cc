@@ -108,8 +108,25 @@ float QuestBound(std::span<const float> record, const SummaryLayout& layout, con
 // group's keys spread over many channels, their worst cases (quest) rarely
 // meet in one key: q·k varies around q·c by about the root of the channels'
 // squared spreads, not their sum (docs/eval/README.md measured the ranking).
+//
+// With the quest8 part the channels are codes in units of the record's scale
+// s: the sums run over the codes and take s at the end (s·centre + s·spread^½),
+// as the GPU's do.
 float QuestCltScore(std::span<const float> record, const SummaryLayout& layout,
                     const QueryTerms& q) {
+  if (layout.quest8 >= 0) {
+    if (record[layout.count] <= 0.0f) return -std::numeric_limits<float>::infinity();
+    float centre = 0.0f, spread = 0.0f;
+    for (int i = 0; i < layout.head_dim; ++i) {
+      const float lo = static_cast<float>(Quest8MinCode(record, layout, i));
+      const float hi = static_cast<float>(Quest8MaxCode(record, layout, i));
+      centre += q.q[i] * 0.5f * (lo + hi);
+      const float w = q.q[i] * 0.5f * (hi - lo);
+      spread += w * w;
+    }
+    const float scale = Quest8Scale(record, layout);
+    return scale * centre + scale * std::sqrt(spread);
+  }
   if (layout.quest_min < 0) return FroBound(record, layout, q);
   if (record[layout.count] <= 0.0f) return -std::numeric_limits<float>::infinity();  // no keys
   float centre = 0.0f, spread = 0.0f;

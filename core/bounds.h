@@ -8,7 +8,8 @@
 //   questclt  q·c + sqrt(Σ_j (q_j w_j)²)    estimate, not a bound: c = (min + max)/2 and
 //                                          w = (max − min)/2 per channel of the quest part;
 //                                          the spread of q·k over independent channels
-//                                          (docs/policy.md "questclt")
+//                                          (docs/policy.md "questclt"); from the
+//                                          quest8 part when the record has one
 //
 // plus the mean-key lower bound q·k̄ ≤ max_i q·k_i used by strict mode.
 // All functions read one record (see core/layout.h) and never allocate.

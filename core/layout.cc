@@ -42,7 +42,8 @@ std::string ModelLayout::DebugString() const {
   return absl::StrCat("layers=", num_layers, " q_heads=", num_q_heads, " kv_heads=", num_kv_heads,
                       " d=", head_dim, " block_size=", block_size, " group_blocks=", group_blocks,
                       " m=", sketch_dim, " seed=", phi_seed, " key_sum=", features.key_sum,
-                      " principal=", features.principal, " quest=", features.quest);
+                      " principal=", features.principal, " quest=", features.quest,
+                      " quest8=", features.quest8);
 }
 
 int Revision1QuestMin(const ModelLayout& model) {
@@ -79,6 +80,13 @@ SummaryLayout SummaryLayout::For(const ModelLayout& model) {
   if (model.features.principal) {
     s.principal = next;
     next += 3 + (model.head_dim + 3) / 4;
+  }
+  if (model.features.quest8) {
+    // Last, so that the parts before it keep their revision-2 offsets; on a
+    // 16-byte boundary for the GPU pre-pass's copies, as quest's.
+    next = (next + 3) / 4 * 4;
+    s.quest8 = next;
+    next += model.head_dim / 2 + 1;
   }
   s.record_words = (next + 3) / 4 * 4;
   return s;

@@ -13,6 +13,13 @@
 //                  max rounded up, so the quest bound stays an upper bound
 //   principal      λ1, r², scale, then d int8 u1 packed 4 per word
 //                                                         (if features.principal)
+//   quest8         d int8 minimum codes, then d int8 maximum codes (4 per word,
+//                  channel order), then the scale s: d/2 + 1 words (if
+//                  features.quest8), starting at a multiple of 4 words. A
+//                  key's channel lies in [min·s, max·s]; s is a power of two,
+//                  so an appended key requantizes the codes exactly (floor for
+//                  minima, ceil for maxima) and the record does not depend on
+//                  the order the keys came in (docs/summaries.md)
 //
 // The pool is [slots, layers, kv_heads, record_words] fp32, row-major.
 #pragma once
@@ -31,6 +38,7 @@ struct SummaryFeatures {
   bool key_sum = true;     // Mean key: a lower bound of max_i q·k_i (strict mode).
   bool principal = false;  // Top-1 principal pair: the `1pc` bound.
   bool quest = true;       // Per-channel key min/max: the `quest` bound (the default method).
+  bool quest8 = false;     // The same in 8 bits a channel: what questclt reads when present.
 };
 
 // The model and paging shape a session attaches with.
@@ -67,6 +75,7 @@ struct SummaryLayout {
   int quest_min = -1;    // word offsets of the binary16 min and max halves
   int quest_max = -1;    // (d/2 words each; QuestMin/QuestMax in core/summary.h read them)
   int principal = -1;    // λ1 at +0, r² at +1, scale at +2, u1 bytes from +3
+  int quest8 = -1;       // min codes from +0, max codes from +d/4, the scale at +d/2
   int record_words = 0;  // multiple of 4
 
   static SummaryLayout For(const ModelLayout& model);

@@ -41,12 +41,20 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   // refuse it, so a default method never degrades quietly on an engine's layout.
   // Strict mode scores with its own bracket (BracketMaxScore), not the method.
   const bool scores_by_method = !strict || method == Method::kOff;
-  if (scores_by_method && (method == Method::kQuest || method == Method::kQuestClt) &&
-      !model.features.quest) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "method=", MethodName(method),
-        " needs the quest part in the summary records (features.quest); write it or choose "
-        "another method (jl, fro)"));
+  // quest is a bound and reads the 16-bit part only; questclt, an estimate,
+  // reads quest8 where the records hold it (half the bytes), else the 16-bit part.
+  if (scores_by_method && method == Method::kQuest && !model.features.quest) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("method=quest needs the 16-bit quest part in the summary records "
+                     "(features.quest",
+                     model.features.quest8 ? "; quest8 serves questclt only" : "",
+                     "); write it or choose another method (questclt, jl, fro)"));
+  }
+  if (scores_by_method && method == Method::kQuestClt && !model.features.quest &&
+      !model.features.quest8) {
+    return absl::InvalidArgumentError(
+        "method=questclt needs a quest part in the summary records (features.quest8 or "
+        "features.quest); write one or choose another method (jl, fro)");
   }
   if (scores_by_method && method == Method::kOnePc && !model.features.principal) {
     return absl::InvalidArgumentError(

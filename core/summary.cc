@@ -26,7 +26,52 @@ int8_t* PrincipalBytes(std::span<float> record, const SummaryLayout& layout) {
   return reinterpret_cast<int8_t*>(record.data() + layout.principal + 3);
 }
 
+int8_t* Quest8Codes(std::span<float> record, const SummaryLayout& layout, int run) {
+  return reinterpret_cast<int8_t*>(record.data() + layout.quest8 + run * layout.head_dim / 4);
+}
+
+// Folds key k (d floats) into the quest8 part. When the key needs a larger
+// scale (a power of two, 2^j times the old one) the codes are requantized
+// first: floor(c / 2^j) for minima, ceil(c / 2^j) for maxima, which is what
+// quantizing the old keys at the new scale would give, so the record is the
+// same whatever the order of its keys.
+void FoldQuest8(std::span<float> record, const SummaryLayout& layout, const float* k) {
+  const int d = layout.head_dim;
+  int8_t* lo = Quest8Codes(record, layout, 0);
+  int8_t* hi = Quest8Codes(record, layout, 1);
+  float& scale = record[layout.quest8 + d / 2];
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::abs(k[i]));
+  if (amax > 127.0f * scale) {
+    const float grown = Quest8ScaleFor(amax);
+    if (scale > 0.0f) {
+      int shift = 0;
+      while (std::ldexp(scale, shift) < grown) ++shift;
+      for (int i = 0; i < d; ++i) {
+        lo[i] = static_cast<int8_t>(shift >= 8 ? (lo[i] < 0 ? -1 : 0) : lo[i] >> shift);
+        const int neg = -static_cast<int>(hi[i]);
+        hi[i] = static_cast<int8_t>(shift >= 8 ? (neg < 0 ? 1 : 0) : -(neg >> shift));
+      }
+    }
+    scale = grown;
+  }
+  for (int i = 0; i < d; ++i) {
+    // k / scale is exact (a power of two) and within ±127; all-zero keys at scale 0 code 0.
+    const float x = scale > 0.0f ? k[i] / scale : 0.0f;
+    lo[i] = static_cast<int8_t>(std::min<int>(lo[i], static_cast<int>(std::floor(x))));
+    hi[i] = static_cast<int8_t>(std::max<int>(hi[i], static_cast<int>(std::ceil(x))));
+  }
+}
+
 }  // namespace
+
+float Quest8ScaleFor(float amax) {
+  int exponent = 0;
+  std::frexp(amax, &exponent);  // amax = f·2^exponent, f in [0.5, 1)
+  int e = exponent - 7;         // 127·2^(e-1) < 2^(exponent-1) <= amax
+  if (std::ldexp(127.0f, e) < amax) ++e;
+  return std::ldexp(1.0f, std::max(e, -149));
+}
 
 int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& layout, int i) {
   return reinterpret_cast<const int8_t*>(record.data() + layout.principal + 3)[i];
@@ -40,6 +85,10 @@ void SummaryWriter::Reset(std::span<float> record) const {
   if (layout_.quest_min >= 0) {
     std::fill_n(QuestHalves(record, layout_.quest_min), model_.head_dim, uint16_t{0x7C00});  // +inf
     std::fill_n(QuestHalves(record, layout_.quest_max), model_.head_dim, uint16_t{0xFC00});  // -inf
+  }
+  if (layout_.quest8 >= 0) {
+    std::fill_n(Quest8Codes(record, layout_, 0), model_.head_dim, int8_t{127});
+    std::fill_n(Quest8Codes(record, layout_, 1), model_.head_dim, int8_t{-128});
   }
 }
 
@@ -121,6 +170,7 @@ absl::Status SummaryWriter::Append(std::span<float> record, int layer, int kv_he
         if (k[i] > HalfToFloat(hi[i])) hi[i] = FloatToHalfUp(k[i]);
       }
     }
+    if (layout_.quest8 >= 0) FoldQuest8(record, layout_, k.data());
   }
   return absl::OkStatus();
 }

@@ -34,7 +34,8 @@ class SummaryWriter {
 
   const SummaryLayout& layout() const { return layout_; }
 
-  // Empties a record (no keys): zero sums, quest min = +inf, max = -inf.
+  // Empties a record (no keys): zero sums, quest min = +inf, max = -inf, quest8
+  // codes min = 127, max = -128 (below any key's code) and scale 0.
   void Reset(std::span<float> record) const;
 
   // Adds keys to the record of (layer, kv_head). Rejects non-finite keys (and,
@@ -75,5 +76,23 @@ inline float QuestMin(std::span<const float> record, const SummaryLayout& layout
 inline float QuestMax(std::span<const float> record, const SummaryLayout& layout, int i) {
   return ReadHalf(record, layout.quest_max, i);
 }
+
+// The quest8 part: per-channel int8 codes of the key minimum (rounded down)
+// and maximum (rounded up) in units of the record's scale, a power of two
+// (0 while every key summarised is zero). Key channel i lies in
+// [Quest8MinCode(i)·scale, Quest8MaxCode(i)·scale], exactly.
+inline int Quest8MinCode(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return reinterpret_cast<const int8_t*>(record.data() + layout.quest8)[i];
+}
+inline int Quest8MaxCode(std::span<const float> record, const SummaryLayout& layout, int i) {
+  return reinterpret_cast<const int8_t*>(record.data() + layout.quest8 + layout.head_dim / 4)[i];
+}
+inline float Quest8Scale(std::span<const float> record, const SummaryLayout& layout) {
+  return record[layout.quest8 + layout.head_dim / 2];
+}
+
+// The smallest power of two s (at least 2^-149) with 127·s ≥ amax: the quest8
+// scale of keys whose largest channel magnitude is amax > 0.
+float Quest8ScaleFor(float amax);
 
 }  // namespace eps

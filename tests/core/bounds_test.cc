@@ -214,6 +214,52 @@ TEST_F(BoundsTest, QuestCltEqualsQuestWhenOneChannelSpreads) {
               QuestBound(record, writer_->layout(), terms), 1e-4);
 }
 
+// With quest8 in the record questclt reads it: the score of the dequantized
+// channels (code·scale), which lie outside the true min/max by less than a
+// scale step, so it stays near the 16-bit part's score.
+TEST_F(BoundsTest, QuestCltReadsQuest8WhenTheRecordHoldsIt) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  const int d = 64;
+  ModelLayout both = model_;
+  both.features.quest8 = true;
+  SummaryWriter writer(both, *phi_);
+  const SummaryLayout& layout = writer.layout();
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + trial % 64;
+    const std::vector<float> keys = RandomGroup(rng_, n, d, trial % 3);
+    std::vector<float> record(layout.record_words);
+    writer.Reset(record);
+    ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, 0}).ok());
+    const std::vector<float> q = GaussianVector(rng_, d);
+    QueryTerms terms;
+    terms.Prepare(*phi_, 0, 0, q);
+    const double s = Quest8Scale(record, layout);
+    double centre = 0.0, spread = 0.0, qnorm1 = 0.0;
+    for (int i = 0; i < d; ++i) {
+      const double lo = Quest8MinCode(record, layout, i) * s;
+      const double hi = Quest8MaxCode(record, layout, i) * s;
+      centre += q[i] * 0.5 * (lo + hi);
+      spread += std::pow(q[i] * 0.5 * (hi - lo), 2);
+      qnorm1 += std::abs(q[i]);
+    }
+    const float clt = QuestCltScore(record, layout, terms);
+    ASSERT_NEAR(clt, centre + std::sqrt(spread), 1e-4 * (1 + std::abs(centre) + std::sqrt(spread)))
+        << "trial " << trial;
+    EXPECT_EQ(Score(Method::kQuestClt, record, layout, terms), clt);
+    // Each dequantized bound is within one step s of the true extreme, as the
+    // binary16 one is within its rounding: the two scores differ by at most Σ|q|·s.
+    ModelLayout only16 = model_;
+    SummaryWriter w16(only16, *phi_);
+    std::vector<float> r16(w16.layout().record_words);
+    w16.Reset(r16);
+    ASSERT_TRUE(w16.Append(r16, 0, 0, {keys.data(), DType::kFloat32, n, 0}).ok());
+    ASSERT_NEAR(clt, QuestCltScore(r16, w16.layout(), terms), 1.1 * qnorm1 * s + 1e-3)
+        << "trial " << trial;
+    // quest (a bound) keeps reading the 16-bit part.
+    EXPECT_EQ(QuestBound(record, layout, terms), QuestBound(r16, w16.layout(), terms));
+  }
+}
+
 TEST_F(BoundsTest, BracketContainsTheTrueMaxScore) {
   SCOPED_TRACE(testing::SeedTrace(seed_));
   const int d = 64;

@@ -67,6 +67,32 @@ TEST(LayoutTest, QuestPartStartsOnA16ByteBoundary) {
   }
 }
 
+// quest8 comes last, on a 16-byte boundary, so the parts before it keep their
+// offsets (no new layout revision): d/4 words of minimum codes, d/4 of maximum
+// codes, the scale.
+TEST(LayoutTest, Quest8ComesLastOnA16ByteBoundary) {
+  for (bool principal : {false, true}) {
+    ModelLayout m = Llama8B();
+    m.features = {.key_sum = true, .principal = principal, .quest = true, .quest8 = false};
+    const SummaryLayout without = SummaryLayout::For(m);
+    m.features.quest8 = true;
+    const SummaryLayout s = SummaryLayout::For(m);
+    EXPECT_EQ(s.key_sum, without.key_sum);
+    EXPECT_EQ(s.quest_min, without.quest_min);
+    EXPECT_EQ(s.principal, without.principal);
+    EXPECT_EQ(s.quest8 % 4, 0);
+    EXPECT_GE(s.quest8, without.record_words - 3);
+    EXPECT_EQ(s.record_words, (s.quest8 + 128 / 2 + 1 + 3) / 4 * 4);
+    EXPECT_EQ(without.quest8, -1);
+  }
+  ModelLayout alone = Llama8B();
+  alone.features = {.key_sum = false, .principal = false, .quest = false, .quest8 = true};
+  const SummaryLayout s = SummaryLayout::For(alone);
+  EXPECT_EQ(s.quest8, 40);                 // after the Gram and norms (39 words), padded
+  EXPECT_EQ(s.record_words, 40 + 68);      // 64 words of codes, the scale, padding
+  EXPECT_EQ(s.record_bytes() - 160, 272);  // 2·d + 16 bytes against quest's 4·d
+}
+
 TEST(LayoutTest, BlocksAndGroupsRoundUp) {
   const ModelLayout m = Llama8B();  // 16-token blocks, 8 blocks per group
   EXPECT_EQ(BlocksFor(1, 16), 1);

@@ -337,6 +337,11 @@ TEST(SelectPolicyTest, ABoundWhoseRecordPartIsMissingIsRefusedNotScoredAsFro) {
   SelectPolicy questclt;
   questclt.method = Method::kQuestClt;
   EXPECT_THAT(questclt.Validate(model).message(), ::testing::HasSubstr("method=questclt needs"));
+  // quest8 serves questclt, not the quest bound, which reads the 16-bit part.
+  model.features.quest8 = true;
+  EXPECT_TRUE(questclt.Validate(model).ok());
+  EXPECT_THAT(quest.Validate(model).message(), ::testing::HasSubstr("quest8 serves questclt only"));
+  model.features.quest8 = false;
   SelectPolicy onepc;
   onepc.method = Method::kOnePc;
   EXPECT_THAT(onepc.Validate(model).message(), ::testing::HasSubstr("method=1pc needs"));

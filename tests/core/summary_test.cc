@@ -1,5 +1,6 @@
 #include "core/summary.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -117,6 +118,106 @@ TEST_F(SummaryTest, AppendingInPiecesEqualsAppendingAtOnce) {
     ASSERT_TRUE(writer.Append(pieces, 0, 1, {keys.data() + t * d, DType::kFloat32, 1, d}).ok());
   }
   EXPECT_EQ(once, pieces);  // same order of float additions: bit-identical
+}
+
+// The quest8 part of keys quantized at once at the scale of the largest channel
+// magnitude: what an incremental writer must arrive at, whatever the order.
+struct Quest8Expected {
+  float scale = 0.0f;
+  std::vector<int> lo, hi;
+};
+Quest8Expected OfflineQuest8(const std::vector<float>& keys, int n, int d) {
+  Quest8Expected e;
+  float amax = 0.0f;
+  for (int t = 0; t < n * d; ++t) amax = std::max(amax, std::abs(keys[t]));
+  e.scale = amax > 0.0f ? Quest8ScaleFor(amax) : 0.0f;
+  e.lo.assign(d, 127);
+  e.hi.assign(d, -128);
+  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < d; ++i) {
+      const float x = e.scale > 0.0f ? keys[t * d + i] / e.scale : 0.0f;
+      e.lo[i] = std::min(e.lo[i], static_cast<int>(std::floor(x)));
+      e.hi[i] = std::max(e.hi[i], static_cast<int>(std::ceil(x)));
+    }
+  }
+  return e;
+}
+
+TEST(Quest8ScaleTest, IsTheSmallestPowerOfTwoThatCovers) {
+  for (float amax : {1e-30f, 0.3f, 1.0f, 126.9f, 127.0f, 127.1f, 254.0f, 254.5f, 3e38f}) {
+    const float s = Quest8ScaleFor(amax);
+    int e = 0;
+    EXPECT_EQ(std::frexp(s, &e), 0.5f) << amax;  // a power of two
+    EXPECT_GE(127.0f * s, amax) << amax;
+    EXPECT_LT(127.0f * (s / 2), amax) << amax;
+  }
+  EXPECT_EQ(Quest8ScaleFor(127.0f), 1.0f);
+  EXPECT_EQ(Quest8ScaleFor(127.5f), 2.0f);
+  EXPECT_EQ(Quest8ScaleFor(1e-45f), std::ldexp(1.0f, -149));  // the smallest float
+}
+
+// One key at a time, in random orders and with keys that grow (so the scale
+// steps up several times, by one and by many powers of two), the quest8 part
+// equals the offline quantization bit for bit, and brackets every key.
+TEST_F(SummaryTest, Quest8AppendedInAnyOrderEqualsTheOfflineQuantization) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  ModelLayout model = SmallModel();
+  model.features.quest8 = true;
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const SummaryLayout& s = writer.layout();
+  const int d = model.head_dim;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int n = 1 + trial % 32;
+    std::vector<float> keys = GaussianVector(rng_, n * d);
+    for (int t = 0; t < n; ++t) {  // magnitudes from 1e-3 to 1e4, some keys zero
+      const float grow = std::pow(10.0f, -3.0f + 7.0f * t / n) * (trial % 5 == 0 ? 0.0f : 1.0f);
+      for (int i = 0; i < d; ++i) keys[t * d + i] *= t % 7 == 3 ? 0.0f : grow;
+    }
+    const Quest8Expected want = OfflineQuest8(keys, n, d);
+    std::vector<int> order(n);
+    for (int t = 0; t < n; ++t) order[t] = t;
+    for (int shuffle = 0; shuffle < 3; ++shuffle) {
+      if (shuffle == 1) std::reverse(order.begin(), order.end());
+      if (shuffle == 2) std::shuffle(order.begin(), order.end(), rng_);
+      std::vector<float> record(s.record_words);
+      writer.Reset(record);
+      for (int t : order) {
+        ASSERT_TRUE(writer.Append(record, 0, 1, {keys.data() + t * d, DType::kFloat32, 1, d}).ok());
+      }
+      ASSERT_EQ(Quest8Scale(record, s), want.scale) << "trial " << trial;
+      for (int i = 0; i < d; ++i) {
+        ASSERT_EQ(Quest8MinCode(record, s, i), want.lo[i]) << "trial " << trial << " i " << i;
+        ASSERT_EQ(Quest8MaxCode(record, s, i), want.hi[i]) << "trial " << trial << " i " << i;
+        for (int t = 0; t < n; ++t) {
+          ASSERT_LE(Quest8MinCode(record, s, i) * want.scale, keys[t * d + i]);
+          ASSERT_GE(Quest8MaxCode(record, s, i) * want.scale, keys[t * d + i]);
+        }
+      }
+      // The parts before quest8 are those of a record without it.
+      ASSERT_GE(Quest8MinCode(record, s, 0), -127);
+    }
+  }
+}
+
+// quest8 carries no binary16 limit: with the 16-bit part off, keys beyond
+// ±65504 are summarised (and the scale covers them).
+TEST_F(SummaryTest, Quest8AloneTakesKeysBeyondTheHalfRange) {
+  ModelLayout model = SmallModel();
+  model.features = {.key_sum = true, .principal = false, .quest = false, .quest8 = true};
+  auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+  SummaryWriter writer(model, *phi);
+  const int d = model.head_dim;
+  std::vector<float> keys(2 * d, 1.0f);
+  keys[d + 3] = -70000.0f;
+  std::vector<float> record(writer.layout().record_words);
+  writer.Reset(record);
+  ASSERT_TRUE(writer.Append(record, 1, 0, {keys.data(), DType::kFloat32, 2, d}).ok());
+  const SummaryLayout& s = writer.layout();
+  EXPECT_EQ(Quest8Scale(record, s), 1024.0f);  // 127·512 < 70000 <= 127·1024
+  EXPECT_EQ(Quest8MinCode(record, s, 3), -69);  // floor(-70000 / 1024)
+  EXPECT_EQ(Quest8MaxCode(record, s, 3), 1);    // ceil(1 / 1024)
+  EXPECT_EQ(Quest8MinCode(record, s, 4), 0);
 }
 
 TEST_F(SummaryTest, HalfAndBFloat16KeysEqualTheirWidenedFloats) {
