@@ -87,8 +87,10 @@ struct SummaryLayout {
 // meaning 1), and epsd refuses a session whose records would be read at other
 // offsets than they were written (service/convert.cc). Revisions:
 //   1  every part follows the one before it directly;
-//   2  the quest part starts at a multiple of 4 words (since 2026-11-25).
-inline constexpr int kSummaryLayoutRevision = 2;
+//   2  the quest part starts at a multiple of 4 words (since 2026-11-25);
+//   3  the quest8 part may follow every other part (since 2026-11-26); records
+//      without it are those of revision 2.
+inline constexpr int kSummaryLayoutRevision = 3;
 
 // The word revision 1 put the quest part at (-1 without one), and whether a
 // record of `model` has its parts at other word offsets in revision 1 than in

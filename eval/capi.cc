@@ -41,7 +41,10 @@ int Fail(const absl::Status& status, char* err, int err_len) {
 }
 
 SummaryFeatures FeaturesFromMask(int mask) {
-  return {.key_sum = (mask & 1) != 0, .principal = (mask & 2) != 0, .quest = (mask & 4) != 0};
+  return {.key_sum = (mask & 1) != 0,
+          .principal = (mask & 2) != 0,
+          .quest = (mask & 4) != 0,
+          .quest8 = (mask & 8) != 0};
 }
 
 // Writes one budget's lists out_i [lists, n]: the forced groups, then every query

@@ -61,6 +61,7 @@ v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers,
   l->mutable_features()->set_key_sum(model.features.key_sum);
   l->mutable_features()->set_principal(model.features.principal);
   l->mutable_features()->set_quest(model.features.quest);
+  l->mutable_features()->set_quest8(model.features.quest8);
   *a.mutable_buffers() = buffers.Descriptors();
   a.set_max_batch(static_cast<uint32_t>(batch));
   a.set_num_kv_blocks(static_cast<uint64_t>(num_kv_blocks));

@@ -86,7 +86,8 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
   }
   m.features = {.key_sum = p.features().key_sum(),
                 .principal = p.features().principal(),
-                .quest = p.features().quest()};
+                .quest = p.features().quest(),
+                .quest8 = p.features().quest8()};
   if (absl::Status s = m.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("layout.", s.message()));
   }
@@ -97,11 +98,17 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
                                                    " is newer than this epsd's ",
                                                    kSummaryLayoutRevision, ": upgrade epsd"));
   }
-  if (revision < static_cast<uint32_t>(kSummaryLayoutRevision) && LayoutDiffersFromRevision1(m)) {
+  if (m.features.quest8 && revision < 3) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout.features.quest8 needs layout.summary_layout >= 3 (the revision that added the "
+        "part), got ",
+        revision));
+  }
+  if (revision == 1 && LayoutDiffersFromRevision1(m)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "layout.summary_layout=", revision, ": the engine writes the quest part at word ",
         Revision1QuestMin(m), " of each record, and this epsd reads it at word ",
-        SummaryLayout::For(m).quest_min, " (summary layout revision ", kSummaryLayoutRevision,
+        SummaryLayout::For(m).quest_min, " (summary layout revision 2 and later",
         "): upgrade the engine's client library (docs/summaries.md)"));
   }
   return m;

@@ -74,8 +74,17 @@ TEST(ConvertTest, LayoutRevisionMustMatchWhereTheRecordsWouldBeRead) {
     EXPECT_THAT(s.message(), HasSubstr("quest part at word 39"));
     EXPECT_THAT(s.message(), HasSubstr("reads it at word 40"));
   }
-  p.set_summary_layout(kSummaryLayoutRevision);
-  EXPECT_TRUE(LayoutFromProto(p, 8, 8).ok());
+  for (uint32_t revision : {2u, 3u}) {  // revision 3 added quest8 and moved nothing
+    p.set_summary_layout(revision);
+    EXPECT_TRUE(LayoutFromProto(p, 8, 8).ok()) << revision;
+  }
+  // quest8 is converted, and only a revision that knows the part may ask for it.
+  p.mutable_features()->set_quest8(true);
+  ASSERT_TRUE(LayoutFromProto(p, 8, 8).ok());
+  EXPECT_TRUE(LayoutFromProto(p, 8, 8)->features.quest8);
+  p.set_summary_layout(2);
+  EXPECT_THAT(LayoutFromProto(p, 8, 8).status().message(), HasSubstr("quest8 needs"));
+  p.mutable_features()->set_quest8(false);
   p.set_summary_layout(kSummaryLayoutRevision + 1);
   EXPECT_EQ(LayoutFromProto(p, 8, 8).status().code(), absl::StatusCode::kInvalidArgument);
 

@@ -115,6 +115,7 @@ class TestEngine {
     l->mutable_features()->set_key_sum(model_.features.key_sum);
     l->mutable_features()->set_principal(model_.features.principal);
     l->mutable_features()->set_quest(model_.features.quest);
+    l->mutable_features()->set_quest8(model_.features.quest8);
     *a.mutable_buffers() = buffers_->Descriptors();
     a.set_max_batch(static_cast<uint32_t>(buffers_->shape().max_batch));
     a.set_num_kv_blocks(num_kv_blocks_);

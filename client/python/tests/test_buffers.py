@@ -19,8 +19,8 @@ def cpp_descriptors(tool: str, model: ModelLayout, shape: BufferShape) -> pb.Sha
     f = model.features
     args = [model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
             model.block_size, model.group_blocks, model.sketch_dim, int(f.key_sum),
-            int(f.quest), int(f.principal), shape.num_slots, shape.max_seqs, shape.max_context,
-            shape.max_batch, int(shape.per_kv_head)]
+            int(f.quest), int(f.principal), int(f.quest8), shape.num_slots, shape.max_seqs,
+            shape.max_context, shape.max_batch, int(shape.per_kv_head)]
     out = subprocess.run([tool, "descriptors", *map(str, args)], check=True,
                          capture_output=True).stdout
     return pb.SharedBuffers.FromString(out)
@@ -46,8 +46,9 @@ def test_contract_table_equals_core_buffer_contract(core_reference):
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])
-@pytest.mark.parametrize("features", [SummaryFeatures(quest=False), SummaryFeatures(quest=True,
-                                                                         principal=True)])
+@pytest.mark.parametrize("features", [SummaryFeatures(quest=False),
+                                      SummaryFeatures(quest=True, principal=True),
+                                      SummaryFeatures(quest=True, principal=True, quest8=True)])
 def test_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head, features):
     model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,
                         group_blocks=4, sketch_dim=6, features=features)

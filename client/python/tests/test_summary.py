@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from eps_client.layout import ModelLayout, SummaryFeatures, SummaryLayout
-from eps_client.summary import SummaryWriter, half_down, half_up, quest_halves
+from eps_client.summary import (
+    SummaryWriter,
+    half_down,
+    half_up,
+    quest8_parts,
+    quest8_scale_for,
+    quest_halves,
+)
 
 
 def core_pool(tool: str, tmp: Path, model: ModelLayout, slots: int,
@@ -26,7 +33,8 @@ def core_pool(tool: str, tmp: Path, model: ModelLayout, slots: int,
     f = model.features
     subprocess.run([tool, "summaries", str(model.num_layers), str(model.num_kv_heads),
                     str(model.head_dim), str(model.sketch_dim), str(model.phi_seed),
-                    str(int(f.key_sum)), str(int(f.quest)), str(int(f.principal)), str(slots),
+                    str(int(f.key_sum)), str(int(f.quest)), str(int(f.principal)),
+                    str(int(f.quest8)), str(slots),
                     dtype,
                     str(tmp / "ops.txt"), str(tmp / "keys.bin"), str(tmp / "pool.bin")],
                    check=True)
@@ -43,7 +51,9 @@ def random_keys(rng: np.random.Generator, n: int, model: ModelLayout) -> np.ndar
 
 
 @pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(key_sum=False),
-                                      SummaryFeatures(key_sum=True, quest=False)])
+                                      SummaryFeatures(key_sum=True, quest=False),
+                                      SummaryFeatures(quest8=True),
+                                      SummaryFeatures(key_sum=False, quest=False, quest8=True)])
 @pytest.mark.parametrize("m", [4, 8, 16])
 def test_records_equal_core_bit_for_bit(core_reference, tmp_path, rng, features, m):
     model = ModelLayout(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=64, sketch_dim=m,
@@ -63,7 +73,8 @@ def test_records_equal_core_bit_for_bit(core_reference, tmp_path, rng, features,
 def test_prefill_with_interleaved_slots_equals_core_per_slot_appends(core_reference, tmp_path,
                                                                      rng):
     model = ModelLayout(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=128,
-                        phi_seed=int(rng.integers(0, 1 << 63)))
+                        phi_seed=int(rng.integers(0, 1 << 63)),
+                        features=SummaryFeatures(quest8=True))
     slots = 6
     token_slots = rng.integers(0, slots, 300)
     keys = random_keys(rng, 300, model)
@@ -75,6 +86,30 @@ def test_prefill_with_interleaved_slots_equals_core_per_slot_appends(core_refere
     writer.reset(pool)
     writer.append(pool, 1, token_slots, keys)
     assert pool.tobytes() == expected.tobytes()
+
+
+def test_quest8_scale_steps_and_zero_keys_equal_core_bit_for_bit(core_reference, tmp_path, rng):
+    # Magnitudes from 1e-3 to 1e4 one key at a time (the scale steps up by one and by
+    # many powers of two, requantizing the codes each time), zero keys among them.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        phi_seed=int(rng.integers(0, 1 << 63)),
+                        features=SummaryFeatures(key_sum=False, quest=False, quest8=True))
+    n = 60
+    keys = random_keys(rng, n, model) * np.logspace(-3, 4, n, dtype=np.float32)[:, None, None]
+    keys[::7] = 0.0
+    keys = keys[rng.permutation(n)]
+    ops = [(0, 1, keys[t : t + 1]) for t in range(n)]
+    expected = core_pool(core_reference, tmp_path, model, 2, ops, "f32")
+    writer = SummaryWriter(model)
+    pool = np.zeros_like(expected)
+    writer.reset(pool)
+    for t in range(n):
+        writer.append(pool, 0, [1], keys[t : t + 1])
+    assert pool.tobytes() == expected.tobytes()
+    lo, hi, scale = quest8_parts(pool[1, 0], writer.layout, 64)
+    assert np.all(lo.astype(np.float32) * scale[:, None] <= keys.min(axis=0))
+    assert np.all(hi.astype(np.float32) * scale[:, None] >= keys.max(axis=0))
+    assert np.all(scale == quest8_scale_for(np.abs(keys).max(axis=(0, 2))))
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])

@@ -1,11 +1,12 @@
 // What core/ and client/cpp compute, for the Python package's tests to compare
 // against bit for bit (client/python/tests). Not installed; built with the tests.
 //
-//   eps_core_reference summaries L H D M SEED KEY_SUM QUEST PRINCIPAL SLOTS DTYPE OPS KEYS OUT
+//   eps_core_reference summaries L H D M SEED KEY_SUM QUEST PRINCIPAL QUEST8 SLOTS DTYPE OPS
+//                      KEYS OUT
 //       Replays OPS (text lines "layer slot count kind", kind 0 = Append, 1 = Seal) with
 //       core::SummaryWriter on a pool of Reset records, reading each op's keys
 //       [count, H, D] of DTYPE (f32 | f16 | bf16) from KEYS in order; writes the pool to OUT.
-//   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL SLOTS MAX_SEQS
+//   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL QUEST8 SLOTS MAX_SEQS
 //                      MAX_CONTEXT MAX_BATCH PER_HEAD
 //       Creates client::EngineBuffers and writes its SharedBuffers message to stdout.
 //   eps_core_reference contract
@@ -67,8 +68,9 @@ int Summaries(char** argv) {
   model.features.key_sum = Int(argv[5]) != 0;
   model.features.quest = Int(argv[6]) != 0;
   model.features.principal = Int(argv[7]) != 0;
-  const int64_t slots = Int(argv[8]);
-  const std::string dtype = argv[9];
+  model.features.quest8 = Int(argv[8]) != 0;
+  const int64_t slots = Int(argv[9]);
+  const std::string dtype = argv[10];
   const eps::DType key_dtype = dtype == "f16"    ? eps::DType::kFloat16
                                : dtype == "bf16" ? eps::DType::kBFloat16
                                                  : eps::DType::kFloat32;
@@ -90,8 +92,8 @@ int Summaries(char** argv) {
       for (int h = 0; h < model.num_kv_heads; ++h) writer.Reset(record(s, l, h));
     }
   }
-  std::ifstream ops(argv[10]);
-  const std::string keys = ReadFile(argv[11]);
+  std::ifstream ops(argv[11]);
+  const std::string keys = ReadFile(argv[12]);
   size_t at = 0;
   int layer = 0, kind = 0;
   int64_t slot = 0, count = 0;
@@ -109,7 +111,7 @@ int Summaries(char** argv) {
     }
     at += bytes;
   }
-  std::ofstream out(argv[12], std::ios::binary);
+  std::ofstream out(argv[13], std::ios::binary);
   out.write(reinterpret_cast<const char*>(pool.data()), pool.size() * sizeof(float));
   return out ? 0 : Fail("cannot write output");
 }
@@ -123,13 +125,16 @@ int Descriptors(char** argv) {
   model.block_size = Int(argv[4]);
   model.group_blocks = Int(argv[5]);
   model.sketch_dim = Int(argv[6]);
-  model.features = {Int(argv[7]) != 0, Int(argv[9]) != 0, Int(argv[8]) != 0};
+  model.features = {.key_sum = Int(argv[7]) != 0,
+                    .principal = Int(argv[9]) != 0,
+                    .quest = Int(argv[8]) != 0,
+                    .quest8 = Int(argv[10]) != 0};
   eps::client::BufferShape shape;
-  shape.num_slots = Int(argv[10]);
-  shape.max_seqs = Int(argv[11]);
-  shape.max_context = Int(argv[12]);
-  shape.max_batch = Int(argv[13]);
-  shape.granularity = Int(argv[14]) != 0 ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
+  shape.num_slots = Int(argv[11]);
+  shape.max_seqs = Int(argv[12]);
+  shape.max_context = Int(argv[13]);
+  shape.max_batch = Int(argv[14]);
+  shape.granularity = Int(argv[15]) != 0 ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
   auto buffers = eps::client::EngineBuffers::Create(model, shape, "pyref");
   if (!buffers.ok()) return Fail(std::string(buffers.status().message()));
   std::string bytes;
@@ -222,8 +227,8 @@ int Contract() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "summaries" && argc == 15) return Summaries(argv + 2);
-  if (mode == "descriptors" && argc == 17) return Descriptors(argv + 2);
+  if (mode == "summaries" && argc == 16) return Summaries(argv + 2);
+  if (mode == "descriptors" && argc == 18) return Descriptors(argv + 2);
   if (mode == "select" && argc == 5) return Select(argv + 2);
   if (mode == "contract" && argc == 2) return Contract();
   return Fail("usage: see the comment at the top of client/python/tools/core_reference.cc");

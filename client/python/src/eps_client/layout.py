@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from eps_client.proto import page_selector_pb2 as pb
 
-# The record layout revision this client writes (core/layout.h kSummaryLayoutRevision): 2,
-# the quest part on a 16-byte boundary. Sent in Attach, so that an epsd that reads another
-# layout refuses the session instead of reading the records at the wrong offsets.
-SUMMARY_LAYOUT = 2
+# The record layout revision this client writes (core/layout.h kSummaryLayoutRevision): 3,
+# the quest part on a 16-byte boundary and the quest8 part last. Sent in Attach, so that an
+# epsd that reads another layout refuses the session instead of reading the records at the
+# wrong offsets.
+SUMMARY_LAYOUT = 3
 
 _KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
               "float32": pb.DTYPE_FLOAT32}
@@ -29,6 +30,7 @@ class SummaryFeatures:
     key_sum: bool = True
     principal: bool = False
     quest: bool = True
+    quest8: bool = False  # 8-bit min/max codes and a power-of-two scale: what questclt reads
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class ModelLayout:
                 key_sum=self.features.key_sum,
                 principal=self.features.principal,
                 quest=self.features.quest,
+                quest8=self.features.quest8,
             ),
             summary_layout=SUMMARY_LAYOUT,
         )
@@ -117,6 +120,7 @@ class SummaryLayout:
     quest_max: int
     principal: int
     record_words: int
+    quest8: int = -1  # min codes from +0, max codes from +d/4 words, the scale at +d/2
 
     @staticmethod
     def for_model(model: ModelLayout) -> SummaryLayout:
@@ -133,6 +137,10 @@ class SummaryLayout:
             quest_min, quest_max, nxt = nxt, nxt + d // 2, nxt + d
         if model.features.principal:
             principal, nxt = nxt, nxt + 3 + (d + 3) // 4
+        quest8 = -1
+        if model.features.quest8:  # last, from a multiple of 4 words: d int8 min, d max, scale
+            nxt = (nxt + 3) // 4 * 4
+            quest8, nxt = nxt, nxt + d // 2 + 1
         return SummaryLayout(
             sketch_dim=m,
             head_dim=d,
@@ -145,6 +153,7 @@ class SummaryLayout:
             quest_max=quest_max,
             principal=principal,
             record_words=(nxt + 3) // 4 * 4,
+            quest8=quest8,
         )
 
     @property

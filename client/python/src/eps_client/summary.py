@@ -55,6 +55,49 @@ def quest_halves(records: np.ndarray, lay: SummaryLayout, d: int) -> tuple[np.nd
             halves[..., 2 * lay.quest_max : 2 * lay.quest_max + d])
 
 
+def quest8_scale_for(amax: np.ndarray) -> np.ndarray:
+    """The smallest power of two s >= 2^-149 with 127·s >= amax (core Quest8ScaleFor), float32;
+    0 where amax is 0."""
+    a = np.asarray(amax, dtype=np.float32)
+    _, e = np.frexp(a)
+    e = e.astype(np.int32) - 7
+    e = np.where(np.ldexp(np.float32(127.0), e).astype(np.float32) < a, e + 1, e)
+    s = np.ldexp(np.float32(1.0), np.maximum(e, -149)).astype(np.float32)
+    return np.where(a > 0, s, np.float32(0.0)).astype(np.float32)
+
+
+def quest8_parts(records: np.ndarray, lay: SummaryLayout,
+                 d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Views of the quest8 min and max codes ``[..., d]`` int8 and the scale ``[...]`` float32
+    of float32 records ``[..., W]``."""
+    raw = records.view(np.int8)  # [..., 4W]
+    base = 4 * lay.quest8
+    return (raw[..., base : base + d], raw[..., base + d : base + 2 * d],
+            records[..., lay.quest8 + d // 2])
+
+
+def fold_quest8(lo: np.ndarray, hi: np.ndarray, scale: np.ndarray,
+                k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Folds one key per record, k ``[..., d]`` float32, into quest8 codes ``[..., d]`` int8 and
+    scales ``[...]`` (core FoldQuest8): a larger scale requantizes the codes first (floor for
+    minima, ceil for maxima), so the result does not depend on the order of the keys."""
+    amax = np.abs(k).max(axis=-1)
+    grow = amax > np.float32(127.0) * scale
+    new = np.where(grow, quest8_scale_for(amax), scale).astype(np.float32)
+    lo32, hi32 = lo.astype(np.int32), hi.astype(np.int32)
+    old = scale > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(old & grow, new.astype(np.float64) / np.where(old, scale, 1), 1)
+    ratio = ratio[..., None]
+    lo32 = np.where(ratio > 1, np.floor(lo32 / ratio), lo32).astype(np.int32)
+    hi32 = np.where(ratio > 1, np.ceil(hi32 / ratio), hi32).astype(np.int32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(new[..., None] > 0, k / np.where(new > 0, new, 1)[..., None], 0)
+    lo32 = np.minimum(lo32, np.floor(x).astype(np.int32))
+    hi32 = np.maximum(hi32, np.ceil(x).astype(np.int32))
+    return lo32.astype(np.int8), hi32.astype(np.int8), new
+
+
 class SummaryWriter:
     """Writes summary records into a pool ``[slots, layers, kv_heads, record_words]`` float32.
 
@@ -74,13 +117,18 @@ class SummaryWriter:
         self._gj = np.array([j for _, j in pairs])
 
     def reset(self, records: np.ndarray) -> None:
-        """Empties records ``[..., record_words]`` in place: zeros, quest min +inf, max -inf."""
+        """Empties records ``[..., record_words]`` in place: zeros, quest min +inf, max -inf,
+        quest8 min codes 127, max codes -128, scale 0."""
         lay = self.layout
         records[..., : lay.record_words] = 0.0
         if lay.quest_min >= 0:
             lo, hi = quest_halves(records, lay, self.model.head_dim)
             lo[...] = np.inf
             hi[...] = -np.inf
+        if lay.quest8 >= 0:
+            lo8, hi8, _ = quest8_parts(records, lay, self.model.head_dim)
+            lo8[...] = 127
+            hi8[...] = -128
 
     def append(self, pool: np.ndarray, layer: int, slots: np.ndarray | list[int],
                keys: np.ndarray, *, bf16_bits: bool = False) -> None:
@@ -144,6 +192,10 @@ class SummaryWriter:
             lo, hi = quest_halves(rec, lay, d)
             lo[...] = np.minimum(lo, half_down(k))
             hi[...] = np.maximum(hi, half_up(k))
+        if lay.quest8 >= 0:
+            lo8, hi8, _ = quest8_parts(rec, lay, d)
+            lo8[...], hi8[...], rec[..., lay.quest8 + d // 2] = fold_quest8(
+                lo8, hi8, rec[..., lay.quest8 + d // 2], k)
         pool[slots, layer] = rec
 
     def seal(self, pool: np.ndarray, layer: int, slot: int, keys: np.ndarray, *,

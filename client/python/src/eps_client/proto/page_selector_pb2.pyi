@@ -92,14 +92,16 @@ BACKEND_CPU: Backend
 BACKEND_CUDA: Backend
 
 class SummaryFeatures(_message.Message):
-    __slots__ = ("key_sum", "principal", "quest")
+    __slots__ = ("key_sum", "principal", "quest", "quest8")
     KEY_SUM_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     QUEST_FIELD_NUMBER: _ClassVar[int]
+    QUEST8_FIELD_NUMBER: _ClassVar[int]
     key_sum: bool
     principal: bool
     quest: bool
-    def __init__(self, key_sum: bool = ..., principal: bool = ..., quest: bool = ...) -> None: ...
+    quest8: bool
+    def __init__(self, key_sum: bool = ..., principal: bool = ..., quest: bool = ..., quest8: bool = ...) -> None: ...
 
 class ModelLayout(_message.Message):
     __slots__ = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "group_blocks", "sketch_dim", "phi_seed", "kv_dtype", "query_dtype", "features", "summary_layout")
