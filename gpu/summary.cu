@@ -14,9 +14,53 @@ namespace {
 
 struct WriterShape {
   int d, m, packed, layers, kv_heads;
-  int fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
+  int fro2, max_norm, count, key_sum, quest_min, quest_max, principal, quest8;
   DType dtype;
 };
+
+// core Quest8ScaleFor: the smallest power of two s >= 2^-149 with 127·s >= amax.
+__device__ inline float Quest8ScaleFor(float amax) {
+  int exponent = 0;
+  frexpf(amax, &exponent);
+  int e = exponent - 7;
+  if (ldexpf(127.0f, e) < amax) ++e;
+  return ldexpf(1.0f, max(e, -149));
+}
+
+// core FoldQuest8 for key k, channel i = lane, lane + 32, ... read by `key(i)`:
+// the warp grows the record's scale to cover the key (requantizing the codes:
+// floor for minima, ceil for maxima), then folds the key's codes in. The
+// result is core/'s bit for bit: every step is exact.
+template <typename KeyAt>
+__device__ inline void FoldQuest8(float* rec, const WriterShape& s, int lane, KeyAt key) {
+  int8_t* lo = reinterpret_cast<int8_t*>(rec + s.quest8);
+  int8_t* hi = lo + s.d;
+  float amax = 0.0f;
+  for (int i = lane; i < s.d; i += 32) amax = fmaxf(amax, fabsf(key(i)));
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  float& scale_word = rec[s.quest8 + s.d / 2];
+  float scale = scale_word;
+  __syncwarp();  // every lane has read the scale before lane 0 may change it
+  if (amax > 127.0f * scale) {
+    const float grown = Quest8ScaleFor(amax);
+    if (scale > 0.0f) {
+      int shift = 0;
+      while (ldexpf(scale, shift) < grown) ++shift;
+      for (int i = lane; i < s.d; i += 32) {
+        const int l = lo[i], neg = -static_cast<int>(hi[i]);
+        lo[i] = static_cast<int8_t>(shift >= 8 ? (l < 0 ? -1 : 0) : l >> shift);
+        hi[i] = static_cast<int8_t>(shift >= 8 ? (neg < 0 ? 1 : 0) : -(neg >> shift));
+      }
+    }
+    scale = grown;
+    if (lane == 0) scale_word = grown;
+  }
+  for (int i = lane; i < s.d; i += 32) {
+    const float x = scale > 0.0f ? key(i) / scale : 0.0f;  // exact: a power of two
+    lo[i] = static_cast<int8_t>(min(static_cast<int>(lo[i]), static_cast<int>(floorf(x))));
+    hi[i] = static_cast<int8_t>(max(static_cast<int>(hi[i]), static_cast<int>(ceilf(x))));
+  }
+}
 
 // One warp per append. `bad` (when given) receives the lowest index of an append
 // that was skipped; `skipped` (when given) counts them.
@@ -79,6 +123,10 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
         if (k < __half2float(lo[i])) lo[i] = __float2half_rd(k);
         if (k > __half2float(hi[i])) hi[i] = __float2half_ru(k);
       }
+    }
+    if (s.quest8 >= 0) {
+      FoldQuest8(rec, s, lane,
+                 [&](int i) { return LoadAsFloatDevice(ap.keys, s.dtype, base + i); });
     }
     if (lane == 0) {
       rec[s.fro2] += n2;
@@ -170,7 +218,7 @@ absl::Status DeviceSummaryWriter::Launch(const KeyAppend* device_appends, int n,
   const WriterShape s{
       w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers, w.model.num_kv_heads,
       l.fro2,           l.max_norm,         l.count,      l.key_sum,          l.quest_min,
-      l.quest_max,      l.principal,        key_dtype};
+      l.quest_max,      l.principal,        l.quest8,     key_dtype};
   AppendKernel<<<(n + 7) / 8, 256, 0, stream>>>(s, device_appends, n, w.phi.get(), bad, skipped);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();

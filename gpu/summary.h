@@ -3,9 +3,10 @@
 //
 // One warp per append: it checks the append's keys, then folds them in order
 // into the record (y = Φᵀk, G += y yᵀ packed, fro2, max_norm, count, key sum,
-// quest min/max in binary16 rounded outward, as core/ stores them) and clears a principal pair (a
-// later Seal on the host or the core writer refits it). Sums run in another order than core/'s, so
-// results match it to float rounding, not bit for bit.
+// quest min/max in binary16 rounded outward, as core/ stores them; quest8's codes and scale) and
+// clears a principal pair (a later Seal on the host or the core writer refits it). Sums run in
+// another order than core/'s, so results match it to float rounding, not bit for bit; the quest
+// and quest8 parts match bit for bit.
 //
 // Thread safety: appends of one call must target distinct records (checked);
 // calls on one stream are ordered.

@@ -214,7 +214,7 @@ TEST_F(SummaryTest, Quest8AloneTakesKeysBeyondTheHalfRange) {
   writer.Reset(record);
   ASSERT_TRUE(writer.Append(record, 1, 0, {keys.data(), DType::kFloat32, 2, d}).ok());
   const SummaryLayout& s = writer.layout();
-  EXPECT_EQ(Quest8Scale(record, s), 1024.0f);  // 127·512 < 70000 <= 127·1024
+  EXPECT_EQ(Quest8Scale(record, s), 1024.0f);   // 127·512 < 70000 <= 127·1024
   EXPECT_EQ(Quest8MinCode(record, s, 3), -69);  // floor(-70000 / 1024)
   EXPECT_EQ(Quest8MaxCode(record, s, 3), 1);    // ceil(1 / 1024)
   EXPECT_EQ(Quest8MinCode(record, s, 4), 0);

@@ -23,7 +23,7 @@ ModelLayout Model() {
   m.num_kv_heads = 2;
   m.head_dim = 128;
   m.phi_seed = 5;
-  m.features = {.key_sum = true, .principal = true, .quest = true};
+  m.features = {.key_sum = true, .principal = true, .quest = true, .quest8 = true};
   return m;
 }
 
@@ -56,7 +56,9 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
     std::vector<gpu::KeyAppend> appends;
     for (int r = 0; r < records; ++r) {
       const int64_t count = round == 0 ? 1 + static_cast<int64_t>(rng() % 128) : 1;
-      wide[r] = testing::GaussianVector(rng, count * 128, 1.0f + r % 3);
+      // Decode keys 300 times larger on odd records: quest8's scale grows, its codes requantize.
+      const float grow = round == 1 && r % 2 == 1 ? 300.0f : 1.0f;
+      wide[r] = testing::GaussianVector(rng, count * 128, grow * (1.0f + r % 3));
       const void* src = wide[r].data();
       size_t bytes = wide[r].size() * 4;
       if (dtype != DType::kFloat32) {
@@ -100,6 +102,14 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
           << "record " << r;
       ASSERT_EQ(QuestMax(have_record, layout, i), QuestMax(want_record, layout, i))
           << "record " << r;
+    }
+    // quest8: every step exact (a power-of-two scale), so bit for bit.
+    ASSERT_EQ(Quest8Scale(have_record, layout), Quest8Scale(want_record, layout)) << "record " << r;
+    for (int i = 0; i < m.head_dim; ++i) {
+      ASSERT_EQ(Quest8MinCode(have_record, layout, i), Quest8MinCode(want_record, layout, i))
+          << "record " << r << " channel " << i;
+      ASSERT_EQ(Quest8MaxCode(have_record, layout, i), Quest8MaxCode(want_record, layout, i))
+          << "record " << r << " channel " << i;
     }
     EXPECT_EQ(have[layout.principal + 2], 0.0f) << "appends clear the principal pair";
   }

@@ -13,8 +13,9 @@ torch = pytest.importorskip("torch")
 from eps_client.torch_writer import TorchSummaryWriter  # noqa: E402
 
 
-@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(key_sum=True,
-                                                                         quest=False)])
+@pytest.mark.parametrize("features", [SummaryFeatures(),
+                                      SummaryFeatures(key_sum=True, quest=False),
+                                      SummaryFeatures(quest8=True)])
 def test_records_match_the_numpy_writer(rng, features):
     model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32,
                         phi_seed=int(rng.integers(0, 1 << 63)), features=features)
@@ -35,7 +36,34 @@ def test_records_match_the_numpy_writer(rng, features):
     if lay.quest_min >= 0:  # float16 min and max of the same floats, rounded alike: exact
         span = slice(lay.quest_min, lay.quest_min + model.head_dim)
         np.testing.assert_array_equal(got[..., span], expected[..., span])
+    if lay.quest8 >= 0:  # codes and scale do not depend on the order of the keys: exact
+        span = slice(lay.quest8, lay.quest8 + model.head_dim // 2 + 1)
+        np.testing.assert_array_equal(got[..., span], expected[..., span])
     np.testing.assert_array_equal(writer.phi.numpy(), ref.phi)
+
+
+def test_quest8_over_several_calls_equals_the_numpy_writer(rng):
+    # Keys growing over calls (the scale steps up and the codes are requantized), zero keys,
+    # several keys of a record in one call.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        phi_seed=int(rng.integers(0, 1 << 63)),
+                        features=SummaryFeatures(key_sum=False, quest=False, quest8=True))
+    ref = SummaryWriter(model)
+    expected = np.zeros((4, 1, 2, ref.layout.record_words), np.float32)
+    ref.reset(expected)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(expected.shape)
+    writer.reset(pool, torch.arange(4))
+    for call in range(12):
+        n = int(rng.integers(1, 9))
+        slots = rng.integers(0, 4, n)
+        keys = rng.standard_normal((n, 2, 64)).astype(np.float32) * np.float32(10.0 ** (call - 4))
+        keys[rng.random(n) < 0.2] = 0.0
+        ref.append(expected, 0, slots, keys)
+        writer.append(pool, 0, torch.from_numpy(slots), torch.from_numpy(keys))
+    lay = ref.layout
+    span = slice(lay.quest8, lay.quest8 + model.head_dim // 2 + 1)
+    np.testing.assert_array_equal(pool.numpy()[..., span], expected[..., span])
 
 
 def test_wrong_pool_shape_is_rejected():
