@@ -26,7 +26,7 @@ namespace eps::gpu {
 
 // Word offsets of the record parts (core SummaryLayout); -1 marks an absent part.
 struct RecordOffsets {
-  int d, packed, fro2, max_norm, count, key_sum, quest_min, quest_max, principal;
+  int d, packed, fro2, max_norm, count, key_sum, quest_min, quest_max, principal, quest8;
 };
 
 // One query head's terms: packed z zᵀ with doubled off-diagonal (in shared
@@ -115,11 +115,11 @@ struct HeadSums {
   float principal[kHeadBatch];  // u1·q (1pc, strict with a principal pair)
   float quest[kHeadBatch];      // quest channel sum (quest, strict with the quest part)
   float key_sum[kHeadBatch];    // q·Σk (strict with key_sum)
-  float centre[kHeadBatch];     // questclt: Σ_j q_j (min_j + max_j) / 2
-  float spread[kHeadBatch];     // questclt: Σ_j (q_j (max_j − min_j) / 2)²
+  float centre[kHeadBatch];     // questclt: Σ_j q_j (min_j + max_j) / 2 (quest8: in codes)
+  float spread[kHeadBatch];     // questclt: Σ_j (q_j (max_j − min_j) / 2)² (quest8: in codes)
 };
 
-// core QuestCltScore from its two sums; fro without the quest part.
+// core QuestCltScore from its two sums over the quest part; fro without it.
 __device__ inline float QuestCltScore(const float* rec, const RecordOffsets& o, const HeadQuery& h,
                                       float centre, float spread) {
   if (o.quest_min < 0) return FroBound(rec, o, h);
@@ -127,8 +127,18 @@ __device__ inline float QuestCltScore(const float* rec, const RecordOffsets& o, 
   return centre + sqrtf(spread);
 }
 
+// core QuestCltScore of a record with the quest8 part, from its two sums over
+// the part's codes: the record's scale applies here.
+__device__ inline float QuestClt8Score(const float* rec, const RecordOffsets& o, float centre,
+                                       float spread) {
+  if (rec[o.count] <= 0.0f) return -INFINITY;  // no keys
+  const float scale = rec[o.quest8 + o.d / 2];
+  return scale * centre + scale * sqrtf(spread);
+}
+
 // core Score(): kOff scores 0. `r` is the head's index in the batch of `sums`.
-template <Method kMethod, int kM>
+// kQuest8: questclt's sums ran over the quest8 part (the records hold one).
+template <Method kMethod, int kM, bool kQuest8 = false>
 __device__ inline float Score(const float* rec, const float* gram, const RecordOffsets& o,
                               const HeadQuery& h, const HeadSums& sums, int r) {
   if constexpr (kMethod == Method::kJl) {
@@ -139,6 +149,8 @@ __device__ inline float Score(const float* rec, const float* gram, const RecordO
     return FroBound(rec, o, h);
   } else if constexpr (kMethod == Method::kQuest) {
     return QuestBound(rec, o, h, sums.quest[r]);
+  } else if constexpr (kMethod == Method::kQuestClt && kQuest8) {
+    return QuestClt8Score(rec, o, sums.centre[r], sums.spread[r]);
   } else if constexpr (kMethod == Method::kQuestClt) {
     return QuestCltScore(rec, o, h, sums.centre[r], sums.spread[r]);
   } else {

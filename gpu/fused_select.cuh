@@ -82,7 +82,7 @@ __device__ inline int DecideListWrite(const SelectArgs& a) {
   return kWriteList;
 }
 
-template <Method kMethod, int kM, int kHeads = kHeadBatch>
+template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>
 __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, false, kHeads>))
     FusedSelectKernel(Shape s, ScoreArgs score, SelectRule rule, SelectArgs a, FusedArgs f) {
   constexpr bool kStaged = kMethod == Method::kJl && kM > 0;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
   if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
 
   // 1. Scores into shared memory [ratio, kScoreThreads].
-  ScoreGroups<kMethod, kM, false, kHeads, true>(s, score, shared, scores_of());
+  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of());
   __syncthreads();
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;

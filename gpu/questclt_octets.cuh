@@ -17,7 +17,14 @@
 // scoring block); the (record, head) sums are added over the octet's 8 lanes
 // only (3 shuffle levels) and handed to the lane that owns the record.
 //
-// Requires the quest part on a 16-byte boundary (core/layout.h puts it there).
+// kQuest8: the sums run over the quest8 part's int8 codes instead (in code
+// units; QuestCltScore applies the record's scale). Lane j then copies 8 bytes
+// of minima and the 8 bytes of maxima of the same channels 8c … 8c + 7 into
+// the two halves of one 16-byte slot: half the bytes, the same channels and
+// query terms per lane.
+//
+// Requires the quest part (and quest8) on a 16-byte boundary (core/layout.h
+// puts them there).
 // The sums run in another order than core/'s and than the general path's: a
 // float rounding apart, as the general path is from core/.
 #pragma once
@@ -77,13 +84,13 @@ __device__ __forceinline__ void OctetTransposeSum(float (&v)[kValues], int lane,
 // at OctetQueryIndex (`heads` of the kHeads real); `ring`: the warp's OctetRingWarpWords(kD) words,
 // 16-byte aligned. Every lane of the warp must call it; sums.centre and sums.spread [0, kHeads)
 // receive the lane's own record's sums.
-template <int kD, int kHeads>
+template <int kD, int kHeads, bool kQuest8 = false>
 __device__ inline void QuestCltSumsOctets(const float* rec, const RecordOffsets& o, const float* qc,
                                           const float* qs, int heads, HeadSums& sums, int lane,
                                           float* ring) {
   static_assert(HasOctetPath(kD) && (kHeads == 4 || kHeads == 8));
   constexpr int kChunks = kD / 64;     // chunks of minima (and of maxima) per lane
-  constexpr int kSlot = 2 * kChunks;   // chunks a lane copies per pass
+  constexpr int kSlot = kQuest8 ? kChunks : 2 * kChunks;  // 16-byte slots a lane fills per pass
   constexpr int kValues = 2 * kHeads;  // centre then spread, per head
   constexpr int kHeld = kValues / 8;   // totals a lane holds after the octet's sum
   unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
@@ -109,8 +116,16 @@ __device__ inline void QuestCltSumsOctets(const float* rec, const RecordOffsets&
       if (src >= 0) {
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-          __pipeline_memcpy_async(slot + c * 32, r + o.quest_min + 4 * (j + 8 * c), 16);
-          __pipeline_memcpy_async(slot + (kChunks + c) * 32, r + o.quest_max + 4 * (j + 8 * c), 16);
+          if constexpr (kQuest8) {  // channels 8(j + 8c) …: bytes of the min run, of the max run
+            const char* codes = reinterpret_cast<const char*>(r + o.quest8) + 8 * (j + 8 * c);
+            char* dst = reinterpret_cast<char*>(slot + c * 32);
+            __pipeline_memcpy_async(dst, codes, 8);
+            __pipeline_memcpy_async(dst + 8, codes + kD, 8);
+          } else {
+            __pipeline_memcpy_async(slot + c * 32, r + o.quest_min + 4 * (j + 8 * c), 16);
+            __pipeline_memcpy_async(slot + (kChunks + c) * 32, r + o.quest_max + 4 * (j + 8 * c),
+                                    16);
+          }
         }
       }
       queue |= (static_cast<unsigned>(mine + 1) | (src >= 0 ? 0x80u : 0u)) << (8 * queued);
@@ -132,18 +147,30 @@ __device__ inline void QuestCltSumsOctets(const float* rec, const RecordOffsets&
       const float4* slot = slots + (done % kOctetStages) * kSlot * 32 + lane;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        const float4 lo4 = slot[c * 32], hi4 = slot[(kChunks + c) * 32];
-        const __half2* lo = reinterpret_cast<const __half2*>(&lo4);
-        const __half2* hi = reinterpret_cast<const __half2*>(&hi4);
         float sum[8], width2[8];
+        if constexpr (kQuest8) {
+          const float4 both = slot[c * 32];
+          const int8_t* lo = reinterpret_cast<const int8_t*>(&both);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 l = __half22float2(lo[i]), u = __half22float2(hi[i]);
-          sum[2 * i] = l.x + u.x;
-          sum[2 * i + 1] = l.y + u.y;
-          const float dx = u.x - l.x, dy = u.y - l.y;
-          width2[2 * i] = dx * dx;
-          width2[2 * i + 1] = dy * dy;
+          for (int i = 0; i < 8; ++i) {
+            const int l = lo[i], u = lo[8 + i];
+            sum[i] = static_cast<float>(l + u);
+            const float w = static_cast<float>(u - l);
+            width2[i] = w * w;
+          }
+        } else {
+          const float4 lo4 = slot[c * 32], hi4 = slot[(kChunks + c) * 32];
+          const __half2* lo = reinterpret_cast<const __half2*>(&lo4);
+          const __half2* hi = reinterpret_cast<const __half2*>(&hi4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 l = __half22float2(lo[i]), u = __half22float2(hi[i]);
+            sum[2 * i] = l.x + u.x;
+            sum[2 * i + 1] = l.y + u.y;
+            const float dx = u.x - l.x, dy = u.y - l.y;
+            width2[2 * i] = dx * dx;
+            width2[2 * i + 1] = dy * dy;
+          }
         }
         const int channel = OctetQueryIndex(8 * (j + 8 * c));
 #pragma unroll

@@ -78,15 +78,19 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
 // writing them to a.scores; the same bits either way. kOctetD (64, 128 or 256:
 // the model's d): questclt takes its sums an octet of lanes per record
-// (gpu/questclt_octets.cuh), a float rounding from the general path. A
+// (gpu/questclt_octets.cuh), a float rounding from the general path.
+// kQuest8: questclt reads the quest8 part (the records hold one), on either
+// path. A
 // thread without a group (or with a bad slot) writes none. Returns early, so
 // the caller syncs the block before reading the scores.
-template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0>
+template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0,
+          bool kQuest8 = false>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
                                             float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
   static_assert(kOctetD == 0 || (kMethod == Method::kQuestClt && !kStrict && HasOctetPath(kOctetD)),
                 "the octet path is questclt's");
+  static_assert(!kQuest8 || (kMethod == Method::kQuestClt && !kStrict), "quest8 is questclt's");
   constexpr bool kOctets = kOctetD > 0;
   // quest, questclt and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
@@ -213,15 +217,15 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       } else if constexpr (kMethod == Method::kOnePc) {
         if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
       } else if constexpr (kMethod == Method::kQuestClt) {
-        if (o.quest_min >= 0) {
-          if constexpr (kOctets) {
-            constexpr int kStride = OctetQueryStride(kOctetD);
-            QuestCltSumsOctets<kOctetD, kHeads>(rec, o, q_sh + r0 * kStride,
-                                                q_sh + (ratio + r0) * kStride, heads, sums, lane,
-                                                stage + warp * OctetRingWarpWords(kOctetD));
-          } else {
-            QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
-          }
+        if constexpr (kOctets) {
+          constexpr int kStride = OctetQueryStride(kOctetD);
+          QuestCltSumsOctets<kOctetD, kHeads, kQuest8>(
+              rec, o, q_sh + r0 * kStride, q_sh + (ratio + r0) * kStride, heads, sums, lane,
+              stage + warp * OctetRingWarpWords(kOctetD));
+        } else if constexpr (kQuest8) {
+          QuestClt8SumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+        } else if (o.quest_min >= 0) {
+          QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
         }
         if (!active) continue;
       }
@@ -240,7 +244,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
           bad = isnan(b.lower) || isnan(b.upper);
         } else {
           const float score =
-              Score<kMethod, kM>(rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
+              Score<kMethod, kM, kQuest8>(rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
           if constexpr (kFused) {
             fused_scores[r * kScoreThreads + threadIdx.x] = score;
           } else {
@@ -256,13 +260,14 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
 
 // kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
 // the other methods take kHeadBatch per pass.
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0,
+          bool kQuest8 = false>
 __global__ void __launch_bounds__(kScoreThreads,
                                   (kOctetD > 0 ? (kHeads <= 4 ? 2 : 1)
                                                : kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
     ScoreKernel(Shape s, ScoreArgs a) {
   extern __shared__ __align__(16) float shared[];
-  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kOctetD>(s, a, shared, nullptr);
+  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kOctetD, kQuest8>(s, a, shared, nullptr);
 }
 
 }  // namespace eps::gpu::kernels

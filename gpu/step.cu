@@ -282,8 +282,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   s.block_size = m.block_size;
   s.group_blocks = m.group_blocks;
   const SummaryLayout& l = g.layout;
-  s.record = {m.head_dim, l.gram_words, l.fro2,      l.max_norm, l.count,
-              l.key_sum,  l.quest_min,  l.quest_max, l.principal};
+  s.record = {m.head_dim, l.gram_words, l.fro2,      l.max_norm,  l.count,
+              l.key_sum,  l.quest_min,  l.quest_max, l.principal, l.quest8};
   s.max_batch = in.max_batch;
   s.max_seqs = in.max_seqs;
   s.max_groups = in.max_groups;
@@ -319,11 +319,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
   const bool staged = StagesRecords(policy.method, m.sketch_dim, strict) &&
                       ScoreSharedBytes(m, true) <= static_cast<size_t>(g.max_shared);
-  const bool octets = TakesOctetPath(policy.method, strict, m.head_dim, g.layout.quest_min) &&
+  const bool octets = TakesOctetPath(policy.method, strict, m.head_dim, g.layout) &&
                       !g.options.register_sums &&
                       ScoreSharedBytes(m, false, true) <= static_cast<size_t>(g.max_shared);
   launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio(), staged,
-                                       octets, m.head_dim);
+                                       octets, m.head_dim, g.layout.quest8 >= 0);
   launch.score_grid =
       dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
@@ -339,7 +339,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const size_t fused_shared =  // its scoring takes questclt's general path: no ring
       ScoreSharedBytes(m, staged) + sizeof(float) * FusedSharedWords(m.gqa_ratio());
   // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
-  const void* fused_kernel = FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged);
+  const void* fused_kernel =
+      FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged, g.layout.quest8 >= 0);
   if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
       fused_kernel != nullptr && max_n <= kScoreThreads &&
       fused_shared <= static_cast<size_t>(g.max_shared)) {

@@ -26,9 +26,11 @@ inline const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
     SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
 
-template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0>
+template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0,
+          bool kQuest8 = false>
 const void* ScoreKernelOf() {
-  return reinterpret_cast<const void*>(&ScoreKernel<kMethod, kM, kStrict, kHeads, kOctetD>);
+  return reinterpret_cast<const void*>(
+      &ScoreKernel<kMethod, kM, kStrict, kHeads, kOctetD, kQuest8>);
 }
 inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>(),
                                             ScoreKernelOf<Method::kJl, 8, false>(),
@@ -46,20 +48,29 @@ inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>(),
                                             ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 0, true>(),
+                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 0, true>(),
                                             ScoreKernelOf<Method::kOff, 0, false>(),
                                             ScoreKernelOf<Method::kOff, 0, true, 4>(),
                                             ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
-template <Method kMethod, int kM, int kHeads = kHeadBatch>
+template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>
 const void* FusedKernelOf() {
-  return reinterpret_cast<const void*>(&FusedSelectKernel<kMethod, kM, kHeads>);
+  return reinterpret_cast<const void*>(&FusedSelectKernel<kMethod, kM, kHeads, kQuest8>);
 }
 inline const void* const kFusedKernels[] = {
     FusedKernelOf<Method::kJl, 4>(),          FusedKernelOf<Method::kJl, 8>(),
     FusedKernelOf<Method::kJl, 16>(),         FusedKernelOf<Method::kJl, 0>(),
     FusedKernelOf<Method::kOnePc, 0>(),       FusedKernelOf<Method::kFro, 0>(),
     FusedKernelOf<Method::kQuest, 0, 4>(),    FusedKernelOf<Method::kQuest, 0, 8>(),
-    FusedKernelOf<Method::kQuestClt, 0, 4>(), FusedKernelOf<Method::kQuestClt, 0, 8>()};
+    FusedKernelOf<Method::kQuestClt, 0, 4>(), FusedKernelOf<Method::kQuestClt, 0, 8>(),
+    FusedKernelOf<Method::kQuestClt, 0, 4, true>(), FusedKernelOf<Method::kQuestClt, 0, 8, true>()};
 
 template <int kM>
 const void* TermsKernelOf() {
@@ -92,12 +103,13 @@ inline bool StagesRecords(Method method, int m, bool strict) {
   return method == Method::kJl && !strict && (m == 4 || m == 8 || m == 16);
 }
 // questclt takes its sums an octet of lanes per record (questclt_octets.cuh)
-// for d of 64, 128 or 256 with its quest part on a 16-byte boundary (as
-// core/layout.h places it), when its ring fits beside the query terms; else
-// the general path reads each record's words into registers (warp_sums.cuh).
-inline bool TakesOctetPath(Method method, bool strict, int d, int quest_min) {
-  return method == Method::kQuestClt && !strict && HasOctetPath(d) && quest_min >= 0 &&
-         quest_min % 4 == 0;
+// for d of 64, 128 or 256 with the part it reads (quest8 where the records
+// hold it, else quest) on a 16-byte boundary (as core/layout.h places both),
+// when its ring fits beside the query terms; else the general path reads each
+// record's words into registers (warp_sums.cuh).
+inline bool TakesOctetPath(Method method, bool strict, int d, const SummaryLayout& layout) {
+  const int part = layout.quest8 >= 0 ? layout.quest8 : layout.quest_min;
+  return method == Method::kQuestClt && !strict && HasOctetPath(d) && part >= 0 && part % 4 == 0;
 }
 
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
@@ -105,9 +117,9 @@ inline bool TakesOctetPath(Method method, bool strict, int d, int quest_min) {
 // whatever the method. quest, questclt and strict read their sums for 4 query heads per
 // pass of the warp when a KV head has at most 4 (more records per pass), else 8;
 // `octets`: questclt takes the octet path (TakesOctetPath and its ring fits) for head
-// dimension d.
+// dimension d, over the quest8 part's codes with `quest8`.
 inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, bool staged,
-                                  bool octets, int d) {
+                                  bool octets, int d, bool quest8) {
   const bool four = ratio <= 4;
   if (method == Method::kOff) return ScoreKernelOf<Method::kOff, 0, false>();
   if (strict) {
@@ -138,17 +150,33 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
       if (octets) {
         switch (d) {
           case 64:
+            if (quest8) {
+              return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64, true>()
+                          : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64, true>();
+            }
             return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>()
                         : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>();
           case 128:
+            if (quest8) {
+              return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128, true>()
+                          : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128, true>();
+            }
             return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>()
                         : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>();
           case 256:
+            if (quest8) {
+              return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256, true>()
+                          : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256, true>();
+            }
             return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>()
                         : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>();
           default:
             break;
         }
+      }
+      if (quest8) {
+        return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 0, true>()
+                    : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 0, true>();
       }
       return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4>()
                   : ScoreKernelOf<Method::kQuestClt, 0, false, 8>();
@@ -160,7 +188,7 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
 
 // The fused scoring-and-selection kernel (fused_select.cuh) for a method that
 // scores, chosen as ScoreKernelFor chooses.
-inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged) {
+inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged, bool quest8) {
   const bool four = ratio <= 4;
   switch (method) {
     case Method::kJl:
@@ -182,6 +210,10 @@ inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged) 
     case Method::kQuest:
       return four ? FusedKernelOf<Method::kQuest, 0, 4>() : FusedKernelOf<Method::kQuest, 0, 8>();
     case Method::kQuestClt:
+      if (quest8) {
+        return four ? FusedKernelOf<Method::kQuestClt, 0, 4, true>()
+                    : FusedKernelOf<Method::kQuestClt, 0, 8, true>();
+      }
       return four ? FusedKernelOf<Method::kQuestClt, 0, 4>()
                   : FusedKernelOf<Method::kQuestClt, 0, 8>();
     case Method::kOff:

@@ -315,6 +315,63 @@ __device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o
   }
 }
 
+// Code c (0-3) of a word of four int8 codes, lowest byte first, sign-extended
+// (the word stays one register: a char4 would take four).
+__device__ __forceinline__ int Code(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
+
+// questclt's two sums over the quest8 part's codes (core/layout.h: d/4 words
+// of four int8 minima, then d/4 of maxima), as QuestCltSumsWarp: lane l reads
+// minimum word w and maximum word w (channels 4w … 4w + 3) for w = l, l + 32,
+// …; `q` [heads, d] holds the widened queries. The sums are in code units:
+// QuestCltScore applies the record's scale.
+template <int kHeads>
+__device__ inline void QuestClt8SumsWarp(const float* rec, const RecordOffsets& o, const float* q,
+                                         int heads, HeadSums& sums, int lane) {
+  constexpr int kRecords = kWarpRecords<kHeads, true>;
+  unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
+  const auto address = reinterpret_cast<unsigned long long>(rec);
+  const int quarter = o.d / 4;
+  while (pending != 0) {
+    const WarpPass<kRecords> pass = NextWarpPass<kRecords>(pending, address, lane);
+    float centre[kRecords * kHeads] = {}, spread[kRecords * kHeads] = {};
+    for (int w0 = 0; w0 < quarter; w0 += 128) {
+      int lo[kRecords][4], hi[kRecords][4];  // zero past the part: adds 0
+      LoadPartWords(pass, o.quest8, quarter, w0, lane, lo);
+      LoadPartWords(pass, o.quest8 + quarter, quarter, w0, lane, hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int w = min(w0 + 32 * j + lane, quarter - 1);
+        // A channel at a time: two floats per record live, not eight (no spills at 4 heads).
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float sum[kRecords], width2[kRecords];
+#pragma unroll
+          for (int k = 0; k < kRecords; ++k) {
+            const int l = Code(lo[k][j], c), u = Code(hi[k][j], c);
+            sum[k] = static_cast<float>(l + u);
+            const float dw = static_cast<float>(u - l);
+            width2[k] = dw * dw;
+          }
+#pragma unroll
+          for (int r = 0; r < kHeads; ++r) {
+            const float half = 0.5f * q[(r < heads ? r : 0) * o.d + 4 * w + c];
+            const float quarter_q2 = half * half;
+#pragma unroll
+            for (int k = 0; k < kRecords; ++k) {
+              float& a = centre[k * kHeads + r];
+              a = fmaf(half, sum[k], a);
+              float& b = spread[k * kHeads + r];
+              b = fmaf(quarter_q2, width2[k], b);
+            }
+          }
+        }
+      }
+    }
+    DealSums<kRecords, kHeads>(centre, pass.mine, sums.centre, lane);
+    DealSums<kRecords, kHeads>(spread, pass.mine, sums.spread, lane);
+  }
+}
+
 // jl's staged record (ScoreKernel with m known): the packed Gram and the three
 // statistics, rounded up to 16 bytes ...
 constexpr int StagedWords(int m) { return (m * (m + 1) / 2 + 3 + 3) / 4 * 4; }

@@ -78,6 +78,7 @@ struct GpuCase {
   // > 0: runs of `tied` consecutive groups of a row share one record (every
   // full group takes its run's first record), so scores tie exactly.
   int tied = 0;
+  bool quest8 = false;  // the records hold the quest8 part too (questclt reads it)
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -88,8 +89,9 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   const uint64_t seed = testing::TestSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));
   std::mt19937_64 rng(seed);
-  const ModelLayout m =
+  ModelLayout m =
       testing::RandomModel(3, c.q_heads, c.kv_heads, c.d, c.group_blocks, c.sketch_dim, rng);
+  m.features.quest8 = c.quest8;
   auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
   auto reference = PageSelector::Create(m, *phi);
   SummaryWriter writer(m, *phi);
@@ -223,6 +225,7 @@ std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
   if (c.budget != Budget::kThreshold) name += std::string("_") + BudgetName(c.budget);
   if (c.strict) name += "_strict";
   if (c.tied > 0) name += "_tied" + std::to_string(c.tied);
+  if (c.quest8) name += "_quest8";
   if (c.budget == Budget::kMass) {
     // e.g. _p099_t05_min24_max0: target 0.99, τ 0.5
     auto digits = [](float x) {
@@ -288,6 +291,35 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass},
         GpuCase{
             Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, false, {}, 3}),
+    CaseName);
+
+// questclt over the quest8 part (the records also hold the 16-bit part, which
+// quest and strict keep reading): the octet path (d 64, 128, 256; g = 1 and the
+// fixed and mass budgets, whose rows exceed or bypass the fused kernel) and the
+// general one, the fused kernel (threshold, up to 256 groups), passes of 4 and
+// 8 heads, one head, and d = 96 (general path only).
+constexpr MassCase kNoMass = {};
+INSTANTIATE_TEST_SUITE_P(
+    Quest8, GpuStepTest,
+    ::testing::Values(
+        GpuCase{Method::kQuestClt, 128, 32, 8, 1, false, 8, kUnion, Budget::kThreshold, false,
+                kNoMass, 0, true},
+        GpuCase{Method::kQuestClt, 64, 4, 4, 1, false, 8, kPerKvHead, Budget::kFixed, false,
+                kNoMass, 0, true},
+        GpuCase{Method::kQuestClt, 256, 16, 2, 1, true, 8, kUnion, Budget::kThreshold, false,
+                kNoMass, 0, true},
+        GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, false,
+                kNoMass, 0, true},
+        GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass, false,
+                kNoMass, 0, true},
+        GpuCase{Method::kQuestClt, 96, 9, 3, 1, false, 8, kUnion, Budget::kFixed, false, kNoMass,
+                0, true},
+        GpuCase{Method::kQuestClt, 64, 8, 8, 1, false, 4, kUnion, Budget::kThreshold, false,
+                kNoMass, 3, true},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, false,
+                kNoMass, 0, true},
+        GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, true,
+                kNoMass, 0, true}),
     CaseName);
 
 INSTANTIATE_TEST_SUITE_P(
