@@ -326,13 +326,20 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
     eps::SelectPolicy p;
     p.top_pages = top_pages_per_head;
-    if (!f.quest) p.method = eps::Method::kJl;  // the default method (questclt) needs quest's part
+    // The default method (questclt) needs a quest part.
+    if (!f.quest && !f.quest8) p.method = eps::Method::kJl;
     edit(p);
     cases.push_back({name, f, p});
   };
   const eps::SummaryFeatures minimal{.key_sum = false, .principal = false, .quest = false};
   const eps::SummaryFeatures quest{.key_sum = false, .principal = false, .quest = true};
   const eps::SummaryFeatures bracket{.key_sum = true, .principal = false, .quest = true};
+  const eps::SummaryFeatures quest8{
+      .key_sum = false, .principal = false, .quest = true, .quest8 = true};
+  const eps::SummaryFeatures quest8_only{
+      .key_sum = false, .principal = false, .quest = false, .quest8 = true};
+  const eps::SummaryFeatures bracket8{
+      .key_sum = true, .principal = false, .quest = true, .quest8 = true};
   add("jl threshold", minimal, [](eps::SelectPolicy&) {});
   add("jl threshold per_kv_head", minimal,
       [](eps::SelectPolicy& p) { p.granularity = eps::Granularity::kPerKvHead; });
@@ -355,6 +362,16 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   // The reference engine's record (key_sum and quest: 1,184 bytes at d = 128).
   add("questclt threshold key_sum", bracket,
       [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
+  // questclt over the quest8 part (2·d + 4 of the record's bytes instead of 4·d).
+  add("questclt threshold quest8", quest8,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
+  add("questclt threshold quest8 (registers)", quest8,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
+  cases.back().options.register_sums = true;
+  add("questclt threshold quest8 only", quest8_only,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
+  add("questclt threshold key_sum quest8", bracket8,
+      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
   add("quest mass 0.95", quest, [](eps::SelectPolicy& p) {
     p.method = eps::Method::kQuest;
     p.budget = eps::Budget::kMass;
@@ -362,7 +379,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
   std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
               static_cast<long long>(context));
-  std::printf("%-28s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
+  std::printf("%-38s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
               "copy_us", "%copy", "visited%");
   for (const PolicyCase& c : cases) {
     if (!policy_names.empty() &&
@@ -387,7 +404,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
     const double us = Median(gpu_us);
     const double bytes = static_cast<double>(stats.summary_bytes_read);
     const double copy_us = bytes / (copy_gbs * 1e9) * 1e6;
-    std::printf("%-28s %8lld %10.1f %9.1f %9.1f %7.1f%% %8.1f%%\n", c.name,
+    std::printf("%-38s %8lld %10.1f %9.1f %9.1f %7.1f%% %8.1f%%\n", c.name,
                 static_cast<long long>(eps::SummaryLayout::For(m).record_bytes()), bytes / 1e6, us,
                 copy_us, 100.0 * copy_us / us, 100.0 * stats.groups_visited / stats.groups_total);
     std::fflush(stdout);

@@ -89,10 +89,10 @@ __device__ inline void QuestCltSumsOctets(const float* rec, const RecordOffsets&
                                           const float* qs, int heads, HeadSums& sums, int lane,
                                           float* ring) {
   static_assert(HasOctetPath(kD) && (kHeads == 4 || kHeads == 8));
-  constexpr int kChunks = kD / 64;     // chunks of minima (and of maxima) per lane
+  constexpr int kChunks = kD / 64;  // chunks of minima (and of maxima) per lane
   constexpr int kSlot = kQuest8 ? kChunks : 2 * kChunks;  // 16-byte slots a lane fills per pass
-  constexpr int kValues = 2 * kHeads;  // centre then spread, per head
-  constexpr int kHeld = kValues / 8;   // totals a lane holds after the octet's sum
+  constexpr int kValues = 2 * kHeads;                     // centre then spread, per head
+  constexpr int kHeld = kValues / 8;  // totals a lane holds after the octet's sum
   unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
   const auto address = reinterpret_cast<unsigned long long>(rec);
   const int octet = lane / 8, j = lane % 8;

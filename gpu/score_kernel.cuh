@@ -243,8 +243,8 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
           a.uppers[out] = b.upper;
           bad = isnan(b.lower) || isnan(b.upper);
         } else {
-          const float score =
-              Score<kMethod, kM, kQuest8>(rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
+          const float score = Score<kMethod, kM, kQuest8>(rec, reinterpret_cast<const float*>(gram),
+                                                          o, hq, sums, rr);
           if constexpr (kFused) {
             fused_scores[r * kScoreThreads + threadIdx.x] = score;
           } else {

@@ -32,45 +32,51 @@ const void* ScoreKernelOf() {
   return reinterpret_cast<const void*>(
       &ScoreKernel<kMethod, kM, kStrict, kHeads, kOctetD, kQuest8>);
 }
-inline const void* const kScoreKernels[] = {ScoreKernelOf<Method::kJl, 4, false>(),
-                                            ScoreKernelOf<Method::kJl, 8, false>(),
-                                            ScoreKernelOf<Method::kJl, 16, false>(),
-                                            ScoreKernelOf<Method::kJl, 0, false>(),
-                                            ScoreKernelOf<Method::kOnePc, 0, false>(),
-                                            ScoreKernelOf<Method::kFro, 0, false>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 4>(),
-                                            ScoreKernelOf<Method::kQuest, 0, false, 8>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 4, 0, true>(),
-                                            ScoreKernelOf<Method::kQuestClt, 0, false, 8, 0, true>(),
-                                            ScoreKernelOf<Method::kOff, 0, false>(),
-                                            ScoreKernelOf<Method::kOff, 0, true, 4>(),
-                                            ScoreKernelOf<Method::kOff, 0, true, 8>()};
+inline const void* const kScoreKernels[] = {
+    ScoreKernelOf<Method::kJl, 4, false>(),
+    ScoreKernelOf<Method::kJl, 8, false>(),
+    ScoreKernelOf<Method::kJl, 16, false>(),
+    ScoreKernelOf<Method::kJl, 0, false>(),
+    ScoreKernelOf<Method::kOnePc, 0, false>(),
+    ScoreKernelOf<Method::kFro, 0, false>(),
+    ScoreKernelOf<Method::kQuest, 0, false, 4>(),
+    ScoreKernelOf<Method::kQuest, 0, false, 8>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 4, 0, true>(),
+    ScoreKernelOf<Method::kQuestClt, 0, false, 8, 0, true>(),
+    ScoreKernelOf<Method::kOff, 0, false>(),
+    ScoreKernelOf<Method::kOff, 0, true, 4>(),
+    ScoreKernelOf<Method::kOff, 0, true, 8>()};
 
 template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>
 const void* FusedKernelOf() {
   return reinterpret_cast<const void*>(&FusedSelectKernel<kMethod, kM, kHeads, kQuest8>);
 }
-inline const void* const kFusedKernels[] = {
-    FusedKernelOf<Method::kJl, 4>(),          FusedKernelOf<Method::kJl, 8>(),
-    FusedKernelOf<Method::kJl, 16>(),         FusedKernelOf<Method::kJl, 0>(),
-    FusedKernelOf<Method::kOnePc, 0>(),       FusedKernelOf<Method::kFro, 0>(),
-    FusedKernelOf<Method::kQuest, 0, 4>(),    FusedKernelOf<Method::kQuest, 0, 8>(),
-    FusedKernelOf<Method::kQuestClt, 0, 4>(), FusedKernelOf<Method::kQuestClt, 0, 8>(),
-    FusedKernelOf<Method::kQuestClt, 0, 4, true>(), FusedKernelOf<Method::kQuestClt, 0, 8, true>()};
+inline const void* const kFusedKernels[] = {FusedKernelOf<Method::kJl, 4>(),
+                                            FusedKernelOf<Method::kJl, 8>(),
+                                            FusedKernelOf<Method::kJl, 16>(),
+                                            FusedKernelOf<Method::kJl, 0>(),
+                                            FusedKernelOf<Method::kOnePc, 0>(),
+                                            FusedKernelOf<Method::kFro, 0>(),
+                                            FusedKernelOf<Method::kQuest, 0, 4>(),
+                                            FusedKernelOf<Method::kQuest, 0, 8>(),
+                                            FusedKernelOf<Method::kQuestClt, 0, 4>(),
+                                            FusedKernelOf<Method::kQuestClt, 0, 8>(),
+                                            FusedKernelOf<Method::kQuestClt, 0, 4, true>(),
+                                            FusedKernelOf<Method::kQuestClt, 0, 8, true>()};
 
 template <int kM>
 const void* TermsKernelOf() {

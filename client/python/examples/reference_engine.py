@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-blocks", type=int, default=8,
                     help="g (8: the published runs' layout; epsd's default is 2)")
     ap.add_argument("--sketch-dim", type=int, default=8)
+    ap.add_argument("--quest8", action="store_true",
+                    help="records also hold the quest8 part, which questclt then reads")
     ap.add_argument("--passkeys", type=int, default=20)
     ap.add_argument("--deadline-ms", type=float, default=50.0)
     ap.add_argument("--watchdog-ms", type=float, default=200.0)
