@@ -37,7 +37,7 @@ run bench 300 1 "$CARRY/eps_gpu_bench" ${EPS_BENCH_ARGS:-}
 run async_fence_test 120 1 "$CARRY/async_fence_test"
 # The sanitizers on the device-heavy cases (the others repeat them on other shapes);
 # Fused* are the fused selection's (tests/gpu/fused_select_test.cc).
-filter='Methods/*jl_d128_g8:Methods/*quest_d128_g2:Methods/*questclt*:WarpSums/*questclt*:Budgets/*:Mass/*:WarpSums/*quest_d128_g8:WarpSums/*strict:GpuStepGraphTest.*:GpuStepValidationTest.*:Fused*'
+filter='Quest8/*:Methods/*jl_d128_g8:Methods/*quest_d128_g2:Methods/*questclt*:WarpSums/*questclt*:Budgets/*:Mass/*:WarpSums/*quest_d128_g8:WarpSums/*strict:GpuStepGraphTest.*:GpuStepValidationTest.*:Fused*'
 run memcheck 300 6 compute-sanitizer --tool memcheck --error-exitcode 1 "$CARRY/gpu_step_test" \
   --gtest_filter="$filter"
 run racecheck 300 6 compute-sanitizer --tool racecheck --error-exitcode 1 "$CARRY/gpu_step_test" \
