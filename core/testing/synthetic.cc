@@ -208,6 +208,15 @@ void StepBuffers::FillRandomSummaries(uint64_t seed) {
         hi[i] = FloatToHalfUp(uniform(rng));
       }
     }
+    if (layout_.quest8 >= 0) {  // the same range in codes of a scale 1/127
+      int8_t* lo = reinterpret_cast<int8_t*>(rec + layout_.quest8);
+      int8_t* hi = lo + model_.head_dim;
+      for (int i = 0; i < model_.head_dim; ++i) {
+        lo[i] = static_cast<int8_t>(std::floor(-127.0f * uniform(rng)));
+        hi[i] = static_cast<int8_t>(std::ceil(127.0f * uniform(rng)));
+      }
+      rec[layout_.quest8 + model_.head_dim / 2] = 1.0f / 128.0f;
+    }
   }
   for (float& q : queries_) q = uniform(rng) - 0.5f;
 }
