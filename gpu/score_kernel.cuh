@@ -55,7 +55,7 @@ __host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool
                                                    bool octets = false) {
   return static_cast<size_t>(ratio) * (TermWords(m) + 3 * d) +
          (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0) +
-         (octets ? kScoreThreads / 32 * OctetRingWarpWords(d) : 0);
+         (octets ? kScoreThreads / 32 * OctetRingWarpWords() : 0);
 }
 
 // Scoring blocks resident per SM that the compiler must allow: the warp-read
@@ -112,8 +112,8 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   const int ratio = s.q_heads / s.kv_heads;
   const int words = TermWords(s.m);
   float* stage = shared;  // [threads, kStride], or the ring [warps, OctetRingWarpWords]
-  float* terms_sh = stage + (kOctets ? kScoreThreads / 32 * OctetRingWarpWords(kOctetD)
-                                     : kScoreThreads * kStride);
+  float* terms_sh =
+      stage + (kOctets ? kScoreThreads / 32 * OctetRingWarpWords() : kScoreThreads * kStride);
   float* q_sh = terms_sh + ratio * words;                             // [ratio, d]
   float2* qsplit_sh = reinterpret_cast<float2*>(q_sh + ratio * s.d);  // [ratio, d]
   DeviceStatus* status = &a.report->status;
@@ -219,9 +219,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       } else if constexpr (kMethod == Method::kQuestClt) {
         if constexpr (kOctets) {
           constexpr int kStride = OctetQueryStride(kOctetD);
-          QuestCltSumsOctets<kOctetD, kHeads, kQuest8>(
-              rec, o, q_sh + r0 * kStride, q_sh + (ratio + r0) * kStride, heads, sums, lane,
-              stage + warp * OctetRingWarpWords(kOctetD));
+          QuestCltSumsOctets<kOctetD, kHeads, kQuest8>(rec, o, q_sh + r0 * kStride,
+                                                       q_sh + (ratio + r0) * kStride, heads, sums,
+                                                       lane, stage + warp * OctetRingWarpWords());
         } else if constexpr (kQuest8) {
           QuestClt8SumsWarp<kHeads>(rec, o, q, heads, sums, lane);
         } else if (o.quest_min >= 0) {
