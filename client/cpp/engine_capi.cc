@@ -140,6 +140,7 @@ struct EpsEngineWatchdog {
 
 struct EpsSummaryWriter {
   std::unique_ptr<eps::gpu::DeviceSummaryWriter> writer;
+  int32_t record_words = 0;
 };
 
 struct EpsSummaryQueue {
@@ -274,6 +275,7 @@ int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
   model.features.key_sum = m->key_sum != 0;
   model.features.principal = m->principal != 0;
   model.features.quest = m->quest != 0;
+  model.features.quest8 = m->quest8 != 0;
   if (int rc = Report(model.Validate()); rc != 0) return rc;
   auto writer = eps::gpu::DeviceSummaryWriter::Create(model, device);
   if (!writer.ok()) return Report(writer.status());
@@ -287,7 +289,7 @@ int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
   }
   const eps::gpu::KeyAppend warm{scratch.get(), scratch.get() + words, 1, 0, 0, 0};
   if (int rc = Report((*writer)->Append({warm}, eps::DType::kFloat32)); rc != 0) return rc;
-  *out = new EpsSummaryWriter{std::move(*writer)};
+  *out = new EpsSummaryWriter{std::move(*writer), words};
   return 0;
 }
 
@@ -296,6 +298,11 @@ int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, 
   absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
   if (!dtype.ok()) return Report(dtype.status());
   return Report(w->writer->Append(Appends(appends, n), *dtype, Stream(stream)));
+}
+
+int eps_engine_summary_writer_record_words(const EpsSummaryWriter* w, int32_t* out) {
+  *out = w->record_words;
+  return 0;
 }
 
 void eps_engine_summary_writer_destroy(EpsSummaryWriter* w) { delete w; }

@@ -27,13 +27,14 @@
 extern "C" {
 #endif
 
-#define EPS_ENGINE_ABI_VERSION 2
+/* 3: EpsEngineModel gained quest8 (2026-11-26). */
+#define EPS_ENGINE_ABI_VERSION 3
 
 typedef struct EpsEngineModel {
   int32_t num_layers, num_q_heads, num_kv_heads, head_dim;
   int32_t block_size, group_blocks, sketch_dim;
   uint64_t phi_seed;
-  int32_t key_sum, principal, quest; /* SummaryFeatures */
+  int32_t key_sum, principal, quest, quest8; /* SummaryFeatures */
 } EpsEngineModel;
 
 /* Keys of one (layer, KV head) for one summary record (gpu::KeyAppend). */
@@ -76,6 +77,9 @@ void eps_engine_watchdog_destroy(EpsEngineWatchdog* w);
 typedef struct EpsSummaryWriter EpsSummaryWriter;
 int eps_engine_summary_writer_create(const EpsEngineModel* model, int32_t device,
                                      EpsSummaryWriter** out);
+/* The words of one record of the writer's layout: a caller checks it against the
+ * records it allocated, so that a feature the struct did not carry fails loudly. */
+int eps_engine_summary_writer_record_words(const EpsSummaryWriter* w, int32_t* out);
 /* Applies the appends on `stream` and waits for them. */
 int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, int64_t n,
                               int32_t key_dtype, uint64_t stream);

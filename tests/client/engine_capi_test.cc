@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "core/layout.h"
+#include "core/phi.h"
+#include "core/summary.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
 #include "tests/client/device_memory.h"
@@ -29,23 +31,24 @@ class EngineCapiTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!eps::gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
-    model_ = {2, 4, 2, 64, 16, 8, 8, 0x5EEDULL, 1, 0, 1};
+    model_ = {2, 4, 2, 64, 16, 8, 8, 0x5EEDULL, 1, 0, 1, 1};  // key_sum, quest and quest8
   }
   template <typename T>
   T* Alloc(size_t n) {
     return memory_.Alloc<T>(n);
   }
-  int RecordWords() const {
+  eps::ModelLayout Layout() const {
     eps::ModelLayout m;
     m.num_layers = model_.num_layers;
     m.num_q_heads = model_.num_q_heads;
     m.num_kv_heads = model_.num_kv_heads;
     m.head_dim = model_.head_dim;
     m.sketch_dim = model_.sketch_dim;
-    m.features.key_sum = true;
-    m.features.quest = true;
-    return eps::SummaryLayout::For(m).record_words;
+    m.phi_seed = model_.phi_seed;
+    m.features = {.key_sum = true, .principal = false, .quest = true, .quest8 = true};
+    return m;
   }
+  int RecordWords() const { return eps::SummaryLayout::For(Layout()).record_words; }
   // selection_done (flags[1]), read back from the device.
   static uint64_t SelectionDone(const uint64_t* flags) {
     uint64_t done = 0;
@@ -108,6 +111,24 @@ TEST_F(EngineCapiTest, SummaryQueueWritesWhatTheSynchronousWriterWrites) {
   cudaMemcpy(b.data(), queued_pool, b.size() * 4, cudaMemcpyDeviceToHost);
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << "seed " << seed << " word " << i;
+  }
+  // Every feature of the C struct reached the writer: the quest8 part (bit-exact on the
+  // device) equals core/'s.
+  const eps::ModelLayout layout = Layout();
+  const eps::SummaryLayout s = eps::SummaryLayout::For(layout);
+  auto phi = eps::PhiBank::Create(layout.phi_seed, layout.num_layers, layout.num_kv_heads, d,
+                                  layout.sketch_dim);
+  ASSERT_TRUE(phi.ok());
+  eps::SummaryWriter core(layout, *phi);
+  for (int r = 0; r < records; ++r) {
+    std::vector<float> want(words, 0.0f);  // zeroed, as the device pools here start
+    ASSERT_TRUE(
+        core.Append(want, r % 2, (r / 2) % 2,
+                    {host_keys.data() + r * keys_per * d, eps::DType::kFloat32, keys_per, 0})
+            .ok());
+    for (int w = s.quest8; w < s.quest8 + d / 2 + 1; ++w) {
+      ASSERT_EQ(std::memcmp(&a[r * words + w], &want[w], 4), 0) << "record " << r << " word " << w;
+    }
   }
   EXPECT_EQ(eps_engine_summary_queue_errors(queue, nullptr, 0), 0u);
   eps_engine_summary_queue_destroy(queue);

@@ -29,7 +29,7 @@ from eps_client.layout import ModelLayout, SummaryLayout
 KEY_APPEND = np.dtype([("record", "<u8"), ("keys", "<u8"), ("count", "<i8"),
                        ("stride", "<i8"), ("layer", "<i4"), ("kv_head", "<i4")])
 KEY_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
-ABI_VERSION = 2  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
+ABI_VERSION = 3  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
 
 
 class EngineLibError(RuntimeError):
@@ -45,7 +45,7 @@ class _Model(ctypes.Structure):
                                               "head_dim", "block_size", "group_blocks",
                                               "sketch_dim")] + [
         ("phi_seed", ctypes.c_uint64), ("key_sum", ctypes.c_int32),
-        ("principal", ctypes.c_int32), ("quest", ctypes.c_int32)]
+        ("principal", ctypes.c_int32), ("quest", ctypes.c_int32), ("quest8", ctypes.c_int32)]
 
 
 def _candidates() -> list[Path]:
@@ -100,6 +100,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "eps_engine_watchdog_releases": [p],
         "eps_engine_watchdog_destroy": [p],
         "eps_engine_summary_writer_create": [ctypes.POINTER(_Model), i32, ctypes.POINTER(p)],
+        "eps_engine_summary_writer_record_words": [p, ctypes.POINTER(i32)],
         "eps_engine_summary_append": [p, p, i64, i32, u64],
         "eps_engine_summary_writer_destroy": [p],
         "eps_engine_summary_queue_create": [p, i32, ctypes.POINTER(p)],
@@ -183,12 +184,23 @@ class DeviceSummaryWriter:
         f = model.features
         m = _Model(model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
                    model.block_size, model.group_blocks, model.sketch_dim, model.phi_seed,
-                   int(f.key_sum), int(f.principal), int(f.quest))
+                   int(f.key_sum), int(f.principal), int(f.quest), int(f.quest8))
         handle = ctypes.c_void_p()
         check("summary_writer_create", library().eps_engine_summary_writer_create(
             ctypes.byref(m), device, ctypes.byref(handle)))
         self._h: int | None = handle.value
         self.model, self.device = model, device
+        # The library's record must be this client's: a layout field it does not carry
+        # would otherwise shift every record it writes.
+        words = ctypes.c_int32()
+        check("summary_writer_record_words", library().eps_engine_summary_writer_record_words(
+            self._h, ctypes.byref(words)))
+        want = SummaryLayout.for_model(model).record_words
+        if words.value != want:
+            self.close()
+            raise EngineLibError("eps_engine_summary_writer_create", 9,
+                                 f"the library's records have {words.value} words, this client's "
+                                 f"{want} ({model.features}): libeps_engine and eps_client differ")
 
     def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
         """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
