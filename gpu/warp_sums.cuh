@@ -341,27 +341,30 @@ __device__ inline void QuestClt8SumsWarp(const float* rec, const RecordOffsets& 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int w = min(w0 + 32 * j + lane, quarter - 1);
-        // A channel at a time: two floats per record live, not eight (no spills at 4 heads).
+        // The word's four channels for every record, then per head one 16-byte load of q.
+        float sum[kRecords][4], width2[kRecords][4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float sum[kRecords], width2[kRecords];
+        for (int k = 0; k < kRecords; ++k) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int l = Code(lo[k][j], c), u = Code(hi[k][j], c);
+            sum[k][c] = static_cast<float>(l + u);
+            const float dw = static_cast<float>(u - l);
+            width2[k][c] = dw * dw;
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kHeads; ++r) {
+          const float4 qv = reinterpret_cast<const float4*>(q + (r < heads ? r : 0) * o.d)[w];
+          const float half[4] = {0.5f * qv.x, 0.5f * qv.y, 0.5f * qv.z, 0.5f * qv.w};
 #pragma unroll
           for (int k = 0; k < kRecords; ++k) {
-            const int l = Code(lo[k][j], c), u = Code(hi[k][j], c);
-            sum[k] = static_cast<float>(l + u);
-            const float dw = static_cast<float>(u - l);
-            width2[k] = dw * dw;
-          }
+            float& a = centre[k * kHeads + r];
+            float& b = spread[k * kHeads + r];
 #pragma unroll
-          for (int r = 0; r < kHeads; ++r) {
-            const float half = 0.5f * q[(r < heads ? r : 0) * o.d + 4 * w + c];
-            const float quarter_q2 = half * half;
-#pragma unroll
-            for (int k = 0; k < kRecords; ++k) {
-              float& a = centre[k * kHeads + r];
-              a = fmaf(half, sum[k], a);
-              float& b = spread[k * kHeads + r];
-              b = fmaf(quarter_q2, width2[k], b);
+            for (int c = 0; c < 4; ++c) {
+              a = fmaf(half[c], sum[k][c], a);
+              b = fmaf(half[c] * half[c], width2[k][c], b);
             }
           }
         }
