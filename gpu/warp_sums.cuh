@@ -159,6 +159,7 @@ __device__ inline void QuestSumsWarp(const float* rec, const RecordOffsets& o, c
       LoadPartWords(pass, o.quest_min, o.d, w0, lane, word);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+        if (w0 + 32 * j >= o.d) break;  // past the run: words of zeros
         const int w = min(w0 + 32 * j + lane, o.d - 1);
 #pragma unroll
         for (int r = 0; r < kHeads; ++r) {
@@ -197,6 +198,7 @@ __device__ inline void BracketSumsWarp(const float* rec, const RecordOffsets& o,
       LoadPartWords(pass, has_quest ? o.quest_min : 0, has_quest ? o.d : 0, w0, lane, qw);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+        if (w0 + 32 * j >= o.d) break;  // past the run: words of zeros
         const int w = min(w0 + 32 * j + lane, o.d - 1);
 #pragma unroll
         for (int r = 0; r < kHeads; ++r) {
@@ -223,6 +225,7 @@ __device__ inline void BracketSumsWarp(const float* rec, const RecordOffsets& o,
         LoadPartWords(pass, o.principal + 3, o.d / 4, w0, lane, uw);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
+          if (w0 + 32 * j >= o.d / 4) break;  // past the run: words of zeros
           const int w = min(w0 + 32 * j + lane, o.d / 4 - 1);
 #pragma unroll
           for (int r = 0; r < kHeads; ++r) {
@@ -300,6 +303,7 @@ __device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o
       LoadPartWords(pass, o.quest_min + half, half, w0, lane, hi);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+        if (w0 + 32 * j >= half) break;  // past the run: words of zeros
         const int w = min(w0 + 32 * j + lane, half - 1);
         __half2 l[kRecords], u[kRecords];
 #pragma unroll
@@ -340,6 +344,7 @@ __device__ inline void QuestClt8SumsWarp(const float* rec, const RecordOffsets& 
       LoadPartWords(pass, o.quest8 + quarter, quarter, w0, lane, hi);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+        if (w0 + 32 * j >= quarter) break;  // past the run: words of zeros
         const int w = min(w0 + 32 * j + lane, quarter - 1);
         // The word's four channels for every record, then per head one 16-byte load of q.
         float sum[kRecords][4], width2[kRecords][4];
