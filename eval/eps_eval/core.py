@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-KEY_SUM, PRINCIPAL, QUEST = 1, 2, 4
+KEY_SUM, PRINCIPAL, QUEST, QUEST8 = 1, 2, 4, 8  # eval/capi.cc FeaturesFromMask
 ALL_FEATURES = KEY_SUM | PRINCIPAL | QUEST
 STAT_FIELDS = (
     "groups_total",

@@ -230,3 +230,30 @@ def test_core_questclt_is_the_centre_plus_the_root_of_the_squared_spreads(
     assert np.all(np.abs(got - want) <= tol + 1e-4)
     # Never above quest's bound, which it relaxes.
     assert np.all(got <= s.scores("quest", q) + 1e-4)
+
+
+def test_core_questclt_over_quest8_is_the_harness_pow2_estimate(rng: np.random.Generator) -> None:
+    # The product's quest8 part (core/, features.quest8) quantizes as the harness's pow2
+    # column of docs/eval (quality.QuestTables with scale "pow2"), so core's questclt over
+    # it equals the harness's questclt1 over those tables: the evaluation measured the
+    # product. Keys are appended a few at a time, as a decode does.
+    kv, h, d, groups = 2, 4, 64, 10
+    tokens = groups * BLOCK
+    k = (rng.standard_normal((kv, tokens, d)) * rng.uniform(0.1, 5, d)).astype(np.float32)
+    k[:, : BLOCK // 2] *= 100.0  # a group whose scale grows within it
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    s = core.Sequence(q_heads=h, kv_heads=kv, head_dim=d, group_blocks=1, sketch_dim=8,
+                      features=core.QUEST8, max_tokens=tokens)
+    for start in range(0, tokens, 7):
+        s.append(k[:, start:start + 7])
+    got = s.scores("questclt", q)  # [h, groups]
+    tables = quality.QuestTables(k, tokens, 1, scale_mode="pow2")
+    want = tables.estimate("questclt1", q)
+    # float rounding of each (head, group)'s sums; one code of any channel is far more
+    head_kv = np.arange(h) // (h // kv)
+    size = np.abs(tables.min8) + np.abs(tables.max8)  # [kv, groups, d]
+    tol = 1e-5 * (np.abs(q).astype(np.float64)[:, None, :] * size[head_kv]).sum(-1)
+    assert np.all(np.abs(got - want) <= tol)
+    step = (tables.max8 - tables.min8).max(axis=2) / 254.0  # <= one code step, [kv, groups]
+    assert np.all(tol < 0.1 * step[head_kv] * np.abs(q).max())
+
