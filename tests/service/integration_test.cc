@@ -110,6 +110,27 @@ TEST_F(IntegrationTest, ConcurrentSessionsAreServedIndependently) {
   for (int e = 0; e < kEngines; ++e) EXPECT_EQ(failures[e], 0) << "engine " << e;
 }
 
+// features.quest8 crosses the wire and questclt reads that part in epsd as in core/:
+// records with both quest parts, and with quest8 alone.
+TEST_F(IntegrationTest, Quest8RecordsMatchTheReference) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("quest8"));
+  ASSERT_NE(epsd, nullptr);
+  for (const bool with_quest : {true, false}) {
+    ModelLayout model = testing::SmallServiceModel();
+    model.features.quest = with_quest;
+    model.features.quest8 = true;
+    TestEngine engine(model, 2, 2048, 2, seed_ + (with_quest ? 1 : 2));
+    engine.Fill(0, 0, 2048);
+    engine.Fill(1, 1, 2048);
+    client::EpsClient client(Options(epsd->target()),
+                             engine.Attach(with_quest ? "engine-q8-both" : "engine-q8-only"));
+    ASSERT_TRUE(client.Attach().ok());
+    RunSteps(client, engine, 5, 1900);
+    EXPECT_EQ(client.counters().fallbacks(), 0u);
+  }
+}
+
 TEST_F(IntegrationTest, PerKvHeadOutputsMatchTheReference) {
   SCOPED_TRACE(testing::SeedTrace(seed_));
   TestEngine engine(testing::SmallServiceModel(), 2, 2048, 2, seed_, Granularity::kPerKvHead);
