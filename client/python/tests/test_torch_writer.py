@@ -71,3 +71,26 @@ def test_wrong_pool_shape_is_rejected():
     writer = TorchSummaryWriter(model, device="cpu")
     with pytest.raises(ValueError, match="pool must be float32"):
         writer.append(torch.zeros(2, 1, 1, 3), 0, [0], torch.zeros(1, 1, 8))
+
+
+@pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(quest=False, quest8=True)])
+def test_bad_keys_are_rejected_before_the_pool_is_touched(features):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        features=features)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(3, 1, 2, writer.layout.record_words)
+    writer.reset(pool, torch.arange(3))
+    before = pool.clone()
+    keys = torch.ones(2, 2, 8)
+    keys[1, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="key 1 element 5 is nan"):
+        writer.append(pool, 0, [0, 1], keys)
+    assert torch.equal(pool, before)
+    keys[1, 1, 5] = 1e6  # beyond binary16: refused with the 16-bit part, taken by quest8 alone
+    if features.quest:
+        with pytest.raises(ValueError, match="binary16"):
+            writer.append(pool, 0, [0, 1], keys)
+        assert torch.equal(pool, before)
+    else:
+        writer.append(pool, 0, [0, 1], keys)
+

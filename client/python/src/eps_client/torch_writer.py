@@ -76,6 +76,14 @@ class TorchSummaryWriter:
             raise ValueError(f"{slots.numel()} slots for {n} keys")
         if n == 0:
             return
+        # Before touching the pool, as the other writers do: one host sync per call.
+        if not bool(torch.isfinite(k).all()):
+            bad = torch.nonzero(~torch.isfinite(k))[0].tolist()
+            raise ValueError(f"key {bad[0]} element {bad[2]} is {k[tuple(bad)].item()} "
+                             f"(layer {layer}, kv_head {bad[1]})")
+        if lay.quest_min >= 0 and bool((k.abs() > 65504.0).any()):
+            raise ValueError("a key is beyond the binary16 range of the quest summary, "
+                             "|k| <= 65504")
         y = torch.einsum("nhd,hdm->nhm", k, self.phi[layer])  # [n, H, m]
         norm2 = (k * k).sum(-1)  # [n, H]
         delta = torch.zeros(n, H, W, device=pool.device, dtype=torch.float32)
@@ -91,9 +99,6 @@ class TorchSummaryWriter:
         flat[:, lay.max_norm].scatter_reduce_(0, rows, norm2.sqrt().reshape(-1), reduce="amax")
         if lay.quest_min >= 0:
             kk = k.reshape(n * H, d)
-            if bool((kk.abs() > 65504.0).any()):
-                raise ValueError("a key is beyond the binary16 range of the quest summary, "
-                                 "|k| <= 65504")
             halves = flat.view(torch.float16)  # [slots*L*H, 2W]
             halves[:, 2 * lay.quest_min : 2 * lay.quest_min + d].index_reduce_(
                 0, rows, _half_outward(kk, down=True), "amin")
