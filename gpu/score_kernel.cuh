@@ -16,7 +16,8 @@
 
 namespace eps::gpu::kernels {
 
-// Scoring. Grid (group chunks of 256, layers * kv_heads, rows), 256 threads.
+// Scoring. Grid (group chunks of 256, layers * kv_heads, rows), 256 threads;
+// questclt's octet path takes kOctetChunks chunks a block, one after the other.
 // Each thread scores one group: it reads the group's slot and queues its
 // record's loads first (jl with m known: the warp copies its records to shared
 // memory together), then the block reads its KV head's query terms, which
@@ -84,13 +85,14 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // thread without a group (or with a bad slot) writes none. Returns early, so
 // the caller syncs the block before reading the scores.
 template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0,
-          bool kQuest8 = false>
+          bool kQuest8 = false, int kChunks = 1>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
                                             float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
   static_assert(kOctetD == 0 || (kMethod == Method::kQuestClt && !kStrict && HasOctetPath(kOctetD)),
                 "the octet path is questclt's");
   static_assert(!kQuest8 || (kMethod == Method::kQuestClt && !kStrict), "quest8 is questclt's");
+  static_assert(kChunks == 1 || kOctetD > 0, "several chunks a block: the octet path only");
   constexpr bool kOctets = kOctetD > 0;
   // quest, questclt and strict read each warp's records together (gpu/warp_sums.cuh), so
   // their lanes stay to the end; the other methods leave as soon as they have
@@ -124,29 +126,35 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   const int64_t tokens = a.rows[row].context_tokens;
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
-  const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  bool active = p < n;
+  // kChunks > 1: the block takes kChunks runs of blockDim.x groups, one after the other.
+  int64_t p = blockIdx.x * int64_t{kChunks} * blockDim.x + threadIdx.x;
+  bool active = false;
   const int64_t table_row = a.rows[row].table_row;
-  int32_t slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
-  if (active && (slot < 0 || slot >= s.num_slots)) {
-    Fail(status, kBadSlot, row, static_cast<int>(p), slot);
-    active = false;  // never read outside the pool
-  }
-  const float* rec =
-      active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
-             : nullptr;
-  if constexpr (kStaged) {
-    StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
-  }
-  // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
-  if (p < n && blockIdx.y == 0) {
-    for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
-      const int32_t id = a.block_table[table_row * s.max_blocks + b];
-      if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
-        Fail(status, kBadBlock, row, static_cast<int>(b), id);
+  int32_t slot = 0;
+  const float* rec = nullptr;
+  auto open_group = [&] {
+    active = p < n;
+    slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
+    if (active && (slot < 0 || slot >= s.num_slots)) {
+      Fail(status, kBadSlot, row, static_cast<int>(p), slot);
+      active = false;  // never read outside the pool
+    }
+    rec = active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
+                 : nullptr;
+    if constexpr (kStaged) {
+      StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
+    }
+    // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
+    if (p < n && blockIdx.y == 0) {
+      for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
+        const int32_t id = a.block_table[table_row * s.max_blocks + b];
+        if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
+          Fail(status, kBadBlock, row, static_cast<int>(b), id);
+        }
       }
     }
-  }
+  };
+  open_group();
   if constexpr (kMethod == Method::kOff && !kStrict) {
     // Nothing is scored; the tables were still checked, as core/ does. No
     // block finishes before the terms kernel, whose query check the selection
@@ -184,75 +192,83 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       }
     }
     __syncthreads();
-    if (kWarpRead ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
-    if (!kWarpRead && !active) return;
-    if constexpr (kStaged) {
-      WaitStagedRecords();
-      if (!active) return;
-      rec = stage + threadIdx.x * kStride;  // the copy holds every word jl reads
-    }
-    const RecordOffsets& o = s.record;
-    const bool stats_ok =
-        !active || (isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]));
-    // jl with m known: the packed Gram read once from the staged copy, 16 bytes
-    // at a time, and kept in registers for every head.
-    constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
-    float4 gram[kVectors];
-    if constexpr (kMethod == Method::kJl && kM > 0 && !kStrict) {
-#pragma unroll
-      for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
-    }
-    for (int r0 = 0; r0 < ratio; r0 += kBatch) {
-      const int heads = min(kBatch, ratio - r0);
-      const float* q = q_sh + r0 * s.d;
-      HeadSums sums;
-      if constexpr (kStrict) {
-        BracketSumsWarp<kHeads>(rec, o, q, qsplit_sh + r0 * s.d, heads, sums, lane);
-        if (!active) continue;
-      } else if constexpr (kMethod == Method::kQuest) {
-        if (o.quest_min >= 0) {
-          QuestSumsWarp<kHeads>(rec, o, qsplit_sh + r0 * s.d, heads, sums.quest, lane);
-        }
-        if (!active) continue;
-      } else if constexpr (kMethod == Method::kOnePc) {
-        if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
-      } else if constexpr (kMethod == Method::kQuestClt) {
-        if constexpr (kOctets) {
-          constexpr int kStride = OctetQueryStride(kOctetD);
-          QuestCltSumsOctets<kOctetD, kHeads, kQuest8>(rec, o, q_sh + r0 * kStride,
-                                                       q_sh + (ratio + r0) * kStride, heads, sums,
-                                                       lane, stage + warp * OctetRingWarpWords());
-        } else if constexpr (kQuest8) {
-          QuestClt8SumsWarp<kHeads>(rec, o, q, heads, sums, lane);
-        } else if (o.quest_min >= 0) {
-          QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
-        }
-        if (!active) continue;
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      if (chunk > 0) {  // no block barrier from here on: each warp walks its own groups
+        p += blockDim.x;
+        open_group();
       }
+      // Later chunks hold only later groups: a warp past the row's end is done.
+      if (kWarpRead ? __all_sync(0xFFFFFFFFu, p >= n) : p >= n) return;
+      if (!kWarpRead && !active) return;
+      if constexpr (kStaged) {
+        WaitStagedRecords();
+        if (!active) return;
+        rec = stage + threadIdx.x * kStride;  // the copy holds every word jl reads
+      }
+      const RecordOffsets& o = s.record;
+      const bool stats_ok =
+          !active || (isfinite(rec[o.fro2]) && isfinite(rec[o.max_norm]) && isfinite(rec[o.count]));
+      // jl with m known: the packed Gram read once from the staged copy, 16 bytes
+      // at a time, and kept in registers for every head.
+      constexpr int kVectors = kM > 0 ? (kM * (kM + 1) / 2 + 3) / 4 : 1;
+      float4 gram[kVectors];
+      if constexpr (kMethod == Method::kJl && kM > 0 && !kStrict) {
 #pragma unroll
-      for (int rr = 0; rr < kBatch; ++rr) {
-        if (rr >= heads) break;
-        const int r = r0 + rr, h = kvh * ratio + r;
-        if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
-        const HeadQuery hq{terms_sh + r * words, terms_sh[r * words + s.record.packed]};
-        const int64_t out = ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
-        bool bad;
+        for (int v = 0; v < kVectors; ++v) gram[v] = reinterpret_cast<const float4*>(rec)[v];
+      }
+      for (int r0 = 0; r0 < ratio; r0 += kBatch) {
+        const int heads = min(kBatch, ratio - r0);
+        const float* q = q_sh + r0 * s.d;
+        HeadSums sums;
         if constexpr (kStrict) {
-          const MaxScoreBracket b = BracketMaxScore(rec, o, hq, sums, rr);
-          a.scores[out] = b.lower;
-          a.uppers[out] = b.upper;
-          bad = isnan(b.lower) || isnan(b.upper);
-        } else {
-          const float score = Score<kMethod, kM, kQuest8>(rec, reinterpret_cast<const float*>(gram),
-                                                          o, hq, sums, rr);
-          if constexpr (kFused) {
-            fused_scores[r * kScoreThreads + threadIdx.x] = score;
-          } else {
-            a.scores[out] = score;
+          BracketSumsWarp<kHeads>(rec, o, q, qsplit_sh + r0 * s.d, heads, sums, lane);
+          if (!active) continue;
+        } else if constexpr (kMethod == Method::kQuest) {
+          if (o.quest_min >= 0) {
+            QuestSumsWarp<kHeads>(rec, o, qsplit_sh + r0 * s.d, heads, sums.quest, lane);
           }
-          bad = isnan(score) || score == INFINITY;
+          if (!active) continue;
+        } else if constexpr (kMethod == Method::kOnePc) {
+          if (HasPrincipalPair(rec, o)) PrincipalDots(rec, o, q, heads, sums.principal);
+        } else if constexpr (kMethod == Method::kQuestClt) {
+          if constexpr (kOctets) {
+            constexpr int kStride = OctetQueryStride(kOctetD);
+            QuestCltSumsOctets<kOctetD, kHeads, kQuest8>(rec, o, q_sh + r0 * kStride,
+                                                         q_sh + (ratio + r0) * kStride, heads, sums,
+                                                         lane, stage + warp * OctetRingWarpWords());
+          } else if constexpr (kQuest8) {
+            QuestClt8SumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+          } else if (o.quest_min >= 0) {
+            QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+          }
+          if (!active) continue;
         }
-        if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
+#pragma unroll
+        for (int rr = 0; rr < kBatch; ++rr) {
+          if (rr >= heads) break;
+          const int r = r0 + rr, h = kvh * ratio + r;
+          if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
+          const HeadQuery hq{terms_sh + r * words, terms_sh[r * words + s.record.packed]};
+          const int64_t out =
+              ((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p;
+          bool bad;
+          if constexpr (kStrict) {
+            const MaxScoreBracket b = BracketMaxScore(rec, o, hq, sums, rr);
+            a.scores[out] = b.lower;
+            a.uppers[out] = b.upper;
+            bad = isnan(b.lower) || isnan(b.upper);
+          } else {
+            const float score = Score<kMethod, kM, kQuest8>(
+                rec, reinterpret_cast<const float*>(gram), o, hq, sums, rr);
+            if constexpr (kFused) {
+              fused_scores[r * kScoreThreads + threadIdx.x] = score;
+            } else {
+              a.scores[out] = score;
+            }
+            bad = isnan(score) || score == INFINITY;
+          }
+          if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
+        }
       }
     }
   }
@@ -260,6 +276,11 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
 
 // kHeads: query heads per pass of the warp-read sums (quest and strict: 4 or 8);
 // the other methods take kHeadBatch per pass.
+// The octet path's blocks take kOctetChunks runs of kScoreThreads groups each, so
+// that what a block does once (the query terms into shared memory and registers)
+// is shared by more records.
+inline constexpr int kOctetChunks = 4;
+
 template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0,
           bool kQuest8 = false>
 __global__ void __launch_bounds__(kScoreThreads,
@@ -267,7 +288,8 @@ __global__ void __launch_bounds__(kScoreThreads,
                                                : kScoreMinBlocks<kMethod, kM, kStrict, kHeads>))
     ScoreKernel(Shape s, ScoreArgs a) {
   extern __shared__ __align__(16) float shared[];
-  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kOctetD, kQuest8>(s, a, shared, nullptr);
+  ScoreGroups<kMethod, kM, kStrict, kHeads, false, kOctetD, kQuest8,
+              (kOctetD > 0 ? kOctetChunks : 1)>(s, a, shared, nullptr);
 }
 
 }  // namespace eps::gpu::kernels

@@ -324,8 +324,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                       ScoreSharedBytes(m, false, true) <= static_cast<size_t>(g.max_shared);
   launch.score_kernel = ScoreKernelFor(policy.method, m.sketch_dim, strict, m.gqa_ratio(), staged,
                                        octets, m.head_dim, g.layout.quest8 >= 0);
+  const int64_t per_block = kScoreThreads * (octets ? kOctetChunks : 1);
   launch.score_grid =
-      dim3(static_cast<unsigned>((max_n + kScoreThreads - 1) / kScoreThreads),
+      dim3(static_cast<unsigned>((max_n + per_block - 1) / per_block),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
   launch.score_shared = ScoreSharedBytes(m, staged, octets);
   // Selection: one block per (layer, list, row).
