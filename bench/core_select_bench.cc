@@ -56,6 +56,42 @@ BENCHMARK(BM_SelectStepLlama3_8B)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
+// epsd's defaults (questclt, g = 2, top_pages 64) on the cpu backend, with questclt
+// reading the binary16 quest part (quest8 = 0) or the quest8 part (quest8 = 1).
+void BM_QuestCltStepLlama3_8B(benchmark::State& state) {
+  const int64_t context = state.range(0);
+  eps::ModelLayout model;
+  model.num_layers = 32;
+  model.num_q_heads = 32;
+  model.num_kv_heads = 8;
+  model.head_dim = 128;
+  model.group_blocks = 2;
+  model.sketch_dim = 8;
+  model.features = {
+      .key_sum = false, .principal = false, .quest = true, .quest8 = state.range(1) != 0};
+  auto phi = eps::PhiBank::Create(model.phi_seed, 32, 8, 128, 8);
+  auto selector = eps::PageSelector::Create(model, *phi);
+  eps::testing::StepBuffers buffers(model, 1, context, 1, eps::Granularity::kUnion);
+  buffers.AssignRow(0, context, 0);
+  const std::vector<eps::StepRow> rows = {{.table_row = 0, .context_tokens = context, .seq_id = 0}};
+  buffers.FillRandomSummaries(1);
+  eps::SelectPolicy policy;  // questclt, top_pages 64
+  eps::StepStats stats;
+  for (auto _ : state) {
+    const absl::Status status =
+        selector->Select(buffers.Inputs(rows), policy, buffers.Outputs(), &stats);
+    if (!status.ok()) state.SkipWithError(status.ToString().c_str());
+  }
+  state.SetItemsProcessed(state.iterations() * eps::GroupsFor(context, model) * 32 * 8);
+  state.counters["groups_visited_pct"] = 100.0 * stats.groups_visited / stats.groups_total;
+}
+
+BENCHMARK(BM_QuestCltStepLlama3_8B)
+    ->ArgNames({"context", "quest8"})
+    ->ArgsProduct({{8192, 32768}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
 }  // namespace
 
 BENCHMARK_MAIN();
