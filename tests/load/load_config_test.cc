@@ -29,6 +29,8 @@ TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
   EXPECT_EQ(c.model.sketch_dim, 16);
   EXPECT_EQ(c.model.group_blocks, 4);
   EXPECT_EQ(ParseFlags({"--sketch-dim=4"})->model.sketch_dim, 4);
+  EXPECT_FALSE(c.model.features.quest8);
+  EXPECT_TRUE(ParseFlags({"--quest8"})->model.features.quest8);
   EXPECT_FALSE(ParseFlags({"--batch=abc"}).ok());
   EXPECT_TRUE(ParseFlags({"--version"})->version);
 }

@@ -23,9 +23,10 @@ _KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
 
 @dataclass(frozen=True)
 class SummaryFeatures:
-    """Optional parts of a record. key_sum on, as in core/; quest on (core/ leaves it off)
-    because epsd's default method, questclt, reads it, as quest does (without it the policy is
-    refused)."""
+    """Optional parts of a record, with core/'s defaults: key_sum and quest on (epsd's default
+    method, questclt, reads quest, as quest does; without a quest part the policy is refused),
+    principal and quest8 off. With quest8 on, questclt reads that part instead (half the bytes;
+    docs/summaries.md)."""
 
     key_sum: bool = True
     principal: bool = False
