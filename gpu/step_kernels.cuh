@@ -118,6 +118,18 @@ inline bool TakesOctetPath(Method method, bool strict, int d, const SummaryLayou
   return method == Method::kQuestClt && !strict && HasOctetPath(d) && part >= 0 && part % 4 == 0;
 }
 
+// questclt's scoring kernel: the octet path for head dimension kOctetD (0: the
+// general path), passes of 4 or 8 heads, over the quest8 part or the 16-bit one.
+template <int kOctetD>
+const void* QuestCltKernelOf(bool four, bool quest8) {
+  if (quest8) {
+    return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, kOctetD, true>()
+                : ScoreKernelOf<Method::kQuestClt, 0, false, 8, kOctetD, true>();
+  }
+  return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, kOctetD>()
+              : ScoreKernelOf<Method::kQuestClt, 0, false, 8, kOctetD>();
+}
+
 // The scoring kernel for a step: keyed by the core Method (and m for jl's
 // register-resident Gram of staged records); strict mode scores brackets
 // whatever the method. quest, questclt and strict read their sums for 4 query heads per
@@ -156,36 +168,16 @@ inline const void* ScoreKernelFor(Method method, int m, bool strict, int ratio, 
       if (octets) {
         switch (d) {
           case 64:
-            if (quest8) {
-              return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64, true>()
-                          : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64, true>();
-            }
-            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 64>()
-                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 64>();
+            return QuestCltKernelOf<64>(four, quest8);
           case 128:
-            if (quest8) {
-              return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128, true>()
-                          : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128, true>();
-            }
-            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 128>()
-                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 128>();
+            return QuestCltKernelOf<128>(four, quest8);
           case 256:
-            if (quest8) {
-              return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256, true>()
-                          : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256, true>();
-            }
-            return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 256>()
-                        : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 256>();
+            return QuestCltKernelOf<256>(four, quest8);
           default:
             break;
         }
       }
-      if (quest8) {
-        return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4, 0, true>()
-                    : ScoreKernelOf<Method::kQuestClt, 0, false, 8, 0, true>();
-      }
-      return four ? ScoreKernelOf<Method::kQuestClt, 0, false, 4>()
-                  : ScoreKernelOf<Method::kQuestClt, 0, false, 8>();
+      return QuestCltKernelOf<0>(four, quest8);
     case Method::kOff:
       break;
   }
