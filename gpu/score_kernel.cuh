@@ -78,12 +78,12 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // gpu/fused_select.cuh): kFused keeps the block's scores in shared memory,
 // head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
 // writing them to a.scores; the same bits either way. kOctetD (64, 128 or 256:
-// the model's d): questclt takes its sums an octet of lanes per record
+// the model's d): questclt takes its sums a lane per octet of channels
 // (gpu/questclt_octets.cuh), a float rounding from the general path.
 // kQuest8: questclt reads the quest8 part (the records hold one), on either
-// path. A
-// thread without a group (or with a bad slot) writes none. Returns early, so
-// the caller syncs the block before reading the scores.
+// path. kChunks: the block takes that many runs of blockDim.x groups (octet
+// path only). A thread without a group (or with a bad slot) writes none.
+// Returns early, so the caller syncs the block before reading the scores.
 template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0,
           bool kQuest8 = false, int kChunks = 1>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
