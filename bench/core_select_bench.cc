@@ -13,17 +13,24 @@
 
 namespace {
 
-void BM_SelectStepLlama3_8B(benchmark::State& state) {
-  const int batch = static_cast<int>(state.range(0));
-  const int64_t context = state.range(1);
+// The Llama-3-8B shape (m = 8) with g and the record parts of a benchmark.
+eps::ModelLayout Llama3_8B(int group_blocks, eps::SummaryFeatures features) {
   eps::ModelLayout model;
   model.num_layers = 32;
   model.num_q_heads = 32;
   model.num_kv_heads = 8;
   model.head_dim = 128;
-  model.group_blocks = 8;
+  model.group_blocks = group_blocks;
   model.sketch_dim = 8;
-  model.features = {.key_sum = false, .principal = false, .quest = false};
+  model.features = features;
+  return model;
+}
+
+void BM_SelectStepLlama3_8B(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const int64_t context = state.range(1);
+  const eps::ModelLayout model =
+      Llama3_8B(8, {.key_sum = false, .principal = false, .quest = false});
   auto phi = eps::PhiBank::Create(model.phi_seed, 32, 8, 128, 8);
   auto selector = eps::PageSelector::Create(model, *phi);
   eps::testing::StepBuffers buffers(model, batch, context, batch, eps::Granularity::kUnion);
@@ -60,15 +67,8 @@ BENCHMARK(BM_SelectStepLlama3_8B)
 // reading the binary16 quest part (quest8 = 0) or the quest8 part (quest8 = 1).
 void BM_QuestCltStepLlama3_8B(benchmark::State& state) {
   const int64_t context = state.range(0);
-  eps::ModelLayout model;
-  model.num_layers = 32;
-  model.num_q_heads = 32;
-  model.num_kv_heads = 8;
-  model.head_dim = 128;
-  model.group_blocks = 2;
-  model.sketch_dim = 8;
-  model.features = {
-      .key_sum = false, .principal = false, .quest = true, .quest8 = state.range(1) != 0};
+  const eps::ModelLayout model = Llama3_8B(
+      2, {.key_sum = false, .principal = false, .quest = true, .quest8 = state.range(1) != 0});
   auto phi = eps::PhiBank::Create(model.phi_seed, 32, 8, 128, 8);
   auto selector = eps::PageSelector::Create(model, *phi);
   eps::testing::StepBuffers buffers(model, 1, context, 1, eps::Granularity::kUnion);
