@@ -298,27 +298,23 @@ INSTANTIATE_TEST_SUITE_P(
 // fixed and mass budgets, whose rows exceed or bypass the fused kernel) and the
 // general one, the fused kernel (threshold, up to 256 groups), passes of 4 and
 // 8 heads, one head, and d = 96 (general path only).
-constexpr MassCase kNoMass = {};
+GpuCase Quest8(GpuCase c) {
+  c.quest8 = true;
+  return c;
+}
 INSTANTIATE_TEST_SUITE_P(
     Quest8, GpuStepTest,
-    ::testing::Values(GpuCase{Method::kQuestClt, 128, 32, 8, 1, false, 8, kUnion,
-                              Budget::kThreshold, false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 64, 4, 4, 1, false, 8, kPerKvHead, Budget::kFixed,
-                              false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 256, 16, 2, 1, true, 8, kUnion, Budget::kThreshold,
-                              false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold,
-                              false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass,
-                              false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 96, 9, 3, 1, false, 8, kUnion, Budget::kFixed,
-                              false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 64, 8, 8, 1, false, 4, kUnion, Budget::kThreshold,
-                              false, kNoMass, 3, true},
-                      GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold,
-                              false, kNoMass, 0, true},
-                      GpuCase{Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold,
-                              true, kNoMass, 0, true}),
+    ::testing::Values(
+        Quest8({Method::kQuestClt, 128, 32, 8, 1, false}),
+        Quest8({Method::kQuestClt, 64, 4, 4, 1, false, 8, kPerKvHead, Budget::kFixed}),
+        Quest8({Method::kQuestClt, 256, 16, 2, 1, true}),
+        Quest8({Method::kQuestClt, 128, 8, 2, 2, false}),
+        Quest8({Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, Budget::kMass}),
+        Quest8({Method::kQuestClt, 96, 9, 3, 1, false, 8, kUnion, Budget::kFixed}),
+        Quest8(
+            {Method::kQuestClt, 64, 8, 8, 1, false, 4, kUnion, Budget::kThreshold, false, {}, 3}),
+        Quest8({Method::kQuest, 128, 8, 2, 2, false}),
+        Quest8({Method::kQuestClt, 128, 8, 2, 2, false, 8, kUnion, Budget::kThreshold, true})),
     CaseName);
 
 INSTANTIATE_TEST_SUITE_P(
