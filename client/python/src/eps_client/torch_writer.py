@@ -77,11 +77,15 @@ class TorchSummaryWriter:
         if n == 0:
             return
         # Before touching the pool, as the other writers do: one host sync per call.
-        if not bool(torch.isfinite(k).all()):
-            bad = torch.nonzero(~torch.isfinite(k))[0].tolist()
-            raise ValueError(f"key {bad[0]} element {bad[2]} is {k[tuple(bad)].item()} "
-                             f"(layer {layer}, kv_head {bad[1]})")
-        if lay.quest_min >= 0 and bool((k.abs() > 65504.0).any()):
+        bad = ~torch.isfinite(k)
+        if lay.quest_min >= 0:
+            bad |= k.abs() > 65504.0
+        if bool(bad.any()):
+            nonfinite = torch.nonzero(~torch.isfinite(k))
+            if nonfinite.numel():
+                t, h, i = nonfinite[0].tolist()
+                raise ValueError(f"key {t} element {i} is {k[t, h, i].item()} "
+                                 f"(layer {layer}, kv_head {h})")
             raise ValueError("a key is beyond the binary16 range of the quest summary, "
                              "|k| <= 65504")
         y = torch.einsum("nhd,hdm->nhm", k, self.phi[layer])  # [n, H, m]
