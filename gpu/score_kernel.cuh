@@ -236,10 +236,8 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
             QuestCltSumsOctets<kOctetD, kHeads, kQuest8>(rec, o, q_sh + r0 * kStride,
                                                          q_sh + (ratio + r0) * kStride, heads, sums,
                                                          lane, stage + warp * OctetRingWarpWords());
-          } else if constexpr (kQuest8) {
-            QuestClt8SumsWarp<kHeads>(rec, o, q, heads, sums, lane);
-          } else if (o.quest_min >= 0) {
-            QuestCltSumsWarp<kHeads>(rec, o, q, heads, sums, lane);
+          } else if (kQuest8 || o.quest_min >= 0) {
+            QuestCltSumsWarp<kHeads, kQuest8>(rec, o, q, heads, sums, lane);
           }
           if (!active) continue;
         }

@@ -20,6 +20,7 @@
 #include <cuda_pipeline.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gpu/bounds.cuh"
 
@@ -282,97 +283,84 @@ __device__ __forceinline__ void QuestCltAddWord(const __half2 (&lo)[kRecords],
   }
 }
 
+// Code c (0-3) of a word of four int8 codes, lowest byte first, sign-extended
+// (the word stays one register: a char4 would take four).
+__device__ __forceinline__ int Code(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
+
+// QuestCltAddWord for the quest8 part: word w holds four int8 codes (channels
+// 4w … 4w + 3) of each record's minima (lo) and maxima (hi); per head one
+// 16-byte load of the widened query. The sums are in code units.
+template <int kRecords, int kHeads>
+__device__ __forceinline__ void QuestCltAddWord(const int (&lo)[kRecords],
+                                                const int (&hi)[kRecords], const float* q,
+                                                int heads, int d, int w,
+                                                float (&centre)[kRecords * kHeads],
+                                                float (&spread)[kRecords * kHeads]) {
+  float sum[kRecords][4], width2[kRecords][4];
+#pragma unroll
+  for (int k = 0; k < kRecords; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int l = Code(lo[k], c), u = Code(hi[k], c);
+      sum[k][c] = static_cast<float>(l + u);
+      const float dw = static_cast<float>(u - l);
+      width2[k][c] = dw * dw;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kHeads; ++r) {
+    const float4 qv = reinterpret_cast<const float4*>(q + (r < heads ? r : 0) * d)[w];
+    const float half[4] = {0.5f * qv.x, 0.5f * qv.y, 0.5f * qv.z, 0.5f * qv.w};
+#pragma unroll
+    for (int k = 0; k < kRecords; ++k) {
+      float& a = centre[k * kHeads + r];
+      float& b = spread[k * kHeads + r];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        a = fmaf(half[c], sum[k][c], a);
+        b = fmaf(half[c] * half[c], width2[k][c], b);
+      }
+    }
+  }
+}
+
 // questclt's two sums (HeadSums centre and spread) for the warp's records, as
-// QuestSumsWarp: lane l reads min word w and its max word w + d/2 (channels
-// 2w and 2w + 1, core/layout.h), for w = l, l + 32, ...; `q` [heads, d] holds
-// the widened queries. Two sums per (record, head): half of quest's records
-// per pass, so that the words and sums of a pass stay in registers.
-template <int kHeads>
+// QuestSumsWarp: lane l reads minimum word w and its maximum word for w = l,
+// l + 32, ... of the part questclt reads; `q` [heads, d] holds the widened
+// queries. Two sums per (record, head): half of quest's records per pass, so
+// that the words and sums of a pass stay in registers.
+//   binary16 part (kQuest8 false): d/2 words of min halves, then d/2 of max
+//     halves, two channels 2w, 2w + 1 a word (core/layout.h);
+//   quest8 part: d/4 words of four int8 minima, then d/4 of maxima, channels
+//     4w … 4w + 3 a word; the sums are in code units and QuestCltScore applies
+//     the record's scale.
+template <int kHeads, bool kQuest8>
 __device__ inline void QuestCltSumsWarp(const float* rec, const RecordOffsets& o, const float* q,
                                         int heads, HeadSums& sums, int lane) {
+  using Word = std::conditional_t<kQuest8, int, __half2>;
   constexpr int kRecords = kWarpRecords<kHeads, true>;
   unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
   const auto address = reinterpret_cast<unsigned long long>(rec);
-  const int half = o.d / 2;
+  const int words = kQuest8 ? o.d / 4 : o.d / 2;  // a part's minima, then as many maxima
+  const int first = kQuest8 ? o.quest8 : o.quest_min;
   while (pending != 0) {
     const WarpPass<kRecords> pass = NextWarpPass<kRecords>(pending, address, lane);
     float centre[kRecords * kHeads] = {}, spread[kRecords * kHeads] = {};
-    for (int w0 = 0; w0 < half; w0 += 128) {
-      __half2 lo[kRecords][4], hi[kRecords][4];  // zero past the part: adds 0
-      LoadPartWords(pass, o.quest_min, half, w0, lane, lo);
-      LoadPartWords(pass, o.quest_min + half, half, w0, lane, hi);
+    for (int w0 = 0; w0 < words; w0 += 128) {
+      Word lo[kRecords][4], hi[kRecords][4];  // zero past the part: adds 0
+      LoadPartWords(pass, first, words, w0, lane, lo);
+      LoadPartWords(pass, first + words, words, w0, lane, hi);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (w0 + 32 * j >= half) break;  // past the run: words of zeros
-        const int w = min(w0 + 32 * j + lane, half - 1);
-        __half2 l[kRecords], u[kRecords];
+        if (w0 + 32 * j >= words) break;  // past the run: words of zeros
+        const int w = min(w0 + 32 * j + lane, words - 1);
+        Word l[kRecords], u[kRecords];
 #pragma unroll
         for (int k = 0; k < kRecords; ++k) {
           l[k] = lo[k][j];
           u[k] = hi[k][j];
         }
         QuestCltAddWord<kRecords, kHeads>(l, u, q, heads, o.d, w, centre, spread);
-      }
-    }
-    DealSums<kRecords, kHeads>(centre, pass.mine, sums.centre, lane);
-    DealSums<kRecords, kHeads>(spread, pass.mine, sums.spread, lane);
-  }
-}
-
-// Code c (0-3) of a word of four int8 codes, lowest byte first, sign-extended
-// (the word stays one register: a char4 would take four).
-__device__ __forceinline__ int Code(int word, int c) { return (word << (24 - 8 * c)) >> 24; }
-
-// questclt's two sums over the quest8 part's codes (core/layout.h: d/4 words
-// of four int8 minima, then d/4 of maxima), as QuestCltSumsWarp: lane l reads
-// minimum word w and maximum word w (channels 4w … 4w + 3) for w = l, l + 32,
-// …; `q` [heads, d] holds the widened queries. The sums are in code units:
-// QuestCltScore applies the record's scale.
-template <int kHeads>
-__device__ inline void QuestClt8SumsWarp(const float* rec, const RecordOffsets& o, const float* q,
-                                         int heads, HeadSums& sums, int lane) {
-  constexpr int kRecords = kWarpRecords<kHeads, true>;
-  unsigned pending = __ballot_sync(kFullWarp, rec != nullptr);
-  const auto address = reinterpret_cast<unsigned long long>(rec);
-  const int quarter = o.d / 4;
-  while (pending != 0) {
-    const WarpPass<kRecords> pass = NextWarpPass<kRecords>(pending, address, lane);
-    float centre[kRecords * kHeads] = {}, spread[kRecords * kHeads] = {};
-    for (int w0 = 0; w0 < quarter; w0 += 128) {
-      int lo[kRecords][4], hi[kRecords][4];  // zero past the part: adds 0
-      LoadPartWords(pass, o.quest8, quarter, w0, lane, lo);
-      LoadPartWords(pass, o.quest8 + quarter, quarter, w0, lane, hi);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (w0 + 32 * j >= quarter) break;  // past the run: words of zeros
-        const int w = min(w0 + 32 * j + lane, quarter - 1);
-        // The word's four channels for every record, then per head one 16-byte load of q.
-        float sum[kRecords][4], width2[kRecords][4];
-#pragma unroll
-        for (int k = 0; k < kRecords; ++k) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int l = Code(lo[k][j], c), u = Code(hi[k][j], c);
-            sum[k][c] = static_cast<float>(l + u);
-            const float dw = static_cast<float>(u - l);
-            width2[k][c] = dw * dw;
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < kHeads; ++r) {
-          const float4 qv = reinterpret_cast<const float4*>(q + (r < heads ? r : 0) * o.d)[w];
-          const float half[4] = {0.5f * qv.x, 0.5f * qv.y, 0.5f * qv.z, 0.5f * qv.w};
-#pragma unroll
-          for (int k = 0; k < kRecords; ++k) {
-            float& a = centre[k * kHeads + r];
-            float& b = spread[k * kHeads + r];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              a = fmaf(half[c], sum[k][c], a);
-              b = fmaf(half[c] * half[c], width2[k][c], b);
-            }
-          }
-        }
       }
     }
     DealSums<kRecords, kHeads>(centre, pass.mine, sums.centre, lane);
