@@ -97,8 +97,14 @@ MASS_UNION_PLAN = QualityPlan(
     mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
     methods=("quest", "questclt", "oracle_mass_lag"), c2f_scorers=(), mass_union=True,
     estimators=("questlgn",))
+# Coarse-to-fine swept: coarse group sizes and candidate widths, both levels scored
+# with quest8's bound or questclt1, against questclt1 at g = 1 and 2 (lag 1).
+C2F_PLAN = QualityPlan(
+    group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(2, 4, 8, 16),
+    c2f_candidates=(1.5, 2.0, 3.0, 4.0, 6.0), methods=("quest8",), estimators=("questclt1",),
+    c2f_scorers=("quest8", "questclt1"))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
-         "massunion": MASS_UNION_PLAN}
+         "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
