@@ -13,6 +13,9 @@ the worst case with a typical case:
                  that sum above the centre. κ = 1 at d = 1 is quest itself; the score
                  grows with κ.
   questblend{α}  α·quest + (1 − α)·q·mid = q·mid + α·Σ|q_i| w_i (α = 1: quest).
+  meanclt{κ}     questclt{κ} centred on the group's mean key instead of the box's
+                 midpoint: q·μ + κ·sqrt(Σ_i q_i² w_i²). Reads the quest8 record and the
+                 mean key in int8 with its own scale (d + 4 more bytes: 3·d + 8).
   questlgn       log of the group's expected softmax mass per token, in score units
                  (× √d): with q·k ~ Normal(q·mid, s²) over the group's tokens and each
                  channel uniform on its range (s² = Σ q_i² w_i² / 3),
@@ -40,11 +43,16 @@ ESTIMATORS = ("questclt0", "questclt0.25", "questclt0.5", "questclt1", "questclt
               "questclt2", "questclt3", "questblend0.25", "questblend0.5", "questblend0.75",
               "questlgn")
 
-_NAME = re.compile(r"^(questclt|questblend)([0-9.]+)$|^questlgn$")
+_NAME = re.compile(r"^(questclt|questblend|meanclt)([0-9.]+)$|^questlgn$")
 
 
 def is_estimator(name: str) -> bool:
     return _NAME.match(name) is not None
+
+
+def reads_mean(name: str) -> bool:
+    """Whether the estimator reads the int8 mean key beside the quest8 record."""
+    return name.startswith("meanclt")
 
 
 def centre_and_spread(min8: F64, max8: F64) -> tuple[F64, F64]:
@@ -52,22 +60,25 @@ def centre_and_spread(min8: F64, max8: F64) -> tuple[F64, F64]:
     return 0.5 * (max8 + min8), 0.5 * (max8 - min8)
 
 
-def estimate(name: str, q: F32, min8: F64, max8: F64) -> F32:
+def estimate(name: str, q: F32, min8: F64, max8: F64, mean8: F64 | None = None) -> F32:
     """Scores [H, G] of the estimator `name` for q [H, d] over ranges [kv, G, d]
-    (GQA: head h reads KV head h // (H / kv))."""
+    (GQA: head h reads KV head h // (H / kv)); meanclt also reads mean8 [kv, G, d]."""
     m = _NAME.match(name)
     if m is None:
-        raise ValueError(f"estimator name={name!r} is not questclt<κ>, questblend<α> or questlgn")
+        raise ValueError(f"estimator name={name!r} is not questclt<κ>, questblend<α>, "
+                         "meanclt<κ> or questlgn")
     kind = m.group(1) or "questlgn"
     param = float(m.group(2)) if m.group(2) else 0.0
+    if kind == "meanclt" and mean8 is None:
+        raise ValueError(f"estimator {name!r} needs the group's mean key")
     h, d = q.shape
     r = h // min8.shape[0]
     mid, w = centre_and_spread(min8, max8)
     qd = q.astype(np.float64)
     out = np.empty((h, min8.shape[1]))
     for i in range(h):
-        centre = mid[i // r] @ qd[i]
-        if kind == "questclt":
+        centre = (mean8 if kind == "meanclt" else mid)[i // r] @ qd[i]  # type: ignore[index]
+        if kind in ("questclt", "meanclt"):
             out[i] = centre + param * np.sqrt((w[i // r] ** 2) @ (qd[i] ** 2))
         elif kind == "questblend":
             out[i] = centre + param * (w[i // r] @ np.abs(qd[i]))
@@ -93,7 +104,7 @@ class MomentTables:
         counts = np.minimum(gt, tokens - np.arange(G) * gt)[None, :, None]
         mean = kk.sum(axis=2) / counts
         var = np.maximum((kk**2).sum(axis=2) / counts - mean**2, 0.0)
-        self.mean, self.std = _int8(mean), _int8(np.sqrt(var))
+        self.mean, self.std = int8_per_group(mean), int8_per_group(np.sqrt(var))
         self.kv = kv
 
     def scores(self, q: F32) -> F32:
@@ -106,7 +117,7 @@ class MomentTables:
         return out.astype(np.float32)
 
 
-def _int8(x: F64) -> F64:
+def int8_per_group(x: F64) -> F64:
     """x [kv, G, d] rounded to int8 codes with one scale per (KV head, group), dequantised."""
     scale = np.abs(x).max(axis=2, keepdims=True) / 127.0
     scale = np.where(scale > 0, scale, 1.0)

@@ -103,8 +103,15 @@ C2F_PLAN = QualityPlan(
     group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(2, 4, 8, 16),
     c2f_candidates=(1.5, 2.0, 3.0, 4.0, 6.0), methods=("quest8",), estimators=("questclt1",),
     c2f_scorers=("quest8", "questclt1"))
+# questclt centred on the group's mean key (meanclt, d + 4 more bytes) against questclt1,
+# at g = 1 and 2 and as both levels of the best coarse-to-fine configurations.
+MEAN_PLAN = QualityPlan(
+    group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
+    c2f_candidates=(2.0, 3.0, 4.0), methods=("quest8",),
+    estimators=("questclt1", "meanclt0", "meanclt0.5", "meanclt1", "meanclt1.5"),
+    c2f_scorers=("questclt1", "meanclt0.5", "meanclt1"))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
-         "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN}
+         "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
@@ -121,6 +128,8 @@ def record_bytes(method: str, d: int) -> float:
         return 2.0 * d + 4.0
     if method == "questmid":
         return 6.0 * d  # quest fp16 plus the key sum in fp16
+    if estimators.reads_mean(method):
+        return 3.0 * d + 8.0  # quest8's record and the int8 mean key with its scale
     if estimators.is_estimator(method):
         return 2.0 * d + 4.0  # quest8's record
     if method == "momentlgn":
@@ -179,6 +188,7 @@ class QuestTables:
         counts = np.minimum(gt, tokens - np.arange(G) * gt)
         self.mean = np.pad(kk, ((0, 0), (0, pad), (0, 0))).reshape(kv, G, gt, d).sum(axis=2)
         self.mean /= counts[None, :, None]
+        self.mean8 = estimators.int8_per_group(self.mean)  # meanclt's centre
         assert np.all(self.min8 <= kmin) and np.all(self.max8 >= kmax)
         self.kv = kv
 
@@ -190,7 +200,7 @@ class QuestTables:
         """Scores [H, G] of an eps_eval.estimators estimator from the same int8 record."""
         if name == "quest8":
             return self.scores(q)
-        return estimators.estimate(name, q, self.min8, self.max8)
+        return estimators.estimate(name, q, self.min8, self.max8, self.mean8)
 
     def mean_scores(self, q: F32) -> F32:
         """q·k̄ [H, G]: the mean key's score, a lower bound of max_i q·k_i (key_sum / count)."""
@@ -419,15 +429,16 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
             suffix = "" if scorer == "quest8" else f"-{scorer}"
             for gc in plan.c2f_coarse:
                 rows += _c2f_rows(workload, dn, q8[gc].estimate(scorer, q), fine, gc, lag, plan,
-                                  kvh, d, suffix)
+                                  kvh, record_bytes(scorer, d), suffix)
     return rows
 
 
 def _c2f_rows(workload: dict[str, object], dn: Dense, coarse: F32, fine: F32, gc: int, lag: int,
-              plan: QualityPlan, kvh: int, d: int, suffix: str = "") -> list[dict[str, object]]:
+              plan: QualityPlan, kvh: int, rb: float, suffix: str = "") -> list[dict[str, object]]:
+    """Rows of coarse-to-fine selection; rb: the scorer's record bytes per (group, KV head),
+    the same at both levels."""
     Gc = coarse.shape[1]
     nb = fine.shape[1]
-    rb = record_bytes("quest8", d)
     out: list[dict[str, object]] = []
     for cand in plan.c2f_candidates:
         masks, bytes_per_block, params = [], [], []

@@ -97,3 +97,33 @@ def test_an_unknown_estimator_is_refused() -> None:
     with pytest.raises(ValueError, match="questfoo"):
         estimators.estimate("questfoo", np.zeros((1, 4), np.float32), np.zeros((1, 1, 4)),
                             np.zeros((1, 1, 4)))
+
+
+def test_meanclt_is_questclt_moved_from_the_midpoint_to_the_mean(rng: np.random.Generator) -> None:
+    # Same spread term; only the centre differs: meanclt − questclt = q·(mean8 − mid).
+    t, q = _tables(rng, 64, 2)
+    mid = 0.5 * (t.min8 + t.max8)
+    shift = np.stack([(t.mean8[i // 2] - mid[i // 2]) @ q[i].astype(np.float64) for i in range(4)])
+    np.testing.assert_allclose(t.estimate("meanclt1", q) - t.estimate("questclt1", q), shift,
+                               rtol=1e-4, atol=1e-2)
+
+
+def test_meanclt_of_one_repeated_key_scores_that_key(rng: np.random.Generator) -> None:
+    # A group of one key repeated has no spread: its score is q·key up to int8 rounding.
+    d = 32
+    key = rng.standard_normal(d).astype(np.float32)
+    k = np.broadcast_to(key, (1, 3 * BLOCK, d)).copy()
+    q = rng.standard_normal((2, d)).astype(np.float32)
+    est = quality.QuestTables(k, 3 * BLOCK, 1).estimate("meanclt1", q)
+    np.testing.assert_allclose(est, np.repeat((q @ key)[:, None], 3, axis=1),
+                               atol=3 * np.abs(q).sum() * np.abs(key).max() / 127)
+
+
+def test_meanclt_costs_the_mean_beside_quest8() -> None:
+    assert quality.record_bytes("meanclt1", 256) == quality.record_bytes("quest8", 256) + 256 + 4
+
+
+def test_meanclt_without_the_mean_is_refused() -> None:
+    with pytest.raises(ValueError, match="mean key"):
+        estimators.estimate("meanclt1", np.zeros((1, 4), np.float32), np.zeros((1, 1, 4)),
+                            np.zeros((1, 1, 4)))
