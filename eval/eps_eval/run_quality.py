@@ -1,5 +1,5 @@
 """Issue 19's evaluation: `python -m eps_eval.run_quality --out=DIR [--synthetic=8192,...]
-[--real-context=N --real-layers=0,5,...] [--steps=N] [--plan=full|estimators]`.
+[--real-context=N --real-layers=0,5,...] [--steps=N] [--plan=full|estimators|mass|massunion|c2f|meancentre]`.
 
 Same unit files as eps_eval.run (one CSV + JSON per synthetic layer or real layer,
 skipped when present); the rows come from eps_eval.quality.step_rows. The report
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
                          "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
                          "massunion: quality.MASS_UNION_PLAN (mass plus the list-level mass "
-                         "budget and the exact lag-1 mass)")
+                         "budget and the exact lag-1 mass); c2f: quality.C2F_PLAN (coarse-to-"
+                         "fine swept); meancentre: quality.MEAN_PLAN (questclt centred on the "
+                         "mean key)")
     ap.add_argument("--quest8-scale", choices=QUEST8_SCALES, default="fp32",
                     help="quest8's scale per group: fp32 (max |k| / 127) or pow2 (rounded up to "
                          "a power of two, as a writer that sees keys one at a time would keep it)")
