@@ -26,13 +26,15 @@ from eps_client import ModelLayout, SelectOptions, SummaryFeatures
 
 def _layout(model: Model, args: argparse.Namespace) -> ModelLayout:
     # questclt (the default method) and quest need the per-channel min/max in the records;
-    # with --quest8 questclt reads their 8-bit copy instead (half the bytes)
+    # with --quest8 questclt reads their 8-bit copy instead (half the bytes); with
+    # --quest8-only the records hold that copy alone (method=quest is then refused)
+    only8 = getattr(args, "quest8_only", False)
     return ModelLayout(num_layers=model.c.num_layers, num_q_heads=model.c.num_q_heads,
                        num_kv_heads=model.c.num_kv_heads, head_dim=model.c.head_dim,
                        block_size=16, group_blocks=args.group_blocks,
                        sketch_dim=args.sketch_dim, phi_seed=0x5EED, kv_dtype="bfloat16",
-                       features=SummaryFeatures(key_sum=True, quest=True,
-                                                quest8=args.quest8))
+                       features=SummaryFeatures(key_sum=not only8, quest=not only8,
+                                                quest8=args.quest8 or only8))
 
 
 def _engine(model: Model, args: argparse.Namespace, batch: int, max_context: int,

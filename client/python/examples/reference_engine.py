@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sketch-dim", type=int, default=8)
     ap.add_argument("--quest8", action="store_true",
                     help="records also hold the quest8 part, which questclt then reads")
+    ap.add_argument("--quest8-only", action="store_true",
+                    help="records hold the quest8 part and no key_sum or binary16 quest part "
+                         "(432 bytes at d = 128 instead of 1,184; method=quest is then refused)")
     ap.add_argument("--passkeys", type=int, default=20)
     ap.add_argument("--deadline-ms", type=float, default=50.0)
     ap.add_argument("--watchdog-ms", type=float, default=200.0)
