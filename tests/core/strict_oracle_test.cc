@@ -39,11 +39,13 @@ OracleCase RandomCase(std::mt19937_64& rng) {
   m.features.key_sum = rng() % 4 != 0;
   m.features.principal = rng() % 2;
   m.features.quest = rng() % 2;
+  m.features.quest8 = rng() % 2;  // records with it, or of it alone, bracket the same way
   c.tokens = 1 + static_cast<int64_t>(rng() % 400);  // partial last groups, tiny contexts
   c.needles = static_cast<int>(rng() % 5);
   c.policy.strict = true;
-  // quest needs its record part; without it the case exercises jl (SelectPolicy::Validate).
-  if (!m.features.quest) c.policy.method = Method::kJl;
+  // quest needs its record part; without it the case exercises questclt over quest8 where
+  // the records hold that part, else jl (SelectPolicy::Validate).
+  if (!m.features.quest) c.policy.method = m.features.quest8 ? Method::kQuestClt : Method::kJl;
   c.policy.first_n = static_cast<int>(rng() % 3);
   c.policy.last_n = static_cast<int>(rng() % 3);
   c.policy.top_pages = 1 + static_cast<int>(rng() % 12);

@@ -48,6 +48,7 @@ TEST(GpuStrictOracleTest, StrictModeReturnsSupersetOfTrueTopMOnTheDevice) {
     m.features.key_sum = rng() % 4 != 0;
     m.features.principal = rng() % 2;
     m.features.quest = rng() % 2;
+    m.features.quest8 = rng() % 2;  // records with it, or of it alone, bracket the same way
     const int64_t tokens = 1 + static_cast<int64_t>(rng() % 400);
     const int needles = static_cast<int>(rng() % 5);
     SelectPolicy policy;
