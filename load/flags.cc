@@ -17,6 +17,9 @@ ABSL_FLAG(int, eps_group_blocks, 0, "blocks per summary group g (0: the preset's
 ABSL_FLAG(int, eps_dim, 0, "sketch dimension m (0: the preset's, 8)");
 ABSL_FLAG(bool, quest8, false,
           "records also hold the quest8 part, which questclt then reads (docs/summaries.md)");
+ABSL_FLAG(bool, quest8_only, false,
+          "records hold the quest8 part and not quest's 16-bit part: questclt's smallest record "
+          "(docs/summaries.md); method=quest is then refused");
 ABSL_FLAG(eps::cli::Size, batch, {8}, "sequences per SelectPages call, in [1, 4k]");
 ABSL_FLAG(eps::load::ContextDistribution, context, {},
           "tokens per sequence: N, Nk or uniform:LO-HI (drawn per call)");

@@ -21,6 +21,7 @@ ABSL_DECLARE_FLAG(int, block_size);
 ABSL_DECLARE_FLAG(int, eps_group_blocks);
 ABSL_DECLARE_FLAG(int, eps_dim);
 ABSL_DECLARE_FLAG(bool, quest8);
+ABSL_DECLARE_FLAG(bool, quest8_only);
 ABSL_DECLARE_FLAG(eps::cli::Size, batch);
 ABSL_DECLARE_FLAG(eps::load::ContextDistribution, context);
 ABSL_DECLARE_FLAG(absl::Duration, duration);

@@ -185,7 +185,8 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   RETURN_IF_ERROR(Override(FLAGS_block_size, &c.model.block_size));
   RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, &c.model.group_blocks));
   RETURN_IF_ERROR(Override(FLAGS_eps_dim, &c.model.sketch_dim));
-  c.model.features.quest8 = absl::GetFlag(FLAGS_quest8);
+  c.model.features.quest8 = absl::GetFlag(FLAGS_quest8) || absl::GetFlag(FLAGS_quest8_only);
+  if (absl::GetFlag(FLAGS_quest8_only)) c.model.features.quest = false;
   RETURN_IF_ERROR(c.model.Validate());
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_batch, 1, 4096, &c.batch));
   c.context = absl::GetFlag(FLAGS_context);

@@ -31,6 +31,11 @@ TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
   EXPECT_EQ(ParseFlags({"--sketch-dim=4"})->model.sketch_dim, 4);
   EXPECT_FALSE(c.model.features.quest8);
   EXPECT_TRUE(ParseFlags({"--quest8"})->model.features.quest8);
+  EXPECT_TRUE(ParseFlags({"--quest8"})->model.features.quest);
+  const LoadConfig only8 = *ParseFlags({"--quest8-only"});
+  EXPECT_TRUE(only8.model.features.quest8);
+  EXPECT_FALSE(only8.model.features.quest);
+  EXPECT_FALSE(only8.model.features.key_sum);
   EXPECT_FALSE(ParseFlags({"--batch=abc"}).ok());
   EXPECT_TRUE(ParseFlags({"--version"})->version);
 }
