@@ -135,9 +135,9 @@ def _fold_quest8(flat: Any, part: int, d: int, rows: Any, k: Any) -> None:
     scale = flat[uniq, part + d // 2]
     grow = amax > 127.0 * scale
     new = torch.where(grow, _scale_for(amax), scale)
-    codes = flat.view(torch.int8)[uniq]  # [u, 4W], a copy
-    lo = codes[:, 4 * part : 4 * part + d].to(torch.int32)
-    hi = codes[:, 4 * part + d : 4 * part + 2 * d].to(torch.int32)
+    raw = flat.view(torch.int8)  # [slots*L*H, 4W]
+    lo = raw[uniq, 4 * part : 4 * part + d].to(torch.int32)
+    hi = raw[uniq, 4 * part + d : 4 * part + 2 * d].to(torch.int32)
     old = scale > 0
     ratio = torch.where(old & grow, new.double() / torch.where(old, scale, 1.0).double(),
                         torch.ones_like(new, dtype=torch.float64))[:, None]
@@ -148,9 +148,8 @@ def _fold_quest8(flat: Any, part: int, d: int, rows: Any, k: Any) -> None:
                     torch.zeros_like(k))
     lo.scatter_reduce_(0, inv[:, None].expand(-1, d), torch.floor(x).to(torch.int32), "amin")
     hi.scatter_reduce_(0, inv[:, None].expand(-1, d), torch.ceil(x).to(torch.int32), "amax")
-    codes[:, 4 * part : 4 * part + d] = lo.to(torch.int8)
-    codes[:, 4 * part + d : 4 * part + 2 * d] = hi.to(torch.int8)
-    flat.view(torch.int8)[uniq] = codes
+    raw[uniq, 4 * part : 4 * part + d] = lo.to(torch.int8)
+    raw[uniq, 4 * part + d : 4 * part + 2 * d] = hi.to(torch.int8)
     flat[uniq, part + d // 2] = new
 
 
