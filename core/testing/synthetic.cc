@@ -208,7 +208,7 @@ void StepBuffers::FillRandomSummaries(uint64_t seed) {
         hi[i] = FloatToHalfUp(uniform(rng));
       }
     }
-    if (layout_.quest8 >= 0) {  // the same range in codes of a scale 1/127
+    if (layout_.quest8 >= 0) {  // the same range, in codes of the power-of-two scale 1/128
       int8_t* lo = reinterpret_cast<int8_t*>(rec + layout_.quest8);
       int8_t* hi = lo + model_.head_dim;
       for (int i = 0; i < model_.head_dim; ++i) {
