@@ -411,6 +411,16 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
     p.method = eps::Method::kQuest;
     p.budget = eps::Budget::kMass;
   });
+  add("quest mass 0.95 list", quest, [](eps::SelectPolicy& p) {
+    p.method = eps::Method::kQuest;
+    p.budget = eps::Budget::kMass;
+    p.mass_scope = eps::MassScope::kList;
+  });
+  add("questclt mass 0.95 list", quest, [](eps::SelectPolicy& p) {
+    p.method = eps::Method::kQuestClt;
+    p.budget = eps::Budget::kMass;
+    p.mass_scope = eps::MassScope::kList;
+  });
   add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
   std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
               static_cast<long long>(context));

@@ -29,6 +29,8 @@ const char* GranularityName(Granularity granularity) {
   return granularity == Granularity::kUnion ? "union" : "per_kv_head";
 }
 
+const char* MassScopeName(MassScope scope) { return scope == MassScope::kHead ? "head" : "list"; }
+
 absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (!(alpha >= 1.0f) || !std::isfinite(alpha)) {
     return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " must be finite and >= 1"));
@@ -100,12 +102,12 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
 }
 
 std::string SelectPolicy::DebugString() const {
-  return absl::StrCat("method=", MethodName(method), " alpha=", alpha, " first_n=", first_n,
-                      " last_n=", last_n, " top_pages=", top_pages, " strict=", strict,
-                      " heads=", HeadModeName(heads), " budget=", BudgetName(budget),
-                      " top_p=", top_p, " mass_target=", mass_target,
-                      " mass_temperature=", mass_temperature, " min_pages=", min_pages,
-                      " max_pages=", max_pages, " granularity=", GranularityName(granularity));
+  return absl::StrCat(
+      "method=", MethodName(method), " alpha=", alpha, " first_n=", first_n, " last_n=", last_n,
+      " top_pages=", top_pages, " strict=", strict, " heads=", HeadModeName(heads),
+      " budget=", BudgetName(budget), " top_p=", top_p, " mass_target=", mass_target,
+      " mass_temperature=", mass_temperature, " min_pages=", min_pages, " max_pages=", max_pages,
+      " mass_scope=", MassScopeName(mass_scope), " granularity=", GranularityName(granularity));
 }
 
 void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit) {
@@ -181,24 +183,36 @@ void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, fl
   }
 }
 
-void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, float target,
-                float temperature, int head_dim, int min_pages, int max_pages,
-                std::span<uint8_t> visit) {
+namespace {
+
+// w_p = exp((s_p − s_max)·inv_scale) over one head's scores; 0 for an empty
+// group (score −∞) and for every group when all are empty. Returns W = Σ w.
+double HeadMasses(std::span<const float> scores, double inv_scale, std::vector<double>& mass) {
   const int64_t n = static_cast<int64_t>(scores.size());
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t p = 0; p < n; ++p) top = std::max(top, scores[p]);
-  // Scores are bounds or estimates of a group's largest q·k; divided by
-  // τ·sqrt(d) they stand in for its largest logit. Every group counts in the
-  // total, so the sinks' and recent groups' mass is credited to the target.
-  const double inv_scale = 1.0 / (static_cast<double>(temperature) * std::sqrt(head_dim));
-  std::vector<double> mass(n, 0.0);
+  mass.assign(n, 0.0);
   double total = 0.0;
-  double covered = 0.0;
-  std::vector<int64_t> order;
   for (int64_t p = 0; p < n; ++p) {
     if (std::isfinite(top) && scores[p] > -std::numeric_limits<float>::infinity()) {
       mass[p] = std::exp((static_cast<double>(scores[p]) - top) * inv_scale);
     }
+    total += mass[p];
+  }
+  return total;
+}
+
+// The mass budget's walk, shared by both scopes: covered C starts at the forced
+// groups' mass; unforced groups by decreasing mass (ties to the more recent
+// group), the first min_pages always, then one more while C < target·Σ mass,
+// never more than max_pages in all (0: no ceiling).
+void TakeByMass(std::span<const double> mass, std::span<const uint8_t> forced, float target,
+                int min_pages, int max_pages, std::span<uint8_t> visit) {
+  const int64_t n = static_cast<int64_t>(mass.size());
+  double total = 0.0;
+  double covered = 0.0;
+  std::vector<int64_t> order;
+  for (int64_t p = 0; p < n; ++p) {
     total += mass[p];
     if (forced[p]) {
       covered += mass[p];
@@ -206,7 +220,6 @@ void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, 
       order.push_back(p);
     }
   }
-  // Decreasing mass; ties to the more recent (higher-index) group.
   std::sort(order.begin(), order.end(),
             [&](int64_t a, int64_t b) { return mass[a] != mass[b] ? mass[a] > mass[b] : a > b; });
   const int64_t ceiling = max_pages > 0
@@ -218,6 +231,40 @@ void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, 
     visit[order[i]] = 1;
     covered += mass[order[i]];
   }
+}
+
+double MassInvScale(float temperature, int head_dim) {
+  return 1.0 / (static_cast<double>(temperature) * std::sqrt(head_dim));
+}
+
+}  // namespace
+
+void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, float target,
+                float temperature, int head_dim, int min_pages, int max_pages,
+                std::span<uint8_t> visit) {
+  // Scores are bounds or estimates of a group's largest q·k; divided by
+  // τ·sqrt(d) they stand in for its largest logit. Every group counts in the
+  // total, so the sinks' and recent groups' mass is credited to the target.
+  std::vector<double> mass;
+  HeadMasses(scores, MassInvScale(temperature, head_dim), mass);
+  TakeByMass(mass, forced, target, min_pages, max_pages, visit);
+}
+
+void MarkByMassList(std::span<const std::span<const float>> head_scores,
+                    std::span<const uint8_t> forced, float target, float temperature, int head_dim,
+                    int min_pages, int max_pages, std::span<uint8_t> visit) {
+  if (head_scores.empty()) return;
+  const size_t n = forced.size();
+  const double inv_scale = MassInvScale(temperature, head_dim);
+  std::vector<double> share(n, 0.0);
+  std::vector<double> mass;
+  for (std::span<const float> scores : head_scores) {
+    const double total = HeadMasses(scores, inv_scale, mass);
+    if (!(total > 0.0)) continue;
+    for (size_t p = 0; p < n; ++p) share[p] += mass[p] / total;
+  }
+  for (double& s : share) s = static_cast<double>(static_cast<float>(s));
+  TakeByMass(share, forced, target, min_pages, max_pages, visit);
 }
 
 void MarkFixedBudget(std::span<const std::span<const float>> head_scores,

@@ -26,6 +26,11 @@ enum class HeadMode { kAll, kRetrieval };
 //   the whole context's attention mass, forced groups included, reaches
 //   mass_target; at least min_pages and at most max_pages unforced groups.
 enum class Budget { kThreshold, kFixed, kTopP, kMass };
+// With kMass: kHead gives every scored head of a list the target share of its own
+// estimated mass (MarkByMass, then the union); kList gives the list the target
+// share of its heads' mean estimated mass (MarkByMassList): a group one head needs
+// counts for all of them, so a union list keeps fewer groups for the same estimate.
+enum class MassScope { kHead, kList };
 // kUnion: one visit list per (sequence, layer), the union over heads.
 // kPerKvHead: one visit list per (sequence, layer, KV head).
 enum class Granularity { kUnion, kPerKvHead };
@@ -33,6 +38,7 @@ enum class Granularity { kUnion, kPerKvHead };
 const char* HeadModeName(HeadMode mode);
 const char* BudgetName(Budget budget);
 const char* GranularityName(Granularity granularity);
+const char* MassScopeName(MassScope scope);
 
 struct SelectPolicy {
   // questclt: the best ranking of real keys from quest's record (docs/policy.md,
@@ -51,8 +57,9 @@ struct SelectPolicy {
   // With kMass (defaults chosen by the evaluation, docs/eval/README.md):
   float mass_target = 0.95f;      // p, in (0, 1]
   float mass_temperature = 1.0f;  // τ, in (0, 1000]: logit estimate = score / (τ·sqrt(d))
-  int min_pages = 0;              // floor: unforced groups always added per head, ≥ 0
-  int max_pages = 0;              // ceiling: unforced groups per head at most; 0 = none
+  int min_pages = 0;              // floor: unforced groups always added per head (list), ≥ 0
+  int max_pages = 0;              // ceiling: unforced groups per head (list) at most; 0 = none
+  MassScope mass_scope = MassScope::kHead;
   Granularity granularity = Granularity::kUnion;
 
   absl::Status Validate(const ModelLayout& model) const;
@@ -93,6 +100,18 @@ void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, fl
 void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, float target,
                 float temperature, int head_dim, int min_pages, int max_pages,
                 std::span<uint8_t> visit);
+
+// Mass budget over the heads of one output list (mass_scope = list; docs/policy.md,
+// "Mass budget"). Each head's w_p as in MarkByMass, over its own total W_h; a
+// group's share σ_p = Σ_h w_hp / W_h over the heads with W_h > 0, rounded to
+// float (the device keeps shares in 4 bytes), S = Σ σ. Covered C starts at the
+// forced groups' σ. Unforced groups are taken by decreasing σ (ties: the more
+// recent group first): the first min_pages always, then one more while
+// C < target·S, never more than max_pages (0: no ceiling). A list without
+// heads takes nothing beyond its forced groups.
+void MarkByMassList(std::span<const std::span<const float>> head_scores,
+                    std::span<const uint8_t> forced, float target, float temperature, int head_dim,
+                    int min_pages, int max_pages, std::span<uint8_t> visit);
 
 // Fixed budget over several heads: ranks the unforced groups by their best rank
 // over `head_scores` (ties to the more recent group) and marks the first

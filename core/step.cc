@@ -153,7 +153,8 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
           v = forced;
         }
       }
-      std::vector<std::vector<std::span<const float>>> fixed(lists);
+      // The heads' scores of each list, for the budgets that mark a list at once.
+      std::vector<std::vector<std::span<const float>>> listed(lists);
       int scored_kv_heads = 0;
       for (int kvh = 0; kvh < kv_heads && policy.method != Method::kOff; ++kvh) {
         std::vector<uint8_t>& target = visit[per_head ? kvh : 0];
@@ -207,22 +208,29 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
               MarkTopP(scores, forced, policy.top_p, d, target);
               break;
             case Budget::kMass:
-              MarkByMass(scores, forced, policy.mass_target, policy.mass_temperature, d,
-                         policy.min_pages, policy.max_pages, target);
-              break;
+              if (policy.mass_scope == MassScope::kHead) {
+                MarkByMass(scores, forced, policy.mass_target, policy.mass_temperature, d,
+                           policy.min_pages, policy.max_pages, target);
+                break;
+              }
+              [[fallthrough]];  // list scope: marked per list below, as the fixed budget
             case Budget::kFixed:
               head_scores[h] = scores;
-              fixed[per_head ? kvh : 0].push_back(head_scores[h]);
+              listed[per_head ? kvh : 0].push_back(head_scores[h]);
               break;
           }
         }
         scored_kv_heads += kv_head_scored;
       }
-      if (policy.budget == Budget::kFixed && policy.method != Method::kOff) {
+      if (policy.method != Method::kOff) {
         for (int list = 0; list < lists; ++list) {
           // Lists without a scored head (heads=retrieval) keep sinks + recent only.
-          if (!fixed[list].empty()) {
-            MarkFixedBudget(fixed[list], forced, policy.top_pages, visit[list]);
+          if (listed[list].empty()) continue;
+          if (policy.budget == Budget::kFixed) {
+            MarkFixedBudget(listed[list], forced, policy.top_pages, visit[list]);
+          } else if (policy.budget == Budget::kMass) {
+            MarkByMassList(listed[list], forced, policy.mass_target, policy.mass_temperature, d,
+                           policy.min_pages, policy.max_pages, visit[list]);
           }
         }
       }

@@ -297,12 +297,14 @@ int eps_eval_mark(int64_t n, int q_heads, int kv_heads, const float* scores, int
   return 0;
 }
 
-// Mass budget (core MarkByMass) from scores [q_heads, n], OR-ed per list, for
-// each target of `targets`: out [n_targets, lists, n].
+// Mass budget from scores [q_heads, n] for each target of `targets`: out
+// [n_targets, lists, n]. Head scope (core MarkByMass): each head's marks OR-ed
+// into its list; list scope (list_scope != 0, core MarkByMassList): one walk
+// over each list's heads.
 int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores, int first_n,
                        int last_n, const float* targets, int n_targets, float temperature,
-                       int head_dim, int min_pages, int max_pages, int per_kv_head, uint8_t* out,
-                       char* err, int err_len) {
+                       int head_dim, int min_pages, int max_pages, int per_kv_head, int list_scope,
+                       uint8_t* out, char* err, int err_len) {
   eps::SelectPolicy policy;
   policy.first_n = first_n;
   policy.last_n = last_n;
@@ -314,17 +316,34 @@ int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores
     return Fail(absl::InvalidArgumentError("bad shape for eps_eval_mark_mass"), err, err_len);
   }
   const int lists = per_kv_head ? kv_heads : 1;
+  const int heads_per_list = q_heads / lists;
   std::vector<uint8_t> forced(n, 0);
   eps::MarkForced(policy, forced);
+  auto head = [&](int h) {
+    return std::span<const float>(scores + static_cast<size_t>(h) * n, static_cast<size_t>(n));
+  };
   for (int i = 0; i < n_targets; ++i) {
     policy.mass_target = targets[i];
     if (absl::Status s = policy.Validate(eps::ModelLayout{}); !s.ok()) return Fail(s, err, err_len);
-    eps::eval::MarkLists(
-        n, q_heads, kv_heads, per_kv_head, forced, out + static_cast<size_t>(i) * lists * n,
-        [&](int h, std::span<uint8_t> visit) {
-          eps::MarkByMass({scores + static_cast<size_t>(h) * n, static_cast<size_t>(n)}, forced,
-                          targets[i], temperature, head_dim, min_pages, max_pages, visit);
-        });
+    uint8_t* out_i = out + static_cast<size_t>(i) * lists * n;
+    if (list_scope == 0) {
+      eps::eval::MarkLists(n, q_heads, kv_heads, per_kv_head, forced, out_i,
+                           [&](int h, std::span<uint8_t> visit) {
+                             eps::MarkByMass(head(h), forced, targets[i], temperature, head_dim,
+                                             min_pages, max_pages, visit);
+                           });
+      continue;
+    }
+    for (int list = 0; list < lists; ++list) {
+      std::vector<std::span<const float>> heads;
+      for (int h = list * heads_per_list; h < (list + 1) * heads_per_list; ++h) {
+        heads.push_back(head(h));
+      }
+      const std::span<uint8_t> visit(out_i + static_cast<size_t>(list) * n, n);
+      std::copy(forced.begin(), forced.end(), visit.begin());
+      eps::MarkByMassList(heads, forced, targets[i], temperature, head_dim, min_pages, max_pages,
+                          visit);
+    }
   }
   return 0;
 }

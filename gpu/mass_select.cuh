@@ -1,6 +1,6 @@
-// The mass budget on the device (core MarkByMass, docs/policy.md "Mass
-// budget"): one warp finds one head's cut for the selection kernel
-// (gpu/select_kernel.cuh).
+// The mass budget on the device (core MarkByMass and MarkByMassList,
+// docs/policy.md "Mass budget"): one warp finds one head's cut, or one list's
+// cut over its heads' shares, for the selection kernel (gpu/select_kernel.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,48 +40,40 @@ __device__ inline bool MassTaken(unsigned key, int p, unsigned cut_key, int cut_
 constexpr unsigned kMassNoneKey = 0xFFFFFFFFu;
 constexpr int kMassNoneTie = INT_MAX;
 
-// core MarkByMass for one head. Over all n groups w_p = exp((s_p − s_max)·inv_scale),
-// W = Σ w, C = Σ over the forced groups. The unforced groups, in the order of
-// MassKey, are taken while C plus their mass stays short of target·W (k0 of
-// them), then k = min(ceiling, max(min_pages, k0)) are taken. Returns the
-// head's largest score (for MassKey) and the cut as (key, tie): an unforced
-// group p is taken when MassTaken(MassKey(s_p, top, ...), p, key, tie).
-// Masses are summed in double in another order than core/'s (and the bins with
-// atomics), so the k0-th group may differ from core/'s when its partial sum
-// sits within rounding of target·W; the floor and ceiling are exact counts.
-// `counts` is [256] and `masses` [256], the warp's own.
-__device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
-                                   double* masses, int lane, float* top_out, unsigned* cut_key,
-                                   int* cut_tie) {
-  auto unforced = [&](int p) { return !IsForced(p, n, rule.first_n, rule.last_n); };
+// One head's largest score and total mass W = Σ_p w_p, w_p = exp((s_p − s_max)·
+// inv_scale) (0 for a group whose MassKey is 0), to every lane of the warp.
+__device__ inline void WarpHeadMass(const float* sc, int n, double inv_scale, int lane,
+                                    float* top_out, double* total_out) {
   float top = -INFINITY;
   for (int p = lane; p < n; p += 32) top = fmaxf(top, sc[p]);
   for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xFFFFFFFFu, top, o));
-  *top_out = top;
-  const double inv_scale = rule.mass_inv_scale;
-  auto key = [=](int p) { return MassKey(sc[p], top, inv_scale); };
-  auto mass = [&](int p, unsigned k) {
-    return k != 0
-               ? exp((static_cast<double>(sc[p]) - static_cast<double>(top)) * rule.mass_inv_scale)
-               : 0.0;
-  };
-  double total = 0.0, covered = 0.0;
-  unsigned local_unforced = 0;
+  double total = 0.0;
   for (int p = lane; p < n; p += 32) {
-    const double w = mass(p, key(p));
-    total += w;
-    if (unforced(p)) {
-      ++local_unforced;
-    } else {
-      covered += w;
+    if (MassKey(sc[p], top, inv_scale) != 0) {
+      total += exp((static_cast<double>(sc[p]) - static_cast<double>(top)) * inv_scale);
     }
   }
-  for (int o = 16; o > 0; o /= 2) {
-    total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
-    covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
-  }
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+  *top_out = top;
+  *total_out = total;
+}
+
+// core TakeByMass for one warp: the unforced groups, in the order of key(p)
+// (larger first, ties to the higher group index), are taken while `covered`
+// (the forced groups' mass) plus their mass(p, key) stays short of goal (k0 of
+// them), then k = min(ceiling, max(min_pages, k0)) are taken. Returns the cut
+// as (key, tie): an unforced group p is taken when MassTaken(key(p), p, key,
+// tie). Masses are summed in double in another order than core/'s (and the bins
+// with atomics), so the k0-th group may differ from core/'s when its partial sum
+// sits within rounding of the goal; the floor and ceiling are exact counts.
+// `counts` is [256] and `masses` [256], the warp's own.
+template <class Unforced, class Key, class Mass>
+__device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, double covered,
+                             double goal, const SelectRule& rule, unsigned* counts, double* masses,
+                             int lane, unsigned* cut_key, int* cut_tie) {
+  unsigned local_unforced = 0;
+  for (int p = lane; p < n; p += 32) local_unforced += unforced(p);
   const unsigned u = __reduce_add_sync(0xFFFFFFFFu, local_unforced);
-  const double goal = static_cast<double>(rule.mass_target) * total;
 
   // k0: the groups taken before the covered mass reaches the goal. A radix walk
   // over the keys from the top finds the key where C plus the mass above and
@@ -180,6 +172,55 @@ __device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rul
   }
   *cut_key = kth;
   *cut_tie = kth_tie;
+}
+
+// core MarkByMass for one head: w_p as in WarpHeadMass, goal = target·W, the
+// order of MassKey. Returns the head's largest score (for MassKey) and the cut.
+__device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
+                                   double* masses, int lane, float* top_out, unsigned* cut_key,
+                                   int* cut_tie) {
+  const double inv_scale = rule.mass_inv_scale;
+  float top;
+  double total;
+  WarpHeadMass(sc, n, inv_scale, lane, &top, &total);
+  *top_out = top;
+  auto unforced = [&](int p) { return !IsForced(p, n, rule.first_n, rule.last_n); };
+  auto key = [=](int p) { return MassKey(sc[p], top, inv_scale); };
+  auto mass = [=](int p, unsigned k) {
+    return k != 0 ? exp((static_cast<double>(sc[p]) - static_cast<double>(top)) * inv_scale) : 0.0;
+  };
+  double covered = 0.0;
+  for (int p = lane; p < n; p += 32) {
+    if (!unforced(p)) covered += mass(p, key(p));
+  }
+  for (int o = 16; o > 0; o /= 2) covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
+  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(rule.mass_target) * total, rule,
+               counts, masses, lane, cut_key, cut_tie);
+}
+
+// A group's key in core MarkByMassList's order: its share's ordered key, 0 for
+// a share of 0 (all tie, as empty groups do per head).
+__device__ inline unsigned ShareKey(float share) { return share > 0.0f ? OrderedKey(share) : 0u; }
+
+// core MarkByMassList's walk for one list, from the groups' shares σ (float,
+// [n]): goal = target·Σσ, the order of ShareKey.
+__device__ inline void WarpListMassCut(const float* share, int n, const SelectRule& rule,
+                                       unsigned* counts, double* masses, int lane,
+                                       unsigned* cut_key, int* cut_tie) {
+  auto unforced = [&](int p) { return !IsForced(p, n, rule.first_n, rule.last_n); };
+  auto key = [=](int p) { return ShareKey(share[p]); };
+  auto mass = [=](int p, unsigned) { return static_cast<double>(share[p]); };
+  double total = 0.0, covered = 0.0;
+  for (int p = lane; p < n; p += 32) {
+    total += share[p];
+    if (!unforced(p)) covered += share[p];
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+    covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
+  }
+  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(rule.mass_target) * total, rule,
+               counts, masses, lane, cut_key, cut_tie);
 }
 
 }  // namespace eps::gpu::kernels

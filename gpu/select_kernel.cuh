@@ -52,6 +52,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ int head_tie[256];
   __shared__ unsigned counts[kWarps * 32];
   __shared__ unsigned histograms[kWarps][256];
+  __shared__ bool list_any_head;  // mass, list scope: the list's cut and whether a head is scored
+  __shared__ unsigned list_key;
+  __shared__ int list_tie;
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
   // blockIdx.x = layer * lists + list; a list unions the query heads of one KV
   // head (per-KV-head output) or of all of them (union).
@@ -179,8 +182,61 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     } else if constexpr (kBudget == Budget::kTopP || kBudget == Budget::kMass) {
       __shared__ double masses[kWarps][256];
-      for (int h = first_head + warp; h < first_head + heads_per_list && !rule.method_off;
-           h += warps) {
+      bool per_head = true;
+      if constexpr (kBudget == Budget::kMass) per_head = !rule.mass_list;
+      if constexpr (kBudget == Budget::kMass) {
+        if (!per_head && !rule.method_off) {
+          // core MarkByMassList: a warp per head finds its largest score and
+          // total W; a thread per group sums its share σ_p = Σ_h w_hp / W_h over
+          // the heads in order (as core/) into `offset`, which compaction reuses
+          // later; one warp walks the shares to the list's cut.
+          __shared__ double head_total[256];
+          for (int h = first_head + warp; h < first_head + heads_per_list; h += warps) {
+            float top = 0.0f;
+            double total = 0.0;  // unscored heads add nothing
+            if (head_scored(h)) {
+              WarpHeadMass(a.scores + (head_base + h) * s.max_groups, n, rule.mass_inv_scale, lane,
+                           &top, &total);
+            }
+            if (lane == 0) {
+              head_cut[h - first_head] = top;
+              head_total[h - first_head] = total;
+            }
+          }
+          if (threadIdx.x == 0) list_any_head = false;
+          __syncthreads();
+          float* share = reinterpret_cast<float*>(offset);
+          for (int p = threadIdx.x; p < n; p += blockDim.x) {
+            double sum = 0.0;
+            for (int i = 0; i < heads_per_list; ++i) {
+              if (!(head_total[i] > 0.0)) continue;
+              const float value = a.scores[(head_base + first_head + i) * s.max_groups + p];
+              if (MassKey(value, head_cut[i], rule.mass_inv_scale) == 0) continue;
+              sum += exp((static_cast<double>(value) - static_cast<double>(head_cut[i])) *
+                         rule.mass_inv_scale) /
+                     head_total[i];
+            }
+            share[p] = static_cast<float>(sum);
+          }
+          for (int i = threadIdx.x; i < heads_per_list; i += blockDim.x) {
+            if (head_scored(first_head + i)) list_any_head = true;
+          }
+          __syncthreads();
+          if (warp == 0) {
+            unsigned key = kMassNoneKey;
+            int tie = kMassNoneTie;
+            if (list_any_head) {
+              WarpListMassCut(share, n, rule, histograms[0], masses[0], lane, &key, &tie);
+            }
+            if (lane == 0) {
+              list_key = key;
+              list_tie = tie;
+            }
+          }
+        }
+      }
+      for (int h = first_head + warp;
+           h < first_head + heads_per_list && !rule.method_off && per_head; h += warps) {
         // Unscored heads take nothing.
         unsigned key = kBudget == Budget::kTopP ? 0xFFFFFFFFu : kMassNoneKey;
         int tie = kBudget == Budget::kTopP ? -1 : kMassNoneTie;
@@ -258,7 +314,16 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     __syncthreads();
   } else {
-    for (int p = threadIdx.x; p < n && !rule.method_off; p += blockDim.x) {
+    bool per_head = true;
+    if constexpr (kBudget == Budget::kMass) per_head = !rule.mass_list;
+    for (int p = threadIdx.x; p < n && !rule.method_off && !per_head; p += blockDim.x) {
+      // mass, list scope: the list's one cut over the shares (written in step 1).
+      if (!visit[p] &&
+          MassTaken(ShareKey(reinterpret_cast<const float*>(offset)[p]), p, list_key, list_tie)) {
+        visit[p] = 1;
+      }
+    }
+    for (int p = threadIdx.x; p < n && !rule.method_off && per_head; p += blockDim.x) {
       if (visit[p]) continue;
       bool v = false;
       for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {

@@ -305,6 +305,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   rule.max_pages = policy.max_pages;
   rule.mass_inv_scale =  // as core MarkByMass
       1.0 / (static_cast<double>(policy.mass_temperature) * std::sqrt(m.head_dim));
+  rule.mass_list = policy.mass_scope == MassScope::kList;
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;

@@ -22,6 +22,7 @@ struct SelectRule {
   float mass_target;
   int min_pages, max_pages;
   double mass_inv_scale;
+  bool mass_list;  // mass_scope = list (core MarkByMassList): one cut over the list's heads
 };
 
 // Float -> unsigned key with the same order.

@@ -104,6 +104,9 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   c.policy.mass_temperature = static_cast<float>(tau);
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_min_pages, 0, 1 << 30, &c.policy.min_pages));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_max_pages, 0, 1 << 30, &c.policy.max_pages));
+  RETURN_IF_ERROR(ReadChoice<MassScope>(FLAGS_eps_mass_scope,
+                                        {{"head", MassScope::kHead}, {"list", MassScope::kList}},
+                                        &c.policy.mass_scope));
 
   absl::Duration d;
   RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));

@@ -179,6 +179,19 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
     p.min_pages = static_cast<int>(std::min<uint32_t>(o.min_pages(), 1u << 30));
   if (o.has_max_pages())
     p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
+  switch (o.mass_scope()) {
+    case v1::MASS_SCOPE_UNSPECIFIED:
+      break;
+    case v1::MASS_SCOPE_HEAD:
+      p.mass_scope = MassScope::kHead;
+      break;
+    case v1::MASS_SCOPE_LIST:
+      p.mass_scope = MassScope::kList;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("options.mass_scope=", o.mass_scope(), " is unknown"));
+  }
   if (o.granularity() == v1::GRANULARITY_UNION) p.granularity = Granularity::kUnion;
   if (o.granularity() == v1::GRANULARITY_PER_KV_HEAD) p.granularity = Granularity::kPerKvHead;
   if (o.granularity() > v1::GRANULARITY_PER_KV_HEAD || o.granularity() < 0) {
@@ -208,6 +221,7 @@ v1::SelectOptions ToProto(const SelectPolicy& p) {
   o.set_mass_temperature(p.mass_temperature);
   o.set_min_pages(p.min_pages);
   o.set_max_pages(p.max_pages);
+  o.set_mass_scope(p.mass_scope == MassScope::kHead ? v1::MASS_SCOPE_HEAD : v1::MASS_SCOPE_LIST);
   o.set_granularity(p.granularity == Granularity::kUnion ? v1::GRANULARITY_UNION
                                                          : v1::GRANULARITY_PER_KV_HEAD);
   return o;

@@ -37,9 +37,14 @@ ABSL_FLAG(double, eps_budget_mass, 0.95,
           "(docs/policy.md, Mass budget)");
 ABSL_FLAG(double, eps_mass_temperature, 1.0,
           "calibration temperature of the mass estimate with --eps-budget=mass, in (0, 1000]");
-ABSL_FLAG(int, eps_min_pages, 0, "with --eps-budget=mass: unforced groups always kept per head");
+ABSL_FLAG(int, eps_min_pages, 0,
+          "with --eps-budget=mass: unforced groups always kept per head (per list with "
+          "--eps-mass-scope=list)");
 ABSL_FLAG(int, eps_max_pages, 0,
-          "with --eps-budget=mass: unforced groups kept per head at most (0: no ceiling)");
+          "with --eps-budget=mass: unforced groups kept per head (list) at most (0: no ceiling)");
+ABSL_FLAG(std::string, eps_mass_scope, "head",
+          "with --eps-budget=mass: head (every head reaches p of its own mass) | list (the list "
+          "reaches p of its heads' mean mass; fewer groups)");
 
 ABSL_FLAG(eps::cli::Millis, lease_ms, {absl::Milliseconds(10000)},
           "session lease, renewed by Attach, SelectPages and Heartbeat, in [50ms, 1h]");

@@ -31,6 +31,7 @@ ABSL_DECLARE_FLAG(double, eps_budget_mass);
 ABSL_DECLARE_FLAG(double, eps_mass_temperature);
 ABSL_DECLARE_FLAG(int, eps_min_pages);
 ABSL_DECLARE_FLAG(int, eps_max_pages);
+ABSL_DECLARE_FLAG(std::string, eps_mass_scope);
 // Sessions, limits and lifetimes.
 ABSL_DECLARE_FLAG(eps::cli::Millis, lease_ms);
 ABSL_DECLARE_FLAG(int64_t, max_sessions);

@@ -106,6 +106,7 @@ def lib() -> ctypes.CDLL:
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_int,
+            ctypes.c_int,
             _U8P,
             ctypes.c_char_p,
             ctypes.c_int,
@@ -183,8 +184,12 @@ def mark_mass(
     per_kv_head: bool = False,
     first_n: int = 1,
     last_n: int = 2,
+    scope: str = "head",
 ) -> npt.NDArray[np.uint8]:
-    """Mass budget (core MarkByMass) from scores [q_heads, n]: marks [len(targets), lists, n]."""
+    """Mass budget from scores [q_heads, n]: marks [len(targets), lists, n]. scope "head":
+    core MarkByMass per head, OR-ed per list; "list": core MarkByMassList per list."""
+    if scope not in ("head", "list"):
+        raise ValueError(f"scope={scope!r} is not 'head' or 'list'")
     s = _f32(scores)
     q_heads, n = s.shape
     lists = kv_heads if per_kv_head else 1
@@ -193,7 +198,8 @@ def mark_mass(
     err = ctypes.create_string_buffer(512)
     rc = lib().eps_eval_mark_mass(
         n, q_heads, kv_heads, _ptr(s, _F32P), first_n, last_n, _ptr(tg, _F32P), len(tg),
-        temperature, head_dim, min_pages, max_pages, int(per_kv_head), _ptr(out, _U8P), err,
+        temperature, head_dim, min_pages, max_pages, int(per_kv_head), int(scope == "list"),
+        _ptr(out, _U8P), err,
         len(err),
     )
     if rc != 0:

@@ -17,10 +17,11 @@ they prove themselves:
           block-granular (MarkByThreshold over blocks, forced = the blocks of
           the first group and of the last two groups, as at g = g_c).
 
-  massunion  the mass budget over the list rather than each head: a group's
-          estimated share of the attention (MarkByMass's w over its sum, per head)
-          averaged over the list's heads, groups taken by decreasing average
-          share until the forced groups and the taken ones hold `target` of it.
+  massunion  the mass budget over the list rather than each head (core
+          MarkByMassList, epsd's mass_scope=list): a group's estimated share of
+          the attention (MarkByMass's w over its sum, per head) summed over the
+          list's heads, groups taken by decreasing share until the forced groups
+          and the taken ones hold `target` of the list's total.
           The union of per-head mass budgets (core MarkByMass, budget "mass")
           gives every head the target, more than a union list needs: a group
           one head takes counts for every head; and the mean over heads of the
@@ -254,33 +255,10 @@ def mark_mass_union(scores: F32, targets: list[float], *, temperature: float, he
                     min_pages: int = 0, first_n: int = 1, last_n: int = 2
                     ) -> npt.NDArray[np.uint8]:
     """The list-level mass budget (massunion above) from scores [q_heads, n]: marks
-    [len(targets), 1, n]. Forced groups as core's IsForced; ties to the more recent group;
-    the first min_pages unforced groups always; groups of score -inf have no share."""
-    s = np.asarray(scores, dtype=np.float64)
-    n = s.shape[1]
-    finite = np.isfinite(s)
-    top = np.max(np.where(finite, s, -np.inf), axis=1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)
-    w = np.where(finite, np.exp((np.where(finite, s, 0.0) - top) /
-                                (temperature * np.sqrt(head_dim))), 0.0)
-    total = w.sum(axis=1, keepdims=True)
-    share = (w / np.where(total > 0, total, 1.0)).mean(axis=0)
-    idx = np.arange(n)
-    forced = (idx < first_n) | (idx >= n - last_n) | (idx == n - 1)
-    unforced = idx[~forced]
-    order = unforced[np.lexsort((-unforced, -share[unforced]))]  # by share, then recency
-    # covered[k]: the share held with the first k unforced groups taken
-    covered = share[forced].sum() + np.concatenate(([0.0], np.cumsum(share[order])))
-    out = np.zeros((len(targets), 1, n), dtype=np.uint8)
-    out[:, 0, forced] = 1
-    for i, t in enumerate(targets):
-        if not 0.0 < t <= 1.0:
-            raise ValueError(f"mass target {t} not in (0, 1]")
-        reached = np.nonzero(covered >= t)[0]
-        k = int(reached[0]) if reached.size else len(order)
-        k = min(len(order), max(k, min_pages))
-        out[i, 0, order[:k]] = 1
-    return out
+    [len(targets), 1, n], core MarkByMassList over the one union list (epsd's budget mass
+    with mass_scope list)."""
+    return core.mark_mass(scores, 1, targets, temperature=temperature, head_dim=head_dim,
+                          min_pages=min_pages, first_n=first_n, last_n=last_n, scope="list")
 
 
 def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:

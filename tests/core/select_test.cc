@@ -246,6 +246,138 @@ TEST(SelectTest, MassBudgetLeavesEmptyGroupsOutUnlessTheFloorNeedsThem) {
   EXPECT_EQ(visit, (std::vector<uint8_t>{0, 1, 1, 1})) << "ties among empty: more recent first";
 }
 
+// The list's estimated mass held by `visit`: the mean over heads of each head's
+// share (EstimatedShare), which is a union list's recall when the estimate is
+// exact (eval/eps_eval/metrics.py).
+double ListShare(const std::vector<std::vector<float>>& heads, const std::vector<uint8_t>& visit,
+                 float temperature, int d) {
+  double sum = 0;
+  for (const std::vector<float>& scores : heads)
+    sum += EstimatedShare(scores, visit, temperature, d);
+  return sum / static_cast<double>(heads.size());
+}
+
+std::vector<std::span<const float>> Spans(const std::vector<std::vector<float>>& heads) {
+  return {heads.begin(), heads.end()};
+}
+
+TEST(SelectTest, ListMassBudgetTakesTheFewestGroupsReachingTheListTarget) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  const int d = 64;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 300);
+    const int h = 1 + static_cast<int>(rng() % 8);
+    std::vector<std::vector<float>> heads(h);
+    for (auto& scores : heads) {
+      scores = testing::GaussianVector(rng, n);
+      for (float& s : scores) s *= 20.0f;
+    }
+    const float target = 0.05f + 0.95f * static_cast<float>(rng() % 1000) / 1000.0f;
+    const float tau = 0.5f + static_cast<float>(rng() % 4);
+    const std::vector<uint8_t> forced = Forced(policy, n);
+    std::vector<uint8_t> visit = forced;
+    MarkByMassList(Spans(heads), forced, target, tau, d, 0, 0, visit);
+    // Shares are rounded to float: reached within 1e-6 of the target.
+    EXPECT_GE(ListShare(heads, visit, tau, d), target - 1e-6) << "n=" << n << " heads=" << h;
+    // Minimal: without the added group of least list share, short of the target.
+    std::vector<double> share(n, 0.0);
+    for (int p = 0; p < n; ++p) {
+      std::vector<uint8_t> one(n, 0);
+      one[p] = 1;
+      share[p] = ListShare(heads, one, tau, d);
+    }
+    int lightest = -1;
+    for (int p = 0; p < n; ++p) {
+      if (visit[p] && !forced[p] && (lightest < 0 || share[p] <= share[lightest])) lightest = p;
+    }
+    if (lightest >= 0) {
+      visit[lightest] = 0;
+      EXPECT_LT(ListShare(heads, visit, tau, d), target + 1e-6) << "n=" << n << " heads=" << h;
+      visit[lightest] = 1;
+    }
+    // Taken groups come first in the order: none left out holds a larger share.
+    for (int p = 0; p < n; ++p) {
+      if (!visit[p] && lightest >= 0) {
+        EXPECT_LE(share[p], share[lightest] * (1 + 1e-6)) << p;
+      }
+    }
+  }
+}
+
+TEST(SelectTest, ListMassBudgetKeepsFewerGroupsThanEveryHeadsOwnBudget) {
+  // Two heads, each with its mass on different groups: every head's own 0.9
+  // needs its three groups; the list's 0.9 (the mean of the two heads' shares)
+  // needs only as many as cover 0.9 of the mean.
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  const int n = 12, d = 1;
+  std::vector<std::vector<float>> heads(2, std::vector<float>(n, -40.0f));
+  for (int p : {2, 3, 4}) heads[0][p] = 0.0f;
+  for (int p : {6, 7, 8}) heads[1][p] = 0.0f;
+  const std::vector<uint8_t> forced = Forced(policy, n);  // the newest only
+  std::vector<uint8_t> per_head = forced;
+  for (const auto& scores : heads) MarkByMass(scores, forced, 0.9f, 1.0f, d, 0, 0, per_head);
+  std::vector<uint8_t> list = forced;
+  MarkByMassList(Spans(heads), forced, 0.9f, 1.0f, d, 0, 0, list);
+  EXPECT_EQ(Count(per_head), 1 + 6);
+  // Each of the six groups holds 1/6 of the mean: 0.9 needs all six but the last
+  // one's 1/6 is needed: five hold 0.833. So six, and at 0.8 five.
+  EXPECT_EQ(Count(list), 1 + 6);
+  list = forced;
+  MarkByMassList(Spans(heads), forced, 0.8f, 1.0f, d, 0, 0, list);
+  EXPECT_EQ(Count(list), 1 + 5);
+  std::vector<uint8_t> per_head_80 = forced;
+  for (const auto& scores : heads) MarkByMass(scores, forced, 0.8f, 1.0f, d, 0, 0, per_head_80);
+  EXPECT_EQ(Count(per_head_80), 1 + 6) << "each head needs its three groups for 0.8";
+}
+
+TEST(SelectTest, ListMassBudgetKeepsItsFloorAndCeilingAndSkipsEmptyHeads) {
+  SelectPolicy policy;
+  const int n = 50, d = 64;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<std::vector<float>> heads(3, std::vector<float>(n, 0.0f));
+  for (int p = 0; p < n; ++p) heads[1][p] = static_cast<float>(p % 7);
+  heads[2].assign(n, ninf);  // an empty head: no mass, no effect
+  heads[0][0] = heads[1][0] = 500;
+  const std::vector<uint8_t> forced = Forced(policy, n);
+  std::vector<uint8_t> visit = forced;
+  MarkByMassList(Spans(heads), forced, 0.5f, 1.0f, d, /*min_pages=*/5, 0, visit);
+  EXPECT_EQ(Count(visit), Count(forced) + 5) << "the floor, although the sink covers 0.5";
+  heads[0][0] = heads[1][0] = 0;
+  visit = forced;
+  MarkByMassList(Spans(heads), forced, 1.0f, 1.0f, d, 0, /*max_pages=*/7, visit);
+  EXPECT_EQ(Count(visit), Count(forced) + 7) << "the ceiling, although 1.0 wants every group";
+  // The empty head changes nothing: the same marks without it.
+  std::vector<uint8_t> without = forced;
+  MarkByMassList(Spans({heads[0], heads[1]}), forced, 1.0f, 1.0f, d, 0, 7, without);
+  EXPECT_EQ(visit, without);
+  visit = forced;
+  MarkByMassList({}, forced, 1.0f, 1.0f, d, 3, 0, visit);
+  EXPECT_EQ(visit, forced) << "a list without heads keeps its forced groups only";
+}
+
+TEST(SelectTest, ListMassBudgetOfOneHeadIsTheHeadsBudget) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  SelectPolicy policy;
+  // Integer scores at d = 1: masses e^-k, whose shares stay distinct in float.
+  for (int trial = 0; trial < 100; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 60);
+    std::vector<float> scores(n);
+    for (float& s : scores) s = -static_cast<float>(rng() % 40);
+    const float target = 0.05f + 0.9f * static_cast<float>(rng() % 1000) / 1000.0f;
+    const std::vector<uint8_t> forced = Forced(policy, n);
+    std::vector<uint8_t> head = forced, list = forced;
+    MarkByMass(scores, forced, target, 1.0f, 1, 1, 0, head);
+    MarkByMassList(Spans({scores}), forced, target, 1.0f, 1, 1, 0, list);
+    EXPECT_EQ(head, list) << "n=" << n << " target=" << target;
+  }
+}
+
 TEST(SelectTest, FixedBudgetMarksExactlyTopPagesAcrossHeads) {
   const uint64_t seed = testing::TestSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));

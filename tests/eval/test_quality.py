@@ -84,6 +84,7 @@ def test_mark_mass_reaches_the_target_share_of_the_estimate(rng: np.random.Gener
 
 def test_mark_mass_union_takes_the_fewest_groups_whose_mean_share_reaches_the_target(
         rng: np.random.Generator) -> None:
+    # core MarkByMassList (through libeps_eval) against the rule recomputed in numpy.
     h, d, n = 4, 64, int(rng.integers(8, 300))
     scores = (rng.standard_normal((h, n)) * 20).astype(np.float32)
     scores[0, 3] = -np.inf  # an empty group: no share
@@ -99,17 +100,17 @@ def test_mark_mass_union_takes_the_fewest_groups_whose_mean_share_reaches_the_ta
     for i, p in enumerate(targets):
         m = marks[i, 0] == 1
         assert m[forced].all()
-        assert share[m].sum() >= p - 1e-9 or m.all()
+        assert share[m].sum() >= p - 1e-6 or m.all()  # core rounds shares to float
         # fewest: dropping the smallest-share unforced group taken falls short of the target
         taken = np.nonzero(m & ~forced)[0]
         if p < 1.0 and taken.size:
-            assert share[m].sum() - share[taken].min() < p
+            assert share[m].sum() - share[taken].min() < p + 1e-6
     counts = marks.sum(axis=2)[:, 0]
     assert np.all(np.diff(counts) >= 0), "a higher target never keeps fewer groups"
     # the floor: the first min_pages unforced groups by share, whatever the target
     floor = quality.mark_mass_union(scores, [0.01], temperature=tau, head_dim=d, min_pages=5)
     assert floor[0, 0, ~forced].sum() == min(5, int((~forced).sum()))
-    with pytest.raises(ValueError, match="not in"):
+    with pytest.raises(core.CoreError, match="mass_target=1.5 not in"):
         quality.mark_mass_union(scores, [1.5], temperature=tau, head_dim=d)
 
 

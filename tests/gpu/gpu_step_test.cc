@@ -64,6 +64,7 @@ struct MassCase {
   float temperature = 1.0f;
   int min_pages = 0, max_pages = 0;
   bool limits_bind = false;
+  MassScope scope = MassScope::kHead;  // list: also checked to differ from the head scope's lists
 };
 
 struct GpuCase {
@@ -131,16 +132,23 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   policy.mass_temperature = c.mass.temperature;
   policy.min_pages = c.mass.min_pages;
   policy.max_pages = c.mass.max_pages;
+  policy.mass_scope = c.mass.scope;
   if (c.retrieval) {
     policy.heads = HeadMode::kRetrieval;
     for (int i = 0; i < m.num_layers * m.num_q_heads; ++i)
       policy.retrieval_heads.push_back(rng() % 2);
   }
-  // A case whose floor or ceiling must bind keeps core/'s lists without them.
+  // A case whose floor or ceiling must bind keeps core/'s lists without them; a
+  // case of the list scope, core/'s lists of the head scope.
   std::vector<std::vector<int32_t>> unlimited_lists;
-  if (c.mass.limits_bind) {
+  const int heads_per_list =
+      c.granularity == Granularity::kPerKvHead ? c.q_heads / c.kv_heads : c.q_heads;
+  const bool list_scope = c.budget == Budget::kMass && c.mass.scope == MassScope::kList &&
+                          c.method != Method::kOff && heads_per_list >= 2;
+  if (c.mass.limits_bind || list_scope) {
     SelectPolicy unlimited = policy;
-    unlimited.min_pages = unlimited.max_pages = 0;
+    if (c.mass.limits_bind) unlimited.min_pages = unlimited.max_pages = 0;
+    if (list_scope) unlimited.mass_scope = MassScope::kHead;
     ASSERT_TRUE(
         reference->Select(buffers.Inputs(rows), unlimited, buffers.Outputs(), nullptr).ok());
     for (int layer = 0; layer < m.num_layers; ++layer) {
@@ -154,7 +162,7 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   }
   StepStats want_stats;
   ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), &want_stats).ok());
-  if (c.mass.limits_bind) {
+  if (c.mass.limits_bind || list_scope) {
     int changed = 0;
     for (int layer = 0, i = 0; layer < m.num_layers; ++layer) {
       for (int b = 0; b < batch; ++b) {
@@ -164,7 +172,8 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
         }
       }
     }
-    EXPECT_GT(changed, 0) << "min_pages/max_pages bind in no list: the case tests nothing of them";
+    EXPECT_GT(changed, 0) << "min_pages/max_pages bind in no list, or the list scope changes no "
+                             "list: the case tests nothing of them";
   }
 
   // questclt has two paths: its octet path (d of 64, 128, 256; the default
@@ -237,6 +246,7 @@ std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
     };
     name += "_p" + digits(c.mass.target) + "_t" + digits(c.mass.temperature) + "_min" +
             std::to_string(c.mass.min_pages) + "_max" + std::to_string(c.mass.max_pages);
+    if (c.mass.scope == MassScope::kList) name += "_list";
   }
   return name;
 }
@@ -347,6 +357,11 @@ constexpr MassCase Mass(float target, float temperature, int min_pages = 0, int 
                         bool limits_bind = false) {
   return {target, temperature, min_pages, max_pages, limits_bind};
 }
+// The list scope (core MarkByMassList): one cut per list over its heads' shares.
+constexpr MassCase ListMass(float target, float temperature, int min_pages = 0, int max_pages = 0,
+                            bool limits_bind = false) {
+  return {target, temperature, min_pages, max_pages, limits_bind, MassScope::kList};
+}
 constexpr Budget kMass = Budget::kMass;
 INSTANTIATE_TEST_SUITE_P(
     Mass, GpuStepTest,
@@ -373,7 +388,20 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kOnePc, 128, 8, 2, 8, false, 8, kPerKvHead, kMass, false, Mass(0.9f, 0.5f)},
         GpuCase{Method::kFro, 128, 8, 2, 8, false, 8, kUnion, kMass, false, Mass(0.99f, 1.0f)},
         GpuCase{Method::kJl, 128, 8, 2, 8, false, 12, kUnion, kMass, false, Mass(0.9f, 4.0f)},
-        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, kMass, false, Mass(0.9f, 1.0f)}),
+        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, kMass, false, Mass(0.9f, 1.0f)},
+        GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kUnion, kMass, false, ListMass(0.9f, 1.0f)},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kPerKvHead, kMass, false,
+                ListMass(0.99f, 0.5f)},
+        GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, kMass, false,
+                ListMass(0.5f, 0.5f, 24, 0, true)},
+        GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, kUnion, kMass, false,
+                ListMass(0.9f, 1.0f, 5, 5, true)},
+        GpuCase{Method::kJl, 64, 4, 4, 1, false, 8, kPerKvHead, kMass, false,
+                ListMass(1.0f, 4.0f, 0, 6, true)},
+        GpuCase{Method::kJl, 256, 16, 2, 4, true, 8, kUnion, kMass, false, ListMass(0.9f, 1.0f, 1)},
+        Quest8({Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, kMass, false,
+                ListMass(0.95f, 1.0f)}),
+        GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, kMass, false, ListMass(0.9f, 1.0f)}),
     CaseName);
 
 // One selector over fixed device buffers for many steps, as a session runs:

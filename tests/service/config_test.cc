@@ -37,15 +37,19 @@ TEST(ConfigTest, ParsesEveryEpsFlagInBothForms) {
 TEST(ConfigTest, ParsesTheMassBudgetFlags) {
   auto config =
       ParseFlags({"--eps-budget=mass", "--eps-budget-mass=0.9", "--eps-mass-temperature=0.5",
-                  "--eps-min-pages=2", "--eps-max-pages=64"});
+                  "--eps-min-pages=2", "--eps-max-pages=64", "--eps-mass-scope=list"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->policy.budget, Budget::kMass);
   EXPECT_FLOAT_EQ(config->policy.mass_target, 0.9f);
   EXPECT_FLOAT_EQ(config->policy.mass_temperature, 0.5f);
   EXPECT_EQ(config->policy.min_pages, 2);
   EXPECT_EQ(config->policy.max_pages, 64);
+  EXPECT_EQ(config->policy.mass_scope, MassScope::kList);
+  EXPECT_EQ(ParseFlags({})->policy.mass_scope, MassScope::kHead);
   EXPECT_EQ(ParseFlags({"--eps-budget-mass=0"}).status().message(),
             "--eps-budget-mass=0: want a number in (0, 1]");
+  EXPECT_EQ(ParseFlags({"--eps-mass-scope=layer"}).status().message(),
+            "--eps-mass-scope=layer: want one of head, list");
 }
 
 TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {

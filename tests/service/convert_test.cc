@@ -121,6 +121,9 @@ TEST(ConvertTest, UnknownOptionValuesAreErrorsNamingTheField) {
   o.Clear();
   o.set_budget(static_cast<v1::Budget>(42));
   EXPECT_EQ(MergeOptions(SelectPolicy{}, o).status().message(), "options.budget=42 is unknown");
+  o.Clear();
+  o.set_mass_scope(static_cast<v1::MassScope>(3));
+  EXPECT_EQ(MergeOptions(SelectPolicy{}, o).status().message(), "options.mass_scope=3 is unknown");
 }
 
 TEST(ConvertTest, EffectiveOptionsRoundTrip) {
@@ -155,13 +158,18 @@ TEST(ConvertTest, MassBudgetOptionsRoundTrip) {
   p.mass_temperature = 0.5f;
   p.min_pages = 3;
   p.max_pages = 40;
+  p.mass_scope = MassScope::kList;
   absl::StatusOr<SelectPolicy> back = MergeOptions(SelectPolicy{}, ToProto(p));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->budget, Budget::kMass);
+  EXPECT_EQ(back->mass_scope, MassScope::kList);
   EXPECT_EQ(back->mass_target, 0.8f);
   EXPECT_EQ(back->mass_temperature, 0.5f);
   EXPECT_EQ(back->min_pages, 3);
   EXPECT_EQ(back->max_pages, 40);
+  // Unset in a request, the scope stays the session's.
+  v1::SelectOptions unset;
+  EXPECT_EQ(MergeOptions(*back, unset)->mass_scope, MassScope::kList);
 }
 
 TEST(ConvertTest, BackendUnspecifiedIsAutoAndUnknownIsAnError) {

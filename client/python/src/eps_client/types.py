@@ -22,6 +22,7 @@ Method = Literal["off", "jl", "1pc", "fro", "quest", "questclt"]
 HeadMode = Literal["all", "retrieval"]
 Budget = Literal["threshold", "fixed", "top_p", "mass"]
 Granularity = Literal["union", "per_kv_head"]
+MassScope = Literal["head", "list"]
 Backend = Literal["auto", "cpu", "cuda"]
 
 _METHOD = {"off": pb.METHOD_OFF, "jl": pb.METHOD_JL, "1pc": pb.METHOD_1PC,
@@ -30,6 +31,7 @@ _HEADS = {"all": pb.HEAD_MODE_ALL, "retrieval": pb.HEAD_MODE_RETRIEVAL}
 _BUDGET = {"threshold": pb.BUDGET_THRESHOLD, "fixed": pb.BUDGET_FIXED,
            "top_p": pb.BUDGET_TOP_P, "mass": pb.BUDGET_MASS}
 _GRANULARITY = {"union": pb.GRANULARITY_UNION, "per_kv_head": pb.GRANULARITY_PER_KV_HEAD}
+_MASS_SCOPE = {"head": pb.MASS_SCOPE_HEAD, "list": pb.MASS_SCOPE_LIST}
 _BACKEND = {"auto": pb.BACKEND_UNSPECIFIED, "cpu": pb.BACKEND_CPU, "cuda": pb.BACKEND_CUDA}
 
 
@@ -69,8 +71,11 @@ class SelectOptions:
     granularity: Granularity | None = None
     mass_target: float | None = None  # budget "mass": p in (0, 1]
     mass_temperature: float | None = None  # budget "mass": τ in (0, 1000]
-    min_pages: int | None = None  # budget "mass": floor per head
-    max_pages: int | None = None  # budget "mass": ceiling per head, 0 = none
+    min_pages: int | None = None  # budget "mass": floor per head (per list with scope "list")
+    max_pages: int | None = None  # budget "mass": ceiling per head (list), 0 = none
+    # budget "mass": "head" (every head reaches p of its own mass) or "list" (the list reaches
+    # p of its heads' mean mass; fewer groups)
+    mass_scope: MassScope | None = None
 
     def to_proto(self) -> pb.SelectOptions:
         out = pb.SelectOptions(method=_pick(_METHOD, "method", self.method),  # type: ignore[arg-type]
@@ -78,6 +83,8 @@ class SelectOptions:
                                budget=_pick(_BUDGET, "budget", self.budget),  # type: ignore[arg-type]
                                granularity=_pick(_GRANULARITY, "granularity",  # type: ignore[arg-type]
                                                  self.granularity),
+                               mass_scope=_pick(_MASS_SCOPE, "mass_scope",  # type: ignore[arg-type]
+                                                self.mass_scope),
                                retrieval_heads=self.retrieval_heads)
         for name in ("alpha", "first_n", "last_n", "top_pages", "strict", "top_p", "mass_target",
                      "mass_temperature", "min_pages", "max_pages"):
@@ -105,7 +112,8 @@ class SelectOptions:
             granularity=name_of(_GRANULARITY, message.granularity),  # type: ignore[arg-type]
             mass_target=opt("mass_target"),  # type: ignore[arg-type]
             mass_temperature=opt("mass_temperature"),  # type: ignore[arg-type]
-            min_pages=opt("min_pages"), max_pages=opt("max_pages"))  # type: ignore[arg-type]
+            min_pages=opt("min_pages"), max_pages=opt("max_pages"),  # type: ignore[arg-type]
+            mass_scope=name_of(_MASS_SCOPE, message.mass_scope))  # type: ignore[arg-type]
 
 
 def backend_proto(backend: Backend) -> int:

@@ -42,6 +42,12 @@ class Budget(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUDGET_TOP_P: _ClassVar[Budget]
     BUDGET_MASS: _ClassVar[Budget]
 
+class MassScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MASS_SCOPE_UNSPECIFIED: _ClassVar[MassScope]
+    MASS_SCOPE_HEAD: _ClassVar[MassScope]
+    MASS_SCOPE_LIST: _ClassVar[MassScope]
+
 class Granularity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GRANULARITY_UNSPECIFIED: _ClassVar[Granularity]
@@ -81,6 +87,9 @@ BUDGET_THRESHOLD: Budget
 BUDGET_FIXED: Budget
 BUDGET_TOP_P: Budget
 BUDGET_MASS: Budget
+MASS_SCOPE_UNSPECIFIED: MassScope
+MASS_SCOPE_HEAD: MassScope
+MASS_SCOPE_LIST: MassScope
 GRANULARITY_UNSPECIFIED: Granularity
 GRANULARITY_UNION: Granularity
 GRANULARITY_PER_KV_HEAD: Granularity
@@ -204,7 +213,7 @@ class SharedBuffers(_message.Message):
     def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
 
 class SelectOptions(_message.Message):
-    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages")
+    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages", "mass_scope")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     FIRST_N_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +229,7 @@ class SelectOptions(_message.Message):
     MASS_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     MIN_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MASS_SCOPE_FIELD_NUMBER: _ClassVar[int]
     method: Method
     alpha: float
     first_n: int
@@ -235,7 +245,8 @@ class SelectOptions(_message.Message):
     mass_temperature: float
     min_pages: int
     max_pages: int
-    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ...) -> None: ...
+    mass_scope: MassScope
+    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., mass_scope: _Optional[_Union[MassScope, str]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("engine_id", "layout", "buffers", "options", "max_batch", "num_kv_blocks", "lease_ms", "backend", "device", "device_uuid")
