@@ -309,11 +309,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
-  // Query terms: a warp per query head, a block per (layer, KV head, row).
+  // Query terms: a warp per query head, a block per (KV head, layer, row).
   launch.terms = {in.queries, g.phi.get(), scored, g.terms.get(), report};
   launch.terms_kernel = TermsKernelFor(policy.method, m.sketch_dim, strict);
-  launch.terms_grid =
-      dim3(static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
+  launch.terms_grid = dim3(static_cast<unsigned>(m.num_kv_heads),
+                           static_cast<unsigned>(m.num_layers), static_cast<unsigned>(batch));
   launch.terms_shared = sizeof(float) * TermsSharedWords(m.head_dim, m.sketch_dim);
   // Scoring: one thread per group of (row, layer, KV head), 256 per block.
   launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.terms.get(),

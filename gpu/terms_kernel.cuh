@@ -42,52 +42,75 @@ __host__ __device__ inline size_t TermsSharedWords(int d, int m) {
   return static_cast<size_t>(kTermsThreads / 32) * (d + m);
 }
 
-// z_j = Σ_i Φ[i][j] q_i for j < m: lane l sums i = l, l + 32, ... in order
-// and shuffles reduce, as the scoring blocks summed (the same bits). With m
-// known (kM > 0) each lane reads whole rows of Φ, 16 bytes at a time, for
-// every j at once, so all its loads are in flight together; otherwise one j
-// at a time.
-template <int kM>
+// z_j = Σ_i Φ[i][j] q_i for j < m, any m: lane l sums i = l, l + 32, ... in
+// order and shuffles reduce, one j at a time; lane 0 writes z (shared).
 __device__ inline void ProjectQuery(const float* matrix, const float* q, int d, int m, int lane,
                                     float* z) {
-  if constexpr (kM > 0) {
-    float partial[kM] = {};
-#pragma unroll 4
-    for (int i = lane; i < d; i += 32) {
-      const float qi = q[i];
-#pragma unroll
-      for (int v = 0; v < kM / 4; ++v) {
-        const float4 row = reinterpret_cast<const float4*>(matrix + i * kM)[v];
-        partial[4 * v] += row.x * qi;
-        partial[4 * v + 1] += row.y * qi;
-        partial[4 * v + 2] += row.z * qi;
-        partial[4 * v + 3] += row.w * qi;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kM; ++j) {
-      for (int o = 16; o > 0; o /= 2) partial[j] += __shfl_xor_sync(0xFFFFFFFFu, partial[j], o);
-      if (lane == 0) z[j] = partial[j];
-    }
-  } else {
-    for (int j = 0; j < m; ++j) {
-      float partial = 0.0f;
-      for (int i = lane; i < d; i += 32) partial += matrix[i * m + j] * q[i];
-      for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
-      if (lane == 0) z[j] = partial;
-    }
+  for (int j = 0; j < m; ++j) {
+    float partial = 0.0f;
+    for (int i = lane; i < d; i += 32) partial += matrix[i * m + j] * q[i];
+    for (int o = 16; o > 0; o /= 2) partial += __shfl_xor_sync(0xFFFFFFFFu, partial, o);
+    if (lane == 0) z[j] = partial;
   }
 }
 
-// Grid (layers * kv_heads, rows), kTermsThreads threads: a warp per query head
+// The same with m known (a multiple of 4, at most 32): lane l takes the
+// float4 `l % (m/4)` of rows l / (m/4), l / (m/4) + 32/(m/4), ... of Φ (one
+// load instruction reads 32 / (m/4) whole rows, consecutive), and shuffles
+// across the lanes of the same float4 finish the sums; lanes 0 .. m/4 − 1
+// write z (shared).
+template <int kM>
+__device__ inline void ProjectQueryRows(const float* matrix, const float* q, int d, int lane,
+                                        float* z) {
+  static_assert(kM % 4 == 0 && kM <= 32, "whole float4s of a row of Φ");
+  constexpr int kQuads = kM / 4, kRows = 32 / kQuads;
+  const int quad = lane % kQuads;
+  float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+  const float4* at = reinterpret_cast<const float4*>(matrix) + lane;  // row lane / kQuads
+#pragma unroll 4
+  for (int i = lane / kQuads; i < d; i += kRows, at += 32) {
+    const float4 v = *at;
+    const float qi = q[i];
+    p0 += v.x * qi;
+    p1 += v.y * qi;
+    p2 += v.z * qi;
+    p3 += v.w * qi;
+  }
+#pragma unroll
+  for (int o = kQuads; o < 32; o *= 2) {
+    p0 += __shfl_xor_sync(0xFFFFFFFFu, p0, o);
+    p1 += __shfl_xor_sync(0xFFFFFFFFu, p1, o);
+    p2 += __shfl_xor_sync(0xFFFFFFFFu, p2, o);
+    p3 += __shfl_xor_sync(0xFFFFFFFFu, p3, o);
+  }
+  if (lane < kQuads) {
+    z[4 * quad] = p0;
+    z[4 * quad + 1] = p1;
+    z[4 * quad + 2] = p2;
+    z[4 * quad + 3] = p3;
+  }
+}
+
+// Packed index e of the upper triangle of an m × m matrix (row-major, i ≤ j)
+// -> (i, j), as core/layout.h's PackedIndex inverts.
+__device__ inline void UnpackIndex(int e, int m, int* i_out, int* j_out) {
+  int p = e, i = 0;
+  while (p >= m - i) {
+    p -= m - i;
+    ++i;
+  }
+  *i_out = i;
+  *j_out = i + p;
+}
+
+// Grid (kv_heads, layers, rows), kTermsThreads threads: a warp per query head
 // of the KV head. kM < 0: ‖q‖ only (every method but jl); 0: jl, m from the
-// shape; 4, 8, 16: jl with m known (ProjectQuery).
+// shape (ProjectQuery); 4, 8, 16: jl with m known (ProjectQueryRows).
 template <int kM>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs a) {
   LetScoringStart();
   extern __shared__ float shared[];
-  const int row = blockIdx.y;
-  const int layer = blockIdx.x / s.kv_heads, kvh = blockIdx.x % s.kv_heads;
+  const int kvh = blockIdx.x, layer = blockIdx.y, row = blockIdx.z;
   const int ratio = s.q_heads / s.kv_heads, packed = s.record.packed, words = TermWords(s.m);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* q = shared + warp * (s.d + s.m);  // [d]
@@ -122,15 +145,16 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs 
     for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
     if (lane == 0) out[packed] = sqrtf(n2);
     if constexpr (kM >= 0) {
-      ProjectQuery<kM>(matrix, q, s.d, s.m, lane, z);
+      if constexpr (kM > 0) {
+        ProjectQueryRows<kM>(matrix, q, s.d, lane, z);
+      } else {
+        ProjectQuery(matrix, q, s.d, s.m, lane, z);
+      }
       __syncwarp();
+      const int m = kM > 0 ? kM : s.m;
       for (int e = lane; e < packed; e += 32) {
-        int p = e, i = 0;
-        while (p >= s.m - i) {  // packed index -> (i, j), i ≤ j
-          p -= s.m - i;
-          ++i;
-        }
-        const int j = i + p;
+        int i, j;
+        UnpackIndex(e, m, &i, &j);
         out[e] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
       }
     }
