@@ -326,18 +326,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int p = threadIdx.x; p < n && !rule.method_off && per_head; p += blockDim.x) {
       if (visit[p]) continue;
       bool v = false;
-      for (int h = first_head; h < first_head + heads_per_list && !v; ++h) {
-        const float value = (kStrict ? a.uppers : a.scores)[(head_base + h) * s.max_groups + p];
+      // The group's value for each head of the list, one max_groups apart.
+      const float* column =
+          (kStrict ? a.uppers : a.scores) + (head_base + first_head) * s.max_groups + p;
+      for (int i = 0; i < heads_per_list && !v; ++i, column += s.max_groups) {
+        const float value = *column;
         if constexpr (kBudget == Budget::kTopP) {
           const unsigned key = OrderedKey(value);
-          const int i = h - first_head;
           v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
         } else if constexpr (kBudget == Budget::kMass) {
-          const int i = h - first_head;
           v = MassTaken(MassKey(value, head_cut[i], rule.mass_inv_scale), p, head_key[i],
                         head_tie[i]);
         } else {
-          v = value >= head_cut[h - first_head];
+          v = value >= head_cut[i];
         }
       }
       if (v) visit[p] = 1;

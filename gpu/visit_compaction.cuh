@@ -13,12 +13,12 @@
 
 namespace eps::gpu::kernels {
 
-// Every thread of the block calls it. Per-group output offsets by a block-wide
-// scan over contiguous chunks, then one thread per output element: it finds
-// its group by binary search over the offsets, so block-table reads and
+// Every thread of the block calls it (blockDim.x a multiple of 32, at most
+// 1024). Per-group output offsets by a block-wide scan over contiguous chunks, then one thread per
+// output element: it finds its group by binary search over the offsets, so block-table reads and
 // visit-list writes are coalesced across the warp.
 //
-// visit [n] flags and offset [n] words in shared memory, counts [blockDim.x]
+// visit [n] flags and offset [n] words in shared memory, counts [blockDim.x / 32]
 // words in shared memory; list_out [max_blocks] and *count_out: the list's
 // place in the outputs. The row's table row is read only after the scan, as a
 // register held across it spills in the 1024-thread selection kernel.
@@ -42,21 +42,32 @@ __device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t 
       ++groups;
     }
   }
-  counts[threadIdx.x] = mine;
-  __syncthreads();
-  for (int stride = 1; stride < blockDim.x; stride *= 2) {  // inclusive scan
-    const unsigned add = threadIdx.x >= stride ? counts[threadIdx.x - stride] : 0;
-    __syncthreads();
-    counts[threadIdx.x] += add;
-    __syncthreads();
+  // Inclusive scan of `mine`: within each warp by shuffles, then the warps'
+  // totals (counts[warp]) by warp 0; two barriers.
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  unsigned inclusive = mine;
+  for (int o = 1; o < 32; o *= 2) {
+    const unsigned up = __shfl_up_sync(0xFFFFFFFFu, inclusive, o);
+    if (lane >= o) inclusive += up;
   }
-  unsigned at = counts[threadIdx.x] - mine;
+  if (lane == 31) counts[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned t = lane < warps ? counts[lane] : 0;
+    for (int o = 1; o < 32; o *= 2) {
+      const unsigned up = __shfl_up_sync(0xFFFFFFFFu, t, o);
+      if (lane >= o) t += up;
+    }
+    if (lane < warps) counts[lane] = t;
+  }
+  __syncthreads();
+  unsigned at = (warp > 0 ? counts[warp - 1] : 0) + inclusive - mine;
   for (int p = begin; p < end; ++p) {
     offset[p] = at;
     if (visit[p]) at += blocks_of(p);
   }
   __syncthreads();
-  const unsigned total = counts[blockDim.x - 1];
+  const unsigned total = counts[warps - 1];
   const int32_t* block_row = block_table + row->table_row * s.max_blocks;
   for (unsigned o = threadIdx.x; o < total; o += blockDim.x) {
     int lo = 0, hi = n;  // first group whose offset exceeds o
