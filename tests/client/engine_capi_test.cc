@@ -227,7 +227,7 @@ TEST(EngineCapiArgs, BadArgumentsAreReportedWithTheirValues) {
   EXPECT_EQ(eps_engine_watchdog_create(0, 0, 0, 0, 0, &dog), 3);  // INVALID_ARGUMENT
   EXPECT_NE(std::string(eps_engine_last_error()).find("timeout_us=0"), std::string::npos)
       << eps_engine_last_error();
-  EpsEngineModel bad{0, 4, 2, 64, 16, 8, 8, 1, 1, 0, 0};
+  EpsEngineModel bad{0, 4, 2, 64, 16, 8, 8, 1, 1, 0, 0, 0};
   EpsSummaryWriter* writer = nullptr;
   EXPECT_EQ(eps_engine_summary_writer_create(&bad, 0, &writer), 3);
   EXPECT_NE(std::string(eps_engine_last_error()).find("num_layers"), std::string::npos)
