@@ -13,7 +13,8 @@ mean recall over the test pairs reaches 0.95 (at a swept point, and interpolated
 linearly between the two swept points around 0.95). With --split-steps=0,2,4 the
 calibration and test pairs come from the same files, split by step. --budget picks the
 adaptive budget's rows (mass: core's per-head MarkByMass; massunion: the list-level
-budget of quality.py); --scope=all calibrates one setting for every layer; --setting=p,τ,floor
+budget of quality.py); --scope=all calibrates one setting for every layer, --radius=N
+pools each layer's calibration pairs with those of N layers on each side; --setting=p,τ,floor
 takes that setting without calibrating (e.g. --setting=0.95,1.0,0.0 --lag=0 with the exact
 mass of the current query: the best an adaptive budget can do); --lag picks the rows' lag.
 """
@@ -60,13 +61,15 @@ def tables(rows: list[dict[str, str]], method: str, g: str,
 
 
 def calibrate(mass: Table, pairs: list[Pair], margin: float, floors: set[str] | None,
-              per_layer: bool = True) -> dict[int, tuple[str, ...]]:
+              per_layer: bool = True, radius: int = 0) -> dict[int, tuple[str, ...]]:
     """Per layer (or one for all: per_layer False), the setting with the most mean skip
-    reaching `margin` on all its pairs."""
+    reaching `margin` on all its pairs; with radius r > 0 a layer's pairs are pooled with
+    those of the r layers on each side of it (in the order of the layers sampled)."""
     chosen: dict[int, tuple[str, ...]] = {}
     layers = sorted({p[0] for p in pairs})
-    for layer in layers if per_layer else [-1]:
-        mine = [p for p in pairs if p[0] == layer or not per_layer]
+    for at, layer in enumerate(layers if per_layer else [-1]):
+        near = set(layers[max(0, at - radius):at + radius + 1])
+        mine = [p for p in pairs if p[0] in near or not per_layer]
         best: tuple[float, tuple[str, ...]] | None = None
         for setting, points in mass.items():
             if floors is not None and setting[2] not in floors:
@@ -97,10 +100,12 @@ def best_fixed(fixed: Table, pairs: list[Pair]) -> tuple[float, float]:
 
 def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], margin: float,
            floors: set[str] | None, budget: str = "mass", per_layer: bool = True,
-           lag: str = "1", setting: tuple[str, ...] | None = None) -> list[str]:
+           lag: str = "1", setting: tuple[str, ...] | None = None,
+           radius: int = 0) -> list[str]:
     header = ("| method | g | test pairs >= 0.95 | test mean skip | test mean recall | "
               "best fixed (swept / interpolated) skip |")
-    scope = "per layer" if per_layer else "one setting"
+    scope = ("one setting" if not per_layer else
+             f"per layer with {radius} on each side" if radius else "per layer")
     floors_text = sorted(floors) if floors else "all"
     out = [f"budget {budget}, {scope}, margin {margin}, floors {floors_text}", header,
            "| --- | --- | --- | --- | --- | --- |"]
@@ -116,7 +121,7 @@ def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], ma
                 continue
             chosen = {p[0]: setting for p in tpairs}
         else:
-            chosen = calibrate(cm, cpairs, margin, floors, per_layer)
+            chosen = calibrate(cm, cpairs, margin, floors, per_layer, radius)
         points = [tm[chosen[p[0]]][p] for p in tpairs if p[0] in chosen]
         uncalibrated = len({p[0] for p in tpairs} - set(chosen))
         swept, interpolated = best_fixed(tf, tpairs)
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floors", default="", help="e.g. 0.0 (default: every swept floor)")
     ap.add_argument("--budget", choices=("mass", "massunion"), default="mass")
     ap.add_argument("--scope", choices=("layer", "all"), default="layer")
+    ap.add_argument("--radius", type=int, default=0,
+                    help="with --scope=layer: pool each layer's pairs with N layers each side")
     ap.add_argument("--lag", default="1")
     ap.add_argument("--setting", default="", help="p,τ,floor as in the CSVs: no calibration")
     a = ap.parse_args(argv)
@@ -156,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         calib = [r for r in rows if int(r["step"]) in steps]
         test = [r for r in rows if int(r["step"]) not in steps]
     setting = tuple(a.setting.split(",")) if a.setting else None
+    if a.radius < 0:
+        ap.error("--radius must be >= 0")
     print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer", a.lag,
-                            setting)))
+                            setting, a.radius)))
     return 0
 
 

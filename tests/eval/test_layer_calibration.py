@@ -72,6 +72,22 @@ def test_one_setting_for_all_layers_is_the_most_frugal_safe_on_every_layer() -> 
     assert {layer: float(s[0]) for layer, s in one.items()} == {0: 0.95, 1: 0.95}
 
 
+def test_a_radius_pools_each_layers_pairs_with_its_neighbours() -> None:
+    # Layers 0, 5, 10: 5 is safe at p = 0.9 alone, 10 only at 0.95; with radius 1, layer 5
+    # (pooled with 0 and 10) and 10 (with 5) take 0.95, layer 0 (with 5) keeps 0.9.
+    rows = []
+    for layer, safe_low in ((0, True), (5, True), (10, False)):
+        for step in range(2):
+            rows.append(_row(layer, step, "massunion", 0.9, 0.96 if safe_low else 0.93, 0.6))
+            rows.append(_row(layer, step, "massunion", 0.95, 0.98, 0.5))
+    mass, _ = lc.tables(rows, "questclt", "2", budget="massunion")
+    pairs = sorted({p for pts in mass.values() for p in pts})
+    alone = lc.calibrate(mass, pairs, 0.95, None)
+    assert {layer: float(s[0]) for layer, s in alone.items()} == {0: 0.9, 5: 0.9, 10: 0.95}
+    pooled = lc.calibrate(mass, pairs, 0.95, None, radius=1)
+    assert {layer: float(s[0]) for layer, s in pooled.items()} == {0: 0.9, 5: 0.95, 10: 0.95}
+
+
 def test_a_given_setting_is_reported_without_calibration() -> None:
     rows = [_row(0, s, "massunion", 0.95, 0.96, 0.4) for s in range(2)]
     rows += [_row(0, s, "threshold", 8, 0.95, 0.3) for s in range(2)]
