@@ -68,6 +68,12 @@ class QualityPlan:
     estimators: tuple[str, ...] = ()  # eps_eval.estimators names, from the quest8 record
     c2f_scorers: tuple[str, ...] = ("quest8",)  # scorer of both c2f levels
     mass_union: bool = False  # also the list-level mass budget (massunion)
+    # Selection feedback (fb-<estimator>-o<k>, lag 1 only): the groups the previous step
+    # selected (the same estimator and budget with the query before) are ranked by the exact
+    # mass the previous step's attention computed for them (lag 1); the others by the
+    # estimator plus k/2 · sqrt(d)·log(tokens of a group). Costs no summary bytes beyond the
+    # estimator's: the attention kernel would report each visited group's mass.
+    feedback: tuple[str, ...] = ()
     # quest8's scale per (group, KV head): "fp32" the group's max |k| / 127; "pow2" that
     # rounded up to a power of two, which a writer can apply as keys arrive (QuestTables)
     quest8_scale: str = "fp32"
@@ -111,8 +117,15 @@ MEAN_PLAN = QualityPlan(
     c2f_candidates=(2.0, 3.0, 4.0), methods=("quest8",),
     estimators=("questclt1", "meanclt0", "meanclt0.5", "meanclt1", "meanclt1.5"),
     c2f_scorers=("questclt1", "meanclt0.5", "meanclt1"))
+# Selection feedback (QualityPlan.feedback) against its estimator alone and the exact
+# lag-1 mass, at g = 1 and 2 (lag 1; needs the query two positions back).
+FEEDBACK_PLAN = QualityPlan(
+    group_blocks=(1, 2), lags=(1, 2), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
+    c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
+    c2f_scorers=("questclt1",), feedback=("questclt1",))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
-         "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN}
+         "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
+         "feedback": FEEDBACK_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
@@ -261,6 +274,38 @@ def mark_mass_union(scores: F32, targets: list[float], *, temperature: float, he
                           min_pages=min_pages, first_n=first_n, last_n=last_n, scope="list")
 
 
+def _feedback_rows(workload: dict[str, object], dn: Dense, tables: QuestTables, q: F32,
+                   q_before: F32, kc: F32, vc: F32, g: int, kvh: int, tps: list[int],
+                   names: tuple[str, ...]) -> list[dict[str, object]]:
+    """Selection feedback (QualityPlan.feedback), lag 1: for each budget, the previous step's
+    groups (estimator `name` with q_before) take the exact log mass of q (the previous step's
+    query) times sqrt(d), the others the estimate plus an offset."""
+    d = kc.shape[2]
+    exact = np.log(np.maximum(group_sum(dense(q, kc, vc).mass, g), 1e-300)) * np.sqrt(d)
+    spread = np.sqrt(d) * np.log(BLOCK * g)
+    rows: list[dict[str, object]] = []
+    for name in names:
+        before = core.mark(tables.estimate(name, q_before), kvh, tps)  # [P, 1, G]
+        est = tables.estimate(name, q).astype(np.float64)
+        # o0, o1: offsets of 0 and sqrt(d)·log(tokens)/2; cal: each head's median of
+        # exact − estimate over the groups the previous step visited (known to an engine).
+        for variant in ("o0", "o1", "cal"):
+            masks = np.zeros_like(before)
+            for i, tp in enumerate(tps):
+                visited = before[i, 0].astype(bool)
+                if variant == "cal":
+                    diff = np.where(visited[None, :], exact - est, np.nan)
+                    offset = np.nan_to_num(np.nanmedian(diff, axis=1, keepdims=True))
+                else:
+                    offset = 0.0 if variant == "o0" else 0.5 * spread
+                sc = np.where(visited[None, :], exact, est + offset)
+                masks[i] = core.mark(sc.astype(np.float32), kvh, [tp])[0]
+            rows += _rows(workload, "threshold", f"fb-{name}-{variant}", g, 1,
+                          [float(t) for t in tps], 0.0, masks.shape[2],
+                          evaluate(dn, g, masks, tps, [record_bytes(name, d)] * len(tps)))
+    return rows
+
+
 def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:
     unforced = max(1, groups - forced)
     return sorted({max(1, round(f * unforced)) for f in fractions})
@@ -360,6 +405,9 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 rb = record_bytes(name, d)
                 rows += _rows(workload, "threshold", name, g, lag, [float(t) for t in tps], 0.0,
                               G, evaluate(dn, g, masks, tps, [rb] * len(tps)))
+            if lag == 1 and plan.feedback and position - 2 in q_by_pos:
+                rows += _feedback_rows(workload, dn, q8[g], q, q_by_pos[position - 2], kc, vc,
+                                       g, kvh, tps, plan.feedback)
             if g in plan.mass_group_blocks and lag in plan.mass_lags:
                 # questmid: the middle of the bracket [q·k̄, quest], both in the default record.
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
@@ -408,7 +456,70 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
             for gc in plan.c2f_coarse:
                 rows += _c2f_rows(workload, dn, q8[gc].estimate(scorer, q), fine, gc, lag, plan,
                                   kvh, record_bytes(scorer, d), suffix)
+                if lag == 1 and scorer in plan.feedback and position - 2 in q_by_pos:
+                    q_before = q_by_pos[position - 2]
+                    if 1 not in lag_mass:
+                        lag_mass[1] = dense(q, kc, vc).mass
+                    exact = np.log(np.maximum(lag_mass[1], 1e-300)) * np.sqrt(d)
+                    rows += _c2f_feedback_rows(
+                        workload, dn, (q8[gc].estimate(scorer, q), fine),
+                        (q8[gc].estimate(scorer, q_before), q8[1].estimate(scorer, q_before)),
+                        exact, gc, plan, kvh, record_bytes(scorer, d), suffix)
     return rows
+
+
+def _c2f_pick(coarse: F32, fine: F32, gc: int, f: float, cand: float, kvh: int,
+              visited: npt.NDArray[np.bool_] | None = None, exact: F32 | None = None
+              ) -> tuple[npt.NDArray[np.uint8], int]:
+    """One coarse-to-fine list [lists, nb] at fraction f and candidate width cand, and the
+    fine records it read. With `visited` (the previous step's blocks) and `exact` ([H, nb],
+    their exact lag-1 log mass × sqrt(d)): selection feedback, those blocks ranked by
+    `exact` whether or not their group is a candidate, the others by the estimate plus each
+    head's median of exact − estimate over the visited candidate blocks."""
+    Gc = coarse.shape[1]
+    nb = fine.shape[1]
+    blocks = max(1, round(f * max(1, nb - 3 * gc)))
+    n_cand = max(1, min(Gc, round(cand * blocks / gc)))
+    cmask = core.mark(coarse, kvh, [n_cand])[0, 0].astype(bool)  # forced groups included
+    cblock = np.repeat(cmask, gc)[:nb]
+    forced = np.zeros(nb, dtype=bool)
+    forced[: min(gc, nb)] = True
+    forced[max(0, (Gc - 2) * gc):] = True
+    sc = np.where(cblock[None], fine, -np.inf)
+    allowed = cblock
+    if visited is not None and exact is not None:
+        both = visited & cblock
+        diff = np.where(both[None], exact - fine, np.nan)
+        offset = (np.nan_to_num(np.nanmedian(diff, axis=1, keepdims=True)) if both.any()
+                  else np.zeros((fine.shape[0], 1)))
+        sc = np.where(visited[None], exact, sc + offset)
+        allowed = cblock | visited
+    m = core.mark(sc.astype(np.float32), kvh, [blocks], first_n=gc,
+                  last_n=nb - max(0, (Gc - 2) * gc))[0]
+    m = m & allowed[None].astype(np.uint8)
+    m[:, forced] = 1
+    return m, int((cblock & ~forced).sum())
+
+
+def _c2f_feedback_rows(workload: dict[str, object], dn: Dense, now: tuple[F32, F32],
+                       before: tuple[F32, F32], exact: F32, gc: int, plan: QualityPlan,
+                       kvh: int, rb: float, suffix: str) -> list[dict[str, object]]:
+    """Coarse-to-fine with selection feedback (lag 1): the previous step's list is the same
+    c2f selection with the query before; see _c2f_pick."""
+    out: list[dict[str, object]] = []
+    Gc, nb = now[0].shape[1], now[1].shape[1]
+    for cand in plan.c2f_candidates:
+        masks, bytes_per_block, params = [], [], []
+        for f in plan.fractions:
+            prev, _ = _c2f_pick(before[0], before[1], gc, f, cand, kvh)
+            m, fine_read = _c2f_pick(now[0], now[1], gc, f, cand, kvh,
+                                     visited=prev[0].astype(bool), exact=exact)
+            masks.append(m)
+            bytes_per_block.append((Gc * rb + fine_read * rb) / nb)
+            params.append(float(f))
+        met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), bytes_per_block)
+        out += _rows(workload, "c2f", f"fb-c2f{gc}x{cand:g}{suffix}", 1, 1, params, 0.0, nb, met)
+    return out
 
 
 def _c2f_rows(workload: dict[str, object], dn: Dense, coarse: F32, fine: F32, gc: int, lag: int,
@@ -421,19 +532,8 @@ def _c2f_rows(workload: dict[str, object], dn: Dense, coarse: F32, fine: F32, gc
     for cand in plan.c2f_candidates:
         masks, bytes_per_block, params = [], [], []
         for f in plan.fractions:
-            blocks = max(1, round(f * max(1, nb - 3 * gc)))
-            n_cand = max(1, min(Gc, round(cand * blocks / gc)))
-            cmask = core.mark(coarse, kvh, [n_cand])[0, 0].astype(bool)  # forced groups included
-            cblock = np.repeat(cmask, gc)[:nb]
-            forced = np.zeros(nb, dtype=bool)
-            forced[: min(gc, nb)] = True
-            forced[max(0, (Gc - 2) * gc):] = True
-            sc = np.where(cblock[None], fine, -np.inf).astype(np.float32)
-            m = core.mark(sc, kvh, [blocks], first_n=gc, last_n=nb - max(0, (Gc - 2) * gc))[0]
-            m = m & cblock[None].astype(np.uint8)
-            m[:, forced] = 1
+            m, fine_read = _c2f_pick(coarse, fine, gc, f, cand, kvh)
             masks.append(m)
-            fine_read = int((cblock & ~forced).sum())
             # Summary bytes per (block, KV head): every coarse record plus the fine
             # records of the candidate blocks (forced blocks need no score).
             bytes_per_block.append((Gc * rb + fine_read * rb) / nb)

@@ -1,5 +1,5 @@
 """Issue 19's evaluation: `python -m eps_eval.run_quality --out=DIR [--synthetic=8192,...]
-[--real-context=N --real-layers=0,5,...] [--real-steps=N] [--plan=full|estimators|mass|massunion|c2f|meancentre]`.
+[--real-context=N --real-layers=0,5,...] [--real-steps=N] [--plan=full|estimators|mass|massunion|c2f|meancentre|feedback]`.
 
 Same unit files as eps_eval.run (one CSV + JSON per synthetic layer or real layer,
 skipped when present); the rows come from eps_eval.quality.step_rows. The report

@@ -258,3 +258,53 @@ def test_core_questclt_over_quest8_is_the_harness_pow2_estimate(rng: np.random.G
     step = (tables.max8 - tables.min8).max(axis=2) / 254.0  # <= one code step, [kv, groups]
     assert np.all(tol < 0.1 * step[head_kv] * np.abs(q).max())
 
+
+
+def test_c2f_feedback_ranks_the_previous_steps_blocks_by_their_exact_mass() -> None:
+    # One head, 4 coarse groups of 2 blocks (nb = 8); the estimate puts block 3 last among
+    # the candidates but the previous step visited it and its exact mass is the largest:
+    # feedback takes it, the estimate alone does not. Blocks 0-1 (first group) and 4-7 (the
+    # last two groups) are forced; blocks 2-3 are the only unforced ones.
+    gc, nb = 2, 8
+    coarse = np.array([[0.0, 5.0, 0.0, 0.0]], dtype=np.float32)
+    fine = np.array([[0.0, 0.0, 4.0, 1.0, 0.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    plain, read = quality._c2f_pick(coarse, fine, gc, 0.5, 2.0, 1)
+    assert read == 2 and plain[0, 2] == 1 and plain[0, 3] == 0
+    visited = np.zeros(nb, dtype=bool)
+    visited[[2, 3]] = True
+    exact = np.array([[0.0, 0.0, 3.0, 9.0, 0.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    fed, read_fed = quality._c2f_pick(coarse, fine, gc, 0.5, 2.0, 1, visited=visited, exact=exact)
+    assert read_fed == read, "feedback reads no summary beyond the candidates'"
+    assert fed[0, 3] == 1 and fed[0, 2] == 0
+    assert fed[0, [0, 1, 4, 5, 6, 7]].all()
+
+
+def test_c2f_feedback_shifts_the_unvisited_estimates_by_the_visited_median() -> None:
+    # Blocks 2 and 3 are candidates; 2 was visited (exact 10, estimate 4: median difference
+    # 6), 3 was not (estimate 5 -> 11 after the shift): 3 outranks 2 only with the shift.
+    gc = 2
+    coarse = np.array([[0.0, 5.0, 0.0, 0.0]], dtype=np.float32)
+    fine = np.array([[0.0, 0.0, 4.0, 5.0, 0.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    visited = np.zeros(8, dtype=bool)
+    visited[2] = True
+    exact = np.zeros((1, 8), dtype=np.float32)
+    exact[0, 2] = 10.0
+    fed, _ = quality._c2f_pick(coarse, fine, gc, 0.5, 2.0, 1, visited=visited, exact=exact)
+    assert fed[0, 3] == 1 and fed[0, 2] == 0
+
+
+def test_feedback_plan_rows_name_each_variant(rng: np.random.Generator) -> None:
+    from eps_eval import synthetic
+
+    tokens, d = 1024, 32
+    tr = synthetic.make_layer("multi", tokens, [tokens - 3, tokens - 2, tokens - 1], q_heads=4,
+                              kv_heads=2, head_dim=d, seed=int(rng.integers(1 << 30)))
+    plan = quality.FEEDBACK_PLAN
+    state = quality.LayerState(plan, 4, 2, d, tokens)
+    rows = quality.step_rows(state, tr.k, tr.v, tr.q, tokens - 1, {"workload": "test"})
+    names = {r["method"] for r in rows}
+    assert {"fb-questclt1-o0", "fb-questclt1-o1", "fb-questclt1-cal"} <= names
+    assert {f"fb-c2f{gc}x{c:g}-questclt1" for gc in plan.c2f_coarse
+            for c in plan.c2f_candidates} <= names
+    fed = [r for r in rows if r["method"].startswith("fb-c2f")]
+    assert all(r["lag"] == 1 and 0.0 <= r["recall"] <= 1.0 + 1e-6 for r in fed)
