@@ -120,7 +120,7 @@ MEAN_PLAN = QualityPlan(
 # Selection feedback (QualityPlan.feedback) against its estimator alone and the exact
 # lag-1 mass, at g = 1 and 2 (lag 1; needs the query two positions back).
 FEEDBACK_PLAN = QualityPlan(
-    group_blocks=(1, 2), lags=(1, 2), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
+    group_blocks=(1, 2), lags=(1, 2, 3), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
     c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
     c2f_scorers=("questclt1",), feedback=("questclt1",))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
@@ -461,10 +461,19 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                     if 1 not in lag_mass:
                         lag_mass[1] = dense(q, kc, vc).mass
                     exact = np.log(np.maximum(lag_mass[1], 1e-300)) * np.sqrt(d)
+                    # Two steps of feedback when the query three positions back is there:
+                    # the previous list had feedback itself (from the one before it).
+                    earlier = None
+                    if position - 3 in q_by_pos:
+                        q_earlier = q_by_pos[position - 3]
+                        earlier = (q8[gc].estimate(scorer, q_earlier),
+                                   q8[1].estimate(scorer, q_earlier),
+                                   np.log(np.maximum(dense(q_before, kc, vc).mass, 1e-300))
+                                   * np.sqrt(d))
                     rows += _c2f_feedback_rows(
                         workload, dn, (q8[gc].estimate(scorer, q), fine),
                         (q8[gc].estimate(scorer, q_before), q8[1].estimate(scorer, q_before)),
-                        exact, gc, plan, kvh, record_bytes(scorer, d), suffix)
+                        exact, gc, plan, kvh, record_bytes(scorer, d), suffix, earlier)
     return rows
 
 
@@ -503,22 +512,34 @@ def _c2f_pick(coarse: F32, fine: F32, gc: int, f: float, cand: float, kvh: int,
 
 def _c2f_feedback_rows(workload: dict[str, object], dn: Dense, now: tuple[F32, F32],
                        before: tuple[F32, F32], exact: F32, gc: int, plan: QualityPlan,
-                       kvh: int, rb: float, suffix: str) -> list[dict[str, object]]:
-    """Coarse-to-fine with selection feedback (lag 1): the previous step's list is the same
-    c2f selection with the query before; see _c2f_pick."""
+                       kvh: int, rb: float, suffix: str,
+                       earlier: tuple[F32, F32, F32] | None = None) -> list[dict[str, object]]:
+    """Coarse-to-fine with selection feedback (lag 1): fb- rows take the previous step's
+    list as the same c2f selection with the query before; with `earlier` (coarse and fine
+    estimates with the query three positions back, and the exact log mass × sqrt(d) of the
+    query two back), fb2- rows take it with one step of feedback itself. See _c2f_pick."""
     out: list[dict[str, object]] = []
     Gc, nb = now[0].shape[1], now[1].shape[1]
-    for cand in plan.c2f_candidates:
-        masks, bytes_per_block, params = [], [], []
-        for f in plan.fractions:
-            prev, _ = _c2f_pick(before[0], before[1], gc, f, cand, kvh)
-            m, fine_read = _c2f_pick(now[0], now[1], gc, f, cand, kvh,
-                                     visited=prev[0].astype(bool), exact=exact)
-            masks.append(m)
-            bytes_per_block.append((Gc * rb + fine_read * rb) / nb)
-            params.append(float(f))
-        met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), bytes_per_block)
-        out += _rows(workload, "c2f", f"fb-c2f{gc}x{cand:g}{suffix}", 1, 1, params, 0.0, nb, met)
+    for depth in (1, 2) if earlier is not None else (1,):
+        for cand in plan.c2f_candidates:
+            masks, bytes_per_block, params = [], [], []
+            for f in plan.fractions:
+                if depth == 1:
+                    prev, _ = _c2f_pick(before[0], before[1], gc, f, cand, kvh)
+                else:
+                    assert earlier is not None
+                    first, _ = _c2f_pick(earlier[0], earlier[1], gc, f, cand, kvh)
+                    prev, _ = _c2f_pick(before[0], before[1], gc, f, cand, kvh,
+                                        visited=first[0].astype(bool), exact=earlier[2])
+                m, fine_read = _c2f_pick(now[0], now[1], gc, f, cand, kvh,
+                                         visited=prev[0].astype(bool), exact=exact)
+                masks.append(m)
+                bytes_per_block.append((Gc * rb + fine_read * rb) / nb)
+                params.append(float(f))
+            met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), bytes_per_block)
+            prefix = "fb" if depth == 1 else "fb2"
+            out += _rows(workload, "c2f", f"{prefix}-c2f{gc}x{cand:g}{suffix}", 1, 1, params, 0.0,
+                         nb, met)
     return out
 
 

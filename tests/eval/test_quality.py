@@ -297,14 +297,14 @@ def test_feedback_plan_rows_name_each_variant(rng: np.random.Generator) -> None:
     from eps_eval import synthetic
 
     tokens, d = 1024, 32
-    tr = synthetic.make_layer("multi", tokens, [tokens - 3, tokens - 2, tokens - 1], q_heads=4,
-                              kv_heads=2, head_dim=d, seed=int(rng.integers(1 << 30)))
+    tr = synthetic.make_layer("multi", tokens, [tokens - 4, tokens - 3, tokens - 2, tokens - 1],
+                              q_heads=4, kv_heads=2, head_dim=d, seed=int(rng.integers(1 << 30)))
     plan = quality.FEEDBACK_PLAN
     state = quality.LayerState(plan, 4, 2, d, tokens)
     rows = quality.step_rows(state, tr.k, tr.v, tr.q, tokens - 1, {"workload": "test"})
     names = {r["method"] for r in rows}
     assert {"fb-questclt1-o0", "fb-questclt1-o1", "fb-questclt1-cal"} <= names
-    assert {f"fb-c2f{gc}x{c:g}-questclt1" for gc in plan.c2f_coarse
+    assert {f"{fb}-c2f{gc}x{c:g}-questclt1" for fb in ("fb", "fb2") for gc in plan.c2f_coarse
             for c in plan.c2f_candidates} <= names
-    fed = [r for r in rows if r["method"].startswith("fb-c2f")]
+    fed = [r for r in rows if r["method"].startswith(("fb-c2f", "fb2-c2f"))]
     assert all(r["lag"] == 1 and 0.0 <= r["recall"] <= 1.0 + 1e-6 for r in fed)
