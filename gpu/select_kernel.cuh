@@ -81,6 +81,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   unsigned* offset = reinterpret_cast<unsigned*>(visit + ((s.max_groups + 15) / 16) * 16);
   auto head_scored = [&](int h) { return a.scored == nullptr || a.scored[layer * s.q_heads + h]; };
   auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
+  // mass, list scope: one cut over the list's summed shares instead of one per head.
+  const bool list_mass = kBudget == Budget::kMass && rule.mass_list;
 
   // Fixed budget: each group's best rank over the list's heads (ranked groups only).
   unsigned* fixed_best = offset;
@@ -182,10 +184,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     } else if constexpr (kBudget == Budget::kTopP || kBudget == Budget::kMass) {
       __shared__ double masses[kWarps][256];
-      bool per_head = true;
-      if constexpr (kBudget == Budget::kMass) per_head = !rule.mass_list;
       if constexpr (kBudget == Budget::kMass) {
-        if (!per_head && !rule.method_off) {
+        if (list_mass && !rule.method_off) {
           // core MarkByMassList: a warp per head finds its largest score and
           // total W; a thread per group sums its share σ_p = Σ_h w_hp / W_h over
           // the heads in order (as core/) into `offset`, which compaction reuses
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
       for (int h = first_head + warp;
-           h < first_head + heads_per_list && !rule.method_off && per_head; h += warps) {
+           h < first_head + heads_per_list && !rule.method_off && !list_mass; h += warps) {
         // Unscored heads take nothing.
         unsigned key = kBudget == Budget::kTopP ? 0xFFFFFFFFu : kMassNoneKey;
         int tie = kBudget == Budget::kTopP ? -1 : kMassNoneTie;
@@ -314,16 +314,14 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     __syncthreads();
   } else {
-    bool per_head = true;
-    if constexpr (kBudget == Budget::kMass) per_head = !rule.mass_list;
-    for (int p = threadIdx.x; p < n && !rule.method_off && !per_head; p += blockDim.x) {
+    for (int p = threadIdx.x; p < n && !rule.method_off && list_mass; p += blockDim.x) {
       // mass, list scope: the list's one cut over the shares (written in step 1).
       if (!visit[p] &&
           MassTaken(ShareKey(reinterpret_cast<const float*>(offset)[p]), p, list_key, list_tie)) {
         visit[p] = 1;
       }
     }
-    for (int p = threadIdx.x; p < n && !rule.method_off && per_head; p += blockDim.x) {
+    for (int p = threadIdx.x; p < n && !rule.method_off && !list_mass; p += blockDim.x) {
       if (visit[p]) continue;
       bool v = false;
       // The group's value for each head of the list, one max_groups apart.
