@@ -275,13 +275,13 @@ def mark_mass_union(scores: F32, targets: list[float], *, temperature: float, he
 
 
 def _feedback_rows(workload: dict[str, object], dn: Dense, tables: QuestTables, q: F32,
-                   q_before: F32, kc: F32, vc: F32, g: int, kvh: int, tps: list[int],
-                   names: tuple[str, ...]) -> list[dict[str, object]]:
+                   q_before: F32, q_mass: npt.NDArray[np.float64], g: int, kvh: int,
+                   tps: list[int], names: tuple[str, ...]) -> list[dict[str, object]]:
     """Selection feedback (QualityPlan.feedback), lag 1: for each budget, the previous step's
     groups (estimator `name` with q_before) take the exact log mass of q (the previous step's
-    query) times sqrt(d), the others the estimate plus an offset."""
-    d = kc.shape[2]
-    exact = np.log(np.maximum(group_sum(dense(q, kc, vc).mass, g), 1e-300)) * np.sqrt(d)
+    query; q_mass its per-block mass) times sqrt(d), the others the estimate plus an offset."""
+    d = q.shape[-1]
+    exact = np.log(np.maximum(group_sum(q_mass, g), 1e-300)) * np.sqrt(d)
     spread = np.sqrt(d) * np.log(BLOCK * g)
     rows: list[dict[str, object]] = []
     for name in names:
@@ -360,6 +360,13 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
     q8 = {g: QuestTables(k, c, g, plan.quest8_scale)
           for g in sorted(set(plan.group_blocks) | set(plan.c2f_coarse))}
     lag_mass: dict[int, npt.NDArray[np.float64]] = {}
+
+    def mass_of(lag: int) -> npt.NDArray[np.float64]:
+        """Per-block attention mass of the query `lag` positions back, computed once."""
+        if lag not in lag_mass:
+            lag_mass[lag] = dense(q_by_pos[position - lag], kc, vc).mass
+        return lag_mass[lag]
+
     moments = ({g: estimators.MomentTables(k, c, g) for g in plan.group_blocks}
                if "momentlgn" in plan.methods else {})
     for g in plan.group_blocks:
@@ -394,9 +401,7 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
             if "oracle_mass_lag" in plan.methods:
                 # The exact mass under the lagged query: the ceiling of any estimator at this
                 # lag (the oracles above read the current query).
-                if lag not in lag_mass:
-                    lag_mass[lag] = dense(q, kc, vc).mass
-                lm = np.log(np.maximum(group_sum(lag_mass[lag], g), 1e-300)) * np.sqrt(d)
+                lm = np.log(np.maximum(group_sum(mass_of(lag), g), 1e-300)) * np.sqrt(d)
                 scores["oracle_mass_lag"] = lm.astype(np.float32)
             for name, sc in scores.items():
                 if name not in plan.methods and name not in plan.estimators:
@@ -406,8 +411,8 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 rows += _rows(workload, "threshold", name, g, lag, [float(t) for t in tps], 0.0,
                               G, evaluate(dn, g, masks, tps, [rb] * len(tps)))
             if lag == 1 and plan.feedback and position - 2 in q_by_pos:
-                rows += _feedback_rows(workload, dn, q8[g], q, q_by_pos[position - 2], kc, vc,
-                                       g, kvh, tps, plan.feedback)
+                rows += _feedback_rows(workload, dn, q8[g], q, q_by_pos[position - 2],
+                                       mass_of(1), g, kvh, tps, plan.feedback)
             if g in plan.mass_group_blocks and lag in plan.mass_lags:
                 # questmid: the middle of the bracket [q·k̄, quest], both in the default record.
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
@@ -458,9 +463,7 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                   kvh, record_bytes(scorer, d), suffix)
                 if lag == 1 and scorer in plan.feedback and position - 2 in q_by_pos:
                     q_before = q_by_pos[position - 2]
-                    if 1 not in lag_mass:
-                        lag_mass[1] = dense(q, kc, vc).mass
-                    exact = np.log(np.maximum(lag_mass[1], 1e-300)) * np.sqrt(d)
+                    exact = np.log(np.maximum(mass_of(1), 1e-300)) * np.sqrt(d)
                     # Two steps of feedback when the query three positions back is there:
                     # the previous list had feedback itself (from the one before it).
                     earlier = None
@@ -468,8 +471,7 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                         q_earlier = q_by_pos[position - 3]
                         earlier = (q8[gc].estimate(scorer, q_earlier),
                                    q8[1].estimate(scorer, q_earlier),
-                                   np.log(np.maximum(dense(q_before, kc, vc).mass, 1e-300))
-                                   * np.sqrt(d))
+                                   np.log(np.maximum(mass_of(2), 1e-300)) * np.sqrt(d))
                     rows += _c2f_feedback_rows(
                         workload, dn, (q8[gc].estimate(scorer, q), fine),
                         (q8[gc].estimate(scorer, q_before), q8[1].estimate(scorer, q_before)),
