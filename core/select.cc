@@ -233,11 +233,11 @@ void TakeByMass(std::span<const double> mass, std::span<const uint8_t> forced, f
   }
 }
 
+}  // namespace
+
 double MassInvScale(float temperature, int head_dim) {
   return 1.0 / (static_cast<double>(temperature) * std::sqrt(head_dim));
 }
-
-}  // namespace
 
 void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, float target,
                 float temperature, int head_dim, int min_pages, int max_pages,

@@ -90,6 +90,10 @@ void MarkStrict(std::span<const MaxScoreBracket> brackets, int top_pages, std::s
 void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, float top_p,
               int head_dim, std::span<uint8_t> visit);
 
+// 1/(τ·sqrt(d)) in double: a score times it is the mass budget's logit estimate
+// (MarkByMass, MarkByMassList; the device takes the same value).
+double MassInvScale(float temperature, int head_dim);
+
 // Mass budget for one head (docs/policy.md, "Mass budget"). Over all n groups,
 // forced ones included, w_p = exp((s_p − s_max) / (temperature·sqrt(d))),
 // W = Σ w. Covered mass C starts at the forced groups' w. Unforced groups are

@@ -303,8 +303,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   rule.mass_target = policy.mass_target;
   rule.min_pages = policy.min_pages;
   rule.max_pages = policy.max_pages;
-  rule.mass_inv_scale =  // as core MarkByMass
-      1.0 / (static_cast<double>(policy.mass_temperature) * std::sqrt(m.head_dim));
+  rule.mass_inv_scale = MassInvScale(policy.mass_temperature, m.head_dim);  // as core/
   rule.mass_list = policy.mass_scope == MassScope::kList;
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
