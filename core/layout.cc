@@ -31,6 +31,12 @@ absl::Status ModelLayout::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "num_q_heads=", num_q_heads, " is not a multiple of num_kv_heads=", num_kv_heads));
   }
+  if (coarse_blocks != 0 && (coarse_blocks <= group_blocks || coarse_blocks > 4096 ||
+                             coarse_blocks % group_blocks != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coarse_blocks=", coarse_blocks, " must be 0 (no coarse level) or a multiple ",
+                     "of group_blocks=", group_blocks, " above it, at most 4096"));
+  }
   if (head_dim % 4 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("head_dim=", head_dim, " is not a multiple of 4"));
@@ -41,9 +47,9 @@ absl::Status ModelLayout::Validate() const {
 std::string ModelLayout::DebugString() const {
   return absl::StrCat("layers=", num_layers, " q_heads=", num_q_heads, " kv_heads=", num_kv_heads,
                       " d=", head_dim, " block_size=", block_size, " group_blocks=", group_blocks,
-                      " m=", sketch_dim, " seed=", phi_seed, " key_sum=", features.key_sum,
-                      " principal=", features.principal, " quest=", features.quest,
-                      " quest8=", features.quest8);
+                      " coarse_blocks=", coarse_blocks, " m=", sketch_dim, " seed=", phi_seed,
+                      " key_sum=", features.key_sum, " principal=", features.principal,
+                      " quest=", features.quest, " quest8=", features.quest8);
 }
 
 int Revision1QuestMin(const ModelLayout& model) {

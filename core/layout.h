@@ -49,12 +49,20 @@ struct ModelLayout {
   int head_dim = 0;
   int block_size = 16;   // tokens per engine KV block
   int group_blocks = 2;  // g: blocks per summary group (docs/eval/README.md, "Defaults chosen")
-  int sketch_dim = 8;    // m
+  // The coarse level (docs/policy.md, "Coarse-to-fine"): 0 for none, else blocks per
+  // coarse group, a multiple of group_blocks above it. Its records (the same layout)
+  // live in a second pool; the selection scores them first and reads the records of
+  // the groups inside the best coarse groups only.
+  int coarse_blocks = 0;
+  int sketch_dim = 8;  // m
   uint64_t phi_seed = 0;
   DType kv_dtype = DType::kFloat16;  // element type of the engine's K and V (byte estimates)
   SummaryFeatures features;
 
   int group_tokens() const { return block_size * group_blocks; }
+  bool has_coarse_level() const { return coarse_blocks > 0; }
+  // Groups per coarse group (the coarse level's r); 0 without one.
+  int coarse_ratio() const { return coarse_blocks > 0 ? coarse_blocks / group_blocks : 0; }
   int gqa_ratio() const { return num_q_heads / num_kv_heads; }
   int kv_head_of(int q_head) const { return q_head / gqa_ratio(); }
 
@@ -114,6 +122,11 @@ inline int64_t BlocksFor(int64_t tokens, int block_size) {
 inline int64_t GroupsFor(int64_t tokens, const ModelLayout& model) {
   const int64_t blocks = BlocksFor(tokens, model.block_size);
   return blocks <= 0 ? 0 : (blocks - 1) / model.group_blocks + 1;
+}
+// Coarse groups of a context (0 without a coarse level).
+inline int64_t CoarseGroupsFor(int64_t tokens, const ModelLayout& model) {
+  const int64_t blocks = BlocksFor(tokens, model.block_size);
+  return blocks <= 0 || model.coarse_blocks <= 0 ? 0 : (blocks - 1) / model.coarse_blocks + 1;
 }
 
 }  // namespace eps

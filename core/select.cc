@@ -94,6 +94,10 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
                                                      " marks, want layers*q_heads=", want));
     }
   }
+  if (!(coarse_candidates >= 1.0f && coarse_candidates <= 1024.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coarse_candidates=", coarse_candidates, " not in [1, 1024]"));
+  }
   if (strict && budget != Budget::kThreshold) {
     return absl::InvalidArgumentError(
         absl::StrCat("strict mode replaces the budget rule; budget=", BudgetName(budget)));
@@ -107,7 +111,20 @@ std::string SelectPolicy::DebugString() const {
       " top_pages=", top_pages, " strict=", strict, " heads=", HeadModeName(heads),
       " budget=", BudgetName(budget), " top_p=", top_p, " mass_target=", mass_target,
       " mass_temperature=", mass_temperature, " min_pages=", min_pages, " max_pages=", max_pages,
-      " mass_scope=", MassScopeName(mass_scope), " granularity=", GranularityName(granularity));
+      " mass_scope=", MassScopeName(mass_scope), " granularity=", GranularityName(granularity),
+      " coarse_candidates=", coarse_candidates);
+}
+
+int SelectPolicy::CoarseCandidates(const ModelLayout& model) const {
+  const int ratio = std::max(1, model.coarse_ratio());
+  const double want = std::ceil(static_cast<double>(coarse_candidates) * top_pages / ratio);
+  return static_cast<int>(std::min<double>(want, std::numeric_limits<int>::max()));
+}
+
+void MarkCoarseForced(std::span<const uint8_t> forced, int ratio, std::span<uint8_t> coarse) {
+  for (size_t p = 0; p < forced.size(); ++p) {
+    if (forced[p]) coarse[p / static_cast<size_t>(ratio)] = 1;
+  }
 }
 
 void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit) {

@@ -61,8 +61,22 @@ struct SelectPolicy {
   int max_pages = 0;              // ceiling: unforced groups per head (list) at most; 0 = none
   MassScope mass_scope = MassScope::kHead;
   Granularity granularity = Granularity::kUnion;
+  // With a coarse level (ModelLayout.coarse_blocks; docs/policy.md, "Coarse-to-fine"):
+  // each scored head names its ceil(coarse_candidates · top_pages / r) best unforced
+  // coarse groups as candidates (r = groups per coarse group); only the groups inside
+  // the list's candidates (and the forced ones) are scored and may be visited. In
+  // [1, 1024]; larger reads more fine records and misses fewer groups.
+  float coarse_candidates = 2.0f;
 
   absl::Status Validate(const ModelLayout& model) const;
+  // Whether a step under this policy uses `model`'s coarse level: there is one,
+  // the method scores, and not strict mode (whose guarantee needs every group's
+  // bracket: strict reads every fine record, as without a coarse level).
+  bool UsesCoarseLevel(const ModelLayout& model) const {
+    return model.has_coarse_level() && method != Method::kOff && !strict;
+  }
+  // The coarse groups each scored head names beyond the forced ones (see coarse_candidates).
+  int CoarseCandidates(const ModelLayout& model) const;
   bool HeadIsScored(const ModelLayout& model, int layer, int q_head) const {
     return heads == HeadMode::kAll ||
            retrieval_heads[static_cast<size_t>(layer) * model.num_q_heads + q_head] != 0;
@@ -73,6 +87,10 @@ struct SelectPolicy {
 // Marks the groups every head visits: the first first_n, the last last_n (which
 // include the newest) and the newest (n-1) even when last_n = 0. `visit` has n entries.
 void MarkForced(const SelectPolicy& policy, std::span<uint8_t> visit);
+
+// Marks the coarse groups that hold a forced group: `forced` has one entry per
+// group, `coarse` one per coarse group of `ratio` groups (the last may be partial).
+void MarkCoarseForced(std::span<const uint8_t> forced, int ratio, std::span<uint8_t> coarse);
 
 // Threshold rule for one head: T = the top_pages-th largest score among the
 // unforced groups; marks every unforced group with score ≥ T/α (T·α when T ≤ 0).

@@ -1,11 +1,13 @@
 #include "core/step.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/bounds.h"
+#include "core/status.h"
 #include "core/visit_list.h"
 
 namespace eps {
@@ -35,6 +37,13 @@ absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t
     return absl::InvalidArgumentError(absl::StrCat(
         "rows[", i, "].context_tokens=", row.context_tokens, " not in [1, ",
         std::min(in.max_blocks * model.block_size, in.max_groups * model.group_tokens()), "]"));
+  }
+  if (model.has_coarse_level() && in.coarse_table != nullptr &&
+      CoarseGroupsFor(row.context_tokens, model) > in.max_coarse_groups) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows[", i, "].context_tokens=", row.context_tokens, " needs ",
+                     CoarseGroupsFor(row.context_tokens, model),
+                     " coarse groups, max_coarse_groups=", in.max_coarse_groups));
   }
   return absl::OkStatus();
 }
@@ -66,6 +75,12 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
     return absl::InvalidArgumentError(
         absl::StrCat("query dtype ", DTypeName(in.query_dtype), " is not a float type"));
   }
+  const bool coarse = policy.UsesCoarseLevel(model_);
+  if (coarse && (in.coarse_pool == nullptr || in.coarse_table == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the layout has a coarse level (coarse_blocks=", model_.coarse_blocks,
+                     ") but the step has no coarse_pool or coarse_table"));
+  }
   const int d = model_.head_dim;
   for (size_t i = 0; i < in.rows.size(); ++i) {
     const StepRow& row = in.rows[i];
@@ -78,6 +93,16 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
         return absl::InvalidArgumentError(absl::StrCat("group_table[", row.table_row, "][", p,
                                                        "]=", groups_row[p], " not in [0, ",
                                                        in.num_slots, ")"));
+      }
+    }
+    if (coarse) {
+      const int32_t* coarse_row = in.coarse_table + row.table_row * in.max_coarse_groups;
+      for (int64_t c = 0; c < CoarseGroupsFor(row.context_tokens, model_); ++c) {
+        if (coarse_row[c] < 0 || coarse_row[c] >= in.coarse_slots) {
+          return absl::InvalidArgumentError(absl::StrCat("coarse_table[", row.table_row, "][", c,
+                                                         "]=", coarse_row[c], " not in [0, ",
+                                                         in.coarse_slots, ")"));
+        }
       }
     }
     const int32_t* blocks_row = in.block_table + row.table_row * in.max_blocks;
@@ -134,16 +159,71 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
   std::vector<float> scores;
   std::vector<MaxScoreBracket> brackets;
   std::vector<std::vector<float>> head_scores(model_.num_q_heads);
+  const bool coarse = policy.UsesCoarseLevel(model_);
+  const int ratio_c = model_.coarse_ratio();
+  const int coarse_candidates = coarse ? policy.CoarseCandidates(model_) : 0;
+
+  // One head's scores of the records `slots` names in `pool` (the fine or the coarse
+  // level), or only of the groups `allowed` marks (−∞ for the others, unread).
+  auto score_head = [&](const char* table, const float* pool, int64_t num_slots,
+                        const int32_t* slots, int32_t table_row, int64_t count, int layer, int kvh,
+                        const std::vector<uint8_t>* allowed, bool bracket) -> absl::Status {
+    scores.assign(count, -kInf);
+    brackets.resize(count);
+    for (int64_t p = 0; p < count; ++p) {
+      if (allowed != nullptr && !(*allowed)[p]) continue;
+      // The tables live in memory the engine may write during the step:
+      // read each slot once and re-check it before it becomes an index.
+      const int32_t slot = slots[p];
+      if (slot < 0 || slot >= num_slots) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(table, "[", table_row, "][", p, "]=", slot, " changed during the step"));
+      }
+      const int64_t record_index =
+          (static_cast<int64_t>(slot) * model_.num_layers + layer) * kv_heads + kvh;
+      const std::span<const float> record(pool + record_index * layout_.record_words,
+                                          layout_.record_words);
+      bool bad_score;
+      if (bracket) {
+        brackets[p] = BracketMaxScore(record, layout_, terms);
+        bad_score = std::isnan(brackets[p].lower) || std::isnan(brackets[p].upper);
+      } else {
+        scores[p] = Score(policy.method, record, layout_, terms);
+        bad_score = std::isnan(scores[p]) || scores[p] == kInf;
+      }
+      const float* stat = record.data() + layout_.fro2;
+      if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||
+          !std::isfinite(stat[2])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            pool == in.coarse_pool ? "coarse summary" : "summary", " of slot ", slot, " (layer ",
+            layer, ", kv_head ", kvh, ") gives a non-finite score: the summary holds NaN or Inf"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  auto load_query = [&](int layer, int64_t i, int h) {
+    const int64_t qbase =
+        ((static_cast<int64_t>(layer) * in.max_batch + i) * model_.num_q_heads + h) * d;
+    for (int k = 0; k < d; ++k) query[k] = LoadAsFloat(in.queries, in.query_dtype, qbase + k);
+  };
 
   for (size_t i = 0; i < in.rows.size(); ++i) {
     const StepRow& row = in.rows[i];
     const int64_t n = GroupsFor(row.context_tokens, model_);
     const int64_t nb = BlocksFor(row.context_tokens, model_.block_size);
+    const int64_t nc = coarse ? CoarseGroupsFor(row.context_tokens, model_) : 0;
     const int32_t* slots = in.group_table + row.table_row * in.max_groups;
+    const int32_t* coarse_slots =
+        coarse ? in.coarse_table + row.table_row * in.max_coarse_groups : nullptr;
     const std::span<const int32_t> block_row(in.block_table + row.table_row * in.max_blocks, nb);
     std::vector<uint8_t> forced(n, 0);
     MarkForced(policy, forced);
+    std::vector<uint8_t> coarse_forced(nc, 0);
+    if (coarse) MarkCoarseForced(forced, ratio_c, coarse_forced);
     std::vector<std::vector<uint8_t>> visit(lists);
+    // With the coarse level: each list's candidate coarse groups, and the groups they hold.
+    std::vector<std::vector<uint8_t>> candidates(lists);
+    std::vector<std::vector<uint8_t>> allowed(lists);
 
     for (int layer = 0; layer < model_.num_layers; ++layer) {
       for (auto& v : visit) {
@@ -153,49 +233,44 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
           v = forced;
         }
       }
+      int64_t summary_records = 0;
+      if (coarse) {
+        // Coarse level: every scored head's best coarse groups join its list's candidates.
+        for (auto& c : candidates) c = coarse_forced;
+        for (int kvh = 0; kvh < kv_heads; ++kvh) {
+          bool kv_head_scored = false;
+          for (int h = kvh * ratio; h < (kvh + 1) * ratio; ++h) {
+            if (!policy.HeadIsScored(model_, layer, h)) continue;
+            kv_head_scored = true;
+            load_query(layer, static_cast<int64_t>(i), h);
+            terms.Prepare(*phi_, layer, kvh, query);
+            RETURN_IF_ERROR(score_head("coarse_table", in.coarse_pool, in.coarse_slots,
+                                       coarse_slots, row.table_row, nc, layer, kvh, nullptr,
+                                       false));
+            MarkByThreshold(scores, coarse_forced, coarse_candidates, 1.0f,
+                            candidates[per_head ? kvh : 0]);
+          }
+          summary_records += kv_head_scored ? nc : 0;
+        }
+        for (int list = 0; list < lists; ++list) {
+          allowed[list].assign(n, 0);
+          for (int64_t p = 0; p < n; ++p) allowed[list][p] = candidates[list][p / ratio_c];
+        }
+      }
       // The heads' scores of each list, for the budgets that mark a list at once.
       std::vector<std::vector<std::span<const float>>> listed(lists);
-      int scored_kv_heads = 0;
       for (int kvh = 0; kvh < kv_heads && policy.method != Method::kOff; ++kvh) {
-        std::vector<uint8_t>& target = visit[per_head ? kvh : 0];
+        const int list_of_head = per_head ? kvh : 0;
+        std::vector<uint8_t>& target = visit[list_of_head];
+        const std::vector<uint8_t>* only = coarse ? &allowed[list_of_head] : nullptr;
         bool kv_head_scored = false;
         for (int h = kvh * ratio; h < (kvh + 1) * ratio; ++h) {
           if (!policy.HeadIsScored(model_, layer, h)) continue;
           kv_head_scored = true;
-          const int64_t qbase =
-              ((static_cast<int64_t>(layer) * in.max_batch + i) * model_.num_q_heads + h) * d;
-          for (int k = 0; k < d; ++k) query[k] = LoadAsFloat(in.queries, in.query_dtype, qbase + k);
+          load_query(layer, static_cast<int64_t>(i), h);
           terms.Prepare(*phi_, layer, kvh, query);
-          scores.resize(n);
-          brackets.resize(n);
-          for (int64_t p = 0; p < n; ++p) {
-            // The tables live in memory the engine may write during the step:
-            // read each slot once and re-check it before it becomes an index.
-            const int32_t slot = slots[p];
-            if (slot < 0 || slot >= in.num_slots) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  "group_table[", row.table_row, "][", p, "]=", slot, " changed during the step"));
-            }
-            const int64_t record_index =
-                (static_cast<int64_t>(slot) * model_.num_layers + layer) * kv_heads + kvh;
-            const std::span<const float> record(
-                in.summary_pool + record_index * layout_.record_words, layout_.record_words);
-            bool bad_score;
-            if (policy.strict) {
-              brackets[p] = BracketMaxScore(record, layout_, terms);
-              bad_score = std::isnan(brackets[p].lower) || std::isnan(brackets[p].upper);
-            } else {
-              scores[p] = Score(policy.method, record, layout_, terms);
-              bad_score = std::isnan(scores[p]) || scores[p] == kInf;
-            }
-            const float* stat = record.data() + layout_.fro2;
-            if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||
-                !std::isfinite(stat[2])) {
-              return absl::InvalidArgumentError(
-                  absl::StrCat("summary of slot ", slot, " (layer ", layer, ", kv_head ", kvh,
-                               ") gives a non-finite score: the summary holds NaN or Inf"));
-            }
-          }
+          RETURN_IF_ERROR(score_head("group_table", in.summary_pool, in.num_slots, slots,
+                                     row.table_row, n, layer, kvh, only, policy.strict));
           switch (policy.budget) {
             case Budget::kThreshold:
               if (policy.strict) {
@@ -216,11 +291,14 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
               [[fallthrough]];  // list scope: marked per list below, as the fixed budget
             case Budget::kFixed:
               head_scores[h] = scores;
-              listed[per_head ? kvh : 0].push_back(head_scores[h]);
+              listed[list_of_head].push_back(head_scores[h]);
               break;
           }
         }
-        scored_kv_heads += kv_head_scored;
+        if (kv_head_scored) {
+          summary_records +=
+              only == nullptr ? n : std::count(only->begin(), only->end(), uint8_t{1});
+        }
       }
       if (policy.method != Method::kOff) {
         for (int list = 0; list < lists; ++list) {
@@ -232,6 +310,13 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
             MarkByMassList(listed[list], forced, policy.mass_target, policy.mass_temperature, d,
                            policy.min_pages, policy.max_pages, visit[list]);
           }
+        }
+      }
+      if (coarse) {
+        // Groups outside the candidates were never scored: a rule that marked them
+        // (fewer candidates than the budget) gives them up; forced groups are candidates.
+        for (int list = 0; list < lists; ++list) {
+          for (int64_t p = 0; p < n; ++p) visit[list][p] &= allowed[list][p];
         }
       }
       for (int list = 0; list < lists; ++list) {
@@ -252,7 +337,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         total.kv_bytes_read_est += VisitedTokens(count, row.context_tokens, model_.block_size) *
                                    heads_read * kv_token_bytes;
       }
-      total.summary_bytes_read += n * scored_kv_heads * layout_.record_bytes();
+      total.summary_bytes_read += summary_records * layout_.record_bytes();
     }
   }
   for (int layer = 0; layer < model_.num_layers; ++layer) {

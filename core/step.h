@@ -32,6 +32,13 @@ struct StepInputs {
   int64_t max_groups = 0;
   int64_t max_blocks = 0;
   int64_t num_physical_blocks = -1;  // block ids must be below this; -1: not checked
+  // The coarse level (ModelLayout.coarse_blocks > 0): its records, [coarse_slots,
+  // layers, kv_heads, record_words], and its table [max_seqs, max_coarse_groups].
+  // Needed only when the policy uses the level (SelectPolicy::UsesCoarseLevel).
+  const float* coarse_pool = nullptr;
+  int64_t coarse_slots = 0;
+  const int32_t* coarse_table = nullptr;
+  int64_t max_coarse_groups = 0;
   const void* queries = nullptr;
   DType query_dtype = DType::kFloat32;
   int64_t max_batch = 0;
@@ -57,7 +64,8 @@ struct StepStats {
 };
 
 // Checks what rows[i] alone decides: its table row is in [0, max_seqs) and its
-// context fits max_blocks and max_groups. Reads no buffer, so every backend
+// context fits max_blocks and max_groups (and max_coarse_groups, with a coarse
+// level whose table is given). Reads no buffer, so every backend
 // (host or device memory) calls it before launching anything.
 absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t i);
 
