@@ -109,8 +109,34 @@ class EvalSequence {
         }
         t = end;
       }
+      if (model_.has_coarse_level()) {
+        if (absl::Status s = AppendCoarse(in, n, kvh); !s.ok()) return s;
+      }
     }
     tokens_ += n;
+    return absl::OkStatus();
+  }
+
+  // The coarse level's records (as an engine writes them: one more record per coarse
+  // group, from the same keys), sealed when full.
+  absl::Status AppendCoarse(const float* in, int64_t n, int kvh) {
+    const int d = model_.head_dim;
+    const int64_t ct = int64_t{model_.coarse_blocks} * model_.block_size;
+    float* open = open_coarse_.data() + static_cast<size_t>(kvh) * ct * d;
+    for (int64_t t = tokens_; t < tokens_ + n;) {
+      const int64_t group = t / ct;
+      const int64_t end = std::min(tokens_ + n, (group + 1) * ct);
+      const float* rows_in = in + (t - tokens_) * d;
+      std::copy_n(rows_in, (end - t) * d, open + (t - group * ct) * d);
+      const std::span<float> record = CoarseRecord(group, kvh);
+      const KeyRows rows{.data = rows_in, .count = end - t};
+      if (absl::Status s = writer_.Append(record, 0, kvh, rows); !s.ok()) return s;
+      if (end == (group + 1) * ct) {
+        const KeyRows all{.data = open, .count = ct};
+        if (absl::Status s = writer_.Seal(record, 0, kvh, all); !s.ok()) return s;
+      }
+      t = end;
+    }
     return absl::OkStatus();
   }
 
@@ -154,6 +180,14 @@ class EvalSequence {
     in.queries = queries;
     in.max_batch = 1;
     in.rows = {&row, 1};
+    std::vector<int32_t> coarse_table(max_coarse_);
+    std::iota(coarse_table.begin(), coarse_table.end(), 0);
+    if (model_.has_coarse_level()) {
+      in.coarse_pool = coarse_pool_.data();
+      in.coarse_slots = max_coarse_;
+      in.coarse_table = coarse_table.data();
+      in.max_coarse_groups = max_coarse_;
+    }
     if (absl::Status s = selector->Select(in, policy, {visit_blocks.data(), count.data()}, stats);
         !s.ok()) {
       return s;
@@ -180,6 +214,7 @@ class EvalSequence {
         max_tokens_(max_tokens),
         max_blocks_(BlocksFor(max_tokens, model.block_size)),
         max_groups_(GroupsFor(max_tokens, model)),
+        max_coarse_(CoarseGroupsFor(max_tokens, model)),
         phi_(std::move(phi)),
         writer_(model, phi_) {
     open_group_.assign(
@@ -189,6 +224,21 @@ class EvalSequence {
     for (int64_t p = 0; p < max_groups_; ++p) {
       for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) writer_.Reset(Record(p, kvh));
     }
+    open_coarse_.assign(static_cast<size_t>(model.num_kv_heads) * model.coarse_blocks *
+                            model.block_size * model.head_dim,
+                        0.0f);
+    coarse_pool_.assign(static_cast<size_t>(max_coarse_) * model.num_kv_heads *
+                            layout_.record_words,
+                        0.0f);
+    for (int64_t c = 0; c < max_coarse_; ++c) {
+      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) writer_.Reset(CoarseRecord(c, kvh));
+    }
+  }
+
+  // The coarse pool's layout is the pool's; slot = coarse group.
+  std::span<float> CoarseRecord(int64_t group, int kvh) {
+    return {coarse_pool_.data() + (group * model_.num_kv_heads + kvh) * layout_.record_words,
+            static_cast<size_t>(layout_.record_words)};
   }
 
   // Pool layout [slots, layers = 1, kv_heads, record_words]; slot = group.
@@ -203,12 +253,14 @@ class EvalSequence {
 
   ModelLayout model_;
   SummaryLayout layout_;
-  int64_t max_tokens_, max_blocks_, max_groups_;
+  int64_t max_tokens_, max_blocks_, max_groups_, max_coarse_;
   PhiBank phi_;
   SummaryWriter writer_;  // borrows phi_ (declared before it)
   int64_t tokens_ = 0;
   std::vector<float> open_group_;  // [kv_heads, group_tokens, d]
   std::vector<float> pool_;
+  std::vector<float> open_coarse_;  // [kv_heads, coarse_tokens, d]
+  std::vector<float> coarse_pool_;  // [coarse groups, kv_heads, record_words]
 };
 
 }  // namespace eps::eval
@@ -218,9 +270,11 @@ using eps::eval::Fail;
 
 extern "C" {
 
-// features: bit 0 key_sum, bit 1 principal, bit 2 quest.
+// features: bit 0 key_sum, bit 1 principal, bit 2 quest, bit 3 quest8. coarse_blocks: the
+// coarse level's blocks per coarse group, 0 for none (ModelLayout.coarse_blocks).
 void* eps_eval_new(int q_heads, int kv_heads, int head_dim, int group_blocks, int sketch_dim,
-                   uint64_t phi_seed, int features, int64_t max_tokens, char* err, int err_len) {
+                   uint64_t phi_seed, int features, int64_t max_tokens, int coarse_blocks,
+                   char* err, int err_len) {
   eps::ModelLayout model;
   model.num_layers = 1;
   model.num_q_heads = q_heads;
@@ -228,6 +282,7 @@ void* eps_eval_new(int q_heads, int kv_heads, int head_dim, int group_blocks, in
   model.head_dim = head_dim;
   model.block_size = 16;
   model.group_blocks = group_blocks;
+  model.coarse_blocks = coarse_blocks;
   model.sketch_dim = sketch_dim;
   model.phi_seed = phi_seed;
   model.kv_dtype = eps::DType::kFloat16;
@@ -351,7 +406,8 @@ int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores
 // PageSelector::Select on this sequence. stats: 7 int64 (StepStats field order).
 int eps_eval_select(const void* seq, const char* method, const float* queries, int top_pages,
                     float alpha, int strict, int per_kv_head, int first_n, int last_n,
-                    uint8_t* visit, int64_t* stats, char* err, int err_len) {
+                    float coarse_candidates, uint8_t* visit, int64_t* stats, char* err,
+                    int err_len) {
   eps::SelectPolicy policy;
   if (!eps::ParseMethod(method, &policy.method)) {
     return Fail(absl::InvalidArgumentError(std::string("unknown method ") + method), err, err_len);
@@ -361,6 +417,7 @@ int eps_eval_select(const void* seq, const char* method, const float* queries, i
   policy.strict = strict != 0;
   policy.first_n = first_n;
   policy.last_n = last_n;
+  policy.coarse_candidates = coarse_candidates;
   policy.granularity = per_kv_head ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
   eps::StepStats st;
   absl::Status s = static_cast<const EvalSequence*>(seq)->Select(policy, queries, visit, &st);

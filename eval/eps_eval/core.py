@@ -53,6 +53,7 @@ def lib() -> ctypes.CDLL:
             ctypes.c_uint64,
             ctypes.c_int,
             ctypes.c_int64,
+            ctypes.c_int,
             ctypes.c_char_p,
             ctypes.c_int,
         ]
@@ -121,6 +122,7 @@ def lib() -> ctypes.CDLL:
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_int,
+            ctypes.c_float,
             _U8P,
             _I64P,
             ctypes.c_char_p,
@@ -221,16 +223,20 @@ class Sequence:
         features: int,
         max_tokens: int,
         phi_seed: int = 42,
+        coarse_blocks: int = 0,
     ) -> None:
+        """coarse_blocks: the coarse level's blocks per coarse group (0: none); its records
+        are written from the same keys, as an engine writes them."""
         err = ctypes.create_string_buffer(512)
         self._h = lib().eps_eval_new(
             q_heads, kv_heads, head_dim, group_blocks, sketch_dim, phi_seed, features,
-            max_tokens, err, len(err),
+            max_tokens, coarse_blocks, err, len(err),
         )
         if not self._h:
             raise CoreError(err.value.decode())
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
         self.group_blocks, self.sketch_dim, self.features = group_blocks, sketch_dim, features
+        self.coarse_blocks = coarse_blocks
 
     def close(self) -> None:
         if self._h:
@@ -282,8 +288,10 @@ class Sequence:
         per_kv_head: bool = False,
         first_n: int = 1,
         last_n: int = 2,
+        coarse_candidates: float = 2.0,
     ) -> tuple[npt.NDArray[np.uint8], dict[str, int]]:
-        """PageSelector::Select: marks [lists, groups] and the step's StepStats."""
+        """PageSelector::Select: marks [lists, groups] and the step's StepStats
+        (coarse_candidates: SelectPolicy.coarse_candidates, used with a coarse level)."""
         q = _f32(queries)
         if q.shape != (self.q_heads, self.head_dim):
             raise ValueError(f"queries shape {q.shape} != {(self.q_heads, self.head_dim)}")
@@ -293,7 +301,7 @@ class Sequence:
         err = ctypes.create_string_buffer(512)
         rc = lib().eps_eval_select(
             self._h, method.encode(), _ptr(q, _F32P), top_pages, alpha, int(strict),
-            int(per_kv_head), first_n, last_n, _ptr(visit, _U8P), _ptr(stats, _I64P), err,
+            int(per_kv_head), first_n, last_n, coarse_candidates, _ptr(visit, _U8P), _ptr(stats, _I64P), err,
             len(err),
         )
         if rc != 0:

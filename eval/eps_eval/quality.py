@@ -77,6 +77,10 @@ class QualityPlan:
     # quest8's scale per (group, KV head): "fp32" the group's max |k| / 127; "pow2" that
     # rounded up to a power of two, which a writer can apply as keys arrive (QuestTables)
     quest8_scale: str = "fp32"
+    # epsd's own coarse level (core PageSelector::Select through libeps_eval, questclt on
+    # quest8 records, g = 1 under coarse groups of gc blocks, coarse_candidates c): rows
+    # epsd-c2f{gc}x{c}, lag 1, to check the harness's c2f against what epsd ships.
+    epsd_c2f: tuple[tuple[int, float], ...] = ()
 
 
 # Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
@@ -123,9 +127,14 @@ FEEDBACK_PLAN = QualityPlan(
     group_blocks=(1, 2), lags=(1, 2, 3), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
     c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
     c2f_scorers=("questclt1",), feedback=("questclt1",))
+# epsd's coarse level (core) beside the harness's coarse-to-fine at the same gc and width.
+EPSD_C2F_PLAN = QualityPlan(
+    group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
+    c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
+    c2f_scorers=("questclt1",), epsd_c2f=((4, 2.0), (4, 3.0), (8, 2.0), (8, 3.0)))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
-         "feedback": FEEDBACK_PLAN}
+         "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
@@ -338,12 +347,19 @@ class LayerState:
         self.seqs = {g: core.Sequence(q_heads=q_heads, kv_heads=kv_heads, head_dim=d,
                                       group_blocks=g, sketch_dim=8, features=core.ALL_FEATURES,
                                       max_tokens=max_tokens) for g in gs}
+        # epsd's coarse level: g = 1 with quest8 records (what questclt reads) under coarse
+        # groups of gc blocks.
+        self.coarse_seqs = {
+            gc: core.Sequence(q_heads=q_heads, kv_heads=kv_heads, head_dim=d, group_blocks=1,
+                              sketch_dim=8, features=core.KEY_SUM | core.QUEST8,
+                              max_tokens=max_tokens, coarse_blocks=gc)
+            for gc in sorted({gc for gc, _ in plan.epsd_c2f})}
         self.tokens = 0
 
     def extend_to(self, k: F32, tokens: int) -> None:
         if tokens > self.tokens:
             chunk = np.ascontiguousarray(k[:, self.tokens:tokens])
-            for s in self.seqs.values():
+            for s in [*self.seqs.values(), *self.coarse_seqs.values()]:
                 s.append(chunk)
             self.tokens = tokens
 
@@ -453,6 +469,8 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                            list(MASS_TARGETS), tau, G, met):
                                 r["floor"] = floor
                                 rows.append(r)
+    if 1 in plan.lags:
+        rows += _epsd_c2f_rows(state, workload, dn, q_by_pos[position - 1], kvh, d)
     for lag in sorted({0, 1} & set(plan.lags)):
         q = q_by_pos[position - lag]
         for scorer in plan.c2f_scorers:
@@ -477,6 +495,29 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                         (q8[gc].estimate(scorer, q_before), q8[1].estimate(scorer, q_before)),
                         exact, gc, plan, kvh, record_bytes(scorer, d), suffix, earlier)
     return rows
+
+
+def _epsd_c2f_rows(state: LayerState, workload: dict[str, object], dn: Dense, q: F32, kvh: int,
+                   d: int) -> list[dict[str, object]]:
+    """Rows of epsd's coarse level (core PageSelector::Select, threshold budget, α = 1)
+    with the lag-1 query q: summary bytes are the records the step read (its StepStats)
+    at quest8's size, per block and KV head, as the harness's c2f rows count them."""
+    out: list[dict[str, object]] = []
+    core_rb = core.record_bytes(d, 8, core.KEY_SUM | core.QUEST8)
+    for gc, cand in state.plan.epsd_c2f:
+        s = state.coarse_seqs[gc]
+        nb = s.groups
+        tps = top_pages_for(nb, state.plan.fractions)
+        masks, bytes_per_block = [], []
+        for tp in tps:
+            visit, st = s.select("questclt", q, tp, coarse_candidates=cand)
+            masks.append(visit)
+            records = st["summary_bytes_read"] / core_rb
+            bytes_per_block.append(records * record_bytes("quest8", d) / (kvh * nb))
+        met = evaluate(dn, 1, np.stack(masks), tps, bytes_per_block)
+        out += _rows(workload, "c2f", f"epsd-c2f{gc}x{cand:g}-questclt", 1, 1,
+                     [float(t) for t in tps], 0.0, nb, met)
+    return out
 
 
 def _c2f_pick(coarse: F32, fine: F32, gc: int, f: float, cand: float, kvh: int,

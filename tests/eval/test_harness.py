@@ -40,6 +40,46 @@ def test_mark_path_equals_page_selector_select(rng: np.random.Generator) -> None
                 assert round(met["kv_bytes_read"][0]) == stats["kv_bytes_read_est"]
 
 
+def test_coarse_level_keeps_the_best_coarse_groups_candidates(rng: np.random.Generator) -> None:
+    """epsd's coarse level through libeps_eval: its coarse records equal a g = gc
+    sequence's (same keys, same writer), so the candidates are computable here; every visited
+    block lies in one (or is forced), and with every coarse group a candidate the selection
+    is the flat one."""
+    features = core.KEY_SUM | core.QUEST8
+    for gc in (2, 4, 8):
+        kv, q, d, tokens = 2, 4, 32, int(rng.integers(900, 3000))
+        keys = rng.standard_normal((kv, tokens, d)).astype(np.float32)
+        fine = core.Sequence(q_heads=q, kv_heads=kv, head_dim=d, group_blocks=1, sketch_dim=8,
+                             features=features, max_tokens=tokens, coarse_blocks=gc)
+        flat = _seq(kv, q, d, 1, 8, tokens, features)
+        coarse = _seq(kv, q, d, gc, 8, tokens, features)
+        for s in (fine, flat, coarse):
+            s.append(keys)
+        queries = rng.standard_normal((q, d)).astype(np.float32)
+        nb, nc = fine.groups, coarse.groups
+        for tp, cand in ((5, 1.0), (12, 2.0), (30, 1.5)):
+            vis, stats = fine.select("questclt", queries, tp, coarse_candidates=cand)
+            want = -(-int(np.ceil(cand * tp)) // gc)  # ceil(c · top_pages / r)
+            forced = np.zeros(nb, bool)
+            forced[0] = forced[-2:] = True
+            cforced = np.zeros(nc, bool)
+            cforced[np.flatnonzero(forced) // gc] = True
+            cs = coarse.scores("questclt", queries)
+            cand_mask = cforced.copy()
+            for h in range(q):
+                free = np.flatnonzero(~cforced)
+                cut = np.sort(cs[h, free])[::-1][min(want, free.size) - 1]
+                cand_mask[free[cs[h, free] >= cut]] = True
+            allowed = np.repeat(cand_mask, gc)[:nb]
+            assert not (vis[0].astype(bool) & ~allowed).any(), (gc, tp, cand)
+            assert vis[0][forced].all()
+            rb = core.record_bytes(d, 8, features)
+            assert stats["summary_bytes_read"] == (nc + allowed.sum()) * kv * rb
+            everything, _ = fine.select("questclt", queries, tp, coarse_candidates=1024.0)
+            plain, _ = flat.select("questclt", queries, tp)
+            assert np.array_equal(everything, plain), (gc, tp)
+
+
 def _keys_of(s: core.Sequence, rng: np.random.Generator, kv: int, tokens: int) -> np.ndarray:
     # Byte accounting does not depend on the keys' values, only on the context length.
     return rng.standard_normal((kv, tokens, 32)).astype(np.float32)
