@@ -22,6 +22,7 @@
 
 namespace eps::gpu::kernels {
 
+// No padding: the launch's bytes are a key (step_launch.cuh).
 struct CoarseArgs {
   const DeviceRow* rows;
   const uint8_t* scored;  // [layers, q_heads] or null (every head scored)
@@ -32,7 +33,7 @@ struct CoarseArgs {
   int64_t per_head;   // coarse groups each scored head names (core CoarseCandidates)
   int coarse_blocks;  // blocks per coarse group
   int ratio;          // groups per coarse group (core coarse_ratio, r)
-};  // no padding: the launch's bytes are a key (step_launch.cuh)
+};
 
 // One block of kWarps warps per (layer * lists + list, row), under the fine
 // level's Shape: a warp per head finds its cut (the per_head-th largest
@@ -42,8 +43,8 @@ struct CoarseArgs {
 // list with a scored head, every coarse record and the fine records of the
 // candidate groups.
 template <int kWarps>
-__global__ void __launch_bounds__(kWarps * 32) CandidateKernel(Shape s, SelectRule rule,
-                                                               CoarseArgs a) {
+__global__ void __launch_bounds__(kWarps * 32)
+    CandidateKernel(Shape s, SelectRule rule, CoarseArgs a) {
   __shared__ float head_cut[256];  // visit when the coarse score >= cut; +∞ for unscored heads
   __shared__ unsigned histograms[kWarps][256];
   __shared__ unsigned long long fine_records;
@@ -77,9 +78,8 @@ __global__ void __launch_bounds__(kWarps * 32) CandidateKernel(Shape s, SelectRu
       cut = -INFINITY;
       if (__reduce_add_sync(0xFFFFFFFFu, local) > static_cast<unsigned>(a.per_head)) {
         cut = KeyToFloat(WarpKthLargest(
-            a.scores + (head_base + h) * a.max_coarse_groups, nc,
-            static_cast<unsigned>(a.per_head), [&](int c) { return !forced(c); }, histograms[warp],
-            lane));
+            a.scores + (head_base + h) * a.max_coarse_groups, nc, static_cast<unsigned>(a.per_head),
+            [&](int c) { return !forced(c); }, histograms[warp], lane));
       }
     }
     if (lane == 0) head_cut[h - first_head] = cut;

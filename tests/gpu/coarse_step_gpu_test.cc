@@ -51,9 +51,8 @@ ModelLayout CoarseModel(int group_blocks, int coarse_blocks, uint64_t phi_seed) 
 struct CoarseSteps {
   CoarseSteps(int group_blocks, int coarse_blocks, Granularity granularity, std::mt19937_64& rng)
       : model(CoarseModel(group_blocks, coarse_blocks, rng())) {
-    phi = std::make_unique<PhiBank>(*PhiBank::Create(model.phi_seed, model.num_layers,
-                                                     model.num_kv_heads, model.head_dim,
-                                                     model.sketch_dim));
+    phi = std::make_unique<PhiBank>(*PhiBank::Create(
+        model.phi_seed, model.num_layers, model.num_kv_heads, model.head_dim, model.sketch_dim));
     SummaryWriter writer(model, *phi);
     ModelLayout coarse_model = model;
     coarse_model.group_blocks = coarse_blocks;
@@ -128,8 +127,9 @@ struct CoarseSteps {
       terms.Prepare(*phi, layer, kvh, std::vector<float>(q.begin(), q.end()));
       std::vector<float> scores(nc), unforced;
       for (int64_t c = 0; c < nc; ++c) {
-        scores[c] = Score(policy.method, coarse->Record(coarse->SlotOf(rows[i].table_row, c), layer, kvh),
-                          layout, terms);
+        scores[c] =
+            Score(policy.method, coarse->Record(coarse->SlotOf(rows[i].table_row, c), layer, kvh),
+                  layout, terms);
         if (!coarse_forced[c]) unforced.push_back(scores[c]);
       }
       float cut = -INFINITY;
@@ -415,9 +415,9 @@ TEST(CoarseGpuPolicyTest, StrictAndOffIgnoreTheCoarseLevel) {
     policy.method = strict ? Method::kQuestClt : Method::kOff;
     SCOPED_TRACE(policy.DebugString());
     StepStats want;
-    ASSERT_TRUE(flat_reference
-                    ->Select(steps.fine->Inputs(steps.rows), policy, steps.fine->Outputs(), &want)
-                    .ok());
+    ASSERT_TRUE(
+        flat_reference->Select(steps.fine->Inputs(steps.rows), policy, steps.fine->Outputs(), &want)
+            .ok());
     const testing::DeviceStep got =
         testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy);
     ASSERT_TRUE(got.status.ok()) << got.status;
