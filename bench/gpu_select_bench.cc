@@ -46,6 +46,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -504,7 +505,7 @@ absl::Status UploadLevel(const eps::ModelLayout& m, int batch, int64_t context,
 }
 
 // The coarse level (gpu/coarse_select.cuh): questclt at g = 1 with coarse groups of
-// 4 blocks and coarse_candidates 2, beside the flat selection at g = 2, union and
+// 4 blocks and coarse_candidates 2, beside the flat selection at g = 2 and 1, union and
 // per-KV-head lists, at `batch` x `context`: p50 GPU us of Select (its events
 // bracket the host's graph launch) and of a queued step (MeasureQueued), the
 // summary bytes read (coarse records and the candidates' fine ones) and the
@@ -519,8 +520,9 @@ absl::Status MeasureCoarse(eps::ModelLayout m, int batch, int64_t context) {
   RETURN_IF_ERROR(Upload(queries, host_queries.data(), static_cast<int64_t>(host_queries.size())));
   std::vector<eps::StepRow> rows;
   for (int b = 0; b < batch; ++b) rows.push_back({.table_row = b, .context_tokens = context});
-  for (const bool coarse : {false, true}) {
-    m.group_blocks = coarse ? 1 : 2;
+  // Flat at g = 2 and at g = 1 (what the fine level alone costs), then the level.
+  for (const auto& [group_blocks, coarse] : {std::pair{2, false}, {1, false}, {1, true}}) {
+    m.group_blocks = group_blocks;
     m.coarse_blocks = coarse ? 4 : 0;
     LevelOnDevice fine, coarse_level;
     RETURN_IF_ERROR(UploadLevel(m, batch, context, &fine));
@@ -568,7 +570,7 @@ absl::Status MeasureCoarse(eps::ModelLayout m, int batch, int64_t context) {
       ASSIGN_OR_RETURN(const double queued_us,
                        MeasureQueued(*selector, in, policy, {visit.get(), count.get()}));
       const std::string name =
-          std::string(coarse ? "coarse g=1 gc=4 c=2" : "flat g=2") +
+          (coarse ? std::string("coarse g=1 gc=4 c=2") : "flat g=" + std::to_string(group_blocks)) +
           (granularity == eps::Granularity::kUnion ? " union" : " per_kv_head");
       std::printf("%6d %8lld  %-32s %10.1f %9.1f %10.1f %8.1f%%\n", batch,
                   static_cast<long long>(context), name.c_str(),
