@@ -47,6 +47,17 @@ struct ScoreArgs {
   float* scores;
   float* uppers;
   StepReport* report;
+  // The coarse level (gpu/coarse_select.cuh). `coarse`: the pool and table above
+  // are the coarse level's (its errors name them; the fine pass checks the block
+  // ids). `candidates` (the fine pass with the level; else null): flags
+  // [max_batch, layers, lists, max_coarse_groups]; a group whose coarse group
+  // (p / coarse_ratio) is not a candidate of its KV head's list scores −∞ and
+  // its record is not read (its slot still is, and checked, as core/ checks
+  // every slot). No padding: the launch's bytes are a key (step_launch.cuh).
+  const uint8_t* candidates;
+  int64_t max_coarse_groups;
+  int coarse_ratio;
+  int coarse;  // bool
 };
 
 // Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
@@ -136,16 +147,30 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
     active = p < n;
     slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
     if (active && (slot < 0 || slot >= s.num_slots)) {
-      Fail(status, kBadSlot, row, static_cast<int>(p), slot);
+      Fail(status, a.coarse ? kBadCoarseSlot : kBadSlot, row, static_cast<int>(p), slot);
       active = false;  // never read outside the pool
+    }
+    if constexpr (!kFused) {
+      const int list = s.lists == 1 ? 0 : kvh;
+      if (active && a.candidates != nullptr &&
+          !a.candidates[((int64_t{row} * s.layers + layer) * s.lists + list) * a.max_coarse_groups +
+                        p / a.coarse_ratio]) {
+        active = false;  // outside the list's candidates: −∞ for its heads, its record unread
+        for (int r = 0; r < ratio; ++r) {
+          const int h = kvh * ratio + r;
+          if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;
+          a.scores[((int64_t{row} * s.layers + layer) * s.q_heads + h) * s.max_groups + p] =
+              -INFINITY;
+        }
+      }
     }
     rec = active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
                  : nullptr;
     if constexpr (kStaged) {
       StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
     }
-    // Block ids are checked once per group, by the (layer 0, kv head 0) blocks.
-    if (p < n && blockIdx.y == 0) {
+    // Block ids are checked once per group, by the fine level's (layer 0, kv head 0) blocks.
+    if (p < n && blockIdx.y == 0 && !a.coarse) {
       for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
         const int32_t id = a.block_table[table_row * s.max_blocks + b];
         if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
@@ -265,7 +290,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
             }
             bad = isnan(score) || score == INFINITY;
           }
-          if (bad || !stats_ok) Fail(status, kBadScore, row, static_cast<int>(p), slot);
+          if (bad || !stats_ok) {
+            Fail(status, a.coarse ? kBadCoarseScore : kBadScore, row, static_cast<int>(p), slot);
+          }
         }
       }
     }

@@ -38,6 +38,11 @@ struct SelectArgs {
   StepReport* next_report;  // cleared here for the next step
   const uint64_t* selection_done;
   uint64_t step;
+  // The coarse level's candidate flags [max_batch, layers, lists, max_coarse_groups]
+  // (gpu/coarse_select.cuh), or null: a group outside them is never visited.
+  const uint8_t* candidates;
+  int64_t max_coarse_groups;
+  int64_t coarse_ratio;  // 64 bits: no padding, the launch's bytes are a key
 };
 
 template <Budget kBudget, bool kStrict, int kWarps>
@@ -340,6 +345,19 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
       if (v) visit[p] = 1;
+    }
+    __syncthreads();
+  }
+
+  // With the coarse level, groups outside the list's candidates were never scored
+  // (−∞): a rule that took them (fewer candidates than its budget or floor) gives
+  // them up, as core/ does; forced groups lie in candidates.
+  if (a.candidates != nullptr) {
+    const uint8_t* candidate =
+        a.candidates + ((int64_t{row} * s.layers + layer) * s.lists + list) * a.max_coarse_groups;
+    const int ratio = static_cast<int>(a.coarse_ratio);
+    for (int p = threadIdx.x; p < n; p += blockDim.x) {
+      if (visit[p] && !candidate[p / ratio]) visit[p] = 0;
     }
     __syncthreads();
   }

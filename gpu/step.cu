@@ -61,6 +61,13 @@ struct GpuSelector::Impl {
   // union masks [max_batch, layers, kFusedMaskWords]; arrivals [max_batch,
   // layers] and the step's count of finished (row, layer)s after them.
   DeviceBuffer<unsigned> fused_masks, fused_arrivals;
+  // The coarse level's scratch (coarse_select.cuh), allocated by its first step and
+  // grown with the steps' max_coarse_groups: coarse scores [max_batch, layers,
+  // q_heads, coarse_capacity] and candidate flags [max_batch, layers, kv_heads,
+  // coarse_capacity] (a step's max_coarse_groups is their row stride).
+  DeviceBuffer<float> coarse_scores;
+  DeviceBuffer<uint8_t> candidates;
+  int64_t coarse_capacity = 0;
   uint64_t sequence = 0;  // steps launched: picks this step's report
   GpuSelectorOptions options;
   CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
@@ -76,8 +83,10 @@ struct GpuSelector::Impl {
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
   int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
-  bool per_head = false;    // per-KV-head lists: each reads one KV head's K and V
-  bool last_fused = false;  // the last step queued fused its selection
+  int64_t pending_coarse_slots = 0;
+  bool pending_coarse = false;  // the step used the coarse level: the device counted its records
+  bool per_head = false;        // per-KV-head lists: each reads one KV head's K and V
+  bool last_fused = false;      // the last step queued fused its selection
 
   ~Impl() {
     // Sessions end on any thread (the lease reaper's device is 0): free on ours.
@@ -113,8 +122,8 @@ absl::Status LoadKernels(int device) {
   RETURN_IF_ERROR(PreloadStreamOps());
   for (const auto& kernels :
        {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
-        std::span<const void* const>(kSelectKernels),
-        std::span<const void* const>(kFusedKernels)}) {
+        std::span<const void* const>(kSelectKernels), std::span<const void* const>(kFusedKernels),
+        std::span<const void* const>(kCandidateKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -248,10 +257,17 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     return absl::InvalidArgumentError(
         absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }
+  const bool coarse = policy.UsesCoarseLevel(m);  // not strict, a method that scores
+  if (coarse && (in.coarse_pool == nullptr || in.coarse_table == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the layout has a coarse level (coarse_blocks=", m.coarse_blocks,
+                     ") but the step has no coarse_pool or coarse_table"));
+  }
   DeviceRow* rows = g.host_rows;
   StepStats host;
   const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
   int64_t max_n = 0, row_groups = 0;  // the longest row's groups; all rows' groups
+  int64_t max_nc = 0;                 // the longest row's coarse groups
   for (int64_t i = 0; i < batch; ++i) {
     const StepRow& r = in.rows[i];
     if (absl::Status s = CheckRowFits(m, in, static_cast<size_t>(i)); !s.ok()) return s;
@@ -259,6 +275,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     const int64_t n = GroupsFor(r.context_tokens, m);
     rows[i] = {r.table_row, r.context_tokens};
     max_n = std::max(max_n, n);
+    max_nc = std::max(max_nc, CoarseGroupsFor(r.context_tokens, m));
     row_groups += n;
     host.groups_total += n * m.num_layers * lists;
     host.blocks_total += nb * m.num_layers * lists;
@@ -269,6 +286,13 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const bool strict = policy.strict && !method_off;
   if (strict && g.uppers.get() == nullptr) {  // strict mode's second score array, once
     RETURN_IF_CUDA_ALLOC(g.uppers, g.max_batch * m.num_layers * m.num_q_heads * g.max_groups);
+  }
+  if (coarse && in.max_coarse_groups > g.coarse_capacity) {  // no step is pending: free to move
+    g.coarse_capacity = 0;
+    const int64_t row_layers = g.max_batch * m.num_layers;
+    RETURN_IF_CUDA_ALLOC(g.coarse_scores, row_layers * m.num_q_heads * in.max_coarse_groups);
+    RETURN_IF_CUDA_ALLOC(g.candidates, row_layers * m.num_kv_heads * in.max_coarse_groups);
+    g.coarse_capacity = in.max_coarse_groups;
   }
   StepLaunch launch;
   std::memset(static_cast<void*>(&launch), 0, sizeof launch);  // the bytes are a key
@@ -329,10 +353,49 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
       dim3(static_cast<unsigned>((max_n + per_block - 1) / per_block),
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
   launch.score_shared = ScoreSharedBytes(m, staged, octets);
+  if (coarse) {
+    // The coarse records first, by the same kernel under a Shape whose groups are
+    // the coarse ones; then the candidates; then the fine records of theirs only.
+    launch.coarse = true;
+    Shape& cs = launch.coarse_shape;
+    cs = s;
+    cs.group_blocks = m.coarse_blocks;
+    cs.max_groups = in.max_coarse_groups;
+    cs.num_slots = in.coarse_slots;
+    launch.coarse_score = launch.score;
+    launch.coarse_score.pool = in.coarse_pool;
+    launch.coarse_score.group_table = in.coarse_table;
+    launch.coarse_score.scores = g.coarse_scores.get();
+    launch.coarse_score.coarse = 1;
+    launch.coarse_grid =
+        dim3(static_cast<unsigned>((max_nc + per_block - 1) / per_block),
+             static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
+    launch.score.candidates = g.candidates.get();
+    launch.score.max_coarse_groups = in.max_coarse_groups;
+    launch.score.coarse_ratio = m.coarse_ratio();
+    launch.candidates = {g.rows.get(),
+                         scored,
+                         g.coarse_scores.get(),
+                         g.candidates.get(),
+                         report,
+                         in.max_coarse_groups,
+                         policy.CoarseCandidates(m),
+                         m.coarse_blocks,
+                         m.coarse_ratio()};
+    const auto [candidate_kernel, candidate_warps] = CandidateKernelFor(m.num_q_heads / lists);
+    launch.candidate_kernel = candidate_kernel;
+    launch.candidate_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
+    launch.candidate_block = dim3(32 * candidate_warps);
+  }
   // Selection: one block per (layer, list, row).
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
                    g.uppers.get(), out.visit_blocks,     out.visit_count, report,
                    next_report,    fence.selection_done, fence.step};
+  if (coarse) {  // visit &= candidate
+    launch.select.candidates = g.candidates.get();
+    launch.select.max_coarse_groups = in.max_coarse_groups;
+    launch.select.coarse_ratio = m.coarse_ratio();
+  }
   // Or fused into scoring (fused_select.cuh): the threshold budget, not strict,
   // every row within one scoring block, and its shared memory within the
   // device's (it keeps the block's scores and the cut's histograms besides
@@ -342,8 +405,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
   const void* fused_kernel =
       FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged, g.layout.quest8 >= 0);
+  // Not with the coarse level: its selection reads the candidates too.
   if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
-      fused_kernel != nullptr && max_n <= kScoreThreads &&
+      !coarse && fused_kernel != nullptr && max_n <= kScoreThreads &&
       fused_shared <= static_cast<size_t>(g.max_shared)) {
     launch.fused_selection = true;
     launch.fused = {g.fused_masks.get(), g.fused_arrivals.get(),
@@ -408,6 +472,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   g.row_groups = row_groups;
   g.pending_num_slots = in.num_slots;
   g.pending_physical_blocks = in.num_physical_blocks;
+  g.pending_coarse_slots = in.coarse_slots;
+  g.pending_coarse = coarse;
   return absl::OkStatus();
 }
 
@@ -462,9 +528,14 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
           absl::StrCat("block_table[", rows[status.row].table_row, "][", status.index,
                        "]=", status.value, " not in [0, ", g.pending_physical_blocks, ")"));
     case kBadScore:
-      return absl::InvalidArgumentError(absl::StrCat("summary of slot ", status.value,
-                                                     " gives a non-finite score: the summary "
-                                                     "holds NaN or Inf"));
+    case kBadCoarseScore:
+      return absl::InvalidArgumentError(
+          absl::StrCat(status.code == kBadCoarseScore ? "coarse summary" : "summary", " of slot ",
+                       status.value, " gives a non-finite score: the summary holds NaN or Inf"));
+    case kBadCoarseSlot:
+      return absl::InvalidArgumentError(absl::StrCat("coarse_table[", rows[status.row].table_row,
+                                                     "][", status.index, "]=", status.value,
+                                                     " not in [0, ", g.pending_coarse_slots, ")"));
     case kBadQuery:
       return absl::InvalidArgumentError(
           absl::StrCat("query of row ", status.row, " element ", status.index, " is not finite"));
@@ -478,7 +549,10 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     host.blocks_visited = static_cast<int64_t>(dstats.blocks_visited);
     host.kv_bytes_read_est = static_cast<int64_t>(dstats.visited_tokens) *
                              (g.per_head ? 1 : m.num_kv_heads) * kv_token_bytes;
-    host.summary_bytes_read = g.row_groups * g.scored_kv_heads_total * g.layout.record_bytes();
+    // With the coarse level the candidate kernel counted the records read.
+    host.summary_bytes_read = (g.pending_coarse ? static_cast<int64_t>(dstats.summary_records)
+                                                : g.row_groups * g.scored_kv_heads_total) *
+                              g.layout.record_bytes();
     *stats = host;
   }
   return absl::OkStatus();

@@ -22,6 +22,14 @@
 //                  best ranks; forced groups; the union over the list's heads;
 //                  compaction into visit_blocks / visit_count; the statistics
 //
+// With a coarse level (ModelLayout.coarse_blocks; SelectPolicy::UsesCoarseLevel)
+// scoring runs twice (gpu/coarse_select.cuh): over the coarse records, then, after
+// a kernel per (row, layer, list) names the list's candidate coarse groups (each
+// scored head's threshold cut over the coarse scores, and the forced ones), over
+// the fine records inside the candidates only (the others score −∞ unread); the
+// selection then drops any group outside them, as core/ does. summary_bytes_read
+// counts the coarse records and the candidates' fine ones. Never fused.
+//
 // The default policy's selection is fused into scoring (gpu/fused_select.cuh)
 // when it can be: threshold budget, not strict, a method that scores, union or
 // per-KV-head lists, every row within one scoring block (at most 256 groups:

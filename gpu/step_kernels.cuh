@@ -8,6 +8,7 @@
 
 #include "core/bounds.h"
 #include "core/select.h"
+#include "gpu/coarse_select.cuh"
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -25,6 +26,18 @@ inline const void* const kSelectKernels[] = {
     SelectKernelOf<Budget::kThreshold, true, 8>(),  SelectKernelOf<Budget::kThreshold, true, 32>(),
     SelectKernelOf<Budget::kFixed, false, 8>(),     SelectKernelOf<Budget::kFixed, false, 32>(),
     SelectKernelOf<Budget::kTopP, false, 8>(),      SelectKernelOf<Budget::kMass, false, 8>()};
+
+// The coarse level's candidate kernel (coarse_select.cuh), with as many warps as
+// the selection kernel for the same lists.
+template <int kWarps>
+const void* CandidateKernelOf() {
+  return reinterpret_cast<const void*>(&CandidateKernel<kWarps>);
+}
+inline const void* const kCandidateKernels[] = {CandidateKernelOf<8>(), CandidateKernelOf<32>()};
+inline std::pair<const void*, int> CandidateKernelFor(int heads_per_list) {
+  return heads_per_list > 8 ? std::pair{CandidateKernelOf<32>(), 32}
+                            : std::pair{CandidateKernelOf<8>(), 8};
+}
 
 template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0,
           bool kQuest8 = false>

@@ -1,7 +1,7 @@
 // One step's launch of the pre-pass (gpu/step.h): the three kernels (or two,
-// with the selection fused into scoring: gpu/fused_select.cuh) with all their
-// parameters, launched one by one or replayed as a captured CUDA graph.
-// Included by gpu/step.cu only.
+// with the selection fused into scoring: gpu/fused_select.cuh; or five, with
+// the coarse level: gpu/coarse_select.cuh) with all their parameters, launched
+// one by one or replayed as a captured CUDA graph. Included by gpu/step.cu only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "gpu/coarse_select.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
@@ -44,27 +45,51 @@ struct StepLaunch {
   const void* select_kernel;
   dim3 select_grid, select_block;
   size_t select_shared;
+  // The coarse level (gpu/coarse_select.cuh): score_kernel over the coarse
+  // records first (coarse_shape, coarse_score, coarse_grid), then the candidate
+  // kernel, then the fine scoring above with score.candidates set.
+  bool coarse;
+  kernels::Shape coarse_shape;
+  kernels::ScoreArgs coarse_score;
+  kernels::CoarseArgs candidates;
+  dim3 coarse_grid;
+  const void* candidate_kernel;
+  dim3 candidate_grid, candidate_block;
 
   absl::Status Launch(cudaStream_t stream) {
     void* terms_params[] = {&shape, &terms};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(terms_kernel, terms_grid, dim3(kernels::kTermsThreads),
                                           terms_params, terms_shared, stream));
-    // Scoring may start while the terms kernel runs (terms_kernel.cuh,
+    // Scoring right after the terms may start while they are built (terms_kernel.cuh,
     // LetScoringStart); in a captured graph this is a programmatic edge.
-    void* score_params[] = {&shape, &score};
-    void* fused_params[] = {&shape, &score, &rule, &select, &fused};
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     overlap.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = score_grid;
-    config.blockDim = dim3(kernels::kScoreThreads);
-    config.dynamicSmemBytes = score_shared;
-    config.stream = stream;
-    config.attrs = &overlap;
-    config.numAttrs = 1;
-    CUDA_RETURN_IF_ERROR(
-        cudaLaunchKernelExC(&config, score_kernel, fused_selection ? fused_params : score_params));
+    auto launch_scoring = [&](dim3 grid, void** params, bool after_terms) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid;
+      config.blockDim = dim3(kernels::kScoreThreads);
+      config.dynamicSmemBytes = score_shared;
+      config.stream = stream;
+      config.attrs = &overlap;
+      config.numAttrs = after_terms ? 1 : 0;
+      return cudaLaunchKernelExC(&config, score_kernel, params);
+    };
+    void* score_params[] = {&shape, &score};
+    if (coarse) {
+      // The fine scoring reads the candidates before it would wait for its
+      // primary, so it starts only after the candidate kernel finished.
+      void* coarse_params[] = {&coarse_shape, &coarse_score};
+      CUDA_RETURN_IF_ERROR(launch_scoring(coarse_grid, coarse_params, true));
+      void* candidate_params[] = {&shape, &rule, &candidates};
+      CUDA_RETURN_IF_ERROR(cudaLaunchKernel(candidate_kernel, candidate_grid, candidate_block,
+                                            candidate_params, 0, stream));
+      CUDA_RETURN_IF_ERROR(launch_scoring(score_grid, score_params, false));
+    } else {
+      void* fused_params[] = {&shape, &score, &rule, &select, &fused};
+      CUDA_RETURN_IF_ERROR(
+          launch_scoring(score_grid, fused_selection ? fused_params : score_params, true));
+    }
     if (fused_selection) return absl::OkStatus();
     void* select_params[] = {&shape, &rule, &select};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,

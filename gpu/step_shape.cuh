@@ -11,15 +11,26 @@
 
 namespace eps::gpu::kernels {
 
-// The first error a kernel meets; the host turns it into a status.
-enum ErrorCode : int { kOk = 0, kBadSlot = 1, kBadBlock = 2, kBadScore = 3, kBadQuery = 4 };
+// The first error a kernel meets; the host turns it into a status. The coarse
+// level's (gpu/coarse_select.cuh) name its table and pool.
+enum ErrorCode : int {
+  kOk = 0,
+  kBadSlot = 1,
+  kBadBlock = 2,
+  kBadScore = 3,
+  kBadQuery = 4,
+  kBadCoarseSlot = 5,
+  kBadCoarseScore = 6
+};
 struct DeviceStatus {
   int code;
   int row, index, value;
 };
-// Step counters, summed with atomics.
+// Step counters, summed with atomics. summary_records: with the coarse level
+// only (its candidates decide which fine records are read; the host counts them
+// without one).
 struct DeviceStats {
-  unsigned long long groups_visited, blocks_visited, visited_tokens;
+  unsigned long long groups_visited, blocks_visited, visited_tokens, summary_records;
 };
 // What one step reports back: copied to the host in one transfer. The selector
 // keeps two and alternates by step, so each step clears the other one for the

@@ -59,31 +59,57 @@ absl::Status CopyToDevice(gpu::DeviceBuffer<T>& device, const T* host, int64_t c
   return absl::OkStatus();
 }
 
+// The coarse level's host buffers (StepInputs.coarse_*), for SelectOnDevice.
+struct CoarseHost {
+  const std::vector<float>* pool = nullptr;  // [slots, layers, kv_heads, record_words]
+  int64_t slots = 0;
+  const std::vector<int32_t>* table = nullptr;  // [max_seqs, max_coarse_groups]
+  int64_t max_coarse_groups = 0;
+};
+
 // `max_batch` must be the one `buffers` was built with; the queries are fp32.
+// `coarse`: the coarse level's buffers go to the device too. The outputs start
+// at `fill` (visit_blocks and visit_count).
 inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffers,
                                  int64_t max_batch, std::span<const StepRow> rows,
-                                 const SelectPolicy& policy) {
+                                 const SelectPolicy& policy, const CoarseHost* coarse = nullptr,
+                                 int32_t fill = -1) {
   const ModelLayout& m = buffers.model();
   const int lists = policy.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
   StepInputs in = buffers.Inputs(rows);
   DeviceStep result;
-  gpu::DeviceBuffer<float> pool, queries;
-  gpu::DeviceBuffer<int32_t> groups, blocks, visit, count;
+  gpu::DeviceBuffer<float> pool, queries, coarse_pool;
+  gpu::DeviceBuffer<int32_t> groups, blocks, visit, count, coarse_table;
   StepBuffers& b = buffers;  // read only
   const int64_t query_count = int64_t{m.num_layers} * max_batch * m.num_q_heads * m.head_dim;
   const int64_t list_count = int64_t{m.num_layers} * max_batch * lists;
-  std::vector<int32_t> minus_one(list_count * buffers.max_blocks(), -1);
+  std::vector<int32_t> initial(list_count * buffers.max_blocks(), fill);
   for (absl::Status s :
        {CopyToDevice(pool, b.pool().data(), static_cast<int64_t>(b.pool().size())),
         CopyToDevice(groups, b.group_table().data(), static_cast<int64_t>(b.group_table().size())),
         CopyToDevice(blocks, b.block_table().data(), static_cast<int64_t>(b.block_table().size())),
         CopyToDevice(queries, static_cast<const float*>(in.queries), query_count),
-        CopyToDevice(visit, minus_one.data(), list_count * buffers.max_blocks()),
-        CopyToDevice(count, minus_one.data(), list_count)}) {
+        CopyToDevice(visit, initial.data(), list_count * buffers.max_blocks()),
+        CopyToDevice(count, initial.data(), list_count)}) {
     if (!s.ok()) {
       result.status = s;
       return result;
     }
+  }
+  if (coarse != nullptr) {
+    for (absl::Status s : {CopyToDevice(coarse_pool, coarse->pool->data(),
+                                        static_cast<int64_t>(coarse->pool->size())),
+                           CopyToDevice(coarse_table, coarse->table->data(),
+                                        static_cast<int64_t>(coarse->table->size()))}) {
+      if (!s.ok()) {
+        result.status = s;
+        return result;
+      }
+    }
+    in.coarse_pool = coarse_pool.get();
+    in.coarse_slots = coarse->slots;
+    in.coarse_table = coarse_table.get();
+    in.max_coarse_groups = coarse->max_coarse_groups;
   }
   in.summary_pool = pool.get();
   in.group_table = groups.get();

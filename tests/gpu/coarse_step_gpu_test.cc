@@ -1,0 +1,532 @@
+// The coarse level on the GPU (gpu/coarse_select.cuh) against core/'s
+// coarse-to-fine selection (core/step.cc) on fresh random inputs. Skips cleanly
+// on machines without a CUDA device (CI); runs on the lent H100.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/bounds.h"
+#include "core/phi.h"
+#include "core/summary.h"
+#include "core/testing/synthetic.h"
+#include "gpu/step.h"
+#include "gtest/gtest.h"
+#include "tests/core/step_fixture.h"
+#include "tests/core/test_util.h"
+#include "tests/gpu/device_step.h"
+
+namespace eps {
+namespace {
+
+using testing::CoarseHost;
+using testing::StepBuffers;
+
+constexpr int kBatch = 3;
+constexpr int64_t kMaxContext = 9000;
+
+ModelLayout CoarseModel(int group_blocks, int coarse_blocks, uint64_t phi_seed) {
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 8;
+  m.num_kv_heads = 2;
+  m.head_dim = 128;  // questclt's octet path (and its general path by option)
+  m.group_blocks = group_blocks;
+  m.coarse_blocks = coarse_blocks;
+  m.phi_seed = phi_seed;
+  m.features = {.key_sum = true, .principal = true, .quest = true, .quest8 = true};
+  return m;
+}
+
+// kBatch sequences (table row = batch position) of random lengths: fine records
+// in `fine`, and coarse records written from the same keys into `coarse`, a
+// StepBuffers of the model whose groups are the coarse groups (its pool and
+// group table are the coarse pool and table; a row's coarse slots in reverse
+// order, so that a slot is never its group's index).
+struct CoarseSteps {
+  CoarseSteps(int group_blocks, int coarse_blocks, Granularity granularity, std::mt19937_64& rng)
+      : model(CoarseModel(group_blocks, coarse_blocks, rng())) {
+    phi = std::make_unique<PhiBank>(*PhiBank::Create(
+        model.phi_seed, model.num_layers, model.num_kv_heads, model.head_dim, model.sketch_dim));
+    SummaryWriter writer(model, *phi);
+    ModelLayout coarse_model = model;
+    coarse_model.group_blocks = coarse_blocks;
+    coarse_model.coarse_blocks = 0;
+    fine = std::make_unique<StepBuffers>(model, kBatch, kMaxContext, kBatch, granularity);
+    coarse = std::make_unique<StepBuffers>(coarse_model, kBatch, kMaxContext, kBatch, granularity);
+    const int64_t ct = int64_t{coarse_blocks} * model.block_size;
+    for (int32_t r = 0; r < kBatch; ++r) {
+      const int64_t tokens = 1500 + static_cast<int64_t>(rng() % (kMaxContext - 1500));
+      const testing::SequenceKeys seq = testing::WriteSequence(
+          *fine, writer, r, r, tokens, 6, testing::GroupShapes::kMixedRank, rng);
+      rows.push_back({.table_row = r, .context_tokens = tokens, .seq_id = 0});
+      const int64_t nc = CoarseGroupsFor(tokens, model);
+      coarse->AssignRow(r, tokens, rng());
+      for (int64_t c = 0; c < nc; ++c) {
+        coarse->group_table()[r * coarse->max_groups() + c] =
+            static_cast<int32_t>(r * coarse->max_groups() + nc - 1 - c);
+      }
+      for (int layer = 0; layer < model.num_layers; ++layer) {
+        for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) {
+          const std::vector<float>& keys = seq.Of(model, layer, kvh);
+          for (int64_t c = 0; c < nc; ++c) {
+            const int64_t begin = c * ct, count = std::min(ct, tokens - begin);
+            const KeyRows key_rows{keys.data() + begin * model.head_dim, DType::kFloat32, count,
+                                   model.head_dim};
+            const std::span<float> record = coarse->Record(coarse->SlotOf(r, c), layer, kvh);
+            writer.Reset(record);
+            EXPECT_TRUE(writer.Append(record, layer, kvh, key_rows).ok());
+            if (count == ct) {
+              EXPECT_TRUE(writer.Seal(record, layer, kvh, key_rows).ok());
+            }
+          }
+        }
+      }
+    }
+  }
+
+  StepInputs Inputs() const {
+    StepInputs in = fine->Inputs(rows);
+    in.coarse_pool = coarse->pool().data();
+    in.coarse_slots = coarse->num_slots();
+    in.coarse_table = coarse->group_table().data();
+    in.max_coarse_groups = coarse->max_groups();
+    return in;
+  }
+  CoarseHost Host() const {
+    return {&coarse->pool(), coarse->num_slots(), &coarse->group_table(), coarse->max_groups()};
+  }
+  int lists(const SelectPolicy& policy) const {
+    return policy.granularity == Granularity::kPerKvHead ? model.num_kv_heads : 1;
+  }
+
+  // The candidate coarse groups of (row i, layer, list) that the coarse scores
+  // put beyond doubt: flags[c] = 2 for a candidate, 1 for a coarse group below
+  // every scored head's cut by more than a float rounding of the device's sums,
+  // 0 for a group within rounding of a cut (as core/step.cc and tests/core's
+  // coarse_step_test.cc compute them).
+  std::vector<uint8_t> Candidates(const SelectPolicy& policy, size_t i, int layer, int list) {
+    const ModelLayout& m = model;
+    const SummaryLayout layout = SummaryLayout::For(m);
+    const int64_t n = GroupsFor(rows[i].context_tokens, m);
+    const int64_t nc = CoarseGroupsFor(rows[i].context_tokens, m);
+    std::vector<uint8_t> forced(n, 0), coarse_forced(nc, 0), out(nc, 1);
+    MarkForced(policy, forced);
+    MarkCoarseForced(forced, m.coarse_ratio(), coarse_forced);
+    const int want = policy.CoarseCandidates(m);
+    QueryTerms terms;
+    for (int h = 0; h < m.num_q_heads; ++h) {
+      const int kvh = m.kv_head_of(h);
+      if ((lists(policy) > 1 && kvh != list) || !policy.HeadIsScored(m, layer, h)) continue;
+      const auto q = fine->Query(layer, static_cast<int64_t>(i), h);
+      terms.Prepare(*phi, layer, kvh, std::vector<float>(q.begin(), q.end()));
+      std::vector<float> scores(nc), unforced;
+      for (int64_t c = 0; c < nc; ++c) {
+        scores[c] =
+            Score(policy.method, coarse->Record(coarse->SlotOf(rows[i].table_row, c), layer, kvh),
+                  layout, terms);
+        if (!coarse_forced[c]) unforced.push_back(scores[c]);
+      }
+      float cut = -INFINITY;
+      if (static_cast<int64_t>(unforced.size()) > want) {
+        std::nth_element(unforced.begin(), unforced.begin() + (want - 1), unforced.end(),
+                         std::greater<float>());
+        cut = unforced[want - 1];
+      }
+      if (cut == -INFINITY) {  // at most `want` unforced coarse groups: all are candidates
+        std::fill(out.begin(), out.end(), uint8_t{2});
+        continue;
+      }
+      const float margin = 1e-3f * (std::fabs(cut) + 1.0f);
+      for (int64_t c = 0; c < nc; ++c) {
+        if (coarse_forced[c] || scores[c] >= cut + margin) {
+          out[c] = 2;
+        } else if (out[c] == 1 && scores[c] > cut - margin) {
+          out[c] = 0;  // within rounding of this head's cut
+        }
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c) out[c] = coarse_forced[c] ? 2 : out[c];
+    return out;
+  }
+
+  ModelLayout model;
+  std::unique_ptr<PhiBank> phi;
+  std::unique_ptr<StepBuffers> fine, coarse;
+  std::vector<StepRow> rows;
+};
+
+// The lists of `got` against core/'s in `steps.fine` (the last reference step):
+// equal, except groups whose score sits within float rounding of a cut (the
+// device sums in another order), at most one per list (two for the fixed
+// budget, whose list lengths are exact). Returns the differing groups.
+int CompareWithReference(CoarseSteps& steps, const testing::DeviceStep& got,
+                         const SelectPolicy& policy) {
+  const int lists = steps.lists(policy);
+  int near_cut = 0;
+  for (int layer = 0; layer < steps.model.num_layers; ++layer) {
+    for (int b = 0; b < kBatch; ++b) {
+      for (int list = 0; list < lists; ++list) {
+        const auto want = steps.fine->VisitBlocks(layer, b, list);
+        const std::vector<int32_t> blocks =
+            got.List(kBatch, lists, steps.fine->max_blocks(), layer, b, list);
+        if (policy.budget == Budget::kFixed) {
+          EXPECT_EQ(blocks.size(), want.size()) << "layer " << layer << " row " << b;
+        }
+        if (std::vector<int32_t>(want.begin(), want.end()) == blocks) continue;
+        const int64_t n = GroupsFor(steps.rows[b].context_tokens, steps.model);
+        const auto a = testing::VisitedGroups(*steps.fine, b, want, n);
+        const auto g = testing::VisitedGroups(*steps.fine, b, blocks, n);
+        int differing = 0;
+        for (size_t p = 0; p < a.size(); ++p) differing += a[p] != g[p];
+        near_cut += differing;
+        EXPECT_LE(differing, policy.budget == Budget::kFixed ? 2 : 1)
+            << "layer " << layer << " row " << b << " list " << list;
+      }
+    }
+  }
+  return near_cut;
+}
+
+// Every budget of core/'s coarse tests (tests/core/coarse_step_test.cc
+// EveryBudget): threshold (questclt, quest), fixed (jl), top-p (0.8 and 1),
+// mass of the head and list scopes, and floors of 300 groups, beyond the
+// candidates, which the rules take unscored and the level drops.
+std::vector<SelectPolicy> EveryBudget(Granularity granularity, float coarse_candidates) {
+  std::vector<SelectPolicy> out;
+  SelectPolicy p;
+  p.granularity = granularity;
+  p.top_pages = 6;
+  p.coarse_candidates = coarse_candidates;
+  out.push_back(p);  // threshold, questclt
+  p.method = Method::kQuest;
+  p.alpha = 1.5f;
+  out.push_back(p);
+  p.method = Method::kJl;
+  p.alpha = 1.0f;
+  p.budget = Budget::kFixed;
+  out.push_back(p);
+  p.method = Method::kQuestClt;
+  p.budget = Budget::kTopP;
+  p.top_p = 0.8f;
+  out.push_back(p);
+  p.budget = Budget::kMass;
+  p.mass_target = 0.9f;
+  p.min_pages = 1;
+  p.max_pages = 20;
+  out.push_back(p);
+  p.mass_scope = MassScope::kList;
+  out.push_back(p);
+  p.min_pages = 300;
+  p.max_pages = 0;
+  out.push_back(p);
+  p.mass_scope = MassScope::kHead;
+  out.push_back(p);
+  p.budget = Budget::kTopP;
+  p.top_p = 1.0f;
+  out.push_back(p);
+  return out;
+}
+
+struct CoarseCase {
+  int group_blocks, coarse_blocks;
+  float coarse_candidates;
+  Granularity granularity;
+};
+
+class CoarseGpuStepTest : public ::testing::TestWithParam<CoarseCase> {};
+
+// Each budget's lists and statistics equal core/'s, up to float ties at a cut;
+// replayed graphs (the second step) and kernels launched one by one give the
+// same lists, bit for bit; questclt's general path is held to core/ too.
+TEST_P(CoarseGpuStepTest, MatchesTheCoreReferenceForEveryBudget) {
+  SKIP_WITHOUT_DEVICE();
+  const CoarseCase c = GetParam();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(c.group_blocks, c.coarse_blocks, c.granularity, rng);
+  auto reference = PageSelector::Create(steps.model, *steps.phi);
+  ASSERT_TRUE(reference.ok());
+  ModelLayout flat = steps.model;
+  flat.coarse_blocks = 0;
+  auto flat_reference = PageSelector::Create(flat, *steps.phi);
+  ASSERT_TRUE(flat_reference.ok());
+  const int64_t max_groups = steps.fine->max_groups();
+  auto graphs = gpu::GpuSelector::Create(steps.model, 0, kBatch, max_groups);
+  auto direct = gpu::GpuSelector::Create(steps.model, 0, kBatch, max_groups, {.graphs = false});
+  auto general = gpu::GpuSelector::Create(steps.model, 0, kBatch, max_groups,
+                                          {.graphs = false, .register_sums = true});
+  ASSERT_TRUE(graphs.ok() && direct.ok() && general.ok());
+  const CoarseHost host = steps.Host();
+  // The flat selection's lists (only its summary bytes are compared).
+  const int64_t list_count = int64_t{steps.model.num_layers} * kBatch * steps.model.num_kv_heads;
+  std::vector<int32_t> flat_blocks(list_count * steps.fine->max_blocks()), flat_counts(list_count);
+  int fewer_bytes = 0, cases = 0;
+  for (const SelectPolicy& policy : EveryBudget(c.granularity, c.coarse_candidates)) {
+    SCOPED_TRACE(policy.DebugString());
+    StepStats want;
+    ASSERT_TRUE(reference->Select(steps.Inputs(), policy, steps.fine->Outputs(), &want).ok());
+    StepStats flat_stats;
+    ASSERT_TRUE(flat_reference
+                    ->Select(steps.fine->Inputs(steps.rows), policy,
+                             {flat_blocks.data(), flat_counts.data()}, &flat_stats)
+                    .ok());
+    fewer_bytes += want.summary_bytes_read < flat_stats.summary_bytes_read;
+    ++cases;
+    const testing::DeviceStep first =
+        testing::SelectOnDevice(**graphs, *steps.fine, kBatch, steps.rows, policy, &host);
+    ASSERT_TRUE(first.status.ok()) << first.status;
+    const testing::DeviceStep replayed =
+        testing::SelectOnDevice(**graphs, *steps.fine, kBatch, steps.rows, policy, &host);
+    const testing::DeviceStep launched =
+        testing::SelectOnDevice(**direct, *steps.fine, kBatch, steps.rows, policy, &host);
+    ASSERT_TRUE(replayed.status.ok() && launched.status.ok());
+    EXPECT_EQ(first.visit_count, replayed.visit_count);
+    EXPECT_EQ(first.visit_blocks, replayed.visit_blocks);
+    EXPECT_EQ(first.visit_count, launched.visit_count);
+    EXPECT_EQ(first.visit_blocks, launched.visit_blocks);
+    EXPECT_EQ(first.stats.summary_bytes_read, launched.stats.summary_bytes_read);
+
+    std::vector<const testing::DeviceStep*> held = {&first};
+    testing::DeviceStep general_step;
+    if (policy.method == Method::kQuestClt) {
+      general_step =
+          testing::SelectOnDevice(**general, *steps.fine, kBatch, steps.rows, policy, &host);
+      ASSERT_TRUE(general_step.status.ok()) << general_step.status;
+      held.push_back(&general_step);
+    }
+    for (const testing::DeviceStep* got : held) {
+      const int near_cut = CompareWithReference(steps, *got, policy);
+      EXPECT_LE(near_cut, 4) << "more disagreements than fp32 ties explain";
+      EXPECT_EQ(got->stats.groups_total, want.groups_total);
+      EXPECT_EQ(got->stats.blocks_total, want.blocks_total);
+      if (near_cut == 0) {
+        EXPECT_EQ(got->stats.summary_bytes_read, want.summary_bytes_read);
+        EXPECT_EQ(got->stats.groups_visited, want.groups_visited);
+        EXPECT_EQ(got->stats.kv_bytes_read_est, want.kv_bytes_read_est);
+      }
+    }
+  }
+  if (c.coarse_candidates < 100.0f) {
+    EXPECT_GT(fewer_bytes, cases / 2) << "the level spared core/ too few fine records";
+  } else {
+    EXPECT_EQ(fewer_bytes, 0) << "every coarse group a candidate reads every fine record";
+  }
+}
+
+std::string CoarseCaseName(const ::testing::TestParamInfo<CoarseCase>& p) {
+  const CoarseCase& c = p.param;
+  std::string name = "g" + std::to_string(c.group_blocks) + "_gc" + std::to_string(c.coarse_blocks);
+  name += c.coarse_candidates < 100.0f ? "_c1p5" : "_c1024";
+  name += c.granularity == Granularity::kPerKvHead ? "_per_kv_head" : "_union";
+  return name;
+}
+
+constexpr Granularity kUnion = Granularity::kUnion, kPerKvHead = Granularity::kPerKvHead;
+INSTANTIATE_TEST_SUITE_P(
+    Coarse, CoarseGpuStepTest,
+    ::testing::Values(CoarseCase{1, 4, 1.5f, kUnion}, CoarseCase{1, 4, 1.5f, kPerKvHead},
+                      CoarseCase{2, 8, 1.5f, kUnion}, CoarseCase{2, 8, 1.5f, kPerKvHead},
+                      CoarseCase{1, 4, 1024.0f, kUnion}, CoarseCase{1, 4, 1024.0f, kPerKvHead},
+                      CoarseCase{2, 8, 1024.0f, kUnion}, CoarseCase{2, 8, 1024.0f, kPerKvHead}),
+    CoarseCaseName);
+
+// The fine records of groups outside the candidates are not read: with NaN in
+// every one that the coarse scores put beyond doubt outside, the step still
+// succeeds (as core/'s, which never reads them) and selects as before. Each
+// way of reading records: questclt's octet path, quest's warp sums, jl's
+// staged copies.
+TEST(CoarseGpuReadTest, FineRecordsOutsideTheCandidatesAreNeverRead) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  for (Granularity granularity : {kUnion, kPerKvHead}) {
+    for (Method method : {Method::kQuestClt, Method::kQuest, Method::kJl}) {
+      CoarseSteps steps(1, 4, granularity, rng);
+      SelectPolicy policy;
+      policy.method = method;
+      policy.granularity = granularity;
+      policy.top_pages = 6;
+      policy.coarse_candidates = 1.5f;
+      SCOPED_TRACE(policy.DebugString());
+      const ModelLayout& m = steps.model;
+      const SummaryLayout layout = SummaryLayout::For(m);
+      int poisoned = 0;
+      for (size_t i = 0; i < steps.rows.size(); ++i) {
+        const int64_t n = GroupsFor(steps.rows[i].context_tokens, m);
+        for (int layer = 0; layer < m.num_layers; ++layer) {
+          for (int list = 0; list < steps.lists(policy); ++list) {
+            const std::vector<uint8_t> candidates = steps.Candidates(policy, i, layer, list);
+            for (int64_t p = 0; p < n; ++p) {
+              if (candidates[p / m.coarse_ratio()] != 1) continue;
+              for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
+                if (steps.lists(policy) > 1 && kvh != list) continue;
+                steps.fine->Record(steps.fine->SlotOf(steps.rows[i].table_row, p), layer,
+                                   kvh)[layout.fro2] = std::nanf("");
+                ++poisoned;
+              }
+            }
+          }
+        }
+      }
+      ASSERT_GT(poisoned, 100) << "too few records outside the candidates to test";
+      auto reference = PageSelector::Create(m, *steps.phi);
+      ASSERT_TRUE(reference.ok());
+      StepStats want;
+      const absl::Status core_status =
+          reference->Select(steps.Inputs(), policy, steps.fine->Outputs(), &want);
+      ASSERT_TRUE(core_status.ok()) << core_status;
+      auto selector = gpu::GpuSelector::Create(m, 0, kBatch, steps.fine->max_groups());
+      ASSERT_TRUE(selector.ok());
+      const CoarseHost host = steps.Host();
+      const testing::DeviceStep got =
+          testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy, &host);
+      ASSERT_TRUE(got.status.ok()) << got.status;
+      EXPECT_LE(CompareWithReference(steps, got, policy), 4);
+    }
+  }
+}
+
+// Strict mode (whose guarantee needs every group's bracket) and method off read
+// no coarse record: they need no coarse buffers and select as without the level.
+TEST(CoarseGpuPolicyTest, StrictAndOffIgnoreTheCoarseLevel) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(1, 4, kUnion, rng);
+  ModelLayout flat = steps.model;
+  flat.coarse_blocks = 0;
+  auto flat_reference = PageSelector::Create(flat, *steps.phi);
+  ASSERT_TRUE(flat_reference.ok());
+  auto selector = gpu::GpuSelector::Create(steps.model, 0, kBatch, steps.fine->max_groups());
+  ASSERT_TRUE(selector.ok());
+  for (bool strict : {true, false}) {
+    SelectPolicy policy;
+    policy.strict = strict;
+    policy.top_pages = 6;
+    policy.method = strict ? Method::kQuestClt : Method::kOff;
+    SCOPED_TRACE(policy.DebugString());
+    StepStats want;
+    ASSERT_TRUE(
+        flat_reference->Select(steps.fine->Inputs(steps.rows), policy, steps.fine->Outputs(), &want)
+            .ok());
+    const testing::DeviceStep got =
+        testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy);
+    ASSERT_TRUE(got.status.ok()) << got.status;
+    EXPECT_LE(CompareWithReference(steps, got, policy), 4);
+    EXPECT_EQ(got.stats.summary_bytes_read, want.summary_bytes_read);
+  }
+}
+
+TEST(CoarseGpuValidationTest, AStepWithoutCoarseBuffersIsRefused) {
+  SKIP_WITHOUT_DEVICE();
+  std::mt19937_64 rng(testing::TestSeed());
+  CoarseSteps steps(1, 4, kUnion, rng);
+  auto selector = gpu::GpuSelector::Create(steps.model, 0, kBatch, steps.fine->max_groups());
+  ASSERT_TRUE(selector.ok());
+  const testing::DeviceStep got =
+      testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, SelectPolicy{});
+  EXPECT_EQ(got.status.code(), absl::StatusCode::kInvalidArgument) << got.status;
+  EXPECT_NE(got.status.message().find("coarse_pool"), std::string::npos) << got.status;
+}
+
+// A bad coarse input fails the step with INVALID_ARGUMENT naming it, for each way
+// of reading records. Without a step fence the outputs keep what they held;
+// with one (the engine's stream proceeds on selection_done regardless) every
+// list's count becomes -1, "attend densely".
+void ExpectEveryPathRefuses(CoarseSteps& steps, const std::string& want) {
+  const ModelLayout& m = steps.model;
+  auto selector = gpu::GpuSelector::Create(m, 0, kBatch, steps.fine->max_groups());
+  ASSERT_TRUE(selector.ok());
+  const CoarseHost host = steps.Host();
+  const int64_t list_count = int64_t{m.num_layers} * kBatch;
+  for (Method method : {Method::kQuestClt, Method::kQuest, Method::kJl}) {
+    SelectPolicy policy;
+    policy.method = method;
+    SCOPED_TRACE(policy.DebugString());
+    constexpr int32_t kUntouched = -7;
+    const testing::DeviceStep r = testing::SelectOnDevice(**selector, *steps.fine, kBatch,
+                                                          steps.rows, policy, &host, kUntouched);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_NE(r.status.message().find(want), std::string::npos) << r.status;
+    EXPECT_EQ(r.visit_count, std::vector<int32_t>(list_count, kUntouched));
+    EXPECT_EQ(r.visit_blocks, std::vector<int32_t>(r.visit_blocks.size(), kUntouched));
+
+    // With a fence: the same step queued by Enqueue.
+    StepInputs in = steps.Inputs();
+    gpu::DeviceBuffer<float> pool, queries, coarse_pool;
+    gpu::DeviceBuffer<int32_t> groups, blocks, coarse_table, visit, count;
+    gpu::DeviceBuffer<uint64_t> done;
+    const int64_t query_count = list_count * m.num_q_heads * m.head_dim;
+    const std::vector<int32_t> initial(list_count * steps.fine->max_blocks(), kUntouched);
+    const uint64_t zero = 0;
+    for (absl::Status s :
+         {testing::CopyToDevice(pool, steps.fine->pool().data(),
+                                static_cast<int64_t>(steps.fine->pool().size())),
+          testing::CopyToDevice(queries, static_cast<const float*>(in.queries), query_count),
+          testing::CopyToDevice(groups, steps.fine->group_table().data(),
+                                static_cast<int64_t>(steps.fine->group_table().size())),
+          testing::CopyToDevice(blocks, steps.fine->block_table().data(),
+                                static_cast<int64_t>(steps.fine->block_table().size())),
+          testing::CopyToDevice(coarse_pool, host.pool->data(),
+                                static_cast<int64_t>(host.pool->size())),
+          testing::CopyToDevice(coarse_table, host.table->data(),
+                                static_cast<int64_t>(host.table->size())),
+          testing::CopyToDevice(visit, initial.data(), static_cast<int64_t>(initial.size())),
+          testing::CopyToDevice(count, initial.data(), list_count),
+          testing::CopyToDevice(done, &zero, 1)}) {
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    in.summary_pool = pool.get();
+    in.queries = queries.get();
+    in.group_table = groups.get();
+    in.block_table = blocks.get();
+    in.coarse_pool = coarse_pool.get();
+    in.coarse_table = coarse_table.get();
+    ASSERT_TRUE((*selector)
+                    ->Enqueue(in, policy, {visit.get(), count.get()},
+                              {.inputs_ready = nullptr, .selection_done = done.get(), .step = 1})
+                    .ok());
+    const absl::Status fenced = (*selector)->Finish(std::chrono::seconds(10), nullptr, nullptr);
+    EXPECT_EQ(fenced.code(), absl::StatusCode::kInvalidArgument) << fenced;
+    EXPECT_NE(fenced.message().find(want), std::string::npos) << fenced;
+    std::vector<int32_t> counts(list_count);
+    ASSERT_EQ(cudaMemcpy(counts.data(), count.get(), list_count * sizeof(int32_t),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(counts, std::vector<int32_t>(list_count, -1));
+  }
+}
+
+TEST(CoarseGpuValidationTest, BadCoarseSlotFailsTheStepAndWritesNoList) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(1, 4, kUnion, rng);
+  const int64_t bad = steps.coarse->num_slots() + 5;
+  steps.coarse->group_table()[1 * steps.coarse->max_groups() + 3] = static_cast<int32_t>(bad);
+  ExpectEveryPathRefuses(steps, "coarse_table[1][3]=" + std::to_string(bad));
+}
+
+TEST(CoarseGpuValidationTest, NonFiniteCoarseRecordFailsTheStepAndWritesNoList) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(2, 8, kUnion, rng);
+  const int32_t slot = steps.coarse->SlotOf(2, 7);
+  steps.coarse->Record(slot, 1, 1)[SummaryLayout::For(steps.model).fro2] = std::nanf("");
+  ExpectEveryPathRefuses(steps, "coarse summary of slot " + std::to_string(slot));
+}
+
+}  // namespace
+}  // namespace eps
