@@ -227,9 +227,8 @@ class EvalSequence {
     open_coarse_.assign(static_cast<size_t>(model.num_kv_heads) * model.coarse_blocks *
                             model.block_size * model.head_dim,
                         0.0f);
-    coarse_pool_.assign(static_cast<size_t>(max_coarse_) * model.num_kv_heads *
-                            layout_.record_words,
-                        0.0f);
+    coarse_pool_.assign(
+        static_cast<size_t>(max_coarse_) * model.num_kv_heads * layout_.record_words, 0.0f);
     for (int64_t c = 0; c < max_coarse_; ++c) {
       for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) writer_.Reset(CoarseRecord(c, kvh));
     }

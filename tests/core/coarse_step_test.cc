@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "core/bounds.h"
-#include "core/step.h"
 #include "core/status.h"
+#include "core/step.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
 #include "gtest/gtest.h"
@@ -347,17 +347,17 @@ TEST_F(CoarseStepTest, CandidateGroupsAreRankedByTheirFineRecords) {
         std::vector<std::pair<float, int64_t>> ranked;
         for (int64_t p = 0; p < n; ++p) {
           if (forced[p] || !cand[p / model_.coarse_ratio()]) continue;
-          ranked.push_back({Score(policy.method,
-                                  buffers_->Record(buffers_->SlotOf(rows_[i].table_row, p), layer,
-                                                   kvh),
-                                  layout, terms),
-                            p});
+          ranked.push_back(
+              {Score(policy.method,
+                     buffers_->Record(buffers_->SlotOf(rows_[i].table_row, p), layer, kvh), layout,
+                     terms),
+               p});
         }
         std::sort(ranked.begin(), ranked.end(), [](auto a, auto b) { return a.first > b.first; });
         ASSERT_GT(ranked.size(), static_cast<size_t>(policy.top_pages));
         for (int r = 0; r < policy.top_pages; ++r) {
-          EXPECT_TRUE(with[k][ranked[r].second])
-              << "head " << h << " rank " << r << " group " << ranked[r].second << " seed=" << seed_;
+          EXPECT_TRUE(with[k][ranked[r].second]) << "head " << h << " rank " << r << " group "
+                                                 << ranked[r].second << " seed=" << seed_;
         }
       }
     }
