@@ -403,7 +403,10 @@ INSTANTIATE_TEST_SUITE_P(
                 ListMass(0.9f, 1.0f, 5, 5, true)},
         GpuCase{Method::kJl, 64, 4, 4, 1, false, 8, kPerKvHead, kMass, false,
                 ListMass(1.0f, 1000.0f, 0, 6, true)},
-        GpuCase{Method::kJl, 256, 16, 2, 4, true, 8, kUnion, kMass, false, ListMass(0.9f, 1.0f, 1)},
+        // τ = 8: at τ = 1 jl's d = 256 masses were so peaked that one seed's head and list
+        // scopes chose the same lists (2318214466763317890, 2026-11-26), which this case's
+        // precondition refuses; flatter masses make the scopes differ.
+        GpuCase{Method::kJl, 256, 16, 2, 4, true, 8, kUnion, kMass, false, ListMass(0.9f, 8.0f, 1)},
         Quest8({Method::kQuestClt, 128, 8, 2, 2, false, 8, kPerKvHead, kMass, false,
                 ListMass(0.95f, 1.0f)}),
         GpuCase{Method::kOff, 64, 4, 2, 8, false, 8, kUnion, kMass, false, ListMass(0.9f, 1.0f)}),
