@@ -4,8 +4,9 @@ namespace eps {
 
 const char* DimName(Dim dim) {
   static constexpr const char* kNames[kDims] = {
-      "slots",      "num_layers", "num_kv_heads", "record_words", "max_seqs", "max_groups",
-      "max_blocks", "max_batch",  "num_q_heads",  "head_dim",     "lists",    "counters"};
+      "slots",      "num_layers", "num_kv_heads", "record_words",     "max_seqs",
+      "max_groups", "max_blocks", "max_batch",    "num_q_heads",      "head_dim",
+      "lists",      "counters",   "coarse_slots", "max_coarse_groups"};
   return kNames[static_cast<int>(dim)];
 }
 

@@ -47,25 +47,31 @@ enum class SharedBuffer : int {
   kVisitBlocks,
   kVisitCount,
   kFlags,
+  // The coarse level's (ModelLayout.coarse_blocks > 0): after flags, so that the
+  // offsets of the buffers above keep their meaning in every plan.
+  kCoarsePool,
+  kCoarseTable,
 };
-inline constexpr int kSharedBuffers = 7;
+inline constexpr int kSharedBuffers = 9;
 
 // A dimension of a buffer's shape, by what fixes it.
 enum class Dim : int {
-  kSlots,        // summary records per (layer, KV head): the engine's choice
-  kNumLayers,    // ModelLayout
-  kNumKvHeads,   // ModelLayout
-  kRecordWords,  // SummaryLayout::For(model).record_words
-  kMaxSeqs,      // rows of the group and block tables: the engine's choice
-  kMaxGroups,    // groups per table row: the engine's choice
-  kMaxBlocks,    // blocks per table row and per visit list: the engine's choice
-  kMaxBatch,     // rows per step (AttachRequest.max_batch)
-  kNumQHeads,    // ModelLayout
-  kHeadDim,      // ModelLayout
-  kLists,        // visit lists per (layer, row): present only per KV head (= num_kv_heads)
-  kCounters,     // 2: inputs_ready, selection_done
+  kSlots,            // summary records per (layer, KV head): the engine's choice
+  kNumLayers,        // ModelLayout
+  kNumKvHeads,       // ModelLayout
+  kRecordWords,      // SummaryLayout::For(model).record_words
+  kMaxSeqs,          // rows of the group and block tables: the engine's choice
+  kMaxGroups,        // groups per table row: the engine's choice
+  kMaxBlocks,        // blocks per table row and per visit list: the engine's choice
+  kMaxBatch,         // rows per step (AttachRequest.max_batch)
+  kNumQHeads,        // ModelLayout
+  kHeadDim,          // ModelLayout
+  kLists,            // visit lists per (layer, row): present only per KV head (= num_kv_heads)
+  kCounters,         // 2: inputs_ready, selection_done
+  kCoarseSlots,      // coarse records per (layer, KV head): the engine's choice
+  kMaxCoarseGroups,  // coarse groups per table row: the engine's choice
 };
-inline constexpr int kDims = 12;
+inline constexpr int kDims = 14;
 const char* DimName(Dim dim);  // "slots", "num_layers", ...
 
 struct BufferSpec {
@@ -76,6 +82,9 @@ struct BufferSpec {
   std::array<Dim, 4> dims;
   bool output;    // written by epsd
   bool optional;  // may be absent (flags)
+  // Belongs to a session only when its layout has a coarse level: required then,
+  // refused otherwise (BufferApplies).
+  bool coarse_level = false;
 };
 
 inline constexpr std::array<BufferSpec, kSharedBuffers> kBufferContract = {{
@@ -122,10 +131,33 @@ inline constexpr std::array<BufferSpec, kSharedBuffers> kBufferContract = {{
      true,
      false},
     {SharedBuffer::kFlags, "flags", DType::kUInt64, 1, {Dim::kCounters}, true, true},
+    {SharedBuffer::kCoarsePool,
+     "coarse_pool",
+     DType::kFloat32,
+     4,
+     {Dim::kCoarseSlots, Dim::kNumLayers, Dim::kNumKvHeads, Dim::kRecordWords},
+     false,
+     false,
+     true},
+    {SharedBuffer::kCoarseTable,
+     "coarse_table",
+     DType::kInt32,
+     2,
+     {Dim::kMaxSeqs, Dim::kMaxCoarseGroups},
+     false,
+     false,
+     true},
 }};
 
 constexpr const BufferSpec& SpecOf(SharedBuffer buffer) {
   return kBufferContract[static_cast<int>(buffer)];
+}
+
+// Whether `spec` is one of `model`'s buffers: every buffer is, except the coarse
+// level's without one. Every reader of kBufferContract skips the others (their
+// dims are not defined for the session).
+constexpr bool BufferApplies(const BufferSpec& spec, const ModelLayout& model) {
+  return !spec.coarse_level || model.has_coarse_level();
 }
 
 // The dims of one buffer for `granularity`: kLists only per KV head.

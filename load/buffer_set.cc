@@ -8,6 +8,10 @@
 namespace eps::load {
 namespace {
 
+absl::Status NoCoarseLevel() {
+  return absl::FailedPreconditionError("the layout has no coarse level (coarse_blocks=0)");
+}
+
 absl::Status CheckSize(const char* what, size_t got, int64_t want) {
   if (got != static_cast<size_t>(want)) {
     return absl::InvalidArgumentError(absl::StrCat(what, " has ", got, " elements, want ", want));
@@ -36,6 +40,19 @@ class ShmBufferSet final : public BufferSet {
   }
   absl::Status WriteBlockTable(std::span<const int32_t> table) override {
     return WriteRows(table, max_blocks(), [&](int64_t r) { return buffers_->BlockRow(r); });
+  }
+  int64_t max_coarse_groups() const override { return buffers_->max_coarse_groups(); }
+  absl::Status WriteCoarsePool(std::span<const float> pool) override {
+    if (!buffers_->model().has_coarse_level()) return NoCoarseLevel();
+    auto dst = buffers_->CoarseRecord(0, 0, 0);
+    const int64_t want = buffers_->plan().coarse_pool_words;
+    if (absl::Status s = CheckSize("coarse pool", pool.size(), want); !s.ok()) return s;
+    std::copy(pool.begin(), pool.end(), dst.data());
+    return absl::OkStatus();
+  }
+  absl::Status WriteCoarseTable(std::span<const int32_t> table) override {
+    if (!buffers_->model().has_coarse_level()) return NoCoarseLevel();
+    return WriteRows(table, max_coarse_groups(), [&](int64_t r) { return buffers_->CoarseRow(r); });
   }
   absl::Status WriteQueries(std::span<const float> queries) override {
     const ModelLayout& m = buffers_->model();
@@ -85,6 +102,7 @@ client::BufferShape ClientShape(const BufferSetShape& shape) {
   s.max_seqs = shape.max_seqs;
   s.max_context = shape.max_context;
   s.max_batch = shape.max_batch;
+  s.coarse_slots = shape.coarse_slots;
   return s;
 }
 

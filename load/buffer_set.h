@@ -26,6 +26,7 @@ struct BufferSetShape {
   int64_t max_seqs = 0;
   int64_t max_context = 0;
   int64_t max_batch = 0;
+  int64_t coarse_slots = 0;  // coarse records per (layer, KV head): >= 1 with a coarse level
 };
 
 class BufferSet {
@@ -48,6 +49,12 @@ class BufferSet {
   virtual absl::Status WriteBlockTable(std::span<const int32_t> table) = 0;
   // [layers, max_batch, q_heads, head_dim] float32
   virtual absl::Status WriteQueries(std::span<const float> queries) = 0;
+  // The coarse level's (ModelLayout.coarse_blocks > 0; FAILED_PRECONDITION without one):
+  // [coarse_slots, layers, kv_heads, record_words] float32 and [max_seqs, max_coarse_groups]
+  // int32.
+  virtual int64_t max_coarse_groups() const = 0;
+  virtual absl::Status WriteCoarsePool(std::span<const float> pool) = 0;
+  virtual absl::Status WriteCoarseTable(std::span<const int32_t> table) = 0;
 
   // Async replies (--reply=async; device buffers only): the engine's side of one
   // step's fence on a stream of this set's own. SignalInputsReady queues

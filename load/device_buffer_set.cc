@@ -13,6 +13,10 @@
 namespace eps::load {
 namespace {
 
+absl::Status NoCoarseLevel() {
+  return absl::FailedPreconditionError("the layout has no coarse level (coarse_blocks=0)");
+}
+
 // The stream that stands for the engine's in --reply=async: created with the
 // buffers, destroyed before them.
 struct StreamDeleter {
@@ -45,6 +49,17 @@ class DeviceBufferSet final : public BufferSet {
   }
   absl::Status WriteQueries(std::span<const float> queries) override {
     return Copy("queries", buffers_->queries(), queries, ElementsOf(SharedBuffer::kQueries));
+  }
+  int64_t max_coarse_groups() const override { return buffers_->plan().max_coarse_groups; }
+  absl::Status WriteCoarsePool(std::span<const float> pool) override {
+    if (buffers_->coarse_pool() == nullptr) return NoCoarseLevel();
+    return Copy("coarse pool", buffers_->coarse_pool(), pool,
+                ElementsOf(SharedBuffer::kCoarsePool));
+  }
+  absl::Status WriteCoarseTable(std::span<const int32_t> table) override {
+    if (buffers_->coarse_table() == nullptr) return NoCoarseLevel();
+    return Copy("coarse table", buffers_->coarse_table(), table,
+                ElementsOf(SharedBuffer::kCoarseTable));
   }
 
   bool supports_async() const override { return true; }

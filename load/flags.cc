@@ -20,6 +20,12 @@ ABSL_FLAG(bool, quest8, false,
 ABSL_FLAG(bool, quest8_only, false,
           "records hold the quest8 part and not quest's 16-bit part: questclt's smallest record "
           "(docs/summaries.md); method=quest is then refused");
+ABSL_FLAG(int, coarse_blocks, 0,
+          "attach with a coarse level of N blocks per coarse group (a multiple of the group's "
+          "blocks above it, at most 4096), writing coarse records from the same keys (0: none)");
+ABSL_FLAG(double, coarse_candidates, 0,
+          "SelectOptions.coarse_candidates sent at Attach, in [1, 1024] (0: epsd's "
+          "--eps-coarse-candidates); needs --coarse-blocks");
 ABSL_FLAG(eps::cli::Size, batch, {8}, "sequences per SelectPages call, in [1, 4k]");
 ABSL_FLAG(eps::load::ContextDistribution, context, {},
           "tokens per sequence: N, Nk or uniform:LO-HI (drawn per call)");

@@ -187,7 +187,20 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   RETURN_IF_ERROR(Override(FLAGS_eps_dim, &c.model.sketch_dim));
   c.model.features.quest8 = absl::GetFlag(FLAGS_quest8) || absl::GetFlag(FLAGS_quest8_only);
   if (absl::GetFlag(FLAGS_quest8_only)) c.model.features.quest = false;
+  // The coarse level: 0 = none (ModelLayout::Validate checks the rest, naming the value).
+  c.model.coarse_blocks = absl::GetFlag(FLAGS_coarse_blocks);
+  if (c.model.coarse_blocks < 0) {
+    return cli::Invalid(FLAGS_coarse_blocks, "0 or a multiple of the group's blocks above it");
+  }
   RETURN_IF_ERROR(c.model.Validate());
+  const double coarse_candidates = absl::GetFlag(FLAGS_coarse_candidates);
+  if (coarse_candidates != 0 && !(coarse_candidates >= 1 && coarse_candidates <= 1024)) {
+    return cli::Invalid(FLAGS_coarse_candidates, "0 (epsd's) or a number in [1, 1024]");
+  }
+  if (coarse_candidates != 0 && !c.model.has_coarse_level()) {
+    return cli::Invalid(FLAGS_coarse_candidates, "0 without --coarse-blocks");
+  }
+  c.coarse_candidates = static_cast<float>(coarse_candidates);
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_batch, 1, 4096, &c.batch));
   c.context = absl::GetFlag(FLAGS_context);
   absl::Duration d;

@@ -40,7 +40,9 @@ struct Arrivals {
 struct LoadConfig {
   std::string target = "unix:///tmp/epsd.sock";
   std::string preset = "llama-3-8b";
-  ModelLayout model;  // the preset, then the custom shape flags
+  ModelLayout model;  // the preset, then the custom shape flags (coarse_blocks included)
+  // SelectOptions.coarse_candidates at Attach, with a coarse level; 0: epsd's default.
+  float coarse_candidates = 0;
   int batch = 8;
   ContextDistribution context;
   std::chrono::microseconds duration{std::chrono::seconds(10)};

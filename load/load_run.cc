@@ -44,8 +44,10 @@ std::string UtcNow() {
   return text;
 }
 
-v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers, int batch,
-                             int64_t num_kv_blocks, const std::string& engine_id) {
+// coarse_candidates: 0 leaves it to epsd's --eps-coarse-candidates.
+v1::AttachRequest MakeAttach(const ModelLayout& model, float coarse_candidates,
+                             const BufferSet& buffers, int batch, int64_t num_kv_blocks,
+                             const std::string& engine_id) {
   v1::AttachRequest a;
   a.set_engine_id(engine_id);
   v1::ModelLayout* l = a.mutable_layout();
@@ -56,6 +58,7 @@ v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers,
   l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
   l->set_block_size(model.block_size);
   l->set_group_blocks(model.group_blocks);
+  l->set_coarse_blocks(model.coarse_blocks);
   l->set_sketch_dim(model.sketch_dim);
   l->set_phi_seed(model.phi_seed);
   l->mutable_features()->set_key_sum(model.features.key_sum);
@@ -67,6 +70,7 @@ v1::AttachRequest MakeAttach(const ModelLayout& model, const BufferSet& buffers,
   a.set_num_kv_blocks(static_cast<uint64_t>(num_kv_blocks));
   a.set_backend(buffers.backend());
   a.set_device(buffers.device());
+  if (coarse_candidates > 0) a.mutable_options()->set_coarse_candidates(coarse_candidates);
   return a;
 }
 
@@ -320,7 +324,8 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     options.fail_open = true;
     s.client = std::make_unique<client::EpsClient>(
         options,
-        MakeAttach(config.model, *s.buffers, config.batch, image.num_kv_blocks,
+        MakeAttach(config.model, config.coarse_candidates, *s.buffers, config.batch,
+                   image.num_kv_blocks,
                    absl::StrCat("eps-load-", getpid(), config.ranks > 0 ? "/rank" : "-", i)));
   }
   r.prefill_s = Seconds(Clock::now() - prefill_start);

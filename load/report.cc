@@ -194,6 +194,11 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
                config.sessions, config.sessions == 1 ? "" : "s", ModeName(config).c_str(),
                config.target.c_str(), r.measured_s,
                std::chrono::duration<double>(config.warmup).count());
+  if (m.has_coarse_level()) {
+    std::fprintf(
+        out, "coarse level: %d blocks per coarse group, coarse_candidates %s\n", m.coarse_blocks,
+        config.coarse_candidates > 0 ? absl::StrCat(config.coarse_candidates).c_str() : "epsd's");
+  }
   if (r.stopped_early) std::fprintf(out, "(stopped early by a signal)\n");
   std::fprintf(out, "%-12s %9s %7s %9s %10s %10s %10s %10s %10s %10s\n", "call", "count", "errors",
                "rps", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us", "mean us");
@@ -335,6 +340,8 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                       {"head_dim", m.head_dim},
                       {"block_size", m.block_size},
                       {"group_blocks", m.group_blocks},
+                      {"coarse_blocks", m.coarse_blocks},
+                      {"coarse_candidates", config.coarse_candidates},
                       {"sketch_dim", m.sketch_dim},
                       {"batch", config.batch},
                       {"context", config.context.ToString()},

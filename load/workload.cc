@@ -14,6 +14,10 @@ absl::Status WorkloadImage::WriteTo(BufferSet& buffers) const {
   if (absl::Status s = buffers.WriteSummaryPool(summary_pool); !s.ok()) return s;
   if (absl::Status s = buffers.WriteGroupTable(group_table); !s.ok()) return s;
   if (absl::Status s = buffers.WriteBlockTable(block_table); !s.ok()) return s;
+  if (max_coarse_groups > 0) {
+    if (absl::Status s = buffers.WriteCoarsePool(coarse_pool); !s.ok()) return s;
+    if (absl::Status s = buffers.WriteCoarseTable(coarse_table); !s.ok()) return s;
+  }
   return buffers.WriteQueries(queries);
 }
 
@@ -26,10 +30,12 @@ WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_con
   patterns = std::clamp(patterns, 1, pairs);
   w.max_blocks = BlocksFor(max_context, model.block_size);
   w.max_groups = GroupsFor(max_context, model);
+  w.max_coarse_groups = CoarseGroupsFor(max_context, model);
   w.shape = {.num_slots = batch * w.max_groups,
              .max_seqs = batch,
              .max_context = max_context,
-             .max_batch = batch};
+             .max_batch = batch,
+             .coarse_slots = batch * w.max_coarse_groups};
   std::mt19937_64 rng(seed);
 
   // Records of every group of each pattern: [patterns, max_groups, words].
@@ -37,7 +43,10 @@ WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_con
       *PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads, d, model.sketch_dim);
   const SummaryWriter writer(model, phi);
   const int64_t gt = model.group_tokens();
+  const int64_t ct = int64_t{model.coarse_blocks} * model.block_size;  // 0 without the level
   std::vector<float> records(static_cast<size_t>(patterns) * w.max_groups * words, 0.0f);
+  std::vector<float> coarse_records(static_cast<size_t>(patterns) * w.max_coarse_groups * words,
+                                    0.0f);
   std::vector<std::vector<float>> pattern_queries;  // [gqa, d] per pattern
   for (int p = 0; p < patterns; ++p) {
     const int layer = p / model.num_kv_heads, kvh = p % model.num_kv_heads;
@@ -55,6 +64,14 @@ WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_con
       (void)writer.Append(record, layer, kvh,
                           {head.keys.data() + begin * d, DType::kFloat32, count, d});
     }
+    // The coarse records of the same keys (coarse group c: tokens [c*ct, (c+1)*ct)).
+    for (int64_t c = 0; c < w.max_coarse_groups; ++c) {
+      std::span<float> record(coarse_records.data() + (p * w.max_coarse_groups + c) * words, words);
+      writer.Reset(record);
+      const int64_t begin = c * ct, count = std::min(ct, max_context - begin);
+      (void)writer.Append(record, layer, kvh,
+                          {head.keys.data() + begin * d, DType::kFloat32, count, d});
+    }
     pattern_queries.push_back(head.queries);
   }
 
@@ -67,6 +84,17 @@ WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_con
                   w.summary_pool.data() + (slot * pairs + pair) * words);
     }
   }
+  w.coarse_pool.resize(static_cast<size_t>(w.shape.coarse_slots) * pairs * words);
+  for (int64_t slot = 0; slot < w.shape.coarse_slots; ++slot) {
+    const int64_t c = slot % w.max_coarse_groups;
+    for (int pair = 0; pair < pairs; ++pair) {
+      const int p = pair % patterns;
+      std::copy_n(coarse_records.data() + (p * w.max_coarse_groups + c) * words, words,
+                  w.coarse_pool.data() + (slot * pairs + pair) * words);
+    }
+  }
+  w.coarse_table.resize(static_cast<size_t>(batch) * w.max_coarse_groups);
+  std::iota(w.coarse_table.begin(), w.coarse_table.end(), 0);
   w.group_table.resize(static_cast<size_t>(batch) * w.max_groups);
   std::iota(w.group_table.begin(), w.group_table.end(), 0);
   w.block_table.resize(static_cast<size_t>(batch) * w.max_blocks);

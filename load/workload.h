@@ -28,6 +28,12 @@ struct WorkloadImage {
   std::vector<int32_t> block_table;  // [max_seqs, max_blocks]: a seeded permutation
   std::vector<float> queries;        // [layers, max_batch, q_heads, d]
   int64_t num_kv_blocks = 0;
+  // With a coarse level (model.coarse_blocks > 0; empty otherwise): the coarse records of
+  // the same keys, copied as the fine ones, and the coarse table (row r, coarse group c ->
+  // r*max_coarse_groups+c).
+  int64_t max_coarse_groups = 0;
+  std::vector<float> coarse_pool;     // [coarse_slots, layers, kv_heads, record_words]
+  std::vector<int32_t> coarse_table;  // [max_seqs, max_coarse_groups]
 
   // Copies every image into `buffers`.
   absl::Status WriteTo(BufferSet& buffers) const;

@@ -107,6 +107,11 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   RETURN_IF_ERROR(ReadChoice<MassScope>(FLAGS_eps_mass_scope,
                                         {{"head", MassScope::kHead}, {"list", MassScope::kList}},
                                         &c.policy.mass_scope));
+  const double coarse = absl::GetFlag(FLAGS_eps_coarse_candidates);
+  if (!(coarse >= 1.0 && coarse <= 1024.0)) {
+    return cli::Invalid(FLAGS_eps_coarse_candidates, "a number in [1, 1024]");
+  }
+  c.policy.coarse_candidates = static_cast<float>(coarse);
 
   absl::Duration d;
   RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));

@@ -72,6 +72,11 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
   if (absl::Status s = narrow("sketch_dim", p.sketch_dim(), &m.sketch_dim); !s.ok()) return s;
   if (m.group_blocks == 0) m.group_blocks = default_group_blocks;
   if (m.sketch_dim == 0) m.sketch_dim = default_sketch_dim;
+  // 0 = no coarse level: unlike group_blocks there is no server default, the engine
+  // decides whether it writes the coarse records.
+  if (absl::Status s = narrow("coarse_blocks", p.coarse_blocks(), &m.coarse_blocks); !s.ok()) {
+    return s;
+  }
   m.phi_seed = p.phi_seed();
   if (p.kv_dtype() == v1::DTYPE_UNSPECIFIED) {
     m.kv_dtype = DType::kFloat16;
@@ -179,6 +184,7 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
     p.min_pages = static_cast<int>(std::min<uint32_t>(o.min_pages(), 1u << 30));
   if (o.has_max_pages())
     p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
+  if (o.has_coarse_candidates()) p.coarse_candidates = o.coarse_candidates();
   switch (o.mass_scope()) {
     case v1::MASS_SCOPE_UNSPECIFIED:
       break;
@@ -221,6 +227,7 @@ v1::SelectOptions ToProto(const SelectPolicy& p) {
   o.set_mass_temperature(p.mass_temperature);
   o.set_min_pages(p.min_pages);
   o.set_max_pages(p.max_pages);
+  o.set_coarse_candidates(p.coarse_candidates);
   o.set_mass_scope(p.mass_scope == MassScope::kHead ? v1::MASS_SCOPE_HEAD : v1::MASS_SCOPE_LIST);
   o.set_granularity(p.granularity == Granularity::kUnion ? v1::GRANULARITY_UNION
                                                          : v1::GRANULARITY_PER_KV_HEAD);

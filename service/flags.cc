@@ -45,6 +45,10 @@ ABSL_FLAG(int, eps_max_pages, 0,
 ABSL_FLAG(std::string, eps_mass_scope, "head",
           "with --eps-budget=mass: head (every head reaches p of its own mass) | list (the list "
           "reaches p of its heads' mean mass; fewer groups)");
+ABSL_FLAG(double, eps_coarse_candidates, 2.0,
+          "with a coarse level (the engine's layout.coarse_blocks): each scored head's "
+          "ceil(c * top_pages / r) best coarse groups are the candidates whose groups are "
+          "scored, in [1, 1024] (docs/api.md, SelectOptions.coarse_candidates)");
 
 ABSL_FLAG(eps::cli::Millis, lease_ms, {absl::Milliseconds(10000)},
           "session lease, renewed by Attach, SelectPages and Heartbeat, in [50ms, 1h]");

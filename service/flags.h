@@ -32,6 +32,7 @@ ABSL_DECLARE_FLAG(double, eps_mass_temperature);
 ABSL_DECLARE_FLAG(int, eps_min_pages);
 ABSL_DECLARE_FLAG(int, eps_max_pages);
 ABSL_DECLARE_FLAG(std::string, eps_mass_scope);
+ABSL_DECLARE_FLAG(double, eps_coarse_candidates);
 // Sessions, limits and lifetimes.
 ABSL_DECLARE_FLAG(eps::cli::Millis, lease_ms);
 ABSL_DECLARE_FLAG(int64_t, max_sessions);

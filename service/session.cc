@@ -50,9 +50,12 @@ std::vector<std::pair<std::string, uint64_t>> BackendAllocations(const SessionSp
   const uint64_t lists = spec.output_granularity == Granularity::kPerKvHead ? Hkv : 1;
   // Per step: the visit lists' scratch, and per row a score, bracket and mark per group
   // for each query head and list.
+  // With a coarse level, the same again per coarse group (its scores and candidate marks).
+  const uint64_t coarse_groups = static_cast<uint64_t>(b.max_coarse_groups);
   const uint64_t scratch =
       Sum({b[SharedBuffer::kVisitBlocks].bytes, b[SharedBuffer::kVisitCount].bytes,
-           Product({groups, Sum({Hq, lists, 4}), 8})});
+           Product({groups, Sum({Hq, lists, 4}), 8}),
+           Product({coarse_groups, Sum({Hq, lists, 4}), 8})});
   return {{"the Phi bank", phi}, {"the step scratch", scratch}};
 }
 

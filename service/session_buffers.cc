@@ -37,6 +37,12 @@ const MappedTensor* WriteTarget(const SessionBuffers& b, v1::BufferWrite::Target
       return &b[SharedBuffer::kBlockTable];
     case v1::BufferWrite::TARGET_QUERIES:
       return &b[SharedBuffer::kQueries];
+    case v1::BufferWrite::TARGET_COARSE_POOL:
+    case v1::BufferWrite::TARGET_COARSE_TABLE:
+      // Empty (null data) without a coarse level: not a target then.
+      if (!b.has_coarse_level) return nullptr;
+      return &b[target == v1::BufferWrite::TARGET_COARSE_POOL ? SharedBuffer::kCoarsePool
+                                                              : SharedBuffer::kCoarseTable];
     default:
       return nullptr;
   }
@@ -55,12 +61,29 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
   SessionBuffers buf;
   std::vector<std::pair<TensorSpec, MappedTensor>> tensors;
   for (const BufferSpec& contract : kBufferContract) {
+    if (!BufferApplies(contract, spec.model)) {
+      // A coarse buffer without a coarse level: the engine and epsd disagree on the
+      // layout, and a step would ignore the records the engine writes.
+      if (HasDescriptor(b, contract)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(contract.name, " is set, but layout.coarse_blocks=0 (no coarse level)"));
+      }
+      continue;
+    }
+    if (contract.coarse_level && !HasDescriptor(b, contract)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          contract.name, " is required: layout.coarse_blocks=", spec.model.coarse_blocks,
+          " has a coarse level"));
+    }
     if (contract.optional && !HasDescriptor(b, contract)) continue;
     TensorSpec t;
     t.name = contract.name;
     t.dtype = ToProto(contract.id == SharedBuffer::kQueries ? spec.query_dtype : contract.dtype);
     t.writable = contract.output;
-    if (contract.id == SharedBuffer::kSummaryPool) t.alignment = kSummaryPoolAlignment;
+    // The coarse pool holds records too, copied 16 bytes at a time on the device.
+    if (contract.id == SharedBuffer::kSummaryPool || contract.id == SharedBuffer::kCoarsePool) {
+      t.alignment = kSummaryPoolAlignment;
+    }
     const std::vector<Dim> shape = DimsOf(contract, granularity);
     for (Dim dim : shape) {
       t.shape.push_back(dims[dim]);
@@ -76,6 +99,9 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
     if (contract.id == SharedBuffer::kSummaryPool && dims[Dim::kSlots] > INT32_MAX) {
       return absl::InvalidArgumentError("summary_pool.shape[0] exceeds the int32 slot range");
     }
+    if (contract.id == SharedBuffer::kCoarsePool && dims[Dim::kCoarseSlots] > INT32_MAX) {
+      return absl::InvalidArgumentError("coarse_pool.shape[0] exceeds the int32 slot range");
+    }
     buf.tensors[static_cast<int>(contract.id)] = tensor;
     tensors.emplace_back(std::move(t), tensor);
   }
@@ -84,6 +110,11 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
   buf.max_seqs = dims[Dim::kMaxSeqs];
   buf.max_groups = dims[Dim::kMaxGroups];
   buf.max_blocks = dims[Dim::kMaxBlocks];
+  buf.has_coarse_level = spec.model.has_coarse_level();
+  if (buf.has_coarse_level) {
+    buf.coarse_slots = dims[Dim::kCoarseSlots];
+    buf.max_coarse_groups = dims[Dim::kMaxCoarseGroups];
+  }
   RETURN_IF_ERROR(CheckNoOverlap(tensors));
   for (const auto& [tensor_spec, tensor] : tensors) {
     if (spec.backend == BackendKind::kCuda && !tensor.is_device) {
@@ -132,6 +163,12 @@ StepInputs StepInputsOf(const SessionSpec& spec, const SessionBuffers& b,
   in.max_seqs = b.max_seqs;
   in.max_groups = b.max_groups;
   in.max_blocks = b.max_blocks;
+  if (b.has_coarse_level) {
+    in.coarse_pool = b.data<const float>(SharedBuffer::kCoarsePool);
+    in.coarse_slots = b.coarse_slots;
+    in.coarse_table = b.data<const int32_t>(SharedBuffer::kCoarseTable);
+    in.max_coarse_groups = b.max_coarse_groups;
+  }
   in.num_physical_blocks = spec.num_kv_blocks;
   in.queries = b[SharedBuffer::kQueries].data;
   in.query_dtype = spec.query_dtype;

@@ -22,10 +22,15 @@
 namespace eps::service {
 
 struct SessionBuffers {
-  std::array<MappedTensor, kSharedBuffers> tensors;  // by SharedBuffer; flags empty when absent
+  // By SharedBuffer; flags empty when absent, the coarse pool and table empty
+  // without a coarse level.
+  std::array<MappedTensor, kSharedBuffers> tensors;
   bool has_flags = false;
-  // The engine's choices, fixed by the descriptors (core/buffer_contract.h).
+  bool has_coarse_level = false;
+  // The engine's choices, fixed by the descriptors (core/buffer_contract.h); the
+  // coarse ones 0 without a coarse level.
   int64_t num_slots = 0, max_seqs = 0, max_groups = 0, max_blocks = 0;
+  int64_t coarse_slots = 0, max_coarse_groups = 0;
 
   const MappedTensor& operator[](SharedBuffer buffer) const {
     return tensors[static_cast<int>(buffer)];
@@ -38,8 +43,9 @@ struct SessionBuffers {
 
 // Maps and validates every buffer of `buffers` for `spec`, in the contract's
 // order (core/buffer_contract.h); an engine-chosen dimension is fixed by the
-// first buffer that has it. A cuda session needs every buffer in device
-// memory, a cpu session every one in host memory.
+// first buffer that has it. The coarse pool and table are required when the
+// layout has a coarse level and refused when it has none. A cuda session needs every buffer in
+// device memory, a cpu session every one in host memory.
 absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& buffers,
                                                      const SessionSpec& spec,
                                                      MappingCache& mappings);

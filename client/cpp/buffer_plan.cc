@@ -1,5 +1,7 @@
 #include "client/cpp/buffer_plan.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace eps::client {
 namespace {
 
@@ -27,6 +29,11 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
   if (shape.num_slots < 1 || shape.max_seqs < 1 || shape.max_context < 1 || shape.max_batch < 1) {
     return absl::InvalidArgumentError("every BufferShape field must be >= 1");
   }
+  if (model.has_coarse_level() ? shape.coarse_slots < 1 : shape.coarse_slots != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("BufferShape.coarse_slots=", shape.coarse_slots,
+                                                   " with coarse_blocks=", model.coarse_blocks,
+                                                   ": want >= 1 with a coarse level, 0 without"));
+  }
   BufferPlan p;
   p.model = model;
   p.shape = shape;
@@ -40,9 +47,16 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
   p.dims[Dim::kMaxGroups] = p.max_groups;
   p.dims[Dim::kMaxBlocks] = p.max_blocks;
   p.dims[Dim::kMaxBatch] = shape.max_batch;
-  // Every buffer in the contract's order (flags too, used or not), each aligned.
+  if (model.has_coarse_level()) {
+    p.max_coarse_groups = CoarseGroupsFor(shape.max_context, model);
+    p.dims[Dim::kCoarseSlots] = shape.coarse_slots;
+    p.dims[Dim::kMaxCoarseGroups] = p.max_coarse_groups;
+  }
+  // Every buffer of the layout in the contract's order (flags too, used or not), each
+  // aligned; the coarse ones only with a coarse level (their dims are unknown, -1, else).
   uint64_t offset = 0;
   for (const BufferSpec& spec : kBufferContract) {
+    if (!BufferApplies(spec, model)) continue;
     const int i = static_cast<int>(spec.id);
     int64_t elements = 1;
     for (int64_t dim : ShapeOf(spec, p.dims, shape.granularity)) elements *= dim;
@@ -61,12 +75,16 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
   p.visit = at(SharedBuffer::kVisitBlocks);
   p.count = at(SharedBuffer::kVisitCount);
   p.flags = at(SharedBuffer::kFlags);
+  p.coarse_pool = at(SharedBuffer::kCoarsePool);
+  p.coarse_table = at(SharedBuffer::kCoarseTable);
+  p.coarse_pool_words = p.elements[static_cast<int>(SharedBuffer::kCoarsePool)];
   return p;
 }
 
 v1::SharedBuffers BufferPlan::Descriptors(const v1::MemoryDescriptor& memory) const {
   v1::SharedBuffers s;
   for (const BufferSpec& spec : kBufferContract) {
+    if (!BufferApplies(spec, model)) continue;
     if (spec.id == SharedBuffer::kFlags && !shape.with_flags) continue;
     v1::MemoryDescriptor* d = MutableDescriptor(s, spec);
     *d = memory;

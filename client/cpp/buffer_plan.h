@@ -26,22 +26,29 @@ struct BufferShape {
   int64_t max_batch = 0;
   Granularity granularity = Granularity::kUnion;
   bool with_flags = true;
+  // Coarse records per (layer, kv head): >= 1 when the layout has a coarse level
+  // (ModelLayout.coarse_blocks > 0), 0 without one.
+  int64_t coarse_slots = 0;
 };
 
 struct BufferPlan {
   ModelLayout model;
   BufferShape shape;
   BufferDims dims;  // every dim of the contract, fixed by `model` and `shape`
-  std::array<uint64_t, kSharedBuffers> offsets{};  // bytes, by SharedBuffer
-  std::array<int64_t, kSharedBuffers> elements{};  // by SharedBuffer
+  // Bytes and elements by SharedBuffer; 0 for a buffer that does not apply to the
+  // layout (the coarse ones without a coarse level: core/buffer_contract.h).
+  std::array<uint64_t, kSharedBuffers> offsets{};
+  std::array<int64_t, kSharedBuffers> elements{};
   int64_t max_blocks = 0, max_groups = 0, record_words = 0, lists = 1, pool_words = 0;
+  int64_t max_coarse_groups = 0, coarse_pool_words = 0;  // 0 without a coarse level
   // offsets[] by name, for the buffers' accessors.
   uint64_t pool = 0, groups = 0, blocks = 0, queries = 0, visit = 0, count = 0, flags = 0;
+  uint64_t coarse_pool = 0, coarse_table = 0;
   uint64_t size = 0;  // bytes of the whole allocation
 
   static absl::StatusOr<BufferPlan> For(const ModelLayout& model, const BufferShape& shape);
 
-  // The descriptors of every buffer; `memory` names the allocation (its oneof
+  // The descriptors of every buffer of the layout; `memory` names the allocation (its oneof
   // `memory` is copied into each descriptor).
   v1::SharedBuffers Descriptors(const v1::MemoryDescriptor& memory) const;
 

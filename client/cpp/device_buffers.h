@@ -51,6 +51,13 @@ class DeviceBuffers {
   int32_t* visit_blocks() const { return At<int32_t>(plan_.visit); }
   int32_t* visit_count() const { return At<int32_t>(plan_.count); }
   uint64_t* flags() const { return At<uint64_t>(plan_.flags); }
+  // The coarse level's pool and table; null without one (ModelLayout.coarse_blocks = 0).
+  float* coarse_pool() const {
+    return plan_.model.has_coarse_level() ? At<float>(plan_.coarse_pool) : nullptr;
+  }
+  int32_t* coarse_table() const {
+    return plan_.model.has_coarse_level() ? At<int32_t>(plan_.coarse_table) : nullptr;
+  }
 
   absl::Status SignalInputsReady(cudaStream_t stream, uint64_t step);
   absl::Status WaitSelection(cudaStream_t stream, uint64_t step);

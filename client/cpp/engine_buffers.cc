@@ -60,6 +60,18 @@ std::span<float> EngineBuffers::Record(int64_t slot, int layer, int kv_head) {
   return {pool_ + plan_.RecordIndex(slot, layer, kv_head), static_cast<size_t>(plan_.record_words)};
 }
 
+std::span<float> EngineBuffers::CoarseRecord(int64_t slot, int layer, int kv_head) {
+  if (!plan_.model.has_coarse_level()) return {};
+  return {At<float>(plan_.coarse_pool) + plan_.RecordIndex(slot, layer, kv_head),
+          static_cast<size_t>(plan_.record_words)};
+}
+
+std::span<int32_t> EngineBuffers::CoarseRow(int64_t row) {
+  if (!plan_.model.has_coarse_level()) return {};
+  return {At<int32_t>(plan_.coarse_table) + row * plan_.max_coarse_groups,
+          static_cast<size_t>(plan_.max_coarse_groups)};
+}
+
 std::span<int32_t> EngineBuffers::GroupRow(int64_t row) {
   return {At<int32_t>(plan_.groups) + row * plan_.max_groups,
           static_cast<size_t>(plan_.max_groups)};

@@ -37,6 +37,11 @@ class EngineBuffers {
   std::span<int32_t> GroupRow(int64_t row);  // max_groups slots
   std::span<int32_t> BlockRow(int64_t row);  // max_blocks physical ids
   std::span<float> Query(int layer, int64_t batch_pos, int q_head);
+  // The coarse level's (ModelLayout.coarse_blocks > 0; empty spans without one):
+  // a coarse record (same layout as Record's) and a coarse-table row of
+  // max_coarse_groups slots (coarse group -> coarse slot).
+  std::span<float> CoarseRecord(int64_t slot, int layer, int kv_head);
+  std::span<int32_t> CoarseRow(int64_t row);
   std::span<const int32_t> VisitBlocks(int layer, int64_t batch_pos, int list = 0) const;
   int32_t VisitCount(int layer, int64_t batch_pos, int list = 0) const;
   uint64_t selection_done() const;
@@ -46,6 +51,7 @@ class EngineBuffers {
   const BufferPlan& plan() const { return plan_; }
   int64_t max_blocks() const { return plan_.max_blocks; }
   int64_t max_groups() const { return plan_.max_groups; }
+  int64_t max_coarse_groups() const { return plan_.max_coarse_groups; }
   const std::string& shm_name() const { return name_; }
 
  private:

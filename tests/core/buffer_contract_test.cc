@@ -46,5 +46,35 @@ TEST(BufferContractTest, EngineChosenDimsAreUnknownUntilSet) {
             (std::vector<int64_t>{2}));
 }
 
+TEST(BufferContractTest, CoarseBuffersApplyOnlyWithACoarseLevel) {
+  ModelLayout coarse = Model();
+  coarse.coarse_blocks = 8;
+  for (const BufferSpec& spec : kBufferContract) {
+    const bool coarse_buffer =
+        spec.id == SharedBuffer::kCoarsePool || spec.id == SharedBuffer::kCoarseTable;
+    EXPECT_EQ(BufferApplies(spec, Model()), !coarse_buffer) << spec.name;
+    EXPECT_TRUE(BufferApplies(spec, coarse)) << spec.name;
+  }
+}
+
+TEST(BufferContractTest, CoarseBuffersComeAfterFlagsAndAreRequiredWhenTheyApply) {
+  EXPECT_GT(static_cast<int>(SharedBuffer::kCoarsePool), static_cast<int>(SharedBuffer::kFlags));
+  EXPECT_FALSE(SpecOf(SharedBuffer::kCoarsePool).optional);
+  EXPECT_FALSE(SpecOf(SharedBuffer::kCoarseTable).optional);
+}
+
+TEST(BufferContractTest, CoarsePoolHasTheSummaryRecordLayout) {
+  ModelLayout model = Model();
+  model.coarse_blocks = 8;
+  BufferDims dims = BufferDims::For(model, Granularity::kUnion);
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kCoarsePool), dims, Granularity::kUnion),
+            (std::vector<int64_t>{-1, 3, 2, SummaryLayout::For(model).record_words}));
+  dims[Dim::kMaxSeqs] = 5;
+  dims[Dim::kMaxCoarseGroups] = 7;
+  EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kCoarseTable), dims, Granularity::kUnion),
+            (std::vector<int64_t>{5, 7}));
+  EXPECT_EQ(SpecOf(SharedBuffer::kCoarseTable).dtype, DType::kInt32);
+}
+
 }  // namespace
 }  // namespace eps

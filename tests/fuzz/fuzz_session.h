@@ -1,6 +1,7 @@
 // What the fuzz targets share: a server configuration with small limits, and a
 // valid inline-buffer AttachRequest (every buffer inside the message, so that a
-// fuzzed SelectPages can also write them), also the seeds' starting point.
+// fuzzed SelectPages can also write them), with and without a coarse level, also
+// the seeds' starting point.
 #pragma once
 
 #include <cstdint>
@@ -70,6 +71,24 @@ inline v1::AttachRequest SmallInlineAttach(const std::string& engine_id) {
   for (int32_t i = 0; i < kSeqs * kBlocks; ++i) blocks.append(reinterpret_cast<char*>(&i), 4);
   b->mutable_group_table()->mutable_inline_bytes()->set_data(groups);
   b->mutable_block_table()->mutable_inline_bytes()->set_data(blocks);
+  return a;
+}
+
+// The same session with a coarse level of 2 groups (4 blocks) per coarse group: 4 coarse
+// groups a row, their inline coarse pool and table (row r, coarse group c -> r*4+c).
+inline v1::AttachRequest SmallInlineCoarseAttach(const std::string& engine_id) {
+  constexpr int64_t kSeqs = 2, kCoarse = 4;
+  v1::AttachRequest a = SmallInlineAttach(engine_id);
+  a.mutable_layout()->set_coarse_blocks(4);
+  a.mutable_options()->set_top_pages(2);  // fewer than the groups: the candidates matter
+  const v1::MemoryDescriptor& pool = a.buffers().summary_pool();
+  v1::SharedBuffers* b = a.mutable_buffers();
+  *b->mutable_coarse_pool() =
+      Inline(v1::DTYPE_FLOAT32, {kSeqs * kCoarse, pool.shape(1), pool.shape(2), pool.shape(3)});
+  *b->mutable_coarse_table() = Inline(v1::DTYPE_INT32, {kSeqs, kCoarse});
+  std::string coarse;
+  for (int32_t i = 0; i < kSeqs * kCoarse; ++i) coarse.append(reinterpret_cast<char*>(&i), 4);
+  b->mutable_coarse_table()->mutable_inline_bytes()->set_data(coarse);
   return a;
 }
 

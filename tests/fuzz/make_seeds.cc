@@ -53,6 +53,15 @@ int main(int argc, char** argv) {
   big.mutable_layout()->set_head_dim(1024);
   Write(attach_dir, "huge_layout", big);
 
+  const v1::AttachRequest coarse = fuzz::SmallInlineCoarseAttach("seed-engine");
+  Write(attach_dir, "valid_inline_coarse", coarse);
+  v1::AttachRequest coarse_without_level = coarse;
+  coarse_without_level.mutable_layout()->set_coarse_blocks(0);
+  Write(attach_dir, "coarse_buffers_without_level", coarse_without_level);
+  v1::AttachRequest coarse_missing = coarse;
+  coarse_missing.mutable_buffers()->clear_coarse_table();
+  Write(attach_dir, "coarse_table_missing", coarse_missing);
+
   v1::SelectPagesRequest step;
   v1::BatchRow* row = step.add_rows();
   row->set_table_row(0);
@@ -84,5 +93,20 @@ int main(int argc, char** argv) {
   fallbacks.mutable_fallbacks()->set_deadline(3);
   fallbacks.set_reply_mode(v1::REPLY_MODE_ASYNC);
   Write(select_dir, "async_fallbacks", fallbacks);
+  v1::SelectPagesRequest coarse_step = step;
+  coarse_step.set_session_id("coarse");  // the fuzz target's coarse session
+  coarse_step.mutable_options()->set_coarse_candidates(1.0f);
+  w = coarse_step.add_writes();
+  w->set_target(v1::BufferWrite::TARGET_COARSE_TABLE);
+  w->set_offset(4);
+  w->set_data(std::string("\x07\x00\x00\x00", 4));
+  w = coarse_step.add_writes();
+  w->set_target(v1::BufferWrite::TARGET_COARSE_POOL);
+  w->set_offset(0);
+  w->set_data(std::string(64, '\x02'));
+  Write(select_dir, "coarse_with_writes", coarse_step);
+  v1::SelectPagesRequest coarse_on_flat = coarse_step;
+  coarse_on_flat.clear_session_id();  // coarse writes to the flat session: refused
+  Write(select_dir, "coarse_writes_on_flat", coarse_on_flat);
   return 0;
 }

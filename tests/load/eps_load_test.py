@@ -102,6 +102,33 @@ def test_a_short_run_reports_both_calls_without_errors(
     assert "Ping / floor (callback) p50" in result.stdout
 
 
+def test_a_coarse_level_run_attaches_with_it_and_has_no_errors(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    common = [f"--target={target}", "--preset=smollm2-135m", "--batch=2", "--context=8k",
+              "--duration=500ms", "--warmup=100ms", "--floor-calls=0", "--eps-group-blocks=2"]
+    result = _run([*common, "--coarse-blocks=16", "--coarse-candidates=1.5", f"--json={out}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "coarse level: 16 blocks per coarse group, coarse_candidates 1.5" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["coarse_blocks"] == 16
+    assert report["config"]["coarse_candidates"] == 1.5
+    assert report["select"]["count"] > 0 and report["select"]["errors"] == 0
+    assert 0 < report["server"]["pages_visited"] < report["server"]["pages_total"]
+
+
+def test_bad_coarse_flags_exit_2_and_name_the_flag() -> None:
+    for args, flag in ((["--eps-group-blocks=2", "--coarse-blocks=3"], "coarse_blocks=3"),
+                       (["--coarse-candidates=2"], "--coarse-candidates=2"),
+                       (["--coarse-blocks=16", "--coarse-candidates=0.5"],
+                        "--coarse-candidates=0.5")):
+        result = _run(["--preset=smollm2-135m", *args], timeout=10)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert flag in result.stderr, result.stderr
+
+
 def test_the_rpc_floor_runs_in_process_on_request(epsd: tuple[str, int], tmp_path: Path) -> None:
     target, _ = epsd
     out = tmp_path / "out.json"

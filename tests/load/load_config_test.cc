@@ -21,6 +21,25 @@ TEST(ParseFlags, DurationsTakeAbseilUnitsAndRefuseBareNumbers) {
   }
 }
 
+TEST(ParseFlags, CoarseFlagsSetTheLayoutsLevelAndTheAttachOption) {
+  const LoadConfig none = *ParseFlags({});
+  EXPECT_EQ(none.model.coarse_blocks, 0);
+  EXPECT_EQ(none.coarse_candidates, 0.0f);
+  const LoadConfig c =
+      *ParseFlags({"--eps-group-blocks=2", "--coarse-blocks=16", "--coarse-candidates=3"});
+  EXPECT_EQ(c.model.coarse_blocks, 16);
+  EXPECT_EQ(c.coarse_candidates, 3.0f);
+  // Not a multiple of g above it: core's check, naming the field.
+  const auto odd = ParseFlags({"--eps-group-blocks=2", "--coarse-blocks=5"});
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("coarse_blocks=5"), std::string::npos) << odd.status();
+  EXPECT_FALSE(ParseFlags({"--coarse-blocks=-4"}).ok());
+  EXPECT_FALSE(ParseFlags({"--coarse-blocks=16", "--coarse-candidates=0.5"}).ok());
+  const auto alone = ParseFlags({"--coarse-candidates=2"});
+  ASSERT_FALSE(alone.ok());
+  EXPECT_NE(alone.status().message().find("--coarse-candidates=2"), std::string::npos);
+}
+
 TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
   const LoadConfig c =
       *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16", "--group-blocks=4"});

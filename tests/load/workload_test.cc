@@ -6,6 +6,7 @@
 #include <set>
 
 #include "gtest/gtest.h"
+#include "load/buffer_set.h"
 #include "load/load_config.h"
 
 namespace eps::load {
@@ -50,6 +51,77 @@ TEST(BuildWorkload, WritesWellFormedRecordsForEveryGroup) {
     }
   }
   for (float q : w.queries) ASSERT_TRUE(std::isfinite(q));
+}
+
+TEST(BuildWorkload, WithoutACoarseLevelHasNoCoarseImages) {
+  const WorkloadImage w = BuildWorkload(*PresetModel("smollm2-135m"), 2, 1000, 3);
+  EXPECT_EQ(w.max_coarse_groups, 0);
+  EXPECT_EQ(w.shape.coarse_slots, 0);
+  EXPECT_TRUE(w.coarse_pool.empty());
+  EXPECT_TRUE(w.coarse_table.empty());
+}
+
+// The coarse records summarise the keys of their fine groups: counts and Σ‖k‖² add up.
+TEST(BuildWorkload, CoarseRecordsSummariseTheSameKeysAsTheirGroups) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  ModelLayout model = *PresetModel("smollm2-135m");
+  model.group_blocks = 2;
+  model.coarse_blocks = 8;                  // 4 groups a coarse group
+  const int64_t context = 16 * 8 * 3 + 50;  // 3 full coarse groups and a partial one
+  const WorkloadImage w = BuildWorkload(model, /*batch=*/2, context, seed);
+  ASSERT_EQ(w.max_coarse_groups, 4);
+  ASSERT_EQ(w.shape.coarse_slots, 8);
+  const SummaryLayout layout = SummaryLayout::For(model);
+  const int pairs = model.num_layers * model.num_kv_heads;
+  const int words = layout.record_words;
+  ASSERT_EQ(w.coarse_pool.size(), static_cast<size_t>(8) * pairs * words);
+  ASSERT_EQ(w.coarse_table.size(), static_cast<size_t>(2 * 4));
+  const std::set<int32_t> slots(w.coarse_table.begin(), w.coarse_table.end());
+  EXPECT_EQ(slots.size(), w.coarse_table.size());
+  for (int row = 0; row < 2; ++row) {
+    for (int64_t c = 0; c < 4; ++c) {
+      const int32_t coarse_slot = w.coarse_table[row * 4 + c];
+      for (int pair = 0; pair < pairs; ++pair) {
+        const float* coarse = w.coarse_pool.data() + (coarse_slot * pairs + pair) * words;
+        float count = 0, fro2 = 0;
+        for (int64_t g = c * 4; g < std::min<int64_t>((c + 1) * 4, w.max_groups); ++g) {
+          const int32_t slot = w.group_table[row * w.max_groups + g];
+          const float* fine = w.summary_pool.data() + (slot * pairs + pair) * words;
+          count += fine[layout.count];
+          fro2 += fine[layout.fro2];
+        }
+        ASSERT_EQ(coarse[layout.count], count) << "row " << row << " coarse " << c;
+        ASSERT_NEAR(coarse[layout.fro2], fro2, 1e-4f * fro2) << "row " << row << " coarse " << c;
+      }
+    }
+  }
+}
+
+TEST(BufferSet, ShmBuffersTakeTheCoarseImagesOnlyWithACoarseLevel) {
+  ModelLayout model = *PresetModel("smollm2-135m");
+  model.num_layers = 2;
+  model.group_blocks = 2;
+  model.coarse_blocks = 8;
+  const WorkloadImage w = BuildWorkload(model, 2, 600, 9);
+  auto set = CreateBufferSet(service::BackendKind::kCpu, model, w.shape);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ((*set)->max_coarse_groups(), w.max_coarse_groups);
+  ASSERT_TRUE(w.WriteTo(**set).ok());
+  const v1::SharedBuffers d = (*set)->Descriptors();
+  EXPECT_TRUE(d.has_coarse_pool() && d.has_coarse_table());
+  EXPECT_EQ((*set)->WriteCoarseTable(std::vector<int32_t>(3)).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  ModelLayout flat = model;
+  flat.coarse_blocks = 0;
+  const WorkloadImage f = BuildWorkload(flat, 2, 600, 9);
+  auto flat_set = CreateBufferSet(service::BackendKind::kCpu, flat, f.shape);
+  ASSERT_TRUE(flat_set.ok()) << flat_set.status();
+  ASSERT_TRUE(f.WriteTo(**flat_set).ok());
+  EXPECT_FALSE((*flat_set)->Descriptors().has_coarse_pool());
+  EXPECT_EQ((*flat_set)->WriteCoarsePool(w.coarse_pool).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

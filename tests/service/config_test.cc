@@ -52,6 +52,18 @@ TEST(ConfigTest, ParsesTheMassBudgetFlags) {
             "--eps-mass-scope=layer: want one of head, list");
 }
 
+TEST(ConfigTest, CoarseCandidatesDefaultToTwoAndAreRangeChecked) {
+  EXPECT_FLOAT_EQ(ParseFlags({})->policy.coarse_candidates, 2.0f);
+  auto config = ParseFlags({"--eps-coarse-candidates=3.5"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FLOAT_EQ(config->policy.coarse_candidates, 3.5f);
+  EXPECT_EQ(ParseFlags({"--eps-coarse-candidates=0.5"}).status().message(),
+            "--eps-coarse-candidates=0.5: want a number in [1, 1024]");
+  EXPECT_EQ(ParseFlags({"--eps-coarse-candidates=2000"}).status().message(),
+            "--eps-coarse-candidates=2000: want a number in [1, 1024]");
+  EXPECT_FALSE(ParseFlags({"--eps-coarse-candidates=nan"}).ok());
+}
+
 TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {
   EXPECT_EQ(ParseFlags({"--eps-methd=jl"}).status().message(), "unknown flag --eps-methd");
   EXPECT_EQ(ParseFlags({"--eps-method=best"}).status().message(),

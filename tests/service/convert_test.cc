@@ -172,6 +172,46 @@ TEST(ConvertTest, MassBudgetOptionsRoundTrip) {
   EXPECT_EQ(MergeOptions(*back, unset)->mass_scope, MassScope::kList);
 }
 
+TEST(ConvertTest, LayoutCoarseBlocksIsTheEnginesWithZeroForNone) {
+  v1::ModelLayout p = SmallLayout();
+  p.set_group_blocks(2);
+  absl::StatusOr<ModelLayout> m = LayoutFromProto(p, 2, 8);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->coarse_blocks, 0);
+  EXPECT_FALSE(m->has_coarse_level());
+  p.set_coarse_blocks(16);
+  m = LayoutFromProto(p, 2, 8);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->coarse_blocks, 16);
+  EXPECT_EQ(m->coarse_ratio(), 8);
+}
+
+TEST(ConvertTest, LayoutCoarseBlocksErrorsNameTheField) {
+  v1::ModelLayout p = SmallLayout();
+  p.set_group_blocks(4);
+  p.set_coarse_blocks(6);  // not a multiple of group_blocks
+  absl::StatusOr<ModelLayout> m = LayoutFromProto(p, 2, 8);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("layout.coarse_blocks=6"));
+  p.set_coarse_blocks(4);  // not above group_blocks
+  EXPECT_THAT(LayoutFromProto(p, 2, 8).status().message(), HasSubstr("layout.coarse_blocks=4"));
+  p.set_coarse_blocks(8192);  // above 4096
+  EXPECT_THAT(LayoutFromProto(p, 2, 8).status().message(), HasSubstr("layout.coarse_blocks=8192"));
+  p.set_coarse_blocks(3u << 20);
+  EXPECT_THAT(LayoutFromProto(p, 2, 8).status().message(),
+              HasSubstr("layout.coarse_blocks=3145728 is too large"));
+}
+
+TEST(ConvertTest, CoarseCandidatesRoundTripAndUnsetKeepsTheBase) {
+  SelectPolicy p;
+  p.coarse_candidates = 3.5f;
+  absl::StatusOr<SelectPolicy> back = MergeOptions(SelectPolicy{}, ToProto(p));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->coarse_candidates, 3.5f);
+  EXPECT_TRUE(ToProto(p).has_coarse_candidates());
+  EXPECT_EQ(MergeOptions(*back, v1::SelectOptions{})->coarse_candidates, 3.5f);
+}
+
 TEST(ConvertTest, BackendUnspecifiedIsAutoAndUnknownIsAnError) {
   EXPECT_EQ(*BackendFromProto(v1::BACKEND_UNSPECIFIED), BackendKind::kAuto);
   EXPECT_EQ(*BackendFromProto(v1::BACKEND_CUDA), BackendKind::kCuda);

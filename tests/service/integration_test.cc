@@ -175,6 +175,64 @@ TEST_F(IntegrationTest, MassBudgetPerCallMatchesTheReferenceAndRejectsABadTarget
   EXPECT_NE(bad.status.message().find("mass_target=1.5"), std::string::npos) << bad.status;
 }
 
+// The coarse level over the wire: layout.coarse_blocks, the coarse pool and table in
+// the engine's shm object, options.coarse_candidates; every list equals core/'s.
+TEST_F(IntegrationTest, CoarseLevelSessionMatchesTheReferenceAndBadAttachesAreRefused) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  ModelLayout model = testing::SmallServiceModel();
+  model.coarse_blocks = 8;
+  TestEngine engine(model, 2, 2048, 2, seed_ + 7);
+  engine.Fill(0, 0, 2048);
+  engine.Fill(1, 1, 2048);
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("coarse"));
+  ASSERT_NE(epsd, nullptr);
+  SelectPolicy policy;
+  policy.top_pages = 4;
+  policy.coarse_candidates = 1.5f;
+  v1::AttachRequest attach = engine.Attach("engine-coarse");
+  attach.mutable_options()->set_top_pages(4);
+  attach.mutable_options()->set_coarse_candidates(1.5f);
+  client::EpsClient client(Options(epsd->target()), attach);
+  ASSERT_TRUE(client.Attach().ok());
+  for (int step = 1; step <= 5; ++step) {
+    std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1900 + step),
+                                      TestEngine::Row(1, 1000 + step)};
+    const client::StepResult r = client.SelectPages(step, rows);
+    ASSERT_FALSE(r.fallback) << "step " << step << ": " << r.status;
+    ASSERT_TRUE(engine.MatchesReference(rows, policy)) << "step " << step;
+  }
+
+  v1::AttachRequest missing = attach;
+  missing.set_engine_id("engine-coarse-missing");
+  missing.mutable_buffers()->clear_coarse_table();
+  client::EpsClient refused(Options(epsd->target()), missing);
+  absl::Status s = refused.Attach();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "coarse_table is required: layout.coarse_blocks=8 has a coarse level");
+
+  v1::AttachRequest flat = attach;
+  flat.set_engine_id("engine-coarse-flat");
+  flat.mutable_layout()->set_coarse_blocks(0);
+  client::EpsClient refused_flat(Options(epsd->target()), flat);
+  s = refused_flat.Attach();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "coarse_pool is set, but layout.coarse_blocks=0 (no coarse level)");
+
+  v1::AttachRequest odd = attach;
+  odd.set_engine_id("engine-coarse-odd");
+  odd.mutable_layout()->set_coarse_blocks(7);
+  client::EpsClient refused_odd(Options(epsd->target()), odd);
+  s = refused_odd.Attach();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("layout.coarse_blocks=7"), std::string::npos) << s;
+
+  // The healthy session is untouched by the refusals.
+  const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 2000)};
+  const client::StepResult r = client.SelectPages(6, rows);
+  ASSERT_FALSE(r.fallback) << r.status;
+  EXPECT_TRUE(engine.MatchesReference(rows, policy));
+}
+
 TEST_F(IntegrationTest, InlineBuffersCarryDataAndVisitListsInTheMessages) {
   SCOPED_TRACE(testing::SeedTrace(seed_));
   auto epsd = EpsdProcess::Start(testing::UniqueSocket("inline"));

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/buffer_contract.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -211,6 +212,170 @@ TEST_F(SessionServiceTest, CudaWithoutADeviceIsAFailedPrecondition) {
   const absl::Status s = service_.Attach(request, &response);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("backend BACKEND_CUDA is not available"));
+}
+
+// A session with a coarse level (4 groups of 2 blocks per coarse group) whose policy
+// leaves most groups out, so that the coarse candidates decide what is scored.
+ModelLayout CoarseServiceModel() {
+  ModelLayout m = eps::testing::SmallServiceModel();
+  m.coarse_blocks = 8;
+  return m;
+}
+
+class CoarseSessionServiceTest : public ::testing::Test {
+ protected:
+  CoarseSessionServiceTest()
+      : seed_(eps::testing::TestSeed()),
+        engine_(CoarseServiceModel(), /*max_seqs=*/2, /*max_context=*/2048, /*max_batch=*/2,
+                seed_) {
+    engine_.Fill(0, 0, 1900);
+    engine_.Fill(1, 1, 1300);
+    policy_.top_pages = 4;
+    policy_.coarse_candidates = 1.5f;
+  }
+
+  v1::AttachRequest Attach(const std::string& engine_id) const {
+    v1::AttachRequest request = engine_.Attach(engine_id);
+    request.mutable_options()->set_top_pages(policy_.top_pages);
+    request.mutable_options()->set_coarse_candidates(policy_.coarse_candidates);
+    return request;
+  }
+
+  v1::SelectPagesRequest Step(const std::string& session, uint64_t step) const {
+    v1::SelectPagesRequest r;
+    r.set_session_id(session);
+    r.set_step(step);
+    for (const v1::BatchRow& row : rows_) *r.add_rows() = row;
+    return r;
+  }
+
+  uint64_t seed_;
+  TestEngine engine_;
+  SelectPolicy policy_;
+  ServerConfig config_;
+  SessionService service_{config_};
+  const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 1900), TestEngine::Row(1, 1300)};
+};
+
+TEST_F(CoarseSessionServiceTest, AStepWithACoarseLevelWritesTheCoreReferenceLists) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachResponse attached;
+  const absl::Status a = service_.Attach(Attach("engine-a"), &attached);
+  ASSERT_TRUE(a.ok()) << a;
+  EXPECT_EQ(attached.effective_options().coarse_candidates(), 1.5f);
+  v1::SelectPagesResponse response;
+  const absl::Status s = service_.SelectPages(Step(attached.session_id(), 1), &response);
+  ASSERT_TRUE(s.ok()) << s;
+  // The reference reads the coarse pool and table through the same memory: equal lists
+  // mean epsd handed the core selector the engine's coarse records.
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_));
+  // Fewer records than one per group and head were read: the coarse level pruned.
+  const int64_t groups = response.stats().groups_total();
+  const int64_t record_bytes = SummaryLayout::For(engine_.model()).record_bytes();
+  EXPECT_LT(response.stats().bytes_summary_read(),
+            groups * engine_.model().num_kv_heads * record_bytes);
+}
+
+TEST_F(CoarseSessionServiceTest, PerCallCoarseCandidatesChangeTheStepAndAreChecked) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(Attach("engine-a"), &attached).ok());
+  v1::SelectPagesRequest wide = Step(attached.session_id(), 1);
+  wide.mutable_options()->set_coarse_candidates(1024.0f);
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(wide, &response).ok());
+  SelectPolicy p = policy_;
+  p.coarse_candidates = 1024.0f;
+  EXPECT_TRUE(engine_.MatchesReference(rows_, p));
+
+  v1::SelectPagesRequest bad = Step(attached.session_id(), 2);
+  bad.mutable_options()->set_coarse_candidates(0.5f);
+  const absl::Status s = service_.SelectPages(bad, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("coarse_candidates=0.5"));
+  // The session goes on with its own setting.
+  ASSERT_TRUE(service_.SelectPages(Step(attached.session_id(), 3), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_));
+}
+
+TEST_F(CoarseSessionServiceTest, AttachWithoutTheCoarseBuffersIsRefusedNamingThem) {
+  for (const char* name : {"coarse_pool", "coarse_table"}) {
+    v1::AttachRequest request = Attach("engine-a");
+    v1::SharedBuffers* b = request.mutable_buffers();
+    b->GetReflection()->ClearField(b, b->GetDescriptor()->FindFieldByName(name));
+    v1::AttachResponse response;
+    const absl::Status s = service_.Attach(request, &response);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), absl::StrCat(name,
+                                        " is required: layout.coarse_blocks=8 has a coarse "
+                                        "level"));
+  }
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
+TEST_F(CoarseSessionServiceTest, CoarseBuffersWithoutACoarseLevelAreRefused) {
+  v1::AttachRequest request = Attach("engine-a");
+  request.mutable_layout()->set_coarse_blocks(0);
+  v1::AttachResponse response;
+  absl::Status s = service_.Attach(request, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "coarse_pool is set, but layout.coarse_blocks=0 (no coarse level)");
+  request.mutable_buffers()->clear_coarse_pool();
+  s = service_.Attach(request, &response);
+  EXPECT_EQ(s.message(), "coarse_table is set, but layout.coarse_blocks=0 (no coarse level)");
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
+TEST_F(CoarseSessionServiceTest, CoarseBufferShapesAreCheckedAgainstTheContract) {
+  v1::AttachResponse response;
+  v1::AttachRequest rows = Attach("engine-a");
+  rows.mutable_buffers()->mutable_coarse_table()->set_shape(0, 3);
+  EXPECT_EQ(service_.Attach(rows, &response).message(),
+            "coarse_table.shape[0]=3 does not match group_table.shape[0]=2");
+
+  v1::AttachRequest words = Attach("engine-b");
+  words.mutable_buffers()->mutable_coarse_pool()->set_shape(3, 5);
+  EXPECT_THAT(service_.Attach(words, &response).message(),
+              HasSubstr("coarse_pool.shape[3]=5 does not match record_words="));
+
+  v1::AttachRequest dtype = Attach("engine-c");
+  dtype.mutable_buffers()->mutable_coarse_table()->set_dtype(v1::DTYPE_FLOAT32);
+  const absl::Status s = service_.Attach(dtype, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("coarse_table.dtype=DTYPE_FLOAT32"));
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
+TEST_F(CoarseSessionServiceTest, ABadCoarseSlotFailsTheStepNamingItAndWritesNothing) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(Attach("engine-a"), &attached).ok());
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(attached.session_id(), 1), &response).ok());
+  const int32_t count_before = engine_.buffers().VisitCount(0, 0);
+  const int32_t good = engine_.buffers().CoarseRow(0)[1];
+  engine_.buffers().CoarseRow(0)[1] = 1 << 20;
+  absl::Status s = service_.SelectPages(Step(attached.session_id(), 2), &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("coarse_table[0][1]=1048576"));
+  EXPECT_EQ(engine_.buffers().selection_done(), 1u);
+  EXPECT_EQ(engine_.buffers().VisitCount(0, 0), count_before);
+  engine_.buffers().CoarseRow(0)[1] = good;
+  ASSERT_TRUE(service_.SelectPages(Step(attached.session_id(), 2), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_));
+}
+
+TEST_F(CoarseSessionServiceTest, AContextBeyondTheCoarseTableIsRefused) {
+  v1::AttachRequest request = Attach("engine-a");
+  // One coarse group per row fewer than max_context needs (the descriptor stays in the
+  // allocation: a narrower table).
+  request.mutable_buffers()->mutable_coarse_table()->set_shape(1, 14);
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(request, &attached).ok());
+  v1::SelectPagesResponse response;
+  const absl::Status s = service_.SelectPages(Step(attached.session_id(), 1), &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("needs 15 coarse groups, max_coarse_groups=14"));
 }
 
 }  // namespace

@@ -45,6 +45,7 @@ class TestEngine {
     shape.max_batch = max_batch;
     shape.num_slots = max_seqs * GroupsFor(max_context, model);
     shape.granularity = granularity;
+    shape.coarse_slots = max_seqs * CoarseGroupsFor(max_context, model);  // 0 without the level
     auto b = client::EngineBuffers::Create(model, shape, "test");
     EXPECT_TRUE(b.ok()) << b.status();
     buffers_ = std::move(*b);
@@ -63,11 +64,16 @@ class TestEngine {
       for (int64_t b2 = 0; b2 < buffers_->max_blocks(); ++b2) {
         blocks[b2] = physical[row * buffers_->max_blocks() + b2];
       }
+      // Coarse slots in reverse order, so that a slot is never its coarse group's index.
+      auto coarse = buffers_->CoarseRow(row);
+      const int64_t mc = buffers_->max_coarse_groups();
+      for (int64_t c = 0; c < mc; ++c) coarse[c] = static_cast<int32_t>(row * mc + (mc - 1 - c));
     }
     num_kv_blocks_ = static_cast<int64_t>(physical.size());
   }
 
-  // Summaries of `tokens` synthetic tokens at table row `row`, queries at batch position `pos`.
+  // Summaries of `tokens` synthetic tokens at table row `row` (and, with a coarse level,
+  // the coarse records of the same keys), queries at batch position `pos`.
   void Fill(int32_t row, int64_t pos, int64_t tokens) {
     const int d = model_.head_dim;
     const int64_t gt = model_.group_tokens();
@@ -85,6 +91,16 @@ class TestEngine {
         for (int64_t p = 0, begin = 0; begin < tokens; ++p, begin += gt) {
           const int64_t count = std::min(gt, tokens - begin);
           auto record = buffers_->Record(buffers_->GroupRow(row)[p], layer, kvh);
+          writer_->Reset(record);
+          EXPECT_TRUE(writer_
+                          ->Append(record, layer, kvh,
+                                   {head.keys.data() + begin * d, DType::kFloat32, count, d})
+                          .ok());
+        }
+        const int64_t ct = int64_t{model_.coarse_blocks} * model_.block_size;
+        for (int64_t c = 0, begin = 0; ct > 0 && begin < tokens; ++c, begin += ct) {
+          const int64_t count = std::min(ct, tokens - begin);
+          auto record = buffers_->CoarseRecord(buffers_->CoarseRow(row)[c], layer, kvh);
           writer_->Reset(record);
           EXPECT_TRUE(writer_
                           ->Append(record, layer, kvh,
@@ -110,6 +126,7 @@ class TestEngine {
     l->set_summary_layout(eps::kSummaryLayoutRevision);  // core/layout.h
     l->set_block_size(model_.block_size);
     l->set_group_blocks(model_.group_blocks);
+    l->set_coarse_blocks(model_.coarse_blocks);
     l->set_sketch_dim(model_.sketch_dim);
     l->set_phi_seed(model_.phi_seed);
     l->mutable_features()->set_key_sum(model_.features.key_sum);
@@ -152,6 +169,12 @@ class TestEngine {
     in.max_groups = buffers_->max_groups();
     in.max_blocks = buffers_->max_blocks();
     in.num_physical_blocks = num_kv_blocks_;
+    if (model_.has_coarse_level()) {
+      in.coarse_pool = buffers_->CoarseRecord(0, 0, 0).data();
+      in.coarse_slots = shape.coarse_slots;
+      in.coarse_table = buffers_->CoarseRow(0).data();
+      in.max_coarse_groups = buffers_->max_coarse_groups();
+    }
     in.queries = buffers_->Query(0, 0, 0).data();
     in.max_batch = shape.max_batch;
     in.rows = step_rows;

@@ -21,6 +21,7 @@ from eps_client import (
     groups_for,
 )
 from eps_client.client import attach_request
+from eps_client.layout import coarse_group_of, coarse_groups_for
 from eps_client.proto import page_selector_pb2 as pb
 
 MODEL = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
@@ -35,28 +36,36 @@ class EngineState:
     buffers: ShmBuffers
     contexts: list[int]
     rows: list[tuple[int, int, int]]  # (table_row, context_tokens, seq_id)
+    select: SelectOptions = OPTIONS
 
     def client(self, options: ClientOptions, engine_id: str = "pytest-engine") -> EpsClient:
         return EpsClient(self.buffers, engine_id=engine_id, num_kv_blocks=NUM_KV_BLOCKS,
-                         select=OPTIONS, options=options)
+                         select=self.select, options=options)
 
     def attach(self, engine_id: str = "pytest-engine") -> pb.AttachRequest:
         """The AttachRequest such a client sends (for the core/ reference tool)."""
         return attach_request(self.buffers, engine_id=engine_id, num_kv_blocks=NUM_KV_BLOCKS,
-                              select=OPTIONS)
+                              select=self.select)
 
     def new_queries(self, rng: np.random.Generator) -> None:
         self.buffers.queries[...] = rng.standard_normal(self.buffers.queries.shape)
 
 
-def make_state(rng: np.random.Generator, contexts: list[int],
-               max_context: int = 1024) -> EngineState:
+def make_state(rng: np.random.Generator, contexts: list[int], max_context: int = 1024,
+               model: ModelLayout = MODEL, select: SelectOptions = OPTIONS) -> EngineState:
+    """With ``model.coarse_blocks`` > 0, the coarse records of the same keys too."""
+    MODEL = model  # noqa: N806 - the module's model unless the test brings its own
     max_groups = groups_for(max_context, MODEL)
+    max_coarse = coarse_groups_for(max_context, MODEL)
     shape = BufferShape(num_slots=len(contexts) * max_groups, max_seqs=len(contexts) + 1,
-                        max_context=max_context, max_batch=len(contexts))
+                        max_context=max_context, max_batch=len(contexts),
+                        coarse_slots=len(contexts) * max_coarse)
     buf = ShmBuffers(MODEL, shape, tag="pytest")
     writer = SummaryWriter(MODEL)
     writer.reset(buf.summary_pool)
+    if buf.coarse_pool is not None:
+        writer.reset(buf.coarse_pool)
+    free_coarse = list(rng.permutation(shape.coarse_slots))
     free_slots = list(rng.permutation(shape.num_slots))
     free_blocks = list(rng.permutation(NUM_KV_BLOCKS))
     rows = []
@@ -68,6 +77,14 @@ def make_state(rng: np.random.Generator, contexts: list[int],
         buf.block_table[table_row, : blocks_for(ctx, MODEL.block_size)] = [
             int(free_blocks.pop()) for _ in range(blocks_for(ctx, MODEL.block_size))]
         token_slots = np.array(slots)[np.arange(ctx) // MODEL.group_tokens]
+        coarse: dict[str, np.ndarray] = {}
+        if buf.coarse_table is not None:
+            n_coarse = coarse_groups_for(ctx, MODEL)
+            coarse_slots = [int(free_coarse.pop()) for _ in range(n_coarse)]
+            buf.coarse_table[table_row, :n_coarse] = coarse_slots
+            coarse = {"coarse_pool": buf.coarse_pool,
+                      "coarse_slots": np.array(coarse_slots)[
+                          coarse_group_of(np.arange(ctx), MODEL)]}
         for layer in range(MODEL.num_layers):
             keys = rng.standard_normal((ctx, MODEL.num_kv_heads, MODEL.head_dim)).astype(np.float32)
             # a few groups carry a strong shared direction, so scores differ between groups
@@ -75,9 +92,9 @@ def make_state(rng: np.random.Generator, contexts: list[int],
             direction = rng.standard_normal(MODEL.head_dim).astype(np.float32) * 4
             for g in hot:
                 keys[g * MODEL.group_tokens : (g + 1) * MODEL.group_tokens] += direction
-            writer.append(buf.summary_pool, layer, token_slots, keys)
+            writer.append(buf.summary_pool, layer, token_slots, keys, **coarse)
         rows.append((table_row, ctx, 100 + b))
-    state = EngineState(buf, contexts, rows)
+    state = EngineState(buf, contexts, rows, select)
     state.new_queries(rng)
     return state
 

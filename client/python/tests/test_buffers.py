@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from eps_client import BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
+from eps_client import BufferLayout, BufferShape, ModelLayout, ShmBuffers, SummaryFeatures
 from eps_client.buffers import ALIGNMENT, CONTRACT, REGION_ALIGNMENT
 from eps_client.layout import SUMMARY_LAYOUT
 from eps_client.proto import page_selector_pb2 as pb
@@ -21,6 +21,8 @@ def cpp_descriptors(tool: str, model: ModelLayout, shape: BufferShape) -> pb.Sha
             model.block_size, model.group_blocks, model.sketch_dim, int(f.key_sum),
             int(f.quest), int(f.principal), int(f.quest8), shape.num_slots, shape.max_seqs,
             shape.max_context, shape.max_batch, int(shape.per_kv_head)]
+    if model.has_coarse_level:
+        args += [model.coarse_blocks, shape.coarse_slots]
     out = subprocess.run([tool, "descriptors", *map(str, args)], check=True,
                          capture_output=True).stdout
     return pb.SharedBuffers.FromString(out)
@@ -41,7 +43,8 @@ def test_contract_table_equals_core_buffer_contract(core_reference):
     assert cpp["region_alignment"] == REGION_ALIGNMENT
     assert cpp["summary_layout"] == SUMMARY_LAYOUT
     ours = [{"name": spec.name, "dims": list(spec.dims), "dtype": np.dtype(spec.dtype).name,
-             "output": spec.output, "optional": spec.optional} for spec in CONTRACT]
+             "output": spec.output, "optional": spec.optional,
+             "coarse_level": spec.coarse_level} for spec in CONTRACT]
     assert ours == cpp["buffers"]
 
 
@@ -58,6 +61,49 @@ def test_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head, f
         ours = buf.descriptors()
         assert ours.summary_pool.host_shm.name == buf.shm_name
     assert without_names(ours) == without_names(cpp_descriptors(core_reference, model, shape))
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_coarse_descriptors_equal_the_cpp_engine_buffers(core_reference, per_kv_head):
+    model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,
+                        group_blocks=4, sketch_dim=6, coarse_blocks=12)
+    shape = BufferShape(num_slots=37, max_seqs=5, max_context=1000, max_batch=3,
+                        per_kv_head=per_kv_head, coarse_slots=11)
+    with ShmBuffers(model, shape) as buf:
+        ours = buf.descriptors()
+        assert buf.max_coarse_groups == 6  # 63 blocks, 12 a coarse group
+        assert buf.coarse_pool is not None and buf.coarse_pool.shape == (
+            11, 3, 3, buf.layout.record_words)
+        assert buf.coarse_table is not None and buf.coarse_table.shape == (5, 6)
+        # after flags: the buffers before them keep their offsets
+        flat = BufferLayout.compute(ModelLayout(**{**model.__dict__, "coarse_blocks": 0}),
+                                    BufferShape(37, 5, 1000, 3, per_kv_head=per_kv_head))
+        for name, offset in flat.offsets.items():
+            assert buf.layout.offsets[name] == offset, name
+        assert buf.layout.offsets["coarse_pool"] > buf.layout.offsets["flags"]
+    assert ours.HasField("coarse_pool") and ours.HasField("coarse_table")
+    assert without_names(ours) == without_names(cpp_descriptors(core_reference, model, shape))
+
+
+def test_without_a_coarse_level_there_are_no_coarse_buffers():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    with ShmBuffers(model, BufferShape(4, 2, 256, 2)) as buf:
+        assert buf.coarse_pool is None and buf.coarse_table is None
+        message = buf.descriptors()
+        assert not message.HasField("coarse_pool") and not message.HasField("coarse_table")
+        assert "coarse_pool" not in buf.layout.offsets
+
+
+def test_coarse_slots_must_match_the_coarse_level():
+    flat = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    coarse = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
+                         coarse_blocks=4)
+    with pytest.raises(ValueError, match="coarse_slots=0 with coarse_blocks=4"):
+        BufferLayout.compute(coarse, BufferShape(4, 2, 256, 2))
+    with pytest.raises(ValueError, match="coarse_slots=3 with coarse_blocks=0"):
+        BufferLayout.compute(flat, BufferShape(4, 2, 256, 2, coarse_slots=3))
+    with pytest.raises(ValueError, match="coarse_slots=-1"):
+        BufferShape(4, 2, 256, 2, coarse_slots=-1)
 
 
 def test_views_alias_the_shared_object():

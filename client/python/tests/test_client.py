@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 from concurrent import futures
+from dataclasses import replace
 
 import grpc
 import numpy as np
 import pytest
-from engine_state import core_visits, make_state
+from engine_state import MODEL, OPTIONS, core_visits, make_state
 
-from eps_client import ClientOptions, EpsClient, EpsError, Row, StatusCode
+from eps_client import ClientOptions, EpsClient, EpsError, Row, StatusCode, groups_for
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 
@@ -60,6 +61,45 @@ def test_visit_lists_equal_the_core_reference_step(epsd, core_reference, tmp_pat
     # leaving the block detached the session
     with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as probe:
         assert probe.stats(session_only=False).sessions_active == 0
+    state.buffers.close()
+
+
+def test_a_coarse_level_session_equals_the_core_reference_step(epsd, core_reference, tmp_path,
+                                                               rng):
+    model = replace(MODEL, coarse_blocks=8)
+    select = replace(OPTIONS, method="quest", top_pages=2, coarse_candidates=1.0)
+    state = make_state(rng, contexts=[1000, 700], model=model, select=select)
+    attach = state.attach()
+    assert attach.layout.coarse_blocks == 8
+    assert attach.buffers.HasField("coarse_pool") and attach.buffers.HasField("coarse_table")
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        info = client.attach()
+        assert info.options.coarse_candidates == 1.0
+        for step in range(1, 3):
+            state.new_queries(rng)
+            result = client.select_pages(step, state.rows)
+            assert result.ok, result.message
+            assert_visits_equal_core(core_reference, tmp_path, state, attach, 2)
+            # the coarse level pruned: fewer records read than one per group and KV head
+            groups = sum(groups_for(c, model) for c in state.contexts)
+            assert result.stats is not None
+            assert result.stats.bytes_summary_read < (
+                groups * model.num_layers * model.num_kv_heads * state.buffers.layout.record_words
+                * 4)
+    state.buffers.close()
+
+
+def test_an_attach_without_the_coarse_buffers_is_refused_naming_them(epsd, rng):
+    state = make_state(rng, contexts=[300], model=replace(MODEL, coarse_blocks=8))
+    request = state.attach()
+    request.buffers.ClearField("coarse_table")
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Attach(request, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == (
+        "coarse_table is required: layout.coarse_blocks=8 has a coarse level")
     state.buffers.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+import pytest
 
 from eps_client import ModelLayout, SummaryLayout
 from eps_client.engine import KEY_APPEND, key_appends
@@ -21,6 +22,37 @@ def test_key_append_dtype_is_the_c_struct():
     assert KEY_APPEND.itemsize == ctypes.sizeof(CKeyAppend)
     for name, _ in CKeyAppend._fields_:
         assert KEY_APPEND.fields[name][1] == getattr(CKeyAppend, name).offset
+
+
+def test_coarse_key_appends_follow_the_fine_ones_into_the_coarse_pool():
+    model = ModelLayout(num_layers=2, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        group_blocks=2, coarse_blocks=8)
+    words = SummaryLayout.for_model(model).record_words
+    slots, coarse = np.array([5, 0]), np.array([3, 1])
+    ptrs = np.arange(2 * 2 * 2, dtype=np.uint64).reshape(2, 2, 2) * 1000 + 7
+    fine = key_appends(model, 1 << 20, slots, ptrs)
+    both = key_appends(model, 1 << 20, slots, ptrs, coarse_pool_ptr=1 << 30, coarse_slots=coarse)
+    assert len(both) == 2 * len(fine)
+    assert both[: len(fine)].tobytes() == fine.tobytes()
+    for i, rec in enumerate(both[len(fine):]):
+        layer, n, h = i // 4, (i // 2) % 2, i % 2
+        assert rec["record"] == (1 << 30) + ((coarse[n] * 2 + layer) * 2 + h) * words * 4
+        assert rec["keys"] == ptrs[layer, n, h] and rec["layer"] == layer
+
+
+def test_coarse_key_appends_refuse_two_runs_into_one_coarse_record():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        group_blocks=2, coarse_blocks=8)
+    ptrs = np.zeros((1, 2, 2), dtype=np.uint64)
+    with pytest.raises(ValueError, match="coarse slot 4 is appended to by 2 runs"):
+        key_appends(model, 0, np.array([0, 1]), ptrs, coarse_pool_ptr=64,
+                    coarse_slots=np.array([4, 4]))
+    with pytest.raises(ValueError, match="go together"):
+        key_appends(model, 0, np.array([0, 1]), ptrs, coarse_pool_ptr=64)
+    flat = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="without a coarse level"):
+        key_appends(flat, 0, np.array([0, 1]), ptrs, coarse_pool_ptr=64,
+                    coarse_slots=np.array([0, 1]))
 
 
 def test_key_appends_address_every_layer_and_head_of_each_slot():

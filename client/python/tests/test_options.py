@@ -26,6 +26,15 @@ def test_every_field_round_trips_through_the_proto() -> None:
     assert back.mass_scope == "list"
 
 
+def test_coarse_candidates_round_trip_and_stay_unset_when_none() -> None:
+    message = SelectOptions(coarse_candidates=3.5).to_proto()
+    assert message.HasField("coarse_candidates") and message.coarse_candidates == 3.5
+    assert SelectOptions.from_proto(message).coarse_candidates == 3.5
+    unset = SelectOptions(method="quest").to_proto()
+    assert not unset.HasField("coarse_candidates")
+    assert SelectOptions.from_proto(unset).coarse_candidates is None
+
+
 def test_unset_fields_stay_unset_so_the_session_keeps_its_setting() -> None:
     message = SelectOptions(method="quest").to_proto()
     assert message.budget == pb.BUDGET_UNSPECIFIED

@@ -8,7 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eps_client.layout import ModelLayout, SummaryFeatures, SummaryLayout
+from eps_client.layout import (
+    ModelLayout,
+    SummaryFeatures,
+    SummaryLayout,
+    coarse_group_of,
+    coarse_groups_for,
+)
 from eps_client.summary import (
     SummaryWriter,
     half_down,
@@ -243,3 +249,66 @@ def test_directed_float16_rounding_at_zero_and_the_range_ends():
     x = np.array([0.0, -1e-9, 1e-9, 7e4, -7e4], np.float32)
     assert half_down(x).view(np.uint16).tolist() == [0x0000, 0x8001, 0x0000, 0x7BFF, 0xFC00]
     assert half_up(x).view(np.uint16).tolist() == [0x0000, 0x8000, 0x0001, 0x7C00, 0xFBFF]
+
+
+def test_coarse_records_equal_the_keys_of_each_coarse_group_appended_alone(rng):
+    model = ModelLayout(num_layers=2, num_q_heads=2, num_kv_heads=2, head_dim=16, block_size=4,
+                        group_blocks=2, coarse_blocks=6,
+                        features=SummaryFeatures(quest8=True))
+    writer = SummaryWriter(model)
+    words = writer.layout.record_words
+    tokens = 61  # 16 blocks: coarse groups of 24, 24 and 13 tokens
+    keys = random_keys(rng, tokens, model)
+    pool = np.zeros((8, 2, 2, words), np.float32)
+    coarse = np.zeros((3, 2, 2, words), np.float32)
+    writer.reset(pool)
+    writer.reset(coarse)
+    positions = np.arange(tokens)
+    slots = positions // model.group_tokens
+    coarse_table = np.array([2, 0, 1])  # coarse group -> coarse slot
+    coarse_slots = coarse_table[coarse_group_of(positions, model)]
+    writer.append(pool, 1, slots, keys, coarse_pool=coarse, coarse_slots=coarse_slots)
+    fine_only = np.zeros_like(pool)
+    writer.reset(fine_only)
+    writer.append(fine_only, 1, slots, keys)
+    assert pool.tobytes() == fine_only.tobytes()
+    for c, (begin, end) in enumerate([(0, 24), (24, 48), (48, 61)]):
+        alone = np.zeros((1, 2, 2, words), np.float32)
+        writer.reset(alone)
+        writer.append(alone, 1, [0] * (end - begin), keys[begin:end])
+        assert coarse[coarse_table[c], 1].tobytes() == alone[0, 1].tobytes(), c
+    assert coarse_groups_for(tokens, model) == 3
+
+
+def test_bad_coarse_arguments_leave_both_pools_unchanged():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        coarse_blocks=4)
+    writer = SummaryWriter(model)
+    pool = np.zeros((2, 1, 2, writer.layout.record_words), np.float32)
+    coarse = np.zeros((1, 1, 2, writer.layout.record_words), np.float32)
+    keys = np.ones((2, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"coarse_slots: slot out of range \[0, 1\)"):
+        writer.append(pool, 0, [0, 1], keys, coarse_pool=coarse, coarse_slots=[0, 1])
+    with pytest.raises(ValueError, match="1 coarse_slots for 2 keys"):
+        writer.append(pool, 0, [0, 1], keys, coarse_pool=coarse, coarse_slots=[0])
+    with pytest.raises(ValueError, match="go together"):
+        writer.append(pool, 0, [0, 1], keys, coarse_pool=coarse)
+    bad = keys.copy()
+    bad[1, 0, 3] = np.inf
+    with pytest.raises(ValueError, match="key 1 element 3 is inf"):
+        writer.append(pool, 0, [0, 1], bad, coarse_pool=coarse, coarse_slots=[0, 0])
+    assert not pool.any() and not coarse.any()
+    flat = SummaryWriter(ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match="without a coarse level"):
+        flat.append(pool, 0, [0, 1], keys, coarse_pool=coarse, coarse_slots=[0, 0])
+
+
+def test_a_bad_coarse_level_is_refused_naming_it():
+    with pytest.raises(ValueError, match="coarse_blocks=3 must be 0"):
+        ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4, group_blocks=2,
+                    coarse_blocks=3)
+    with pytest.raises(ValueError, match="coarse_blocks=2 must be 0"):
+        ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4, group_blocks=2,
+                    coarse_blocks=2)
+    assert ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4,
+                       coarse_blocks=8).to_proto().coarse_blocks == 8

@@ -94,3 +94,30 @@ def test_bad_keys_are_rejected_before_the_pool_is_touched(features):
     else:
         writer.append(pool, 0, [0, 1], keys)
 
+
+
+def test_coarse_records_match_the_numpy_writer(rng):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=4,
+                        group_blocks=2, coarse_blocks=4,
+                        phi_seed=int(rng.integers(0, 1 << 63)))
+    keys = rng.standard_normal((50, 2, 32)).astype(np.float32)
+    slots = np.arange(50) // model.group_tokens
+    coarse_slots = np.arange(50) // (model.block_size * model.coarse_blocks)
+    ref = SummaryWriter(model)
+    words = ref.layout.record_words
+    want_pool = np.zeros((7, 1, 2, words), np.float32)
+    want_coarse = np.zeros((4, 1, 2, words), np.float32)
+    ref.reset(want_pool)
+    ref.reset(want_coarse)
+    ref.append(want_pool, 0, slots, keys, coarse_pool=want_coarse, coarse_slots=coarse_slots)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool, coarse = torch.zeros(want_pool.shape), torch.zeros(want_coarse.shape)
+    writer.reset(pool, torch.arange(7))
+    writer.reset(coarse, torch.arange(4))
+    writer.append(pool, 0, torch.from_numpy(slots), torch.from_numpy(keys), coarse_pool=coarse,
+                  coarse_slots=torch.from_numpy(coarse_slots))
+    np.testing.assert_allclose(pool.numpy(), want_pool, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(coarse.numpy(), want_coarse, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="3 coarse_slots for 50 keys"):
+        writer.append(pool, 0, torch.from_numpy(slots), torch.from_numpy(keys),
+                      coarse_pool=coarse, coarse_slots=torch.zeros(3, dtype=torch.long))

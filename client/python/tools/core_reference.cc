@@ -7,17 +7,19 @@
 //       core::SummaryWriter on a pool of Reset records, reading each op's keys
 //       [count, H, D] of DTYPE (f32 | f16 | bf16) from KEYS in order; writes the pool to OUT.
 //   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL QUEST8 SLOTS MAX_SEQS
-//                      MAX_CONTEXT MAX_BATCH PER_HEAD
-//       Creates client::EngineBuffers and writes its SharedBuffers message to stdout.
+//                      MAX_CONTEXT MAX_BATCH PER_HEAD [COARSE_BLOCKS COARSE_SLOTS]
+//       Creates client::EngineBuffers and writes its SharedBuffers message to stdout
+//       (with a coarse level when COARSE_BLOCKS > 0).
 //   eps_core_reference contract
 //       Writes core/buffer_contract.h's table as JSON to stdout:
 //       {"alignment": 256, "region_alignment": 2097152,
-//        "buffers": [{"name", "dims", "dtype", "output", "optional"}]}.
+//        "buffers": [{"name", "dims", "dtype", "output", "optional", "coarse_level"}]}.
 //   eps_core_reference select ATTACH ROWS OUT
 //       Maps the host_shm buffers of the serialized AttachRequest ATTACH, runs
 //       core::PageSelector::Select with the server's defaults merged with
 //       ATTACH's options, for ROWS ("table_row:context_tokens,..."), and writes
-//       visit_blocks then visit_count (int32, whole buffers) to OUT.
+//       visit_blocks then visit_count (int32, whole buffers) to OUT. With a coarse
+//       level in ATTACH's layout, reads its coarse pool and table too.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -116,7 +118,7 @@ int Summaries(char** argv) {
   return out ? 0 : Fail("cannot write output");
 }
 
-int Descriptors(char** argv) {
+int Descriptors(char** argv, bool coarse) {
   eps::ModelLayout model;
   model.num_layers = Int(argv[0]);
   model.num_q_heads = Int(argv[1]);
@@ -135,6 +137,10 @@ int Descriptors(char** argv) {
   shape.max_context = Int(argv[13]);
   shape.max_batch = Int(argv[14]);
   shape.granularity = Int(argv[15]) != 0 ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
+  if (coarse) {
+    model.coarse_blocks = Int(argv[16]);
+    shape.coarse_slots = Int(argv[17]);
+  }
   auto buffers = eps::client::EngineBuffers::Create(model, shape, "pyref");
   if (!buffers.ok()) return Fail(std::string(buffers.status().message()));
   std::string bytes;
@@ -178,6 +184,16 @@ int Select(char** argv) {
   in.block_table = reinterpret_cast<const int32_t*>(at(b.block_table()));
   in.max_seqs = b.group_table().shape(0);
   in.max_groups = b.group_table().shape(1);
+  if (model->has_coarse_level()) {
+    // Only a descriptor that has a shape (the reference trusts the engine's buffers).
+    if (b.coarse_pool().shape_size() != 4 || b.coarse_table().shape_size() != 2) {
+      return Fail("the layout has a coarse level, the buffers no coarse_pool or coarse_table");
+    }
+    in.coarse_pool = reinterpret_cast<const float*>(at(b.coarse_pool()));
+    in.coarse_slots = b.coarse_pool().shape(0);
+    in.coarse_table = reinterpret_cast<const int32_t*>(at(b.coarse_table()));
+    in.max_coarse_groups = b.coarse_table().shape(1);
+  }
   in.max_blocks = b.block_table().shape(1);
   in.num_physical_blocks = attach.num_kv_blocks() == 0 ? -1 : attach.num_kv_blocks();
   in.queries = at(b.queries());
@@ -215,7 +231,8 @@ int Contract() {
                        {"dims", dims},
                        {"dtype", eps::DTypeName(spec.dtype)},
                        {"output", spec.output},
-                       {"optional", spec.optional}});
+                       {"optional", spec.optional},
+                       {"coarse_level", spec.coarse_level}});
   }
   const nlohmann::json contract = {{"alignment", eps::kBufferAlignment},
                                    {"summary_layout", eps::kSummaryLayoutRevision},
@@ -228,7 +245,9 @@ int Contract() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "summaries" && argc == 16) return Summaries(argv + 2);
-  if (mode == "descriptors" && argc == 18) return Descriptors(argv + 2);
+  if (mode == "descriptors" && (argc == 18 || argc == 20)) {
+    return Descriptors(argv + 2, argc == 20);
+  }
   if (mode == "select" && argc == 5) return Select(argv + 2);
   if (mode == "contract" && argc == 2) return Contract();
   return Fail("usage: see the comment at the top of client/python/tools/core_reference.cc");

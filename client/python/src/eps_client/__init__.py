@@ -25,6 +25,8 @@ from eps_client.layout import (
     SummaryFeatures,
     SummaryLayout,
     blocks_for,
+    coarse_group_of,
+    coarse_groups_for,
     groups_for,
     visited_tokens,
 )
@@ -36,6 +38,6 @@ __all__ = [
     "AttachInfo", "BufferLayout", "BufferShape", "ClientCounters", "ClientOptions",
     "EpsClient", "EpsError", "ModelLayout", "Row", "SelectOptions", "ShmBuffers",
     "StatusCode", "StepResult", "StepStats", "SummaryFeatures", "SummaryLayout",
-    "SummaryWriter", "blocks_for", "groups_for", "phi_bank", "phi_hash", "phi_matrix",
-    "phi_scale", "visited_tokens",
+    "SummaryWriter", "blocks_for", "coarse_group_of", "coarse_groups_for", "groups_for",
+    "phi_bank", "phi_hash", "phi_matrix", "phi_scale", "visited_tokens",
 ]

@@ -14,6 +14,11 @@ aligned:
     visit_blocks  [num_layers, max_batch(, lists), max_blocks]     int32
     visit_count   [num_layers, max_batch(, lists)]         int32   lists: kv_heads, per KV head only
     flags         [counters]                               uint64  inputs_ready, selection_done
+    coarse_pool   [coarse_slots, num_layers, num_kv_heads, record_words]  float32
+    coarse_table  [max_seqs, max_coarse_groups]            int32   coarse group -> coarse slot
+
+The last two only with a coarse level (``ModelLayout.coarse_blocks`` > 0): a buffer with
+``coarse_level`` set belongs to a layout exactly when it has one (``applies``).
 
 ``ShmBuffers`` puts them in one POSIX shared-memory object as numpy arrays
 (CPU mode); ``CudaBuffers`` (eps_client.cuda) in one cudaMalloc region exported
@@ -29,7 +34,13 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from eps_client.layout import ModelLayout, SummaryLayout, blocks_for, groups_for
+from eps_client.layout import (
+    ModelLayout,
+    SummaryLayout,
+    blocks_for,
+    coarse_groups_for,
+    groups_for,
+)
 from eps_client.proto import page_selector_pb2 as pb
 
 ALIGNMENT = 256  # core/buffer_contract.h kBufferAlignment
@@ -46,6 +57,11 @@ class BufferSpec:
     dtype: type
     output: bool  # written by epsd
     optional: bool = False
+    coarse_level: bool = False  # only with a coarse level: required then, refused otherwise
+
+    def applies(self, model: ModelLayout) -> bool:
+        """Whether the buffer is one of ``model``'s (core::BufferApplies)."""
+        return not self.coarse_level or model.has_coarse_level
 
 
 CONTRACT: tuple[BufferSpec, ...] = (
@@ -58,6 +74,10 @@ CONTRACT: tuple[BufferSpec, ...] = (
     BufferSpec("visit_blocks", ("num_layers", "max_batch", "lists", "max_blocks"), np.int32, True),
     BufferSpec("visit_count", ("num_layers", "max_batch", "lists"), np.int32, True),
     BufferSpec("flags", ("counters",), np.uint64, True, optional=True),
+    BufferSpec("coarse_pool", ("coarse_slots", "num_layers", "num_kv_heads", "record_words"),
+               np.float32, False, coarse_level=True),
+    BufferSpec("coarse_table", ("max_seqs", "max_coarse_groups"), np.int32, False,
+               coarse_level=True),
 )
 
 
@@ -71,11 +91,14 @@ class BufferShape:
     max_batch: int
     per_kv_head: bool = False  # visit lists per (sequence, layer, KV head) instead of the union
     with_flags: bool = True
+    coarse_slots: int = 0  # coarse records per (layer, kv head): >= 1 with a coarse level, else 0
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_seqs", "max_context", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BufferShape.{name}={getattr(self, name)} must be >= 1")
+        if self.coarse_slots < 0:
+            raise ValueError(f"BufferShape.coarse_slots={self.coarse_slots} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,7 @@ class BufferLayout:
     shape: BufferShape
     max_blocks: int
     max_groups: int
+    max_coarse_groups: int  # 0 without a coarse level
     record_words: int
     lists: int
     shapes: dict[str, tuple[int, ...]]
@@ -95,8 +119,12 @@ class BufferLayout:
 
     @staticmethod
     def compute(model: ModelLayout, shape: BufferShape) -> BufferLayout:
+        if (shape.coarse_slots < 1) if model.has_coarse_level else (shape.coarse_slots != 0):
+            raise ValueError(f"BufferShape.coarse_slots={shape.coarse_slots} with coarse_blocks="
+                             f"{model.coarse_blocks}: want >= 1 with a coarse level, 0 without")
         max_blocks = blocks_for(shape.max_context, model.block_size)
         max_groups = groups_for(shape.max_context, model)
+        max_coarse = coarse_groups_for(shape.max_context, model)
         words = SummaryLayout.for_model(model).record_words
         lists = model.num_kv_heads if shape.per_kv_head else 1
         dims: dict[str, int] = {
@@ -105,20 +133,23 @@ class BufferLayout:
             "max_seqs": shape.max_seqs, "max_groups": max_groups, "max_blocks": max_blocks,
             "max_batch": shape.max_batch, "num_q_heads": model.num_q_heads,
             "head_dim": model.head_dim, "lists": lists, "counters": 2,
+            "coarse_slots": shape.coarse_slots, "max_coarse_groups": max_coarse,
         }
+        # Only the layout's buffers: the coarse ones with a coarse level alone.
         shapes: dict[str, tuple[int, ...]] = {
             spec.name: tuple(dims[d] for d in spec.dims if d != "lists" or shape.per_kv_head)
-            for spec in CONTRACT
+            for spec in CONTRACT if spec.applies(model)
         }
-        dtypes: dict[str, type] = {spec.name: spec.dtype for spec in CONTRACT}
+        dtypes: dict[str, type] = {spec.name: spec.dtype for spec in CONTRACT
+                                   if spec.applies(model)}
         offsets: dict[str, int] = {}
         at = 0
         for name, shape_of in shapes.items():
             offsets[name] = at
             nbytes = int(np.prod(shape_of)) * np.dtype(dtypes[name]).itemsize
             at = (at + nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        return BufferLayout(model, shape, max_blocks, max_groups, words, lists, shapes, offsets,
-                            dtypes, at)
+        return BufferLayout(model, shape, max_blocks, max_groups, max_coarse, words, lists,
+                            shapes, offsets, dtypes, at)
 
     def descriptors(self, memory: dict[str, object]) -> pb.SharedBuffers:
         """SharedBuffers with ``memory`` (one oneof field, e.g. {"host_shm": HostShm}) in each."""
@@ -165,6 +196,9 @@ class ShmBuffers:
         self.visit_blocks: np.ndarray = views["visit_blocks"]
         self.visit_count: np.ndarray = views["visit_count"]
         self.flags: np.ndarray = views["flags"]
+        # The coarse level's, None without one.
+        self.coarse_pool: np.ndarray | None = views.get("coarse_pool")
+        self.coarse_table: np.ndarray | None = views.get("coarse_table")
 
     @property
     def max_blocks(self) -> int:
@@ -173,6 +207,10 @@ class ShmBuffers:
     @property
     def max_groups(self) -> int:
         return self.layout.max_groups
+
+    @property
+    def max_coarse_groups(self) -> int:
+        return self.layout.max_coarse_groups
 
     def descriptors(self) -> pb.SharedBuffers:
         """Descriptors of every buffer, for AttachRequest.buffers."""
@@ -193,7 +231,7 @@ class ShmBuffers:
             return
         # Drop our views first: SharedMemory.close() refuses while buffers are exported.
         for name in ("summary_pool", "group_table", "block_table", "queries", "visit_blocks",
-                     "visit_count", "flags"):
+                     "visit_count", "flags", "coarse_pool", "coarse_table"):
             setattr(self, name, None)
         shm, self._shm = self._shm, None
         try:

@@ -117,6 +117,8 @@ class CudaBuffers:
     visit_blocks: Any
     visit_count: Any
     flags: Any
+    coarse_pool: Any = None  # the coarse level's; None without one
+    coarse_table: Any = None
 
     def descriptors(self) -> pb.SharedBuffers:
         handle = pb.CudaIpcHandle(handle=self.ipc_handle, device=self.device)

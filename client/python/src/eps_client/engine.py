@@ -251,11 +251,35 @@ class SummaryQueue:
 
 
 def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: np.ndarray,
-                count: int | np.ndarray = 1, stride: int = 0) -> np.ndarray:
+                count: int | np.ndarray = 1, stride: int = 0, *,
+                coarse_pool_ptr: int | None = None,
+                coarse_slots: np.ndarray | None = None) -> np.ndarray:
     """Appends of keys to records: ``slots`` [n] summary slots and ``key_ptrs`` [layers, n,
     kv_heads] device addresses of each key run (``count`` keys, a scalar or [n], ``stride``
     elements apart), for every layer and KV head. Returns a KEY_APPEND array of
-    layers * n * kv_heads, ordered by layer, then n, then KV head."""
+    layers * n * kv_heads, ordered by layer, then n, then KV head.
+
+    With a coarse level, ``coarse_pool_ptr`` and ``coarse_slots`` [n] (run i's coarse slot:
+    ``coarse_table[row, coarse_group_of(position, model)]``) append the same runs to the
+    coarse records too, after the fine appends (twice as many entries). One call's appends
+    must target distinct records (the device writer checks), so two runs of one coarse
+    group in one call are refused here: submit a coarse group's keys as one run."""
+    if (coarse_pool_ptr is None) != (coarse_slots is None):
+        raise ValueError("coarse_pool_ptr and coarse_slots go together")
+    if coarse_pool_ptr is not None and coarse_slots is not None:
+        if not model.has_coarse_level:
+            raise ValueError("coarse appends without a coarse level (coarse_blocks=0)")
+        coarse = np.asarray(coarse_slots, dtype=np.int64)
+        if coarse.shape != np.asarray(slots).shape:
+            raise ValueError(f"coarse_slots.shape={coarse.shape}, expected "
+                             f"{np.asarray(slots).shape}")
+        values, counts = np.unique(coarse, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"coarse slot {int(values[counts > 1][0])} is appended to by "
+                             f"{int(counts.max())} runs of one call: one run per coarse group")
+        return np.concatenate([key_appends(model, pool_ptr, slots, key_ptrs, count, stride),
+                               key_appends(model, coarse_pool_ptr, coarse, key_ptrs, count,
+                                           stride)])
     L, H = model.num_layers, model.num_kv_heads
     words = SummaryLayout.for_model(model).record_words
     slots = np.asarray(slots, dtype=np.int64)

@@ -8,6 +8,7 @@ A summary record is the EPS summary of the keys of one group for one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from eps_client.proto import page_selector_pb2 as pb
 
@@ -48,6 +49,10 @@ class ModelLayout:
     phi_seed: int = 0
     kv_dtype: str | int = "float16"  # "float16", "bfloat16", "float32" (or an eps.v1 DType)
     features: SummaryFeatures = field(default_factory=SummaryFeatures)
+    # The coarse level (docs/api.md): 0 for none, else blocks per coarse group, a multiple
+    # of group_blocks above it, at most 4096. Its records (the same layout) go to the
+    # coarse pool, and the session then needs the coarse buffers (BufferShape.coarse_slots).
+    coarse_blocks: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_dtype, str):
@@ -73,12 +78,21 @@ class ModelLayout:
             )
         if self.head_dim % 4:
             raise ValueError(f"head_dim={self.head_dim} is not a multiple of 4")
+        cb = self.coarse_blocks
+        if not isinstance(cb, int) or (cb != 0 and (cb <= self.group_blocks or cb > 4096
+                                                     or cb % self.group_blocks)):
+            raise ValueError(f"coarse_blocks={cb} must be 0 (no coarse level) or a multiple of "
+                             f"group_blocks={self.group_blocks} above it, at most 4096")
         if not 0 <= self.phi_seed < 1 << 64:
             raise ValueError(f"phi_seed={self.phi_seed} is not a 64-bit unsigned integer")
 
     @property
     def group_tokens(self) -> int:
         return self.block_size * self.group_blocks
+
+    @property
+    def has_coarse_level(self) -> bool:
+        return self.coarse_blocks > 0
 
     @property
     def gqa_ratio(self) -> int:
@@ -103,6 +117,7 @@ class ModelLayout:
                 quest8=self.features.quest8,
             ),
             summary_layout=SUMMARY_LAYOUT,
+            coarse_blocks=self.coarse_blocks,
         )
 
 
@@ -174,6 +189,20 @@ def packed_index(m: int, i: int, j: int) -> int:
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return (tokens + block_size - 1) // block_size
+
+
+def coarse_groups_for(tokens: int, model: ModelLayout) -> int:
+    """Coarse groups of a context of ``tokens`` tokens; 0 without a coarse level."""
+    if tokens <= 0 or model.coarse_blocks <= 0:
+        return 0
+    return (blocks_for(tokens, model.block_size) - 1) // model.coarse_blocks + 1
+
+
+def coarse_group_of(positions: Any, model: ModelLayout) -> Any:
+    """The coarse group of token positions (int or array): their block // coarse_blocks."""
+    if model.coarse_blocks <= 0:
+        raise ValueError("the layout has no coarse level (coarse_blocks=0)")
+    return positions // model.block_size // model.coarse_blocks
 
 
 def groups_for(tokens: int, model: ModelLayout) -> int:

@@ -131,12 +131,26 @@ class SummaryWriter:
             hi8[...] = -128
 
     def append(self, pool: np.ndarray, layer: int, slots: np.ndarray | list[int],
-               keys: np.ndarray, *, bf16_bits: bool = False) -> None:
+               keys: np.ndarray, *, bf16_bits: bool = False,
+               coarse_pool: np.ndarray | None = None,
+               coarse_slots: np.ndarray | list[int] | None = None) -> None:
         """Adds keys ``[n, kv_heads, d]`` (token t to the records of ``slots[t]``, layer ``layer``).
 
         Tokens are added in order; several tokens may share a slot (prefill).
-        Rejects non-finite keys and bad indices before touching the pool.
+        With a coarse level, ``coarse_pool`` and ``coarse_slots`` (token t's coarse slot:
+        ``coarse_table[row, coarse_group_of(position)]``) add the same keys to the coarse
+        records too. Rejects non-finite keys and bad indices before touching a pool.
         """
+        if (coarse_pool is None) != (coarse_slots is None):
+            raise ValueError("coarse_pool and coarse_slots go together")
+        if coarse_pool is not None and coarse_slots is not None:
+            if not self.model.has_coarse_level:
+                raise ValueError("coarse records without a coarse level (coarse_blocks=0)")
+            self._check_slots(coarse_pool, coarse_slots, np.asarray(keys).shape[0], "coarse")
+            self._check_slots(pool, slots, np.asarray(keys).shape[0], "")
+            self.append(pool, layer, slots, keys, bf16_bits=bf16_bits)
+            self.append(coarse_pool, layer, coarse_slots, keys, bf16_bits=bf16_bits)
+            return
         model, lay = self.model, self.layout
         self._check_pool(pool)
         if not 0 <= layer < model.num_layers:
@@ -172,6 +186,17 @@ class SummaryWriter:
         for r in range(int(rank.max()) + 1):
             sel = np.nonzero(rank == r)[0]
             self._apply(pool, layer, slots[sel], k[sel], y_all[sel], lay)
+
+    def _check_slots(self, pool: np.ndarray, slots: np.ndarray | list[int], n: int,
+                     which: str) -> None:
+        self._check_pool(pool)
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        name = f"{which}_slots" if which else "slots"
+        if s.size != n:
+            raise ValueError(f"{s.size} {name} for {n} keys")
+        if s.size and (s.min() < 0 or s.max() >= pool.shape[0]):
+            raise ValueError(f"{name}: slot out of range [0, {pool.shape[0]}): "
+                             f"{s.min()}..{s.max()}")
 
     def _apply(self, pool: np.ndarray, layer: int, slots: np.ndarray, k: np.ndarray,
                y: np.ndarray, lay: SummaryLayout) -> None:

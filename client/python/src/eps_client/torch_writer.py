@@ -55,18 +55,36 @@ class TorchSummaryWriter:
             codes[slots, :, :, 4 * lay.quest8 : 4 * lay.quest8 + d] = 127
             codes[slots, :, :, 4 * lay.quest8 + d : 4 * lay.quest8 + 2 * d] = -128
 
-    def append(self, pool: Any, layer: int, slots: Any, keys: Any) -> None:
-        """Adds keys ``[n, kv_heads, d]`` (any float dtype) to the records of (slots[t], layer)."""
+    def append(self, pool: Any, layer: int, slots: Any, keys: Any, *,
+               coarse_pool: Any = None, coarse_slots: Any = None) -> None:
+        """Adds keys ``[n, kv_heads, d]`` (any float dtype) to the records of (slots[t], layer).
+
+        With a coarse level, ``coarse_pool`` (e.g. CudaBuffers.coarse_pool) and
+        ``coarse_slots`` (token t's coarse slot: ``coarse_table[row, coarse_group_of(pos)]``)
+        add the same keys to the coarse records too; both pools' shapes and slot counts are
+        checked before either is touched."""
         import torch
 
+        if (coarse_pool is None) != (coarse_slots is None):
+            raise ValueError("coarse_pool and coarse_slots go together")
+        if coarse_pool is not None:
+            if not self.model.has_coarse_level:
+                raise ValueError("coarse records without a coarse level (coarse_blocks=0)")
+            n = keys.shape[0]
+            for which, p, s in (("slots", pool, slots), ("coarse_slots", coarse_pool,
+                                                          coarse_slots)):
+                self._check_pool(p)
+                count = torch.as_tensor(s).numel()
+                if count != n:
+                    raise ValueError(f"{count} {which} for {n} keys")
+            self.append(pool, layer, slots, keys)
+            self.append(coarse_pool, layer, coarse_slots, keys)
+            return
+
         model, lay = self.model, self.layout
-        L, H, d = model.num_layers, model.num_kv_heads, model.head_dim
-        W = lay.record_words
-        if tuple(pool.shape[1:]) != (L, H, W) or pool.dtype != torch.float32:
-            raise ValueError(f"pool must be float32 [slots, {L}, {H}, {W}], got "
-                             f"{pool.dtype} {list(pool.shape)}")
-        if not pool.is_contiguous():
-            raise ValueError("pool must be contiguous")
+        H, d = model.num_kv_heads, model.head_dim
+        L, W = model.num_layers, lay.record_words
+        self._check_pool(pool)
         k = keys.to(device=pool.device, dtype=torch.float32)
         n = k.shape[0]
         if tuple(k.shape) != (n, H, d):
@@ -110,6 +128,18 @@ class TorchSummaryWriter:
                 0, rows, _half_outward(kk, down=False), "amax")
         if lay.quest8 >= 0:
             _fold_quest8(flat, lay.quest8, d, rows, k.reshape(n * H, d))
+
+
+    def _check_pool(self, pool: Any) -> None:
+        import torch
+
+        L, H = self.model.num_layers, self.model.num_kv_heads
+        W = self.layout.record_words
+        if tuple(pool.shape[1:]) != (L, H, W) or pool.dtype != torch.float32:
+            raise ValueError(f"pool must be float32 [slots, {L}, {H}, {W}], got "
+                             f"{pool.dtype} {list(pool.shape)}")
+        if not pool.is_contiguous():
+            raise ValueError("pool must be contiguous")
 
 
 def _scale_for(amax: Any) -> Any:

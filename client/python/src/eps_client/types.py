@@ -76,6 +76,9 @@ class SelectOptions:
     # budget "mass": "head" (every head reaches p of its own mass) or "list" (the list reaches
     # p of its heads' mean mass; fewer groups)
     mass_scope: MassScope | None = None
+    # With a coarse level (ModelLayout.coarse_blocks): each scored head's
+    # ceil(c * top_pages / r) best coarse groups are candidates; c in [1, 1024], default 2
+    coarse_candidates: float | None = None
 
     def to_proto(self) -> pb.SelectOptions:
         out = pb.SelectOptions(method=_pick(_METHOD, "method", self.method),  # type: ignore[arg-type]
@@ -87,7 +90,7 @@ class SelectOptions:
                                                 self.mass_scope),
                                retrieval_heads=self.retrieval_heads)
         for name in ("alpha", "first_n", "last_n", "top_pages", "strict", "top_p", "mass_target",
-                     "mass_temperature", "min_pages", "max_pages"):
+                     "mass_temperature", "min_pages", "max_pages", "coarse_candidates"):
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, value)
@@ -113,7 +116,8 @@ class SelectOptions:
             mass_target=opt("mass_target"),  # type: ignore[arg-type]
             mass_temperature=opt("mass_temperature"),  # type: ignore[arg-type]
             min_pages=opt("min_pages"), max_pages=opt("max_pages"),  # type: ignore[arg-type]
-            mass_scope=name_of(_MASS_SCOPE, message.mass_scope))  # type: ignore[arg-type]
+            mass_scope=name_of(_MASS_SCOPE, message.mass_scope),  # type: ignore[arg-type]
+            coarse_candidates=opt("coarse_candidates"))  # type: ignore[arg-type]
 
 
 def backend_proto(backend: Backend) -> int:

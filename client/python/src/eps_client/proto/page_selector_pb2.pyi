@@ -113,7 +113,7 @@ class SummaryFeatures(_message.Message):
     def __init__(self, key_sum: bool = ..., principal: bool = ..., quest: bool = ..., quest8: bool = ...) -> None: ...
 
 class ModelLayout(_message.Message):
-    __slots__ = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "group_blocks", "sketch_dim", "phi_seed", "kv_dtype", "query_dtype", "features", "summary_layout")
+    __slots__ = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "group_blocks", "sketch_dim", "phi_seed", "kv_dtype", "query_dtype", "features", "summary_layout", "coarse_blocks")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ModelLayout(_message.Message):
     QUERY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    COARSE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
@@ -138,7 +139,8 @@ class ModelLayout(_message.Message):
     query_dtype: DType
     features: SummaryFeatures
     summary_layout: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., group_blocks: _Optional[int] = ..., sketch_dim: _Optional[int] = ..., phi_seed: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., query_dtype: _Optional[_Union[DType, str]] = ..., features: _Optional[_Union[SummaryFeatures, _Mapping]] = ..., summary_layout: _Optional[int] = ...) -> None: ...
+    coarse_blocks: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., group_blocks: _Optional[int] = ..., sketch_dim: _Optional[int] = ..., phi_seed: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., query_dtype: _Optional[_Union[DType, str]] = ..., features: _Optional[_Union[SummaryFeatures, _Mapping]] = ..., summary_layout: _Optional[int] = ..., coarse_blocks: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "device")
@@ -195,7 +197,7 @@ class MemoryDescriptor(_message.Message):
     def __init__(self, cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., cuda_vmm: _Optional[_Union[CudaVmmFd, _Mapping]] = ..., host_shm: _Optional[_Union[HostShm, _Mapping]] = ..., inline_bytes: _Optional[_Union[InlineBytes, _Mapping]] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class SharedBuffers(_message.Message):
-    __slots__ = ("summary_pool", "group_table", "block_table", "queries", "visit_blocks", "visit_count", "flags")
+    __slots__ = ("summary_pool", "group_table", "block_table", "queries", "visit_blocks", "visit_count", "flags", "coarse_pool", "coarse_table")
     SUMMARY_POOL_FIELD_NUMBER: _ClassVar[int]
     GROUP_TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,8 @@ class SharedBuffers(_message.Message):
     VISIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VISIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
+    COARSE_POOL_FIELD_NUMBER: _ClassVar[int]
+    COARSE_TABLE_FIELD_NUMBER: _ClassVar[int]
     summary_pool: MemoryDescriptor
     group_table: MemoryDescriptor
     block_table: MemoryDescriptor
@@ -210,10 +214,12 @@ class SharedBuffers(_message.Message):
     visit_blocks: MemoryDescriptor
     visit_count: MemoryDescriptor
     flags: MemoryDescriptor
-    def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
+    coarse_pool: MemoryDescriptor
+    coarse_table: MemoryDescriptor
+    def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
 
 class SelectOptions(_message.Message):
-    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages", "mass_scope")
+    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages", "mass_scope", "coarse_candidates")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     FIRST_N_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +236,7 @@ class SelectOptions(_message.Message):
     MIN_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
     MASS_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    COARSE_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     method: Method
     alpha: float
     first_n: int
@@ -246,7 +253,8 @@ class SelectOptions(_message.Message):
     min_pages: int
     max_pages: int
     mass_scope: MassScope
-    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., mass_scope: _Optional[_Union[MassScope, str]] = ...) -> None: ...
+    coarse_candidates: float
+    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., mass_scope: _Optional[_Union[MassScope, str]] = ..., coarse_candidates: _Optional[float] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("engine_id", "layout", "buffers", "options", "max_batch", "num_kv_blocks", "lease_ms", "backend", "device", "device_uuid")
@@ -317,11 +325,15 @@ class BufferWrite(_message.Message):
         TARGET_GROUP_TABLE: _ClassVar[BufferWrite.Target]
         TARGET_BLOCK_TABLE: _ClassVar[BufferWrite.Target]
         TARGET_QUERIES: _ClassVar[BufferWrite.Target]
+        TARGET_COARSE_POOL: _ClassVar[BufferWrite.Target]
+        TARGET_COARSE_TABLE: _ClassVar[BufferWrite.Target]
     TARGET_UNSPECIFIED: BufferWrite.Target
     TARGET_SUMMARY_POOL: BufferWrite.Target
     TARGET_GROUP_TABLE: BufferWrite.Target
     TARGET_BLOCK_TABLE: BufferWrite.Target
     TARGET_QUERIES: BufferWrite.Target
+    TARGET_COARSE_POOL: BufferWrite.Target
+    TARGET_COARSE_TABLE: BufferWrite.Target
     TARGET_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,109 @@
+// client/cpp's BufferPlan and EngineBuffers with and without the coarse level: the
+// coarse buffers only with one, after flags (the other offsets unchanged), and their
+// accessors on the plan's offsets. Host memory only.
+#include "client/cpp/buffer_plan.h"
+
+#include <cstddef>
+
+#include "client/cpp/engine_buffers.h"
+#include "gtest/gtest.h"
+
+namespace eps::client {
+namespace {
+
+ModelLayout Model(int coarse_blocks) {
+  ModelLayout m;
+  m.num_layers = 3;
+  m.num_q_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 32;
+  m.group_blocks = 2;
+  m.coarse_blocks = coarse_blocks;
+  return m;
+}
+
+BufferShape Shape(int64_t coarse_slots) {
+  BufferShape s;
+  s.num_slots = 40;
+  s.max_seqs = 3;
+  s.max_context = 1000;  // 63 blocks: 32 groups, 8 coarse groups of 8 blocks
+  s.max_batch = 2;
+  s.coarse_slots = coarse_slots;
+  return s;
+}
+
+TEST(BufferPlanTest, WithoutACoarseLevelThereAreNoCoarseBuffers) {
+  absl::StatusOr<BufferPlan> plan = BufferPlan::For(Model(0), Shape(0));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->ElementsOf(SharedBuffer::kCoarsePool), 0);
+  EXPECT_EQ(plan->ElementsOf(SharedBuffer::kCoarseTable), 0);
+  EXPECT_EQ(plan->max_coarse_groups, 0);
+  const v1::SharedBuffers d = plan->Descriptors(v1::MemoryDescriptor());
+  EXPECT_FALSE(d.has_coarse_pool());
+  EXPECT_FALSE(d.has_coarse_table());
+  EXPECT_TRUE(d.has_flags());
+}
+
+TEST(BufferPlanTest, CoarseBuffersComeAfterFlagsAndLeaveTheOtherOffsetsAlone) {
+  const BufferPlan flat = *BufferPlan::For(Model(0), Shape(0));
+  absl::StatusOr<BufferPlan> plan = BufferPlan::For(Model(8), Shape(24));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (int i = 0; i <= static_cast<int>(SharedBuffer::kFlags); ++i) {
+    EXPECT_EQ(plan->offsets[i], flat.offsets[i]) << kBufferContract[i].name;
+    EXPECT_EQ(plan->elements[i], flat.elements[i]) << kBufferContract[i].name;
+  }
+  EXPECT_EQ(plan->max_coarse_groups, 8);
+  EXPECT_GE(plan->coarse_pool, flat.size);
+  EXPECT_EQ(plan->coarse_pool % kBufferAlignment, 0u);
+  EXPECT_EQ(plan->ElementsOf(SharedBuffer::kCoarsePool), 24 * 3 * 2 * plan->record_words);
+  EXPECT_EQ(plan->ElementsOf(SharedBuffer::kCoarseTable), 3 * 8);
+  EXPECT_GT(plan->coarse_table, plan->coarse_pool);
+  EXPECT_GE(plan->size, plan->coarse_table + 3 * 8 * 4);
+  const v1::SharedBuffers d = plan->Descriptors(v1::MemoryDescriptor());
+  ASSERT_TRUE(d.has_coarse_pool() && d.has_coarse_table());
+  EXPECT_EQ(d.coarse_pool().offset(), plan->coarse_pool);
+  EXPECT_EQ(d.coarse_table().dtype(), v1::DTYPE_INT32);
+  ASSERT_EQ(d.coarse_table().shape_size(), 2);
+  EXPECT_EQ(d.coarse_table().shape(0), 3);
+  EXPECT_EQ(d.coarse_table().shape(1), 8);
+  EXPECT_EQ(d.coarse_pool().shape(0), 24);
+}
+
+TEST(BufferPlanTest, CoarseSlotsMustMatchTheLayout) {
+  absl::StatusOr<BufferPlan> missing = BufferPlan::For(Model(8), Shape(0));
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(missing.status().message(),
+            "BufferShape.coarse_slots=0 with coarse_blocks=8: want >= 1 with a coarse level, 0 "
+            "without");
+  absl::StatusOr<BufferPlan> stray = BufferPlan::For(Model(0), Shape(5));
+  EXPECT_EQ(stray.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(stray.status().message().find("coarse_slots=5 with coarse_blocks=0"),
+            std::string::npos);
+  absl::StatusOr<BufferPlan> bad_level = BufferPlan::For(Model(3), Shape(5));
+  EXPECT_NE(bad_level.status().message().find("coarse_blocks=3"), std::string::npos);
+}
+
+TEST(EngineBuffersTest, CoarseAccessorsAddressThePlansCoarseBuffers) {
+  auto made = EngineBuffers::Create(Model(8), Shape(24), "plan-test");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EngineBuffers& b = **made;
+  const BufferPlan& plan = b.plan();
+  const auto* base = reinterpret_cast<const std::byte*>(b.summary_pool().data()) - plan.pool;
+  EXPECT_EQ(reinterpret_cast<const std::byte*>(b.CoarseRecord(0, 0, 0).data()),
+            base + plan.coarse_pool);
+  EXPECT_EQ(b.CoarseRecord(23, 2, 1).size(), static_cast<size_t>(plan.record_words));
+  EXPECT_EQ(reinterpret_cast<const std::byte*>(b.CoarseRecord(23, 2, 1).data()),
+            base + plan.coarse_pool + plan.RecordIndex(23, 2, 1) * 4);
+  EXPECT_EQ(reinterpret_cast<const std::byte*>(b.CoarseRow(2).data()),
+            base + plan.coarse_table + 2 * 8 * 4);
+  EXPECT_EQ(b.CoarseRow(2).size(), 8u);
+  EXPECT_EQ(b.max_coarse_groups(), 8);
+
+  auto flat = EngineBuffers::Create(Model(0), Shape(0), "plan-test");
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  EXPECT_TRUE((*flat)->CoarseRecord(0, 0, 0).empty());
+  EXPECT_TRUE((*flat)->CoarseRow(0).empty());
+}
+
+}  // namespace
+}  // namespace eps::client
