@@ -41,17 +41,20 @@ std::vector<std::pair<std::string, uint64_t>> BackendAllocations(const SessionSp
                  sketch = m.sketch_dim, batch = spec.max_batch,
                  groups = static_cast<uint64_t>(b.max_groups);
   const uint64_t phi = Product({L, Hkv, d, sketch, sizeof(float)});
+  const uint64_t coarse_groups = static_cast<uint64_t>(b.max_coarse_groups);
   if (spec.backend == BackendKind::kCuda) {
+    // With a coarse level gpu/step.cu adds its coarse scores [batch, L, Hq, coarse groups]
+    // and candidate flags [batch, L, Hkv, coarse groups].
     const uint64_t device =
         Sum({phi, Product({batch, L, Hq, static_cast<uint64_t>(PackedSize(m.sketch_dim)) + 1, 4}),
-             Product({batch, L, Hq, groups, 4}), Product({batch, L, Hq, 4}), Product({L, Hq, 4})});
+             Product({batch, L, Hq, groups, 4}), Product({batch, L, Hq, 4}), Product({L, Hq, 4}),
+             Product({batch, L, Hq, coarse_groups, 4}), Product({batch, L, Hkv, coarse_groups})});
     return {{"the cuda backend's device buffers", device}};
   }
   const uint64_t lists = spec.output_granularity == Granularity::kPerKvHead ? Hkv : 1;
   // Per step: the visit lists' scratch, and per row a score, bracket and mark per group
   // for each query head and list.
   // With a coarse level, the same again per coarse group (its scores and candidate marks).
-  const uint64_t coarse_groups = static_cast<uint64_t>(b.max_coarse_groups);
   const uint64_t scratch =
       Sum({b[SharedBuffer::kVisitBlocks].bytes, b[SharedBuffer::kVisitCount].bytes,
            Product({groups, Sum({Hq, lists, 4}), 8}),
