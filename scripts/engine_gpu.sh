@@ -13,7 +13,7 @@
 # every run (e.g. "--group-blocks 2"); EPS_ENGINE_TOP_PAGES and EPS_ENGINE_PASSKEY_TOP_PAGES
 # replace the quality and passkey budgets (defaults 4,8,12,16,24,32 and 8,16 groups, for
 # the reference engine's g = 8). EPS_ENGINE_PLAN=speed runs only the speed runs named in
-# EPS_ENGINE_SPEED (default "b8-32k b2-128k"; no device tests, kill, quality or one-queue
+# EPS_ENGINE_SPEED (default "b8-32k b2-128k", in either plan; no device tests, kill, quality or one-queue
 # runs). EPS_EPSD_PREFIX goes before epsd's command (a wrapper, e.g. ncu). At the end epsd
 # gets SIGTERM and EPS_EPSD_STOP_S seconds (default 15) to drain and exit, and its wrapper
 # the same to finish (ncu writes its report at exit); then SIGKILL.
@@ -139,7 +139,7 @@ if [[ ${EPS_ENGINE_QUICK:-0} == 1 ]]; then
     --decode-steps 400 --kill-at 10 --restart-at 20 --epsd-pid-file "$pidfile" \
     --epsd-cmd "$epsd_cmd"
 else
-  speed "b8-32k b2-128k"
+  speed "${EPS_ENGINE_SPEED:-b8-32k b2-128k}"
   engine kill --mode kill --batch 8 --context 8192 --decode-steps 120 --kill-at 20 \
     --restart-at 40 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
   if [[ -n $model ]]; then

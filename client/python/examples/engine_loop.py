@@ -37,6 +37,7 @@ from eps_client import (
     SelectOptions,
     StepStats,
     blocks_for,
+    coarse_groups_for,
     groups_for,
 )
 from eps_client.cuda import CudaBuffers
@@ -123,8 +124,14 @@ class PagedEngine:
         self.kv = [torch.zeros(2, self.num_blocks, self.bs, c.num_kv_heads, c.head_dim,
                                device=device, dtype=dtype) for _ in range(c.num_layers)]
         self.kv_ptrs = np.array([t.data_ptr() for t in self.kv], dtype=np.uint64)
+        # The coarse level (docs/policy.md, "Coarse-to-fine"): a record per coarse group too,
+        # in shuffled coarse slots (drawn after the tables above, which stay as without it).
+        self.max_coarse = coarse_groups_for(max_context, eps_model)
+        self.coarse_slots_host = rng.permutation(batch * self.max_coarse).astype(
+            np.int64).reshape(batch, self.max_coarse)
         shape = BufferShape(num_slots=batch * self.max_groups, max_seqs=batch,
-                            max_context=max_context, max_batch=batch)
+                            max_context=max_context, max_batch=batch,
+                            coarse_slots=batch * self.max_coarse)
         self.buffers = CudaBuffers(eps_model, shape, device=device.index or 0)
         self.buffers.group_table[:batch, : self.max_groups].copy_(
             torch.from_numpy(self.slots_host.astype(np.int32)))
@@ -132,6 +139,11 @@ class PagedEngine:
         self.pool = self.buffers.summary_pool
         TorchSummaryWriter(eps_model, device=device).reset(self.pool,
                                                           torch.arange(self.pool.shape[0]))
+        if self.max_coarse:
+            self.buffers.coarse_table[:batch, : self.max_coarse].copy_(
+                torch.from_numpy(self.coarse_slots_host.astype(np.int32)))
+            TorchSummaryWriter(eps_model, device=device).reset(
+                self.buffers.coarse_pool, torch.arange(self.buffers.coarse_pool.shape[0]))
         self.writer = DeviceSummaryWriter(eps_model, device.index or 0)
         self.queue = SummaryQueue(self.writer)
         self._summary_errors_seen = 0
@@ -226,6 +238,25 @@ class PagedEngine:
                                            count=np.tile(counts, self.B), stride=H * d),
                                _dtype_name(self.dtype),
                                torch.cuda.current_stream(self.device).cuda_stream)
+        # The coarse records from the same blocks, one block of each coarse group per call
+        # (a call's appends must target distinct records).
+        cb = self.eps_model.coarse_blocks
+        for j in range(cb if self.max_coarse else 0):
+            logical = np.arange(j, nblocks, cb)
+            if logical.size == 0:
+                continue
+            counts = np.minimum(self.bs, tokens - logical * self.bs)
+            b_idx = np.repeat(np.arange(self.B), logical.size)
+            lb = np.tile(logical, self.B)
+            phys = self.table_host[b_idx, lb].astype(np.uint64)
+            head = np.arange(H, dtype=np.uint64)[None, None, :]
+            ptrs = (self.kv_ptrs[:, None, None] + (phys[None, :, None] * self.bs * H + head)
+                    * np.uint64(d * elt))
+            self.writer.append(key_appends(self.eps_model, self.buffers.coarse_pool.data_ptr(),
+                                           self.coarse_slots_host[b_idx, lb // cb], ptrs,
+                                           count=np.tile(counts, self.B), stride=H * d),
+                               _dtype_name(self.dtype),
+                               torch.cuda.current_stream(self.device).cuda_stream)
         del c
 
     def _step_appends(self, position: int) -> np.ndarray:
@@ -237,7 +268,12 @@ class PagedEngine:
         head = np.arange(H, dtype=np.uint64)[None, None, :]
         offset = (phys[None, :, None] * self.bs + np.uint64(position % self.bs)) * H + head
         ptrs = self.kv_ptrs[:, None, None] + offset * np.uint64(d * self.kv[0].element_size())
-        return key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs)
+        if not self.max_coarse:
+            return key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs)
+        coarse = self.coarse_slots_host[:, lb // self.eps_model.coarse_blocks]
+        return key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs,
+                           coarse_pool_ptr=self.buffers.coarse_pool.data_ptr(),
+                           coarse_slots=coarse)
 
     # -- one step ----------------------------------------------------------------------------
 

@@ -32,9 +32,15 @@ def _layout(model: Model, args: argparse.Namespace) -> ModelLayout:
     return ModelLayout(num_layers=model.c.num_layers, num_q_heads=model.c.num_q_heads,
                        num_kv_heads=model.c.num_kv_heads, head_dim=model.c.head_dim,
                        block_size=16, group_blocks=args.group_blocks,
+                       coarse_blocks=getattr(args, "coarse_blocks", 0),
                        sketch_dim=args.sketch_dim, phi_seed=0x5EED, kv_dtype="bfloat16",
                        features=SummaryFeatures(key_sum=not only8, quest=not only8,
                                                 quest8=args.quest8 or only8))
+
+
+def _coarse_c(args: argparse.Namespace) -> float | None:
+    """SelectOptions.coarse_candidates: --coarse-candidates with a coarse level, else epsd's."""
+    return args.coarse_candidates if getattr(args, "coarse_blocks", 0) else None
 
 
 def _engine(model: Model, args: argparse.Namespace, batch: int, max_context: int,
@@ -43,7 +49,8 @@ def _engine(model: Model, args: argparse.Namespace, batch: int, max_context: int
     return PagedEngine(model, _layout(model, args), batch=batch, max_context=max_context,
                        target=args.epsd_target,
                        select=select or SelectOptions(first_n=args.first_n, last_n=args.last_n,
-                                                      granularity="union"),
+                                                      granularity="union",
+                                                      coarse_candidates=_coarse_c(args)),
                        deadline_s=args.deadline_ms / 1e3, watchdog_s=args.watchdog_ms / 1e3,
                        device=device, dtype=torch.bfloat16, seed=args.seed,
                        use_graphs=not args.no_graphs)
@@ -55,6 +62,8 @@ def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
             "cuda_graphs": engine.use_graphs, "batch": engine.B, "prompt_tokens": args.context,
             "decode_steps": args.decode_steps, "warmup_steps": args.warmup_steps,
             "group_blocks": args.group_blocks, "sketch_dim": args.sketch_dim,
+            "coarse_blocks": getattr(args, "coarse_blocks", 0),
+            "coarse_candidates": _coarse_c(args),
             "session_method": engine.client.attach_info.options.method
             if engine.client.attach_info else None}
 
@@ -66,9 +75,17 @@ def calibrate(engine: PagedEngine, context: int, target: float,
     cache: dict[int, float] = {}
 
     def frac(k: int) -> float:
-        if k not in cache:
+        # A selection that fell back (None) says nothing about k: try again, and stop the
+        # run rather than let the search read it as "below the target" (on 2026-11-26 a
+        # coarse-level run's search for 0.25 ended at top_pages 1025, 100 % read, that way).
+        for _ in range(3):
+            if k in cache:
+                break
             st = engine.select_sync(context, _with(base, top_pages=k))
-            cache[k] = st.pages_visited / st.pages_total if st and st.pages_total else math.nan
+            if st is not None and st.pages_total:
+                cache[k] = st.pages_visited / st.pages_total
+        if k not in cache:
+            raise RuntimeError(f"calibration: three selections at top_pages={k} fell back")
         return cache[k]
 
     lo, hi = 1, groups
@@ -103,7 +120,8 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     inputs, targets = ids[:, :-1], ids[:, 1:]
     common = _common(engine, args)
     saved = engine.snapshot_pool()
-    base = SelectOptions(first_n=args.first_n, last_n=args.last_n)
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
+                         coarse_candidates=_coarse_c(args))
     if kill:
         return _kill_run(engine, args, inputs, targets, base, common)
     dense = engine.decode(inputs, targets, P, gated=False)
@@ -233,7 +251,8 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     common = _common(engine, args)
     dense = engine.decode(inputs, targets, P, gated=False)
     dense_nll = -dense.logp.double().mean().item()
-    base = SelectOptions(first_n=args.first_n, last_n=args.last_n)
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
+                         coarse_candidates=_coarse_c(args))
     engine.restore_pool(saved)
     off = engine.decode(inputs, targets, P, gated=True, options=_with(base, method="off"))
     off_delta = (off.logp - dense.logp).abs().max().item()
@@ -314,7 +333,8 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     d_acc, d_out = accuracy(dense)
     rows = [["dense", "-", "100%", d_acc]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
-    base = SelectOptions(first_n=args.first_n, last_n=args.last_n)
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
+                         coarse_candidates=_coarse_c(args))
     for method in args.methods.split(","):
         for top in [int(v) for v in args.top_pages.split(",")]:
             engine.restore_pool(saved)

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-blocks", type=int, default=8,
                     help="g (8: the published runs' layout; epsd's default is 2)")
     ap.add_argument("--sketch-dim", type=int, default=8)
+    ap.add_argument("--coarse-blocks", type=int, default=0,
+                    help="a coarse level of N blocks per coarse group (0: none; docs/policy.md)")
+    ap.add_argument("--coarse-candidates", type=float, default=2.0,
+                    help="SelectOptions.coarse_candidates with a coarse level")
     ap.add_argument("--quest8", action="store_true",
                     help="records also hold the quest8 part, which questclt then reads")
     ap.add_argument("--quest8-only", action="store_true",
