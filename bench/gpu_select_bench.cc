@@ -51,6 +51,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu_bench_util.h"
+#include "bench/gpu_coarse_table.h"
 #include "core/buffer_contract.h"
 #include "core/status.h"
 #include "core/testing/synthetic.h"
@@ -60,6 +62,9 @@
 
 namespace {
 
+using eps::bench::MeasureQueued;
+using eps::bench::Median;
+using eps::bench::Upload;
 using eps::gpu::DeviceBuffer;
 
 // The benchmark's budget since its first table (docs/benchmarks/gpu.md), kept
@@ -81,11 +86,6 @@ std::vector<int64_t> ParseList(const char* arg, const char* flag, std::vector<in
     p = (*end == ',') ? end + 1 : end;
   }
   return out;
-}
-
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // The copy ceiling: a 1 GiB device-to-device copy, bytes read plus written.
@@ -111,13 +111,6 @@ absl::StatusOr<double> MeasureCopyGBs() {
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return 2.0 * bytes / (Median(ms) * 1e-3) / 1e9;
-}
-
-template <typename T>
-absl::Status Upload(DeviceBuffer<T>& d, const T* host, int64_t count) {
-  RETURN_IF_CUDA_ALLOC(d, count);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(d.get(), host, count * sizeof(T), cudaMemcpyHostToDevice));
-  return absl::OkStatus();
 }
 
 // A summary pool that a child process allocates and this one maps through CUDA
@@ -268,39 +261,6 @@ struct Row {
   double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct, direct_us, direct_wall_us,
       fused_us, queued_us;
 };
-
-// jl's step held on the selector's stream by an inputs_ready counter until its
-// launch is queued, then released from another stream, as an engine's step
-// fence holds it (docs/design.md §5): the GPU time without the host's launch
-// inside it (Select's events bracket the host's graph launch on an idle GPU).
-absl::StatusOr<double> MeasureQueued(eps::gpu::GpuSelector& selector, const eps::StepInputs& in,
-                                     const eps::SelectPolicy& policy, const eps::StepOutputs& out) {
-  RETURN_IF_ERROR(eps::gpu::PreloadStreamOps());
-  DeviceBuffer<uint64_t> counter;
-  RETURN_IF_CUDA_ALLOC(counter, 1);
-  CUDA_RETURN_IF_ERROR(cudaMemset(counter.get(), 0, sizeof(uint64_t)));
-  cudaStream_t release;
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&release, cudaStreamNonBlocking));
-  std::vector<float> gpu_us;
-  absl::Status status;
-  for (uint64_t step = 1; step <= 60 && status.ok(); ++step) {
-    status = selector.Enqueue(in, policy, out, {.inputs_ready = counter.get(), .step = step});
-    if (status.ok()) {
-      status = eps::gpu::StreamWriteCounter(release, counter.get(), step);
-      if (!status.ok()) {  // nothing else would release the step
-        cudaMemcpy(counter.get(), &step, sizeof(step), cudaMemcpyHostToDevice);
-      }
-      eps::StepStats stats;
-      float us = 0;
-      const absl::Status finished = selector.Finish(std::chrono::microseconds::max(), &stats, &us);
-      if (status.ok()) status = finished;
-      if (step > 10) gpu_us.push_back(us);  // warm-up excluded
-    }
-  }
-  cudaStreamDestroy(release);
-  RETURN_IF_ERROR(status);
-  return Median(gpu_us);
-}
 
 absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
   ASSIGN_OR_RETURN(std::unique_ptr<DeviceStep> step,
@@ -464,124 +424,6 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   return absl::OkStatus();
 }
 
-// One level's records on the device for `batch` rows of `context` tokens under
-// `m` (its groups of m.group_blocks blocks): one row's random records
-// (FillRandomSummaries) copied to every row (a row's slots consecutive), and the
-// rows' table and blocks. A whole batch's host pool at g = 1 would be 22 GB at
-// 64 x 32k; the device reads the same bytes either way.
-struct LevelOnDevice {
-  DeviceBuffer<float> pool;
-  DeviceBuffer<int32_t> table, blocks;
-  int64_t slots = 0, max_groups = 0, max_blocks = 0;
-};
-absl::Status UploadLevel(const eps::ModelLayout& m, int batch, int64_t context,
-                         LevelOnDevice* level) {
-  eps::testing::StepBuffers one(m, 1, context, 1, eps::Granularity::kUnion);
-  one.AssignRow(0, context, 0);
-  one.FillRandomSummaries(1);
-  const int64_t row_floats = static_cast<int64_t>(one.pool().size());
-  level->max_groups = one.max_groups();
-  level->max_blocks = one.max_blocks();
-  level->slots = batch * level->max_groups;
-  RETURN_IF_CUDA_ALLOC(level->pool, row_floats * batch);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(level->pool.get(), one.pool().data(), row_floats * sizeof(float),
-                                  cudaMemcpyHostToDevice));
-  std::vector<int32_t> table(batch * level->max_groups), blocks(batch * level->max_blocks);
-  for (int b = 0; b < batch; ++b) {
-    if (b > 0) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(level->pool.get() + b * row_floats, level->pool.get(),
-                                      row_floats * sizeof(float), cudaMemcpyDeviceToDevice));
-    }
-    for (int64_t p = 0; p < level->max_groups; ++p) {
-      table[b * level->max_groups + p] = static_cast<int32_t>(b * level->max_groups + p);
-    }
-    for (int64_t k = 0; k < level->max_blocks; ++k) {
-      blocks[b * level->max_blocks + k] =
-          static_cast<int32_t>(b * level->max_blocks) + one.block_table()[k];
-    }
-  }
-  RETURN_IF_ERROR(Upload(level->table, table.data(), static_cast<int64_t>(table.size())));
-  return Upload(level->blocks, blocks.data(), static_cast<int64_t>(blocks.size()));
-}
-
-// The coarse level (gpu/coarse_select.cuh): questclt at g = 1 with coarse groups of
-// 4 blocks and coarse_candidates 2, beside the flat selection at g = 2 and 1, union and
-// per-KV-head lists, at `batch` x `context`: p50 GPU us of Select (its events
-// bracket the host's graph launch) and of a queued step (MeasureQueued), the
-// summary bytes read (coarse records and the candidates' fine ones) and the
-// share of groups visited.
-absl::Status MeasureCoarse(eps::ModelLayout m, int batch, int64_t context) {
-  m.features = {.key_sum = false, .principal = false, .quest = true};
-  std::mt19937_64 rng(3);
-  std::uniform_real_distribution<float> uniform(-0.5f, 0.5f);
-  std::vector<float> host_queries(int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim);
-  for (float& q : host_queries) q = uniform(rng);
-  DeviceBuffer<float> queries;
-  RETURN_IF_ERROR(Upload(queries, host_queries.data(), static_cast<int64_t>(host_queries.size())));
-  std::vector<eps::StepRow> rows;
-  for (int b = 0; b < batch; ++b) rows.push_back({.table_row = b, .context_tokens = context});
-  // Flat at g = 2 and at g = 1 (what the fine level alone costs), then the level.
-  for (const auto& [group_blocks, coarse] : {std::pair{2, false}, {1, false}, {1, true}}) {
-    m.group_blocks = group_blocks;
-    m.coarse_blocks = coarse ? 4 : 0;
-    LevelOnDevice fine, coarse_level;
-    RETURN_IF_ERROR(UploadLevel(m, batch, context, &fine));
-    if (coarse) {
-      eps::ModelLayout coarse_model = m;
-      coarse_model.group_blocks = m.coarse_blocks;
-      coarse_model.coarse_blocks = 0;
-      RETURN_IF_ERROR(UploadLevel(coarse_model, batch, context, &coarse_level));
-    }
-    eps::StepInputs in;
-    in.summary_pool = fine.pool.get();
-    in.num_slots = fine.slots;
-    in.group_table = fine.table.get();
-    in.block_table = fine.blocks.get();
-    in.max_seqs = batch;
-    in.max_groups = fine.max_groups;
-    in.max_blocks = fine.max_blocks;
-    in.num_physical_blocks = batch * fine.max_blocks;
-    in.coarse_pool = coarse_level.pool.get();
-    in.coarse_slots = coarse_level.slots;
-    in.coarse_table = coarse_level.table.get();
-    in.max_coarse_groups = coarse_level.max_groups;
-    in.queries = queries.get();
-    in.max_batch = batch;
-    in.rows = rows;
-    DeviceBuffer<int32_t> visit, count;
-    const int64_t lists = int64_t{m.num_layers} * batch * m.num_kv_heads;  // per-KV-head's
-    RETURN_IF_CUDA_ALLOC(visit, lists * fine.max_blocks);
-    RETURN_IF_CUDA_ALLOC(count, lists);
-    ASSIGN_OR_RETURN(auto selector, eps::gpu::GpuSelector::Create(m, 0, batch, fine.max_groups));
-    for (const eps::Granularity granularity :
-         {eps::Granularity::kUnion, eps::Granularity::kPerKvHead}) {
-      eps::SelectPolicy policy;
-      policy.method = eps::Method::kQuestClt;
-      policy.top_pages = top_pages_per_head;
-      policy.granularity = granularity;
-      policy.coarse_candidates = 2.0f;
-      std::vector<float> gpu_us;
-      eps::StepStats stats;
-      for (int i = 0; i < 60; ++i) {
-        float us = 0;
-        RETURN_IF_ERROR(selector->Select(in, policy, {visit.get(), count.get()}, &stats, &us));
-        if (i >= 10) gpu_us.push_back(us);
-      }
-      ASSIGN_OR_RETURN(const double queued_us,
-                       MeasureQueued(*selector, in, policy, {visit.get(), count.get()}));
-      const std::string name =
-          (coarse ? std::string("coarse g=1 gc=4 c=2") : "flat g=" + std::to_string(group_blocks)) +
-          (granularity == eps::Granularity::kUnion ? " union" : " per_kv_head");
-      std::printf("%6d %8lld  %-32s %10.1f %9.1f %10.1f %8.1f%%\n", batch,
-                  static_cast<long long>(context), name.c_str(),
-                  static_cast<double>(stats.summary_bytes_read) / 1e6, Median(gpu_us), queued_us,
-                  100.0 * stats.groups_visited / stats.groups_total);
-      std::fflush(stdout);
-    }
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -690,7 +532,9 @@ int main(int argc, char** argv) {
     std::printf("%6s %8s  %-32s %10s %9s %10s %9s\n", "batch", "context", "selection", "summaryMB",
                 "gpu_us", "queued_us", "visited%");
     for (int64_t batch : coarse_batches) {
-      if (absl::Status s = MeasureCoarse(m, static_cast<int>(batch), coarse_context[0]); !s.ok()) {
+      if (absl::Status s = eps::bench::MeasureCoarse(m, static_cast<int>(batch), coarse_context[0],
+                                                     top_pages_per_head);
+          !s.ok()) {
         std::printf("error in the coarse table: %s\n", s.ToString().c_str());
         return 1;
       }
