@@ -13,6 +13,7 @@
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
 #include "gtest/gtest.h"
+#include "tests/core/coarse_policies.h"
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
 
@@ -73,7 +74,9 @@ class CoarseStepTest : public ::testing::Test {
             const std::span<float> record = CoarseRecord(SlotFor(row, nc, c), layer, kvh);
             writer_->Reset(record);
             ASSERT_TRUE(writer_->Append(record, layer, kvh, rows).ok());
-            if (count == ct) ASSERT_TRUE(writer_->Seal(record, layer, kvh, rows).ok());
+            if (count == ct) {
+              ASSERT_TRUE(writer_->Seal(record, layer, kvh, rows).ok());
+            }
           }
         }
       }
@@ -175,40 +178,11 @@ class CoarseStepTest : public ::testing::Test {
   std::vector<StepRow> rows_;
 };
 
+// Every budget over both granularities, with the coarse_candidates each test sets.
 std::vector<SelectPolicy> EveryBudget() {
   std::vector<SelectPolicy> out;
   for (Granularity gr : {Granularity::kUnion, Granularity::kPerKvHead}) {
-    SelectPolicy p;
-    p.granularity = gr;
-    p.top_pages = 6;
-    out.push_back(p);  // threshold, questclt
-    p.method = Method::kQuest;
-    p.alpha = 1.5f;
-    out.push_back(p);
-    p.method = Method::kJl;
-    p.alpha = 1.0f;
-    p.budget = Budget::kFixed;
-    out.push_back(p);
-    p.method = Method::kQuestClt;
-    p.budget = Budget::kTopP;
-    p.top_p = 0.8f;
-    out.push_back(p);
-    p.budget = Budget::kMass;
-    p.mass_target = 0.9f;
-    p.min_pages = 1;
-    p.max_pages = 20;
-    out.push_back(p);
-    p.mass_scope = MassScope::kList;
-    out.push_back(p);
-    // Floors beyond the candidates: the rule takes unscored groups, the level drops them.
-    p.min_pages = 300;
-    p.max_pages = 0;
-    out.push_back(p);
-    p.mass_scope = MassScope::kHead;
-    out.push_back(p);
-    p.budget = Budget::kTopP;
-    p.top_p = 1.0f;
-    out.push_back(p);
+    for (const SelectPolicy& p : testing::CoarsePolicies(gr, 2.0f)) out.push_back(p);
   }
   return out;
 }
@@ -431,7 +405,9 @@ TEST_F(CoarseStepTest, MissingOrBadCoarseBuffersAreRejectedAndLeaveTheOutputs) {
   coarse_table_[max_coarse_ + 3] = SlotFor(1, CoarseGroupsFor(rows_[1].context_tokens, model_), 3);
   CoarseRecord(coarse_table_[7], 1, 1)[SummaryLayout::For(model_).fro2] = std::nanf("");
   expect_error(Inputs(), "coarse summary");
-  ASSERT_TRUE(selector->Select(Inputs(), SelectPolicy{.method = Method::kOff}, out, nullptr).ok());
+  SelectPolicy off;
+  off.method = Method::kOff;
+  ASSERT_TRUE(selector->Select(Inputs(), off, out, nullptr).ok());
 }
 
 }  // namespace

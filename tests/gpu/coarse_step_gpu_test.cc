@@ -17,6 +17,7 @@
 #include "core/testing/synthetic.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
+#include "tests/core/coarse_policies.h"
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
 #include "tests/gpu/device_step.h"
@@ -193,46 +194,6 @@ int CompareWithReference(CoarseSteps& steps, const testing::DeviceStep& got,
   return near_cut;
 }
 
-// Every budget of core/'s coarse tests (tests/core/coarse_step_test.cc
-// EveryBudget): threshold (questclt, quest), fixed (jl), top-p (0.8 and 1),
-// mass of the head and list scopes, and floors of 300 groups, beyond the
-// candidates, which the rules take unscored and the level drops.
-std::vector<SelectPolicy> EveryBudget(Granularity granularity, float coarse_candidates) {
-  std::vector<SelectPolicy> out;
-  SelectPolicy p;
-  p.granularity = granularity;
-  p.top_pages = 6;
-  p.coarse_candidates = coarse_candidates;
-  out.push_back(p);  // threshold, questclt
-  p.method = Method::kQuest;
-  p.alpha = 1.5f;
-  out.push_back(p);
-  p.method = Method::kJl;
-  p.alpha = 1.0f;
-  p.budget = Budget::kFixed;
-  out.push_back(p);
-  p.method = Method::kQuestClt;
-  p.budget = Budget::kTopP;
-  p.top_p = 0.8f;
-  out.push_back(p);
-  p.budget = Budget::kMass;
-  p.mass_target = 0.9f;
-  p.min_pages = 1;
-  p.max_pages = 20;
-  out.push_back(p);
-  p.mass_scope = MassScope::kList;
-  out.push_back(p);
-  p.min_pages = 300;
-  p.max_pages = 0;
-  out.push_back(p);
-  p.mass_scope = MassScope::kHead;
-  out.push_back(p);
-  p.budget = Budget::kTopP;
-  p.top_p = 1.0f;
-  out.push_back(p);
-  return out;
-}
-
 struct CoarseCase {
   int group_blocks, coarse_blocks;
   float coarse_candidates;
@@ -268,7 +229,7 @@ TEST_P(CoarseGpuStepTest, MatchesTheCoreReferenceForEveryBudget) {
   const int64_t list_count = int64_t{steps.model.num_layers} * kBatch * steps.model.num_kv_heads;
   std::vector<int32_t> flat_blocks(list_count * steps.fine->max_blocks()), flat_counts(list_count);
   int fewer_bytes = 0, cases = 0;
-  for (const SelectPolicy& policy : EveryBudget(c.granularity, c.coarse_candidates)) {
+  for (const SelectPolicy& policy : testing::CoarsePolicies(c.granularity, c.coarse_candidates)) {
     SCOPED_TRACE(policy.DebugString());
     StepStats want;
     ASSERT_TRUE(reference->Select(steps.Inputs(), policy, steps.fine->Outputs(), &want).ok());
