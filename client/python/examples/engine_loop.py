@@ -217,32 +217,24 @@ class PagedEngine:
     def write_prompt_summaries(self, tokens: int) -> None:
         """Summaries of positions [0, tokens) with the device writer, straight from the
         cache: one append per (sequence, block, layer, KV head), in g calls so that the
-        records of one call are distinct."""
-        c, g, H, d = self.model.c, self.eps_model.group_blocks, self.model.c.num_kv_heads, \
-            self.model.c.head_dim
+        records of one call are distinct; with a coarse level, the coarse records from the
+        same blocks likewise, in coarse_blocks calls."""
+        self._append_prompt(tokens, self.eps_model.group_blocks, self.pool.data_ptr(),
+                            self.slots_host)
+        if self.max_coarse:
+            self._append_prompt(tokens, self.eps_model.coarse_blocks,
+                                self.buffers.coarse_pool.data_ptr(), self.coarse_slots_host)
+
+    def _append_prompt(self, tokens: int, blocks_per_record: int, pool_ptr: int,
+                       slots_host: np.ndarray) -> None:
+        """The blocks of [0, tokens) into the records of ``slots_host`` [B, records] (a
+        record holds ``blocks_per_record`` blocks), one block of each record per call."""
+        H, d = self.model.c.num_kv_heads, self.model.c.head_dim
         nblocks = blocks_for(tokens, self.bs)
         elt = self.kv[0].element_size()
-        for j in range(g):
-            logical = np.arange(j, nblocks, g)
-            if logical.size == 0:
-                continue
-            counts = np.minimum(self.bs, tokens - logical * self.bs)
-            b_idx = np.repeat(np.arange(self.B), logical.size)
-            lb = np.tile(logical, self.B)
-            phys = self.table_host[b_idx, lb].astype(np.uint64)
-            slots = self.slots_host[b_idx, lb // g]
-            head = np.arange(H, dtype=np.uint64)[None, None, :]
-            ptrs = (self.kv_ptrs[:, None, None] + (phys[None, :, None] * self.bs * H + head)
-                    * np.uint64(d * elt))
-            self.writer.append(key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs,
-                                           count=np.tile(counts, self.B), stride=H * d),
-                               _dtype_name(self.dtype),
-                               torch.cuda.current_stream(self.device).cuda_stream)
-        # The coarse records from the same blocks, one block of each coarse group per call
-        # (a call's appends must target distinct records).
-        cb = self.eps_model.coarse_blocks
-        for j in range(cb if self.max_coarse else 0):
-            logical = np.arange(j, nblocks, cb)
+        per = blocks_per_record
+        for j in range(per):
+            logical = np.arange(j, nblocks, per)
             if logical.size == 0:
                 continue
             counts = np.minimum(self.bs, tokens - logical * self.bs)
@@ -252,12 +244,10 @@ class PagedEngine:
             head = np.arange(H, dtype=np.uint64)[None, None, :]
             ptrs = (self.kv_ptrs[:, None, None] + (phys[None, :, None] * self.bs * H + head)
                     * np.uint64(d * elt))
-            self.writer.append(key_appends(self.eps_model, self.buffers.coarse_pool.data_ptr(),
-                                           self.coarse_slots_host[b_idx, lb // cb], ptrs,
-                                           count=np.tile(counts, self.B), stride=H * d),
+            self.writer.append(key_appends(self.eps_model, pool_ptr, slots_host[b_idx, lb // per],
+                                           ptrs, count=np.tile(counts, self.B), stride=H * d),
                                _dtype_name(self.dtype),
                                torch.cuda.current_stream(self.device).cuda_stream)
-        del c
 
     def _step_appends(self, position: int) -> np.ndarray:
         """The appends of the key at ``position`` of every row, layer and KV head."""
