@@ -314,4 +314,31 @@ void MarkFixedBudget(std::span<const std::span<const float>> head_scores,
   for (int i = 0; i < top_pages; ++i) visit[candidates[i]] = 1;
 }
 
+void ApplyFeedback(std::span<const float> entry, int head_dim, std::span<float> scores) {
+  const double scale = std::sqrt(static_cast<double>(head_dim));
+  std::vector<double> diffs;
+  for (size_t p = 0; p < scores.size(); ++p) {
+    if (std::isfinite(entry[p]) && std::isfinite(scores[p])) {
+      diffs.push_back(scale * entry[p] - scores[p]);
+    }
+  }
+  double offset = 0.0;
+  if (!diffs.empty()) {
+    // The median (the mean of the two middle values for an even count).
+    const size_t mid = diffs.size() / 2;
+    std::nth_element(diffs.begin(), diffs.begin() + mid, diffs.end());
+    offset = diffs[mid];
+    if (diffs.size() % 2 == 0) {
+      offset = 0.5 * (offset + *std::max_element(diffs.begin(), diffs.begin() + mid));
+    }
+  }
+  for (size_t p = 0; p < scores.size(); ++p) {
+    if (std::isfinite(entry[p])) {
+      scores[p] = static_cast<float>(scale * entry[p]);
+    } else if (std::isfinite(scores[p])) {
+      scores[p] = static_cast<float>(scores[p] + offset);
+    }
+  }
+}
+
 }  // namespace eps

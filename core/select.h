@@ -135,6 +135,13 @@ void MarkByMassList(std::span<const std::span<const float>> head_scores,
                     std::span<const uint8_t> forced, float target, float temperature, int head_dim,
                     int min_pages, int max_pages, std::span<uint8_t> visit);
 
+// Selection feedback for one head (core/step.h StepInputs::feedback): `entry[p]` is
+// the previous step's log Σ exp(q·k/√d) over group p (NaN: not visited). Groups with
+// a finite entry score √d·entry; the others keep their score plus the median of
+// (√d·entry − score) over the groups with a finite entry and a finite score (0 when
+// there is none). −∞ scores (unscored groups) stay −∞.
+void ApplyFeedback(std::span<const float> entry, int head_dim, std::span<float> scores);
+
 // Fixed budget over several heads: ranks the unforced groups by their best rank
 // over `head_scores` (ties to the more recent group) and marks the first
 // top_pages. The marked count is exactly min(unforced, top_pages).

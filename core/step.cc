@@ -13,6 +13,7 @@
 namespace eps {
 namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 }  // namespace
 
 void StepStats::Add(const StepStats& o) {
@@ -224,6 +225,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
     // With the coarse level: each list's candidate coarse groups, and the groups they hold.
     std::vector<std::vector<uint8_t>> candidates(lists);
     std::vector<std::vector<uint8_t>> allowed(lists);
+    std::vector<std::vector<uint8_t>> fed(lists);  // groups with feedback for a head of the list
 
     for (int layer = 0; layer < model_.num_layers; ++layer) {
       for (auto& v : visit) {
@@ -234,6 +236,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         }
       }
       int64_t summary_records = 0;
+      for (auto& f : fed) f.assign(n, 0);
       if (coarse) {
         // Coarse level: every scored head's best coarse groups join its list's candidates.
         for (auto& c : candidates) c = coarse_forced;
@@ -271,6 +274,15 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
           terms.Prepare(*phi_, layer, kvh, query);
           RETURN_IF_ERROR(score_head("group_table", in.summary_pool, in.num_slots, slots,
                                      row.table_row, n, layer, kvh, only, policy.strict));
+          if (in.feedback != nullptr && !policy.strict) {
+            const float* entry =
+                in.feedback +
+                ((static_cast<int64_t>(layer) * in.max_seqs + row.table_row) * model_.num_q_heads +
+                 h) *
+                    in.max_groups;
+            ApplyFeedback({entry, static_cast<size_t>(n)}, d, scores);
+            for (int64_t p = 0; p < n; ++p) fed[list_of_head][p] |= std::isfinite(entry[p]);
+          }
           switch (policy.budget) {
             case Budget::kThreshold:
               if (policy.strict) {
@@ -314,9 +326,10 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       }
       if (coarse) {
         // Groups outside the candidates were never scored: a rule that marked them
-        // (fewer candidates than the budget) gives them up; forced groups are candidates.
+        // (fewer candidates than the budget) gives them up; forced groups are candidates,
+        // and groups with feedback compete whether or not they are.
         for (int list = 0; list < lists; ++list) {
-          for (int64_t p = 0; p < n; ++p) visit[list][p] &= allowed[list][p];
+          for (int64_t p = 0; p < n; ++p) visit[list][p] &= allowed[list][p] | fed[list][p];
         }
       }
       for (int list = 0; list < lists; ++list) {
@@ -348,6 +361,18 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         std::copy_n(scratch_blocks.data() + from * in.max_blocks, scratch_count[from],
                     out.visit_blocks + to * in.max_blocks);
         out.visit_count[to] = scratch_count[from];
+      }
+    }
+  }
+  if (in.feedback != nullptr && !policy.strict) {
+    // Consumed: the next step sees only what the attention after this one writes.
+    for (int layer = 0; layer < model_.num_layers; ++layer) {
+      for (const StepRow& row : in.rows) {
+        float* entry = in.feedback + (static_cast<int64_t>(layer) * in.max_seqs + row.table_row) *
+                                         model_.num_q_heads * in.max_groups;
+        for (int h = 0; h < model_.num_q_heads; ++h, entry += in.max_groups) {
+          std::fill_n(entry, GroupsFor(row.context_tokens, model_), kNaN);
+        }
       }
     }
   }

@@ -39,6 +39,17 @@ struct StepInputs {
   int64_t coarse_slots = 0;
   const int32_t* coarse_table = nullptr;
   int64_t max_coarse_groups = 0;
+  // Selection feedback (docs/policy.md, "Selection feedback"), optional:
+  // [num_layers, max_seqs, num_q_heads, max_groups] float32, by table row. The
+  // engine's attention writes, for each group it visited, log Σ exp(q·k/√d) over
+  // the group's keys with that step's query (any per-(row, layer, head) constant
+  // added); every other entry is NaN. A scored head ranks a group with a finite
+  // entry by √d times it, every other group by its score plus the head's median
+  // of (√d·entry − score) over the groups that have both. After a step that
+  // succeeded, every entry of its rows' groups is NaN again (consumed), so an
+  // entry never outlives the step after the attention that wrote it. Strict
+  // mode ignores it.
+  float* feedback = nullptr;
   const void* queries = nullptr;
   DType query_dtype = DType::kFloat32;
   int64_t max_batch = 0;
