@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <span>
@@ -156,8 +157,9 @@ class EvalSequence {
   }
 
   // The reference step for this sequence: visit[list][group] marks.
-  absl::Status Select(const SelectPolicy& policy, const float* queries, uint8_t* visit,
-                      StepStats* stats) const {
+  // feedback: [q_heads, groups] (StepInputs::feedback of this one row and layer) or null.
+  absl::Status Select(const SelectPolicy& policy, const float* queries, const float* feedback,
+                      uint8_t* visit, StepStats* stats) const {
     absl::StatusOr<PageSelector> selector = PageSelector::Create(model_, phi_);
     if (!selector.ok()) return selector.status();
     const int64_t n = groups();
@@ -182,6 +184,16 @@ class EvalSequence {
     in.rows = {&row, 1};
     std::vector<int32_t> coarse_table(max_coarse_);
     std::iota(coarse_table.begin(), coarse_table.end(), 0);
+    std::vector<float> fed;  // the step consumes it: a copy, padded to max_groups
+    if (feedback != nullptr) {
+      fed.assign(static_cast<size_t>(model_.num_q_heads) * max_groups_,
+                 std::numeric_limits<float>::quiet_NaN());
+      for (int h = 0; h < model_.num_q_heads; ++h) {
+        std::copy_n(feedback + static_cast<size_t>(h) * n, n,
+                    fed.data() + static_cast<size_t>(h) * max_groups_);
+      }
+      in.feedback = fed.data();
+    }
     if (model_.has_coarse_level()) {
       in.coarse_pool = coarse_pool_.data();
       in.coarse_slots = max_coarse_;
@@ -405,8 +417,8 @@ int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores
 // PageSelector::Select on this sequence. stats: 7 int64 (StepStats field order).
 int eps_eval_select(const void* seq, const char* method, const float* queries, int top_pages,
                     float alpha, int strict, int per_kv_head, int first_n, int last_n,
-                    float coarse_candidates, uint8_t* visit, int64_t* stats, char* err,
-                    int err_len) {
+                    float coarse_candidates, const float* feedback, uint8_t* visit, int64_t* stats,
+                    char* err, int err_len) {
   eps::SelectPolicy policy;
   if (!eps::ParseMethod(method, &policy.method)) {
     return Fail(absl::InvalidArgumentError(std::string("unknown method ") + method), err, err_len);
@@ -419,7 +431,8 @@ int eps_eval_select(const void* seq, const char* method, const float* queries, i
   policy.coarse_candidates = coarse_candidates;
   policy.granularity = per_kv_head ? eps::Granularity::kPerKvHead : eps::Granularity::kUnion;
   eps::StepStats st;
-  absl::Status s = static_cast<const EvalSequence*>(seq)->Select(policy, queries, visit, &st);
+  absl::Status s =
+      static_cast<const EvalSequence*>(seq)->Select(policy, queries, feedback, visit, &st);
   if (!s.ok()) return Fail(s, err, err_len);
   const int64_t values[7] = {st.groups_total,      st.groups_visited, st.blocks_total,
                              st.blocks_visited,    st.kv_bytes_dense, st.kv_bytes_read_est,

@@ -123,6 +123,7 @@ def lib() -> ctypes.CDLL:
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_float,
+            _F32P,
             _U8P,
             _I64P,
             ctypes.c_char_p,
@@ -289,19 +290,28 @@ class Sequence:
         first_n: int = 1,
         last_n: int = 2,
         coarse_candidates: float = 2.0,
+        feedback: npt.ArrayLike | None = None,
     ) -> tuple[npt.NDArray[np.uint8], dict[str, int]]:
         """PageSelector::Select: marks [lists, groups] and the step's StepStats
-        (coarse_candidates: SelectPolicy.coarse_candidates, used with a coarse level)."""
+        (coarse_candidates: SelectPolicy.coarse_candidates, used with a coarse level;
+        feedback: [q_heads, groups] log-sum-exp of the groups the previous step visited,
+        NaN elsewhere: StepInputs::feedback)."""
         q = _f32(queries)
         if q.shape != (self.q_heads, self.head_dim):
             raise ValueError(f"queries shape {q.shape} != {(self.q_heads, self.head_dim)}")
         lists = self.kv_heads if per_kv_head else 1
+        fb = None
+        if feedback is not None:
+            f = _f32(feedback)
+            if f.shape != (self.q_heads, self.groups):
+                raise ValueError(f"feedback shape {f.shape} != {(self.q_heads, self.groups)}")
+            fb = _ptr(f, _F32P)
         visit = np.zeros((lists, self.groups), dtype=np.uint8)
         stats = np.zeros(7, dtype=np.int64)
         err = ctypes.create_string_buffer(512)
         rc = lib().eps_eval_select(
             self._h, method.encode(), _ptr(q, _F32P), top_pages, alpha, int(strict),
-            int(per_kv_head), first_n, last_n, coarse_candidates, _ptr(visit, _U8P), _ptr(stats, _I64P), err,
+            int(per_kv_head), first_n, last_n, coarse_candidates, fb, _ptr(visit, _U8P), _ptr(stats, _I64P), err,
             len(err),
         )
         if rc != 0:

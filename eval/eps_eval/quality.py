@@ -132,9 +132,18 @@ EPSD_C2F_PLAN = QualityPlan(
     group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
     c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
     c2f_scorers=("questclt1",), epsd_c2f=((4, 2.0), (4, 3.0), (8, 2.0), (8, 3.0)))
+# epsd's coarse level with and without core's selection feedback (epsd-fb- rows), beside
+# the harness's simulated feedback (fb- rows) at the same gc and width (lag 1; needs the
+# query two positions back).
+EPSD_FEEDBACK_PLAN = QualityPlan(
+    group_blocks=(1,), lags=(1, 2), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
+    c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
+    c2f_scorers=("questclt1",), feedback=("questclt1",),
+    epsd_c2f=((4, 2.0), (8, 3.0)))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
-         "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN}
+         "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
+         "epsdfeedback": EPSD_FEEDBACK_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:
@@ -470,7 +479,9 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                 r["floor"] = floor
                                 rows.append(r)
     if 1 in plan.lags:
-        rows += _epsd_c2f_rows(state, workload, dn, q_by_pos[position - 1], kvh, d)
+        before = q_by_pos.get(position - 2) if plan.feedback else None
+        rows += _epsd_c2f_rows(state, workload, dn, q_by_pos[position - 1], kvh, d, before,
+                               mass_of(1) if before is not None else None)
     for lag in sorted({0, 1} & set(plan.lags)):
         q = q_by_pos[position - lag]
         for scorer in plan.c2f_scorers:
@@ -498,25 +509,37 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
 
 
 def _epsd_c2f_rows(state: LayerState, workload: dict[str, object], dn: Dense, q: F32, kvh: int,
-                   d: int) -> list[dict[str, object]]:
+                   d: int, q_before: F32 | None = None,
+                   lag1_mass: npt.NDArray[np.float64] | None = None) -> list[dict[str, object]]:
     """Rows of epsd's coarse level (core PageSelector::Select, threshold budget, α = 1)
     with the lag-1 query q: summary bytes are the records the step read (its StepStats)
-    at quest8's size, per block and KV head, as the harness's c2f rows count them."""
+    at quest8's size, per block and KV head, as the harness's c2f rows count them.
+    With q_before (the query two positions back) and lag1_mass ([H, blocks], the exact
+    mass of q's position): epsd-fb- rows, core's selection feedback, the previous list
+    being the same selection with q_before and the feedback its blocks' log mass."""
     out: list[dict[str, object]] = []
     core_rb = core.record_bytes(d, 8, core.KEY_SUM | core.QUEST8)
     for gc, cand in state.plan.epsd_c2f:
         s = state.coarse_seqs[gc]
         nb = s.groups
         tps = top_pages_for(nb, state.plan.fractions)
-        masks, bytes_per_block = [], []
-        for tp in tps:
-            visit, st = s.select("questclt", q, tp, coarse_candidates=cand)
-            masks.append(visit)
-            records = st["summary_bytes_read"] / core_rb
-            bytes_per_block.append(records * record_bytes("quest8", d) / (kvh * nb))
-        met = evaluate(dn, 1, np.stack(masks), tps, bytes_per_block)
-        out += _rows(workload, "c2f", f"epsd-c2f{gc}x{cand:g}-questclt", 1, 1,
-                     [float(t) for t in tps], 0.0, nb, met)
+        for fed in (False, True) if q_before is not None and lag1_mass is not None else (False,):
+            masks, bytes_per_block = [], []
+            for tp in tps:
+                feedback = None
+                if fed:
+                    assert q_before is not None and lag1_mass is not None
+                    prev, _ = s.select("questclt", q_before, tp, coarse_candidates=cand)
+                    log_mass = np.log(np.maximum(lag1_mass, 1e-300))
+                    feedback = np.where(prev[0].astype(bool)[None], log_mass, np.nan)
+                visit, st = s.select("questclt", q, tp, coarse_candidates=cand,
+                                     feedback=feedback)
+                masks.append(visit)
+                records = st["summary_bytes_read"] / core_rb
+                bytes_per_block.append(records * record_bytes("quest8", d) / (kvh * nb))
+            met = evaluate(dn, 1, np.stack(masks), tps, bytes_per_block)
+            name = f"epsd-{'fb-' if fed else ''}c2f{gc}x{cand:g}-questclt"
+            out += _rows(workload, "c2f", name, 1, 1, [float(t) for t in tps], 0.0, nb, met)
     return out
 
 

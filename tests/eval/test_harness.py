@@ -80,6 +80,29 @@ def test_coarse_level_keeps_the_best_coarse_groups_candidates(rng: np.random.Gen
             assert np.array_equal(everything, plain), (gc, tp)
 
 
+def test_feedback_through_the_core(rng: np.random.Generator) -> None:
+    """StepInputs::feedback through libeps_eval: all-NaN feedback selects as none; a
+    block fed a mass far above the rest is visited, one fed far below is not."""
+    kv, q, d, tokens = 2, 4, 32, 1600
+    s = core.Sequence(q_heads=q, kv_heads=kv, head_dim=d, group_blocks=1, sketch_dim=8,
+                      features=core.KEY_SUM | core.QUEST8, max_tokens=tokens, coarse_blocks=4)
+    s.append(rng.standard_normal((kv, tokens, d)).astype(np.float32))
+    queries = rng.standard_normal((q, d)).astype(np.float32)
+    base, _ = s.select("questclt", queries, 8)
+    nan = np.full((q, s.groups), np.nan, np.float32)
+    same, _ = s.select("questclt", queries, 8, feedback=nan)
+    assert np.array_equal(base, same)
+    unforced = np.arange(1, s.groups - 2)
+    kept = unforced[base[0, unforced] == 1][0]
+    left = unforced[base[0, unforced] == 0][0]
+    fb = np.where(np.broadcast_to(base[0].astype(bool), (q, s.groups)), 0.0, np.nan)
+    fb = fb.astype(np.float32)
+    fb[:, kept] = -1000.0
+    fb[:, left] = 1000.0
+    vis, _ = s.select("questclt", queries, 8, feedback=fb)
+    assert vis[0, left] == 1 and vis[0, kept] == 0
+
+
 def _keys_of(s: core.Sequence, rng: np.random.Generator, kv: int, tokens: int) -> np.ndarray:
     # Byte accounting does not depend on the keys' values, only on the context length.
     return rng.standard_normal((kv, tokens, 32)).astype(np.float32)
