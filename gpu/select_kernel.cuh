@@ -43,6 +43,10 @@ struct SelectArgs {
   const uint8_t* candidates;
   int64_t max_coarse_groups;
   int64_t coarse_ratio;  // 64 bits: no padding, the launch's bytes are a key
+  // Selection feedback [layers, max_seqs, q_heads, max_groups] (gpu/feedback.cuh), or
+  // null: with the coarse level a group a scored head of the list has an entry for
+  // competes outside the candidates too, as core/ keeps visit &= allowed | fed.
+  const float* feedback;
 };
 
 template <Budget kBudget, bool kStrict, int kWarps>
@@ -351,13 +355,24 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   // With the coarse level, groups outside the list's candidates were never scored
   // (−∞): a rule that took them (fewer candidates than its budget or floor) gives
-  // them up, as core/ does; forced groups lie in candidates.
+  // them up, as core/ does, unless a head of the list has feedback for them; forced
+  // groups lie in candidates.
   if (a.candidates != nullptr) {
     const uint8_t* candidate =
         a.candidates + ((int64_t{row} * s.layers + layer) * s.lists + list) * a.max_coarse_groups;
     const int ratio = static_cast<int>(a.coarse_ratio);
+    const float* entries =
+        a.feedback == nullptr ? nullptr
+                              : a.feedback + (int64_t{layer} * s.max_seqs + a.rows[row].table_row) *
+                                                 s.q_heads * s.max_groups;
+    auto fed = [&](int p) {
+      for (int h = first_head; entries != nullptr && h < first_head + heads_per_list; ++h) {
+        if (head_scored(h) && isfinite(entries[int64_t{h} * s.max_groups + p])) return true;
+      }
+      return false;
+    };
     for (int p = threadIdx.x; p < n; p += blockDim.x) {
-      if (visit[p] && !candidate[p / ratio]) visit[p] = 0;
+      if (visit[p] && !candidate[p / ratio] && !fed(p)) visit[p] = 0;
     }
     __syncthreads();
   }

@@ -123,7 +123,8 @@ absl::Status LoadKernels(int device) {
   for (const auto& kernels :
        {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
         std::span<const void* const>(kSelectKernels), std::span<const void* const>(kFusedKernels),
-        std::span<const void* const>(kCandidateKernels)}) {
+        std::span<const void* const>(kCandidateKernels),
+        std::span<const void* const>(kFeedbackKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -258,6 +259,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
         absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }
   const bool coarse = policy.UsesCoarseLevel(m);  // not strict, a method that scores
+  const bool feedback = in.feedback != nullptr && !policy.strict;  // strict ignores it
   if (coarse && (in.coarse_pool == nullptr || in.coarse_table == nullptr)) {
     return absl::InvalidArgumentError(
         absl::StrCat("the layout has a coarse level (coarse_blocks=", m.coarse_blocks,
@@ -405,9 +407,10 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
   const void* fused_kernel =
       FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged, g.layout.quest8 >= 0);
-  // Not with the coarse level: its selection reads the candidates too.
+  // Not with the coarse level: its selection reads the candidates too; nor with
+  // feedback, which rewrites the scores between scoring and selection.
   if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
-      !coarse && fused_kernel != nullptr && max_n <= kScoreThreads &&
+      !coarse && !feedback && fused_kernel != nullptr && max_n <= kScoreThreads &&
       fused_shared <= static_cast<size_t>(g.max_shared)) {
     launch.fused_selection = true;
     launch.fused = {g.fused_masks.get(), g.fused_arrivals.get(),
@@ -424,6 +427,20 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
   launch.select_block = dim3(32 * warps);
   launch.select_shared = SelectSharedBytes(in.max_groups);
+  if (feedback) {
+    // Selection feedback (feedback.cuh): a block per (layer, query head, row) rewrites
+    // the scored heads' scores before the selection and consumes the row's entries
+    // after it (strict mode ignores the buffer: neither runs).
+    launch.feedback_apply = !method_off;
+    launch.feedback_consume = true;
+    launch.feedback = {
+        in.feedback, g.rows.get(),
+        scored,      g.scores.get(),
+        report,      std::sqrt(static_cast<double>(m.head_dim))};  // as core ApplyFeedback
+    launch.feedback_grid =
+        dim3(static_cast<unsigned>(m.num_layers * m.num_q_heads), static_cast<unsigned>(batch));
+    if (coarse) launch.select.feedback = in.feedback;  // fed groups pass the candidates' mask
+  }
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {

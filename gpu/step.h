@@ -30,6 +30,14 @@
 // selection then drops any group outside them, as core/ does. summary_bytes_read
 // counts the coarse records and the candidates' fine ones. Never fused.
 //
+// Selection feedback (StepInputs::feedback, core ApplyFeedback; gpu/feedback.cuh):
+// after scoring, a kernel per (layer, query head, row) moves each scored head's
+// scores as core/ does (fed groups √d·entry, the others + the head's median
+// difference); with the coarse level a fed group passes the candidates' mask.
+// After the selection a kernel consumes the rows' entries (NaN) when the step's
+// device report says OK, so a failed step leaves them. Strict mode ignores the
+// buffer; the selection is never fused with it.
+//
 // The default policy's selection is fused into scoring (gpu/fused_select.cuh)
 // when it can be: threshold budget, not strict, a method that scores, union or
 // per-KV-head lists, every row within one scoring block (at most 256 groups:

@@ -9,6 +9,7 @@
 #include "core/bounds.h"
 #include "core/select.h"
 #include "gpu/coarse_select.cuh"
+#include "gpu/feedback.cuh"
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -38,6 +39,10 @@ inline std::pair<const void*, int> CandidateKernelFor(int heads_per_list) {
   return heads_per_list > 8 ? std::pair{CandidateKernelOf<32>(), 32}
                             : std::pair{CandidateKernelOf<8>(), 8};
 }
+
+// Selection feedback's kernels (feedback.cuh): before and after the selection.
+inline const void* const kFeedbackKernels[] = {reinterpret_cast<const void*>(&FeedbackKernel),
+                                               reinterpret_cast<const void*>(&ConsumeKernel)};
 
 template <Method kMethod, int kM, bool kStrict, int kHeads = kHeadBatch, int kOctetD = 0,
           bool kQuest8 = false>

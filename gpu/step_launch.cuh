@@ -1,6 +1,7 @@
 // One step's launch of the pre-pass (gpu/step.h): the three kernels (or two,
 // with the selection fused into scoring: gpu/fused_select.cuh; or five, with
-// the coarse level: gpu/coarse_select.cuh) with all their parameters, launched
+// the coarse level: gpu/coarse_select.cuh; and selection feedback's two around
+// the selection: gpu/feedback.cuh) with all their parameters, launched
 // one by one or replayed as a captured CUDA graph. Included by gpu/step.cu only.
 #pragma once
 
@@ -17,6 +18,7 @@
 #include "core/status.h"
 #include "gpu/coarse_select.cuh"
 #include "gpu/cuda_check.h"
+#include "gpu/feedback.cuh"
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -55,6 +57,11 @@ struct StepLaunch {
   dim3 coarse_grid;
   const void* candidate_kernel;
   dim3 candidate_grid, candidate_block;
+  // Selection feedback (gpu/feedback.cuh): its scores rewritten after scoring
+  // (feedback_apply), its entries consumed after the selection (feedback_consume).
+  bool feedback_apply, feedback_consume;
+  kernels::FeedbackArgs feedback;
+  dim3 feedback_grid;
 
   absl::Status Launch(cudaStream_t stream) {
     void* terms_params[] = {&shape, &terms};
@@ -90,10 +97,21 @@ struct StepLaunch {
       CUDA_RETURN_IF_ERROR(
           launch_scoring(score_grid, fused_selection ? fused_params : score_params, true));
     }
-    if (fused_selection) return absl::OkStatus();
+    if (fused_selection) return absl::OkStatus();  // never with feedback
+    void* feedback_params[] = {&shape, &feedback};
+    if (feedback_apply) {
+      CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(&kernels::FeedbackKernel),
+                                            feedback_grid, dim3(kernels::kFeedbackThreads),
+                                            feedback_params, 0, stream));
+    }
     void* select_params[] = {&shape, &rule, &select};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
                                           select_shared, stream));
+    if (feedback_consume) {  // after the selection, which may still fail the step
+      CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(&kernels::ConsumeKernel),
+                                            feedback_grid, dim3(kernels::kFeedbackThreads),
+                                            feedback_params, 0, stream));
+    }
     return absl::OkStatus();
   }
 

@@ -69,16 +69,17 @@ struct CoarseHost {
 
 // `max_batch` must be the one `buffers` was built with; the queries are fp32.
 // `coarse`: the coarse level's buffers go to the device too. The outputs start
-// at `fill` (visit_blocks and visit_count).
+// at `fill` (visit_blocks and visit_count). `feedback` (StepInputs::feedback, [layers,
+// max_seqs, q_heads, max_groups]): goes to the device, and comes back after the step.
 inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffers,
                                  int64_t max_batch, std::span<const StepRow> rows,
                                  const SelectPolicy& policy, const CoarseHost* coarse = nullptr,
-                                 int32_t fill = -1) {
+                                 int32_t fill = -1, std::vector<float>* feedback = nullptr) {
   const ModelLayout& m = buffers.model();
   const int lists = policy.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
   StepInputs in = buffers.Inputs(rows);
   DeviceStep result;
-  gpu::DeviceBuffer<float> pool, queries, coarse_pool;
+  gpu::DeviceBuffer<float> pool, queries, coarse_pool, feedback_device;
   gpu::DeviceBuffer<int32_t> groups, blocks, visit, count, coarse_table;
   StepBuffers& b = buffers;  // read only
   const int64_t query_count = int64_t{m.num_layers} * max_batch * m.num_q_heads * m.head_dim;
@@ -111,6 +112,12 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
     in.coarse_table = coarse_table.get();
     in.max_coarse_groups = coarse->max_coarse_groups;
   }
+  if (feedback != nullptr) {
+    result.status =
+        CopyToDevice(feedback_device, feedback->data(), static_cast<int64_t>(feedback->size()));
+    if (!result.status.ok()) return result;
+    in.feedback = feedback_device.get();
+  }
   in.summary_pool = pool.get();
   in.group_table = groups.get();
   in.block_table = blocks.get();
@@ -125,6 +132,11 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
   EXPECT_EQ(cudaMemcpy(result.visit_count.data(), count.get(),
                        result.visit_count.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
             cudaSuccess);
+  if (feedback != nullptr) {
+    EXPECT_EQ(cudaMemcpy(feedback->data(), feedback_device.get(), feedback->size() * sizeof(float),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  }
   return result;
 }
 

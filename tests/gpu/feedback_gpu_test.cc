@@ -1,0 +1,216 @@
+// Selection feedback on the GPU (gpu/feedback.cuh) against core/'s (core/step.cc,
+// ApplyFeedback) on fresh random inputs and random feedback: the lists, the
+// statistics and the consumed buffer. Skips cleanly on machines without a CUDA
+// device (CI); runs on the lent H100.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/bounds.h"
+#include "core/step.h"
+#include "gpu/step.h"
+#include "gtest/gtest.h"
+#include "tests/core/coarse_policies.h"
+#include "tests/core/test_util.h"
+#include "tests/gpu/coarse_steps.h"
+#include "tests/gpu/device_step.h"
+
+namespace eps {
+namespace {
+
+using testing::CoarseHost;
+using testing::CoarseSteps;
+using testing::CompareWithReference;
+using testing::kBatch;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// [layers, max_seqs, q_heads, max_groups], NaN but where the attention "visited":
+// three heads in four have entries, each for about a third of the row's groups
+// (inside the candidates or not), on the scale of the scores; a few finite entries
+// lie past the row's groups, where no step may touch them.
+std::vector<float> RandomFeedback(const CoarseSteps& steps, std::mt19937_64& rng) {
+  const ModelLayout& m = steps.model;
+  const int64_t max_groups = steps.fine->max_groups();
+  std::vector<float> feedback(int64_t{m.num_layers} * kBatch * m.num_q_heads * max_groups, kNaN);
+  std::normal_distribution<float> entry(0.0f, 2.0f);
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (const StepRow& row : steps.rows) {
+      const int64_t n = GroupsFor(row.context_tokens, m);
+      for (int h = 0; h < m.num_q_heads; ++h) {
+        float* head = feedback.data() +
+                      ((int64_t{layer} * kBatch + row.table_row) * m.num_q_heads + h) * max_groups;
+        if (rng() % 4 == 0) continue;
+        for (int64_t p = 0; p < n; ++p) {
+          if (rng() % 3 == 0) head[p] = entry(rng);
+        }
+        if (n < max_groups) head[n] = 1.0f;  // past the row: never consumed
+      }
+    }
+  }
+  return feedback;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct FeedbackCase {
+  bool coarse;
+  Granularity granularity;
+};
+
+class FeedbackGpuStepTest : public ::testing::TestWithParam<FeedbackCase> {};
+
+// Every budget's lists and statistics equal core/'s with the same feedback, up to
+// float ties at a cut; the device consumes the same entries core/ does (bit for
+// bit); a replayed graph and kernels launched one by one give the same lists.
+TEST_P(FeedbackGpuStepTest, MatchesTheCoreReferenceAndConsumesTheSameEntries) {
+  SKIP_WITHOUT_DEVICE();
+  const FeedbackCase c = GetParam();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(1, 4, c.granularity, rng);
+  ModelLayout model = steps.model;
+  if (!c.coarse) model.coarse_blocks = 0;
+  auto reference = PageSelector::Create(model, *steps.phi);
+  ASSERT_TRUE(reference.ok());
+  const int64_t max_groups = steps.fine->max_groups();
+  auto graphs = gpu::GpuSelector::Create(model, 0, kBatch, max_groups);
+  auto direct = gpu::GpuSelector::Create(model, 0, kBatch, max_groups, {.graphs = false});
+  ASSERT_TRUE(graphs.ok() && direct.ok());
+  const CoarseHost host = steps.Host();
+  const CoarseHost* coarse = c.coarse ? &host : nullptr;
+  const int lists = c.granularity == Granularity::kPerKvHead ? model.num_kv_heads : 1;
+  int changed = 0;
+  for (const SelectPolicy& policy : testing::CoarsePolicies(c.granularity, 1.5f)) {
+    SCOPED_TRACE(policy.DebugString());
+    const std::vector<float> feedback = RandomFeedback(steps, rng);
+    StepInputs in = c.coarse ? steps.Inputs() : steps.fine->Inputs(steps.rows);
+    // core/'s lists without feedback, to see that it changes some.
+    ASSERT_TRUE(reference->Select(in, policy, steps.fine->Outputs(), nullptr).ok());
+    std::vector<std::vector<int32_t>> plain;
+    for (int layer = 0; layer < model.num_layers; ++layer) {
+      for (int b = 0; b < kBatch; ++b) {
+        for (int list = 0; list < lists; ++list) {
+          const auto l = steps.fine->VisitBlocks(layer, b, list);
+          plain.emplace_back(l.begin(), l.end());
+        }
+      }
+    }
+    std::vector<float> want_feedback = feedback;
+    in.feedback = want_feedback.data();
+    StepStats want;
+    ASSERT_TRUE(reference->Select(in, policy, steps.fine->Outputs(), &want).ok());
+    for (int layer = 0, i = 0; layer < model.num_layers; ++layer) {
+      for (int b = 0; b < kBatch; ++b) {
+        for (int list = 0; list < lists; ++list, ++i) {
+          const auto l = steps.fine->VisitBlocks(layer, b, list);
+          changed += std::vector<int32_t>(l.begin(), l.end()) != plain[i];
+        }
+      }
+    }
+
+    std::vector<float> first_feedback = feedback, replayed_feedback = feedback,
+                       launched_feedback = feedback;
+    const testing::DeviceStep first = testing::SelectOnDevice(
+        **graphs, *steps.fine, kBatch, steps.rows, policy, coarse, -1, &first_feedback);
+    ASSERT_TRUE(first.status.ok()) << first.status;
+    const testing::DeviceStep replayed = testing::SelectOnDevice(
+        **graphs, *steps.fine, kBatch, steps.rows, policy, coarse, -1, &replayed_feedback);
+    const testing::DeviceStep launched = testing::SelectOnDevice(
+        **direct, *steps.fine, kBatch, steps.rows, policy, coarse, -1, &launched_feedback);
+    ASSERT_TRUE(replayed.status.ok() && launched.status.ok());
+    EXPECT_EQ(first.visit_count, replayed.visit_count);
+    EXPECT_EQ(first.visit_blocks, replayed.visit_blocks);
+    EXPECT_EQ(first.visit_count, launched.visit_count);
+    EXPECT_EQ(first.visit_blocks, launched.visit_blocks);
+    EXPECT_TRUE(SameBits(first_feedback, want_feedback)) << "not consumed as core/ consumes";
+    EXPECT_TRUE(SameBits(replayed_feedback, want_feedback));
+    EXPECT_TRUE(SameBits(launched_feedback, want_feedback));
+
+    const int near_cut = CompareWithReference(steps, first, policy);
+    EXPECT_LE(near_cut, 4) << "more disagreements than fp32 ties explain";
+    EXPECT_EQ(first.stats.groups_total, want.groups_total);
+    EXPECT_EQ(first.stats.blocks_total, want.blocks_total);
+    if (near_cut == 0) {
+      EXPECT_EQ(first.stats.summary_bytes_read, want.summary_bytes_read);
+      EXPECT_EQ(first.stats.groups_visited, want.groups_visited);
+      EXPECT_EQ(first.stats.kv_bytes_read_est, want.kv_bytes_read_est);
+    }
+  }
+  EXPECT_GT(changed, 0) << "the feedback changed no list: the case tests nothing of it";
+}
+
+std::string FeedbackCaseName(const ::testing::TestParamInfo<FeedbackCase>& p) {
+  return std::string(p.param.coarse ? "coarse" : "flat") +
+         (p.param.granularity == Granularity::kPerKvHead ? "_per_kv_head" : "_union");
+}
+
+INSTANTIATE_TEST_SUITE_P(Feedback, FeedbackGpuStepTest,
+                         ::testing::Values(FeedbackCase{false, Granularity::kUnion},
+                                           FeedbackCase{false, Granularity::kPerKvHead},
+                                           FeedbackCase{true, Granularity::kUnion},
+                                           FeedbackCase{true, Granularity::kPerKvHead}),
+                         FeedbackCaseName);
+
+// A step that fails (a bad slot in the group table) leaves every entry as it was.
+TEST(FeedbackGpuValidationTest, AFailedStepLeavesTheFeedbackUntouched) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(1, 4, Granularity::kUnion, rng);
+  const CoarseHost host = steps.Host();
+  const std::vector<float> feedback = RandomFeedback(steps, rng);
+  steps.fine->group_table()[5] = 1 << 30;  // row 0, group 5
+  for (const bool coarse : {false, true}) {
+    ModelLayout model = steps.model;
+    if (!coarse) model.coarse_blocks = 0;
+    // Every coarse group a candidate: the bad slot's fine record is read.
+    SelectPolicy policy;
+    policy.coarse_candidates = 1024.0f;
+    auto selector = gpu::GpuSelector::Create(model, 0, kBatch, steps.fine->max_groups());
+    ASSERT_TRUE(selector.ok());
+    std::vector<float> got = feedback;
+    const testing::DeviceStep r = testing::SelectOnDevice(
+        **selector, *steps.fine, kBatch, steps.rows, policy, coarse ? &host : nullptr, -1, &got);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_TRUE(SameBits(got, feedback)) << (coarse ? "coarse" : "flat");
+  }
+}
+
+// Strict mode ignores the buffer: the same lists as without it, nothing consumed.
+TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedback) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(1, 4, Granularity::kUnion, rng);
+  const std::vector<float> feedback = RandomFeedback(steps, rng);
+  const CoarseHost host = steps.Host();
+  auto selector = gpu::GpuSelector::Create(steps.model, 0, kBatch, steps.fine->max_groups());
+  ASSERT_TRUE(selector.ok());
+  SelectPolicy policy;
+  policy.method = Method::kJl;
+  policy.top_pages = 6;
+  policy.strict = true;
+  const testing::DeviceStep without =
+      testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy, &host);
+  std::vector<float> got = feedback;
+  const testing::DeviceStep with =
+      testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy, &host, -1, &got);
+  ASSERT_TRUE(without.status.ok() && with.status.ok()) << with.status;
+  EXPECT_EQ(with.visit_count, without.visit_count);
+  EXPECT_EQ(with.visit_blocks, without.visit_blocks);
+  EXPECT_TRUE(SameBits(got, feedback));
+}
+
+}  // namespace
+}  // namespace eps
