@@ -51,8 +51,11 @@ enum class SharedBuffer : int {
   // offsets of the buffers above keep their meaning in every plan.
   kCoarsePool,
   kCoarseTable,
+  // Selection feedback (core/step.h StepInputs::feedback), optional in every
+  // session: after the coarse level's, for the same reason.
+  kFeedback,
 };
-inline constexpr int kSharedBuffers = 9;
+inline constexpr int kSharedBuffers = 10;
 
 // A dimension of a buffer's shape, by what fixes it.
 enum class Dim : int {
@@ -80,8 +83,8 @@ struct BufferSpec {
   DType dtype;       // queries: float32 here; a session may attach fp16 or bf16 queries
   int rank;          // the number of dims (kLists included)
   std::array<Dim, 4> dims;
-  bool output;    // written by epsd
-  bool optional;  // may be absent (flags)
+  bool output;    // written by epsd (feedback: by the engine too)
+  bool optional;  // may be absent (flags, feedback)
   // Belongs to a session only when its layout has a coarse level: required then,
   // refused otherwise (BufferApplies).
   bool coarse_level = false;
@@ -146,6 +149,16 @@ inline constexpr std::array<BufferSpec, kSharedBuffers> kBufferContract = {{
      {Dim::kMaxSeqs, Dim::kMaxCoarseGroups},
      false,
      false,
+     true},
+    // Written by the engine's attention (the log-sum-exp of each group it visited,
+    // NaN elsewhere) and by epsd, which sets the step's rows to NaN after a step
+    // that succeeded (consumed); hence an output. Any session may give it.
+    {SharedBuffer::kFeedback,
+     "feedback",
+     DType::kFloat32,
+     4,
+     {Dim::kNumLayers, Dim::kMaxSeqs, Dim::kNumQHeads, Dim::kMaxGroups},
+     true,
      true},
 }};
 

@@ -106,6 +106,7 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
     tensors.emplace_back(std::move(t), tensor);
   }
   buf.has_flags = b.has_flags();
+  buf.has_feedback = b.has_feedback();
   buf.num_slots = dims[Dim::kSlots];
   buf.max_seqs = dims[Dim::kMaxSeqs];
   buf.max_groups = dims[Dim::kMaxGroups];
@@ -169,6 +170,8 @@ StepInputs StepInputsOf(const SessionSpec& spec, const SessionBuffers& b,
     in.coarse_table = b.data<const int32_t>(SharedBuffer::kCoarseTable);
     in.max_coarse_groups = b.max_coarse_groups;
   }
+  // Engine memory, read and consumed (set to NaN) by the step: not in the estimate.
+  if (b.has_feedback) in.feedback = b.data<float>(SharedBuffer::kFeedback);
   in.num_physical_blocks = spec.num_kv_blocks;
   in.queries = b[SharedBuffer::kQueries].data;
   in.query_dtype = spec.query_dtype;

@@ -22,11 +22,12 @@
 namespace eps::service {
 
 struct SessionBuffers {
-  // By SharedBuffer; flags empty when absent, the coarse pool and table empty
-  // without a coarse level.
+  // By SharedBuffer; flags and feedback empty when absent, the coarse pool and
+  // table empty without a coarse level.
   std::array<MappedTensor, kSharedBuffers> tensors;
   bool has_flags = false;
   bool has_coarse_level = false;
+  bool has_feedback = false;
   // The engine's choices, fixed by the descriptors (core/buffer_contract.h); the
   // coarse ones 0 without a coarse level.
   int64_t num_slots = 0, max_seqs = 0, max_groups = 0, max_blocks = 0;
@@ -44,8 +45,9 @@ struct SessionBuffers {
 // Maps and validates every buffer of `buffers` for `spec`, in the contract's
 // order (core/buffer_contract.h); an engine-chosen dimension is fixed by the
 // first buffer that has it. The coarse pool and table are required when the
-// layout has a coarse level and refused when it has none. A cuda session needs every buffer in
-// device memory, a cpu session every one in host memory.
+// layout has a coarse level and refused when it has none; flags and feedback are
+// optional in every session (feedback is writable: epsd consumes it). A cuda session needs every
+// buffer in device memory, a cpu session every one in host memory.
 absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& buffers,
                                                      const SessionSpec& spec,
                                                      MappingCache& mappings);

@@ -53,10 +53,12 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
     p.dims[Dim::kMaxCoarseGroups] = p.max_coarse_groups;
   }
   // Every buffer of the layout in the contract's order (flags too, used or not), each
-  // aligned; the coarse ones only with a coarse level (their dims are unknown, -1, else).
+  // aligned; the coarse ones only with a coarse level (their dims are unknown, -1, else),
+  // feedback only when asked for (it is as large as max_seqs rows of scores).
   uint64_t offset = 0;
   for (const BufferSpec& spec : kBufferContract) {
     if (!BufferApplies(spec, model)) continue;
+    if (spec.id == SharedBuffer::kFeedback && !shape.with_feedback) continue;
     const int i = static_cast<int>(spec.id);
     int64_t elements = 1;
     for (int64_t dim : ShapeOf(spec, p.dims, shape.granularity)) elements *= dim;
@@ -78,6 +80,7 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
   p.coarse_pool = at(SharedBuffer::kCoarsePool);
   p.coarse_table = at(SharedBuffer::kCoarseTable);
   p.coarse_pool_words = p.elements[static_cast<int>(SharedBuffer::kCoarsePool)];
+  p.feedback = at(SharedBuffer::kFeedback);
   return p;
 }
 
@@ -86,6 +89,7 @@ v1::SharedBuffers BufferPlan::Descriptors(const v1::MemoryDescriptor& memory) co
   for (const BufferSpec& spec : kBufferContract) {
     if (!BufferApplies(spec, model)) continue;
     if (spec.id == SharedBuffer::kFlags && !shape.with_flags) continue;
+    if (spec.id == SharedBuffer::kFeedback && !shape.with_feedback) continue;
     v1::MemoryDescriptor* d = MutableDescriptor(s, spec);
     *d = memory;
     d->clear_shape();

@@ -29,6 +29,10 @@ struct BufferShape {
   // Coarse records per (layer, kv head): >= 1 when the layout has a coarse level
   // (ModelLayout.coarse_blocks > 0), 0 without one.
   int64_t coarse_slots = 0;
+  // Selection feedback (docs/api.md): when set the allocation holds the feedback
+  // buffer [layers, max_seqs, q_heads, max_groups] float32 and Descriptors() names
+  // it; unset, it has no bytes and epsd gets no descriptor.
+  bool with_feedback = false;
 };
 
 struct BufferPlan {
@@ -36,7 +40,8 @@ struct BufferPlan {
   BufferShape shape;
   BufferDims dims;  // every dim of the contract, fixed by `model` and `shape`
   // Bytes and elements by SharedBuffer; 0 for a buffer that does not apply to the
-  // layout (the coarse ones without a coarse level: core/buffer_contract.h).
+  // layout (the coarse ones without a coarse level: core/buffer_contract.h) and for
+  // feedback without shape.with_feedback.
   std::array<uint64_t, kSharedBuffers> offsets{};
   std::array<int64_t, kSharedBuffers> elements{};
   int64_t max_blocks = 0, max_groups = 0, record_words = 0, lists = 1, pool_words = 0;
@@ -44,7 +49,8 @@ struct BufferPlan {
   // offsets[] by name, for the buffers' accessors.
   uint64_t pool = 0, groups = 0, blocks = 0, queries = 0, visit = 0, count = 0, flags = 0;
   uint64_t coarse_pool = 0, coarse_table = 0;
-  uint64_t size = 0;  // bytes of the whole allocation
+  uint64_t feedback = 0;  // offsets[kFeedback]; 0 without shape.with_feedback
+  uint64_t size = 0;      // bytes of the whole allocation
 
   static absl::StatusOr<BufferPlan> For(const ModelLayout& model, const BufferShape& shape);
 
@@ -63,6 +69,10 @@ struct BufferPlan {
   }
   int64_t ListIndex(int layer, int64_t batch_pos, int list) const {
     return (layer * shape.max_batch + batch_pos) * lists + list;
+  }
+  // The first of a feedback row's max_groups entries (by table row, not batch position).
+  int64_t FeedbackIndex(int layer, int64_t row, int q_head) const {
+    return ((layer * shape.max_seqs + row) * model.num_q_heads + q_head) * max_groups;
   }
 };
 

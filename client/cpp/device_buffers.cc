@@ -22,6 +22,11 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   b->base_ = static_cast<std::byte*>(base);
   // Counters start at 0 and no list is valid until the first selection.
   CUDA_RETURN_IF_ERROR(cudaMemset(b->base_, 0, bytes));
+  if (b->plan_.shape.with_feedback) {
+    // Feedback starts NaN (no group visited): all-ones bytes are a float NaN.
+    CUDA_RETURN_IF_ERROR(cudaMemset(b->base_ + b->plan_.feedback, 0xFF,
+                                    b->plan_.ElementsOf(SharedBuffer::kFeedback) * sizeof(float)));
+  }
   cudaIpcMemHandle_t handle;
   CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, b->base_));
   b->handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));

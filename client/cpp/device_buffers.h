@@ -58,6 +58,11 @@ class DeviceBuffers {
   int32_t* coarse_table() const {
     return plan_.model.has_coarse_level() ? At<int32_t>(plan_.coarse_table) : nullptr;
   }
+  // Selection feedback [layers, max_seqs, q_heads, max_groups] float32, NaN from Create
+  // on; null without BufferShape.with_feedback (docs/api.md).
+  float* feedback() const {
+    return plan_.shape.with_feedback ? At<float>(plan_.feedback) : nullptr;
+  }
 
   absl::Status SignalInputsReady(cudaStream_t stream, uint64_t step);
   absl::Status WaitSelection(cudaStream_t stream, uint64_t step);

@@ -4,9 +4,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -39,6 +41,12 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(const Model
   }
   b->base_ = static_cast<std::byte*>(addr);
   b->pool_ = b->At<float>(b->plan_.pool);
+  if (shape.with_feedback) {
+    // NaN: no group visited yet (a zero would read as a visited group's log mass).
+    float* feedback = b->At<float>(b->plan_.feedback);
+    std::fill_n(feedback, b->plan_.ElementsOf(SharedBuffer::kFeedback),
+                std::numeric_limits<float>::quiet_NaN());
+  }
   return b;
 }
 
@@ -70,6 +78,12 @@ std::span<int32_t> EngineBuffers::CoarseRow(int64_t row) {
   if (!plan_.model.has_coarse_level()) return {};
   return {At<int32_t>(plan_.coarse_table) + row * plan_.max_coarse_groups,
           static_cast<size_t>(plan_.max_coarse_groups)};
+}
+
+std::span<float> EngineBuffers::FeedbackRow(int layer, int64_t row, int q_head) {
+  if (!plan_.shape.with_feedback) return {};
+  return {At<float>(plan_.feedback) + plan_.FeedbackIndex(layer, row, q_head),
+          static_cast<size_t>(plan_.max_groups)};
 }
 
 std::span<int32_t> EngineBuffers::GroupRow(int64_t row) {

@@ -42,6 +42,11 @@ class EngineBuffers {
   // max_coarse_groups slots (coarse group -> coarse slot).
   std::span<float> CoarseRecord(int64_t slot, int layer, int kv_head);
   std::span<int32_t> CoarseRow(int64_t row);
+  // Selection feedback (BufferShape.with_feedback; empty without): the max_groups
+  // entries of one (layer, table row, q head), NaN from Create on. The engine writes
+  // each visited group's log-sum-exp there; epsd sets the step's rows to NaN again
+  // after a step that succeeded (docs/api.md).
+  std::span<float> FeedbackRow(int layer, int64_t row, int q_head);
   std::span<const int32_t> VisitBlocks(int layer, int64_t batch_pos, int list = 0) const;
   int32_t VisitCount(int layer, int64_t batch_pos, int list = 0) const;
   uint64_t selection_done() const;

@@ -3,7 +3,9 @@
 // accessors on the plan's offsets. Host memory only.
 #include "client/cpp/buffer_plan.h"
 
+#include <cmath>
 #include <cstddef>
+#include <span>
 
 #include "client/cpp/engine_buffers.h"
 #include "gtest/gtest.h"
@@ -103,6 +105,63 @@ TEST(EngineBuffersTest, CoarseAccessorsAddressThePlansCoarseBuffers) {
   ASSERT_TRUE(flat.ok()) << flat.status();
   EXPECT_TRUE((*flat)->CoarseRecord(0, 0, 0).empty());
   EXPECT_TRUE((*flat)->CoarseRow(0).empty());
+}
+
+TEST(BufferPlanTest, FeedbackIsAbsentUnlessAskedForAndComesLast) {
+  for (int coarse_blocks : {0, 8}) {
+    const BufferShape without = Shape(coarse_blocks == 0 ? 0 : 24);
+    EXPECT_FALSE(without.with_feedback);
+    const BufferPlan base = *BufferPlan::For(Model(coarse_blocks), without);
+    EXPECT_EQ(base.ElementsOf(SharedBuffer::kFeedback), 0);
+    EXPECT_FALSE(base.Descriptors(v1::MemoryDescriptor()).has_feedback());
+    BufferShape with = without;
+    with.with_feedback = true;
+    absl::StatusOr<BufferPlan> plan = BufferPlan::For(Model(coarse_blocks), with);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    for (int i = 0; i < static_cast<int>(SharedBuffer::kFeedback); ++i) {
+      EXPECT_EQ(plan->offsets[i], base.offsets[i]) << kBufferContract[i].name;
+      EXPECT_EQ(plan->elements[i], base.elements[i]) << kBufferContract[i].name;
+    }
+    EXPECT_EQ(plan->feedback, base.size);
+    EXPECT_EQ(plan->feedback % kBufferAlignment, 0u);
+    EXPECT_EQ(plan->ElementsOf(SharedBuffer::kFeedback), 3 * 3 * 4 * 32);  // L, seqs, Hq, groups
+    EXPECT_GE(plan->size, plan->feedback + 3 * 3 * 4 * 32 * 4);
+    EXPECT_EQ(plan->FeedbackIndex(2, 1, 3), ((2 * 3 + 1) * 4 + 3) * 32);
+    const v1::SharedBuffers d = plan->Descriptors(v1::MemoryDescriptor());
+    ASSERT_TRUE(d.has_feedback());
+    EXPECT_EQ(d.feedback().offset(), plan->feedback);
+    EXPECT_EQ(d.feedback().dtype(), v1::DTYPE_FLOAT32);
+    ASSERT_EQ(d.feedback().shape_size(), 4);
+    EXPECT_EQ(d.feedback().shape(0), 3);
+    EXPECT_EQ(d.feedback().shape(1), 3);
+    EXPECT_EQ(d.feedback().shape(2), 4);
+    EXPECT_EQ(d.feedback().shape(3), 32);
+  }
+}
+
+TEST(EngineBuffersTest, FeedbackRowsAddressThePlansFeedbackAndStartNaN) {
+  BufferShape shape = Shape(0);
+  shape.with_feedback = true;
+  auto made = EngineBuffers::Create(Model(0), shape, "plan-test");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EngineBuffers& b = **made;
+  const BufferPlan& plan = b.plan();
+  const auto* base = reinterpret_cast<const std::byte*>(b.summary_pool().data()) - plan.pool;
+  std::span<float> row = b.FeedbackRow(2, 1, 3);
+  ASSERT_EQ(row.size(), 32u);
+  EXPECT_EQ(reinterpret_cast<const std::byte*>(row.data()),
+            base + plan.feedback + plan.FeedbackIndex(2, 1, 3) * 4);
+  for (int layer = 0; layer < 3; ++layer) {
+    for (int r = 0; r < 3; ++r) {
+      for (int h = 0; h < 4; ++h) {
+        for (float v : b.FeedbackRow(layer, r, h)) ASSERT_TRUE(std::isnan(v));
+      }
+    }
+  }
+
+  auto without = EngineBuffers::Create(Model(0), Shape(0), "plan-test");
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_TRUE((*without)->FeedbackRow(0, 0, 0).empty());
 }
 
 }  // namespace

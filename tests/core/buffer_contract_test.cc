@@ -76,5 +76,30 @@ TEST(BufferContractTest, CoarsePoolHasTheSummaryRecordLayout) {
   EXPECT_EQ(SpecOf(SharedBuffer::kCoarseTable).dtype, DType::kInt32);
 }
 
+TEST(BufferContractTest, FeedbackIsLastOptionalWrittenByEpsdAndAppliesToEverySession) {
+  const BufferSpec& spec = SpecOf(SharedBuffer::kFeedback);
+  EXPECT_EQ(static_cast<int>(SharedBuffer::kFeedback), kSharedBuffers - 1);
+  EXPECT_STREQ(spec.name, "feedback");
+  EXPECT_TRUE(spec.optional);
+  EXPECT_TRUE(spec.output);
+  EXPECT_FALSE(spec.coarse_level);
+  EXPECT_EQ(spec.dtype, DType::kFloat32);
+  ModelLayout coarse = Model();
+  coarse.coarse_blocks = 8;
+  EXPECT_TRUE(BufferApplies(spec, Model()));
+  EXPECT_TRUE(BufferApplies(spec, coarse));
+}
+
+TEST(BufferContractTest, FeedbackIsByLayerTableRowQueryHeadAndGroup) {
+  for (Granularity g : {Granularity::kUnion, Granularity::kPerKvHead}) {
+    BufferDims dims = BufferDims::For(Model(), g);
+    dims[Dim::kMaxSeqs] = 5;
+    dims[Dim::kMaxGroups] = 7;
+    dims[Dim::kMaxBatch] = 2;  // not a dim of feedback: rows are table rows
+    EXPECT_EQ(ShapeOf(SpecOf(SharedBuffer::kFeedback), dims, g),
+              (std::vector<int64_t>{3, 5, 8, 7}));
+  }
+}
+
 }  // namespace
 }  // namespace eps

@@ -62,6 +62,19 @@ int main(int argc, char** argv) {
   coarse_missing.mutable_buffers()->clear_coarse_table();
   Write(attach_dir, "coarse_table_missing", coarse_missing);
 
+  // Selection feedback [layers, seqs, q_heads, groups], inline and NaN (nothing fed), in
+  // the flat session; then with one dimension off.
+  v1::AttachRequest feedback = attach;
+  *feedback.mutable_buffers()->mutable_feedback() = fuzz::Inline(v1::DTYPE_FLOAT32, {2, 2, 4, 8});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::string nans;
+  for (int i = 0; i < 2 * 2 * 4 * 8; ++i) nans.append(reinterpret_cast<const char*>(&nan), 4);
+  feedback.mutable_buffers()->mutable_feedback()->mutable_inline_bytes()->set_data(nans);
+  Write(attach_dir, "valid_inline_feedback", feedback);
+  v1::AttachRequest feedback_heads = feedback;
+  feedback_heads.mutable_buffers()->mutable_feedback()->set_shape(2, 2);
+  Write(attach_dir, "feedback_bad_shape", feedback_heads);
+
   v1::SelectPagesRequest step;
   v1::BatchRow* row = step.add_rows();
   row->set_table_row(0);

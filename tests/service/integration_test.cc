@@ -1,5 +1,6 @@
 // Integration tests: the real epsd binary, the C++ client, shared memory, and
 // every output checked against the core/ reference on the same buffers.
+#include <cmath>
 #include <thread>
 #include <vector>
 
@@ -231,6 +232,37 @@ TEST_F(IntegrationTest, CoarseLevelSessionMatchesTheReferenceAndBadAttachesAreRe
   const client::StepResult r = client.SelectPages(6, rows);
   ASSERT_FALSE(r.fallback) << r.status;
   EXPECT_TRUE(engine.MatchesReference(rows, policy));
+}
+
+// Selection feedback over the wire: the feedback buffer in the engine's shm object,
+// written before each step as an attention would; every list equals core/'s with the
+// same feedback, and epsd leaves the step's rows NaN (consumed) after each step.
+TEST_F(IntegrationTest, FeedbackSessionMatchesTheReferenceAndConsumesTheStepsRows) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  TestEngine engine(testing::SmallServiceModel(), 2, 2048, 2, seed_ + 11, Granularity::kUnion,
+                    /*with_feedback=*/true);
+  engine.Fill(0, 0, 2048);
+  engine.Fill(1, 1, 2048);
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("feedback"));
+  ASSERT_NE(epsd, nullptr);
+  SelectPolicy policy;
+  policy.top_pages = 4;
+  v1::AttachRequest attach = engine.Attach("engine-feedback");
+  ASSERT_TRUE(attach.buffers().has_feedback());
+  attach.mutable_options()->set_top_pages(4);
+  client::EpsClient client(Options(epsd->target()), attach);
+  ASSERT_TRUE(client.Attach().ok());
+  for (int step = 1; step <= 4; ++step) {
+    std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1900 + step),
+                                      TestEngine::Row(1, 1000 + step)};
+    engine.FillFeedback(0, 1900 + step);
+    engine.FillFeedback(1, 1000 + step);
+    const std::vector<float> before = engine.Feedback();
+    const client::StepResult r = client.SelectPages(step, rows);
+    ASSERT_FALSE(r.fallback) << "step " << step << ": " << r.status;
+    ASSERT_TRUE(engine.MatchesReference(rows, policy, before)) << "step " << step;
+    for (const float v : engine.Feedback()) ASSERT_TRUE(std::isnan(v)) << "step " << step;
+  }
 }
 
 TEST_F(IntegrationTest, InlineBuffersCarryDataAndVisitListsInTheMessages) {

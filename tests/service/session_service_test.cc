@@ -3,6 +3,8 @@
 // and the refusals a step can meet.
 #include "service/session_service.h"
 
+#include <cmath>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -377,6 +379,173 @@ TEST_F(CoarseSessionServiceTest, AContextBeyondTheCoarseTableIsRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("needs 15 coarse groups, max_coarse_groups=14"));
 }
+
+// A session with the selection-feedback buffer (docs/api.md), flat or with a coarse
+// level; three table rows, the step reads rows 0 and 1 (row 2 is another sequence's).
+class FeedbackSessionServiceTest : public ::testing::TestWithParam<int> {
+ protected:
+  FeedbackSessionServiceTest()
+      : seed_(eps::testing::TestSeed()),
+        engine_(Model(), /*max_seqs=*/3, /*max_context=*/2048, /*max_batch=*/2, seed_,
+                Granularity::kUnion, /*with_feedback=*/true) {
+    engine_.Fill(2, 0, 700);  // its queries are overwritten by row 0's next
+    engine_.Fill(0, 0, 1900);
+    engine_.Fill(1, 1, 1300);
+    policy_.top_pages = 4;
+    policy_.coarse_candidates = 1.5f;
+  }
+
+  ModelLayout Model() const {
+    return GetParam() == 0 ? eps::testing::SmallServiceModel() : CoarseServiceModel();
+  }
+
+  v1::AttachRequest Attach(const std::string& engine_id) const {
+    v1::AttachRequest request = engine_.Attach(engine_id);
+    request.mutable_options()->set_top_pages(policy_.top_pages);
+    if (engine_.model().has_coarse_level()) {
+      request.mutable_options()->set_coarse_candidates(policy_.coarse_candidates);
+    }
+    return request;
+  }
+
+  v1::SelectPagesRequest Step(const std::string& session, uint64_t step) const {
+    v1::SelectPagesRequest r;
+    r.set_session_id(session);
+    r.set_step(step);
+    for (const v1::BatchRow& row : rows_) *r.add_rows() = row;
+    return r;
+  }
+
+  // Every entry of (layer, row, q head) below group `from` is NaN; those from it on equal `want`'s.
+  ::testing::AssertionResult ConsumedBelow(const std::vector<float>& want, int32_t row,
+                                           int64_t from) {
+    const client::BufferPlan& plan = engine_.buffers().plan();
+    for (int layer = 0; layer < engine_.model().num_layers; ++layer) {
+      for (int h = 0; h < engine_.model().num_q_heads; ++h) {
+        auto got = engine_.buffers().FeedbackRow(layer, row, h);
+        for (int64_t p = 0; p < plan.max_groups; ++p) {
+          const float before = want[plan.FeedbackIndex(layer, row, h) + p];
+          const bool ok = p < from ? std::isnan(got[p])
+                                   : (std::isnan(before) ? std::isnan(got[p]) : got[p] == before);
+          if (!ok) {
+            return ::testing::AssertionFailure()
+                   << "layer " << layer << " row " << row << " head " << h << " group " << p << ": "
+                   << got[p] << ", before the step " << before;
+          }
+        }
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  uint64_t seed_;
+  TestEngine engine_;
+  SelectPolicy policy_;
+  ServerConfig config_;
+  SessionService service_{config_};
+  const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 1900), TestEngine::Row(1, 1300)};
+};
+
+TEST_P(FeedbackSessionServiceTest, AStepSelectsAsCoreWithTheSameFeedbackAndConsumesItsRows) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachRequest request = Attach("engine-a");
+  ASSERT_TRUE(request.buffers().has_feedback());
+  v1::AttachResponse attached;
+  const absl::Status a = service_.Attach(request, &attached);
+  ASSERT_TRUE(a.ok()) << a;
+  for (int32_t row : {0, 1, 2}) engine_.FillFeedback(row, 1900);
+  const std::vector<float> before = engine_.Feedback();
+  v1::SelectPagesResponse response;
+  const absl::Status s = service_.SelectPages(Step(attached.session_id(), 1), &response);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_, before));
+  // The feedback was read: core without it selects otherwise.
+  EXPECT_FALSE(engine_.MatchesReference(rows_, policy_));
+  // Consumed: the step's rows up to their groups (1900 tokens: 60 groups, 1300: 41), not
+  // beyond, and not row 2, which the step did not read.
+  const ModelLayout& m = engine_.model();
+  EXPECT_TRUE(ConsumedBelow(before, 0, GroupsFor(1900, m)));
+  EXPECT_TRUE(ConsumedBelow(before, 1, GroupsFor(1300, m)));
+  EXPECT_TRUE(ConsumedBelow(before, 2, 0));
+
+  // A next step without new feedback selects as core without any.
+  ASSERT_TRUE(service_.SelectPages(Step(attached.session_id(), 2), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_));
+}
+
+TEST_P(FeedbackSessionServiceTest, NaNFeedbackOrNoneSelectsAsWithoutFeedback) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachResponse with, without;
+  ASSERT_TRUE(service_.Attach(Attach("engine-a"), &with).ok());
+  v1::AttachRequest plain = Attach("engine-b");
+  plain.mutable_buffers()->clear_feedback();
+  ASSERT_TRUE(service_.Attach(plain, &without).ok());
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(with.session_id(), 1), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_));
+  // Without the buffer epsd neither reads nor writes it.
+  for (int32_t row : {0, 1}) engine_.FillFeedback(row, 1900);
+  const std::vector<float> before = engine_.Feedback();
+  ASSERT_TRUE(service_.SelectPages(Step(without.session_id(), 1), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_));
+  EXPECT_TRUE(ConsumedBelow(before, 0, 0));
+  EXPECT_TRUE(ConsumedBelow(before, 1, 0));
+}
+
+TEST_P(FeedbackSessionServiceTest, AFailedStepLeavesTheFeedback) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(Attach("engine-a"), &attached).ok());
+  for (int32_t row : {0, 1}) engine_.FillFeedback(row, 1900);
+  const std::vector<float> before = engine_.Feedback();
+  const int32_t good = engine_.buffers().GroupRow(1)[3];
+  engine_.buffers().GroupRow(1)[3] = 1 << 20;
+  v1::SelectPagesResponse response;
+  const absl::Status s = service_.SelectPages(Step(attached.session_id(), 1), &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(ConsumedBelow(before, 0, 0));
+  EXPECT_TRUE(ConsumedBelow(before, 1, 0));
+  engine_.buffers().GroupRow(1)[3] = good;
+  ASSERT_TRUE(service_.SelectPages(Step(attached.session_id(), 2), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy_, before));
+}
+
+TEST_P(FeedbackSessionServiceTest, FeedbackShapesAreCheckedAgainstTheContract) {
+  v1::AttachResponse response;
+  v1::AttachRequest rows = Attach("engine-a");
+  rows.mutable_buffers()->mutable_feedback()->set_shape(1, 2);
+  absl::Status s = service_.Attach(rows, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "feedback.shape[1]=2 does not match group_table.shape[0]=3");
+
+  v1::AttachRequest heads = Attach("engine-b");
+  heads.mutable_buffers()->mutable_feedback()->set_shape(2, 2);
+  EXPECT_EQ(service_.Attach(heads, &response).message(),
+            "feedback.shape[2]=2 does not match num_q_heads=4");
+
+  v1::AttachRequest groups = Attach("engine-c");
+  groups.mutable_buffers()->mutable_feedback()->set_shape(3, 7);
+  EXPECT_THAT(service_.Attach(groups, &response).message(),
+              HasSubstr("feedback.shape[3]=7 does not match group_table.shape[1]="));
+
+  v1::AttachRequest rank = Attach("engine-d");
+  rank.mutable_buffers()->mutable_feedback()->mutable_shape()->RemoveLast();
+  s = service_.Attach(rank, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("feedback"));
+
+  v1::AttachRequest dtype = Attach("engine-e");
+  dtype.mutable_buffers()->mutable_feedback()->set_dtype(v1::DTYPE_INT32);
+  s = service_.Attach(dtype, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("feedback.dtype=DTYPE_INT32"));
+  EXPECT_EQ(service_.session_count(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(FlatAndCoarse, FeedbackSessionServiceTest, ::testing::Values(0, 1),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 0 ? std::string("Flat") : std::string("Coarse");
+                         });
 
 }  // namespace
 }  // namespace eps::service

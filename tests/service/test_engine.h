@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -37,7 +38,8 @@ inline ModelLayout SmallServiceModel() {
 class TestEngine {
  public:
   TestEngine(const ModelLayout& model, int64_t max_seqs, int64_t max_context, int64_t max_batch,
-             uint64_t seed, Granularity granularity = Granularity::kUnion)
+             uint64_t seed, Granularity granularity = Granularity::kUnion,
+             bool with_feedback = false)
       : model_(model), rng_(seed) {
     client::BufferShape shape;
     shape.max_seqs = max_seqs;
@@ -46,6 +48,7 @@ class TestEngine {
     shape.num_slots = max_seqs * GroupsFor(max_context, model);
     shape.granularity = granularity;
     shape.coarse_slots = max_seqs * CoarseGroupsFor(max_context, model);  // 0 without the level
+    shape.with_feedback = with_feedback;
     auto b = client::EngineBuffers::Create(model, shape, "test");
     EXPECT_TRUE(b.ok()) << b.status();
     buffers_ = std::move(*b);
@@ -115,6 +118,31 @@ class TestEngine {
     }
   }
 
+  // Selection feedback as an attention would leave it for table row `row` of `tokens`
+  // tokens: about half of the groups of every (layer, q head) get a log-sum-exp in
+  // [-4, 4], the others NaN. Needs the feedback buffer (with_feedback).
+  void FillFeedback(int32_t row, int64_t tokens) {
+    const int64_t groups = GroupsFor(tokens, model_);
+    std::uniform_real_distribution<float> lse(-4.0f, 4.0f);
+    for (int layer = 0; layer < model_.num_layers; ++layer) {
+      for (int h = 0; h < model_.num_q_heads; ++h) {
+        auto entries = buffers_->FeedbackRow(layer, row, h);
+        EXPECT_EQ(entries.size(), static_cast<size_t>(buffers_->max_groups()));
+        for (int64_t p = 0; p < groups; ++p) {
+          entries[p] = rng_() % 2 == 0 ? lse(rng_) : std::numeric_limits<float>::quiet_NaN();
+        }
+      }
+    }
+  }
+
+  // The whole feedback buffer (empty without one).
+  std::vector<float> Feedback() {
+    const int64_t n = buffers_->plan().ElementsOf(SharedBuffer::kFeedback);
+    if (n == 0) return {};
+    const float* first = buffers_->FeedbackRow(0, 0, 0).data();
+    return std::vector<float>(first, first + n);
+  }
+
   v1::AttachRequest Attach(const std::string& engine_id) const {
     v1::AttachRequest a;
     a.set_engine_id(engine_id);
@@ -148,8 +176,11 @@ class TestEngine {
   }
 
   // Runs the core/ reference over the same buffers and compares every list.
+  // With `feedback` (a copy of the buffer as it was before the step: epsd consumes
+  // the engine's), the reference reads that.
   ::testing::AssertionResult MatchesReference(const std::vector<v1::BatchRow>& rows,
-                                              const SelectPolicy& policy = SelectPolicy{}) {
+                                              const SelectPolicy& policy = SelectPolicy{},
+                                              std::vector<float> feedback = {}) {
     const client::BufferShape& shape = buffers_->shape();
     const int lists = shape.granularity == Granularity::kPerKvHead ? model_.num_kv_heads : 1;
     std::vector<int32_t> blocks(model_.num_layers * shape.max_batch * lists *
@@ -175,6 +206,7 @@ class TestEngine {
       in.coarse_table = buffers_->CoarseRow(0).data();
       in.max_coarse_groups = buffers_->max_coarse_groups();
     }
+    if (!feedback.empty()) in.feedback = feedback.data();
     in.queries = buffers_->Query(0, 0, 0).data();
     in.max_batch = shape.max_batch;
     in.rows = step_rows;

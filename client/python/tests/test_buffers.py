@@ -21,8 +21,10 @@ def cpp_descriptors(tool: str, model: ModelLayout, shape: BufferShape) -> pb.Sha
             model.block_size, model.group_blocks, model.sketch_dim, int(f.key_sum),
             int(f.quest), int(f.principal), int(f.quest8), shape.num_slots, shape.max_seqs,
             shape.max_context, shape.max_batch, int(shape.per_kv_head)]
-    if model.has_coarse_level:
+    if model.has_coarse_level or shape.with_feedback:
         args += [model.coarse_blocks, shape.coarse_slots]
+    if shape.with_feedback:
+        args += [1]
     out = subprocess.run([tool, "descriptors", *map(str, args)], check=True,
                          capture_output=True).stdout
     return pb.SharedBuffers.FromString(out)
@@ -92,6 +94,38 @@ def test_without_a_coarse_level_there_are_no_coarse_buffers():
         message = buf.descriptors()
         assert not message.HasField("coarse_pool") and not message.HasField("coarse_table")
         assert "coarse_pool" not in buf.layout.offsets
+
+
+@pytest.mark.parametrize("coarse_blocks", [0, 12])
+def test_feedback_descriptors_equal_the_cpp_engine_buffers(core_reference, coarse_blocks):
+    model = ModelLayout(num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=68, block_size=16,
+                        group_blocks=4, sketch_dim=6, coarse_blocks=coarse_blocks)
+    plain = BufferShape(num_slots=37, max_seqs=5, max_context=1000, max_batch=3,
+                        coarse_slots=11 if coarse_blocks else 0)
+    shape = BufferShape(**{**plain.__dict__, "with_feedback": True})
+    with ShmBuffers(model, shape) as buf:
+        ours = buf.descriptors()
+        assert buf.feedback is not None and buf.feedback.shape == (3, 5, 6, buf.max_groups)
+        assert buf.feedback.dtype == np.float32 and np.isnan(buf.feedback).all()
+        # last: every other buffer keeps its offset
+        without = BufferLayout.compute(model, plain)
+        for name, offset in without.offsets.items():
+            assert buf.layout.offsets[name] == offset, name
+        assert buf.layout.offsets["feedback"] == without.size
+    assert ours.HasField("feedback")
+    assert list(ours.feedback.shape) == [3, 5, 6, 16]  # 63 blocks, 4 a group
+    assert without_names(ours) == without_names(cpp_descriptors(core_reference, model, shape))
+
+
+def test_without_with_feedback_there_is_no_feedback_buffer(core_reference):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    shape = BufferShape(4, 2, 256, 2)
+    assert not shape.with_feedback
+    with ShmBuffers(model, shape) as buf:
+        assert buf.feedback is None
+        assert "feedback" not in buf.layout.offsets
+        assert not buf.descriptors().HasField("feedback")
+    assert not cpp_descriptors(core_reference, model, shape).HasField("feedback")
 
 
 def test_coarse_slots_must_match_the_coarse_level():

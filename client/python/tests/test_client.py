@@ -89,6 +89,41 @@ def test_a_coarse_level_session_equals_the_core_reference_step(epsd, core_refere
     state.buffers.close()
 
 
+def test_a_feedback_session_equals_the_core_reference_and_consumes_its_rows(
+        epsd, core_reference, tmp_path, rng):
+    state = make_state(rng, contexts=[1000, 700], select=replace(OPTIONS, top_pages=2),
+                       with_feedback=True)
+    attach = state.attach()
+    assert attach.buffers.HasField("feedback")
+    fb = state.buffers.feedback
+    assert fb is not None and np.isnan(fb).all()
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        for step in range(1, 3):
+            state.new_queries(rng)
+            # as an attention would leave it: about half the groups of each head fed
+            for row, ctx, _ in state.rows:
+                groups = groups_for(ctx, MODEL)
+                lse = rng.uniform(-4, 4, (MODEL.num_layers, MODEL.num_q_heads, groups))
+                lse[rng.random(lse.shape) < 0.5] = np.nan
+                fb[:, row, :, :groups] = lse
+            fb[:, 0, :, :3] = 1.0  # row 0 is in no step: never consumed
+            # core's lists with this feedback (the tool reads a copy), before epsd consumes it
+            want_blocks, want_count = core_visits(core_reference, tmp_path, state, attach)
+            result = client.select_pages(step, state.rows)
+            assert result.ok, result.message
+            np.testing.assert_array_equal(state.buffers.visit_count[:, :2], want_count[:, :2])
+            for layer in range(MODEL.num_layers):
+                for b in range(2):
+                    n = int(want_count[layer, b])
+                    np.testing.assert_array_equal(state.buffers.visits(layer, b),
+                                                  want_blocks[layer, b, :n])
+            for row, _, _ in state.rows:
+                assert np.isnan(fb[:, row]).all()
+            assert (fb[:, 0, :, :3] == 1.0).all()
+    state.buffers.close()
+
+
 def test_an_attach_without_the_coarse_buffers_is_refused_naming_them(epsd, rng):
     state = make_state(rng, contexts=[300], model=replace(MODEL, coarse_blocks=8))
     request = state.attach()

@@ -7,9 +7,10 @@
 //       core::SummaryWriter on a pool of Reset records, reading each op's keys
 //       [count, H, D] of DTYPE (f32 | f16 | bf16) from KEYS in order; writes the pool to OUT.
 //   eps_core_reference descriptors L QH H D BS G M KEY_SUM QUEST PRINCIPAL QUEST8 SLOTS MAX_SEQS
-//                      MAX_CONTEXT MAX_BATCH PER_HEAD [COARSE_BLOCKS COARSE_SLOTS]
+//                      MAX_CONTEXT MAX_BATCH PER_HEAD [COARSE_BLOCKS COARSE_SLOTS [FEEDBACK]]
 //       Creates client::EngineBuffers and writes its SharedBuffers message to stdout
-//       (with a coarse level when COARSE_BLOCKS > 0).
+//       (with a coarse level when COARSE_BLOCKS > 0, with the feedback buffer when
+//       FEEDBACK is 1).
 //   eps_core_reference contract
 //       Writes core/buffer_contract.h's table as JSON to stdout:
 //       {"alignment": 256, "region_alignment": 2097152,
@@ -19,7 +20,9 @@
 //       core::PageSelector::Select with the server's defaults merged with
 //       ATTACH's options, for ROWS ("table_row:context_tokens,..."), and writes
 //       visit_blocks then visit_count (int32, whole buffers) to OUT. With a coarse
-//       level in ATTACH's layout, reads its coarse pool and table too.
+//       level in ATTACH's layout, reads its coarse pool and table too; with a
+//       feedback descriptor, a copy of the feedback buffer (the mapping is read-only,
+//       so the step's consumption is not written back).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -118,7 +121,7 @@ int Summaries(char** argv) {
   return out ? 0 : Fail("cannot write output");
 }
 
-int Descriptors(char** argv, bool coarse) {
+int Descriptors(char** argv, bool coarse, bool feedback_arg) {
   eps::ModelLayout model;
   model.num_layers = Int(argv[0]);
   model.num_q_heads = Int(argv[1]);
@@ -141,6 +144,7 @@ int Descriptors(char** argv, bool coarse) {
     model.coarse_blocks = Int(argv[16]);
     shape.coarse_slots = Int(argv[17]);
   }
+  if (feedback_arg) shape.with_feedback = Int(argv[18]) != 0;
   auto buffers = eps::client::EngineBuffers::Create(model, shape, "pyref");
   if (!buffers.ok()) return Fail(std::string(buffers.status().message()));
   std::string bytes;
@@ -194,6 +198,15 @@ int Select(char** argv) {
     in.coarse_table = reinterpret_cast<const int32_t*>(at(b.coarse_table()));
     in.max_coarse_groups = b.coarse_table().shape(1);
   }
+  std::vector<float> feedback;
+  if (b.has_feedback()) {
+    if (b.feedback().shape_size() != 4) return Fail("the feedback descriptor has no shape");
+    int64_t elems = 1;
+    for (int64_t d : b.feedback().shape()) elems *= d;
+    const auto* from = reinterpret_cast<const float*>(at(b.feedback()));
+    feedback.assign(from, from + elems);
+    in.feedback = feedback.data();
+  }
   in.max_blocks = b.block_table().shape(1);
   in.num_physical_blocks = attach.num_kv_blocks() == 0 ? -1 : attach.num_kv_blocks();
   in.queries = at(b.queries());
@@ -245,8 +258,8 @@ int Contract() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "summaries" && argc == 16) return Summaries(argv + 2);
-  if (mode == "descriptors" && (argc == 18 || argc == 20)) {
-    return Descriptors(argv + 2, argc == 20);
+  if (mode == "descriptors" && (argc == 18 || argc == 20 || argc == 21)) {
+    return Descriptors(argv + 2, argc >= 20, argc == 21);
   }
   if (mode == "select" && argc == 5) return Select(argv + 2);
   if (mode == "contract" && argc == 2) return Contract();

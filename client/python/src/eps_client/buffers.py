@@ -16,9 +16,13 @@ aligned:
     flags         [counters]                               uint64  inputs_ready, selection_done
     coarse_pool   [coarse_slots, num_layers, num_kv_heads, record_words]  float32
     coarse_table  [max_seqs, max_coarse_groups]            int32   coarse group -> coarse slot
+    feedback      [num_layers, max_seqs, num_q_heads, max_groups]  float32  log-sum-exp, NaN
 
-The last two only with a coarse level (``ModelLayout.coarse_blocks`` > 0): a buffer with
-``coarse_level`` set belongs to a layout exactly when it has one (``applies``).
+The coarse pool and table only with a coarse level (``ModelLayout.coarse_blocks`` > 0): a
+buffer with ``coarse_level`` set belongs to a layout exactly when it has one (``applies``).
+Feedback (selection feedback, docs/api.md) only with ``BufferShape.with_feedback``: by
+table row, the engine's attention writes each visited group's log-sum-exp and epsd sets
+the step's rows back to NaN after a step that succeeded; it starts NaN.
 
 ``ShmBuffers`` puts them in one POSIX shared-memory object as numpy arrays
 (CPU mode); ``CudaBuffers`` (eps_client.cuda) in one cudaMalloc region exported
@@ -55,7 +59,7 @@ class BufferSpec:
     name: str
     dims: tuple[str, ...]  # core::DimName of each dim; "lists" only per KV head
     dtype: type
-    output: bool  # written by epsd
+    output: bool  # written by epsd (feedback: by the engine too)
     optional: bool = False
     coarse_level: bool = False  # only with a coarse level: required then, refused otherwise
 
@@ -78,6 +82,8 @@ CONTRACT: tuple[BufferSpec, ...] = (
                np.float32, False, coarse_level=True),
     BufferSpec("coarse_table", ("max_seqs", "max_coarse_groups"), np.int32, False,
                coarse_level=True),
+    BufferSpec("feedback", ("num_layers", "max_seqs", "num_q_heads", "max_groups"), np.float32,
+               True, optional=True),
 )
 
 
@@ -92,6 +98,7 @@ class BufferShape:
     per_kv_head: bool = False  # visit lists per (sequence, layer, KV head) instead of the union
     with_flags: bool = True
     coarse_slots: int = 0  # coarse records per (layer, kv head): >= 1 with a coarse level, else 0
+    with_feedback: bool = False  # the selection-feedback buffer (docs/api.md); no bytes without
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_seqs", "max_context", "max_batch"):
@@ -135,13 +142,15 @@ class BufferLayout:
             "head_dim": model.head_dim, "lists": lists, "counters": 2,
             "coarse_slots": shape.coarse_slots, "max_coarse_groups": max_coarse,
         }
-        # Only the layout's buffers: the coarse ones with a coarse level alone.
+        # Only the layout's buffers: the coarse ones with a coarse level alone, feedback
+        # only when asked for (it is as large as max_seqs rows of scores).
+        specs = [spec for spec in CONTRACT if spec.applies(model)
+                 and (spec.name != "feedback" or shape.with_feedback)]
         shapes: dict[str, tuple[int, ...]] = {
             spec.name: tuple(dims[d] for d in spec.dims if d != "lists" or shape.per_kv_head)
-            for spec in CONTRACT if spec.applies(model)
+            for spec in specs
         }
-        dtypes: dict[str, type] = {spec.name: spec.dtype for spec in CONTRACT
-                                   if spec.applies(model)}
+        dtypes: dict[str, type] = {spec.name: spec.dtype for spec in specs}
         offsets: dict[str, int] = {}
         at = 0
         for name, shape_of in shapes.items():
@@ -199,6 +208,10 @@ class ShmBuffers:
         # The coarse level's, None without one.
         self.coarse_pool: np.ndarray | None = views.get("coarse_pool")
         self.coarse_table: np.ndarray | None = views.get("coarse_table")
+        # Selection feedback, None without BufferShape.with_feedback; NaN until written.
+        self.feedback: np.ndarray | None = views.get("feedback")
+        if self.feedback is not None:
+            self.feedback.fill(np.nan)
 
     @property
     def max_blocks(self) -> int:
@@ -231,7 +244,7 @@ class ShmBuffers:
             return
         # Drop our views first: SharedMemory.close() refuses while buffers are exported.
         for name in ("summary_pool", "group_table", "block_table", "queries", "visit_blocks",
-                     "visit_count", "flags", "coarse_pool", "coarse_table"):
+                     "visit_count", "flags", "coarse_pool", "coarse_table", "feedback"):
             setattr(self, name, None)
         shm, self._shm = self._shm, None
         try:

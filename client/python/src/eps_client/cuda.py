@@ -109,6 +109,8 @@ class CudaBuffers:
                 np_dtype = np.int64
             view = _DeviceArray(base + self.layout.offsets[name], dims, np_dtype, self)
             setattr(self, name, torch.as_tensor(view, device=f"cuda:{device}"))
+        if self.feedback is not None:
+            self.feedback.fill_(float("nan"))  # no group visited yet (docs/api.md)
 
     summary_pool: Any
     group_table: Any
@@ -119,6 +121,7 @@ class CudaBuffers:
     flags: Any
     coarse_pool: Any = None  # the coarse level's; None without one
     coarse_table: Any = None
+    feedback: Any = None  # selection feedback; None without BufferShape.with_feedback
 
     def descriptors(self) -> pb.SharedBuffers:
         handle = pb.CudaIpcHandle(handle=self.ipc_handle, device=self.device)

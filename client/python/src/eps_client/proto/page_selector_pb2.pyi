@@ -197,7 +197,7 @@ class MemoryDescriptor(_message.Message):
     def __init__(self, cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., cuda_vmm: _Optional[_Union[CudaVmmFd, _Mapping]] = ..., host_shm: _Optional[_Union[HostShm, _Mapping]] = ..., inline_bytes: _Optional[_Union[InlineBytes, _Mapping]] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class SharedBuffers(_message.Message):
-    __slots__ = ("summary_pool", "group_table", "block_table", "queries", "visit_blocks", "visit_count", "flags", "coarse_pool", "coarse_table")
+    __slots__ = ("summary_pool", "group_table", "block_table", "queries", "visit_blocks", "visit_count", "flags", "coarse_pool", "coarse_table", "feedback")
     SUMMARY_POOL_FIELD_NUMBER: _ClassVar[int]
     GROUP_TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class SharedBuffers(_message.Message):
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     COARSE_POOL_FIELD_NUMBER: _ClassVar[int]
     COARSE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     summary_pool: MemoryDescriptor
     group_table: MemoryDescriptor
     block_table: MemoryDescriptor
@@ -216,7 +217,8 @@ class SharedBuffers(_message.Message):
     flags: MemoryDescriptor
     coarse_pool: MemoryDescriptor
     coarse_table: MemoryDescriptor
-    def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
+    feedback: MemoryDescriptor
+    def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., feedback: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
 
 class SelectOptions(_message.Message):
     __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages", "mass_scope", "coarse_candidates")
