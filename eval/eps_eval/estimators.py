@@ -38,7 +38,7 @@ from eps_eval.metrics import BLOCK
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
 
-# The estimators evaluated by the estimator plan (quality.ESTIMATOR_PLAN).
+# The estimators evaluated by the estimator plan (plans.ESTIMATOR_PLAN).
 ESTIMATORS = ("questclt0", "questclt0.25", "questclt0.5", "questclt1", "questclt1.5",
               "questclt2", "questclt3", "questblend0.25", "questblend0.5", "questblend0.75",
               "questlgn")

@@ -38,112 +38,18 @@ summary bytes read (see metrics.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core, estimators
 from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
+from eps_eval.plans import QualityPlan
 
 F32 = npt.NDArray[np.float32]
-FRACTIONS = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8)
 CORE_METHODS = ("jl8", "1pc", "fro", "quest", "questclt")  # questclt: core's, on the fp16 record
 MASS_TARGETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
 MASS_TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MASS_FLOORS = (0.0, 0.05, 0.1, 0.2)  # min_pages as a share of the unforced groups
-
-
-@dataclass(frozen=True)
-class QualityPlan:
-    group_blocks: tuple[int, ...] = (1, 2, 4, 8, 16)
-    lags: tuple[int, ...] = (0, 1, 2, 3, 4)
-    fractions: tuple[float, ...] = FRACTIONS
-    mass_methods: tuple[str, ...] = ("quest", "quest8", "questmid", "oracle_mass")
-    mass_group_blocks: tuple[int, ...] = (1, 2, 4, 8)
-    mass_lags: tuple[int, ...] = (0, 1)
-    c2f_coarse: tuple[int, ...] = (8, 16)
-    c2f_candidates: tuple[float, ...] = (1.5, 2.0, 3.0)  # candidate groups per final block budget
-    methods: tuple[str, ...] = ("jl8", "1pc", "fro", "quest", "quest8")  # threshold-budget scorers
-    estimators: tuple[str, ...] = ()  # eps_eval.estimators names, from the quest8 record
-    c2f_scorers: tuple[str, ...] = ("quest8",)  # scorer of both c2f levels
-    mass_union: bool = False  # also the list-level mass budget (massunion)
-    # Selection feedback (fb-<estimator>-o<k>, lag 1 only): the groups the previous step
-    # selected (the same estimator and budget with the query before) are ranked by the exact
-    # mass the previous step's attention computed for them (lag 1); the others by the
-    # estimator plus k/2 · sqrt(d)·log(tokens of a group). Costs no summary bytes beyond the
-    # estimator's: the attention kernel would report each visited group's mass.
-    feedback: tuple[str, ...] = ()
-    # quest8's scale per (group, KV head): "fp32" the group's max |k| / 127; "pow2" that
-    # rounded up to a power of two, which a writer can apply as keys arrive (QuestTables)
-    quest8_scale: str = "fp32"
-    # epsd's own coarse level (core PageSelector::Select through libeps_eval, questclt on
-    # quest8 records, g = 1 under coarse groups of gc blocks, coarse_candidates c): rows
-    # epsd-c2f{gc}x{c}, lag 1, to check the harness's c2f against what epsd ships.
-    epsd_c2f: tuple[tuple[int, float], ...] = ()
-
-
-# Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
-# threshold budget and c2f8x2 only (what their comparison needs, at a CPU's cost).
-ESTIMATOR_PLAN = QualityPlan(
-    group_blocks=(1, 2, 4, 8), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(8,),
-    c2f_candidates=(2.0, 3.0),
-    methods=("quest", "questclt", "quest8", "momentlgn", "oracle_mass_lag"),
-    estimators=estimators.ESTIMATORS,
-    c2f_scorers=("quest8", "questclt0.5", "questclt1", "questclt2", "questblend0.5", "questlgn"))
-
-
-# The mass budget scored by epsd's questclt against quest's bound: lag 1, the threshold
-# budget beside it for the best fixed budget, no c2f (what that comparison needs).
-MASS_PLAN = QualityPlan(
-    group_blocks=(1, 2, 8), lags=(1,), mass_methods=("quest", "questclt", "oracle_mass"),
-    mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
-    methods=("quest", "questclt"), c2f_scorers=())
-# The mass plan with the list-level mass budget beside the per-head one, and the exact
-# mass under the lag-1 query (oracle_mass_lag) under both budgets and the threshold
-# budget: what the best estimator at this lag could reach.
-MASS_UNION_PLAN = QualityPlan(
-    group_blocks=(1, 2, 8), lags=(1,),
-    mass_methods=("quest", "questclt", "questlgn", "oracle_mass", "oracle_mass_lag"),
-    mass_group_blocks=(1, 2, 8), mass_lags=(1,), c2f_coarse=(), c2f_candidates=(),
-    methods=("quest", "questclt", "oracle_mass_lag"), c2f_scorers=(), mass_union=True,
-    estimators=("questlgn",))
-# Coarse-to-fine swept: coarse group sizes and candidate widths, both levels scored
-# with quest8's bound or questclt1, against questclt1 at g = 1 and 2 (lag 1).
-C2F_PLAN = QualityPlan(
-    group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(2, 4, 8, 16),
-    c2f_candidates=(1.5, 2.0, 3.0, 4.0, 6.0), methods=("quest8",), estimators=("questclt1",),
-    c2f_scorers=("quest8", "questclt1"))
-# questclt centred on the group's mean key (meanclt, d + 4 more bytes) against questclt1,
-# at g = 1 and 2 and as both levels of the best coarse-to-fine configurations.
-MEAN_PLAN = QualityPlan(
-    group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
-    c2f_candidates=(2.0, 3.0, 4.0), methods=("quest8",),
-    estimators=("questclt1", "meanclt0", "meanclt0.5", "meanclt1", "meanclt1.5"),
-    c2f_scorers=("questclt1", "meanclt0.5", "meanclt1"))
-# Selection feedback (QualityPlan.feedback) against its estimator alone and the exact
-# lag-1 mass, at g = 1 and 2 (lag 1; needs the query two positions back).
-FEEDBACK_PLAN = QualityPlan(
-    group_blocks=(1, 2), lags=(1, 2, 3), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
-    c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
-    c2f_scorers=("questclt1",), feedback=("questclt1",))
-# epsd's coarse level (core) beside the harness's coarse-to-fine at the same gc and width.
-EPSD_C2F_PLAN = QualityPlan(
-    group_blocks=(1, 2), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
-    c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
-    c2f_scorers=("questclt1",), epsd_c2f=((4, 2.0), (4, 3.0), (8, 2.0), (8, 3.0)))
-# epsd's coarse level with and without core's selection feedback (epsd-fb- rows), beside
-# the harness's simulated feedback (fb- rows) at the same gc and width (lag 1; needs the
-# query two positions back).
-EPSD_FEEDBACK_PLAN = QualityPlan(
-    group_blocks=(1,), lags=(1, 2), mass_methods=(), mass_lags=(), c2f_coarse=(4, 8),
-    c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
-    c2f_scorers=("questclt1",), feedback=("questclt1",),
-    epsd_c2f=((4, 2.0), (8, 3.0)))
-PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
-         "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
-         "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
-         "epsdfeedback": EPSD_FEEDBACK_PLAN}
 
 
 def record_bytes(method: str, d: int) -> float:

@@ -36,14 +36,8 @@ import numpy as np
 from eps_eval import core
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
 from eps_eval.metrics import BLOCK
-from eps_eval.quality import (
-    PLANS,
-    QUEST8_SCALES,
-    GrowingQuestTables,
-    LayerState,
-    QualityPlan,
-    step_rows,
-)
+from eps_eval.plans import PLANS, QualityPlan
+from eps_eval.quality import QUEST8_SCALES, GrowingQuestTables, LayerState, step_rows
 from eps_eval.realmodel import passkey_prompt
 from eps_eval.run import log, unit_done, write_unit
 
@@ -279,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="quest8's scale per group in the recall units (quality.QuestTables); "
                          "the passkey runs keep fp32")
     ap.add_argument("--plan", choices=tuple(PLANS), default="full",
-                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
-                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
-                         "massunion: quality.MASS_UNION_PLAN (mass plus the list-level mass "
+                    help="estimators: plans.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
+                         "mass: plans.MASS_PLAN (the mass budget, quest and questclt); "
+                         "massunion: plans.MASS_UNION_PLAN (mass plus the list-level mass "
                          "budget and the exact lag-1 mass)")
     ap.add_argument("--variants", type=variant_list, default=VARIANTS,
                     help="gated passkey variants METHOD:G,... (default: run_gemma.VARIANTS)")

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.quality import PLANS, QUEST8_SCALES, LayerState, QualityPlan, step_rows
+from eps_eval.plans import PLANS, QualityPlan
+from eps_eval.quality import QUEST8_SCALES, LayerState, step_rows
 from eps_eval.run import log, unit_done, write_unit
 
 SEED = 20261122
@@ -84,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-steps", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--plan", choices=tuple(PLANS), default="full",
-                    help="estimators: quality.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
-                         "mass: quality.MASS_PLAN (the mass budget, quest and questclt); "
-                         "massunion: quality.MASS_UNION_PLAN (mass plus the list-level mass "
-                         "budget and the exact lag-1 mass); c2f: quality.C2F_PLAN (coarse-to-"
-                         "fine swept); meancentre: quality.MEAN_PLAN (questclt centred on the "
+                    help="estimators: plans.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
+                         "mass: plans.MASS_PLAN (the mass budget, quest and questclt); "
+                         "massunion: plans.MASS_UNION_PLAN (mass plus the list-level mass "
+                         "budget and the exact lag-1 mass); c2f: plans.C2F_PLAN (coarse-to-"
+                         "fine swept); meancentre: plans.MEAN_PLAN (questclt centred on the "
                          "mean key)")
     ap.add_argument("--quest8-scale", choices=QUEST8_SCALES, default="fp32",
                     help="quest8's scale per group: fp32 (max |k| / 127) or pow2 (rounded up to "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from eps_eval import core, quality
+from eps_eval import core, plans, quality
 from eps_eval.metrics import BLOCK, dots, group_max
 
 
@@ -177,7 +177,7 @@ def test_estimator_plan_rows_cost_the_quest8_record(rng: np.random.Generator) ->
     tokens, d = 1024, 32
     tr = synthetic.make_layer("multi", tokens, [tokens - 2, tokens - 1], q_heads=4, kv_heads=2,
                               head_dim=d, seed=int(rng.integers(1 << 30)))
-    plan = quality.ESTIMATOR_PLAN
+    plan = plans.ESTIMATOR_PLAN
     state = quality.LayerState(plan, 4, 2, d, tokens)
     rows = quality.step_rows(state, tr.k, tr.v, tr.q, tokens - 1, {"workload": "test"})
     frac = {(r["method"], r["g"], r["param"]): r["summary_frac"] for r in rows
@@ -299,7 +299,7 @@ def test_feedback_plan_rows_name_each_variant(rng: np.random.Generator) -> None:
     tokens, d = 1024, 32
     tr = synthetic.make_layer("multi", tokens, [tokens - 4, tokens - 3, tokens - 2, tokens - 1],
                               q_heads=4, kv_heads=2, head_dim=d, seed=int(rng.integers(1 << 30)))
-    plan = quality.FEEDBACK_PLAN
+    plan = plans.FEEDBACK_PLAN
     state = quality.LayerState(plan, 4, 2, d, tokens)
     rows = quality.step_rows(state, tr.k, tr.v, tr.q, tokens - 1, {"workload": "test"})
     names = {r["method"] for r in rows}
