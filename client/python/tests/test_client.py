@@ -68,7 +68,12 @@ def test_a_coarse_level_session_equals_the_core_reference_step(epsd, core_refere
                                                                rng):
     model = replace(MODEL, coarse_blocks=8)
     select = replace(OPTIONS, method="quest", top_pages=2, coarse_candidates=1.0)
-    state = make_state(rng, contexts=[1000, 700], model=model, select=select)
+    # Long enough that the candidates cannot cover the context: a head names
+    # ceil(1.0 · 2 / 4) = 1 coarse group, so 4 heads and 2 forced name at most 6 of a row's
+    # 32 or 24 (with 1000 and 700 tokens they could name all 8, and the level read more than
+    # the flat selection would: a failed run of 2026-11-26).
+    state = make_state(rng, contexts=[4000, 3000], max_context=4096, model=model,
+                       select=select)
     attach = state.attach()
     assert attach.layout.coarse_blocks == 8
     assert attach.buffers.HasField("coarse_pool") and attach.buffers.HasField("coarse_table")
