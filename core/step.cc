@@ -49,6 +49,16 @@ absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t
   return absl::OkStatus();
 }
 
+absl::Status CheckCoarseInputs(const ModelLayout& model, const SelectPolicy& policy,
+                               const StepInputs& in) {
+  if (policy.UsesCoarseLevel(model) && (in.coarse_pool == nullptr || in.coarse_table == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the layout has a coarse level (coarse_blocks=", model.coarse_blocks,
+                     ") but the step has no coarse_pool or coarse_table"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PageSelector> PageSelector::Create(const ModelLayout& model, const PhiBank& phi) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   if (phi.seed() != model.phi_seed || phi.head_dim() != model.head_dim ||
@@ -77,11 +87,7 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
         absl::StrCat("query dtype ", DTypeName(in.query_dtype), " is not a float type"));
   }
   const bool coarse = policy.UsesCoarseLevel(model_);
-  if (coarse && (in.coarse_pool == nullptr || in.coarse_table == nullptr)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the layout has a coarse level (coarse_blocks=", model_.coarse_blocks,
-                     ") but the step has no coarse_pool or coarse_table"));
-  }
+  RETURN_IF_ERROR(CheckCoarseInputs(model_, policy, in));
   const int d = model_.head_dim;
   for (size_t i = 0; i < in.rows.size(); ++i) {
     const StepRow& row = in.rows[i];

@@ -80,6 +80,12 @@ struct StepStats {
 // (host or device memory) calls it before launching anything.
 absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t i);
 
+// Checks that a step whose policy uses the coarse level (SelectPolicy::UsesCoarseLevel)
+// has the coarse pool and table. Reads no buffer: every backend calls it before
+// launching anything.
+absl::Status CheckCoarseInputs(const ModelLayout& model, const SelectPolicy& policy,
+                               const StepInputs& in);
+
 // The reference selector. Thread safety: Select is const and reentrant.
 class PageSelector {
  public:

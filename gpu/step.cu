@@ -260,11 +260,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   const bool coarse = policy.UsesCoarseLevel(m);  // not strict, a method that scores
   const bool feedback = in.feedback != nullptr && !policy.strict;  // strict ignores it
-  if (coarse && (in.coarse_pool == nullptr || in.coarse_table == nullptr)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the layout has a coarse level (coarse_blocks=", m.coarse_blocks,
-                     ") but the step has no coarse_pool or coarse_table"));
-  }
+  RETURN_IF_ERROR(CheckCoarseInputs(m, policy, in));
   DeviceRow* rows = g.host_rows;
   StepStats host;
   const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
