@@ -56,43 +56,35 @@ WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_con
     c.num_queries = model.gqa_ratio();
     c.seed = rng();
     const testing::SyntheticHead head = testing::MakeSyntheticHead(c);
-    for (int64_t g = 0; g < w.max_groups; ++g) {
-      std::span<float> record(records.data() + (p * w.max_groups + g) * words, words);
-      writer.Reset(record);
-      const int64_t begin = g * gt, count = std::min(gt, max_context - begin);
-      // Well-formed synthetic keys cannot be rejected; a failure here is a bug.
-      (void)writer.Append(record, layer, kvh,
-                          {head.keys.data() + begin * d, DType::kFloat32, count, d});
-    }
+    // Well-formed synthetic keys cannot be rejected; a failure here is a bug.
+    const auto write_level = [&](std::vector<float>& level, int64_t count, int64_t tokens) {
+      for (int64_t r = 0; r < count; ++r) {
+        std::span<float> record(level.data() + (p * count + r) * words, words);
+        writer.Reset(record);
+        const int64_t begin = r * tokens, n = std::min(tokens, max_context - begin);
+        (void)writer.Append(record, layer, kvh,
+                            {head.keys.data() + begin * d, DType::kFloat32, n, d});
+      }
+    };
+    write_level(records, w.max_groups, gt);
     // The coarse records of the same keys (coarse group c: tokens [c*ct, (c+1)*ct)).
-    for (int64_t c = 0; c < w.max_coarse_groups; ++c) {
-      std::span<float> record(coarse_records.data() + (p * w.max_coarse_groups + c) * words, words);
-      writer.Reset(record);
-      const int64_t begin = c * ct, count = std::min(ct, max_context - begin);
-      (void)writer.Append(record, layer, kvh,
-                          {head.keys.data() + begin * d, DType::kFloat32, count, d});
-    }
+    write_level(coarse_records, w.max_coarse_groups, ct);
     pattern_queries.push_back(head.queries);
   }
 
-  w.summary_pool.resize(static_cast<size_t>(w.shape.num_slots) * pairs * words);
-  for (int64_t slot = 0; slot < w.shape.num_slots; ++slot) {
-    const int64_t g = slot % w.max_groups;
-    for (int pair = 0; pair < pairs; ++pair) {
-      const int p = pair % patterns;
-      std::copy_n(records.data() + (p * w.max_groups + g) * words, words,
-                  w.summary_pool.data() + (slot * pairs + pair) * words);
+  // Each slot's records: its group's (slot % groups) record of pattern pair % patterns.
+  const auto tile = [&](const std::vector<float>& level, int64_t count, int64_t slots,
+                        std::vector<float>& pool) {
+    pool.resize(static_cast<size_t>(slots) * pairs * words);
+    for (int64_t slot = 0; slot < slots; ++slot) {
+      for (int pair = 0; pair < pairs; ++pair) {
+        std::copy_n(level.data() + ((pair % patterns) * count + slot % count) * words, words,
+                    pool.data() + (slot * pairs + pair) * words);
+      }
     }
-  }
-  w.coarse_pool.resize(static_cast<size_t>(w.shape.coarse_slots) * pairs * words);
-  for (int64_t slot = 0; slot < w.shape.coarse_slots; ++slot) {
-    const int64_t c = slot % w.max_coarse_groups;
-    for (int pair = 0; pair < pairs; ++pair) {
-      const int p = pair % patterns;
-      std::copy_n(coarse_records.data() + (p * w.max_coarse_groups + c) * words, words,
-                  w.coarse_pool.data() + (slot * pairs + pair) * words);
-    }
-  }
+  };
+  tile(records, w.max_groups, w.shape.num_slots, w.summary_pool);
+  tile(coarse_records, w.max_coarse_groups, w.shape.coarse_slots, w.coarse_pool);
   w.coarse_table.resize(static_cast<size_t>(batch) * w.max_coarse_groups);
   std::iota(w.coarse_table.begin(), w.coarse_table.end(), 0);
   w.group_table.resize(static_cast<size_t>(batch) * w.max_groups);
