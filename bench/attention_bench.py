@@ -82,7 +82,19 @@ def visit_lists(table: torch.Tensor, share: float, gen: torch.Generator) -> tupl
     return lists, keep
 
 
-def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, rows: list) -> None:
+def feedback_target(tables: torch.Tensor, batch: int, blocks: int, group_blocks: int = 2):
+    """Selection feedback into one buffer shared by the layers (timing only): every
+    block's position from the layers' tables, g = 2."""
+    positions = torch.full((tables.numel(),), -1, dtype=torch.int32)
+    rows = tables.reshape(-1, blocks).long()
+    positions[rows] = torch.arange(blocks, dtype=torch.int32)[None].expand(rows.shape[0], -1)
+    buffer = torch.full((batch, Q_HEADS, -(-blocks // group_blocks)), float("nan"),
+                        device="cuda")
+    return attention.FeedbackTarget(buffer, positions.cuda(), group_blocks)
+
+
+def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, rows: list,
+               feedback: bool = False) -> None:
     blocks = context // BLOCK
     kv_bytes_dense = batch * context * KV_HEADS * D * 2 * 2
     layers = max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes_dense))
@@ -95,6 +107,7 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
     q = torch.randn(batch, Q_HEADS, D, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
     dense_us = None
+    target = feedback_target(tables, batch, blocks) if feedback else None
     for share in shares:
         lists, keep = [], 0
         for layer in range(layers):
@@ -114,11 +127,20 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
             padded_us = graph_time_us(
                 lambda i, wide=wide, seqused=seqused: attention.paged_decode_attention(
                     q, cache, wide[i % layers], seqused, out=out), layers * 4)
+        feedback_us = float("nan")
+        if target is not None:
+            # entries stay finite after the first call (no epsd to consume them), so every
+            # later write takes the combining path: an upper bound on the cost
+            feedback_us = graph_time_us(
+                lambda i, lists=lists, seqused=seqused: attention.paged_decode_attention(
+                    q, cache, lists[i % layers], seqused, out=out, feedback=target),
+                layers * 4)
         if share == 1.0:
             dense_us = us
         rows.append({"batch": batch, "context": context, "share": share, "us": us,
                      "gbs": read / us / 1e3, "copy": copy_gbs, "padded_us": padded_us,
-                     "vs_dense": us / dense_us if dense_us else float("nan")})
+                     "vs_dense": us / dense_us if dense_us else float("nan"),
+                     "feedback_us": feedback_us})
     # The dense baseline an engine already has: SDPA's flash kernel over contiguous K/V.
     sdpa_us = float("nan")
     sdpa_err = float("nan")
@@ -157,6 +179,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true",
                         help="batch 1 x 8k, 8 x 32k, 1 x 128k and 32 x 32k; 100 and 25 %% only")
+    parser.add_argument("--feedback", action="store_true",
+                        help="also time each row writing selection feedback (g = 2)")
     parser.add_argument("--splits", action="store_true",
                         help="also sweep num_splits at batch 8 x 32k dense and batch 1 x 128k")
     args = parser.parse_args()
@@ -174,18 +198,21 @@ def main() -> None:
         (b, c) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
     rows: list[dict] = []
     for batch, context in configs:
-        run_config(batch, context, shares, copy_gbs, rows)
+        run_config(batch, context, shares, copy_gbs, rows, args.feedback)
         torch.cuda.empty_cache()  # the configuration's caches are gone with its frame
+    fb = args.feedback
     print("| batch | context | blocks read | µs/layer | GB/s KV read | % of copy | "
-          "× dense | µs, full-width lists | SDPA flash µs | × SDPA | max abs diff to SDPA |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "× dense | µs, full-width lists | SDPA flash µs | × SDPA | max abs diff to SDPA |"
+          + (" µs with feedback |" if fb else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if fb else ""))
     for r in rows:
         vs_sdpa = r["us"] / r["sdpa_us"] if r["share"] == 1.0 else float("nan")
         print(f"| {r['batch']} | {r['context'] // 1024}k | {r['share'] * 100:g} % | "
               f"{r['us']:.1f} | {r['gbs']:.0f} | {100 * r['gbs'] / r['copy']:.0f} % | "
               f"{r['vs_dense']:.2f} | {r['padded_us']:.1f} | "
               + (f"{r['sdpa_us']:.1f} | {vs_sdpa:.2f} | {r['sdpa_err']:.1e} |"
-                 if r["share"] == 1.0 else "| | |"))
+                 if r["share"] == 1.0 else "| | |")
+              + (f" {r['feedback_us']:.1f} |" if fb else ""))
     if args.splits:
         for batch, context in ((8, 32768), (1, 131072)):
             sweep_splits(batch, context)

@@ -14,7 +14,8 @@
 # replace the quality and passkey budgets (defaults 4,8,12,16,24,32 and 8,16 groups, for
 # the reference engine's g = 8). EPS_ENGINE_PLAN=speed runs only the speed runs named in
 # EPS_ENGINE_SPEED (default "b8-32k b2-128k", in either plan; no device tests, kill, quality or one-queue
-# runs). EPS_EPSD_PREFIX goes before epsd's command (a wrapper, e.g. ncu). At the end epsd
+# runs); EPS_ENGINE_PLAN=quality only the quality and passkey runs (and the speed runs
+# named in EPS_ENGINE_SPEED, none by default). EPS_EPSD_PREFIX goes before epsd's command (a wrapper, e.g. ncu). At the end epsd
 # gets SIGTERM and EPS_EPSD_STOP_S seconds (default 15) to drain and exit, and its wrapper
 # the same to finish (ncu writes its report at exit); then SIGKILL.
 # EPS_ENGINE_MPS=1 runs epsd and the engine as clients of a CUDA Multi-Process Service
@@ -113,7 +114,23 @@ speed() {  # the speed runs named in $1 (b8-32k, b2-128k)
     esac
   done
 }
+quality() {  # the SmolLM2 quality and passkey runs (model staged)
+  [[ -n $model ]] || { echo "no model staged: quality and passkey runs skipped"; return; }
+  engine quality --mode quality --model gguf --gguf "$model" --batch 4 --context 8000 \
+    --decode-steps 64 --top-pages "${EPS_ENGINE_TOP_PAGES:-4,8,12,16,24,32}" --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
+  engine passkey --mode passkey --model gguf --gguf "$model" --context 8000 --passkeys 20 \
+    --top-pages "${EPS_ENGINE_PASSKEY_TOP_PAGES:-8,16}" --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
+}
 status=0
+if [[ ${EPS_ENGINE_PLAN:-full} == quality ]]; then
+  [[ -n ${EPS_ENGINE_SPEED:-} ]] && speed "$EPS_ENGINE_SPEED"
+  quality
+  for f in "$out"/*.log; do
+    case $f in */epsd.log|*/pip.log) continue;; esac
+    awk '/^(speed|quality|passkey)[: -]/{p=1} p' "$f"
+  done
+  exit $status
+fi
 if [[ ${EPS_ENGINE_PLAN:-full} == speed ]]; then
   speed "${EPS_ENGINE_SPEED:-b8-32k b2-128k}"
   for f in "$out"/speed-*.log; do awk '/^(speed)[: -]/{p=1} p' "$f"; done
@@ -142,14 +159,7 @@ else
   speed "${EPS_ENGINE_SPEED:-b8-32k b2-128k}"
   engine kill --mode kill --batch 8 --context 8192 --decode-steps 120 --kill-at 20 \
     --restart-at 40 --epsd-pid-file "$pidfile" --epsd-cmd "$epsd_cmd"
-  if [[ -n $model ]]; then
-    engine quality --mode quality --model gguf --gguf "$model" --batch 4 --context 8000 \
-      --decode-steps 64 --top-pages "${EPS_ENGINE_TOP_PAGES:-4,8,12,16,24,32}" --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
-    engine passkey --mode passkey --model gguf --gguf "$model" --context 8000 --passkeys 20 \
-      --top-pages "${EPS_ENGINE_PASSKEY_TOP_PAGES:-8,16}" --methods "${EPS_ENGINE_METHODS:-quest,questclt,jl}"
-  else
-    echo "no model staged: quality and passkey runs skipped"
-  fi
+  quality
 fi
 # The engine loop and the kill -9 release with every stream of each process in ONE hardware
 # queue: any wait queued before the work that satisfies it in the same process hangs here.

@@ -97,6 +97,22 @@ __device__ __forceinline__ void RecordError(int32_t* word, int32_t code, int64_t
   }
 }
 
+// Combines `x` (a group's partial log-sum-exp) into a feedback entry: NaN (no value
+// yet) takes x, a finite value becomes log(e^old + e^x). A CAS loop, so the blocks of one
+// group may arrive from any unit in any order.
+__device__ __forceinline__ void AtomicLogAddExp(float* entry, float x) {
+  unsigned int* word = reinterpret_cast<unsigned int*>(entry);
+  unsigned int seen = *reinterpret_cast<volatile unsigned int*>(word);
+  while (true) {
+    const float old = __uint_as_float(seen);
+    const float hi = fmaxf(old, x);
+    const float sum = isnan(old) ? x : hi + log1pf(expf(fminf(old, x) - hi));
+    const unsigned int prior = atomicCAS(word, seen, __float_as_uint(sum));
+    if (prior == seen) return;
+    seen = prior;
+  }
+}
+
 // Writes a zero output and lse -inf for heads [qh0, qh0 + n) of `row`: the result of a
 // row whose list was refused (NaN-free, and recognisable through lse). Threads
 // first, first + stride, ... of the caller's CTA or warp share the work.

@@ -40,6 +40,37 @@ constexpr int MmaCtasPerSm() {
   return D <= 128 ? 4 : 2;
 }
 
+// Selection feedback of one block (paged_attention.h): each head's log-sum-exp over the
+// block's tokens, combined into its group's entry. x holds lane (g, t)'s scores of tokens
+// g, g+8 × heads 2t, 2t+1 (log2 domain, -inf past the block's tokens), block_max the
+// heads' maxima over the block; sums run over the 8 lanes of the same t.
+__device__ __forceinline__ void WriteFeedback(const EpsAttnParams& p, int64_t row, int kv_head,
+                                              int qh0, int heads, int32_t id, const float (&x)[4],
+                                              const float (&block_max)[2]) {
+  const int lane = threadIdx.x % 32;
+  float sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    sum[h] = exp2f(x[h] - block_max[h]) + exp2f(x[2 + h] - block_max[h]);
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], off);
+  }
+  if (lane / 4 != 0) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = 2 * (lane % 4) + h;
+    if (head >= heads) break;
+    int32_t error = 0;
+    int32_t value = 0;
+    const int64_t entry = FeedbackEntry(p, row, qh0 + head, id, &error, &value);
+    if (entry < 0) {
+      if (error != kListOk) RecordError(p.error_word, error, row, kv_head, value);
+      continue;
+    }
+    AtomicLogAddExp(p.feedback + entry, (block_max[h] + log2f(sum[h])) * kLn2);
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
     MmaSplitKernel(const __grid_constant__ EpsAttnParams p, const Plan plan) {
@@ -157,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
   // id one step ahead. Issuing its K before this block's softmax instead (K is free
   // there) would keep loads in flight through it, but costs spills at 128 registers.
   const int32_t id_first = load_id(first_entry);
+  int32_t id_cur = id_first;
   int32_t id_next = load_id(first_entry + 1);
   int n_cur = block_tokens(first_entry, id_first);
   issue_k(id_first, n_cur);
@@ -189,6 +221,8 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
         block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], off));
       }
     }
+    if (p.feedback != nullptr && n_cur > 0)
+      WriteFeedback(p, row, kv_head, qh0, heads, id_cur, x, block_max);
     // The rescale is skipped, warp-uniformly, when no head's max rises.
     if (__any_sync(0xffffffffu, block_max[0] > m[0] || block_max[1] > m[1])) {
       float factor[2];
@@ -227,6 +261,7 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
     const int n_next = block_tokens(entry + 1, id_next);
     issue_k(id_next, n_next);
     issue_v(id_next, n_next);
+    id_cur = id_next;
     id_next = id_after;
     n_cur = n_next;
   }

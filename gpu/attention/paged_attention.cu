@@ -190,6 +190,8 @@ int64_t WaveSplits(int64_t rows, int64_t width, int64_t units_per_cta, int64_t c
 int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
   VariantChoice choice;
   if (int32_t code = ChooseVariant(&choice); code != EPS_ATTN_OK) return code;
+  // Selection feedback is written by the tensor-core unit only (decode_mma.cuh).
+  if (p.feedback != nullptr) choice = {KernelVariant::kWarpMma, KernelVariant::kWarpMma};
   const int group = p.num_q_heads / p.num_kv_heads;
   plan->gt = group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
   plan->head_groups = (group + plan->gt - 1) / plan->gt;
@@ -272,6 +274,20 @@ cudaError_t Launch(const EpsAttnParams& p, const Plan& plan, cudaStream_t stream
                                   : LaunchCombine<__half>(p, plan, stream);
 }
 
+// positions[table[b, j]] = j over each row's blocks (eps_attn_block_positions).
+__global__ void BlockPositionsKernel(const int32_t* table, int64_t stride, const int32_t* lengths,
+                                     int32_t batch, int32_t block_size, int32_t num_blocks,
+                                     int64_t width, int32_t* positions) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= int64_t{batch} * width) return;
+  const int64_t b = i / width;
+  const int64_t j = i % width;
+  const int64_t blocks = (int64_t{lengths[b]} + block_size - 1) / block_size;
+  if (j >= blocks) return;
+  const int32_t id = table[b * stride + j];
+  if (id >= 0 && id < num_blocks) positions[id] = static_cast<int32_t>(j);
+}
+
 }  // namespace
 }  // namespace eps::attention
 
@@ -330,4 +346,35 @@ extern "C" int32_t eps_attn_read_error(int32_t* error_word, void* stream, int32_
   }
   if (word[0] == 0) return Succeed();
   return Fail(EPS_ATTN_ELIST, eps::attention::DescribeListError(word));
+}
+
+extern "C" int32_t eps_attn_block_positions(const int32_t* table, int64_t table_stride_row,
+                                            int32_t table_width, const int32_t* lengths,
+                                            int32_t batch, int32_t block_size, int32_t num_blocks,
+                                            int32_t* positions, void* stream) {
+  if (table == nullptr || lengths == nullptr || positions == nullptr) {
+    return Fail(EPS_ATTN_EINVAL, "table, lengths or positions is NULL");
+  }
+  if (batch < 0 || block_size < 1 || num_blocks < 1 || table_width < 1 ||
+      table_stride_row < table_width) {
+    return Fail(EPS_ATTN_EINVAL, "batch=" + std::to_string(batch) +
+                                     ", block_size=" + std::to_string(block_size) +
+                                     ", num_blocks=" + std::to_string(num_blocks) +
+                                     ", table_stride_row=" + std::to_string(table_stride_row) +
+                                     ", table_width=" + std::to_string(table_width) +
+                                     ": need batch >= 0, the others >= 1 and the stride >= "
+                                     "the width");
+  }
+  if (batch == 0) return Succeed();
+  const int64_t width = table_width;
+  const int64_t threads = int64_t{batch} * width;
+  constexpr int kBlock = 256;
+  const auto s = static_cast<cudaStream_t>(stream);
+  eps::attention::BlockPositionsKernel<<<static_cast<unsigned>((threads + kBlock - 1) / kBlock),
+                                         kBlock, 0, s>>>(table, table_stride_row, lengths, batch,
+                                                         block_size, num_blocks, width, positions);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    return Fail(EPS_ATTN_ECUDA, std::string("block positions launch: ") + cudaGetErrorString(e));
+  }
+  return Succeed();
 }

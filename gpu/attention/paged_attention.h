@@ -15,6 +15,7 @@
  *   lengths    [batch] or [batch, num_kv_heads]                   int32
  *   out        [batch, num_q_heads, head_dim]                    same dtype as q
  *   lse        [batch, num_q_heads]                              float32, natural log (optional)
+ *   feedback   [feedback_seqs, num_q_heads, feedback_groups]     float32 (optional; see below)
  *
  * A row's list (for one KV head) is its first n entries of `lists`, read in list order;
  * the row attends over the first `tokens` tokens of those blocks, FlashAttention's
@@ -36,6 +37,22 @@
  * word into EPS_ATTN_ELIST and a message. Without an error_word the errors are not
  * reported, and the outputs are the same.
  *
+ * Selection feedback (optional; docs/api.md "Selection feedback"). With `feedback` set,
+ * the call also writes, for every group of blocks a row's list visits, each query
+ * head's log Σ exp(score) over the group's listed tokens (score as for lse: natural log,
+ * softmax_scale and softcap applied) into epsd's feedback buffer of this layer:
+ * entry [feedback_rows[row], qh, block_positions[id] / feedback_group_blocks]. An entry
+ * that is NaN takes the value; a finite one is combined with it (log-add-exp, atomic),
+ * so the blocks of one group may land in any order and split. Entries of groups no list
+ * visits are not touched: epsd leaves them NaN after each step, so the buffer then holds
+ * exactly the groups this step visited. block_positions[id] is the index of cache block
+ * `id` within its sequence (a block shared by several sequences sits at the same index
+ * in each, as prefix sharing places it); eps_attn_block_positions() derives it from a
+ * block table. Dense fallback rows (count < 0) visit every group. A position outside
+ * [0, feedback_groups * feedback_group_blocks) or a feedback row outside
+ * [0, feedback_seqs) is recorded in `error_word` and its entry skipped; the attention
+ * output is unaffected. Feedback runs the tensor-core unit (a choice of the planner).
+ *
  * Thread safety: every function may be called from any thread; eps_attn_last_error()
  * is per thread. Nothing allocates device memory or synchronises, except
  * eps_attn_read_error(), so eps_attn_paged_decode() can be captured in a CUDA graph.
@@ -49,7 +66,7 @@
 extern "C" {
 #endif
 
-#define EPS_ATTN_ABI_VERSION 1
+#define EPS_ATTN_ABI_VERSION 2
 
 #if defined(__GNUC__)
 #define EPS_ATTN_API __attribute__((visibility("default")))
@@ -115,6 +132,16 @@ typedef struct EpsAttnParams {
   float softmax_scale;      /* scores are q.k * softmax_scale (e.g. 1/sqrt(head_dim)) */
   float softcap;            /* > 0: scores become softcap * tanh(score / softcap) */
   int32_t reserved;         /* 0 */
+
+  /* Selection feedback (ABI 2; optional: feedback NULL and the rest 0 when unused). */
+  float* feedback;                /* epsd's feedback buffer, at this layer's first entry */
+  const int32_t* block_positions; /* [num_blocks]: each block's index within its sequence */
+  const int32_t* feedback_rows;   /* [batch]: each row's table row; NULL: row b is row b */
+  int64_t feedback_stride_row, feedback_stride_head; /* elements */
+  int32_t feedback_seqs;         /* table rows in the buffer (epsd's max_seqs) */
+  int32_t feedback_groups;       /* groups per (table row, query head) (max_groups) */
+  int32_t feedback_group_blocks; /* blocks per group (epsd's group_blocks) */
+  int32_t reserved2;             /* 0 */
 } EpsAttnParams;
 
 /* sizeof(EpsAttnParams) and EPS_ATTN_ABI_VERSION of the loaded library. */
@@ -136,13 +163,26 @@ EPS_ATTN_API int32_t eps_attn_paged_decode(const EpsAttnParams* params, void* st
  * clear != 0 zeroes the word afterwards. */
 EPS_ATTN_API int32_t eps_attn_read_error(int32_t* error_word, void* stream, int32_t clear);
 
+/* Enqueues positions[table[b, j]] = j for every row b < batch and j < min(table_width,
+ * ceil(lengths[b] / block_size)) (table [batch, table_width] int32 with row stride
+ * table_stride_row, lengths [batch] tokens, device memory): block_positions for the feedback above,
+ * from the engine's block table. Ids outside [0, num_blocks) are skipped. Other entries of
+ * positions are left as they were. */
+EPS_ATTN_API int32_t eps_attn_block_positions(const int32_t* table, int64_t table_stride_row,
+                                              int32_t table_width, const int32_t* lengths,
+                                              int32_t batch, int32_t block_size, int32_t num_blocks,
+                                              int32_t* positions, void* stream);
+
 /* The float64 reference on host memory: params as for eps_attn_paged_decode() but
  * every pointer in host memory; writes out_f64 [batch, num_q_heads, head_dim] and,
- * when lse_f64 is not NULL, lse_f64 [batch, num_q_heads]. List errors return
- * EPS_ATTN_ELIST with a message (the GPU path reports the same ones through
- * error_word). Ignores out, lse, workspace and error_word. */
+ * when lse_f64 is not NULL, lse_f64 [batch, num_q_heads]; with params->feedback set and
+ * feedback_f64 not NULL, the feedback into feedback_f64, laid out as params->feedback
+ * (the caller fills it with NaN first; entries combine as on the device). List errors
+ * and feedback errors return EPS_ATTN_ELIST with a message (the GPU path reports the
+ * same ones through error_word). Ignores out, lse, feedback's float32 buffer,
+ * workspace and error_word. */
 EPS_ATTN_API int32_t eps_attn_reference_host(const EpsAttnParams* params, double* out_f64,
-                                             double* lse_f64);
+                                             double* lse_f64, double* feedback_f64);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -15,6 +15,40 @@ std::string Str(int64_t v) { return std::to_string(v); }
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The selection-feedback fields (ABI 2): all unused without `feedback`, else a buffer
+// whose (row, head, group) entries do not overlap.
+std::string CheckFeedback(const EpsAttnParams& p, bool check_pointers) {
+  if (p.feedback == nullptr) {
+    if (p.block_positions != nullptr || p.feedback_rows != nullptr || p.feedback_seqs != 0 ||
+        p.feedback_groups != 0 || p.feedback_group_blocks != 0) {
+      return "feedback is NULL but other feedback fields are set (block_positions, "
+             "feedback_rows, feedback_seqs, feedback_groups, feedback_group_blocks)";
+    }
+    return "";
+  }
+  if (p.feedback_seqs < 1) return "feedback_seqs=" + Str(p.feedback_seqs) + " must be >= 1";
+  if (p.feedback_groups < 1) return "feedback_groups=" + Str(p.feedback_groups) + " must be >= 1";
+  if (p.feedback_group_blocks < 1 || p.feedback_group_blocks > 4096) {
+    return "feedback_group_blocks=" + Str(p.feedback_group_blocks) + " not in [1, 4096]";
+  }
+  if (p.feedback_stride_head < p.feedback_groups) {
+    return "feedback_stride_head=" + Str(p.feedback_stride_head) +
+           " is less than feedback_groups=" + Str(p.feedback_groups) + " (heads would overlap)";
+  }
+  if (p.feedback_stride_row < p.feedback_stride_head * p.num_q_heads) {
+    return "feedback_stride_row=" + Str(p.feedback_stride_row) + " is less than num_q_heads * " +
+           "feedback_stride_head=" + Str(p.feedback_stride_head * p.num_q_heads) +
+           " (rows would overlap)";
+  }
+  if (check_pointers && p.block_positions == nullptr) {
+    return "feedback is set but block_positions is NULL (each block's index in its sequence)";
+  }
+  if (check_pointers && reinterpret_cast<uintptr_t>(p.feedback) % 4 != 0) {
+    return "feedback is not 4-byte aligned";
+  }
+  return "";
+}
+
 }  // namespace
 
 int32_t Fail(int32_t code, std::string message) {
@@ -78,6 +112,8 @@ std::string CheckParams(const EpsAttnParams& p, bool check_pointers) {
     return "num_splits=" + Str(p.num_splits) + " not in [0, 65535] (0 = automatic)";
   }
   if (p.reserved != 0) return "reserved=" + Str(p.reserved) + " must be 0";
+  if (p.reserved2 != 0) return "reserved2=" + Str(p.reserved2) + " must be 0";
+  if (std::string why = CheckFeedback(p, check_pointers); !why.empty()) return why;
   // Vector loads read 16 bytes (8 elements) at a time from q and the caches and
   // store 16 bytes into out: element strides must keep that alignment.
   const struct {
@@ -133,6 +169,12 @@ std::string DescribeListError(const int32_t word[EPS_ATTN_ERROR_WORDS]) {
       return where + "block id " + Str(word[3]) + " not in [0, num_blocks)";
     case kListContext:
       return where + "context_lens=" + Str(word[3]) + " (an empty sequence)";
+    case kFeedbackPosition:
+      return where + "block_positions gives position " + Str(word[3]) +
+             ", outside the feedback buffer's groups (feedback entry skipped)";
+    case kFeedbackRow:
+      return where + "feedback_rows gives table row " + Str(word[3]) +
+             ", not in [0, feedback_seqs) (feedback entries skipped)";
     default:
       return "error word holds unknown code " + Str(word[0]);
   }

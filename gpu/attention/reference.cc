@@ -1,6 +1,7 @@
 // The float64 reference (eps_attn_reference_host) and the C ABI's host-only entry
 // points. Plain C++: built and tested without CUDA, so CI checks the semantics the
 // kernels are tested against on the GPU.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +42,38 @@ double Load(const void* base, int64_t i, int32_t dtype) {
   return dtype == EPS_ATTN_BF16 ? Bf16ToDouble(bits) : Fp16ToDouble(bits);
 }
 
+// The feedback of (row, query head qh of KV head h) over its list (paged_attention.h):
+// each listed block's log-sum-exp of `scores`, combined into its group's entry of
+// feedback (laid out as params' feedback; NaN = no value yet).
+int32_t AddFeedback(const EpsAttnParams& p, int64_t row, int64_t h, int64_t qh, const RowList& list,
+                    const std::vector<double>& scores, double* feedback) {
+  for (int32_t i = 0; i < list.count; ++i) {
+    const int32_t first = i * p.block_size;
+    const int32_t end = std::min<int32_t>(first + p.block_size, list.tokens);
+    double top = -INFINITY;
+    for (int32_t t = first; t < end; ++t) top = std::max(top, scores[t]);
+    double sum = 0.0;
+    for (int32_t t = first; t < end; ++t) sum += std::exp(scores[t] - top);
+    const double x = top + std::log(sum);
+    int32_t error = kListOk;
+    int32_t value = 0;
+    const int64_t entry = FeedbackEntry(p, row, qh, list.blocks[i], &error, &value);
+    if (error != kListOk) {
+      const int32_t word[EPS_ATTN_ERROR_WORDS] = {error, static_cast<int32_t>(row),
+                                                  static_cast<int32_t>(h), value};
+      return Fail(EPS_ATTN_ELIST, DescribeListError(word));
+    }
+    double& slot = feedback[entry];
+    if (std::isnan(slot)) {
+      slot = x;
+    } else {
+      const double hi = std::max(slot, x);
+      slot = hi + std::log1p(std::exp(std::min(slot, x) - hi));
+    }
+  }
+  return EPS_ATTN_OK;
+}
+
 }  // namespace
 }  // namespace eps::attention
 
@@ -49,7 +82,7 @@ extern "C" uint64_t eps_attn_params_size(void) { return sizeof(EpsAttnParams); }
 extern "C" int32_t eps_attn_abi_version(void) { return EPS_ATTN_ABI_VERSION; }
 
 extern "C" int32_t eps_attn_reference_host(const EpsAttnParams* params, double* out_f64,
-                                           double* lse_f64) {
+                                           double* lse_f64, double* feedback_f64) {
   using namespace eps::attention;
   if (params == nullptr) return Fail(EPS_ATTN_EINVAL, "params is NULL");
   const EpsAttnParams& p = *params;
@@ -59,7 +92,8 @@ extern "C" int32_t eps_attn_reference_host(const EpsAttnParams* params, double* 
   if (p.q == nullptr || p.k_cache == nullptr || p.v_cache == nullptr || p.lists == nullptr ||
       p.lengths == nullptr || out_f64 == nullptr ||
       (p.length_kind == EPS_ATTN_VISIT_COUNT &&
-       (p.dense_table == nullptr || p.context_lens == nullptr))) {
+       (p.dense_table == nullptr || p.context_lens == nullptr)) ||
+      (p.feedback != nullptr && p.block_positions == nullptr)) {
     return Fail(EPS_ATTN_EINVAL, "a pointer the reference reads or writes is NULL");
   }
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -107,6 +141,12 @@ extern "C" int32_t eps_attn_reference_host(const EpsAttnParams* params, double* 
         }
         for (int e = 0; e < d; ++e) out_f64[(row * p.num_q_heads + qh) * d + e] = acc[e] / total;
         if (lse_f64 != nullptr) lse_f64[row * p.num_q_heads + qh] = max_score + std::log(total);
+        if (feedback_f64 != nullptr && p.feedback != nullptr) {
+          if (int32_t code = AddFeedback(p, row, h, qh, list, scores, feedback_f64);
+              code != EPS_ATTN_OK) {
+            return code;
+          }
+        }
       }
     }
   }

@@ -18,11 +18,36 @@ namespace eps::attention {
 // Codes in word 0 of an error word; words 1-3 hold row, KV head and the offending value.
 enum ListError : int32_t {
   kListOk = 0,
-  kListEmpty = 1,    // tokens (or count) 0 or negative: value = the length
-  kListTooLong = 2,  // more blocks than the list row holds: value = blocks needed
-  kListBlockId = 3,  // a block id outside [0, num_blocks): value = the id
-  kListContext = 4,  // context_lens[row] <= 0 in EPS_ATTN_VISIT_COUNT: value = it
+  kListEmpty = 1,         // tokens (or count) 0 or negative: value = the length
+  kListTooLong = 2,       // more blocks than the list row holds: value = blocks needed
+  kListBlockId = 3,       // a block id outside [0, num_blocks): value = the id
+  kListContext = 4,       // context_lens[row] <= 0 in EPS_ATTN_VISIT_COUNT: value = it
+  kFeedbackPosition = 5,  // block_positions[id] outside the feedback's groups: value = it
+  kFeedbackRow = 6,       // feedback_rows[row] outside [0, feedback_seqs): value = it
 };
+
+// The feedback entry of (row, query head, block id): -1 when params carry no feedback
+// or the position / row is out of range (*error then names which, *value the value).
+EPS_ATTN_HD int64_t FeedbackEntry(const EpsAttnParams& p, int64_t row, int64_t qh, int32_t id,
+                                  int32_t* error, int32_t* value) {
+  *error = kListOk;
+  if (p.feedback == nullptr) return -1;
+  const int32_t table_row =
+      p.feedback_rows != nullptr ? p.feedback_rows[row] : static_cast<int32_t>(row);
+  if (table_row < 0 || table_row >= p.feedback_seqs) {
+    *error = kFeedbackRow;
+    *value = table_row;
+    return -1;
+  }
+  const int32_t position = p.block_positions[id];
+  if (position < 0 || position / p.feedback_group_blocks >= p.feedback_groups) {
+    *error = kFeedbackPosition;
+    *value = position;
+    return -1;
+  }
+  return table_row * p.feedback_stride_row + qh * p.feedback_stride_head +
+         position / p.feedback_group_blocks;
+}
 
 struct RowList {
   const int32_t* blocks;  // count entries, in the order they are read

@@ -63,6 +63,10 @@ struct AttentionCase {
   int num_blocks = 0;
   std::vector<uint16_t> q, kv;  // kv: [2, num_blocks, 16, kv_heads, d]
   std::vector<int32_t> table, context, lists, lengths;
+  // Selection feedback (EnableFeedback): block positions, table rows, the buffer.
+  std::vector<int32_t> positions, feedback_rows;
+  std::vector<float> feedback;
+  int feedback_group_blocks = 0;
   EpsAttnParams params{};  // pointers into the vectors above (host memory)
 
   AttentionCase(const CaseShape& s, uint32_t seed) : shape(s) {
@@ -126,6 +130,30 @@ struct AttentionCase {
     RefreshParams();
   }
 
+  // Asks for selection feedback at `group_blocks` blocks a group: positions from the
+  // table (unused blocks -9), rows b -> table row batch + 2 - b of a buffer with
+  // batch + 3 table rows (so that table rows differ from batch positions and rows 0-2
+  // are never written), every entry NaN.
+  void EnableFeedback(int group_blocks) {
+    feedback_group_blocks = group_blocks;
+    positions.assign(num_blocks, -9);
+    for (int i = 0; i < shape.batch; ++i) {
+      for (int j = 0; j < (shape.contexts[i] + 15) / 16; ++j) {
+        positions[table[static_cast<size_t>(i) * max_blocks + j]] = j;
+      }
+    }
+    feedback_rows.resize(shape.batch);
+    for (int i = 0; i < shape.batch; ++i) feedback_rows[i] = FeedbackSeqs() - 1 - i;
+    feedback.assign(static_cast<size_t>(FeedbackSeqs()) * shape.num_q_heads * FeedbackGroups(),
+                    NAN);
+    RefreshParams();
+  }
+  int FeedbackSeqs() const { return shape.batch + 3; }
+  int FeedbackGroups() const {
+    return feedback_group_blocks ? (max_blocks + feedback_group_blocks - 1) / feedback_group_blocks
+                                 : 0;
+  }
+
   // Points params at the host vectors (call again after changing their sizes).
   void RefreshParams() {
     const CaseShape& s = shape;
@@ -166,6 +194,16 @@ struct AttentionCase {
     p.softmax_scale = s.softmax_scale > 0 ? s.softmax_scale : 1.0f / std::sqrt(float(s.head_dim));
     p.softcap = s.softcap;
     p.num_splits = s.num_splits;
+    if (feedback_group_blocks > 0) {
+      p.feedback = feedback.data();
+      p.block_positions = positions.data();
+      p.feedback_rows = feedback_rows.data();
+      p.feedback_seqs = FeedbackSeqs();
+      p.feedback_groups = FeedbackGroups();
+      p.feedback_group_blocks = feedback_group_blocks;
+      p.feedback_stride_head = FeedbackGroups();
+      p.feedback_stride_row = int64_t{s.num_q_heads} * FeedbackGroups();
+    }
   }
 
   size_t OutElements() const {

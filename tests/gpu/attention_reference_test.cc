@@ -3,6 +3,7 @@
 // kernels with this reference.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -30,7 +31,7 @@ struct Result {
 
 Result Reference(const AttentionCase& c) {
   Result r{0, "", std::vector<double>(c.OutElements()), std::vector<double>(c.LseElements())};
-  r.code = eps_attn_reference_host(&c.params, r.out.data(), r.lse.data());
+  r.code = eps_attn_reference_host(&c.params, r.out.data(), r.lse.data(), nullptr);
   r.message = eps_attn_last_error();
   return r;
 }
@@ -155,6 +156,119 @@ TEST(AttentionReference, BlockIdOutOfRangeIsAnError) {
   EXPECT_NE(r.message.find("block id -3 not in [0, num_blocks)"), std::string::npos) << r.message;
 }
 
+std::vector<double> ReferenceFeedback(const AttentionCase& c, int32_t* code = nullptr) {
+  std::vector<double> out(c.OutElements()), lse(c.LseElements());
+  std::vector<double> feedback(c.feedback.begin(), c.feedback.end());
+  const int32_t rc = eps_attn_reference_host(&c.params, out.data(), lse.data(), feedback.data());
+  if (code != nullptr) {
+    *code = rc;
+  } else {
+    EXPECT_EQ(rc, EPS_ATTN_OK) << eps_attn_last_error();
+  }
+  return feedback;
+}
+
+// One group holding every block: each head's entry is the row's lse; table rows no
+// batch row maps to stay NaN.
+TEST(AttentionReference, FeedbackOfOneWholeGroupIsTheRowsLse) {
+  CaseShape s;
+  s.batch = 3;
+  s.keep = 0.6;
+  const uint32_t seed = FreshSeed();
+  AttentionCase c(s, seed);
+  c.EnableFeedback(c.max_blocks);
+  ASSERT_EQ(c.FeedbackGroups(), 1);
+  const Result r = Reference(c);
+  const std::vector<double> feedback = ReferenceFeedback(c);
+  for (int row = 0; row < c.FeedbackSeqs(); ++row) {
+    for (int h = 0; h < s.num_q_heads; ++h) {
+      const double got = feedback[static_cast<size_t>(row) * s.num_q_heads + h];
+      const int b = c.FeedbackSeqs() - 1 - row;
+      if (b >= s.batch) {
+        EXPECT_TRUE(std::isnan(got)) << "table row " << row << " was written";
+      } else {
+        EXPECT_NEAR(got, r.lse[static_cast<size_t>(b) * s.num_q_heads + h], 1e-9)
+            << "seed " << seed << " row " << b << " head " << h;
+      }
+    }
+  }
+}
+
+// g = 1: a listed block's entry is the log-sum-exp of its tokens' scores, computed here
+// from the data; unlisted blocks stay NaN.
+TEST(AttentionReference, FeedbackOfABlockIsItsTokensLogSumExp) {
+  CaseShape s;
+  s.batch = 1;
+  s.contexts = {150};
+  s.num_q_heads = s.num_kv_heads = 1;
+  s.keep = 0.5;
+  const uint32_t seed = FreshSeed();
+  AttentionCase c(s, seed);
+  c.EnableFeedback(1);
+  const std::vector<double> feedback = ReferenceFeedback(c);
+  const size_t base = static_cast<size_t>(c.feedback_rows[0]) * c.FeedbackGroups();
+  int listed = 0;
+  for (int j = 0; j < c.max_blocks; ++j) {
+    const int32_t id = c.table[j];
+    const bool in_list = std::find(c.lists.begin(), c.lists.begin() + c.max_blocks, id) !=
+                         c.lists.begin() + c.max_blocks;
+    if (!in_list) {
+      EXPECT_TRUE(std::isnan(feedback[base + j])) << "block " << j;
+      continue;
+    }
+    ++listed;
+    double sum = 0.0;
+    for (int t = 0; t < std::min(16, 150 - 16 * j); ++t) {
+      double dot = 0.0;
+      for (int e = 0; e < s.head_dim; ++e) {
+        dot += FromBits(c.q[e], s.dtype) *
+               FromBits(c.kv[(static_cast<size_t>(id) * 16 + t) * s.head_dim + e], s.dtype);
+      }
+      sum += std::exp(dot * c.params.softmax_scale);
+    }
+    EXPECT_NEAR(feedback[base + j], std::log(sum), 1e-9) << "seed " << seed << " block " << j;
+  }
+  EXPECT_GT(listed, 0);
+}
+
+// A value already in an entry is log-add-exp'ed with the step's.
+TEST(AttentionReference, FeedbackCombinesWithAnEntrysValue) {
+  CaseShape s;
+  s.batch = 1;
+  s.contexts = {40};
+  s.num_q_heads = s.num_kv_heads = 1;
+  s.keep = 1.0;
+  AttentionCase c(s, FreshSeed());
+  c.EnableFeedback(1);
+  const size_t entry = static_cast<size_t>(c.feedback_rows[0]) * c.FeedbackGroups() + 1;
+  const double fresh = ReferenceFeedback(c)[entry];
+  c.feedback[entry] = 1.5f;
+  EXPECT_NEAR(ReferenceFeedback(c)[entry], std::log(std::exp(fresh) + std::exp(1.5)), 1e-9);
+}
+
+TEST(AttentionReference, FeedbackPositionOrRowOutOfRangeIsAnError) {
+  CaseShape s;
+  s.batch = 2;
+  s.keep = 1.0;
+  AttentionCase c(s, FreshSeed());
+  c.EnableFeedback(2);
+  c.positions[c.lists[0]] = 2 * c.FeedbackGroups();
+  int32_t code = 0;
+  ReferenceFeedback(c, &code);
+  EXPECT_EQ(code, EPS_ATTN_ELIST);
+  EXPECT_NE(std::string(eps_attn_last_error()).find("block_positions gives position"),
+            std::string::npos)
+      << eps_attn_last_error();
+  AttentionCase d(s, FreshSeed());
+  d.EnableFeedback(2);
+  d.feedback_rows[1] = -1;
+  ReferenceFeedback(d, &code);
+  EXPECT_EQ(code, EPS_ATTN_ELIST);
+  EXPECT_NE(std::string(eps_attn_last_error()).find("feedback_rows gives table row -1"),
+            std::string::npos)
+      << eps_attn_last_error();
+}
+
 TEST(AttentionParams, ValidParamsPass) {
   AttentionCase c(CaseShape{}, 1);
   EpsAttnParams p = c.params;
@@ -188,6 +302,41 @@ TEST(AttentionParams, EachInvalidFieldIsNamedWithItsValue) {
        },
        "needs dense_table and context_lens"},
       {[](EpsAttnParams& p) { p.reserved = 1; }, "reserved=1"},
+      {[](EpsAttnParams& p) { p.feedback_groups = 3; }, "feedback is NULL but other"},
+      {[](EpsAttnParams& p) {
+         p.feedback = reinterpret_cast<float*>(p.out);
+         p.feedback_seqs = 4;
+         p.feedback_groups = 10;
+         p.feedback_group_blocks = 2;
+         p.feedback_stride_head = 9;
+         p.feedback_stride_row = 1000;
+       },
+       "feedback_stride_head=9 is less than feedback_groups=10"},
+      {[](EpsAttnParams& p) {
+         p.feedback = reinterpret_cast<float*>(p.out);
+         p.feedback_seqs = 4;
+         p.feedback_groups = 10;
+         p.feedback_group_blocks = 0;
+       },
+       "feedback_group_blocks=0"},
+      {[](EpsAttnParams& p) {
+         p.feedback = reinterpret_cast<float*>(p.out);
+         p.feedback_seqs = 4;
+         p.feedback_groups = 10;
+         p.feedback_group_blocks = 1;
+         p.feedback_stride_head = 10;
+         p.feedback_stride_row = 10;
+       },
+       "feedback_stride_row=10 is less than"},
+      {[](EpsAttnParams& p) {
+         p.feedback = reinterpret_cast<float*>(p.out);
+         p.feedback_seqs = 4;
+         p.feedback_groups = 10;
+         p.feedback_group_blocks = 1;
+         p.feedback_stride_head = 10;
+         p.feedback_stride_row = 1000;
+       },
+       "block_positions is NULL"},
   };
   for (const auto& [mutate, expected] : cases) {
     EpsAttnParams p = c.params;

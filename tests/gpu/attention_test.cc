@@ -11,6 +11,7 @@
 
 #include "gpu/attention/paged_attention.h"
 #include "tests/gpu/attention_case.h"
+#include "tests/gpu/attention_device.h"
 
 namespace eps::attention {
 namespace {
@@ -18,87 +19,8 @@ namespace {
 using testing::AttentionCase;
 using testing::CaseShape;
 using testing::FromBits;
-
-bool HaveDevice() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define SKIP_WITHOUT_DEVICE() \
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device"
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-template <typename T>
-struct DeviceArray {
-  T* ptr = nullptr;
-  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
-    EXPECT_EQ(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  explicit DeviceArray(size_t n) {
-    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
-  }
-  ~DeviceArray() { cudaFree(ptr); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  std::vector<T> Read(size_t n) const {
-    std::vector<T> host(n);
-    EXPECT_EQ(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-};
-
-struct GpuResult {
-  int32_t code = EPS_ATTN_OK;       // of the launch
-  int32_t list_code = EPS_ATTN_OK;  // of eps_attn_read_error
-  std::string message;
-  std::vector<uint16_t> out;
-  std::vector<float> lse;
-};
-
-// Runs the case on the device: the same params with every pointer moved there.
-GpuResult RunOnDevice(const AttentionCase& c) {
-  DeviceArray<uint16_t> q(c.q), kv(c.kv), out(c.OutElements());
-  DeviceArray<int32_t> lists(c.lists), lengths(c.lengths), table(c.table), context(c.context);
-  DeviceArray<float> lse(c.LseElements());
-  DeviceArray<int32_t> error_word(std::vector<int32_t>(EPS_ATTN_ERROR_WORDS, 0));
-  // Poison the outputs: a kernel that skips a write leaves NaN behind.
-  EXPECT_EQ(cudaMemset(out.ptr, 0xff, c.OutElements() * 2), cudaSuccess);
-  EXPECT_EQ(cudaMemset(lse.ptr, 0xff, c.LseElements() * 4), cudaSuccess);
-  EpsAttnParams p = c.params;
-  p.q = q.ptr;
-  p.k_cache = kv.ptr;
-  p.v_cache = kv.ptr + c.kv.size() / 2;
-  p.lists = lists.ptr;
-  p.lengths = lengths.ptr;
-  p.dense_table = table.ptr;
-  p.context_lens = context.ptr;
-  p.out = out.ptr;
-  p.lse = lse.ptr;
-  p.error_word = error_word.ptr;
-  GpuResult r;
-  uint64_t bytes = 0;
-  r.code = eps_attn_workspace_bytes(&p, &bytes);
-  if (r.code != EPS_ATTN_OK) {
-    r.message = eps_attn_last_error();
-    return r;
-  }
-  DeviceArray<uint8_t> workspace(bytes);
-  p.workspace = bytes ? workspace.ptr : nullptr;
-  p.workspace_bytes = bytes;
-  r.code = eps_attn_paged_decode(&p, nullptr);
-  if (r.code != EPS_ATTN_OK) {
-    r.message = eps_attn_last_error();
-    return r;
-  }
-  r.list_code = eps_attn_read_error(error_word.ptr, nullptr, 1);
-  r.message = eps_attn_last_error();
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  r.out = out.Read(c.OutElements());
-  r.lse = lse.Read(c.LseElements());
-  return r;
-}
+using testing::GpuResult;
+using testing::RunOnDevice;
 
 // Compares with the reference. With u the unit roundoff of the dtype (bf16 2^-8, fp16
 // 2^-11): rounding the output costs u·|out|, and warp_mma also rounds the probabilities
@@ -109,7 +31,10 @@ GpuResult RunOnDevice(const AttentionCase& c) {
 // lse is float32 in every variant (no 16-bit probability enters it).
 void ExpectMatchesReference(const AttentionCase& c, uint32_t seed) {
   std::vector<double> ref_out(c.OutElements()), ref_lse(c.LseElements());
-  ASSERT_EQ(eps_attn_reference_host(&c.params, ref_out.data(), ref_lse.data()), EPS_ATTN_OK)
+  std::vector<double> ref_feedback(c.feedback.begin(), c.feedback.end());
+  ASSERT_EQ(eps_attn_reference_host(&c.params, ref_out.data(), ref_lse.data(),
+                                    c.feedback_group_blocks ? ref_feedback.data() : nullptr),
+            EPS_ATTN_OK)
       << eps_attn_last_error();
   const GpuResult r = RunOnDevice(c);
   ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
@@ -130,6 +55,24 @@ void ExpectMatchesReference(const AttentionCase& c, uint32_t seed) {
                     << ref_lse[i];
       ++bad;
     }
+  }
+  // Feedback: the same entries written (NaN where no list visits), each a float32
+  // log-sum-exp like lse.
+  ASSERT_EQ(r.feedback.size(), c.feedback_group_blocks ? ref_feedback.size() : 0);
+  int written = 0;
+  for (size_t i = 0; i < r.feedback.size() && bad < 5; ++i) {
+    written += !std::isnan(ref_feedback[i]);
+    const bool same = std::isnan(ref_feedback[i]) ? std::isnan(r.feedback[i])
+                                                  : std::abs(r.feedback[i] - ref_feedback[i]) <=
+                                                        2e-3 * (1.0 + std::abs(ref_feedback[i]));
+    if (!same) {
+      ADD_FAILURE() << "seed " << seed << " feedback[" << i << "] = " << r.feedback[i]
+                    << ", reference " << ref_feedback[i];
+      ++bad;
+    }
+  }
+  if (c.feedback_group_blocks) {
+    EXPECT_GT(written, 0) << "no feedback entry was written";
   }
 }
 
@@ -243,6 +186,103 @@ TEST(PagedAttention, VisitCountsWithDenseFallbackMatchReference) {
     if (!per_head) c.lengths[1 * s.num_kv_heads + 1] = -1;
     ExpectMatchesReference(c, seed);
   }
+}
+
+// Selection feedback: every variant's shape, group sizes that split and do not split
+// blocks across units, per-KV-head lists, visit counts with a dense fallback row.
+TEST(PagedAttention, FeedbackMatchesReference) {
+  SKIP_WITHOUT_DEVICE();
+  for (int32_t dtype : {EPS_ATTN_BF16, EPS_ATTN_FP16}) {
+    for (int d : {64, 128, 256}) {
+      for (int g : {1, 2, 8}) {
+        CaseShape s;
+        s.dtype = dtype;
+        s.head_dim = d;
+        s.num_q_heads = g == 2 ? 6 : 16;  // gqa 3 and 8
+        s.num_splits = g == 8 ? 3 : 0;    // an 8-block group across splits
+        const uint32_t seed = FreshSeed();
+        SCOPED_TRACE("dtype " + std::to_string(dtype) + " d " + std::to_string(d) + " g " +
+                     std::to_string(g) + " seed " + std::to_string(seed));
+        AttentionCase c(s, seed);
+        c.EnableFeedback(g);
+        ExpectMatchesReference(c, seed);
+      }
+    }
+  }
+  for (bool per_head : {false, true}) {
+    CaseShape s;
+    s.batch = 4;
+    s.length_kind = EPS_ATTN_VISIT_COUNT;
+    s.per_head_lists = per_head;
+    s.softcap = 5.0f;
+    const uint32_t seed = FreshSeed();
+    SCOPED_TRACE("per_head " + std::to_string(per_head) + " seed " + std::to_string(seed));
+    AttentionCase c(s, seed);
+    c.lengths[1 * s.num_kv_heads + 0] = -1;  // row 1 (KV head 0): dense, every group
+    if (!per_head) c.lengths[1 * s.num_kv_heads + 1] = -1;
+    c.EnableFeedback(2);
+    ExpectMatchesReference(c, seed);
+  }
+}
+
+// An entry that already holds a value is combined with the step's (log-add-exp), and
+// a bad position or table row is reported while the attention output stays right.
+TEST(PagedAttention, FeedbackCombinesAndReportsBadPositions) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.batch = 2;
+  s.contexts = {700, 900};
+  s.keep = 1.0;
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  AttentionCase c(s, seed);
+  c.EnableFeedback(1);
+  const size_t first = static_cast<size_t>(c.feedback_rows[0]) * s.num_q_heads * c.FeedbackGroups();
+  c.feedback[first] = 3.0f;  // (row 0, head 0, group 0) holds a value already
+  ExpectMatchesReference(c, seed);
+
+  AttentionCase bad(s, seed);
+  bad.EnableFeedback(1);
+  bad.positions[bad.lists[bad.max_blocks + 2]] = bad.FeedbackGroups();  // row 1, entry 2
+  const GpuResult r = RunOnDevice(bad);
+  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+  EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
+  EXPECT_NE(
+      r.message.find("block_positions gives position " + std::to_string(bad.FeedbackGroups())),
+      std::string::npos)
+      << r.message;
+  AttentionCase good(s, seed);
+  good.EnableFeedback(1);
+  const GpuResult ok = RunOnDevice(good);
+  EXPECT_EQ(ok.out, r.out);  // the output does not depend on the feedback entries
+  EXPECT_EQ(ok.lse, r.lse);
+
+  AttentionCase bad_row(s, seed);
+  bad_row.EnableFeedback(1);
+  bad_row.feedback_rows[1] = bad_row.FeedbackSeqs();
+  const GpuResult rr = RunOnDevice(bad_row);
+  EXPECT_EQ(rr.list_code, EPS_ATTN_ELIST);
+  EXPECT_NE(rr.message.find("feedback_rows gives table row"), std::string::npos) << rr.message;
+}
+
+TEST(PagedAttention, BlockPositionsFromATable) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.batch = 5;
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  AttentionCase c(s, seed);
+  c.EnableFeedback(1);  // its positions are the expected result
+  testing::DeviceArray<int32_t> table(c.table), context(c.context);
+  testing::DeviceArray<int32_t> positions(std::vector<int32_t>(c.num_blocks, -9));
+  ASSERT_EQ(eps_attn_block_positions(table.ptr, c.max_blocks, c.max_blocks, context.ptr, s.batch,
+                                     16, c.num_blocks, positions.ptr, nullptr),
+            EPS_ATTN_OK)
+      << eps_attn_last_error();
+  EXPECT_EQ(positions.Read(c.num_blocks), c.positions);
+  EXPECT_EQ(eps_attn_block_positions(table.ptr, 4, c.max_blocks, context.ptr, s.batch, 16,
+                                     c.num_blocks, positions.ptr, nullptr),
+            EPS_ATTN_EINVAL);
 }
 
 TEST(PagedAttention, EmptyRowIsReportedAndWrittenAsZeros) {

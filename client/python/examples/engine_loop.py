@@ -107,7 +107,8 @@ class PagedEngine:
     def __init__(self, model: Model, eps_model: ModelLayout, *, batch: int, max_context: int,
                  target: str, select: SelectOptions, deadline_s: float, watchdog_s: float,
                  device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 use_graphs: bool = True, engine_id: str = "reference-engine") -> None:
+                 use_graphs: bool = True, engine_id: str = "reference-engine",
+                 feedback: bool = False) -> None:
         c = model.c
         self.model, self.eps_model, self.device, self.dtype = model, eps_model, device, dtype
         self.B, self.bs = batch, eps_model.block_size
@@ -131,7 +132,7 @@ class PagedEngine:
             np.int64).reshape(batch, self.max_coarse)
         shape = BufferShape(num_slots=batch * self.max_groups, max_seqs=batch,
                             max_context=max_context, max_batch=batch,
-                            coarse_slots=batch * self.max_coarse)
+                            coarse_slots=batch * self.max_coarse, with_feedback=feedback)
         self.buffers = CudaBuffers(eps_model, shape, device=device.index or 0)
         self.buffers.group_table[:batch, : self.max_groups].copy_(
             torch.from_numpy(self.slots_host.astype(np.int32)))
@@ -157,6 +158,7 @@ class PagedEngine:
                                                       attach_deadline_s=5.0, use_stream=True,
                                                       on_fallback=self._release_dense))
         self.attend, self.attention_name = attention_kernel()
+        self.feedback_targets = self._feedback_targets() if feedback else None
         self.use_graphs = use_graphs
         self.graphs: dict[bool, Any] = {}
         # static inputs and outputs of a step (graph-captured addresses)
@@ -171,6 +173,31 @@ class PagedEngine:
                                       device=device)
         self.view_used = torch.zeros(L, batch, 1, dtype=torch.int32, device=device)
         self.step_base = 1  # selection step numbers only grow (docs/api.md §3.4)
+
+    def _feedback_targets(self) -> list[Any]:
+        """Selection feedback (docs/policy.md): per layer, where the gated attention writes
+        each visited group's log-sum-exp: that layer of epsd's feedback buffer, with every
+        cache block's index in its sequence (the table is allocated whole up front, so its
+        positions never change). Batch row b is table row b."""
+        if self.attend is gather_attention:
+            raise RuntimeError("--feedback needs eps_client.attention (libeps_attention.so): "
+                               f"{self.attention_name}")
+        from eps_client.attention import FeedbackTarget, block_positions
+
+        full = torch.full((self.B,), self.max_blocks * self.bs, dtype=torch.int32,
+                          device=self.device)
+        positions = block_positions(self.table, full, self.num_blocks)
+        return [FeedbackTarget(self.buffers.feedback[layer], positions,
+                               self.eps_model.group_blocks)
+                for layer in range(self.model.c.num_layers)]
+
+    def _attend(self, layer: int, q: torch.Tensor, table: torch.Tensor, used: torch.Tensor,
+                gated: bool) -> torch.Tensor:
+        """The attention of one layer; gated with feedback, it also writes the feedback."""
+        if gated and self.feedback_targets is not None:
+            return self.attend(q, self.kv[layer], table, used,
+                               feedback=self.feedback_targets[layer])
+        return self.attend(q, self.kv[layer], table, used)
 
     # -- filling the cache -------------------------------------------------------------------
 
@@ -287,7 +314,7 @@ class PagedEngine:
                 table, used = self.view_table[layer, :, 0], self.view_used[layer, :, 0]
             else:
                 table, used = self.table, self.ctx
-            x = m.finish_layer(layer, x, self.attend(q, self.kv[layer], table, used))
+            x = m.finish_layer(layer, x, self._attend(layer, q, table, used, gated))
         lp = torch.log_softmax(m.logits(x), dim=-1)
         self.logp_out.copy_(lp.gather(1, self.targets[:, None])[:, 0])
         self.argmax_out.copy_(lp.argmax(-1))
@@ -374,6 +401,9 @@ class PagedEngine:
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # inputs made on the default
         with torch.cuda.stream(self.stream):
             sid = self.stream.cuda_stream
+            if gated and self.buffers.feedback is not None:
+                # no entries from an earlier run (another query, maybe another position)
+                self.buffers.feedback.fill_(float("nan"))
             if gated:
                 self._select(rec, base, start + 1, options, sid)
             for t in range(steps):
@@ -482,7 +512,7 @@ class PagedEngine:
                     table, used = self.view_table[layer, :, 0], self.view_used[layer, :, 0]
                 else:
                     table, used = self.table, self.ctx
-                self.attend(q, self.kv[layer], table, used)
+                self._attend(layer, q, table, used, gated)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / repeats

@@ -53,7 +53,7 @@ def _engine(model: Model, args: argparse.Namespace, batch: int, max_context: int
                                                       coarse_candidates=_coarse_c(args)),
                        deadline_s=args.deadline_ms / 1e3, watchdog_s=args.watchdog_ms / 1e3,
                        device=device, dtype=torch.bfloat16, seed=args.seed,
-                       use_graphs=not args.no_graphs)
+                       use_graphs=not args.no_graphs, feedback=getattr(args, "feedback", False))
 
 
 def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
@@ -64,6 +64,7 @@ def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
             "group_blocks": args.group_blocks, "sketch_dim": args.sketch_dim,
             "coarse_blocks": getattr(args, "coarse_blocks", 0),
             "coarse_candidates": _coarse_c(args),
+            "feedback": getattr(args, "feedback", False),
             "session_method": engine.client.attach_info.options.method
             if engine.client.attach_info else None}
 

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a coarse level of N blocks per coarse group (0: none; docs/policy.md)")
     ap.add_argument("--coarse-candidates", type=float, default=2.0,
                     help="SelectOptions.coarse_candidates with a coarse level")
+    ap.add_argument("--feedback", action="store_true",
+                    help="selection feedback: the gated attention writes each visited group's "
+                         "log-sum-exp, which epsd's next selection reads (docs/policy.md)")
     ap.add_argument("--quest8", action="store_true",
                     help="records also hold the quest8 part, which questclt then reads")
     ap.add_argument("--quest8-only", action="store_true",

@@ -199,6 +199,46 @@ def test_gpu_gated_takes_epsd_outputs_and_reports_empty_rows(rng):
     attention.check_attention_errors()  # cleared by the read
 
 
+@pytest.mark.parametrize("group_blocks", [1, 3])
+def test_gpu_feedback_is_each_groups_log_sum_exp(rng, group_blocks):
+    """Selection feedback through FeedbackTarget: each visited group's log-sum-exp per
+    query head at its table row, computed here from the data; other entries stay NaN."""
+    torch = _torch_cuda_or_skip()
+    q, kv, lists, lengths, table, contexts = random_case(rng, batch=3, q_heads=4, kv_heads=2)
+    tq = torch.from_numpy(q).to("cuda", torch.float16)
+    tkv = torch.from_numpy(kv).to("cuda", torch.float16)
+    t = {k: torch.from_numpy(v).cuda() for k, v in
+         dict(lists=lists, lengths=lengths, table=table, contexts=contexts).items()}
+    num_blocks = kv.shape[1]
+    positions = attention.block_positions(t["table"], t["contexts"], num_blocks)
+    groups = -(-table.shape[1] // group_blocks)
+    buffer = torch.full((5, 4, groups), float("nan"), device="cuda")
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    target = attention.FeedbackTarget(buffer, positions, group_blocks, rows)
+    attention.paged_decode_attention(tq, tkv, t["lists"], t["lengths"], feedback=target)
+    attention.check_attention_errors()
+    got = buffer.cpu().numpy()
+    qf, kf = tq.float().cpu().numpy(), tkv.float().cpu().numpy()
+    expected = np.full(got.shape, np.nan)
+    logical = {int(table[b, j]): j for b in range(3) for j in range(table.shape[1])
+               if table[b, j] >= 0}
+    for b, row in enumerate([4, 0, 2]):
+        n = int(lengths[b])
+        for t_ in range(n):
+            block = int(lists[b, t_ // 16])
+            group = logical[block] // group_blocks
+            for qh in range(4):
+                s = float(np.dot(qf[b, qh], kf[0, block, t_ % 16, qh // 2])) / math.sqrt(64)
+                e = expected[row, qh, group]
+                expected[row, qh, group] = s if np.isnan(e) else np.logaddexp(e, s)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="feedback.buffer must be"):
+        attention.paged_decode_attention(
+            tq, tkv, t["lists"], t["lengths"],
+            feedback=attention.FeedbackTarget(buffer[:, :2], positions, group_blocks))
+
+
 def test_gpu_refuses_mismatched_dtypes():
     torch = _torch_cuda_or_skip()
     q = torch.zeros(1, 8, 64, dtype=torch.bfloat16, device="cuda")

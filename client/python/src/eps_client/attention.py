@@ -20,13 +20,14 @@ import math
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 LIBRARY_NAME = "libeps_attention.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 BLOCK_SIZE = 16
 HEAD_DIMS = (64, 128, 256)
 
@@ -85,7 +86,33 @@ class _Params(ctypes.Structure):
         ("softmax_scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
         ("reserved", ctypes.c_int32),
+        ("feedback", ctypes.c_void_p),
+        ("block_positions", ctypes.c_void_p),
+        ("feedback_rows", ctypes.c_void_p),
+        ("feedback_stride_row", ctypes.c_int64),
+        ("feedback_stride_head", ctypes.c_int64),
+        ("feedback_seqs", ctypes.c_int32),
+        ("feedback_groups", ctypes.c_int32),
+        ("feedback_group_blocks", ctypes.c_int32),
+        ("reserved2", ctypes.c_int32),
     ]
+
+
+@dataclass(frozen=True)
+class FeedbackTarget:
+    """Where an attention call writes selection feedback (docs/api.md, "Selection feedback").
+
+    buffer: float32 [max_seqs, num_q_heads, max_groups], one layer of epsd's feedback
+    buffer (``buffers.feedback[layer]``); block_positions: int32 [num_blocks], each cache
+    block's index within its sequence (``block_positions()`` derives it from a block
+    table); group_blocks: epsd's group_blocks; rows: int32 [batch], each batch row's
+    table row (None: row b is table row b).
+    """
+
+    buffer: Any
+    block_positions: Any
+    group_blocks: int
+    rows: Any = None
 
 
 def library_candidates() -> list[Path]:
@@ -131,6 +158,10 @@ def load_library() -> ctypes.CDLL:
         lib.eps_attn_paged_decode.restype = ctypes.c_int32
         lib.eps_attn_read_error.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
         lib.eps_attn_read_error.restype = ctypes.c_int32
+        lib.eps_attn_block_positions.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
+            ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        lib.eps_attn_block_positions.restype = ctypes.c_int32
         if lib.eps_attn_abi_version() != ABI_VERSION:
             raise OSError(
                 f"{path}: ABI version {lib.eps_attn_abi_version()}, expected {ABI_VERSION}"
@@ -292,6 +323,7 @@ def paged_decode_attention_reference(
     softcap: float = 0.0,
     out: Any = None,
     return_lse: bool = False,
+    feedback: FeedbackTarget | None = None,
 ) -> Any:
     """paged_decode_attention in float64 on the CPU, for tests; any device in and out.
 
@@ -376,7 +408,7 @@ def _check_tensor(name: str, t: Any, device: Any, dtype: Any = None) -> None:
 def _run(
     q: Any, kv_cache: Any, lists: Any, lengths: Any, *, kind: int, dense: Any,
     context: Any, softmax_scale: float | None, softcap: float, out: Any, return_lse: bool,
-    names: tuple[str, str], num_splits: int = 0,
+    names: tuple[str, str], num_splits: int = 0, feedback: FeedbackTarget | None = None,
 ) -> Any:
     import torch
 
@@ -424,6 +456,8 @@ def _run(
     p.softcap = float(softcap)
     p.num_splits = num_splits  # 0: the library's choice; benchmarks sweep it
     p.error_word = _error_word(device).data_ptr()
+    if feedback is not None:
+        _set_feedback(p, feedback, batch, num_q_heads, device)
 
     lib = load_library()
     size = ctypes.c_uint64(0)
@@ -440,6 +474,58 @@ def _run(
     return (out, lse) if return_lse else out
 
 
+def _set_feedback(p: _Params, f: FeedbackTarget, batch: int, num_q_heads: int,
+                  device: Any) -> None:
+    import torch
+
+    _check_tensor("feedback.buffer", f.buffer, device, torch.float32)
+    _check_tensor("feedback.block_positions", f.block_positions, device, torch.int32)
+    if f.buffer.dim() != 3 or f.buffer.shape[1] != num_q_heads:
+        raise ValueError(f"feedback.buffer must be [max_seqs, {num_q_heads}, max_groups], "
+                         f"got {tuple(f.buffer.shape)}")
+    if f.block_positions.dim() != 1 or f.block_positions.shape[0] < p.num_blocks:
+        raise ValueError(f"feedback.block_positions must be [{p.num_blocks}] (one per cache "
+                         f"block), got {tuple(f.block_positions.shape)}")
+    p.feedback = f.buffer.data_ptr()
+    p.feedback_stride_row, p.feedback_stride_head = f.buffer.stride(0), f.buffer.stride(1)
+    p.feedback_seqs, p.feedback_groups = f.buffer.shape[0], f.buffer.shape[2]
+    p.feedback_group_blocks = int(f.group_blocks)
+    p.block_positions = f.block_positions.data_ptr()
+    if f.rows is not None:
+        _check_tensor("feedback.rows", f.rows, device, torch.int32)
+        if tuple(f.rows.shape) != (batch,):
+            raise ValueError(f"feedback.rows must be [{batch}], got {tuple(f.rows.shape)}")
+        p.feedback_rows = f.rows.data_ptr()
+
+
+def block_positions(block_table: Any, lengths: Any, num_blocks: int, out: Any = None) -> Any:
+    """int32 [num_blocks]: positions[block_table[b, j]] = j over each row's
+    ceil(lengths[b] / 16) blocks (lengths in tokens), on block_table's device and the
+    current stream; entries of other blocks are -1 (or left as they were in ``out``)."""
+    import torch
+
+    device = block_table.device
+    _check_tensor("block_table", block_table, device, torch.int32)
+    _check_tensor("lengths", lengths, device, torch.int32)
+    if block_table.dim() != 2 or tuple(lengths.shape) != (block_table.shape[0],):
+        raise ValueError(f"block_table [batch, blocks] and lengths [batch] expected, got "
+                         f"{tuple(block_table.shape)} and {tuple(lengths.shape)}")
+    if out is None:
+        out = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+    else:
+        _check_tensor("out", out, device, torch.int32)
+        if tuple(out.shape) != (num_blocks,):
+            raise ValueError(f"out must be [{num_blocks}], got {tuple(out.shape)}")
+    lib = load_library()
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _raise_for(lib, lib.eps_attn_block_positions(
+            block_table.data_ptr(), block_table.stride(0), block_table.shape[1],
+            lengths.data_ptr(), block_table.shape[0], BLOCK_SIZE, num_blocks, out.data_ptr(),
+            stream))
+    return out
+
+
 def paged_decode_attention(
     q: Any,
     kv_cache: Any,
@@ -450,6 +536,7 @@ def paged_decode_attention(
     softcap: float = 0.0,
     out: Any = None,
     return_lse: bool = False,
+    feedback: FeedbackTarget | None = None,
 ) -> Any:
     """Decode attention of q [batch, num_q_heads, d] over the blocks each row lists.
 
@@ -462,11 +549,13 @@ def paged_decode_attention(
     num_q_heads] (natural log) when return_lse. Runs on the current stream. Invalid
     lists (seqused_k 0, block ids out of range) give zero rows and are raised by
     check_attention_errors() (or after every call with EPS_ATTENTION_CHECK=1).
+    With ``feedback``, each visited group's log-sum-exp per query head is combined into
+    feedback.buffer (FeedbackTarget; paged_attention.h, "Selection feedback").
     """
     return _run(
         q, kv_cache, block_table, seqused_k, kind=_SEQUSED_TOKENS, dense=None, context=None,
         softmax_scale=softmax_scale, softcap=softcap, out=out, return_lse=return_lse,
-        names=("block_table", "seqused_k"),
+        names=("block_table", "seqused_k"), feedback=feedback,
     )
 
 
@@ -482,6 +571,7 @@ def paged_decode_attention_gated(
     softcap: float = 0.0,
     out: Any = None,
     return_lse: bool = False,
+    feedback: FeedbackTarget | None = None,
 ) -> Any:
     """paged_decode_attention over one layer of epsd's outputs, read on the device.
 
@@ -505,5 +595,5 @@ def paged_decode_attention_gated(
     return _run(
         q, kv_cache, visit_blocks, visit_count, kind=_VISIT_COUNT, dense=block_table,
         context=context_lens, softmax_scale=softmax_scale, softcap=softcap, out=out,
-        return_lse=return_lse, names=("visit_blocks", "visit_count"),
+        return_lse=return_lse, names=("visit_blocks", "visit_count"), feedback=feedback,
     )
