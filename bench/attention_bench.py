@@ -29,6 +29,7 @@ spec = importlib.util.spec_from_file_location(
 )
 assert spec and spec.loader
 attention = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = attention  # its dataclasses look their module up there
 spec.loader.exec_module(attention)
 
 Q_HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
@@ -129,12 +130,16 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
                     q, cache, wide[i % layers], seqused, out=out), layers * 4)
         feedback_us = float("nan")
         if target is not None:
-            # entries stay finite after the first call (no epsd to consume them), so every
-            # later write takes the combining path: an upper bound on the cost
-            feedback_us = graph_time_us(
-                lambda i, lists=lists, seqused=seqused: attention.paged_decode_attention(
-                    q, cache, lists[i % layers], seqused, out=out, feedback=target),
-                layers * 4)
+            # each call starts from NaN entries, as epsd leaves them after a step: the
+            # buffer's fill is timed alone and subtracted
+            def with_feedback(i: int, lists=lists, seqused=seqused) -> None:
+                target.buffer.fill_(float("nan"))
+                attention.paged_decode_attention(q, cache, lists[i % layers], seqused, out=out,
+                                                 feedback=target)
+
+            feedback_us = (graph_time_us(with_feedback, layers * 4)
+                           - graph_time_us(lambda i: target.buffer.fill_(float("nan")),
+                                           layers * 4))
         if share == 1.0:
             dense_us = us
         rows.append({"batch": batch, "context": context, "share": share, "us": us,

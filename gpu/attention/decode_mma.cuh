@@ -35,44 +35,82 @@ namespace eps::attention {
 
 // CTAs per SM the register budget is set for: 4 (at most 128 registers, 16 warps) up to
 // d = 128; d = 256 holds twice the fragments, so 2.
-template <int D>
+template <int D, bool kFeedback>
 constexpr int MmaCtasPerSm() {
-  return D <= 128 ? 4 : 2;
+  return D <= 64 || (D <= 128 && !kFeedback) ? 4 : D <= 128 ? 3 : 2;
 }
 
-// Selection feedback of one block (paged_attention.h): each head's log-sum-exp over the
-// block's tokens, combined into its group's entry. x holds lane (g, t)'s scores of tokens
-// g, g+8 × heads 2t, 2t+1 (log2 domain, -inf past the block's tokens), block_max the
-// heads' maxima over the block; sums run over the 8 lanes of the same t.
-__device__ __forceinline__ void WriteFeedback(const EpsAttnParams& p, int64_t row, int kv_head,
-                                              int qh0, int heads, int32_t id, const float (&x)[4],
-                                              const float (&block_max)[2]) {
-  const int lane = threadIdx.x % 32;
-  float sum[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    sum[h] = exp2f(x[h] - block_max[h]) + exp2f(x[2 + h] - block_max[h]);
-#pragma unroll
-    for (int off = 4; off < 32; off *= 2) sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], off);
+// Selection feedback of one unit (paged_attention.h): each head's log-sum-exp over each
+// block, summed (log-add-exp) over the run of consecutive blocks of one group (epsd lists
+// a group's blocks next to each other) and combined into the group's entry when the run
+// ends. Lane (h, t), h < 2, holds head 2t + h. The combine is a CAS from NaN whose result
+// is checked only at the next flush, so the warp does not wait on the atomic; a CAS that
+// found a value (another unit's blocks of the group) is redone with log-add-exp.
+struct FeedbackRun {
+  static constexpr unsigned kNaN = 0x7FC00000u;  // what epsd and the clients write
+  int32_t entry = -1;    // the running group's entry (CheckFeedback: < 2^31); -1: none
+  float lse = 0.0f;      // its log-sum-exp so far
+  int32_t pending = -1;  // the last flushed entry, its value and the CAS's result
+  float pending_lse = 0.0f;
+  unsigned prior = kNaN;
+
+  __device__ __forceinline__ void Settle(float* feedback) {
+    if (pending >= 0 && prior != kNaN) AtomicLogAddExp(feedback + pending, pending_lse);
+    pending = -1;
   }
-  if (lane / 4 != 0) return;
+  __device__ __forceinline__ void Flush(float* feedback) {
+    if (entry < 0) return;
+    Settle(feedback);
+    prior = atomicCAS(reinterpret_cast<unsigned*>(feedback + entry), kNaN, __float_as_uint(lse));
+    pending = entry;
+    pending_lse = lse;
+    entry = -1;
+  }
+  // One block: x holds lane (g, t)'s scores of tokens g, g+8 × heads 2t, 2t+1 (log2
+  // domain, -inf past the block's tokens), block_max the heads' maxima over the block;
+  // sums run over the 8 lanes of the same t. Every lane of the warp calls it.
+  __device__ __forceinline__ void Block(const EpsAttnParams& p, int64_t row, int kv_head, int qh0,
+                                        int heads, int32_t id, const float (&x)[4],
+                                        const float (&block_max)[2]) {
+    const int lane = threadIdx.x % 32;
+    float sum[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {
+      sum[h] = exp2f(x[h] - block_max[h]) + exp2f(x[2 + h] - block_max[h]);
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], off);
+    }
+    const int h = lane / 4;
     const int head = 2 * (lane % 4) + h;
-    if (head >= heads) break;
+    if (h >= 2 || head >= heads) return;
     int32_t error = 0;
     int32_t value = 0;
-    const int64_t entry = FeedbackEntry(p, row, qh0 + head, id, &error, &value);
-    if (entry < 0) {
+    const int64_t e = FeedbackEntry(p, row, qh0 + head, id, &error, &value);
+    if (e < 0) {
       if (error != kListOk) RecordError(p.error_word, error, row, kv_head, value);
-      continue;
+      return;
     }
-    AtomicLogAddExp(p.feedback + entry, (block_max[h] + log2f(sum[h])) * kLn2);
+    const float v =
+        ((h == 0 ? block_max[0] : block_max[1]) + log2f(h == 0 ? sum[0] : sum[1])) * kLn2;
+    if (e == entry) {
+      const float hi = fmaxf(lse, v);
+      lse = hi + log1pf(expf(fminf(lse, v) - hi));
+    } else {
+      Flush(p.feedback);
+      entry = static_cast<int32_t>(e);
+      lse = v;
+    }
   }
-}
+  __device__ __forceinline__ void Finish(float* feedback) {
+    Flush(feedback);
+    Settle(feedback);
+  }
+};
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
+// kFeedback: also writes selection feedback (FeedbackRun); a separate instance, so that
+// the plain kernel keeps its registers.
+template <typename T, int D, bool kFeedback>
+__global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D, kFeedback>()))
     MmaSplitKernel(const __grid_constant__ EpsAttnParams p, const Plan plan) {
   constexpr int kSteps = D / 16;   // k-steps of q·Kᵀ, m-tiles of P·V
   constexpr int kKWords = D / 8;   // 32-bit words per lane and K token (d/4 elements)
@@ -187,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
   // The next block's K and V are issued as soon as this block's registers are free, its
   // id one step ahead. Issuing its K before this block's softmax instead (K is free
   // there) would keep loads in flight through it, but costs spills at 128 registers.
+  [[maybe_unused]] FeedbackRun feedback;
   const int32_t id_first = load_id(first_entry);
   int32_t id_cur = id_first;
   int32_t id_next = load_id(first_entry + 1);
@@ -221,8 +260,9 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
         block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], off));
       }
     }
-    if (p.feedback != nullptr && n_cur > 0)
-      WriteFeedback(p, row, kv_head, qh0, heads, id_cur, x, block_max);
+    if constexpr (kFeedback) {
+      if (n_cur > 0) feedback.Block(p, row, kv_head, qh0, heads, id_cur, x, block_max);
+    }
     // The rescale is skipped, warp-uniformly, when no head's max rises.
     if (__any_sync(0xffffffffu, block_max[0] > m[0] || block_max[1] > m[1])) {
       float factor[2];
@@ -266,9 +306,11 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D>()))
     n_cur = n_next;
   }
 
-  // Row sums over the 8 lanes of the same t; lane (g, t) then writes elements
-  // [g·d/8, (g+1)·d/8) of heads 2t and 2t+1: element g·d/8 + 2i is o[i][h], + 2i + 1 is
-  // o[i][2 + h].
+  if constexpr (kFeedback) feedback.Finish(p.feedback);
+
+    // Row sums over the 8 lanes of the same t; lane (g, t) then writes elements
+    // [g·d/8, (g+1)·d/8) of heads 2t and 2t+1: element g·d/8 + 2i is o[i][h], + 2i + 1 is
+    // o[i][2 + h].
 #pragma unroll
   for (int off = 4; off < 32; off *= 2) {
     l[0] += __shfl_xor_sync(0xffffffffu, l[0], off);

@@ -91,48 +91,49 @@ using SplitFn = void (*)(EpsAttnParams, Plan);
 // The SplitKernel instance of (dtype, head_dim, gt, variant): the one place that maps
 // a plan to a kernel, for the launch and for its occupancy.
 template <typename T, int D, int GT>
-SplitFn SplitKernelFor(KernelVariant v) {
+SplitFn SplitKernelFor(KernelVariant v, bool feedback) {
   switch (v) {
     case KernelVariant::kWarpLean:
       return SplitKernel<T, D, GT, true, true, false>;
     case KernelVariant::kWarpPipe:
       return SplitKernel<T, D, GT, true, true, true>;
     case KernelVariant::kWarpMma:  // every group size: heads padded to the mma's 8
-      return MmaSplitKernel<T, D>;
+      return feedback ? MmaSplitKernel<T, D, true> : MmaSplitKernel<T, D, false>;
     default:
       return SplitKernel<T, D, GT, false, false, false>;
   }
 }
 
 template <typename T, int D>
-SplitFn SplitKernelFor(int gt, KernelVariant v) {
+SplitFn SplitKernelFor(int gt, KernelVariant v, bool feedback) {
   switch (gt) {
     case 1:
-      return SplitKernelFor<T, D, 1>(v);
+      return SplitKernelFor<T, D, 1>(v, feedback);
     case 2:
-      return SplitKernelFor<T, D, 2>(v);
+      return SplitKernelFor<T, D, 2>(v, feedback);
     case 4:
-      return SplitKernelFor<T, D, 4>(v);
+      return SplitKernelFor<T, D, 4>(v, feedback);
     default:
-      return SplitKernelFor<T, D, 8>(v);
+      return SplitKernelFor<T, D, 8>(v, feedback);
   }
 }
 
 template <typename T>
-SplitFn SplitKernelFor(int head_dim, int gt, KernelVariant v) {
+SplitFn SplitKernelFor(int head_dim, int gt, KernelVariant v, bool feedback) {
   switch (head_dim) {
     case 64:
-      return SplitKernelFor<T, 64>(gt, v);
+      return SplitKernelFor<T, 64>(gt, v, feedback);
     case 128:
-      return SplitKernelFor<T, 128>(gt, v);
+      return SplitKernelFor<T, 128>(gt, v, feedback);
     default:
-      return SplitKernelFor<T, 256>(gt, v);
+      return SplitKernelFor<T, 256>(gt, v, feedback);
   }
 }
 
 SplitFn SplitKernelFor(const EpsAttnParams& p, int gt, KernelVariant v) {
-  return p.dtype == EPS_ATTN_BF16 ? SplitKernelFor<__nv_bfloat16>(p.head_dim, gt, v)
-                                  : SplitKernelFor<__half>(p.head_dim, gt, v);
+  const bool feedback = p.feedback != nullptr;
+  return p.dtype == EPS_ATTN_BF16 ? SplitKernelFor<__nv_bfloat16>(p.head_dim, gt, v, feedback)
+                                  : SplitKernelFor<__half>(p.head_dim, gt, v, feedback);
 }
 
 // CTAs of `kernel` that fit on an SM of the current device, read once per (device,

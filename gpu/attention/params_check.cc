@@ -40,6 +40,11 @@ std::string CheckFeedback(const EpsAttnParams& p, bool check_pointers) {
            "feedback_stride_head=" + Str(p.feedback_stride_head * p.num_q_heads) +
            " (rows would overlap)";
   }
+  if (p.feedback_stride_row > (int64_t{1} << 31) / p.feedback_seqs) {
+    return "feedback_seqs * feedback_stride_row = " +
+           Str(int64_t{p.feedback_seqs} * p.feedback_stride_row) +
+           " entries: one layer's feedback must hold fewer than 2^31";
+  }
   if (check_pointers && p.block_positions == nullptr) {
     return "feedback is set but block_positions is NULL (each block's index in its sequence)";
   }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import statistics
 import time
@@ -65,6 +66,7 @@ def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
             "coarse_blocks": getattr(args, "coarse_blocks", 0),
             "coarse_candidates": _coarse_c(args),
             "feedback": getattr(args, "feedback", False),
+            "attention_variant": os.environ.get("EPS_ATTN_VARIANT", "auto"),
             "session_method": engine.client.attach_info.options.method
             if engine.client.attach_info else None}
 

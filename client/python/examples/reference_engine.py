@@ -88,6 +88,12 @@ def main() -> int:
         raise SystemExit(f"--mode {args.mode} needs --model gguf --gguf FILE (real weights)")
     if args.model == "gguf" and not args.gguf:
         raise SystemExit("--model gguf needs --gguf FILE")
+    if args.feedback and "EPS_ATTN_VARIANT" not in os.environ:
+        # Feedback is written by the kernel's tensor-core unit alone (paged_attention.h):
+        # the dense run takes the same unit, so that dense and gated differ only in their
+        # lists (at 8 x 32k the library picks it anyway; at SmolLM2's shape it would not).
+        os.environ["EPS_ATTN_VARIANT"] = "warp_mma"
+        print("--feedback: EPS_ATTN_VARIANT=warp_mma for dense and gated runs", flush=True)
     import engine_runs  # torch from here on
 
     result = engine_runs.run(args)
