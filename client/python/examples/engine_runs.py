@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import math
+import os
 import statistics
 import time
 from typing import Any
