@@ -276,6 +276,20 @@ TEST(AttentionParams, ValidParamsPass) {
   EXPECT_EQ(CheckParams(p, true), "");
 }
 
+// Sets a feedback buffer of 4 table rows and 10 groups (block_positions left NULL) with
+// these group size and strides.
+std::function<void(EpsAttnParams&)> Feedback(int32_t group_blocks, int64_t stride_head,
+                                             int64_t stride_row) {
+  return [=](EpsAttnParams& p) {
+    p.feedback = reinterpret_cast<float*>(p.out);
+    p.feedback_seqs = 4;
+    p.feedback_groups = 10;
+    p.feedback_group_blocks = group_blocks;
+    p.feedback_stride_head = stride_head;
+    p.feedback_stride_row = stride_row;
+  };
+}
+
 TEST(AttentionParams, EachInvalidFieldIsNamedWithItsValue) {
   AttentionCase c(CaseShape{}, 1);
   const std::vector<std::pair<std::function<void(EpsAttnParams&)>, std::string>> cases = {
@@ -303,40 +317,11 @@ TEST(AttentionParams, EachInvalidFieldIsNamedWithItsValue) {
        "needs dense_table and context_lens"},
       {[](EpsAttnParams& p) { p.reserved = 1; }, "reserved=1"},
       {[](EpsAttnParams& p) { p.feedback_groups = 3; }, "feedback is NULL but other"},
-      {[](EpsAttnParams& p) {
-         p.feedback = reinterpret_cast<float*>(p.out);
-         p.feedback_seqs = 4;
-         p.feedback_groups = 10;
-         p.feedback_group_blocks = 2;
-         p.feedback_stride_head = 9;
-         p.feedback_stride_row = 1000;
-       },
-       "feedback_stride_head=9 is less than feedback_groups=10"},
-      {[](EpsAttnParams& p) {
-         p.feedback = reinterpret_cast<float*>(p.out);
-         p.feedback_seqs = 4;
-         p.feedback_groups = 10;
-         p.feedback_group_blocks = 0;
-       },
-       "feedback_group_blocks=0"},
-      {[](EpsAttnParams& p) {
-         p.feedback = reinterpret_cast<float*>(p.out);
-         p.feedback_seqs = 4;
-         p.feedback_groups = 10;
-         p.feedback_group_blocks = 1;
-         p.feedback_stride_head = 10;
-         p.feedback_stride_row = 10;
-       },
-       "feedback_stride_row=10 is less than"},
-      {[](EpsAttnParams& p) {
-         p.feedback = reinterpret_cast<float*>(p.out);
-         p.feedback_seqs = 4;
-         p.feedback_groups = 10;
-         p.feedback_group_blocks = 1;
-         p.feedback_stride_head = 10;
-         p.feedback_stride_row = 1000;
-       },
-       "block_positions is NULL"},
+      {Feedback(2, 9, 1000), "feedback_stride_head=9 is less than feedback_groups=10"},
+      {Feedback(0, 10, 1000), "feedback_group_blocks=0"},
+      {Feedback(1, 10, 10), "feedback_stride_row=10 is less than"},
+      {Feedback(1, 10, 1 << 30), "one layer's feedback must hold fewer than 2^31"},
+      {Feedback(1, 10, 1000), "block_positions is NULL"},
   };
   for (const auto& [mutate, expected] : cases) {
     EpsAttnParams p = c.params;
