@@ -20,8 +20,10 @@
 // FeedbackSharedBytes); 8-bit radix passes over those keys then find the upper
 // middle key, stopping as soon as one key carries the digits chosen, and one
 // last pass finds the key below it (for an even count). Each block is short and
-// mostly waiting at barriers, so blocks are small (128 threads) for many of them
-// to share an SM.
+// mostly waiting at barriers or loads, so blocks are small (128 threads) for many
+// of them to share an SM, and a thread loads 8 groups at once. Measured on an
+// H100 (docs/benchmarks/gpu.md, "Selection feedback's kernel, 2026-11-26"): 256
+// threads a block, or 64, and 4 groups a load were no faster.
 //
 // Shapes: feedback [layers, max_seqs, q_heads, max_groups] fp32 by table row;
 // scores [max_batch, layers, q_heads, max_groups] fp32 (the selector's scratch);
@@ -40,6 +42,7 @@ namespace eps::gpu::kernels {
 constexpr int kFeedbackThreads = 128;
 constexpr int kFeedbackWarps = kFeedbackThreads / 32;
 constexpr int kFeedbackBins = 256;  // an 8-bit digit
+constexpr int kFeedbackChunk = 8;   // groups a thread loads at once
 constexpr int kBinsPerThread = kFeedbackBins / kFeedbackThreads;
 static_assert(kFeedbackBins % kFeedbackThreads == 0, "each thread scans whole bins");
 
@@ -200,23 +203,36 @@ __global__ void __launch_bounds__(kFeedbackThreads) FeedbackKernel(Shape s, Feed
   }
   __syncthreads();
   // The fed groups' keys, packed in any order (a k-th smallest needs none), one
-  // shared atomic per warp; their top digits counted on the way.
+  // shared atomic per warp; their top digits counted on the way. A thread loads
+  // kFeedbackChunk groups' entries and scores at once, so that their latencies
+  // overlap; a row of one chunk (up to kFeedbackThreads · kFeedbackChunk groups)
+  // keeps them in registers for the rewrite below.
+  constexpr int kStride = kFeedbackThreads * kFeedbackChunk;
   const int lane = threadIdx.x % 32;
-  for (int p0 = 0; p0 < n; p0 += kFeedbackThreads) {
-    const int p = p0 + threadIdx.x;
-    bool fed = false;
-    unsigned long long key = 0;
-    if (p < n) {
-      const float e = entry[p], score = scores[p];
-      fed = isfinite(e) && isfinite(score);
-      if (fed) key = OrderedKey64(FeedbackDiff(a.sqrt_d, e, score));
+  float e[kFeedbackChunk], score[kFeedbackChunk];
+  auto load = [&](int p0) {
+#pragma unroll
+    for (int j = 0; j < kFeedbackChunk; ++j) {
+      const int p = p0 + j * kFeedbackThreads + static_cast<int>(threadIdx.x);
+      e[j] = p < n ? entry[p] : __int_as_float(0x7FC00000);
+      score[j] = p < n ? scores[p] : __int_as_float(0x7FC00000);
     }
-    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, fed);
-    unsigned base = 0;
-    if (lane == 0 && ballot != 0) base = atomicAdd(&r.count, static_cast<unsigned>(__popc(ballot)));
-    base = __shfl_sync(0xFFFFFFFFu, base, 0);
-    if (fed) feedback_keys[base + __popc(ballot & ((1u << lane) - 1))] = key;
-    CountDigit(r.histogram, fed, static_cast<unsigned>(key >> 56));
+  };
+  for (int p0 = 0; p0 < n; p0 += kStride) {
+    load(p0);
+#pragma unroll
+    for (int j = 0; j < kFeedbackChunk; ++j) {
+      const bool fed = isfinite(e[j]) && isfinite(score[j]);
+      const unsigned long long key = fed ? OrderedKey64(FeedbackDiff(a.sqrt_d, e[j], score[j])) : 0;
+      const unsigned ballot = __ballot_sync(0xFFFFFFFFu, fed);
+      unsigned base = 0;
+      if (lane == 0 && ballot != 0) {
+        base = atomicAdd(&r.count, static_cast<unsigned>(__popc(ballot)));
+      }
+      base = __shfl_sync(0xFFFFFFFFu, base, 0);
+      if (fed) feedback_keys[base + __popc(ballot & ((1u << lane) - 1))] = key;
+      CountDigit(r.histogram, fed, static_cast<unsigned>(key >> 56));
+    }
   }
   __syncthreads();
   const unsigned c = r.count;
@@ -227,14 +243,17 @@ __global__ void __launch_bounds__(kFeedbackThreads) FeedbackKernel(Shape s, Feed
     offset = KeyToDouble(SharedKthSmallest(feedback_keys, c, c / 2, r, &below));
     if (c % 2 == 0) offset = __dmul_rn(0.5, __dadd_rn(offset, KeyToDouble(below)));
   }
-  // Every thread read the scores above before any is rewritten: the barriers of
-  // the median (or, with no fed group, the one after the packing) order them.
-  for (int p = threadIdx.x; p < n; p += kFeedbackThreads) {
-    const float e = entry[p];
-    if (isfinite(e)) {
-      scores[p] = static_cast<float>(__dmul_rn(a.sqrt_d, static_cast<double>(e)));
-    } else if (isfinite(scores[p])) {
-      scores[p] = static_cast<float>(__dadd_rn(static_cast<double>(scores[p]), offset));
+  // Each thread rewrites the groups it read above, and only those.
+  for (int p0 = 0; p0 < n; p0 += kStride) {
+    if (n > kStride) load(p0);  // else the one chunk is still in registers
+#pragma unroll
+    for (int j = 0; j < kFeedbackChunk; ++j) {
+      const int p = p0 + j * kFeedbackThreads + static_cast<int>(threadIdx.x);
+      if (isfinite(e[j])) {
+        scores[p] = static_cast<float>(__dmul_rn(a.sqrt_d, static_cast<double>(e[j])));
+      } else if (isfinite(score[j])) {
+        scores[p] = static_cast<float>(__dadd_rn(static_cast<double>(score[j]), offset));
+      }
     }
   }
 }
