@@ -16,51 +16,8 @@
 #include "gpu/step.h"
 
 namespace eps::bench {
-namespace {
 
 using gpu::DeviceBuffer;
-
-// One level's records on the device for `batch` rows of `context` tokens under
-// `m` (its groups of m.group_blocks blocks): one row's random records
-// (FillRandomSummaries) copied to every row (a row's slots consecutive), and the
-// rows' table and blocks. A whole batch's host pool at g = 1 would be 22 GB at
-// 64 x 32k; the device reads the same bytes either way.
-struct LevelOnDevice {
-  DeviceBuffer<float> pool;
-  DeviceBuffer<int32_t> table, blocks;
-  int64_t slots = 0, max_groups = 0, max_blocks = 0;
-};
-absl::Status UploadLevel(const eps::ModelLayout& m, int batch, int64_t context,
-                         LevelOnDevice* level) {
-  eps::testing::StepBuffers one(m, 1, context, 1, eps::Granularity::kUnion);
-  one.AssignRow(0, context, 0);
-  one.FillRandomSummaries(1);
-  const int64_t row_floats = static_cast<int64_t>(one.pool().size());
-  level->max_groups = one.max_groups();
-  level->max_blocks = one.max_blocks();
-  level->slots = batch * level->max_groups;
-  RETURN_IF_CUDA_ALLOC(level->pool, row_floats * batch);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(level->pool.get(), one.pool().data(), row_floats * sizeof(float),
-                                  cudaMemcpyHostToDevice));
-  std::vector<int32_t> table(batch * level->max_groups), blocks(batch * level->max_blocks);
-  for (int b = 0; b < batch; ++b) {
-    if (b > 0) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(level->pool.get() + b * row_floats, level->pool.get(),
-                                      row_floats * sizeof(float), cudaMemcpyDeviceToDevice));
-    }
-    for (int64_t p = 0; p < level->max_groups; ++p) {
-      table[b * level->max_groups + p] = static_cast<int32_t>(b * level->max_groups + p);
-    }
-    for (int64_t k = 0; k < level->max_blocks; ++k) {
-      blocks[b * level->max_blocks + k] =
-          static_cast<int32_t>(b * level->max_blocks) + one.block_table()[k];
-    }
-  }
-  RETURN_IF_ERROR(Upload(level->table, table.data(), static_cast<int64_t>(table.size())));
-  return Upload(level->blocks, blocks.data(), static_cast<int64_t>(blocks.size()));
-}
-
-}  // namespace
 
 absl::Status MeasureCoarse(eps::ModelLayout m, int batch, int64_t context, int top_pages) {
   m.features = {.key_sum = false, .principal = false, .quest = true};
@@ -84,22 +41,11 @@ absl::Status MeasureCoarse(eps::ModelLayout m, int batch, int64_t context, int t
       coarse_model.coarse_blocks = 0;
       RETURN_IF_ERROR(UploadLevel(coarse_model, batch, context, &coarse_level));
     }
-    eps::StepInputs in;
-    in.summary_pool = fine.pool.get();
-    in.num_slots = fine.slots;
-    in.group_table = fine.table.get();
-    in.block_table = fine.blocks.get();
-    in.max_seqs = batch;
-    in.max_groups = fine.max_groups;
-    in.max_blocks = fine.max_blocks;
-    in.num_physical_blocks = batch * fine.max_blocks;
+    eps::StepInputs in = LevelInputs(fine, batch, rows, queries.get());
     in.coarse_pool = coarse_level.pool.get();
     in.coarse_slots = coarse_level.slots;
     in.coarse_table = coarse_level.table.get();
     in.max_coarse_groups = coarse_level.max_groups;
-    in.queries = queries.get();
-    in.max_batch = batch;
-    in.rows = rows;
     DeviceBuffer<int32_t> visit, count;
     const int64_t lists = int64_t{m.num_layers} * batch * m.num_kv_heads;  // per-KV-head's
     RETURN_IF_CUDA_ALLOC(visit, lists * fine.max_blocks);

@@ -12,11 +12,14 @@
 //                      [--policies=questclt,jl threshold]   (policy rows whose name holds one)
 //                      [--pool=local|ipc] [--pool-offset=0] [--pool-pad=0]
 //                      [--coarse-batches=8,64] [--coarse-context=32768]
+//                      [--feedback-batches=8] [--feedback-context=32768]
 //
 // A third table sets the coarse level (coarse-to-fine selection) beside the flat
 // selection: questclt, g = 1 with coarse groups of 4 blocks against g = 2
 // (--coarse-batches= with no value skips it, as --batches= and --policy-batch=
-// skip the others).
+// skip the others). A fourth times selection feedback (gpu/feedback.cuh): questclt
+// at g = 2 without feedback and with 0, 25 and 100 % of the groups fed
+// (--feedback-batches= with no value skips it).
 //
 // --pool-offset places the pool that many bytes (a multiple of 256, as the clients
 // place their buffers) into its allocation, which is rounded up to whole 2 MiB pages
@@ -53,6 +56,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/gpu_bench_util.h"
 #include "bench/gpu_coarse_table.h"
+#include "bench/gpu_feedback_table.h"
 #include "core/buffer_contract.h"
 #include "core/status.h"
 #include "core/testing/synthetic.h"
@@ -434,6 +438,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8}, top_pages{16};
   std::vector<int64_t> pool_offsets{0}, pool_pads{0};
   std::vector<int64_t> coarse_batches{8, 64}, coarse_context{32768};
+  std::vector<int64_t> feedback_batches{8}, feedback_context{32768};
   for (int i = 1; i < argc; ++i) {
     group_blocks = ParseList(argv[i], "--group-blocks=", group_blocks);
     batches = ParseList(argv[i], "--batches=", batches);
@@ -447,6 +452,8 @@ int main(int argc, char** argv) {
     pool_pads = ParseList(argv[i], "--pool-pad=", pool_pads);
     coarse_batches = ParseList(argv[i], "--coarse-batches=", coarse_batches);
     coarse_context = ParseList(argv[i], "--coarse-context=", coarse_context);
+    feedback_batches = ParseList(argv[i], "--feedback-batches=", feedback_batches);
+    feedback_context = ParseList(argv[i], "--feedback-context=", feedback_context);
     if (std::strncmp(argv[i], "--policies=", 11) == 0) {
       policy_names = absl::StrSplit(argv[i] + 11, ',', absl::SkipEmpty());
     }
@@ -536,6 +543,18 @@ int main(int argc, char** argv) {
                                                      top_pages_per_head);
           !s.ok()) {
         std::printf("error in the coarse table: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
+  }
+  if (!feedback_batches.empty() && !feedback_context.empty()) {
+    std::printf("\nselection feedback, questclt g = 2, top_pages %d (p50 of 50 steps):\n",
+                top_pages_per_head);
+    for (int64_t batch : feedback_batches) {
+      if (absl::Status s = eps::bench::MeasureFeedback(m, static_cast<int>(batch),
+                                                       feedback_context[0], top_pages_per_head);
+          !s.ok()) {
+        std::printf("error in the feedback table: %s\n", s.ToString().c_str());
         return 1;
       }
     }

@@ -435,6 +435,10 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
         report,      std::sqrt(static_cast<double>(m.head_dim))};  // as core ApplyFeedback
     launch.feedback_grid =
         dim3(static_cast<unsigned>(m.num_layers * m.num_q_heads), static_cast<unsigned>(batch));
+    // The median's keys in shared memory: room for the longest row's groups, rounded up
+    // as the scoring grid rounds them, so that no more graphs are captured than it causes.
+    launch.feedback_shared = kernels::FeedbackSharedBytes(
+        std::min(in.max_groups, (max_n + per_block - 1) / per_block * per_block));
     if (coarse) launch.select.feedback = in.feedback;  // fed groups pass the candidates' mask
   }
 

@@ -62,6 +62,7 @@ struct StepLaunch {
   bool feedback_apply, feedback_consume;
   kernels::FeedbackArgs feedback;
   dim3 feedback_grid;
+  size_t feedback_shared;  // FeedbackKernel's keys
 
   absl::Status Launch(cudaStream_t stream) {
     void* terms_params[] = {&shape, &terms};
@@ -102,7 +103,7 @@ struct StepLaunch {
     if (feedback_apply) {
       CUDA_RETURN_IF_ERROR(cudaLaunchKernel(reinterpret_cast<const void*>(&kernels::FeedbackKernel),
                                             feedback_grid, dim3(kernels::kFeedbackThreads),
-                                            feedback_params, 0, stream));
+                                            feedback_params, feedback_shared, stream));
     }
     void* select_params[] = {&shape, &rule, &select};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(select_kernel, select_grid, select_block, select_params,
