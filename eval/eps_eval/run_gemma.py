@@ -36,7 +36,7 @@ import numpy as np
 from eps_eval import core
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
 from eps_eval.metrics import BLOCK
-from eps_eval.plans import PLANS, QualityPlan
+from eps_eval.plans import PLANS, QualityPlan, query_history
 from eps_eval.quality import QUEST8_SCALES, GrowingQuestTables, LayerState, step_rows
 from eps_eval.realmodel import passkey_prompt
 from eps_eval.run import log, unit_done, write_unit
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         if not todo:
             continue
         ids = passage_ids(m.tokenizer, ctx)
-        qpos = list(range(ctx - a.steps - max(plan.lags), ctx))
+        qpos = list(range(ctx - a.steps - query_history(plan), ctx))
         t1 = time.time()
         tr = m.prefill(ids, qpos, [])
         log(f"prefill of {ctx} tokens in {time.time() - t1:.1f} s")

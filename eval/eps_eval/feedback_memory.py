@@ -1,0 +1,262 @@
+"""Selection feedback with memory, simulated step by step in the harness (issue 19).
+
+Selection feedback (docs/policy.md): the attention of step t−1 reports, for every block it
+visited, √d·log Σ exp(q·k/√d) under that step's query; step t, whose selection reads the
+same (lag-1) query, ranks those blocks by it and every other block by its estimate plus the
+head's median of (exact − estimate) over the fed candidate blocks. epsd consumes the
+entries after one step. This module keeps them longer and asks whether that helps:
+
+  K = 1        today's rule, but in its steady state: every list was itself chosen with
+               feedback (the harness's fb- rows chose the previous list without it).
+  K, old       a block visited at one of steps t−K … t−2 (not t−1) is ranked by its latest
+               exact value, a log share of the attention of that step's list (the engine
+               knows the list's total), whatever its coarse group; no rescaling: shares
+               of one head drift slowly.
+  K, oldmax    as old, but a candidate block takes max(old value, estimate + offset), so
+               a block whose estimate rose is not held back by its old value.
+  K, resid     a candidate block keeps the estimator's error instead of the value: when a
+               fed block is scored at t, resid = exact − estimate − offset (its deviation
+               from the head's median correction) is kept, and within K steps the block
+               scores estimate + offset + resid, under the current query; blocks without
+               a residual fall back to old.
+
+The simulation runs the selection recursively from `warmup` positions before the first
+measured one (each step's list decides what the next is fed), over the keys of that step,
+for every budget of the sweep separately. Memory is charged per (block, KV head) as one
+stamp byte and fp16 values for each query head of the KV head (`ENTRY_BYTES`); one-step
+feedback (K = 1) is not charged, as the fb- and epsd-fb- rows are not.
+
+Ceilings (no summary bytes, every block's exact mass known): maxlag{K} ranks each block by
+its largest log share under the queries of steps t−1 … t−K, meanlag{K} by the log of its
+mean share; against oracle_mass_lag (K = 1) they say what lag-K information could add at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from eps_eval import core
+from eps_eval.metrics import BLOCK, Dense, dots, evaluate, group_sum
+
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
+MODES = ("old", "oldmax", "resid")
+ENTRY_BYTES = {"old": 2.0, "oldmax": 2.0, "resid": 4.0}  # fp16 per query head (resid: 2)
+NEVER = -(1 << 40)
+# (coarse [H, Gc], fine [H, nb]) estimates at a step of `tokens` keys for a query [H, d].
+Estimates = Callable[[int, F32], tuple[F32, F32]]
+# (method, params, met) of one sweep: what quality._rows formats.
+Sweep = tuple[str, list[float], dict[str, F64]]
+
+
+def block_log_mass(q: F32, k: F32) -> F64:
+    """√d · log Σ_{i in block} exp(q·k_i/√d) [H, nb] of q [H, d] over keys k [kv, c, d]."""
+    d = q.shape[1]
+    c = k.shape[1]
+    nb = -(-c // BLOCK)
+    s = dots(q, k).astype(np.float64) / np.sqrt(d)
+    s = np.pad(s, ((0, 0), (0, nb * BLOCK - c)), constant_values=-np.inf).reshape(-1, nb, BLOCK)
+    top = s.max(axis=2, keepdims=True)
+    return (np.log(np.exp(s - top).sum(axis=2)) + top[..., 0]) * np.sqrt(d)
+
+
+def log_share(lse: F64, visited: npt.NDArray[np.bool_], d: int) -> F64:
+    """lse [H, nb] (× √d) as a log share of the visited blocks' total, per head (× √d)."""
+    x = lse / np.sqrt(d)
+    sub = x[:, visited]
+    top = sub.max(axis=1, keepdims=True)
+    total = np.log(np.exp(sub - top).sum(axis=1, keepdims=True)) + top
+    return (x - total) * np.sqrt(d)
+
+
+@dataclass
+class _Memory:
+    """One simulated engine (variant, budget): per block, the latest exact log share and
+    the step whose attention wrote it; per block, the latest residual and its step."""
+
+    val: F64
+    stamp: npt.NDArray[np.int64]
+    resid: F64
+    resid_stamp: npt.NDArray[np.int64]
+
+    @staticmethod
+    def empty(heads: int, blocks: int) -> _Memory:
+        return _Memory(np.full((heads, blocks), np.nan), np.full(blocks, NEVER),
+                       np.full((heads, blocks), np.nan), np.full(blocks, NEVER))
+
+
+@dataclass
+class _Candidates:
+    """The coarse level's outcome at one budget: final block budget, candidate and forced
+    blocks, as quality._c2f_pick computes them."""
+
+    blocks: int
+    cblock: npt.NDArray[np.bool_]
+    forced: npt.NDArray[np.bool_]
+    first_n: int
+    last_n: int
+
+    @staticmethod
+    def of(coarse: F32, nb: int, gc: int, f: float, cand: float, kvh: int) -> _Candidates:
+        Gc = coarse.shape[1]
+        blocks = max(1, round(f * max(1, nb - 3 * gc)))
+        n_cand = max(1, min(Gc, round(cand * blocks / gc)))
+        cmask = core.mark(coarse, kvh, [n_cand])[0, 0].astype(bool)  # forced groups included
+        forced = np.zeros(nb, dtype=bool)
+        forced[: min(gc, nb)] = True
+        forced[max(0, (Gc - 2) * gc):] = True
+        return _Candidates(blocks, np.repeat(cmask, gc)[:nb], forced, gc,
+                           nb - max(0, (Gc - 2) * gc))
+
+    def mark(self, sc: F64, allowed: npt.NDArray[np.bool_], kvh: int) -> npt.NDArray[np.uint8]:
+        m = core.mark(sc.astype(np.float32), kvh, [self.blocks], first_n=self.first_n,
+                      last_n=self.last_n)[0]
+        m = m & allowed[None].astype(np.uint8)
+        m[:, self.forced] = 1
+        return m
+
+
+@dataclass
+class FeedbackMemory:
+    """The step-by-step simulation of one layer (a harness simulation, not core's rule).
+
+    Call `sweeps` with increasing positions; the first call simulates `warmup` unmeasured
+    steps before its position, later calls the steps since the last one."""
+
+    depths: tuple[int, ...]
+    fractions: tuple[float, ...]
+    gc: int
+    cand: float
+    record_bytes: float  # per (block or coarse group, KV head), both levels
+    q_heads: int
+    kv_heads: int
+    max_blocks: int
+    warmup: int
+    label: str  # e.g. c2f4x2-questclt1
+    next_step: int | None = None
+    memory: dict[tuple[int, str, int], _Memory] = field(default_factory=dict)
+
+    def variants(self) -> list[tuple[int, str]]:
+        return [(1, "old")] + [(K, m) for K in self.depths if K > 1 for m in MODES]
+
+    def sweeps(self, k: F32, q_by_pos: dict[int, F32], position: int, dn: Dense,
+               estimates: Estimates) -> list[Sweep]:
+        start = position - self.warmup if self.next_step is None else self.next_step
+        lists: dict[tuple[int, str, int], tuple[npt.NDArray[np.uint8], int]] = {}
+        for s in range(start, position + 1):
+            lists = self._step(k, q_by_pos, s, estimates)
+        self.next_step = position + 1
+        nb = dn.mass.shape[1]
+        Gc = -(-nb // self.gc)
+        r = self.q_heads // self.kv_heads
+        out: list[Sweep] = []
+        for K, mode in self.variants():
+            masks, per_block = [], []
+            for fi in range(len(self.fractions)):
+                m, fine_read = lists[(K, mode, fi)]
+                masks.append(m)
+                memory = 0.0 if K == 1 else ENTRY_BYTES[mode] * r + 1.0
+                per_block.append((Gc + fine_read) * self.record_bytes / nb + memory)
+            met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block)
+            name = f"fbmem{K}{'' if K == 1 else '-' + mode}-{self.label}"
+            out.append((name, [float(f) for f in self.fractions], met))
+        return out
+
+    def _step(self, k: F32, q_by_pos: dict[int, F32], s: int, estimates: Estimates
+              ) -> dict[tuple[int, str, int], tuple[npt.NDArray[np.uint8], int]]:
+        """Step s: every variant's list with the lag-1 query, then the attention of the step
+        (the query of s) writing each listed block's log share into that variant's memory."""
+        c = s + 1
+        coarse, fine32 = estimates(c, q_by_pos[s - 1])
+        fine = fine32.astype(np.float64)
+        nb = fine.shape[1]
+        written = block_log_mass(q_by_pos[s], k[:, :c])
+        out = {}
+        for fi, f in enumerate(self.fractions):
+            cands = _Candidates.of(coarse, nb, self.gc, f, self.cand, self.kv_heads)
+            fine_read = int((cands.cblock & ~cands.forced).sum())
+            for K, mode in self.variants():
+                key = (K, mode, fi)
+                mem = self.memory.setdefault(key, _Memory.empty(self.q_heads, self.max_blocks))
+                m = self._pick(mem, K, mode, s, fine, cands)
+                visited = m[0].astype(bool)
+                share = log_share(written, visited, k.shape[2])
+                mem.val[:, :nb][:, visited] = share[:, visited]
+                mem.stamp[:nb][visited] = s
+                out[key] = (m, fine_read)
+        return out
+
+    def _pick(self, mem: _Memory, K: int, mode: str, s: int, fine: F64,
+              cands: _Candidates) -> npt.NDArray[np.uint8]:
+        nb = fine.shape[1]
+        val = mem.val[:, :nb]
+        age = s - mem.stamp[:nb]
+        fed = age == 1
+        both = fed & cands.cblock
+        diff = np.where(both[None], val - fine, np.nan)
+        offset = (np.nan_to_num(np.nanmedian(diff, axis=1, keepdims=True)) if both.any()
+                  else np.zeros((fine.shape[0], 1)))
+        est = np.where(cands.cblock[None], fine + offset, -np.inf)
+        sc = est.copy()
+        allowed = cands.cblock.copy()
+        old = (age >= 2) & (age <= K)
+        if mode == "oldmax":
+            sc = np.where(old[None], np.where(cands.cblock[None], np.maximum(val, est), val), sc)
+        elif K > 1:
+            sc = np.where(old[None], val, sc)
+        if mode == "resid" and K > 1:
+            # Residuals of the blocks fed now and estimated now, kept for the steps after;
+            # stamped with the step whose query both sides read.
+            mem.resid[:, :nb][:, both] = (val - fine - offset)[:, both]
+            mem.resid_stamp[:nb][both] = s - 1
+            rage = s - mem.resid_stamp[:nb]
+            has = (rage >= 2) & (rage <= K) & cands.cblock & ~fed
+            sc = np.where(has[None], est + mem.resid[:, :nb], sc)
+        allowed |= old
+        sc = np.where(fed[None], val, sc)
+        allowed |= fed
+        return cands.mark(sc, allowed, self.kv_heads)
+
+
+def lag_ceilings(dn: Dense, lag_mass: dict[int, F64], depths: tuple[int, ...], kvh: int,
+                 tps: list[int]) -> list[Sweep]:
+    """Zero-byte ceilings at g = 1 (threshold budget top_pages tps): every block ranked by
+    its largest log share (maxlag{K}) or the log of its mean share (meanlag{K}) under the
+    queries 1 … K positions back; lag_mass[j]: the per-block mass [H, nb] of lag j."""
+    d = dn.head_dim
+    out: list[Sweep] = []
+    for K in depths:
+        if K < 2 or any(j not in lag_mass for j in range(1, K + 1)):
+            continue
+        stack = np.stack([lag_mass[j] for j in range(1, K + 1)])
+        logs = np.log(np.maximum(stack, 1e-300)) * np.sqrt(d)
+        for name, sc in ((f"oracle_maxlag{K}", logs.max(axis=0)),
+                         (f"oracle_meanlag{K}",
+                          np.log(np.maximum(stack.mean(axis=0), 1e-300)) * np.sqrt(d))):
+            masks = core.mark(sc.astype(np.float32), kvh, tps)
+            out.append((name, [float(t) for t in tps],
+                        evaluate(dn, 1, masks, tps, [0.0] * len(tps))))
+    return out
+
+
+def exact_c2f(dn: Dense, lag1_mass: F64, gc: int, cand: float, fractions: tuple[float, ...],
+              kvh: int, record_bytes: float) -> Sweep:
+    """c2f{gc}x{cand} with a perfect lag-1 estimator at both levels (the exact lag-1 log
+    mass of every block and coarse group) at the estimator's bytes: the ceiling of any
+    estimator within this coarse-to-fine structure, feedback or not."""
+    d = dn.head_dim
+    fine = np.log(np.maximum(lag1_mass, 1e-300)) * np.sqrt(d)
+    coarse = (np.log(np.maximum(group_sum(lag1_mass, gc), 1e-300)) * np.sqrt(d)).astype(np.float32)
+    nb = fine.shape[1]
+    Gc = coarse.shape[1]
+    masks, per_block = [], []
+    for f in fractions:
+        cands = _Candidates.of(coarse, nb, gc, f, cand, kvh)
+        masks.append(cands.mark(np.where(cands.cblock[None], fine, -np.inf), cands.cblock, kvh))
+        per_block.append((Gc + int((cands.cblock & ~cands.forced).sum())) * record_bytes / nb)
+    return (f"c2f{gc}x{cand:g}-exactlag1", [float(f) for f in fractions],
+            evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block))
