@@ -73,6 +73,24 @@ def log_share(lse: F64, visited: npt.NDArray[np.bool_], d: int) -> F64:
     return (x - total) * np.sqrt(d)
 
 
+def union_scores(sc: F64, d: int) -> F32:
+    """One list-level score [1, n] from per-head scores [H, n] (√d·log units, −inf where a
+    block is not allowed): each head's scores as shares of its allowed blocks' total, the
+    log of their sum over heads. The mean of the heads' shares over a list is the list's
+    recall (metrics.py), so the n best blocks by this score are the best n-block union list
+    when the scores are exact; threshold budgets take each head's top n instead."""
+    x = sc / np.sqrt(d)
+    finite = np.isfinite(x)
+    top = np.where(finite, x, -np.inf).max(axis=1, keepdims=True)
+    total = np.log(np.where(finite, np.exp(x - top), 0.0).sum(axis=1, keepdims=True)) + top
+    y = x - total
+    ytop = y.max(axis=0, keepdims=True)
+    safe = np.where(np.isfinite(ytop), ytop, 0.0)
+    with np.errstate(divide="ignore"):
+        u = np.log(np.exp(y - safe).sum(axis=0, keepdims=True)) + safe
+    return (u * np.sqrt(d)).astype(np.float32)
+
+
 @dataclass
 class _Memory:
     """One simulated engine (variant, budget): per block, the latest exact log share and
@@ -99,22 +117,35 @@ class _Candidates:
     forced: npt.NDArray[np.bool_]
     first_n: int
     last_n: int
+    union: bool
+    head_dim: int
 
     @staticmethod
-    def of(coarse: F32, nb: int, gc: int, f: float, cand: float, kvh: int) -> _Candidates:
+    def of(coarse: F32, nb: int, gc: int, f: float, cand: float, kvh: int,
+           union: bool = False, head_dim: int = 1) -> _Candidates:
+        """With `union`, both levels rank by union_scores and take n blocks (or groups) for
+        the whole list instead of n per head."""
         Gc = coarse.shape[1]
         blocks = max(1, round(f * max(1, nb - 3 * gc)))
         n_cand = max(1, min(Gc, round(cand * blocks / gc)))
-        cmask = core.mark(coarse, kvh, [n_cand])[0, 0].astype(bool)  # forced groups included
+        if union:
+            u = union_scores(coarse.astype(np.float64), head_dim)
+            cmask = core.mark(u, 1, [n_cand])[0, 0].astype(bool)
+        else:
+            cmask = core.mark(coarse, kvh, [n_cand])[0, 0].astype(bool)  # forced included
         forced = np.zeros(nb, dtype=bool)
         forced[: min(gc, nb)] = True
         forced[max(0, (Gc - 2) * gc):] = True
         return _Candidates(blocks, np.repeat(cmask, gc)[:nb], forced, gc,
-                           nb - max(0, (Gc - 2) * gc))
+                           nb - max(0, (Gc - 2) * gc), union, head_dim)
 
     def mark(self, sc: F64, allowed: npt.NDArray[np.bool_], kvh: int) -> npt.NDArray[np.uint8]:
-        m = core.mark(sc.astype(np.float32), kvh, [self.blocks], first_n=self.first_n,
-                      last_n=self.last_n)[0]
+        if self.union:
+            u = union_scores(np.where(allowed[None], sc, -np.inf), self.head_dim)
+            m = core.mark(u, 1, [self.blocks], first_n=self.first_n, last_n=self.last_n)[0]
+        else:
+            m = core.mark(sc.astype(np.float32), kvh, [self.blocks], first_n=self.first_n,
+                          last_n=self.last_n)[0]
         m = m & allowed[None].astype(np.uint8)
         m[:, self.forced] = 1
         return m
@@ -141,7 +172,8 @@ class FeedbackMemory:
     memory: dict[tuple[int, str, int], _Memory] = field(default_factory=dict)
 
     def variants(self) -> list[tuple[int, str]]:
-        return [(1, "old")] + [(K, m) for K in self.depths if K > 1 for m in MODES]
+        return ([(1, "old"), (1, "union")]
+                + [(K, m) for K in self.depths if K > 1 for m in MODES])
 
     def sweeps(self, k: F32, q_by_pos: dict[int, F32], position: int, dn: Dense,
                estimates: Estimates) -> list[Sweep]:
@@ -162,7 +194,7 @@ class FeedbackMemory:
                 memory = 0.0 if K == 1 else ENTRY_BYTES[mode] * r + 1.0
                 per_block.append((Gc + fine_read) * self.record_bytes / nb + memory)
             met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block)
-            name = f"fbmem{K}{'' if K == 1 else '-' + mode}-{self.label}"
+            name = f"fbmem{K}{'' if (K, mode) == (1, 'old') else '-' + mode}-{self.label}"
             out.append((name, [float(f) for f in self.fractions], met))
         return out
 
@@ -177,9 +209,11 @@ class FeedbackMemory:
         written = block_log_mass(q_by_pos[s], k[:, :c])
         out = {}
         for fi, f in enumerate(self.fractions):
-            cands = _Candidates.of(coarse, nb, self.gc, f, self.cand, self.kv_heads)
-            fine_read = int((cands.cblock & ~cands.forced).sum())
+            by_rule = {u: _Candidates.of(coarse, nb, self.gc, f, self.cand, self.kv_heads,
+                                         union=u, head_dim=k.shape[2]) for u in (False, True)}
             for K, mode in self.variants():
+                cands = by_rule[mode == "union"]
+                fine_read = int((cands.cblock & ~cands.forced).sum())
                 key = (K, mode, fi)
                 mem = self.memory.setdefault(key, _Memory.empty(self.q_heads, self.max_blocks))
                 m = self._pick(mem, K, mode, s, fine, cands)
@@ -244,19 +278,39 @@ def lag_ceilings(dn: Dense, lag_mass: dict[int, F64], depths: tuple[int, ...], k
 
 
 def exact_c2f(dn: Dense, lag1_mass: F64, gc: int, cand: float, fractions: tuple[float, ...],
-              kvh: int, record_bytes: float) -> Sweep:
+              kvh: int, record_bytes: float) -> list[Sweep]:
     """c2f{gc}x{cand} with a perfect lag-1 estimator at both levels (the exact lag-1 log
     mass of every block and coarse group) at the estimator's bytes: the ceiling of any
-    estimator within this coarse-to-fine structure, feedback or not."""
+    estimator within this coarse-to-fine structure, feedback or not; per-head top n and,
+    -union, the list-level rule (union_scores)."""
     d = dn.head_dim
     fine = np.log(np.maximum(lag1_mass, 1e-300)) * np.sqrt(d)
     coarse = (np.log(np.maximum(group_sum(lag1_mass, gc), 1e-300)) * np.sqrt(d)).astype(np.float32)
     nb = fine.shape[1]
     Gc = coarse.shape[1]
-    masks, per_block = [], []
-    for f in fractions:
-        cands = _Candidates.of(coarse, nb, gc, f, cand, kvh)
-        masks.append(cands.mark(np.where(cands.cblock[None], fine, -np.inf), cands.cblock, kvh))
-        per_block.append((Gc + int((cands.cblock & ~cands.forced).sum())) * record_bytes / nb)
-    return (f"c2f{gc}x{cand:g}-exactlag1", [float(f) for f in fractions],
-            evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block))
+    out: list[Sweep] = []
+    for union in (False, True):
+        masks, per_block = [], []
+        for f in fractions:
+            cands = _Candidates.of(coarse, nb, gc, f, cand, kvh, union=union, head_dim=d)
+            masks.append(cands.mark(np.where(cands.cblock[None], fine, -np.inf), cands.cblock,
+                                    kvh))
+            per_block.append((Gc + int((cands.cblock & ~cands.forced).sum())) * record_bytes / nb)
+        out.append((f"c2f{gc}x{cand:g}-exactlag1{'-union' if union else ''}",
+                    [float(f) for f in fractions],
+                    evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block)))
+    return out
+
+
+def union_oracles(dn: Dense, lag1_mass: F64, tps: list[int]) -> list[Sweep]:
+    """Zero-byte g = 1 lists of the n blocks with the largest summed share over the heads
+    (union_scores): of the current query (oracle_mass-union, the best n-block list there
+    is) and of the lag-1 query (oracle_mass_lag-union); n = tps, forced blocks as
+    core.mark's defaults."""
+    d = dn.head_dim
+    out: list[Sweep] = []
+    for name, mass in (("oracle_mass-union", dn.mass), ("oracle_mass_lag-union", lag1_mass)):
+        u = union_scores(np.log(np.maximum(mass, 1e-300)) * np.sqrt(d), d)
+        masks = core.mark(u, 1, tps)
+        out.append((name, [float(t) for t in tps], evaluate(dn, 1, masks, tps, [0.0] * len(tps))))
+    return out

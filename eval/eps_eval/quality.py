@@ -44,7 +44,13 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core, estimators
-from eps_eval.feedback_memory import FeedbackMemory, Sweep, exact_c2f, lag_ceilings
+from eps_eval.feedback_memory import (
+    FeedbackMemory,
+    Sweep,
+    exact_c2f,
+    lag_ceilings,
+    union_oracles,
+)
 from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
 from eps_eval.plans import QualityPlan
 
@@ -441,8 +447,9 @@ def _fb_memory_rows(sim: FeedbackMemory, workload: dict[str, object], dn: Dense,
 
     kvh = k.shape[0]
     sweeps: list[Sweep] = sim.sweeps(k, q_by_pos, position, dn, estimates)
-    sweeps.append(exact_c2f(dn, mass_of(1), sim.gc, sim.cand, plan.fractions, kvh,
-                            sim.record_bytes))
+    sweeps += exact_c2f(dn, mass_of(1), sim.gc, sim.cand, plan.fractions, kvh,
+                        sim.record_bytes)
+    sweeps += union_oracles(dn, mass_of(1), tps)
     deepest = max(plan.fb_memory)
     lag_mass = {j: mass_of(j) for j in range(1, deepest + 1) if position - j in q_by_pos}
     sweeps += lag_ceilings(dn, lag_mass, plan.fb_memory, kvh, tps)
@@ -450,7 +457,8 @@ def _fb_memory_rows(sim: FeedbackMemory, workload: dict[str, object], dn: Dense,
     nb = dn.mass.shape[1]
     for name, params, met in sweeps:
         budget = "threshold" if name.startswith("oracle_") else "c2f"
-        out += _rows(workload, budget, name, 1, 1, params, 0.0, nb, met)
+        lag = 0 if name == "oracle_mass-union" else 1
+        out += _rows(workload, budget, name, 1, lag, params, 0.0, nb, met)
     return out
 
 

@@ -5,6 +5,8 @@ The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from eps_eval import feedback_memory as fm
 from eps_eval import quality
@@ -72,3 +74,13 @@ def test_old_memory_admits_a_block_outside_the_candidates(rng: np.random.Generat
 def sim_pick(mem: fm._Memory, depth: int, cands: fm._Candidates,
              fine: np.ndarray) -> np.ndarray:
     return _sim(depth, fine.shape[0], fine.shape[1])._pick(mem, depth, "old", 10, fine, cands)
+
+
+def test_union_scores_of_exact_shares_give_the_best_list_of_n_blocks(
+        rng: np.random.Generator) -> None:
+    h, nb, d, n = 3, 8, 64, 3
+    mass = rng.dirichlet(np.full(nb, 0.3), size=h)  # [h, nb], each head sums to 1
+    u = fm.union_scores(np.log(mass) * np.sqrt(d), d)[0]
+    chosen = np.argsort(-u)[:n]
+    best = max(mass[:, list(c)].sum() for c in itertools.combinations(range(nb), n))
+    np.testing.assert_allclose(mass[:, chosen].sum(), best)
