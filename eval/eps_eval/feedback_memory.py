@@ -20,6 +20,11 @@ entries after one step. This module keeps them longer and asks whether that help
                scores estimate + offset + resid, under the current query; blocks without
                a residual fall back to old.
 
+  rot, rotunion  K = 1 (per-head top n, or the list-level rule of union_scores) with the
+               estimates under the lag-1 query moved on one position by RoPE (q rotated by
+               one position's angles, which is what RoPE does to a query between positions
+               t−1 and t); the fed values stay the lag-1 query's.
+
 The simulation runs the selection recursively from `warmup` positions before the first
 measured one (each step's list decides what the next is fed), over the keys of that step,
 for every budget of the sweep separately. Memory is charged per (block, KV head) as one
@@ -168,11 +173,19 @@ class FeedbackMemory:
     max_blocks: int
     warmup: int
     label: str  # e.g. c2f4x2-questclt1
+    # The lag-1 query moved one position on (RoPE of +1 applied to it): the rot variants'
+    # estimates read it instead of the lag-1 query; None: no such variants.
+    rotate: Callable[[F32], F32] | None = None
     next_step: int | None = None
     memory: dict[tuple[int, str, int], _Memory] = field(default_factory=dict)
+    # Per budget, the last step's (age of each block's entry, candidate blocks) before
+    # fbmem1's pick: what `misses` splits the missed mass by.
+    before: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]] = field(
+        default_factory=dict)
 
     def variants(self) -> list[tuple[int, str]]:
-        return ([(1, "old"), (1, "union")]
+        rot = [(1, "rot"), (1, "rotunion")] if self.rotate is not None else []
+        return ([(1, "old"), (1, "union")] + rot
                 + [(K, m) for K in self.depths if K > 1 for m in MODES])
 
     def sweeps(self, k: F32, q_by_pos: dict[int, F32], position: int, dn: Dense,
@@ -196,27 +209,57 @@ class FeedbackMemory:
             met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block)
             name = f"fbmem{K}{'' if (K, mode) == (1, 'old') else '-' + mode}-{self.label}"
             out.append((name, [float(f) for f in self.fractions], met))
+            if (K, mode) == (1, "old"):
+                out += self._misses([lists[(1, "old", fi)][0] for fi in range(len(masks))],
+                                    dn, met)
         return out
+
+    def _misses(self, masks: list[npt.NDArray[np.uint8]], dn: Dense, met: dict[str, F64]
+                ) -> list[Sweep]:
+        """fbmem1's missed attention (1 − recall, the current query's mass outside its list,
+        mean over heads) split by what the step knew of each missed block: fed (its exact
+        lag-1 value: lost to lag drift), old (visited 2-8 steps back only), cand (never
+        visited in 8 steps, estimated), noncand (never visited, its coarse group not a
+        candidate). Rows miss-{part}: `recall` holds that part, skip is fbmem1's."""
+        parts: dict[str, list[float]] = {p: [] for p in ("fed", "old", "cand", "noncand")}
+        for fi, m in enumerate(masks):
+            age, cblock = self.before[fi]
+            out_mass = (dn.mass * (m[0] == 0)[None]).mean(axis=0)  # [nb]
+            never = age > 8
+            for part, sel in (("fed", age == 1), ("old", (age >= 2) & (age <= 8)),
+                              ("cand", never & cblock), ("noncand", never & ~cblock)):
+                parts[part].append(float(out_mass[sel].sum()))
+        return [(f"miss-{p}-fbmem1", [float(f) for f in self.fractions],
+                 {**met, "recall": np.asarray(v), "recall_min": np.asarray(v)})
+                for p, v in parts.items()]
 
     def _step(self, k: F32, q_by_pos: dict[int, F32], s: int, estimates: Estimates
               ) -> dict[tuple[int, str, int], tuple[npt.NDArray[np.uint8], int]]:
         """Step s: every variant's list with the lag-1 query, then the attention of the step
         (the query of s) writing each listed block's log share into that variant's memory."""
         c = s + 1
-        coarse, fine32 = estimates(c, q_by_pos[s - 1])
-        fine = fine32.astype(np.float64)
-        nb = fine.shape[1]
+        q = q_by_pos[s - 1]
+        queries = {False: q} if self.rotate is None else {False: q, True: self.rotate(q)}
+        est = {}
+        for rot, qq in queries.items():
+            coarse, fine32 = estimates(c, qq)
+            est[rot] = (coarse, fine32.astype(np.float64))
+        nb = est[False][1].shape[1]
         written = block_log_mass(q_by_pos[s], k[:, :c])
         out = {}
         for fi, f in enumerate(self.fractions):
-            by_rule = {u: _Candidates.of(coarse, nb, self.gc, f, self.cand, self.kv_heads,
-                                         union=u, head_dim=k.shape[2]) for u in (False, True)}
+            by_rule = {(u, rot): _Candidates.of(est[rot][0], nb, self.gc, f, self.cand,
+                                                self.kv_heads, union=u, head_dim=k.shape[2])
+                       for u in (False, True) for rot in est}
             for K, mode in self.variants():
-                cands = by_rule[mode == "union"]
+                rot = mode.startswith("rot")
+                cands = by_rule[(mode.endswith("union"), rot)]
                 fine_read = int((cands.cblock & ~cands.forced).sum())
                 key = (K, mode, fi)
                 mem = self.memory.setdefault(key, _Memory.empty(self.q_heads, self.max_blocks))
-                m = self._pick(mem, K, mode, s, fine, cands)
+                if (K, mode) == (1, "old"):
+                    self.before[fi] = (s - mem.stamp[:nb], cands.cblock)
+                m = self._pick(mem, K, mode, s, est[rot][1], cands)
                 visited = m[0].astype(bool)
                 share = log_share(written, visited, k.shape[2])
                 mem.val[:, :nb][:, visited] = share[:, visited]
@@ -299,6 +342,22 @@ def exact_c2f(dn: Dense, lag1_mass: F64, gc: int, cand: float, fractions: tuple[
         out.append((f"c2f{gc}x{cand:g}-exactlag1{'-union' if union else ''}",
                     [float(f) for f in fractions],
                     evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block)))
+    return out
+
+
+def rotated_oracles(dn: Dense, q_rot: F32, k: F32, tps: list[int]) -> list[Sweep]:
+    """Zero-byte g = 1 ceilings of the rotated lag-1 query q_rot (see `rotate`): its exact
+    mass, per-head top n (oracle_mass_lagrot) and list-level (oracle_mass_lagrot-union)."""
+    d = dn.head_dim
+    lse = block_log_mass(q_rot, k[:, :dn.tokens])
+    share = log_share(lse, np.ones(lse.shape[1], dtype=bool), d)
+    out: list[Sweep] = []
+    masks = core.mark(share.astype(np.float32), dn.kv_heads, tps)
+    out.append(("oracle_mass_lagrot", [float(t) for t in tps],
+                evaluate(dn, 1, masks, tps, [0.0] * len(tps))))
+    masks = core.mark(union_scores(share, d), 1, tps)
+    out.append(("oracle_mass_lagrot-union", [float(t) for t in tps],
+                evaluate(dn, 1, masks, tps, [0.0] * len(tps))))
     return out
 
 

@@ -49,6 +49,7 @@ from eps_eval.feedback_memory import (
     Sweep,
     exact_c2f,
     lag_ceilings,
+    rotated_oracles,
     union_oracles,
 )
 from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
@@ -265,7 +266,9 @@ class LayerState:
     """The core's summaries of one layer at every group size (m = 8, every feature)."""
 
     def __init__(self, plan: QualityPlan, q_heads: int, kv_heads: int, d: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, rotate_lag: Callable[[F32], F32] | None = None) -> None:
+        """rotate_lag: RoPE of one position applied to a query (the model's), for the
+        feedback-memory rows' rot variants; None leaves them out."""
         self.plan = plan
         gs = sorted(set(plan.group_blocks) | {1} | set(plan.c2f_coarse))
         self.seqs = {g: core.Sequence(q_heads=q_heads, kv_heads=kv_heads, head_dim=d,
@@ -285,7 +288,7 @@ class LayerState:
             self.fb_memory = FeedbackMemory(
                 plan.fb_memory, plan.fractions, gc, cand, record_bytes(scorer, d), q_heads,
                 kv_heads, -(-max_tokens // BLOCK), plan.fb_memory_warmup,
-                f"c2f{gc}x{cand:g}-{scorer}")
+                f"c2f{gc}x{cand:g}-{scorer}", rotate=rotate_lag)
 
     def extend_to(self, k: F32, tokens: int) -> None:
         if tokens > self.tokens:
@@ -450,6 +453,8 @@ def _fb_memory_rows(sim: FeedbackMemory, workload: dict[str, object], dn: Dense,
     sweeps += exact_c2f(dn, mass_of(1), sim.gc, sim.cand, plan.fractions, kvh,
                         sim.record_bytes)
     sweeps += union_oracles(dn, mass_of(1), tps)
+    if sim.rotate is not None:
+        sweeps += rotated_oracles(dn, sim.rotate(q_by_pos[position - 1]), k, tps)
     deepest = max(plan.fb_memory)
     lag_mass = {j: mass_of(j) for j in range(1, deepest + 1) if position - j in q_by_pos}
     sweeps += lag_ceilings(dn, lag_mass, plan.fb_memory, kvh, tps)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -49,6 +50,13 @@ def run_synthetic(ctx: int, steps: int, plan: QualityPlan, units: Path) -> None:
         log(f"{name}: {len(rows)} rows in {time.time() - t0:.0f} s")
 
 
+def rotate_one_position(q: np.ndarray, base: float) -> np.ndarray:
+    """SmolLM2's query [H, d] after RoPE, moved on one position."""
+    from eps_eval.model import apply_rope
+
+    return apply_rope(q[None], np.ones(1, dtype=np.int64), base)[0]
+
+
 def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: Path,
              cache: Path) -> None:
     from eps_eval import realmodel
@@ -63,7 +71,8 @@ def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: 
     c = rm.cfg
     for layer in todo:
         t0 = time.time()
-        state = LayerState(plan, c.heads, c.kv_heads, c.head_dim, ctx)
+        state = LayerState(plan, c.heads, c.kv_heads, c.head_dim, ctx,
+                           rotate_lag=functools.partial(rotate_one_position, base=c.rope_base))
         q = {p: tr.q[p][layer] for p in tr.q}
         rows: list[dict[str, object]] = []
         for si, p in enumerate(range(ctx - steps, ctx)):
