@@ -180,8 +180,8 @@ class FeedbackMemory:
     memory: dict[tuple[int, str, int], _Memory] = field(default_factory=dict)
     # Per budget, the last step's (age of each block's entry, candidate blocks) before
     # fbmem1's pick: what `misses` splits the missed mass by.
-    before: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]] = field(
-        default_factory=dict)
+    before: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_],
+                            npt.NDArray[np.bool_]]] = field(default_factory=dict)
 
     def variants(self) -> list[tuple[int, str]]:
         rot = [(1, "rot"), (1, "rotunion")] if self.rotate is not None else []
@@ -220,18 +220,35 @@ class FeedbackMemory:
         mean over heads) split by what the step knew of each missed block: fed (its exact
         lag-1 value: lost to lag drift), old (visited 2-8 steps back only), cand (never
         visited in 8 steps, estimated), noncand (never visited, its coarse group not a
-        candidate). Rows miss-{part}: `recall` holds that part, skip is fbmem1's."""
-        parts: dict[str, list[float]] = {p: [] for p in ("fed", "old", "cand", "noncand")}
+        candidate). Rows miss-{part}: `recall` holds that part, skip is fbmem1's. Rows
+        xmiss-{part}: that part less the same part of the best list of as many blocks
+        (union_scores of the current query's mass, the same forced blocks): the excess,
+        whose sum is fbmem1's gap to that list at equal KV bytes (no summary bytes)."""
+        names = ("fed", "old", "cand", "noncand")
+        parts: dict[str, list[float]] = {p: [] for p in names}
+        excess: dict[str, list[float]] = {p: [] for p in names}
+        u = union_scores(np.log(np.maximum(dn.mass, 1e-300)), 1)[0]
         for fi, m in enumerate(masks):
-            age, cblock = self.before[fi]
-            out_mass = (dn.mass * (m[0] == 0)[None]).mean(axis=0)  # [nb]
+            age, cblock, forced = self.before[fi]
+            listed = m[0].astype(bool)
+            best = forced.copy()
+            free = np.flatnonzero(~forced)
+            take = int(listed.sum() - forced.sum())
+            best[free[np.argsort(-u[free], kind="stable")[:take]]] = True
+            out_mass = (dn.mass * ~listed[None]).mean(axis=0)  # [nb]
+            best_out = (dn.mass * ~best[None]).mean(axis=0)
             never = age > 8
             for part, sel in (("fed", age == 1), ("old", (age >= 2) & (age <= 8)),
                               ("cand", never & cblock), ("noncand", never & ~cblock)):
                 parts[part].append(float(out_mass[sel].sum()))
-        return [(f"miss-{p}-fbmem1", [float(f) for f in self.fractions],
-                 {**met, "recall": np.asarray(v), "recall_min": np.asarray(v)})
-                for p, v in parts.items()]
+                excess[part].append(float(out_mass[sel].sum() - best_out[sel].sum()))
+        fr = [float(f) for f in self.fractions]
+        return ([(f"miss-{p}-fbmem1", fr, {**met, "recall": np.asarray(v),
+                                          "recall_min": np.asarray(v)})
+                 for p, v in parts.items()]
+                + [(f"xmiss-{p}-fbmem1", fr, {**met, "recall": np.asarray(v),
+                                             "recall_min": np.asarray(v)})
+                   for p, v in excess.items()])
 
     def _step(self, k: F32, q_by_pos: dict[int, F32], s: int, estimates: Estimates
               ) -> dict[tuple[int, str, int], tuple[npt.NDArray[np.uint8], int]]:
@@ -258,7 +275,7 @@ class FeedbackMemory:
                 key = (K, mode, fi)
                 mem = self.memory.setdefault(key, _Memory.empty(self.q_heads, self.max_blocks))
                 if (K, mode) == (1, "old"):
-                    self.before[fi] = (s - mem.stamp[:nb], cands.cblock)
+                    self.before[fi] = (s - mem.stamp[:nb], cands.cblock, cands.forced)
                 m = self._pick(mem, K, mode, s, est[rot][1], cands)
                 visited = m[0].astype(bool)
                 share = log_share(written, visited, k.shape[2])

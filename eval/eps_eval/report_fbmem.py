@@ -51,7 +51,7 @@ def table(rows: list[Row]) -> list[str]:
                    "| gap to the union oracle |")
         out.append("| --- | --- | --- | ---: | --- |")
         for name in names:
-            if name.startswith("miss-"):
+            if name.startswith(("miss-", "xmiss-")):
                 continue
             sel = where(w, lambda r, n=name: r["method"] == n)  # type: ignore[misc]
             gap = paired_gain(oracle, sel)
@@ -62,7 +62,8 @@ def table(rows: list[Row]) -> list[str]:
             g = f"{gain[0]:+.4f} ± {gain[1]:.4f}" if gain else ""
             out.append(f"| {name} | {gap[0]:.4f} ± {gap[1]:.4f} | {g} | {frac:.2f} "
                        f"| {ugap[0]:.4f} ± {ugap[1]:.4f} |")
-        misses = sorted({str(r["method"]) for r in w if str(r["method"]).startswith("miss-")})
+        misses = sorted({str(r["method"]) for r in w
+                         if str(r["method"]).startswith(("miss-", "xmiss-"))})
         if misses:
             miss = at_skip(oracle)
             out.append(f"\nfbmem1's missed mass (1 − recall) at 75 % skipped, by what the step "
