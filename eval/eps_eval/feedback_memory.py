@@ -20,6 +20,7 @@ entries after one step. This module keeps them longer and asks whether that help
                scores estimate + offset + resid, under the current query; blocks without
                a residual fall back to old.
 
+  K = 0        no feedback (the c2f rows' rule), per-head top n or (union) the list-level rule.
   rot, rotunion  K = 1 (per-head top n, or the list-level rule of union_scores) with the
                estimates under the lag-1 query moved on one position by RoPE (q rotated by
                one position's angles, which is what RoPE does to a query between positions
@@ -185,7 +186,7 @@ class FeedbackMemory:
 
     def variants(self) -> list[tuple[int, str]]:
         rot = [(1, "rot"), (1, "rotunion")] if self.rotate is not None else []
-        return ([(1, "old"), (1, "union")] + rot
+        return ([(0, "old"), (0, "union"), (1, "old"), (1, "union")] + rot
                 + [(K, m) for K in self.depths if K > 1 for m in MODES])
 
     def sweeps(self, k: F32, q_by_pos: dict[int, F32], position: int, dn: Dense,
@@ -204,10 +205,10 @@ class FeedbackMemory:
             for fi in range(len(self.fractions)):
                 m, fine_read = lists[(K, mode, fi)]
                 masks.append(m)
-                memory = 0.0 if K == 1 else ENTRY_BYTES[mode] * r + 1.0
+                memory = 0.0 if K <= 1 else ENTRY_BYTES[mode] * r + 1.0
                 per_block.append((Gc + fine_read) * self.record_bytes / nb + memory)
             met = evaluate(dn, 1, np.stack(masks), [1] * len(masks), per_block)
-            name = f"fbmem{K}{'' if (K, mode) == (1, 'old') else '-' + mode}-{self.label}"
+            name = f"fbmem{K}{'' if (K <= 1 and mode == 'old') else '-' + mode}-{self.label}"
             out.append((name, [float(f) for f in self.fractions], met))
             if (K, mode) == (1, "old"):
                 out += self._misses([lists[(1, "old", fi)][0] for fi in range(len(masks))],
@@ -289,7 +290,7 @@ class FeedbackMemory:
         nb = fine.shape[1]
         val = mem.val[:, :nb]
         age = s - mem.stamp[:nb]
-        fed = age == 1
+        fed = (age == 1) if K >= 1 else np.zeros(nb, dtype=bool)
         both = fed & cands.cblock
         diff = np.where(both[None], val - fine, np.nan)
         offset = (np.nan_to_num(np.nanmedian(diff, axis=1, keepdims=True)) if both.any()

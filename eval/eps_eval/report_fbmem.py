@@ -29,7 +29,7 @@ QUEST16_G1_FRAC = 1.0 / 16.0
 def _order(name: str) -> tuple[int, str]:
     for i, prefix in enumerate(("oracle_mass-union", "oracle_mass_lag", "oracle_maxlag",
                                 "oracle_meanlag",
-                                "c2f", "fb-", "fb2-", "fbmem1-", "fbmem")):
+                                "c2f", "fb-", "fb2-", "fbmem0", "fbmem1-", "fbmem")):
         if name.startswith(prefix):
             return i, name
     return 99, name
