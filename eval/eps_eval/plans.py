@@ -39,6 +39,17 @@ class QualityPlan:
     # quest8 records, g = 1 under coarse groups of gc blocks, coarse_candidates c): rows
     # epsd-c2f{gc}x{c}, lag 1, to check the harness's c2f against what epsd ships.
     epsd_c2f: tuple[tuple[int, float], ...] = ()
+    # Feedback memory (eps_eval.feedback_memory, a harness simulation): memory depths K,
+    # each run step by step from `fb_memory_warmup` positions before the first measured
+    # one, on c2f{c2f_coarse[0]}x{c2f_candidates[0]} with c2f_scorers[0].
+    fb_memory: tuple[int, ...] = ()
+    fb_memory_warmup: int = 8
+
+
+def query_history(plan: QualityPlan) -> int:
+    """How many positions before the first measured one need their query: the largest lag,
+    or the feedback-memory warm-up and the query of its first step's lag."""
+    return max(max(plan.lags), plan.fb_memory_warmup + 1 if plan.fb_memory else 0)
 
 
 # Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
@@ -98,7 +109,14 @@ EPSD_FEEDBACK_PLAN = QualityPlan(
     c2f_candidates=(2.0, 3.0), methods=("oracle_mass_lag",), estimators=("questclt1",),
     c2f_scorers=("questclt1",), feedback=("questclt1",),
     epsd_c2f=((4, 2.0), (8, 3.0)))
+# Feedback memory (issue 19, fifth session): the steady state of selection feedback and
+# older exact masses kept K steps, on c2f4x2-questclt1, beside one-step feedback and the
+# zero-byte ceilings of lag-K information (eps_eval.feedback_memory).
+FEEDBACK_MEMORY_PLAN = QualityPlan(
+    group_blocks=(1,), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4,),
+    c2f_candidates=(2.0,), methods=("oracle_mass_lag",), c2f_scorers=("questclt1",),
+    feedback=("questclt1",), fb_memory=(1, 2, 4, 8))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
          "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
-         "epsdfeedback": EPSD_FEEDBACK_PLAN}
+         "epsdfeedback": EPSD_FEEDBACK_PLAN, "fbmemory": FEEDBACK_MEMORY_PLAN}

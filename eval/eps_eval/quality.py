@@ -38,10 +38,20 @@ summary bytes read (see metrics.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core, estimators
+from eps_eval.feedback_memory import (
+    FeedbackMemory,
+    Sweep,
+    exact_c2f,
+    lag_ceilings,
+    rotated_oracles,
+    union_oracles,
+)
 from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
 from eps_eval.plans import QualityPlan
 
@@ -256,7 +266,9 @@ class LayerState:
     """The core's summaries of one layer at every group size (m = 8, every feature)."""
 
     def __init__(self, plan: QualityPlan, q_heads: int, kv_heads: int, d: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, rotate_lag: Callable[[F32], F32] | None = None) -> None:
+        """rotate_lag: RoPE of one position applied to a query (the model's), for the
+        feedback-memory rows' rot variants; None leaves them out."""
         self.plan = plan
         gs = sorted(set(plan.group_blocks) | {1} | set(plan.c2f_coarse))
         self.seqs = {g: core.Sequence(q_heads=q_heads, kv_heads=kv_heads, head_dim=d,
@@ -270,6 +282,13 @@ class LayerState:
                               max_tokens=max_tokens, coarse_blocks=gc)
             for gc in sorted({gc for gc, _ in plan.epsd_c2f})}
         self.tokens = 0
+        self.fb_memory = None
+        if plan.fb_memory:
+            gc, cand, scorer = plan.c2f_coarse[0], plan.c2f_candidates[0], plan.c2f_scorers[0]
+            self.fb_memory = FeedbackMemory(
+                plan.fb_memory, plan.fractions, gc, cand, record_bytes(scorer, d), q_heads,
+                kv_heads, -(-max_tokens // BLOCK), plan.fb_memory_warmup,
+                f"c2f{gc}x{cand:g}-{scorer}", rotate=rotate_lag)
 
     def extend_to(self, k: F32, tokens: int) -> None:
         if tokens > self.tokens:
@@ -384,6 +403,9 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                            list(MASS_TARGETS), tau, G, met):
                                 r["floor"] = floor
                                 rows.append(r)
+    if state.fb_memory is not None:
+        rows += _fb_memory_rows(state.fb_memory, workload, dn, k, q_by_pos, position, mass_of,
+                                top_pages_for(dn.mass.shape[1], plan.fractions), plan)
     if 1 in plan.lags:
         before = q_by_pos.get(position - 2) if plan.feedback else None
         rows += _epsd_c2f_rows(state, workload, dn, q_by_pos[position - 1], kvh, d, before,
@@ -412,6 +434,37 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                         (q8[gc].estimate(scorer, q_before), q8[1].estimate(scorer, q_before)),
                         exact, gc, plan, kvh, record_bytes(scorer, d), suffix, earlier)
     return rows
+
+
+def _fb_memory_rows(sim: FeedbackMemory, workload: dict[str, object], dn: Dense, k: F32,
+                   q_by_pos: dict[int, F32], position: int,
+                   mass_of: Callable[[int], npt.NDArray[np.float64]], tps: list[int],
+                   plan: QualityPlan) -> list[dict[str, object]]:
+    """Feedback-memory rows (eps_eval.feedback_memory, harness simulation): fbmem rows on
+    the c2f budget, the c2f ceiling with exact lag-1 masses, and the lag-K ceilings."""
+    scorer = plan.c2f_scorers[0]
+
+    def estimates(tokens: int, q: F32) -> tuple[F32, F32]:
+        return (QuestTables(k, tokens, sim.gc, plan.quest8_scale).estimate(scorer, q),
+                QuestTables(k, tokens, 1, plan.quest8_scale).estimate(scorer, q))
+
+    kvh = k.shape[0]
+    sweeps: list[Sweep] = sim.sweeps(k, q_by_pos, position, dn, estimates)
+    sweeps += exact_c2f(dn, mass_of(1), sim.gc, sim.cand, plan.fractions, kvh,
+                        sim.record_bytes)
+    sweeps += union_oracles(dn, mass_of(1), tps)
+    if sim.rotate is not None:
+        sweeps += rotated_oracles(dn, sim.rotate(q_by_pos[position - 1]), k, tps)
+    deepest = max(plan.fb_memory)
+    lag_mass = {j: mass_of(j) for j in range(1, deepest + 1) if position - j in q_by_pos}
+    sweeps += lag_ceilings(dn, lag_mass, plan.fb_memory, kvh, tps)
+    out: list[dict[str, object]] = []
+    nb = dn.mass.shape[1]
+    for name, params, met in sweeps:
+        budget = "threshold" if name.startswith("oracle_") else "c2f"
+        lag = 0 if name == "oracle_mass-union" else 1
+        out += _rows(workload, budget, name, 1, lag, params, 0.0, nb, met)
+    return out
 
 
 def _epsd_c2f_rows(state: LayerState, workload: dict[str, object], dn: Dense, q: F32, kvh: int,

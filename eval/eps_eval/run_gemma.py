@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core
-from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf
+from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf, rope_neox
 from eps_eval.metrics import BLOCK
-from eps_eval.plans import PLANS, QualityPlan
+from eps_eval.plans import PLANS, QualityPlan, query_history
 from eps_eval.quality import QUEST8_SCALES, GrowingQuestTables, LayerState, step_rows
 from eps_eval.realmodel import passkey_prompt
 from eps_eval.run import log, unit_done, write_unit
@@ -223,11 +223,16 @@ def passage_ids(tok: Any, ctx: int) -> list[int]:
     return ids
 
 
+def rotate_one_position(q: np.ndarray) -> np.ndarray:
+    """A global layer's query [H, d] after RoPE, moved on one position (base 1e6)."""
+    return rope_neox(q[None], np.ones(1, dtype=np.int64), 1e6)[0]
+
+
 def layer_unit(units: Path, name: str, layer: int, ctx: int, steps: int, k: np.ndarray,
                v: np.ndarray, q: dict[int, np.ndarray], plan: QualityPlan | None = None) -> str:
     """The selection rows of one global layer at its last `steps` positions (a unit)."""
     t0 = time.time()
-    state = LayerState(plan or QualityPlan(), 4, 1, 256, ctx)
+    state = LayerState(plan or QualityPlan(), 4, 1, 256, ctx, rotate_lag=rotate_one_position)
     rows: list[dict[str, object]] = []
     for si, p in enumerate(range(ctx - steps, ctx)):
         rows += step_rows(state, k, v, q, p, {"workload": "gemma", "kind": "gemma3-270m",
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if not todo:
             continue
         ids = passage_ids(m.tokenizer, ctx)
-        qpos = list(range(ctx - a.steps - max(plan.lags), ctx))
+        qpos = list(range(ctx - a.steps - query_history(plan), ctx))
         t1 = time.time()
         tr = m.prefill(ids, qpos, [])
         log(f"prefill of {ctx} tokens in {time.time() - t1:.1f} s")

@@ -1,5 +1,5 @@
 """Issue 19's evaluation: `python -m eps_eval.run_quality --out=DIR [--synthetic=8192,...]
-[--real-context=N --real-layers=0,5,...] [--real-steps=N] [--plan=full|estimators|mass|massunion|c2f|meancentre|feedback]`.
+[--real-context=N --real-layers=0,5,...] [--real-steps=N] [--plan=NAME of plans.PLANS]`.
 
 Same unit files as eps_eval.run (one CSV + JSON per synthetic layer or real layer,
 skipped when present); the rows come from eps_eval.quality.step_rows. The report
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.plans import PLANS, QualityPlan
+from eps_eval.plans import PLANS, QualityPlan, query_history
 from eps_eval.quality import QUEST8_SCALES, LayerState, step_rows
 from eps_eval.run import log, unit_done, write_unit
 
@@ -28,7 +29,7 @@ SEED = 20261122
 
 def run_synthetic(ctx: int, steps: int, plan: QualityPlan, units: Path) -> None:
     positions = [ctx - steps + i for i in range(steps)]
-    max_lag = max(plan.lags)
+    max_lag = query_history(plan)
     q_positions = sorted({p - lag for p in positions for lag in range(max_lag + 1)})
     for li, kind in enumerate(synthetic.KINDS):
         name = f"q19_synthetic_{ctx}_L{li}"
@@ -49,6 +50,13 @@ def run_synthetic(ctx: int, steps: int, plan: QualityPlan, units: Path) -> None:
         log(f"{name}: {len(rows)} rows in {time.time() - t0:.0f} s")
 
 
+def rotate_one_position(q: np.ndarray, base: float) -> np.ndarray:
+    """SmolLM2's query [H, d] after RoPE, moved on one position."""
+    from eps_eval.model import apply_rope
+
+    return apply_rope(q[None], np.ones(1, dtype=np.int64), base)[0]
+
+
 def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: Path,
              cache: Path) -> None:
     from eps_eval import realmodel
@@ -58,12 +66,13 @@ def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: 
         log("real model: done before, skipped")
         return
     rm = realmodel.RealModel(cache)
-    tr, info = rm.passage_trace(ctx, steps, 1, max(plan.lags))
+    tr, info = rm.passage_trace(ctx, steps, 1, query_history(plan))
     log(f"real model prefill of {ctx} tokens: {info}")
     c = rm.cfg
     for layer in todo:
         t0 = time.time()
-        state = LayerState(plan, c.heads, c.kv_heads, c.head_dim, ctx)
+        state = LayerState(plan, c.heads, c.kv_heads, c.head_dim, ctx,
+                           rotate_lag=functools.partial(rotate_one_position, base=c.rope_base))
         q = {p: tr.q[p][layer] for p in tr.q}
         rows: list[dict[str, object]] = []
         for si, p in enumerate(range(ctx - steps, ctx)):
