@@ -85,7 +85,7 @@ def visit_lists(table: torch.Tensor, share: float, gen: torch.Generator) -> tupl
 
 def feedback_target(tables: torch.Tensor, batch: int, blocks: int, group_blocks: int = 2):
     """Selection feedback into one buffer shared by the layers (timing only): every
-    block's position from the layers' tables, g = 2."""
+    block's position from the layers' tables, `group_blocks` blocks a group."""
     positions = torch.full((tables.numel(),), -1, dtype=torch.int32)
     rows = tables.reshape(-1, blocks).long()
     positions[rows] = torch.arange(blocks, dtype=torch.int32)[None].expand(rows.shape[0], -1)
@@ -95,7 +95,7 @@ def feedback_target(tables: torch.Tensor, batch: int, blocks: int, group_blocks:
 
 
 def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, rows: list,
-               feedback: bool = False) -> None:
+               feedback: tuple[int, ...] = ()) -> None:
     blocks = context // BLOCK
     kv_bytes_dense = batch * context * KV_HEADS * D * 2 * 2
     layers = max(1, math.ceil(L2_FLUSH_BYTES / kv_bytes_dense))
@@ -108,7 +108,7 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
     q = torch.randn(batch, Q_HEADS, D, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
     dense_us = None
-    target = feedback_target(tables, batch, blocks) if feedback else None
+    targets = {g: feedback_target(tables, batch, blocks, g) for g in feedback}
     for share in shares:
         lists, keep = [], 0
         for layer in range(layers):
@@ -128,18 +128,18 @@ def run_config(batch: int, context: int, shares: list[float], copy_gbs: float, r
             padded_us = graph_time_us(
                 lambda i, wide=wide, seqused=seqused: attention.paged_decode_attention(
                     q, cache, wide[i % layers], seqused, out=out), layers * 4)
-        feedback_us = float("nan")
-        if target is not None:
+        feedback_us = {}
+        for g, target in targets.items():
             # each call starts from NaN entries, as epsd leaves them after a step: the
             # buffer's fill is timed alone and subtracted
-            def with_feedback(i: int, lists=lists, seqused=seqused) -> None:
+            def with_feedback(i: int, lists=lists, seqused=seqused, target=target) -> None:
                 target.buffer.fill_(float("nan"))
                 attention.paged_decode_attention(q, cache, lists[i % layers], seqused, out=out,
                                                  feedback=target)
 
-            feedback_us = (graph_time_us(with_feedback, layers * 4)
-                           - graph_time_us(lambda i: target.buffer.fill_(float("nan")),
-                                           layers * 4))
+            feedback_us[g] = (graph_time_us(with_feedback, layers * 4)
+                              - graph_time_us(lambda i, t=target: t.buffer.fill_(float("nan")),
+                                              layers * 4))
         if share == 1.0:
             dense_us = us
         rows.append({"batch": batch, "context": context, "share": share, "us": us,
@@ -184,8 +184,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true",
                         help="batch 1 x 8k, 8 x 32k, 1 x 128k and 32 x 32k; 100 and 25 %% only")
-    parser.add_argument("--feedback", action="store_true",
-                        help="also time each row writing selection feedback (g = 2)")
+    parser.add_argument("--feedback", default="",
+                        help="also time each row writing selection feedback at these group "
+                             "sizes (e.g. 1,2)")
     parser.add_argument("--splits", action="store_true",
                         help="also sweep num_splits at batch 8 x 32k dense and batch 1 x 128k")
     args = parser.parse_args()
@@ -198,18 +199,19 @@ def main() -> None:
           f"EPS_ATTN_VARIANT={variant or '(default)'}")
     copy_gbs = copy_bandwidth()
     print(f"# device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)")
+    feedback = tuple(int(g) for g in args.feedback.split(",") if g)
     shares = [1.0, 0.25] if args.quick else [1.0, 0.5, 0.25, 0.125]
     configs = [(1, 8192), (8, 32768), (1, 131072), (32, 32768)] if args.quick else [
         (b, c) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
     rows: list[dict] = []
     for batch, context in configs:
-        run_config(batch, context, shares, copy_gbs, rows, args.feedback)
+        run_config(batch, context, shares, copy_gbs, rows, feedback)
         torch.cuda.empty_cache()  # the configuration's caches are gone with its frame
-    fb = args.feedback
+    fb = feedback
     print("| batch | context | blocks read | µs/layer | GB/s KV read | % of copy | "
           "× dense | µs, full-width lists | SDPA flash µs | × SDPA | max abs diff to SDPA |"
-          + (" µs with feedback |" if fb else ""))
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if fb else ""))
+          + "".join(f" µs with feedback, g = {g} |" for g in fb))
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(fb))
     for r in rows:
         vs_sdpa = r["us"] / r["sdpa_us"] if r["share"] == 1.0 else float("nan")
         print(f"| {r['batch']} | {r['context'] // 1024}k | {r['share'] * 100:g} % | "
@@ -217,7 +219,7 @@ def main() -> None:
               f"{r['vs_dense']:.2f} | {r['padded_us']:.1f} | "
               + (f"{r['sdpa_us']:.1f} | {vs_sdpa:.2f} | {r['sdpa_err']:.1e} |"
                  if r["share"] == 1.0 else "| | |")
-              + (f" {r['feedback_us']:.1f} |" if fb else ""))
+              + "".join(f" {r['feedback_us'][g]:.1f} |" for g in fb))
     if args.splits:
         for batch, context in ((8, 32768), (1, 131072)):
             sweep_splits(batch, context)

@@ -43,17 +43,31 @@ constexpr int MmaCtasPerSm() {
 // Selection feedback of one unit (paged_attention.h): each head's log-sum-exp over each
 // block, summed (log-add-exp) over the run of consecutive blocks of one group (epsd lists
 // a group's blocks next to each other) and combined into the group's entry when the run
-// ends. Lane (h, t), h < 2, holds head 2t + h. The combine is a CAS from NaN whose result
-// is checked only at the next flush, so the warp does not wait on the atomic; a CAS that
-// found a value (another unit's blocks of the group) is redone with log-add-exp.
+// ends. Lane (h, t), h < 2, holds head 2t + h; its row's first entry is found once
+// (base), each block's position is loaded a block ahead by the caller. The combine is a
+// CAS from NaN whose result is checked only at the next flush, so the warp does not wait
+// on the atomic; a CAS that found a value (another unit's blocks of the group) is redone
+// with log-add-exp.
 struct FeedbackRun {
   static constexpr unsigned kNaN = 0x7FC00000u;  // what epsd and the clients write
-  int32_t entry = -1;    // the running group's entry (CheckFeedback: < 2^31); -1: none
+  int32_t base = -1;     // this lane's head's first entry; -1: the lane writes nothing
+  int32_t entry = -1;    // the running group's entry (entries < 2^31: CheckFeedback)
   float lse = 0.0f;      // its log-sum-exp so far
   int32_t pending = -1;  // the last flushed entry, its value and the CAS's result
   float pending_lse = 0.0f;
   unsigned prior = kNaN;
 
+  __device__ __forceinline__ void Start(const EpsAttnParams& p, int64_t row, int kv_head, int qh0,
+                                        int heads) {
+    const int lane = threadIdx.x % 32;
+    const int h = lane / 4;
+    const int head = 2 * (lane % 4) + h;
+    if (h >= 2 || head >= heads) return;
+    int32_t error = 0;
+    int32_t value = 0;
+    base = static_cast<int32_t>(FeedbackRowBase(p, row, qh0 + head, &error, &value));
+    if (error != kListOk) RecordError(p.error_word, error, row, kv_head, value);
+  }
   __device__ __forceinline__ void Settle(float* feedback) {
     if (pending >= 0 && prior != kNaN) AtomicLogAddExp(feedback + pending, pending_lse);
     pending = -1;
@@ -66,11 +80,12 @@ struct FeedbackRun {
     pending_lse = lse;
     entry = -1;
   }
-  // One block: x holds lane (g, t)'s scores of tokens g, g+8 × heads 2t, 2t+1 (log2
-  // domain, -inf past the block's tokens), block_max the heads' maxima over the block;
-  // sums run over the 8 lanes of the same t. Every lane of the warp calls it.
-  __device__ __forceinline__ void Block(const EpsAttnParams& p, int64_t row, int kv_head, int qh0,
-                                        int heads, int32_t id, const float (&x)[4],
+  // One block at `position` in its sequence: x holds lane (g, t)'s scores of tokens g,
+  // g+8 × heads 2t, 2t+1 (log2 domain, -inf past the block's tokens), block_max the
+  // heads' maxima over the block; sums run over the 8 lanes of the same t. Every lane of
+  // the warp calls it.
+  __device__ __forceinline__ void Block(const EpsAttnParams& p, int64_t row, int kv_head,
+                                        int32_t position, const float (&x)[4],
                                         const float (&block_max)[2]) {
     const int lane = threadIdx.x % 32;
     float sum[2];
@@ -80,24 +95,23 @@ struct FeedbackRun {
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], off);
     }
-    const int h = lane / 4;
-    const int head = 2 * (lane % 4) + h;
-    if (h >= 2 || head >= heads) return;
+    if (base < 0) return;
     int32_t error = 0;
     int32_t value = 0;
-    const int64_t e = FeedbackEntry(p, row, qh0 + head, id, &error, &value);
-    if (e < 0) {
-      if (error != kListOk) RecordError(p.error_word, error, row, kv_head, value);
+    const int32_t group = FeedbackGroup(p, position, &error, &value);
+    if (group < 0) {
+      RecordError(p.error_word, error, row, kv_head, value);
       return;
     }
+    const int h = lane / 4;
     const float v =
         ((h == 0 ? block_max[0] : block_max[1]) + log2f(h == 0 ? sum[0] : sum[1])) * kLn2;
-    if (e == entry) {
+    if (base + group == entry) {
       const float hi = fmaxf(lse, v);
       lse = hi + log1pf(expf(fminf(lse, v) - hi));
     } else {
       Flush(p.feedback);
-      entry = static_cast<int32_t>(e);
+      entry = base + group;
       lse = v;
     }
   }
@@ -227,13 +241,24 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D, kFeedback>()))
   // there) would keep loads in flight through it, but costs spills at 128 registers.
   [[maybe_unused]] FeedbackRun feedback;
   const int32_t id_first = load_id(first_entry);
-  int32_t id_cur = id_first;
   int32_t id_next = load_id(first_entry + 1);
   int n_cur = block_tokens(first_entry, id_first);
+  // feedback: the position of the block in use and of the next, loaded a block ahead
+  [[maybe_unused]] int32_t position_cur = 0;
+  if constexpr (kFeedback) {
+    feedback.Start(p, row, kv_head, qh0, heads);
+    if (n_cur > 0) position_cur = __ldg(p.block_positions + id_first);
+  }
   issue_k(id_first, n_cur);
   issue_v(id_first, n_cur);
   for (int entry = first_entry; entry < end_entry; ++entry) {
     const int32_t id_after = load_id(entry + 2);
+    [[maybe_unused]] int32_t position_next = 0;
+    if constexpr (kFeedback) {
+      if (entry + 1 < end_entry && id_next >= 0 && id_next < p.num_blocks) {
+        position_next = __ldg(p.block_positions + id_next);
+      }
+    }
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Sᵀ: tokens g, g+8 × heads 2t, 2t+1
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
@@ -261,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D, kFeedback>()))
       }
     }
     if constexpr (kFeedback) {
-      if (n_cur > 0) feedback.Block(p, row, kv_head, qh0, heads, id_cur, x, block_max);
+      if (n_cur > 0) feedback.Block(p, row, kv_head, position_cur, x, block_max);
     }
     // The rescale is skipped, warp-uniformly, when no head's max rises.
     if (__any_sync(0xffffffffu, block_max[0] > m[0] || block_max[1] > m[1])) {
@@ -301,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, (MmaCtasPerSm<D, kFeedback>()))
     const int n_next = block_tokens(entry + 1, id_next);
     issue_k(id_next, n_next);
     issue_v(id_next, n_next);
-    id_cur = id_next;
+    if constexpr (kFeedback) position_cur = position_next;
     id_next = id_after;
     n_cur = n_next;
   }

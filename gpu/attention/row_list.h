@@ -26,10 +26,11 @@ enum ListError : int32_t {
   kFeedbackRow = 6,       // feedback_rows[row] outside [0, feedback_seqs): value = it
 };
 
-// The feedback entry of (row, query head, block id): -1 when params carry no feedback
-// or the position / row is out of range (*error then names which, *value the value).
-EPS_ATTN_HD int64_t FeedbackEntry(const EpsAttnParams& p, int64_t row, int64_t qh, int32_t id,
-                                  int32_t* error, int32_t* value) {
+// The first feedback entry of (row, query head), -1 when params carry no feedback or
+// the row's table row is out of range (*error and *value then say so). Entries are
+// < 2^31 (CheckFeedback).
+EPS_ATTN_HD int64_t FeedbackRowBase(const EpsAttnParams& p, int64_t row, int64_t qh, int32_t* error,
+                                    int32_t* value) {
   *error = kListOk;
   if (p.feedback == nullptr) return -1;
   const int32_t table_row =
@@ -39,14 +40,30 @@ EPS_ATTN_HD int64_t FeedbackEntry(const EpsAttnParams& p, int64_t row, int64_t q
     *value = table_row;
     return -1;
   }
-  const int32_t position = p.block_positions[id];
+  return table_row * p.feedback_stride_row + qh * p.feedback_stride_head;
+}
+
+// The group of a block at `position` in its sequence, -1 (with *error, *value) when it
+// lies outside the feedback buffer's groups.
+EPS_ATTN_HD int32_t FeedbackGroup(const EpsAttnParams& p, int32_t position, int32_t* error,
+                                  int32_t* value) {
+  *error = kListOk;
   if (position < 0 || position / p.feedback_group_blocks >= p.feedback_groups) {
     *error = kFeedbackPosition;
     *value = position;
     return -1;
   }
-  return table_row * p.feedback_stride_row + qh * p.feedback_stride_head +
-         position / p.feedback_group_blocks;
+  return position / p.feedback_group_blocks;
+}
+
+// The feedback entry of (row, query head, block id): FeedbackRowBase + FeedbackGroup of
+// the block's position, -1 on either's error.
+EPS_ATTN_HD int64_t FeedbackEntry(const EpsAttnParams& p, int64_t row, int64_t qh, int32_t id,
+                                  int32_t* error, int32_t* value) {
+  const int64_t base = FeedbackRowBase(p, row, qh, error, value);
+  if (base < 0) return -1;
+  const int32_t group = FeedbackGroup(p, p.block_positions[id], error, value);
+  return group < 0 ? -1 : base + group;
 }
 
 struct RowList {
