@@ -503,10 +503,16 @@ class PagedEngine:
                                   out=(self.view_table, self.view_used))
         q = torch.randn(self.B, self.model.c.num_q_heads, self.model.c.head_dim,
                         device=self.device, dtype=self.dtype)
+        # With feedback, every repeat starts from NaN entries as a step does after epsd
+        # consumed them (finite ones would send every write down the combining path);
+        # the fill is timed alone and subtracted.
+        fill = gated and self.feedback_targets is not None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for r in range(repeats + 1):
             if r == 1:
                 start.record()
+            if fill:
+                self.buffers.feedback.fill_(float("nan"))
             for layer in range(self.model.c.num_layers):
                 if gated:
                     table, used = self.view_table[layer, :, 0], self.view_used[layer, :, 0]
@@ -515,7 +521,15 @@ class PagedEngine:
                 self._attend(layer, q, table, used, gated)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / repeats
+        ms = start.elapsed_time(end) / repeats
+        if fill:
+            start.record()
+            for _ in range(repeats):
+                self.buffers.feedback.fill_(float("nan"))
+            end.record()
+            end.synchronize()
+            ms -= start.elapsed_time(end) / repeats
+        return ms
 
     @torch.inference_mode()
     def sdpa_attention_ms(self, context: int, repeats: int = 10) -> float:
