@@ -66,6 +66,7 @@ def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
             "coarse_blocks": getattr(args, "coarse_blocks", 0),
             "coarse_candidates": _coarse_c(args),
             "feedback": getattr(args, "feedback", False),
+            "list_budget": getattr(args, "list_budget", False),
             "attention_variant": os.environ.get("EPS_ATTN_VARIANT", "auto"),
             "session_method": engine.client.attach_info.options.method
             if engine.client.attach_info else None}
@@ -84,7 +85,7 @@ def calibrate(engine: PagedEngine, context: int, target: float,
         for _ in range(3):
             if k in cache:
                 break
-            st = engine.select_sync(context, _with(base, top_pages=k))
+            st = engine.select_sync(context, _at(base, k))
             if st is not None and st.pages_total:
                 cache[k] = st.pages_visited / st.pages_total
         if k not in cache:
@@ -100,6 +101,26 @@ def calibrate(engine: PagedEngine, context: int, target: float,
             lo = mid + 1
     best = min((k for k in (lo - 1, lo) if k >= 1), key=lambda k: abs(frac(k) - target))
     return best, frac(best)
+
+
+def _base(args: argparse.Namespace) -> SelectOptions:
+    """The runs' options before their budget value: with --list-budget, the list-level rule
+    (budget mass over the list at τ = 1, its floor and ceiling the budget value: the n
+    groups of the largest summed softmax shares of the list's heads; docs/policy.md)."""
+    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
+                         coarse_candidates=_coarse_c(args))
+    if getattr(args, "list_budget", False):
+        base = _with(base, budget="mass", mass_scope="list", mass_temperature=1.0,
+                     mass_target=1.0)
+    return base
+
+
+def _at(options: SelectOptions, k: int) -> SelectOptions:
+    """options at budget value k: top_pages (per head), and with the list-level rule also
+    its floor and ceiling (per list; the coarse level names candidates from top_pages)."""
+    if options.budget == "mass" and options.mass_scope == "list":
+        return _with(options, top_pages=k, min_pages=k, max_pages=k)
+    return _with(options, top_pages=k)
 
 
 def _with(options: SelectOptions, **changes: Any) -> SelectOptions:
@@ -123,8 +144,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     inputs, targets = ids[:, :-1], ids[:, 1:]
     common = _common(engine, args)
     saved = engine.snapshot_pool()
-    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
-                         coarse_candidates=_coarse_c(args))
+    base = _base(args)
     if kill:
         return _kill_run(engine, args, inputs, targets, base, common)
     dense = engine.decode(inputs, targets, P, gated=False)
@@ -137,13 +157,13 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     for f in fractions(args.fractions):
         engine.restore_pool(saved)
         top, measured = calibrate(engine, P + 1, f, base)
-        gated = engine.decode(inputs, targets, P, gated=True, options=_with(base, top_pages=top))
+        gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top))
         s = summarize(gated, args.warmup_steps)
         attn = engine.attention_ms(True, P + N)
         # The same pre-pass on the same buffers with the engine idle: synchronous
         # selections with nothing else on the GPU (docs/benchmarks/gpu.md, "2026-11-25").
         idle = [st.prepass_us for st in
-                (engine.select_sync(P + N, _with(base, top_pages=top)) for _ in range(12)) if st]
+                (engine.select_sync(P + N, _at(base, top)) for _ in range(12)) if st]
         limit = attention_limit_ms(d["step_ms_p50"], dense_attn, s["pages_read_fraction"])
         s.update({"target_fraction": f, "top_pages": top, "calibrated_fraction": measured,
                   "attention_ms": attn, "limit_ms": limit,
@@ -193,7 +213,7 @@ def _kill_run(engine: PagedEngine, args: argparse.Namespace, inputs: torch.Tenso
                           "epsd was listening")
 
     first = engine.step_base
-    run = engine.decode(inputs, targets, P, gated=True, options=_with(base, top_pages=top),
+    run = engine.decode(inputs, targets, P, gated=True, options=_at(base, top),
                         on_step=on_step)
     counters = engine.client.counters()
     releases = engine.watchdog.releases
@@ -254,8 +274,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     common = _common(engine, args)
     dense = engine.decode(inputs, targets, P, gated=False)
     dense_nll = -dense.logp.double().mean().item()
-    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
-                         coarse_candidates=_coarse_c(args))
+    base = _base(args)
     engine.restore_pool(saved)
     off = engine.decode(inputs, targets, P, gated=True, options=_with(base, method="off"))
     off_delta = (off.logp - dense.logp).abs().max().item()
@@ -264,7 +283,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         for top in [int(v) for v in args.top_pages.split(",")]:
             engine.restore_pool(saved)
             gated = engine.decode(inputs, targets, P, gated=True,
-                                  options=_with(base, method=method, top_pages=top))
+                                  options=_at(_with(base, method=method), top))
             s = summarize(gated, args.warmup_steps)
             dnll = -gated.logp.double().mean().item() - dense_nll
             agree = (gated.argmax == dense.argmax).double().mean().item()
@@ -336,13 +355,12 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     d_acc, d_out = accuracy(dense)
     rows = [["dense", "-", "100%", d_acc]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
-    base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
-                         coarse_candidates=_coarse_c(args))
+    base = _base(args)
     for method in args.methods.split(","):
         for top in [int(v) for v in args.top_pages.split(",")]:
             engine.restore_pool(saved)
             run = engine.decode(start, None, P - 1, gated=True, greedy=True,
-                                options=_with(base, method=method, top_pages=top))
+                                options=_at(_with(base, method=method), top))
             acc, outs = accuracy(run)
             frac = summarize(run, 0)["pages_read_fraction"]
             runs.append({"method": method, "top_pages": top, "blocks_read": frac,

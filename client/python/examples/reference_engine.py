@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--feedback", action="store_true",
                     help="selection feedback: the gated attention writes each visited group's "
                          "log-sum-exp, which epsd's next selection reads (docs/policy.md)")
+    ap.add_argument("--list-budget", action="store_true",
+                    help="the list-level rule: budget mass over the list at temperature 1 with "
+                         "floor = ceiling = each budget value (groups per list, not per head)")
     ap.add_argument("--quest8", action="store_true",
                     help="records also hold the quest8 part, which questclt then reads")
     ap.add_argument("--quest8-only", action="store_true",
