@@ -39,6 +39,9 @@ class QualityPlan:
     # quest8 records, g = 1 under coarse groups of gc blocks, coarse_candidates c): rows
     # epsd-c2f{gc}x{c}, lag 1, to check the harness's c2f against what epsd ships.
     epsd_c2f: tuple[tuple[int, float], ...] = ()
+    # Selection feedback under the mass budget and the threshold budget (eps_eval.mass_feedback,
+    # rows fbm-questclt, lag 1, at mass_group_blocks; needs the query two positions back).
+    mass_feedback: bool = False
     # Feedback memory (eps_eval.feedback_memory, a harness simulation): memory depths K,
     # each run step by step from `fb_memory_warmup` positions before the first measured
     # one, on c2f{c2f_coarse[0]}x{c2f_candidates[0]} with c2f_scorers[0].
@@ -116,7 +119,14 @@ FEEDBACK_MEMORY_PLAN = QualityPlan(
     group_blocks=(1,), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4,),
     c2f_candidates=(2.0,), methods=("oracle_mass_lag",), c2f_scorers=("questclt1",),
     feedback=("questclt1",), fb_memory=(1, 2, 4, 8))
+# The adaptive budget with selection feedback (fbm-questclt rows) beside questclt without
+# it, per head and over the list, for eps_eval.layer_calibration.
+MASS_FEEDBACK_PLAN = QualityPlan(
+    group_blocks=(2, 8), lags=(1,), mass_methods=("questclt",), mass_group_blocks=(2, 8),
+    mass_lags=(1,), c2f_coarse=(), c2f_candidates=(), methods=("questclt",), c2f_scorers=(),
+    mass_union=True, mass_feedback=True)
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
          "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
-         "epsdfeedback": EPSD_FEEDBACK_PLAN, "fbmemory": FEEDBACK_MEMORY_PLAN}
+         "epsdfeedback": EPSD_FEEDBACK_PLAN, "fbmemory": FEEDBACK_MEMORY_PLAN,
+         "massfeedback": MASS_FEEDBACK_PLAN}

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from eps_eval import core, estimators
+from eps_eval import core, estimators, mass_feedback
 from eps_eval.feedback_memory import (
     FeedbackMemory,
     Sweep,
@@ -403,6 +403,13 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                                            list(MASS_TARGETS), tau, G, met):
                                 r["floor"] = floor
                                 rows.append(r)
+            if (lag == 1 and plan.mass_feedback and g in plan.mass_group_blocks
+                    and position - 2 in q_by_pos):
+                exact = np.log(np.maximum(group_sum(mass_of(1), g), 1e-300)) * np.sqrt(d)
+                rows += mass_feedback.rows(
+                    workload, dn, scores["questclt"], s.scores("questclt", q_by_pos[position - 2]),
+                    exact, g, kvh, d, tps, record_bytes("questclt", d), MASS_TARGETS, MASS_FLOORS,
+                    plan.mass_union, _rows)
     if state.fb_memory is not None:
         rows += _fb_memory_rows(state.fb_memory, workload, dn, k, q_by_pos, position, mass_of,
                                 top_pages_for(dn.mass.shape[1], plan.fractions), plan)
