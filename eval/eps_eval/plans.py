@@ -123,8 +123,8 @@ FEEDBACK_MEMORY_PLAN = QualityPlan(
 # it, per head and over the list, for eps_eval.layer_calibration.
 MASS_FEEDBACK_PLAN = QualityPlan(
     group_blocks=(2, 8), lags=(1,), mass_methods=("questclt",), mass_group_blocks=(2, 8),
-    mass_lags=(1,), c2f_coarse=(), c2f_candidates=(), methods=("questclt",), c2f_scorers=(),
-    mass_union=True, mass_feedback=True)
+    mass_lags=(1,), c2f_coarse=(), c2f_candidates=(), methods=("quest", "questclt"),
+    c2f_scorers=(), mass_union=True, mass_feedback=True)
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
          "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
