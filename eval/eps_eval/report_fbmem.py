@@ -43,7 +43,7 @@ def table(rows: list[Row]) -> list[str]:
         base = where(w, lambda r: str(r["method"]).startswith("fbmem1-c2f"))
         best = where(w, lambda r: r["method"] == "oracle_mass-union")
         names = sorted({str(r["method"]) for r in w
-                        if (r["lag"] == 1 or r["method"] == "oracle_mass-union") and (r["budget"] == "c2f" or str(r["method"]).startswith("oracle_"))},
+                        if (r["lag"] == 1 or r["method"] == "oracle_mass-union") and (r["budget"] in ("c2f", "listcount") or str(r["method"]).startswith("oracle_"))},
                        key=_order)
         pairs = len(group(oracle, ("layer", "step")))
         out.append(f"\n### {wl}, context {int(ctx)}; pairs: {pairs}\n")  # type: ignore[call-overload]
