@@ -182,3 +182,19 @@ def test_select_refuses_an_unknown_budget_or_scope() -> None:
         s.select("questclt", queries, 4, budget=core.budget("mass", mass_scope="layer"))
     with pytest.raises(core.CoreError, match="min_pages=5 exceeds max_pages=2"):
         s.select("questclt", queries, 4, budget=core.budget("mass", min_pages=5, max_pages=2))
+
+
+def test_core_list_count_is_the_simulations_list_level_rule(rng: np.random.Generator) -> None:
+    """Given the same scores, core's list-count budget marks what feedback_memory's
+    list-level rule (union_scores, then the n best for the list) marks."""
+    from eps_eval.feedback_memory import union_scores
+
+    q, kv, d, tokens = 8, 2, 64, 3000
+    s = _seq(q, kv, d, 1, tokens)
+    s.append(rng.standard_normal((kv, tokens, d)) * 2)
+    queries = (rng.standard_normal((q, d)) * 2).astype(np.float32)
+    scores = s.scores("questclt", queries)
+    for n in (3, 40, 150):
+        vis, _ = s.select("questclt", queries, n, budget=core.list_count(n))
+        sim = core.mark(union_scores(scores.astype(np.float64), d), 1, [n])[0]
+        assert np.array_equal(vis, sim), n
