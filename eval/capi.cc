@@ -7,12 +7,15 @@
 //   - scores of every group for every query head (core/bounds.h),
 //   - visit marks from given scores under a top_pages sweep (core/select.h:
 //     MarkForced + MarkByThreshold, OR-ed per list as PageSelector does),
-//   - the whole reference step (PageSelector::Select, core/step.h), which the
-//     harness uses for strict mode and to cross-check the two calls above.
+//   - the whole reference step (PageSelector::Select, core/step.h) under any budget
+//     of core/select.h (EvalBudget below; threshold when none is given), which the
+//     harness uses for strict mode, the coarse level, feedback and list budgets, and
+//     to cross-check the two calls above.
 // Every function returns 0 on success or -1 with a message in `err`.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -62,6 +65,19 @@ void MarkLists(int64_t n, int q_heads, int kv_heads, bool per_kv_head,
     const int list = per_kv_head ? h / ratio : 0;
     mark_head(h, std::span<uint8_t>(out_i + static_cast<size_t>(list) * n, n));
   }
+}
+
+// Parses a core enum by the name core prints for it (BudgetName, MassScopeName), so the
+// names stay core's: one table, read by both sides.
+template <typename Enum, typename NameOf>
+bool ParseByName(const char* name, std::initializer_list<Enum> values, NameOf name_of, Enum* out) {
+  for (Enum v : values) {
+    if (std::strcmp(name, name_of(v)) == 0) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -278,6 +294,7 @@ class EvalSequence {
 
 using eps::eval::EvalSequence;
 using eps::eval::Fail;
+using eps::eval::ParseByName;
 
 extern "C" {
 
@@ -414,12 +431,46 @@ int eps_eval_mark_mass(int64_t n, int q_heads, int kv_heads, const float* scores
   return 0;
 }
 
+// The budget fields of SelectPolicy (core/select.h), by core's names: budget one of
+// BudgetName's ("threshold", "fixed", "top_p", "mass"), mass_scope "head" or "list".
+struct EvalBudget {
+  const char* budget;
+  float top_p;
+  float mass_target;
+  float mass_temperature;
+  int min_pages;
+  int max_pages;
+  const char* mass_scope;
+};
+
 // PageSelector::Select on this sequence. stats: 7 int64 (StepStats field order).
+// budget: null for the threshold budget (top_pages, alpha), else its fields.
 int eps_eval_select(const void* seq, const char* method, const float* queries, int top_pages,
                     float alpha, int strict, int per_kv_head, int first_n, int last_n,
-                    float coarse_candidates, const float* feedback, uint8_t* visit, int64_t* stats,
-                    char* err, int err_len) {
+                    float coarse_candidates, const EvalBudget* budget, const float* feedback,
+                    uint8_t* visit, int64_t* stats, char* err, int err_len) {
   eps::SelectPolicy policy;
+  if (budget != nullptr) {
+    using eps::Budget;
+    using eps::MassScope;
+    if (!ParseByName(budget->budget,
+                     {Budget::kThreshold, Budget::kFixed, Budget::kTopP, Budget::kMass},
+                     eps::BudgetName, &policy.budget)) {
+      return Fail(absl::InvalidArgumentError(std::string("unknown budget ") + budget->budget), err,
+                  err_len);
+    }
+    if (!ParseByName(budget->mass_scope, {MassScope::kHead, MassScope::kList}, eps::MassScopeName,
+                     &policy.mass_scope)) {
+      return Fail(
+          absl::InvalidArgumentError(std::string("unknown mass_scope ") + budget->mass_scope), err,
+          err_len);
+    }
+    policy.top_p = budget->top_p;
+    policy.mass_target = budget->mass_target;
+    policy.mass_temperature = budget->mass_temperature;
+    policy.min_pages = budget->min_pages;
+    policy.max_pages = budget->max_pages;
+  }
   if (!eps::ParseMethod(method, &policy.method)) {
     return Fail(absl::InvalidArgumentError(std::string("unknown method ") + method), err, err_len);
   }

@@ -21,6 +21,44 @@ STAT_FIELDS = (
     "summary_bytes_read",
 )
 
+class Budget(ctypes.Structure):
+    """SelectPolicy's budget fields (eval/capi.cc EvalBudget), by core's names: budget
+    "threshold", "fixed", "top_p" or "mass"; mass_scope "head" or "list"."""
+
+    _fields_ = [
+        ("budget", ctypes.c_char_p),
+        ("top_p", ctypes.c_float),
+        ("mass_target", ctypes.c_float),
+        ("mass_temperature", ctypes.c_float),
+        ("min_pages", ctypes.c_int),
+        ("max_pages", ctypes.c_int),
+        ("mass_scope", ctypes.c_char_p),
+    ]
+
+
+def budget(
+    kind: str = "threshold",
+    *,
+    top_p: float = 0.95,
+    mass_target: float = 0.95,
+    mass_temperature: float = 1.0,
+    min_pages: int = 0,
+    max_pages: int = 0,
+    mass_scope: str = "head",
+) -> Budget:
+    """A budget for Sequence.select (defaults: SelectPolicy's)."""
+    return Budget(kind.encode(), top_p, mass_target, mass_temperature, min_pages, max_pages,
+                  mass_scope.encode())
+
+
+def list_count(n: int, *, scope: str = "list") -> Budget:
+    """The list-count budget: the mass budget at τ = 1 with floor = ceiling = n unforced
+    groups, so a list (scope "list": MarkByMassList) keeps the n best groups by the sum over
+    its heads of each head's softmax share, whatever the target."""
+    return budget("mass", mass_target=1.0, mass_temperature=1.0, min_pages=n, max_pages=n,
+                  mass_scope=scope)
+
+
 _F32P = ctypes.POINTER(ctypes.c_float)
 _U8P = ctypes.POINTER(ctypes.c_uint8)
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -123,6 +161,7 @@ def lib() -> ctypes.CDLL:
             ctypes.c_int,
             ctypes.c_int,
             ctypes.c_float,
+            ctypes.POINTER(Budget),
             _F32P,
             _U8P,
             _I64P,
@@ -291,11 +330,13 @@ class Sequence:
         last_n: int = 2,
         coarse_candidates: float = 2.0,
         feedback: npt.ArrayLike | None = None,
+        budget: Budget | None = None,
     ) -> tuple[npt.NDArray[np.uint8], dict[str, int]]:
         """PageSelector::Select: marks [lists, groups] and the step's StepStats
-        (coarse_candidates: SelectPolicy.coarse_candidates, used with a coarse level;
-        feedback: [q_heads, groups] log-sum-exp of the groups the previous step visited,
-        NaN elsewhere: StepInputs::feedback)."""
+        (coarse_candidates: SelectPolicy.coarse_candidates, used with a coarse level, whose
+        per-head candidate count reads top_pages whatever the budget; feedback: [q_heads,
+        groups] log-sum-exp of the groups the previous step visited, NaN elsewhere:
+        StepInputs::feedback; budget: None for the threshold budget, else `budget(...)`)."""
         q = _f32(queries)
         if q.shape != (self.q_heads, self.head_dim):
             raise ValueError(f"queries shape {q.shape} != {(self.q_heads, self.head_dim)}")
@@ -311,8 +352,9 @@ class Sequence:
         err = ctypes.create_string_buffer(512)
         rc = lib().eps_eval_select(
             self._h, method.encode(), _ptr(q, _F32P), top_pages, alpha, int(strict),
-            int(per_kv_head), first_n, last_n, coarse_candidates, fb, _ptr(visit, _U8P), _ptr(stats, _I64P), err,
-            len(err),
+            int(per_kv_head), first_n, last_n, coarse_candidates,
+            None if budget is None else ctypes.byref(budget), fb, _ptr(visit, _U8P),
+            _ptr(stats, _I64P), err, len(err),
         )
         if rc != 0:
             raise CoreError(err.value.decode())

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eps_eval import estimators
+from eps_eval.list_count import ListCountConfig
 
 # Shares of the unforced groups swept as the threshold budget's top_pages.
 FRACTIONS = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8)
@@ -47,12 +48,18 @@ class QualityPlan:
     # one, on c2f{c2f_coarse[0]}x{c2f_candidates[0]} with c2f_scorers[0].
     fb_memory: tuple[int, ...] = ()
     fb_memory_warmup: int = 8
+    # Selections through core's PageSelector::Select under the list-count budget (and the
+    # threshold budget) with selection feedback in steady state (eps_eval.list_count), run
+    # step by step from `list_count_warmup` positions before the first measured one.
+    list_count: tuple[ListCountConfig, ...] = ()
+    list_count_warmup: int = 8
 
 
 def query_history(plan: QualityPlan) -> int:
     """How many positions before the first measured one need their query: the largest lag,
-    or the feedback-memory warm-up and the query of its first step's lag."""
-    return max(max(plan.lags), plan.fb_memory_warmup + 1 if plan.fb_memory else 0)
+    or a step-by-step simulation's warm-up and the query of its first step's lag."""
+    return max(max(plan.lags), plan.fb_memory_warmup + 1 if plan.fb_memory else 0,
+               plan.list_count_warmup + 1 if plan.list_count else 0)
 
 
 # Issue 19's estimators against quest and quest8 at equal bytes: lag 1, g <= 8, the
@@ -125,8 +132,21 @@ MASS_FEEDBACK_PLAN = QualityPlan(
     group_blocks=(2, 8), lags=(1,), mass_methods=("questclt",), mass_group_blocks=(2, 8),
     mass_lags=(1,), c2f_coarse=(), c2f_candidates=(), methods=("quest", "questclt"),
     c2f_scorers=(), mass_union=True, mass_feedback=True)
+# The list-count budget through core (issue 19, sixth session): epsd's coarse level
+# (gc = 4, c = 2 and gc = 8, c = 3, the candidates reading top_pages = n, n/2 or n/4)
+# and flat g = 1, 2, with and without core's selection feedback in steady state,
+# and the threshold budget with steady-state feedback; beside them the simulation's K = 1
+# rows (fbmem0/1, -union) and the one-step epsd-c2f / epsd-fb-c2f rows on the same pairs.
+LIST_COUNT_PLAN = QualityPlan(
+    group_blocks=(1,), lags=(1,), mass_methods=(), mass_lags=(), c2f_coarse=(4,),
+    c2f_candidates=(2.0,), methods=("oracle_mass_lag",), c2f_scorers=("questclt1",),
+    feedback=("questclt1",), fb_memory=(1,), epsd_c2f=((4, 2.0), (8, 3.0)),
+    list_count=(*(ListCountConfig(gc, 1, c, "list", r) for gc, c in ((4, 2.0), (8, 3.0))
+                  for r in (1.0, 0.5, 0.25)),
+                ListCountConfig(0, 1, 1.0, "list"), ListCountConfig(0, 2, 1.0, "list"),
+                ListCountConfig(4, 1, 2.0, "threshold"), ListCountConfig(8, 1, 3.0, "threshold")))
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
          "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
          "epsdfeedback": EPSD_FEEDBACK_PLAN, "fbmemory": FEEDBACK_MEMORY_PLAN,
-         "massfeedback": MASS_FEEDBACK_PLAN}
+         "massfeedback": MASS_FEEDBACK_PLAN, "listcount": LIST_COUNT_PLAN}

@@ -52,6 +52,7 @@ from eps_eval.feedback_memory import (
     rotated_oracles,
     union_oracles,
 )
+from eps_eval.list_count import ListCountSim
 from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_max, group_sum
 from eps_eval.plans import QualityPlan
 
@@ -289,6 +290,9 @@ class LayerState:
                 plan.fb_memory, plan.fractions, gc, cand, record_bytes(scorer, d), q_heads,
                 kv_heads, -(-max_tokens // BLOCK), plan.fb_memory_warmup,
                 f"c2f{gc}x{cand:g}-{scorer}", rotate=rotate_lag)
+        self.list_count = (ListCountSim(plan.list_count, plan.fractions, q_heads, kv_heads, d,
+                                        max_tokens, plan.list_count_warmup,
+                                        record_bytes("quest8", d)) if plan.list_count else None)
 
     def extend_to(self, k: F32, tokens: int) -> None:
         if tokens > self.tokens:
@@ -413,6 +417,10 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
     if state.fb_memory is not None:
         rows += _fb_memory_rows(state.fb_memory, workload, dn, k, q_by_pos, position, mass_of,
                                 top_pages_for(dn.mass.shape[1], plan.fractions), plan)
+    if state.list_count is not None:
+        for name, budget, g, params, groups, met in state.list_count.sweeps(k, q_by_pos,
+                                                                            position, dn):
+            rows += _rows(workload, budget, name, g, 1, params, 0.0, groups, met)
     if 1 in plan.lags:
         before = q_by_pos.get(position - 2) if plan.feedback else None
         rows += _epsd_c2f_rows(state, workload, dn, q_by_pos[position - 1], kvh, d, before,

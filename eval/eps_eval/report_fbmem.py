@@ -1,8 +1,9 @@
 """The feedback-memory table (plans.FEEDBACK_MEMORY_PLAN): `python -m eps_eval.report_fbmem
 --out=DIR` reads DIR/units/q19_*.csv and prints, per (workload, context), each row's gap to
 the g = 1 mass oracle at 75 % of KV bytes skipped (summary bytes counted), paired over the
-(layer, step) pairs, its gain over fbmem1 (the steady state of today's feedback), and its
-summary bytes relative to quest fp16 at g = 1 near that skip."""
+(layer, step) pairs, its gain over fbmem1 (the steady state of today's feedback; `--base=`
+another row's name, or the start of it), and its summary bytes relative to quest fp16 at
+g = 1 near that skip. The listcount plan's rows (eps_eval.list_count) are shown too."""
 
 from __future__ import annotations
 
@@ -35,19 +36,21 @@ def _order(name: str) -> tuple[int, str]:
     return 99, name
 
 
-def table(rows: list[Row]) -> list[str]:
+def table(rows: list[Row], base_prefix: str = "fbmem1-c2f") -> list[str]:
+    """base_prefix: the row (by the start of its name) the gain column is paired against."""
     out: list[str] = []
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
         oracle = where(w, lambda r: r["method"] == "oracle_mass" and r["lag"] == 0
                        and r["g"] == 1 and r["budget"] == "threshold")
-        base = where(w, lambda r: str(r["method"]).startswith("fbmem1-c2f"))
+        base = where(w, lambda r: str(r["method"]).startswith(base_prefix))
         best = where(w, lambda r: r["method"] == "oracle_mass-union")
         names = sorted({str(r["method"]) for r in w
-                        if (r["lag"] == 1 or r["method"] == "oracle_mass-union") and (r["budget"] == "c2f" or str(r["method"]).startswith("oracle_"))},
+                        if (r["lag"] == 1 or r["method"] == "oracle_mass-union") and (r["budget"] in ("c2f", "listcount") or str(r["method"]).startswith("oracle_"))},
                        key=_order)
         pairs = len(group(oracle, ("layer", "step")))
         out.append(f"\n### {wl}, context {int(ctx)}; pairs: {pairs}\n")  # type: ignore[call-overload]
-        out.append("| row | gap to g = 1 oracle | gain over fbmem1 | bytes / quest fp16 g = 1 "
+        out.append(f"| row | gap to g = 1 oracle | gain over {base_prefix} | "
+                   "bytes / quest fp16 g = 1 "
                    "| gap to the union oracle |")
         out.append("| --- | --- | --- | ---: | --- |")
         for name in names:
@@ -55,7 +58,7 @@ def table(rows: list[Row]) -> list[str]:
                 continue
             sel = where(w, lambda r, n=name: r["method"] == n)  # type: ignore[misc]
             gap = paired_gain(oracle, sel)
-            gain = paired_gain(sel, base) if base and not name.startswith("fbmem1-c2f") else None
+            gain = paired_gain(sel, base) if base and not name.startswith(base_prefix) else None
             ugap = paired_gain(best, sel) if best else (np.nan, np.nan, 0)
             near = [r for r in sel if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
             frac = float(col(near, "summary_frac").mean()) / QUEST16_G1_FRAC if near else np.nan
@@ -79,8 +82,10 @@ def table(rows: list[Row]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--base", default="fbmem1-c2f",
+                    help="the row (start of its name) the gain column is paired against")
     a = ap.parse_args(argv)
-    print("\n".join(table(load(a.out / "units"))))
+    print("\n".join(table(load(a.out / "units"), a.base)))
     return 0
 
 
