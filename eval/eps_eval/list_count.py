@@ -36,7 +36,8 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
-from eps_eval.metrics import BLOCK, Dense, dots, evaluate
+from eps_eval.feedback_memory import block_log_mass
+from eps_eval.metrics import Dense, evaluate
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -92,13 +93,7 @@ def counts(groups: int, fractions: tuple[float, ...]) -> list[int]:
 def block_lse(q: F32, k: F32) -> F64:
     """log Σ_{i in block} exp(q·k_i/√d) [H, nb] of q [H, d] over keys k [kv, c, d]: what the
     attention kernel reports as feedback (StepInputs::feedback's units)."""
-    d = q.shape[1]
-    c = k.shape[1]
-    nb = -(-c // BLOCK)
-    s = dots(q, k).astype(np.float64) / np.sqrt(d)
-    s = np.pad(s, ((0, 0), (0, nb * BLOCK - c)), constant_values=-np.inf).reshape(-1, nb, BLOCK)
-    top = s.max(axis=2, keepdims=True)
-    return np.log(np.exp(s - top).sum(axis=2)) + top[..., 0]
+    return block_log_mass(q, k) / np.sqrt(q.shape[1])
 
 
 def group_lse(lse: F64, g: int) -> F64:
