@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/engine_buffers.h"
+#include "core/status.h"
 
 namespace eps::load {
 namespace {
@@ -54,6 +55,31 @@ class ShmBufferSet final : public BufferSet {
     if (!buffers_->model().has_coarse_level()) return NoCoarseLevel();
     return WriteRows(table, max_coarse_groups(), [&](int64_t r) { return buffers_->CoarseRow(r); });
   }
+  absl::Status SetFeedbackPattern(std::span<const float> pattern) override {
+    if (!buffers_->shape().with_feedback) return NoFeedbackBuffer();
+    RETURN_IF_ERROR(CheckSize("feedback pattern", pattern.size(),
+                              buffers_->plan().ElementsOf(SharedBuffer::kFeedback)));
+    feedback_pattern_ = pattern;
+    return absl::OkStatus();
+  }
+  absl::Status WriteFeedback(std::span<const FeedbackRows> rows) override {
+    const client::BufferPlan& plan = buffers_->plan();
+    RETURN_IF_ERROR(CheckFeedbackRows(rows, plan, !feedback_pattern_.empty()));
+    const ModelLayout& m = plan.model;
+    for (const FeedbackRows& r : rows) {
+      for (int layer = 0; layer < m.num_layers; ++layer) {
+        for (int h = 0; h < m.num_q_heads; ++h) {
+          std::copy_n(feedback_pattern_.begin() + plan.FeedbackIndex(layer, r.row, h), r.groups,
+                      buffers_->FeedbackRow(layer, r.row, h).begin());
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<float> ReadFeedback(int layer, int64_t row, int q_head, int64_t group) override {
+    RETURN_IF_ERROR(FeedbackEntry(buffers_->plan(), layer, row, q_head, group).status());
+    return buffers_->FeedbackRow(layer, row, q_head)[group];
+  }
   absl::Status WriteQueries(std::span<const float> queries) override {
     const ModelLayout& m = buffers_->model();
     const int64_t batch = buffers_->shape().max_batch;
@@ -86,6 +112,7 @@ class ShmBufferSet final : public BufferSet {
   }
 
   std::unique_ptr<client::EngineBuffers> buffers_;
+  std::span<const float> feedback_pattern_;  // borrowed (SetFeedbackPattern); empty before
 };
 
 }  // namespace
@@ -96,6 +123,43 @@ absl::Status BufferSet::SignalInputsReady(uint64_t) {
 absl::Status BufferSet::WaitSelection(uint64_t step) { return SignalInputsReady(step); }
 absl::Status BufferSet::ReleaseDense(uint64_t step) { return SignalInputsReady(step); }
 
+absl::Status NoFeedbackBuffer() {
+  return absl::FailedPreconditionError("the buffers have no feedback buffer (--feedback-share=0)");
+}
+
+absl::Status CheckFeedbackRows(std::span<const FeedbackRows> rows, const client::BufferPlan& plan,
+                               bool have_pattern) {
+  if (!plan.shape.with_feedback) return NoFeedbackBuffer();
+  if (!have_pattern)
+    return absl::FailedPreconditionError("WriteFeedback before SetFeedbackPattern");
+  for (const FeedbackRows& r : rows) {
+    if (r.row < 0 || r.row >= plan.shape.max_seqs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "feedback row=", r.row, " is outside [0, max_seqs=", plan.shape.max_seqs, ")"));
+    }
+    if (r.groups < 0 || r.groups > plan.max_groups) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("feedback groups=", r.groups, " of row ", r.row,
+                       " is outside [0, max_groups=", plan.max_groups, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> FeedbackEntry(const client::BufferPlan& plan, int layer, int64_t row,
+                                      int q_head, int64_t group) {
+  if (!plan.shape.with_feedback) return NoFeedbackBuffer();
+  const ModelLayout& m = plan.model;
+  if (layer < 0 || layer >= m.num_layers || row < 0 || row >= plan.shape.max_seqs || q_head < 0 ||
+      q_head >= m.num_q_heads || group < 0 || group >= plan.max_groups) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("feedback entry (layer ", layer, ", row ", row, ", q_head ", q_head,
+                     ", group ", group, ") is outside [", m.num_layers, ", ", plan.shape.max_seqs,
+                     ", ", m.num_q_heads, ", ", plan.max_groups, "]"));
+  }
+  return plan.FeedbackIndex(layer, row, q_head) + group;
+}
+
 client::BufferShape ClientShape(const BufferSetShape& shape) {
   client::BufferShape s;
   s.num_slots = shape.num_slots;
@@ -103,6 +167,7 @@ client::BufferShape ClientShape(const BufferSetShape& shape) {
   s.max_context = shape.max_context;
   s.max_batch = shape.max_batch;
   s.coarse_slots = shape.coarse_slots;
+  s.with_feedback = shape.with_feedback;
   return s;
 }
 

@@ -26,7 +26,15 @@ struct BufferSetShape {
   int64_t max_seqs = 0;
   int64_t max_context = 0;
   int64_t max_batch = 0;
-  int64_t coarse_slots = 0;  // coarse records per (layer, KV head): >= 1 with a coarse level
+  int64_t coarse_slots = 0;    // coarse records per (layer, KV head): >= 1 with a coarse level
+  bool with_feedback = false;  // the selection feedback buffer (docs/api.md), NaN-filled
+};
+
+// One stepped row's part of a feedback write: its table row and how many of its
+// groups lie within this step's context (GroupsFor(context_tokens)).
+struct FeedbackRows {
+  int64_t row = 0;
+  int64_t groups = 0;
 };
 
 class BufferSet {
@@ -56,6 +64,18 @@ class BufferSet {
   virtual absl::Status WriteCoarsePool(std::span<const float> pool) = 0;
   virtual absl::Status WriteCoarseTable(std::span<const int32_t> table) = 0;
 
+  // Selection feedback (BufferSetShape.with_feedback; FAILED_PRECONDITION without).
+  // SetFeedbackPattern takes the image an engine's attention would leave,
+  // [layers, max_seqs, q_heads, max_groups] float32 (NaN where it visited nothing); the
+  // host set borrows it (it must outlive the set), the device set copies it to the device
+  // once. WriteFeedback copies, for each of `rows`, the image's first `groups` entries of
+  // every (layer, q head) into the shared buffer, and returns once they are there (the
+  // device set: device-to-device copies on its own stream, waited for). ReadFeedback reads
+  // one entry of the shared buffer back: eps-load's check that epsd consumed it.
+  virtual absl::Status SetFeedbackPattern(std::span<const float> pattern) = 0;
+  virtual absl::Status WriteFeedback(std::span<const FeedbackRows> rows) = 0;
+  virtual absl::StatusOr<float> ReadFeedback(int layer, int64_t row, int q_head, int64_t group) = 0;
+
   // Async replies (--reply=async; device buffers only): the engine's side of one
   // step's fence on a stream of this set's own. SignalInputsReady queues
   // inputs_ready = step (the queries are in place), WaitSelection queues the wait
@@ -74,6 +94,15 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateBufferSet(service::BackendKind 
                                                            const ModelLayout& model,
                                                            const BufferSetShape& shape,
                                                            int device = 0);
+// Shared by both sets' feedback calls: FAILED_PRECONDITION without a feedback buffer (or,
+// for WriteFeedback, before SetFeedbackPattern), INVALID_ARGUMENT naming a row, group
+// count or entry outside the plan; FeedbackEntry gives the entry's element index.
+absl::Status NoFeedbackBuffer();
+absl::Status CheckFeedbackRows(std::span<const FeedbackRows> rows, const client::BufferPlan& plan,
+                               bool have_pattern);
+absl::StatusOr<int64_t> FeedbackEntry(const client::BufferPlan& plan, int layer, int64_t row,
+                                      int q_head, int64_t group);
+
 // The client library's shape for these buffers (union output, with flags).
 client::BufferShape ClientShape(const BufferSetShape& shape);
 

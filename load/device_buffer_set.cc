@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/device_buffers.h"
+#include "core/status.h"
 #include "gpu/device.h"
 #include "gpu/step.h"
 #include "load/buffer_set.h"
@@ -23,6 +24,16 @@ struct StreamDeleter {
   void operator()(CUstream_st* stream) const { cudaStreamDestroy(stream); }
 };
 using OwnedStream = std::unique_ptr<CUstream_st, StreamDeleter>;
+
+// The feedback pattern's device copy (--feedback-share): freed with the set.
+struct DeviceFree {
+  void operator()(float* p) const { cudaFree(p); }
+};
+using DeviceFloats = std::unique_ptr<float, DeviceFree>;
+
+absl::Status CudaError(const std::string& call, cudaError_t err) {
+  return absl::InternalError(absl::StrCat(call, ": ", cudaGetErrorString(err)));
+}
 
 class DeviceBufferSet final : public BufferSet {
  public:
@@ -62,6 +73,67 @@ class DeviceBufferSet final : public BufferSet {
                 ElementsOf(SharedBuffer::kCoarseTable));
   }
 
+  absl::Status SetFeedbackPattern(std::span<const float> pattern) override {
+    if (buffers_->feedback() == nullptr) return NoFeedbackBuffer();
+    const int64_t want = ElementsOf(SharedBuffer::kFeedback);
+    if (pattern.size() != static_cast<size_t>(want)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("feedback pattern has ", pattern.size(), " elements, want ", want));
+    }
+    if (cudaError_t err = cudaSetDevice(buffers_->device()); err != cudaSuccess) {
+      return CudaError("cudaSetDevice", err);
+    }
+    float* device = nullptr;
+    if (cudaError_t err = cudaMalloc(&device, pattern.size_bytes()); err != cudaSuccess) {
+      return CudaError(absl::StrCat("cudaMalloc(feedback pattern, ", pattern.size_bytes(), ")"),
+                       err);
+    }
+    feedback_pattern_.reset(device);
+    return Copy("feedback pattern", device, pattern, want);
+  }
+  // One 3-D copy per row: x the row's first `groups` entries, y the q heads (pitch
+  // max_groups), z the layers (slice pitch max_seqs · q_heads · max_groups), the same
+  // strides in the pattern and the buffer. On this set's stream, then waited for: in a
+  // sync call epsd reads the buffer as soon as the request arrives.
+  absl::Status WriteFeedback(std::span<const FeedbackRows> rows) override {
+    const client::BufferPlan& plan = buffers_->plan();
+    RETURN_IF_ERROR(CheckFeedbackRows(rows, plan, feedback_pattern_ != nullptr));
+    if (cudaError_t err = cudaSetDevice(buffers_->device()); err != cudaSuccess) {
+      return CudaError("cudaSetDevice", err);
+    }
+    const ModelLayout& m = plan.model;
+    const size_t pitch = plan.max_groups * sizeof(float);
+    const size_t slice_rows = plan.shape.max_seqs * m.num_q_heads;
+    for (const FeedbackRows& r : rows) {
+      if (r.groups == 0) continue;
+      const int64_t first = plan.FeedbackIndex(0, r.row, 0);
+      cudaMemcpy3DParms copy{};
+      copy.srcPtr =
+          make_cudaPitchedPtr(feedback_pattern_.get() + first, pitch, plan.max_groups, slice_rows);
+      copy.dstPtr =
+          make_cudaPitchedPtr(buffers_->feedback() + first, pitch, plan.max_groups, slice_rows);
+      copy.extent = make_cudaExtent(r.groups * sizeof(float), m.num_q_heads, m.num_layers);
+      copy.kind = cudaMemcpyDeviceToDevice;
+      if (cudaError_t err = cudaMemcpy3DAsync(&copy, stream_.get()); err != cudaSuccess) {
+        return CudaError(absl::StrCat("cudaMemcpy3DAsync(feedback row ", r.row, ")"), err);
+      }
+    }
+    if (cudaError_t err = cudaStreamSynchronize(stream_.get()); err != cudaSuccess) {
+      return CudaError("cudaStreamSynchronize(feedback)", err);
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<float> ReadFeedback(int layer, int64_t row, int q_head, int64_t group) override {
+    ASSIGN_OR_RETURN(const int64_t at, FeedbackEntry(buffers_->plan(), layer, row, q_head, group));
+    float value = 0;
+    cudaError_t err = cudaSetDevice(buffers_->device());
+    if (err == cudaSuccess) {
+      err = cudaMemcpy(&value, buffers_->feedback() + at, sizeof(float), cudaMemcpyDeviceToHost);
+    }
+    if (err != cudaSuccess) return CudaError("cudaMemcpy(feedback entry)", err);
+    return value;
+  }
+
   bool supports_async() const override { return true; }
   absl::Status SignalInputsReady(uint64_t step) override {
     return buffers_->SignalInputsReady(stream_.get(), step);
@@ -98,7 +170,8 @@ class DeviceBufferSet final : public BufferSet {
   int64_t ElementsOf(SharedBuffer buffer) const { return buffers_->plan().ElementsOf(buffer); }
 
   std::unique_ptr<client::DeviceBuffers> buffers_;
-  OwnedStream stream_;  // declared after buffers_: destroyed first
+  OwnedStream stream_;             // declared after buffers_: destroyed first
+  DeviceFloats feedback_pattern_;  // null until SetFeedbackPattern
 };
 
 }  // namespace
