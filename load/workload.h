@@ -34,13 +34,21 @@ struct WorkloadImage {
   int64_t max_coarse_groups = 0;
   std::vector<float> coarse_pool;     // [coarse_slots, layers, kv_heads, record_words]
   std::vector<int32_t> coarse_table;  // [max_seqs, max_coarse_groups]
+  // With selection feedback (feedback_share > 0; empty otherwise): what an engine's
+  // attention leaves for the next step, [layers, max_seqs, q_heads, max_groups] float32.
+  // For a share of each (layer, row)'s groups, evenly spread from a seeded phase and the
+  // same for every q head (as union lists visit them), the group's log Σ exp(q·k/√d) over
+  // its keys with the head's query; NaN elsewhere. Not written by WriteTo: eps-load copies
+  // each step's rows in before the step (BufferSet::WriteFeedback).
+  std::vector<float> feedback;
 
   // Copies every image into `buffers`.
   absl::Status WriteTo(BufferSet& buffers) const;
 };
 
-// Builds the images for `batch` rows of up to `max_context` tokens.
+// Builds the images for `batch` rows of up to `max_context` tokens; with feedback_share
+// in (0, 1], the feedback image too. The other images do not depend on feedback_share.
 WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_context, uint64_t seed,
-                            int patterns = 4);
+                            double feedback_share = 0, int patterns = 4);
 
 }  // namespace eps::load

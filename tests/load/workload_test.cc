@@ -124,5 +124,99 @@ TEST(BufferSet, ShmBuffersTakeTheCoarseImagesOnlyWithACoarseLevel) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// The feedback image: in every (layer, row), the fed groups of any prefix number ⌊nF⌋ or
+// ⌈nF⌉, every q head has the same ones, and a group's value is its keys' (the same in every row).
+TEST(BuildWorkload, FeedbackImageFeedsAShareOfEveryPrefixTheSameForEveryHead) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  ModelLayout model = *PresetModel("smollm2-135m");
+  model.num_layers = 3;
+  const int batch = 3;
+  const int64_t context = 16 * 8 * 20 + 5;  // 21 groups, the last partial
+  const double share = 0.25;
+  const WorkloadImage w = BuildWorkload(model, batch, context, seed, share);
+  const int q = model.num_q_heads;
+  const int64_t groups = w.max_groups;
+  ASSERT_EQ(groups, 21);
+  EXPECT_TRUE(w.shape.with_feedback);
+  ASSERT_EQ(w.feedback.size(), static_cast<size_t>(model.num_layers) * batch * q * groups);
+  auto at = [&](int layer, int row, int h, int64_t g) {
+    return w.feedback[((static_cast<int64_t>(layer) * batch + row) * q + h) * groups + g];
+  };
+  for (int layer = 0; layer < model.num_layers; ++layer) {
+    for (int row = 0; row < batch; ++row) {
+      int64_t fed = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const bool is_fed = std::isfinite(at(layer, row, 0, g));
+        fed += is_fed;
+        const double want = (g + 1) * share;
+        ASSERT_GE(fed, std::floor(want)) << "layer " << layer << " row " << row << " g " << g;
+        ASSERT_LE(fed, std::ceil(want)) << "layer " << layer << " row " << row << " g " << g;
+        for (int h = 0; h < q; ++h) {
+          ASSERT_EQ(std::isfinite(at(layer, row, h, g)), is_fed) << "head " << h << " g " << g;
+          if (!is_fed) continue;
+          for (int other = 0; other < batch; ++other) {  // the same keys and query in every row
+            if (std::isfinite(at(layer, other, h, g))) {
+              ASSERT_EQ(at(layer, other, h, g), at(layer, row, h, g));
+            }
+          }
+        }
+      }
+    }
+  }
+  const WorkloadImage all = BuildWorkload(model, batch, context, seed, 1.0);
+  for (float v : all.feedback) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(BuildWorkload, FeedbackLeavesTheOtherImagesAsWithoutIt) {
+  const ModelLayout model = *PresetModel("smollm2-135m");
+  const WorkloadImage with = BuildWorkload(model, 2, 1000, 7, 0.5);
+  const WorkloadImage without = BuildWorkload(model, 2, 1000, 7);
+  EXPECT_TRUE(without.feedback.empty());
+  EXPECT_FALSE(without.shape.with_feedback);
+  EXPECT_EQ(with.summary_pool, without.summary_pool);
+  EXPECT_EQ(with.block_table, without.block_table);
+  EXPECT_EQ(with.queries, without.queries);
+}
+
+TEST(BufferSet, ShmBuffersWriteFeedbackOnlyWithinTheStepsRowsAndGroups) {
+  ModelLayout model = *PresetModel("smollm2-135m");
+  model.num_layers = 2;
+  const WorkloadImage w = BuildWorkload(model, 2, 1000, 11, 1.0);  // 8 groups, all fed
+  auto set = CreateBufferSet(service::BackendKind::kCpu, model, w.shape);
+  ASSERT_TRUE(set.ok()) << set.status();
+  BufferSet& b = **set;
+  EXPECT_TRUE(b.Descriptors().has_feedback());
+  EXPECT_EQ(b.WriteFeedback(std::vector<FeedbackRows>{{.row = 1, .groups = 3}}).code(),
+            absl::StatusCode::kFailedPrecondition);  // before SetFeedbackPattern
+  ASSERT_TRUE(b.SetFeedbackPattern(w.feedback).ok());
+  ASSERT_TRUE(b.WriteFeedback(std::vector<FeedbackRows>{{.row = 1, .groups = 3}}).ok());
+  for (int layer = 0; layer < model.num_layers; ++layer) {
+    for (int h = 0; h < model.num_q_heads; ++h) {
+      for (int64_t g = 0; g < w.max_groups; ++g) {
+        const float image =
+            w.feedback[((layer * 2 + 1) * model.num_q_heads + h) * w.max_groups + g];
+        EXPECT_TRUE(std::isnan(*b.ReadFeedback(layer, 0, h, g)));  // row 0 was not stepped
+        const float got = *b.ReadFeedback(layer, 1, h, g);
+        if (g < 3) {
+          EXPECT_EQ(got, image) << "layer " << layer << " head " << h << " group " << g;
+        } else {
+          EXPECT_TRUE(std::isnan(got)) << "past the context: group " << g;
+        }
+      }
+    }
+  }
+  const absl::Status wide = b.WriteFeedback(std::vector<FeedbackRows>{{.row = 0, .groups = 9}});
+  EXPECT_EQ(wide.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wide.message().find("groups=9"), std::string::npos) << wide;
+  EXPECT_EQ(b.ReadFeedback(2, 0, 0, 0).status().code(), absl::StatusCode::kInvalidArgument);
+
+  const WorkloadImage none = BuildWorkload(model, 2, 1000, 11);
+  auto plain = CreateBufferSet(service::BackendKind::kCpu, model, none.shape);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE((*plain)->Descriptors().has_feedback());
+  EXPECT_EQ((*plain)->SetFeedbackPattern(w.feedback).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace eps::load
