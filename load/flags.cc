@@ -26,6 +26,14 @@ ABSL_FLAG(int, coarse_blocks, 0,
 ABSL_FLAG(double, coarse_candidates, 0,
           "SelectOptions.coarse_candidates sent at Attach, in [1, 1024] (0: epsd's "
           "--eps-coarse-candidates); needs --coarse-blocks");
+ABSL_FLAG(double, feedback_share, 0,
+          "selection feedback: 0 = no feedback buffer; F in (0, 1]: each session shares one, "
+          "and before every SelectPages eps-load writes the log-sum-exps of the workload's keys "
+          "into a share F of each row's groups within its context (every layer and query head; "
+          "the rest NaN), as an engine's attention would. Not timed: that write (host copies, or "
+          "device-to-device copies waited for with --backend=cuda) and a one-entry check after "
+          "the call that epsd consumed it. Timed: epsd reading the buffer and setting the "
+          "step's rows back to NaN, inside SelectPages");
 ABSL_FLAG(eps::cli::Size, batch, {8}, "sequences per SelectPages call, in [1, 4k]");
 ABSL_FLAG(eps::load::ContextDistribution, context, {},
           "tokens per sequence: N, Nk or uniform:LO-HI (drawn per call)");

@@ -24,6 +24,7 @@ ABSL_DECLARE_FLAG(bool, quest8);
 ABSL_DECLARE_FLAG(bool, quest8_only);
 ABSL_DECLARE_FLAG(int, coarse_blocks);
 ABSL_DECLARE_FLAG(double, coarse_candidates);
+ABSL_DECLARE_FLAG(double, feedback_share);
 ABSL_DECLARE_FLAG(eps::cli::Size, batch);
 ABSL_DECLARE_FLAG(eps::load::ContextDistribution, context);
 ABSL_DECLARE_FLAG(absl::Duration, duration);

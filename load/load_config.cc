@@ -201,6 +201,11 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
     return cli::Invalid(FLAGS_coarse_candidates, "0 without --coarse-blocks");
   }
   c.coarse_candidates = static_cast<float>(coarse_candidates);
+  c.feedback_share = absl::GetFlag(FLAGS_feedback_share);
+  if (!(c.feedback_share >= 0 && c.feedback_share <= 1)) {  // NaN fails too
+    return cli::Invalid(FLAGS_feedback_share,
+                        "0 (no feedback buffer) or the share of each row's groups fed, in (0, 1]");
+  }
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_batch, 1, 4096, &c.batch));
   c.context = absl::GetFlag(FLAGS_context);
   absl::Duration d;

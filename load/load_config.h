@@ -43,6 +43,10 @@ struct LoadConfig {
   ModelLayout model;  // the preset, then the custom shape flags (coarse_blocks included)
   // SelectOptions.coarse_candidates at Attach, with a coarse level; 0: epsd's default.
   float coarse_candidates = 0;
+  // Selection feedback (docs/api.md): 0, no feedback buffer; in (0, 1], each session
+  // shares one and eps-load writes this share of every stepped row's groups before each
+  // step, as an engine's attention would (load_run.h).
+  double feedback_share = 0;
   int batch = 8;
   ContextDistribution context;
   std::chrono::microseconds duration{std::chrono::seconds(10)};

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <ctime>
@@ -164,7 +165,60 @@ struct Session {
   LatencySamples prepass_us, overhead_us;
   int64_t pages_visited = 0, pages_total = 0;
   std::vector<std::pair<uint64_t, double>> step_done_us;  // --ranks: (step, reply time since t0)
+  // --feedback-share: the workload's feedback image (borrowed from RunLoad's) and the
+  // counts of load_run.h's file comment.
+  std::span<const float> feedback_image;
+  LatencySamples feedback_write_us;
+  int64_t feedback_probes = 0, feedback_written = 0, feedback_consumed = 0;
 };
+
+// The entry a step reads back to see its feedback written, then consumed: row k mod
+// batch, the last layer and q head, the first fed group within that row's context.
+struct FeedbackProbe {
+  bool armed = false;  // a fed group lies within the context, and the write succeeded
+  int layer = 0, q_head = 0;
+  int64_t row = 0, group = 0;
+  bool written = false;  // finite before the call
+};
+
+// Writes one step's feedback (--feedback-share) and arms its probe; errors are logged.
+FeedbackProbe WriteStepFeedback(const ModelLayout& model, int index, uint64_t k,
+                                std::span<const v1::BatchRow> rows, Session& s, RunLog& log,
+                                double* write_us) {
+  std::vector<FeedbackRows> fed(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    fed[i] = {.row = rows[i].table_row(), .groups = GroupsFor(rows[i].context_tokens(), model)};
+  }
+  const Clock::time_point begin = Clock::now();
+  if (absl::Status st = s.buffers->WriteFeedback(fed); !st.ok()) {
+    log.Error(index, "WriteFeedback", st);
+    return {};
+  }
+  *write_us = Micros(Clock::now() - begin);
+  FeedbackProbe probe{.layer = model.num_layers - 1, .q_head = model.num_q_heads - 1};
+  const FeedbackRows& r = fed[k % fed.size()];
+  probe.row = r.row;
+  const int64_t max_groups = s.buffers->max_groups();
+  // The image is [layers, max_seqs, q_heads, max_groups], and max_seqs is the batch.
+  const float* image =
+      s.feedback_image.data() +
+      ((static_cast<int64_t>(probe.layer) * rows.size() + r.row) * model.num_q_heads +
+       probe.q_head) *
+          max_groups;
+  for (probe.group = 0; probe.group < r.groups; ++probe.group) {
+    if (std::isfinite(image[probe.group])) break;
+  }
+  if (probe.group == r.groups) return {};  // no fed group within this context
+  absl::StatusOr<float> before =
+      s.buffers->ReadFeedback(probe.layer, probe.row, probe.q_head, probe.group);
+  if (!before.ok()) {
+    log.Error(index, "ReadFeedback", before.status());
+    return {};
+  }
+  probe.armed = true;
+  probe.written = std::isfinite(*before);
+  return probe;
+}
 
 // The per-session loop; see the file comment of load_run.h for the schedule.
 void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Clock::time_point t0,
@@ -212,7 +266,16 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     return status.ok();
   };
   uint64_t step = 0;
+  const bool feedback = config.feedback_share > 0;
   for (uint64_t k = 0;; ++k) {
+    for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
+    // The previous step's attention leaves its feedback before this step is released
+    // or timed (load_run.h).
+    FeedbackProbe probe;
+    double feedback_write_us = 0;
+    if (feedback) {
+      probe = WriteStepFeedback(config.model, index, k, rows, s, log, &feedback_write_us);
+    }
     if (lockstep != nullptr) {  // every rank stops together, or the barrier would wait forever
       lockstep->barrier.arrive_and_wait();
       if (!lockstep->go) break;
@@ -228,7 +291,6 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
       }
       break;
     }
-    for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
     client::StepResult result;
     // Async: the engine's side of the fence stays outside the measured call.
     if (config.reply_async) {
@@ -260,6 +322,18 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
       s.overhead_us.Record(result.round_trip_us -
                            (config.reply_async || stats == nullptr ? 0.0 : stats->prepass_us()));
       if (lockstep != nullptr) s.step_done_us.emplace_back(step, Micros(Clock::now() - t0));
+      if (feedback) s.feedback_write_us.Record(feedback_write_us);
+      if (probe.armed) {
+        absl::StatusOr<float> after =
+            s.buffers->ReadFeedback(probe.layer, probe.row, probe.q_head, probe.group);
+        if (after.ok()) {
+          ++s.feedback_probes;
+          s.feedback_written += probe.written;
+          s.feedback_consumed += std::isnan(*after);
+        } else {
+          log.Error(index, "ReadFeedback", after.status());
+        }
+      }
     }
     const Clock::duration gap = next_gap();
     if (config.ping_every > 0 && k % config.ping_every == 0) {
@@ -295,8 +369,8 @@ void CallResults::Merge(const CallResults& other) {
 absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bool>* stop) {
   RunResult r;
   const auto prefill_start = Clock::now();
-  const WorkloadImage image =
-      BuildWorkload(config.model, config.batch, config.context.max(), config.seed);
+  const WorkloadImage image = BuildWorkload(config.model, config.batch, config.context.max(),
+                                            config.seed, config.feedback_share);
   r.summary_bytes_per_session = static_cast<int64_t>(image.summary_pool.size() * sizeof(float));
 
   std::vector<Session> sessions(config.sessions);
@@ -310,6 +384,10 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     if (!buffers.ok()) return buffers.status();
     s.buffers = std::move(*buffers);
     if (absl::Status st = image.WriteTo(*s.buffers); !st.ok()) return st;
+    if (config.feedback_share > 0) {
+      if (absl::Status st = s.buffers->SetFeedbackPattern(image.feedback); !st.ok()) return st;
+      s.feedback_image = image.feedback;
+    }
     client::ClientOptions options;
     options.target = config.target;
     options.deadline = config.deadline;
@@ -422,6 +500,10 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     r.overhead_us.Merge(s.overhead_us);
     r.pages_visited += s.pages_visited;
     r.pages_total += s.pages_total;
+    r.feedback_write_us.Merge(s.feedback_write_us);
+    r.feedback_probes += s.feedback_probes;
+    r.feedback_written += s.feedback_written;
+    r.feedback_consumed += s.feedback_consumed;
     const client::ClientCounters c = s.client->counters();
     r.fallbacks.steps += c.steps;
     r.fallbacks.selected += c.selected;

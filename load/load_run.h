@@ -18,6 +18,16 @@
 // rank's latency and, per step, the spread between the first and the last rank's reply:
 // what an engine step, which needs every rank's lists, waits for beyond the fastest rank.
 //
+// Selection feedback (--feedback-share=F): each session shares a feedback buffer, and
+// before every step (before a rank arrives at the barrier, before a closed loop takes
+// the step's time, ahead of an open loop's schedule) it writes the workload's feedback
+// image for the step's rows within their contexts, as an engine's attention would have
+// after the previous step; so the write is outside the measured call, while epsd's
+// reading and consuming of the buffer is inside it. One entry per step (row k mod batch,
+// last layer and q head, the first fed group within the context) is read back before and
+// after the call: `feedback_written` counts the measured steps where the write had landed,
+// `feedback_consumed` those where epsd had set the entry back to NaN.
+//
 // Transport: SelectPages goes through client::EpsClient (the engine's real
 // path: callback-API unary or the bidirectional stream, deadline, fail-open
 // bookkeeping); its deadline defaults to 10 s so that the latency tail is
@@ -106,6 +116,9 @@ struct RunResult {
   int64_t summary_bytes_per_session = 0;
   std::string load_start, load_end;  // /proc/loadavg at start and end
   std::optional<FloorResult> floor;  // the RPC floor, measured before the run (--floor-calls)
+  // --feedback-share (file comment): each measured step's write time, and its probe.
+  LatencySamples feedback_write_us;
+  int64_t feedback_probes = 0, feedback_written = 0, feedback_consumed = 0;
   static constexpr size_t kMaxErrorLog = 1000;
 };
 

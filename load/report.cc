@@ -199,6 +199,17 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
         out, "coarse level: %d blocks per coarse group, coarse_candidates %s\n", m.coarse_blocks,
         config.coarse_candidates > 0 ? absl::StrCat(config.coarse_candidates).c_str() : "epsd's");
   }
+  if (config.feedback_share > 0) {
+    const LatencySummary write = r.feedback_write_us.Summarize();
+    std::fprintf(out,
+                 "selection feedback: share %g of each row's groups written before every step "
+                 "(not timed: p50 %.1f us p99 %.1f us); probes %lld, written %lld, consumed by "
+                 "epsd %lld\n",
+                 config.feedback_share, write.p50_us, write.p99_us,
+                 static_cast<long long>(r.feedback_probes),
+                 static_cast<long long>(r.feedback_written),
+                 static_cast<long long>(r.feedback_consumed));
+  }
   if (r.stopped_early) std::fprintf(out, "(stopped early by a signal)\n");
   std::fprintf(out, "%-12s %9s %7s %9s %10s %10s %10s %10s %10s %10s\n", "call", "count", "errors",
                "rps", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us", "mean us");
@@ -321,6 +332,12 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
       {"prepass_max_us", Num(prepass.max_us)},   {"overhead_p50_us", Num(overhead.p50_us)},
       {"overhead_p90_us", Num(overhead.p90_us)}, {"overhead_p99_us", Num(overhead.p99_us)},
       {"pages_visited", r.pages_visited},        {"pages_total", r.pages_total}};
+  if (config.feedback_share > 0) {
+    const LatencySummary write = r.feedback_write_us.Summarize();
+    report["feedback"] = {{"share", config.feedback_share},    {"write_p50_us", Num(write.p50_us)},
+                          {"write_p99_us", Num(write.p99_us)}, {"probes", r.feedback_probes},
+                          {"written", r.feedback_written},     {"consumed", r.feedback_consumed}};
+  }
   if (config.ranks > 0) {
     report["ranks"] = RanksJson(r);
     report["rank_spread"] = SpreadJson(r);
@@ -342,6 +359,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                       {"group_blocks", m.group_blocks},
                       {"coarse_blocks", m.coarse_blocks},
                       {"coarse_candidates", config.coarse_candidates},
+                      {"feedback_share", config.feedback_share},
                       {"sketch_dim", m.sketch_dim},
                       {"batch", config.batch},
                       {"context", config.context.ToString()},

@@ -90,6 +90,7 @@ def test_a_short_run_reports_both_calls_without_errors(
     assert report["ratio"]["p50"] > 0
     assert report["config"]["preset"] == "smollm2-135m"
     assert report["config"]["sessions"] == 2
+    assert report["config"]["feedback_share"] == 0 and "feedback" not in report
     assert report["server"]["pages_total"] > 0
     assert report["epsd"]["pid"] == pid, report["epsd"]
     assert report["epsd"]["samples"][0]["rss_kb"] > 0
@@ -127,6 +128,46 @@ def test_bad_coarse_flags_exit_2_and_name_the_flag() -> None:
         result = _run(["--preset=smollm2-135m", *args], timeout=10)
         assert result.returncode == 2, result.stdout + result.stderr
         assert flag in result.stderr, result.stderr
+
+
+def test_a_feedback_run_writes_entries_that_epsd_consumes(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    result = _run(
+        [
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=2",
+            "--context=uniform:2k-8k",
+            "--duration=500ms",
+            "--warmup=100ms",
+            "--floor-calls=0",
+            "--feedback-share=0.25",
+            f"--json={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "selection feedback: share 0.25" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["feedback_share"] == 0.25
+    assert report["select"]["count"] > 0 and report["select"]["errors"] == 0
+    # Each measured step read one fed entry back: finite before the call (eps-load's write
+    # reached the shared buffer), NaN after it (epsd got the buffer and consumed the entry).
+    feedback = report["feedback"]
+    assert feedback["probes"] > 0, feedback
+    assert feedback["written"] == feedback["probes"], feedback
+    assert feedback["consumed"] == feedback["probes"], feedback
+    assert feedback["write_p50_us"] > 0
+
+
+def test_a_bad_feedback_share_exits_2_and_says_what_it_wants() -> None:
+    for value in ("1.5", "-0.25", "nan"):
+        result = _run(["--preset=smollm2-135m", f"--feedback-share={value}"], timeout=10)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"--feedback-share={value}" in result.stderr, result.stderr
+        assert "(0, 1]" in result.stderr, result.stderr
 
 
 def test_the_rpc_floor_runs_in_process_on_request(epsd: tuple[str, int], tmp_path: Path) -> None:

@@ -40,6 +40,19 @@ TEST(ParseFlags, CoarseFlagsSetTheLayoutsLevelAndTheAttachOption) {
   EXPECT_NE(alone.status().message().find("--coarse-candidates=2"), std::string::npos);
 }
 
+TEST(ParseFlags, FeedbackShareIsOffByDefaultAndRefusedOutsideZeroToOne) {
+  EXPECT_EQ(ParseFlags({}).value().feedback_share, 0.0);
+  EXPECT_EQ(ParseFlags({"--feedback-share=0.25"}).value().feedback_share, 0.25);
+  EXPECT_EQ(ParseFlags({"--feedback-share=1"}).value().feedback_share, 1.0);
+  for (const char* bad : {"1.5", "-0.1", "nan", "inf"}) {
+    const auto c = ParseFlags({std::string("--feedback-share=") + bad});
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_NE(c.status().message().find(std::string("--feedback-share=") + bad), std::string::npos)
+        << c.status();
+    EXPECT_NE(c.status().message().find("(0, 1]"), std::string::npos) << c.status();
+  }
+}
+
 TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
   const LoadConfig c =
       *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16", "--group-blocks=4"});
