@@ -172,19 +172,21 @@ struct Session {
   int64_t feedback_probes = 0, feedback_written = 0, feedback_consumed = 0;
 };
 
-// The entry a step reads back to see its feedback written, then consumed: row k mod
-// batch, the last layer and q head, the first fed group within that row's context.
-struct FeedbackProbe {
-  bool armed = false;  // a fed group lies within the context, and the write succeeded
+// One step's feedback write, and the entry the step reads back to see it written, then
+// consumed: row k mod batch, the last layer and q head, the first fed group within that
+// row's context.
+struct StepFeedback {
+  bool wrote = false;
+  double write_us = 0;
+  bool armed = false;  // the write succeeded and a fed group lies within the context
   int layer = 0, q_head = 0;
   int64_t row = 0, group = 0;
   bool written = false;  // finite before the call
 };
 
 // Writes one step's feedback (--feedback-share) and arms its probe; errors are logged.
-FeedbackProbe WriteStepFeedback(const ModelLayout& model, int index, uint64_t k,
-                                std::span<const v1::BatchRow> rows, Session& s, RunLog& log,
-                                double* write_us) {
+StepFeedback WriteStepFeedback(const ModelLayout& model, int index, uint64_t k,
+                               std::span<const v1::BatchRow> rows, Session& s, RunLog& log) {
   std::vector<FeedbackRows> fed(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) {
     fed[i] = {.row = rows[i].table_row(), .groups = GroupsFor(rows[i].context_tokens(), model)};
@@ -194,8 +196,10 @@ FeedbackProbe WriteStepFeedback(const ModelLayout& model, int index, uint64_t k,
     log.Error(index, "WriteFeedback", st);
     return {};
   }
-  *write_us = Micros(Clock::now() - begin);
-  FeedbackProbe probe{.layer = model.num_layers - 1, .q_head = model.num_q_heads - 1};
+  StepFeedback probe{.wrote = true,
+                     .write_us = Micros(Clock::now() - begin),
+                     .layer = model.num_layers - 1,
+                     .q_head = model.num_q_heads - 1};
   const FeedbackRows& r = fed[k % fed.size()];
   probe.row = r.row;
   const int64_t max_groups = s.buffers->max_groups();
@@ -208,12 +212,12 @@ FeedbackProbe WriteStepFeedback(const ModelLayout& model, int index, uint64_t k,
   for (probe.group = 0; probe.group < r.groups; ++probe.group) {
     if (std::isfinite(image[probe.group])) break;
   }
-  if (probe.group == r.groups) return {};  // no fed group within this context
+  if (probe.group == r.groups) return probe;  // no fed group within this context
   absl::StatusOr<float> before =
       s.buffers->ReadFeedback(probe.layer, probe.row, probe.q_head, probe.group);
   if (!before.ok()) {
     log.Error(index, "ReadFeedback", before.status());
-    return {};
+    return probe;
   }
   probe.armed = true;
   probe.written = std::isfinite(*before);
@@ -271,11 +275,8 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     for (auto& row : rows) row.set_context_tokens(config.context.Draw(rng));
     // The previous step's attention leaves its feedback before this step is released
     // or timed (load_run.h).
-    FeedbackProbe probe;
-    double feedback_write_us = 0;
-    if (feedback) {
-      probe = WriteStepFeedback(config.model, index, k, rows, s, log, &feedback_write_us);
-    }
+    StepFeedback step_feedback;
+    if (feedback) step_feedback = WriteStepFeedback(config.model, index, k, rows, s, log);
     if (lockstep != nullptr) {  // every rank stops together, or the barrier would wait forever
       lockstep->barrier.arrive_and_wait();
       if (!lockstep->go) break;
@@ -322,8 +323,8 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
       s.overhead_us.Record(result.round_trip_us -
                            (config.reply_async || stats == nullptr ? 0.0 : stats->prepass_us()));
       if (lockstep != nullptr) s.step_done_us.emplace_back(step, Micros(Clock::now() - t0));
-      if (feedback) s.feedback_write_us.Record(feedback_write_us);
-      if (probe.armed) {
+      if (step_feedback.wrote) s.feedback_write_us.Record(step_feedback.write_us);
+      if (const StepFeedback& probe = step_feedback; probe.armed) {
         absl::StatusOr<float> after =
             s.buffers->ReadFeedback(probe.layer, probe.row, probe.q_head, probe.group);
         if (after.ok()) {
