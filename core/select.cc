@@ -31,6 +31,31 @@ const char* GranularityName(Granularity granularity) {
 
 const char* MassScopeName(MassScope scope) { return scope == MassScope::kHead ? "head" : "list"; }
 
+namespace {
+
+// One mass-budget setting's ranges; `prefix` names where it sits ("" for the policy's own).
+absl::Status ValidateMass(const MassSetting& m, const std::string& prefix) {
+  if (!(m.target > 0.0f && m.target <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, prefix.empty() ? "mass_" : "", "target=", m.target, " not in (0, 1]"));
+  }
+  if (!(m.temperature > 0.0f && m.temperature <= 1000.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, prefix.empty() ? "mass_" : "", "temperature=", m.temperature, " not in (0, 1000]"));
+  }
+  if (m.min_pages < 0 || m.max_pages < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", m.min_pages, ", ", prefix,
+                                                   "max_pages=", m.max_pages, " must be >= 0"));
+  }
+  if (m.max_pages > 0 && m.min_pages > m.max_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", m.min_pages, " exceeds ",
+                                                   prefix, "max_pages=", m.max_pages));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (!(alpha >= 1.0f) || !std::isfinite(alpha)) {
     return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " must be finite and >= 1"));
@@ -70,21 +95,21 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
     return absl::InvalidArgumentError(absl::StrCat("top_p=", top_p, " not in (0, 1]"));
   }
   if (budget == Budget::kMass) {
-    if (!(mass_target > 0.0f && mass_target <= 1.0f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mass_target=", mass_target, " not in (0, 1]"));
+    if (absl::Status s = ValidateMass({mass_target, mass_temperature, min_pages, max_pages}, "");
+        !s.ok()) {
+      return s;
     }
-    if (!(mass_temperature > 0.0f && mass_temperature <= 1000.0f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mass_temperature=", mass_temperature, " not in (0, 1000]"));
+    if (!mass_layers.empty() && mass_layers.size() != static_cast<size_t>(model.num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("mass_layers has ", mass_layers.size(),
+                                                     " settings, want one per layer (",
+                                                     model.num_layers, ") or none"));
     }
-    if (min_pages < 0 || max_pages < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("min_pages=", min_pages, ", max_pages=", max_pages, " must be >= 0"));
-    }
-    if (max_pages > 0 && min_pages > max_pages) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("min_pages=", min_pages, " exceeds max_pages=", max_pages));
+    for (size_t layer = 0; layer < mass_layers.size(); ++layer) {
+      if (absl::Status s =
+              ValidateMass(mass_layers[layer], absl::StrCat("mass_layers[", layer, "]."));
+          !s.ok()) {
+        return s;
+      }
     }
   }
   if (heads == HeadMode::kRetrieval) {
@@ -112,7 +137,8 @@ std::string SelectPolicy::DebugString() const {
       " budget=", BudgetName(budget), " top_p=", top_p, " mass_target=", mass_target,
       " mass_temperature=", mass_temperature, " min_pages=", min_pages, " max_pages=", max_pages,
       " mass_scope=", MassScopeName(mass_scope), " granularity=", GranularityName(granularity),
-      " coarse_candidates=", coarse_candidates);
+      " coarse_candidates=", coarse_candidates,
+      mass_layers.empty() ? "" : absl::StrCat(" mass_layers=", mass_layers.size()));
 }
 
 int SelectPolicy::CoarseCandidates(const ModelLayout& model) const {

@@ -31,6 +31,16 @@ enum class Budget { kThreshold, kFixed, kTopP, kMass };
 // share of its heads' mean estimated mass (MarkByMassList): a group one head needs
 // counts for all of them, so a union list keeps fewer groups for the same estimate.
 enum class MassScope { kHead, kList };
+
+// One layer's mass-budget setting (SelectPolicy::mass_layers): the fields of the same
+// names in SelectPolicy, for that layer alone.
+struct MassSetting {
+  float target = 0.95f;
+  float temperature = 1.0f;
+  int min_pages = 0;
+  int max_pages = 0;
+  bool operator==(const MassSetting&) const = default;
+};
 // kUnion: one visit list per (sequence, layer), the union over heads.
 // kPerKvHead: one visit list per (sequence, layer, KV head).
 enum class Granularity { kUnion, kPerKvHead };
@@ -60,6 +70,10 @@ struct SelectPolicy {
   int min_pages = 0;              // floor: unforced groups always added per head (list), ≥ 0
   int max_pages = 0;              // ceiling: unforced groups per head (list) at most; 0 = none
   MassScope mass_scope = MassScope::kHead;
+  // With kMass: empty, every layer takes the four settings above; else one setting per
+  // layer (num_layers of them), which replace them: settings calibrated per layer
+  // (docs/eval/README.md, "The adaptive budget with selection feedback").
+  std::vector<MassSetting> mass_layers;
   Granularity granularity = Granularity::kUnion;
   // With a coarse level (ModelLayout.coarse_blocks; docs/policy.md, "Coarse-to-fine"):
   // each scored head names its ceil(coarse_candidates · top_pages / r) best unforced
@@ -74,6 +88,12 @@ struct SelectPolicy {
   // bracket: strict reads every fine record, as without a coarse level).
   bool UsesCoarseLevel(const ModelLayout& model) const {
     return model.has_coarse_level() && method != Method::kOff && !strict;
+  }
+  // The mass-budget setting of `layer`: mass_layers[layer], or the policy's own fields
+  // when mass_layers is empty.
+  MassSetting MassFor(int layer) const {
+    return mass_layers.empty() ? MassSetting{mass_target, mass_temperature, min_pages, max_pages}
+                               : mass_layers[static_cast<size_t>(layer)];
   }
   // The coarse groups each scored head names beyond the forced ones (see coarse_candidates).
   int CoarseCandidates(const ModelLayout& model) const;

@@ -302,8 +302,9 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
               break;
             case Budget::kMass:
               if (policy.mass_scope == MassScope::kHead) {
-                MarkByMass(scores, forced, policy.mass_target, policy.mass_temperature, d,
-                           policy.min_pages, policy.max_pages, target);
+                const MassSetting mass = policy.MassFor(layer);
+                MarkByMass(scores, forced, mass.target, mass.temperature, d, mass.min_pages,
+                           mass.max_pages, target);
                 break;
               }
               [[fallthrough]];  // list scope: marked per list below, as the fixed budget
@@ -325,8 +326,9 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
           if (policy.budget == Budget::kFixed) {
             MarkFixedBudget(listed[list], forced, policy.top_pages, visit[list]);
           } else if (policy.budget == Budget::kMass) {
-            MarkByMassList(listed[list], forced, policy.mass_target, policy.mass_temperature, d,
-                           policy.min_pages, policy.max_pages, visit[list]);
+            const MassSetting mass = policy.MassFor(layer);
+            MarkByMassList(listed[list], forced, mass.target, mass.temperature, d, mass.min_pages,
+                           mass.max_pages, visit[list]);
           }
         }
       }

@@ -258,6 +258,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     return absl::InvalidArgumentError(
         absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }
+  if (policy.budget == Budget::kMass && !policy.mass_layers.empty()) {
+    return absl::UnimplementedError(
+        "mass_layers (a mass-budget setting per layer) is not implemented in the GPU pre-pass; "
+        "use the cpu backend or one setting for every layer");
+  }
   const bool coarse = policy.UsesCoarseLevel(m);  // not strict, a method that scores
   const bool feedback = in.feedback != nullptr && !policy.strict;  // strict ignores it
   RETURN_IF_ERROR(CheckCoarseInputs(m, policy, in));

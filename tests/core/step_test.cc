@@ -283,6 +283,51 @@ TEST_F(StepTest, MassBudgetVisitsTheDominantNeedleAndSkipsTheRest) {
   EXPECT_LT(std::accumulate(visit.begin(), visit.end(), 0), static_cast<int>(visit.size()));
 }
 
+// Per-layer mass settings: each layer's lists equal those of a step whose policy holds
+// that layer's setting for every layer, per head and over the list; validation names
+// the layer and the field.
+TEST_F(StepTest, MassLayersSelectEachLayerWithItsOwnSetting) {
+  Build(Model(), 64 * 40, {3, 12, 30});
+  const std::vector<MassSetting> settings = {{0.5f, 1.0f, 0, 0}, {0.99f, 2.0f, 3, 20}};
+  for (MassScope scope : {MassScope::kHead, MassScope::kList}) {
+    SelectPolicy per_layer;
+    per_layer.budget = Budget::kMass;
+    per_layer.mass_scope = scope;
+    per_layer.mass_layers = settings;
+    ASSERT_TRUE(Run(per_layer).ok());
+    const std::vector<std::vector<uint8_t>> got = {Visited(0), Visited(1)};
+    for (int layer = 0; layer < 2; ++layer) {
+      SelectPolicy one = per_layer;
+      one.mass_layers.clear();
+      one.mass_target = settings[layer].target;
+      one.mass_temperature = settings[layer].temperature;
+      one.min_pages = settings[layer].min_pages;
+      one.max_pages = settings[layer].max_pages;
+      ASSERT_TRUE(Run(one).ok());
+      EXPECT_EQ(got[layer], Visited(layer))
+          << "layer " << layer << " scope " << MassScopeName(scope) << " seed " << seed_;
+    }
+    // The two settings select differently here, so the test sees which one a layer took.
+    SelectPolicy swapped = per_layer;
+    std::swap(swapped.mass_layers[0], swapped.mass_layers[1]);
+    ASSERT_TRUE(Run(swapped).ok());
+    EXPECT_NE(got[0], Visited(0)) << "seed " << seed_;
+  }
+  SelectPolicy bad;
+  bad.budget = Budget::kMass;
+  bad.mass_layers = {settings[0]};
+  EXPECT_NE(
+      std::string(Run(bad).message()).find("mass_layers has 1 settings, want one per layer (2)"),
+      std::string::npos);
+  bad.mass_layers = {settings[0], {0.9f, 1.0f, 5, 2}};
+  EXPECT_NE(std::string(Run(bad).message())
+                .find("mass_layers[1].min_pages=5 exceeds mass_layers[1].max_pages=2"),
+            std::string::npos);
+  bad.mass_layers = {{1.5f, 1.0f, 0, 0}, settings[1]};
+  EXPECT_NE(std::string(Run(bad).message()).find("mass_layers[0].target=1.5 not in (0, 1]"),
+            std::string::npos);
+}
+
 TEST_F(StepTest, HalfQueriesSelectLikeTheirWidenedFloats) {
   Build(Model(), 64 * 30, {4, 20});
   std::vector<float> widened;
