@@ -14,7 +14,9 @@ linearly between the two swept points around 0.95). With --split-steps=0,2,4 the
 calibration and test pairs come from the same files, split by step. --budget picks the
 adaptive budget's rows (mass: core's per-head MarkByMass; massunion: the list-level
 budget of quality.py); --scope=all calibrates one setting for every layer, --radius=N
-pools each layer's calibration pairs with those of N layers on each side; --setting=p,τ,floor
+pools each layer's calibration pairs with those of N layers on each side; --emit=FILE writes
+the per-layer settings chosen on the calibration pairs as JSON (epsd's
+SelectOptions.mass_layers, per (method, g)); --setting=p,τ,floor
 takes that setting without calibrating (e.g. --setting=0.95,1.0,0.0 --lag=0 with the exact
 mass of the current query: the best an adaptive budget can do); --lag picks the rows' lag.
 """
@@ -25,7 +27,9 @@ import argparse
 import csv
 import glob
 import itertools
+import json
 from collections import defaultdict
+from pathlib import Path
 
 TARGET = 0.95
 Pair = tuple[int, int, int]  # (layer, context, step)
@@ -138,6 +142,28 @@ def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], ma
     return out
 
 
+def settings(calib_rows: list[dict[str, str]], margin: float, floors: set[str] | None,
+             budget: str = "mass", lag: str = "1", radius: int = 0) -> dict[str, object]:
+    """The per-layer settings calibrated on `calib_rows`, for an engine to send as
+    SelectOptions.mass_layers (epsd's per-layer mass budget): per (method, g), per layer,
+    mass_target, mass_temperature and floor (a share of the layer's unforced groups: the
+    engine turns it into min_pages = round(floor · unforced groups) at each step)."""
+    out: dict[str, object] = {"budget": budget, "margin": margin, "lag": lag,
+                              "mass_scope": "list" if budget == "massunion" else "head"}
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for method, g in sorted({(r["method"], r["g"]) for r in calib_rows
+                             if r["budget"] == budget and r["lag"] == lag}):
+        mass, _ = tables(calib_rows, method, g, budget, lag)
+        pairs = sorted({p for pts in mass.values() for p in pts})
+        chosen = calibrate(mass, pairs, margin, floors, True, radius)
+        found[f"{method} g={g}"] = {
+            str(layer): {"mass_target": float(p), "mass_temperature": float(tau),
+                         "floor": float(floor)}
+            for layer, (p, tau, floor) in sorted(chosen.items())}
+    out["settings"] = found
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calibrate", required=True, help="comma-separated globs of unit CSVs")
@@ -151,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --scope=layer: pool each layer's pairs with N layers each side")
     ap.add_argument("--lag", default="1")
     ap.add_argument("--setting", default="", help="p,τ,floor as in the CSVs: no calibration")
+    ap.add_argument("--emit", default="",
+                    help="also write the per-layer settings calibrated on the calibration "
+                         "pairs as JSON here (SelectOptions.mass_layers for an engine)")
     a = ap.parse_args(argv)
     floors = set(a.floors.split(",")) if a.floors else None
     if a.test:
@@ -167,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--radius must be >= 0")
     print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer", a.lag,
                             setting, a.radius)))
+    if a.emit:
+        Path(a.emit).write_text(json.dumps(
+            settings(calib, a.margin, floors, a.budget, a.lag, a.radius), indent=1) + "\n")
     return 0
 
 

@@ -5,6 +5,9 @@ The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
 
 from __future__ import annotations
 
+import csv
+import json
+
 import numpy as np
 import pytest
 from eps_eval import layer_calibration as lc
@@ -97,3 +100,27 @@ def test_a_given_setting_is_reported_without_calibration() -> None:
                       setting=("0.95", "1.0", "0.0"))
     assert lines[-1].split("|")[3:6] == [" 2 of 2 ", " 0.400 ", " 0.960 "]
     assert lc.report(rows, rows, 0.99, None, "massunion", lag="1")[-1].startswith("| ---")
+
+
+def test_emitted_settings_are_the_per_layer_choice(tmp_path) -> None:
+    rows = []
+    for step in range(2):
+        rows.append(_row(0, step, "mass", 0.9, 0.97, 0.6))
+        rows.append(_row(0, step, "mass", 0.99, 0.99, 0.3, tau=2.0, floor=0.05))
+        rows.append(_row(1, step, "mass", 0.9, 0.90, 0.6))
+        rows.append(_row(1, step, "mass", 0.99, 0.99, 0.3, tau=2.0, floor=0.05))
+    out = lc.settings(rows, 0.95, None)
+    assert out["mass_scope"] == "head"
+    assert out["settings"] == {"questclt g=2": {
+        "0": {"mass_target": 0.9, "mass_temperature": 1.0, "floor": 0.0},
+        "1": {"mass_target": 0.99, "mass_temperature": 2.0, "floor": 0.05}}}
+    # The command line writes the same, calibrated on the --split-steps pairs.
+    csv_path = tmp_path / "q19_real_8192_L0.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path = tmp_path / "settings.json"
+    assert lc.main(["--calibrate", str(csv_path), "--split-steps", "0", "--margin", "0.95",
+                    "--emit", str(json_path)]) == 0
+    assert json.loads(json_path.read_text())["settings"] == out["settings"]
