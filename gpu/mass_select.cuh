@@ -69,7 +69,7 @@ __device__ inline void WarpHeadMass(const float* sc, int n, double inv_scale, in
 // `counts` is [256] and `masses` [256], the warp's own.
 template <class Unforced, class Key, class Mass>
 __device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, double covered,
-                             double goal, const SelectRule& rule, unsigned* counts, double* masses,
+                             double goal, const MassRule& budget, unsigned* counts, double* masses,
                              int lane, unsigned* cut_key, int* cut_tie) {
   unsigned local_unforced = 0;
   for (int p = lane; p < n; p += 32) local_unforced += unforced(p);
@@ -142,8 +142,9 @@ __device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, doubl
   }
 
   // The floor and the ceiling, as counts in the same order.
-  const unsigned ceiling = rule.max_pages > 0 ? min(u, static_cast<unsigned>(rule.max_pages)) : u;
-  const unsigned k = min(ceiling, max(static_cast<unsigned>(rule.min_pages), k0));
+  const unsigned ceiling =
+      budget.max_pages > 0 ? min(u, static_cast<unsigned>(budget.max_pages)) : u;
+  const unsigned k = min(ceiling, max(static_cast<unsigned>(budget.min_pages), k0));
   if (k == 0) {
     *cut_key = kMassNoneKey;
     *cut_tie = kMassNoneTie;
@@ -174,12 +175,13 @@ __device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, doubl
   *cut_tie = kth_tie;
 }
 
-// core MarkByMass for one head: w_p as in WarpHeadMass, goal = target·W, the
-// order of MassKey. Returns the head's largest score (for MassKey) and the cut.
-__device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
-                                   double* masses, int lane, float* top_out, unsigned* cut_key,
-                                   int* cut_tie) {
-  const double inv_scale = rule.mass_inv_scale;
+// core MarkByMass for one head under its layer's budget `mass`: w_p as in
+// WarpHeadMass, goal = target·W, the order of MassKey. Returns the head's largest
+// score (for MassKey) and the cut.
+__device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rule,
+                                   const MassRule& budget, unsigned* counts, double* masses,
+                                   int lane, float* top_out, unsigned* cut_key, int* cut_tie) {
+  const double inv_scale = budget.inv_scale;
   float top;
   double total;
   WarpHeadMass(sc, n, inv_scale, lane, &top, &total);
@@ -194,7 +196,7 @@ __device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rul
     if (!unforced(p)) covered += mass(p, key(p));
   }
   for (int o = 16; o > 0; o /= 2) covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
-  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(rule.mass_target) * total, rule,
+  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(budget.target) * total, budget,
                counts, masses, lane, cut_key, cut_tie);
 }
 
@@ -202,11 +204,11 @@ __device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rul
 // a share of 0 (all tie, as empty groups do per head).
 __device__ inline unsigned ShareKey(float share) { return share > 0.0f ? OrderedKey(share) : 0u; }
 
-// core MarkByMassList's walk for one list, from the groups' shares σ (float,
-// [n]): goal = target·Σσ, the order of ShareKey.
+// core MarkByMassList's walk for one list under its layer's budget, from the
+// groups' shares σ (float, [n]): goal = target·Σσ, the order of ShareKey.
 __device__ inline void WarpListMassCut(const float* share, int n, const SelectRule& rule,
-                                       unsigned* counts, double* masses, int lane,
-                                       unsigned* cut_key, int* cut_tie) {
+                                       const MassRule& budget, unsigned* counts, double* masses,
+                                       int lane, unsigned* cut_key, int* cut_tie) {
   auto unforced = [&](int p) { return !IsForced(p, n, rule.first_n, rule.last_n); };
   auto key = [=](int p) { return ShareKey(share[p]); };
   auto mass = [=](int p, unsigned) { return static_cast<double>(share[p]); };
@@ -219,7 +221,7 @@ __device__ inline void WarpListMassCut(const float* share, int n, const SelectRu
     total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
     covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
   }
-  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(rule.mass_target) * total, rule,
+  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(budget.target) * total, budget,
                counts, masses, lane, cut_key, cut_tie);
 }
 

@@ -92,6 +92,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
   // mass, list scope: one cut over the list's summed shares instead of one per head.
   const bool list_mass = kBudget == Budget::kMass && rule.mass_list;
+  // mass: this layer's budget (SelectPolicy::MassFor).
+  MassRule budget{};
+  if constexpr (kBudget == Budget::kMass) budget = MassRuleOf(rule, layer);
 
   // Fixed budget: each group's best rank over the list's heads (ranked groups only).
   unsigned* fixed_best = offset;
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32)
             float top = 0.0f;
             double total = 0.0;  // unscored heads add nothing
             if (head_scored(h)) {
-              WarpHeadMass(a.scores + (head_base + h) * s.max_groups, n, rule.mass_inv_scale, lane,
+              WarpHeadMass(a.scores + (head_base + h) * s.max_groups, n, budget.inv_scale, lane,
                            &top, &total);
             }
             if (lane == 0) {
@@ -220,9 +223,9 @@ __global__ void __launch_bounds__(kWarps * 32)
             for (int i = 0; i < heads_per_list; ++i) {
               if (!(head_total[i] > 0.0)) continue;
               const float value = a.scores[(head_base + first_head + i) * s.max_groups + p];
-              if (MassKey(value, head_cut[i], rule.mass_inv_scale) == 0) continue;
+              if (MassKey(value, head_cut[i], budget.inv_scale) == 0) continue;
               sum += exp((static_cast<double>(value) - static_cast<double>(head_cut[i])) *
-                         rule.mass_inv_scale) /
+                         budget.inv_scale) /
                      head_total[i];
             }
             share[p] = static_cast<float>(sum);
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(kWarps * 32)
             unsigned key = kMassNoneKey;
             int tie = kMassNoneTie;
             if (list_any_head) {
-              WarpListMassCut(share, n, rule, histograms[0], masses[0], lane, &key, &tie);
+              WarpListMassCut(share, n, rule, budget, histograms[0], masses[0], lane, &key, &tie);
             }
             if (lane == 0) {
               list_key = key;
@@ -255,7 +258,8 @@ __global__ void __launch_bounds__(kWarps * 32)
           if constexpr (kBudget == Budget::kTopP) {
             WarpTopPCut(sc, n, rule, histograms[warp], masses[warp], lane, &key, &tie);
           } else {
-            WarpMassCut(sc, n, rule, histograms[warp], masses[warp], lane, &top, &key, &tie);
+            WarpMassCut(sc, n, rule, budget, histograms[warp], masses[warp], lane, &top, &key,
+                        &tie);
           }
         }
         if (lane == 0) {
@@ -342,8 +346,7 @@ __global__ void __launch_bounds__(kWarps * 32)
           const unsigned key = OrderedKey(value);
           v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
         } else if constexpr (kBudget == Budget::kMass) {
-          v = MassTaken(MassKey(value, head_cut[i], rule.mass_inv_scale), p, head_key[i],
-                        head_tie[i]);
+          v = MassTaken(MassKey(value, head_cut[i], budget.inv_scale), p, head_key[i], head_tie[i]);
         } else {
           v = value >= head_cut[i];
         }

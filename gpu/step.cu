@@ -72,8 +72,13 @@ struct GpuSelector::Impl {
   GpuSelectorOptions options;
   CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
-  // Pinned host staging: the row list up, the step's report down.
+  // The mass budget of each layer ([layers]; SelectPolicy::mass_layers), written
+  // before every step that has them: the graphs keep the pointer, not the values.
+  DeviceBuffer<MassRule> mass_layers;
+  // Pinned host staging: the row list and the layers' mass budgets up, the step's
+  // report down.
   DeviceRow* host_rows = nullptr;
+  MassRule* host_mass_layers = nullptr;
   StepReport* host_report = nullptr;
 
   // The step queued by Enqueue and not yet finished.
@@ -97,6 +102,7 @@ struct GpuSelector::Impl {
     }
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (host_rows != nullptr) cudaFreeHost(host_rows);
+    if (host_mass_layers != nullptr) cudaFreeHost(host_mass_layers);
     if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
@@ -183,6 +189,9 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_rows, max_batch * sizeof(DeviceRow)));
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_report, sizeof(StepReport)));
+  CUDA_RETURN_IF_ERROR(
+      cudaMallocHost(&impl->host_mass_layers, model.num_layers * sizeof(MassRule)));
+  RETURN_IF_CUDA_ALLOC(impl->mass_layers, model.num_layers);
   const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
@@ -258,11 +267,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     return absl::InvalidArgumentError(
         absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }
-  if (policy.budget == Budget::kMass && !policy.mass_layers.empty()) {
-    return absl::UnimplementedError(
-        "mass_layers (a mass-budget setting per layer) is not implemented in the GPU pre-pass; "
-        "use the cpu backend or one setting for every layer");
-  }
   const bool coarse = policy.UsesCoarseLevel(m);  // not strict, a method that scores
   const bool feedback = in.feedback != nullptr && !policy.strict;  // strict ignores it
   RETURN_IF_ERROR(CheckCoarseInputs(m, policy, in));
@@ -327,10 +331,25 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   rule.top_pages = policy.top_pages;
   rule.top_p = policy.top_p;
   rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
-  rule.mass_target = policy.mass_target;
-  rule.min_pages = policy.min_pages;
-  rule.max_pages = policy.max_pages;
-  rule.mass_inv_scale = MassInvScale(policy.mass_temperature, m.head_dim);  // as core/
+  // The mass budget: one for every layer in the launch (its bytes are the graph's
+  // key), or one per layer in device memory, read by the step's own graph replay.
+  const bool per_layer_mass = policy.budget == Budget::kMass && !policy.mass_layers.empty();
+  if (per_layer_mass) {
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      const MassSetting& setting = policy.mass_layers[static_cast<size_t>(layer)];
+      MassRule& to = g.host_mass_layers[layer];
+      to.inv_scale = MassInvScale(setting.temperature, m.head_dim);  // as core/
+      to.target = setting.target;
+      to.min_pages = setting.min_pages;
+      to.max_pages = setting.max_pages;
+    }
+    rule.mass_layers = g.mass_layers.get();
+  } else if (policy.budget == Budget::kMass) {
+    rule.mass.inv_scale = MassInvScale(policy.mass_temperature, m.head_dim);  // as core/
+    rule.mass.target = policy.mass_target;
+    rule.mass.min_pages = policy.min_pages;
+    rule.mass.max_pages = policy.max_pages;
+  }
   rule.mass_list = policy.mass_scope == MassScope::kList;
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
@@ -453,6 +472,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.rows.get(), rows, batch * sizeof(DeviceRow),
                                        cudaMemcpyHostToDevice, g.stream));
+  if (per_layer_mass) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.mass_layers.get(), g.host_mass_layers,
+                                         m.num_layers * sizeof(MassRule), cudaMemcpyHostToDevice,
+                                         g.stream));
+  }
   if (retrieval) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), policy.retrieval_heads.data(),
                                          policy.retrieval_heads.size(), cudaMemcpyHostToDevice,

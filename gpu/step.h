@@ -18,7 +18,8 @@
 //                  strict: the top_pages-th lower bound; top-p: the score where
 //                  the estimated mass reaches top_p; mass: the group where the
 //                  covered share reaches mass_target, within min_pages and
-//                  max_pages), or the fixed budget's
+//                  max_pages; or the layer's own, SelectPolicy::mass_layers,
+//                  copied up before each step), or the fixed budget's
 //                  best ranks; forced groups; the union over the list's heads;
 //                  compaction into visit_blocks / visit_count; the statistics
 //

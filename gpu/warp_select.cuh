@@ -11,19 +11,32 @@
 
 namespace eps::gpu::kernels {
 
+// One layer's mass budget (core MassSetting; MarkByMass, MarkByMassList): 1/(τ·sqrt(d))
+// in double as core MassInvScale rounds it, target p, and the floor and ceiling of
+// unforced groups per head or list (max_pages 0: none).
+struct MassRule {
+  double inv_scale;
+  float target;
+  int min_pages, max_pages;
+};
+
 struct SelectRule {
   bool method_off;  // visit everything
   float alpha;
   int first_n, last_n, top_pages;
   float top_p;
   float inv_sqrt_d;  // top-p: 1/sqrt(d), rounded on the host as core/ does
-  // Mass budget (core MarkByMass): target p, floor and ceiling of unforced
-  // groups per head (max_pages 0: none), and 1/(τ·sqrt(d)) in double as core/.
-  float mass_target;
-  int min_pages, max_pages;
-  double mass_inv_scale;
+  MassRule mass;     // the mass budget of every layer, unless mass_layers
+  // Or one per layer (SelectPolicy::mass_layers), [layers] on the device: written
+  // before each step, so a replayed graph reads the step's own (the pointer is fixed).
+  const MassRule* mass_layers;
   bool mass_list;  // mass_scope = list (core MarkByMassList): one cut over the list's heads
 };
+
+// The mass budget of `layer`: its own entry when the policy gives one per layer.
+__device__ inline MassRule MassRuleOf(const SelectRule& rule, int layer) {
+  return rule.mass_layers != nullptr ? rule.mass_layers[layer] : rule.mass;
+}
 
 // Float -> unsigned key with the same order.
 __device__ inline unsigned OrderedKey(float f) {
