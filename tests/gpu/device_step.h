@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <random>
 #include <span>
 #include <vector>
@@ -138,6 +139,25 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
               cudaSuccess);
   }
   return result;
+}
+
+// A device copy of `host` (cudaMalloc'd; at least one element), and a host copy of
+// `count` device elements: the GPU tests' plain uploads and downloads.
+template <typename T>
+T* Upload(const std::vector<T>& host) {
+  T* device = nullptr;
+  EXPECT_EQ(cudaMalloc(&device, std::max<size_t>(1, host.size()) * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  return device;
+}
+
+template <typename T>
+std::vector<T> Download(const T* device, size_t count) {
+  std::vector<T> host(count);
+  EXPECT_EQ(cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  return host;
 }
 
 }  // namespace eps::testing
