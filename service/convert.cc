@@ -185,6 +185,18 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
   if (o.has_max_pages())
     p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
   if (o.has_coarse_candidates()) p.coarse_candidates = o.coarse_candidates();
+  // A repeated field has no presence: empty keeps the base's list (the session's, in a
+  // step), so a step can leave a session's per-layer settings alone; a non-empty list
+  // replaces it whole. The count and ranges are SelectPolicy::Validate's to check.
+  if (!o.mass_layers().empty()) {
+    p.mass_layers.clear();
+    p.mass_layers.reserve(static_cast<size_t>(o.mass_layers_size()));
+    for (const v1::MassSetting& m : o.mass_layers()) {
+      p.mass_layers.push_back({m.target(), m.temperature(),
+                               static_cast<int>(std::min<uint32_t>(m.min_pages(), 1u << 30)),
+                               static_cast<int>(std::min<uint32_t>(m.max_pages(), 1u << 30))});
+    }
+  }
   switch (o.mass_scope()) {
     case v1::MASS_SCOPE_UNSPECIFIED:
       break;
@@ -229,6 +241,13 @@ v1::SelectOptions ToProto(const SelectPolicy& p) {
   o.set_max_pages(p.max_pages);
   o.set_coarse_candidates(p.coarse_candidates);
   o.set_mass_scope(p.mass_scope == MassScope::kHead ? v1::MASS_SCOPE_HEAD : v1::MASS_SCOPE_LIST);
+  for (const MassSetting& m : p.mass_layers) {
+    v1::MassSetting* out = o.add_mass_layers();
+    out->set_target(m.target);
+    out->set_temperature(m.temperature);
+    out->set_min_pages(static_cast<uint32_t>(m.min_pages));
+    out->set_max_pages(static_cast<uint32_t>(m.max_pages));
+  }
   o.set_granularity(p.granularity == Granularity::kUnion ? v1::GRANULARITY_UNION
                                                          : v1::GRANULARITY_PER_KV_HEAD);
   return o;

@@ -30,7 +30,8 @@ const char* ProtoDTypeName(v1::DType dtype);
 absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& proto, int default_group_blocks,
                                             int default_sketch_dim);
 
-// Returns `base` with every field that `options` sets replaced.
+// Returns `base` with every field that `options` sets replaced. A repeated field counts as set
+// when non-empty: a non-empty mass_layers replaces base's whole list, an empty one keeps it.
 absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base,
                                           const v1::SelectOptions& options);
 v1::SelectOptions ToProto(const SelectPolicy& policy);

@@ -75,6 +75,20 @@ int main(int argc, char** argv) {
   feedback_heads.mutable_buffers()->mutable_feedback()->set_shape(2, 2);
   Write(attach_dir, "feedback_bad_shape", feedback_heads);
 
+  // A mass-budget setting per layer (one per layer: valid); then one too few.
+  v1::AttachRequest mass_layers = attach;
+  mass_layers.mutable_options()->set_budget(v1::BUDGET_MASS);
+  for (uint32_t layer = 0; layer < attach.layout().num_layers(); ++layer) {
+    v1::MassSetting* m = mass_layers.mutable_options()->add_mass_layers();
+    m->set_target(layer == 0 ? 0.5f : 0.99f);
+    m->set_temperature(1.0f);
+    m->set_max_pages(layer + 1);
+  }
+  Write(attach_dir, "mass_layers", mass_layers);
+  v1::AttachRequest mass_layers_short = mass_layers;
+  mass_layers_short.mutable_options()->mutable_mass_layers()->RemoveLast();
+  Write(attach_dir, "mass_layers_too_few", mass_layers_short);
+
   v1::SelectPagesRequest step;
   v1::BatchRow* row = step.add_rows();
   row->set_table_row(0);
@@ -98,6 +112,18 @@ int main(int argc, char** argv) {
   options_step.mutable_options()->set_budget(v1::BUDGET_TOP_P);
   options_step.mutable_options()->set_top_p(0.5f);
   Write(select_dir, "options", options_step);
+  v1::SelectPagesRequest mass_step = step;
+  mass_step.mutable_options()->set_budget(v1::BUDGET_MASS);
+  for (uint32_t layer = 0; layer < attach.layout().num_layers(); ++layer) {
+    v1::MassSetting* m = mass_step.mutable_options()->add_mass_layers();
+    m->set_target(0.8f);
+    m->set_temperature(layer == 0 ? 0.5f : 2.0f);
+    m->set_min_pages(1);
+  }
+  Write(select_dir, "mass_layers", mass_step);
+  mass_step.mutable_options()->mutable_mass_layers(0)->set_min_pages(9);
+  mass_step.mutable_options()->mutable_mass_layers(0)->set_max_pages(2);
+  Write(select_dir, "mass_layers_min_above_max", mass_step);
   v1::SelectPagesRequest extreme = step;
   extreme.mutable_rows(0)->set_context_tokens(std::numeric_limits<int64_t>::max());
   extreme.mutable_rows(1)->set_table_row(-1);

@@ -212,6 +212,79 @@ TEST(ConvertTest, CoarseCandidatesRoundTripAndUnsetKeepsTheBase) {
   EXPECT_EQ(MergeOptions(*back, v1::SelectOptions{})->coarse_candidates, 3.5f);
 }
 
+SelectPolicy TwoLayerMassPolicy() {
+  SelectPolicy p;
+  p.budget = Budget::kMass;
+  p.mass_layers = {{.target = 0.9f, .temperature = 0.5f, .min_pages = 1, .max_pages = 8},
+                   {.target = 0.6f, .temperature = 2.0f, .min_pages = 0, .max_pages = 0}};
+  return p;
+}
+
+TEST(ConvertTest, MassLayersReachThePolicyAndRoundTrip) {
+  const SelectPolicy p = TwoLayerMassPolicy();
+  const v1::SelectOptions o = ToProto(p);
+  ASSERT_EQ(o.mass_layers_size(), 2);
+  EXPECT_EQ(o.mass_layers(0).target(), 0.9f);
+  EXPECT_EQ(o.mass_layers(0).max_pages(), 8u);
+  absl::StatusOr<SelectPolicy> back = MergeOptions(SelectPolicy{}, o);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->mass_layers, p.mass_layers);
+  EXPECT_EQ(back->MassFor(1).temperature, 2.0f);
+}
+
+TEST(ConvertTest, NoMassLayersEchoAsAnEmptyList) {
+  EXPECT_EQ(ToProto(SelectPolicy{}).mass_layers_size(), 0);
+}
+
+TEST(ConvertTest, EmptyMassLayersKeepTheBasesAndAListReplacesThemWhole) {
+  const SelectPolicy session = TwoLayerMassPolicy();
+  // A step that sets other fields leaves the session's per-layer settings alone.
+  v1::SelectOptions other;
+  other.set_mass_target(0.5f);
+  absl::StatusOr<SelectPolicy> kept = MergeOptions(session, other);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->mass_layers, session.mass_layers);
+  // A list replaces the session's, every layer of it.
+  v1::SelectOptions call;
+  for (int layer = 0; layer < 2; ++layer) {
+    v1::MassSetting* m = call.add_mass_layers();
+    m->set_target(0.99f);
+    m->set_temperature(1.0f);
+    m->set_min_pages(static_cast<uint32_t>(layer));
+  }
+  absl::StatusOr<SelectPolicy> replaced = MergeOptions(session, call);
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  const std::vector<MassSetting> want = {{0.99f, 1.0f, 0, 0}, {0.99f, 1.0f, 1, 0}};
+  EXPECT_EQ(replaced->mass_layers, want);
+}
+
+TEST(ConvertTest, MassLayersOfTheWrongCountOrRangeAreRefusedWithCoresMessage) {
+  ModelLayout model;
+  model.num_layers = 2;
+  SelectPolicy p = TwoLayerMassPolicy();
+  v1::SelectOptions one;
+  *one.add_mass_layers() = ToProto(p).mass_layers(0);
+  absl::StatusOr<SelectPolicy> merged = MergeOptions(p, one);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  absl::Status s = merged->Validate(model);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "mass_layers has 1 settings, want one per layer (2) or none");
+
+  v1::SelectOptions bad = ToProto(p);
+  bad.mutable_mass_layers(1)->set_min_pages(5);
+  bad.mutable_mass_layers(1)->set_max_pages(2);
+  merged = MergeOptions(SelectPolicy{}, bad);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  s = merged->Validate(model);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "mass_layers[1].min_pages=5 exceeds mass_layers[1].max_pages=2");
+  // An unset target is 0 on the wire, not the policy's: refused, not defaulted.
+  bad = ToProto(p);
+  bad.mutable_mass_layers(0)->clear_target();
+  s = MergeOptions(SelectPolicy{}, bad)->Validate(model);
+  EXPECT_EQ(s.message(), "mass_layers[0].target=0 not in (0, 1]");
+}
+
 TEST(ConvertTest, BackendUnspecifiedIsAutoAndUnknownIsAnError) {
   EXPECT_EQ(*BackendFromProto(v1::BACKEND_UNSPECIFIED), BackendKind::kAuto);
   EXPECT_EQ(*BackendFromProto(v1::BACKEND_CUDA), BackendKind::kCuda);

@@ -176,6 +176,44 @@ TEST_F(IntegrationTest, MassBudgetPerCallMatchesTheReferenceAndRejectsABadTarget
   EXPECT_NE(bad.status.message().find("mass_target=1.5"), std::string::npos) << bad.status;
 }
 
+// Per-layer mass settings through the C++ client's per-call options: each step selects as
+// core/ with the same settings; one setting too few fails the call naming the count.
+TEST_F(IntegrationTest, PerLayerMassSettingsPerCallMatchTheReferenceAndAWrongCountIsRefused) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("masslayers"));
+  ASSERT_NE(epsd, nullptr);
+  client::EpsClient client(Options(epsd->target()), engine_->Attach("engine-mass-layers"));
+  ASSERT_TRUE(client.Attach().ok());
+  SelectPolicy policy;
+  policy.budget = Budget::kMass;
+  policy.mass_layers = {{.target = 0.6f, .temperature = 0.5f, .min_pages = 0, .max_pages = 2},
+                        {.target = 0.95f, .temperature = 2.0f, .min_pages = 1, .max_pages = 0}};
+  v1::SelectOptions options;
+  options.set_budget(v1::BUDGET_MASS);
+  for (const MassSetting& m : policy.mass_layers) {
+    v1::MassSetting* out = options.add_mass_layers();
+    out->set_target(m.target);
+    out->set_temperature(m.temperature);
+    out->set_min_pages(static_cast<uint32_t>(m.min_pages));
+    out->set_max_pages(static_cast<uint32_t>(m.max_pages));
+  }
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1700 + step),
+                                      TestEngine::Row(1, 1000 + step)};
+    const client::StepResult r = client.SelectPages(step, rows, &options);
+    ASSERT_FALSE(r.fallback) << "step " << step << ": " << r.status;
+    ASSERT_TRUE(engine_->MatchesReference(rows, policy)) << "step " << step;
+  }
+  options.mutable_mass_layers()->RemoveLast();
+  const std::vector<v1::BatchRow> one = {TestEngine::Row(0, 1800)};
+  const client::StepResult bad = client.SelectPages(4, one, &options);
+  EXPECT_TRUE(bad.fallback);
+  EXPECT_EQ(bad.status.code(), absl::StatusCode::kInvalidArgument) << bad.status;
+  EXPECT_NE(bad.status.message().find("mass_layers has 1 settings, want one per layer (2)"),
+            std::string::npos)
+      << bad.status;
+}
+
 // The coarse level over the wire: layout.coarse_blocks, the coarse pool and table in
 // the engine's shm object, options.coarse_candidates; every list equals core/'s.
 TEST_F(IntegrationTest, CoarseLevelSessionMatchesTheReferenceAndBadAttachesAreRefused) {

@@ -153,6 +153,104 @@ TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
   }
 }
 
+// Per-layer mass settings far apart (layer 0 keeps at most one unforced group per head,
+// layer 1 nearly all its mass), so that lists from one shared setting would differ.
+SelectPolicy PerLayerMassPolicy() {
+  SelectPolicy p;
+  p.budget = Budget::kMass;
+  p.mass_layers = {{.target = 0.5f, .temperature = 1.0f, .min_pages = 0, .max_pages = 1},
+                   {.target = 0.99f, .temperature = 2.0f, .min_pages = 2, .max_pages = 0}};
+  return p;
+}
+
+void SetMassOptions(const SelectPolicy& p, v1::SelectOptions* o) {
+  o->set_budget(v1::BUDGET_MASS);
+  for (const MassSetting& m : p.mass_layers) {
+    v1::MassSetting* out = o->add_mass_layers();
+    out->set_target(m.target);
+    out->set_temperature(m.temperature);
+    out->set_min_pages(static_cast<uint32_t>(m.min_pages));
+    out->set_max_pages(static_cast<uint32_t>(m.max_pages));
+  }
+}
+
+TEST_F(SessionServiceTest, AStepWithPerLayerMassSettingsSelectsAsCoreWithTheSame) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  const SelectPolicy policy = PerLayerMassPolicy();
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.set_backend(v1::BACKEND_CPU);
+  SetMassOptions(policy, request.mutable_options());
+  v1::AttachResponse attached;
+  const absl::Status a = service_.Attach(request, &attached);
+  ASSERT_TRUE(a.ok()) << a;
+  ASSERT_EQ(attached.effective_options().mass_layers_size(), 2);
+  EXPECT_EQ(attached.effective_options().mass_layers(1).target(), 0.99f);
+  v1::SelectPagesResponse response;
+  const absl::Status s = service_.SelectPages(Step(attached.session_id(), 1), &response);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(engine_.MatchesReference(rows_, policy));
+  SelectPolicy shared = policy;
+  shared.mass_layers.clear();
+  EXPECT_FALSE(engine_.MatchesReference(rows_, shared)) << "the settings made no difference";
+}
+
+TEST_F(SessionServiceTest, PerLayerMassSettingsOfTheWrongCountOrRangeRefuseTheAttach) {
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.set_backend(v1::BACKEND_CPU);
+  SetMassOptions(PerLayerMassPolicy(), request.mutable_options());
+  request.mutable_options()->mutable_mass_layers()->RemoveLast();
+  v1::AttachResponse response;
+  absl::Status s = service_.Attach(request, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "mass_layers has 1 settings, want one per layer (2) or none");
+
+  request = engine_.Attach("engine-a");
+  request.set_backend(v1::BACKEND_CPU);
+  SetMassOptions(PerLayerMassPolicy(), request.mutable_options());
+  request.mutable_options()->mutable_mass_layers(1)->set_min_pages(5);
+  request.mutable_options()->mutable_mass_layers(1)->set_max_pages(2);
+  s = service_.Attach(request, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "mass_layers[1].min_pages=5 exceeds mass_layers[1].max_pages=2");
+}
+
+TEST_F(SessionServiceTest, PerCallMassLayersReplaceTheSessionsForThatCallOnly) {
+  SCOPED_TRACE(eps::testing::SeedTrace(seed_));
+  const SelectPolicy session = PerLayerMassPolicy();
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.set_backend(v1::BACKEND_CPU);
+  SetMassOptions(session, request.mutable_options());
+  const std::string id = Attach(request);
+  v1::SelectPagesResponse response;
+
+  // Options that leave mass_layers empty keep the session's.
+  v1::SelectPagesRequest keep = Step(id, 1);
+  keep.mutable_options()->set_first_n(1);
+  ASSERT_TRUE(service_.SelectPages(keep, &response).ok());
+  SelectPolicy kept = session;
+  kept.first_n = 1;
+  EXPECT_TRUE(engine_.MatchesReference(rows_, kept));
+
+  // A list replaces them for that call.
+  SelectPolicy swapped = session;
+  std::swap(swapped.mass_layers[0], swapped.mass_layers[1]);
+  v1::SelectPagesRequest over = Step(id, 2);
+  SetMassOptions(swapped, over.mutable_options());
+  ASSERT_TRUE(service_.SelectPages(over, &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, swapped));
+  EXPECT_FALSE(engine_.MatchesReference(rows_, session)) << "the override made no difference";
+
+  // A bad list fails that call with core's message; the next step selects as the session.
+  v1::SelectPagesRequest bad = Step(id, 3);
+  SetMassOptions(swapped, bad.mutable_options());
+  bad.mutable_options()->mutable_mass_layers(0)->set_target(1.5f);
+  const absl::Status s = service_.SelectPages(bad, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("mass_layers[0].target=1.5 not in (0, 1]"));
+  ASSERT_TRUE(service_.SelectPages(Step(id, 4), &response).ok());
+  EXPECT_TRUE(engine_.MatchesReference(rows_, session));
+}
+
 TEST_F(SessionServiceTest, ACpuSessionNamingACudaDeviceIsInvalidArgument) {
   v1::AttachRequest by_ordinal = engine_.Attach("engine-a");
   by_ordinal.set_device(3);

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 from engine_state import MODEL, OPTIONS, core_visits, make_state
 
-from eps_client import ClientOptions, EpsClient, EpsError, Row, StatusCode, groups_for
+from eps_client import (
+    ClientOptions,
+    EpsClient,
+    EpsError,
+    MassSetting,
+    Row,
+    StatusCode,
+    groups_for,
+)
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 
@@ -91,6 +99,25 @@ def test_a_coarse_level_session_equals_the_core_reference_step(epsd, core_refere
             assert result.stats.bytes_summary_read < (
                 groups * model.num_layers * model.num_kv_heads * state.buffers.layout.record_words
                 * 4)
+    state.buffers.close()
+
+
+def test_a_session_with_per_layer_mass_settings_equals_the_core_reference_step(
+        epsd, core_reference, tmp_path, rng):
+    layers = (MassSetting(target=0.5, max_pages=1), MassSetting(target=0.99, temperature=2.0,
+                                                                  min_pages=2))
+    select = replace(OPTIONS, budget="mass", mass_layers=layers)
+    state = make_state(rng, contexts=[900, 600], select=select)
+    attach = state.attach()
+    assert len(attach.options.mass_layers) == MODEL.num_layers
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        info = client.attach()
+        assert [m.max_pages for m in info.options.mass_layers] == [1, 0]
+        assert [m.target for m in info.options.mass_layers] == pytest.approx([0.5, 0.99])
+        state.new_queries(rng)
+        result = client.select_pages(1, state.rows)
+        assert result.ok, result.message
+        assert_visits_equal_core(core_reference, tmp_path, state, attach, 2)
     state.buffers.close()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eps_client import SelectOptions
+from eps_client import MassSetting, SelectOptions
 from eps_client.proto import page_selector_pb2 as pb
 
 
@@ -40,6 +40,26 @@ def test_unset_fields_stay_unset_so_the_session_keeps_its_setting() -> None:
     assert message.budget == pb.BUDGET_UNSPECIFIED
     assert message.mass_scope == pb.MASS_SCOPE_UNSPECIFIED
     assert not message.HasField("mass_target") and not message.HasField("min_pages")
+    assert len(message.mass_layers) == 0
+
+
+def test_mass_layers_go_on_the_wire_one_setting_per_layer_in_order() -> None:
+    layers = [MassSetting(target=0.9, temperature=0.5, min_pages=1, max_pages=8),
+              MassSetting(target=0.6)]
+    message = SelectOptions(budget="mass", mass_layers=layers).to_proto()
+    assert [m.target for m in message.mass_layers] == pytest.approx([0.9, 0.6])
+    assert [m.temperature for m in message.mass_layers] == pytest.approx([0.5, 1.0])
+    assert [(m.min_pages, m.max_pages) for m in message.mass_layers] == [(1, 8), (0, 0)]
+    back = SelectOptions.from_proto(message).mass_layers
+    assert [m.target for m in back] == pytest.approx([0.9, 0.6])
+    assert back[0] == MassSetting(target=back[0].target, temperature=0.5, min_pages=1, max_pages=8)
+    assert back[1] == MassSetting(target=back[1].target)
+
+
+def test_mass_layers_given_as_a_list_are_kept_as_a_tuple_so_options_stay_hashable() -> None:
+    options = SelectOptions(mass_layers=[MassSetting(target=0.9)])
+    assert options.mass_layers == (MassSetting(target=0.9),)
+    assert hash(options) == hash(SelectOptions(mass_layers=(MassSetting(target=0.9),)))
 
 
 def test_an_unknown_method_is_refused_with_the_known_names() -> None:

@@ -7,8 +7,8 @@
 - ``EpsClient``: attach, one ``select_pages`` per decode step with a deadline and
   fail-open fallback counted by reason (and reported to epsd), background re-attach,
   stream transport, async replies, traceparent injection. Plain types in, plain types
-  out (``SelectOptions``, ``Row``, ``StepResult``, ``StepStats``); failures raise
-  ``EpsError`` with a status code; leaving ``with`` detaches.
+  out (``SelectOptions`` with ``MassSetting``, ``Row``, ``StepResult``, ``StepStats``);
+  failures raise ``EpsError`` with a status code; leaving ``with`` detaches.
 - ``eps_client.outputs``: visit lists as FlashAttention (block_table, seqused_k) views and
   FlashInfer paged-KV arrays; ``eps_client.engine``: the device-side engine library
   (summary writer, step counters, watchdog) through its C ABI.
@@ -32,11 +32,19 @@ from eps_client.layout import (
 )
 from eps_client.phi import phi_bank, phi_hash, phi_matrix, phi_scale
 from eps_client.summary import SummaryWriter
-from eps_client.types import AttachInfo, EpsError, Row, SelectOptions, StatusCode, StepStats
+from eps_client.types import (
+    AttachInfo,
+    EpsError,
+    MassSetting,
+    Row,
+    SelectOptions,
+    StatusCode,
+    StepStats,
+)
 
 __all__ = [
     "AttachInfo", "BufferLayout", "BufferShape", "ClientCounters", "ClientOptions",
-    "EpsClient", "EpsError", "ModelLayout", "Row", "SelectOptions", "ShmBuffers",
+    "EpsClient", "EpsError", "MassSetting", "ModelLayout", "Row", "SelectOptions", "ShmBuffers",
     "StatusCode", "StepResult", "StepStats", "SummaryFeatures", "SummaryLayout",
     "SummaryWriter", "blocks_for", "coarse_group_of", "coarse_groups_for", "groups_for",
     "phi_bank", "phi_hash", "phi_matrix", "phi_scale", "visited_tokens",

@@ -1,14 +1,14 @@
 """Plain Python values of the client API; protobuf messages stay inside the package.
 
-``SelectOptions`` (the selection policy), ``Row`` (one sequence of a step),
-``StepStats`` (a step's counters), ``AttachInfo`` (what Attach granted) and
-``EpsError`` (a failed call, with its status code). Each converts to or from
+``SelectOptions`` (the selection policy) with ``MassSetting`` (one layer's mass budget),
+``Row`` (one sequence of a step), ``StepStats`` (a step's counters), ``AttachInfo`` (what
+Attach granted) and ``EpsError`` (a failed call, with its status code). Each converts to or from
 its eps.v1 message here and nowhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -54,6 +54,26 @@ def _pick(table: Mapping[str, int], name: str, value: str | None) -> int:
 
 
 @dataclass(frozen=True)
+class MassSetting:
+    """One layer's mass budget (``SelectOptions.mass_layers``): the SelectOptions fields of the
+    same names, for that layer alone. Every field is sent; none falls back to the session's."""
+
+    target: float  # p in (0, 1]
+    temperature: float = 1.0  # τ in (0, 1000]
+    min_pages: int = 0  # floor per head (per list with scope "list")
+    max_pages: int = 0  # ceiling per head (list), 0 = none
+
+    def to_proto(self) -> pb.MassSetting:
+        return pb.MassSetting(target=self.target, temperature=self.temperature,
+                              min_pages=self.min_pages, max_pages=self.max_pages)
+
+    @staticmethod
+    def from_proto(message: pb.MassSetting) -> MassSetting:
+        return MassSetting(target=message.target, temperature=message.temperature,
+                           min_pages=message.min_pages, max_pages=message.max_pages)
+
+
+@dataclass(frozen=True)
 class SelectOptions:
     """The selection policy (docs/policy.md). ``None`` keeps the server's flag (at attach) or
     the session's setting (per step)."""
@@ -79,6 +99,14 @@ class SelectOptions:
     # With a coarse level (ModelLayout.coarse_blocks): each scored head's
     # ceil(c * top_pages / r) best coarse groups are candidates; c in [1, 1024], default 2
     coarse_candidates: float | None = None
+    # budget "mass": one setting per layer (exactly num_layers), replacing mass_target,
+    # mass_temperature, min_pages and max_pages layer by layer. Empty keeps the session's list
+    # (per step) or every layer on the four fields (at attach); a list replaces the whole list,
+    # for that step only. The cuda backend does not implement it yet (UNIMPLEMENTED).
+    mass_layers: Sequence[MassSetting] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mass_layers", tuple(self.mass_layers))  # frozen: hashable
 
     def to_proto(self) -> pb.SelectOptions:
         out = pb.SelectOptions(method=_pick(_METHOD, "method", self.method),  # type: ignore[arg-type]
@@ -94,6 +122,7 @@ class SelectOptions:
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, value)
+        out.mass_layers.extend(m.to_proto() for m in self.mass_layers)
         return out
 
     @staticmethod
@@ -117,7 +146,8 @@ class SelectOptions:
             mass_temperature=opt("mass_temperature"),  # type: ignore[arg-type]
             min_pages=opt("min_pages"), max_pages=opt("max_pages"),  # type: ignore[arg-type]
             mass_scope=name_of(_MASS_SCOPE, message.mass_scope),  # type: ignore[arg-type]
-            coarse_candidates=opt("coarse_candidates"))  # type: ignore[arg-type]
+            coarse_candidates=opt("coarse_candidates"),  # type: ignore[arg-type]
+            mass_layers=tuple(MassSetting.from_proto(m) for m in message.mass_layers))
 
 
 def backend_proto(backend: Backend) -> int:

@@ -221,7 +221,7 @@ class SharedBuffers(_message.Message):
     def __init__(self, summary_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., group_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., block_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., queries: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_blocks: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., visit_count: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., flags: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_pool: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., coarse_table: _Optional[_Union[MemoryDescriptor, _Mapping]] = ..., feedback: _Optional[_Union[MemoryDescriptor, _Mapping]] = ...) -> None: ...
 
 class SelectOptions(_message.Message):
-    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages", "mass_scope", "coarse_candidates")
+    __slots__ = ("method", "alpha", "first_n", "last_n", "top_pages", "strict", "heads", "retrieval_heads", "budget", "top_p", "granularity", "mass_target", "mass_temperature", "min_pages", "max_pages", "mass_scope", "coarse_candidates", "mass_layers")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     FIRST_N_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class SelectOptions(_message.Message):
     MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
     MASS_SCOPE_FIELD_NUMBER: _ClassVar[int]
     COARSE_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MASS_LAYERS_FIELD_NUMBER: _ClassVar[int]
     method: Method
     alpha: float
     first_n: int
@@ -256,7 +257,20 @@ class SelectOptions(_message.Message):
     max_pages: int
     mass_scope: MassScope
     coarse_candidates: float
-    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., mass_scope: _Optional[_Union[MassScope, str]] = ..., coarse_candidates: _Optional[float] = ...) -> None: ...
+    mass_layers: _containers.RepeatedCompositeFieldContainer[MassSetting]
+    def __init__(self, method: _Optional[_Union[Method, str]] = ..., alpha: _Optional[float] = ..., first_n: _Optional[int] = ..., last_n: _Optional[int] = ..., top_pages: _Optional[int] = ..., strict: bool = ..., heads: _Optional[_Union[HeadMode, str]] = ..., retrieval_heads: _Optional[bytes] = ..., budget: _Optional[_Union[Budget, str]] = ..., top_p: _Optional[float] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., mass_target: _Optional[float] = ..., mass_temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ..., mass_scope: _Optional[_Union[MassScope, str]] = ..., coarse_candidates: _Optional[float] = ..., mass_layers: _Optional[_Iterable[_Union[MassSetting, _Mapping]]] = ...) -> None: ...
+
+class MassSetting(_message.Message):
+    __slots__ = ("target", "temperature", "min_pages", "max_pages")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MIN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    target: float
+    temperature: float
+    min_pages: int
+    max_pages: int
+    def __init__(self, target: _Optional[float] = ..., temperature: _Optional[float] = ..., min_pages: _Optional[int] = ..., max_pages: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("engine_id", "layout", "buffers", "options", "max_batch", "num_kv_blocks", "lease_ms", "backend", "device", "device_uuid")
