@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ from engine_report import (
 )
 from reference_engine import fractions, kill_epsd, now, restart_epsd
 
-from eps_client import ModelLayout, SelectOptions, SummaryFeatures
+from eps_client import MassSetting, ModelLayout, SelectOptions, SummaryFeatures
 
 
 def _layout(model: Model, args: argparse.Namespace) -> ModelLayout:
@@ -67,6 +69,7 @@ def _common(engine: PagedEngine, args: argparse.Namespace) -> dict[str, Any]:
             "coarse_candidates": _coarse_c(args),
             "feedback": getattr(args, "feedback", False),
             "list_budget": getattr(args, "list_budget", False),
+            "mass_layers": getattr(args, "mass_layers", None),
             "attention_variant": os.environ.get("EPS_ATTN_VARIANT", "auto"),
             "session_method": engine.client.attach_info.options.method
             if engine.client.attach_info else None}
@@ -112,12 +115,32 @@ def _base(args: argparse.Namespace) -> SelectOptions:
     if getattr(args, "list_budget", False):
         base = _with(base, budget="mass", mass_scope="list", mass_temperature=1.0,
                      mass_target=1.0)
+    if getattr(args, "mass_layers", None):
+        base = _with(base, **_mass_layers(args))
     return base
+
+
+def _mass_layers(args: argparse.Namespace) -> dict[str, Any]:
+    """--mass-layers FILE:KEY: the adaptive budget with the per-layer settings that
+    eps_eval.layer_calibration --emit wrote (KEY e.g. "fbm-questclt g=8"), each layer's floor
+    (a share of its unforced groups) turned into min_pages at the prompt's length."""
+    path, _, key = args.mass_layers.partition(":")
+    data = json.loads(Path(path).read_text())
+    layers = data["settings"][key]
+    groups = -(-args.context // (16 * args.group_blocks))
+    unforced = max(1, groups - args.first_n - args.last_n)
+    return {"budget": "mass", "mass_scope": data["mass_scope"],
+            "mass_layers": [MassSetting(target=v["mass_target"],
+                                        temperature=v["mass_temperature"],
+                                        min_pages=round(v["floor"] * unforced))
+                            for _, v in sorted(layers.items(), key=lambda kv: int(kv[0]))]}
 
 
 def _at(options: SelectOptions, k: int) -> SelectOptions:
     """options at budget value k: top_pages (per head), and with the list-level rule also
     its floor and ceiling (per list; the coarse level names candidates from top_pages)."""
+    if options.mass_layers:  # the adaptive budget: the budget value is not used
+        return options
     if options.budget == "mass" and options.mass_scope == "list":
         return _with(options, top_pages=k, min_pages=k, max_pages=k)
     return _with(options, top_pages=k)

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--list-budget", action="store_true",
                     help="the list-level rule: budget mass over the list at temperature 1 with "
                          "floor = ceiling = each budget value (groups per list, not per head)")
+    ap.add_argument("--mass-layers", default=None,
+                    help="FILE:KEY: the adaptive budget with per-layer settings from "
+                         "eps_eval.layer_calibration --emit (each budget value then runs it)")
     ap.add_argument("--quest8", action="store_true",
                     help="records also hold the quest8 part, which questclt then reads")
     ap.add_argument("--quest8-only", action="store_true",
