@@ -126,7 +126,8 @@ def _mass_layers(args: argparse.Namespace) -> dict[str, Any]:
     (a share of its unforced groups) turned into min_pages at the prompt's length."""
     path, _, key = args.mass_layers.partition(":")
     data = json.loads(Path(path).read_text())
-    layers = data["settings"][key]
+    # "_" may stand for a space (scripts/engine_gpu.sh splits EPS_ENGINE_ARGS on spaces)
+    layers = data["settings"].get(key) or data["settings"][key.replace("_", " ")]
     groups = -(-args.context // (16 * args.group_blocks))
     unforced = max(1, groups - args.first_n - args.last_n)
     return {"budget": "mass", "mass_scope": data["mass_scope"],

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "floor = ceiling = each budget value (groups per list, not per head)")
     ap.add_argument("--mass-layers", default=None,
                     help="FILE:KEY: the adaptive budget with per-layer settings from "
-                         "eps_eval.layer_calibration --emit (each budget value then runs it)")
+                         "eps_eval.layer_calibration --emit, KEY e.g. fbm-questclt_g=8 ('_' "
+                         "for a space); each budget value then runs the same")
     ap.add_argument("--quest8", action="store_true",
                     help="records also hold the quest8 part, which questclt then reads")
     ap.add_argument("--quest8-only", action="store_true",
