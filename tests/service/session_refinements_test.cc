@@ -51,11 +51,7 @@ class CoarseSessionServiceTest : public ::testing::Test {
   }
 
   v1::SelectPagesRequest Step(const std::string& session, uint64_t step) const {
-    v1::SelectPagesRequest r;
-    r.set_session_id(session);
-    r.set_step(step);
-    for (const v1::BatchRow& row : rows_) *r.add_rows() = row;
-    return r;
+    return TestEngine::Step(session, step, rows_);
   }
 
   uint64_t seed_;
@@ -216,11 +212,7 @@ class FeedbackSessionServiceTest : public ::testing::TestWithParam<int> {
   }
 
   v1::SelectPagesRequest Step(const std::string& session, uint64_t step) const {
-    v1::SelectPagesRequest r;
-    r.set_session_id(session);
-    r.set_step(step);
-    for (const v1::BatchRow& row : rows_) *r.add_rows() = row;
-    return r;
+    return TestEngine::Step(session, step, rows_);
   }
 
   // Every entry of (layer, row, q head) below group `from` is NaN; those from it on equal `want`'s.

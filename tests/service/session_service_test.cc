@@ -39,11 +39,7 @@ class SessionServiceTest : public ::testing::Test {
   }
 
   v1::SelectPagesRequest Step(const std::string& session, uint64_t step) {
-    v1::SelectPagesRequest r;
-    r.set_session_id(session);
-    r.set_step(step);
-    for (const v1::BatchRow& row : rows_) *r.add_rows() = row;
-    return r;
+    return TestEngine::Step(session, step, rows_);
   }
 
   uint64_t seed_;

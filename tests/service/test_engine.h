@@ -175,6 +175,16 @@ class TestEngine {
     return r;
   }
 
+  // A SelectPages request of `session` at `step` over `rows`.
+  static v1::SelectPagesRequest Step(const std::string& session, uint64_t step,
+                                     const std::vector<v1::BatchRow>& rows) {
+    v1::SelectPagesRequest r;
+    r.set_session_id(session);
+    r.set_step(step);
+    for (const v1::BatchRow& row : rows) *r.add_rows() = row;
+    return r;
+  }
+
   // Runs the core/ reference over the same buffers and compares every list.
   // With `feedback` (a copy of the buffer as it was before the step: epsd consumes
   // the engine's), the reference reads that.
