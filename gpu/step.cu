@@ -333,22 +333,18 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
   // The mass budget: one for every layer in the launch (its bytes are the graph's
   // key), or one per layer in device memory, read by the step's own graph replay.
+  const auto mass_rule = [&](const MassSetting& setting) {
+    return MassRule{MassInvScale(setting.temperature, m.head_dim),  // as core/
+                    setting.target, setting.min_pages, setting.max_pages};
+  };
   const bool per_layer_mass = policy.budget == Budget::kMass && !policy.mass_layers.empty();
   if (per_layer_mass) {
     for (int layer = 0; layer < m.num_layers; ++layer) {
-      const MassSetting& setting = policy.mass_layers[static_cast<size_t>(layer)];
-      MassRule& to = g.host_mass_layers[layer];
-      to.inv_scale = MassInvScale(setting.temperature, m.head_dim);  // as core/
-      to.target = setting.target;
-      to.min_pages = setting.min_pages;
-      to.max_pages = setting.max_pages;
+      g.host_mass_layers[layer] = mass_rule(policy.MassFor(layer));
     }
     rule.mass_layers = g.mass_layers.get();
   } else if (policy.budget == Budget::kMass) {
-    rule.mass.inv_scale = MassInvScale(policy.mass_temperature, m.head_dim);  // as core/
-    rule.mass.target = policy.mass_target;
-    rule.mass.min_pages = policy.min_pages;
-    rule.mass.max_pages = policy.max_pages;
+    rule.mass = mass_rule(policy.MassFor(0));  // the policy's own, every layer
   }
   rule.mass_list = policy.mass_scope == MassScope::kList;
   StepReport* report = g.reports.get() + (g.sequence & 1);
@@ -601,19 +597,6 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
                               g.layout.record_bytes();
     *stats = host;
   }
-  return absl::OkStatus();
-}
-
-absl::Status GeneratePhiOnDevice(uint64_t seed, int layer, int kv_head, int head_dim, int m,
-                                 float* host_out) {
-  const int per_matrix = head_dim * m;
-  DeviceBuffer<float> all;
-  RETURN_IF_CUDA_ALLOC(all, int64_t{layer + 1} * (kv_head + 1) * per_matrix);
-  GeneratePhiKernel<<<64, 256>>>(seed, layer + 1, kv_head + 1, per_matrix, PhiScale(m), all.get());
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  const int64_t offset = (int64_t{layer} * (kv_head + 1) + kv_head) * per_matrix;
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(host_out, all.get() + offset, per_matrix * sizeof(float), cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 
