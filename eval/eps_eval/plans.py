@@ -40,7 +40,7 @@ class QualityPlan:
     # quest8 records, g = 1 under coarse groups of gc blocks, coarse_candidates c): rows
     # epsd-c2f{gc}x{c}, lag 1, to check the harness's c2f against what epsd ships.
     epsd_c2f: tuple[tuple[int, float], ...] = ()
-    # Selection feedback under the mass budget and the threshold budget (eps_eval.mass_feedback,
+    # Selection feedback under the mass budget and the threshold budget (eps_eval.feedback_rows,
     # rows fbm-questclt, lag 1, at mass_group_blocks; needs the query two positions back).
     mass_feedback: bool = False
     # Feedback memory (eps_eval.feedback_memory, a harness simulation): memory depths K,

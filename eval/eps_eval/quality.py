@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from eps_eval import core, estimators, mass_feedback
+from eps_eval import core, estimators, feedback_rows
 from eps_eval.feedback_memory import (
     FeedbackMemory,
     Sweep,
@@ -209,38 +209,6 @@ def mark_mass_union(scores: F32, targets: list[float], *, temperature: float, he
                           min_pages=min_pages, first_n=first_n, last_n=last_n, scope="list")
 
 
-def _feedback_rows(workload: dict[str, object], dn: Dense, tables: QuestTables, q: F32,
-                   q_before: F32, q_mass: npt.NDArray[np.float64], g: int, kvh: int,
-                   tps: list[int], names: tuple[str, ...]) -> list[dict[str, object]]:
-    """Selection feedback (QualityPlan.feedback), lag 1: for each budget, the previous step's
-    groups (estimator `name` with q_before) take the exact log mass of q (the previous step's
-    query; q_mass its per-block mass) times sqrt(d), the others the estimate plus an offset."""
-    d = q.shape[-1]
-    exact = np.log(np.maximum(group_sum(q_mass, g), 1e-300)) * np.sqrt(d)
-    spread = np.sqrt(d) * np.log(BLOCK * g)
-    rows: list[dict[str, object]] = []
-    for name in names:
-        before = core.mark(tables.estimate(name, q_before), kvh, tps)  # [P, 1, G]
-        est = tables.estimate(name, q).astype(np.float64)
-        # o0, o1: offsets of 0 and sqrt(d)·log(tokens)/2; cal: each head's median of
-        # exact − estimate over the groups the previous step visited (known to an engine).
-        for variant in ("o0", "o1", "cal"):
-            masks = np.zeros_like(before)
-            for i, tp in enumerate(tps):
-                visited = before[i, 0].astype(bool)
-                if variant == "cal":
-                    diff = np.where(visited[None, :], exact - est, np.nan)
-                    offset = np.nan_to_num(np.nanmedian(diff, axis=1, keepdims=True))
-                else:
-                    offset = 0.0 if variant == "o0" else 0.5 * spread
-                sc = np.where(visited[None, :], exact, est + offset)
-                masks[i] = core.mark(sc.astype(np.float32), kvh, [tp])[0]
-            rows += _rows(workload, "threshold", f"fb-{name}-{variant}", g, 1,
-                          [float(t) for t in tps], 0.0, masks.shape[2],
-                          evaluate(dn, g, masks, tps, [record_bytes(name, d)] * len(tps)))
-    return rows
-
-
 def top_pages_for(groups: int, fractions: tuple[float, ...], forced: int = 3) -> list[int]:
     unforced = max(1, groups - forced)
     return sorted({max(1, round(f * unforced)) for f in fractions})
@@ -365,8 +333,9 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
                 rows += _rows(workload, "threshold", name, g, lag, [float(t) for t in tps], 0.0,
                               G, evaluate(dn, g, masks, tps, [rb] * len(tps)))
             if lag == 1 and plan.feedback and position - 2 in q_by_pos:
-                rows += _feedback_rows(workload, dn, q8[g], q, q_by_pos[position - 2],
-                                       mass_of(1), g, kvh, tps, plan.feedback)
+                rows += feedback_rows.threshold_rows(
+                    workload, dn, q8[g], q, q_by_pos[position - 2], mass_of(1), g, kvh, tps,
+                    plan.feedback, record_bytes, _rows)
             if g in plan.mass_group_blocks and lag in plan.mass_lags:
                 # questmid: the middle of the bracket [q·k̄, quest], both in the default record.
                 mid = 0.5 * (scores["quest"] + q8[g].mean_scores(q))
@@ -410,7 +379,7 @@ def step_rows(state: LayerState, k: F32, v: F32, q_by_pos: dict[int, F32], posit
             if (lag == 1 and plan.mass_feedback and g in plan.mass_group_blocks
                     and position - 2 in q_by_pos):
                 exact = np.log(np.maximum(group_sum(mass_of(1), g), 1e-300)) * np.sqrt(d)
-                rows += mass_feedback.rows(
+                rows += feedback_rows.mass_rows(
                     workload, dn, scores["questclt"], s.scores("questclt", q_by_pos[position - 2]),
                     exact, g, kvh, d, tps, record_bytes("questclt", d), MASS_TARGETS, MASS_FLOORS,
                     plan.mass_union, _rows)

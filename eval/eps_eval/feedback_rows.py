@@ -1,4 +1,6 @@
-"""Selection feedback under the adaptive (mass) budget, lag 1 (QualityPlan.mass_feedback).
+"""Selection feedback simulated in the harness, lag 1: under the threshold budget
+(QualityPlan.feedback, rows fb-<estimator>-<variant>) and under the adaptive budget
+(QualityPlan.mass_feedback, rows fbm-questclt), with core ApplyFeedback's rule (fed_scores).
 
 The mass budget's estimate of a group's share of the attention is the weak part of the
 adaptive budget (docs/eval/README.md, "The list-level budget in epsd": the estimate, not
@@ -18,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
-from eps_eval.metrics import Dense, evaluate
+from eps_eval.metrics import BLOCK, Dense, evaluate, group_sum
 
 F32 = npt.NDArray[np.float32]
 METHOD = "fbm-questclt"
@@ -39,7 +41,7 @@ def fed_scores(estimate: F32, exact: npt.NDArray[np.float64],
     return np.where(visited[None, :], exact, est + offset).astype(np.float32)
 
 
-def rows(workload: dict[str, object], dn: Dense, est_now: F32, est_before: F32,
+def mass_rows(workload: dict[str, object], dn: Dense, est_now: F32, est_before: F32,
          exact: npt.NDArray[np.float64], g: int, kvh: int, d: int, tps: list[int],
          record_bytes: float, targets: tuple[float, ...], floors: tuple[float, ...],
          union: bool, make_rows: RowMaker) -> list[dict[str, object]]:
@@ -73,4 +75,39 @@ def rows(workload: dict[str, object], dn: Dense, est_now: F32, est_before: F32,
                                    met):
                     r["floor"] = floor
                     out.append(r)
+    return out
+
+
+def threshold_rows(workload: dict[str, object], dn: Dense, tables: object, q: F32,
+                   q_before: F32, q_mass: npt.NDArray[np.float64], g: int, kvh: int,
+                   tps: list[int], names: tuple[str, ...],
+                   record_bytes: Callable[[str, int], float],
+                   make_rows: RowMaker) -> list[dict[str, object]]:
+    """Selection feedback (QualityPlan.feedback), lag 1: for each budget, the previous step's
+    groups (estimator `name` with q_before) take the exact log mass of q (the previous step's
+    query; q_mass its per-block mass) times sqrt(d), the others the estimate plus an offset.
+    tables: quality.QuestTables; record_bytes, make_rows: quality's."""
+    d = q.shape[-1]
+    exact = np.log(np.maximum(group_sum(q_mass, g), 1e-300)) * np.sqrt(d)
+    spread = np.sqrt(d) * np.log(BLOCK * g)
+    out: list[dict[str, object]] = []
+    for name in names:
+        before = core.mark(tables.estimate(name, q_before), kvh, tps)  # type: ignore[attr-defined]
+        est = tables.estimate(name, q)  # type: ignore[attr-defined]
+        # o0, o1: offsets of 0 and sqrt(d)·log(tokens)/2; cal: each head's median of
+        # exact − estimate over the groups the previous step visited (known to an engine).
+        for variant in ("o0", "o1", "cal"):
+            masks = np.zeros_like(before)
+            for i, tp in enumerate(tps):
+                visited = before[i, 0].astype(bool)
+                if variant == "cal":
+                    sc = fed_scores(est, exact, visited)
+                else:
+                    offset = 0.0 if variant == "o0" else 0.5 * spread
+                    sc = np.where(visited[None, :], exact,
+                                  est.astype(np.float64) + offset).astype(np.float32)
+                masks[i] = core.mark(sc, kvh, [tp])[0]
+            out += make_rows(workload, "threshold", f"fb-{name}-{variant}", g, 1,
+                             [float(t) for t in tps], 0.0, masks.shape[2],
+                             evaluate(dn, g, masks, tps, [record_bytes(name, d)] * len(tps)))
     return out

@@ -1,9 +1,9 @@
-"""eps_eval.mass_feedback: core ApplyFeedback's rule on a hand example."""
+"""eps_eval.feedback_rows: core ApplyFeedback's rule on a hand example."""
 
 from __future__ import annotations
 
 import numpy as np
-from eps_eval.mass_feedback import fed_scores
+from eps_eval.feedback_rows import fed_scores
 
 
 def test_fed_groups_take_exact_values_and_the_rest_the_heads_median_shift():
