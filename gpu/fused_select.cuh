@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
   if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
 
   // 1. Scores into shared memory [ratio, kScoreThreads].
-  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of());
+  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of(), blockIdx);
   __syncthreads();
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
@@ -118,15 +118,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
     const int h = kvh * ratio + r;
     if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;  // admits nothing
     const float* values = scores + r * kScoreThreads;
-    unsigned local = 0;
-    for (int p = lane; p < n; p += 32) local += !forced(p);
-    const unsigned unforced = __reduce_add_sync(kFullWarp, local);
-    float cut = -INFINITY;
-    if (unforced > static_cast<unsigned>(rule.top_pages)) {
-      const float t = KeyToFloat(WarpKthLargest(
-          values, n, rule.top_pages, [&](int p) { return !forced(p); }, histograms[warp], lane));
-      cut = t > 0.0f ? t / rule.alpha : t * rule.alpha;
-    }
+    const float cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
     for (int w = 0; w < kFusedMaskWords; ++w) {
       const int p = 32 * w + lane;
       const unsigned bits = __ballot_sync(kFullWarp, p < n && !forced(p) && values[p] >= cut);

@@ -283,18 +283,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                   values, n, rule.top_pages, [](int) { return true; }, histograms[warp], lane));
             }
           } else {
-            // core MarkByThreshold: T = the top_pages-th largest unforced score;
-            // visit every unforced group with score >= T/α (T·α when T ≤ 0).
-            unsigned local = 0;
-            for (int p = lane; p < n; p += 32) local += !forced(p);
-            const unsigned unforced = __reduce_add_sync(0xFFFFFFFFu, local);
-            cut = -INFINITY;
-            if (unforced > static_cast<unsigned>(rule.top_pages)) {
-              const float t = KeyToFloat(WarpKthLargest(
-                  values, n, rule.top_pages, [&](int p) { return !forced(p); }, histograms[warp],
-                  lane));
-              cut = t > 0.0f ? t / rule.alpha : t * rule.alpha;
-            }
+            // core MarkByThreshold: visit every unforced group with score >= the cut.
+            cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
           }
         }
         if (lane == 0) head_cut[h - first_head] = cut;

@@ -132,12 +132,29 @@ __device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take 
       n, k, [&](int p) { return OrderedKey(values[p]); }, take, histogram, lane);
 }
 
+// core MarkByThreshold's cut for one head: T = the top_pages-th largest unforced
+// score, cut T/α (T·α when T <= 0); −∞ (every unforced group) when no more than
+// top_pages groups are unforced. Every lane returns it.
+__device__ __forceinline__ float WarpThresholdCut(const float* values, int n,
+                                                  const SelectRule& rule, unsigned* histogram,
+                                                  int lane) {
+  auto unforced = [&](int p) { return !IsForced(p, n, rule.first_n, rule.last_n); };
+  unsigned local = 0;
+  for (int p = lane; p < n; p += 32) local += unforced(p);
+  if (__reduce_add_sync(0xFFFFFFFFu, local) <= static_cast<unsigned>(rule.top_pages)) {
+    return -INFINITY;
+  }
+  const float t =
+      KeyToFloat(WarpKthLargest(values, n, rule.top_pages, unforced, histogram, lane));
+  return t > 0.0f ? t / rule.alpha : t * rule.alpha;
+}
+
 // core MarkTopP for one head: the estimated mass w_p = exp((s_p - s_max)/sqrt(d))
 // of the unforced groups, taken by decreasing score (ties by increasing group)
 // until their share reaches top_p. Returns the cut as (key, tie): group p is
 // taken when key_p > key, or key_p == key and p <= tie. Masses are summed in
 // double, in another order than core/'s, so a group at the cut may differ.
-__device__ void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
+__device__ inline void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
                             double* masses, int lane, unsigned* cut_key, int* cut_tie) {
   float top = -INFINITY;
   bool any = false;
