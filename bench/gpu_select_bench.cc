@@ -263,7 +263,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
 struct Row {
   int64_t batch, context;
   double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct, direct_us, direct_wall_us,
-      fused_us, queued_us, cooperative_us, cooperative_off_us;
+      fused_us, queued_us;
 };
 
 absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
@@ -278,25 +278,17 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   auto fused =
       eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fuse_selection = true});
   if (!fused.ok()) return fused.status();
-  auto cooperative =
-      eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.cooperative = true});
-  if (!cooperative.ok()) return cooperative.status();
   // jl is the product; off (no scoring, and no fused selection) and fro (one
   // word read per record) split the time into its parts by subtraction;
   // `direct` is jl with the kernels launched one by one instead of replayed as
-  // a graph, `fused` jl with the selection fused into scoring (gpu/step.h),
-  // `coop` jl and off as one cooperative kernel (gpu/cooperative_step.cuh).
-  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const eps::Method methods[7] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff,
-                                  eps::Method::kJl, eps::Method::kJl, eps::Method::kJl,
-                                  eps::Method::kOff};
-  double* p50[7] = {&row.jl_us,    &row.fro_us,         &row.off_us,
-                    &row.direct_us, &row.fused_us,      &row.cooperative_us,
-                    &row.cooperative_off_us};
-  for (int k = 0; k < 7; ++k) {
+  // a graph, `fused` jl with the selection fused into scoring (gpu/step.h).
+  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const eps::Method methods[5] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff,
+                                  eps::Method::kJl, eps::Method::kJl};
+  double* p50[5] = {&row.jl_us, &row.fro_us, &row.off_us, &row.direct_us, &row.fused_us};
+  for (int k = 0; k < 5; ++k) {
     eps::gpu::GpuSelector* selector_k = k == 3   ? direct->get()
                                         : k == 4 ? fused->get()
-                                        : k >= 5 ? cooperative->get()
                                                  : selector->get();
     eps::SelectPolicy policy;
     policy.top_pages = top_pages_per_head;
@@ -329,7 +321,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
 
 // One shape, many policies: p50 GPU µs of each, with the summary bytes it read.
 struct PolicyCase {
-  std::string name;
+  const char* name;
   eps::SummaryFeatures features;
   eps::SelectPolicy policy;
   eps::gpu::GpuSelectorOptions options = {};
@@ -401,15 +393,6 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
     p.mass_scope = eps::MassScope::kList;
   });
   add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
-  // The threshold steps above as one cooperative kernel (gpu/cooperative_step.cuh).
-  for (const char* name : {"jl threshold", "questclt threshold", "questclt threshold quest8",
-                           "questclt threshold key_sum"}) {
-    PolicyCase cooperative = *std::find_if(
-        cases.begin(), cases.end(), [&](const PolicyCase& c) { return c.name == name; });
-    cooperative.name += " (cooperative)";
-    cooperative.options.cooperative = true;
-    cases.push_back(cooperative);
-  }
   std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
               static_cast<long long>(context));
   std::printf("%-38s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
@@ -417,7 +400,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
   for (const PolicyCase& c : cases) {
     if (!policy_names.empty() &&
         std::none_of(policy_names.begin(), policy_names.end(), [&](const std::string& n) {
-          return c.name.find(n) != std::string::npos;
+          return std::string(c.name).find(n) != std::string::npos;
         })) {
       continue;
     }
@@ -437,7 +420,7 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
     const double us = Median(gpu_us);
     const double bytes = static_cast<double>(stats.summary_bytes_read);
     const double copy_us = bytes / (copy_gbs * 1e9) * 1e6;
-    std::printf("%-38s %8lld %10.1f %9.1f %9.1f %7.1f%% %8.1f%%\n", c.name.c_str(),
+    std::printf("%-38s %8lld %10.1f %9.1f %9.1f %7.1f%% %8.1f%%\n", c.name,
                 static_cast<long long>(eps::SummaryLayout::For(m).record_bytes()), bytes / 1e6, us,
                 copy_us, 100.0 * copy_us / us, 100.0 * stats.groups_visited / stats.groups_total);
     std::fflush(stdout);
@@ -506,10 +489,9 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s, theoretical %.0f GB/s, measured d2d copy %.0f GB/s (read + write)\n",
               prop.name, peak_gbs, *copy_gbs);
-  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s %10s %10s %9s %9s\n",
-              "batch", "context", "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy",
-              "visited%", "fro_us", "off_us", "wall_us", "direct_us", "dwall_us", "fused_us",
-              "queued_us", "coop_us", "coopoff");
+  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s %10s %10s\n", "batch",
+              "context", "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy", "visited%",
+              "fro_us", "off_us", "wall_us", "direct_us", "dwall_us", "fused_us", "queued_us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;
@@ -536,11 +518,11 @@ int main(int argc, char** argv) {
       const double gbs = bytes / (r->jl_us * 1e-6) / 1e9;
       std::printf(
           "%6lld %8lld %10.1f %9.1f %9.1f %9.1f %8.0f %6.1f%% %8.1f%% %8.1f %8.1f %9.1f %9.1f "
-          "%10.1f %10.1f %10.1f %9.1f %9.1f\n",
+          "%10.1f %10.1f %10.1f\n",
           static_cast<long long>(batch), static_cast<long long>(context), r->summary_mb, r->jl_us,
           bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
           100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us, r->direct_us,
-          r->direct_wall_us, r->fused_us, r->queued_us, r->cooperative_us, r->cooperative_off_us);
+          r->direct_wall_us, r->fused_us, r->queued_us);
       std::fflush(stdout);
     }
   }

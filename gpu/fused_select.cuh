@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
   if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
 
   // 1. Scores into shared memory [ratio, kScoreThreads].
-  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of(), blockIdx);
+  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of());
   __syncthreads();
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;

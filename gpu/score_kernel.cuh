@@ -94,13 +94,11 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
 // kQuest8: questclt reads the quest8 part (the records hold one), on either
 // path. kChunks: the block takes that many runs of blockDim.x groups (octet
 // path only). A thread without a group (or with a bad slot) writes none.
-// `block`: the block's place in the scoring grid (blockIdx, or a persistent
-// block's current one: gpu/cooperative_step.cuh). Returns early, so the caller
-// syncs the block before reading the scores.
+// Returns early, so the caller syncs the block before reading the scores.
 template <Method kMethod, int kM, bool kStrict, int kHeads, bool kFused, int kOctetD = 0,
           bool kQuest8 = false, int kChunks = 1>
 __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, float* shared,
-                                            float* fused_scores, const dim3 block) {
+                                            float* fused_scores) {
   static_assert(!kFused || (!kStrict && kMethod != Method::kOff), "fused: one score per head");
   static_assert(kOctetD == 0 || (kMethod == Method::kQuestClt && !kStrict && HasOctetPath(kOctetD)),
                 "the octet path is questclt's");
@@ -122,8 +120,8 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   static_assert(kBatch <= kHeadBatch, "HeadSums holds kHeadBatch heads");
   // q in shared memory: the per-channel sums of quest (its sign-split copy), 1pc, strict.
   constexpr bool kQueries = kWarpSums || kMethod == Method::kOnePc || kMethod == Method::kQuestClt;
-  const int row = block.z;
-  const int layer = block.y / s.kv_heads, kvh = block.y % s.kv_heads;
+  const int row = blockIdx.z;
+  const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
   const int words = TermWords(s.m);
   float* stage = shared;  // [threads, kStride], or the ring [warps, OctetRingWarpWords]
@@ -140,7 +138,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
   const int n = GroupsOf(s, tokens);
   // kChunks > 1: the block takes kChunks runs of blockDim.x groups, one after the other.
-  int64_t p = block.x * int64_t{kChunks} * blockDim.x + threadIdx.x;
+  int64_t p = blockIdx.x * int64_t{kChunks} * blockDim.x + threadIdx.x;
   bool active = false;
   const int64_t table_row = a.rows[row].table_row;
   int32_t slot = 0;
@@ -172,7 +170,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
     }
     // Block ids are checked once per group, by the fine level's (layer 0, kv head 0) blocks.
-    if (p < n && block.y == 0 && !a.coarse) {
+    if (p < n && blockIdx.y == 0 && !a.coarse) {
       for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
         const int32_t id = a.block_table[table_row * s.max_blocks + b];
         if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
@@ -316,7 +314,7 @@ __global__ void __launch_bounds__(kScoreThreads,
     ScoreKernel(Shape s, ScoreArgs a) {
   extern __shared__ __align__(16) float shared[];
   ScoreGroups<kMethod, kM, kStrict, kHeads, false, kOctetD, kQuest8,
-              (kOctetD > 0 ? kOctetChunks : 1)>(s, a, shared, nullptr, blockIdx);
+              (kOctetD > 0 ? kOctetChunks : 1)>(s, a, shared, nullptr);
 }
 
 }  // namespace eps::gpu::kernels

@@ -14,7 +14,6 @@
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
 #include "core/status.h"
-#include "gpu/cooperative_kernels.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "gpu/fused_select.cuh"
@@ -37,8 +36,12 @@ namespace {
 size_t ScoreSharedBytes(const ModelLayout& m, bool staged, bool octets = false) {
   return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged, octets);
 }
+// The words are padded to whole 16 bytes: the compiler reads them four at a
+// time (LDS.128 in the fixed budget's rank loop), the last load reaching past
+// the last word when max_groups is not a multiple of 4 (memcheck found it).
 size_t SelectSharedBytes(int64_t max_groups) {
-  return static_cast<size_t>((max_groups + 15) / 16 * 16 + max_groups * sizeof(unsigned));
+  return static_cast<size_t>((max_groups + 15) / 16 * 16 +
+                             (max_groups + 3) / 4 * 4 * sizeof(unsigned));
 }
 constexpr int64_t kMaxGroups = 8192;  // the select kernel's shared memory holds a row's groups
 
@@ -70,15 +73,6 @@ struct GpuSelector::Impl {
   DeviceBuffer<uint8_t> candidates;
   int64_t coarse_capacity = 0;
   uint64_t sequence = 0;  // steps launched: picks this step's report
-  // The cooperative step's cuts [max_batch, layers, q_heads], allocated by its first
-  // step, and the blocks of each of its kernels resident at once (by shared memory).
-  DeviceBuffer<float> cuts;
-  struct Residency {
-    const void* kernel;
-    size_t shared;
-    int blocks;
-  };
-  std::vector<Residency> residency;
   GpuSelectorOptions options;
   CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
@@ -102,20 +96,6 @@ struct GpuSelector::Impl {
   bool pending_coarse = false;  // the step used the coarse level: the device counted its records
   bool per_head = false;        // per-KV-head lists: each reads one KV head's K and V
   bool last_fused = false;      // the last step queued fused its selection
-  bool last_cooperative = false;  // the last step queued was one cooperative kernel
-
-  // Blocks of `kernel` with `shared` bytes that the device holds at once.
-  absl::StatusOr<int> ResidentBlocks(const void* kernel, size_t shared) {
-    for (const Residency& r : residency) {
-      if (r.kernel == kernel && r.shared == shared) return r.blocks;
-    }
-    int per_sm = 0, sms = 0;
-    CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, kernel, kernels::kScoreThreads, shared));
-    CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    residency.push_back({kernel, shared, per_sm * sms});
-    return per_sm * sms;
-  }
 
   ~Impl() {
     // Sessions end on any thread (the lease reaper's device is 0): free on ours.
@@ -154,7 +134,7 @@ absl::Status LoadKernels(int device) {
        {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
         std::span<const void* const>(kSelectKernels), std::span<const void* const>(kFusedKernels),
         std::span<const void* const>(kCandidateKernels),
-        std::span<const void* const>(kFeedbackKernels), CooperativeKernels()}) {
+        std::span<const void* const>(kFeedbackKernels)}) {
     for (const void* kernel : kernels) {
       cudaFuncAttributes attributes;
       CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
@@ -255,7 +235,6 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
 bool GpuSelector::pending() const { return impl_->pending; }
 uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }
 bool GpuSelector::last_step_fused() const { return impl_->last_fused; }
-bool GpuSelector::last_step_cooperative() const { return impl_->last_cooperative; }
 
 absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& policy,
                                   const StepOutputs& out, const StepFence& fence) {
@@ -271,7 +250,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const int64_t batch = static_cast<int64_t>(in.rows.size());
   if (batch == 0) {
     g.last_fused = false;
-    g.last_cooperative = false;
     if (fence.selection_done != nullptr) {
       CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
       if (fence.inputs_ready != nullptr) {
@@ -440,35 +418,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     launch.select.max_coarse_groups = in.max_coarse_groups;
     launch.select.coarse_ratio = m.coarse_ratio();
   }
-  // Or the whole step as one cooperative kernel (cooperative_step.cuh), where its
-  // shared memory fits: the threshold budget, not strict, no coarse level, no feedback.
-  if (g.options.cooperative && policy.budget == Budget::kThreshold && !strict && !coarse &&
-      !feedback) {
-    const size_t shared =
-        CooperativeSharedBytes(launch.score_shared, m.head_dim, m.sketch_dim, in.max_groups);
-    if (shared <= static_cast<size_t>(g.max_shared)) {
-      if (g.cuts.get() == nullptr) {
-        RETURN_IF_CUDA_ALLOC(g.cuts, g.max_batch * m.num_layers * m.num_q_heads);
-      }
-      const void* kernel = CooperativeKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged,
-                                                octets, m.head_dim, g.layout.quest8 >= 0);
-      ASSIGN_OR_RETURN(const int resident, g.ResidentBlocks(kernel, shared));
-      // No more blocks than the largest phase has work for: a warp per head, a
-      // block per scoring block or list.
-      const int64_t heads = batch * m.num_layers * m.num_q_heads;
-      const int64_t needed =
-          std::max({(heads + kCooperativeWarps - 1) / kCooperativeWarps,
-                    int64_t{launch.score_grid.x} * launch.score_grid.y * launch.score_grid.z,
-                    batch * m.num_layers * lists});
-      if (resident > 0) {
-        launch.cooperative = true;
-        launch.cooperative_kernel = kernel;
-        launch.cooperative_shared = shared;
-        launch.cooperative_blocks = static_cast<unsigned>(std::min<int64_t>(resident, needed));
-        launch.cooperative_args = {g.cuts.get(), launch.score_grid, 0};
-      }
-    }
-  }
   // Or fused into scoring (fused_select.cuh): the threshold budget, not strict,
   // every row within one scoring block, and its shared memory within the
   // device's (it keeps the block's scores and the cut's histograms besides
@@ -480,7 +429,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
       FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged, g.layout.quest8 >= 0);
   // Not with the coarse level: its selection reads the candidates too; nor with
   // feedback, which rewrites the scores between scoring and selection.
-  if (g.options.fuse_selection && !launch.cooperative && policy.budget == Budget::kThreshold && !strict && !method_off &&
+  if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
       !coarse && !feedback && fused_kernel != nullptr && max_n <= kScoreThreads &&
       fused_shared <= static_cast<size_t>(g.max_shared)) {
     launch.fused_selection = true;
@@ -534,7 +483,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                                          g.stream));
   }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
-  if (g.options.graphs && !launch.cooperative) {
+  if (g.options.graphs) {
     RETURN_IF_ERROR(g.captured.Replay(g.stream, launch));
   } else {
     RETURN_IF_ERROR(launch.Launch(g.stream));
@@ -566,7 +515,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   g.scored_kv_heads_total = scored_kv_heads_total;
   g.per_head = per_head;
   g.last_fused = launch.fused_selection;
-  g.last_cooperative = launch.cooperative;
   g.row_groups = row_groups;
   g.pending_num_slots = in.num_slots;
   g.pending_physical_blocks = in.num_physical_blocks;

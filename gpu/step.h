@@ -93,12 +93,6 @@ struct GpuSelectorOptions {
   // selection kernel at every shape measured (docs/benchmarks/gpu.md,
   // "fused selection": 98 vs 77 us at 8 x 32k). Tests compare the two.
   bool fuse_selection = false;
-  // Run the threshold budget's step (not strict, no coarse level, no feedback)
-  // as one cooperative kernel (gpu/cooperative_step.cuh): query terms, scoring,
-  // cuts and compaction in one launch over every SM, with grid-wide barriers
-  // between them. Other steps take the kernels above. Takes precedence over
-  // fuse_selection.
-  bool cooperative = false;
   // questclt takes its general path (gpu/warp_sums.cuh QuestCltSumsWarp: the
   // warp's 32 lanes share each record, for any d) even where its octet path
   // applies (gpu/questclt_octets.cuh: d of 64, 128 or 256; the same scores to a
@@ -146,8 +140,6 @@ class GpuSelector {
   // Whether the last step queued ran its selection fused into scoring
   // (gpu/fused_select.cuh), for tests and benchmarks.
   bool last_step_fused() const;
-  // Whether it ran as one cooperative kernel (GpuSelectorOptions::cooperative).
-  bool last_step_cooperative() const;
 
  private:
   struct Impl;

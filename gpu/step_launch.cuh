@@ -1,5 +1,4 @@
-// One step's launch of the pre-pass (gpu/step.h): the three kernels (or one,
-// the cooperative step: gpu/cooperative_step.cuh; or two,
+// One step's launch of the pre-pass (gpu/step.h): the three kernels (or two,
 // with the selection fused into scoring: gpu/fused_select.cuh; or five, with
 // the coarse level: gpu/coarse_select.cuh; and selection feedback's two around
 // the selection: gpu/feedback.cuh) with all their parameters, launched
@@ -18,7 +17,6 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "gpu/coarse_select.cuh"
-#include "gpu/cooperative_step.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/feedback.cuh"
 #include "gpu/fused_select.cuh"
@@ -65,30 +63,8 @@ struct StepLaunch {
   kernels::FeedbackArgs feedback;
   dim3 feedback_grid;
   size_t feedback_shared;  // FeedbackKernel's keys
-  // The cooperative step (gpu/cooperative_step.cuh): one kernel for the whole
-  // step, launched directly (never captured) on `cooperative_blocks` resident blocks.
-  bool cooperative;
-  const void* cooperative_kernel;
-  kernels::CooperativeArgs cooperative_args;
-  unsigned cooperative_blocks;
-  size_t cooperative_shared;
 
   absl::Status Launch(cudaStream_t stream) {
-    if (cooperative) {
-      cudaLaunchAttribute together{};
-      together.id = cudaLaunchAttributeCooperative;
-      together.val.cooperative = 1;
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(cooperative_blocks);
-      config.blockDim = dim3(kernels::kScoreThreads);
-      config.dynamicSmemBytes = cooperative_shared;
-      config.stream = stream;
-      config.attrs = &together;
-      config.numAttrs = 1;
-      void* params[] = {&shape, &terms, &score, &rule, &select, &cooperative_args};
-      CUDA_RETURN_IF_ERROR(cudaLaunchKernelExC(&config, cooperative_kernel, params));
-      return absl::OkStatus();
-    }
     void* terms_params[] = {&shape, &terms};
     CUDA_RETURN_IF_ERROR(cudaLaunchKernel(terms_kernel, terms_grid, dim3(kernels::kTermsThreads),
                                           terms_params, terms_shared, stream));

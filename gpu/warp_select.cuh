@@ -144,8 +144,7 @@ __device__ __forceinline__ float WarpThresholdCut(const float* values, int n,
   if (__reduce_add_sync(0xFFFFFFFFu, local) <= static_cast<unsigned>(rule.top_pages)) {
     return -INFINITY;
   }
-  const float t =
-      KeyToFloat(WarpKthLargest(values, n, rule.top_pages, unforced, histogram, lane));
+  const float t = KeyToFloat(WarpKthLargest(values, n, rule.top_pages, unforced, histogram, lane));
   return t > 0.0f ? t / rule.alpha : t * rule.alpha;
 }
 
@@ -155,7 +154,7 @@ __device__ __forceinline__ float WarpThresholdCut(const float* values, int n,
 // taken when key_p > key, or key_p == key and p <= tie. Masses are summed in
 // double, in another order than core/'s, so a group at the cut may differ.
 __device__ inline void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
-                            double* masses, int lane, unsigned* cut_key, int* cut_tie) {
+                                   double* masses, int lane, unsigned* cut_key, int* cut_tie) {
   float top = -INFINITY;
   bool any = false;
   for (int p = lane; p < n; p += 32) {

@@ -561,5 +561,40 @@ TEST(GpuStepValidationTest, NonFiniteQueryFailsTheStepAndWritesNothing) {
       "element " + std::to_string(bad) + " is not finite");
 }
 
+// The fixed budget's rank loop reads the selection's shared words four at a
+// time; a row that fills the table with a group count that is not a multiple
+// of 4 (625 groups) read past the allocation until it was padded (memcheck,
+// 2026-11-26). Lists equal core/'s up to a tie; run under memcheck by gpu_check.sh.
+TEST(GpuStepValidationTest, FixedBudgetOverAFullTableStaysInItsSharedMemory) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m = ValidationModel();
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  const int64_t tokens = 20000;  // 1,250 blocks, 625 groups of 2 blocks: the table's width
+  testing::StepBuffers buffers(m, 1, tokens, 1, Granularity::kUnion);
+  buffers.AssignRow(0, tokens, 1);
+  buffers.FillRandomSummaries(5);
+  ASSERT_EQ(buffers.max_groups() % 4, 1);
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok());
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = tokens, .seq_id = 0}};
+  SelectPolicy policy;
+  policy.budget = Budget::kFixed;
+  policy.top_pages = 40;
+  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    const auto core_list = buffers.VisitBlocks(layer, 0, 0);
+    const std::vector<int32_t> list = got.List(1, 1, buffers.max_blocks(), layer, 0, 0);
+    const auto want = testing::VisitedGroups(buffers, 0, core_list, buffers.max_groups());
+    const auto have = testing::VisitedGroups(buffers, 0, list, buffers.max_groups());
+    int differing = 0;
+    for (size_t p = 0; p < want.size(); ++p) differing += want[p] != have[p];
+    EXPECT_LE(differing, 2) << "layer " << layer;  // a tie at the 40th rank moves one group
+  }
+}
+
 }  // namespace
 }  // namespace eps
