@@ -57,8 +57,10 @@ struct FeedbackArgs {
 
 // FeedbackKernel's dynamic shared memory: a key for each of up to `groups` groups
 // (at least the longest row's; kMaxGroups' 8,192 take 64 KiB).
+// Padded to whole 16 bytes, as the selection's words are (gpu/step.cu SelectSharedBytes):
+// a 16-byte load of the last two keys stays inside the allocation.
 inline size_t FeedbackSharedBytes(int64_t groups) {
-  return static_cast<size_t>(groups) * sizeof(unsigned long long);
+  return static_cast<size_t>((groups + 1) / 2 * 2) * sizeof(unsigned long long);
 }
 
 // Double -> 64-bit key with the same order (finite values only; −0 below +0).
