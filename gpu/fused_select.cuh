@@ -76,6 +76,7 @@ __device__ inline int DecideListWrite(const SelectArgs& a) {
       *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step) {
     return kWriteNothing;
   }
+  if (ReleasedByHost(a)) return kWriteDense;  // the queries are not the step's
   if (*reinterpret_cast<const volatile int*>(&a.report->status.code) != kOk) {
     return a.selection_done != nullptr ? kWriteDense : kWriteNothing;
   }

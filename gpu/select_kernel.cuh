@@ -47,7 +47,18 @@ struct SelectArgs {
   // null: with the coarse level a group a scored head of the list has an entry for
   // competes outside the candidates too, as core/ keeps visit &= allowed | fed.
   const float* feedback;
+  // epsd's own release of the step's inputs wait (GpuSelector::Finish): the number
+  // of the launch it released (0: none), and this launch's number (from 1; not part
+  // of a graph's key: a replay sets it). Equal: every list is -1, "attend densely".
+  const uint64_t* released;
+  uint64_t launch;
 };
+
+// Whether this launch's inputs wait was released by epsd's host (SelectArgs::released).
+__device__ inline bool ReleasedByHost(const SelectArgs& a) {
+  return a.released != nullptr &&
+         *reinterpret_cast<const volatile uint64_t*>(a.released) == a.launch;
+}
 
 template <Budget kBudget, bool kStrict, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -73,6 +84,15 @@ __global__ void __launch_bounds__(kWarps * 32)
   // attends densely): leave its outputs alone.
   if (a.selection_done != nullptr &&
       *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step) {
+    return;
+  }
+  if (ReleasedByHost(a)) {
+    // The queries are not this step's: every list says "attend densely", and the
+    // failed report keeps the feedback (ConsumeKernel) for the step that reads it.
+    if (threadIdx.x == 0) {
+      a.visit_count[list_index] = -1;
+      if (blockIdx.x == 0 && blockIdx.y == 0) Fail(&a.report->status, kReleased, 0, 0, 0);
+    }
     return;
   }
   if (a.report->status.code != kOk) {

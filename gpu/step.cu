@@ -61,6 +61,8 @@ struct GpuSelector::Impl {
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
   DeviceBuffer<StepReport> reports;  // two, alternating by step (step_shape.cuh)
+  // The launch whose inputs wait the host released (Finish's timeout; SelectArgs::released).
+  DeviceBuffer<uint64_t> released;
   // The fused selection's scratch (fused_select.cuh), zero between steps:
   // union masks [max_batch, layers, kFusedMaskWords]; arrivals [max_batch,
   // layers] and the step's count of finished (row, layer)s after them.
@@ -87,8 +89,9 @@ struct GpuSelector::Impl {
 
   // The step queued by Enqueue and not yet finished.
   bool pending = false;
-  StepFence fence;         // of the pending step (fence.step is its number)
-  StepStats pending_host;  // the host-side part of its statistics
+  StepFence fence;              // of the pending step (fence.step is its number)
+  uint64_t pending_launch = 0;  // its launch number (SelectArgs::launch)
+  StepStats pending_host;       // the host-side part of its statistics
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
   int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
@@ -101,8 +104,9 @@ struct GpuSelector::Impl {
     // Sessions end on any thread (the lease reaper's device is 0): free on ours.
     cudaSetDevice(device);
     if (pending && fence.inputs_ready != nullptr) {
-      // Never leave the stream waiting on an engine that is gone.
-      (void)StreamRaiseCounter(release_stream, fence.inputs_ready, fence.step);  // best effort
+      // Never leave the stream waiting on an engine that is gone (best effort).
+      (void)StreamWriteCounter(release_stream, released.get(), pending_launch);
+      (void)StreamRaiseCounter(release_stream, fence.inputs_ready, fence.step);
     }
     if (stream != nullptr) cudaStreamSynchronize(stream);
     if (host_rows != nullptr) cudaFreeHost(host_rows);
@@ -205,6 +209,8 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
+  RETURN_IF_CUDA_ALLOC(impl->released, 1);
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl->released.get(), 0, sizeof(uint64_t)));
   const int64_t row_layers = max_batch * model.num_layers;
   RETURN_IF_CUDA_ALLOC(impl->fused_masks, row_layers * kFusedMaskWords);
   RETURN_IF_CUDA_ALLOC(impl->fused_arrivals, row_layers + 1);
@@ -442,6 +448,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                      nullptr,        out.visit_blocks,     out.visit_count, report,
                      next_report,    fence.selection_done, fence.step};
   }
+  // This launch's number (from 1), which Finish names when it releases the inputs wait.
+  launch.select.released = g.released.get();
+  launch.select.launch = g.sequence + 1;
   const auto [select_kernel, warps] = SelectKernelFor(policy.budget, strict, m.num_q_heads / lists);
   launch.select_kernel = launch.fused_selection ? nullptr : select_kernel;
   launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
@@ -510,6 +519,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   g.pending = true;
   g.fence = fence;
+  g.pending_launch = g.sequence;  // incremented after the launch above
   g.pending_host = host;
   g.pending_rows.assign(in.rows.begin(), in.rows.end());
   g.scored_kv_heads_total = scored_kv_heads_total;
@@ -536,7 +546,10 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     while ((q = cudaStreamQuery(g.stream)) == cudaErrorNotReady) {
       if (std::chrono::steady_clock::now() >= deadline) {
         // The engine never wrote inputs_ready: release our own wait so the
-        // stream drains (the step then runs on whatever inputs are there).
+        // stream drains. The step then runs on whatever queries are there, so
+        // its selection first learns that this launch was released: every
+        // list says "attend densely" (-1) and no feedback is consumed.
+        RETURN_IF_ERROR(StreamWriteCounter(g.release_stream, g.released.get(), g.pending_launch));
         RETURN_IF_ERROR(StreamRaiseCounter(g.release_stream, g.fence.inputs_ready, g.fence.step));
         released = true;
         break;
@@ -551,9 +564,9 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
   g.pending = false;
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(g.stream));
   if (released) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("inputs_ready never reached step ", g.fence.step, " within ", timeout.count(),
-                     " us: the wait was released and the step's lists are not trustworthy"));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "inputs_ready never reached step ", g.fence.step, " within ", timeout.count(),
+        " us: the wait was released and every list of the step says attend densely (-1)"));
   }
   if (prepass_us != nullptr) {
     float ms = 0.0f;

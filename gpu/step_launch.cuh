@@ -116,7 +116,7 @@ struct StepLaunch {
     return absl::OkStatus();
   }
 
-  // The kernel whose parameters carry the step number (SelectArgs::step).
+  // The kernel whose parameters carry the step and launch numbers (SelectArgs::step, launch).
   const void* StepKernel() const { return fused_selection ? score_kernel : select_kernel; }
 
   // That kernel's node parameters; `params` has room for 5.
@@ -147,17 +147,19 @@ struct StepLaunch {
     return node;
   }
 
-  // Every parameter's bytes but the step number, which a replay sets.
+  // Every parameter's bytes but the step and launch numbers, which a replay sets.
   std::string Key() const {
     std::string key(reinterpret_cast<const char*>(this), sizeof(StepLaunch));
-    const size_t step = offsetof(StepLaunch, select) + offsetof(kernels::SelectArgs, step);
-    std::fill_n(key.begin() + step, sizeof(uint64_t), '\0');
+    for (const size_t field :
+         {offsetof(kernels::SelectArgs, step), offsetof(kernels::SelectArgs, launch)}) {
+      std::fill_n(key.begin() + offsetof(StepLaunch, select) + field, sizeof(uint64_t), '\0');
+    }
     return key;
   }
 };
 
 // The graphs of recent steps, most recent first: a step whose launch equals a
-// cached one's apart from the step number replays it, with the selection (or
+// cached one's apart from the step and launch numbers replays it, with the selection (or
 // fused) node given this step's number; any other step is captured anew (up to
 // kCapacity are kept). Thread safety: one caller at a time, as GpuSelector.
 class CapturedSteps {
@@ -210,10 +212,10 @@ class CapturedSteps {
  private:
   static constexpr size_t kCapacity = 8;
   struct Captured {
-    std::string key;  // the launch's bytes, step number zeroed
+    std::string key;  // the launch's bytes, step and launch numbers zeroed
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    cudaGraphNode_t step_node = nullptr;  // its parameters carry the step number
+    cudaGraphNode_t step_node = nullptr;  // its parameters carry the step and launch numbers
   };
 
   static void Destroy(Captured& c) {

@@ -20,7 +20,11 @@ enum ErrorCode : int {
   kBadScore = 3,
   kBadQuery = 4,
   kBadCoarseSlot = 5,
-  kBadCoarseScore = 6
+  kBadCoarseScore = 6,
+  // Not an input error: epsd's host released the step's wait for inputs_ready
+  // (GpuSelector::Finish's timeout), so its queries are not the step's. Its lists
+  // say "attend densely" and, the report failed, no feedback is consumed.
+  kReleased = 7
 };
 struct DeviceStatus {
   int code;

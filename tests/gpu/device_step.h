@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <random>
 #include <span>
 #include <vector>
@@ -72,10 +73,13 @@ struct CoarseHost {
 // `coarse`: the coarse level's buffers go to the device too. The outputs start
 // at `fill` (visit_blocks and visit_count). `feedback` (StepInputs::feedback, [layers,
 // max_seqs, q_heads, max_groups]): goes to the device, and comes back after the step.
+// `unsignalled`: the step is queued behind a step fence whose inputs_ready the
+// engine never writes, and finished with that timeout (Finish releases the wait).
 inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffers,
                                  int64_t max_batch, std::span<const StepRow> rows,
                                  const SelectPolicy& policy, const CoarseHost* coarse = nullptr,
-                                 int32_t fill = -1, std::vector<float>* feedback = nullptr) {
+                                 int32_t fill = -1, std::vector<float>* feedback = nullptr,
+                                 std::chrono::microseconds unsignalled = {}) {
   const ModelLayout& m = buffers.model();
   const int lists = policy.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
   StepInputs in = buffers.Inputs(rows);
@@ -123,8 +127,21 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
   in.group_table = groups.get();
   in.block_table = blocks.get();
   in.queries = queries.get();
-  result.status =
-      selector.Select(in, policy, {visit.get(), count.get()}, &result.stats, &result.prepass_us);
+  if (unsignalled.count() > 0) {
+    const uint64_t zero[2] = {0, 0};  // inputs_ready, selection_done
+    gpu::DeviceBuffer<uint64_t> counters;
+    result.status = CopyToDevice(counters, zero, 2);
+    if (result.status.ok()) {
+      result.status = selector.Enqueue(in, policy, {visit.get(), count.get()},
+                                       {counters.get(), counters.get() + 1, 1});
+    }
+    if (result.status.ok()) {
+      result.status = selector.Finish(unsignalled, &result.stats, &result.prepass_us);
+    }
+  } else {
+    result.status =
+        selector.Select(in, policy, {visit.get(), count.get()}, &result.stats, &result.prepass_us);
+  }
   result.visit_blocks.resize(list_count * buffers.max_blocks());
   result.visit_count.resize(list_count);
   EXPECT_EQ(cudaMemcpy(result.visit_blocks.data(), visit.get(),

@@ -4,6 +4,8 @@
 // device (CI); runs on the lent H100.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -187,6 +189,44 @@ TEST(FeedbackGpuValidationTest, AFailedStepLeavesTheFeedbackUntouched) {
 }
 
 // Strict mode ignores the buffer: the same lists as without it, nothing consumed.
+// The engine never wrote inputs_ready, so epsd's host released the step's wait
+// (Finish's timeout): the queries are not the step's, so every list says attend
+// densely (-1) and the feedback stays for the step that reads it; flat and with
+// the coarse level, captured graphs and direct launches. The same selector's next
+// step selects and consumes as usual.
+TEST(FeedbackGpuValidationTest, AReleasedStepWritesDenseListsAndKeepsTheFeedback) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  CoarseSteps steps(1, 4, Granularity::kUnion, rng);
+  const CoarseHost host = steps.Host();
+  const std::vector<float> feedback = RandomFeedback(steps, rng);
+  for (const bool coarse : {false, true}) {
+    for (const bool graphs : {true, false}) {
+      SCOPED_TRACE(std::string(coarse ? "coarse" : "flat") + (graphs ? ", graphs" : ", direct"));
+      ModelLayout model = steps.model;
+      if (!coarse) model.coarse_blocks = 0;
+      SelectPolicy policy;
+      auto selector =
+          gpu::GpuSelector::Create(model, 0, kBatch, steps.fine->max_groups(), {.graphs = graphs});
+      ASSERT_TRUE(selector.ok());
+      std::vector<float> got = feedback;
+      const testing::DeviceStep released =
+          testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy,
+                                  coarse ? &host : nullptr, 7, &got, std::chrono::milliseconds(50));
+      EXPECT_EQ(released.status.code(), absl::StatusCode::kDeadlineExceeded) << released.status;
+      EXPECT_EQ(released.visit_count, std::vector<int32_t>(released.visit_count.size(), -1));
+      EXPECT_TRUE(SameBits(got, feedback));
+      const testing::DeviceStep next = testing::SelectOnDevice(
+          **selector, *steps.fine, kBatch, steps.rows, policy, coarse ? &host : nullptr, -1, &got);
+      ASSERT_TRUE(next.status.ok()) << next.status;
+      EXPECT_GT(*std::min_element(next.visit_count.begin(), next.visit_count.end()), 0);
+      EXPECT_FALSE(SameBits(got, feedback)) << "the next step consumed nothing";
+    }
+  }
+}
+
 TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedback) {
   SKIP_WITHOUT_DEVICE();
   const uint64_t seed = testing::TestSeed();

@@ -457,5 +457,31 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
   }
 }
 
+// epsd's host released the step's inputs wait (the engine never wrote
+// inputs_ready): the fused step too writes every list -1, attend densely.
+TEST(FusedSelectFailureTest, AReleasedStepWritesDenseLists) {
+  SKIP_WITHOUT_DEVICE();
+  const ModelLayout m = SmallModel();
+  testing::StepBuffers buffers(m, 2, 4096, 2, Granularity::kPerKvHead);
+  std::vector<StepRow> rows;
+  for (int r = 0; r < 2; ++r) {
+    buffers.AssignRow(r, 2048 * (r + 1), r + 1);
+    rows.push_back({.table_row = r, .context_tokens = 2048 * (r + 1), .seq_id = 0});
+  }
+  buffers.FillRandomSummaries(4);
+  auto fused = gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups(), {.fuse_selection = true});
+  ASSERT_TRUE(fused.ok());
+  for (const Granularity granularity : {Granularity::kUnion, Granularity::kPerKvHead}) {
+    SelectPolicy policy;
+    policy.granularity = granularity;
+    const testing::DeviceStep got = testing::SelectOnDevice(
+        **fused, buffers, 2, rows, policy, nullptr, 7, nullptr, std::chrono::milliseconds(50));
+    EXPECT_EQ(got.status.code(), absl::StatusCode::kDeadlineExceeded) << got.status;
+    EXPECT_TRUE((*fused)->last_step_fused());
+    EXPECT_EQ(got.visit_count, std::vector<int32_t>(got.visit_count.size(), -1))
+        << GranularityName(granularity);
+  }
+}
+
 }  // namespace
 }  // namespace eps
