@@ -23,6 +23,7 @@
 #include "gpu/step.h"
 #include "gpu/step_kernels.cuh"
 #include "gpu/step_launch.cuh"
+#include "gpu/step_report.cuh"
 #include "gpu/stream_ops.h"
 #include "gpu/terms_kernel.cuh"
 
@@ -576,30 +577,10 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
   const ModelLayout& m = g.model;
   const DeviceStatus status = g.host_report->status;
   const DeviceStats dstats = g.host_report->stats;
-  const std::vector<StepRow>& rows = g.pending_rows;
-  switch (status.code) {
-    case kBadSlot:
-      return absl::InvalidArgumentError(absl::StrCat("group_table[", rows[status.row].table_row,
-                                                     "][", status.index, "]=", status.value,
-                                                     " not in [0, ", g.pending_num_slots, ")"));
-    case kBadBlock:
-      return absl::InvalidArgumentError(
-          absl::StrCat("block_table[", rows[status.row].table_row, "][", status.index,
-                       "]=", status.value, " not in [0, ", g.pending_physical_blocks, ")"));
-    case kBadScore:
-    case kBadCoarseScore:
-      return absl::InvalidArgumentError(
-          absl::StrCat(status.code == kBadCoarseScore ? "coarse summary" : "summary", " of slot ",
-                       status.value, " gives a non-finite score: the summary holds NaN or Inf"));
-    case kBadCoarseSlot:
-      return absl::InvalidArgumentError(absl::StrCat("coarse_table[", rows[status.row].table_row,
-                                                     "][", status.index, "]=", status.value,
-                                                     " not in [0, ", g.pending_coarse_slots, ")"));
-    case kBadQuery:
-      return absl::InvalidArgumentError(
-          absl::StrCat("query of row ", status.row, " element ", status.index, " is not finite"));
-    default:
-      break;
+  if (absl::Status s = ReportStatus(status, {g.pending_rows, g.pending_num_slots,
+                                             g.pending_physical_blocks, g.pending_coarse_slots});
+      !s.ok()) {
+    return s;
   }
   if (stats != nullptr) {
     StepStats host = g.pending_host;
