@@ -58,6 +58,16 @@ std::vector<float> RandomFeedback(const CoarseSteps& steps, std::mt19937_64& rng
   return feedback;
 }
 
+// One row's steps (flat and coarse records) with random feedback, from a fresh
+// seed that the test prints on failure.
+struct RandomFeedbackSteps {
+  uint64_t seed = testing::TestSeed();
+  std::mt19937_64 rng{seed};
+  CoarseSteps steps{1, 4, Granularity::kUnion, rng};
+  std::vector<float> feedback = RandomFeedback(steps, rng);
+  CoarseHost host = steps.Host();
+};
+
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -165,12 +175,11 @@ INSTANTIATE_TEST_SUITE_P(Feedback, FeedbackGpuStepTest,
 // A step that fails (a bad slot in the group table) leaves every entry as it was.
 TEST(FeedbackGpuValidationTest, AFailedStepLeavesTheFeedbackUntouched) {
   SKIP_WITHOUT_DEVICE();
-  const uint64_t seed = testing::TestSeed();
-  SCOPED_TRACE(testing::SeedTrace(seed));
-  std::mt19937_64 rng(seed);
-  CoarseSteps steps(1, 4, Granularity::kUnion, rng);
-  const CoarseHost host = steps.Host();
-  const std::vector<float> feedback = RandomFeedback(steps, rng);
+  RandomFeedbackSteps f;
+  SCOPED_TRACE(testing::SeedTrace(f.seed));
+  CoarseSteps& steps = f.steps;
+  const CoarseHost& host = f.host;
+  const std::vector<float>& feedback = f.feedback;
   steps.fine->group_table()[5] = 1 << 30;  // row 0, group 5
   for (const bool coarse : {false, true}) {
     ModelLayout model = steps.model;
@@ -188,7 +197,6 @@ TEST(FeedbackGpuValidationTest, AFailedStepLeavesTheFeedbackUntouched) {
   }
 }
 
-// Strict mode ignores the buffer: the same lists as without it, nothing consumed.
 // The engine never wrote inputs_ready, so epsd's host released the step's wait
 // (Finish's timeout): the queries are not the step's, so every list says attend
 // densely (-1) and the feedback stays for the step that reads it; flat and with
@@ -196,12 +204,11 @@ TEST(FeedbackGpuValidationTest, AFailedStepLeavesTheFeedbackUntouched) {
 // step selects and consumes as usual.
 TEST(FeedbackGpuValidationTest, AReleasedStepWritesDenseListsAndKeepsTheFeedback) {
   SKIP_WITHOUT_DEVICE();
-  const uint64_t seed = testing::TestSeed();
-  SCOPED_TRACE(testing::SeedTrace(seed));
-  std::mt19937_64 rng(seed);
-  CoarseSteps steps(1, 4, Granularity::kUnion, rng);
-  const CoarseHost host = steps.Host();
-  const std::vector<float> feedback = RandomFeedback(steps, rng);
+  RandomFeedbackSteps f;
+  SCOPED_TRACE(testing::SeedTrace(f.seed));
+  CoarseSteps& steps = f.steps;
+  const CoarseHost& host = f.host;
+  const std::vector<float>& feedback = f.feedback;
   for (const bool coarse : {false, true}) {
     for (const bool graphs : {true, false}) {
       SCOPED_TRACE(std::string(coarse ? "coarse" : "flat") + (graphs ? ", graphs" : ", direct"));
@@ -227,14 +234,14 @@ TEST(FeedbackGpuValidationTest, AReleasedStepWritesDenseListsAndKeepsTheFeedback
   }
 }
 
+// Strict mode ignores the buffer: the same lists as without it, nothing consumed.
 TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedback) {
   SKIP_WITHOUT_DEVICE();
-  const uint64_t seed = testing::TestSeed();
-  SCOPED_TRACE(testing::SeedTrace(seed));
-  std::mt19937_64 rng(seed);
-  CoarseSteps steps(1, 4, Granularity::kUnion, rng);
-  const std::vector<float> feedback = RandomFeedback(steps, rng);
-  const CoarseHost host = steps.Host();
+  RandomFeedbackSteps f;
+  SCOPED_TRACE(testing::SeedTrace(f.seed));
+  CoarseSteps& steps = f.steps;
+  const CoarseHost& host = f.host;
+  const std::vector<float>& feedback = f.feedback;
   auto selector = gpu::GpuSelector::Create(steps.model, 0, kBatch, steps.fine->max_groups());
   ASSERT_TRUE(selector.ok());
   SelectPolicy policy;
