@@ -177,23 +177,21 @@ TEST(FeedbackGpuValidationTest, AFailedStepLeavesTheFeedbackUntouched) {
   SKIP_WITHOUT_DEVICE();
   RandomFeedbackSteps f;
   SCOPED_TRACE(testing::SeedTrace(f.seed));
-  CoarseSteps& steps = f.steps;
-  const CoarseHost& host = f.host;
-  const std::vector<float>& feedback = f.feedback;
-  steps.fine->group_table()[5] = 1 << 30;  // row 0, group 5
+  f.steps.fine->group_table()[5] = 1 << 30;  // row 0, group 5
   for (const bool coarse : {false, true}) {
-    ModelLayout model = steps.model;
+    ModelLayout model = f.steps.model;
     if (!coarse) model.coarse_blocks = 0;
     // Every coarse group a candidate: the bad slot's fine record is read.
     SelectPolicy policy;
     policy.coarse_candidates = 1024.0f;
-    auto selector = gpu::GpuSelector::Create(model, 0, kBatch, steps.fine->max_groups());
+    auto selector = gpu::GpuSelector::Create(model, 0, kBatch, f.steps.fine->max_groups());
     ASSERT_TRUE(selector.ok());
-    std::vector<float> got = feedback;
-    const testing::DeviceStep r = testing::SelectOnDevice(
-        **selector, *steps.fine, kBatch, steps.rows, policy, coarse ? &host : nullptr, -1, &got);
+    std::vector<float> got = f.feedback;
+    const testing::DeviceStep r =
+        testing::SelectOnDevice(**selector, *f.steps.fine, kBatch, f.steps.rows, policy,
+                                coarse ? &f.host : nullptr, -1, &got);
     EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
-    EXPECT_TRUE(SameBits(got, feedback)) << (coarse ? "coarse" : "flat");
+    EXPECT_TRUE(SameBits(got, f.feedback)) << (coarse ? "coarse" : "flat");
   }
 }
 
@@ -206,30 +204,28 @@ TEST(FeedbackGpuValidationTest, AReleasedStepWritesDenseListsAndKeepsTheFeedback
   SKIP_WITHOUT_DEVICE();
   RandomFeedbackSteps f;
   SCOPED_TRACE(testing::SeedTrace(f.seed));
-  CoarseSteps& steps = f.steps;
-  const CoarseHost& host = f.host;
-  const std::vector<float>& feedback = f.feedback;
   for (const bool coarse : {false, true}) {
     for (const bool graphs : {true, false}) {
       SCOPED_TRACE(std::string(coarse ? "coarse" : "flat") + (graphs ? ", graphs" : ", direct"));
-      ModelLayout model = steps.model;
+      ModelLayout model = f.steps.model;
       if (!coarse) model.coarse_blocks = 0;
       SelectPolicy policy;
-      auto selector =
-          gpu::GpuSelector::Create(model, 0, kBatch, steps.fine->max_groups(), {.graphs = graphs});
+      auto selector = gpu::GpuSelector::Create(model, 0, kBatch, f.steps.fine->max_groups(),
+                                               {.graphs = graphs});
       ASSERT_TRUE(selector.ok());
-      std::vector<float> got = feedback;
-      const testing::DeviceStep released =
-          testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy,
-                                  coarse ? &host : nullptr, 7, &got, std::chrono::milliseconds(50));
+      std::vector<float> got = f.feedback;
+      const testing::DeviceStep released = testing::SelectOnDevice(
+          **selector, *f.steps.fine, kBatch, f.steps.rows, policy, coarse ? &f.host : nullptr, 7,
+          &got, std::chrono::milliseconds(50));
       EXPECT_EQ(released.status.code(), absl::StatusCode::kDeadlineExceeded) << released.status;
       EXPECT_EQ(released.visit_count, std::vector<int32_t>(released.visit_count.size(), -1));
-      EXPECT_TRUE(SameBits(got, feedback));
-      const testing::DeviceStep next = testing::SelectOnDevice(
-          **selector, *steps.fine, kBatch, steps.rows, policy, coarse ? &host : nullptr, -1, &got);
+      EXPECT_TRUE(SameBits(got, f.feedback));
+      const testing::DeviceStep next =
+          testing::SelectOnDevice(**selector, *f.steps.fine, kBatch, f.steps.rows, policy,
+                                  coarse ? &f.host : nullptr, -1, &got);
       ASSERT_TRUE(next.status.ok()) << next.status;
       EXPECT_GT(*std::min_element(next.visit_count.begin(), next.visit_count.end()), 0);
-      EXPECT_FALSE(SameBits(got, feedback)) << "the next step consumed nothing";
+      EXPECT_FALSE(SameBits(got, f.feedback)) << "the next step consumed nothing";
     }
   }
 }
@@ -239,24 +235,21 @@ TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedback) {
   SKIP_WITHOUT_DEVICE();
   RandomFeedbackSteps f;
   SCOPED_TRACE(testing::SeedTrace(f.seed));
-  CoarseSteps& steps = f.steps;
-  const CoarseHost& host = f.host;
-  const std::vector<float>& feedback = f.feedback;
-  auto selector = gpu::GpuSelector::Create(steps.model, 0, kBatch, steps.fine->max_groups());
+  auto selector = gpu::GpuSelector::Create(f.steps.model, 0, kBatch, f.steps.fine->max_groups());
   ASSERT_TRUE(selector.ok());
   SelectPolicy policy;
   policy.method = Method::kJl;
   policy.top_pages = 6;
   policy.strict = true;
   const testing::DeviceStep without =
-      testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy, &host);
-  std::vector<float> got = feedback;
-  const testing::DeviceStep with =
-      testing::SelectOnDevice(**selector, *steps.fine, kBatch, steps.rows, policy, &host, -1, &got);
+      testing::SelectOnDevice(**selector, *f.steps.fine, kBatch, f.steps.rows, policy, &f.host);
+  std::vector<float> got = f.feedback;
+  const testing::DeviceStep with = testing::SelectOnDevice(**selector, *f.steps.fine, kBatch,
+                                                           f.steps.rows, policy, &f.host, -1, &got);
   ASSERT_TRUE(without.status.ok() && with.status.ok()) << with.status;
   EXPECT_EQ(with.visit_count, without.visit_count);
   EXPECT_EQ(with.visit_blocks, without.visit_blocks);
-  EXPECT_TRUE(SameBits(got, feedback));
+  EXPECT_TRUE(SameBits(got, f.feedback));
 }
 
 }  // namespace
