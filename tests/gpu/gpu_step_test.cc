@@ -345,6 +345,9 @@ INSTANTIATE_TEST_SUITE_P(
 // rounding of the total: core/'s walk never reached the goal (249 groups
 // without the ceiling, so 6 with it) and the device's list lacked three of
 // those six (seed 13433998473576987947, memcheck shard, 2026-11-26).
+// The per-KV-head ceiling case likewise runs at τ = 1000: at τ = 4 jl's walk often
+// reached 0.99 within three groups, so the ceiling of 3 bound in no list and the
+// case's own check failed (seed 8605748270751858264, 2026-11-26, sixth session).
 constexpr MassCase Mass(float target, float temperature, int min_pages = 0, int max_pages = 0,
                         bool limits_bind = false) {
   return {target, temperature, min_pages, max_pages, limits_bind};
@@ -371,7 +374,7 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuest, 64, 4, 4, 1, false, 8, kPerKvHead, kMass, false,
                 Mass(0.5f, 1.0f, 12, 0, true)},
         GpuCase{Method::kJl, 128, 32, 8, 8, false, 8, kPerKvHead, kMass, false,
-                Mass(0.99f, 4.0f, 0, 3, true)},
+                Mass(0.99f, 1000.0f, 0, 3, true)},
         GpuCase{Method::kJl, 128, 8, 2, 8, false, 8, kUnion, kMass, false,
                 Mass(0.9f, 1.0f, 5, 5, true)},
         GpuCase{Method::kQuest, 128, 8, 2, 2, false, 8, kUnion, kMass, false,
