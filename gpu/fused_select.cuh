@@ -10,9 +10,9 @@
 // Grid (1, layers * kv_heads, rows), kScoreThreads threads: one block per
 // (row, layer, KV head), as ScoreKernel's for such rows.
 //   1. ScoreGroups, its scores kept in shared memory [ratio, kScoreThreads];
-//   2. a warp per query head: T = the top_pages-th largest unforced score by
-//      the same radix select as the selection kernel (WarpKthLargest), cut
-//      T/α (T·α when T <= 0), and the head's marks, a bit per group, ORed
+//   2. a warp per query head: T = the top_pages-th largest unforced score,
+//      cut T/α (T·α when T <= 0), by the selection kernel's own function
+//      (WarpThresholdCut), and the head's marks, a bit per group, ORed
 //      into the block's marks;
 //   3. per-KV-head lists: the block owns its list and compacts it now.
 //      Union: the block ORs its marks into the (row, layer)'s mask in global

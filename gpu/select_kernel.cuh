@@ -16,8 +16,9 @@ namespace eps::gpu::kernels {
 
 // Selection: one block of 256 or 1024 threads per (layer * lists + list, row).
 //   1. each warp takes query heads of the list in turn and finds its cut
-//      (threshold budget and strict: the top_pages-th largest value by an
-//      8-bit radix select; top-p: the score where the mass reaches top_p;
+//      (threshold budget and strict: the top_pages-th largest value,
+//      WarpKthLargest: held and extracted for rows of up to 256 groups and
+//      ranks up to 32, else 8-bit radix passes; top-p: the score where the mass reaches top_p;
 //      mass: the group where the covered mass reaches mass_target, within the
 //      floor and ceiling); the fixed budget ranks the groups at or above that
 //      value instead;

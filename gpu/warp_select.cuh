@@ -124,10 +124,56 @@ __device__ __forceinline__ unsigned WarpKthLargestKey(int n, unsigned k, Key key
   return prefix;
 }
 
-// The k-th largest score's key among the groups `take(p)` admits.
+// The k-th largest of the keys a warp holds (kHeld per lane; 0 for a group not
+// taken, below every real key), by extraction: each lane sorts its own, then k
+// rounds take the warp's largest head (one REDUX) and the lane that held it
+// drops it. About 13 instructions a round and no shared memory: for small k it
+// is a fraction of WarpKthLargestKey's four histogram passes. Needs at least k
+// keys taken.
+template <int kHeld>
+__device__ __forceinline__ unsigned WarpKthLargestHeld(unsigned (&key)[kHeld], unsigned k,
+                                                       int lane) {
+#pragma unroll
+  for (int pass = 0; pass < kHeld; ++pass) {  // odd-even transposition sort, descending
+#pragma unroll
+    for (int j = pass & 1; j + 1 < kHeld; j += 2) {
+      const unsigned hi = max(key[j], key[j + 1]), lo = min(key[j], key[j + 1]);
+      key[j] = hi;
+      key[j + 1] = lo;
+    }
+  }
+  unsigned top = 0;
+  for (unsigned round = 0; round < k; ++round) {
+    top = __reduce_max_sync(0xFFFFFFFFu, key[0]);
+    const unsigned holders = __ballot_sync(0xFFFFFFFFu, key[0] == top);
+    if (lane == __ffs(holders) - 1) {
+#pragma unroll
+      for (int j = 0; j + 1 < kHeld; ++j) key[j] = key[j + 1];
+      key[kHeld - 1] = 0;
+    }
+  }
+  return top;
+}
+
+// Rows of at most this many groups, cut at a rank of at most kHeldRank, take
+// WarpKthLargestHeld (32k tokens at g = 8 with top_pages 16: the benchmark's shape).
+inline constexpr int kHeldGroups = 256, kHeldRank = 32;
+
+// The k-th largest score's key among the groups `take(p)` admits: held in
+// registers and extracted for small rows and ranks, else by radix passes.
 template <typename Take>
 __device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take take,
                                    unsigned* histogram, int lane) {
+  if (n <= kHeldGroups && k <= static_cast<unsigned>(kHeldRank)) {
+    constexpr int kHeld = kHeldGroups / 32;
+    unsigned key[kHeld];
+#pragma unroll
+    for (int j = 0; j < kHeld; ++j) {
+      const int p = lane + 32 * j;
+      key[j] = p < n && take(p) ? OrderedKey(values[p]) : 0u;  // a score's key is never 0
+    }
+    return WarpKthLargestHeld(key, k, lane);
+  }
   return WarpKthLargestKey(
       n, k, [&](int p) { return OrderedKey(values[p]); }, take, histogram, lane);
 }
