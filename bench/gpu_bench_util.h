@@ -50,8 +50,13 @@ StepInputs LevelInputs(const LevelOnDevice& level, int batch, std::span<const St
 // launch is queued, then released from another stream, as an engine's step
 // fence holds it (docs/design.md §5): the p50 GPU µs of 50 steps (10 warm-up)
 // without the host's launch inside it (Select's events bracket the host's graph
-// launch on an idle GPU).
+// launch on an idle GPU). NaN after SkipQueued().
 absl::StatusOr<double> MeasureQueued(gpu::GpuSelector& selector, const StepInputs& in,
                                      const SelectPolicy& policy, const StepOutputs& out);
+
+// Makes MeasureQueued measure nothing (NaN): under a profiler that serialises
+// kernels (Nsight Compute) the held step waits for a release that cannot run
+// beside it, and the profile stalls (scripts/gpu_profile.sh, 2026-11-26).
+void SkipQueued();
 
 }  // namespace eps::bench

@@ -13,6 +13,7 @@
 //                      [--pool=local|ipc] [--pool-offset=0] [--pool-pad=0]
 //                      [--coarse-batches=8,64] [--coarse-context=32768]
 //                      [--feedback-batches=8] [--feedback-context=32768]
+//                      [--queued=off]   (no fence-held steps: queued_us nan; for profilers)
 //
 // A third table sets the coarse level (coarse-to-fine selection) beside the flat
 // selection: questclt, g = 1 with coarse groups of 4 blocks against g = 2
@@ -448,6 +449,7 @@ int main(int argc, char** argv) {
     top_pages = ParseList(argv[i], "--top-pages=", top_pages);
     if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
     if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
+    if (std::strcmp(argv[i], "--queued=off") == 0) eps::bench::SkipQueued();
     pool_offsets = ParseList(argv[i], "--pool-offset=", pool_offsets);
     pool_pads = ParseList(argv[i], "--pool-pad=", pool_pads);
     coarse_batches = ParseList(argv[i], "--coarse-batches=", coarse_batches);

@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 for b in ${EPS_PROFILE_BATCHES:-1 8}; do
   # shellcheck disable=SC2086
   timeout 280 ncu --clock-control none --metrics "$metrics" --csv --page raw \
-    "$CARRY/eps_gpu_bench" --batches="$b" ${EPS_BENCH_ARGS:---contexts=32768} \
+    "$CARRY/eps_gpu_bench" --batches="$b" --queued=off ${EPS_BENCH_ARGS:---contexts=32768} \
     >"$OUT/ncu_b$b.csv" 2>"$OUT/ncu_b$b.err"
   echo "batch $b: rc $?, $(wc -l <"$OUT/ncu_b$b.csv") lines"
   # The same run without the profiler, for the event times beside the kernel times.
