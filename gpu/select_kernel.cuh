@@ -56,6 +56,8 @@ struct SelectArgs {
 };
 
 // Whether this launch's inputs wait was released by epsd's host (SelectArgs::released).
+// Each block reads it once: a release that races the engine's own late signal may
+// reach only some blocks, and each list is then either selected or dense, both safe.
 __device__ inline bool ReleasedByHost(const SelectArgs& a) {
   return a.released != nullptr &&
          *reinterpret_cast<const volatile uint64_t*>(a.released) == a.launch;
