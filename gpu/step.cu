@@ -75,7 +75,9 @@ struct GpuSelector::Impl {
   DeviceBuffer<float> coarse_scores;
   DeviceBuffer<uint8_t> candidates;
   int64_t coarse_capacity = 0;
-  uint64_t sequence = 0;  // steps launched: picks this step's report
+  // Steps launched: picks this step's report, and numbers the launch
+  // (SelectArgs::launch); while a step is pending it is that step's number.
+  uint64_t sequence = 0;
   GpuSelectorOptions options;
   CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
   cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
@@ -90,9 +92,8 @@ struct GpuSelector::Impl {
 
   // The step queued by Enqueue and not yet finished.
   bool pending = false;
-  StepFence fence;              // of the pending step (fence.step is its number)
-  uint64_t pending_launch = 0;  // its launch number (SelectArgs::launch)
-  StepStats pending_host;       // the host-side part of its statistics
+  StepFence fence;         // of the pending step (fence.step is its number)
+  StepStats pending_host;  // the host-side part of its statistics
   std::vector<StepRow> pending_rows;
   int scored_kv_heads_total = 0;
   int64_t row_groups = 0, pending_num_slots = 0, pending_physical_blocks = 0;
@@ -106,7 +107,7 @@ struct GpuSelector::Impl {
     cudaSetDevice(device);
     if (pending && fence.inputs_ready != nullptr) {
       // Never leave the stream waiting on an engine that is gone (best effort).
-      (void)StreamWriteCounter(release_stream, released.get(), pending_launch);
+      (void)StreamWriteCounter(release_stream, released.get(), sequence);
       (void)StreamRaiseCounter(release_stream, fence.inputs_ready, fence.step);
     }
     if (stream != nullptr) cudaStreamSynchronize(stream);
@@ -520,7 +521,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   g.pending = true;
   g.fence = fence;
-  g.pending_launch = g.sequence;  // incremented after the launch above
   g.pending_host = host;
   g.pending_rows.assign(in.rows.begin(), in.rows.end());
   g.scored_kv_heads_total = scored_kv_heads_total;
@@ -550,7 +550,7 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
         // stream drains. The step then runs on whatever queries are there, so
         // its selection first learns that this launch was released: every
         // list says "attend densely" (-1) and no feedback is consumed.
-        RETURN_IF_ERROR(StreamWriteCounter(g.release_stream, g.released.get(), g.pending_launch));
+        RETURN_IF_ERROR(StreamWriteCounter(g.release_stream, g.released.get(), g.sequence));
         RETURN_IF_ERROR(StreamRaiseCounter(g.release_stream, g.fence.inputs_ready, g.fence.step));
         released = true;
         break;
