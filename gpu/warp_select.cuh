@@ -1,6 +1,7 @@
 // Warp-wide order statistics for the selection kernel (gpu/select_kernel.cuh):
-// the k-th largest score by 8-bit radix passes, and the top-p cut by the same
-// passes over estimated attention mass.
+// the k-th largest score (held in registers and extracted for rows of up to 256
+// groups and ranks up to 32, else by 8-bit radix passes), the threshold budget's
+// cut, and the top-p cut by radix passes over estimated attention mass.
 #pragma once
 
 #include <cuda_runtime.h>
