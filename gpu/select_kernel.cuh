@@ -22,7 +22,9 @@ namespace eps::gpu::kernels {
 //      mass: the group where the covered mass reaches mass_target, within the
 //      floor and ceiling); the fixed budget ranks the groups at or above that
 //      value instead;
-//   2. visit flags: forced groups, plus every group a head's cut admits;
+//   2. visit flags: forced groups, plus every group a head's cut admits (the
+//      threshold budget over held rows: the bits each head's warp ORed from
+//      its registers, WarpThresholdMarksHeld);
 //   3. compaction of the visited groups' blocks into visit_blocks, and stats.
 //
 // Dynamic shared memory: visit flags [max_groups] (padded to 16 bytes), then
@@ -75,6 +77,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ int head_tie[256];
   __shared__ unsigned counts[kWarps * 32];
   __shared__ unsigned histograms[kWarps][256];
+  __shared__ unsigned held_marks[kHeldWords];  // threshold, held rows: the list's admitted groups
   __shared__ bool list_any_head;  // mass, list scope: the list's cut and whether a head is scored
   __shared__ unsigned list_key;
   __shared__ int list_tie;
@@ -115,6 +118,15 @@ __global__ void __launch_bounds__(kWarps * 32)
   auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
   // mass, list scope: one cut over the list's summed shares instead of one per head.
   const bool list_mass = kBudget == Budget::kMass && rule.mass_list;
+  // Threshold budget, rows held in registers: each head's warp ORs the groups
+  // it admits into held_marks (WarpThresholdMarksHeld), and the visit flags read
+  // the bits, instead of a thread per group reading the list's heads' scores.
+  const bool marks_held =
+      kBudget == Budget::kThreshold && !kStrict && n <= kHeldGroups && rule.top_pages <= kHeldRank;
+  if (marks_held) {
+    if (threadIdx.x < kHeldWords) held_marks[threadIdx.x] = 0;
+    __syncthreads();
+  }
   // mass: this layer's budget (SelectPolicy::MassFor).
   MassRule budget{};
   if constexpr (kBudget == Budget::kMass) budget = MassRuleOf(rule, layer);
@@ -305,6 +317,8 @@ __global__ void __launch_bounds__(kWarps * 32)
               cut = KeyToFloat(WarpKthLargest(
                   values, n, rule.top_pages, [](int) { return true; }, histograms[warp], lane));
             }
+          } else if (marks_held) {
+            WarpThresholdMarksHeld(values, n, rule, lane, held_marks);
           } else {
             // core MarkByThreshold: visit every unforced group with score >= the cut.
             cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
@@ -317,7 +331,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 
   // 2. Visit flags.
-  for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
+  for (int p = threadIdx.x; p < n; p += blockDim.x) {
+    visit[p] =
+        rule.method_off || forced(p) || (marks_held && ((held_marks[p / 32] >> (p % 32)) & 1u));
+  }
   __syncthreads();
   if constexpr (kBudget == Budget::kFixed) {
     // Take the top_pages groups of best rank over the list's heads (ties to
@@ -347,21 +364,36 @@ __global__ void __launch_bounds__(kWarps * 32)
         visit[p] = 1;
       }
     }
-    for (int p = threadIdx.x; p < n && !rule.method_off && !list_mass; p += blockDim.x) {
+    auto admits = [&](int i, int p, float value) {
+      if constexpr (kBudget == Budget::kTopP) {
+        const unsigned key = OrderedKey(value);
+        return key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
+      } else if constexpr (kBudget == Budget::kMass) {
+        return MassTaken(MassKey(value, head_cut[i], budget.inv_scale), p, head_key[i],
+                         head_tie[i]);
+      } else {
+        return value >= head_cut[i];
+      }
+    };
+    for (int p = threadIdx.x; p < n && !rule.method_off && !list_mass && !marks_held;
+         p += blockDim.x) {
       if (visit[p]) continue;
       bool v = false;
-      // The group's value for each head of the list, one max_groups apart.
+      // The group's value for each head of the list, one max_groups apart: a
+      // thread reads kColumnLoads heads' at once (independent loads in flight
+      // together) and stops after the first batch with a head that admits it.
+      constexpr int kColumnLoads = 4;
       const float* column =
           (kStrict ? a.uppers : a.scores) + (head_base + first_head) * s.max_groups + p;
-      for (int i = 0; i < heads_per_list && !v; ++i, column += s.max_groups) {
-        const float value = *column;
-        if constexpr (kBudget == Budget::kTopP) {
-          const unsigned key = OrderedKey(value);
-          v = key > head_key[i] || (key == head_key[i] && p <= head_tie[i]);
-        } else if constexpr (kBudget == Budget::kMass) {
-          v = MassTaken(MassKey(value, head_cut[i], budget.inv_scale), p, head_key[i], head_tie[i]);
-        } else {
-          v = value >= head_cut[i];
+      for (int i0 = 0; i0 < heads_per_list && !v; i0 += kColumnLoads) {
+        float value[kColumnLoads];
+#pragma unroll
+        for (int k = 0; k < kColumnLoads; ++k) {
+          value[k] = i0 + k < heads_per_list ? column[int64_t{i0 + k} * s.max_groups] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < kColumnLoads; ++k) {
+          if (i0 + k < heads_per_list && admits(i0 + k, p, value[k])) v = true;
         }
       }
       if (v) visit[p] = 1;

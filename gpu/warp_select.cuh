@@ -179,6 +179,49 @@ __device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take 
       n, k, [&](int p) { return OrderedKey(values[p]); }, take, histogram, lane);
 }
 
+// Words of bits a held row's marks take: bit `lane` of word j is group 32 j + lane.
+inline constexpr int kHeldWords = kHeldGroups / 32;
+
+// core MarkByThreshold for one head of a row held in registers (n <= kHeldGroups,
+// top_pages <= kHeldRank): the cut as WarpThresholdCut finds it, and the groups it
+// admits (unforced, score >= cut) ORed into `marks` [kHeldWords] (shared memory),
+// a ballot per word. The selection kernel's union of a list's heads is then an OR
+// of words instead of a thread per group reading each head's score in turn (one
+// dependent load per head). The scores are read again for the ballots (each
+// lane's 8 loads at once, from L1) rather than kept beside the sorted keys: the
+// 1,024-thread selection kernel keeps two blocks per SM only within 32 registers.
+__device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int n,
+                                                       const SelectRule& rule, int lane,
+                                                       unsigned* marks) {
+  auto open = [&](int p) { return p < n && !IsForced(p, n, rule.first_n, rule.last_n); };
+  float cut = -INFINITY;  // no more than top_pages unforced groups: every one
+  {
+    unsigned key[kHeldWords];
+    unsigned unforced = 0;
+#pragma unroll
+    for (int j = 0; j < kHeldWords; ++j) {
+      const int p = lane + 32 * j;
+      key[j] = open(p) ? OrderedKey(values[p]) : 0u;  // a score's key is never 0
+      unforced += key[j] != 0u;
+    }
+    if (__reduce_add_sync(0xFFFFFFFFu, unforced) > static_cast<unsigned>(rule.top_pages)) {
+      const float t = KeyToFloat(WarpKthLargestHeld(key, rule.top_pages, lane));
+      cut = t > 0.0f ? t / rule.alpha : t * rule.alpha;
+    }
+  }
+  float value[kHeldWords];
+#pragma unroll
+  for (int j = 0; j < kHeldWords; ++j) {
+    const int p = lane + 32 * j;
+    value[j] = p < n ? values[p] : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < kHeldWords; ++j) {
+    const unsigned bits = __ballot_sync(0xFFFFFFFFu, open(lane + 32 * j) && value[j] >= cut);
+    if (lane == 0 && bits != 0) atomicOr(&marks[j], bits);
+  }
+}
+
 // core MarkByThreshold's cut for one head: T = the top_pages-th largest unforced
 // score, cut T/α (T·α when T <= 0); −∞ (every unforced group) when no more than
 // top_pages groups are unforced. Every lane returns it.
