@@ -58,6 +58,10 @@ struct ScoreArgs {
   int64_t max_coarse_groups;
   int coarse_ratio;
   int coarse;  // bool
+  // jl with m known (the staged records): when set, Φ [layers, kv_heads, d, m], and
+  // the block builds its heads' terms itself (HeadTerms) while its records load,
+  // instead of reading what TermsKernel built; `terms` is then unused.
+  const float* phi;
 };
 
 // Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
@@ -187,12 +191,27 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
     WaitForQueryTerms();
     return;
   } else {
-    // The heads' terms (TermsKernel wrote them: zz then ‖q‖), and the widened
-    // queries where the sums need them; the TermsKernel checked them.
-    WaitForQueryTerms();  // everything above overlaps the terms kernel, nothing below
-    const float* terms =
-        a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + kvh * ratio) * words;
-    for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) terms_sh[e] = terms[e];
+    // The heads' terms (zz then ‖q‖), and the widened queries where the sums
+    // need them; whoever built the terms checked the queries.
+    bool built = false;
+    if constexpr (kStaged) {
+      if (a.phi != nullptr) {
+        // Built here, a warp per head, while the staged records load; q_sh and
+        // the qsplit area (unused by jl) are the warps' scratch.
+        for (int r = warp; r < ratio; r += kScoreThreads / 32) {
+          HeadTerms<kM>(s, a.queries, a.phi, a.scored, a.report, layer, row, kvh, kvh * ratio + r,
+                        q_sh + r * s.d, reinterpret_cast<float*>(qsplit_sh) + r * s.m,
+                        terms_sh + r * words, lane);
+        }
+        built = true;
+      }
+    }
+    if (!built) {
+      WaitForQueryTerms();  // everything above overlaps the terms kernel, nothing below
+      const float* terms =
+          a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + kvh * ratio) * words;
+      for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) terms_sh[e] = terms[e];
+    }
     if constexpr (kQueries) {
       for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
         const int h = kvh * ratio + e / s.d;

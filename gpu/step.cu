@@ -54,6 +54,25 @@ struct GpuSelector::Impl {
   int device = 0;
   int64_t max_batch = 0, max_groups = 0;
   int max_shared = 0;  // dynamic shared memory a block may have (bytes)
+  int multiprocessors = 0;
+  // Scoring blocks resident per multiprocessor, by (kernel, shared bytes): asked
+  // of the runtime once each (a handful of kernels per selector).
+  struct Resident {
+    const void* kernel;
+    size_t shared;
+    int blocks;
+  };
+  std::vector<Resident> resident;
+  absl::StatusOr<int> ResidentScoringBlocks(const void* kernel, size_t shared) {
+    for (const Resident& r : resident) {
+      if (r.kernel == kernel && r.shared == shared) return r.blocks;
+    }
+    int blocks = 0;
+    CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kScoreThreads, shared));
+    resident.push_back({kernel, shared, blocks});
+    return blocks;
+  }
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   DeviceBuffer<float> phi, scores;
@@ -192,6 +211,8 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   impl->max_batch = max_batch;
   impl->max_groups = max_groups;
   impl->max_shared = max_shared;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&impl->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
@@ -384,38 +405,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
            static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
   launch.score_shared = ScoreSharedBytes(m, staged, octets);
   if (coarse) {
-    // The coarse records first, by the same kernel under a Shape whose groups are
-    // the coarse ones; then the candidates; then the fine records of theirs only.
-    launch.coarse = true;
-    Shape& cs = launch.coarse_shape;
-    cs = s;
-    cs.group_blocks = m.coarse_blocks;
-    cs.max_groups = in.max_coarse_groups;
-    cs.num_slots = in.coarse_slots;
-    launch.coarse_score = launch.score;
-    launch.coarse_score.pool = in.coarse_pool;
-    launch.coarse_score.group_table = in.coarse_table;
-    launch.coarse_score.scores = g.coarse_scores.get();
-    launch.coarse_score.coarse = 1;
-    launch.coarse_grid =
-        dim3(static_cast<unsigned>((max_nc + per_block - 1) / per_block),
-             static_cast<unsigned>(m.num_layers * m.num_kv_heads), static_cast<unsigned>(batch));
-    launch.score.candidates = g.candidates.get();
-    launch.score.max_coarse_groups = in.max_coarse_groups;
-    launch.score.coarse_ratio = m.coarse_ratio();
-    launch.candidates = {g.rows.get(),
-                         scored,
-                         g.coarse_scores.get(),
-                         g.candidates.get(),
-                         report,
-                         in.max_coarse_groups,
-                         policy.CoarseCandidates(m),
-                         m.coarse_blocks,
-                         m.coarse_ratio()};
-    const auto [candidate_kernel, candidate_warps] = CandidateKernelFor(m.num_q_heads / lists);
-    launch.candidate_kernel = candidate_kernel;
-    launch.candidate_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
-    launch.candidate_block = dim3(32 * candidate_warps);
+    launch.PlanCoarse(m, in, policy.CoarseCandidates(m), max_nc, per_block, lists,
+                      g.coarse_scores.get(), g.candidates.get());
   }
   // Selection: one block per (layer, list, row).
   launch.select = {in.block_table, g.rows.get(),         scored,          g.scores.get(),
@@ -458,24 +449,23 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
   launch.select_block = dim3(32 * warps);
   launch.select_shared = SelectSharedBytes(in.max_groups);
-  if (feedback) {
-    // Selection feedback (feedback.cuh): a block per (layer, query head, row) rewrites
-    // the scored heads' scores before the selection and consumes the row's entries
-    // after it (strict mode ignores the buffer: neither runs).
-    launch.feedback_apply = !method_off;
-    launch.feedback_consume = true;
-    launch.feedback = {
-        in.feedback, g.rows.get(),
-        scored,      g.scores.get(),
-        report,      std::sqrt(static_cast<double>(m.head_dim))};  // as core ApplyFeedback
-    launch.feedback_grid =
-        dim3(static_cast<unsigned>(m.num_layers * m.num_q_heads), static_cast<unsigned>(batch));
-    // The median's keys in shared memory: room for the longest row's groups, rounded up
-    // as the scoring grid rounds them, so that no more graphs are captured than it causes.
-    launch.feedback_shared = kernels::FeedbackSharedBytes(
-        std::min(in.max_groups, (max_n + per_block - 1) / per_block * per_block));
-    if (coarse) launch.select.feedback = in.feedback;  // fed groups pass the candidates' mask
+  // jl's staged path with one scoring block per (row, layer, KV head), no coarse
+  // level, and every scoring block resident at once: each block builds its
+  // heads' terms itself while its records load (score_kernel.cuh), each head's
+  // once as the terms kernel would, and the step has one kernel less. With more
+  // blocks than the GPU holds, each later wave would wait for its own terms, where
+  // the terms kernel builds them all under the first (H100, jl 32k: 1.5 us less
+  // at batch 1, 4 and 18 us more at batches 8 and 64; docs/benchmarks/gpu.md).
+  if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel) {
+    ASSIGN_OR_RETURN(const int per_sm,
+                     g.ResidentScoringBlocks(launch.score_kernel, launch.score_shared));
+    const int64_t blocks = int64_t{launch.score_grid.y} * launch.score_grid.z;
+    if (blocks <= int64_t{per_sm} * g.multiprocessors) {
+      launch.terms_kernel = nullptr;
+      launch.score.phi = g.phi.get();
+    }
   }
+  if (feedback) launch.PlanFeedback(m, in, method_off, coarse, max_n, per_block);
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {

@@ -98,6 +98,11 @@ struct GpuSelectorOptions {
   // applies (gpu/questclt_octets.cuh: d of 64, 128 or 256; the same scores to a
   // float rounding). For tests and the benchmark's comparison.
   bool register_sums = false;
+  // jl's query terms from a kernel of their own (TermsKernel) even where the
+  // scoring blocks build them (one block per row, layer and KV head: each
+  // head's terms built once either way; no coarse level). For tests and the
+  // benchmark's comparison.
+  bool terms_kernel = false;
 };
 
 class GpuSelector {

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -15,13 +16,16 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/layout.h"
 #include "core/status.h"
+#include "core/step.h"
 #include "gpu/coarse_select.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/feedback.cuh"
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
+#include "gpu/step_kernels.cuh"
 #include "gpu/terms_kernel.cuh"
 
 namespace eps::gpu {
@@ -37,8 +41,8 @@ struct StepLaunch {
   kernels::ScoreArgs score;
   kernels::SelectArgs select;  // the fused kernel's too
   kernels::FusedArgs fused;
-  bool fused_selection;  // score_kernel is a FusedSelectKernel; no selection kernel
-  const void* terms_kernel;
+  bool fused_selection;      // score_kernel is a FusedSelectKernel; no selection kernel
+  const void* terms_kernel;  // null: the scoring blocks build the terms (ScoreArgs::phi)
   dim3 terms_grid;
   size_t terms_shared;
   const void* score_kernel;
@@ -64,10 +68,62 @@ struct StepLaunch {
   dim3 feedback_grid;
   size_t feedback_shared;  // FeedbackKernel's keys
 
+  // The coarse level's part (coarse_select.cuh), once `shape` and `score` hold the
+  // fine scoring's: the coarse records scored first, by the same kernel under a
+  // Shape whose groups are the coarse ones; then the candidates (`candidates`
+  // per list: SelectPolicy::CoarseCandidates); then the fine records of theirs only.
+  void PlanCoarse(const ModelLayout& m, const StepInputs& in, int64_t candidates_per_list,
+                  int64_t max_nc, int64_t per_block, int lists, float* coarse_scores,
+                  uint8_t* candidate_flags) {
+    coarse = true;
+    coarse_shape = shape;
+    coarse_shape.group_blocks = m.coarse_blocks;
+    coarse_shape.max_groups = in.max_coarse_groups;
+    coarse_shape.num_slots = in.coarse_slots;
+    coarse_score = score;
+    coarse_score.pool = in.coarse_pool;
+    coarse_score.group_table = in.coarse_table;
+    coarse_score.scores = coarse_scores;
+    coarse_score.coarse = 1;
+    const unsigned batch = score_grid.z;
+    coarse_grid = dim3(static_cast<unsigned>((max_nc + per_block - 1) / per_block),
+                       static_cast<unsigned>(m.num_layers * m.num_kv_heads), batch);
+    score.candidates = candidate_flags;
+    score.max_coarse_groups = in.max_coarse_groups;
+    score.coarse_ratio = m.coarse_ratio();
+    candidates = {score.rows,          score.scored,    coarse_scores,
+                  candidate_flags,     score.report,    in.max_coarse_groups,
+                  candidates_per_list, m.coarse_blocks, m.coarse_ratio()};
+    const auto [kernel, warps] = kernels::CandidateKernelFor(m.num_q_heads / lists);
+    candidate_kernel = kernel;
+    candidate_grid = dim3(m.num_layers * lists, batch);
+    candidate_block = dim3(32 * warps);
+  }
+
+  // Selection feedback's part (feedback.cuh), once `score` and `select` are set:
+  // a block per (layer, query head, row) rewrites the scored heads' scores before
+  // the selection and consumes the row's entries after it (strict mode ignores
+  // the buffer: neither runs).
+  void PlanFeedback(const ModelLayout& m, const StepInputs& in, bool method_off, bool with_coarse,
+                    int64_t max_n, int64_t per_block) {
+    feedback_apply = !method_off;
+    feedback_consume = true;
+    feedback = {in.feedback,  score.rows,   score.scored,
+                score.scores, score.report, std::sqrt(static_cast<double>(m.head_dim))};
+    feedback_grid = dim3(static_cast<unsigned>(m.num_layers * m.num_q_heads), score_grid.z);
+    // The median's keys in shared memory: room for the longest row's groups, rounded up
+    // as the scoring grid rounds them, so that no more graphs are captured than it causes.
+    feedback_shared = kernels::FeedbackSharedBytes(
+        std::min(in.max_groups, (max_n + per_block - 1) / per_block * per_block));
+    if (with_coarse) select.feedback = in.feedback;  // fed groups pass the candidates' mask
+  }
+
   absl::Status Launch(cudaStream_t stream) {
     void* terms_params[] = {&shape, &terms};
-    CUDA_RETURN_IF_ERROR(cudaLaunchKernel(terms_kernel, terms_grid, dim3(kernels::kTermsThreads),
-                                          terms_params, terms_shared, stream));
+    if (terms_kernel != nullptr) {
+      CUDA_RETURN_IF_ERROR(cudaLaunchKernel(terms_kernel, terms_grid, dim3(kernels::kTermsThreads),
+                                            terms_params, terms_shared, stream));
+    }
     // Scoring right after the terms may start while they are built (terms_kernel.cuh,
     // LetScoringStart); in a captured graph this is a programmatic edge.
     cudaLaunchAttribute overlap{};
@@ -80,7 +136,7 @@ struct StepLaunch {
       config.dynamicSmemBytes = score_shared;
       config.stream = stream;
       config.attrs = &overlap;
-      config.numAttrs = after_terms ? 1 : 0;
+      config.numAttrs = after_terms && terms_kernel != nullptr ? 1 : 0;
       return cudaLaunchKernelExC(&config, score_kernel, params);
     };
     void* score_params[] = {&shape, &score};

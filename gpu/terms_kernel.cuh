@@ -103,62 +103,77 @@ __device__ inline void UnpackIndex(int e, int m, int* i_out, int* j_out) {
   *j_out = i + p;
 }
 
+// One query head's terms, by one warp: its query loaded (and checked where the
+// head is scored), ‖q‖ into out[packed], and for jl (kM >= 0) the packed z zᵀ
+// into out[0, packed). `q` [d] and `z` [m] are the warp's scratch in shared
+// memory; `out` [TermWords(m)] lies in global memory (TermsKernel) or in the
+// scoring block's shared memory (ScoreGroups with the terms in the block).
+// kM < 0: ‖q‖ only (every method but jl); 0: jl, m from the shape
+// (ProjectQuery); 4, 8, 16: jl with m known (ProjectQueryRows).
+template <int kM>
+__device__ inline void HeadTerms(const Shape& s, const void* queries, const float* phi,
+                                 const uint8_t* scored_heads, StepReport* report, int layer,
+                                 int row, int kvh, int h, float* q, float* z, float* out,
+                                 int lane) {
+  const int packed = s.record.packed;
+  const bool scored = scored_heads == nullptr || scored_heads[layer * s.q_heads + h];
+  const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
+  // Four elements per lane loaded before any is checked, so the loads are in flight together.
+  for (int i0 = 0; i0 < s.d; i0 += 128) {
+    float x[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = i0 + 32 * k + lane;
+      x[k] = i < s.d ? LoadAsFloatDevice(queries, s.query_dtype, at + i) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = i0 + 32 * k + lane;
+      if (i >= s.d) break;
+      q[i] = x[k];
+      if (scored && !isfinite(x[k])) {
+        Fail(&report->status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
+      }
+    }
+  }
+  __syncwarp();
+  float n2 = 0.0f;
+  for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
+  for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
+  if (lane == 0) out[packed] = sqrtf(n2);
+  if constexpr (kM >= 0) {
+    const float* matrix = phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
+    if constexpr (kM > 0) {
+      ProjectQueryRows<kM>(matrix, q, s.d, lane, z);
+    } else {
+      ProjectQuery(matrix, q, s.d, s.m, lane, z);
+    }
+    __syncwarp();
+    const int m = kM > 0 ? kM : s.m;
+    for (int e = lane; e < packed; e += 32) {
+      int i, j;
+      UnpackIndex(e, m, &i, &j);
+      out[e] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
+    }
+  }
+  __syncwarp();  // the warp's next head overwrites q and z
+}
+
 // Grid (kv_heads, layers, rows), kTermsThreads threads: a warp per query head
-// of the KV head. kM < 0: ‖q‖ only (every method but jl); 0: jl, m from the
-// shape (ProjectQuery); 4, 8, 16: jl with m known (ProjectQueryRows).
+// of the KV head (HeadTerms).
 template <int kM>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs a) {
   LetScoringStart();
   extern __shared__ float shared[];
   const int kvh = blockIdx.x, layer = blockIdx.y, row = blockIdx.z;
-  const int ratio = s.q_heads / s.kv_heads, packed = s.record.packed, words = TermWords(s.m);
+  const int ratio = s.q_heads / s.kv_heads, words = TermWords(s.m);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* q = shared + warp * (s.d + s.m);  // [d]
   float* z = q + s.d;                      // [m]
-  const float* matrix = a.phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
   for (int r = warp; r < ratio; r += kTermsThreads / 32) {
     const int h = kvh * ratio + r;
-    const bool scored = a.scored == nullptr || a.scored[layer * s.q_heads + h];
-    const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-    // Four elements per lane loaded before any is checked, so the loads are in flight together.
-    for (int i0 = 0; i0 < s.d; i0 += 128) {
-      float x[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int i = i0 + 32 * k + lane;
-        x[k] = i < s.d ? LoadAsFloatDevice(a.queries, s.query_dtype, at + i) : 0.0f;
-      }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int i = i0 + 32 * k + lane;
-        if (i >= s.d) break;
-        q[i] = x[k];
-        if (scored && !isfinite(x[k])) {
-          Fail(&a.report->status, kBadQuery, row, (layer * s.q_heads + h) * s.d + i, 0);
-        }
-      }
-    }
-    __syncwarp();
-    float* out = a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * words;
-    float n2 = 0.0f;
-    for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
-    for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
-    if (lane == 0) out[packed] = sqrtf(n2);
-    if constexpr (kM >= 0) {
-      if constexpr (kM > 0) {
-        ProjectQueryRows<kM>(matrix, q, s.d, lane, z);
-      } else {
-        ProjectQuery(matrix, q, s.d, s.m, lane, z);
-      }
-      __syncwarp();
-      const int m = kM > 0 ? kM : s.m;
-      for (int e = lane; e < packed; e += 32) {
-        int i, j;
-        UnpackIndex(e, m, &i, &j);
-        out[e] = (i == j ? 1.0f : 2.0f) * z[i] * z[j];
-      }
-    }
-    __syncwarp();  // the warp's next head overwrites q and z
+    HeadTerms<kM>(s, a.queries, a.phi, a.scored, a.report, layer, row, kvh, h, q, z,
+                  a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * words, lane);
   }
 }
 

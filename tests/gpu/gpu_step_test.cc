@@ -161,13 +161,18 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
   }
 
   // questclt has two paths: its octet path (d of 64, 128, 256; the default
-  // there) and the general one (any d; GpuSelectorOptions::register_sums). Each
-  // is held to core/ alone.
-  const bool two_paths = c.method == Method::kQuestClt && !c.strict;
+  // there) and the general one (any d; GpuSelectorOptions::register_sums). jl
+  // has two sources of query terms: the scoring blocks (the default where each
+  // row fits one block) and the terms kernel (GpuSelectorOptions::terms_kernel).
+  // Each is held to core/ alone.
+  const bool two_paths = (c.method == Method::kQuestClt || c.method == Method::kJl) && !c.strict;
   for (const bool general : two_paths ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
-    SCOPED_TRACE(general ? "questclt's general path" : "the default path");
-    auto gpu_selector =
-        gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.register_sums = general});
+    SCOPED_TRACE(!general                        ? "the default path"
+                 : c.method == Method::kQuestClt ? "questclt's general path"
+                                                 : "jl's terms kernel");
+    const gpu::GpuSelectorOptions options{.register_sums = general && c.method == Method::kQuestClt,
+                                          .terms_kernel = general && c.method == Method::kJl};
+    auto gpu_selector = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), options);
     ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
     const testing::DeviceStep got =
         testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy);
