@@ -6,7 +6,11 @@
 //                  the packed z zᵀ, into the selector's scratch; the check
 //                  that every scored query is finite. Scoring is its
 //                  programmatic dependent: its blocks start while this runs
-//                  and wait for the terms only before reading them
+//                  and wait for the terms only before reading them. For jl
+//                  (m of 4, 8 or 16) with one scoring block per (row, layer,
+//                  KV head) and every scoring block resident at once (batch
+//                  1 at 32k), the scoring blocks build their heads' terms
+//                  themselves instead, and the step has one kernel less
 //   2. scoring     per (row, layer, KV head, 256 groups): one thread per group
 //                  queues its record's loads, reads the KV head's query terms,
 //                  then scores the record once for every one of its query

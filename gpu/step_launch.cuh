@@ -1,8 +1,10 @@
-// One step's launch of the pre-pass (gpu/step.h): the three kernels (or two,
-// with the selection fused into scoring: gpu/fused_select.cuh; or five, with
-// the coarse level: gpu/coarse_select.cuh; and selection feedback's two around
-// the selection: gpu/feedback.cuh) with all their parameters, launched
-// one by one or replayed as a captured CUDA graph. Included by gpu/step.cu only.
+// One step's launch of the pre-pass (gpu/step.h): the three kernels (one less
+// with the query terms built by the scoring blocks, or with the selection fused
+// into scoring: gpu/fused_select.cuh; two more with the coarse level:
+// gpu/coarse_select.cuh; and selection feedback's two around the selection:
+// gpu/feedback.cuh) with all their parameters, planned here for the coarse level
+// and feedback, launched one by one or replayed as a captured CUDA graph.
+// Included by gpu/step.cu only.
 #pragma once
 
 #include <cuda_runtime.h>
