@@ -69,7 +69,15 @@ struct CoarseHost {
   int64_t max_coarse_groups = 0;
 };
 
-// `max_batch` must be the one `buffers` was built with; the queries are fp32.
+// Queries narrowed to 16 bits (StepInputs::query_dtype binary16 or bfloat16), for
+// SelectOnDevice: the device reads these instead of the buffers' fp32 queries.
+struct NarrowQueries {
+  DType dtype;
+  const std::vector<uint16_t>* values;  // [layers, max_batch, q_heads, d]
+};
+
+// `max_batch` must be the one `buffers` was built with; the queries are fp32
+// unless `narrow` gives 16-bit ones.
 // `coarse`: the coarse level's buffers go to the device too. The outputs start
 // at `fill` (visit_blocks and visit_count). `feedback` (StepInputs::feedback, [layers,
 // max_seqs, q_heads, max_groups]): goes to the device, and comes back after the step.
@@ -79,12 +87,14 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
                                  int64_t max_batch, std::span<const StepRow> rows,
                                  const SelectPolicy& policy, const CoarseHost* coarse = nullptr,
                                  int32_t fill = -1, std::vector<float>* feedback = nullptr,
-                                 std::chrono::microseconds unsignalled = {}) {
+                                 std::chrono::microseconds unsignalled = {},
+                                 const NarrowQueries* narrow = nullptr) {
   const ModelLayout& m = buffers.model();
   const int lists = policy.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
   StepInputs in = buffers.Inputs(rows);
   DeviceStep result;
   gpu::DeviceBuffer<float> pool, queries, coarse_pool, feedback_device;
+  gpu::DeviceBuffer<uint16_t> narrow_queries;
   gpu::DeviceBuffer<int32_t> groups, blocks, visit, count, coarse_table;
   StepBuffers& b = buffers;  // read only
   const int64_t query_count = int64_t{m.num_layers} * max_batch * m.num_q_heads * m.head_dim;
@@ -94,7 +104,9 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
        {CopyToDevice(pool, b.pool().data(), static_cast<int64_t>(b.pool().size())),
         CopyToDevice(groups, b.group_table().data(), static_cast<int64_t>(b.group_table().size())),
         CopyToDevice(blocks, b.block_table().data(), static_cast<int64_t>(b.block_table().size())),
-        CopyToDevice(queries, static_cast<const float*>(in.queries), query_count),
+        narrow != nullptr
+            ? CopyToDevice(narrow_queries, narrow->values->data(), query_count)
+            : CopyToDevice(queries, static_cast<const float*>(in.queries), query_count),
         CopyToDevice(visit, initial.data(), list_count * buffers.max_blocks()),
         CopyToDevice(count, initial.data(), list_count)}) {
     if (!s.ok()) {
@@ -127,6 +139,10 @@ inline DeviceStep SelectOnDevice(gpu::GpuSelector& selector, StepBuffers& buffer
   in.group_table = groups.get();
   in.block_table = blocks.get();
   in.queries = queries.get();
+  if (narrow != nullptr) {
+    in.queries = narrow_queries.get();
+    in.query_dtype = narrow->dtype;
+  }
   if (unsignalled.count() > 0) {
     const uint64_t zero[2] = {0, 0};  // inputs_ready, selection_done
     gpu::DeviceBuffer<uint64_t> counters;

@@ -64,6 +64,9 @@ struct GpuCase {
   // full group takes its run's first record), so scores tie exactly.
   int tied = 0;
   bool quest8 = false;  // the records hold the quest8 part too (questclt reads it)
+  // The engine's query type: binary16 and bfloat16 queries are narrowed from the
+  // buffers' fp32 ones, and core/ reads the same 16-bit values.
+  DType query_dtype = DType::kFloat32;
 };
 
 class GpuStepTest : public ::testing::TestWithParam<GpuCase> {};
@@ -104,6 +107,27 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
       }
     }
   }
+  // The step's inputs as core/ reads them: the buffers', with the queries
+  // narrowed to 16 bits where the case says so (the device reads the same).
+  std::vector<uint16_t> narrow;
+  if (c.query_dtype != DType::kFloat32) {
+    const StepInputs in = buffers.Inputs(rows);
+    const auto* wide = static_cast<const float*>(in.queries);
+    const int64_t count = int64_t{m.num_layers} * batch * m.num_q_heads * m.head_dim;
+    for (int64_t i = 0; i < count; ++i) {
+      narrow.push_back(c.query_dtype == DType::kFloat16 ? FloatToHalf(wide[i])
+                                                        : FloatToBFloat16(wide[i]));
+    }
+  }
+  const testing::NarrowQueries narrow_queries{c.query_dtype, &narrow};
+  auto inputs = [&] {
+    StepInputs in = buffers.Inputs(rows);
+    if (!narrow.empty()) {
+      in.queries = narrow.data();
+      in.query_dtype = c.query_dtype;
+    }
+    return in;
+  };
   SelectPolicy policy;
   policy.method = c.method;
   policy.top_pages = 8;
@@ -133,8 +157,7 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
     SelectPolicy unlimited = policy;
     if (c.mass.limits_bind) unlimited.min_pages = unlimited.max_pages = 0;
     if (list_scope) unlimited.mass_scope = MassScope::kHead;
-    ASSERT_TRUE(
-        reference->Select(buffers.Inputs(rows), unlimited, buffers.Outputs(), nullptr).ok());
+    ASSERT_TRUE(reference->Select(inputs(), unlimited, buffers.Outputs(), nullptr).ok());
     for (int layer = 0; layer < m.num_layers; ++layer) {
       for (int b = 0; b < batch; ++b) {
         for (int list = 0; list < lists; ++list) {
@@ -145,7 +168,7 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
     }
   }
   StepStats want_stats;
-  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), &want_stats).ok());
+  ASSERT_TRUE(reference->Select(inputs(), policy, buffers.Outputs(), &want_stats).ok());
   if (c.mass.limits_bind || list_scope) {
     int changed = 0;
     for (int layer = 0, i = 0; layer < m.num_layers; ++layer) {
@@ -175,7 +198,8 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
     auto gpu_selector = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), options);
     ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
     const testing::DeviceStep got =
-        testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy);
+        testing::SelectOnDevice(**gpu_selector, buffers, batch, rows, policy, nullptr, -1, nullptr,
+                                {}, narrow.empty() ? nullptr : &narrow_queries);
     ASSERT_TRUE(got.status.ok()) << got.status;
 
     // Equal visit sets, except groups whose score sits within fp32 tolerance of a
@@ -224,6 +248,7 @@ std::string CaseName(const ::testing::TestParamInfo<GpuCase>& p) {
   if (c.strict) name += "_strict";
   if (c.tied > 0) name += "_tied" + std::to_string(c.tied);
   if (c.quest8) name += "_quest8";
+  if (c.query_dtype != DType::kFloat32) name += std::string("_q") + DTypeName(c.query_dtype);
   if (c.budget == Budget::kMass) {
     // e.g. _p099_t05_min24_max0: target 0.99, τ 0.5
     auto digits = [](float x) {
@@ -262,6 +287,56 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{Method::kQuestClt, 64, 9, 3, 8, false},
         GpuCase{Method::kQuestClt, 256, 16, 4, 4, true, 8, kPerKvHead}),
     CaseName);
+
+// 16-bit queries, as engines hand them over: every kernel that loads a query
+// (the terms kernel, jl's terms built in the scoring blocks, questclt's and
+// quest's widened queries) reads binary16 and bfloat16.
+constexpr DType kHalf = DType::kFloat16, kBf16 = DType::kBFloat16;
+INSTANTIATE_TEST_SUITE_P(QueryTypes, GpuStepTest,
+                         ::testing::Values(GpuCase{.method = Method::kJl,
+                                                   .d = 128,
+                                                   .q_heads = 32,
+                                                   .kv_heads = 8,
+                                                   .group_blocks = 8,
+                                                   .retrieval = false,
+                                                   .query_dtype = kHalf},
+                                           GpuCase{.method = Method::kJl,
+                                                   .d = 128,
+                                                   .q_heads = 32,
+                                                   .kv_heads = 8,
+                                                   .group_blocks = 8,
+                                                   .retrieval = true,
+                                                   .query_dtype = kBf16},
+                                           GpuCase{.method = Method::kQuestClt,
+                                                   .d = 128,
+                                                   .q_heads = 8,
+                                                   .kv_heads = 2,
+                                                   .group_blocks = 2,
+                                                   .retrieval = false,
+                                                   .query_dtype = kBf16},
+                                           GpuCase{.method = Method::kQuestClt,
+                                                   .d = 64,
+                                                   .q_heads = 9,
+                                                   .kv_heads = 3,
+                                                   .group_blocks = 8,
+                                                   .retrieval = false,
+                                                   .query_dtype = kHalf},
+                                           GpuCase{.method = Method::kQuest,
+                                                   .d = 128,
+                                                   .q_heads = 8,
+                                                   .kv_heads = 2,
+                                                   .group_blocks = 2,
+                                                   .retrieval = false,
+                                                   .query_dtype = kBf16},
+                                           GpuCase{.method = Method::kQuest,
+                                                   .d = 128,
+                                                   .q_heads = 8,
+                                                   .kv_heads = 2,
+                                                   .group_blocks = 8,
+                                                   .retrieval = false,
+                                                   .strict = true,
+                                                   .query_dtype = kHalf}),
+                         CaseName);
 
 // The warp-read sums of quest, questclt and strict mode (gpu/warp_sums.cuh): passes of 4
 // heads (GQA ratio <= 4) and of 8 (ratio 8, and 16 in two batches), fewer heads
