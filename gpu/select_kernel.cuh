@@ -371,10 +371,7 @@ __global__ void __launch_bounds__(kWarps * 32)
          p += blockDim.x) {
       if (visit[p]) continue;
       bool v = false;
-      // The group's value for each head of the list, one max_groups apart, until
-      // a head admits it. (Four heads' loads at once, then the check, read more
-      // than they saved: questclt g = 2 551 -> 555 us, jl per KV head 216 -> 225 us
-      // at 8 x 32k on the H100, 2026-11-26.)
+      // The group's value for each head of the list, one max_groups apart.
       const float* column =
           (kStrict ? a.uppers : a.scores) + (head_base + first_head) * s.max_groups + p;
       for (int i = 0; i < heads_per_list && !v; ++i, column += s.max_groups) {
