@@ -21,7 +21,8 @@ namespace eps::gpu::kernels {
 // Each thread scores one group: it reads the group's slot and queues its
 // record's loads first (jl with m known: the warp copies its records to shared
 // memory together), then the block reads its KV head's query terms, which
-// TermsKernel built before (‖q‖; for jl the packed z zᵀ), and, for the
+// TermsKernel built before (‖q‖; for jl the packed z zᵀ), or builds them
+// itself (ScoreArgs::phi set: jl's staged path), and, for the
 // per-channel sums, the widened queries; then each thread scores its record
 // for every query head of the KV head (GQA), the per-channel sums of 1pc taken
 // for up to kHeadBatch heads per pass, those of quest and strict for kHeads

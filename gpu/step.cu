@@ -454,8 +454,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // heads' terms itself while its records load (score_kernel.cuh), each head's
   // once as the terms kernel would, and the step has one kernel less. With more
   // blocks than the GPU holds, each later wave would wait for its own terms, where
-  // the terms kernel builds them all under the first (H100, jl 32k: 1.5 us less
-  // at batch 1, 4 and 18 us more at batches 8 and 64; docs/benchmarks/gpu.md).
+  // the terms kernel builds them all under the first (H100, jl 32k: 0.7-3.1 us less
+  // at batch 1; in every block, 4 and 18 us more at batches 8 and 64; gpu.md).
   if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel) {
     ASSIGN_OR_RETURN(const int per_sm,
                      g.ResidentScoringBlocks(launch.score_kernel, launch.score_shared));

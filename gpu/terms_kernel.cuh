@@ -1,9 +1,13 @@
 // The query terms of the GPU pre-pass (gpu/step.h), built once per (row, layer,
-// query head) by the step's first kernel: ‖q‖, and for jl z = Φᵀq and the
-// packed z zᵀ with doubled off-diagonal (core QueryTerms). Every scoring block
-// of the (row, layer, KV head) then reads them from L2 (gpu/score_kernel.cuh)
-// and starts with its record loads, where it used to build them itself first
-// (at batch 64 × 32k, 16,384 blocks each computing Φᵀq before its first load).
+// query head): ‖q‖, and for jl z = Φᵀq and the packed z zᵀ with doubled
+// off-diagonal (core QueryTerms), by one warp per head (HeadTerms). Usually the
+// step's first kernel builds them all (TermsKernel) and every scoring block of
+// the (row, layer, KV head) reads them from L2 (gpu/score_kernel.cuh), starting
+// with its record loads; when the whole scoring grid is resident at once (jl's
+// staged path, one block per row, layer and KV head: batch 1 at 32k), each
+// scoring block builds its own heads' instead while its records load, and the
+// step has no terms kernel. Building them in every block at every batch lost:
+// each later wave then waits for its own terms (gpu.md, seventh session).
 // Also the step's query check: a non-finite element of a scored head fails it.
 #pragma once
 
