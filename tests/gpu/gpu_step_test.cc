@@ -291,52 +291,22 @@ INSTANTIATE_TEST_SUITE_P(
 // 16-bit queries, as engines hand them over: every kernel that loads a query
 // (the terms kernel, jl's terms built in the scoring blocks, questclt's and
 // quest's widened queries) reads binary16 and bfloat16.
+GpuCase WithQueries(GpuCase c, DType dtype) {
+  c.query_dtype = dtype;
+  return c;
+}
 constexpr DType kHalf = DType::kFloat16, kBf16 = DType::kBFloat16;
-INSTANTIATE_TEST_SUITE_P(QueryTypes, GpuStepTest,
-                         ::testing::Values(GpuCase{.method = Method::kJl,
-                                                   .d = 128,
-                                                   .q_heads = 32,
-                                                   .kv_heads = 8,
-                                                   .group_blocks = 8,
-                                                   .retrieval = false,
-                                                   .query_dtype = kHalf},
-                                           GpuCase{.method = Method::kJl,
-                                                   .d = 128,
-                                                   .q_heads = 32,
-                                                   .kv_heads = 8,
-                                                   .group_blocks = 8,
-                                                   .retrieval = true,
-                                                   .query_dtype = kBf16},
-                                           GpuCase{.method = Method::kQuestClt,
-                                                   .d = 128,
-                                                   .q_heads = 8,
-                                                   .kv_heads = 2,
-                                                   .group_blocks = 2,
-                                                   .retrieval = false,
-                                                   .query_dtype = kBf16},
-                                           GpuCase{.method = Method::kQuestClt,
-                                                   .d = 64,
-                                                   .q_heads = 9,
-                                                   .kv_heads = 3,
-                                                   .group_blocks = 8,
-                                                   .retrieval = false,
-                                                   .query_dtype = kHalf},
-                                           GpuCase{.method = Method::kQuest,
-                                                   .d = 128,
-                                                   .q_heads = 8,
-                                                   .kv_heads = 2,
-                                                   .group_blocks = 2,
-                                                   .retrieval = false,
-                                                   .query_dtype = kBf16},
-                                           GpuCase{.method = Method::kQuest,
-                                                   .d = 128,
-                                                   .q_heads = 8,
-                                                   .kv_heads = 2,
-                                                   .group_blocks = 8,
-                                                   .retrieval = false,
-                                                   .strict = true,
-                                                   .query_dtype = kHalf}),
-                         CaseName);
+INSTANTIATE_TEST_SUITE_P(
+    QueryTypes, GpuStepTest,
+    ::testing::Values(WithQueries(GpuCase{Method::kJl, 128, 32, 8, 8, false}, kHalf),
+                      WithQueries(GpuCase{Method::kJl, 128, 32, 8, 8, true}, kBf16),
+                      WithQueries(GpuCase{Method::kQuestClt, 128, 8, 2, 2, false}, kBf16),
+                      WithQueries(GpuCase{Method::kQuestClt, 64, 9, 3, 8, false}, kHalf),
+                      WithQueries(GpuCase{Method::kQuest, 128, 8, 2, 2, false}, kBf16),
+                      WithQueries(GpuCase{Method::kQuest, 128, 8, 2, 8, false, 8, kUnion,
+                                          Budget::kThreshold, true},
+                                  kHalf)),
+    CaseName);
 
 // The warp-read sums of quest, questclt and strict mode (gpu/warp_sums.cuh): passes of 4
 // heads (GQA ratio <= 4) and of 8 (ratio 8, and 16 in two batches), fewer heads
