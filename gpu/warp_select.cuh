@@ -156,6 +156,12 @@ __device__ __forceinline__ unsigned WarpKthLargestHeld(unsigned (&key)[kHeld], u
   return top;
 }
 
+// core MarkByThreshold's cut from T, the top_pages-th largest unforced score:
+// T/α, or T·α when T <= 0 (so the cut stays below T).
+__device__ inline float ThresholdCutOf(float t, const SelectRule& rule) {
+  return t > 0.0f ? t / rule.alpha : t * rule.alpha;
+}
+
 // Rows of at most this many groups, cut at a rank of at most kHeldRank, take
 // WarpKthLargestHeld (32k tokens at g = 8 with top_pages 16: the benchmark's shape).
 inline constexpr int kHeldGroups = 256, kHeldRank = 32;
@@ -190,6 +196,8 @@ inline constexpr int kHeldWords = kHeldGroups / 32;
 // dependent load per head). The scores are read again for the ballots (each
 // lane's 8 loads at once, from L1) rather than kept beside the sorted keys: the
 // 1,024-thread selection kernel keeps two blocks per SM only within 32 registers.
+// (WarpThresholdCut followed by the fused kernel's ballot loop gives the same bits
+// but compiles to 64 registers there, half the blocks per SM.)
 __device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int n,
                                                        const SelectRule& rule, int lane,
                                                        unsigned* marks) {
@@ -205,8 +213,7 @@ __device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int 
       unforced += key[j] != 0u;
     }
     if (__reduce_add_sync(0xFFFFFFFFu, unforced) > static_cast<unsigned>(rule.top_pages)) {
-      const float t = KeyToFloat(WarpKthLargestHeld(key, rule.top_pages, lane));
-      cut = t > 0.0f ? t / rule.alpha : t * rule.alpha;
+      cut = ThresholdCutOf(KeyToFloat(WarpKthLargestHeld(key, rule.top_pages, lane)), rule);
     }
   }
   float value[kHeldWords];
@@ -234,8 +241,8 @@ __device__ __forceinline__ float WarpThresholdCut(const float* values, int n,
   if (__reduce_add_sync(0xFFFFFFFFu, local) <= static_cast<unsigned>(rule.top_pages)) {
     return -INFINITY;
   }
-  const float t = KeyToFloat(WarpKthLargest(values, n, rule.top_pages, unforced, histogram, lane));
-  return t > 0.0f ? t / rule.alpha : t * rule.alpha;
+  return ThresholdCutOf(
+      KeyToFloat(WarpKthLargest(values, n, rule.top_pages, unforced, histogram, lane)), rule);
 }
 
 // core MarkTopP for one head: the estimated mass w_p = exp((s_p - s_max)/sqrt(d))
