@@ -200,9 +200,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         // Built here, a warp per head, while the staged records load; q_sh and
         // the qsplit area (unused by jl) are the warps' scratch.
         for (int r = warp; r < ratio; r += kScoreThreads / 32) {
-          HeadTerms<kM>(s, a.queries, a.phi, a.scored, a.report, layer, row, kvh, kvh * ratio + r,
-                        q_sh + r * s.d, reinterpret_cast<float*>(qsplit_sh) + r * s.m,
-                        terms_sh + r * words, lane);
+          HeadTerms<kM>(s, a.queries, PhiOf(s, a.phi, layer, kvh), a.scored, a.report, layer, row,
+                        kvh * ratio + r, q_sh + r * s.d,
+                        reinterpret_cast<float*>(qsplit_sh) + r * s.m, terms_sh + r * words, lane);
         }
         built = true;
       }

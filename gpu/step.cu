@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <span>
 #include <string>
@@ -55,22 +56,23 @@ struct GpuSelector::Impl {
   int64_t max_batch = 0, max_groups = 0;
   int max_shared = 0;  // dynamic shared memory a block may have (bytes)
   int multiprocessors = 0;
-  // Scoring blocks resident per multiprocessor, by (kernel, shared bytes): asked
+  // Blocks resident per multiprocessor, by (kernel, threads, shared bytes): asked
   // of the runtime once each (a handful of kernels per selector).
   struct Resident {
     const void* kernel;
+    int threads;
     size_t shared;
     int blocks;
   };
   std::vector<Resident> resident;
-  absl::StatusOr<int> ResidentScoringBlocks(const void* kernel, size_t shared) {
+  absl::StatusOr<int> ResidentBlocks(const void* kernel, int threads, size_t shared) {
     for (const Resident& r : resident) {
-      if (r.kernel == kernel && r.shared == shared) return r.blocks;
+      if (r.kernel == kernel && r.threads == threads && r.shared == shared) return r.blocks;
     }
     int blocks = 0;
     CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kScoreThreads, shared));
-    resident.push_back({kernel, shared, blocks});
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, shared));
+    resident.push_back({kernel, threads, shared, blocks});
     return blocks;
   }
   cudaStream_t stream = nullptr;
@@ -383,12 +385,17 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
-  // Query terms: a warp per query head, a block per (KV head, layer, row).
-  launch.terms = {in.queries, g.phi.get(), scored, g.terms.get(), report};
-  launch.terms_kernel = TermsKernelFor(policy.method, m.sketch_dim, strict);
-  launch.terms_grid = dim3(static_cast<unsigned>(m.num_kv_heads),
-                           static_cast<unsigned>(m.num_layers), static_cast<unsigned>(batch));
-  launch.terms_shared = sizeof(float) * TermsSharedWords(m.head_dim, m.sketch_dim);
+  // Query terms (StepLaunch::PlanTerms).
+  const auto terms =
+      TermsKernelFor(policy.method, m.sketch_dim, m.head_dim, strict,
+                     reinterpret_cast<uintptr_t>(in.queries) % 16 == 0 && !g.options.terms_general);
+  int64_t resident_warps = 0;
+  if (terms.held) {
+    ASSIGN_OR_RETURN(const int per_sm, g.ResidentBlocks(terms.kernel, kTermsThreads, 0));
+    resident_warps = int64_t{per_sm} * (kTermsThreads / 32) * g.multiprocessors;
+  }
+  launch.PlanTerms(m, {in.queries, g.phi.get(), scored, g.terms.get(), report}, batch, terms,
+                   resident_warps, g.options.terms_run);
   // Scoring: one thread per group of (row, layer, KV head), 256 per block.
   launch.score = {in.summary_pool, in.group_table, in.block_table, in.queries,     g.terms.get(),
                   g.rows.get(),    scored,         g.scores.get(), g.uppers.get(), report};
@@ -458,7 +465,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   // at batch 1; in every block, 4 and 18 us more at batches 8 and 64; gpu.md).
   if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel) {
     ASSIGN_OR_RETURN(const int per_sm,
-                     g.ResidentScoringBlocks(launch.score_kernel, launch.score_shared));
+                     g.ResidentBlocks(launch.score_kernel, kScoreThreads, launch.score_shared));
     const int64_t blocks = int64_t{launch.score_grid.y} * launch.score_grid.z;
     if (blocks <= int64_t{per_sm} * g.multiprocessors) {
       launch.terms_kernel = nullptr;

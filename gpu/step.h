@@ -107,6 +107,13 @@ struct GpuSelectorOptions {
   // head's terms built once either way; no coarse level). For tests and the
   // benchmark's comparison.
   bool terms_kernel = false;
+  // (Row, query head) pairs of each TermsKernelHeld warp's run
+  // (TermsHeadsPerRun); 0: the selector's choice from the shape and the GPU.
+  // For tests.
+  int terms_run = 0;
+  // The terms kernel for any d and m (TermsKernel) even where the one that
+  // holds Φ in registers applies (TermsKernelHeld). For tests and the benchmark.
+  bool terms_general = false;
 };
 
 class GpuSelector {

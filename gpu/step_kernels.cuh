@@ -13,6 +13,7 @@
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
+#include "gpu/terms_held.cuh"
 #include "gpu/terms_kernel.cuh"
 
 namespace eps::gpu::kernels {
@@ -100,23 +101,59 @@ template <int kM>
 const void* TermsKernelOf() {
   return reinterpret_cast<const void*>(&TermsKernel<kM>);
 }
-inline const void* const kTermsKernels[] = {TermsKernelOf<-1>(), TermsKernelOf<0>(),
-                                            TermsKernelOf<4>(), TermsKernelOf<8>(),
-                                            TermsKernelOf<16>()};
+template <int kM, int kE>
+const void* TermsHeldOf() {
+  return reinterpret_cast<const void*>(&TermsKernelHeld<kM, kE>);
+}
+inline const void* const kTermsKernels[] = {
+    TermsKernelOf<-1>(), TermsKernelOf<0>(),   TermsKernelOf<4>(),   TermsKernelOf<8>(),
+    TermsKernelOf<16>(), TermsHeldOf<-1, 2>(), TermsHeldOf<-1, 4>(), TermsHeldOf<-1, 8>(),
+    TermsHeldOf<4, 2>(), TermsHeldOf<4, 4>(),  TermsHeldOf<4, 8>(),  TermsHeldOf<8, 2>(),
+    TermsHeldOf<8, 4>(), TermsHeldOf<8, 8>(),  TermsHeldOf<16, 2>(), TermsHeldOf<16, 4>()};
+
+// TermsKernelHeld<kM, d / 32> (TermsHeldFits), or null.
+template <int kM>
+const void* TermsHeldFor(int d) {
+  switch (d) {
+    case 64:
+      return TermsHeldOf<kM, 2>();
+    case 128:
+      return TermsHeldOf<kM, 4>();
+    case 256:
+      if constexpr (kM <= 8) return TermsHeldOf<kM, 8>();
+      return nullptr;
+    default:
+      return nullptr;
+  }
+}
 
 // The terms kernel: ‖q‖ only unless jl scores, and for jl Φᵀq with m known
-// where it is one of the common sketch sizes.
-inline const void* TermsKernelFor(Method method, int m, bool strict) {
-  if (method != Method::kJl || strict) return TermsKernelOf<-1>();
-  switch (m) {
+// where it is one of the common sketch sizes; TermsKernelHeld (`held`) where it
+// fits (d of 64, 128, 256) and the queries allow its 16-byte loads (`aligned`).
+struct TermsChoice {
+  const void* kernel;
+  bool held;
+};
+inline TermsChoice TermsKernelFor(Method method, int m, int d, bool strict, bool aligned) {
+  const int held_m = method != Method::kJl || strict ? -1 : m;
+  if (aligned && TermsHeldFits(d, held_m)) {
+    const void* held = held_m == -1  ? TermsHeldFor<-1>(d)
+                       : held_m == 4 ? TermsHeldFor<4>(d)
+                       : held_m == 8 ? TermsHeldFor<8>(d)
+                                     : TermsHeldFor<16>(d);
+    if (held != nullptr) return {held, true};
+  }
+  switch (held_m) {
+    case -1:
+      return {TermsKernelOf<-1>(), false};
     case 4:
-      return TermsKernelOf<4>();
+      return {TermsKernelOf<4>(), false};
     case 8:
-      return TermsKernelOf<8>();
+      return {TermsKernelOf<8>(), false};
     case 16:
-      return TermsKernelOf<16>();
+      return {TermsKernelOf<16>(), false};
     default:
-      return TermsKernelOf<0>();
+      return {TermsKernelOf<0>(), false};
   }
 }
 

@@ -70,6 +70,29 @@ struct StepLaunch {
   dim3 feedback_grid;
   size_t feedback_shared;  // FeedbackKernel's keys
 
+  // The query terms' part: `args` without the run's fields; TermsKernelHeld, a
+  // warp per (KV head, layer, run of heads: TermsHeadsPerRun of the warps the GPU
+  // holds, `resident_warps`), where it fits; else TermsKernel, a block per (KV
+  // head, layer, row).
+  void PlanTerms(const ModelLayout& m, kernels::TermsArgs args, int64_t batch,
+                 kernels::TermsChoice choice, int64_t resident_warps, int wanted_run) {
+    terms = args;
+    terms.rows = static_cast<int>(batch);
+    terms.run = 1;
+    terms_kernel = choice.kernel;
+    terms_grid = dim3(static_cast<unsigned>(m.num_kv_heads), static_cast<unsigned>(m.num_layers),
+                      static_cast<unsigned>(batch));
+    terms_shared = sizeof(float) * kernels::TermsSharedWords(m.head_dim, m.sketch_dim);
+    if (!choice.held) return;
+    constexpr int kWarps = kernels::kTermsThreads / 32;
+    const int64_t pairs = int64_t{m.num_layers} * m.num_kv_heads;
+    const int64_t heads = batch * m.gqa_ratio();  // of each (layer, KV head)
+    terms.run = kernels::TermsHeadsPerRun(pairs * heads, resident_warps, wanted_run);
+    const int64_t warps = pairs * ((heads + terms.run - 1) / terms.run);
+    terms_grid = dim3(static_cast<unsigned>((warps + kWarps - 1) / kWarps));
+    terms_shared = 0;
+  }
+
   // The coarse level's part (coarse_select.cuh), once `shape` and `score` hold the
   // fine scoring's: the coarse records scored first, by the same kernel under a
   // Shape whose groups are the coarse ones; then the candidates (`candidates`

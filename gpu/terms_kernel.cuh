@@ -1,7 +1,8 @@
 // The query terms of the GPU pre-pass (gpu/step.h), built once per (row, layer,
 // query head): ‖q‖, and for jl z = Φᵀq and the packed z zᵀ with doubled
 // off-diagonal (core QueryTerms), by one warp per head (HeadTerms). Usually the
-// step's first kernel builds them all (TermsKernel) and every scoring block of
+// step's first kernel builds them all (TermsKernelHeld where d and m allow,
+// else TermsKernel) and every scoring block of
 // the (row, layer, KV head) reads them from L2 (gpu/score_kernel.cuh), starting
 // with its record loads; when the whole scoring grid is resident at once (jl's
 // staged path, one block per row, layer and KV head: batch 1 at 32k), each
@@ -39,9 +40,12 @@ struct TermsArgs {
   const uint8_t* scored;  // [layers, q_heads] or null (every head scored)
   float* terms;           // [max_batch, layers, q_heads, TermWords(m)]
   StepReport* report;
+  // TermsKernelHeld: the step's batch, and the (row, query head) pairs of one warp's run.
+  int rows, run;
 };
 
-// Dynamic shared memory of TermsKernel: a query and its z per warp.
+// Dynamic shared memory of TermsKernel: a query and its z per warp
+// (TermsKernelHeld takes none).
 __host__ __device__ inline size_t TermsSharedWords(int d, int m) {
   return static_cast<size_t>(kTermsThreads / 32) * (d + m);
 }
@@ -107,18 +111,23 @@ __device__ inline void UnpackIndex(int e, int m, int* i_out, int* j_out) {
   *j_out = i + p;
 }
 
+// The KV head's Φ [d, m] of `layer`, as the terms kernels read it.
+__device__ inline const float* PhiOf(const Shape& s, const float* phi, int layer, int kvh) {
+  return phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
+}
+
 // One query head's terms, by one warp: its query loaded (and checked where the
 // head is scored), ‖q‖ into out[packed], and for jl (kM >= 0) the packed z zᵀ
-// into out[0, packed). `q` [d] and `z` [m] are the warp's scratch in shared
+// into out[0, packed) from `matrix`, the head's KV head's Φ [d, m] (PhiOf;
+// unused for kM < 0). `q` [d] and `z` [m] are the warp's scratch in shared
 // memory; `out` [TermWords(m)] lies in global memory (TermsKernel) or in the
 // scoring block's shared memory (ScoreGroups with the terms in the block).
 // kM < 0: ‖q‖ only (every method but jl); 0: jl, m from the shape
 // (ProjectQuery); 4, 8, 16: jl with m known (ProjectQueryRows).
 template <int kM>
-__device__ inline void HeadTerms(const Shape& s, const void* queries, const float* phi,
+__device__ inline void HeadTerms(const Shape& s, const void* queries, const float* matrix,
                                  const uint8_t* scored_heads, StepReport* report, int layer,
-                                 int row, int kvh, int h, float* q, float* z, float* out,
-                                 int lane) {
+                                 int row, int h, float* q, float* z, float* out, int lane) {
   const int packed = s.record.packed;
   const bool scored = scored_heads == nullptr || scored_heads[layer * s.q_heads + h];
   const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
@@ -146,7 +155,6 @@ __device__ inline void HeadTerms(const Shape& s, const void* queries, const floa
   for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
   if (lane == 0) out[packed] = sqrtf(n2);
   if constexpr (kM >= 0) {
-    const float* matrix = phi + (int64_t{layer} * s.kv_heads + kvh) * s.d * s.m;
     if constexpr (kM > 0) {
       ProjectQueryRows<kM>(matrix, q, s.d, lane, z);
     } else {
@@ -164,7 +172,8 @@ __device__ inline void HeadTerms(const Shape& s, const void* queries, const floa
 }
 
 // Grid (kv_heads, layers, rows), kTermsThreads threads: a warp per query head
-// of the KV head (HeadTerms).
+// of the KV head (HeadTerms). Any d and m; TermsKernelHeld (terms_held.cuh)
+// serves the common shapes.
 template <int kM>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs a) {
   LetScoringStart();
@@ -176,7 +185,8 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernel(Shape s, TermsArgs 
   float* z = q + s.d;                      // [m]
   for (int r = warp; r < ratio; r += kTermsThreads / 32) {
     const int h = kvh * ratio + r;
-    HeadTerms<kM>(s, a.queries, a.phi, a.scored, a.report, layer, row, kvh, h, q, z,
+    HeadTerms<kM>(s, a.queries, kM >= 0 ? PhiOf(s, a.phi, layer, kvh) : nullptr, a.scored, a.report,
+                  layer, row, h, q, z,
                   a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + h) * words, lane);
   }
 }

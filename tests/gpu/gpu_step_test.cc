@@ -183,18 +183,31 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
                              "list: the case tests nothing of them";
   }
 
-  // questclt has two paths: its octet path (d of 64, 128, 256; the default
-  // there) and the general one (any d; GpuSelectorOptions::register_sums). jl
-  // has two sources of query terms: the scoring blocks (the default where each
-  // row fits one block) and the terms kernel (GpuSelectorOptions::terms_kernel).
-  // Each is held to core/ alone.
-  const bool two_paths = (c.method == Method::kQuestClt || c.method == Method::kJl) && !c.strict;
-  for (const bool general : two_paths ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
-    SCOPED_TRACE(!general                        ? "the default path"
+  // Paths held to core/ each alone. questclt: its octet path (d of 64, 128,
+  // 256; the default there) and the general one (any d;
+  // GpuSelectorOptions::register_sums). jl's query terms: built by the scoring
+  // blocks (the default where each row fits one block), by the terms kernel that
+  // holds Φ in registers (TermsKernelHeld: d of 64, 128, 256) and by the one for
+  // any d and m (TermsKernel; GpuSelectorOptions::terms_general; d = 96 cases
+  // take it for ‖q‖). Past the default, each TermsKernelHeld warp takes runs of
+  // three (row, head) pairs (GpuSelectorOptions::terms_run: runs across rows and
+  // a shorter last one); questclt's second path so for ‖q‖.
+  enum class Path { kDefault, kSecond, kTermsGeneral };
+  std::vector<Path> paths{Path::kDefault};
+  if (!c.strict && (c.method == Method::kQuestClt || c.method == Method::kJl)) {
+    paths.push_back(Path::kSecond);
+  }
+  if (!c.strict && c.method == Method::kJl) paths.push_back(Path::kTermsGeneral);
+  for (const Path path : paths) {
+    const bool second = path != Path::kDefault;
+    SCOPED_TRACE(!second                         ? "the default path"
                  : c.method == Method::kQuestClt ? "questclt's general path"
-                                                 : "jl's terms kernel");
-    const gpu::GpuSelectorOptions options{.register_sums = general && c.method == Method::kQuestClt,
-                                          .terms_kernel = general && c.method == Method::kJl};
+                 : path == Path::kSecond         ? "jl's terms kernel (Φ in registers)"
+                                                 : "jl's terms kernel for any d and m");
+    const gpu::GpuSelectorOptions options{.register_sums = second && c.method == Method::kQuestClt,
+                                          .terms_kernel = second && c.method == Method::kJl,
+                                          .terms_run = second ? 3 : 0,
+                                          .terms_general = path == Path::kTermsGeneral};
     auto gpu_selector = gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), options);
     ASSERT_TRUE(gpu_selector.ok()) << gpu_selector.status();
     const testing::DeviceStep got =
