@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ int head_tie[256];
   __shared__ unsigned counts[kWarps * 32];
   __shared__ unsigned histograms[kWarps][256];
-  __shared__ unsigned held_marks[kHeldWords];  // threshold, held rows: the list's admitted groups
+  // Threshold, held rows: the groups admitted by each warp's heads, a bit each.
+  __shared__ unsigned held_marks[kWarps][kHeldWords];
   __shared__ bool list_any_head;  // mass, list scope: the list's cut and whether a head is scored
   __shared__ unsigned list_key;
   __shared__ int list_tie;
@@ -119,17 +120,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   // mass, list scope: one cut over the list's summed shares instead of one per head.
   const bool list_mass = kBudget == Budget::kMass && rule.mass_list;
   // Threshold budget, rows held in registers, lists of many heads (32 warps):
-  // each head's warp ORs the groups it admits into held_marks
-  // (WarpThresholdMarksHeld), and the visit flags read the bits, instead of a
-  // thread per group reading the list's heads' scores. Not for the 8-warp
+  // each warp ORs the groups its heads admit into its own held_marks words
+  // (WarpThresholdMarksHeld), and the visit flags OR the warps' words, instead
+  // of a thread per group reading the list's heads' scores. Not for the 8-warp
   // kernel (lists of up to 8 heads), where the path took it from 32 registers
   // to 40 and per-KV-head lists read 2 % slower (g = 2, 8 × 32k, H100).
   const bool marks_held = kBudget == Budget::kThreshold && !kStrict && kWarps == 32 &&
                           n <= kHeldGroups && rule.top_pages <= kHeldRank;
-  if (marks_held) {
-    if (threadIdx.x < kHeldWords) held_marks[threadIdx.x] = 0;
-    __syncthreads();
-  }
+  if (marks_held && lane < kHeldWords) held_marks[warp][lane] = 0;  // seen after step 1's barrier
   // mass: this layer's budget (SelectPolicy::MassFor).
   MassRule budget{};
   if constexpr (kBudget == Budget::kMass) budget = MassRuleOf(rule, layer);
@@ -321,7 +319,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                   values, n, rule.top_pages, [](int) { return true; }, histograms[warp], lane));
             }
           } else if (marks_held) {
-            WarpThresholdMarksHeld(values, n, rule, lane, held_marks);
+            WarpThresholdMarksHeld(values, n, rule, lane, held_marks[warp]);
           } else {
             // core MarkByThreshold: visit every unforced group with score >= the cut.
             cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
@@ -333,10 +331,18 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();
   }
 
-  // 2. Visit flags.
-  for (int p = threadIdx.x; p < n; p += blockDim.x) {
-    visit[p] =
-        rule.method_off || forced(p) || (marks_held && ((held_marks[p / 32] >> (p % 32)) & 1u));
+  // 2. Visit flags. Held marks: warp w < kHeldWords ORs word w of every warp's
+  // marks (lane l reads warp l's), the word of its own threads' groups
+  // (p = threadIdx.x: n <= kHeldGroups < blockDim.x).
+  if (marks_held) {
+    if (warp < kHeldWords) {
+      const unsigned marked =
+          __reduce_or_sync(0xFFFFFFFFu, lane < warps ? held_marks[lane][warp] : 0u);
+      const int p = threadIdx.x;
+      if (p < n) visit[p] = rule.method_off || forced(p) || ((marked >> lane) & 1u);
+    }
+  } else {
+    for (int p = threadIdx.x; p < n; p += blockDim.x) visit[p] = rule.method_off || forced(p);
   }
   __syncthreads();
   if constexpr (kBudget == Budget::kFixed) {
