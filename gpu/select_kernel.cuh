@@ -127,7 +127,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   // to 40 and per-KV-head lists read 2 % slower (g = 2, 8 × 32k, H100).
   const bool marks_held = kBudget == Budget::kThreshold && !kStrict && kWarps == 32 &&
                           n <= kHeldGroups && rule.top_pages <= kHeldRank;
-  if (marks_held && lane < kHeldWords) held_marks[warp][lane] = 0;  // seen after step 1's barrier
+  if (marks_held) {  // the warp's own words: its lane 0 ORs into them (other warps read after step
+                     // 1)
+    if (lane < kHeldWords) held_marks[warp][lane] = 0;
+    __syncwarp();
+  }
   // mass: this layer's budget (SelectPolicy::MassFor).
   MassRule budget{};
   if constexpr (kBudget == Budget::kMass) budget = MassRuleOf(rule, layer);
