@@ -73,14 +73,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       // core MarkByThreshold with α = 1: T = the per_head-th largest unforced
       // coarse score; every unforced coarse group with score >= T (all of them
       // when there are at most per_head).
-      unsigned local = 0;
-      for (int c = lane; c < nc; c += 32) local += !forced(c);
-      cut = -INFINITY;
-      if (__reduce_add_sync(0xFFFFFFFFu, local) > static_cast<unsigned>(a.per_head)) {
-        cut = KeyToFloat(WarpKthLargest(
-            a.scores + (head_base + h) * a.max_coarse_groups, nc, static_cast<unsigned>(a.per_head),
-            [&](int c) { return !forced(c); }, histograms[warp], lane));
-      }
+      cut = WarpKthOpenValue(
+          a.scores + (head_base + h) * a.max_coarse_groups, nc, static_cast<unsigned>(a.per_head),
+          [&](int c) { return !forced(c); }, histograms[warp], lane);
     }
     if (lane == 0) head_cut[h - first_head] = cut;
   }

@@ -231,6 +231,19 @@ __device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int 
   }
 }
 
+// The k-th largest of the values of the groups p < n that `open(p)` admits, or
+// −∞ when no more than k are admitted (every one of them passes). Every lane
+// returns it. The threshold budget's T (WarpThresholdCut) and the coarse
+// level's candidate cut (gpu/coarse_select.cuh, α = 1) both take it.
+template <typename Open>
+__device__ __forceinline__ float WarpKthOpenValue(const float* values, int n, unsigned k, Open open,
+                                                  unsigned* histogram, int lane) {
+  unsigned local = 0;
+  for (int p = lane; p < n; p += 32) local += open(p);
+  if (__reduce_add_sync(0xFFFFFFFFu, local) <= k) return -INFINITY;
+  return KeyToFloat(WarpKthLargest(values, n, k, open, histogram, lane));
+}
+
 // core MarkByThreshold's cut for one head: T = the top_pages-th largest unforced
 // score, cut T/α (T·α when T <= 0); −∞ (every unforced group) when no more than
 // top_pages groups are unforced. Every lane returns it.
@@ -238,13 +251,10 @@ __device__ __forceinline__ float WarpThresholdCut(const float* values, int n,
                                                   const SelectRule& rule, unsigned* histogram,
                                                   int lane) {
   auto unforced = [&](int p) { return !IsForced(p, n, rule.first_n, rule.last_n); };
-  unsigned local = 0;
-  for (int p = lane; p < n; p += 32) local += unforced(p);
-  if (__reduce_add_sync(0xFFFFFFFFu, local) <= static_cast<unsigned>(rule.top_pages)) {
-    return -INFINITY;
-  }
+  // −∞ stays −∞ through ThresholdCutOf (α > 0).
   return ThresholdCutOf(
-      KeyToFloat(WarpKthLargest(values, n, rule.top_pages, unforced, histogram, lane)), rule);
+      WarpKthOpenValue(values, n, static_cast<unsigned>(rule.top_pages), unforced, histogram, lane),
+      rule);
 }
 
 // core MarkTopP for one head: the estimated mass w_p = exp((s_p - s_max)/sqrt(d))
