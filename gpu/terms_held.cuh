@@ -114,7 +114,7 @@ __device__ inline float WarpReduceScatter(float (&v)[kM], int lane, float& total
 // Heads of one warp's run (TermsArgs::run): as few as leave no more warps than
 // the GPU holds at once (`resident_warps`), so that each warp loads its Φ once
 // for as many heads as it can while small batches still spread over the GPU,
-// and the load of a warp's next query overlaps the current one's sums.
+// and the loads of a warp's next queries overlap the current one's sums.
 // `wanted` > 0 (GpuSelectorOptions::terms_run) overrides it.
 inline int TermsHeadsPerRun(int64_t heads, int64_t resident_warps, int wanted) {
   if (wanted > 0) return wanted;
@@ -125,8 +125,8 @@ inline int TermsHeadsPerRun(int64_t heads, int64_t resident_warps, int wanted) {
 // warp w takes KV head w % kv_heads of layer (w / kv_heads) % layers, and of
 // that KV head's (row, query head) pairs in row-major order the run
 // w / (kv_heads · layers); it loads its lanes' rows of Φ once, then builds the
-// terms of its run's heads, each head's query loaded before the previous
-// head's sums.
+// terms of its run's heads, each head's query loaded two heads ahead of its
+// sums.
 template <int kM, int kE>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsArgs a) {
   LetScoringStart();
@@ -172,17 +172,27 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsA
   auto element = [&](int row, int r) {
     return ((int64_t{layer} * s.max_batch + row) * s.q_heads + kvh * ratio + r) * s.d + kE * lane;
   };
+  // Two queries in flight ahead of the sums (one ahead: 28.9 against 26.5 µs at
+  // 64 × 32k, H100).
   int row = first / ratio, r = first % ratio;
-  float x[kE];
-  LoadQueryPart<kE>(a.queries, s.query_dtype, element(row, r), x);
+  int load_row = row, load_r = r;  // the head of the next load
+  auto advance = [&](int& rw, int& rr) {
+    if (++rr == ratio) {
+      rr = 0;
+      ++rw;
+    }
+  };
+  float x[kE], next[kE] = {};
+  LoadQueryPart<kE>(a.queries, s.query_dtype, element(load_row, load_r), x);
+  advance(load_row, load_r);
+  if (first + 1 < end) LoadQueryPart<kE>(a.queries, s.query_dtype, element(load_row, load_r), next);
+  advance(load_row, load_r);
   for (int i = first; i < end; ++i) {
     const int h = kvh * ratio + r, this_row = row;
-    if (++r == ratio) {
-      r = 0;
-      ++row;
-    }
-    float next[kE] = {};
-    if (i + 1 < end) LoadQueryPart<kE>(a.queries, s.query_dtype, element(row, r), next);
+    advance(row, r);
+    float after[kE] = {};
+    if (i + 2 < end) LoadQueryPart<kE>(a.queries, s.query_dtype, element(load_row, load_r), after);
+    advance(load_row, load_r);
     bool bad = false;
 #pragma unroll
     for (int e = 0; e < kE; ++e) bad |= !isfinite(x[e]);
@@ -222,7 +232,10 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsA
     }
     if (lane == 0) out[packed] = sqrtf(n2);
 #pragma unroll
-    for (int e = 0; e < kE; ++e) x[e] = next[e];
+    for (int e = 0; e < kE; ++e) {
+      x[e] = next[e];
+      next[e] = after[e];
+    }
   }
 }
 
