@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   // to 40 and per-KV-head lists read 2 % slower (g = 2, 8 × 32k, H100).
   const bool marks_held = kBudget == Budget::kThreshold && !kStrict && kWarps == 32 &&
                           n <= kHeldGroups && rule.top_pages <= kHeldRank;
-  if (marks_held) {  // the warp's own words: its lane 0 ORs into them (other warps read after step
-                     // 1)
+  // The warp's own words, which its lane 0 ORs into (other warps read them after step 1).
+  if (marks_held) {
     if (lane < kHeldWords) held_marks[warp][lane] = 0;
     __syncwarp();
   }

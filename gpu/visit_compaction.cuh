@@ -15,7 +15,7 @@ namespace eps::gpu::kernels {
 
 // Every thread of the block calls it (blockDim.x a multiple of 32, at most
 // 1024). Per-group output offsets by a block-wide scan over contiguous chunks, then a
-// thread per (group, block of the group) writes the visited ones, so block-table reads
+// thread per block of the row writes those of visited groups, so block-table reads
 // and visit-list writes are coalesced across the warp.
 //
 // visit [n] flags and offset [n] words in shared memory, counts [blockDim.x / 32]

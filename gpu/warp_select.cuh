@@ -193,9 +193,10 @@ inline constexpr int kHeldWords = kHeldGroups / 32;
 // admits (unforced, score >= cut) ORed into `marks` [kHeldWords] (shared memory,
 // the warp's own), a ballot per word. The selection kernel's union of a list's
 // heads is then an OR of the warps' words instead of a thread per group reading
-// each head's score in turn (one dependent load per head). The scores are read again for the
-// ballots (each lane's 8 loads at once, from L1) rather than kept beside the sorted keys: the
-// 1,024-thread selection kernel keeps two blocks per SM only within 32 registers.
+// each head's score in turn (one dependent load per head). The scores are read
+// again for the ballots (each lane's 8 loads at once, from L1) rather than kept
+// beside the sorted keys: the 1,024-thread selection kernel keeps two blocks per
+// SM only within 32 registers.
 // (WarpThresholdCut followed by the fused kernel's ballot loop gives the same bits
 // but compiles to 64 registers there, half the blocks per SM.)
 __device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int n,
