@@ -1,0 +1,158 @@
+"""Per-token low-rank key summaries (issue 19): an estimator that is not a box.
+
+Quest's record and every estimator read from it (eps_eval.estimators) describe a group by
+per-channel ranges, which at d = 256 say little about which token a query meets. This
+module keeps, for every token, r coefficients of its key in a fixed basis, and scores a
+16-token block by the attention mass those approximate dot products give:
+
+    ŝ_t = q·μ + (Bqᵀ q)·c_t,   c_t = Bkᵀ (k_t − μ) rounded to `bits` with one scale a block,
+    score(block) = √d · log Σ_t exp(ŝ_t / √d)   (the block's log mass in score units).
+
+Two bases of rank r:
+  key PCA        Bk = Bq = the top r eigenvectors of the keys' covariance (Loki's choice);
+  query-aware    the r directions that keep E_q[(q·(k − μ))²] best for the queries'
+                 second moment Σq: whiten with R = Σq^½ (q·k = (R⁻¹q)·(Rk)), take the top
+                 r eigenvectors V of R Σk R, Bk = R V, Bq = R⁻¹ V. At r = d both give q·k
+                 exactly.
+
+A block's record is 16·r·bits/8 bytes of coefficients and a 2-byte scale (the basis is
+per layer and KV head, not per block).
+
+The rotated box keeps, instead of every token's coefficients, their per-coordinate
+minimum and maximum over the block (2·r bytes at 8 bits, rounded outward, and a 4-byte
+scale): quest's record in the basis instead of the channels, scored as questclt is,
+
+    score(block) = q·μ + q'·mid + κ · sqrt(Σ_j q'_j² w_j²),   q' = Bqᵀ q,
+
+mid and w the box's centre and half-width. The study (eps_eval.run_lowrank) measures both
+against questclt and the exact lag-1 mass at equal bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from eps_eval.metrics import BLOCK
+
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Basis:
+    mu: F64  # [d] the keys' mean
+    keys: F64  # [d, r] Bk: coefficients c = Bkᵀ (k − μ)
+    queries: F64  # [d, r] Bq: q·k ≈ q·μ + (Bqᵀ q)·c
+
+    @property
+    def rank(self) -> int:
+        return int(self.keys.shape[1])
+
+
+def _check(keys: np.ndarray, r: int) -> F64:
+    k = np.asarray(keys, dtype=np.float64).reshape(-1, np.shape(keys)[-1])
+    if not 1 <= r <= k.shape[1]:
+        raise ValueError(f"rank r={r} is not in [1, d={k.shape[1]}]")
+    if k.shape[0] < 2:
+        raise ValueError("a basis needs at least two keys")
+    return k
+
+
+def key_pca(keys: np.ndarray, r: int) -> Basis:
+    """The top r principal directions of `keys` [..., d] (centred)."""
+    k = _check(keys, r)
+    mu = k.mean(axis=0)
+    _, vecs = np.linalg.eigh((k - mu).T @ (k - mu) / len(k))
+    v = vecs[:, ::-1][:, :r]
+    return Basis(mu, v, v)
+
+
+def query_aware(keys: np.ndarray, queries: np.ndarray, r: int) -> Basis:
+    """The rank-r basis that keeps q·(k − μ) best on average over `queries` [..., d]."""
+    k = _check(keys, r)
+    q = np.asarray(queries, dtype=np.float64).reshape(-1, k.shape[1])
+    mu = k.mean(axis=0)
+    w, u = np.linalg.eigh(q.T @ q / len(q))
+    w = np.maximum(w, 1e-9 * max(float(w.max()), 1e-300))  # directions no query takes
+    root, inv_root = (u * np.sqrt(w)) @ u.T, (u / np.sqrt(w)) @ u.T
+    _, vecs = np.linalg.eigh(root @ ((k - mu).T @ (k - mu) / len(k)) @ root)
+    v = vecs[:, ::-1][:, :r]
+    return Basis(mu, root @ v, inv_root @ v)
+
+
+def block_coefficients(k: F32, tokens: int, basis: Basis, bits: int = 8) -> F64:
+    """Coefficients [kv, blocks, 16, r] of the first `tokens` keys of k [kv, T, d], rounded
+    to signed `bits` with one scale per (block, KV head) (bits 0: unrounded); the padding
+    tokens of the last block are NaN."""
+    kv, _, _ = k.shape
+    nb = -(-tokens // BLOCK)
+    c = (k[:, :tokens].astype(np.float64) - basis.mu) @ basis.keys  # [kv, tokens, r]
+    c = np.pad(c, ((0, 0), (0, nb * BLOCK - tokens), (0, 0))).reshape(kv, nb, BLOCK, -1)  # zeros
+    if bits:
+        top = float(2 ** (bits - 1) - 1)
+        scale = np.abs(c).max(axis=(2, 3), keepdims=True) / top
+        scale = np.where(scale > 0, scale, 1.0)
+        c = np.round(c / scale) * scale
+    pad = nb * BLOCK - tokens
+    if pad:
+        c[:, -1, BLOCK - pad:] = np.nan
+    return c
+
+
+def block_scores(q: F32, coeffs: F64, basis: Basis) -> F32:
+    """Scores [H, blocks] of q [H, d]: √d · log Σ_t exp(ŝ_t / √d) over each block's tokens
+    (GQA: head h reads KV head h // (H / kv))."""
+    h, d = q.shape
+    kv = coeffs.shape[0]
+    qq = q.astype(np.float64)
+    out = np.empty((h, coeffs.shape[1]))
+    root_d = np.sqrt(d)
+    for i in range(h):
+        s = coeffs[i // (h // kv)] @ (basis.queries.T @ qq[i]) + qq[i] @ basis.mu  # [blocks, 16]
+        s = np.where(np.isnan(s), -np.inf, s)
+        top = s.max(axis=1, keepdims=True)
+        out[i] = top[:, 0] + root_d * np.log(np.exp((s - top) / root_d).sum(axis=1))
+    return out.astype(np.float32)
+
+
+def block_boxes(k: F32, tokens: int, basis: Basis) -> tuple[F64, F64]:
+    """Per-coordinate min and max [kv, blocks, r] of each block's coefficients, in int8
+    with one scale per (block, KV head), rounded outward (the box holds every token)."""
+    kv, _, _ = k.shape
+    nb = -(-tokens // BLOCK)
+    pad = nb * BLOCK - tokens
+    c = (k[:, :tokens].astype(np.float64) - basis.mu) @ basis.keys  # [kv, tokens, r]
+    lo = np.pad(c, ((0, 0), (0, pad), (0, 0)), constant_values=np.inf)
+    hi = np.pad(c, ((0, 0), (0, pad), (0, 0)), constant_values=-np.inf)
+    lo = lo.reshape(kv, nb, BLOCK, -1).min(axis=2)
+    hi = hi.reshape(kv, nb, BLOCK, -1).max(axis=2)
+    scale = np.maximum(np.abs(lo), np.abs(hi)).max(axis=2, keepdims=True) / 127.0
+    scale = np.where(scale > 0, scale * (1 + 1e-6), 1.0)
+    return np.floor(lo / scale) * scale, np.ceil(hi / scale) * scale
+
+
+def box_scores(q: F32, lo: F64, hi: F64, basis: Basis, kappa: float) -> F32:
+    """Scores [H, blocks] of q [H, d] from the rotated boxes (GQA as block_scores)."""
+    h = q.shape[0]
+    kv = lo.shape[0]
+    qq = q.astype(np.float64)
+    qp = qq @ basis.queries  # [H, r]
+    mid, w = 0.5 * (hi + lo), 0.5 * (hi - lo)
+    out = np.empty((h, lo.shape[1]))
+    for i in range(h):
+        j = i // (h // kv)
+        out[i] = qq[i] @ basis.mu + mid[j] @ qp[i] + kappa * np.sqrt((w[j] ** 2) @ (qp[i] ** 2))
+    return out.astype(np.float32)
+
+
+def box_bytes(r: int) -> float:
+    """Bytes per (16-token block, KV head) of a rotated box: int8 min and max, a scale."""
+    return 2.0 * r + 4.0
+
+
+def record_bytes(r: int, bits: int) -> float:
+    """Bytes per (16-token block, KV head): the coefficients and a 2-byte scale."""
+    return BLOCK * r * (bits if bits else 16) / 8 + 2.0

@@ -1,0 +1,182 @@
+"""The per-token low-rank summaries (eps_eval.lowrank) on Gemma 3's global layers, against
+questclt and the exact lag-1 mass: `python -m eps_eval.run_lowrank --out=DIR
+[--context=16384,32768 --steps=12 --cache=DIR]`.
+
+Each context reads the licence passage of run_gemma (layers 5, 11, 17, the last `steps`
+positions, lag-1 queries, g = 1, the threshold budget swept as quality.top_pages_for), and
+for every (layer, position) pair the recall at 75 % of KV bytes skipped (summary bytes
+counted, and again with the low-rank records free) of:
+
+  oracle_mass     the current query's exact block masses (the reference of the gap);
+  lag1            the previous query's exact block masses (zero bytes: the lag's ceiling);
+  questclt1       questclt on the quest8 record (2·d + 4 bytes a block);
+  tok-{basis}{r}  every token's r coefficients, 8-bit, scored as the block's log mass
+                  (lowrank.block_scores); `-free` the same with its bytes not counted;
+  box-{basis}{r}-k{κ}  the rotated box of rank r (lowrank.box_scores, 2·r + 4 bytes).
+
+Bases: `pca` key PCA of the context's keys before its last 512 tokens; `qa` query-aware,
+those keys and the queries of a calibration text; `qapre` the same from the context's
+first 2,048 keys only; `qacal` keys and queries of the calibration text (a basis per
+model, not per sequence). The calibration text is Python's standard library source
+(another domain than the licences), 4,096 tokens.
+
+Units: DIR/units/lowrank_{context}.csv (one row per pair and configuration); the table of
+paired gaps is printed and written to DIR/lowrank.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eps_eval import core, lowrank
+from eps_eval.gemma import GLOBAL_LAYERS, Gemma, fetch_gguf
+from eps_eval.metrics import BLOCK, dense, evaluate
+from eps_eval.plans import FRACTIONS
+from eps_eval.quality import QuestTables, top_pages_for
+from eps_eval.run import log
+from eps_eval.run_gemma import contexts, passage_ids
+
+TOKEN_RANKS = (8, 16, 31, 64)
+BOX_RANKS = (16, 32, 64, 96)
+KAPPAS = (1.0, 1.5)
+# More budgets near 75 % skipped than the quality sweep, for the interpolation.
+SWEEP = tuple(sorted(set(FRACTIONS) | {0.12, 0.18, 0.25}))
+
+
+def calibration_ids(tok: object, n: int = 4096) -> list[int]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("[a-c]*.py"))[:40]
+    ids = tok.encode("\n".join(f.read_text(errors="replace") for f in files))  # type: ignore[attr-defined]
+    if len(ids) < n:
+        raise ValueError(f"calibration text has {len(ids)} tokens < {n}")
+    return ids[:n]
+
+
+def recall_at(rec: np.ndarray, skip: np.ndarray, target: float = 0.75) -> float:
+    order = np.argsort(skip)
+    return float(np.interp(target, skip[order], rec[order]))
+
+
+def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c: int,
+              bases: dict[str, lowrank.Basis]) -> dict[str, float]:
+    """Recall at 75 % skipped for every configuration at one (layer, position)."""
+    d = k.shape[2]
+    dn, lag = dense(q, k[:, :c], v[:, :c]), dense(q_lag, k[:, :c], v[:, :c])
+    nb = -(-c // BLOCK)
+    tps = top_pages_for(nb, SWEEP)
+    out: dict[str, float] = {}
+
+    def run(name: str, scores: np.ndarray) -> None:
+        masks = core.mark(scores.astype(np.float32), k.shape[0], tps)
+        m = evaluate(dn, 1, masks, tps, [record_of(name, d)] * len(tps))
+        out[name] = recall_at(m["recall"], m["skip"])
+
+    run("oracle_mass", np.log(np.maximum(dn.mass, 1e-300)) * np.sqrt(d))
+    run("lag1", np.log(np.maximum(lag.mass, 1e-300)) * np.sqrt(d))
+    run("questclt1", QuestTables(k, c, 1).estimate("questclt1", q_lag))
+    for name, basis in bases.items():
+        if name.startswith("tok-"):
+            scores = lowrank.block_scores(q_lag, lowrank.block_coefficients(k, c, basis, 8), basis)
+            run(name, scores)
+            if name.startswith("tok-qa") and not name.startswith("tok-qacal"):
+                run(f"{name}-free", scores)
+        else:
+            lo, hi = lowrank.block_boxes(k, c, basis)
+            for kappa in KAPPAS:
+                run(f"{name}-k{kappa:g}", lowrank.box_scores(q_lag, lo, hi, basis, kappa))
+    return out
+
+
+def make_bases(keys: np.ndarray, cal_k: np.ndarray, cal_q: np.ndarray) -> dict[str, lowrank.Basis]:
+    """Every basis of the study for one layer: keys [kv, T, d] of the context."""
+    own, first = keys[:, : keys.shape[1] - 512], keys[:, :2048]
+    out = {}
+    for r in TOKEN_RANKS:
+        out[f"tok-pca{r}"] = lowrank.key_pca(own, r)
+        out[f"tok-qa{r}"] = lowrank.query_aware(own, cal_q, r)
+        out[f"tok-qacal{r}"] = lowrank.query_aware(cal_k, cal_q, r)
+    for r in BOX_RANKS:
+        out[f"box-pca{r}"] = lowrank.key_pca(own, r)
+        out[f"box-qa{r}"] = lowrank.query_aware(own, cal_q, r)
+        out[f"box-qapre{r}"] = lowrank.query_aware(first, cal_q, r)
+        out[f"box-qacal{r}"] = lowrank.query_aware(cal_k, cal_q, r)
+    return out
+
+
+def record_of(name: str, d: int = 256) -> float:
+    """Summary bytes a block read by configuration `name` (0: exact or free)."""
+    if name in ("oracle_mass", "lag1") or name.endswith("-free"):
+        return 0.0
+    if name == "questclt1":
+        return 2.0 * d + 4.0
+    rank = int(re.sub(r"\D", "", name.split("-")[1]))
+    return lowrank.record_bytes(rank, 8) if name.startswith("tok-") else lowrank.box_bytes(rank)
+
+
+def report(rows: list[dict[str, object]]) -> str:
+    lines = ["| configuration | bytes a block (of quest fp16's at g = 1) | "
+             + " | ".join(f"{c} recall / gap" for c in sorted({int(r['context']) for r in rows}))
+             + " |", "| --- | ---: |" + " --- |" * len({r["context"] for r in rows})]
+    names = [n for n in rows[0] if n not in ("context", "layer", "step")]
+    for n in names:
+        cells = []
+        for ctx in sorted({int(r["context"]) for r in rows}):
+            sel = [r for r in rows if int(r["context"]) == ctx]
+            x = np.array([float(r[n]) for r in sel])  # type: ignore[arg-type]
+            gap = np.array([float(r["oracle_mass"]) for r in sel]) - x  # type: ignore[arg-type]
+            half = 1.96 * gap.std(ddof=1) / np.sqrt(len(gap))
+            cells.append(f"{x.mean():.3f} / {gap.mean():.3f} ± {half:.3f}")
+        rb = record_of(n)
+        lines.append(f"| {n} | {rb:.0f} ({rb / (4 * 256):.2f}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--context", type=contexts, default=[16384, 32768])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--cache", type=Path, default=None)
+    a = ap.parse_args(argv)
+    (a.out / "units").mkdir(parents=True, exist_ok=True)
+    m = Gemma(fetch_gguf(a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))))
+    ids = calibration_ids(m.tokenizer)
+    t0 = time.time()
+    cal = m.prefill(ids, list(range(len(ids))), [])
+    cal_q = {L: np.stack([cal.q[L][p] for p in range(len(ids))]) for L in GLOBAL_LAYERS}
+    log(f"calibration prefill of {len(ids)} tokens in {time.time() - t0:.0f} s")
+    rows: list[dict[str, object]] = []
+    for ctx in a.context:
+        qpos = list(range(ctx - a.steps - 1, ctx))
+        t0 = time.time()
+        tr = m.prefill(passage_ids(m.tokenizer, ctx), qpos, [])
+        log(f"prefill of {ctx} tokens in {time.time() - t0:.0f} s")
+        for L in GLOBAL_LAYERS:
+            k, v = tr.k[L], tr.v[L]
+            bases = make_bases(k, cal.k[L], cal_q[L])
+            for si, p in enumerate(qpos[1:]):
+                got = pair_rows(k, v, tr.q[L][p], tr.q[L][p - 1], p + 1, bases)
+                rows.append({"context": ctx, "layer": L, "step": si, **got})
+            log(f"context {ctx} layer {L} done")
+        del tr
+        with (a.out / "units" / f"lowrank_{ctx}.csv").open("w", newline="") as f:
+            sel = [r for r in rows if r["context"] == ctx]
+            w = csv.DictWriter(f, fieldnames=list(sel[0]))
+            w.writeheader()
+            w.writerows(sel)
+    table = report(rows)
+    (a.out / "lowrank.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
