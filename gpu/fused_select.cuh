@@ -55,13 +55,16 @@ struct FusedArgs {
 };
 
 // Dynamic shared memory beyond ScoreSharedWords, in words: scores [ratio,
-// kScoreThreads], histograms [kFusedWarps, 256], counts and offsets
-// [kScoreThreads] each, marks [kFusedMaskWords], visit flags [kScoreThreads]
-// bytes, and the block's decisions [kDecisions] (one word each, so no thread
-// rewrites a word that another may still read).
-__host__ __device__ constexpr size_t FusedSharedWords(int ratio) {
-  return static_cast<size_t>(ratio) * kScoreThreads + kFusedWarps * 256 + 2 * kScoreThreads +
-         kFusedMaskWords + kScoreThreads / 4 + 4;
+// kScoreThreads], marks [kFusedMaskWords] and the block's decisions [kDecisions]
+// (one word each, so no thread rewrites a word that another may still read);
+// then, unless `staged`, the cut's histograms [kFusedWarps, 256], counts and
+// offsets [kScoreThreads] each and visit flags [kScoreThreads] bytes. jl's staged
+// path keeps those four in its staged records' area instead, which nothing reads
+// once the block has scored: 16 KB a block less, and four blocks an SM fit.
+inline constexpr int kFusedScratchWords = kFusedWarps * 256 + 2 * kScoreThreads + kScoreThreads / 4;
+__host__ __device__ constexpr size_t FusedSharedWords(int ratio, bool staged) {
+  return static_cast<size_t>(ratio) * kScoreThreads + kFusedMaskWords + 4 +
+         (staged ? 0 : kFusedScratchWords);
 }
 enum Decision : int { kWriteDecision = 0, kRowLayerLast = 1, kStepLast = 2, kStepFailed = 3 };
 
@@ -83,10 +86,18 @@ __device__ inline int DecideListWrite(const SelectArgs& a) {
   return kWriteList;
 }
 
+// Blocks per SM the compiler must allow: jl's staged path four (64 registers; its
+// shared memory allows them, above), the others as their scoring kernel.
+template <Method kMethod, int kM, int kHeads>
+inline constexpr int kFusedMinBlocks =
+    kMethod == Method::kJl&& kM > 0 && kM <= 8 ? 4 : kScoreMinBlocks<kMethod, kM, false, kHeads>;
+
 template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>
-__global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, false, kHeads>))
+__global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, kHeads>))
     FusedSelectKernel(Shape s, ScoreArgs score, SelectRule rule, SelectArgs a, FusedArgs f) {
   constexpr bool kStaged = kMethod == Method::kJl && kM > 0;
+  static_assert(!kStaged || kScoreThreads * StagedStride(kM) >= kFusedScratchWords,
+                "the cut's scratch fits where the records were staged");
   extern __shared__ float shared[];
   // Nothing is held in registers across the scoring, whose passes need them all.
   auto scores_of = [&] {
@@ -101,12 +112,14 @@ __global__ void __launch_bounds__(kScoreThreads, (kScoreMinBlocks<kMethod, kM, f
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
   float* scores = scores_of();
-  auto* histograms = reinterpret_cast<unsigned(*)[256]>(scores + ratio * kScoreThreads);
-  unsigned* counts = histograms[kFusedWarps];                               // [threads]
-  unsigned* offset = counts + kScoreThreads;                                // [threads]
-  unsigned* marks = offset + kScoreThreads;                                 // [kFusedMaskWords]
-  auto* visit = reinterpret_cast<unsigned char*>(marks + kFusedMaskWords);  // [threads]
-  int* decision = reinterpret_cast<int*>(visit + kScoreThreads);            // [4]
+  unsigned* marks = reinterpret_cast<unsigned*>(scores + ratio * kScoreThreads);  // [mask words]
+  int* decision = reinterpret_cast<int*>(marks + kFusedMaskWords);                // [4]
+  // The staged records are dead after the barrier above (every warp has read its own).
+  float* scratch = kStaged ? shared : reinterpret_cast<float*>(decision + 4);
+  auto* histograms = reinterpret_cast<unsigned(*)[256]>(scratch);
+  unsigned* counts = histograms[kFusedWarps];                              // [threads]
+  unsigned* offset = counts + kScoreThreads;                               // [threads]
+  auto* visit = reinterpret_cast<unsigned char*>(offset + kScoreThreads);  // [threads]
   if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = 0;
   __syncthreads();
 

@@ -33,7 +33,9 @@ namespace eps::gpu::kernels {
 // StagedStride(m)] or questclt's ring of quest parts [warps, OctetRingWarpWords]
 // (gpu/questclt_octets.cuh), terms [ratio, TermWords(m)], q [ratio, d], qsplit
 // [ratio, d] float2 (the octet path instead: q/2 then q²/4 [ratio,
-// OctetQueryStride(d)] each, from q's start). Outputs [rows, layers, q_heads,
+// OctetQueryStride(d)] each, from q's start; jl's staged path, which reads no
+// query there, only the scratch of the terms it builds: [ratio, d] then
+// [ratio, m]). Outputs [rows, layers, q_heads,
 // max_groups]: `scores` (strict: the lower bounds) and, in strict mode, `uppers`.
 inline constexpr int kScoreThreads = 256;
 
@@ -70,7 +72,7 @@ struct ScoreArgs {
 // questclt's octet path, which stages its quest parts in a ring (OctetRingWarpWords).
 __host__ __device__ inline size_t ScoreSharedWords(int ratio, int d, int m, bool staged,
                                                    bool octets = false) {
-  return static_cast<size_t>(ratio) * (TermWords(m) + 3 * d) +
+  return static_cast<size_t>(ratio) * (TermWords(m) + (staged ? d + m : 3 * d)) +
          (staged ? static_cast<size_t>(kScoreThreads) * StagedStride(m) : 0) +
          (octets ? kScoreThreads / 32 * OctetRingWarpWords() : 0);
 }

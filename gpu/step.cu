@@ -426,27 +426,29 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   // Or fused into scoring (fused_select.cuh): the threshold budget, not strict,
   // every row within one scoring block, and its shared memory within the
-  // device's (it keeps the block's scores and the cut's histograms besides
-  // the scoring's).
+  // device's (it keeps the block's scores beside the scoring's); not with the
+  // coarse level, whose selection reads the candidates too, nor with feedback,
+  // which rewrites the scores between scoring and selection. A method without a
+  // fused kernel (FusedKernelFor gives none) keeps the two kernels.
   const size_t fused_shared =  // its scoring takes questclt's general path: no ring
-      ScoreSharedBytes(m, staged) + sizeof(float) * FusedSharedWords(m.gqa_ratio());
-  // A method without a fused kernel (FusedKernelFor gives none) keeps the two kernels.
+      ScoreSharedBytes(m, staged) + sizeof(float) * FusedSharedWords(m.gqa_ratio(), staged);
   const void* fused_kernel =
       FusedKernelFor(policy.method, m.sketch_dim, m.gqa_ratio(), staged, g.layout.quest8 >= 0);
-  // Not with the coarse level: its selection reads the candidates too; nor with
-  // feedback, which rewrites the scores between scoring and selection.
-  if (g.options.fuse_selection && policy.budget == Budget::kThreshold && !strict && !method_off &&
-      !coarse && !feedback && fused_kernel != nullptr && max_n <= kScoreThreads &&
+  using Fusion = GpuSelectorOptions::Fusion;
+  if (g.options.fusion != Fusion::kNever && policy.budget == Budget::kThreshold && !strict &&
+      !method_off && !coarse && !feedback && fused_kernel != nullptr && max_n <= kScoreThreads &&
       fused_shared <= static_cast<size_t>(g.max_shared)) {
-    launch.fused_selection = true;
-    launch.fused = {g.fused_masks.get(), g.fused_arrivals.get(),
-                    g.fused_arrivals.get() + g.max_batch * m.num_layers};
-    launch.score_kernel = fused_kernel;
-    launch.score_shared = fused_shared;
-    launch.score.scores = nullptr;  // written by no one
-    launch.select = {in.block_table, g.rows.get(),         scored,          nullptr,
-                     nullptr,        out.visit_blocks,     out.visit_count, report,
-                     next_report,    fence.selection_done, fence.step};
+    bool fuse = g.options.fusion == Fusion::kAlways;
+    if (!fuse && staged && m.sketch_dim <= 8) {  // kAuto (step.h): enough waves of blocks
+      ASSIGN_OR_RETURN(const int per_sm,
+                       g.ResidentBlocks(fused_kernel, kScoreThreads, fused_shared));
+      fuse = launch.ScoringBlocks() >= int64_t{kAutoFuseWaves} * per_sm * g.multiprocessors;
+    }
+    if (fuse) {
+      launch.PlanFused(fused_kernel, fused_shared,
+                       {g.fused_masks.get(), g.fused_arrivals.get(),
+                        g.fused_arrivals.get() + g.max_batch * m.num_layers});
+    }
   }
   // This launch's number (from 1), which Finish names when it releases the inputs wait.
   launch.select.released = g.released.get();
@@ -456,21 +458,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   launch.select_grid = dim3(m.num_layers * lists, static_cast<unsigned>(batch));
   launch.select_block = dim3(32 * warps);
   launch.select_shared = SelectSharedBytes(in.max_groups);
-  // jl's staged path with one scoring block per (row, layer, KV head), no coarse
-  // level, and every scoring block resident at once: each block builds its
-  // heads' terms itself while its records load (score_kernel.cuh), each head's
-  // once as the terms kernel would, and the step has one kernel less. With more
-  // blocks than the GPU holds, each later wave would wait for its own terms, where
-  // the terms kernel builds them all under the first (H100, jl 32k: 0.7-3.1 us less
-  // at batch 1; in every block, 4 and 18 us more at batches 8 and 64; gpu.md).
+  // jl's staged path, one scoring block per (row, layer, KV head), no coarse level.
   if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel) {
     ASSIGN_OR_RETURN(const int per_sm,
                      g.ResidentBlocks(launch.score_kernel, kScoreThreads, launch.score_shared));
-    const int64_t blocks = int64_t{launch.score_grid.y} * launch.score_grid.z;
-    if (blocks <= int64_t{per_sm} * g.multiprocessors) {
-      launch.terms_kernel = nullptr;
-      launch.score.phi = g.phi.get();
-    }
+    launch.PlanTermsInBlocks(int64_t{per_sm} * g.multiprocessors, g.phi.get());
   }
   if (feedback) launch.PlanFeedback(m, in, method_off, coarse, max_n, per_block);
 

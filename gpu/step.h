@@ -43,14 +43,15 @@
 // device report says OK, so a failed step leaves them. Strict mode ignores the
 // buffer; the selection is never fused with it.
 //
-// The default policy's selection is fused into scoring (gpu/fused_select.cuh)
-// when it can be: threshold budget, not strict, a method that scores, union or
-// per-KV-head lists, every row within one scoring block (at most 256 groups:
-// 32k tokens at g = 8). Each scoring block keeps its heads' scores in shared
-// memory and cuts them there; the union is ORed into a per-(row, layer) mask
-// that the (row, layer)'s last block compacts. Same scores and cuts as the
-// three kernels, so the same lists and statistics; no score reaches global
-// memory, and no selection kernel waits for the whole scoring grid.
+// The selection can be fused into scoring (gpu/fused_select.cuh; when it is:
+// GpuSelectorOptions::fusion) for the threshold budget, not strict, a method
+// that scores, union or per-KV-head lists, every row within one scoring block
+// (at most 256 groups: 32k tokens at g = 8). Each scoring block keeps its
+// heads' scores in shared memory and cuts them there; the union is ORed into a
+// per-(row, layer) mask that the (row, layer)'s last block compacts. Same
+// scores and cuts as the three kernels, so the same lists and statistics; no
+// score reaches global memory, and no selection kernel waits for the whole
+// scoring grid.
 //
 // The policies of core/select.h: threshold, fixed, top-p and mass budgets,
 // strict mode, heads all|retrieval, union and per-KV-head output, every method.
@@ -87,16 +88,25 @@
 
 namespace eps::gpu {
 
+// GpuSelectorOptions::Fusion::kAuto fuses from this many waves of scoring blocks.
+inline constexpr int kAutoFuseWaves = 6;
+
 struct GpuSelectorOptions {
   // Replay each step's three kernels as one captured CUDA graph (a launch per
   // step); a step whose shapes, buffers or policy change is captured anew
   // (the last 8 are kept). false: launch the kernels one by one.
   bool graphs = true;
-  // Fuse the selection into scoring where the policy and shapes allow (above).
-  // Off by default: on the H100 the fused kernel was slower than the separate
-  // selection kernel at every shape measured (docs/benchmarks/gpu.md,
-  // "fused selection": 98 vs 77 us at 8 x 32k). Tests compare the two.
-  bool fuse_selection = false;
+  // Where the policy and shapes allow it (the threshold budget, not strict, no
+  // coarse level or feedback, rows of one scoring block), the selection can run
+  // fused into scoring (gpu/fused_select.cuh) instead of as a kernel of its own.
+  // kAuto fuses jl's staged path (m of 4 or 8) when its blocks fill at least
+  // kAutoFuseWaves waves of what the GPU holds at once: on the H100 the fused
+  // step was 3-7 % faster from batch 16 × 32k (7.8 waves) up and slower at
+  // batch 8 (3.9) and below (docs/benchmarks/gpu.md, ninth session); every
+  // other method keeps the two kernels. kAlways and kNever are for tests and the
+  // benchmark's comparison.
+  enum class Fusion { kAuto, kAlways, kNever };
+  Fusion fusion = Fusion::kAuto;
   // questclt takes its general path (gpu/warp_sums.cuh QuestCltSumsWarp: the
   // warp's 32 lanes share each record, for any d) even where its octet path
   // applies (gpu/questclt_octets.cuh: d of 64, 128 or 256; the same scores to a

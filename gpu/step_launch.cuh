@@ -93,6 +93,34 @@ struct StepLaunch {
     terms_shared = 0;
   }
 
+  int64_t ScoringBlocks() const { return int64_t{score_grid.y} * score_grid.z * score_grid.x; }
+
+  // jl's staged path with one scoring block per (row, layer, KV head): where the
+  // GPU holds every scoring block at once (`resident_blocks`), each builds its
+  // heads' terms itself while its records load (score_kernel.cuh), each head's
+  // once as the terms kernel would, and the step has one kernel less. With more
+  // blocks than the GPU holds, each later wave would wait for its own terms, where
+  // the terms kernel builds them all under the first (H100, jl 32k: 0.7-3.1 us less
+  // at batch 1; in every block, 4 and 18 us more at batches 8 and 64; gpu.md).
+  void PlanTermsInBlocks(int64_t resident_blocks, const float* phi) {
+    if (ScoringBlocks() > resident_blocks) return;
+    terms_kernel = nullptr;
+    score.phi = phi;
+  }
+
+  // The selection fused into scoring (fused_select.cuh), once `score` and
+  // `select` hold the two kernels' arguments: `kernel` scores and selects, no
+  // selection kernel runs, and no score reaches global memory.
+  void PlanFused(const void* kernel, size_t shared, kernels::FusedArgs args) {
+    fused_selection = true;
+    fused = args;
+    score_kernel = kernel;
+    score_shared = shared;
+    score.scores = nullptr;  // written by no one
+    select.scores = nullptr;
+    select.uppers = nullptr;
+  }
+
   // The coarse level's part (coarse_select.cuh), once `shape` and `score` hold the
   // fine scoring's: the coarse records scored first, by the same kernel under a
   // Shape whose groups are the coarse ones; then the candidates (`candidates`

@@ -29,6 +29,8 @@
 namespace eps {
 namespace {
 
+using Fusion = gpu::GpuSelectorOptions::Fusion;
+
 constexpr int kBlockGroups = 256;  // groups of one scoring block: the fused path's limit
 
 // The rows' contexts of a case.
@@ -45,6 +47,9 @@ struct FusedCase {
   Granularity granularity = Granularity::kUnion;
   bool retrieval = false;
   Contexts contexts = Contexts::kRandom;
+  // Above kHeldRank (32) the cut ranks by histograms, which jl's staged path keeps
+  // where its records were staged (fused_select.cuh).
+  int top_pages = 8;
 };
 
 std::vector<int64_t> ContextsOf(Contexts c, const ModelLayout& m, int batch, std::mt19937_64& rng) {
@@ -103,7 +108,7 @@ TEST_P(FusedSelectTest, ListsEqualTheSelectionKernelsBitForBit) {
   }
   SelectPolicy policy;
   policy.method = c.method;
-  policy.top_pages = 8;
+  policy.top_pages = c.top_pages;
   policy.alpha = 1.25f;
   policy.granularity = c.granularity;
   if (c.retrieval) {
@@ -113,9 +118,9 @@ TEST_P(FusedSelectTest, ListsEqualTheSelectionKernelsBitForBit) {
     }
   }
   auto fused =
-      gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fuse_selection = true});
+      gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate =
-      gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fuse_selection = false});
+      gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.fusion = Fusion::kNever});
   ASSERT_TRUE(fused.ok() && separate.ok());
   const testing::DeviceStep got = testing::SelectOnDevice(**fused, buffers, batch, rows, policy);
   ASSERT_TRUE(got.status.ok()) << got.status;
@@ -166,6 +171,7 @@ std::string FusedCaseName(const ::testing::TestParamInfo<FusedCase>& p) {
   if (c.retrieval) name += "_retrieval";
   if (c.contexts == Contexts::kForcedOnly) name += "_forced_only";
   if (c.contexts == Contexts::kMixed) name += "_mixed";
+  if (c.top_pages != 8) name += "_top" + std::to_string(c.top_pages);
   return name;
 }
 
@@ -195,7 +201,10 @@ INSTANTIATE_TEST_SUITE_P(
         FusedCase{Method::kQuest, 128, 16, 2, 2, 8, kPerKvHead},
         FusedCase{Method::kQuestClt, 128, 8, 2, 2, 8, kUnion, true, Contexts::kMixed},
         FusedCase{Method::kQuestClt, 256, 16, 4, 4, 8, kPerKvHead},
-        FusedCase{Method::kJl, 64, 32, 2, 4, 8, kUnion, true, Contexts::kMixed}),
+        FusedCase{Method::kJl, 64, 32, 2, 4, 8, kUnion, true, Contexts::kMixed},
+        FusedCase{Method::kJl, 128, 32, 8, 8, 8, kUnion, false, Contexts::kMixed, 40},
+        FusedCase{Method::kJl, 128, 32, 8, 8, 4, kPerKvHead, false, Contexts::kMixed, 40},
+        FusedCase{Method::kQuest, 128, 8, 2, 2, 8, kUnion, false, Contexts::kMixed, 40}),
     FusedCaseName);
 
 ModelLayout SmallModel() {
@@ -216,7 +225,8 @@ TEST(FusedSelectPathTest, OnlyTheThresholdBudgetWithRowsOfOneBlockFuses) {
   buffers.AssignRow(0, most, 1);
   buffers.AssignRow(1, most + 1, 2);
   buffers.FillRandomSummaries(7);
-  auto selector = gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups(), {.fuse_selection = true});
+  auto selector =
+      gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups(), {.fusion = Fusion::kAlways});
   ASSERT_TRUE(selector.ok());
   const StepRow fits[] = {{.table_row = 0, .context_tokens = most, .seq_id = 0}};
   const StepRow both[] = {{.table_row = 0, .context_tokens = most, .seq_id = 0},
@@ -241,6 +251,61 @@ TEST(FusedSelectPathTest, OnlyTheThresholdBudgetWithRowsOfOneBlockFuses) {
     SelectPolicy other = threshold;
     edit(other);
     EXPECT_FALSE(fuses(fits, other)) << other.DebugString();
+  }
+}
+
+// Fusion::kAuto (gpu/step.h): jl's staged path fuses once its scoring blocks
+// fill kAutoFuseWaves waves of what the GPU holds (1 to 4 fused blocks an SM,
+// whatever the device), with the same lists as the two kernels; a step of few
+// blocks, quest and jl without a staged path (m = 12) keep the two kernels.
+TEST(FusedSelectPathTest, AutoFusesJlsStagedPathOnlyWithManyWavesOfBlocks) {
+  SKIP_WITHOUT_DEVICE();
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  for (const int sketch : {8, 12}) {
+    ModelLayout m = testing::RandomModel(32, 32, 8, 64, 1, sketch, rng);
+    m.features = {.key_sum = true, .principal = true, .quest = true};
+    const int64_t per_row = int64_t{m.num_layers} * m.num_kv_heads;  // scoring blocks
+    const int many = static_cast<int>((int64_t{gpu::kAutoFuseWaves} * 4 * sms + per_row - 1) /
+                                      per_row);  // the most a fused block count needs
+    const int few = std::max<int>(1, gpu::kAutoFuseWaves * sms / per_row - 1);  // the least
+    ASSERT_LT(few * per_row, int64_t{gpu::kAutoFuseWaves} * sms);
+    auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+    SummaryWriter writer(m, *phi);
+    testing::StepBuffers buffers(m, many, 40 * m.group_tokens(), many, Granularity::kUnion);
+    std::vector<StepRow> rows;
+    for (int r = 0; r < many; ++r) {
+      const int64_t tokens = 1 + static_cast<int64_t>(rng() % (40 * m.group_tokens()));
+      testing::WriteSequence(buffers, writer, r, r, tokens, 1 + r % 3,
+                             testing::GroupShapes::kMixedRank, rng);
+      rows.push_back({.table_row = r, .context_tokens = tokens, .seq_id = 0});
+    }
+    auto automatic = gpu::GpuSelector::Create(m, 0, many, buffers.max_groups());
+    auto separate =
+        gpu::GpuSelector::Create(m, 0, many, buffers.max_groups(), {.fusion = Fusion::kNever});
+    ASSERT_TRUE(automatic.ok() && separate.ok());
+    for (const Method method : {Method::kJl, Method::kQuest}) {
+      SelectPolicy policy;
+      policy.method = method;
+      policy.top_pages = 4;
+      const bool fuses = method == Method::kJl && sketch == 8;
+      for (const int batch : {few, many}) {
+        SCOPED_TRACE(::testing::Message() << MethodName(method) << " m " << sketch << " batch "
+                                          << batch << " of " << sms << " SMs");
+        const std::span<const StepRow> step(rows.data(), batch);
+        const testing::DeviceStep got =
+            testing::SelectOnDevice(**automatic, buffers, many, step, policy);
+        ASSERT_TRUE(got.status.ok()) << got.status;
+        EXPECT_EQ((*automatic)->last_step_fused(), fuses && batch == many);
+        const testing::DeviceStep want =
+            testing::SelectOnDevice(**separate, buffers, many, step, policy);
+        ASSERT_TRUE(want.status.ok()) << want.status;
+        ExpectSameSteps(got, want);
+      }
+    }
   }
 }
 
@@ -345,9 +410,9 @@ TEST(FusedSelectGraphTest, ReplayedFencedStepsEqualTheSelectionKernels) {
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
   auto fused =
-      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = true});
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
-                                           {.graphs = false, .fuse_selection = false});
+                                           {.graphs = false, .fusion = Fusion::kNever});
   ASSERT_TRUE(fused.ok() && separate.ok());
   const int batches[] = {4, 4, 2, 2, 3, 3, 1, 1, 4, 4, 2, 2};
   for (int step = 0; step < 12; ++step) {
@@ -410,9 +475,9 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
   auto fused =
-      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = true});
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate =
-      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fuse_selection = false});
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kNever});
   ASSERT_TRUE(fused.ok() && separate.ok());
   const StepInputs in = device.Inputs(buffers, rows);
   std::vector<int32_t> bad = device.host_groups;
@@ -469,7 +534,7 @@ TEST(FusedSelectFailureTest, AReleasedStepWritesDenseLists) {
     rows.push_back({.table_row = r, .context_tokens = 2048 * (r + 1), .seq_id = 0});
   }
   buffers.FillRandomSummaries(4);
-  auto fused = gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups(), {.fuse_selection = true});
+  auto fused = gpu::GpuSelector::Create(m, 0, 2, buffers.max_groups(), {.fusion = Fusion::kAlways});
   ASSERT_TRUE(fused.ok());
   for (const Granularity granularity : {Granularity::kUnion, Granularity::kPerKvHead}) {
     SelectPolicy policy;
