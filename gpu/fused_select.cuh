@@ -11,9 +11,10 @@
 // (row, layer, KV head), as ScoreKernel's for such rows.
 //   1. ScoreGroups, its scores kept in shared memory [ratio, kScoreThreads];
 //   2. a warp per query head: T = the top_pages-th largest unforced score,
-//      cut T/α (T·α when T <= 0), by the selection kernel's own function
-//      (WarpThresholdCut), and the head's marks, a bit per group, ORed
-//      into the block's marks;
+//      cut T/α (T·α when T <= 0), by the selection kernel's own functions
+//      (WarpThresholdMarksHeld at ranks up to kHeldRank, else
+//      WarpThresholdCut), and the head's marks, a bit per group, ORed into
+//      the block's marks;
 //   3. per-KV-head lists: the block owns its list and compacts it now.
 //      Union: the block ORs its marks into the (row, layer)'s mask in global
 //      memory; the last of the (row, layer)'s kv_heads blocks to arrive (an
@@ -58,10 +59,12 @@ struct FusedArgs {
 // kScoreThreads], marks [kFusedMaskWords] and the block's decisions [kDecisions]
 // (one word each, so no thread rewrites a word that another may still read);
 // then, unless `staged`, the cut's histograms [kFusedWarps, 256], counts and
-// offsets [kScoreThreads] each and visit flags [kScoreThreads] bytes. jl's staged
-// path keeps those four in its staged records' area instead, which nothing reads
-// once the block has scored: 16 KB a block less, and four blocks an SM fit.
-inline constexpr int kFusedScratchWords = kFusedWarps * 256 + 2 * kScoreThreads + kScoreThreads / 4;
+// offsets [kScoreThreads] each, visit flags [kScoreThreads] bytes and each warp's
+// marks of a held row [kFusedWarps, kFusedMaskWords]. jl's staged path keeps
+// these in its staged records' area instead, which nothing reads once the block
+// has scored: 16 KB a block less, and four blocks an SM fit.
+inline constexpr int kFusedScratchWords =
+    kFusedWarps * 256 + 2 * kScoreThreads + kScoreThreads / 4 + kFusedWarps * kFusedMaskWords;
 __host__ __device__ constexpr size_t FusedSharedWords(int ratio, bool staged) {
   return static_cast<size_t>(ratio) * kScoreThreads + kFusedMaskWords + 4 +
          (staged ? 0 : kFusedScratchWords);
@@ -128,10 +131,24 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
   const int n = GroupsOf(s, tokens);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
+  // Rows held in registers (the threshold's rank within kHeldRank): each warp ORs
+  // its heads' marks into its own words (WarpThresholdMarksHeld, no atomics),
+  // which the block then ORs together; else a ballot and an atomicOr a word.
+  const bool held = rule.top_pages <= kHeldRank;  // n <= kScoreThreads = kHeldGroups
+  static_assert(kFusedMaskWords == kHeldWords, "a held row's words are the block's mask words");
+  unsigned* warp_marks = reinterpret_cast<unsigned*>(visit + kScoreThreads) + warp * kHeldWords;
+  if (held) {
+    if (lane < kHeldWords) warp_marks[lane] = 0;
+    __syncwarp();
+  }
   for (int r = warp; r < ratio; r += kFusedWarps) {
     const int h = kvh * ratio + r;
     if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;  // admits nothing
     const float* values = scores + r * kScoreThreads;
+    if (held) {
+      WarpThresholdMarksHeld(values, n, rule, lane, warp_marks);
+      continue;
+    }
     const float cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
     for (int w = 0; w < kFusedMaskWords; ++w) {
       const int p = 32 * w + lane;
@@ -140,6 +157,15 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     }
   }
   __syncthreads();
+  if (held) {
+    if (threadIdx.x < kFusedMaskWords) {
+      const unsigned* words = reinterpret_cast<const unsigned*>(visit + kScoreThreads);
+      unsigned any = 0;
+      for (int w = 0; w < kFusedWarps; ++w) any |= words[w * kHeldWords + threadIdx.x];
+      marks[threadIdx.x] = any;
+    }
+    __syncthreads();
+  }
 
   // 3. The list: this block's (per KV head), or the (row, layer)'s union once
   // its last KV-head block has arrived.
