@@ -91,4 +91,23 @@ inline std::vector<uint8_t> VisitedGroups(const StepBuffers& buffers, int32_t ro
   return visited;
 }
 
+// Groups of two visit sets (VisitedGroups) that only one of them holds. A GPU
+// list may differ from core/'s by groups within fp32 rounding of the cut: at
+// most one on each side (the boundary moved by one group, or two near-equal
+// groups traded places), which NearCut checks.
+struct GroupDifference {
+  int only_want = 0, only_got = 0;
+  int total() const { return only_want + only_got; }
+  bool NearCut() const { return only_want <= 1 && only_got <= 1; }
+};
+inline GroupDifference DifferingGroups(const std::vector<uint8_t>& want,
+                                       const std::vector<uint8_t>& got) {
+  GroupDifference d;
+  for (size_t p = 0; p < want.size() && p < got.size(); ++p) {
+    d.only_want += want[p] && !got[p];
+    d.only_got += got[p] && !want[p];
+  }
+  return d;
+}
+
 }  // namespace eps::testing
