@@ -101,7 +101,7 @@ struct GpuSelectorOptions {
   // fused into scoring (gpu/fused_select.cuh) instead of as a kernel of its own.
   // kAuto fuses jl's staged path (m of 4 or 8) when its blocks fill at least
   // kAutoFuseWaves waves of what the GPU holds at once: on the H100 the fused
-  // step was 3-7 % faster from batch 16 × 32k (7.8 waves) up and slower at
+  // step was 3-9 % faster from batch 16 × 32k (7.8 waves) up and slower at
   // batch 8 (3.9) and below (docs/benchmarks/gpu.md, ninth session); every
   // other method keeps the two kernels. kAlways and kNever are for tests and the
   // benchmark's comparison.
