@@ -96,7 +96,11 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
 
 
 def make_bases(keys: np.ndarray, cal_k: np.ndarray, cal_q: np.ndarray) -> dict[str, lowrank.Basis]:
-    """Every basis of the study for one layer: keys [kv, T, d] of the context."""
+    """Every basis of the study for one layer: keys [1, T, d] of the context (Gemma 3's
+    global layers have one KV head, so one basis a layer; a model with more would need one
+    per KV head, which lowrank.Basis does not hold)."""
+    if keys.shape[0] != 1:
+        raise ValueError(f"the study fits one basis a layer: {keys.shape[0]} KV heads")
     own, first = keys[:, : keys.shape[1] - 512], keys[:, :2048]
     out = {}
     for r in TOKEN_RANKS:
