@@ -8,7 +8,7 @@ module keeps, for every token, r coefficients of its key in a fixed basis, and s
     ŝ_t = q·μ + (Bqᵀ q)·c_t,   c_t = Bkᵀ (k_t − μ) rounded to `bits` with one scale a block,
     score(block) = √d · log Σ_t exp(ŝ_t / √d)   (the block's log mass in score units).
 
-Two bases of rank r:
+Two bases of rank r, one per layer and KV head:
   key PCA        Bk = Bq = the top r eigenvectors of the keys' covariance (Loki's choice);
   query-aware    the r directions that keep E_q[(q·(k − μ))²] best for the queries'
                  second moment Σq: whiten with R = Σq^½ (q·k = (R⁻¹q)·(Rk)), take the top
@@ -43,44 +43,70 @@ F64 = npt.NDArray[np.float64]
 
 @dataclass(frozen=True)
 class Basis:
-    mu: F64  # [d] the keys' mean
-    keys: F64  # [d, r] Bk: coefficients c = Bkᵀ (k − μ)
-    queries: F64  # [d, r] Bq: q·k ≈ q·μ + (Bqᵀ q)·c
+    """One rank-r basis per KV head (GQA: query head h reads KV head h // (H / kv))."""
+
+    mu: F64  # [kv, d] the keys' mean
+    keys: F64  # [kv, d, r] Bk: coefficients c = Bkᵀ (k − μ)
+    queries: F64  # [kv, d, r] Bq: q·k ≈ q·μ + (Bqᵀ q)·c
 
     @property
     def rank(self) -> int:
-        return int(self.keys.shape[1])
+        return int(self.keys.shape[2])
 
 
 def _check(keys: np.ndarray, r: int) -> F64:
-    k = np.asarray(keys, dtype=np.float64).reshape(-1, np.shape(keys)[-1])
-    if not 1 <= r <= k.shape[1]:
-        raise ValueError(f"rank r={r} is not in [1, d={k.shape[1]}]")
-    if k.shape[0] < 2:
+    k = np.asarray(keys, dtype=np.float64)
+    if k.ndim != 3:
+        raise ValueError(f"keys must be [kv, T, d], not of shape {k.shape}")
+    if not 1 <= r <= k.shape[2]:
+        raise ValueError(f"rank r={r} is not in [1, d={k.shape[2]}]")
+    if k.shape[1] < 2:
         raise ValueError("a basis needs at least two keys")
     return k
 
 
+def _stack(parts: list[tuple[F64, F64, F64]]) -> Basis:
+    return Basis(*(np.stack([p[i] for p in parts]) for i in range(3)))
+
+
 def key_pca(keys: np.ndarray, r: int) -> Basis:
-    """The top r principal directions of `keys` [..., d] (centred)."""
-    k = _check(keys, r)
-    mu = k.mean(axis=0)
-    _, vecs = np.linalg.eigh((k - mu).T @ (k - mu) / len(k))
-    v = vecs[:, ::-1][:, :r]
-    return Basis(mu, v, v)
+    """The top r principal directions of each KV head's keys [kv, T, d] (centred)."""
+    parts = []
+    for kh in _check(keys, r):
+        mu = kh.mean(axis=0)
+        _, vecs = np.linalg.eigh((kh - mu).T @ (kh - mu) / len(kh))
+        v = vecs[:, ::-1][:, :r]
+        parts.append((mu, v, v))
+    return _stack(parts)
 
 
 def query_aware(keys: np.ndarray, queries: np.ndarray, r: int) -> Basis:
-    """The rank-r basis that keeps q·(k − μ) best on average over `queries` [..., d]."""
+    """Per KV head, the rank-r basis that keeps q·(k − μ) best on average over its query
+    heads' `queries` [N, H, d] (keys [kv, T, d]; H a multiple of kv)."""
     k = _check(keys, r)
-    q = np.asarray(queries, dtype=np.float64).reshape(-1, k.shape[1])
-    mu = k.mean(axis=0)
-    w, u = np.linalg.eigh(q.T @ q / len(q))
-    w = np.maximum(w, 1e-9 * max(float(w.max()), 1e-300))  # directions no query takes
-    root, inv_root = (u * np.sqrt(w)) @ u.T, (u / np.sqrt(w)) @ u.T
-    _, vecs = np.linalg.eigh(root @ ((k - mu).T @ (k - mu) / len(k)) @ root)
-    v = vecs[:, ::-1][:, :r]
-    return Basis(mu, root @ v, inv_root @ v)
+    kv, _, d = k.shape
+    q = np.asarray(queries, dtype=np.float64)
+    if q.ndim != 3 or q.shape[2] != d or q.shape[1] % kv != 0:
+        raise ValueError(f"queries must be [N, H, d={d}] with H a multiple of kv={kv}, "
+                         f"not of shape {q.shape}")
+    group = q.shape[1] // kv
+    parts = []
+    for j, kh in enumerate(k):
+        qj = q[:, j * group:(j + 1) * group].reshape(-1, d)
+        mu = kh.mean(axis=0)
+        w, u = np.linalg.eigh(qj.T @ qj / len(qj))
+        w = np.maximum(w, 1e-9 * max(float(w.max()), 1e-300))  # directions no query takes
+        root, inv_root = (u * np.sqrt(w)) @ u.T, (u / np.sqrt(w)) @ u.T
+        _, vecs = np.linalg.eigh(root @ ((kh - mu).T @ (kh - mu) / len(kh)) @ root)
+        v = vecs[:, ::-1][:, :r]
+        parts.append((mu, root @ v, inv_root @ v))
+    return _stack(parts)
+
+
+def _coefficients(k: F32, tokens: int, basis: Basis) -> F64:
+    """Every key's coefficients [kv, tokens, r], each KV head in its own basis."""
+    kk = k[:, :tokens].astype(np.float64) - basis.mu[:, None, :]
+    return np.einsum("ktd,kdr->ktr", kk, basis.keys)
 
 
 def block_coefficients(k: F32, tokens: int, basis: Basis, bits: int = 8) -> F64:
@@ -89,7 +115,7 @@ def block_coefficients(k: F32, tokens: int, basis: Basis, bits: int = 8) -> F64:
     tokens of the last block are NaN."""
     kv, _, _ = k.shape
     nb = -(-tokens // BLOCK)
-    c = (k[:, :tokens].astype(np.float64) - basis.mu) @ basis.keys  # [kv, tokens, r]
+    c = _coefficients(k, tokens, basis)
     c = np.pad(c, ((0, 0), (0, nb * BLOCK - tokens), (0, 0))).reshape(kv, nb, BLOCK, -1)  # zeros
     if bits:
         top = float(2 ** (bits - 1) - 1)
@@ -111,7 +137,8 @@ def block_scores(q: F32, coeffs: F64, basis: Basis) -> F32:
     out = np.empty((h, coeffs.shape[1]))
     root_d = np.sqrt(d)
     for i in range(h):
-        s = coeffs[i // (h // kv)] @ (basis.queries.T @ qq[i]) + qq[i] @ basis.mu  # [blocks, 16]
+        j = i // (h // kv)
+        s = coeffs[j] @ (basis.queries[j].T @ qq[i]) + qq[i] @ basis.mu[j]  # [blocks, 16]
         s = np.where(np.isnan(s), -np.inf, s)
         top = s.max(axis=1, keepdims=True)
         out[i] = top[:, 0] + root_d * np.log(np.exp((s - top) / root_d).sum(axis=1))
@@ -124,7 +151,7 @@ def block_boxes(k: F32, tokens: int, basis: Basis) -> tuple[F64, F64]:
     kv, _, _ = k.shape
     nb = -(-tokens // BLOCK)
     pad = nb * BLOCK - tokens
-    c = (k[:, :tokens].astype(np.float64) - basis.mu) @ basis.keys  # [kv, tokens, r]
+    c = _coefficients(k, tokens, basis)
     lo = np.pad(c, ((0, 0), (0, pad), (0, 0)), constant_values=np.inf)
     hi = np.pad(c, ((0, 0), (0, pad), (0, 0)), constant_values=-np.inf)
     lo = lo.reshape(kv, nb, BLOCK, -1).min(axis=2)
@@ -139,12 +166,12 @@ def box_scores(q: F32, lo: F64, hi: F64, basis: Basis, kappa: float) -> F32:
     h = q.shape[0]
     kv = lo.shape[0]
     qq = q.astype(np.float64)
-    qp = qq @ basis.queries  # [H, r]
     mid, w = 0.5 * (hi + lo), 0.5 * (hi - lo)
     out = np.empty((h, lo.shape[1]))
     for i in range(h):
         j = i // (h // kv)
-        out[i] = qq[i] @ basis.mu + mid[j] @ qp[i] + kappa * np.sqrt((w[j] ** 2) @ (qp[i] ** 2))
+        qp = basis.queries[j].T @ qq[i]  # [r]
+        out[i] = qq[i] @ basis.mu[j] + mid[j] @ qp + kappa * np.sqrt((w[j] ** 2) @ (qp ** 2))
     return out.astype(np.float32)
 
 

@@ -1,11 +1,12 @@
-"""The per-token low-rank summaries (eps_eval.lowrank) on Gemma 3's global layers, against
-questclt and the exact lag-1 mass: `python -m eps_eval.run_lowrank --out=DIR
+"""The per-token low-rank summaries (eps_eval.lowrank) against questclt and the exact lag-1
+mass: `python -m eps_eval.run_lowrank --out=DIR [--model=gemma|smollm2]
 [--context=16384,32768 --steps=12 --cache=DIR]`.
 
-Each context reads the licence passage of run_gemma (layers 5, 11, 17, the last `steps`
-positions, lag-1 queries, g = 1, the threshold budget swept as quality.top_pages_for), and
-for every (layer, position) pair the recall at 75 % of KV bytes skipped (summary bytes
-counted, and again with the low-rank records free) of:
+Each context reads a licence passage (Gemma 3's global layers 5, 11, 17 over run_gemma's
+passage; every layer of SmolLM2 over run_quality's), the last `steps` positions with
+lag-1 queries, g = 1, the threshold budget swept as quality.top_pages_for over union
+lists, and for every (layer, position) pair the recall at 75 % of KV bytes skipped
+(summary bytes counted, and again with the low-rank records free) of:
 
   oracle_mass     the current query's exact block masses (the reference of the gap);
   lag1            the previous query's exact block masses (zero bytes: the lag's ceiling);
@@ -14,14 +15,15 @@ counted, and again with the low-rank records free) of:
                   (lowrank.block_scores); `-free` the same with its bytes not counted;
   box-{basis}{r}-k{κ}  the rotated box of rank r (lowrank.box_scores, 2·r + 4 bytes).
 
-Bases: `pca` key PCA of the context's keys before its last 512 tokens; `qa` query-aware,
-those keys and the queries of a calibration text; `qapre` the same from the context's
-first 2,048 keys only; `qacal` keys and queries of the calibration text (a basis per
-model, not per sequence). The calibration text is Python's standard library source
-(another domain than the licences), 4,096 tokens.
+Bases, one per layer and KV head (ranks above d are left out): `pca` key PCA of the
+context's keys before its last 512 tokens; `qa` query-aware, those keys and the queries
+of a calibration text; `qapre` the same from the context's first 2,048 keys only;
+`qacal` keys and queries of the calibration text (a basis per model, not per sequence).
+The calibration text is Python's standard library source (another domain than the
+licences), 4,096 tokens.
 
-Units: DIR/units/lowrank_{context}.csv (one row per pair and configuration); the table of
-paired gaps is printed and written to DIR/lowrank.md.
+Units: DIR/units/lowrank_{model}_{context}.csv (one row per pair and configuration); the
+table of paired gaps is printed and written to DIR/lowrank_{model}.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import re
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,18 +99,16 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
 
 
 def make_bases(keys: np.ndarray, cal_k: np.ndarray, cal_q: np.ndarray) -> dict[str, lowrank.Basis]:
-    """Every basis of the study for one layer: keys [1, T, d] of the context (Gemma 3's
-    global layers have one KV head, so one basis a layer; a model with more would need one
-    per KV head, which lowrank.Basis does not hold)."""
-    if keys.shape[0] != 1:
-        raise ValueError(f"the study fits one basis a layer: {keys.shape[0]} KV heads")
+    """Every basis of the study for one layer (one per KV head): keys [kv, T, d] of the
+    context, cal_k [kv, Tc, d] and cal_q [Tc, H, d] of the calibration text."""
     own, first = keys[:, : keys.shape[1] - 512], keys[:, :2048]
+    d = keys.shape[2]
     out = {}
-    for r in TOKEN_RANKS:
+    for r in (r for r in TOKEN_RANKS if r <= d):
         out[f"tok-pca{r}"] = lowrank.key_pca(own, r)
         out[f"tok-qa{r}"] = lowrank.query_aware(own, cal_q, r)
         out[f"tok-qacal{r}"] = lowrank.query_aware(cal_k, cal_q, r)
-    for r in BOX_RANKS:
+    for r in (r for r in BOX_RANKS if r <= d):
         out[f"box-pca{r}"] = lowrank.key_pca(own, r)
         out[f"box-qa{r}"] = lowrank.query_aware(own, cal_q, r)
         out[f"box-qapre{r}"] = lowrank.query_aware(first, cal_q, r)
@@ -125,7 +126,7 @@ def record_of(name: str, d: int = 256) -> float:
     return lowrank.record_bytes(rank, 8) if name.startswith("tok-") else lowrank.box_bytes(rank)
 
 
-def report(rows: list[dict[str, object]]) -> str:
+def report(rows: list[dict[str, object]], d: int) -> str:
     lines = ["| configuration | bytes a block (of quest fp16's at g = 1) | "
              + " | ".join(f"{c} recall / gap" for c in sorted({int(r['context']) for r in rows}))
              + " |", "| --- | ---: |" + " --- |" * len({r["context"] for r in rows})]
@@ -138,46 +139,85 @@ def report(rows: list[dict[str, object]]) -> str:
             gap = np.array([float(r["oracle_mass"]) for r in sel]) - x  # type: ignore[arg-type]
             half = 1.96 * gap.std(ddof=1) / np.sqrt(len(gap))
             cells.append(f"{x.mean():.3f} / {gap.mean():.3f} ± {half:.3f}")
-        rb = record_of(n)
-        lines.append(f"| {n} | {rb:.0f} ({rb / (4 * 256):.2f}) | " + " | ".join(cells) + " |")
+        rb = record_of(n, d)
+        lines.append(f"| {n} | {rb:.0f} ({rb / (4 * d):.2f}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+class Source:
+    """A model's keys and queries for the study: the calibration text's, then each context's."""
+
+    def __init__(self, model: str, cache: Path) -> None:
+        self.model = model
+        if model == "gemma":
+            self.m: Any = Gemma(fetch_gguf(cache))
+            self.layers = list(GLOBAL_LAYERS)
+            self.d = 256
+        else:
+            from eps_eval import realmodel
+
+            self.rm = realmodel.RealModel(cache)
+            self.m = self.rm.model
+            self.layers = list(range(self.rm.cfg.layers))
+            self.d = self.rm.cfg.head_dim
+
+    def calibration(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """Keys [kv, Tc, d] and queries [Tc, H, d] of the calibration text, per layer."""
+        ids = calibration_ids(self.m.tokenizer)
+        tr = self.m.prefill(ids, list(range(len(ids))), [])
+        if self.model == "gemma":
+            return ({L: tr.k[L] for L in self.layers},
+                    {L: np.stack([tr.q[L][p] for p in range(len(ids))]) for L in self.layers})
+        return ({L: tr.k[L] for L in self.layers},
+                {L: np.stack([tr.q[p][L] for p in range(len(ids))]) for L in self.layers})
+
+    def context(self, ctx: int, steps: int) -> tuple[Any, list[int]]:
+        """The passage's trace and the positions with queries (the last `steps`, one before)."""
+        if self.model == "gemma":
+            qpos = list(range(ctx - steps - 1, ctx))
+            return self.m.prefill(passage_ids(self.m.tokenizer, ctx), qpos, []), qpos
+        tr, _ = self.rm.passage_trace(ctx, steps, 1, 1)
+        return tr, list(range(ctx - steps - 1, ctx))
+
+    def query(self, tr: Any, layer: int, position: int) -> np.ndarray:
+        return tr.q[layer][position] if self.model == "gemma" else tr.q[position][layer]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--model", choices=("gemma", "smollm2"), default="gemma",
+                    help="gemma: Gemma 3 270M's global layers; smollm2: every layer of SmolLM2")
     ap.add_argument("--context", type=contexts, default=[16384, 32768])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cache", type=Path, default=None)
     a = ap.parse_args(argv)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
-    m = Gemma(fetch_gguf(a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))))
-    ids = calibration_ids(m.tokenizer)
+    src = Source(a.model, a.cache or Path(os.environ.get("EPS_EVAL_CACHE",
+                                                            a.out.parent / ".eval-cache")))
     t0 = time.time()
-    cal = m.prefill(ids, list(range(len(ids))), [])
-    cal_q = {L: np.stack([cal.q[L][p] for p in range(len(ids))]) for L in GLOBAL_LAYERS}
-    log(f"calibration prefill of {len(ids)} tokens in {time.time() - t0:.0f} s")
+    cal_k, cal_q = src.calibration()
+    log(f"calibration prefill in {time.time() - t0:.0f} s")
     rows: list[dict[str, object]] = []
     for ctx in a.context:
-        qpos = list(range(ctx - a.steps - 1, ctx))
         t0 = time.time()
-        tr = m.prefill(passage_ids(m.tokenizer, ctx), qpos, [])
+        tr, qpos = src.context(ctx, a.steps)
         log(f"prefill of {ctx} tokens in {time.time() - t0:.0f} s")
-        for L in GLOBAL_LAYERS:
+        for L in src.layers:
             k, v = tr.k[L], tr.v[L]
-            bases = make_bases(k, cal.k[L], cal_q[L])
+            bases = make_bases(k, cal_k[L], cal_q[L])
             for si, p in enumerate(qpos[1:]):
-                got = pair_rows(k, v, tr.q[L][p], tr.q[L][p - 1], p + 1, bases)
+                got = pair_rows(k, v, src.query(tr, L, p), src.query(tr, L, p - 1), p + 1, bases)
                 rows.append({"context": ctx, "layer": L, "step": si, **got})
             log(f"context {ctx} layer {L} done")
         del tr
-        with (a.out / "units" / f"lowrank_{ctx}.csv").open("w", newline="") as f:
+        with (a.out / "units" / f"lowrank_{a.model}_{ctx}.csv").open("w", newline="") as f:
             sel = [r for r in rows if r["context"] == ctx]
             w = csv.DictWriter(f, fieldnames=list(sel[0]))
             w.writeheader()
             w.writerows(sel)
-    table = report(rows)
-    (a.out / "lowrank.md").write_text(table + "\n")
+    table = report(rows, src.d)
+    (a.out / f"lowrank_{a.model}.md").write_text(table + "\n")
     print(table)
     return 0
 

@@ -11,22 +11,29 @@ from eps_eval import lowrank
 from eps_eval.metrics import BLOCK
 
 
-def _keys_and_queries(rng: np.random.Generator, d: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    # Anisotropic keys and queries whose large directions differ, so that the basis
-    # choice matters.
-    mix_k = rng.standard_normal((d, d)) * rng.uniform(0.05, 3, d)
-    mix_q = rng.standard_normal((d, d)) * rng.uniform(0.05, 3, d)
-    k = (rng.standard_normal((1, n, d)) @ mix_k + rng.standard_normal(d)).astype(np.float32)
-    q = (rng.standard_normal((4 * n, d)) @ mix_q).astype(np.float32)
-    return k, q
+def _keys_and_queries(rng: np.random.Generator, d: int, n: int, kv: int = 1,
+                      heads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Keys [kv, n, d] and queries [4n, heads, d], anisotropic, each KV head's own shape
+    and large directions that differ from its queries', so that the basis choice matters."""
+    keys, queries = [], []
+    for _ in range(kv):
+        mix_k = rng.standard_normal((d, d)) * rng.uniform(0.05, 3, d)
+        keys.append(rng.standard_normal((n, d)) @ mix_k + rng.standard_normal(d))
+        mix_q = rng.standard_normal((d, d)) * rng.uniform(0.05, 3, d)
+        queries.append(rng.standard_normal((4 * n, heads // kv, d)) @ mix_q)
+    return (np.stack(keys).astype(np.float32),
+            np.concatenate(queries, axis=1).astype(np.float32))
 
 
 def _exact_log_mass(q: np.ndarray, k: np.ndarray, tokens: int) -> np.ndarray:
-    d = q.shape[1]
-    s = q.astype(np.float64) @ k[0, :tokens].astype(np.float64).T  # [H, tokens]
+    """√d · log Σ exp(q·k / √d) per block, q [H, d] over k [kv, T, d] (GQA)."""
+    h, d = q.shape
+    kv = k.shape[0]
+    s = np.stack([q[i].astype(np.float64) @ k[i // (h // kv), :tokens].astype(np.float64).T
+                  for i in range(h)])  # [H, tokens]
     nb = -(-tokens // BLOCK)
     s = np.pad(s, ((0, 0), (0, nb * BLOCK - tokens)), constant_values=-np.inf)
-    s = s.reshape(q.shape[0], nb, BLOCK)
+    s = s.reshape(h, nb, BLOCK)
     top = s.max(axis=2, keepdims=True)
     return top[..., 0] + np.sqrt(d) * np.log(np.exp((s - top) / np.sqrt(d)).sum(axis=2))
 
@@ -34,24 +41,37 @@ def _exact_log_mass(q: np.ndarray, k: np.ndarray, tokens: int) -> np.ndarray:
 @pytest.mark.parametrize("make", ["pca", "query"])
 def test_full_rank_unrounded_scores_are_each_blocks_exact_log_mass(
         rng: np.random.Generator, make: str) -> None:
-    d = 16
+    d, kv, heads = 16, 2, 4
     tokens = int(rng.integers(BLOCK + 1, 12 * BLOCK))
-    k, q = _keys_and_queries(rng, d, tokens)
-    basis = (lowrank.key_pca(k, d) if make == "pca" else lowrank.query_aware(k, q, d))
+    k, q = _keys_and_queries(rng, d, tokens, kv, heads)
+    basis = lowrank.key_pca(k, d) if make == "pca" else lowrank.query_aware(k, q, d)
     c = lowrank.block_coefficients(k, tokens, basis, bits=0)
-    heads = q[:4]
-    np.testing.assert_allclose(lowrank.block_scores(heads, c, basis),
-                               _exact_log_mass(heads, k, tokens), rtol=1e-4, atol=1e-3)
+    now = q[0]  # [H, d]: one query a head
+    np.testing.assert_allclose(lowrank.block_scores(now, c, basis),
+                               _exact_log_mass(now, k, tokens), rtol=1e-4, atol=1e-3)
+
+
+def test_each_kv_head_gets_its_own_basis(rng: np.random.Generator) -> None:
+    d = 12
+    k, q = _keys_and_queries(rng, d, 400, kv=2, heads=4)
+    both = lowrank.query_aware(k, q, 3)
+    alone = lowrank.query_aware(k[1:], q[:, 2:], 3)  # KV head 1 and its query heads 2, 3
+    np.testing.assert_allclose(both.mu[1], alone.mu[0])
+    # Eigenvectors are unique up to sign (the test data's eigenvalues are distinct).
+    np.testing.assert_allclose(np.abs(both.keys[1]), np.abs(alone.keys[0]), rtol=1e-6,
+                               atol=1e-9)
+    assert not np.allclose(both.mu[0], both.mu[1])
 
 
 def test_query_aware_basis_beats_key_pca_on_its_queries(rng: np.random.Generator) -> None:
     d, n, r = 32, 2000, 6
     k, q = _keys_and_queries(rng, d, n)
-    truth = q.astype(np.float64) @ k[0].astype(np.float64).T
+    qq, kk = q[:, 0].astype(np.float64), k[0].astype(np.float64)
+    truth = qq @ kk.T
 
     def err(b: lowrank.Basis) -> float:
-        c = (k[0].astype(np.float64) - b.mu) @ b.keys
-        approx = (q.astype(np.float64) @ b.mu)[:, None] + (q.astype(np.float64) @ b.queries) @ c.T
+        c = (kk - b.mu[0]) @ b.keys[0]
+        approx = (qq @ b.mu[0])[:, None] + (qq @ b.queries[0]) @ c.T
         return float(np.mean((approx - truth) ** 2))
 
     assert err(lowrank.query_aware(k, q, r)) < err(lowrank.key_pca(k, r))
@@ -59,8 +79,8 @@ def test_query_aware_basis_beats_key_pca_on_its_queries(rng: np.random.Generator
 
 def test_rounded_coefficients_stay_within_half_a_step(rng: np.random.Generator) -> None:
     d, r = 24, 5
-    tokens = int(rng.integers(1, 9 * BLOCK))
-    k, q = _keys_and_queries(rng, d, max(tokens, 2))
+    tokens = int(rng.integers(2, 9 * BLOCK))
+    k, q = _keys_and_queries(rng, d, tokens, kv=2, heads=2)
     basis = lowrank.query_aware(k, q, r)
     exact = lowrank.block_coefficients(k, tokens, basis, bits=0)
     for bits in (4, 8):
@@ -71,43 +91,48 @@ def test_rounded_coefficients_stay_within_half_a_step(rng: np.random.Generator) 
     # The padding tokens of a partial last block never count.
     nb = -(-tokens // BLOCK)
     assert np.isnan(exact[:, -1, tokens - (nb - 1) * BLOCK:]).all()
-    assert not np.isnan(exact[:, :, :][:, : nb - 1]).any()
+    assert not np.isnan(exact[:, : nb - 1]).any()
 
 
-def test_bad_rank_is_refused(rng: np.random.Generator) -> None:
-    k, q = _keys_and_queries(rng, 8, 40)
+def test_bad_shapes_and_ranks_are_refused(rng: np.random.Generator) -> None:
+    k, q = _keys_and_queries(rng, 8, 40, kv=2, heads=4)
     for r in (0, 9):
         with pytest.raises(ValueError, match="rank"):
             lowrank.key_pca(k, r)
         with pytest.raises(ValueError, match="rank"):
             lowrank.query_aware(k, q, r)
+    with pytest.raises(ValueError, match=r"\[kv, T, d\]"):
+        lowrank.key_pca(k[0], 2)
+    with pytest.raises(ValueError, match="multiple of kv"):
+        lowrank.query_aware(k, q[:, :3], 2)
 
 
 def test_record_bytes() -> None:
     assert lowrank.record_bytes(16, 8) == 16 * 16 + 2
     assert lowrank.record_bytes(31, 8) == 16 * 31 + 2
     assert lowrank.record_bytes(8, 0) == 16 * 8 * 2 + 2
+    assert lowrank.box_bytes(64) == 132
 
 
 def test_rotated_box_holds_every_token_and_kappa_one_at_rank_one_is_the_box_bound(
         rng: np.random.Generator) -> None:
-    d = 12
+    d, kv, heads = 12, 2, 4
     tokens = int(rng.integers(BLOCK + 1, 10 * BLOCK))
-    k, q = _keys_and_queries(rng, d, tokens)
+    k, q = _keys_and_queries(rng, d, tokens, kv, heads)
     basis = lowrank.query_aware(k, q, d)
     lo, hi = lowrank.block_boxes(k, tokens, basis)
     c = lowrank.block_coefficients(k, tokens, basis, bits=0)
     held = np.isnan(c) | ((c >= lo[:, :, None, :]) & (c <= hi[:, :, None, :]))
     assert held.all()
     # At rank 1 the CLT spread is |q'| w, so κ = 1 is the box's worst case, an upper
-    # bound of every token's approximate score (here exact: the basis is a projection).
+    # bound of every token's approximate score.
     one = lowrank.query_aware(k, q, 1)
     lo1, hi1 = lowrank.block_boxes(k, tokens, one)
-    heads = q[:3]
-    bound = lowrank.box_scores(heads, lo1, hi1, one, 1.0).astype(np.float64)
-    c1 = lowrank.block_coefficients(k, tokens, one, bits=0)[0]  # [blocks, 16, 1]
-    per_token = (heads.astype(np.float64) @ one.mu)[:, None, None] + np.einsum(
-        "hr,btr->hbt", heads.astype(np.float64) @ one.queries, c1)
-    assert np.all(bound >= np.nanmax(np.where(np.isnan(per_token), -np.inf, per_token), axis=2)
-                  - 1e-4 * (1 + np.abs(bound)))
-    assert lowrank.box_bytes(64) == 132
+    now = q[0].astype(np.float64)  # [H, d]
+    bound = lowrank.box_scores(q[0], lo1, hi1, one, 1.0).astype(np.float64)
+    c1 = lowrank.block_coefficients(k, tokens, one, bits=0)  # [kv, blocks, 16, 1]
+    for i in range(heads):
+        j = i // (heads // kv)
+        per_token = now[i] @ one.mu[j] + c1[j, :, :, 0] * (now[i] @ one.queries[j][:, 0])
+        top = np.nanmax(np.where(np.isnan(per_token), -np.inf, per_token), axis=1)
+        assert np.all(bound[i] >= top - 1e-4 * (1 + np.abs(bound[i])))
