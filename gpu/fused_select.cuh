@@ -62,7 +62,8 @@ struct FusedArgs {
 // offsets [kScoreThreads] each, visit flags [kScoreThreads] bytes and each warp's
 // marks of a held row [kFusedWarps, kFusedMaskWords]. jl's staged path keeps
 // these in its staged records' area instead, which nothing reads once the block
-// has scored: 16 KB a block less, and four blocks an SM fit.
+// has scored: 10.5 KB a block less (14.4 KB with its smaller terms scratch,
+// ScoreSharedWords), and four blocks an SM fit.
 inline constexpr int kFusedScratchWords =
     kFusedWarps * 256 + 2 * kScoreThreads + kScoreThreads / 4 + kFusedWarps * kFusedMaskWords;
 __host__ __device__ constexpr size_t FusedSharedWords(int ratio, bool staged) {

@@ -217,9 +217,9 @@ TEST_P(GpuStepTest, MatchesTheCoreReferenceOnFreshRandomInputs) {
 
     // Equal visit sets, except groups whose score sits within fp32 tolerance of a
     // head's cut (the GPU sums in another order): at most one group on each side
-    // of a list's cut, so a boundary that moves by one group or two near-equal
-    // groups that trade places (a mass or threshold rank swaps as the fixed
-    // budget's does; with the fixed budget the count of each list is exact).
+    // of a list's cut, that is a boundary moved by one group, or two near-equal
+    // groups that traded places (as the fixed budget's do; with the fixed budget
+    // the count of each list is exact).
     int near_cut = 0;
     for (int layer = 0; layer < m.num_layers; ++layer) {
       for (int b = 0; b < batch; ++b) {
