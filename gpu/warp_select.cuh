@@ -197,8 +197,9 @@ inline constexpr int kHeldWords = kHeldGroups / 32;
 // again for the ballots (each lane's 8 loads at once, from L1) rather than kept
 // beside the sorted keys: the 1,024-thread selection kernel keeps two blocks per
 // SM only within 32 registers.
-// (WarpThresholdCut followed by the fused kernel's ballot loop gives the same bits
-// but compiles to 64 registers there, half the blocks per SM.)
+// (WarpThresholdCut followed by a ballot loop, the fused kernel's path above
+// kHeldRank, gives the same bits but compiled to 64 registers in the selection
+// kernel, half its blocks per SM.)
 __device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int n,
                                                        const SelectRule& rule, int lane,
                                                        unsigned* marks) {
