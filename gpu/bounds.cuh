@@ -55,29 +55,6 @@ __device__ inline float JlScore(const float* rec, const float* gram, const Recor
   return isnan(quad) ? quad : sqrtf(fmaxf(quad, 0.0f));  // a NaN summary must surface
 }
 
-// JlScore<kM> (the same sums in the same order, hence the same bits) with the
-// packed Gram and z zᵀ both read from 16-byte aligned shared memory, 16 bytes at
-// a time, so that no head holds the Gram in registers (PipelinedSelectKernel).
-template <int kM>
-__device__ __forceinline__ float JlScoreShared(const float* gram, const float* zz) {
-  constexpr int kPacked = kM * (kM + 1) / 2;
-  float quad = 0.0f;
-  // Three pieces of each in flight: unrolled whole, the loads of all nine took
-  // 72 registers and the kernel spilled.
-#pragma unroll 3
-  for (int v = 0; v < kPacked / 4; ++v) {
-    const float4 g = reinterpret_cast<const float4*>(gram)[v];
-    const float4 z = reinterpret_cast<const float4*>(zz)[v];
-    quad += g.x * z.x;
-    quad += g.y * z.y;
-    quad += g.z * z.z;
-    quad += g.w * z.w;
-  }
-#pragma unroll
-  for (int w = kPacked / 4 * 4; w < kPacked; ++w) quad += gram[w] * zz[w];
-  return isnan(quad) ? quad : sqrtf(fmaxf(quad, 0.0f));  // a NaN summary must surface
-}
-
 // The per-channel sums of the record for a batch of up to kHeadBatch query
 // heads at once, so the record's channels are read once for all of them (GQA).
 // `q` holds the heads' queries one after the other, d floats each; sums run

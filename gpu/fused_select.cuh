@@ -97,105 +97,13 @@ template <Method kMethod, int kM, int kHeads>
 inline constexpr int kFusedMinBlocks =
     kMethod == Method::kJl&& kM > 0 && kM <= 8 ? 4 : kScoreMinBlocks<kMethod, kM, false, kHeads>;
 
-// Step 2: each query head of KV head `kvh` cut from the block's scores
-// [ratio, kScoreThreads] (a warp a head, as SelectKernel's: core
-// MarkByThreshold) and the groups it admits ORed into `marks`
-// [kFusedMaskWords], which the caller zeroed before a barrier. Rows held in
-// registers (the threshold's rank within kHeldRank): each warp ORs its heads'
-// marks into its own words `warp_words` [kFusedWarps, kHeldWords] (no atomics),
-// which the block then ORs together; else a ballot and an atomicOr a word, the
-// cut ranking by `histograms` [kFusedWarps][256]. Ends with a barrier.
-__device__ __forceinline__ void CutHeads(const Shape& s, const SelectRule& rule,
-                                         const SelectArgs& a, int layer, int kvh, int n,
-                                         const float* scores, unsigned* marks, unsigned* warp_words,
-                                         unsigned (*histograms)[256]) {
-  const int ratio = s.q_heads / s.kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool held = rule.top_pages <= kHeldRank;  // n <= kScoreThreads = kHeldGroups
-  static_assert(kFusedMaskWords == kHeldWords, "a held row's words are the block's mask words");
-  unsigned* own_words = warp_words + warp * kHeldWords;
-  if (held) {
-    if (lane < kHeldWords) own_words[lane] = 0;
-    __syncwarp();
-  }
-  for (int r = warp; r < ratio; r += kFusedWarps) {
-    const int h = kvh * ratio + r;
-    if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;  // admits nothing
-    const float* values = scores + r * kScoreThreads;
-    if (held) {
-      WarpThresholdMarksHeld(values, n, rule, lane, own_words);
-      continue;
-    }
-    const float cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
-    for (int w = 0; w < kFusedMaskWords; ++w) {
-      const int p = 32 * w + lane;
-      const unsigned bits = __ballot_sync(
-          kFullWarp, p < n && !IsForced(p, n, rule.first_n, rule.last_n) && values[p] >= cut);
-      if (lane == 0 && bits != 0) atomicOr(&marks[w], bits);
-    }
-  }
-  __syncthreads();
-  if (held) {
-    if (threadIdx.x < kFusedMaskWords) {
-      unsigned any = 0;
-      for (int w = 0; w < kFusedWarps; ++w) any |= warp_words[w * kHeldWords + threadIdx.x];
-      marks[threadIdx.x] |= any;
-    }
-    __syncthreads();
-  }
-}
-
-// Step 3: list `list` of (row, layer) from `marks` and the forced groups, or -1
-// (DecideListWrite), by the whole block; `visit` [kScoreThreads] bytes, `offset`
-// and `counts` [kScoreThreads] its scratch, `decision` [4] the block's. Ends
-// without a barrier after its last reads.
-__device__ __forceinline__ void CompactFusedList(const Shape& s, const SelectRule& rule,
-                                                 const SelectArgs& a, int row, int layer, int list,
-                                                 int n, int64_t tokens, const unsigned* marks,
-                                                 unsigned char* visit, unsigned* offset,
-                                                 unsigned* counts, int* decision) {
-  // visit flags: forced groups, and the marked ones (the block agrees on
-  // whether to write via decision[kWriteDecision]).
-  if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
-  if (threadIdx.x < n) {
-    visit[threadIdx.x] = IsForced(threadIdx.x, n, rule.first_n, rule.last_n) ||
-                         ((marks[threadIdx.x / 32] >> (threadIdx.x % 32)) & 1u);
-  }
-  __syncthreads();
-  const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
-  if (decision[kWriteDecision] == kWriteList) {
-    CompactVisitList(s, n, tokens, visit, offset, counts, a.block_table, a.rows + row,
-                     a.visit_blocks + list_index * s.max_blocks, a.visit_count + list_index,
-                     &a.report->stats);
-  } else if (decision[kWriteDecision] == kWriteDense && threadIdx.x == 0) {
-    a.visit_count[list_index] = -1;
-  }
-}
-
-// Step 4, by the step's last block to finish (after a fence): if anything in
-// the step failed (a bad slot, block id, score or query) and the step was not
-// abandoned, every list's count of the step's `rows` becomes -1.
-__device__ __forceinline__ void FailEveryListOfAFailedStep(const Shape& s, const SelectArgs& a,
-                                                           int64_t rows, int* decision) {
-  if (threadIdx.x == 0) {
-    const bool abandoned = a.selection_done != nullptr &&
-                           *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step;
-    decision[kStepFailed] =
-        !abandoned && *reinterpret_cast<const volatile int*>(&a.report->status.code) != kOk;
-  }
-  __syncthreads();
-  if (!decision[kStepFailed]) return;
-  for (int64_t i = threadIdx.x; i < int64_t{s.layers} * rows * s.lists; i += blockDim.x) {
-    const int64_t l = i / (rows * s.lists), rest = i % (rows * s.lists);
-    a.visit_count[(l * s.max_batch + rest / s.lists) * s.lists + rest % s.lists] = -1;
-  }
-}
-
 // Steps 2-4 for the (row, layer, KV head) whose scores the block holds in
 // shared memory: `scores` [ratio, kScoreThreads], then the marks
 // [kFusedMaskWords] and the decisions [4]; `scratch` the cut's
 // (kFusedScratchWords words), or null: right after the decisions. `rows`: the
-// step's rows.
+// step's rows. Every return is the whole block's, and every thread has passed a
+// barrier after its last read of the scratch, the scores and the marks, so the
+// block may reuse them at once.
 __device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
                                          const SelectArgs& a, const FusedArgs& f, int row,
                                          int layer, int kvh, int rows, float* scores,
@@ -208,23 +116,75 @@ __device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
   unsigned* counts = histograms[kFusedWarps];                              // [threads]
   unsigned* offset = counts + kScoreThreads;                               // [threads]
   auto* visit = reinterpret_cast<unsigned char*>(offset + kScoreThreads);  // [threads]
-  unsigned* warp_words = reinterpret_cast<unsigned*>(visit + kScoreThreads);
   if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = 0;
   __syncthreads();
 
-  // 2. Each head's cut and its marks.
+  // 2. Each head's cut, as SelectKernel's (core MarkByThreshold), and its marks.
   const int64_t tokens = a.rows[row].context_tokens;
   const int n = GroupsOf(s, tokens);
-  CutHeads(s, rule, a, layer, kvh, n, scores, marks, warp_words, histograms);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto forced = [&](int p) { return IsForced(p, n, rule.first_n, rule.last_n); };
+  // Rows held in registers (the threshold's rank within kHeldRank): each warp ORs
+  // its heads' marks into its own words (WarpThresholdMarksHeld, no atomics),
+  // which the block then ORs together; else a ballot and an atomicOr a word.
+  const bool held = rule.top_pages <= kHeldRank;  // n <= kScoreThreads = kHeldGroups
+  static_assert(kFusedMaskWords == kHeldWords, "a held row's words are the block's mask words");
+  unsigned* warp_marks = reinterpret_cast<unsigned*>(visit + kScoreThreads) + warp * kHeldWords;
+  if (held) {
+    if (lane < kHeldWords) warp_marks[lane] = 0;
+    __syncwarp();
+  }
+  for (int r = warp; r < ratio; r += kFusedWarps) {
+    const int h = kvh * ratio + r;
+    if (a.scored != nullptr && !a.scored[layer * s.q_heads + h]) continue;  // admits nothing
+    const float* values = scores + r * kScoreThreads;
+    if (held) {
+      WarpThresholdMarksHeld(values, n, rule, lane, warp_marks);
+      continue;
+    }
+    const float cut = WarpThresholdCut(values, n, rule, histograms[warp], lane);
+    for (int w = 0; w < kFusedMaskWords; ++w) {
+      const int p = 32 * w + lane;
+      const unsigned bits = __ballot_sync(kFullWarp, p < n && !forced(p) && values[p] >= cut);
+      if (lane == 0 && bits != 0) atomicOr(&marks[w], bits);
+    }
+  }
+  __syncthreads();
+  if (held) {
+    if (threadIdx.x < kFusedMaskWords) {
+      const unsigned* words = reinterpret_cast<const unsigned*>(visit + kScoreThreads);
+      unsigned any = 0;
+      for (int w = 0; w < kFusedWarps; ++w) any |= words[w * kHeldWords + threadIdx.x];
+      marks[threadIdx.x] = any;
+    }
+    __syncthreads();
+  }
 
   // 3. The list: this block's (per KV head), or the (row, layer)'s union once
   // its last KV-head block has arrived.
   const int64_t rl = int64_t{row} * s.layers + layer;
   unsigned* mask = f.masks + rl * kFusedMaskWords;
   const bool union_list = s.lists == 1;
+  auto compact = [&](int list) {
+    // visit flags: forced groups, and the marked ones (the block agrees on
+    // whether to write via decision[kWriteDecision]).
+    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
+    if (threadIdx.x < n) {
+      visit[threadIdx.x] =
+          forced(threadIdx.x) || ((marks[threadIdx.x / 32] >> (threadIdx.x % 32)) & 1u);
+    }
+    __syncthreads();
+    const int64_t list_index = (int64_t{layer} * s.max_batch + row) * s.lists + list;
+    if (decision[kWriteDecision] == kWriteList) {
+      CompactVisitList(s, n, tokens, visit, offset, counts, a.block_table, a.rows + row,
+                       a.visit_blocks + list_index * s.max_blocks, a.visit_count + list_index,
+                       &a.report->stats);
+    } else if (decision[kWriteDecision] == kWriteDense && threadIdx.x == 0) {
+      a.visit_count[list_index] = -1;
+    }
+  };
   if (!union_list) {
-    CompactFusedList(s, rule, a, row, layer, kvh, n, tokens, marks, visit, offset, counts,
-                     decision);
+    compact(kvh);
   } else if (threadIdx.x < kFusedMaskWords && marks[threadIdx.x] != 0) {
     atomicOr(&mask[threadIdx.x], marks[threadIdx.x]);
   }
@@ -242,7 +202,7 @@ __device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
   if (union_list) {
     if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = atomicExch(&mask[threadIdx.x], 0u);
     __syncthreads();
-    CompactFusedList(s, rule, a, row, layer, 0, n, tokens, marks, visit, offset, counts, decision);
+    compact(0);
     __threadfence();
     __syncthreads();
   }
@@ -257,7 +217,18 @@ __device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
   __syncthreads();
   if (!decision[kStepLast]) return;
   __threadfence();
-  FailEveryListOfAFailedStep(s, a, rows, decision);
+  if (threadIdx.x == 0) {
+    const bool abandoned = a.selection_done != nullptr &&
+                           *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step;
+    decision[kStepFailed] =
+        !abandoned && *reinterpret_cast<const volatile int*>(&a.report->status.code) != kOk;
+  }
+  __syncthreads();
+  if (!decision[kStepFailed]) return;
+  for (int64_t i = threadIdx.x; i < int64_t{s.layers} * rows * s.lists; i += blockDim.x) {
+    const int64_t l = i / (int64_t{rows} * s.lists), rest = i % (int64_t{rows} * s.lists);
+    a.visit_count[(l * s.max_batch + rest / s.lists) * s.lists + rest % s.lists] = -1;
+  }
 }
 
 template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>

@@ -461,7 +461,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
       const int64_t held = int64_t{per_sm} * g.multiprocessors;
       const int64_t wanted = g.options.pipelined_blocks > 0 ? g.options.pipelined_blocks : held;
       launch.PlanPipelined(pipelined_kernel, pipelined_shared, fused_args,
-                           std::min(wanted, batch * m.num_layers));
+                           std::min(wanted, launch.ScoringBlocks()));
     } else if (fuse || g.options.fusion == Fusion::kPipelined) {
       launch.PlanFused(fused_kernel, fused_shared, fused_args);
     }

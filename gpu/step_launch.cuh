@@ -43,8 +43,8 @@ struct StepLaunch {
   kernels::ScoreArgs score;
   kernels::SelectArgs select;  // the fused kernel's too
   kernels::FusedArgs fused;
-  bool fused_selection;  // score_kernel is a FusedSelectKernel; no selection kernel
-  bool persistent;  // ... or a PipelinedSelectKernel: score_grid (blocks) takes the (row, layer)s
+  bool fused_selection;      // score_kernel is a FusedSelectKernel; no selection kernel
+  bool persistent;           // ... or a PipelinedSelectKernel: score_grid (blocks) takes every unit
   const void* terms_kernel;  // null: the scoring blocks build the terms (ScoreArgs::phi)
   dim3 terms_grid;
   size_t terms_shared;
@@ -123,7 +123,7 @@ struct StepLaunch {
   }
 
   // The persistent, pipelined fused kernel (fused_pipelined.cuh) on `blocks`
-  // blocks, which take the step's (row, layer)s in turn.
+  // blocks, which take the step's (row, layer, KV head) units in turn.
   void PlanPipelined(const void* kernel, size_t shared, kernels::FusedArgs args, int64_t blocks) {
     PlanFused(kernel, shared, args);
     persistent = true;

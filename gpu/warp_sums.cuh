@@ -383,14 +383,13 @@ constexpr int StagedStride(int m) {
 // consecutive pieces of consecutive records (a thread per record reads 32
 // records 16 bytes at a time, a cache line per lane). Returns once they are
 // queued: WaitStagedRecords waits for them. Records are 16-byte aligned
-// (core/layout.h pads them). kUnroll: pieces a lane queues at once (all by
-// default; fewer keep fewer shuffled addresses in registers).
-template <int kWords, int kStride, int kUnroll = kWords / 4>
+// (core/layout.h pads them).
+template <int kWords, int kStride>
 __device__ inline void StageWarpRecords(const float* rec, float* stage, int lane) {
   static_assert(kWords % 4 == 0 && kStride % 4 == 0 && kStride >= kWords);
   constexpr int kPieces = kWords / 4;
   const auto address = reinterpret_cast<unsigned long long>(rec);
-#pragma unroll kUnroll
+#pragma unroll
   for (int i = 0; i < kPieces; ++i) {
     const int c = 32 * i + lane, k = c / kPieces, v = c % kPieces;
     const auto* src = reinterpret_cast<const float4*>(__shfl_sync(kFullWarp, address, k));
