@@ -264,7 +264,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
 struct Row {
   int64_t batch, context;
   double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct, direct_us, direct_wall_us,
-      fused_us, tkernel_us, queued_us, split_us, pipe_us;
+      fused_us, tkernel_us, queued_us, split_us;
 };
 
 absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
@@ -286,28 +286,24 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   auto tkernel =
       eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(), {.terms_kernel = true});
   if (!tkernel.ok()) return tkernel.status();
-  auto pipe = eps::gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(),
-                                            {.fusion = Fusion::kPipelined});
-  if (!pipe.ok()) return pipe.status();
   // jl is the product; off (no scoring, and no fused selection) and fro (one
   // word read per record) split the time into its parts by subtraction;
   // `direct` is jl with the kernels launched one by one instead of replayed as
   // a graph, `fused` and `split` jl with the selection always and never fused
   // into scoring (jl itself fuses at enough waves of blocks: Fusion::kAuto),
   // `tkernel` jl with its query terms from the terms kernel instead of the
-  // scoring blocks, `pipe` jl fused by the persistent, pipelined kernel (gpu/step.h).
-  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const eps::Method methods[8] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff,
+  // scoring blocks (gpu/step.h).
+  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const eps::Method methods[7] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff,
                                   eps::Method::kJl, eps::Method::kJl,  eps::Method::kJl,
-                                  eps::Method::kJl, eps::Method::kJl};
-  double* p50[8] = {&row.jl_us,    &row.fro_us,     &row.off_us,   &row.direct_us,
-                    &row.fused_us, &row.tkernel_us, &row.split_us, &row.pipe_us};
-  for (int k = 0; k < 8; ++k) {
+                                  eps::Method::kJl};
+  double* p50[7] = {&row.jl_us,    &row.fro_us,     &row.off_us,  &row.direct_us,
+                    &row.fused_us, &row.tkernel_us, &row.split_us};
+  for (int k = 0; k < 7; ++k) {
     eps::gpu::GpuSelector* selector_k = k == 3   ? direct->get()
                                         : k == 4 ? fused->get()
                                         : k == 5 ? tkernel->get()
                                         : k == 6 ? split->get()
-                                        : k == 7 ? pipe->get()
                                                  : selector->get();
     eps::SelectPolicy policy;
     policy.top_pages = top_pages_per_head;
@@ -509,10 +505,10 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s, theoretical %.0f GB/s, measured d2d copy %.0f GB/s (read + write)\n",
               prop.name, peak_gbs, *copy_gbs);
-  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s %10s %10s %10s %9s %8s\n",
+  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s %10s %10s %10s %9s\n",
               "batch", "context", "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy",
               "visited%", "fro_us", "off_us", "wall_us", "direct_us", "dwall_us", "fused_us",
-              "tkernel_us", "queued_us", "split_us", "pipe_us");
+              "tkernel_us", "queued_us", "split_us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;
@@ -539,11 +535,11 @@ int main(int argc, char** argv) {
       const double gbs = bytes / (r->jl_us * 1e-6) / 1e9;
       std::printf(
           "%6lld %8lld %10.1f %9.1f %9.1f %9.1f %8.0f %6.1f%% %8.1f%% %8.1f %8.1f %9.1f %9.1f "
-          "%10.1f %10.1f %10.1f %10.1f %9.1f %8.1f\n",
+          "%10.1f %10.1f %10.1f %10.1f %9.1f\n",
           static_cast<long long>(batch), static_cast<long long>(context), r->summary_mb, r->jl_us,
           bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
           100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us, r->direct_us,
-          r->direct_wall_us, r->fused_us, r->tkernel_us, r->queued_us, r->split_us, r->pipe_us);
+          r->direct_wall_us, r->fused_us, r->tkernel_us, r->queued_us, r->split_us);
       std::fflush(stdout);
     }
   }

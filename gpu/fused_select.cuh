@@ -53,7 +53,6 @@ struct FusedArgs {
   unsigned* masks;          // [max_batch, layers, kFusedMaskWords]: union lists' marks so far
   unsigned* arrivals;       // [max_batch, layers]: KV-head blocks done
   unsigned* step_arrivals;  // (row, layer)s done
-  int64_t rows;             // the step's (PipelinedSelectKernel; FusedSelectKernel: the grid's z)
 };
 
 // Dynamic shared memory beyond ScoreSharedWords, in words: scores [ratio,
@@ -97,21 +96,30 @@ template <Method kMethod, int kM, int kHeads>
 inline constexpr int kFusedMinBlocks =
     kMethod == Method::kJl&& kM > 0 && kM <= 8 ? 4 : kScoreMinBlocks<kMethod, kM, false, kHeads>;
 
-// Steps 2-4 for the (row, layer, KV head) whose scores the block holds in
-// shared memory: `scores` [ratio, kScoreThreads], then the marks
-// [kFusedMaskWords] and the decisions [4]; `scratch` the cut's
-// (kFusedScratchWords words), or null: right after the decisions. `rows`: the
-// step's rows. Every return is the whole block's, and every thread has passed a
-// barrier after its last read of the scratch, the scores and the marks, so the
-// block may reuse them at once.
-__device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
-                                         const SelectArgs& a, const FusedArgs& f, int row,
-                                         int layer, int kvh, int rows, float* scores,
-                                         float* scratch) {
+template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>
+__global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, kHeads>))
+    FusedSelectKernel(Shape s, ScoreArgs score, SelectRule rule, SelectArgs a, FusedArgs f) {
+  constexpr bool kStaged = kMethod == Method::kJl && kM > 0;
+  static_assert(!kStaged || kScoreThreads * StagedStride(kM) >= kFusedScratchWords,
+                "the cut's scratch fits where the records were staged");
+  extern __shared__ float shared[];
+  // Nothing is held in registers across the scoring, whose passes need them all.
+  auto scores_of = [&] {
+    return shared + ScoreSharedWords(s.q_heads / s.kv_heads, s.d, s.m, kStaged);
+  };
+  if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
+
+  // 1. Scores into shared memory [ratio, kScoreThreads].
+  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of());
+  __syncthreads();
+  const int row = blockIdx.z;
+  const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
+  float* scores = scores_of();
   unsigned* marks = reinterpret_cast<unsigned*>(scores + ratio * kScoreThreads);  // [mask words]
   int* decision = reinterpret_cast<int*>(marks + kFusedMaskWords);                // [4]
-  if (scratch == nullptr) scratch = reinterpret_cast<float*>(decision + 4);
+  // The staged records are dead after the barrier above (every warp has read its own).
+  float* scratch = kStaged ? shared : reinterpret_cast<float*>(decision + 4);
   auto* histograms = reinterpret_cast<unsigned(*)[256]>(scratch);
   unsigned* counts = histograms[kFusedWarps];                              // [threads]
   unsigned* offset = counts + kScoreThreads;                               // [threads]
@@ -209,7 +217,7 @@ __device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
 
   // 4. The step's last (row, layer): a failure anywhere fails every list.
   if (threadIdx.x == 0) {
-    const unsigned all = static_cast<unsigned>(rows) * static_cast<unsigned>(s.layers);
+    const unsigned all = gridDim.z * static_cast<unsigned>(s.layers);
     const bool last = atomicAdd(f.step_arrivals, 1u) == all - 1;
     if (last) *f.step_arrivals = 0;
     decision[kStepLast] = last;
@@ -225,31 +233,10 @@ __device__ __forceinline__ void FusedCut(const Shape& s, const SelectRule& rule,
   }
   __syncthreads();
   if (!decision[kStepFailed]) return;
-  for (int64_t i = threadIdx.x; i < int64_t{s.layers} * rows * s.lists; i += blockDim.x) {
-    const int64_t l = i / (int64_t{rows} * s.lists), rest = i % (int64_t{rows} * s.lists);
+  for (int64_t i = threadIdx.x; i < int64_t{s.layers} * gridDim.z * s.lists; i += blockDim.x) {
+    const int64_t l = i / (int64_t{gridDim.z} * s.lists), rest = i % (int64_t{gridDim.z} * s.lists);
     a.visit_count[(l * s.max_batch + rest / s.lists) * s.lists + rest % s.lists] = -1;
   }
-}
-
-template <Method kMethod, int kM, int kHeads = kHeadBatch, bool kQuest8 = false>
-__global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, kHeads>))
-    FusedSelectKernel(Shape s, ScoreArgs score, SelectRule rule, SelectArgs a, FusedArgs f) {
-  constexpr bool kStaged = kMethod == Method::kJl && kM > 0;
-  static_assert(!kStaged || kScoreThreads * StagedStride(kM) >= kFusedScratchWords,
-                "the cut's scratch fits where the records were staged");
-  extern __shared__ float shared[];
-  // Nothing is held in registers across the scoring, whose passes need them all.
-  auto scores_of = [&] {
-    return shared + ScoreSharedWords(s.q_heads / s.kv_heads, s.d, s.m, kStaged);
-  };
-  if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
-
-  // 1. Scores into shared memory [ratio, kScoreThreads].
-  ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of());
-  __syncthreads();
-  // The staged records are dead after the barrier above (every warp has read its own).
-  FusedCut(s, rule, a, f, blockIdx.z, blockIdx.y / s.kv_heads, blockIdx.y % s.kv_heads,
-           static_cast<int>(gridDim.z), scores_of(), kStaged ? shared : nullptr);
 }
 
 }  // namespace eps::gpu::kernels

@@ -92,39 +92,6 @@ inline constexpr int kScoreMinBlocks = kMethod == Method::kJl && !kStrict && kM 
                                            ? 2
                                            : 1;
 
-// Group p's slot in the row's group table (`table_row`), checked as core/ checks
-// it: a bad slot fails the step and the group reads nothing. False: no group to
-// read (p >= n, or a bad slot).
-__device__ inline bool OpenSlot(const Shape& s, const ScoreArgs& a, int row, int64_t table_row,
-                                int64_t p, int n, int32_t& slot) {
-  const bool active = p < n;
-  slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
-  if (active && (slot < 0 || slot >= s.num_slots)) {
-    Fail(&a.report->status, a.coarse ? kBadCoarseSlot : kBadSlot, row, static_cast<int>(p), slot);
-    return false;  // never read outside the pool
-  }
-  return active;
-}
-
-// The record of a checked slot for (layer, KV head).
-__device__ inline const float* RecordOf(const Shape& s, const ScoreArgs& a, int32_t slot, int layer,
-                                        int kvh) {
-  return a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words;
-}
-
-// Group p's block ids (of the row's `nb`), checked once per group: by the fine
-// level's scoring of (layer 0, KV head 0), `y` = layer * kv_heads + KV head.
-__device__ inline void CheckGroupBlocks(const Shape& s, const ScoreArgs& a, int row, int y,
-                                        int64_t table_row, int64_t p, int n, int64_t nb) {
-  if (p >= n || y != 0 || a.coarse) return;
-  for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
-    const int32_t id = a.block_table[table_row * s.max_blocks + b];
-    if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
-      Fail(&a.report->status, kBadBlock, row, static_cast<int>(b), id);
-    }
-  }
-}
-
 // One scoring block's work (ScoreKernel, and the fused selection of
 // gpu/fused_select.cuh): kFused keeps the block's scores in shared memory,
 // head r's of thread t at fused_scores[r * kScoreThreads + t], instead of
@@ -184,7 +151,12 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   int32_t slot = 0;
   const float* rec = nullptr;
   auto open_group = [&] {
-    active = OpenSlot(s, a, row, table_row, p, n, slot);
+    active = p < n;
+    slot = active ? a.group_table[table_row * s.max_groups + p] : 0;
+    if (active && (slot < 0 || slot >= s.num_slots)) {
+      Fail(status, a.coarse ? kBadCoarseSlot : kBadSlot, row, static_cast<int>(p), slot);
+      active = false;  // never read outside the pool
+    }
     if constexpr (!kFused) {
       const int list = s.lists == 1 ? 0 : kvh;
       if (active && a.candidates != nullptr &&
@@ -199,11 +171,20 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         }
       }
     }
-    rec = active ? RecordOf(s, a, slot, layer, kvh) : nullptr;
+    rec = active ? a.pool + ((int64_t{slot} * s.layers + layer) * s.kv_heads + kvh) * s.record_words
+                 : nullptr;
     if constexpr (kStaged) {
       StageWarpRecords<StagedWords(kM), kStride>(rec, stage + warp * 32 * kStride, lane);
     }
-    CheckGroupBlocks(s, a, row, blockIdx.y, table_row, p, n, nb);
+    // Block ids are checked once per group, by the fine level's (layer 0, kv head 0) blocks.
+    if (p < n && blockIdx.y == 0 && !a.coarse) {
+      for (int64_t b = p * s.group_blocks; b < min(nb, (p + 1) * s.group_blocks); ++b) {
+        const int32_t id = a.block_table[table_row * s.max_blocks + b];
+        if (id < 0 || (s.num_physical_blocks >= 0 && id >= s.num_physical_blocks)) {
+          Fail(status, kBadBlock, row, static_cast<int>(b), id);
+        }
+      }
+    }
   };
   open_group();
   if constexpr (kMethod == Method::kOff && !kStrict) {

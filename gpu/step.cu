@@ -122,7 +122,6 @@ struct GpuSelector::Impl {
   bool pending_coarse = false;  // the step used the coarse level: the device counted its records
   bool per_head = false;        // per-KV-head lists: each reads one KV head's K and V
   bool last_fused = false;      // the last step queued fused its selection
-  bool last_pipelined = false;  // ... by the persistent, pipelined kernel
 
   ~Impl() {
     // Sessions end on any thread (the lease reaper's device is 0): free on ours.
@@ -161,7 +160,6 @@ absl::Status LoadKernels(int device) {
   for (const auto& kernels :
        {std::span<const void* const>(kTermsKernels), std::span<const void* const>(kScoreKernels),
         std::span<const void* const>(kSelectKernels), std::span<const void* const>(kFusedKernels),
-        std::span<const void* const>(kPipelinedKernels),
         std::span<const void* const>(kCandidateKernels),
         std::span<const void* const>(kFeedbackKernels)}) {
     for (const void* kernel : kernels) {
@@ -268,7 +266,6 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
 bool GpuSelector::pending() const { return impl_->pending; }
 uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }
 bool GpuSelector::last_step_fused() const { return impl_->last_fused; }
-bool GpuSelector::last_step_pipelined() const { return impl_->last_pipelined; }
 
 absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& policy,
                                   const StepOutputs& out, const StepFence& fence) {
@@ -284,7 +281,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   const int64_t batch = static_cast<int64_t>(in.rows.size());
   if (batch == 0) {
     g.last_fused = false;
-    g.last_pipelined = false;
     if (fence.selection_done != nullptr) {
       CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
       if (fence.inputs_ready != nullptr) {
@@ -448,22 +444,10 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                        g.ResidentBlocks(fused_kernel, kScoreThreads, fused_shared));
       fuse = launch.ScoringBlocks() >= int64_t{kAutoFuseWaves} * per_sm * g.multiprocessors;
     }
-    const kernels::FusedArgs fused_args{g.fused_masks.get(), g.fused_arrivals.get(),
-                                        g.fused_arrivals.get() + g.max_batch * m.num_layers, batch};
-    // The persistent, pipelined kernel (fused_pipelined.cuh): jl's staged path, m 4 or 8.
-    const void* pipelined_kernel = staged ? PipelinedKernelFor(m.sketch_dim) : nullptr;
-    const size_t pipelined_shared =
-        sizeof(float) * PipelinedSharedWords(m.gqa_ratio(), m.sketch_dim);
-    if (g.options.fusion == Fusion::kPipelined && pipelined_kernel != nullptr &&
-        pipelined_shared <= static_cast<size_t>(g.max_shared)) {
-      ASSIGN_OR_RETURN(const int per_sm,
-                       g.ResidentBlocks(pipelined_kernel, kScoreThreads, pipelined_shared));
-      const int64_t held = int64_t{per_sm} * g.multiprocessors;
-      const int64_t wanted = g.options.pipelined_blocks > 0 ? g.options.pipelined_blocks : held;
-      launch.PlanPipelined(pipelined_kernel, pipelined_shared, fused_args,
-                           std::min(wanted, launch.ScoringBlocks()));
-    } else if (fuse || g.options.fusion == Fusion::kPipelined) {
-      launch.PlanFused(fused_kernel, fused_shared, fused_args);
+    if (fuse) {
+      launch.PlanFused(fused_kernel, fused_shared,
+                       {g.fused_masks.get(), g.fused_arrivals.get(),
+                        g.fused_arrivals.get() + g.max_batch * m.num_layers});
     }
   }
   // This launch's number (from 1), which Finish names when it releases the inputs wait.
@@ -475,8 +459,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   launch.select_block = dim3(32 * warps);
   launch.select_shared = SelectSharedBytes(in.max_groups);
   // jl's staged path, one scoring block per (row, layer, KV head), no coarse level.
-  if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel &&
-      !launch.persistent) {
+  if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel) {
     ASSIGN_OR_RETURN(const int per_sm,
                      g.ResidentBlocks(launch.score_kernel, kScoreThreads, launch.score_shared));
     launch.PlanTermsInBlocks(int64_t{per_sm} * g.multiprocessors, g.phi.get());
@@ -532,7 +515,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   g.scored_kv_heads_total = scored_kv_heads_total;
   g.per_head = per_head;
   g.last_fused = launch.fused_selection;
-  g.last_pipelined = launch.persistent;
   g.row_groups = row_groups;
   g.pending_num_slots = in.num_slots;
   g.pending_physical_blocks = in.num_physical_blocks;

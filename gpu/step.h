@@ -105,14 +105,8 @@ struct GpuSelectorOptions {
   // batch 8 (3.9) and below (docs/benchmarks/gpu.md, ninth session); every
   // other method keeps the two kernels. kAlways and kNever are for tests and the
   // benchmark's comparison.
-  // kPipelined: where jl's staged path has one (m of 4 or 8), the persistent,
-  // pipelined fused kernel (gpu/fused_pipelined.cuh), else as kAlways.
-  enum class Fusion { kAuto, kAlways, kNever, kPipelined };
+  enum class Fusion { kAuto, kAlways, kNever };
   Fusion fusion = Fusion::kAuto;
-  // Blocks of the pipelined kernel; 0: as many as the GPU holds at once (never
-  // more than the step's units). For tests, which take fewer so that each block
-  // pipelines several units.
-  int pipelined_blocks = 0;
   // questclt takes its general path (gpu/warp_sums.cuh QuestCltSumsWarp: the
   // warp's 32 lanes share each record, for any d) even where its octet path
   // applies (gpu/questclt_octets.cuh: d of 64, 128 or 256; the same scores to a
@@ -172,8 +166,6 @@ class GpuSelector {
   // Whether the last step queued ran its selection fused into scoring
   // (gpu/fused_select.cuh), for tests and benchmarks.
   bool last_step_fused() const;
-  // ... and whether by the persistent, pipelined kernel (gpu/fused_pipelined.cuh).
-  bool last_step_pipelined() const;
 
  private:
   struct Impl;

@@ -10,7 +10,6 @@
 #include "core/select.h"
 #include "gpu/coarse_select.cuh"
 #include "gpu/feedback.cuh"
-#include "gpu/fused_pipelined.cuh"
 #include "gpu/fused_select.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -97,12 +96,6 @@ inline const void* const kFusedKernels[] = {FusedKernelOf<Method::kJl, 4>(),
                                             FusedKernelOf<Method::kQuestClt, 0, 8>(),
                                             FusedKernelOf<Method::kQuestClt, 0, 4, true>(),
                                             FusedKernelOf<Method::kQuestClt, 0, 8, true>()};
-
-template <int kM>
-const void* PipelinedKernelOf() {
-  return reinterpret_cast<const void*>(&PipelinedSelectKernel<kM>);
-}
-inline const void* const kPipelinedKernels[] = {PipelinedKernelOf<4>(), PipelinedKernelOf<8>()};
 
 template <int kM>
 const void* TermsKernelOf() {
@@ -280,19 +273,6 @@ inline const void* FusedKernelFor(Method method, int m, int ratio, bool staged, 
       break;
   }
   return nullptr;
-}
-
-// The persistent, pipelined fused kernel (fused_pipelined.cuh) for jl's staged
-// path with sketch dimension m, or null where there is none.
-inline const void* PipelinedKernelFor(int m) {
-  switch (m) {
-    case 4:
-      return PipelinedKernelOf<4>();
-    case 8:
-      return PipelinedKernelOf<8>();
-    default:
-      return nullptr;
-  }
 }
 
 // The selection kernel and its warps per block: a warp per head for lists of

@@ -44,7 +44,6 @@ struct StepLaunch {
   kernels::SelectArgs select;  // the fused kernel's too
   kernels::FusedArgs fused;
   bool fused_selection;      // score_kernel is a FusedSelectKernel; no selection kernel
-  bool persistent;           // ... or a PipelinedSelectKernel: score_grid (blocks) takes every unit
   const void* terms_kernel;  // null: the scoring blocks build the terms (ScoreArgs::phi)
   dim3 terms_grid;
   size_t terms_shared;
@@ -120,14 +119,6 @@ struct StepLaunch {
     score.scores = nullptr;  // written by no one
     select.scores = nullptr;
     select.uppers = nullptr;
-  }
-
-  // The persistent, pipelined fused kernel (fused_pipelined.cuh) on `blocks`
-  // blocks, which take the step's (row, layer, KV head) units in turn.
-  void PlanPipelined(const void* kernel, size_t shared, kernels::FusedArgs args, int64_t blocks) {
-    PlanFused(kernel, shared, args);
-    persistent = true;
-    score_grid = dim3(static_cast<unsigned>(blocks));
   }
 
   // The coarse level's part (coarse_select.cuh), once `shape` and `score` hold the

@@ -131,24 +131,6 @@ TEST_P(FusedSelectTest, ListsEqualTheSelectionKernelsBitForBit) {
   EXPECT_FALSE((*separate)->last_step_fused());
   ExpectSameSteps(got, want);
 
-  // The persistent, pipelined kernel (jl's staged path, m of 4 or 8) likewise: on
-  // a few blocks, so that each pipelines several units, and on as many as the GPU
-  // holds (here more than the step's units: one each).
-  if (c.method == Method::kJl && (c.sketch_dim == 4 || c.sketch_dim == 8)) {
-    for (const int blocks : {1 + static_cast<int>(rng() % 5), 0}) {
-      SCOPED_TRACE(::testing::Message() << "pipelined on " << blocks << " blocks");
-      auto pipelined =
-          gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(),
-                                   {.fusion = Fusion::kPipelined, .pipelined_blocks = blocks});
-      ASSERT_TRUE(pipelined.ok()) << pipelined.status();
-      const testing::DeviceStep piped =
-          testing::SelectOnDevice(**pipelined, buffers, batch, rows, policy);
-      ASSERT_TRUE(piped.status.ok()) << piped.status;
-      EXPECT_TRUE((*pipelined)->last_step_pipelined()) << "the case never reaches the kernel";
-      ExpectSameSteps(piped, want);
-    }
-  }
-
   // And core/'s lists, up to groups within fp32 rounding of a cut.
   ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
   const int lists = c.granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
@@ -426,51 +408,43 @@ TEST(FusedSelectGraphTest, ReplayedFencedStepsEqualTheSelectionKernels) {
   const uint64_t initial[2] = {std::numeric_limits<uint64_t>::max() / 2, 0};
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
+  auto fused =
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
                                            {.graphs = false, .fusion = Fusion::kNever});
-  ASSERT_TRUE(separate.ok());
-  // The fused kernel, and the pipelined one on three blocks (each takes several units).
-  for (const Fusion fusion : {Fusion::kAlways, Fusion::kPipelined}) {
-    SCOPED_TRACE(fusion == Fusion::kAlways ? "fused" : "pipelined");
-    auto fused = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
-                                          {.fusion = fusion, .pipelined_blocks = 3});
-    ASSERT_TRUE(fused.ok());
-    const int batches[] = {4, 4, 2, 2, 3, 3, 1, 1, 4, 4, 2, 2};
-    for (int step = 0; step < 12; ++step) {
-      std::vector<float> q(device.query_count);
-      for (float& x : q) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
-      ASSERT_EQ(cudaMemcpy(device.queries.get(), q.data(), q.size() * sizeof(float),
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
-      SelectPolicy policy;
-      policy.method = Method::kJl;
-      policy.granularity = (step / 2) % 2 == 0 ? Granularity::kUnion : Granularity::kPerKvHead;
-      const std::span<const StepRow> rows(all_rows.data(), batches[step]);
-      const StepInputs in = device.Inputs(buffers, rows);
-      ASSERT_TRUE(lists[0].Fill(-1).ok() && lists[1].Fill(-1).ok());
-      const gpu::GpuSelector::StepFence fence{counters.get(), counters.get() + 1,
-                                              static_cast<uint64_t>(step + 1)};
-      StepStats stats[2];
-      absl::Status status = (*fused)->Enqueue(in, policy, lists[0].outputs(), fence);
-      ASSERT_TRUE(status.ok()) << status << " step " << step;
-      status = (*fused)->Finish(std::chrono::microseconds::max(), &stats[0], nullptr);
-      ASSERT_TRUE(status.ok()) << status << " step " << step;
-      EXPECT_TRUE((*fused)->last_step_fused()) << "step " << step;
-      EXPECT_EQ((*fused)->last_step_pipelined(), fusion == Fusion::kPipelined) << "step " << step;
-      status = (*separate)->Select(in, policy, lists[1].outputs(), &stats[1], nullptr);
-      ASSERT_TRUE(status.ok()) << status << " step " << step;
-      EXPECT_EQ(lists[0].Counts(), lists[1].Counts()) << "step " << step;
-      EXPECT_EQ(lists[0].Blocks(), lists[1].Blocks()) << "step " << step;
-      EXPECT_EQ(stats[0].groups_visited, stats[1].groups_visited) << "step " << step;
-      EXPECT_EQ(stats[0].blocks_visited, stats[1].blocks_visited) << "step " << step;
-      EXPECT_EQ(stats[0].kv_bytes_read_est, stats[1].kv_bytes_read_est) << "step " << step;
-      uint64_t done = 0;
-      ASSERT_EQ(cudaMemcpy(&done, counters.get() + 1, sizeof done, cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      EXPECT_EQ(done, static_cast<uint64_t>(step + 1));
-    }
-    ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
-              cudaSuccess);  // the second selector's steps count from 1 again
+  ASSERT_TRUE(fused.ok() && separate.ok());
+  const int batches[] = {4, 4, 2, 2, 3, 3, 1, 1, 4, 4, 2, 2};
+  for (int step = 0; step < 12; ++step) {
+    std::vector<float> q(device.query_count);
+    for (float& x : q) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+    ASSERT_EQ(cudaMemcpy(device.queries.get(), q.data(), q.size() * sizeof(float),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    SelectPolicy policy;
+    policy.method = Method::kJl;
+    policy.granularity = (step / 2) % 2 == 0 ? Granularity::kUnion : Granularity::kPerKvHead;
+    const std::span<const StepRow> rows(all_rows.data(), batches[step]);
+    const StepInputs in = device.Inputs(buffers, rows);
+    ASSERT_TRUE(lists[0].Fill(-1).ok() && lists[1].Fill(-1).ok());
+    const gpu::GpuSelector::StepFence fence{counters.get(), counters.get() + 1,
+                                            static_cast<uint64_t>(step + 1)};
+    StepStats stats[2];
+    absl::Status status = (*fused)->Enqueue(in, policy, lists[0].outputs(), fence);
+    ASSERT_TRUE(status.ok()) << status << " step " << step;
+    status = (*fused)->Finish(std::chrono::microseconds::max(), &stats[0], nullptr);
+    ASSERT_TRUE(status.ok()) << status << " step " << step;
+    EXPECT_TRUE((*fused)->last_step_fused()) << "step " << step;
+    status = (*separate)->Select(in, policy, lists[1].outputs(), &stats[1], nullptr);
+    ASSERT_TRUE(status.ok()) << status << " step " << step;
+    EXPECT_EQ(lists[0].Counts(), lists[1].Counts()) << "step " << step;
+    EXPECT_EQ(lists[0].Blocks(), lists[1].Blocks()) << "step " << step;
+    EXPECT_EQ(stats[0].groups_visited, stats[1].groups_visited) << "step " << step;
+    EXPECT_EQ(stats[0].blocks_visited, stats[1].blocks_visited) << "step " << step;
+    EXPECT_EQ(stats[0].kv_bytes_read_est, stats[1].kv_bytes_read_est) << "step " << step;
+    uint64_t done = 0;
+    ASSERT_EQ(cudaMemcpy(&done, counters.get() + 1, sizeof done, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(done, static_cast<uint64_t>(step + 1));
   }
 }
 
@@ -499,59 +473,50 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
   const uint64_t initial[2] = {std::numeric_limits<uint64_t>::max() / 2, 0};
   ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
             cudaSuccess);
+  auto fused =
+      gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate =
       gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kNever});
-  ASSERT_TRUE(separate.ok());
+  ASSERT_TRUE(fused.ok() && separate.ok());
   const StepInputs in = device.Inputs(buffers, rows);
   std::vector<int32_t> bad = device.host_groups;
   bad[1 * buffers.max_groups() + 5] = 1 << 30;
   uint64_t step = 0;
-  // questclt (the default method: its warp-read sums) fused, and jl's pipelined
-  // kernel on two blocks, each taking several units after the failing one.
-  for (const Fusion fusion : {Fusion::kAlways, Fusion::kPipelined}) {
-    auto fused = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
-                                          {.fusion = fusion, .pipelined_blocks = 2});
-    ASSERT_TRUE(fused.ok());
-    for (const Granularity granularity : {Granularity::kUnion, Granularity::kPerKvHead}) {
-      const int per_list = granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
-      const int64_t used = int64_t{m.num_layers} * max_batch * per_list;
-      for (const bool with_fence : {false, true}) {
-        SCOPED_TRACE(std::string(GranularityName(granularity)) + (with_fence ? " fence" : "") +
-                     (fusion == Fusion::kPipelined ? " jl pipelined" : " questclt fused"));
-        SelectPolicy policy;
-        if (fusion == Fusion::kPipelined) policy.method = Method::kJl;
-        policy.granularity = granularity;
-        ASSERT_EQ(cudaMemcpy(device.groups.get(), bad.data(), bad.size() * sizeof(int32_t),
-                             cudaMemcpyHostToDevice),
-                  cudaSuccess);
-        ASSERT_TRUE(lists[0].Fill(7).ok());
-        gpu::GpuSelector::StepFence fence;
-        if (with_fence) fence = {counters.get(), counters.get() + 1, ++step};
-        absl::Status status = (*fused)->Enqueue(in, policy, lists[0].outputs(), fence);
-        ASSERT_TRUE(status.ok()) << status;
-        status = (*fused)->Finish(std::chrono::microseconds::max(), nullptr, nullptr);
-        EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-        EXPECT_NE(status.message().find("group_table[1][5]=1073741824"), std::string::npos)
-            << status;
-        EXPECT_TRUE((*fused)->last_step_fused());
-        EXPECT_EQ((*fused)->last_step_pipelined(), fusion == Fusion::kPipelined);
-        const std::vector<int32_t> counts = lists[0].Counts();
-        EXPECT_EQ(std::vector<int32_t>(counts.begin(), counts.begin() + used),
-                  std::vector<int32_t>(used, -1));
+  for (const Granularity granularity : {Granularity::kUnion, Granularity::kPerKvHead}) {
+    const int per_list = granularity == Granularity::kPerKvHead ? m.num_kv_heads : 1;
+    const int64_t used = int64_t{m.num_layers} * max_batch * per_list;
+    for (const bool with_fence : {false, true}) {
+      SCOPED_TRACE(std::string(GranularityName(granularity)) + (with_fence ? " fence" : ""));
+      SelectPolicy policy;  // questclt, the default method: its warp-read sums
+      policy.granularity = granularity;
+      ASSERT_EQ(cudaMemcpy(device.groups.get(), bad.data(), bad.size() * sizeof(int32_t),
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_TRUE(lists[0].Fill(7).ok());
+      gpu::GpuSelector::StepFence fence;
+      if (with_fence) fence = {counters.get(), counters.get() + 1, ++step};
+      absl::Status status = (*fused)->Enqueue(in, policy, lists[0].outputs(), fence);
+      ASSERT_TRUE(status.ok()) << status;
+      status = (*fused)->Finish(std::chrono::microseconds::max(), nullptr, nullptr);
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_NE(status.message().find("group_table[1][5]=1073741824"), std::string::npos) << status;
+      EXPECT_TRUE((*fused)->last_step_fused());
+      const std::vector<int32_t> counts = lists[0].Counts();
+      EXPECT_EQ(std::vector<int32_t>(counts.begin(), counts.begin() + used),
+                std::vector<int32_t>(used, -1));
 
-        // The same selector, the slot repaired: the selection kernels' lists.
-        ASSERT_EQ(cudaMemcpy(device.groups.get(), device.host_groups.data(),
-                             device.host_groups.size() * sizeof(int32_t), cudaMemcpyHostToDevice),
-                  cudaSuccess);
-        ASSERT_TRUE(lists[0].Fill(-1).ok() && lists[1].Fill(-1).ok());
-        if (with_fence) fence.step = ++step;
-        status = (*fused)->Enqueue(in, policy, lists[0].outputs(), fence);
-        ASSERT_TRUE(status.ok()) << status;
-        ASSERT_TRUE((*fused)->Finish(std::chrono::microseconds::max(), nullptr, nullptr).ok());
-        ASSERT_TRUE((*separate)->Select(in, policy, lists[1].outputs(), nullptr, nullptr).ok());
-        EXPECT_EQ(lists[0].Counts(), lists[1].Counts());
-        EXPECT_EQ(lists[0].Blocks(), lists[1].Blocks());
-      }
+      // The same selector, the slot repaired: the selection kernels' lists.
+      ASSERT_EQ(cudaMemcpy(device.groups.get(), device.host_groups.data(),
+                           device.host_groups.size() * sizeof(int32_t), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_TRUE(lists[0].Fill(-1).ok() && lists[1].Fill(-1).ok());
+      if (with_fence) fence.step = ++step;
+      status = (*fused)->Enqueue(in, policy, lists[0].outputs(), fence);
+      ASSERT_TRUE(status.ok()) << status;
+      ASSERT_TRUE((*fused)->Finish(std::chrono::microseconds::max(), nullptr, nullptr).ok());
+      ASSERT_TRUE((*separate)->Select(in, policy, lists[1].outputs(), nullptr, nullptr).ok());
+      EXPECT_EQ(lists[0].Counts(), lists[1].Counts());
+      EXPECT_EQ(lists[0].Blocks(), lists[1].Blocks());
     }
   }
 }
