@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int heads_per_list = s.q_heads / s.lists, first_head = list * heads_per_list;
   const int64_t tokens = a.rows[row].context_tokens;
   const int n = GroupsOf(s, tokens);
-  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int64_t nb = BlocksOf(s, tokens);
   const int nc = static_cast<int>((nb + a.coarse_blocks - 1) / a.coarse_blocks);
   const int64_t head_base = (int64_t{row} * s.layers + layer) * s.q_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

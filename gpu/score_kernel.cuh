@@ -142,7 +142,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
   // The group's slot first, and (jl) the warp's record copies queued, so that
   // the record loads are in flight while the block reads its heads' terms.
   const int64_t tokens = a.rows[row].context_tokens;
-  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int64_t nb = BlocksOf(s, tokens);
   const int n = GroupsOf(s, tokens);
   // kChunks > 1: the block takes kChunks runs of blockDim.x groups, one after the other.
   int64_t p = blockIdx.x * int64_t{kChunks} * blockDim.x + threadIdx.x;

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "core/half.h"
@@ -64,8 +65,25 @@ struct Shape {
   int lists;  // visit lists per (layer, row): 1 (union) or kv_heads (per KV head)
 };
 
+// KV blocks and groups of a row of `tokens`: by 32-bit unsigned divisions where
+// the count allows (every row short of 2^31 tokens), else 64-bit ones, which
+// nvcc emits with a range check and a call; every thread of a scoring block
+// divides, and these divisions were 8 % of the fused kernel's instructions
+// (ncu, 64 x 32k; docs/benchmarks/gpu.md, tenth session).
+__device__ inline int64_t BlocksOf(const Shape& s, int64_t tokens) {
+  if (tokens >= 0 && tokens <= INT32_MAX) {
+    return (static_cast<uint32_t>(tokens) + static_cast<uint32_t>(s.block_size) - 1u) /
+           static_cast<uint32_t>(s.block_size);
+  }
+  return (tokens + s.block_size - 1) / s.block_size;
+}
 __device__ inline int GroupsOf(const Shape& s, int64_t tokens) {
-  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int64_t nb = BlocksOf(s, tokens);
+  if (nb <= INT32_MAX) {
+    return static_cast<int>(
+        (static_cast<uint32_t>(nb) + static_cast<uint32_t>(s.group_blocks) - 1u) /
+        static_cast<uint32_t>(s.group_blocks));
+  }
   return static_cast<int>((nb + s.group_blocks - 1) / s.group_blocks);
 }
 

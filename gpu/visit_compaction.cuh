@@ -27,7 +27,7 @@ __device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t 
                                                  unsigned* counts, const int32_t* block_table,
                                                  const DeviceRow* row, int32_t* list_out,
                                                  int32_t* count_out, DeviceStats* stats) {
-  const int64_t nb = (tokens + s.block_size - 1) / s.block_size;
+  const int64_t nb = BlocksOf(s, tokens);
   const int lane = threadIdx.x % 32;
   const int chunk = (n + blockDim.x - 1) / blockDim.x;
   const int begin = min(n, static_cast<int>(threadIdx.x) * chunk), end = min(n, begin + chunk);
