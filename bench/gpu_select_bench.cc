@@ -290,7 +290,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   // word read per record) split the time into its parts by subtraction;
   // `direct` is jl with the kernels launched one by one instead of replayed as
   // a graph, `fused` and `split` jl with the selection always and never fused
-  // into scoring (jl itself fuses at enough waves of blocks: Fusion::kAuto),
+  // into scoring (jl itself fuses at every batch since the eleventh session: Fusion::kAuto),
   // `tkernel` jl with its query terms from the terms kernel instead of the
   // scoring blocks (gpu/step.h).
   Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};

@@ -70,6 +70,10 @@ __host__ __device__ constexpr size_t FusedSharedWords(int ratio, bool staged) {
   return static_cast<size_t>(ratio) * kScoreThreads + kFusedMaskWords + 4 +
          (staged ? 0 : kFusedScratchWords);
 }
+// Block-table entries a thread of the fused kernel holds for its compaction:
+// every row of up to 256 groups of 8 blocks (32k tokens at g = 8).
+inline constexpr int kFusedHeldBlocks = 8;
+
 enum Decision : int { kWriteDecision = 0, kRowLayerLast = 1, kStepLast = 2, kStepFailed = 3 };
 
 // What a block may write for the step: the list, -1 (attend densely: the step
@@ -78,15 +82,19 @@ enum Decision : int { kWriteDecision = 0, kRowLayerLast = 1, kStepLast = 2, kSte
 // failed without a fence). As SelectKernel decides at its start.
 enum ListWrite : int { kWriteList = 0, kWriteDense = 1, kWriteNothing = 2 };
 
+// The three words are loaded before any is tested, so that their round trips to
+// memory overlap (a test, then the next load, was three in a row on every
+// list's path).
 __device__ inline int DecideListWrite(const SelectArgs& a) {
-  if (a.selection_done != nullptr &&
-      *reinterpret_cast<const volatile uint64_t*>(a.selection_done) >= a.step) {
-    return kWriteNothing;
-  }
-  if (ReleasedByHost(a)) return kWriteDense;  // the queries are not the step's
-  if (*reinterpret_cast<const volatile int*>(&a.report->status.code) != kOk) {
-    return a.selection_done != nullptr ? kWriteDense : kWriteNothing;
-  }
+  const uint64_t done = a.selection_done != nullptr
+                            ? *reinterpret_cast<const volatile uint64_t*>(a.selection_done)
+                            : 0;
+  const uint64_t released =
+      a.released != nullptr ? *reinterpret_cast<const volatile uint64_t*>(a.released) : 0;
+  const int code = *reinterpret_cast<const volatile int*>(&a.report->status.code);
+  if (a.selection_done != nullptr && done >= a.step) return kWriteNothing;
+  if (a.released != nullptr && released == a.launch) return kWriteDense;  // not the step's queries
+  if (code != kOk) return a.selection_done != nullptr ? kWriteDense : kWriteNothing;
   return kWriteList;
 }
 
@@ -173,10 +181,16 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
   const int64_t rl = int64_t{row} * s.layers + layer;
   unsigned* mask = f.masks + rl * kFusedMaskWords;
   const bool union_list = s.lists == 1;
-  auto compact = [&](int list) {
-    // visit flags: forced groups, and the marked ones (the block agrees on
-    // whether to write via decision[kWriteDecision]).
-    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
+  // The list's words: the row's block ids (LoadTableRow) and whether to write
+  // (decision[kWriteDecision], by thread 0), loaded together with whatever else
+  // the block is waiting for at that point; compact() reads them after a barrier.
+  using TableRow = HeldTableRow<kFusedHeldBlocks>;
+  auto load_table = [&] {
+    return LoadTableRow<kFusedHeldBlocks>(s, n, tokens, a.block_table, a.rows[row].table_row);
+  };
+  auto compact = [&](int list, const TableRow& table) {
+    // visit flags: forced groups, and the marked ones (the decision, written
+    // before the call, is read after the barrier below).
     if (threadIdx.x < n) {
       visit[threadIdx.x] =
           forced(threadIdx.x) || ((marks[threadIdx.x / 32] >> (threadIdx.x % 32)) & 1u);
@@ -186,13 +200,15 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     if (decision[kWriteDecision] == kWriteList) {
       CompactVisitList(s, n, tokens, visit, offset, counts, a.block_table, a.rows + row,
                        a.visit_blocks + list_index * s.max_blocks, a.visit_count + list_index,
-                       &a.report->stats);
+                       &a.report->stats, table);
     } else if (decision[kWriteDecision] == kWriteDense && threadIdx.x == 0) {
       a.visit_count[list_index] = -1;
     }
   };
   if (!union_list) {
-    compact(kvh);
+    const TableRow table = load_table();
+    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
+    compact(kvh, table);  // its first barrier publishes the decision
   } else if (threadIdx.x < kFusedMaskWords && marks[threadIdx.x] != 0) {
     atomicOr(&mask[threadIdx.x], marks[threadIdx.x]);
   }
@@ -208,9 +224,12 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
   if (!decision[kRowLayerLast]) return;
   __threadfence();  // the other blocks' masks, seen after their arrivals
   if (union_list) {
+    // The union's words, the decision and the block ids: one round trip.
+    const TableRow table = load_table();
+    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
     if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = atomicExch(&mask[threadIdx.x], 0u);
     __syncthreads();
-    compact(0);
+    compact(0, table);
     __threadfence();
     __syncthreads();
   }

@@ -11,6 +11,7 @@
 #include "gpu/phi.cuh"
 #include "gpu/questclt_octets.cuh"
 #include "gpu/step_shape.cuh"
+#include "gpu/terms_held.cuh"
 #include "gpu/terms_kernel.cuh"
 #include "gpu/warp_sums.cuh"
 
@@ -62,9 +63,14 @@ struct ScoreArgs {
   int coarse_ratio;
   int coarse;  // bool
   // jl with m known (the staged records): when set, Φ [layers, kv_heads, d, m], and
-  // the block builds its heads' terms itself (HeadTerms) while its records load,
-  // instead of reading what TermsKernel built; `terms` is then unused.
+  // the block builds its heads' terms itself while its records load, instead of
+  // reading what the terms kernel built; `terms` is then unused. `held_e`: d / 32
+  // where the step's terms kernel would be TermsKernelHeld, whose sums the block
+  // then runs (HeldHeadTerms: the same terms bit for bit at every batch); 0:
+  // HeadTerms, as TermsKernel. `unused` keeps the struct free of padding.
   const float* phi;
+  int held_e;
+  int unused;
 };
 
 // Dynamic shared memory of ScoreKernel for `ratio` query heads per KV head;
@@ -200,11 +206,17 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
     if constexpr (kStaged) {
       if (a.phi != nullptr) {
         // Built here, a warp per head, while the staged records load; q_sh and
-        // the qsplit area (unused by jl) are the warps' scratch.
-        for (int r = warp; r < ratio; r += kScoreThreads / 32) {
-          HeadTerms<kM>(s, a.queries, PhiOf(s, a.phi, layer, kvh), a.scored, a.report, layer, row,
-                        kvh * ratio + r, q_sh + r * s.d,
-                        reinterpret_cast<float*>(qsplit_sh) + r * s.m, terms_sh + r * words, lane);
+        // the qsplit area (unused by jl) are HeadTerms' scratch.
+        if (a.held_e > 0) {
+          BlockHeldTerms<kM>(s, a.queries, a.phi, a.scored, a.report, a.held_e, layer, row, kvh,
+                             terms_sh, warp, lane);
+        } else {
+          for (int r = warp; r < ratio; r += kScoreThreads / 32) {
+            HeadTerms<kM>(s, a.queries, PhiOf(s, a.phi, layer, kvh), a.scored, a.report, layer, row,
+                          kvh * ratio + r, q_sh + r * s.d,
+                          reinterpret_cast<float*>(qsplit_sh) + r * s.m, terms_sh + r * words,
+                          lane);
+          }
         }
         built = true;
       }
@@ -213,7 +225,16 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       WaitForQueryTerms();  // everything above overlaps the terms kernel, nothing below
       const float* terms =
           a.terms + ((int64_t{row} * s.layers + layer) * s.q_heads + kvh * ratio) * words;
-      for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) terms_sh[e] = terms[e];
+      if constexpr (kStaged) {
+        // Queued behind the staged records and waited for with them, below: the
+        // block's chain holds one round trip to memory here instead of two.
+        for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) {
+          __pipeline_memcpy_async(terms_sh + e, terms + e, sizeof(float));
+        }
+        __pipeline_commit();
+      } else {
+        for (int e = threadIdx.x; e < ratio * words; e += blockDim.x) terms_sh[e] = terms[e];
+      }
     }
     if constexpr (kQueries) {
       for (int e = threadIdx.x; e < ratio * s.d; e += blockDim.x) {
@@ -237,6 +258,10 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
           }
         }
       }
+    }
+    // The terms' copies (and the records') landed before the block reads them.
+    if constexpr (kStaged) {
+      if (!built) __pipeline_wait_prior(0);
     }
     __syncthreads();
     for (int chunk = 0; chunk < kChunks; ++chunk) {

@@ -438,13 +438,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   if (g.options.fusion != Fusion::kNever && policy.budget == Budget::kThreshold && !strict &&
       !method_off && !coarse && !feedback && fused_kernel != nullptr && max_n <= kScoreThreads &&
       fused_shared <= static_cast<size_t>(g.max_shared)) {
-    bool fuse = g.options.fusion == Fusion::kAlways;
-    if (!fuse && staged && m.sketch_dim <= 8) {  // kAuto (step.h): enough waves of blocks
-      ASSIGN_OR_RETURN(const int per_sm,
-                       g.ResidentBlocks(fused_kernel, kScoreThreads, fused_shared));
-      fuse = launch.ScoringBlocks() >= int64_t{kAutoFuseWaves} * per_sm * g.multiprocessors;
-    }
-    if (fuse) {
+    // kAuto (step.h): jl's staged path.
+    if (g.options.fusion == Fusion::kAlways || (staged && m.sketch_dim <= 8)) {
       launch.PlanFused(fused_kernel, fused_shared,
                        {g.fused_masks.get(), g.fused_arrivals.get(),
                         g.fused_arrivals.get() + g.max_batch * m.num_layers});
@@ -462,7 +457,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   if (staged && launch.score_grid.x == 1 && !coarse && !g.options.terms_kernel) {
     ASSIGN_OR_RETURN(const int per_sm,
                      g.ResidentBlocks(launch.score_kernel, kScoreThreads, launch.score_shared));
-    launch.PlanTermsInBlocks(int64_t{per_sm} * g.multiprocessors, g.phi.get());
+    launch.PlanTermsInBlocks(int64_t{per_sm} * g.multiprocessors, g.phi.get(), terms.held,
+                             m.head_dim, m.sketch_dim);
   }
   if (feedback) launch.PlanFeedback(m, in, method_off, coarse, max_n, per_block);
 

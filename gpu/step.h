@@ -88,9 +88,6 @@
 
 namespace eps::gpu {
 
-// GpuSelectorOptions::Fusion::kAuto fuses from this many waves of scoring blocks.
-inline constexpr int kAutoFuseWaves = 6;
-
 struct GpuSelectorOptions {
   // Replay each step's three kernels as one captured CUDA graph (a launch per
   // step); a step whose shapes, buffers or policy change is captured anew
@@ -99,11 +96,11 @@ struct GpuSelectorOptions {
   // Where the policy and shapes allow it (the threshold budget, not strict, no
   // coarse level or feedback, rows of one scoring block), the selection can run
   // fused into scoring (gpu/fused_select.cuh) instead of as a kernel of its own.
-  // kAuto fuses jl's staged path (m of 4 or 8) when its blocks fill at least
-  // kAutoFuseWaves waves of what the GPU holds at once: on the H100 the fused
-  // step was 3-9 % faster from batch 16 × 32k (7.8 waves) up and slower at
-  // batch 8 (3.9) and below (docs/benchmarks/gpu.md, ninth session); every
-  // other method keeps the two kernels. kAlways and kNever are for tests and the
+  // kAuto fuses jl's staged path (m of 4 or 8) at every batch: on the H100 the
+  // fused step was as fast as the two kernels or faster from batch 1 × 32k up
+  // since its chain of memory round trips was shortened (docs/benchmarks/gpu.md,
+  // eleventh session; until then it lost below six waves of blocks); every other
+  // method keeps the two kernels. kAlways and kNever are for tests and the
   // benchmark's comparison.
   enum class Fusion { kAuto, kAlways, kNever };
   Fusion fusion = Fusion::kAuto;

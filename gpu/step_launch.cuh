@@ -102,10 +102,13 @@ struct StepLaunch {
   // blocks than the GPU holds, each later wave would wait for its own terms, where
   // the terms kernel builds them all under the first (H100, jl 32k: 0.7-3.1 us less
   // at batch 1; in every block, 4 and 18 us more at batches 8 and 64; gpu.md).
-  void PlanTermsInBlocks(int64_t resident_blocks, const float* phi) {
+  // `held`: the terms kernel chosen is TermsKernelHeld, whose sums the blocks then
+  // run where they hold its share of Φ (ScoreArgs::held_e, BlockHoldsPhi).
+  void PlanTermsInBlocks(int64_t resident_blocks, const float* phi, bool held, int d, int m) {
     if (ScoringBlocks() > resident_blocks) return;
     terms_kernel = nullptr;
     score.phi = phi;
+    score.held_e = held && kernels::BlockHoldsPhi(d / 32, m) ? d / 32 : 0;
   }
 
   // The selection fused into scoring (fused_select.cuh), once `score` and

@@ -111,6 +111,152 @@ __device__ inline float WarpReduceScatter(float (&v)[kM], int lane, float& total
   return z;
 }
 
+// A warp's share of one KV head's Φ as TermsKernelHeld holds it: lane l's rows
+// [kE·l, kE·l + kE), and for each packed entry of z zᵀ the lane writes (lane +
+// 32·t) the lanes whose z_i and z_j it multiplies.
+template <int kM, int kE>
+struct HeldPhi {
+  static constexpr int kShift = kM == 16 ? 1 : kM == 8 ? 2 : 3;  // z_j's lanes: l >> kShift == j
+  static constexpr int kPacked = kM > 0 ? kM*(kM + 1) / 2 : 0;
+  static constexpr int kParts = kPacked > 0 ? (kPacked + 31) / 32 : 1;  // packed entries a lane
+  static constexpr int kHeld = kM > 0 ? kM : 1;
+  float phi[kE][kHeld];
+  int from_i[kParts], from_j[kParts];
+
+  // `matrix`: the KV head's Φ [d, m] (PhiOf); unused for kM < 0.
+  __device__ void Load(const float* matrix, int lane) {
+    if constexpr (kM > 0) {
+      const float4* rows = reinterpret_cast<const float4*>(matrix + kE * lane * kM);
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+#pragma unroll
+        for (int j = 0; j < kM; j += 4) {
+          const float4 v = rows[(e * kM + j) / 4];
+          phi[e][j] = v.x;
+          phi[e][j + 1] = v.y;
+          phi[e][j + 2] = v.z;
+          phi[e][j + 3] = v.w;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < kParts; ++t) {
+        int i = 0, j = 0;
+        if (lane + 32 * t < kPacked) UnpackIndex(lane + 32 * t, kM, &i, &j);
+        from_i[t] = i << kShift;
+        from_j[t] = j << kShift;
+      }
+    }
+  }
+};
+
+// Fails the step (kBadQuery) for each element of the lane's part x of query
+// head h that is not finite, where the head is scored.
+template <int kE>
+__device__ inline void CheckQueryPart(const float (&x)[kE], const uint8_t* scored,
+                                      StepReport* report, const Shape& s, int layer, int row, int h,
+                                      int lane) {
+  bool bad = false;
+#pragma unroll
+  for (int e = 0; e < kE; ++e) bad |= !isfinite(x[e]);
+  if (bad && (scored == nullptr || scored[layer * s.q_heads + h])) {
+    for (int e = 0; e < kE; ++e) {
+      if (!isfinite(x[e])) {
+        Fail(&report->status, kBadQuery, row, (layer * s.q_heads + h) * s.d + kE * lane + e, 0);
+      }
+    }
+  }
+}
+
+// One head's terms from the lane's part x of its query and the warp's HeldPhi:
+// the packed z zᵀ into out[0, packed) (jl) and ‖q‖ into out[packed], as
+// TermsKernelHeld writes them. Every lane of the warp calls it.
+template <int kM, int kE>
+__device__ inline void HeldHeadTerms(const HeldPhi<kM, kE>& held, const float (&x)[kE], int packed,
+                                     float* out, int lane) {
+  float n2 = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kE; ++e) n2 += x[e] * x[e];
+  if constexpr (kM > 0) {
+    constexpr int kPacked = HeldPhi<kM, kE>::kPacked;
+    float p[kM];
+#pragma unroll
+    for (int j = 0; j < kM; ++j) p[j] = held.phi[0][j] * x[0];
+#pragma unroll
+    for (int e = 1; e < kE; ++e) {
+#pragma unroll
+      for (int j = 0; j < kM; ++j) p[j] += held.phi[e][j] * x[e];
+    }
+    const float z = WarpReduceScatter<kM>(p, lane, n2);
+#pragma unroll
+    for (int t = 0; t < HeldPhi<kM, kE>::kParts; ++t) {
+      const float zi = __shfl_sync(0xFFFFFFFFu, z, held.from_i[t]);
+      const float zj = __shfl_sync(0xFFFFFFFFu, z, held.from_j[t]);
+      if (lane + 32 * t < kPacked) {
+        out[lane + 32 * t] = (held.from_i[t] == held.from_j[t] ? 1.0f : 2.0f) * zi * zj;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
+  }
+  if (lane == 0) out[packed] = sqrtf(n2);
+}
+
+// The terms of one (row, layer, KV head)'s query heads into `terms` [ratio,
+// TermWords(m)] (a scoring block's shared memory), as TermsKernelHeld<kM, kE>
+// builds them: warp w takes heads w, w + warps, ... (every warp of the block
+// calls it; no barrier inside).
+template <int kM, int kE>
+__device__ inline void WarpsHeldTerms(const Shape& s, const void* queries, const float* phi,
+                                      const uint8_t* scored, StepReport* report, int layer, int row,
+                                      int kvh, float* terms, int warp, int warps, int lane) {
+  const int ratio = s.q_heads / s.kv_heads, words = TermWords(s.m);
+  if (warp >= ratio) return;
+  HeldPhi<kM, kE> held;
+  held.Load(kM > 0 ? PhiOf(s, phi, layer, kvh) : nullptr, lane);
+  for (int r = warp; r < ratio; r += warps) {
+    const int h = kvh * ratio + r;
+    float x[kE];
+    LoadQueryPart<kE>(queries, s.query_dtype,
+                      ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + kE * lane, x);
+    CheckQueryPart<kE>(x, scored, report, s, layer, row, h, lane);
+    HeldHeadTerms<kM, kE>(held, x, s.record.packed, terms + r * words, lane);
+  }
+}
+
+// Whether a scoring block builds its terms by WarpsHeldTerms<m, e>: Φ's share of
+// a lane in at most 32 registers, and m of at most 8 (the fused kernel has 64 a
+// thread, and m = 16's kernels hold a 136-word Gram: more spilled), else by
+// HeadTerms.
+__host__ __device__ constexpr bool BlockHoldsPhi(int e, int m) { return m <= 8 && e * m <= 32; }
+
+// WarpsHeldTerms for kE = held_e (d / 32: 2, 4 or 8, as BlockHoldsPhi allows).
+template <int kM>
+__device__ inline void BlockHeldTerms(const Shape& s, const void* queries, const float* phi,
+                                      const uint8_t* scored, StepReport* report, int held_e,
+                                      int layer, int row, int kvh, float* terms, int warp,
+                                      int lane) {
+  const int warps = blockDim.x / 32;
+  if constexpr (BlockHoldsPhi(2, kM)) {
+    if (held_e == 2) {
+      WarpsHeldTerms<kM, 2>(s, queries, phi, scored, report, layer, row, kvh, terms, warp, warps,
+                            lane);
+    }
+  }
+  if constexpr (BlockHoldsPhi(4, kM)) {
+    if (held_e == 4) {
+      WarpsHeldTerms<kM, 4>(s, queries, phi, scored, report, layer, row, kvh, terms, warp, warps,
+                            lane);
+    }
+  }
+  if constexpr (BlockHoldsPhi(8, kM)) {
+    if (held_e == 8) {
+      WarpsHeldTerms<kM, 8>(s, queries, phi, scored, report, layer, row, kvh, terms, warp, warps,
+                            lane);
+    }
+  }
+}
+
 // Heads of one warp's run (TermsArgs::run): as few as leave no more warps than
 // the GPU holds at once (`resident_warps`), so that each warp loads its Φ once
 // for as many heads as it can while small batches still spread over the GPU,
@@ -131,10 +277,6 @@ inline int TermsHeadsPerRun(int64_t heads, int64_t resident_warps, int wanted) {
 template <int kM, int kE>
 __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsArgs a) {
   LetScoringStart();
-  constexpr int kShift = kM == 16 ? 1 : kM == 8 ? 2 : 3;  // z_j's lanes: l >> kShift == j
-  constexpr int kPacked = kM > 0 ? kM * (kM + 1) / 2 : 0;
-  constexpr int kParts = kPacked > 0 ? (kPacked + 31) / 32 : 1;  // packed entries of a lane
-  constexpr int kHeld = kM > 0 ? kM : 1;
   const int lane = threadIdx.x % 32;
   const int ratio = s.q_heads / s.kv_heads, words = TermWords(s.m);
   // 32-bit indices (the host keeps warps and heads below 2^31): a 64-bit division
@@ -145,30 +287,8 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsA
   if (first >= heads) return;
   const int end = min(first + a.run, heads);
   const int packed = s.record.packed;  // where ‖q‖ goes (kPacked for jl)
-  float phi[kE][kHeld];
-  int from_i[kParts], from_j[kParts];
-  if constexpr (kM > 0) {
-    const float4* rows =
-        reinterpret_cast<const float4*>(PhiOf(s, a.phi, layer, kvh) + kE * lane * kM);
-#pragma unroll
-    for (int e = 0; e < kE; ++e) {
-#pragma unroll
-      for (int j = 0; j < kM; j += 4) {
-        const float4 v = rows[(e * kM + j) / 4];
-        phi[e][j] = v.x;
-        phi[e][j + 1] = v.y;
-        phi[e][j + 2] = v.z;
-        phi[e][j + 3] = v.w;
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kParts; ++t) {
-      int i = 0, j = 0;
-      if (lane + 32 * t < kPacked) UnpackIndex(lane + 32 * t, kM, &i, &j);
-      from_i[t] = i << kShift;
-      from_j[t] = j << kShift;
-    }
-  }
+  HeldPhi<kM, kE> held;
+  held.Load(kM > 0 ? PhiOf(s, a.phi, layer, kvh) : nullptr, lane);
   // Query head kvh · ratio + r of `row`: its first element for this lane.
   auto element = [&](int row, int r) {
     return ((int64_t{layer} * s.max_batch + row) * s.q_heads + kvh * ratio + r) * s.d + kE * lane;
@@ -194,44 +314,10 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsA
     float after[kE] = {};
     if (i + 2 < end) LoadQueryPart<kE>(a.queries, s.query_dtype, element(load_row, load_r), after);
     advance(load_row, load_r);
-    bool bad = false;
-#pragma unroll
-    for (int e = 0; e < kE; ++e) bad |= !isfinite(x[e]);
-    if (bad && (a.scored == nullptr || a.scored[layer * s.q_heads + h])) {
-      for (int e = 0; e < kE; ++e) {
-        if (!isfinite(x[e])) {
-          Fail(&a.report->status, kBadQuery, this_row,
-               (layer * s.q_heads + h) * s.d + kE * lane + e, 0);
-        }
-      }
-    }
-    float n2 = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kE; ++e) n2 += x[e] * x[e];
-    float* out = a.terms + ((int64_t{this_row} * s.layers + layer) * s.q_heads + h) * words;
-    if constexpr (kM > 0) {
-      float p[kM];
-#pragma unroll
-      for (int j = 0; j < kM; ++j) p[j] = phi[0][j] * x[0];
-#pragma unroll
-      for (int e = 1; e < kE; ++e) {
-#pragma unroll
-        for (int j = 0; j < kM; ++j) p[j] += phi[e][j] * x[e];
-      }
-      const float z = WarpReduceScatter<kM>(p, lane, n2);
-#pragma unroll
-      for (int t = 0; t < kParts; ++t) {
-        const float zi = __shfl_sync(0xFFFFFFFFu, z, from_i[t]);
-        const float zj = __shfl_sync(0xFFFFFFFFu, z, from_j[t]);
-        if (lane + 32 * t < kPacked) {
-          out[lane + 32 * t] = (from_i[t] == from_j[t] ? 1.0f : 2.0f) * zi * zj;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
-    }
-    if (lane == 0) out[packed] = sqrtf(n2);
+    CheckQueryPart<kE>(x, a.scored, a.report, s, layer, this_row, h, lane);
+    HeldHeadTerms<kM, kE>(
+        held, x, packed, a.terms + ((int64_t{this_row} * s.layers + layer) * s.q_heads + h) * words,
+        lane);
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
       x[e] = next[e];

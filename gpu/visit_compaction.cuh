@@ -13,6 +13,37 @@
 
 namespace eps::gpu::kernels {
 
+// The row's block-table entries a thread writes in CompactVisitList (block t of
+// the row for t = threadIdx.x + k·blockDim.x), loaded into registers before the
+// compaction's scan and barriers so that their round trip to memory overlaps
+// them, where the row has at most kHeld·blockDim.x blocks (`held`); otherwise
+// the compaction reads the table itself. kHeld = 0: never held.
+template <int kHeld>
+struct HeldTableRow {
+  int32_t id[kHeld > 0 ? kHeld : 1];
+  bool held = false;
+};
+
+template <int kHeld>
+__device__ __forceinline__ HeldTableRow<kHeld> LoadTableRow(const Shape& s, int n, int64_t tokens,
+                                                            const int32_t* block_table,
+                                                            int64_t table_row) {
+  HeldTableRow<kHeld> r;
+  if constexpr (kHeld > 0) {
+    const int64_t row_blocks = min(int64_t{n} * s.group_blocks, BlocksOf(s, tokens));
+    r.held = row_blocks <= int64_t{kHeld} * blockDim.x;
+    if (r.held) {
+      const int32_t* block_row = block_table + table_row * s.max_blocks;
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        const int64_t t = threadIdx.x + int64_t{k} * blockDim.x;
+        r.id[k] = t < row_blocks ? block_row[t] : 0;
+      }
+    }
+  }
+  return r;
+}
+
 // Every thread of the block calls it (blockDim.x a multiple of 32, at most
 // 1024). Per-group output offsets by a block-wide scan over contiguous chunks, then a
 // thread per block of the row writes those of visited groups, so block-table reads
@@ -22,11 +53,14 @@ namespace eps::gpu::kernels {
 // words in shared memory; list_out [max_blocks] and *count_out: the list's
 // place in the outputs. The row's table row is read only after the scan, as a
 // register held across it spills in the 1024-thread selection kernel.
+// `table`: the row's entries if LoadTableRow held them.
+template <int kHeld = 0>
 __device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t tokens,
                                                  const unsigned char* visit, unsigned* offset,
                                                  unsigned* counts, const int32_t* block_table,
                                                  const DeviceRow* row, int32_t* list_out,
-                                                 int32_t* count_out, DeviceStats* stats) {
+                                                 int32_t* count_out, DeviceStats* stats,
+                                                 const HeldTableRow<kHeld>& table = {}) {
   const int64_t nb = BlocksOf(s, tokens);
   const int lane = threadIdx.x % 32;
   const int chunk = (n + blockDim.x - 1) / blockDim.x;
@@ -68,16 +102,26 @@ __device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t 
   }
   __syncthreads();
   const unsigned total = counts[warps - 1];
-  const int32_t* block_row = block_table + row->table_row * s.max_blocks;
   // A thread per block of the row (block t of group t / g) writes the visited
   // ones: reads of the table row and writes of the list are coalesced within runs
   // of visited groups, with one division a block instead of a binary search over
   // the offsets.
   const int g = s.group_blocks, row_blocks = static_cast<int>(min(int64_t{n} * g, nb));
+  if (kHeld > 0 && table.held) {
+#pragma unroll
+    for (int k = 0; k < (kHeld > 0 ? kHeld : 1); ++k) {
+      const int t = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (t >= row_blocks) break;
+      const int p = t / g;
+      if (visit[p]) list_out[offset[p] + (t - p * g)] = table.id[k];
+    }
+  } else {
+    const int32_t* block_row = block_table + row->table_row * s.max_blocks;
 #pragma unroll 1  // unrolled, it took the 8-warp selection kernels 6-16 registers more
-  for (int t = static_cast<int>(threadIdx.x); t < row_blocks; t += static_cast<int>(blockDim.x)) {
-    const int p = t / g;
-    if (visit[p]) list_out[offset[p] + (t - p * g)] = block_row[t];
+    for (int t = static_cast<int>(threadIdx.x); t < row_blocks; t += static_cast<int>(blockDim.x)) {
+      const int p = t / g;
+      if (visit[p]) list_out[offset[p] + (t - p * g)] = block_row[t];
+    }
   }
   // One atomic per warp: 262K same-address atomics per step cost hundreds of µs.
   const unsigned warp_groups = __reduce_add_sync(0xFFFFFFFFu, groups);
