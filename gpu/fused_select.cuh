@@ -173,7 +173,9 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
       for (int w = 0; w < kFusedWarps; ++w) any |= words[w * kHeldWords + threadIdx.x];
       marks[threadIdx.x] = any;
     }
-    __syncthreads();
+    // The union's blocks read only their own thread's word below (before the
+    // arrival's barrier); a per-KV-head list's every thread reads them.
+    if (s.lists != 1) __syncthreads();
   }
 
   // 3. The list: this block's (per KV head), or the (row, layer)'s union once

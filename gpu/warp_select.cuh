@@ -127,13 +127,12 @@ __device__ __forceinline__ unsigned WarpKthLargestKey(int n, unsigned k, Key key
 
 // The k-th largest of the keys a warp holds (kHeld per lane; 0 for a group not
 // taken, below every real key), by extraction: each lane sorts its own, then k
-// rounds take the warp's largest head (one REDUX) and the lane that held it
-// drops it. About 13 instructions a round and no shared memory: for small k it
+// rounds take the warp's largest head (one REDUX) and the lanes that held it
+// drop it. About 13 instructions a round and no shared memory: for small k it
 // is a fraction of WarpKthLargestKey's four histogram passes. Needs at least k
 // keys taken.
 template <int kHeld>
-__device__ __forceinline__ unsigned WarpKthLargestHeld(unsigned (&key)[kHeld], unsigned k,
-                                                       int lane) {
+__device__ __forceinline__ unsigned WarpKthLargestHeld(unsigned (&key)[kHeld], unsigned k) {
 #pragma unroll
   for (int pass = 0; pass < kHeld; ++pass) {  // odd-even transposition sort, descending
 #pragma unroll
@@ -143,17 +142,24 @@ __device__ __forceinline__ unsigned WarpKthLargestHeld(unsigned (&key)[kHeld], u
       key[j + 1] = lo;
     }
   }
-  unsigned top = 0;
+  // Each round every lane holding the warp's largest key drops it, and `taken`
+  // counts the keys dropped so far, ties included: the k-th largest is the round's
+  // key when `taken` reaches k. The next round waits only for the drop, not for
+  // the count (a lane's own test), so its chain is REDUX, a test and the moves.
+  unsigned kth = 0, taken = 0;
   for (unsigned round = 0; round < k; ++round) {
-    top = __reduce_max_sync(0xFFFFFFFFu, key[0]);
-    const unsigned holders = __ballot_sync(0xFFFFFFFFu, key[0] == top);
-    if (lane == __ffs(holders) - 1) {
+    const unsigned top = __reduce_max_sync(0xFFFFFFFFu, key[0]);
+    const bool holds = key[0] == top;
+    const unsigned now = taken + __popc(__ballot_sync(0xFFFFFFFFu, holds));
+    if (taken < k && now >= k) kth = top;
+    taken = now;
+    if (holds) {
 #pragma unroll
       for (int j = 0; j + 1 < kHeld; ++j) key[j] = key[j + 1];
       key[kHeld - 1] = 0;
     }
   }
-  return top;
+  return kth;
 }
 
 // core MarkByThreshold's cut from T, the top_pages-th largest unforced score:
@@ -179,7 +185,7 @@ __device__ unsigned WarpKthLargest(const float* values, int n, unsigned k, Take 
       const int p = lane + 32 * j;
       key[j] = p < n && take(p) ? OrderedKey(values[p]) : 0u;  // a score's key is never 0
     }
-    return WarpKthLargestHeld(key, k, lane);
+    return WarpKthLargestHeld(key, k);
   }
   return WarpKthLargestKey(
       n, k, [&](int p) { return OrderedKey(values[p]); }, take, histogram, lane);
@@ -215,7 +221,7 @@ __device__ __forceinline__ void WarpThresholdMarksHeld(const float* values, int 
       unforced += key[j] != 0u;
     }
     if (__reduce_add_sync(0xFFFFFFFFu, unforced) > static_cast<unsigned>(rule.top_pages)) {
-      cut = ThresholdCutOf(KeyToFloat(WarpKthLargestHeld(key, rule.top_pages, lane)), rule);
+      cut = ThresholdCutOf(KeyToFloat(WarpKthLargestHeld(key, rule.top_pages)), rule);
     }
   }
   float value[kHeldWords];
