@@ -14,6 +14,8 @@
 //                      [--coarse-batches=8,64] [--coarse-context=32768]
 //                      [--feedback-batches=8] [--feedback-context=32768]
 //                      [--queued=off]   (no fence-held steps: queued_us nan; for profilers)
+//                      [--stage-clocks]  (after each fused_us run, its blocks' stage
+//                                         clocks: a build with -DEPS_STAGE_CLOCKS=ON)
 //
 // A third table sets the coarse level (coarse-to-fine selection) beside the flat
 // selection: questclt, g = 1 with coarse groups of 4 blocks against g = 2
@@ -62,6 +64,7 @@
 #include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
+#include "gpu/stage_clocks.h"
 #include "gpu/step.h"
 #include "gpu/stream_ops.h"
 
@@ -78,6 +81,7 @@ int top_pages_per_head = 16;
 bool scattered_slots = false;           // --slots=scattered
 std::vector<std::string> policy_names;  // --policies: the rows to run (empty: all)
 bool ipc_pool = false;                  // --pool=ipc
+bool stage_clocks = false;              // --stage-clocks
 int64_t pool_offset = 0;                // --pool-offset: the pool's bytes into its allocation
 int64_t pool_pad = 0;                   // --pool-pad: bytes allocated after the pool
 
@@ -323,6 +327,11 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
       }
     }
     *p50[k] = Median(gpu_us);
+    if (k == 4 && stage_clocks) {  // the fused kernel's last launch
+      ASSIGN_OR_RETURN(const std::string clocks,
+                       eps::gpu::FusedStageClocks(m.num_layers * m.num_kv_heads * batch));
+      std::printf("# batch %d, fused: %s", batch, clocks.c_str());
+    }
     if (k == 3) row.direct_wall_us = Median(wall_us);
     if (k == 0) {
       ASSIGN_OR_RETURN(row.queued_us, MeasureQueued(**selector, in, policy, step->outputs()));
@@ -464,6 +473,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--slots=scattered") == 0) scattered_slots = true;
     if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
     if (std::strcmp(argv[i], "--queued=off") == 0) eps::bench::SkipQueued();
+    if (std::strcmp(argv[i], "--stage-clocks") == 0) stage_clocks = true;
     pool_offsets = ParseList(argv[i], "--pool-offset=", pool_offsets);
     pool_pads = ParseList(argv[i], "--pool-pad=", pool_pads);
     coarse_batches = ParseList(argv[i], "--coarse-batches=", coarse_batches);

@@ -40,6 +40,7 @@
 
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
+#include "gpu/stage_clocks.cuh"
 #include "gpu/step_shape.cuh"
 #include "gpu/visit_compaction.cuh"
 #include "gpu/warp_select.cuh"
@@ -115,11 +116,13 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
   auto scores_of = [&] {
     return shared + ScoreSharedWords(s.q_heads / s.kv_heads, s.d, s.m, kStaged);
   };
+  EPS_STAMP(kStageEntry);
   if (blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *a.next_report = StepReport{};
 
   // 1. Scores into shared memory [ratio, kScoreThreads].
   ScoreGroups<kMethod, kM, false, kHeads, true, 0, kQuest8>(s, score, shared, scores_of());
   __syncthreads();
+  EPS_STAMP(kStageScored);
   const int row = blockIdx.z;
   const int layer = blockIdx.y / s.kv_heads, kvh = blockIdx.y % s.kv_heads;
   const int ratio = s.q_heads / s.kv_heads;
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     if (s.lists != 1) __syncthreads();
   }
 
+  EPS_STAMP(kStageCut);
   // 3. The list: this block's (per KV head), or the (row, layer)'s union once
   // its last KV-head block has arrived.
   const int64_t rl = int64_t{row} * s.layers + layer;
@@ -223,7 +227,11 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     decision[kRowLayerLast] = last;
   }
   __syncthreads();
-  if (!decision[kRowLayerLast]) return;
+  EPS_STAMP(kStageArrived);
+  if (!decision[kRowLayerLast]) {
+    EPS_STAMP(kStageEnd);
+    return;
+  }
   __threadfence();  // the other blocks' masks, seen after their arrivals
   if (union_list) {
     // The union's words, the decision and the block ids: one round trip.
@@ -231,9 +239,11 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
     if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = atomicExch(&mask[threadIdx.x], 0u);
     __syncthreads();
+    EPS_STAMP(kStageUnionTaken);
     compact(0, table);
     __threadfence();
     __syncthreads();
+    EPS_STAMP(kStageCompacted);
   }
 
   // 4. The step's last (row, layer): a failure anywhere fails every list.
@@ -244,6 +254,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     decision[kStepLast] = last;
   }
   __syncthreads();
+  EPS_STAMP(kStageEnd);
   if (!decision[kStepLast]) return;
   __threadfence();
   if (threadIdx.x == 0) {

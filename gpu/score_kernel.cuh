@@ -10,6 +10,7 @@
 #include "gpu/bounds.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/questclt_octets.cuh"
+#include "gpu/stage_clocks.cuh"
 #include "gpu/step_shape.cuh"
 #include "gpu/terms_held.cuh"
 #include "gpu/terms_kernel.cuh"
@@ -193,6 +194,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
     }
   };
   open_group();
+  if constexpr (kFused) EPS_STAMP(kStageSlotsQueued);
   if constexpr (kMethod == Method::kOff && !kStrict) {
     // Nothing is scored; the tables were still checked, as core/ does. No
     // block finishes before the terms kernel, whose query check the selection
@@ -259,11 +261,13 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
         }
       }
     }
+    if constexpr (kFused) EPS_STAMP(kStageTermsBuilt);
     // The terms' copies (and the records') landed before the block reads them.
     if constexpr (kStaged) {
       if (!built) __pipeline_wait_prior(0);
     }
     __syncthreads();
+    if constexpr (kFused) EPS_STAMP(kStageTermsBarrier);
     for (int chunk = 0; chunk < kChunks; ++chunk) {
       if (chunk > 0) {  // no block barrier from here on: each warp walks its own groups
         p += blockDim.x;
@@ -274,6 +278,7 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
       if (!kWarpRead && !active) return;
       if constexpr (kStaged) {
         WaitStagedRecords();
+        if constexpr (kFused) EPS_STAMP(kStageRecords);
         if (!active) return;
         rec = stage + threadIdx.x * kStride;  // the copy holds every word jl reads
       }

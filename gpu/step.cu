@@ -21,6 +21,7 @@
 #include "gpu/phi.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
+#include "gpu/stage_clocks.h"
 #include "gpu/step.h"
 #include "gpu/step_kernels.cuh"
 #include "gpu/step_launch.cuh"
@@ -581,6 +582,18 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     *stats = host;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> FusedStageClocks(int blocks) {
+#ifdef EPS_STAGE_CLOCKS
+  int device = 0, sms = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return StageClockReport(blocks, sms);
+#else
+  (void)blocks;
+  return absl::FailedPreconditionError("built without stage clocks (cmake -DEPS_STAGE_CLOCKS=ON)");
+#endif
 }
 
 }  // namespace eps::gpu

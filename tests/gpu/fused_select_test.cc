@@ -20,6 +20,7 @@
 #include "core/status.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
+#include "gpu/stage_clocks.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
 #include "tests/core/step_fixture.h"
@@ -543,6 +544,18 @@ TEST(FusedSelectFailureTest, AReleasedStepWritesDenseLists) {
         << GranularityName(granularity);
   }
 }
+
+// The default build has no stage clocks (gpu/stage_clocks.cuh): asking for them
+// says how to build them in, and needs no device.
+#ifndef EPS_STAGE_CLOCKS
+TEST(StageClocksTest, TheDefaultBuildSaysHowToTurnThemOn) {
+  const absl::StatusOr<std::string> clocks = gpu::FusedStageClocks(1);
+  ASSERT_FALSE(clocks.ok());
+  EXPECT_EQ(clocks.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(clocks.status().message().find("EPS_STAGE_CLOCKS=ON"), std::string::npos)
+      << clocks.status();
+}
+#endif
 
 }  // namespace
 }  // namespace eps
