@@ -74,12 +74,12 @@ __device__ inline void Stamp(int stage) {
 // FusedStageClocks). Each stage's time runs from the block's previous stamp.
 static std::string StageClockReport(int blocks, int sms) {
   static const char* const kNames[kStages] = {
-      "entry", "slots, copies queued", "terms", "terms landed, barrier", "records landed",
-      "scored, barrier", "cuts, marks", "arrival", "union's words", "list written", "end"};
+      "entry",          "slots, copies queued", "terms",       "terms landed, barrier",
+      "records landed", "scored, barrier",      "cuts, marks", "arrival",
+      "union's words",  "list written",         "end"};
   blocks = std::min(blocks, kStampedBlocks);
   std::vector<StageClock> h(static_cast<size_t>(blocks));
-  if (cudaMemcpyFromSymbol(h.data(), stage_clocks, sizeof(StageClock) * h.size()) !=
-      cudaSuccess) {
+  if (cudaMemcpyFromSymbol(h.data(), stage_clocks, sizeof(StageClock) * h.size()) != cudaSuccess) {
     return "stage clocks: cudaMemcpyFromSymbol failed\n";
   }
   unsigned long long first = ~0ull, last = 0;
@@ -109,7 +109,9 @@ static std::string StageClockReport(int blocks, int sms) {
     }
     if (us.empty()) continue;
     std::sort(us.begin(), us.end());
-    auto at = [&](double q) { return us[static_cast<size_t>(q * static_cast<double>(us.size() - 1))]; };
+    auto at = [&](double q) {
+      return us[static_cast<size_t>(q * static_cast<double>(us.size() - 1))];
+    };
     std::snprintf(line, sizeof line, "  %-22s %6zu blocks  p10 %6.2f  p50 %6.2f  p90 %6.2f us\n",
                   kNames[s], us.size(), at(0.1), at(0.5), at(0.9));
     out += line;
