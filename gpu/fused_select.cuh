@@ -83,9 +83,10 @@ enum Decision : int { kWriteDecision = 0, kRowLayerLast = 1, kStepLast = 2, kSte
 // failed without a fence). As SelectKernel decides at its start.
 enum ListWrite : int { kWriteList = 0, kWriteDense = 1, kWriteNothing = 2 };
 
-// The three words are loaded before any is tested, so that their round trips to
-// memory overlap (a test, then the next load, was three in a row on every
-// list's path).
+// The three words (the engine's selection_done, the host's release as
+// ReleasedByHost reads it, the step's status) are loaded before any is tested, so
+// that their round trips to memory overlap (a test, then the next load, was three
+// in a row on every list's path).
 __device__ inline int DecideListWrite(const SelectArgs& a) {
   const uint64_t done = a.selection_done != nullptr
                             ? *reinterpret_cast<const volatile uint64_t*>(a.selection_done)

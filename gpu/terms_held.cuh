@@ -7,7 +7,9 @@
 // warp (z_j ends in the lanes l with l >> (5 − log2 kM) = j): 14.0 M warp
 // instructions for 65,536 heads against TermsKernel's 37.9 M, 26.5 against
 // 44.8 µs (H100, ncu, 64 × 32k, d = 128, m = 8; docs/benchmarks/gpu.md). The
-// sums run in another order than HeadTerms' (within float rounding).
+// sums run in another order than HeadTerms' (within float rounding); scoring
+// blocks that build their own terms run these (WarpsHeldTerms) where they hold
+// a lane's share of Φ, so a head's terms are the same at every batch.
 #pragma once
 
 #include <cuda_bf16.h>
