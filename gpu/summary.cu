@@ -266,18 +266,21 @@ absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appe
   const size_t bytes = appends.size() * sizeof(KeyAppend);
   void* scratch = nullptr;
   CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
-  absl::Status s = absl::OkStatus();
-  if (const cudaError_t err =
-          cudaMemcpyAsync(scratch, appends.data(), bytes, cudaMemcpyHostToDevice, stream);
-      err != cudaSuccess) {
-    s = absl::InternalError(absl::StrCat("cudaMemcpyAsync: ", cudaGetErrorString(err)));
-  } else {
-    s = Launch(static_cast<const KeyAppend*>(scratch), static_cast<int>(appends.size()), key_dtype,
-               stream, nullptr, skipped);
-  }
+  // (Statuses built by returns, not assigned: nvcc warns on the ignored result of
+  // absl::Status's assignment, a nodiscard type.)
+  auto copy_and_launch = [&]() -> absl::Status {
+    if (const cudaError_t err =
+            cudaMemcpyAsync(scratch, appends.data(), bytes, cudaMemcpyHostToDevice, stream);
+        err != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaMemcpyAsync: ", cudaGetErrorString(err)));
+    }
+    return Launch(static_cast<const KeyAppend*>(scratch), static_cast<int>(appends.size()),
+                  key_dtype, stream, nullptr, skipped);
+  };
+  const absl::Status s = copy_and_launch();
   const cudaError_t freed = cudaFreeAsync(scratch, stream);
   if (s.ok() && freed != cudaSuccess) {
-    s = absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
+    return absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
   }
   return s;
 }

@@ -94,7 +94,7 @@ TEST_F(OneQueueTest, ControlAnotherStreamQueuesBehindTheWaitUntilACpuStoreEndsIt
 }
 
 TEST_F(OneQueueTest, SummaryQueueAndDenseReleaseOnTheEngineStreamComplete) {
-  const EpsEngineModel model{2, 4, 2, 64, 16, 8, 8, 0x5EEDULL, 1, 0, 1};
+  const EpsEngineModel model{2, 4, 2, 64, 16, 8, 8, 0x5EEDULL, 1, 0, 1, 0};
   EpsSummaryWriter* writer = nullptr;
   ASSERT_EQ(eps_engine_summary_writer_create(&model, 0, &writer), 0) << eps_engine_last_error();
   EpsSummaryQueue* queue = nullptr;

@@ -342,8 +342,8 @@ TEST_P(FeedbackSessionServiceTest, FeedbackShapesAreCheckedAgainstTheContract) {
 }
 
 INSTANTIATE_TEST_SUITE_P(FlatAndCoarse, FeedbackSessionServiceTest, ::testing::Values(0, 1),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return info.param == 0 ? std::string("Flat") : std::string("Coarse");
+                         [](const ::testing::TestParamInfo<int>& param) {
+                           return param.param == 0 ? std::string("Flat") : std::string("Coarse");
                          });
 
 }  // namespace

@@ -82,15 +82,15 @@ class TestEngine {
     const int64_t gt = model_.group_tokens();
     for (int layer = 0; layer < model_.num_layers; ++layer) {
       for (int kvh = 0; kvh < model_.num_kv_heads; ++kvh) {
-        SyntheticConfig c;
-        c.head_dim = d;
-        c.tokens = tokens;
-        c.num_queries = model_.gqa_ratio();
-        c.num_needles = 2;
-        c.num_spans = 1;
-        c.max_span_tokens = 32;
-        c.seed = rng_();
-        const SyntheticHead head = MakeSyntheticHead(c);
+        SyntheticConfig config;
+        config.head_dim = d;
+        config.tokens = tokens;
+        config.num_queries = model_.gqa_ratio();
+        config.num_needles = 2;
+        config.num_spans = 1;
+        config.max_span_tokens = 32;
+        config.seed = rng_();
+        const SyntheticHead head = MakeSyntheticHead(config);
         for (int64_t p = 0, begin = 0; begin < tokens; ++p, begin += gt) {
           const int64_t count = std::min(gt, tokens - begin);
           auto record = buffers_->Record(buffers_->GroupRow(row)[p], layer, kvh);
