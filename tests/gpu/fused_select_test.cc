@@ -131,6 +131,22 @@ TEST_P(FusedSelectTest, ListsEqualTheSelectionKernelsBitForBit) {
   ASSERT_TRUE(want.status.ok()) << want.status;
   EXPECT_FALSE((*separate)->last_step_fused());
   ExpectSameSteps(got, want);
+  if (c.method == Method::kJl && c.sketch_dim <= 8) {
+    // The terms from the terms kernel (runs of three (row, head) pairs across rows,
+    // and a shorter last one) instead of the blocks' own: a head's terms are the
+    // same bit for bit (terms_held.cuh: the same sums in the same order), so are
+    // the lists, whatever the batch. (From m = 16 the blocks build them by
+    // HeadTerms, whose sums run in another order: BlockHoldsPhi.)
+    auto kernel_terms =
+        gpu::GpuSelector::Create(m, 0, batch, buffers.max_groups(),
+                                 {.fusion = Fusion::kAlways, .terms_kernel = true, .terms_run = 3});
+    ASSERT_TRUE(kernel_terms.ok()) << kernel_terms.status();
+    const testing::DeviceStep from_kernel =
+        testing::SelectOnDevice(**kernel_terms, buffers, batch, rows, policy);
+    ASSERT_TRUE(from_kernel.status.ok()) << from_kernel.status;
+    SCOPED_TRACE("terms from the terms kernel");
+    ExpectSameSteps(from_kernel, got);
+  }
 
   // And core/'s lists, up to groups within fp32 rounding of a cut.
   ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
