@@ -83,19 +83,17 @@ enum Decision : int { kWriteDecision = 0, kRowLayerLast = 1, kStepLast = 2, kSte
 // failed without a fence). As SelectKernel decides at its start.
 enum ListWrite : int { kWriteList = 0, kWriteDense = 1, kWriteNothing = 2 };
 
-// The three words (the engine's selection_done, the host's release as
-// ReleasedByHost reads it, the step's status) are loaded before any is tested, so
-// that their round trips to memory overlap (a test, then the next load, was three
-// in a row on every list's path).
+// The three words (the engine's selection_done, the host's release word, the step's
+// status) are loaded before any is tested, so that their round trips to memory
+// overlap (a test, then the next load, was three in a row on every list's path).
 __device__ inline int DecideListWrite(const SelectArgs& a) {
   const uint64_t done = a.selection_done != nullptr
                             ? *reinterpret_cast<const volatile uint64_t*>(a.selection_done)
                             : 0;
-  const uint64_t released =
-      a.released != nullptr ? *reinterpret_cast<const volatile uint64_t*>(a.released) : 0;
+  const uint64_t released = ReleaseWord(a);
   const int code = *reinterpret_cast<const volatile int*>(&a.report->status.code);
   if (a.selection_done != nullptr && done >= a.step) return kWriteNothing;
-  if (a.released != nullptr && released == a.launch) return kWriteDense;  // not the step's queries
+  if (Released(a, released)) return kWriteDense;  // not the step's queries
   if (code != kOk) return a.selection_done != nullptr ? kWriteDense : kWriteNothing;
   return kWriteList;
 }
@@ -188,12 +186,15 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
   const int64_t rl = int64_t{row} * s.layers + layer;
   unsigned* mask = f.masks + rl * kFusedMaskWords;
   const bool union_list = s.lists == 1;
-  // The list's words: the row's block ids (LoadTableRow) and whether to write
-  // (decision[kWriteDecision], by thread 0), loaded together with whatever else
-  // the block is waiting for at that point; compact() reads them after a barrier.
+  // The list's words: the row's block ids (LoadTableRow, returned) and whether to
+  // write (decision[kWriteDecision], by thread 0), loaded together with whatever
+  // else the block is waiting for at that point; compact() reads them after a barrier.
   using TableRow = HeldTableRow<kFusedHeldBlocks>;
-  auto load_table = [&] {
-    return LoadTableRow<kFusedHeldBlocks>(s, n, tokens, a.block_table, a.rows[row].table_row);
+  auto load_list_words = [&] {
+    const TableRow table =
+        LoadTableRow<kFusedHeldBlocks>(s, n, tokens, a.block_table, a.rows[row].table_row);
+    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
+    return table;
   };
   auto compact = [&](int list, const TableRow& table) {
     // visit flags: forced groups, and the marked ones (the decision, written
@@ -213,9 +214,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
     }
   };
   if (!union_list) {
-    const TableRow table = load_table();
-    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
-    compact(kvh, table);  // its first barrier publishes the decision
+    compact(kvh, load_list_words());  // its first barrier publishes the decision
   } else if (threadIdx.x < kFusedMaskWords && marks[threadIdx.x] != 0) {
     atomicOr(&mask[threadIdx.x], marks[threadIdx.x]);
   }
@@ -236,8 +235,7 @@ __global__ void __launch_bounds__(kScoreThreads, (kFusedMinBlocks<kMethod, kM, k
   __threadfence();  // the other blocks' masks, seen after their arrivals
   if (union_list) {
     // The union's words, the decision and the block ids: one round trip.
-    const TableRow table = load_table();
-    if (threadIdx.x == 0) decision[kWriteDecision] = DecideListWrite(a);
+    const TableRow table = load_list_words();
     if (threadIdx.x < kFusedMaskWords) marks[threadIdx.x] = atomicExch(&mask[threadIdx.x], 0u);
     __syncthreads();
     EPS_STAMP(kStageUnionTaken);

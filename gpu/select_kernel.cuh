@@ -60,10 +60,14 @@ struct SelectArgs {
 // Whether this launch's inputs wait was released by epsd's host (SelectArgs::released).
 // Each block reads it once: a release that races the engine's own late signal may
 // reach only some blocks, and each list is then either selected or dense, both safe.
-__device__ inline bool ReleasedByHost(const SelectArgs& a) {
-  return a.released != nullptr &&
-         *reinterpret_cast<const volatile uint64_t*>(a.released) == a.launch;
+// In two parts, so that a caller can load the word together with others.
+__device__ inline uint64_t ReleaseWord(const SelectArgs& a) {
+  return a.released != nullptr ? *reinterpret_cast<const volatile uint64_t*>(a.released) : 0;
 }
+__device__ inline bool Released(const SelectArgs& a, uint64_t word) {
+  return a.released != nullptr && word == a.launch;
+}
+__device__ inline bool ReleasedByHost(const SelectArgs& a) { return Released(a, ReleaseWord(a)); }
 
 template <Budget kBudget, bool kStrict, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)

@@ -109,7 +109,7 @@ __device__ __forceinline__ void CompactVisitList(const Shape& s, int n, int64_t 
   const int g = s.group_blocks, row_blocks = static_cast<int>(min(int64_t{n} * g, nb));
   if (kHeld > 0 && table.held) {
 #pragma unroll
-    for (int k = 0; k < (kHeld > 0 ? kHeld : 1); ++k) {
+    for (int k = 0; k < kHeld; ++k) {
       const int t = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
       if (t >= row_blocks) break;
       const int p = t / g;
