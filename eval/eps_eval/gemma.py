@@ -21,7 +21,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +181,9 @@ class GemmaTrace:
     v: dict[int, F32]
     q: dict[int, dict[int, F32]]  # global layer -> position -> [heads, d]
     logits: dict[int, F32]  # position -> [vocab]
+    # layer -> [len(q_positions), hidden]: the residual stream entering that layer at the
+    # query positions (only for the layers prefill's `resid_layers` names).
+    x: dict[int, F32] = field(default_factory=dict)
 
 
 class Gemma:
@@ -215,7 +218,7 @@ class Gemma:
 
     def prefill(self, tokens: list[int], q_positions: list[int], logit_positions: list[int],
                 gate: Gate | None = None, gated_positions: list[int] | None = None,
-                ) -> GemmaTrace:
+                resid_layers: set[int] | None = None) -> GemmaTrace:
         c = self.cfg
         T = len(tokens)
         pos = np.arange(T, dtype=np.int64)
@@ -228,6 +231,8 @@ class Gemma:
             p = f"blk.{layer}."
             glob = self.is_global(layer)
             base = 1e6 if glob else 1e4
+            if resid_layers and layer in resid_layers:
+                tr.x[layer] = np.ascontiguousarray(x[q_positions])
             h = _rmsnorm(x, self.w[p + "attn_norm.weight"], c.eps)
             q = (h @ self.w[p + "attn_q.weight"].T).reshape(T, c.heads, c.head_dim)
             k = (h @ self.w[p + "attn_k.weight"].T).reshape(T, c.kv_heads, c.head_dim)
@@ -274,6 +279,18 @@ class Gemma:
             lg = hs @ self.embed.T
             tr.logits = {lp: lg[i] for i, lp in enumerate(logit_positions)}
         return tr
+
+    def query_from(self, layer: int, x: F32, positions: list[int]) -> F32:
+        """`layer`'s queries [len(positions), heads, d] computed from residual rows x
+        [len(positions), hidden] (its own input gives its true queries; an earlier layer's
+        input gives the speculative query an engine could form one layer ahead)."""
+        c = self.cfg
+        p = f"blk.{layer}."
+        h = _rmsnorm(x, self.w[p + "attn_norm.weight"], c.eps)
+        q = (h @ self.w[p + "attn_q.weight"].T).reshape(len(positions), c.heads, c.head_dim)
+        return rope_neox(_rmsnorm(q, self.w[p + "attn_q_norm.weight"], c.eps),
+                         np.asarray(positions, dtype=np.int64),
+                         1e6 if self.is_global(layer) else 1e4)
 
     def decode(self, token: int, position: int, k_cache: dict[int, F32], v_cache: dict[int, F32],
                gate: Gate | None = None) -> tuple[F32, dict[int, F32]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +114,9 @@ class Trace:
     v: list[F32]  # per layer [kv_heads, T, d]
     q: dict[int, list[F32]]  # position -> per layer [heads, d]
     logits: dict[int, F32]  # position -> [vocab]
+    # layer -> [len(q_positions), hidden]: the residual stream entering that layer at the
+    # query positions (only for the layers prefill's `resid_layers` names).
+    x: dict[int, F32] = field(default_factory=dict)
 
 
 class Model:
@@ -151,7 +154,8 @@ class Model:
 
     # ---- dense prefill -------------------------------------------------------------------
     def prefill(
-        self, tokens: list[int], q_positions: list[int], logit_positions: list[int]
+        self, tokens: list[int], q_positions: list[int], logit_positions: list[int],
+        resid_layers: set[int] | None = None,
     ) -> Trace:
         c = self.cfg
         T = len(tokens)
@@ -162,8 +166,11 @@ class Model:
         qs: dict[int, list[F32]] = {p: [] for p in q_positions}
         r = c.heads // c.kv_heads
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
+        xs: dict[int, F32] = {}
         for layer in range(c.layers):
             p = f"blk.{layer}."
+            if resid_layers and layer in resid_layers:
+                xs[layer] = np.ascontiguousarray(x[q_positions])
             h = _rmsnorm(x, self.w[p + "attn_norm.weight"], c.eps)
             q = apply_rope((h @ self.w[p + "attn_q.weight"].T).reshape(T, c.heads, c.head_dim),
                            pos, c.rope_base)
@@ -196,7 +203,16 @@ class Model:
             hs = _rmsnorm(x[logit_positions], self.w["output_norm.weight"], c.eps)
             lg = hs @ self.out.T
             logits = {lp: lg[i] for i, lp in enumerate(logit_positions)}
-        return Trace(k=ks, v=vs, q=qs, logits=logits)
+        return Trace(k=ks, v=vs, q=qs, logits=logits, x=xs)
+
+    def query_from(self, layer: int, x: F32, positions: list[int]) -> F32:
+        """`layer`'s queries [len(positions), heads, d] computed from residual rows x
+        [len(positions), hidden] (its own input gives its true queries; an earlier layer's
+        input gives the speculative query an engine could form one layer ahead)."""
+        c = self.cfg
+        h = _rmsnorm(x, self.w[f"blk.{layer}.attn_norm.weight"], c.eps)
+        q = (h @ self.w[f"blk.{layer}.attn_q.weight"].T).reshape(len(positions), c.heads, c.head_dim)
+        return apply_rope(q, np.asarray(positions, dtype=np.int64), c.rope_base)
 
     def _mlp(self, layer: int, x: F32) -> F32:
         p = f"blk.{layer}."

@@ -78,7 +78,8 @@ class RealModel:
         self.tokens: list[int] = []
 
     # ---- dense prefill of the passage ------------------------------------------------------
-    def passage_trace(self, T: int, steps: int, window: int, max_lag: int) -> tuple[Trace, dict]:
+    def passage_trace(self, T: int, steps: int, window: int, max_lag: int,
+                      resid_layers: set[int] | None = None) -> tuple[Trace, dict]:
         if T > self.cfg.context:
             raise ValueError(f"context {T} exceeds the model's {self.cfg.context}")
         ids = self.model.tokenizer.encode(_text(PASSAGE_FILES))
@@ -89,7 +90,7 @@ class RealModel:
         qpos = list(range(first, T))
         lpos = list(range(max(0, T - 257), T - 1))
         t0 = time.time()
-        tr = self.model.prefill(self.tokens, qpos, lpos)
+        tr = self.model.prefill(self.tokens, qpos, lpos, resid_layers)
         sec = time.time() - t0
         nll = [_nll(tr.logits[p], self.tokens[p + 1]) for p in lpos]
         info = {

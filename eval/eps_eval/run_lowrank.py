@@ -22,6 +22,11 @@ of a calibration text; `qapre` the same from the context's first 2,048 keys only
 The calibration text is Python's standard library source (another domain than the
 licences), 4,096 tokens.
 
+`--spec=J,...` adds the current query predicted one or more layers ahead (each studied
+layer's own norm, W_q, QK-norm and RoPE over the residual entering the layer j before, as
+an engine could form it while that layer runs; pair_rows says the rows) and questclt under
+the current query (`questclt1-lag0`); `--no-lowrank` leaves the bases out.
+
 Units: DIR/units/lowrank_{model}_{context}.csv (one row per pair and configuration); the
 table of paired gaps is printed and written to DIR/lowrank_{model}.md.
 """
@@ -68,9 +73,22 @@ def recall_at(rec: np.ndarray, skip: np.ndarray, target: float = 0.75) -> float:
     return float(np.interp(target, skip[order], rec[order]))
 
 
+def shares(scores: np.ndarray, d: int) -> np.ndarray:
+    """Each head's scores [H, G] as softmax shares exp(s/√d) over its groups."""
+    z = scores.astype(np.float64) / np.sqrt(d)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
 def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c: int,
-              bases: dict[str, lowrank.Basis]) -> dict[str, float]:
-    """Recall at 75 % skipped for every configuration at one (layer, position)."""
+              bases: dict[str, lowrank.Basis],
+              q_spec: dict[int, np.ndarray] | None = None) -> dict[str, float]:
+    """Recall at 75 % skipped for every configuration at one (layer, position);
+    q_spec (with `--spec`; it also adds `questclt1-lag0`, questclt under the current
+    query): the current position's query predicted from the input of the layer j before
+    (j -> [heads, d]), scored exactly (`spec{j}`), by questclt (`questclt1-spec{j}`) and
+    mixed with the lag-1 masses (`lag1+spec{j}`: the mean of the two block masses; for
+    questclt `questclt1-lag1+spec{j}`, the mean of the two estimates' softmax shares)."""
     d = k.shape[2]
     dn, lag = dense(q, k[:, :c], v[:, :c]), dense(q_lag, k[:, :c], v[:, :c])
     nb = -(-c // BLOCK)
@@ -84,7 +102,19 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
 
     run("oracle_mass", np.log(np.maximum(dn.mass, 1e-300)) * np.sqrt(d))
     run("lag1", np.log(np.maximum(lag.mass, 1e-300)) * np.sqrt(d))
-    run("questclt1", QuestTables(k, c, 1).estimate("questclt1", q_lag))
+    tables = QuestTables(k, c, 1)
+    est_lag = tables.estimate("questclt1", q_lag)
+    run("questclt1", est_lag)
+    if q_spec is not None:  # the estimator's own loss: questclt with the current query
+        run("questclt1-lag0", tables.estimate("questclt1", q))
+    for j, qs in (q_spec or {}).items():
+        sp = dense(qs, k[:, :c], v[:, :c])
+        run(f"spec{j}", np.log(np.maximum(sp.mass, 1e-300)) * np.sqrt(d))
+        run(f"lag1+spec{j}", np.log(np.maximum(0.5 * (sp.mass + lag.mass), 1e-300)) * np.sqrt(d))
+        est = tables.estimate("questclt1", qs)
+        run(f"questclt1-spec{j}", est)
+        run(f"questclt1-lag1+spec{j}",
+            np.log(np.maximum(0.5 * (shares(est, d) + shares(est_lag, d)), 1e-300)) * np.sqrt(d))
     for name, basis in bases.items():
         if name.startswith("tok-"):
             scores = lowrank.block_scores(q_lag, lowrank.block_coefficients(k, c, basis, 8), basis)
@@ -118,9 +148,9 @@ def make_bases(keys: np.ndarray, cal_k: np.ndarray, cal_q: np.ndarray) -> dict[s
 
 def record_of(name: str, d: int = 256) -> float:
     """Summary bytes a block read by configuration `name` (0: exact or free)."""
-    if name in ("oracle_mass", "lag1") or name.endswith("-free"):
+    if name in ("oracle_mass", "lag1") or name.endswith("-free") or name.startswith(("spec", "lag1+")):
         return 0.0
-    if name == "questclt1":
+    if name.startswith("questclt1"):
         return 2.0 * d + 4.0
     rank = int(re.sub(r"\D", "", name.split("-")[1]))
     return lowrank.record_bytes(rank, 8) if name.startswith("tok-") else lowrank.box_bytes(rank)
@@ -171,16 +201,25 @@ class Source:
         return ({L: tr.k[L] for L in self.layers},
                 {L: np.stack([tr.q[p][L] for p in range(len(ids))]) for L in self.layers})
 
-    def context(self, ctx: int, steps: int) -> tuple[Any, list[int]]:
-        """The passage's trace and the positions with queries (the last `steps`, one before)."""
+    def context(self, ctx: int, steps: int, spec: tuple[int, ...] = ()) -> tuple[Any, list[int]]:
+        """The passage's trace and the positions with queries (the last `steps`, one before);
+        with `spec`, the residual inputs of the layers j before each studied layer too."""
+        resid = {max(0, L - j) for L in self.layers for j in spec}
         if self.model == "gemma":
             qpos = list(range(ctx - steps - 1, ctx))
-            return self.m.prefill(passage_ids(self.m.tokenizer, ctx), qpos, []), qpos
-        tr, _ = self.rm.passage_trace(ctx, steps, 1, 1)
+            return self.m.prefill(passage_ids(self.m.tokenizer, ctx), qpos, [],
+                                  resid_layers=resid), qpos
+        tr, _ = self.rm.passage_trace(ctx, steps, 1, 1, resid)
         return tr, list(range(ctx - steps - 1, ctx))
 
     def query(self, tr: Any, layer: int, position: int) -> np.ndarray:
         return tr.q[layer][position] if self.model == "gemma" else tr.q[position][layer]
+
+    def spec_query(self, tr: Any, qpos: list[int], layer: int, j: int, position: int) -> np.ndarray:
+        """`layer`'s query at `position` from the residual entering layer − j (the first
+        layers from the step's embeddings, layer 0's input, which give their true query)."""
+        row = tr.x[max(0, layer - j)][qpos.index(position)][None, :]
+        return self.m.query_from(layer, row, [position])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,23 +230,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=contexts, default=[16384, 32768])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cache", type=Path, default=None)
+    ap.add_argument("--spec", type=contexts, default=[],
+                    help="j,...: also the current query predicted from the input of the layer "
+                         "j before (of layer 0 for the first j layers)")
+    ap.add_argument("--no-lowrank", action="store_true", help="skip the low-rank bases")
     a = ap.parse_args(argv)
+    spec = tuple(a.spec)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
     src = Source(a.model, a.cache or Path(os.environ.get("EPS_EVAL_CACHE",
                                                             a.out.parent / ".eval-cache")))
     t0 = time.time()
-    cal_k, cal_q = src.calibration()
-    log(f"calibration prefill in {time.time() - t0:.0f} s")
+    if not a.no_lowrank:
+        cal_k, cal_q = src.calibration()
+        log(f"calibration prefill in {time.time() - t0:.0f} s")
     rows: list[dict[str, object]] = []
     for ctx in a.context:
         t0 = time.time()
-        tr, qpos = src.context(ctx, a.steps)
+        tr, qpos = src.context(ctx, a.steps, spec)
         log(f"prefill of {ctx} tokens in {time.time() - t0:.0f} s")
         for L in src.layers:
             k, v = tr.k[L], tr.v[L]
-            bases = make_bases(k, cal_k[L], cal_q[L])
+            bases = {} if a.no_lowrank else make_bases(k, cal_k[L], cal_q[L])
             for si, p in enumerate(qpos[1:]):
-                got = pair_rows(k, v, src.query(tr, L, p), src.query(tr, L, p - 1), p + 1, bases)
+                q_spec = {j: src.spec_query(tr, qpos, L, j, p) for j in spec} if spec else None
+                got = pair_rows(k, v, src.query(tr, L, p), src.query(tr, L, p - 1), p + 1, bases,
+                                q_spec)
                 rows.append({"context": ctx, "layer": L, "step": si, **got})
             log(f"context {ctx} layer {L} done")
         del tr
