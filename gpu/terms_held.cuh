@@ -6,7 +6,8 @@
 // of the query, kE·kM multiply-adds and a reduce-scatter of the kM sums over the
 // warp (z_j ends in the lanes l with l >> (5 − log2 kM) = j): 14.0 M warp
 // instructions for 65,536 heads against TermsKernel's 37.9 M, 26.5 against
-// 44.8 µs (H100, ncu, 64 × 32k, d = 128, m = 8; docs/benchmarks/gpu.md). The
+// 44.8 µs (H100, ncu, 64 × 32k, d = 128, m = 8, eighth session; the twelfth's
+// ncu run under its locked clocks read 30.3 µs; docs/benchmarks/gpu.md). The
 // sums run in another order than HeadTerms' (within float rounding); scoring
 // blocks that build their own terms run these (WarpsHeldTerms) where they hold
 // a lane's share of Φ, so a head's terms are the same at every batch.
