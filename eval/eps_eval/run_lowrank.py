@@ -25,7 +25,10 @@ licences), 4,096 tokens.
 `--spec=J,...` adds the current query predicted one or more layers ahead (each studied
 layer's own norm, W_q, QK-norm and RoPE over the residual entering the layer j before, as
 an engine could form it while that layer runs; pair_rows says the rows) and questclt under
-the current query (`questclt1-lag0`); `--no-lowrank` leaves the bases out.
+the current query (`questclt1-lag0`); `--kfirst=ρ,...` a two-stage read (`kfirst{ρ}-questclt1`:
+the questclt list's keys read to score its blocks exactly under the current query, then the
+values of each head's best ρ·top_pages of them; both reads counted); `--no-lowrank` leaves
+the bases out.
 
 Units: DIR/units/lowrank_{model}_{context}.csv (one row per pair and configuration); the
 table of paired gaps is printed and written to DIR/lowrank_{model}.md.
@@ -82,7 +85,8 @@ def shares(scores: np.ndarray, d: int) -> np.ndarray:
 
 def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c: int,
               bases: dict[str, lowrank.Basis],
-              q_spec: dict[int, np.ndarray] | None = None) -> dict[str, float]:
+              q_spec: dict[int, np.ndarray] | None = None,
+              kfirst: tuple[float, ...] = ()) -> dict[str, float]:
     """Recall at 75 % skipped for every configuration at one (layer, position);
     q_spec (with `--spec`; it also adds `questclt1-lag0`, questclt under the current
     query): the current position's query predicted from the input of the layer j before
@@ -115,6 +119,20 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
         run(f"questclt1-spec{j}", est)
         run(f"questclt1-lag1+spec{j}",
             np.log(np.maximum(0.5 * (shares(est, d) + shares(est_lag, d)), 1e-300)) * np.sqrt(d))
+    for rho in kfirst:
+        # K first: the candidates' keys read (half their KV bytes) to score them exactly
+        # under the current query, then the values of each head's best ρ·t of them.
+        exact = np.log(np.maximum(dn.mass, 1e-300)) * np.sqrt(d)
+        cand = core.mark(est_lag.astype(np.float32), k.shape[0], tps)  # [P, 1, nb]
+        rec, skip = [], []
+        for i, t in enumerate(tps):
+            inside = np.where(cand[i, 0][None, :] > 0, exact, -1e30).astype(np.float32)
+            fin = core.mark(inside, k.shape[0], [max(1, int(round(rho * t)))])
+            mc = evaluate(dn, 1, cand[i:i + 1], [t], [0.0])
+            mf = evaluate(dn, 1, fin, [t], [record_of("questclt1", d)])
+            skip.append(1.0 - 0.5 * mc["visited"][0] - 0.5 * mf["visited"][0] - mf["summary_frac"][0])
+            rec.append(mf["recall"][0])
+        out[f"kfirst{rho:g}-questclt1"] = recall_at(np.asarray(rec), np.asarray(skip))
     for name, basis in bases.items():
         if name.startswith("tok-"):
             scores = lowrank.block_scores(q_lag, lowrank.block_coefficients(k, c, basis, 8), basis)
@@ -150,7 +168,7 @@ def record_of(name: str, d: int = 256) -> float:
     """Summary bytes a block read by configuration `name` (0: exact or free)."""
     if name in ("oracle_mass", "lag1") or name.endswith("-free") or name.startswith(("spec", "lag1+")):
         return 0.0
-    if name.startswith("questclt1"):
+    if name.startswith(("questclt1", "kfirst")):
         return 2.0 * d + 4.0
     rank = int(re.sub(r"\D", "", name.split("-")[1]))
     return lowrank.record_bytes(rank, 8) if name.startswith("tok-") else lowrank.box_bytes(rank)
@@ -234,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="j,...: also the current query predicted from the input of the layer "
                          "j before (of layer 0 for the first j layers)")
     ap.add_argument("--no-lowrank", action="store_true", help="skip the low-rank bases")
+    ap.add_argument("--kfirst", type=lambda x: tuple(float(v) for v in x.split(",") if v),
+                    default=(), help="ρ,...: also the two-stage reads (kfirst{ρ}-questclt1)")
     a = ap.parse_args(argv)
     spec = tuple(a.spec)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
@@ -254,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             for si, p in enumerate(qpos[1:]):
                 q_spec = {j: src.spec_query(tr, qpos, L, j, p) for j in spec} if spec else None
                 got = pair_rows(k, v, src.query(tr, L, p), src.query(tr, L, p - 1), p + 1, bases,
-                                q_spec)
+                                q_spec, a.kfirst)
                 rows.append({"context": ctx, "layer": L, "step": si, **got})
             log(f"context {ctx} layer {L} done")
         del tr
