@@ -83,6 +83,11 @@ def shares(scores: np.ndarray, d: int) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def mass_scores(mass: np.ndarray, d: int) -> np.ndarray:
+    """Block masses [H, nb] as scores in q·k units, √d · log mass (the exact rows' ranking)."""
+    return np.log(np.maximum(mass, 1e-300)) * np.sqrt(d)
+
+
 def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c: int,
               bases: dict[str, lowrank.Basis],
               q_spec: dict[int, np.ndarray] | None = None,
@@ -104,8 +109,9 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
         m = evaluate(dn, 1, masks, tps, [record_of(name, d)] * len(tps))
         out[name] = recall_at(m["recall"], m["skip"])
 
-    run("oracle_mass", np.log(np.maximum(dn.mass, 1e-300)) * np.sqrt(d))
-    run("lag1", np.log(np.maximum(lag.mass, 1e-300)) * np.sqrt(d))
+    exact = mass_scores(dn.mass, d)
+    run("oracle_mass", exact)
+    run("lag1", mass_scores(lag.mass, d))
     tables = QuestTables(k, c, 1)
     est_lag = tables.estimate("questclt1", q_lag)
     run("questclt1", est_lag)
@@ -113,24 +119,23 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
         run("questclt1-lag0", tables.estimate("questclt1", q))
     for j, qs in (q_spec or {}).items():
         sp = dense(qs, k[:, :c], v[:, :c])
-        run(f"spec{j}", np.log(np.maximum(sp.mass, 1e-300)) * np.sqrt(d))
-        run(f"lag1+spec{j}", np.log(np.maximum(0.5 * (sp.mass + lag.mass), 1e-300)) * np.sqrt(d))
+        run(f"spec{j}", mass_scores(sp.mass, d))
+        run(f"lag1+spec{j}", mass_scores(0.5 * (sp.mass + lag.mass), d))
         est = tables.estimate("questclt1", qs)
         run(f"questclt1-spec{j}", est)
-        run(f"questclt1-lag1+spec{j}",
-            np.log(np.maximum(0.5 * (shares(est, d) + shares(est_lag, d)), 1e-300)) * np.sqrt(d))
-    for rho in kfirst:
+        run(f"questclt1-lag1+spec{j}", mass_scores(0.5 * (shares(est, d) + shares(est_lag, d)), d))
+    if kfirst:
         # K first: the candidates' keys read (half their KV bytes) to score them exactly
         # under the current query, then the values of each head's best ρ·t of them.
-        exact = np.log(np.maximum(dn.mass, 1e-300)) * np.sqrt(d)
         cand = core.mark(est_lag.astype(np.float32), k.shape[0], tps)  # [P, 1, nb]
+        cand_read = evaluate(dn, 1, cand, tps, [0.0] * len(tps))["visited"]
+    for rho in kfirst:
         rec, skip = [], []
         for i, t in enumerate(tps):
             inside = np.where(cand[i, 0][None, :] > 0, exact, -1e30).astype(np.float32)
             fin = core.mark(inside, k.shape[0], [max(1, int(round(rho * t)))])
-            mc = evaluate(dn, 1, cand[i:i + 1], [t], [0.0])
             mf = evaluate(dn, 1, fin, [t], [record_of("questclt1", d)])
-            skip.append(1.0 - 0.5 * mc["visited"][0] - 0.5 * mf["visited"][0] - mf["summary_frac"][0])
+            skip.append(1.0 - 0.5 * cand_read[i] - 0.5 * mf["visited"][0] - mf["summary_frac"][0])
             rec.append(mf["recall"][0])
         out[f"kfirst{rho:g}-questclt1"] = recall_at(np.asarray(rec), np.asarray(skip))
     for name, basis in bases.items():
