@@ -1,0 +1,76 @@
+"""eps_eval.budget_ceiling: the fixed budget's interpolation and the per-pair budgets on a
+hand example, the greedy list on a hand example, and on fresh random attention that no
+ranking's greedy list beats the fewest groups that hold the target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eps_eval import budget_ceiling as bc
+from eps_eval.metrics import BLOCK, Dense, dense
+
+
+def test_summarize_by_hand() -> None:
+    fractions = (0.1, 0.2, 0.3)
+    recall = np.array([[0.90, 0.96, 0.99], [0.94, 0.95, 0.97], [0.80, 0.90, 0.96]])
+    skip = np.array([[0.8, 0.7, 0.6], [0.85, 0.75, 0.65], [0.9, 0.8, 0.7]])
+    greedy = np.array([0.72, 0.76, 0.71])
+    got = bc.summarize(recall, skip, greedy, 0.95, fractions)
+    # mean recall 0.88, 0.9367, 0.9733: the target between the second and third budgets.
+    a = (0.95 - 0.9366667) / (0.9733333 - 0.9366667)
+    assert got["fixed"] == pytest.approx((1 - a) * 0.75 + a * 0.65, abs=1e-6)
+    # On ≥ 95 % of three pairs means all three: the third budget.
+    assert got["fixed_safe"] == pytest.approx(0.65)
+    # Each pair's own budget: the second, the second, the third.
+    assert got["per_pair"] == pytest.approx((0.7 + 0.75 + 0.7) / 3)
+    assert got["per_pair_reached"] == 1.0
+    assert got["greedy"] == pytest.approx(0.73)
+    assert got["needed_p50"] == pytest.approx(0.2)
+
+
+def _hand_dense(mass: np.ndarray, head_dim: int = 4) -> Dense:
+    h, nb = mass.shape
+    return Dense(tokens=nb * BLOCK, kv_heads=1, head_dim=head_dim, mass=mass,
+                 maxdot=np.zeros((h, nb), np.float32), pv=np.zeros((h, nb, head_dim), np.float32),
+                 out=np.ones((h, head_dim), np.float32), top10_block=np.zeros((h, 1), np.int64))
+
+
+def test_greedy_by_hand() -> None:
+    mass = np.array([[0.1, 0.5, 0.05, 0.05, 0.1, 0.2],
+                     [0.1, 0.05, 0.5, 0.05, 0.1, 0.2]])
+    dn = _hand_dense(mass)
+    # Forced: group 0 and the last two (recall 0.4). Each head's order is its own mass: the
+    # heads' next groups 1 and 2 add 0.275 each (head 0's first), then group 2 joins: 0.95.
+    got = bc.greedy_skip(dn, mass.astype(np.float32), 1, 8.0, 0.9)
+    assert got == pytest.approx(1 - (5 * BLOCK * 16 + 8 * 6) / (6 * BLOCK * 16))
+    # Stopped at 0.6 after group 1 alone.
+    assert bc.greedy_skip(dn, mass.astype(np.float32), 1, 0.0, 0.6) == pytest.approx(2 / 6)
+    # Both heads ranking group 3 (mass 0.05) first, then 2 and 1: the list takes group 3 on
+    # the way, then 2 (0.725), then 1: every group.
+    worst = np.tile(np.array([0, 1, 2, 3, 0, 0], np.float32), (2, 1))
+    assert bc.greedy_skip(dn, worst, 1, 0.0, 0.9) == pytest.approx(0.0)
+
+
+def test_no_ranking_beats_the_fewest_groups(rng: np.random.Generator) -> None:
+    h, kv, d, c = 4, 1, 16, 40 * BLOCK
+    k = rng.standard_normal((kv, c, d)).astype(np.float32) * 1.5
+    v = rng.standard_normal((kv, c, d)).astype(np.float32)
+    q = rng.standard_normal((h, d)).astype(np.float32) * 1.5
+    dn = dense(q, k, v)
+    for g in (1, 2):
+        groups = -(-dn.mass.shape[1] // g)
+        mean_mass = np.add.reduceat(dn.mass, np.arange(0, dn.mass.shape[1], g), axis=1).mean(0)
+        best = bc.greedy_skip(dn, np.tile(mean_mass, (h, 1)).astype(np.float32), g, 0.0, 0.9)
+        # The fewest groups by hand: forced first and last two, then by mean mass.
+        order = [i for i in np.argsort(-mean_mass, kind="stable") if 0 < i < groups - 2]
+        held, n = mean_mass[[0, groups - 2, groups - 1]].sum(), 3
+        for i in order:
+            if held >= 0.9:
+                break
+            held += mean_mass[i]
+            n += 1
+        assert best == pytest.approx(1 - n * g * BLOCK / c, abs=1e-9)  # c: whole groups
+        for _ in range(5):
+            other = rng.standard_normal((h, groups)).astype(np.float32)
+            assert bc.greedy_skip(dn, other, g, 0.0, 0.9) <= best + 1e-12
