@@ -183,3 +183,74 @@ def box_bytes(r: int) -> float:
 def record_bytes(r: int, bits: int) -> float:
     """Bytes per (16-token block, KV head): the coefficients and a 2-byte scale."""
     return BLOCK * r * (bits if bits else 16) / 8 + 2.0
+
+
+def _int8(x: F64, axis: tuple[int, ...]) -> F64:
+    """x rounded to int8 codes with one scale over `axis` (the scale kept exactly)."""
+    scale = np.abs(x).max(axis=axis, keepdims=True) / 127.0
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.round(x / scale) * scale
+
+
+@dataclass
+class OwnBlocks:
+    """Each 16-token block's keys in a basis of its own (`own{r}`): the block's mean key μ_b,
+    its r principal directions u_b (of k − μ_b), each token's r coefficients c_t, and the
+    mean squared norm of what they leave out; all int8 with one scale a vector (μ_b, each
+    u_b, the block's coefficients), the residual as a 2-byte number. Scored as block_scores
+    does, with ŝ_t = q·μ_b + Σ_j c_tj (q·u_bj) + ‖q‖² ρ_b / (2 d √d) (the residual's mean
+    energy ρ_b spread evenly over the d channels, as the log of E exp(x/√d) for a normal x).
+    """
+
+    mu: F64  # [kv, blocks, d]
+    dirs: F64  # [kv, blocks, r, d]
+    coeffs: F64  # [kv, blocks, 16, r]; padding tokens NaN
+    resid: F64  # [kv, blocks]
+
+
+def own_blocks(k: F32, tokens: int, r: int, rounded: bool = True) -> OwnBlocks:
+    """OwnBlocks of the first `tokens` keys of k [kv, T, d] (0 ≤ r ≤ min(16, d)); `rounded`
+    False keeps every number unrounded (at r = 16 the scores are then the exact log mass)."""
+    kv, _, d = k.shape
+    if not 0 <= r <= min(BLOCK, d):
+        raise ValueError(f"rank {r} is not in [0, {min(BLOCK, d)}]")
+    q8 = _int8 if rounded else (lambda x, axis: x)
+    nb = -(-tokens // BLOCK)
+    pad = nb * BLOCK - tokens
+    kk = np.pad(k[:, :tokens].astype(np.float64), ((0, 0), (0, pad), (0, 0))).reshape(
+        kv, nb, BLOCK, d)
+    valid = np.ones((nb, BLOCK), dtype=bool)
+    if pad:
+        valid[-1, BLOCK - pad:] = False
+    mu = kk.sum(axis=2) / valid.sum(axis=1)[None, :, None]
+    centred = (kk - mu[:, :, None, :]) * valid[None, :, :, None]
+    u, s, vt = np.linalg.svd(centred, full_matrices=False)
+    coeffs = u[..., :r] * s[..., None, :r]
+    resid = ((centred ** 2).sum(axis=(2, 3)) - (coeffs ** 2).sum(axis=(2, 3))) / valid.sum(1)
+    coeffs = q8(coeffs, (2, 3))
+    coeffs[:, ~valid] = np.nan
+    return OwnBlocks(q8(mu, (2,)), q8(vt[..., :r, :], (3,)), coeffs, np.maximum(resid, 0.0))
+
+
+def own_scores(q: F32, own: OwnBlocks) -> F32:
+    """Scores [H, blocks] of q [H, d] from OwnBlocks (GQA as block_scores)."""
+    h, d = q.shape
+    kv = own.mu.shape[0]
+    qq = q.astype(np.float64)
+    root_d = np.sqrt(d)
+    out = np.empty((h, own.mu.shape[1]))
+    for i in range(h):
+        j = i // (h // kv)
+        along = np.einsum("brd,d->br", own.dirs[j], qq[i])  # [blocks, r]
+        s = (own.mu[j] @ qq[i])[:, None] + np.einsum("btr,br->bt", own.coeffs[j], along)
+        s = s + (own.resid[j] * (qq[i] @ qq[i]) / (2 * d * root_d))[:, None]
+        s = np.where(np.isnan(s), -np.inf, s)
+        top = s.max(axis=1, keepdims=True)
+        out[i] = top[:, 0] + root_d * np.log(np.exp((s - top) / root_d).sum(axis=1))
+    return out.astype(np.float32)
+
+
+def own_bytes(r: int, d: int) -> float:
+    """Bytes per (16-token block, KV head) of OwnBlocks: μ and r directions (d int8 and a
+    2-byte scale each), 16·r coefficients and their scale, the residual."""
+    return (r + 1) * (d + 2.0) + BLOCK * r + 2.0 + 2.0

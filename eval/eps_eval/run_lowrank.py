@@ -27,8 +27,11 @@ layer's own norm, W_q, QK-norm and RoPE over the residual entering the layer j b
 an engine could form it while that layer runs; pair_rows says the rows) and questclt under
 the current query (`questclt1-lag0`); `--kfirst=ρ,...` a two-stage read (`kfirst{ρ}-questclt1`:
 the questclt list's keys read to score its blocks exactly under the current query, then the
-values of each head's best ρ·top_pages of them; both reads counted); `--no-lowrank` leaves
-the bases out.
+values of each head's best ρ·top_pages of them; both reads counted); `--own=r,...` each block's
+keys in a basis of its own (its mean, r principal directions, every token's coefficients:
+lowrank.OwnBlocks), `own{r}` under the lag-1 query and `own{r}-lag0` under the current one
+(with `questclt1-lag0` beside them);
+`--no-lowrank` leaves the bases out.
 
 Units: DIR/units/lowrank_{model}_{context}.csv (one row per pair and configuration); the
 table of paired gaps is printed and written to DIR/lowrank_{model}.md.
@@ -91,7 +94,7 @@ def mass_scores(mass: np.ndarray, d: int) -> np.ndarray:
 def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c: int,
               bases: dict[str, lowrank.Basis],
               q_spec: dict[int, np.ndarray] | None = None,
-              kfirst: tuple[float, ...] = ()) -> dict[str, float]:
+              kfirst: tuple[float, ...] = (), own: tuple[int, ...] = ()) -> dict[str, float]:
     """Recall at 75 % skipped for every configuration at one (layer, position);
     q_spec (with `--spec`; it also adds `questclt1-lag0`, questclt under the current
     query): the current position's query predicted from the input of the layer j before
@@ -115,7 +118,7 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
     tables = QuestTables(k, c, 1)
     est_lag = tables.estimate("questclt1", q_lag)
     run("questclt1", est_lag)
-    if q_spec is not None:  # the estimator's own loss: questclt with the current query
+    if q_spec is not None or own:  # the estimator's own loss: questclt with the current query
         run("questclt1-lag0", tables.estimate("questclt1", q))
     for j, qs in (q_spec or {}).items():
         sp = dense(qs, k[:, :c], v[:, :c])
@@ -138,6 +141,10 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
             skip.append(1.0 - 0.5 * cand_read[i] - 0.5 * mf["visited"][0] - mf["summary_frac"][0])
             rec.append(mf["recall"][0])
         out[f"kfirst{rho:g}-questclt1"] = recall_at(np.asarray(rec), np.asarray(skip))
+    for r in own:  # each block in a basis of its own, under the lag-1 and the current query
+        blocks = lowrank.own_blocks(k, c, r)
+        run(f"own{r}", lowrank.own_scores(q_lag, blocks))
+        run(f"own{r}-lag0", lowrank.own_scores(q, blocks))
     for name, basis in bases.items():
         if name.startswith("tok-"):
             scores = lowrank.block_scores(q_lag, lowrank.block_coefficients(k, c, basis, 8), basis)
@@ -175,6 +182,8 @@ def record_of(name: str, d: int = 256) -> float:
         return 0.0
     if name.startswith(("questclt1", "kfirst")):
         return 2.0 * d + 4.0
+    if name.startswith("own"):
+        return lowrank.own_bytes(int(re.sub(r"\D", "", name.split("-")[0])), d)
     rank = int(re.sub(r"\D", "", name.split("-")[1]))
     return lowrank.record_bytes(rank, 8) if name.startswith("tok-") else lowrank.box_bytes(rank)
 
@@ -259,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-lowrank", action="store_true", help="skip the low-rank bases")
     ap.add_argument("--kfirst", type=lambda x: tuple(float(v) for v in x.split(",") if v),
                     default=(), help="ρ,...: also the two-stage reads (kfirst{ρ}-questclt1)")
+    ap.add_argument("--own", type=contexts, default=[],
+                    help="r,...: also each block's keys in a basis of its own (own{r}, "
+                         "lowrank.OwnBlocks), under the lag-1 and the current query")
     a = ap.parse_args(argv)
     spec = tuple(a.spec)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
@@ -279,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             for si, p in enumerate(qpos[1:]):
                 q_spec = {j: src.spec_query(tr, qpos, L, j, p) for j in spec} if spec else None
                 got = pair_rows(k, v, src.query(tr, L, p), src.query(tr, L, p - 1), p + 1, bases,
-                                q_spec, a.kfirst)
+                                q_spec, a.kfirst, tuple(a.own))
                 rows.append({"context": ctx, "layer": L, "step": si, **got})
             log(f"context {ctx} layer {L} done")
         del tr

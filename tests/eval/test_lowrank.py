@@ -136,3 +136,27 @@ def test_rotated_box_holds_every_token_and_kappa_one_at_rank_one_is_the_box_boun
         per_token = now[i] @ one.mu[j] + c1[j, :, :, 0] * (now[i] @ one.queries[j][:, 0])
         top = np.nanmax(np.where(np.isnan(per_token), -np.inf, per_token), axis=1)
         assert np.all(bound[i] >= top - 1e-4 * (1 + np.abs(bound[i])))
+
+
+def test_own_blocks_at_full_rank_give_each_blocks_exact_log_mass(
+        rng: np.random.Generator) -> None:
+    d, kv, heads = 24, 2, 4
+    tokens = int(rng.integers(BLOCK + 1, 12 * BLOCK))
+    k, q = _keys_and_queries(rng, d, tokens, kv, heads)
+    now = q[0]
+    exact = _exact_log_mass(now, k, tokens)
+    full = lowrank.own_blocks(k, tokens, BLOCK, rounded=False)
+    assert np.allclose(full.resid, 0.0, atol=1e-9)
+    np.testing.assert_allclose(lowrank.own_scores(now, full), exact, rtol=1e-4, atol=1e-3)
+    # Rounded, and at lower rank, the estimate moves away from it, rank 2 more than rank 8.
+    err = {r: np.abs(lowrank.own_scores(now, lowrank.own_blocks(k, tokens, r)) - exact).mean()
+           for r in (2, 8)}
+    assert 0 < err[8] < err[2]
+    # At rank 0 the residual is each block's mean squared distance to its mean key.
+    zero = lowrank.own_blocks(k, tokens, 0, rounded=False)
+    first = k[:, :BLOCK].astype(np.float64)
+    np.testing.assert_allclose(
+        zero.resid[:, 0], ((first - first.mean(axis=1, keepdims=True)) ** 2).sum((1, 2)) / BLOCK)
+    with pytest.raises(ValueError, match="rank"):
+        lowrank.own_blocks(k, tokens, BLOCK + 1)
+    assert lowrank.own_bytes(1, 256) == 2 * 258 + 16 + 4
