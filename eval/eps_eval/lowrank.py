@@ -26,6 +26,10 @@ scale): quest's record in the basis instead of the channels, scored as questclt 
 
 mid and w the box's centre and half-width. The study (eps_eval.run_lowrank) measures both
 against questclt and the exact lag-1 mass at equal bytes.
+
+OwnBlocks describes each block in a basis of its own instead (its mean key, its r
+principal directions, every token's r coefficients), scored as block_scores with a term
+for what the r directions leave out (`run_lowrank --own`).
 """
 
 from __future__ import annotations
