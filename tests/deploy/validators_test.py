@@ -203,8 +203,8 @@ def test_a_bad_flag_value_fails_the_flag_check(deploy: Path) -> None:
 def test_a_value_with_a_space_fails_the_flag_check(deploy: Path) -> None:
     edit(
         deploy / "k8s/base/configmap-epsd-flags.yaml",
-        "    --eps-method=quest\n",
-        "    --eps-method=quest jl\n",
+        "    --eps-method=questclt\n",
+        "    --eps-method=questclt jl\n",
     )
     problems = check_epsd_flags.check(epsd(), deploy / "k8s")
     assert any(p.startswith("base:") and "unexpected argument 'jl'" in p for p in problems), (

@@ -102,7 +102,7 @@ class SelectOptions:
     # budget "mass": one setting per layer (exactly num_layers), replacing mass_target,
     # mass_temperature, min_pages and max_pages layer by layer. Empty keeps the session's list
     # (per step) or every layer on the four fields (at attach); a list replaces the whole list,
-    # for that step only. The cuda backend does not implement it yet (UNIMPLEMENTED).
+    # for that step only. Both backends run it (docs/policy.md, "A setting per layer").
     mass_layers: Sequence[MassSetting] = ()
 
     def __post_init__(self) -> None:
