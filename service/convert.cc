@@ -1,5 +1,7 @@
 #include "service/convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "core/visit_list.h"
 
@@ -304,7 +306,11 @@ void AppendVisitLists(const HostVisitLists& in, std::span<const StepRow> rows,
         v->set_layer(layer);
         v->set_batch_index(static_cast<uint32_t>(i));
         v->set_kv_head(list);
-        const int32_t count = in.counts[index];
+        // The count as read, but never past the list's row: a count is only ever read
+        // from epsd's own memory (Attach refuses shared counts beside inline lists), and
+        // this keeps a corrupt one from reading outside it all the same.
+        const int64_t count =
+            std::clamp<int64_t>(in.counts[index], 0, static_cast<int64_t>(in.max_blocks));
         const int32_t* first = in.blocks + index * in.max_blocks;
         v->mutable_blocks()->Add(first, first + count);
         v->set_visited_tokens(VisitedTokens(count, rows[i].context_tokens, in.block_size));

@@ -117,6 +117,13 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
     buf.max_coarse_groups = dims[Dim::kMaxCoarseGroups];
   }
   RETURN_IF_ERROR(CheckNoOverlap(tensors));
+  // Inline lists go back in the reply, counted by visit_count: memory the engine can
+  // rewrite while epsd reads it would decide how much of visit_blocks is read.
+  if (buf[SharedBuffer::kVisitBlocks].is_inline != buf[SharedBuffer::kVisitCount].is_inline) {
+    return absl::InvalidArgumentError(
+        "visit_blocks and visit_count must both be inline_bytes (the lists come back in the "
+        "reply) or both shared memory");
+  }
   for (const auto& [tensor_spec, tensor] : tensors) {
     if (spec.backend == BackendKind::kCuda && !tensor.is_device) {
       return absl::InvalidArgumentError(absl::StrCat(

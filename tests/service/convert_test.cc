@@ -1,6 +1,8 @@
 // In-process tests of service/convert.h: eps.v1 messages <-> core/ and service types.
 #include "service/convert.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -345,6 +347,33 @@ TEST(ConvertTest, VisitListsAreReadLayerMajorThenRowThenList) {
   EXPECT_EQ(last.batch_index(), 1u);
   EXPECT_EQ(last.kv_head(), 1u);
   EXPECT_EQ(last.blocks_size(), 1);
+}
+
+TEST(ConvertTest, VisitListsNeverReadPastTheirRowWhateverTheCount) {
+  // One layer, one row, one list of at most 4 blocks, followed in memory by another
+  // row's blocks: a count beyond the row or below zero reads only the row's own.
+  const int64_t max_blocks = 4;
+  std::vector<int32_t> blocks = {1, 2, 3, 4, 50, 60, 70, 80};
+  for (const int32_t count : {INT32_MAX, 5, 4, 0, -1, -7, INT32_MIN}) {
+    SCOPED_TRACE(count);
+    const int32_t counts[2] = {count, 4};
+    const std::vector<StepRow> rows = {{.table_row = 0, .context_tokens = 64}};
+    v1::SelectPagesResponse response;
+    AppendVisitLists({.blocks = blocks.data(),
+                      .counts = counts,
+                      .num_layers = 1,
+                      .max_batch = 2,
+                      .lists = 1,
+                      .max_blocks = max_blocks,
+                      .block_size = 16},
+                     rows, &response);
+    ASSERT_EQ(response.visit_lists_size(), 1);
+    const v1::VisitList& v = response.visit_lists(0);
+    const int want = count < 0 ? 0 : std::min<int>(count, max_blocks);
+    EXPECT_EQ(std::vector<int32_t>(v.blocks().begin(), v.blocks().end()),
+              std::vector<int32_t>(blocks.begin(), blocks.begin() + want));
+    EXPECT_LE(v.visited_tokens(), 64);
+  }
 }
 
 TEST(ConvertTest, RowsKeepTableRowContextAndSeqId) {

@@ -123,6 +123,25 @@ TEST_F(SessionServiceTest, VisitListsWiderThanTheBlockTableNameIt) {
                         " does not match block_table.shape[1]="));
 }
 
+TEST_F(SessionServiceTest, InlineListsNeedInlineCounts) {
+  // Inline lists come back in the reply, as many blocks as visit_count says: counts in
+  // memory the engine shares (and can rewrite) beside inline lists are refused, and the
+  // other way round too.
+  for (const bool inline_blocks : {true, false}) {
+    SCOPED_TRACE(inline_blocks);
+    v1::AttachRequest request = engine_.Attach("engine-a");
+    v1::MemoryDescriptor* d = inline_blocks ? request.mutable_buffers()->mutable_visit_blocks()
+                                            : request.mutable_buffers()->mutable_visit_count();
+    d->mutable_inline_bytes()->set_data("");
+    d->set_offset(0);
+    request.mutable_buffers()->clear_flags();
+    v1::AttachResponse response;
+    const absl::Status s = service_.Attach(request, &response);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("visit_blocks and visit_count must both be inline_bytes"));
+  }
+}
+
 TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
   SCOPED_TRACE(eps::testing::SeedTrace(seed_));
   v1::AttachRequest request = engine_.Attach("engine-a");
