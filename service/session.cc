@@ -83,6 +83,16 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
   }
   s->mappings_.set_budget(s->budget_.get());  // inline buffers are charged as they are made
   ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
+  // A reply too large to send would fail every step after running it.
+  if (const int64_t reply = InlineReplyBound(spec, s->buffers_);
+      reply > static_cast<int64_t>(config.max_message_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "inline visit lists of ", spec.model.num_layers, " layers x max_batch ", spec.max_batch,
+        " x up to ", s->buffers_.max_blocks, " blocks could take ", reply,
+        " bytes in one reply, more than --max-message-bytes=", config.max_message_bytes,
+        ": share visit_blocks and visit_count, attach with a smaller max_batch, or raise the "
+        "flag"));
+  }
   ASSIGN_OR_RETURN(s->policy_, SessionPolicy(spec, request, config.policy));
   // What the backend will allocate, charged before it does.
   for (const auto& [what, bytes] : BackendAllocations(spec, s->buffers_)) {

@@ -133,6 +133,20 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
   return buf;
 }
 
+int64_t InlineReplyBound(const SessionSpec& spec, const SessionBuffers& buffers) {
+  const MappedTensor& blocks = buffers[SharedBuffer::kVisitBlocks];
+  if (!blocks.is_inline || blocks.is_device) return 0;
+  const int64_t lists = spec.output_granularity == Granularity::kPerKvHead
+                            ? static_cast<int64_t>(spec.model.num_kv_heads)
+                            : int64_t{1};
+  // A VisitList: its tag and length (6), layer, batch_index, kv_head (6 each), the packed
+  // blocks' tag and length (6) and ids (5 each), visited_tokens (11).
+  const int64_t per_list = 6 + 3 * 6 + 6 + 5 * buffers.max_blocks + 11;
+  const int64_t reply_fields = 1024;  // step, done, this step's statistics
+  return static_cast<int64_t>(spec.model.num_layers) * spec.max_batch * lists * per_list +
+         reply_fields;
+}
+
 absl::Status ApplyInlineWrites(const google::protobuf::RepeatedPtrField<v1::BufferWrite>& writes,
                                const SessionBuffers& buffers) {
   for (int i = 0; i < writes.size(); ++i) {

@@ -52,6 +52,12 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& bu
                                                      const SessionSpec& spec,
                                                      MappingCache& mappings);
 
+// The most bytes one SelectPages reply can take with inline visit lists (0 when the
+// lists are shared): every list of every layer and row at max_blocks block ids, each a
+// varint of at most 5 bytes (ids are ≥ 0), with its fields and framing, and the reply's
+// own fields. Attach refuses a session whose bound exceeds --max-message-bytes.
+int64_t InlineReplyBound(const SessionSpec& spec, const SessionBuffers& buffers);
+
 // Copies a SelectPages call's writes into the inline input buffers. Every
 // write is checked (target, inline, extent) before the first byte is copied.
 absl::Status ApplyInlineWrites(const google::protobuf::RepeatedPtrField<v1::BufferWrite>& writes,

@@ -142,6 +142,41 @@ TEST_F(SessionServiceTest, InlineListsNeedInlineCounts) {
   }
 }
 
+TEST_F(SessionServiceTest, InlineListsThatCouldOutgrowAReplyAreRefusedAtAttach) {
+  // The bound (session_buffers.h): every list at max_blocks ids of 5 bytes, 41 bytes of
+  // fields a list, 1,024 for the reply's own. At the bound the session attaches and its
+  // replies fit; one byte below, Attach names the flag (before, each step ran, then
+  // failed to send, and used up its step number).
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  for (v1::MemoryDescriptor* d : {request.mutable_buffers()->mutable_visit_blocks(),
+                                  request.mutable_buffers()->mutable_visit_count()}) {
+    d->mutable_inline_bytes()->set_data("");
+    d->set_offset(0);
+  }
+  request.mutable_buffers()->clear_flags();
+  request.mutable_options()->set_method(v1::METHOD_OFF);  // every block: the longest lists
+  const v1::MemoryDescriptor& blocks = request.buffers().visit_blocks();
+  ASSERT_EQ(blocks.shape_size(), 3);  // [layers, max_batch, max_blocks]: union lists
+  const int64_t bound = blocks.shape(0) * blocks.shape(1) * (41 + 5 * blocks.shape(2)) + 1024;
+  ServerConfig at = config_;
+  at.max_message_bytes = static_cast<uint32_t>(bound);
+  SessionService fits(at);
+  v1::AttachResponse attached;
+  ASSERT_TRUE(fits.Attach(request, &attached).ok());
+  v1::SelectPagesResponse reply;
+  ASSERT_TRUE(fits.SelectPages(Step(attached.session_id(), 1), &reply).ok());
+  ASSERT_GT(reply.visit_lists_size(), 0);
+  EXPECT_GT(reply.visit_lists(0).blocks_size(), 0);
+  EXPECT_LE(static_cast<int64_t>(reply.ByteSizeLong()), bound);
+  ServerConfig below = config_;
+  below.max_message_bytes = static_cast<uint32_t>(bound - 1);
+  SessionService refuses(below);
+  v1::AttachResponse refused;
+  const absl::Status s = refuses.Attach(request, &refused);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("more than --max-message-bytes=" + std::to_string(bound - 1)));
+}
+
 TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
   SCOPED_TRACE(eps::testing::SeedTrace(seed_));
   v1::AttachRequest request = engine_.Attach("engine-a");
