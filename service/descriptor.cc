@@ -30,7 +30,7 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
         return it->second.get();
       }
       absl::StatusOr<std::unique_ptr<HostMemory>> memory =
-          HostMemory::MapShm(shm_name, desc.host_shm().size());
+          HostMemory::MapShm(shm_name, desc.host_shm().size(), shm_owner_);
       if (!memory.ok()) {
         return absl::Status(memory.status().code(),
                             absl::StrCat(name, ": ", memory.status().message()));

@@ -7,10 +7,13 @@
 // overlap between outputs and everything else.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +59,9 @@ class MappingCache {
   // Inline buffers are charged to `budget` before they are allocated (null: not
   // charged). The budget must outlive the cache.
   void set_budget(MemoryBudget* budget) { budget_ = budget; }
+  // The user every host_shm object must belong to (nullopt: any; docs/security.md,
+  // ShmOwnerFor).
+  void set_shm_owner(std::optional<uid_t> owner) { shm_owner_ = owner; }
   absl::StatusOr<const MappedMemory*> Resolve(const v1::MemoryDescriptor& desc,
                                               const std::string& name, uint64_t needed_bytes);
   size_t size() const { return shm_.size() + inline_.size() + ipc_.size(); }
@@ -65,6 +71,7 @@ class MappingCache {
 
  private:
   MemoryBudget* budget_ = nullptr;
+  std::optional<uid_t> shm_owner_;
   std::vector<MemoryCharge> charges_;  // released after the buffers they paid for
   std::map<std::string, std::unique_ptr<MappedMemory>> shm_;
   std::vector<std::unique_ptr<MappedMemory>> inline_;

@@ -54,7 +54,8 @@ absl::Status CheckShmName(const std::string& field, const std::string& name) {
 }
 
 absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::MapShm(const std::string& name,
-                                                               uint64_t declared_size) {
+                                                               uint64_t declared_size,
+                                                               std::optional<uid_t> owner) {
   if (absl::Status s = CheckShmName("host_shm.name", name); !s.ok()) return s;
   // O_NONBLOCK: a FIFO planted under /dev/shm must not block the open.
   const int fd = shm_open(name.c_str(), O_RDWR | O_NONBLOCK, 0);
@@ -69,6 +70,11 @@ absl::StatusOr<std::unique_ptr<HostMemory>> HostMemory::MapShm(const std::string
     close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("host_shm ", name, " is not a regular shared-memory object"));
+  }
+  if (owner.has_value() && st.st_uid != *owner) {
+    close(fd);
+    return absl::PermissionDeniedError(
+        absl::StrCat("host_shm ", name, " belongs to uid ", st.st_uid, ", not to uid ", *owner));
   }
   const uint64_t actual = static_cast<uint64_t>(st.st_size);
   if (actual != declared_size || actual == 0) {

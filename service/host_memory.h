@@ -9,9 +9,12 @@
 // epsd, and faulted() then says the session's memory is gone.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -39,9 +42,11 @@ absl::Status CheckShmName(const std::string& field, const std::string& name);
 class HostMemory final : public MappedMemory {
  public:
   // Maps the shm object `name` (a regular file under /dev/shm, no symlink)
-  // read-write. `declared_size` must equal its size.
-  static absl::StatusOr<std::unique_ptr<HostMemory>> MapShm(const std::string& name,
-                                                            uint64_t declared_size);
+  // read-write. `declared_size` must equal its size. With `owner`, the object
+  // must belong to that user (PERMISSION_DENIED otherwise, before it is mapped):
+  // epsd opens it with its own rights, which must not stand in for the caller's.
+  static absl::StatusOr<std::unique_ptr<HostMemory>> MapShm(
+      const std::string& name, uint64_t declared_size, std::optional<uid_t> owner = std::nullopt);
   // Allocates `size` zeroed bytes, then copies `initial` (at most `size` bytes) in.
   static absl::StatusOr<std::unique_ptr<HostMemory>> Allocate(uint64_t size,
                                                               const std::string& initial);

@@ -22,6 +22,12 @@ std::string Peer::Describe() const {
   return known ? absl::StrCat("uid ", uid, " (pid ", pid, ")") : "an unknown peer";
 }
 
+std::optional<uid_t> ShmOwnerFor(const Peer& caller) {
+  if (!caller.known) return geteuid();
+  if (caller.uid == 0) return std::nullopt;
+  return caller.uid;
+}
+
 void PeerTable::Set(int fd, const Peer& peer) {
   absl::MutexLock lock(&mu_);
   by_fd_[fd] = peer;  // a reused descriptor: its old connection is closed, this one replaces it

@@ -13,6 +13,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -30,6 +31,12 @@ struct Peer {
   pid_t pid = 0;
   std::string Describe() const;  // "uid 1000 (pid 4242)" or "an unknown peer"
 };
+
+// The user whose host_shm objects a caller may name: its own (any user's for root);
+// for a caller of unknown credentials (TCP, an in-process caller) epsd's own user
+// only, so that no caller reaches through epsd an object it could not open itself
+// (docs/security.md). nullopt: any user's.
+std::optional<uid_t> ShmOwnerFor(const Peer& caller);
 
 class PeerTable {
  public:

@@ -72,7 +72,8 @@ int64_t SteadyNowMs() {
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest& request,
                                                          const ServerConfig& config,
-                                                         MemoryBudget& server_budget) {
+                                                         MemoryBudget& server_budget,
+                                                         const Peer& caller) {
   std::unique_ptr<Session> s(new Session());
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
                                               &server_budget);
@@ -82,6 +83,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     s->mappings_.set_cuda_ipc_opener(MakeCudaIpcOpener(spec.device));
   }
   s->mappings_.set_budget(s->budget_.get());  // inline buffers are charged as they are made
+  s->mappings_.set_shm_owner(ShmOwnerFor(caller));
   ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
   // A reply too large to send would fail every step after running it.
   if (const int64_t reply = InlineReplyBound(spec, s->buffers_);

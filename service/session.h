@@ -36,9 +36,11 @@ class Session {
   // request sizes is charged first to the session's budget
   // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
   // naming the limit before anything is allocated past it.
+  // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
   static absl::StatusOr<std::unique_ptr<Session>> Create(const v1::AttachRequest& request,
                                                          const ServerConfig& config,
-                                                         MemoryBudget& server_budget);
+                                                         MemoryBudget& server_budget,
+                                                         const Peer& caller);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 

@@ -11,7 +11,20 @@ absl::Status SessionRegistry::Add(std::shared_ptr<Session> session, size_t max_s
     // Only the user that attached a session (or root) replaces it (docs/security.md).
     const auto existing = by_id_.find(it->second);
     if (existing != by_id_.end()) {
-      if (absl::Status s = existing->second->CheckCaller(session->owner()); !s.ok()) return s;
+      const Session& old = *existing->second;
+      if (absl::Status s = old.CheckCaller(session->owner()); !s.ok()) return s;
+      // A session whose user is unknown (attached over TCP) is protected by its id
+      // alone: an Attach naming its engine_id, which any caller can learn, replaces it
+      // only once its lease has run out (its Detach, with the id, frees it at once).
+      const Peer& caller = session->owner();
+      if (!old.owner().known && !(caller.known && caller.uid == 0) && !old.Expired(SteadyNowMs())) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "engine '", session->spec().engine_id,
+            "' has a session attached by an unknown peer (over TCP) whose lease of ",
+            old.spec().lease_ms,
+            " ms has not run out: such a session is replaced only after its lease or its "
+            "Detach"));
+      }
     }
     by_id_.erase(it->second);  // the replaced session unmaps once no call holds it
   } else if (by_id_.size() >= max_sessions) {

@@ -88,7 +88,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
   absl::StatusOr<std::unique_ptr<Session>> built =
-      Session::Create(request, config_, server_budget_);
+      Session::Create(request, config_, server_budget_, caller);
   if (!built.ok()) return CountFailure(built.status());
   std::shared_ptr<Session> session = *std::move(built);
   session->set_id(NewSessionId(next_session_.fetch_add(1)));

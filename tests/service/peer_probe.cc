@@ -1,15 +1,20 @@
 // Plays another local user against a running epsd, for session_isolation_test:
 // tries to step, inspect, detach and replace a session it did not attach, and
-// prints one line "step=<code> stats=<code> detach=<code> replace=<code> listed=<n>".
-// Usage: peer_probe <target> <session_id> <engine_id>
+// prints one line "step=<code> stats=<code> detach=<code> replace=<code> listed=<n>";
+// with a fourth argument, a file holding a serialized AttachRequest (another user's
+// buffers), it also attaches that and appends " borrow=<code>".
+// Usage: peer_probe <target> <session_id> <engine_id> [attach_request_file]
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "tests/service/raw_calls.h"
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: peer_probe <target> <session_id> <engine_id>\n");
+  if (argc != 4 && argc != 5) {
+    std::fprintf(stderr,
+                 "usage: peer_probe <target> <session_id> <engine_id> [attach_request_file]\n");
     return 2;
   }
   using namespace eps;
@@ -75,8 +80,23 @@ int main(int argc, char** argv) {
   inline_desc(b->mutable_visit_count(), v1::DTYPE_INT32, {1, 1});
   v1::AttachResponse attached;
   const grpc::Status replace = testing::RawAttach(*stub, attach, &attached);
-  std::printf("step=%d stats=%d detach=%d replace=%d listed=%d\n", step.error_code(),
+  std::printf("step=%d stats=%d detach=%d replace=%d listed=%d", step.error_code(),
               stats.error_code(), detach.error_code(), replace.error_code(), listed);
   if (!replace.ok()) std::fprintf(stderr, "replace: %s\n", replace.error_message().c_str());
+  if (argc == 5) {  // another user's buffers, named in an Attach of this user's own
+    std::ifstream file(argv[4], std::ios::binary);
+    std::stringstream bytes;
+    bytes << file.rdbuf();
+    v1::AttachRequest borrowed;
+    if (!borrowed.ParseFromString(bytes.str())) {
+      std::printf(" borrow=unreadable\n");
+      return 0;
+    }
+    v1::AttachResponse borrowed_response;
+    const grpc::Status borrow = testing::RawAttach(*stub, borrowed, &borrowed_response);
+    std::printf(" borrow=%d", borrow.error_code());
+    if (!borrow.ok()) std::fprintf(stderr, "borrow: %s\n", borrow.error_message().c_str());
+  }
+  std::printf("\n");
   return 0;
 }

@@ -4,12 +4,17 @@
 // can neither step, inspect, detach nor replace it, and the listing shows no
 // session ids (docs/security.md).
 #include <grp.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -71,7 +76,7 @@ TEST(SessionIsolation, TheListingShowsNoSessionIds) {
 
 // Runs peer_probe as user `uid`, and returns its output line.
 std::string ProbeAs(uid_t uid, const std::string& target, const std::string& session,
-                    const std::string& engine) {
+                    const std::string& engine, const std::string& attach_file = "") {
   int pipe_fds[2];
   if (pipe(pipe_fds) != 0) return "pipe failed";
   const pid_t pid = fork();
@@ -82,8 +87,13 @@ std::string ProbeAs(uid_t uid, const std::string& target, const std::string& ses
         setresuid(uid, uid, uid) != 0) {
       _exit(3);
     }
-    execl(PEER_PROBE_PATH, PEER_PROBE_PATH, target.c_str(), session.c_str(), engine.c_str(),
-          static_cast<char*>(nullptr));
+    if (attach_file.empty()) {
+      execl(PEER_PROBE_PATH, PEER_PROBE_PATH, target.c_str(), session.c_str(), engine.c_str(),
+            static_cast<char*>(nullptr));
+    } else {
+      execl(PEER_PROBE_PATH, PEER_PROBE_PATH, target.c_str(), session.c_str(), engine.c_str(),
+            attach_file.c_str(), static_cast<char*>(nullptr));
+    }
     _exit(4);
   }
   close(pipe_fds[1]);
@@ -125,6 +135,80 @@ TEST(SessionIsolation, AnotherUserCannotStepInspectDetachOrReplaceASession) {
       testing::RawStep(*stub, testing::StepRequest(attached.session_id(), 1, rows));
   EXPECT_TRUE(own.ok()) << own.error_message();
   EXPECT_TRUE(engine.MatchesReference(rows));
+}
+
+TEST(SessionIsolation, OverTcpASessionIsReplacedOnlyAfterItsLeaseOrItsDetach) {
+  // Over TCP epsd cannot tell who attached a session, and GetStats lists engine ids: an
+  // Attach naming a live session's engine_id must not evict it (ALREADY_EXISTS), so the
+  // owner keeps stepping; once that session is detached, or its lease has run out, the
+  // engine_id is free again.
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  auto epsd = EpsdProcess::Start("127.0.0.1:0", {"--lease-ms=300"});
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  TestEngine engine(testing::SmallServiceModel(), 1, 1024, 1, seed);
+  engine.Fill(0, 0, 1024);
+  v1::AttachResponse owner;
+  ASSERT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-tcp"), &owner).ok());
+  const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 1000)};
+  uint64_t step = 0;
+  auto step_ok = [&](const std::string& id) {
+    return testing::RawStep(*stub, testing::StepRequest(id, ++step, rows)).ok();
+  };
+  v1::AttachResponse taken;
+  const grpc::Status refused = testing::RawAttach(*stub, engine.Attach("engine-tcp"), &taken);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::ALREADY_EXISTS) << refused.error_message();
+  EXPECT_TRUE(step_ok(owner.session_id()));
+  EXPECT_TRUE(engine.MatchesReference(rows));
+  // Detached with its id: the engine_id is free at once.
+  {
+    grpc::ClientContext context;
+    v1::DetachRequest detach;
+    detach.set_session_id(owner.session_id());
+    v1::DetachResponse done;
+    ASSERT_TRUE(stub->Detach(&context, detach, &done).ok());
+  }
+  v1::AttachResponse second;
+  ASSERT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-tcp"), &second).ok());
+  EXPECT_TRUE(step_ok(second.session_id()));
+  // Left idle past its 300 ms lease (and before the reaper, which runs every 30 ms, or
+  // after it): replaced.
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  v1::AttachResponse third;
+  const grpc::Status after = testing::RawAttach(*stub, engine.Attach("engine-tcp"), &third);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+}
+
+TEST(SessionIsolation, AnotherUserCannotAttachBuffersItCannotOpen) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run the probe as another user";
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  // epsd runs as root and could open any object; the engine's shm objects belong to root
+  // (mode 0600), so the other user could not open them itself, and epsd must not do it
+  // for it: an Attach of its own naming them is PERMISSION_DENIED.
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("iso-shm"), {"--socket-mode=0666"});
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  TestEngine engine(testing::SmallServiceModel(), 1, 1024, 1, seed);
+  engine.Fill(0, 0, 1024);
+  v1::AttachResponse attached;
+  ASSERT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-owner"), &attached).ok());
+  const std::string file = "/tmp/eps-borrow-" + std::to_string(getpid()) + ".bin";
+  {
+    std::ofstream out(file, std::ios::binary);
+    ASSERT_TRUE(engine.Attach("engine-borrower").SerializeToOstream(&out));
+  }
+  ASSERT_EQ(chmod(file.c_str(), 0644), 0);
+  const std::string line =
+      ProbeAs(65534, epsd->target(), attached.session_id(), "engine-owner", file);
+  std::remove(file.c_str());
+  const size_t at = line.find("borrow=");
+  ASSERT_NE(at, std::string::npos) << line;
+  EXPECT_EQ(std::atoi(line.c_str() + at + 7), grpc::StatusCode::PERMISSION_DENIED) << line;
+  // The same request from root (the objects' owner) attaches.
+  v1::AttachResponse own;
+  EXPECT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-borrower"), &own).ok());
 }
 
 }  // namespace

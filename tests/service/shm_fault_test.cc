@@ -5,11 +5,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <optional>
 #include <string>
 
 #include "absl/strings/escaping.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/host_memory.h"
+#include "service/peer.h"
 #include "tests/core/test_util.h"
 #include "tests/service/epsd_process.h"
 #include "tests/service/raw_calls.h"
@@ -134,6 +137,37 @@ TEST(ShmNames, AFifoUnderDevShmIsNotMapped) {
       service::HostMemory::MapShm(name, 4096);
   EXPECT_EQ(memory.status().code(), absl::StatusCode::kInvalidArgument) << memory.status();
   unlink(("/dev/shm" + name).c_str());
+}
+
+TEST(ShmOwners, AnObjectOfAnotherUserIsNotMappedForACaller) {
+  const std::string name = "/eps-shmowner-" + std::to_string(getpid());
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  const uid_t me = geteuid();
+  // Its owner, and no owner asked: mapped.
+  for (const std::optional<uid_t> owner : {std::optional<uid_t>(me), std::optional<uid_t>()}) {
+    absl::StatusOr<std::unique_ptr<service::HostMemory>> memory =
+        service::HostMemory::MapShm(name, 4096, owner);
+    EXPECT_TRUE(memory.ok()) << memory.status();
+  }
+  // Another user: refused before it is mapped, naming both users.
+  absl::StatusOr<std::unique_ptr<service::HostMemory>> other =
+      service::HostMemory::MapShm(name, 4096, me + 1);
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kPermissionDenied) << other.status();
+  EXPECT_THAT(std::string(other.status().message()),
+              ::testing::HasSubstr("belongs to uid " + std::to_string(me) + ", not to uid " +
+                                   std::to_string(me + 1)));
+  shm_unlink(name.c_str());
+}
+
+TEST(ShmOwners, ACallerMayNameItsOwnObjectsAndRootAnyUnknownCallersEpsdsOwn) {
+  service::Peer user{.known = true, .uid = 1234, .pid = 1};
+  EXPECT_EQ(service::ShmOwnerFor(user), std::optional<uid_t>(1234));
+  service::Peer root{.known = true, .uid = 0, .pid = 1};
+  EXPECT_EQ(service::ShmOwnerFor(root), std::nullopt);
+  EXPECT_EQ(service::ShmOwnerFor(service::Peer{}), std::optional<uid_t>(geteuid()));
 }
 
 }  // namespace
