@@ -36,6 +36,11 @@ absl::Status SessionRegistry::Add(std::shared_ptr<Session> session, size_t max_s
   return absl::OkStatus();
 }
 
+bool SessionRegistry::Full(const std::string& engine_id, size_t max_sessions) const {
+  absl::MutexLock lock(&mu_);
+  return id_by_engine_.find(engine_id) == id_by_engine_.end() && by_id_.size() >= max_sessions;
+}
+
 std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(id);

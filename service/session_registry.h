@@ -21,9 +21,14 @@ class SessionRegistry {
  public:
   // Publishes `session`; a session of the same engine_id is replaced (re-attach
   // after an engine restart) when the new one's owner may use it, and
-  // PERMISSION_DENIED otherwise. RESOURCE_EXHAUSTED when it would be a new session
-  // beyond `max_sessions` (checked under the lock, so concurrent attaches agree).
+  // PERMISSION_DENIED otherwise; one attached by an unknown peer (TCP) only once
+  // its lease has run out (ALREADY_EXISTS before). RESOURCE_EXHAUSTED when it would
+  // be a new session beyond `max_sessions` (checked under the lock, so concurrent
+  // attaches agree).
   absl::Status Add(std::shared_ptr<Session> session, size_t max_sessions);
+  // Whether a session of `engine_id` would be refused as one beyond `max_sessions`
+  // now: checked before an Attach maps and allocates anything (Add decides).
+  bool Full(const std::string& engine_id, size_t max_sessions) const;
   std::shared_ptr<Session> Find(const std::string& id) const;
   bool Remove(const std::string& id);
   // Removes and returns the sessions whose lease ran out.

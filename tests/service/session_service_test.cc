@@ -123,6 +123,24 @@ TEST_F(SessionServiceTest, VisitListsWiderThanTheBlockTableNameIt) {
                         " does not match block_table.shape[1]="));
 }
 
+TEST_F(SessionServiceTest, MaxSessionsRefusesANewEngineUntilOneDetaches) {
+  ServerConfig two = config_;
+  two.max_sessions = 2;
+  SessionService service(two);
+  v1::AttachResponse response;
+  ASSERT_TRUE(service.Attach(engine_.Attach("engine-a"), &response).ok());
+  ASSERT_TRUE(service.Attach(engine_.Attach("engine-b"), &response).ok());
+  const std::string b_id = response.session_id();
+  const absl::Status third = service.Attach(engine_.Attach("engine-c"), &response);
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.message(), HasSubstr("--max-sessions=2"));
+  // Freed by a Detach, the place takes a new engine.
+  v1::DetachRequest detach;
+  detach.set_session_id(b_id);
+  ASSERT_TRUE(service.Detach(detach).ok());
+  EXPECT_TRUE(service.Attach(engine_.Attach("engine-c"), &response).ok());
+}
+
 TEST_F(SessionServiceTest, InlineListsNeedInlineCounts) {
   // Inline lists come back in the reply, as many blocks as visit_count says: counts in
   // memory the engine shares (and can rewrite) beside inline lists are refused, and the
