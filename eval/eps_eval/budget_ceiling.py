@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
-from eps_eval.metrics import BLOCK, Dense, dense, evaluate, group_sum, group_tokens
+from eps_eval.metrics import Dense, dense, evaluate, group_sum, group_tokens
 from eps_eval.quality import QuestTables
 from eps_eval.run import log
 from eps_eval.run_gemma import contexts
@@ -124,9 +124,10 @@ def summarize(recall: F64, skip: F64, greedy: F64, target: float,
 
 
 def table(results: dict[tuple[int, str, int], dict[str, float]], target: float) -> str:
-    lines = [f"| context | ranking | g | pairs | fixed, mean recall {target} | fixed, {target} on "
-             "95 % of pairs | per-pair budget | greedy ceiling | greedy − fixed | needed share "
-             "p10 / p50 / p90 |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    header = (f"| context | ranking | g | pairs | fixed, mean recall {target} | fixed, {target} on "
+              "95 % of pairs | per-pair budget | greedy ceiling | greedy − fixed | needed share "
+              "p10 / p50 / p90 |")
+    lines = [header, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for (ctx, ranking, g), r in sorted(results.items()):
         lines.append(
             f"| {ctx} | {ranking} | {g} | {r['pairs']:.0f} | {r['fixed']:.3f} | "
@@ -181,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                                       **{f"skip_{f:g}": s for f, s in zip(FRACTIONS, skip)}})
             log(f"context {ctx} layer {L} done")
         del tr
-        for (name, g), (rec, skip, gs) in curves.items():
-            results[(ctx, name, g)] = summarize(np.array(rec), np.array(skip), np.array(gs),
-                                                a.target)
+        for (name, g), (recs, skips, greedy) in curves.items():
+            results[(ctx, name, g)] = summarize(np.array(recs), np.array(skips),
+                                                np.array(greedy), a.target)
         with (a.out / "units" / f"ceiling_{a.model}_{ctx}.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(units[0]))
             w.writeheader()

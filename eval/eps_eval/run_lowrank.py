@@ -136,7 +136,7 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
         rec, skip = [], []
         for i, t in enumerate(tps):
             inside = np.where(cand[i, 0][None, :] > 0, exact, -1e30).astype(np.float32)
-            fin = core.mark(inside, k.shape[0], [max(1, int(round(rho * t)))])
+            fin = core.mark(inside, k.shape[0], [max(1, round(rho * t))])
             mf = evaluate(dn, 1, fin, [t], [record_of("questclt1", d)])
             skip.append(1.0 - 0.5 * cand_read[i] - 0.5 * mf["visited"][0] - mf["summary_frac"][0])
             rec.append(mf["recall"][0])

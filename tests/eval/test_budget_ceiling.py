@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from eps_eval import budget_ceiling as bc
 from eps_eval.metrics import BLOCK, Dense, dense
 
