@@ -5,6 +5,7 @@
 #include <future>
 #include <mutex>
 #include <random>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
@@ -72,12 +73,22 @@ class StreamCall final
     return done_ || read_closed_;
   }
 
+  // Cancels the call if it is open, without waiting: epsd sees the stream end and
+  // runs none of the requests it has not read yet.
+  void Cancel() {
+    std::lock_guard lock(mu_);
+    if (!done_) context_.TryCancel();
+  }
+
+  // Whether gRPC is finished with this object (OnDone has run).
+  bool Finished() {
+    std::lock_guard lock(mu_);
+    return finished_;
+  }
+
   // Cancels the call if it is open and waits until gRPC is finished with this object.
   void Close() {
-    {
-      std::lock_guard lock(mu_);
-      if (!done_) context_.TryCancel();
-    }
+    Cancel();
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return finished_; });
   }
@@ -147,6 +158,7 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
 EpsClient::~EpsClient() {
   if (pending_attach_.valid()) pending_attach_.wait();
   if (stream_) stream_->Close();
+  for (auto& stream : abandoned_streams_) stream->Close();  // cancelled: they end promptly
   ReapAbandoned(/*wait=*/true);  // cancelled calls finish promptly
 }
 
@@ -251,6 +263,9 @@ struct UnaryCall {
 };
 
 void EpsClient::ReapAbandoned(bool wait) {
+  std::erase_if(abandoned_streams_, [](const std::unique_ptr<StreamCall>& s) {
+    return s->Finished();
+  });
   for (auto it = abandoned_.begin(); it != abandoned_.end();) {
     if (wait) {
       std::unique_lock lock((*it)->mu);
@@ -299,6 +314,7 @@ absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request, Deadlin
 
 absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request, Deadline deadline,
                                    v1::SelectPagesResponse* response) {
+  ReapAbandoned(/*wait=*/false);
   if (stream_ && stream_->done()) {
     stream_->Close();
     stream_.reset();
@@ -352,6 +368,11 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   const Deadline deadline = start + options_.deadline;
   absl::Status status = options_.use_stream ? CallStream(request, deadline, &result.response)
                                             : CallUnary(request, deadline, &result.response);
+  if (status.ok() && result.response.step() != step) {
+    // epsd echoes the step it ran: another step's reply says nothing of this one.
+    status = absl::InternalError(absl::StrCat("epsd answered step ", result.response.step(),
+                                              " for step ", step));
+  }
   if (status.ok() && std::chrono::steady_clock::now() > deadline) {
     // A reply taken late (this thread was descheduled, say) is a miss: the
     // engine has moved on and must not use it.
@@ -375,6 +396,13 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   }
   switch (status.code()) {
     case absl::StatusCode::kDeadlineExceeded:
+      if (stream_) {
+        // The stream still holds this step (and maybe later ones) for epsd, which would
+        // run them after the engine gave up on them: cancel it now (gRPC finishes it in
+        // the background) and open a fresh one for the next step.
+        stream_->Cancel();
+        abandoned_streams_.push_back(std::move(stream_));
+      }
       return Fallback(step, status, fb_deadline_);
     case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
       if (stream_) {

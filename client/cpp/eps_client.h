@@ -7,7 +7,9 @@
 // counted by reason. After a sidecar restart (or lease expiry) the client
 // re-attaches by itself (idempotent per engine_id) in the background, with
 // attach_deadline and reattach_backoff, while steps fall back. Unary or bidirectional-stream
-// transport; the stream keeps one call open and matches replies by step.
+// transport; the stream keeps one call open and matches replies by step, and is cancelled
+// on a missed deadline (a fresh one carries the next step), so that epsd does not run
+// steps the engine gave up on. A reply for another step than the one asked is an error.
 //
 // Thread safety: one engine thread calls SelectPages at a time; counters() may
 // be read from any thread.
@@ -114,6 +116,7 @@ class EpsClient {
   std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
   std::unique_ptr<StreamCall> stream_;
   std::vector<std::unique_ptr<UnaryCall>> abandoned_;  // cancelled, callback pending
+  std::vector<std::unique_ptr<StreamCall>> abandoned_streams_;  // cancelled, OnDone pending
 
   const uint64_t client_id_;  // names this client's fallback reports (random)
   ClientCounters reported_;   // fallbacks epsd has surely been told about (engine thread only)

@@ -103,6 +103,57 @@ TEST(FallbackCounting, RepeatedDeadlineMissesAreEachCountedOnceByEpsd) {
   server->Shutdown();
 }
 
+// Answers every step with another step's number.
+class WrongStep final : public v1::PageSelector::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context, const v1::AttachRequest*,
+                                   v1::AttachResponse* response) override {
+    response->set_session_id("s-fake");
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  grpc::ServerUnaryReactor* SelectPages(grpc::CallbackServerContext* context,
+                                        const v1::SelectPagesRequest* request,
+                                        v1::SelectPagesResponse* response) override {
+    response->set_step(request->step() + 1000);
+    response->set_done(true);
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+};
+
+TEST(FallbackCounting, AReplyForAnotherStepIsAnErrorFallback) {
+  WrongStep fake;
+  const std::string target = "unix:///tmp/eps-fake-step-" + std::to_string(getpid()) + ".sock";
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  client::ClientOptions options;
+  options.target = target;
+  options.deadline = std::chrono::seconds(2);
+  options.attach_deadline = std::chrono::seconds(5);
+  v1::AttachRequest attach;
+  attach.set_engine_id("engine-wrong-step");
+  {
+    client::EpsClient client(options, attach);
+    ASSERT_TRUE(client.Attach().ok());
+    v1::BatchRow row;
+    row.set_context_tokens(16);
+    const client::StepResult r = client.SelectPages(7, {&row, 1});
+    EXPECT_TRUE(r.fallback);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInternal) << r.status;
+    EXPECT_NE(r.status.message().find("epsd answered step 1007 for step 7"), std::string::npos)
+        << r.status;
+    EXPECT_EQ(client.counters().fallback_error, 1u);
+    EXPECT_EQ(client.counters().selected, 0u);
+  }
+  server->Shutdown();
+}
+
 TEST(FallbackCounting, EpsdAddsOnlyTheIncreaseOfAClientsTotals) {
   telemetry::FallbackReports accounting;
   v1::ClientFallbacks report;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <thread>
 
 #include "client/cpp/eps_client.h"
@@ -57,6 +58,46 @@ TEST_P(FaultTest, DeadlineMissFallsBackAndIsCounted) {
   EXPECT_TRUE(r.fallback);
   EXPECT_EQ(r.status.code(), absl::StatusCode::kDeadlineExceeded) << r.status;
   EXPECT_EQ(hurried.counters().fallback_deadline, 1u);
+}
+
+TEST_P(FaultTest, AStoppedSidecarRunsNoneOfTheStepsTheEngineGaveUpOn) {
+  // epsd stopped (alive, silent) while the engine takes 20 steps: each falls back at its
+  // deadline. Resumed, epsd must not then run those steps (they would write lists and
+  // counters the engine no longer waits for), and selection resumes at once. On the
+  // stream, the client cancels the stream at each miss; before, every queued step ran.
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  auto epsd = EpsdProcess::Start(testing::UniqueSocket("stopped"));
+  ASSERT_NE(epsd, nullptr);
+  client::ClientOptions o = Options(epsd->target());
+  client::EpsClient client(o, engine_->Attach("engine-stopped"));
+  ASSERT_TRUE(client.Attach().ok());
+  ASSERT_FALSE(client.SelectPages(1, Rows(1)).fallback);
+  o.deadline = std::chrono::milliseconds(30);
+  client::EpsClient hurried(o, engine_->Attach("engine-stopped"));  // replaces it (same user)
+  ASSERT_TRUE(hurried.Attach().ok());
+  ASSERT_FALSE(hurried.SelectPages(1, Rows(1)).fallback);
+  epsd->Signal(SIGSTOP);
+  for (int step = 2; step <= 21; ++step) {
+    const client::StepResult r = hurried.SelectPages(step, Rows(step));
+    EXPECT_TRUE(r.fallback) << "step " << step;
+    EXPECT_LT(r.round_trip_us, 1e6) << "step " << step;  // a hang guard
+  }
+  epsd->Signal(SIGCONT);
+  int step = 22;
+  bool selected = false;
+  for (; step < 122 && !selected; ++step) selected = !hurried.SelectPages(step, Rows(step)).fallback;
+  ASSERT_TRUE(selected);
+  grpc::ClientContext context;
+  v1::GetStatsRequest request;
+  request.set_session_id(hurried.session_id());
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(hurried.stub().GetStats(&context, request, &stats).ok());
+  ASSERT_EQ(stats.sessions_size(), 1);
+  // Steps 1 and the one that selected, plus at most the few already in epsd's hands
+  // when it stopped or while it resumed.
+  EXPECT_LE(stats.sessions(0).steps(), hurried.counters().selected + 3)
+      << "epsd ran " << stats.sessions(0).steps() << " steps, the client selected "
+      << hurried.counters().selected << " of " << step - 1;
 }
 
 TEST_P(FaultTest, AbsentSidecarFallsBackWithoutWaiting) {

@@ -101,3 +101,69 @@ def test_epsd_killed_mid_session_falls_back_as_unavailable(epsd, tmp_path):
         assert time.monotonic() - start < 2.5
         assert client.counters().fallback_unavailable == 1
     state.buffers.close()
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_a_stopped_epsd_runs_none_of_the_steps_the_engine_gave_up_on(epsd, use_stream):
+    """epsd stopped (alive, silent) while the engine takes 20 steps: each falls back at its
+    deadline. Resumed, epsd must not run them (they would write lists the engine no longer
+    waits for), and selection resumes. On the stream the client cancels the stream at each
+    miss; before, every queued step ran after SIGCONT."""
+    import os
+    import signal
+
+    import numpy as np
+    from engine_state import make_state
+
+    state = make_state(np.random.default_rng(7), contexts=[200])
+    options = ClientOptions(target=epsd.target, deadline_s=0.03, use_stream=use_stream)
+    with state.client(options) as client:
+        client.attach()
+        assert client.select_pages(1, state.rows).ok
+        assert epsd.process is not None
+        os.kill(epsd.process.pid, signal.SIGSTOP)
+        try:
+            for step in range(2, 22):
+                result = client.select_pages(step, state.rows)
+                assert result.fallback, f"step {step}"
+        finally:
+            os.kill(epsd.process.pid, signal.SIGCONT)
+        step, ok = 22, False
+        while step < 122 and not ok:
+            ok = client.select_pages(step, state.rows).ok
+            step += 1
+        assert ok
+        stats = client.stub.GetStats(pb.GetStatsRequest(session_id=client.session_id), timeout=5)
+        ran = stats.sessions[0].steps
+        selected = client.counters().selected
+        assert ran <= selected + 3, f"epsd ran {ran} steps, the client selected {selected}"
+    state.buffers.close()
+
+
+class WrongStep(pb_grpc.PageSelectorServicer):
+    """Answers every step with another step's number."""
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.AttachResponse(session_id="wrong")
+
+    def SelectPages(self, request, context):  # noqa: N802
+        return pb.SelectPagesResponse(step=request.step + 1000, done=True)
+
+
+def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
+    servicer = WrongStep()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
+    target = f"unix://{tmp_path}/wrong.sock"
+    server.add_insecure_port(target)
+    server.start()
+    try:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=False)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            client.attach()
+            result = client.select_pages(7, [(0, 1, 0)])
+            assert result.fallback and result.code == grpc.StatusCode.INTERNAL
+            assert "epsd answered step 1007 for step 7" in result.message
+            assert client.counters().fallback_error == 1 and client.counters().selected == 0
+    finally:
+        server.stop(grace=None)

@@ -159,9 +159,14 @@ class _Stream:
                 return reply
             # a reply to a step the engine gave up on: dropped
 
-    def close(self) -> None:
+    def cancel(self) -> None:
+        """Ends the call without waiting: epsd sees it cancelled and runs none of the
+        requests it has not read; the reader thread ends on its own."""
         self._requests.put(self._END)
         self._call.cancel()
+
+    def close(self) -> None:
+        self.cancel()
         self._reader.join(timeout=5)
 
 
@@ -342,6 +347,10 @@ class EpsClient:
                 response = self._call_stream(request, deadline)
             else:
                 response = self._call_unary(request, deadline)
+            if response.step != step:
+                # epsd echoes the step it ran: another step's reply says nothing of this one.
+                raise EpsError(grpc.StatusCode.INTERNAL,
+                               f"epsd answered step {response.step} for step {step}")
             if time.monotonic() > deadline:
                 # A reply taken late (this thread was descheduled, say) is a miss: the
                 # engine has moved on and must not use it.
@@ -353,6 +362,12 @@ class EpsClient:
             if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
                 self._close_stream()
                 self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
+            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._stream is not None:
+                # The stream still holds this step (and maybe later ones) for epsd, which
+                # would run them after the engine gave up on them: cancel it now, without
+                # waiting, and open a fresh one for the next step.
+                stream, self._stream = self._stream, None
+                stream.cancel()
             return self._failed(step, e.code, e.message, start)
         self._reported = now
         self._count("selected")
