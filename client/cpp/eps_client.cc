@@ -156,19 +156,35 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
 }
 
 EpsClient::~EpsClient() {
+  CancelBackgroundAttach();  // so that the wait below is short even with epsd stopped
   if (pending_attach_.valid()) pending_attach_.wait();
   if (stream_) stream_->Close();
   for (auto& stream : abandoned_streams_) stream->Close();  // cancelled: they end promptly
-  ReapAbandoned(/*wait=*/true);  // cancelled calls finish promptly
+  ReapAbandoned(/*wait=*/true);                             // cancelled calls finish promptly
 }
 
-absl::StatusOr<std::string> EpsClient::CallAttach() const {
+absl::StatusOr<std::string> EpsClient::CallAttach(bool background) const {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  if (background) {
+    std::lock_guard lock(attach_mu_);
+    if (closing_) return absl::CancelledError("the client is closing");
+    attach_context_ = &context;
+  }
   v1::AttachResponse response;
   const grpc::Status status = stub_->Attach(&context, attach_, &response);
+  if (background) {
+    std::lock_guard lock(attach_mu_);
+    attach_context_ = nullptr;
+  }
   if (!status.ok()) return FromGrpc(status);
   return response.session_id();
+}
+
+void EpsClient::CancelBackgroundAttach() {
+  std::lock_guard lock(attach_mu_);
+  closing_ = true;
+  if (attach_context_ != nullptr) attach_context_->TryCancel();
 }
 
 absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
@@ -200,11 +216,14 @@ absl::Status EpsClient::PollReattach() {
   if (std::chrono::steady_clock::now() < next_attach_try_) {
     return absl::UnavailableError("not attached; re-attach backing off");
   }
-  pending_attach_ = std::async(std::launch::async, [this] { return CallAttach(); });
+  pending_attach_ = std::async(std::launch::async, [this] { return CallAttach(true); });
   return absl::UnavailableError("not attached; re-attach started");
 }
 
 absl::Status EpsClient::Detach() {
+  // A background re-attach may be about to be granted a session (its call is bounded by
+  // attach_deadline): take it, so that it is detached too rather than left to its lease.
+  if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());
   if (session_id_.empty()) return absl::OkStatus();
   if (stream_) {
     stream_->Close();
@@ -263,9 +282,8 @@ struct UnaryCall {
 };
 
 void EpsClient::ReapAbandoned(bool wait) {
-  std::erase_if(abandoned_streams_, [](const std::unique_ptr<StreamCall>& s) {
-    return s->Finished();
-  });
+  std::erase_if(abandoned_streams_,
+                [](const std::unique_ptr<StreamCall>& s) { return s->Finished(); });
   for (auto it = abandoned_.begin(); it != abandoned_.end();) {
     if (wait) {
       std::unique_lock lock((*it)->mu);
@@ -370,8 +388,8 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
                                             : CallUnary(request, deadline, &result.response);
   if (status.ok() && result.response.step() != step) {
     // epsd echoes the step it ran: another step's reply says nothing of this one.
-    status = absl::InternalError(absl::StrCat("epsd answered step ", result.response.step(),
-                                              " for step ", step));
+    status = absl::InternalError(
+        absl::StrCat("epsd answered step ", result.response.step(), " for step ", step));
   }
   if (status.ok() && std::chrono::steady_clock::now() > deadline) {
     // A reply taken late (this thread was descheduled, say) is a miss: the

@@ -21,6 +21,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -80,12 +81,15 @@ struct UnaryCall;
 class EpsClient {
  public:
   EpsClient(ClientOptions options, v1::AttachRequest attach);
+  // Cancels a background re-attach (it does not detach: call Detach first for that).
   ~EpsClient();
 
   // Attaches (or re-attaches); SelectPages also does this lazily.
   absl::Status Attach();
   StepResult SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
                          const v1::SelectOptions* options = nullptr);
+  // Ends the session, also one a background re-attach is being granted (waiting for it,
+  // within attach_deadline).
   absl::Status Detach();
   absl::Status Ping(std::chrono::microseconds deadline);
   absl::Status Heartbeat();
@@ -96,7 +100,10 @@ class EpsClient {
 
  private:
   StepResult Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter);
-  absl::StatusOr<std::string> CallAttach() const;  // thread-safe: stub and attach_ only
+  // Thread-safe (stub, attach_ and the attach lock only). `background`: the call can be
+  // cancelled by the destructor (CancelBackgroundAttach), and is refused once it ran.
+  absl::StatusOr<std::string> CallAttach(bool background = false) const;
+  void CancelBackgroundAttach();
   absl::Status Adopt(const absl::StatusOr<std::string>& attached);
   absl::Status PollReattach();
   using Deadline = std::chrono::steady_clock::time_point;
@@ -114,8 +121,11 @@ class EpsClient {
   bool attached_before_ = false;
   std::chrono::steady_clock::time_point next_attach_try_{};
   std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
+  mutable std::mutex attach_mu_;  // guards the two below, shared with the re-attach thread
+  mutable grpc::ClientContext* attach_context_ = nullptr;  // the running background Attach's
+  mutable bool closing_ = false;                           // set by the destructor
   std::unique_ptr<StreamCall> stream_;
-  std::vector<std::unique_ptr<UnaryCall>> abandoned_;  // cancelled, callback pending
+  std::vector<std::unique_ptr<UnaryCall>> abandoned_;           // cancelled, callback pending
   std::vector<std::unique_ptr<StreamCall>> abandoned_streams_;  // cancelled, OnDone pending
 
   const uint64_t client_id_;  // names this client's fallback reports (random)

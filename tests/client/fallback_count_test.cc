@@ -9,6 +9,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -152,6 +153,95 @@ TEST(FallbackCounting, AReplyForAnotherStepIsAnErrorFallback) {
     EXPECT_EQ(client.counters().selected, 0u);
   }
   server->Shutdown();
+}
+
+// Grants sessions slowly (`attach_delay`) and records which it granted and which were
+// detached.
+class SlowAttach final : public v1::PageSelector::Service {
+ public:
+  explicit SlowAttach(std::chrono::milliseconds attach_delay) : delay_(attach_delay) {}
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
+                      v1::AttachResponse* response) override {
+    std::this_thread::sleep_for(delay_);
+    std::lock_guard lock(mu_);
+    response->set_session_id("s-" + std::to_string(granted_.size() + 1));
+    granted_.push_back(response->session_id());
+    return grpc::Status::OK;
+  }
+  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest* request,
+                      v1::DetachResponse*) override {
+    std::lock_guard lock(mu_);
+    detached_.push_back(request->session_id());
+    return grpc::Status::OK;
+  }
+  std::vector<std::string> granted() {
+    std::lock_guard lock(mu_);
+    return granted_;
+  }
+  std::vector<std::string> detached() {
+    std::lock_guard lock(mu_);
+    return detached_;
+  }
+
+ private:
+  const std::chrono::milliseconds delay_;
+  std::mutex mu_;
+  std::vector<std::string> granted_, detached_;
+};
+
+std::unique_ptr<grpc::Server> Serve(grpc::Service* service, const std::string& target) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
+TEST(ClientLifecycle, DetachAlsoEndsASessionABackgroundReattachIsBeingGranted) {
+  // A step with no session starts a background Attach and falls back; a Detach right after
+  // used to find no session id and return, and the session granted a moment later stayed
+  // on epsd (its buffers mapped) until its lease ran out.
+  SlowAttach fake(std::chrono::milliseconds(200));
+  const std::string target = "unix:///tmp/eps-fake-detach-" + std::to_string(getpid()) + ".sock";
+  std::unique_ptr<grpc::Server> server = Serve(&fake, target);
+  ASSERT_NE(server, nullptr);
+  client::ClientOptions options;
+  options.target = target;
+  options.attach_deadline = std::chrono::seconds(5);
+  v1::AttachRequest attach;
+  attach.set_engine_id("engine-detach");
+  {
+    client::EpsClient client(options, attach);
+    v1::BatchRow row;
+    row.set_context_tokens(16);
+    EXPECT_TRUE(client.SelectPages(1, {&row, 1}).fallback);  // not attached: re-attach starts
+    EXPECT_TRUE(client.Detach().ok());
+  }
+  EXPECT_EQ(fake.granted(), std::vector<std::string>{"s-1"});
+  EXPECT_EQ(fake.detached(), std::vector<std::string>{"s-1"});
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
+TEST(ClientLifecycle, DestroyingAClientDoesNotWaitOutAStalledReattach) {
+  // The background Attach hangs (a stopped epsd); the destructor cancels it instead of
+  // waiting out attach_deadline (10 s here). A hang guard, not a latency target.
+  SlowAttach fake(std::chrono::seconds(3));
+  const std::string target = "unix:///tmp/eps-fake-stall-" + std::to_string(getpid()) + ".sock";
+  std::unique_ptr<grpc::Server> server = Serve(&fake, target);
+  ASSERT_NE(server, nullptr);
+  client::ClientOptions options;
+  options.target = target;
+  options.attach_deadline = std::chrono::seconds(10);
+  v1::AttachRequest attach;
+  attach.set_engine_id("engine-stall");
+  auto client = std::make_unique<client::EpsClient>(options, attach);
+  v1::BatchRow row;
+  row.set_context_tokens(16);
+  EXPECT_TRUE(client->SelectPages(1, {&row, 1}).fallback);      // the re-attach starts
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // and reaches the server
+  const auto start = std::chrono::steady_clock::now();
+  client.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
 TEST(FallbackCounting, EpsdAddsOnlyTheIncreaseOfAClientsTotals) {

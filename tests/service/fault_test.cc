@@ -8,6 +8,9 @@
 
 #include <chrono>
 #include <csignal>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <thread>
 
 #include "client/cpp/eps_client.h"
@@ -77,6 +80,15 @@ TEST_P(FaultTest, AStoppedSidecarRunsNoneOfTheStepsTheEngineGaveUpOn) {
   ASSERT_TRUE(hurried.Attach().ok());
   ASSERT_FALSE(hurried.SelectPages(1, Rows(1)).fallback);
   epsd->Signal(SIGSTOP);
+  // kill returns before the process has stopped: wait until the kernel says it has.
+  const std::string stat = "/proc/" + std::to_string(epsd->pid()) + "/stat";
+  for (int i = 0; i < 2000; ++i) {
+    std::ifstream file(stat);
+    std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    if (paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T') break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   for (int step = 2; step <= 21; ++step) {
     const client::StepResult r = hurried.SelectPages(step, Rows(step));
     EXPECT_TRUE(r.fallback) << "step " << step;
@@ -85,7 +97,8 @@ TEST_P(FaultTest, AStoppedSidecarRunsNoneOfTheStepsTheEngineGaveUpOn) {
   epsd->Signal(SIGCONT);
   int step = 22;
   bool selected = false;
-  for (; step < 122 && !selected; ++step) selected = !hurried.SelectPages(step, Rows(step)).fallback;
+  for (; step < 122 && !selected; ++step)
+    selected = !hurried.SelectPages(step, Rows(step)).fallback;
   ASSERT_TRUE(selected);
   grpc::ClientContext context;
   v1::GetStatsRequest request;

@@ -122,6 +122,13 @@ def test_a_stopped_epsd_runs_none_of_the_steps_the_engine_gave_up_on(epsd, use_s
         assert client.select_pages(1, state.rows).ok
         assert epsd.process is not None
         os.kill(epsd.process.pid, signal.SIGSTOP)
+        stat = f"/proc/{epsd.process.pid}/stat"
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:  # kill returns before the process has stopped
+            with open(stat) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.001)
         try:
             for step in range(2, 22):
                 result = client.select_pages(step, state.rows)
@@ -165,5 +172,42 @@ def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
             assert result.fallback and result.code == grpc.StatusCode.INTERNAL
             assert "epsd answered step 1007 for step 7" in result.message
             assert client.counters().fallback_error == 1 and client.counters().selected == 0
+    finally:
+        server.stop(grace=None)
+
+
+class SlowAttach(pb_grpc.PageSelectorServicer):
+    """Grants sessions after 200 ms, and records which it granted and which were detached."""
+
+    def __init__(self) -> None:
+        self.granted: list[str] = []
+        self.detached: list[str] = []
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        time.sleep(0.2)
+        self.granted.append(f"s-{len(self.granted) + 1}")
+        return pb.AttachResponse(session_id=self.granted[-1])
+
+    def Detach(self, request, context):  # noqa: N802
+        self.detached.append(request.session_id)
+        return pb.DetachResponse()
+
+
+def test_detach_also_ends_a_session_a_background_reattach_is_being_granted(tmp_path):
+    """A step with no session starts a background Attach and falls back; detaching right
+    after used to find no session id, and the session granted a moment later stayed on
+    epsd until its lease ran out."""
+    servicer = SlowAttach()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
+    target = f"unix://{tmp_path}/slow.sock"
+    server.add_insecure_port(target)
+    server.start()
+    try:
+        options = ClientOptions(target=target, deadline_s=0.05, attach_deadline_s=5.0)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            assert client.select_pages(1, [(0, 1, 0)]).fallback  # the re-attach starts
+        assert servicer.granted == ["s-1"]
+        assert servicer.detached == ["s-1"]
     finally:
         server.stop(grace=None)

@@ -254,8 +254,16 @@ class EpsClient:
         return self._adopt(response)
 
     def detach(self) -> None:
-        """Ends the session (raises EpsError if epsd refuses; nothing to do if not attached)."""
+        """Ends the session (raises EpsError if epsd refuses; nothing to do if not attached),
+        also one a background re-attach is being granted (waiting for it, within
+        attach_deadline_s), which would otherwise stay on epsd until its lease ran out."""
         self._close_stream()
+        if self._pending_attach is not None:
+            pending, self._pending_attach = self._pending_attach, None
+            try:
+                self._adopt(pending.result(timeout=self.options.attach_deadline_s))
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pending.cancel()
         if not self.session_id:
             return
         session, self.session_id = self.session_id, ""
