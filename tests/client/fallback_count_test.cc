@@ -23,6 +23,14 @@
 namespace eps {
 namespace {
 
+// A fake epsd serving `service` on `target`.
+std::unique_ptr<grpc::Server> Serve(grpc::Service* service, const std::string& target) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
 class SlowFirstSteps final : public v1::PageSelector::CallbackService {
  public:
   explicit SlowFirstSteps(uint64_t slow_steps) : slow_steps_(slow_steps) {}
@@ -63,10 +71,7 @@ TEST(FallbackCounting, RepeatedDeadlineMissesAreEachCountedOnceByEpsd) {
   constexpr uint64_t kMisses = 8;
   SlowFirstSteps fake(kMisses);
   const std::string target = "unix:///tmp/eps-fake-" + std::to_string(getpid()) + ".sock";
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
-  builder.RegisterService(&fake);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&fake, target);
   ASSERT_NE(server, nullptr);
 
   client::ClientOptions options;
@@ -128,10 +133,7 @@ class WrongStep final : public v1::PageSelector::CallbackService {
 TEST(FallbackCounting, AReplyForAnotherStepIsAnErrorFallback) {
   WrongStep fake;
   const std::string target = "unix:///tmp/eps-fake-step-" + std::to_string(getpid()) + ".sock";
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
-  builder.RegisterService(&fake);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&fake, target);
   ASSERT_NE(server, nullptr);
   client::ClientOptions options;
   options.target = target;
@@ -188,13 +190,6 @@ class SlowAttach final : public v1::PageSelector::Service {
   std::mutex mu_;
   std::vector<std::string> granted_, detached_;
 };
-
-std::unique_ptr<grpc::Server> Serve(grpc::Service* service, const std::string& target) {
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(target, grpc::InsecureServerCredentials());
-  builder.RegisterService(service);
-  return builder.BuildAndStart();
-}
 
 TEST(ClientLifecycle, DetachAlsoEndsASessionABackgroundReattachIsBeingGranted) {
   // A step with no session starts a background Attach and falls back; a Detach right after

@@ -49,6 +49,16 @@ class SessionServiceTest : public ::testing::Test {
   const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300), TestEngine::Row(1, 200)};
 };
 
+// The visit lists and counts inline (the lists then come back in each reply), no flags.
+void InlineOutputs(v1::AttachRequest& request) {
+  for (v1::MemoryDescriptor* d : {request.mutable_buffers()->mutable_visit_blocks(),
+                                  request.mutable_buffers()->mutable_visit_count()}) {
+    d->mutable_inline_bytes()->set_data("");
+    d->set_offset(0);
+  }
+  request.mutable_buffers()->clear_flags();
+}
+
 TEST(BufferContractNamesTest, EveryContractBufferIsASharedBuffersMessageField) {
   for (const BufferSpec& spec : kBufferContract) {
     const google::protobuf::FieldDescriptor* field =
@@ -166,12 +176,7 @@ TEST_F(SessionServiceTest, InlineListsThatCouldOutgrowAReplyAreRefusedAtAttach) 
   // replies fit; one byte below, Attach names the flag (before, each step ran, then
   // failed to send, and used up its step number).
   v1::AttachRequest request = engine_.Attach("engine-a");
-  for (v1::MemoryDescriptor* d : {request.mutable_buffers()->mutable_visit_blocks(),
-                                  request.mutable_buffers()->mutable_visit_count()}) {
-    d->mutable_inline_bytes()->set_data("");
-    d->set_offset(0);
-  }
-  request.mutable_buffers()->clear_flags();
+  InlineOutputs(request);
   request.mutable_options()->set_method(v1::METHOD_OFF);  // every block: the longest lists
   const v1::MemoryDescriptor& blocks = request.buffers().visit_blocks();
   ASSERT_EQ(blocks.shape_size(), 3);  // [layers, max_batch, max_blocks]: union lists
@@ -198,12 +203,7 @@ TEST_F(SessionServiceTest, InlineListsThatCouldOutgrowAReplyAreRefusedAtAttach) 
 TEST_F(SessionServiceTest, InlineOutputsComeBackInTheReply) {
   SCOPED_TRACE(eps::testing::SeedTrace(seed_));
   v1::AttachRequest request = engine_.Attach("engine-a");
-  for (v1::MemoryDescriptor* d : {request.mutable_buffers()->mutable_visit_blocks(),
-                                  request.mutable_buffers()->mutable_visit_count()}) {
-    d->mutable_inline_bytes()->set_data("");
-    d->set_offset(0);
-  }
-  request.mutable_buffers()->clear_flags();
+  InlineOutputs(request);
   const std::string id = Attach(request);
   v1::SelectPagesResponse response;
   ASSERT_TRUE(service_.SelectPages(Step(id, 1), &response).ok());

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -12,6 +13,25 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+
+
+@contextlib.contextmanager
+def fake_epsd(servicer: object, folder: Path, name: str = "fake") -> Iterator[str]:
+    """A fake epsd: `servicer` (a PageSelectorServicer) served on a Unix socket in `folder`
+    until the block ends; yields its target."""
+    from concurrent import futures
+
+    from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
+    target = f"unix://{folder}/{name}.sock"
+    server.add_insecure_port(target)
+    server.start()
+    try:
+        yield target
+    finally:
+        server.stop(grace=None)
 
 
 class Epsd:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
+from conftest import fake_epsd
 
 from eps_client import ClientOptions, EpsClient, EpsError
 from eps_client.proto import page_selector_pb2 as pb
@@ -56,14 +56,9 @@ class StalledSelector(pb_grpc.PageSelectorServicer):
 @pytest.fixture
 def stalled(tmp_path):
     servicer = StalledSelector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
-    target = f"unix://{tmp_path}/stalled.sock"
-    server.add_insecure_port(target)
-    server.start()
-    yield target, servicer
-    servicer.release.set()
-    server.stop(grace=None)
+    with fake_epsd(servicer, tmp_path, "stalled") as target:
+        yield target, servicer
+        servicer.release.set()
 
 
 @pytest.mark.parametrize("use_stream", [False, True])
@@ -158,13 +153,7 @@ class WrongStep(pb_grpc.PageSelectorServicer):
 
 
 def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
-    servicer = WrongStep()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
-    target = f"unix://{tmp_path}/wrong.sock"
-    server.add_insecure_port(target)
-    server.start()
-    try:
+    with fake_epsd(WrongStep(), tmp_path) as target:
         options = ClientOptions(target=target, deadline_s=2.0, use_stream=False)
         with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             client.attach()
@@ -172,8 +161,6 @@ def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
             assert result.fallback and result.code == grpc.StatusCode.INTERNAL
             assert "epsd answered step 1007 for step 7" in result.message
             assert client.counters().fallback_error == 1 and client.counters().selected == 0
-    finally:
-        server.stop(grace=None)
 
 
 class SlowAttach(pb_grpc.PageSelectorServicer):
@@ -198,16 +185,9 @@ def test_detach_also_ends_a_session_a_background_reattach_is_being_granted(tmp_p
     after used to find no session id, and the session granted a moment later stayed on
     epsd until its lease ran out."""
     servicer = SlowAttach()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
-    target = f"unix://{tmp_path}/slow.sock"
-    server.add_insecure_port(target)
-    server.start()
-    try:
+    with fake_epsd(servicer, tmp_path) as target:
         options = ClientOptions(target=target, deadline_s=0.05, attach_deadline_s=5.0)
         with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             assert client.select_pages(1, [(0, 1, 0)]).fallback  # the re-attach starts
         assert servicer.granted == ["s-1"]
         assert servicer.detached == ["s-1"]
-    finally:
-        server.stop(grace=None)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
+from conftest import fake_epsd
 from engine_state import make_state
 
 from eps_client import ClientOptions, EpsClient
@@ -68,20 +68,13 @@ def test_fallbacks_are_reported_to_epsd_once_each(tmp_path):
     failing = {2: grpc.StatusCode.INVALID_ARGUMENT, 3: grpc.StatusCode.INVALID_ARGUMENT,
                5: grpc.StatusCode.RESOURCE_EXHAUSTED}
     servicer = ReportRecorder(failing)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_PageSelectorServicer_to_server(servicer, server)
-    target = f"unix://{tmp_path}/fake.sock"
-    server.add_insecure_port(target)
-    server.start()
-    try:
+    with fake_epsd(servicer, tmp_path) as target:
         options = ClientOptions(target=target, deadline_s=2.0, use_stream=False)
         with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             client.attach()
             outcomes = [client.select_pages(step, [(0, 1)]).fallback for step in range(1, 8)]
             assert outcomes == [False, True, True, False, True, False, False]
             assert client.counters().fallback_error == 3
-    finally:
-        server.stop(grace=None)
     errors = [r[3] for r in servicer.reports]
     # each step carries the fallbacks since the previous report: step 3 reports step 2's,
     # step 4 step 3's, step 6 step 5's; all three reach epsd, each once
