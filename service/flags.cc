@@ -12,8 +12,9 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "host:port of the Prometheus /metrics endpoint (port 0 picks one; off or empty: not "
           "served; loopback unless --allow-remote)");
 ABSL_FLAG(std::string, health_listen, "",
-          "host:port where grpc.health.v1 (and nothing else) is served over TCP, for kubelet's "
-          "native gRPC probes (off or empty: not served; loopback unless --allow-remote)");
+          "host:port where grpc.health.v1 (and reflection, never the API) is served over TCP, "
+          "for kubelet's native gRPC probes (off or empty: not served; loopback unless "
+          "--allow-remote)");
 
 ABSL_FLAG(std::string, backend, "auto",
           "cpu | cuda | auto (per session: cuda when its buffers are cuda_ipc handles)");

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 
@@ -78,6 +79,10 @@ absl::StatusOr<std::unique_ptr<UnixAcceptor>> UnixAcceptor::Start(const std::str
 
 void UnixAcceptor::Loop(grpc::Server& server, PeerTable& peers) {
   pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  // Out of descriptors, accept fails until some are closed: said once a minute (with
+  // the count since), not a hundred times a second.
+  std::chrono::steady_clock::time_point said{};
+  uint64_t unsaid = 0;
   for (;;) {
     if (poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
@@ -88,8 +93,19 @@ void UnixAcceptor::Loop(grpc::Server& server, PeerTable& peers) {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        std::fprintf(stderr, "epsd: accept on the Unix socket: %s\n", std::strerror(errno));
-        if (errno == EMFILE || errno == ENFILE) usleep(10000);  // let descriptors free up
+        const int err = errno;
+        const auto now = std::chrono::steady_clock::now();
+        if (now - said >= std::chrono::minutes(1)) {
+          std::fprintf(stderr,
+                       "epsd: accept on the Unix socket: %s (%llu more since the last "
+                       "report)\n",
+                       std::strerror(err), static_cast<unsigned long long>(unsaid));
+          said = now;
+          unsaid = 0;
+        } else {
+          ++unsaid;
+        }
+        if (err == EMFILE || err == ENFILE) usleep(10000);  // let descriptors free up
       }
       continue;
     }

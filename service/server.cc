@@ -104,11 +104,24 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
 }
 
 absl::Status EpsServer::StartHealthListener() {
-  // A server of its own with only grpc.health.v1 (the default service that
-  // EnableDefaultHealthCheckService adds to every server): the TCP port that kubelet
-  // probes must not carry the page-selection API, which stays on --listen.
+  // A server of its own with grpc.health.v1 (the default service that
+  // EnableDefaultHealthCheckService adds to every server) and gRPC server reflection
+  // (registered for every server of the process; without it gRPC 1.51 finds no service
+  // that needs its polling threads and refuses to start one with only the default health
+  // service): the TCP port that kubelet probes must not carry the page-selection API,
+  // which stays on --listen.
   grpc::ServerBuilder builder;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port is an error
+  // It faces the pod network, and a probe is one short call: a connection carries at
+  // most 4 streams, and is closed once idle for 30 s or 5 min old (5 s to finish), so
+  // that Watch streams or idle connections cannot pile up for good (3,000 Watch streams
+  // held 54 MB until then). No thread or memory quota: one made a Check wait behind the
+  // Watch streams holding the quota, and a probe that cannot answer restarts the pod.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 4);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 30'000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, 300'000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 5'000);
+  builder.SetMaxReceiveMessageSize(4 << 10);
   int port = 0;
   builder.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &port);
   health_server_ = builder.BuildAndStart();

@@ -1,8 +1,10 @@
 #include "service/telemetry/step_log.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -18,16 +20,26 @@ constexpr size_t kFlushAt = 256u << 10;
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StepLog>> StepLog::Open(const std::string& path) {
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+absl::StatusOr<std::unique_ptr<StepLog>> StepLog::Open(const std::string& path, WriteFn write) {
+  // O_NONBLOCK: opening a FIFO for writing would wait for a reader (at start, where
+  // SIGTERM is blocked); a regular file ignores it.
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK, 0644);
   if (fd < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("--step-log=", path, ": cannot open for appending: ", std::strerror(errno)));
   }
-  return std::unique_ptr<StepLog>(new StepLog(fd, path));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat("--step-log=", path, ": not a regular file"));
+  }
+  if (write == nullptr)
+    write = [](int f, const void* data, size_t size) { return ::write(f, data, size); };
+  return std::unique_ptr<StepLog>(new StepLog(fd, path, std::move(write)));
 }
 
-StepLog::StepLog(int fd, std::string path) : fd_(fd), path_(std::move(path)) {
+StepLog::StepLog(int fd, std::string path, WriteFn write)
+    : fd_(fd), path_(std::move(path)), write_(std::move(write)) {
   writer_ = std::thread([this] { Run(); });
 }
 
@@ -74,22 +86,32 @@ void StepLog::Run() {
 }
 
 void StepLog::Write(const std::string& bytes) {
+  if (bytes.empty()) return;
+  // A line cut short by an earlier failure (a full disk) is ended first, so that the
+  // next line starts on its own and every line stays one JSON object or a cut one.
+  const std::string text = mid_line_ ? "\n" + bytes : bytes;
   size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = write(fd_, bytes.data() + done, bytes.size() - done);
+  while (done < text.size()) {
+    const ssize_t n = write_(fd_, text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
+      const int err = n < 0 ? errno : ENOSPC;
       if (!write_failed_) {  // say it once; the lines are lost, epsd keeps serving
         std::fprintf(stderr, "epsd: --step-log=%s: write failed: %s\n", path_.c_str(),
-                     std::strerror(errno));
+                     std::strerror(err));
         write_failed_ = true;
       }
+      if (done > 0) mid_line_ = text[done - 1] != '\n';  // else as it was
+      // The lines whose newline did not reach the file are lost (a cut one too); the
+      // leading newline of an earlier cut line is not one of them.
+      const size_t lead = text.size() - bytes.size();
       absl::MutexLock lock(&mu_);
-      for (size_t i = done; i < bytes.size(); ++i) dropped_ += bytes[i] == '\n';
+      for (size_t i = std::max(done, lead); i < text.size(); ++i) dropped_ += text[i] == '\n';
       return;
     }
     done += static_cast<size_t>(n);
   }
+  mid_line_ = false;
 }
 
 }  // namespace eps::telemetry

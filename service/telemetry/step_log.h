@@ -6,6 +6,9 @@
 // Thread safety: Append and dropped() may be called from any thread.
 #pragma once
 
+#include <sys/types.h>
+
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,8 +21,12 @@ namespace eps::telemetry {
 
 class StepLog {
  public:
-  // Opens `path` for appending (created 0644 if absent).
-  static absl::StatusOr<std::unique_ptr<StepLog>> Open(const std::string& path);
+  // How a buffer reaches the file: write(2) but for tests.
+  using WriteFn = std::function<ssize_t(int fd, const void* data, size_t size)>;
+  // Opens `path` for appending (created 0644 if absent); a path that is not a regular
+  // file (a FIFO, a device, a directory) is FAILED_PRECONDITION, never waited on.
+  static absl::StatusOr<std::unique_ptr<StepLog>> Open(const std::string& path,
+                                                       WriteFn write = nullptr);
   ~StepLog();  // writes what is buffered, then closes
   StepLog(const StepLog&) = delete;
   StepLog& operator=(const StepLog&) = delete;
@@ -29,7 +36,7 @@ class StepLog {
   uint64_t dropped() const;
 
  private:
-  StepLog(int fd, std::string path);
+  StepLog(int fd, std::string path, WriteFn write);
   void Run();
   void Write(const std::string& bytes);
 
@@ -39,7 +46,9 @@ class StepLog {
   std::string pending_ ABSL_GUARDED_BY(mu_);
   uint64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  const WriteFn write_;
   bool write_failed_ = false;  // writer thread only
+  bool mid_line_ = false;      // writer thread only: the file ends inside a line
   std::thread writer_;
 };
 
