@@ -71,7 +71,7 @@ TEST(StepLogTest, ALineCutByAFullDiskIsEndedBeforeTheNextOne) {
     for (int i = 0; i < 200 && (*log)->dropped() == 0; ++i) usleep(10000);
     dropped = (*log)->dropped();
     (*log)->Append(R"({"step":3,"session":"s-1"})");
-  }  // the destructor flushes
+  }                        // the destructor flushes
   EXPECT_EQ(dropped, 2u);  // step 1 cut, step 2 never written
   const std::vector<std::string> lines = absl::StrSplit(Read(path), '\n');
   ASSERT_EQ(lines.size(), 3u) << Read(path);  // the cut line, step 3, and the empty tail
