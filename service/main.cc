@@ -88,7 +88,10 @@ int main(int argc, char** argv) {
     (*server)->Shutdown();
     // The backstop of the drain: gRPC cancels the calls left at drain_ms, and every call
     // ends then (service/call_guard.h); should one still not, exit regardless.
-    constexpr uint32_t kGraceMs = 2500;  // the span flush after the drain takes up to 2 s
+    // After the drain, the span flush takes up to 2 s and an exporter whose collector
+    // is gone up to its own timeout; 2.5 s ended drains of 200 ms in the backstop (exit 1)
+    // with a dead collector, so 4 s.
+    constexpr uint32_t kGraceMs = 4000;
     if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(config->drain_ms + kGraceMs))) {
       std::fprintf(stderr, "epsd: drain timed out %u ms after the signal; exiting\n",
                    config->drain_ms + kGraceMs);
