@@ -31,10 +31,9 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* service, const std::string& t
   return builder.BuildAndStart();
 }
 
-class SlowFirstSteps final : public v1::PageSelector::CallbackService {
+// A fake epsd whose Attach grants "s-fake" at once.
+class GrantsAtOnce : public v1::PageSelector::CallbackService {
  public:
-  explicit SlowFirstSteps(uint64_t slow_steps) : slow_steps_(slow_steps) {}
-
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context, const v1::AttachRequest*,
                                    v1::AttachResponse* response) override {
     response->set_session_id("s-fake");
@@ -42,6 +41,12 @@ class SlowFirstSteps final : public v1::PageSelector::CallbackService {
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
+};
+
+class SlowFirstSteps final : public GrantsAtOnce {
+ public:
+  explicit SlowFirstSteps(uint64_t slow_steps) : slow_steps_(slow_steps) {}
+
   grpc::ServerUnaryReactor* SelectPages(grpc::CallbackServerContext* context,
                                         const v1::SelectPagesRequest* request,
                                         v1::SelectPagesResponse* response) override {
@@ -110,15 +115,8 @@ TEST(FallbackCounting, RepeatedDeadlineMissesAreEachCountedOnceByEpsd) {
 }
 
 // Answers every step with another step's number.
-class WrongStep final : public v1::PageSelector::CallbackService {
+class WrongStep final : public GrantsAtOnce {
  public:
-  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context, const v1::AttachRequest*,
-                                   v1::AttachResponse* response) override {
-    response->set_session_id("s-fake");
-    auto* reactor = context->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
-  }
   grpc::ServerUnaryReactor* SelectPages(grpc::CallbackServerContext* context,
                                         const v1::SelectPagesRequest* request,
                                         v1::SelectPagesResponse* response) override {
