@@ -1,6 +1,7 @@
 #include "service/session_registry.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 
 namespace eps::service {
 
@@ -27,18 +28,23 @@ absl::Status SessionRegistry::Add(std::shared_ptr<Session> session, size_t max_s
       }
     }
     by_id_.erase(it->second);  // the replaced session unmaps once no call holds it
-  } else if (by_id_.size() >= max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the server holds --max-sessions=", max_sessions, " sessions"));
+  } else {
+    RETURN_IF_ERROR(RoomLocked(session->spec().engine_id, max_sessions));
   }
   id_by_engine_[session->spec().engine_id] = session->id();
   by_id_[session->id()] = std::move(session);
   return absl::OkStatus();
 }
 
-bool SessionRegistry::Full(const std::string& engine_id, size_t max_sessions) const {
+absl::Status SessionRegistry::Room(const std::string& engine_id, size_t max_sessions) const {
   absl::MutexLock lock(&mu_);
-  return id_by_engine_.find(engine_id) == id_by_engine_.end() && by_id_.size() >= max_sessions;
+  return RoomLocked(engine_id, max_sessions);
+}
+
+absl::Status SessionRegistry::RoomLocked(const std::string& engine_id, size_t max_sessions) const {
+  if (id_by_engine_.contains(engine_id) || by_id_.size() < max_sessions) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the server holds --max-sessions=", max_sessions, " sessions"));
 }
 
 std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {

@@ -26,9 +26,10 @@ class SessionRegistry {
   // be a new session beyond `max_sessions` (checked under the lock, so concurrent
   // attaches agree).
   absl::Status Add(std::shared_ptr<Session> session, size_t max_sessions);
-  // Whether a session of `engine_id` would be refused as one beyond `max_sessions`
-  // now: checked before an Attach maps and allocates anything (Add decides).
-  bool Full(const std::string& engine_id, size_t max_sessions) const;
+  // What Add would say now of a session of `engine_id` as one beyond `max_sessions`
+  // (RESOURCE_EXHAUSTED, or OK): checked before an Attach maps and allocates anything
+  // (Add decides).
+  absl::Status Room(const std::string& engine_id, size_t max_sessions) const;
   std::shared_ptr<Session> Find(const std::string& id) const;
   bool Remove(const std::string& id);
   // Removes and returns the sessions whose lease ran out.
@@ -37,6 +38,8 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
+  absl::Status RoomLocked(const std::string& engine_id, size_t max_sessions) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Drops `id` from the engine index if it still names `id`.
   void ForgetEngine(const std::string& engine_id, const std::string& id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

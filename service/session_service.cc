@@ -87,9 +87,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
-  if (sessions_.Full(request.engine_id(), config_.max_sessions)) {  // before any mapping
-    return CountFailure(absl::ResourceExhaustedError(
-        absl::StrCat("the server holds --max-sessions=", config_.max_sessions, " sessions")));
+  // Before any mapping or allocation; Add checks again when it publishes.
+  if (absl::Status room = sessions_.Room(request.engine_id(), config_.max_sessions); !room.ok()) {
+    return CountFailure(room);
   }
   absl::StatusOr<std::unique_ptr<Session>> built =
       Session::Create(request, config_, server_budget_, caller);
