@@ -199,8 +199,7 @@ absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
 }
 
 absl::Status EpsClient::Attach() {
-  if (pending_attach_.valid()) pending_attach_.wait();  // finish a background one first
-  if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());
+  if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());  // a background one first
   return Adopt(CallAttach());
 }
 

@@ -239,12 +239,7 @@ class EpsClient:
 
     def attach(self) -> AttachInfo:
         """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily."""
-        if self._pending_attach is not None:
-            pending, self._pending_attach = self._pending_attach, None
-            try:
-                self._adopt(pending.result())
-            except grpc.RpcError:
-                pass
+        self._take_pending_attach()
         try:
             response = self.stub.Attach(self._attach, timeout=self.options.attach_deadline_s,
                                         metadata=self._metadata())
@@ -258,12 +253,7 @@ class EpsClient:
         also one a background re-attach is being granted (waiting for it, within
         attach_deadline_s), which would otherwise stay on epsd until its lease ran out."""
         self._close_stream()
-        if self._pending_attach is not None:
-            pending, self._pending_attach = self._pending_attach, None
-            try:
-                self._adopt(pending.result(timeout=self.options.attach_deadline_s))
-            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                pending.cancel()
+        self._take_pending_attach()
         if not self.session_id:
             return
         session, self.session_id = self.session_id, ""
@@ -418,6 +408,17 @@ class EpsClient:
             self.options.on_fallback(step)
         return StepResult(step=step, fallback=True, code=code, message=message,
                           round_trip_us=(time.monotonic() - start) * 1e6)
+
+    def _take_pending_attach(self) -> None:
+        """Waits for a background re-attach (its call is bounded by attach_deadline_s) and
+        adopts the session it was granted, if any."""
+        if self._pending_attach is None:
+            return
+        pending, self._pending_attach = self._pending_attach, None
+        try:
+            self._adopt(pending.result(timeout=self.options.attach_deadline_s))
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            pending.cancel()
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
         if self._attached_before:
