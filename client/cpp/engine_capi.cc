@@ -78,9 +78,13 @@ eps::client::VisitListsDevice VisitLists(uint64_t visit_blocks, uint64_t visit_c
 
 eps::client::EngineTableDevice EngineTable(uint64_t engine_table, int64_t table_stride,
                                            uint64_t context_tokens, int64_t batch,
-                                           int32_t block_size) {
-  return {Ptr<const int32_t>(engine_table), table_stride, Ptr<const int32_t>(context_tokens), batch,
-          block_size};
+                                           int32_t block_size, int64_t cache_blocks) {
+  return {Ptr<const int32_t>(engine_table),
+          table_stride,
+          Ptr<const int32_t>(context_tokens),
+          batch,
+          block_size,
+          cache_blocks};
 }
 
 }  // namespace
@@ -345,26 +349,28 @@ int eps_engine_flash_attention_views(uint64_t visit_blocks, uint64_t visit_count
                                      int64_t max_batch, int32_t lists, int64_t max_blocks,
                                      uint64_t engine_table, int64_t table_stride,
                                      uint64_t context_tokens, int64_t batch, int32_t block_size,
-                                     uint64_t block_table_out, uint64_t seqused_out,
-                                     uint64_t stream) {
+                                     int64_t cache_blocks, uint64_t block_table_out,
+                                     uint64_t seqused_out, uint64_t refused_out, uint64_t stream) {
   const eps::client::VisitListsDevice v =
       VisitLists(visit_blocks, visit_count, layers, max_batch, lists, max_blocks);
   const eps::client::EngineTableDevice e =
-      EngineTable(engine_table, table_stride, context_tokens, batch, block_size);
+      EngineTable(engine_table, table_stride, context_tokens, batch, block_size, cache_blocks);
   return Report(eps::client::BuildFlashAttentionViews(v, e, Ptr<int32_t>(block_table_out),
-                                                      Ptr<int32_t>(seqused_out), Stream(stream)));
+                                                      Ptr<int32_t>(seqused_out), Stream(stream),
+                                                      Ptr<int32_t>(refused_out)));
 }
 
 int eps_engine_flashinfer_fixed(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
                                 int64_t max_batch, int32_t lists, int64_t max_blocks,
                                 uint64_t engine_table, int64_t table_stride,
                                 uint64_t context_tokens, int64_t batch, int32_t block_size,
-                                uint64_t indptr, int64_t nnz, uint64_t indices_out,
-                                uint64_t last_page_len_out, uint64_t mismatched, uint64_t stream) {
+                                int64_t cache_blocks, uint64_t indptr, int64_t nnz,
+                                uint64_t indices_out, uint64_t last_page_len_out,
+                                uint64_t mismatched, uint64_t stream) {
   const eps::client::VisitListsDevice v =
       VisitLists(visit_blocks, visit_count, layers, max_batch, lists, max_blocks);
   const eps::client::EngineTableDevice e =
-      EngineTable(engine_table, table_stride, context_tokens, batch, block_size);
+      EngineTable(engine_table, table_stride, context_tokens, batch, block_size, cache_blocks);
   return Report(eps::client::BuildFlashInferFixedBudget(
       v, e, Ptr<const int32_t>(indptr), nnz, Ptr<int32_t>(indices_out),
       Ptr<int32_t>(last_page_len_out), Ptr<int32_t>(mismatched), Stream(stream)));

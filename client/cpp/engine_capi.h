@@ -102,19 +102,22 @@ int eps_engine_summary_queue_drain(EpsSummaryQueue* q);
 uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t buf_len);
 void eps_engine_summary_queue_destroy(EpsSummaryQueue* q);
 
-/* Engine-ready outputs (client/cpp/engine_outputs.h). */
+/* Engine-ready outputs (client/cpp/engine_outputs.h). cache_blocks > 0 refuses lists
+ * naming a block outside [0, cache_blocks) (0: unchecked); refused_out (0: not
+ * counted) is a device int32 the refused lists are added to. */
 int eps_engine_flash_attention_views(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
                                      int64_t max_batch, int32_t lists, int64_t max_blocks,
                                      uint64_t engine_table, int64_t table_stride,
                                      uint64_t context_tokens, int64_t batch, int32_t block_size,
-                                     uint64_t block_table_out, uint64_t seqused_out,
-                                     uint64_t stream);
+                                     int64_t cache_blocks, uint64_t block_table_out,
+                                     uint64_t seqused_out, uint64_t refused_out, uint64_t stream);
 int eps_engine_flashinfer_fixed(uint64_t visit_blocks, uint64_t visit_count, int32_t layers,
                                 int64_t max_batch, int32_t lists, int64_t max_blocks,
                                 uint64_t engine_table, int64_t table_stride,
                                 uint64_t context_tokens, int64_t batch, int32_t block_size,
-                                uint64_t indptr, int64_t nnz, uint64_t indices_out,
-                                uint64_t last_page_len_out, uint64_t mismatched, uint64_t stream);
+                                int64_t cache_blocks, uint64_t indptr, int64_t nnz,
+                                uint64_t indices_out, uint64_t last_page_len_out,
+                                uint64_t mismatched, uint64_t stream);
 
 #ifdef __cplusplus
 }

@@ -11,39 +11,60 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ inline int64_t BlocksOf(int64_t context, int block_size) {
-  return (context + block_size - 1) / block_size;
+// A sequence's row as the kernels use it: a context < 1 is empty, one longer than
+// the engine table's row is cut to the row, so no kernel reads past the row.
+struct Row {
+  int64_t blocks;  // entries of the engine row in use
+  int64_t tokens;  // tokens they hold
+  int64_t last;    // tokens of the last block (0 for an empty row)
+};
+
+__device__ inline Row RowOf(int64_t context, const EngineTableDevice& e) {
+  const int64_t tokens_in = context > 0 ? context : 0;
+  const int64_t blocks = min((tokens_in + e.block_size - 1) / e.block_size, e.stride);
+  const int64_t tokens = min(tokens_in, blocks * e.block_size);
+  return {blocks, tokens, blocks > 0 ? tokens - (blocks - 1) * e.block_size : 0};
 }
 
-// A list epsd may have left dense (-1) or that cannot be a valid list of this
-// sequence (more blocks than it has): the engine's own row is used instead.
-__device__ inline bool ListUsable(int32_t count, int64_t blocks, int64_t max_blocks) {
-  return count >= 0 && count <= blocks && count <= max_blocks;
+// Whether epsd's list can be one of this sequence's: a count within the row and the
+// output's width, and (when the engine names its cache's size) every id in the cache.
+// Called by every thread of the block (a barrier inside).
+__device__ inline bool ListUsable(const int32_t* list, int32_t count, int64_t blocks,
+                                  int64_t max_blocks, int64_t cache_blocks) {
+  if (count < 0 || count > blocks || count > max_blocks) return false;
+  if (cache_blocks <= 0) return true;
+  bool outside = false;
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
+    outside |= list[j] < 0 || list[j] >= cache_blocks;
+  }
+  return __syncthreads_or(outside) == 0;
 }
 
 // grid: layers * batch * lists. block_table [L, B, lists, max_blocks], seqused [L, B, lists].
 __global__ void FlashAttentionViewsKernel(VisitListsDevice v, EngineTableDevice e,
-                                          int32_t* block_table, int32_t* seqused) {
+                                          int32_t* block_table, int32_t* seqused,
+                                          int32_t* refused) {
   const int64_t r = blockIdx.x;  // ((layer * batch) + b) * lists + h
   const int h = static_cast<int>(r % v.lists);
   const int64_t b = (r / v.lists) % e.batch;
   const int64_t layer = r / (v.lists * e.batch);
   const int64_t in = (layer * v.max_batch + b) * v.lists + h;  // list index in epsd's buffers
-  const int64_t context = e.context_tokens[b];
-  const int64_t blocks = BlocksOf(context, e.block_size);
+  const Row row = RowOf(e.context_tokens[b], e);
   const int32_t count = v.count[in];
+  const int32_t* list = v.blocks + in * v.max_blocks;
   int32_t* out = block_table + r * v.max_blocks;
-  if (ListUsable(count, blocks, v.max_blocks)) {
-    const int32_t* list = v.blocks + in * v.max_blocks;
+  if (ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks)) {
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x) out[j] = list[j];
     if (threadIdx.x == 0) {
-      const int64_t last = context - (blocks - 1) * e.block_size;
-      seqused[r] = count == 0 ? 0 : static_cast<int32_t>((count - 1) * e.block_size + last);
+      seqused[r] = count == 0 ? 0 : static_cast<int32_t>((count - 1) * e.block_size + row.last);
     }
   } else {
-    const int32_t* row = e.table + b * e.stride;
-    for (int64_t j = threadIdx.x; j < blocks; j += blockDim.x) out[j] = row[j];
-    if (threadIdx.x == 0) seqused[r] = static_cast<int32_t>(context);
+    const int32_t* engine_row = e.table + b * e.stride;
+    for (int64_t j = threadIdx.x; j < row.blocks; j += blockDim.x) out[j] = engine_row[j];
+    if (threadIdx.x == 0) {
+      seqused[r] = static_cast<int32_t>(row.tokens);
+      if (count >= 0 && refused != nullptr) atomicAdd(refused, 1);
+    }
   }
 }
 
@@ -57,22 +78,28 @@ __global__ void FlashInferFixedKernel(VisitListsDevice v, EngineTableDevice e,
   const int64_t q = r % per_layer;  // b * lists + h: FlashInfer's request index
   const int64_t b = q / v.lists;
   const int64_t in = (layer * v.max_batch + b) * v.lists + q % v.lists;
-  const int64_t context = e.context_tokens[b];
-  const int64_t blocks = BlocksOf(context, e.block_size);
-  const int64_t n = indptr[q + 1] - indptr[q];
-  int32_t* out = indices + layer * nnz + indptr[q];
+  const Row row = RowOf(e.context_tokens[b], e);
+  if (layer == 0 && threadIdx.x == 0) last_page_len[q] = static_cast<int32_t>(row.last);
+  const int64_t begin = indptr[q], end = indptr[q + 1];
+  if (begin < 0 || end < begin || end > nnz) {  // not a plan of nnz entries: nothing written
+    if (threadIdx.x == 0) atomicAdd(mismatched, 1);
+    return;
+  }
+  const int64_t n = end - begin;
+  int32_t* out = indices + layer * nnz + begin;
   const int32_t count = v.count[in];
-  if (count == n && ListUsable(count, blocks, v.max_blocks)) {
-    const int32_t* list = v.blocks + in * v.max_blocks;
+  const int32_t* list = v.blocks + in * v.max_blocks;
+  if (ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks) && count == n) {
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) out[j] = list[j];
   } else {
-    // The plan has room for n blocks: the newest n of the sequence.
-    const int32_t* row = e.table + b * e.stride + (blocks - n);
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) out[j] = row[j];
+    // The plan has room for n blocks: the newest n of the sequence (its oldest block
+    // repeated where the row holds fewer, block 0 for an empty row).
+    const int32_t* engine_row = e.table + b * e.stride;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      const int64_t k = row.blocks - n + j;
+      out[j] = row.blocks == 0 ? 0 : engine_row[k > 0 ? k : 0];
+    }
     if (threadIdx.x == 0) atomicAdd(mismatched, 1);
-  }
-  if (layer == 0 && threadIdx.x == 0) {
-    last_page_len[q] = static_cast<int32_t>(context - (blocks - 1) * e.block_size);
   }
 }
 
@@ -102,7 +129,7 @@ absl::Status Check(const VisitListsDevice& v, const EngineTableDevice& e) {
 
 absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
                                       const EngineTableDevice& engine, int32_t* block_table,
-                                      int32_t* seqused_k, cudaStream_t stream) {
+                                      int32_t* seqused_k, cudaStream_t stream, int32_t* refused) {
   if (absl::Status s = Check(lists, engine); !s.ok()) return s;
   if (block_table == nullptr || seqused_k == nullptr) {
     return absl::InvalidArgumentError("block_table or seqused_k output is null");
@@ -114,13 +141,14 @@ absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
   }
   const int64_t grid = int64_t{lists.layers} * engine.batch * lists.lists;
   FlashAttentionViewsKernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      lists, engine, block_table, seqused_k);
+      lists, engine, block_table, seqused_k, refused);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
 
 int64_t FixedBudgetBlocks(int64_t context_tokens, int budget_groups, int group_blocks,
                           int block_size) {
+  if (context_tokens < 1) return 0;
   const int64_t blocks = (context_tokens + block_size - 1) / block_size;
   const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
   if (groups <= budget_groups) return blocks;

@@ -14,6 +14,15 @@
 // FlashInfer, whose plan has room for n blocks only, by the sequence's newest
 // n blocks, and the list is counted in `*mismatched` (so is a list whose count
 // is not n), which the engine reads when it likes (it never forces a sync).
+// So is a list that cannot be one of this sequence's: a count above its blocks,
+// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks); for
+// FlashAttention such lists are counted in `*refused` when it is given.
+//
+// The kernels never read or write outside the rows they are given, whatever the
+// device data: a context < 1 is an empty row (seqused_k 0); a context longer than
+// the table's row is cut to the row (stride blocks); a plan entry whose indptr
+// leaves [0, nnz] is skipped and counted, and a plan asking for more blocks than
+// the row holds repeats the row's oldest block (id 0 for an empty row), counted.
 //
 // Shapes (int32, row-major, lists = 1 for union lists or kv_heads):
 //   visit_blocks [layers, max_batch, lists, max_blocks]   visit_count [layers, max_batch, lists]
@@ -46,15 +55,19 @@ struct EngineTableDevice {
   const int32_t* context_tokens = nullptr;  // [batch], >= 1
   int64_t batch = 0;
   int block_size = 16;
+  int64_t cache_blocks = 0;  // > 0: list ids must lie in [0, cache_blocks) (defence in depth)
 };
 
 // Writes block_table [layers, batch, lists, max_blocks] (entries past a row's
-// blocks are left as they are) and seqused_k [layers, batch, lists].
+// blocks are left as they are) and seqused_k [layers, batch, lists]; adds the
+// lists it refused (above) to *refused (device int32) unless it is null.
 absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
                                       const EngineTableDevice& engine, int32_t* block_table,
-                                      int32_t* seqused_k, cudaStream_t stream);
+                                      int32_t* seqused_k, cudaStream_t stream,
+                                      int32_t* refused = nullptr);
 
-// Blocks of a fixed-budget list: k = budget_groups groups of g = group_blocks blocks.
+// Blocks of a fixed-budget list: k = budget_groups groups of g = group_blocks blocks
+// (0 for a context < 1).
 int64_t FixedBudgetBlocks(int64_t context_tokens, int budget_groups, int group_blocks,
                           int block_size);
 

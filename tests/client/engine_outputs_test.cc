@@ -1,6 +1,7 @@
 // Engine-ready outputs (client/cpp/engine_outputs.h) against a host reference built
 // from the visit-list contract of docs/api.md §3.6, on fresh random lists (some dense,
-// some malformed). Skips without a device.
+// some malformed, some naming blocks outside the cache) and contexts (some empty,
+// negative or longer than the engine's row). Skips without a device.
 #include "client/cpp/engine_outputs.h"
 
 #include <cuda_runtime.h>
@@ -18,14 +19,37 @@
 namespace eps::client {
 namespace {
 
+constexpr int64_t kCacheBlocks = 100000;  // the engine's cache: ids in [0, kCacheBlocks)
+
 struct Case {
   int layers = 3, lists = 1, block_size = 16;
   int64_t max_batch = 5, batch = 4, max_blocks = 40;
   std::vector<int32_t> blocks, count, table, context;  // host, epsd's and the engine's layouts
 };
 
-int64_t BlocksOf(int64_t context, int block_size) {
-  return (context + block_size - 1) / block_size;
+// The row the kernels use (engine_outputs.h): a context < 1 is empty, a longer one than
+// the table's row (max_blocks here) is cut to it.
+struct Row {
+  int64_t blocks, tokens, last;
+};
+
+Row RowOf(const Case& c, int64_t b) {
+  const int64_t tokens_in = std::max<int64_t>(c.context[b], 0);
+  const int64_t blocks = std::min((tokens_in + c.block_size - 1) / c.block_size, c.max_blocks);
+  const int64_t tokens = std::min(tokens_in, blocks * c.block_size);
+  return {blocks, tokens, blocks > 0 ? tokens - (blocks - 1) * c.block_size : 0};
+}
+
+// Whether list `in` can be used: a count within its row, every id inside the cache
+// (when `cache_blocks` > 0).
+bool Usable(const Case& c, int64_t in, int64_t blocks, int64_t cache_blocks) {
+  const int32_t n = c.count[in];
+  if (n < 0 || n > blocks) return false;
+  for (int32_t j = 0; j < n && cache_blocks > 0; ++j) {
+    const int32_t id = c.blocks[in * c.max_blocks + j];
+    if (id < 0 || id >= cache_blocks) return false;
+  }
+  return true;
 }
 
 // Random lists: ascending subsets of each row that end with its last block, some -1
@@ -36,9 +60,19 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
   c.table.assign(c.batch * c.max_blocks, -7);
   c.context.resize(c.batch);
   for (int64_t b = 0; b < c.batch; ++b) {
-    c.context[b] = 1 + static_cast<int32_t>(rng() % (c.max_blocks * c.block_size));
-    for (int64_t j = 0; j < BlocksOf(c.context[b], c.block_size); ++j) {
-      c.table[b * c.max_blocks + j] = static_cast<int32_t>(rng() % 100000);
+    const int64_t row_tokens = c.max_blocks * c.block_size;
+    switch (rng() % 10) {  // mostly valid; an engine's bad contexts now and then
+      case 0:
+        c.context[b] = -static_cast<int32_t>(rng() % 3);
+        break;
+      case 1:
+        c.context[b] = static_cast<int32_t>(row_tokens + 1 + rng() % row_tokens);
+        break;
+      default:
+        c.context[b] = 1 + static_cast<int32_t>(rng() % row_tokens);
+    }
+    for (int64_t j = 0; j < RowOf(c, b).blocks; ++j) {
+      c.table[b * c.max_blocks + j] = static_cast<int32_t>(rng() % kCacheBlocks);
     }
   }
   const int64_t n_lists = int64_t{c.layers} * c.max_batch * lists;
@@ -46,7 +80,7 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
   c.count.assign(n_lists, 0);
   for (int layer = 0; layer < c.layers; ++layer) {
     for (int64_t b = 0; b < c.batch; ++b) {
-      const int64_t blocks = BlocksOf(c.context[b], c.block_size);
+      const int64_t blocks = RowOf(c, b).blocks;
       for (int h = 0; h < lists; ++h) {
         const int64_t in = (layer * c.max_batch + b) * lists + h;
         const int kind = static_cast<int>(rng() % 8);
@@ -56,6 +90,10 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
         }
         if (kind == 1) {
           c.count[in] = static_cast<int32_t>(blocks + 1);
+          continue;
+        }
+        if (blocks == 0) {  // an empty row's only list
+          c.count[in] = 0;
           continue;
         }
         std::vector<int64_t> picked;
@@ -80,6 +118,10 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
         c.count[in] = static_cast<int32_t>(picked.size());
         for (size_t j = 0; j < picked.size(); ++j) {
           c.blocks[in * c.max_blocks + j] = c.table[b * c.max_blocks + picked[j]];
+        }
+        if (kind == 7 && !picked.empty()) {  // an id outside the cache
+          c.blocks[in * c.max_blocks + rng() % picked.size()] =
+              rng() % 2 ? -1 : static_cast<int32_t>(kCacheBlocks + rng() % 5);
         }
       }
     }
@@ -113,33 +155,35 @@ TEST_P(EngineOutputsTest, FlashAttentionViewsEqualTheHostReference) {
   std::mt19937_64 rng(seed);
   for (int trial = 0; trial < 20; ++trial) {
     const Case c = MakeCase(rng, GetParam(), 0, 4);
-    gpu::DeviceBuffer<int32_t> blocks, count, table, context;
+    const int64_t cache_blocks = trial % 2 ? kCacheBlocks : 0;  // checked, then trusted
+    gpu::DeviceBuffer<int32_t> blocks, count, table, context, refused;
     Upload(c.blocks, blocks), Upload(c.count, count), Upload(c.table, table),
-        Upload(c.context, context);
+        Upload(c.context, context), Upload(std::vector<int32_t>{5}, refused);
     const int64_t rows = int64_t{c.layers} * c.batch * c.lists;
     gpu::DeviceBuffer<int32_t> out, used;
     ASSERT_TRUE(out.Allocate(rows * c.max_blocks).ok());
     ASSERT_TRUE(used.Allocate(rows).ok());
     ASSERT_TRUE(BuildFlashAttentionViews(
                     {blocks.get(), count.get(), c.layers, c.max_batch, c.lists, c.max_blocks},
-                    {table.get(), c.max_blocks, context.get(), c.batch, c.block_size}, out.get(),
-                    used.get(), nullptr)
+                    {table.get(), c.max_blocks, context.get(), c.batch, c.block_size, cache_blocks},
+                    out.get(), used.get(), nullptr, refused.get())
                     .ok());
     const auto got = Download(out, rows * c.max_blocks);
     const auto got_used = Download(used, rows);
+    int32_t want_refused = 5;
     for (int layer = 0; layer < c.layers; ++layer) {
       for (int64_t b = 0; b < c.batch; ++b) {
-        const int64_t blocks_b = BlocksOf(c.context[b], c.block_size);
-        const int64_t last = c.context[b] - (blocks_b - 1) * c.block_size;
+        const Row row = RowOf(c, b);
         for (int h = 0; h < c.lists; ++h) {
           const int64_t in = (layer * c.max_batch + b) * c.lists + h;
           const int64_t r = (layer * c.batch + b) * c.lists + h;
           const int32_t n = c.count[in];
-          const bool dense = n < 0 || n > blocks_b;
+          const bool dense = !Usable(c, in, row.blocks, cache_blocks);
+          if (dense && n >= 0) ++want_refused;
           const int32_t* want = dense ? &c.table[b * c.max_blocks] : &c.blocks[in * c.max_blocks];
-          const int64_t k = dense ? blocks_b : n;
+          const int64_t k = dense ? row.blocks : n;
           EXPECT_EQ(got_used[r],
-                    dense ? c.context[b] : (n == 0 ? 0 : (n - 1) * c.block_size + last))
+                    dense ? row.tokens : (n == 0 ? 0 : (n - 1) * c.block_size + row.last))
               << "seed " << seed << " layer " << layer << " b " << b << " h " << h;
           for (int64_t j = 0; j < k; ++j) {
             ASSERT_EQ(got[r * c.max_blocks + j], want[j]) << "seed " << seed << " entry " << j;
@@ -147,6 +191,7 @@ TEST_P(EngineOutputsTest, FlashAttentionViewsEqualTheHostReference) {
         }
       }
     }
+    EXPECT_EQ(Download(refused, 1)[0], want_refused) << "seed " << seed;
   }
 }
 
@@ -156,42 +201,52 @@ TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
   const int budget = 3, g = 4;
   for (int trial = 0; trial < 20; ++trial) {
     const Case c = MakeCase(rng, GetParam(), budget, g);
+    const int64_t cache_blocks = trial % 2 ? kCacheBlocks : 0;
     std::vector<int64_t> contexts(c.context.begin(), c.context.end());
-    const std::vector<int32_t> indptr =
-        FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size);
+    std::vector<int32_t> indptr = FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size);
+    if (trial % 5 == 4) {  // a plan that is not one: one entry out of order, one past nnz
+      std::swap(indptr[1], indptr[2]);
+      indptr[indptr.size() - 2] = indptr.back() + 1;
+    }
     const int64_t nnz = indptr.back();
     gpu::DeviceBuffer<int32_t> blocks, count, table, context, dptr;
     Upload(c.blocks, blocks), Upload(c.count, count), Upload(c.table, table),
         Upload(c.context, context), Upload(indptr, dptr);
     gpu::DeviceBuffer<int32_t> indices, last, mismatched;
-    ASSERT_TRUE(indices.Allocate(std::max<int64_t>(c.layers * nnz, 1)).ok());
+    const std::vector<int32_t> sentinel(std::max<int64_t>(c.layers * nnz, 1), -9);
+    Upload(sentinel, indices);
     ASSERT_TRUE(last.Allocate(c.batch * c.lists).ok());
     ASSERT_TRUE(mismatched.Allocate(1).ok());
     ASSERT_EQ(cudaMemset(mismatched.get(), 0, sizeof(int32_t)), cudaSuccess);
     ASSERT_TRUE(BuildFlashInferFixedBudget(
                     {blocks.get(), count.get(), c.layers, c.max_batch, c.lists, c.max_blocks},
-                    {table.get(), c.max_blocks, context.get(), c.batch, c.block_size}, dptr.get(),
-                    nnz, indices.get(), last.get(), mismatched.get(), nullptr)
+                    {table.get(), c.max_blocks, context.get(), c.batch, c.block_size, cache_blocks},
+                    dptr.get(), nnz, indices.get(), last.get(), mismatched.get(), nullptr)
                     .ok());
     const auto got = Download(indices, c.layers * nnz);
     const auto got_last = Download(last, c.batch * c.lists);
     int32_t want_mismatched = 0;
     for (int layer = 0; layer < c.layers; ++layer) {
       for (int64_t b = 0; b < c.batch; ++b) {
-        const int64_t blocks_b = BlocksOf(c.context[b], c.block_size);
+        const Row row = RowOf(c, b);
         for (int h = 0; h < c.lists; ++h) {
           const int64_t q = b * c.lists + h;
-          const int64_t n = indptr[q + 1] - indptr[q];
-          ASSERT_EQ(n, FixedBudgetBlocks(c.context[b], budget, g, c.block_size));
-          const int64_t in = (layer * c.max_batch + b) * c.lists + h;
-          const bool fits = c.count[in] == n && n <= blocks_b;
-          if (!fits) ++want_mismatched;
-          const int32_t* want =
-              fits ? &c.blocks[in * c.max_blocks] : &c.table[b * c.max_blocks + blocks_b - n];
-          for (int64_t j = 0; j < n; ++j) {
-            ASSERT_EQ(got[layer * nnz + indptr[q] + j], want[j]) << "seed " << seed;
+          EXPECT_EQ(got_last[q], row.last) << "seed " << seed;
+          if (indptr[q] < 0 || indptr[q + 1] < indptr[q] || indptr[q + 1] > nnz) {
+            ++want_mismatched;  // not a plan: nothing written for it
+            continue;
           }
-          EXPECT_EQ(got_last[q], c.context[b] - (blocks_b - 1) * c.block_size);
+          const int64_t n = indptr[q + 1] - indptr[q];
+          const int64_t in = (layer * c.max_batch + b) * c.lists + h;
+          const bool fits = c.count[in] == n && Usable(c, in, row.blocks, cache_blocks);
+          if (!fits) ++want_mismatched;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t k = std::max<int64_t>(row.blocks - n + j, 0);
+            const int32_t want = fits              ? c.blocks[in * c.max_blocks + j]
+                                 : row.blocks == 0 ? 0
+                                                   : c.table[b * c.max_blocks + k];
+            ASSERT_EQ(got[layer * nnz + indptr[q] + j], want) << "seed " << seed;
+          }
         }
       }
     }
@@ -217,6 +272,8 @@ TEST(EngineOutputsArgs, FixedBudgetBlocksFollowsTheBudgetShape) {
   EXPECT_EQ(FixedBudgetBlocks(1000, 3, 4, 16), 2 * 4 + 3);
   EXPECT_EQ(FixedBudgetBlocks(1000, 16, 4, 16), 63);  // every group
   EXPECT_EQ(FixedBudgetBlocks(1, 3, 4, 16), 1);
+  EXPECT_EQ(FixedBudgetBlocks(0, 3, 4, 16), 0);  // an empty (or negative) context: no blocks
+  EXPECT_EQ(FixedBudgetBlocks(-40, 3, 4, 16), 0);
   EXPECT_EQ(FixedBudgetIndptr({1000, 1}, 2, 3, 4, 16), (std::vector<int32_t>{0, 11, 22, 23, 24}));
 }
 

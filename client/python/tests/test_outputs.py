@@ -96,14 +96,51 @@ def test_fixed_budget_blocks_by_hand():
     np.testing.assert_array_equal(fixed_budget_indptr([1000, 1], 2, 3, 4, 16), [0, 11, 22, 23, 24])
 
 
+def test_references_stay_inside_the_engine_rows_whatever_the_data():
+    # Two positions: a context longer than the table's 4-block rows, and an empty one.
+    table = np.array([[10, 11, 12, 13], [20, 21, 22, 23]], dtype=np.int32)
+    ctx = np.array([5 * BS + 3, 0], dtype=np.int32)
+    vb = np.array([[[10, 12, 13, 0]], [[0, 0, 0, 0]]], dtype=np.int32)[None]  # [1, 2, 1, 4]
+    vc = np.array([[[3], [1]]], dtype=np.int32)  # the empty row cannot hold one block
+    refused = np.zeros(1, dtype=np.int64)
+    bt, used = flash_attention_views_reference(vb, vc, table, ctx, BS, refused=refused)
+    np.testing.assert_array_equal(bt[0, 0, 0, :3], [10, 12, 13])
+    assert used[0, 0, 0] == 3 * BS  # the row is cut to its 4 full blocks
+    assert used[0, 1, 0] == 0 and refused[0] == 1  # the empty row: nothing to read
+    # With the cache's size given, a list naming a block outside it is refused.
+    vb[0, 0, 0, 1] = 500
+    bt, used = flash_attention_views_reference(vb, vc, table, ctx, BS, cache_blocks=100,
+                                               refused=refused)
+    np.testing.assert_array_equal(bt[0, 0, 0], table[0])
+    assert used[0, 0, 0] == 4 * BS and refused[0] == 3
+    # A plan with more room than a row holds repeats the row's oldest block; an entry past
+    # nnz is skipped; both are counted.
+    assert fixed_budget_blocks(0, 3, G, BS) == 0 and fixed_budget_blocks(-5, 3, G, BS) == 0
+    indptr = np.array([0, 6, 6], dtype=np.int32)
+    ind, last, mismatched = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)
+    np.testing.assert_array_equal(ind[0], [10, 10, 10, 11, 12, 13])
+    np.testing.assert_array_equal(last, [BS, 0])
+    assert mismatched == 2  # count 3 in a plan of 6; a block listed for an empty row
+    vc[0, 1, 0] = 0
+    ind, _, mismatched = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS,
+                                                           np.array([0, 7, 6], dtype=np.int32))
+    assert mismatched == 2  # an entry past nnz = 6, one that ends before it begins
+
+
 def random_lists(rng, L=3, max_batch=5, B=4, lists=1, max_blocks=40):
+    """Random lists, some dense, malformed or naming blocks outside a 10**5-block cache, over
+    contexts some empty, negative or longer than the table's rows."""
     ctx = rng.integers(1, max_blocks * BS + 1, size=B).astype(np.int32)
+    ctx[rng.random(B) < 0.1] = -1
+    ctx[rng.random(B) < 0.1] = 0
+    ctx[rng.random(B) < 0.1] = max_blocks * BS + 77
     table = rng.integers(0, 10**5, size=(B, max_blocks)).astype(np.int32)
     vb = rng.integers(0, 10**5, size=(L, max_batch, lists, max_blocks)).astype(np.int32)
+    vb[rng.random(vb.shape) < 0.01] = 10**5 + 3
     vc = np.zeros((L, max_batch, lists), dtype=np.int32)
     for layer in range(L):
         for b in range(B):
-            blocks = blocks_for(int(ctx[b]), BS)
+            blocks = min(blocks_for(max(int(ctx[b]), 0), BS), max_blocks)
             for h in range(lists):
                 vc[layer, b, h] = rng.choice([-1, blocks + 1, rng.integers(0, blocks + 1)])
     return vb, vc, table, ctx
@@ -121,22 +158,28 @@ def test_torch_views_and_arrays_equal_the_reference(rng, lists, use_kernel):
         library()  # the kernel path needs libeps_engine; fail loudly if it is missing
     from eps_client.outputs import flash_attention_views, flashinfer_fixed_budget
 
-    for _ in range(10):
+    for trial in range(10):
         vb, vc, table, ctx = random_lists(rng, lists=lists)
+        cache = 10**5 if trial % 2 else 0  # checked, then trusted
         d = {k: torch.from_numpy(v).cuda() for k, v in
              dict(vb=vb, vc=vc, table=table, ctx=ctx).items()}
+        refused = torch.full((1,), 5, dtype=torch.int32, device="cuda")
         got_t, got_u = flash_attention_views(d["vb"], d["vc"], d["table"], d["ctx"], BS,
+                                             cache_blocks=cache, refused=refused,
                                              use_kernel=use_kernel)
-        want_t, want_u = flash_attention_views_reference(vb, vc, table, ctx, BS)
+        want_refused = np.full(1, 5)
+        want_t, want_u = flash_attention_views_reference(vb, vc, table, ctx, BS, cache,
+                                                         refused=want_refused)
         np.testing.assert_array_equal(got_u.cpu().numpy(), want_u)
+        assert int(refused.item()) == want_refused[0]
         valid = want_t >= 0
         np.testing.assert_array_equal(got_t.cpu().numpy()[valid], want_t[valid])
         indptr = fixed_budget_indptr(ctx, lists, 3, G, BS)
         got_i, got_l, got_m = flashinfer_fixed_budget(
             d["vb"], d["vc"], d["table"], d["ctx"], BS, torch.from_numpy(indptr).cuda(),
-            use_kernel=use_kernel)
+            cache_blocks=cache, use_kernel=use_kernel)
         want_i, want_l, want_m = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS,
-                                                                   indptr)
+                                                                   indptr, cache)
         np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
         np.testing.assert_array_equal(got_l.cpu().numpy(), want_l)
         assert int(got_m.item()) == want_m

@@ -110,9 +110,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "eps_engine_summary_queue_errors": [p, ctypes.c_char_p, i64],
         "eps_engine_summary_queue_destroy": [p],
         "eps_engine_flash_attention_views": [u64, u64, i32, i64, i32, i64, u64, i64, u64, i64,
-                                             i32, u64, u64, u64],
+                                             i32, i64, u64, u64, u64, u64],
         "eps_engine_flashinfer_fixed": [u64, u64, i32, i64, i32, i64, u64, i64, u64, i64, i32,
-                                        u64, i64, u64, u64, u64, u64],
+                                        i64, u64, i64, u64, u64, u64, u64],
     }
     for name, args in sigs.items():
         getattr(lib, name).argtypes = args

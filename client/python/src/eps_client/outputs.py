@@ -10,6 +10,11 @@ docs/integration/outputs.md).
 
 A list with count < 0 ("attend densely") becomes the engine's own block-table row; in a
 fixed-budget plan only its newest n blocks fit, and the list is counted in ``mismatched``.
+So does a list that cannot be the sequence's: a count above its blocks or, with
+``cache_blocks`` > 0, a block id outside [0, cache_blocks) (counted in ``refused`` for
+FlashAttention). Whatever the data, nothing is read past the engine's rows: a context < 1
+is an empty row, a longer one than the table's row is cut to the row, and a plan asking
+for more blocks than a row holds repeats its oldest block (block 0 for an empty row).
 The torch functions run on the device without host copies: through libeps_engine's kernel
 when it loads (``eps_client.engine``), else with torch operations. The ``*_reference``
 functions are numpy, for tests. Shapes: visit_blocks [layers, max_batch, (lists,)
@@ -26,7 +31,10 @@ import numpy as np
 
 def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> int:
-    """Blocks of a BUDGET_FIXED list: k groups of g blocks, the newest (partial) among them."""
+    """Blocks of a BUDGET_FIXED list: k groups of g blocks, the newest (partial) among them
+    (0 for a context < 1)."""
+    if context_tokens < 1:
+        return 0
     blocks = -(-context_tokens // block_size)
     groups = -(-blocks // group_blocks)
     if groups <= budget_groups:
@@ -49,35 +57,58 @@ def _as_lists(visit_blocks: Any, visit_count: Any) -> tuple[Any, Any]:
     return visit_blocks, visit_count
 
 
+def _row(ctx: int, block_size: int, stride: int) -> tuple[int, int, int]:
+    """(blocks, tokens, tokens of the last block) of a row: a context < 1 is empty, a longer
+    one than the table's row (stride blocks) is cut to it."""
+    tokens = max(ctx, 0)
+    blocks = min(-(-tokens // block_size), stride)
+    tokens = min(tokens, blocks * block_size)
+    return blocks, tokens, (tokens - (blocks - 1) * block_size if blocks else 0)
+
+
+def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
+            cache_blocks: int) -> bool:
+    if not 0 <= count <= min(blocks, max_blocks):
+        return False
+    head = ids[:count]
+    return cache_blocks <= 0 or bool(np.all((head >= 0) & (head < cache_blocks)))
+
+
 def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.ndarray,
                                     engine_table: np.ndarray, context_tokens: np.ndarray,
-                                    block_size: int) -> tuple[np.ndarray, np.ndarray]:
+                                    block_size: int, cache_blocks: int = 0,
+                                    refused: np.ndarray | None = None
+                                    ) -> tuple[np.ndarray, np.ndarray]:
     """block_table [layers, batch, lists, max_blocks] (-1 past each row's blocks) and
-    seqused_k [layers, batch, lists], for the first ``len(context_tokens)`` positions."""
+    seqused_k [layers, batch, lists] for the first ``len(context_tokens)`` positions; the
+    lists refused (count >= 0 but not usable) are added to ``refused[0]`` when given."""
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, _, lists, max_blocks = vb.shape
     B = len(context_tokens)
     table = np.full((L, B, lists, max_blocks), -1, dtype=np.int32)
     used = np.zeros((L, B, lists), dtype=np.int32)
+    n_refused = 0
     for layer in range(L):
         for b in range(B):
-            ctx = int(context_tokens[b])
-            blocks = -(-ctx // block_size)
-            last = ctx - (blocks - 1) * block_size
+            blocks, tokens, last = _row(int(context_tokens[b]), block_size,
+                                        engine_table.shape[1])
             for h in range(lists):
                 n = int(vc[layer, b, h])
-                if 0 <= n <= min(blocks, max_blocks):
+                if _usable(vb[layer, b, h], n, blocks, max_blocks, cache_blocks):
                     table[layer, b, h, :n] = vb[layer, b, h, :n]
                     used[layer, b, h] = 0 if n == 0 else (n - 1) * block_size + last
                 else:
                     table[layer, b, h, :blocks] = engine_table[b, :blocks]
-                    used[layer, b, h] = ctx
+                    used[layer, b, h] = tokens
+                    n_refused += n >= 0
+    if refused is not None:
+        refused[0] += n_refused
     return table, used
 
 
 def flashinfer_fixed_budget_reference(visit_blocks: np.ndarray, visit_count: np.ndarray,
                                       engine_table: np.ndarray, context_tokens: np.ndarray,
-                                      block_size: int, indptr: np.ndarray
+                                      block_size: int, indptr: np.ndarray, cache_blocks: int = 0
                                       ) -> tuple[np.ndarray, np.ndarray, int]:
     """indices [layers, nnz], last_page_len [batch * lists] and the mismatched lists."""
     vb, vc = _as_lists(visit_blocks, visit_count)
@@ -89,19 +120,22 @@ def flashinfer_fixed_budget_reference(visit_blocks: np.ndarray, visit_count: np.
     mismatched = 0
     for layer in range(L):
         for b in range(B):
-            ctx = int(context_tokens[b])
-            blocks = -(-ctx // block_size)
+            blocks, _, last_b = _row(int(context_tokens[b]), block_size, engine_table.shape[1])
             for h in range(lists):
                 q = b * lists + h
+                last[q] = last_b
                 lo, hi = int(indptr[q]), int(indptr[q + 1])
+                if lo < 0 or hi < lo or hi > nnz:
+                    mismatched += 1
+                    continue
                 n = hi - lo
                 count = int(vc[layer, b, h])
-                if count == n and count <= min(blocks, max_blocks):
+                if _usable(vb[layer, b, h], count, blocks, max_blocks, cache_blocks) and count == n:
                     indices[layer, lo:hi] = vb[layer, b, h, :n]
                 else:
-                    indices[layer, lo:hi] = engine_table[b, blocks - n : blocks]
+                    k = np.maximum(np.arange(blocks - n, blocks), 0)
+                    indices[layer, lo:hi] = engine_table[b, k] if blocks else 0
                     mismatched += 1
-                last[q] = ctx - (blocks - 1) * block_size
     return indices, last, mismatched
 
 
@@ -114,13 +148,39 @@ def _engine_lib() -> Any:
         return None
 
 
+def _torch_rows(context_tokens: Any, block_size: int, stride: int) -> tuple[Any, Any, Any]:
+    """_row for every position: (blocks, tokens, tokens of the last block), int64 [B]."""
+    import torch
+
+    tokens = torch.clamp(context_tokens.to(torch.int64), min=0)
+    blocks = torch.clamp((tokens + block_size - 1) // block_size, max=stride)
+    tokens = torch.minimum(tokens, blocks * block_size)
+    last = torch.where(blocks > 0, tokens - (blocks - 1) * block_size, torch.zeros_like(tokens))
+    return blocks, tokens, last
+
+
+def _torch_usable(vb: Any, count: Any, blocks: Any, max_blocks: int, cache_blocks: int) -> Any:
+    """_usable for lists [L, B, lists] (count) with ids vb [L, B, lists, max_blocks]."""
+    import torch
+
+    ok = (count >= 0) & (count <= blocks[None, :, None]) & (count <= max_blocks)
+    if cache_blocks > 0:
+        listed = torch.arange(max_blocks, device=vb.device) < count[..., None]
+        outside = listed & ((vb < 0) | (vb >= cache_blocks))
+        ok &= ~outside.any(dim=-1)
+    return ok
+
+
 def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any,
                           context_tokens: Any, block_size: int, *,
-                          out: tuple[Any, Any] | None = None,
+                          out: tuple[Any, Any] | None = None, cache_blocks: int = 0,
+                          refused: Any = None,
                           use_kernel: bool | None = None) -> tuple[Any, Any]:
     """Device tensors (torch, int32): block_table [layers, batch, lists, max_blocks] and
     seqused_k [layers, batch, lists] for batch = len(context_tokens). Entries past a row's
-    blocks are unspecified. ``out`` reuses preallocated tensors (e.g. in a CUDA graph)."""
+    blocks are unspecified. ``out`` reuses preallocated tensors (e.g. in a CUDA graph).
+    ``cache_blocks`` > 0 refuses lists naming a block outside [0, cache_blocks); ``refused``
+    (a device int32 tensor of one element) has the refused lists added to it."""
     import torch
 
     vb, vc = _as_lists(visit_blocks, visit_count)
@@ -140,28 +200,31 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
         check("flash_attention_views", lib.eps_engine_flash_attention_views(
             vb.data_ptr(), vc.data_ptr(), L, max_batch, lists, max_blocks,
             engine_table.data_ptr(), engine_table.stride(0), context_tokens.data_ptr(), B,
-            block_size, table.data_ptr(), used.data_ptr(), stream))
+            block_size, cache_blocks, table.data_ptr(), used.data_ptr(),
+            0 if refused is None else refused.data_ptr(), stream))
         return table, used
-    ctx = context_tokens.to(torch.int64)
-    blocks = (ctx + block_size - 1) // block_size  # [B]
-    last = ctx - (blocks - 1) * block_size
-    count = vc[:, :B].to(torch.int64)  # [L, B, lists]
-    dense = (count < 0) | (count > blocks[None, :, None]) | (count > max_blocks)
     width = min(engine_table.shape[1], max_blocks)
+    blocks, tokens, last = _torch_rows(context_tokens, block_size, width)
+    count = vc[:, :B].to(torch.int64)  # [L, B, lists]
+    usable = _torch_usable(vb[:, :B], count, blocks, max_blocks, cache_blocks)
     engine_rows = torch.zeros(B, max_blocks, dtype=torch.int32, device=vb.device)
     engine_rows[:, :width] = engine_table[:, :width]
-    table.copy_(torch.where(dense[..., None], engine_rows[None, :, None, :], vb[:, :B]))
+    table.copy_(torch.where(usable[..., None], vb[:, :B], engine_rows[None, :, None, :]))
     seq = torch.where(count == 0, torch.zeros_like(count),
                       (count - 1) * block_size + last[None, :, None])
-    used.copy_(torch.where(dense, ctx[None, :, None], seq).to(torch.int32))
+    used.copy_(torch.where(usable, seq, tokens[None, :, None]).to(torch.int32))
+    if refused is not None:
+        refused += (~usable & (count >= 0)).sum().to(torch.int32)
     return table, used
 
 
 def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: Any,
                             context_tokens: Any, block_size: int, indptr: Any, *,
+                            cache_blocks: int = 0,
                             use_kernel: bool | None = None) -> tuple[Any, Any, Any]:
     """Device tensors: indices [layers, nnz], last_page_len [batch * lists] and mismatched
-    [1] (int32) for the plan ``indptr`` (a device int32 tensor from fixed_budget_indptr)."""
+    [1] (int32) for the plan ``indptr`` (a device int32 tensor from fixed_budget_indptr).
+    ``cache_blocks`` > 0 refuses (and counts) lists naming a block outside [0, cache_blocks)."""
     import torch
 
     vb, vc = _as_lists(visit_blocks, visit_count)
@@ -182,22 +245,26 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
         check("flashinfer_fixed", lib.eps_engine_flashinfer_fixed(
             vb.data_ptr(), vc.data_ptr(), L, max_batch, lists, max_blocks,
             engine_table.data_ptr(), engine_table.stride(0), context_tokens.data_ptr(), B,
-            block_size, indptr.data_ptr(), nnz, indices.data_ptr(), last.data_ptr(),
-            mismatched.data_ptr(), stream))
+            block_size, cache_blocks, indptr.data_ptr(), nnz, indices.data_ptr(),
+            last.data_ptr(), mismatched.data_ptr(), stream))
         return indices[:, :nnz], last, mismatched
-    ctx = context_tokens.to(torch.int64)
-    blocks = (ctx + block_size - 1) // block_size
     ip = indptr.to(torch.int64)
     n = ip[1:] - ip[:-1]  # [B * lists]
+    if ip.numel() != B * lists + 1 or int(ip[0]) != 0 or bool((n < 0).any()):
+        raise ValueError("indptr must be fixed_budget_indptr's plan: batch * lists + 1 "
+                         "non-decreasing entries from 0")
+    blocks, _, last_b = _torch_rows(context_tokens, block_size, engine_table.shape[1])
     q = torch.repeat_interleave(torch.arange(B * lists, device=dev), n)  # request of each entry
     j = torch.arange(nnz, device=dev) - ip[:-1][q]  # position within its list
     b, h = q // lists, q % lists
-    count = vc[:, :B].to(torch.int64).reshape(L, B * lists)  # [L, B*lists]
-    fits = (count == n[None]) & (count <= torch.clamp(blocks, max=max_blocks).repeat_interleave(
-        lists)[None])
+    count = vc[:, :B].to(torch.int64)  # [L, B, lists]
+    usable = _torch_usable(vb[:, :B], count, blocks, max_blocks, cache_blocks)
+    fits = (usable & (count == n.reshape(B, lists)[None])).reshape(L, B * lists)
     from_list = vb[:, b, h, j]  # [L, nnz]
-    from_table = engine_table[b, blocks[b] - n[q] + j].to(torch.int32)[None].expand(L, -1)
+    k = torch.clamp(blocks[b] - n[q] + j, min=0)
+    from_table = torch.where(blocks[b] > 0, engine_table[b, torch.minimum(
+        k, torch.clamp(blocks[b] - 1, min=0))].to(torch.int32), 0)[None].expand(L, -1)
     indices[:, :nnz] = torch.where(fits[:, q], from_list, from_table)
-    last.copy_((ctx - (blocks - 1) * block_size).repeat_interleave(lists).to(torch.int32))
+    last.copy_(last_b.repeat_interleave(lists).to(torch.int32))
     mismatched[0] = (~fits).sum().to(torch.int32)
     return indices[:, :nnz], last, mismatched
