@@ -91,10 +91,12 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (top_pages < 1) {
     return absl::InvalidArgumentError(absl::StrCat("top_pages=", top_pages, " must be >= 1"));
   }
-  if (budget == Budget::kTopP && !(top_p > 0.0f && top_p <= 1.0f)) {
+  // Every field is checked whatever the budget: a bad value kept for another budget would
+  // be refused only at the step that switches to it.
+  if (!(top_p > 0.0f && top_p <= 1.0f)) {
     return absl::InvalidArgumentError(absl::StrCat("top_p=", top_p, " not in (0, 1]"));
   }
-  if (budget == Budget::kMass) {
+  {
     if (absl::Status s = ValidateMass({mass_target, mass_temperature, min_pages, max_pages}, "");
         !s.ok()) {
       return s;

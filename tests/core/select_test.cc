@@ -427,6 +427,13 @@ TEST(SelectPolicyTest, ValidateRejectsEveryBadField) {
   p.budget = Budget::kTopP;
   p.top_p = 1.5f;
   EXPECT_FALSE(p.Validate(model).ok());
+  // Checked whatever the budget: a value kept for another budget is refused where it is set,
+  // not at the step that switches to that budget.
+  p.budget = Budget::kThreshold;
+  EXPECT_EQ(p.Validate(model).message(), "top_p=1.5 not in (0, 1]");
+  p = ok;
+  p.mass_target = 2.0f;
+  EXPECT_EQ(p.Validate(model).message(), "mass_target=2 not in (0, 1]");
   p = ok;
   p.budget = Budget::kMass;
   EXPECT_TRUE(p.Validate(model).ok());
