@@ -20,6 +20,9 @@ Thread safety: one engine thread calls select_pages / attach / detach at a time;
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from eps_client import _values
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 from eps_client.stream import SelectStream
@@ -43,6 +47,24 @@ from eps_client.types import (
 )
 
 Traceparent = str | Callable[[], str | None] | None
+
+_log = logging.getLogger("eps_client")
+
+# W3C trace context, version 00: version-trace_id-parent_id-flags, lower-case hex, neither
+# id all zeros. A later version may append fields ("-..."); version ff is invalid.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-[!-~]*)?")
+
+
+def valid_traceparent(value: object) -> bool:
+    """Whether ``value`` is a W3C traceparent header value gRPC can carry as metadata."""
+    if not isinstance(value, str):
+        return False
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
+        return False
+    version, trace_id, parent_id, more = match.groups()
+    return (version != "ff" and (version != "00" or more is None)
+            and trace_id != "0" * 32 and parent_id != "0" * 16)
 
 
 @dataclass
@@ -62,6 +84,29 @@ class ClientOptions:
     # Called with the step number on every fallback, before select_pages returns: an
     # engine whose stream waits on selection_done releases it here (ReleaseDense).
     on_fallback: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuses a value the client cannot run with (TypeError, ValueError, naming it)."""
+        if not isinstance(self.target, str) or not self.target:
+            raise TypeError(f"ClientOptions.target={self.target!r} is not a non-empty str")
+        for name, positive in (("deadline_s", True), ("attach_deadline_s", True),
+                               ("reattach_backoff_s", False)):
+            value = _values.real(f"ClientOptions.{name}", getattr(self, name))
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"ClientOptions.{name}={value} must be "
+                                 f"{'> 0' if positive else '>= 0'}")
+            setattr(self, name, value)
+        for name in ("fail_open", "use_stream"):
+            setattr(self, name, _values.boolean(f"ClientOptions.{name}", getattr(self, name)))
+        tp = self.traceparent
+        if isinstance(tp, str):
+            if not valid_traceparent(tp):
+                raise ValueError(f"ClientOptions.traceparent={tp!r} is not a W3C traceparent "
+                                 f"(00-<32 hex>-<16 hex>-<2 hex>)")
+        elif tp is not None and not callable(tp):
+            raise TypeError(f"ClientOptions.traceparent={tp!r} is not a str, a callable or None")
+        if self.on_fallback is not None and not callable(self.on_fallback):
+            raise TypeError(f"ClientOptions.on_fallback={self.on_fallback!r} is not callable")
 
 
 @dataclass
@@ -99,6 +144,8 @@ class ClientCounters:
                 + self.fallback_error)
 
 
+_CLOSED = "client closed"
+
 _FALLBACK_REASON = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "fallback_deadline",
     grpc.StatusCode.UNAVAILABLE: "fallback_unavailable",
@@ -122,6 +169,21 @@ def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None
         device=device, lease_ms=lease_ms, device_uuid=device_uuid)
     if select is not None:
         request.options.CopyFrom(select.to_proto())
+    return request
+
+
+def _step_request(step: int, rows: Iterable[Row | tuple[int, int] | tuple[int, int, int]],
+                  options: SelectOptions | None, async_reply: bool) -> pb.SelectPagesRequest:
+    """A step's request without its session: every input checked first (TypeError,
+    ValueError naming the field and value: ``rows[1].table_row=None is not an integer``)."""
+    request = pb.SelectPagesRequest(step=_values.integer("step", step, *_values.UINT64),
+                                    rows=rows_proto(rows))
+    if options is not None:
+        if not isinstance(options, SelectOptions):
+            raise TypeError(f"options={options!r} is not a SelectOptions")
+        request.options.CopyFrom(options.to_proto())
+    if async_reply:
+        request.reply_mode = pb.REPLY_MODE_ASYNC
     return request
 
 
@@ -161,6 +223,8 @@ class EpsClient:
         self._lock = threading.Lock()  # guards the counters
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
+        self._closed = False
+        self._traceparent_warned = False
 
     def _new_channel(self) -> grpc.Channel:
         channel = grpc.insecure_channel(self.options.target, options=[
@@ -175,6 +239,7 @@ class EpsClient:
 
     def attach(self) -> AttachInfo:
         """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily."""
+        self._check_open()
         self._take_pending_attach()
         try:
             response = self.stub.Attach(self._attach, timeout=self.options.attach_deadline_s,
@@ -188,6 +253,7 @@ class EpsClient:
         """Ends the session (raises EpsError if epsd refuses; nothing to do if not attached),
         also one a background re-attach is being granted (waiting for it, within
         attach_deadline_s), which would otherwise stay on epsd until its lease ran out."""
+        self._check_open()
         self._close_stream()
         self._take_pending_attach()
         if not self.session_id:
@@ -201,6 +267,7 @@ class EpsClient:
 
     def heartbeat(self) -> int:
         """Renews the lease; returns it in ms."""
+        self._check_open()
         try:
             return int(self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
                                            timeout=self.options.attach_deadline_s,
@@ -211,6 +278,7 @@ class EpsClient:
             raise EpsError(e.code(), e.details() or "") from None
 
     def ping(self, deadline_s: float) -> None:
+        self._check_open()
         try:
             self.stub.Ping(pb.PingRequest(), timeout=deadline_s, metadata=self._metadata())
         except grpc.RpcError as e:
@@ -218,6 +286,7 @@ class EpsClient:
 
     def stats(self, session_only: bool = True) -> pb.GetStatsResponse:
         """GetStats (an operator's view; the message is returned as is)."""
+        self._check_open()
         request = pb.GetStatsRequest(session_id=self.session_id if session_only else "")
         try:
             return self.stub.GetStats(request, timeout=self.options.attach_deadline_s,
@@ -226,7 +295,13 @@ class EpsClient:
             raise EpsError(e.code(), e.details() or "") from None
 
     def close(self) -> None:
-        """Closes the stream and the channel (without detaching)."""
+        """Closes the stream and the channel. It does not detach: the session stays on epsd
+        until its lease runs out (``detach()`` first, or leave the ``with`` block, to end it).
+        Afterwards every call raises ``EpsError(FAILED_PRECONDITION, "client closed")`` (a
+        fail-open ``select_pages`` falls back with that code); closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._close_stream()
         if self._pending_attach is not None:
             self._pending_attach.cancel()
@@ -237,7 +312,10 @@ class EpsClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Detaches (best effort: an absent sidecar has nothing to detach) and closes."""
+        """Detaches (best effort: an absent sidecar has nothing to detach) and closes; never
+        raises, so that an exception leaving the block is the engine's own."""
+        if self._closed:
+            return  # closed already (a shutdown hook, say): no channel left to detach through
         try:
             self.detach()
         except EpsError:
@@ -263,17 +341,21 @@ class EpsClient:
         self._count("steps")
         start = time.monotonic()
         deadline = start + self.options.deadline_s
+        if self._closed:
+            return self._failed(step, grpc.StatusCode.FAILED_PRECONDITION, _CLOSED, start)
+        try:
+            request = _step_request(step, rows, options, async_reply)
+        except (TypeError, ValueError, OverflowError) as e:
+            # A bad input is this step's failure (counted, fallen back or raised), never an
+            # exception of another kind, nor a value protobuf would send as 0.
+            return self._failed(step, grpc.StatusCode.INVALID_ARGUMENT, str(e), start)
+        step = request.step
         if not self.session_id:
             reason = self._poll_reattach()
             if reason is not None:
                 return self._failed(step, grpc.StatusCode.UNAVAILABLE, reason, start,
                                     counter="fallback_not_attached")
-        request = pb.SelectPagesRequest(session_id=self.session_id, step=step,
-                                        rows=rows_proto(rows))
-        if options is not None:
-            request.options.CopyFrom(options.to_proto())
-        if async_reply:
-            request.reply_mode = pb.REPLY_MODE_ASYNC
+        request.session_id = self.session_id
         now = self.counters()
         self._add_report(request, now)
         try:
@@ -326,9 +408,30 @@ class EpsClient:
         request.fallbacks.error = now.fallback_error - r.fallback_error
 
     def _metadata(self) -> list[tuple[str, str]]:
+        """The call's traceparent, if any. A tracer that fails or gives something that is not
+        a W3C traceparent costs the call its trace context, never the call (logged once)."""
         tp = self.options.traceparent
-        value = tp() if callable(tp) else tp
-        return [("traceparent", value)] if value else []
+        try:
+            value = tp() if callable(tp) else tp
+        except Exception as e:  # noqa: BLE001 - the tracer's failure is not the step's
+            self._drop_traceparent(f"the traceparent callable raised {type(e).__name__}: {e}")
+            return []
+        if value is None or value == "":
+            return []
+        if not valid_traceparent(value):
+            self._drop_traceparent(f"traceparent {value!r:.80} is not a W3C traceparent")
+            return []
+        assert isinstance(value, str)
+        return [("traceparent", value)]
+
+    def _drop_traceparent(self, why: str) -> None:
+        if not self._traceparent_warned:
+            self._traceparent_warned = True
+            _log.warning("eps_client: calls go without traceparent: %s (logged once)", why)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
 
     def _count(self, name: str) -> None:
         with self._lock:
