@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -144,6 +145,13 @@ class ClientCounters:
                 + self.fallback_error)
 
 
+def _new_client_id() -> int:
+    """A random, nonzero id for one client's fallback reports (client/cpp NewClientId)."""
+    while True:
+        if (client_id := secrets.randbits(64)) != 0:
+            return client_id
+
+
 _CLOSED = "client closed"
 
 _FALLBACK_REASON = {
@@ -223,6 +231,8 @@ class EpsClient:
         self._lock = threading.Lock()  # guards the counters
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
+        # Fixed for the client's life: epsd keeps the largest totals it saw per id.
+        self.client_id = _new_client_id()
         self._closed = False
         self._traceparent_warned = False
 
@@ -395,17 +405,19 @@ class EpsClient:
     # -- internals ---------------------------------------------------------------------------
 
     def _add_report(self, request: pb.SelectPagesRequest, now: ClientCounters) -> None:
-        """Fallbacks since the last report ride on the step for epsd's metrics. They count as
-        reported once the server has seen them: on any reply but UNAVAILABLE and
-        DEADLINE_EXCEEDED, which may not have reached it (a report may then arrive twice,
-        never be lost)."""
+        """The client's fallback totals ride on the step for epsd's metrics until the server
+        has surely seen them: until a reply other than UNAVAILABLE or DEADLINE_EXCEEDED, which
+        may or may not have reached it. Totals with this client's id, not deltas (as
+        client/cpp sends them): epsd counts only their increase, so a report that arrives
+        twice counts once and none is lost."""
         if now.fallbacks == self._reported.fallbacks:
             return
-        r = self._reported
-        request.fallbacks.deadline = now.fallback_deadline - r.fallback_deadline
-        request.fallbacks.unavailable = now.fallback_unavailable - r.fallback_unavailable
-        request.fallbacks.not_attached = now.fallback_not_attached - r.fallback_not_attached
-        request.fallbacks.error = now.fallback_error - r.fallback_error
+        f = request.fallbacks
+        f.client_id = self.client_id
+        f.deadline = now.fallback_deadline
+        f.unavailable = now.fallback_unavailable
+        f.not_attached = now.fallback_not_attached
+        f.error = now.fallback_error
 
     def _metadata(self) -> list[tuple[str, str]]:
         """The call's traceparent, if any. A tracer that fails or gives something that is not
