@@ -246,16 +246,16 @@ class PagedEngine:
         cache: one append per (sequence, block, layer, KV head), in g calls so that the
         records of one call are distinct; with a coarse level, the coarse records from the
         same blocks likewise, in coarse_blocks calls."""
-        self._append_prompt(tokens, self.eps_model.group_blocks, self.pool.data_ptr(),
-                            self.slots_host)
+        self._append_prompt(tokens, self.eps_model.group_blocks, self.pool, self.slots_host)
         if self.max_coarse:
-            self._append_prompt(tokens, self.eps_model.coarse_blocks,
-                                self.buffers.coarse_pool.data_ptr(), self.coarse_slots_host)
+            self._append_prompt(tokens, self.eps_model.coarse_blocks, self.buffers.coarse_pool,
+                                self.coarse_slots_host)
 
-    def _append_prompt(self, tokens: int, blocks_per_record: int, pool_ptr: int,
+    def _append_prompt(self, tokens: int, blocks_per_record: int, pool: torch.Tensor,
                        slots_host: np.ndarray) -> None:
-        """The blocks of [0, tokens) into the records of ``slots_host`` [B, records] (a
-        record holds ``blocks_per_record`` blocks), one block of each record per call."""
+        """The blocks of [0, tokens) into the records of ``slots_host`` [B, records] of
+        ``pool`` (a record holds ``blocks_per_record`` blocks), one block of each record per
+        call."""
         H, d = self.model.c.num_kv_heads, self.model.c.head_dim
         nblocks = blocks_for(tokens, self.bs)
         elt = self.kv[0].element_size()
@@ -271,8 +271,10 @@ class PagedEngine:
             head = np.arange(H, dtype=np.uint64)[None, None, :]
             ptrs = (self.kv_ptrs[:, None, None] + (phys[None, :, None] * self.bs * H + head)
                     * np.uint64(d * elt))
-            self.writer.append(key_appends(self.eps_model, pool_ptr, slots_host[b_idx, lb // per],
-                                           ptrs, count=np.tile(counts, self.B), stride=H * d),
+            self.writer.append(key_appends(self.eps_model, pool.data_ptr(),
+                                           slots_host[b_idx, lb // per], ptrs,
+                                           count=np.tile(counts, self.B), stride=H * d,
+                                           num_slots=pool.shape[0]),
                                _dtype_name(self.dtype),
                                torch.cuda.current_stream(self.device).cuda_stream)
 
@@ -286,11 +288,14 @@ class PagedEngine:
         offset = (phys[None, :, None] * self.bs + np.uint64(position % self.bs)) * H + head
         ptrs = self.kv_ptrs[:, None, None] + offset * np.uint64(d * self.kv[0].element_size())
         if not self.max_coarse:
-            return key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs)
+            return key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs,
+                               num_slots=self.pool.shape[0])
         coarse = self.coarse_slots_host[:, lb // self.eps_model.coarse_blocks]
         return key_appends(self.eps_model, self.pool.data_ptr(), slots, ptrs,
+                           num_slots=self.pool.shape[0],
                            coarse_pool_ptr=self.buffers.coarse_pool.data_ptr(),
-                           coarse_slots=coarse)
+                           coarse_slots=coarse,
+                           num_coarse_slots=self.buffers.coarse_pool.shape[0])
 
     # -- one step ----------------------------------------------------------------------------
 

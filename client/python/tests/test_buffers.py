@@ -164,3 +164,87 @@ def test_close_unlinks_the_object_even_while_a_view_is_held():
 def test_bad_shape_is_rejected():
     with pytest.raises(ValueError, match="max_batch=0"):
         BufferShape(num_slots=1, max_seqs=1, max_context=1, max_batch=0)
+
+
+MODEL_ARGS = {"num_layers": 2, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+
+
+def test_numpy_integers_make_the_same_model_as_ints():
+    model = ModelLayout(**{k: np.int64(v) for k, v in MODEL_ARGS.items()},
+                        phi_seed=np.uint64(2**64 - 1), coarse_blocks=np.int32(4))
+    assert model == ModelLayout(**MODEL_ARGS, phi_seed=2**64 - 1, coarse_blocks=4)
+    assert type(model.num_layers) is int and type(model.phi_seed) is int
+    assert model.to_proto().num_layers == 2
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"num_layers": 2.0}, TypeError, "num_layers=2.0 is not an integer"),
+    ({"num_kv_heads": True}, TypeError, "num_kv_heads=True is a bool"),
+    ({"num_layers": 0}, ValueError, "num_layers=0 not in [1, 4096]"),
+    ({"phi_seed": 1.5}, TypeError, "phi_seed=1.5 is not an integer"),
+    ({"phi_seed": None}, TypeError, "phi_seed=None is not an integer"),
+    ({"phi_seed": -1}, ValueError, "phi_seed=-1 is not a 64-bit unsigned integer"),
+    ({"kv_dtype": 99}, ValueError, "kv_dtype=99 is not one of"),
+    ({"kv_dtype": None}, TypeError, "kv_dtype=None is not an integer"),
+    ({"kv_dtype": np.float16}, TypeError, "is not an integer"),
+    ({"features": None}, TypeError, "features=None is not a SummaryFeatures"),
+    ({"coarse_blocks": 4.0}, TypeError, "coarse_blocks=4.0 is not an integer"),
+])
+def test_a_bad_model_field_is_refused_naming_it(fields, error, message):
+    with pytest.raises(error) as e:
+        ModelLayout(**{**MODEL_ARGS, **fields})
+    assert message in str(e.value)
+
+
+def test_a_kv_dtype_given_as_its_proto_value_is_kept():
+    assert ModelLayout(**MODEL_ARGS, kv_dtype=pb.DTYPE_BFLOAT16).kv_dtype == pb.DTYPE_BFLOAT16
+    with pytest.raises(TypeError, match="SummaryFeatures.quest='yes' is not a bool"):
+        SummaryFeatures(quest="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"num_slots": 1.5}, TypeError, "BufferShape.num_slots=1.5 is not an integer"),
+    ({"max_context": 100.5}, TypeError, "BufferShape.max_context=100.5 is not an integer"),
+    ({"max_batch": None}, TypeError, "BufferShape.max_batch=None is not an integer"),
+    ({"max_seqs": True}, TypeError, "BufferShape.max_seqs=True is a bool"),
+    ({"coarse_slots": 1.0}, TypeError, "BufferShape.coarse_slots=1.0 is not an integer"),
+    ({"per_kv_head": 1}, TypeError, "BufferShape.per_kv_head=1 is not a bool"),
+])
+def test_a_bad_buffer_shape_is_refused_before_any_shared_memory(fields, error, message):
+    before = sorted(os.listdir("/dev/shm"))
+    with pytest.raises(error) as e:
+        BufferShape(**{"num_slots": 4, "max_seqs": 4, "max_context": 512, "max_batch": 4,
+                       **fields})
+    assert message in str(e.value)
+    assert sorted(os.listdir("/dev/shm")) == before
+    shape = BufferShape(np.int64(4), np.int32(2), np.uint16(256), np.int8(2))
+    assert shape == BufferShape(4, 2, 256, 2) and type(shape.num_slots) is int
+
+
+def test_visits_are_none_for_attend_densely_and_refuse_indices_out_of_range():
+    model = ModelLayout(**MODEL_ARGS)
+    with ShmBuffers(model, BufferShape(4, 2, 256, 3)) as buf:
+        buf.visit_count[0, 0] = -1
+        buf.visit_blocks[0, 0, :3] = [5, 6, 7]
+        assert buf.visits(0, 0) is None
+        buf.visit_count[0, 0] = 0
+        visits = buf.visits(0, 0)
+        assert visits is not None and visits.size == 0
+        buf.visit_count[1, 2] = 2
+        buf.visit_blocks[1, 2, :2] = [3, 9]
+        assert buf.visits(np.int64(1), 2).tolist() == [3, 9]  # type: ignore[union-attr]
+        for layer, pos, head in ((-1, 0, 0), (2, 0, 0), (0, -1, 0), (0, 3, 0), (0, 0, 1)):
+            with pytest.raises(ValueError, match="not in"):
+                buf.visits(layer, pos, head)
+        with pytest.raises(TypeError, match="batch_pos=0.0 is not an integer"):
+            buf.visits(0, 0.0)  # type: ignore[arg-type]
+
+
+def test_closed_buffers_say_so():
+    model = ModelLayout(**MODEL_ARGS)
+    buf = ShmBuffers(model, BufferShape(4, 2, 256, 3))
+    buf.close()
+    for call in (lambda: buf.visits(0, 0), buf.selection_done, buf.descriptors):
+        with pytest.raises(ValueError, match="buffers closed"):
+            call()
+    buf.close()  # twice is fine

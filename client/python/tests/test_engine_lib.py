@@ -30,8 +30,9 @@ def test_coarse_key_appends_follow_the_fine_ones_into_the_coarse_pool():
     words = SummaryLayout.for_model(model).record_words
     slots, coarse = np.array([5, 0]), np.array([3, 1])
     ptrs = np.arange(2 * 2 * 2, dtype=np.uint64).reshape(2, 2, 2) * 1000 + 7
-    fine = key_appends(model, 1 << 20, slots, ptrs)
-    both = key_appends(model, 1 << 20, slots, ptrs, coarse_pool_ptr=1 << 30, coarse_slots=coarse)
+    fine = key_appends(model, 1 << 20, slots, ptrs, num_slots=6)
+    both = key_appends(model, 1 << 20, slots, ptrs, num_slots=6, coarse_pool_ptr=1 << 30,
+                       coarse_slots=coarse, num_coarse_slots=4)
     assert len(both) == 2 * len(fine)
     assert both[: len(fine)].tobytes() == fine.tobytes()
     for i, rec in enumerate(both[len(fine):]):
@@ -45,14 +46,14 @@ def test_coarse_key_appends_refuse_two_runs_into_one_coarse_record():
                         group_blocks=2, coarse_blocks=8)
     ptrs = np.zeros((1, 2, 2), dtype=np.uint64)
     with pytest.raises(ValueError, match="coarse slot 4 is appended to by 2 runs"):
-        key_appends(model, 0, np.array([0, 1]), ptrs, coarse_pool_ptr=64,
-                    coarse_slots=np.array([4, 4]))
+        key_appends(model, 0, np.array([0, 1]), ptrs, num_slots=2, coarse_pool_ptr=64,
+                    coarse_slots=np.array([4, 4]), num_coarse_slots=5)
     with pytest.raises(ValueError, match="go together"):
-        key_appends(model, 0, np.array([0, 1]), ptrs, coarse_pool_ptr=64)
+        key_appends(model, 0, np.array([0, 1]), ptrs, num_slots=2, coarse_pool_ptr=64)
     flat = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64)
     with pytest.raises(ValueError, match="without a coarse level"):
-        key_appends(flat, 0, np.array([0, 1]), ptrs, coarse_pool_ptr=64,
-                    coarse_slots=np.array([0, 1]))
+        key_appends(flat, 0, np.array([0, 1]), ptrs, num_slots=2, coarse_pool_ptr=64,
+                    coarse_slots=np.array([0, 1]), num_coarse_slots=2)
 
 
 def test_key_appends_address_every_layer_and_head_of_each_slot():
@@ -60,7 +61,8 @@ def test_key_appends_address_every_layer_and_head_of_each_slot():
     words = SummaryLayout.for_model(model).record_words
     slots = np.array([5, 0, 9])
     ptrs = np.arange(3 * 3 * 2, dtype=np.uint64).reshape(3, 3, 2) * 1000 + 7
-    a = key_appends(model, 1 << 20, slots, ptrs, count=np.array([16, 16, 3]), stride=128)
+    a = key_appends(model, 1 << 20, slots, ptrs, count=np.array([16, 16, 3]), stride=128,
+                    num_slots=10)
     assert len(a) == 18
     for i, rec in enumerate(a):
         layer, n, h = i // 6, (i // 2) % 3, i % 2
@@ -68,3 +70,35 @@ def test_key_appends_address_every_layer_and_head_of_each_slot():
         assert rec["record"] == (1 << 20) + ((slots[n] * 3 + layer) * 2 + h) * words * 4
         assert rec["keys"] == ptrs[layer, n, h]
         assert rec["count"] == [16, 16, 3][n] and rec["stride"] == 128
+
+
+@pytest.mark.parametrize(("slots", "kwargs", "error", "message"), [
+    ([-1], {}, ValueError, r"slots: slot out of range \[0, 4\): -1..-1"),
+    ([4], {}, ValueError, r"slot out of range \[0, 4\)"),
+    ([10**6], {}, ValueError, "slot out of range"),
+    ([1.9], {}, TypeError, "slots must be integers, got dtype float64"),
+    ([True], {}, TypeError, "got dtype bool"),
+    ([0], {"count": -5}, ValueError, "count=-5 is negative"),
+    ([0], {"count": 1.5}, TypeError, "count must be integers"),
+    ([0, 1], {"count": np.array([3, -1])}, ValueError, "count=-1 is negative"),
+    ([0], {"num_slots": 4.0}, TypeError, "num_slots=4.0 is not an integer"),
+])
+def test_key_appends_refuse_slots_outside_the_pool_and_negative_counts(slots, kwargs, error,
+                                                                       message):
+    model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    ptrs = np.zeros((2, len(slots), 2), np.uint64) + 0x7E0000000000
+    args = {"num_slots": 4, **kwargs}
+    with pytest.raises(error, match=message):
+        key_appends(model, 0x7F0000000000, np.array(slots), ptrs, **args)
+
+
+def test_coarse_key_appends_refuse_coarse_slots_outside_the_coarse_pool():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        group_blocks=2, coarse_blocks=8)
+    ptrs = np.zeros((1, 2, 2), dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"coarse_slots: slot out of range \[0, 3\)"):
+        key_appends(model, 0, np.array([0, 1]), ptrs, num_slots=2, coarse_pool_ptr=64,
+                    coarse_slots=np.array([0, 3]), num_coarse_slots=3)
+    with pytest.raises(ValueError, match="need num_coarse_slots"):
+        key_appends(model, 0, np.array([0, 1]), ptrs, num_slots=2, coarse_pool_ptr=64,
+                    coarse_slots=np.array([0, 1]))

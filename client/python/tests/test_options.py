@@ -1,11 +1,14 @@
-"""SelectOptions in Python and on the wire: every policy field survives the round trip,
-and a name the server does not know is refused before any call."""
+"""SelectOptions and ClientOptions in Python and on the wire: every policy field survives the
+round trip, and a name the server does not know, a value of the wrong type or beyond its wire
+type is refused at construction, naming the field."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from eps_client import MassSetting, SelectOptions
+from eps_client import ClientOptions, MassSetting, SelectOptions
+from eps_client.client import valid_traceparent
 from eps_client.proto import page_selector_pb2 as pb
 
 
@@ -70,3 +73,81 @@ def test_an_unknown_method_is_refused_with_the_known_names() -> None:
 def test_an_unknown_mass_scope_is_refused_with_the_known_names() -> None:
     with pytest.raises(ValueError, match="'head', 'list'"):
         SelectOptions(budget="mass", mass_scope="layer").to_proto()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"top_pages": -1}, ValueError, "SelectOptions.top_pages=-1 is not in [0, 4294967295]"),
+    ({"first_n": 2**32}, ValueError, "SelectOptions.first_n=4294967296 is not in"),
+    ({"top_pages": 1.5}, TypeError, "SelectOptions.top_pages=1.5 is not an integer"),
+    ({"last_n": True}, TypeError, "SelectOptions.last_n=True is a bool"),
+    ({"alpha": "x"}, TypeError, "SelectOptions.alpha='x' is not a number"),
+    ({"alpha": float("nan")}, ValueError, "SelectOptions.alpha=nan is not a finite float32"),
+    ({"top_p": 1e39}, ValueError, "SelectOptions.top_p=1e+39 is not a finite float32"),
+    ({"strict": "no"}, TypeError, "SelectOptions.strict='no' is not a bool"),
+    ({"method": 1}, TypeError, "SelectOptions.method=1 is not a str"),
+    ({"budget": "Fixed"}, ValueError, "SelectOptions.budget='Fixed' is not one of"),
+    ({"retrieval_heads": None}, TypeError, "SelectOptions.retrieval_heads=None is not bytes"),
+    ({"retrieval_heads": [1, 0]}, TypeError, "SelectOptions.retrieval_heads=[1, 0] is not"),
+    ({"mass_layers": None}, TypeError, "SelectOptions.mass_layers=None is not a sequence"),
+    ({"mass_layers": [None]}, TypeError, "SelectOptions.mass_layers[0]=None is not a Mass"),
+])
+def test_a_bad_field_is_refused_at_construction_naming_it(fields, error, message) -> None:
+    with pytest.raises(error) as e:
+        SelectOptions(**fields)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"target": None}, TypeError, "MassSetting.target=None is not a number"),
+    ({"target": 0.9, "temperature": float("inf")}, ValueError, "MassSetting.temperature=inf"),
+    ({"target": 0.9, "min_pages": -1}, ValueError, "MassSetting.min_pages=-1 is not in"),
+    ({"target": 0.9, "max_pages": 2.0}, TypeError, "MassSetting.max_pages=2.0 is not an int"),
+])
+def test_a_bad_mass_setting_is_refused_at_construction_naming_it(fields, error, message) -> None:
+    with pytest.raises(error) as e:
+        MassSetting(**fields)
+    assert message in str(e.value)
+
+
+def test_numpy_numbers_are_taken_as_plain_ones_and_none_stays_unset() -> None:
+    options = SelectOptions(top_pages=np.int64(3), alpha=np.float32(0.5), strict=np.bool_(True),
+                            retrieval_heads=bytearray(b"\x01\x00"),
+                            mass_layers=[MassSetting(np.float64(0.9), max_pages=np.uint32(4))])
+    assert type(options.top_pages) is int and type(options.alpha) is float
+    assert options.strict is True and options.retrieval_heads == b"\x01\x00"
+    assert options == SelectOptions(top_pages=3, alpha=0.5, strict=True, retrieval_heads=b"\x01\0",
+                                    mass_layers=(MassSetting(0.9, max_pages=4),))
+    message = options.to_proto()
+    assert message.top_pages == 3 and not message.HasField("first_n")
+    # the server's intervals (p in (0, 1], top_pages against the session) stay epsd's
+    assert SelectOptions(mass_target=2.0, top_pages=10**6).to_proto().mass_target == 2.0
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"deadline_s": None}, TypeError, "ClientOptions.deadline_s=None is not a number"),
+    ({"deadline_s": -1.0}, ValueError, "ClientOptions.deadline_s=-1.0 must be > 0"),
+    ({"deadline_s": 0}, ValueError, "ClientOptions.deadline_s=0.0 must be > 0"),
+    ({"deadline_s": float("inf")}, ValueError, "ClientOptions.deadline_s=inf"),
+    ({"attach_deadline_s": float("nan")}, ValueError, "ClientOptions.attach_deadline_s=nan"),
+    ({"reattach_backoff_s": -0.1}, ValueError, "ClientOptions.reattach_backoff_s=-0.1 must be"),
+    ({"target": None}, TypeError, "ClientOptions.target=None"),
+    ({"target": ""}, TypeError, "ClientOptions.target=''"),
+    ({"fail_open": "yes"}, TypeError, "ClientOptions.fail_open='yes' is not a bool"),
+    ({"traceparent": "00-abc\n-01"}, ValueError, "is not a W3C traceparent"),
+    ({"traceparent": 5}, TypeError, "ClientOptions.traceparent=5"),
+    ({"on_fallback": 5}, TypeError, "ClientOptions.on_fallback=5 is not callable"),
+])
+def test_client_options_a_client_cannot_run_with_are_refused(fields, error, message) -> None:
+    with pytest.raises(error) as e:
+        ClientOptions(**fields)
+    assert message in str(e.value)
+
+
+def test_valid_client_options_are_kept() -> None:
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    options = ClientOptions(deadline_s=1, reattach_backoff_s=0, traceparent=tp)
+    assert options.deadline_s == 1.0 and options.traceparent == tp
+    assert valid_traceparent(tp) and not valid_traceparent(tp.upper())
+    assert not valid_traceparent("00-" + "0" * 32 + "-b7ad6b7169203331-01")
+    assert not valid_traceparent("ff" + tp[2:]) and not valid_traceparent(tp + "-x")
+    assert valid_traceparent("01" + tp[2:] + "-later")

@@ -183,3 +183,15 @@ def test_torch_views_and_arrays_equal_the_reference(rng, lists, use_kernel):
         np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
         np.testing.assert_array_equal(got_l.cpu().numpy(), want_l)
         assert int(got_m.item()) == want_m
+
+
+@pytest.mark.parametrize(("budget_groups", "group_blocks", "block_size", "name"), [
+    (0, 2, 16, "budget_groups=0"), (-1, 2, 16, "budget_groups=-1"),
+    (4, 0, 16, "group_blocks=0"), (4, 2, 0, "block_size=0"), (4, 2, -16, "block_size=-16"),
+])
+def test_a_fixed_budget_plan_needs_positive_sizes(budget_groups, group_blocks, block_size,
+                                                  name):
+    with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+        fixed_budget_blocks(100, budget_groups, group_blocks, block_size)
+    with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+        fixed_budget_indptr([100, 40], 1, budget_groups, group_blocks, block_size)

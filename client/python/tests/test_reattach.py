@@ -1,15 +1,18 @@
 """The client's recovery and reporting (issue: hardening, clients): it re-attaches within
-0.5 s of epsd coming back, reports every fallback to epsd once, and falls back on none of a
-healthy epsd's steps with the default deadline."""
+0.5 s of epsd coming back, reports every fallback to epsd once (totals with the client's id,
+as client/cpp sends them), and falls back on none of a healthy epsd's steps with the default
+deadline."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
-from conftest import fake_epsd
+from conftest import Epsd, fake_epsd
 from engine_state import make_state
 
 from eps_client import ClientOptions, EpsClient
@@ -49,6 +52,7 @@ class ReportRecorder(pb_grpc.PageSelectorServicer):
     def __init__(self, failing: dict[int, grpc.StatusCode]) -> None:
         self.failing = failing
         self.reports: list[tuple[int, int, int, int]] = []
+        self.client_ids: set[int] = set()
         self.lock = threading.Lock()
 
     def Attach(self, request, context):  # noqa: N802 - gRPC method name
@@ -58,6 +62,8 @@ class ReportRecorder(pb_grpc.PageSelectorServicer):
         f = request.fallbacks
         with self.lock:
             self.reports.append((f.deadline, f.unavailable, f.not_attached, f.error))
+            if request.HasField("fallbacks"):
+                self.client_ids.add(f.client_id)
         code = self.failing.get(request.step)
         if code is not None:
             context.abort(code, f"step {request.step} fails")
@@ -75,11 +81,57 @@ def test_fallbacks_are_reported_to_epsd_once_each(tmp_path):
             outcomes = [client.select_pages(step, [(0, 1)]).fallback for step in range(1, 8)]
             assert outcomes == [False, True, True, False, True, False, False]
             assert client.counters().fallback_error == 3
+            client_id = client.client_id
     errors = [r[3] for r in servicer.reports]
-    # each step carries the fallbacks since the previous report: step 3 reports step 2's,
-    # step 4 step 3's, step 6 step 5's; all three reach epsd, each once
-    assert errors == [0, 0, 1, 1, 0, 1, 0]
-    assert sum(errors) == 3
+    # a step carries the client's totals while epsd may not have seen them: step 3 reports
+    # step 2's fallback, step 4 step 3's too, step 6 all three; with the client's id, so that
+    # epsd counts each once (a report that arrives twice raises no total)
+    assert errors == [0, 0, 1, 2, 0, 3, 0]
+    assert servicer.client_ids == {client_id} and client_id != 0
+
+
+def test_two_clients_report_with_distinct_nonzero_ids():
+    request = pb.AttachRequest(engine_id="e")
+    ids = {EpsClient.from_request(ClientOptions(), request).client_id for _ in range(8)}
+    assert len(ids) == 8 and 0 not in ids and all(0 < i < 1 << 64 for i in ids)
+
+
+def scrape_fallbacks(epsd: Epsd) -> dict[str, float]:
+    """eps_client_fallbacks_total by reason, from epsd's /metrics."""
+    found = re.search(r"metrics on (http://\S+)", epsd.log())
+    assert found, epsd.log()
+    with urllib.request.urlopen(found.group(1), timeout=10) as reply:
+        text = reply.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^eps_client_fallbacks_total\{reason="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_epsd_counts_each_fallback_once_after_deadline_misses(tmp_path, rng, use_stream):
+    """A step that misses its deadline may or may not have reached epsd, so the next step
+    sends its report again: epsd must count what the client counted, no more."""
+    epsd = Epsd(tmp_path, flags=["--metrics-listen=127.0.0.1:0"])
+    try:
+        state = make_state(rng, contexts=[300, 200])
+        options = ClientOptions(target=epsd.target, deadline_s=2.0, use_stream=use_stream)
+        with state.client(options) as client:
+            client.attach()
+            step = 1
+            assert client.select_pages(step, state.rows).ok
+            client.options.deadline_s = 1e-6  # every step misses, most after reaching epsd
+            for step in range(2, 12):
+                assert client.select_pages(step, state.rows).code == \
+                    grpc.StatusCode.DEADLINE_EXCEEDED
+            client.options.deadline_s = 2.0
+            for step in range(12, 15):  # the first that succeeds settles the report
+                assert client.select_pages(step, state.rows).ok
+            counters = client.counters()
+            assert counters.fallback_deadline == 10
+            seen = scrape_fallbacks(epsd)
+        assert seen == {"deadline": 10, "unavailable": 0, "not_attached": 0, "error": 0}
+        state.buffers.close()
+    finally:
+        epsd.stop()
 
 
 @pytest.mark.parametrize("use_stream", [False, True])

@@ -312,3 +312,45 @@ def test_a_bad_coarse_level_is_refused_naming_it():
                     coarse_blocks=2)
     assert ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4,
                        coarse_blocks=8).to_proto().coarse_blocks == 8
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"slots": [1.9, 0.0]}, TypeError, "slots must be integers, got dtype float64"),
+    ({"slots": np.array([1.0, 0.0], np.float32)}, TypeError, "got dtype float32"),
+    ({"slots": [True, False]}, TypeError, "got dtype bool"),
+    ({"slots": np.array([2**64 - 1, 0], np.uint64)}, ValueError, "beyond int64"),
+    ({"layer": 0.5}, TypeError, "layer=0.5 is not an integer"),
+    ({"layer": True}, TypeError, "layer=True is a bool"),
+    ({"layer": None}, TypeError, "layer=None is not an integer"),
+])
+def test_slots_and_layers_that_are_not_integers_are_refused_not_truncated(kwargs, error,
+                                                                          message):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = SummaryWriter(model)
+    pool = np.zeros((2, 1, 2, writer.layout.record_words), np.float32)
+    args = {"layer": 0, "slots": [0, 1], "keys": np.ones((2, 2, 8), np.float32), **kwargs}
+    with pytest.raises(error, match=message):
+        writer.append(pool, args["layer"], args["slots"], args["keys"])
+    assert not pool.any()
+    writer.append(pool, np.int64(0), np.array([1, 0], np.uint8), args["keys"])  # integers
+    assert pool.any()
+
+
+@pytest.mark.parametrize("records", [
+    np.zeros((2, 1, 2, 56)),                               # float64
+    np.zeros((2, 1, 2, 56), np.int32),
+    np.zeros((2, 1, 2, 48), np.float32),                   # not record_words
+    np.zeros((2, 1, 2, 112), np.float32)[..., ::2],         # strided last axis
+    np.zeros((2, 1, 2, 56), np.float32).astype(">f4"),     # big-endian
+])
+def test_reset_checks_the_records_as_append_checks_a_pool(records):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = SummaryWriter(model)
+    assert writer.layout.record_words == 56
+    before = records.copy()
+    with pytest.raises(ValueError, match="records"):
+        writer.reset(records)
+    assert np.array_equal(records, before)  # nothing written
+    pool = np.zeros((2, 1, 2, 56), np.float32)
+    writer.reset(pool[1])  # any leading shape
+    assert pool[1].any() and not pool[0].any()

@@ -38,6 +38,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from eps_client import _values
 from eps_client.layout import (
     ModelLayout,
     SummaryLayout,
@@ -101,11 +102,17 @@ class BufferShape:
     with_feedback: bool = False  # the selection-feedback buffer (docs/api.md); no bytes without
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_seqs", "max_context", "max_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BufferShape.{name}={getattr(self, name)} must be >= 1")
-        if self.coarse_slots < 0:
-            raise ValueError(f"BufferShape.coarse_slots={self.coarse_slots} must be >= 0")
+        """Integers (operator.index: numpy's welcome, floats and bools refused) and flags,
+        checked before any memory is allocated for them."""
+        for name in ("num_slots", "max_seqs", "max_context", "max_batch", "coarse_slots"):
+            value = _values.integer(f"BufferShape.{name}", getattr(self, name))
+            if value < (0 if name == "coarse_slots" else 1):
+                raise ValueError(f"BufferShape.{name}={value} must be "
+                                 f"{'>= 0' if name == 'coarse_slots' else '>= 1'}")
+            object.__setattr__(self, name, value)
+        for name in ("per_kv_head", "with_flags", "with_feedback"):
+            object.__setattr__(self, name, _values.boolean(f"BufferShape.{name}",
+                                                           getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -226,18 +233,34 @@ class ShmBuffers:
         return self.layout.max_coarse_groups
 
     def descriptors(self) -> pb.SharedBuffers:
-        """Descriptors of every buffer, for AttachRequest.buffers."""
+        """Descriptors of every buffer, for AttachRequest.buffers (refused once closed: epsd
+        would map a name that is gone)."""
+        self._check_open()
         shm = pb.HostShm(name=self.shm_name, size=self.layout.size)
         return self.layout.descriptors({"host_shm": shm})
 
-    def visits(self, layer: int, batch_pos: int, kv_head: int = 0) -> np.ndarray:
-        """The visit list of (layer, batch position[, KV head]): physical blocks, ascending."""
-        index = (layer, batch_pos, kv_head) if self.shape.per_kv_head else (layer, batch_pos)
-        count = int(self.visit_count[index])
-        return self.visit_blocks[index][: max(count, 0)]
+    def visits(self, layer: int, batch_pos: int, kv_head: int = 0) -> np.ndarray | None:
+        """The visit list of (layer, batch position[, KV head]): physical blocks, ascending;
+        None where epsd (or a dense release) set the count to -1: attend densely. Indices are
+        checked (no negative wrap-around): ValueError."""
+        self._check_open()
+        index = [_values.integer("layer", layer, 0, self.model.num_layers - 1),
+                 _values.integer("batch_pos", batch_pos, 0, self.shape.max_batch - 1)]
+        head = _values.integer("kv_head", kv_head, 0, self.layout.lists - 1)
+        if self.shape.per_kv_head:
+            index.append(head)
+        count = int(self.visit_count[tuple(index)])
+        if count < 0:
+            return None
+        return self.visit_blocks[tuple(index)][:count]
 
     def selection_done(self) -> int:
+        self._check_open()
         return int(self.flags[1])
+
+    def _check_open(self) -> None:
+        if self._shm is None:
+            raise ValueError(f"buffers closed ({self.shm_name})")
 
     def close(self) -> None:
         if self._shm is None:

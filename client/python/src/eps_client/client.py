@@ -20,17 +20,22 @@ Thread safety: one engine thread calls select_pages / attach / detach at a time;
 
 from __future__ import annotations
 
-import queue
+import logging
+import math
+import re
+import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from eps_client import _values
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+from eps_client.stream import SelectStream
 from eps_client.types import (
     AttachInfo,
     Backend,
@@ -43,6 +48,24 @@ from eps_client.types import (
 )
 
 Traceparent = str | Callable[[], str | None] | None
+
+_log = logging.getLogger("eps_client")
+
+# W3C trace context, version 00: version-trace_id-parent_id-flags, lower-case hex, neither
+# id all zeros. A later version may append fields ("-..."); version ff is invalid.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-[!-~]*)?")
+
+
+def valid_traceparent(value: object) -> bool:
+    """Whether ``value`` is a W3C traceparent header value gRPC can carry as metadata."""
+    if not isinstance(value, str):
+        return False
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
+        return False
+    version, trace_id, parent_id, more = match.groups()
+    return (version != "ff" and (version != "00" or more is None)
+            and trace_id != "0" * 32 and parent_id != "0" * 16)
 
 
 @dataclass
@@ -62,6 +85,29 @@ class ClientOptions:
     # Called with the step number on every fallback, before select_pages returns: an
     # engine whose stream waits on selection_done releases it here (ReleaseDense).
     on_fallback: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuses a value the client cannot run with (TypeError, ValueError, naming it)."""
+        if not isinstance(self.target, str) or not self.target:
+            raise TypeError(f"ClientOptions.target={self.target!r} is not a non-empty str")
+        for name, positive in (("deadline_s", True), ("attach_deadline_s", True),
+                               ("reattach_backoff_s", False)):
+            value = _values.real(f"ClientOptions.{name}", getattr(self, name))
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"ClientOptions.{name}={value} must be "
+                                 f"{'> 0' if positive else '>= 0'}")
+            setattr(self, name, value)
+        for name in ("fail_open", "use_stream"):
+            setattr(self, name, _values.boolean(f"ClientOptions.{name}", getattr(self, name)))
+        tp = self.traceparent
+        if isinstance(tp, str):
+            if not valid_traceparent(tp):
+                raise ValueError(f"ClientOptions.traceparent={tp!r} is not a W3C traceparent "
+                                 f"(00-<32 hex>-<16 hex>-<2 hex>)")
+        elif tp is not None and not callable(tp):
+            raise TypeError(f"ClientOptions.traceparent={tp!r} is not a str, a callable or None")
+        if self.on_fallback is not None and not callable(self.on_fallback):
+            raise TypeError(f"ClientOptions.on_fallback={self.on_fallback!r} is not callable")
 
 
 @dataclass
@@ -99,75 +145,20 @@ class ClientCounters:
                 + self.fallback_error)
 
 
+def _new_client_id() -> int:
+    """A random, nonzero id for one client's fallback reports (client/cpp NewClientId)."""
+    while True:
+        if (client_id := secrets.randbits(64)) != 0:
+            return client_id
+
+
+_CLOSED = "client closed"
+
 _FALLBACK_REASON = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "fallback_deadline",
     grpc.StatusCode.UNAVAILABLE: "fallback_unavailable",
     grpc.StatusCode.NOT_FOUND: "fallback_not_attached",
 }
-
-
-class _Stream:
-    """One open StreamSelectPages call: requests go through a queue, replies are
-    read by a thread into another queue and matched by step."""
-
-    _END = object()
-
-    def __init__(self, stub: pb_grpc.PageSelectorStub, metadata: list[tuple[str, str]]) -> None:
-        self._requests: queue.Queue[object] = queue.Queue()
-        self.replies: queue.Queue[object] = queue.Queue()
-        self.closed = threading.Event()
-        self.final: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "stream closed")
-        self._call = stub.StreamSelectPages(self._outgoing(), metadata=metadata)
-        self._reader = threading.Thread(target=self._read, name="eps-stream-reader", daemon=True)
-        self._reader.start()
-
-    def _outgoing(self) -> Iterator[pb.SelectPagesRequest]:
-        while True:
-            item = self._requests.get()
-            if item is self._END:
-                return
-            assert isinstance(item, pb.SelectPagesRequest)
-            yield item
-
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                self.replies.put(reply)
-        except grpc.RpcError as e:
-            self.final = (e.code(), e.details() or "")
-        finally:
-            self.closed.set()
-            self.replies.put(self._END)
-
-    def send(self, request: pb.SelectPagesRequest) -> None:
-        self._requests.put(request)
-
-    def receive(self, step: int, deadline: float) -> pb.SelectPagesResponse:
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                reply = self.replies.get(timeout=max(remaining, 0.0)) if remaining > 0 \
-                    else self.replies.get_nowait()
-            except queue.Empty:
-                raise EpsError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"no reply for step {step} in time") from None
-            if reply is self._END:
-                self.replies.put(self._END)  # later receives see the end too
-                raise EpsError(*self.final)
-            assert isinstance(reply, pb.SelectPagesResponse)
-            if reply.step == step:
-                return reply
-            # a reply to a step the engine gave up on: dropped
-
-    def cancel(self) -> None:
-        """Ends the call without waiting: epsd sees it cancelled and runs none of the
-        requests it has not read; the reader thread ends on its own."""
-        self._requests.put(self._END)
-        self._call.cancel()
-
-    def close(self) -> None:
-        self.cancel()
-        self._reader.join(timeout=5)
 
 
 def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None,
@@ -186,6 +177,21 @@ def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None
         device=device, lease_ms=lease_ms, device_uuid=device_uuid)
     if select is not None:
         request.options.CopyFrom(select.to_proto())
+    return request
+
+
+def _step_request(step: int, rows: Iterable[Row | tuple[int, int] | tuple[int, int, int]],
+                  options: SelectOptions | None, async_reply: bool) -> pb.SelectPagesRequest:
+    """A step's request without its session: every input checked first (TypeError,
+    ValueError naming the field and value: ``rows[1].table_row=None is not an integer``)."""
+    request = pb.SelectPagesRequest(step=_values.integer("step", step, *_values.UINT64),
+                                    rows=rows_proto(rows))
+    if options is not None:
+        if not isinstance(options, SelectOptions):
+            raise TypeError(f"options={options!r} is not a SelectOptions")
+        request.options.CopyFrom(options.to_proto())
+    if async_reply:
+        request.reply_mode = pb.REPLY_MODE_ASYNC
     return request
 
 
@@ -221,10 +227,14 @@ class EpsClient:
         self._attached_before = False
         self._next_attach_try = 0.0
         self._pending_attach: grpc.Future | None = None
-        self._stream: _Stream | None = None
+        self._stream: SelectStream | None = None
         self._lock = threading.Lock()  # guards the counters
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
+        # Fixed for the client's life: epsd keeps the largest totals it saw per id.
+        self.client_id = _new_client_id()
+        self._closed = False
+        self._traceparent_warned = False
 
     def _new_channel(self) -> grpc.Channel:
         channel = grpc.insecure_channel(self.options.target, options=[
@@ -239,6 +249,7 @@ class EpsClient:
 
     def attach(self) -> AttachInfo:
         """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily."""
+        self._check_open()
         self._take_pending_attach()
         try:
             response = self.stub.Attach(self._attach, timeout=self.options.attach_deadline_s,
@@ -252,6 +263,7 @@ class EpsClient:
         """Ends the session (raises EpsError if epsd refuses; nothing to do if not attached),
         also one a background re-attach is being granted (waiting for it, within
         attach_deadline_s), which would otherwise stay on epsd until its lease ran out."""
+        self._check_open()
         self._close_stream()
         self._take_pending_attach()
         if not self.session_id:
@@ -265,6 +277,7 @@ class EpsClient:
 
     def heartbeat(self) -> int:
         """Renews the lease; returns it in ms."""
+        self._check_open()
         try:
             return int(self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
                                            timeout=self.options.attach_deadline_s,
@@ -275,6 +288,7 @@ class EpsClient:
             raise EpsError(e.code(), e.details() or "") from None
 
     def ping(self, deadline_s: float) -> None:
+        self._check_open()
         try:
             self.stub.Ping(pb.PingRequest(), timeout=deadline_s, metadata=self._metadata())
         except grpc.RpcError as e:
@@ -282,6 +296,7 @@ class EpsClient:
 
     def stats(self, session_only: bool = True) -> pb.GetStatsResponse:
         """GetStats (an operator's view; the message is returned as is)."""
+        self._check_open()
         request = pb.GetStatsRequest(session_id=self.session_id if session_only else "")
         try:
             return self.stub.GetStats(request, timeout=self.options.attach_deadline_s,
@@ -290,7 +305,13 @@ class EpsClient:
             raise EpsError(e.code(), e.details() or "") from None
 
     def close(self) -> None:
-        """Closes the stream and the channel (without detaching)."""
+        """Closes the stream and the channel. It does not detach: the session stays on epsd
+        until its lease runs out (``detach()`` first, or leave the ``with`` block, to end it).
+        Afterwards every call raises ``EpsError(FAILED_PRECONDITION, "client closed")`` (a
+        fail-open ``select_pages`` falls back with that code); closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._close_stream()
         if self._pending_attach is not None:
             self._pending_attach.cancel()
@@ -301,7 +322,10 @@ class EpsClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Detaches (best effort: an absent sidecar has nothing to detach) and closes."""
+        """Detaches (best effort: an absent sidecar has nothing to detach) and closes; never
+        raises, so that an exception leaving the block is the engine's own."""
+        if self._closed:
+            return  # closed already (a shutdown hook, say): no channel left to detach through
         try:
             self.detach()
         except EpsError:
@@ -327,17 +351,21 @@ class EpsClient:
         self._count("steps")
         start = time.monotonic()
         deadline = start + self.options.deadline_s
+        if self._closed:
+            return self._failed(step, grpc.StatusCode.FAILED_PRECONDITION, _CLOSED, start)
+        try:
+            request = _step_request(step, rows, options, async_reply)
+        except (TypeError, ValueError, OverflowError) as e:
+            # A bad input is this step's failure (counted, fallen back or raised), never an
+            # exception of another kind, nor a value protobuf would send as 0.
+            return self._failed(step, grpc.StatusCode.INVALID_ARGUMENT, str(e), start)
+        step = request.step
         if not self.session_id:
             reason = self._poll_reattach()
             if reason is not None:
                 return self._failed(step, grpc.StatusCode.UNAVAILABLE, reason, start,
                                     counter="fallback_not_attached")
-        request = pb.SelectPagesRequest(session_id=self.session_id, step=step,
-                                        rows=rows_proto(rows))
-        if options is not None:
-            request.options.CopyFrom(options.to_proto())
-        if async_reply:
-            request.reply_mode = pb.REPLY_MODE_ASYNC
+        request.session_id = self.session_id
         now = self.counters()
         self._add_report(request, now)
         try:
@@ -377,22 +405,45 @@ class EpsClient:
     # -- internals ---------------------------------------------------------------------------
 
     def _add_report(self, request: pb.SelectPagesRequest, now: ClientCounters) -> None:
-        """Fallbacks since the last report ride on the step for epsd's metrics. They count as
-        reported once the server has seen them: on any reply but UNAVAILABLE and
-        DEADLINE_EXCEEDED, which may not have reached it (a report may then arrive twice,
-        never be lost)."""
+        """The client's fallback totals ride on the step for epsd's metrics until the server
+        has surely seen them: until a reply other than UNAVAILABLE or DEADLINE_EXCEEDED, which
+        may or may not have reached it. Totals with this client's id, not deltas (as
+        client/cpp sends them): epsd counts only their increase, so a report that arrives
+        twice counts once and none is lost."""
         if now.fallbacks == self._reported.fallbacks:
             return
-        r = self._reported
-        request.fallbacks.deadline = now.fallback_deadline - r.fallback_deadline
-        request.fallbacks.unavailable = now.fallback_unavailable - r.fallback_unavailable
-        request.fallbacks.not_attached = now.fallback_not_attached - r.fallback_not_attached
-        request.fallbacks.error = now.fallback_error - r.fallback_error
+        f = request.fallbacks
+        f.client_id = self.client_id
+        f.deadline = now.fallback_deadline
+        f.unavailable = now.fallback_unavailable
+        f.not_attached = now.fallback_not_attached
+        f.error = now.fallback_error
 
     def _metadata(self) -> list[tuple[str, str]]:
+        """The call's traceparent, if any. A tracer that fails or gives something that is not
+        a W3C traceparent costs the call its trace context, never the call (logged once)."""
         tp = self.options.traceparent
-        value = tp() if callable(tp) else tp
-        return [("traceparent", value)] if value else []
+        try:
+            value = tp() if callable(tp) else tp
+        except Exception as e:  # noqa: BLE001 - the tracer's failure is not the step's
+            self._drop_traceparent(f"the traceparent callable raised {type(e).__name__}: {e}")
+            return []
+        if value is None or value == "":
+            return []
+        if not valid_traceparent(value):
+            self._drop_traceparent(f"traceparent {value!r:.80} is not a W3C traceparent")
+            return []
+        assert isinstance(value, str)
+        return [("traceparent", value)]
+
+    def _drop_traceparent(self, why: str) -> None:
+        if not self._traceparent_warned:
+            self._traceparent_warned = True
+            _log.warning("eps_client: calls go without traceparent: %s (logged once)", why)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -471,7 +522,7 @@ class EpsClient:
         if self._stream is not None and self._stream.closed.is_set():
             self._close_stream()
         if self._stream is None:
-            self._stream = _Stream(self.stub, self._metadata())
+            self._stream = SelectStream(self.stub, self._metadata())
         self._stream.send(request)
         return self._stream.receive(request.step, deadline)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from eps_client import _values
 from eps_client.layout import ModelLayout, SummaryLayout
 
 KEY_APPEND = np.dtype([("record", "<u8"), ("keys", "<u8"), ("count", "<i8"),
@@ -251,25 +252,31 @@ class SummaryQueue:
 
 
 def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: np.ndarray,
-                count: int | np.ndarray = 1, stride: int = 0, *,
-                coarse_pool_ptr: int | None = None,
-                coarse_slots: np.ndarray | None = None) -> np.ndarray:
-    """Appends of keys to records: ``slots`` [n] summary slots and ``key_ptrs`` [layers, n,
-    kv_heads] device addresses of each key run (``count`` keys, a scalar or [n], ``stride``
-    elements apart), for every layer and KV head. Returns a KEY_APPEND array of
-    layers * n * kv_heads, ordered by layer, then n, then KV head.
+                count: int | np.ndarray = 1, stride: int = 0, *, num_slots: int,
+                coarse_pool_ptr: int | None = None, coarse_slots: np.ndarray | None = None,
+                num_coarse_slots: int | None = None) -> np.ndarray:
+    """Appends of keys to records: ``slots`` [n] summary slots (integers in [0, num_slots),
+    ``num_slots`` the pool's first dimension) and ``key_ptrs`` [layers, n, kv_heads] device
+    addresses of each key run (``count`` >= 0 keys, a scalar or [n], ``stride`` elements
+    apart), for every layer and KV head. Returns a KEY_APPEND array of layers * n *
+    kv_heads, ordered by layer, then n, then KV head. The addresses are computed here and
+    the device writes through them, so a slot outside the pool is refused (ValueError), as is
+    a float or bool slot (TypeError): nothing is built outside the pool.
 
-    With a coarse level, ``coarse_pool_ptr`` and ``coarse_slots`` [n] (run i's coarse slot:
-    ``coarse_table[row, coarse_group_of(position, model)]``) append the same runs to the
-    coarse records too, after the fine appends (twice as many entries). One call's appends
-    must target distinct records (the device writer checks), so two runs of one coarse
-    group in one call are refused here: submit a coarse group's keys as one run."""
+    With a coarse level, ``coarse_pool_ptr``, ``coarse_slots`` [n] (run i's coarse slot:
+    ``coarse_table[row, coarse_group_of(position, model)]``) and ``num_coarse_slots`` (the
+    coarse pool's first dimension) append the same runs to the coarse records too, after the
+    fine appends (twice as many entries). One call's appends must target distinct records
+    (the device writer checks), so two runs of one coarse group in one call are refused
+    here: submit a coarse group's keys as one run."""
     if (coarse_pool_ptr is None) != (coarse_slots is None):
         raise ValueError("coarse_pool_ptr and coarse_slots go together")
     if coarse_pool_ptr is not None and coarse_slots is not None:
         if not model.has_coarse_level:
             raise ValueError("coarse appends without a coarse level (coarse_blocks=0)")
-        coarse = np.asarray(coarse_slots, dtype=np.int64)
+        if num_coarse_slots is None:
+            raise ValueError("coarse appends need num_coarse_slots (the coarse pool's slots)")
+        coarse = _slots("coarse_slots", coarse_slots, num_coarse_slots)
         if coarse.shape != np.asarray(slots).shape:
             raise ValueError(f"coarse_slots.shape={coarse.shape}, expected "
                              f"{np.asarray(slots).shape}")
@@ -277,13 +284,22 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
         if (counts > 1).any():
             raise ValueError(f"coarse slot {int(values[counts > 1][0])} is appended to by "
                              f"{int(counts.max())} runs of one call: one run per coarse group")
-        return np.concatenate([key_appends(model, pool_ptr, slots, key_ptrs, count, stride),
-                               key_appends(model, coarse_pool_ptr, coarse, key_ptrs, count,
-                                           stride)])
+        return np.concatenate([
+            key_appends(model, pool_ptr, slots, key_ptrs, count, stride, num_slots=num_slots),
+            key_appends(model, coarse_pool_ptr, coarse, key_ptrs, count, stride,
+                        num_slots=num_coarse_slots)])
     L, H = model.num_layers, model.num_kv_heads
     words = SummaryLayout.for_model(model).record_words
-    slots = np.asarray(slots, dtype=np.int64)
+    slots = _slots("slots", slots, num_slots)
+    if slots.ndim != 1:
+        raise ValueError(f"slots.shape={slots.shape}, expected [n]")
     n = slots.shape[0]
+    counts = _values.integer_array("count", count)
+    if counts.ndim > 1 or (counts.ndim == 1 and counts.shape != (n,)):
+        raise ValueError(f"count.shape={counts.shape}, expected a scalar or {(n,)}")
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"count={int(counts.min())} is negative")
+    stride = _values.integer("stride", stride, *_values.INT64)
     if key_ptrs.shape != (L, n, H):
         raise ValueError(f"key_ptrs.shape={key_ptrs.shape}, expected {(L, n, H)}")
     layer = np.arange(L, dtype=np.int64)[:, None, None]
@@ -292,9 +308,18 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
     out = np.empty(L * n * H, dtype=KEY_APPEND)
     out["record"] = record.reshape(-1).astype(np.uint64)
     out["keys"] = key_ptrs.reshape(-1).astype(np.uint64)
-    out["count"] = np.broadcast_to(np.asarray(count, dtype=np.int64)[None, ..., None]
-                                   if np.ndim(count) else count, (L, n, H)).reshape(-1)
+    out["count"] = np.broadcast_to(counts[None, ..., None] if counts.ndim else counts,
+                                   (L, n, H)).reshape(-1)
     out["stride"] = stride
     out["layer"] = np.broadcast_to(layer, (L, n, H)).reshape(-1)
     out["kv_head"] = np.broadcast_to(head, (L, n, H)).reshape(-1)
+    return out
+
+
+def _slots(name: str, slots: object, num_slots: int) -> np.ndarray:
+    """Integer slots in [0, num_slots) as int64."""
+    limit = _values.integer(f"num_{name}", num_slots, 0)
+    out = _values.integer_array(name, slots)
+    if out.size and (out.min() < 0 or out.max() >= limit):
+        raise ValueError(f"{name}: slot out of range [0, {limit}): {out.min()}..{out.max()}")
     return out

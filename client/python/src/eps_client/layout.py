@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eps_client import _values
 from eps_client.proto import page_selector_pb2 as pb
 
 # The record layout revision this client writes (core/layout.h kSummaryLayoutRevision): 3,
@@ -34,6 +35,11 @@ class SummaryFeatures:
     quest: bool = True
     quest8: bool = False  # 8-bit min/max codes and a power-of-two scale: what questclt reads
 
+    def __post_init__(self) -> None:
+        for name in ("key_sum", "principal", "quest", "quest8"):
+            object.__setattr__(self, name, _values.boolean(f"SummaryFeatures.{name}",
+                                                           getattr(self, name)))
+
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -55,10 +61,20 @@ class ModelLayout:
     coarse_blocks: int = 0
 
     def __post_init__(self) -> None:
+        """Integers through operator.index (numpy's welcome, floats and bools refused: TypeError
+        naming the field), then their ranges (ValueError)."""
         if isinstance(self.kv_dtype, str):
             if self.kv_dtype not in _KV_DTYPES:
                 raise ValueError(f"kv_dtype={self.kv_dtype!r} is not one of {sorted(_KV_DTYPES)}")
             object.__setattr__(self, "kv_dtype", _KV_DTYPES[self.kv_dtype])
+        else:
+            dtype = _values.integer("kv_dtype", self.kv_dtype)
+            if dtype not in _KV_DTYPES.values():
+                raise ValueError(f"kv_dtype={dtype} is not one of {sorted(_KV_DTYPES)} or their "
+                                 f"eps.v1 DType values {sorted(_KV_DTYPES.values())}")
+            object.__setattr__(self, "kv_dtype", dtype)
+        if not isinstance(self.features, SummaryFeatures):
+            raise TypeError(f"features={self.features!r} is not a SummaryFeatures")
         for name, lo, hi in (
             ("num_layers", 1, 4096),
             ("num_q_heads", 1, 4096),
@@ -68,9 +84,10 @@ class ModelLayout:
             ("group_blocks", 1, 1024),
             ("sketch_dim", 1, 64),
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not lo <= value <= hi:
+            value = _values.integer(name, getattr(self, name))
+            if not lo <= value <= hi:
                 raise ValueError(f"{name}={value} not in [{lo}, {hi}]")
+            object.__setattr__(self, name, value)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads={self.num_q_heads} is not a multiple of "
@@ -78,11 +95,12 @@ class ModelLayout:
             )
         if self.head_dim % 4:
             raise ValueError(f"head_dim={self.head_dim} is not a multiple of 4")
-        cb = self.coarse_blocks
-        if not isinstance(cb, int) or (cb != 0 and (cb <= self.group_blocks or cb > 4096
-                                                     or cb % self.group_blocks)):
+        cb = _values.integer("coarse_blocks", self.coarse_blocks)
+        object.__setattr__(self, "coarse_blocks", cb)
+        if cb != 0 and (cb <= self.group_blocks or cb > 4096 or cb % self.group_blocks):
             raise ValueError(f"coarse_blocks={cb} must be 0 (no coarse level) or a multiple of "
                              f"group_blocks={self.group_blocks} above it, at most 4096")
+        object.__setattr__(self, "phi_seed", _values.integer("phi_seed", self.phi_seed))
         if not 0 <= self.phi_seed < 1 << 64:
             raise ValueError(f"phi_seed={self.phi_seed} is not a 64-bit unsigned integer")
 

@@ -28,11 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from eps_client import _values
+
 
 def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> int:
     """Blocks of a BUDGET_FIXED list: k groups of g blocks, the newest (partial) among them
-    (0 for a context < 1)."""
+    (0 for a context < 1). ``budget_groups``, ``group_blocks`` and ``block_size`` >= 1, else
+    ValueError (a plan of 0 groups or 0-token blocks is no plan)."""
+    _check_plan(budget_groups, group_blocks, block_size)
     if context_tokens < 1:
         return 0
     blocks = -(-context_tokens // block_size)
@@ -45,9 +49,17 @@ def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: i
 def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> np.ndarray:
     """indptr [batch * lists + 1] int32 of the fixed-budget plan (the same for every layer)."""
+    _check_plan(budget_groups, group_blocks, block_size)
     n = [fixed_budget_blocks(int(c), budget_groups, group_blocks, block_size)
          for c in np.asarray(context_tokens).reshape(-1) for _ in range(lists)]
     return np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+
+
+def _check_plan(budget_groups: int, group_blocks: int, block_size: int) -> None:
+    for name, value in (("budget_groups", budget_groups), ("group_blocks", group_blocks),
+                        ("block_size", block_size)):
+        if _values.integer(name, value) < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
 
 
 def _as_lists(visit_blocks: Any, visit_count: Any) -> tuple[Any, Any]:

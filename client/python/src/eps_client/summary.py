@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eps_client import _values
 from eps_client.layout import ModelLayout, SummaryLayout, packed_index
 from eps_client.phi import phi_bank, project
 
@@ -118,9 +119,11 @@ class SummaryWriter:
 
     def reset(self, records: np.ndarray) -> None:
         """Empties records ``[..., record_words]`` in place: zeros, quest min +inf, max -inf,
-        quest8 min codes 127, max codes -128, scale 0."""
+        quest8 min codes 127, max codes -128, scale 0. The records are checked as append checks
+        a pool (float32, last dim record_words, contiguous) before anything is written."""
         lay = self.layout
-        records[..., : lay.record_words] = 0.0
+        self._check_records(records)
+        records[...] = 0.0
         if lay.quest_min >= 0:
             lo, hi = quest_halves(records, lay, self.model.head_dim)
             lo[...] = np.inf
@@ -153,9 +156,10 @@ class SummaryWriter:
             return
         model, lay = self.model, self.layout
         self._check_pool(pool)
+        layer = _values.integer("layer", layer)
         if not 0 <= layer < model.num_layers:
             raise ValueError(f"layer={layer} not in [0, {model.num_layers})")
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = _values.integer_array("slots", slots).reshape(-1)  # 1.9 is not slot 1
         k = _as_float32(np.asarray(keys), bf16_bits)
         want = (slots.size, model.num_kv_heads, model.head_dim)
         if k.shape != want:
@@ -190,8 +194,8 @@ class SummaryWriter:
     def _check_slots(self, pool: np.ndarray, slots: np.ndarray | list[int], n: int,
                      which: str) -> None:
         self._check_pool(pool)
-        s = np.asarray(slots, dtype=np.int64).reshape(-1)
         name = f"{which}_slots" if which else "slots"
+        s = _values.integer_array(name, slots).reshape(-1)
         if s.size != n:
             raise ValueError(f"{s.size} {name} for {n} keys")
         if s.size and (s.min() < 0 or s.max() >= pool.shape[0]):
@@ -232,6 +236,7 @@ class SummaryWriter:
         if lay.principal < 0:
             return
         self._check_pool(pool)
+        layer, slot = _values.integer("layer", layer), _values.integer("slot", slot)
         if not 0 <= layer < model.num_layers or not 0 <= slot < pool.shape[0]:
             raise ValueError(f"(layer, slot)=({layer}, {slot}) out of range")
         k = _as_float32(np.asarray(keys), bf16_bits)
@@ -299,10 +304,26 @@ class SummaryWriter:
         raw = rec.view(np.uint8)  # [H, W*4]: u1 bytes from word p + 3
         raw[:, 4 * (p + 3) : 4 * (p + 3) + d] = np.where(ok[:, None], u, 0).view(np.uint8)
 
+    def _check_records(self, records: np.ndarray) -> None:
+        """Records ``[..., record_words]`` float32 whose words are contiguous: the parts are
+        read and written through views of another dtype, which a strided last axis breaks."""
+        words = self.layout.record_words
+        if not isinstance(records, np.ndarray) or records.dtype != np.float32 \
+                or records.ndim < 1 or records.shape[-1] != words:
+            raise ValueError(f"records must be float32 [..., {words}], got "
+                             f"{getattr(records, 'dtype', type(records).__name__)} "
+                             f"{list(getattr(records, 'shape', ()))}")
+        if records.strides[-1] != records.itemsize:
+            raise ValueError(f"records' last axis must be contiguous, got a stride of "
+                             f"{records.strides[-1]} bytes")
+
     def _check_pool(self, pool: np.ndarray) -> None:
         m = self.model
         want = (m.num_layers, m.num_kv_heads, self.layout.record_words)
-        if pool.dtype != np.float32 or pool.ndim != 4 or pool.shape[1:] != want:
+        if not isinstance(pool, np.ndarray) or pool.dtype != np.float32 or pool.ndim != 4 \
+                or pool.shape[1:] != want:
             raise ValueError(
-                f"pool must be float32 [slots, {want[0]}, {want[1]}, {want[2]}], "
-                f"got {pool.dtype} {list(pool.shape)}")
+                f"pool must be float32 [slots, {want[0]}, {want[1]}, {want[2]}], got "
+                f"{getattr(pool, 'dtype', type(pool).__name__)} "
+                f"{list(getattr(pool, 'shape', ()))}")
+        self._check_records(pool)

@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 
 import grpc
 
+from eps_client import _values
 from eps_client.proto import page_selector_pb2 as pb
 
 StatusCode = grpc.StatusCode  # the canonical codes, as gRPC spells them
@@ -48,6 +49,8 @@ class EpsError(Exception):
 def _pick(table: Mapping[str, int], name: str, value: str | None) -> int:
     if value is None:
         return 0  # UNSPECIFIED: keep the server's or the session's setting
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} is not a str (one of {sorted(table)})")
     if value not in table:
         raise ValueError(f"{name}={value!r} is not one of {sorted(table)}")
     return table[value]
@@ -63,6 +66,15 @@ class MassSetting:
     min_pages: int = 0  # floor per head (per list with scope "list")
     max_pages: int = 0  # ceiling per head (list), 0 = none
 
+    def __post_init__(self) -> None:
+        # Types and the wire's ranges only: epsd checks p and τ against their intervals.
+        for name in ("target", "temperature"):
+            object.__setattr__(self, name, _values.real(f"MassSetting.{name}",
+                                                        getattr(self, name)))
+        for name in ("min_pages", "max_pages"):
+            object.__setattr__(self, name, _values.integer(f"MassSetting.{name}",
+                                                           getattr(self, name), *_values.UINT32))
+
     def to_proto(self) -> pb.MassSetting:
         return pb.MassSetting(target=self.target, temperature=self.temperature,
                               min_pages=self.min_pages, max_pages=self.max_pages)
@@ -71,6 +83,10 @@ class MassSetting:
     def from_proto(message: pb.MassSetting) -> MassSetting:
         return MassSetting(target=message.target, temperature=message.temperature,
                            min_pages=message.min_pages, max_pages=message.max_pages)
+
+
+_FLOAT_FIELDS = ("alpha", "top_p", "mass_target", "mass_temperature", "coarse_candidates")
+_UINT32_FIELDS = ("first_n", "last_n", "top_pages", "min_pages", "max_pages")
 
 
 @dataclass(frozen=True)
@@ -106,7 +122,36 @@ class SelectOptions:
     mass_layers: Sequence[MassSetting] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mass_layers", tuple(self.mass_layers))  # frozen: hashable
+        """Refuses a field of the wrong type or beyond its wire type (TypeError, ValueError,
+        naming the field) here, so that ``to_proto`` cannot fail; None stays unset. The
+        ranges that depend on the session (top_pages against its groups, say) are epsd's."""
+        for name, table in (("method", _METHOD), ("heads", _HEADS), ("budget", _BUDGET),
+                            ("granularity", _GRANULARITY), ("mass_scope", _MASS_SCOPE)):
+            _pick(table, f"SelectOptions.{name}", getattr(self, name))
+        for name in _FLOAT_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _values.real(f"SelectOptions.{name}",
+                                                            getattr(self, name)))
+        for name in _UINT32_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _values.integer(
+                    f"SelectOptions.{name}", getattr(self, name), *_values.UINT32))
+        if self.strict is not None:
+            object.__setattr__(self, "strict", _values.boolean("SelectOptions.strict",
+                                                               self.strict))
+        if not isinstance(self.retrieval_heads, (bytes, bytearray, memoryview)):
+            raise TypeError(f"SelectOptions.retrieval_heads={self.retrieval_heads!r} is not "
+                            f"bytes")
+        object.__setattr__(self, "retrieval_heads", bytes(self.retrieval_heads))
+        if isinstance(self.mass_layers, (str, bytes)) or not isinstance(self.mass_layers,
+                                                                         Iterable):
+            raise TypeError(f"SelectOptions.mass_layers={self.mass_layers!r} is not a sequence "
+                            f"of MassSetting")
+        layers = tuple(self.mass_layers)  # frozen: hashable
+        for i, m in enumerate(layers):
+            if not isinstance(m, MassSetting):
+                raise TypeError(f"SelectOptions.mass_layers[{i}]={m!r} is not a MassSetting")
+        object.__setattr__(self, "mass_layers", layers)
 
     def to_proto(self) -> pb.SelectOptions:
         out = pb.SelectOptions(method=_pick(_METHOD, "method", self.method),  # type: ignore[arg-type]
@@ -117,8 +162,7 @@ class SelectOptions:
                                mass_scope=_pick(_MASS_SCOPE, "mass_scope",  # type: ignore[arg-type]
                                                 self.mass_scope),
                                retrieval_heads=self.retrieval_heads)
-        for name in ("alpha", "first_n", "last_n", "top_pages", "strict", "top_p", "mass_target",
-                     "mass_temperature", "min_pages", "max_pages", "coarse_candidates"):
+        for name in (*_FLOAT_FIELDS, *_UINT32_FIELDS, "strict"):
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, value)
@@ -162,12 +206,30 @@ class Row(NamedTuple):
     seq_id: int = 0  # the engine's own id (not used by epsd)
 
 
+_ROW_RANGES = {"table_row": _values.INT32, "context_tokens": _values.INT64,
+               "seq_id": _values.UINT64}  # BatchRow's int32, int64 and uint64
+
+
 def rows_proto(rows: Iterable[Row | tuple[int, int] | tuple[int, int, int]]) -> list[pb.BatchRow]:
+    """The rows as BatchRow messages. Refuses (TypeError, ValueError, naming the row and the
+    field: ``rows[1].table_row=None is not an integer``) what protobuf would send as 0 or
+    refuse itself: None, floats, bools, values beyond the field's wire type. Whether a row
+    fits the session (table_row < max_seqs, say) is epsd's to check."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise TypeError(f"rows={rows!r} is not a sequence of Row")
     out = []
-    for r in rows:
-        row = Row(*r)
-        out.append(pb.BatchRow(table_row=row.table_row, context_tokens=row.context_tokens,
-                               seq_id=row.seq_id))
+    for i, r in enumerate(rows):
+        if isinstance(r, (str, bytes)) or not isinstance(r, Iterable):
+            raise TypeError(f"rows[{i}]={r!r} is not a Row or (table_row, context_tokens"
+                            f"[, seq_id])")
+        fields = tuple(r)
+        if not 2 <= len(fields) <= 3:
+            raise TypeError(f"rows[{i}]={r!r} is not a Row or (table_row, context_tokens"
+                            f"[, seq_id])")
+        row = Row(*fields)
+        values = {name: _values.integer(f"rows[{i}].{name}", getattr(row, name), *bounds)
+                  for name, bounds in _ROW_RANGES.items()}
+        out.append(pb.BatchRow(**values))
     return out
 
 

@@ -1,0 +1,66 @@
+"""Checked conversions of caller values to the integers and floats the package sends or uses.
+
+Protobuf silently takes ``None`` as unset and ``True`` as 1, and numpy silently truncates
+1.9 to 1; these refuse such values instead, with a message that names the field and the
+value (``rows[1].table_row=None is not an integer``). Integers go through
+``operator.index`` (so numpy integers are welcome and floats are not), bools are refused
+where a count or an index is meant. Wrong types raise TypeError, values out of range
+ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+
+INT32 = (-(1 << 31), (1 << 31) - 1)
+INT64 = (-(1 << 63), (1 << 63) - 1)
+UINT32 = (0, (1 << 32) - 1)
+UINT64 = (0, (1 << 64) - 1)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def integer(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi] (either bound may be None: unbounded)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} is a bool, not an integer")
+    try:
+        out = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name}={value!r} is not an integer") from None
+    if (lo is not None and out < lo) or (hi is not None and out > hi):
+        raise ValueError(f"{name}={out} is not in [{'-inf' if lo is None else lo}, "
+                         f"{'inf' if hi is None else hi}]")
+    return out
+
+
+def real(name: str, value: object) -> float:
+    """``value`` as a finite float that a float32 field holds (ints are welcome, bools not)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating)):
+        raise TypeError(f"{name}={value!r} is not a number")
+    out = float(value)
+    if not math.isfinite(out) or abs(out) > FLOAT32_MAX:
+        raise ValueError(f"{name}={out} is not a finite float32")
+    return out
+
+
+def boolean(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} is not a bool")
+    return bool(value)
+
+
+def integer_array(name: str, values: object) -> np.ndarray:
+    """``values`` as an int64 array, refusing floats and bools (1.9 is not slot 1) and
+    integers beyond int64 (2**64 - 1 is not slot -1). An empty sequence is fine."""
+    array = np.asarray(values)
+    if array.size == 0:
+        return array.astype(np.int64)
+    if array.dtype.kind == "u" and array.size and int(array.max()) > INT64[1]:
+        raise ValueError(f"{name}: {int(array.max())} is beyond int64")
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64)

@@ -1,0 +1,155 @@
+"""What EpsClient does with inputs it cannot send, after close(), and with a broken tracer:
+a bad step input is a counted INVALID_ARGUMENT step failure naming the field, never a value
+protobuf sends as 0 nor a stray exception; a closed client refuses every call; a tracer's
+failure costs the call its traceparent only."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import numpy as np
+import pytest
+from conftest import fake_epsd
+from engine_state import make_state
+from test_client import RecordingSelector
+
+from eps_client import ClientOptions, EpsClient, EpsError, Row
+from eps_client.proto import page_selector_pb2 as pb
+
+NOWHERE = "unix:///nonexistent/eps-client-inputs.sock"
+
+BAD_INPUTS = [
+    (None, [Row(0, 100)], "step=None is not an integer"),
+    (-1, [Row(0, 100)], "step=-1 is not in"),
+    (2**64, [Row(0, 100)], "step=18446744073709551616 is not in"),
+    (9.0, [Row(0, 100)], "step=9.0 is not an integer"),
+    (True, [Row(0, 100)], "step=True is a bool"),
+    (1, [Row(0, 100), Row(None, 100)], "rows[1].table_row=None is not an integer"),
+    (1, [Row(2**31, 100)], "rows[0].table_row=2147483648 is not in"),
+    (1, [Row(0, 100.0)], "rows[0].context_tokens=100.0 is not an integer"),
+    (1, [Row(0, 2**63)], "rows[0].context_tokens=9223372036854775808 is not in"),
+    (1, [Row(0, 100, -1)], "rows[0].seq_id=-1 is not in"),
+    (1, [(0,)], "rows[0]=(0,) is not a Row"),
+    (1, None, "rows=None is not a sequence of Row"),
+]
+
+
+def unattached_client(**options: object) -> EpsClient:
+    """A client of an absent sidecar: whatever reaches the network falls back UNAVAILABLE."""
+    return EpsClient.from_request(ClientOptions(target=NOWHERE, **options),  # type: ignore[arg-type]
+                                  pb.AttachRequest(engine_id="inputs"))
+
+
+@pytest.mark.parametrize(("step", "rows", "message"), BAD_INPUTS)
+def test_a_bad_step_input_falls_back_as_invalid_argument_naming_the_field(step, rows, message):
+    with unattached_client() as client:
+        result = client.select_pages(step, rows)
+        assert result.fallback and result.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in result.message
+        counters = client.counters()
+        assert counters.steps == 1 and counters.fallback_error == 1 and counters.fallbacks == 1
+
+
+@pytest.mark.parametrize(("step", "rows", "message"), BAD_INPUTS[:6])
+def test_a_fail_closed_client_raises_invalid_argument_for_a_bad_step_input(step, rows, message):
+    with unattached_client(fail_open=False) as client:
+        with pytest.raises(EpsError) as e:
+            client.select_pages(step, rows)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.message
+        assert client.counters().errors == 1 and client.counters().fallbacks == 0
+
+
+def test_per_step_options_that_are_not_select_options_fail_the_step():
+    with unattached_client() as client:
+        result = client.select_pages(1, [Row(0, 100)], {"top_pages": 3})  # type: ignore[arg-type]
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "options={'top_pages': 3} is not a SelectOptions" in result.message
+
+
+def test_a_none_step_is_not_sent_as_step_zero(epsd, rng):
+    state = make_state(rng, contexts=[300])
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        state.buffers.visit_count[:] = 99
+        result = client.select_pages(None, state.rows)  # type: ignore[arg-type]
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT, result.message
+        assert (state.buffers.visit_count == 99).all()  # epsd ran nothing
+        assert client.stats().sessions[0].steps == 0
+    state.buffers.close()
+
+
+def test_the_counters_add_up_after_good_and_bad_steps(epsd, rng):
+    state = make_state(rng, contexts=[300, 200])
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        calls = [(1, state.rows), (None, state.rows), (2, [Row(0, 1.5)]),
+                 (np.int64(3), state.rows), (4, [Row(0, 10**6)]), (5, None),
+                 (6, [Row(*(np.int64(v) for v in state.rows[1]))])]
+        results = [client.select_pages(step, rows) for step, rows in calls]  # type: ignore[arg-type]
+        assert [r.ok for r in results] == [True, False, False, True, False, False, True]
+        assert results[3].step == 3 and type(results[3].step) is int
+        c = client.counters()
+        assert (c.steps, c.selected, c.fallback_error, c.errors) == (7, 3, 4, 0)
+        assert c.steps == c.selected + c.fallbacks + c.errors
+    state.buffers.close()
+
+
+def test_a_closed_client_refuses_every_call(epsd, rng):
+    state = make_state(rng, contexts=[300])
+    client = state.client(ClientOptions(target=epsd.target, deadline_s=2.0))
+    client.attach()
+    client.close()
+    client.close()  # twice is fine
+    result = client.select_pages(1, state.rows)
+    assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert result.message == "client closed"
+    for call in (client.attach, client.detach, client.heartbeat, lambda: client.ping(1.0),
+                 client.stats):
+        with pytest.raises(EpsError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    client.__exit__(None, None, None)
+    c = client.counters()
+    assert c.steps == 1 and c.fallback_error == 1
+    state.buffers.close()
+
+
+def test_a_fail_closed_client_raises_after_close():
+    client = unattached_client(fail_open=False)
+    client.close()
+    with pytest.raises(EpsError) as e:
+        client.select_pages(1, [Row(0, 100)])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_leaving_the_block_after_close_keeps_the_engines_exception(epsd, rng):
+    state = make_state(rng, contexts=[300])
+    with pytest.raises(RuntimeError) as e:
+        with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+            client.attach()
+            client.close()  # a shutdown hook, say
+            raise RuntimeError("the engine's own error")
+    assert str(e.value) == "the engine's own error" and e.value.__context__ is None
+    state.buffers.close()
+
+
+def broken_tracer() -> str:
+    raise RuntimeError("tracer broken")
+
+
+@pytest.mark.parametrize("traceparent", [broken_tracer, lambda: 5, lambda: "00-abc\n-01",
+                                         lambda: "00-é", lambda: b"00-0af7651916cd43dd"])
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_a_broken_tracer_costs_the_calls_their_traceparent_only(tmp_path, caplog, traceparent,
+                                                                use_stream):
+    servicer = RecordingSelector()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=use_stream,
+                                traceparent=traceparent)
+        with caplog.at_level(logging.WARNING, logger="eps_client"):
+            with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+                client.attach()
+                assert all(client.select_pages(s, [(0, 1, 0)]).ok for s in (1, 2, 3))
+    assert servicer.metadata and all("traceparent" not in m for m in servicer.metadata)
+    assert len([r for r in caplog.records if "traceparent" in r.getMessage()]) == 1
