@@ -178,6 +178,9 @@ MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayo
     for (int i = 0; i < layout.head_dim; ++i) dot += q.q[i] * sum[i];
     lower = dot / count;
   }
+  // Bounds that contradict each other (the upper below the mean, which is a max's lower
+  // bound) can only come from squared norms below the float range: no upper bound then.
+  if (lower > upper) upper = std::numeric_limits<float>::infinity();
   return {lower - slack, upper + slack};
 }
 

@@ -54,4 +54,16 @@ void PhiBank::Project(int layer, int kv_head, std::span<const float> q, std::spa
   }
 }
 
+absl::Status PhiCovers(const PhiBank& phi, const ModelLayout& model) {
+  if (phi.seed() != model.phi_seed || phi.head_dim() != model.head_dim ||
+      phi.sketch_dim() != model.sketch_dim || phi.num_layers() < model.num_layers ||
+      phi.num_kv_heads() < model.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PhiBank (seed=", phi.seed(), ", layers=", phi.num_layers(),
+        ", kv_heads=", phi.num_kv_heads(), ", d=", phi.head_dim(), ", m=", phi.sketch_dim(),
+        ") does not serve the model (", model.DebugString(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace eps

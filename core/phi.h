@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/layout.h"
 
 namespace eps {
 
@@ -62,6 +63,8 @@ class PhiBank {
   void Project(int layer, int kv_head, std::span<const float> q, std::span<float> z) const;
 
   uint64_t seed() const { return seed_; }
+  int num_layers() const { return num_layers_; }
+  int num_kv_heads() const { return num_kv_heads_; }
   int head_dim() const { return head_dim_; }
   int sketch_dim() const { return sketch_dim_; }
 
@@ -71,5 +74,10 @@ class PhiBank {
   int num_layers_ = 0, num_kv_heads_ = 0, head_dim_ = 0, sketch_dim_ = 0;
   std::vector<float> values_;
 };
+
+// OK when `phi` serves `model`: the same seed, d and m, and a matrix for each of its
+// (layer, KV head) (a bank built for more layers or KV heads serves it too: each matrix
+// depends only on the seed and its own indices).
+absl::Status PhiCovers(const PhiBank& phi, const ModelLayout& model);
 
 }  // namespace eps

@@ -346,7 +346,7 @@ void ApplyFeedback(std::span<const float> entry, int head_dim, std::span<float> 
   const double scale = std::sqrt(static_cast<double>(head_dim));
   std::vector<double> diffs;
   for (size_t p = 0; p < scores.size(); ++p) {
-    if (std::isfinite(entry[p]) && std::isfinite(scores[p])) {
+    if (IsFeedback(entry[p]) && std::isfinite(scores[p])) {
       diffs.push_back(scale * entry[p] - scores[p]);
     }
   }
@@ -361,7 +361,7 @@ void ApplyFeedback(std::span<const float> entry, int head_dim, std::span<float> 
     }
   }
   for (size_t p = 0; p < scores.size(); ++p) {
-    if (std::isfinite(entry[p])) {
+    if (IsFeedback(entry[p])) {
       scores[p] = static_cast<float>(scale * entry[p]);
     } else if (std::isfinite(scores[p])) {
       scores[p] = static_cast<float>(scores[p] + offset);

@@ -5,6 +5,7 @@
 // core/step.h applies them to a whole decode step.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -155,10 +156,17 @@ void MarkByMassList(std::span<const std::span<const float>> head_scores,
                     std::span<const uint8_t> forced, float target, float temperature, int head_dim,
                     int min_pages, int max_pages, std::span<uint8_t> visit);
 
+// A feedback entry (the log-sum-exp of a visited group) is one when |entry| <= 1e30:
+// NaN means not visited, and ±inf or a value no attention gives (beyond 1e30, where
+// √d·entry and the median's shifts would leave the float range) is no feedback either,
+// so a bad entry costs that group its feedback and nothing else. The GPU uses the same.
+constexpr float kFeedbackMax = 1e30f;
+inline bool IsFeedback(float entry) { return std::fabs(entry) <= kFeedbackMax; }
+
 // Selection feedback for one head (core/step.h StepInputs::feedback): `entry[p]` is
 // the previous step's log Σ exp(q·k/√d) over group p (NaN: not visited). Groups with
-// a finite entry score √d·entry; the others keep their score plus the median of
-// (√d·entry − score) over the groups with a finite entry and a finite score (0 when
+// an entry (IsFeedback) score √d·entry; the others keep their score plus the median of
+// (√d·entry − score) over the groups with an entry and a finite score (0 when
 // there is none). −∞ scores (unscored groups) stay −∞.
 void ApplyFeedback(std::span<const float> entry, int head_dim, std::span<float> scores);
 

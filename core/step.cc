@@ -61,12 +61,7 @@ absl::Status CheckCoarseInputs(const ModelLayout& model, const SelectPolicy& pol
 
 absl::StatusOr<PageSelector> PageSelector::Create(const ModelLayout& model, const PhiBank& phi) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
-  if (phi.seed() != model.phi_seed || phi.head_dim() != model.head_dim ||
-      phi.sketch_dim() != model.sketch_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PhiBank (seed=", phi.seed(), ", d=", phi.head_dim(), ", m=", phi.sketch_dim(),
-                     ") does not match the model (", model.DebugString(), ")"));
-  }
+  if (absl::Status s = PhiCovers(phi, model); !s.ok()) return s;
   return PageSelector(model, phi);
 }
 
@@ -126,12 +121,19 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
         if (!policy.HeadIsScored(model_, layer, h)) continue;
         const int64_t base =
             ((static_cast<int64_t>(layer) * in.max_batch + i) * model_.num_q_heads + h) * d;
+        double norm2 = 0.0;
         for (int k = 0; k < d; ++k) {
           const float x = LoadAsFloat(in.queries, in.query_dtype, base + k);
           if (!std::isfinite(x)) {
             return absl::InvalidArgumentError(absl::StrCat("query[layer ", layer, "][row ", i,
                                                            "][head ", h, "][", k, "] is ", x));
           }
+          norm2 += double{x} * x;
+        }
+        if (norm2 >= std::numeric_limits<float>::max()) {
+          return absl::InvalidArgumentError(absl::StrCat("query[layer ", layer, "][row ", i,
+                                                         "][head ", h, "] has |q|^2 = ", norm2,
+                                                         ", beyond the float range of the scores"));
         }
       }
     }
@@ -201,9 +203,17 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       const float* stat = record.data() + layout_.fro2;
       if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||
           !std::isfinite(stat[2])) {
+        // Blame the summary only if its sums are not finite; else the query's terms and
+        // this group's keys overflow together.
+        const bool sums_finite = std::all_of(record.begin(), record.begin() + layout_.fro2 + 3,
+                                             [](float x) { return std::isfinite(x); });
         return absl::InvalidArgumentError(absl::StrCat(
             pool == in.coarse_pool ? "coarse summary" : "summary", " of slot ", slot, " (layer ",
-            layer, ", kv_head ", kvh, ") gives a non-finite score: the summary holds NaN or Inf"));
+            layer, ", kv_head ", kvh, ") gives a non-finite score: ",
+            sums_finite ? absl::StrCat("its keys (largest norm ", stat[1],
+                                       ") and the step's queries overflow the float range "
+                                       "together; scale the queries or keys down")
+                        : "the summary holds NaN or Inf"));
       }
     }
     return absl::OkStatus();
@@ -287,7 +297,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
                  h) *
                     in.max_groups;
             ApplyFeedback({entry, static_cast<size_t>(n)}, d, scores);
-            for (int64_t p = 0; p < n; ++p) fed[list_of_head][p] |= std::isfinite(entry[p]);
+            for (int64_t p = 0; p < n; ++p) fed[list_of_head][p] |= IsFeedback(entry[p]);
           }
           switch (policy.budget) {
             case Budget::kThreshold:

@@ -80,7 +80,11 @@ int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& la
 SummaryWriter::SummaryWriter(const ModelLayout& model, const PhiBank& phi)
     : model_(model), layout_(SummaryLayout::For(model)), phi_(phi) {}
 
-void SummaryWriter::Reset(std::span<float> record) const {
+absl::Status SummaryWriter::Reset(std::span<float> record) const {
+  if (static_cast<int64_t>(record.size()) < layout_.record_words) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("record has ", record.size(), " words, layout needs ", layout_.record_words));
+  }
   std::fill(record.begin(), record.begin() + layout_.record_words, 0.0f);
   if (layout_.quest_min >= 0) {
     std::fill_n(QuestHalves(record, layout_.quest_min), model_.head_dim, uint16_t{0x7C00});  // +inf
@@ -90,10 +94,11 @@ void SummaryWriter::Reset(std::span<float> record) const {
     std::fill_n(Quest8Codes(record, layout_, 0), model_.head_dim, int8_t{127});
     std::fill_n(Quest8Codes(record, layout_, 1), model_.head_dim, int8_t{-128});
   }
+  return absl::OkStatus();
 }
 
 absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv_head,
-                                      const KeyRows& keys) const {
+                                      const KeyRows& keys, bool appending) const {
   if (static_cast<int64_t>(record.size()) < layout_.record_words) {
     return absl::InvalidArgumentError(
         absl::StrCat("record has ", record.size(), " words, layout needs ", layout_.record_words));
@@ -102,6 +107,7 @@ absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv
     return absl::InvalidArgumentError(
         absl::StrCat("(layer, kv_head)=(", layer, ", ", kv_head, ") out of range"));
   }
+  if (absl::Status s = PhiCovers(phi_, model_); !s.ok()) return s;
   if (keys.dtype != DType::kFloat32 && keys.dtype != DType::kFloat16 &&
       keys.dtype != DType::kBFloat16) {
     return absl::InvalidArgumentError(
@@ -115,6 +121,9 @@ absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv
         absl::StrCat("key stride=", keys.stride, " < head_dim=", model_.head_dim));
   }
   std::vector<float> k(model_.head_dim);
+  // Σ‖k‖² of the record's keys after the append, in double: fro2 is its float sum, and
+  // every Gram term |Σ y_i·y_j| <= Σ‖Φk‖² <= d·Σ‖k‖² (Φ's entries are ±1/√m).
+  double fro2 = appending ? std::max(0.0f, record[layout_.fro2]) : 0.0;
   for (int64_t t = 0; t < keys.count; ++t) {
     LoadKey(keys, model_.head_dim, t, k.data());
     for (int i = 0; i < model_.head_dim; ++i) {
@@ -129,13 +138,24 @@ absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv
             "): beyond the binary16 range of the quest summary, |k| <= 65504"));
       }
     }
+    for (int i = 0; i < model_.head_dim; ++i) fro2 += double{k[i]} * k[i];
+    if (fro2 * model_.head_dim >= std::numeric_limits<float>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("key ", t, " (layer ", layer, ", kv_head ", kv_head,
+                       ") brings the record's sum of squared "
+                       "key norms to ",
+                       fro2, ": its sums would leave the float range (d * sum must stay below ",
+                       std::numeric_limits<float>::max(), ")"));
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status SummaryWriter::Append(std::span<float> record, int layer, int kv_head,
                                    const KeyRows& keys) const {
-  if (absl::Status s = CheckKeys(record, layer, kv_head, keys); !s.ok()) return s;
+  if (absl::Status s = CheckKeys(record, layer, kv_head, keys, /*appending=*/true); !s.ok()) {
+    return s;
+  }
   const int d = model_.head_dim;
   const int m = model_.sketch_dim;
   std::vector<float> k(d), y(m);
@@ -178,7 +198,9 @@ absl::Status SummaryWriter::Append(std::span<float> record, int layer, int kv_he
 absl::Status SummaryWriter::Seal(std::span<float> record, int layer, int kv_head,
                                  const KeyRows& keys) const {
   if (layout_.principal < 0) return absl::OkStatus();
-  if (absl::Status s = CheckKeys(record, layer, kv_head, keys); !s.ok()) return s;
+  if (absl::Status s = CheckKeys(record, layer, kv_head, keys, /*appending=*/false); !s.ok()) {
+    return s;
+  }
   if (static_cast<float>(keys.count) != record[layout_.count]) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Seal got ", keys.count, " keys but the record summarises ", record[layout_.count]));

@@ -35,11 +35,15 @@ class SummaryWriter {
   const SummaryLayout& layout() const { return layout_; }
 
   // Empties a record (no keys): zero sums, quest min = +inf, max = -inf, quest8
-  // codes min = 127, max = -128 (below any key's code) and scale 0.
-  void Reset(std::span<float> record) const;
+  // codes min = 127, max = -128 (below any key's code) and scale 0. Refuses a record
+  // shorter than the layout's, touching nothing.
+  absl::Status Reset(std::span<float> record) const;
 
-  // Adds keys to the record of (layer, kv_head). Rejects non-finite keys (and,
-  // with features.quest, keys beyond the binary16 range) before touching the record.
+  // Adds keys to the record of (layer, kv_head). Rejects non-finite keys, keys so large
+  // that the record's sums would leave the float range (d·Σ‖k‖² ≥ FLT_MAX over the
+  // record's keys: the Gram terms are bounded by it), and, with features.quest, keys
+  // beyond the binary16 range, before touching the record; and a PhiBank that does not
+  // serve the model (PhiCovers).
   absl::Status Append(std::span<float> record, int layer, int kv_head, const KeyRows& keys) const;
 
   // Fits the top-1 principal pair of the group's keys (all of them, as appended:
@@ -50,8 +54,9 @@ class SummaryWriter {
   absl::Status Seal(std::span<float> record, int layer, int kv_head, const KeyRows& keys) const;
 
  private:
-  absl::Status CheckKeys(std::span<float> record, int layer, int kv_head,
-                         const KeyRows& keys) const;
+  // `appending`: the keys are added to the record's (Append), not its own (Seal).
+  absl::Status CheckKeys(std::span<float> record, int layer, int kv_head, const KeyRows& keys,
+                         bool appending) const;
 
   ModelLayout model_;
   SummaryLayout layout_;

@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
           const int64_t count = std::min(group_tokens, args.context - begin);
           const eps::KeyRows keys{head.keys.data() + begin * d, eps::DType::kFloat32, count, d};
           const auto record = buffers.Record(buffers.SlotOf(row, p), layer, kvh);
-          writer.Reset(record);
+          (void)writer.Reset(record);  // sized by the layout
           if (!writer.Append(record, layer, kvh, keys).ok() ||
               !writer.Seal(record, layer, kvh, keys).ok()) {
             std::fprintf(stderr, "summary write failed\n");

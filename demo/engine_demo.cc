@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
         for (int64_t t = from; t < to;) {
           const int64_t group = t / gt, end = std::min(to, (group + 1) * gt);
           auto record = buf.Record(buf.GroupRow(row)[group], layer, kvh);
-          if (t % gt == 0) writer.Reset(record);
+          if (t % gt == 0) (void)writer.Reset(record);  // sized by the layout
           (void)writer.Append(record, layer, kvh,
                               {keys.data() + t * d, eps::DType::kFloat32, end - t, d});
           if (end % gt == 0) {

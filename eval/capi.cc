@@ -250,7 +250,7 @@ class EvalSequence {
     pool_.assign(static_cast<size_t>(max_groups_) * model.num_kv_heads * layout_.record_words,
                  0.0f);
     for (int64_t p = 0; p < max_groups_; ++p) {
-      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) writer_.Reset(Record(p, kvh));
+      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) (void)writer_.Reset(Record(p, kvh));
     }
     open_coarse_.assign(static_cast<size_t>(model.num_kv_heads) * model.coarse_blocks *
                             model.block_size * model.head_dim,
@@ -258,7 +258,7 @@ class EvalSequence {
     coarse_pool_.assign(
         static_cast<size_t>(max_coarse_) * model.num_kv_heads * layout_.record_words, 0.0f);
     for (int64_t c = 0; c < max_coarse_; ++c) {
-      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) writer_.Reset(CoarseRecord(c, kvh));
+      for (int kvh = 0; kvh < model.num_kv_heads; ++kvh) (void)writer_.Reset(CoarseRecord(c, kvh));
     }
   }
 

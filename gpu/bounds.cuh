@@ -171,6 +171,8 @@ __device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const Record
   float upper = abs_upper;
   if (o.quest_min >= 0) upper = fminf(upper, QuestBound(rec, o, h, sums.quest[r]));
   const float lower = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
+  // core: contradicting bounds (squared norms below the float range) give no upper bound.
+  if (lower > upper) upper = INFINITY;
   return {lower - slack, upper + slack};
 }
 

@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kFeedbackThreads) FeedbackKernel(Shape s, Feed
     load(p0);
 #pragma unroll
     for (int j = 0; j < kFeedbackChunk; ++j) {
-      const bool fed = isfinite(e[j]) && isfinite(score[j]);
+      const bool fed = fabsf(e[j]) <= kFeedbackMax && isfinite(score[j]);
       const unsigned long long key = fed ? OrderedKey64(FeedbackDiff(a.sqrt_d, e[j], score[j])) : 0;
       const unsigned ballot = __ballot_sync(0xFFFFFFFFu, fed);
       unsigned base = 0;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kFeedbackThreads) FeedbackKernel(Shape s, Feed
 #pragma unroll
     for (int j = 0; j < kFeedbackChunk; ++j) {
       const int p = p0 + j * kFeedbackThreads + static_cast<int>(threadIdx.x);
-      if (isfinite(e[j])) {
+      if (fabsf(e[j]) <= kFeedbackMax) {  // core IsFeedback
         scores[p] = static_cast<float>(__dmul_rn(a.sqrt_d, static_cast<double>(e[j])));
       } else if (isfinite(score[j])) {
         scores[p] = static_cast<float>(__dadd_rn(static_cast<double>(score[j]), offset));

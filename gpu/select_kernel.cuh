@@ -418,7 +418,9 @@ __global__ void __launch_bounds__(kWarps * 32)
                                                  s.q_heads * s.max_groups;
     auto fed = [&](int p) {
       for (int h = first_head; entries != nullptr && h < first_head + heads_per_list; ++h) {
-        if (head_scored(h) && isfinite(entries[int64_t{h} * s.max_groups + p])) return true;
+        if (head_scored(h) && fabsf(entries[int64_t{h} * s.max_groups + p]) <= kFeedbackMax) {
+          return true;  // core IsFeedback
+        }
       }
       return false;
     };

@@ -12,6 +12,10 @@
 
 namespace eps::gpu::kernels {
 
+// core/select.h kFeedbackMax: a feedback entry is one when |entry| <= it (step.cu checks
+// that the two agree).
+constexpr float kFeedbackMax = 1e30f;
+
 // The first error a kernel meets; the host turns it into a status. The coarse
 // level's (gpu/coarse_select.cuh) name its table and pool.
 enum ErrorCode : int {

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cfloat>
 #include <utility>
 #include <vector>
 
@@ -86,6 +87,17 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
       }
     }
   }
+  // core CheckKeys: the record's sums stay in the float range (d·Σ‖k‖² < FLT_MAX, in double).
+  double squares = 0.0;
+  for (int64_t t = 0; t < ap.count && finite; ++t) {
+    for (int i = lane; i < s.d; i += 32) {
+      const double k = LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i);
+      squares += k * k;
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, o);
+  squares += fmaxf(ap.record[s.fro2], 0.0f);
+  finite &= squares * s.d < static_cast<double>(FLT_MAX);
   if (!__all_sync(0xFFFFFFFFu, finite)) {
     if (lane == 0 && bad != nullptr) atomicMin(bad, a);
     if (lane == 0 && skipped != nullptr) atomicAdd(skipped, 1ull);
@@ -249,8 +261,9 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
   if (bad != none) {
     return absl::InvalidArgumentError(absl::StrCat(
         "appends[", bad, "] holds a non-finite key",
-        w.layout.quest_min >= 0 ? " or one beyond the binary16 range of the quest summary" : "",
-        "; it was skipped"));
+        w.layout.quest_min >= 0 ? ", one beyond the binary16 range of the quest summary" : "",
+        " or keys that would take the record's sums out of the float range (d * sum of squared "
+        "norms >= FLT_MAX); it was skipped"));
   }
   return absl::OkStatus();
 }

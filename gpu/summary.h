@@ -42,8 +42,10 @@ class DeviceSummaryWriter {
   DeviceSummaryWriter(const DeviceSummaryWriter&) = delete;
   DeviceSummaryWriter& operator=(const DeviceSummaryWriter&) = delete;
 
-  // Applies `appends` on `stream` and waits. An append with a non-finite key is
-  // skipped whole and reported (INVALID_ARGUMENT naming it); the others apply.
+  // Applies `appends` on `stream` and waits. An append core's SummaryWriter refuses
+  // (a non-finite key, one beyond binary16 with quest, keys whose squared norms would
+  // take the record's sums out of the float range) is skipped whole and reported
+  // (INVALID_ARGUMENT naming it); the others apply.
   absl::Status Append(const std::vector<KeyAppend>& appends, DType key_dtype,
                       cudaStream_t stream = nullptr);
 

@@ -84,7 +84,7 @@ WorkloadImage BuildWorkload(const ModelLayout& model, int batch, int64_t max_con
     const auto write_level = [&](std::vector<float>& level, int64_t count, int64_t tokens) {
       for (int64_t r = 0; r < count; ++r) {
         std::span<float> record(level.data() + (p * count + r) * words, words);
-        writer.Reset(record);
+        (void)writer.Reset(record);  // sized by the layout
         const int64_t begin = r * tokens, n = std::min(tokens, max_context - begin);
         (void)writer.Append(record, layer, kvh,
                             {head.keys.data() + begin * d, DType::kFloat32, n, d});

@@ -43,13 +43,14 @@ class BoundsTest : public ::testing::Test {
     model_.num_q_heads = 1;
     model_.num_kv_heads = 1;
     model_.head_dim = 64;
+    model_.phi_seed = 5;
     model_.features = {.key_sum = true, .principal = true, .quest = true};
     phi_ = std::make_unique<PhiBank>(*PhiBank::Create(5, 1, 1, 64, 8));
     writer_ = std::make_unique<SummaryWriter>(model_, *phi_);
   }
   std::vector<float> Summarise(const std::vector<float>& keys, int n) {
     std::vector<float> record(writer_->layout().record_words);
-    writer_->Reset(record);
+    EXPECT_TRUE(writer_->Reset(record).ok());
     const KeyRows rows{keys.data(), DType::kFloat32, n, 0};
     EXPECT_TRUE(writer_->Append(record, 0, 0, rows).ok());
     EXPECT_TRUE(writer_->Seal(record, 0, 0, rows).ok());
@@ -228,7 +229,7 @@ TEST_F(BoundsTest, QuestCltReadsQuest8WhenTheRecordHoldsIt) {
     const int n = 1 + trial % 64;
     const std::vector<float> keys = RandomGroup(rng_, n, d, trial % 3);
     std::vector<float> record(layout.record_words);
-    writer.Reset(record);
+    EXPECT_TRUE(writer.Reset(record).ok());
     ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, 0}).ok());
     const std::vector<float> q = GaussianVector(rng_, d);
     QueryTerms terms;
@@ -251,7 +252,7 @@ TEST_F(BoundsTest, QuestCltReadsQuest8WhenTheRecordHoldsIt) {
     ModelLayout only16 = model_;
     SummaryWriter w16(only16, *phi_);
     std::vector<float> r16(w16.layout().record_words);
-    w16.Reset(r16);
+    EXPECT_TRUE(w16.Reset(r16).ok());
     ASSERT_TRUE(w16.Append(r16, 0, 0, {keys.data(), DType::kFloat32, n, 0}).ok());
     ASSERT_NEAR(clt, QuestCltScore(r16, w16.layout(), terms), 1.1 * qnorm1 * s + 1e-3)
         << "trial " << trial;
@@ -283,7 +284,7 @@ TEST_F(BoundsTest, BracketWithoutKeySumFallsBackToMinusAbsoluteBound) {
   SummaryWriter writer(bare, *phi_);
   std::vector<float> keys = RandomGroup(rng_, 16, 64, 0);
   std::vector<float> record(writer.layout().record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 16, 0}).ok());
   const std::vector<float> q = GaussianVector(rng_, 64);
   QueryTerms terms;
@@ -295,7 +296,7 @@ TEST_F(BoundsTest, BracketWithoutKeySumFallsBackToMinusAbsoluteBound) {
 
 TEST_F(BoundsTest, EmptyGroupHasNoScoreAndAnEmptyBracket) {
   std::vector<float> record(writer_->layout().record_words);
-  writer_->Reset(record);
+  EXPECT_TRUE(writer_->Reset(record).ok());
   const std::vector<float> q = GaussianVector(rng_, 64);
   QueryTerms terms;
   terms.Prepare(*phi_, 0, 0, q);
@@ -314,7 +315,7 @@ TEST_F(BoundsTest, MethodsWithoutTheirRecordPartFallBackToFro) {
   SummaryWriter writer(bare, *phi_);
   std::vector<float> keys = RandomGroup(rng_, 16, 64, 2);
   std::vector<float> record(writer.layout().record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 16, 0}).ok());
   const std::vector<float> q = GaussianVector(rng_, 64);
   QueryTerms terms;

@@ -72,7 +72,7 @@ class CoarseStepTest : public ::testing::Test {
             const KeyRows rows{keys.data() + begin * model.head_dim, DType::kFloat32, count,
                                model.head_dim};
             const std::span<float> record = CoarseRecord(SlotFor(row, nc, c), layer, kvh);
-            writer_->Reset(record);
+            EXPECT_TRUE(writer_->Reset(record).ok());
             ASSERT_TRUE(writer_->Append(record, layer, kvh, rows).ok());
             if (count == ct) {
               ASSERT_TRUE(writer_->Seal(record, layer, kvh, rows).ok());

@@ -45,7 +45,8 @@ TEST_P(JlPreservationTest, NormalisedErrorMatchesJlTheory) {
   std::vector<double> errors, relative;
   double sum_r2 = 0;
   for (int trial = 0; trial < trials; ++trial) {
-    auto phi = PhiBank::Create(rng(), 1, 1, d, m);  // a fresh Φ every trial
+    model.phi_seed = rng();  // a fresh Φ every trial
+    auto phi = PhiBank::Create(model.phi_seed, 1, 1, d, m);
     ASSERT_TRUE(phi.ok());
     SummaryWriter writer(model, *phi);
     std::vector<float> keys, q;
@@ -64,7 +65,7 @@ TEST_P(JlPreservationTest, NormalisedErrorMatchesJlTheory) {
       q = testing::GaussianVector(rng, d);
     }
     std::vector<float> record(writer.layout().record_words);
-    writer.Reset(record);
+    EXPECT_TRUE(writer.Reset(record).ok());
     ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, d}).ok());
     QueryTerms terms;
     terms.Prepare(*phi, 0, 0, q);
@@ -112,12 +113,13 @@ TEST(JlPreservationTrendTest, ErrorShrinksAsSketchGrows) {
     model.sketch_dim = m;
     double sum = 0;
     for (int trial = 0; trial < trials; ++trial) {
-      auto phi = PhiBank::Create(rng(), 1, 1, d, m);
+      model.phi_seed = rng();
+      auto phi = PhiBank::Create(model.phi_seed, 1, 1, d, m);
       SummaryWriter writer(model, *phi);
       const std::vector<float> keys = testing::GaussianVector(rng, n * d);
       const std::vector<float> q = testing::GaussianVector(rng, d);
       std::vector<float> record(writer.layout().record_words);
-      writer.Reset(record);
+      EXPECT_TRUE(writer.Reset(record).ok());
       ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, d}).ok());
       QueryTerms terms;
       terms.Prepare(*phi, 0, 0, q);

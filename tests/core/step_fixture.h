@@ -64,7 +64,7 @@ inline SequenceKeys WriteSequence(StepBuffers& buffers, const SummaryWriter& wri
         const int64_t count = std::min(gt, tokens - begin);
         const KeyRows rows{head.keys.data() + begin * d, DType::kFloat32, count, d};
         const std::span<float> record = buffers.Record(buffers.SlotOf(row, p), layer, kvh);
-        writer.Reset(record);
+        EXPECT_TRUE(writer.Reset(record).ok());
         EXPECT_TRUE(writer.Append(record, layer, kvh, rows).ok());
         if (count == gt) {
           EXPECT_TRUE(writer.Seal(record, layer, kvh, rows).ok());

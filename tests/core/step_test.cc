@@ -68,7 +68,7 @@ class StepTest : public ::testing::Test {
           const int64_t count = std::min<int64_t>(gt, tokens - begin);
           const KeyRows rows{keys.data() + begin * d, DType::kFloat32, count, d};
           auto record = buffers_->Record(buffers_->SlotOf(1, p), layer, kvh);
-          writer_->Reset(record);
+          EXPECT_TRUE(writer_->Reset(record).ok());
           ASSERT_TRUE(writer_->Append(record, layer, kvh, rows).ok());
           if (count == gt) {
             ASSERT_TRUE(writer_->Seal(record, layer, kvh, rows).ok());

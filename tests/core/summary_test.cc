@@ -44,7 +44,7 @@ TEST_F(SummaryTest, GramEqualsSketchOfKeyCovariance) {
   ASSERT_TRUE(phi.ok());
   SummaryWriter writer(model, *phi);
   std::vector<float> record(writer.layout().record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   const int n = 50, d = model.head_dim, m = model.sketch_dim;
   const std::vector<float> keys = GaussianVector(rng_, n * d);
   ASSERT_TRUE(writer.Append(record, 1, 1, {keys.data(), DType::kFloat32, n, d}).ok());
@@ -72,7 +72,7 @@ TEST_F(SummaryTest, NormsCountSumAndQuestRangeMatchKeys) {
   SummaryWriter writer(model, *phi);
   const SummaryLayout& s = writer.layout();
   std::vector<float> record(s.record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   const int n = 37, d = model.head_dim;
   const std::vector<float> keys = GaussianVector(rng_, n * d, 2.0f);
   ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, n, d}).ok());
@@ -111,8 +111,8 @@ TEST_F(SummaryTest, AppendingInPiecesEqualsAppendingAtOnce) {
   const int d = model.head_dim;
   const std::vector<float> keys = GaussianVector(rng_, 20 * d);
   std::vector<float> once(writer.layout().record_words), pieces(once.size());
-  writer.Reset(once);
-  writer.Reset(pieces);
+  EXPECT_TRUE(writer.Reset(once).ok());
+  EXPECT_TRUE(writer.Reset(pieces).ok());
   ASSERT_TRUE(writer.Append(once, 0, 1, {keys.data(), DType::kFloat32, 20, d}).ok());
   for (int t = 0; t < 20; ++t) {  // one token at a time, as decode writes them
     ASSERT_TRUE(writer.Append(pieces, 0, 1, {keys.data() + t * d, DType::kFloat32, 1, d}).ok());
@@ -181,7 +181,7 @@ TEST_F(SummaryTest, Quest8AppendedInAnyOrderEqualsTheOfflineQuantization) {
       if (shuffle == 1) std::reverse(order.begin(), order.end());
       if (shuffle == 2) std::shuffle(order.begin(), order.end(), rng_);
       std::vector<float> record(s.record_words);
-      writer.Reset(record);
+      EXPECT_TRUE(writer.Reset(record).ok());
       for (int t : order) {
         ASSERT_TRUE(writer.Append(record, 0, 1, {keys.data() + t * d, DType::kFloat32, 1, d}).ok());
       }
@@ -211,7 +211,7 @@ TEST_F(SummaryTest, Quest8AloneTakesKeysBeyondTheHalfRange) {
   std::vector<float> keys(2 * d, 1.0f);
   keys[d + 3] = -70000.0f;
   std::vector<float> record(writer.layout().record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   ASSERT_TRUE(writer.Append(record, 1, 0, {keys.data(), DType::kFloat32, 2, d}).ok());
   const SummaryLayout& s = writer.layout();
   EXPECT_EQ(Quest8Scale(record, s), 1024.0f);   // 127·512 < 70000 <= 127·1024
@@ -235,8 +235,8 @@ TEST_F(SummaryTest, HalfAndBFloat16KeysEqualTheirWidenedFloats) {
       widened[i] = dtype == DType::kFloat16 ? HalfToFloat(narrow[i]) : BFloat16ToFloat(narrow[i]);
     }
     std::vector<float> a(writer.layout().record_words), b(a.size());
-    writer.Reset(a);
-    writer.Reset(b);
+    EXPECT_TRUE(writer.Reset(a).ok());
+    EXPECT_TRUE(writer.Reset(b).ok());
     ASSERT_TRUE(writer.Append(a, 0, 0, {narrow.data(), dtype, n, d}).ok());
     ASSERT_TRUE(writer.Append(b, 0, 0, {widened.data(), DType::kFloat32, n, d}).ok());
     EXPECT_EQ(a, b) << DTypeName(dtype);
@@ -255,8 +255,8 @@ TEST_F(SummaryTest, StridedKeysAreReadWithTheirStride) {
     std::copy_n(interleaved.begin() + t * stride + d, d, dense.begin() + t * d);
   }
   std::vector<float> a(writer.layout().record_words), b(a.size());
-  writer.Reset(a);
-  writer.Reset(b);
+  EXPECT_TRUE(writer.Reset(a).ok());
+  EXPECT_TRUE(writer.Reset(b).ok());
   ASSERT_TRUE(writer.Append(a, 0, 1, {interleaved.data() + d, DType::kFloat32, n, stride}).ok());
   ASSERT_TRUE(writer.Append(b, 0, 1, {dense.data(), DType::kFloat32, n, d}).ok());
   EXPECT_EQ(a, b);
@@ -269,7 +269,7 @@ TEST_F(SummaryTest, NonFiniteKeysAreRejectedWithoutTouchingTheRecord) {
   const int d = model.head_dim;
   std::vector<float> keys(3 * d, 1.0f);
   std::vector<float> record(writer.layout().record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   const std::vector<float> before = record;
   for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
     keys[2 * d + 5] = bad;
@@ -288,7 +288,7 @@ TEST_F(SummaryTest, KeysBeyondTheHalfRangeAreRejectedWhenQuestIsOn) {
   keys[d + 3] = -70000.0f;
   SummaryWriter writer(model, *phi);
   std::vector<float> record(writer.layout().record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   const std::vector<float> before = record;
   const absl::Status status = writer.Append(record, 1, 0, {keys.data(), DType::kFloat32, 2, d});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
@@ -297,7 +297,7 @@ TEST_F(SummaryTest, KeysBeyondTheHalfRangeAreRejectedWhenQuestIsOn) {
   model.features.quest = false;  // without quest the float sums take such keys
   SummaryWriter plain(model, *phi);
   std::vector<float> other(plain.layout().record_words);
-  plain.Reset(other);
+  EXPECT_TRUE(plain.Reset(other).ok());
   EXPECT_TRUE(plain.Append(other, 1, 0, {keys.data(), DType::kFloat32, 2, d}).ok());
 }
 
@@ -333,7 +333,7 @@ TEST_F(SummaryTest, SealFindsTheDominantDirectionOfLowRankKeys) {
     for (int i = 0; i < d; ++i) keys[t * d + i] += c * dir[i];
   }
   std::vector<float> record(s.record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   const KeyRows rows{keys.data(), DType::kFloat32, n, d};
   ASSERT_TRUE(writer.Append(record, 0, 0, rows).ok());
   ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());
@@ -353,7 +353,7 @@ TEST_F(SummaryTest, SealRejectsKeysThatAreNotTheRecordsAndAppendClearsThePair) {
   const int d = model.head_dim;
   const std::vector<float> keys = GaussianVector(rng_, 6 * d);
   std::vector<float> record(s.record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   ASSERT_TRUE(writer.Append(record, 0, 0, {keys.data(), DType::kFloat32, 5, d}).ok());
   EXPECT_EQ(writer.Seal(record, 0, 0, {keys.data(), DType::kFloat32, 4, d}).code(),
             absl::StatusCode::kInvalidArgument);
@@ -370,7 +370,7 @@ TEST_F(SummaryTest, SealOfZeroKeysLeavesNoPrincipalPair) {
   const SummaryLayout& s = writer.layout();
   std::vector<float> keys(4 * model.head_dim, 0.0f);
   std::vector<float> record(s.record_words);
-  writer.Reset(record);
+  EXPECT_TRUE(writer.Reset(record).ok());
   const KeyRows rows{keys.data(), DType::kFloat32, 4, 0};
   ASSERT_TRUE(writer.Append(record, 0, 0, rows).ok());
   ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());

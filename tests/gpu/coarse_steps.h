@@ -74,7 +74,7 @@ struct CoarseSteps {
             const KeyRows key_rows{keys.data() + begin * model.head_dim, DType::kFloat32, count,
                                    model.head_dim};
             const std::span<float> record = coarse->Record(coarse->SlotOf(r, c), layer, kvh);
-            writer.Reset(record);
+            EXPECT_TRUE(writer.Reset(record).ok());
             EXPECT_TRUE(writer.Append(record, layer, kvh, key_rows).ok());
             if (count == ct) {
               EXPECT_TRUE(writer.Seal(record, layer, kvh, key_rows).ok());

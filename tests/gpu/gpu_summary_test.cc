@@ -44,7 +44,9 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
   const int records = 12;
   std::vector<float> host(records * layout.record_words);
   for (int r = 0; r < records; ++r)
-    host_writer.Reset({host.data() + r * layout.record_words, size_t(layout.record_words)});
+    EXPECT_TRUE(
+        host_writer.Reset({host.data() + r * layout.record_words, size_t(layout.record_words)})
+            .ok());
   float* device = nullptr;
   ASSERT_EQ(cudaMalloc(&device, host.size() * 4), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);

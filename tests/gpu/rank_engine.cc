@@ -243,7 +243,7 @@ int Run(const Flags& flags, testing::RankBoard* board) {
       const int32_t slot = host.SlotOf(r, t / m.group_tokens());
       for (int layer = 0; layer < kLayers; ++layer) {
         for (int kvh = 0; kvh < kv; ++kvh) {
-          if (t % m.group_tokens() == 0) writer.Reset(host.Record(slot, layer, kvh));
+          if (t % m.group_tokens() == 0) (void)writer.Reset(host.Record(slot, layer, kvh));
           std::vector<float> key(kHeadDim);
           for (float& x : key) x = normal(rng);
           RANK_CHECK(writer

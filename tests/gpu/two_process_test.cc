@@ -166,7 +166,8 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
       for (float& x : new_keys) x = normal(rng);
       if (t % m.group_tokens() == 0) {  // a new group: both copies start empty
         for (int layer = 0; layer < 4; ++layer) {
-          for (int kvh = 0; kvh < 2; ++kvh) writer.Reset(host.Record(slot, layer, kvh));
+          for (int kvh = 0; kvh < 2; ++kvh)
+            EXPECT_TRUE(writer.Reset(host.Record(slot, layer, kvh)).ok());
         }
         upload(g.pool + slot * slot_words * 4, host.Record(slot, 0, 0).data(), slot_words * 4);
       }

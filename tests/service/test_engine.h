@@ -94,7 +94,7 @@ class TestEngine {
         for (int64_t p = 0, begin = 0; begin < tokens; ++p, begin += gt) {
           const int64_t count = std::min(gt, tokens - begin);
           auto record = buffers_->Record(buffers_->GroupRow(row)[p], layer, kvh);
-          writer_->Reset(record);
+          EXPECT_TRUE(writer_->Reset(record).ok());
           EXPECT_TRUE(writer_
                           ->Append(record, layer, kvh,
                                    {head.keys.data() + begin * d, DType::kFloat32, count, d})
@@ -104,7 +104,7 @@ class TestEngine {
         for (int64_t c = 0, begin = 0; ct > 0 && begin < tokens; ++c, begin += ct) {
           const int64_t count = std::min(ct, tokens - begin);
           auto record = buffers_->CoarseRecord(buffers_->CoarseRow(row)[c], layer, kvh);
-          writer_->Reset(record);
+          EXPECT_TRUE(writer_->Reset(record).ok());
           EXPECT_TRUE(writer_
                           ->Append(record, layer, kvh,
                                    {head.keys.data() + begin * d, DType::kFloat32, count, d})

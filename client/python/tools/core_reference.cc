@@ -94,7 +94,7 @@ int Summaries(char** argv) {
   };
   for (int64_t s = 0; s < slots; ++s) {
     for (int l = 0; l < model.num_layers; ++l) {
-      for (int h = 0; h < model.num_kv_heads; ++h) writer.Reset(record(s, l, h));
+      for (int h = 0; h < model.num_kv_heads; ++h) (void)writer.Reset(record(s, l, h));
     }
   }
   std::ifstream ops(argv[11]);

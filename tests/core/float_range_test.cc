@@ -1,0 +1,228 @@
+// Inputs at the edges of what core/ can take: records too short, a PhiBank that does not
+// serve the model, keys and queries whose sums would leave the float range, norms below
+// it (strict mode), and feedback entries no attention writes. Each is refused with a
+// message that names it, or handled without losing what the docs promise.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/select.h"
+#include "core/step.h"
+#include "core/summary.h"
+#include "gtest/gtest.h"
+
+namespace eps {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// One layer, one head, d = 8, one-token blocks and groups (a group per key).
+ModelLayout Tiny(SummaryFeatures features = {}) {
+  ModelLayout m;
+  m.num_layers = 1;
+  m.num_q_heads = 1;
+  m.num_kv_heads = 1;
+  m.head_dim = 8;
+  m.block_size = 1;
+  m.group_blocks = 1;
+  m.sketch_dim = 4;
+  m.features = features;
+  return m;
+}
+
+// A sequence of `groups` one-key groups at table row 0 (slot p = group p, block 100 + p).
+struct Sequence {
+  explicit Sequence(const ModelLayout& model, int64_t groups)
+      : m(model),
+        phi(*PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim)),
+        writer(m, phi),
+        layout(SummaryLayout::For(m)),
+        pool(groups * layout.record_words),
+        query(m.head_dim, 0.0f),
+        blocks(groups),
+        slots(groups),
+        visit(groups, -1) {
+    for (int64_t p = 0; p < groups; ++p) {
+      slots[p] = static_cast<int32_t>(p);
+      blocks[p] = static_cast<int32_t>(100 + p);
+      EXPECT_TRUE(writer.Reset(Record(p)).ok());
+    }
+    row = {.table_row = 0, .context_tokens = groups};
+  }
+  std::span<float> Record(int64_t p) {
+    return {pool.data() + p * layout.record_words, static_cast<size_t>(layout.record_words)};
+  }
+  absl::Status Append(int64_t p, const std::vector<float>& key) {
+    return writer.Append(Record(p), 0, 0, {key.data(), DType::kFloat32, 1, 0});
+  }
+  absl::Status Select(const SelectPolicy& policy) {
+    absl::StatusOr<PageSelector> selector = PageSelector::Create(m, phi);
+    if (!selector.ok()) return selector.status();
+    StepInputs in;
+    in.summary_pool = pool.data();
+    in.num_slots = static_cast<int64_t>(slots.size());
+    in.group_table = slots.data();
+    in.block_table = blocks.data();
+    in.max_seqs = 1;
+    in.max_groups = static_cast<int64_t>(slots.size());
+    in.max_blocks = static_cast<int64_t>(blocks.size());
+    in.queries = query.data();
+    in.max_batch = 1;
+    in.rows = {&row, 1};
+    if (!feedback.empty()) in.feedback = feedback.data();
+    return selector->Select(in, policy, {visit.data(), &count}, nullptr);
+  }
+  std::vector<int32_t> List() const { return {visit.begin(), visit.begin() + count}; }
+
+  ModelLayout m;
+  PhiBank phi;
+  SummaryWriter writer;
+  SummaryLayout layout;
+  std::vector<float> pool, query, feedback;
+  std::vector<int32_t> blocks, slots, visit;
+  int32_t count = -7;
+  StepRow row;
+};
+
+std::vector<float> Key(float first, int d = 8) {
+  std::vector<float> k(d, 0.0f);
+  k[0] = first;
+  return k;
+}
+
+TEST(FloatRangeTest, ResetRefusesARecordShorterThanTheLayoutAndTouchesNothing) {
+  const ModelLayout m = Tiny();
+  const PhiBank phi = *PhiBank::Create(m.phi_seed, 1, 1, m.head_dim, m.sketch_dim);
+  const SummaryWriter writer(m, phi);
+  std::vector<float> record(writer.layout().record_words, 5.0f);
+  const absl::Status s = writer.Reset(std::span<float>(record).first(4));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("record has 4 words"), std::string::npos) << s;
+  EXPECT_EQ(record, std::vector<float>(record.size(), 5.0f));
+}
+
+TEST(FloatRangeTest, APhiBankThatDoesNotServeTheModelIsRefusedBeforeAnyRead) {
+  ModelLayout m = Tiny();
+  m.num_layers = 4;
+  m.num_kv_heads = 2;
+  m.num_q_heads = 2;
+  const PhiBank small = *PhiBank::Create(m.phi_seed, 1, 1, m.head_dim, m.sketch_dim);
+  const absl::StatusOr<PageSelector> selector = PageSelector::Create(m, small);
+  ASSERT_FALSE(selector.ok());
+  EXPECT_NE(selector.status().message().find("layers=1, kv_heads=1"), std::string::npos)
+      << selector.status();
+  const SummaryWriter writer(m, small);
+  std::vector<float> record(writer.layout().record_words, 0.0f);
+  const std::vector<float> key = Key(1.0f);
+  EXPECT_EQ(writer.Append(record, 3, 1, {key.data(), DType::kFloat32, 1, 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(record, std::vector<float>(record.size(), 0.0f));
+  // A bank for more layers and KV heads serves it: its matrices are the same.
+  const PhiBank large = *PhiBank::Create(m.phi_seed, 8, 4, m.head_dim, m.sketch_dim);
+  EXPECT_TRUE(PageSelector::Create(m, large).ok());
+}
+
+TEST(FloatRangeTest, KeysWhoseSumsWouldLeaveTheFloatRangeAreRefusedBeforeTheRecordChanges) {
+  // quest8 alone takes keys beyond binary16: the sums are the limit.
+  Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = false, .quest8 = true}), 2);
+  const std::vector<float> before(seq.Record(0).begin(), seq.Record(0).end());
+  const absl::Status s = seq.Append(0, Key(1e20f));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("float range"), std::string::npos) << s;
+  EXPECT_EQ(std::vector<float>(seq.Record(0).begin(), seq.Record(0).end()), before);
+  // One large key fits; the record's sum of them is the limit, not each key.
+  ASSERT_TRUE(seq.Append(0, Key(5e18f)).ok());
+  EXPECT_EQ(seq.Append(0, Key(5e18f)).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(seq.Append(1, Key(1.0f)).ok());
+  EXPECT_TRUE(std::isfinite(seq.Record(0)[seq.layout.fro2]));
+  SelectPolicy policy;
+  policy.method = Method::kQuestClt;
+  policy.first_n = policy.last_n = 0;
+  policy.top_pages = 1;
+  seq.query[0] = 1.0f;
+  EXPECT_TRUE(seq.Select(policy).ok());
+}
+
+TEST(FloatRangeTest, AQueryBeyondTheRangeIsNamedAndNeverBlamedOnASummary) {
+  Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 3);
+  for (int64_t p = 0; p < 3; ++p) ASSERT_TRUE(seq.Append(p, std::vector<float>(8, 4.0f)).ok());
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  policy.top_pages = 1;
+  int overflows = 0;
+  for (Method method : {Method::kJl, Method::kQuest, Method::kQuestClt}) {
+    policy.method = method;
+    std::fill(seq.query.begin(), seq.query.end(), 1e20f);  // |q|^2 = 8e40
+    absl::Status s = seq.Select(policy);
+    EXPECT_NE(s.message().find("query[layer 0][row 0][head 0] has |q|^2"), std::string::npos)
+        << MethodName(method) << ": " << s;
+    std::fill(seq.query.begin(), seq.query.end(), 6e18f);  // |q|^2 in range, (q·k)^2 not
+    s = seq.Select(policy);
+    if (!s.ok()) {
+      ++overflows;
+      EXPECT_EQ(s.message().find("holds NaN"), std::string::npos)
+          << MethodName(method) << ": " << s;
+      EXPECT_NE(s.message().find("overflow the float range together"), std::string::npos) << s;
+    }
+  }
+  EXPECT_GT(overflows, 0);  // jl's squared sketch overflows at this scale
+}
+
+TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenSquaredNormsUnderflow) {
+  // Group 1's key gives the largest q·k; with q or the keys tiny their squares
+  // underflow, and the bounds built from them contradict the mean. Strict mode must
+  // still visit a superset of the true top-1.
+  for (const float q_scale : {1e-25f, 1.0f}) {
+    for (const float k_scale : {1.0f, 1e-25f}) {
+      if (q_scale != 1.0f && k_scale != 1.0f) continue;
+      Sequence seq(Tiny({.key_sum = true, .principal = true, .quest = false, .quest8 = false}), 4);
+      const float values[4] = {1.0f, 8.0f, 2.0f, 0.5f};
+      for (int64_t p = 0; p < 4; ++p) ASSERT_TRUE(seq.Append(p, Key(values[p] * k_scale)).ok());
+      seq.query[0] = q_scale;
+      SelectPolicy policy;
+      policy.strict = true;
+      policy.first_n = policy.last_n = 0;
+      policy.top_pages = 1;
+      ASSERT_TRUE(seq.Select(policy).ok());
+      const std::vector<int32_t> list = seq.List();
+      EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end())
+          << "q " << q_scale << ", keys " << k_scale << ": " << ::testing::PrintToString(list);
+    }
+  }
+}
+
+TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
+  // d = 4 (√d = 2): fed groups 1 and 2 as in the feedback tests; the entries of groups 0,
+  // 3 and 4 (±inf, beyond 1e30) must change nothing.
+  const std::vector<float> base = {10, 5, 7, 3, 4};
+  std::vector<float> want = base;
+  ApplyFeedback(std::vector<float>{kNaN, 1, 3, kNaN, kNaN}, 4, want);
+  std::vector<float> got = base;
+  ApplyFeedback(std::vector<float>{kInf, 1, 3, 3e38f, -kInf}, 4, got);
+  EXPECT_EQ(got, want);
+  EXPECT_FALSE(IsFeedback(kNaN) || IsFeedback(kInf) || IsFeedback(-kInf) || IsFeedback(2e30f));
+  EXPECT_TRUE(IsFeedback(-1e30f) && IsFeedback(0.0f) && IsFeedback(-12.5f));
+
+  // Through a step: an absurd entry leaves the list as without it.
+  Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 8);
+  for (int64_t p = 0; p < 8; ++p) ASSERT_TRUE(seq.Append(p, Key(p == 6 ? 3.0f : 0.1f * p)).ok());
+  seq.query[0] = 1.0f;
+  SelectPolicy policy;
+  policy.first_n = policy.last_n = 0;
+  policy.top_pages = 2;
+  seq.feedback.assign(8, kNaN);
+  seq.feedback[3] = 0.5f;
+  ASSERT_TRUE(seq.Select(policy).ok());
+  const std::vector<int32_t> clean = seq.List();
+  seq.feedback.assign(8, kNaN);
+  seq.feedback[3] = 0.5f;
+  seq.feedback[2] = 1e38f;
+  ASSERT_TRUE(seq.Select(policy).ok());
+  EXPECT_EQ(seq.List(), clean);
+}
+
+}  // namespace
+}  // namespace eps
