@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
+#include "gpu/device.h"
 #include "gpu/stream_ops.h"
 
 namespace eps::client {
@@ -44,6 +45,8 @@ DeviceBuffers::~DeviceBuffers() {
   if (host_done_ != nullptr) cudaFreeHost(host_done_);
   cudaFree(base_);
 }
+
+absl::StatusOr<std::string> DeviceBuffers::DeviceUuid() const { return gpu::DeviceUuid(device_); }
 
 v1::SharedBuffers DeviceBuffers::Descriptors() const {
   v1::MemoryDescriptor memory;

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "client/cpp/buffer_plan.h"
@@ -76,6 +77,9 @@ class DeviceBuffers {
 
   const BufferPlan& plan() const { return plan_; }
   int device() const { return device_; }
+  // The 16 bytes of the device's cudaDeviceProp.uuid, for AttachRequest.device_uuid
+  // (docs/api.md §3.7: a rank whose ordinals are not epsd's names its GPU by it).
+  absl::StatusOr<std::string> DeviceUuid() const;
 
  private:
   DeviceBuffers(BufferPlan plan, int device) : plan_(std::move(plan)), device_(device) {}

@@ -1,6 +1,7 @@
 #include "client/cpp/eps_client.h"
 
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <future>
 #include <mutex>
@@ -12,6 +13,12 @@
 #include "grpcpp/security/credentials.h"
 
 namespace eps::client {
+
+std::string DefaultTarget() {
+  const char* env = std::getenv("EPS_TARGET");
+  return env != nullptr && env[0] != '\0' ? env : "unix:///tmp/epsd.sock";
+}
+
 namespace {
 
 absl::Status FromGrpc(const grpc::Status& s) {

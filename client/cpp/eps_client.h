@@ -33,8 +33,12 @@
 
 namespace eps::client {
 
+// $EPS_TARGET when set (the deploy manifests set it to epsd's --listen), else
+// epsd's default listener, unix:///tmp/epsd.sock.
+std::string DefaultTarget();
+
 struct ClientOptions {
-  std::string target = "unix:///tmp/epsd.sock";
+  std::string target = DefaultTarget();
   std::chrono::microseconds deadline{2000};         // per SelectPages
   std::chrono::milliseconds attach_deadline{500};   // Attach, Detach, re-attach
   std::chrono::milliseconds reattach_backoff{100};  // between re-attach attempts

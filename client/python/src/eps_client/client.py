@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import secrets
 import threading
@@ -73,7 +74,10 @@ class ClientOptions:
     """How the client talks to epsd. The defaults come from measurements on a loaded
     2-core machine (docs/integration/python-client.md): a healthy epsd misses none."""
 
-    target: str = "unix:///tmp/epsd.sock"
+    # $EPS_TARGET when set (the deploy manifests set it to epsd's --listen), else epsd's
+    # default listener
+    target: str = field(default_factory=lambda: os.environ.get("EPS_TARGET") or
+                        "unix:///tmp/epsd.sock")
     deadline_s: float = 0.100  # per select_pages
     attach_deadline_s: float = 0.5  # attach, detach, heartbeat, re-attach
     reattach_backoff_s: float = 0.05  # between re-attach attempts
@@ -168,8 +172,11 @@ def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None
     """The AttachRequest that EpsClient sends (and re-sends on every re-attach).
 
     ``device_uuid``: the 16-byte CUDA UUID of the session's GPU, for a rank whose device
-    ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api.md §3.7)."""
+    ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api.md §3.7). Empty: the
+    buffers' own (``CudaBuffers.device_uuid``), if they have one."""
     layout = buffers.layout
+    if not device_uuid:
+        device_uuid = getattr(buffers, "device_uuid", b"") or b""
     request = pb.AttachRequest(
         engine_id=engine_id, layout=layout.model.to_proto(), buffers=buffers.descriptors(),
         max_batch=max_batch if max_batch is not None else layout.shape.max_batch,

@@ -72,6 +72,16 @@ class _Runtime:
             message = self.lib.cudaGetErrorString(rc).decode()
             raise CudaError(f"{call} failed: error {rc} ({message})")
 
+    def device_uuid(self, device: int) -> bytes:
+        """The 16-byte UUID of ``device`` (this process's ordinal), as epsd reads it
+        (cudaDeviceProp.uuid, which follows the 256-byte name in every CUDA version; the
+        buffer is far larger than the struct, whatever its version)."""
+        get = getattr(self.lib, "cudaGetDeviceProperties_v2", None) or \
+            self.lib.cudaGetDeviceProperties
+        props = ctypes.create_string_buffer(1 << 14)
+        self.check(get(props, ctypes.c_int(device)), f"cudaGetDeviceProperties({device})")
+        return props.raw[256:272]
+
 
 class CudaBuffers:
     """The shared buffers in one cudaMalloc region on ``device``, as torch tensors.
@@ -102,6 +112,9 @@ class CudaBuffers:
         handle = ctypes.create_string_buffer(_IPC_HANDLE_BYTES)
         self._rt.check(self._rt.lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
         self.ipc_handle = handle.raw
+        # The GPU's UUID: Attach names the device by it, so a rank started with
+        # CUDA_VISIBLE_DEVICES (whose ordinals are not epsd's) reaches the right one.
+        self.device_uuid = self._rt.device_uuid(device)
         for name, dims in self.layout.shapes.items():
             # flags are uint64 counters; torch sees them as int64 (same bits below 2^63).
             np_dtype = self.layout.dtypes[name]
