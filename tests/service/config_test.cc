@@ -120,6 +120,11 @@ TEST(ConfigTest, ListenTakesAUnixPathOrHostAndPortAndNamesItself) {
   }
 }
 
+TEST(ConfigTest, HelpStillChecksListenSoThatTheDeployFlagCheckCatchesIt) {
+  EXPECT_FALSE(ParseFlags({"--help", "--listen=localhost"}).ok());
+  EXPECT_FALSE(ParseFlags({"--listen=127.0.0.1:99999", "--help"}).ok());
+}
+
 TEST(ConfigTest, ListenRefusesUnixSchemesOtherThanSlashSlash) {
   for (const char* bad : {"unix:/tmp/x.sock", "unix:x.sock", "unix-abstract:epsd", "unix:123"}) {
     const auto parsed = ParseFlags({std::string("--listen=") + bad});
