@@ -58,6 +58,8 @@ std::string TypeHint(const absl::CommandLineFlag& flag) {
     return "want an integer";
   }
   if (flag.IsOfType<double>() || flag.IsOfType<float>()) return "want a number";
+  // abseil says nothing about why: most often a bare number, which needs a unit.
+  if (flag.IsOfType<absl::Duration>()) return "want a duration with a unit, like 5s or 200ms";
   return "not a valid value";
 }
 
@@ -85,7 +87,8 @@ bool AbslParseFlag(absl::string_view text, Size* out, std::string* error) {
   for (const auto& [suffix, factor] : {std::pair<absl::string_view, int64_t>{"k", int64_t{1} << 10},
                                        {"K", int64_t{1} << 10},
                                        {"M", int64_t{1} << 20},
-                                       {"G", int64_t{1} << 30}}) {
+                                       {"G", int64_t{1} << 30},
+                                       {"T", int64_t{1} << 40}}) {
     if (absl::ConsumeSuffix(&digits, suffix)) {
       scale = factor;
       break;
@@ -94,7 +97,7 @@ bool AbslParseFlag(absl::string_view text, Size* out, std::string* error) {
   int64_t n = 0;
   if (digits.empty() || !absl::SimpleAtoi(digits, &n) || n < 0 ||
       n > std::numeric_limits<int64_t>::max() / scale) {
-    *error = "want a non-negative integer with an optional k, M or G (powers of 1024)";
+    *error = "want a non-negative integer with an optional k, M, G or T (powers of 1024)";
     return false;
   }
   out->value = n * scale;
@@ -102,7 +105,8 @@ bool AbslParseFlag(absl::string_view text, Size* out, std::string* error) {
 }
 
 std::string AbslUnparseFlag(Size size) {
-  for (const auto& [suffix, shift] : {std::pair<const char*, int>{"G", 30}, {"M", 20}, {"k", 10}}) {
+  for (const auto& [suffix, shift] :
+       {std::pair<const char*, int>{"T", 40}, {"G", 30}, {"M", 20}, {"k", 10}}) {
     const int64_t unit = int64_t{1} << shift;
     if (size.value != 0 && size.value % unit == 0) return absl::StrCat(size.value / unit, suffix);
   }
@@ -196,11 +200,12 @@ std::string Usage(absl::string_view synopsis) {
   for (const auto& [old_name, name] : Aliases()) {
     absl::StrAppend(&out, "  --", old_name, "  (the older name of --", name, ")\n");
   }
-  absl::StrAppend(&out,
-                  "  --help      this text\n"
-                  "  --version   print the version and exit\n"
-                  "Sizes take k, M, G (powers of 1024); durations a unit (500us, 2ms, 1.5s), and\n"
-                  "flags named *-ms or *-us also a bare number in that unit.\n");
+  absl::StrAppend(
+      &out,
+      "  --help      this text\n"
+      "  --version   print the version and exit\n"
+      "Sizes take k, M, G, T (powers of 1024); durations a unit (500us, 2ms, 1.5s), and\n"
+      "flags named *-ms or *-us also a bare number in that unit.\n");
   return out;
 }
 
@@ -231,6 +236,33 @@ int BadFlag(absl::string_view program, const absl::Status& error) {
 
 std::string VersionLine(absl::string_view program) {
   return absl::StrCat(program, " ", EPS_VERSION);
+}
+
+bool IsHostPort(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return false;
+  absl::string_view host = address.substr(0, colon);
+  const absl::string_view port = address.substr(colon + 1);
+  int number = -1;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return absl::ascii_isdigit(c); }) ||
+      !absl::SimpleAtoi(port, &number) || number > 65535) {
+    return false;
+  }
+  if (absl::ConsumePrefix(&host, "[")) {
+    // An IPv6 literal: hex digits, colons, dots (an embedded IPv4 address).
+    if (!absl::ConsumeSuffix(&host, "]") || host.empty()) return false;
+    return std::all_of(host.begin(), host.end(),
+                       [](char c) { return absl::ascii_isxdigit(c) || c == ':' || c == '.'; });
+  }
+  // A host name or IPv4 address; gRPC would read "unix:x" or "dns:x" as a URI, so the
+  // names of its schemes are not host names here.
+  for (absl::string_view scheme : {"unix", "unix-abstract", "vsock", "dns", "ipv4", "ipv6"}) {
+    if (host == scheme) return false;
+  }
+  return !host.empty() && std::all_of(host.begin(), host.end(), [](char c) {
+    return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_';
+  });
 }
 
 absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {

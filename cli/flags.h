@@ -3,7 +3,7 @@
 // one file per binary, parsed strictly by ParseArgs, with one set of value types so
 // that a flag means the same thing in every binary (docs/cli.md).
 //
-//   sizes      Size: 32768, 32k, 64M, 1G (k, M, G are powers of 1024)
+//   sizes      Size: 32768, 32k, 64M, 1G, 1T (k, M, G, T are powers of 1024)
 //   durations  absl::Duration: 2ms, 500us, 1.5s, 10m (a unit is required, except 0);
 //              Millis / Micros: the same, and a bare number is read in the unit the
 //              flag's name carries (--lease-ms=500 or --lease-ms=2s)
@@ -92,6 +92,11 @@ std::string DisplayName(const absl::CommandLineFlag& flag);
 // "<program> <project version>", what --version prints.
 std::string VersionLine(absl::string_view program);
 
+// True for host:port as the binaries listen on or dial it: a host name, an IPv4 address
+// or a bracketed IPv6 address ("[::1]"), a colon, and a port of digits only in [0, 65535]
+// (0: any). "localhost", "h:", "h:99999", "h:abc" and gRPC URIs ("unix:p", "dns:h") are not.
+bool IsHostPort(absl::string_view address);
+
 // "--name=<current value>: want <want>", for a value that parsed but is out of range.
 absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want);
 
@@ -116,7 +121,10 @@ template <typename U>
 absl::Status ReadInRange(const absl::Flag<Size>& flag, U lo, U hi, U* out) {
   const int64_t value = absl::GetFlag(flag).value;
   if (value < static_cast<int64_t>(lo) || value > static_cast<int64_t>(hi)) {
-    return Invalid(flag, absl::StrCat("a size in [", lo, ", ", hi, "]"));
+    return Invalid(
+        flag, absl::StrCat("a size in [", AbslUnparseFlag(Size{static_cast<int64_t>(lo)}), ", ",
+                           AbslUnparseFlag(Size{static_cast<int64_t>(hi)}),
+                           "] (k, M, G, T are powers of 1024)"));
   }
   *out = static_cast<U>(value);
   return absl::OkStatus();

@@ -4,6 +4,10 @@
 // model from synthetic keys (RoPE, outlier channels, drift, sinks, needles),
 // runs one decode step's selection with each method, and prints the groups
 // visited and the softmax attention mass those groups hold (recall).
+//
+// exit: 0 done; 1 an error (out of memory included); 2 bad usage.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -25,7 +29,7 @@
 ABSL_FLAG(eps::cli::Size, context, {32768}, "tokens per sequence (16k, 32k, ...)");
 ABSL_FLAG(eps::cli::Size, batch, {2}, "sequences, in [1, 4k]");
 ABSL_FLAG(uint64_t, seed, 7, "synthetic keys");
-ABSL_FLAG(int, eps_top_pages, 64, "top_pages M");
+ABSL_FLAG(int, eps_top_pages, 64, "top_pages M, in [1, 2^30]");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
 ABSL_FLAG(int, eps_group_blocks, 2, "blocks per summary group g, in [1, 1024]");
@@ -48,6 +52,37 @@ struct Args {
   int group_blocks = 0;
 };
 
+eps::ModelLayout ModelFor(const Args& a) {
+  eps::ModelLayout model = eps::testing::DemoModel();
+  model.sketch_dim = a.sketch_dim;
+  model.group_blocks = a.group_blocks;
+  return model;
+}
+
+// What the run will hold, against this machine's memory: the summary pool, the
+// attention mass per (row, layer, q head, block), and one head's synthetic keys at a
+// time. A run that cannot fit is refused here rather than ending in std::bad_alloc.
+absl::Status CheckMemory(const Args& a) {
+  const eps::ModelLayout model = ModelFor(a);
+  const double rows = a.batch;
+  const double pool = rows * static_cast<double>(eps::GroupsFor(a.context, model)) *
+                      model.num_layers * model.num_kv_heads *
+                      static_cast<double>(eps::SummaryLayout::For(model).record_bytes());
+  const double mass = rows * model.num_layers * model.num_q_heads *
+                      static_cast<double>(eps::BlocksFor(a.context, model.block_size)) *
+                      sizeof(double);
+  const double keys = 2.0 * static_cast<double>(a.context) * model.head_dim * sizeof(float);
+  const double need = pool + mass + keys;
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (need > have) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--batch=%d with --context=%d needs about %.0f bytes (%.1f GiB), more than this "
+        "machine's %.1f GiB of memory",
+        a.batch, a.context, need, need / (1 << 30), have / (1 << 30)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Args> ReadFlags() {
   Args a;
   RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));
@@ -59,22 +94,13 @@ absl::StatusOr<Args> ReadFlags() {
   a.alpha = static_cast<float>(alpha);
   RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_dim, 1, 64, &a.sketch_dim));
   RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &a.group_blocks));
+  RETURN_IF_ERROR(CheckMemory(a));
   return a;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::StatusOr<Args> read;
-  const int done = eps::cli::ParseMain(argc, argv, "eps_core_demo", "eps_core_demo [flags]", [&] {
-    read = ReadFlags();
-    return read.status();
-  });
-  if (done >= 0) return done;
-  const Args& args = *read;
-  eps::ModelLayout model = eps::testing::DemoModel();
-  model.sketch_dim = args.sketch_dim;
-  model.group_blocks = args.group_blocks;
+// The whole run; main catches a std::bad_alloc from it.
+int Run(const Args& args) {
+  const eps::ModelLayout model = ModelFor(args);
   auto phi = eps::PhiBank::Create(model.phi_seed, model.num_layers, model.num_kv_heads,
                                   model.head_dim, model.sketch_dim);
   auto selector = eps::PageSelector::Create(model, *phi);
@@ -190,4 +216,22 @@ int main(int argc, char** argv) {
         100.0 * stats.kv_bytes_read_est / stats.kv_bytes_dense, recall_sum / heads, recall_min);
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::StatusOr<Args> read;
+  const int done = eps::cli::ParseMain(argc, argv, "eps_core_demo", "eps_core_demo [flags]", [&] {
+    read = ReadFlags();
+    return read.status();
+  });
+  if (done >= 0) return done;
+  try {
+    return Run(*read);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "eps_core_demo: out of memory (--batch=%d, --context=%lld)\n", read->batch,
+                 static_cast<long long>(read->context));
+    return 1;
+  }
 }

@@ -6,8 +6,16 @@
 // sequence (summary update, seal when a group fills, block table growth),
 // writes the queries, calls SelectPages, and measures the softmax attention
 // mass of the visited blocks against dense attention.
+//
+// exit: 0 done; 1 an error (out of memory included); 2 bad usage; 130 / 143 stopped by
+// SIGINT / SIGTERM (the step loop ends, the session is detached, the shared-memory
+// buffers are removed).
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
@@ -19,9 +27,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cli/flags.h"
+#include "client/cpp/buffer_plan.h"
 #include "client/cpp/engine_buffers.h"
 #include "client/cpp/eps_client.h"
 #include "core/layout.h"
@@ -44,6 +55,10 @@ ABSL_FLAG(eps::cli::Millis, pace_ms, {absl::ZeroDuration()},
 
 namespace {
 
+// The signal that asked the step loop to stop, or 0 (lock-free: set from a handler).
+std::atomic<int> stop_signal{0};
+extern "C" void RequestStop(int signal) { stop_signal.store(signal); }
+
 // The same names, types and units as eps-load's flags (docs/cli.md).
 struct Args {
   std::string target;
@@ -55,6 +70,42 @@ struct Args {
   uint64_t seed = 0;
   absl::Duration pace;  // sleep between steps, like a real decode cadence
 };
+
+eps::client::BufferShape ShapeFor(const Args& a, const eps::ModelLayout& model) {
+  eps::client::BufferShape shape;
+  const int64_t max_context = a.context + a.steps;
+  shape.max_seqs = a.batch;
+  shape.max_context = max_context;
+  shape.max_batch = a.batch;
+  shape.num_slots = a.batch * eps::GroupsFor(max_context, model);
+  return shape;
+}
+
+// What the run will hold, against this machine's memory: the synthetic keys of every
+// (row, layer, kv head) for context + steps tokens, and the shared buffers. A run that
+// cannot fit is refused here rather than ending in std::bad_alloc.
+absl::Status CheckMemory(const Args& a) {
+  const eps::ModelLayout model = eps::testing::DemoModel();
+  const int64_t tokens = a.context + a.steps;
+  absl::StatusOr<eps::client::BufferPlan> plan =
+      eps::client::BufferPlan::For(model, ShapeFor(a, model));
+  if (!plan.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--batch=", a.batch, ", --context=", a.context,
+                                                   ", --steps=", a.steps, ": ",
+                                                   plan.status().message()));
+  }
+  const double keys = static_cast<double>(a.batch) * model.num_layers * model.num_kv_heads *
+                      tokens * model.head_dim * sizeof(float);
+  const double need = keys + static_cast<double>(plan->size);
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (need > have) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--batch=%d with --context=%d and --steps=%d needs about %.0f bytes (%.1f GiB), more "
+        "than this machine's %.1f GiB of memory",
+        a.batch, a.context, a.steps, need, need / (1 << 30), have / (1 << 30)));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Args> ReadFlags() {
   Args a;
@@ -71,30 +122,18 @@ absl::StatusOr<Args> ReadFlags() {
   a.seed = absl::GetFlag(FLAGS_seed);
   RETURN_IF_ERROR(
       eps::cli::ReadDuration(FLAGS_pace_ms, absl::ZeroDuration(), absl::Hours(1), &a.pace));
+  RETURN_IF_ERROR(CheckMemory(a));
   return a;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::StatusOr<Args> read;
-  const int done = eps::cli::ParseMain(argc, argv, "eps-demo", "eps-demo [flags]", [&] {
-    read = ReadFlags();
-    return read.status();
-  });
-  if (done >= 0) return done;
-  const Args& args = *read;
+// The whole run; every buffer it allocates is released on the way out, a
+// std::bad_alloc included (main catches it).
+int Run(const Args& args) {
   eps::ModelLayout model = eps::testing::DemoModel();
   const int d = model.head_dim, ratio = model.gqa_ratio();
   const int64_t gt = model.group_tokens();
   const int64_t max_context = args.context + args.steps;
-
-  eps::client::BufferShape shape;
-  shape.max_seqs = args.batch;
-  shape.max_context = max_context;
-  shape.max_batch = args.batch;
-  shape.num_slots = args.batch * eps::GroupsFor(max_context, model);
-  auto buffers = eps::client::EngineBuffers::Create(model, shape, "demo");
+  auto buffers = eps::client::EngineBuffers::Create(model, ShapeFor(args, model), "demo");
   if (!buffers.ok()) {
     std::fprintf(stderr, "eps-demo: %s\n", buffers.status().ToString().c_str());
     return 1;
@@ -192,7 +231,9 @@ int main(int argc, char** argv) {
   std::normal_distribution<float> noise(0.0f, 0.05f);
   double recall_all = 0, rtt_all = 0;
   int recall_n = 0;
-  for (int step = 1; step <= args.steps; ++step) {
+  int steps = 0;
+  for (int step = 1; step <= args.steps && stop_signal.load() == 0; ++step) {
+    ++steps;
     if (args.pace > absl::ZeroDuration()) absl::SleepFor(args.pace);
     const int64_t ctx = args.context + step;  // the new token is in the cache
     std::vector<eps::v1::BatchRow> rows;
@@ -260,8 +301,41 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(c.fallback_deadline),
       static_cast<unsigned long long>(c.fallback_unavailable),
       static_cast<unsigned long long>(c.fallback_not_attached),
-      static_cast<unsigned long long>(c.fallback_error), recall_all / recall_n,
-      rtt_all / args.steps);
+      static_cast<unsigned long long>(c.fallback_error), recall_n > 0 ? recall_all / recall_n : 0.0,
+      steps > 0 ? rtt_all / steps : 0.0);
   (void)client.Detach();
+  if (const int signal = stop_signal.load(); signal != 0) {
+    std::fprintf(stderr, "eps-demo: stopped by signal %d after %d steps\n", signal, steps);
+    return 128 + signal;
+  }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::StatusOr<Args> read;
+  const int done = eps::cli::ParseMain(argc, argv, "eps-demo", "eps-demo [flags]", [&] {
+    read = ReadFlags();
+    return read.status();
+  });
+  if (done >= 0) return done;
+  // SIGINT / SIGTERM end the step loop; Run then detaches and its buffers' destructors
+  // remove the shared-memory objects (a killed demo would leave them in /dev/shm).
+  struct sigaction action {};
+  action.sa_handler = RequestStop;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  try {
+    const int code = Run(*read);
+    std::fflush(stdout);
+    return code;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "eps-demo: out of memory (--batch=%d, --context=%lld, --steps=%d); the buffers "
+                 "are released\n",
+                 read->batch, static_cast<long long>(read->context), read->steps);
+    return 1;
+  }
 }

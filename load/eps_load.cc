@@ -5,8 +5,10 @@
 // Exit status: 0 when every measured call succeeded, 3 when some failed or
 // were never sent (the report says which), 2 for bad flags, 1 when the run could not be set up.
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -41,6 +43,17 @@ int main(int argc, char** argv) {
     std::printf("%s\n", eps::cli::VersionLine("eps-load").c_str());
     return 0;
   }
+  // The report's file is created now: a path that cannot be written is a bad command
+  // line, found before the run rather than after it.
+  std::ofstream json;
+  if (!config->json_path.empty()) {
+    json.open(config->json_path, std::ios::out | std::ios::trunc);
+    if (!json) {
+      std::fprintf(stderr, "eps-load: --json=%s: cannot create it: %s\n", config->json_path.c_str(),
+                   std::strerror(errno));
+      return 2;
+    }
+  }
   // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
   // destructors remove the shared-memory objects (a killed run would leave them).
   struct sigaction action {};
@@ -50,9 +63,15 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &action, nullptr);
   std::optional<eps::load::FloorResult> floor;
   if (config->floor_calls > 0) {
-    auto measured = eps::load::MeasureFloor(*config);
+    std::fprintf(stderr, "eps-load: measuring the RPC floor (%d rounds)\n", config->floor_calls);
+    auto measured = eps::load::MeasureFloor(*config, &stop_requested);
     if (!measured.ok()) {
       std::fprintf(stderr, "eps-load: %s\n", measured.status().ToString().c_str());
+      return 1;
+    }
+    // No load has run yet: there is nothing to report (docs/cli.md, exit codes).
+    if (measured->stopped) {
+      std::fprintf(stderr, "eps-load: stopped by a signal while measuring the RPC floor\n");
       return 1;
     }
     floor = *std::move(measured);
@@ -65,10 +84,9 @@ int main(int argc, char** argv) {
   result->floor = std::move(floor);
   eps::load::PrintTable(*config, *result, stdout);
   if (!config->json_path.empty()) {
-    std::ofstream out(config->json_path);
-    out << eps::load::ToJson(*config, *result);
-    out.close();
-    if (!out) {
+    json << eps::load::ToJson(*config, *result);
+    json.close();
+    if (!json) {
       std::fprintf(stderr, "eps-load: cannot write %s\n", config->json_path.c_str());
       return 1;
     }

@@ -113,7 +113,7 @@ absl::Status CallbackPing(v1::PageSelector::Stub& stub, std::chrono::microsecond
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config) {
+absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::atomic<bool>* stop) {
   FloorResult result;
   const bool unix_socket = absl::StartsWith(config.target, "unix:");
   const std::string socket_path = absl::StrCat("/tmp/eps-load-floor-", getpid(), ".sock");
@@ -167,6 +167,10 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config) {
                         {epsd.get(), SyncPing, &result.ping_sync}};
   const int warmup = std::max(10, config.floor_calls / 10);
   for (int round = -warmup; round < config.floor_calls; ++round) {
+    if (stop != nullptr && stop->load()) {
+      result.stopped = true;
+      break;
+    }
     for (const Kind& kind : kinds) {
       const Clock::time_point start = Clock::now();
       const absl::Status status = kind.call(*kind.stub, config.deadline);

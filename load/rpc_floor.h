@@ -11,6 +11,7 @@
 // through the callback API (as EpsClient calls) and through the synchronous stub.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <string>
 
@@ -27,11 +28,15 @@ struct FloorResult {
   LatencySamples floor_callback, floor_sync;  // minimal server
   LatencySamples ping_callback, ping_sync;    // epsd's Ping
   uint64_t errors = 0;                        // failed calls (not recorded)
+  bool stopped = false;                       // *stop was set before the last round
 };
 
 // config.floor_calls measured rounds after a tenth as many unrecorded ones. With the
 // server in a child process, call it before this process uses gRPC (it forks).
-absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config);
+// Setting `*stop` (e.g. from a signal handler) ends the rounds before the next one;
+// `stopped` then says so and the samples cover the rounds run.
+absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config,
+                                         const std::atomic<bool>* stop = nullptr);
 
 // A unary Ping through the callback API, waited for on a condition variable as
 // EpsClient waits for its unary calls. gRPC enforces the deadline and always runs

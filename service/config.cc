@@ -1,9 +1,10 @@
 #include "service/config.h"
 
-#include <cstdlib>
+#include <sys/un.h>
+
+#include <algorithm>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cli/flags.h"
 #include "core/status.h"
@@ -35,13 +36,49 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
     out->clear();
     return absl::OkStatus();
   }
-  const size_t colon = v.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(v.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
+  if (!cli::IsHostPort(v))
     return cli::Invalid(flag, "host:port (port in [0, 65535]), empty or off");
+  *out = v;
+  return absl::OkStatus();
+}
+
+// --listen: unix:///path (a path that fits a socket address) or host:port. gRPC's other
+// spellings (unix:path, unix-abstract:name, dns:...) are refused: epsd binds and removes
+// the socket file itself, by path (docs/cli.md).
+absl::Status ReadListen(std::string* out) {
+  const std::string v = absl::GetFlag(FLAGS_listen);
+  if (absl::StartsWith(v, "unix://")) {
+    const std::string path = v.substr(7);
+    if (path.empty()) return cli::Invalid(FLAGS_listen, "unix:///path: a path after unix://");
+    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+      return cli::Invalid(
+          FLAGS_listen, absl::StrCat("a socket path of at most ", sizeof(sockaddr_un::sun_path) - 1,
+                                     " bytes (this one has ", path.size(), ")"));
+    }
+    *out = v;
+    return absl::OkStatus();
+  }
+  if (!cli::IsHostPort(v)) {
+    return cli::Invalid(FLAGS_listen,
+                        "unix:///path or host:port with a port in [0, 65535] (unix:path and "
+                        "unix-abstract: are not supported)");
   }
   *out = v;
+  return absl::OkStatus();
+}
+
+// Octal digits only (no sign, no spaces, no 0x), at most 0777.
+absl::Status ReadSocketMode(uint32_t* out) {
+  const std::string mode = absl::GetFlag(FLAGS_socket_mode);
+  const bool octal = !mode.empty() && std::all_of(mode.begin(), mode.end(),
+                                                  [](char c) { return c >= '0' && c <= '7'; });
+  uint32_t parsed = 0;
+  for (char c : mode) {
+    if (parsed > 0777) break;  // out of range already; no overflow from a long string
+    parsed = parsed * 8 + static_cast<uint32_t>(c - '0');
+  }
+  if (!octal || parsed > 0777) return cli::Invalid(FLAGS_socket_mode, "octal digits, at most 0777");
+  *out = parsed;
   return absl::OkStatus();
 }
 
@@ -50,18 +87,9 @@ uint32_t Ms(absl::Duration d) { return static_cast<uint32_t>(absl::ToInt64Millis
 // Reads the process's flags into a config, checking every range.
 absl::StatusOr<ServerConfig> ReadFlags() {
   ServerConfig c;
-  c.listen = absl::GetFlag(FLAGS_listen);
-  if (c.listen.empty()) return cli::Invalid(FLAGS_listen, "unix:///path or host:port");
+  RETURN_IF_ERROR(ReadListen(&c.listen));
   c.allow_remote = absl::GetFlag(FLAGS_allow_remote);
-  {
-    const std::string mode = absl::GetFlag(FLAGS_socket_mode);
-    char* end = nullptr;
-    const unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
-    if (mode.empty() || *end != '\0' || parsed > 0777) {
-      return cli::Invalid(FLAGS_socket_mode, "octal <= 0777");
-    }
-    c.socket_mode = static_cast<uint32_t>(parsed);
-  }
+  RETURN_IF_ERROR(ReadSocketMode(&c.socket_mode));
   RETURN_IF_ERROR(ReadHostPort(FLAGS_metrics_listen, &c.metrics_listen));
   RETURN_IF_ERROR(ReadHostPort(FLAGS_health_listen, &c.health_listen));
   RETURN_IF_ERROR(ReadChoice<BackendKind>(
@@ -149,6 +177,12 @@ absl::Status CheckListenAddress(const std::string& flag, const std::string& addr
       return absl::InvalidArgumentError(absl::StrCat("--", flag, "=unix:// needs a path"));
     }
     return absl::OkStatus();
+  }
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", address,
+                     ": want unix:///path (unix:path and unix-abstract: are not "
+                     "supported)"));
   }
   if (allow_remote) return absl::OkStatus();
   const size_t colon = address.rfind(':');

@@ -4,10 +4,12 @@
 #include "absl/flags/flag.h"
 
 ABSL_FLAG(std::string, listen, "unix:///tmp/epsd.sock",
-          "the gRPC API: unix:///path, or host:port (loopback unless --allow-remote)");
+          "the gRPC API: unix:///path (at most 107 bytes), or host:port with a port in [0, 65535] "
+          "(0: any; loopback unless --allow-remote); unix:path and unix-abstract: are refused");
 ABSL_FLAG(bool, allow_remote, false,
           "let --listen, --metrics-listen and --health-listen bind a non-loopback address");
-ABSL_FLAG(std::string, socket_mode, "0660", "octal file mode of the Unix socket");
+ABSL_FLAG(std::string, socket_mode, "0660",
+          "file mode of the Unix socket: octal digits, at most 0777");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "host:port of the Prometheus /metrics endpoint (port 0 picks one; off or empty: not "
           "served; loopback unless --allow-remote)");
@@ -25,9 +27,9 @@ ABSL_FLAG(
 ABSL_FLAG(int, eps_dim, 8, "sketch dimension m, in [1, 64]");
 ABSL_FLAG(int, eps_group_blocks, 2, "blocks per summary group g, in [1, 1024]");
 ABSL_FLAG(double, eps_alpha, 1.0, "visit groups scoring >= T/alpha, in [1, 1e6]");
-ABSL_FLAG(int, eps_first_n, 1, "attention-sink groups always visited");
-ABSL_FLAG(int, eps_last_n, 2, "recent groups always visited, the newest among them");
-ABSL_FLAG(int, eps_top_pages, 64, "top_pages M");
+ABSL_FLAG(int, eps_first_n, 1, "attention-sink groups always visited, in [0, 2^30]");
+ABSL_FLAG(int, eps_last_n, 2, "recent groups always visited, the newest among them, in [0, 2^30]");
+ABSL_FLAG(int, eps_top_pages, 64, "top_pages M, in [1, 2^30]");
 ABSL_FLAG(std::string, eps_heads, "all", "all | retrieval");
 ABSL_FLAG(bool, eps_strict, false, "guarantee a superset of the true top-M");
 ABSL_FLAG(std::string, eps_budget, "threshold", "threshold | fixed | top_p | mass");
@@ -40,9 +42,11 @@ ABSL_FLAG(double, eps_mass_temperature, 1.0,
           "calibration temperature of the mass estimate with --eps-budget=mass, in (0, 1000]");
 ABSL_FLAG(int, eps_min_pages, 0,
           "with --eps-budget=mass: unforced groups always kept per head (per list with "
-          "--eps-mass-scope=list)");
-ABSL_FLAG(int, eps_max_pages, 0,
-          "with --eps-budget=mass: unforced groups kept per head (list) at most (0: no ceiling)");
+          "--eps-mass-scope=list), in [0, 2^30]");
+ABSL_FLAG(
+    int, eps_max_pages, 0,
+    "with --eps-budget=mass: unforced groups kept per head (list) at most (0: no ceiling), in "
+    "[0, 2^30]");
 ABSL_FLAG(std::string, eps_mass_scope, "head",
           "with --eps-budget=mass: head (every head reaches p of its own mass) | list (the list "
           "reaches p of its heads' mean mass; fewer groups)");

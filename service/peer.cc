@@ -4,8 +4,6 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -44,30 +42,11 @@ Peer PeerTable::Lookup(std::string_view grpc_peer) const {
   return it == by_fd_.end() ? Peer{} : it->second;
 }
 
-absl::StatusOr<std::unique_ptr<UnixAcceptor>> UnixAcceptor::Start(const std::string& path,
-                                                                  uint32_t mode,
+absl::StatusOr<std::unique_ptr<UnixAcceptor>> UnixAcceptor::Start(int listen_fd,
                                                                   grpc::Server& server,
                                                                   PeerTable& peers) {
   auto acceptor = std::unique_ptr<UnixAcceptor>(new UnixAcceptor());
-  sockaddr_un address{};
-  if (path.size() >= sizeof(address.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("--listen=unix://", path, " is too long"));
-  }
-  address.sun_family = AF_UNIX;
-  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
-  acceptor->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (acceptor->listen_fd_ < 0) {
-    return absl::InternalError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
-  }
-  if (bind(acceptor->listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    return absl::UnavailableError(absl::StrCat("bind ", path, ": ", std::strerror(errno)));
-  }
-  if (chmod(path.c_str(), mode) != 0) {
-    return absl::InternalError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
-  }
-  if (listen(acceptor->listen_fd_, SOMAXCONN) != 0) {
-    return absl::UnavailableError(absl::StrCat("listen ", path, ": ", std::strerror(errno)));
-  }
+  acceptor->listen_fd_ = listen_fd;
   acceptor->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (acceptor->wake_fd_ < 0) {
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
@@ -131,7 +110,6 @@ void UnixAcceptor::Stop() {
 
 UnixAcceptor::~UnixAcceptor() {
   Stop();
-  if (listen_fd_ >= 0) close(listen_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
 }
 

@@ -49,13 +49,13 @@ class PeerTable {
   std::map<int, Peer> by_fd_ ABSL_GUARDED_BY(mu_);
 };
 
-// Listens on a Unix socket path and gives every connection, with its
+// Accepts on a listening Unix socket and gives every connection, with its
 // credentials recorded in `peers`, to a running gRPC server.
 class UnixAcceptor {
  public:
-  // Binds `path` (which must not exist), sets its file mode and starts accepting.
-  static absl::StatusOr<std::unique_ptr<UnixAcceptor>> Start(const std::string& path, uint32_t mode,
-                                                             grpc::Server& server,
+  // Starts accepting on `listen_fd` (non-blocking, listening; borrowed: it must outlive
+  // the acceptor, which ListeningUnixSocket in service/unix_socket.h provides).
+  static absl::StatusOr<std::unique_ptr<UnixAcceptor>> Start(int listen_fd, grpc::Server& server,
                                                              PeerTable& peers);
   ~UnixAcceptor();  // Stop()
   // Stops accepting new connections (those accepted stay with gRPC).
@@ -65,8 +65,8 @@ class UnixAcceptor {
   UnixAcceptor() = default;
   void Loop(grpc::Server& server, PeerTable& peers);
 
-  int listen_fd_ = -1;
-  int wake_fd_ = -1;  // eventfd: Stop() wakes the loop's poll
+  int listen_fd_ = -1;  // borrowed
+  int wake_fd_ = -1;    // eventfd: Stop() wakes the loop's poll
   std::thread thread_;
 };
 

@@ -1,13 +1,6 @@
 #include "service/server.h"
 
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -18,22 +11,6 @@
 #include "grpcpp/server_builder.h"
 
 namespace eps::service {
-namespace {
-
-// True when something accepts connections on the Unix socket at `path`.
-bool SocketIsLive(const std::string& path) {
-  sockaddr_un address{};
-  if (path.size() >= sizeof(address.sun_path)) return false;
-  address.sun_family = AF_UNIX;
-  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  const bool live = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
-  close(fd);
-  return live;
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& config) {
   if (absl::Status s = CheckListeners(config); !s.ok()) return s;
@@ -42,15 +19,12 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   server->sessions_ = std::make_unique<SessionService>(config);
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
-    const std::string path = config.listen.substr(7);
-    if (SocketIsLive(path)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("another server is listening on ", path, "; not taking it over"));
-    }
-    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot remove stale socket ", path, ": ", std::strerror(errno)));
-    }
+    // Bound first (connections wait in its backlog until the acceptor starts), and owned
+    // from here on: only this server removes it, whichever later step fails.
+    absl::StatusOr<std::unique_ptr<ListeningUnixSocket>> socket =
+        ListeningUnixSocket::Bind(config.listen.substr(7), config.socket_mode);
+    if (!socket.ok()) return socket.status();
+    server->socket_ = *std::move(socket);
   }
   // After the socket check: a second epsd on a live socket must say so, not fail on the port.
   SessionService* sessions = server->sessions_.get();
@@ -81,7 +55,9 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+    // gRPC has logged why; the likeliest cause is a port another process holds.
+    return absl::UnavailableError(
+        absl::StrCat("--listen=", config.listen, ": could not bind it (is the port in use?)"));
   }
   if (auto* health = server->server_->GetHealthCheckService()) {
     health->SetServingStatus(v1::PageSelector::service_full_name(), true);
@@ -95,8 +71,8 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
     server->bound_address_ = absl::StrCat(config.listen.substr(0, colon), ":", port);
   }
   if (is_unix) {
-    absl::StatusOr<std::unique_ptr<UnixAcceptor>> acceptor = UnixAcceptor::Start(
-        config.listen.substr(7), config.socket_mode, *server->server_, server->peers_);
+    absl::StatusOr<std::unique_ptr<UnixAcceptor>> acceptor =
+        UnixAcceptor::Start(server->socket_->fd(), *server->server_, server->peers_);
     if (!acceptor.ok()) return acceptor.status();
     server->acceptor_ = *std::move(acceptor);
   }
@@ -126,8 +102,8 @@ absl::Status EpsServer::StartHealthListener() {
   builder.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &port);
   health_server_ = builder.BuildAndStart();
   if (health_server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("--health-listen=", config_.health_listen, ": cannot listen"));
+    return absl::UnavailableError(absl::StrCat("--health-listen=", config_.health_listen,
+                                               ": could not bind it (is the port in use?)"));
   }
   if (auto* health = health_server_->GetHealthCheckService()) {
     health->SetServingStatus(v1::PageSelector::service_full_name(), true);
@@ -160,11 +136,7 @@ EpsServer::~EpsServer() {
   // No call is running now: send the spans still queued, for at most 2 s (a dead collector
   // must not hold up the exit).
   if (telemetry_ != nullptr) telemetry_->Shutdown(std::chrono::milliseconds(2000));
-  // Only a server that bound the socket removes it: a refused start must not
-  // delete the socket of the server that is live on that path.
-  if (server_ != nullptr && absl::StartsWith(config_.listen, "unix://")) {
-    unlink(config_.listen.substr(7).c_str());
-  }
+  // socket_, when bound, removes its file (only if still its own) after acceptor_ stops.
 }
 
 }  // namespace eps::service

@@ -14,6 +14,7 @@
 #include "service/peer.h"
 #include "service/session_service.h"
 #include "service/telemetry/telemetry.h"
+#include "service/unix_socket.h"
 
 namespace eps::service {
 
@@ -40,7 +41,8 @@ class EpsServer {
   std::unique_ptr<PageSelectorService> service_;
   PeerTable peers_;  // the Unix socket's connections: who is on the other end
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<UnixAcceptor> acceptor_;  // stopped before server_ shuts down
+  std::unique_ptr<ListeningUnixSocket> socket_;  // --listen=unix://; outlives acceptor_
+  std::unique_ptr<UnixAcceptor> acceptor_;       // stopped before server_ shuts down
   std::string bound_address_;
   std::unique_ptr<grpc::Server> health_server_;  // --health-listen; null when off
   std::string health_address_;

@@ -9,8 +9,10 @@ EPSD_FLAGS_FILE=${EPSD_FLAGS_FILE-/etc/epsd/epsd.flags}
 
 flags=""
 if [ -n "$EPSD_FLAGS_FILE" ]; then
-  if [ ! -r "$EPSD_FLAGS_FILE" ]; then
-    echo "epsd-entrypoint: cannot read flags file $EPSD_FLAGS_FILE" >&2
+  # A regular file: reading a directory fails inside the loop below, which would
+  # then start epsd without the flags, silently.
+  if [ ! -f "$EPSD_FLAGS_FILE" ] || [ ! -r "$EPSD_FLAGS_FILE" ]; then
+    echo "epsd-entrypoint: cannot read flags file $EPSD_FLAGS_FILE (EPSD_FLAGS_FILE must name a readable regular file)" >&2
     exit 2
   fi
   while IFS= read -r line || [ -n "$line" ]; do

@@ -39,7 +39,13 @@ int main(int argc, char** argv) {
       eps::cli::ParseMain(argc, argv, "eps-health-probe", "eps-health-probe [flags]", [&] {
         args.addr = absl::GetFlag(FLAGS_addr);
         args.service = absl::GetFlag(FLAGS_service);
-        if (args.addr.empty()) return eps::cli::Invalid(FLAGS_addr, "unix:///path or host:port");
+        // What gRPC would dial otherwise: 99999 wrapped, "abc" dialled port 0, a bare
+        // host port 443. Checked here so that a bad --addr exits 2, not 1 after a call.
+        if (!(args.addr.size() > 7 && args.addr.rfind("unix://", 0) == 0) &&
+            !eps::cli::IsHostPort(args.addr)) {
+          return eps::cli::Invalid(FLAGS_addr,
+                                   "unix:///path or host:port with a port in [0, 65535]");
+        }
         return eps::cli::ReadDuration(FLAGS_timeout_ms, absl::Milliseconds(1), absl::Seconds(60),
                                       &args.timeout);
       });

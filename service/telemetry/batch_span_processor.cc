@@ -65,6 +65,13 @@ void BatchSpanProcessor::Run() {
     Clock::time_point give_up;
     {
       absl::MutexLock lock(&mu_);
+      // Idle, no timer runs: the schedule delay starts with the first queued span.
+      // (Waiting on the delay alone woke the thread every delay, and a delay of 0
+      // spun it on an idle epsd.)
+      const auto has_work = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&has_work));
       const auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
         return stopping_ || queue_.size() >= config_.max_export_batch_size;
       };

@@ -1,6 +1,7 @@
 // The OpenTelemetry batch span processor: finished spans go into a bounded
 // queue; one worker thread sends them in batches of max_export_batch_size, at
-// least every schedule_delay, retrying a retryable failure with exponential
+// least every schedule_delay while spans are queued (an idle worker sleeps until one
+// comes), retrying a retryable failure with exponential
 // backoff (100 ms doubling to 5 s, jittered) for up to export_timeout.
 //
 // Promises: OnEnd never waits on the network and never blocks beyond a short

@@ -271,8 +271,11 @@ absl::Status ServerMetrics::Serve(const std::string& listen) {
                                  "num_threads", std::to_string(kHttpThreads),  //
                                  "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs)});
   } catch (const std::exception& e) {
+    // civetweb logs why and throws "null context when constructing CivetServer",
+    // which says nothing to an operator; the likeliest cause is a port in use.
     return absl::UnavailableError(
-        absl::StrCat("--metrics-listen=", listen, ": cannot serve /metrics: ", e.what()));
+        absl::StrCat("--metrics-listen=", listen,
+                     ": could not bind it (is the port in use?); civetweb: ", e.what()));
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(histograms_);

@@ -212,6 +212,12 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
   c.sampler = *sampler;
 
   Millis(env, "OTEL_BSP_SCHEDULE_DELAY", &c.batch.schedule_delay, &c.warnings);
+  // A delay of 0 would export every span alone, waking the worker for each; 1 ms is the floor.
+  if (c.batch.schedule_delay < std::chrono::milliseconds(1)) {
+    c.warnings.push_back(absl::StrCat("OTEL_BSP_SCHEDULE_DELAY=", c.batch.schedule_delay.count(),
+                                      " is below 1 ms; using 1"));
+    c.batch.schedule_delay = std::chrono::milliseconds(1);
+  }
   Millis(env, "OTEL_BSP_EXPORT_TIMEOUT", &c.batch.export_timeout, &c.warnings);
   Size(env, "OTEL_BSP_MAX_QUEUE_SIZE", &c.batch.max_queue_size, &c.warnings);
   Size(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", &c.batch.max_export_batch_size, &c.warnings);

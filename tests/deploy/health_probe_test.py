@@ -135,7 +135,20 @@ def test_probe_fails_after_epsd_is_killed(socket_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["--timeout-ms=0"], ["--timeout-ms=abc"], ["--addr="], ["stray"], ["--port=1"]]
+    "args",
+    [
+        ["--timeout-ms=0"],
+        ["--timeout-ms=abc"],
+        ["--addr="],
+        ["stray"],
+        ["--port=1"],
+        # gRPC would dial these somewhere else: 99999 wraps, abc is port 0, no port is 443.
+        ["--addr=127.0.0.1:99999"],
+        ["--addr=127.0.0.1:abc"],
+        ["--addr=localhost"],
+        ["--addr=127.0.0.1:"],
+        ["--addr=unix:"],
+    ],
 )
 def test_probe_rejects_bad_usage_naming_the_argument(args: list[str]) -> None:
     done = probe(*args)
@@ -206,6 +219,14 @@ def test_entrypoint_refuses_a_missing_flags_file(socket_dir: Path) -> None:
     assert process.wait(timeout=30) == 2
     assert process.stderr is not None
     assert "cannot read flags file" in process.stderr.read()
+
+
+def test_entrypoint_refuses_a_flags_file_that_is_a_directory(socket_dir: Path) -> None:
+    # Reading a directory failed inside the read loop, and epsd started without the flags.
+    process = start_epsd(socket_dir)
+    assert process.wait(timeout=30) == 2
+    assert process.stderr is not None
+    assert "readable regular file" in process.stderr.read()
 
 
 def test_entrypoint_does_not_glob_flag_values(socket_dir: Path) -> None:

@@ -353,7 +353,9 @@ def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_p
         text=True,
     )
     assert proc.stderr is not None
-    line = proc.stderr.readline()  # printed once the sessions are attached and running
+    line = proc.stderr.readline()  # the RPC floor's line, then this once the sessions run
+    while line and "running" not in line:
+        line = proc.stderr.readline()
     assert "running" in line, line
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
@@ -363,6 +365,39 @@ def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_p
     assert report["stopped_early"] is True
     assert report["measured_s"] < 60
     assert not [p for p in Path("/dev/shm").glob(f"eps-load-{proc.pid}-*")]
+
+
+def test_sigint_ends_the_rpc_floor(epsd: tuple[str, int], tmp_path: Path) -> None:
+    # The floor's rounds once ignored the stop flag: SIGINT waited for all of them.
+    target, _ = epsd
+    proc = subprocess.Popen(
+        [
+            EPS_LOAD,
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=1k",
+            "--duration=10m",
+            "--floor-calls=10000000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()  # printed as the floor's rounds begin
+    assert "measuring the RPC floor" in line, line
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stdout + stderr
+    assert "stopped by a signal while measuring the RPC floor" in stderr
+
+
+def test_a_json_path_that_cannot_be_created_exits_2_before_the_run(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "out.json"
+    result = _run(["--duration=10m", f"--json={missing}"], timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"--json={missing}: cannot create it" in result.stderr
 
 
 def test_bad_flags_exit_2_and_name_the_flag() -> None:

@@ -104,6 +104,66 @@ TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
   EXPECT_FALSE(ParseFlags({"--metrics-listen=9464"}).ok());
 }
 
+TEST(ConfigTest, ListenTakesAUnixPathOrHostAndPortAndNamesItself) {
+  EXPECT_TRUE(ParseFlags({"--listen=127.0.0.1:0"}).ok());
+  EXPECT_TRUE(ParseFlags({"--listen=localhost:5000"}).ok());
+  EXPECT_TRUE(ParseFlags({"--listen=[::1]:65535"}).ok());
+  EXPECT_TRUE(ParseFlags({"--listen=unix:///tmp/x.sock"}).ok());
+  // Each once listened somewhere else (99999 wrapped to 34463, no port meant 443) or
+  // failed only in gRPC.
+  for (const char* bad : {"127.0.0.1:99999", "localhost", "127.0.0.1:", "127.0.0.1:abc",
+                          "127.0.0.1:+80", ":5000", "unix:", "unix://"}) {
+    const auto parsed = ParseFlags({std::string("--listen=") + bad});
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_EQ(parsed.status().message().rfind(std::string("--listen=") + bad + ": want", 0), 0u)
+        << parsed.status();
+  }
+}
+
+TEST(ConfigTest, HelpStillChecksListenSoThatTheDeployFlagCheckCatchesIt) {
+  EXPECT_FALSE(ParseFlags({"--help", "--listen=localhost"}).ok());
+  EXPECT_FALSE(ParseFlags({"--listen=127.0.0.1:99999", "--help"}).ok());
+}
+
+TEST(ConfigTest, ListenRefusesUnixSchemesOtherThanSlashSlash) {
+  for (const char* bad : {"unix:/tmp/x.sock", "unix:x.sock", "unix-abstract:epsd", "unix:123"}) {
+    const auto parsed = ParseFlags({std::string("--listen=") + bad});
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_NE(parsed.status().message().find("unix-abstract: are not supported"), std::string::npos)
+        << parsed.status();
+    EXPECT_EQ(parsed.status().message().find("--allow-remote"), std::string::npos)
+        << parsed.status();
+  }
+  EXPECT_FALSE(CheckListenAddress("listen", "unix:/tmp/x.sock", true).ok());
+}
+
+TEST(ConfigTest, ListenRefusesAUnixPathLongerThanASocketAddress) {
+  EXPECT_TRUE(ParseFlags({"--listen=unix:///" + std::string(106, 'x')}).ok());
+  const auto parsed = ParseFlags({"--listen=unix:///" + std::string(107, 'x')});
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("at most 107 bytes (this one has 108)"),
+            std::string::npos)
+      << parsed.status();
+}
+
+TEST(ConfigTest, SocketModeTakesOctalDigitsOnly) {
+  EXPECT_EQ(ParseFlags({"--socket-mode=0600"})->socket_mode, 0600u);
+  EXPECT_EQ(ParseFlags({"--socket-mode=660"})->socket_mode, 0660u);
+  EXPECT_EQ(ParseFlags({"--socket-mode=00640"})->socket_mode, 0640u);
+  for (const char* bad : {"+0660", " 660", "-1", "0x1ff", "0800", "1000", "", "77777777777"}) {
+    EXPECT_EQ(ParseFlags({std::string("--socket-mode=") + bad}).status().message(),
+              std::string("--socket-mode=") + bad + ": want octal digits, at most 0777")
+        << bad;
+  }
+}
+
+TEST(ConfigTest, ByteLimitsTakeTheTerabyteSuffixTheirRangesName) {
+  EXPECT_EQ(ParseFlags({"--max-session-bytes=1T"})->max_session_bytes, uint64_t{1} << 40);
+  EXPECT_EQ(ParseFlags({"--max-server-bytes=4T"})->max_server_bytes, uint64_t{4} << 40);
+  EXPECT_EQ(ParseFlags({"--max-session-bytes=2T"}).status().message(),
+            "--max-session-bytes=2T: want a size in [1M, 1T] (k, M, G, T are powers of 1024)");
+}
+
 TEST(ConfigTest, StepLogTakesAPathAndIsOffByDefaultOrEmpty) {
   EXPECT_EQ(ParseFlags({})->step_log, "");
   EXPECT_EQ(ParseFlags({"--step-log=/tmp/steps.jsonl"})->step_log, "/tmp/steps.jsonl");

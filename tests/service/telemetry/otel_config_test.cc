@@ -86,6 +86,14 @@ TEST(OtelConfigTest, BadNumbersWarnAndKeepTheDefault) {
   EXPECT_EQ(c->warnings.size(), 2u);
 }
 
+TEST(OtelConfigTest, AScheduleDelayBelowOneMillisecondIsRaisedToItWithAWarning) {
+  const auto c = TraceConfigFromEnv(Env({{"OTEL_BSP_SCHEDULE_DELAY", "0"}}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->batch.schedule_delay.count(), 1);
+  ASSERT_EQ(c->warnings.size(), 1u);
+  EXPECT_EQ(c->warnings[0], "OTEL_BSP_SCHEDULE_DELAY=0 is below 1 ms; using 1");
+}
+
 TEST(OtelConfigTest, ServiceNameVariableWinsOverTheResourceAttribute) {
   const auto c =
       TraceConfigFromEnv(Env({{"OTEL_SERVICE_NAME", "sidecar"},

@@ -1,0 +1,96 @@
+"""eps-demo and eps_core_demo: sizes that cannot fit, running out of memory, and signals.
+
+ctest sets EPS_BINARIES to "name=path;..." for the built binaries. No epsd runs: eps-demo
+falls back to dense attention at every step, which is all these tests need.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def binaries() -> dict[str, str]:
+    value = os.environ.get("EPS_BINARIES", "")
+    assert value, "set EPS_BINARIES (ctest does)"
+    return dict(item.split("=", 1) for item in value.split(";") if item)
+
+
+def shm_objects(pid: int) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"eps-demo-{pid}-*"))
+
+
+NO_EPSD = "--target=unix:///tmp/eps-demo-test-no-epsd.sock"
+
+
+@pytest.mark.parametrize("name", ["eps-demo", "eps_core_demo"])
+def test_a_size_that_cannot_fit_in_memory_exits_2_naming_the_flags(name: str) -> None:
+    done = subprocess.run(
+        [binaries()[name], "--batch=4096", "--context=16M"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--batch=4096" in done.stderr and "--context=16777216" in done.stderr
+    assert "bytes" in done.stderr and "memory" in done.stderr
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_eps_demo_stops_on_a_signal_and_removes_its_shared_memory(
+    sig: int, code: int
+) -> None:
+    proc = subprocess.Popen(
+        [
+            binaries()["eps-demo"],
+            NO_EPSD,
+            "--context=1k",
+            "--steps=20000",
+            "--pace-ms=5",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not shm_objects(proc.pid):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "eps-demo made no shared-memory object"
+        time.sleep(0.02)  # polling a child's start-up, not synchronising threads
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == code, stderr
+    assert "stopped by signal" in stderr
+    assert not shm_objects(proc.pid)
+
+
+def test_eps_demo_out_of_memory_is_a_clean_error_that_removes_its_shared_memory() -> (
+    None
+):
+    # Fits this machine's memory, not a 1.5 GiB address space: the synthetic keys
+    # (4 GiB) fail to allocate after the shared buffers exist.
+    limited = 'ulimit -v 1572864 && exec "$0" "$@"'  # exec: the same pid, for /dev/shm
+    proc = subprocess.Popen(
+        [
+            "sh",
+            "-c",
+            limited,
+            binaries()["eps-demo"],
+            NO_EPSD,
+            "--batch=16",
+            "--context=128k",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    assert "out of memory" in stderr
+    assert not shm_objects(proc.pid)
