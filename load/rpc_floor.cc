@@ -127,20 +127,20 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
     if (server == nullptr) return absl::UnavailableError("the floor server cannot listen");
   } else {
     result.where = "child process";
-    int ready[2], stop[2];
-    if (pipe2(ready, O_CLOEXEC) != 0 || pipe2(stop, O_CLOEXEC) != 0) {
+    int ready[2], quit[2];
+    if (pipe2(ready, O_CLOEXEC) != 0 || pipe2(quit, O_CLOEXEC) != 0) {
       return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
     }
     child = fork();
     if (child < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
     if (child == 0) {
       close(ready[0]);
-      close(stop[1]);
-      RunFloorChild(unix_socket, socket_path, ready[1], stop[0]);
+      close(quit[1]);
+      RunFloorChild(unix_socket, socket_path, ready[1], quit[0]);
     }
     close(ready[1]);
-    close(stop[0]);
-    stop_fd = stop[1];
+    close(quit[0]);
+    stop_fd = quit[1];
     char buffer[256];
     std::string address;
     ssize_t n;
