@@ -324,7 +324,8 @@ void MarkFixedBudget(std::span<const std::span<const float>> head_scores,
     for (int64_t p : candidates) visit[p] = 1;
     return;
   }
-  // best_rank[p]: the best (smallest) rank of p over heads; no heads -> recency.
+  // best_rank[p]: the best (smallest) rank of p over heads; no heads -> recency (the
+  // step never calls it so: a list without a scored head keeps its forced groups).
   std::vector<int64_t> best_rank(n, std::numeric_limits<int64_t>::max());
   std::vector<int64_t> order;
   for (std::span<const float> scores : head_scores) {
