@@ -157,10 +157,19 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
 
   // Visit lists go to scratch first and reach the outputs only when the whole
   // step succeeded: a bad summary found mid-step leaves the outputs untouched.
-  // Scratch holds the batch's lists only, indexed [layer][row][list].
+  // Scratch holds the batch's lists only, indexed [layer][row][list], each as long as its
+  // row's blocks (not max_blocks: a table sized for long contexts costs short rows nothing).
   const int64_t batch = static_cast<int64_t>(in.rows.size());
   const int64_t list_count = static_cast<int64_t>(model_.num_layers) * batch * lists;
-  std::vector<int32_t> scratch_blocks(static_cast<size_t>(list_count) * in.max_blocks);
+  std::vector<int64_t> row_offset(batch + 1, 0);  // blocks of the rows before row i
+  for (int64_t i = 0; i < batch; ++i) {
+    row_offset[i + 1] = row_offset[i] + BlocksFor(in.rows[i].context_tokens, model_.block_size);
+  }
+  const auto scratch_list = [&](int64_t layer, int64_t i, int list) {
+    return (layer * lists + list) * row_offset[batch] + row_offset[i];
+  };
+  std::vector<int32_t> scratch_blocks(static_cast<size_t>(model_.num_layers) * lists *
+                                      row_offset[batch]);
   std::vector<int32_t> scratch_count(list_count, 0);
 
   QueryTerms terms;
@@ -352,7 +361,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       }
       for (int list = 0; list < lists; ++list) {
         const int64_t scratch_index = (static_cast<int64_t>(layer) * batch + i) * lists + list;
-        const std::span<int32_t> blocks_out(scratch_blocks.data() + scratch_index * in.max_blocks,
+        const std::span<int32_t> blocks_out(scratch_blocks.data() + scratch_list(layer, i, list),
                                             nb);
         const int32_t count =
             WriteVisitList(visit[list], block_row, nb, model_.group_blocks, blocks_out);
@@ -376,7 +385,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       for (int list = 0; list < lists; ++list) {
         const int64_t from = (static_cast<int64_t>(layer) * batch + i) * lists + list;
         const int64_t to = (static_cast<int64_t>(layer) * in.max_batch + i) * lists + list;
-        std::copy_n(scratch_blocks.data() + from * in.max_blocks, scratch_count[from],
+        std::copy_n(scratch_blocks.data() + scratch_list(layer, i, list), scratch_count[from],
                     out.visit_blocks + to * in.max_blocks);
         out.visit_count[to] = scratch_count[from];
       }
