@@ -159,6 +159,11 @@ class EvalSequence {
 
   // queries: [q_heads, d]; out: [q_heads, groups].
   absl::Status Scores(Method method, const float* queries, float* out) const {
+    // A method whose part the records lack would score as fro (core/bounds.cc): refuse
+    // it as a selection would (SelectPolicy::Validate), not return fro's scores under its name.
+    SelectPolicy policy;
+    policy.method = method;
+    if (absl::Status s = policy.Validate(model_); !s.ok()) return s;
     const int d = model_.head_dim;
     const int64_t n = groups();
     QueryTerms terms;

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
+from eps_eval.args import positive_int, unit_interval
 from eps_eval.metrics import Dense, dense, evaluate, group_sum, group_tokens
 from eps_eval.quality import QuestTables
 from eps_eval.run import log
@@ -102,22 +104,28 @@ def summarize(recall: F64, skip: F64, greedy: F64, target: float,
               fractions: tuple[float, ...] = FRACTIONS) -> dict[str, float]:
     """recall, skip [pairs, budgets] (budgets increasing) and greedy [pairs] -> the skips of
     the fixed budget (mean recall at the target, interpolated; and safe on ≥ 95 % of the
-    pairs), of each pair's own budget, and of the greedy lists; the needed shares."""
+    pairs), of each pair's own budget, and of the greedy lists; the needed shares. A skip
+    whose budget no swept fraction reaches is NaN (the table prints "—"), never the
+    largest budget's as if it had reached it; per_pair counts the pairs that reach it."""
     mean_r, mean_s = recall.mean(axis=0), skip.mean(axis=0)
     reach = recall >= target
-    j = int(np.argmax(mean_r >= target)) if (mean_r >= target).any() else len(mean_r) - 1
-    if 0 < j and mean_r[j] >= target > mean_r[j - 1]:
-        a = (target - mean_r[j - 1]) / (mean_r[j] - mean_r[j - 1])
-        fixed = float((1 - a) * mean_s[j - 1] + a * mean_s[j])
-    else:
-        fixed = float(mean_s[j])
+    fixed = math.nan
+    if (mean_r >= target).any():
+        j = int(np.argmax(mean_r >= target))
+        if 0 < j and mean_r[j] >= target > mean_r[j - 1]:
+            a = (target - mean_r[j - 1]) / (mean_r[j] - mean_r[j - 1])
+            fixed = float((1 - a) * mean_s[j - 1] + a * mean_s[j])
+        else:
+            fixed = float(mean_s[j])
     share = reach.mean(axis=0)
-    j95 = int(np.argmax(share >= 0.95)) if (share >= 0.95).any() else len(share) - 1
-    need = np.where(reach.any(axis=1), np.argmax(reach, axis=1), len(fractions) - 1)
+    fixed_safe = float(mean_s[int(np.argmax(share >= 0.95))]) if (share >= 0.95).any() else math.nan
+    reached = reach.any(axis=1)
+    need = np.where(reached, np.argmax(reach, axis=1), len(fractions) - 1)
     own = skip[np.arange(len(skip)), need]
     needed = np.asarray(fractions)[need]
-    return {"pairs": float(len(recall)), "fixed": fixed, "fixed_safe": float(mean_s[j95]),
-            "per_pair": float(own.mean()), "per_pair_reached": float(reach.any(axis=1).mean()),
+    return {"pairs": float(len(recall)), "fixed": fixed, "fixed_safe": fixed_safe,
+            "per_pair": float(own[reached].mean()) if reached.any() else math.nan,
+            "per_pair_reached": float(reached.mean()),
             "greedy": float(greedy.mean()), "needed_p10": float(np.percentile(needed, 10)),
             "needed_p50": float(np.percentile(needed, 50)),
             "needed_p90": float(np.percentile(needed, 90))}
@@ -125,15 +133,19 @@ def summarize(recall: F64, skip: F64, greedy: F64, target: float,
 
 def table(results: dict[tuple[int, str, int], dict[str, float]], target: float) -> str:
     header = (f"| context | ranking | g | pairs | fixed, mean recall {target} | fixed, {target} on "
-              "95 % of pairs | per-pair budget | greedy ceiling | greedy − fixed | needed share "
-              "p10 / p50 / p90 |")
+              "95 % of pairs | per-pair budget (pairs reaching it) | greedy ceiling | "
+              "greedy − fixed | needed share p10 / p50 / p90 |")
     lines = [header, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def cell(x: float, sign: str = "") -> str:
+        return "—" if math.isnan(x) else f"{x:{sign}.3f}"
+
     for (ctx, ranking, g), r in sorted(results.items()):
         lines.append(
-            f"| {ctx} | {ranking} | {g} | {r['pairs']:.0f} | {r['fixed']:.3f} | "
-            f"{r['fixed_safe']:.3f} | {r['per_pair']:.3f} | {r['greedy']:.3f} | "
-            f"{r['greedy'] - r['fixed']:+.3f} | {r['needed_p10']:.3f} / {r['needed_p50']:.3f} / "
-            f"{r['needed_p90']:.3f} |")
+            f"| {ctx} | {ranking} | {g} | {r['pairs']:.0f} | {cell(r['fixed'])} | "
+            f"{cell(r['fixed_safe'])} | {cell(r['per_pair'])} ({r['per_pair_reached']:.0%}) | "
+            f"{r['greedy']:.3f} | {cell(r['greedy'] - r['fixed'], '+')} | "
+            f"{r['needed_p10']:.3f} / {r['needed_p50']:.3f} / {r['needed_p90']:.3f} |")
     return "\n".join(lines)
 
 
@@ -142,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--model", choices=("gemma", "smollm2"), default="gemma")
     ap.add_argument("--context", type=contexts, default=[16384, 32768])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=positive_int, default=12)
     ap.add_argument("--g", type=contexts, default=[1, 2, 8])
-    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--target", type=unit_interval, default=0.95)
     ap.add_argument("--cache", type=Path, default=None)
     a = ap.parse_args(argv)
     (a.out / "units").mkdir(parents=True, exist_ok=True)

@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = load(a.calibrate)
         calib = [r for r in rows if int(r["step"]) in steps]
         test = [r for r in rows if int(r["step"]) not in steps]
+    if not calib or not test:
+        ap.error(f"no {'calibration' if not calib else 'test'} rows: the globs match no unit "
+                 "CSV with rows, or --split-steps leaves nothing on one side")
     setting = tuple(a.setting.split(",")) if a.setting else None
     if a.radius < 0:
         ap.error("--radius must be >= 0")

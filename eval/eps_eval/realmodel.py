@@ -82,6 +82,11 @@ class RealModel:
                       resid_layers: set[int] | None = None) -> tuple[Trace, dict]:
         if T > self.cfg.context:
             raise ValueError(f"context {T} exceeds the model's {self.cfg.context}")
+        # The query positions are the last steps + max_lag (and window + 2) tokens: they must
+        # all lie inside the passage, or negative positions would wrap to its end.
+        if steps < 1 or max_lag < 0 or window < 0 or T <= max(steps + max_lag, window + 1):
+            raise ValueError(f"context {T} must exceed steps + max lag ({steps} + {max_lag}) "
+                             f"and the window + 1 ({window} + 1); steps must be >= 1")
         ids = self.model.tokenizer.encode(_text(PASSAGE_FILES))
         if len(ids) < T:
             raise ValueError(f"passage has {len(ids)} tokens < {T}")

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
+from eps_eval.args import positive_int
 from eps_eval.selection import LayerSequences, Plan, step_rows
 
 
@@ -153,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("synthetic", "real", "report"), default=None)
     ap.add_argument("--cache", type=Path, default=None, help="model cache (default OUT/../.eval-cache)")
-    ap.add_argument("--real-context", type=int, default=None,
+    ap.add_argument("--real-context", type=positive_int, default=None,
                     help="the real model's passage length (default: the mode's)")
-    ap.add_argument("--passkey-context", type=int, default=None,
+    ap.add_argument("--passkey-context", type=positive_int, default=None,
                     help="the passkey prompts' length (default: the mode's)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the units only (e.g. on a machine without matplotlib)")

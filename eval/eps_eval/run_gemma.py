@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core
+from eps_eval.args import int_list, non_negative_int, positive_int
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf, rope_neox
 from eps_eval.metrics import BLOCK
 from eps_eval.plans import PLANS, QualityPlan, query_history
@@ -53,6 +54,7 @@ FILLER_MORE = ("GPL-3", "GPL-2", "LGPL-2.1", "GPL-1", "LGPL-3")
 # (method, g): gated variants of the passkey runs, each reading `READ` of the groups.
 VARIANTS = (("quest", 1), ("quest8", 1), ("quest", 8), ("questclt", 1), ("questclt", 2),
             ("jl8", 8), ("oracle_mass", 1))
+VARIANT_METHODS = frozenset(("quest", "quest8", "questclt", "jl8", "oracle_mass"))  # make_gate's
 READ = 0.25
 
 
@@ -243,7 +245,8 @@ def layer_unit(units: Path, name: str, layer: int, ctx: int, steps: int, k: np.n
 
 
 def contexts(arg: str) -> list[int]:
-    return [int(c) for c in arg.split(",") if int(c) > 0]
+    """`16384,32768`; 0 means none (eps_eval.args.int_list)."""
+    return int_list(arg)
 
 
 def variant_list(arg: str) -> tuple[tuple[str, int], ...]:
@@ -255,6 +258,9 @@ def variant_list(arg: str) -> tuple[tuple[str, int], ...]:
         method, sep, g = item.partition(":")
         if not sep or not g.isdigit() or int(g) < 1:
             raise argparse.ArgumentTypeError(f"variant {item!r}: want METHOD:G, G >= 1")
+        if method not in VARIANT_METHODS:
+            raise argparse.ArgumentTypeError(
+                f"variant {item!r}: method {method!r} is not one of {sorted(VARIANT_METHODS)}")
         out.append((method, int(g)))
     return tuple(out)
 
@@ -263,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--context", type=contexts, default=[4096], help="e.g. 16384,32768; 0: none")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--passkeys", type=int, default=5)
+    ap.add_argument("--steps", type=positive_int, default=3)
+    ap.add_argument("--passkeys", type=non_negative_int, default=5, help="0: none")
     ap.add_argument("--passkey-context", type=contexts, default=[2048])
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import re
 import sysconfig
@@ -51,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core, lowrank
+from eps_eval.args import positive_int
 from eps_eval.gemma import GLOBAL_LAYERS, Gemma, fetch_gguf
 from eps_eval.metrics import BLOCK, dense, evaluate
 from eps_eval.plans import FRACTIONS
@@ -75,6 +77,10 @@ def calibration_ids(tok: object, n: int = 4096) -> list[int]:
 
 
 def recall_at(rec: np.ndarray, skip: np.ndarray, target: float = 0.75) -> float:
+    """Recall at `target` skipped, linear between the sweep's points; NaN outside their range
+    (the report prints "—"), never the nearest end's recall as if it were the target's."""
+    if len(skip) < 2 or not skip.min() <= target <= skip.max():
+        return math.nan
     order = np.argsort(skip)
     return float(np.interp(target, skip[order], rec[order]))
 
@@ -199,8 +205,13 @@ def report(rows: list[dict[str, object]], d: int) -> str:
             sel = [r for r in rows if int(r["context"]) == ctx]
             x = np.array([float(r[n]) for r in sel])  # type: ignore[arg-type]
             gap = np.array([float(r["oracle_mass"]) for r in sel]) - x  # type: ignore[arg-type]
-            half = 1.96 * gap.std(ddof=1) / np.sqrt(len(gap))
-            cells.append(f"{x.mean():.3f} / {gap.mean():.3f} ± {half:.3f}")
+            ok = ~np.isnan(gap)
+            if ok.sum() < 2:  # 75 % skipped out of the sweep's range (short contexts)
+                cells.append(f"— ({len(gap) - ok.sum()} of {len(gap)} out of range)")
+                continue
+            half = 1.96 * gap[ok].std(ddof=1) / np.sqrt(ok.sum())
+            note = f" ({len(gap) - ok.sum()} of {len(gap)} out of range)" if not ok.all() else ""
+            cells.append(f"{x[ok].mean():.3f} / {gap[ok].mean():.3f} ± {half:.3f}{note}")
         rb = record_of(n, d)
         lines.append(f"| {n} | {rb:.0f} ({rb / (4 * d):.2f}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -260,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=("gemma", "smollm2"), default="gemma",
                     help="gemma: Gemma 3 270M's global layers; smollm2: every layer of SmolLM2")
     ap.add_argument("--context", type=contexts, default=[16384, 32768])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=positive_int, default=12)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--spec", type=contexts, default=[],
                     help="j,...: also the current query predicted from the input of the layer "

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
+from eps_eval.args import non_negative_int, positive_int
 from eps_eval.plans import PLANS, QualityPlan, query_history
 from eps_eval.quality import QUEST8_SCALES, LayerState, step_rows
 from eps_eval.run import log, unit_done, write_unit
@@ -88,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--synthetic", default="", help="comma-separated contexts")
-    ap.add_argument("--synthetic-steps", type=int, default=2)
-    ap.add_argument("--real-context", type=int, default=0)
+    ap.add_argument("--synthetic-steps", type=positive_int, default=2)
+    ap.add_argument("--real-context", type=non_negative_int, default=0, help="0: none")
     ap.add_argument("--real-layers", default="0,5,10,15,20,25,29")
-    ap.add_argument("--real-steps", type=int, default=3)
+    ap.add_argument("--real-steps", type=positive_int, default=3)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--plan", choices=tuple(PLANS), default="full",
                     help="estimators: plans.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "

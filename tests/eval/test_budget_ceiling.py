@@ -73,3 +73,15 @@ def test_no_ranking_beats_the_fewest_groups(rng: np.random.Generator) -> None:
         for _ in range(5):
             other = rng.standard_normal((h, groups)).astype(np.float32)
             assert bc.greedy_skip(dn, other, g, 0.0, 0.9) <= best + 1e-12
+
+
+def test_a_target_no_budget_reaches_is_not_reported_as_reached() -> None:
+    # Recall never reaches 0.95: the fixed budgets are NaN ("—"), not the largest budget's
+    # skip, and the per-pair skip counts only the pairs that reach it (none here).
+    recall = np.array([[0.5, 0.6, 0.7], [0.55, 0.65, 0.7]])
+    skip = np.array([[0.8, 0.7, 0.6], [0.85, 0.75, 0.65]])
+    got = bc.summarize(recall, skip, np.array([0.7, 0.7]), 0.95, (0.1, 0.2, 0.3))
+    assert np.isnan(got["fixed"]) and np.isnan(got["fixed_safe"]) and np.isnan(got["per_pair"])
+    assert got["per_pair_reached"] == 0.0
+    row = bc.table({(512, "oracle", 1): got}, 0.95).splitlines()[-1]
+    assert "| — | — | — (0%) |" in row, row

@@ -239,3 +239,15 @@ def test_core_errors_name_the_problem() -> None:
         core.mark(np.zeros((4, 5), np.float32), 2, [0])
     with pytest.raises(ValueError, match="unknown synthetic kind"):
         synthetic.make_layer("nope", 64, [63])
+
+
+def test_scores_refuse_a_method_whose_part_the_records_lack() -> None:
+    # They used to return fro's scores under quest's (or 1pc's) name.
+    s = core.Sequence(q_heads=2, kv_heads=1, head_dim=32, group_blocks=1, sketch_dim=8,
+                      features=core.KEY_SUM, max_tokens=64)
+    s.append(np.ones((1, 48, 32), np.float32))
+    q = np.ones((2, 32), np.float32)
+    assert s.scores("fro", q).shape[-1] == 3
+    for method in ("quest", "1pc", "questclt"):
+        with pytest.raises(core.CoreError, match=f"method={method} needs"):
+            s.scores(method, q)

@@ -160,3 +160,11 @@ def test_own_blocks_at_full_rank_give_each_blocks_exact_log_mass(
     with pytest.raises(ValueError, match="rank"):
         lowrank.own_blocks(k, tokens, BLOCK + 1)
     assert lowrank.own_bytes(1, 256) == 2 * 258 + 16 + 4
+
+
+def test_recall_at_is_nan_outside_the_sweep() -> None:
+    from eps_eval.run_lowrank import recall_at
+
+    # A sweep that never skips 75 % (a short context): no recall "at 75 %", not the end's.
+    assert np.isnan(recall_at(np.array([0.9, 0.95, 0.99]), np.array([0.1, 0.25, 0.4])))
+    assert recall_at(np.array([0.9, 0.8]), np.array([0.7, 0.8])) == pytest.approx(0.85)

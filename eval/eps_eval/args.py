@@ -1,0 +1,46 @@
+"""Argument types the harness's command lines share: a bad value is an argparse error that
+names it (exit 2) before any model is loaded, never a traceback later or a silent skip."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int(arg: str) -> int:
+    try:
+        return int(arg)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{arg!r} is not an integer") from None
+
+
+def positive_int(arg: str) -> int:
+    """An integer >= 1 (a count of steps, prompts or tokens)."""
+    value = _int(arg)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def non_negative_int(arg: str) -> int:
+    """An integer >= 0, where 0 means none (and says so in the flag's help)."""
+    value = _int(arg)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def int_list(arg: str) -> list[int]:
+    """`16384,32768` -> [16384, 32768]; a 0 means none and is dropped; a negative is an
+    error."""
+    return [v for v in (non_negative_int(c) for c in arg.split(",") if c.strip()) if v > 0]
+
+
+def unit_interval(arg: str) -> float:
+    """A float in (0, 1] (a recall or mass target)."""
+    try:
+        value = float(arg)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{arg!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value

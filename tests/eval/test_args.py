@@ -1,0 +1,43 @@
+"""The harness's argument types (eps_eval.args) and the checks that keep a run from starting
+on settings that would give silently wrong results."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from eps_eval import args
+from eps_eval.run_gemma import variant_list
+
+
+def test_counts_and_targets_refuse_what_would_run_nothing_or_wrongly() -> None:
+    assert args.positive_int("3") == 3
+    for bad in ("0", "-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            args.positive_int(bad)
+    assert args.int_list("16384,0,32768") == [16384, 32768]  # 0: none
+    with pytest.raises(argparse.ArgumentTypeError):
+        args.int_list("-128")  # was dropped silently, leaving an empty run
+    assert args.unit_interval("0.95") == 0.95
+    for bad in ("0", "1.5", "nan", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            args.unit_interval(bad)
+
+
+def test_an_unknown_variant_method_is_refused_before_the_model_loads() -> None:
+    assert variant_list("questclt:8,quest:1") == (("questclt", 8), ("quest", 1))
+    with pytest.raises(argparse.ArgumentTypeError, match="fro"):
+        variant_list("fro:1")
+
+
+def test_a_passage_too_short_for_its_query_positions_is_refused() -> None:
+    # The first query position was T - steps - lag: below 0 it wrapped to the passage's end
+    # (a future token's query). Checked before the passage is read.
+    from types import SimpleNamespace
+
+    from eps_eval.realmodel import RealModel
+
+    fake = SimpleNamespace(cfg=SimpleNamespace(context=8192))
+    for T, steps, window, lag in ((40, 3, 40, 4), (64, 64, 1, 1), (-16, 3, 1, 1), (64, 0, 1, 1)):
+        with pytest.raises(ValueError, match="must exceed|steps must be"):
+            RealModel.passage_trace(fake, T, steps, window, lag)  # type: ignore[arg-type]
