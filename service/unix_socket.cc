@@ -69,7 +69,9 @@ absl::Status ClearStaleSocket(const std::string& path) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, " exists and is not a socket; not removing it (remove it, or choose another path)"));
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  // Non-blocking: a live server whose backlog is full (or that stopped accepting while it
+  // shuts down) answers EAGAIN at once instead of holding this start, and the lock, forever.
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
   const sockaddr_un address = AddressOf(path);
   const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address));
