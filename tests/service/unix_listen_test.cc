@@ -39,12 +39,14 @@ class UnixListenTest : public ::testing::Test {
   }
   void TearDown() override { (void)!system(("rm -rf " + dir_).c_str()); }
 
-  absl::StatusOr<std::unique_ptr<EpsServer>> Start() {
+  // The config on this test's path. Flags are process-wide: parse on one thread only.
+  ServerConfig Config() {
     absl::StatusOr<ServerConfig> config =
         ParseFlags({"--listen=unix://" + path_, "--metrics-listen=off"});
-    if (!config.ok()) return config.status();
-    return EpsServer::Start(*config);
+    EXPECT_TRUE(config.ok()) << config.status();
+    return config.ok() ? *config : ServerConfig{};
   }
+  absl::StatusOr<std::unique_ptr<EpsServer>> Start() { return EpsServer::Start(Config()); }
 
   std::string dir_, path_;
 };
@@ -72,11 +74,14 @@ ino_t InodeOf(const std::string& path) {
 
 TEST_F(UnixListenTest, TwoServersStartingTogetherLeaveTheWinnersSocket) {
   // The loser of the start race once removed the winner's socket on its way out.
+  // Both threads start from one config: parsing flags on two threads at once races on the
+  // process-wide flags (one thread once got the default path).
+  const ServerConfig config = Config();
   for (int round = 0; round < 8; ++round) {
     absl::StatusOr<std::unique_ptr<EpsServer>> a = absl::UnknownError("not run");
     absl::StatusOr<std::unique_ptr<EpsServer>> b = absl::UnknownError("not run");
-    std::thread first([&] { a = Start(); });
-    std::thread second([&] { b = Start(); });
+    std::thread first([&] { a = EpsServer::Start(config); });
+    std::thread second([&] { b = EpsServer::Start(config); });
     first.join();
     second.join();
     ASSERT_NE(a.ok(), b.ok()) << "round " << round << ": " << a.status() << " / " << b.status();
