@@ -172,10 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load0 = os.getloadavg()
-    (out / "settings.json").write_text(json.dumps(
-        {"mode": "quick" if a.quick else "full", "settings": asdict(s),
-         "machine": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": load0,
-         "python": sys.version.split()[0], "numpy": np.__version__}, indent=1, default=str))
+    # Units are resumed by name (context, layer), which does not hold the settings: a
+    # directory whose units were made with other settings would mix the two runs.
+    mode = "quick" if a.quick else "full"
+    wanted = json.loads(json.dumps({"mode": mode, "settings": asdict(s)}, default=str))
+    has_units = any(units.glob("*.csv"))
+    prior = out / "settings.json"
+    if a.only == "report":
+        if not has_units:
+            ap.error(f"{units} holds no units to report on")
+    else:
+        if has_units and prior.exists():
+            old = json.loads(prior.read_text())
+            if {"mode": old.get("mode"), "settings": old.get("settings")} != wanted:
+                ap.error(f"{out} holds units made with other settings ({old.get('mode')}, "
+                         f"{prior}); give another --out, or remove {units} to start over")
+        prior.write_text(json.dumps(
+            {**wanted, "machine": platform.platform(), "cpus": os.cpu_count(),
+             "loadavg_start": load0, "python": sys.version.split()[0],
+             "numpy": np.__version__}, indent=1, default=str))
     if a.only in (None, "synthetic"):
         run_synthetic(s, units)
     if a.only in (None, "real"):
@@ -185,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from eps_eval import report
 
-    report.write(out, t0=t0, load0=load0)
+    # A report-only call did not run the units: no wall time or start load of its own.
+    report_only = a.only == "report"
+    report.write(out, t0=None if report_only else t0, load0=None if report_only else load0)
     log(f"done in {time.time() - t0:.0f} s; summary: {out / 'summary.md'}")
     return 0
 

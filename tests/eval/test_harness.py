@@ -6,6 +6,7 @@ The `rng` fixture (conftest.py) prints its seed; EPS_TEST_SEED=N replays it.
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,17 @@ def test_scores_refuse_a_method_whose_part_the_records_lack() -> None:
     for method in ("quest", "1pc", "questclt"):
         with pytest.raises(core.CoreError, match=f"method={method} needs"):
             s.scores(method, q)
+
+
+def test_a_run_refuses_a_directory_of_units_made_with_other_settings(tmp_path) -> None:
+    # Units are resumed by name (context, layer): a full run in a quick run's directory
+    # used to reuse the quick units and report them as the full run's.
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / "synthetic_1024_L0.csv").write_text("x\n1\n")
+    (tmp_path / "settings.json").write_text(json.dumps({"mode": "quick", "settings": {}}))
+    with pytest.raises(SystemExit) as e:
+        run.main(["--out", str(tmp_path), "--only", "synthetic"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):  # nothing to report on
+        run.main(["--out", str(tmp_path / "empty"), "--only", "report"])
