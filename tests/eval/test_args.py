@@ -41,3 +41,13 @@ def test_a_passage_too_short_for_its_query_positions_is_refused() -> None:
     for T, steps, window, lag in ((40, 3, 40, 4), (64, 64, 1, 1), (-16, 3, 1, 1), (64, 0, 1, 1)):
         with pytest.raises(ValueError, match="must exceed|steps must be"):
             RealModel.passage_trace(fake, T, steps, window, lag)  # type: ignore[arg-type]
+
+
+def test_a_truncated_model_file_in_the_cache_is_named(tmp_path) -> None:
+    from eps_eval import gemma, model
+
+    for module in (model, gemma):
+        name = "SmolLM2-135M-Instruct.Q4_1.gguf" if module is model else gemma.GGUF_NAME
+        (tmp_path / name).write_bytes(b"GGUF" + bytes(100))
+        with pytest.raises(ValueError, match="delete it to fetch it again"):
+            module.fetch_gguf(tmp_path)
