@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "core/bounds.h"
+#include "core/feedback_entry.h"
 #include "core/layout.h"
 
 namespace eps {
@@ -156,11 +157,8 @@ void MarkByMassList(std::span<const std::span<const float>> head_scores,
                     std::span<const uint8_t> forced, float target, float temperature, int head_dim,
                     int min_pages, int max_pages, std::span<uint8_t> visit);
 
-// A feedback entry (the log-sum-exp of a visited group) is one when |entry| <= 1e30:
-// NaN means not visited, and ±inf or a value no attention gives (beyond 1e30, where
-// √d·entry and the median's shifts would leave the float range) is no feedback either,
-// so a bad entry costs that group its feedback and nothing else. The GPU uses the same.
-constexpr float kFeedbackMax = 1e30f;
+// Whether a feedback entry (the log-sum-exp of a visited group) counts
+// (core/feedback_entry.h): a bad entry costs that group its feedback and nothing else.
 inline bool IsFeedback(float entry) { return std::fabs(entry) <= kFeedbackMax; }
 
 // Selection feedback for one head (core/step.h StepInputs::feedback): `entry[p]` is

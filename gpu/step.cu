@@ -14,7 +14,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
-#include "core/select.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -32,8 +31,6 @@
 
 namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
-
-static_assert(kernels::kFeedbackMax == eps::kFeedbackMax, "the GPU's feedback entries are core's");
 
 namespace {
 

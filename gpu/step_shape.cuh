@@ -7,14 +7,11 @@
 #include <climits>
 #include <cstdint>
 
+#include "core/feedback_entry.h"
 #include "core/half.h"
 #include "gpu/bounds.cuh"
 
 namespace eps::gpu::kernels {
-
-// core/select.h kFeedbackMax: a feedback entry is one when |entry| <= it (step.cu checks
-// that the two agree).
-constexpr float kFeedbackMax = 1e30f;
 
 // The first error a kernel meets; the host turns it into a status. The coarse
 // level's (gpu/coarse_select.cuh) name its table and pool.
