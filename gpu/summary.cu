@@ -73,26 +73,16 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
   if (a >= n) return;
   const KeyAppend ap = appends[a];
   const int64_t stride = ap.stride == 0 ? s.d : ap.stride;
-  // First every key must be finite: nothing of a bad append is written.
+  // First every key is checked as core's SummaryWriter::CheckKeys does, in one pass:
+  // finite, within binary16 with quest on, and the record's sums in the float range
+  // (d·Σ‖k‖² < FLT_MAX, in double). Nothing of a bad append is written.
   bool finite = true;
-  for (int64_t t = 0; t < ap.count; ++t) {
-    for (int i = lane; i < s.d; i += 32)
-      finite &= isfinite(LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i));
-  }
-  // With quest on, keys must fit binary16 (core SummaryWriter rejects the rest too).
-  if (s.quest_min >= 0) {
-    for (int64_t t = 0; t < ap.count; ++t) {
-      for (int i = lane; i < s.d; i += 32) {
-        finite &= fabsf(LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i)) <= kHalfMax;
-      }
-    }
-  }
-  // core CheckKeys: the record's sums stay in the float range (d·Σ‖k‖² < FLT_MAX, in double).
   double squares = 0.0;
-  for (int64_t t = 0; t < ap.count && finite; ++t) {
+  for (int64_t t = 0; t < ap.count; ++t) {
     for (int i = lane; i < s.d; i += 32) {
-      const double k = LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i);
-      squares += k * k;
+      const float k = LoadAsFloatDevice(ap.keys, s.dtype, t * stride + i);
+      finite &= isfinite(k) && (s.quest_min < 0 || fabsf(k) <= kHalfMax);
+      squares += static_cast<double>(k) * k;
     }
   }
   for (int o = 16; o > 0; o /= 2) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, o);
