@@ -14,6 +14,8 @@
 //                      [--coarse-batches=8,64] [--coarse-context=32768]
 //                      [--feedback-batches=8] [--feedback-context=32768]
 //                      [--queued=off]   (no fence-held steps: queued_us nan; for profilers)
+//                      [--queries=bf16]  (the step's queries in bfloat16, as an engine whose
+//                                         attention runs in bf16 hands them; float32 default)
 //                      [--stage-clocks]  (after each fused_us run, its blocks' stage
 //                                         clocks: a build with -DEPS_STAGE_CLOCKS=ON)
 //
@@ -61,6 +63,7 @@
 #include "bench/gpu_coarse_table.h"
 #include "bench/gpu_feedback_table.h"
 #include "core/buffer_contract.h"
+#include "core/half.h"
 #include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
@@ -78,6 +81,8 @@ using eps::gpu::DeviceBuffer;
 // The benchmark's budget since its first table (docs/benchmarks/gpu.md), kept
 // when epsd's default moved to 64 groups of g = 2 (--top-pages sets it).
 int top_pages_per_head = 16;
+// --queries=bf16: the queries' element type (float32 in every table before 2026-11-27).
+eps::DType query_dtype = eps::DType::kFloat32;
 bool scattered_slots = false;           // --slots=scattered
 std::vector<std::string> policy_names;  // --policies: the rows to run (empty: all)
 bool ipc_pool = false;                  // --pool=ipc
@@ -255,7 +260,17 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
   CUDA_RETURN_IF_ERROR(cudaMemcpy(pool, b.pool().data(), bytes, cudaMemcpyHostToDevice));
   RETURN_IF_ERROR(Upload(d->groups, b.group_table().data(), b.group_table().size()));
   RETURN_IF_ERROR(Upload(d->blocks, b.block_table().data(), b.block_table().size()));
-  RETURN_IF_ERROR(Upload(d->queries, static_cast<const float*>(d->in.queries), qcount));
+  const auto* host_queries = static_cast<const float*>(d->in.queries);
+  if (query_dtype == eps::DType::kBFloat16) {
+    // Two bf16 values a float of the device buffer; the selector reads query_dtype.
+    std::vector<uint16_t> narrow(static_cast<size_t>(qcount + 1) / 2 * 2);
+    for (int64_t i = 0; i < qcount; ++i) narrow[i] = eps::FloatToBFloat16(host_queries[i]);
+    RETURN_IF_ERROR(Upload(d->queries, reinterpret_cast<const float*>(narrow.data()),
+                           static_cast<int64_t>(narrow.size() / 2)));
+  } else {
+    RETURN_IF_ERROR(Upload(d->queries, host_queries, qcount));
+  }
+  d->in.query_dtype = query_dtype;
   RETURN_IF_CUDA_ALLOC(d->visit, int64_t{m.num_layers} * batch * lists * b.max_blocks());
   RETURN_IF_CUDA_ALLOC(d->count, int64_t{m.num_layers} * batch * lists);
   d->in.summary_pool = pool;
@@ -474,6 +489,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--pool=ipc") == 0) ipc_pool = true;
     if (std::strcmp(argv[i], "--queued=off") == 0) eps::bench::SkipQueued();
     if (std::strcmp(argv[i], "--stage-clocks") == 0) stage_clocks = true;
+    if (std::strcmp(argv[i], "--queries=bf16") == 0) query_dtype = eps::DType::kBFloat16;
     pool_offsets = ParseList(argv[i], "--pool-offset=", pool_offsets);
     pool_pads = ParseList(argv[i], "--pool-pad=", pool_pads);
     coarse_batches = ParseList(argv[i], "--coarse-batches=", coarse_batches);
@@ -529,9 +545,10 @@ int main(int argc, char** argv) {
     std::printf("error: --group-blocks=%d not in [1, 1024]\n", m.group_blocks);
     return 1;
   }
-  std::printf("g = %d blocks of 16 tokens per group, top_pages %d, %s slots, pool %s\n",
+  std::printf("g = %d blocks of 16 tokens per group, top_pages %d, %s slots, pool %s, %s queries\n",
               m.group_blocks, top_pages_per_head, scattered_slots ? "scattered" : "consecutive",
-              ipc_pool ? "mapped from another process (CUDA IPC)" : "allocated here");
+              ipc_pool ? "mapped from another process (CUDA IPC)" : "allocated here",
+              eps::DTypeName(query_dtype));
   m.features = {.key_sum = false, .principal = false, .quest = false};
   for (int64_t batch : batches) {
     for (int64_t context : contexts) {

@@ -4,6 +4,8 @@ names it (exit 2) before any model is loaded, never a traceback later or a silen
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 
 def _int(arg: str) -> int:
@@ -44,3 +46,17 @@ def unit_interval(arg: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
     return value
+
+
+def output_dir(arg: str) -> Path:
+    """A directory the run writes into, created if missing and probed for writing now: an
+    unwritable `--out` is an argparse error before any model loads, not a traceback when the
+    first result is written (possibly hours later)."""
+    path = Path(arg)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{arg!r} is not a writable directory: {e.strerror}") from None
+    return path

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
-from eps_eval.args import positive_int, unit_interval
+from eps_eval.args import output_dir, positive_int, unit_interval
 from eps_eval.metrics import Dense, dense, evaluate, group_sum, group_tokens
 from eps_eval.quality import QuestTables
 from eps_eval.run import log
@@ -151,7 +151,7 @@ def table(results: dict[tuple[int, str, int], dict[str, float]], target: float) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--model", choices=("gemma", "smollm2"), default="gemma")
     ap.add_argument("--context", type=contexts, default=[16384, 32768])
     ap.add_argument("--steps", type=positive_int, default=12)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.args import positive_int
+from eps_eval.args import output_dir, positive_int
 from eps_eval.selection import LayerSequences, Plan, step_rows
 
 
@@ -150,7 +150,7 @@ def run_real(s: Settings, units: Path, cache: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("synthetic", "real", "report"), default=None)
     ap.add_argument("--cache", type=Path, default=None, help="model cache (default OUT/../.eval-cache)")

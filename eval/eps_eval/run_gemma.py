@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core
-from eps_eval.args import int_list, non_negative_int, positive_int
+from eps_eval.args import int_list, non_negative_int, output_dir, positive_int
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf, rope_neox
 from eps_eval.metrics import BLOCK
 from eps_eval.plans import PLANS, QualityPlan, query_history
@@ -267,7 +267,7 @@ def variant_list(arg: str) -> tuple[tuple[str, int], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--context", type=contexts, default=[4096], help="e.g. 16384,32768; 0: none")
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--passkeys", type=non_negative_int, default=5, help="0: none")

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core, lowrank
-from eps_eval.args import positive_int
+from eps_eval.args import output_dir, positive_int
 from eps_eval.gemma import GLOBAL_LAYERS, Gemma, fetch_gguf
 from eps_eval.metrics import BLOCK, dense, evaluate
 from eps_eval.plans import FRACTIONS
@@ -267,7 +267,7 @@ class Source:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--model", choices=("gemma", "smollm2"), default="gemma",
                     help="gemma: Gemma 3 270M's global layers; smollm2: every layer of SmolLM2")
     ap.add_argument("--context", type=contexts, default=[16384, 32768])

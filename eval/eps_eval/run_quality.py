@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.args import non_negative_int, positive_int
+from eps_eval.args import non_negative_int, output_dir, positive_int
 from eps_eval.plans import PLANS, QualityPlan, query_history
 from eps_eval.quality import QUEST8_SCALES, LayerState, step_rows
 from eps_eval.run import log, unit_done, write_unit
@@ -87,7 +87,7 @@ def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--synthetic", default="", help="comma-separated contexts")
     ap.add_argument("--synthetic-steps", type=positive_int, default=2)
     ap.add_argument("--real-context", type=non_negative_int, default=0, help="0: none")

@@ -51,3 +51,28 @@ def test_a_truncated_model_file_in_the_cache_is_named(tmp_path) -> None:
         (tmp_path / name).write_bytes(b"GGUF" + bytes(100))
         with pytest.raises(ValueError, match="delete it to fetch it again"):
             module.fetch_gguf(tmp_path)
+
+
+def test_an_unwritable_out_is_refused_before_the_run(tmp_path) -> None:
+    made = args.output_dir(str(tmp_path / "new" / "out"))  # created, parents included
+    assert made.is_dir() and list(made.iterdir()) == []  # the probe leaves nothing behind
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a writable directory"):
+        args.output_dir(str(a_file))
+    # An existing directory that cannot be written (mkdir alone would not fail): /sys refuses
+    # new files even to root, who may write into a directory of mode 0555.
+    with pytest.raises(argparse.ArgumentTypeError, match="not a writable directory"):
+        args.output_dir("/sys")
+
+
+def test_every_writing_command_line_refuses_an_unwritable_out(tmp_path, capsys) -> None:
+    from eps_eval import budget_ceiling, run, run_gemma, run_lowrank, run_quality
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for module in (budget_ceiling, run, run_gemma, run_lowrank, run_quality):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main([f"--out={a_file}"])
+        assert exit_info.value.code == 2, module.__name__
+        assert "not a writable directory" in capsys.readouterr().err, module.__name__
