@@ -308,6 +308,14 @@ int Run(const Args& args) {
     std::fprintf(stderr, "eps-demo: stopped by signal %d after %d steps\n", signal, steps);
     return 128 + signal;
   }
+  // Fail-open kept the demo going, but a run in which epsd chose no step's pages showed
+  // nothing of it: say so and exit 3 (as eps-load does when its calls fail), so that a
+  // script checking an installation does not read a dense run as a working one.
+  if (c.steps > 0 && c.selected == 0) {
+    std::fprintf(stderr, "eps-demo: no step was selected by epsd at %s (%llu fallbacks)\n",
+                 args.target.c_str(), static_cast<unsigned long long>(c.fallbacks()));
+    return 3;
+  }
   return 0;
 }
 

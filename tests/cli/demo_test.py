@@ -1,4 +1,5 @@
-"""eps-demo and eps_core_demo: sizes that cannot fit, running out of memory, and signals.
+"""eps-demo and eps_core_demo: sizes that cannot fit, running out of memory, signals, and a
+run that never reaches epsd.
 
 ctest sets EPS_BINARIES to "name=path;..." for the built binaries. No epsd runs: eps-demo
 falls back to dense attention at every step, which is all these tests need.
@@ -94,3 +95,17 @@ def test_eps_demo_out_of_memory_is_a_clean_error_that_removes_its_shared_memory(
     assert proc.returncode == 1, stderr
     assert "out of memory" in stderr
     assert not shm_objects(proc.pid)
+
+
+def test_eps_demo_that_never_reaches_epsd_exits_3_after_its_dense_steps() -> None:
+    # Fail-open runs every step densely; exit 0 read as a working installation.
+    done = subprocess.run(
+        [binaries()["eps-demo"], NO_EPSD, "--context=1k", "--steps=3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "3 steps, 0 selected, 3 fallbacks" in done.stdout
+    assert "no step was selected by epsd at unix:///tmp/eps-demo-test-no-epsd.sock" in done.stderr
