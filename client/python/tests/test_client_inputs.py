@@ -134,6 +134,59 @@ def test_leaving_the_block_after_close_keeps_the_engines_exception(epsd, rng):
     state.buffers.close()
 
 
+class ClosingTracer:
+    """A traceparent callable that closes its client: gRPC runs it after the call passed its
+    closed check and before the call starts, as close() from another thread can."""
+
+    def __init__(self) -> None:
+        self.client: EpsClient | None = None
+        self.armed = False
+
+    def __call__(self) -> None:
+        if self.armed and self.client is not None:
+            self.client.close()
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_a_client_closed_while_a_call_starts_ends_it_as_closed(epsd, rng, use_stream):
+    # grpc raised ValueError ("Cannot invoke RPC: Channel closed!") out of select_pages and
+    # every other call: an exception of another kind, never a fallback.
+    state = make_state(rng, contexts=[300])
+    calls = {"select_pages": None, "attach": lambda c: c.attach(),
+             "heartbeat": lambda c: c.heartbeat(), "ping": lambda c: c.ping(1.0),
+             "stats": lambda c: c.stats(), "detach": lambda c: c.detach()}
+    for name, call in calls.items():
+        tracer = ClosingTracer()
+        client = state.client(ClientOptions(target=epsd.target, deadline_s=2.0,
+                                            use_stream=use_stream, traceparent=tracer))
+        tracer.client = client
+        client.attach()
+        if name == "select_pages":
+            assert client.select_pages(1, state.rows).ok
+            client._close_stream()  # the next step opens the stream again (with metadata)
+            tracer.armed = True
+            result = client.select_pages(2, state.rows)
+            assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert result.message == "client closed"
+            c = client.counters()
+            assert c.steps == c.selected + c.fallbacks == 2
+        else:
+            tracer.armed = True
+            with pytest.raises(EpsError) as e:
+                call(client)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, name
+    state.buffers.close()
+
+
+def test_a_client_closed_while_it_starts_a_re_attach_falls_back_as_closed():
+    tracer = ClosingTracer()
+    client = EpsClient.from_request(ClientOptions(target=NOWHERE, traceparent=tracer),
+                                    pb.AttachRequest(engine_id="inputs"))
+    tracer.client, tracer.armed = client, True
+    result = client.select_pages(1, [Row(0, 100)])  # not attached: starts a re-attach
+    assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def broken_tracer() -> str:
     raise RuntimeError("tracer broken")
 

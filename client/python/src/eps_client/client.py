@@ -264,6 +264,8 @@ class EpsClient:
         except grpc.RpcError as e:
             self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
             raise EpsError(e.code(), e.details() or "") from None
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
         return self._adopt(response)
 
     def detach(self) -> None:
@@ -281,6 +283,8 @@ class EpsClient:
                              timeout=self.options.attach_deadline_s, metadata=self._metadata())
         except grpc.RpcError as e:
             raise EpsError(e.code(), e.details() or "") from None
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
 
     def heartbeat(self) -> int:
         """Renews the lease; returns it in ms."""
@@ -293,6 +297,8 @@ class EpsClient:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 self.session_id = ""
             raise EpsError(e.code(), e.details() or "") from None
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
 
     def ping(self, deadline_s: float) -> None:
         self._check_open()
@@ -300,6 +306,8 @@ class EpsClient:
             self.stub.Ping(pb.PingRequest(), timeout=deadline_s, metadata=self._metadata())
         except grpc.RpcError as e:
             raise EpsError(e.code(), e.details() or "") from None
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
 
     def stats(self, session_only: bool = True) -> pb.GetStatsResponse:
         """GetStats (an operator's view; the message is returned as is)."""
@@ -310,12 +318,16 @@ class EpsClient:
                                       metadata=self._metadata())
         except grpc.RpcError as e:
             raise EpsError(e.code(), e.details() or "") from None
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
 
     def close(self) -> None:
         """Closes the stream and the channel. It does not detach: the session stays on epsd
         until its lease runs out (``detach()`` first, or leave the ``with`` block, to end it).
         Afterwards every call raises ``EpsError(FAILED_PRECONDITION, "client closed")`` (a
-        fail-open ``select_pages`` falls back with that code); closing again does nothing."""
+        fail-open ``select_pages`` falls back with that code); closing again does nothing.
+        It may be called from another thread while a call is in flight: that call ends as
+        CANCELLED, or, if it had not started yet, as one made after close()."""
         if self._closed:
             return
         self._closed = True
@@ -368,7 +380,11 @@ class EpsClient:
             return self._failed(step, grpc.StatusCode.INVALID_ARGUMENT, str(e), start)
         step = request.step
         if not self.session_id:
-            reason = self._poll_reattach()
+            try:
+                reason = self._poll_reattach()
+            except ValueError as e:
+                closed = self._closed_meanwhile(e)
+                return self._failed(step, closed.code, closed.message, start)
             if reason is not None:
                 return self._failed(step, grpc.StatusCode.UNAVAILABLE, reason, start,
                                     counter="fallback_not_attached")
@@ -448,6 +464,14 @@ class EpsClient:
             self._traceparent_warned = True
             _log.warning("eps_client: calls go without traceparent: %s (logged once)", why)
 
+    def _closed_meanwhile(self, e: ValueError) -> EpsError:
+        """grpc raises ValueError for a call on a closed channel: close() from another thread
+        after this call passed its check. Such a call ends as one made after close(); any
+        other ValueError is re-raised."""
+        if not self._closed:
+            raise e
+        return EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
+
     def _check_open(self) -> None:
         if self._closed:
             raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
@@ -512,9 +536,12 @@ class EpsClient:
     def _call_unary(self, request: pb.SelectPagesRequest,
                     deadline: float) -> pb.SelectPagesResponse:
         # gRPC's own deadline backs ours up (+1 ms); ours is enforced here.
-        future = self.stub.SelectPages.future(
-            request, timeout=max(deadline - time.monotonic(), 0.0) + 0.001,
-            metadata=self._metadata())
+        try:
+            future = self.stub.SelectPages.future(
+                request, timeout=max(deadline - time.monotonic(), 0.0) + 0.001,
+                metadata=self._metadata())
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
         try:
             return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except grpc.FutureTimeoutError:
@@ -529,7 +556,10 @@ class EpsClient:
         if self._stream is not None and self._stream.closed.is_set():
             self._close_stream()
         if self._stream is None:
-            self._stream = SelectStream(self.stub, self._metadata())
+            try:
+                self._stream = SelectStream(self.stub, self._metadata())
+            except ValueError as e:
+                raise self._closed_meanwhile(e) from None
         self._stream.send(request)
         return self._stream.receive(request.step, deadline)
 
