@@ -31,6 +31,13 @@ std::string CheckFeedback(const EpsAttnParams& p, bool check_pointers) {
   if (p.feedback_group_blocks < 1 || p.feedback_group_blocks > 4096) {
     return "feedback_group_blocks=" + Str(p.feedback_group_blocks) + " not in [1, 4096]";
   }
+  // Each bound before its product: 2^31 * 4096 heads cannot wrap an int64 (a stride of
+  // 6148914691236517206 times 3 heads wrapped to 2 and passed the row check).
+  if (p.feedback_stride_head > (int64_t{1} << 31) || p.feedback_stride_row > (int64_t{1} << 31)) {
+    return "feedback_stride_head=" + Str(p.feedback_stride_head) +
+           ", feedback_stride_row=" + Str(p.feedback_stride_row) +
+           ": each must be at most 2^31 entries";
+  }
   if (p.feedback_stride_head < p.feedback_groups) {
     return "feedback_stride_head=" + Str(p.feedback_stride_head) +
            " is less than feedback_groups=" + Str(p.feedback_groups) + " (heads would overlap)";
@@ -113,6 +120,12 @@ std::string CheckParams(const EpsAttnParams& p, bool check_pointers) {
   if (!(p.softcap >= 0.0f) || p.softcap > 1e30f) {
     return "softcap=" + std::to_string(p.softcap) + " is not 0 or a positive finite number";
   }
+  // The kernels fold softmax_scale / softcap into q in float32: it must stay finite (a
+  // softcap of 1e-40 made it inf, and every score 0 * inf = NaN).
+  if (p.softcap > 0.0f && !(p.softmax_scale / p.softcap <= 1e30f)) {
+    return "softmax_scale / softcap = " + std::to_string(p.softmax_scale) + " / " +
+           std::to_string(p.softcap) + " exceeds 1e30 (the scale applied to q in float32)";
+  }
   if (p.num_splits < 0 || p.num_splits > 65535) {
     return "num_splits=" + Str(p.num_splits) + " not in [0, 65535] (0 = automatic)";
   }
@@ -153,6 +166,24 @@ std::string CheckParams(const EpsAttnParams& p, bool check_pointers) {
       return std::string(ptr.name) + " is not 16-byte aligned";
     }
   }
+  // int32 and float words: a misaligned one is a sticky cudaErrorMisalignedAddress that
+  // ends the caller's CUDA context, so it is refused here (NULL: checked where required).
+  const struct {
+    const char* name;
+    const void* ptr;
+  } words[] = {{"lists", p.lists},
+               {"lengths", p.lengths},
+               {"dense_table", p.dense_table},
+               {"context_lens", p.context_lens},
+               {"lse", p.lse},
+               {"error_word", p.error_word},
+               {"block_positions", p.block_positions},
+               {"feedback_rows", p.feedback_rows}};
+  for (const auto& w : words) {
+    if (reinterpret_cast<uintptr_t>(w.ptr) % 4 != 0) {
+      return std::string(w.name) + " is not 4-byte aligned";
+    }
+  }
   if (p.length_kind == EPS_ATTN_VISIT_COUNT &&
       (p.dense_table == nullptr || p.context_lens == nullptr)) {
     return "EPS_ATTN_VISIT_COUNT needs dense_table and context_lens (dense fallback of "
@@ -174,6 +205,9 @@ std::string DescribeListError(const int32_t word[EPS_ATTN_ERROR_WORDS]) {
       return where + "block id " + Str(word[3]) + " not in [0, num_blocks)";
     case kListContext:
       return where + "context_lens=" + Str(word[3]) + " (an empty sequence)";
+    case kListCount:
+      return where + "visit_count " + Str(word[3]) +
+             " exceeds the blocks of its sequence (ceil(context_lens / block_size))";
     case kFeedbackPosition:
       return where + "block_positions gives position " + Str(word[3]) +
              ", outside the feedback buffer's groups (feedback entry skipped)";

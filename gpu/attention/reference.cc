@@ -130,6 +130,13 @@ extern "C" int32_t eps_attn_reference_host(const EpsAttnParams* params, double* 
           scores[t] = s;
           max_score = std::max(max_score, s);
         }
+        if (max_score == -INFINITY) {
+          // Every score -inf (keys of -inf): nothing to attend to. The kernels write
+          // zeros and lse -inf for such a row; so does the reference, not NaN.
+          for (int e = 0; e < d; ++e) out_f64[(row * p.num_q_heads + qh) * d + e] = 0.0;
+          if (lse_f64 != nullptr) lse_f64[row * p.num_q_heads + qh] = -INFINITY;
+          continue;
+        }
         double total = 0.0;
         std::fill(acc.begin(), acc.end(), 0.0);
         for (int32_t t = 0; t < list.tokens; ++t) {

@@ -24,6 +24,7 @@ enum ListError : int32_t {
   kListContext = 4,       // context_lens[row] <= 0 in EPS_ATTN_VISIT_COUNT: value = it
   kFeedbackPosition = 5,  // block_positions[id] outside the feedback's groups: value = it
   kFeedbackRow = 6,       // feedback_rows[row] outside [0, feedback_seqs): value = it
+  kListCount = 7,         // a visit_count above the sequence's blocks: value = the count
 };
 
 // The first feedback entry of (row, query head), -1 when params carry no feedback or
@@ -91,6 +92,9 @@ EPS_ATTN_HD RowList ResolveRow(const EpsAttnParams& p, int64_t row, int64_t kv_h
       tokens = context;
       count = (context + bs - 1) / bs;
     } else {
+      // More blocks than the sequence has would read tokens past its end as if they
+      // were its own (a list can name each block once).
+      if (n > (context + bs - 1) / bs) return RowList{list, 0, 0, kListCount, n};
       count = n;
       tokens = n == 0 ? 0 : (n - 1) * bs + (context - (context - 1) / bs * bs);
     }

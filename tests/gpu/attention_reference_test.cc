@@ -156,6 +156,45 @@ TEST(AttentionReference, BlockIdOutOfRangeIsAnError) {
   EXPECT_NE(r.message.find("block id -3 not in [0, num_blocks)"), std::string::npos) << r.message;
 }
 
+TEST(AttentionReference, VisitCountAboveTheSequencesBlocksIsAnError) {
+  // A count of 4 for a 20-token sequence (2 blocks) read tokens past its end as its own.
+  CaseShape s;
+  s.batch = 1;
+  s.contexts = {20};
+  s.keep = 1.0;
+  s.length_kind = EPS_ATTN_VISIT_COUNT;
+  AttentionCase c(s, FreshSeed());
+  ASSERT_EQ(c.lengths[0], 2);
+  c.lengths[0] = 3;
+  const Result r = Reference(c);
+  EXPECT_EQ(r.code, EPS_ATTN_ELIST);
+  EXPECT_NE(r.message.find("row 0 KV head 0: visit_count 3 exceeds the blocks of its sequence"),
+            std::string::npos)
+      << r.message;
+}
+
+TEST(AttentionReference, AHeadWhoseEveryScoreIsMinusInfinityGivesZerosAndMinusInfinityLse) {
+  // As the kernels write it (the reference gave NaN: exp(-inf - -inf)).
+  CaseShape s;
+  s.batch = 2;
+  s.contexts = {20, 20};
+  s.keep = 1.0;
+  s.num_q_heads = s.num_kv_heads = 1;
+  s.dtype = EPS_ATTN_FP16;
+  AttentionCase c(s, FreshSeed());
+  const int d = s.head_dim;
+  for (int e = 0; e < d; ++e) c.q[e] = ToBits(1.0f, s.dtype);  // row 0's query
+  for (int j = 0; j < 2; ++j) {                                // every key of row 0's blocks: -inf
+    const size_t block = static_cast<size_t>(c.lists[j]);
+    for (size_t i = block * 16 * d; i < (block + 1) * 16 * d; ++i) c.kv[i] = 0xFC00;
+  }
+  const Result r = Reference(c);
+  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+  for (int e = 0; e < d; ++e) ASSERT_EQ(r.out[e], 0.0) << e;
+  EXPECT_EQ(r.lse[0], -INFINITY);
+  EXPECT_TRUE(std::isfinite(r.lse[1]));  // row 1 is untouched
+}
+
 std::vector<double> ReferenceFeedback(const AttentionCase& c, int32_t* code = nullptr) {
   std::vector<double> out(c.OutElements()), lse(c.LseElements());
   std::vector<double> feedback(c.feedback.begin(), c.feedback.end());
@@ -322,6 +361,20 @@ TEST(AttentionParams, EachInvalidFieldIsNamedWithItsValue) {
       {Feedback(1, 10, 10), "feedback_stride_row=10 is less than"},
       {Feedback(1, 10, 1 << 30), "one layer's feedback must hold fewer than 2^31"},
       {Feedback(1, 10, 1000), "block_positions is NULL"},
+      // 6148914691236517206 * 8 heads wrapped int64 and passed the row check.
+      {Feedback(1, 6148914691236517206LL, 3), "each must be at most 2^31 entries"},
+      {Feedback(1, 10, int64_t{1} << 40), "each must be at most 2^31 entries"},
+      {[](EpsAttnParams& p) { p.softcap = 1e-40f; }, "exceeds 1e30"},
+      {[](EpsAttnParams& p) {
+         p.lists = reinterpret_cast<const int32_t*>(reinterpret_cast<const char*>(p.lists) + 1);
+       },
+       "lists is not 4-byte aligned"},
+      {[](EpsAttnParams& p) { p.lse = reinterpret_cast<float*>(static_cast<char*>(p.out) + 2); },
+       "lse is not 4-byte aligned"},
+      {[](EpsAttnParams& p) {
+         p.error_word = reinterpret_cast<int32_t*>(static_cast<char*>(p.out) + 2);
+       },
+       "error_word is not 4-byte aligned"},
   };
   for (const auto& [mutate, expected] : cases) {
     EpsAttnParams p = c.params;

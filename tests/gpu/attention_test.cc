@@ -29,20 +29,13 @@ using testing::RunOnDevice;
 // by stays in float32. So every variant is within u·(1 + |ref|) plus float32
 // accumulation; the tolerances are 3u (bf16: 1.2e-2) and 4u (fp16: 2e-3) of that scale.
 // lse is float32 in every variant (no 16-bit probability enters it).
-void ExpectMatchesReference(const AttentionCase& c, uint32_t seed) {
-  std::vector<double> ref_out(c.OutElements()), ref_lse(c.LseElements());
-  std::vector<double> ref_feedback(c.feedback.begin(), c.feedback.end());
-  ASSERT_EQ(eps_attn_reference_host(&c.params, ref_out.data(), ref_lse.data(),
-                                    c.feedback_group_blocks ? ref_feedback.data() : nullptr),
-            EPS_ATTN_OK)
-      << eps_attn_last_error();
-  const GpuResult r = RunOnDevice(c);
-  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
-  ASSERT_EQ(r.list_code, EPS_ATTN_OK) << r.message;
-  const double tol = c.shape.dtype == EPS_ATTN_BF16 ? 1.2e-2 : 2e-3;
+// Reports (up to 5) outputs and lse of `r` outside the tolerances below; returns how many.
+int CountMismatches(const GpuResult& r, const std::vector<double>& ref_out,
+                    const std::vector<double>& ref_lse, int32_t dtype, uint32_t seed) {
+  const double tol = dtype == EPS_ATTN_BF16 ? 1.2e-2 : 2e-3;
   int bad = 0;
   for (size_t i = 0; i < ref_out.size() && bad < 5; ++i) {
-    const double got = FromBits(r.out[i], c.shape.dtype);
+    const double got = FromBits(r.out[i], dtype);
     if (!(std::abs(got - ref_out[i]) <= tol * (1.0 + std::abs(ref_out[i])))) {
       ADD_FAILURE() << "seed " << seed << " out[" << i << "] = " << got << ", reference "
                     << ref_out[i];
@@ -56,6 +49,20 @@ void ExpectMatchesReference(const AttentionCase& c, uint32_t seed) {
       ++bad;
     }
   }
+  return bad;
+}
+
+void ExpectMatchesReference(const AttentionCase& c, uint32_t seed) {
+  std::vector<double> ref_out(c.OutElements()), ref_lse(c.LseElements());
+  std::vector<double> ref_feedback(c.feedback.begin(), c.feedback.end());
+  ASSERT_EQ(eps_attn_reference_host(&c.params, ref_out.data(), ref_lse.data(),
+                                    c.feedback_group_blocks ? ref_feedback.data() : nullptr),
+            EPS_ATTN_OK)
+      << eps_attn_last_error();
+  const GpuResult r = RunOnDevice(c);
+  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+  ASSERT_EQ(r.list_code, EPS_ATTN_OK) << r.message;
+  int bad = CountMismatches(r, ref_out, ref_lse, c.shape.dtype, seed);
   // Feedback: the same entries written (NaN where no list visits), each a float32
   // log-sum-exp like lse.
   ASSERT_EQ(r.feedback.size(), c.feedback_group_blocks ? ref_feedback.size() : 0);
@@ -328,6 +335,62 @@ TEST(PagedAttention, BlockIdOutOfRangeIsReportedAndNeverRead) {
   EXPECT_NE(r.message.find("block id " + std::to_string(c.num_blocks + 100000)), std::string::npos)
       << r.message;
   for (uint16_t bits : r.out) ASSERT_TRUE(std::isfinite(FromBits(bits, s.dtype)));
+}
+
+// A block id outside the cache is recorded and skipped, never read: its row attends over
+// its other blocks (docs/benchmarks/attention.md), with one split or several.
+TEST(PagedAttention, ABadBlockIdIsSkippedAndItsRowAttendsOverItsOtherBlocks) {
+  SKIP_WITHOUT_DEVICE();
+  for (int splits : {1, 3}) {
+    CaseShape s;
+    s.batch = 2;
+    s.contexts = {300, 300};
+    s.keep = 1.0;
+    s.num_splits = splits;
+    const uint32_t seed = FreshSeed();
+    AttentionCase c(s, seed);
+    AttentionCase without(s, seed);  // the same data; row 1 without its (full) block 3
+    const auto row1 = static_cast<ptrdiff_t>(c.max_blocks);  // lists: [batch, max_blocks]
+    c.lists[row1 + 3] = -5;
+    std::copy(without.lists.begin() + row1 + 4, without.lists.begin() + 2 * row1,
+              without.lists.begin() + row1 + 3);
+    without.lists[2 * row1 - 1] = -7;
+    without.lengths[1 * s.num_kv_heads] -= 16;
+    std::vector<double> ref_out(without.OutElements()), ref_lse(without.LseElements());
+    ASSERT_EQ(eps_attn_reference_host(&without.params, ref_out.data(), ref_lse.data(), nullptr),
+              EPS_ATTN_OK)
+        << eps_attn_last_error();
+    const GpuResult r = RunOnDevice(c);
+    ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+    EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
+    EXPECT_NE(r.message.find("row 1 KV head 0: block id -5"), std::string::npos) << r.message;
+    EXPECT_EQ(CountMismatches(r, ref_out, ref_lse, s.dtype, seed), 0) << "splits " << splits;
+  }
+}
+
+// A visit count above the sequence's blocks would read tokens past its end as its own:
+// recorded, and the row written as an empty one.
+TEST(PagedAttention, AVisitCountAboveTheSequencesBlocksIsReportedAndWrittenAsZeros) {
+  SKIP_WITHOUT_DEVICE();
+  CaseShape s;
+  s.batch = 2;
+  s.contexts = {20, 300};
+  s.keep = 1.0;
+  s.length_kind = EPS_ATTN_VISIT_COUNT;
+  AttentionCase c(s, FreshSeed());
+  c.lengths[0] = 3;                    // row 0 has 2 blocks
+  c.lists[2] = c.table[c.max_blocks];  // a valid id (row 1's first block)
+  const GpuResult r = RunOnDevice(c);
+  ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
+  EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
+  EXPECT_NE(r.message.find("visit_count 3 exceeds the blocks of its sequence"), std::string::npos)
+      << r.message;
+  const size_t row = static_cast<size_t>(s.num_q_heads) * s.head_dim;
+  for (size_t i = 0; i < row; ++i) ASSERT_EQ(FromBits(r.out[i], s.dtype), 0.0) << i;
+  for (int h = 0; h < s.num_q_heads; ++h) {
+    EXPECT_EQ(r.lse[h], -INFINITY);
+    EXPECT_TRUE(std::isfinite(r.lse[s.num_q_heads + h]));
+  }
 }
 
 TEST(PagedAttention, ErrorWordIsClearedByReading) {

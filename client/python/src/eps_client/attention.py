@@ -255,6 +255,11 @@ def _row_list(
         if n < 0:
             row, tokens, count = dense[b], ctx, -(-ctx // block_size)
         else:
+            if n > -(-ctx // block_size):
+                raise AttentionListError(
+                    f"row {b} KV head {h}: visit_count {n} exceeds the blocks of its sequence "
+                    f"(ceil({ctx} / {block_size}))"
+                )
             last = ctx - (ctx - 1) // block_size * block_size
             count = n
             tokens = (n - 1) * block_size + last if n > 0 else 0
@@ -306,10 +311,15 @@ def reference_numpy(
             if softcap > 0:
                 s = softcap * np.tanh(s / softcap)
             m = s.max(axis=1, keepdims=True)
-            p = np.exp(s - m)
-            total = p.sum(axis=1, keepdims=True)
+            # A head whose every score is -inf attends to nothing: zeros and lse -inf, as
+            # the kernels write (not the NaN of exp(-inf - -inf)).
+            dead = np.isneginf(m)
+            m_use = np.where(dead, 0.0, m)
+            p = np.exp(s - m_use)  # all 0 in a dead head
+            total = np.where(dead, 1.0, p.sum(axis=1, keepdims=True))
             out[b, h * group : (h + 1) * group] = p @ v / total
-            lse[b, h * group : (h + 1) * group] = (m + np.log(total))[:, 0]
+            lse_h = np.where(dead, -np.inf, m_use + np.log(total))
+            lse[b, h * group : (h + 1) * group] = lse_h[:, 0]
     return out, lse
 
 
@@ -323,9 +333,9 @@ def paged_decode_attention_reference(
     softcap: float = 0.0,
     out: Any = None,
     return_lse: bool = False,
-    feedback: FeedbackTarget | None = None,
 ) -> Any:
-    """paged_decode_attention in float64 on the CPU, for tests; any device in and out.
+    """paged_decode_attention in float64 on the CPU, for tests; any device in and out
+    (without selection feedback, which it does not compute).
 
     Returns out in q's dtype and device (written into ``out`` when given), and lse
     float32 when return_lse.
