@@ -29,13 +29,17 @@
  *
  * Errors. Host-visible arguments (shapes, dtypes, strides, alignment, sizes) are checked
  * before any launch: the call returns EPS_ATTN_EINVAL and eps_attn_last_error() names
- * the field and its value. List contents live on the device and are checked there: an
- * empty row (tokens or count 0, or context_lens 0), a block id outside [0, num_blocks)
- * or a list longer than max_list_blocks is recorded in `error_word` (first error wins)
- * and never read out of bounds; such a row's output is zeros and its lse -inf, so
- * outputs stay NaN-free. eps_attn_read_error() synchronises the stream and turns the
- * word into EPS_ATTN_ELIST and a message. Without an error_word the errors are not
- * reported, and the outputs are the same.
+ * the field and its value. List contents live on the device and are checked there,
+ * recorded in `error_word` (first error wins) and never read out of bounds: a row that
+ * cannot be read (tokens or count 0, context_lens 0, a list longer than max_list_blocks,
+ * a visit_count above the sequence's ceil(context_lens / block_size) blocks) is written
+ * as zeros with lse -inf; a block id outside [0, num_blocks) is skipped, so its row
+ * attends over its other listed blocks. eps_attn_read_error() synchronises the stream
+ * and turns the word into EPS_ATTN_ELIST and a message. Without an error_word the
+ * errors are not reported, and the outputs are the same. Not checked: that the partial
+ * block is listed last (EPS_ATTN_VISIT_COUNT); that scores are finite in float32 (an
+ * overflowing score makes its row NaN; a head whose every score is -inf gets zeros and
+ * lse -inf).
  *
  * Selection feedback (optional; docs/api.md "Selection feedback"). With `feedback` set,
  * the call also writes, for every group of blocks a row's list visits, each query

@@ -557,8 +557,10 @@ def paged_decode_attention(
     softmax_scale defaults to 1/sqrt(d); softcap > 0 applies softcap * tanh(s / softcap).
     Returns out [batch, num_q_heads, d] (q's dtype), and lse float32 [batch,
     num_q_heads] (natural log) when return_lse. Runs on the current stream. Invalid
-    lists (seqused_k 0, block ids out of range) give zero rows and are raised by
-    check_attention_errors() (or after every call with EPS_ATTENTION_CHECK=1).
+    lists are raised by check_attention_errors() (or after every call with
+    EPS_ATTENTION_CHECK=1): a row that cannot be read (seqused_k 0, a list longer than
+    its row) is written as zeros; a block id out of range is skipped (never read), so
+    its row attends over its other blocks.
     With ``feedback``, each visited group's log-sum-exp per query head is combined into
     feedback.buffer (FeedbackTarget; paged_attention.h, "Selection feedback").
     """
