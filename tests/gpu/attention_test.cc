@@ -363,7 +363,9 @@ TEST(PagedAttention, ABadBlockIdIsSkippedAndItsRowAttendsOverItsOtherBlocks) {
     const GpuResult r = RunOnDevice(c);
     ASSERT_EQ(r.code, EPS_ATTN_OK) << r.message;
     EXPECT_EQ(r.list_code, EPS_ATTN_ELIST);
-    EXPECT_NE(r.message.find("row 1 KV head 0: block id -5"), std::string::npos) << r.message;
+    // Both KV heads read the row's one list: whichever records first is named.
+    EXPECT_NE(r.message.find("row 1 KV head "), std::string::npos) << r.message;
+    EXPECT_NE(r.message.find(": block id -5 not in"), std::string::npos) << r.message;
     EXPECT_EQ(CountMismatches(r, ref_out, ref_lse, s.dtype, seed), 0) << "splits " << splits;
   }
 }
