@@ -191,3 +191,45 @@ def test_detach_also_ends_a_session_a_background_reattach_is_being_granted(tmp_p
             assert client.select_pages(1, [(0, 1, 0)]).fallback  # the re-attach starts
         assert servicer.granted == ["s-1"]
         assert servicer.detached == ["s-1"]
+
+
+class HeldAttach(pb_grpc.PageSelectorServicer):
+    """Holds every Attach until released (or 5 s), then grants a session."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        self.calls += 1
+        self.release.wait(5.0)
+        return pb.AttachResponse(session_id=f"s-{self.calls}")
+
+
+def test_attach_with_a_background_reattach_in_flight_keeps_to_one_attach_deadline(tmp_path):
+    """attach() waited attach_deadline for the background re-attach, then another
+    attach_deadline for its own call: twice what the option promises."""
+    servicer = HeldAttach()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=0.05, attach_deadline_s=0.4)
+        client = EpsClient.from_request(options, pb.AttachRequest(engine_id="e"))
+        assert client.select_pages(1, [(0, 1, 0)]).fallback  # the background re-attach starts
+        start = time.monotonic()
+        with pytest.raises(EpsError) as e:
+            client.attach()
+        took = time.monotonic() - start
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert took < 0.4 + 0.2, took  # one deadline (was 0.8 s)
+        servicer.release.set()
+        client.close()
+
+
+def test_attach_adopts_a_background_reattach_granted_meanwhile(tmp_path):
+    servicer = SlowAttach()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=0.05, attach_deadline_s=5.0)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            assert client.select_pages(1, [(0, 1, 0)]).fallback  # the re-attach starts
+            info = client.attach()
+            assert info.session_id == "s-1" and client.session_id == "s-1"
+        assert servicer.granted == ["s-1"]  # no second Attach replaced it

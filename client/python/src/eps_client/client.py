@@ -257,9 +257,17 @@ class EpsClient:
     def attach(self) -> AttachInfo:
         """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily."""
         self._check_open()
-        self._take_pending_attach()
+        # One attach_deadline for the whole call: a background re-attach in flight is waited
+        # for within it, and a session it was granted is this call's answer.
+        deadline = time.monotonic() + self.options.attach_deadline_s
+        if self._take_pending_attach(deadline) and self.attach_info is not None:
+            return self.attach_info
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise EpsError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           "Attach: attach_deadline passed waiting for a background re-attach")
         try:
-            response = self.stub.Attach(self._attach, timeout=self.options.attach_deadline_s,
+            response = self.stub.Attach(self._attach, timeout=remaining,
                                         metadata=self._metadata())
         except grpc.RpcError as e:
             self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
@@ -274,13 +282,15 @@ class EpsClient:
         attach_deadline_s), which would otherwise stay on epsd until its lease ran out."""
         self._check_open()
         self._close_stream()
-        self._take_pending_attach()
+        deadline = time.monotonic() + self.options.attach_deadline_s  # one for the whole call
+        self._take_pending_attach(deadline)
         if not self.session_id:
             return
         session, self.session_id = self.session_id, ""
         try:
             self.stub.Detach(pb.DetachRequest(session_id=session),
-                             timeout=self.options.attach_deadline_s, metadata=self._metadata())
+                             timeout=max(deadline - time.monotonic(), 0.001),
+                             metadata=self._metadata())
         except grpc.RpcError as e:
             raise EpsError(e.code(), e.details() or "") from None
         except ValueError as e:
@@ -491,16 +501,18 @@ class EpsClient:
         return StepResult(step=step, fallback=True, code=code, message=message,
                           round_trip_us=(time.monotonic() - start) * 1e6)
 
-    def _take_pending_attach(self) -> None:
-        """Waits for a background re-attach (its call is bounded by attach_deadline_s) and
-        adopts the session it was granted, if any."""
+    def _take_pending_attach(self, deadline: float) -> bool:
+        """Waits for a background re-attach until `deadline` (time.monotonic()) and adopts the
+        session it was granted, if any (True); one not finished by then is cancelled."""
         if self._pending_attach is None:
-            return
+            return False
         pending, self._pending_attach = self._pending_attach, None
         try:
-            self._adopt(pending.result(timeout=self.options.attach_deadline_s))
+            self._adopt(pending.result(timeout=max(deadline - time.monotonic(), 0.0)))
+            return True
         except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
             pending.cancel()
+            return False
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
         if self._attached_before:
