@@ -1,9 +1,17 @@
 #include "client/cpp/buffer_plan.h"
 
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace eps::client {
 namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 v1::DType ProtoDType(DType dtype) {
   switch (dtype) {
@@ -26,8 +34,29 @@ v1::MemoryDescriptor* MutableDescriptor(v1::SharedBuffers& s, const BufferSpec& 
 
 absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const BufferShape& shape) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
-  if (shape.num_slots < 1 || shape.max_seqs < 1 || shape.max_context < 1 || shape.max_batch < 1) {
-    return absl::InvalidArgumentError("every BufferShape field must be >= 1");
+  // epsd's own limits (docs/api.md §3): slots, table rows and batch positions are int32
+  // indices, block ids and visit counts int32, so a list holds at most 2^31-1 blocks.
+  const std::pair<const char*, int64_t> counts[] = {
+      {"num_slots", shape.num_slots}, {"max_seqs", shape.max_seqs}, {"max_batch", shape.max_batch}};
+  for (const auto& [name, value] : counts) {
+    if (value < 1 || value > kInt32Max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("BufferShape.", name, "=", value, " is not in [1, 2^31-1]"));
+    }
+  }
+  if (shape.max_context < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BufferShape.max_context=", shape.max_context, " must be >= 1"));
+  }
+  if (BlocksFor(shape.max_context, model.block_size) > kInt32Max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BufferShape.max_context=", shape.max_context, " is ",
+                     BlocksFor(shape.max_context, model.block_size), " blocks of ",
+                     model.block_size, " tokens: a list holds at most 2^31-1 blocks"));
+  }
+  if (shape.coarse_slots > kInt32Max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BufferShape.coarse_slots=", shape.coarse_slots, " exceeds 2^31-1"));
   }
   if (model.has_coarse_level() ? shape.coarse_slots < 1 : shape.coarse_slots != 0) {
     return absl::InvalidArgumentError(absl::StrCat("BufferShape.coarse_slots=", shape.coarse_slots,
@@ -54,20 +83,34 @@ absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const Buffe
   }
   // Every buffer of the layout in the contract's order (flags too, used or not), each
   // aligned; the coarse ones only with a coarse level (their dims are unknown, -1, else),
-  // feedback only when asked for (it is as large as max_seqs rows of scores).
-  uint64_t offset = 0;
+  // feedback only when asked for (it is as large as max_seqs rows of scores). Each
+  // product and sum is checked: fields within the bounds above can still multiply past
+  // int64 (a plan that wrapped once mapped 1536 bytes for 2^62 slots' records), and the
+  // whole allocation must fit an off_t.
+  constexpr int64_t kMaxBytes = std::numeric_limits<int64_t>::max();
+  int64_t offset = 0;
   for (const BufferSpec& spec : kBufferContract) {
     if (!BufferApplies(spec, model)) continue;
     if (spec.id == SharedBuffer::kFeedback && !shape.with_feedback) continue;
     const int i = static_cast<int>(spec.id);
-    int64_t elements = 1;
-    for (int64_t dim : ShapeOf(spec, p.dims, shape.granularity)) elements *= dim;
-    p.offsets[i] = offset;
+    const std::vector<int64_t> dims = ShapeOf(spec, p.dims, shape.granularity);
+    int64_t elements = 1, bytes = 0, end = 0;
+    bool overflow = false;
+    for (int64_t dim : dims) overflow |= __builtin_mul_overflow(elements, dim, &elements);
+    overflow = overflow ||
+               __builtin_mul_overflow(elements, int64_t{DTypeSize(spec.dtype)}, &bytes) ||
+               __builtin_add_overflow(offset, bytes, &end) ||
+               end > kMaxBytes - static_cast<int64_t>(kBufferAlignment);
+    if (overflow) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("BufferShape: ", spec.name, " [", absl::StrJoin(dims, ", "), "] at byte ",
+                       offset, " takes the allocation past 2^63 bytes"));
+    }
+    p.offsets[i] = static_cast<uint64_t>(offset);
     p.elements[i] = elements;
-    const uint64_t bytes = uint64_t(elements) * DTypeSize(spec.dtype);
-    offset = (offset + bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+    offset = (end + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
   }
-  p.size = offset;
+  p.size = static_cast<uint64_t>(offset);
   p.pool_words = p.elements[static_cast<int>(SharedBuffer::kSummaryPool)];
   const auto at = [&](SharedBuffer b) { return p.offsets[static_cast<int>(b)]; };
   p.pool = at(SharedBuffer::kSummaryPool);

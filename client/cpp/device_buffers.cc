@@ -1,6 +1,7 @@
 #include "client/cpp/device_buffers.h"
 
 #include "absl/strings/str_cat.h"
+#include "client/cpp/device_scope.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -64,13 +65,15 @@ absl::Status DeviceBuffers::WaitSelection(cudaStream_t stream, uint64_t step) {
 }
 
 absl::Status DeviceBuffers::ReleaseDense(uint64_t step, cudaStream_t stream) {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  DeviceScope scope;  // the calling thread keeps its own current device
+  RETURN_IF_ERROR(scope.Enter(device_));
   const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;
   return gpu::StreamReleaseDense(stream, visit_count(), lists, flags() + 1, step);
 }
 
 absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  DeviceScope scope;
+  RETURN_IF_ERROR(scope.Enter(device_));
   const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;
   RETURN_IF_ERROR(gpu::StreamReleaseDense(side_stream_, visit_count(), lists, flags() + 1, step));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
@@ -78,7 +81,8 @@ absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
 }
 
 absl::StatusOr<uint64_t> DeviceBuffers::ReadSelectionDone() {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  DeviceScope scope;
+  RETURN_IF_ERROR(scope.Enter(device_));
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_done_, flags() + 1, sizeof(uint64_t),
                                        cudaMemcpyDeviceToHost, side_stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));

@@ -17,7 +17,8 @@
 // Ownership: the allocation is freed in the destructor (after the device is
 // idle for it). Thread safety: ReleaseDense and ReadSelectionDone may run on
 // another thread (the watchdog's) than the engine's; everything else is the
-// engine thread's.
+// engine thread's. ReleaseDense and ReadSelectionDone leave the calling thread's
+// current device as they found it.
 #pragma once
 
 #include <cuda_runtime.h>

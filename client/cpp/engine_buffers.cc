@@ -64,50 +64,80 @@ v1::SharedBuffers EngineBuffers::Descriptors() const {
   return plan_.Descriptors(memory);
 }
 
+bool EngineBuffers::InModel(int layer, int kv_head) const {
+  return layer >= 0 && layer < plan_.model.num_layers && kv_head >= 0 &&
+         kv_head < plan_.model.num_kv_heads;
+}
+
+bool EngineBuffers::InBatch(int layer, int64_t batch_pos, int list) const {
+  return layer >= 0 && layer < plan_.model.num_layers && batch_pos >= 0 &&
+         batch_pos < plan_.shape.max_batch && list >= 0 && list < plan_.lists;
+}
+
 std::span<float> EngineBuffers::Record(int64_t slot, int layer, int kv_head) {
+  if (slot < 0 || slot >= plan_.shape.num_slots || !InModel(layer, kv_head)) return {};
   return {pool_ + plan_.RecordIndex(slot, layer, kv_head), static_cast<size_t>(plan_.record_words)};
 }
 
 std::span<float> EngineBuffers::CoarseRecord(int64_t slot, int layer, int kv_head) {
   if (!plan_.model.has_coarse_level()) return {};
+  if (slot < 0 || slot >= plan_.shape.coarse_slots || !InModel(layer, kv_head)) return {};
   return {At<float>(plan_.coarse_pool) + plan_.RecordIndex(slot, layer, kv_head),
           static_cast<size_t>(plan_.record_words)};
 }
 
 std::span<int32_t> EngineBuffers::CoarseRow(int64_t row) {
-  if (!plan_.model.has_coarse_level()) return {};
+  if (!plan_.model.has_coarse_level() || row < 0 || row >= plan_.shape.max_seqs) return {};
   return {At<int32_t>(plan_.coarse_table) + row * plan_.max_coarse_groups,
           static_cast<size_t>(plan_.max_coarse_groups)};
 }
 
 std::span<float> EngineBuffers::FeedbackRow(int layer, int64_t row, int q_head) {
-  if (!plan_.shape.with_feedback) return {};
+  if (!plan_.shape.with_feedback || layer < 0 || layer >= plan_.model.num_layers || row < 0 ||
+      row >= plan_.shape.max_seqs || q_head < 0 || q_head >= plan_.model.num_q_heads) {
+    return {};
+  }
   return {At<float>(plan_.feedback) + plan_.FeedbackIndex(layer, row, q_head),
           static_cast<size_t>(plan_.max_groups)};
 }
 
 std::span<int32_t> EngineBuffers::GroupRow(int64_t row) {
+  if (row < 0 || row >= plan_.shape.max_seqs) return {};
   return {At<int32_t>(plan_.groups) + row * plan_.max_groups,
           static_cast<size_t>(plan_.max_groups)};
 }
 
 std::span<int32_t> EngineBuffers::BlockRow(int64_t row) {
+  if (row < 0 || row >= plan_.shape.max_seqs) return {};
   return {At<int32_t>(plan_.blocks) + row * plan_.max_blocks,
           static_cast<size_t>(plan_.max_blocks)};
 }
 
 std::span<float> EngineBuffers::Query(int layer, int64_t batch_pos, int q_head) {
+  if (layer < 0 || layer >= plan_.model.num_layers || batch_pos < 0 ||
+      batch_pos >= plan_.shape.max_batch || q_head < 0 || q_head >= plan_.model.num_q_heads) {
+    return {};
+  }
   return {At<float>(plan_.queries) + plan_.QueryIndex(layer, batch_pos, q_head),
           static_cast<size_t>(plan_.model.head_dim)};
 }
 
 std::span<const int32_t> EngineBuffers::VisitBlocks(int layer, int64_t batch_pos, int list) const {
-  return {
+  return Visits(layer, batch_pos, list).value_or(std::span<const int32_t>());
+}
+
+std::optional<std::span<const int32_t>> EngineBuffers::Visits(int layer, int64_t batch_pos,
+                                                              int list) const {
+  const int32_t count = VisitCount(layer, batch_pos, list);
+  if (count < 0) return std::nullopt;
+  // visit_count is shared memory epsd writes: a count past the row never reads past it.
+  return std::span<const int32_t>(
       At<const int32_t>(plan_.visit) + plan_.ListIndex(layer, batch_pos, list) * plan_.max_blocks,
-      static_cast<size_t>(std::max(0, VisitCount(layer, batch_pos, list)))};
+      static_cast<size_t>(std::min<int64_t>(count, plan_.max_blocks)));
 }
 
 int32_t EngineBuffers::VisitCount(int layer, int64_t batch_pos, int list) const {
+  if (!InBatch(layer, batch_pos, list)) return -1;
   return At<const int32_t>(plan_.count)[plan_.ListIndex(layer, batch_pos, list)];
 }
 

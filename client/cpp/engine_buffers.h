@@ -5,10 +5,17 @@
 // Ownership: EngineBuffers creates the object, maps it, and unlinks and unmaps
 // it in its destructor. Thread safety: none; the engine writes inputs before
 // SelectPages and reads outputs after it.
+//
+// Indices are checked on every access (a few integer compares): an index outside the
+// plan's shape (slot >= num_slots, row >= max_seqs, layer, batch position, head or
+// list outside the model) gives an empty span, never memory outside the buffer, and
+// VisitCount -1 ("attend densely", always a correct attention). The spans of
+// VisitBlocks and Visits are at most max_blocks long whatever visit_count holds.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -47,7 +54,15 @@ class EngineBuffers {
   // each visited group's log-sum-exp there; epsd sets the step's rows to NaN again
   // after a step that succeeded (docs/api.md).
   std::span<float> FeedbackRow(int layer, int64_t row, int q_head);
+  // The visit list of (layer, batch position, list): VisitCount entries, clamped to
+  // max_blocks. Empty both for an empty list and for "attend densely" (count -1): use
+  // Visits, or VisitCount < 0, to tell them apart.
   std::span<const int32_t> VisitBlocks(int layer, int64_t batch_pos, int list = 0) const;
+  // The same list, or nullopt when the engine must attend densely (count < 0: a
+  // fallback or a released step; or an index outside the shape). The Python client's
+  // visits() (None for dense).
+  std::optional<std::span<const int32_t>> Visits(int layer, int64_t batch_pos, int list = 0) const;
+  // visit_count of the list: -1 "attend densely", else the blocks to visit.
   int32_t VisitCount(int layer, int64_t batch_pos, int list = 0) const;
   uint64_t selection_done() const;
 
@@ -65,6 +80,9 @@ class EngineBuffers {
   T* At(uint64_t offset) const {
     return reinterpret_cast<T*>(base_ + offset);
   }
+  // Whether the indices name an entry of the plan's shape.
+  bool InModel(int layer, int kv_head) const;
+  bool InBatch(int layer, int64_t batch_pos, int list) const;
 
   const BufferPlan plan_;
   std::string name_;

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "client/cpp/device_scope.h"
 #include "client/cpp/engine_outputs.h"
 #include "client/cpp/engine_summary_queue.h"
 #include "core/layout.h"
@@ -31,6 +32,20 @@ int Report(const absl::Status& status) {
   if (status.ok()) return 0;
   last_error = status.ToString();
   return static_cast<int>(status.code());
+}
+
+// InvalidArgument naming the call and what it lacks: every entry point checks its handle,
+// out-pointers and arrays before anything dereferences them (a null flags pointer once
+// made a device atomic at address 8, a fault that ends the CUDA context).
+int Refuse(const char* call, const std::string& what) {
+  return Report(absl::InvalidArgumentError(absl::StrCat(call, ": ", what)));
+}
+
+// The appends array of (appends, n): n >= 0, and the array non-null when n > 0.
+int CheckAppends(const char* call, const EpsKeyAppend* appends, int64_t n) {
+  if (n < 0) return Refuse(call, absl::StrCat("n=", n, " is negative"));
+  if (n > 0 && appends == nullptr) return Refuse(call, absl::StrCat("appends is null, n=", n));
+  return 0;
 }
 
 cudaStream_t Stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
@@ -52,8 +67,9 @@ absl::StatusOr<eps::DType> KeyDType(int32_t code) {
   }
 }
 
+// The caller checked (in, n) with CheckAppends.
 std::vector<eps::gpu::KeyAppend> Appends(const EpsKeyAppend* in, int64_t n) {
-  std::vector<eps::gpu::KeyAppend> out(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  std::vector<eps::gpu::KeyAppend> out(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     out[i] = {Ptr<float>(in[i].record),
               Ptr<const void>(in[i].keys),
@@ -110,6 +126,22 @@ struct EpsEngineWatchdog {
   uint64_t releases = 0;                           // guarded by mu
   std::thread thread;
 
+  // Stops the thread (if it started) and frees what was created, also after a failed
+  // create: the stream and pinned word are released whichever step failed.
+  ~EpsEngineWatchdog() {
+    if (thread.joinable()) {
+      {
+        std::lock_guard lock(mu);
+        stop = true;
+      }
+      cv.notify_all();
+      thread.join();
+    }
+    if (stream != nullptr || host_done != nullptr) cudaSetDevice(device);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (host_done != nullptr) cudaFreeHost(host_done);
+  }
+
   absl::StatusOr<uint64_t> ReadDone() {
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(host_done, flags + 1, sizeof(uint64_t), cudaMemcpyDeviceToHost, stream));
@@ -142,8 +174,10 @@ struct EpsEngineWatchdog {
   }
 };
 
+// Shared with the queues made from it (SummaryQueue keeps its writer alive), so that
+// destroying the writer before a queue is safe.
 struct EpsSummaryWriter {
-  std::unique_ptr<eps::gpu::DeviceSummaryWriter> writer;
+  std::shared_ptr<eps::gpu::DeviceSummaryWriter> writer;
   int32_t record_words = 0;
 };
 
@@ -158,6 +192,7 @@ int eps_engine_abi_version(void) { return EPS_ENGINE_ABI_VERSION; }
 const char* eps_engine_last_error(void) { return last_error.c_str(); }
 
 int eps_engine_device_count(int32_t* count) {
+  if (count == nullptr) return Refuse("eps_engine_device_count", "count is null");
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   cudaGetLastError();  // no device is not an error here
@@ -173,22 +208,29 @@ int eps_engine_preload(int32_t device) {
 }
 
 int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step) {
+  if (flags == 0) return Refuse("eps_engine_signal_inputs_ready", "flags is null");
   return Report(eps::gpu::StreamWriteCounter(Stream(stream), Ptr<uint64_t>(flags), step));
 }
 
 int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step) {
+  if (flags == 0) return Refuse("eps_engine_wait_selection", "flags is null");
   return Report(eps::gpu::StreamWaitCounter(Stream(stream), Ptr<uint64_t>(flags) + 1, step));
 }
 
 int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value) {
+  if (counter == 0) return Refuse("eps_engine_wait_counter", "counter is null");
   return Report(eps::gpu::StreamWaitCounter(Stream(stream), Ptr<uint64_t>(counter), value));
 }
 
 int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                              uint64_t step, uint64_t stream) {
-  if (cudaSetDevice(device) != cudaSuccess) {
-    return Report(absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, ")")));
+  if (flags == 0) return Refuse("eps_engine_release_dense", "flags is null");
+  if (n < 0) return Refuse("eps_engine_release_dense", absl::StrCat("n=", n, " is negative"));
+  if (n > 0 && visit_count == 0) {
+    return Refuse("eps_engine_release_dense", absl::StrCat("visit_count is null, n=", n));
   }
+  eps::client::DeviceScope scope;  // the caller's current device is restored on return
+  if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
   if (stream != 0) {
     return Report(eps::gpu::StreamReleaseDense(Stream(stream), Ptr<int32_t>(visit_count), n,
                                                Ptr<uint64_t>(flags) + 1, step));
@@ -208,6 +250,7 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
 
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out) {
+  if (out == nullptr) return Refuse("eps_engine_watchdog_create", "out is null");
   if (timeout_us < 1 || n < 1 || visit_count == 0 || flags == 0) {
     return Report(
         absl::InvalidArgumentError(absl::StrCat("watchdog: timeout_us=", timeout_us, ", n=", n,
@@ -226,8 +269,9 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
   if (cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking) != cudaSuccess) {
     return fail("cudaStreamCreateWithFlags");
   }
+  // From here on a failure leaves the cleanup to ~EpsEngineWatchdog (with `w`).
   if (cudaMallocHost(&w->host_done, sizeof(uint64_t)) != cudaSuccess) {
-    cudaStreamDestroy(w->stream);
+    w->host_done = nullptr;
     return fail("cudaMallocHost");
   }
   if (int rc = Report(eps::gpu::PreloadStreamOps()); rc != 0) return rc;
@@ -237,6 +281,7 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
 }
 
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step) {
+  if (w == nullptr) return Refuse("eps_engine_watchdog_arm", "the watchdog is null (destroyed?)");
   {
     std::lock_guard lock(w->mu);
     w->armed = step;
@@ -247,26 +292,20 @@ int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step) {
 }
 
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {
+  if (w == nullptr) {
+    Refuse("eps_engine_watchdog_releases", "the watchdog is null (destroyed?)");
+    return 0;
+  }
   std::lock_guard lock(w->mu);
   return w->releases;
 }
 
-void eps_engine_watchdog_destroy(EpsEngineWatchdog* w) {
-  if (w == nullptr) return;
-  {
-    std::lock_guard lock(w->mu);
-    w->stop = true;
-  }
-  w->cv.notify_all();
-  w->thread.join();
-  cudaSetDevice(w->device);
-  cudaStreamDestroy(w->stream);
-  cudaFreeHost(w->host_done);
-  delete w;
-}
+void eps_engine_watchdog_destroy(EpsEngineWatchdog* w) { delete w; }
 
 int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
                                      EpsSummaryWriter** out) {
+  if (m == nullptr) return Refuse("eps_engine_summary_writer_create", "model is null");
+  if (out == nullptr) return Refuse("eps_engine_summary_writer_create", "out is null");
   eps::ModelLayout model;
   model.num_layers = m->num_layers;
   model.num_q_heads = m->num_q_heads;
@@ -293,18 +332,25 @@ int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
   }
   const eps::gpu::KeyAppend warm{scratch.get(), scratch.get() + words, 1, 0, 0, 0};
   if (int rc = Report((*writer)->Append({warm}, eps::DType::kFloat32)); rc != 0) return rc;
-  *out = new EpsSummaryWriter{std::move(*writer), words};
+  *out = new EpsSummaryWriter{std::shared_ptr<eps::gpu::DeviceSummaryWriter>(std::move(*writer)),
+                              words};
   return 0;
 }
 
 int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, int64_t n,
                               int32_t key_dtype, uint64_t stream) {
+  if (w == nullptr) return Refuse("eps_engine_summary_append", "the writer is null (destroyed?)");
+  if (int rc = CheckAppends("eps_engine_summary_append", appends, n); rc != 0) return rc;
   absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
   if (!dtype.ok()) return Report(dtype.status());
   return Report(w->writer->Append(Appends(appends, n), *dtype, Stream(stream)));
 }
 
 int eps_engine_summary_writer_record_words(const EpsSummaryWriter* w, int32_t* out) {
+  if (w == nullptr) {
+    return Refuse("eps_engine_summary_writer_record_words", "the writer is null (destroyed?)");
+  }
+  if (out == nullptr) return Refuse("eps_engine_summary_writer_record_words", "out is null");
   *out = w->record_words;
   return 0;
 }
@@ -313,7 +359,11 @@ void eps_engine_summary_writer_destroy(EpsSummaryWriter* w) { delete w; }
 
 int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
                                     EpsSummaryQueue** out) {
-  auto q = eps::client::SummaryQueue::Create(*writer->writer, device);
+  if (writer == nullptr) {
+    return Refuse("eps_engine_summary_queue_create", "the writer is null (destroyed?)");
+  }
+  if (out == nullptr) return Refuse("eps_engine_summary_queue_create", "out is null");
+  auto q = eps::client::SummaryQueue::Create(writer->writer, device);
   if (!q.ok()) return Report(q.status());
   *out = new EpsSummaryQueue{std::move(*q)};
   return 0;
@@ -321,20 +371,35 @@ int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
 
 int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
                                     int32_t key_dtype, uint64_t after_stream, uint64_t step) {
+  if (q == nullptr)
+    return Refuse("eps_engine_summary_queue_submit", "the queue is null (destroyed?)");
+  if (int rc = CheckAppends("eps_engine_summary_queue_submit", appends, n); rc != 0) return rc;
   absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
   if (!dtype.ok()) return Report(dtype.status());
   return Report(q->queue->Submit(Appends(appends, n), *dtype, Stream(after_stream), step));
 }
 
 int eps_engine_summary_queue_wait(EpsSummaryQueue* q, uint64_t stream, uint64_t step) {
+  if (q == nullptr)
+    return Refuse("eps_engine_summary_queue_wait", "the queue is null (destroyed?)");
   return Report(q->queue->WaitSummaries(Stream(stream), step));
 }
 
-int eps_engine_summary_queue_drain(EpsSummaryQueue* q) { return Report(q->queue->Drain()); }
+int eps_engine_summary_queue_drain(EpsSummaryQueue* q) {
+  if (q == nullptr)
+    return Refuse("eps_engine_summary_queue_drain", "the queue is null (destroyed?)");
+  return Report(q->queue->Drain());
+}
 
 uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t buf_len) {
   std::string message;
-  const uint64_t errors = q->queue->errors(&message);
+  uint64_t errors = 0;
+  if (q == nullptr) {
+    Refuse("eps_engine_summary_queue_errors", "the queue is null (destroyed?)");
+    message = last_error;
+  } else {
+    errors = q->queue->errors(&message);
+  }
   if (buf != nullptr && buf_len > 0) {
     const size_t n = std::min<size_t>(message.size(), static_cast<size_t>(buf_len - 1));
     std::memcpy(buf, message.data(), n);

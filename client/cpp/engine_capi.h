@@ -14,9 +14,15 @@
  * Every function returns 0 or a canonical status code (absl::StatusCode values),
  * with the message in eps_engine_last_error() (per thread). Streams are cudaStream_t
  * handles (torch.cuda.Stream.cuda_stream), pointers device addresses. Handles are
- * owned by the caller and freed with their destroy function. Thread safety: each
- * handle is used by one thread at a time, except eps_engine_watchdog_* which may be
- * called from any thread.
+ * owned by the caller and freed with their destroy function (NULL: a no-op). Every
+ * entry point refuses, with 3 (INVALID_ARGUMENT) and a message, a NULL handle, a NULL
+ * required pointer (flags, counters, out-pointers, the model), a NULL array with n > 0
+ * and n < 0, before anything is dereferenced; the two that return a count
+ * (watchdog_releases, summary_queue_errors) return 0 for a NULL handle and set the
+ * message. A destroyed handle is the caller's to forget: it cannot be detected.
+ * Functions that take a `device` leave the calling thread's current device as they
+ * found it (release_dense). Thread safety: each handle is used by one thread at a
+ * time, except eps_engine_watchdog_* which may be called from any thread.
  */
 #ifndef EPS_CLIENT_CPP_ENGINE_CAPI_H_
 #define EPS_CLIENT_CPP_ENGINE_CAPI_H_
@@ -59,7 +65,8 @@ int eps_engine_preload(int32_t device);
 int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step);
 int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step);
 int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value);
-/* visit_count[0, n) = -1, then selection_done = max(selection_done, step). With a
+/* visit_count[0, n) = -1, then selection_done = max(selection_done, step); flags
+ * non-NULL, n >= 0, visit_count non-NULL when n > 0. With a
  * `stream` (non-zero) it is queued there and not waited for: the engine's own stream,
  * before its wait for `step`, is the place (no other stream can be held up behind that
  * wait). With stream 0 it runs on a private stream and is waited for. */
@@ -86,7 +93,8 @@ int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, 
 void eps_engine_summary_writer_destroy(EpsSummaryWriter* w);
 
 typedef struct EpsSummaryQueue EpsSummaryQueue;
-/* Borrows `writer` (destroy the queue first). */
+/* Shares `writer`'s device state: the writer handle may be destroyed before the queue
+ * (the state lives until both are gone). */
 int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
                                     EpsSummaryQueue** out);
 /* Queues the appends on `after_stream` (after its work so far), then the queue's counter

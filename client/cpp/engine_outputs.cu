@@ -1,6 +1,8 @@
 // Kernels of engine_outputs.h: one thread block per (layer, batch position, list),
 // its threads copying the list's block ids.
 #include <algorithm>
+#include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/engine_outputs.h"
@@ -146,22 +148,57 @@ absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
   return absl::OkStatus();
 }
 
-int64_t FixedBudgetBlocks(int64_t context_tokens, int budget_groups, int group_blocks,
-                          int block_size) {
+namespace {
+
+// A fixed-budget plan needs whole groups of whole blocks (the Python client's _check_plan).
+absl::Status CheckPlan(int budget_groups, int group_blocks, int block_size) {
+  for (const auto& [name, value] : {std::pair<const char*, int>{"budget_groups", budget_groups},
+                                    std::pair<const char*, int>{"group_blocks", group_blocks},
+                                    std::pair<const char*, int>{"block_size", block_size}}) {
+    if (value < 1)
+      return absl::InvalidArgumentError(absl::StrCat(name, "=", value, " must be >= 1"));
+  }
+  return absl::OkStatus();
+}
+
+// The plan's blocks for one list, the sizes checked. Never overflows: blocks <= 2^59 for
+// an int64 context, and the budget's product is below 2^62.
+int64_t PlanBlocks(int64_t context_tokens, int budget_groups, int group_blocks, int block_size) {
   if (context_tokens < 1) return 0;
-  const int64_t blocks = (context_tokens + block_size - 1) / block_size;
-  const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
+  const int64_t blocks = (context_tokens - 1) / block_size + 1;
+  const int64_t groups = (blocks - 1) / group_blocks + 1;
   if (groups <= budget_groups) return blocks;
   const int64_t newest = blocks - (groups - 1) * group_blocks;
   return int64_t{budget_groups - 1} * group_blocks + newest;
 }
 
-std::vector<int32_t> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens, int lists,
-                                       int budget_groups, int group_blocks, int block_size) {
+}  // namespace
+
+absl::StatusOr<int64_t> FixedBudgetBlocks(int64_t context_tokens, int budget_groups,
+                                          int group_blocks, int block_size) {
+  if (absl::Status s = CheckPlan(budget_groups, group_blocks, block_size); !s.ok()) return s;
+  return PlanBlocks(context_tokens, budget_groups, group_blocks, block_size);
+}
+
+absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens,
+                                                       int lists, int budget_groups,
+                                                       int group_blocks, int block_size) {
+  if (absl::Status s = CheckPlan(budget_groups, group_blocks, block_size); !s.ok()) return s;
+  if (lists < 1) return absl::InvalidArgumentError(absl::StrCat("lists=", lists, " must be >= 1"));
   std::vector<int32_t> indptr(1, 0);
-  for (const int64_t context : context_tokens) {
-    const int64_t n = FixedBudgetBlocks(context, budget_groups, group_blocks, block_size);
-    for (int h = 0; h < lists; ++h) indptr.push_back(static_cast<int32_t>(indptr.back() + n));
+  int64_t total = 0;
+  for (size_t i = 0; i < context_tokens.size(); ++i) {
+    const int64_t n = PlanBlocks(context_tokens[i], budget_groups, group_blocks, block_size);
+    for (int h = 0; h < lists; ++h) {
+      // FlashInfer's indptr is int32: a plan past 2^31-1 entries has no such array.
+      if (n > std::numeric_limits<int32_t>::max() - total) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the plan exceeds 2^31-1 entries at context_tokens[", i,
+                         "]=", context_tokens[i], " (list ", h, "): FlashInfer's indptr is int32"));
+      }
+      total += n;
+      indptr.push_back(static_cast<int32_t>(total));
+    }
   }
   return indptr;
 }

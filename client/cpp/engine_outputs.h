@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace eps::client {
 
@@ -67,13 +68,17 @@ absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
                                       int32_t* refused = nullptr);
 
 // Blocks of a fixed-budget list: k = budget_groups groups of g = group_blocks blocks
-// (0 for a context < 1).
-int64_t FixedBudgetBlocks(int64_t context_tokens, int budget_groups, int group_blocks,
-                          int block_size);
+// (0 for a context < 1). InvalidArgument, naming it, unless budget_groups, group_blocks
+// and block_size are >= 1 (the Python client's fixed_budget_blocks).
+absl::StatusOr<int64_t> FixedBudgetBlocks(int64_t context_tokens, int budget_groups,
+                                          int group_blocks, int block_size);
 
 // indptr [batch * lists + 1] of the fixed-budget plan (host; the same for every layer).
-std::vector<int32_t> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens, int lists,
-                                       int budget_groups, int group_blocks, int block_size);
+// InvalidArgument for sizes FixedBudgetBlocks refuses, lists < 1, or a plan whose
+// entries exceed int32 (FlashInfer's indptr type).
+absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens,
+                                                       int lists, int budget_groups,
+                                                       int group_blocks, int block_size);
 
 // Writes indices [layers, indptr.back()] and last_page_len [batch * lists] for the
 // plan `indptr` (device, from FixedBudgetIndptr); adds mismatched lists to

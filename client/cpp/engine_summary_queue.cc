@@ -9,9 +9,10 @@
 
 namespace eps::client {
 
-absl::StatusOr<std::unique_ptr<SummaryQueue>> SummaryQueue::Create(gpu::DeviceSummaryWriter& writer,
-                                                                   int device) {
-  auto q = std::unique_ptr<SummaryQueue>(new SummaryQueue(writer, device));
+absl::StatusOr<std::unique_ptr<SummaryQueue>> SummaryQueue::Create(
+    std::shared_ptr<gpu::DeviceSummaryWriter> writer, int device) {
+  if (writer == nullptr) return absl::InvalidArgumentError("SummaryQueue: the writer is null");
+  auto q = std::unique_ptr<SummaryQueue>(new SummaryQueue(std::move(writer), device));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   void* counters = nullptr;
   CUDA_RETURN_IF_ERROR(cudaMalloc(&counters, 2 * sizeof(uint64_t)));
@@ -36,7 +37,7 @@ SummaryQueue::~SummaryQueue() {
 absl::Status SummaryQueue::Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype,
                                   cudaStream_t stream, uint64_t step) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  const absl::Status applied = writer_.AppendAsync(appends, key_dtype, stream, skipped_);
+  const absl::Status applied = writer_->AppendAsync(appends, key_dtype, stream, skipped_);
   if (!applied.ok()) {
     std::lock_guard lock(mu_);
     ++refused_;

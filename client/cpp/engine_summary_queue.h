@@ -17,7 +17,8 @@
 // the counter raise, so no stream waits forever; it is counted in errors(),
 // as are appends the device skipped (a non-finite key), which errors() reads
 // back from the device: call it after Drain().
-// Thread safety: one engine thread.
+// Ownership: the queue shares the writer (a shared_ptr): whoever drops the writer first,
+// it lives until the queue is gone too. Thread safety: one engine thread.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -35,8 +37,9 @@ namespace eps::client {
 
 class SummaryQueue {
  public:
-  static absl::StatusOr<std::unique_ptr<SummaryQueue>> Create(gpu::DeviceSummaryWriter& writer,
-                                                              int device);
+  // InvalidArgument for a null writer.
+  static absl::StatusOr<std::unique_ptr<SummaryQueue>> Create(
+      std::shared_ptr<gpu::DeviceSummaryWriter> writer, int device);
   ~SummaryQueue();
   SummaryQueue(const SummaryQueue&) = delete;
   SummaryQueue& operator=(const SummaryQueue&) = delete;
@@ -50,9 +53,10 @@ class SummaryQueue {
   uint64_t errors(std::string* last_error) const;
 
  private:
-  SummaryQueue(gpu::DeviceSummaryWriter& writer, int device) : writer_(writer), device_(device) {}
+  SummaryQueue(std::shared_ptr<gpu::DeviceSummaryWriter> writer, int device)
+      : writer_(std::move(writer)), device_(device) {}
 
-  gpu::DeviceSummaryWriter& writer_;
+  const std::shared_ptr<gpu::DeviceSummaryWriter> writer_;
   const int device_;
   uint64_t* done_ = nullptr;               // device counter: the newest step applied
   unsigned long long* skipped_ = nullptr;  // device counter: appends the device skipped

@@ -1,6 +1,8 @@
 #include "client/cpp/eps_client.h"
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <future>
@@ -8,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -25,17 +28,76 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+// `start + d`, with a `d` past a century read as a century: a duration such as
+// milliseconds::max() would otherwise wrap the clock's nanoseconds into the past (every
+// call then fails at once). The comparison is in the coarser of the two units.
+template <typename TimePoint, typename Rep, typename Period>
+TimePoint After(TimePoint start, std::chrono::duration<Rep, Period> d) {
+  constexpr std::chrono::hours kCentury(24 * 365 * 100);
+  if (d > kCentury) return start + kCentury;
+  return start + std::chrono::duration_cast<typename TimePoint::duration>(d);
+}
+
+// A deadline for gRPC (system clock) `d` from now.
+template <typename Rep, typename Period>
+std::chrono::system_clock::time_point SystemAfter(std::chrono::duration<Rep, Period> d) {
+  return After(std::chrono::system_clock::now(), d);
+}
+
+bool LowerHex(std::string_view s) {
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
 }  // namespace
+
+bool ValidTraceparent(std::string_view v) {
+  // version "-" trace-id "-" parent-id "-" flags [ "-" future fields (versions > 00) ]
+  if (v.size() < 55 || v[2] != '-' || v[35] != '-' || v[52] != '-') return false;
+  const std::string_view version = v.substr(0, 2), trace_id = v.substr(3, 32),
+                         parent_id = v.substr(36, 16), flags = v.substr(53, 2);
+  if (!LowerHex(version) || !LowerHex(trace_id) || !LowerHex(parent_id) || !LowerHex(flags)) {
+    return false;
+  }
+  if (version == "ff" || trace_id == std::string(32, '0') || parent_id == std::string(16, '0')) {
+    return false;
+  }
+  if (v.size() == 55) return true;
+  // More only after a '-', from a version above 00, in printable ASCII without spaces.
+  return version != "00" && v[55] == '-' &&
+         std::all_of(v.begin() + 56, v.end(), [](char c) { return c >= '!' && c <= '~'; });
+}
+
+bool ValidTracestate(std::string_view v) {
+  return v.size() <= 512 &&
+         std::all_of(v.begin(), v.end(), [](char c) { return c >= ' ' && c <= '~'; });
+}
+
+absl::Status ClientOptions::Validate() const {
+  if (target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
+  if (deadline.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.deadline=", deadline.count(), "us must be > 0"));
+  }
+  if (attach_deadline.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.attach_deadline=", attach_deadline.count(), "ms must be > 0"));
+  }
+  if (reattach_backoff.count() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ClientOptions.reattach_backoff=", reattach_backoff.count(), "ms must be >= 0"));
+  }
+  return absl::OkStatus();
+}
 
 // One open StreamSelectPages call. Replies are queued by the reactor and taken
 // by the engine thread; a reply for an abandoned step is dropped by step number.
 class StreamCall final
     : public grpc::ClientBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
-  StreamCall(v1::PageSelector::Stub& stub, const std::string& traceparent,
-             const std::string& tracestate) {
-    if (!traceparent.empty()) context_.AddMetadata("traceparent", traceparent);
-    if (!traceparent.empty() && !tracestate.empty()) context_.AddMetadata("tracestate", tracestate);
+  StreamCall(v1::PageSelector::Stub& stub,
+             const std::vector<std::pair<std::string, std::string>>& metadata) {
+    for (const auto& [key, value] : metadata) context_.AddMetadata(key, value);
     stub.async()->StreamSelectPages(&context_, this);
     StartRead(&incoming_);
     StartCall();
@@ -151,8 +213,17 @@ uint64_t NewClientId() {
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<EpsClient>> EpsClient::Create(ClientOptions options,
+                                                             v1::AttachRequest attach) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  return std::make_unique<EpsClient>(std::move(options), std::move(attach));
+}
+
 EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
-    : options_(std::move(options)), attach_(std::move(attach)), client_id_(NewClientId()) {
+    : options_(std::move(options)),
+      options_status_(options_.Validate()),
+      attach_(std::move(attach)),
+      client_id_(NewClientId()) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
@@ -172,7 +243,7 @@ EpsClient::~EpsClient() {
 
 absl::StatusOr<std::string> EpsClient::CallAttach(bool background) const {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  context.set_deadline(SystemAfter(options_.attach_deadline));
   if (background) {
     std::lock_guard lock(attach_mu_);
     if (closing_) return absl::CancelledError("the client is closing");
@@ -196,7 +267,7 @@ void EpsClient::CancelBackgroundAttach() {
 
 absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
   if (!attached.ok()) {
-    next_attach_try_ = std::chrono::steady_clock::now() + options_.reattach_backoff;
+    next_attach_try_ = After(std::chrono::steady_clock::now(), options_.reattach_backoff);
     return attached.status();
   }
   if (attached_before_) reattaches_.fetch_add(1);
@@ -206,6 +277,7 @@ absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
 }
 
 absl::Status EpsClient::Attach() {
+  if (!options_status_.ok()) return options_status_;
   if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());  // a background one first
   return Adopt(CallAttach());
 }
@@ -236,7 +308,7 @@ absl::Status EpsClient::Detach() {
     stream_.reset();
   }
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  context.set_deadline(SystemAfter(options_.attach_deadline));
   v1::DetachRequest request;
   request.set_session_id(session_id_);
   v1::DetachResponse response;
@@ -246,7 +318,7 @@ absl::Status EpsClient::Detach() {
 
 absl::Status EpsClient::Ping(std::chrono::microseconds deadline) {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  context.set_deadline(SystemAfter(deadline));
   v1::PingRequest request;
   v1::PingResponse response;
   return FromGrpc(stub_->Ping(&context, request, &response));
@@ -254,11 +326,39 @@ absl::Status EpsClient::Ping(std::chrono::microseconds deadline) {
 
 absl::Status EpsClient::Heartbeat() {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + options_.attach_deadline);
+  context.set_deadline(SystemAfter(options_.attach_deadline));
   v1::HeartbeatRequest request;
   request.set_session_id(session_id_);
   v1::HeartbeatResponse response;
   return FromGrpc(stub_->Heartbeat(&context, request, &response));
+}
+
+std::vector<std::pair<std::string, std::string>> EpsClient::TraceMetadata() {
+  std::vector<std::pair<std::string, std::string>> metadata;
+  if (options_.traceparent.empty()) return metadata;
+  // gRPC aborts the process on a metadata value it cannot carry (a control character):
+  // what is not W3C is dropped here, costing the calls their trace context only.
+  std::string refused;
+  if (!ValidTraceparent(options_.traceparent)) {
+    refused = absl::StrCat("traceparent '", absl::CEscape(options_.traceparent.substr(0, 80)),
+                           "' is not a W3C traceparent");
+  } else {
+    metadata.emplace_back("traceparent", options_.traceparent);
+    if (!options_.tracestate.empty()) {
+      if (ValidTracestate(options_.tracestate)) {
+        metadata.emplace_back("tracestate", options_.tracestate);
+      } else {
+        refused = absl::StrCat("tracestate '", absl::CEscape(options_.tracestate.substr(0, 80)),
+                               "' is not printable ASCII of at most 512 characters");
+      }
+    }
+  }
+  if (!refused.empty() && !trace_refusal_logged_) {
+    trace_refusal_logged_ = true;
+    std::fprintf(stderr, "eps_client: calls go without trace context: %s (logged once)\n",
+                 refused.c_str());
+  }
+  return metadata;
 }
 
 StepResult EpsClient::Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter) {
@@ -310,13 +410,9 @@ absl::Status EpsClient::CallUnary(const v1::SelectPagesRequest& request, Deadlin
   // enforced here, to the microsecond, and a late call is cancelled.
   auto call = std::make_unique<UnaryCall>();
   call->request = request;
-  call->context.set_deadline(std::chrono::system_clock::now() +
-                             (deadline - std::chrono::steady_clock::now()) +
-                             std::chrono::milliseconds(1));
-  if (!options_.traceparent.empty()) {
-    call->context.AddMetadata("traceparent", options_.traceparent);
-    if (!options_.tracestate.empty()) call->context.AddMetadata("tracestate", options_.tracestate);
-  }
+  call->context.set_deadline(
+      SystemAfter(deadline - std::chrono::steady_clock::now() + std::chrono::milliseconds(1)));
+  for (const auto& [key, value] : TraceMetadata()) call->context.AddMetadata(key, value);
   UnaryCall* raw = call.get();
   stub_->async()->SelectPages(&raw->context, &raw->request, &raw->response,
                               [raw](grpc::Status status) {
@@ -343,8 +439,7 @@ absl::Status EpsClient::CallStream(const v1::SelectPagesRequest& request, Deadli
     stream_->Close();
     stream_.reset();
   }
-  if (!stream_)
-    stream_ = std::make_unique<StreamCall>(*stub_, options_.traceparent, options_.tracestate);
+  if (!stream_) stream_ = std::make_unique<StreamCall>(*stub_, TraceMetadata());
   if (!stream_->Send(request, deadline)) {
     return stream_->done()
                ? absl::UnavailableError("the stream closed")
@@ -357,6 +452,15 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
                                   const v1::SelectOptions* options) {
   steps_.fetch_add(1);
   const auto start = std::chrono::steady_clock::now();
+  if (!options_status_.ok()) {
+    if (!options_.fail_open) {
+      errors_.fetch_add(1);
+      StepResult result;
+      result.status = options_status_;
+      return result;
+    }
+    return Fallback(step, options_status_, fb_error_);
+  }
   if (session_id_.empty()) {
     absl::Status s = PollReattach();
     if (!s.ok()) {
@@ -389,7 +493,7 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
     fallbacks->set_error(now.fallback_error);
   }
   StepResult result;
-  const Deadline deadline = start + options_.deadline;
+  const Deadline deadline = After(start, options_.deadline);
   absl::Status status = options_.use_stream ? CallStream(request, deadline, &result.response)
                                             : CallUnary(request, deadline, &result.response);
   if (status.ok() && result.response.step() != step) {
@@ -412,12 +516,9 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
     selected_.fetch_add(1);
     return result;
   }
-  if (status.code() == absl::StatusCode::kNotFound) session_id_.clear();  // re-attach next step
-  if (!options_.fail_open) {
-    errors_.fetch_add(1);
-    result.status = status;
-    return result;
-  }
+  // The transport's side of a failure, the same whether the engine falls back or not
+  // (only the counting and the result differ below).
+  std::atomic<uint64_t>* reason = &fb_error_;
   switch (status.code()) {
     case absl::StatusCode::kDeadlineExceeded:
       if (stream_) {
@@ -427,22 +528,32 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
         stream_->Cancel();
         abandoned_streams_.push_back(std::move(stream_));
       }
-      return Fallback(step, status, fb_deadline_);
+      reason = &fb_deadline_;
+      break;
     case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
+      session_id_.clear();             // re-attach next step
       if (stream_) {
         stream_->Close();
         stream_.reset();
       }
-      return Fallback(step, status, fb_not_attached_);
+      reason = &fb_not_attached_;
+      break;
     case absl::StatusCode::kUnavailable:
       if (stream_) {
         stream_->Close();
         stream_.reset();
       }
-      return Fallback(step, status, fb_unavailable_);
+      reason = &fb_unavailable_;
+      break;
     default:
-      return Fallback(step, status, fb_error_);
+      break;
   }
+  if (!options_.fail_open) {
+    errors_.fetch_add(1);
+    result.status = status;
+    return result;
+  }
+  return Fallback(step, status, *reason);
 }
 
 ClientCounters EpsClient::counters() const {

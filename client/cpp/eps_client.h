@@ -11,8 +11,15 @@
 // on a missed deadline (a fresh one carries the next step), so that epsd does not run
 // steps the engine gave up on. A reply for another step than the one asked is an error.
 //
-// Thread safety: one engine thread calls SelectPages at a time; counters() may
-// be read from any thread.
+// Options are checked (ClientOptions::Validate): EpsClient::Create refuses invalid ones;
+// a client constructed with them answers Attach and every step with that error. A
+// traceparent or tracestate gRPC cannot carry (not W3C, a control character) costs the
+// calls their trace headers only, logged once: never the call, never the process.
+//
+// Thread safety: the client is for one engine thread. SelectPages, Attach, Heartbeat and
+// Detach must not run concurrently with each other (they share the session, the stream
+// and the re-attach state without a lock); Ping may run from any thread, and counters()
+// may be read from any thread at any time.
 #pragma once
 
 #include <atomic>
@@ -24,6 +31,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -39,13 +47,16 @@ std::string DefaultTarget();
 
 struct ClientOptions {
   std::string target = DefaultTarget();
-  std::chrono::microseconds deadline{2000};         // per SelectPages
-  std::chrono::milliseconds attach_deadline{500};   // Attach, Detach, re-attach
-  std::chrono::milliseconds reattach_backoff{100};  // between re-attach attempts
+  std::chrono::microseconds deadline{2000};         // per SelectPages; > 0
+  std::chrono::milliseconds attach_deadline{500};   // Attach, Detach, re-attach; > 0
+  std::chrono::milliseconds reattach_backoff{100};  // between re-attach attempts; >= 0
   bool fail_open = true;  // false: a failed step is an error for the engine
   bool use_stream = false;
-  std::string traceparent;  // W3C trace context to send, when set
-  std::string tracestate;   // its vendor state, sent with it when both are set
+  // W3C trace context to send, when set. One that is not a W3C traceparent
+  // (ValidTraceparent) is not sent, and its tracestate with it (logged once).
+  std::string traceparent;
+  // Its vendor state, sent with a valid traceparent when set and ValidTracestate.
+  std::string tracestate;
   // REPLY_MODE_ASYNC (cuda backend, flags buffer required): the reply comes once
   // the step is queued; the engine's stream waits on selection_done.
   bool reply_async = false;
@@ -56,7 +67,20 @@ struct ClientOptions {
   // Extra integer gRPC channel arguments (e.g. "grpc.enable_retries" = 0), set
   // after the client's own reconnect-backoff arguments; for tuning and benchmarks.
   std::vector<std::pair<std::string, int>> channel_args;
+
+  // InvalidArgument naming the field and its value: an empty target, a deadline or
+  // attach_deadline <= 0, a reattach_backoff < 0. Durations have no upper bound: one past
+  // a century (milliseconds::max(), say) reads as "no deadline" rather than wrapping.
+  absl::Status Validate() const;
 };
+
+// Whether `value` is a W3C traceparent (version-traceid-parentid-flags, lower-case hex, not
+// all-zero ids, version ff refused, nothing after the flags for version 00): the
+// Python client's valid_traceparent.
+bool ValidTraceparent(std::string_view value);
+// Whether `value` can be sent as a tracestate: at most 512 characters of printable ASCII
+// (gRPC refuses control characters in metadata values).
+bool ValidTracestate(std::string_view value);
 
 struct StepResult {
   bool fallback = false;  // attend densely this step (fail-open only)
@@ -84,6 +108,11 @@ struct UnaryCall;
 
 class EpsClient {
  public:
+  // Refuses options that do not Validate, with that error.
+  static absl::StatusOr<std::unique_ptr<EpsClient>> Create(ClientOptions options,
+                                                           v1::AttachRequest attach);
+  // Does not fail: with options that do not Validate, Attach returns that error and every
+  // SelectPages is an error step (a fallback counted as fallback_error when fail_open).
   EpsClient(ClientOptions options, v1::AttachRequest attach);
   // Cancels a background re-attach (it does not detach: call Detach first for that).
   ~EpsClient();
@@ -116,8 +145,13 @@ class EpsClient {
   absl::Status CallStream(const v1::SelectPagesRequest& request, Deadline deadline,
                           v1::SelectPagesResponse* response);
   void ReapAbandoned(bool wait);
+  // The calls' trace metadata (key, value): options_' traceparent and tracestate when
+  // valid, else what is (the first refusal logged to stderr).
+  std::vector<std::pair<std::string, std::string>> TraceMetadata();
 
   ClientOptions options_;
+  const absl::Status options_status_;  // options_.Validate()
+  bool trace_refusal_logged_ = false;  // engine thread only
   v1::AttachRequest attach_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PageSelector::Stub> stub_;

@@ -3,7 +3,18 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace eps::client {
+
+absl::StatusOr<std::unique_ptr<SelectionWatchdog>> SelectionWatchdog::Create(
+    DeviceBuffers& buffers, std::chrono::microseconds timeout) {
+  if (timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SelectionWatchdog timeout=", timeout.count(), "us must be > 0"));
+  }
+  return std::unique_ptr<SelectionWatchdog>(new SelectionWatchdog(buffers, timeout));
+}
 
 SelectionWatchdog::SelectionWatchdog(DeviceBuffers& buffers, std::chrono::microseconds timeout)
     : buffers_(buffers), timeout_(timeout), thread_([this] { Loop(); }) {}

@@ -7,14 +7,17 @@
 // Arm the step after each accepted async reply; a newer step supersedes an
 // older one (releasing the newer also releases the older wait, the counter
 // being monotonic). Thread safety: Arm and releases() from any thread; the
-// watchdog thread is joined in the destructor.
+// watchdog thread is joined in the destructor. Ownership: borrows `buffers`, which
+// must outlive the watchdog.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/cpp/device_buffers.h"
 
@@ -22,7 +25,10 @@ namespace eps::client {
 
 class SelectionWatchdog {
  public:
-  SelectionWatchdog(DeviceBuffers& buffers, std::chrono::microseconds timeout);
+  // InvalidArgument for a timeout <= 0 (one would release every armed step at once,
+  // while epsd may still be writing its lists).
+  static absl::StatusOr<std::unique_ptr<SelectionWatchdog>> Create(
+      DeviceBuffers& buffers, std::chrono::microseconds timeout);
   ~SelectionWatchdog();
   SelectionWatchdog(const SelectionWatchdog&) = delete;
   SelectionWatchdog& operator=(const SelectionWatchdog&) = delete;
@@ -31,6 +37,7 @@ class SelectionWatchdog {
   uint64_t releases() const;  // steps the watchdog released
 
  private:
+  SelectionWatchdog(DeviceBuffers& buffers, std::chrono::microseconds timeout);
   void Loop();
 
   DeviceBuffers& buffers_;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <span>
+#include <string>
 
 #include "client/cpp/engine_buffers.h"
 #include "gtest/gtest.h"
@@ -162,6 +163,90 @@ TEST(EngineBuffersTest, FeedbackRowsAddressThePlansFeedbackAndStartNaN) {
   auto without = EngineBuffers::Create(Model(0), Shape(0), "plan-test");
   ASSERT_TRUE(without.ok()) << without.status();
   EXPECT_TRUE((*without)->FeedbackRow(0, 0, 0).empty());
+}
+
+TEST(BufferPlanTest, ShapesPastEpsdsLimitsAreRefusedNamingTheField) {
+  // A plan once wrapped int64: 2^62 slots' records made a 1536-byte allocation, and
+  // Create succeeded with every Record past the first few outside the mapping.
+  BufferShape slots = Shape(0);
+  slots.num_slots = int64_t{1} << 62;
+  absl::StatusOr<BufferPlan> plan = BufferPlan::For(Model(0), slots);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("BufferShape.num_slots=4611686018427387904"),
+            std::string::npos)
+      << plan.status();
+  EXPECT_FALSE(EngineBuffers::Create(Model(0), slots, "plan-test").ok());
+
+  BufferShape context = Shape(0);
+  context.max_context = int64_t{1} << 62;
+  plan = BufferPlan::For(Model(0), context);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("BufferShape.max_context="), std::string::npos)
+      << plan.status();
+
+  BufferShape seqs = Shape(0);
+  seqs.max_seqs = int64_t{1} << 40;
+  EXPECT_NE(BufferPlan::For(Model(0), seqs).status().message().find("BufferShape.max_seqs="),
+            std::string::npos);
+  BufferShape batch = Shape(0);
+  batch.max_batch = 0;
+  EXPECT_NE(BufferPlan::For(Model(0), batch).status().message().find("BufferShape.max_batch=0"),
+            std::string::npos);
+}
+
+TEST(BufferPlanTest, FieldsWithinTheirLimitsThatMultiplyPastInt64AreRefused) {
+  // 2^31-1 rows of 2^31-1 blocks: every field is within its own bound, the block table is
+  // 2^62 int32 entries, 2^64 bytes.
+  BufferShape shape = Shape(0);
+  shape.max_seqs = (int64_t{1} << 31) - 1;
+  shape.max_context = ((int64_t{1} << 31) - 1) * 16;
+  absl::StatusOr<BufferPlan> plan = BufferPlan::For(Model(0), shape);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("past 2^63 bytes"), std::string::npos) << plan.status();
+}
+
+TEST(EngineBuffersTest, AccessorsGiveEmptySpansOutsideTheShape) {
+  auto made = EngineBuffers::Create(Model(8), Shape(24), "plan-test");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EngineBuffers& b = **made;
+  EXPECT_FALSE(b.Record(39, 2, 1).empty());
+  EXPECT_TRUE(b.Record(40, 0, 0).empty());  // num_slots = 40
+  EXPECT_TRUE(b.Record(-1, 0, 0).empty());
+  EXPECT_TRUE(b.Record(0, 3, 0).empty());  // 3 layers
+  EXPECT_TRUE(b.Record(0, 0, 2).empty());  // 2 KV heads
+  EXPECT_TRUE(b.CoarseRecord(24, 0, 0).empty());
+  EXPECT_TRUE(b.CoarseRow(3).empty());
+  EXPECT_FALSE(b.GroupRow(2).empty());
+  EXPECT_TRUE(b.GroupRow(3).empty());  // max_seqs = 3
+  EXPECT_TRUE(b.GroupRow(-1).empty());
+  EXPECT_TRUE(b.BlockRow(3).empty());
+  EXPECT_FALSE(b.Query(2, 1, 3).empty());
+  EXPECT_TRUE(b.Query(0, 2, 0).empty());  // max_batch = 2
+  EXPECT_TRUE(b.Query(0, 0, 4).empty());  // 4 query heads
+  EXPECT_TRUE(b.VisitBlocks(0, 2).empty());
+  EXPECT_EQ(b.VisitCount(0, 2), -1);
+  EXPECT_EQ(b.VisitCount(0, 0, 1), -1);  // union lists: one per (layer, batch position)
+  EXPECT_FALSE(b.Visits(3, 0).has_value());
+}
+
+TEST(EngineBuffersTest, AttendDenselyIsNotAnEmptyListAndListsStayWithinTheirRow) {
+  auto made = EngineBuffers::Create(Model(0), Shape(0), "plan-test");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EngineBuffers& b = **made;
+  const BufferPlan& plan = b.plan();
+  // visit_count is epsd's to write; the test writes it through the mapping.
+  auto* base = reinterpret_cast<std::byte*>(b.summary_pool().data()) - plan.pool;
+  int32_t* count = reinterpret_cast<int32_t*>(base + plan.count);
+  count[plan.ListIndex(0, 0, 0)] = -1;
+  count[plan.ListIndex(0, 1, 0)] = 0;
+  count[plan.ListIndex(1, 0, 0)] = 1 << 30;  // far past max_blocks = 63
+  EXPECT_FALSE(b.Visits(0, 0).has_value());
+  EXPECT_TRUE(b.VisitBlocks(0, 0).empty());
+  ASSERT_TRUE(b.Visits(0, 1).has_value());
+  EXPECT_TRUE(b.Visits(0, 1)->empty());
+  ASSERT_TRUE(b.Visits(1, 0).has_value());
+  EXPECT_EQ(b.Visits(1, 0)->size(), static_cast<size_t>(plan.max_blocks));
+  EXPECT_EQ(b.VisitBlocks(1, 0).size(), static_cast<size_t>(plan.max_blocks));
 }
 
 }  // namespace

@@ -235,4 +235,108 @@ TEST(EngineCapiArgs, BadArgumentsAreReportedWithTheirValues) {
   EXPECT_EQ(eps_engine_abi_version(), EPS_ENGINE_ABI_VERSION);
 }
 
+// Every entry point refuses a null handle, a null required pointer or array, and a
+// negative count with INVALID_ARGUMENT and a message, before touching the device: these
+// once crashed the process (a null handle dereferenced; appends[0..n) read from null) or
+// faulted the CUDA context for good (release_dense with flags 0 made a device atomic at
+// address 8). No device needed: nothing reaches one.
+void ExpectRefused(int rc, const std::string& says) {
+  EXPECT_EQ(rc, 3) << says;  // INVALID_ARGUMENT
+  EXPECT_NE(std::string(eps_engine_last_error()).find(says), std::string::npos)
+      << eps_engine_last_error();
+}
+
+TEST(EngineCapiArgs, NullHandlesAndPointersAreInvalidArgument) {
+  ExpectRefused(eps_engine_device_count(nullptr), "count is null");
+  ExpectRefused(eps_engine_signal_inputs_ready(0, 0, 1), "flags is null");
+  ExpectRefused(eps_engine_wait_selection(0, 0, 1), "flags is null");
+  ExpectRefused(eps_engine_wait_counter(0, 0, 1), "counter is null");
+  ExpectRefused(eps_engine_release_dense(0, 0x1000, 4, 0, 1, 0), "flags is null");
+  ExpectRefused(eps_engine_release_dense(0, 0, 4, 0x1000, 1, 0), "visit_count is null, n=4");
+  ExpectRefused(eps_engine_release_dense(0, 0x1000, -1, 0x1000, 1, 0), "n=-1 is negative");
+  ExpectRefused(eps_engine_watchdog_create(0, 0x1000, 4, 0x1000, 100, nullptr), "out is null");
+  ExpectRefused(eps_engine_watchdog_arm(nullptr, 1), "the watchdog is null");
+  EXPECT_EQ(eps_engine_watchdog_releases(nullptr), 0u);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("the watchdog is null"), std::string::npos);
+  eps_engine_watchdog_destroy(nullptr);  // a no-op, as free(NULL)
+
+  EpsSummaryWriter* writer = nullptr;
+  ExpectRefused(eps_engine_summary_writer_create(nullptr, 0, &writer), "model is null");
+  const EpsEngineModel model{2, 4, 2, 64, 16, 8, 8, 1, 1, 0, 0, 0};
+  ExpectRefused(eps_engine_summary_writer_create(&model, 0, nullptr), "out is null");
+  int32_t words = 0;
+  ExpectRefused(eps_engine_summary_writer_record_words(nullptr, &words), "the writer is null");
+  EpsKeyAppend one{};
+  ExpectRefused(eps_engine_summary_append(nullptr, &one, 1, EPS_ENGINE_FLOAT32, 0),
+                "the writer is null");
+  eps_engine_summary_writer_destroy(nullptr);
+
+  EpsSummaryQueue* queue = nullptr;
+  ExpectRefused(eps_engine_summary_queue_create(nullptr, 0, &queue), "the writer is null");
+  ExpectRefused(eps_engine_summary_queue_submit(nullptr, &one, 1, EPS_ENGINE_FLOAT32, 0, 1),
+                "the queue is null");
+  ExpectRefused(eps_engine_summary_queue_wait(nullptr, 0, 1), "the queue is null");
+  ExpectRefused(eps_engine_summary_queue_drain(nullptr), "the queue is null");
+  char buf[128] = "untouched";
+  EXPECT_EQ(eps_engine_summary_queue_errors(nullptr, buf, sizeof buf), 0u);
+  EXPECT_NE(std::string(buf).find("the queue is null"), std::string::npos) << buf;
+  eps_engine_summary_queue_destroy(nullptr);
+}
+
+TEST_F(EngineCapiTest, AppendsAreCheckedBeforeTheyAreRead) {
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0) << eps_engine_last_error();
+  int32_t words = 0;
+  EXPECT_EQ(eps_engine_summary_writer_record_words(writer, nullptr), 3);
+  ExpectRefused(eps_engine_summary_append(writer, nullptr, 2, EPS_ENGINE_FLOAT32, 0),
+                "appends is null, n=2");
+  EpsKeyAppend one{};
+  ExpectRefused(eps_engine_summary_append(writer, &one, -1, EPS_ENGINE_FLOAT32, 0),
+                "n=-1 is negative");
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0) << eps_engine_last_error();
+  ExpectRefused(eps_engine_summary_queue_submit(queue, nullptr, 3, EPS_ENGINE_FLOAT32, 0, 1),
+                "appends is null, n=3");
+  ExpectRefused(eps_engine_summary_queue_submit(queue, &one, -2, EPS_ENGINE_FLOAT32, 0, 1),
+                "n=-2 is negative");
+  EXPECT_EQ(eps_engine_summary_writer_record_words(writer, &words), 0);
+  eps_engine_summary_queue_destroy(queue);
+  eps_engine_summary_writer_destroy(writer);
+}
+
+TEST_F(EngineCapiTest, AQueueKeepsItsWriterAliveWhenTheWriterIsDestroyedFirst) {
+  // The queue borrowed the writer by reference: destroying the writer first left the queue
+  // appending through freed memory.
+  const int words = RecordWords(), d = model_.head_dim;
+  float* pool = Alloc<float>(words + d);
+  ASSERT_EQ(cudaMemset(pool, 0, sizeof(float) * (words + d)), cudaSuccess);
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0) << eps_engine_last_error();
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0) << eps_engine_last_error();
+  eps_engine_summary_writer_destroy(writer);
+  const EpsKeyAppend append{Addr(pool), Addr(pool + words), 1, 0, 0, 0};
+  ASSERT_EQ(eps_engine_summary_queue_submit(queue, &append, 1, EPS_ENGINE_FLOAT32, 0, 1), 0)
+      << eps_engine_last_error();
+  ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0) << eps_engine_last_error();
+  char buf[256] = {};
+  EXPECT_EQ(eps_engine_summary_queue_errors(queue, buf, sizeof buf), 0u) << buf;
+  eps_engine_summary_queue_destroy(queue);
+}
+
+TEST_F(EngineCapiTest, ReleaseDenseLeavesTheCallersCurrentDevice) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs two devices to see the current device change";
+  int32_t* counts = Alloc<int32_t>(4);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), 4, Addr(flags), 1, 0), 0)
+      << eps_engine_last_error();
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 1);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
 }  // namespace

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "gpu/cuda_check.h"
@@ -203,7 +204,7 @@ TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
     const Case c = MakeCase(rng, GetParam(), budget, g);
     const int64_t cache_blocks = trial % 2 ? kCacheBlocks : 0;
     std::vector<int64_t> contexts(c.context.begin(), c.context.end());
-    std::vector<int32_t> indptr = FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size);
+    std::vector<int32_t> indptr = *FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size);
     if (trial % 5 == 4) {  // a plan that is not one: an entry past nnz, one ending before it
       indptr[indptr.size() - 2] = indptr.back() + 1;  // begins (overlapping ranges would race)
     }
@@ -268,12 +269,38 @@ TEST(EngineOutputsArgs, NullPointersAndBadShapesAreInvalidArgument) {
 
 TEST(EngineOutputsArgs, FixedBudgetBlocksFollowsTheBudgetShape) {
   // 16-token blocks, g = 4: 1000 tokens = 63 blocks = 16 groups, the newest with 3 blocks.
-  EXPECT_EQ(FixedBudgetBlocks(1000, 3, 4, 16), 2 * 4 + 3);
-  EXPECT_EQ(FixedBudgetBlocks(1000, 16, 4, 16), 63);  // every group
-  EXPECT_EQ(FixedBudgetBlocks(1, 3, 4, 16), 1);
-  EXPECT_EQ(FixedBudgetBlocks(0, 3, 4, 16), 0);  // an empty (or negative) context: no blocks
-  EXPECT_EQ(FixedBudgetBlocks(-40, 3, 4, 16), 0);
-  EXPECT_EQ(FixedBudgetIndptr({1000, 1}, 2, 3, 4, 16), (std::vector<int32_t>{0, 11, 22, 23, 24}));
+  EXPECT_EQ(*FixedBudgetBlocks(1000, 3, 4, 16), 2 * 4 + 3);
+  EXPECT_EQ(*FixedBudgetBlocks(1000, 16, 4, 16), 63);  // every group
+  EXPECT_EQ(*FixedBudgetBlocks(1, 3, 4, 16), 1);
+  EXPECT_EQ(*FixedBudgetBlocks(0, 3, 4, 16), 0);  // an empty (or negative) context: no blocks
+  EXPECT_EQ(*FixedBudgetBlocks(-40, 3, 4, 16), 0);
+  EXPECT_EQ(*FixedBudgetIndptr({1000, 1}, 2, 3, 4, 16), (std::vector<int32_t>{0, 11, 22, 23, 24}));
+}
+
+TEST(EngineOutputsArgs, AFixedBudgetPlanNeedsWholeGroupsOfWholeBlocks) {
+  // group_blocks 0 once divided by zero (SIGFPE), a budget <= 0 gave negative counts.
+  for (const auto& [budget, g, block_size, name] :
+       {std::tuple{0, 4, 16, "budget_groups=0"}, std::tuple{-5, 4, 16, "budget_groups=-5"},
+        std::tuple{3, 0, 16, "group_blocks=0"}, std::tuple{3, 4, 0, "block_size=0"}}) {
+    const absl::StatusOr<int64_t> n = FixedBudgetBlocks(1000, budget, g, block_size);
+    EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(n.status().message().find(name), std::string::npos) << n.status();
+    const auto indptr = FixedBudgetIndptr({1000, 1000}, 1, budget, g, block_size);
+    EXPECT_NE(indptr.status().message().find(name), std::string::npos) << indptr.status();
+  }
+  EXPECT_NE(FixedBudgetIndptr({1000}, 0, 3, 4, 16).status().message().find("lists=0"),
+            std::string::npos);
+}
+
+TEST(EngineOutputsArgs, AFixedBudgetPlanPastInt32IsRefused) {
+  // 70 contexts of 2^31 tokens in 8 lists once wrapped indptr to negative offsets.
+  const auto indptr =
+      FixedBudgetIndptr(std::vector<int64_t>(70, int64_t{1} << 31), 8, 1 << 30, 1, 1);
+  EXPECT_EQ(indptr.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(indptr.status().message().find("exceeds 2^31-1 entries"), std::string::npos)
+      << indptr.status();
+  EXPECT_TRUE(
+      FixedBudgetIndptr(std::vector<int64_t>(1, (int64_t{1} << 31) - 1), 1, 1 << 30, 1, 1).ok());
 }
 
 }  // namespace

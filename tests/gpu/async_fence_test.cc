@@ -327,12 +327,37 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
   EXPECT_LE(CompareWithReference(), 1);
 }
 
+TEST_F(AsyncFenceTest, AWatchdogTimeoutMustBePositive) {
+  for (auto timeout : {std::chrono::microseconds(0), std::chrono::microseconds(-1)}) {
+    auto made = client::SelectionWatchdog::Create(*buffers_, timeout);
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << timeout.count();
+  }
+}
+
+TEST_F(AsyncFenceTest, ReleaseDenseLeavesTheCallersCurrentDevice) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  // With one device the restore is unobservable through the device number alone; the
+  // call must still leave device 0 current (and not fail).
+  const int other = count > 1 && buffers_->device() == 0 ? 1 : 0;
+  ASSERT_EQ(cudaSetDevice(other), cudaSuccess);
+  ASSERT_TRUE(buffers_->ReleaseDense(1).ok());
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, other);
+  ASSERT_TRUE(buffers_->ReadSelectionDone().ok());
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, other);
+}
+
 TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("killed"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
-  client::SelectionWatchdog watchdog(*buffers_, std::chrono::milliseconds(200));
+  auto made = client::SelectionWatchdog::Create(*buffers_, std::chrono::milliseconds(200));
+  ASSERT_TRUE(made.ok()) << made.status();
+  client::SelectionWatchdog& watchdog = **made;
   // Accepted, then the sidecar dies while its stream waits for the engine's
   // inputs: nothing will ever write selection_done = 1.
   const client::StepResult r = client.SelectPages(1, Rows());

@@ -8,7 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from eps_client import ModelLayout, SummaryLayout
+from eps_client import ModelLayout, SummaryLayout, engine
 from eps_client.engine import KEY_APPEND, key_appends
 
 
@@ -102,3 +102,65 @@ def test_coarse_key_appends_refuse_coarse_slots_outside_the_coarse_pool():
     with pytest.raises(ValueError, match="need num_coarse_slots"):
         key_appends(model, 0, np.array([0, 1]), ptrs, num_slots=2, coarse_pool_ptr=64,
                     coarse_slots=np.array([0, 1]))
+
+
+def _closed(cls: type) -> object:
+    """An instance in the state close() leaves (no device needed to make one)."""
+    obj = cls.__new__(cls)
+    obj._h = None  # type: ignore[attr-defined]
+    return obj
+
+
+@pytest.mark.parametrize("use", [
+    lambda w: w.arm(5),
+    lambda w: w.releases,
+], ids=["arm", "releases"])
+def test_a_closed_watchdog_raises_failed_precondition(use):
+    # close() left None, which the library was handed as a null handle (a crash).
+    with pytest.raises(engine.EngineLibError, match="the watchdog is closed") as e:
+        use(_closed(engine.Watchdog))
+    assert e.value.code == engine.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("use", [
+    lambda q: q.submit(np.zeros(0, dtype=KEY_APPEND), "float16", 0, 1),
+    lambda q: q.wait(0, 1),
+    lambda q: q.drain(),
+    lambda q: q.errors(),
+], ids=["submit", "wait", "drain", "errors"])
+def test_a_closed_summary_queue_raises_failed_precondition(use):
+    with pytest.raises(engine.EngineLibError, match="the summary queue is closed") as e:
+        use(_closed(engine.SummaryQueue))
+    assert e.value.code == engine.FAILED_PRECONDITION
+
+
+def test_a_closed_summary_writer_raises_failed_precondition():
+    writer = _closed(engine.DeviceSummaryWriter)
+    with pytest.raises(engine.EngineLibError, match="the summary writer is closed") as e:
+        writer.append(np.zeros(0, dtype=KEY_APPEND), "float16")  # type: ignore[attr-defined]
+    assert e.value.code == engine.FAILED_PRECONDITION
+    with pytest.raises(engine.EngineLibError, match="the summary writer is closed"):
+        engine.SummaryQueue(writer)  # type: ignore[arg-type]
+    writer.close()  # type: ignore[attr-defined]  # closing twice is a no-op
+
+
+def test_the_library_refuses_null_handles_and_pointers():
+    try:
+        lib = engine.library()
+    except engine.EngineLibError as e:
+        pytest.skip(f"libeps_engine not built: {e}")
+    assert lib.eps_engine_device_count(None) == 3
+    assert b"count is null" in lib.eps_engine_last_error()
+    assert lib.eps_engine_watchdog_arm(None, 1) == 3
+    assert lib.eps_engine_summary_writer_record_words(None, None) == 3
+    assert lib.eps_engine_summary_append(None, None, 0, 1, 0) == 3
+    assert lib.eps_engine_summary_queue_drain(None) == 3
+    assert lib.eps_engine_release_dense(0, 0, 4, 0, 1, 0) == 3
+    assert b"flags is null" in lib.eps_engine_last_error()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("inf")])
+def test_a_watchdog_timeout_must_be_finite_and_positive(timeout_s):
+    # It was clamped to 1 us: every armed step released at once.
+    with pytest.raises(ValueError, match="timeout_s"):
+        engine.Watchdog(None, timeout_s)  # type: ignore[arg-type]

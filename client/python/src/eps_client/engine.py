@@ -13,6 +13,8 @@
 Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
 addresses (``tensor.data_ptr()``). The library is found through ``EPS_ENGINE_LIB``, next to
 this package, or in a build folder of the source tree. Not thread-safe except Watchdog.
+A handle used after its ``close()`` raises EngineLibError with code 9 (FAILED_PRECONDITION);
+a SummaryQueue keeps its writer's device state alive, so closing the writer first is safe.
 """
 
 from __future__ import annotations
@@ -119,6 +121,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = args
 
 
+FAILED_PRECONDITION = 9
+
+
+def _open(handle: int | None, what: str, call: str) -> int:
+    """The handle of an object not yet closed; EngineLibError FAILED_PRECONDITION after
+    close() (the library would otherwise be handed a null handle)."""
+    if handle is None:
+        raise EngineLibError(call, FAILED_PRECONDITION, f"the {what} is closed")
+    return handle
+
+
 def check(call: str, rc: int) -> None:
     if rc != 0:
         message = library().eps_engine_last_error().decode(errors="replace")
@@ -159,6 +172,8 @@ class Watchdog:
     selection_done has not come is released densely (counted in ``releases``)."""
 
     def __init__(self, counters: StepCounters, timeout_s: float) -> None:
+        if not timeout_s > 0 or timeout_s == float("inf"):
+            raise ValueError(f"Watchdog timeout_s={timeout_s} must be finite and > 0")
         handle = ctypes.c_void_p()
         check("watchdog_create", library().eps_engine_watchdog_create(
             counters.device, counters.counts, counters.lists, counters.flags,
@@ -166,11 +181,13 @@ class Watchdog:
         self._h: int | None = handle.value
 
     def arm(self, step: int) -> None:
-        check("watchdog_arm", library().eps_engine_watchdog_arm(self._h, step))
+        h = _open(self._h, "watchdog", "watchdog_arm")
+        check("watchdog_arm", library().eps_engine_watchdog_arm(h, step))
 
     @property
     def releases(self) -> int:
-        return int(library().eps_engine_watchdog_releases(self._h))
+        h = _open(self._h, "watchdog", "watchdog_releases")
+        return int(library().eps_engine_watchdog_releases(h))
 
     def close(self) -> None:
         if self._h is not None:
@@ -205,9 +222,10 @@ class DeviceSummaryWriter:
 
     def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
         """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
+        h = _open(self._h, "summary writer", "summary_append")
         a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_append", library().eps_engine_summary_append(
-            self._h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], stream))
+            h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], stream))
 
     def close(self) -> None:
         if self._h is not None:
@@ -220,29 +238,33 @@ class SummaryQueue:
     (client/cpp/engine_summary_queue.h)."""
 
     def __init__(self, writer: DeviceSummaryWriter) -> None:
+        w = _open(writer._h, "summary writer", "summary_queue_create")
         handle = ctypes.c_void_p()
         check("summary_queue_create", library().eps_engine_summary_queue_create(
-            writer._h, writer.device, ctypes.byref(handle)))
+            w, writer.device, ctypes.byref(handle)))
         self._h: int | None = handle.value
-        self._writer = writer  # outlives the queue
+        self._writer = writer
 
     def submit(self, appends: np.ndarray, key_dtype: str, after_stream: int, step: int) -> None:
+        h = _open(self._h, "summary queue", "summary_queue_submit")
         a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_queue_submit", library().eps_engine_summary_queue_submit(
-            self._h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], after_stream, step))
+            h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], after_stream, step))
 
     def wait(self, stream: int, step: int) -> None:
         """Enqueues on ``stream``: wait until the appends of ``step`` are applied."""
-        check("summary_queue_wait", library().eps_engine_summary_queue_wait(self._h, stream,
-                                                                              step))
+        h = _open(self._h, "summary queue", "summary_queue_wait")
+        check("summary_queue_wait", library().eps_engine_summary_queue_wait(h, stream, step))
 
     def drain(self) -> None:
-        check("summary_queue_drain", library().eps_engine_summary_queue_drain(self._h))
+        h = _open(self._h, "summary queue", "summary_queue_drain")
+        check("summary_queue_drain", library().eps_engine_summary_queue_drain(h))
 
     def errors(self) -> tuple[int, str]:
         """Submissions refused plus appends skipped on the device; call after ``drain``."""
+        h = _open(self._h, "summary queue", "summary_queue_errors")
         buf = ctypes.create_string_buffer(512)
-        n = library().eps_engine_summary_queue_errors(self._h, buf, len(buf))
+        n = library().eps_engine_summary_queue_errors(h, buf, len(buf))
         return int(n), buf.value.decode(errors="replace")
 
     def close(self) -> None:

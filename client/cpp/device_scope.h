@@ -1,0 +1,38 @@
+// Makes a CUDA device current for a scope and gives the calling thread back its own
+// device at the end: a thread's current device is the engine's (PyTorch's, say), and a
+// library call that left it changed would send the engine's next allocation or launch to
+// another GPU.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace eps::client {
+
+class DeviceScope {
+ public:
+  DeviceScope() = default;
+  ~DeviceScope() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+  // Makes `device` current until the scope ends (the thread's device is restored then).
+  absl::Status Enter(int device) {
+    if (!restore_) restore_ = cudaGetDevice(&previous_) == cudaSuccess;
+    if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(err)));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool restore_ = false;
+  int previous_ = 0;
+};
+
+}  // namespace eps::client
