@@ -241,9 +241,11 @@ EpsClient::~EpsClient() {
   ReapAbandoned(/*wait=*/true);                             // cancelled calls finish promptly
 }
 
-absl::StatusOr<std::string> EpsClient::CallAttach(bool background) const {
+absl::StatusOr<std::string> EpsClient::CallAttach(
+    bool background, std::optional<std::chrono::steady_clock::time_point> deadline) const {
   grpc::ClientContext context;
-  context.set_deadline(SystemAfter(options_.attach_deadline));
+  context.set_deadline(deadline ? SystemAfter(*deadline - std::chrono::steady_clock::now())
+                                : SystemAfter(options_.attach_deadline));
   if (background) {
     std::lock_guard lock(attach_mu_);
     if (closing_) return absl::CancelledError("the client is closing");
@@ -276,10 +278,24 @@ absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
   return absl::OkStatus();
 }
 
+bool EpsClient::TakePendingAttach(std::chrono::steady_clock::time_point deadline) {
+  if (!pending_attach_.valid()) return false;
+  if (pending_attach_.wait_until(deadline) != std::future_status::ready) {
+    std::lock_guard lock(attach_mu_);
+    if (attach_context_ != nullptr) attach_context_->TryCancel();  // it returns promptly
+  }
+  return Adopt(pending_attach_.get()).ok();
+}
+
 absl::Status EpsClient::Attach() {
   if (!options_status_.ok()) return options_status_;
-  if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());  // a background one first
-  return Adopt(CallAttach());
+  const auto deadline = After(std::chrono::steady_clock::now(), options_.attach_deadline);
+  if (TakePendingAttach(deadline)) return absl::OkStatus();
+  if (std::chrono::steady_clock::now() >= deadline) {
+    return absl::DeadlineExceededError(
+        "Attach: attach_deadline passed waiting for a background re-attach");
+  }
+  return Adopt(CallAttach(/*background=*/false, deadline));
 }
 
 // Not attached: collects a finished background re-attach, or starts one when
@@ -299,16 +315,17 @@ absl::Status EpsClient::PollReattach() {
 }
 
 absl::Status EpsClient::Detach() {
-  // A background re-attach may be about to be granted a session (its call is bounded by
-  // attach_deadline): take it, so that it is detached too rather than left to its lease.
-  if (pending_attach_.valid()) (void)Adopt(pending_attach_.get());
+  // A background re-attach may be about to be granted a session: take it, so that it is
+  // detached too rather than left to its lease; all within one attach_deadline.
+  const auto deadline = After(std::chrono::steady_clock::now(), options_.attach_deadline);
+  (void)TakePendingAttach(deadline);
   if (session_id_.empty()) return absl::OkStatus();
   if (stream_) {
     stream_->Close();
     stream_.reset();
   }
   grpc::ClientContext context;
-  context.set_deadline(SystemAfter(options_.attach_deadline));
+  context.set_deadline(SystemAfter(deadline - std::chrono::steady_clock::now()));
   v1::DetachRequest request;
   request.set_session_id(session_id_);
   v1::DetachResponse response;

@@ -29,6 +29,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -117,12 +118,14 @@ class EpsClient {
   // Cancels a background re-attach (it does not detach: call Detach first for that).
   ~EpsClient();
 
-  // Attaches (or re-attaches); SelectPages also does this lazily.
+  // Attaches (or re-attaches); SelectPages also does this lazily. Within one
+  // attach_deadline: a background re-attach in flight is waited for within it, and a
+  // session that re-attach was granted is the answer (no second Attach replaces it).
   absl::Status Attach();
   StepResult SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
                          const v1::SelectOptions* options = nullptr);
-  // Ends the session, also one a background re-attach is being granted (waiting for it,
-  // within attach_deadline).
+  // Ends the session, also one a background re-attach is being granted (waiting for it),
+  // all within one attach_deadline.
   absl::Status Detach();
   absl::Status Ping(std::chrono::microseconds deadline);
   absl::Status Heartbeat();
@@ -135,8 +138,15 @@ class EpsClient {
   StepResult Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter);
   // Thread-safe (stub, attach_ and the attach lock only). `background`: the call can be
   // cancelled by the destructor (CancelBackgroundAttach), and is refused once it ran.
-  absl::StatusOr<std::string> CallAttach(bool background = false) const;
+  // `deadline`: the call's (steady clock), else attach_deadline from now.
+  absl::StatusOr<std::string> CallAttach(
+      bool background = false,
+      std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt) const;
+  // Before its destruction: cancels a background re-attach and refuses later ones.
   void CancelBackgroundAttach();
+  // Waits for a background re-attach in flight until `deadline`, and adopts its answer
+  // (true when it granted a session); one not done by then is cancelled (false).
+  bool TakePendingAttach(std::chrono::steady_clock::time_point deadline);
   absl::Status Adopt(const absl::StatusOr<std::string>& attached);
   absl::Status PollReattach();
   using Deadline = std::chrono::steady_clock::time_point;

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "eps/v1/page_selector.grpc.pb.h"
@@ -235,8 +237,10 @@ TEST_P(StreamDeadlineTest, AMissedStepCancelsTheStreamWhetherTheEngineFallsBackO
       selected = client.SelectPages(step, {&row, 1}).status.ok();
     }
     EXPECT_TRUE(selected);
-    EXPECT_EQ(client.counters().errors, fail_open ? 0u : 1u);
-    EXPECT_EQ(client.counters().fallback_deadline, fail_open ? 1u : 0u);
+    // At least the missed step (a retry may miss too on a loaded machine), counted by mode.
+    const ClientCounters c = client.counters();
+    EXPECT_EQ(fail_open ? c.errors : c.fallback_deadline, 0u);
+    EXPECT_GE(fail_open ? c.fallback_deadline : c.errors, 1u);
   }
   server->Shutdown();
   const std::vector<std::vector<uint64_t>> streams = fake.streams();
@@ -306,6 +310,88 @@ TEST(ClientOptionsTest, HugeDeadlinesDoNotWrap) {
     EXPECT_TRUE(r.status.ok()) << r.status;
     EXPECT_TRUE((*client)->Heartbeat().ok());
     EXPECT_TRUE((*client)->Ping(std::chrono::microseconds::max()).ok());
+  }
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace eps::client
+
+namespace eps::client {
+namespace {
+
+// Holds every Attach until released (or 5 s), then grants "s-<n>" for the n-th call.
+class HeldAttachEpsd final : public v1::PageSelector::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest*,
+                      v1::AttachResponse* response) override {
+    std::unique_lock lock(mu_);
+    const int n = ++calls_;
+    released_.wait_for(lock, std::chrono::seconds(5),
+                       [&] { return release_ || context->IsCancelled(); });
+    response->set_session_id("s-" + std::to_string(n));
+    return grpc::Status::OK;
+  }
+  void Release() {
+    std::lock_guard lock(mu_);
+    release_ = true;
+    released_.notify_all();
+  }
+  int calls() {
+    std::lock_guard lock(mu_);
+    return calls_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable released_;
+  int calls_ = 0;
+  bool release_ = false;
+};
+
+ClientOptions HeldOptions(const std::string& target, std::chrono::milliseconds attach_deadline) {
+  ClientOptions options;
+  options.target = target;
+  options.deadline = std::chrono::milliseconds(50);
+  options.attach_deadline = attach_deadline;
+  return options;
+}
+
+// Attach() waited attach_deadline for the background re-attach, then another for its
+// own call: twice what the option promises.
+TEST(AttachDeadlineTest, AttachWithABackgroundReattachInFlightKeepsToOneDeadline) {
+  HeldAttachEpsd epsd;
+  const std::string target = FakeTarget("held");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    EpsClient client(HeldOptions(target, std::chrono::milliseconds(400)), Attach("e"));
+    const v1::BatchRow row = Row();
+    EXPECT_TRUE(client.SelectPages(1, {&row, 1}).fallback);  // starts the background Attach
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status s = client.Attach();
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_LT(took, std::chrono::milliseconds(400 + 200));  // was 800 ms
+    epsd.Release();
+  }
+  server->Shutdown();
+}
+
+TEST(AttachDeadlineTest, AttachAdoptsTheSessionABackgroundReattachWasGranted) {
+  HeldAttachEpsd epsd;
+  const std::string target = FakeTarget("adopt");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    EpsClient client(HeldOptions(target, std::chrono::seconds(5)), Attach("e"));
+    const v1::BatchRow row = Row();
+    EXPECT_TRUE(client.SelectPages(1, {&row, 1}).fallback);  // starts the background Attach
+    while (epsd.calls() == 0) std::this_thread::yield();     // the call reached the server
+    epsd.Release();
+    EXPECT_TRUE(client.Attach().ok());
+    EXPECT_EQ(client.session_id(), "s-1");  // no second Attach replaced it
+    EXPECT_EQ(epsd.calls(), 1);
   }
   server->Shutdown();
 }
