@@ -88,7 +88,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
   // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room = sessions_.Room(request.engine_id(), config_.max_sessions); !room.ok()) {
+  if (absl::Status room =
+          sessions_.Room(EngineKey::Of(caller, request.engine_id()), config_.max_sessions);
+      !room.ok()) {
     return CountFailure(room);
   }
   absl::StatusOr<std::unique_ptr<Session>> built =
@@ -104,10 +106,13 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   response->set_backend(ToProto(session->backend().kind()));
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
-  if (absl::Status s = sessions_.Add(std::move(session), config_.max_sessions); !s.ok()) {
+  absl::StatusOr<std::shared_ptr<Session>> replaced =
+      sessions_.Add(std::move(session), config_.max_sessions);
+  if (!replaced.ok()) {
     response->Clear();
-    return CountFailure(s);
+    return CountFailure(replaced.status());
   }
+  // The replaced session (`*replaced`) is freed here, outside the registry's lock.
   attached_total_.fetch_add(1);
   return absl::OkStatus();
 }
