@@ -68,10 +68,25 @@ class StepBackend {
   absl::Status CheckStepOrder(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   void StepRan(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
 
+  // Ends the session's steps (Detach, a replacing Attach, expiry): work a Run left
+  // queued is finished first (FinishQueued), and every later call must find
+  // retired() and not run. Taken under the step lock, so once it returns no step
+  // of the session writes the engine's buffers again.
+  void Retire() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    FinishQueued();
+    retired_ = true;
+  }
+  bool retired() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) { return retired_; }
+
  protected:
+  // Finishes, or releases, what a Run left running after it returned (the cuda
+  // backend's async step), so that it no longer writes the engine's buffers.
+  virtual void FinishQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {}
+
   mutable absl::Mutex step_mu_;
 
  private:
+  bool retired_ ABSL_GUARDED_BY(step_mu_) = false;
   bool has_step_ ABSL_GUARDED_BY(step_mu_) = false;
   uint64_t last_step_ ABSL_GUARDED_BY(step_mu_) = 0;
 };

@@ -92,6 +92,22 @@ class CudaBackend final : public StepBackend {
     return absl::OkStatus();
   }
 
+ protected:
+  // A queued async step still writes its lists and selection_done once the engine's
+  // inputs_ready reaches it. Waited for as the next step would wait (up to
+  // --inputs-timeout-ms), then released by Finish: its lists become -1 (attend
+  // densely) and the stream drains, so nothing is left queued when the session ends.
+  void FinishQueued() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    if (!selector_->pending()) return;
+    StepStats stats;
+    float us = 0;
+    if (absl::Status s = selector_->Finish(inputs_timeout_, &stats, &us); !s.ok()) {
+      std::fprintf(stderr, "epsd: the queued step %llu of an ending session: %s\n",
+                   static_cast<unsigned long long>(selector_->pending_step()),
+                   std::string(s.message()).c_str());
+    }
+  }
+
  private:
   std::unique_ptr<gpu::GpuSelector> selector_;
   const int device_;

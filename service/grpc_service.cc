@@ -47,14 +47,27 @@ class SelectStream final
       End(absl::OkStatus());  // the client closed its side
       return;
     }
-    // Whatever happens in the step, the stream either writes a reply or ends.
-    const absl::Status status = CallGuarded("StreamSelectPages", [&] {
+    // Whatever happens in the step, the stream either writes a reply or ends. The
+    // next read starts only after the write: one step of the stream at a time.
+    Telemetry::Step step{};
+    const absl::Status started = CallGuarded("StreamSelectPages", [&] {
       telemetry_.metrics().StreamMessageReceived();
       response_.Clear();
-      const Telemetry::Step step = telemetry_.BeginStep(request_);
-      BackendKind backend = BackendKind::kCpu;
-      const absl::Status s =
-          sessions_.SelectPages(request_, &response_, &backend, LivenessOf(context_), caller_);
+      step = telemetry_.BeginStep(request_);
+      return absl::OkStatus();
+    });
+    if (!started.ok()) {
+      End(started);
+      return;
+    }
+    // Done here, or on the thread of the session's step before this one (step_gate.h).
+    sessions_.StartSelectPages(request_, &response_, LivenessOf(context_), caller_,
+                               [this, step](absl::Status s, BackendKind backend) {
+                                 StepDone(step, std::move(s), backend);
+                               });
+  }
+  void StepDone(const Telemetry::Step& step, absl::Status s, BackendKind backend) {
+    const absl::Status status = CallGuarded("StreamSelectPages", [&] {
       telemetry_.EndStep(call_, step, request_, response_, s, backend);
       return s;
     });
@@ -129,16 +142,29 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
                                                            const v1::SelectPagesRequest* request,
                                                            v1::SelectPagesResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kSelectPages, *context);
-  const absl::Status status = CallGuarded("SelectPages", [&] {
-    const Telemetry::Step step = telemetry_.BeginStep(*request);
-    BackendKind backend = BackendKind::kCpu;
-    const absl::Status s = sessions_.SelectPages(*request, response, &backend, LivenessOf(*context),
-                                                 CallerOf(*context));
-    telemetry_.EndStep(call, step, *request, *response, s, backend);
-    return s;
+  Telemetry::Step step{};
+  const absl::Status started = CallGuarded("SelectPages", [&] {
+    step = telemetry_.BeginStep(*request);
+    return absl::OkStatus();
   });
-  if (!status.ok()) response->Clear();
-  return Finish(context, telemetry_, call, status, /*refused=*/false);  // EndStep counted it
+  if (!started.ok()) return Finish(context, telemetry_, call, started);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Finished here, or on the thread of the session's step before this one (step_gate.h).
+  sessions_.StartSelectPages(
+      *request, response, LivenessOf(*context), CallerOf(*context),
+      [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {
+        const absl::Status status = CallGuarded("SelectPages", [&] {
+          telemetry_.EndStep(call, step, *request, *response, s, backend);
+          return s;
+        });
+        if (!status.ok()) response->Clear();
+        (void)CallGuarded("SelectPages", [&] {
+          telemetry_.EndCall(call, status, /*refused=*/false);  // EndStep counted it
+          return absl::OkStatus();
+        });
+        reactor->Finish(ToGrpcStatus(status));
+      });
+  return reactor;
 }
 
 grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>*

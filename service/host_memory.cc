@@ -26,6 +26,19 @@ absl::Status Errno(const std::string& what, int err) {
   if (err == EINVAL || err == ENAMETOOLONG || err == ELOOP || err == ENOTDIR || err == EISDIR) {
     return absl::InvalidArgumentError(message);
   }
+  // Not the request's fault nor a bug: epsd is out of a resource (idle connections
+  // hold descriptors, docs/deploy.md), and the engine may retry once some are free.
+  if (err == EMFILE || err == ENFILE) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(message,
+                     err == EMFILE ? ": epsd has used its open-file limit (RLIMIT_NOFILE)"
+                                   : ": the system's open-file table is full",
+                     "; close idle connections to epsd or raise the limit (docs/deploy.md)"));
+  }
+  if (err == ENOMEM) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(message, ": epsd is out of memory or of mappings (vm.max_map_count)"));
+  }
   return absl::InternalError(message);
 }
 

@@ -35,7 +35,8 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
         (void)sessions->GetStats(v1::GetStatsRequest(), &stats);
         return telemetry::ScrapeSources::Sessions{.active = stats.sessions_active(),
                                                   .attached_total = stats.sessions_attached_total(),
-                                                  .expired_total = stats.sessions_expired_total()};
+                                                  .expired_total = stats.sessions_expired_total(),
+                                                  .charged_bytes = sessions->charged_bytes()};
       });
   if (!telemetry.ok()) return telemetry.status();
   server->telemetry_ = *std::move(telemetry);

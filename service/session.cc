@@ -121,6 +121,11 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
                                                   caller.Describe()));
 }
 
+void Session::Retire() {
+  absl::MutexLock lock(&backend_->step_mu());
+  backend_->Retire();
+}
+
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
 void Session::CountStep(const StepStats& stats) {

@@ -4,8 +4,10 @@
 //
 // Thread safety: everything but the lease and the counters is immutable once
 // Create returns; the backend serialises the session's steps (and keeps their
-// order) under its step lock; the lease and counters are atomics. A session stays alive while a
-// call holds its shared_ptr, so expiry never unmaps memory under a running step.
+// order) under its step lock, behind the session's StepGate; the lease and
+// counters are atomics. A session stays alive while a call holds its
+// shared_ptr, so expiry never unmaps memory under a running step; Retire makes
+// a retired session's late calls do nothing.
 #pragma once
 
 #include <atomic>
@@ -26,6 +28,7 @@
 #include "service/peer.h"
 #include "service/session_buffers.h"
 #include "service/session_spec.h"
+#include "service/step_gate.h"
 
 namespace eps::service {
 
@@ -57,6 +60,13 @@ class Session {
   const SessionBuffers& buffers() const { return buffers_; }
   // Runs the session's steps, one at a time under its step_mu().
   StepBackend& backend() const { return *backend_; }
+  // Admits the session's steps before they take the step lock: one runs, one waits.
+  StepGate& step_gate() const { return gate_; }
+  // Ends the session's steps under its step lock (StepBackend::Retire): waits for
+  // the step running now, finishes queued work, and every later step is refused.
+  // Called once the session is out of the registry, before the call that removed it
+  // answers: after that nothing of the session writes the engine's buffers.
+  void Retire();
   // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
@@ -84,6 +94,7 @@ class Session {
   MappingCache mappings_;                 // owns the memory buffers_ points into
   SessionBuffers buffers_;
   std::unique_ptr<StepBackend> backend_;
+  mutable StepGate gate_;
 };
 
 int64_t SteadyNowMs();

@@ -1,9 +1,22 @@
-// The live sessions, by id and by engine id.
+// The live sessions, by id and by engine.
+//
+// An engine is named by who attached it and its engine_id (EngineKey): two users
+// whose engines share an engine_id have two sessions, so no user can take or
+// hold another's engine_id (docs/security.md). Callers of unknown credentials
+// (TCP) share one namespace of engine ids.
+//
+// Sessions leave the registry (Add's replaced session, Remove, TakeExpired) as
+// shared_ptrs returned to the caller: their teardown (munmap, the cuda
+// backend's stream synchronisation) never runs under the registry's lock,
+// where it would stall every engine's Find.
 //
 // Thread safety: all methods lock; sessions are shared, so a call that found
 // one keeps it alive after it was removed here.
 #pragma once
 
+#include <sys/types.h>
+
+#include <compare>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -11,42 +24,56 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "service/peer.h"
 #include "service/session.h"
 
 namespace eps::service {
 
+// The engine a session serves: its engine_id within its owner's namespace.
+struct EngineKey {
+  bool known = false;  // false: an owner of unknown credentials (TCP)
+  uid_t uid = 0;       // the owner's uid when known
+  std::string engine_id;
+
+  static EngineKey Of(const Peer& owner, const std::string& engine_id) {
+    return {.known = owner.known, .uid = owner.known ? owner.uid : 0, .engine_id = engine_id};
+  }
+  auto operator<=>(const EngineKey&) const = default;
+};
+
 class SessionRegistry {
  public:
-  // Publishes `session`; a session of the same engine_id is replaced (re-attach
-  // after an engine restart) when the new one's owner may use it, and
-  // PERMISSION_DENIED otherwise; one attached by an unknown peer (TCP) only once
-  // its lease has run out (ALREADY_EXISTS before). RESOURCE_EXHAUSTED when it would
-  // be a new session beyond `max_sessions` (checked under the lock, so concurrent
-  // attaches agree).
-  absl::Status Add(std::shared_ptr<Session> session, size_t max_sessions);
-  // What Add would say now of a session of `engine_id` as one beyond `max_sessions`
-  // (RESOURCE_EXHAUSTED, or OK): checked before an Attach maps and allocates anything
-  // (Add decides).
-  absl::Status Room(const std::string& engine_id, size_t max_sessions) const;
+  // Publishes `session`. A session of the same EngineKey is replaced (re-attach
+  // after an engine restart); one attached by an unknown peer (TCP) only once its
+  // lease has run out (ALREADY_EXISTS before). RESOURCE_EXHAUSTED when it would be
+  // a new session beyond `max_sessions` (checked under the lock, so concurrent
+  // attaches agree). OK: the replaced session, or null; the caller retires it and
+  // lets it go outside the lock.
+  absl::StatusOr<std::shared_ptr<Session>> Add(std::shared_ptr<Session> session,
+                                               size_t max_sessions);
+  // What Add would say now of a session of `key` as one beyond `max_sessions`
+  // (RESOURCE_EXHAUSTED, or OK): checked before an Attach maps and allocates
+  // anything (Add decides).
+  absl::Status Room(const EngineKey& key, size_t max_sessions) const;
   std::shared_ptr<Session> Find(const std::string& id) const;
-  bool Remove(const std::string& id);
+  // Removes `id` and returns its session (null when none), to be let go outside the lock.
+  std::shared_ptr<Session> Remove(const std::string& id);
   // Removes and returns the sessions whose lease ran out.
   std::vector<std::shared_ptr<Session>> TakeExpired(int64_t now_ms);
   size_t size() const;
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
-  absl::Status RoomLocked(const std::string& engine_id, size_t max_sessions) const
+  absl::Status RoomLocked(const EngineKey& key, size_t max_sessions) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Drops `id` from the engine index if it still names `id`.
-  void ForgetEngine(const std::string& engine_id, const std::string& id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `session`'s engine from the index if it still names the session.
+  void ForgetEngine(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> by_id_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> id_by_engine_ ABSL_GUARDED_BY(mu_);
+  std::map<EngineKey, std::string> id_by_engine_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace eps::service

@@ -6,7 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "core/status.h"
+#include "service/call_guard.h"
 #include "service/convert.h"
 
 namespace eps::service {
@@ -69,8 +71,9 @@ absl::Status SessionService::CountFailure(absl::Status status) {
 void SessionService::ExpireSessions() {
   for (const auto& session : sessions_.TakeExpired(SteadyNowMs())) {
     expired_total_.fetch_add(1);
-    // The last shared_ptr released (here, or by a call still running) unmaps its memory.
-    (void)session;
+    // A step still running finishes first; none runs after. The last shared_ptr
+    // released (here, or by a call still running) unmaps its memory.
+    session->Retire();
   }
 }
 
@@ -88,7 +91,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
   // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room = sessions_.Room(request.engine_id(), config_.max_sessions); !room.ok()) {
+  if (absl::Status room =
+          sessions_.Room(EngineKey::Of(caller, request.engine_id()), config_.max_sessions);
+      !room.ok()) {
     return CountFailure(room);
   }
   absl::StatusOr<std::unique_ptr<Session>> built =
@@ -104,10 +109,15 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   response->set_backend(ToProto(session->backend().kind()));
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
-  if (absl::Status s = sessions_.Add(std::move(session), config_.max_sessions); !s.ok()) {
+  absl::StatusOr<std::shared_ptr<Session>> replaced =
+      sessions_.Add(std::move(session), config_.max_sessions);
+  if (!replaced.ok()) {
     response->Clear();
-    return CountFailure(s);
+    return CountFailure(replaced.status());
   }
+  // The replaced session's step, if one runs, ends before the engine hears of the new
+  // session; both may share the engine's buffers.
+  if (*replaced != nullptr) (*replaced)->Retire();
   attached_total_.fetch_add(1);
   return absl::OkStatus();
 }
@@ -115,7 +125,10 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
 absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
   absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
   if (!session.ok()) return CountFailure(session.status());
-  if (!sessions_.Remove(request.session_id())) {
+  const bool removed = sessions_.Remove(request.session_id()) != nullptr;
+  // Either Detach of two at once answers only once the session's steps have ended.
+  (*session)->Retire();
+  if (!removed) {
     return CountFailure(
         absl::NotFoundError(absl::StrCat("session '", request.session_id(), "' not found")));
   }
@@ -125,12 +138,75 @@ absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer
 absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
                                          v1::SelectPagesResponse* response, BackendKind* backend,
                                          const CallLiveness& liveness, const Peer& caller) {
-  if (absl::Status alive = liveness.Check("SelectPages"); !alive.ok()) return alive;
+  absl::Notification finished;
+  absl::Status result;
+  StartSelectPages(request, response, liveness, caller, [&](absl::Status status, BackendKind kind) {
+    result = std::move(status);
+    if (backend != nullptr) *backend = kind;
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
+}
+
+void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
+                                      v1::SelectPagesResponse* response, CallLiveness liveness,
+                                      const Peer& caller, SelectDone done) {
+  BackendKind kind = BackendKind::kCpu;
+  std::shared_ptr<Session> session;
+  std::vector<StepRow> rows;
+  absl::StatusOr<SelectPolicy> policy;
+  // Everything up to the step gate, on the caller's thread.
+  absl::Status checked = CallGuarded("SelectPages", [&]() -> absl::Status {
+    RETURN_IF_ERROR(liveness.Check("SelectPages"));
+    ASSIGN_OR_RETURN(session, CheckSelect(request, caller, &kind));
+    policy = MergeOptions(session->policy(), request.options());
+    RETURN_IF_ERROR(CountFailure(policy.status()));
+    if (policy->granularity != session->spec().output_granularity) {
+      return CountFailure(absl::InvalidArgumentError(
+          absl::StrCat("options.granularity=", GranularityName(policy->granularity),
+                       " does not match the session's output buffers (",
+                       GranularityName(session->spec().output_granularity), ")")));
+    }
+    rows = RowsFromProto(request.rows());
+    return absl::OkStatus();
+  });
+  if (!checked.ok()) {
+    std::move(done)(std::move(checked), kind);
+    return;
+  }
+  // One step of a session runs and one more is parked, holding no thread (step_gate.h).
+  Session& gated = *session;  // kept alive by `session` until Run returns
+  const CallLiveness step_alive = liveness;
+  gated.step_gate().Run(
+      request.step(),
+      [this, &request, response, kind, held = session, step_liveness = std::move(liveness),
+       step_rows = std::move(rows), step_policy = *std::move(policy),
+       step_done = std::move(done)](absl::Status admitted) mutable {
+        if (absl::IsDeadlineExceeded(admitted) || absl::IsCancelled(admitted)) {
+          // Parked, and its client gave up meanwhile: not run, as in RunStep.
+        } else if (!admitted.ok()) {
+          held->errors.fetch_add(1);
+          admitted = CountFailure(absl::Status(
+              admitted.code(), absl::StrCat("SelectPages: session '", held->id(), "' of engine '",
+                                            held->spec().engine_id, "': ", admitted.message())));
+        } else {
+          admitted = CallGuarded("SelectPages", [&] {
+            return RunStep(*held, request, step_rows, step_policy, step_liveness, response);
+          });
+        }
+        std::move(step_done)(std::move(admitted), kind);
+      },
+      [alive = step_alive] { return alive.Check("SelectPages"); });
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionService::CheckSelect(
+    const v1::SelectPagesRequest& request, const Peer& caller, BackendKind* kind) {
   absl::StatusOr<std::shared_ptr<Session>> found =
       FindFor(request.session_id(), caller, " (detached or lease expired): re-attach");
   if (!found.ok()) return CountFailure(found.status());
   std::shared_ptr<Session> session = *std::move(found);
-  if (backend != nullptr) *backend = session->backend().kind();
+  *kind = session->backend().kind();
   session->Touch();
   const bool async = request.reply_mode() == v1::REPLY_MODE_ASYNC;
   if (request.reply_mode() != v1::REPLY_MODE_UNSPECIFIED &&
@@ -149,16 +225,7 @@ absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
         absl::StrCat("batch of ", request.rows_size(),
                      " rows exceeds the session's max_batch=", spec.max_batch)));
   }
-  absl::StatusOr<SelectPolicy> policy = MergeOptions(session->policy(), request.options());
-  if (!policy.ok()) return CountFailure(policy.status());
-  if (policy->granularity != spec.output_granularity) {
-    return CountFailure(absl::InvalidArgumentError(
-        absl::StrCat("options.granularity=", GranularityName(policy->granularity),
-                     " does not match the session's output buffers (",
-                     GranularityName(spec.output_granularity), ")")));
-  }
-  const std::vector<StepRow> rows = RowsFromProto(request.rows());
-  return RunStep(*session, request, rows, *policy, liveness, response);
+  return session;
 }
 
 absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequest& request,
@@ -172,8 +239,15 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   const SessionBuffers& buffers = session.buffers();
   StepBackend& backend = session.backend();
   absl::MutexLock lock(&backend.step_mu());
-  // A call that died waiting for the lock behind a slow step is not run: its step
-  // number stays free for the engine's next call.
+  // Detached, replaced or expired while this call waited: the engine's buffers may
+  // already belong to its next session.
+  if (backend.retired()) {
+    return CountFailure(absl::NotFoundError(
+        absl::StrCat("session '", session.id(), "' was detached, replaced or expired while step ",
+                     request.step(), " waited; not run: re-attach")));
+  }
+  // A call that died waiting behind a slow step is not run: its step number stays
+  // free for the engine's next call.
   if (absl::Status alive = liveness.Check("SelectPages"); !alive.ok()) return alive;
   absl::Status ready = session.CheckMemoryIntact();
   if (ready.ok()) ready = backend.CheckStepOrder(request.step());

@@ -4,13 +4,16 @@
 // testable in-process and every error is an absl::Status with a canonical code.
 //
 // Thread safety: all methods may be called concurrently. Steps of one session
-// are serialised; steps of different sessions run in parallel.
+// are serialised, one running and one parked at most (service/step_gate.h);
+// steps of different sessions run in parallel. Detach, a replacing Attach and
+// expiry retire the old session under its step lock before they return.
 #pragma once
 
 #include <atomic>
 #include <functional>
 #include <thread>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -49,6 +52,17 @@ class SessionService {
   absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                       const Peer& caller = {});
   absl::Status Detach(const v1::DetachRequest& request, const Peer& caller = {});
+  // Called once with a step's status and its session's backend kind (kCpu before the
+  // session is found).
+  using SelectDone = absl::AnyInvocable<void(absl::Status status, BackendKind backend) &&>;
+  // Checks the call, then runs its step through the session's StepGate: now, on this
+  // thread (before returning), or parked behind the session's running step and run
+  // on that step's thread after it, holding no thread meanwhile; a call beyond the
+  // one parked is refused at once (RESOURCE_EXHAUSTED). `done` reports each outcome;
+  // `request` and `response` must live until it is called.
+  void StartSelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
+                        CallLiveness liveness, const Peer& caller, SelectDone done);
+  // StartSelectPages, waiting for `done` on this thread.
   // `backend` (may be null): set to the session's backend kind once the session is found.
   absl::Status SelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
                            BackendKind* backend = nullptr, const CallLiveness& liveness = {},
@@ -63,12 +77,20 @@ class SessionService {
   size_t session_count() const { return sessions_.size(); }
   // Bytes charged to --max-server-bytes by the live sessions.
   uint64_t charged_bytes() const { return server_budget_.used(); }
+  // The session `id` names (null when none), for tests that hold its step gate or lock.
+  std::shared_ptr<Session> session_for_test(const std::string& id) const {
+    return sessions_.Find(id);
+  }
 
  private:
   absl::Status CountFailure(absl::Status status);
   // The session `id` names, if `caller` may use it: NOT_FOUND or PERMISSION_DENIED.
   absl::StatusOr<std::shared_ptr<Session>> FindFor(const std::string& id, const Peer& caller,
                                                    const char* hint) const;
+  // The session a SelectPages names, after the checks that need no step lock (reply
+  // mode, batch size); sets `kind` once it is found.
+  absl::StatusOr<std::shared_ptr<Session>> CheckSelect(const v1::SelectPagesRequest& request,
+                                                       const Peer& caller, BackendKind* kind);
   // Runs one validated step under the session's step lock.
   absl::Status RunStep(Session& session, const v1::SelectPagesRequest& request,
                        std::span<const StepRow> rows, const SelectPolicy& policy,

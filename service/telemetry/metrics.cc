@@ -101,6 +101,10 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
       out.push_back(Scalar("eps_sessions_expired_total",
                            "Sessions whose lease ran out (their engine stopped calling).",
                            prometheus::MetricType::Counter, static_cast<double>(s.expired_total)));
+      out.push_back(Scalar("eps_session_memory_bytes",
+                           "Bytes the live sessions hold against --max-server-bytes: mapped and "
+                           "inline buffers, backend allocations.",
+                           prometheus::MetricType::Gauge, static_cast<double>(s.charged_bytes)));
     }
     if (sources_.traces) {
       const ScrapeSources::Traces t = sources_.traces();

@@ -48,6 +48,7 @@ const char* RpcMethodName(RpcMethod method);
 struct ScrapeSources {
   struct Sessions {
     uint64_t active = 0, attached_total = 0, expired_total = 0;
+    uint64_t charged_bytes = 0;  // charged to --max-server-bytes by the live sessions
   };
   struct Traces {
     uint64_t exported = 0, dropped = 0, export_failures = 0;

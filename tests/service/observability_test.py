@@ -327,6 +327,7 @@ def test_metrics_and_step_log_count_exactly_the_traffic_sent(tmp_path: Path, see
     assert metric(m, "eps_validation_failures_total", reason="invalid_argument") == 0
     assert metric(m, "eps_sessions") == 1
     assert metric(m, "eps_sessions_attached_total") == 1
+    assert metric(m, "eps_session_memory_bytes") > 0  # the attached session's buffers
     assert epsd.stop() < 10
 
     lines = [json.loads(line) for line in step_log.read_text().splitlines()]

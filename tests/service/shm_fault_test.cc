@@ -3,6 +3,7 @@
 // other sessions; a shm name that is not one plain name is INVALID_ARGUMENT.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <optional>
@@ -137,6 +138,30 @@ TEST(ShmNames, AFifoUnderDevShmIsNotMapped) {
       service::HostMemory::MapShm(name, 4096);
   EXPECT_EQ(memory.status().code(), absl::StatusCode::kInvalidArgument) << memory.status();
   unlink(("/dev/shm" + name).c_str());
+}
+
+TEST(ShmDescriptors, OutOfDescriptorsIsResourceExhaustedNamingTheLimit) {
+  const std::string name = "/eps-emfile-" + std::to_string(getpid());
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // The lowest free descriptor as the limit: the next open is EMFILE.
+  const int lowest = dup(0);
+  ASSERT_GE(lowest, 0);
+  close(lowest);
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(lowest);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  absl::StatusOr<std::unique_ptr<service::HostMemory>> memory =
+      service::HostMemory::MapShm(name, 4096);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  shm_unlink(name.c_str());
+  EXPECT_EQ(memory.status().code(), absl::StatusCode::kResourceExhausted) << memory.status();
+  EXPECT_THAT(std::string(memory.status().message()),
+              ::testing::HasSubstr("open-file limit (RLIMIT_NOFILE)"));
 }
 
 TEST(ShmOwners, AnObjectOfAnotherUserIsNotMappedForACaller) {

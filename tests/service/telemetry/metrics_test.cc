@@ -74,11 +74,17 @@ TEST(ServerMetricsTest, FallbackReportsAndFailuresAreCountedByReason) {
 TEST(ServerMetricsTest, ScrapeSourcesAreReadAtScrapeTime) {
   uint64_t active = 1;
   ScrapeSources sources;
-  sources.sessions = [&] { return ScrapeSources::Sessions{.active = active, .attached_total = 4}; };
+  uint64_t charged = 4096;
+  sources.sessions = [&] {
+    return ScrapeSources::Sessions{.active = active, .attached_total = 4, .charged_bytes = charged};
+  };
   ServerMetrics m(sources);
   EXPECT_EQ(Sample(m.Render(), "eps_sessions"), 1);
+  EXPECT_EQ(Sample(m.Render(), "eps_session_memory_bytes"), 4096);
   active = 3;
+  charged = 0;
   EXPECT_EQ(Sample(m.Render(), "eps_sessions"), 3);
+  EXPECT_EQ(Sample(m.Render(), "eps_session_memory_bytes"), 0);
   EXPECT_EQ(Sample(m.Render(), "eps_sessions_attached_total"), 4);
 }
 
