@@ -100,6 +100,24 @@ static std::string StageClockReport(int blocks, int sms) {
                 blocks, (last - first) / 1e3, ns / blocks / 1e3, ghz,
                 ns / static_cast<double>(last - first) / sms);
   out += line;
+  // The launch's waves: blocks running at each tenth of the span, and when blocks start
+  // (us after the first start), to tell a tail of short waves from long chains.
+  out += "  running at each tenth of the span:";
+  for (int k = 0; k < 10; ++k) {
+    const unsigned long long t = first + (last - first) * (2 * k + 1) / 20;
+    int running = 0;
+    for (const StageClock& c : h) running += c.start_ns <= t && t < c.end_ns;
+    std::snprintf(line, sizeof line, " %d", running);
+    out += line;
+  }
+  std::vector<double> starts;
+  for (const StageClock& c : h) starts.push_back(static_cast<double>(c.start_ns - first) / 1e3);
+  std::sort(starts.begin(), starts.end());
+  std::snprintf(line, sizeof line,
+                "\n  starts (us after the first) p10 %.2f  p50 %.2f  p90 %.2f  max %.2f\n",
+                starts[starts.size() / 10], starts[starts.size() / 2],
+                starts[starts.size() * 9 / 10], starts.back());
+  out += line;
   for (int s = 1; s < kStages; ++s) {
     std::vector<double> us;
     for (const StageClock& c : h) {
