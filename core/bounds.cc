@@ -97,9 +97,15 @@ float OnePcBound(std::span<const float> record, const SummaryLayout& layout, con
 float QuestBound(std::span<const float> record, const SummaryLayout& layout, const QueryTerms& q) {
   if (layout.quest_min < 0) return FroBound(record, layout, q);
   if (record[layout.count] <= 0.0f) return -std::numeric_limits<float>::infinity();  // no keys
+  // The sign-split form the GPU sums (gpu/warp_sums.cuh QuestSplitQuery): equal
+  // to max(q·min, q·max) channel by channel for a well-formed record (min ≤ max,
+  // finite), and the same on both backends for any other (an inverted range
+  // scores its own way on both; a NaN half, or an infinite one that a zero side
+  // of q meets, gives NaN: the step fails naming the summary).
   float sum = 0.0f;
   for (int i = 0; i < layout.head_dim; ++i) {
-    sum += std::max(q.q[i] * QuestMin(record, layout, i), q.q[i] * QuestMax(record, layout, i));
+    sum += std::min(q.q[i], 0.0f) * QuestMin(record, layout, i) +
+           std::max(q.q[i], 0.0f) * QuestMax(record, layout, i);
   }
   return sum;
 }
@@ -156,6 +162,24 @@ float Score(Method method, std::span<const float> record, const SummaryLayout& l
       return QuestCltScore(record, layout, q);
   }
   return 0.0f;
+}
+
+bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout) {
+  const auto finite = [&](int from, int count) {
+    return from < 0 || std::all_of(record.begin() + from, record.begin() + from + count,
+                                   [](float x) { return std::isfinite(x); });
+  };
+  if (!finite(0, layout.fro2 + 3) || !finite(layout.key_sum, layout.head_dim) ||
+      !finite(layout.principal, 3) ||
+      (layout.quest8 >= 0 && !finite(layout.quest8 + layout.head_dim / 2, 1))) {
+    return false;
+  }
+  for (int i = 0; layout.quest_min >= 0 && i < layout.head_dim; ++i) {
+    if (std::isnan(QuestMin(record, layout, i)) || std::isnan(QuestMax(record, layout, i))) {
+      return false;
+    }
+  }
+  return true;
 }
 
 MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayout& layout,

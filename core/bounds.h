@@ -4,7 +4,10 @@
 //   1pc    sqrt(λ1)|u1·q| + sqrt(r²)‖q⊥‖   upper bound of sqrt(qᵀCq) (min with fro;
 //                                          q⊥ = q − (u1·q)u1, tighter than DESIGN's ‖q‖)
 //   fro    ‖q‖ sqrt(fro2)                   upper bound of sqrt(qᵀCq) (loose)
-//   quest  Σ_j max(q_j min_j, q_j max_j)    upper bound of max_i q·k_i
+//   quest  Σ_j min(q_j,0) min_j + max(q_j,0) max_j
+//                                          upper bound of max_i q·k_i (= Σ_j max(q_j min_j,
+//                                          q_j max_j) for a well-formed record; this form,
+//                                          the GPU's, is what both backends score)
 //   questclt  q·c + sqrt(Σ_j (q_j w_j)²)    estimate, not a bound: c = (min + max)/2 and
 //                                          w = (max − min)/2 per channel of the quest part;
 //                                          the spread of q·k over independent channels
@@ -15,6 +18,7 @@
 // All functions read one record (see core/layout.h) and never allocate.
 #pragma once
 
+#include <cfloat>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -40,6 +44,17 @@ struct QueryTerms {
   void Prepare(const PhiBank& phi, int layer, int kv_head, std::span<const float> query);
 };
 
+// The largest Σ_j q_j² a scored query may have: summed in double in channel
+// order (each square exact in double, so every backend gets the same bits), a
+// query at or above it is refused with INVALID_ARGUMENT. It sits 2^-12 below
+// FLT_MAX so that a float sum of the squares in any order (relative error at
+// most (d−1)·2^-24 ≤ 2^-14 for d ≤ 1024), which is what the scores use as ‖q‖²,
+// stays finite for every query accepted.
+inline constexpr double kMaxQueryNorm2 = FLT_MAX * (1.0 - 0x1p-12);
+// A float sum of the squares below this proves the double sum below
+// kMaxQueryNorm2 (the GPU's cheap test; at or above it, it sums in double).
+inline constexpr float kQueryNorm2Near = static_cast<float>(FLT_MAX * (1.0 - 0x1p-11));
+
 // Relative slack that covers fp32 rounding in summaries and scores, applied in
 // units of ‖q‖·max_norm (the scale of max_i |q·k_i|): at least kBoundSlack, and
 // growing with the n keys summed and the d·sqrt(d) of a quest sum (docs/policy.md).
@@ -57,6 +72,11 @@ float QuestCltScore(std::span<const float> record, const SummaryLayout& layout,
 // fall back to fro (1pc before Seal) — never to something that is not a bound.
 float Score(Method method, std::span<const float> record, const SummaryLayout& layout,
             const QueryTerms& q);
+
+// Whether the record's float words (the Gram, fro2, max_norm, count, key_sum,
+// λ1, r², the principal scale, the quest8 scale) are all finite and no quest
+// half is NaN: what decides whether a non-finite score blames the summary.
+bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout);
 
 // Rigorous bracket of max_i q·k_i over the group's keys, rounding slack included:
 // lower from the mean key (or -fro without key_sum), upper the tightest of fro,

@@ -130,7 +130,7 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
           }
           norm2 += double{x} * x;
         }
-        if (norm2 >= std::numeric_limits<float>::max()) {
+        if (norm2 >= kMaxQueryNorm2) {  // core/bounds.h: the GPU's rule too
           return absl::InvalidArgumentError(absl::StrCat("query[layer ", layer, "][row ", i,
                                                          "][head ", h, "] has |q|^2 = ", norm2,
                                                          ", beyond the float range of the scores"));
@@ -212,10 +212,10 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       const float* stat = record.data() + layout_.fro2;
       if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||
           !std::isfinite(stat[2])) {
-        // Blame the summary only if its sums are not finite; else the query's terms and
-        // this group's keys overflow together.
-        const bool sums_finite = std::all_of(record.begin(), record.begin() + layout_.fro2 + 3,
-                                             [](float x) { return std::isfinite(x); });
+        // Blame the summary only if it holds a NaN or Inf word (any part, the principal
+        // pair's and the quest halves included); else the query's terms and this
+        // group's keys overflow together.
+        const bool sums_finite = RecordIsFinite(record, layout_);
         return absl::InvalidArgumentError(absl::StrCat(
             pool == in.coarse_pool ? "coarse summary" : "summary", " of slot ", slot, " (layer ",
             layer, ", kv_head ", kvh, ") gives a non-finite score: ",

@@ -6,7 +6,11 @@
 //   jl     sqrt(max(zᵀGz, 0)) = sqrt(max(Σ_p G_p zz_p, 0))
 //   1pc    sqrt(λ1)|v̂·q| + sqrt(r² + pad)·‖q⊥‖, at most fro
 //   fro    ‖q‖ sqrt(fro2)
-//   quest  Σ_j max(q_j min_j, q_j max_j), min and max binary16 (rounded outward)
+//   quest  Σ_j min(q_j,0) min_j + max(q_j,0) max_j, min and max binary16 (rounded
+//          outward); core/ sums the same form, so malformed records agree too
+//
+// NaN handling follows core/'s std::max / std::min (StdMax, StdMin): a NaN λ1,
+// r² or principal scale makes 1pc NaN (the step fails) on both backends.
 //
 // and BracketMaxScore for strict mode. The per-channel sums (quest, u1·q, q·Σk)
 // are taken for a batch of query heads in one pass over the record (HeadSums):
@@ -36,8 +40,14 @@ struct HeadQuery {
   float norm;
 };
 
+// std::max and std::min as core/ calls them: a NaN first argument is kept
+// (fmaxf and fminf would drop it and score a NaN record as a finite one, where
+// core/ fails the step), a NaN second one dropped.
+__device__ inline float StdMax(float a, float b) { return a < b ? b : a; }
+__device__ inline float StdMin(float a, float b) { return b < a ? b : a; }
+
 __device__ inline float FroBound(const float* rec, const RecordOffsets& o, const HeadQuery& h) {
-  return h.norm * sqrtf(fmaxf(rec[o.fro2], 0.0f));
+  return h.norm * sqrtf(StdMax(rec[o.fro2], 0.0f));
 }
 
 // kM > 0: m fixed at compile time, `gram` the packed Gram already in registers.
@@ -94,12 +104,12 @@ __device__ inline float OnePcBound(const float* rec, const RecordOffsets& o, con
   const float along = fabsf(dot * rec[o.principal + 2]);
   const float q2 = h.norm * h.norm;
   const float perp =
-      sqrtf(fmaxf(q2 - along * along, 0.0f) + ldexpf(static_cast<float>(o.d), -22) * q2);
-  const float fro2 = fmaxf(rec[o.fro2], 0.0f);
+      sqrtf(StdMax(q2 - along * along, 0.0f) + ldexpf(static_cast<float>(o.d), -22) * q2);
+  const float fro2 = StdMax(rec[o.fro2], 0.0f);
   const float pad = ldexpf(rec[o.count] + static_cast<float>(o.d), -22) * fro2;
-  return fminf(sqrtf(fmaxf(rec[o.principal], 0.0f)) * along +
-                   sqrtf(fmaxf(rec[o.principal + 1], 0.0f) + pad) * perp,
-               fro);
+  return StdMin(sqrtf(StdMax(rec[o.principal], 0.0f)) * along +
+                    sqrtf(StdMax(rec[o.principal + 1], 0.0f) + pad) * perp,
+                fro);
 }
 
 // quest from the head's channel sum (`sum`, from QuestSumsWarp); fro without the part.
@@ -167,9 +177,9 @@ __device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const Record
   const float slack =
       fmaxf(kBoundSlack, ldexpf(count + d * sqrtf(d), -22)) * h.norm * rec[o.max_norm];
   float abs_upper = FroBound(rec, o, h);
-  if (o.principal >= 0) abs_upper = fminf(abs_upper, OnePcBound(rec, o, h, sums.principal[r]));
+  if (o.principal >= 0) abs_upper = StdMin(abs_upper, OnePcBound(rec, o, h, sums.principal[r]));
   float upper = abs_upper;
-  if (o.quest_min >= 0) upper = fminf(upper, QuestBound(rec, o, h, sums.quest[r]));
+  if (o.quest_min >= 0) upper = StdMin(upper, QuestBound(rec, o, h, sums.quest[r]));
   const float lower = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
   // core: contradicting bounds (squared norms below the float range) give no upper bound.
   if (lower > upper) upper = INFINITY;

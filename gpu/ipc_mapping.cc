@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/cuda_check.h"
+#include "gpu/stream_ops.h"
 
 namespace eps::gpu {
 namespace {
@@ -68,7 +69,10 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(const std::string& 
 }
 
 IpcMapping::~IpcMapping() {
-  if (data_ != nullptr) {
+  // A selector abandoned a stream on this device whose queued work may still
+  // run and read or write this mapping (gpu/inputs_wait.h): leave it mapped,
+  // since a kernel touching an unmapped address would fault the whole context.
+  if (data_ != nullptr && !AbandonedStreamRunning(device_)) {
     cudaSetDevice(device_);
     cudaIpcCloseMemHandle(data_);
   }

@@ -1,7 +1,9 @@
 // A CUDA IPC memory handle opened in this process (docs/design.md §5): the engine's
 // client library allocates with cudaMalloc and sends the 64-byte legacy handle.
 //
-// Ownership: the mapping is closed (cudaIpcCloseMemHandle) in the destructor.
+// Ownership: the mapping is closed (cudaIpcCloseMemHandle) in the destructor,
+// unless a stream abandoned on its device may still touch it (stream_ops.h
+// NoteAbandonedStream): then it stays mapped for the life of the process.
 // The allocation's size comes from the driver (cuMemGetAddressRange), so every
 // descriptor's extent is checked against the real allocation.
 #pragma once

@@ -18,6 +18,7 @@
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 #include "gpu/fused_select.cuh"
+#include "gpu/inputs_wait.h"
 #include "gpu/phi.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -84,8 +85,9 @@ struct GpuSelector::Impl {
   DeviceBuffer<DeviceRow> rows;
   DeviceBuffer<uint8_t> scored;
   DeviceBuffer<StepReport> reports;  // two, alternating by step (step_shape.cuh)
-  // The launch whose inputs wait the host released (Finish's timeout; SelectArgs::released).
-  DeviceBuffer<uint64_t> released;
+  // The waits on inputs_ready, their release and the bounds on draining the
+  // stream (inputs_wait.h; its `released` word is SelectArgs::released).
+  InputsWait inputs;
   // The fused selection's scratch (fused_select.cuh), zero between steps:
   // union masks [max_batch, layers, kFusedMaskWords]; arrivals [max_batch,
   // layers] and the step's count of finished (row, layer)s after them.
@@ -101,8 +103,7 @@ struct GpuSelector::Impl {
   // (SelectArgs::launch); while a step is pending it is that step's number.
   uint64_t sequence = 0;
   GpuSelectorOptions options;
-  CapturedSteps captured;                 // the graphs of recent steps (step_launch.cuh)
-  cudaStream_t release_stream = nullptr;  // writes inputs_ready when the engine never did
+  CapturedSteps captured;  // the graphs of recent steps (step_launch.cuh)
   // The mass budget of each layer ([layers]; SelectPolicy::mass_layers), written
   // before every step that has them: the graphs keep the pointer, not the values.
   DeviceBuffer<MassRule> mass_layers;
@@ -124,27 +125,41 @@ struct GpuSelector::Impl {
   bool per_head = false;        // per-KV-head lists: each reads one KV head's K and V
   bool last_fused = false;      // the last step queued fused its selection
 
+  // A step that failed after its inputs wait was queued: releases the wait and
+  // drains (InputsWait::Settle), then clears what a partly queued launch may
+  // have written, since the next launch reuses its number and report.
+  void Abort(uint64_t launch) {
+    if (!inputs.Settle(stream, launch)) return;
+    (void)cudaMemset(reports.get(), 0, 2 * sizeof(StepReport));
+    (void)cudaMemset(inputs.released(), 0, sizeof(uint64_t));
+  }
   ~Impl() {
-    // Sessions end on any thread (the lease reaper's device is 0): free on ours.
-    cudaSetDevice(device);
-    if (pending && fence.inputs_ready != nullptr) {
-      // Never leave the stream waiting on an engine that is gone (best effort).
-      (void)StreamWriteCounter(release_stream, released.get(), sequence);
-      (void)StreamRaiseCounter(release_stream, fence.inputs_ready, fence.step);
-    }
-    if (stream != nullptr) cudaStreamSynchronize(stream);
     if (host_rows != nullptr) cudaFreeHost(host_rows);
     if (host_mass_layers != nullptr) cudaFreeHost(host_mass_layers);
     if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
-    if (release_stream != nullptr) cudaStreamDestroy(release_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 };
 
 GpuSelector::GpuSelector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-GpuSelector::~GpuSelector() = default;
+GpuSelector::~GpuSelector() {
+  // Sessions end on any thread (the lease reaper's device is 0): free on ours.
+  cudaSetDevice(impl_->device);
+  if (impl_->stream != nullptr && !impl_->inputs.Settle(impl_->stream, impl_->sequence)) {
+    // The stream still holds a wait on engine memory that our release did not
+    // end. Synchronising would block this thread (the reaper: no lease would
+    // expire again) for as long as the engine likes, and freeing what the queued
+    // kernels use would let them fault the context if the wait ever passes. So
+    // the selector is abandoned: its stream, scratch and pinned memory leak (a
+    // few MiB, only for an engine that breaks the counter contract), and the
+    // device's IPC mappings stay open while the stream may still run
+    // (stream_ops.h NoteAbandonedStream). docs/design.md §6.
+    impl_->inputs.Abandon(impl_->device, impl_->stream);
+    (void)impl_.release();  // NOLINT(bugprone-unused-return-value): an intended leak
+  }
+}
 
 namespace {
 
@@ -192,6 +207,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
         absl::StrCat("num_q_heads=", model.num_q_heads, ", sketch_dim=", model.sketch_dim,
                      ": the GPU pre-pass supports at most 256 query heads and m <= 64"));
   }
+  RETURN_IF_ERROR(CheckGridLimits(model, max_batch));
   int max_shared = 0;
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   CUDA_RETURN_IF_ERROR(
@@ -218,7 +234,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
       cudaDeviceGetAttribute(&impl->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->release_stream, cudaStreamNonBlocking));
+  RETURN_IF_ERROR(impl->inputs.Init(options.drain_timeout));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_rows, max_batch * sizeof(DeviceRow)));
@@ -235,8 +251,6 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
   RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
   RETURN_IF_CUDA_ALLOC(impl->reports, 2);
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
-  RETURN_IF_CUDA_ALLOC(impl->released, 1);
-  CUDA_RETURN_IF_ERROR(cudaMemset(impl->released.get(), 0, sizeof(uint64_t)));
   const int64_t row_layers = max_batch * model.num_layers;
   RETURN_IF_CUDA_ALLOC(impl->fused_masks, row_layers * kFusedMaskWords);
   RETURN_IF_CUDA_ALLOC(impl->fused_arrivals, row_layers + 1);
@@ -275,6 +289,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     return absl::FailedPreconditionError(
         absl::StrCat("step ", g.fence.step, " is still pending: finish it first"));
   }
+  RETURN_IF_ERROR(g.inputs.Usable());
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
@@ -285,9 +300,14 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     if (fence.selection_done != nullptr) {
       CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
       if (fence.inputs_ready != nullptr) {
-        RETURN_IF_ERROR(StreamWaitCounter(g.stream, fence.inputs_ready, fence.step));
+        RETURN_IF_ERROR(g.inputs.Queue(g.stream, fence.inputs_ready, fence.step));
       }
-      RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
+      // A wait left queued is released by the next Finish or the destructor.
+      if (absl::Status s = StreamWriteCounter(g.stream, fence.selection_done, fence.step);
+          !s.ok()) {
+        g.Abort(g.sequence + 1);
+        return s;
+      }
     }
     return absl::OkStatus();
   }
@@ -447,7 +467,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     }
   }
   // This launch's number (from 1), which Finish names when it releases the inputs wait.
-  launch.select.released = g.released.get();
+  launch.select.released = g.inputs.released();
   launch.select.launch = g.sequence + 1;
   const auto [select_kernel, warps] = SelectKernelFor(policy.budget, strict, m.num_q_heads / lists);
   launch.select_kernel = launch.fused_selection ? nullptr : select_kernel;
@@ -465,33 +485,41 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {
-    RETURN_IF_ERROR(StreamWaitCounter(g.stream, fence.inputs_ready, fence.step));
+    RETURN_IF_ERROR(g.inputs.Queue(g.stream, fence.inputs_ready, fence.step));
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.rows.get(), rows, batch * sizeof(DeviceRow),
-                                       cudaMemcpyHostToDevice, g.stream));
-  if (per_layer_mass) {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.mass_layers.get(), g.host_mass_layers,
-                                         m.num_layers * sizeof(MassRule), cudaMemcpyHostToDevice,
-                                         g.stream));
-  }
-  if (retrieval) {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), policy.retrieval_heads.data(),
-                                         policy.retrieval_heads.size(), cudaMemcpyHostToDevice,
-                                         g.stream));
-  }
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
-  if (g.options.graphs) {
-    RETURN_IF_ERROR(g.captured.Replay(g.stream, launch));
-  } else {
-    RETURN_IF_ERROR(launch.Launch(g.stream));
+  // Once the wait is queued a failure releases it (Abort), or nothing might.
+  const auto queue_work = [&]() -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.rows.get(), rows, batch * sizeof(DeviceRow),
+                                         cudaMemcpyHostToDevice, g.stream));
+    if (per_layer_mass) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.mass_layers.get(), g.host_mass_layers,
+                                           m.num_layers * sizeof(MassRule), cudaMemcpyHostToDevice,
+                                           g.stream));
+    }
+    if (retrieval) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), policy.retrieval_heads.data(),
+                                           policy.retrieval_heads.size(), cudaMemcpyHostToDevice,
+                                           g.stream));
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(g.start, g.stream));
+    if (g.options.graphs) {
+      RETURN_IF_ERROR(g.captured.Replay(g.stream, launch));
+    } else {
+      RETURN_IF_ERROR(launch.Launch(g.stream));
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
+    if (fence.selection_done != nullptr) {
+      RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
+    }
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.host_report, report, sizeof(StepReport),
+                                         cudaMemcpyDeviceToHost, g.stream));
+    return absl::OkStatus();
+  };
+  if (absl::Status s = queue_work(); !s.ok()) {
+    g.Abort(launch.select.launch);
+    return s;
   }
   ++g.sequence;
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
-  if (fence.selection_done != nullptr) {
-    RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
-  }
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(g.host_report, report, sizeof(StepReport), cudaMemcpyDeviceToHost, g.stream));
   int scored_kv_heads_total = 0;  // summary bytes: per layer, KV heads with a scored head
   for (int layer = 0; layer < m.num_layers; ++layer) {
     for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
@@ -525,31 +553,11 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
   Impl& g = *impl_;
   if (!g.pending) return absl::FailedPreconditionError("no step is pending");
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
-  bool released = false;
-  if (timeout != std::chrono::microseconds::max() && g.fence.inputs_ready != nullptr) {
-    // Bounded wait: poll the stream; yield rather than spin a core.
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    cudaError_t q;
-    while ((q = cudaStreamQuery(g.stream)) == cudaErrorNotReady) {
-      if (std::chrono::steady_clock::now() >= deadline) {
-        // The engine never wrote inputs_ready: release our own wait so the
-        // stream drains. The step then runs on whatever queries are there, so
-        // its selection first learns that this launch was released: every
-        // list says "attend densely" (-1) and no feedback is consumed.
-        RETURN_IF_ERROR(StreamWriteCounter(g.release_stream, g.released.get(), g.sequence));
-        RETURN_IF_ERROR(StreamRaiseCounter(g.release_stream, g.fence.inputs_ready, g.fence.step));
-        released = true;
-        break;
-      }
-      std::this_thread::yield();
-    }
-    if (q != cudaSuccess && q != cudaErrorNotReady) {
-      g.pending = false;
-      return absl::InternalError(absl::StrCat("step stream: ", cudaGetErrorString(q)));
-    }
-  }
+  // Bounded whenever a wait on engine memory is queued (inputs_wait.h): released
+  // after `timeout`, then poisoned if the stream still does not drain.
   g.pending = false;
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(g.stream));
+  bool released = false;
+  RETURN_IF_ERROR(g.inputs.Drain(g.stream, timeout, g.sequence, &released));
   if (released) {
     return absl::DeadlineExceededError(absl::StrCat(
         "inputs_ready never reached step ", g.fence.step, " within ", timeout.count(),

@@ -71,7 +71,9 @@
 // stream can wait for it without any host round trip. Enqueue returns once the
 // work is queued (the async reply); Finish waits for it with a bound, and when
 // the engine never signals inputs_ready it releases the wait itself (the host
-// watchdog of docs/design.md §6), so the selector's stream is never blocked for good.
+// watchdog of docs/design.md §6). No host thread ever waits on the stream without
+// a bound while such a wait is queued: a stream that does not drain after the
+// release poisons the selector, and the destructor abandons it (inputs_wait.h).
 //
 // Thread safety: one caller at a time per GpuSelector.
 #pragma once
@@ -121,6 +123,11 @@ struct GpuSelectorOptions {
   // The terms kernel for any d and m (TermsKernel) even where the one that
   // holds Φ in registers applies (TermsKernelHeld). For tests and the benchmark.
   bool terms_general = false;
+  // How long the stream gets to drain once a wait on the engine's inputs_ready
+  // was released (Finish's timeout, a failed step, the destructor). Past it the
+  // selector is poisoned: later steps fail with FAILED_PRECONDITION and the
+  // destructor abandons the stream instead of synchronising (gpu/inputs_wait.h).
+  std::chrono::milliseconds drain_timeout{5000};
 };
 
 class GpuSelector {
@@ -130,6 +137,9 @@ class GpuSelector {
   static absl::Status WarmUp(int device);
 
   // Scratch for up to `max_batch` rows of up to `max_groups` groups, on `device`.
+  // A shape whose launch grids exceed CUDA's (num_layers × num_kv_heads or
+  // max_batch above 65535) is refused with INVALID_ARGUMENT before any device
+  // is touched.
   static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(const ModelLayout& model, int device,
                                                              int64_t max_batch, int64_t max_groups,
                                                              GpuSelectorOptions options = {});
@@ -156,7 +166,9 @@ class GpuSelector {
                        const StepFence& fence);
   // Waits up to `timeout` for the pending step, then (when it is still held by
   // an unsignalled inputs_ready) releases it and answers DEADLINE_EXCEEDED after
-  // the stream drained. Reports the device-side validation result and stats.
+  // the stream drained; FAILED_PRECONDITION, poisoning the selector, when it does
+  // not drain within drain_timeout. Reports the device-side validation result
+  // and stats. A failed Enqueue leaves no wait behind: it releases its own.
   absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
   bool pending() const;
   uint64_t pending_step() const;

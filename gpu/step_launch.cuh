@@ -32,6 +32,26 @@
 
 namespace eps::gpu {
 
+// CUDA's limit on a grid's y and z dimensions.
+inline constexpr int64_t kMaxGridYZ = 65535;
+
+// Whether every grid a step of `model` with up to `max_batch` rows launches fits
+// CUDA's limits: scoring and the coarse level put (layer, KV head) on y and the
+// row on z; the terms kernel the layer on y and the row on z; the selection, the
+// candidates and feedback the row on y. (x, up to 2³¹−1, holds the rest.)
+inline absl::Status CheckGridLimits(const ModelLayout& m, int64_t max_batch) {
+  const int64_t pairs = int64_t{m.num_layers} * m.num_kv_heads;
+  if (pairs > kMaxGridYZ || max_batch > kMaxGridYZ) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers * num_kv_heads = ", m.num_layers, " * ", m.num_kv_heads, " = ",
+                     pairs, " and max_batch=", max_batch,
+                     ": the GPU pre-pass launches grids whose y and z are "
+                     "these, each at most ",
+                     kMaxGridYZ));
+  }
+  return absl::OkStatus();
+}
+
 // The kernels of one step (query terms, scoring, selection; or query terms,
 // then scoring with the selection fused) with every parameter, launched one by
 // one or captured as a graph. Built zeroed (padding included), so its bytes

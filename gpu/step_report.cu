@@ -30,6 +30,11 @@ absl::Status ReportStatus(const DeviceStatus& status, const ReportBounds& bounds
     case kBadQuery:
       return absl::InvalidArgumentError(
           absl::StrCat("query of row ", status.row, " element ", status.index, " is not finite"));
+    case kQueryOverflow:
+      return absl::InvalidArgumentError(
+          absl::StrCat("query[layer ", status.index / status.value, "][row ", status.row, "][head ",
+                       status.index % status.value, "] has |q|^2 >= ", kMaxQueryNorm2,
+                       ", beyond the float range of the scores"));
     case kReleased:
       return absl::DeadlineExceededError(
           "the step's inputs wait was released: every list says attend densely (-1)");

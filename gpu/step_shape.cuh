@@ -26,7 +26,10 @@ enum ErrorCode : int {
   // Not an input error: epsd's host released the step's wait for inputs_ready
   // (GpuSelector::Finish's timeout), so its queries are not the step's. Its lists
   // say "attend densely" and, the report failed, no feedback is consumed.
-  kReleased = 7
+  kReleased = 7,
+  // A scored query whose Σ q_j² reaches core kMaxQueryNorm2 (index: the
+  // (layer, query head) as layer · q_heads + head).
+  kQueryOverflow = 8
 };
 struct DeviceStatus {
   int code;

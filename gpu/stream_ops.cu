@@ -1,5 +1,9 @@
 #include <cuda.h>
 
+#include <mutex>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "gpu/stream_ops.h"
 
@@ -30,18 +34,32 @@ absl::Status Call(const char* name, StreamValueFn fn, cudaStream_t stream, const
   return absl::OkStatus();
 }
 
-__global__ void RaiseCounterKernel(unsigned long long* counter, unsigned long long value) {
-  atomicMax(counter, value);
+// *counter = value unless it is at or past value in the wait's own order
+// (cuStreamWaitValue64 with GEQ compares cyclically: (int64_t)(*counter - value)
+// >= 0). An unsigned max would leave a counter the engine set at value + 2^63 or
+// more (UINT64_MAX, an engine that starts at -1) where the wait never passes;
+// this sets it to exactly value, which every wait for value or less then passes.
+__device__ inline void RaiseCyclic(unsigned long long* counter, unsigned long long value) {
+  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter);
+  while (static_cast<long long>(seen - value) < 0) {
+    const unsigned long long was = atomicCAS(counter, seen, value);
+    if (was == seen) break;
+    seen = was;
+  }
 }
 
-// counts[0, n) = -1, then *counter = max(*counter, value). One block, so that
-// the barrier orders every count before the counter.
+__global__ void RaiseCounterKernel(unsigned long long* counter, unsigned long long value) {
+  RaiseCyclic(counter, value);
+}
+
+// counts[0, n) = -1, then the counter raised to value (RaiseCyclic). One block,
+// so that the barrier orders every count before the counter.
 __global__ void ReleaseDenseKernel(int32_t* counts, int64_t n, unsigned long long* counter,
                                    unsigned long long value) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) counts[i] = -1;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) atomicMax(counter, value);
+  if (threadIdx.x == 0) RaiseCyclic(counter, value);
 }
 
 }  // namespace
@@ -78,6 +96,36 @@ absl::Status PreloadStreamOps() {
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+std::mutex abandoned_mu;
+std::vector<std::pair<int, cudaStream_t>>& Abandoned() {  // guarded by abandoned_mu
+  static auto* streams = new std::vector<std::pair<int, cudaStream_t>>;
+  return *streams;
+}
+}  // namespace
+
+void NoteAbandonedStream(int device, cudaStream_t stream) {
+  if (stream == nullptr) return;
+  std::lock_guard<std::mutex> lock(abandoned_mu);
+  Abandoned().emplace_back(device, stream);
+}
+
+bool AbandonedStreamRunning(int device) {
+  std::lock_guard<std::mutex> lock(abandoned_mu);
+  std::vector<std::pair<int, cudaStream_t>>& streams = Abandoned();
+  bool running = false;
+  for (size_t i = 0; i < streams.size();) {
+    if (cudaStreamQuery(streams[i].second) == cudaErrorNotReady) {
+      running |= streams[i].first == device;
+      ++i;
+    } else {  // drained (or broken): its work can touch nothing any more
+      streams[i] = streams.back();
+      streams.pop_back();
+    }
+  }
+  return running;
 }
 
 absl::Status StreamWaitCounter(cudaStream_t stream, const uint64_t* counter, uint64_t value) {

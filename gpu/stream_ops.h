@@ -15,22 +15,34 @@
 
 namespace eps::gpu {
 
-// Enqueues on `stream`: wait until *counter >= value (unsigned compare).
+// Enqueues on `stream`: wait until *counter >= value in CUDA's cyclic order
+// (CU_STREAM_WAIT_VALUE_GEQ passes when (int64_t)(*counter - value) >= 0): a
+// counter at value + 2^63 or more reads as below value and holds the wait.
 absl::Status StreamWaitCounter(cudaStream_t stream, const uint64_t* counter, uint64_t value);
 
 // Enqueues on `stream`: *counter = value once the stream's earlier work is done,
 // with a memory barrier, so a waiter that sees the value sees that work's writes.
 absl::Status StreamWriteCounter(cudaStream_t stream, uint64_t* counter, uint64_t value);
 
-// Enqueues on `stream`: *counter = max(*counter, value), atomically. The
+// Enqueues on `stream`: *counter = value unless it is already at or past value
+// in the waits' cyclic order, atomically (a compare-and-swap loop). The
 // watchdogs release a wait with it: a plain write could move a counter that the
-// other side already advanced backwards, and block its next step.
+// other side already advanced backwards, and block its next step; an unsigned
+// max would leave a counter at value + 2^63 or more (an engine's -1) where no
+// GEQ wait for value ever passes.
 absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t value);
 
-// Enqueues on `stream`: counts[0, n) = -1 ("attend densely"), then
-// *counter = max(*counter, value): the engine's fail-open release.
+// Enqueues on `stream`: counts[0, n) = -1 ("attend densely"), then the counter
+// raised to value as StreamRaiseCounter does: the engine's fail-open release.
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
                                 uint64_t value);
+
+// Records `stream` of `device` as abandoned by its owner while work queued on
+// it may still run one day (a wait on engine memory that never passed: see
+// gpu/inputs_wait.h). Device memory that such work may touch must stay mapped:
+// IpcMapping keeps its mapping open while AbandonedStreamRunning(device).
+void NoteAbandonedStream(int device, cudaStream_t stream);
+bool AbandonedStreamRunning(int device);
 
 // Loads the release kernels now. Under lazy module loading (CUDA's default) a
 // kernel's first launch may wait for the context to go idle, which never

@@ -172,10 +172,11 @@ __device__ inline void CheckQueryPart(const float (&x)[kE], const uint8_t* score
 
 // One head's terms from the lane's part x of its query and the warp's HeldPhi:
 // the packed z zᵀ into out[0, packed) (jl) and ‖q‖ into out[packed], as
-// TermsKernelHeld writes them. Every lane of the warp calls it.
+// TermsKernelHeld writes them; returns lane 0's Σ q² (CheckQueryNorm). Every
+// lane of the warp calls it.
 template <int kM, int kE>
-__device__ inline void HeldHeadTerms(const HeldPhi<kM, kE>& held, const float (&x)[kE], int packed,
-                                     float* out, int lane) {
+__device__ inline float HeldHeadTerms(const HeldPhi<kM, kE>& held, const float (&x)[kE], int packed,
+                                      float* out, int lane) {
   float n2 = 0.0f;
 #pragma unroll
   for (int e = 0; e < kE; ++e) n2 += x[e] * x[e];
@@ -203,6 +204,7 @@ __device__ inline void HeldHeadTerms(const HeldPhi<kM, kE>& held, const float (&
     for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
   }
   if (lane == 0) out[packed] = sqrtf(n2);
+  return n2;
 }
 
 // The terms of one (row, layer, KV head)'s query heads into `terms` [ratio,
@@ -223,7 +225,8 @@ __device__ inline void WarpsHeldTerms(const Shape& s, const void* queries, const
     LoadQueryPart<kE>(queries, s.query_dtype,
                       ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + kE * lane, x);
     CheckQueryPart<kE>(x, scored, report, s, layer, row, h, lane);
-    HeldHeadTerms<kM, kE>(held, x, s.record.packed, terms + r * words, lane);
+    const float n2 = HeldHeadTerms<kM, kE>(held, x, s.record.packed, terms + r * words, lane);
+    CheckQueryNorm(s, queries, scored, report, layer, row, h, n2, lane);
   }
 }
 
@@ -318,9 +321,10 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsA
     if (i + 2 < end) LoadQueryPart<kE>(a.queries, s.query_dtype, element(load_row, load_r), after);
     advance(load_row, load_r);
     CheckQueryPart<kE>(x, a.scored, a.report, s, layer, this_row, h, lane);
-    HeldHeadTerms<kM, kE>(
+    const float n2 = HeldHeadTerms<kM, kE>(
         held, x, packed, a.terms + ((int64_t{this_row} * s.layers + layer) * s.q_heads + h) * words,
         lane);
+    CheckQueryNorm(s, a.queries, a.scored, a.report, layer, this_row, h, n2, lane);
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
       x[e] = next[e];

@@ -4,10 +4,12 @@
 // message that names it, or handled without losing what the docs promise.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "core/bounds.h"
 #include "core/select.h"
 #include "core/step.h"
 #include "core/summary.h"
@@ -222,6 +224,93 @@ TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
   seq.feedback[2] = 1e38f;
   ASSERT_TRUE(seq.Select(policy).ok());
   EXPECT_EQ(seq.List(), clean);
+}
+
+// core/bounds.h kMaxQueryNorm2, summed in double in channel order, is the one rule
+// both backends apply (the GPU recomputes it so near the bound): a query at it is
+// refused by name, one a float below it scores.
+TEST(FloatRangeTest, AQueryIsRefusedExactlyAtTheSharedSquaredNormBound) {
+  Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 3);
+  for (int64_t p = 0; p < 3; ++p) ASSERT_TRUE(seq.Append(p, Key(1e-30f)).ok());
+  SelectPolicy policy;
+  policy.method = Method::kQuest;
+  policy.top_pages = 1;
+  const float at = static_cast<float>(std::sqrt(kMaxQueryNorm2));
+  const float above = double{at} * at >= kMaxQueryNorm2 ? at : std::nextafter(at, kInf);
+  const float below = std::nextafter(above, 0.0f);
+  ASSERT_LT(double{below} * below, kMaxQueryNorm2);
+  seq.query.assign(8, 0.0f);
+  seq.query[0] = above;
+  const absl::Status s = seq.Select(policy);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("query[layer 0][row 0][head 0] has |q|^2"), std::string::npos) << s;
+  seq.query[0] = below;
+  EXPECT_TRUE(seq.Select(policy).ok()) << "a float sum of the squares stays finite below the bound";
+}
+
+// quest sums min(q,0)·min + max(q,0)·max, as the GPU does (gpu/warp_sums.cuh): equal to
+// max(q·min, q·max) for a well-formed record, and the same on both backends for a record
+// whose ranges are inverted (the old max form scored those its own way: rankings reversed).
+TEST(FloatRangeTest, QuestScoresAnInvertedRangeAsTheGpuDoes) {
+  Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 1);
+  ASSERT_TRUE(seq.Append(0, {1, -2, 3, -4, 0.5f, 6, -7, 8}).ok());
+  ASSERT_TRUE(seq.Append(0, {-1, 2, 1, 4, 2.5f, -6, 7, 1}).ok());
+  const std::vector<float> q = {0.5f, -1, 2, -0.25f, 1, 3, -2, 0.75f};
+  QueryTerms terms;
+  terms.Prepare(seq.phi, 0, 0, q);
+  const auto split = [&](std::span<const float> r) {
+    float sum = 0.0f;
+    for (int i = 0; i < 8; ++i) {
+      sum += std::min(q[i], 0.0f) * QuestMin(r, seq.layout, i) +
+             std::max(q[i], 0.0f) * QuestMax(r, seq.layout, i);
+    }
+    return sum;
+  };
+  std::span<float> r = seq.Record(0);
+  EXPECT_EQ(QuestBound(r, seq.layout, terms), split(r));
+  for (int w = 0; w < 4; ++w) std::swap(r[seq.layout.quest_min + w], r[seq.layout.quest_max + w]);
+  EXPECT_EQ(QuestBound(r, seq.layout, terms), split(r));
+  float max_form = 0.0f;
+  for (int i = 0; i < 8; ++i) {
+    max_form += std::max(q[i] * QuestMin(r, seq.layout, i), q[i] * QuestMax(r, seq.layout, i));
+  }
+  EXPECT_GT(max_form, split(r));  // the two forms part on such a record
+}
+
+// A NaN anywhere the scores read fails the step naming the summary, whatever part
+// holds it: a quest half (the max form dropped a NaN in one), λ1, r² or the principal
+// scale (the message used to blame the queries: only the sums before them were scanned).
+TEST(FloatRangeTest, ANaNInAQuestHalfOrThePrincipalPairIsBlamedOnTheSummary) {
+  const auto expect_blamed = [](Sequence& seq, Method method, const char* what) {
+    SelectPolicy policy;
+    policy.method = method;
+    policy.top_pages = 1;
+    std::fill(seq.query.begin(), seq.query.end(), 0.5f);
+    const absl::Status s = seq.Select(policy);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << ": " << s;
+    EXPECT_NE(s.message().find("summary of slot 1"), std::string::npos) << what << ": " << s;
+    EXPECT_NE(s.message().find("holds NaN or Inf"), std::string::npos) << what << ": " << s;
+  };
+  for (const bool max_half : {false, true}) {
+    Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 3);
+    for (int64_t p = 0; p < 3; ++p) ASSERT_TRUE(seq.Append(p, Key(1.0f + p)).ok());
+    const int word = max_half ? seq.layout.quest_max : seq.layout.quest_min;
+    reinterpret_cast<uint16_t*>(seq.Record(1).data() + word)[0] = 0x7E00;  // a binary16 NaN
+    expect_blamed(seq, Method::kQuest, max_half ? "quest max half" : "quest min half");
+  }
+  for (int word = 0; word < 3; ++word) {  // λ1, r², scale
+    Sequence seq(Tiny({.key_sum = true, .principal = true, .quest = false, .quest8 = false}), 3);
+    for (int64_t p = 0; p < 3; ++p) {
+      const std::vector<float> keys = {1.0f + p, 0.5f, 0, 0, 0, 0, 0, 0,
+                                       0.25f,    1,    0, 0, 0, 0, 0, 0};
+      ASSERT_TRUE(
+          seq.writer.Append(seq.Record(p), 0, 0, {keys.data(), DType::kFloat32, 2, 0}).ok());
+      ASSERT_TRUE(seq.writer.Seal(seq.Record(p), 0, 0, {keys.data(), DType::kFloat32, 2, 0}).ok());
+    }
+    ASSERT_NE(seq.Record(1)[seq.layout.principal + 2], 0.0f) << "sealed";
+    seq.Record(1)[seq.layout.principal + word] = std::nanf("");
+    expect_blamed(seq, Method::kOnePc, word == 0 ? "lambda1" : word == 1 ? "r2" : "scale");
+  }
 }
 
 }  // namespace

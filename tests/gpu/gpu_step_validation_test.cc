@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/layout.h"
 #include "core/phi.h"
 #include "core/step.h"
 #include "core/testing/synthetic.h"
@@ -116,6 +117,118 @@ TEST(GpuStepValidationTest, FixedBudgetOverAFullTableStaysInItsSharedMemory) {
     for (size_t p = 0; p < want.size(); ++p) differing += want[p] != have[p];
     EXPECT_LE(differing, 2) << "layer " << layer;  // a tie at the 40th rank moves one group
   }
+}
+
+// Grids put (layer, KV head) pairs and rows on y and z, at most 65535 each: a
+// shape beyond is refused at Create by name, before any device is touched, so
+// this runs without one (the old Create failed at cudaSetDevice here, or
+// launched grids the driver refused at the first step on a GPU).
+TEST(GpuStepValidationTest, AShapeBeyondCudasGridLimitsIsRefusedAtCreate) {
+  ModelLayout m = ValidationModel();
+  m.num_layers = 4096;
+  m.num_q_heads = 32;
+  m.num_kv_heads = 32;  // 131072 (layer, KV head) pairs
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, 64);
+  EXPECT_EQ(selector.status().code(), absl::StatusCode::kInvalidArgument) << selector.status();
+  EXPECT_NE(selector.status().message().find("num_layers * num_kv_heads = 4096 * 32 = 131072"),
+            std::string::npos)
+      << selector.status();
+  selector = gpu::GpuSelector::Create(ValidationModel(), 0, 70000, 64);
+  EXPECT_EQ(selector.status().code(), absl::StatusCode::kInvalidArgument) << selector.status();
+  EXPECT_NE(selector.status().message().find("max_batch=70000"), std::string::npos)
+      << selector.status();
+}
+
+// A query whose Σ q² leaves the float range (1e19 in every channel: 6.4e39) is
+// refused by name as core/ refuses it, for every method: before, questclt (the
+// default) selected from it and jl blamed a summary.
+TEST(GpuStepValidationTest, AQueryBeyondTheFloatRangeIsRefusedAsCoreRefusesIt) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m = ValidationModel();
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  buffers.AssignRow(0, 4096, 1);
+  buffers.FillRandomSummaries(2);
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (int h = 0; h < m.num_q_heads; ++h) {
+      for (float& x : buffers.Query(layer, 0, h)) x = 1e19f;
+    }
+  }
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  for (Method method : {Method::kJl, Method::kQuestClt, Method::kQuest, Method::kOnePc}) {
+    SelectPolicy policy;
+    policy.method = method;
+    const absl::Status core =
+        reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+    EXPECT_EQ(core.code(), absl::StatusCode::kInvalidArgument) << core;
+    EXPECT_NE(core.message().find("|q|^2"), std::string::npos) << core;
+  }
+  ExpectEveryPathRefuses(buffers, rows,
+                         {{Method::kJl, false},
+                          {Method::kQuestClt, false},
+                          {Method::kQuest, false},
+                          {Method::kOnePc, false},
+                          {Method::kJl, true}},
+                         "] has |q|^2 >= ");
+}
+
+// Records malformed but finite score alike on both backends: quest ranges
+// inverted (min > max) select the same groups as core/ (the GPU's sign-split sum
+// and core/'s old max form reversed the ranking); a NaN λ1 fails 1pc on both
+// (the GPU's fmaxf dropped it and scored fro).
+TEST(GpuStepValidationTest, MalformedRecordsScoreAsCoreScoresThem) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m = ValidationModel();
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  const int64_t tokens = 4096;
+  testing::StepBuffers buffers(m, 1, tokens, 1, Granularity::kUnion);
+  buffers.AssignRow(0, tokens, 1);
+  buffers.FillRandomSummaries(3);
+  const SummaryLayout l = SummaryLayout::For(m);
+  const int64_t slots = buffers.num_slots();
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
+        std::span<float> r = buffers.Record(slot, layer, kvh);
+        for (int w = 0; w < m.head_dim / 2; ++w) std::swap(r[l.quest_min + w], r[l.quest_max + w]);
+      }
+    }
+  }
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = tokens, .seq_id = 0}};
+  SelectPolicy policy;
+  policy.method = Method::kQuest;
+  policy.top_pages = 16;
+  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    const auto want =
+        testing::VisitedGroups(buffers, 0, buffers.VisitBlocks(layer, 0, 0), buffers.max_groups());
+    const auto have = testing::VisitedGroups(
+        buffers, 0, got.List(1, 1, buffers.max_blocks(), layer, 0, 0), buffers.max_groups());
+    int differing = 0;
+    for (size_t p = 0; p < want.size(); ++p) differing += want[p] != have[p];
+    EXPECT_LE(differing, 2) << "layer " << layer;  // a tie at the cut moves one group
+  }
+  // A NaN λ1 in the record of group 3 (layer 1, KV head 0).
+  const int32_t slot = buffers.SlotOf(0, 3);
+  std::span<float> r = buffers.Record(slot, 1, 0);
+  r[l.principal] = std::nanf("");  // sealed (scale != 0), as FillRandomSummaries leaves none
+  r[l.principal + 1] = 1.0f;
+  r[l.principal + 2] = 1.0f / 127.0f;
+  policy.method = Method::kOnePc;
+  const absl::Status core =
+      reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+  EXPECT_EQ(core.code(), absl::StatusCode::kInvalidArgument) << core;
+  EXPECT_NE(core.message().find("holds NaN or Inf"), std::string::npos) << core;
+  ExpectEveryPathRefuses(buffers, rows, {{Method::kOnePc, false}},
+                         "summary of slot " + std::to_string(slot));
 }
 
 }  // namespace
