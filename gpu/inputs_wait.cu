@@ -1,8 +1,7 @@
-#include "gpu/inputs_wait.h"
-
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/inputs_wait.h"
 #include "gpu/stream_ops.h"
 
 namespace eps::gpu {

@@ -32,14 +32,14 @@ NO_EPSD = "--target=unix:///tmp/eps-demo-test-no-epsd.sock"
 @pytest.mark.parametrize("name", ["eps-demo", "eps_core_demo"])
 def test_a_size_that_cannot_fit_in_memory_exits_2_naming_the_flags(name: str) -> None:
     done = subprocess.run(
-        [binaries()[name], "--batch=4096", "--context=16M"],
+        [binaries()[name], "--batch=512", "--context=16M"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "--batch=4096" in done.stderr and "--context=16777216" in done.stderr
+    assert "--batch=512" in done.stderr and "--context=16777216" in done.stderr
     assert "bytes" in done.stderr and "memory" in done.stderr
 
 
