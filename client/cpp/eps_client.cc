@@ -378,12 +378,17 @@ std::vector<std::pair<std::string, std::string>> EpsClient::TraceMetadata() {
   return metadata;
 }
 
-StepResult EpsClient::Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter) {
+StepResult EpsClient::Failed(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter,
+                             StepResult result) {
+  result.status = std::move(status);
+  if (!options_.fail_open) {
+    errors_.fetch_add(1);
+    return result;
+  }
   counter.fetch_add(1);
   if (options_.on_fallback) options_.on_fallback(step);
-  StepResult result;
   result.fallback = true;
-  result.status = std::move(status);
+  result.response.Clear();  // nothing of a failed call's reply is this step's
   return result;
 }
 
@@ -469,26 +474,9 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
                                   const v1::SelectOptions* options) {
   steps_.fetch_add(1);
   const auto start = std::chrono::steady_clock::now();
-  if (!options_status_.ok()) {
-    if (!options_.fail_open) {
-      errors_.fetch_add(1);
-      StepResult result;
-      result.status = options_status_;
-      return result;
-    }
-    return Fallback(step, options_status_, fb_error_);
-  }
+  if (!options_status_.ok()) return Failed(step, options_status_, fb_error_);
   if (session_id_.empty()) {
-    absl::Status s = PollReattach();
-    if (!s.ok()) {
-      if (!options_.fail_open) {
-        errors_.fetch_add(1);
-        StepResult result;
-        result.status = s;
-        return result;
-      }
-      return Fallback(step, s, fb_not_attached_);
-    }
+    if (absl::Status s = PollReattach(); !s.ok()) return Failed(step, s, fb_not_attached_);
   }
   v1::SelectPagesRequest request;
   request.set_session_id(session_id_);
@@ -565,12 +553,7 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
     default:
       break;
   }
-  if (!options_.fail_open) {
-    errors_.fetch_add(1);
-    result.status = status;
-    return result;
-  }
-  return Fallback(step, status, *reason);
+  return Failed(step, status, *reason, std::move(result));
 }
 
 ClientCounters EpsClient::counters() const {

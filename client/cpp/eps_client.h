@@ -135,7 +135,10 @@ class EpsClient {
   v1::PageSelector::Stub& stub() { return *stub_; }
 
  private:
-  StepResult Fallback(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter);
+  // A failed step: fail-open, a fallback counted in `counter` (and on_fallback called);
+  // fail-closed, an error step counted in errors. `result` keeps what the call measured.
+  StepResult Failed(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter,
+                    StepResult result = {});
   // Thread-safe (stub, attach_ and the attach lock only). `background`: the call can be
   // cancelled by the destructor (CancelBackgroundAttach), and is refused once it ran.
   // `deadline`: the call's (steady clock), else attach_deadline from now.
