@@ -130,7 +130,7 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
           }
           norm2 += double{x} * x;
         }
-        if (norm2 >= kMaxQueryNorm2) {  // core/bounds.h: the GPU's rule too
+        if (norm2 >= double{kMaxQueryNorm2}) {  // core/bounds.h: the GPU's rule too
           return absl::InvalidArgumentError(absl::StrCat("query[layer ", layer, "][row ", i,
                                                          "][head ", h, "] has |q|^2 = ", norm2,
                                                          ", beyond the float range of the scores"));

@@ -226,7 +226,7 @@ __device__ inline void WarpsHeldTerms(const Shape& s, const void* queries, const
                       ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d + kE * lane, x);
     CheckQueryPart<kE>(x, scored, report, s, layer, row, h, lane);
     const float n2 = HeldHeadTerms<kM, kE>(held, x, s.record.packed, terms + r * words, lane);
-    CheckQueryNorm(s, queries, scored, report, layer, row, h, n2, lane);
+    CheckQueryNorm(s, scored, report, layer, row, h, n2, lane);
   }
 }
 
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kTermsThreads) TermsKernelHeld(Shape s, TermsA
     const float n2 = HeldHeadTerms<kM, kE>(
         held, x, packed, a.terms + ((int64_t{this_row} * s.layers + layer) * s.q_heads + h) * words,
         lane);
-    CheckQueryNorm(s, a.queries, a.scored, a.report, layer, this_row, h, n2, lane);
+    CheckQueryNorm(s, a.scored, a.report, layer, this_row, h, n2, lane);
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
       x[e] = next[e];

@@ -117,24 +117,14 @@ __device__ inline const float* PhiOf(const Shape& s, const float* phi, int layer
 }
 
 // Fails the step (kQueryOverflow) when a scored head's Σ q_j² reaches core
-// kMaxQueryNorm2, core/'s rule to the bit: `n2`, the float sum of the squares
-// the scores use (lane 0's), below kQueryNorm2Near proves it does not (one
-// compare, off the terms' chain); at or above it (or not finite) lane 0 sums the
-// squares again as core/ does, in double in channel order, each square exact.
-__device__ inline void CheckQueryNorm(const Shape& s, const void* queries, const uint8_t* scored,
-                                      StepReport* report, int layer, int row, int h, float n2,
-                                      int lane) {
-  if (lane != 0 || n2 < kQueryNorm2Near) return;
+// kMaxQueryNorm2: `n2` is lane 0's float sum of the squares (the ‖q‖² the scores
+// use), compared as it is (core/bounds.h says where that may differ from core/'s
+// double sum: only within its rounding of the bound).
+__device__ inline void CheckQueryNorm(const Shape& s, const uint8_t* scored, StepReport* report,
+                                      int layer, int row, int h, float n2, int lane) {
+  if (lane != 0 || n2 < kMaxQueryNorm2) return;
   if (scored != nullptr && !scored[layer * s.q_heads + h]) return;
-  const int64_t at = ((int64_t{layer} * s.max_batch + row) * s.q_heads + h) * s.d;
-  double exact = 0.0;
-  for (int i = 0; i < s.d; ++i) {
-    const double x = LoadAsFloatDevice(queries, s.query_dtype, at + i);
-    exact += x * x;
-  }
-  if (exact >= kMaxQueryNorm2) {
-    Fail(&report->status, kQueryOverflow, row, layer * s.q_heads + h, s.q_heads);
-  }
+  Fail(&report->status, kQueryOverflow, row, layer * s.q_heads + h, s.q_heads);
 }
 
 // One query head's terms, by one warp: its query loaded (and checked where the
@@ -175,7 +165,7 @@ __device__ inline void HeadTerms(const Shape& s, const void* queries, const floa
   for (int i = lane; i < s.d; i += 32) n2 += q[i] * q[i];
   for (int o = 16; o > 0; o /= 2) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, o);
   if (lane == 0) out[packed] = sqrtf(n2);
-  CheckQueryNorm(s, queries, scored_heads, report, layer, row, h, n2, lane);
+  CheckQueryNorm(s, scored_heads, report, layer, row, h, n2, lane);
   if constexpr (kM >= 0) {
     if constexpr (kM > 0) {
       ProjectQueryRows<kM>(matrix, q, s.d, lane, z);

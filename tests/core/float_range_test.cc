@@ -226,10 +226,10 @@ TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
   EXPECT_EQ(seq.List(), clean);
 }
 
-// core/bounds.h kMaxQueryNorm2, summed in double in channel order, is the one rule
-// both backends apply (the GPU recomputes it so near the bound): a query at it is
-// refused by name, one a float below it scores.
-TEST(FloatRangeTest, AQueryIsRefusedExactlyAtTheSharedSquaredNormBound) {
+// core/bounds.h kMaxQueryNorm2, against Σq² summed in double in channel order: a query
+// at it is refused by name, one a float below it scores (the GPU compares its float sum
+// with the same bound).
+TEST(FloatRangeTest, AQueryIsRefusedExactlyAtTheSquaredNormBound) {
   Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 3);
   for (int64_t p = 0; p < 3; ++p) ASSERT_TRUE(seq.Append(p, Key(1e-30f)).ok());
   SelectPolicy policy;
