@@ -25,6 +25,13 @@ absl::Status InputsWait::Queue(cudaStream_t stream, uint64_t* inputs_ready, uint
   return absl::OkStatus();
 }
 
+absl::Status InputsWait::ClearReleased() {
+  // The release stream holds only a counter write and a raise, no wait: bounded.
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(release_stream_));
+  CUDA_RETURN_IF_ERROR(cudaMemset(released_.get(), 0, sizeof(uint64_t)));
+  return absl::OkStatus();
+}
+
 absl::Status InputsWait::Release(uint64_t launch) {
   if (counter_ == nullptr) return absl::OkStatus();
   if (absl::Status s = StreamWriteCounter(release_stream_, released_.get(), launch); !s.ok()) {

@@ -70,6 +70,10 @@ class InputsWait {
   void Abandon(int device, cudaStream_t stream) const;
 
   uint64_t* released() const { return released_.get(); }
+  // Zeroes `released` once the release stream's own writes have landed (a release
+  // queued there may still be pending after the step stream drained): a launch
+  // number that is reused must not read as released.
+  absl::Status ClearReleased();
 
  private:
   // Polls `stream` until it drains (true) or `deadline` (false), yielding.

@@ -131,7 +131,7 @@ struct GpuSelector::Impl {
   void Abort(uint64_t launch) {
     if (!inputs.Settle(stream, launch)) return;
     (void)cudaMemset(reports.get(), 0, 2 * sizeof(StepReport));
-    (void)cudaMemset(inputs.released(), 0, sizeof(uint64_t));
+    (void)inputs.ClearReleased();
   }
   ~Impl() {
     if (host_rows != nullptr) cudaFreeHost(host_rows);

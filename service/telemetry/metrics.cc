@@ -102,8 +102,9 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
                            "Sessions whose lease ran out (their engine stopped calling).",
                            prometheus::MetricType::Counter, static_cast<double>(s.expired_total)));
       out.push_back(Scalar("eps_session_memory_bytes",
-                           "Bytes the live sessions hold against --max-server-bytes: mapped and "
-                           "inline buffers, backend allocations.",
+                           "Bytes the live sessions hold against --max-server-bytes: inline "
+                           "buffers and backend allocations (mapped engine buffers are not "
+                           "charged).",
                            prometheus::MetricType::Gauge, static_cast<double>(s.charged_bytes)));
     }
     if (sources_.traces) {
