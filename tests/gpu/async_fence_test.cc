@@ -189,6 +189,26 @@ class AsyncFenceTest : public ::testing::Test {
 
   // Lists in device memory against the core/ reference on the same inputs;
   // returns the number of lists that differ (by at most 2 groups: fp32 ties).
+  // Step 1 is accepted while inputs_ready holds its wait; step 2 finds it still
+  // waiting, has epsd release it (after --inputs-timeout-ms) and report it, then is
+  // selected from its own queries (written only after the call: inputs_ready = 2
+  // would also satisfy step 1's wait, which is GEQ).
+  void ExpectHeldStepReleasedAndTheNextSelected(client::EpsClient& client,
+                                                testing::EpsdProcess& epsd) {
+    const client::StepResult first = client.SelectPages(1, Rows());
+    ASSERT_FALSE(first.fallback) << first.status;
+    const client::StepResult second = client.SelectPages(2, Rows());
+    ASSERT_FALSE(second.fallback) << second.status << "\n" << epsd.Log();
+    ASSERT_EQ(second.response.earlier_size(), 1);
+    EXPECT_EQ(second.response.earlier(0).step(), 1u);
+    EXPECT_NE(second.response.earlier(0).error().find("inputs_ready"), std::string::npos)
+        << second.response.earlier(0).error();
+    WriteQueries(2, 0);
+    ASSERT_TRUE(buffers_->WaitSelection(stream_, 2).ok());
+    ASSERT_TRUE(StreamDrains(std::chrono::seconds(5)));
+    EXPECT_LE(CompareWithReference(), 1);
+  }
+
   int CompareWithReference() {
     StepStats stats;
     EXPECT_TRUE(
@@ -329,22 +349,7 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
   client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   // Step 1 is accepted, but the engine never signals inputs_ready = 1.
-  const client::StepResult first = client.SelectPages(1, Rows());
-  ASSERT_FALSE(first.fallback) << first.status;
-  // Step 2 finds step 1 still waiting, releases it after 100 ms and reports it
-  // (the engine writes step 2's inputs only after this call: inputs_ready = 2
-  // would also satisfy step 1's wait, which is GEQ).
-  const client::StepResult second = client.SelectPages(2, Rows());
-  ASSERT_FALSE(second.fallback) << second.status << "\n" << epsd->Log();
-  ASSERT_EQ(second.response.earlier_size(), 1);
-  EXPECT_EQ(second.response.earlier(0).step(), 1u);
-  EXPECT_NE(second.response.earlier(0).error().find("inputs_ready"), std::string::npos)
-      << second.response.earlier(0).error();
-  // And the session goes on: step 2 is selected from step 2's queries.
-  WriteQueries(2, 0);
-  ASSERT_TRUE(buffers_->WaitSelection(stream_, 2).ok());
-  ASSERT_TRUE(StreamDrains(std::chrono::seconds(5)));
-  EXPECT_LE(CompareWithReference(), 1);
+  ExpectHeldStepReleasedAndTheNextSelected(client, *epsd);
 }
 
 TEST_F(AsyncFenceTest, AWatchdogTimeoutMustBePositive) {
@@ -535,17 +540,7 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsReadyIsAtUint64Max) {
   client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   SetCounter(buffers_->flags(), UINT64_MAX);
-  const client::StepResult first = client.SelectPages(1, Rows());
-  ASSERT_FALSE(first.fallback) << first.status;
-  const client::StepResult second = client.SelectPages(2, Rows());
-  ASSERT_FALSE(second.fallback) << second.status << "\n" << epsd->Log();
-  ASSERT_EQ(second.response.earlier_size(), 1);
-  EXPECT_NE(second.response.earlier(0).error().find("inputs_ready"), std::string::npos)
-      << second.response.earlier(0).error();
-  WriteQueries(2, 0);
-  ASSERT_TRUE(buffers_->WaitSelection(stream_, 2).ok());
-  ASSERT_TRUE(StreamDrains(std::chrono::seconds(5)));
-  EXPECT_LE(CompareWithReference(), 1);
+  ExpectHeldStepReleasedAndTheNextSelected(client, *epsd);
 }
 
 // The same at the selector: Finish ends in bounded time with DEADLINE_EXCEEDED,
