@@ -34,6 +34,18 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* service, const std::string& t
   return builder.BuildAndStart();
 }
 
+// A client of a fake server: `deadline` for a step, `attach_deadline` for an Attach.
+ClientOptions FakeOptions(const std::string& target, bool use_stream,
+                          std::chrono::microseconds deadline = std::chrono::seconds(5),
+                          std::chrono::milliseconds attach_deadline = std::chrono::seconds(5)) {
+  ClientOptions options;
+  options.target = target;
+  options.use_stream = use_stream;
+  options.deadline = deadline;
+  options.attach_deadline = attach_deadline;
+  return options;
+}
+
 v1::AttachRequest Attach(const std::string& engine_id) {
   v1::AttachRequest attach;
   attach.set_engine_id(engine_id);
@@ -155,11 +167,7 @@ TEST_P(TraceMetadataTest, AnInvalidTraceparentCostsTheCallsTheirTraceHeaderOnly)
   const std::string target = FakeTarget(GetParam() ? "tp-stream" : "tp-unary");
   std::unique_ptr<grpc::Server> server = Serve(&fake, target);
   ASSERT_NE(server, nullptr);
-  ClientOptions options;
-  options.target = target;
-  options.use_stream = GetParam();
-  options.deadline = std::chrono::seconds(5);
-  options.attach_deadline = std::chrono::seconds(5);
+  ClientOptions options = FakeOptions(target, GetParam());
   options.traceparent = "00-x\r\n";
   options.tracestate = "a=b";
   {
@@ -183,11 +191,7 @@ TEST_P(TraceMetadataTest, AValidTraceparentIsSentAndAnInvalidTracestateIsNot) {
   const std::string target = FakeTarget(GetParam() ? "ts-stream" : "ts-unary");
   std::unique_ptr<grpc::Server> server = Serve(&fake, target);
   ASSERT_NE(server, nullptr);
-  ClientOptions options;
-  options.target = target;
-  options.use_stream = GetParam();
-  options.deadline = std::chrono::seconds(5);
-  options.attach_deadline = std::chrono::seconds(5);
+  ClientOptions options = FakeOptions(target, GetParam());
   options.traceparent = kTraceparent;
   options.tracestate = "congo=t61\r\n";
   {
@@ -218,12 +222,8 @@ TEST_P(StreamDeadlineTest, AMissedStepCancelsTheStreamWhetherTheEngineFallsBackO
   const std::string target = FakeTarget(fail_open ? "miss-open" : "miss-closed");
   std::unique_ptr<grpc::Server> server = Serve(&fake, target);
   ASSERT_NE(server, nullptr);
-  ClientOptions options;
-  options.target = target;
-  options.use_stream = true;
+  ClientOptions options = FakeOptions(target, /*use_stream=*/true, std::chrono::milliseconds(100));
   options.fail_open = fail_open;
-  options.deadline = std::chrono::milliseconds(100);
-  options.attach_deadline = std::chrono::seconds(5);
   {
     EpsClient client(options, Attach("engine-stream-miss"));
     ASSERT_TRUE(client.Attach().ok());
@@ -349,14 +349,6 @@ class HeldAttachEpsd final : public v1::PageSelector::Service {
   bool release_ = false;
 };
 
-ClientOptions HeldOptions(const std::string& target, std::chrono::milliseconds attach_deadline) {
-  ClientOptions options;
-  options.target = target;
-  options.deadline = std::chrono::milliseconds(50);
-  options.attach_deadline = attach_deadline;
-  return options;
-}
-
 // Attach() waited attach_deadline for the background re-attach, then another for its
 // own call: twice what the option promises.
 TEST(AttachDeadlineTest, AttachWithABackgroundReattachInFlightKeepsToOneDeadline) {
@@ -365,7 +357,9 @@ TEST(AttachDeadlineTest, AttachWithABackgroundReattachInFlightKeepsToOneDeadline
   auto server = Serve(&epsd, target);
   ASSERT_NE(server, nullptr);
   {
-    EpsClient client(HeldOptions(target, std::chrono::milliseconds(600)), Attach("e"));
+    EpsClient client(
+        FakeOptions(target, false, std::chrono::milliseconds(50), std::chrono::milliseconds(600)),
+        Attach("e"));
     const v1::BatchRow row = Row();
     EXPECT_TRUE(client.SelectPages(1, {&row, 1}).fallback);  // starts the background Attach
     const auto start = std::chrono::steady_clock::now();
@@ -384,7 +378,7 @@ TEST(AttachDeadlineTest, AttachAdoptsTheSessionABackgroundReattachWasGranted) {
   auto server = Serve(&epsd, target);
   ASSERT_NE(server, nullptr);
   {
-    EpsClient client(HeldOptions(target, std::chrono::seconds(5)), Attach("e"));
+    EpsClient client(FakeOptions(target, false, std::chrono::milliseconds(50)), Attach("e"));
     const v1::BatchRow row = Row();
     EXPECT_TRUE(client.SelectPages(1, {&row, 1}).fallback);  // starts the background Attach
     while (epsd.calls() == 0) std::this_thread::yield();     // the call reached the server
