@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eps_client import attention
+from eps_client import attention, attention_reference
 
 
 def random_case(rng: np.random.Generator, batch: int = 3, q_heads: int = 8, kv_heads: int = 2,
@@ -71,7 +71,7 @@ def brute_force(q, kv, lists, lengths, scale, softcap=0.0):
 @pytest.mark.parametrize("per_head", [False, True])
 def test_reference_matches_the_definition_and_reads_only_listed_tokens(rng, per_head):
     q, kv, lists, lengths, _, _ = random_case(rng, per_head=per_head)
-    out, lse = attention.reference_numpy(q, kv, lists, lengths, softcap=3.0)
+    out, lse = attention_reference.reference_numpy(q, kv, lists, lengths, softcap=3.0)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     np.testing.assert_allclose(out, brute_force(q, kv, lists, lengths, 1 / 8, 3.0), atol=1e-10)
 
@@ -80,10 +80,10 @@ def test_reference_visit_counts_and_dense_marker(rng):
     q, kv, lists, lengths, table, contexts = random_case(rng)
     counts = (lengths + 15) // 16
     counts[1] = -1  # epsd's "attend densely"
-    gated, _ = attention.reference_numpy(
+    gated, _ = attention_reference.reference_numpy(
         q, kv, lists, counts, length_kind=1, dense_table=table, context_lens=contexts)
     lists[1], lengths[1] = table[1], contexts[1]
-    plain, _ = attention.reference_numpy(q, kv, lists, lengths)
+    plain, _ = attention_reference.reference_numpy(q, kv, lists, lengths)
     np.testing.assert_array_equal(gated, plain)
 
 
@@ -91,7 +91,7 @@ def test_reference_refuses_an_empty_row(rng):
     q, kv, lists, lengths, _, _ = random_case(rng)
     lengths[2] = 0
     with pytest.raises(attention.AttentionListError, match="row 2 KV head 0: an empty list"):
-        attention.reference_numpy(q, kv, lists, lengths)
+        attention_reference.reference_numpy(q, kv, lists, lengths)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def test_gpu_matches_the_reference(rng, dtype_name, d, gqa, per_head):
     tkv = torch.from_numpy(kv).to("cuda", dtype)
     tl, tn = torch.from_numpy(lists).cuda(), torch.from_numpy(lengths).cuda()
     out, lse = attention.paged_decode_attention(tq, tkv, tl, tn, softcap=4.0, return_lse=True)
-    ref, ref_lse = attention.paged_decode_attention_reference(
+    ref, ref_lse = attention_reference.paged_decode_attention_reference(
         tq, tkv, tl, tn, softcap=4.0, return_lse=True)
     attention.check_attention_errors()
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
@@ -186,7 +186,7 @@ def test_gpu_gated_takes_epsd_outputs_and_reports_empty_rows(rng):
     out = attention.paged_decode_attention_gated(
         tq, tkv, t["lists"], t["counts"], t["table"], t["contexts"])
     lists[0], lengths[0] = table[0], contexts[0]
-    ref, _ = attention.reference_numpy(q, kv, lists, lengths)
+    ref, _ = attention_reference.reference_numpy(q, kv, lists, lengths)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=2e-2, rtol=2e-2)
     attention.check_attention_errors()
     t["counts"][1] = 0
