@@ -62,6 +62,7 @@
 #include "bench/gpu_bench_util.h"
 #include "bench/gpu_coarse_table.h"
 #include "bench/gpu_feedback_table.h"
+#include "bench/gpu_policy_cases.h"
 #include "core/buffer_contract.h"
 #include "core/half.h"
 #include "core/status.h"
@@ -358,85 +359,15 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   return row;
 }
 
-// One shape, many policies: p50 GPU µs of each, with the summary bytes it read.
-struct PolicyCase {
-  const char* name;
-  eps::SummaryFeatures features;
-  eps::SelectPolicy policy;
-  eps::gpu::GpuSelectorOptions options = {};
-};
-
+// One shape, many policies (bench/gpu_policy_cases.h): p50 GPU µs of each, with the
+// summary bytes it read.
 absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, double copy_gbs) {
-  std::vector<PolicyCase> cases;
-  auto add = [&](const char* name, eps::SummaryFeatures f, auto edit) {
-    eps::SelectPolicy p;
-    p.top_pages = top_pages_per_head;
-    // The default method (questclt) needs a quest part.
-    if (!f.quest && !f.quest8) p.method = eps::Method::kJl;
-    edit(p);
-    cases.push_back({name, f, p});
-  };
-  const eps::SummaryFeatures minimal{.key_sum = false, .principal = false, .quest = false};
-  const eps::SummaryFeatures quest{.key_sum = false, .principal = false, .quest = true};
-  const eps::SummaryFeatures bracket{.key_sum = true, .principal = false, .quest = true};
-  const eps::SummaryFeatures quest8{
-      .key_sum = false, .principal = false, .quest = true, .quest8 = true};
-  const eps::SummaryFeatures quest8_only{
-      .key_sum = false, .principal = false, .quest = false, .quest8 = true};
-  const eps::SummaryFeatures bracket8{
-      .key_sum = true, .principal = false, .quest = true, .quest8 = true};
-  add("jl threshold", minimal, [](eps::SelectPolicy&) {});
-  add("jl threshold per_kv_head", minimal,
-      [](eps::SelectPolicy& p) { p.granularity = eps::Granularity::kPerKvHead; });
-  add("jl fixed", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kFixed; });
-  add("jl fixed per_kv_head", minimal, [](eps::SelectPolicy& p) {
-    p.budget = eps::Budget::kFixed;
-    p.granularity = eps::Granularity::kPerKvHead;
-  });
-  add("jl top_p 0.95", minimal, [](eps::SelectPolicy& p) { p.budget = eps::Budget::kTopP; });
-  add("quest threshold (16-bit)", quest,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuest; });
-  add("quest fixed (16-bit)", quest, [](eps::SelectPolicy& p) {
-    p.method = eps::Method::kQuest;
-    p.budget = eps::Budget::kFixed;
-  });
-  add("questclt threshold", quest, [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  add("questclt threshold (registers)", quest,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  cases.back().options.register_sums = true;  // questclt's general path (gpu/step.h)
-  // The reference engine's record (key_sum and quest: 1,184 bytes at d = 128).
-  add("questclt threshold key_sum", bracket,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  // questclt over the quest8 part (2·d + 4 of the record's bytes instead of 4·d).
-  add("questclt threshold quest8", quest8,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  add("questclt threshold quest8 (registers)", quest8,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  cases.back().options.register_sums = true;
-  add("questclt threshold quest8 only", quest8_only,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  add("questclt threshold key_sum quest8", bracket8,
-      [](eps::SelectPolicy& p) { p.method = eps::Method::kQuestClt; });
-  add("quest mass 0.95", quest, [](eps::SelectPolicy& p) {
-    p.method = eps::Method::kQuest;
-    p.budget = eps::Budget::kMass;
-  });
-  add("quest mass 0.95 list", quest, [](eps::SelectPolicy& p) {
-    p.method = eps::Method::kQuest;
-    p.budget = eps::Budget::kMass;
-    p.mass_scope = eps::MassScope::kList;
-  });
-  add("questclt mass 0.95 list", quest, [](eps::SelectPolicy& p) {
-    p.method = eps::Method::kQuestClt;
-    p.budget = eps::Budget::kMass;
-    p.mass_scope = eps::MassScope::kList;
-  });
-  add("strict (key_sum + quest)", bracket, [](eps::SelectPolicy& p) { p.strict = true; });
+  const std::vector<eps::bench::PolicyCase> cases = eps::bench::PolicyCases(top_pages_per_head);
   std::printf("\npolicies at batch %d x %lld (p50 of 50 steps):\n", batch,
               static_cast<long long>(context));
   std::printf("%-38s %8s %10s %9s %9s %8s %9s\n", "policy", "record_B", "summaryMB", "gpu_us",
               "copy_us", "%copy", "visited%");
-  for (const PolicyCase& c : cases) {
+  for (const eps::bench::PolicyCase& c : cases) {
     if (!policy_names.empty() &&
         std::none_of(policy_names.begin(), policy_names.end(), [&](const std::string& n) {
           return std::string(c.name).find(n) != std::string::npos;

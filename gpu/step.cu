@@ -359,34 +359,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   }
   StepLaunch launch;
   std::memset(static_cast<void*>(&launch), 0, sizeof launch);  // the bytes are a key
-  Shape& s = launch.shape;
-  s.layers = m.num_layers;
-  s.q_heads = m.num_q_heads;
-  s.kv_heads = m.num_kv_heads;
-  s.d = m.head_dim;
-  s.m = m.sketch_dim;
-  s.record_words = g.layout.record_words;
-  s.block_size = m.block_size;
-  s.group_blocks = m.group_blocks;
-  const SummaryLayout& l = g.layout;
-  s.record = {m.head_dim, l.gram_words, l.fro2,      l.max_norm,  l.count,
-              l.key_sum,  l.quest_min,  l.quest_max, l.principal, l.quest8};
-  s.max_batch = in.max_batch;
-  s.max_seqs = in.max_seqs;
-  s.max_groups = in.max_groups;
-  s.max_blocks = in.max_blocks;
-  s.num_slots = in.num_slots;
-  s.num_physical_blocks = in.num_physical_blocks;
-  s.query_dtype = in.query_dtype;
-  s.lists = lists;
+  launch.PlanShape(m, g.layout, in, lists);
+  launch.PlanRule(m, policy, method_off);
   SelectRule& rule = launch.rule;
-  rule.method_off = method_off;
-  rule.alpha = policy.alpha;
-  rule.first_n = policy.first_n;
-  rule.last_n = policy.last_n;
-  rule.top_pages = policy.top_pages;
-  rule.top_p = policy.top_p;
-  rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
   // The mass budget: one for every layer in the launch (its bytes are the graph's
   // key), or one per layer in device memory, read by the step's own graph replay.
   const auto mass_rule = [&](const MassSetting& setting) {

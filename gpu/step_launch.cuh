@@ -90,6 +90,40 @@ struct StepLaunch {
   dim3 feedback_grid;
   size_t feedback_shared;  // FeedbackKernel's keys
 
+  // The step's shape: the model's, its records' layout, the inputs' capacities.
+  void PlanShape(const ModelLayout& m, const SummaryLayout& l, const StepInputs& in, int lists) {
+    kernels::Shape& s = shape;
+    s.layers = m.num_layers;
+    s.q_heads = m.num_q_heads;
+    s.kv_heads = m.num_kv_heads;
+    s.d = m.head_dim;
+    s.m = m.sketch_dim;
+    s.record_words = l.record_words;
+    s.block_size = m.block_size;
+    s.group_blocks = m.group_blocks;
+    s.record = {m.head_dim, l.gram_words, l.fro2,      l.max_norm,  l.count,
+                l.key_sum,  l.quest_min,  l.quest_max, l.principal, l.quest8};
+    s.max_batch = in.max_batch;
+    s.max_seqs = in.max_seqs;
+    s.max_groups = in.max_groups;
+    s.max_blocks = in.max_blocks;
+    s.num_slots = in.num_slots;
+    s.num_physical_blocks = in.num_physical_blocks;
+    s.query_dtype = in.query_dtype;
+    s.lists = lists;
+  }
+
+  // The selection rule's policy fields (the mass budget's are set by the caller).
+  void PlanRule(const ModelLayout& m, const SelectPolicy& policy, bool method_off) {
+    rule.method_off = method_off;
+    rule.alpha = policy.alpha;
+    rule.first_n = policy.first_n;
+    rule.last_n = policy.last_n;
+    rule.top_pages = policy.top_pages;
+    rule.top_p = policy.top_p;
+    rule.inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(m.head_dim));  // as core MarkTopP
+  }
+
   // The query terms' part: `args` without the run's fields; TermsKernelHeld, a
   // warp per (KV head, layer, run of heads: TermsHeadsPerRun of the warps the GPU
   // holds, `resident_warps`), where it fits; else TermsKernel, a block per (KV

@@ -1,0 +1,135 @@
+// The engine's own counters against epsd and the selector (docs/design.md §6): an
+// inputs_ready left at or beyond step + 2^63, or lowered again after epsd's release,
+// ends every wait in bounded time and never blocks Finish or a selector's destructor.
+// Part of the async_fence_test binary (the fixture: tests/gpu/async_fence_fixture.h).
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <future>
+#include <string>
+#include <thread>
+
+#include "client/cpp/eps_client.h"
+#include "gpu/step.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/async_fence_fixture.h"
+#include "tests/service/epsd_process.h"
+
+namespace eps::async_fence {
+namespace {
+
+// An engine that leaves inputs_ready at step + 2^63 or more (UINT64_MAX: a counter
+// initialised to -1) holds a GEQ stream wait, which compares cyclically. epsd's
+// release sets the counter to the step (an unsigned atomicMax left UINT64_MAX,
+// so Finish synchronised forever under the session's step lock: the second call
+// fell back on the client's deadline).
+TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsReadyIsAtUint64Max) {
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("uint64max"),
+                                          {"--backend=cuda", "--inputs-timeout-ms=100"});
+  ASSERT_NE(epsd, nullptr);
+  client::EpsClient client(AsyncOptions(*epsd), Attach());
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
+  SetCounter(buffers_->flags(), UINT64_MAX);
+  ExpectHeldStepReleasedAndTheNextSelected(client, *epsd);
+}
+
+// The same at the selector: Finish ends in bounded time with DEADLINE_EXCEEDED,
+// the counter at the step and the lists dense; so does the destructor of a
+// selector whose step is still held by such a counter (the lease reaper's path:
+// the old one synchronised forever, and no lease expired again).
+TEST_F(AsyncFenceTest, ASelectorReleasesAndDestroysAStepHeldByAnInputsReadyAtUint64Max) {
+  gpu::GpuSelectorOptions options;
+  options.drain_timeout = std::chrono::milliseconds(2000);
+  auto selector = gpu::GpuSelector::Create(m_, 0, kBatch, host_->max_groups(), options);
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  uint64_t* const flags = buffers_->flags();
+  SetCounter(flags, UINT64_MAX);
+  gpu::GpuSelector::StepFence fence{.inputs_ready = flags, .selection_done = flags + 1, .step = 5};
+  ASSERT_EQ((*selector)->Enqueue(DeviceInputs(), JlPolicy(), DeviceOutputs(), fence),
+            absl::OkStatus());
+  auto finish = std::async(std::launch::async, [&] {
+    return (*selector)->Finish(std::chrono::milliseconds(100), nullptr, nullptr);
+  });
+  if (finish.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    SetCounter(flags, 5);  // let the blocked Finish end, so the test can
+    FAIL() << "Finish blocked on a stream held by inputs_ready = UINT64_MAX";
+  }
+  EXPECT_EQ(finish.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(*gpu::ReadCounter(0, flags), 5u) << "raised in the wait's cyclic order";
+  EXPECT_EQ(*gpu::ReadCounter(0, flags + 1), 5u);
+  for (int32_t c : Counts()) EXPECT_EQ(c, -1) << "lists must say: attend densely";
+
+  SetCounter(flags, UINT64_MAX);
+  fence.step = 6;
+  ASSERT_EQ((*selector)->Enqueue(DeviceInputs(), JlPolicy(), DeviceOutputs(), fence),
+            absl::OkStatus());
+  auto destroyed = std::async(std::launch::async, [&] { selector->reset(); });
+  if (destroyed.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    SetCounter(flags, 6);
+    FAIL() << "the selector's destructor blocked on inputs_ready = UINT64_MAX";
+  }
+  EXPECT_EQ(*gpu::ReadCounter(0, flags), 6u);
+}
+
+// An engine that lowers inputs_ready again after the release (here: a host thread
+// writing 3 over and over) may keep the wait from ever passing. Finish then ends
+// within the drain bound, either released (the wait saw the raise) or with the
+// selector poisoned: later steps are refused by name and its destruction is
+// bounded too. (The old Finish synchronised for as long as the engine wrote.)
+TEST_F(AsyncFenceTest, ASelectorWhoseEngineLowersInputsReadyAgainEndsInBoundedTime) {
+  gpu::GpuSelectorOptions options;
+  options.drain_timeout = std::chrono::milliseconds(300);
+  auto selector = gpu::GpuSelector::Create(m_, 0, kBatch, host_->max_groups(), options);
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  uint64_t* const flags = buffers_->flags();
+  SetCounter(flags, 0);
+  const gpu::GpuSelector::StepFence fence{
+      .inputs_ready = flags, .selection_done = flags + 1, .step = 7};
+  ASSERT_EQ((*selector)->Enqueue(DeviceInputs(), JlPolicy(), DeviceOutputs(), fence),
+            absl::OkStatus());
+  std::atomic<bool> stop{false};
+  std::thread engine([&] {
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    const uint64_t low = 3;
+    while (!stop.load()) {
+      ASSERT_EQ(cudaMemcpyAsync(flags, &low, sizeof low, cudaMemcpyHostToDevice, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    }
+    cudaStreamDestroy(s);
+  });
+  const auto stop_engine = [&] {
+    stop = true;
+    engine.join();
+    SetCounter(flags, 7);  // whatever stream still waits may drain now
+  };
+  auto finish = std::async(std::launch::async, [&] {
+    return (*selector)->Finish(std::chrono::milliseconds(50), nullptr, nullptr);
+  });
+  if (finish.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    stop_engine();
+    FAIL() << "Finish blocked while the engine kept lowering inputs_ready";
+  }
+  const absl::Status s = finish.get();
+  std::printf("Finish under a lowering engine: %s\n", s.ToString().c_str());
+  if (s.code() == absl::StatusCode::kFailedPrecondition) {
+    EXPECT_NE(s.message().find("did not drain"), std::string::npos) << s;
+    const absl::Status next =
+        (*selector)->Enqueue(DeviceInputs(), JlPolicy(), DeviceOutputs(),
+                             {.inputs_ready = flags, .selection_done = flags + 1, .step = 8});
+    EXPECT_EQ(next.code(), absl::StatusCode::kFailedPrecondition) << next;
+    EXPECT_NE(next.message().find("did not drain"), std::string::npos) << next;
+  } else {
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  }
+  auto destroyed = std::async(std::launch::async, [&] { selector->reset(); });
+  const bool bounded = destroyed.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  stop_engine();
+  EXPECT_TRUE(bounded) << "the selector's destructor blocked";
+}
+
+}  // namespace
+}  // namespace eps::async_fence
