@@ -2,6 +2,7 @@
 // its threads copying the list's block ids.
 #include <algorithm>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -173,6 +174,22 @@ int64_t PlanBlocks(int64_t context_tokens, int budget_groups, int group_blocks, 
 }
 
 }  // namespace
+
+absl::StatusOr<int> FixedBudgetGroups(int first_n, int last_n, int top_pages) {
+  for (const auto& [name, value, low] :
+       {std::tuple{"first_n", first_n, 0}, std::tuple{"last_n", last_n, 0},
+        std::tuple{"top_pages", top_pages, 1}}) {
+    if (value < low) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "=", value, " must be >= ", low));
+    }
+  }
+  const int64_t k = int64_t{first_n} + std::max(last_n, 1) + top_pages;
+  if (k > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_n + max(last_n, 1) + top_pages = ", k, " exceeds INT_MAX"));
+  }
+  return static_cast<int>(k);
+}
 
 absl::StatusOr<int64_t> FixedBudgetBlocks(int64_t context_tokens, int budget_groups,
                                           int group_blocks, int block_size) {

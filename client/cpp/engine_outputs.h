@@ -67,6 +67,13 @@ absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
                                       int32_t* seqused_k, cudaStream_t stream,
                                       int32_t* refused = nullptr);
 
+// k, the groups of a fixed-budget list of a sequence longer than k groups: first_n sinks,
+// max(last_n, 1) recent groups (the newest is always kept) and top_pages ranked ones, as
+// the session's effective options give them (the Python client's fixed_budget_groups).
+// InvalidArgument, naming it, for a negative first_n or last_n, top_pages < 1, or a sum
+// past INT_MAX.
+absl::StatusOr<int> FixedBudgetGroups(int first_n, int last_n, int top_pages);
+
 // Blocks of a fixed-budget list: k = budget_groups groups of g = group_blocks blocks
 // (0 for a context < 1). InvalidArgument, naming it, unless budget_groups, group_blocks
 // and block_size are >= 1 (the Python client's fixed_budget_blocks).

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -275,6 +276,21 @@ TEST(EngineOutputsArgs, FixedBudgetBlocksFollowsTheBudgetShape) {
   EXPECT_EQ(*FixedBudgetBlocks(0, 3, 4, 16), 0);  // an empty (or negative) context: no blocks
   EXPECT_EQ(*FixedBudgetBlocks(-40, 3, 4, 16), 0);
   EXPECT_EQ(*FixedBudgetIndptr({1000, 1}, 2, 3, 4, 16), (std::vector<int32_t>{0, 11, 22, 23, 24}));
+}
+
+// The newest group is kept even at last_n = 0: k = first_n + last_n + top_pages, which the
+// docs once gave, planned one group too few and every list then counted as mismatched.
+TEST(EngineOutputsArgs, FixedBudgetGroupsCountsTheNewestGroupAndRefusesBadCounts) {
+  EXPECT_EQ(*FixedBudgetGroups(1, 2, 8), 11);
+  EXPECT_EQ(*FixedBudgetGroups(0, 0, 8), 9);
+  for (const auto& [first_n, last_n, top_pages, name] :
+       {std::tuple{-1, 2, 8, "first_n=-1"}, std::tuple{1, -2, 8, "last_n=-2"},
+        std::tuple{1, 2, 0, "top_pages=0"},
+        std::tuple{std::numeric_limits<int>::max(), 1, 1, "exceeds INT_MAX"}}) {
+    const absl::StatusOr<int> k = FixedBudgetGroups(first_n, last_n, top_pages);
+    EXPECT_EQ(k.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(k.status().message().find(name), std::string::npos) << k.status();
+  }
 }
 
 TEST(EngineOutputsArgs, AFixedBudgetPlanNeedsWholeGroupsOfWholeBlocks) {

@@ -12,6 +12,7 @@ from engine_state import MODEL, make_state
 from eps_client import ClientOptions, SelectOptions, blocks_for, visited_tokens
 from eps_client.outputs import (
     fixed_budget_blocks,
+    fixed_budget_groups,
     fixed_budget_indptr,
     flash_attention_views_reference,
     flashinfer_fixed_budget_reference,
@@ -54,10 +55,14 @@ def test_flash_attention_views_reproduce_epsd_lists_and_dense_fallbacks(epsd, rn
     state.buffers.close()
 
 
-def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng):
+@pytest.mark.parametrize("last_n", [1, 0])
+def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng, last_n):
     state = make_state(rng, contexts=[900, 517, 1000, 40])
-    budget = SelectOptions(budget="fixed", first_n=1, last_n=1, top_pages=2)
-    k = 1 + 1 + 2
+    budget = SelectOptions(budget="fixed", first_n=1, last_n=last_n, top_pages=2)
+    # last_n = 0 still keeps the newest group: k is 4 either way (first_n + last_n +
+    # top_pages, the formula the docs once gave, planned one group too few).
+    k = fixed_budget_groups(1, last_n, 2)
+    assert k == 4
     with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
         client.attach()
         result = client.select_pages(1, state.rows, budget)
@@ -86,6 +91,14 @@ def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng):
     np.testing.assert_array_equal(indices[0, : indptr[1]], table[0, blocks - n : blocks])
     assert mismatched == 1
     state.buffers.close()
+
+
+def test_fixed_budget_groups_counts_the_newest_group_and_refuses_bad_counts():
+    assert fixed_budget_groups(1, 2, 8) == 11
+    assert fixed_budget_groups(0, 0, 8) == 9  # the newest group is always kept
+    for args in ((-1, 2, 8), (1, -2, 8), (1, 2, 0), (1.5, 2, 8)):
+        with pytest.raises((ValueError, TypeError)):
+            fixed_budget_groups(*args)
 
 
 def test_fixed_budget_blocks_by_hand():

@@ -31,6 +31,17 @@ import numpy as np
 from eps_client import _values
 
 
+def fixed_budget_groups(first_n: int, last_n: int, top_pages: int) -> int:
+    """k, the groups of a BUDGET_FIXED list of a sequence longer than k groups: the sinks
+    (first_n), the recent groups (last_n, and the newest group even when last_n is 0) and
+    top_pages ranked ones; the session's effective options give the three. ValueError
+    for a negative count or top_pages < 1."""
+    sinks = _values.integer("first_n", first_n, 0)
+    recent = _values.integer("last_n", last_n, 0)
+    ranked = _values.integer("top_pages", top_pages, 1)
+    return sinks + max(recent, 1) + ranked
+
+
 def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> int:
     """Blocks of a BUDGET_FIXED list: k groups of g blocks, the newest (partial) among them
