@@ -15,8 +15,7 @@ std::vector<PolicyCase> PolicyCases(int top_pages) {
   const SummaryFeatures minimal{.key_sum = false, .principal = false, .quest = false};
   const SummaryFeatures quest{.key_sum = false, .principal = false, .quest = true};
   const SummaryFeatures bracket{.key_sum = true, .principal = false, .quest = true};
-  const SummaryFeatures quest8{
-      .key_sum = false, .principal = false, .quest = true, .quest8 = true};
+  const SummaryFeatures quest8{.key_sum = false, .principal = false, .quest = true, .quest8 = true};
   const SummaryFeatures quest8_only{
       .key_sum = false, .principal = false, .quest = false, .quest8 = true};
   const SummaryFeatures bracket8{
@@ -30,8 +29,7 @@ std::vector<PolicyCase> PolicyCases(int top_pages) {
     p.granularity = Granularity::kPerKvHead;
   });
   add("jl top_p 0.95", minimal, [](SelectPolicy& p) { p.budget = Budget::kTopP; });
-  add("quest threshold (16-bit)", quest,
-      [](SelectPolicy& p) { p.method = Method::kQuest; });
+  add("quest threshold (16-bit)", quest, [](SelectPolicy& p) { p.method = Method::kQuest; });
   add("quest fixed (16-bit)", quest, [](SelectPolicy& p) {
     p.method = Method::kQuest;
     p.budget = Budget::kFixed;
@@ -41,11 +39,9 @@ std::vector<PolicyCase> PolicyCases(int top_pages) {
       [](SelectPolicy& p) { p.method = Method::kQuestClt; });
   cases.back().options.register_sums = true;  // questclt's general path (gpu/step.h)
   // The reference engine's record (key_sum and quest: 1,184 bytes at d = 128).
-  add("questclt threshold key_sum", bracket,
-      [](SelectPolicy& p) { p.method = Method::kQuestClt; });
+  add("questclt threshold key_sum", bracket, [](SelectPolicy& p) { p.method = Method::kQuestClt; });
   // questclt over the quest8 part (2·d + 4 of the record's bytes instead of 4·d).
-  add("questclt threshold quest8", quest8,
-      [](SelectPolicy& p) { p.method = Method::kQuestClt; });
+  add("questclt threshold quest8", quest8, [](SelectPolicy& p) { p.method = Method::kQuestClt; });
   add("questclt threshold quest8 (registers)", quest8,
       [](SelectPolicy& p) { p.method = Method::kQuestClt; });
   cases.back().options.register_sums = true;

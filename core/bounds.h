@@ -53,6 +53,17 @@ struct QueryTerms {
 // bound; below it every float sum of the squares stays finite.
 inline constexpr float kMaxQueryNorm2 = static_cast<float>(FLT_MAX * (1.0 - 0x1p-11));
 
+// The goal of the top-p and mass budgets' walks (MarkTopP, MarkByMass, MarkByMassList and
+// the device's walks, which evaluate this same expression): target·(1 − 2^-30)·total. The
+// walk sums its masses in another order than the total, and the device in yet another, so
+// at target 1 the exact goal is reached or missed by rounding (≈ n·2^-53 of the total),
+// and a walk that misses it takes every remaining group; the slack, far above that
+// rounding and far below any mass that matters, makes both stop where the masses do.
+inline constexpr double kMassGoalSlack = 0x1p-30;
+inline constexpr double MassGoal(float target, double total) {
+  return static_cast<double>(target) * (1.0 - kMassGoalSlack) * total;
+}
+
 // Relative slack that covers fp32 rounding in summaries and scores, applied in
 // units of ‖q‖·max_norm (the scale of max_i |q·k_i|): at least kBoundSlack, and
 // growing with the n keys summed and the d·sqrt(d) of a quest sum (docs/policy.md).

@@ -60,6 +60,9 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (!(alpha >= 1.0f) || !std::isfinite(alpha)) {
     return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " must be finite and >= 1"));
   }
+  if (alpha > kMaxAlpha) {
+    return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " exceeds ", kMaxAlpha));
+  }
   if (first_n < 0 || last_n < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("first_n=", first_n, ", last_n=", last_n, " must be >= 0"));
@@ -114,7 +117,9 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
       }
     }
   }
-  if (heads == HeadMode::kRetrieval) {
+  // Checked whenever given (not only in retrieval mode), so that a session's marks of the
+  // wrong size are refused at Attach, not at the call that switches to retrieval.
+  if (heads == HeadMode::kRetrieval || !retrieval_heads.empty()) {
     const size_t want = static_cast<size_t>(model.num_layers) * model.num_q_heads;
     if (retrieval_heads.size() != want) {
       return absl::InvalidArgumentError(absl::StrCat("retrieval_heads has ", retrieval_heads.size(),
@@ -224,7 +229,7 @@ void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, fl
   for (int64_t p : order) {
     visit[p] = 1;
     covered += mass[p];
-    if (covered >= top_p * total) break;
+    if (covered >= MassGoal(top_p, total)) break;
   }
 }
 
@@ -270,7 +275,7 @@ void TakeByMass(std::span<const double> mass, std::span<const uint8_t> forced, f
   const int64_t ceiling = max_pages > 0
                               ? std::min<int64_t>(max_pages, static_cast<int64_t>(order.size()))
                               : static_cast<int64_t>(order.size());
-  const double goal = static_cast<double>(target) * total;
+  const double goal = MassGoal(target, total);
   for (int64_t i = 0; i < ceiling; ++i) {
     if (i >= min_pages && covered >= goal) break;
     visit[order[i]] = 1;

@@ -27,6 +27,10 @@ enum class HeadMode { kAll, kRetrieval };
 //   groups by decreasing calibrated mass estimate until the estimated share of
 //   the whole context's attention mass, forced groups included, reaches
 //   mass_target; at least min_pages and at most max_pages unforced groups.
+// The largest α (SelectPolicy::alpha) a session or a call may set, as --eps-alpha: beyond
+// it every finite score passes the threshold anyway.
+inline constexpr float kMaxAlpha = 1e6f;
+
 enum class Budget { kThreshold, kFixed, kTopP, kMass };
 // With kMass: kHead gives every scored head of a list the target share of its own
 // estimated mass (MarkByMass, then the union); kList gives the list the target
@@ -56,7 +60,7 @@ struct SelectPolicy {
   // questclt: the best ranking of real keys from quest's record (docs/policy.md,
   // "The default method").
   Method method = Method::kQuestClt;
-  float alpha = 1.0f;   // ≥ 1; larger visits more
+  float alpha = 1.0f;   // in [1, kMaxAlpha]; larger visits more
   int first_n = 1;      // attention-sink groups always visited
   int last_n = 2;       // most recent groups always visited, the newest among them
   int top_pages = 64;   // M (64 groups of g = 2 blocks: 2,048 tokens per head)

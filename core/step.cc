@@ -391,8 +391,10 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
       }
     }
   }
-  if (in.feedback != nullptr && !policy.strict) {
-    // Consumed: the next step sees only what the attention after this one writes.
+  if (in.feedback != nullptr) {
+    // Consumed: the next step sees only what the attention after this one writes. A strict
+    // step, which reads none of it, consumes it too, so that an entry never outlives the
+    // step after the attention that wrote it, whatever the next step's policy.
     for (int layer = 0; layer < model_.num_layers; ++layer) {
       for (const StepRow& row : in.rows) {
         float* entry = in.feedback + (static_cast<int64_t>(layer) * in.max_seqs + row.table_row) *

@@ -196,8 +196,8 @@ __device__ inline void WarpMassCut(const float* sc, int n, const SelectRule& rul
     if (!unforced(p)) covered += mass(p, key(p));
   }
   for (int o = 16; o > 0; o /= 2) covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
-  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(budget.target) * total, budget,
-               counts, masses, lane, cut_key, cut_tie);
+  WarpMassWalk(n, unforced, key, mass, covered, MassGoal(budget.target, total), budget, counts,
+               masses, lane, cut_key, cut_tie);
 }
 
 // A group's key in core MarkByMassList's order: its share's ordered key, 0 for
@@ -221,8 +221,8 @@ __device__ inline void WarpListMassCut(const float* share, int n, const SelectRu
     total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
     covered += __shfl_xor_sync(0xFFFFFFFFu, covered, o);
   }
-  WarpMassWalk(n, unforced, key, mass, covered, static_cast<double>(budget.target) * total, budget,
-               counts, masses, lane, cut_key, cut_tie);
+  WarpMassWalk(n, unforced, key, mass, covered, MassGoal(budget.target, total), budget, counts,
+               masses, lane, cut_key, cut_tie);
 }
 
 }  // namespace eps::gpu::kernels

@@ -324,7 +324,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
         absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }
   const bool coarse = policy.UsesCoarseLevel(m);  // not strict, a method that scores
-  const bool feedback = in.feedback != nullptr && !policy.strict;  // strict ignores it
+  // Strict mode ranks without the feedback but consumes it, as core/ does.
+  const bool feedback = in.feedback != nullptr && !policy.strict;
   RETURN_IF_ERROR(CheckCoarseInputs(m, policy, in));
   DeviceRow* rows = g.host_rows;
   StepStats host;
@@ -456,7 +457,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     launch.PlanTermsInBlocks(int64_t{per_sm} * g.multiprocessors, g.phi.get(), terms.held,
                              m.head_dim, m.sketch_dim);
   }
-  if (feedback) launch.PlanFeedback(m, in, method_off, coarse, max_n, per_block);
+  if (in.feedback != nullptr) {
+    launch.PlanFeedback(m, in, feedback && !method_off, coarse, max_n, per_block);
+  }
 
   CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {

@@ -214,9 +214,11 @@ struct StepLaunch {
   // a block per (layer, query head, row) rewrites the scored heads' scores before
   // the selection and consumes the row's entries after it (strict mode ignores
   // the buffer: neither runs).
-  void PlanFeedback(const ModelLayout& m, const StepInputs& in, bool method_off, bool with_coarse,
+  // `apply`: the scores rewritten by the entries (not with method off, nor in strict
+  // mode); the entries are consumed either way.
+  void PlanFeedback(const ModelLayout& m, const StepInputs& in, bool apply, bool with_coarse,
                     int64_t max_n, int64_t per_block) {
-    feedback_apply = !method_off;
+    feedback_apply = apply;
     feedback_consume = true;
     feedback = {in.feedback,  score.rows,   score.scored,
                 score.scores, score.report, std::sqrt(static_cast<double>(m.head_dim))};
@@ -225,7 +227,8 @@ struct StepLaunch {
     // as the scoring grid rounds them, so that no more graphs are captured than it causes.
     feedback_shared = kernels::FeedbackSharedBytes(
         std::min(in.max_groups, (max_n + per_block - 1) / per_block * per_block));
-    if (with_coarse) select.feedback = in.feedback;  // fed groups pass the candidates' mask
+    if (with_coarse && apply)
+      select.feedback = in.feedback;  // fed groups pass the candidates' mask
   }
 
   absl::Status Launch(cudaStream_t stream) {

@@ -294,7 +294,7 @@ __device__ inline void WarpTopPCut(const float* sc, int n, const SelectRule& rul
     if (!IsForced(p, n, rule.first_n, rule.last_n)) total += mass(p);
   }
   for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
-  const double target = static_cast<double>(rule.top_p) * total;
+  const double target = MassGoal(rule.top_p, total);  // core/bounds.h
   // Radix walk over keys from the top: the bin where the mass above plus the
   // bin's reaches the target; with rounding short of it, the lowest bin.
   unsigned prefix = 0, prefix_mask = 0;

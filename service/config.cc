@@ -102,7 +102,7 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_dim, 1, 64, &c.sketch_dim));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_group_blocks, 1, 1024, &c.group_blocks));
   double alpha = 0;
-  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_alpha, 1.0, 1e6, &alpha));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_alpha, 1.0, double{kMaxAlpha}, &alpha));
   c.policy.alpha = static_cast<float>(alpha);
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_first_n, 0, 1 << 30, &c.policy.first_n));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_last_n, 0, 1 << 30, &c.policy.last_n));

@@ -230,8 +230,10 @@ TEST(FeedbackGpuValidationTest, AReleasedStepWritesDenseListsAndKeepsTheFeedback
   }
 }
 
-// Strict mode ignores the buffer: the same lists as without it, nothing consumed.
-TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedback) {
+// Strict mode ranks without the buffer (the same lists as without it) but consumes it,
+// the same entries core/ consumes, so that a later step of another policy never reads
+// entries two attentions old.
+TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedbackButConsumesIt) {
   SKIP_WITHOUT_DEVICE();
   RandomFeedbackSteps f;
   SCOPED_TRACE(testing::SeedTrace(f.seed));
@@ -249,7 +251,14 @@ TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedback) {
   ASSERT_TRUE(without.status.ok() && with.status.ok()) << with.status;
   EXPECT_EQ(with.visit_count, without.visit_count);
   EXPECT_EQ(with.visit_blocks, without.visit_blocks);
-  EXPECT_TRUE(SameBits(got, f.feedback));
+  auto reference = PageSelector::Create(f.steps.model, *f.steps.phi);
+  ASSERT_TRUE(reference.ok());
+  std::vector<float> want = f.feedback;
+  StepInputs in = f.steps.Inputs();
+  in.feedback = want.data();
+  ASSERT_TRUE(reference->Select(in, policy, f.steps.fine->Outputs(), nullptr).ok());
+  EXPECT_FALSE(SameBits(want, f.feedback)) << "core/ consumed nothing";
+  EXPECT_TRUE(SameBits(got, want)) << "the device consumes what core/ consumes";
 }
 
 }  // namespace
