@@ -88,15 +88,20 @@ class SelectStream final
   void OnDone() override { delete this; }
 
  private:
-  // The stream's own status; a failed step was already counted by EndStep.
+  // The stream's own status; a failed step was already counted by EndStep. A stream the
+  // client cancelled (or whose deadline passed) ends CANCELLED, whatever failed with it
+  // (a write, a read, a step): the client went away, epsd did not fail it.
   void End(const absl::Status& status) {
     if (ended_) return;  // Finish once, whatever called twice
     ended_ = true;
+    const absl::Status ended = context_.IsCancelled()
+                                   ? absl::CancelledError("StreamSelectPages: the client cancelled")
+                                   : status;
     (void)CallGuarded("StreamSelectPages", [&] {
-      telemetry_.EndCall(call_, status, /*refused=*/false);
+      telemetry_.EndCall(call_, ended, /*refused=*/false);
       return absl::OkStatus();
     });
-    Finish(ToGrpcStatus(status));
+    Finish(ToGrpcStatus(ended));
   }
 
   SessionService& sessions_;
