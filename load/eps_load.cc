@@ -99,8 +99,10 @@ int main(int argc, char** argv) {
     }
   }
   const bool failed = result->select.errors() + result->ping.errors() + result->select.unsent > 0;
-  // A window too short for any call measured nothing: not a success.
-  const bool nothing_measured = result->select.latency.size() + result->select.errors() == 0;
+  // A window too short for any call measured nothing: not a success. (A run stopped by a
+  // signal ends as asked, with what it measured: 0.)
+  const bool nothing_measured =
+      !result->stopped_early && result->select.latency.size() + result->select.errors() == 0;
   const bool floor_failed = result->floor.has_value() && !result->floor->aborted.empty();
   return failed || nothing_measured || floor_failed ? 3 : 0;
 }

@@ -286,7 +286,7 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
                  UsText(sel.lag.p99_us, sel.lag.count).c_str());
   }
   std::fprintf(out, "\n");
-  if (sel.lat.count + sel.errors == 0) {
+  if (sel.lat.count + sel.errors == 0 && !r.stopped_early) {
     std::fprintf(out, "no SelectPages was measured: none was scheduled in the window (exit 3)\n");
   }
   if (config.ranks > 0) PrintRanks(r, out);
