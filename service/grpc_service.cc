@@ -79,7 +79,12 @@ class SelectStream final
   }
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      End(absl::UnavailableError("stream write failed"));
+      // A write fails when the client cancelled the stream (or its deadline passed) while
+      // the step ran: the client went away, epsd did not fail. (A stream the client closes
+      // between steps, as EpsClient does by cancelling it, ends at the read: OK.)
+      End(context_.IsCancelled() ? absl::CancelledError("StreamSelectPages: the client cancelled "
+                                                        "the stream during a step")
+                                 : absl::UnavailableError("stream write failed"));
       return;
     }
     telemetry_.metrics().StreamMessageSent();
@@ -88,20 +93,15 @@ class SelectStream final
   void OnDone() override { delete this; }
 
  private:
-  // The stream's own status; a failed step was already counted by EndStep. A stream the
-  // client cancelled (or whose deadline passed) ends CANCELLED, whatever failed with it
-  // (a write, a read, a step): the client went away, epsd did not fail it.
+  // The stream's own status; a failed step was already counted by EndStep.
   void End(const absl::Status& status) {
     if (ended_) return;  // Finish once, whatever called twice
     ended_ = true;
-    const absl::Status ended = context_.IsCancelled()
-                                   ? absl::CancelledError("StreamSelectPages: the client cancelled")
-                                   : status;
     (void)CallGuarded("StreamSelectPages", [&] {
-      telemetry_.EndCall(call_, ended, /*refused=*/false);
+      telemetry_.EndCall(call_, status, /*refused=*/false);
       return absl::OkStatus();
     });
-    Finish(ToGrpcStatus(ended));
+    Finish(ToGrpcStatus(status));
   }
 
   SessionService& sessions_;
