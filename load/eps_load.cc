@@ -2,8 +2,10 @@
 // engines against one epsd and reports SelectPages latency next to an empty
 // Ping on the same channel (docs/benchmarks/latency.md has results and usage).
 //
-// Exit status: 0 when every measured call succeeded, 3 when some failed or
-// were never sent (the report says which), 2 for bad flags, 1 when the run could not be set up.
+// Exit status: 0 when every measured call succeeded, 3 when some failed or were never
+// sent, when the RPC floor ended on a failed call, or when the window measured no
+// SelectPages at all (the report says which), 2 for bad flags, 1 when the run could not
+// be set up.
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -74,6 +76,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "eps-load: stopped by a signal while measuring the RPC floor\n");
       return 1;
     }
+    // An epsd that fails the floor's calls is reported, and the run goes on to count its
+    // failures as calls, as after a failed Attach (exit 3).
+    if (!measured->aborted.empty()) {
+      std::fprintf(stderr, "eps-load: the RPC floor ended early: %s\n", measured->aborted.c_str());
+    }
     floor = *std::move(measured);
   }
   auto result = eps::load::RunLoad(*config, &stop_requested);
@@ -91,5 +98,11 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  return result->select.errors() + result->ping.errors() + result->select.unsent == 0 ? 0 : 3;
+  const bool failed = result->select.errors() + result->ping.errors() + result->select.unsent > 0;
+  // A window too short for any call measured nothing: not a success. (A run stopped by a
+  // signal ends as asked, with what it measured: 0.)
+  const bool nothing_measured =
+      !result->stopped_early && result->select.latency.size() + result->select.errors() == 0;
+  const bool floor_failed = result->floor.has_value() && !result->floor->aborted.empty();
+  return failed || nothing_measured || floor_failed ? 3 : 0;
 }

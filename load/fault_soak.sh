@@ -3,10 +3,13 @@
 # stream process) while this script kills epsd with SIGKILL every KILL_EVERY
 # and starts a new one on the same socket. It checks that the sessions
 # re-attach after every restart and that nothing leaks:
-#   - every eps-load process ends with steps selected after the last restart
-#     and with at least one re-attach per session per restart it saw;
-#   - eps-load's open fds and RSS do not grow from the first restart to the end
-#     (abandoned calls, streams and channels are released);
+#   - every eps-load process had steps selected by the last epsd it lived a whole
+#     KILL_EVERY beside (that epsd's step log, --step-log=OUT_DIR/epsd-K.jsonl, has OK
+#     lines of the process's transport), and re-attached at least once per session per
+#     restart it saw;
+#   - eps-load's open fds grow by at most 8, and its RSS by at most half or 32 MiB
+#     (whichever is more), from the first restart to the end: abandoned calls, streams
+#     and channels are released, and a leak grows with every restart;
 #   - no epsd maps more shm objects than there are sessions (sampled before each kill), and
 #     /dev/shm holds no object of the eps-load processes once they have exited.
 #
@@ -42,7 +45,7 @@ shm_objects() {
 fds() { ls "/proc/$1/fd" 2>/dev/null | wc -l; }
 rss_kb() { sed -n 's/^VmRSS:[[:space:]]*\([0-9]*\).*/\1/p' "/proc/$1/status" 2>/dev/null; }
 
-epsd_start "$SOCKET" --backend=cpu --lease-ms=2000
+epsd_start "$SOCKET" --backend=cpu --lease-ms=2000 --step-log="$OUT/epsd-0.jsonl"
 echo "fault soak: epsd pid $EPSD_PID on $EPSD_TARGET for $DURATION, SIGKILL every ${KILL_EVERY}s"
 COMMON=(--target="$EPSD_TARGET" --preset=smollm2-135m --batch=1 --context=uniform:512-4k
         --rate=poisson:"$RATE" --sessions="$SESSIONS" --duration="$DURATION" --warmup=1s)
@@ -54,7 +57,7 @@ loads+=($!)
 loads+=($!)
 
 kills=0
-declare -A first_fds first_rss last_fds last_rss
+declare -A first_fds first_rss last_fds last_rss served_by
 running() { local p; for p in "${loads[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
 sleep "$KILL_EVERY"
 max_maps=0
@@ -66,7 +69,7 @@ while running; do
   wait "$EPSD_PID" 2>/dev/null || true
   kills=$((kills + 1))
   rm -f "$EPSD_LOG"
-  epsd_start "$SOCKET" --backend=cpu --lease-ms=2000
+  epsd_start "$SOCKET" --backend=cpu --lease-ms=2000 --step-log="$OUT/epsd-$kills.jsonl"
   if ((kills == 1)); then
     for p in "${loads[@]}"; do first_fds[$p]=$(fds "$p"); first_rss[$p]=$(rss_kb "$p"); done
   fi
@@ -77,6 +80,8 @@ while running; do
   if running; then
     for p in "${loads[@]}"; do last_fds[$p]=$(fds "$p"); last_rss[$p]=$(rss_kb "$p"); done
   fi
+  # A process still running now lived this whole interval beside the epsd of restart $kills.
+  for p in "${loads[@]}"; do kill -0 "$p" 2>/dev/null && served_by[$p]=$kills; done
 done
 
 status=0
@@ -86,11 +91,29 @@ shm_after=$(shm_objects)
 echo "fault soak: $kills kills; an epsd mapped at most $shm_maps shm objects for $((2 * SESSIONS)) sessions;" \
      "eps-load's shm objects left in /dev/shm: $shm_after"
 cat "$OUT/fault-samples.txt"
-python3 - "$OUT" "$kills" "$SESSIONS" <<'PY' || status=1
+python3 - "$OUT" "$kills" "$SESSIONS" "${served_by[${loads[0]}]:-}" "${served_by[${loads[1]}]:-}" <<'PY' || status=1
 import json, sys
 out, kills, sessions = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+served = {"unary": sys.argv[4], "stream": sys.argv[5]}  # restart index of the last epsd
 ok = True
 for mode in ("unary", "stream"):
+    if served[mode] and int(served[mode]) > 0:
+        log = f"{out}/epsd-{served[mode]}.jsonl"
+        selected = 0
+        with open(log) as lines:
+            for text in lines:
+                try:
+                    step = json.loads(text)
+                except ValueError:  # the line SIGKILL cut
+                    continue
+                selected += step.get("transport") == mode and step.get("status") == "OK"
+        print(f"{mode}: {selected} steps selected by the epsd of restart {served[mode]} ({log})")
+        if selected == 0:
+            print(f"  FAIL: no {mode} step selected after restart {served[mode]}")
+            ok = False
+    else:
+        print(f"  FAIL: the {mode} process lived no whole interval after a restart")
+        ok = False
     r = json.load(open(f"{out}/fault-{mode}.json"))
     f = r["client_fallbacks"]
     line = (f"{mode}: steps {f['steps']} selected {f['selected']} reattaches {f['reattaches']} "
@@ -111,6 +134,13 @@ for p in "${loads[@]}"; do
   if [[ -n ${last_fds[$p]:-} ]] && ((last_fds[$p] > first_fds[$p] + 8)); then
     echo "FAIL: eps-load $p held ${first_fds[$p]} fds after the first restart, ${last_fds[$p]} at the end"
     status=1
+  fi
+  if [[ -n ${last_rss[$p]:-} && -n ${first_rss[$p]:-} ]]; then
+    margin=$((first_rss[$p] / 2 > 32768 ? first_rss[$p] / 2 : 32768))
+    if ((last_rss[$p] > first_rss[$p] + margin)); then
+      echo "FAIL: eps-load $p RSS grew from ${first_rss[$p]} kB after the first restart to ${last_rss[$p]} kB (margin $margin kB)"
+      status=1
+    fi
   fi
   echo "eps-load $p: fds ${first_fds[$p]:-?} -> ${last_fds[$p]:-?}, rss ${first_rss[$p]:-?} -> ${last_rss[$p]:-?} kB"
 done

@@ -250,8 +250,9 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     rows[r].set_table_row(r);
     rows[r].set_seq_id(static_cast<uint64_t>(index) * 100000 + r);
   }
-  // One call: waits for its scheduled time, then records it (when in the window).
-  auto timed = [&](Clock::time_point scheduled, CallResults& out, const char* name,
+  // One call: waits for its scheduled time, then records it (when in the window). Its
+  // latency runs from the scheduled time, or with `from_send` from the actual send.
+  auto timed = [&](Clock::time_point scheduled, CallResults& out, const char* name, bool from_send,
                    auto&& call) -> bool {
     if (!closed) std::this_thread::sleep_until(scheduled);
     const Clock::time_point sent = Clock::now();
@@ -260,7 +261,7 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     const bool measured = scheduled >= measure_begin;
     if (status.ok()) {
       if (measured) {
-        out.latency.Record(Micros(done - scheduled));
+        out.latency.Record(Micros(done - (from_send ? sent : scheduled)));
         if (!closed) out.send_lag.Record(Micros(sent - scheduled));
       }
     } else {
@@ -277,13 +278,23 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     // or timed (load_run.h).
     StepFeedback step_feedback;
     if (feedback) step_feedback = WriteStepFeedback(config.model, index, k, rows, s, log);
+    // Async: the engine's side of the fence stays outside the measured call. Signalled
+    // before the step's time is taken: before a rank reaches the barrier (a step the
+    // barrier then ends the run before is never sent), before a closed loop takes its
+    // time (below), ahead of an open loop's schedule.
+    auto signal_inputs_ready = [&] {
+      if (absl::Status st = s.buffers->SignalInputsReady(step + 1); !st.ok()) {
+        log.Error(index, "SignalInputsReady", st);
+      }
+    };
     if (lockstep != nullptr) {  // every rank stops together, or the barrier would wait forever
+      if (config.reply_async) signal_inputs_ready();
       lockstep->barrier.arrive_and_wait();
       if (!lockstep->go) break;
     }
-    const Clock::time_point scheduled = lockstep != nullptr ? lockstep->released
-                                        : closed            ? Clock::now()
-                                                            : next;
+    Clock::time_point scheduled = lockstep != nullptr ? lockstep->released
+                                  : closed            ? Clock::now()
+                                                      : next;
     if (lockstep == nullptr && (scheduled >= end || (stop != nullptr && stop->load()))) break;
     if (!closed && Clock::now() >= end + kDrain) {
       // Hopelessly behind: count what is left of the schedule instead of sending it.
@@ -293,13 +304,11 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
       break;
     }
     client::StepResult result;
-    // Async: the engine's side of the fence stays outside the measured call.
-    if (config.reply_async) {
-      if (absl::Status st = s.buffers->SignalInputsReady(step + 1); !st.ok()) {
-        log.Error(index, "SignalInputsReady", st);
-      }
+    if (config.reply_async && lockstep == nullptr) {
+      signal_inputs_ready();
+      if (closed) scheduled = Clock::now();  // the signal is not part of the call
     }
-    const bool ok = timed(scheduled, s.select, "SelectPages", [&] {
+    const bool ok = timed(scheduled, s.select, "SelectPages", /*from_send=*/false, [&] {
       result = s.client->SelectPages(++step, rows);
       return result.fallback ? result.status : absl::OkStatus();
     });
@@ -340,7 +349,9 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     if (config.ping_every > 0 && k % config.ping_every == 0) {
       const Clock::time_point ping_at = closed ? Clock::now() : scheduled + gap / 2;
       if (ping_at < end) {
-        timed(ping_at, s.ping, "Ping", [&] {
+        // Ping is the floor: timed from its send, not from its slot in the schedule, which
+        // a session behind on its SelectPages reaches late (that lag is send_lag).
+        timed(ping_at, s.ping, "Ping", /*from_send=*/true, [&] {
           return config.ping_sync ? s.client->Ping(config.deadline)
                                   : CallbackPing(s.client->stub(), config.deadline);
         });

@@ -3,14 +3,21 @@
 // closed loop or on an open-loop schedule.
 //
 // Open loop: every call has a scheduled send time drawn from the arrival
-// process, and its latency runs from that time, not from when the session got
+// process, and a SelectPages's latency runs from that time, not from when the session got
 // round to sending it, so a slow reply that delays later calls shows up in
 // their latency too (no coordinated omission). Closed loop: the scheduled time
 // is the send time.
 //
 // Ping: each session sends one empty Ping per `ping_every` SelectPages on the
 // same channel, scheduled halfway between two SelectPages (closed loop: right
-// after one), so both see the same server, machine load and connection.
+// after one), so both see the same server, machine load and connection. Ping is
+// the floor a SelectPages is compared with, so its latency runs from its actual
+// send even in open loop: a session behind on its SelectPages reaches a Ping's slot
+// late, and that wait (the Ping's send_lag) is the SelectPages backlog, not Ping.
+//
+// Async replies (--reply=async): inputs_ready is signalled before the step's time is
+// taken (closed loop: before it; a rank: before the barrier), so the signal stays
+// outside the measured call, as selection_done's wait after it does.
 //
 // Ranks (--ranks=N): N sessions play the tensor-parallel ranks of one engine, rank r's
 // buffers on device r mod the devices eps-load sees. They step in lockstep: a barrier

@@ -51,6 +51,16 @@ CallView View(const LoadConfig& config, const RunResult& r, CallResults& c) {
 
 double Ratio(double a, double b) { return a > 0 && b > 0 ? a / b : std::nan(""); }
 
+// A ratio for a line of text: "n/a" when either side was not measured.
+std::string RatioText(double x, const char* format = "%.2fx") {
+  return std::isfinite(x) ? absl::StrFormat(format, x) : std::string("n/a");
+}
+
+// A latency for a line of text: "n/a" when there is no sample.
+std::string UsText(double us, uint64_t count) {
+  return count == 0 ? std::string("n/a") : absl::StrFormat("%.1f us", us);
+}
+
 // A latency for the table: "-" when there is none.
 std::string Cell(double us, uint64_t count) {
   return count == 0 ? "-" : absl::StrFormat("%.1f", us);
@@ -140,44 +150,69 @@ Json SpreadJson(RunResult& r) {
 }
 
 // The RPC floor next to epsd's Ping and SelectPages: p50 and p99 of each, and the
-// ratios the latency goals are written in (docs/benchmarks/latency.md).
-void PrintFloor(FloorResult& f, const CallView& sel, std::FILE* out) {
+// ratios the latency goals are written in (docs/benchmarks/latency.md). The floor's
+// calls ran before the run; "(the run)" rows are the run's own calls.
+void PrintFloor(FloorResult& f, const CallView& sel, const CallView& png, std::FILE* out) {
   const LatencySummary fc = f.floor_callback.Summarize(), fs = f.floor_sync.Summarize();
   const LatencySummary pc = f.ping_callback.Summarize(), ps = f.ping_sync.Summarize();
   std::fprintf(out,
-               "rpc floor: %llu interleaved rounds before the run, minimal server (%s) at %s "
-               "(%llu failed calls)\n",
-               static_cast<unsigned long long>(fc.count), f.where.c_str(), f.floor_address.c_str(),
-               static_cast<unsigned long long>(f.errors));
+               "rpc floor: %d interleaved rounds measured after %d warm-up rounds, minimal server "
+               "(%s) at %s; failed calls: %llu in warm-up, %llu measured%s%s\n",
+               f.rounds, f.warmup_rounds, f.where.c_str(), f.floor_address.c_str(),
+               static_cast<unsigned long long>(f.warmup_errors),
+               static_cast<unsigned long long>(f.errors),
+               f.aborted.empty() ? "" : absl::StrCat("; ended early: ", f.aborted).c_str(),
+               f.stopped ? "; stopped by a signal" : "");
   std::fprintf(out, "%-34s %10s %10s %12s\n", "call", "p50 us", "p99 us", "p50 / floor");
   auto row = [&](const char* name, const LatencySummary& l, const LatencySummary& floor) {
-    std::fprintf(out, "%-34s %10s %10s %11.2fx\n", name, Cell(l.p50_us, l.count).c_str(),
-                 Cell(l.p99_us, l.count).c_str(), Ratio(l.p50_us, floor.p50_us));
+    std::fprintf(
+        out, "%-34s %10s %10s %12s\n", name, Cell(l.p50_us, l.count).c_str(),
+        Cell(l.p99_us, l.count).c_str(),
+        RatioText(l.count > 0 && floor.count > 0 ? Ratio(l.p50_us, floor.p50_us) : std::nan(""))
+            .c_str());
   };
   row("floor, callback client", fc, fc);
   row("floor, sync client", fs, fc);
   row("epsd Ping, callback client", pc, fc);
   row("epsd Ping, sync client", ps, fs);
+  row("epsd Ping (the run)", png.lat, fc);
   row("epsd SelectPages (the run)", sel.lat, fc);
-  std::fprintf(out, "SelectPages / Ping (the run) p50 %.2fx; Ping / floor (callback) p50 %.2fx\n",
-               Ratio(sel.lat.p50_us, pc.p50_us), Ratio(pc.p50_us, fc.p50_us));
+  // Each ratio divides calls of one phase: the run's SelectPages by the run's Ping, the
+  // floor phase's Ping by the floor phase's minimal server.
+  std::fprintf(
+      out,
+      "SelectPages / Ping (both of the run) p50 %s; Ping / floor (callback, both of the "
+      "floor phase) p50 %s\n",
+      RatioText(sel.lat.count > 0 && png.lat.count > 0 ? Ratio(sel.lat.p50_us, png.lat.p50_us)
+                                                       : std::nan(""))
+          .c_str(),
+      RatioText(pc.count > 0 && fc.count > 0 ? Ratio(pc.p50_us, fc.p50_us) : std::nan("")).c_str());
 }
 
-Json FloorJson(FloorResult& f) {
+Json FloorJson(FloorResult& f, const CallView& sel, const CallView& png) {
   auto summary = [](LatencySamples& samples) {
     const LatencySummary l = samples.Summarize();
-    return Json{{"p50_us", Num(l.p50_us)}, {"p99_us", Num(l.p99_us)}, {"count", l.count}};
+    return Json{{"p50_us", Latency(l.p50_us, l.count)},
+                {"p99_us", Latency(l.p99_us, l.count)},
+                {"count", l.count}};
   };
-  const double floor_p50 = f.floor_callback.Summarize().p50_us;
-  const double ping_p50 = f.ping_callback.Summarize().p50_us;
+  const LatencySummary fc = f.floor_callback.Summarize(), pc = f.ping_callback.Summarize();
   return Json{{"address", f.floor_address},
               {"server", f.where},
+              {"rounds", f.rounds},
+              {"warmup_rounds", f.warmup_rounds},
               {"floor_callback", summary(f.floor_callback)},
               {"floor_sync", summary(f.floor_sync)},
               {"ping_callback", summary(f.ping_callback)},
               {"ping_sync", summary(f.ping_sync)},
-              {"ping_over_floor_p50", Num(Ratio(ping_p50, floor_p50))},
-              {"errors", f.errors}};
+              {"ping_over_floor_p50",
+               Num(pc.count > 0 && fc.count > 0 ? Ratio(pc.p50_us, fc.p50_us) : std::nan(""))},
+              {"select_over_ping_p50",
+               Num(sel.lat.count > 0 && png.lat.count > 0 ? Ratio(sel.lat.p50_us, png.lat.p50_us)
+                                                          : std::nan(""))},
+              {"warmup_errors", f.warmup_errors},
+              {"errors", f.errors},
+              {"aborted", f.aborted.empty() ? Json(nullptr) : Json(f.aborted)}};
 }
 
 }  // namespace
@@ -201,14 +236,14 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
   }
   if (config.feedback_share > 0) {
     const LatencySummary write = r.feedback_write_us.Summarize();
-    std::fprintf(out,
-                 "selection feedback: share %g of each row's groups written before every step "
-                 "(not timed: p50 %.1f us p99 %.1f us); probes %lld, written %lld, consumed by "
-                 "epsd %lld\n",
-                 config.feedback_share, write.p50_us, write.p99_us,
-                 static_cast<long long>(r.feedback_probes),
-                 static_cast<long long>(r.feedback_written),
-                 static_cast<long long>(r.feedback_consumed));
+    std::fprintf(
+        out,
+        "selection feedback: share %g of each row's groups written before every step "
+        "(not timed: p50 %s p99 %s); probes %lld, written %lld, consumed by "
+        "epsd %lld\n",
+        config.feedback_share, UsText(write.p50_us, write.count).c_str(),
+        UsText(write.p99_us, write.count).c_str(), static_cast<long long>(r.feedback_probes),
+        static_cast<long long>(r.feedback_written), static_cast<long long>(r.feedback_consumed));
   }
   if (r.stopped_early) std::fprintf(out, "(stopped early by a signal)\n");
   std::fprintf(out, "%-12s %9s %7s %9s %10s %10s %10s %10s %10s %10s\n", "call", "count", "errors",
@@ -236,17 +271,24 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
                ratio(sel.lat.mean_us, png.lat.mean_us).c_str());
   const LatencySummary prepass = r.prepass_us.Summarize();
   const LatencySummary overhead = r.overhead_us.Summarize();
-  std::fprintf(out,
-               "server selection time p50 %.1f us p99 %.1f us; round trip minus selection p50 "
-               "%.1f us p99 %.1f us; visited %.1f%% of pages; SelectPages over %lld us: %llu",
-               prepass.p50_us, prepass.p99_us, overhead.p50_us, overhead.p99_us,
-               r.pages_total > 0 ? 100.0 * r.pages_visited / r.pages_total : 0.0,
-               static_cast<long long>(config.slo.count()),
-               static_cast<unsigned long long>(sel.over_slo));
+  std::fprintf(
+      out,
+      "server selection time p50 %s p99 %s; round trip minus selection p50 "
+      "%s p99 %s; visited %s of pages; SelectPages over %lld us: %llu",
+      UsText(prepass.p50_us, prepass.count).c_str(), UsText(prepass.p99_us, prepass.count).c_str(),
+      UsText(overhead.p50_us, overhead.count).c_str(),
+      UsText(overhead.p99_us, overhead.count).c_str(),
+      r.pages_total > 0 ? absl::StrFormat("%.1f%%", 100.0 * r.pages_visited / r.pages_total).c_str()
+                        : "n/a",
+      static_cast<long long>(config.slo.count()), static_cast<unsigned long long>(sel.over_slo));
   if (!config.arrivals.closed_loop()) {
-    std::fprintf(out, "; send lag p50 %.1f us p99 %.1f us", sel.lag.p50_us, sel.lag.p99_us);
+    std::fprintf(out, "; send lag p50 %s p99 %s", UsText(sel.lag.p50_us, sel.lag.count).c_str(),
+                 UsText(sel.lag.p99_us, sel.lag.count).c_str());
   }
   std::fprintf(out, "\n");
+  if (sel.lat.count + sel.errors == 0 && !r.stopped_early) {
+    std::fprintf(out, "no SelectPages was measured: none was scheduled in the window (exit 3)\n");
+  }
   if (config.ranks > 0) PrintRanks(r, out);
   const std::pair<const char*, CallResults*> calls[] = {{"SelectPages", &r.select},
                                                         {"Ping", &r.ping}};
@@ -273,19 +315,23 @@ void PrintTable(const LoadConfig& config, RunResult& r, std::FILE* out) {
                static_cast<unsigned long long>(f.fallback_error),
                static_cast<unsigned long long>(f.reattaches));
   if (r.epsd_pid > 0 && !r.epsd_samples.empty()) {
+    // First and last samples, named: when a sample failed (epsd died, say), the last one is
+    // not the end's, and the note says why.
     const EpsdSample& a = r.epsd_samples.front();
     const EpsdSample& b = r.epsd_samples.back();
     std::fprintf(out,
                  "epsd pid %d: RSS %lld -> %lld kB, open fds %lld -> %lld, threads %lld -> %lld "
-                 "(%zu samples)\n",
+                 "(%zu samples, %s at %.1f s to %s at %.1f s)%s\n",
                  r.epsd_pid, static_cast<long long>(a.stats.rss_kb),
                  static_cast<long long>(b.stats.rss_kb), static_cast<long long>(a.stats.open_fds),
                  static_cast<long long>(b.stats.open_fds), static_cast<long long>(a.stats.threads),
-                 static_cast<long long>(b.stats.threads), r.epsd_samples.size());
+                 static_cast<long long>(b.stats.threads), r.epsd_samples.size(), a.why.c_str(),
+                 a.t_s, b.why.c_str(), b.t_s,
+                 b.why == "end" ? "" : absl::StrCat("; no end sample: ", r.epsd_pid_note).c_str());
   } else {
     std::fprintf(out, "epsd resources not sampled: %s\n", r.epsd_pid_note.c_str());
   }
-  if (r.floor.has_value()) PrintFloor(*r.floor, sel, out);
+  if (r.floor.has_value()) PrintFloor(*r.floor, sel, png, out);
 }
 
 std::string ToJson(const LoadConfig& config, RunResult& r) {
@@ -387,7 +433,7 @@ std::string ToJson(const LoadConfig& config, RunResult& r) {
                        {"loadavg_start", r.load_start},
                        {"loadavg_end", r.load_end}};
   report["epsd"] = {{"pid", r.epsd_pid}, {"note", r.epsd_pid_note}, {"samples", samples}};
-  if (r.floor.has_value()) report["rpc_floor"] = FloorJson(*r.floor);
+  if (r.floor.has_value()) report["rpc_floor"] = FloorJson(*r.floor, sel, png);
   report["errors"] = errors;
   report["errors_dropped"] = r.error_log_dropped;
   // Invalid UTF-8 in an error message is replaced, not thrown on.

@@ -157,30 +157,44 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
   auto floor = v1::PageSelector::NewStub(Channel(result.floor_address, config));
   auto epsd = v1::PageSelector::NewStub(Channel(config.target, config));
   struct Kind {
+    const char* name;
     v1::PageSelector::Stub* stub;
     std::function<absl::Status(v1::PageSelector::Stub&, std::chrono::microseconds)> call;
     LatencySamples* samples;
   };
-  const Kind kinds[] = {{floor.get(), CallbackPing, &result.floor_callback},
-                        {epsd.get(), CallbackPing, &result.ping_callback},
-                        {floor.get(), SyncPing, &result.floor_sync},
-                        {epsd.get(), SyncPing, &result.ping_sync}};
-  const int warmup = std::max(10, config.floor_calls / 10);
-  for (int round = -warmup; round < config.floor_calls; ++round) {
-    if (stop != nullptr && stop->load()) {
-      result.stopped = true;
-      break;
-    }
+  const Kind kinds[] = {
+      {"floor, callback client", floor.get(), CallbackPing, &result.floor_callback},
+      {"epsd Ping, callback client", epsd.get(), CallbackPing, &result.ping_callback},
+      {"floor, sync client", floor.get(), SyncPing, &result.floor_sync},
+      {"epsd Ping, sync client", epsd.get(), SyncPing, &result.ping_sync}};
+  result.warmup_rounds = std::max(10, config.floor_calls / 10);
+  auto stopping = [&] { return stop != nullptr && stop->load(); };
+  // One Ping first: an epsd that is not there (or stopped) fails it once, within one
+  // deadline, instead of failing every call of every round.
+  if (const absl::Status first = CallbackPing(*epsd, config.deadline); !first.ok()) {
+    result.aborted = absl::StrCat("epsd did not answer a Ping: ", first.ToString());
+  }
+  for (int round = -result.warmup_rounds;
+       result.aborted.empty() && !result.stopped && round < config.floor_calls; ++round) {
     for (const Kind& kind : kinds) {
+      // Checked before every call, so SIGINT waits for one call at most, not a round.
+      if (stopping()) {
+        result.stopped = true;
+        break;
+      }
       const Clock::time_point start = Clock::now();
       const absl::Status status = kind.call(*kind.stub, config.deadline);
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (!status.ok()) {
-        ++result.errors;
-      } else if (round >= 0) {
-        kind.samples->Record(us);
+        ++(round < 0 ? result.warmup_errors : result.errors);
+        result.aborted = absl::StrCat(
+            kind.name, " failed in ", round < 0 ? "warm-up round " : "measured round ",
+            round < 0 ? round + result.warmup_rounds + 1 : round + 1, ": ", status.ToString());
+        break;
       }
+      if (round >= 0) kind.samples->Record(us);
     }
+    if (round >= 0 && result.aborted.empty() && !result.stopped) ++result.rounds;
   }
   if (server != nullptr) {
     server->Shutdown();

@@ -79,7 +79,12 @@ class SelectStream final
   }
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      End(absl::UnavailableError("stream write failed"));
+      // A write fails when the client cancelled the stream (or its deadline passed) while
+      // the step ran: the client went away, epsd did not fail. (A stream the client closes
+      // between steps, as EpsClient does by cancelling it, ends at the read: OK.)
+      End(context_.IsCancelled() ? absl::CancelledError("StreamSelectPages: the client cancelled "
+                                                        "the stream during a step")
+                                 : absl::UnavailableError("stream write failed"));
       return;
     }
     telemetry_.metrics().StreamMessageSent();

@@ -106,30 +106,39 @@ void BatchSpanProcessor::ExportBatch(const std::vector<SpanRecord>& batch,
     const Clock::time_point attempt_deadline = std::min(give_up, Clock::now() + attempt_timeout_);
     std::string error;
     const ExportResult result = exporter_->Export(request, attempt_deadline, &error);
-    absl::MutexLock lock(&mu_);
-    if (result == ExportResult::kSuccess) {
-      counts_.exported += batch.size();
-      return;
+    bool last = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (result == ExportResult::kSuccess) {
+        counts_.exported += batch.size();
+        return;
+      }
+      ++counts_.export_failures;
+      if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
+      last = result == ExportResult::kFailed || Clock::now() >= give_up;
+      if (last) {
+        counts_.dropped += batch.size();
+      } else {
+        // Sleep the backoff (jittered to 50-150 %); a shutdown wakes it for one last try in
+        // budget.
+        const auto sleep = std::chrono::duration_cast<std::chrono::milliseconds>(
+            backoff * (0.5 + static_cast<double>(jitter() % 1000) / 1000.0));
+        const Clock::time_point wake = std::min(give_up, Clock::now() + sleep);
+        const bool was_stopping = stopping_;
+        const auto shutdown_began = [this, was_stopping]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return stopping_ && !was_stopping;
+        };
+        mu_.AwaitWithDeadline(absl::Condition(&shutdown_began), ToAbsl(wake));
+      }
     }
-    ++counts_.export_failures;
-    // Stderr once per failed batch, not per retry, so a dead collector cannot flood the log.
-    if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
-    const bool last = result == ExportResult::kFailed || Clock::now() >= give_up;
     if (last) {
-      counts_.dropped += batch.size();
+      // Stderr once per failed batch, not per retry, so a dead collector cannot flood the
+      // log; and outside mu_, which OnEnd takes on the RPC threads: a stderr nobody drains
+      // (a full pipe) blocks this write, and must not block SelectPages with it.
       std::fprintf(stderr, "epsd: dropped %zu spans: %s: %s\n", batch.size(),
                    exporter_->Describe().c_str(), error.c_str());
       return;
     }
-    // Sleep the backoff (jittered to 50-150 %); a shutdown wakes it for one last try in budget.
-    const auto sleep = std::chrono::duration_cast<std::chrono::milliseconds>(
-        backoff * (0.5 + static_cast<double>(jitter() % 1000) / 1000.0));
-    const Clock::time_point wake = std::min(give_up, Clock::now() + sleep);
-    const bool was_stopping = stopping_;
-    const auto shutdown_began = [this, was_stopping]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return stopping_ && !was_stopping;
-    };
-    mu_.AwaitWithDeadline(absl::Condition(&shutdown_began), ToAbsl(wake));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
   }
 }

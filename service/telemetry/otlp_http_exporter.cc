@@ -6,7 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -46,17 +50,55 @@ bool WaitFor(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-// Connects without blocking past the deadline; -1 with `error` set on failure.
-int Connect(const OtlpEndpoint& e, Clock::time_point deadline, std::string* error) {
+using AddressList = std::unique_ptr<addrinfo, decltype(&freeaddrinfo)>;
+
+// getaddrinfo has no timeout: a resolver that does not answer holds it for the
+// resolver's own timeouts (5 s per server and attempt by default), past the export's
+// deadline and Shutdown's budget. A numeric host resolves at once, in place; a name is
+// resolved on a thread of its own, waited for until the deadline. A late answer lands in
+// the shared state, freed by whichever side lets go of it last.
+AddressList Resolve(const OtlpEndpoint& e, Clock::time_point deadline, std::string* error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
   const std::string port = std::to_string(e.port);
-  if (const int rc = getaddrinfo(e.host.c_str(), port.c_str(), &hints, &found); rc != 0) {
-    *error = absl::StrCat("resolve ", e.host, ": ", gai_strerror(rc));
-    return -1;
+  addrinfo* found = nullptr;
+  hints.ai_flags = AI_NUMERICHOST;
+  if (getaddrinfo(e.host.c_str(), port.c_str(), &hints, &found) == 0) {
+    return AddressList(found, &freeaddrinfo);
   }
+  hints.ai_flags = 0;
+  struct Lookup {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    int rc = 0;
+    AddressList found{nullptr, &freeaddrinfo};
+  };
+  auto lookup = std::make_shared<Lookup>();
+  std::thread([lookup, host = e.host, port, hints] {
+    addrinfo* result = nullptr;
+    const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &result);
+    std::lock_guard lock(lookup->mu);
+    lookup->rc = rc;
+    lookup->found.reset(result);
+    lookup->done = true;
+    lookup->cv.notify_all();
+  }).detach();
+  std::unique_lock lock(lookup->mu);
+  if (!lookup->cv.wait_until(lock, deadline, [&] { return lookup->done; })) {
+    *error = absl::StrCat("resolve ", e.host, ": no answer before the deadline");
+    return AddressList(nullptr, &freeaddrinfo);
+  }
+  if (lookup->rc != 0) *error = absl::StrCat("resolve ", e.host, ": ", gai_strerror(lookup->rc));
+  return std::move(lookup->found);
+}
+
+// Connects without blocking past the deadline; -1 with `error` set on failure.
+int Connect(const OtlpEndpoint& e, Clock::time_point deadline, std::string* error) {
+  const AddressList addresses = Resolve(e, deadline, error);
+  if (addresses == nullptr) return -1;
+  addrinfo* found = addresses.get();
   int connected = -1;
   for (addrinfo* a = found; a != nullptr && connected < 0; a = a->ai_next) {
     const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -77,7 +119,6 @@ int Connect(const OtlpEndpoint& e, Clock::time_point deadline, std::string* erro
     }
     close(fd);
   }
-  freeaddrinfo(found);
   return connected;
 }
 

@@ -22,6 +22,22 @@ std::string SessionLabel(const std::string& session_id) {
   }
   return session_id.substr(0, 64);  // not one of ours: no capability, but bounded
 }
+bool IsRefusal(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kAborted:
+      return false;
+    default:
+      return true;
+  }
+}
+
 namespace {
 
 int64_t Micros(Telemetry::Clock::duration d) {
@@ -134,7 +150,7 @@ Telemetry::Call Telemetry::BeginCall(RpcMethod method, const grpc::ServerContext
 void Telemetry::EndCall(const Call& call, const absl::Status& status, bool refused) {
   const double seconds = std::chrono::duration<double>(Clock::now() - call.start).count();
   metrics_->RpcHandled(call.method, static_cast<grpc::StatusCode>(status.code()), seconds);
-  if (refused && !status.ok()) metrics_->ValidationFailure(status.code());
+  if (refused && IsRefusal(status.code())) metrics_->ValidationFailure(status.code());
 }
 
 Telemetry::Step Telemetry::BeginStep(const v1::SelectPagesRequest& request) {
@@ -146,11 +162,15 @@ void Telemetry::EndStep(const Call& call, const Step& step, const v1::SelectPage
                         const v1::SelectPagesResponse& response, const absl::Status& status,
                         service::BackendKind backend) {
   const Clock::time_point selected = Clock::now();
-  if (!status.ok()) metrics_->ValidationFailure(status.code());
+  // A step the client gave up on (CANCELLED, DEADLINE_EXCEEDED) was not refused.
+  if (IsRefusal(status.code())) metrics_->ValidationFailure(status.code());
   // Sync replies carry this step's stats; async ones carry earlier steps' as they finish.
   const bool has_stats = status.ok() && response.has_stats() && response.done();
   if (has_stats) metrics_->StepSelected(response.stats(), backend);
-  for (const v1::StepStats& earlier : response.earlier()) metrics_->StepSelected(earlier, backend);
+  // An earlier async step that failed (StepStats.error) was attended densely, not selected.
+  for (const v1::StepStats& earlier : response.earlier()) {
+    if (earlier.error().empty()) metrics_->StepSelected(earlier, backend);
+  }
   std::string trace_id;
   if (processor_ != nullptr) {
     ExportSpans(call, step, selected, request, response, status, backend, &trace_id);
@@ -158,12 +178,10 @@ void Telemetry::EndStep(const Call& call, const Step& step, const v1::SelectPage
   if (step_log_ != nullptr) {
     LogStep(step, selected, request, has_stats ? &response.stats() : nullptr, status, backend,
             trace_id, call.method);
+    // An earlier step's line was written when it was replied to, without statistics; these
+    // lines carry them, and nothing of the call that brought them (its batch and time).
     for (const v1::StepStats& earlier : response.earlier()) {
-      v1::SelectPagesRequest late;
-      late.set_session_id(request.session_id());
-      late.set_step(earlier.step());
-      late.set_reply_mode(v1::REPLY_MODE_ASYNC);
-      LogStep(step, selected, late, &earlier, absl::OkStatus(), backend, trace_id, call.method);
+      LogLateStats(step, request, earlier, backend, call.method);
     }
   }
 }
@@ -241,14 +259,63 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
   processor_->OnEnd(spans);
 }
 
+namespace {
+
+// StepStats as step-log fields, the same in a step's line and a late_stats line.
+void AddStats(const v1::StepStats& s, nlohmann::ordered_json& line) {
+  line["groups_total"] = s.groups_total();
+  line["groups_visited"] = s.groups_visited();
+  line["groups_skipped"] = s.groups_total() - s.groups_visited();
+  line["pages_total"] = s.pages_total();
+  line["pages_visited"] = s.pages_visited();
+  line["pages_skipped"] = s.pages_total() - s.pages_visited();
+  line["bytes_kv_dense"] = s.bytes_kv_dense();
+  line["bytes_kv_read_est"] = s.bytes_kv_read_est();
+  line["bytes_kv_saved_est"] = s.bytes_kv_dense() - s.bytes_kv_read_est();
+  line["bytes_summary_read"] = s.bytes_summary_read();
+  line["prepass_us"] = std::round(s.prepass_us() * 1000) / 1000;
+}
+
+std::string FormatUnixNanos(int64_t unix_ns) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(unix_ns),
+                          absl::UTCTimeZone());
+}
+
+}  // namespace
+
+void Telemetry::LogLateStats(const Step& carrier, const v1::SelectPagesRequest& carrier_request,
+                             const v1::StepStats& stats, service::BackendKind backend,
+                             RpcMethod method) {
+  // batch and server_us belong to the step's own line (written at its reply); null here
+  // rather than the carrying call's.
+  nlohmann::ordered_json line = {
+      {"time", FormatUnixNanos(carrier.start_unix_ns)},
+      {"kind", "late_stats"},
+      {"session", SessionLabel(carrier_request.session_id())},
+      {"step", stats.step()},
+      {"batch", nullptr},
+      {"backend", service::BackendKindName(backend)},
+      {"reply_mode", ReplyModeName(v1::REPLY_MODE_ASYNC)},
+      {"transport", method == RpcMethod::kStreamSelectPages ? "stream" : "unary"},
+      // A failed async step's error comes without a code: UNKNOWN, the message in "error".
+      {"status", stats.error().empty() ? "OK" : "UNKNOWN"},
+      {"server_us", nullptr},
+      {"reported_with_step", carrier_request.step()}};
+  if (stats.error().empty()) {
+    AddStats(stats, line);
+  } else {
+    line["error"] = stats.error();
+  }
+  step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+}
+
 void Telemetry::LogStep(const Step& step, Clock::time_point end,
                         const v1::SelectPagesRequest& request, const v1::StepStats* s,
                         const absl::Status& status, service::BackendKind backend,
                         const std::string& trace_id, RpcMethod method) {
   // One object per line; invalid UTF-8 (a session id is bytes) is replaced, not thrown on.
   nlohmann::ordered_json line = {
-      {"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromUnixNanos(step.start_unix_ns),
-                                absl::UTCTimeZone())},
+      {"time", FormatUnixNanos(step.start_unix_ns)},
       {"session", SessionLabel(request.session_id())},
       {"step", request.step()},
       {"batch", request.rows_size()},
@@ -257,19 +324,7 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
       {"transport", method == RpcMethod::kStreamSelectPages ? "stream" : "unary"},
       {"status", absl::StatusCodeToString(status.code())},
       {"server_us", Micros(end - step.start)}};
-  if (s != nullptr) {
-    line["groups_total"] = s->groups_total();
-    line["groups_visited"] = s->groups_visited();
-    line["groups_skipped"] = s->groups_total() - s->groups_visited();
-    line["pages_total"] = s->pages_total();
-    line["pages_visited"] = s->pages_visited();
-    line["pages_skipped"] = s->pages_total() - s->pages_visited();
-    line["bytes_kv_dense"] = s->bytes_kv_dense();
-    line["bytes_kv_read_est"] = s->bytes_kv_read_est();
-    line["bytes_kv_saved_est"] = s->bytes_kv_dense() - s->bytes_kv_read_est();
-    line["bytes_summary_read"] = s->bytes_summary_read();
-    line["prepass_us"] = std::round(s->prepass_us() * 1000) / 1000;
-  }
+  if (s != nullptr) AddStats(*s, line);
   if (!status.ok()) line["error"] = std::string(status.message());
   if (!trace_id.empty()) line["trace_id"] = trace_id;
   step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));

@@ -37,6 +37,13 @@ struct TelemetryOptions {
 // session id is a capability, docs/security.md).
 std::string SessionLabel(const std::string& session_id);
 
+// Whether a failed call's status is the session service refusing the request
+// (eps_validation_failures_total): INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION,
+// RESOURCE_EXHAUSTED, PERMISSION_DENIED, ... A call the client gave up on (CANCELLED,
+// DEADLINE_EXCEEDED), a transport failure (UNAVAILABLE) and epsd's own failure
+// (INTERNAL, UNKNOWN, DATA_LOSS, ABORTED) are not refusals; OK is none.
+bool IsRefusal(absl::StatusCode code);
+
 class Telemetry {
  public:
   using Clock = std::chrono::steady_clock;
@@ -57,7 +64,8 @@ class Telemetry {
     std::optional<TraceContext> parent;  // from traceparent / tracestate metadata
   };
   Call BeginCall(RpcMethod method, const grpc::ServerContextBase& context);
-  // `refused`: the status came from the session service (counted as a validation failure).
+  // `refused`: the status came from the session service (counted as a validation failure
+  // when IsRefusal).
   void EndCall(const Call& call, const absl::Status& status, bool refused);
 
   // One SelectPages step, unary or one message of a stream.
@@ -66,7 +74,9 @@ class Telemetry {
     int64_t start_unix_ns;
   };
   Step BeginStep(const v1::SelectPagesRequest& request);  // counts the client's fallback report
-  // `backend`: the kind of the session's backend (kCpu when no session was found).
+  // `backend`: the kind of the session's backend (kCpu when no session was found). With
+  // async replies, `response.earlier` carries earlier steps' statistics: they are counted,
+  // and each gets a step-log line of its own kind ("late_stats", docs/observability.md).
   void EndStep(const Call& call, const Step& step, const v1::SelectPagesRequest& request,
                const v1::SelectPagesResponse& response, const absl::Status& status,
                service::BackendKind backend);
@@ -88,6 +98,9 @@ class Telemetry {
   void LogStep(const Step& step, Clock::time_point end, const v1::SelectPagesRequest& request,
                const v1::StepStats* stats, const absl::Status& status, service::BackendKind backend,
                const std::string& trace_id, RpcMethod method);
+  // The statistics of an earlier async step, reported with the step `carrier`.
+  void LogLateStats(const Step& carrier, const v1::SelectPagesRequest& carrier_request,
+                    const v1::StepStats& stats, service::BackendKind backend, RpcMethod method);
 
   TraceConfig config_;
   TelemetryOptions options_;

@@ -100,7 +100,11 @@ def test_a_short_run_reports_both_calls_without_errors(
     for name in ("floor_callback", "floor_sync", "ping_callback", "ping_sync"):
         assert floor[name]["count"] == 1000 and floor[name]["p50_us"] > 0, floor
     assert floor["ping_over_floor_p50"] > 0
-    assert "Ping / floor (callback) p50" in result.stdout
+    assert floor["rounds"] == 1000 and floor["aborted"] is None, floor
+    # The run's SelectPages over the run's own Ping, not over the floor phase's Ping.
+    assert floor["select_over_ping_p50"] == report["ratio"]["p50"], (floor, report["ratio"])
+    assert "SelectPages / Ping (both of the run) p50" in result.stdout
+    assert "Ping / floor (callback, both of the floor phase) p50" in result.stdout
 
 
 def test_a_coarse_level_run_attaches_with_it_and_has_no_errors(
@@ -276,6 +280,69 @@ def test_an_unreachable_target_is_counted_by_status_code_and_ends(tmp_path: Path
     fallbacks = report["client_fallbacks"]
     assert fallbacks["not_attached"] + fallbacks["unavailable"] > 0
     assert "UNAVAILABLE" in result.stdout
+    # The floor pinged epsd once and stopped there, instead of failing every round.
+    floor = report["rpc_floor"]
+    assert floor["rounds"] == 0 and "epsd did not answer a Ping" in floor["aborted"], floor
+    assert "the RPC floor ended early" in result.stderr
+    assert "n/a" in result.stdout and "nanx" not in result.stdout
+
+
+def test_an_epsd_that_does_not_answer_ends_the_floor_within_a_deadline(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # A stopped epsd once cost the floor two deadlines a round: 1100 rounds here, 11 minutes.
+    target, pid = epsd
+    out = tmp_path / "out.json"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        result = _run(
+            [
+                f"--target={target}",
+                "--preset=smollm2-135m",
+                "--batch=1",
+                "--context=1k",
+                "--duration=300ms",
+                "--warmup=0",
+                "--deadline=300ms",
+                "--floor-calls=1000",
+                f"--json={out}",
+            ],
+            timeout=60,
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert time.monotonic() - start < 30
+    assert result.returncode == 3, result.stdout + result.stderr
+    floor = json.loads(out.read_text())["rpc_floor"]
+    assert floor["rounds"] == 0, floor
+    assert "epsd did not answer a Ping" in floor["aborted"], floor
+    assert "DEADLINE_EXCEEDED" in floor["aborted"], floor
+
+
+def test_a_window_that_measures_nothing_exits_3(tmp_path: Path) -> None:
+    # Once exit 0: a window too short for any call is no successful run.
+    out = tmp_path / "out.json"
+    target = f"unix:///tmp/eps-load-test-nobody-{uuid.uuid4().hex[:12]}.sock"
+    result = _run(
+        [f"--target={target}", "--preset=smollm2-135m", "--batch=1", "--context=1k",
+         "--duration=1us", "--warmup=0", "--floor-calls=0", f"--json={out}"],
+        timeout=30,
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    select = json.loads(out.read_text())["select"]
+    if select["errors"] == 0:  # a failed call may land in the 1 µs window: exit 3 either way
+        assert select["count"] == 0
+        assert "no SelectPages was measured" in result.stdout
+
+
+def test_a_target_that_is_not_an_address_exits_2_before_the_run() -> None:
+    for target in ("localhost", "garbage", "h:99999"):
+        start = time.monotonic()
+        result = _run([f"--target={target}", "--duration=10m"], timeout=30)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"--target={target}" in result.stderr
+        assert time.monotonic() - start < 10
 
 
 def test_calls_past_the_deadline_count_as_deadline_exceeded(

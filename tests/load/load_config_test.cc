@@ -242,6 +242,28 @@ TEST(ParseFlags, NamesTheOffendingFlag) {
   }
 }
 
+// A target gRPC would only fail to resolve (or dial somewhere else) once the run's calls
+// start is a bad flag, found before the run.
+TEST(ParseFlags, RefusesATargetThatIsNeitherAUnixPathNorHostPort) {
+  for (const std::string target :
+       {"localhost", "garbage", "h:99999", "h:", "h:0", "h:abc", "unix://", "unix:rel.sock",
+        "unix-abstract:x", "dns:///h:1", "[::1]"}) {
+    auto c = ParseFlags({"--target=" + target});
+    ASSERT_FALSE(c.ok()) << target;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
+    EXPECT_NE(c.status().message().find("--target=" + target), std::string::npos) << c.status();
+  }
+}
+
+TEST(ParseFlags, AcceptsAUnixPathOrHostPortTarget) {
+  for (const std::string target :
+       {"unix:///tmp/epsd.sock", "127.0.0.1:5000", "localhost:50051", "[::1]:7", "epsd-0.ns:1"}) {
+    auto c = ParseFlags({"--target=" + target});
+    ASSERT_TRUE(c.ok()) << target << ": " << c.status();
+    EXPECT_EQ(c->target, target);
+  }
+}
+
 TEST(CreateBufferSet, CudaWithoutADeviceIsAClearPreconditionError) {
   const LoadConfig c = *ParseFlags({"--preset=smollm2-135m", "--backend=cuda"});
   auto set = CreateBufferSet(c.backend, c.model,
