@@ -80,21 +80,25 @@ int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& la
 SummaryWriter::SummaryWriter(const ModelLayout& model, const PhiBank& phi)
     : model_(model), layout_(SummaryLayout::For(model)), phi_(phi) {}
 
-absl::Status SummaryWriter::Reset(std::span<float> record) const {
-  if (static_cast<int64_t>(record.size()) < layout_.record_words) {
+absl::Status ResetRecord(const SummaryLayout& layout, std::span<float> record) {
+  if (static_cast<int64_t>(record.size()) < layout.record_words) {
     return absl::InvalidArgumentError(
-        absl::StrCat("record has ", record.size(), " words, layout needs ", layout_.record_words));
+        absl::StrCat("record has ", record.size(), " words, layout needs ", layout.record_words));
   }
-  std::fill(record.begin(), record.begin() + layout_.record_words, 0.0f);
-  if (layout_.quest_min >= 0) {
-    std::fill_n(QuestHalves(record, layout_.quest_min), model_.head_dim, uint16_t{0x7C00});  // +inf
-    std::fill_n(QuestHalves(record, layout_.quest_max), model_.head_dim, uint16_t{0xFC00});  // -inf
+  std::fill(record.begin(), record.begin() + layout.record_words, 0.0f);
+  if (layout.quest_min >= 0) {
+    std::fill_n(QuestHalves(record, layout.quest_min), layout.head_dim, uint16_t{0x7C00});  // +inf
+    std::fill_n(QuestHalves(record, layout.quest_max), layout.head_dim, uint16_t{0xFC00});  // -inf
   }
-  if (layout_.quest8 >= 0) {
-    std::fill_n(Quest8Codes(record, layout_, 0), model_.head_dim, int8_t{127});
-    std::fill_n(Quest8Codes(record, layout_, 1), model_.head_dim, int8_t{-128});
+  if (layout.quest8 >= 0) {
+    std::fill_n(Quest8Codes(record, layout, 0), layout.head_dim, int8_t{127});
+    std::fill_n(Quest8Codes(record, layout, 1), layout.head_dim, int8_t{-128});
   }
   return absl::OkStatus();
+}
+
+absl::Status SummaryWriter::Reset(std::span<float> record) const {
+  return ResetRecord(layout_, record);
 }
 
 absl::Status SummaryWriter::CheckKeys(std::span<float> record, int layer, int kv_head,

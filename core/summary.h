@@ -63,6 +63,12 @@ class SummaryWriter {
   const PhiBank& phi_;
 };
 
+// Writes the empty record of `layout` into record[0, record_words): what
+// SummaryWriter::Reset writes, and the bytes the device writer's Reset copies (one
+// definition for every writer). Refuses a record shorter than the layout's, touching
+// nothing.
+absl::Status ResetRecord(const SummaryLayout& layout, std::span<float> record);
+
 // Reads the int8 principal direction u1 of a record (head_dim values).
 int8_t PrincipalComponent(std::span<const float> record, const SummaryLayout& layout, int i);
 

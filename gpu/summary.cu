@@ -1,11 +1,19 @@
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
 #include "core/status.h"
+#include "core/summary.h"
 #include "gpu/cuda_check.h"
 #include "gpu/phi.cuh"
 #include "gpu/summary.h"
@@ -140,6 +148,45 @@ __global__ void AppendKernel(WriterShape s, const KeyAppend* appends, int n, con
   if (lane == 0 && s.principal >= 0 && ap.count > 0) rec[s.principal + 2] = 0.0f;
 }
 
+// One block per run (grid-stride): record r of a run, word w = empty[w].
+// runs: [n]; empty: [words], the record core's ResetRecord writes.
+__global__ void ResetKernel(const RecordRun* runs, int n, const float* empty, int words) {
+  for (int r = blockIdx.x; r < n; r += gridDim.x) {
+    const RecordRun run = runs[r];
+    const int64_t total = run.records * words;
+    for (int64_t j = threadIdx.x; j < total; j += blockDim.x) run.first[j] = empty[j % words];
+  }
+}
+
+// InvalidArgument unless `record` is non-null and 16-byte aligned (the pool contract: the
+// kernels' misaligned access would be a sticky error that ends the CUDA context).
+absl::Status CheckRecordAddress(const char* what, size_t i, const float* record) {
+  if (record == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, "[", i, "] is null"));
+  if (reinterpret_cast<uintptr_t>(record) % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, "[", i, "]: record address 0x", absl::Hex(reinterpret_cast<uintptr_t>(record)),
+        " is not 16-byte aligned (records are 16-byte aligned in the pool)"));
+  }
+  return absl::OkStatus();
+}
+
+// InvalidArgument when two of `spans` (start address, words, index) overlap; sorts them.
+absl::Status CheckDisjoint(const char* what,
+                           std::vector<std::tuple<uintptr_t, int64_t, size_t>>& spans) {
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const auto& [prev, prev_words, prev_index] = spans[i - 1];
+    const auto& [here, words, index] = spans[i];
+    if (here < prev + static_cast<uintptr_t>(prev_words) * sizeof(float)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "[", std::max(index, prev_index), "] overlaps the record(s) ", what,
+                       "[", std::min(index, prev_index), "] of this call writes (records are ",
+                       prev_words, " words; two writers of one record race)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct DeviceSummaryWriter::Impl {
@@ -147,9 +194,12 @@ struct DeviceSummaryWriter::Impl {
   SummaryLayout layout;
   int device = 0;
   DeviceBuffer<float> phi;
-  DeviceBuffer<KeyAppend> appends;
-  int64_t capacity = 0;
-  DeviceBuffer<int> bad;
+  DeviceBuffer<float> empty;  // [record_words]: ResetRecord's bytes
+  // Append's scratch: one synchronous call at a time.
+  std::mutex mu;
+  DeviceBuffer<KeyAppend> appends ABSL_GUARDED_BY(mu);
+  int64_t capacity ABSL_GUARDED_BY(mu) = 0;
+  DeviceBuffer<int> bad ABSL_GUARDED_BY(mu);
 };
 
 DeviceSummaryWriter::DeviceSummaryWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -168,6 +218,11 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
   const int per_matrix = model.head_dim * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, int64_t{model.num_layers} * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->bad, 1);
+  std::vector<float> empty(impl->layout.record_words);
+  RETURN_IF_ERROR(ResetRecord(impl->layout, empty));
+  RETURN_IF_CUDA_ALLOC(impl->empty, impl->layout.record_words);
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(impl->empty.get(), empty.data(), empty.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice));
   GeneratePhiKernel<<<128, 256>>>(model.phi_seed, model.num_layers, model.num_kv_heads, per_matrix,
                                   PhiScale(model.sketch_dim), impl->phi.get());
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -193,22 +248,26 @@ absl::Status DeviceSummaryWriter::Check(const std::vector<KeyAppend>& appends,
       return absl::InvalidArgumentError(absl::StrCat("appends[", i, "]: (layer, kv_head)=(",
                                                      a.layer, ", ", a.kv_head, ") out of range"));
     }
-    if (a.record == nullptr || (a.count > 0 && a.keys == nullptr) || a.count < 0 ||
+    if ((a.count > 0 && a.keys == nullptr) || a.count < 0 ||
         (a.stride != 0 && a.stride < w.model.head_dim)) {
-      return absl::InvalidArgumentError(absl::StrCat("appends[", i, "] is malformed"));
-    }
-  }
-  // Distinct records: sorted addresses, then neighbours (a set costs more per step).
-  std::vector<std::pair<const float*, size_t>> records(appends.size());
-  for (size_t i = 0; i < appends.size(); ++i) records[i] = {appends[i].record, i};
-  std::sort(records.begin(), records.end());
-  for (size_t i = 1; i < records.size(); ++i) {
-    if (records[i].first == records[i - 1].first) {
       return absl::InvalidArgumentError(
-          absl::StrCat("appends[", std::max(records[i].second, records[i - 1].second),
-                       "] targets a record another append of this call writes"));
+          absl::StrCat("appends[", i, "] is malformed: count=", a.count, ", stride=", a.stride));
+    }
+    RETURN_IF_ERROR(CheckRecordAddress("appends", i, a.record));
+    if (reinterpret_cast<uintptr_t>(a.keys) % DTypeSize(key_dtype) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("appends[", i, "]: keys address 0x",
+                       absl::Hex(reinterpret_cast<uintptr_t>(a.keys)), " is not aligned to its ",
+                       DTypeSize(key_dtype), "-byte ", DTypeName(key_dtype), " elements"));
     }
   }
+  // Disjoint records: sorted addresses, then neighbours (a set costs more per step). Equal
+  // or overlapping records (record + 1) would have two warps race on the same words.
+  std::vector<std::tuple<uintptr_t, int64_t, size_t>> spans(appends.size());
+  for (size_t i = 0; i < appends.size(); ++i) {
+    spans[i] = {reinterpret_cast<uintptr_t>(appends[i].record), w.layout.record_words, i};
+  }
+  RETURN_IF_ERROR(CheckDisjoint("appends", spans));
   return absl::OkStatus();
 }
 
@@ -231,6 +290,7 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
   Impl& w = *impl_;
   if (appends.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Check(appends, key_dtype));
+  std::lock_guard lock(w.mu);
   CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
   if (static_cast<int64_t>(appends.size()) > w.capacity) {
     RETURN_IF_CUDA_ALLOC(w.appends, static_cast<int64_t>(appends.size()));
@@ -249,13 +309,96 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
       cudaMemcpyAsync(&bad, w.bad.get(), sizeof(int), cudaMemcpyDeviceToHost, stream));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   if (bad != none) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "appends[", bad, "] holds a non-finite key",
-        w.layout.quest_min >= 0 ? ", one beyond the binary16 range of the quest summary" : "",
-        " or keys that would take the record's sums out of the float range (d * sum of squared "
-        "norms >= FLT_MAX); it was skipped"));
+    return absl::InvalidArgumentError(DescribeRefused(appends[bad], key_dtype, bad));
   }
   return absl::OkStatus();
+}
+
+// Replays core's CheckKeys rules on the host over the refused append's keys (read back: an
+// error path only), so that the message names the key and element as core's does.
+std::string DeviceSummaryWriter::DescribeRefused(const KeyAppend& a, DType key_dtype,
+                                                 int index) const {
+  const Impl& w = *impl_;
+  const int d = w.model.head_dim;
+  const bool quest = w.layout.quest_min >= 0;
+  const std::string where =
+      absl::StrCat("appends[", index, "] (layer ", a.layer, ", kv_head ", a.kv_head, ")");
+  const std::string generic = absl::StrCat(
+      where, " holds a non-finite key",
+      quest ? ", one beyond the binary16 range of the quest "
+              "summary (|k| <= 65504)"
+            : "",
+      " or keys that would take the record's sums out of the float range (d * sum of squared "
+      "norms >= FLT_MAX); it was skipped");
+  const int64_t stride = a.stride == 0 ? d : a.stride;
+  const int64_t elements = (a.count - 1) * stride + d;
+  std::vector<unsigned char> keys(elements * DTypeSize(key_dtype));
+  float fro2 = 0.0f;
+  if (a.count <= 0 ||
+      cudaMemcpy(keys.data(), a.keys, keys.size(), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(&fro2, a.record + w.layout.fro2, sizeof fro2, cudaMemcpyDeviceToHost) !=
+          cudaSuccess) {
+    return generic;
+  }
+  double sum = std::max(0.0f, fro2);
+  for (int64_t t = 0; t < a.count; ++t) {
+    for (int i = 0; i < d; ++i) {
+      const float k = LoadAsFloat(keys.data(), key_dtype, t * stride + i);
+      if (!std::isfinite(k) || (quest && std::abs(k) > kHalfMax)) {
+        return absl::StrCat(where, ": key ", t, " element ", i, " is ", k,
+                            std::isfinite(k) ? ": beyond the binary16 range of the quest "
+                                               "summary, |k| <= 65504"
+                                             : "",
+                            "; the append was skipped");
+      }
+      sum += double{k} * k;
+    }
+    if (sum * d >= std::numeric_limits<float>::max()) {
+      return absl::StrCat(where, ": key ", t, " brings the record's sum of squared key norms to ",
+                          sum, ": its sums would leave the float range (d * sum must stay below ",
+                          std::numeric_limits<float>::max(), "); the append was skipped");
+    }
+  }
+  return generic;  // the device's sum rounded across the limit where this one did not
+}
+
+absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cudaStream_t stream) {
+  const Impl& w = *impl_;
+  if (runs.empty()) return absl::OkStatus();
+  if (runs.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(runs.size(), " runs in one call"));
+  }
+  std::vector<std::tuple<uintptr_t, int64_t, size_t>> spans(runs.size());
+  const int64_t words = w.layout.record_words;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    RETURN_IF_ERROR(CheckRecordAddress("runs", i, runs[i].first));
+    if (runs[i].records < 0 || runs[i].records > INT64_MAX / 4 / words) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("runs[", i, "].records=", runs[i].records, " is out of range"));
+    }
+    spans[i] = {reinterpret_cast<uintptr_t>(runs[i].first), runs[i].records * words, i};
+  }
+  RETURN_IF_ERROR(CheckDisjoint("runs", spans));
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
+  // Stream-ordered scratch, as AppendAsync's: nothing shared between calls.
+  const size_t bytes = runs.size() * sizeof(RecordRun);
+  void* scratch = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
+  auto copy_and_launch = [&]() -> absl::Status {
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(scratch, runs.data(), bytes, cudaMemcpyHostToDevice, stream));
+    const int n = static_cast<int>(runs.size());
+    ResetKernel<<<std::min(n, 4096), 256, 0, stream>>>(static_cast<const RecordRun*>(scratch), n,
+                                                       w.empty.get(), static_cast<int>(words));
+    CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  };
+  const absl::Status s = copy_and_launch();
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  if (s.ok() && freed != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
+  }
+  return s;
 }
 
 absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appends,

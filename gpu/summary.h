@@ -8,14 +8,19 @@
 // another order than core/'s, so results match it to float rounding, not bit for bit; the quest
 // and quest8 parts match bit for bit.
 //
-// Thread safety: appends of one call must target distinct records (checked);
-// calls on one stream are ordered.
+// Records are device memory of the pool's layout: 16-byte aligned (the pool contract,
+// docs/api.md §3.2) and at least record_words apart; keys aligned to their element size.
+// Thread safety: appends of one call must target distinct, non-overlapping records
+// (checked); calls on one stream are ordered. Append (the synchronous one) shares scratch
+// memory between calls and serialises on a mutex; AppendAsync and Reset share nothing
+// and may be called from any thread.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,6 +37,13 @@ struct KeyAppend {
   int64_t stride = 0;  // 0: head_dim
   int layer = 0;
   int kv_head = 0;
+};
+
+// `records` consecutive records from `first`: a slot of a pool is one run of
+// num_layers * num_kv_heads records.
+struct RecordRun {
+  float* first = nullptr;
+  int64_t records = 0;
 };
 
 class DeviceSummaryWriter {
@@ -58,8 +70,19 @@ class DeviceSummaryWriter {
   absl::Status AppendAsync(const std::vector<KeyAppend>& appends, DType key_dtype,
                            cudaStream_t stream, unsigned long long* skipped);
 
+  // Queues on `stream` the emptying of every record of `runs`: exactly the bytes core's
+  // Reset writes (ResetRecord: zero sums, quest min +inf / max -inf, quest8 codes 127 /
+  // -128, scale 0), without waiting. An engine resets a slot's records whenever the slot
+  // is (re)assigned to a group, before the group's first append on the same stream: a
+  // reused record would otherwise keep the old group's keys in every statistic. The runs
+  // are checked as appends' records are (non-null, 16-byte aligned, disjoint); a refused
+  // call queues nothing.
+  absl::Status Reset(const std::vector<RecordRun>& runs, cudaStream_t stream);
+
  private:
   absl::Status Check(const std::vector<KeyAppend>& appends, DType key_dtype) const;
+  // The message of a refused append: the key and element core's rules refuse, read back.
+  std::string DescribeRefused(const KeyAppend& append, DType key_dtype, int index) const;
   absl::Status Launch(const KeyAppend* device_appends, int n, DType key_dtype, cudaStream_t stream,
                       int* bad, unsigned long long* skipped);
 

@@ -346,6 +346,18 @@ int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, 
   return Report(w->writer->Append(Appends(appends, n), *dtype, Stream(stream)));
 }
 
+int eps_engine_summary_reset(EpsSummaryWriter* w, const EpsRecordRun* runs, int64_t n,
+                             uint64_t stream) {
+  if (w == nullptr) return Refuse("eps_engine_summary_reset", "the writer is null (destroyed?)");
+  if (n < 0) return Refuse("eps_engine_summary_reset", absl::StrCat("n=", n, " is negative"));
+  if (n > 0 && runs == nullptr) {
+    return Refuse("eps_engine_summary_reset", absl::StrCat("runs is null, n=", n));
+  }
+  std::vector<eps::gpu::RecordRun> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[i] = {Ptr<float>(runs[i].first), runs[i].records};
+  return Report(w->writer->Reset(out, Stream(stream)));
+}
+
 int eps_engine_summary_writer_record_words(const EpsSummaryWriter* w, int32_t* out) {
   if (w == nullptr) {
     return Refuse("eps_engine_summary_writer_record_words", "the writer is null (destroyed?)");

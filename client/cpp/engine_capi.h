@@ -22,7 +22,8 @@
  * message. A destroyed handle is the caller's to forget: it cannot be detected.
  * Functions that take a `device` leave the calling thread's current device as they
  * found it (release_dense). Thread safety: each handle is used by one thread at a
- * time, except eps_engine_watchdog_* which may be called from any thread.
+ * time, except eps_engine_watchdog_* and the summary writer's append and reset, which
+ * may be called from any thread.
  */
 #ifndef EPS_CLIENT_CPP_ENGINE_CAPI_H_
 #define EPS_CLIENT_CPP_ENGINE_CAPI_H_
@@ -33,8 +34,9 @@
 extern "C" {
 #endif
 
-/* 3: EpsEngineModel gained quest8 (2026-11-26). */
-#define EPS_ENGINE_ABI_VERSION 3
+/* 3: EpsEngineModel gained quest8 (2026-11-26). 4: eps_engine_summary_reset and
+ * EpsRecordRun; queue submit returns a refusal, drain returns DATA_LOSS for skipped appends. */
+#define EPS_ENGINE_ABI_VERSION 4
 
 typedef struct EpsEngineModel {
   int32_t num_layers, num_q_heads, num_kv_heads, head_dim;
@@ -52,6 +54,13 @@ typedef struct EpsKeyAppend {
   int32_t layer;
   int32_t kv_head;
 } EpsKeyAppend;
+
+/* `records` consecutive summary records from `first` (gpu::RecordRun): one slot of a pool
+ * is one run of num_layers * num_kv_heads records. */
+typedef struct EpsRecordRun {
+  uint64_t first;
+  int64_t records;
+} EpsRecordRun;
 
 /* Key element types: the eps.v1 DType numbers. */
 enum { EPS_ENGINE_FLOAT32 = 1, EPS_ENGINE_FLOAT16 = 2, EPS_ENGINE_BFLOAT16 = 3 };
@@ -87,9 +96,19 @@ int eps_engine_summary_writer_create(const EpsEngineModel* model, int32_t device
 /* The words of one record of the writer's layout: a caller checks it against the
  * records it allocated, so that a feature the struct did not carry fails loudly. */
 int eps_engine_summary_writer_record_words(const EpsSummaryWriter* w, int32_t* out);
-/* Applies the appends on `stream` and waits for them. */
+/* Applies the appends on `stream` and waits for them. Records must be 16-byte aligned and
+ * disjoint, keys aligned to their element size (INVALID_ARGUMENT otherwise, nothing
+ * applied); an append with a bad key is skipped and reported by an INVALID_ARGUMENT naming
+ * the append, key and element. Safe to call from several threads (calls serialise). */
 int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, int64_t n,
                               int32_t key_dtype, uint64_t stream);
+/* Queues on `stream`, without waiting, the reset of every record of the n runs to the
+ * empty record (exactly core's SummaryWriter::Reset bytes). Call it whenever a slot is
+ * (re)assigned to a new group, before the group's first append on the same stream: a
+ * reused record otherwise keeps the old group's statistics. Runs must be 16-byte aligned
+ * and disjoint (INVALID_ARGUMENT, nothing queued). */
+int eps_engine_summary_reset(EpsSummaryWriter* w, const EpsRecordRun* runs, int64_t n,
+                             uint64_t stream);
 void eps_engine_summary_writer_destroy(EpsSummaryWriter* w);
 
 typedef struct EpsSummaryQueue EpsSummaryQueue;
@@ -98,12 +117,15 @@ typedef struct EpsSummaryQueue EpsSummaryQueue;
 int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
                                     EpsSummaryQueue** out);
 /* Queues the appends on `after_stream` (after its work so far), then the queue's counter
- * is raised to `step` there (also when they are refused: see errors()). No host wait. */
+ * is raised to `step` there. No host wait. Appends the host checks refuse: the counter is
+ * still raised and the refusal returned. One stream per queue: a stream other than the
+ * first submit's is refused with INVALID_ARGUMENT (nothing queued, no raise). */
 int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
                                     int32_t key_dtype, uint64_t after_stream, uint64_t step);
 /* Enqueues on `stream`: wait until the appends of `step` are applied. */
 int eps_engine_summary_queue_wait(EpsSummaryQueue* q, uint64_t stream, uint64_t step);
-/* Host: blocks until the newest submission is applied. */
+/* Host: blocks until the newest submission is applied. DATA_LOSS (15) when the device
+ * skipped appends (a bad key: the run is missing from its record) since the last drain. */
 int eps_engine_summary_queue_drain(EpsSummaryQueue* q);
 /* Submissions refused plus appends skipped on the device (a device read: call after
  * drain), and the last message (copied into buf). */

@@ -1,5 +1,7 @@
 #include "client/cpp/engine_summary_queue.h"
 
+#include <cstdint>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -36,6 +38,15 @@ SummaryQueue::~SummaryQueue() {
 
 absl::Status SummaryQueue::Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype,
                                   cudaStream_t stream, uint64_t step) {
+  if (submitted_ && stream != stream_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SummaryQueue: step ", step, " submitted on stream ",
+                     absl::Hex(reinterpret_cast<uintptr_t>(stream)),
+                     ", but this queue's submissions go on "
+                     "stream ",
+                     absl::Hex(reinterpret_cast<uintptr_t>(stream_)),
+                     " (one stream per queue: Drain waits for that stream's work only)"));
+  }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const absl::Status applied = writer_->AppendAsync(appends, key_dtype, stream, skipped_);
   if (!applied.ok()) {
@@ -43,10 +54,20 @@ absl::Status SummaryQueue::Submit(std::vector<gpu::KeyAppend> appends, DType key
     ++refused_;
     last_error_ = absl::StrCat("step ", step, ": ", applied.ToString());
   }
-  // Raised whatever happened: a waiting stream must never hang on a refused write.
-  RETURN_IF_ERROR(gpu::StreamRaiseCounter(stream, done_, step));
+  // Raised whatever happened: a waiting stream must never hang on a refused write. The
+  // event is recorded even when the raise fails, so that Drain and the destructor still
+  // wait for the appends queued before it.
+  const absl::Status raised = gpu::StreamRaiseCounter(stream, done_, step);
   CUDA_RETURN_IF_ERROR(cudaEventRecord(last_, stream));
   submitted_ = true;
+  stream_ = stream;
+  RETURN_IF_ERROR(raised);
+  if (!applied.ok()) {
+    return absl::Status(applied.code(), absl::StrCat("step ", step,
+                                                     " (the counter was raised, "
+                                                     "nothing applied): ",
+                                                     applied.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -54,10 +75,32 @@ absl::Status SummaryQueue::WaitSummaries(cudaStream_t stream, uint64_t step) {
   return gpu::StreamWaitCounter(stream, done_, step);
 }
 
+namespace {
+
+std::string SkippedMessage(unsigned long long skipped) {
+  return absl::StrCat(
+      skipped,
+      " appends skipped on the device, each whole: a non-finite key, one beyond the binary16 "
+      "range of the quest summary (|k| <= 65504), or keys that would take the record's sums "
+      "out of the float range (d * sum of squared norms >= FLT_MAX); their records miss those "
+      "keys (a group left at count 0 is never visited)");
+}
+
+}  // namespace
+
 absl::Status SummaryQueue::Drain() {
   if (!submitted_) return absl::OkStatus();
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_));
+  unsigned long long skipped = 0;
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(&skipped, skipped_, sizeof skipped, cudaMemcpyDeviceToHost));
+  std::lock_guard lock(mu_);
+  if (skipped > reported_) {
+    const unsigned long long fresh = skipped - reported_;
+    reported_ = skipped;
+    return absl::DataLossError(
+        absl::StrCat("SummaryQueue: ", SkippedMessage(fresh), " (since the last Drain)"));
+  }
   return absl::OkStatus();
 }
 
@@ -70,9 +113,7 @@ uint64_t SummaryQueue::errors(std::string* last_error) const {
   if (last_error != nullptr) {
     *last_error = last_error_;
     if (skipped > 0 && last_error_.empty()) {
-      *last_error = absl::StrCat(skipped,
-                                 " appends skipped on the device: a non-finite key, or one beyond "
-                                 "the binary16 range of the quest summary");
+      *last_error = SkippedMessage(skipped);
     } else if (!read) {
       *last_error = "could not read the skipped-append counter back from the device";
     }

@@ -13,12 +13,23 @@
 // seen on the H100 with CUDA_DEVICE_MAX_CONNECTIONS=1. Here the raise is always
 // queued before any wait for it.
 //
-// A submission the host checks refuse (a malformed append) queues nothing but
-// the counter raise, so no stream waits forever; it is counted in errors(),
-// as are appends the device skipped (a non-finite key), which errors() reads
-// back from the device: call it after Drain().
+// One stream per queue: the first Submit fixes it and a Submit on another stream is
+// refused (nothing queued, the counter not raised), so Drain() and the destructor,
+// which wait for the newest submission, wait for every one of them.
+//
+// Failures are loud. A submission the host checks refuse (a malformed append) queues
+// nothing but the counter raise, so no stream waits forever, and Submit returns the
+// refusal. An append the device skips (a non-finite key, one beyond binary16 with quest
+// on, keys whose squared norms would take the record's sums out of the float range) is
+// skipped whole: its record misses every key of the run, and a group whose only run it
+// was keeps count 0 and is never visited (docs/policy.md). The device counts them; the
+// next Drain() reads the count back and returns DATA_LOSS naming how many were skipped
+// since the last report, and errors() counts them all. An engine that sees it should
+// reset the affected slots and re-append, or serve those sequences densely.
 // Ownership: the queue shares the writer (a shared_ptr): whoever drops the writer first,
-// it lives until the queue is gone too. Thread safety: one engine thread.
+// it lives until the queue is gone too. Destroy the queue only after every stream that
+// waits on its counter is past that wait (the counter is freed with it). Thread safety:
+// one engine thread.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "gpu/summary.h"
 
@@ -44,11 +56,14 @@ class SummaryQueue {
   SummaryQueue(const SummaryQueue&) = delete;
   SummaryQueue& operator=(const SummaryQueue&) = delete;
 
-  // Queues the appends of `step` on `stream`, then summaries_done = step.
+  // Queues the appends of `step` on `stream`, then summaries_done = step. Refuses a stream
+  // other than the first Submit's (InvalidArgument, nothing queued); returns the host
+  // checks' refusal of the appends after queuing the counter raise.
   absl::Status Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype, cudaStream_t stream,
                       uint64_t step);
   absl::Status WaitSummaries(cudaStream_t stream, uint64_t step);
-  // Blocks until the newest submission, and all earlier work of its stream, is applied.
+  // Blocks until the newest submission, and all earlier work of its stream, is applied;
+  // DataLoss when the device skipped appends since the last Drain (each reported once).
   absl::Status Drain();
   uint64_t errors(std::string* last_error) const;
 
@@ -62,9 +77,11 @@ class SummaryQueue {
   unsigned long long* skipped_ = nullptr;  // device counter: appends the device skipped
   cudaEvent_t last_ = nullptr;             // after the newest submission
   bool submitted_ = false;
+  cudaStream_t stream_ = nullptr;  // the first Submit's stream, when submitted_
   mutable std::mutex mu_;
-  uint64_t refused_ = 0;    // guarded by mu_: submissions the host checks refused
-  std::string last_error_;  // guarded by mu_
+  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;   // submissions the host checks refused
+  uint64_t reported_ ABSL_GUARDED_BY(mu_) = 0;  // device skips Drain already reported
+  std::string last_error_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace eps::client

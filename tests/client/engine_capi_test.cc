@@ -27,6 +27,13 @@ namespace {
 
 uint64_t Addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
+// INVALID_ARGUMENT with a message that says `says`.
+void ExpectRefused(int rc, const std::string& says) {
+  EXPECT_EQ(rc, 3) << says;  // INVALID_ARGUMENT
+  EXPECT_NE(std::string(eps_engine_last_error()).find(says), std::string::npos)
+      << eps_engine_last_error();
+}
+
 class EngineCapiTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -136,7 +143,7 @@ TEST_F(EngineCapiTest, SummaryQueueWritesWhatTheSynchronousWriterWrites) {
   cudaStreamDestroy(stream);
 }
 
-TEST_F(EngineCapiTest, FailedSubmissionsAreCountedAndStillRaiseTheCounter) {
+TEST_F(EngineCapiTest, FailedSubmissionsAreReportedCountedAndStillRaiseTheCounter) {
   const int words = RecordWords(), d = model_.head_dim;
   std::vector<float> host_key(d, 1.0f);
   host_key[3] = std::nanf("");
@@ -149,25 +156,32 @@ TEST_F(EngineCapiTest, FailedSubmissionsAreCountedAndStillRaiseTheCounter) {
   ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  // A non-finite key: skipped on the device, counted when read back.
+  // A non-finite key: skipped on the device, reported by the next drain (once), counted.
   const EpsKeyAppend nan_key{Addr(pool), Addr(key), 1, 0, 0, 0};
   ASSERT_EQ(
       eps_engine_summary_queue_submit(queue, &nan_key, 1, EPS_ENGINE_FLOAT32, Addr(stream), 3), 0);
   ASSERT_EQ(eps_engine_summary_queue_wait(queue, Addr(stream), 3), 0);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // returns: the counter reached 3
-  ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0);
-  char message[256];
+  EXPECT_EQ(eps_engine_summary_queue_drain(queue), 15);   // DATA_LOSS
+  EXPECT_NE(std::string(eps_engine_last_error()).find("1 appends skipped"), std::string::npos)
+      << eps_engine_last_error();
+  EXPECT_NE(std::string(eps_engine_last_error()).find("float range"), std::string::npos)
+      << eps_engine_last_error();
+  EXPECT_EQ(eps_engine_summary_queue_drain(queue), 0) << "a skip is reported once";
+  char message[512];
   EXPECT_EQ(eps_engine_summary_queue_errors(queue, message, sizeof(message)), 1u);
   EXPECT_NE(std::string(message).find("skipped"), std::string::npos) << message;
   std::vector<float> record(words);
   cudaMemcpy(record.data(), pool, words * 4, cudaMemcpyDeviceToHost);
   for (int i = 0; i < words; ++i) ASSERT_EQ(record[i], 0.0f) << "word " << i << " was written";
-  // A malformed append (stride below head_dim): refused on the host, nothing queued
-  // but the counter.
+  // A malformed append (stride below head_dim): refused on the host and returned, nothing
+  // queued but the counter.
   const EpsKeyAppend malformed{Addr(pool + words), Addr(key), 1, d - 1, 0, 0};
-  ASSERT_EQ(
+  EXPECT_EQ(
       eps_engine_summary_queue_submit(queue, &malformed, 1, EPS_ENGINE_FLOAT32, Addr(stream), 4),
-      0);
+      3);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("counter was raised"), std::string::npos)
+      << eps_engine_last_error();
   ASSERT_EQ(eps_engine_summary_queue_wait(queue, Addr(stream), 4), 0);
   ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -175,6 +189,107 @@ TEST_F(EngineCapiTest, FailedSubmissionsAreCountedAndStillRaiseTheCounter) {
   EXPECT_NE(std::string(message).find("step 4"), std::string::npos) << message;
   EXPECT_NE(std::string(message).find("malformed"), std::string::npos) << message;
   eps_engine_summary_queue_destroy(queue);
+  eps_engine_summary_writer_destroy(writer);
+  cudaStreamDestroy(stream);
+}
+
+// The brief's trigger: a legal bf16 key beyond the binary16 range with quest on. The whole
+// prefill run is skipped, so the group stays at count 0; drain must say so.
+TEST_F(EngineCapiTest, ASkippedPrefillRunFailsTheNextDrain) {
+  const int words = RecordWords(), d = model_.head_dim, keys = 32;
+  std::vector<uint16_t> host(keys * d, eps::FloatToBFloat16(0.5f));
+  host[5 * d + 9] = eps::FloatToBFloat16(1.0e5f);
+  uint16_t* device_keys = Alloc<uint16_t>(host.size());
+  ASSERT_EQ(cudaMemcpy(device_keys, host.data(), host.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  float* pool = Alloc<float>(words);
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0);
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0);
+  const EpsKeyAppend run{Addr(pool), Addr(device_keys), keys, 0, 1, 1};
+  ASSERT_EQ(eps_engine_summary_queue_submit(queue, &run, 1, EPS_ENGINE_BFLOAT16, 0, 1), 0)
+      << eps_engine_last_error();
+  EXPECT_EQ(eps_engine_summary_queue_drain(queue), 15) << eps_engine_last_error();
+  float count = -1.0f;
+  cudaMemcpy(&count, pool + eps::SummaryLayout::For(Layout()).count, 4, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(count, 0.0f);
+  eps_engine_summary_queue_destroy(queue);
+  eps_engine_summary_writer_destroy(writer);
+}
+
+// Drain and the destructor wait for the newest submission: with a second stream, stream
+// A's appends could land after the counter passed their step (or after the counter was freed).
+TEST_F(EngineCapiTest, AQueueRefusesASecondStream) {
+  const int words = RecordWords(), d = model_.head_dim;
+  float* pool = Alloc<float>(words + d);
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0);
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0);
+  cudaStream_t a, b;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+  const EpsKeyAppend append{Addr(pool), Addr(pool + words), 1, 0, 0, 0};
+  ASSERT_EQ(eps_engine_summary_queue_submit(queue, &append, 1, EPS_ENGINE_FLOAT32, Addr(a), 1), 0);
+  ExpectRefused(eps_engine_summary_queue_submit(queue, &append, 1, EPS_ENGINE_FLOAT32, Addr(b), 2),
+                "one stream per queue");
+  ASSERT_EQ(eps_engine_summary_queue_submit(queue, &append, 1, EPS_ENGINE_FLOAT32, Addr(a), 2), 0);
+  ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0) << eps_engine_last_error();
+  float count = 0.0f;
+  cudaMemcpy(&count, pool + eps::SummaryLayout::For(Layout()).count, 4, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(count, 2.0f) << "the refused submission queued nothing";
+  eps_engine_summary_queue_destroy(queue);
+  eps_engine_summary_writer_destroy(writer);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+}
+
+// A slot reused by a new group: reset (queued on the stream) then append equals a fresh
+// record; without the reset the old group's statistics stayed (count 2, max_norm 141).
+TEST_F(EngineCapiTest, ResetRecordsAreCoresEmptyRecordsAndAReusedSlotStartsFresh) {
+  const eps::ModelLayout layout = Layout();
+  const int words = RecordWords(), d = model_.head_dim;
+  const int per_slot = layout.num_layers * layout.num_kv_heads, slots = 3;
+  float* pool = Alloc<float>(slots * per_slot * words);
+  std::vector<float> old_keys(d, 100.0f / 8.0f), new_keys(d, 1.0f / 4.0f);
+  float* keys = Alloc<float>(2 * d);
+  cudaMemcpy(keys, old_keys.data(), d * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(keys + d, new_keys.data(), d * 4, cudaMemcpyHostToDevice);
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto slot = [&](int s) { return pool + int64_t{s} * per_slot * words; };
+  const EpsRecordRun all[] = {
+      {Addr(slot(0)), per_slot}, {Addr(slot(2)), per_slot}, {Addr(slot(1)), per_slot}};
+  ASSERT_EQ(eps_engine_summary_reset(writer, all, 3, Addr(stream)), 0) << eps_engine_last_error();
+  const EpsKeyAppend old_group{Addr(slot(1)), Addr(keys), 1, 0, 1, 0};
+  ASSERT_EQ(eps_engine_summary_append(writer, &old_group, 1, EPS_ENGINE_FLOAT32, Addr(stream)), 0);
+  const EpsRecordRun reused{Addr(slot(1)), per_slot};
+  ASSERT_EQ(eps_engine_summary_reset(writer, &reused, 1, Addr(stream)), 0);
+  const EpsKeyAppend new_group{Addr(slot(1)), Addr(keys + d), 1, 0, 1, 0};
+  const EpsKeyAppend fresh{Addr(slot(2)), Addr(keys + d), 1, 0, 1, 0};
+  const EpsKeyAppend both[] = {new_group, fresh};
+  ASSERT_EQ(eps_engine_summary_append(writer, both, 2, EPS_ENGINE_FLOAT32, Addr(stream)), 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<float> got(slots * per_slot * words);
+  cudaMemcpy(got.data(), pool, got.size() * 4, cudaMemcpyDeviceToHost);
+  std::vector<float> empty(words);
+  ASSERT_TRUE(eps::ResetRecord(eps::SummaryLayout::For(layout), empty).ok());
+  for (int r = 0; r < per_slot; ++r) {  // slot 0: reset only, core's bytes
+    ASSERT_EQ(std::memcmp(&got[r * words], empty.data(), words * 4), 0) << "record " << r;
+  }
+  for (int r = 0; r < per_slot; ++r) {  // slot 1 (reused) equals slot 2 (fresh), bit for bit
+    ASSERT_EQ(
+        std::memcmp(&got[(per_slot + r) * words], &got[(2 * per_slot + r) * words], words * 4), 0)
+        << "record " << r;
+  }
+  ExpectRefused(eps_engine_summary_reset(writer, nullptr, 2, 0), "runs is null, n=2");
+  const EpsRecordRun overlapping[] = {{Addr(slot(0)), per_slot}, {Addr(slot(0) + words), 1}};
+  ExpectRefused(eps_engine_summary_reset(writer, overlapping, 2, 0), "overlaps");
+  const EpsRecordRun misaligned{Addr(slot(0)) + 4, 1};
+  ExpectRefused(eps_engine_summary_reset(writer, &misaligned, 1, 0), "16-byte aligned");
   eps_engine_summary_writer_destroy(writer);
   cudaStreamDestroy(stream);
 }
@@ -240,11 +355,6 @@ TEST(EngineCapiArgs, BadArgumentsAreReportedWithTheirValues) {
 // once crashed the process (a null handle dereferenced; appends[0..n) read from null) or
 // faulted the CUDA context for good (release_dense with flags 0 made a device atomic at
 // address 8). No device needed: nothing reaches one.
-void ExpectRefused(int rc, const std::string& says) {
-  EXPECT_EQ(rc, 3) << says;  // INVALID_ARGUMENT
-  EXPECT_NE(std::string(eps_engine_last_error()).find(says), std::string::npos)
-      << eps_engine_last_error();
-}
 
 TEST(EngineCapiArgs, NullHandlesAndPointersAreInvalidArgument) {
   ExpectRefused(eps_engine_device_count(nullptr), "count is null");
@@ -269,6 +379,8 @@ TEST(EngineCapiArgs, NullHandlesAndPointersAreInvalidArgument) {
   EpsKeyAppend one{};
   ExpectRefused(eps_engine_summary_append(nullptr, &one, 1, EPS_ENGINE_FLOAT32, 0),
                 "the writer is null");
+  const EpsRecordRun run{};
+  ExpectRefused(eps_engine_summary_reset(nullptr, &run, 1, 0), "the writer is null");
   eps_engine_summary_writer_destroy(nullptr);
 
   EpsSummaryQueue* queue = nullptr;

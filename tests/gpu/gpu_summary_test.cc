@@ -2,8 +2,11 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "core/phi.h"
@@ -141,6 +144,7 @@ TEST(GpuSummaryValidationTest, NonFiniteKeySkipsOnlyItsAppendAndDuplicatesAreRef
       DType::kFloat32);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("appends[1]"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("key 0 element 7 is nan"), std::string::npos) << status;
   std::vector<float> got(2 * layout.record_words);
   ASSERT_EQ(cudaMemcpy(got.data(), records, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(got[layout.count], 1.0f) << "the good append applied";
@@ -152,6 +156,142 @@ TEST(GpuSummaryValidationTest, NonFiniteKeySkipsOnlyItsAppendAndDuplicatesAreRef
       absl::StatusCode::kInvalidArgument);
   cudaFree(records);
   cudaFree(keys);
+}
+
+// Device records of `words` floats each, freed with the fixture-less test.
+struct DeviceRecords {
+  explicit DeviceRecords(int64_t floats) {
+    EXPECT_EQ(cudaMalloc(&data, floats * 4), cudaSuccess);
+    EXPECT_EQ(cudaMemset(data, 0x5A, floats * 4), cudaSuccess);  // dirty: not a valid record
+  }
+  ~DeviceRecords() { cudaFree(data); }
+  float* data = nullptr;
+};
+
+TEST(GpuSummaryResetTest, ResetWritesTheBytesOfCoresReset) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  for (const bool quest8 : {false, true}) {
+    ModelLayout m = Model();
+    m.features.quest8 = quest8;
+    const SummaryLayout layout = SummaryLayout::For(m);
+    auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    const int per_slot = m.num_layers * m.num_kv_heads, words = layout.record_words;
+    DeviceRecords pool(4 * per_slot * words);
+    // slots 0 and 3 reset, 1 and 2 left dirty
+    ASSERT_TRUE(
+        (*writer)
+            ->Reset({{pool.data + 3 * per_slot * words, per_slot}, {pool.data, per_slot}}, nullptr)
+            .ok());
+    ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+    std::vector<float> got(4 * per_slot * words), empty(words);
+    ASSERT_EQ(cudaMemcpy(got.data(), pool.data, got.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_TRUE(ResetRecord(layout, empty).ok());
+    for (int slot = 0; slot < 4; ++slot) {
+      for (int r = 0; r < per_slot; ++r) {
+        const bool same =
+            std::memcmp(&got[(slot * per_slot + r) * words], empty.data(), words * 4) == 0;
+        EXPECT_EQ(same, slot == 0 || slot == 3) << "quest8 " << quest8 << " slot " << slot;
+      }
+    }
+  }
+}
+
+// A misaligned address is a sticky CUDA error that ends the context, and overlapping
+// records (record + 4 words) have two warps race: all refused before anything is queued.
+TEST(GpuSummaryValidationTest, MisalignedAndOverlappingAddressesAreRefused) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const ModelLayout m = Model();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok());
+  DeviceRecords pool(3 * layout.record_words + 256);
+  float* keys = pool.data + 2 * layout.record_words;
+  auto refused = [&](const std::vector<gpu::KeyAppend>& appends, DType dtype,
+                     const std::string& says) {
+    const absl::Status s = (*writer)->Append(appends, dtype);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << says;
+    EXPECT_NE(s.message().find(says), std::string::npos) << s;
+    const absl::Status queued = (*writer)->AppendAsync(appends, dtype, nullptr, nullptr);
+    EXPECT_EQ(queued.code(), absl::StatusCode::kInvalidArgument) << says;
+  };
+  refused({{pool.data + 1, keys, 1, 0, 0, 0}}, DType::kFloat32, "16-byte aligned");
+  refused({{pool.data, reinterpret_cast<char*>(keys) + 2, 1, 0, 0, 0}}, DType::kFloat32,
+          "aligned to its 4-byte");
+  refused({{pool.data, reinterpret_cast<char*>(keys) + 1, 1, 0, 0, 0}}, DType::kFloat16,
+          "aligned to its 2-byte");
+  refused({{pool.data, keys, 1, 0, 0, 0}, {pool.data + 4, keys, 1, 0, 0, 1}}, DType::kFloat32,
+          "overlaps");
+  EXPECT_EQ((*writer)->Reset({{pool.data + 2, 1}}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      (*writer)->Reset({{pool.data, 2}, {pool.data + layout.record_words, 1}}, nullptr).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "the context is still usable";
+}
+
+// core refuses an append once d * sum of squared norms >= FLT_MAX; the device writer skips
+// it and says so, naming the key.
+TEST(GpuSummaryValidationTest, KeysBeyondTheFloatRangeOfTheSumsAreSkippedAndNamed) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  ModelLayout m = Model();
+  m.features = {.key_sum = true, .principal = false, .quest = false, .quest8 = false};
+  const SummaryLayout layout = SummaryLayout::For(m);
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok());
+  DeviceRecords pool(layout.record_words + 2 * 128);
+  ASSERT_TRUE((*writer)->Reset({{pool.data, 1}}, nullptr).ok());
+  std::vector<float> host(2 * 128, 1.0f);
+  host[128 + 3] = 1.0e19f;  // key 1: (1e19)^2 * 128 > FLT_MAX
+  float* keys = pool.data + layout.record_words;
+  ASSERT_EQ(cudaMemcpy(keys, host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const absl::Status s = (*writer)->Append({{pool.data, keys, 2, 0, 0, 0}}, DType::kFloat32);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("key 1 brings"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("float range"), std::string::npos) << s;
+  float count = -1.0f;
+  cudaMemcpy(&count, pool.data + layout.count, 4, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(count, 0.0f);
+}
+
+// The synchronous Append shares its scratch between calls: two threads at once.
+TEST(GpuSummaryValidationTest, SynchronousAppendsFromTwoThreadsAllLand) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const ModelLayout m = Model();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok());
+  const int words = layout.record_words, calls = 200;
+  DeviceRecords pool(2 * words + 128);
+  ASSERT_TRUE((*writer)->Reset({{pool.data, 2}}, nullptr).ok());
+  float* keys = pool.data + 2 * words;
+  ASSERT_EQ(cudaMemset(keys, 0, 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<std::thread> threads;
+  std::vector<int> failures(2, 0);
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      cudaSetDevice(0);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      for (int c = 0; c < calls; ++c) {
+        if (!(*writer)
+                 ->Append({{pool.data + t * words, keys, 1, 0, 0, t}}, DType::kFloat32, stream)
+                 .ok()) {
+          ++failures[t];
+        }
+      }
+      cudaStreamDestroy(stream);
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(failures, std::vector<int>(2, 0));
+  for (int t = 0; t < 2; ++t) {
+    float count = 0.0f;
+    cudaMemcpy(&count, pool.data + t * words + layout.count, 4, cudaMemcpyDeviceToHost);
+    EXPECT_EQ(count, static_cast<float>(calls)) << "thread " << t;
+  }
 }
 
 }  // namespace

@@ -43,6 +43,7 @@ from eps_client import (
 from eps_client.cuda import CudaBuffers
 from eps_client.engine import (
     DeviceSummaryWriter,
+    EngineLibError,
     StepCounters,
     SummaryQueue,
     Watchdog,
@@ -457,7 +458,11 @@ class PagedEngine:
         rec.dense_marks = marks.cpu().tolist() if gated else []
         rec.logp, rec.argmax = logps.cpu(), argmaxes.cpu()
         if gated:
-            self.queue.drain()
+            try:
+                self.queue.drain()
+            except EngineLibError as e:  # DATA_LOSS: appends skipped, counted just below
+                if e.code != 15:
+                    raise
             errors, rec.summary_error = self.queue.errors()  # counted since the queue began
             rec.summary_errors = errors - self._summary_errors_seen
             self._summary_errors_seen = errors

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eps_client import ModelLayout, SummaryLayout, engine
-from eps_client.engine import KEY_APPEND, key_appends
+from eps_client.engine import KEY_APPEND, RECORD_RUN, key_appends, slot_runs
 
 
 class CKeyAppend(ctypes.Structure):  # client/cpp/engine_capi.h, field for field
@@ -22,6 +22,30 @@ def test_key_append_dtype_is_the_c_struct():
     assert KEY_APPEND.itemsize == ctypes.sizeof(CKeyAppend)
     for name, _ in CKeyAppend._fields_:
         assert KEY_APPEND.fields[name][1] == getattr(CKeyAppend, name).offset
+
+
+class CRecordRun(ctypes.Structure):  # client/cpp/engine_capi.h
+    _fields_ = [("first", ctypes.c_uint64), ("records", ctypes.c_int64)]
+
+
+def test_record_run_dtype_is_the_c_struct():
+    assert RECORD_RUN.itemsize == ctypes.sizeof(CRecordRun)
+    for name, _ in CRecordRun._fields_:
+        assert RECORD_RUN.fields[name][1] == getattr(CRecordRun, name).offset
+
+
+def test_slot_runs_cover_every_record_of_each_slot_and_refuse_slots_outside_the_pool():
+    model = ModelLayout(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    words = SummaryLayout.for_model(model).record_words
+    runs = slot_runs(model, 1 << 20, [4, 0], num_slots=5)
+    assert runs["first"].tolist() == [(1 << 20) + 4 * 6 * words * 4, 1 << 20]
+    assert runs["records"].tolist() == [6, 6]
+    with pytest.raises(ValueError, match="slot out of range"):
+        slot_runs(model, 0, [5], num_slots=5)
+    with pytest.raises(ValueError, match="slot out of range"):
+        slot_runs(model, 0, [-1], num_slots=5)
+    with pytest.raises(TypeError, match="must be integers"):
+        slot_runs(model, 0, [1.9], num_slots=5)
 
 
 def test_coarse_key_appends_follow_the_fine_ones_into_the_coarse_pool():
@@ -140,6 +164,8 @@ def test_a_closed_summary_writer_raises_failed_precondition():
         writer.append(np.zeros(0, dtype=KEY_APPEND), "float16")  # type: ignore[attr-defined]
     assert e.value.code == engine.FAILED_PRECONDITION
     with pytest.raises(engine.EngineLibError, match="the summary writer is closed"):
+        writer.reset(np.zeros(0, dtype=RECORD_RUN))  # type: ignore[attr-defined]
+    with pytest.raises(engine.EngineLibError, match="the summary writer is closed"):
         engine.SummaryQueue(writer)  # type: ignore[arg-type]
     writer.close()  # type: ignore[attr-defined]  # closing twice is a no-op
 
@@ -154,6 +180,7 @@ def test_the_library_refuses_null_handles_and_pointers():
     assert lib.eps_engine_watchdog_arm(None, 1) == 3
     assert lib.eps_engine_summary_writer_record_words(None, None) == 3
     assert lib.eps_engine_summary_append(None, None, 0, 1, 0) == 3
+    assert lib.eps_engine_summary_reset(None, None, 0, 0) == 3
     assert lib.eps_engine_summary_queue_drain(None) == 3
     assert lib.eps_engine_release_dense(0, 0, 4, 0, 1, 0) == 3
     assert b"flags is null" in lib.eps_engine_last_error()

@@ -354,3 +354,64 @@ def test_reset_checks_the_records_as_append_checks_a_pool(records):
     pool = np.zeros((2, 1, 2, 56), np.float32)
     writer.reset(pool[1])  # any leading shape
     assert pool[1].any() and not pool[0].any()
+
+
+def core_refusal(tool: str, tmp: Path, model: ModelLayout, slots: int,
+                 ops: list[tuple[int, int, np.ndarray]]) -> str | None:
+    """core/'s message when its writer refuses one of ``ops`` (all appends), else None."""
+    try:
+        core_pool(tool, tmp, model, slots, ops, "f32")
+    except subprocess.CalledProcessError as e:
+        return str(e.stderr or e.returncode)
+    return None
+
+
+@pytest.mark.parametrize(("features", "value", "keys_per_op", "refused"), [
+    (SummaryFeatures(key_sum=False, quest=False, quest8=True), 3e18, 1, True),
+    (SummaryFeatures(key_sum=True, quest=False), 1e19, 1, True),
+    (SummaryFeatures(key_sum=True, quest=False), 1e18, 5, False),  # 64e36 * 5 < FLT_MAX
+    (SummaryFeatures(key_sum=True, quest=False), 1e18, 6, True),   # 64e36 * 6 >= FLT_MAX
+])
+def test_keys_beyond_the_float_range_of_the_sums_are_refused_as_core_refuses_them(
+        core_reference, tmp_path, features, value, keys_per_op, refused):
+    # numpy stored fro2 = 7.2e37 (quest8 only, 3e18) or inf (key_sum, 1e19) where core refuses.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        features=features)
+    writer = SummaryWriter(model)
+    one = np.full((1, 2, 8), value, np.float32)
+    ops = [(0, 1, one)] * keys_per_op
+    assert (core_refusal(core_reference, tmp_path, model, 2, ops) is not None) == refused
+    pool = np.zeros((2, 1, 2, writer.layout.record_words), np.float32)
+    writer.reset(pool)
+    one_call = pool.copy()
+    for j in range(keys_per_op):  # one key a call: the record's fro2 counts
+        if refused and j == keys_per_op - 1:
+            before = pool.copy()
+            with pytest.raises(ValueError, match="float range"):
+                writer.append(pool, 0, [1], one)
+            assert np.array_equal(pool, before)
+        else:
+            writer.append(pool, 0, [1], one)
+    if not refused:
+        assert pool.tobytes() == core_pool(core_reference, tmp_path, model, 2, ops, "f32").tobytes()
+    keys = np.repeat(one, keys_per_op, axis=0)  # all in one call
+    if refused:
+        with pytest.raises(ValueError, match=f"key {keys_per_op - 1} .*float range"):
+            writer.append(one_call, 0, [1] * keys_per_op, keys)
+    else:
+        writer.append(one_call, 0, [1] * keys_per_op, keys)
+        assert one_call.tobytes() == pool.tobytes()
+
+
+def test_a_coarse_pool_beyond_the_float_range_leaves_the_fine_pool_unchanged():
+    # The fine pool was written before the coarse pool's checks ran.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        coarse_blocks=4, features=SummaryFeatures(quest=False))
+    writer = SummaryWriter(model)
+    pool = np.zeros((2, 1, 2, writer.layout.record_words), np.float32)
+    coarse = np.zeros((1, 1, 2, writer.layout.record_words), np.float32)
+    coarse[..., writer.layout.fro2] = 4e37  # its old keys: d * (4e37 + 8e36) >= FLT_MAX
+    keys = np.full((1, 2, 8), 1e18, np.float32)
+    with pytest.raises(ValueError, match="float range"):
+        writer.append(pool, 0, [0], keys, coarse_pool=coarse, coarse_slots=[0])
+    assert not pool.any()

@@ -121,3 +121,94 @@ def test_coarse_records_match_the_numpy_writer(rng):
     with pytest.raises(ValueError, match="3 coarse_slots for 50 keys"):
         writer.append(pool, 0, torch.from_numpy(slots), torch.from_numpy(keys),
                       coarse_pool=coarse, coarse_slots=torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize(("layer", "slots", "error", "message"), [
+    (-1, [0, 1], ValueError, r"layer=-1 not in \[0, 2\)"),  # wrote another group's record
+    (2, [0, 1], ValueError, "layer=2"),
+    (0, [0, 3], ValueError, r"slots: slot out of range \[0, 3\)"),  # index_add_ out of range
+    (0, [-1, 0], ValueError, "slot out of range"),
+    (0, [1.9, 0.0], TypeError, "must be integers"),  # truncated to slot 1
+    (0, torch.tensor([1.0, 0.0]), TypeError, "must be integers"),
+])
+def test_bad_layers_and_slots_are_refused_before_the_pool_is_touched(layer, slots, error,
+                                                                     message):
+    model = ModelLayout(num_layers=2, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(3, 2, 2, writer.layout.record_words)
+    writer.reset(pool, torch.arange(3))
+    before = pool.clone()
+    with pytest.raises(error, match=message):
+        writer.append(pool, layer, slots, torch.ones(2, 2, 8))
+    assert torch.equal(pool, before)
+
+
+def test_reset_checks_its_pool_and_slots():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(3, 1, 2, writer.layout.record_words)
+    with pytest.raises(ValueError, match="slot out of range"):
+        writer.reset(pool, [-1])  # wrapped to the last slot
+    with pytest.raises(TypeError, match="must be integers"):
+        writer.reset(pool, [1.9])
+    with pytest.raises(ValueError, match="pool must be float32"):
+        writer.reset(torch.zeros(3, 1, 2, 5), [0])
+    assert not pool.any()
+
+
+def test_a_refused_coarse_append_leaves_the_fine_pool_unchanged():
+    # The fine pool was written before the coarse one failed.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        coarse_blocks=4, features=SummaryFeatures(quest=False))
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(2, 1, 2, writer.layout.record_words)
+    coarse = torch.zeros(1, 1, 2, writer.layout.record_words)
+    with pytest.raises(ValueError, match="coarse_slots: slot out of range"):
+        writer.append(pool, 0, [0], torch.ones(1, 2, 8), coarse_pool=coarse, coarse_slots=[1])
+    coarse[..., writer.layout.fro2] = 4e37  # d * (4e37 + 8e36) >= FLT_MAX
+    with pytest.raises(ValueError, match="float range"):
+        writer.append(pool, 0, [0], torch.full((1, 2, 8), 1e18), coarse_pool=coarse,
+                      coarse_slots=[0])
+    assert not pool.any()
+
+
+@pytest.mark.parametrize(("features", "value", "n"), [
+    (SummaryFeatures(key_sum=False, quest=False, quest8=True), 3e18, 1),
+    (SummaryFeatures(key_sum=True, quest=False), 1e19, 1),
+    (SummaryFeatures(key_sum=True, quest=False), 1e18, 5),
+    (SummaryFeatures(key_sum=True, quest=False), 1e18, 6),
+])
+def test_the_float_range_rule_is_the_numpy_writers(features, value, n):
+    # The numpy writer's decision is core's (test_summary.py); torch stored fro2=inf instead.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        features=features)
+    keys = np.full((n, 2, 8), value, np.float32)
+    ref = SummaryWriter(model)
+    expected = np.zeros((2, 1, 2, ref.layout.record_words), np.float32)
+    ref.reset(expected)
+    try:
+        ref.append(expected, 0, [1] * n, keys)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(expected.shape)
+    writer.reset(pool, [0, 1])
+    if refused is None:
+        writer.append(pool, 0, [1] * n, torch.from_numpy(keys))
+        assert torch.isfinite(pool).all()
+    else:
+        with pytest.raises(ValueError, match="float range") as e:
+            writer.append(pool, 0, [1] * n, torch.from_numpy(keys))
+        assert str(e.value) == refused
+
+
+def test_a_key_beyond_binary16_is_named_with_its_element():
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(2, 1, 2, writer.layout.record_words)
+    keys = torch.ones(2, 2, 8)
+    keys[1, 0, 6] = 7e4
+    with pytest.raises(ValueError, match=r"key 1 element 6 is 70000.0 \(layer 0, kv_head 0\): "
+                                         "beyond the binary16 range"):
+        writer.append(pool, 0, [0, 1], keys)

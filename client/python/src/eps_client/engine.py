@@ -8,7 +8,9 @@
   queued on the engine's own stream with a step counter behind it (no host wait, and no
   stream of the engine's process ever waits for work another of its streams queues
   later: CUDA may put both in one hardware queue, a deadlock).
-- ``key_appends``: the EpsKeyAppend records of one decode step, built with numpy.
+- ``key_appends``: the EpsKeyAppend records of one decode step, built with numpy;
+  ``slot_runs``: the EpsRecordRun of each slot, for ``DeviceSummaryWriter.reset`` (reset a
+  slot's records whenever it is (re)assigned to a new group).
 
 Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
 addresses (``tensor.data_ptr()``). The library is found through ``EPS_ENGINE_LIB``, next to
@@ -31,8 +33,9 @@ from eps_client.layout import ModelLayout, SummaryLayout
 
 KEY_APPEND = np.dtype([("record", "<u8"), ("keys", "<u8"), ("count", "<i8"),
                        ("stride", "<i8"), ("layer", "<i4"), ("kv_head", "<i4")])
+RECORD_RUN = np.dtype([("first", "<u8"), ("records", "<i8")])
 KEY_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
-ABI_VERSION = 3  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
+ABI_VERSION = 4  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
 
 
 class EngineLibError(RuntimeError):
@@ -105,6 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "eps_engine_summary_writer_create": [ctypes.POINTER(_Model), i32, ctypes.POINTER(p)],
         "eps_engine_summary_writer_record_words": [p, ctypes.POINTER(i32)],
         "eps_engine_summary_append": [p, p, i64, i32, u64],
+        "eps_engine_summary_reset": [p, p, i64, u64],
         "eps_engine_summary_writer_destroy": [p],
         "eps_engine_summary_queue_create": [p, i32, ctypes.POINTER(p)],
         "eps_engine_summary_queue_submit": [p, p, i64, i32, u64, u64],
@@ -227,6 +231,16 @@ class DeviceSummaryWriter:
         check("summary_append", library().eps_engine_summary_append(
             h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], stream))
 
+    def reset(self, runs: np.ndarray, stream: int = 0) -> None:
+        """Queues on ``stream`` (not waited for) the reset of every record of ``runs`` (a
+        RECORD_RUN array, e.g. ``slot_runs``) to the empty record, core's Reset bytes. Call it
+        when a slot is (re)assigned to a new group, before the group's first append on the
+        same stream: a reused record otherwise keeps the old group's statistics."""
+        h = _open(self._h, "summary writer", "summary_reset")
+        r = np.ascontiguousarray(runs, dtype=RECORD_RUN)
+        check("summary_reset", library().eps_engine_summary_reset(h, r.ctypes.data, len(r),
+                                                                  stream))
+
     def close(self) -> None:
         if self._h is not None:
             library().eps_engine_summary_writer_destroy(self._h)
@@ -257,6 +271,9 @@ class SummaryQueue:
         check("summary_queue_wait", library().eps_engine_summary_queue_wait(h, stream, step))
 
     def drain(self) -> None:
+        """Waits for the newest submission; EngineLibError code 15 (DATA_LOSS) when the
+        device skipped appends (a bad key: the run is missing from its record) since the last
+        drain."""
         h = _open(self._h, "summary queue", "summary_queue_drain")
         check("summary_queue_drain", library().eps_engine_summary_queue_drain(h))
 
@@ -335,6 +352,21 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
     out["stride"] = stride
     out["layer"] = np.broadcast_to(layer, (L, n, H)).reshape(-1)
     out["kv_head"] = np.broadcast_to(head, (L, n, H)).reshape(-1)
+    return out
+
+
+def slot_runs(model: ModelLayout, pool_ptr: int, slots: object, *,
+              num_slots: int) -> np.ndarray:
+    """The RECORD_RUN of each of ``slots`` (integers in [0, num_slots), ``num_slots`` the
+    pool's first dimension) in the pool at device address ``pool_ptr``: its num_layers *
+    num_kv_heads records, for ``DeviceSummaryWriter.reset``. A slot outside the pool is
+    refused (ValueError), a float or bool slot too (TypeError)."""
+    s = _slots("slots", slots, num_slots).reshape(-1)
+    per_slot = model.num_layers * model.num_kv_heads
+    words = SummaryLayout.for_model(model).record_words
+    out = np.empty(s.size, dtype=RECORD_RUN)
+    out["first"] = (pool_ptr + s * (per_slot * words * 4)).astype(np.uint64)
+    out["records"] = per_slot
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eps_client import _values
+from eps_client import _values, _writer_checks
 from eps_client.layout import ModelLayout, SummaryLayout, packed_index
 from eps_client.phi import phi_bank, project
 
@@ -142,31 +142,38 @@ class SummaryWriter:
         Tokens are added in order; several tokens may share a slot (prefill).
         With a coarse level, ``coarse_pool`` and ``coarse_slots`` (token t's coarse slot:
         ``coarse_table[row, coarse_group_of(position)]``) add the same keys to the coarse
-        records too. Rejects non-finite keys and bad indices before touching a pool.
+        records too. Refuses what core's Append refuses (non-finite keys, keys beyond binary16
+        with quest, keys that would take a record's sums out of the float range) and bad
+        indices, before touching either pool.
         """
         if (coarse_pool is None) != (coarse_slots is None):
             raise ValueError("coarse_pool and coarse_slots go together")
         if coarse_pool is not None and coarse_slots is not None:
             if not self.model.has_coarse_level:
                 raise ValueError("coarse records without a coarse level (coarse_blocks=0)")
-            self._check_slots(coarse_pool, coarse_slots, np.asarray(keys).shape[0], "coarse")
-            self._check_slots(pool, slots, np.asarray(keys).shape[0], "")
-            self.append(pool, layer, slots, keys, bf16_bits=bf16_bits)
-            self.append(coarse_pool, layer, coarse_slots, keys, bf16_bits=bf16_bits)
+            fine = self._prepare(pool, layer, slots, keys, bf16_bits, "slots")
+            coarse = self._prepare(coarse_pool, layer, coarse_slots, keys, bf16_bits,
+                                   "coarse_slots")
+            self._write(pool, *fine)
+            self._write(coarse_pool, *coarse)
             return
+        self._write(pool, *self._prepare(pool, layer, slots, keys, bf16_bits, "slots"))
+
+    def _prepare(self, pool: np.ndarray, layer: int, slots: np.ndarray | list[int],
+                 keys: np.ndarray, bf16_bits: bool,
+                 name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Every check of an append into ``pool``: returns (layer, slots, float32 keys, the rank
+        of each key among its slot's keys), or raises having touched nothing."""
         model, lay = self.model, self.layout
         self._check_pool(pool)
-        layer = _values.integer("layer", layer)
-        if not 0 <= layer < model.num_layers:
-            raise ValueError(f"layer={layer} not in [0, {model.num_layers})")
-        slots = _values.integer_array("slots", slots).reshape(-1)  # 1.9 is not slot 1
+        layer = _writer_checks.layer_index(layer, model.num_layers)
+        slots = _writer_checks.slot_array(name, slots, None, pool.shape[0])  # 1.9 is not slot 1
         k = _as_float32(np.asarray(keys), bf16_bits)
+        if k.ndim >= 1 and name != "slots" and k.shape[0] != slots.size:
+            raise ValueError(f"{slots.size} {name} for {k.shape[0]} keys")
         want = (slots.size, model.num_kv_heads, model.head_dim)
         if k.shape != want:
             raise ValueError(f"keys.shape={k.shape}, expected {want}")
-        if slots.size and (slots.min() < 0 or slots.max() >= pool.shape[0]):
-            raise ValueError(
-                f"slot out of range [0, {pool.shape[0]}): {slots.min()}..{slots.max()}")
         bad = np.argwhere(~np.isfinite(k))
         if bad.size:
             t, h, i = bad[0]
@@ -178,29 +185,22 @@ class SummaryWriter:
                 raise ValueError(
                     f"key {t} element {i} is {k[t, h, i]} (layer {layer}, kv_head {h}): beyond "
                     f"the binary16 range of the quest summary, |k| <= 65504")
+        # Round r applies the r-th key of every slot; slots are distinct within a round.
+        uniq, inv, rank = _writer_checks.ranks(slots)
+        refusal = _writer_checks.float_range_refusal(pool[uniq, layer, :, lay.fro2], inv, rank, k,
+                                                     layer)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return layer, slots, k, rank
+
+    def _write(self, pool: np.ndarray, layer: int, slots: np.ndarray, k: np.ndarray,
+               rank: np.ndarray) -> None:
         if slots.size == 0:
             return
-        # Round r applies the r-th key of every slot; slots are distinct within a round.
-        order = np.argsort(slots, kind="stable")
-        sorted_slots = slots[order]
-        first = np.searchsorted(sorted_slots, sorted_slots, side="left")
-        rank = np.empty_like(slots)
-        rank[order] = np.arange(slots.size) - first
         y_all = project(self.phi[layer][None], k)  # [n, H, m]
         for r in range(int(rank.max()) + 1):
             sel = np.nonzero(rank == r)[0]
-            self._apply(pool, layer, slots[sel], k[sel], y_all[sel], lay)
-
-    def _check_slots(self, pool: np.ndarray, slots: np.ndarray | list[int], n: int,
-                     which: str) -> None:
-        self._check_pool(pool)
-        name = f"{which}_slots" if which else "slots"
-        s = _values.integer_array(name, slots).reshape(-1)
-        if s.size != n:
-            raise ValueError(f"{s.size} {name} for {n} keys")
-        if s.size and (s.min() < 0 or s.max() >= pool.shape[0]):
-            raise ValueError(f"{name}: slot out of range [0, {pool.shape[0]}): "
-                             f"{s.min()}..{s.max()}")
+            self._apply(pool, layer, slots[sel], k[sel], y_all[sel], self.layout)
 
     def _apply(self, pool: np.ndarray, layer: int, slots: np.ndarray, k: np.ndarray,
                y: np.ndarray, lay: SummaryLayout) -> None:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from eps_client import _writer_checks
 from eps_client.layout import ModelLayout, SummaryLayout
 from eps_client.phi import phi_bank
 
@@ -40,11 +43,14 @@ class TorchSummaryWriter:
         self._gj = torch.tensor([j for _, j in pairs], device=self.device)
 
     def reset(self, pool: Any, slots: Any) -> None:
-        """Empties the records of ``slots`` (every layer and KV head)."""
+        """Empties the records of ``slots`` (every layer and KV head): core's Reset bytes. Call
+        it when a slot is (re)assigned to a new group, before the group's first append."""
         import torch
 
         lay, d = self.layout, self.model.head_dim
-        slots = torch.as_tensor(slots, device=pool.device, dtype=torch.long)
+        self._check_pool(pool)
+        host = _writer_checks.slot_array("slots", _host(slots), None, pool.shape[0])
+        slots = torch.as_tensor(host, device=pool.device, dtype=torch.long)
         pool[slots] = 0.0
         if lay.quest_min >= 0:  # float16 halves, two per word (docs/summaries.md)
             halves = pool.view(torch.float16)
@@ -63,49 +69,68 @@ class TorchSummaryWriter:
         ``coarse_slots`` (token t's coarse slot: ``coarse_table[row, coarse_group_of(pos)]``)
         add the same keys to the coarse records too; both pools' shapes and slot counts are
         checked before either is touched."""
-        import torch
-
         if (coarse_pool is None) != (coarse_slots is None):
             raise ValueError("coarse_pool and coarse_slots go together")
         if coarse_pool is not None:
             if not self.model.has_coarse_level:
                 raise ValueError("coarse records without a coarse level (coarse_blocks=0)")
-            n = keys.shape[0]
-            for which, p, s in (("slots", pool, slots), ("coarse_slots", coarse_pool,
-                                                          coarse_slots)):
-                self._check_pool(p)
-                count = torch.as_tensor(s).numel()
-                if count != n:
-                    raise ValueError(f"{count} {which} for {n} keys")
-            self.append(pool, layer, slots, keys)
-            self.append(coarse_pool, layer, coarse_slots, keys)
+            fine = self._prepare(pool, layer, slots, keys, "slots")
+            coarse = self._prepare(coarse_pool, layer, coarse_slots, keys, "coarse_slots")
+            self._write(pool, *fine)
+            self._write(coarse_pool, *coarse)
             return
+        self._write(pool, *self._prepare(pool, layer, slots, keys, "slots"))
+
+    def _prepare(self, pool: Any, layer: Any, slots: Any, keys: Any,
+                 name: str) -> tuple[int, Any, Any]:
+        """Every check of an append into ``pool`` (core's, as the numpy writer makes them):
+        returns (layer, slots on the pool's device, float32 keys) or raises having written
+        nothing. A few small host syncs per call (the slots, the key checks)."""
+        import torch
 
         model, lay = self.model, self.layout
         H, d = model.num_kv_heads, model.head_dim
-        L, W = model.num_layers, lay.record_words
         self._check_pool(pool)
+        layer = _writer_checks.layer_index(layer, model.num_layers)
+        n = keys.shape[0]
+        host = _writer_checks.slot_array(name, _host(slots), n, pool.shape[0])
         k = keys.to(device=pool.device, dtype=torch.float32)
-        n = k.shape[0]
         if tuple(k.shape) != (n, H, d):
             raise ValueError(f"keys.shape={list(keys.shape)}, expected [n, {H}, {d}]")
-        slots = torch.as_tensor(slots, device=pool.device, dtype=torch.long).reshape(-1)
-        if slots.numel() != n:
-            raise ValueError(f"{slots.numel()} slots for {n} keys")
         if n == 0:
-            return
-        # Before touching the pool, as the other writers do: one host sync per call.
+            return layer, None, k
         bad = ~torch.isfinite(k)
         if lay.quest_min >= 0:
             bad |= k.abs() > 65504.0
         if bool(bad.any()):
-            nonfinite = torch.nonzero(~torch.isfinite(k))
-            if nonfinite.numel():
-                t, h, i = nonfinite[0].tolist()
-                raise ValueError(f"key {t} element {i} is {k[t, h, i].item()} "
-                                 f"(layer {layer}, kv_head {h})")
-            raise ValueError("a key is beyond the binary16 range of the quest summary, "
-                             "|k| <= 65504")
+            t, h, i = torch.nonzero(bad)[0].tolist()
+            value = k[t, h, i].item()
+            beyond = ": beyond the binary16 range of the quest summary, |k| <= 65504"
+            raise ValueError(f"key {t} element {i} is {value} (layer {layer}, kv_head {h})"
+                             f"{beyond if np.isfinite(value) else ''}")
+        uniq, inv, rank = _writer_checks.ranks(host)
+        rows = torch.as_tensor(uniq, device=pool.device, dtype=torch.long)
+        fro2 = pool[rows, layer, :, lay.fro2].double()  # [u, H]
+        acc = torch.where(fro2 > 0, fro2, torch.zeros_like(fro2))
+        acc.index_add_(0, torch.as_tensor(inv, device=pool.device),
+                       (k.double() * k.double()).sum(-1))
+        # Near the limit (with room for the order of the sums), core's order on the host.
+        if bool((acc * d >= _FLOAT32_MAX * (1 - 1e-9)).any()):
+            refusal = _writer_checks.float_range_refusal(
+                fro2.cpu().numpy(), inv, rank, k.cpu().numpy(), layer)
+            if refusal is not None:
+                raise ValueError(refusal)
+        return layer, torch.as_tensor(host, device=pool.device, dtype=torch.long), k
+
+    def _write(self, pool: Any, layer: int, slots: Any, k: Any) -> None:
+        import torch
+
+        if slots is None:
+            return
+        model, lay = self.model, self.layout
+        H, d = model.num_kv_heads, model.head_dim
+        L, W = model.num_layers, lay.record_words
+        n = k.shape[0]
         y = torch.einsum("nhd,hdm->nhm", k, self.phi[layer])  # [n, H, m]
         norm2 = (k * k).sum(-1)  # [n, H]
         delta = torch.zeros(n, H, W, device=pool.device, dtype=torch.float32)
@@ -129,7 +154,6 @@ class TorchSummaryWriter:
         if lay.quest8 >= 0:
             _fold_quest8(flat, lay.quest8, d, rows, k.reshape(n * H, d))
 
-
     def _check_pool(self, pool: Any) -> None:
         import torch
 
@@ -140,6 +164,17 @@ class TorchSummaryWriter:
                              f"{pool.dtype} {list(pool.shape)}")
         if not pool.is_contiguous():
             raise ValueError("pool must be contiguous")
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _host(slots: Any) -> Any:
+    """Slots as the host value the checks read: a torch tensor (any device) copied to numpy
+    with its dtype (a float tensor is refused there, not truncated)."""
+    if hasattr(slots, "detach"):
+        return slots.detach().cpu().numpy()
+    return slots
 
 
 def _scale_for(amax: Any) -> Any:
