@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from engine_attention import attention_kernel, gather_attention
 from engine_model import Model
+from engine_snapshot import BufferSnapshot
 
 from eps_client import (
     BufferShape,
@@ -542,11 +543,18 @@ class PagedEngine:
         end.synchronize()
         return start.elapsed_time(end) / repeats * c.num_layers
 
-    def snapshot_pool(self) -> torch.Tensor:
-        return self.pool.clone()
+    def snapshot(self) -> BufferSnapshot:
+        """The shared state every run starts from (engine_snapshot.py), taken once everything
+        queued before it (prefill, prompt summaries) has landed."""
+        saved = BufferSnapshot.take(self.buffers)
+        torch.cuda.synchronize(self.device)
+        return saved
 
-    def restore_pool(self, saved: torch.Tensor) -> None:
-        self.pool.copy_(saved)
+    def restore(self, saved: BufferSnapshot) -> None:
+        """Puts the state back; synchronised, since a sync selection (calibration) may follow
+        at once and epsd reads from its own process (docs/api.md: inputs must have landed)."""
+        saved.restore(self.buffers)
+        torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         try:

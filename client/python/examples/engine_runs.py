@@ -167,7 +167,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     ids = torch.randint(0, config.vocab, (args.batch, N + 1), device="cuda", generator=g)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     common = _common(engine, args)
-    saved = engine.snapshot_pool()
+    saved = engine.snapshot()
     base = _base(args)
     if kill:
         return _kill_run(engine, args, inputs, targets, base, common)
@@ -179,7 +179,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
              "-", "-", "-", d["host_ms_p50"], "-", 0]]
     runs = []
     for f in fractions(args.fractions):
-        engine.restore_pool(saved)
+        engine.restore(saved)
         top, measured = calibrate(engine, P + 1, f, base)
         gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top))
         s = summarize(gated, args.warmup_steps)
@@ -293,19 +293,19 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     engine.prefill(seqs[:, :P])
     engine.write_prompt_summaries(P)
     engine.client.attach()
-    saved = engine.snapshot_pool()
+    saved = engine.snapshot()
     inputs, targets = seqs[:, P:-1], seqs[:, P + 1 :]
     common = _common(engine, args)
     dense = engine.decode(inputs, targets, P, gated=False)
     dense_nll = -dense.logp.double().mean().item()
     base = _base(args)
-    engine.restore_pool(saved)
+    engine.restore(saved)
     off = engine.decode(inputs, targets, P, gated=True, options=_with(base, method="off"))
     off_delta = (off.logp - dense.logp).abs().max().item()
     rows, runs = [], []
     for method in args.methods.split(","):
         for top in [int(v) for v in args.top_pages.split(",")]:
-            engine.restore_pool(saved)
+            engine.restore(saved)
             gated = engine.decode(inputs, targets, P, gated=True,
                                   options=_at(_with(base, method=method), top))
             s = summarize(gated, args.warmup_steps)
@@ -358,7 +358,7 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     engine.prefill(tokens[:, :-1])
     engine.write_prompt_summaries(P - 1)
     engine.client.attach()
-    saved = engine.snapshot_pool()
+    saved = engine.snapshot()
     common = _common(engine, args)
     common["depths"] = "10-90 %"
     vocab = {i: t for t, i in tok.vocab.items()}
@@ -382,7 +382,7 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     base = _base(args)
     for method in args.methods.split(","):
         for top in [int(v) for v in args.top_pages.split(",")]:
-            engine.restore_pool(saved)
+            engine.restore(saved)
             run = engine.decode(start, None, P - 1, gated=True, greedy=True,
                                 options=_at(_with(base, method=method), top))
             acc, outs = accuracy(run)

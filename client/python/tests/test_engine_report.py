@@ -1,6 +1,7 @@
 """The reference engine's bookkeeping (examples/engine_report.py, numpy only): the fallback
 accounting finds every dense step's reason and flags the ones without, the limit and the
-summaries are what their definitions say."""
+summaries are what their definitions say; and the state each run starts from
+(examples/engine_snapshot.py), over numpy arrays with torch's in-place methods."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -17,6 +19,7 @@ from engine_report import (  # noqa: E402
     delta_ppl_percent,
     summarize,
 )
+from engine_snapshot import CHANGED_BY_DECODE, BufferSnapshot  # noqa: E402
 
 from eps_client import StepStats  # noqa: E402
 
@@ -55,3 +58,48 @@ def test_limit_and_summaries():
     s = summarize(run, warmup=1)
     assert s["step_ms_p50"] == 2.0 and s["pages_read_fraction"] == 0.25
     assert s["rpc_us_p50"] == 400.0 and s["prepass_us_p50"] == 50.0
+
+
+class HostTensor(np.ndarray):
+    """A numpy array with the torch methods BufferSnapshot calls."""
+
+    def clone(self) -> HostTensor:
+        return self.copy()
+
+    def copy_(self, other: np.ndarray) -> HostTensor:
+        self[...] = other
+        return self
+
+    def fill_(self, value: float) -> HostTensor:
+        self.fill(value)
+        return self
+
+
+def _buffers(coarse: bool, feedback: bool) -> SimpleNamespace:
+    rng = np.random.default_rng(0)
+
+    def t(*shape: int) -> HostTensor:
+        return rng.standard_normal(shape).view(HostTensor)
+
+    return SimpleNamespace(summary_pool=t(6, 4), coarse_pool=t(3, 4) if coarse else None,
+                           queries=t(2, 3, 8), feedback=t(2, 6) if feedback else None,
+                           visit_count=t(2, 3))
+
+
+@pytest.mark.parametrize("coarse,feedback", [(False, False), (True, True)])
+def test_a_restore_undoes_everything_a_decode_run_writes_for_the_next_run(coarse, feedback):
+    buf = _buffers(coarse, feedback)
+    before = {n: getattr(buf, n).copy() for n in CHANGED_BY_DECODE if getattr(buf, n) is not None}
+    saved = BufferSnapshot.take(buf)
+    assert set(saved.saved) == set(before)  # the coarse pool too, when there is one
+    for name in before:  # a decode run: appends to the pools, its queries
+        getattr(buf, name).fill_(7.0)
+    if feedback:
+        buf.feedback.fill_(1.0)
+    lists = buf.visit_count.copy()
+    saved.restore(buf)
+    for name, value in before.items():
+        np.testing.assert_array_equal(getattr(buf, name), value, err_msg=name)
+    if feedback:  # no entries from the earlier run
+        assert np.isnan(buf.feedback).all()
+    np.testing.assert_array_equal(buf.visit_count, lists)  # epsd's, not the engine's
