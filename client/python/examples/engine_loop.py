@@ -59,6 +59,7 @@ class RunRecord:
     """Per-step measurements of one decode run."""
 
     gated: bool
+    first_step: int = 0  # the selection step number of decode step 0
     step_ms: list[float] = field(default_factory=list)  # GPU time from step to step
     graph_ms: list[float] = field(default_factory=list)
     wait_selection_ms: list[float] = field(default_factory=list)
@@ -377,7 +378,7 @@ class PagedEngine:
         marks = torch.zeros(steps, dtype=torch.bool, device=dev)
         logps = torch.zeros(self.B, steps, dtype=torch.float32, device=dev)
         argmaxes = torch.zeros(self.B, steps, dtype=torch.long, device=dev)
-        base = self.step_base
+        base = rec.first_step = self.step_base
         self.step_base += steps + 2
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # inputs made on the default
         with torch.cuda.stream(self.stream):

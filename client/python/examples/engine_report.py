@@ -21,9 +21,17 @@ def pct(values: Sequence[float], p: float) -> float:
 
 
 def summarize(run: Any, warmup: int) -> dict[str, float]:
-    """p50/p95 of the step and the p50 of each part, after ``warmup`` steps."""
-    w = min(warmup, max(len(run.step_ms) - 1, 0))
-    stats = [s for s in run.stats if not s.error]
+    """p50/p95 of the step and the p50 of each part, after ``warmup`` steps: the GPU and host
+    times by position in the run, the selections' statistics and round trips by step number
+    (decode step t ran selection step ``run.first_step`` + t; the statistics of the sync
+    steps around the run, calibration's and the one that collects the last ones, are not
+    the run's)."""
+    steps = len(run.step_ms)
+    w = min(warmup, max(steps - 1, 0))
+    measured = range(run.first_step + w, run.first_step + steps)
+    stats = [s for s in run.stats if not s.error and s.step in measured]
+    rtt = [us for step, us in zip(run.accepted_steps, run.rtt_us, strict=True)
+           if step in measured]
     visited = sum(s.pages_visited for s in stats)
     total = sum(s.pages_total for s in stats)
     return {
@@ -34,11 +42,11 @@ def summarize(run: Any, warmup: int) -> dict[str, float]:
         "wait_selection_ms_p95": pct(run.wait_selection_ms[w:], 95),
         "wait_summaries_ms_p50": pct(run.wait_summaries_ms[w:], 50),
         "host_ms_p50": pct(run.host_ms[w:], 50),
-        "rpc_us_p50": pct(run.rtt_us, 50),
-        "rpc_us_p95": pct(run.rtt_us, 95),
+        "rpc_us_p50": pct(rtt, 50),
+        "rpc_us_p95": pct(rtt, 95),
         "prepass_us_p50": pct([s.prepass_us for s in stats], 50),
         "pages_read_fraction": visited / total if total else float("nan"),
-        "steps": len(run.step_ms),
+        "steps": steps,
     }
 
 

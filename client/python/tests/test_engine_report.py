@@ -52,12 +52,33 @@ def test_limit_and_summaries():
     assert delta_ppl_percent(0.01) == pytest.approx(1.005, rel=1e-3)
     run = SimpleNamespace(step_ms=[9.0, 1.0, 2.0, 3.0], graph_ms=[1.0] * 4,
                           wait_selection_ms=[0.1] * 4, wait_summaries_ms=[0.2] * 4,
-                          host_ms=[0.5] * 4, rtt_us=[300.0, 500.0],
-                          stats=[StepStats(pages_visited=25, pages_total=100, prepass_us=50.0),
-                                 StepStats(pages_visited=0, pages_total=100, error="boom")])
+                          host_ms=[0.5] * 4, first_step=10, accepted_steps=[11, 12],
+                          rtt_us=[300.0, 500.0],
+                          stats=[StepStats(step=11, pages_visited=25, pages_total=100,
+                                           prepass_us=50.0),
+                                 StepStats(step=12, pages_visited=0, pages_total=100,
+                                           error="boom")])
     s = summarize(run, warmup=1)
     assert s["step_ms_p50"] == 2.0 and s["pages_read_fraction"] == 0.25
     assert s["rpc_us_p50"] == 400.0 and s["prepass_us_p50"] == 50.0
+
+
+def test_selections_of_warm_up_steps_and_of_steps_outside_the_run_are_not_summarized():
+    # selection steps 20..23 are decode steps 0..3; 19 (calibration) and 26 (the sync step
+    # after the run) are not the run's; 20 and 21 are warm-up
+    steps = [19, 20, 21, 22, 23, 26]
+    run = SimpleNamespace(step_ms=[1.0] * 4, graph_ms=[1.0] * 4, wait_selection_ms=[0.1] * 4,
+                          wait_summaries_ms=[0.2] * 4, host_ms=[0.5] * 4, first_step=20,
+                          accepted_steps=[20, 21, 22, 23],
+                          rtt_us=[900.0, 800.0, 100.0, 300.0],
+                          stats=[StepStats(step=s, pages_visited=90 if s not in (22, 23)
+                                           else 10 * (s - 21), pages_total=100,
+                                           prepass_us=1000.0 if s not in (22, 23) else 40.0)
+                                 for s in steps])
+    s = summarize(run, warmup=2)
+    assert s["pages_read_fraction"] == pytest.approx(0.15)  # (10 + 20) / 200
+    assert s["prepass_us_p50"] == 40.0 and s["rpc_us_p50"] == 200.0
+    assert summarize(run, warmup=0)["pages_read_fraction"] == pytest.approx(0.525)  # 20..23
 
 
 class HostTensor(np.ndarray):
