@@ -3,13 +3,14 @@
 - ``summarize``: a decode run's per-step lists -> p50/p95 and the breakdown.
 - ``attention_limit_ms``: the step time if attention cost exactly its share of bytes read.
 - ``account_fallbacks``: every step that ran densely has a counted reason.
+- ``gating``: how many steps of a gated run did not run gated.
 - ``markdown``: the tables printed last and pasted into docs/benchmarks/reference-engine.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,24 @@ def account_fallbacks(fallback_steps: Sequence[int], accepted_steps: Sequence[in
         "fallbacks_not_dense": sorted(not_dense),
         "ok": not unexplained and not not_dense and watchdog_releases <= len(accepted_dense),
     }
+
+
+def gating(run: Any) -> dict[str, int]:
+    """A gated run's steps that did not run gated, which its quality, pass-key and speed
+    numbers would otherwise count as gated: ``dense_steps`` (lists dense on the device when
+    the step's attention read them: client fallbacks, steps the watchdog or a later fallback
+    released, steps that failed on the device), ``fallbacks`` (client fallbacks alone) and
+    ``device_errors`` (steps of the run that epsd reported failed on the device)."""
+    steps = range(run.first_step, run.first_step + len(run.dense_marks))
+    return {"dense_steps": sum(1 for dense in run.dense_marks if dense),
+            "fallbacks": len(run.fallback_steps),
+            "device_errors": sum(1 for s in run.stats if s.error and s.step in steps)}
+
+
+def ran_gated(counts: Mapping[str, Any]) -> bool:
+    """Every step of the run ran with epsd's lists (``gating``'s counts all 0)."""
+    return counts["dense_steps"] == 0 and counts["fallbacks"] == 0 and \
+        counts["device_errors"] == 0
 
 
 def delta_ppl_percent(delta_nll_per_token: float) -> float:

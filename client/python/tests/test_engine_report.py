@@ -17,6 +17,8 @@ from engine_report import (  # noqa: E402
     account_fallbacks,
     attention_limit_ms,
     delta_ppl_percent,
+    gating,
+    ran_gated,
     summarize,
 )
 from engine_snapshot import CHANGED_BY_DECODE, BufferSnapshot  # noqa: E402
@@ -79,6 +81,21 @@ def test_selections_of_warm_up_steps_and_of_steps_outside_the_run_are_not_summar
     assert s["pages_read_fraction"] == pytest.approx(0.15)  # (10 + 20) / 200
     assert s["prepass_us_p50"] == 40.0 and s["rpc_us_p50"] == 200.0
     assert summarize(run, warmup=0)["pages_read_fraction"] == pytest.approx(0.525)  # 20..23
+
+
+def test_steps_that_ran_dense_or_failed_on_the_device_are_counted_against_the_run():
+    # selection steps 30..33: 31 released by the watchdog (dense, no client fallback), 32
+    # failed on the device; 29 (calibration) failed too but is not the run's
+    run = SimpleNamespace(first_step=30, dense_marks=[False, True, True, False],
+                          fallback_steps=[],
+                          stats=[StepStats(step=29, error="x"), StepStats(step=30),
+                                 StepStats(step=32, error="device")])
+    counts = gating(run)
+    assert counts == {"dense_steps": 2, "fallbacks": 0, "device_errors": 1}
+    assert not ran_gated(counts)
+    clean = SimpleNamespace(first_step=30, dense_marks=[False] * 4, fallback_steps=[],
+                            stats=[StepStats(step=s) for s in range(30, 34)])
+    assert ran_gated(gating(clean))
 
 
 class HostTensor(np.ndarray):
