@@ -101,6 +101,10 @@ def main() -> int:
         # lists (at 8 x 32k the library picks it anyway; at SmolLM2's shape it would not).
         os.environ["EPS_ATTN_VARIANT"] = "warp_mma"
         print("--feedback: EPS_ATTN_VARIANT=warp_mma for dense and gated runs", flush=True)
+    # Before CUDA starts: the watchdog's release runs on a second stream, which can sit in
+    # the hardware queue behind the very wait it should end; more queues, fewer streams a
+    # queue (docs/design.md §6, as epsd does). A value already set (a one-queue run) stays.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     import engine_runs  # torch from here on
 
     result = engine_runs.run(args)
