@@ -1,10 +1,15 @@
 """The reference engine's bookkeeping (examples/engine_report.py, numpy only): the fallback
 accounting finds every dense step's reason and flags the ones without, the limit and the
 summaries are what their definitions say; and the state each run starts from
-(examples/engine_snapshot.py), over numpy arrays with torch's in-place methods."""
+(examples/engine_snapshot.py), over numpy arrays with torch's in-place methods; the kill
+run's kill -9 reaches epsd under a wrapper (examples/reference_engine.py)."""
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +27,7 @@ from engine_report import (  # noqa: E402
     summarize,
 )
 from engine_snapshot import CHANGED_BY_DECODE, BufferSnapshot  # noqa: E402
+from reference_engine import kill_epsd, process_tree  # noqa: E402
 
 from eps_client import StepStats  # noqa: E402
 
@@ -141,3 +147,31 @@ def test_a_restore_undoes_everything_a_decode_run_writes_for_the_next_run(coarse
     if feedback:  # no entries from the earlier run
         assert np.isnan(buf.feedback).all()
     np.testing.assert_array_equal(buf.visit_count, lists)  # epsd's, not the engine's
+
+
+def test_the_process_tree_lists_the_root_then_its_descendants_and_nothing_else():
+    parents = {1: 0, 10: 1, 11: 10, 12: 10, 13: 11, 20: 1, 21: 20}
+    assert process_tree(10, parents) == [10, 11, 12, 13]
+    assert process_tree(13, parents) == [13]
+
+
+def test_kill_reaches_the_child_of_a_wrapper_in_the_pid_file(tmp_path):
+    # the wrapper stays the child's parent, as ncu does with epsd under EPS_EPSD_PREFIX
+    wrapper = subprocess.Popen(["bash", "-c", "sleep 300 & echo $!; wait"],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert wrapper.stdout is not None
+        child = int(wrapper.stdout.readline())
+        child_exit = os.pidfd_open(child)  # readable once the child has exited
+        pid_file = tmp_path / "epsd.pid"
+        pid_file.write_text(str(wrapper.pid))
+        kill_epsd(SimpleNamespace(epsd_pid_file=str(pid_file)))
+        assert wrapper.wait(timeout=10) == -signal.SIGKILL
+        assert select.select([child_exit], [], [], 10)[0], f"child {child} still runs"
+        os.close(child_exit)
+    finally:
+        try:
+            os.killpg(wrapper.pid, signal.SIGKILL)  # whatever a failure left
+        except ProcessLookupError:
+            pass
+        wrapper.wait()
