@@ -166,7 +166,8 @@ def test_kill_reaches_the_child_of_a_wrapper_in_the_pid_file(tmp_path):
         pid_file = tmp_path / "epsd.pid"
         pid_file.write_text(str(wrapper.pid))
         kill_epsd(SimpleNamespace(epsd_pid_file=str(pid_file)))
-        assert wrapper.wait(timeout=10) == -signal.SIGKILL
+        # killed, or (the child killed first) exited when its wait ended: gone either way
+        wrapper.wait(timeout=10)
         assert select.select([child_exit], [], [], 10)[0], f"child {child} still runs"
         os.close(child_exit)
     finally:
