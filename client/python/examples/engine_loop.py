@@ -71,6 +71,7 @@ class RunRecord:
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     accepted_steps: list[int] = field(default_factory=list)
     dense_marks: list[bool] = field(default_factory=list)  # lists dense on the device
+    watchdog_releases: int = 0  # steps of this run the watchdog released
     logp: Any = None
     argmax: Any = None
     events: list[str] = field(default_factory=list)
@@ -379,6 +380,7 @@ class PagedEngine:
         logps = torch.zeros(self.B, steps, dtype=torch.float32, device=dev)
         argmaxes = torch.zeros(self.B, steps, dtype=torch.long, device=dev)
         base = rec.first_step = self.step_base
+        releases = self.watchdog.releases if gated else 0
         self.step_base += steps + 2
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # inputs made on the default
         with torch.cuda.stream(self.stream):
@@ -425,7 +427,9 @@ class PagedEngine:
                     ev[t][4].record()
                 rec.host_ms.append((time.perf_counter() - h0) * 1e3)
             ev[steps][0].record()
-        self.stream.synchronize()
+        self.stream.synchronize()  # every step's selection_done came, or its release
+        if gated:
+            rec.watchdog_releases = self.watchdog.releases - releases
         for t in range(steps):
             rec.step_ms.append(ev[t][0].elapsed_time(ev[t + 1][0]))
             rec.wait_selection_ms.append(ev[t][0].elapsed_time(ev[t][1]))

@@ -180,7 +180,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     dense_attn = engine.attention_ms(False, P + N)
     sdpa_attn = engine.sdpa_attention_ms(P + N)
     rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], dense_attn, "-", "-",
-             "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-"]]
+             "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-"]]
     runs = []
     for f in fractions(args.fractions):
         engine.restore(saved)
@@ -205,13 +205,13 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
                      s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["prepass_idle_us_p50"],
                      s["rpc_us_p50"],
                      s["host_ms_p50"], limit, s["fallbacks"], s["dense_steps"],
-                     s["device_errors"]])
+                     s["watchdog_releases"], s["device_errors"]])
     engine.close()
     table = markdown(["run", "blocks read", "top_pages", "step p50 ms", "step p95 ms",
                       "attention ms", "wait sel ms", "wait sum ms", "pre-pass us",
                       "pre-pass idle us", "RPC us",
-                      "host ms", "limit ms", "fallbacks", "dense steps", "device errors"],
-                     rows)
+                      "host ms", "limit ms", "fallbacks", "dense steps", "watchdog releases",
+                      "device errors"], rows)
     title = (f"speed: {common['model']}, batch {args.batch} x {P} tokens, {N} steps "
              f"({args.warmup_steps} warm-up), {common['device']}, {common['date']}; "
              f"SDPA dense attention {sdpa_attn:.3f} ms/step (one layer x {config.num_layers})")
@@ -326,17 +326,17 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
                 r["blocks_read"] <= 0.5
             rows.append([method, top, f"{100 * r['blocks_read']:.1f}%", dnll,
                          r["delta_ppl_percent"], agree, r["fallbacks"], r["dense_steps"],
-                         r["device_errors"], "yes" if meets else ""])
+                         r["watchdog_releases"], r["device_errors"], "yes" if meets else ""])
     engine.close()
     table = markdown(["method", "top_pages", "blocks read", "Δ NLL/token", "Δ ppl %",
-                      "top-1 agreement", "fallbacks", "dense steps", "device errors",
-                      "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
+                      "top-1 agreement", "fallbacks", "dense steps", "watchdog releases",
+                      "device errors", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
                      rows)
     title = (f"quality: {common['model']}, batch {args.batch} x {P} tokens of Python stdlib "
              f"source, {N} teacher-forced steps, {common['device']}, {common['date']}; dense "
              f"NLL/token {dense_nll:.4f}; method=off max |Δ logp| {off_delta:.3g} "
-             f"({off_gating['dense_steps']} dense steps, {off_gating['device_errors']} "
-             "device errors)")
+             f"({off_gating['dense_steps']} dense steps, {off_gating['watchdog_releases']} "
+             f"watchdog releases, {off_gating['device_errors']} device errors)")
     # every gated step, method=off's too, must have run with epsd's lists
     ok = off_delta == 0.0 and ran_gated(off_gating) and all(ran_gated(r) for r in runs)
     return {"common": common, "dense_nll_per_token": dense_nll,
@@ -388,7 +388,7 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
 
     dense = engine.decode(start, None, P - 1, gated=False, greedy=True)
     d_acc, d_out = accuracy(dense)
-    rows = [["dense", "-", "100%", d_acc, "-", "-", "-"]]
+    rows = [["dense", "-", "100%", d_acc, "-", "-", "-", "-"]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
     base = _base(args)
     for method in args.methods.split(","):
@@ -402,10 +402,11 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
             runs.append({"method": method, "top_pages": top, "blocks_read": frac,
                          "accuracy": acc, **counts, "outputs": outs[:3]})
             rows.append([method, top, f"{100 * frac:.1f}%", acc, counts["fallbacks"],
-                         counts["dense_steps"], counts["device_errors"]])
+                         counts["dense_steps"], counts["watchdog_releases"],
+                         counts["device_errors"]])
     engine.close()
     table = markdown(["run", "top_pages", "blocks read", "passkey accuracy", "fallbacks",
-                      "dense steps", "device errors"], rows)
+                      "dense steps", "watchdog releases", "device errors"], rows)
     title = (f"passkey: {common['model']}, {n} prompts of {P} tokens, depths 10-90 %, greedy "
              f"{gen} tokens, {common['device']}, {common['date']}")
     ok = all(ran_gated(r) for r in runs[1:])  # runs[0] is dense
