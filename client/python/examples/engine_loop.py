@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from engine_attention import attention_kernel, gather_attention
 from engine_model import Model
+from engine_snapshot import BufferSnapshot
 
 from eps_client import (
     BufferShape,
@@ -53,37 +55,12 @@ from eps_client.outputs import flash_attention_views
 from eps_client.torch_writer import TorchSummaryWriter
 
 
-def attention_kernel() -> tuple[Any, str]:
-    """The sparse paged decode kernel (eps_client.attention), else a torch gather stand-in."""
-    try:
-        from eps_client.attention import paged_decode_attention
-
-        return paged_decode_attention, "eps_client.attention.paged_decode_attention"
-    except Exception as e:  # noqa: BLE001 - the engine still runs, and says which ran
-        return gather_attention, f"torch gather (eps_client.attention unavailable: {e})"
-
-
-def gather_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
-                     seqused_k: torch.Tensor) -> torch.Tensor:
-    """Reference paged decode attention: q [B, qh, d], block_table [B, n], seqused_k [B]."""
-    B, n = block_table.shape
-    qh, d = q.shape[1], q.shape[2]
-    bs, kvh = kv.shape[2], kv.shape[3]
-    ids = block_table.long().clamp(0, kv.shape[1] - 1)
-    k = kv[0][ids].reshape(B, n * bs, kvh, d).float()
-    v = kv[1][ids].reshape(B, n * bs, kvh, d).float()
-    valid = torch.arange(n * bs, device=q.device)[None] < seqused_k[:, None]
-    qg = q.view(B, kvh, qh // kvh, d).float()
-    s = torch.einsum("bhgd,bnhd->bhgn", qg, k) / d ** 0.5
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    return torch.einsum("bhgn,bnhd->bhgd", torch.softmax(s, -1), v).reshape(B, qh, d).to(q.dtype)
-
-
 @dataclass
 class RunRecord:
     """Per-step measurements of one decode run."""
 
     gated: bool
+    first_step: int = 0  # the selection step number of decode step 0
     step_ms: list[float] = field(default_factory=list)  # GPU time from step to step
     graph_ms: list[float] = field(default_factory=list)
     wait_selection_ms: list[float] = field(default_factory=list)
@@ -95,6 +72,7 @@ class RunRecord:
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     accepted_steps: list[int] = field(default_factory=list)
     dense_marks: list[bool] = field(default_factory=list)  # lists dense on the device
+    watchdog_releases: int = 0  # steps of this run the watchdog released
     logp: Any = None
     argmax: Any = None
     events: list[str] = field(default_factory=list)
@@ -402,7 +380,8 @@ class PagedEngine:
         marks = torch.zeros(steps, dtype=torch.bool, device=dev)
         logps = torch.zeros(self.B, steps, dtype=torch.float32, device=dev)
         argmaxes = torch.zeros(self.B, steps, dtype=torch.long, device=dev)
-        base = self.step_base
+        base = rec.first_step = self.step_base
+        releases = self.watchdog.releases if gated else 0
         self.step_base += steps + 2
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # inputs made on the default
         with torch.cuda.stream(self.stream):
@@ -449,7 +428,9 @@ class PagedEngine:
                     ev[t][4].record()
                 rec.host_ms.append((time.perf_counter() - h0) * 1e3)
             ev[steps][0].record()
-        self.stream.synchronize()
+        self.stream.synchronize()  # every step's selection_done came, or its release
+        if gated:
+            rec.watchdog_releases = self.watchdog.releases - releases
         for t in range(steps):
             rec.step_ms.append(ev[t][0].elapsed_time(ev[t + 1][0]))
             rec.wait_selection_ms.append(ev[t][0].elapsed_time(ev[t][1]))
@@ -572,11 +553,18 @@ class PagedEngine:
         end.synchronize()
         return start.elapsed_time(end) / repeats * c.num_layers
 
-    def snapshot_pool(self) -> torch.Tensor:
-        return self.pool.clone()
+    def snapshot(self) -> BufferSnapshot:
+        """The shared state every run starts from (engine_snapshot.py), taken once everything
+        queued before it (prefill, prompt summaries) has landed."""
+        saved = BufferSnapshot.take(self.buffers)
+        torch.cuda.synchronize(self.device)
+        return saved
 
-    def restore_pool(self, saved: torch.Tensor) -> None:
-        self.pool.copy_(saved)
+    def restore(self, saved: BufferSnapshot) -> None:
+        """Puts the state back; synchronised, since a sync selection (calibration) may follow
+        at once and epsd reads from its own process (docs/api.md: inputs must have landed)."""
+        saved.restore(self.buffers)
+        torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         try:

@@ -3,13 +3,14 @@
 - ``summarize``: a decode run's per-step lists -> p50/p95 and the breakdown.
 - ``attention_limit_ms``: the step time if attention cost exactly its share of bytes read.
 - ``account_fallbacks``: every step that ran densely has a counted reason.
+- ``gating``: how many steps of a gated run did not run gated.
 - ``markdown``: the tables printed last and pasted into docs/benchmarks/reference-engine.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,17 @@ def pct(values: Sequence[float], p: float) -> float:
 
 
 def summarize(run: Any, warmup: int) -> dict[str, float]:
-    """p50/p95 of the step and the p50 of each part, after ``warmup`` steps."""
-    w = min(warmup, max(len(run.step_ms) - 1, 0))
-    stats = [s for s in run.stats if not s.error]
+    """p50/p95 of the step and the p50 of each part, after ``warmup`` steps: the GPU and host
+    times by position in the run, the selections' statistics and round trips by step number
+    (decode step t ran selection step ``run.first_step`` + t; the statistics of the sync
+    steps around the run, calibration's and the one that collects the last ones, are not
+    the run's)."""
+    steps = len(run.step_ms)
+    w = min(warmup, max(steps - 1, 0))
+    measured = range(run.first_step + w, run.first_step + steps)
+    stats = [s for s in run.stats if not s.error and s.step in measured]
+    rtt = [us for step, us in zip(run.accepted_steps, run.rtt_us, strict=True)
+           if step in measured]
     visited = sum(s.pages_visited for s in stats)
     total = sum(s.pages_total for s in stats)
     return {
@@ -34,11 +43,11 @@ def summarize(run: Any, warmup: int) -> dict[str, float]:
         "wait_selection_ms_p95": pct(run.wait_selection_ms[w:], 95),
         "wait_summaries_ms_p50": pct(run.wait_summaries_ms[w:], 50),
         "host_ms_p50": pct(run.host_ms[w:], 50),
-        "rpc_us_p50": pct(run.rtt_us, 50),
-        "rpc_us_p95": pct(run.rtt_us, 95),
+        "rpc_us_p50": pct(rtt, 50),
+        "rpc_us_p95": pct(rtt, 95),
         "prepass_us_p50": pct([s.prepass_us for s in stats], 50),
         "pages_read_fraction": visited / total if total else float("nan"),
-        "steps": len(run.step_ms),
+        "steps": steps,
     }
 
 
@@ -72,6 +81,27 @@ def account_fallbacks(fallback_steps: Sequence[int], accepted_steps: Sequence[in
         "fallbacks_not_dense": sorted(not_dense),
         "ok": not unexplained and not not_dense and watchdog_releases <= len(accepted_dense),
     }
+
+
+def gating(run: Any) -> dict[str, int]:
+    """A gated run's steps that did not run gated, which its quality, pass-key and speed
+    numbers would otherwise count as gated: ``dense_steps`` (lists dense on the device when
+    the step's attention read them: client fallbacks, steps the watchdog or a later fallback
+    released, steps that failed on the device), ``fallbacks`` (client fallbacks alone),
+    ``watchdog_releases`` (a released step whose lists epsd then wrote late may read as not
+    dense, yet its attention may have read part of them dense) and ``device_errors`` (steps
+    of the run that epsd reported failed on the device)."""
+    steps = range(run.first_step, run.first_step + len(run.dense_marks))
+    return {"dense_steps": sum(1 for dense in run.dense_marks if dense),
+            "fallbacks": len(run.fallback_steps),
+            "watchdog_releases": run.watchdog_releases,
+            "device_errors": sum(1 for s in run.stats if s.error and s.step in steps)}
+
+
+def ran_gated(counts: Mapping[str, Any]) -> bool:
+    """Every step of the run ran with epsd's lists (``gating``'s counts all 0)."""
+    return all(counts[k] == 0 for k in ("dense_steps", "fallbacks", "watchdog_releases",
+                                         "device_errors"))
 
 
 def delta_ppl_percent(delta_nll_per_token: float) -> float:

@@ -19,7 +19,9 @@ from engine_report import (
     account_fallbacks,
     attention_limit_ms,
     delta_ppl_percent,
+    gating,
     markdown,
+    ran_gated,
     summarize,
 )
 from reference_engine import fractions, kill_epsd, now, restart_epsd
@@ -167,19 +169,21 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     ids = torch.randint(0, config.vocab, (args.batch, N + 1), device="cuda", generator=g)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     common = _common(engine, args)
-    saved = engine.snapshot_pool()
+    saved = engine.snapshot()
     base = _base(args)
     if kill:
         return _kill_run(engine, args, inputs, targets, base, common)
     dense = engine.decode(inputs, targets, P, gated=False)
     d = summarize(dense, args.warmup_steps)
-    dense_attn = engine.attention_ms(False, P + 1)
-    sdpa_attn = engine.sdpa_attention_ms(P + 1)
+    # at P + N, the context of the lists the gated runs' attention is timed with (the last
+    # sync step's), so that dense and gated attention read the same context
+    dense_attn = engine.attention_ms(False, P + N)
+    sdpa_attn = engine.sdpa_attention_ms(P + N)
     rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], dense_attn, "-", "-",
-             "-", "-", "-", d["host_ms_p50"], "-", 0]]
+             "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-"]]
     runs = []
     for f in fractions(args.fractions):
-        engine.restore_pool(saved)
+        engine.restore(saved)
         top, measured = calibrate(engine, P + 1, f, base)
         gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top))
         s = summarize(gated, args.warmup_steps)
@@ -193,24 +197,25 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
                   "attention_ms": attn, "limit_ms": limit,
                   "prepass_idle_us_p50": statistics.median(idle) if idle else math.nan,
                   "p50_vs_dense": s["step_ms_p50"] / d["step_ms_p50"] - 1.0,
-                  "fallbacks": len(gated.fallback_steps),
-                  "fallback_reasons": gated.fallback_reasons,
+                  **gating(gated), "fallback_reasons": gated.fallback_reasons,
                   "summary_errors": gated.summary_errors, "summary_error": gated.summary_error})
         runs.append(s)
         rows.append([f"gated {f:.3g}", f"{100 * s['pages_read_fraction']:.1f}%", top,
                      s["step_ms_p50"], s["step_ms_p95"], attn, s["wait_selection_ms_p50"],
                      s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["prepass_idle_us_p50"],
                      s["rpc_us_p50"],
-                     s["host_ms_p50"], limit, len(gated.fallback_steps)])
+                     s["host_ms_p50"], limit, s["fallbacks"], s["dense_steps"],
+                     s["watchdog_releases"], s["device_errors"]])
     engine.close()
     table = markdown(["run", "blocks read", "top_pages", "step p50 ms", "step p95 ms",
                       "attention ms", "wait sel ms", "wait sum ms", "pre-pass us",
                       "pre-pass idle us", "RPC us",
-                      "host ms", "limit ms", "fallbacks"], rows)
+                      "host ms", "limit ms", "fallbacks", "dense steps", "watchdog releases",
+                      "device errors"], rows)
     title = (f"speed: {common['model']}, batch {args.batch} x {P} tokens, {N} steps "
              f"({args.warmup_steps} warm-up), {common['device']}, {common['date']}; "
              f"SDPA dense attention {sdpa_attn:.3f} ms/step (one layer x {config.num_layers})")
-    ok = all(r["fallbacks"] == 0 for r in runs)
+    ok = all(ran_gated(r) for r in runs)
     return {"common": common, "dense": d, "dense_attention_ms": dense_attn,
             "sdpa_attention_ms": sdpa_attn, "gated": runs, "ok": ok,
             "table": title + "\n" + table}
@@ -293,43 +298,49 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     engine.prefill(seqs[:, :P])
     engine.write_prompt_summaries(P)
     engine.client.attach()
-    saved = engine.snapshot_pool()
+    saved = engine.snapshot()
     inputs, targets = seqs[:, P:-1], seqs[:, P + 1 :]
     common = _common(engine, args)
     dense = engine.decode(inputs, targets, P, gated=False)
     dense_nll = -dense.logp.double().mean().item()
     base = _base(args)
-    engine.restore_pool(saved)
+    engine.restore(saved)
     off = engine.decode(inputs, targets, P, gated=True, options=_with(base, method="off"))
     off_delta = (off.logp - dense.logp).abs().max().item()
+    off_gating = gating(off)  # method=off visits every group: lists, not dense releases
     rows, runs = [], []
     for method in args.methods.split(","):
         for top in [int(v) for v in args.top_pages.split(",")]:
-            engine.restore_pool(saved)
+            engine.restore(saved)
             gated = engine.decode(inputs, targets, P, gated=True,
                                   options=_at(_with(base, method=method), top))
-            s = summarize(gated, args.warmup_steps)
+            s = summarize(gated, 0)  # blocks read over every step, as Δ NLL counts them
             dnll = -gated.logp.double().mean().item() - dense_nll
             agree = (gated.argmax == dense.argmax).double().mean().item()
             r = {"method": method, "top_pages": top,
                  "blocks_read": s["pages_read_fraction"], "delta_nll_per_token": dnll,
                  "delta_ppl_percent": delta_ppl_percent(dnll), "top1_agreement": agree,
-                 "fallbacks": len(gated.fallback_steps)}
+                 **gating(gated)}
             runs.append(r)
             meets = abs(r["delta_ppl_percent"]) <= 1.0 and agree >= 0.95 and \
                 r["blocks_read"] <= 0.5
             rows.append([method, top, f"{100 * r['blocks_read']:.1f}%", dnll,
-                         r["delta_ppl_percent"], agree, r["fallbacks"], "yes" if meets else ""])
+                         r["delta_ppl_percent"], agree, r["fallbacks"], r["dense_steps"],
+                         r["watchdog_releases"], r["device_errors"], "yes" if meets else ""])
     engine.close()
     table = markdown(["method", "top_pages", "blocks read", "Δ NLL/token", "Δ ppl %",
-                      "top-1 agreement", "fallbacks", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
+                      "top-1 agreement", "fallbacks", "dense steps", "watchdog releases",
+                      "device errors", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
                      rows)
     title = (f"quality: {common['model']}, batch {args.batch} x {P} tokens of Python stdlib "
              f"source, {N} teacher-forced steps, {common['device']}, {common['date']}; dense "
-             f"NLL/token {dense_nll:.4f}; method=off max |Δ logp| {off_delta:.3g}")
-    ok = off_delta == 0.0 and all(r["fallbacks"] == 0 for r in runs)
+             f"NLL/token {dense_nll:.4f}; method=off max |Δ logp| {off_delta:.3g} "
+             f"({off_gating['dense_steps']} dense steps, {off_gating['watchdog_releases']} "
+             f"watchdog releases, {off_gating['device_errors']} device errors)")
+    # every gated step, method=off's too, must have run with epsd's lists
+    ok = off_delta == 0.0 and ran_gated(off_gating) and all(ran_gated(r) for r in runs)
     return {"common": common, "dense_nll_per_token": dense_nll,
-            "off_max_abs_delta_logp": off_delta, "gated": runs, "ok": ok,
+            "off_max_abs_delta_logp": off_delta, "off": off_gating, "gated": runs, "ok": ok,
             "table": title + "\n" + table}
 
 
@@ -358,7 +369,7 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     engine.prefill(tokens[:, :-1])
     engine.write_prompt_summaries(P - 1)
     engine.client.attach()
-    saved = engine.snapshot_pool()
+    saved = engine.snapshot()
     common = _common(engine, args)
     common["depths"] = "10-90 %"
     vocab = {i: t for t, i in tok.vocab.items()}
@@ -377,25 +388,29 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
 
     dense = engine.decode(start, None, P - 1, gated=False, greedy=True)
     d_acc, d_out = accuracy(dense)
-    rows = [["dense", "-", "100%", d_acc]]
+    rows = [["dense", "-", "100%", d_acc, "-", "-", "-", "-"]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
     base = _base(args)
     for method in args.methods.split(","):
         for top in [int(v) for v in args.top_pages.split(",")]:
-            engine.restore_pool(saved)
+            engine.restore(saved)
             run = engine.decode(start, None, P - 1, gated=True, greedy=True,
                                 options=_at(_with(base, method=method), top))
             acc, outs = accuracy(run)
             frac = summarize(run, 0)["pages_read_fraction"]
+            counts = gating(run)
             runs.append({"method": method, "top_pages": top, "blocks_read": frac,
-                         "accuracy": acc, "fallbacks": len(run.fallback_steps),
-                         "outputs": outs[:3]})
-            rows.append([method, top, f"{100 * frac:.1f}%", acc])
+                         "accuracy": acc, **counts, "outputs": outs[:3]})
+            rows.append([method, top, f"{100 * frac:.1f}%", acc, counts["fallbacks"],
+                         counts["dense_steps"], counts["watchdog_releases"],
+                         counts["device_errors"]])
     engine.close()
-    table = markdown(["run", "top_pages", "blocks read", "passkey accuracy"], rows)
+    table = markdown(["run", "top_pages", "blocks read", "passkey accuracy", "fallbacks",
+                      "dense steps", "watchdog releases", "device errors"], rows)
     title = (f"passkey: {common['model']}, {n} prompts of {P} tokens, depths 10-90 %, greedy "
              f"{gen} tokens, {common['device']}, {common['date']}")
-    return {"common": common, "runs": runs, "keys": keys, "ok": True,
+    ok = all(ran_gated(r) for r in runs[1:])  # runs[0] is dense
+    return {"common": common, "runs": runs, "keys": keys, "ok": ok,
             "table": title + "\n" + table}
 
 

@@ -39,21 +39,21 @@ with ShmBuffers(model, shape) as buf, EpsClient(
         k, v = rng.standard_normal((2, len(positions), H, D)).astype(np.float32)
         kv[layer, :, positions // BS, positions % BS] = np.stack([k, v], 1)
         writer.append(buf.summary_pool, layer, positions // model.group_tokens, k)
-        buf.queries[layer, 0] = rng.standard_normal((QH, D))  # the engine's q (lag-1)
+        buf.queries[layer, 0] = rng.standard_normal((QH, D))  # q: the next step's selection's
 
     for layer in range(L):
         write_kv(layer, np.arange(PROMPT))  # prefill
     client.attach()  # after the prefill, which may outlast a lease
     fallbacks = 0
-    for pos in range(PROMPT, PROMPT + STEPS):  # decode: one call per step
-        for layer in range(L):
-            write_kv(layer, np.array([pos]))
+    for pos in range(PROMPT, PROMPT + STEPS):  # decode: one call per step, before the model
+        # lag-1: selected with the queries of the step before (the prefill's last, at first)
         result = client.select_pages(pos, [Row(table_row=0, context_tokens=pos + 1)])
         counts = buf.visit_count if result.ok else np.full_like(buf.visit_count, -1)
         fallbacks += result.fallback  # -1: attend densely over the engine's own table
         tables, used = attention_views(buf.visit_blocks, counts, buf.block_table[:1],
                                        np.array([pos + 1]), BS)
-        for layer in range(L):  # attention reads the listed blocks and nothing else
+        for layer in range(L):  # this step's K/V and q, then attention over the listed blocks
+            write_kv(layer, np.array([pos]))
             n = int(used[layer, 0, 0])
             k = kv[layer, 0, tables[layer, 0, 0, : -(-n // BS)]].reshape(-1, H, D)[:n]
             s = np.einsum("hgd,nhd->hgn", buf.queries[layer, 0].reshape(H, -1, D), k)

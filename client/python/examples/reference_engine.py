@@ -101,6 +101,10 @@ def main() -> int:
         # lists (at 8 x 32k the library picks it anyway; at SmolLM2's shape it would not).
         os.environ["EPS_ATTN_VARIANT"] = "warp_mma"
         print("--feedback: EPS_ATTN_VARIANT=warp_mma for dense and gated runs", flush=True)
+    # Before CUDA starts: the watchdog's release runs on a second stream, which can sit in
+    # the hardware queue behind the very wait it should end; more queues, fewer streams a
+    # queue (docs/design.md §6, as epsd does). A value already set (a one-queue run) stays.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     import engine_runs  # torch from here on
 
     result = engine_runs.run(args)
@@ -126,9 +130,49 @@ def restart_epsd(args: argparse.Namespace) -> float:
 
 
 def kill_epsd(args: argparse.Namespace) -> int:
+    """kill mode: SIGKILL to the process in --epsd-pid-file and every process under it.
+    Under EPS_EPSD_PREFIX (scripts/engine_gpu.sh) that pid is the wrapper (e.g. ncu) and
+    epsd its child, which killing the wrapper alone would leave serving. Returns epsd's pid
+    (the process of that tree named epsd, else the pid in the file)."""
     pid = int(Path(args.epsd_pid_file).read_text().strip())
-    os.kill(pid, signal.SIGKILL)
-    return pid
+    tree = process_tree(pid, _parent_pids())
+    for p in reversed(tree):  # children first: epsd dies before its wrapper could react
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:  # exited meanwhile
+            pass
+    return next((p for p in tree if _command_name(p) == "epsd"), pid)
+
+
+def process_tree(root: int, parents: dict[int, int]) -> list[int]:
+    """``root`` and its descendants, parents before children, from {pid: parent pid}."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    tree = [root]
+    for p in tree:  # grows while it is walked: breadth first
+        tree += sorted(children.get(p, []))
+    return tree
+
+
+def _parent_pids() -> dict[int, int]:
+    """{pid: parent pid} of every process in /proc (Linux)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2:].split()[1])
+    return parents
+
+
+def _command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def now() -> str:
