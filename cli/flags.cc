@@ -238,6 +238,22 @@ std::string VersionLine(absl::string_view program) {
   return absl::StrCat(program, " ", EPS_VERSION);
 }
 
+absl::Status CheckDialTarget(const absl::Flag<std::string>& flag) {
+  const std::string target = absl::GetFlag(flag);
+  if (absl::StartsWith(target, "unix://")) {
+    if (target.size() > 7) return absl::OkStatus();
+    return Invalid(flag, "unix:///path: a path after unix://");
+  }
+  int port = 0;
+  if (!IsHostPort(target) || !absl::SimpleAtoi(target.substr(target.rfind(':') + 1), &port) ||
+      port == 0) {
+    return Invalid(flag,
+                   "unix:///path or host:port with a port in [1, 65535] (unix:path and "
+                   "unix-abstract: are not supported)");
+  }
+  return absl::OkStatus();
+}
+
 bool IsHostPort(absl::string_view address) {
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos) return false;

@@ -97,6 +97,13 @@ std::string VersionLine(absl::string_view program);
 // (0: any). "localhost", "h:", "h:99999", "h:abc" and gRPC URIs ("unix:p", "dns:h") are not.
 bool IsHostPort(absl::string_view address);
 
+// A --target flag's value as the clients dial epsd (docs/cli.md): unix:///path, or host:port
+// with a port in [1, 65535]. Anything else would reach gRPC's resolver and fail only when
+// the calls do ("localhost" dials port 443, "h:99999" fails DNS); unix:path and
+// unix-abstract: are refused as epsd's --listen refuses them. InvalidArgument naming the
+// flag otherwise.
+absl::Status CheckDialTarget(const absl::Flag<std::string>& flag);
+
 // "--name=<current value>: want <want>", for a value that parsed but is out of range.
 absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want);
 

@@ -110,7 +110,7 @@ absl::Status CheckMemory(const Args& a) {
 absl::StatusOr<Args> ReadFlags() {
   Args a;
   a.target = absl::GetFlag(FLAGS_target);
-  if (a.target.empty()) return eps::cli::Invalid(FLAGS_target, "unix:///path or host:port");
+  RETURN_IF_ERROR(eps::cli::CheckDialTarget(FLAGS_target));
   RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_steps, 1, 10'000'000, &a.steps));
   RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_batch, 1, 4096, &a.batch));
   RETURN_IF_ERROR(eps::cli::ReadInRange(FLAGS_context, int64_t{1}, int64_t{1} << 24, &a.context));

@@ -164,24 +164,6 @@ absl::Status Override(const absl::Flag<int>& flag, int* field) {
   return cli::ReadInRange(flag, 1, 4096, field);
 }
 
-// --target: what epsd listens on (docs/cli.md): unix:///path, or host:port with a port to
-// dial. Anything else would reach gRPC's resolver and fail only when the run's calls do
-// ("localhost" dials port 443, "h:99999" fails DNS), after the whole window.
-absl::Status CheckTarget(const std::string& target) {
-  if (absl::StartsWith(target, "unix://")) {
-    if (target.size() > 7) return absl::OkStatus();
-    return cli::Invalid(FLAGS_target, "unix:///path: a path after unix://");
-  }
-  int port = 0;
-  if (!cli::IsHostPort(target) || !absl::SimpleAtoi(target.substr(target.rfind(':') + 1), &port) ||
-      port == 0) {
-    return cli::Invalid(FLAGS_target,
-                        "unix:///path or host:port with a port in [1, 65535] (unix:path and "
-                        "unix-abstract: are not supported)");
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
@@ -191,7 +173,7 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   c.help = command_line.help;
   c.version = command_line.version;
   c.target = absl::GetFlag(FLAGS_target);
-  RETURN_IF_ERROR(CheckTarget(c.target));
+  RETURN_IF_ERROR(cli::CheckDialTarget(FLAGS_target));
   c.preset = absl::GetFlag(FLAGS_preset);
   absl::StatusOr<ModelLayout> model = PresetModel(c.preset);
   if (!model.ok()) return model.status();
