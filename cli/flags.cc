@@ -241,8 +241,9 @@ std::string VersionLine(absl::string_view program) {
 absl::Status CheckDialTarget(const absl::Flag<std::string>& flag) {
   const std::string target = absl::GetFlag(flag);
   if (absl::StartsWith(target, "unix://")) {
-    if (target.size() > 7) return absl::OkStatus();
-    return Invalid(flag, "unix:///path: a path after unix://");
+    // unix://relative would name an authority, not a path: gRPC refuses it only at a call.
+    if (absl::StartsWith(target, "unix:///") && target.size() > 8) return absl::OkStatus();
+    return Invalid(flag, "unix:///path: an absolute path after unix://");
   }
   int port = 0;
   if (!IsHostPort(target) || !absl::SimpleAtoi(target.substr(target.rfind(':') + 1), &port) ||

@@ -48,7 +48,7 @@ struct StepInputs {
   // of (√d·entry − score) over the groups that have both. After a step that
   // succeeded, every entry of its rows' groups is NaN again (consumed), so an
   // entry never outlives the step after the attention that wrote it. Strict
-  // mode ignores it.
+  // mode ranks without it but consumes it too.
   float* feedback = nullptr;
   const void* queries = nullptr;
   DType query_dtype = DType::kFloat32;

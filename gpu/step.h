@@ -40,8 +40,8 @@
 // scores as core/ does (fed groups √d·entry, the others + the head's median
 // difference); with the coarse level a fed group passes the candidates' mask.
 // After the selection a kernel consumes the rows' entries (NaN) when the step's
-// device report says OK, so a failed step leaves them. Strict mode ignores the
-// buffer; the selection is never fused with it.
+// device report says OK, so a failed step leaves them. Strict mode ranks without
+// the buffer but consumes it too; the selection is never fused with it.
 //
 // The selection can be fused into scoring (gpu/fused_select.cuh; when it is:
 // GpuSelectorOptions::fusion) for the threshold budget, not strict, a method

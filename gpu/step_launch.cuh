@@ -212,10 +212,8 @@ struct StepLaunch {
 
   // Selection feedback's part (feedback.cuh), once `score` and `select` are set:
   // a block per (layer, query head, row) rewrites the scored heads' scores before
-  // the selection and consumes the row's entries after it (strict mode ignores
-  // the buffer: neither runs).
-  // `apply`: the scores rewritten by the entries (not with method off, nor in strict
-  // mode); the entries are consumed either way.
+  // the selection (`apply`: not with method off, nor in strict mode, which ranks
+  // without the buffer) and consumes the row's entries after it, in every mode.
   void PlanFeedback(const ModelLayout& m, const StepInputs& in, bool apply, bool with_coarse,
                     int64_t max_n, int64_t per_block) {
     feedback_apply = apply;

@@ -180,11 +180,36 @@ absl::Status CheckDisjoint(const char* what,
     if (here < prev + static_cast<uintptr_t>(prev_words) * sizeof(float)) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, "[", std::max(index, prev_index), "] overlaps the record(s) ", what,
-                       "[", std::min(index, prev_index), "] of this call writes (records are ",
-                       prev_words, " words; two writers of one record race)"));
+                       "[", std::min(index, prev_index), "] of this call writes (", prev_words,
+                       " words from its address; two writers of one record race)"));
     }
   }
   return absl::OkStatus();
+}
+
+// Copies `bytes` from `host` into stream-ordered scratch on `stream` and runs
+// launch(scratch), then frees the scratch behind it: calls on different streams never
+// share it, and a copy from pageable memory is staged before cudaMemcpyAsync returns.
+// (Statuses built by returns, not assigned: nvcc warns on the ignored result of
+// absl::Status's assignment, a nodiscard type.)
+template <class Launch>
+absl::Status WithStreamScratch(const void* host, size_t bytes, cudaStream_t stream, Launch launch) {
+  void* scratch = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
+  auto copy_and_launch = [&]() -> absl::Status {
+    if (const cudaError_t err =
+            cudaMemcpyAsync(scratch, host, bytes, cudaMemcpyHostToDevice, stream);
+        err != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaMemcpyAsync: ", cudaGetErrorString(err)));
+    }
+    return launch(scratch);
+  };
+  const absl::Status s = copy_and_launch();
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  if (s.ok() && freed != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
+  }
+  return s;
 }
 
 }  // namespace
@@ -380,25 +405,14 @@ absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cuda
   }
   RETURN_IF_ERROR(CheckDisjoint("runs", spans));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
-  // Stream-ordered scratch, as AppendAsync's: nothing shared between calls.
-  const size_t bytes = runs.size() * sizeof(RecordRun);
-  void* scratch = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
-  auto copy_and_launch = [&]() -> absl::Status {
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(scratch, runs.data(), bytes, cudaMemcpyHostToDevice, stream));
-    const int n = static_cast<int>(runs.size());
-    ResetKernel<<<std::min(n, 4096), 256, 0, stream>>>(static_cast<const RecordRun*>(scratch), n,
-                                                       w.empty.get(), static_cast<int>(words));
-    CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    return absl::OkStatus();
-  };
-  const absl::Status s = copy_and_launch();
-  const cudaError_t freed = cudaFreeAsync(scratch, stream);
-  if (s.ok() && freed != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
-  }
-  return s;
+  return WithStreamScratch(
+      runs.data(), runs.size() * sizeof(RecordRun), stream, [&](void* scratch) -> absl::Status {
+        const int n = static_cast<int>(runs.size());
+        ResetKernel<<<std::min(n, 4096), 256, 0, stream>>>(
+            static_cast<const RecordRun*>(scratch), n, w.empty.get(), static_cast<int>(words));
+        CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        return absl::OkStatus();
+      });
 }
 
 absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appends,
@@ -407,28 +421,11 @@ absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appe
   if (appends.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Check(appends, key_dtype));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(impl_->device));
-  // Stream-ordered scratch: calls on different streams never share it, and a
-  // copy from pageable memory is staged before cudaMemcpyAsync returns.
-  const size_t bytes = appends.size() * sizeof(KeyAppend);
-  void* scratch = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
-  // (Statuses built by returns, not assigned: nvcc warns on the ignored result of
-  // absl::Status's assignment, a nodiscard type.)
-  auto copy_and_launch = [&]() -> absl::Status {
-    if (const cudaError_t err =
-            cudaMemcpyAsync(scratch, appends.data(), bytes, cudaMemcpyHostToDevice, stream);
-        err != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("cudaMemcpyAsync: ", cudaGetErrorString(err)));
-    }
-    return Launch(static_cast<const KeyAppend*>(scratch), static_cast<int>(appends.size()),
-                  key_dtype, stream, nullptr, skipped);
-  };
-  const absl::Status s = copy_and_launch();
-  const cudaError_t freed = cudaFreeAsync(scratch, stream);
-  if (s.ok() && freed != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
-  }
-  return s;
+  return WithStreamScratch(
+      appends.data(), appends.size() * sizeof(KeyAppend), stream, [&](void* scratch) {
+        return Launch(static_cast<const KeyAppend*>(scratch), static_cast<int>(appends.size()),
+                      key_dtype, stream, nullptr, skipped);
+      });
 }
 
 }  // namespace eps::gpu

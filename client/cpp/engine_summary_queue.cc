@@ -22,6 +22,7 @@ absl::StatusOr<std::unique_ptr<SummaryQueue>> SummaryQueue::Create(
   q->skipped_ = reinterpret_cast<unsigned long long*>(q->done_ + 1);
   CUDA_RETURN_IF_ERROR(cudaMemset(counters, 0, 2 * sizeof(uint64_t)));
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&q->last_, cudaEventDisableTiming));
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&q->read_, cudaStreamNonBlocking));
   // Load the stream-op kernels before any wait is queued (gpu/stream_ops.h).
   RETURN_IF_ERROR(gpu::PreloadStreamOps());
   return q;
@@ -33,7 +34,17 @@ SummaryQueue::~SummaryQueue() {
     if (submitted_) cudaEventSynchronize(last_);
     cudaEventDestroy(last_);
   }
+  if (read_ != nullptr) cudaStreamDestroy(read_);
   if (done_ != nullptr) cudaFree(done_);
+}
+
+absl::StatusOr<unsigned long long> SummaryQueue::ReadSkipped() const {
+  unsigned long long skipped = 0;
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&skipped, skipped_, sizeof skipped, cudaMemcpyDeviceToHost, read_));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(read_));
+  return skipped;
 }
 
 absl::Status SummaryQueue::Submit(std::vector<gpu::KeyAppend> appends, DType key_dtype,
@@ -92,8 +103,7 @@ absl::Status SummaryQueue::Drain() {
   if (!submitted_) return absl::OkStatus();
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_));
-  unsigned long long skipped = 0;
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(&skipped, skipped_, sizeof skipped, cudaMemcpyDeviceToHost));
+  ASSIGN_OR_RETURN(const unsigned long long skipped, ReadSkipped());
   std::lock_guard lock(mu_);
   if (skipped > reported_) {
     const unsigned long long fresh = skipped - reported_;
@@ -105,10 +115,9 @@ absl::Status SummaryQueue::Drain() {
 }
 
 uint64_t SummaryQueue::errors(std::string* last_error) const {
-  unsigned long long skipped = 0;
-  const bool read =
-      cudaSetDevice(device_) == cudaSuccess &&
-      cudaMemcpy(&skipped, skipped_, sizeof skipped, cudaMemcpyDeviceToHost) == cudaSuccess;
+  const absl::StatusOr<unsigned long long> counted = ReadSkipped();
+  const bool read = counted.ok();
+  const unsigned long long skipped = read ? *counted : 0;
   std::lock_guard lock(mu_);
   if (last_error != nullptr) {
     *last_error = last_error_;

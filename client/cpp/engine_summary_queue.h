@@ -68,6 +68,11 @@ class SummaryQueue {
   uint64_t errors(std::string* last_error) const;
 
  private:
+  // The device's skipped-append count, read on the queue's own non-blocking stream: a
+  // copy on the legacy default stream would also wait for every blocking stream's work,
+  // a counter wait the engine queued after its newest submission included.
+  absl::StatusOr<unsigned long long> ReadSkipped() const;
+
   SummaryQueue(std::shared_ptr<gpu::DeviceSummaryWriter> writer, int device)
       : writer_(std::move(writer)), device_(device) {}
 
@@ -76,6 +81,7 @@ class SummaryQueue {
   uint64_t* done_ = nullptr;               // device counter: the newest step applied
   unsigned long long* skipped_ = nullptr;  // device counter: appends the device skipped
   cudaEvent_t last_ = nullptr;             // after the newest submission
+  cudaStream_t read_ = nullptr;            // non-blocking: ReadSkipped's copies
   bool submitted_ = false;
   cudaStream_t stream_ = nullptr;  // the first Submit's stream, when submitted_
   mutable std::mutex mu_;

@@ -246,8 +246,8 @@ TEST(ParseFlags, NamesTheOffendingFlag) {
 // start is a bad flag, found before the run.
 TEST(ParseFlags, RefusesATargetThatIsNeitherAUnixPathNorHostPort) {
   for (const std::string target :
-       {"localhost", "garbage", "h:99999", "h:", "h:0", "h:abc", "unix://", "unix:rel.sock",
-        "unix-abstract:x", "dns:///h:1", "[::1]"}) {
+       {"localhost", "garbage", "h:99999", "h:", "h:0", "h:abc", "unix://", "unix:///",
+        "unix://rel.sock", "unix:rel.sock", "unix-abstract:x", "dns:///h:1", "[::1]"}) {
     auto c = ParseFlags({"--target=" + target});
     ASSERT_FALSE(c.ok()) << target;
     EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
