@@ -51,6 +51,11 @@ CallView View(const LoadConfig& config, const RunResult& r, CallResults& c) {
 
 double Ratio(double a, double b) { return a > 0 && b > 0 ? a / b : std::nan(""); }
 
+// The ratio of two summaries' p50s; NaN unless both measured a call.
+double P50Ratio(const LatencySummary& a, const LatencySummary& b) {
+  return a.count > 0 && b.count > 0 ? Ratio(a.p50_us, b.p50_us) : std::nan("");
+}
+
 // A ratio for a line of text: "n/a" when either side was not measured.
 std::string RatioText(double x, const char* format = "%.2fx") {
   return std::isfinite(x) ? absl::StrFormat(format, x) : std::string("n/a");
@@ -165,11 +170,8 @@ void PrintFloor(FloorResult& f, const CallView& sel, const CallView& png, std::F
                f.stopped ? "; stopped by a signal" : "");
   std::fprintf(out, "%-34s %10s %10s %12s\n", "call", "p50 us", "p99 us", "p50 / floor");
   auto row = [&](const char* name, const LatencySummary& l, const LatencySummary& floor) {
-    std::fprintf(
-        out, "%-34s %10s %10s %12s\n", name, Cell(l.p50_us, l.count).c_str(),
-        Cell(l.p99_us, l.count).c_str(),
-        RatioText(l.count > 0 && floor.count > 0 ? Ratio(l.p50_us, floor.p50_us) : std::nan(""))
-            .c_str());
+    std::fprintf(out, "%-34s %10s %10s %12s\n", name, Cell(l.p50_us, l.count).c_str(),
+                 Cell(l.p99_us, l.count).c_str(), RatioText(P50Ratio(l, floor)).c_str());
   };
   row("floor, callback client", fc, fc);
   row("floor, sync client", fs, fc);
@@ -179,14 +181,10 @@ void PrintFloor(FloorResult& f, const CallView& sel, const CallView& png, std::F
   row("epsd SelectPages (the run)", sel.lat, fc);
   // Each ratio divides calls of one phase: the run's SelectPages by the run's Ping, the
   // floor phase's Ping by the floor phase's minimal server.
-  std::fprintf(
-      out,
-      "SelectPages / Ping (both of the run) p50 %s; Ping / floor (callback, both of the "
-      "floor phase) p50 %s\n",
-      RatioText(sel.lat.count > 0 && png.lat.count > 0 ? Ratio(sel.lat.p50_us, png.lat.p50_us)
-                                                       : std::nan(""))
-          .c_str(),
-      RatioText(pc.count > 0 && fc.count > 0 ? Ratio(pc.p50_us, fc.p50_us) : std::nan("")).c_str());
+  std::fprintf(out,
+               "SelectPages / Ping (both of the run) p50 %s; Ping / floor (callback, both of the "
+               "floor phase) p50 %s\n",
+               RatioText(P50Ratio(sel.lat, png.lat)).c_str(), RatioText(P50Ratio(pc, fc)).c_str());
 }
 
 Json FloorJson(FloorResult& f, const CallView& sel, const CallView& png) {
@@ -205,11 +203,8 @@ Json FloorJson(FloorResult& f, const CallView& sel, const CallView& png) {
               {"floor_sync", summary(f.floor_sync)},
               {"ping_callback", summary(f.ping_callback)},
               {"ping_sync", summary(f.ping_sync)},
-              {"ping_over_floor_p50",
-               Num(pc.count > 0 && fc.count > 0 ? Ratio(pc.p50_us, fc.p50_us) : std::nan(""))},
-              {"select_over_ping_p50",
-               Num(sel.lat.count > 0 && png.lat.count > 0 ? Ratio(sel.lat.p50_us, png.lat.p50_us)
-                                                          : std::nan(""))},
+              {"ping_over_floor_p50", Num(P50Ratio(pc, fc))},
+              {"select_over_ping_p50", Num(P50Ratio(sel.lat, png.lat))},
               {"warmup_errors", f.warmup_errors},
               {"errors", f.errors},
               {"aborted", f.aborted.empty() ? Json(nullptr) : Json(f.aborted)}};

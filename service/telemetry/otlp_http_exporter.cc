@@ -56,7 +56,9 @@ using AddressList = std::unique_ptr<addrinfo, decltype(&freeaddrinfo)>;
 // resolver's own timeouts (5 s per server and attempt by default), past the export's
 // deadline and Shutdown's budget. A numeric host resolves at once, in place; a name is
 // resolved on a thread of its own, waited for until the deadline. A late answer lands in
-// the shared state, freed by whichever side lets go of it last.
+// the shared state, freed by whichever side lets go of it last. Each export to a name
+// starts one such thread; with a resolver that never answers, at most (the resolver's
+// timeout ÷ the exports' interval) of them are alive at once, each ending with getaddrinfo.
 AddressList Resolve(const OtlpEndpoint& e, Clock::time_point deadline, std::string* error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
