@@ -150,6 +150,8 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   RETURN_IF_ERROR(cli::ReadDuration(FLAGS_drain_ms, absl::ZeroDuration(), absl::Minutes(10), &d));
   c.drain_ms = Ms(d);
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_sessions, 1u, 100000u, &c.max_sessions));
+  RETURN_IF_ERROR(
+      cli::ReadInRange(FLAGS_max_sessions_per_user, 0u, 100000u, &c.max_sessions_per_user));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_batch, 1u, 1u << 20, &c.max_batch));
   RETURN_IF_ERROR(
       cli::ReadInRange(FLAGS_max_message_bytes, 1u << 10, 1u << 30, &c.max_message_bytes));

@@ -24,6 +24,7 @@ struct ServerConfig {
   int sketch_dim = 8;         // --eps-dim
   uint32_t lease_ms = 10000;  // default session lease
   uint32_t max_sessions = 64;
+  uint32_t max_sessions_per_user = 0;  // 0: no cap but max_sessions
   uint32_t max_batch = 1024;
   uint32_t max_message_bytes = 64u << 20;
   // What epsd may allocate for requests (inline buffers, Phi banks, step scratch,

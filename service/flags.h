@@ -36,6 +36,7 @@ ABSL_DECLARE_FLAG(double, eps_coarse_candidates);
 // Sessions, limits and lifetimes.
 ABSL_DECLARE_FLAG(eps::cli::Millis, lease_ms);
 ABSL_DECLARE_FLAG(int64_t, max_sessions);
+ABSL_DECLARE_FLAG(int64_t, max_sessions_per_user);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_batch);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_message_bytes);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_session_bytes);

@@ -13,7 +13,7 @@ EngineKey KeyOf(const Session& session) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Session> session,
-                                                              size_t max_sessions) {
+                                                              const SessionLimits& limits) {
   std::shared_ptr<Session> replaced;
   absl::MutexLock lock(&mu_);
   const EngineKey key = KeyOf(*session);
@@ -37,22 +37,38 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Se
       by_id_.erase(existing);
     }
   } else {
-    RETURN_IF_ERROR(RoomLocked(key, max_sessions));
+    RETURN_IF_ERROR(RoomLocked(key, limits));
   }
   id_by_engine_[key] = session->id();
   by_id_[session->id()] = std::move(session);
   return replaced;
 }
 
-absl::Status SessionRegistry::Room(const EngineKey& key, size_t max_sessions) const {
+absl::Status SessionRegistry::Room(const EngineKey& key, const SessionLimits& limits) const {
   absl::MutexLock lock(&mu_);
-  return RoomLocked(key, max_sessions);
+  return RoomLocked(key, limits);
 }
 
-absl::Status SessionRegistry::RoomLocked(const EngineKey& key, size_t max_sessions) const {
-  if (id_by_engine_.contains(key) || by_id_.size() < max_sessions) return absl::OkStatus();
+absl::Status SessionRegistry::RoomLocked(const EngineKey& key, const SessionLimits& limits) const {
+  if (id_by_engine_.contains(key)) return absl::OkStatus();  // a replacing Attach
+  if (by_id_.size() >= limits.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server holds --max-sessions=", limits.max_sessions, " sessions"));
+  }
+  if (limits.max_per_user == 0) return absl::OkStatus();
+  // The owner's engines are one run of the index, ordered by (known, uid, engine_id).
+  size_t owned = 0;
+  for (auto it = id_by_engine_.lower_bound({.known = key.known, .uid = key.uid});
+       it != id_by_engine_.end() && it->first.known == key.known && it->first.uid == key.uid;
+       ++it) {
+    ++owned;
+  }
+  if (owned < limits.max_per_user) return absl::OkStatus();
   return absl::ResourceExhaustedError(
-      absl::StrCat("the server holds --max-sessions=", max_sessions, " sessions"));
+      absl::StrCat(key.known ? absl::StrCat("uid ", key.uid)
+                             : std::string("the callers of unknown credentials (TCP)"),
+                   " hold", key.known ? "s" : "", " --max-sessions-per-user=", limits.max_per_user,
+                   " sessions: detach one, or ask the operator for a larger quota"));
 }
 
 std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {

@@ -43,20 +43,28 @@ struct EngineKey {
   auto operator<=>(const EngineKey&) const = default;
 };
 
+// How many sessions the registry holds at most: in all, and per owner (a user, by
+// uid; the callers of unknown credentials, over TCP, are one owner). A replacing
+// Attach counts against neither.
+struct SessionLimits {
+  size_t max_sessions = 64;
+  size_t max_per_user = 0;  // 0: no cap but max_sessions
+};
+
 class SessionRegistry {
  public:
   // Publishes `session`. A session of the same EngineKey is replaced (re-attach
   // after an engine restart); one attached by an unknown peer (TCP) only once its
   // lease has run out (ALREADY_EXISTS before). RESOURCE_EXHAUSTED when it would be
-  // a new session beyond `max_sessions` (checked under the lock, so concurrent
-  // attaches agree). OK: the replaced session, or null; the caller retires it and
-  // lets it go outside the lock.
+  // a new session beyond `limits` (checked under the lock, so concurrent attaches
+  // agree). OK: the replaced session, or null; the caller retires it and lets it go
+  // outside the lock.
   absl::StatusOr<std::shared_ptr<Session>> Add(std::shared_ptr<Session> session,
-                                               size_t max_sessions);
-  // What Add would say now of a session of `key` as one beyond `max_sessions`
+                                               const SessionLimits& limits);
+  // What Add would say now of a session of `key` as one beyond `limits`
   // (RESOURCE_EXHAUSTED, or OK): checked before an Attach maps and allocates
   // anything (Add decides).
-  absl::Status Room(const EngineKey& key, size_t max_sessions) const;
+  absl::Status Room(const EngineKey& key, const SessionLimits& limits) const;
   std::shared_ptr<Session> Find(const std::string& id) const;
   // Removes `id` and returns its session (null when none), to be let go outside the lock.
   std::shared_ptr<Session> Remove(const std::string& id);
@@ -66,7 +74,7 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
-  absl::Status RoomLocked(const EngineKey& key, size_t max_sessions) const
+  absl::Status RoomLocked(const EngineKey& key, const SessionLimits& limits) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Drops `session`'s engine from the index if it still names the session.
   void ForgetEngine(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -91,8 +91,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
   // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room =
-          sessions_.Room(EngineKey::Of(caller, request.engine_id()), config_.max_sessions);
+  if (absl::Status room = sessions_.Room(EngineKey::Of(caller, request.engine_id()), Limits());
       !room.ok()) {
     return CountFailure(room);
   }
@@ -109,8 +108,7 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   response->set_backend(ToProto(session->backend().kind()));
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
-  absl::StatusOr<std::shared_ptr<Session>> replaced =
-      sessions_.Add(std::move(session), config_.max_sessions);
+  absl::StatusOr<std::shared_ptr<Session>> replaced = sessions_.Add(std::move(session), Limits());
   if (!replaced.ok()) {
     response->Clear();
     return CountFailure(replaced.status());

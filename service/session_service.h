@@ -83,6 +83,9 @@ class SessionService {
   }
 
  private:
+  SessionLimits Limits() const {
+    return {.max_sessions = config_.max_sessions, .max_per_user = config_.max_sessions_per_user};
+  }
   absl::Status CountFailure(absl::Status status);
   // The session `id` names, if `caller` may use it: NOT_FOUND or PERMISSION_DENIED.
   absl::StatusOr<std::shared_ptr<Session>> FindFor(const std::string& id, const Peer& caller,

@@ -57,8 +57,9 @@ class SessionRegistryTest : public ::testing::Test {
 };
 
 TEST_F(SessionRegistryTest, AReplacedSessionIsFreedOutsideTheRegistryLock) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), 8).ok());
-  absl::StatusOr<std::shared_ptr<Session>> replaced = registry_.Add(Watched("s-2", "engine-a"), 8);
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), {.max_sessions = 8}).ok());
+  absl::StatusOr<std::shared_ptr<Session>> replaced =
+      registry_.Add(Watched("s-2", "engine-a"), {.max_sessions = 8});
   ASSERT_TRUE(replaced.ok()) << replaced.status();
   ASSERT_NE(*replaced, nullptr);
   EXPECT_EQ((*replaced)->id(), "s-1");
@@ -71,7 +72,7 @@ TEST_F(SessionRegistryTest, AReplacedSessionIsFreedOutsideTheRegistryLock) {
 }
 
 TEST_F(SessionRegistryTest, ARemovedSessionIsFreedOutsideTheRegistryLock) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), 8).ok());
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), {.max_sessions = 8}).ok());
   std::shared_ptr<Session> removed = registry_.Remove("s-1");
   ASSERT_NE(removed, nullptr);
   EXPECT_EQ(freed_, 0);
@@ -131,6 +132,42 @@ TEST(SessionEngineIdsPerUserTest, TwoUsersEnginesWithOneEngineIdAreTwoSessions) 
   EXPECT_EQ(service.Heartbeat(beat, &beat_response, victim).code(), absl::StatusCode::kNotFound);
   beat.set_session_id(squatted.session_id());
   EXPECT_TRUE(service.Heartbeat(beat, &beat_response, squatter).ok());
+}
+
+// One user cannot fill the server: with --max-sessions-per-user the user's new engines
+// are refused once it holds that many (a re-attach still replaces its own), while
+// another user, and the callers over TCP as one more owner, attach as before.
+TEST(SessionEngineIdsPerUserTest, OneUserCannotHoldMoreThanItsQuota) {
+  ServerConfig config;
+  config.max_sessions = 8;
+  config.max_sessions_per_user = 2;
+  SessionService service(config);
+  const Peer hog{.known = true, .uid = 1000, .pid = 1};
+  const Peer other{.known = true, .uid = 1001, .pid = 2};
+  v1::AttachResponse response;
+  ASSERT_TRUE(service.Attach(InlineAttach("hog-0"), &response, hog).ok());
+  ASSERT_TRUE(service.Attach(InlineAttach("hog-1"), &response, hog).ok());
+  const absl::Status refused = service.Attach(InlineAttach("hog-2"), &response, hog);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("uid 1000 holds --max-sessions-per-user=2"), std::string::npos)
+      << refused;
+  EXPECT_TRUE(service.Attach(InlineAttach("hog-1"), &response, hog).ok()) << "a re-attach";
+  EXPECT_TRUE(service.Attach(InlineAttach("other-0"), &response, other).ok());
+  EXPECT_TRUE(service.Attach(InlineAttach("tcp-0"), &response, Peer{}).ok());
+  EXPECT_TRUE(service.Attach(InlineAttach("tcp-1"), &response, Peer{}).ok());
+  const absl::Status tcp = service.Attach(InlineAttach("tcp-2"), &response, Peer{});
+  EXPECT_EQ(tcp.code(), absl::StatusCode::kResourceExhausted) << tcp;
+  EXPECT_NE(tcp.message().find("unknown credentials (TCP) hold --max-sessions-per-user=2"),
+            std::string::npos)
+      << tcp;
+  EXPECT_EQ(service.session_count(), 5u);
+  config.max_sessions_per_user = 0;  // the default: only --max-sessions counts
+  SessionService open(config);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_TRUE(open.Attach(InlineAttach("e-" + std::to_string(i)), &response, hog).ok()) << i;
+  }
+  EXPECT_NE(open.Attach(InlineAttach("e-8"), &response, hog).message().find("--max-sessions=8"),
+            std::string::npos);
 }
 
 }  // namespace
