@@ -58,7 +58,7 @@ absl::Status SessionRegistry::RoomLocked(const EngineKey& key, const SessionLimi
   if (limits.max_per_user == 0) return absl::OkStatus();
   // The owner's engines are one run of the index, ordered by (known, uid, engine_id).
   size_t owned = 0;
-  for (auto it = id_by_engine_.lower_bound({.known = key.known, .uid = key.uid});
+  for (auto it = id_by_engine_.lower_bound({.known = key.known, .uid = key.uid, .engine_id = {}});
        it != id_by_engine_.end() && it->first.known == key.known && it->first.uid == key.uid;
        ++it) {
     ++owned;
