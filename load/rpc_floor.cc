@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
 
@@ -176,6 +177,10 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
   }
   for (int round = -result.warmup_rounds;
        result.aborted.empty() && !result.stopped && round < config.floor_calls; ++round) {
+    // A round's samples count only once all four calls of it are in, so that a stop or a
+    // failure mid-round leaves every kind with the same number of samples.
+    double round_us[std::size(kinds)] = {};
+    size_t done = 0;
     for (const Kind& kind : kinds) {
       // Checked before every call, so SIGINT waits for one call at most, not a round.
       if (stopping()) {
@@ -192,9 +197,12 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
             round < 0 ? round + result.warmup_rounds + 1 : round + 1, ": ", status.ToString());
         break;
       }
-      if (round >= 0) kind.samples->Record(us);
+      round_us[done++] = us;
     }
-    if (round >= 0 && result.aborted.empty() && !result.stopped) ++result.rounds;
+    if (round >= 0 && done == std::size(kinds)) {
+      for (size_t k = 0; k < done; ++k) kinds[k].samples->Record(round_us[k]);
+      ++result.rounds;
+    }
   }
   if (server != nullptr) {
     server->Shutdown();
