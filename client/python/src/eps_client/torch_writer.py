@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from eps_client import _writer_checks
+from eps_client import _values, _writer_checks
 from eps_client.layout import ModelLayout, SummaryLayout
 from eps_client.phi import phi_bank
 
@@ -49,8 +49,9 @@ class TorchSummaryWriter:
 
         lay, d = self.layout, self.model.head_dim
         self._check_pool(pool)
-        host = _writer_checks.slot_array("slots", _host(slots), None, pool.shape[0])
-        slots = torch.as_tensor(host, device=pool.device, dtype=torch.long)
+        slots = _device_slots("slots", slots, pool.device)
+        if bool(((slots < 0) | (slots >= pool.shape[0])).any()):
+            _writer_checks.slot_array("slots", slots.cpu().numpy(), None, pool.shape[0])
         pool[slots] = 0.0
         if lay.quest_min >= 0:  # float16 halves, two per word (docs/summaries.md)
             halves = pool.view(torch.float16)
@@ -85,7 +86,8 @@ class TorchSummaryWriter:
                  name: str) -> tuple[int, Any, Any]:
         """Every check of an append into ``pool`` (core's, as the numpy writer makes them):
         returns (layer, slots on the pool's device, float32 keys) or raises having written
-        nothing. A few small host syncs per call (the slots, the key checks)."""
+        nothing. One host sync per call reads every check's verdict at once; only a refusal,
+        or a record near the float range, reads more."""
         import torch
 
         model, lay = self.model, self.layout
@@ -93,34 +95,45 @@ class TorchSummaryWriter:
         self._check_pool(pool)
         layer = _writer_checks.layer_index(layer, model.num_layers)
         n = keys.shape[0]
-        host = _writer_checks.slot_array(name, _host(slots), n, pool.shape[0])
+        s = _device_slots(name, slots, pool.device)
+        if s.numel() != n:
+            raise ValueError(f"{s.numel()} {name} for {n} keys")
         k = keys.to(device=pool.device, dtype=torch.float32)
         if tuple(k.shape) != (n, H, d):
             raise ValueError(f"keys.shape={list(keys.shape)}, expected [n, {H}, {d}]")
         if n == 0:
             return layer, None, k
+        num_slots = pool.shape[0]
+        if num_slots == 0:
+            _writer_checks.slot_array(name, s.cpu().numpy(), n, num_slots)  # raises, naming it
         bad = ~torch.isfinite(k)
         if lay.quest_min >= 0:
             bad |= k.abs() > 65504.0
-        if bool(bad.any()):
+        outside = (s < 0) | (s >= num_slots)
+        # An upper bound of every record's d·Σ‖k‖² after the append (the largest record's
+        # fro2, NaN or negative read as 0, plus every key's norm); core's order on the host
+        # only near FLT_MAX, with room for the order of the sums.
+        fro2 = pool[s.clamp(0, num_slots - 1), layer, :, lay.fro2].double()  # [n, H]
+        start = torch.where(fro2 > 0, fro2, torch.zeros_like(fro2)).max()
+        bound = (start + (k.double() * k.double()).sum()) * d
+        verdicts = torch.stack([outside.any(), bad.any(),
+                                bound >= _FLOAT32_MAX * (1 - 1e-9)]).tolist()  # the sync
+        if verdicts[0]:
+            _writer_checks.slot_array(name, s.cpu().numpy(), n, num_slots)  # raises, naming it
+        if verdicts[1]:
             t, h, i = torch.nonzero(bad)[0].tolist()
             value = k[t, h, i].item()
             beyond = ": beyond the binary16 range of the quest summary, |k| <= 65504"
             raise ValueError(f"key {t} element {i} is {value} (layer {layer}, kv_head {h})"
                              f"{beyond if np.isfinite(value) else ''}")
-        uniq, inv, rank = _writer_checks.ranks(host)
-        rows = torch.as_tensor(uniq, device=pool.device, dtype=torch.long)
-        fro2 = pool[rows, layer, :, lay.fro2].double()  # [u, H]
-        acc = torch.where(fro2 > 0, fro2, torch.zeros_like(fro2))
-        acc.index_add_(0, torch.as_tensor(inv, device=pool.device),
-                       (k.double() * k.double()).sum(-1))
-        # Near the limit (with room for the order of the sums), core's order on the host.
-        if bool((acc * d >= _FLOAT32_MAX * (1 - 1e-9)).any()):
+        if verdicts[2]:
+            uniq, inv, rank = _writer_checks.ranks(s.cpu().numpy())
+            rows = torch.as_tensor(uniq, device=pool.device, dtype=torch.long)
             refusal = _writer_checks.float_range_refusal(
-                fro2.cpu().numpy(), inv, rank, k.cpu().numpy(), layer)
+                pool[rows, layer, :, lay.fro2].cpu().numpy(), inv, rank, k.cpu().numpy(), layer)
             if refusal is not None:
                 raise ValueError(refusal)
-        return layer, torch.as_tensor(host, device=pool.device, dtype=torch.long), k
+        return layer, s, k
 
     def _write(self, pool: Any, layer: int, slots: Any, k: Any) -> None:
         import torch
@@ -169,12 +182,18 @@ class TorchSummaryWriter:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def _host(slots: Any) -> Any:
-    """Slots as the host value the checks read: a torch tensor (any device) copied to numpy
-    with its dtype (a float tensor is refused there, not truncated)."""
-    if hasattr(slots, "detach"):
-        return slots.detach().cpu().numpy()
-    return slots
+def _device_slots(name: str, slots: Any, device: Any) -> Any:
+    """Slots as an int64 tensor [n] on ``device``, their type checked without reading them:
+    a float or bool tensor is refused as the numpy checks refuse it (1.9 is not slot 1);
+    a sequence or array goes through those checks on the host, where it already is."""
+    import torch
+
+    if isinstance(slots, torch.Tensor):
+        if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+            raise TypeError(f"{name} must be integers, got dtype {slots.dtype}")
+        return slots.reshape(-1).to(device=device, dtype=torch.long)
+    host = _values.integer_array(name, slots).reshape(-1)
+    return torch.as_tensor(host, device=device, dtype=torch.long)
 
 
 def _scale_for(amax: Any) -> Any:
