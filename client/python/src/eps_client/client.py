@@ -20,6 +20,7 @@ Thread safety: one engine thread calls select_pages / attach / detach at a time;
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,49 +288,36 @@ class EpsClient:
         if not self.session_id:
             return
         session, self.session_id = self.session_id, ""
-        try:
+        with self._unary_call():
             self.stub.Detach(pb.DetachRequest(session_id=session),
                              timeout=max(deadline - time.monotonic(), 0.001),
                              metadata=self._metadata())
-        except grpc.RpcError as e:
-            raise EpsError(e.code(), e.details() or "") from None
-        except ValueError as e:
-            raise self._closed_meanwhile(e) from None
 
     def heartbeat(self) -> int:
         """Renews the lease; returns it in ms."""
         self._check_open()
-        try:
-            return int(self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
-                                           timeout=self.options.attach_deadline_s,
-                                           metadata=self._metadata()).lease_ms)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                self.session_id = ""
-            raise EpsError(e.code(), e.details() or "") from None
-        except ValueError as e:
-            raise self._closed_meanwhile(e) from None
+        with self._unary_call():
+            try:
+                return int(self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
+                                               timeout=self.options.attach_deadline_s,
+                                               metadata=self._metadata()).lease_ms)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self.session_id = ""
+                raise
 
     def ping(self, deadline_s: float) -> None:
         self._check_open()
-        try:
+        with self._unary_call():
             self.stub.Ping(pb.PingRequest(), timeout=deadline_s, metadata=self._metadata())
-        except grpc.RpcError as e:
-            raise EpsError(e.code(), e.details() or "") from None
-        except ValueError as e:
-            raise self._closed_meanwhile(e) from None
 
     def stats(self, session_only: bool = True) -> pb.GetStatsResponse:
         """GetStats (an operator's view; the message is returned as is)."""
         self._check_open()
         request = pb.GetStatsRequest(session_id=self.session_id if session_only else "")
-        try:
+        with self._unary_call():
             return self.stub.GetStats(request, timeout=self.options.attach_deadline_s,
                                       metadata=self._metadata())
-        except grpc.RpcError as e:
-            raise EpsError(e.code(), e.details() or "") from None
-        except ValueError as e:
-            raise self._closed_meanwhile(e) from None
 
     def close(self) -> None:
         """Closes the stream and the channel. It does not detach: the session stays on epsd
@@ -473,6 +461,17 @@ class EpsClient:
         if not self._traceparent_warned:
             self._traceparent_warned = True
             _log.warning("eps_client: calls go without traceparent: %s (logged once)", why)
+
+    @contextlib.contextmanager
+    def _unary_call(self) -> Iterator[None]:
+        """A unary call's failures as EpsError: epsd's status, or a channel close() closed
+        meanwhile (_closed_meanwhile)."""
+        try:
+            yield
+        except grpc.RpcError as e:
+            raise EpsError(e.code(), e.details() or "") from None
+        except ValueError as e:
+            raise self._closed_meanwhile(e) from None
 
     def _closed_meanwhile(self, e: ValueError) -> EpsError:
         """grpc raises ValueError for a call on a closed channel: close() from another thread
