@@ -22,6 +22,7 @@ std::string SessionLabel(const std::string& session_id) {
   }
   return session_id.substr(0, 64);  // not one of ours: no capability, but bounded
 }
+
 bool IsRefusal(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kOk:
