@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstring>
 #include <functional>
 #include <iterator>
@@ -53,6 +54,22 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& target, const LoadConf
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 
+// read(2), again after a signal's handler interrupted it (SIGINT and SIGTERM are
+// installed without SA_RESTART, so that the run's other waits see them).
+ssize_t ReadRetryingSignals(int fd, void* buffer, size_t size) {
+  ssize_t n;
+  do {
+    n = read(fd, buffer, size);
+  } while (n < 0 && errno == EINTR);
+  return n;
+}
+
+// waitpid(2) for `child`, again after a signal's handler interrupted it.
+void ReapChild(pid_t child) {
+  while (waitpid(child, nullptr, 0) < 0 && errno == EINTR) {
+  }
+}
+
 // The minimal server on the transport of `target`: a Unix socket beside it, or a
 // kernel-chosen loopback port. Sets `*address`; null when it cannot listen.
 std::unique_ptr<grpc::Server> StartFloorServer(bool unix_socket, const std::string& socket_path,
@@ -77,6 +94,10 @@ std::unique_ptr<grpc::Server> StartFloorServer(bool unix_socket, const std::stri
 // (the read end of a pipe) sees end-of-file.
 [[noreturn]] void RunFloorChild(bool unix_socket, const std::string& socket_path, int ready_fd,
                                 int stop_fd) {
+  // The parent ends this process through the pipe: a terminal's Ctrl-C, sent to the
+  // whole process group, must not end the floor server under the parent's last round.
+  signal(SIGINT, SIG_IGN);
+  signal(SIGTERM, SIG_IGN);
   FloorService service;
   std::string address;
   std::unique_ptr<grpc::Server> server =
@@ -85,7 +106,7 @@ std::unique_ptr<grpc::Server> StartFloorServer(bool unix_socket, const std::stri
   (void)!write(ready_fd, message.data(), message.size());
   close(ready_fd);
   char byte;
-  while (read(stop_fd, &byte, 1) > 0) {
+  while (ReadRetryingSignals(stop_fd, &byte, 1) > 0) {
   }
   if (server != nullptr) server->Shutdown();
   if (unix_socket) unlink(socket_path.c_str());
@@ -145,11 +166,14 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
     char buffer[256];
     std::string address;
     ssize_t n;
-    while ((n = read(ready[0], buffer, sizeof(buffer))) > 0) address.append(buffer, n);
+    // A SIGINT while the child starts interrupts this read; the stop is seen below.
+    while ((n = ReadRetryingSignals(ready[0], buffer, sizeof(buffer))) > 0) {
+      address.append(buffer, n);
+    }
     close(ready[0]);
     if (address.empty() || address == "-") {
       close(stop_fd);
-      waitpid(child, nullptr, 0);
+      ReapChild(child);
       return absl::UnavailableError("the floor server (child process) cannot listen");
     }
     result.floor_address = address;
@@ -209,7 +233,7 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
     if (unix_socket) unlink(socket_path.c_str());
   } else {
     close(stop_fd);  // the child's end-of-file: it shuts down and exits
-    waitpid(child, nullptr, 0);
+    ReapChild(child);
   }
   return result;
 }
