@@ -249,6 +249,7 @@ absl::StatusOr<std::string> EpsClient::CallAttach(
   if (background) {
     std::lock_guard lock(attach_mu_);
     if (closing_) return absl::CancelledError("the client is closing");
+    if (attach_abandoned_) return absl::CancelledError("the caller stopped waiting for it");
     attach_context_ = &context;
   }
   v1::AttachResponse response;
@@ -282,7 +283,10 @@ bool EpsClient::TakePendingAttach(std::chrono::steady_clock::time_point deadline
   if (!pending_attach_.valid()) return false;
   if (pending_attach_.wait_until(deadline) != std::future_status::ready) {
     std::lock_guard lock(attach_mu_);
-    if (attach_context_ != nullptr) attach_context_->TryCancel();  // it returns promptly
+    // A call under way returns promptly; a thread that has not started its call yet
+    // (unscheduled until now) must not start it, or get() below would wait for it whole.
+    if (attach_context_ != nullptr) attach_context_->TryCancel();
+    attach_abandoned_ = true;
   }
   return Adopt(pending_attach_.get()).ok();
 }
@@ -309,6 +313,10 @@ absl::Status EpsClient::PollReattach() {
   }
   if (std::chrono::steady_clock::now() < next_attach_try_) {
     return absl::UnavailableError("not attached; re-attach backing off");
+  }
+  {
+    std::lock_guard lock(attach_mu_);
+    attach_abandoned_ = false;
   }
   pending_attach_ = std::async(std::launch::async, [this] { return CallAttach(true); });
   return absl::UnavailableError("not attached; re-attach started");

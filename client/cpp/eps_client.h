@@ -172,9 +172,12 @@ class EpsClient {
   bool attached_before_ = false;
   std::chrono::steady_clock::time_point next_attach_try_{};
   std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
-  mutable std::mutex attach_mu_;  // guards the two below, shared with the re-attach thread
+  mutable std::mutex attach_mu_;  // guards the three below, shared with the re-attach thread
   mutable grpc::ClientContext* attach_context_ = nullptr;  // the running background Attach's
   mutable bool closing_ = false;                           // set by the destructor
+  // Set when the caller gave up on the background Attach before its thread had started
+  // the call: the thread then does not start it. Cleared as each background Attach starts.
+  mutable bool attach_abandoned_ = false;
   std::unique_ptr<StreamCall> stream_;
   std::vector<std::unique_ptr<UnaryCall>> abandoned_;           // cancelled, callback pending
   std::vector<std::unique_ptr<StreamCall>> abandoned_streams_;  // cancelled, OnDone pending
