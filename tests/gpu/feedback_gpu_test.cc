@@ -61,9 +61,11 @@ std::vector<float> RandomFeedback(const CoarseSteps& steps, std::mt19937_64& rng
 // One row's steps (flat and coarse records) with random feedback, from a fresh
 // seed that the test prints on failure.
 struct RandomFeedbackSteps {
+  explicit RandomFeedbackSteps(Granularity granularity = Granularity::kUnion)
+      : steps{1, 4, granularity, rng} {}
   uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng{seed};
-  CoarseSteps steps{1, 4, Granularity::kUnion, rng};
+  CoarseSteps steps;
   std::vector<float> feedback = RandomFeedback(steps, rng);
   CoarseHost host = steps.Host();
 };
@@ -232,10 +234,12 @@ TEST(FeedbackGpuValidationTest, AReleasedStepWritesDenseListsAndKeepsTheFeedback
 
 // Strict mode ranks without the buffer (the same lists as without it) but consumes it,
 // the same entries core/ consumes, so that a later step of another policy never reads
-// entries two attentions old.
-TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedbackButConsumesIt) {
+// entries two attentions old; union lists and a list per KV head.
+class FeedbackGpuStrictTest : public ::testing::TestWithParam<Granularity> {};
+
+TEST_P(FeedbackGpuStrictTest, StrictModeIgnoresTheFeedbackButConsumesIt) {
   SKIP_WITHOUT_DEVICE();
-  RandomFeedbackSteps f;
+  RandomFeedbackSteps f(GetParam());
   SCOPED_TRACE(testing::SeedTrace(f.seed));
   auto selector = gpu::GpuSelector::Create(f.steps.model, 0, kBatch, f.steps.fine->max_groups());
   ASSERT_TRUE(selector.ok());
@@ -243,6 +247,7 @@ TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedbackButConsumesIt) {
   policy.method = Method::kJl;
   policy.top_pages = 6;
   policy.strict = true;
+  policy.granularity = GetParam();
   const testing::DeviceStep without =
       testing::SelectOnDevice(**selector, *f.steps.fine, kBatch, f.steps.rows, policy, &f.host);
   std::vector<float> got = f.feedback;
@@ -260,6 +265,13 @@ TEST(FeedbackGpuPolicyTest, StrictModeIgnoresTheFeedbackButConsumesIt) {
   EXPECT_FALSE(SameBits(want, f.feedback)) << "core/ consumed nothing";
   EXPECT_TRUE(SameBits(got, want)) << "the device consumes what core/ consumes";
 }
+
+INSTANTIATE_TEST_SUITE_P(Granularities, FeedbackGpuStrictTest,
+                         ::testing::Values(Granularity::kUnion, Granularity::kPerKvHead),
+                         [](const ::testing::TestParamInfo<Granularity>& p) {
+                           return std::string(p.param == Granularity::kPerKvHead ? "per_kv_head"
+                                                                                 : "union");
+                         });
 
 }  // namespace
 }  // namespace eps
