@@ -17,6 +17,16 @@
 #include "service/server.h"
 
 int main(int argc, char** argv) {
+  // Block the termination signals before any thread exists, so that every thread
+  // inherits the mask and one thread waits for them (sigwait below). The CUDA driver
+  // starts threads of its own at the device checks and the warm-up: blocked only after
+  // those, a SIGTERM could be delivered to one of them and end the process at once,
+  // without the drain.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // Each session's stream waits on its engine's inputs_ready in a hardware queue;
   // streams that share a queue wait behind each other (docs/design.md §6). CUDA's
   // default is 8 queues per process; take its maximum, 32, unless the operator chose.
@@ -56,13 +66,6 @@ int main(int argc, char** argv) {
                                             std::chrono::steady_clock::now() - start)
                                             .count()));
   }
-  // Block the termination signals in every thread; one thread waits for them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
   absl::StatusOr<std::unique_ptr<eps::service::EpsServer>> server =
       eps::service::EpsServer::Start(*config);
   if (!server.ok()) {

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <future>
@@ -188,6 +189,28 @@ TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
               : "not at all",
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   EXPECT_TRUE(after) << "a killed epsd never exited";
+}
+
+// SIGTERM drains a cuda epsd and it exits 0. The CUDA driver starts threads of its own at
+// epsd's device checks and warm-up; epsd once blocked the termination signals only after
+// those, so a SIGTERM could land on a driver thread and end the process at once (exit 143,
+// no drain).
+TEST_F(AsyncFenceTest, SigtermDrainsACudaEpsdAndItExitsZero) {
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("sigterm"),
+                                          {"--backend=cuda", "--drain-ms=300"});
+  ASSERT_NE(epsd, nullptr);
+  client::EpsClient client(AsyncOptions(*epsd), Attach());
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
+  epsd->Signal(SIGTERM);
+  // A hang guard, not a latency target: the drain plus epsd's own 4 s backstop.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  while (epsd->Running() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling a pid
+  }
+  if (epsd->Running()) epsd->Signal(SIGKILL);
+  EXPECT_EQ(epsd->Wait(), 0) << epsd->Log();
+  EXPECT_NE(epsd->Log().find("draining"), std::string::npos) << epsd->Log();
+  EXPECT_NE(epsd->Log().find("epsd: stopped"), std::string::npos) << epsd->Log();
 }
 
 TEST_F(AsyncFenceTest, FallbackWithAnAbsentSidecarReleasesTheEngineStream) {
