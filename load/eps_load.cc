@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   // destructors remove the shared-memory objects (a killed run would leave them).
   struct sigaction action {};
   action.sa_handler = RequestStop;
+  action.sa_flags = SA_RESTART;  // the run polls the flag; no system call should fail for it
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -26,6 +27,18 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+// Sleeps until `t` in slices of 20 ms, so that SIGINT / SIGTERM end an open loop's wait
+// at once (a gap lasts a second at --rate=1, and a Poisson gap has no bound); false when
+// the stop came first.
+bool WaitUntilUnlessStopped(Clock::time_point t, const std::atomic<bool>* stop) {
+  for (;;) {
+    if (stop != nullptr && stop->load()) return false;
+    const Clock::time_point now = Clock::now();
+    if (now >= t) return true;
+    std::this_thread::sleep_until(std::min(t, now + std::chrono::milliseconds(20)));
+  }
+}
 
 std::string CodeName(absl::StatusCode code) { return absl::StatusCodeToString(code); }
 
@@ -252,9 +265,10 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   }
   // One call: waits for its scheduled time, then records it (when in the window). Its
   // latency runs from the scheduled time, or with `from_send` from the actual send.
+  // Whether it succeeded; nothing when SIGINT / SIGTERM came during the wait (not sent).
   auto timed = [&](Clock::time_point scheduled, CallResults& out, const char* name, bool from_send,
-                   auto&& call) -> bool {
-    if (!closed) std::this_thread::sleep_until(scheduled);
+                   auto&& call) -> std::optional<bool> {
+    if (!closed && !WaitUntilUnlessStopped(scheduled, stop)) return std::nullopt;
     const Clock::time_point sent = Clock::now();
     const absl::Status status = call();
     const Clock::time_point done = Clock::now();
@@ -308,10 +322,14 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
       signal_inputs_ready();
       if (closed) scheduled = Clock::now();  // the signal is not part of the call
     }
-    const bool ok = timed(scheduled, s.select, "SelectPages", /*from_send=*/false, [&] {
-      result = s.client->SelectPages(++step, rows);
-      return result.fallback ? result.status : absl::OkStatus();
-    });
+    const std::optional<bool> outcome =
+        timed(scheduled, s.select, "SelectPages",
+              /*from_send=*/false, [&] {
+                result = s.client->SelectPages(++step, rows);
+                return result.fallback ? result.status : absl::OkStatus();
+              });
+    if (!outcome.has_value()) break;  // stopped before its time came
+    const bool ok = *outcome;
     if (config.reply_async) {
       if (absl::Status st = s.buffers->WaitSelection(step); !st.ok()) {
         log.Error(index, "WaitSelection", st);

@@ -54,8 +54,8 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& target, const LoadConf
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 
-// read(2), again after a signal's handler interrupted it (SIGINT and SIGTERM are
-// installed without SA_RESTART, so that the run's other waits see them).
+// read(2), again after a signal's handler interrupted it (eps-load installs its handlers
+// with SA_RESTART; this holds without it too).
 ssize_t ReadRetryingSignals(int fd, void* buffer, size_t size) {
   ssize_t n;
   do {

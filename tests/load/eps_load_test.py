@@ -434,6 +434,42 @@ def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_p
     assert not [p for p in Path("/dev/shm").glob(f"eps-load-{proc.pid}-*")]
 
 
+def test_sigint_ends_an_open_loop_between_its_calls(epsd: tuple[str, int], tmp_path: Path) -> None:
+    # At 0.02 calls/s the sessions sleep tens of seconds between calls; SIGINT once waited
+    # that out.
+    target, _ = epsd
+    proc = subprocess.Popen(
+        [
+            EPS_LOAD,
+            f"--target={target}",
+            "--preset=smollm2-135m",
+            "--batch=1",
+            "--context=1k",
+            "--duration=10m",
+            "--warmup=0",
+            "--floor-calls=0",
+            "--rate=0.02",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    while line and "running" not in line:
+        line = proc.stderr.readline()
+    assert "running" in line, line
+    time.sleep(0.5)  # the first call (at the start) is sent; the next is seconds away
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    waited = time.monotonic() - sent
+    assert proc.returncode == 0, stdout + stderr
+    assert "stopped early" in stdout
+    # A hang guard, well under the gaps: the wait is cut into 20 ms slices.
+    assert waited < 5, f"SIGINT took {waited:.1f} s to end the run"
+
+
 def test_sigint_ends_the_rpc_floor(epsd: tuple[str, int], tmp_path: Path) -> None:
     # The floor's rounds once ignored the stop flag: SIGINT waited for all of them.
     target, _ = epsd
