@@ -111,7 +111,7 @@ def calibrate(engine: PagedEngine, context: int, target: float,
 def _base(args: argparse.Namespace) -> SelectOptions:
     """The runs' options before their budget value: with --list-budget, the list-level rule
     (budget mass over the list at τ = 1, its floor and ceiling the budget value: the n
-    groups of the largest summed softmax shares of the list's heads; docs/policy.md)."""
+    groups of the largest summed softmax shares of the list's heads; docs/policy-selection.md)."""
     base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
                          coarse_candidates=_coarse_c(args))
     if getattr(args, "list_budget", False):
