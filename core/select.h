@@ -78,7 +78,7 @@ struct SelectPolicy {
   MassScope mass_scope = MassScope::kHead;
   // With kMass: empty, every layer takes the four settings above; else one setting per
   // layer (num_layers of them), which replace them: settings calibrated per layer
-  // (docs/eval/README.md, "The adaptive budget with selection feedback").
+  // (docs/eval/issue19-budgets-feedback.md, "The adaptive budget with selection feedback").
   std::vector<MassSetting> mass_layers;
   Granularity granularity = Granularity::kUnion;
   // With a coarse level (ModelLayout.coarse_blocks; docs/policy-selection.md, "Coarse-to-fine"):

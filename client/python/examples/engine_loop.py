@@ -152,7 +152,7 @@ class PagedEngine:
         self.view_table = torch.zeros(L, batch, 1, self.max_blocks, dtype=torch.int32,
                                       device=device)
         self.view_used = torch.zeros(L, batch, 1, dtype=torch.int32, device=device)
-        self.step_base = 1  # selection step numbers only grow (docs/api.md §3.4)
+        self.step_base = 1  # selection step numbers only grow (docs/api-memory.md §3.4)
 
     def _feedback_targets(self) -> list[Any]:
         """Selection feedback (docs/policy-selection.md): per layer, where the gated attention
@@ -563,7 +563,8 @@ class PagedEngine:
 
     def restore(self, saved: BufferSnapshot) -> None:
         """Puts the state back; synchronised, since a sync selection (calibration) may follow
-        at once and epsd reads from its own process (docs/api.md: inputs must have landed)."""
+        at once and epsd reads from its own process (docs/api-memory.md: inputs must have
+        landed)."""
         saved.restore(self.buffers)
         torch.cuda.synchronize(self.device)
 
