@@ -113,7 +113,7 @@ float QuestBound(std::span<const float> record, const SummaryLayout& layout, con
 // The quest part read as a centre and a half-width per channel. Where a
 // group's keys spread over many channels, their worst cases (quest) rarely
 // meet in one key: q·k varies around q·c by about the root of the channels'
-// squared spreads, not their sum (docs/eval/README.md measured the ranking).
+// squared spreads, not their sum (docs/eval/issue19-estimators.md measured the ranking).
 //
 // With the quest8 part the channels are codes in units of the record's scale
 // s: the sums run over the codes and take s at the end (s·centre + s·spread^½),

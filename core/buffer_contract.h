@@ -1,6 +1,6 @@
 // The shared buffers of a session, written once: name, shape in terms of the
 // layout and the session's sizes, element type, direction, and the alignment
-// of the one allocation that holds them all (docs/api.md, docs/design.md).
+// of the one allocation that holds them all (docs/api-memory.md, docs/design.md).
 //
 // Read by descriptor validation (service/session_buffers.cc), the engine-side
 // plan (client/cpp/buffer_plan.cc), the load generator (load/buffer_set.cc),

@@ -49,7 +49,7 @@ struct ModelLayout {
   int head_dim = 0;
   int block_size = 16;   // tokens per engine KV block
   int group_blocks = 2;  // g: blocks per summary group (docs/eval/README.md, "Defaults chosen")
-  // The coarse level (docs/policy.md, "Coarse-to-fine"): 0 for none, else blocks per
+  // The coarse level (docs/policy-selection.md, "Coarse-to-fine"): 0 for none, else blocks per
   // coarse group, a multiple of group_blocks above it. Its records (the same layout)
   // live in a second pool; the selection scores them first and reads the records of
   // the groups inside the best coarse groups only.

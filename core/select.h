@@ -23,7 +23,7 @@ enum class HeadMode { kAll, kRetrieval };
 // kFixed: exactly min(groups, forced + top_pages) groups per output row, so the
 //   counts are known before the step (kernels that plan on the host).
 // kTopP: the fewest groups whose estimated attention mass reaches top_p.
-// kMass: the adaptive budget (docs/policy.md, "Mass budget"): per head, add
+// kMass: the adaptive budget (docs/policy-selection.md, "Mass budget"): per head, add
 //   groups by decreasing calibrated mass estimate until the estimated share of
 //   the whole context's attention mass, forced groups included, reaches
 //   mass_target; at least min_pages and at most max_pages unforced groups.
@@ -78,10 +78,10 @@ struct SelectPolicy {
   MassScope mass_scope = MassScope::kHead;
   // With kMass: empty, every layer takes the four settings above; else one setting per
   // layer (num_layers of them), which replace them: settings calibrated per layer
-  // (docs/eval/README.md, "The adaptive budget with selection feedback").
+  // (docs/eval/issue19-budgets-feedback.md, "The adaptive budget with selection feedback").
   std::vector<MassSetting> mass_layers;
   Granularity granularity = Granularity::kUnion;
-  // With a coarse level (ModelLayout.coarse_blocks; docs/policy.md, "Coarse-to-fine"):
+  // With a coarse level (ModelLayout.coarse_blocks; docs/policy-selection.md, "Coarse-to-fine"):
   // each scored head names its ceil(coarse_candidates · top_pages / r) best unforced
   // coarse groups as candidates (r = groups per coarse group); only the groups inside
   // the list's candidates (and the forced ones) are scored and may be visited. In
@@ -138,7 +138,7 @@ void MarkTopP(std::span<const float> scores, std::span<const uint8_t> forced, fl
 // (MarkByMass, MarkByMassList; the device takes the same value).
 double MassInvScale(float temperature, int head_dim);
 
-// Mass budget for one head (docs/policy.md, "Mass budget"). Over all n groups,
+// Mass budget for one head (docs/policy-selection.md, "Mass budget"). Over all n groups,
 // forced ones included, w_p = exp((s_p − s_max) / (temperature·sqrt(d))),
 // W = Σ w. Covered mass C starts at the forced groups' w. Unforced groups are
 // taken by decreasing w (ties: the more recent group first): the first
@@ -149,7 +149,7 @@ void MarkByMass(std::span<const float> scores, std::span<const uint8_t> forced, 
                 float temperature, int head_dim, int min_pages, int max_pages,
                 std::span<uint8_t> visit);
 
-// Mass budget over the heads of one output list (mass_scope = list; docs/policy.md,
+// Mass budget over the heads of one output list (mass_scope = list; docs/policy-selection.md,
 // "Mass budget"). Each head's w_p as in MarkByMass, over its own total W_h; a
 // group's share σ_p = Σ_h w_hp / W_h over the heads with W_h > 0, rounded to
 // float (the device keeps shares in 4 bytes), S = Σ σ. Covered C starts at the

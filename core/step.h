@@ -39,7 +39,7 @@ struct StepInputs {
   int64_t coarse_slots = 0;
   const int32_t* coarse_table = nullptr;
   int64_t max_coarse_groups = 0;
-  // Selection feedback (docs/policy.md, "Selection feedback"), optional:
+  // Selection feedback (docs/policy-selection.md, "Selection feedback"), optional:
   // [num_layers, max_seqs, num_q_heads, max_groups] float32, by table row. The
   // engine's attention writes, for each group it visited, log Σ exp(q·k/√d) over
   // the group's keys with that step's query (any per-(row, layer, head) constant

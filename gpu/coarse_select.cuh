@@ -1,5 +1,5 @@
 // The coarse level of the GPU pre-pass (coarse-to-fine selection; core/step.cc
-// PageSelector::Select, docs/policy.md "Coarse-to-fine"). A step with the level
+// PageSelector::Select, docs/policy-selection.md "Coarse-to-fine"). A step with the level
 // launches, between the query terms and the selection (gpu/step_launch.cuh):
 //
 //   1. ScoreKernel over the coarse records (its `coarse` pass: the coarse pool

@@ -1,4 +1,4 @@
-// The CUDA devices of this process, by ordinal or by UUID (docs/api.md §3.7).
+// The CUDA devices of this process, by ordinal or by UUID (docs/api-memory.md §3.7).
 // A tensor-parallel engine usually runs each rank with CUDA_VISIBLE_DEVICES
 // naming one GPU, so a rank's ordinal 0 is not epsd's ordinal 0; the 16-byte
 // device UUID is the same in every process of the host.

@@ -22,8 +22,8 @@
 // last pass finds the key below it (for an even count). Each block is short and
 // mostly waiting at barriers or loads, so blocks are small (128 threads) for many
 // of them to share an SM, and a thread loads 8 groups at once. Measured on an
-// H100 (docs/benchmarks/gpu.md, "Selection feedback's kernel, 2026-11-26"): 256
-// threads a block, or 64, and 4 groups a load were no faster.
+// H100 (docs/benchmarks/gpu-history-2026-11-26-sessions-3-7.md, "Selection feedback's
+// kernel, 2026-11-26"): 256 threads a block, or 64, and 4 groups a load were no faster.
 //
 // Shapes: feedback [layers, max_seqs, q_heads, max_groups] fp32 by table row;
 // scores [max_batch, layers, q_heads, max_groups] fp32 (the selector's scratch);

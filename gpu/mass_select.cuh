@@ -1,5 +1,5 @@
 // The mass budget on the device (core MarkByMass and MarkByMassList,
-// docs/policy.md "Mass budget"): one warp finds one head's cut, or one list's
+// docs/policy-selection.md "Mass budget"): one warp finds one head's cut, or one list's
 // cut over its heads' shares, for the selection kernel (gpu/select_kernel.cuh).
 #pragma once
 

@@ -3,8 +3,8 @@
 // 128, 256). The general path (warp_sums.cuh QuestCltSumsWarp) has all 32
 // lanes share each record: its runtime loops over d, 4-byte loads and one
 // transposed reduction of every (record, head) sum over the whole warp cost
-// about 180 instructions per record (docs/benchmarks/gpu.md, "2026-11-25,
-// third session").
+// about 180 instructions per record (docs/benchmarks/gpu-history-2026-11-25-26.md,
+// "2026-11-25, third session").
 //
 // Here the warp takes 32 / L records per pass, L = d / 8 lanes each (lanes
 // L·k … L·k + L − 1 record k): lane j of a record owns channels 8j … 8j + 7,

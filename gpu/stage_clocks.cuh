@@ -6,7 +6,8 @@
 // (gpu/stage_clocks.h) prints p10/p50/p90 of each stage's time over the blocks.
 // Which stage holds a block up is what the ncu profiles could not show: the
 // fused kernel is neither DRAM- nor issue-bound, and its time is the chain of
-// dependent steps a block runs (docs/benchmarks/gpu.md, eleventh session).
+// dependent steps a block runs (docs/benchmarks/gpu-history-2026-11-26-sessions-8-11.md,
+// eleventh session).
 // The stamps cost about 1 % of the kernel's time (H100, 64 x 32k). Included
 // through step.cu only.
 #pragma once

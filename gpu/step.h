@@ -100,10 +100,10 @@ struct GpuSelectorOptions {
   // fused into scoring (gpu/fused_select.cuh) instead of as a kernel of its own.
   // kAuto fuses jl's staged path (m of 4 or 8) at every batch: on the H100 the
   // fused step was as fast as the two kernels or faster from batch 1 × 32k up
-  // since its chain of memory round trips was shortened (docs/benchmarks/gpu.md,
-  // eleventh session; until then it lost below six waves of blocks); every other
-  // method keeps the two kernels. kAlways and kNever are for tests and the
-  // benchmark's comparison.
+  // since its chain of memory round trips was shortened
+  // (docs/benchmarks/gpu-history-2026-11-26-sessions-8-11.md, eleventh session; until then
+  // it lost below six waves of blocks); every other method keeps the two kernels. kAlways
+  // and kNever are for tests and the benchmark's comparison.
   enum class Fusion { kAuto, kAlways, kNever };
   Fusion fusion = Fusion::kAuto;
   // questclt takes its general path (gpu/warp_sums.cuh QuestCltSumsWarp: the

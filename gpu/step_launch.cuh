@@ -155,7 +155,8 @@ struct StepLaunch {
   // once as the terms kernel would, and the step has one kernel less. With more
   // blocks than the GPU holds, each later wave would wait for its own terms, where
   // the terms kernel builds them all under the first (H100, jl 32k: 0.7-3.1 us less
-  // at batch 1; in every block, 4 and 18 us more at batches 8 and 64; gpu.md).
+  // at batch 1; in every block, 4 and 18 us more at batches 8 and 64;
+  // docs/benchmarks/gpu-history-2026-11-26-sessions-3-7.md).
   // `held`: the terms kernel chosen is TermsKernelHeld, whose sums the blocks then
   // run where they hold its share of Φ (ScoreArgs::held_e, BlockHoldsPhi).
   void PlanTermsInBlocks(int64_t resident_blocks, const float* phi, bool held, int d, int m) {

@@ -73,7 +73,7 @@ struct Shape {
 // the count allows (every row short of 2^31 tokens), else 64-bit ones, which
 // nvcc emits with a range check and a call; every thread of a scoring block
 // divides, and these divisions were 8 % of the fused kernel's instructions
-// (ncu, 64 x 32k; docs/benchmarks/gpu.md, tenth session).
+// (ncu, 64 x 32k; docs/benchmarks/gpu-history-2026-11-26-sessions-8-11.md, tenth session).
 __device__ inline int64_t BlocksOf(const Shape& s, int64_t tokens) {
   if (tokens >= 0 && tokens <= INT32_MAX) {
     return (static_cast<uint32_t>(tokens) + static_cast<uint32_t>(s.block_size) - 1u) /

@@ -9,7 +9,7 @@
 // and quest8 parts match bit for bit.
 //
 // Records are device memory of the pool's layout: 16-byte aligned (the pool contract,
-// docs/api.md §3.2) and at least record_words apart; keys aligned to their element size.
+// docs/api-memory.md §3.2) and at least record_words apart; keys aligned to their element size.
 // Thread safety: appends of one call must target distinct, non-overlapping records
 // (checked); calls on one stream are ordered. Append (the synchronous one) shares scratch
 // memory between calls and serialises on a mutex; AppendAsync and Reset share nothing

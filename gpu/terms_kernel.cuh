@@ -8,7 +8,8 @@
 // staged path, one block per row, layer and KV head: batch 1 at 32k), each
 // scoring block builds its own heads' instead while its records load, and the
 // step has no terms kernel. Building them in every block at every batch lost:
-// each later wave then waits for its own terms (gpu.md, seventh session).
+// each later wave then waits for its own terms
+// (docs/benchmarks/gpu-history-2026-11-26-sessions-3-7.md, seventh session).
 // Also the step's query check: a non-finite element of a scored head fails it.
 #pragma once
 

@@ -27,7 +27,7 @@ struct BufferSetShape {
   int64_t max_context = 0;
   int64_t max_batch = 0;
   int64_t coarse_slots = 0;    // coarse records per (layer, KV head): >= 1 with a coarse level
-  bool with_feedback = false;  // the selection feedback buffer (docs/api.md), NaN-filled
+  bool with_feedback = false;  // the selection feedback buffer (docs/api-memory.md), NaN-filled
 };
 
 // One stepped row's part of a feedback write: its table row and how many of its

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the transport and setting comparisons of docs/benchmarks/latency.md:
+# Runs the transport and setting comparisons of docs/benchmarks/latency-history.md:
 # each configuration twice, against a CPU-backend epsd started here.
 #
 #   load/compare.sh OUT_DIR [EXTRA eps-load FLAGS...]

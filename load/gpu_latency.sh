@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The latency comparisons of docs/benchmarks/latency.md on the lent GPU machine,
+# The latency comparisons of docs/benchmarks/latency-history.md on the lent GPU machine,
 # from binaries carried in .carry/load (load/make_carry.sh packs them).
 #
 #   here:  scripts/build.sh && cmake --build build --target epsd eps-load && load/make_carry.sh

@@ -43,7 +43,7 @@ struct LoadConfig {
   ModelLayout model;  // the preset, then the custom shape flags (coarse_blocks included)
   // SelectOptions.coarse_candidates at Attach, with a coarse level; 0: epsd's default.
   float coarse_candidates = 0;
-  // Selection feedback (docs/api.md): 0, no feedback buffer; in (0, 1], each session
+  // Selection feedback (docs/api-memory.md): 0, no feedback buffer; in (0, 1], each session
   // shares one and eps-load writes this share of every stepped row's groups before each
   // step, as an engine's attention would (load_run.h).
   double feedback_share = 0;
@@ -57,7 +57,7 @@ struct LoadConfig {
   // step number goes to all ranks at once (closed loop, no Ping), and the report adds
   // per-rank latency and the spread between ranks at the same step (load_run.h).
   int ranks = 0;
-  bool stream = true;  // the stream: 40-340 µs less per call than unary here (latency.md)
+  bool stream = true;  // the stream: 40-340 µs less per call than unary here (latency-history.md)
   // REPLY_MODE_ASYNC (--backend=cuda): epsd replies once the step is queued; each
   // step signals inputs_ready before the call and waits for selection_done after it,
   // outside the measured call, as an engine's stream would.

@@ -1,6 +1,6 @@
 // The RPC floor: what an empty unary call costs on this machine and transport when
 // the server does nothing else, measured in the same run as epsd's Ping so that
-// both see the same background load (docs/benchmarks/latency.md, "RPC floor").
+// both see the same background load (docs/benchmarks/latency-history.md, "The RPC floor").
 //
 // The minimal server is the generated PageSelector callback service with only Ping,
 // which finishes at once (no health or reflection service, no telemetry, default

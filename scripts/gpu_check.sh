@@ -45,7 +45,8 @@ run memcheck 300 6 compute-sanitizer --tool memcheck --error-exitcode 1 "$CARRY/
 run racecheck 300 6 compute-sanitizer --tool racecheck --error-exitcode 1 "$CARRY/gpu_step_test" \
   --gtest_filter="$filter"
 run two_process_test 300 1 "$CARRY/two_process_test"
-# Tensor-parallel ranks (docs/api.md §3.7): several on one GPU; rank r on GPU r where there are more.
+# Tensor-parallel ranks (docs/api-memory.md §3.7): several on one GPU; rank r on GPU r where
+# there are more.
 run multi_rank_test 400 1 "$CARRY/multi_rank_test"
 echo
 [[ -f $OUT/bench.0.log ]] && cat "$OUT/bench.0.log"

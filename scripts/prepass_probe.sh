@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, one call: the reference engine's pre-pass against the
-# benchmark's, for the same shape and kernel (docs/benchmarks/gpu.md, "2026-11-25, second
-# session": an IPC allocation that is not whole 2 MiB pages made it 2.4 x slower).
+# benchmark's, for the same shape and kernel (docs/benchmarks/gpu-history-2026-11-25-26.md,
+# "2026-11-25, second session": an IPC allocation that is not whole 2 MiB pages made it 2.4 x
+# slower).
 # Carries: .carry (scripts/gpu_carry.sh) and .carry-engine (scripts/engine_stage.sh).
 # Runs, at batch 8 x 32k and g = 2, questclt threshold, scattered slots:
 #   1. eps_gpu_bench with the pool allocated in its own process; mapped from a child

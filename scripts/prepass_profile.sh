@@ -4,8 +4,8 @@
 # g = 2, questclt threshold; and the GPU's clocks, power and temperature sampled every
 # 100 ms throughout: the pre-pass's kernels side by side, in the benchmark and in epsd
 # beside an engine. It found the 2.4x gap of 2026-11-25 to be the same work waiting longer
-# for memory (docs/benchmarks/gpu.md, "2026-11-25, second session"). Carries: .carry
-# (scripts/gpu_carry.sh) and .carry-engine (scripts/engine_stage.sh).
+# for memory (docs/benchmarks/gpu-history-2026-11-25-26.md, "2026-11-25, second session").
+# Carries: .carry (scripts/gpu_carry.sh) and .carry-engine (scripts/engine_stage.sh).
 # EPS_PROFILE_PARTS (default "bench engine") picks the parts. Results in $OUT (default
 # /tmp/eps-prepass-profile):
 #   smi.csv, ncu-bench.csv, ncu-epsd.csv (one row per kernel launch), engine/, logs.

@@ -37,7 +37,7 @@ ABSL_FLAG(double, eps_top_p, 0.95,
           "estimated attention mass to cover with --eps-budget=top_p, in (0, 1]");
 ABSL_FLAG(double, eps_budget_mass, 0.95,
           "estimated attention mass p to reach with --eps-budget=mass, in (0, 1] "
-          "(docs/policy.md, Mass budget)");
+          "(docs/policy-selection.md, Mass budget)");
 ABSL_FLAG(double, eps_mass_temperature, 1.0,
           "calibration temperature of the mass estimate with --eps-budget=mass, in (0, 1000]");
 ABSL_FLAG(int, eps_min_pages, 0,

@@ -12,7 +12,7 @@
 namespace eps::service {
 namespace {
 
-// The cuda session's device as the request names it (docs/api.md §3.7), checked
+// The cuda session's device as the request names it (docs/api-memory.md §3.7), checked
 // without CUDA: a 16-byte device_uuid, or the ordinal of summary_pool.cuda_ipc (of
 // `device` without one), which `device` and every cuda_ipc.device must repeat, since
 // a step's kernels run on one device. Returns that ordinal (none for a UUID).

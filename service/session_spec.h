@@ -31,7 +31,7 @@ struct SessionSpec {
 
 // Validates everything of `request` but its buffers and options, in the order
 // clients see errors: engine_id, layout, query dtype, batch, block ids, lease,
-// backend and device: the device fields (docs/api.md §3.7), then
+// backend and device: the device fields (docs/api-memory.md §3.7), then
 // FAILED_PRECONDITION when CUDA is asked for and absent, then the device's
 // existence (INVALID_ARGUMENT); a cpu session naming a device is INVALID_ARGUMENT.
 absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& request,

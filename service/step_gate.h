@@ -4,7 +4,7 @@
 // one has ended. A step runs inline on a gRPC callback thread, so a step that
 // waited on a lock instead would hold one of the server's few threads, and an
 // engine with calls queued on its own slow session would starve every other
-// engine (docs/api.md, "Steps in flight"). A normal engine has at most two calls
+// engine (docs/api-failures.md, "Steps in flight"). A normal engine has at most two calls
 // on a session: the step running and, after a client deadline, the next one.
 //
 // Thread safety: all methods may be called concurrently. Turns of one gate never

@@ -34,7 +34,7 @@ v1::MemoryDescriptor* MutableDescriptor(v1::SharedBuffers& s, const BufferSpec& 
 
 absl::StatusOr<BufferPlan> BufferPlan::For(const ModelLayout& model, const BufferShape& shape) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
-  // epsd's own limits (docs/api.md §3): slots, table rows and batch positions are int32
+  // epsd's own limits (docs/api-memory.md §3): slots, table rows and batch positions are int32
   // indices, block ids and visit counts int32, so a list holds at most 2^31-1 blocks.
   const std::pair<const char*, int64_t> counts[] = {
       {"num_slots", shape.num_slots}, {"max_seqs", shape.max_seqs}, {"max_batch", shape.max_batch}};

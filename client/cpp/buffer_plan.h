@@ -1,6 +1,6 @@
 // Where each shared buffer of a session lives inside one allocation, for the
 // shared-memory (EngineBuffers) and the device-memory (DeviceBuffers) forms
-// alike, and the eps.v1 descriptors of that layout (docs/api.md).
+// alike, and the eps.v1 descriptors of that layout (docs/api-memory.md).
 //
 // The buffers, their shapes, element types and order are core/buffer_contract.h's
 // table; every part starts at a multiple of kBufferAlignment (256 bytes), so
@@ -29,7 +29,7 @@ struct BufferShape {
   // Coarse records per (layer, kv head): >= 1 when the layout has a coarse level
   // (ModelLayout.coarse_blocks > 0), 0 without one.
   int64_t coarse_slots = 0;
-  // Selection feedback (docs/api.md): when set the allocation holds the feedback
+  // Selection feedback (docs/api-memory.md): when set the allocation holds the feedback
   // buffer [layers, max_seqs, q_heads, max_groups] float32 and Descriptors() names
   // it; unset, it has no bytes and epsd gets no descriptor.
   bool with_feedback = false;

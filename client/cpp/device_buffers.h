@@ -45,7 +45,7 @@ class DeviceBuffers {
   // Descriptors of every buffer (CudaIpcHandle), for AttachRequest.buffers.
   v1::SharedBuffers Descriptors() const;
 
-  // Device pointers, laid out as docs/api.md says.
+  // Device pointers, laid out as docs/api-memory.md says.
   float* summary_pool() const { return At<float>(plan_.pool); }
   int32_t* group_table() const { return At<int32_t>(plan_.groups); }
   int32_t* block_table() const { return At<int32_t>(plan_.blocks); }
@@ -61,7 +61,7 @@ class DeviceBuffers {
     return plan_.model.has_coarse_level() ? At<int32_t>(plan_.coarse_table) : nullptr;
   }
   // Selection feedback [layers, max_seqs, q_heads, max_groups] float32, NaN from Create
-  // on; null without BufferShape.with_feedback (docs/api.md).
+  // on; null without BufferShape.with_feedback (docs/api-memory.md).
   float* feedback() const {
     return plan_.shape.with_feedback ? At<float>(plan_.feedback) : nullptr;
   }
@@ -79,7 +79,7 @@ class DeviceBuffers {
   const BufferPlan& plan() const { return plan_; }
   int device() const { return device_; }
   // The 16 bytes of the device's cudaDeviceProp.uuid, for AttachRequest.device_uuid
-  // (docs/api.md §3.7: a rank whose ordinals are not epsd's names its GPU by it).
+  // (docs/api-memory.md §3.7: a rank whose ordinals are not epsd's names its GPU by it).
   absl::StatusOr<std::string> DeviceUuid() const;
 
  private:

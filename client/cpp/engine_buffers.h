@@ -52,7 +52,7 @@ class EngineBuffers {
   // Selection feedback (BufferShape.with_feedback; empty without): the max_groups
   // entries of one (layer, table row, q head), NaN from Create on. The engine writes
   // each visited group's log-sum-exp there; epsd sets the step's rows to NaN again
-  // after a step that succeeded (docs/api.md).
+  // after a step that succeeded (docs/api-memory.md).
   std::span<float> FeedbackRow(int layer, int64_t row, int q_head);
   // The visit list of (layer, batch position, list): VisitCount entries, clamped to
   // max_blocks. Empty both for an empty list and for "attend densely" (count -1): use

@@ -69,7 +69,7 @@ int eps_engine_abi_version(void);
 const char* eps_engine_last_error(void);
 int eps_engine_device_count(int32_t* count);
 
-/* Step counters (docs/api.md §3.4). `flags` points at the [2] uint64 flags buffer. */
+/* Step counters (docs/api-memory.md §3.4). `flags` points at the [2] uint64 flags buffer. */
 int eps_engine_preload(int32_t device);
 int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step);
 int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step);

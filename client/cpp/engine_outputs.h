@@ -1,5 +1,5 @@
 // Engine-ready attention inputs built on the device from epsd's visit lists
-// (docs/api.md §3.6, docs/integration/outputs.md), with no host copy:
+// (docs/api-memory.md §3.6, docs/integration/outputs.md), with no host copy:
 //
 //   FlashAttention: per (layer, batch position[, KV head]) a block-table row and
 //     seqused_k, the arguments of flash_attn_with_kvcache / a paged decode kernel.

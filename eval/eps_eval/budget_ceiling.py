@@ -25,7 +25,8 @@ If `greedy` does not skip more than `fixed` (mean), no rule that stops a ranking
 can meet the goal with that ranking, however it is calibrated.
 
 Rankings: `questclt1` (the quest8 record, lag-1 query) and `oracle` (the current query's
-exact masses, the ideal of the section "The mass budget over the list" in docs/eval).
+exact masses, the ideal of the section "The mass budget over the list" in
+docs/eval/issue19-groups-gemma.md).
 Units: DIR/units/ceiling_{model}_{context}.csv (a row per pair, ranking and g: the greedy
 skip, the needed share and every swept budget's recall and skip); the table is printed
 and written to DIR/ceiling_{model}.md.

@@ -1,9 +1,9 @@
 """Selection feedback with memory, simulated step by step in the harness (issue 19).
 
-Selection feedback (docs/policy.md): the attention of step t−1 reports, for every block it
-visited, √d·log Σ exp(q·k/√d) under that step's query; step t, whose selection reads the
-same (lag-1) query, ranks those blocks by it and every other block by its estimate plus the
-head's median of (exact − estimate) over the fed candidate blocks. epsd consumes the
+Selection feedback (docs/policy-selection.md): the attention of step t−1 reports, for every
+block it visited, √d·log Σ exp(q·k/√d) under that step's query; step t, whose selection
+reads the same (lag-1) query, ranks those blocks by it and every other block by its estimate
+plus the head's median of (exact − estimate) over the fed candidate blocks. epsd consumes the
 entries after one step. This module keeps them longer and asks whether that helps:
 
   K = 1        today's rule, but in its steady state: every list was itself chosen with

@@ -3,10 +3,10 @@
 (QualityPlan.mass_feedback, rows fbm-questclt), with core ApplyFeedback's rule (fed_scores).
 
 The mass budget's estimate of a group's share of the attention is the weak part of the
-adaptive budget (docs/eval/README.md, "The list-level budget in epsd": the estimate, not
-the rule, keeps it from beating a well-chosen fixed budget). With selection feedback the
-groups the previous step visited carry their exact lag-1 mass, and the others are shifted
-by each head's median error over those (core ApplyFeedback's rule). Rows "fbm-questclt":
+adaptive budget (docs/eval/issue19-budgets-feedback.md, "The list-level budget in epsd": the
+estimate, not the rule, keeps it from beating a well-chosen fixed budget). With selection
+feedback the groups the previous step visited carry their exact lag-1 mass, and the others are
+shifted by each head's median error over those (core ApplyFeedback's rule). Rows "fbm-questclt":
 the previous step selects with the query two positions back under the same budget and
 setting (so what is fed depends on the budget, as in an engine), then this step selects
 with the fed scores; threshold rows beside them (the best fixed budget with feedback).

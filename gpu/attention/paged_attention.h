@@ -3,7 +3,7 @@
  * One query token per sequence attends over a list of KV-cache blocks in vLLM's
  * FlashAttention layout. The lists are read on the device, never copied to the host,
  * so the same call runs dense (the engine's block table and context lengths) and
- * gated (epsd's visit_blocks / visit_count, docs/api.md section 3.6). Its cost is
+ * gated (epsd's visit_blocks / visit_count, docs/api-memory.md section 3.6). Its cost is
  * proportional to the blocks a list names: skipped blocks are never read.
  * docs/benchmarks/attention.md has its measured speed and how to build and load it.
  *
@@ -41,7 +41,7 @@
  * overflowing score makes its row NaN; a head whose every score is -inf gets zeros and
  * lse -inf).
  *
- * Selection feedback (optional; docs/api.md "Selection feedback"). With `feedback` set,
+ * Selection feedback (optional; docs/api-memory.md "Selection feedback"). With `feedback` set,
  * the call also writes, for every group of blocks a row's list visits, each query
  * head's log Σ exp(score) over the group's listed tokens (score as for lse: natural log,
  * softmax_scale and softcap applied) into epsd's feedback buffer of this layer:

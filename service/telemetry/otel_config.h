@@ -1,5 +1,5 @@
 // The OpenTelemetry SDK environment variables epsd honours, read once at start
-// (docs/observability.md lists them with their defaults):
+// (docs/observability-traces.md lists them with their defaults):
 //   OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER (otlp | none)
 //   OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL (grpc | http/protobuf), _HEADERS, _TIMEOUT
 //   OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG

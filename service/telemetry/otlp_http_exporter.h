@@ -1,7 +1,7 @@
 // OTLP/HTTP with binary protobuf: POST <path> (default /v1/traces) with
 // Content-Type application/x-protobuf, over a plain HTTP/1.1 socket, one
 // connection per batch (batches leave every few seconds). No TLS: point it at
-// a local collector, or use OTLP/gRPC for TLS (docs/observability.md).
+// a local collector, or use OTLP/gRPC for TLS (docs/observability-traces.md).
 #pragma once
 
 #include "service/telemetry/otel_config.h"

@@ -76,7 +76,7 @@ class Telemetry {
   Step BeginStep(const v1::SelectPagesRequest& request);  // counts the client's fallback report
   // `backend`: the kind of the session's backend (kCpu when no session was found). With
   // async replies, `response.earlier` carries earlier steps' statistics: they are counted,
-  // and each gets a step-log line of its own kind ("late_stats", docs/observability.md).
+  // and each gets a step-log line of its own kind ("late_stats", docs/observability-traces.md).
   void EndStep(const Call& call, const Step& step, const v1::SelectPagesRequest& request,
                const v1::SelectPagesResponse& response, const absl::Status& status,
                service::BackendKind backend);

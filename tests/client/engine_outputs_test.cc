@@ -1,5 +1,5 @@
 // Engine-ready outputs (client/cpp/engine_outputs.h) against a host reference built
-// from the visit-list contract of docs/api.md §3.6, on fresh random lists (some dense,
+// from the visit-list contract of docs/api-memory.md §3.6, on fresh random lists (some dense,
 // some malformed, some naming blocks outside the cache) and contexts (some empty,
 // negative or longer than the engine's row). Skips without a device.
 #include "client/cpp/engine_outputs.h"

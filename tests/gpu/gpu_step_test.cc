@@ -41,7 +41,7 @@ TEST(GpuPhiTest, DeviceGeneratorMatchesCoreBitExactly) {
   }
 }
 
-// The mass budget's options (docs/policy.md, "Mass budget") and whether its
+// The mass budget's options (docs/policy-selection.md, "Mass budget") and whether its
 // floor or ceiling must change core/'s lists in the case (else not checked).
 struct MassCase {
   float target = 0.95f;

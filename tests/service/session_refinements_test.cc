@@ -183,7 +183,7 @@ TEST_F(CoarseSessionServiceTest, AContextBeyondTheCoarseTableIsRefused) {
   EXPECT_THAT(s.message(), HasSubstr("needs 15 coarse groups, max_coarse_groups=14"));
 }
 
-// A session with the selection-feedback buffer (docs/api.md), flat or with a coarse
+// A session with the selection-feedback buffer (docs/api-memory.md), flat or with a coarse
 // level; three table rows, the step reads rows 0 and 1 (row 2 is another sequence's).
 class FeedbackSessionServiceTest : public ::testing::TestWithParam<int> {
  protected:

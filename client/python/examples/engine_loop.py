@@ -104,8 +104,9 @@ class PagedEngine:
         self.kv = [torch.zeros(2, self.num_blocks, self.bs, c.num_kv_heads, c.head_dim,
                                device=device, dtype=dtype) for _ in range(c.num_layers)]
         self.kv_ptrs = np.array([t.data_ptr() for t in self.kv], dtype=np.uint64)
-        # The coarse level (docs/policy.md, "Coarse-to-fine"): a record per coarse group too,
-        # in shuffled coarse slots (drawn after the tables above, which stay as without it).
+        # The coarse level (docs/policy-selection.md, "Coarse-to-fine"): a record per coarse
+        # group too, in shuffled coarse slots (drawn after the tables above, which stay as
+        # without it).
         self.max_coarse = coarse_groups_for(max_context, eps_model)
         self.coarse_slots_host = rng.permutation(batch * self.max_coarse).astype(
             np.int64).reshape(batch, self.max_coarse)
@@ -151,11 +152,11 @@ class PagedEngine:
         self.view_table = torch.zeros(L, batch, 1, self.max_blocks, dtype=torch.int32,
                                       device=device)
         self.view_used = torch.zeros(L, batch, 1, dtype=torch.int32, device=device)
-        self.step_base = 1  # selection step numbers only grow (docs/api.md §3.4)
+        self.step_base = 1  # selection step numbers only grow (docs/api-memory.md §3.4)
 
     def _feedback_targets(self) -> list[Any]:
-        """Selection feedback (docs/policy.md): per layer, where the gated attention writes
-        each visited group's log-sum-exp: that layer of epsd's feedback buffer, with every
+        """Selection feedback (docs/policy-selection.md): per layer, where the gated attention
+        writes each visited group's log-sum-exp: that layer of epsd's feedback buffer, with every
         cache block's index in its sequence (the table is allocated whole up front, so its
         positions never change). Batch row b is table row b."""
         if self.attend is gather_attention:
@@ -562,7 +563,8 @@ class PagedEngine:
 
     def restore(self, saved: BufferSnapshot) -> None:
         """Puts the state back; synchronised, since a sync selection (calibration) may follow
-        at once and epsd reads from its own process (docs/api.md: inputs must have landed)."""
+        at once and epsd reads from its own process (docs/api-memory.md: inputs must have
+        landed)."""
         saved.restore(self.buffers)
         torch.cuda.synchronize(self.device)
 

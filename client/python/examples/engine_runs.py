@@ -111,7 +111,7 @@ def calibrate(engine: PagedEngine, context: int, target: float,
 def _base(args: argparse.Namespace) -> SelectOptions:
     """The runs' options before their budget value: with --list-budget, the list-level rule
     (budget mass over the list at τ = 1, its floor and ceiling the budget value: the n
-    groups of the largest summed softmax shares of the list's heads; docs/policy.md)."""
+    groups of the largest summed softmax shares of the list's heads; docs/policy-selection.md)."""
     base = SelectOptions(first_n=args.first_n, last_n=args.last_n,
                          coarse_candidates=_coarse_c(args))
     if getattr(args, "list_budget", False):
@@ -189,7 +189,8 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
         s = summarize(gated, args.warmup_steps)
         attn = engine.attention_ms(True, P + N)
         # The same pre-pass on the same buffers with the engine idle: synchronous
-        # selections with nothing else on the GPU (docs/benchmarks/gpu.md, "2026-11-25").
+        # selections with nothing else on the GPU (docs/benchmarks/gpu-history-2026-11-25-26.md,
+        # "2026-11-25").
         idle = [st.prepass_us for st in
                 (engine.select_sync(P + N, _at(base, top)) for _ in range(12)) if st]
         limit = attention_limit_ms(d["step_ms_p50"], dense_attn, s["pages_read_fraction"])

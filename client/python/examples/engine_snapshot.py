@@ -11,7 +11,7 @@ are epsd's, rewritten each step before the engine reads them.
 
 Works on anything with torch's ``clone`` / ``copy_`` / ``fill_``; the copies are queued on
 the current stream, so the caller synchronises before epsd reads them from its process
-(docs/api.md: a sync step's inputs must have landed).
+(docs/api-memory.md: a sync step's inputs must have landed).
 """
 
 from __future__ import annotations

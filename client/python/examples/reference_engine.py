@@ -50,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="g (8: the published runs' layout; epsd's default is 2)")
     ap.add_argument("--sketch-dim", type=int, default=8)
     ap.add_argument("--coarse-blocks", type=int, default=0,
-                    help="a coarse level of N blocks per coarse group (0: none; docs/policy.md)")
+                    help="a coarse level of N blocks per coarse group "
+                         "(0: none; docs/policy-selection.md)")
     ap.add_argument("--coarse-candidates", type=float, default=2.0,
                     help="SelectOptions.coarse_candidates with a coarse level")
     ap.add_argument("--feedback", action="store_true",
                     help="selection feedback: the gated attention writes each visited group's "
-                         "log-sum-exp, which epsd's next selection reads (docs/policy.md)")
+                         "log-sum-exp, which epsd's next selection reads "
+                         "(docs/policy-selection.md)")
     ap.add_argument("--list-budget", action="store_true",
                     help="the list-level rule: budget mass over the list at temperature 1 with "
                          "floor = ceiling = each budget value (groups per list, not per head)")

@@ -98,7 +98,8 @@ class _Params(ctypes.Structure):
 
 @dataclass(frozen=True)
 class FeedbackTarget:
-    """Where an attention call writes selection feedback (docs/api.md, "Selection feedback").
+    """Where an attention call writes selection feedback (docs/api-memory.md, "Selection
+    feedback").
 
     buffer: float32 [max_seqs, num_q_heads, max_groups], one layer of epsd's feedback
     buffer (``buffers.feedback[layer]``); block_positions: int32 [num_blocks], each cache

@@ -20,7 +20,7 @@ aligned:
 
 The coarse pool and table only with a coarse level (``ModelLayout.coarse_blocks`` > 0): a
 buffer with ``coarse_level`` set belongs to a layout exactly when it has one (``applies``).
-Feedback (selection feedback, docs/api.md) only with ``BufferShape.with_feedback``: by
+Feedback (selection feedback, docs/api-memory.md) only with ``BufferShape.with_feedback``: by
 table row, the engine's attention writes each visited group's log-sum-exp and epsd sets
 the step's rows back to NaN after a step that succeeded; it starts NaN.
 
@@ -99,7 +99,8 @@ class BufferShape:
     per_kv_head: bool = False  # visit lists per (sequence, layer, KV head) instead of the union
     with_flags: bool = True
     coarse_slots: int = 0  # coarse records per (layer, kv head): >= 1 with a coarse level, else 0
-    with_feedback: bool = False  # the selection-feedback buffer (docs/api.md); no bytes without
+    # the selection-feedback buffer (docs/api-memory.md); no bytes without
+    with_feedback: bool = False
 
     def __post_init__(self) -> None:
         """Integers (operator.index: numpy's welcome, floats and bools refused) and flags,

@@ -173,7 +173,7 @@ def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None
     """The AttachRequest that EpsClient sends (and re-sends on every re-attach).
 
     ``device_uuid``: the 16-byte CUDA UUID of the session's GPU, for a rank whose device
-    ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api.md §3.7). Empty: the
+    ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api-memory.md §3.7). Empty: the
     buffers' own (``CudaBuffers.device_uuid``), if they have one."""
     layout = buffers.layout
     if not device_uuid:

@@ -123,7 +123,7 @@ class CudaBuffers:
             view = _DeviceArray(base + self.layout.offsets[name], dims, np_dtype, self)
             setattr(self, name, torch.as_tensor(view, device=f"cuda:{device}"))
         if self.feedback is not None:
-            self.feedback.fill_(float("nan"))  # no group visited yet (docs/api.md)
+            self.feedback.fill_(float("nan"))  # no group visited yet (docs/api-memory.md)
 
     summary_pool: Any
     group_table: Any

@@ -1,7 +1,7 @@
 """The device side of an engine through libeps_engine's C ABI (client/cpp/engine_capi.h).
 
 - ``StepCounters``: ``inputs_ready`` / ``selection_done`` on the engine's stream
-  (docs/api.md §3.4) and the dense release of a step that fell back.
+  (docs/api-memory.md §3.4) and the dense release of a step that fell back.
 - ``Watchdog``: releases a step epsd accepted but never finished (a sidecar killed
   mid-step), so the engine's stream never waits on it for longer than the timeout.
 - ``DeviceSummaryWriter`` / ``SummaryQueue``: gpu/summary.h's writer, synchronous or

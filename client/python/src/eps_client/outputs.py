@@ -1,4 +1,4 @@
-"""Visit lists as the inputs of the engines' paged attention kernels (docs/api.md §3.6,
+"""Visit lists as the inputs of the engines' paged attention kernels (docs/api-memory.md §3.6,
 docs/integration/outputs.md).
 
 - FlashAttention / a paged decode kernel: per (layer, batch position[, KV head]) a

@@ -1,4 +1,4 @@
-"""One open StreamSelectPages call of EpsClient (docs/api.md §5.7).
+"""One open StreamSelectPages call of EpsClient (docs/api-failures.md §5.7).
 
 Requests go through a queue, replies are read by a thread into another queue and matched
 by step; a step that misses its deadline cancels the call without waiting for it.

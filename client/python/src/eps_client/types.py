@@ -91,8 +91,8 @@ _UINT32_FIELDS = ("first_n", "last_n", "top_pages", "min_pages", "max_pages")
 
 @dataclass(frozen=True)
 class SelectOptions:
-    """The selection policy (docs/policy.md). ``None`` keeps the server's flag (at attach) or
-    the session's setting (per step)."""
+    """The selection policy (docs/policy-selection.md). ``None`` keeps the server's flag (at
+    attach) or the session's setting (per step)."""
 
     method: Method | None = None
     alpha: float | None = None
@@ -118,7 +118,7 @@ class SelectOptions:
     # budget "mass": one setting per layer (exactly num_layers), replacing mass_target,
     # mass_temperature, min_pages and max_pages layer by layer. Empty keeps the session's list
     # (per step) or every layer on the four fields (at attach); a list replaces the whole list,
-    # for that step only. Both backends run it (docs/policy.md, "A setting per layer").
+    # for that step only. Both backends run it (docs/policy-selection.md, "A setting per layer").
     mass_layers: Sequence[MassSetting] = ()
 
     def __post_init__(self) -> None:
