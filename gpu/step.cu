@@ -19,6 +19,7 @@
 #include "gpu/device.h"
 #include "gpu/fused_select.cuh"
 #include "gpu/inputs_wait.h"
+#include "gpu/live_streams.h"
 #include "gpu/phi.cuh"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
@@ -139,7 +140,10 @@ struct GpuSelector::Impl {
     if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
-    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (stream != nullptr) {
+      RemoveLiveStream(stream);
+      cudaStreamDestroy(stream);
+    }
   }
 };
 
@@ -157,6 +161,7 @@ GpuSelector::~GpuSelector() {
     // device's IPC mappings stay open while the stream may still run
     // (stream_ops.h NoteAbandonedStream). docs/design.md §6.
     impl_->inputs.Abandon(impl_->device, impl_->stream);
+    RemoveLiveStream(impl_->stream);
     (void)impl_.release();  // NOLINT(bugprone-unused-return-value): an intended leak
   }
 }
@@ -234,6 +239,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
       cudaDeviceGetAttribute(&impl->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+  AddLiveStream(device, impl->stream);
   RETURN_IF_ERROR(impl->inputs.Init(options.drain_timeout));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
@@ -277,6 +283,8 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   }
   return Finish(std::chrono::microseconds::max(), stats, prepass_us);
 }
+
+bool GpuSelector::OthersIdle() const { return OtherLiveStreamsIdle(impl_->device, impl_->stream); }
 
 bool GpuSelector::pending() const { return impl_->pending; }
 uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }

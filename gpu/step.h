@@ -171,6 +171,9 @@ class GpuSelector {
   // and stats. A failed Enqueue leaves no wait behind: it releases its own.
   absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
   bool pending() const;
+  // Whether every other selector's stream on this one's device has finished its queued
+  // work, so that destroying this one now waits for no engine (gpu/live_streams.h).
+  bool OthersIdle() const;
   uint64_t pending_step() const;
   // Whether the last step queued ran its selection fused into scoring
   // (gpu/fused_select.cuh), for tests and benchmarks.

@@ -54,6 +54,9 @@ class StepBackend {
   // Whether Run takes async = true (the cuda backend); the session service
   // refuses async requests for other backends before it takes the step lock.
   virtual bool async_replies() const { return false; }
+  // Whether destroying the backend now would wait for no other session's queued work
+  // (service/session_janitor.h).
+  virtual bool FreesWithoutWaiting() const { return true; }
 
   // Serialises the steps of the session this backend serves.
   absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(step_mu_) { return step_mu_; }
@@ -72,8 +75,10 @@ class StepBackend {
   // queued is finished first (FinishQueued), and every later call must find
   // retired() and not run. Taken under the step lock, so once it returns no step
   // of the session writes the engine's buffers again.
-  void Retire() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    FinishQueued();
+  // `release_now` (epsd's shutdown): a queued step is released without waiting for
+  // its engine's inputs.
+  void Retire(bool release_now = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    FinishQueued(release_now);
     retired_ = true;
   }
   bool retired() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) { return retired_; }
@@ -81,7 +86,7 @@ class StepBackend {
  protected:
   // Finishes, or releases, what a Run left running after it returned (the cuda
   // backend's async step), so that it no longer writes the engine's buffers.
-  virtual void FinishQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {}
+  virtual void FinishQueued(bool /*release_now*/) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {}
 
   mutable absl::Mutex step_mu_;
 

@@ -37,6 +37,7 @@ class CudaBackend final : public StepBackend {
       : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
   BackendKind kind() const override { return BackendKind::kCuda; }
   bool async_replies() const override { return true; }
+  bool FreesWithoutWaiting() const override { return selector_->OthersIdle(); }
 
   absl::Status Run(const BackendStep& call, StepOutcome* result) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
@@ -95,13 +96,16 @@ class CudaBackend final : public StepBackend {
  protected:
   // A queued async step still writes its lists and selection_done once the engine's
   // inputs_ready reaches it. Waited for as the next step would wait (up to
-  // --inputs-timeout-ms), then released by Finish: its lists become -1 (attend
-  // densely) and the stream drains, so nothing is left queued when the session ends.
-  void FinishQueued() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+  // --inputs-timeout-ms; not at all with `release_now`), then released by Finish: its
+  // lists become -1 (attend densely) and the stream drains, so nothing is left queued
+  // when the session ends.
+  void FinishQueued(bool release_now) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     if (!selector_->pending()) return;
     StepStats stats;
     float us = 0;
-    if (absl::Status s = selector_->Finish(inputs_timeout_, &stats, &us); !s.ok()) {
+    const std::chrono::microseconds wait =
+        release_now ? std::chrono::microseconds(0) : inputs_timeout_;
+    if (absl::Status s = selector_->Finish(wait, &stats, &us); !s.ok()) {
       std::fprintf(stderr, "epsd: the queued step %llu of an ending session: %s\n",
                    static_cast<unsigned long long>(selector_->pending_step()),
                    std::string(s.message()).c_str());

@@ -121,9 +121,9 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
                                                   caller.Describe()));
 }
 
-void Session::Retire() {
+void Session::Retire(bool release_now) {
   absl::MutexLock lock(&backend_->step_mu());
-  backend_->Retire();
+  backend_->Retire(release_now);
 }
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }

@@ -66,7 +66,8 @@ class Session {
   // the step running now, finishes queued work, and every later step is refused.
   // Called once the session is out of the registry, before the call that removed it
   // answers: after that nothing of the session writes the engine's buffers.
-  void Retire();
+  // `release_now` (epsd's shutdown): a queued async step is released at once.
+  void Retire(bool release_now = false);
   // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }

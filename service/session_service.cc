@@ -61,6 +61,11 @@ SessionService::SessionService(const ServerConfig& config)
 SessionService::~SessionService() {
   stop_.Notify();
   reaper_.join();
+  // No call runs any more (the server has shut down). Every queued async step is
+  // released before any session is destroyed: a session freed first would wait for
+  // another's queued wait on its engine (session_janitor.h), which only that
+  // session's end would release.
+  for (const std::shared_ptr<Session>& session : sessions_.All()) session->Retire(true);
 }
 
 absl::Status SessionService::CountFailure(absl::Status status) {
@@ -98,7 +103,10 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   absl::StatusOr<std::unique_ptr<Session>> built =
       Session::Create(request, config_, server_budget_, caller);
   if (!built.ok()) return CountFailure(built.status());
-  std::shared_ptr<Session> session = *std::move(built);
+  // Its last reference, wherever dropped, hands it to the janitor (session_janitor.h).
+  SessionJanitor* const janitor = &janitor_;
+  std::shared_ptr<Session> session((*built).release(),
+                                   [janitor](Session* s) { janitor->Dispose(s); });
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
   session->set_owner(caller);
   session->Touch();

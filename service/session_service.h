@@ -22,6 +22,7 @@
 #include "service/config.h"
 #include "service/memory_budget.h"
 #include "service/peer.h"
+#include "service/session_janitor.h"
 #include "service/session_registry.h"
 
 namespace eps::service {
@@ -40,7 +41,9 @@ struct CallLiveness {
 class SessionService {
  public:
   explicit SessionService(const ServerConfig& config);
-  ~SessionService();  // stops the lease reaper
+  // Stops the lease reaper and retires every session, releasing their queued steps at
+  // once, before any is destroyed (service/session_janitor.h).
+  ~SessionService();
   SessionService(const SessionService&) = delete;
   SessionService& operator=(const SessionService&) = delete;
 
@@ -101,6 +104,7 @@ class SessionService {
 
   const ServerConfig config_;
   MemoryBudget server_budget_;  // outlives the sessions that charge it
+  SessionJanitor janitor_;      // destroys cuda sessions; outlives the registry
   SessionRegistry sessions_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},

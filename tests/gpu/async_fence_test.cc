@@ -17,6 +17,7 @@
 #include <future>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "client/cpp/device_buffers.h"
@@ -211,6 +212,54 @@ TEST_F(AsyncFenceTest, SigtermDrainsACudaEpsdAndItExitsZero) {
   EXPECT_EQ(epsd->Wait(), 0) << epsd->Log();
   EXPECT_NE(epsd->Log().find("draining"), std::string::npos) << epsd->Log();
   EXPECT_NE(epsd->Log().find("epsd: stopped"), std::string::npos) << epsd->Log();
+}
+
+// Engine A's async step waits for its inputs_ready, which A's engine never writes (it
+// died mid-step). Freeing another session's device memory waits for every stream on the
+// device, A's wait included, and so does allocating a new session's (both implicitly
+// synchronise). That free once ran on the thread that ended the session: engine B's
+// Detach hung, and engine E's expiry hung the lease reaper, which then never expired A,
+// so every later Attach (engine C's) hung for good. Now B's Detach answers at once, the
+// reaper expires E and then A (its lease, then --inputs-timeout-ms release its wait),
+// and C's Attach completes once A's wait is released: bounded by A's lease.
+TEST_F(AsyncFenceTest, SessionsEndAndAttachWhileADeadEnginesStepWaitsForItsInputs) {
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("others"),
+                                          {"--backend=cuda", "--inputs-timeout-ms=500"});
+  ASSERT_NE(epsd, nullptr);
+  v1::AttachRequest attach_a = Attach(), attach_b = Attach(), attach_c = Attach(),
+                    attach_e = Attach();
+  attach_a.set_lease_ms(1500);
+  attach_b.set_engine_id("async-fence-engine-b");
+  attach_c.set_engine_id("async-fence-engine-c");
+  attach_e.set_engine_id("async-fence-engine-e");
+  attach_e.set_lease_ms(200);  // expires first, on the reaper
+  client::ClientOptions sync = SyncFailClosedOptions(*epsd);
+  sync.attach_deadline = std::chrono::seconds(1);
+  client::EpsClient b(sync, attach_b), e(sync, attach_e);
+  ASSERT_EQ(b.Attach(), absl::OkStatus()) << epsd->Log();
+  ASSERT_EQ(e.Attach(), absl::OkStatus()) << epsd->Log();
+  client::EpsClient a(AsyncOptions(*epsd), attach_a);
+  ASSERT_EQ(a.Attach(), absl::OkStatus()) << epsd->Log();
+  const client::StepResult held = a.SelectPages(1, Rows());  // no inputs_ready: held
+  ASSERT_FALSE(held.fallback) << held.status;
+  auto timed = [](auto&& call) {
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status status = call();
+    return std::make_pair(
+        status, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                    .count());
+  };
+  const auto [detached, detach_ms] = timed([&] { return b.Detach(); });
+  // A hang guard: A's lease (1.5 s) and --inputs-timeout-ms (0.5 s) end its wait.
+  sync.attach_deadline = std::chrono::seconds(20);
+  client::EpsClient c(sync, attach_c);
+  const auto [attached, attach_ms] = timed([&] { return c.Attach(); });
+  std::printf("while A's step waited: B's Detach %.1f ms (%s), C's Attach %.1f ms (%s)\n",
+              detach_ms, detached.ToString().c_str(), attach_ms, attached.ToString().c_str());
+  WriteQueries(1, 0);  // let the engine's stream end, whatever happened above
+  EXPECT_TRUE(StreamDrains(std::chrono::seconds(5)));
+  EXPECT_EQ(detached, absl::OkStatus()) << "B's Detach waited for A's step\n" << epsd->Log();
+  EXPECT_EQ(attached, absl::OkStatus()) << "C's Attach was never served\n" << epsd->Log();
 }
 
 TEST_F(AsyncFenceTest, FallbackWithAnAbsentSidecarReleasesTheEngineStream) {
