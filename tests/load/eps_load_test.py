@@ -30,17 +30,24 @@ def _socket_accepts(path: str) -> bool:
 
 @pytest.fixture
 def epsd(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    """Starts epsd on a fresh Unix socket; yields (target, pid)."""
+    """Starts epsd on a fresh Unix socket; yields (target, pid) once it serves: epsd binds
+    the socket before its gRPC server and telemetry start, and says "listening on" once they
+    have (as tests/service/epsd_process.h waits for). /metrics off: the default port is fixed,
+    and another process holding it would stop epsd."""
     path = f"/tmp/eps-load-test-{uuid.uuid4().hex[:12]}.sock"
-    with open(tmp_path / "epsd.log", "w") as log:
+    log_path = tmp_path / "epsd.log"
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [EPSD, f"--listen=unix://{path}", "--backend=cpu"], stderr=log, stdout=log
+            [EPSD, f"--listen=unix://{path}", "--backend=cpu", "--metrics-listen=off"],
+            stderr=log,
+            stdout=log,
         )
         try:
             deadline = time.monotonic() + 15
-            while not _socket_accepts(path):
-                assert proc.poll() is None, (tmp_path / "epsd.log").read_text()
-                assert time.monotonic() < deadline, "epsd did not listen within 15 s"
+            while not ("listening on " in log_path.read_text() and _socket_accepts(path)):
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, (
+                    f"epsd did not serve within 15 s: {log_path.read_text()}")
                 time.sleep(0.02)  # polling a child's start-up, not synchronising threads
             yield f"unix://{path}", proc.pid
         finally:

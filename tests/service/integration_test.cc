@@ -21,6 +21,7 @@ client::ClientOptions Options(const std::string& target, bool stream = false) {
   client::ClientOptions o;
   o.target = target;
   o.deadline = std::chrono::milliseconds(2000);  // generous: CI machines are slow and shared
+  o.attach_deadline = std::chrono::seconds(5);   // likewise (the default is 500 ms)
   o.use_stream = stream;
   return o;
 }

@@ -1,8 +1,6 @@
 // Every epsd listener follows --listen's rule (loopback or a Unix socket unless
 // --allow-remote), and the TCP health listener answers grpc.health.v1 for kubelet's
 // native gRPC probes (docs/deploy.md).
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <memory>
@@ -21,22 +19,6 @@ namespace eps::service {
 namespace {
 
 using grpc::health::v1::HealthCheckResponse;
-
-// A loopback TCP port that was free a moment ago (the kernel picks it).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t size = sizeof(address);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(address.sin_port);
-}
 
 absl::StatusOr<std::unique_ptr<EpsServer>> StartWith(std::vector<std::string> flags) {
   flags.push_back("--listen=" + testing::UniqueSocket("listeners"));
@@ -80,11 +62,13 @@ TEST(ListenersTest, HealthListenBeyondLoopbackNeedsAllowRemote) {
 }
 
 TEST(ListenersTest, HealthListenServesGrpcHealthOverTcpWithoutTheApi) {
-  const int port = FreePort();
-  ASSERT_GT(port, 0);
-  const std::string address = "127.0.0.1:" + std::to_string(port);
-  auto server = StartWith({"--metrics-listen=off", "--health-listen=" + address});
+  // Port 0: the kernel picks a free port and the server reports it (a port found free
+  // beforehand could be taken by another process before epsd binds it).
+  auto server = StartWith({"--metrics-listen=off", "--health-listen=127.0.0.1:0"});
   ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = (*server)->health_address();
+  ASSERT_EQ(address.rfind("127.0.0.1:", 0), 0u) << address;
+  ASSERT_NE(address, "127.0.0.1:0");
   EXPECT_EQ(Check(address, "").value_or(HealthCheckResponse::UNKNOWN),
             HealthCheckResponse::SERVING);
   EXPECT_EQ(Check(address, "eps.v1.PageSelector").value_or(HealthCheckResponse::UNKNOWN),
@@ -106,18 +90,22 @@ TEST(ListenersTest, HealthListenServesGrpcHealthOverTcpWithoutTheApi) {
 TEST(ListenersTest, ASecondServerCannotShareATakenHealthOrApiPort) {
   // gRPC binds with SO_REUSEPORT by default: a second epsd on the same port would
   // split the probes between two processes instead of failing.
-  const int health_port = FreePort();
-  const std::string health = "127.0.0.1:" + std::to_string(health_port);
-  auto first = StartWith({"--metrics-listen=off", "--health-listen=" + health});
+  // The first binds port 0 (the kernel picks a free one); the second asks for that port.
+  auto first = StartWith({"--metrics-listen=off", "--health-listen=127.0.0.1:0"});
   ASSERT_TRUE(first.ok()) << first.status();
+  const std::string health = (*first)->health_address();
+  ASSERT_EQ(health.rfind("127.0.0.1:", 0), 0u) << health;
+  ASSERT_NE(health, "127.0.0.1:0");
   const auto second = StartWith({"--metrics-listen=off", "--health-listen=" + health});
   ASSERT_FALSE(second.ok());
   EXPECT_NE(second.status().message().find("--health-listen"), std::string::npos)
       << second.status();
 
-  const std::string api = "127.0.0.1:" + std::to_string(FreePort());
-  auto one = EpsServer::Start(*ParseFlags({"--listen=" + api, "--metrics-listen=off"}));
+  auto one = EpsServer::Start(*ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"}));
   ASSERT_TRUE(one.ok()) << one.status();
+  const std::string api = (*one)->bound_address();
+  ASSERT_EQ(api.rfind("127.0.0.1:", 0), 0u) << api;
+  ASSERT_NE(api, "127.0.0.1:0");
   EXPECT_FALSE(EpsServer::Start(*ParseFlags({"--listen=" + api, "--metrics-listen=off"})).ok());
 }
 

@@ -43,6 +43,7 @@ class MalformedTest : public ::testing::TestWithParam<Case> {
     client::ClientOptions o;
     o.target = epsd_->target();
     o.deadline = std::chrono::seconds(2);
+    o.attach_deadline = std::chrono::seconds(5);  // generous: CI machines are slow and shared
     healthy_client_ = new client::EpsClient(o, healthy_->Attach("healthy"));
     ASSERT_TRUE(healthy_client_->Attach().ok());
     victim_ = new TestEngine(testing::SmallServiceModel(), 2, 2048, 2, 12);

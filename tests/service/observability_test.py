@@ -8,6 +8,7 @@ Run by ctest with EPSD_BIN and EPS_TRAFFIC_BIN set; EPS_TEST_SEED replays."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -143,10 +144,14 @@ def run_traffic(target: str, seed: int, *args: str) -> tuple[list[dict], dict]:
     return [r for r in records if "summary" not in r], records[-1]
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port where connections are refused for as long as the block runs: bound by
+    this socket (so no other process can take it meanwhile, as it could a port found free and
+    released) and never listening."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -402,23 +407,23 @@ def test_stream_metrics_count_every_message_and_the_stream_once(tmp_path: Path, 
 def test_a_dead_collector_fails_no_step_and_does_not_hold_up_exit(
     tmp_path: Path, seed: int
 ) -> None:
-    dead = free_port()  # nothing listens there: connections are refused
-    epsd = Epsd(
-        tmp_path,
-        {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}",
-            "OTEL_BSP_SCHEDULE_DELAY": "10",
-            "OTEL_BSP_MAX_QUEUE_SIZE": "8",
-            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
-        },
-        [],
-    )
-    _, summary = run_traffic(epsd.target, seed, "--steps=40")
-    assert summary["selected"] == 40 and summary["fallbacks"] == 0
-    m = epsd.scrape()
-    assert metric(m, "eps_trace_spans_exported_total") == 0
-    assert epsd.stop() < 6  # the 2 s shutdown budget, and process teardown
-    assert "dropped" in epsd.log()
+    with refused_port() as dead:  # nothing listens there: connections are refused
+        epsd = Epsd(
+            tmp_path,
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}",
+                "OTEL_BSP_SCHEDULE_DELAY": "10",
+                "OTEL_BSP_MAX_QUEUE_SIZE": "8",
+                "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
+            },
+            [],
+        )
+        _, summary = run_traffic(epsd.target, seed, "--steps=40")
+        assert summary["selected"] == 40 and summary["fallbacks"] == 0
+        m = epsd.scrape()
+        assert metric(m, "eps_trace_spans_exported_total") == 0
+        assert epsd.stop() < 6  # the 2 s shutdown budget, and process teardown
+        assert "dropped" in epsd.log()
 
 
 def test_a_silent_collector_does_not_hold_up_exit_past_its_timeouts(

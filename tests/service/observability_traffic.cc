@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   eps::client::ClientOptions options;
   options.target = target;
   options.deadline = std::chrono::milliseconds(2000);  // generous: shared CI machines
+  options.attach_deadline = std::chrono::seconds(5);   // likewise (the default is 500 ms)
   options.use_stream = Flag(argc, argv, "stream", "") == "1";
   options.traceparent = Flag(argc, argv, "traceparent", "");
   eps::client::EpsClient client(options, engine.Attach("observability-traffic"));

@@ -147,7 +147,9 @@ TEST(SessionIsolation, OverTcpASessionIsReplacedOnlyAfterItsLeaseOrItsDetach) {
   // engine_id is free again.
   const uint64_t seed = testing::TestSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));
-  auto epsd = EpsdProcess::Start("127.0.0.1:0", {"--lease-ms=300"});
+  // A 2 s lease: the owner must outlive the calls up to its step however loaded the machine
+  // (a 300 ms one could run out between the two Attach calls, and the second then took it).
+  auto epsd = EpsdProcess::Start("127.0.0.1:0", {"--lease-ms=2000"});
   ASSERT_NE(epsd, nullptr);
   auto stub = testing::RawStub(epsd->target());
   TestEngine engine(testing::SmallServiceModel(), 1, 1024, 1, seed);
@@ -175,9 +177,9 @@ TEST(SessionIsolation, OverTcpASessionIsReplacedOnlyAfterItsLeaseOrItsDetach) {
   v1::AttachResponse second;
   ASSERT_TRUE(testing::RawAttach(*stub, engine.Attach("engine-tcp"), &second).ok());
   EXPECT_TRUE(step_ok(second.session_id()));
-  // Left idle past its 300 ms lease (and before the reaper, which runs every 30 ms, or
+  // Left idle past its 2 s lease (and before the reaper, which runs every 200 ms, or
   // after it): replaced.
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2300));
   v1::AttachResponse third;
   const grpc::Status after = testing::RawAttach(*stub, engine.Attach("engine-tcp"), &third);
   EXPECT_TRUE(after.ok()) << after.error_message();

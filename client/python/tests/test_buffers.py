@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -202,6 +203,19 @@ def test_a_kv_dtype_given_as_its_proto_value_is_kept():
         SummaryFeatures(quest="yes")  # type: ignore[arg-type]
 
 
+def own_shm_objects() -> list[str]:
+    """This process's objects in /dev/shm: ShmBuffers names them eps-<tag>-<pid>-<n>. Only
+    those: tests running side by side (ctest -j) create and unlink objects of their own."""
+    own = re.compile(rf"eps-.*-{os.getpid()}-\d+")
+    return sorted(name for name in os.listdir("/dev/shm") if own.fullmatch(name))
+
+
+def test_own_shm_objects_lists_the_objects_of_shm_buffers():
+    with ShmBuffers(ModelLayout(**MODEL_ARGS), BufferShape(4, 2, 256, 2), tag="x-y") as buf:
+        assert buf.shm_name[1:] in own_shm_objects()
+    assert buf.shm_name[1:] not in own_shm_objects()
+
+
 @pytest.mark.parametrize(("fields", "error", "message"), [
     ({"num_slots": 1.5}, TypeError, "BufferShape.num_slots=1.5 is not an integer"),
     ({"max_context": 100.5}, TypeError, "BufferShape.max_context=100.5 is not an integer"),
@@ -211,12 +225,12 @@ def test_a_kv_dtype_given_as_its_proto_value_is_kept():
     ({"per_kv_head": 1}, TypeError, "BufferShape.per_kv_head=1 is not a bool"),
 ])
 def test_a_bad_buffer_shape_is_refused_before_any_shared_memory(fields, error, message):
-    before = sorted(os.listdir("/dev/shm"))
+    before = own_shm_objects()
     with pytest.raises(error) as e:
         BufferShape(**{"num_slots": 4, "max_seqs": 4, "max_context": 512, "max_batch": 4,
                        **fields})
     assert message in str(e.value)
-    assert sorted(os.listdir("/dev/shm")) == before
+    assert own_shm_objects() == before
     shape = BufferShape(np.int64(4), np.int32(2), np.uint16(256), np.int8(2))
     assert shape == BufferShape(4, 2, 256, 2) and type(shape.num_slots) is int
 

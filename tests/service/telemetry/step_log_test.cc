@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <fstream>
 #include <memory>
@@ -47,15 +48,17 @@ TEST(StepLogTest, APathThatIsNotARegularFileIsRefusedWithoutWaiting) {
 }
 
 TEST(StepLogTest, ALineCutByAFullDiskIsEndedBeforeTheNextOne) {
-  // The file takes 25 bytes of the first flush and then fails (a full disk); later
-  // flushes get through.
+  // The file takes 25 bytes of the first flush and then fails (a full disk) until the test
+  // frees it; later flushes get through. Steps 1 and 2 are lost whether the writer's 200 ms
+  // tick takes them in one flush or (a tick between the two Appends) in two.
   const std::string path = TempPath("full.jsonl");
   unlink(path.c_str());
-  int calls = 0;
-  auto write = [&calls](int fd, const void* data, size_t size) -> ssize_t {
+  int calls = 0;  // writer thread only
+  std::atomic<bool> full{true};
+  auto write = [&calls, &full](int fd, const void* data, size_t size) -> ssize_t {
     ++calls;
     if (calls == 1) return ::write(fd, data, std::min<size_t>(size, 25));
-    if (calls == 2) {
+    if (full.load()) {
       errno = ENOSPC;
       return -1;
     }
@@ -67,9 +70,11 @@ TEST(StepLogTest, ALineCutByAFullDiskIsEndedBeforeTheNextOne) {
     ASSERT_TRUE(log.ok()) << log.status();
     (*log)->Append(R"({"step":1,"session":"s-1"})");  // 26 bytes: cut after 25
     (*log)->Append(R"({"step":2,"session":"s-1"})");
-    // The writer flushes every 200 ms: wait for the first flush before the next lines.
-    for (int i = 0; i < 200 && (*log)->dropped() == 0; ++i) usleep(10000);
+    // The writer flushes every 200 ms: wait until both lines are lost (one flush or two),
+    // then free the disk for the next line. Bounded: 10 s.
+    for (int i = 0; i < 1000 && (*log)->dropped() < 2; ++i) usleep(10000);
     dropped = (*log)->dropped();
+    full.store(false);
     (*log)->Append(R"({"step":3,"session":"s-1"})");
   }                        // the destructor flushes
   EXPECT_EQ(dropped, 2u);  // step 1 cut, step 2 never written
