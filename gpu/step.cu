@@ -298,6 +298,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
         absl::StrCat("step ", g.fence.step, " is still pending: finish it first"));
   }
   RETURN_IF_ERROR(g.inputs.Usable());
+  // First: steps run on any server thread, whose current device is whichever it used
+  // last, and the allocations and occupancy queries below are the device's.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
@@ -306,7 +309,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   if (batch == 0) {
     g.last_fused = false;
     if (fence.selection_done != nullptr) {
-      CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
       if (fence.inputs_ready != nullptr) {
         RETURN_IF_ERROR(g.inputs.Queue(g.stream, fence.inputs_ready, fence.step));
       }
@@ -469,7 +471,6 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     launch.PlanFeedback(m, in, feedback && !method_off, coarse, max_n, per_block);
   }
 
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
   if (fence.inputs_ready != nullptr) {
     RETURN_IF_ERROR(g.inputs.Queue(g.stream, fence.inputs_ready, fence.step));
   }

@@ -20,9 +20,14 @@ class DeviceScope {
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
 
+  // Restores the thread's current device when the scope ends, whatever the calls
+  // inside it make current.
+  void Hold() {
+    if (!restore_) restore_ = cudaGetDevice(&previous_) == cudaSuccess;
+  }
   // Makes `device` current until the scope ends (the thread's device is restored then).
   absl::Status Enter(int device) {
-    if (!restore_) restore_ = cudaGetDevice(&previous_) == cudaSuccess;
+    Hold();
     if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
       return absl::FailedPreconditionError(
           absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(err)));

@@ -20,9 +20,9 @@
  * and n < 0, before anything is dereferenced; the two that return a count
  * (watchdog_releases, summary_queue_errors) return 0 for a NULL handle and set the
  * message. A destroyed handle is the caller's to forget: it cannot be detected.
- * Functions that take a `device` leave the calling thread's current device as they
- * found it (release_dense). Thread safety: each handle is used by one thread at a
- * time, except eps_engine_watchdog_* and the summary writer's append and reset, which
+ * Every entry point leaves the calling thread's current device as it found it, those
+ * that take a `device` or a handle on one included. Thread safety: each handle is used by one
+ * thread at a time, except eps_engine_watchdog_* and the summary writer's append and reset, which
  * may be called from any thread.
  */
 #ifndef EPS_CLIENT_CPP_ENGINE_CAPI_H_

@@ -436,18 +436,43 @@ TEST_F(EngineCapiTest, AQueueKeepsItsWriterAliveWhenTheWriterIsDestroyedFirst) {
   eps_engine_summary_queue_destroy(queue);
 }
 
-TEST_F(EngineCapiTest, ReleaseDenseLeavesTheCallersCurrentDevice) {
+TEST_F(EngineCapiTest, EveryEntryPointLeavesTheCallersCurrentDevice) {
   int count = 0;
   ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
   if (count < 2) GTEST_SKIP() << "needs two devices to see the current device change";
   int32_t* counts = Alloc<int32_t>(4);
   uint64_t* flags = Alloc<uint64_t>(2);
   ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  auto expect_device_1 = [](const char* call) {
+    int current = -1;
+    ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+    EXPECT_EQ(current, 1) << call << " left device " << current << " current";
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  };
   ASSERT_EQ(eps_engine_release_dense(0, Addr(counts), 4, Addr(flags), 1, 0), 0)
       << eps_engine_last_error();
-  int current = -1;
-  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
-  EXPECT_EQ(current, 1);
+  expect_device_1("release_dense");
+  // Every other entry point on a device-0 handle, too.
+  ASSERT_EQ(eps_engine_preload(0), 0) << eps_engine_last_error();
+  expect_device_1("preload");
+  EpsEngineWatchdog* watchdog = nullptr;
+  ASSERT_EQ(eps_engine_watchdog_create(0, Addr(counts), 4, Addr(flags), 1000000, &watchdog), 0)
+      << eps_engine_last_error();
+  expect_device_1("watchdog_create");
+  eps_engine_watchdog_destroy(watchdog);
+  expect_device_1("watchdog_destroy");
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0) << eps_engine_last_error();
+  expect_device_1("summary_writer_create");
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0) << eps_engine_last_error();
+  expect_device_1("summary_queue_create");
+  ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0) << eps_engine_last_error();
+  expect_device_1("summary_queue_drain");
+  eps_engine_summary_queue_destroy(queue);
+  expect_device_1("summary_queue_destroy");
+  eps_engine_summary_writer_destroy(writer);
+  expect_device_1("summary_writer_destroy");
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
