@@ -407,9 +407,8 @@ def test_an_open_loop_far_behind_its_schedule_counts_the_unsent_calls_and_ends(
     assert "unsent" in result.stdout
 
 
-def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_path: Path) -> None:
-    target, _ = epsd
-    out = tmp_path / "out.json"
+def _start_until(target: str, flags: list[str], marker: str) -> subprocess.Popen[str]:
+    """A long eps-load run at a small shape, read until a stderr line holds `marker`."""
     proc = subprocess.Popen(
         [
             EPS_LOAD,
@@ -418,19 +417,25 @@ def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_p
             "--batch=1",
             "--context=1k",
             "--duration=10m",
-            "--warmup=0",
-            "--rate=poisson:50",
-            f"--json={out}",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert proc.stderr is not None
-    line = proc.stderr.readline()  # the RPC floor's line, then this once the sessions run
-    while line and "running" not in line:
+    line = proc.stderr.readline()
+    while line and marker not in line:
         line = proc.stderr.readline()
-    assert "running" in line, line
+    assert marker in line, line
+    return proc
+
+
+def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_path: Path) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    # The RPC floor's line comes first, then "running" once the sessions run.
+    proc = _start_until(target, ["--warmup=0", "--rate=poisson:50", f"--json={out}"], "running")
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stdout + stderr
@@ -445,27 +450,7 @@ def test_sigint_ends_an_open_loop_between_its_calls(epsd: tuple[str, int], tmp_p
     # At 0.02 calls/s the sessions sleep tens of seconds between calls; SIGINT once waited
     # that out.
     target, _ = epsd
-    proc = subprocess.Popen(
-        [
-            EPS_LOAD,
-            f"--target={target}",
-            "--preset=smollm2-135m",
-            "--batch=1",
-            "--context=1k",
-            "--duration=10m",
-            "--warmup=0",
-            "--floor-calls=0",
-            "--rate=0.02",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    while line and "running" not in line:
-        line = proc.stderr.readline()
-    assert "running" in line, line
+    proc = _start_until(target, ["--warmup=0", "--floor-calls=0", "--rate=0.02"], "running")
     time.sleep(0.5)  # the first call (at the start) is sent; the next is seconds away
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -480,23 +465,8 @@ def test_sigint_ends_an_open_loop_between_its_calls(epsd: tuple[str, int], tmp_p
 def test_sigint_ends_the_rpc_floor(epsd: tuple[str, int], tmp_path: Path) -> None:
     # The floor's rounds once ignored the stop flag: SIGINT waited for all of them.
     target, _ = epsd
-    proc = subprocess.Popen(
-        [
-            EPS_LOAD,
-            f"--target={target}",
-            "--preset=smollm2-135m",
-            "--batch=1",
-            "--context=1k",
-            "--duration=10m",
-            "--floor-calls=10000000",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    line = proc.stderr.readline()  # printed as the floor's rounds begin
-    assert "measuring the RPC floor" in line, line
+    # Printed as the floor's rounds begin.
+    proc = _start_until(target, ["--floor-calls=10000000"], "measuring the RPC floor")
     # A burst, so that some land while the floor's child process starts: a SIGINT there
     # once ended the wait for its address and was reported as a server that cannot listen.
     for _ in range(20):
