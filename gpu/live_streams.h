@@ -1,21 +1,33 @@
-// The streams of every live GpuSelector in this process, by device: whether freeing
-// memory now would wait for another selector's queued work.
+// The streams of every live GpuSelector in this process, by device, and the waits on
+// engine memory queued on them: whether freeing memory now could wait for an engine.
 //
 // cudaFree and cudaFreeHost wait for every stream on the device, and while they wait
-// other threads' CUDA calls on that device can wait behind them. An async step's stream
+// other threads' CUDA calls on that device wait behind them. An async step's stream
 // holds a wait on its engine's inputs_ready until the engine writes it or epsd releases
-// it (inputs_wait.h); a free issued while a dead engine's wait is queued would block, and
-// could block the very release that ends the wait (service/session_janitor.h).
+// it (inputs_wait.h), and the release is itself a CUDA call: a free issued while a dead
+// engine's wait is queued would block, and block the release that ends the wait
+// (service/session_janitor.h). A healthy async engine, though, keeps a short wait
+// queued nearly all the time, so "no wait queued" may never hold under load.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <chrono>
 
 namespace eps::gpu {
 
 void AddLiveStream(int device, cudaStream_t stream);
 void RemoveLiveStream(cudaStream_t stream);
-// True when every live stream on `device` but `except` has finished its queued work
-// (cudaStreamQuery), so that a free now waits for no engine.
-bool OtherLiveStreamsIdle(int device, cudaStream_t except);
+// A wait on engine memory was queued on `stream`; it has ended (drained or released).
+void NoteWaitQueued(cudaStream_t stream);
+void NoteWaitEnded(cudaStream_t stream);
+
+// The other live streams on `device` (all but `except`).
+struct OtherStreams {
+  bool idle = true;         // every one has finished its queued work (cudaStreamQuery)
+  bool stale_wait = false;  // one still holds a wait queued more than `stale` ago
+};
+OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
+                                   std::chrono::steady_clock::duration stale);
 
 }  // namespace eps::gpu

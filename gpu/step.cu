@@ -284,7 +284,12 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
   return Finish(std::chrono::microseconds::max(), stats, prepass_us);
 }
 
-bool GpuSelector::OthersIdle() const { return OtherLiveStreamsIdle(impl_->device, impl_->stream); }
+bool GpuSelector::SafeToFree(std::chrono::steady_clock::duration deferred,
+                             std::chrono::steady_clock::duration stale) const {
+  if (AbandonedStreamRunning(impl_->device)) return false;  // may never end: keep, not block
+  const OtherStreams others = CheckOtherLiveStreams(impl_->device, impl_->stream, stale);
+  return others.idle || (deferred >= stale && !others.stale_wait);
+}
 
 bool GpuSelector::pending() const { return impl_->pending; }
 uint64_t GpuSelector::pending_step() const { return impl_->fence.step; }

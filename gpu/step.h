@@ -171,9 +171,14 @@ class GpuSelector {
   // and stats. A failed Enqueue leaves no wait behind: it releases its own.
   absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
   bool pending() const;
-  // Whether every other selector's stream on this one's device has finished its queued
-  // work, so that destroying this one now waits for no engine (gpu/live_streams.h).
-  bool OthersIdle() const;
+  // Whether destroying this selector now is safe for the other selectors on its device
+  // (gpu/live_streams.h): when their streams have finished their queued work, or once
+  // the destruction has been put off for `stale` and none of them holds a wait on its
+  // engine queued more than `stale` ago (a healthy engine's waits are short; a dead
+  // engine's ages until its session's end releases it). Never while an abandoned
+  // stream on the device may still run.
+  bool SafeToFree(std::chrono::steady_clock::duration deferred,
+                  std::chrono::steady_clock::duration stale) const;
   uint64_t pending_step() const;
   // Whether the last step queued ran its selection fused into scoring
   // (gpu/fused_select.cuh), for tests and benchmarks.

@@ -166,7 +166,7 @@ absl::StatusOr<FloorResult> MeasureFloor(const LoadConfig& config, const std::at
     char buffer[256];
     std::string address;
     ssize_t n;
-    // A SIGINT while the child starts interrupts this read; the stop is seen below.
+    // A signal's handler can interrupt this read (without SA_RESTART); the stop is seen below.
     while ((n = ReadRetryingSignals(ready[0], buffer, sizeof(buffer))) > 0) {
       address.append(buffer, n);
     }

@@ -8,6 +8,7 @@
 // async_replies() are immutable.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -54,9 +55,11 @@ class StepBackend {
   // Whether Run takes async = true (the cuda backend); the session service
   // refuses async requests for other backends before it takes the step lock.
   virtual bool async_replies() const { return false; }
-  // Whether destroying the backend now would wait for no other session's queued work
-  // (service/session_janitor.h).
-  virtual bool FreesWithoutWaiting() const { return true; }
+  // Whether destroying the backend now, after it was put off for `deferred`, cannot wait
+  // for another session's dead engine (service/session_janitor.h).
+  virtual bool SafeToDestroy(std::chrono::steady_clock::duration /*deferred*/) const {
+    return true;
+  }
 
   // Serialises the steps of the session this backend serves.
   absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(step_mu_) { return step_mu_; }

@@ -37,7 +37,11 @@ class CudaBackend final : public StepBackend {
       : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
   BackendKind kind() const override { return BackendKind::kCuda; }
   bool async_replies() const override { return true; }
-  bool FreesWithoutWaiting() const override { return selector_->OthersIdle(); }
+  // A wait older than --inputs-timeout-ms is one epsd would release at the session's
+  // next call: its engine is late or dead.
+  bool SafeToDestroy(std::chrono::steady_clock::duration deferred) const override {
+    return selector_->SafeToFree(deferred, inputs_timeout_);
+  }
 
   absl::Status Run(const BackendStep& call, StepOutcome* result) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {

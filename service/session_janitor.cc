@@ -21,17 +21,12 @@ void SessionJanitor::Dispose(Session* session) {
   std::unique_ptr<Session> owned(session);
   if (owned == nullptr || owned->backend().kind() != BackendKind::kCuda) return;
   absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(owned));
-}
-
-size_t SessionJanitor::queued() const {
-  absl::MutexLock lock(&mu_);
-  return queue_.size();
+  queue_.push_back({std::move(owned), std::chrono::steady_clock::now()});
 }
 
 void SessionJanitor::Run() {
   for (;;) {
-    std::unique_ptr<Session> next;
+    Ended next;
     bool stopping = false;
     {
       absl::MutexLock lock(&mu_);
@@ -44,18 +39,23 @@ void SessionJanitor::Run() {
       queue_.pop_front();
       stopping = stop_;
     }
-    // Another session's stream still has queued work (a wait on its engine, maybe one
-    // that never comes): later, so that no thread sits in a device-wide wait that could
-    // hold up the release of that wait. At shutdown every wait was released first.
-    if (!stopping && !next->backend().FreesWithoutWaiting()) {
+    const StepBackend& backend = next.session->backend();
+    if (stopping) {
+      // Every queued step was released before the sessions were dropped (~SessionService);
+      // what still cannot be freed without waiting (an abandoned stream) is left to the
+      // process's exit rather than block it.
+      if (!backend.SafeToDestroy(std::chrono::steady_clock::duration::max())) {
+        (void)next.session.release();  // NOLINT(bugprone-unused-return-value): intended
+      }
+      continue;  // `next` is destroyed here otherwise
+    }
+    if (!backend.SafeToDestroy(std::chrono::steady_clock::now() - next.ended)) {
       {
         absl::MutexLock lock(&mu_);
         queue_.push_back(std::move(next));
       }
       absl::SleepFor(absl::Milliseconds(10));
-      continue;
     }
-    next.reset();
   }
 }
 

@@ -216,12 +216,12 @@ TEST_F(AsyncFenceTest, SigtermDrainsACudaEpsdAndItExitsZero) {
 
 // Engine A's async step waits for its inputs_ready, which A's engine never writes (it
 // died mid-step). Freeing another session's device memory waits for every stream on the
-// device, A's wait included, and so does allocating a new session's (both implicitly
-// synchronise). That free once ran on the thread that ended the session: engine B's
-// Detach hung, and engine E's expiry hung the lease reaper, which then never expired A,
-// so every later Attach (engine C's) hung for good. Now B's Detach answers at once, the
-// reaper expires E and then A (its lease, then --inputs-timeout-ms release its wait),
-// and C's Attach completes once A's wait is released: bounded by A's lease.
+// device, A's wait included, and holds the device's other CUDA calls meanwhile. That
+// free once ran on the thread that ended the session: engine B's Detach hung, engine
+// E's expiry hung the lease reaper, which then never expired A, and engine C's Attach
+// hung behind the free (measured: 1 s and 20 s deadlines passed). Now B's Detach and
+// C's Attach answer at once; the freeing waits until A's wait is released (A's lease,
+// then --inputs-timeout-ms) or has aged past --inputs-timeout-ms.
 TEST_F(AsyncFenceTest, SessionsEndAndAttachWhileADeadEnginesStepWaitsForItsInputs) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("others"),
                                           {"--backend=cuda", "--inputs-timeout-ms=500"});
