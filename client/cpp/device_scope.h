@@ -11,9 +11,13 @@
 
 namespace eps::client {
 
+// DeviceScope's constructor argument: restore the thread's current device at the end.
+struct RestoreCurrentDevice {};
+
 class DeviceScope {
  public:
   DeviceScope() = default;
+  explicit DeviceScope(RestoreCurrentDevice) { Hold(); }
   ~DeviceScope() {
     if (restore_) cudaSetDevice(previous_);
   }

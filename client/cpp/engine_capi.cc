@@ -201,8 +201,7 @@ int eps_engine_device_count(int32_t* count) {
 }
 
 int eps_engine_preload(int32_t device) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (cudaSetDevice(device) != cudaSuccess) {
     return Report(absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, ")")));
   }
@@ -252,8 +251,7 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
 
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (out == nullptr) return Refuse("eps_engine_watchdog_create", "out is null");
   if (timeout_us < 1 || n < 1 || visit_count == 0 || flags == 0) {
     return Report(
@@ -305,15 +303,13 @@ uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {
 }
 
 void eps_engine_watchdog_destroy(EpsEngineWatchdog* w) {
-  eps::client::DeviceScope scope;
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   delete w;
 }
 
 int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
                                      EpsSummaryWriter** out) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (m == nullptr) return Refuse("eps_engine_summary_writer_create", "model is null");
   if (out == nullptr) return Refuse("eps_engine_summary_writer_create", "out is null");
   eps::ModelLayout model;
@@ -349,8 +345,7 @@ int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
 
 int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, int64_t n,
                               int32_t key_dtype, uint64_t stream) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (w == nullptr) return Refuse("eps_engine_summary_append", "the writer is null (destroyed?)");
   if (int rc = CheckAppends("eps_engine_summary_append", appends, n); rc != 0) return rc;
   absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
@@ -360,8 +355,7 @@ int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, 
 
 int eps_engine_summary_reset(EpsSummaryWriter* w, const EpsRecordRun* runs, int64_t n,
                              uint64_t stream) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (w == nullptr) return Refuse("eps_engine_summary_reset", "the writer is null (destroyed?)");
   if (n < 0) return Refuse("eps_engine_summary_reset", absl::StrCat("n=", n, " is negative"));
   if (n > 0 && runs == nullptr) {
@@ -382,15 +376,13 @@ int eps_engine_summary_writer_record_words(const EpsSummaryWriter* w, int32_t* o
 }
 
 void eps_engine_summary_writer_destroy(EpsSummaryWriter* w) {
-  eps::client::DeviceScope scope;
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   delete w;
 }
 
 int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
                                     EpsSummaryQueue** out) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (writer == nullptr) {
     return Refuse("eps_engine_summary_queue_create", "the writer is null (destroyed?)");
   }
@@ -403,8 +395,7 @@ int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
 
 int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
                                     int32_t key_dtype, uint64_t after_stream, uint64_t step) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (q == nullptr)
     return Refuse("eps_engine_summary_queue_submit", "the queue is null (destroyed?)");
   if (int rc = CheckAppends("eps_engine_summary_queue_submit", appends, n); rc != 0) return rc;
@@ -414,16 +405,14 @@ int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appe
 }
 
 int eps_engine_summary_queue_wait(EpsSummaryQueue* q, uint64_t stream, uint64_t step) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (q == nullptr)
     return Refuse("eps_engine_summary_queue_wait", "the queue is null (destroyed?)");
   return Report(q->queue->WaitSummaries(Stream(stream), step));
 }
 
 int eps_engine_summary_queue_drain(EpsSummaryQueue* q) {
-  eps::client::DeviceScope scope;  // the caller's current device is restored on return
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (q == nullptr)
     return Refuse("eps_engine_summary_queue_drain", "the queue is null (destroyed?)");
   return Report(q->queue->Drain());
@@ -447,8 +436,7 @@ uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t 
 }
 
 void eps_engine_summary_queue_destroy(EpsSummaryQueue* q) {
-  eps::client::DeviceScope scope;
-  scope.Hold();
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   delete q;
 }
 
