@@ -1,6 +1,7 @@
 // epsd: the EPS page selector sidecar.
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -93,11 +94,13 @@ int main(int argc, char** argv) {
     // ends then (service/call_guard.h); should one still not, exit regardless.
     // After the drain, the span flush takes up to 2 s and an exporter whose collector
     // is gone up to its own timeout; 2.5 s ended drains of 200 ms in the backstop (exit 1)
-    // with a dead collector, so 4 s.
-    constexpr uint32_t kGraceMs = 4000;
-    if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(config->drain_ms + kGraceMs))) {
+    // with a dead collector, so 4 s. A call that waits for an engine's inputs (an async
+    // step's Finish) cannot be cancelled: it ends within --inputs-timeout-ms, then the
+    // release's drain bound (5 s, gpu::GpuSelectorOptions::drain_timeout).
+    const uint32_t grace_ms = std::max<uint32_t>(4000, config->inputs_timeout_ms + 5000);
+    if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(config->drain_ms + grace_ms))) {
       std::fprintf(stderr, "epsd: drain timed out %u ms after the signal; exiting\n",
-                   config->drain_ms + kGraceMs);
+                   config->drain_ms + grace_ms);
       std::_Exit(1);
     }
   });
