@@ -55,8 +55,10 @@ class StepBackend {
   // Whether Run takes async = true (the cuda backend); the session service
   // refuses async requests for other backends before it takes the step lock.
   virtual bool async_replies() const { return false; }
-  // Whether destroying the backend now, after it was put off for `deferred`, cannot wait
-  // for another session's dead engine (service/session_janitor.h).
+  // Whether the backend frees device memory when destroyed, and whether it can now,
+  // after it was put off for `deferred`, without waiting for another session's dead
+  // engine (service/session_janitor.h).
+  virtual bool frees_device_memory() const { return false; }
   virtual bool SafeToDestroy(std::chrono::steady_clock::duration /*deferred*/) const {
     return true;
   }

@@ -37,6 +37,7 @@ class CudaBackend final : public StepBackend {
       : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
   BackendKind kind() const override { return BackendKind::kCuda; }
   bool async_replies() const override { return true; }
+  bool frees_device_memory() const override { return true; }
   // A wait older than --inputs-timeout-ms is one epsd would release at the session's
   // next call: its engine is late or dead.
   bool SafeToDestroy(std::chrono::steady_clock::duration deferred) const override {

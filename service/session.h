@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -68,6 +69,12 @@ class Session {
   // answers: after that nothing of the session writes the engine's buffers.
   // `release_now` (epsd's shutdown): a queued async step is released at once.
   void Retire(bool release_now = false);
+  // For the janitor (session_janitor.h): a session whose backend frees device memory
+  // is destroyed on its thread, once that cannot wait for another engine.
+  bool DefersDestruction() const { return backend_->frees_device_memory(); }
+  bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const {
+    return backend_->SafeToDestroy(put_off);
+  }
   // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }

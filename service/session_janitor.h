@@ -2,57 +2,112 @@
 // call or the lease reaper that dropped its last reference.
 //
 // Freeing a session's device and pinned memory (cudaFree, cudaFreeHost) waits for every
-// stream on the device, another session's too, and an async session keeps a stream
-// wait on its engine's inputs_ready queued between its calls, which only that session's
-// next call, its Detach or its expiry releases (service/cuda_backend.cc). Destroyed on
-// the caller's thread, engine B's Detach would wait for engine A's next step, and so
-// would the lease reaper, which then never expires A: an engine that died mid-step held
-// every other session's end, and every later expiry, for good. Here a session is
-// destroyed once no other session's stream on its device has queued work, or, since a
-// healthy async engine keeps short waits queued nearly all the time, once it has been
-// put off for --inputs-timeout-ms and no other session holds a wait older than that
-// (gpu/live_streams.h): a dead engine's wait ages past it, and until A's end releases
-// it (its expiry, then --inputs-timeout-ms) no thread sits in a device-wide wait that
-// could hold up that release. Meanwhile the session's memory stays allocated, mapped
-// and charged to --max-server-bytes. Not proof against an engine that dies between the
-// check and the free (a window of one healthy step).
+// stream on the device, another session's too, and holds the device's other CUDA calls
+// meanwhile; an async session keeps a stream wait on its engine's inputs_ready queued
+// between its calls, which only that session's next call, its Detach or its expiry
+// releases (service/cuda_backend.cc), itself through CUDA calls. Destroyed on the
+// caller's thread, engine B's Detach would wait for engine A's next step, and so would
+// the lease reaper, which then never expires A: an engine that died mid-step held every
+// other session's end, every later expiry and every Attach, for good.
 //
-// cpu sessions free no device memory: they are destroyed at once, where they were, so
-// that their memory budget is returned before the call that ended them answers.
+// Here a session is destroyed once its backend says it is safe (StepBackend::
+// SafeToDestroy, given how long it has been put off): for the cuda backend, once no
+// other stream on its device has queued work, or once it has been put off for
+// --inputs-timeout-ms and no other stream holds a wait queued longer ago than that
+// (gpu/live_streams.h: a dead engine's wait ages past it; a healthy engine's lasts a
+// step). Until A's end releases its wait (its expiry, then --inputs-timeout-ms) no
+// thread sits in a device-wide wait that could hold up that release. Meanwhile the
+// session's memory stays allocated, mapped and charged to --max-server-bytes. Not proof
+// against an engine that dies between the check and the free (a window of one step).
+//
+// Sessions whose backend frees no device memory (cpu) are destroyed at once, where
+// they were, so that their memory budget is returned before the call that ended them
+// answers. A template only so that its tests can use a stand-in for Session.
 #pragma once
 
 #include <chrono>
 #include <deque>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "service/session.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace eps::service {
 
-class SessionJanitor {
+// T: `bool DefersDestruction() const` (destroy on the janitor's thread) and
+// `bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const`.
+template <typename T>
+class Janitor {
  public:
-  SessionJanitor();
-  // Destroys every session still queued (those that would wait on an abandoned stream are
-  // left to the process's exit), then joins its thread.
-  ~SessionJanitor();
-  SessionJanitor(const SessionJanitor&) = delete;
-  SessionJanitor& operator=(const SessionJanitor&) = delete;
+  Janitor() : thread_([this] { Run(); }) {}
+  // Destroys every item still queued, except those not safe to destroy even now (an
+  // abandoned stream: left to the process's exit rather than block it); joins.
+  ~Janitor() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  Janitor(const Janitor&) = delete;
+  Janitor& operator=(const Janitor&) = delete;
 
-  // The deleter of a session's shared_ptr: a cuda session is queued for the thread,
-  // any other destroyed here.
-  void Dispose(Session* session);
+  // The deleter of an item's shared_ptr.
+  void Dispose(T* item) {
+    std::unique_ptr<T> owned(item);
+    if (owned == nullptr || !owned->DefersDestruction()) return;  // destroyed here
+    absl::MutexLock lock(&mu_);
+    queue_.push_back({std::move(owned), std::chrono::steady_clock::now()});
+  }
+
+  // Items queued and not yet destroyed (the one being checked is not counted).
+  size_t queued() const {
+    absl::MutexLock lock(&mu_);
+    return queue_.size();
+  }
 
  private:
   struct Ended {
-    std::unique_ptr<Session> session;
+    std::unique_ptr<T> item;
     std::chrono::steady_clock::time_point ended;  // when it was queued
   };
-  void Run();
 
-  absl::Mutex mu_;
+  void Run() {
+    for (;;) {
+      Ended next;
+      bool stopping = false;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &Janitor::Ready));
+        if (queue_.empty()) return;  // stopping, and nothing left
+        next = std::move(queue_.front());
+        queue_.pop_front();
+        stopping = stop_;
+      }
+      if (stopping) {
+        // Every queued step was released before the sessions were dropped
+        // (~SessionService): what is still unsafe is left to the exit.
+        if (!next.item->SafeToDestroy(std::chrono::steady_clock::duration::max())) {
+          (void)next.item.release();  // NOLINT(bugprone-unused-return-value): intended
+        }
+        continue;  // `next` is destroyed here otherwise
+      }
+      if (!next.item->SafeToDestroy(std::chrono::steady_clock::now() - next.ended)) {
+        {
+          absl::MutexLock lock(&mu_);
+          queue_.push_back(std::move(next));
+        }
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+    }  // a safe `next` is destroyed here, outside the lock
+  }
+  bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); }
+
+  mutable absl::Mutex mu_;
   std::deque<Ended> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

@@ -104,7 +104,7 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
       Session::Create(request, config_, server_budget_, caller);
   if (!built.ok()) return CountFailure(built.status());
   // Its last reference, wherever dropped, hands it to the janitor (session_janitor.h).
-  SessionJanitor* const janitor = &janitor_;
+  Janitor<Session>* const janitor = &janitor_;
   std::shared_ptr<Session> session((*built).release(),
                                    [janitor](Session* s) { janitor->Dispose(s); });
   session->set_id(NewSessionId(next_session_.fetch_add(1)));

@@ -104,7 +104,7 @@ class SessionService {
 
   const ServerConfig config_;
   MemoryBudget server_budget_;  // outlives the sessions that charge it
-  SessionJanitor janitor_;      // destroys cuda sessions; outlives the registry
+  Janitor<Session> janitor_;    // destroys cuda sessions; outlives the registry
   SessionRegistry sessions_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},
