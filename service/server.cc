@@ -36,7 +36,8 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
         return telemetry::ScrapeSources::Sessions{.active = stats.sessions_active(),
                                                   .attached_total = stats.sessions_attached_total(),
                                                   .expired_total = stats.sessions_expired_total(),
-                                                  .charged_bytes = sessions->charged_bytes()};
+                                                  .charged_bytes = sessions->charged_bytes(),
+                                                  .ending = sessions->sessions_ending()};
       });
   if (!telemetry.ok()) return telemetry.status();
   server->telemetry_ = *std::move(telemetry);

@@ -62,12 +62,13 @@ class Janitor {
     if (owned == nullptr || !owned->DefersDestruction()) return;  // destroyed here
     absl::MutexLock lock(&mu_);
     queue_.push_back({std::move(owned), std::chrono::steady_clock::now()});
+    ++pending_;
   }
 
-  // Items queued and not yet destroyed (the one being checked is not counted).
-  size_t queued() const {
+  // Items handed over and not yet destroyed (nor left to the exit).
+  size_t pending() const {
     absl::MutexLock lock(&mu_);
-    return queue_.size();
+    return pending_;
   }
 
  private:
@@ -94,7 +95,9 @@ class Janitor {
         if (!next.item->SafeToDestroy(std::chrono::steady_clock::duration::max())) {
           (void)next.item.release();  // NOLINT(bugprone-unused-return-value): intended
         }
-        continue;  // `next` is destroyed here otherwise
+        next.item.reset();  // outside the lock
+        Done();
+        continue;
       }
       if (!next.item->SafeToDestroy(std::chrono::steady_clock::now() - next.ended)) {
         {
@@ -102,13 +105,21 @@ class Janitor {
           queue_.push_back(std::move(next));
         }
         absl::SleepFor(absl::Milliseconds(10));
+        continue;
       }
-    }  // a safe `next` is destroyed here, outside the lock
+      next.item.reset();  // outside the lock
+      Done();
+    }
+  }
+  void Done() {
+    absl::MutexLock lock(&mu_);
+    --pending_;
   }
   bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); }
 
   mutable absl::Mutex mu_;
   std::deque<Ended> queue_ ABSL_GUARDED_BY(mu_);
+  size_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // in queue_, or being checked by Run
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

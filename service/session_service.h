@@ -80,6 +80,9 @@ class SessionService {
   size_t session_count() const { return sessions_.size(); }
   // Bytes charged to --max-server-bytes by the live sessions.
   uint64_t charged_bytes() const { return server_budget_.used(); }
+  // Ended cuda sessions the janitor has not freed yet (session_janitor.h); their bytes are
+  // still in charged_bytes().
+  uint64_t sessions_ending() const { return janitor_.pending(); }
   // The session `id` names (null when none), for tests that hold its step gate or lock.
   std::shared_ptr<Session> session_for_test(const std::string& id) const {
     return sessions_.Find(id);

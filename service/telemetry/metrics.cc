@@ -106,6 +106,11 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
                            "buffers and backend allocations (mapped engine buffers are not "
                            "charged).",
                            prometheus::MetricType::Gauge, static_cast<double>(s.charged_bytes)));
+      out.push_back(Scalar("eps_sessions_ending",
+                           "Ended cuda sessions not freed yet: freeing waits until it cannot wait "
+                           "for another engine; their bytes are still in "
+                           "eps_session_memory_bytes.",
+                           prometheus::MetricType::Gauge, static_cast<double>(s.ending)));
     }
     if (sources_.traces) {
       const ScrapeSources::Traces t = sources_.traces();

@@ -49,6 +49,7 @@ struct ScrapeSources {
   struct Sessions {
     uint64_t active = 0, attached_total = 0, expired_total = 0;
     uint64_t charged_bytes = 0;  // charged to --max-server-bytes by the live sessions
+    uint64_t ending = 0;         // ended cuda sessions not yet freed (janitor)
   };
   struct Traces {
     uint64_t exported = 0, dropped = 0, export_failures = 0;

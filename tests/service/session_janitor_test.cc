@@ -48,7 +48,7 @@ TEST(JanitorTest, WhatFreesNoDeviceMemoryIsDestroyedWhereItWasDropped) {
   Janitor<Item> janitor;
   janitor.Dispose(new Item{.defers = false, .safe = &safe, .destroyed = &destroyed});
   EXPECT_EQ(destroyed.load(), 1);  // before Dispose returned, unsafe or not
-  EXPECT_EQ(janitor.queued(), 0u);
+  EXPECT_EQ(janitor.pending(), 0u);
 }
 
 TEST(JanitorTest, AnItemWaitsUntilItIsSafeAndIsToldHowLongItWasPutOff) {
@@ -58,12 +58,13 @@ TEST(JanitorTest, AnItemWaitsUntilItIsSafeAndIsToldHowLongItWasPutOff) {
   auto* item = new Item{.safe = &safe, .destroyed = &destroyed};
   janitor.Dispose(item);
   EXPECT_EQ(destroyed.load(), 0);
+  EXPECT_EQ(janitor.pending(), 1u);
   // Checked again and again, with a growing put-off, and never destroyed while unsafe.
   ASSERT_TRUE(Eventually([&] { return item->longest_put_off_ms.load() >= 100; }));
   EXPECT_EQ(destroyed.load(), 0);
   safe.store(true);
   ASSERT_TRUE(Eventually([&] { return destroyed.load() == 1; }));
-  EXPECT_EQ(janitor.queued(), 0u);
+  EXPECT_EQ(janitor.pending(), 0u);
 }
 
 TEST(JanitorTest, OneUnsafeItemDoesNotHoldUpTheOthers) {
@@ -77,6 +78,7 @@ TEST(JanitorTest, OneUnsafeItemDoesNotHoldUpTheOthers) {
     janitor.Dispose(new Item{.safe = &safe, .destroyed = &destroyed});
     ASSERT_TRUE(Eventually([&] { return destroyed.load() == 2; }));
     EXPECT_EQ(stuck_destroyed.load(), 0);
+    EXPECT_TRUE(Eventually([&] { return janitor.pending() == 1; }));
     // Shutdown: what is still unsafe even now is left to the exit, not waited for.
   }
   EXPECT_EQ(stuck_destroyed.load(), 0);

@@ -76,10 +76,12 @@ TEST(ServerMetricsTest, ScrapeSourcesAreReadAtScrapeTime) {
   ScrapeSources sources;
   uint64_t charged = 4096;
   sources.sessions = [&] {
-    return ScrapeSources::Sessions{.active = active, .attached_total = 4, .charged_bytes = charged};
+    return ScrapeSources::Sessions{
+        .active = active, .attached_total = 4, .charged_bytes = charged, .ending = 2};
   };
   ServerMetrics m(sources);
   EXPECT_EQ(Sample(m.Render(), "eps_sessions"), 1);
+  EXPECT_EQ(Sample(m.Render(), "eps_sessions_ending"), 2);
   EXPECT_EQ(Sample(m.Render(), "eps_session_memory_bytes"), 4096);
   active = 3;
   charged = 0;
