@@ -89,17 +89,12 @@ class Janitor {
         queue_.pop_front();
         stopping = stop_;
       }
-      if (stopping) {
-        // Every queued step was released before the sessions were dropped
-        // (~SessionService): what is still unsafe is left to the exit.
-        if (!next.item->SafeToDestroy(std::chrono::steady_clock::duration::max())) {
-          (void)next.item.release();  // NOLINT(bugprone-unused-return-value): intended
-        }
-        next.item.reset();  // outside the lock
-        Done();
-        continue;
-      }
-      if (!next.item->SafeToDestroy(std::chrono::steady_clock::now() - next.ended)) {
+      // At shutdown every queued step was released before the sessions were dropped
+      // (~SessionService): what is still unsafe then is left to the exit.
+      const auto put_off = stopping ? std::chrono::steady_clock::duration::max()
+                                    : std::chrono::steady_clock::now() - next.ended;
+      const bool safe = next.item->SafeToDestroy(put_off);
+      if (!safe && !stopping) {
         {
           absl::MutexLock lock(&mu_);
           queue_.push_back(std::move(next));
@@ -107,13 +102,11 @@ class Janitor {
         absl::SleepFor(absl::Milliseconds(10));
         continue;
       }
-      next.item.reset();  // outside the lock
-      Done();
+      if (!safe) (void)next.item.release();  // NOLINT(bugprone-unused-return-value): intended
+      next.item.reset();                     // outside the lock
+      absl::MutexLock lock(&mu_);
+      --pending_;
     }
-  }
-  void Done() {
-    absl::MutexLock lock(&mu_);
-    --pending_;
   }
   bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); }
 
