@@ -2,7 +2,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/inputs_wait.h"
-#include "gpu/live_streams.h"
 #include "gpu/stream_ops.h"
 
 namespace eps::gpu {
@@ -21,7 +20,10 @@ absl::Status InputsWait::Init(std::chrono::microseconds drain_timeout) {
 
 absl::Status InputsWait::Queue(cudaStream_t stream, uint64_t* inputs_ready, uint64_t step) {
   if (absl::Status s = StreamWaitCounter(stream, inputs_ready, step); !s.ok()) return s;
-  NoteWaitQueued(stream);
+  queued_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now().time_since_epoch())
+                       .count(),
+                   std::memory_order_relaxed);
   counter_ = inputs_ready;  // steps increase: raising to this one releases every earlier wait
   step_ = step;
   return absl::OkStatus();
@@ -89,7 +91,7 @@ absl::Status InputsWait::Drain(cudaStream_t stream, std::chrono::microseconds ti
     return Usable();
   }
   counter_ = nullptr;
-  NoteWaitEnded(stream);
+  queued_ns_.store(0, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 

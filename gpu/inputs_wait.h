@@ -16,6 +16,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -75,6 +76,9 @@ class InputsWait {
   // number that is reused must not read as released.
   absl::Status ClearReleased();
 
+  // When the wait still queued was queued (steady clock, ns since its epoch), 0 when none.
+  const std::atomic<int64_t>* queued_ns() const { return &queued_ns_; }
+
  private:
   // Polls `stream` until it drains (true) or `deadline` (false), yielding.
   static absl::StatusOr<bool> DrainsBy(cudaStream_t stream,
@@ -85,6 +89,9 @@ class InputsWait {
   std::chrono::microseconds drain_timeout_{0};
   uint64_t* counter_ = nullptr;  // the latest wait queued, until the stream drained
   uint64_t step_ = 0;
+  // When that wait was queued (steady clock, ns), 0 once drained: read by other threads
+  // through gpu/live_streams.h, so a plain store on the step path, no lock.
+  std::atomic<int64_t> queued_ns_{0};
   std::string poisoned_;  // why, once a released stream failed to drain
 };
 

@@ -11,7 +11,7 @@ namespace {
 struct LiveStream {
   int device;
   cudaStream_t stream;
-  std::chrono::steady_clock::time_point wait_queued;  // {} when no wait is queued
+  const std::atomic<int64_t>* wait_queued_ns;
 };
 
 ABSL_CONST_INIT absl::Mutex g_mu(absl::kConstInit);
@@ -20,18 +20,11 @@ std::vector<LiveStream>& Streams() {
   return *streams;
 }
 
-void SetWait(cudaStream_t stream, std::chrono::steady_clock::time_point when) {
-  absl::MutexLock lock(&g_mu);
-  for (LiveStream& s : Streams()) {
-    if (s.stream == stream) s.wait_queued = when;
-  }
-}
-
 }  // namespace
 
-void AddLiveStream(int device, cudaStream_t stream) {
+void AddLiveStream(int device, cudaStream_t stream, const std::atomic<int64_t>* wait_queued_ns) {
   absl::MutexLock lock(&g_mu);
-  Streams().push_back({device, stream, {}});
+  Streams().push_back({device, stream, wait_queued_ns});
 }
 
 void RemoveLiveStream(cudaStream_t stream) {
@@ -39,20 +32,20 @@ void RemoveLiveStream(cudaStream_t stream) {
   std::erase_if(Streams(), [stream](const LiveStream& s) { return s.stream == stream; });
 }
 
-void NoteWaitQueued(cudaStream_t stream) { SetWait(stream, std::chrono::steady_clock::now()); }
-void NoteWaitEnded(cudaStream_t stream) { SetWait(stream, {}); }
-
 OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
                                    std::chrono::steady_clock::duration stale) {
-  const auto now = std::chrono::steady_clock::now();
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  const int64_t stale_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stale).count();
   OtherStreams out;
   absl::MutexLock lock(&g_mu);
   for (const LiveStream& s : Streams()) {
     if (s.device != device || s.stream == except) continue;
     if (cudaStreamQuery(s.stream) != cudaErrorNotReady) continue;  // finished its work
     out.idle = false;
-    const bool waiting = s.wait_queued != std::chrono::steady_clock::time_point{};
-    if (waiting && now - s.wait_queued > stale) out.stale_wait = true;
+    const int64_t queued = s.wait_queued_ns->load(std::memory_order_relaxed);
+    if (queued != 0 && now_ns - queued > stale_ns) out.stale_wait = true;
   }
   return out;
 }

@@ -12,15 +12,16 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 
 namespace eps::gpu {
 
-void AddLiveStream(int device, cudaStream_t stream);
+// `wait_queued_ns`: when the wait on engine memory queued on `stream` was queued (steady
+// clock, ns), 0 when none (InputsWait::queued_ns); it must outlive the registration.
+void AddLiveStream(int device, cudaStream_t stream, const std::atomic<int64_t>* wait_queued_ns);
 void RemoveLiveStream(cudaStream_t stream);
-// A wait on engine memory was queued on `stream`; it has ended (drained or released).
-void NoteWaitQueued(cudaStream_t stream);
-void NoteWaitEnded(cudaStream_t stream);
 
 // The other live streams on `device` (all but `except`).
 struct OtherStreams {

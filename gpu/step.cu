@@ -239,7 +239,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
       cudaDeviceGetAttribute(&impl->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   impl->options = options;
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
-  AddLiveStream(device, impl->stream);
+  AddLiveStream(device, impl->stream, impl->inputs.queued_ns());
   RETURN_IF_ERROR(impl->inputs.Init(options.drain_timeout));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
   CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
