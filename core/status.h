@@ -1,4 +1,5 @@
-// Status propagation macros for absl::Status / absl::StatusOr.
+// Status propagation macros for absl::Status / absl::StatusOr, and the mark of a
+// status whose device is lost.
 //
 // abseil 20220623 (Debian bookworm) ships neither RETURN_IF_ERROR nor
 // ASSIGN_OR_RETURN, so the project defines its own. Both evaluate their argument
@@ -7,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 
 #define EPS_STATUS_CONCAT_INNER_(a, b) a##b
 #define EPS_STATUS_CONCAT_(a, b) EPS_STATUS_CONCAT_INNER_(a, b)
@@ -27,3 +29,22 @@
   auto statusor = (expr);                               \
   if (!statusor.ok()) return statusor.status();         \
   lhs = std::move(statusor).value()
+
+namespace eps {
+
+// The device a status's work ran on is lost to this process: a CUDA error that
+// leaves the context unusable, so that every later call on it fails the same way
+// and only a new process can use the device again (gpu/cuda_check.h decides which
+// errors are such). The service stops serving and exits on one (docs/api-failures.md).
+inline constexpr char kDeviceLostPayload[] = "type.eps/device-lost";
+
+inline absl::Status MarkDeviceLost(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kDeviceLostPayload, absl::Cord("1"));
+  return status;
+}
+
+inline bool IsDeviceLost(const absl::Status& status) {
+  return !status.ok() && status.GetPayload(kDeviceLostPayload).has_value();
+}
+
+}  // namespace eps

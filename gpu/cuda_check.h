@@ -4,18 +4,21 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/status.h"
 
-// Returns an INTERNAL status naming the call and CUDA's error when `expr` fails.
-#define CUDA_RETURN_IF_ERROR(expr)                                         \
-  do {                                                                     \
-    const cudaError_t eps_cuda_err_ = (expr);                              \
-    if (eps_cuda_err_ != cudaSuccess) {                                    \
-      return ::absl::InternalError(                                        \
-          ::absl::StrCat(#expr, ": ", cudaGetErrorString(eps_cuda_err_))); \
-    }                                                                      \
+// Returns CudaStatus(#expr, error) when `expr` fails.
+#define CUDA_RETURN_IF_ERROR(expr)                         \
+  do {                                                     \
+    const cudaError_t eps_cuda_err_ = (expr);              \
+    if (eps_cuda_err_ != cudaSuccess) {                    \
+      return ::eps::gpu::CudaStatus(#expr, eps_cuda_err_); \
+    }                                                      \
   } while (false)
 
 #define RETURN_IF_CUDA_ALLOC(buffer, count)                                       \
@@ -26,6 +29,40 @@
   } while (false)
 
 namespace eps::gpu {
+
+// Whether `error` leaves this process's CUDA context unusable: CUDA documents that
+// every later call returns the same error and that only a new process can use the
+// device again (a kernel's illegal address, trap or assertion, a launch timeout, an
+// error the GPU contained, an uncorrectable ECC or NVLink error, a lost MPS server).
+constexpr bool ContextLost(cudaError_t error) {
+  switch (error) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// An INTERNAL status naming `what` and CUDA's error, marked device-lost
+// (core/status.h MarkDeviceLost) when the error is one of ContextLost's.
+inline absl::Status CudaStatus(absl::string_view what, cudaError_t error) {
+  absl::Status status = absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(error)));
+  return ContextLost(error) ? MarkDeviceLost(std::move(status)) : status;
+}
 
 // Owns `count` elements of device memory; freed in the destructor.
 template <typename T>
@@ -44,8 +81,9 @@ class DeviceBuffer {
     const cudaError_t err =
         cudaMalloc(&ptr_, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T));
     if (err != cudaSuccess) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cudaMalloc(", count * sizeof(T), " bytes): ", cudaGetErrorString(err)));
+      const std::string what = absl::StrCat("cudaMalloc(", count * sizeof(T), " bytes)");
+      if (ContextLost(err)) return CudaStatus(what, err);
+      return absl::ResourceExhaustedError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
     }
     return absl::OkStatus();
   }

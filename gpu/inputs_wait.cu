@@ -52,7 +52,7 @@ absl::StatusOr<bool> InputsWait::DrainsBy(cudaStream_t stream,
     std::this_thread::yield();  // rather than spin a core on the driver
   }
   if (q != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("step stream: ", cudaGetErrorString(q)));
+    return CudaStatus("step stream", q);
   }
   return true;
 }

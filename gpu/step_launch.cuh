@@ -358,8 +358,7 @@ class CapturedSteps {
       }
       if (const cudaError_t made = cudaGraphInstantiate(&c.exec, c.graph, 0); made != cudaSuccess) {
         Destroy(c);
-        return absl::InternalError(
-            absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(made)));
+        return CudaStatus("cudaGraphInstantiate", made);
       }
       if (steps_.size() == kCapacity) {
         Destroy(steps_.back());

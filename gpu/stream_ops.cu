@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/cuda_check.h"
 #include "gpu/stream_ops.h"
 
 namespace eps::gpu {
@@ -28,8 +29,9 @@ absl::Status Call(const char* name, StreamValueFn fn, cudaStream_t stream, const
   const CUresult r =
       fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(at), value, flags);
   if (r != CUDA_SUCCESS) {
-    return absl::InternalError(
-        absl::StrCat(name, "(value=", value, "): CUresult ", static_cast<int>(r)));
+    // The driver's codes of the errors that lose a context are the runtime's.
+    return CudaStatus(absl::StrCat(name, "(value=", value, "): CUresult ", static_cast<int>(r)),
+                      static_cast<cudaError_t>(r));
   }
   return absl::OkStatus();
 }
@@ -68,10 +70,7 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
   RaiseCounterKernel<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned long long*>(counter),
                                           static_cast<unsigned long long>(value));
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("RaiseCounterKernel: ", cudaGetErrorString(err)));
-  }
-  return absl::OkStatus();
+  return err == cudaSuccess ? absl::OkStatus() : CudaStatus("RaiseCounterKernel", err);
 }
 
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
@@ -80,20 +79,14 @@ absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n,
                                              reinterpret_cast<unsigned long long*>(counter),
                                              static_cast<unsigned long long>(value));
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("ReleaseDenseKernel: ", cudaGetErrorString(err)));
-  }
-  return absl::OkStatus();
+  return err == cudaSuccess ? absl::OkStatus() : CudaStatus("ReleaseDenseKernel", err);
 }
 
 absl::Status PreloadStreamOps() {
   cudaFuncAttributes attributes;
   for (const void* kernel : {reinterpret_cast<const void*>(&RaiseCounterKernel),
                              reinterpret_cast<const void*>(&ReleaseDenseKernel)}) {
-    const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
-    if (err != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("cudaFuncGetAttributes: ", cudaGetErrorString(err)));
-    }
+    CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
   }
   return absl::OkStatus();
 }

@@ -200,14 +200,14 @@ absl::Status WithStreamScratch(const void* host, size_t bytes, cudaStream_t stre
     if (const cudaError_t err =
             cudaMemcpyAsync(scratch, host, bytes, cudaMemcpyHostToDevice, stream);
         err != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("cudaMemcpyAsync: ", cudaGetErrorString(err)));
+      return CudaStatus("cudaMemcpyAsync", err);
     }
     return launch(scratch);
   };
   const absl::Status s = copy_and_launch();
   const cudaError_t freed = cudaFreeAsync(scratch, stream);
   if (s.ok() && freed != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cudaFreeAsync: ", cudaGetErrorString(freed)));
+    return CudaStatus("cudaFreeAsync", freed);
   }
   return s;
 }

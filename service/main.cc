@@ -1,5 +1,6 @@
 // epsd: the EPS page selector sidecar.
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -67,8 +68,10 @@ int main(int argc, char** argv) {
                                             std::chrono::steady_clock::now() - start)
                                             .count()));
   }
+  // A lost CUDA device ends epsd as a signal does (the drain), then with exit 1: only a
+  // new process can use the device again, and a supervisor restarts it.
   absl::StatusOr<std::unique_ptr<eps::service::EpsServer>> server =
-      eps::service::EpsServer::Start(*config);
+      eps::service::EpsServer::Start(*config, [] { kill(getpid(), SIGTERM); });
   if (!server.ok()) {
     std::fprintf(stderr, "epsd: %s\n", std::string(server.status().message()).c_str());
     return 1;
@@ -88,7 +91,12 @@ int main(int argc, char** argv) {
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);
-    std::fprintf(stderr, "epsd: signal %d, draining for up to %u ms\n", signal, config->drain_ms);
+    if (absl::Status fatal = (*server)->fatal(); !fatal.ok()) {
+      std::fprintf(stderr, "epsd: stopping (%s), draining for up to %u ms\n",
+                   std::string(fatal.message()).c_str(), config->drain_ms);
+    } else {
+      std::fprintf(stderr, "epsd: signal %d, draining for up to %u ms\n", signal, config->drain_ms);
+    }
     (*server)->Shutdown();
     // The backstop of the drain: gRPC cancels the calls left at drain_ms, and every call
     // ends then (service/call_guard.h); should one still not, exit regardless.
@@ -105,9 +113,10 @@ int main(int argc, char** argv) {
     }
   });
   (*server)->Wait();
+  const bool fatal = !(*server)->fatal().ok();
   server->reset();
   stopped.Notify();
   waiter.join();
-  std::fprintf(stderr, "epsd: stopped\n");
-  return 0;
+  std::fprintf(stderr, "epsd: stopped%s\n", fatal ? " (a CUDA device was lost: exit 1)" : "");
+  return fatal ? 1 : 0;
 }

@@ -5,9 +5,12 @@
 // --allow-remote (CheckListeners in config.h).
 #pragma once
 
+#include <functional>
 #include <memory>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/server.h"
 #include "service/config.h"
 #include "service/grpc_service.h"
@@ -20,7 +23,11 @@ namespace eps::service {
 
 class EpsServer {
  public:
-  static absl::StatusOr<std::unique_ptr<EpsServer>> Start(const ServerConfig& config);
+  // `on_fatal` (may be empty) is called once, from a call's thread, when epsd can no
+  // longer serve (a CUDA device lost: SessionService::DeviceLostHandler); fatal() then
+  // says why. epsd's main answers it with the drain and exit 1.
+  static absl::StatusOr<std::unique_ptr<EpsServer>> Start(const ServerConfig& config,
+                                                          std::function<void()> on_fatal = {});
   ~EpsServer();
 
   // Stops accepting calls, lets in-flight ones finish for up to drain_ms, then cancels them.
@@ -32,10 +39,19 @@ class EpsServer {
   const std::string& bound_address() const { return bound_address_; }
   // host:port of the grpc.health.v1 TCP listener (--health-listen); empty when off.
   const std::string& health_address() const { return health_address_; }
+  // OK, or why epsd cannot serve any more (see Start).
+  absl::Status fatal() const {
+    absl::MutexLock lock(&fatal_mu_);
+    return fatal_;
+  }
 
  private:
   EpsServer() = default;
   ServerConfig config_;
+  // Before sessions_, which reports a lost device to them.
+  std::function<void()> on_fatal_;
+  mutable absl::Mutex fatal_mu_;
+  absl::Status fatal_ ABSL_GUARDED_BY(fatal_mu_);
   std::unique_ptr<SessionService> sessions_;
   std::unique_ptr<telemetry::Telemetry> telemetry_;  // outlives the service that calls it
   std::unique_ptr<PageSelectorService> service_;

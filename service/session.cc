@@ -70,10 +70,21 @@ int64_t SteadyNowMs() {
       .count();
 }
 
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(const SessionSpec& spec,
+                                                                const SessionBuffers& buffers,
+                                                                const ServerConfig& config) {
+  if (spec.backend == BackendKind::kCuda) {
+    return MakeCudaBackend(spec.model, spec.device, spec.max_batch, buffers.max_groups,
+                           std::chrono::milliseconds(config.inputs_timeout_ms));
+  }
+  return MakeCpuBackend(spec.model);
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest& request,
                                                          const ServerConfig& config,
                                                          MemoryBudget& server_budget,
-                                                         const Peer& caller) {
+                                                         const Peer& caller,
+                                                         const BackendFactory& make_backend) {
   std::unique_ptr<Session> s(new Session());
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
                                               &server_budget);
@@ -101,14 +112,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     ASSIGN_OR_RETURN(MemoryCharge charge, s->budget_->Charge(bytes, what));
     s->charges_.push_back(std::move(charge));
   }
-  if (spec.backend == BackendKind::kCuda) {
-    ASSIGN_OR_RETURN(
-        s->backend_,
-        MakeCudaBackend(spec.model, spec.device, spec.max_batch, s->buffers_.max_groups,
-                        std::chrono::milliseconds(config.inputs_timeout_ms)));
-  } else {
-    ASSIGN_OR_RETURN(s->backend_, MakeCpuBackend(spec.model));
-  }
+  ASSIGN_OR_RETURN(s->backend_, make_backend(spec, s->buffers_, config));
   return s;
 }
 

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,15 @@
 
 namespace eps::service {
 
+// Builds a session's step backend for its validated spec and resolved buffers.
+// MakeSessionBackend builds the one the spec names; tests pass their own to reach
+// paths that no backend on their machine takes (a lost device).
+using BackendFactory = std::function<absl::StatusOr<std::unique_ptr<StepBackend>>(
+    const SessionSpec& spec, const SessionBuffers& buffers, const ServerConfig& config)>;
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(const SessionSpec& spec,
+                                                                const SessionBuffers& buffers,
+                                                                const ServerConfig& config);
+
 class Session {
  public:
   // Validates `request` (spec, buffers, policy, in that order), maps its
@@ -41,10 +51,9 @@ class Session {
   // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
   // naming the limit before anything is allocated past it.
   // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
-  static absl::StatusOr<std::unique_ptr<Session>> Create(const v1::AttachRequest& request,
-                                                         const ServerConfig& config,
-                                                         MemoryBudget& server_budget,
-                                                         const Peer& caller);
+  static absl::StatusOr<std::unique_ptr<Session>> Create(
+      const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
+      const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 

@@ -2,6 +2,9 @@
 
 #include <sys/random.h>
 
+#include <cstdio>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -50,8 +53,12 @@ absl::Status CallLiveness::Check(const char* what) const {
   return absl::OkStatus();
 }
 
-SessionService::SessionService(const ServerConfig& config)
-    : config_(config), server_budget_("--max-server-bytes", config.max_server_bytes) {
+SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost,
+                               BackendFactory make_backend)
+    : config_(config),
+      server_budget_("--max-server-bytes", config.max_server_bytes),
+      on_device_lost_(std::move(on_device_lost)),
+      make_backend_(std::move(make_backend)) {
   reaper_ = std::thread([this] {
     const auto period = absl::Milliseconds(std::max<uint32_t>(10, config_.lease_ms / 10));
     while (!stop_.WaitForNotificationWithTimeout(period)) ExpireSessions();
@@ -70,6 +77,17 @@ SessionService::~SessionService() {
 
 absl::Status SessionService::CountFailure(absl::Status status) {
   if (!status.ok()) validation_failures_.fetch_add(1, std::memory_order_relaxed);
+  return status;
+}
+
+absl::Status SessionService::WatchDevice(absl::Status status) {
+  if (IsDeviceLost(status) && !device_lost_.exchange(true)) {
+    std::fprintf(stderr,
+                 "epsd: a CUDA device is lost to this process (%s); no call can use it until "
+                 "epsd restarts\n",
+                 std::string(status.message()).c_str());
+    if (on_device_lost_) on_device_lost_(status);
+  }
   return status;
 }
 
@@ -95,14 +113,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
+  if (device_lost_.load()) {
+    return CountFailure(absl::UnavailableError(
+        "epsd lost a CUDA device and is restarting; attach to the new epsd"));
+  }
   // Before any mapping or allocation; Add checks again when it publishes.
   if (absl::Status room = sessions_.Room(EngineKey::Of(caller, request.engine_id()), Limits());
       !room.ok()) {
     return CountFailure(room);
   }
   absl::StatusOr<std::unique_ptr<Session>> built =
-      Session::Create(request, config_, server_budget_, caller);
-  if (!built.ok()) return CountFailure(built.status());
+      Session::Create(request, config_, server_budget_, caller, make_backend_);
+  if (!built.ok()) return CountFailure(WatchDevice(built.status()));
   // Its last reference, wherever dropped, hands it to the janitor (session_janitor.h).
   Janitor<Session>* const janitor = &janitor_;
   std::shared_ptr<Session> session((*built).release(),
@@ -270,14 +292,14 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
       .policy = policy,
       .async = request.reply_mode() == v1::REPLY_MODE_ASYNC};
   StepOutcome outcome;
-  absl::Status run = backend.Run(step, &outcome);
+  absl::Status run = WatchDevice(backend.Run(step, &outcome));
   // A SIGBUS in the engine's shm during the step left zeros in its place (shm_fault_guard.h).
   if (run.ok()) run = session.CheckMemoryIntact();
   // Async steps finished since the last call count now, whatever this step does.
   for (const FinishedStep& f : outcome.earlier) {
     v1::StepStats* earlier = response->add_earlier();
     ToProto(f.stats, f.step, f.prepass_us, earlier);
-    if (!f.status.ok()) {
+    if (!WatchDevice(f.status).ok()) {
       earlier->set_error(f.status.ToString());
       session.errors.fetch_add(1);
       continue;

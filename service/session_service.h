@@ -40,7 +40,14 @@ struct CallLiveness {
 
 class SessionService {
  public:
-  explicit SessionService(const ServerConfig& config);
+  // Called once, on the thread of the call that found it, with the first status marked
+  // device-lost (core/status.h) that a step or an Attach returned: a CUDA context of
+  // this process is unusable, and only a new process can use the device again.
+  using DeviceLostHandler = absl::AnyInvocable<void(const absl::Status& status)>;
+  // From the first device-lost status on, Attach is UNAVAILABLE ("epsd is restarting").
+  // `make_backend`: Session::Create's (tests pass their own).
+  explicit SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost = nullptr,
+                          BackendFactory make_backend = MakeSessionBackend);
   // Stops the lease reaper and retires every session, releasing their queued steps at
   // once, before any is destroyed (service/session_janitor.h).
   ~SessionService();
@@ -93,6 +100,8 @@ class SessionService {
     return {.max_sessions = config_.max_sessions, .max_per_user = config_.max_sessions_per_user};
   }
   absl::Status CountFailure(absl::Status status);
+  // `status`, after calling on_device_lost_ if it is the first device-lost one.
+  absl::Status WatchDevice(absl::Status status);
   // The session `id` names, if `caller` may use it: NOT_FOUND or PERMISSION_DENIED.
   absl::StatusOr<std::shared_ptr<Session>> FindFor(const std::string& id, const Peer& caller,
                                                    const char* hint) const;
@@ -112,6 +121,9 @@ class SessionService {
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},
       validation_failures_{0};
+  DeviceLostHandler on_device_lost_;
+  const BackendFactory make_backend_;
+  std::atomic<bool> device_lost_{false};
   absl::Notification stop_;
   std::thread reaper_;
 };

@@ -1,0 +1,180 @@
+// A lost CUDA device (a status marked by core/status.h MarkDeviceLost) as the session
+// service meets it: the handler runs once, with the first such status, whichever
+// call found it; from then on Attach is UNAVAILABLE, and the call that found it
+// answers with its own error. Ordinary failures do neither. A stand-in backend
+// (wrapping the cpu backend) loses the device on command, which no backend on a
+// CPU-only machine can; tests/gpu/device_lost_test.cu shows the cuda backend's
+// statuses carry the mark when a real context is lost.
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "core/status.h"
+#include "gtest/gtest.h"
+#include "service/cpu_backend.h"
+#include "service/session.h"
+#include "service/session_service.h"
+#include "tests/core/test_util.h"
+#include "tests/service/test_engine.h"
+
+namespace eps::service {
+namespace {
+
+using eps::testing::TestEngine;
+
+absl::Status Lost() {
+  return MarkDeviceLost(absl::InternalError("cudaStreamQuery: an illegal memory access"));
+}
+
+// What the stand-in does at its next Run.
+enum class Fault { kNone, kLoseNow, kLoseInEarlier, kOrdinary };
+
+// The cpu backend, or a lost device when `fault` says so: in the step's own status
+// (a sync step's Finish), or in a finished async step reported with a later one.
+class LossyBackend final : public StepBackend {
+ public:
+  LossyBackend(std::unique_ptr<StepBackend> inner, std::atomic<Fault>* fault)
+      : inner_(std::move(inner)), fault_(fault) {}
+  BackendKind kind() const override { return inner_->kind(); }
+  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    switch (fault_->load()) {
+      case Fault::kLoseNow:
+        return Lost();
+      case Fault::kOrdinary:
+        return absl::InternalError("cudaMemcpyAsync: invalid argument");
+      case Fault::kLoseInEarlier:
+        outcome->earlier.emplace_back().step = step.step - 1;
+        outcome->earlier.back().status = Lost();
+        break;
+      case Fault::kNone:
+        break;
+    }
+    absl::MutexLock lock(&inner_->step_mu());
+    return inner_->Run(step, outcome);
+  }
+
+ private:
+  std::unique_ptr<StepBackend> inner_;
+  std::atomic<Fault>* fault_;
+};
+
+class SessionDeviceLostTest : public ::testing::Test {
+ protected:
+  SessionDeviceLostTest()
+      : engine_(eps::testing::SmallServiceModel(), /*max_seqs=*/2, /*max_context=*/512,
+                /*max_batch=*/2, eps::testing::TestSeed()) {
+    engine_.Fill(0, 0, 300);
+    engine_.Fill(1, 1, 200);
+  }
+
+  std::string Attach(const std::string& engine_id) {
+    v1::AttachResponse response;
+    const absl::Status s = service_.Attach(engine_.Attach(engine_id), &response);
+    EXPECT_TRUE(s.ok()) << s;
+    return response.session_id();
+  }
+  absl::Status Step(const std::string& session, uint64_t step) {
+    v1::SelectPagesResponse response;
+    return service_.SelectPages(TestEngine::Step(session, step, rows_), &response);
+  }
+  int handled() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(seen_.size());
+  }
+
+  TestEngine engine_;
+  std::atomic<Fault> fault_{Fault::kNone};
+  std::atomic<bool> lose_at_attach_{false};
+  absl::Mutex mu_;
+  std::vector<absl::Status> seen_;  // what the handler was called with
+  ServerConfig config_;
+  SessionService service_{
+      config_,
+      [this](const absl::Status& s) {
+        absl::MutexLock lock(&mu_);
+        seen_.push_back(s);
+      },
+      [this](const SessionSpec& spec, const SessionBuffers&,
+             const ServerConfig&) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+        if (lose_at_attach_.load()) return Lost();
+        ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+        return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault_));
+      }};
+  const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300), TestEngine::Row(1, 200)};
+};
+
+TEST_F(SessionDeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEndsAttaches) {
+  const std::string a = Attach("engine-a"), b = Attach("engine-b");
+  ASSERT_TRUE(Step(a, 1).ok());
+  ASSERT_TRUE(Step(b, 1).ok());
+  EXPECT_EQ(handled(), 0);
+
+  fault_ = Fault::kLoseNow;
+  const absl::Status first = Step(a, 2);
+  EXPECT_EQ(first.code(), absl::StatusCode::kInternal) << first;
+  EXPECT_NE(first.message().find("illegal memory access"), std::string_view::npos) << first;
+  ASSERT_EQ(handled(), 1);
+  {
+    absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(IsDeviceLost(seen_[0])) << seen_[0];
+  }
+  // Another engine's step finds the same lost device: its own error, no second call.
+  EXPECT_EQ(Step(b, 2).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(handled(), 1);
+
+  // No new session on a process that is going away; the attached ones may still detach.
+  v1::AttachResponse response;
+  const absl::Status attach = service_.Attach(engine_.Attach("engine-c"), &response);
+  EXPECT_EQ(attach.code(), absl::StatusCode::kUnavailable) << attach;
+  EXPECT_NE(attach.message().find("restarting"), std::string_view::npos) << attach;
+  EXPECT_TRUE(response.session_id().empty());
+  v1::DetachRequest detach;
+  detach.set_session_id(a);
+  EXPECT_TRUE(service_.Detach(detach).ok());
+}
+
+// An async step's device-side outcome comes back with the session's next call: a lost
+// device there counts the same, though the next step itself ran.
+TEST_F(SessionDeviceLostTest, ALostDeviceInAnEarlierStepsOutcomeCallsTheHandler) {
+  const std::string a = Attach("engine-a");
+  ASSERT_TRUE(Step(a, 1).ok());
+  fault_ = Fault::kLoseInEarlier;
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(TestEngine::Step(a, 2, rows_), &response).ok());
+  ASSERT_EQ(response.earlier_size(), 1);
+  EXPECT_NE(response.earlier(0).error().find("illegal memory access"), std::string::npos);
+  EXPECT_EQ(handled(), 1);
+  v1::AttachResponse attached;
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &attached).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(SessionDeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
+  lose_at_attach_ = true;
+  v1::AttachResponse response;
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-a"), &response).code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(handled(), 1);
+  lose_at_attach_ = false;  // a device that came back would still not be trusted
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(handled(), 1);
+}
+
+// An ordinary CUDA error fails its step and nothing else.
+TEST_F(SessionDeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
+  const std::string a = Attach("engine-a");
+  fault_ = Fault::kOrdinary;
+  EXPECT_EQ(Step(a, 1).code(), absl::StatusCode::kInternal);
+  fault_ = Fault::kNone;
+  EXPECT_TRUE(Step(a, 2).ok());
+  EXPECT_EQ(handled(), 0);
+  EXPECT_FALSE(Attach("engine-b").empty());
+}
+
+}  // namespace
+}  // namespace eps::service
