@@ -63,9 +63,9 @@ __device__ inline void WarpHeadMass(const float* sc, int n, double inv_scale, in
 // (the forced groups' mass) plus their mass(p, key) stays short of goal (k0 of
 // them), then k = min(ceiling, max(min_pages, k0)) are taken. Returns the cut
 // as (key, tie): an unforced group p is taken when MassTaken(key(p), p, key,
-// tie). Masses are summed in double in another order than core/'s (and the bins
-// with atomics), so the k0-th group may differ from core/'s when its partial sum
-// sits within rounding of the goal; the floor and ceiling are exact counts.
+// tie). Masses are summed in double in another order than core/'s (the bins in
+// WarpBinAdd's fixed order: the same cut on every run), so the k0-th group may differ from core/'s
+// when its partial sum sits within rounding of the goal; the floor and ceiling are exact counts.
 // `counts` is [256] and `masses` [256], the warp's own.
 template <class Unforced, class Key, class Mass>
 __device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, double covered,
@@ -95,14 +95,11 @@ __device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, doubl
         masses[b] = 0.0;
       }
       __syncwarp();
-      for (int p = lane; p < n; p += 32) {
-        if (!unforced(p)) continue;
-        const unsigned k = key(p);
-        if ((k & prefix_mask) == prefix) {
-          const unsigned b = (k >> shift) & 0xFFu;
-          atomicAdd(&counts[b], 1u);
-          atomicAdd(&masses[b], mass(p, k));
-        }
+      for (int base = 0; base < n; base += 32) {  // the same trip count on every lane
+        const int p = base + lane;
+        const unsigned k = p < n && unforced(p) ? key(p) : 0u;
+        const bool member = p < n && unforced(p) && (k & prefix_mask) == prefix;
+        WarpBinAdd(member, (k >> shift) & 0xFFu, member ? mass(p, k) : 0.0, counts, masses, lane);
       }
       __syncwarp();
       int chosen;

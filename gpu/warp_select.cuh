@@ -48,6 +48,31 @@ __device__ inline float KeyToFloat(unsigned key) {
   return __uint_as_float((key & 0x80000000u) ? key & 0x7FFFFFFFu : ~key);
 }
 
+// Adds one group a lane (`member`: whether it counts; `bin` in [0, 256), `w` its mass)
+// to the warp's bins, in a fixed order: the groups of one call in ascending lane
+// order, calls in program order. Every lane of the warp calls it together. A bin's
+// sum then does not depend on how the lanes were scheduled: double atomics from
+// lanes that had diverged landed in any order, and the mass walks' cut could move
+// between two runs of the same step (a graph replay and direct launches differed,
+// H100, 2026-11-27).
+__device__ inline void WarpBinAdd(bool member, unsigned bin, double w, unsigned* counts,
+                                  double* masses, int lane) {
+  const unsigned peers = __match_any_sync(0xFFFFFFFFu, member ? bin : 256u + lane);
+  double sum = w;
+  if (__any_sync(0xFFFFFFFFu, __popc(peers) > 1)) {  // lanes sharing a bin: in lane order
+    sum = 0.0;
+    for (int src = 0; src < 32; ++src) {
+      const double v = __shfl_sync(0xFFFFFFFFu, w, src);
+      if ((peers >> src) & 1u) sum += v;
+    }
+  }
+  if (member && lane == __ffs(peers) - 1) {  // one lane a bin: no two write one word
+    counts[bin] += __popc(peers);
+    masses[bin] += sum;
+  }
+  __syncwarp();
+}
+
 // Finds, walking 256 histogram bins from the top, the bin where the running sum
 // (started at `base`) reaches `target`: lane l holds bins [8l, 8l + 8), a warp
 // scan from lane 31 down finds the lane where the sum crosses, and that lane
@@ -269,7 +294,8 @@ __device__ __forceinline__ float WarpThresholdCut(const float* values, int n,
 // of the unforced groups, taken by decreasing score (ties by increasing group)
 // until their share reaches top_p. Returns the cut as (key, tie): group p is
 // taken when key_p > key, or key_p == key and p <= tie. Masses are summed in
-// double, in another order than core/'s, so a group at the cut may differ.
+// double, in another order than core/'s (the bins in WarpBinAdd's fixed order: the
+// same cut on every run), so a group at the cut may differ from core/'s.
 __device__ inline void WarpTopPCut(const float* sc, int n, const SelectRule& rule, unsigned* counts,
                                    double* masses, int lane, unsigned* cut_key, int* cut_tie) {
   float top = -INFINITY;
@@ -305,13 +331,12 @@ __device__ inline void WarpTopPCut(const float* sc, int n, const SelectRule& rul
       masses[b] = 0.0;
     }
     __syncwarp();
-    for (int p = lane; p < n; p += 32) {
-      const unsigned key = OrderedKey(sc[p]);
-      if (!IsForced(p, n, rule.first_n, rule.last_n) && (key & prefix_mask) == prefix) {
-        const unsigned b = (key >> shift) & 0xFFu;
-        atomicAdd(&counts[b], 1u);
-        atomicAdd(&masses[b], mass(p));
-      }
+    for (int base = 0; base < n; base += 32) {  // the same trip count on every lane
+      const int p = base + lane;
+      const unsigned key = p < n ? OrderedKey(sc[p]) : 0u;
+      const bool member =
+          p < n && !IsForced(p, n, rule.first_n, rule.last_n) && (key & prefix_mask) == prefix;
+      WarpBinAdd(member, (key >> shift) & 0xFFu, member ? mass(p) : 0.0, counts, masses, lane);
     }
     __syncwarp();
     int chosen;
