@@ -83,6 +83,9 @@ class DeviceBuffer {
     if (err != cudaSuccess) {
       const std::string what = absl::StrCat("cudaMalloc(", count * sizeof(T), " bytes)");
       if (ContextLost(err)) return CudaStatus(what, err);
+      // Not left as this thread's last error, where a later launch's cudaGetLastError
+      // check (the next Create on this thread) would report it as its own.
+      (void)cudaGetLastError();
       return absl::ResourceExhaustedError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
     }
     return absl::OkStatus();

@@ -30,9 +30,10 @@ absl::Status InputsWait::Queue(cudaStream_t stream, uint64_t* inputs_ready, uint
 }
 
 absl::Status InputsWait::ClearReleased() {
-  // The release stream holds only a counter write and a raise, no wait: bounded.
+  // On the release stream, after its counter write and raise (no wait: bounded), and
+  // not on the legacy default stream, whose work may order against other streams.
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(released_.get(), 0, sizeof(uint64_t), release_stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(release_stream_));
-  CUDA_RETURN_IF_ERROR(cudaMemset(released_.get(), 0, sizeof(uint64_t)));
   return absl::OkStatus();
 }
 

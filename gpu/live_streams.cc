@@ -4,6 +4,7 @@
 
 #include "absl/base/const_init.h"
 #include "absl/synchronization/mutex.h"
+#include "gpu/stream_ops.h"
 
 namespace eps::gpu {
 namespace {
@@ -48,6 +49,13 @@ OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
     if (queued != 0 && now_ns - queued > stale_ns) out.stale_wait = true;
   }
   return out;
+}
+
+bool SafeToFreeOn(int device, cudaStream_t except, std::chrono::steady_clock::duration deferred,
+                  std::chrono::steady_clock::duration stale) {
+  if (AbandonedStreamRunning(device)) return false;  // may never end: keep, not block
+  const OtherStreams others = CheckOtherLiveStreams(device, except, stale);
+  return others.idle || (deferred >= stale && !others.stale_wait);
 }
 
 }  // namespace eps::gpu

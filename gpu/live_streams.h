@@ -31,4 +31,13 @@ struct OtherStreams {
 OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
                                    std::chrono::steady_clock::duration stale);
 
+// Whether the owner of `except` (a live stream, or null) may free its memory on `device`
+// now, after putting it off for `deferred`: when the other live streams have finished
+// their queued work, or once `deferred` reaches `stale` and none of them holds a wait
+// on its engine queued more than `stale` ago (a healthy engine's waits are short; a
+// dead engine's ages until its session's end releases it). Never while an abandoned
+// stream on the device may still run (stream_ops.h).
+bool SafeToFreeOn(int device, cudaStream_t except, std::chrono::steady_clock::duration deferred,
+                  std::chrono::steady_clock::duration stale);
+
 }  // namespace eps::gpu

@@ -131,7 +131,8 @@ struct GpuSelector::Impl {
   // have written, since the next launch reuses its number and report.
   void Abort(uint64_t launch) {
     if (!inputs.Settle(stream, launch)) return;
-    (void)cudaMemset(reports.get(), 0, 2 * sizeof(StepReport));
+    (void)cudaMemsetAsync(reports.get(), 0, 2 * sizeof(StepReport),
+                          stream);  // before the next launch
     (void)inputs.ClearReleased();
   }
   ~Impl() {
@@ -202,10 +203,57 @@ absl::Status GpuSelector::WarmUp(int device) {
   return LoadKernels(device);
 }
 
-absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayout& model,
-                                                                 int device, int64_t max_batch,
-                                                                 int64_t max_groups,
-                                                                 GpuSelectorOptions options) {
+// The selector's stream, events, pinned and device scratch and its Φ: Create's
+// allocations, into `impl`, which owns whatever was made when one fails.
+absl::Status GpuSelector::Allocate(Impl& impl, const ModelLayout& model, int device,
+                                   int64_t max_batch, int64_t max_groups, int max_shared,
+                                   const GpuSelectorOptions& options) {
+  impl.model = model;
+  impl.layout = SummaryLayout::For(model);
+  impl.device = device;
+  impl.max_batch = max_batch;
+  impl.max_groups = max_groups;
+  impl.max_shared = max_shared;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&impl.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  impl.options = options;
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl.stream, cudaStreamNonBlocking));
+  AddLiveStream(device, impl.stream, impl.inputs.queued_ns());
+  RETURN_IF_ERROR(impl.inputs.Init(options.drain_timeout));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl.start));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl.stop));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl.host_rows, max_batch * sizeof(DeviceRow)));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl.host_report, sizeof(StepReport)));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl.host_mass_layers, model.num_layers * sizeof(MassRule)));
+  RETURN_IF_CUDA_ALLOC(impl.mass_layers, model.num_layers);
+  const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
+  RETURN_IF_CUDA_ALLOC(impl.phi, model.num_layers * model.num_kv_heads * per_matrix);
+  RETURN_IF_CUDA_ALLOC(impl.scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
+  RETURN_IF_CUDA_ALLOC(
+      impl.terms, max_batch * model.num_layers * model.num_q_heads * TermWords(model.sketch_dim));
+  RETURN_IF_CUDA_ALLOC(impl.rows, max_batch);
+  RETURN_IF_CUDA_ALLOC(impl.scored, int64_t{model.num_layers} * model.num_q_heads);
+  RETURN_IF_CUDA_ALLOC(impl.reports, 2);
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl.reports.get(), 0, 2 * sizeof(StepReport)));
+  const int64_t row_layers = max_batch * model.num_layers;
+  RETURN_IF_CUDA_ALLOC(impl.fused_masks, row_layers * kFusedMaskWords);
+  RETURN_IF_CUDA_ALLOC(impl.fused_arrivals, row_layers + 1);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemset(impl.fused_masks.get(), 0, row_layers * kFusedMaskWords * sizeof(unsigned)));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemset(impl.fused_arrivals.get(), 0, (row_layers + 1) * sizeof(unsigned)));
+  RETURN_IF_ERROR(LoadKernels(device));
+  GeneratePhiKernel<<<256, 256, 0, impl.stream>>>(model.phi_seed, model.num_layers,
+                                                  model.num_kv_heads, static_cast<int>(per_matrix),
+                                                  PhiScale(model.sketch_dim), impl.phi.get());
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl.stream));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(
+    const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
+    GpuSelectorOptions options, std::unique_ptr<GpuSelector>* remains) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   if (model.num_q_heads > 256 || model.sketch_dim > 64) {
     return absl::InvalidArgumentError(
@@ -229,47 +277,13 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(const ModelLayo
                      select_shared, " per selection block; the device offers ", max_shared));
   }
   auto impl = std::make_unique<Impl>();
-  impl->model = model;
-  impl->layout = SummaryLayout::For(model);
-  impl->device = device;
-  impl->max_batch = max_batch;
-  impl->max_groups = max_groups;
-  impl->max_shared = max_shared;
-  CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&impl->multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  impl->options = options;
-  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
-  AddLiveStream(device, impl->stream, impl->inputs.queued_ns());
-  RETURN_IF_ERROR(impl->inputs.Init(options.drain_timeout));
-  CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->start));
-  CUDA_RETURN_IF_ERROR(cudaEventCreate(&impl->stop));
-  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_rows, max_batch * sizeof(DeviceRow)));
-  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->host_report, sizeof(StepReport)));
-  CUDA_RETURN_IF_ERROR(
-      cudaMallocHost(&impl->host_mass_layers, model.num_layers * sizeof(MassRule)));
-  RETURN_IF_CUDA_ALLOC(impl->mass_layers, model.num_layers);
-  const int64_t per_matrix = int64_t{model.head_dim} * model.sketch_dim;
-  RETURN_IF_CUDA_ALLOC(impl->phi, model.num_layers * model.num_kv_heads * per_matrix);
-  RETURN_IF_CUDA_ALLOC(impl->scores, max_batch * model.num_layers * model.num_q_heads * max_groups);
-  RETURN_IF_CUDA_ALLOC(
-      impl->terms, max_batch * model.num_layers * model.num_q_heads * TermWords(model.sketch_dim));
-  RETURN_IF_CUDA_ALLOC(impl->rows, max_batch);
-  RETURN_IF_CUDA_ALLOC(impl->scored, int64_t{model.num_layers} * model.num_q_heads);
-  RETURN_IF_CUDA_ALLOC(impl->reports, 2);
-  CUDA_RETURN_IF_ERROR(cudaMemset(impl->reports.get(), 0, 2 * sizeof(StepReport)));
-  const int64_t row_layers = max_batch * model.num_layers;
-  RETURN_IF_CUDA_ALLOC(impl->fused_masks, row_layers * kFusedMaskWords);
-  RETURN_IF_CUDA_ALLOC(impl->fused_arrivals, row_layers + 1);
-  CUDA_RETURN_IF_ERROR(
-      cudaMemset(impl->fused_masks.get(), 0, row_layers * kFusedMaskWords * sizeof(unsigned)));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemset(impl->fused_arrivals.get(), 0, (row_layers + 1) * sizeof(unsigned)));
-  RETURN_IF_ERROR(LoadKernels(device));
-  GeneratePhiKernel<<<256, 256, 0, impl->stream>>>(model.phi_seed, model.num_layers,
-                                                   model.num_kv_heads, static_cast<int>(per_matrix),
-                                                   PhiScale(model.sketch_dim), impl->phi.get());
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl->stream));
+  if (absl::Status s = Allocate(*impl, model, device, max_batch, max_groups, max_shared, options);
+      !s.ok()) {
+    // What it allocated is freed by the caller once that cannot wait on another engine.
+    if (remains != nullptr)
+      *remains = std::unique_ptr<GpuSelector>(new GpuSelector(std::move(impl)));
+    return s;
+  }
   return std::unique_ptr<GpuSelector>(new GpuSelector(std::move(impl)));
 }
 
@@ -286,9 +300,7 @@ absl::Status GpuSelector::Select(const StepInputs& in, const SelectPolicy& polic
 
 bool GpuSelector::SafeToFree(std::chrono::steady_clock::duration deferred,
                              std::chrono::steady_clock::duration stale) const {
-  if (AbandonedStreamRunning(impl_->device)) return false;  // may never end: keep, not block
-  const OtherStreams others = CheckOtherLiveStreams(impl_->device, impl_->stream, stale);
-  return others.idle || (deferred >= stale && !others.stale_wait);
+  return SafeToFreeOn(impl_->device, impl_->stream, deferred, stale);
 }
 
 bool GpuSelector::pending() const { return impl_->pending; }

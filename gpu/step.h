@@ -139,10 +139,12 @@ class GpuSelector {
   // Scratch for up to `max_batch` rows of up to `max_groups` groups, on `device`.
   // A shape whose launch grids exceed CUDA's (num_layers × num_kv_heads or
   // max_batch above 65535) is refused with INVALID_ARGUMENT before any device
-  // is touched.
-  static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(const ModelLayout& model, int device,
-                                                             int64_t max_batch, int64_t max_groups,
-                                                             GpuSelectorOptions options = {});
+  // is touched. When it fails after allocating anything and `remains` is not null,
+  // `*remains` owns what was allocated, for the caller to destroy once SafeToFree
+  // says so rather than now (freeing may wait for another engine: gpu/live_streams.h).
+  static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(
+      const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
+      GpuSelectorOptions options = {}, std::unique_ptr<GpuSelector>* remains = nullptr);
   ~GpuSelector();
   GpuSelector(const GpuSelector&) = delete;
   GpuSelector& operator=(const GpuSelector&) = delete;
@@ -171,12 +173,8 @@ class GpuSelector {
   // and stats. A failed Enqueue leaves no wait behind: it releases its own.
   absl::Status Finish(std::chrono::microseconds timeout, StepStats* stats, float* prepass_us);
   bool pending() const;
-  // Whether destroying this selector now is safe for the other selectors on its device
-  // (gpu/live_streams.h): when their streams have finished their queued work, or once
-  // the destruction has been put off for `stale` and none of them holds a wait on its
-  // engine queued more than `stale` ago (a healthy engine's waits are short; a dead
-  // engine's ages until its session's end releases it). Never while an abandoned
-  // stream on the device may still run.
+  // Whether destroying this selector now, after putting it off for `deferred`, is safe
+  // for the other selectors on its device (gpu/live_streams.h SafeToFreeOn).
   bool SafeToFree(std::chrono::steady_clock::duration deferred,
                   std::chrono::steady_clock::duration stale) const;
   uint64_t pending_step() const;
@@ -187,6 +185,9 @@ class GpuSelector {
  private:
   struct Impl;
   explicit GpuSelector(std::unique_ptr<Impl> impl);
+  static absl::Status Allocate(Impl& impl, const ModelLayout& model, int device, int64_t max_batch,
+                               int64_t max_groups, int max_shared,
+                               const GpuSelectorOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -163,10 +163,16 @@ CudaIpcOpener MakeCudaIpcOpener(int device) {
 
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
-    std::chrono::microseconds inputs_timeout) {
+    std::chrono::microseconds inputs_timeout, std::unique_ptr<StepBackend>* remains) {
+  std::unique_ptr<gpu::GpuSelector> partial;
   absl::StatusOr<std::unique_ptr<gpu::GpuSelector>> selector =
-      gpu::GpuSelector::Create(model, device, max_batch, max_groups);
-  if (!selector.ok()) return selector.status();
+      gpu::GpuSelector::Create(model, device, max_batch, max_groups, {}, &partial);
+  if (!selector.ok()) {
+    if (partial != nullptr && remains != nullptr) {
+      *remains = std::make_unique<CudaBackend>(std::move(partial), device, inputs_timeout);
+    }
+    return selector.status();
+  }
   return std::unique_ptr<StepBackend>(
       new CudaBackend(std::move(*selector), device, inputs_timeout));
 }

@@ -18,9 +18,12 @@ CudaIpcOpener MakeCudaIpcOpener(int device);
 
 // `inputs_timeout`: how long an async step may wait for the engine's
 // inputs_ready before epsd releases the wait itself (the watchdog of docs/design.md §6).
+// On a failure after device memory was allocated, `*remains` (when not null) is a
+// backend that owns it, to be destroyed as an ended session's is (its SafeToDestroy):
+// freeing at once could wait for another engine's queued step (session_janitor.h).
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
-    std::chrono::microseconds inputs_timeout);
+    std::chrono::microseconds inputs_timeout, std::unique_ptr<StepBackend>* remains = nullptr);
 
 // True when this build has the CUDA backend (nvcc was found).
 bool CudaBackendBuilt();

@@ -13,7 +13,8 @@ absl::StatusOr<int> CudaDeviceWithUuid(std::string_view) {
 }
 
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(const ModelLayout&, int, int64_t,
-                                                             int64_t, std::chrono::microseconds) {
+                                                             int64_t, std::chrono::microseconds,
+                                                             std::unique_ptr<StepBackend>*) {
   return absl::FailedPreconditionError("this epsd was built without CUDA");
 }
 

@@ -70,21 +70,19 @@ int64_t SteadyNowMs() {
       .count();
 }
 
-absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(const SessionSpec& spec,
-                                                                const SessionBuffers& buffers,
-                                                                const ServerConfig& config) {
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(
+    const SessionSpec& spec, const SessionBuffers& buffers, const ServerConfig& config,
+    std::unique_ptr<StepBackend>* remains) {
   if (spec.backend == BackendKind::kCuda) {
     return MakeCudaBackend(spec.model, spec.device, spec.max_batch, buffers.max_groups,
-                           std::chrono::milliseconds(config.inputs_timeout_ms));
+                           std::chrono::milliseconds(config.inputs_timeout_ms), remains);
   }
   return MakeCpuBackend(spec.model);
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest& request,
-                                                         const ServerConfig& config,
-                                                         MemoryBudget& server_budget,
-                                                         const Peer& caller,
-                                                         const BackendFactory& make_backend) {
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(
+    const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
+    const Peer& caller, const BackendFactory& make_backend, std::unique_ptr<Session>* remains) {
   std::unique_ptr<Session> s(new Session());
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
                                               &server_budget);
@@ -112,7 +110,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     ASSIGN_OR_RETURN(MemoryCharge charge, s->budget_->Charge(bytes, what));
     s->charges_.push_back(std::move(charge));
   }
-  ASSIGN_OR_RETURN(s->backend_, make_backend(spec, s->buffers_, config));
+  std::unique_ptr<StepBackend> partial;
+  absl::StatusOr<std::unique_ptr<StepBackend>> backend =
+      make_backend(spec, s->buffers_, config, &partial);
+  if (!backend.ok()) {
+    if (partial != nullptr && remains != nullptr) {
+      s->backend_ = std::move(partial);
+      *remains = std::move(s);
+    }
+    return backend.status();
+  }
+  s->backend_ = *std::move(backend);
   return s;
 }
 

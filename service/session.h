@@ -34,14 +34,16 @@
 
 namespace eps::service {
 
-// Builds a session's step backend for its validated spec and resolved buffers.
+// Builds a session's step backend for its validated spec and resolved buffers; on a
+// failure, `*remains` may own device memory it allocated (MakeCudaBackend).
 // MakeSessionBackend builds the one the spec names; tests pass their own to reach
-// paths that no backend on their machine takes (a lost device).
+// paths that no backend on their machine takes (a lost device, a failed allocation).
 using BackendFactory = std::function<absl::StatusOr<std::unique_ptr<StepBackend>>(
-    const SessionSpec& spec, const SessionBuffers& buffers, const ServerConfig& config)>;
-absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(const SessionSpec& spec,
-                                                                const SessionBuffers& buffers,
-                                                                const ServerConfig& config);
+    const SessionSpec& spec, const SessionBuffers& buffers, const ServerConfig& config,
+    std::unique_ptr<StepBackend>* remains)>;
+absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(
+    const SessionSpec& spec, const SessionBuffers& buffers, const ServerConfig& config,
+    std::unique_ptr<StepBackend>* remains);
 
 class Session {
  public:
@@ -51,9 +53,13 @@ class Session {
   // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
   // naming the limit before anything is allocated past it.
   // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
+  // When the backend fails after allocating device memory, `*remains` (when not null)
+  // is the unfinished session holding it, to be destroyed as an ended one is
+  // (DefersDestruction, SafeToDestroy) rather than on the Attach's thread.
   static absl::StatusOr<std::unique_ptr<Session>> Create(
       const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
-      const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend);
+      const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend,
+      std::unique_ptr<Session>* remains = nullptr);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 

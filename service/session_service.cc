@@ -122,8 +122,11 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
       !room.ok()) {
     return CountFailure(room);
   }
+  std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
-      Session::Create(request, config_, server_budget_, caller, make_backend_);
+      Session::Create(request, config_, server_budget_, caller, make_backend_, &remains);
+  // What a failed backend allocated is freed as an ended session's is, not here.
+  if (remains != nullptr) janitor_.Dispose(remains.release());
   if (!built.ok()) return CountFailure(WatchDevice(built.status()));
   // Its last reference, wherever dropped, hands it to the janitor (session_janitor.h).
   Janitor<Session>* const janitor = &janitor_;

@@ -107,7 +107,8 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
                            "charged).",
                            prometheus::MetricType::Gauge, static_cast<double>(s.charged_bytes)));
       out.push_back(Scalar("eps_sessions_ending",
-                           "Ended cuda sessions not freed yet: freeing waits until it cannot wait "
+                           "Ended cuda sessions (and failed cuda Attaches' allocations) not freed "
+                           "yet: freeing waits until it cannot wait "
                            "for another engine; their bytes are still in "
                            "eps_session_memory_bytes.",
                            prometheus::MetricType::Gauge, static_cast<double>(s.ending)));

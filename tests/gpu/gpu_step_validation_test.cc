@@ -4,9 +4,11 @@
 // under memcheck by scripts/gpu_check.sh). Skips without a CUDA device.
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -65,6 +67,28 @@ TEST(GpuStepValidationTest, BadSlotFailsTheStepAndWritesNothing) {
   ExpectEveryPathRefuses(buffers, rows,
                          {{Method::kQuest, false}, {Method::kJl, false}, {Method::kJl, true}},
                          "group_table[0][5]=1073741824");
+}
+
+// A Create that fails after allocating hands what it allocated to its caller (who
+// frees it once that cannot wait for another engine's queued step), and leaves no
+// error behind for the next Create on the same thread.
+TEST(GpuStepValidationTest, AFailedCreateHandsOverWhatItAllocatedAndTheNextOneWorks) {
+  SKIP_WITHOUT_DEVICE();
+  const ModelLayout m = ValidationModel();
+  std::unique_ptr<gpu::GpuSelector> remains;
+  // The scores' scratch alone would be 2^43 floats.
+  auto failed = gpu::GpuSelector::Create(m, 0, 1024, int64_t{1} << 30, {}, &remains);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << failed.status();
+  ASSERT_NE(remains, nullptr);
+  EXPECT_TRUE(remains->SafeToFree(std::chrono::seconds(0), std::chrono::seconds(1)));  // alone
+  remains.reset();
+  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  buffers.AssignRow(0, 4096, 1);
+  buffers.FillRandomSummaries(2);
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
+  EXPECT_TRUE(testing::SelectOnDevice(**selector, buffers, 1, rows, SelectPolicy{}).status.ok());
 }
 
 // The query check runs once per (row, layer, head) in the terms kernel: a NaN

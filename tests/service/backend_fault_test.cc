@@ -1,13 +1,22 @@
-// A lost CUDA device (a status marked by core/status.h MarkDeviceLost) as the session
-// service meets it: the handler runs once, with the first such status, whichever
-// call found it; from then on Attach is UNAVAILABLE, and the call that found it
-// answers with its own error. Ordinary failures do neither. A stand-in backend
-// (wrapping the cpu backend) loses the device on command, which no backend on a
-// CPU-only machine can; tests/gpu/device_lost_test.cu shows the cuda backend's
-// statuses carry the mark when a real context is lost.
+// Backend faults as the session service meets them, with stand-in backends that fail
+// on command, which no backend on a CPU-only machine can (tests/gpu/device_lost_test.cc
+// shows the cuda backend's statuses carry the device-lost mark when a real context is
+// lost).
+//
+// A failed backend's allocations (SessionBackendRemainsTest): an Attach whose backend
+// fails after allocating device memory answers its error at once, and what was
+// allocated is destroyed by the session janitor once that is safe, never on the
+// Attach's thread (freeing may wait for another engine's queued step:
+// service/session_janitor.h).
+//
+// A lost CUDA device (a status marked by core/status.h MarkDeviceLost): the handler runs once, with
+// the first such status, whichever call found it; from then on Attach is UNAVAILABLE, and the call
+// that found it answers with its own error. Ordinary failures do neither.
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -62,9 +71,9 @@ class LossyBackend final : public StepBackend {
   std::atomic<Fault>* fault_;
 };
 
-class SessionDeviceLostTest : public ::testing::Test {
+class DeviceLostTest : public ::testing::Test {
  protected:
-  SessionDeviceLostTest()
+  DeviceLostTest()
       : engine_(eps::testing::SmallServiceModel(), /*max_seqs=*/2, /*max_context=*/512,
                 /*max_batch=*/2, eps::testing::TestSeed()) {
     engine_.Fill(0, 0, 300);
@@ -98,8 +107,8 @@ class SessionDeviceLostTest : public ::testing::Test {
         absl::MutexLock lock(&mu_);
         seen_.push_back(s);
       },
-      [this](const SessionSpec& spec, const SessionBuffers&,
-             const ServerConfig&) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+      [this](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+             std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
         if (lose_at_attach_.load()) return Lost();
         ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
         return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault_));
@@ -107,7 +116,7 @@ class SessionDeviceLostTest : public ::testing::Test {
   const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300), TestEngine::Row(1, 200)};
 };
 
-TEST_F(SessionDeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEndsAttaches) {
+TEST_F(DeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEndsAttaches) {
   const std::string a = Attach("engine-a"), b = Attach("engine-b");
   ASSERT_TRUE(Step(a, 1).ok());
   ASSERT_TRUE(Step(b, 1).ok());
@@ -139,7 +148,7 @@ TEST_F(SessionDeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEndsA
 
 // An async step's device-side outcome comes back with the session's next call: a lost
 // device there counts the same, though the next step itself ran.
-TEST_F(SessionDeviceLostTest, ALostDeviceInAnEarlierStepsOutcomeCallsTheHandler) {
+TEST_F(DeviceLostTest, ALostDeviceInAnEarlierStepsOutcomeCallsTheHandler) {
   const std::string a = Attach("engine-a");
   ASSERT_TRUE(Step(a, 1).ok());
   fault_ = Fault::kLoseInEarlier;
@@ -153,7 +162,7 @@ TEST_F(SessionDeviceLostTest, ALostDeviceInAnEarlierStepsOutcomeCallsTheHandler)
             absl::StatusCode::kUnavailable);
 }
 
-TEST_F(SessionDeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
+TEST_F(DeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
   lose_at_attach_ = true;
   v1::AttachResponse response;
   EXPECT_EQ(service_.Attach(engine_.Attach("engine-a"), &response).code(),
@@ -166,7 +175,7 @@ TEST_F(SessionDeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
 }
 
 // An ordinary CUDA error fails its step and nothing else.
-TEST_F(SessionDeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
+TEST_F(DeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
   const std::string a = Attach("engine-a");
   fault_ = Fault::kOrdinary;
   EXPECT_EQ(Step(a, 1).code(), absl::StatusCode::kInternal);
@@ -174,6 +183,59 @@ TEST_F(SessionDeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttach
   EXPECT_TRUE(Step(a, 2).ok());
   EXPECT_EQ(handled(), 0);
   EXPECT_FALSE(Attach("engine-b").empty());
+}
+
+// What a failed cuda backend leaves (MakeCudaBackend's remains): it frees device
+// memory when destroyed, which is safe only when `safe` says so.
+class Remains final : public StepBackend {
+ public:
+  Remains(std::atomic<bool>* safe, std::atomic<std::thread::id>* destroyed_on)
+      : safe_(safe), destroyed_on_(destroyed_on) {}
+  ~Remains() override { destroyed_on_->store(std::this_thread::get_id()); }
+  BackendKind kind() const override { return BackendKind::kCuda; }
+  bool frees_device_memory() const override { return true; }
+  bool SafeToDestroy(std::chrono::steady_clock::duration) const override { return safe_->load(); }
+  absl::Status Run(const BackendStep&, StepOutcome*) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    return absl::InternalError("never run");
+  }
+
+ private:
+  std::atomic<bool>* safe_;
+  std::atomic<std::thread::id>* destroyed_on_;
+};
+
+TEST(SessionBackendRemainsTest, AFailedBackendsAllocationsAreFreedByTheJanitorOnceSafe) {
+  TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
+  std::atomic<bool> safe{false};
+  std::atomic<std::thread::id> destroyed_on{std::thread::id()};
+  ServerConfig config;
+  SessionService service(
+      config, nullptr,
+      [&](const SessionSpec&, const SessionBuffers&, const ServerConfig&,
+          std::unique_ptr<StepBackend>* remains) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+        *remains = std::make_unique<Remains>(&safe, &destroyed_on);
+        return absl::ResourceExhaustedError("cudaMalloc(1073741824 bytes): out of memory");
+      });
+  const uint64_t charged_before = service.charged_bytes();
+  v1::AttachResponse response;
+  const absl::Status s = service.Attach(engine.Attach("engine-a"), &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE(response.session_id().empty());
+  EXPECT_EQ(service.session_count(), 0u);
+  // Not freed on the Attach's thread, and still charged while it waits.
+  EXPECT_EQ(destroyed_on.load(), std::thread::id());
+  EXPECT_EQ(service.sessions_ending(), 1u);
+  EXPECT_GT(service.charged_bytes(), charged_before);
+  safe = true;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (service.sessions_ending() != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(service.sessions_ending(), 0u);
+  EXPECT_NE(destroyed_on.load(), std::thread::id());
+  EXPECT_NE(destroyed_on.load(), std::this_thread::get_id());
+  EXPECT_EQ(service.charged_bytes(), charged_before);
 }
 
 }  // namespace
