@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   // A lost CUDA device ends epsd as a signal does (the drain), then with exit 1: only a
   // new process can use the device again, and a supervisor restarts it.
   absl::StatusOr<std::unique_ptr<eps::service::EpsServer>> server =
-      eps::service::EpsServer::Start(*config, [] { kill(getpid(), SIGTERM); });
+      eps::service::EpsServer::Start(*config, {.on_fatal = [] { kill(getpid(), SIGTERM); }});
   if (!server.ok()) {
     std::fprintf(stderr, "epsd: %s\n", std::string(server.status().message()).c_str());
     return 1;

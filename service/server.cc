@@ -13,19 +13,22 @@
 namespace eps::service {
 
 absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& config,
-                                                            std::function<void()> on_fatal) {
+                                                            ServerHooks hooks) {
   if (absl::Status s = CheckListeners(config); !s.ok()) return s;
   auto server = std::unique_ptr<EpsServer>(new EpsServer());
   server->config_ = config;
-  server->on_fatal_ = std::move(on_fatal);
+  server->on_fatal_ = std::move(hooks.on_fatal);
   EpsServer* const self = server.get();
-  server->sessions_ = std::make_unique<SessionService>(config, [self](const absl::Status& lost) {
-    {
-      absl::MutexLock lock(&self->fatal_mu_);
-      self->fatal_ = lost;
-    }
-    if (self->on_fatal_) self->on_fatal_();
-  });
+  server->sessions_ = std::make_unique<SessionService>(
+      config,
+      [self](const absl::Status& lost) {
+        {
+          absl::MutexLock lock(&self->fatal_mu_);
+          self->fatal_ = lost;
+        }
+        if (self->on_fatal_) self->on_fatal_();
+      },
+      std::move(hooks.make_backend));
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
     // Bound first (connections wait in its backlog until the acceptor starts), and owned

@@ -21,13 +21,20 @@
 
 namespace eps::service {
 
+// What the process around the server decides.
+struct ServerHooks {
+  // Called once, from a call's thread, when epsd can no longer serve (a CUDA device
+  // lost: SessionService::DeviceLostHandler); EpsServer::fatal() then says why. epsd's
+  // main answers it with the drain and exit 1. May be empty.
+  std::function<void()> on_fatal;
+  // Session::Create's (tests pass stand-ins).
+  BackendFactory make_backend = MakeSessionBackend;
+};
+
 class EpsServer {
  public:
-  // `on_fatal` (may be empty) is called once, from a call's thread, when epsd can no
-  // longer serve (a CUDA device lost: SessionService::DeviceLostHandler); fatal() then
-  // says why. epsd's main answers it with the drain and exit 1.
   static absl::StatusOr<std::unique_ptr<EpsServer>> Start(const ServerConfig& config,
-                                                          std::function<void()> on_fatal = {});
+                                                          ServerHooks hooks = {});
   ~EpsServer();
 
   // Stops accepting calls, lets in-flight ones finish for up to drain_ms, then cancels them.

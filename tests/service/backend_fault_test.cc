@@ -12,6 +12,8 @@
 // A lost CUDA device (a status marked by core/status.h MarkDeviceLost): the handler runs once, with
 // the first such status, whichever call found it; from then on Attach is UNAVAILABLE, and the call
 // that found it answers with its own error. Ordinary failures do neither.
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -22,8 +24,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/status.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "service/config.h"
 #include "service/cpu_backend.h"
+#include "service/server.h"
 #include "service/session.h"
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
@@ -183,6 +189,62 @@ TEST_F(DeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
   EXPECT_TRUE(Step(a, 2).ok());
   EXPECT_EQ(handled(), 0);
   EXPECT_FALSE(Attach("engine-b").empty());
+}
+
+// The same through the gRPC server epsd runs: the server's fatal hook is called once
+// and fatal() names the error (epsd's main then drains and exits 1), and the engines
+// see INTERNAL for the step and UNAVAILABLE for a new Attach.
+TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndAttachesAreUnavailable) {
+  std::atomic<Fault> fault{Fault::kNone};
+  std::atomic<int> fatal_calls{0};
+  absl::StatusOr<ServerConfig> config =
+      ParseFlags({absl::StrCat("--listen=unix:///tmp/epsd-test-fault-", getpid(), ".sock"),
+                  "--metrics-listen=off"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  ServerHooks hooks{
+      .on_fatal = [&] { fatal_calls.fetch_add(1); },
+      .make_backend =
+          [&](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+              std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+        ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+        return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault));
+      }};
+  absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::PageSelector::NewStub(
+      grpc::CreateChannel((*server)->bound_address(), grpc::InsecureChannelCredentials()));
+  TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
+  engine.Fill(0, 0, 300);
+  const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 300)};
+  auto call = [](auto method) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return method(&context);
+  };
+  v1::AttachResponse attached;
+  ASSERT_TRUE(call([&](grpc::ClientContext* c) {
+                return stub->Attach(c, engine.Attach("engine-a"), &attached);
+              }).ok());
+  v1::SelectPagesResponse reply;
+  const auto step = [&](uint64_t n) {
+    return call([&](grpc::ClientContext* c) {
+      return stub->SelectPages(c, TestEngine::Step(attached.session_id(), n, rows), &reply);
+    });
+  };
+  ASSERT_TRUE(step(1).ok());
+  EXPECT_EQ(fatal_calls.load(), 0);
+  EXPECT_TRUE((*server)->fatal().ok());
+
+  fault = Fault::kLoseNow;
+  const grpc::Status lost = step(2);
+  EXPECT_EQ(lost.error_code(), grpc::StatusCode::INTERNAL) << lost.error_message();
+  EXPECT_EQ(step(3).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(fatal_calls.load(), 1);
+  EXPECT_TRUE(IsDeviceLost((*server)->fatal())) << (*server)->fatal();
+  v1::AttachResponse refused;
+  const grpc::Status again = call(
+      [&](grpc::ClientContext* c) { return stub->Attach(c, engine.Attach("engine-b"), &refused); });
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::UNAVAILABLE) << again.error_message();
 }
 
 // What a failed cuda backend leaves (MakeCudaBackend's remains): it frees device
