@@ -131,8 +131,8 @@ struct GpuSelector::Impl {
   // have written, since the next launch reuses its number and report.
   void Abort(uint64_t launch) {
     if (!inputs.Settle(stream, launch)) return;
-    (void)cudaMemsetAsync(reports.get(), 0, 2 * sizeof(StepReport),
-                          stream);  // before the next launch
+    // On the step stream: before the next launch, after nothing of another stream.
+    (void)cudaMemsetAsync(reports.get(), 0, 2 * sizeof(StepReport), stream);
     (void)inputs.ClearReleased();
   }
   ~Impl() {
@@ -280,8 +280,9 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(
   if (absl::Status s = Allocate(*impl, model, device, max_batch, max_groups, max_shared, options);
       !s.ok()) {
     // What it allocated is freed by the caller once that cannot wait on another engine.
-    if (remains != nullptr)
+    if (remains != nullptr) {
       *remains = std::unique_ptr<GpuSelector>(new GpuSelector(std::move(impl)));
+    }
     return s;
   }
   return std::unique_ptr<GpuSelector>(new GpuSelector(std::move(impl)));
