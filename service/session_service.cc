@@ -80,6 +80,11 @@ absl::Status SessionService::CountFailure(absl::Status status) {
   return status;
 }
 
+absl::Status SessionService::Restarting() {
+  return absl::UnavailableError(
+      "epsd lost a CUDA device and is restarting; attach to the new epsd");
+}
+
 absl::Status SessionService::WatchDevice(absl::Status status) {
   if (IsDeviceLost(status) && !device_lost_.exchange(true)) {
     std::fprintf(stderr,
@@ -113,10 +118,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
-  if (device_lost_.load()) {
-    return CountFailure(absl::UnavailableError(
-        "epsd lost a CUDA device and is restarting; attach to the new epsd"));
-  }
+  if (device_lost_.load()) return CountFailure(Restarting());
   // Before any mapping or allocation; Add checks again when it publishes.
   if (absl::Status room = sessions_.Room(EngineKey::Of(caller, request.engine_id()), Limits());
       !room.ok()) {
@@ -280,6 +282,8 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   // A call that died waiting behind a slow step is not run: its step number stays
   // free for the engine's next call.
   if (absl::Status alive = liveness.Check("SelectPages"); !alive.ok()) return alive;
+  // The process is going away: the client forgets the session and re-attaches.
+  if (device_lost_.load()) return CountFailure(Restarting());
   absl::Status ready = session.CheckMemoryIntact();
   if (ready.ok()) ready = backend.CheckStepOrder(request.step());
   if (ready.ok()) ready = ApplyInlineWrites(request.writes(), buffers);

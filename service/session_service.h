@@ -44,7 +44,8 @@ class SessionService {
   // device-lost (core/status.h) that a step or an Attach returned: a CUDA context of
   // this process is unusable, and only a new process can use the device again.
   using DeviceLostHandler = absl::AnyInvocable<void(const absl::Status& status)>;
-  // From the first device-lost status on, Attach is UNAVAILABLE ("epsd is restarting").
+  // From the first device-lost status on, every Attach and step is UNAVAILABLE ("epsd
+  // is restarting"): clients forget their sessions and re-attach to the next epsd.
   // `make_backend`: Session::Create's (tests pass their own).
   explicit SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost = nullptr,
                           BackendFactory make_backend = MakeSessionBackend);
@@ -102,6 +103,8 @@ class SessionService {
   absl::Status CountFailure(absl::Status status);
   // `status`, after calling on_device_lost_ if it is the first device-lost one.
   absl::Status WatchDevice(absl::Status status);
+  // UNAVAILABLE: what every Attach and step gets once a device is lost.
+  static absl::Status Restarting();
   // The session `id` names, if `caller` may use it: NOT_FOUND or PERMISSION_DENIED.
   absl::StatusOr<std::shared_ptr<Session>> FindFor(const std::string& id, const Peer& caller,
                                                    const char* hint) const;

@@ -9,9 +9,10 @@
 // Attach's thread (freeing may wait for another engine's queued step:
 // service/session_janitor.h).
 //
-// A lost CUDA device (a status marked by core/status.h MarkDeviceLost): the handler runs once, with
-// the first such status, whichever call found it; from then on Attach is UNAVAILABLE, and the call
-// that found it answers with its own error. Ordinary failures do neither.
+// A lost CUDA device (a status marked by core/status.h MarkDeviceLost): the handler runs
+// once, with the first such status, whichever call found it; the call that found it
+// answers with its own error, and from then on every Attach and step is UNAVAILABLE.
+// Ordinary failures do neither.
 #include <unistd.h>
 
 #include <atomic>
@@ -122,7 +123,7 @@ class DeviceLostTest : public ::testing::Test {
   const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300), TestEngine::Row(1, 200)};
 };
 
-TEST_F(DeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEndsAttaches) {
+TEST_F(DeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEveryLaterCallIsUnavailable) {
   const std::string a = Attach("engine-a"), b = Attach("engine-b");
   ASSERT_TRUE(Step(a, 1).ok());
   ASSERT_TRUE(Step(b, 1).ok());
@@ -137,8 +138,9 @@ TEST_F(DeviceLostTest, AStepThatLosesTheDeviceCallsTheHandlerOnceAndEndsAttaches
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(IsDeviceLost(seen_[0])) << seen_[0];
   }
-  // Another engine's step finds the same lost device: its own error, no second call.
-  EXPECT_EQ(Step(b, 2).code(), absl::StatusCode::kInternal);
+  // Any later step, of any engine: UNAVAILABLE (re-attach to the next epsd), no second call.
+  EXPECT_EQ(Step(a, 3).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Step(b, 2).code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(handled(), 1);
 
   // No new session on a process that is going away; the attached ones may still detach.
@@ -166,6 +168,8 @@ TEST_F(DeviceLostTest, ALostDeviceInAnEarlierStepsOutcomeCallsTheHandler) {
   v1::AttachResponse attached;
   EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &attached).code(),
             absl::StatusCode::kUnavailable);
+  fault_ = Fault::kNone;
+  EXPECT_EQ(Step(a, 3).code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(DeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
@@ -193,8 +197,8 @@ TEST_F(DeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
 
 // The same through the gRPC server epsd runs: the server's fatal hook is called once
 // and fatal() names the error (epsd's main then drains and exits 1), and the engines
-// see INTERNAL for the step and UNAVAILABLE for a new Attach.
-TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndAttachesAreUnavailable) {
+// see INTERNAL for the step that met it and UNAVAILABLE for every later call.
+TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnavailable) {
   std::atomic<Fault> fault{Fault::kNone};
   std::atomic<int> fatal_calls{0};
   absl::StatusOr<ServerConfig> config =
@@ -238,7 +242,7 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndAttachesAreUnavail
   fault = Fault::kLoseNow;
   const grpc::Status lost = step(2);
   EXPECT_EQ(lost.error_code(), grpc::StatusCode::INTERNAL) << lost.error_message();
-  EXPECT_EQ(step(3).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(step(3).error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(fatal_calls.load(), 1);
   EXPECT_TRUE(IsDeviceLost((*server)->fatal())) << (*server)->fatal();
   v1::AttachResponse refused;
