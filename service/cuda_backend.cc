@@ -9,6 +9,7 @@
 #include "core/status.h"
 #include "gpu/device.h"
 #include "gpu/ipc_mapping.h"
+#include "gpu/live_streams.h"
 #include "gpu/step.h"
 #include "service/telemetry/nvtx.h"
 
@@ -128,6 +129,11 @@ class CudaBackend final : public StepBackend {
 }  // namespace
 
 bool CudaBackendBuilt() { return true; }
+
+bool CudaSafeToFree(int device, std::chrono::steady_clock::duration deferred,
+                    std::chrono::steady_clock::duration stale) {
+  return gpu::SafeToFreeOn(device, nullptr, deferred, stale);
+}
 
 bool CudaDevicePresent() { return gpu::DeviceAvailable(); }
 

@@ -25,6 +25,12 @@ absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     std::chrono::microseconds inputs_timeout, std::unique_ptr<StepBackend>* remains = nullptr);
 
+// Whether memory of epsd's on `device` (a mapping of an engine's, an allocation) may be
+// freed now without waiting for another engine's queued step, after putting it off for
+// `deferred` (gpu/live_streams.h SafeToFreeOn; `stale`: --inputs-timeout-ms).
+bool CudaSafeToFree(int device, std::chrono::steady_clock::duration deferred,
+                    std::chrono::steady_clock::duration stale);
+
 // True when this build has the CUDA backend (nvcc was found).
 bool CudaBackendBuilt();
 

@@ -4,6 +4,9 @@
 namespace eps::service {
 
 bool CudaBackendBuilt() { return false; }
+bool CudaSafeToFree(int, std::chrono::steady_clock::duration, std::chrono::steady_clock::duration) {
+  return true;
+}
 bool CudaDevicePresent() { return false; }
 CudaIpcOpener MakeCudaIpcOpener(int) { return nullptr; }
 int CudaDeviceCount() { return 0; }

@@ -84,6 +84,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
     const Peer& caller, const BackendFactory& make_backend, std::unique_ptr<Session>* remains) {
   std::unique_ptr<Session> s(new Session());
+  s->inputs_timeout_ = std::chrono::milliseconds(config.inputs_timeout_ms);
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
                                               &server_budget);
   ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
@@ -93,35 +94,50 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   }
   s->mappings_.set_budget(s->budget_.get());  // inline buffers are charged as they are made
   s->mappings_.set_shm_owner(ShmOwnerFor(caller));
-  ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
-  // A reply too large to send would fail every step after running it.
-  if (const int64_t reply = InlineReplyBound(spec, s->buffers_);
-      reply > static_cast<int64_t>(config.max_message_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "inline visit lists of ", spec.model.num_layers, " layers x max_batch ", spec.max_batch,
-        " x up to ", s->buffers_.max_blocks, " blocks could take ", reply,
-        " bytes in one reply, more than --max-message-bytes=", config.max_message_bytes,
-        ": share visit_blocks and visit_count, attach with a smaller max_batch, or raise the "
-        "flag"));
-  }
-  ASSIGN_OR_RETURN(s->policy_, SessionPolicy(spec, request, config.policy));
-  // What the backend will allocate, charged before it does.
-  for (const auto& [what, bytes] : BackendAllocations(spec, s->buffers_)) {
-    ASSIGN_OR_RETURN(MemoryCharge charge, s->budget_->Charge(bytes, what));
-    s->charges_.push_back(std::move(charge));
-  }
-  std::unique_ptr<StepBackend> partial;
-  absl::StatusOr<std::unique_ptr<StepBackend>> backend =
-      make_backend(spec, s->buffers_, config, &partial);
-  if (!backend.ok()) {
-    if (partial != nullptr && remains != nullptr) {
-      s->backend_ = std::move(partial);
-      *remains = std::move(s);
+  // Past this point a failure may leave CUDA IPC mappings or device memory behind.
+  const absl::Status built = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(s->buffers_, ResolveSessionBuffers(request.buffers(), spec, s->mappings_));
+    // A reply too large to send would fail every step after running it.
+    if (const int64_t reply = InlineReplyBound(spec, s->buffers_);
+        reply > static_cast<int64_t>(config.max_message_bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "inline visit lists of ", spec.model.num_layers, " layers x max_batch ", spec.max_batch,
+          " x up to ", s->buffers_.max_blocks, " blocks could take ", reply,
+          " bytes in one reply, more than --max-message-bytes=", config.max_message_bytes,
+          ": share visit_blocks and visit_count, attach with a smaller max_batch, or raise the "
+          "flag"));
     }
-    return backend.status();
+    ASSIGN_OR_RETURN(s->policy_, SessionPolicy(spec, request, config.policy));
+    // What the backend will allocate, charged before it does.
+    for (const auto& [what, bytes] : BackendAllocations(spec, s->buffers_)) {
+      ASSIGN_OR_RETURN(MemoryCharge charge, s->budget_->Charge(bytes, what));
+      s->charges_.push_back(std::move(charge));
+    }
+    std::unique_ptr<StepBackend> partial;
+    absl::StatusOr<std::unique_ptr<StepBackend>> backend =
+        make_backend(spec, s->buffers_, config, &partial);
+    if (!backend.ok()) {
+      s->backend_ = std::move(partial);  // what it allocated, if anything
+      return backend.status();
+    }
+    s->backend_ = *std::move(backend);
+    return absl::OkStatus();
+  }();
+  if (!built.ok()) {
+    if (remains != nullptr && s->DefersDestruction()) *remains = std::move(s);
+    return built;
   }
-  s->backend_ = *std::move(backend);
   return s;
+}
+
+bool Session::DefersDestruction() const {
+  if (backend_ != nullptr) return backend_->frees_device_memory();
+  return spec_.backend == BackendKind::kCuda && mappings_.size() > 0;
+}
+
+bool Session::SafeToDestroy(std::chrono::steady_clock::duration put_off) const {
+  if (backend_ != nullptr) return backend_->SafeToDestroy(put_off);
+  return CudaSafeToFree(spec_.device, put_off, inputs_timeout_);
 }
 
 absl::Status Session::CheckCaller(const Peer& caller) const {

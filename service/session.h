@@ -84,12 +84,12 @@ class Session {
   // answers: after that nothing of the session writes the engine's buffers.
   // `release_now` (epsd's shutdown): a queued async step is released at once.
   void Retire(bool release_now = false);
-  // For the janitor (session_janitor.h): a session whose backend frees device memory
-  // is destroyed on its thread, once that cannot wait for another engine.
-  bool DefersDestruction() const { return backend_->frees_device_memory(); }
-  bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const {
-    return backend_->SafeToDestroy(put_off);
-  }
+  // For the janitor (session_janitor.h): a session whose backend frees device memory,
+  // or an unfinished cuda session (Create's remains) that holds CUDA IPC mappings, is
+  // destroyed on its thread once that cannot wait for another engine (closing a mapping
+  // waits as a free does: measured, docs/design.md §6).
+  bool DefersDestruction() const;
+  bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const;
   // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
@@ -116,7 +116,8 @@ class Session {
   std::vector<MemoryCharge> charges_;     // the Phi bank, step scratch, device buffers
   MappingCache mappings_;                 // owns the memory buffers_ points into
   SessionBuffers buffers_;
-  std::unique_ptr<StepBackend> backend_;
+  std::unique_ptr<StepBackend> backend_;         // null only in Create's remains
+  std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"
   mutable StepGate gate_;
 };
 
