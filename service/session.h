@@ -53,9 +53,10 @@ class Session {
   // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
   // naming the limit before anything is allocated past it.
   // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
-  // When the backend fails after allocating device memory, `*remains` (when not null)
-  // is the unfinished session holding it, to be destroyed as an ended one is
-  // (DefersDestruction, SafeToDestroy) rather than on the Attach's thread.
+  // When it fails after mapping an engine's CUDA buffers or after the backend allocated
+  // device memory, `*remains` (when not null) is the unfinished session holding them,
+  // to be destroyed as an ended one is (DefersDestruction, SafeToDestroy) rather than
+  // on the Attach's thread.
   static absl::StatusOr<std::unique_ptr<Session>> Create(
       const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
       const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend,
