@@ -6,7 +6,6 @@ GGUF), and the residual a prefill records must be the one that layer read."""
 from __future__ import annotations
 
 import numpy as np
-
 from eps_eval import gemma, model
 
 
