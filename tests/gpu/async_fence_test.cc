@@ -254,6 +254,8 @@ TEST_F(AsyncFenceTest, SessionsEndAndAttachWhileADeadEnginesStepWaitsForItsInput
   sync.attach_deadline = std::chrono::seconds(20);
   client::EpsClient c(sync, attach_c);
   const auto [attached, attach_ms] = timed([&] { return c.Attach(); });
+  // C's first step, sync: it reads the flags buffer's selection_done first (ReadCounter).
+  const auto [stepped, step_ms] = timed([&] { return c.SelectPages(1, Rows()).status; });
   // D's Attach is refused after its buffers are mapped (a granularity its visit_blocks
   // does not have): its mappings are closed on the Attach's thread.
   v1::AttachRequest attach_d = Attach();
@@ -262,15 +264,16 @@ TEST_F(AsyncFenceTest, SessionsEndAndAttachWhileADeadEnginesStepWaitsForItsInput
   client::EpsClient d(sync, attach_d);
   const auto [refused, refuse_ms] = timed([&] { return d.Attach(); });
   std::printf(
-      "while A's step waited: B's Detach %.1f ms (%s), C's Attach %.1f ms (%s), D's refused "
-      "Attach %.1f ms (%s)\n",
-      detach_ms, detached.ToString().c_str(), attach_ms, attached.ToString().c_str(), refuse_ms,
-      refused.ToString().c_str());
+      "while A's step waited: B's Detach %.1f ms (%s), C's Attach %.1f ms (%s) and first step "
+      "%.1f ms (%s), D's refused Attach %.1f ms (%s)\n",
+      detach_ms, detached.ToString().c_str(), attach_ms, attached.ToString().c_str(), step_ms,
+      stepped.ToString().c_str(), refuse_ms, refused.ToString().c_str());
   WriteQueries(1, 0);  // let the engine's stream end, whatever happened above
   EXPECT_TRUE(StreamDrains(std::chrono::seconds(5)));
   EXPECT_EQ(detached, absl::OkStatus()) << "B's Detach waited for A's step\n" << epsd->Log();
   EXPECT_EQ(attached, absl::OkStatus()) << "C's Attach was never served\n" << epsd->Log();
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused << "\n" << epsd->Log();
+  EXPECT_EQ(stepped, absl::OkStatus()) << "C's first step waited for A's\n" << epsd->Log();
 }
 
 TEST_F(AsyncFenceTest, FallbackWithAnAbsentSidecarReleasesTheEngineStream) {
