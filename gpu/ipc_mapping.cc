@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(const std::string& 
   std::memcpy(&h, handle.data(), sizeof(h));
   void* ptr = nullptr;
   const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+  if (ContextLost(err)) return CudaStatus("cudaIpcOpenMemHandle", err);  // not the handle's fault
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error state
     return absl::InvalidArgumentError(

@@ -5,12 +5,14 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "core/status.h"
 #include "core/testing/synthetic.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
+#include "gpu/ipc_mapping.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
 #include "tests/core/step_fixture.h"
@@ -86,6 +88,10 @@ TEST(DeviceLostDeathTest, AStepAfterTheContextIsLostFailsMarkedDeviceLost) {
     }
     auto another = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
     if (another.ok() || !IsDeviceLost(another.status())) std::exit(14);
+    // An engine's handle (here, none that is valid) cannot be mapped either; the error
+    // names the lost device, not the handle.
+    auto mapping = gpu::IpcMapping::Open(std::string(sizeof(cudaIpcMemHandle_t), '\0'), 0);
+    if (mapping.ok() || !IsDeviceLost(mapping.status())) std::exit(15);
     std::exit(0);
   };
   EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "");
