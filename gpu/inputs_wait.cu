@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/inputs_wait.h"
+#include "gpu/live_streams.h"
 #include "gpu/stream_ops.h"
 
 namespace eps::gpu {

@@ -4,10 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "gpu/cuda_check.h"
-#include "gpu/stream_ops.h"
+#include "gpu/live_streams.h"
 
 namespace eps::gpu {
 namespace {
@@ -32,8 +33,8 @@ GetAddressRange AddressRangeFunction() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(const std::string& handle,
-                                                             int device) {
+absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(
+    const std::string& handle, int device, std::unique_ptr<IpcMapping>* unusable) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc.handle has ", handle.size(),
                                                    " bytes, want ", sizeof(cudaIpcMemHandle_t)));
@@ -62,6 +63,7 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(const std::string& 
   size_t size = 0;
   const GetAddressRange range = AddressRangeFunction();
   if (range == nullptr || range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) {
+    if (unusable != nullptr) *unusable = std::move(mapping);
     return absl::InternalError("cuMemGetAddressRange failed on an opened IPC handle");
   }
   // The handle maps the start of its allocation; bytes before ptr are not ours.

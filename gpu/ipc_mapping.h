@@ -2,7 +2,7 @@
 // client library allocates with cudaMalloc and sends the 64-byte legacy handle.
 //
 // Ownership: the mapping is closed (cudaIpcCloseMemHandle) in the destructor,
-// unless a stream abandoned on its device may still touch it (stream_ops.h
+// unless a stream abandoned on its device may still touch it (live_streams.h
 // NoteAbandonedStream): then it stays mapped for the life of the process.
 // The allocation's size comes from the driver (cuMemGetAddressRange), so every
 // descriptor's extent is checked against the real allocation.
@@ -18,7 +18,12 @@ namespace eps::gpu {
 
 class IpcMapping {
  public:
-  static absl::StatusOr<std::unique_ptr<IpcMapping>> Open(const std::string& handle, int device);
+  // `unusable`: where a mapping that this call opened but cannot use (its
+  // allocation's range unknown) goes with the error, so that its caller closes it
+  // where a close cannot wait behind another engine's queued step (a session's
+  // janitor: closing a mapping waits for the device as a free does); null: closed here.
+  static absl::StatusOr<std::unique_ptr<IpcMapping>> Open(
+      const std::string& handle, int device, std::unique_ptr<IpcMapping>* unusable = nullptr);
   ~IpcMapping();
   IpcMapping(const IpcMapping&) = delete;
   IpcMapping& operator=(const IpcMapping&) = delete;

@@ -1,10 +1,10 @@
 #include "gpu/live_streams.h"
 
+#include <utility>
 #include <vector>
 
 #include "absl/base/const_init.h"
 #include "absl/synchronization/mutex.h"
-#include "gpu/stream_ops.h"
 
 namespace eps::gpu {
 namespace {
@@ -16,8 +16,12 @@ struct LiveStream {
 };
 
 ABSL_CONST_INIT absl::Mutex g_mu(absl::kConstInit);
-std::vector<LiveStream>& Streams() {
+std::vector<LiveStream>& Streams() {                     // guarded by g_mu
   static auto* streams = new std::vector<LiveStream>();  // never destroyed
+  return *streams;
+}
+std::vector<std::pair<int, cudaStream_t>>& Abandoned() {  // guarded by g_mu
+  static auto* streams = new std::vector<std::pair<int, cudaStream_t>>();
   return *streams;
 }
 
@@ -31,6 +35,28 @@ void AddLiveStream(int device, cudaStream_t stream, const std::atomic<int64_t>* 
 void RemoveLiveStream(cudaStream_t stream) {
   absl::MutexLock lock(&g_mu);
   std::erase_if(Streams(), [stream](const LiveStream& s) { return s.stream == stream; });
+}
+
+void NoteAbandonedStream(int device, cudaStream_t stream) {
+  if (stream == nullptr) return;
+  absl::MutexLock lock(&g_mu);
+  Abandoned().emplace_back(device, stream);
+}
+
+bool AbandonedStreamRunning(int device) {
+  absl::MutexLock lock(&g_mu);
+  std::vector<std::pair<int, cudaStream_t>>& streams = Abandoned();
+  bool running = false;
+  for (size_t i = 0; i < streams.size();) {
+    if (cudaStreamQuery(streams[i].second) == cudaErrorNotReady) {
+      running |= streams[i].first == device;
+      ++i;
+    } else {  // drained (or broken): its work can touch nothing any more
+      streams[i] = streams.back();
+      streams.pop_back();
+    }
+  }
+  return running;
 }
 
 OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,

@@ -1,5 +1,6 @@
-// The streams of every live GpuSelector in this process, by device, and the waits on
-// engine memory queued on them: whether freeing memory now could wait for an engine.
+// The streams of every live GpuSelector in this process, by device, the waits on
+// engine memory queued on them, and the streams abandoned with work that may still run:
+// whether freeing or unmapping memory now could wait for an engine, or let a kernel fault.
 //
 // cudaFree and cudaFreeHost wait for every stream on the device, and while they wait
 // other threads' CUDA calls on that device wait behind them. An async step's stream
@@ -31,12 +32,19 @@ struct OtherStreams {
 OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
                                    std::chrono::steady_clock::duration stale);
 
+// Records `stream` of `device` as abandoned by its owner while work queued on it may
+// still run one day (a wait on engine memory that never passed: gpu/inputs_wait.h).
+// Device memory that such work may touch must stay mapped: IpcMapping keeps its
+// mapping open while AbandonedStreamRunning(device). A drained stream is forgotten.
+void NoteAbandonedStream(int device, cudaStream_t stream);
+bool AbandonedStreamRunning(int device);
+
 // Whether the owner of `except` (a live stream, or null) may free its memory on `device`
 // now, after putting it off for `deferred`: when the other live streams have finished
 // their queued work, or once `deferred` reaches `stale` and none of them holds a wait
 // on its engine queued more than `stale` ago (a healthy engine's waits are short; a
 // dead engine's ages until its session's end releases it). Never while an abandoned
-// stream on the device may still run (stream_ops.h).
+// stream on the device may still run.
 bool SafeToFreeOn(int device, cudaStream_t except, std::chrono::steady_clock::duration deferred,
                   std::chrono::steady_clock::duration stale);
 

@@ -160,7 +160,7 @@ GpuSelector::~GpuSelector() {
     // the selector is abandoned: its stream, scratch and pinned memory leak (a
     // few MiB, only for an engine that breaks the counter contract), and the
     // device's IPC mappings stay open while the stream may still run
-    // (stream_ops.h NoteAbandonedStream). docs/design.md §6.
+    // (live_streams.h NoteAbandonedStream). docs/design.md §6.
     impl_->inputs.Abandon(impl_->device, impl_->stream);
     RemoveLiveStream(impl_->stream);
     (void)impl_.release();  // NOLINT(bugprone-unused-return-value): an intended leak

@@ -1,9 +1,5 @@
 #include <cuda.h>
 
-#include <mutex>
-#include <utility>
-#include <vector>
-
 #include "absl/strings/str_cat.h"
 #include "gpu/cuda_check.h"
 #include "gpu/stream_ops.h"
@@ -89,36 +85,6 @@ absl::Status PreloadStreamOps() {
     CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernel));
   }
   return absl::OkStatus();
-}
-
-namespace {
-std::mutex abandoned_mu;
-std::vector<std::pair<int, cudaStream_t>>& Abandoned() {  // guarded by abandoned_mu
-  static auto* streams = new std::vector<std::pair<int, cudaStream_t>>;
-  return *streams;
-}
-}  // namespace
-
-void NoteAbandonedStream(int device, cudaStream_t stream) {
-  if (stream == nullptr) return;
-  std::lock_guard<std::mutex> lock(abandoned_mu);
-  Abandoned().emplace_back(device, stream);
-}
-
-bool AbandonedStreamRunning(int device) {
-  std::lock_guard<std::mutex> lock(abandoned_mu);
-  std::vector<std::pair<int, cudaStream_t>>& streams = Abandoned();
-  bool running = false;
-  for (size_t i = 0; i < streams.size();) {
-    if (cudaStreamQuery(streams[i].second) == cudaErrorNotReady) {
-      running |= streams[i].first == device;
-      ++i;
-    } else {  // drained (or broken): its work can touch nothing any more
-      streams[i] = streams.back();
-      streams.pop_back();
-    }
-  }
-  return running;
 }
 
 absl::Status StreamWaitCounter(cudaStream_t stream, const uint64_t* counter, uint64_t value) {

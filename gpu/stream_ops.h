@@ -37,13 +37,6 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
                                 uint64_t value);
 
-// Records `stream` of `device` as abandoned by its owner while work queued on
-// it may still run one day (a wait on engine memory that never passed: see
-// gpu/inputs_wait.h). Device memory that such work may touch must stay mapped:
-// IpcMapping keeps its mapping open while AbandonedStreamRunning(device).
-void NoteAbandonedStream(int device, cudaStream_t stream);
-bool AbandonedStreamRunning(int device);
-
 // Loads the release kernels now. Under lazy module loading (CUDA's default) a
 // kernel's first launch may wait for the context to go idle, which never
 // happens while one of its streams waits on a counter that only this release

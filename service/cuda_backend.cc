@@ -152,8 +152,12 @@ absl::StatusOr<int> CudaDeviceWithUuid(std::string_view uuid) { return gpu::Devi
 
 CudaIpcOpener MakeCudaIpcOpener(int device) {
   // The session's device, not h.device(): with a device_uuid that is the engine's ordinal.
-  return [device](const v1::CudaIpcHandle& h) -> absl::StatusOr<std::unique_ptr<MappedMemory>> {
-    absl::StatusOr<std::unique_ptr<gpu::IpcMapping>> m = gpu::IpcMapping::Open(h.handle(), device);
+  return [device](const v1::CudaIpcHandle& h, std::unique_ptr<MappedMemory>* unusable)
+             -> absl::StatusOr<std::unique_ptr<MappedMemory>> {
+    std::unique_ptr<gpu::IpcMapping> opened;
+    absl::StatusOr<std::unique_ptr<gpu::IpcMapping>> m =
+        gpu::IpcMapping::Open(h.handle(), device, &opened);
+    if (opened != nullptr) *unusable = std::make_unique<DeviceMemory>(std::move(opened));
     if (!m.ok()) return m.status();
     if ((*m)->size() % kRegionAlignment != 0) {
       // Served, but slowly: docs/design.md §5, "Allocate whole 2 MiB pages".

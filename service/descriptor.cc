@@ -61,7 +61,9 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
           desc.cuda_ipc().handle() + "@" + std::to_string(desc.cuda_ipc().device());
       auto it = ipc_.find(key);
       if (it != ipc_.end()) return it->second.get();
-      absl::StatusOr<std::unique_ptr<MappedMemory>> memory = open_ipc_(desc.cuda_ipc());
+      std::unique_ptr<MappedMemory> unusable;
+      absl::StatusOr<std::unique_ptr<MappedMemory>> memory = open_ipc_(desc.cuda_ipc(), &unusable);
+      if (unusable != nullptr) unusable_.push_back(std::move(unusable));
       if (!memory.ok()) {
         return absl::Status(memory.status().code(),
                             absl::StrCat(name, ": ", memory.status().message()));

@@ -47,9 +47,11 @@ struct MappedTensor {
   bool is_device = false;
 };
 
-// Opens a CUDA IPC handle for a CUDA-backend session.
-using CudaIpcOpener =
-    std::function<absl::StatusOr<std::unique_ptr<MappedMemory>>(const v1::CudaIpcHandle&)>;
+// Opens a CUDA IPC handle for a CUDA-backend session. A mapping it opened but cannot
+// use goes to `unusable` with the error, to be closed with the session's other
+// mappings (by its janitor), not on the Attach's thread.
+using CudaIpcOpener = std::function<absl::StatusOr<std::unique_ptr<MappedMemory>>(
+    const v1::CudaIpcHandle&, std::unique_ptr<MappedMemory>* unusable)>;
 
 // One mapping per shm name or IPC handle per session; inline buffers one per
 // descriptor. Without an IPC opener (the cpu backend), device memory is refused.
@@ -64,7 +66,8 @@ class MappingCache {
   void set_shm_owner(std::optional<uid_t> owner) { shm_owner_ = owner; }
   absl::StatusOr<const MappedMemory*> Resolve(const v1::MemoryDescriptor& desc,
                                               const std::string& name, uint64_t needed_bytes);
-  size_t size() const { return shm_.size() + inline_.size() + ipc_.size(); }
+  // Every mapping held, the unusable ones included.
+  size_t size() const { return shm_.size() + inline_.size() + ipc_.size() + unusable_.size(); }
   // FAILED_PRECONDITION naming the first shm object that the engine shrank
   // under epsd (ShmFaultGuard); OK while every mapping is whole.
   absl::Status CheckIntact() const;
@@ -76,6 +79,7 @@ class MappingCache {
   std::map<std::string, std::unique_ptr<MappedMemory>> shm_;
   std::vector<std::unique_ptr<MappedMemory>> inline_;
   std::map<std::string, std::unique_ptr<MappedMemory>> ipc_;
+  std::vector<std::unique_ptr<MappedMemory>> unusable_;  // opened, failed (CudaIpcOpener)
   CudaIpcOpener open_ipc_;
 };
 

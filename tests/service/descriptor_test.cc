@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -152,6 +153,53 @@ TEST(DescriptorTest, DeviceMemoryIsRefusedWithoutAnIpcOpener) {
   const absl::Status s = ResolveTensor(d, QueriesSpec(), cache).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("queries is CUDA device memory"));
+}
+
+// Stands in for a CUDA IPC mapping: counts its own destruction.
+class FakeDeviceMemory final : public MappedMemory {
+ public:
+  explicit FakeDeviceMemory(int* destroyed) : destroyed_(destroyed) {}
+  ~FakeDeviceMemory() override { ++*destroyed_; }
+  std::byte* data() const override { return nullptr; }
+  uint64_t size() const override { return 0; }
+  const std::string& name() const override { return name_; }
+  bool is_device() const override { return true; }
+
+ private:
+  int* destroyed_;
+  std::string name_ = "<fake cuda ipc>";
+};
+
+// A handle opened and then found unusable is not closed on the Attach's thread (a close
+// waits for the device as a free does): the cache keeps it with the session's other
+// mappings, which an unfinished cuda session hands to its janitor (Session::DefersDestruction).
+TEST(DescriptorTest, AnIpcMappingOpenedButUnusableStaysWithTheCacheUntilItEnds) {
+  int destroyed = 0;
+  int opened = 0;
+  {
+    MappingCache cache;
+    cache.set_cuda_ipc_opener([&](const v1::CudaIpcHandle&, std::unique_ptr<MappedMemory>* unusable)
+                                  -> absl::StatusOr<std::unique_ptr<MappedMemory>> {
+      ++opened;
+      *unusable = std::make_unique<FakeDeviceMemory>(&destroyed);
+      return absl::InternalError("cuMemGetAddressRange failed on an opened IPC handle");
+    });
+    v1::MemoryDescriptor d;
+    d.mutable_cuda_ipc()->set_handle(std::string(64, '\1'));
+    d.set_dtype(v1::DTYPE_FLOAT32);
+    for (int64_t dim : {2, 4, 8}) d.add_shape(dim);
+    const absl::Status s = ResolveTensor(d, QueriesSpec(), cache).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+    EXPECT_THAT(s.message(), HasSubstr("queries: cuMemGetAddressRange failed"));
+    EXPECT_EQ(destroyed, 0) << "closed on the caller's thread";
+    EXPECT_EQ(cache.size(), 1u) << "the session must know it holds a mapping";
+    // Not handed out again: the same handle is opened anew (and fails again).
+    EXPECT_FALSE(ResolveTensor(d, QueriesSpec(), cache).ok());
+    EXPECT_EQ(opened, 2);
+    EXPECT_EQ(cache.size(), 2u);
+    EXPECT_EQ(destroyed, 0);
+  }
+  EXPECT_EQ(destroyed, 2) << "closed with the cache";
 }
 
 TEST(DescriptorTest, AnUnsetMemoryIsRefused) {
