@@ -54,6 +54,7 @@ def epsd(tmp_path: Path) -> Iterator[tuple[str, int]]:
             proc.kill()
             proc.wait()
             Path(path).unlink(missing_ok=True)
+            Path(path + ".lock").unlink(missing_ok=True)  # epsd keeps it (service/unix_socket.h)
 
 
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -13,15 +13,20 @@
 // once, with the first such status, whichever call found it; the call that found it
 // answers with its own error, and from then on every Attach and step is UNAVAILABLE.
 // Ordinary failures do neither.
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/status.h"
@@ -30,6 +35,7 @@
 #include "gtest/gtest.h"
 #include "service/config.h"
 #include "service/cpu_backend.h"
+#include "service/epsd_main.h"
 #include "service/server.h"
 #include "service/session.h"
 #include "service/session_service.h"
@@ -201,9 +207,11 @@ TEST_F(DeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
 TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnavailable) {
   std::atomic<Fault> fault{Fault::kNone};
   std::atomic<int> fatal_calls{0};
+  const std::string path = absl::StrCat("/tmp/epsd-test-fault-", getpid(), ".sock");
+  // After the server (declared below it): epsd keeps the lock file (service/unix_socket.h).
+  absl::Cleanup remove_lock = [&] { unlink((path + ".lock").c_str()); };
   absl::StatusOr<ServerConfig> config =
-      ParseFlags({absl::StrCat("--listen=unix:///tmp/epsd-test-fault-", getpid(), ".sock"),
-                  "--metrics-listen=off"});
+      ParseFlags({"--listen=unix://" + path, "--metrics-listen=off"});
   ASSERT_TRUE(config.ok()) << config.status();
   ServerHooks hooks{
       .on_fatal = [&] { fatal_calls.fetch_add(1); },
@@ -302,6 +310,61 @@ TEST(SessionBackendRemainsTest, AFailedBackendsAllocationsAreFreedByTheJanitorOn
   EXPECT_NE(destroyed_on.load(), std::thread::id());
   EXPECT_NE(destroyed_on.load(), std::this_thread::get_id());
   EXPECT_EQ(service.charged_bytes(), charged_before);
+}
+
+// epsd's whole process (RunEpsd, what main runs) after a lost device: it drains as on a
+// signal and exits 1, saying why. In a child process (a death test), since epsd signals
+// its own process; the stand-in backend's Attach reports the device lost.
+TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto run = [] {
+    // Signals blocked before the client's thread exists, as RunEpsd requires.
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    sigaddset(&signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    int status = 0;
+    {  // the engine's shm objects are removed before the exit
+      const std::string path = absl::StrCat("/tmp/epsd-test-lost-", getpid(), ".sock");
+      TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
+      grpc::StatusCode attach_code = grpc::StatusCode::OK;
+      std::atomic<bool> stopped{false};
+      std::thread client([&] {
+        auto stub = v1::PageSelector::NewStub(
+            grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+        context.set_wait_for_ready(true);  // until epsd listens
+        v1::AttachResponse attached;
+        attach_code = stub->Attach(&context, engine.Attach("engine-a"), &attached).error_code();
+        // Should epsd keep serving (the loss unnoticed), end it as an operator would, so
+        // that the test fails on its exit status instead of hanging.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!stopped.load() && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        if (!stopped.load()) kill(getpid(), SIGINT);
+      });
+      status = RunEpsd(
+          {"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=200"},
+          [](const SessionSpec&, const SessionBuffers&, const ServerConfig&,
+             std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+            return MarkDeviceLost(absl::InternalError("cudaMalloc: an illegal memory access"));
+          });
+      stopped = true;
+      client.join();
+      unlink((path + ".lock").c_str());  // epsd keeps it (service/unix_socket.h)
+      std::fprintf(stderr, "attach answered %d\n", static_cast<int>(attach_code));
+      std::fflush(stderr);
+    }
+    std::_Exit(status);
+  };
+  // The Attach that met the loss answers its own INTERNAL (13); the process drains, then
+  // says why it stopped and exits 1.
+  EXPECT_EXIT(run(), ::testing::ExitedWithCode(1),
+              "stopping \\(.*illegal memory access.*\\), draining.*"
+              "stopped \\(a CUDA device was lost: exit 1\\).*attach answered 13");
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ class EpsdProcess {
   static std::unique_ptr<EpsdProcess> Start(const std::string& listen,
                                             std::vector<std::string> flags = {}) {
     auto p = std::unique_ptr<EpsdProcess>(new EpsdProcess());
+    if (listen.rfind("unix://", 0) == 0) p->lock_ = listen.substr(7) + ".lock";
     p->log_ = "/tmp/epsd-test-" + std::to_string(getpid()) + "-" +
               std::to_string(reinterpret_cast<uintptr_t>(p.get())) + ".log";
     // EPSD_BIN overrides the build path (binaries carried to another machine).
@@ -78,6 +79,9 @@ class EpsdProcess {
       Wait();
     }
     unlink(log_.c_str());
+    // epsd keeps a unix socket's lock file (service/unix_socket.h); each test's path is
+    // its own, so the test removes it once its epsd has ended.
+    if (!lock_.empty()) unlink(lock_.c_str());
   }
 
   const std::string& target() const { return target_; }
@@ -135,6 +139,7 @@ class EpsdProcess {
   bool exited_ = false;
   int status_ = 0;
   std::string log_, target_;
+  std::string lock_;  // the unix socket's lock file, or empty
 };
 
 }  // namespace eps::testing

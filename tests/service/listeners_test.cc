@@ -20,8 +20,20 @@ namespace {
 
 using grpc::health::v1::HealthCheckResponse;
 
+// epsd keeps a unix socket's lock file (service/unix_socket.h); this test's are
+// removed when it exits.
+struct LockFiles {
+  std::vector<std::string> paths;
+  ~LockFiles() {
+    for (const std::string& path : paths) unlink(path.c_str());
+  }
+};
+
 absl::StatusOr<std::unique_ptr<EpsServer>> StartWith(std::vector<std::string> flags) {
-  flags.push_back("--listen=" + testing::UniqueSocket("listeners"));
+  static LockFiles locks;
+  const std::string socket = testing::UniqueSocket("listeners");
+  locks.paths.push_back(socket.substr(7) + ".lock");  // after "unix://"
+  flags.push_back("--listen=" + socket);
   absl::StatusOr<ServerConfig> config = ParseFlags(flags);
   if (!config.ok()) return config.status();
   return EpsServer::Start(*config);
