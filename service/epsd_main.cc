@@ -52,11 +52,10 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
     std::printf("%s\n", eps::cli::VersionLine("epsd").c_str());
     return 0;
   }
-  if (config->backend == BackendKind::kCuda &&
-      (!CudaBackendBuilt() || !CudaDevicePresent())) {
-    std::fprintf(stderr, "epsd: --backend=cuda: %s\n",
-                 CudaBackendBuilt() ? "no CUDA device is visible"
-                                                  : "this epsd was built without CUDA");
+  if (config->backend == BackendKind::kCuda && (!CudaBackendBuilt() || !CudaDevicePresent())) {
+    std::fprintf(
+        stderr, "epsd: --backend=cuda: %s\n",
+        CudaBackendBuilt() ? "no CUDA device is visible" : "this epsd was built without CUDA");
     return 2;
   }
   if (config->backend != BackendKind::kCpu && CudaDevicePresent()) {
@@ -65,17 +64,16 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
       std::fprintf(stderr, "epsd: CUDA warm-up: %s\n", std::string(s.message()).c_str());
       return 1;
     }
-    std::fprintf(stderr, "epsd: CUDA ready on %d device(s) in %lld ms\n",
-                 CudaDeviceCount(),
+    std::fprintf(stderr, "epsd: CUDA ready on %d device(s) in %lld ms\n", CudaDeviceCount(),
                  static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                             std::chrono::steady_clock::now() - start)
                                             .count()));
   }
   // A lost CUDA device ends epsd as a signal does (the drain), then with exit 1: only a
   // new process can use the device again, and a supervisor restarts it.
-  absl::StatusOr<std::unique_ptr<EpsServer>> server =
-      EpsServer::Start(
-      *config, {.on_fatal = [] { kill(getpid(), SIGTERM); }, .make_backend = std::move(make_backend)});
+  absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(
+      *config,
+      {.on_fatal = [] { kill(getpid(), SIGTERM); }, .make_backend = std::move(make_backend)});
   if (!server.ok()) {
     std::fprintf(stderr, "epsd: %s\n", std::string(server.status().message()).c_str());
     return 1;
