@@ -284,7 +284,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> MakeDeviceStep(const eps::ModelLayou
 struct Row {
   int64_t batch, context;
   double summary_mb, jl_us, fro_us, off_us, wall_us, visited_pct, direct_us, direct_wall_us,
-      fused_us, tkernel_us, queued_us, split_us;
+      fused_us, tkernel_us, queued_us, split_us, direct_queued_us;
 };
 
 absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t context) {
@@ -313,7 +313,7 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
   // into scoring (jl itself fuses at every batch since the eleventh session: Fusion::kAuto),
   // `tkernel` jl with its query terms from the terms kernel instead of the
   // scoring blocks (gpu/step.h).
-  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  Row row{batch, context, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const eps::Method methods[7] = {eps::Method::kJl, eps::Method::kFro, eps::Method::kOff,
                                   eps::Method::kJl, eps::Method::kJl,  eps::Method::kJl,
                                   eps::Method::kJl};
@@ -348,7 +348,10 @@ absl::StatusOr<Row> Measure(const eps::ModelLayout& m, int batch, int64_t contex
                        eps::gpu::FusedStageClocks(m.num_layers * m.num_kv_heads * batch));
       std::printf("# batch %d, fused: %s", batch, clocks.c_str());
     }
-    if (k == 3) row.direct_wall_us = Median(wall_us);
+    if (k == 3) {
+      row.direct_wall_us = Median(wall_us);
+      ASSIGN_OR_RETURN(row.direct_queued_us, MeasureQueued(**direct, in, policy, step->outputs()));
+    }
     if (k == 0) {
       ASSIGN_OR_RETURN(row.queued_us, MeasureQueued(**selector, in, policy, step->outputs()));
       row.wall_us = Median(wall_us);
@@ -462,10 +465,10 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s, theoretical %.0f GB/s, measured d2d copy %.0f GB/s (read + write)\n",
               prop.name, peak_gbs, *copy_gbs);
-  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s %10s %10s %10s %9s\n",
+  std::printf("%6s %8s %10s %9s %9s %9s %8s %7s %9s %8s %8s %9s %9s %10s %10s %10s %10s %9s %10s\n",
               "batch", "context", "summaryMB", "jl_us", "floor_us", "copy_us", "GB/s", "%copy",
               "visited%", "fro_us", "off_us", "wall_us", "direct_us", "dwall_us", "fused_us",
-              "tkernel_us", "queued_us", "split_us");
+              "tkernel_us", "queued_us", "split_us", "dqueued_us");
   eps::ModelLayout m;
   m.num_layers = 32;
   m.num_q_heads = 32;
@@ -493,11 +496,12 @@ int main(int argc, char** argv) {
       const double gbs = bytes / (r->jl_us * 1e-6) / 1e9;
       std::printf(
           "%6lld %8lld %10.1f %9.1f %9.1f %9.1f %8.0f %6.1f%% %8.1f%% %8.1f %8.1f %9.1f %9.1f "
-          "%10.1f %10.1f %10.1f %10.1f %9.1f\n",
+          "%10.1f %10.1f %10.1f %10.1f %9.1f %10.1f\n",
           static_cast<long long>(batch), static_cast<long long>(context), r->summary_mb, r->jl_us,
           bytes / (peak_gbs * 1e9) * 1e6, bytes / (*copy_gbs * 1e9) * 1e6, gbs,
           100.0 * gbs / *copy_gbs, r->visited_pct, r->fro_us, r->off_us, r->wall_us, r->direct_us,
-          r->direct_wall_us, r->fused_us, r->tkernel_us, r->queued_us, r->split_us);
+          r->direct_wall_us, r->fused_us, r->tkernel_us, r->queued_us, r->split_us,
+          r->direct_queued_us);
       std::fflush(stdout);
     }
   }
