@@ -144,12 +144,18 @@ TEST(DescriptorTest, TwoSizesForOneShmObjectAreRefused) {
   EXPECT_EQ(cache.size(), 1u);
 }
 
-TEST(DescriptorTest, DeviceMemoryIsRefusedWithoutAnIpcOpener) {
-  MappingCache cache;  // a cpu session's cache
+// The queries as a CUDA IPC tensor whose 64-byte handle repeats `fill`.
+v1::MemoryDescriptor IpcQueries(char fill) {
   v1::MemoryDescriptor d;
-  d.mutable_cuda_ipc()->set_handle(std::string(64, '\0'));
+  d.mutable_cuda_ipc()->set_handle(std::string(64, fill));
   d.set_dtype(v1::DTYPE_FLOAT32);
   for (int64_t dim : {2, 4, 8}) d.add_shape(dim);
+  return d;
+}
+
+TEST(DescriptorTest, DeviceMemoryIsRefusedWithoutAnIpcOpener) {
+  MappingCache cache;  // a cpu session's cache
+  const v1::MemoryDescriptor d = IpcQueries('\0');
   const absl::Status s = ResolveTensor(d, QueriesSpec(), cache).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("queries is CUDA device memory"));
@@ -184,10 +190,7 @@ TEST(DescriptorTest, AnIpcMappingOpenedButUnusableStaysWithTheCacheUntilItEnds) 
       *unusable = std::make_unique<FakeDeviceMemory>(&destroyed);
       return absl::InternalError("cuMemGetAddressRange failed on an opened IPC handle");
     });
-    v1::MemoryDescriptor d;
-    d.mutable_cuda_ipc()->set_handle(std::string(64, '\1'));
-    d.set_dtype(v1::DTYPE_FLOAT32);
-    for (int64_t dim : {2, 4, 8}) d.add_shape(dim);
+    const v1::MemoryDescriptor d = IpcQueries('\1');
     const absl::Status s = ResolveTensor(d, QueriesSpec(), cache).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
     EXPECT_THAT(s.message(), HasSubstr("queries: cuMemGetAddressRange failed"));
