@@ -5,6 +5,7 @@
 epsd_start() {
   local listen=$1
   shift
+  EPSD_LISTEN=$listen
   EPSD_LOG=$(mktemp /tmp/eps-load-epsd-XXXXXX.log)
   # Metrics on an ephemeral port: served as in production, never a clash between runs.
   "$EPSD" --listen="$listen" --metrics-listen=127.0.0.1:0 "$@" 2>"$EPSD_LOG" &
@@ -34,4 +35,7 @@ epsd_stop() {
   fi
   EPSD_PID=
   rm -f "${EPSD_LOG:-}"
+  # epsd keeps a unix socket's lock file (service/unix_socket.h); these scripts' sockets
+  # are their own, so it goes with the epsd.
+  if [[ ${EPSD_LISTEN:-} == unix://* ]]; then rm -f "${EPSD_LISTEN#unix://}.lock"; fi
 }
