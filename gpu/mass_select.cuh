@@ -97,8 +97,9 @@ __device__ void WarpMassWalk(int n, Unforced unforced, Key key, Mass mass, doubl
       __syncwarp();
       for (int base = 0; base < n; base += 32) {  // the same trip count on every lane
         const int p = base + lane;
-        const unsigned k = p < n && unforced(p) ? key(p) : 0u;
-        const bool member = p < n && unforced(p) && (k & prefix_mask) == prefix;
+        const bool counted = p < n && unforced(p);
+        const unsigned k = counted ? key(p) : 0u;
+        const bool member = counted && (k & prefix_mask) == prefix;
         WarpBinAdd(member, (k >> shift) & 0xFFu, member ? mass(p, k) : 0.0, counts, masses, lane);
       }
       __syncwarp();
