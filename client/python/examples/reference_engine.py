@@ -44,10 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speed/kill: target fractions of blocks read")
     ap.add_argument("--methods", default="quest,jl", help="quality/passkey")
     ap.add_argument("--top-pages", default="4,8,16,32,64", help="quality/passkey budgets")
-    ap.add_argument("--first-n", type=int, default=1)
-    ap.add_argument("--last-n", type=int, default=2)
+    ap.add_argument("--first-n", type=int, default=1, help="SelectOptions.first_n: leading "
+                    "groups every list visits")
+    ap.add_argument("--last-n", type=int, default=2, help="SelectOptions.last_n: trailing "
+                    "groups every list visits")
     ap.add_argument("--group-blocks", type=int, default=8,
-                    help="g (8: the published runs' layout; epsd's default is 2)")
+                    help="g (8: the history pages' layout; epsd's default and the README's "
+                         "headline runs use 2: EPS_ENGINE_ARGS='--group-blocks 2' with "
+                         "scripts/engine_gpu.sh)")
     ap.add_argument("--sketch-dim", type=int, default=8)
     ap.add_argument("--coarse-blocks", type=int, default=0,
                     help="a coarse level of N blocks per coarse group "
@@ -71,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="records hold the quest8 part and no key_sum or binary16 quest part "
                          "(432 bytes at d = 128 instead of 1,184; method=quest is then refused)")
     ap.add_argument("--passkeys", type=int, default=20)
-    ap.add_argument("--deadline-ms", type=float, default=50.0)
-    ap.add_argument("--watchdog-ms", type=float, default=200.0)
+    ap.add_argument("--deadline-ms", type=float, default=50.0,
+                    help="ClientOptions.deadline_s of each SelectPages, in ms")
+    ap.add_argument("--watchdog-ms", type=float, default=200.0,
+                    help="the selection watchdog's timeout: an accepted async step whose "
+                         "lists have not come by then is released densely, in ms")
     ap.add_argument("--no-graphs", action="store_true", help="eager steps (no CUDA graphs)")
     ap.add_argument("--kill-at", type=int, default=20, help="kill: step at which epsd dies")
     ap.add_argument("--restart-at", type=int, default=40, help="kill: step of its restart")
