@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -262,3 +263,33 @@ def test_closed_buffers_say_so():
         with pytest.raises(ValueError, match="buffers closed"):
             call()
     buf.close()  # twice is fine
+
+
+def test_a_dev_shm_too_small_is_an_oserror_not_a_sigbus(tmp_path):
+    # SharedMemory sizes its object with ftruncate, sparse on tmpfs: with /dev/shm too small
+    # (a container's 64 MiB) the feedback buffer's NaN fill died of SIGBUS. Run in a mount
+    # namespace of its own whose /dev/shm is a 1 MiB tmpfs (root only; skipped elsewhere).
+    script = tmp_path / "small_shm.py"
+    script.write_text(
+        "import glob\n"
+        "from eps_client import BufferShape, ModelLayout, ShmBuffers\n"
+        "shape = BufferShape(num_slots=4000, max_seqs=3, max_context=1000, max_batch=2,\n"
+        "                    with_feedback=True)\n"
+        "try:\n"
+        "    ShmBuffers(ModelLayout(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=32),\n"
+        "               shape, tag='small')\n"
+        "except OSError as e:\n"
+        "    assert 'large enough' in str(e) and not glob.glob('/dev/shm/eps-small-*'), e\n"
+        "    print('refused:', e)\n"
+        "else:\n"
+        "    raise SystemExit('created')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no mount namespace here (not root?)")
+    run = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount --make-rprivate / && "
+         "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$1\"", sys.executable,
+         str(script)], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
+    assert "refused:" in run.stdout and "No space left" in run.stdout

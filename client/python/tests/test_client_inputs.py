@@ -206,3 +206,57 @@ def test_a_broken_tracer_costs_the_calls_their_traceparent_only(tmp_path, caplog
                 assert all(client.select_pages(s, [(0, 1, 0)]).ok for s in (1, 2, 3))
     assert servicer.metadata and all("traceparent" not in m for m in servicer.metadata)
     assert len([r for r in caplog.records if "traceparent" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize(("deadline", "error", "message"), [
+    (None, None, ""),  # attach_deadline_s: the absent sidecar answers UNAVAILABLE in time
+    (-1.0, ValueError, "ping(deadline_s)=-1.0 must be in (0, 3600]"),
+    (float("nan"), ValueError, "ping(deadline_s)=nan is not a finite float32"),
+    (1e10, ValueError, "ping(deadline_s)=10000000000.0 must be in (0, 3600]"),
+    ("abc", TypeError, "ping(deadline_s)='abc' is not a number"),
+])
+def test_ping_takes_a_deadline_it_can_keep(deadline, error, message):
+    # ping(None) once meant no deadline at all (a hung epsd blocked it for good), and a
+    # deadline beyond gRPC's range failed at once as DEADLINE_EXCEEDED
+    with unattached_client(attach_deadline_s=0.2) as client:
+        if error is None:
+            with pytest.raises(EpsError) as e:
+                client.ping(deadline)
+            assert e.value.code in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+        else:
+            with pytest.raises(error) as e:
+                client.ping(deadline)
+            assert message in str(e.value)
+
+
+def test_session_stats_without_a_session_are_refused_rather_than_listing_the_users():
+    # stats() (session_only) once sent an empty id, which epsd answers with every session
+    # of the caller's user: another engine's counters under this client's name
+    with unattached_client() as client:
+        with pytest.raises(EpsError) as e:
+            client.stats()
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not attached" in e.value.message
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"num_kv_blocks": None}, TypeError, "num_kv_blocks=None is not an integer"),
+    ({"num_kv_blocks": 1.5}, TypeError, "num_kv_blocks=1.5 is not an integer"),
+    ({"num_kv_blocks": -1}, ValueError, "num_kv_blocks=-1 is not in"),
+    ({"max_batch": True}, TypeError, "max_batch=True is a bool"),
+    ({"max_batch": 2**32}, ValueError, "max_batch=4294967296 is not in"),
+    ({"device": None}, TypeError, "device=None is not an integer"),
+    ({"lease_ms": -5}, ValueError, "lease_ms=-5 is not in"),
+    ({"engine_id": 7}, TypeError, "engine_id=7 is not a str"),
+    ({"device_uuid": "GPU-0"}, TypeError, "device_uuid='GPU-0' is not bytes"),
+    ({"select": {"top_pages": 4}}, TypeError, "is not a SelectOptions"),
+])
+def test_attach_arguments_protobuf_would_send_as_zero_are_refused_naming_them(rng, fields, error,
+                                                                             message):
+    state = make_state(rng, contexts=[300])
+    arguments = {"engine_id": "inputs", **fields}
+    with pytest.raises(error) as e:
+        EpsClient(state.buffers, options=ClientOptions(target=NOWHERE), **arguments)
+    assert message in str(e.value)
+    state.buffers.close()

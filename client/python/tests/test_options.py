@@ -125,8 +125,13 @@ def test_numpy_numbers_are_taken_as_plain_ones_and_none_stays_unset() -> None:
 
 @pytest.mark.parametrize(("fields", "error", "message"), [
     ({"deadline_s": None}, TypeError, "ClientOptions.deadline_s=None is not a number"),
-    ({"deadline_s": -1.0}, ValueError, "ClientOptions.deadline_s=-1.0 must be > 0"),
-    ({"deadline_s": 0}, ValueError, "ClientOptions.deadline_s=0.0 must be > 0"),
+    ({"deadline_s": -1.0}, ValueError, "ClientOptions.deadline_s=-1.0 must be in (0, 3600]"),
+    ({"deadline_s": 0}, ValueError, "ClientOptions.deadline_s=0.0 must be in (0, 3600]"),
+    # gRPC's deadline arithmetic failed every attach from about 8e9 s, and the stream's
+    # wait raised OverflowError out of select_pages at 1e10: past an hour is refused
+    ({"deadline_s": 1e10}, ValueError, "ClientOptions.deadline_s=10000000000.0 must be in"),
+    ({"attach_deadline_s": 3600.5}, ValueError, "ClientOptions.attach_deadline_s=3600.5"),
+    ({"reattach_backoff_s": 1e6}, ValueError, "reattach_backoff_s=1000000.0 must be in [0, 3600]"),
     ({"deadline_s": float("inf")}, ValueError, "ClientOptions.deadline_s=inf"),
     ({"attach_deadline_s": float("nan")}, ValueError, "ClientOptions.attach_deadline_s=nan"),
     ({"reattach_backoff_s": -0.1}, ValueError, "ClientOptions.reattach_backoff_s=-0.1 must be"),
@@ -147,6 +152,7 @@ def test_valid_client_options_are_kept() -> None:
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     options = ClientOptions(deadline_s=1, reattach_backoff_s=0, traceparent=tp)
     assert options.deadline_s == 1.0 and options.traceparent == tp
+    assert ClientOptions(attach_deadline_s=3600).attach_deadline_s == 3600.0
     assert valid_traceparent(tp) and not valid_traceparent(tp.upper())
     assert not valid_traceparent("00-" + "0" * 32 + "-b7ad6b7169203331-01")
     assert not valid_traceparent("ff" + tp[2:]) and not valid_traceparent(tp + "-x")

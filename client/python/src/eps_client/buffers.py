@@ -185,6 +185,23 @@ class BufferLayout:
         return out
 
 
+def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
+    """Allocates the object's pages now. SharedMemory sizes it with ftruncate, which on
+    tmpfs leaves it sparse: a /dev/shm too small for it (a container's 64 MiB) would kill
+    the process with SIGBUS at the first write to a page it cannot hold. Raises OSError
+    (the object closed and unlinked) instead."""
+    fd = getattr(shm, "_fd", -1)
+    if fd < 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        shm.close()
+        shm.unlink()
+        raise OSError(e.errno, f"ShmBuffers: cannot reserve {size} bytes for /{shm.name}: "
+                      f"{e.strerror} (is /dev/shm large enough? `df -h /dev/shm`)") from None
+
+
 class ShmBuffers:
     """The shared buffers in one POSIX shared-memory object, as numpy views.
 
@@ -200,6 +217,7 @@ class ShmBuffers:
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
             name=name, create=True, size=self.layout.size)
         self.shm_name = "/" + name
+        _reserve(self._shm, self.layout.size)
         buf = self._shm.buf
         views: dict[str, np.ndarray] = {
             n: np.ndarray(dims, dtype=self.layout.dtypes[n], buffer=buf,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import secrets
@@ -97,11 +96,8 @@ class ClientOptions:
             raise TypeError(f"ClientOptions.target={self.target!r} is not a non-empty str")
         for name, positive in (("deadline_s", True), ("attach_deadline_s", True),
                                ("reattach_backoff_s", False)):
-            value = _values.real(f"ClientOptions.{name}", getattr(self, name))
-            if not math.isfinite(value) or value < 0 or (positive and value == 0):
-                raise ValueError(f"ClientOptions.{name}={value} must be "
-                                 f"{'> 0' if positive else '>= 0'}")
-            setattr(self, name, value)
+            setattr(self, name, _duration(f"ClientOptions.{name}", getattr(self, name),
+                                          positive=positive))
         for name in ("fail_open", "use_stream"):
             setattr(self, name, _values.boolean(f"ClientOptions.{name}", getattr(self, name)))
         tp = self.traceparent
@@ -113,6 +109,22 @@ class ClientOptions:
             raise TypeError(f"ClientOptions.traceparent={tp!r} is not a str, a callable or None")
         if self.on_fallback is not None and not callable(self.on_fallback):
             raise TypeError(f"ClientOptions.on_fallback={self.on_fallback!r} is not callable")
+
+
+# The longest deadline or back-off the client takes, in seconds. Beyond it gRPC's own
+# deadline arithmetic and the stream's waits fail (about 8e9 s and time_t's range), and a
+# wait of more than an hour bounds nothing an engine can use: such a value is refused
+# rather than turned into "no deadline" (a dead epsd must never hang the engine).
+MAX_DURATION_S = 3600.0
+
+
+def _duration(name: str, value: object, *, positive: bool = True) -> float:
+    """``value`` as seconds in (0, MAX_DURATION_S] (``positive``) or [0, MAX_DURATION_S]."""
+    out = _values.real(name, value)
+    if out < 0 or (positive and out == 0) or out > MAX_DURATION_S:
+        raise ValueError(f"{name}={out} must be in {'(0' if positive else '[0'}, "
+                         f"{MAX_DURATION_S:g}] seconds")
+    return out
 
 
 @dataclass
@@ -175,14 +187,24 @@ def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None
     ``device_uuid``: the 16-byte CUDA UUID of the session's GPU, for a rank whose device
     ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api-memory.md §3.7). Empty: the
     buffers' own (``CudaBuffers.device_uuid``), if they have one."""
+    if not isinstance(engine_id, str):
+        raise TypeError(f"engine_id={engine_id!r} is not a str")
+    if not isinstance(device_uuid, (bytes, bytearray)):
+        raise TypeError(f"device_uuid={device_uuid!r} is not bytes")
+    if select is not None and not isinstance(select, SelectOptions):
+        raise TypeError(f"select={select!r} is not a SelectOptions")
     layout = buffers.layout
     if not device_uuid:
         device_uuid = getattr(buffers, "device_uuid", b"") or b""
     request = pb.AttachRequest(
         engine_id=engine_id, layout=layout.model.to_proto(), buffers=buffers.descriptors(),
-        max_batch=max_batch if max_batch is not None else layout.shape.max_batch,
-        num_kv_blocks=num_kv_blocks, backend=backend_proto(backend),  # type: ignore[arg-type]
-        device=device, lease_ms=lease_ms, device_uuid=device_uuid)
+        max_batch=_values.integer("max_batch", max_batch if max_batch is not None
+                                  else layout.shape.max_batch, *_values.UINT32),
+        num_kv_blocks=_values.integer("num_kv_blocks", num_kv_blocks, *_values.UINT64),
+        backend=backend_proto(backend),  # type: ignore[arg-type]
+        device=_values.integer("device", device, *_values.INT32),
+        lease_ms=_values.integer("lease_ms", lease_ms, *_values.UINT32),
+        device_uuid=bytes(device_uuid))
     if select is not None:
         request.options.CopyFrom(select.to_proto())
     return request
@@ -306,14 +328,25 @@ class EpsClient:
                     self.session_id = ""
                 raise
 
-    def ping(self, deadline_s: float) -> None:
+    def ping(self, deadline_s: float | None = None) -> None:
+        """An empty call within ``deadline_s`` (None: ``attach_deadline_s``); raises EpsError
+        when it fails."""
         self._check_open()
+        timeout = self.options.attach_deadline_s if deadline_s is None else \
+            _duration("ping(deadline_s)", deadline_s)
         with self._unary_call():
-            self.stub.Ping(pb.PingRequest(), timeout=deadline_s, metadata=self._metadata())
+            self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=self._metadata())
 
     def stats(self, session_only: bool = True) -> pb.GetStatsResponse:
-        """GetStats (an operator's view; the message is returned as is)."""
+        """GetStats (an operator's view; the message is returned as is). ``session_only``:
+        this client's session, which it must hold (EpsError FAILED_PRECONDITION when it is not
+        attached); False: the server's counters and every session of this user, ids left
+        empty (docs/api.md)."""
         self._check_open()
+        if _values.boolean("session_only", session_only) and not self.session_id:
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "stats(session_only=True): the client is not attached (attach() "
+                           "first, or stats(session_only=False) for every session of this user)")
         request = pb.GetStatsRequest(session_id=self.session_id if session_only else "")
         with self._unary_call():
             return self.stub.GetStats(request, timeout=self.options.attach_deadline_s,
@@ -533,7 +566,7 @@ class EpsClient:
                 return None
             except grpc.RpcError as e:
                 self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
-                return f"re-attach failed: {e.code().name}: {e.details()}"
+                return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
         if time.monotonic() < self._next_attach_try:
             return "not attached; re-attach backing off"
         # wait_for_ready: the Attach waits (up to its deadline) for the channel to connect
