@@ -9,6 +9,7 @@
 // and frees it in its destructor. Thread safety: none (one session each).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -28,6 +29,10 @@ struct BufferSetShape {
   int64_t max_batch = 0;
   int64_t coarse_slots = 0;    // coarse records per (layer, KV head): >= 1 with a coarse level
   bool with_feedback = false;  // the selection feedback buffer (docs/api-memory.md), NaN-filled
+  // --reply=async (device sets): how long WaitSelection lets epsd take to raise
+  // selection_done after an accepted reply before a SelectionWatchdog releases the step
+  // densely (an epsd killed between its reply and its kernel would hang the run).
+  std::chrono::microseconds selection_wait{std::chrono::seconds(10)};
 };
 
 // One stepped row's part of a feedback write: its table row and how many of its
@@ -80,7 +85,9 @@ class BufferSet {
   // step's fence on a stream of this set's own. SignalInputsReady queues
   // inputs_ready = step (the queries are in place), WaitSelection queues the wait
   // for selection_done >= step and waits for that stream, as an engine's forward
-  // pass would before its next step; ReleaseDense is the client's fail-open path.
+  // pass would before its next step, at most BufferSetShape::selection_wait (then the
+  // step is released densely and the wait fails DEADLINE_EXCEEDED); ReleaseDense is
+  // the client's fail-open path.
   virtual bool supports_async() const { return false; }
   virtual absl::Status SignalInputsReady(uint64_t step);
   virtual absl::Status WaitSelection(uint64_t step);

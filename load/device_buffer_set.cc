@@ -2,10 +2,13 @@
 // cudaMalloc exported over CUDA IPC), filled from eps-load's host images.
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "client/cpp/device_buffers.h"
+#include "client/cpp/selection_watchdog.h"
 #include "core/status.h"
 #include "gpu/device.h"
 #include "gpu/step.h"
@@ -37,8 +40,13 @@ absl::Status CudaError(const std::string& call, cudaError_t err) {
 
 class DeviceBufferSet final : public BufferSet {
  public:
-  DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers, OwnedStream stream)
-      : buffers_(std::move(buffers)), stream_(std::move(stream)) {}
+  DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers, OwnedStream stream,
+                  std::unique_ptr<client::SelectionWatchdog> watchdog,
+                  std::chrono::microseconds selection_wait)
+      : buffers_(std::move(buffers)),
+        stream_(std::move(stream)),
+        watchdog_(std::move(watchdog)),
+        selection_wait_(selection_wait) {}
 
   v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
   v1::Backend backend() const override { return v1::BACKEND_CUDA; }
@@ -140,9 +148,17 @@ class DeviceBufferSet final : public BufferSet {
   }
   absl::Status WaitSelection(uint64_t step) override {
     if (absl::Status s = buffers_->WaitSelection(stream_.get(), step); !s.ok()) return s;
+    const uint64_t released = watchdog_->releases();
+    watchdog_->Arm(step);
     if (cudaError_t err = cudaStreamSynchronize(stream_.get()); err != cudaSuccess) {
       return absl::InternalError(
           absl::StrCat("cudaStreamSynchronize(step ", step, "): ", cudaGetErrorString(err)));
+    }
+    if (watchdog_->releases() != released) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("selection_done did not reach step ", step, " within ",
+                       absl::FormatDuration(absl::FromChrono(selection_wait_)),
+                       " of the accepted reply: the watchdog released it densely"));
     }
     return absl::OkStatus();
   }
@@ -170,7 +186,10 @@ class DeviceBufferSet final : public BufferSet {
   int64_t ElementsOf(SharedBuffer buffer) const { return buffers_->plan().ElementsOf(buffer); }
 
   std::unique_ptr<client::DeviceBuffers> buffers_;
-  OwnedStream stream_;             // declared after buffers_: destroyed first
+  OwnedStream stream_;  // declared after buffers_: destroyed first
+  // Declared after both: destroyed first, finishing the watch of a step still armed.
+  std::unique_ptr<client::SelectionWatchdog> watchdog_;
+  const std::chrono::microseconds selection_wait_;
   DeviceFloats feedback_pattern_;  // null until SetFeedbackPattern
 };
 
@@ -192,8 +211,11 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayo
   if (err != cudaSuccess) {
     return absl::InternalError(absl::StrCat("cudaStreamCreate: ", cudaGetErrorString(err)));
   }
-  return std::unique_ptr<BufferSet>(
-      std::make_unique<DeviceBufferSet>(std::move(*buffers), OwnedStream(stream)));
+  OwnedStream owned(stream);
+  auto watchdog = client::SelectionWatchdog::Create(**buffers, shape.selection_wait);
+  if (!watchdog.ok()) return watchdog.status();
+  return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(
+      std::move(*buffers), std::move(owned), std::move(*watchdog), shape.selection_wait));
 }
 
 }  // namespace eps::load

@@ -410,7 +410,9 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     // A rank's buffers on its own GPU where there are enough, else sharing them.
     const int device = config.ranks > 0 && devices > 0 ? i % devices : 0;
     if (config.ranks > 0) r.ranks.emplace_back().device = device;
-    auto buffers = CreateBufferSet(config.backend, config.model, image.shape, device);
+    BufferSetShape shape = image.shape;
+    shape.selection_wait = config.deadline;  // at most an hour, as a watchdog's timeout
+    auto buffers = CreateBufferSet(config.backend, config.model, shape, device);
     if (!buffers.ok()) return buffers.status();
     s.buffers = std::move(*buffers);
     if (absl::Status st = image.WriteTo(*s.buffers); !st.ok()) return st;

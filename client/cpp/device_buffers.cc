@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/device_scope.h"
+#include "client/cpp/selection_watchdog.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -87,6 +88,16 @@ absl::StatusOr<uint64_t> DeviceBuffers::ReadSelectionDone() {
                                        cudaMemcpyDeviceToHost, side_stream_));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
   return *host_done_;
+}
+
+// DeviceBuffers as a watchdog's device: its side stream reads and releases, so the
+// engine's waiting stream is not in the way.
+absl::StatusOr<std::unique_ptr<SelectionWatchdog>> SelectionWatchdog::Create(
+    DeviceBuffers& buffers, std::chrono::microseconds timeout) {
+  return Create(
+      Device{.read_done = [&buffers] { return buffers.ReadSelectionDone(); },
+             .release_dense = [&buffers](uint64_t step) { return buffers.ReleaseDense(step); }},
+      timeout);
 }
 
 }  // namespace eps::client

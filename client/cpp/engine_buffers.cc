@@ -25,12 +25,15 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(const Model
   const int fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0)
     return absl::InternalError(absl::StrCat("shm_open ", b->name_, ": ", std::strerror(errno)));
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    const int err = errno;
+  // posix_fallocate, not ftruncate alone: on tmpfs a truncated object is sparse, so a
+  // /dev/shm too small for it (a container's 64 MiB) would surface as SIGBUS at the first
+  // write of a page it cannot hold, here or in the engine, instead of as an error now.
+  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
     close(fd);
     shm_unlink(b->name_.c_str());
     return absl::ResourceExhaustedError(
-        absl::StrCat("ftruncate ", b->name_, ": ", std::strerror(err)));
+        absl::StrCat("posix_fallocate ", b->name_, " (", size, " bytes): ", std::strerror(err),
+                     err == ENOSPC ? " (is /dev/shm large enough? `df -h /dev/shm`)" : ""));
   }
   void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;

@@ -6,12 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,7 +16,9 @@
 #include "client/cpp/device_scope.h"
 #include "client/cpp/engine_outputs.h"
 #include "client/cpp/engine_summary_queue.h"
+#include "client/cpp/selection_watchdog.h"
 #include "core/layout.h"
+#include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/stream_ops.h"
 #include "gpu/summary.h"
@@ -105,72 +104,40 @@ eps::client::EngineTableDevice EngineTable(uint64_t engine_table, int64_t table_
 
 }  // namespace
 
-// Releases a step epsd accepted but never finished: after `timeout` from Arm,
-// if selection_done < step, visit_count = -1 and selection_done raised to step
-// (the contract of client/cpp/selection_watchdog.h, on raw pointers). A newer
-// Arm supersedes an older one: counters only grow, so releasing the newer step
-// releases the older wait too.
+// The C ABI's watchdog: client/cpp/selection_watchdog.h's, whose device is a stream
+// and a pinned word of its own over the engine's raw pointers (the step's n counts and
+// its flags). A failed create leaves the cleanup to the destructor.
 struct EpsEngineWatchdog {
   int device = 0;
   int32_t* counts = nullptr;
   int64_t n = 0;
   uint64_t* flags = nullptr;
-  std::chrono::microseconds timeout{0};
   cudaStream_t stream = nullptr;
   uint64_t* host_done = nullptr;  // pinned
-  std::mutex mu;
-  std::condition_variable cv;
-  bool stop = false;                               // guarded by mu
-  uint64_t armed = 0;                              // guarded by mu; 0: nothing armed
-  std::chrono::steady_clock::time_point armed_at;  // guarded by mu
-  uint64_t releases = 0;                           // guarded by mu
-  std::thread thread;
+  std::unique_ptr<eps::client::SelectionWatchdog> watchdog;
 
-  // Stops the thread (if it started) and frees what was created, also after a failed
-  // create: the stream and pinned word are released whichever step failed.
   ~EpsEngineWatchdog() {
-    if (thread.joinable()) {
-      {
-        std::lock_guard lock(mu);
-        stop = true;
-      }
-      cv.notify_all();
-      thread.join();
-    }
+    watchdog.reset();  // first: it may still read and release through the stream
     if (stream != nullptr || host_done != nullptr) cudaSetDevice(device);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (host_done != nullptr) cudaFreeHost(host_done);
   }
 
   absl::StatusOr<uint64_t> ReadDone() {
+    eps::client::DeviceScope scope;
+    RETURN_IF_ERROR(scope.Enter(device));
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(host_done, flags + 1, sizeof(uint64_t), cudaMemcpyDeviceToHost, stream));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return *host_done;
   }
 
-  void Loop() {
-    cudaSetDevice(device);
-    std::unique_lock lock(mu);
-    while (!stop) {
-      if (armed == 0) {
-        cv.wait(lock, [this] { return stop || armed != 0; });
-        continue;
-      }
-      const uint64_t step = armed;
-      const auto due = armed_at + timeout;
-      if (cv.wait_until(lock, due, [&] { return stop || armed != step; })) continue;
-      armed = 0;
-      lock.unlock();
-      absl::StatusOr<uint64_t> done = ReadDone();
-      bool released = false;
-      if (!done.ok() || *done < step) {
-        released = eps::gpu::StreamReleaseDense(stream, counts, n, flags + 1, step).ok() &&
-                   cudaStreamSynchronize(stream) == cudaSuccess;
-      }
-      lock.lock();
-      if (released) ++releases;
-    }
+  absl::Status ReleaseDense(uint64_t step) {
+    eps::client::DeviceScope scope;
+    RETURN_IF_ERROR(scope.Enter(device));
+    RETURN_IF_ERROR(eps::gpu::StreamReleaseDense(stream, counts, n, flags + 1, step));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
   }
 };
 
@@ -253,17 +220,18 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
                                int64_t timeout_us, EpsEngineWatchdog** out) {
   const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   if (out == nullptr) return Refuse("eps_engine_watchdog_create", "out is null");
-  if (timeout_us < 1 || n < 1 || visit_count == 0 || flags == 0) {
-    return Report(
-        absl::InvalidArgumentError(absl::StrCat("watchdog: timeout_us=", timeout_us, ", n=", n,
-                                                " must be >= 1 and the ", "pointers non-null")));
+  using eps::client::SelectionWatchdog;
+  if (timeout_us < 1 || timeout_us > SelectionWatchdog::kMaxTimeout.count() || n < 1 ||
+      visit_count == 0 || flags == 0) {
+    return Report(absl::InvalidArgumentError(absl::StrCat(
+        "watchdog: timeout_us=", timeout_us, " must be in [1, ",
+        SelectionWatchdog::kMaxTimeout.count(), "], n=", n, " >= 1 and the pointers non-null")));
   }
   auto w = std::make_unique<EpsEngineWatchdog>();
   w->device = device;
   w->counts = Ptr<int32_t>(visit_count);
   w->n = n;
   w->flags = Ptr<uint64_t>(flags);
-  w->timeout = std::chrono::microseconds(timeout_us);
   auto fail = [](const char* call) {
     return Report(absl::InternalError(absl::StrCat("watchdog: ", call)));
   };
@@ -277,19 +245,20 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
     return fail("cudaMallocHost");
   }
   if (int rc = Report(eps::gpu::PreloadStreamOps()); rc != 0) return rc;
-  w->thread = std::thread([raw = w.get()] { raw->Loop(); });
+  EpsEngineWatchdog* raw = w.get();
+  absl::StatusOr<std::unique_ptr<SelectionWatchdog>> made = SelectionWatchdog::Create(
+      {.read_done = [raw] { return raw->ReadDone(); },
+       .release_dense = [raw](uint64_t step) { return raw->ReleaseDense(step); }},
+      std::chrono::microseconds(timeout_us));
+  if (!made.ok()) return Report(made.status());
+  w->watchdog = *std::move(made);
   *out = w.release();
   return 0;
 }
 
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step) {
   if (w == nullptr) return Refuse("eps_engine_watchdog_arm", "the watchdog is null (destroyed?)");
-  {
-    std::lock_guard lock(w->mu);
-    w->armed = step;
-    w->armed_at = std::chrono::steady_clock::now();
-  }
-  w->cv.notify_all();
+  w->watchdog->Arm(step);
   return 0;
 }
 
@@ -298,8 +267,7 @@ uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {
     Refuse("eps_engine_watchdog_releases", "the watchdog is null (destroyed?)");
     return 0;
   }
-  std::lock_guard lock(w->mu);
-  return w->releases;
+  return w->watchdog->releases();
 }
 
 void eps_engine_watchdog_destroy(EpsEngineWatchdog* w) {
@@ -419,6 +387,8 @@ int eps_engine_summary_queue_drain(EpsSummaryQueue* q) {
 }
 
 uint64_t eps_engine_summary_queue_errors(EpsSummaryQueue* q, char* buf, int64_t buf_len) {
+  // The queue reads its device's skipped-append counter on its device.
+  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
   std::string message;
   uint64_t errors = 0;
   if (q == nullptr) {

@@ -125,6 +125,14 @@ absl::Status Check(const VisitListsDevice& v, const EngineTableDevice& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("block_size=", e.block_size, " and stride=", e.stride, " must be >= 1"));
   }
+  // One block of the kernels per (layer, row, list): the grid is a 31-bit count (a
+  // cast to unsigned once launched 2^32 fewer blocks and returned OK).
+  constexpr int64_t kMaxGrid = std::numeric_limits<int32_t>::max();
+  if (e.batch > kMaxGrid / v.layers / v.lists) {
+    return absl::InvalidArgumentError(absl::StrCat("layers=", v.layers, " x batch=", e.batch,
+                                                   " x lists=", v.lists, " exceeds ", kMaxGrid,
+                                                   " (the kernels' grid)"));
+  }
   return absl::OkStatus();
 }
 

@@ -309,7 +309,13 @@ absl::Status EpsClient::PollReattach() {
     if (pending_attach_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
       return absl::UnavailableError("re-attach in progress");
     }
-    return Adopt(pending_attach_.get());
+    // The step is not attached whatever the Attach answered: UNAVAILABLE naming it (as the
+    // Python client does), not the Attach's own code, which a fail-closed engine would
+    // read as its step's.
+    if (absl::Status s = Adopt(pending_attach_.get()); !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("not attached; re-attach failed: ", s.ToString()));
+    }
+    return absl::OkStatus();
   }
   if (std::chrono::steady_clock::now() < next_attach_try_) {
     return absl::UnavailableError("not attached; re-attach backing off");

@@ -4,20 +4,25 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace eps::client {
 
 absl::StatusOr<std::unique_ptr<SelectionWatchdog>> SelectionWatchdog::Create(
-    DeviceBuffers& buffers, std::chrono::microseconds timeout) {
-  if (timeout.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("SelectionWatchdog timeout=", timeout.count(), "us must be > 0"));
+    Device device, std::chrono::microseconds timeout) {
+  if (timeout.count() <= 0 || timeout > kMaxTimeout) {
+    return absl::InvalidArgumentError(absl::StrCat("SelectionWatchdog timeout=", timeout.count(),
+                                                   "us must be in [1, ", kMaxTimeout.count(),
+                                                   "] us"));
   }
-  return std::unique_ptr<SelectionWatchdog>(new SelectionWatchdog(buffers, timeout));
+  if (!device.read_done || !device.release_dense) {
+    return absl::InvalidArgumentError("SelectionWatchdog: the device lacks a function");
+  }
+  return std::unique_ptr<SelectionWatchdog>(new SelectionWatchdog(std::move(device), timeout));
 }
 
-SelectionWatchdog::SelectionWatchdog(DeviceBuffers& buffers, std::chrono::microseconds timeout)
-    : buffers_(buffers), timeout_(timeout), thread_([this] { Loop(); }) {}
+SelectionWatchdog::SelectionWatchdog(Device device, std::chrono::microseconds timeout)
+    : device_(std::move(device)), timeout_(timeout), thread_([this] { Loop(); }) {}
 
 SelectionWatchdog::~SelectionWatchdog() {
   {
@@ -25,6 +30,26 @@ SelectionWatchdog::~SelectionWatchdog() {
     stop_ = true;
   }
   thread_.join();
+  // Finish the armed step's watch (the header says why): poll until selection_done
+  // reaches it, release it at its due time.
+  uint64_t step = 0;
+  std::chrono::steady_clock::time_point due;
+  {
+    absl::MutexLock lock(&mu_);
+    step = armed_step_;
+    due = armed_at_ + timeout_;
+  }
+  if (step == 0) return;
+  for (;;) {
+    const absl::StatusOr<uint64_t> done = device_.read_done();
+    if (done.ok() && *done >= step) return;
+    if (!done.ok() || std::chrono::steady_clock::now() >= due) break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  if (device_.release_dense(step).ok()) {
+    absl::MutexLock lock(&mu_);
+    ++releases_;
+  }
 }
 
 void SelectionWatchdog::Arm(uint64_t step) {
@@ -36,6 +61,12 @@ void SelectionWatchdog::Arm(uint64_t step) {
 uint64_t SelectionWatchdog::releases() const {
   absl::MutexLock lock(&mu_);
   return releases_;
+}
+
+bool SelectionWatchdog::CheckAndRelease(uint64_t step) {
+  const absl::StatusOr<uint64_t> done = device_.read_done();
+  if (done.ok() && *done >= step) return false;
+  return device_.release_dense(step).ok();
 }
 
 void SelectionWatchdog::Loop() {
@@ -63,10 +94,7 @@ void SelectionWatchdog::Loop() {
     if (stop_ || armed_step_ != step) continue;
     armed_step_ = 0;
     mu_.Unlock();
-    // Off the lock: a device read (and maybe a release) on the buffers' side stream.
-    absl::StatusOr<uint64_t> done = buffers_.ReadSelectionDone();
-    bool released = false;
-    if (!done.ok() || *done < step) released = buffers_.ReleaseDense(step).ok();
+    const bool released = CheckAndRelease(step);  // off the lock: device work
     mu_.Lock();
     if (released) ++releases_;
   }

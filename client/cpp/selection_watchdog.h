@@ -1,32 +1,57 @@
 // The engine-side watchdog of docs/design.md §6: a step that epsd accepted
 // asynchronously holds the engine's stream on selection_done >= step; if the
 // sidecar dies (or stalls) before it writes that counter, the watchdog
-// releases the stream after `timeout` with DeviceBuffers::ReleaseDense (every
-// list "attend densely"), so no GPU wait on the sidecar is ever unbounded.
+// releases the stream after `timeout` (every list "attend densely", then
+// selection_done = step), so no GPU wait on the sidecar is ever unbounded.
 //
 // Arm the step after each accepted async reply; a newer step supersedes an
 // older one (releasing the newer also releases the older wait, the counter
-// being monotonic). Thread safety: Arm and releases() from any thread; the
-// watchdog thread is joined in the destructor. Ownership: borrows `buffers`, which
-// must outlive the watchdog.
+// being monotonic). Destroying the watchdog finishes the armed step's watch
+// rather than dropping it: the destructor returns once selection_done reaches
+// the step, or at the step's due time after releasing it. An engine that shuts
+// down while epsd is gone would otherwise leave its stream waiting for good, and
+// its buffers' teardown (cudaDeviceSynchronize) with it.
+//
+// The device work goes through a `Device`: DeviceBuffers' (client/cpp's) or the
+// C ABI's raw pointers (engine_capi.cc), so one watchdog serves both, and its
+// timing is tested without a GPU (tests/client/selection_watchdog_test.cc).
+// Thread safety: Arm and releases() from any thread; the Device's functions run
+// on the watchdog's thread, and in the destructor on the destroying thread.
+// Ownership: what the Device's functions borrow must outlive the watchdog.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "client/cpp/device_buffers.h"
 
 namespace eps::client {
 
+class DeviceBuffers;
+
 class SelectionWatchdog {
  public:
+  // The two device operations the watchdog needs.
+  struct Device {
+    std::function<absl::StatusOr<uint64_t>()> read_done;       // selection_done now
+    std::function<absl::Status(uint64_t step)> release_dense;  // done when it returns
+  };
+  // The longest timeout: the engine's stream waits up to this long for epsd, so a
+  // longer one bounds nothing an engine can use (and past about 292 years the due
+  // time would wrap into the past, releasing every step at once).
+  static constexpr std::chrono::microseconds kMaxTimeout = std::chrono::hours(1);
+
   // InvalidArgument for a timeout <= 0 (one would release every armed step at once,
-  // while epsd may still be writing its lists).
+  // while epsd may still be writing its lists) or above kMaxTimeout, or a Device
+  // without both functions.
+  static absl::StatusOr<std::unique_ptr<SelectionWatchdog>> Create(
+      Device device, std::chrono::microseconds timeout);
+  // DeviceBuffers' ReadSelectionDone and ReleaseDense(step) (defined in device_buffers.cc).
   static absl::StatusOr<std::unique_ptr<SelectionWatchdog>> Create(
       DeviceBuffers& buffers, std::chrono::microseconds timeout);
   ~SelectionWatchdog();
@@ -37,10 +62,12 @@ class SelectionWatchdog {
   uint64_t releases() const;  // steps the watchdog released
 
  private:
-  SelectionWatchdog(DeviceBuffers& buffers, std::chrono::microseconds timeout);
+  SelectionWatchdog(Device device, std::chrono::microseconds timeout);
   void Loop();
+  // Reads selection_done and releases `step` unless it reached it; true if released.
+  bool CheckAndRelease(uint64_t step);
 
-  DeviceBuffers& buffers_;
+  const Device device_;
   const std::chrono::microseconds timeout_;
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -3,8 +3,14 @@
 // accessors on the plan's offsets. Host memory only.
 #include "client/cpp/buffer_plan.h"
 
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <span>
 #include <string>
 
@@ -163,6 +169,38 @@ TEST(EngineBuffersTest, FeedbackRowsAddressThePlansFeedbackAndStartNaN) {
   auto without = EngineBuffers::Create(Model(0), Shape(0), "plan-test");
   ASSERT_TRUE(without.ok()) << without.status();
   EXPECT_TRUE((*without)->FeedbackRow(0, 0, 0).empty());
+}
+
+// A /dev/shm too small for the buffers (a container's default is 64 MiB): Create once
+// succeeded on a sparse object and the NaN fill of the feedback buffer (or the engine's
+// first write) died of SIGBUS. In a child process with a mount namespace of its own whose
+// /dev/shm is a 1 MiB tmpfs; skipped where the process may not make one (not root).
+TEST(EngineBuffersTest, ADevShmTooSmallIsAnErrorNotASigbus) {
+  constexpr int kNoNamespace = 77;
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m") != 0) {
+      _exit(kNoNamespace);
+    }
+    BufferShape shape = Shape(0);
+    shape.num_slots = 4000;
+    shape.with_feedback = true;
+    absl::StatusOr<BufferPlan> plan = BufferPlan::For(Model(0), shape);
+    if (!plan.ok() || plan->size < (4 << 20)) _exit(2);  // the test's own shape is wrong
+    auto made = EngineBuffers::Create(Model(0), shape, "plan-test");
+    const bool refused = !made.ok() &&
+                         made.status().code() == absl::StatusCode::kResourceExhausted &&
+                         made.status().message().find("/dev/shm") != std::string::npos;
+    if (!refused) std::fprintf(stderr, "Create: %s\n", made.status().ToString().c_str());
+    _exit(refused ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_FALSE(WIFSIGNALED(status)) << "the child died of signal " << WTERMSIG(status);
+  if (WEXITSTATUS(status) == kNoNamespace) GTEST_SKIP() << "no mount namespace here (not root?)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "Create did not refuse with RESOURCE_EXHAUSTED";
 }
 
 TEST(BufferPlanTest, ShapesPastEpsdsLimitsAreRefusedNamingTheField) {

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -337,10 +338,53 @@ TEST_F(EngineCapiTest, WatchdogReleasesAStepThatNeverCompletesAndSparesAComplete
   eps_engine_watchdog_destroy(dog);
 }
 
+// An engine shutting down while epsd is gone destroys its watchdog with a step armed:
+// the destroy once dropped it, leaving the engine's stream waiting on selection_done for
+// good (and its buffers' cudaDeviceSynchronize with it). Now the destroy finishes the
+// watch: it releases the step at its due time.
+TEST_F(EngineCapiTest, DestroyingAWatchdogWithAStepArmedReleasesItAtItsDueTime) {
+  const int64_t n = 6;
+  int32_t* counts = Alloc<int32_t>(n);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  ASSERT_EQ(cudaMemset(counts, 0x11, n * 4), cudaSuccess);
+  cudaStream_t engine;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&engine, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(eps_engine_wait_selection(Addr(engine), Addr(flags), 3), 0);  // epsd never writes
+  EpsEngineWatchdog* dog = nullptr;
+  ASSERT_EQ(eps_engine_watchdog_create(0, Addr(counts), n, Addr(flags), 50000, &dog), 0)
+      << eps_engine_last_error();
+  ASSERT_EQ(eps_engine_watchdog_arm(dog, 3), 0);
+  const auto start = std::chrono::steady_clock::now();
+  eps_engine_watchdog_destroy(dog);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  ASSERT_EQ(cudaStreamSynchronize(engine), cudaSuccess);  // released: no hang
+  ExpectReleasedDensely(counts, n, flags, 3);
+  cudaStreamDestroy(engine);
+}
+
 TEST(EngineCapiArgs, BadArgumentsAreReportedWithTheirValues) {
   EpsEngineWatchdog* dog = nullptr;
   EXPECT_EQ(eps_engine_watchdog_create(0, 0, 0, 0, 0, &dog), 3);  // INVALID_ARGUMENT
   EXPECT_NE(std::string(eps_engine_last_error()).find("timeout_us=0"), std::string::npos)
+      << eps_engine_last_error();
+  // A timeout past an hour bounds nothing (past 292 years its due time wrapped into the
+  // past and every armed step was released at once).
+  EXPECT_EQ(eps_engine_watchdog_create(0, 8, 1, 8, INT64_MAX, &dog), 3);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("must be in [1, 3600000000]"),
+            std::string::npos)
+      << eps_engine_last_error();
+  // A grid of layers x batch x lists past 2^31 - 1 blocks (a cast to unsigned once
+  // launched 2^32 fewer and returned OK). Stand-in addresses: nothing reaches them.
+  constexpr uint64_t kSome = 256;
+  EXPECT_EQ(eps_engine_flash_attention_views(kSome, kSome, 1 << 16, 2, 1 << 16, 8, kSome, 8, kSome,
+                                             2, 16, 8, kSome, kSome, kSome, 0),
+            3);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("the kernels' grid"), std::string::npos)
+      << eps_engine_last_error();
+  EXPECT_EQ(eps_engine_flashinfer_fixed(kSome, kSome, 1 << 16, 2, 1 << 16, 8, kSome, 8, kSome, 2,
+                                        16, 8, kSome, 0, kSome, kSome, kSome, 0),
+            3);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("the kernels' grid"), std::string::npos)
       << eps_engine_last_error();
   EpsEngineModel bad{0, 4, 2, 64, 16, 8, 8, 1, 1, 0, 0, 0};
   EpsSummaryWriter* writer = nullptr;
@@ -469,6 +513,9 @@ TEST_F(EngineCapiTest, EveryEntryPointLeavesTheCallersCurrentDevice) {
   expect_device_1("summary_queue_create");
   ASSERT_EQ(eps_engine_summary_queue_drain(queue), 0) << eps_engine_last_error();
   expect_device_1("summary_queue_drain");
+  char errors[64] = {};
+  EXPECT_EQ(eps_engine_summary_queue_errors(queue, errors, sizeof errors), 0u) << errors;
+  expect_device_1("summary_queue_errors");
   eps_engine_summary_queue_destroy(queue);
   expect_device_1("summary_queue_destroy");
   eps_engine_summary_writer_destroy(writer);

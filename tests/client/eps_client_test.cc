@@ -392,3 +392,51 @@ TEST(AttachDeadlineTest, AttachAdoptsTheSessionABackgroundReattachWasGranted) {
 
 }  // namespace
 }  // namespace eps::client
+
+namespace eps::client {
+namespace {
+
+// Refuses every Attach with INVALID_ARGUMENT, as epsd refuses a layout it cannot serve.
+class RefusingEpsd final : public v1::PageSelector::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
+                      v1::AttachResponse*) override {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "layout.num_layers=0 not in [1, 4096]"};
+  }
+};
+
+// A fail-closed step while the background re-attach has failed once returned the Attach's
+// own INVALID_ARGUMENT, which an engine reads as its step's; it is UNAVAILABLE naming the
+// re-attach (docs/api-failures.md 5.3), as in the Python client.
+TEST(ReattachStatusTest, AStepWhileNotAttachedIsUnavailableNamingTheFailedReattach) {
+  RefusingEpsd epsd;
+  const std::string target = FakeTarget("refusing");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    ClientOptions options = FakeOptions(target, false, std::chrono::milliseconds(200));
+    options.fail_open = false;
+    options.reattach_backoff = std::chrono::milliseconds(0);
+    EpsClient client(options, Attach("e"));
+    const v1::BatchRow row = Row();
+    const StepResult first = client.SelectPages(1, {&row, 1});  // starts the re-attach
+    EXPECT_EQ(first.status.code(), absl::StatusCode::kUnavailable) << first.status;
+    StepResult later;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (uint64_t step = 2; std::chrono::steady_clock::now() < until; ++step) {
+      later = client.SelectPages(step, {&row, 1});
+      if (later.status.message().find("re-attach failed") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(later.status.code(), absl::StatusCode::kUnavailable) << later.status;
+    EXPECT_NE(later.status.message().find(
+                  "not attached; re-attach failed: INVALID_ARGUMENT: layout.num_layers=0"),
+              std::string::npos)
+        << later.status;
+    EXPECT_FALSE(later.fallback);
+  }
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace eps::client
