@@ -124,6 +124,14 @@ absl::StatusOr<SessionBuffers> ResolveSessionBuffers(const v1::SharedBuffers& b,
         "visit_blocks and visit_count must both be inline_bytes (the lists come back in the "
         "reply) or both shared memory");
   }
+  // Feedback is what the engine's attention writes between steps, and an inline buffer
+  // cannot be written after Attach (it is no BufferWrite target): its zero-filled rest
+  // would read as feedback 0 for every group, and after one step it would be all NaN.
+  if (buf.has_feedback && buf[SharedBuffer::kFeedback].is_inline) {
+    return absl::InvalidArgumentError(
+        "feedback must be engine memory (host_shm or cuda_ipc): an inline_bytes buffer "
+        "cannot be written after Attach");
+  }
   for (const auto& [tensor_spec, tensor] : tensors) {
     if (spec.backend == BackendKind::kCuda && !tensor.is_device) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -13,6 +13,7 @@
 #include "core/status.h"
 #include "service/call_guard.h"
 #include "service/convert.h"
+#include "service/telemetry/telemetry.h"
 
 namespace eps::service {
 namespace {
@@ -195,6 +196,9 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
     ASSIGN_OR_RETURN(session, CheckSelect(request, caller, &kind));
     policy = MergeOptions(session->policy(), request.options());
     RETURN_IF_ERROR(CountFailure(policy.status()));
+    // Before the step order and the writes (api-failures.md §4): a refused call's writes
+    // stay unapplied.
+    RETURN_IF_ERROR(CountFailure(policy->Validate(session->spec().model)));
     if (policy->granularity != session->spec().output_granularity) {
       return CountFailure(absl::InvalidArgumentError(
           absl::StrCat("options.granularity=", GranularityName(policy->granularity),
@@ -221,8 +225,9 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
         } else if (!admitted.ok()) {
           held->errors.fetch_add(1);
           admitted = CountFailure(absl::Status(
-              admitted.code(), absl::StrCat("SelectPages: session '", held->id(), "' of engine '",
-                                            held->spec().engine_id, "': ", admitted.message())));
+              admitted.code(),
+              absl::StrCat("SelectPages: session '", telemetry::SessionLabel(held->id()),
+                           "' of engine '", held->spec().engine_id, "': ", admitted.message())));
         } else {
           admitted = CallGuarded("SelectPages", [&] {
             return RunStep(*held, request, step_rows, step_policy, step_liveness, response);
@@ -275,9 +280,10 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   // Detached, replaced or expired while this call waited: the engine's buffers may
   // already belong to its next session.
   if (backend.retired()) {
-    return CountFailure(absl::NotFoundError(
-        absl::StrCat("session '", session.id(), "' was detached, replaced or expired while step ",
-                     request.step(), " waited; not run: re-attach")));
+    return CountFailure(
+        absl::NotFoundError(absl::StrCat("session '", telemetry::SessionLabel(session.id()),
+                                         "' was detached, replaced or expired while step ",
+                                         request.step(), " waited; not run: re-attach")));
   }
   // A call that died waiting behind a slow step is not run: its step number stays
   // free for the engine's next call.

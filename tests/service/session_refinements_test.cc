@@ -333,6 +333,15 @@ TEST_P(FeedbackSessionServiceTest, FeedbackShapesAreCheckedAgainstTheContract) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("feedback"));
 
+  // Inline: nothing could write it after Attach, and its zero-filled rest read as
+  // feedback 0 for every group (a zero is a visited group's log mass).
+  v1::AttachRequest inline_feedback = Attach("engine-f");
+  inline_feedback.mutable_buffers()->mutable_feedback()->mutable_inline_bytes()->set_data("");
+  inline_feedback.mutable_buffers()->mutable_feedback()->set_offset(0);
+  s = service_.Attach(inline_feedback, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("feedback must be engine memory"));
+
   v1::AttachRequest dtype = Attach("engine-e");
   dtype.mutable_buffers()->mutable_feedback()->set_dtype(v1::DTYPE_INT32);
   s = service_.Attach(dtype, &response);

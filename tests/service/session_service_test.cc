@@ -100,6 +100,26 @@ TEST_F(SessionServiceTest, AReplayedStepIsRefusedAndCountedAsAnError) {
   EXPECT_EQ(stats.validation_failures_total(), 1u);
 }
 
+// A call's options are checked before its step order and its writes (api-failures.md §4):
+// an alpha below 1 with a stale step number was FAILED_PRECONDITION (the step order came
+// first), and with writes the refused call's writes stayed applied.
+TEST_F(SessionServiceTest, BadCallOptionsAreRefusedBeforeTheStepOrderAndTheWrites) {
+  const std::string id = Attach(engine_.Attach("engine-a"));
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(id, 5), &response).ok());
+  v1::SelectPagesRequest stale = Step(id, 3);
+  stale.mutable_options()->set_alpha(0.5f);
+  const absl::Status s = service_.SelectPages(stale, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("alpha=0.5"));
+  v1::SelectPagesRequest mass = Step(id, 6);
+  mass.mutable_options()->set_budget(v1::BUDGET_MASS);
+  mass.mutable_options()->set_mass_target(2.0f);  // beyond (0, 1]
+  EXPECT_EQ(service_.SelectPages(mass, &response).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(service_.SelectPages(Step(id, 6), &response).ok());  // step 6 is still free
+  EXPECT_TRUE(engine_.MatchesReference(rows_));
+}
+
 TEST_F(SessionServiceTest, AsyncRepliesOnTheCpuBackendAreUnimplemented) {
   const std::string id = Attach(engine_.Attach("engine-a"));
   v1::SelectPagesRequest request = Step(id, 1);

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "service/session_service.h"
 #include "service/step_gate.h"
+#include "service/telemetry/telemetry.h"
 #include "tests/core/test_util.h"
 #include "tests/service/test_engine.h"
 
@@ -23,6 +24,7 @@ namespace {
 
 using eps::testing::TestEngine;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Spins (yielding) until `gate` holds a parked turn; false after 10 s (a gate
 // that never parks one).
@@ -150,7 +152,11 @@ TEST_F(SessionStepAdmissionTest, AStepBeyondTheOneWaitingIsRefusedNamingTheSessi
   EXPECT_TRUE(AwaitParked(gate));
   const absl::Status third = Step(id, 9);
   EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
-  EXPECT_THAT(third.message(), HasSubstr("session '" + id + "' of engine 'engine-a'"));
+  // Named by its label: the id is the session's capability, and this message reaches the
+  // step log and the trace spans (docs/security.md), which once showed it whole.
+  EXPECT_THAT(third.message(),
+              HasSubstr("session '" + telemetry::SessionLabel(id) + "' of engine 'engine-a'"));
+  EXPECT_THAT(third.message(), Not(HasSubstr(id)));
   EXPECT_THAT(third.message(), HasSubstr("step 9 refused: step 7 is running and step 8 waits"));
   running.Release();
   waiting.join();
@@ -173,6 +179,7 @@ TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsDetachedDoesNotTouc
   waiting.join();
   EXPECT_EQ(late.code(), absl::StatusCode::kNotFound) << late;
   EXPECT_THAT(late.message(), HasSubstr("was detached, replaced or expired while step 2 waited"));
+  EXPECT_THAT(late.message(), Not(HasSubstr(id)));  // the label, not the capability
   EXPECT_EQ(engine_.buffers().selection_done(), 0u);
 }
 
