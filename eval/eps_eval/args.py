@@ -4,6 +4,7 @@ names it (exit 2) before any model is loaded, never a traceback later or a silen
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,33 @@ def int_list(arg: str) -> list[int]:
     """`16384,32768` -> [16384, 32768]; a 0 means none and is dropped; a negative is an
     error."""
     return [v for v in (non_negative_int(c) for c in arg.split(",") if c.strip()) if v > 0]
+
+
+def index_list(arg: str) -> list[int]:
+    """`0,5,29` -> [0, 5, 29]: indices (layers), 0 included; a negative or none is an
+    error."""
+    values = [non_negative_int(c) for c in arg.split(",") if c.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{arg!r} names no index")
+    return values
+
+
+def same_settings(ap: argparse.ArgumentParser, out: Path, wanted: dict[str, object],
+                  extra: dict[str, object]) -> None:
+    """Units resume by name (context, layer, prompt), which does not hold the settings: a
+    directory whose units were made with other settings would mix two runs. Refuses (an
+    argparse error) a run whose ``wanted`` settings differ from those ``out/settings.json``
+    recorded when ``out/units`` holds any unit; otherwise records them there, with
+    ``extra`` (the machine, the start time)."""
+    wanted = json.loads(json.dumps(wanted, default=str))
+    prior = out / "settings.json"
+    units = out / "units"
+    if prior.exists() and units.is_dir() and any(units.iterdir()):
+        old = json.loads(prior.read_text())
+        if {k: old.get(k) for k in wanted} != wanted:
+            ap.error(f"{out} holds units made with other settings ({prior}); give another "
+                     f"--out, or remove {units} to start over")
+    prior.write_text(json.dumps({**wanted, **extra}, indent=1, default=str))
 
 
 def unit_interval(arg: str) -> float:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.args import output_dir, positive_int
+from eps_eval.args import output_dir, positive_int, same_settings
 from eps_eval.selection import LayerSequences, Plan, step_rows
 
 
@@ -175,22 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     # Units are resumed by name (context, layer), which does not hold the settings: a
     # directory whose units were made with other settings would mix the two runs.
     mode = "quick" if a.quick else "full"
-    wanted = json.loads(json.dumps({"mode": mode, "settings": asdict(s)}, default=str))
-    has_units = any(units.glob("*.csv"))
-    prior = out / "settings.json"
     if a.only == "report":
-        if not has_units:
+        if not any(units.glob("*.csv")):
             ap.error(f"{units} holds no units to report on")
     else:
-        if has_units and prior.exists():
-            old = json.loads(prior.read_text())
-            if {"mode": old.get("mode"), "settings": old.get("settings")} != wanted:
-                ap.error(f"{out} holds units made with other settings ({old.get('mode')}, "
-                         f"{prior}); give another --out, or remove {units} to start over")
-        prior.write_text(json.dumps(
-            {**wanted, "machine": platform.platform(), "cpus": os.cpu_count(),
-             "loadavg_start": load0, "python": sys.version.split()[0],
-             "numpy": np.__version__}, indent=1, default=str))
+        same_settings(ap, out, {"mode": mode, "settings": asdict(s)},
+                      {"machine": platform.platform(), "cpus": os.cpu_count(),
+                       "loadavg_start": load0, "python": sys.version.split()[0],
+                       "numpy": np.__version__})
     if a.only in (None, "synthetic"):
         run_synthetic(s, units)
     if a.only in (None, "real"):

@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core
-from eps_eval.args import int_list, non_negative_int, output_dir, positive_int
+from eps_eval.args import (
+    int_list,
+    non_negative_int,
+    output_dir,
+    positive_int,
+    same_settings,
+)
 from eps_eval.gemma import GLOBAL_LAYERS, Gate, Gemma, GemmaTrace, fetch_gguf, rope_neox
 from eps_eval.metrics import BLOCK
 from eps_eval.plans import PLANS, QualityPlan, query_history
@@ -276,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
                     help="run the forward in PyTorch there (default: numpy)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--workers", type=int, default=0,
+    ap.add_argument("--workers", type=non_negative_int, default=0,
                     help="processes for the selection rows (0: in this process, in order)")
-    ap.add_argument("--compare-tokens", type=int, default=0,
+    ap.add_argument("--compare-tokens", type=non_negative_int, default=0,
                     help="with --device: first check it against numpy on this many tokens")
     ap.add_argument("--quest8-scale", choices=QUEST8_SCALES, default="fp32",
                     help="quest8's scale per group in the recall units (quality.QuestTables); "
@@ -296,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     units = a.out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
     t0 = time.time()
+    # Before the model loads: a resumed directory must hold units of the same settings.
+    settings = {k: v for k, v in vars(a).items()
+                if k not in ("out", "cache", "workers", "compare_tokens", "skip_checks")}
+    same_settings(ap, a.out, {"args": settings},
+                  {"started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t0))})
     host = Gemma(fetch_gguf(cache))
     m: Any = host
     if a.device:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import time
@@ -20,12 +19,20 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.args import non_negative_int, output_dir, positive_int
+from eps_eval.args import (
+    index_list,
+    int_list,
+    non_negative_int,
+    output_dir,
+    positive_int,
+    same_settings,
+)
 from eps_eval.plans import PLANS, QualityPlan, query_history
 from eps_eval.quality import QUEST8_SCALES, LayerState, step_rows
 from eps_eval.run import log, unit_done, write_unit
 
 SEED = 20261122
+REAL_LAYERS = 30  # SmolLM2-135M's
 
 
 def run_synthetic(ctx: int, steps: int, plan: QualityPlan, units: Path) -> None:
@@ -88,10 +95,10 @@ def run_real(ctx: int, layers: list[int], steps: int, plan: QualityPlan, units: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=output_dir)
-    ap.add_argument("--synthetic", default="", help="comma-separated contexts")
+    ap.add_argument("--synthetic", type=int_list, default=[], help="comma-separated contexts")
     ap.add_argument("--synthetic-steps", type=positive_int, default=2)
     ap.add_argument("--real-context", type=non_negative_int, default=0, help="0: none")
-    ap.add_argument("--real-layers", default="0,5,10,15,20,25,29")
+    ap.add_argument("--real-layers", type=index_list, default=[0, 5, 10, 15, 20, 25, 29])
     ap.add_argument("--real-steps", type=positive_int, default=3)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--plan", choices=tuple(PLANS), default="full",
@@ -110,16 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
     plan = dataclasses.replace(PLANS[a.plan], quest8_scale=a.quest8_scale)
     t0 = time.time()
-    (a.out / f"settings_{int(t0)}.json").write_text(json.dumps(
-        {"args": vars(a), "plan": plan.__dict__, "machine": platform.platform(),
-         "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "numpy": np.__version__,
-         "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t0))},
-        indent=1, default=str))
-    for ctx in [int(x) for x in a.synthetic.split(",") if x]:
+    if a.real_context and (bad := [layer for layer in a.real_layers if layer >= REAL_LAYERS]):
+        ap.error(f"--real-layers: SmolLM2 has layers 0-{REAL_LAYERS - 1}, not {bad}")
+    settings = {k: v for k, v in vars(a).items() if k not in ("out", "cache")}
+    same_settings(ap, a.out, {"args": settings, "plan": plan.__dict__},
+                  {"machine": platform.platform(), "cpus": os.cpu_count(),
+                   "loadavg_start": os.getloadavg(), "numpy": np.__version__,
+                   "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(t0))})
+    for ctx in a.synthetic:
         run_synthetic(ctx, a.synthetic_steps, plan, units)
     if a.real_context:
-        run_real(a.real_context, [int(x) for x in a.real_layers.split(",")], a.real_steps, plan,
-                 units, cache)
+        run_real(a.real_context, a.real_layers, a.real_steps, plan, units, cache)
     log(f"done in {time.time() - t0:.0f} s, load average now {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -76,3 +76,51 @@ def test_every_writing_command_line_refuses_an_unwritable_out(tmp_path, capsys) 
             module.main([f"--out={a_file}"])
         assert exit_info.value.code == 2, module.__name__
         assert "not a writable directory" in capsys.readouterr().err, module.__name__
+
+
+def test_layer_lists_keep_layer_zero_and_refuse_what_is_no_layer() -> None:
+    assert args.index_list("0,5,29") == [0, 5, 29]
+    for bad in ("", "0,x", "-1", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            args.index_list(bad)
+
+
+def test_the_issue19_runs_check_their_flags_before_any_work(tmp_path, capsys) -> None:
+    # --synthetic=8k was a traceback after settings were written, --real-layers=0,x one after
+    # every synthetic context had run, --workers=-1 one after the model had loaded.
+    from eps_eval import run_gemma, run_quality
+
+    for main, argv in ((run_quality.main, ["--synthetic=8k"]),
+                       (run_quality.main, ["--real-layers=0,x"]),
+                       (run_quality.main, ["--real-context=512", "--real-layers=0,30"]),
+                       (run_gemma.main, ["--workers=-1"]),
+                       (run_gemma.main, ["--compare-tokens=x"])):
+        with pytest.raises(SystemExit) as e:
+            main([f"--out={tmp_path / 'out'}", *argv])
+        assert e.value.code == 2, argv
+    assert "SmolLM2 has layers 0-29, not [30]" in capsys.readouterr().err
+
+
+def test_the_issue19_runs_refuse_units_made_with_other_settings(tmp_path, capsys) -> None:
+    # Their units are named by context and layer only: a second run with another --plan into
+    # the same --out skipped them as done and reported the two runs as one.
+    from eps_eval import run_gemma, run_quality
+
+    out = tmp_path / "out"
+    (out / "units").mkdir(parents=True)
+    (out / "units" / "q19_synthetic_64_L0.csv").write_text("x\n1\n")
+    args.same_settings(argparse.ArgumentParser(), out, {"args": {"plan": "full"}}, {})
+    for main in (run_quality.main, run_gemma.main):
+        with pytest.raises(SystemExit) as e:
+            main([f"--out={out}", "--plan=mass"])
+        assert e.value.code == 2
+    assert "holds units made with other settings" in capsys.readouterr().err
+    # the same settings resume: recorded, then found equal
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    args.same_settings(argparse.ArgumentParser(), fresh, {"args": {"plan": "mass"}}, {"t": 1})
+    (fresh / "units").mkdir()
+    (fresh / "units" / "u.csv").write_text("x\n")
+    args.same_settings(argparse.ArgumentParser(), fresh, {"args": {"plan": "mass"}}, {"t": 2})
+    with pytest.raises(SystemExit):
+        args.same_settings(argparse.ArgumentParser(), fresh, {"args": {"plan": "c2f"}}, {})
