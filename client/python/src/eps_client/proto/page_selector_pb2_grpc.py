@@ -81,8 +81,10 @@ class PageSelectorServicer(object):
 
     def Attach(self, request, context):
         """Opens a session: validates the layout and every memory descriptor, maps the
-        memory, and returns the session id. Idempotent per engine_id: attaching
-        again with the same engine_id replaces the previous session.
+        memory, and returns the session id. Idempotent per user and engine_id:
+        attaching again with the same engine_id from the same user replaces the
+        previous session (one attached over TCP while it lives: ALREADY_EXISTS);
+        another user's engine_id opens that user's own session (docs/api.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
