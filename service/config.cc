@@ -159,6 +159,10 @@ absl::StatusOr<ServerConfig> ReadFlags() {
                                    &c.max_session_bytes));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_server_bytes, uint64_t{1} << 20, uint64_t{1} << 42,
                                    &c.max_server_bytes));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_session_mapped_bytes, uint64_t{1} << 20,
+                                   uint64_t{64} << 40, &c.max_session_mapped_bytes));
+  RETURN_IF_ERROR(cli::ReadInRange(FLAGS_max_server_mapped_bytes, uint64_t{1} << 20,
+                                   uint64_t{64} << 40, &c.max_server_mapped_bytes));
   c.step_log = absl::GetFlag(FLAGS_step_log);
   return c;
 }

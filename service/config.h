@@ -31,6 +31,10 @@ struct ServerConfig {
   // device buffers): per session, and for all sessions together (docs/security.md).
   uint64_t max_session_bytes = uint64_t{512} << 20;
   uint64_t max_server_bytes = uint64_t{2} << 30;
+  // The address space the sessions' host_shm objects take in epsd (their whole sizes,
+  // mapped): per session, and for all sessions together (docs/security.md).
+  uint64_t max_session_mapped_bytes = uint64_t{1} << 40;
+  uint64_t max_server_mapped_bytes = uint64_t{32} << 40;
   uint32_t drain_ms = 5000;                       // SIGTERM: how long in-flight calls may finish
   uint32_t inputs_timeout_ms = 1000;              // async steps: the watchdog on inputs_ready
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served

@@ -29,6 +29,12 @@ absl::StatusOr<const MappedMemory*> MappingCache::Resolve(const v1::MemoryDescri
         }
         return it->second.get();
       }
+      if (mapped_budget_ != nullptr) {
+        absl::StatusOr<MemoryCharge> charge = mapped_budget_->Charge(
+            desc.host_shm().size(), absl::StrCat(name, "'s host_shm ", shm_name, " mapping"));
+        if (!charge.ok()) return charge.status();
+        charges_.push_back(*std::move(charge));
+      }
       absl::StatusOr<std::unique_ptr<HostMemory>> memory =
           HostMemory::MapShm(shm_name, desc.host_shm().size(), shm_owner_);
       if (!memory.ok()) {

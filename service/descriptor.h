@@ -61,6 +61,9 @@ class MappingCache {
   // Inline buffers are charged to `budget` before they are allocated (null: not
   // charged). The budget must outlive the cache.
   void set_budget(MemoryBudget* budget) { budget_ = budget; }
+  // Each host_shm object's size is charged to `mapped` before it is mapped (null: not
+  // charged). The budget must outlive the cache.
+  void set_mapped_budget(MemoryBudget* mapped) { mapped_budget_ = mapped; }
   // The user every host_shm object must belong to (nullopt: any; docs/security.md,
   // ShmOwnerFor).
   void set_shm_owner(std::optional<uid_t> owner) { shm_owner_ = owner; }
@@ -74,6 +77,7 @@ class MappingCache {
 
  private:
   MemoryBudget* budget_ = nullptr;
+  MemoryBudget* mapped_budget_ = nullptr;
   std::optional<uid_t> shm_owner_;
   std::vector<MemoryCharge> charges_;  // released after the buffers they paid for
   std::map<std::string, std::unique_ptr<MappedMemory>> shm_;

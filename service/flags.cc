@@ -69,6 +69,11 @@ ABSL_FLAG(eps::cli::Size, max_session_bytes, {int64_t{512} << 20},
           "(docs/security.md)");
 ABSL_FLAG(eps::cli::Size, max_server_bytes, {int64_t{2} << 30},
           "bytes epsd may allocate for all sessions together, in [1M, 4T] (docs/security.md)");
+ABSL_FLAG(eps::cli::Size, max_session_mapped_bytes, {int64_t{1} << 40},
+          "address space one session's host_shm objects may take in epsd (their sizes); an "
+          "Attach past it is RESOURCE_EXHAUSTED, in [1M, 64T] (docs/security.md)");
+ABSL_FLAG(eps::cli::Size, max_server_mapped_bytes, {int64_t{32} << 40},
+          "address space all sessions' host_shm objects may take together, in [1M, 64T]");
 ABSL_FLAG(eps::cli::Millis, inputs_timeout_ms, {absl::Milliseconds(1000)},
           "cuda backend, async replies: how long a queued step waits for the engine's "
           "inputs_ready before epsd releases it and fails the step, in [1ms, 10m]");

@@ -41,6 +41,8 @@ ABSL_DECLARE_FLAG(eps::cli::Size, max_batch);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_message_bytes);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_session_bytes);
 ABSL_DECLARE_FLAG(eps::cli::Size, max_server_bytes);
+ABSL_DECLARE_FLAG(eps::cli::Size, max_session_mapped_bytes);
+ABSL_DECLARE_FLAG(eps::cli::Size, max_server_mapped_bytes);
 ABSL_DECLARE_FLAG(eps::cli::Millis, inputs_timeout_ms);
 ABSL_DECLARE_FLAG(eps::cli::Millis, drain_ms);
 // Telemetry.

@@ -4,7 +4,11 @@
 // server's (--max-server-bytes); a charge that would pass either limit is
 // refused with RESOURCE_EXHAUSTED naming the flag, before anything is
 // allocated (docs/security.md). Memory the engine owns (its shm objects, CUDA
-// IPC allocations) is mapped, not allocated, and is not charged.
+// IPC allocations) is mapped, not allocated, and is not charged there; the address
+// space its host_shm objects take in epsd is charged to budgets of its own
+// (--max-session-mapped-bytes, --max-server-mapped-bytes), since an object of many
+// TiB costs its owner nothing (tmpfs is sparse) but would take epsd's whole address
+// space.
 //
 // Thread safety: Charge and the destructor of a MemoryCharge may run on any
 // thread. A budget must outlive its charges and its child budgets.
@@ -67,6 +71,13 @@ class MemoryBudget {
   const uint64_t limit_;
   MemoryBudget* const parent_;
   std::atomic<uint64_t> used_{0};
+};
+
+// The server's two budgets, which every session's own charge: what epsd allocates for
+// requests, and the host_shm address space it maps.
+struct ServerBudgets {
+  MemoryBudget allocated;
+  MemoryBudget mapped;
 };
 
 }  // namespace eps::service

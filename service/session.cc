@@ -80,19 +80,24 @@ absl::StatusOr<std::unique_ptr<StepBackend>> MakeSessionBackend(
   return MakeCpuBackend(spec.model);
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Session::Create(
-    const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
-    const Peer& caller, const BackendFactory& make_backend, std::unique_ptr<Session>* remains) {
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest& request,
+                                                         const ServerConfig& config,
+                                                         ServerBudgets& server, const Peer& caller,
+                                                         const BackendFactory& make_backend,
+                                                         std::unique_ptr<Session>* remains) {
   std::unique_ptr<Session> s(new Session());
   s->inputs_timeout_ = std::chrono::milliseconds(config.inputs_timeout_ms);
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
-                                              &server_budget);
+                                              &server.allocated);
+  s->mapped_budget_ = std::make_unique<MemoryBudget>(
+      "--max-session-mapped-bytes", config.max_session_mapped_bytes, &server.mapped);
   ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
   const SessionSpec& spec = s->spec_;
   if (spec.backend == BackendKind::kCuda) {
     s->mappings_.set_cuda_ipc_opener(MakeCudaIpcOpener(spec.device));
   }
   s->mappings_.set_budget(s->budget_.get());  // inline buffers are charged as they are made
+  s->mappings_.set_mapped_budget(s->mapped_budget_.get());
   s->mappings_.set_shm_owner(ShmOwnerFor(caller));
   // Past this point a failure may leave CUDA IPC mappings or device memory behind.
   const absl::Status built = [&]() -> absl::Status {

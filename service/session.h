@@ -50,15 +50,17 @@ class Session {
   // Validates `request` (spec, buffers, policy, in that order), maps its
   // buffers and builds the backend the spec names. Every allocation the
   // request sizes is charged first to the session's budget
-  // (config.max_session_bytes), which charges `server_budget`: RESOURCE_EXHAUSTED
-  // naming the limit before anything is allocated past it.
+  // (config.max_session_bytes), which charges `server.allocated`, and every host_shm
+  // object's size to its mapped budget (config.max_session_mapped_bytes), which charges
+  // `server.mapped`: RESOURCE_EXHAUSTED naming the limit before anything is allocated
+  // or mapped past it.
   // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
   // When it fails after mapping an engine's CUDA buffers or after the backend allocated
   // device memory, `*remains` (when not null) is the unfinished session holding them,
   // to be destroyed as an ended one is (DefersDestruction, SafeToDestroy) rather than
   // on the Attach's thread.
   static absl::StatusOr<std::unique_ptr<Session>> Create(
-      const v1::AttachRequest& request, const ServerConfig& config, MemoryBudget& server_budget,
+      const v1::AttachRequest& request, const ServerConfig& config, ServerBudgets& server,
       const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend,
       std::unique_ptr<Session>* remains = nullptr);
   Session(const Session&) = delete;
@@ -113,9 +115,10 @@ class Session {
   Peer owner_;
   SessionSpec spec_;
   SelectPolicy policy_;
-  std::unique_ptr<MemoryBudget> budget_;  // outlives the charges below
-  std::vector<MemoryCharge> charges_;     // the Phi bank, step scratch, device buffers
-  MappingCache mappings_;                 // owns the memory buffers_ points into
+  std::unique_ptr<MemoryBudget> budget_;         // outlives the charges below
+  std::unique_ptr<MemoryBudget> mapped_budget_;  // the same
+  std::vector<MemoryCharge> charges_;            // the Phi bank, step scratch, device buffers
+  MappingCache mappings_;                        // owns the memory buffers_ points into
   SessionBuffers buffers_;
   std::unique_ptr<StepBackend> backend_;         // null only in Create's remains
   std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"

@@ -57,7 +57,8 @@ absl::Status CallLiveness::Check(const char* what) const {
 SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost,
                                BackendFactory make_backend)
     : config_(config),
-      server_budget_("--max-server-bytes", config.max_server_bytes),
+      budgets_{.allocated = MemoryBudget("--max-server-bytes", config.max_server_bytes),
+               .mapped = MemoryBudget("--max-server-mapped-bytes", config.max_server_mapped_bytes)},
       on_device_lost_(std::move(on_device_lost)),
       make_backend_(std::move(make_backend)) {
   reaper_ = std::thread([this] {
@@ -127,7 +128,7 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   }
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
-      Session::Create(request, config_, server_budget_, caller, make_backend_, &remains);
+      Session::Create(request, config_, budgets_, caller, make_backend_, &remains);
   // What a failed backend allocated is freed as an ended session's is, not here.
   if (remains != nullptr) janitor_.Dispose(remains.release());
   if (!built.ok()) return CountFailure(WatchDevice(built.status()));

@@ -87,7 +87,7 @@ class SessionService {
   void ExpireSessions();
   size_t session_count() const { return sessions_.size(); }
   // Bytes charged to --max-server-bytes by the live sessions.
-  uint64_t charged_bytes() const { return server_budget_.used(); }
+  uint64_t charged_bytes() const { return budgets_.allocated.used(); }
   // Ended cuda sessions the janitor has not freed yet (session_janitor.h); their bytes are
   // still in charged_bytes().
   uint64_t sessions_ending() const { return janitor_.pending(); }
@@ -118,8 +118,8 @@ class SessionService {
                        const CallLiveness& liveness, v1::SelectPagesResponse* response);
 
   const ServerConfig config_;
-  MemoryBudget server_budget_;  // outlives the sessions that charge it
-  Janitor<Session> janitor_;    // destroys cuda sessions; outlives the registry
+  ServerBudgets budgets_;     // outlives the sessions that charge it
+  Janitor<Session> janitor_;  // destroys cuda sessions; outlives the registry
   SessionRegistry sessions_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},

@@ -3,6 +3,10 @@
 // every allocation a request sizes is bounded by --max-session-bytes and
 // --max-server-bytes (RESOURCE_EXHAUSTED naming the flag); a few hundred bytes
 // of request never make epsd allocate gigabytes.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -130,6 +134,73 @@ TEST(RequestSizedAllocation, SessionsTogetherBeyondTheServerLimitAreResourceExha
   EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << third.error_message();
   EXPECT_NE(third.error_message().find("--max-server-bytes=50331648"), std::string::npos)
       << third.error_message();
+}
+
+// A sparse shm object of `bytes` (tmpfs takes ftruncate to any size for free), removed
+// with the value.
+class SparseShm {
+ public:
+  explicit SparseShm(uint64_t bytes)
+      : name_("/eps-sparse-" + std::to_string(getpid()) + "-" + std::to_string(++count_)) {
+    const int fd = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    ok_ = fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+    if (fd >= 0) close(fd);
+  }
+  ~SparseShm() { shm_unlink(name_.c_str()); }
+  bool ok() const { return ok_; }
+  // `attach` with every host_shm buffer moved into this object at its own offset.
+  v1::AttachRequest Into(v1::AttachRequest attach, uint64_t bytes) const {
+    const google::protobuf::Descriptor* d = v1::SharedBuffers::descriptor();
+    for (int i = 0; i < d->field_count(); ++i) {
+      const google::protobuf::FieldDescriptor* f = d->field(i);
+      const google::protobuf::Reflection* r = attach.buffers().GetReflection();
+      if (!r->HasField(attach.buffers(), f)) continue;  // absent buffers stay absent
+      auto* buffer =
+          static_cast<v1::MemoryDescriptor*>(r->MutableMessage(attach.mutable_buffers(), f));
+      if (!buffer->has_host_shm()) continue;
+      buffer->mutable_host_shm()->set_name(name_);
+      buffer->mutable_host_shm()->set_size(bytes);
+    }
+    return attach;
+  }
+
+ private:
+  static inline int count_ = 0;
+  std::string name_;
+  bool ok_ = false;
+};
+
+// An object of many GiB costs the engine nothing but took as much of epsd's address space
+// (128 TiB of sparse objects once made every later large allocation of epsd fail): each
+// object's size is charged to --max-session-mapped-bytes and --max-server-mapped-bytes
+// before it is mapped.
+TEST(RequestSizedAllocation, SparseShmObjectsBeyondTheMappedLimitsAreResourceExhausted) {
+  auto epsd =
+      EpsdProcess::Start(testing::UniqueSocket("bounds-mapped"),
+                         {"--max-session-mapped-bytes=64G", "--max-server-mapped-bytes=100G"});
+  ASSERT_NE(epsd, nullptr);
+  auto stub = testing::RawStub(epsd->target());
+  TestEngine engine(testing::SmallServiceModel(), 1, 256, 1, testing::TestSeed());
+  constexpr uint64_t k60G = uint64_t{60} << 30, k80G = uint64_t{80} << 30;
+  SparseShm first(k60G), second(k60G), big(k80G);
+  ASSERT_TRUE(first.ok() && second.ok() && big.ok());
+  v1::AttachResponse response;
+  const grpc::Status too_big =
+      testing::RawAttach(*stub, big.Into(engine.Attach("engine-big"), k80G), &response);
+  EXPECT_EQ(too_big.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << too_big.error_message();
+  EXPECT_NE(too_big.error_message().find("--max-session-mapped-bytes=68719476736"),
+            std::string::npos)
+      << too_big.error_message();
+  const grpc::Status within =
+      testing::RawAttach(*stub, first.Into(engine.Attach("engine-1"), k60G), &response);
+  ASSERT_TRUE(within.ok()) << within.error_message();
+  const grpc::Status beyond =
+      testing::RawAttach(*stub, second.Into(engine.Attach("engine-2"), k60G), &response);
+  EXPECT_EQ(beyond.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << beyond.error_message();
+  EXPECT_NE(beyond.error_message().find("--max-server-mapped-bytes=107374182400"),
+            std::string::npos)
+      << beyond.error_message();
+  EXPECT_TRUE(epsd->Running());
 }
 
 class RequestArithmetic : public ::testing::TestWithParam<int64_t> {};

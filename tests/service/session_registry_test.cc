@@ -48,7 +48,9 @@ class SessionRegistryTest : public ::testing::Test {
 
   TestEngine engine_;
   ServerConfig config_;
-  MemoryBudget budget_{"--max-server-bytes", config_.max_server_bytes};
+  ServerBudgets budget_{
+      .allocated = MemoryBudget("--max-server-bytes", config_.max_server_bytes),
+      .mapped = MemoryBudget("--max-server-mapped-bytes", config_.max_server_mapped_bytes)};
   SessionRegistry registry_;
   std::future<size_t> find_;
   bool watching_ = true;
