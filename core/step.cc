@@ -142,7 +142,8 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
 }
 
 absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& policy,
-                                  const StepOutputs& out, StepStats* stats) const {
+                                  const StepOutputs& out, StepStats* stats,
+                                  const StopCheck& stop) const {
   if (absl::Status s = ValidateInputs(in, policy); !s.ok()) return s;
   if (!in.rows.empty() && (out.visit_blocks == nullptr || out.visit_count == nullptr)) {
     return absl::InvalidArgumentError("an output buffer is missing");
@@ -253,6 +254,7 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
     std::vector<std::vector<uint8_t>> fed(lists);  // groups with feedback for a head of the list
 
     for (int layer = 0; layer < model_.num_layers; ++layer) {
+      if (stop) RETURN_IF_ERROR(stop());
       for (auto& v : visit) {
         if (policy.method == Method::kOff) {
           v.assign(n, uint8_t{1});

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 
 #include "absl/status/status.h"
@@ -86,6 +87,10 @@ absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t
 absl::Status CheckCoarseInputs(const ModelLayout& model, const SelectPolicy& policy,
                                const StepInputs& in);
 
+// Asked before each (row, layer) of a step: a status other than OK ends the step with it,
+// the outputs untouched (a server's call whose client gave up; empty: never asked).
+using StopCheck = std::function<absl::Status()>;
+
 // The reference selector. Thread safety: Select is const and reentrant.
 class PageSelector {
  public:
@@ -96,7 +101,7 @@ class PageSelector {
   // selects into scratch; the visit lists reach `out` only when the whole step
   // succeeded, so any error (a NaN summary too) leaves the outputs untouched.
   absl::Status Select(const StepInputs& in, const SelectPolicy& policy, const StepOutputs& out,
-                      StepStats* stats) const;
+                      StepStats* stats, const StopCheck& stop = {}) const;
 
   const ModelLayout& model() const { return model_; }
   const SummaryLayout& summary_layout() const { return layout_; }

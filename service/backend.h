@@ -30,6 +30,9 @@ struct BackendStep {
   uint64_t step = 0;
   SelectPolicy policy;  // the session's defaults with this call's options applied
   bool async = false;   // queue the step and return (only where async_replies())
+  // The cpu backend asks it between the step's (row, layer)s and ends a step its caller
+  // gave up on (core/step.h StopCheck); the cuda backend queues its step whole.
+  StopCheck stop;
 };
 
 // A step that an async reply accepted and a later call found finished.

@@ -21,7 +21,8 @@ class CpuBackend final : public StepBackend {
   absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = selector_.Select(step.inputs, step.policy, step.outputs, &outcome->stats);
+    absl::Status s =
+        selector_.Select(step.inputs, step.policy, step.outputs, &outcome->stats, step.stop);
     if (s.ok() && step.flags != nullptr) {
       // flags = [inputs_ready, selection_done]; release orders the outputs before it.
       std::atomic_ref<uint64_t> done(step.flags[1]);

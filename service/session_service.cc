@@ -304,7 +304,10 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
       .flags = buffers.has_flags ? buffers.data<uint64_t>(SharedBuffer::kFlags) : nullptr,
       .step = request.step(),
       .policy = policy,
-      .async = request.reply_mode() == v1::REPLY_MODE_ASYNC};
+      .async = request.reply_mode() == v1::REPLY_MODE_ASYNC,
+      // A step its client gave up on stops (cpu backend): it held a callback thread for
+      // as long as its work took, which other engines' calls waited for.
+      .stop = [&liveness] { return liveness.Check("SelectPages"); }};
   StepOutcome outcome;
   absl::Status run = WatchDevice(backend.Run(step, &outcome));
   // A SIGBUS in the engine's shm during the step left zeros in its place (shm_fault_guard.h).
@@ -321,6 +324,12 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     count_step(f.stats);
   }
   if (!run.ok()) {
+    // Stopped because its caller gave up: not run, as a call found dead before it ran
+    // (its step number stays free, nothing is counted).
+    if ((absl::IsCancelled(run) || absl::IsDeadlineExceeded(run)) &&
+        !liveness.Check("SelectPages").ok()) {
+      return run;
+    }
     session.errors.fetch_add(1);
     return CountFailure(run);
   }

@@ -3,6 +3,7 @@
 // and the refusals a step can meet.
 #include "service/session_service.h"
 
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -117,6 +118,33 @@ TEST_F(SessionServiceTest, BadCallOptionsAreRefusedBeforeTheStepOrderAndTheWrite
   mass.mutable_options()->set_mass_target(2.0f);  // beyond (0, 1]
   EXPECT_EQ(service_.SelectPages(mass, &response).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(service_.SelectPages(Step(id, 6), &response).ok());  // step 6 is still free
+  EXPECT_TRUE(engine_.MatchesReference(rows_));
+}
+
+// A cpu step whose client gives up while it runs stops between its (row, layer)s: it once
+// ran to the end, holding a callback thread other engines' calls (heartbeats included)
+// waited for. The call fails CANCELLED, the outputs stay as they were, nothing is counted,
+// and the step number stays free.
+TEST_F(SessionServiceTest, AStepWhoseClientGivesUpWhileItRunsStopsAndLeavesTheOutputs) {
+  const std::string id = Attach(engine_.Attach("engine-a"));
+  v1::SelectPagesResponse response;
+  ASSERT_TRUE(service_.SelectPages(Step(id, 1), &response).ok());
+  std::atomic<int> checks{0};
+  CallLiveness liveness;
+  // Alive when the call arrives and when it takes the step lock, gone from the first
+  // (row, layer) on.
+  liveness.cancelled = [&checks] { return ++checks > 2; };
+  const absl::Status s = service_.SelectPages(Step(id, 2), &response, nullptr, liveness);
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  // Stopped at its first (row, layer), not after all of them; the fourth check is the
+  // one that finds the failed step's caller gone (so nothing is counted).
+  EXPECT_EQ(checks.load(), 4);
+  EXPECT_EQ(engine_.buffers().selection_done(), 1u);
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats(v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.sessions(0).errors(), 0u);
+  EXPECT_EQ(stats.validation_failures_total(), 0u);
+  ASSERT_TRUE(service_.SelectPages(Step(id, 2), &response).ok());  // step 2 is still free
   EXPECT_TRUE(engine_.MatchesReference(rows_));
 }
 
