@@ -126,6 +126,12 @@ def test_references_stay_inside_the_engine_rows_whatever_the_data():
                                                refused=refused)
     np.testing.assert_array_equal(bt[0, 0, 0], table[0])
     assert used[0, 0, 0] == 4 * BS and refused[0] == 3
+    # An engine table wider than the lists' rows is refused, as the kernel refuses it (the
+    # reference crashed on a broadcast; the torch path kept each row's oldest blocks).
+    wide = np.concatenate([table, table[:, :1]], axis=1)  # 5 columns, max_blocks 4
+    with pytest.raises(ValueError, match="engine table width 5 exceeds the visit lists' "
+                                         "max_blocks=4"):
+        flash_attention_views_reference(vb, vc, wide, ctx, BS)
     # A plan with more room than a row holds repeats the row's oldest block; an entry past
     # nnz is skipped; both are counted.
     assert fixed_budget_blocks(0, 3, G, BS) == 0 and fixed_budget_blocks(-5, 3, G, BS) == 0
@@ -208,3 +214,13 @@ def test_a_fixed_budget_plan_needs_positive_sizes(budget_groups, group_blocks, b
         fixed_budget_blocks(100, budget_groups, group_blocks, block_size)
     with pytest.raises(ValueError, match=f"{name} must be >= 1"):
         fixed_budget_indptr([100, 40], 1, budget_groups, group_blocks, block_size)
+
+
+def test_block_counts_and_seqused_follow_core_on_empty_and_negative_contexts():
+    # core/layout.h BlocksFor and core/visit_list.h VisitedTokens (a division that truncates
+    # toward zero); Python's floor division gave -1 blocks for -16 tokens and one block too
+    # many tokens for a list over an empty context.
+    assert [blocks_for(t, 16) for t in (-16, -1, 0, 1, 16, 17)] == [0, 0, 0, 1, 1, 2]
+    assert visited_tokens(3, 0, 16) == 32  # (3 - 1) * 16 + an empty last block
+    assert visited_tokens(3, 17, 16) == 33 and visited_tokens(3, 32, 16) == 48
+    assert visited_tokens(0, 100, 16) == 0 and visited_tokens(1, 5, 16) == 5

@@ -206,7 +206,9 @@ def packed_index(m: int, i: int, j: int) -> int:
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
-    return (tokens + block_size - 1) // block_size
+    """Blocks of a context of ``tokens`` tokens; 0 for none (core/layout.h BlocksFor: a
+    negative count is no blocks, not -1)."""
+    return 0 if tokens <= 0 else (tokens - 1) // block_size + 1
 
 
 def coarse_groups_for(tokens: int, model: ModelLayout) -> int:
@@ -231,5 +233,8 @@ def visited_tokens(visit_count: int, context_tokens: int, block_size: int) -> in
     """seqused_k of a visit list whose last block is the sequence's last block."""
     if visit_count <= 0:
         return 0
-    last = context_tokens - (blocks_for(context_tokens, block_size) - 1) * block_size
-    return (visit_count - 1) * block_size + last
+    # core/visit_list.h VisitedTokens, whose division truncates toward zero: a context of
+    # 0 tokens has an empty last block.
+    before = context_tokens - 1
+    full = before // block_size if before >= 0 else -((-before) // block_size)
+    return (visit_count - 1) * block_size + context_tokens - full * block_size

@@ -97,6 +97,15 @@ def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
     return cache_blocks <= 0 or bool(np.all((head >= 0) & (head < cache_blocks)))
 
 
+def _check_table_width(width: int, max_blocks: int) -> None:
+    """A dense row must fit the output rows, which are max_blocks long: an engine table
+    wider than that is refused, as the kernel refuses it (the numpy reference crashed on
+    a broadcast and the torch path cut each dense row to its oldest max_blocks blocks)."""
+    if width > max_blocks:
+        raise ValueError(f"engine table width {width} exceeds the visit lists' "
+                         f"max_blocks={max_blocks}")
+
+
 def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.ndarray,
                                     engine_table: np.ndarray, context_tokens: np.ndarray,
                                     block_size: int, cache_blocks: int = 0,
@@ -107,6 +116,7 @@ def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.nd
     lists refused (count >= 0 but not usable) are added to ``refused[0]`` when given."""
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, _, lists, max_blocks = vb.shape
+    _check_table_width(engine_table.shape[1], max_blocks)
     B = len(context_tokens)
     table = np.full((L, B, lists, max_blocks), -1, dtype=np.int32)
     used = np.zeros((L, B, lists), dtype=np.int32)
@@ -208,6 +218,7 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
 
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
+    _check_table_width(engine_table.shape[1], max_blocks)
     B = context_tokens.shape[0]
     if out is None:
         out = (torch.empty(L, B, lists, max_blocks, dtype=torch.int32, device=vb.device),
