@@ -94,7 +94,7 @@ class CudaBuffers:
 
     def __init__(self, model: ModelLayout, shape: BufferShape, device: int = 0,
                  cudart: str | None = None) -> None:
-        import torch  # lazy: torch is an optional extra
+        import torch  # noqa: F401 - lazy (an optional extra), and missing before any allocation
 
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape, self.device = model, shape, device
@@ -107,7 +107,21 @@ class CudaBuffers:
         if ptr.value is None:
             raise CudaError(f"cudaMalloc({size}) returned a null pointer")
         self._ptr: int | None = ptr.value
-        base: int = ptr.value
+        try:
+            self._fill(ptr, size, device)
+        except BaseException:
+            # The object never reaches the caller, so nothing else would free the region.
+            for name in self.layout.shapes:
+                setattr(self, name, None)
+            self._ptr = None
+            self._rt.lib.cudaFree(ptr)
+            raise
+
+    def _fill(self, ptr: ctypes.c_void_p, size: int, device: int) -> None:
+        """Zeroes the region, exports it and makes its tensors."""
+        import torch
+
+        base: int = ptr.value  # type: ignore[assignment]
         self._rt.check(self._rt.lib.cudaMemset(ptr, 0, size), "cudaMemset")
         handle = ctypes.create_string_buffer(_IPC_HANDLE_BYTES)
         self._rt.check(self._rt.lib.cudaIpcGetMemHandle(handle, ptr), "cudaIpcGetMemHandle")
