@@ -89,7 +89,9 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
   if (!(*server)->health_address().empty()) {
     std::fprintf(stderr, "epsd: grpc.health.v1 on %s\n", (*server)->health_address().c_str());
   }
-  absl::Notification stopped;
+  absl::Notification stopped;        // the server is gone (main)
+  absl::Notification shutdown_done;  // Shutdown returned (the waiter)
+  std::thread backstop;
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);
@@ -99,7 +101,6 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
     } else {
       std::fprintf(stderr, "epsd: signal %d, draining for up to %u ms\n", signal, config->drain_ms);
     }
-    (*server)->Shutdown();
     // The backstop of the drain: gRPC cancels the calls left at drain_ms, and every call
     // ends then (service/call_guard.h); should one still not, exit regardless.
     // After the drain, the span flush takes up to 2 s and an exporter whose collector
@@ -107,18 +108,28 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
     // with a dead collector, so 4 s. A call that waits for an engine's inputs (an async
     // step's Finish) cannot be cancelled: it ends within --inputs-timeout-ms, then the
     // release's drain bound (5 s, gpu::GpuSelectorOptions::drain_timeout).
-    const uint32_t grace_ms = std::max<uint32_t>(4000, config->inputs_timeout_ms + 5000);
-    if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(config->drain_ms + grace_ms))) {
-      std::fprintf(stderr, "epsd: drain timed out %u ms after the signal; exiting\n",
-                   config->drain_ms + grace_ms);
-      std::_Exit(1);
-    }
+    // Armed at the signal, not once Shutdown returns: Shutdown waits for every call to
+    // end, so a call that outlived its cancel held the backstop off with it.
+    const uint32_t bound_ms =
+        config->drain_ms + std::max<uint32_t>(4000, config->inputs_timeout_ms + 5000);
+    backstop = std::thread([&stopped, bound_ms] {
+      if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(bound_ms))) {
+        std::fprintf(stderr, "epsd: drain timed out %u ms after the signal; exiting\n", bound_ms);
+        std::_Exit(1);
+      }
+    });
+    (*server)->Shutdown();
+    shutdown_done.Notify();
   });
   (*server)->Wait();
+  // One thread shuts the server down: the waiter's Shutdown may still be stopping the
+  // health server when the main one's Wait returns.
+  shutdown_done.WaitForNotification();
   const bool fatal = !(*server)->fatal().ok();
   server->reset();
   stopped.Notify();
   waiter.join();
+  backstop.join();
   std::fprintf(stderr, "epsd: stopped%s\n", fatal ? " (a CUDA device was lost: exit 1)" : "");
   return fatal ? 1 : 0;
 }

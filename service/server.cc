@@ -61,6 +61,11 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   // gRPC sets SO_REUSEPORT by default: a second server on a taken TCP port would share
   // it (the kernel splitting connections between the two) instead of failing.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Streams at once on one connection (an engine's client holds one step stream and a few
+  // unary calls): without a cap one peer opened 20,000 idle streams on one connection, each
+  // a reactor with a read pending (about 17 KB apiece, 363 MB, charged to no budget). Past
+  // it the peer's further streams wait in its own client.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
   int port = 0;
   // The Unix socket is epsd's own (UnixAcceptor): it reads each peer's credentials.
   if (!is_unix) builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);

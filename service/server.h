@@ -33,6 +33,9 @@ struct ServerHooks {
 
 class EpsServer {
  public:
+  // HTTP/2 streams a connection may hold open at once (docs/security.md class 5).
+  static constexpr int kMaxStreamsPerConnection = 100;
+
   static absl::StatusOr<std::unique_ptr<EpsServer>> Start(const ServerConfig& config,
                                                           ServerHooks hooks = {});
   ~EpsServer();

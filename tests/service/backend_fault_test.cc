@@ -14,6 +14,7 @@
 // answers with its own error, and from then on every Attach and step is UNAVAILABLE.
 // Ordinary failures do neither.
 #include <pthread.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -354,7 +355,8 @@ TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
           });
       stopped = true;
       client.join();
-      unlink((path + ".lock").c_str());  // epsd keeps it (service/unix_socket.h)
+      unlink((path + ".lock").c_str());
+      unlink(path.c_str());  // connected: the socket serves on  // epsd keeps it (service/unix_socket.h)
       std::fprintf(stderr, "attach answered %d\n", static_cast<int>(attach_code));
       std::fflush(stderr);
     }
@@ -365,6 +367,76 @@ TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
   EXPECT_EXIT(run(), ::testing::ExitedWithCode(1),
               "stopping \\(.*illegal memory access.*\\), draining.*"
               "stopped \\(a CUDA device was lost: exit 1\\).*attach answered 13");
+}
+
+// A step that never ends, whatever its caller does (a backend stuck in a driver call).
+class StuckBackend final : public StepBackend {
+ public:
+  explicit StuckBackend(std::atomic<bool>* entered) : entered_(entered) {}
+  BackendKind kind() const override { return BackendKind::kCpu; }
+  absl::Status Run(const BackendStep&, StepOutcome*) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    entered_->store(true);
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return absl::OkStatus();
+  }
+
+ private:
+  std::atomic<bool>* entered_;
+};
+
+// The drain's backstop runs from the signal: it was armed only once the server's Shutdown
+// returned, and Shutdown waits for every call to end, so a call that outlived its cancel
+// held the backstop off with it (epsd exited 0 after the call, past the documented bound).
+TEST(EpsdDrainDeathTest, AStepThatNeverEndsMeetsTheBackstopWithinItsBound) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto run = [] {
+    static const std::string path = absl::StrCat("/tmp/epsd-test-stuck-", getpid(), ".sock");
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    sigaddset(&signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    static TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2,
+                             eps::testing::TestSeed());
+    static std::atomic<bool> entered{false};
+    std::thread([] {
+      auto stub = v1::PageSelector::NewStub(
+          grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      context.set_wait_for_ready(true);  // until epsd listens
+      v1::AttachResponse attached;
+      if (!stub->Attach(&context, engine.Attach("engine-a"), &attached).ok()) return;
+      // The process ends in epsd's backstop (_Exit), so what it leaves is removed now:
+      // the engine's shm object (epsd has it mapped) and epsd's socket lock file.
+      shm_unlink(engine.buffers().shm_name().c_str());
+      unlink((path + ".lock").c_str());
+      unlink(path.c_str());  // connected: the socket serves on
+      std::thread([&stub, &attached] {
+        grpc::ClientContext c;
+        v1::SelectPagesResponse r;
+        (void)stub->SelectPages(
+            &c, TestEngine::Step(attached.session_id(), 1, {TestEngine::Row(0, 300)}), &r);
+      }).detach();
+      while (!entered.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      kill(getpid(), SIGTERM);
+      std::this_thread::sleep_for(std::chrono::seconds(120));  // keeps stub alive
+    }).detach();
+    const int status =
+        RunEpsd({"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=0",
+                 "--inputs-timeout-ms=1ms"},
+                [](const SessionSpec&, const SessionBuffers&, const ServerConfig&,
+                   std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+                  return std::make_unique<StuckBackend>(&entered);
+                });
+    std::_Exit(status);  // not reached: the backstop exits first
+  };
+  const auto start = std::chrono::steady_clock::now();
+  // --drain-ms=0 and --inputs-timeout-ms=1ms: the bound is 0 + max(4 s, 1 ms + 5 s).
+  EXPECT_EXIT(run(), ::testing::ExitedWithCode(1), "drain timed out 5001 ms after the signal");
+  // Well before the step's 60 s: the backstop came from the signal.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
 }  // namespace

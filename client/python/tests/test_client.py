@@ -268,3 +268,33 @@ def test_traceparent_is_sent_as_metadata(tmp_path, use_stream):
         server.stop(grace=None)
     assert servicer.metadata[0]["traceparent"].endswith("b7ad6b7169203331-01")
     assert servicer.metadata[1]["traceparent"].endswith("00f067aa0ba902b7-01")
+
+
+def test_a_connection_holds_at_most_100_streams_at_once(epsd):
+    # One peer once opened 20,000 idle StreamSelectPages on one connection, each a reactor
+    # with a read pending in epsd (363 MB, charged to no budget). epsd now caps a connection
+    # at 100 concurrent streams (service/server.h); past them the peer's own calls wait in
+    # its client, while other connections are served.
+    import asyncio
+
+    async def run() -> None:
+        # Channels of one target share a connection unless told not to.
+        own = [("grpc.use_local_subchannel_pool", 1)]
+        crowded = grpc.aio.insecure_channel(epsd.target, options=own)
+        other = grpc.aio.insecure_channel(epsd.target, options=own)
+        stub, other_stub = pb_grpc.PageSelectorStub(crowded), pb_grpc.PageSelectorStub(other)
+        await stub.Ping(pb.PingRequest(), timeout=5)
+        streams = [stub.StreamSelectPages() for _ in range(100)]
+        await asyncio.sleep(0.5)  # all 100 open and idle
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Ping(pb.PingRequest(), timeout=1)  # a 101st stream waits
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await other_stub.Ping(pb.PingRequest(), timeout=5)  # another connection is served
+        streams.pop().cancel()
+        await stub.Ping(pb.PingRequest(), timeout=5)  # room again on the crowded one
+        for s in streams:
+            s.cancel()
+        await crowded.close()
+        await other.close()
+
+    asyncio.run(run())
