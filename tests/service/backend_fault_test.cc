@@ -356,7 +356,8 @@ TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
       stopped = true;
       client.join();
       unlink((path + ".lock").c_str());
-      unlink(path.c_str());  // connected: the socket serves on  // epsd keeps it (service/unix_socket.h)
+      unlink(path.c_str());  // connected: the socket serves on  // epsd keeps it
+                             // (service/unix_socket.h)
       std::fprintf(stderr, "attach answered %d\n", static_cast<int>(attach_code));
       std::fflush(stderr);
     }
