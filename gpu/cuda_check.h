@@ -13,10 +13,13 @@
 #include "core/status.h"
 
 // Returns CudaStatus(#expr, error) when `expr` fails.
+// A failed call's error is also cleared as the thread's last error: left there, a later
+// launch's cudaGetLastError check on this thread reported it as its own.
 #define CUDA_RETURN_IF_ERROR(expr)                         \
   do {                                                     \
     const cudaError_t eps_cuda_err_ = (expr);              \
     if (eps_cuda_err_ != cudaSuccess) {                    \
+      (void)cudaGetLastError();                            \
       return ::eps::gpu::CudaStatus(#expr, eps_cuda_err_); \
     }                                                      \
   } while (false)

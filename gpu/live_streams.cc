@@ -27,6 +27,9 @@ std::vector<std::pair<int, cudaStream_t>>& Abandoned() {  // guarded by g_mu
 
 }  // namespace
 
+CaptureHold::CaptureHold() { g_mu.Lock(); }
+CaptureHold::~CaptureHold() { g_mu.Unlock(); }
+
 void AddLiveStream(int device, cudaStream_t stream, const std::atomic<int64_t>* wait_queued_ns) {
   absl::MutexLock lock(&g_mu);
   Streams().push_back({device, stream, wait_queued_ns});
@@ -48,7 +51,9 @@ bool AbandonedStreamRunning(int device) {
   std::vector<std::pair<int, cudaStream_t>>& streams = Abandoned();
   bool running = false;
   for (size_t i = 0; i < streams.size();) {
-    if (cudaStreamQuery(streams[i].second) == cudaErrorNotReady) {
+    const cudaError_t state = cudaStreamQuery(streams[i].second);
+    if (state != cudaSuccess && state != cudaErrorNotReady) (void)cudaGetLastError();
+    if (state == cudaErrorNotReady) {
       running |= streams[i].first == device;
       ++i;
     } else {  // drained (or broken): its work can touch nothing any more
@@ -69,7 +74,11 @@ OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
   absl::MutexLock lock(&g_mu);
   for (const LiveStream& s : Streams()) {
     if (s.device != device || s.stream == except) continue;
-    if (cudaStreamQuery(s.stream) != cudaErrorNotReady) continue;  // finished its work
+    const cudaError_t state = cudaStreamQuery(s.stream);
+    if (state == cudaSuccess) continue;  // finished its work
+    // Not ready, or an answer that is no "drained" (the last error cleared, so that a later
+    // launch check on this thread does not report it): busy.
+    if (state != cudaErrorNotReady) (void)cudaGetLastError();
     out.idle = false;
     const int64_t queued = s.wait_queued_ns->load(std::memory_order_relaxed);
     if (queued != 0 && now_ns - queued > stale_ns) out.stale_wait = true;

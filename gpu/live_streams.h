@@ -32,6 +32,18 @@ struct OtherStreams {
 OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,
                                    std::chrono::steady_clock::duration stale);
 
+// Held while a graph is captured on a live stream (gpu/step_launch.cuh): the checks
+// above query every live stream under the same lock, and a query of a stream that
+// another thread is capturing fails and invalidates that capture (its step then failed,
+// and the stream read as drained while it may hold a wait on engine memory).
+class CaptureHold {
+ public:
+  CaptureHold();
+  ~CaptureHold();
+  CaptureHold(const CaptureHold&) = delete;
+  CaptureHold& operator=(const CaptureHold&) = delete;
+};
+
 // Records `stream` of `device` as abandoned by its owner while work queued on it may
 // still run one day (a wait on engine memory that never passed: gpu/inputs_wait.h).
 // Device memory that such work may touch must stay mapped: IpcMapping keeps its

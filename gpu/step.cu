@@ -327,11 +327,11 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   if (batch == 0) {
     g.last_fused = false;
     if (fence.selection_done != nullptr) {
-      if (fence.inputs_ready != nullptr) {
-        RETURN_IF_ERROR(g.inputs.Queue(g.stream, fence.inputs_ready, fence.step));
-      }
-      // A wait left queued is released by the next Finish or the destructor.
-      if (absl::Status s = StreamWriteCounter(g.stream, fence.selection_done, fence.step);
+      // No rows: nothing of the engine's is read, so no wait on its inputs_ready is queued
+      // (one was, and nothing tracked it: it outlived Detach, or held the next sync step
+      // for the drain bound). Raised, never lowered (StreamRaiseCounter): the engine may
+      // have raised it past this step already.
+      if (absl::Status s = StreamRaiseCounter(g.stream, fence.selection_done, fence.step);
           !s.ok()) {
         g.Abort(g.sequence + 1);
         return s;
@@ -514,7 +514,10 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     }
     CUDA_RETURN_IF_ERROR(cudaEventRecord(g.stop, g.stream));
     if (fence.selection_done != nullptr) {
-      RETURN_IF_ERROR(StreamWriteCounter(g.stream, fence.selection_done, fence.step));
+      // Raised, never lowered: an engine whose call missed its deadline released this step
+      // (and maybe its next) itself; a plain write could take the counter back below the
+      // engine's next wait, which would then pass on a later step's lists.
+      RETURN_IF_ERROR(StreamRaiseCounter(g.stream, fence.selection_done, fence.step));
     }
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.host_report, report, sizeof(StepReport),
                                          cudaMemcpyDeviceToHost, g.stream));

@@ -25,6 +25,7 @@
 #include "gpu/cuda_check.h"
 #include "gpu/feedback.cuh"
 #include "gpu/fused_select.cuh"
+#include "gpu/live_streams.h"
 #include "gpu/score_kernel.cuh"
 #include "gpu/select_kernel.cuh"
 #include "gpu/step_kernels.cuh"
@@ -346,9 +347,14 @@ class CapturedSteps {
     if (it == steps_.end()) {
       Captured c;
       c.key = key;
-      CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const absl::Status launched = launch.Launch(stream);
-      const cudaError_t ended = cudaStreamEndCapture(stream, &c.graph);
+      cudaError_t ended = cudaSuccess;
+      const absl::Status launched = [&]() -> absl::Status {
+        const CaptureHold hold;  // no query of this stream while it is captured
+        CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        absl::Status queued = launch.Launch(stream);
+        ended = cudaStreamEndCapture(stream, &c.graph);
+        return queued;
+      }();
       RETURN_IF_ERROR(launched);
       CUDA_RETURN_IF_ERROR(ended);
       if (absl::Status found = FindStepNode(c.graph, launch.StepKernel(), &c.step_node);

@@ -62,19 +62,25 @@ __global__ void ReleaseDenseKernel(int32_t* counts, int64_t n, unsigned long lon
 
 }  // namespace
 
+// Launched through cudaLaunchKernel, whose result is this launch's own: a `<<<>>>` launch
+// checked with cudaGetLastError reported any earlier failed call of the thread (an
+// engine's, or ours) as its own.
 absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t value) {
-  RaiseCounterKernel<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned long long*>(counter),
-                                          static_cast<unsigned long long>(value));
-  const cudaError_t err = cudaGetLastError();
+  auto* target = reinterpret_cast<unsigned long long*>(counter);
+  auto raised = static_cast<unsigned long long>(value);
+  void* args[] = {&target, &raised};
+  const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(&RaiseCounterKernel),
+                                           dim3(1), dim3(1), args, 0, stream);
   return err == cudaSuccess ? absl::OkStatus() : CudaStatus("RaiseCounterKernel", err);
 }
 
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
                                 uint64_t value) {
-  ReleaseDenseKernel<<<1, 1024, 0, stream>>>(counts, n,
-                                             reinterpret_cast<unsigned long long*>(counter),
-                                             static_cast<unsigned long long>(value));
-  const cudaError_t err = cudaGetLastError();
+  auto* target = reinterpret_cast<unsigned long long*>(counter);
+  auto raised = static_cast<unsigned long long>(value);
+  void* args[] = {&counts, &n, &target, &raised};
+  const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(&ReleaseDenseKernel),
+                                           dim3(1), dim3(1024), args, 0, stream);
   return err == cudaSuccess ? absl::OkStatus() : CudaStatus("ReleaseDenseKernel", err);
 }
 

@@ -70,8 +70,14 @@ class CudaBackend final : public StepBackend {
     if (flags != nullptr && step <= done_floor_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step ", step, " is not after selection_done=", done_floor_,
-          " in the flags buffer: step numbers must keep increasing for the buffer's lifetime"));
+          " in the flags buffer (the buffer's value at the session's first step, or a step "
+          "sent since): step numbers must keep increasing for the buffer's lifetime"));
     }
+    // From here on selection_done may reach `step` whatever the step's outcome (a step
+    // that fails on the device releases it densely): its number is used. A resend of it
+    // once passed these checks and returned OK with the failed step's -1 lists, the kernel
+    // finding selection_done already there.
+    if (flags != nullptr) done_floor_ = step;
     gpu::GpuSelector::StepFence fence;
     fence.step = step;
     if (flags != nullptr) {
@@ -123,7 +129,8 @@ class CudaBackend final : public StepBackend {
   const int device_;
   const std::chrono::microseconds inputs_timeout_;
   bool done_floor_read_ ABSL_GUARDED_BY(step_mu_) = false;
-  uint64_t done_floor_ ABSL_GUARDED_BY(step_mu_) = 0;  // selection_done at the first step
+  // selection_done at the first step, then the last step sent with the flags buffer.
+  uint64_t done_floor_ ABSL_GUARDED_BY(step_mu_) = 0;
 };
 
 }  // namespace

@@ -131,5 +131,36 @@ TEST_F(AsyncFenceTest, ASelectorWhoseEngineLowersInputsReadyAgainEndsInBoundedTi
   EXPECT_TRUE(bounded) << "the selector's destructor blocked";
 }
 
+// epsd raises selection_done, never lowers it: an engine whose call missed its deadline
+// released the step (and maybe the next) itself, and epsd's plain write of the late step
+// took the counter back below the engine's next wait, which then passed on a later step.
+TEST_F(AsyncFenceTest, ALateStepNeverLowersASelectionDoneTheEngineRaised) {
+  auto selector = gpu::GpuSelector::Create(m_, 0, kBatch, host_->max_groups(), {});
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  uint64_t* const flags = buffers_->flags();
+  SetCounter(flags + 1, 9);  // the engine released steps 8 and 9 itself
+  const gpu::GpuSelector::StepFence fence{.selection_done = flags + 1, .step = 8};
+  ASSERT_EQ((*selector)->Enqueue(DeviceInputs(), JlPolicy(), DeviceOutputs(), fence),
+            absl::OkStatus());
+  (void)(*selector)->Finish(std::chrono::milliseconds(1000), nullptr, nullptr);
+  EXPECT_EQ(*gpu::ReadCounter(0, flags + 1), 9u);
+  // An empty async step queues no wait on inputs_ready (the engine never signals it here):
+  // its counter is raised at once, and nothing is left pending.
+  SetCounter(flags, 0);
+  const gpu::GpuSelector::StepFence empty{
+      .inputs_ready = flags, .selection_done = flags + 1, .step = 10};
+  StepInputs none = DeviceInputs();
+  none.rows = {};
+  ASSERT_EQ((*selector)->Enqueue(none, JlPolicy(), DeviceOutputs(), empty), absl::OkStatus());
+  EXPECT_FALSE((*selector)->pending());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (*gpu::ReadCounter(0, flags + 1) < 10u && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(*gpu::ReadCounter(0, flags + 1), 10u);
+  auto destroyed = std::async(std::launch::async, [&] { selector->reset(); });
+  EXPECT_EQ(destroyed.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+}
+
 }  // namespace
 }  // namespace eps::async_fence

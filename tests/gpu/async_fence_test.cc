@@ -318,6 +318,33 @@ TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) 
   EXPECT_LE(CompareWithReference(), 1);
 }
 
+// A step that failed on the device has raised selection_done to its number (its lists -1):
+// a resend of that number once passed the host's checks and answered OK with the failed
+// step's -1 lists (the kernel found selection_done already there). Its number is used up.
+TEST_F(AsyncFenceTest, AStepThatFailedOnTheDeviceCannotBeSentAgainUnderItsNumber) {
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("resend"), {"--backend=cuda"});
+  ASSERT_NE(epsd, nullptr);
+  client::EpsClient client(SyncFailClosedOptions(*epsd), Attach());
+  ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
+  const int32_t bad = static_cast<int32_t>(host_->num_slots()) + 5;
+  ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &bad, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  WriteQueries(1, 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  const client::StepResult failed = client.SelectPages(1, Rows());
+  EXPECT_FALSE(failed.status.ok());
+  const int32_t good = host_->SlotOf(0, 3);
+  ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &good, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const client::StepResult resent = client.SelectPages(1, Rows());
+  EXPECT_EQ(resent.status.code(), absl::StatusCode::kFailedPrecondition) << resent.status;
+  EXPECT_NE(resent.status.message().find("step 1 is not after selection_done=1"), std::string::npos)
+      << resent.status;
+  WriteQueries(2, 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  const client::StepResult next = client.SelectPages(2, Rows());
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  EXPECT_LE(CompareWithReference(), 1);
+}
+
 TEST_F(AsyncFenceTest, AStepNotAfterTheBuffersSelectionDoneIsRefusedAfterReattach) {
   auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("floor"), {"--backend=cuda"});
   ASSERT_NE(epsd, nullptr);
