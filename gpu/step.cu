@@ -261,6 +261,12 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(
                      ": the GPU pre-pass supports at most 256 query heads and m <= 64"));
   }
   RETURN_IF_ERROR(CheckGridLimits(model, max_batch));
+  // Every step of such a session would be refused (Enqueue): refused here, at Attach.
+  if (max_groups > kMaxGroups) {  // the select kernel keeps 9 bytes per group in shared memory
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_groups=", max_groups, " exceeds the GPU pre-pass limit of ", kMaxGroups,
+                     " groups per row: attach with a larger group_blocks, or the cpu backend"));
+  }
   int max_shared = 0;
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   CUDA_RETURN_IF_ERROR(

@@ -318,6 +318,7 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
   std::lock_guard lock(w.mu);
   CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
   if (static_cast<int64_t>(appends.size()) > w.capacity) {
+    w.capacity = 0;  // a failed allocation leaves none (the old one is freed first)
     RETURN_IF_CUDA_ALLOC(w.appends, static_cast<int64_t>(appends.size()));
     w.capacity = static_cast<int64_t>(appends.size());
   }

@@ -15,10 +15,12 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
                                                                      int device) {
   ASSIGN_OR_RETURN(BufferPlan plan, BufferPlan::For(model, shape));
   auto b = std::unique_ptr<DeviceBuffers>(new DeviceBuffers(std::move(plan), device));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  DeviceScope scope;  // the caller's current device is its own again on return
+  RETURN_IF_ERROR(scope.Enter(device));
   void* base = nullptr;
   const uint64_t bytes = RegionBytes(b->plan_.size);  // whole 2 MiB pages
   if (const cudaError_t err = cudaMalloc(&base, bytes); err != cudaSuccess) {
+    (void)cudaGetLastError();  // not left for a later launch check to report
     return absl::ResourceExhaustedError(
         absl::StrCat("cudaMalloc(", bytes, " bytes): ", cudaGetErrorString(err)));
   }

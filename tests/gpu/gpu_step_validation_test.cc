@@ -76,8 +76,19 @@ TEST(GpuStepValidationTest, AFailedCreateHandsOverWhatItAllocatedAndTheNextOneWo
   SKIP_WITHOUT_DEVICE();
   const ModelLayout m = ValidationModel();
   std::unique_ptr<gpu::GpuSelector> remains;
-  // The scores' scratch alone would be 2^43 floats.
-  auto failed = gpu::GpuSelector::Create(m, 0, 1024, int64_t{1} << 30, {}, &remains);
+  // More groups than the select kernel holds are refused before anything is allocated.
+  auto wide = gpu::GpuSelector::Create(m, 0, 1, 8193, {}, &remains);
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kInvalidArgument) << wide.status();
+  EXPECT_NE(wide.status().message().find("exceeds the GPU pre-pass limit of 8192"),
+            std::string::npos)
+      << wide.status();
+  EXPECT_EQ(remains, nullptr);
+  // The scores' scratch alone would be 4096 x 32 x 64 x 8192 floats (275 GB).
+  ModelLayout big = m;
+  big.num_layers = 32;
+  big.num_q_heads = 64;
+  big.num_kv_heads = 8;
+  auto failed = gpu::GpuSelector::Create(big, 0, 4096, 8192, {}, &remains);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << failed.status();
   ASSERT_NE(remains, nullptr);
   EXPECT_TRUE(remains->SafeToFree(std::chrono::seconds(0), std::chrono::seconds(1)));  // alone
