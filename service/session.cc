@@ -161,6 +161,14 @@ void Session::Retire(bool release_now) {
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
+bool Session::Expired(int64_t now_ms) const {
+  if (now_ms - last_active_ms.load() <= spec_.lease_ms) return false;
+  absl::Mutex& step_mu = backend_->step_mu();
+  if (!step_mu.TryLock()) return false;  // a step runs: its end renews the lease
+  step_mu.Unlock();
+  return true;
+}
+
 void Session::CountStep(const StepStats& stats) {
   steps.fetch_add(1);
   groups_total.fetch_add(stats.groups_total);

@@ -104,7 +104,10 @@ class Session {
   std::atomic<uint64_t> last_step_seen{0};
 
   void Touch();
-  bool Expired(int64_t now_ms) const { return now_ms - last_active_ms.load() > spec_.lease_ms; }
+  // Past its lease, and no step of it running: a step longer than the lease neither loses
+  // its session under it nor holds the reaper (which retires the expired sessions one by
+  // one, each under its step lock) while other leases run out.
+  bool Expired(int64_t now_ms) const;
   // Adds one finished step's statistics to the session's counters.
   void CountStep(const StepStats& stats);
 

@@ -310,6 +310,7 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
       .stop = [&liveness] { return liveness.Check("SelectPages"); }};
   StepOutcome outcome;
   absl::Status run = WatchDevice(backend.Run(step, &outcome));
+  session.Touch();  // the lease runs from the step's end as well as from its start
   // A SIGBUS in the engine's shm during the step left zeros in its place (shm_fault_guard.h).
   if (run.ok()) run = session.CheckMemoryIntact();
   // Async steps finished since the last call count now, whatever this step does.

@@ -4,11 +4,14 @@
 #include "service/session_service.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/buffer_contract.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -428,6 +431,39 @@ TEST_F(SessionServiceTest, CudaWithoutADeviceIsAFailedPrecondition) {
   const absl::Status s = service_.Attach(request, &response);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("backend BACKEND_CUDA is not available"));
+}
+
+}  // namespace
+}  // namespace eps::service
+
+namespace eps::service {
+namespace {
+
+// A step longer than the lease neither loses its session under it nor holds up the reaper:
+// the reaper took such a session, then waited on its step lock while every other lease ran
+// out unchecked (a 4 s step kept an idle session with a 200 ms lease registered, so
+// --max-sessions refused a third engine).
+TEST(SessionLeaseTest, ASessionWhoseStepRunsPastItsLeaseIsNotExpiredUntilTheStepEnds) {
+  ServerConfig config;
+  config.lease_ms = 50;  // the reaper looks every 10 ms
+  SessionService service(config);
+  TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
+  v1::AttachResponse busy_attached, idle_attached;
+  ASSERT_TRUE(service.Attach(engine.Attach("engine-busy"), &busy_attached).ok());
+  ASSERT_TRUE(service.Attach(engine.Attach("engine-idle"), &idle_attached).ok());
+  std::shared_ptr<Session> busy = service.session_for_test(busy_attached.session_id());
+  {
+    absl::MutexLock running(&busy->backend().step_mu());  // a step of it runs for 400 ms
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    // The idle one expired meanwhile; the running one did not.
+    EXPECT_EQ(service.session_for_test(idle_attached.session_id()), nullptr);
+    EXPECT_NE(service.session_for_test(busy_attached.session_id()), nullptr);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (service.session_count() > 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(service.session_count(), 0u);  // once its step ended and its lease ran out
 }
 
 }  // namespace
