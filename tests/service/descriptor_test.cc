@@ -176,6 +176,39 @@ class FakeDeviceMemory final : public MappedMemory {
   std::string name_ = "<fake cuda ipc>";
 };
 
+// Two mappings of one allocation (CUDA hands back the same pointer when one process opens
+// one IPC handle twice, which a session does for descriptors that differ only in their
+// unchecked `cuda_ipc.device`): the overlap check compares addresses, not mappings, so an
+// output laid over an input in the same allocation is still refused.
+TEST(DescriptorTest, AnOutputOverlappingAnInputThroughASecondMappingIsRefused) {
+  std::vector<std::byte> memory(4096);
+  int destroyed = 0;
+  const FakeDeviceMemory first(&destroyed), second(&destroyed);  // two mappings of `memory`
+  TensorSpec in{"block_table", v1::DTYPE_INT32, {-1, -1}, {"max_seqs", "max_blocks"}};
+  TensorSpec out{"visit_count", v1::DTYPE_INT32, {-1}, {"lists"}, /*writable=*/true};
+  const MappedTensor a{.data = memory.data(),
+                       .shape = {4, 4},
+                       .bytes = 64,
+                       .memory = &first,
+                       .offset = 0,
+                       .is_device = true};
+  const MappedTensor b{.data = memory.data() + 32,
+                       .shape = {8},
+                       .bytes = 32,
+                       .memory = &second,
+                       .offset = 32,
+                       .is_device = true};
+  EXPECT_THAT(CheckNoOverlap({{in, a}, {out, b}}).message(),
+              HasSubstr("visit_count overlaps block_table"));
+  const MappedTensor c{.data = memory.data() + 64,
+                       .shape = {8},
+                       .bytes = 32,
+                       .memory = &second,
+                       .offset = 64,
+                       .is_device = true};
+  EXPECT_TRUE(CheckNoOverlap({{in, a}, {out, c}}).ok());
+}
+
 // A handle opened and then found unusable is not closed on the Attach's thread (a close
 // waits for the device as a free does): the cache keeps it with the session's other
 // mappings, which an unfinished cuda session hands to its janitor (Session::DefersDestruction).
