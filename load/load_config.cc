@@ -1,5 +1,7 @@
 #include "load/load_config.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <functional>
 #include <map>
@@ -7,12 +9,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "cli/flags.h"
 #include "core/status.h"
+#include "load/buffer_set.h"
 #include "load/flags.h"
 
 namespace eps::load {
@@ -166,6 +170,38 @@ absl::Status Override(const absl::Flag<int>& flag, int* field) {
 
 }  // namespace
 
+// What the run will hold on the host, against this machine's memory: the workload's image
+// (BuildWorkload: summaries, tables, queries, feedback, about the buffers' size), each
+// session's shared buffers with --backend=cpu, and one synthetic key stream at a time.
+// Flags within their ranges can ask for hundreds of GB (--context=16M at d = 1024, g = 1):
+// refused here rather than ending in std::bad_alloc.
+absl::Status CheckMemory(const LoadConfig& c) {
+  const int64_t max_context = c.context.max();
+  const ModelLayout& m = c.model;
+  const BufferSetShape shape{.num_slots = int64_t{c.batch} * GroupsFor(max_context, m),
+                             .max_seqs = c.batch,
+                             .max_context = max_context,
+                             .max_batch = c.batch,
+                             .coarse_slots = int64_t{c.batch} * CoarseGroupsFor(max_context, m),
+                             .with_feedback = c.feedback_share > 0};
+  absl::StatusOr<client::BufferPlan> plan = client::BufferPlan::For(m, ClientShape(shape));
+  if (!plan.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--batch=", c.batch, ", --context=", max_context,
+                                                   ": ", plan.status().message()));
+  }
+  const int copies = 1 + (c.backend == service::BackendKind::kCpu ? c.sessions : 0);
+  const double need = static_cast<double>(plan->size) * copies +
+                      4.0 * static_cast<double>(max_context) * m.head_dim * sizeof(float);
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (need > have) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--batch=%d with --context=%d (and the model's shape, %d session(s)) needs about %.0f "
+        "bytes (%.1f GiB) of host memory, more than this machine's %.1f GiB",
+        c.batch, max_context, c.sessions, need, need / (1 << 30), have / (1 << 30)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   cli::CommandLine command_line;
   RETURN_IF_ERROR(cli::ParseArgs(args, &command_line));
@@ -268,6 +304,7 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
     c.sessions = c.ranks;
     c.ping_every = 0;  // a Ping between two lockstep steps would delay one rank
   }
+  if (!c.help && !c.version) RETURN_IF_ERROR(CheckMemory(c));
   return c;
 }
 

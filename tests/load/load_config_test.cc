@@ -55,7 +55,8 @@ TEST(ParseFlags, FeedbackShareIsOffByDefaultAndRefusedOutsideZeroToOne) {
 
 TEST(ParseFlags, SizesAndShapeFlagsShareEpsdsNamesAndSuffixes) {
   const LoadConfig c =
-      *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16", "--group-blocks=4"});
+      *ParseFlags({"--batch=1k", "--context=128k", "--eps-dim=16", "--group-blocks=4", "--layers=1",
+                   "--kv-heads=1", "--q-heads=1"});  // a workload that fits
   EXPECT_EQ(c.batch, 1024);
   EXPECT_EQ(c.context.lo, 128 * 1024);
   EXPECT_EQ(c.model.sketch_dim, 16);
@@ -275,6 +276,25 @@ TEST(CreateBufferSet, CudaWithoutADeviceIsAClearPreconditionError) {
   }
   EXPECT_EQ(set.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(set.status().message().find("--backend=cuda"), std::string::npos) << set.status();
+}
+
+}  // namespace
+}  // namespace eps::load
+
+namespace eps::load {
+namespace {
+
+// Flags within their ranges asked for a workload image of hundreds of TB, and eps-load
+// ended in std::bad_alloc (exit 134) before checking anything; refused at flag reading.
+TEST(ParseFlags, AWorkloadBeyondThisMachinesMemoryIsRefusedNamingTheFlags) {
+  const absl::StatusOr<LoadConfig> huge =
+      ParseFlags({"--block-size=1", "--eps-group-blocks=1", "--head-dim=1024", "--context=16M"});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("--context=16777216"), std::string::npos) << huge.status();
+  EXPECT_NE(huge.status().message().find("more than this machine's"), std::string::npos)
+      << huge.status();
+  EXPECT_TRUE(ParseFlags({"--batch=2", "--context=8k"}).ok());  // the usual shapes fit
 }
 
 }  // namespace
