@@ -527,8 +527,11 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   }
   result.round_trip_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  // CANCELLED here is epsd's (the client cancels only what it has already given up on):
+  // a call its draining server refused, which may not have been seen.
   if (status.code() != absl::StatusCode::kUnavailable &&
-      status.code() != absl::StatusCode::kDeadlineExceeded) {
+      status.code() != absl::StatusCode::kDeadlineExceeded &&
+      status.code() != absl::StatusCode::kCancelled) {
     reported_ = now;
   }
   if (status.ok()) {
@@ -557,6 +560,7 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
       }
       reason = &fb_not_attached_;
       break;
+    case absl::StatusCode::kCancelled:  // epsd shutting down (its drain cancels calls)
     case absl::StatusCode::kUnavailable:
       if (stream_) {
         stream_->Close();

@@ -440,3 +440,44 @@ TEST(ReattachStatusTest, AStepWhileNotAttachedIsUnavailableNamingTheFailedReatta
 
 }  // namespace
 }  // namespace eps::client
+
+namespace eps::client {
+namespace {
+
+// Grants a session and cancels every step, as a draining epsd's gRPC refuses new calls.
+class DrainingEpsd final : public v1::PageSelector::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
+                      v1::AttachResponse* response) override {
+    response->set_session_id("s-draining");
+    return grpc::Status::OK;
+  }
+  grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest*,
+                           v1::SelectPagesResponse*) override {
+    return {grpc::StatusCode::CANCELLED, "Cancelling all calls"};
+  }
+};
+
+// A step epsd cancels (its SIGTERM drain) was an error fallback; it is an unavailable one,
+// and the client forgets the session, as for UNAVAILABLE.
+TEST(DrainStatusTest, AStepEpsdCancelsIsAnUnavailableFallback) {
+  DrainingEpsd epsd;
+  const std::string target = FakeTarget("draining");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    EpsClient client(FakeOptions(target, /*use_stream=*/false), Attach("e"));
+    ASSERT_TRUE(client.Attach().ok());
+    const v1::BatchRow row = Row();
+    const StepResult r = client.SelectPages(1, {&row, 1});
+    EXPECT_TRUE(r.fallback);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kCancelled) << r.status;
+    const ClientCounters c = client.counters();
+    EXPECT_EQ(c.fallback_unavailable, 1u);
+    EXPECT_EQ(c.fallback_error, 0u);
+  }
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace eps::client

@@ -168,6 +168,40 @@ def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
             assert client.counters().fallback_error == 1 and client.counters().selected == 0
 
 
+class Draining(pb_grpc.PageSelectorServicer):
+    """Cancels every step, as a draining epsd's gRPC refuses new calls, recording the
+    fallback reports the steps carried."""
+
+    def __init__(self) -> None:
+        self.reports: list[int] = []
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.AttachResponse(session_id="draining")
+
+    def SelectPages(self, request, context):  # noqa: N802
+        self.reports.append(request.fallbacks.unavailable)
+        context.abort(grpc.StatusCode.CANCELLED, "Cancelling all calls")
+
+
+def test_a_step_epsd_cancels_while_draining_is_an_unavailable_fallback_reported_again(
+        tmp_path):
+    # It was counted as fallback_error, and its fallback report as delivered.
+    servicer = Draining()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=False,
+                                reattach_backoff_s=0)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            client.attach()
+            first = client.select_pages(1, [(0, 1, 0)])
+            assert first.fallback and first.code == grpc.StatusCode.CANCELLED
+            assert client.counters().fallback_unavailable == 1
+            assert client.counters().fallback_error == 0
+            client.attach()  # the client forgot the session; a new epsd would grant one
+            client.select_pages(2, [(0, 1, 0)])
+    # The second step carried the first's fallback: not taken as delivered by a CANCELLED.
+    assert servicer.reports[-1] >= 1
+
+
 class SlowAttach(pb_grpc.PageSelectorServicer):
     """Grants sessions after 200 ms, and records which it granted and which were detached."""
 

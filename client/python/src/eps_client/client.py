@@ -174,6 +174,8 @@ _CLOSED = "client closed"
 _FALLBACK_REASON = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "fallback_deadline",
     grpc.StatusCode.UNAVAILABLE: "fallback_unavailable",
+    # epsd's own cancel (its SIGTERM drain refuses new calls so): it is going away.
+    grpc.StatusCode.CANCELLED: "fallback_unavailable",
     grpc.StatusCode.NOT_FOUND: "fallback_not_attached",
 }
 
@@ -437,9 +439,11 @@ class EpsClient:
                 raise EpsError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                "SelectPages answered after the client deadline")
         except EpsError as e:
-            if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED):
                 self._reported = now  # the server saw the report
-            if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+            if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
+                          grpc.StatusCode.CANCELLED):
                 self._close_stream()
                 self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
             elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._stream is not None:
