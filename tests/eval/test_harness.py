@@ -190,6 +190,11 @@ def test_step_rows_cover_every_method_and_strict_mode_never_false_skips(
     om = sorted((r["top_pages"], r["recall"]) for r in rows
                 if r["method"] == "oracle_mass" and r["g"] == 1)
     assert all(a[1] <= b[1] + 1e-12 for a, b in itertools.pairwise(om) if a[0] < b[0])
+    # A plan without lag 1 cross-checks with its smallest lag (it raised KeyError).
+    no_lag1 = selection.Plan(group_blocks=(4,), jl_dims=(8,), lags=(0, 4), fractions=(0.3,))
+    rows = selection.step_rows(selection.LayerSequences(no_lag1, 4, 2, 32, tokens), tr.k, tr.v,
+                               tr.q, positions[-1])
+    assert {int(r["lag"]) for r in rows} == {0, 4}
 
 
 def test_resume_skips_finished_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
