@@ -19,6 +19,7 @@
 #include "core/select.h"
 #include "core/step.h"
 #include "service/backend_kind.h"
+#include "service/memory_budget.h"
 
 namespace eps::service {
 
@@ -65,6 +66,10 @@ class StepBackend {
   virtual bool SafeToDestroy(std::chrono::steady_clock::duration /*deferred*/) const {
     return true;
   }
+
+  // What the backend allocates later, sized by a step's options (the cuda backend's strict
+  // array), is charged to `budget` (the session's, which outlives the backend) first.
+  virtual void set_memory_budget(MemoryBudget* /*budget*/) {}
 
   // Serialises the steps of the session this backend serves.
   absl::Mutex& step_mu() const ABSL_LOCK_RETURNED(step_mu_) { return step_mu_; }

@@ -1,5 +1,6 @@
 #include "service/cuda_backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -34,8 +35,11 @@ class DeviceMemory final : public MappedMemory {
 class CudaBackend final : public StepBackend {
  public:
   CudaBackend(std::unique_ptr<gpu::GpuSelector> selector, int device,
-              std::chrono::microseconds inputs_timeout)
-      : selector_(std::move(selector)), device_(device), inputs_timeout_(inputs_timeout) {}
+              std::chrono::microseconds inputs_timeout, uint64_t strict_bytes)
+      : selector_(std::move(selector)),
+        device_(device),
+        inputs_timeout_(inputs_timeout),
+        strict_bytes_(strict_bytes) {}
   BackendKind kind() const override { return BackendKind::kCuda; }
   bool async_replies() const override { return true; }
   bool frees_device_memory() const override { return true; }
@@ -45,8 +49,18 @@ class CudaBackend final : public StepBackend {
     return selector_->SafeToFree(deferred, inputs_timeout_);
   }
 
+  void set_memory_budget(MemoryBudget* budget) override { budget_ = budget; }
+
   absl::Status Run(const BackendStep& call, StepOutcome* result) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    // Strict mode's upper bounds: a second device array as large as the scores, allocated
+    // by the session's first strict step (gpu/step.cu), charged before it (it was not).
+    if (call.policy.strict && budget_ != nullptr && strict_charge_.bytes() == 0) {
+      absl::StatusOr<MemoryCharge> charge =
+          budget_->Charge(strict_bytes_, "strict mode's upper bounds on the device");
+      if (!charge.ok()) return charge.status();
+      strict_charge_ = *std::move(charge);
+    }
     const uint64_t step = call.step;
     const bool async = call.async;
     telemetry::NvtxRange step_range("eps.step");
@@ -128,6 +142,9 @@ class CudaBackend final : public StepBackend {
   std::unique_ptr<gpu::GpuSelector> selector_;
   const int device_;
   const std::chrono::microseconds inputs_timeout_;
+  const uint64_t strict_bytes_;
+  MemoryBudget* budget_ = nullptr;
+  MemoryCharge strict_charge_ ABSL_GUARDED_BY(step_mu_);
   bool done_floor_read_ ABSL_GUARDED_BY(step_mu_) = false;
   // selection_done at the first step, then the last step sent with the flags buffer.
   uint64_t done_floor_ ABSL_GUARDED_BY(step_mu_) = 0;
@@ -181,17 +198,25 @@ CudaIpcOpener MakeCudaIpcOpener(int device) {
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     std::chrono::microseconds inputs_timeout, std::unique_ptr<StepBackend>* remains) {
+  // [max_batch, layers, q_heads, max_groups] floats (gpu/step.cu's `uppers`), saturating.
+  uint64_t strict_bytes = sizeof(float);
+  for (const int64_t n :
+       {max_batch, int64_t{model.num_layers}, int64_t{model.num_q_heads}, max_groups}) {
+    const auto f = static_cast<uint64_t>(std::max<int64_t>(n, 0));
+    strict_bytes = f != 0 && strict_bytes > UINT64_MAX / f ? UINT64_MAX : strict_bytes * f;
+  }
   std::unique_ptr<gpu::GpuSelector> partial;
   absl::StatusOr<std::unique_ptr<gpu::GpuSelector>> selector =
       gpu::GpuSelector::Create(model, device, max_batch, max_groups, {}, &partial);
   if (!selector.ok()) {
     if (partial != nullptr && remains != nullptr) {
-      *remains = std::make_unique<CudaBackend>(std::move(partial), device, inputs_timeout);
+      *remains =
+          std::make_unique<CudaBackend>(std::move(partial), device, inputs_timeout, strict_bytes);
     }
     return selector.status();
   }
   return std::unique_ptr<StepBackend>(
-      new CudaBackend(std::move(*selector), device, inputs_timeout));
+      new CudaBackend(std::move(*selector), device, inputs_timeout, strict_bytes));
 }
 
 }  // namespace eps::service

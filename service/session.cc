@@ -126,6 +126,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
       return backend.status();
     }
     s->backend_ = *std::move(backend);
+    s->backend_->set_memory_budget(s->budget_.get());  // what later steps size, charged too
     return absl::OkStatus();
   }();
   if (!built.ok()) {

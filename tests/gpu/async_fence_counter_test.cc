@@ -15,6 +15,9 @@
 #include "client/cpp/eps_client.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
+#include "service/backend.h"
+#include "service/cuda_backend.h"
+#include "service/memory_budget.h"
 #include "tests/gpu/async_fence_fixture.h"
 #include "tests/service/epsd_process.h"
 
@@ -160,6 +163,45 @@ TEST_F(AsyncFenceTest, ALateStepNeverLowersASelectionDoneTheEngineRaised) {
   EXPECT_EQ(*gpu::ReadCounter(0, flags + 1), 10u);
   auto destroyed = std::async(std::launch::async, [&] { selector->reset(); });
   EXPECT_EQ(destroyed.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+}
+
+// Strict mode's second device array (as large as the scores) is allocated by a cuda
+// session's first strict step: it is charged to the session's budget first (it was not,
+// so a session's device memory could reach twice its charge).
+TEST_F(AsyncFenceTest, StrictModesDeviceArrayIsChargedToTheSessionsBudgetFirst) {
+  const uint64_t strict_bytes =
+      uint64_t{kBatch} * kLayers * kQHeads * static_cast<uint64_t>(host_->max_groups()) * 4;
+  SelectPolicy strict = JlPolicy();
+  strict.strict = true;
+  for (const bool fits : {false, true}) {
+    service::MemoryBudget budget("--max-session-bytes", fits ? strict_bytes : strict_bytes - 1);
+    auto backend =
+        service::MakeCudaBackend(m_, 0, kBatch, host_->max_groups(), std::chrono::seconds(1));
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    (*backend)->set_memory_budget(&budget);
+    absl::MutexLock lock(&(*backend)->step_mu());
+    service::StepOutcome outcome;
+    service::BackendStep step{.inputs = DeviceInputs(),
+                              .outputs = DeviceOutputs(),
+                              .flags = nullptr,
+                              .step = 1,
+                              .policy = JlPolicy(),
+                              .async = false,
+                              .stop = {}};
+    EXPECT_TRUE((*backend)->Run(step, &outcome).ok());  // not strict: nothing charged
+    EXPECT_EQ(budget.used(), 0u);
+    step.step = 2;
+    step.policy = strict;
+    const absl::Status s = (*backend)->Run(step, &outcome);
+    if (fits) {
+      EXPECT_TRUE(s.ok()) << s;
+      EXPECT_EQ(budget.used(), strict_bytes);
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+      EXPECT_NE(s.message().find("strict mode's upper bounds"), std::string::npos) << s;
+      EXPECT_EQ(budget.used(), 0u);
+    }
+  }
 }
 
 }  // namespace
