@@ -313,18 +313,37 @@ TEST(SessionBackendRemainsTest, AFailedBackendsAllocationsAreFreedByTheJanitorOn
   EXPECT_EQ(service.charged_bytes(), charged_before);
 }
 
+// What RunEpsd requires of its process: SIGTERM and SIGINT blocked, before any other
+// thread exists.
+void BlockStopSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+}
+
+// Attaches `engine` to the epsd about to listen on `path` (waiting up to 20 s for it).
+grpc::Status AttachOnceListening(v1::PageSelector::Stub& stub, TestEngine& engine,
+                                 v1::AttachResponse* attached) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  context.set_wait_for_ready(true);  // until epsd listens
+  return stub.Attach(&context, engine.Attach("engine-a"), attached);
+}
+
+std::unique_ptr<v1::PageSelector::Stub> StubFor(const std::string& path) {
+  return v1::PageSelector::NewStub(
+      grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
+}
+
 // epsd's whole process (RunEpsd, what main runs) after a lost device: it drains as on a
 // signal and exits 1, saying why. In a child process (a death test), since epsd signals
 // its own process; the stand-in backend's Attach reports the device lost.
 TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const auto run = [] {
-    // Signals blocked before the client's thread exists, as RunEpsd requires.
-    sigset_t signals;
-    sigemptyset(&signals);
-    sigaddset(&signals, SIGTERM);
-    sigaddset(&signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    BlockStopSignals();  // before the client's thread exists
     int status = 0;
     {  // the engine's shm objects are removed before the exit
       const std::string path = absl::StrCat("/tmp/epsd-test-lost-", getpid(), ".sock");
@@ -332,13 +351,8 @@ TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
       grpc::StatusCode attach_code = grpc::StatusCode::OK;
       std::atomic<bool> stopped{false};
       std::thread client([&] {
-        auto stub = v1::PageSelector::NewStub(
-            grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
-        grpc::ClientContext context;
-        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-        context.set_wait_for_ready(true);  // until epsd listens
         v1::AttachResponse attached;
-        attach_code = stub->Attach(&context, engine.Attach("engine-a"), &attached).error_code();
+        attach_code = AttachOnceListening(*StubFor(path), engine, &attached).error_code();
         // Should epsd keep serving (the loss unnoticed), end it as an operator would, so
         // that the test fails on its exit status instead of hanging.
         const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -393,22 +407,14 @@ TEST(EpsdDrainDeathTest, AStepThatNeverEndsMeetsTheBackstopWithinItsBound) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const auto run = [] {
     static const std::string path = absl::StrCat("/tmp/epsd-test-stuck-", getpid(), ".sock");
-    sigset_t signals;
-    sigemptyset(&signals);
-    sigaddset(&signals, SIGTERM);
-    sigaddset(&signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    BlockStopSignals();
     static TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2,
                              eps::testing::TestSeed());
     static std::atomic<bool> entered{false};
     std::thread([] {
-      auto stub = v1::PageSelector::NewStub(
-          grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-      context.set_wait_for_ready(true);  // until epsd listens
+      auto stub = StubFor(path);
       v1::AttachResponse attached;
-      if (!stub->Attach(&context, engine.Attach("engine-a"), &attached).ok()) return;
+      if (!AttachOnceListening(*stub, engine, &attached).ok()) return;
       // The process ends in epsd's backstop (_Exit), so what it leaves is removed now:
       // the engine's shm object (epsd has it mapped) and epsd's socket lock file.
       shm_unlink(engine.buffers().shm_name().c_str());
