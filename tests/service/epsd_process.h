@@ -39,7 +39,6 @@ class EpsdProcess {
   static std::unique_ptr<EpsdProcess> Start(const std::string& listen,
                                             std::vector<std::string> flags = {}) {
     auto p = std::unique_ptr<EpsdProcess>(new EpsdProcess());
-    if (listen.rfind("unix://", 0) == 0) p->lock_ = listen.substr(7) + ".lock";
     p->log_ = "/tmp/epsd-test-" + std::to_string(getpid()) + "-" +
               std::to_string(reinterpret_cast<uintptr_t>(p.get())) + ".log";
     // EPSD_BIN overrides the build path (binaries carried to another machine).
@@ -65,7 +64,12 @@ class EpsdProcess {
       if (at != std::string::npos) {
         const size_t end = log.find(' ', at + 13);
         p->target_ = log.substr(at + 13, end - at - 13);
-        if (p->PingOk()) return p;
+        if (p->PingOk()) {
+          // Its socket and lock file are this epsd's to remove only once it serves them: one
+          // refused on a live socket (another epsd's) must leave them alone.
+          if (listen.rfind("unix://", 0) == 0) p->lock_ = listen.substr(7) + ".lock";
+          return p;
+        }
       }
       if (!p->Running()) return nullptr;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
