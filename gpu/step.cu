@@ -34,24 +34,6 @@
 namespace eps::gpu {
 using namespace kernels;  // NOLINT: this file launches them
 
-namespace {
-
-// Dynamic shared memory of the scoring and selection kernels (score_kernel.cuh
-// and select_kernel.cuh lay them out; terms_kernel.cuh has its own).
-size_t ScoreSharedBytes(const ModelLayout& m, bool staged, bool octets = false) {
-  return sizeof(float) * ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged, octets);
-}
-// The words are padded to whole 16 bytes: the compiler reads them four at a
-// time (LDS.128 in the fixed budget's rank loop), the last load reaching past
-// the last word when max_groups is not a multiple of 4 (memcheck found it).
-size_t SelectSharedBytes(int64_t max_groups) {
-  return static_cast<size_t>((max_groups + 15) / 16 * 16 +
-                             (max_groups + 3) / 4 * 4 * sizeof(unsigned));
-}
-constexpr int64_t kMaxGroups = 8192;  // the select kernel's shared memory holds a row's groups
-
-}  // namespace
-
 struct GpuSelector::Impl {
   ModelLayout model;
   SummaryLayout layout;
@@ -255,25 +237,14 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     GpuSelectorOptions options, std::unique_ptr<GpuSelector>* remains) {
   if (absl::Status s = model.Validate(); !s.ok()) return s;
-  if (model.num_q_heads > 256 || model.sketch_dim > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_q_heads=", model.num_q_heads, ", sketch_dim=", model.sketch_dim,
-                     ": the GPU pre-pass supports at most 256 query heads and m <= 64"));
-  }
-  RETURN_IF_ERROR(CheckGridLimits(model, max_batch));
-  // Every step of such a session would be refused (Enqueue): refused here, at Attach.
-  if (max_groups > kMaxGroups) {  // the select kernel keeps 9 bytes per group in shared memory
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_groups=", max_groups, " exceeds the GPU pre-pass limit of ", kMaxGroups,
-                     " groups per row: attach with a larger group_blocks, or the cpu backend"));
-  }
+  RETURN_IF_ERROR(CheckLaunchLimits(model, max_batch, max_groups));
   int max_shared = 0;
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // Static shared memory of the select kernel: at most 40 KiB (select_kernel.cuh).
   const size_t score_shared = ScoreSharedBytes(model, false);
-  const size_t select_shared = SelectSharedBytes(std::min(max_groups, kMaxGroups));
+  const size_t select_shared = SelectSharedBytes(max_groups);
   if (score_shared > static_cast<size_t>(max_shared) ||
       select_shared + 40 * 1024 > static_cast<size_t>(max_shared)) {
     return absl::InvalidArgumentError(
@@ -349,11 +320,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     return absl::InvalidArgumentError(absl::StrCat(
         "batch of ", batch, " rows exceeds max_batch=", std::min(in.max_batch, g.max_batch)));
   }
-  if (in.max_groups > kMaxGroups) {  // the select kernel keeps 9 bytes per group in shared memory
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_groups=", in.max_groups, " exceeds the GPU pre-pass limit of ", kMaxGroups));
-  }
-  if (in.max_groups > g.max_groups) {
+  if (in.max_groups > g.max_groups) {  // at most kMaxGroups (Create)
     return absl::InvalidArgumentError(
         absl::StrCat("max_groups=", in.max_groups, " exceeds the selector's ", g.max_groups));
   }

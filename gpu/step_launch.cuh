@@ -36,11 +36,33 @@ namespace eps::gpu {
 // CUDA's limit on a grid's y and z dimensions.
 inline constexpr int64_t kMaxGridYZ = 65535;
 
-// Whether every grid a step of `model` with up to `max_batch` rows launches fits
-// CUDA's limits: scoring and the coarse level put (layer, KV head) on y and the
-// row on z; the terms kernel the layer on y and the row on z; the selection, the
-// candidates and feedback the row on y. (x, up to 2³¹−1, holds the rest.)
-inline absl::Status CheckGridLimits(const ModelLayout& m, int64_t max_batch) {
+// Dynamic shared memory of the scoring and selection kernels (score_kernel.cuh
+// and select_kernel.cuh lay them out; terms_kernel.cuh has its own).
+inline size_t ScoreSharedBytes(const ModelLayout& m, bool staged, bool octets = false) {
+  return sizeof(float) *
+         kernels::ScoreSharedWords(m.gqa_ratio(), m.head_dim, m.sketch_dim, staged, octets);
+}
+// The words are padded to whole 16 bytes: the compiler reads them four at a
+// time (LDS.128 in the fixed budget's rank loop), the last load reaching past
+// the last word when max_groups is not a multiple of 4 (memcheck found it).
+inline size_t SelectSharedBytes(int64_t max_groups) {
+  return static_cast<size_t>((max_groups + 15) / 16 * 16 +
+                             (max_groups + 3) / 4 * 4 * sizeof(unsigned));
+}
+// Groups a row may hold: the select kernel keeps a row's groups in shared memory.
+inline constexpr int64_t kMaxGroups = 8192;
+
+// Whether the kernels can serve `m` with up to `max_batch` rows of `max_groups` groups: at
+// most 256 query heads, m <= 64 and kMaxGroups groups, and every grid within CUDA's
+// limits (scoring and the coarse level put (layer, KV head) on y and the row on z; the
+// terms kernel the layer on y and the row on z; the selection, the candidates and
+// feedback the row on y; x, up to 2³¹−1, holds the rest).
+inline absl::Status CheckLaunchLimits(const ModelLayout& m, int64_t max_batch, int64_t max_groups) {
+  if (m.num_q_heads > 256 || m.sketch_dim > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_q_heads=", m.num_q_heads, ", sketch_dim=", m.sketch_dim,
+                     ": the GPU pre-pass supports at most 256 query heads and m <= 64"));
+  }
   const int64_t pairs = int64_t{m.num_layers} * m.num_kv_heads;
   if (pairs > kMaxGridYZ || max_batch > kMaxGridYZ) {
     return absl::InvalidArgumentError(
@@ -49,6 +71,11 @@ inline absl::Status CheckGridLimits(const ModelLayout& m, int64_t max_batch) {
                      ": the GPU pre-pass launches grids whose y and z are "
                      "these, each at most ",
                      kMaxGridYZ));
+  }
+  if (max_groups > kMaxGroups) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_groups=", max_groups, " exceeds the GPU pre-pass limit of ", kMaxGroups,
+                     " groups per row: attach with a larger group_blocks, or the cpu backend"));
   }
   return absl::OkStatus();
 }
