@@ -47,6 +47,22 @@ def real(name: str, value: object) -> float:
     return out
 
 
+# The longest deadline or back-off the client takes, in seconds. Beyond it gRPC's own
+# deadline arithmetic and the stream's waits fail (about 8e9 s and time_t's range), and a
+# wait of more than an hour bounds nothing an engine can use: such a value is refused
+# rather than turned into "no deadline" (a dead epsd must never hang the engine).
+MAX_DURATION_S = 3600.0
+
+
+def duration(name: str, value: object, *, positive: bool = True) -> float:
+    """``value`` as seconds in (0, MAX_DURATION_S] (``positive``) or [0, MAX_DURATION_S]."""
+    out = real(name, value)
+    if out < 0 or (positive and out == 0) or out > MAX_DURATION_S:
+        raise ValueError(f"{name}={out} must be in {'(0' if positive else '[0'}, "
+                         f"{MAX_DURATION_S:g}] seconds")
+    return out
+
+
 def boolean(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={value!r} is not a bool")

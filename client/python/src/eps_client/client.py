@@ -96,8 +96,8 @@ class ClientOptions:
             raise TypeError(f"ClientOptions.target={self.target!r} is not a non-empty str")
         for name, positive in (("deadline_s", True), ("attach_deadline_s", True),
                                ("reattach_backoff_s", False)):
-            setattr(self, name, _duration(f"ClientOptions.{name}", getattr(self, name),
-                                          positive=positive))
+            setattr(self, name, _values.duration(f"ClientOptions.{name}", getattr(self, name),
+                                                 positive=positive))
         for name in ("fail_open", "use_stream"):
             setattr(self, name, _values.boolean(f"ClientOptions.{name}", getattr(self, name)))
         tp = self.traceparent
@@ -109,22 +109,6 @@ class ClientOptions:
             raise TypeError(f"ClientOptions.traceparent={tp!r} is not a str, a callable or None")
         if self.on_fallback is not None and not callable(self.on_fallback):
             raise TypeError(f"ClientOptions.on_fallback={self.on_fallback!r} is not callable")
-
-
-# The longest deadline or back-off the client takes, in seconds. Beyond it gRPC's own
-# deadline arithmetic and the stream's waits fail (about 8e9 s and time_t's range), and a
-# wait of more than an hour bounds nothing an engine can use: such a value is refused
-# rather than turned into "no deadline" (a dead epsd must never hang the engine).
-MAX_DURATION_S = 3600.0
-
-
-def _duration(name: str, value: object, *, positive: bool = True) -> float:
-    """``value`` as seconds in (0, MAX_DURATION_S] (``positive``) or [0, MAX_DURATION_S]."""
-    out = _values.real(name, value)
-    if out < 0 or (positive and out == 0) or out > MAX_DURATION_S:
-        raise ValueError(f"{name}={out} must be in {'(0' if positive else '[0'}, "
-                         f"{MAX_DURATION_S:g}] seconds")
-    return out
 
 
 @dataclass
@@ -335,7 +319,7 @@ class EpsClient:
         when it fails."""
         self._check_open()
         timeout = self.options.attach_deadline_s if deadline_s is None else \
-            _duration("ping(deadline_s)", deadline_s)
+            _values.duration("ping(deadline_s)", deadline_s)
         with self._unary_call():
             self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=self._metadata())
 
