@@ -40,13 +40,13 @@ SelectionWatchdog::~SelectionWatchdog() {
     due = armed_at_ + timeout_;
   }
   if (step == 0) return;
-  for (;;) {
+  while (std::chrono::steady_clock::now() < due) {
     const absl::StatusOr<uint64_t> done = device_.read_done();
-    if (done.ok() && *done >= step) return;
-    if (!done.ok() || std::chrono::steady_clock::now() >= due) break;
+    if (!done.ok()) break;  // released below
+    if (*done >= step) return;
     absl::SleepFor(absl::Milliseconds(1));
   }
-  if (device_.release_dense(step).ok()) {
+  if (CheckAndRelease(step)) {
     absl::MutexLock lock(&mu_);
     ++releases_;
   }
