@@ -198,13 +198,11 @@ CudaIpcOpener MakeCudaIpcOpener(int device) {
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     std::chrono::microseconds inputs_timeout, std::unique_ptr<StepBackend>* remains) {
-  // [max_batch, layers, q_heads, max_groups] floats (gpu/step.cu's `uppers`), saturating.
-  uint64_t strict_bytes = sizeof(float);
-  for (const int64_t n :
-       {max_batch, int64_t{model.num_layers}, int64_t{model.num_q_heads}, max_groups}) {
-    const auto f = static_cast<uint64_t>(std::max<int64_t>(n, 0));
-    strict_bytes = f != 0 && strict_bytes > UINT64_MAX / f ? UINT64_MAX : strict_bytes * f;
-  }
+  // [max_batch, layers, q_heads, max_groups] floats (gpu/step.cu's `uppers`).
+  const uint64_t strict_bytes = SaturatingProduct(
+      {static_cast<uint64_t>(std::max<int64_t>(max_batch, 0)),
+       static_cast<uint64_t>(model.num_layers), static_cast<uint64_t>(model.num_q_heads),
+       static_cast<uint64_t>(std::max<int64_t>(max_groups, 0)), sizeof(float)});
   std::unique_ptr<gpu::GpuSelector> partial;
   absl::StatusOr<std::unique_ptr<gpu::GpuSelector>> selector =
       gpu::GpuSelector::Create(model, device, max_batch, max_groups, {}, &partial);

@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,23 +13,6 @@
 namespace eps::service {
 namespace {
 
-// a * b * ..., saturating at UINT64_MAX (a saturated charge is refused by any limit).
-uint64_t Product(std::initializer_list<uint64_t> factors) {
-  uint64_t product = 1;
-  for (uint64_t f : factors) {
-    if (__builtin_mul_overflow(product, f, &product)) return UINT64_MAX;
-  }
-  return product;
-}
-
-uint64_t Sum(std::initializer_list<uint64_t> terms) {
-  uint64_t sum = 0;
-  for (uint64_t t : terms) {
-    if (__builtin_add_overflow(sum, t, &sum)) return UINT64_MAX;
-  }
-  return sum;
-}
-
 // The allocations a session's backend makes, sized by its request: the Φ bank
 // and the step's scratch (cpu: core/step.cc's lists, scores and marks; cuda:
 // gpu/step.cu's device buffers), as (what, bytes).
@@ -40,15 +22,17 @@ std::vector<std::pair<std::string, uint64_t>> BackendAllocations(const SessionSp
   const uint64_t L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads, d = m.head_dim,
                  sketch = m.sketch_dim, batch = spec.max_batch,
                  groups = static_cast<uint64_t>(b.max_groups);
-  const uint64_t phi = Product({L, Hkv, d, sketch, sizeof(float)});
+  const uint64_t phi = SaturatingProduct({L, Hkv, d, sketch, sizeof(float)});
   const uint64_t coarse_groups = static_cast<uint64_t>(b.max_coarse_groups);
   if (spec.backend == BackendKind::kCuda) {
     // With a coarse level gpu/step.cu adds its coarse scores [batch, L, Hq, coarse groups]
     // and candidate flags [batch, L, Hkv, coarse groups].
-    const uint64_t device =
-        Sum({phi, Product({batch, L, Hq, static_cast<uint64_t>(PackedSize(m.sketch_dim)) + 1, 4}),
-             Product({batch, L, Hq, groups, 4}), Product({batch, L, Hq, 4}), Product({L, Hq, 4}),
-             Product({batch, L, Hq, coarse_groups, 4}), Product({batch, L, Hkv, coarse_groups})});
+    const uint64_t device = SaturatingSum(
+        {phi,
+         SaturatingProduct({batch, L, Hq, static_cast<uint64_t>(PackedSize(m.sketch_dim)) + 1, 4}),
+         SaturatingProduct({batch, L, Hq, groups, 4}), SaturatingProduct({batch, L, Hq, 4}),
+         SaturatingProduct({L, Hq, 4}), SaturatingProduct({batch, L, Hq, coarse_groups, 4}),
+         SaturatingProduct({batch, L, Hkv, coarse_groups})});
     return {{"the cuda backend's device buffers", device}};
   }
   const uint64_t lists = spec.output_granularity == Granularity::kPerKvHead ? Hkv : 1;
@@ -56,9 +40,9 @@ std::vector<std::pair<std::string, uint64_t>> BackendAllocations(const SessionSp
   // for each query head and list.
   // With a coarse level, the same again per coarse group (its scores and candidate marks).
   const uint64_t scratch =
-      Sum({b[SharedBuffer::kVisitBlocks].bytes, b[SharedBuffer::kVisitCount].bytes,
-           Product({groups, Sum({Hq, lists, 4}), 8}),
-           Product({coarse_groups, Sum({Hq, lists, 4}), 8})});
+      SaturatingSum({b[SharedBuffer::kVisitBlocks].bytes, b[SharedBuffer::kVisitCount].bytes,
+                     SaturatingProduct({groups, SaturatingSum({Hq, lists, 4}), 8}),
+                     SaturatingProduct({coarse_groups, SaturatingSum({Hq, lists, 4}), 8})});
   return {{"the Phi bank", phi}, {"the step scratch", scratch}};
 }
 
