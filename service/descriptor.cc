@@ -193,13 +193,12 @@ absl::Status CheckNoOverlap(const std::vector<std::pair<TensorSpec, MappedTensor
     const MappedTensor& a = tensors[i].second;
     for (size_t j = 0; j < tensors.size(); ++j) {
       const MappedTensor& b = tensors[j].second;
-      if (i == j) continue;
+      if (i == j || a.is_inline != b.is_inline || a.is_device != b.is_device) continue;
       // By address, not by mapping: one CUDA IPC allocation named by two descriptors that
       // differ only in `cuda_ipc.device` (unchecked with device_uuid) is opened twice, and
       // CUDA hands back the same pointer to two mappings.
       const auto a_at = reinterpret_cast<uintptr_t>(a.data);
       const auto b_at = reinterpret_cast<uintptr_t>(b.data);
-      if (a.is_inline != b.is_inline || a.is_device != b.is_device) continue;
       if (a_at < b_at + b.bytes && b_at < a_at + a.bytes) {
         return absl::InvalidArgumentError(
             absl::StrCat(tensors[i].first.name, " overlaps ", tensors[j].first.name, " in ",
