@@ -198,8 +198,10 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
     policy = MergeOptions(session->policy(), request.options());
     RETURN_IF_ERROR(CountFailure(policy.status()));
     // Before the step order and the writes (api-failures.md §4): a refused call's writes
-    // stay unapplied.
-    RETURN_IF_ERROR(CountFailure(policy->Validate(session->spec().model)));
+    // stay unapplied. Without options the policy is the session's, validated at Attach.
+    if (request.has_options()) {
+      RETURN_IF_ERROR(CountFailure(policy->Validate(session->spec().model)));
+    }
     if (policy->granularity != session->spec().output_granularity) {
       return CountFailure(absl::InvalidArgumentError(
           absl::StrCat("options.granularity=", GranularityName(policy->granularity),
