@@ -41,12 +41,8 @@ absl::Status CudaError(const std::string& call, cudaError_t err) {
 class DeviceBufferSet final : public BufferSet {
  public:
   DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers, OwnedStream stream,
-                  std::unique_ptr<client::SelectionWatchdog> watchdog,
-                  std::chrono::microseconds selection_wait)
-      : buffers_(std::move(buffers)),
-        stream_(std::move(stream)),
-        watchdog_(std::move(watchdog)),
-        selection_wait_(selection_wait) {}
+                  std::unique_ptr<client::SelectionWatchdog> watchdog)
+      : buffers_(std::move(buffers)), stream_(std::move(stream)), watchdog_(std::move(watchdog)) {}
 
   v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
   v1::Backend backend() const override { return v1::BACKEND_CUDA; }
@@ -157,7 +153,7 @@ class DeviceBufferSet final : public BufferSet {
     if (watchdog_->releases() != released) {
       return absl::DeadlineExceededError(
           absl::StrCat("selection_done did not reach step ", step, " within ",
-                       absl::FormatDuration(absl::FromChrono(selection_wait_)),
+                       absl::FormatDuration(absl::FromChrono(watchdog_->timeout())),
                        " of the accepted reply: the watchdog released it densely"));
     }
     return absl::OkStatus();
@@ -189,7 +185,6 @@ class DeviceBufferSet final : public BufferSet {
   OwnedStream stream_;  // declared after buffers_: destroyed first
   // Declared after both: destroyed first, finishing the watch of a step still armed.
   std::unique_ptr<client::SelectionWatchdog> watchdog_;
-  const std::chrono::microseconds selection_wait_;
   DeviceFloats feedback_pattern_;  // null until SetFeedbackPattern
 };
 
@@ -215,7 +210,7 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayo
   auto watchdog = client::SelectionWatchdog::Create(**buffers, shape.selection_wait);
   if (!watchdog.ok()) return watchdog.status();
   return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(
-      std::move(*buffers), std::move(owned), std::move(*watchdog), shape.selection_wait));
+      std::move(*buffers), std::move(owned), std::move(*watchdog)));
 }
 
 }  // namespace eps::load

@@ -60,6 +60,7 @@ class SelectionWatchdog {
 
   void Arm(uint64_t step);
   uint64_t releases() const;  // steps the watchdog released
+  std::chrono::microseconds timeout() const { return timeout_; }
 
  private:
   SelectionWatchdog(Device device, std::chrono::microseconds timeout);
