@@ -396,20 +396,32 @@ TEST(AttachDeadlineTest, AttachAdoptsTheSessionABackgroundReattachWasGranted) {
 namespace eps::client {
 namespace {
 
-// Refuses every Attach with INVALID_ARGUMENT, as epsd refuses a layout it cannot serve.
-class RefusingEpsd final : public v1::PageSelector::Service {
+// Answers every Attach with `attach` (granting "s-fake" when it is OK) and every unary
+// step with `step`: epsd refusing a layout it cannot serve, or draining.
+class FailingEpsd final : public v1::PageSelector::Service {
  public:
+  FailingEpsd(grpc::Status attach, grpc::Status step)
+      : attach_(std::move(attach)), step_(std::move(step)) {}
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
-                      v1::AttachResponse*) override {
-    return {grpc::StatusCode::INVALID_ARGUMENT, "layout.num_layers=0 not in [1, 4096]"};
+                      v1::AttachResponse* response) override {
+    if (attach_.ok()) response->set_session_id("s-fake");
+    return attach_;
   }
+  grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest*,
+                           v1::SelectPagesResponse*) override {
+    return step_;
+  }
+
+ private:
+  const grpc::Status attach_, step_;
 };
 
 // A fail-closed step while the background re-attach has failed once returned the Attach's
 // own INVALID_ARGUMENT, which an engine reads as its step's; it is UNAVAILABLE naming the
 // re-attach (docs/api-failures.md 5.3), as in the Python client.
 TEST(ReattachStatusTest, AStepWhileNotAttachedIsUnavailableNamingTheFailedReattach) {
-  RefusingEpsd epsd;
+  FailingEpsd epsd({grpc::StatusCode::INVALID_ARGUMENT, "layout.num_layers=0 not in [1, 4096]"},
+                   grpc::Status::OK);
   const std::string target = FakeTarget("refusing");
   auto server = Serve(&epsd, target);
   ASSERT_NE(server, nullptr);
@@ -438,30 +450,10 @@ TEST(ReattachStatusTest, AStepWhileNotAttachedIsUnavailableNamingTheFailedReatta
   server->Shutdown();
 }
 
-}  // namespace
-}  // namespace eps::client
-
-namespace eps::client {
-namespace {
-
-// Grants a session and cancels every step, as a draining epsd's gRPC refuses new calls.
-class DrainingEpsd final : public v1::PageSelector::Service {
- public:
-  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
-                      v1::AttachResponse* response) override {
-    response->set_session_id("s-draining");
-    return grpc::Status::OK;
-  }
-  grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest*,
-                           v1::SelectPagesResponse*) override {
-    return {grpc::StatusCode::CANCELLED, "Cancelling all calls"};
-  }
-};
-
 // A step epsd cancels (its SIGTERM drain) was an error fallback; it is an unavailable one,
-// and the client forgets the session, as for UNAVAILABLE.
+// and the client closes its stream, as for UNAVAILABLE.
 TEST(DrainStatusTest, AStepEpsdCancelsIsAnUnavailableFallback) {
-  DrainingEpsd epsd;
+  FailingEpsd epsd(grpc::Status::OK, {grpc::StatusCode::CANCELLED, "Cancelling all calls"});
   const std::string target = FakeTarget("draining");
   auto server = Serve(&epsd, target);
   ASSERT_NE(server, nullptr);
