@@ -247,6 +247,11 @@ class AsyncFenceTest : public ::testing::Test {
     return in;
   }
   StepOutputs DeviceOutputs() const { return {buffers_->visit_blocks(), buffers_->visit_count()}; }
+  // group_table[0][group] = slot on the device (a bad slot, or the good one back).
+  void SetGroupSlot(int group, int32_t slot) {
+    ASSERT_EQ(cudaMemcpy(buffers_->group_table() + group, &slot, 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
   // A synchronous copy: the selector's streams are non-blocking, so it never waits on them.
   static void SetCounter(uint64_t* at, uint64_t value) {
     ASSERT_EQ(cudaMemcpy(at, &value, sizeof value, cudaMemcpyHostToDevice), cudaSuccess);

@@ -298,7 +298,7 @@ TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) 
   client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   const int32_t bad = static_cast<int32_t>(host_->num_slots()) + 5;
-  ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &bad, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  SetGroupSlot(3, bad);
   WriteQueries(1, 0);
   ASSERT_FALSE(client.SelectPages(1, Rows()).fallback);
   ASSERT_TRUE(buffers_->WaitSelection(stream_, 1).ok());
@@ -306,7 +306,7 @@ TEST_F(AsyncFenceTest, ABadSlotFoundOnTheDeviceMarksTheListsDenseAndIsReported) 
   for (int32_t c : Counts()) EXPECT_EQ(c, -1);
   // Repaired, the next step succeeds and carries step 1's error.
   const int32_t good = host_->SlotOf(0, 3);
-  ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &good, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  SetGroupSlot(3, good);
   WriteQueries(2, 0);
   const client::StepResult r = client.SelectPages(2, Rows());
   ASSERT_FALSE(r.fallback) << r.status;
@@ -327,13 +327,13 @@ TEST_F(AsyncFenceTest, AStepThatFailedOnTheDeviceCannotBeSentAgainUnderItsNumber
   client::EpsClient client(SyncFailClosedOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
   const int32_t bad = static_cast<int32_t>(host_->num_slots()) + 5;
-  ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &bad, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  SetGroupSlot(3, bad);
   WriteQueries(1, 0);
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   const client::StepResult failed = client.SelectPages(1, Rows());
   EXPECT_FALSE(failed.status.ok());
   const int32_t good = host_->SlotOf(0, 3);
-  ASSERT_EQ(cudaMemcpy(buffers_->group_table() + 3, &good, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  SetGroupSlot(3, good);
   const client::StepResult resent = client.SelectPages(1, Rows());
   EXPECT_EQ(resent.status.code(), absl::StatusCode::kFailedPrecondition) << resent.status;
   EXPECT_NE(resent.status.message().find("step 1 is not after selection_done=1"), std::string::npos)
