@@ -238,6 +238,33 @@ def test_a_runtime_base_outside_the_cuda_version_argument_fails(deploy: Path) ->
     assert any("does not use ${CUDA_VERSION}" in f for f in findings), findings
 
 
+def test_the_committed_dockerfile_has_its_packages_and_configures_from_its_copies(
+    deploy: Path,
+) -> None:
+    assert lint_dockerfile.package_findings(deploy / "docker/Dockerfile", REPO) == []
+    assert lint_dockerfile.configure_findings(deploy / "docker/Dockerfile", REPO) == []
+
+
+def test_a_package_the_build_finds_but_the_image_lacks_fails(deploy: Path) -> None:
+    # The image once lacked nlohmann-json3-dev, which service/telemetry needs.
+    edit(deploy / "docker/Dockerfile", " nlohmann-json3-dev", "")
+    findings = lint_dockerfile.package_findings(deploy / "docker/Dockerfile", REPO)
+    assert any("does not apt-get install nlohmann-json3-dev" in f for f in findings), findings
+
+
+def test_a_folder_the_build_adds_but_the_image_does_not_copy_fails(deploy: Path) -> None:
+    # The image once lacked cli/, which every binary's flags need: docker build failed.
+    edit(deploy / "docker/Dockerfile", "COPY cli cli\n", "")
+    findings = lint_dockerfile.configure_findings(deploy / "docker/Dockerfile", REPO)
+    assert any('"cli" which is not an existing directory' in f for f in findings), findings
+
+
+def test_a_copy_the_dockerignore_leaves_out_fails(deploy: Path) -> None:
+    edit(deploy / "docker/Dockerfile.dockerignore", "!cli/**\n", "")
+    findings = lint_dockerfile.package_findings(deploy / "docker/Dockerfile", REPO)
+    assert any("COPY source cli is left out of the context" in f for f in findings), findings
+
+
 def test_hadolint_findings_fail_the_lint(
     deploy: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
