@@ -204,6 +204,108 @@ def test_torch_views_and_arrays_equal_the_reference(rng, lists, use_kernel):
         assert int(got_m.item()) == want_m
 
 
+def _cuda_torch(use_kernel):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if use_kernel:
+        from eps_client.engine import library
+
+        library()
+    return torch
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_slices_int64_contexts_and_column_views_read_as_the_reference(rng, use_kernel):
+    """The kernel path read raw pointers: a slice of the lists' batch, int64 contexts or a
+    column view of a wider engine table were read with the wrong strides."""
+    torch = _cuda_torch(use_kernel)
+    from eps_client.outputs import flash_attention_views, flashinfer_fixed_budget
+
+    vb, vc, table, ctx = random_lists(rng, max_batch=6, B=3, lists=2)
+    wide = np.concatenate([table, rng.integers(0, 10**5, size=(3, 7)).astype(np.int32)], 1)
+    want_t, want_u = flash_attention_views_reference(vb[:, :3], vc[:, :3], table, ctx, BS)
+    d_vb = torch.from_numpy(vb).cuda()[:, :3]
+    d_vc = torch.from_numpy(vc).cuda()[:, :3]
+    d_table = torch.from_numpy(wide).cuda()[:, :table.shape[1]]
+    d_ctx = torch.from_numpy(ctx.astype(np.int64)).cuda()
+    got_t, got_u = flash_attention_views(d_vb, d_vc, d_table, d_ctx, BS, use_kernel=use_kernel)
+    np.testing.assert_array_equal(got_u.cpu().numpy(), want_u)
+    valid = want_t >= 0
+    np.testing.assert_array_equal(got_t.cpu().numpy()[valid], want_t[valid])
+    indptr = fixed_budget_indptr(ctx, 2, 3, G, BS)
+    want_i, want_l, want_m = flashinfer_fixed_budget_reference(vb[:, :3], vc[:, :3], table,
+                                                               ctx, BS, indptr)
+    got_i, got_l, got_m = flashinfer_fixed_budget(d_vb, d_vc, d_table, d_ctx, BS,
+                                                  torch.from_numpy(indptr).cuda(),
+                                                  nnz=int(indptr[-1]), use_kernel=use_kernel)
+    np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
+    np.testing.assert_array_equal(got_l.cpu().numpy(), want_l)
+    assert int(got_m.item()) == want_m
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_outputs_the_kernels_cannot_write_are_refused(rng, use_kernel):
+    """An out= view of a larger buffer (a CUDA graph's, sized for the largest batch) was
+    written as if compact: the rows of every layer after the first landed elsewhere."""
+    torch = _cuda_torch(use_kernel)
+    from eps_client.outputs import flash_attention_views
+
+    vb, vc, table, ctx = (torch.from_numpy(a).cuda() for a in random_lists(rng, B=3))
+    big_t = torch.zeros(3, 5, 1, 40, dtype=torch.int32, device="cuda")
+    big_u = torch.zeros(3, 5, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="out\\[0\\].*contiguous int32 tensor of shape"):
+        flash_attention_views(vb, vc, table, ctx, BS, out=(big_t[:, :3], big_u[:, :3]),
+                              use_kernel=use_kernel)
+    with pytest.raises(ValueError, match="out\\[1\\]"):
+        flash_attention_views(vb, vc, table, ctx, BS, out=(big_t[:, :3].contiguous(),
+                                                           big_u[:, :3].long()),
+                              use_kernel=use_kernel)
+    assert not big_t.any() and not big_u.any()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_a_fixed_budget_call_with_its_nnz_is_captured_in_a_cuda_graph(rng, use_kernel):
+    """With the plan's nnz from the host the call never synchronises (it read indptr[-1]
+    with .item(), which a graph capture refuses and which waited for the engine's stream)."""
+    torch = _cuda_torch(use_kernel)
+    from eps_client.outputs import flashinfer_fixed_budget
+
+    if not use_kernel:
+        pytest.skip("the torch path checks the plan on the host")
+    vb, vc, table, ctx = random_lists(rng, lists=2)
+    indptr = fixed_budget_indptr(ctx, 2, 3, G, BS)
+    d = [torch.from_numpy(a).cuda() for a in (vb, vc, table, ctx, indptr)]
+    args = (d[0], d[1], d[2], d[3], BS, d[4])
+    flashinfer_fixed_budget(*args, nnz=int(indptr[-1]), use_kernel=True)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_i, got_l, got_m = flashinfer_fixed_budget(*args, nnz=int(indptr[-1]),
+                                                      use_kernel=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_i, want_l, want_m = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)
+    np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
+    assert int(got_m.item()) == want_m
+
+
+def test_the_torch_path_stays_inside_the_lists_for_a_plan_longer_than_them(rng):
+    """A plan entry longer than max_blocks (a budget planned for a longer context) gathered
+    past the lists before discarding: a device-side assert that ends the CUDA context."""
+    torch = _cuda_torch(False)
+    from eps_client.outputs import flashinfer_fixed_budget
+
+    vb, vc, table, ctx = random_lists(rng, max_blocks=8)
+    ctx[:] = 8 * BS
+    indptr = np.array([0, 12, 24, 36, 48], dtype=np.int32)  # 12 blocks a list, 8 at most
+    want_i, _, want_m = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)
+    d = [torch.from_numpy(a).cuda() for a in (vb, vc, table, ctx, indptr)]
+    got_i, _, got_m = flashinfer_fixed_budget(*d[:4], BS, d[4], use_kernel=False)
+    np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
+    assert int(got_m.item()) == want_m == 4 * 3
+
+
 @pytest.mark.parametrize(("budget_groups", "group_blocks", "block_size", "name"), [
     (0, 2, 16, "budget_groups=0"), (-1, 2, 16, "budget_groups=-1"),
     (4, 0, 16, "group_blocks=0"), (4, 2, 0, "block_size=0"), (4, 2, -16, "block_size=-16"),

@@ -106,6 +106,45 @@ def _check_table_width(width: int, max_blocks: int) -> None:
                          f"max_blocks={max_blocks}")
 
 
+def _check_out(name: str, t: Any, shape: tuple[int, ...], device: Any) -> None:
+    """An output tensor the kernels write as a compact int32 array of ``shape``."""
+    import torch
+
+    if tuple(t.shape) != shape or t.dtype != torch.int32 or not t.is_contiguous() \
+            or t.device != device:
+        raise ValueError(f"{name} must be a contiguous int32 tensor of shape {shape} on "
+                         f"{device}; got {tuple(t.shape)} {t.dtype} on {t.device}"
+                         f"{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def _device_int32(name: str, t: Any, device: Any) -> Any:
+    """``t`` as a contiguous int32 tensor on ``device`` (a copy only where it is not one)."""
+    import torch
+
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the visit lists on {device}")
+    return t.to(torch.int32).contiguous()
+
+
+def _kernel_inputs(vb: Any, vc: Any, engine_table: Any, context_tokens: Any,
+                   batch: int) -> tuple[Any, Any, Any, Any]:
+    """The kernels' inputs as they read them: contiguous int32 arrays on the lists' device
+    (a slice of the lists, int64 contexts or a column slice of the engine's table were
+    read with the wrong strides), and an engine table with a row for every position."""
+    if context_tokens.dim() != 1:
+        raise ValueError(f"context_tokens must be [batch]; got {tuple(context_tokens.shape)}")
+    if engine_table.dim() != 2 or engine_table.shape[0] < batch:
+        raise ValueError(f"engine_table must be [>= {batch} rows, blocks]; got "
+                         f"{tuple(engine_table.shape)}")
+    if tuple(vc.shape) != tuple(vb.shape[:3]):
+        raise ValueError(f"visit_count {tuple(vc.shape)} does not match visit_blocks "
+                         f"{tuple(vb.shape)}")
+    dev = vb.device
+    return (_device_int32("visit_blocks", vb, dev), _device_int32("visit_count", vc, dev),
+            _device_int32("engine_table", engine_table, dev),
+            _device_int32("context_tokens", context_tokens, dev))
+
+
 def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.ndarray,
                                     engine_table: np.ndarray, context_tokens: np.ndarray,
                                     block_size: int, cache_blocks: int = 0,
@@ -224,10 +263,17 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
         out = (torch.empty(L, B, lists, max_blocks, dtype=torch.int32, device=vb.device),
                torch.empty(L, B, lists, dtype=torch.int32, device=vb.device))
     table, used = out
+    _check_out("out[0] (block_table)", table, (L, B, lists, max_blocks), vb.device)
+    _check_out("out[1] (seqused_k)", used, (L, B, lists), vb.device)
+    if refused is not None:
+        _check_out("refused", refused, (1,), vb.device)
     lib = _engine_lib() if use_kernel is not False and vb.is_cuda else None
     if use_kernel and lib is None:
         raise RuntimeError("use_kernel=True but libeps_engine could not be loaded")
     if lib is not None:
+        vb, vc, engine_table, context_tokens = _kernel_inputs(vb, vc, engine_table,
+                                                              context_tokens, B)
+        max_batch = vb.shape[1]
         from eps_client.engine import check
 
         stream = torch.cuda.current_stream(vb.device).cuda_stream
@@ -254,18 +300,26 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
 
 def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: Any,
                             context_tokens: Any, block_size: int, indptr: Any, *,
-                            cache_blocks: int = 0,
+                            nnz: int | None = None, cache_blocks: int = 0,
                             use_kernel: bool | None = None) -> tuple[Any, Any, Any]:
     """Device tensors: indices [layers, nnz], last_page_len [batch * lists] and mismatched
     [1] (int32) for the plan ``indptr`` (a device int32 tensor from fixed_budget_indptr).
-    ``cache_blocks`` > 0 refuses (and counts) lists naming a block outside [0, cache_blocks)."""
+    ``nnz`` is the plan's last entry (``int(plan[-1])`` of the host array); without it the
+    call reads it from ``indptr`` on the device, a host synchronisation that a CUDA graph
+    cannot capture. ``cache_blocks`` > 0 refuses (and counts) lists naming a block outside
+    [0, cache_blocks)."""
     import torch
 
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
     B = context_tokens.shape[0]
-    nnz = int(indptr[-1].item()) if indptr.numel() else 0
+    if nnz is None:  # a host copy: pass the plan's nnz to stay on the device (CUDA graphs)
+        nnz = int(indptr[-1].item()) if indptr.numel() else 0
+    nnz = _values.integer("nnz", nnz, 0)
     dev = vb.device
+    if indptr.numel() != B * lists + 1:
+        raise ValueError(f"indptr has {indptr.numel()} entries, the plan of {B} positions "
+                         f"x {lists} lists has {B * lists + 1}")
     indices = torch.empty(L, max(nnz, 1), dtype=torch.int32, device=dev)
     last = torch.empty(B * lists, dtype=torch.int32, device=dev)
     mismatched = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -273,6 +327,10 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
     if use_kernel and lib is None:
         raise RuntimeError("use_kernel=True but libeps_engine could not be loaded")
     if lib is not None:
+        vb, vc, engine_table, context_tokens = _kernel_inputs(vb, vc, engine_table,
+                                                              context_tokens, B)
+        max_batch = vb.shape[1]
+        indptr = _device_int32("indptr", indptr, dev)
         from eps_client.engine import check
 
         stream = torch.cuda.current_stream(dev).cuda_stream
@@ -294,7 +352,9 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
     count = vc[:, :B].to(torch.int64)  # [L, B, lists]
     usable = _torch_usable(vb[:, :B], count, blocks, max_blocks, cache_blocks)
     fits = (usable & (count == n.reshape(B, lists)[None])).reshape(L, B * lists)
-    from_list = vb[:, b, h, j]  # [L, nnz]
+    # j past max_blocks belongs to a list that does not fit: clamped, so the gather stays
+    # inside the lists (torch.where discards it; unclamped it was a device-side assert).
+    from_list = vb[:, b, h, torch.clamp(j, max=max_blocks - 1)]  # [L, nnz]
     k = torch.clamp(blocks[b] - n[q] + j, min=0)
     from_table = torch.where(blocks[b] > 0, engine_table[b, torch.minimum(
         k, torch.clamp(blocks[b] - 1, min=0))].to(torch.int32), 0)[None].expand(L, -1)
