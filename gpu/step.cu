@@ -90,10 +90,12 @@ struct GpuSelector::Impl {
   // The mass budget of each layer ([layers]; SelectPolicy::mass_layers), written
   // before every step that has them: the graphs keep the pointer, not the values.
   DeviceBuffer<MassRule> mass_layers;
-  // Pinned host staging: the row list and the layers' mass budgets up, the step's
-  // report down.
+  // Pinned host staging: the row list, the layers' mass budgets and the retrieval
+  // heads' marks up, the step's report down. Pinned, since a copy queued behind the
+  // engine's inputs wait from pageable memory may hold the host until the wait is released.
   DeviceRow* host_rows = nullptr;
   MassRule* host_mass_layers = nullptr;
+  uint8_t* host_scored = nullptr;
   StepReport* host_report = nullptr;
 
   // The step queued by Enqueue and not yet finished.
@@ -120,6 +122,7 @@ struct GpuSelector::Impl {
   ~Impl() {
     if (host_rows != nullptr) cudaFreeHost(host_rows);
     if (host_mass_layers != nullptr) cudaFreeHost(host_mass_layers);
+    if (host_scored != nullptr) cudaFreeHost(host_scored);
     if (host_report != nullptr) cudaFreeHost(host_report);
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
@@ -215,6 +218,8 @@ absl::Status GpuSelector::Allocate(Impl& impl, const ModelLayout& model, int dev
       impl.terms, max_batch * model.num_layers * model.num_q_heads * TermWords(model.sketch_dim));
   RETURN_IF_CUDA_ALLOC(impl.rows, max_batch);
   RETURN_IF_CUDA_ALLOC(impl.scored, int64_t{model.num_layers} * model.num_q_heads);
+  CUDA_RETURN_IF_ERROR(
+      cudaMallocHost(&impl.host_scored, int64_t{model.num_layers} * model.num_q_heads));
   RETURN_IF_CUDA_ALLOC(impl.reports, 2);
   CUDA_RETURN_IF_ERROR(cudaMemset(impl.reports.get(), 0, 2 * sizeof(StepReport)));
   const int64_t row_layers = max_batch * model.num_layers;
@@ -383,6 +388,9 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   StepReport* report = g.reports.get() + (g.sequence & 1);
   StepReport* next_report = g.reports.get() + ((g.sequence + 1) & 1);
   const uint8_t* scored = retrieval ? g.scored.get() : nullptr;
+  if (retrieval) {  // the policy's size was validated against the model
+    std::memcpy(g.host_scored, policy.retrieval_heads.data(), policy.retrieval_heads.size());
+  }
   // Query terms (StepLaunch::PlanTerms).
   const auto terms =
       TermsKernelFor(policy.method, m.sketch_dim, m.head_dim, strict,
@@ -475,7 +483,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
                                            g.stream));
     }
     if (retrieval) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), policy.retrieval_heads.data(),
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.scored.get(), g.host_scored,
                                            policy.retrieval_heads.size(), cudaMemcpyHostToDevice,
                                            g.stream));
     }

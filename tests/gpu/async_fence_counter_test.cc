@@ -4,11 +4,13 @@
 // Part of the async_fence_test binary (the fixture: tests/gpu/async_fence_fixture.h).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -163,6 +165,62 @@ TEST_F(AsyncFenceTest, ALateStepNeverLowersASelectionDoneTheEngineRaised) {
   EXPECT_EQ(*gpu::ReadCounter(0, flags + 1), 10u);
   auto destroyed = std::async(std::launch::async, [&] { selector->reset(); });
   EXPECT_EQ(destroyed.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+}
+
+// A step with retrieval heads copies their marks up behind the engine's inputs wait. From
+// the policy's own (pageable) vector that copy could hold Enqueue until the engine released
+// the wait; now the marks are staged in pinned memory at the call, so Enqueue returns while
+// the wait holds, and the step selects with the marks of its call whatever the caller's
+// vector holds afterwards.
+TEST_F(AsyncFenceTest, ARetrievalStepQueuedBehindItsInputsUsesTheMarksOfItsCall) {
+  auto selector = gpu::GpuSelector::Create(m_, 0, kBatch, host_->max_groups(), {});
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  uint64_t* const flags = buffers_->flags();
+  SetCounter(flags, 0);
+  SelectPolicy policy = JlPolicy();
+  policy.heads = HeadMode::kRetrieval;
+  policy.retrieval_heads.assign(size_t{kLayers} * kQHeads, 0);
+  for (size_t i = 0; i < policy.retrieval_heads.size(); ++i) {
+    policy.retrieval_heads[i] = (rng_() % 3 == 0 || i % kQHeads == 0) ? 1 : 0;
+  }
+  const SelectPolicy called = policy;
+  const gpu::GpuSelector::StepFence fence{
+      .inputs_ready = flags, .selection_done = flags + 1, .step = 3};
+  auto enqueued = std::async(std::launch::async, [&] {
+    return (*selector)->Enqueue(DeviceInputs(), policy, DeviceOutputs(), fence);
+  });
+  if (enqueued.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    SetCounter(flags, 3);
+    FAIL() << "Enqueue of a retrieval step waited for the engine's inputs_ready";
+  }
+  ASSERT_EQ(enqueued.get(), absl::OkStatus());
+  std::fill(policy.retrieval_heads.begin(), policy.retrieval_heads.end(), uint8_t{1});
+  policy.retrieval_heads.shrink_to_fit();
+  WriteQueries(3, 0);
+  ASSERT_EQ((*selector)->Finish(std::chrono::seconds(5), nullptr, nullptr), absl::OkStatus());
+  EXPECT_EQ(*gpu::ReadCounter(0, flags + 1), 3u);
+  EXPECT_LE(CompareWithReference(called), 1) << "seed " << seed_;
+}
+
+// An engine without a watchdog whose stream still waits for a step the sidecar never
+// finished: destroying its buffers releases that wait densely before the device
+// synchronisation that would otherwise wait for good.
+TEST_F(AsyncFenceTest, DestroyingBuffersReleasesAWaitTheSidecarNeverAnswered) {
+  client::BufferShape shape{.num_slots = host_->num_slots(),
+                            .max_seqs = kBatch,
+                            .max_context = kTokens,
+                            .max_batch = kBatch};
+  auto created = client::DeviceBuffers::Create(m_, shape, 0);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<client::DeviceBuffers> buffers = std::move(*created);
+  uint64_t* const done = buffers->flags() + 1;
+  ASSERT_TRUE(buffers->WaitSelection(stream_, 4).ok());
+  auto destroyed = std::async(std::launch::async, [&] { buffers.reset(); });
+  if (destroyed.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    SetCounter(done, 4);  // let the destructor end, so the test can
+    FAIL() << "destroying the buffers waited for a step no one will finish";
+  }
+  EXPECT_TRUE(StreamDrains(std::chrono::seconds(5)));
 }
 
 // Strict mode's second device array (as large as the scores) is allocated by a cuda

@@ -205,10 +205,9 @@ class AsyncFenceTest : public ::testing::Test {
     EXPECT_LE(CompareWithReference(), 1);
   }
 
-  int CompareWithReference() {
+  int CompareWithReference(const SelectPolicy& policy = JlPolicy()) {
     StepStats stats;
-    EXPECT_TRUE(
-        reference_->Select(host_->Inputs(rows_), JlPolicy(), host_->Outputs(), &stats).ok());
+    EXPECT_TRUE(reference_->Select(host_->Inputs(rows_), policy, host_->Outputs(), &stats).ok());
     std::vector<int32_t> visit(size_t{kLayers} * kBatch * host_->max_blocks());
     EXPECT_EQ(cudaMemcpy(visit.data(), buffers_->visit_blocks(), visit.size() * 4,
                          cudaMemcpyDeviceToHost),
