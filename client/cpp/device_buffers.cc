@@ -1,5 +1,7 @@
 #include "client/cpp/device_buffers.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "client/cpp/device_scope.h"
 #include "client/cpp/selection_watchdog.h"
@@ -44,6 +46,12 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
 DeviceBuffers::~DeviceBuffers() {
   if (base_ == nullptr) return;
   cudaSetDevice(device_);
+  // A stream still waiting for a step's lists (an engine without a watchdog whose sidecar
+  // is gone) would hold the synchronisation below for good: release it densely first.
+  if (waited_ != 0) {
+    const absl::StatusOr<uint64_t> done = ReadSelectionDone();
+    if (!done.ok() || *done < waited_) (void)ReleaseDense(waited_);
+  }
   cudaDeviceSynchronize();  // no stream of this process still reads or waits on it
   if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
   if (host_done_ != nullptr) cudaFreeHost(host_done_);
@@ -64,12 +72,15 @@ absl::Status DeviceBuffers::SignalInputsReady(cudaStream_t stream, uint64_t step
 }
 
 absl::Status DeviceBuffers::WaitSelection(cudaStream_t stream, uint64_t step) {
-  return gpu::StreamWaitCounter(stream, flags() + 1, step);
+  RETURN_IF_ERROR(gpu::StreamWaitCounter(stream, flags() + 1, step));
+  waited_ = std::max(waited_, step);
+  return absl::OkStatus();
 }
 
 absl::Status DeviceBuffers::ReleaseDense(uint64_t step, cudaStream_t stream) {
   DeviceScope scope;  // the calling thread keeps its own current device
   RETURN_IF_ERROR(scope.Enter(device_));
+  RETURN_IF_ERROR(ClearFeedback(stream));
   const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;
   return gpu::StreamReleaseDense(stream, visit_count(), lists, flags() + 1, step);
 }
@@ -77,9 +88,19 @@ absl::Status DeviceBuffers::ReleaseDense(uint64_t step, cudaStream_t stream) {
 absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
   DeviceScope scope;
   RETURN_IF_ERROR(scope.Enter(device_));
+  RETURN_IF_ERROR(ClearFeedback(side_stream_));
   const int64_t lists = int64_t{plan_.model.num_layers} * plan_.shape.max_batch * plan_.lists;
   RETURN_IF_ERROR(gpu::StreamReleaseDense(side_stream_, visit_count(), lists, flags() + 1, step));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_stream_));
+  return absl::OkStatus();
+}
+
+// Feedback back to NaN, so that the released step's attention writes its own masses
+// rather than combining them with those of the step before (which no selection consumed).
+absl::Status DeviceBuffers::ClearFeedback(cudaStream_t stream) {
+  if (feedback() == nullptr) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      feedback(), 0xFF, plan_.ElementsOf(SharedBuffer::kFeedback) * sizeof(float), stream));
   return absl::OkStatus();
 }
 

@@ -10,15 +10,18 @@
 // and, when the step falls back (fail open), ReleaseDense(step, stream) sets
 // every visit_count to -1 ("attend densely") and then selection_done = step on
 // the engine's stream, ahead of its wait, so that stream never waits on a
-// sidecar that is gone. (ReleaseDense(step) does it on a stream of the
+// sidecar that is gone. With a feedback buffer it first NaN-fills it: no selection
+// consumed the entries of the step before, and the released step's attention would
+// combine its own masses with them. (ReleaseDense(step) does it on a stream of the
 // library's own, as the watchdog must; that stream may share a hardware queue
 // with the engine's waiting one: docs/design.md §6.)
 //
 // Ownership: the allocation is freed in the destructor (after the device is
-// idle for it). Thread safety: ReleaseDense and ReadSelectionDone may run on
-// another thread (the watchdog's) than the engine's; everything else is the
-// engine thread's. ReleaseDense and ReadSelectionDone leave the calling thread's
-// current device as they found it.
+// idle for it; a WaitSelection still waiting for a step the sidecar never finished is
+// released densely first, as the watchdog would). Thread safety: ReleaseDense and ReadSelectionDone
+// may run on another thread (the watchdog's) than the engine's; everything else is the engine
+// thread's. ReleaseDense and ReadSelectionDone leave the calling thread's current device as they
+// found it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -84,6 +87,7 @@ class DeviceBuffers {
 
  private:
   DeviceBuffers(BufferPlan plan, int device) : plan_(std::move(plan)), device_(device) {}
+  absl::Status ClearFeedback(cudaStream_t stream);
   template <typename T>
   T* At(uint64_t offset) const {
     return reinterpret_cast<T*>(base_ + offset);
@@ -95,6 +99,7 @@ class DeviceBuffers {
   std::string handle_;                  // the cudaIpcMemHandle_t bytes
   cudaStream_t side_stream_ = nullptr;  // ReleaseDense and ReadSelectionDone
   uint64_t* host_done_ = nullptr;       // pinned, for ReadSelectionDone
+  uint64_t waited_ = 0;                 // the highest step WaitSelection queued a wait for
 };
 
 }  // namespace eps::client

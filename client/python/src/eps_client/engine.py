@@ -146,15 +146,18 @@ class StepCounters:
     """The flags buffer's counters (``flags`` [2] uint64 on the device) and the visit counts
     that a dense release marks -1."""
 
-    def __init__(self, flags_ptr: int, visit_count_ptr: int, lists: int, device: int) -> None:
+    def __init__(self, flags_ptr: int, visit_count_ptr: int, lists: int, device: int,
+                 feedback: Any = None) -> None:
         self.flags, self.counts, self.lists, self.device = flags_ptr, visit_count_ptr, lists, device
+        self.feedback = feedback  # a torch tensor, NaN-filled by release_dense
         check("eps_engine_preload", library().eps_engine_preload(device))
 
     @staticmethod
     def of(buffers: Any) -> StepCounters:
         """For eps_client.cuda.CudaBuffers."""
         return StepCounters(buffers.flags.data_ptr(), buffers.visit_count.data_ptr(),
-                            buffers.visit_count.numel(), buffers.device)
+                            buffers.visit_count.numel(), buffers.device,
+                            getattr(buffers, "feedback", None))
 
     def signal_inputs_ready(self, stream: int, step: int) -> None:
         check("signal_inputs_ready",
@@ -166,7 +169,19 @@ class StepCounters:
     def release_dense(self, step: int, stream: int = 0) -> None:
         """visit_count = -1, then selection_done raised to ``step``. With a ``stream`` (the
         engine's, before its wait for ``step``) it is queued there and not waited for;
-        without one it runs on a private stream and is waited for."""
+        without one it runs on a private stream and is waited for. A ``feedback`` tensor is
+        NaN-filled first, in the same order: no selection consumed the entries of the step
+        before, and the released step's attention would combine its masses with them."""
+        if self.feedback is not None:
+            import torch
+
+            with torch.cuda.device(self.device):
+                where = (torch.cuda.ExternalStream(stream) if stream
+                         else torch.cuda.current_stream())
+                with torch.cuda.stream(where):
+                    self.feedback.fill_(float("nan"))
+                if not stream:
+                    where.synchronize()
         check("release_dense", library().eps_engine_release_dense(
             self.device, self.counts, self.lists, self.flags, step, stream))
 
