@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <future>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "client/cpp/eps_client.h"
 #include "gpu/step.h"
@@ -221,6 +223,38 @@ TEST_F(AsyncFenceTest, DestroyingBuffersReleasesAWaitTheSidecarNeverAnswered) {
     FAIL() << "destroying the buffers waited for a step no one will finish";
   }
   EXPECT_TRUE(StreamDrains(std::chrono::seconds(5)));
+}
+
+// A fail-open release NaN-fills the feedback before it releases: no selection consumed
+// the entries of the step before, and the released step's attention would have combined
+// its own masses with them (log-add-exp), favouring the groups that step had selected.
+TEST_F(AsyncFenceTest, AFailOpenReleaseClearsTheFeedbackBeforeTheAttentionWritesIt) {
+  client::BufferShape shape{.num_slots = host_->num_slots(),
+                            .max_seqs = kBatch,
+                            .max_context = kTokens,
+                            .max_batch = kBatch,
+                            .with_feedback = true};
+  auto created = client::DeviceBuffers::Create(m_, shape, 0);
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::DeviceBuffers& b = **created;
+  const size_t n = b.plan().ElementsOf(SharedBuffer::kFeedback);
+  const std::vector<float> stale(n, 1.5f);  // the step before's masses, never consumed
+  for (const bool own_stream : {false, true}) {
+    ASSERT_EQ(cudaMemcpy(b.feedback(), stale.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    const uint64_t step = own_stream ? 2 : 1;
+    if (own_stream) {
+      ASSERT_TRUE(b.ReleaseDense(step, stream_).ok());
+      ASSERT_TRUE(b.WaitSelection(stream_, step).ok());
+      ASSERT_TRUE(StreamDrains(std::chrono::seconds(5)));
+    } else {
+      ASSERT_TRUE(b.ReleaseDense(step).ok());  // the watchdog's form
+    }
+    std::vector<float> after(n);
+    ASSERT_EQ(cudaMemcpy(after.data(), b.feedback(), n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(std::all_of(after.begin(), after.end(), [](float v) { return std::isnan(v); }))
+        << (own_stream ? "on the engine's stream" : "on the library's stream");
+    EXPECT_EQ(*b.ReadSelectionDone(), step);
+  }
 }
 
 // Strict mode's second device array (as large as the scores) is allocated by a cuda
