@@ -200,7 +200,10 @@ MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayo
     const float* sum = record.data() + layout.key_sum;
     float dot = 0.0f;
     for (int i = 0; i < layout.head_dim; ++i) dot += q.q[i] * sum[i];
-    lower = dot / count;
+    // q·Σk may leave the float range while the mean q·k̄ does not (many large keys): an
+    // infinite or NaN mean is no bound (+inf contradicted the upper bound and left the
+    // group [inf, inf], so strict mode skipped every other group, the true top among them).
+    if (const float mean = dot / count; std::isfinite(mean)) lower = mean;
   }
   // Bounds that contradict each other (the upper below the mean, which is a max's lower
   // bound) can only come from squared norms below the float range: no upper bound then.

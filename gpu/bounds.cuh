@@ -180,7 +180,9 @@ __device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const Record
   if (o.principal >= 0) abs_upper = StdMin(abs_upper, OnePcBound(rec, o, h, sums.principal[r]));
   float upper = abs_upper;
   if (o.quest_min >= 0) upper = StdMin(upper, QuestBound(rec, o, h, sums.quest[r]));
-  const float lower = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
+  // core: a mean that left the float range (q·Σk overflowing) is no bound.
+  const float mean = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
+  const float lower = isfinite(mean) ? mean : -abs_upper;
   // core: contradicting bounds (squared norms below the float range) give no upper bound.
   if (lower > upper) upper = INFINITY;
   return {lower - slack, upper + slack};

@@ -196,6 +196,35 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenSquaredNormsUnderflow) {
   }
 }
 
+TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
+  // Group 0 holds 1024 equal keys and group 1 one larger key; every key and the query
+  // are inside the accepted range, and every q·k is finite, but q·Σk of group 0 is not.
+  // The mean key's lower bound was then +inf, which contradicted the upper bound and
+  // left group 0 a bracket [inf, inf]: strict mode skipped the true top group 1.
+  Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = false, .quest8 = false}), 3);
+  for (int i = 0; i < 1024; ++i) ASSERT_TRUE(seq.Append(0, Key(2.0e17f)).ok());
+  ASSERT_TRUE(seq.Append(1, Key(6.0e18f)).ok());
+  ASSERT_TRUE(seq.Append(2, Key(0.0f)).ok());
+  seq.query[0] = 1.8e19f;
+  QueryTerms terms;
+  terms.Prepare(seq.phi, 0, 0, seq.query);
+  for (int64_t p = 0; p < 2; ++p) {
+    const float true_max = seq.query[0] * (p == 0 ? 2.0e17f : 6.0e18f);
+    const MaxScoreBracket b = BracketMaxScore(seq.Record(p), seq.layout, terms);
+    EXPECT_LE(b.lower, true_max) << "group " << p;
+    EXPECT_GE(b.upper, true_max) << "group " << p;
+  }
+  SelectPolicy policy;
+  policy.method = Method::kFro;
+  policy.strict = true;
+  policy.first_n = policy.last_n = 0;
+  policy.top_pages = 1;
+  ASSERT_TRUE(seq.Select(policy).ok());
+  const std::vector<int32_t> list = seq.List();
+  EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end())
+      << ::testing::PrintToString(list);
+}
+
 TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
   // d = 4 (√d = 2): fed groups 1 and 2 as in the feedback tests; the entries of groups 0,
   // 3 and 4 (±inf, beyond 1e30) must change nothing.
