@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "core/step.h"
@@ -99,6 +100,53 @@ TEST(GpuStrictOracleTest, StrictModeReturnsSupersetOfTrueTopMOnTheDevice) {
   }
   std::printf("device strict mode visited %.1f%% of %lld groups over %d random sequences\n",
               100.0 * visited / total, static_cast<long long>(total), trials);
+}
+
+// As core's FloatRangeTest case: every key and the query inside the accepted range and
+// every q·k finite, but q·Σk of group 0's 128 large keys overflows. Its mean's lower
+// bound was +inf, the bracket [inf, inf], and the true top group 1 was skipped.
+TEST(GpuStrictOracleTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m;
+  m.num_layers = m.num_q_heads = m.num_kv_heads = 1;
+  m.head_dim = 16;
+  m.block_size = 16;
+  m.group_blocks = 8;
+  m.features = {.key_sum = true, .principal = false, .quest = false, .quest8 = false};
+  const int64_t gt = m.group_tokens(), tokens = 3 * gt;
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  ASSERT_TRUE(phi.ok());
+  SummaryWriter writer(m, *phi);
+  testing::StepBuffers buffers(m, 2, tokens, 1, Granularity::kUnion);
+  std::mt19937_64 rng(testing::TestSeed());
+  buffers.AssignRow(1, tokens, rng());
+  for (int64_t p = 0; p < 3; ++p) {
+    std::vector<float> keys(gt * m.head_dim, 0.0f);
+    if (p == 0) {
+      for (int64_t t = 0; t < gt; ++t) keys[t * m.head_dim] = 4.0e17f;
+    } else if (p == 1) {
+      keys[0] = 4.5e18f;
+    }
+    const KeyRows rows{keys.data(), DType::kFloat32, gt, m.head_dim};
+    const std::span<float> record = buffers.Record(buffers.SlotOf(1, p), 0, 0);
+    ASSERT_TRUE(writer.Reset(record).ok());
+    ASSERT_TRUE(writer.Append(record, 0, 0, rows).ok());
+    ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());
+  }
+  std::fill(buffers.Query(0, 0, 0).begin(), buffers.Query(0, 0, 0).end(), 0.0f);
+  buffers.Query(0, 0, 0)[0] = 1.8e19f;
+  SelectPolicy policy;
+  policy.strict = true;
+  policy.first_n = policy.last_n = 0;
+  policy.top_pages = 1;
+  const StepRow rows[] = {{.table_row = 1, .context_tokens = tokens, .seq_id = 9}};
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  const std::vector<uint8_t> hit =
+      testing::VisitedGroups(buffers, 1, got.List(1, 1, buffers.max_blocks(), 0, 0, 0), 3);
+  EXPECT_TRUE(hit[1]) << "the true top group was skipped";
 }
 
 }  // namespace
