@@ -56,10 +56,15 @@ void FoldQuest8(std::span<float> record, const SummaryLayout& layout, const floa
     scale = grown;
   }
   for (int i = 0; i < d; ++i) {
-    // k / scale is exact (a power of two) and within ±127; all-zero keys at scale 0 code 0.
+    // k / scale is within ±127 and exact (a power of two) unless it falls below the float
+    // range (a channel many powers of two under the key's largest): it rounds to 0 then,
+    // and its codes follow the key's sign, as floor and ceil of the exact quotient do.
+    // All-zero keys at scale 0 code 0.
     const float x = scale > 0.0f ? k[i] / scale : 0.0f;
-    lo[i] = static_cast<int8_t>(std::min<int>(lo[i], static_cast<int>(std::floor(x))));
-    hi[i] = static_cast<int8_t>(std::max<int>(hi[i], static_cast<int>(std::ceil(x))));
+    const int down = x != 0.0f ? static_cast<int>(std::floor(x)) : (k[i] < 0.0f ? -1 : 0);
+    const int up = x != 0.0f ? static_cast<int>(std::ceil(x)) : (k[i] > 0.0f ? 1 : 0);
+    lo[i] = static_cast<int8_t>(std::min<int>(lo[i], down));
+    hi[i] = static_cast<int8_t>(std::max<int>(hi[i], up));
   }
 }
 

@@ -65,9 +65,14 @@ __device__ inline void FoldQuest8(float* rec, const WriterShape& s, int lane, Ke
     if (lane == 0) scale_word = grown;
   }
   for (int i = lane; i < s.d; i += 32) {
-    const float x = scale > 0.0f ? key(i) / scale : 0.0f;  // exact: a power of two
-    lo[i] = static_cast<int8_t>(min(static_cast<int>(lo[i]), static_cast<int>(floorf(x))));
-    hi[i] = static_cast<int8_t>(max(static_cast<int>(hi[i]), static_cast<int>(ceilf(x))));
+    // core FoldQuest8: exact (a power of two) unless below the float range, where the
+    // codes follow the key's sign.
+    const float k = key(i);
+    const float x = scale > 0.0f ? k / scale : 0.0f;
+    const int down = x != 0.0f ? static_cast<int>(floorf(x)) : (k < 0.0f ? -1 : 0);
+    const int up = x != 0.0f ? static_cast<int>(ceilf(x)) : (k > 0.0f ? 1 : 0);
+    lo[i] = static_cast<int8_t>(min(static_cast<int>(lo[i]), down));
+    hi[i] = static_cast<int8_t>(max(static_cast<int>(hi[i]), up));
   }
 }
 

@@ -135,7 +135,8 @@ Quest8Expected OfflineQuest8(const std::vector<float>& keys, int n, int d) {
   e.hi.assign(d, -128);
   for (int t = 0; t < n; ++t) {
     for (int i = 0; i < d; ++i) {
-      const float x = e.scale > 0.0f ? keys[t * d + i] / e.scale : 0.0f;
+      // In double: exact, even where the float quotient falls below the float range.
+      const double x = e.scale > 0.0f ? double{keys[t * d + i]} / e.scale : 0.0;
       e.lo[i] = std::min(e.lo[i], static_cast<int>(std::floor(x)));
       e.hi[i] = std::max(e.hi[i], static_cast<int>(std::ceil(x)));
     }
@@ -167,12 +168,19 @@ TEST_F(SummaryTest, Quest8AppendedInAnyOrderEqualsTheOfflineQuantization) {
   SummaryWriter writer(model, *phi);
   const SummaryLayout& s = writer.layout();
   const int d = model.head_dim;
-  for (int trial = 0; trial < 40; ++trial) {
+  for (int trial = 0; trial < 48; ++trial) {
     const int n = 1 + trial % 32;
     std::vector<float> keys = GaussianVector(rng_, n * d);
     for (int t = 0; t < n; ++t) {  // magnitudes from 1e-3 to 1e4, some keys zero
       const float grow = std::pow(10.0f, -3.0f + 7.0f * t / n) * (trial % 5 == 0 ? 0.0f : 1.0f);
       for (int i = 0; i < d; ++i) keys[t * d + i] *= t % 7 == 3 ? 0.0f : grow;
+    }
+    if (trial >= 40) {  // channels whose quotient by the scale falls below the float range
+      for (int t = 0; t < n; ++t) {
+        for (int i = 0; i < d; ++i) keys[t * d + i] *= 1e-30f;
+      }
+      keys[0] = trial % 2 ? 6e4f : -5e4f;  // within the 16-bit part's range
+      keys[1] = trial % 2 ? -3e-43f : 2e-44f;
     }
     const Quest8Expected want = OfflineQuest8(keys, n, d);
     std::vector<int> order(n);

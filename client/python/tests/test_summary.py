@@ -104,6 +104,11 @@ def test_quest8_scale_steps_and_zero_keys_equal_core_bit_for_bit(core_reference,
     keys = random_keys(rng, n, model) * np.logspace(-3, 4, n, dtype=np.float32)[:, None, None]
     keys[::7] = 0.0
     keys = keys[rng.permutation(n)]
+    # A large key first, then two channels whose quotient by its scale falls below the
+    # float range (they rounded to 0: codes 0 for keys of either sign).
+    keys[0, :, 0] = 1e17
+    keys[:, :, 1:3] = 0.0
+    keys[-1, :, 1], keys[-2, :, 2] = -1e-32, 3e-33
     ops = [(0, 1, keys[t : t + 1]) for t in range(n)]
     expected = core_pool(core_reference, tmp_path, model, 2, ops, "f32")
     writer = SummaryWriter(model)

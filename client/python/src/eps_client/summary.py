@@ -94,8 +94,11 @@ def fold_quest8(lo: np.ndarray, hi: np.ndarray, scale: np.ndarray,
     hi32 = np.where(ratio > 1, np.ceil(hi32 / ratio), hi32).astype(np.int32)
     with np.errstate(divide="ignore", invalid="ignore"):
         x = np.where(new[..., None] > 0, k / np.where(new > 0, new, 1)[..., None], 0)
-    lo32 = np.minimum(lo32, np.floor(x).astype(np.int32))
-    hi32 = np.maximum(hi32, np.ceil(x).astype(np.int32))
+    # exact (a power of two) unless below the float range: then the codes follow the sign
+    down = np.where(x != 0, np.floor(x), np.where(k < 0, -1, 0))
+    up = np.where(x != 0, np.ceil(x), np.where(k > 0, 1, 0))
+    lo32 = np.minimum(lo32, down.astype(np.int32))
+    hi32 = np.maximum(hi32, up.astype(np.int32))
     return lo32.astype(np.int8), hi32.astype(np.int8), new
 
 

@@ -230,8 +230,12 @@ def _fold_quest8(flat: Any, part: int, d: int, rows: Any, k: Any) -> None:
     per_key = new[inv]
     x = torch.where(per_key[:, None] > 0, k / torch.where(per_key > 0, per_key, 1.0)[:, None],
                     torch.zeros_like(k))
-    lo.scatter_reduce_(0, inv[:, None].expand(-1, d), torch.floor(x).to(torch.int32), "amin")
-    hi.scatter_reduce_(0, inv[:, None].expand(-1, d), torch.ceil(x).to(torch.int32), "amax")
+    # exact (a power of two) unless below the float range: then the codes follow the sign
+    zero = torch.zeros_like(x)
+    down = torch.where(x != 0, torch.floor(x), torch.where(k < 0, zero - 1, zero))
+    up = torch.where(x != 0, torch.ceil(x), torch.where(k > 0, zero + 1, zero))
+    lo.scatter_reduce_(0, inv[:, None].expand(-1, d), down.to(torch.int32), "amin")
+    hi.scatter_reduce_(0, inv[:, None].expand(-1, d), up.to(torch.int32), "amax")
     raw[uniq, 4 * part : 4 * part + d] = lo.to(torch.int8)
     raw[uniq, 4 * part + d : 4 * part + 2 * d] = hi.to(torch.int8)
     flat[uniq, part + d // 2] = new
