@@ -221,8 +221,7 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
   policy.top_pages = 1;
   ASSERT_TRUE(seq.Select(policy).ok());
   const std::vector<int32_t> list = seq.List();
-  EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end())
-      << ::testing::PrintToString(list);
+  EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end()) << ::testing::PrintToString(list);
 }
 
 TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
