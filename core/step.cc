@@ -116,7 +116,8 @@ absl::Status PageSelector::ValidateInputs(const StepInputs& in, const SelectPoli
                                                        in.num_physical_blocks, ")"));
       }
     }
-    for (int layer = 0; layer < model_.num_layers; ++layer) {
+    // Only the queries that are scored are read (method off reads none, as the GPU).
+    for (int layer = 0; layer < model_.num_layers && policy.method != Method::kOff; ++layer) {
       for (int h = 0; h < model_.num_q_heads; ++h) {
         if (!policy.HeadIsScored(model_, layer, h)) continue;
         const int64_t base =

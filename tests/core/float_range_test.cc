@@ -224,6 +224,22 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
   EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end()) << ::testing::PrintToString(list);
 }
 
+TEST(FloatRangeTest, MethodOffReadsNoQueryAndSoRefusesNone) {
+  // Nothing is scored with method off: a NaN query is no error (the GPU never reads it;
+  // core refused it), and every group is visited.
+  Sequence seq(Tiny(), 3);
+  for (int64_t p = 0; p < 3; ++p) ASSERT_TRUE(seq.Append(p, Key(1.0f)).ok());
+  seq.query[0] = kNaN;
+  SelectPolicy policy;
+  policy.method = Method::kOff;
+  ASSERT_EQ(seq.Select(policy), absl::OkStatus());
+  EXPECT_EQ(seq.List(), (std::vector<int32_t>{100, 101, 102}));
+  policy.method = Method::kQuest;  // scored: refused, by name
+  const absl::Status s = seq.Select(policy);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("query[layer 0][row 0][head 0][0] is nan"), std::string::npos) << s;
+}
+
 TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
   // d = 4 (√d = 2): fed groups 1 and 2 as in the feedback tests; the entries of groups 0,
   // 3 and 4 (±inf, beyond 1e30) must change nothing.
