@@ -15,7 +15,7 @@ CARRY=${EPS_CARRY_DIR:-.carry}
 rm -rf "$CARRY" && mkdir -p "$CARRY/lib"
 bins=(service/epsd tests/gpu_step_test tests/gpu_strict_oracle_test tests/gpu_summary_test
       tests/two_process_test tests/async_fence_test tests/multi_rank_test tests/rank_engine
-      bench/eps_gpu_bench "$@")
+      tests/attention_test bench/eps_gpu_bench "$@")
 for b in "${bins[@]}"; do
   cp "$BUILD/$b" "$CARRY/"
   strip "$CARRY/$(basename "$b")"

@@ -35,6 +35,9 @@ run gpu_summary_test 60 1 "$CARRY/gpu_summary_test"
 # shellcheck disable=SC2086
 run bench 300 1 "$CARRY/eps_gpu_bench" ${EPS_BENCH_ARGS:-}
 run async_fence_test 120 1 "$CARRY/async_fence_test"
+# The sparse paged attention under its default planner (every variant and the sanitizers:
+# bench/attention_device_run.sh).
+run attention_test 120 1 "$CARRY/attention_test"
 # The sanitizers on the device-heavy cases (the others repeat them on other shapes);
 # Fused* are the fused selection's (tests/gpu/fused_select_test.cc), Coarse* the coarse
 # level's (tests/gpu/coarse_step_gpu_test.cc; every coarse group a candidate, c1024, repeats

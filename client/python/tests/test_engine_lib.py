@@ -191,3 +191,34 @@ def test_a_watchdog_timeout_must_be_finite_and_positive(timeout_s):
     # It was clamped to 1 us: every armed step released at once.
     with pytest.raises(ValueError, match="timeout_s"):
         engine.Watchdog(None, timeout_s)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("on_stream", [False, True])
+def test_a_dense_release_clears_the_feedback_before_it_releases(on_stream):
+    """No selection consumed the step before's entries: the released step's attention
+    would combine its masses with them (log-add-exp). The release NaN-fills them first."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine.library()
+    from eps_client.buffers import BufferShape
+    from eps_client.cuda import CudaBuffers
+
+    model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    buffers = CudaBuffers(model, BufferShape(num_slots=8, max_seqs=2, max_context=256,
+                                             max_batch=2, with_feedback=True))
+    try:
+        counters = engine.StepCounters.of(buffers)
+        buffers.feedback.fill_(1.5)  # the step before's masses, never consumed
+        stream = torch.cuda.Stream()
+        if on_stream:
+            counters.release_dense(3, stream.cuda_stream)
+            counters.wait_selection(stream.cuda_stream, 3)
+            stream.synchronize()
+        else:
+            counters.release_dense(3)
+        assert bool(torch.isnan(buffers.feedback).all())
+        assert int(buffers.flags[1]) == 3
+        assert bool((buffers.visit_count == -1).all())
+    finally:
+        buffers.close()
