@@ -155,10 +155,16 @@ absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* comman
       value = arg.substr(eq + 1);
     } else if (resolved.is_bool) {
       value = "true";
-    } else if (i + 1 < args.size()) {
+    } else if (i + 1 < args.size() && !absl::StartsWith(args[i + 1], "--")) {
       value = args[++i];
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      // "--step-log --metrics-listen=off" once made a step log named after the next flag
+      // and dropped that flag; a value that starts with -- is written --name=--value.
+      return absl::InvalidArgumentError(
+          i + 1 < args.size()
+              ? absl::StrCat("--", name, " needs a value, not the flag ", args[i + 1], " (write --",
+                             name, "=VALUE for a value that starts with --)")
+              : absl::StrCat("--", name, " needs a value"));
     }
     // A list flag gathers the values of every occurrence.
     if (resolved.flag->IsOfType<std::vector<std::string>>() && !value.empty()) {
@@ -205,7 +211,8 @@ std::string Usage(absl::string_view synopsis) {
       "  --help      this text\n"
       "  --version   print the version and exit\n"
       "Sizes take k, M, G, T (powers of 1024); durations a unit (500us, 2ms, 1.5s), and\n"
-      "flags named *-ms or *-us also a bare number in that unit.\n");
+      "flags named *-ms or *-us also a bare number in that unit. A value that starts with --\n"
+      "is written --name=VALUE.\n");
   return out;
 }
 

@@ -62,11 +62,12 @@ struct CommandLine {
 
 // Sets every registered abseil flag to its default, then parses `args` (argv without
 // argv[0]) into them:
-// --name=value; --name value (not for booleans); --name for a boolean; the last value
-// of a repeated flag wins, except for std::vector<std::string> flags, whose values
-// accumulate. Every argument is parsed even after --help or --version, so a bad one
-// is still reported. Errors name the flag and the value: "unknown flag --x",
-// "--steps=abc: ...", "unexpected argument 'x'".
+// --name=value; --name value (not for booleans, and not a value that starts with "--",
+// which is taken for a forgotten value: "--step-log --metrics-listen=off" is an error);
+// --name for a boolean; the last value of a repeated flag wins, except for
+// std::vector<std::string> flags, whose values accumulate. Every argument is parsed even
+// after --help or --version, so a bad one is still reported. Errors name the flag and the
+// value: "unknown flag --x", "--steps=abc: ...", "unexpected argument 'x'".
 absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line);
 
 // The whole command line of a main(): parses argv into the flags, runs `check` (the
