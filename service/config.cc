@@ -42,14 +42,18 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
   return absl::OkStatus();
 }
 
-// --listen: unix:///path (a path that fits a socket address) or host:port. gRPC's other
-// spellings (unix:path, unix-abstract:name, dns:...) are refused: epsd binds and removes
-// the socket file itself, by path (docs/cli.md).
+// --listen: unix:///path (an absolute path that fits a socket address) or host:port. gRPC's
+// other spellings (unix:path, unix-abstract:name, dns:...) are refused: epsd binds and
+// removes the socket file itself, by path (docs/cli.md). unix://relative.sock would bind a
+// file in epsd's working directory that no client can dial: their unix://relative names
+// an authority, not a path (cli::CheckDialTarget refuses it).
 absl::Status ReadListen(std::string* out) {
   const std::string v = absl::GetFlag(FLAGS_listen);
   if (absl::StartsWith(v, "unix://")) {
     const std::string path = v.substr(7);
-    if (path.empty()) return cli::Invalid(FLAGS_listen, "unix:///path: a path after unix://");
+    if (path.size() < 2 || path[0] != '/') {
+      return cli::Invalid(FLAGS_listen, "unix:///path: an absolute path after unix://");
+    }
     if (path.size() >= sizeof(sockaddr_un::sun_path)) {
       return cli::Invalid(
           FLAGS_listen, absl::StrCat("a socket path of at most ", sizeof(sockaddr_un::sun_path) - 1,
@@ -179,8 +183,9 @@ std::string Usage() { return cli::Usage("epsd [flags]"); }
 absl::Status CheckListenAddress(const std::string& flag, const std::string& address,
                                 bool allow_remote) {
   if (absl::StartsWith(address, "unix://")) {
-    if (address.size() <= 7) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=unix:// needs a path"));
+    if (!absl::StartsWith(address, "unix:///") || address.size() <= 8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, "=", address, ": want unix:///path: an absolute path"));
     }
     return absl::OkStatus();
   }

@@ -4,7 +4,8 @@
 #include "absl/flags/flag.h"
 
 ABSL_FLAG(std::string, listen, "unix:///tmp/epsd.sock",
-          "the gRPC API: unix:///path (at most 107 bytes), or host:port with a port in [0, 65535] "
+          "the gRPC API: unix:///path (absolute, at most 107 bytes), or host:port with a port in "
+          "[0, 65535] "
           "(0: any; loopback unless --allow-remote); unix:path and unix-abstract: are refused");
 ABSL_FLAG(bool, allow_remote, false,
           "let --listen, --metrics-listen and --health-listen bind a non-loopback address");

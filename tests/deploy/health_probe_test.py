@@ -148,6 +148,10 @@ def test_probe_fails_after_epsd_is_killed(socket_dir: Path) -> None:
         ["--addr=localhost"],
         ["--addr=127.0.0.1:"],
         ["--addr=unix:"],
+        # No client can dial these: unix://x names an authority, port 0 no server.
+        ["--addr=unix://relative.sock"],
+        ["--addr=unix:///"],
+        ["--addr=127.0.0.1:0"],
     ],
 )
 def test_probe_rejects_bad_usage_naming_the_argument(args: list[str]) -> None:

@@ -91,6 +91,7 @@ TEST(ConfigTest, TcpListenIsLoopbackOnlyUnlessAllowed) {
   EXPECT_FALSE(CheckListenAddress("listen", "0.0.0.0:5000", false).ok());
   EXPECT_TRUE(CheckListenAddress("listen", "0.0.0.0:5000", true).ok());
   EXPECT_FALSE(CheckListenAddress("listen", "unix://", false).ok());
+  EXPECT_FALSE(CheckListenAddress("listen", "unix://relative.sock", false).ok());
 }
 
 TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
@@ -118,6 +119,18 @@ TEST(ConfigTest, ListenTakesAUnixPathOrHostAndPortAndNamesItself) {
     EXPECT_EQ(parsed.status().message().rfind(std::string("--listen=") + bad + ": want", 0), 0u)
         << parsed.status();
   }
+}
+
+TEST(ConfigTest, ListenTakesOnlyAnAbsoluteUnixSocketPath) {
+  // unix://relative.sock bound ./relative.sock, which no client can dial: for them
+  // unix://relative names an authority (cli::CheckDialTarget refuses it).
+  for (const char* bad : {"unix://relative.sock", "unix://run/eps.sock", "unix:///"}) {
+    EXPECT_EQ(
+        ParseFlags({std::string("--listen=") + bad}).status().message(),
+        std::string("--listen=") + bad + ": want unix:///path: an absolute path after unix://")
+        << bad;
+  }
+  EXPECT_TRUE(ParseFlags({"--listen=unix:///x.sock"}).ok());
 }
 
 TEST(ConfigTest, HelpStillChecksListenSoThatTheDeployFlagCheckCatchesIt) {
