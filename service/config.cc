@@ -95,6 +95,13 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   c.allow_remote = absl::GetFlag(FLAGS_allow_remote);
   RETURN_IF_ERROR(ReadSocketMode(&c.socket_mode));
   RETURN_IF_ERROR(ReadHostPort(FLAGS_metrics_listen, &c.metrics_listen));
+  // civetweb, as Debian builds it for prometheus-cpp, has no IPv6: [::1] or [::] passed
+  // the syntax check and then failed to bind with "is the port in use?".
+  if (absl::StartsWith(c.metrics_listen, "[")) {
+    return cli::Invalid(FLAGS_metrics_listen,
+                        "an IPv4 address or host name and a port: /metrics is served over IPv4 "
+                        "only (0.0.0.0 for every interface)");
+  }
   RETURN_IF_ERROR(ReadHostPort(FLAGS_health_listen, &c.health_listen));
   RETURN_IF_ERROR(ReadChoice<BackendKind>(
       FLAGS_backend,

@@ -105,6 +105,19 @@ TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
   EXPECT_FALSE(ParseFlags({"--metrics-listen=9464"}).ok());
 }
 
+TEST(ConfigTest, MetricsListenRefusesIPv6ItsHttpServerCannotBind) {
+  // They passed the syntax check, then civetweb failed to bind: "is the port in use?".
+  for (const char* v6 : {"[::1]:9464", "[::]:0"}) {
+    EXPECT_EQ(
+        ParseFlags({std::string("--metrics-listen=") + v6, "--allow-remote"}).status().message(),
+        std::string("--metrics-listen=") + v6 +
+            ": want an IPv4 address or host name and a port: /metrics is served over IPv4 "
+            "only (0.0.0.0 for every interface)");
+  }
+  EXPECT_EQ(ParseFlags({"--health-listen=[::1]:0"})->health_listen, "[::1]:0");
+  EXPECT_EQ(ParseFlags({"--metrics-listen=localhost:0"})->metrics_listen, "localhost:0");
+}
+
 TEST(ConfigTest, ListenTakesAUnixPathOrHostAndPortAndNamesItself) {
   EXPECT_TRUE(ParseFlags({"--listen=127.0.0.1:0"}).ok());
   EXPECT_TRUE(ParseFlags({"--listen=localhost:5000"}).ok());
