@@ -218,6 +218,23 @@ def test_entrypoint_arguments_override_the_flags_file(socket_dir: Path) -> None:
         stop(process)
 
 
+def test_entrypoint_reads_a_flags_file_with_crlf_line_ends(socket_dir: Path) -> None:
+    # Each value once ended in "\r": "--backend=cpu\r: want one of cpu, cuda, auto".
+    flags = socket_dir / "epsd.flags"
+    flags.write_bytes(
+        f"# saved on Windows\r\n--listen=unix://{socket_dir}/epsd.sock\r\n"
+        "--socket-mode=0660 # comment\r\n--backend=cpu\r\n".encode()
+    )
+    process = start_epsd(flags)
+    try:
+        address = wait_listening(process)
+        assert address == f"unix://{socket_dir}/epsd.sock"
+        assert (socket_dir / "epsd.sock").is_socket()
+        assert probe(f"--addr={address}").returncode == 0
+    finally:
+        stop(process)
+
+
 def test_entrypoint_refuses_a_missing_flags_file(socket_dir: Path) -> None:
     process = start_epsd(socket_dir / "missing.flags")
     assert process.wait(timeout=30) == 2

@@ -175,6 +175,15 @@ def test_an_overlay_without_a_minimum_version_fails(deploy: Path) -> None:
     assert any(p.startswith("gpu-new:") and "MIN_VERSIONS" in p for p in problems), problems
 
 
+def test_the_flags_file_parser_reads_crlf_line_ends_as_the_entrypoint_does() -> None:
+    text = "# comment\r\n--backend=cpu\r\n--socket-mode=0660 # mode\r\n\r\n--eps-dim=8"
+    assert validate_manifests.parse_flags_file(text) == [
+        "--backend=cpu",
+        "--socket-mode=0660",
+        "--eps-dim=8",
+    ]
+
+
 def test_the_committed_flags_are_accepted_by_epsd(deploy: Path) -> None:
     assert check_epsd_flags.check(epsd(), deploy / "k8s") == []
 
