@@ -363,19 +363,34 @@ def wiring_errors(resources: list[Resource]) -> list[str]:
     def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
         return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
-    port_names = set()
+    # Port names of the regular containers and of the init containers (epsd, the native
+    # sidecar), and every port number. Before Kubernetes 1.32 the endpoints controllers
+    # resolve a named targetPort in spec.containers only (kubernetes/kubernetes#127958).
+    names: dict[str, set[str]] = {"containers": set(), "initContainers": set()}
+    numbers: set[int] = set()
     for pod in pods:
-        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
-            port_names.update(p.get("name") for p in c.get("ports", []))
+        for field, found in names.items():
+            for c in pod["spec"].get(field, []):
+                found.update(p.get("name") for p in c.get("ports", []) if p.get("name"))
+                numbers.update(p["containerPort"] for p in c.get("ports", []))
     for svc in by_kind.get("Service", []):
+        where = f"Service/{svc['metadata']['name']}"
         if not any(selects(svc["spec"].get("selector", {}), p["metadata"]["labels"]) for p in pods):
-            errors.append(f"Service/{svc['metadata']['name']}: selector matches no pod template")
+            errors.append(f"{where}: selector matches no pod template")
         for p in svc["spec"].get("ports", []):
-            if isinstance(p.get("targetPort"), str) and p["targetPort"] not in port_names:
+            target = p.get("targetPort", p.get("port"))
+            if isinstance(target, str) and target in names["containers"]:
+                continue
+            if isinstance(target, str) and target in names["initContainers"]:
                 errors.append(
-                    f"Service/{svc['metadata']['name']}: "
-                    f"targetPort {p['targetPort']} is no container port"
+                    f"{where}: targetPort {target} is a port of an init container only: before "
+                    "Kubernetes 1.32 no endpoint gets it (kubernetes/kubernetes#127958); use "
+                    "its number"
                 )
+            elif isinstance(target, str):
+                errors.append(f"{where}: targetPort {target} is no container port")
+            elif target not in numbers:
+                errors.append(f"{where}: targetPort {target} is no container's port")
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(selects(sel, p["metadata"]["labels"]) for p in pods):

@@ -148,6 +148,22 @@ def test_a_servicemonitor_on_a_missing_port_fails(deploy: Path) -> None:
     assert any("port metrics is not a Service port" in p for p in problems), problems
 
 
+def test_a_named_target_port_of_the_sidecar_alone_fails(deploy: Path) -> None:
+    # Before Kubernetes 1.32 the endpoints controllers resolve names in spec.containers
+    # only: Prometheus got no target for the eps-metrics port of the epsd init container.
+    edit(deploy / "k8s/base/service.yaml", "      targetPort: 9464\n", "      targetPort: eps-metrics\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any(
+        "targetPort eps-metrics is a port of an init container only" in p for p in problems
+    ), problems
+
+
+def test_a_target_port_number_no_container_declares_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/base/service.yaml", "      targetPort: 9464\n", "      targetPort: 9446\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("targetPort 9446 is no container's port" in p for p in problems), problems
+
+
 def test_a_servicemonitor_typo_fails_its_schema(deploy: Path) -> None:
     edit(deploy / "k8s/base/servicemonitor.yaml", "      interval: 15s\n", "      intervall: 15s\n")
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
