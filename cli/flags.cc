@@ -17,13 +17,42 @@
 namespace eps::cli {
 namespace {
 
-// A duration: abseil's syntax ("2ms", "1.5s"), or a bare number of `unit`.
+bool AllDigits(absl::string_view text) {
+  return std::all_of(text.begin(), text.end(), [](char c) { return absl::ascii_isdigit(c); });
+}
+
+// "milliseconds" for absl::Milliseconds(1), "microseconds" for absl::Microseconds(1).
+std::string UnitName(absl::Duration unit) {
+  return unit == absl::Milliseconds(1) ? "milliseconds" : "microseconds";
+}
+
+// The value each flag was given on the command line, as typed: errors found after parsing
+// (range checks) name it, not abseil's unparsed form ("1e9", not "277h46m40s").
+std::map<std::string, std::string>& TypedValues() {
+  static auto* typed = new std::map<std::string, std::string>();
+  return *typed;
+}
+
+// A duration: abseil's syntax ("2ms", "1.5s"), or a bare decimal number of `unit`
+// ("250", "1.5"); either way a whole number of `unit`s, since the programs read these
+// flags in that unit and a finer value would be cut to it ("500us" was 0 ms).
 bool ParseDurationIn(absl::string_view text, absl::Duration unit, absl::Duration* out,
                      std::string* error) {
-  double n = 0;
-  if (absl::SimpleAtod(text, &n)) {
-    if (!std::isfinite(n) || n < 0) {
-      *error = "want a non-negative duration";
+  const std::string whole = absl::StrCat("want a whole number of ", UnitName(unit));
+  // Digits with an optional fraction only: SimpleAtod also takes "0x10", "1e9" and "inf".
+  const size_t dot = text.find('.');
+  const absl::string_view integral = text.substr(0, dot);
+  const absl::string_view fraction =
+      dot == absl::string_view::npos ? absl::string_view() : text.substr(dot + 1);
+  if (!integral.empty() && AllDigits(integral) &&
+      (dot == absl::string_view::npos || (!fraction.empty() && AllDigits(fraction)))) {
+    double n = 0;
+    if (!absl::SimpleAtod(text, &n) || !std::isfinite(n) || n * unit == absl::InfiniteDuration()) {
+      *error = "want a finite duration";
+      return false;
+    }
+    if (n != std::floor(n)) {
+      *error = whole;
       return false;
     }
     *out = n * unit;
@@ -31,8 +60,11 @@ bool ParseDurationIn(absl::string_view text, absl::Duration unit, absl::Duration
   }
   if (!absl::ParseDuration(text, out) || *out < absl::ZeroDuration() ||
       *out == absl::InfiniteDuration()) {
-    *error = absl::StrCat("want a duration such as 500us, 2ms, 1.5s or a number of ",
-                          absl::FormatDuration(unit));
+    *error = absl::StrCat("want a duration such as 2ms, 1.5s or a number of ", UnitName(unit));
+    return false;
+  }
+  if (*out % unit != absl::ZeroDuration()) {
+    *error = whole;
     return false;
   }
   return true;
@@ -50,11 +82,39 @@ std::map<std::string, std::string>& Aliases() {
   return *aliases;
 }
 
-// What a value of the flag's type looks like, for an error message.
-std::string TypeHint(const absl::CommandLineFlag& flag) {
+// The range an integer flag's help names ("..., in [0, 2^30]"), else its type's range.
+std::string IntegerRange(const absl::CommandLineFlag& flag) {
+  const std::string help = flag.Help();
+  if (const size_t open = help.find("in ["); open != std::string::npos) {
+    if (const size_t close = help.find(']', open); close != std::string::npos) {
+      return help.substr(open + 3, close - open - 2);
+    }
+  }
+  if (flag.IsOfType<int>()) {
+    return absl::StrCat("[", std::numeric_limits<int>::min(), ", ", std::numeric_limits<int>::max(),
+                        "]");
+  }
+  if (flag.IsOfType<uint32_t>()) {
+    return absl::StrCat("[0, ", std::numeric_limits<uint32_t>::max(), "]");
+  }
+  if (flag.IsOfType<uint64_t>()) {
+    return absl::StrCat("[0, ", std::numeric_limits<uint64_t>::max(), "]");
+  }
+  return absl::StrCat("[", std::numeric_limits<int64_t>::min(), ", ",
+                      std::numeric_limits<int64_t>::max(), "]");
+}
+
+// What a value of the flag's type looks like, for an error message about `value`.
+std::string TypeHint(const absl::CommandLineFlag& flag, absl::string_view value) {
   if (flag.IsOfType<bool>()) return "want true or false";
   if (flag.IsOfType<int>() || flag.IsOfType<int64_t>() || flag.IsOfType<uint32_t>() ||
       flag.IsOfType<uint64_t>()) {
+    // An integer that does not fit the type is out of range, not malformed.
+    absl::string_view digits = value;
+    if (!absl::ConsumePrefix(&digits, "-")) absl::ConsumePrefix(&digits, "+");
+    if (!digits.empty() && AllDigits(digits)) {
+      return absl::StrCat("want an integer in ", IntegerRange(flag));
+    }
     return "want an integer";
   }
   if (flag.IsOfType<double>() || flag.IsOfType<float>()) return "want a number";
@@ -125,6 +185,7 @@ std::string AbslUnparseFlag(Micros d) { return absl::FormatDuration(d.value); }
 
 absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line) {
   // Start from the defaults, so that a second parse (tests) sees none of the first.
+  TypedValues().clear();
   for (const auto& [name, flag] : absl::GetAllFlags()) {
     std::string error;
     if (!flag->ParseFrom(flag->DefaultValue(), &error)) {
@@ -155,10 +216,16 @@ absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* comman
       value = arg.substr(eq + 1);
     } else if (resolved.is_bool) {
       value = "true";
-    } else if (i + 1 < args.size()) {
+    } else if (i + 1 < args.size() && !absl::StartsWith(args[i + 1], "--")) {
       value = args[++i];
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      // "--step-log --metrics-listen=off" once made a step log named after the next flag
+      // and dropped that flag; a value that starts with -- is written --name=--value.
+      return absl::InvalidArgumentError(
+          i + 1 < args.size()
+              ? absl::StrCat("--", name, " needs a value, not the flag ", args[i + 1], " (write --",
+                             name, "=VALUE for a value that starts with --)")
+              : absl::StrCat("--", name, " needs a value"));
     }
     // A list flag gathers the values of every occurrence.
     if (resolved.flag->IsOfType<std::vector<std::string>>() && !value.empty()) {
@@ -170,9 +237,10 @@ absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* comman
     if (!resolved.flag->ParseFrom(value, &error)) {
       // abseil says "Illegal value 'v' specified for flag 'f'; <why>": keep the why.
       const size_t why = error.find("; ");
-      error = why == std::string::npos ? TypeHint(*resolved.flag) : error.substr(why + 2);
+      error = why == std::string::npos ? TypeHint(*resolved.flag, value) : error.substr(why + 2);
       return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": ", error));
     }
+    TypedValues()[std::string(resolved.flag->Name())] = value;
   }
   return absl::OkStatus();
 }
@@ -205,7 +273,8 @@ std::string Usage(absl::string_view synopsis) {
       "  --help      this text\n"
       "  --version   print the version and exit\n"
       "Sizes take k, M, G, T (powers of 1024); durations a unit (500us, 2ms, 1.5s), and\n"
-      "flags named *-ms or *-us also a bare number in that unit.\n");
+      "flags named *-ms or *-us also a bare number: a whole number of that unit either way.\n"
+      "A value that starts with -- is written --name=VALUE.\n");
   return out;
 }
 
@@ -283,8 +352,10 @@ bool IsHostPort(absl::string_view address) {
 }
 
 absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", DisplayName(flag), "=", flag.CurrentValue(), ": want ", want));
+  const auto typed = TypedValues().find(std::string(flag.Name()));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--", DisplayName(flag), "=",
+      typed != TypedValues().end() ? typed->second : flag.CurrentValue(), ": want ", want));
 }
 
 absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value, absl::Duration lo,

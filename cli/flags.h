@@ -5,8 +5,9 @@
 //
 //   sizes      Size: 32768, 32k, 64M, 1G, 1T (k, M, G, T are powers of 1024)
 //   durations  absl::Duration: 2ms, 500us, 1.5s, 10m (a unit is required, except 0);
-//              Millis / Micros: the same, and a bare number is read in the unit the
-//              flag's name carries (--lease-ms=500 or --lease-ms=2s)
+//              Millis / Micros: the same, and a bare decimal number is read in the unit
+//              the flag's name carries (--lease-ms=500 or --lease-ms=2s); either way a
+//              whole number of that unit (--drain-ms=500us and --drain-ms=0.4 are errors)
 //
 // Thread safety: ParseArgs writes the process's flags; call it before starting threads.
 #pragma once
@@ -62,11 +63,13 @@ struct CommandLine {
 
 // Sets every registered abseil flag to its default, then parses `args` (argv without
 // argv[0]) into them:
-// --name=value; --name value (not for booleans); --name for a boolean; the last value
-// of a repeated flag wins, except for std::vector<std::string> flags, whose values
-// accumulate. Every argument is parsed even after --help or --version, so a bad one
-// is still reported. Errors name the flag and the value: "unknown flag --x",
-// "--steps=abc: ...", "unexpected argument 'x'".
+// --name=value; --name value (not for booleans, and not a value that starts with "--",
+// which is taken for a forgotten value: "--step-log --metrics-listen=off" is an error);
+// --name for a boolean; the last value of a repeated flag wins, except for
+// std::vector<std::string> flags, whose values accumulate. Every argument is parsed even
+// after --help or --version, so a bad one is still reported. Errors name the flag and the
+// value as typed: "unknown flag --x", "--steps=abc: ...", "unexpected argument 'x'"; an
+// integer too large for its type names the range the flag's help gives ("in [0, 2^30]").
 absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line);
 
 // The whole command line of a main(): parses argv into the flags, runs `check` (the
@@ -104,7 +107,8 @@ bool IsHostPort(absl::string_view address);
 // flag otherwise.
 absl::Status CheckDialTarget(const absl::Flag<std::string>& flag);
 
-// "--name=<current value>: want <want>", for a value that parsed but is out of range.
+// "--name=<value>: want <want>", for a value that parsed but is out of range: the value
+// as ParseArgs was given it, else the flag's current value.
 absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want);
 
 template <typename T>

@@ -219,8 +219,9 @@ int Run(const Args& args) {
   options.use_stream = args.stream;
   eps::client::EpsClient client(options, attach);
   if (absl::Status s = client.Attach(); !s.ok()) {
-    std::fprintf(stderr, "eps-demo: attach to %s failed: %s (is epsd running?)\n",
-                 args.target.c_str(), s.ToString().c_str());
+    // Only UNAVAILABLE means no epsd answered; any other code is epsd's own answer.
+    std::fprintf(stderr, "eps-demo: attach to %s failed: %s%s\n", args.target.c_str(),
+                 s.ToString().c_str(), absl::IsUnavailable(s) ? " (is epsd running?)" : "");
   }
 
   std::printf("eps-demo: %d sequences, %lld prefilled tokens, %d steps, %s over %s\n", args.batch,

@@ -42,14 +42,18 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
   return absl::OkStatus();
 }
 
-// --listen: unix:///path (a path that fits a socket address) or host:port. gRPC's other
-// spellings (unix:path, unix-abstract:name, dns:...) are refused: epsd binds and removes
-// the socket file itself, by path (docs/cli.md).
+// --listen: unix:///path (an absolute path that fits a socket address) or host:port. gRPC's
+// other spellings (unix:path, unix-abstract:name, dns:...) are refused: epsd binds and
+// removes the socket file itself, by path (docs/cli.md). unix://relative.sock would bind a
+// file in epsd's working directory that no client can dial: their unix://relative names
+// an authority, not a path (cli::CheckDialTarget refuses it).
 absl::Status ReadListen(std::string* out) {
   const std::string v = absl::GetFlag(FLAGS_listen);
   if (absl::StartsWith(v, "unix://")) {
     const std::string path = v.substr(7);
-    if (path.empty()) return cli::Invalid(FLAGS_listen, "unix:///path: a path after unix://");
+    if (path.size() < 2 || path[0] != '/') {
+      return cli::Invalid(FLAGS_listen, "unix:///path: an absolute path after unix://");
+    }
     if (path.size() >= sizeof(sockaddr_un::sun_path)) {
       return cli::Invalid(
           FLAGS_listen, absl::StrCat("a socket path of at most ", sizeof(sockaddr_un::sun_path) - 1,
@@ -91,6 +95,13 @@ absl::StatusOr<ServerConfig> ReadFlags() {
   c.allow_remote = absl::GetFlag(FLAGS_allow_remote);
   RETURN_IF_ERROR(ReadSocketMode(&c.socket_mode));
   RETURN_IF_ERROR(ReadHostPort(FLAGS_metrics_listen, &c.metrics_listen));
+  // civetweb, as Debian builds it for prometheus-cpp, has no IPv6: [::1] or [::] passed
+  // the syntax check and then failed to bind with "is the port in use?".
+  if (absl::StartsWith(c.metrics_listen, "[")) {
+    return cli::Invalid(FLAGS_metrics_listen,
+                        "an IPv4 address or host name and a port: /metrics is served over IPv4 "
+                        "only (0.0.0.0 for every interface)");
+  }
   RETURN_IF_ERROR(ReadHostPort(FLAGS_health_listen, &c.health_listen));
   RETURN_IF_ERROR(ReadChoice<BackendKind>(
       FLAGS_backend,
@@ -179,8 +190,9 @@ std::string Usage() { return cli::Usage("epsd [flags]"); }
 absl::Status CheckListenAddress(const std::string& flag, const std::string& address,
                                 bool allow_remote) {
   if (absl::StartsWith(address, "unix://")) {
-    if (address.size() <= 7) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=unix:// needs a path"));
+    if (!absl::StartsWith(address, "unix:///") || address.size() <= 8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, "=", address, ": want unix:///path: an absolute path"));
     }
     return absl::OkStatus();
   }

@@ -4,15 +4,16 @@
 #include "absl/flags/flag.h"
 
 ABSL_FLAG(std::string, listen, "unix:///tmp/epsd.sock",
-          "the gRPC API: unix:///path (at most 107 bytes), or host:port with a port in [0, 65535] "
+          "the gRPC API: unix:///path (absolute, at most 107 bytes), or host:port with a port in "
+          "[0, 65535] "
           "(0: any; loopback unless --allow-remote); unix:path and unix-abstract: are refused");
 ABSL_FLAG(bool, allow_remote, false,
           "let --listen, --metrics-listen and --health-listen bind a non-loopback address");
 ABSL_FLAG(std::string, socket_mode, "0660",
           "file mode of the Unix socket: octal digits, at most 0777");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
-          "host:port of the Prometheus /metrics endpoint (port 0 picks one; off or empty: not "
-          "served; loopback unless --allow-remote)");
+          "host:port of the Prometheus /metrics endpoint, IPv4 only (port 0 picks one; off or "
+          "empty: not served; loopback unless --allow-remote)");
 ABSL_FLAG(std::string, health_listen, "",
           "host:port where grpc.health.v1 (and reflection, never the API) is served over TCP, "
           "for kubelet's native gRPC probes (off or empty: not served; loopback unless "

@@ -1,8 +1,9 @@
 #!/bin/sh
 # Starts epsd with the flags in $EPSD_FLAGS_FILE (default /etc/epsd/epsd.flags:
-# one --flag=value a line, '#' starts a comment, values hold no spaces) and then
-# the container's own arguments, which therefore override the file (epsd keeps
-# the last value of a flag). EPSD_FLAGS_FILE= (empty) reads no file.
+# one --flag=value a line, '#' starts a comment, values hold no spaces, LF or
+# CRLF line ends) and then the container's own arguments, which therefore
+# override the file (epsd keeps the last value of a flag). EPSD_FLAGS_FILE=
+# (empty) reads no file.
 set -eu
 EPSD_BIN=${EPSD_BIN:-/usr/local/bin/epsd}
 EPSD_FLAGS_FILE=${EPSD_FLAGS_FILE-/etc/epsd/epsd.flags}
@@ -15,7 +16,11 @@ if [ -n "$EPSD_FLAGS_FILE" ]; then
     echo "epsd-entrypoint: cannot read flags file $EPSD_FLAGS_FILE (EPSD_FLAGS_FILE must name a readable regular file)" >&2
     exit 2
   fi
+  # A file saved with CRLF line ends (an editor on Windows) would hand epsd
+  # values ending in a carriage return: "--backend=cpu\r: want one of ...".
+  cr=$(printf '\r')
   while IFS= read -r line || [ -n "$line" ]; do
+    line=${line%"$cr"}
     flags="$flags ${line%%#*}"
   done <"$EPSD_FLAGS_FILE"
 fi

@@ -21,7 +21,8 @@
 #include "grpcpp/grpcpp.h"
 
 ABSL_FLAG(std::string, addr, "unix:///run/eps/epsd.sock",
-          "the server: unix:///path or host:port (epsd's --listen or --health-listen)");
+          "the server: unix:///path (absolute) or host:port with a port in [1, 65535] (epsd's "
+          "--listen or --health-listen)");
 ABSL_FLAG(std::string, service, "eps.v1.PageSelector",
           "the service to ask about (\"\" asks about the server as a whole)");
 ABSL_FLAG(eps::cli::Millis, timeout_ms, {absl::Milliseconds(1000)},
@@ -39,13 +40,10 @@ int main(int argc, char** argv) {
       eps::cli::ParseMain(argc, argv, "eps-health-probe", "eps-health-probe [flags]", [&] {
         args.addr = absl::GetFlag(FLAGS_addr);
         args.service = absl::GetFlag(FLAGS_service);
-        // What gRPC would dial otherwise: 99999 wrapped, "abc" dialled port 0, a bare
-        // host port 443. Checked here so that a bad --addr exits 2, not 1 after a call.
-        if (!(args.addr.size() > 7 && args.addr.rfind("unix://", 0) == 0) &&
-            !eps::cli::IsHostPort(args.addr)) {
-          return eps::cli::Invalid(FLAGS_addr,
-                                   "unix:///path or host:port with a port in [0, 65535]");
-        }
+        // Dialled as the clients dial --target: gRPC would otherwise wrap 99999, dial port 0
+        // for "abc" and 443 for a bare host, and read unix://relative.sock as an authority.
+        // Checked here so that a bad --addr exits 2, not 1 after a call.
+        if (absl::Status s = eps::cli::CheckDialTarget(FLAGS_addr); !s.ok()) return s;
         return eps::cli::ReadDuration(FLAGS_timeout_ms, absl::Milliseconds(1), absl::Seconds(60),
                                       &args.timeout);
       });

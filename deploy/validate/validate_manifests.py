@@ -6,8 +6,8 @@ ships for the lowest Kubernetes version the overlay supports and for the newest 
 it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
 Deployment's pod template is checked for what docs/deploy.md promises: epsd as a
 native sidecar with kubelet gRPC probes on its health port, the socket and /dev/shm shared with
-the engine, hardened containers with resources, and GPU sharing that hands both
-containers the same device. Exit status 1 lists every problem found.
+the engine, hardened containers with resources, memory budgets (--max-server-bytes) that fit
+epsd's memory limit, and GPU sharing that hands both containers the same device. Exit status 1 lists every problem found.
 
 Usage: validate_manifests.py [--k8s-dir deploy/k8s]
 """
@@ -34,6 +34,17 @@ MIN_VERSIONS = {"base": "1.29", "cpu-demo": "1.29", "gpu": "1.29", "gpu-dra": "1
 SIDECAR = "epsd"
 SERVICE = "eps.v1.PageSelector"
 HERE = Path(__file__).resolve().parent
+MIB = 1 << 20
+# epsd's defaults (service/flags.cc) of the flags the memory rule reads; a test compares
+# them with the built epsd's --help.
+EPSD_DEFAULTS = {"max-server-bytes": "2G", "max-session-bytes": "512M", "max-message-bytes": "64M"}
+# What epsd's memory holds beyond --max-server-bytes: the process itself (17 MB resident
+# idle on the cpu backend) and a request being received, which is not charged to the
+# budget: a 60 MiB Attach raised epsd's peak RSS by 160 MB, 2.6 times its size, before it
+# was refused (developer machine, 2026-11-28). So 64 MiB plus three largest messages: room
+# for one such message at a time (docs/deploy.md, "Memory budgets").
+PROCESS_BYTES = 64 * MIB
+MESSAGE_FACTOR = 3
 
 
 def flags_of(resources: list[Resource]) -> list[str]:
@@ -61,6 +72,65 @@ def flag_value(flags: list[str], name: str) -> str | None:
     prefix = f"--{name}="
     values = [f[len(prefix) :] for f in flags if f.startswith(prefix)]
     return values[-1] if values else None
+
+
+def epsd_size(text: str) -> int | None:
+    """An epsd size flag's value (cli::Size: digits and k, K, M, G, T, powers of 1024)."""
+    m = re.fullmatch(r"([0-9]+)([kKMGT]?)", text)
+    if not m:
+        return None
+    shift = {"": 0, "k": 10, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
+    return int(m.group(1)) << shift
+
+
+def k8s_quantity(text: str) -> int | None:
+    """Bytes of a Kubernetes memory quantity (2Gi, 512Mi, 1G, 1e9, 1.5Gi); None if unread."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][0-9]+)?", text)
+    if not m:
+        return None
+    suffix = m.group(2) or ""
+    binary = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+    decimal = {"k": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+    if suffix in binary:
+        scale = 1024 ** binary[suffix]
+    elif suffix in decimal:
+        scale = 1000 ** decimal[suffix]
+    else:
+        scale = 10 ** int(suffix[1:]) if suffix else 1
+    return int(float(m.group(1)) * scale)
+
+
+def memory_errors(sidecar: dict[str, Any], flags: list[str]) -> list[str]:
+    """epsd's memory budgets fit its container: past the limit it is OOM-killed instead of
+    answering RESOURCE_EXHAUSTED (docs/deploy.md, "Memory budgets")."""
+    limit_text = str(sidecar.get("resources", {}).get("limits", {}).get("memory", ""))
+    if not limit_text:
+        return []  # the resources check reports it
+    limit = k8s_quantity(limit_text)
+    if limit is None:
+        return [f"epsd's limits.memory {limit_text!r} is not a quantity this check reads"]
+    sizes = {}
+    for name, default in EPSD_DEFAULTS.items():
+        text = flag_value(flags, name) or default
+        sizes[name] = epsd_size(text)
+        if sizes[name] is None:
+            return [f"--{name}={text} is not an epsd size"]
+    errors = []
+    server, session = sizes["max-server-bytes"], sizes["max-session-bytes"]
+    if session > server:
+        errors.append(
+            f"--max-session-bytes ({session // MIB} MiB) exceeds --max-server-bytes "
+            f"({server // MIB} MiB)"
+        )
+    headroom = PROCESS_BYTES + MESSAGE_FACTOR * sizes["max-message-bytes"]
+    if server + headroom > limit:
+        errors.append(
+            f"--max-server-bytes ({server // MIB} MiB) plus {headroom // MIB} MiB for the "
+            f"process and one largest message (--max-message-bytes) exceeds epsd's "
+            f"limits.memory {limit_text}: epsd would be OOM-killed before it answers "
+            "RESOURCE_EXHAUSTED; set --max-server-bytes (and --max-session-bytes) lower"
+        )
+    return errors
 
 
 @functools.cache
@@ -167,6 +237,8 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
                     res in c.get("resources", {}).get(kind, {}),
                     f"{cn}: resources.{kind}.{res} missing",
                 )
+
+    errors += [f"{name}: {e}" for e in memory_errors(sidecar, flags)]
 
     listen = flag_value(flags, "listen") or ""
     need(listen.startswith("unix:///"), f"--listen={listen!r} is not a unix:/// socket")
@@ -291,19 +363,34 @@ def wiring_errors(resources: list[Resource]) -> list[str]:
     def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
         return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
-    port_names = set()
+    # Port names of the regular containers and of the init containers (epsd, the native
+    # sidecar), and every port number. Before Kubernetes 1.32 the endpoints controllers
+    # resolve a named targetPort in spec.containers only (kubernetes/kubernetes#127958).
+    names: dict[str, set[str]] = {"containers": set(), "initContainers": set()}
+    numbers: set[int] = set()
     for pod in pods:
-        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
-            port_names.update(p.get("name") for p in c.get("ports", []))
+        for field, found in names.items():
+            for c in pod["spec"].get(field, []):
+                found.update(p.get("name") for p in c.get("ports", []) if p.get("name"))
+                numbers.update(p["containerPort"] for p in c.get("ports", []))
     for svc in by_kind.get("Service", []):
+        where = f"Service/{svc['metadata']['name']}"
         if not any(selects(svc["spec"].get("selector", {}), p["metadata"]["labels"]) for p in pods):
-            errors.append(f"Service/{svc['metadata']['name']}: selector matches no pod template")
+            errors.append(f"{where}: selector matches no pod template")
         for p in svc["spec"].get("ports", []):
-            if isinstance(p.get("targetPort"), str) and p["targetPort"] not in port_names:
+            target = p.get("targetPort", p.get("port"))
+            if isinstance(target, str) and target in names["containers"]:
+                continue
+            if isinstance(target, str) and target in names["initContainers"]:
                 errors.append(
-                    f"Service/{svc['metadata']['name']}: "
-                    f"targetPort {p['targetPort']} is no container port"
+                    f"{where}: targetPort {target} is a port of an init container only: before "
+                    "Kubernetes 1.32 no endpoint gets it (kubernetes/kubernetes#127958); use "
+                    "its number"
                 )
+            elif isinstance(target, str):
+                errors.append(f"{where}: targetPort {target} is no container port")
+            elif target not in numbers:
+                errors.append(f"{where}: targetPort {target} is no container's port")
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(selects(sel, p["metadata"]["labels"]) for p in pods):

@@ -1,8 +1,9 @@
 """eps-demo and eps_core_demo: sizes that cannot fit, running out of memory, signals, and a
 run that never reaches epsd.
 
-ctest sets EPS_BINARIES to "name=path;..." for the built binaries. No epsd runs: eps-demo
-falls back to dense attention at every step, which is all these tests need.
+ctest sets EPS_BINARIES to "name=path;..." for the built binaries. No epsd runs, except in
+the test of an Attach that epsd refuses: eps-demo falls back to dense attention at every
+step, which is all these tests need.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,3 +111,35 @@ def test_eps_demo_that_never_reaches_epsd_exits_3_after_its_dense_steps() -> Non
     assert done.returncode == 3, done.stdout + done.stderr
     assert "3 steps, 0 selected, 3 fallbacks" in done.stdout
     assert "no step was selected by epsd at unix:///tmp/eps-demo-test-no-epsd.sock" in done.stderr
+    assert "UNAVAILABLE" in done.stderr and "(is epsd running?)" in done.stderr, done.stderr
+
+
+def test_eps_demo_does_not_ask_whether_epsd_runs_when_epsd_refused_the_attach() -> None:
+    # epsd answered RESOURCE_EXHAUSTED; "(is epsd running?)" sent the reader the wrong way.
+    with tempfile.TemporaryDirectory(prefix="eps-demo-", dir="/tmp") as tmp:
+        socket = Path(tmp) / "epsd.sock"
+        epsd = subprocess.Popen(
+            [binaries()["epsd"], f"--listen=unix://{socket}", "--backend=cpu",
+             "--metrics-listen=off", "--max-batch=1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert epsd.stderr is not None
+            line = epsd.stderr.readline()  # its first line says it listens
+            assert "listening on" in line, line + epsd.stderr.read()
+            done = subprocess.run(
+                [binaries()["eps-demo"], f"--target=unix://{socket}", "--context=1k",
+                 "--batch=2", "--steps=1"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        finally:
+            epsd.terminate()
+            epsd.communicate(timeout=30)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "RESOURCE_EXHAUSTED: max_batch=2 exceeds the server's --max-batch=1" in done.stderr
+    assert "is epsd running" not in done.stderr, done.stderr

@@ -148,6 +148,10 @@ def test_probe_fails_after_epsd_is_killed(socket_dir: Path) -> None:
         ["--addr=localhost"],
         ["--addr=127.0.0.1:"],
         ["--addr=unix:"],
+        # No client can dial these: unix://x names an authority, port 0 no server.
+        ["--addr=unix://relative.sock"],
+        ["--addr=unix:///"],
+        ["--addr=127.0.0.1:0"],
     ],
 )
 def test_probe_rejects_bad_usage_naming_the_argument(args: list[str]) -> None:
@@ -210,6 +214,23 @@ def test_entrypoint_arguments_override_the_flags_file(socket_dir: Path) -> None:
     process = start_epsd(flags, f"--listen=unix://{socket_dir}/from-args.sock")
     try:
         assert wait_listening(process) == f"unix://{socket_dir}/from-args.sock"
+    finally:
+        stop(process)
+
+
+def test_entrypoint_reads_a_flags_file_with_crlf_line_ends(socket_dir: Path) -> None:
+    # Each value once ended in "\r": "--backend=cpu\r: want one of cpu, cuda, auto".
+    flags = socket_dir / "epsd.flags"
+    flags.write_bytes(
+        f"# saved on Windows\r\n--listen=unix://{socket_dir}/epsd.sock\r\n"
+        "--socket-mode=0660 # comment\r\n--backend=cpu\r\n".encode()
+    )
+    process = start_epsd(flags)
+    try:
+        address = wait_listening(process)
+        assert address == f"unix://{socket_dir}/epsd.sock"
+        assert (socket_dir / "epsd.sock").is_socket()
+        assert probe(f"--addr={address}").returncode == 0
     finally:
         stop(process)
 

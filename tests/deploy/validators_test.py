@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import check_epsd_flags
@@ -147,6 +148,22 @@ def test_a_servicemonitor_on_a_missing_port_fails(deploy: Path) -> None:
     assert any("port metrics is not a Service port" in p for p in problems), problems
 
 
+def test_a_named_target_port_of_the_sidecar_alone_fails(deploy: Path) -> None:
+    # Before Kubernetes 1.32 the endpoints controllers resolve names in spec.containers
+    # only: Prometheus got no target for the eps-metrics port of the epsd init container.
+    edit(deploy / "k8s/base/service.yaml", "      targetPort: 9464\n", "      targetPort: eps-metrics\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any(
+        "targetPort eps-metrics is a port of an init container only" in p for p in problems
+    ), problems
+
+
+def test_a_target_port_number_no_container_declares_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/base/service.yaml", "      targetPort: 9464\n", "      targetPort: 9446\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("targetPort 9446 is no container's port" in p for p in problems), problems
+
+
 def test_a_servicemonitor_typo_fails_its_schema(deploy: Path) -> None:
     edit(deploy / "k8s/base/servicemonitor.yaml", "      interval: 15s\n", "      intervall: 15s\n")
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
@@ -169,10 +186,89 @@ def test_a_metrics_listener_prometheus_cannot_scrape_fails(
     assert any(message in p for p in problems), problems
 
 
+def test_the_default_server_budget_past_epsds_memory_limit_fails(deploy: Path) -> None:
+    # The audit's case: no budget flag, so epsd's 2G default against a 512Mi limit; two
+    # Attaches of about 1 kB (inline queries at offset 400 MiB) took epsd past 800 MB.
+    edit(deploy / "k8s/overlays/cpu-demo/configmap-patch.yaml", "    --max-server-bytes=256M\n", "")
+    problems = validate_manifests.validate(deploy / "k8s", {"cpu-demo"})
+    assert any(
+        p.startswith("cpu-demo:")
+        and "--max-server-bytes (2048 MiB)" in p
+        and "limits.memory 512Mi" in p
+        for p in problems
+    ), problems
+
+
+def test_a_memory_limit_below_the_server_budget_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/base/deployment.yaml", "              memory: 2Gi\n", "              memory: 1Gi\n")
+    edit(deploy / "k8s/base/deployment.yaml", "              memory: 2Gi\n", "              memory: 1Gi\n")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("--max-server-bytes (1536 MiB)" in p and "OOM-killed" in p for p in problems), (
+        problems
+    )
+
+
+def test_larger_messages_need_more_room_beside_the_budget(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/cpu-demo/configmap-patch.yaml",
+        "--max-message-bytes=16M",
+        "--max-message-bytes=128M",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"cpu-demo"})
+    assert any("plus 448 MiB for the process and one largest message" in p for p in problems), (
+        problems
+    )
+
+
+def test_a_session_budget_above_the_server_budget_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/gpu/configmap-patch.yaml",
+        "--max-session-bytes=512M",
+        "--max-session-bytes=2G",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(
+        p.startswith("gpu:") and "--max-session-bytes (2048 MiB) exceeds --max-server-bytes" in p
+        for p in problems
+    ), problems
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("2Gi", 2 << 30),
+        ("512Mi", 512 << 20),
+        ("1G", 10**9),
+        ("1e9", 10**9),
+        ("1.5Gi", 3 << 29),
+        ("1048576", 1 << 20),
+        ("2 Gi", None),
+        ("Gi", None),
+    ],
+)
+def test_memory_quantities_are_read_as_kubernetes_reads_them(text: str, size: int | None) -> None:
+    assert validate_manifests.k8s_quantity(text) == size
+
+
+def test_the_memory_rule_knows_epsds_defaults() -> None:
+    done = subprocess.run([epsd(), "--help"], capture_output=True, text=True, timeout=30, check=True)
+    for name, default in validate_manifests.EPSD_DEFAULTS.items():
+        assert f"  --{name}={default}\n" in done.stdout, name
+
+
 def test_an_overlay_without_a_minimum_version_fails(deploy: Path) -> None:
     shutil.copytree(deploy / "k8s/overlays/gpu", deploy / "k8s/overlays/gpu-new")
     problems = validate_manifests.validate(deploy / "k8s", {"gpu-new"})
     assert any(p.startswith("gpu-new:") and "MIN_VERSIONS" in p for p in problems), problems
+
+
+def test_the_flags_file_parser_reads_crlf_line_ends_as_the_entrypoint_does() -> None:
+    text = "# comment\r\n--backend=cpu\r\n--socket-mode=0660 # mode\r\n\r\n--eps-dim=8"
+    assert validate_manifests.parse_flags_file(text) == [
+        "--backend=cpu",
+        "--socket-mode=0660",
+        "--eps-dim=8",
+    ]
 
 
 def test_the_committed_flags_are_accepted_by_epsd(deploy: Path) -> None:

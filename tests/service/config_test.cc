@@ -91,6 +91,7 @@ TEST(ConfigTest, TcpListenIsLoopbackOnlyUnlessAllowed) {
   EXPECT_FALSE(CheckListenAddress("listen", "0.0.0.0:5000", false).ok());
   EXPECT_TRUE(CheckListenAddress("listen", "0.0.0.0:5000", true).ok());
   EXPECT_FALSE(CheckListenAddress("listen", "unix://", false).ok());
+  EXPECT_FALSE(CheckListenAddress("listen", "unix://relative.sock", false).ok());
 }
 
 TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
@@ -102,6 +103,19 @@ TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
   EXPECT_EQ(ParseFlags({"--metrics-listen=127.0.0.1:70000"}).status().message(),
             "--metrics-listen=127.0.0.1:70000: want host:port (port in [0, 65535]), empty or off");
   EXPECT_FALSE(ParseFlags({"--metrics-listen=9464"}).ok());
+}
+
+TEST(ConfigTest, MetricsListenRefusesIPv6ItsHttpServerCannotBind) {
+  // They passed the syntax check, then civetweb failed to bind: "is the port in use?".
+  for (const char* v6 : {"[::1]:9464", "[::]:0"}) {
+    EXPECT_EQ(
+        ParseFlags({std::string("--metrics-listen=") + v6, "--allow-remote"}).status().message(),
+        std::string("--metrics-listen=") + v6 +
+            ": want an IPv4 address or host name and a port: /metrics is served over IPv4 "
+            "only (0.0.0.0 for every interface)");
+  }
+  EXPECT_EQ(ParseFlags({"--health-listen=[::1]:0"})->health_listen, "[::1]:0");
+  EXPECT_EQ(ParseFlags({"--metrics-listen=localhost:0"})->metrics_listen, "localhost:0");
 }
 
 TEST(ConfigTest, ListenTakesAUnixPathOrHostAndPortAndNamesItself) {
@@ -118,6 +132,18 @@ TEST(ConfigTest, ListenTakesAUnixPathOrHostAndPortAndNamesItself) {
     EXPECT_EQ(parsed.status().message().rfind(std::string("--listen=") + bad + ": want", 0), 0u)
         << parsed.status();
   }
+}
+
+TEST(ConfigTest, ListenTakesOnlyAnAbsoluteUnixSocketPath) {
+  // unix://relative.sock bound ./relative.sock, which no client can dial: for them
+  // unix://relative names an authority (cli::CheckDialTarget refuses it).
+  for (const char* bad : {"unix://relative.sock", "unix://run/eps.sock", "unix:///"}) {
+    EXPECT_EQ(
+        ParseFlags({std::string("--listen=") + bad}).status().message(),
+        std::string("--listen=") + bad + ": want unix:///path: an absolute path after unix://")
+        << bad;
+  }
+  EXPECT_TRUE(ParseFlags({"--listen=unix:///x.sock"}).ok());
 }
 
 TEST(ConfigTest, HelpStillChecksListenSoThatTheDeployFlagCheckCatchesIt) {
