@@ -37,7 +37,9 @@
  * attends over its other listed blocks. eps_attn_read_error() synchronises the stream
  * and turns the word into EPS_ATTN_ELIST and a message. Without an error_word the
  * errors are not reported, and the outputs are the same. Not checked: that the partial
- * block is listed last (EPS_ATTN_VISIT_COUNT); that scores are finite in float32 (an
+ * block is listed last (EPS_ATTN_VISIT_COUNT); that a list names each block once (a block
+ * listed twice is attended twice, by the kernels and the reference alike; epsd's lists
+ * never repeat one); that scores are finite in float32 (an
  * overflowing score makes its row NaN; a head whose every score is -inf gets zeros and
  * lse -inf).
  *

@@ -61,6 +61,30 @@ std::string CheckFeedback(const EpsAttnParams& p, bool check_pointers) {
   return "";
 }
 
+// Rows and heads of an output of `width` elements each, laid out by two strides, share
+// no element: the inner dimension's elements do not overlap, and the outer stride clears
+// the inner dimension's whole extent.
+std::string CheckNoOverlap(const char* name, int64_t rows, int64_t row_stride, int64_t heads,
+                           int64_t head_stride, int64_t width) {
+  struct Dim {
+    int64_t count, stride;
+  } inner{rows, row_stride}, outer{heads, head_stride};
+  if (inner.count <= 1 || (outer.count > 1 && outer.stride < inner.stride)) {
+    std::swap(inner, outer);
+  }
+  // outer.stride >= (inner.count - 1) * inner.stride + width, without overflow (strides
+  // are non-negative here)
+  const bool inner_ok = inner.count <= 1 || inner.stride >= width;
+  const bool outer_ok =
+      outer.count <= 1 ||
+      (outer.stride >= width &&
+       (inner.count <= 1 || (outer.stride - width) / (inner.count - 1) >= inner.stride));
+  if (inner_ok && outer_ok) return "";
+  return std::string(name) + "_stride_row=" + Str(row_stride) + " and " + name +
+         "_stride_head=" + Str(head_stride) + " make rows or heads of " + Str(rows) + " x " +
+         Str(heads) + " overlap (each holds " + Str(width) + " elements)";
+}
+
 }  // namespace
 
 int32_t Fail(int32_t code, std::string message) {
@@ -151,6 +175,20 @@ std::string CheckParams(const EpsAttnParams& p, bool check_pointers) {
       p.lengths_stride_head < 0 || p.dense_stride_row < 0 || p.lse_stride_row < 0 ||
       p.lse_stride_head < 0) {
     return "negative strides are not supported (lists, lengths, dense_table, lse)";
+  }
+  // Every (row, head) of out and lse is written by its own block, at once: two that share
+  // memory race (a row stride of 0, or a head stride under head_dim, was accepted).
+  if (std::string why = CheckNoOverlap("out", p.batch, p.out_stride_row, p.num_q_heads,
+                                       p.out_stride_head, p.head_dim);
+      !why.empty()) {
+    return why;
+  }
+  if (p.lse != nullptr) {
+    if (std::string why =
+            CheckNoOverlap("lse", p.batch, p.lse_stride_row, p.num_q_heads, p.lse_stride_head, 1);
+        !why.empty()) {
+      return why;
+    }
   }
   if (!check_pointers) return "";
   const struct {

@@ -365,6 +365,14 @@ TEST(AttentionParams, EachInvalidFieldIsNamedWithItsValue) {
       {Feedback(1, 6148914691236517206LL, 3), "each must be at most 2^31 entries"},
       {Feedback(1, 10, int64_t{1} << 40), "each must be at most 2^31 entries"},
       {[](EpsAttnParams& p) { p.softcap = 1e-40f; }, "exceeds 1e30"},
+      {[](EpsAttnParams& p) { p.out_stride_head = 8; }, "make rows or heads of"},
+      {[](EpsAttnParams& p) { p.out_stride_row = 0; }, "out_stride_row=0 and out_stride_head"},
+      {[](EpsAttnParams& p) {
+         p.lse = static_cast<float*>(p.out);
+         p.lse_stride_row = 1;
+         p.lse_stride_head = 1;
+       },
+       "lse_stride_row=1 and lse_stride_head=1 make rows or heads"},
       {[](EpsAttnParams& p) {
          p.lists = reinterpret_cast<const int32_t*>(reinterpret_cast<const char*>(p.lists) + 1);
        },

@@ -342,12 +342,12 @@ def _run(
 
     lib = load_library()
     size = ctypes.c_uint64(0)
-    _raise_for(lib, lib.eps_attn_workspace_bytes(ctypes.byref(p), ctypes.byref(size)))
-    workspace = None
-    if size.value:
-        workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
-        p.workspace, p.workspace_bytes = workspace.data_ptr(), size.value
-    with torch.cuda.device(device):
+    with torch.cuda.device(device):  # the plan reads the current device's occupancy
+        _raise_for(lib, lib.eps_attn_workspace_bytes(ctypes.byref(p), ctypes.byref(size)))
+        workspace = None
+        if size.value:
+            workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
+            p.workspace, p.workspace_bytes = workspace.data_ptr(), size.value
         stream = torch.cuda.current_stream(device).cuda_stream
         _raise_for(lib, lib.eps_attn_paged_decode(ctypes.byref(p), stream))
     if os.environ.get("EPS_ATTENTION_CHECK") == "1":
