@@ -30,33 +30,7 @@ using testing::CoarseSteps;
 using testing::CompareWithReference;
 using testing::kBatch;
 
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-// [layers, max_seqs, q_heads, max_groups], NaN but where the attention "visited":
-// three heads in four have entries, each for about a third of the row's groups
-// (inside the candidates or not), on the scale of the scores; a few finite entries
-// lie past the row's groups, where no step may touch them.
-std::vector<float> RandomFeedback(const CoarseSteps& steps, std::mt19937_64& rng) {
-  const ModelLayout& m = steps.model;
-  const int64_t max_groups = steps.fine->max_groups();
-  std::vector<float> feedback(int64_t{m.num_layers} * kBatch * m.num_q_heads * max_groups, kNaN);
-  std::normal_distribution<float> entry(0.0f, 2.0f);
-  for (int layer = 0; layer < m.num_layers; ++layer) {
-    for (const StepRow& row : steps.rows) {
-      const int64_t n = GroupsFor(row.context_tokens, m);
-      for (int h = 0; h < m.num_q_heads; ++h) {
-        float* head = feedback.data() +
-                      ((int64_t{layer} * kBatch + row.table_row) * m.num_q_heads + h) * max_groups;
-        if (rng() % 4 == 0) continue;
-        for (int64_t p = 0; p < n; ++p) {
-          if (rng() % 3 == 0) head[p] = entry(rng);
-        }
-        if (n < max_groups) head[n] = 1.0f;  // past the row: never consumed
-      }
-    }
-  }
-  return feedback;
-}
+using testing::RandomFeedback;
 
 // One row's steps (flat and coarse records) with random feedback, from a fresh
 // seed that the test prints on failure.
@@ -149,12 +123,22 @@ TEST_P(FeedbackGpuStepTest, MatchesTheCoreReferenceAndConsumesTheSameEntries) {
     EXPECT_TRUE(SameBits(replayed_feedback, want_feedback));
     EXPECT_TRUE(SameBits(launched_feedback, want_feedback));
 
-    const int near_cut = CompareWithReference(steps, first, policy);
+    // `feedback`: the entries as core/ read them (it consumed want_feedback).
+    const int near_cut = CompareWithReference(
+        steps, first, policy, {.coarse_level = c.coarse, .feedback = feedback.data()});
     EXPECT_LE(near_cut, 4) << "more disagreements than fp32 ties explain";
     EXPECT_EQ(first.stats.groups_total, want.groups_total);
     EXPECT_EQ(first.stats.blocks_total, want.blocks_total);
-    if (near_cut == 0) {
+    if (c.coarse) {  // the candidates' fine records, up to the coarse groups near a cut
+      const CoarseSteps::ByteRange bytes = steps.SummaryBytesRange(policy);
+      EXPECT_GE(want.summary_bytes_read, bytes.low);
+      EXPECT_LE(want.summary_bytes_read, bytes.high);
+      EXPECT_GE(first.stats.summary_bytes_read, bytes.low);
+      EXPECT_LE(first.stats.summary_bytes_read, bytes.high);
+    } else if (near_cut == 0) {
       EXPECT_EQ(first.stats.summary_bytes_read, want.summary_bytes_read);
+    }
+    if (near_cut == 0) {
       EXPECT_EQ(first.stats.groups_visited, want.groups_visited);
       EXPECT_EQ(first.stats.kv_bytes_read_est, want.kv_bytes_read_est);
     }
