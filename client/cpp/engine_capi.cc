@@ -112,6 +112,8 @@ struct EpsEngineWatchdog {
   int32_t* counts = nullptr;
   int64_t n = 0;
   uint64_t* flags = nullptr;
+  float* feedback = nullptr;  // NaN-filled before each release (eps_engine_watchdog_clear_feedback)
+  int64_t feedback_n = 0;
   cudaStream_t stream = nullptr;
   uint64_t* host_done = nullptr;  // pinned
   std::unique_ptr<eps::client::SelectionWatchdog> watchdog;
@@ -135,6 +137,9 @@ struct EpsEngineWatchdog {
   absl::Status ReleaseDense(uint64_t step) {
     eps::client::DeviceScope scope;
     RETURN_IF_ERROR(scope.Enter(device));
+    if (feedback_n > 0) {
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(feedback, 0xFF, feedback_n * sizeof(float), stream));
+    }
     RETURN_IF_ERROR(eps::gpu::StreamReleaseDense(stream, counts, n, flags + 1, step));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return absl::OkStatus();
@@ -214,6 +219,45 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
   }
   cudaStreamDestroy(own);
   return Report(s);
+}
+
+int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream) {
+  if (n < 0) return Refuse("eps_engine_clear_feedback", absl::StrCat("n=", n, " is negative"));
+  if (n > 0 && feedback == 0) {
+    return Refuse("eps_engine_clear_feedback", absl::StrCat("feedback is null, n=", n));
+  }
+  if (n == 0) return 0;
+  eps::client::DeviceScope scope;  // the caller's current device is restored on return
+  if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
+  // All-ones bytes are a float NaN.
+  if (stream != 0) {
+    const cudaError_t err =
+        cudaMemsetAsync(Ptr<float>(feedback), 0xFF, n * sizeof(float), Stream(stream));
+    return Report(err == cudaSuccess ? absl::OkStatus()
+                                     : eps::gpu::CudaStatus("cudaMemsetAsync", err));
+  }
+  cudaStream_t own = nullptr;
+  if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) {
+    return Report(absl::InternalError("cudaStreamCreateWithFlags"));
+  }
+  cudaError_t err = cudaMemsetAsync(Ptr<float>(feedback), 0xFF, n * sizeof(float), own);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(own);
+  cudaStreamDestroy(own);
+  return Report(err == cudaSuccess ? absl::OkStatus()
+                                   : eps::gpu::CudaStatus("clear_feedback", err));
+}
+
+int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n) {
+  if (w == nullptr) {
+    return Refuse("eps_engine_watchdog_clear_feedback", "the watchdog is null (destroyed?)");
+  }
+  if (n < 0 || (n > 0 && feedback == 0)) {
+    return Refuse("eps_engine_watchdog_clear_feedback",
+                  absl::StrCat("n=", n, " must be >= 0 and feedback non-null when n > 0"));
+  }
+  w->feedback = Ptr<float>(feedback);
+  w->feedback_n = n;
+  return 0;
 }
 
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,

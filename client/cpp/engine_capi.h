@@ -35,8 +35,9 @@ extern "C" {
 #endif
 
 /* 3: EpsEngineModel gained quest8 (2026-11-26). 4: eps_engine_summary_reset and
- * EpsRecordRun; queue submit returns a refusal, drain returns DATA_LOSS for skipped appends. */
-#define EPS_ENGINE_ABI_VERSION 4
+ * EpsRecordRun; queue submit returns a refusal, drain returns DATA_LOSS for skipped appends.
+ * 5: eps_engine_clear_feedback and eps_engine_watchdog_clear_feedback (2026-11-28). */
+#define EPS_ENGINE_ABI_VERSION 5
 
 typedef struct EpsEngineModel {
   int32_t num_layers, num_q_heads, num_kv_heads, head_dim;
@@ -82,9 +83,18 @@ int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value);
 int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                              uint64_t step, uint64_t stream);
 
+/* feedback[0, n) = NaN (float32): a step that falls back clears the selection feedback
+ * before its attention writes it (docs/api-memory.md: no selection consumed the entries of
+ * the step before, and the attention would combine its masses with them). n >= 0,
+ * feedback non-NULL when n > 0; `stream` as for eps_engine_release_dense. */
+int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream);
+
 typedef struct EpsEngineWatchdog EpsEngineWatchdog;
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out);
+/* The watchdog clears feedback[0, n) (as eps_engine_clear_feedback) before each release.
+ * Call it before the first arm: it is not ordered with a release in progress. */
+int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n);
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step);
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w);
 void eps_engine_watchdog_destroy(EpsEngineWatchdog* w);

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -336,6 +337,55 @@ TEST_F(EngineCapiTest, WatchdogReleasesAStepThatNeverCompletesAndSparesAComplete
   ASSERT_EQ(eps_engine_watchdog_releases(dog), 1u);
   ExpectReleasedDensely(counts, n, flags, 5);
   eps_engine_watchdog_destroy(dog);
+}
+
+// A step that falls back clears the selection feedback before its attention writes it
+// (no selection consumed the step before's entries): on the engine's stream, on a private
+// one, and by the watchdog before its release.
+TEST_F(EngineCapiTest, FeedbackIsClearedOnEveryFailOpenPath) {
+  const int64_t n = 5, entries = 1000;
+  int32_t* counts = Alloc<int32_t>(n);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  float* feedback = Alloc<float>(entries);
+  const std::vector<float> stale(entries, 1.5f);
+  const auto all_nan = [&] {
+    std::vector<float> host(entries);
+    EXPECT_EQ(cudaMemcpy(host.data(), feedback, entries * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return std::all_of(host.begin(), host.end(), [](float v) { return std::isnan(v); });
+  };
+  const auto make_stale = [&] {
+    ASSERT_EQ(cudaMemcpy(feedback, stale.data(), entries * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  make_stale();
+  ASSERT_EQ(eps_engine_clear_feedback(0, Addr(feedback), entries, Addr(stream)), 0)
+      << eps_engine_last_error();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_TRUE(all_nan()) << "on the engine's stream";
+  make_stale();
+  ASSERT_EQ(eps_engine_clear_feedback(0, Addr(feedback), entries, 0), 0);
+  EXPECT_TRUE(all_nan()) << "on a private stream, waited for";
+  ExpectRefused(eps_engine_clear_feedback(0, 0, entries, 0), "feedback is null, n=1000");
+  ExpectRefused(eps_engine_clear_feedback(0, Addr(feedback), -1, 0), "n=-1 is negative");
+
+  make_stale();
+  EpsEngineWatchdog* dog = nullptr;
+  ASSERT_EQ(eps_engine_watchdog_create(0, Addr(counts), n, Addr(flags), 20000, &dog), 0)
+      << eps_engine_last_error();
+  ASSERT_EQ(eps_engine_watchdog_clear_feedback(dog, Addr(feedback), entries), 0);
+  ASSERT_EQ(eps_engine_watchdog_arm(dog, 2), 0);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (eps_engine_watchdog_releases(dog) == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(eps_engine_watchdog_releases(dog), 1u);
+  ExpectReleasedDensely(counts, n, flags, 2);
+  EXPECT_TRUE(all_nan()) << "by the watchdog";
+  ExpectRefused(eps_engine_watchdog_clear_feedback(dog, 0, 3), "feedback non-null");
+  ExpectRefused(eps_engine_watchdog_clear_feedback(nullptr, 0, 0), "the watchdog is null");
+  eps_engine_watchdog_destroy(dog);
+  cudaStreamDestroy(stream);
 }
 
 // An engine shutting down while epsd is gone destroys its watchdog with a step armed:

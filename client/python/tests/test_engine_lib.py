@@ -4,6 +4,7 @@ record addresses follow the summary pool's layout."""
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -220,5 +221,19 @@ def test_a_dense_release_clears_the_feedback_before_it_releases(on_stream):
         assert bool(torch.isnan(buffers.feedback).all())
         assert int(buffers.flags[1]) == 3
         assert bool((buffers.visit_count == -1).all())
+        # The watchdog's release (epsd accepted step 4 and never finished it) clears it too.
+        buffers.feedback.fill_(1.5)
+        torch.cuda.synchronize()
+        watchdog = engine.Watchdog(counters, 0.05)
+        try:
+            watchdog.arm(4)
+            deadline = time.monotonic() + 10
+            while watchdog.releases < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert watchdog.releases == 1
+        finally:
+            watchdog.close()
+        assert bool(torch.isnan(buffers.feedback).all())
+        assert int(buffers.flags[1]) == 4
     finally:
         buffers.close()

@@ -35,7 +35,7 @@ KEY_APPEND = np.dtype([("record", "<u8"), ("keys", "<u8"), ("count", "<i8"),
                        ("stride", "<i8"), ("layer", "<i4"), ("kv_head", "<i4")])
 RECORD_RUN = np.dtype([("first", "<u8"), ("records", "<i8")])
 KEY_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
-ABI_VERSION = 4  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
+ABI_VERSION = 5  # EPS_ENGINE_ABI_VERSION of client/cpp/engine_capi.h
 
 
 class EngineLibError(RuntimeError):
@@ -101,7 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "eps_engine_wait_selection": [u64, u64, u64],
         "eps_engine_wait_counter": [u64, u64, u64],
         "eps_engine_release_dense": [i32, u64, i64, u64, u64, u64],
+        "eps_engine_clear_feedback": [i32, u64, i64, u64],
         "eps_engine_watchdog_create": [i32, u64, i64, u64, i64, ctypes.POINTER(p)],
+        "eps_engine_watchdog_clear_feedback": [p, u64, i64],
         "eps_engine_watchdog_arm": [p, u64],
         "eps_engine_watchdog_releases": [p],
         "eps_engine_watchdog_destroy": [p],
@@ -173,15 +175,8 @@ class StepCounters:
         NaN-filled first, in the same order: no selection consumed the entries of the step
         before, and the released step's attention would combine its masses with them."""
         if self.feedback is not None:
-            import torch
-
-            with torch.cuda.device(self.device):
-                where = (torch.cuda.ExternalStream(stream) if stream
-                         else torch.cuda.current_stream())
-                with torch.cuda.stream(where):
-                    self.feedback.fill_(float("nan"))
-                if not stream:
-                    where.synchronize()
+            check("clear_feedback", library().eps_engine_clear_feedback(
+                self.device, self.feedback.data_ptr(), self.feedback.numel(), stream))
         check("release_dense", library().eps_engine_release_dense(
             self.device, self.counts, self.lists, self.flags, step, stream))
 
@@ -198,6 +193,9 @@ class Watchdog:
             counters.device, counters.counts, counters.lists, counters.flags,
             max(1, int(timeout_s * 1e6)), ctypes.byref(handle)))
         self._h: int | None = handle.value
+        if counters.feedback is not None:  # cleared before each release, as release_dense does
+            check("watchdog_clear_feedback", library().eps_engine_watchdog_clear_feedback(
+                self._h, counters.feedback.data_ptr(), counters.feedback.numel()))
 
     def arm(self, step: int) -> None:
         h = _open(self._h, "watchdog", "watchdog_arm")
