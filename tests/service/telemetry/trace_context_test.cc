@@ -70,5 +70,25 @@ TEST(SamplerTest, TraceIdRatioKeepsAboutThatShareOfTraces) {
   EXPECT_FALSE(Sampler::FromNames("sometimes", "").ok());
 }
 
+// An id whose low 64 bits are all ones is 2^64 - 1: as a double it rounded up to 2^64, which
+// is not below ratio 1.0 * 2^64, so traceidratio at 1.0 once dropped it.
+TEST(SamplerTest, TraceIdRatioComparesTheIdsLowBitsAsIntegers) {
+  TraceId id{};
+  id[0] = 1;
+  for (int i = 8; i < 16; ++i) id[i] = 0xff;
+  const auto all = Sampler::FromNames("traceidratio", "1.0");
+  ASSERT_TRUE(all.ok());
+  EXPECT_TRUE(all->ShouldSample(std::nullopt, id));
+  const auto half = Sampler::FromNames("traceidratio", "0.5");
+  ASSERT_TRUE(half.ok());
+  EXPECT_FALSE(half->ShouldSample(std::nullopt, id));
+  id[8] = 0x7f;  // 2^63 - 1: just below the bound 2^63
+  EXPECT_TRUE(half->ShouldSample(std::nullopt, id));
+  const auto none = Sampler::FromNames("traceidratio", "0");
+  ASSERT_TRUE(none.ok());
+  for (int i = 8; i < 16; ++i) id[i] = 0;
+  EXPECT_FALSE(none->ShouldSample(std::nullopt, id));
+}
+
 }  // namespace
 }  // namespace eps::telemetry
