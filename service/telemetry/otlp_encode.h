@@ -1,6 +1,8 @@
-// Spans -> the OTLP ExportTraceServiceRequest (one resource, one scope).
+// Spans -> the OTLP ExportTraceServiceRequest (one resource, one scope). Every string it
+// writes is valid UTF-8, as OTLP requires: an ill-formed sequence becomes U+FFFD.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>

@@ -9,18 +9,22 @@
 #include "nlohmann/json.hpp"
 #include "service/telemetry/otlp_grpc_exporter.h"
 #include "service/telemetry/otlp_http_exporter.h"
+#include "service/telemetry/utf8.h"
 
 namespace eps::telemetry {
 
 std::string SessionLabel(const std::string& session_id) {
   // "s-<counter>-<32 hex digits of randomness>": the part before the last '-' names the
   // session in traces and logs; the random part is the capability and stays out of them.
+  // Whatever a caller sent, the label is bounded and valid UTF-8 (it is an OTLP string):
+  // a plain cut at 64 bytes could split a character, and a strict receiver then refused
+  // the whole batch.
   const size_t dash = session_id.rfind('-');
   if (dash != std::string::npos && session_id.size() - dash - 1 == 32 &&
       session_id.find_first_not_of("0123456789abcdef", dash + 1) == std::string::npos) {
-    return session_id.substr(0, dash);
+    return BoundedUtf8(std::string_view(session_id).substr(0, dash), kMaxSessionLabelBytes);
   }
-  return session_id.substr(0, 64);  // not one of ours: no capability, but bounded
+  return BoundedUtf8(session_id, kMaxSessionLabelBytes);  // not one of ours: no capability
 }
 
 bool IsRefusal(absl::StatusCode code) {

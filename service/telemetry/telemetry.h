@@ -33,8 +33,10 @@ struct TelemetryOptions {
   std::string step_log_path;   // empty: no step log
 };
 
-// What traces and the step log show of a session id: its public part only (a
-// session id is a capability, docs/security.md).
+// What traces, the step log and status messages show of a session id: its public part
+// only (a session id is a capability, docs/security.md), at most kMaxSessionLabelBytes of
+// valid UTF-8 (a longer id is cut on a character boundary and ends with "…").
+inline constexpr size_t kMaxSessionLabelBytes = 64;
 std::string SessionLabel(const std::string& session_id);
 
 // Whether a failed call's status is the session service refusing the request
