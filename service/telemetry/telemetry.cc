@@ -60,11 +60,15 @@ std::optional<TraceContext> ParentFromMetadata(const grpc::ServerContextBase& co
   const auto& metadata = context.client_metadata();
   const auto parent = metadata.find("traceparent");
   if (parent == metadata.end()) return std::nullopt;
-  const auto state = metadata.find("tracestate");
-  return ParseTraceparent(std::string_view(parent->second.data(), parent->second.size()),
-                          state == metadata.end()
-                              ? std::string_view()
-                              : std::string_view(state->second.data(), state->second.size()));
+  // Several tracestate headers are one list, joined with commas in their order (W3C Trace
+  // Context, "Combining tracestate headers"); only the first was read before.
+  std::string state;
+  const auto [first, last] = metadata.equal_range("tracestate");
+  for (auto it = first; it != last; ++it) {
+    if (it != first) state.push_back(',');
+    state.append(it->second.data(), it->second.size());
+  }
+  return ParseTraceparent(std::string_view(parent->second.data(), parent->second.size()), state);
 }
 
 }  // namespace

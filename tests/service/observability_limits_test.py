@@ -1,0 +1,73 @@
+"""Observability against callers and collectors that misbehave, end to end: the real epsd
+with its OTLP exporter pointed at the test receiver (the official opentelemetry-proto
+package, which refuses ill-formed UTF-8 as the Collector does). Requests are sent with the
+Python stubs so that they can carry what the C++ client never sends: repeated and invalid
+tracestate headers, session ids of megabytes.
+
+Run by ctest with EPSD_BIN set and client/python/src on PYTHONPATH."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from eps_client.proto import page_selector_pb2 as pb
+from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+from observability_test import SERVER_SPAN, Epsd
+from otlp_receiver import OtlpReceiver
+
+
+@pytest.fixture
+def collector() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()
+
+
+def select_pages(
+    target: str, session_id: str, metadata: list[tuple[str, str]] | None = None
+) -> grpc.RpcError:
+    """One SelectPages that epsd must refuse; returns its error."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SelectPages(
+                pb.SelectPagesRequest(session_id=session_id, step=1),
+                metadata=metadata or [],
+                timeout=30,
+            )
+    return refused.value
+
+
+def test_tracestate_headers_are_joined_and_an_invalid_one_is_dropped(
+    tmp_path: Path, collector: OtlpReceiver
+) -> None:
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+        },
+        [],
+    )
+    parent = "00f067aa0ba902b7"
+    cases = {
+        # W3C: several tracestate headers are one list, in order (only the first was read).
+        "1" * 32: ([("tracestate", "a=1"), ("tracestate", " b=2 ,")], "a=1,b=2"),
+        # Upper case is not a key: the whole header is dropped, the traceparent still used.
+        "2" * 32: ([("tracestate", "a=1"), ("tracestate", "B=2")], ""),
+    }
+    for trace_id, (headers, _) in cases.items():
+        error = select_pages(
+            epsd.target, "s-none", [("traceparent", f"00-{trace_id}-{parent}-01"), *headers]
+        )
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+    spans = collector.wait_for_spans(len(cases), timeout_s=30)
+    epsd.stop()
+    servers = {s.span.trace_id.hex(): s.span for s in spans if s.span.name == SERVER_SPAN}
+    assert set(servers) == set(cases)
+    for trace_id, (_, want) in cases.items():
+        assert servers[trace_id].trace_state == want
+        assert servers[trace_id].parent_span_id.hex() == parent
