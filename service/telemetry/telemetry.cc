@@ -52,6 +52,12 @@ int64_t Nanos(Telemetry::Clock::duration d) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
 }
 
+// A failed step's message as spans and the step log keep it (kMaxStatusMessageBytes).
+std::string BoundedMessage(const absl::Status& status) {
+  return BoundedUtf8(std::string_view(status.message().data(), status.message().size()),
+                     kMaxStatusMessageBytes);
+}
+
 const char* ReplyModeName(v1::ReplyMode mode) {
   return mode == v1::REPLY_MODE_ASYNC ? "async" : "sync";
 }
@@ -75,7 +81,7 @@ std::optional<TraceContext> ParentFromMetadata(const grpc::ServerContextBase& co
 
 absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(
     const TelemetryOptions& options, const EnvLookup& env,
-    std::function<ScrapeSources::Sessions()> sessions) {
+    std::function<ScrapeSources::Sessions()> sessions, std::unique_ptr<SpanExporter> exporter) {
   auto t = std::unique_ptr<Telemetry>(new Telemetry());
   t->options_ = options;
   absl::StatusOr<TraceConfig> config = TraceConfigFromEnv(env);
@@ -86,13 +92,15 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(
     if (!log.ok()) return log.status();
     t->step_log_ = *std::move(log);
   }
-  if (t->config_.enabled) {
-    std::unique_ptr<SpanExporter> exporter;
+  if (exporter == nullptr && t->config_.enabled) {
     if (t->config_.protocol == OtlpProtocol::kGrpc) {
       exporter = std::make_unique<OtlpGrpcExporter>(t->config_);
     } else {
       exporter = std::make_unique<OtlpHttpExporter>(t->config_);
     }
+  }
+  if (exporter != nullptr) {  // the variables asked for traces, or a test gave an exporter
+    t->config_.enabled = true;
     t->processor_ = std::make_unique<BatchSpanProcessor>(std::move(exporter), t->config_.batch,
                                                          t->config_.timeout, t->config_.resource);
   }
@@ -241,7 +249,7 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
   }
   if (!status.ok()) {
     server.error = true;
-    server.status_message = std::string(status.message());
+    server.status_message = BoundedMessage(status);
   }
   if (has_stats) {
     // The pre-pass as measured by the backend (CUDA events on the GPU), placed so it ends
@@ -313,7 +321,7 @@ void Telemetry::LogLateStats(const Step& carrier, const v1::SelectPagesRequest& 
   if (stats.error().empty()) {
     AddStats(stats, line);
   } else {
-    line["error"] = stats.error();
+    line["error"] = BoundedUtf8(stats.error(), kMaxStatusMessageBytes);
   }
   step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }
@@ -334,7 +342,7 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
       {"status", absl::StatusCodeToString(status.code())},
       {"server_us", Micros(end - step.start)}};
   if (s != nullptr) AddStats(*s, line);
-  if (!status.ok()) line["error"] = std::string(status.message());
+  if (!status.ok()) line["error"] = BoundedMessage(status);
   if (!trace_id.empty()) line["trace_id"] = trace_id;
   step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }

@@ -8,6 +8,7 @@ Run by ctest with EPSD_BIN set and client/python/src on PYTHONPATH."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 from observability_test import SERVER_SPAN, Epsd
-from otlp_receiver import OtlpReceiver
+from otlp_receiver import OtlpReceiver, attributes
 
 
 @pytest.fixture
@@ -71,3 +72,37 @@ def test_tracestate_headers_are_joined_and_an_invalid_one_is_dropped(
     for trace_id, (_, want) in cases.items():
         assert servers[trace_id].trace_state == want
         assert servers[trace_id].parent_span_id.hex() == parent
+
+
+def test_a_huge_session_id_reaches_no_reply_span_or_log_line_unbounded(
+    tmp_path: Path, collector: OtlpReceiver
+) -> None:
+    # NOT_FOUND quoted the whole id: 60 calls with 8 MB ids grew epsd from 18 MB to 1.39 GB
+    # and wrote 480 MB of step log, and one 5 MB id made a batch larger than the receiver's
+    # 4 MiB limit (this receiver's too: grpcio's default), losing every span in it.
+    step_log = tmp_path / "steps.jsonl"
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+        },
+        [f"--step-log={step_log}"],
+    )
+    calls = 3
+    for i in range(calls):
+        error = select_pages(epsd.target, chr(ord("a") + i) * (5 << 20))
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert len(error.details()) <= 200, error.details()[:300]
+    spans = collector.wait_for_spans(calls, timeout_s=30)
+    epsd.stop()
+    servers = [s.span for s in spans if s.span.name == SERVER_SPAN]
+    assert len(servers) == calls
+    for span in servers:
+        assert len(span.status.message) <= 256
+        assert len(str(attributes(span)["eps.session_id"]).encode()) <= 64
+    lines = step_log.read_bytes().splitlines()
+    assert len(lines) == calls
+    for line in lines:
+        assert len(line) <= 1024, line[:300]
+        assert json.loads(line)["status"] == "NOT_FOUND"
