@@ -14,6 +14,12 @@ absl::Time ToAbsl(std::chrono::steady_clock::time_point t) {
   return absl::Now() + absl::FromChrono(t - std::chrono::steady_clock::now());
 }
 
+size_t BatchSpanBytes(const BatchConfig& config,
+                      const std::vector<std::pair<std::string, std::string>>& resource) {
+  const size_t own = EncodeSpans(resource, {}).ByteSizeLong() + kEncodedRequestSlack;
+  return config.max_export_batch_bytes > own ? config.max_export_batch_bytes - own : 0;
+}
+
 }  // namespace
 
 BatchSpanProcessor::BatchSpanProcessor(std::unique_ptr<SpanExporter> exporter, BatchConfig config,
@@ -22,24 +28,30 @@ BatchSpanProcessor::BatchSpanProcessor(std::unique_ptr<SpanExporter> exporter, B
     : exporter_(std::move(exporter)),
       config_(config),
       attempt_timeout_(attempt_timeout),
-      resource_(std::move(resource)) {
+      resource_(std::move(resource)),
+      batch_span_bytes_(BatchSpanBytes(config_, resource_)) {
   worker_ = std::thread([this] { Run(); });
 }
 
 BatchSpanProcessor::~BatchSpanProcessor() { Shutdown(std::chrono::milliseconds(2000)); }
 
 void BatchSpanProcessor::OnEnd(std::vector<SpanRecord>& spans) {
+  // Sized outside the lock: the RPC threads share it.
+  std::vector<size_t> bytes(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) bytes[i] = EncodedSizeBound(spans[i]);
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     counts_.dropped += spans.size();
     return;
   }
-  for (SpanRecord& s : spans) {
-    if (queue_.size() >= config_.max_queue_size) {
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (queue_.size() >= config_.max_queue_size ||
+        queued_bytes_ + bytes[i] > config_.max_queue_bytes || bytes[i] > batch_span_bytes_) {
       ++counts_.dropped;
       continue;
     }
-    queue_.push_back(std::move(s));
+    queued_bytes_ += bytes[i];
+    queue_.push_back({std::move(spans[i]), bytes[i]});
   }
 }
 
@@ -73,18 +85,23 @@ void BatchSpanProcessor::Run() {
       };
       mu_.Await(absl::Condition(&has_work));
       const auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stopping_ || queue_.size() >= config_.max_export_batch_size;
+        return stopping_ || queue_.size() >= config_.max_export_batch_size ||
+               queued_bytes_ >= batch_span_bytes_;
       };
       mu_.AwaitWithDeadline(absl::Condition(&ready), ToAbsl(Clock::now() + config_.schedule_delay));
       if (stopping_ && (queue_.empty() || Clock::now() >= shutdown_deadline_)) {
         counts_.dropped += queue_.size();
         queue_.clear();
+        queued_bytes_ = 0;
         return;
       }
-      const size_t n = std::min(queue_.size(), config_.max_export_batch_size);
-      batch.reserve(n);
-      for (size_t i = 0; i < n; ++i) {
-        batch.push_back(std::move(queue_.front()));
+      // Up to the batch size in spans and in bytes; every queued span fits a batch alone.
+      size_t bytes = 0;
+      while (!queue_.empty() && batch.size() < config_.max_export_batch_size &&
+             bytes + queue_.front().bytes <= batch_span_bytes_) {
+        bytes += queue_.front().bytes;
+        queued_bytes_ -= queue_.front().bytes;
+        batch.push_back(std::move(queue_.front().span));
         queue_.pop_front();
       }
       give_up = stopping_ ? shutdown_deadline_ : Clock::now() + config_.export_timeout;

@@ -23,7 +23,45 @@ void SetValue(const SpanAttribute& a, otlp_common::AnyValue* out) {
   }
 }
 
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  for (; v >= 0x80; v >>= 7) ++n;
+  return n;
+}
+
+// A field of `payload` bytes behind a one-byte tag (field numbers below 16) and its length.
+size_t LengthDelimited(size_t payload) { return 1 + VarintSize(payload) + payload; }
+
+// What ScrubUtf8 can make of `text`: itself, or at worst 3 bytes (U+FFFD) for each byte.
+size_t ScrubbedSize(const std::string& text) {
+  return IsValidUtf8(text) ? text.size() : 3 * text.size();
+}
+
 }  // namespace
+
+size_t EncodedSizeBound(const SpanRecord& s) {
+  // Span fields (opentelemetry/proto/trace/v1/trace.proto): trace_id 16 bytes, span_id and
+  // parent_span_id 8, trace_state, name, kind (varint), two fixed64 times, attributes,
+  // status {message, code}, and flags (fixed32, field 16: a two-byte tag).
+  size_t span = LengthDelimited(16) + 2 * LengthDelimited(8) +
+                LengthDelimited(ScrubbedSize(s.trace_state)) +
+                LengthDelimited(ScrubbedSize(s.name)) + 2 + 2 * 9 + (2 + 4);
+  for (const SpanAttribute& a : s.attributes) {
+    size_t value = 0;
+    if (const auto* text = std::get_if<std::string>(&a.value)) {
+      value = LengthDelimited(ScrubbedSize(*text));
+    } else if (std::holds_alternative<int64_t>(a.value)) {
+      value = 1 + 10;
+    } else if (std::holds_alternative<double>(a.value)) {
+      value = 1 + 8;
+    } else {
+      value = 1 + 1;
+    }
+    span += LengthDelimited(LengthDelimited(ScrubbedSize(a.key)) + LengthDelimited(value));
+  }
+  if (s.error) span += LengthDelimited(LengthDelimited(ScrubbedSize(s.status_message)) + 2);
+  return LengthDelimited(span);  // the span as one element of ScopeSpans.spans
+}
 
 opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest EncodeSpans(
     const std::vector<std::pair<std::string, std::string>>& resource,

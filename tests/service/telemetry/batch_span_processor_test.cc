@@ -21,6 +21,7 @@ class ScriptedExporter final : public SpanExporter {
     absl::Mutex mu;
     std::vector<ExportResult> script ABSL_GUARDED_BY(mu);  // then kSuccess forever
     std::vector<size_t> batch_sizes ABSL_GUARDED_BY(mu);
+    std::vector<size_t> request_bytes ABSL_GUARDED_BY(mu);
     std::vector<std::string> span_names ABSL_GUARDED_BY(mu);
     bool block = false;  // hold every Export until `release`
     absl::Notification release;
@@ -32,6 +33,7 @@ class ScriptedExporter final : public SpanExporter {
     absl::MutexLock lock(&shared_->mu);
     const auto& spans = request.resource_spans(0).scope_spans(0).spans();
     shared_->batch_sizes.push_back(spans.size());
+    shared_->request_bytes.push_back(request.ByteSizeLong());
     for (const auto& s : spans) shared_->span_names.push_back(s.name());
     if (shared_->script.empty()) return ExportResult::kSuccess;
     const ExportResult r = shared_->script.front();
@@ -174,6 +176,61 @@ TEST(BatchSpanProcessorTest, ShutdownGivesUpOnAnUnavailableReceiverWithinItsBudg
   auto late = Spans(2, "late");
   p.OnEnd(late);  // after shutdown: dropped, counted
   EXPECT_EQ(p.counts().dropped, 32u);
+}
+
+// Spans of `bytes` bytes each (one string attribute of that size).
+std::vector<SpanRecord> LargeSpans(int n, size_t bytes) {
+  std::vector<SpanRecord> spans = Spans(n, "big");
+  for (SpanRecord& s : spans) s.attributes.push_back({"payload", std::string(bytes, 'p')});
+  return spans;
+}
+
+// A batch was cut by span count alone: one 5 MB span made a request a collector refused
+// (4 MiB limit), and every other span in it was lost.
+TEST(BatchSpanProcessorTest, ABatchIsCutBeforeItsRequestPassesTheByteBudget) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  BatchConfig config = Config(100, 512, 60000);
+  config.max_export_batch_bytes = 64 << 10;
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), config, milliseconds(1000),
+                       {{"service.name", "t"}});
+  auto spans = LargeSpans(10, 20 << 10);  // 200 KiB in all: 3 a request
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 10u);
+  EXPECT_EQ(p.counts().dropped, 0u);
+  absl::MutexLock lock(&shared->mu);
+  EXPECT_EQ(shared->batch_sizes, (std::vector<size_t>{3, 3, 3, 1}));
+  for (size_t bytes : shared->request_bytes) EXPECT_LE(bytes, config.max_export_batch_bytes);
+}
+
+TEST(BatchSpanProcessorTest, ASpanNoRequestCouldHoldIsDroppedAndTheOthersGoOut) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  BatchConfig config = Config(100, 512, 60000);
+  config.max_export_batch_bytes = 64 << 10;
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), config, milliseconds(1000), {});
+  auto small = Spans(3, "small");
+  auto huge = LargeSpans(1, 100 << 10);
+  p.OnEnd(small);
+  p.OnEnd(huge);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 3u);
+  EXPECT_EQ(p.counts().dropped, 1u);
+}
+
+// 60 calls with an 8 MB session id once held 1.39 GB of epsd in the span queue, which was
+// bounded by span count only.
+TEST(BatchSpanProcessorTest, TheQueueHoldsAtMostItsByteBudgetAndCountsWhatItDrops) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  shared->block = true;  // the exporter hangs: the queue cannot drain
+  BatchConfig config = Config(1000, 1, 1);
+  config.max_queue_bytes = 100 << 10;
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), config, milliseconds(1000), {});
+  auto spans = LargeSpans(20, 20 << 10);  // 400 KiB, queued in one critical section: 4 fit
+  p.OnEnd(spans);
+  EXPECT_EQ(p.counts().dropped, 16u);
+  shared->release.Notify();
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported + p.counts().dropped, 20u);
 }
 
 }  // namespace
