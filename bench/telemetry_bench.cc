@@ -63,6 +63,7 @@ class NullExporter final : public SpanExporter {
                       std::chrono::steady_clock::time_point, std::string*) override {
     return ExportResult::kSuccess;
   }
+  void Cancel() override {}
   std::string Describe() const override { return "null"; }
 };
 

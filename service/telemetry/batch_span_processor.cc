@@ -61,13 +61,20 @@ BatchSpanProcessor::Counts BatchSpanProcessor::counts() const {
 }
 
 void BatchSpanProcessor::Shutdown(std::chrono::milliseconds budget) {
+  bool done = false;
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {
       stopping_ = true;
       shutdown_deadline_ = Clock::now() + budget;
     }
+    // Attempts begun from now on end by the deadline (ExportBatch); one begun before has
+    // the exporter's own timeout, and a collector that accepts and never answers held the
+    // exit for all of it (10 s by default, past epsd's drain backstop): cancelled below.
+    const auto finished = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return worker_done_; };
+    done = mu_.AwaitWithDeadline(absl::Condition(&finished), ToAbsl(shutdown_deadline_));
   }
+  if (!done) exporter_->Cancel();
   if (worker_.joinable()) worker_.join();
 }
 
@@ -93,6 +100,7 @@ void BatchSpanProcessor::Run() {
         counts_.dropped += queue_.size();
         queue_.clear();
         queued_bytes_ = 0;
+        worker_done_ = true;
         return;
       }
       // Up to the batch size in spans and in bytes; every queued span fits a batch alone.

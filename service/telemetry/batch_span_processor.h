@@ -13,8 +13,9 @@
 // Promises: OnEnd never waits on the network and never blocks beyond a short
 // critical section; when the queue is full (in spans or in bytes) new spans are dropped
 // and counted.
-// Shutdown exports what is queued within its budget and drops the rest, so a
-// dead collector never holds up epsd's exit for longer than that budget.
+// Shutdown exports what is queued within its budget and drops the rest, then cancels an
+// export still in flight (SpanExporter::Cancel), so neither a dead collector nor one that
+// accepts and never answers holds up epsd's exit for longer than that budget.
 //
 // Thread safety: OnEnd and counts() may be called from any thread.
 #pragma once
@@ -53,7 +54,9 @@ class BatchSpanProcessor {
 
   // Queues finished spans (moved from); drops those that do not fit.
   void OnEnd(std::vector<SpanRecord>& spans);
-  // Stops taking spans, exports the queue within `budget`, joins the worker.
+  // Stops taking spans, exports the queue within `budget`, cancels what is still in flight
+  // at its end, joins the worker. Returns within `budget` and the time an exporter takes to
+  // notice its cancellation.
   void Shutdown(std::chrono::milliseconds budget);
   Counts counts() const;
   const SpanExporter& exporter() const { return *exporter_; }
@@ -81,6 +84,7 @@ class BatchSpanProcessor {
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   size_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool worker_done_ ABSL_GUARDED_BY(mu_) = false;  // Run returned: nothing more to cancel
   Clock::time_point shutdown_deadline_ ABSL_GUARDED_BY(mu_){};
   Counts counts_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;

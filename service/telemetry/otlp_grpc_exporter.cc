@@ -25,7 +25,23 @@ ExportResult OtlpGrpcExporter::Export(
                        (deadline - std::chrono::steady_clock::now()));
   for (const auto& [key, value] : config_.headers) context.AddMetadata(key, value);
   opentelemetry::proto::collector::trace::v1::ExportTraceServiceResponse response;
+  {
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) {
+      *error = "cancelled: epsd is stopping";
+      return ExportResult::kFailed;
+    }
+    in_flight_ = &context;  // a Cancel from now on reaches this call, even before it starts
+  }
   const grpc::Status status = stub_->Export(&context, request, &response);
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_ = nullptr;
+    if (cancelled_ && !status.ok()) {
+      *error = "cancelled: epsd is stopping";
+      return ExportResult::kFailed;
+    }
+  }
   if (status.ok()) {
     if (response.partial_success().rejected_spans() > 0) {
       *error = absl::StrCat("receiver rejected ", response.partial_success().rejected_spans(),
@@ -47,6 +63,12 @@ ExportResult OtlpGrpcExporter::Export(
     default:
       return ExportResult::kFailed;
   }
+}
+
+void OtlpGrpcExporter::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  if (in_flight_ != nullptr) in_flight_->TryCancel();
 }
 
 std::string OtlpGrpcExporter::Describe() const {

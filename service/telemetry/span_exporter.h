@@ -2,7 +2,8 @@
 // OTLP/HTTP. The batch span processor owns retries; an exporter makes one
 // attempt, bounded by `deadline`, and says whether a retry may help.
 //
-// Thread safety: Export is called from one thread (the processor's worker).
+// Thread safety: Export is called from one thread (the processor's worker); Cancel from
+// any thread, at any time.
 #pragma once
 
 #include <chrono>
@@ -24,6 +25,11 @@ class SpanExporter {
   virtual ExportResult Export(
       const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
       std::chrono::steady_clock::time_point deadline, std::string* error) = 0;
+  // Ends the attempt in flight, if any, at once (it returns kFailed), and makes every later
+  // Export return kFailed without trying. The processor's Shutdown calls it once its budget
+  // is spent: an attempt begun before the shutdown has a deadline of its own
+  // (OTEL_EXPORTER_OTLP_TIMEOUT, 10 s by default) that would otherwise hold epsd's exit.
+  virtual void Cancel() = 0;
   virtual std::string Describe() const = 0;  // e.g. "otlp/grpc localhost:4317"
 };
 

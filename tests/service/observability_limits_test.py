@@ -8,8 +8,12 @@ Run by ctest with EPSD_BIN set and client/python/src on PYTHONPATH."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -106,3 +110,84 @@ def test_a_huge_session_id_reaches_no_reply_span_or_log_line_unbounded(
     for line in lines:
         assert len(line) <= 1024, line[:300]
         assert json.loads(line)["status"] == "NOT_FOUND"
+
+
+@contextlib.contextmanager
+def silent_grpc_collector() -> Iterator[tuple[int, threading.Event]]:
+    """An OTLP/gRPC server whose Export takes the call and never answers (until the block
+    ends); yields its port and an event set once a call arrived."""
+    called, release = threading.Event(), threading.Event()
+
+    def export(request: bytes, context: grpc.ServicerContext) -> bytes:
+        called.set()
+        release.wait()
+        return b""
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+            if details.method.endswith("TraceService/Export"):
+                return grpc.unary_unary_rpc_method_handler(export)
+            return None
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((Handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port, called
+    finally:
+        release.set()
+        server.stop(grace=None)
+
+
+@contextlib.contextmanager
+def silent_http_collector() -> Iterator[tuple[int, threading.Event]]:
+    """A TCP listener that accepts, reads what comes and never answers; yields its port and an
+    event set once request bytes arrived."""
+    called = threading.Event()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        held: list[socket.socket] = []
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    connection, _ = listener.accept()
+                    held.append(connection)
+                    if connection.recv(65536):
+                        called.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+        try:
+            yield listener.getsockname()[1], called
+        finally:
+            for connection in held:
+                connection.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_sigterm_cancels_an_export_the_collector_never_answers(
+    tmp_path: Path, protocol: str
+) -> None:
+    # An attempt in flight at SIGTERM ran to OTEL_EXPORTER_OTLP_TIMEOUT (10 s by default):
+    # past the 2 s flush the docs promise and past the drain's backstop, so epsd exited 1
+    # ("drain timed out"). Shutdown now cancels it once the 2 s are spent.
+    silent = silent_grpc_collector() if protocol == "grpc" else silent_http_collector()
+    with silent as (port, called):
+        epsd = Epsd(
+            tmp_path,
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+                "OTEL_BSP_SCHEDULE_DELAY": "10",
+            },
+            ["--drain-ms=200"],
+        )
+        select_pages(epsd.target, "s-none")
+        assert called.wait(timeout=30), "no export reached the collector"
+        select_pages(epsd.target, "s-none")  # queued behind the attempt in flight
+        seconds = epsd.stop()  # asserts exit status 0
+    assert "drain timed out" not in epsd.log()
+    # The drain (200 ms) and the 2 s flush budget; the backstop would end it at 6.2 s.
+    assert seconds < 5, epsd.log()

@@ -41,7 +41,37 @@ class ScriptedExporter final : public SpanExporter {
     *error = "scripted failure";
     return r;
   }
+  void Cancel() override {}
   std::string Describe() const override { return "scripted"; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
+
+// An exporter whose attempt never ends by itself, like one against a collector that accepts
+// the call and never answers: only Cancel ends it (or, should Cancel never come, a guard
+// that lets the test fail instead of hanging).
+class NeverAnsweringExporter final : public SpanExporter {
+ public:
+  struct Shared {
+    absl::Notification exporting;  // an attempt is in flight
+    absl::Notification cancelled;
+    std::atomic<bool> ended_by_cancel{false};
+  };
+  explicit NeverAnsweringExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+  ExportResult Export(const Request&, std::chrono::steady_clock::time_point,
+                      std::string* error) override {
+    if (!shared_->exporting.HasBeenNotified()) shared_->exporting.Notify();
+    if (shared_->cancelled.WaitForNotificationWithTimeout(absl::Seconds(30))) {
+      shared_->ended_by_cancel = true;
+    }
+    *error = "no answer";
+    return ExportResult::kFailed;
+  }
+  void Cancel() override {
+    if (!shared_->cancelled.HasBeenNotified()) shared_->cancelled.Notify();
+  }
+  std::string Describe() const override { return "never answering"; }
 
  private:
   std::shared_ptr<Shared> shared_;
@@ -231,6 +261,21 @@ TEST(BatchSpanProcessorTest, TheQueueHoldsAtMostItsByteBudgetAndCountsWhatItDrop
   shared->release.Notify();
   p.Shutdown(milliseconds(5000));
   EXPECT_EQ(p.counts().exported + p.counts().dropped, 20u);
+}
+
+// An attempt begun before the shutdown once ran to its own timeout (OTEL_EXPORTER_OTLP_TIMEOUT,
+// 10 s by default), past the 2 s the shutdown promises and past epsd's drain backstop.
+TEST(BatchSpanProcessorTest, ShutdownCancelsAnAttemptStillInFlightAtTheEndOfItsBudget) {
+  auto shared = std::make_shared<NeverAnsweringExporter::Shared>();
+  BatchSpanProcessor p(std::make_unique<NeverAnsweringExporter>(shared), Config(100, 1, 1),
+                       milliseconds(60000), {});
+  auto spans = Spans(3, "stuck");
+  p.OnEnd(spans);
+  shared->exporting.WaitForNotification();  // the worker is inside Export, deadline 60 s away
+  p.Shutdown(milliseconds(200));
+  EXPECT_TRUE(shared->ended_by_cancel) << "the attempt ran on to its own end";
+  EXPECT_EQ(p.counts().exported, 0u);
+  EXPECT_EQ(p.counts().dropped, 3u);
 }
 
 }  // namespace

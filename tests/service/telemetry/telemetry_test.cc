@@ -152,6 +152,7 @@ class CapturingExporter final : public SpanExporter {
     }
     return ExportResult::kSuccess;
   }
+  void Cancel() override {}
   std::string Describe() const override { return "capturing"; }
 
  private:
