@@ -6,9 +6,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/telemetry/otlp_encode.h"
+#include "service/telemetry/utf8.h"
 
 namespace eps::telemetry {
 namespace {
+
+// The most of a receiver's message a log line quotes: the receiver's words, not ours.
+constexpr size_t kMaxReceiverMessageBytes = 256;
 
 absl::Time ToAbsl(std::chrono::steady_clock::time_point t) {
   return absl::Now() + absl::FromChrono(t - std::chrono::steady_clock::now());
@@ -129,15 +133,28 @@ void BatchSpanProcessor::ExportBatch(const std::vector<SpanRecord>& batch,
       if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
     }
     const Clock::time_point attempt_deadline = std::min(give_up, Clock::now() + attempt_timeout_);
-    std::string error;
-    const ExportResult result = exporter_->Export(request, attempt_deadline, &error);
+    const ExportOutcome outcome = exporter_->Export(request, attempt_deadline);
+    const ExportResult result = outcome.result;
     bool last = false;
     {
       absl::MutexLock lock(&mu_);
       if (result == ExportResult::kSuccess) {
-        counts_.exported += batch.size();
-        return;
+        // A partial success: the spans the receiver refused are dropped, not exported.
+        counts_.exported += outcome.accepted;
+        counts_.dropped += outcome.rejected;
       }
+    }
+    if (result == ExportResult::kSuccess) {
+      if (outcome.rejected > 0) {  // once per batch, outside mu_ (see below)
+        std::fprintf(stderr, "epsd: the receiver rejected %llu of %zu spans: %s: %s\n",
+                     static_cast<unsigned long long>(outcome.rejected), batch.size(),
+                     exporter_->Describe().c_str(),
+                     BoundedUtf8(outcome.message, kMaxReceiverMessageBytes).c_str());
+      }
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
       ++counts_.export_failures;
       if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
       last = result == ExportResult::kFailed || Clock::now() >= give_up;
@@ -161,7 +178,8 @@ void BatchSpanProcessor::ExportBatch(const std::vector<SpanRecord>& batch,
       // log; and outside mu_, which OnEnd takes on the RPC threads: a stderr nobody drains
       // (a full pipe) blocks this write, and must not block SelectPages with it.
       std::fprintf(stderr, "epsd: dropped %zu spans: %s: %s\n", batch.size(),
-                   exporter_->Describe().c_str(), error.c_str());
+                   exporter_->Describe().c_str(),
+                   BoundedUtf8(outcome.message, kMaxReceiverMessageBytes).c_str());
       return;
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));

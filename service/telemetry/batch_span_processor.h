@@ -39,8 +39,10 @@ namespace eps::telemetry {
 class BatchSpanProcessor {
  public:
   struct Counts {
-    uint64_t exported = 0;         // accepted by the receiver
-    uint64_t dropped = 0;          // queue full, export failed for good, or left at shutdown
+    uint64_t exported = 0;  // accepted by the receiver
+    // queue full, too large for a request, export failed for good, refused by the receiver
+    // (an OTLP partial success: logged once per batch), or left at shutdown
+    uint64_t dropped = 0;
     uint64_t export_failures = 0;  // failed attempts, retries included
   };
 

@@ -119,7 +119,8 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
                            prometheus::MetricType::Counter, static_cast<double>(t.exported)));
       out.push_back(
           Scalar("eps_trace_spans_dropped_total",
-                 "Spans dropped: the export queue was full, or an export failed for good.",
+                 "Spans dropped: the export queue was full, a span was too large to export, the "
+                 "receiver refused them, or an export failed for good.",
                  prometheus::MetricType::Counter, static_cast<double>(t.dropped)));
       out.push_back(Scalar("eps_trace_export_failures_total",
                            "OTLP export attempts that failed (each retry counts).",

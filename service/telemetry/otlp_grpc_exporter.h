@@ -17,9 +17,9 @@ namespace eps::telemetry {
 class OtlpGrpcExporter final : public SpanExporter {
  public:
   explicit OtlpGrpcExporter(const TraceConfig& config);
-  ExportResult Export(
+  ExportOutcome Export(
       const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
-      std::chrono::steady_clock::time_point deadline, std::string* error) override;
+      std::chrono::steady_clock::time_point deadline) override;
   void Cancel() override;
   std::string Describe() const override;
 

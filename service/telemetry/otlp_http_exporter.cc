@@ -12,6 +12,9 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -174,35 +177,100 @@ bool SendAll(int fd, const std::string& bytes, const Attempt& attempt, std::stri
   return true;
 }
 
-// Reads until the status line and headers are in (the body is not needed: the
-// status decides success); returns the status code, 0 on failure.
-int ReadStatus(int fd, const Attempt& attempt, std::string* error) {
+struct HttpResponse {
+  int code = 0;      // the status; 0: no response
+  std::string body;  // what arrived of the body (it may be cut: the status decides)
+};
+
+// The value of header `name` (lower case) in `head`, empty when absent.
+std::string HeaderValue(const std::string& head, const std::string& name) {
+  const std::string lower = absl::AsciiStrToLower(head);
+  const size_t at = lower.find("\r\n" + name + ":");
+  if (at == std::string::npos) return "";
+  const size_t start = at + 2 + name.size() + 1;
+  const size_t end = head.find("\r\n", start);
+  return std::string(absl::StripAsciiWhitespace(head.substr(start, end - start)));
+}
+
+// A chunked body (RFC 9112 section 7.1) decoded into `out`, as far as it goes; true once
+// its last chunk is in (or it cannot be decoded further: no more is worth waiting for).
+bool Dechunk(const std::string& in, std::string* out) {
+  out->clear();
+  size_t at = 0;
+  for (;;) {
+    const size_t line_end = in.find("\r\n", at);
+    if (line_end == std::string::npos) return false;
+    size_t size = 0;
+    const std::string size_text = in.substr(at, in.find_first_of(";\r", at) - at);
+    if (!absl::SimpleHexAtoi(size_text, &size) || size == 0) return true;
+    at = line_end + 2;
+    if (size > in.size() - at) return false;
+    out->append(in, at, size);
+    at += size + 2;
+  }
+}
+
+// Reads the status line and headers, then a 2xx reply's body until Content-Length bytes, its
+// last chunk, the end of the connection (we send Connection: close) or 64 KiB; returns code 0
+// with `error` set when no status arrived. The body is read in the same deadline, and a reply that
+// stops short of it keeps its status: the status decides success, the body only adds the partial
+// success.
+HttpResponse ReadResponse(int fd, const Attempt& attempt, std::string* error) {
+  constexpr size_t kMaxResponse = 65536;
+  HttpResponse response;
   std::string in;
   char buffer[4096];
-  while (in.find("\r\n\r\n") == std::string::npos && in.size() < 65536) {
+  size_t head_end = std::string::npos;
+  size_t want = kMaxResponse;  // all the bytes to read: the head, then the body
+  bool chunked = false;
+  while (in.size() < want) {
     if (const Wait waited = WaitFor(fd, POLLIN, attempt); waited != Wait::kReady) {
+      if (head_end != std::string::npos) break;  // the status is in: keep it
       *error = waited == Wait::kCancelled ? kCancelled : "no HTTP response before the timeout";
-      return 0;
+      return response;
     }
     const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
     if (n == 0) break;
     if (n < 0) {
       if (errno == EAGAIN || errno == EINTR) continue;
+      if (head_end != std::string::npos) break;
       *error = absl::StrCat("recv: ", std::strerror(errno));
-      return 0;
+      return response;
     }
     in.append(buffer, static_cast<size_t>(n));
+    if (head_end == std::string::npos && (head_end = in.find("\r\n\r\n")) != std::string::npos) {
+      const std::string head = in.substr(0, head_end);
+      size_t length = 0;
+      if (!absl::StartsWith(head, "HTTP/1.1 2") && !absl::StartsWith(head, "HTTP/1.0 2")) {
+        break;  // a failure: its status is all we use, so wait for no body
+      }
+      if (absl::SimpleAtoi(HeaderValue(head, "content-length"), &length)) {
+        want = std::min(kMaxResponse, head_end + 4 + length);
+      }
+      chunked = absl::StrContains(absl::AsciiStrToLower(HeaderValue(head, "transfer-encoding")),
+                                  "chunked");
+    }
+    // A chunked body ends with its last chunk, whether or not the connection does.
+    if (chunked && Dechunk(in.substr(head_end + 4), &response.body)) break;
   }
   // "HTTP/1.1 200 OK"
-  int code = 0;
   const size_t space = in.find(' ');
   if (in.rfind("HTTP/1.", 0) != 0 || space == std::string::npos ||
-      !absl::SimpleAtoi(in.substr(space + 1, 3), &code)) {
-    *error = absl::StrCat("not an HTTP response: '", in.substr(0, 40), "'");
-    return 0;
+      !absl::SimpleAtoi(in.substr(space + 1, 3), &response.code)) {
+    *error = absl::StrCat("not an HTTP response: '", absl::CHexEscape(in.substr(0, 40)), "'");
+    response.code = 0;
+    return response;
   }
-  if (code / 100 != 2) *error = in.substr(0, in.find("\r\n"));
-  return code;
+  if (response.code / 100 != 2) *error = in.substr(0, std::min(in.find("\r\n"), size_t{200}));
+  if (head_end != std::string::npos) {
+    const std::string body = in.substr(std::min(in.size(), head_end + 4));
+    if (chunked) {
+      Dechunk(body, &response.body);
+    } else {
+      response.body = body;
+    }
+  }
+  return response;
 }
 
 }  // namespace
@@ -220,26 +288,27 @@ void OtlpHttpExporter::Cancel() {
   if (cancel_fd_ >= 0) (void)!write(cancel_fd_, &one, sizeof(one));
 }
 
-ExportResult OtlpHttpExporter::Export(
+ExportOutcome OtlpHttpExporter::Export(
     const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
-    Clock::time_point deadline, std::string* error) {
-  const ExportResult result = TryOnce(request, deadline, error);
+    Clock::time_point deadline) {
+  ExportOutcome outcome = TryOnce(request, deadline);
   // However the attempt ended, a cancelled one is not retried.
-  if (result != ExportResult::kSuccess && cancelled_.load()) {
-    *error = kCancelled;
-    return ExportResult::kFailed;
+  if (outcome.result != ExportResult::kSuccess && cancelled_.load()) {
+    return ExportOutcome::Failure(ExportResult::kFailed, kCancelled);
   }
-  return result;
+  return outcome;
 }
 
-ExportResult OtlpHttpExporter::TryOnce(
+ExportOutcome OtlpHttpExporter::TryOnce(
     const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
-    Clock::time_point deadline, std::string* error) {
-  if (cancelled_.load()) return ExportResult::kFailed;
+    Clock::time_point deadline) {
+  if (cancelled_.load()) return ExportOutcome::Failure(ExportResult::kFailed, kCancelled);
   const Attempt attempt{deadline, cancel_fd_};
   const std::string body = request.SerializeAsString();
-  const int fd = Connect(config_.endpoint, attempt, error);
-  if (fd < 0) return ExportResult::kRetryable;  // refused, unreachable or slow: try later
+  std::string error;
+  const int fd = Connect(config_.endpoint, attempt, &error);
+  // Refused, unreachable or slow: try later.
+  if (fd < 0) return ExportOutcome::Failure(ExportResult::kRetryable, std::move(error));
   Socket socket(fd);
   std::string head =
       absl::StrCat("POST ", config_.endpoint.path, " HTTP/1.1\r\nHost: ", config_.endpoint.host,
@@ -248,14 +317,23 @@ ExportResult OtlpHttpExporter::TryOnce(
                    "\r\nConnection: close\r\n");
   for (const auto& [key, value] : config_.headers) absl::StrAppend(&head, key, ": ", value, "\r\n");
   absl::StrAppend(&head, "\r\n");
-  if (!SendAll(fd, head + body, attempt, error)) return ExportResult::kRetryable;
-  const int code = ReadStatus(fd, attempt, error);
-  if (code / 100 == 2) return ExportResult::kSuccess;
-  // OTLP/HTTP: 429, 502, 503 and 504 are retryable, any other status is not.
-  if (code == 0 || code == 429 || code == 502 || code == 503 || code == 504) {
-    return ExportResult::kRetryable;
+  if (!SendAll(fd, head + body, attempt, &error)) {
+    return ExportOutcome::Failure(ExportResult::kRetryable, std::move(error));
   }
-  return ExportResult::kFailed;
+  const HttpResponse response = ReadResponse(fd, attempt, &error);
+  if (response.code / 100 == 2) {
+    // OTLP/HTTP answers an ExportTraceServiceResponse: its partial_success says which spans
+    // the receiver refused. An empty or unreadable body refused none.
+    opentelemetry::proto::collector::trace::v1::ExportTraceServiceResponse reply;
+    if (response.body.empty() || !reply.ParseFromString(response.body)) reply.Clear();
+    return ExportOutcome::Success(CountSpans(request), reply.partial_success().rejected_spans(),
+                                  reply.partial_success().error_message());
+  }
+  // OTLP/HTTP: 429, 502, 503 and 504 are retryable, any other status is not.
+  const int code = response.code;
+  const bool retryable = code == 0 || code == 429 || code == 502 || code == 503 || code == 504;
+  return ExportOutcome::Failure(retryable ? ExportResult::kRetryable : ExportResult::kFailed,
+                                std::move(error));
 }
 
 std::string OtlpHttpExporter::Describe() const {

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
-from observability_test import SERVER_SPAN, Epsd
+from observability_test import SERVER_SPAN, Epsd, metric, wait_for_metric
 from otlp_receiver import OtlpReceiver, attributes
 
 
@@ -191,3 +191,32 @@ def test_sigterm_cancels_an_export_the_collector_never_answers(
     assert "drain timed out" not in epsd.log()
     # The drain (200 ms) and the 2 s flush budget; the backstop would end it at 6.2 s.
     assert seconds < 5, epsd.log()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_spans_the_receiver_refuses_are_dropped_and_logged_not_exported(
+    tmp_path: Path, collector: OtlpReceiver, protocol: str
+) -> None:
+    # An OTLP partial success (the receiver took the request and refused spans in it) was
+    # counted as exported: the gRPC exporter built a message and dropped it, the HTTP
+    # exporter never read the body.
+    collector.reject_all = "over quota"
+    port = collector.grpc_port if protocol == "grpc" else collector.http_port
+    epsd = Epsd(
+        tmp_path,
+        {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+        },
+        [],
+    )
+    calls = 3
+    for _ in range(calls):
+        select_pages(epsd.target, "s-none")
+    assert wait_for_metric(epsd, "eps_trace_spans_dropped_total", calls) == calls
+    m = epsd.scrape()
+    assert metric(m, "eps_trace_spans_exported_total") == 0
+    assert metric(m, "eps_trace_export_failures_total") == 0  # answered: nothing to retry
+    epsd.stop()
+    assert "rejected" in epsd.log() and "over quota" in epsd.log()

@@ -20,6 +20,7 @@ class ScriptedExporter final : public SpanExporter {
   struct Shared {
     absl::Mutex mu;
     std::vector<ExportResult> script ABSL_GUARDED_BY(mu);  // then kSuccess forever
+    int64_t rejected ABSL_GUARDED_BY(mu) = 0;  // what each success says the receiver refused
     std::vector<size_t> batch_sizes ABSL_GUARDED_BY(mu);
     std::vector<size_t> request_bytes ABSL_GUARDED_BY(mu);
     std::vector<std::string> span_names ABSL_GUARDED_BY(mu);
@@ -27,19 +28,20 @@ class ScriptedExporter final : public SpanExporter {
     absl::Notification release;
   };
   explicit ScriptedExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
-  ExportResult Export(const Request& request, std::chrono::steady_clock::time_point,
-                      std::string* error) override {
+  ExportOutcome Export(const Request& request, std::chrono::steady_clock::time_point) override {
     if (shared_->block) shared_->release.WaitForNotification();
     absl::MutexLock lock(&shared_->mu);
     const auto& spans = request.resource_spans(0).scope_spans(0).spans();
     shared_->batch_sizes.push_back(spans.size());
     shared_->request_bytes.push_back(request.ByteSizeLong());
     for (const auto& s : spans) shared_->span_names.push_back(s.name());
-    if (shared_->script.empty()) return ExportResult::kSuccess;
+    if (shared_->script.empty()) {
+      return ExportOutcome::Success(spans.size(), shared_->rejected, "scripted refusal");
+    }
     const ExportResult r = shared_->script.front();
     shared_->script.erase(shared_->script.begin());
-    *error = "scripted failure";
-    return r;
+    if (r == ExportResult::kSuccess) return ExportOutcome::Success(spans.size(), 0, "");
+    return ExportOutcome::Failure(r, "scripted failure");
   }
   void Cancel() override {}
   std::string Describe() const override { return "scripted"; }
@@ -59,14 +61,12 @@ class NeverAnsweringExporter final : public SpanExporter {
     std::atomic<bool> ended_by_cancel{false};
   };
   explicit NeverAnsweringExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
-  ExportResult Export(const Request&, std::chrono::steady_clock::time_point,
-                      std::string* error) override {
+  ExportOutcome Export(const Request&, std::chrono::steady_clock::time_point) override {
     if (!shared_->exporting.HasBeenNotified()) shared_->exporting.Notify();
     if (shared_->cancelled.WaitForNotificationWithTimeout(absl::Seconds(30))) {
       shared_->ended_by_cancel = true;
     }
-    *error = "no answer";
-    return ExportResult::kFailed;
+    return ExportOutcome::Failure(ExportResult::kFailed, "no answer");
   }
   void Cancel() override {
     if (!shared_->cancelled.HasBeenNotified()) shared_->cancelled.Notify();
@@ -206,6 +206,24 @@ TEST(BatchSpanProcessorTest, ShutdownGivesUpOnAnUnavailableReceiverWithinItsBudg
   auto late = Spans(2, "late");
   p.OnEnd(late);  // after shutdown: dropped, counted
   EXPECT_EQ(p.counts().dropped, 32u);
+}
+
+// OTLP partial success: the receiver took the request and refused some of its spans. They
+// were once counted as exported, and never logged.
+TEST(BatchSpanProcessorTest, SpansTheReceiverRefusesAreCountedAsDroppedNotExported) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->rejected = 2;
+  }
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(100, 3, 60000),
+                       milliseconds(1000), {});
+  auto spans = Spans(6, "partly");
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 2u);  // one of each batch of 3
+  EXPECT_EQ(p.counts().dropped, 4u);
+  EXPECT_EQ(p.counts().export_failures, 0u);  // the attempts succeeded: nothing to retry
 }
 
 // Spans of `bytes` bytes each (one string attribute of that size).

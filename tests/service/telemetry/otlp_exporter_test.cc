@@ -1,8 +1,8 @@
-// The OTLP exporters against collectors that misbehave, on loopback: one that takes the
-// request and never answers (Cancel must end the attempt; SpanExporter::Cancel).
+// The OTLP exporters against collectors on loopback: one that takes the request and never
+// answers (Cancel must end the attempt; SpanExporter::Cancel), and one that refuses some of
+// the spans (OTLP partial success: the outcome must say how many).
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -10,7 +10,9 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "grpcpp/server.h"
@@ -30,75 +32,94 @@ namespace otlp = opentelemetry::proto::collector::trace::v1;
 // Far enough that an attempt ending by itself (not by Cancel) fails the test's checks.
 constexpr auto kFarDeadline = std::chrono::seconds(30);
 
-TraceConfig ConfigFor(int port, const std::string& path = "/v1/traces") {
+TraceConfig ConfigFor(int port) {
   TraceConfig config;
   config.enabled = true;
   config.endpoint.host = "127.0.0.1";
   config.endpoint.port = port;
-  config.endpoint.path = path;
+  config.endpoint.path = "/v1/traces";
   return config;
 }
 
-otlp::ExportTraceServiceRequest OneSpan() {
-  SpanRecord span;
-  span.trace_id = NewTraceId();
-  span.span_id = NewSpanId();
-  span.name = "eps.v1.PageSelector/SelectPages";
-  return EncodeSpans({{"service.name", "epsd"}}, {span});
+otlp::ExportTraceServiceRequest Spans(int n) {
+  std::vector<SpanRecord> spans(n);
+  for (SpanRecord& span : spans) {
+    span.trace_id = NewTraceId();
+    span.span_id = NewSpanId();
+    span.name = "eps.v1.PageSelector/SelectPages";
+  }
+  return EncodeSpans({{"service.name", "epsd"}}, spans);
 }
 
-// An OTLP/gRPC collector whose Export takes the call and waits until the test ends.
-class SilentGrpcCollector final : public otlp::TraceService::Service {
+// An OTLP/gRPC collector. Silent: its Export takes the call and waits until the test ends;
+// otherwise it answers at once, refusing `rejected` spans.
+class GrpcCollector final : public otlp::TraceService::Service {
  public:
-  SilentGrpcCollector() {
+  explicit GrpcCollector(bool silent, int64_t rejected = 0) : silent_(silent), rejected_(rejected) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(this);
     server_ = builder.BuildAndStart();
   }
-  ~SilentGrpcCollector() override {
+  ~GrpcCollector() override {
     release_.Notify();
     server_->Shutdown();
   }
   grpc::Status Export(grpc::ServerContext*, const otlp::ExportTraceServiceRequest*,
-                      otlp::ExportTraceServiceResponse*) override {
+                      otlp::ExportTraceServiceResponse* response) override {
     if (!called_.HasBeenNotified()) called_.Notify();
-    release_.WaitForNotification();
+    if (silent_) release_.WaitForNotification();
+    if (rejected_ > 0) {
+      response->mutable_partial_success()->set_rejected_spans(rejected_);
+      response->mutable_partial_success()->set_error_message("over quota");
+    }
     return grpc::Status::OK;
   }
   int port() const { return port_; }
   void WaitForCall() { called_.WaitForNotification(); }
 
  private:
+  const bool silent_;
+  const int64_t rejected_;
   int port_ = 0;
   absl::Notification called_, release_;
   std::unique_ptr<grpc::Server> server_;
 };
 
 TEST(OtlpGrpcExporterTest, CancelEndsAnExportTheCollectorNeverAnswers) {
-  SilentGrpcCollector collector;
+  GrpcCollector collector(/*silent=*/true);
   ASSERT_GT(collector.port(), 0);
   OtlpGrpcExporter exporter(ConfigFor(collector.port()));
-  ExportResult result = ExportResult::kSuccess;
-  std::string error;
-  std::thread attempt(
-      [&] { result = exporter.Export(OneSpan(), Clock::now() + kFarDeadline, &error); });
+  ExportOutcome outcome;
+  std::thread attempt([&] { outcome = exporter.Export(Spans(1), Clock::now() + kFarDeadline); });
   collector.WaitForCall();
   exporter.Cancel();
   attempt.join();
-  EXPECT_EQ(result, ExportResult::kFailed);
-  EXPECT_THAT(error, HasSubstr("cancelled"));
+  EXPECT_EQ(outcome.result, ExportResult::kFailed);
+  EXPECT_THAT(outcome.message, HasSubstr("cancelled"));
   // And no later attempt is made.
-  std::string again;
-  EXPECT_EQ(exporter.Export(OneSpan(), Clock::now() + kFarDeadline, &again), ExportResult::kFailed);
-  EXPECT_THAT(again, HasSubstr("cancelled"));
+  const ExportOutcome again = exporter.Export(Spans(1), Clock::now() + kFarDeadline);
+  EXPECT_EQ(again.result, ExportResult::kFailed);
+  EXPECT_THAT(again.message, HasSubstr("cancelled"));
 }
 
-// A TCP listener on 127.0.0.1 that accepts one connection, reads what comes until the
-// HTTP request's body is in, and never answers.
-class SilentHttpCollector {
+// The receiver's partial_success went into a message, and the whole batch counted as exported.
+TEST(OtlpGrpcExporterTest, APartialSuccessSaysHowManySpansTheReceiverRefused) {
+  GrpcCollector collector(/*silent=*/false, /*rejected=*/2);
+  ASSERT_GT(collector.port(), 0);
+  OtlpGrpcExporter exporter(ConfigFor(collector.port()));
+  const ExportOutcome outcome = exporter.Export(Spans(3), Clock::now() + kFarDeadline);
+  EXPECT_EQ(outcome.result, ExportResult::kSuccess) << outcome.message;
+  EXPECT_EQ(outcome.accepted, 1u);
+  EXPECT_EQ(outcome.rejected, 2u);
+  EXPECT_EQ(outcome.message, "over quota");
+}
+
+// A TCP listener on 127.0.0.1 that accepts one connection and reads what comes until the
+// HTTP request's body is in; the test then answers it, or not.
+class HttpCollector {
  public:
-  SilentHttpCollector() : listener_(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+  HttpCollector() : listener_(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
     sockaddr_in address{};
     address.sin_family = AF_INET;
     address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -109,10 +130,13 @@ class SilentHttpCollector {
       port_ = ntohs(address.sin_port);
     }
   }
-  ~SilentHttpCollector() {
+  ~HttpCollector() {
     if (connection_ >= 0) close(connection_);
     close(listener_);
   }
+  HttpCollector(const HttpCollector&) = delete;
+  HttpCollector& operator=(const HttpCollector&) = delete;
+
   int port() const { return port_; }
   // Accepts the exporter's connection and reads its request whole; false on failure.
   bool ReadOneRequest() {
@@ -134,6 +158,12 @@ class SilentHttpCollector {
     }
     return true;
   }
+  // Sends `reply` on the accepted connection and closes it.
+  void Answer(const std::string& reply) {
+    (void)!send(connection_, reply.data(), reply.size(), MSG_NOSIGNAL);
+    close(connection_);
+    connection_ = -1;
+  }
 
  private:
   int listener_;
@@ -142,21 +172,48 @@ class SilentHttpCollector {
 };
 
 TEST(OtlpHttpExporterTest, CancelEndsAnExportTheCollectorNeverAnswers) {
-  SilentHttpCollector collector;
+  HttpCollector collector;
   ASSERT_GT(collector.port(), 0);
   OtlpHttpExporter exporter(ConfigFor(collector.port()));
-  ExportResult result = ExportResult::kSuccess;
-  std::string error;
-  std::thread attempt(
-      [&] { result = exporter.Export(OneSpan(), Clock::now() + kFarDeadline, &error); });
+  ExportOutcome outcome;
+  std::thread attempt([&] { outcome = exporter.Export(Spans(1), Clock::now() + kFarDeadline); });
   ASSERT_TRUE(collector.ReadOneRequest());  // the exporter now waits for the reply
   exporter.Cancel();
   attempt.join();
-  EXPECT_EQ(result, ExportResult::kFailed);
-  EXPECT_THAT(error, HasSubstr("cancelled"));
-  std::string again;
-  EXPECT_EQ(exporter.Export(OneSpan(), Clock::now() + kFarDeadline, &again), ExportResult::kFailed);
-  EXPECT_THAT(again, HasSubstr("cancelled"));
+  EXPECT_EQ(outcome.result, ExportResult::kFailed);
+  EXPECT_THAT(outcome.message, HasSubstr("cancelled"));
+  const ExportOutcome again = exporter.Export(Spans(1), Clock::now() + kFarDeadline);
+  EXPECT_EQ(again.result, ExportResult::kFailed);
+  EXPECT_THAT(again.message, HasSubstr("cancelled"));
+}
+
+// The body of a 2xx was never read: a receiver's partial success went unseen, and the spans
+// it refused counted as exported. Both framings of a body: Content-Length and chunked.
+TEST(OtlpHttpExporterTest, APartialSuccessSaysHowManySpansTheReceiverRefused) {
+  otlp::ExportTraceServiceResponse refusal;
+  refusal.mutable_partial_success()->set_rejected_spans(2);
+  refusal.mutable_partial_success()->set_error_message("over quota");
+  const std::string body = refusal.SerializeAsString();
+  const std::string head = "HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n";
+  const std::string chunked =
+      absl::StrCat(absl::Hex(3), "\r\n", body.substr(0, 3), "\r\n", absl::Hex(body.size() - 3),
+                   "\r\n", body.substr(3), "\r\n0\r\n\r\n");
+  for (const std::string& reply :
+       {absl::StrCat(head, "Content-Length: ", body.size(), "\r\n\r\n", body),
+        absl::StrCat(head, "Transfer-Encoding: chunked\r\n\r\n", chunked)}) {
+    HttpCollector collector;
+    ASSERT_GT(collector.port(), 0);
+    OtlpHttpExporter exporter(ConfigFor(collector.port()));
+    ExportOutcome outcome;
+    std::thread attempt([&] { outcome = exporter.Export(Spans(3), Clock::now() + kFarDeadline); });
+    ASSERT_TRUE(collector.ReadOneRequest());
+    collector.Answer(reply);
+    attempt.join();
+    EXPECT_EQ(outcome.result, ExportResult::kSuccess) << outcome.message;
+    EXPECT_EQ(outcome.accepted, 1u) << reply;
+    EXPECT_EQ(outcome.rejected, 2u) << reply;
+    EXPECT_EQ(outcome.message, "over quota");
+  }
 }
 
 }  // namespace

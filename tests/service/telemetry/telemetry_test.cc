@@ -143,14 +143,14 @@ class CapturingExporter final : public SpanExporter {
     std::vector<opentelemetry::proto::trace::v1::Span> spans ABSL_GUARDED_BY(mu);
   };
   explicit CapturingExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
-  ExportResult Export(
+  ExportOutcome Export(
       const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
-      std::chrono::steady_clock::time_point, std::string*) override {
+      std::chrono::steady_clock::time_point) override {
     absl::MutexLock lock(&shared_->mu);
     for (const auto& s : request.resource_spans(0).scope_spans(0).spans()) {
       shared_->spans.push_back(s);
     }
-    return ExportResult::kSuccess;
+    return ExportOutcome::Success(CountSpans(request), 0, "");
   }
   void Cancel() override {}
   std::string Describe() const override { return "capturing"; }
