@@ -12,7 +12,7 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -31,6 +31,22 @@ def collector() -> Iterator[OtlpReceiver]:
     r.stop()
 
 
+@pytest.fixture
+def start_epsd() -> Iterator[Callable[..., Epsd]]:
+    """Starts epsd as Epsd(...) does; whatever a failed test left running is killed after it."""
+    started: list[Epsd] = []
+
+    def start(tmp: Path, env: dict[str, str], flags: list[str]) -> Epsd:
+        started.append(Epsd(tmp, env, flags))
+        return started[-1]
+
+    yield start
+    for epsd in started:
+        if epsd.proc.poll() is None:
+            epsd.proc.kill()
+            epsd.proc.wait()
+
+
 def select_pages(
     target: str, session_id: str, metadata: list[tuple[str, str]] | None = None
 ) -> grpc.RpcError:
@@ -47,9 +63,9 @@ def select_pages(
 
 
 def test_tracestate_headers_are_joined_and_an_invalid_one_is_dropped(
-    tmp_path: Path, collector: OtlpReceiver
+    tmp_path: Path, collector: OtlpReceiver, start_epsd: Callable[..., Epsd]
 ) -> None:
-    epsd = Epsd(
+    epsd = start_epsd(
         tmp_path,
         {
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
@@ -79,13 +95,13 @@ def test_tracestate_headers_are_joined_and_an_invalid_one_is_dropped(
 
 
 def test_a_huge_session_id_reaches_no_reply_span_or_log_line_unbounded(
-    tmp_path: Path, collector: OtlpReceiver
+    tmp_path: Path, collector: OtlpReceiver, start_epsd: Callable[..., Epsd]
 ) -> None:
     # NOT_FOUND quoted the whole id: 60 calls with 8 MB ids grew epsd from 18 MB to 1.39 GB
     # and wrote 480 MB of step log, and one 5 MB id made a batch larger than the receiver's
     # 4 MiB limit (this receiver's too: grpcio's default), losing every span in it.
     step_log = tmp_path / "steps.jsonl"
-    epsd = Epsd(
+    epsd = start_epsd(
         tmp_path,
         {
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.grpc_port}",
@@ -168,14 +184,14 @@ def silent_http_collector() -> Iterator[tuple[int, threading.Event]]:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_sigterm_cancels_an_export_the_collector_never_answers(
-    tmp_path: Path, protocol: str
+    tmp_path: Path, protocol: str, start_epsd: Callable[..., Epsd]
 ) -> None:
     # An attempt in flight at SIGTERM ran to OTEL_EXPORTER_OTLP_TIMEOUT (10 s by default):
     # past the 2 s flush the docs promise and past the drain's backstop, so epsd exited 1
     # ("drain timed out"). Shutdown now cancels it once the 2 s are spent.
     silent = silent_grpc_collector() if protocol == "grpc" else silent_http_collector()
     with silent as (port, called):
-        epsd = Epsd(
+        epsd = start_epsd(
             tmp_path,
             {
                 "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
@@ -195,14 +211,14 @@ def test_sigterm_cancels_an_export_the_collector_never_answers(
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_spans_the_receiver_refuses_are_dropped_and_logged_not_exported(
-    tmp_path: Path, collector: OtlpReceiver, protocol: str
+    tmp_path: Path, collector: OtlpReceiver, protocol: str, start_epsd: Callable[..., Epsd]
 ) -> None:
     # An OTLP partial success (the receiver took the request and refused spans in it) was
     # counted as exported: the gRPC exporter built a message and dropped it, the HTTP
     # exporter never read the body.
     collector.reject_all = "over quota"
     port = collector.grpc_port if protocol == "grpc" else collector.http_port
-    epsd = Epsd(
+    epsd = start_epsd(
         tmp_path,
         {
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
