@@ -59,10 +59,12 @@ BENCHMARK(BM_PrometheusCppHistogramObserve)->ThreadRange(1, 8)->UseRealTime();
 // An exporter that accepts everything at once: measures the hand-off, not a network.
 class NullExporter final : public SpanExporter {
  public:
-  ExportResult Export(const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest&,
-                      std::chrono::steady_clock::time_point, std::string*) override {
-    return ExportResult::kSuccess;
+  ExportOutcome Export(
+      const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
+      std::chrono::steady_clock::time_point) override {
+    return ExportOutcome::Success(CountSpans(request), 0, "");
   }
+  void Cancel() override {}
   std::string Describe() const override { return "null"; }
 };
 

@@ -103,9 +103,9 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
     }
     // The backstop of the drain: gRPC cancels the calls left at drain_ms, and every call
     // ends then (service/call_guard.h); should one still not, exit regardless.
-    // After the drain, the span flush takes up to 2 s and an exporter whose collector
-    // is gone up to its own timeout; 2.5 s ended drains of 200 ms in the backstop (exit 1)
-    // with a dead collector, so 4 s. A call that waits for an engine's inputs (an async
+    // After the drain, the span flush takes up to 2 s (an export still in flight is
+    // cancelled at its end); 2.5 s ended drains of 200 ms in the backstop (exit 1) with a
+    // dead collector, so 4 s. A call that waits for an engine's inputs (an async
     // step's Finish) cannot be cancelled: it ends within --inputs-timeout-ms, then the
     // release's drain bound (5 s, gpu::GpuSelectorOptions::drain_timeout).
     // Armed at the signal, not once Shutdown returns: Shutdown waits for every call to

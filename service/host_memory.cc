@@ -45,8 +45,15 @@ absl::Status Errno(const std::string& what, int err) {
 }  // namespace
 
 absl::Status CheckShmName(const std::string& field, const std::string& name) {
-  // The name as the message shows it: NUL and other control bytes escaped.
-  auto shown = [&] { return absl::StrCat(field, "='", absl::CHexEscape(name), "'"); };
+  // The name as the message shows it: NUL and other control bytes escaped, and at most
+  // 128 bytes of it (a refused name can be as long as the request).
+  auto shown = [&] {
+    constexpr size_t kShown = 128;
+    return name.size() <= kShown
+               ? absl::StrCat(field, "='", absl::CHexEscape(name), "'")
+               : absl::StrCat(field, "='", absl::CHexEscape(name.substr(0, kShown)), "...' (",
+                              name.size(), " bytes)");
+  };
   if (name.size() < 2 || name.size() > 255 || name[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrCat(shown(), " must be '/' followed by 1-254 bytes"));

@@ -6,12 +6,22 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/telemetry/otlp_encode.h"
+#include "service/telemetry/utf8.h"
 
 namespace eps::telemetry {
 namespace {
 
+// The most of a receiver's message a log line quotes: the receiver's words, not ours.
+constexpr size_t kMaxReceiverMessageBytes = 256;
+
 absl::Time ToAbsl(std::chrono::steady_clock::time_point t) {
   return absl::Now() + absl::FromChrono(t - std::chrono::steady_clock::now());
+}
+
+size_t BatchSpanBytes(const BatchConfig& config,
+                      const std::vector<std::pair<std::string, std::string>>& resource) {
+  const size_t own = EncodeSpans(resource, {}).ByteSizeLong() + kEncodedRequestSlack;
+  return config.max_export_batch_bytes > own ? config.max_export_batch_bytes - own : 0;
 }
 
 }  // namespace
@@ -22,24 +32,30 @@ BatchSpanProcessor::BatchSpanProcessor(std::unique_ptr<SpanExporter> exporter, B
     : exporter_(std::move(exporter)),
       config_(config),
       attempt_timeout_(attempt_timeout),
-      resource_(std::move(resource)) {
+      resource_(std::move(resource)),
+      batch_span_bytes_(BatchSpanBytes(config_, resource_)) {
   worker_ = std::thread([this] { Run(); });
 }
 
 BatchSpanProcessor::~BatchSpanProcessor() { Shutdown(std::chrono::milliseconds(2000)); }
 
 void BatchSpanProcessor::OnEnd(std::vector<SpanRecord>& spans) {
+  // Sized outside the lock: the RPC threads share it.
+  std::vector<size_t> bytes(spans.size());
+  for (size_t i = 0; i < spans.size(); ++i) bytes[i] = EncodedSizeBound(spans[i]);
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     counts_.dropped += spans.size();
     return;
   }
-  for (SpanRecord& s : spans) {
-    if (queue_.size() >= config_.max_queue_size) {
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (queue_.size() >= config_.max_queue_size ||
+        queued_bytes_ + bytes[i] > config_.max_queue_bytes || bytes[i] > batch_span_bytes_) {
       ++counts_.dropped;
       continue;
     }
-    queue_.push_back(std::move(s));
+    queued_bytes_ += bytes[i];
+    queue_.push_back({std::move(spans[i]), bytes[i]});
   }
 }
 
@@ -49,13 +65,20 @@ BatchSpanProcessor::Counts BatchSpanProcessor::counts() const {
 }
 
 void BatchSpanProcessor::Shutdown(std::chrono::milliseconds budget) {
+  bool done = false;
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {
       stopping_ = true;
       shutdown_deadline_ = Clock::now() + budget;
     }
+    // Attempts begun from now on end by the deadline (ExportBatch); one begun before has
+    // the exporter's own timeout, and a collector that accepts and never answers held the
+    // exit for all of it (10 s by default, past epsd's drain backstop): cancelled below.
+    const auto finished = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return worker_done_; };
+    done = mu_.AwaitWithDeadline(absl::Condition(&finished), ToAbsl(shutdown_deadline_));
   }
+  if (!done) exporter_->Cancel();
   if (worker_.joinable()) worker_.join();
 }
 
@@ -73,18 +96,24 @@ void BatchSpanProcessor::Run() {
       };
       mu_.Await(absl::Condition(&has_work));
       const auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stopping_ || queue_.size() >= config_.max_export_batch_size;
+        return stopping_ || queue_.size() >= config_.max_export_batch_size ||
+               queued_bytes_ >= batch_span_bytes_;
       };
       mu_.AwaitWithDeadline(absl::Condition(&ready), ToAbsl(Clock::now() + config_.schedule_delay));
       if (stopping_ && (queue_.empty() || Clock::now() >= shutdown_deadline_)) {
         counts_.dropped += queue_.size();
         queue_.clear();
+        queued_bytes_ = 0;
+        worker_done_ = true;
         return;
       }
-      const size_t n = std::min(queue_.size(), config_.max_export_batch_size);
-      batch.reserve(n);
-      for (size_t i = 0; i < n; ++i) {
-        batch.push_back(std::move(queue_.front()));
+      // Up to the batch size in spans and in bytes; every queued span fits a batch alone.
+      size_t bytes = 0;
+      while (!queue_.empty() && batch.size() < config_.max_export_batch_size &&
+             bytes + queue_.front().bytes <= batch_span_bytes_) {
+        bytes += queue_.front().bytes;
+        queued_bytes_ -= queue_.front().bytes;
+        batch.push_back(std::move(queue_.front().span));
         queue_.pop_front();
       }
       give_up = stopping_ ? shutdown_deadline_ : Clock::now() + config_.export_timeout;
@@ -104,15 +133,28 @@ void BatchSpanProcessor::ExportBatch(const std::vector<SpanRecord>& batch,
       if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
     }
     const Clock::time_point attempt_deadline = std::min(give_up, Clock::now() + attempt_timeout_);
-    std::string error;
-    const ExportResult result = exporter_->Export(request, attempt_deadline, &error);
+    const ExportOutcome outcome = exporter_->Export(request, attempt_deadline);
+    const ExportResult result = outcome.result;
     bool last = false;
     {
       absl::MutexLock lock(&mu_);
       if (result == ExportResult::kSuccess) {
-        counts_.exported += batch.size();
-        return;
+        // A partial success: the spans the receiver refused are dropped, not exported.
+        counts_.exported += outcome.accepted;
+        counts_.dropped += outcome.rejected;
       }
+    }
+    if (result == ExportResult::kSuccess) {
+      if (outcome.rejected > 0) {  // once per batch, outside mu_ (see below)
+        std::fprintf(stderr, "epsd: the receiver rejected %llu of %zu spans: %s: %s\n",
+                     static_cast<unsigned long long>(outcome.rejected), batch.size(),
+                     exporter_->Describe().c_str(),
+                     BoundedUtf8(outcome.message, kMaxReceiverMessageBytes).c_str());
+      }
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
       ++counts_.export_failures;
       if (stopping_) give_up = std::min(give_up, shutdown_deadline_);
       last = result == ExportResult::kFailed || Clock::now() >= give_up;
@@ -136,7 +178,8 @@ void BatchSpanProcessor::ExportBatch(const std::vector<SpanRecord>& batch,
       // log; and outside mu_, which OnEnd takes on the RPC threads: a stderr nobody drains
       // (a full pipe) blocks this write, and must not block SelectPages with it.
       std::fprintf(stderr, "epsd: dropped %zu spans: %s: %s\n", batch.size(),
-                   exporter_->Describe().c_str(), error.c_str());
+                   exporter_->Describe().c_str(),
+                   BoundedUtf8(outcome.message, kMaxReceiverMessageBytes).c_str());
       return;
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));

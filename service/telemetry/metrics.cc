@@ -119,7 +119,8 @@ class ServerMetrics::HistogramCollectable final : public prometheus::Collectable
                            prometheus::MetricType::Counter, static_cast<double>(t.exported)));
       out.push_back(
           Scalar("eps_trace_spans_dropped_total",
-                 "Spans dropped: the export queue was full, or an export failed for good.",
+                 "Spans dropped: the export queue was full, a span was too large to export, the "
+                 "receiver refused them, or an export failed for good.",
                  prometheus::MetricType::Counter, static_cast<double>(t.dropped)));
       out.push_back(Scalar("eps_trace_export_failures_total",
                            "OTLP export attempts that failed (each retry counts).",
@@ -275,8 +276,10 @@ absl::Status ServerMetrics::Serve(const std::string& listen) {
   try {
     // civetweb serves each connection on one of its worker threads until the request is
     // read: a client that connects and sends nothing (or half a request) holds a thread
-    // for the request timeout. Several threads and a short timeout keep one such client
-    // from blocking the scrapes of others (tests/service/telemetry/metrics_http_test.cc).
+    // for the request timeout, and civetweb 1.15 has no per-client connection limit. So
+    // many threads and a short timeout: with 4 threads and 2 s, 64 such connections held
+    // scrapes for 31 s; with 32 and 500 ms, 0.5-1 s (tests/service/telemetry/
+    // metrics_http_test.cc, bench/metrics_hold.py).
     exposer_ = std::make_unique<prometheus::Exposer>(
         std::vector<std::string>{"listening_ports", listen,                    //
                                  "num_threads", std::to_string(kHttpThreads),  //

@@ -79,10 +79,12 @@ class ServerMetrics {
   // (eps_validation_failures_total{reason}).
   void ValidationFailure(absl::StatusCode code);
 
-  // The /metrics listener: worker threads, and how long one connection may take to send
-  // its request (or receive the reply) before it is dropped.
-  static constexpr int kHttpThreads = 4;
-  static constexpr int kHttpRequestTimeoutMs = 2000;
+  // The /metrics listener (civetweb): worker threads, and how long one connection may take
+  // to send its request head (or take one write of the reply) before it is dropped. A
+  // connection holds a thread from its accept until then, so N idle connections delay a
+  // scrape by about floor(N / kHttpThreads) request timeouts (docs/observability.md).
+  static constexpr int kHttpThreads = 32;
+  static constexpr int kHttpRequestTimeoutMs = 500;
 
   // Serves /metrics on `listen` (host:port; port 0 picks one). Call once.
   absl::Status Serve(const std::string& listen);

@@ -28,6 +28,11 @@ struct BatchConfig {  // the spec's OTEL_BSP_* defaults
   std::chrono::milliseconds export_timeout{30000};
   size_t max_queue_size = 2048;
   size_t max_export_batch_size = 512;
+  // Bytes, as the spans encode (EncodedSizeBound), which no OTEL_* variable sets: the queue
+  // holds at most max_queue_bytes; an export request is at most max_export_batch_bytes,
+  // well under the 4 MiB a gRPC server (the Collector's OTLP receiver) accepts by default.
+  size_t max_queue_bytes = 4u << 20;
+  size_t max_export_batch_bytes = 1u << 20;
 };
 
 struct OtlpEndpoint {

@@ -17,23 +17,33 @@ OtlpGrpcExporter::OtlpGrpcExporter(const TraceConfig& config) : config_(config) 
       grpc::CreateCustomChannel(config.endpoint.grpc_target(), credentials, args));
 }
 
-ExportResult OtlpGrpcExporter::Export(
+ExportOutcome OtlpGrpcExporter::Export(
     const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
-    std::chrono::steady_clock::time_point deadline, std::string* error) {
+    std::chrono::steady_clock::time_point deadline) {
+  constexpr const char* kCancelled = "cancelled: epsd is stopping";
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        (deadline - std::chrono::steady_clock::now()));
   for (const auto& [key, value] : config_.headers) context.AddMetadata(key, value);
   opentelemetry::proto::collector::trace::v1::ExportTraceServiceResponse response;
-  const grpc::Status status = stub_->Export(&context, request, &response);
-  if (status.ok()) {
-    if (response.partial_success().rejected_spans() > 0) {
-      *error = absl::StrCat("receiver rejected ", response.partial_success().rejected_spans(),
-                            " spans: ", response.partial_success().error_message());
-    }
-    return ExportResult::kSuccess;
+  {
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) return ExportOutcome::Failure(ExportResult::kFailed, kCancelled);
+    in_flight_ = &context;  // a Cancel from now on reaches this call, even before it starts
   }
-  *error =
+  const grpc::Status status = stub_->Export(&context, request, &response);
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_ = nullptr;
+    if (cancelled_ && !status.ok())
+      return ExportOutcome::Failure(ExportResult::kFailed, kCancelled);
+  }
+  if (status.ok()) {
+    // OTLP partial success: the receiver took the request but refused some of its spans.
+    return ExportOutcome::Success(CountSpans(request), response.partial_success().rejected_spans(),
+                                  response.partial_success().error_message());
+  }
+  std::string error =
       absl::StrCat("TraceService/Export: code ", status.error_code(), ": ", status.error_message());
   // The OTLP spec's retryable codes (RESOURCE_EXHAUSTED only with RetryInfo, which we do not read).
   switch (status.error_code()) {
@@ -43,10 +53,16 @@ ExportResult OtlpGrpcExporter::Export(
     case grpc::StatusCode::OUT_OF_RANGE:
     case grpc::StatusCode::UNAVAILABLE:
     case grpc::StatusCode::DATA_LOSS:
-      return ExportResult::kRetryable;
+      return ExportOutcome::Failure(ExportResult::kRetryable, std::move(error));
     default:
-      return ExportResult::kFailed;
+      return ExportOutcome::Failure(ExportResult::kFailed, std::move(error));
   }
+}
+
+void OtlpGrpcExporter::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  if (in_flight_ != nullptr) in_flight_->TryCancel();
 }
 
 std::string OtlpGrpcExporter::Describe() const {

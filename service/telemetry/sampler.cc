@@ -30,6 +30,11 @@ absl::StatusOr<Sampler> Sampler::FromNames(const std::string& name, const std::s
       }
       s.ratio_ = ratio;
     }
+    // ratio * 2^64 as an integer bound, compared with integers: as doubles, an id whose low
+    // 64 bits round up to 2^64 was dropped at ratio 1.0. Below 1.0 the product is below
+    // 2^64 (the largest double below 1 is 1 - 2^-53), so the cast is exact and in range.
+    s.keep_all_ = s.ratio_ >= 1.0;
+    s.bound_ = s.keep_all_ ? 0 : static_cast<uint64_t>(std::ldexp(s.ratio_, 64));
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("OTEL_TRACES_SAMPLER=", name,
@@ -49,9 +54,10 @@ bool Sampler::ShouldSample(const std::optional<TraceContext>& parent,
     case Root::kRatio: {
       // The spec's TraceIdRatioBased: the trace id's low 8 bytes against ratio * 2^64,
       // so every service with the same ratio keeps the same traces.
+      if (keep_all_) return true;
       uint64_t low = 0;
       for (int i = 8; i < 16; ++i) low = low << 8 | trace_id[i];
-      return static_cast<double>(low) < std::ldexp(ratio_, 64);
+      return low < bound_;
     }
   }
   return false;

@@ -2,6 +2,7 @@
 // their parentbased_ forms (the spec's default is parentbased_always_on).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -24,6 +25,10 @@ class Sampler {
   bool parent_based_ = true;
   Root root_ = Root::kAlwaysOn;
   double ratio_ = 1.0;
+  // kRatio: a trace is kept when its id's low 64 bits, as an integer, are below this bound;
+  // ratio 1.0 keeps every id, the largest included (its bound does not fit in 64 bits).
+  bool keep_all_ = true;
+  uint64_t bound_ = 0;
 };
 
 }  // namespace eps::telemetry

@@ -9,18 +9,22 @@
 #include "nlohmann/json.hpp"
 #include "service/telemetry/otlp_grpc_exporter.h"
 #include "service/telemetry/otlp_http_exporter.h"
+#include "service/telemetry/utf8.h"
 
 namespace eps::telemetry {
 
 std::string SessionLabel(const std::string& session_id) {
   // "s-<counter>-<32 hex digits of randomness>": the part before the last '-' names the
   // session in traces and logs; the random part is the capability and stays out of them.
+  // Whatever a caller sent, the label is bounded and valid UTF-8 (it is an OTLP string):
+  // a plain cut at 64 bytes could split a character, and a strict receiver then refused
+  // the whole batch.
   const size_t dash = session_id.rfind('-');
   if (dash != std::string::npos && session_id.size() - dash - 1 == 32 &&
       session_id.find_first_not_of("0123456789abcdef", dash + 1) == std::string::npos) {
-    return session_id.substr(0, dash);
+    return BoundedUtf8(std::string_view(session_id).substr(0, dash), kMaxSessionLabelBytes);
   }
-  return session_id.substr(0, 64);  // not one of ours: no capability, but bounded
+  return BoundedUtf8(session_id, kMaxSessionLabelBytes);  // not one of ours: no capability
 }
 
 bool IsRefusal(absl::StatusCode code) {
@@ -48,6 +52,12 @@ int64_t Nanos(Telemetry::Clock::duration d) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
 }
 
+// A failed step's message as spans and the step log keep it (kMaxStatusMessageBytes).
+std::string BoundedMessage(const absl::Status& status) {
+  return BoundedUtf8(std::string_view(status.message().data(), status.message().size()),
+                     kMaxStatusMessageBytes);
+}
+
 const char* ReplyModeName(v1::ReplyMode mode) {
   return mode == v1::REPLY_MODE_ASYNC ? "async" : "sync";
 }
@@ -56,18 +66,22 @@ std::optional<TraceContext> ParentFromMetadata(const grpc::ServerContextBase& co
   const auto& metadata = context.client_metadata();
   const auto parent = metadata.find("traceparent");
   if (parent == metadata.end()) return std::nullopt;
-  const auto state = metadata.find("tracestate");
-  return ParseTraceparent(std::string_view(parent->second.data(), parent->second.size()),
-                          state == metadata.end()
-                              ? std::string_view()
-                              : std::string_view(state->second.data(), state->second.size()));
+  // Several tracestate headers are one list, joined with commas in their order (W3C Trace
+  // Context, "Combining tracestate headers"); only the first was read before.
+  std::string state;
+  const auto [first, last] = metadata.equal_range("tracestate");
+  for (auto it = first; it != last; ++it) {
+    if (it != first) state.push_back(',');
+    state.append(it->second.data(), it->second.size());
+  }
+  return ParseTraceparent(std::string_view(parent->second.data(), parent->second.size()), state);
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(
     const TelemetryOptions& options, const EnvLookup& env,
-    std::function<ScrapeSources::Sessions()> sessions) {
+    std::function<ScrapeSources::Sessions()> sessions, std::unique_ptr<SpanExporter> exporter) {
   auto t = std::unique_ptr<Telemetry>(new Telemetry());
   t->options_ = options;
   absl::StatusOr<TraceConfig> config = TraceConfigFromEnv(env);
@@ -78,13 +92,15 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(
     if (!log.ok()) return log.status();
     t->step_log_ = *std::move(log);
   }
-  if (t->config_.enabled) {
-    std::unique_ptr<SpanExporter> exporter;
+  if (exporter == nullptr && t->config_.enabled) {
     if (t->config_.protocol == OtlpProtocol::kGrpc) {
       exporter = std::make_unique<OtlpGrpcExporter>(t->config_);
     } else {
       exporter = std::make_unique<OtlpHttpExporter>(t->config_);
     }
+  }
+  if (exporter != nullptr) {  // the variables asked for traces, or a test gave an exporter
+    t->config_.enabled = true;
     t->processor_ = std::make_unique<BatchSpanProcessor>(std::move(exporter), t->config_.batch,
                                                          t->config_.timeout, t->config_.resource);
   }
@@ -233,7 +249,7 @@ void Telemetry::ExportSpans(const Call& call, const Step& step, Clock::time_poin
   }
   if (!status.ok()) {
     server.error = true;
-    server.status_message = std::string(status.message());
+    server.status_message = BoundedMessage(status);
   }
   if (has_stats) {
     // The pre-pass as measured by the backend (CUDA events on the GPU), placed so it ends
@@ -305,7 +321,7 @@ void Telemetry::LogLateStats(const Step& carrier, const v1::SelectPagesRequest& 
   if (stats.error().empty()) {
     AddStats(stats, line);
   } else {
-    line["error"] = stats.error();
+    line["error"] = BoundedUtf8(stats.error(), kMaxStatusMessageBytes);
   }
   step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }
@@ -326,7 +342,7 @@ void Telemetry::LogStep(const Step& step, Clock::time_point end,
       {"status", absl::StatusCodeToString(status.code())},
       {"server_us", Micros(end - step.start)}};
   if (s != nullptr) AddStats(*s, line);
-  if (!status.ok()) line["error"] = std::string(status.message());
+  if (!status.ok()) line["error"] = BoundedMessage(status);
   if (!trace_id.empty()) line["trace_id"] = trace_id;
   step_log_->Append(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }

@@ -33,8 +33,10 @@ struct TelemetryOptions {
   std::string step_log_path;   // empty: no step log
 };
 
-// What traces and the step log show of a session id: its public part only (a
-// session id is a capability, docs/security.md).
+// What traces, the step log and status messages show of a session id: its public part
+// only (a session id is a capability, docs/security.md), at most kMaxSessionLabelBytes of
+// valid UTF-8 (a longer id is cut on a character boundary and ends with "…").
+inline constexpr size_t kMaxSessionLabelBytes = 64;
 std::string SessionLabel(const std::string& session_id);
 
 // Whether a failed call's status is the session service refusing the request
@@ -44,15 +46,21 @@ std::string SessionLabel(const std::string& session_id);
 // (INTERNAL, UNKNOWN, DATA_LOSS, ABORTED) are not refusals; OK is none.
 bool IsRefusal(absl::StatusCode code);
 
+// The most of a failed step's status message a span (its status message) and the step log
+// (its "error") keep: a message can quote a request, whose strings are the caller's bytes.
+inline constexpr size_t kMaxStatusMessageBytes = 256;
+
 class Telemetry {
  public:
   using Clock = std::chrono::steady_clock;
 
   // Reads the OTEL_* variables through `env`. `sessions` reports the session service's session
-  // counts.
+  // counts. `exporter`, when given, takes the spans instead of the OTLP exporter the variables
+  // name, and turns traces on (tests).
   static absl::StatusOr<std::unique_ptr<Telemetry>> Create(
       const TelemetryOptions& options, const EnvLookup& env,
-      std::function<ScrapeSources::Sessions()> sessions);
+      std::function<ScrapeSources::Sessions()> sessions,
+      std::unique_ptr<SpanExporter> exporter = nullptr);
   ~Telemetry();  // Shutdown(2 s) if not done
   Telemetry(const Telemetry&) = delete;
   Telemetry& operator=(const Telemetry&) = delete;

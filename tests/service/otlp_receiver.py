@@ -40,7 +40,21 @@ class OtlpReceiver:
     """Listens on 127.0.0.1 (ports picked by the kernel) until stop()."""
 
     exports: list[Export] = field(default_factory=list)
+    # When set: every export is answered with an OTLP partial success that refuses all of its
+    # spans, with this message (the spans are still recorded).
+    reject_all: str | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def _reply(
+        self, request: trace_service_pb2.ExportTraceServiceRequest
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        reply = trace_service_pb2.ExportTraceServiceResponse()
+        if self.reject_all is not None:
+            reply.partial_success.rejected_spans = sum(
+                len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans
+            )
+            reply.partial_success.error_message = self.reject_all
+        return reply
 
     def start(self) -> OtlpReceiver:
         receiver = self
@@ -53,7 +67,7 @@ class OtlpReceiver:
             ) -> trace_service_pb2.ExportTraceServiceResponse:
                 headers = {k: v for k, v in context.invocation_metadata()}
                 receiver._add(Export("grpc", headers, request))
-                return trace_service_pb2.ExportTraceServiceResponse()
+                return receiver._reply(request)
 
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._grpc)
@@ -74,7 +88,7 @@ class OtlpReceiver:
                 request.ParseFromString(body)
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 receiver._add(Export("http", headers, request))
-                reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                reply = receiver._reply(request).SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(reply)))

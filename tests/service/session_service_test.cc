@@ -166,6 +166,34 @@ TEST_F(SessionServiceTest, AnUnknownSessionIsNotFound) {
   EXPECT_EQ(service_.SelectPages(Step("s-none", 1), &response).code(), absl::StatusCode::kNotFound);
 }
 
+// The caller's id was once quoted whole: with an 8 MB id every NOT_FOUND carried 8 MB on
+// into traces and the step log. The message names the session by its label: bounded, and
+// without the capability part of an id of ours.
+TEST_F(SessionServiceTest, ANotFoundMessageNamesTheSessionByItsBoundedLabel) {
+  const std::string huge(1 << 20, 'x');
+  v1::SelectPagesResponse selected;
+  const absl::Status step = service_.SelectPages(Step(huge, 1), &selected);
+  v1::DetachRequest detach;
+  detach.set_session_id(huge);
+  v1::GetStatsRequest stats_request;
+  stats_request.set_session_id(huge);
+  v1::GetStatsResponse stats;
+  v1::HeartbeatRequest heartbeat_request;
+  heartbeat_request.set_session_id(huge);
+  v1::HeartbeatResponse heartbeat;
+  for (const absl::Status& s :
+       {step, service_.Detach(detach), service_.GetStats(stats_request, &stats),
+        service_.Heartbeat(heartbeat_request, &heartbeat)}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s.message().substr(0, 200);
+    EXPECT_LE(s.message().size(), 200u);
+  }
+  const std::string ours = "s-9-" + std::string(32, 'f');
+  const absl::Status gone = service_.SelectPages(Step(ours, 1), &selected);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(gone.message(), HasSubstr("session 's-9' not found"));
+  EXPECT_THAT(gone.message(), ::testing::Not(HasSubstr(std::string(32, 'f'))));
+}
+
 TEST_F(SessionServiceTest, ABlockTableOfOtherRowsNamesTheGroupTable) {
   v1::AttachRequest request = engine_.Attach("engine-a");
   request.mutable_buffers()->mutable_block_table()->set_shape(0, 1);

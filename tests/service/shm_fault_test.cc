@@ -119,6 +119,17 @@ TEST(ShmNames, NamesThatAreNotOnePlainNameAreInvalidArgument) {
   }
 }
 
+// A refused name is quoted in part: the whole of it, escaped (up to 4 bytes a byte), once
+// came back in the message and went on into the step log.
+TEST(ShmNames, ARefusedNameIsQuotedOnlyInPart) {
+  const std::string name = "/" + std::string(1 << 20, '\x01');
+  absl::StatusOr<std::unique_ptr<service::HostMemory>> memory =
+      service::HostMemory::MapShm(name, 4096);
+  EXPECT_EQ(memory.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LE(memory.status().message().size(), 1024u) << memory.status().message().substr(0, 200);
+  EXPECT_NE(memory.status().message().find("(1048577 bytes)"), std::string::npos);
+}
+
 TEST(ShmNames, NulInANameIsRefusedEvenWhenItsPrefixExists) {
   const std::string prefix = "/eps-shmname-" + std::to_string(getpid());
   const int fd = shm_open(prefix.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);

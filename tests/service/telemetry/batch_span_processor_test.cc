@@ -20,26 +20,58 @@ class ScriptedExporter final : public SpanExporter {
   struct Shared {
     absl::Mutex mu;
     std::vector<ExportResult> script ABSL_GUARDED_BY(mu);  // then kSuccess forever
+    int64_t rejected ABSL_GUARDED_BY(mu) = 0;  // what each success says the receiver refused
     std::vector<size_t> batch_sizes ABSL_GUARDED_BY(mu);
+    std::vector<size_t> request_bytes ABSL_GUARDED_BY(mu);
     std::vector<std::string> span_names ABSL_GUARDED_BY(mu);
     bool block = false;  // hold every Export until `release`
     absl::Notification release;
   };
   explicit ScriptedExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
-  ExportResult Export(const Request& request, std::chrono::steady_clock::time_point,
-                      std::string* error) override {
+  ExportOutcome Export(const Request& request, std::chrono::steady_clock::time_point) override {
     if (shared_->block) shared_->release.WaitForNotification();
     absl::MutexLock lock(&shared_->mu);
     const auto& spans = request.resource_spans(0).scope_spans(0).spans();
     shared_->batch_sizes.push_back(spans.size());
+    shared_->request_bytes.push_back(request.ByteSizeLong());
     for (const auto& s : spans) shared_->span_names.push_back(s.name());
-    if (shared_->script.empty()) return ExportResult::kSuccess;
+    if (shared_->script.empty()) {
+      return ExportOutcome::Success(spans.size(), shared_->rejected, "scripted refusal");
+    }
     const ExportResult r = shared_->script.front();
     shared_->script.erase(shared_->script.begin());
-    *error = "scripted failure";
-    return r;
+    if (r == ExportResult::kSuccess) return ExportOutcome::Success(spans.size(), 0, "");
+    return ExportOutcome::Failure(r, "scripted failure");
   }
+  void Cancel() override {}
   std::string Describe() const override { return "scripted"; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
+
+// An exporter whose attempt never ends by itself, like one against a collector that accepts
+// the call and never answers: only Cancel ends it (or, should Cancel never come, a guard
+// that lets the test fail instead of hanging).
+class NeverAnsweringExporter final : public SpanExporter {
+ public:
+  struct Shared {
+    absl::Notification exporting;  // an attempt is in flight
+    absl::Notification cancelled;
+    std::atomic<bool> ended_by_cancel{false};
+  };
+  explicit NeverAnsweringExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+  ExportOutcome Export(const Request&, std::chrono::steady_clock::time_point) override {
+    if (!shared_->exporting.HasBeenNotified()) shared_->exporting.Notify();
+    if (shared_->cancelled.WaitForNotificationWithTimeout(absl::Seconds(30))) {
+      shared_->ended_by_cancel = true;
+    }
+    return ExportOutcome::Failure(ExportResult::kFailed, "no answer");
+  }
+  void Cancel() override {
+    if (!shared_->cancelled.HasBeenNotified()) shared_->cancelled.Notify();
+  }
+  std::string Describe() const override { return "never answering"; }
 
  private:
   std::shared_ptr<Shared> shared_;
@@ -174,6 +206,94 @@ TEST(BatchSpanProcessorTest, ShutdownGivesUpOnAnUnavailableReceiverWithinItsBudg
   auto late = Spans(2, "late");
   p.OnEnd(late);  // after shutdown: dropped, counted
   EXPECT_EQ(p.counts().dropped, 32u);
+}
+
+// OTLP partial success: the receiver took the request and refused some of its spans. They
+// were once counted as exported, and never logged.
+TEST(BatchSpanProcessorTest, SpansTheReceiverRefusesAreCountedAsDroppedNotExported) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->rejected = 2;
+  }
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), Config(100, 3, 60000),
+                       milliseconds(1000), {});
+  auto spans = Spans(6, "partly");
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 2u);  // one of each batch of 3
+  EXPECT_EQ(p.counts().dropped, 4u);
+  EXPECT_EQ(p.counts().export_failures, 0u);  // the attempts succeeded: nothing to retry
+}
+
+// Spans of `bytes` bytes each (one string attribute of that size).
+std::vector<SpanRecord> LargeSpans(int n, size_t bytes) {
+  std::vector<SpanRecord> spans = Spans(n, "big");
+  for (SpanRecord& s : spans) s.attributes.push_back({"payload", std::string(bytes, 'p')});
+  return spans;
+}
+
+// A batch was cut by span count alone: one 5 MB span made a request a collector refused
+// (4 MiB limit), and every other span in it was lost.
+TEST(BatchSpanProcessorTest, ABatchIsCutBeforeItsRequestPassesTheByteBudget) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  BatchConfig config = Config(100, 512, 60000);
+  config.max_export_batch_bytes = 64 << 10;
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), config, milliseconds(1000),
+                       {{"service.name", "t"}});
+  auto spans = LargeSpans(10, 20 << 10);  // 200 KiB in all: 3 a request
+  p.OnEnd(spans);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 10u);
+  EXPECT_EQ(p.counts().dropped, 0u);
+  absl::MutexLock lock(&shared->mu);
+  EXPECT_EQ(shared->batch_sizes, (std::vector<size_t>{3, 3, 3, 1}));
+  for (size_t bytes : shared->request_bytes) EXPECT_LE(bytes, config.max_export_batch_bytes);
+}
+
+TEST(BatchSpanProcessorTest, ASpanNoRequestCouldHoldIsDroppedAndTheOthersGoOut) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  BatchConfig config = Config(100, 512, 60000);
+  config.max_export_batch_bytes = 64 << 10;
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), config, milliseconds(1000), {});
+  auto small = Spans(3, "small");
+  auto huge = LargeSpans(1, 100 << 10);
+  p.OnEnd(small);
+  p.OnEnd(huge);
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported, 3u);
+  EXPECT_EQ(p.counts().dropped, 1u);
+}
+
+// 60 calls with an 8 MB session id once held 1.39 GB of epsd in the span queue, which was
+// bounded by span count only.
+TEST(BatchSpanProcessorTest, TheQueueHoldsAtMostItsByteBudgetAndCountsWhatItDrops) {
+  auto shared = std::make_shared<ScriptedExporter::Shared>();
+  shared->block = true;  // the exporter hangs: the queue cannot drain
+  BatchConfig config = Config(1000, 1, 1);
+  config.max_queue_bytes = 100 << 10;
+  BatchSpanProcessor p(std::make_unique<ScriptedExporter>(shared), config, milliseconds(1000), {});
+  auto spans = LargeSpans(20, 20 << 10);  // 400 KiB, queued in one critical section: 4 fit
+  p.OnEnd(spans);
+  EXPECT_EQ(p.counts().dropped, 16u);
+  shared->release.Notify();
+  p.Shutdown(milliseconds(5000));
+  EXPECT_EQ(p.counts().exported + p.counts().dropped, 20u);
+}
+
+// An attempt begun before the shutdown once ran to its own timeout (OTEL_EXPORTER_OTLP_TIMEOUT,
+// 10 s by default), past the 2 s the shutdown promises and past epsd's drain backstop.
+TEST(BatchSpanProcessorTest, ShutdownCancelsAnAttemptStillInFlightAtTheEndOfItsBudget) {
+  auto shared = std::make_shared<NeverAnsweringExporter::Shared>();
+  BatchSpanProcessor p(std::make_unique<NeverAnsweringExporter>(shared), Config(100, 1, 1),
+                       milliseconds(60000), {});
+  auto spans = Spans(3, "stuck");
+  p.OnEnd(spans);
+  shared->exporting.WaitForNotification();  // the worker is inside Export, deadline 60 s away
+  p.Shutdown(milliseconds(200));
+  EXPECT_TRUE(shared->ended_by_cancel) << "the attempt ran on to its own end";
+  EXPECT_EQ(p.counts().exported, 0u);
+  EXPECT_EQ(p.counts().dropped, 3u);
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ class Connection {
   Connection& operator=(const Connection&) = delete;
 
   bool connected() const { return connected_; }
+  int fd() const { return fd_; }
   bool Send(const std::string& text) {
     return send(fd_, text.data(), text.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(text.size());
   }
@@ -84,12 +85,41 @@ TEST(MetricsHttpTest, AnIdleAndAHalfSentConnectionDoNotBlockAScrape) {
   EXPECT_LT(seconds, std::chrono::duration<double>(kScrapeBound).count());
 }
 
-TEST(MetricsHttpTest, ManyIdleConnectionsAreDroppedWithinTheRequestTimeout) {
+// With 4 threads, 16 silent connections made a scrape wait for four rounds of the 2 s
+// request timeout, each closing 4 of them (64 such connections, reconnecting, held scrapes
+// for 31 s). The scrape must now be answered while all of them are still open: no idle
+// connection's close comes before the reply. (An order of events, not a time.)
+TEST(MetricsHttpTest, AScrapeIsAnsweredWhileSixteenIdleConnectionsAreStillOpen) {
+  ServerMetrics metrics({});
+  ASSERT_TRUE(metrics.Serve("127.0.0.1:0").ok());
+  constexpr int kIdle = 16;
+  std::vector<std::unique_ptr<Connection>> idle;
+  for (int i = 0; i < kIdle; ++i) {
+    idle.push_back(std::make_unique<Connection>(metrics.port()));
+    ASSERT_TRUE(idle.back()->connected());
+  }
+  Connection scrape(metrics.port());
+  ASSERT_TRUE(scrape.connected());
+  ASSERT_TRUE(scrape.Send("GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"));
+  // Wait for the first event on any of the connections: the reply, or a close.
+  std::vector<pollfd> fds;
+  fds.push_back({.fd = scrape.fd(), .events = POLLIN, .revents = 0});
+  for (const auto& c : idle) fds.push_back({.fd = c->fd(), .events = POLLIN, .revents = 0});
+  ASSERT_GT(poll(fds.data(), fds.size(), 30000), 0) << "nothing happened in 30 s";
+  int closed = 0;
+  for (size_t i = 1; i < fds.size(); ++i) closed += fds[i].revents != 0;
+  EXPECT_NE(fds[0].revents, 0) << "the scrape was not answered first";
+  EXPECT_EQ(closed, 0) << closed << " idle connections were closed before the scrape's reply";
+  const std::string reply = scrape.ReadUntilClosed(Clock::now() + std::chrono::seconds(30));
+  EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply;
+}
+
+TEST(MetricsHttpTest, MoreIdleConnectionsThanThreadsAreDroppedWithinTheRequestTimeout) {
   ServerMetrics metrics({});
   ASSERT_TRUE(metrics.Serve("127.0.0.1:0").ok());
   // More silent connections than the listener has threads: each must be closed by the
   // server after its request timeout, freeing its thread for the scrape that follows.
-  constexpr int kIdle = 12;
+  constexpr int kIdle = 2 * ServerMetrics::kHttpThreads;
   std::vector<std::unique_ptr<Connection>> idle;
   for (int i = 0; i < kIdle; ++i) {
     idle.push_back(std::make_unique<Connection>(metrics.port()));
@@ -99,7 +129,7 @@ TEST(MetricsHttpTest, ManyIdleConnectionsAreDroppedWithinTheRequestTimeout) {
   Connection scrape(metrics.port());
   ASSERT_TRUE(scrape.connected());
   ASSERT_TRUE(scrape.Send("GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"));
-  // Twelve silent clients hold the listener's threads for a few request timeouts at most.
+  // The silent clients hold the listener's threads for a few request timeouts at most.
   const auto bound = std::chrono::seconds(15);
   const std::string reply = scrape.ReadUntilClosed(start + bound);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();

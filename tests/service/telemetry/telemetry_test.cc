@@ -12,8 +12,10 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "service/telemetry/utf8.h"
 
 namespace eps::telemetry {
 namespace {
@@ -131,6 +133,70 @@ TEST_F(TelemetryTest, StepsTheClientGaveUpOnAreNotValidationFailures) {
   EXPECT_LE(Sample(metrics, R"(eps_validation_failures_total{reason="unavailable"})"), 0);
   EXPECT_EQ(Sample(metrics, R"(eps_validation_failures_total{reason="invalid_argument"})"), 1)
       << metrics;
+}
+
+// Keeps every span it is sent.
+class CapturingExporter final : public SpanExporter {
+ public:
+  struct Shared {
+    absl::Mutex mu;
+    std::vector<opentelemetry::proto::trace::v1::Span> spans ABSL_GUARDED_BY(mu);
+  };
+  explicit CapturingExporter(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+  ExportOutcome Export(
+      const opentelemetry::proto::collector::trace::v1::ExportTraceServiceRequest& request,
+      std::chrono::steady_clock::time_point) override {
+    absl::MutexLock lock(&shared_->mu);
+    for (const auto& s : request.resource_spans(0).scope_spans(0).spans()) {
+      shared_->spans.push_back(s);
+    }
+    return ExportOutcome::Success(CountSpans(request), 0, "");
+  }
+  void Cancel() override {}
+  std::string Describe() const override { return "capturing"; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
+
+// A status message can quote the request: an 8 MB session id once went whole into the span's
+// status and the step log's "error" of every refused step.
+TEST_F(TelemetryTest, AFailedStepsMessageIsBoundedInItsSpanAndItsStepLogLine) {
+  auto shared = std::make_shared<CapturingExporter::Shared>();
+  telemetry_.reset();
+  auto t = Telemetry::Create({.metrics_listen = "", .step_log_path = path_}, NoEnv, {},
+                             std::make_unique<CapturingExporter>(shared));
+  ASSERT_TRUE(t.ok()) << t.status();
+  telemetry_ = *std::move(t);
+  std::string message = "rows[0]: ";
+  // é, 2 bytes: 64 KiB of them (a span this large still fits a batch: the cap, not the
+  // batch's byte budget, must bound it).
+  for (int i = 0; i < (1 << 15); ++i) message += "\xC3\xA9";
+  v1::SelectPagesRequest request;
+  request.set_session_id("s-3-" + std::string(32, 'c'));
+  request.set_step(1);
+  const Telemetry::Call call{RpcMethod::kSelectPages, Telemetry::Clock::now(), {}};
+  const Telemetry::Step started = telemetry_->BeginStep(request);
+  telemetry_->EndStep(call, started, request, v1::SelectPagesResponse(),
+                      absl::InvalidArgumentError(message), service::BackendKind::kCpu);
+  AsyncStep(2, 1, {Stats(1, message)});  // an earlier async step's error, as long
+  telemetry_->Shutdown(std::chrono::milliseconds(5000));
+  {
+    absl::MutexLock lock(&shared->mu);
+    ASSERT_EQ(shared->spans.size(), 2u);
+    const std::string& status = shared->spans[0].status().message();
+    EXPECT_LE(status.size(), kMaxStatusMessageBytes);
+    EXPECT_TRUE(IsValidUtf8(status));
+    EXPECT_EQ(status.rfind("rows[0]: \xC3\xA9", 0), 0u);
+  }
+  const std::vector<Json> lines = Lines();
+  ASSERT_EQ(lines.size(), 3u);
+  for (const Json& line : {lines[0], lines[2]}) {
+    const std::string error = line["error"];
+    EXPECT_LE(error.size(), kMaxStatusMessageBytes);
+    EXPECT_TRUE(IsValidUtf8(error));
+    EXPECT_EQ(error.rfind("rows[0]: \xC3\xA9", 0), 0u);
+  }
 }
 
 TEST(IsRefusalTest, OnlyTheSessionServicesRefusalsAre) {
