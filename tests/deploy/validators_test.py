@@ -312,28 +312,6 @@ def test_the_committed_dockerfile_passes(deploy: Path) -> None:
     assert lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO) == []
 
 
-def test_a_copy_of_a_missing_path_fails(deploy: Path) -> None:
-    edit(deploy / "docker/Dockerfile", "COPY core core\n", "COPY kernel kernel\n")
-    findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
-    assert any("COPY source kernel does not exist" in f for f in findings), findings
-
-
-def test_a_root_runtime_user_fails(deploy: Path) -> None:
-    edit(deploy / "docker/Dockerfile", "USER 10001:10001\n", "USER root\n")
-    findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
-    assert any("non-root USER" in f for f in findings), findings
-
-
-def test_a_runtime_base_outside_the_cuda_version_argument_fails(deploy: Path) -> None:
-    edit(
-        deploy / "docker/Dockerfile",
-        "FROM nvidia/cuda:${CUDA_VERSION}-${CUDA_RUNTIME_FLAVOR}",
-        "FROM nvidia/cuda:12.8.0-${CUDA_RUNTIME_FLAVOR}",
-    )
-    findings = lint_dockerfile.own_rule_findings(deploy / "docker/Dockerfile", REPO)
-    assert any("does not use ${CUDA_VERSION}" in f for f in findings), findings
-
-
 def test_the_committed_dockerfile_has_its_packages_and_configures_from_its_copies(
     deploy: Path,
 ) -> None:
@@ -341,24 +319,28 @@ def test_the_committed_dockerfile_has_its_packages_and_configures_from_its_copie
     assert lint_dockerfile.configure_findings(deploy / "docker/Dockerfile", REPO) == []
 
 
-def test_a_package_the_build_finds_but_the_image_lacks_fails(deploy: Path) -> None:
-    # The image once lacked nlohmann-json3-dev, which service/telemetry needs.
-    edit(deploy / "docker/Dockerfile", " nlohmann-json3-dev", "")
-    findings = lint_dockerfile.package_findings(deploy / "docker/Dockerfile", REPO)
-    assert any("does not apt-get install nlohmann-json3-dev" in f for f in findings), findings
-
-
-def test_a_folder_the_build_adds_but_the_image_does_not_copy_fails(deploy: Path) -> None:
-    # The image once lacked cli/, which every binary's flags need: docker build failed.
-    edit(deploy / "docker/Dockerfile", "COPY cli cli\n", "")
-    findings = lint_dockerfile.configure_findings(deploy / "docker/Dockerfile", REPO)
-    assert any('"cli" which is not an existing directory' in f for f in findings), findings
-
-
-def test_a_copy_the_dockerignore_leaves_out_fails(deploy: Path) -> None:
-    edit(deploy / "docker/Dockerfile.dockerignore", "!cli/**\n", "")
-    findings = lint_dockerfile.package_findings(deploy / "docker/Dockerfile", REPO)
-    assert any("COPY source cli is left out of the context" in f for f in findings), findings
+@pytest.mark.parametrize(("file", "old", "new", "rules", "says"), [
+    ("Dockerfile", "COPY core core\n", "COPY kernel kernel\n", "own_rule_findings",
+     "COPY source kernel does not exist"),
+    ("Dockerfile", "USER 10001:10001\n", "USER root\n", "own_rule_findings", "non-root USER"),
+    ("Dockerfile", "FROM nvidia/cuda:${CUDA_VERSION}-${CUDA_RUNTIME_FLAVOR}",
+     "FROM nvidia/cuda:12.8.0-${CUDA_RUNTIME_FLAVOR}", "own_rule_findings",
+     "does not use ${CUDA_VERSION}"),
+    # The image once lacked nlohmann-json3-dev, which service/telemetry needs, and cli/,
+    # which every binary's flags need: docker build failed.
+    ("Dockerfile", " nlohmann-json3-dev", "", "package_findings",
+     "does not apt-get install nlohmann-json3-dev"),
+    ("Dockerfile", "COPY cli cli\n", "", "configure_findings",
+     '"cli" which is not an existing directory'),
+    ("Dockerfile.dockerignore", "!cli/**\n", "", "package_findings",
+     "COPY source cli is left out of the context"),
+], ids=["missing-copy-source", "root-user", "cuda-version", "apt-package", "uncopied-folder",
+        "dockerignore"])
+def test_a_dockerfile_breaking_a_rule_fails(deploy: Path, file: str, old: str, new: str,
+                                            rules: str, says: str) -> None:
+    edit(deploy / "docker" / file, old, new)
+    findings = getattr(lint_dockerfile, rules)(deploy / "docker/Dockerfile", REPO)
+    assert any(says in f for f in findings), findings
 
 
 def test_hadolint_findings_fail_the_lint(

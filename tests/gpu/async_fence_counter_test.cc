@@ -23,6 +23,7 @@
 #include "service/cuda_backend.h"
 #include "service/memory_budget.h"
 #include "tests/gpu/async_fence_fixture.h"
+#include "tests/gpu/host_copy.h"
 #include "tests/service/epsd_process.h"
 
 namespace eps::async_fence {
@@ -240,7 +241,7 @@ TEST_F(AsyncFenceTest, AFailOpenReleaseClearsTheFeedbackBeforeTheAttentionWrites
   const size_t n = b.plan().ElementsOf(SharedBuffer::kFeedback);
   const std::vector<float> stale(n, 1.5f);  // the step before's masses, never consumed
   for (const bool own_stream : {false, true}) {
-    ASSERT_EQ(cudaMemcpy(b.feedback(), stale.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(::eps::testing::CopyToDeviceNow(b.feedback(), stale.data(), n * 4), cudaSuccess);
     const uint64_t step = own_stream ? 2 : 1;
     if (own_stream) {
       ASSERT_TRUE(b.ReleaseDense(step, stream_).ok());

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
+#include "tests/gpu/host_copy.h"
 #include "tests/service/epsd_process.h"
 
 namespace eps::async_fence {
@@ -92,9 +93,8 @@ class AsyncFenceTest : public ::testing::Test {
 
   template <typename T, typename V>
   void Upload(T* device, const V& host) {
-    ASSERT_EQ(
-        cudaMemcpy(device, host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice),
-        cudaSuccess);
+    ASSERT_EQ(::eps::testing::CopyToDeviceNow(device, host.data(), host.size() * sizeof(host[0])),
+              cudaSuccess);
   }
 
   v1::AttachRequest Attach() const {
@@ -248,12 +248,12 @@ class AsyncFenceTest : public ::testing::Test {
   StepOutputs DeviceOutputs() const { return {buffers_->visit_blocks(), buffers_->visit_count()}; }
   // group_table[0][group] = slot on the device (a bad slot, or the good one back).
   void SetGroupSlot(int group, int32_t slot) {
-    ASSERT_EQ(cudaMemcpy(buffers_->group_table() + group, &slot, 4, cudaMemcpyHostToDevice),
+    ASSERT_EQ(::eps::testing::CopyToDeviceNow(buffers_->group_table() + group, &slot, 4),
               cudaSuccess);
   }
   // A synchronous copy: the selector's streams are non-blocking, so it never waits on them.
   static void SetCounter(uint64_t* at, uint64_t value) {
-    ASSERT_EQ(cudaMemcpy(at, &value, sizeof value, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(::eps::testing::CopyToDeviceNow(at, &value, sizeof value), cudaSuccess);
   }
 
   uint64_t seed_ = 0;

@@ -16,6 +16,7 @@
 #include "gpu/cuda_check.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/host_copy.h"
 
 namespace eps::testing {
 
@@ -57,7 +58,7 @@ struct DeviceStep {
 template <typename T>
 absl::Status CopyToDevice(gpu::DeviceBuffer<T>& device, const T* host, int64_t count) {
   RETURN_IF_CUDA_ALLOC(device, count);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(device.get(), host, count * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(::eps::testing::CopyToDeviceNow(device.get(), host, count * sizeof(T)));
   return absl::OkStatus();
 }
 
@@ -180,7 +181,7 @@ template <typename T>
 T* Upload(const std::vector<T>& host) {
   T* device = nullptr;
   EXPECT_EQ(cudaMalloc(&device, std::max<size_t>(1, host.size()) * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+  EXPECT_EQ(::eps::testing::CopyToDeviceNow(device, host.data(), host.size() * sizeof(T)),
             cudaSuccess);
   return device;
 }

@@ -26,6 +26,7 @@
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
 #include "tests/gpu/device_step.h"
+#include "tests/gpu/host_copy.h"
 
 namespace eps {
 namespace {
@@ -369,9 +370,9 @@ struct DeviceLists {
   absl::Status Fill(int32_t value) {
     const std::vector<int32_t> host(blocks, value);
     CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(visit.get(), host.data(), blocks * sizeof(int32_t), cudaMemcpyHostToDevice));
+        ::eps::testing::CopyToDeviceNow(visit.get(), host.data(), blocks * sizeof(int32_t)));
     CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(count.get(), host.data(), lists * sizeof(int32_t), cudaMemcpyHostToDevice));
+        ::eps::testing::CopyToDeviceNow(count.get(), host.data(), lists * sizeof(int32_t)));
     return absl::OkStatus();
   }
   StepOutputs outputs() const { return {visit.get(), count.get()}; }
@@ -420,8 +421,7 @@ TEST(FusedSelectGraphTest, ReplayedFencedStepsEqualTheSelectionKernels) {
   gpu::DeviceBuffer<uint64_t> counters;  // inputs_ready, selection_done
   ASSERT_TRUE(counters.Allocate(2).ok());
   const uint64_t initial[2] = {std::numeric_limits<uint64_t>::max() / 2, 0};
-  ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  ASSERT_EQ(::eps::testing::CopyToDeviceNow(counters.get(), initial, sizeof initial), cudaSuccess);
   auto fused =
       gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate = gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(),
@@ -431,9 +431,9 @@ TEST(FusedSelectGraphTest, ReplayedFencedStepsEqualTheSelectionKernels) {
   for (int step = 0; step < 12; ++step) {
     std::vector<float> q(device.query_count);
     for (float& x : q) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
-    ASSERT_EQ(cudaMemcpy(device.queries.get(), q.data(), q.size() * sizeof(float),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    ASSERT_EQ(
+        ::eps::testing::CopyToDeviceNow(device.queries.get(), q.data(), q.size() * sizeof(float)),
+        cudaSuccess);
     SelectPolicy policy;
     policy.method = Method::kJl;
     policy.granularity = (step / 2) % 2 == 0 ? Granularity::kUnion : Granularity::kPerKvHead;
@@ -485,8 +485,7 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
   gpu::DeviceBuffer<uint64_t> counters;
   ASSERT_TRUE(counters.Allocate(2).ok());
   const uint64_t initial[2] = {std::numeric_limits<uint64_t>::max() / 2, 0};
-  ASSERT_EQ(cudaMemcpy(counters.get(), initial, sizeof initial, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  ASSERT_EQ(::eps::testing::CopyToDeviceNow(counters.get(), initial, sizeof initial), cudaSuccess);
   auto fused =
       gpu::GpuSelector::Create(m, 0, max_batch, buffers.max_groups(), {.fusion = Fusion::kAlways});
   auto separate =
@@ -503,8 +502,8 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
       SCOPED_TRACE(std::string(GranularityName(granularity)) + (with_fence ? " fence" : ""));
       SelectPolicy policy;  // questclt, the default method: its warp-read sums
       policy.granularity = granularity;
-      ASSERT_EQ(cudaMemcpy(device.groups.get(), bad.data(), bad.size() * sizeof(int32_t),
-                           cudaMemcpyHostToDevice),
+      ASSERT_EQ(::eps::testing::CopyToDeviceNow(device.groups.get(), bad.data(),
+                                                bad.size() * sizeof(int32_t)),
                 cudaSuccess);
       ASSERT_TRUE(lists[0].Fill(7).ok());
       gpu::GpuSelector::StepFence fence;
@@ -520,8 +519,8 @@ TEST(FusedSelectFailureTest, BadSlotInOneRowSetsEveryCountDenseAndTheNextStepRec
                 std::vector<int32_t>(used, -1));
 
       // The same selector, the slot repaired: the selection kernels' lists.
-      ASSERT_EQ(cudaMemcpy(device.groups.get(), device.host_groups.data(),
-                           device.host_groups.size() * sizeof(int32_t), cudaMemcpyHostToDevice),
+      ASSERT_EQ(::eps::testing::CopyToDeviceNow(device.groups.get(), device.host_groups.data(),
+                                                device.host_groups.size() * sizeof(int32_t)),
                 cudaSuccess);
       ASSERT_TRUE(lists[0].Fill(-1).ok() && lists[1].Fill(-1).ok());
       if (with_fence) fence.step = ++step;

@@ -19,6 +19,7 @@
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
 #include "tests/gpu/device_step.h"
+#include "tests/gpu/host_copy.h"
 
 namespace eps {
 namespace {
@@ -520,7 +521,7 @@ TEST(GpuStepGraphTest, ReplayedStepsEqualDirectLaunchesAndTheReference) {
         }
       }
     }
-    ASSERT_EQ(cudaMemcpy(queries, in.queries, query_count * sizeof(float), cudaMemcpyHostToDevice),
+    ASSERT_EQ(::eps::testing::CopyToDeviceNow(queries, in.queries, query_count * sizeof(float)),
               cudaSuccess);
     const int batch = 2 + (step / 3) % 3;
     const std::span<const StepRow> rows(all_rows.data(), batch);

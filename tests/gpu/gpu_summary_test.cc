@@ -15,6 +15,7 @@
 #include "gpu/summary.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
+#include "tests/gpu/host_copy.h"
 
 namespace eps {
 namespace {
@@ -52,7 +53,7 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
             .ok());
   float* device = nullptr;
   ASSERT_EQ(cudaMalloc(&device, host.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(::eps::testing::CopyToDeviceNow(device, host.data(), host.size() * 4), cudaSuccess);
   // Two rounds: a prefill of up to 128 keys per record, then single decode tokens.
   for (int round = 0; round < 2; ++round) {
     std::vector<std::vector<uint16_t>> narrow(records);
@@ -84,7 +85,7 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
       }
       void* keys = nullptr;
       ASSERT_EQ(cudaMalloc(&keys, bytes), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(keys, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(::eps::testing::CopyToDeviceNow(keys, src, bytes), cudaSuccess);
       device_keys.push_back(keys);
       const int layer = r % 2, kvh = (r / 2) % 2;
       appends.push_back({device + r * layout.record_words, keys, count, 0, layer, kvh});
@@ -144,7 +145,7 @@ TEST(GpuSummaryValidationTest, NonFiniteKeySkipsOnlyItsAppendAndDuplicatesAreRef
   std::vector<float> host_keys(2 * 128, 1.0f);
   host_keys[128 + 7] = std::numeric_limits<float>::quiet_NaN();
   ASSERT_EQ(cudaMalloc(&keys, host_keys.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(keys, host_keys.data(), host_keys.size() * 4, cudaMemcpyHostToDevice),
+  ASSERT_EQ(::eps::testing::CopyToDeviceNow(keys, host_keys.data(), host_keys.size() * 4),
             cudaSuccess);
   const absl::Status status = (*writer)->Append(
       {{records, keys, 1, 0, 0, 0}, {records + layout.record_words, keys + 128, 1, 0, 0, 1}},
@@ -252,7 +253,7 @@ TEST(GpuSummaryValidationTest, KeysBeyondTheFloatRangeOfTheSumsAreSkippedAndName
   std::vector<float> host(2 * 128, 1.0f);
   host[128 + 3] = 1.0e19f;  // key 1: (1e19)^2 * 128 > FLT_MAX
   float* keys = pool.data + layout.record_words;
-  ASSERT_EQ(cudaMemcpy(keys, host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(::eps::testing::CopyToDeviceNow(keys, host.data(), host.size() * 4), cudaSuccess);
   const absl::Status s = (*writer)->Append({{pool.data, keys, 2, 0, 0, 0}}, DType::kFloat32);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("key 1 brings"), std::string::npos) << s;

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "tests/core/step_fixture.h"
 #include "tests/core/test_util.h"
+#include "tests/gpu/host_copy.h"
 #include "tests/service/epsd_process.h"
 
 namespace eps {
@@ -98,7 +99,7 @@ TEST(TwoProcessGpuTest, EpsdCudaBackendMatchesTheCoreReferenceFor1000Steps) {
   ASSERT_EQ(cudaIpcGetMemHandle(&handle, device), cudaSuccess);
   const std::string handle_bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
   auto upload = [&](uint64_t offset, const void* data, size_t bytes) {
-    ASSERT_EQ(cudaMemcpy(device + offset, data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(::eps::testing::CopyToDeviceNow(device + offset, data, bytes), cudaSuccess);
   };
   upload(g.pool, host.pool().data(), host.pool().size() * 4);
   upload(g.groups, host.group_table().data(), host.group_table().size() * 4);
