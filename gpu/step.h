@@ -145,6 +145,11 @@ class GpuSelector {
   static absl::StatusOr<std::unique_ptr<GpuSelector>> Create(
       const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
       GpuSelectorOptions options = {}, std::unique_ptr<GpuSelector>* remains = nullptr);
+  // The device memory Create allocates for that shape, plus what a coarse level of up to
+  // `max_coarse_groups` groups a row adds at its first step, in bytes (saturating): what a
+  // session is charged (strict mode's second array is charged when a step first needs it).
+  static uint64_t DeviceBytes(const ModelLayout& model, int64_t max_batch, int64_t max_groups,
+                              int64_t max_coarse_groups);
   ~GpuSelector();
   GpuSelector(const GpuSelector&) = delete;
   GpuSelector& operator=(const GpuSelector&) = delete;

@@ -152,6 +152,11 @@ class CudaBackend final : public StepBackend {
 
 }  // namespace
 
+uint64_t CudaBackendDeviceBytes(const ModelLayout& model, int64_t max_batch, int64_t max_groups,
+                                int64_t max_coarse_groups) {
+  return gpu::GpuSelector::DeviceBytes(model, max_batch, max_groups, max_coarse_groups);
+}
+
 bool CudaBackendBuilt() { return true; }
 
 bool CudaSafeToFree(int device, std::chrono::steady_clock::duration deferred,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string_view>
 
@@ -24,6 +25,11 @@ CudaIpcOpener MakeCudaIpcOpener(int device);
 absl::StatusOr<std::unique_ptr<StepBackend>> MakeCudaBackend(
     const ModelLayout& model, int device, int64_t max_batch, int64_t max_groups,
     std::chrono::microseconds inputs_timeout, std::unique_ptr<StepBackend>* remains = nullptr);
+
+// The device memory a cuda session's selector allocates (gpu::GpuSelector::DeviceBytes),
+// what the session is charged for it; 0 in a build without CUDA (no cuda session exists).
+uint64_t CudaBackendDeviceBytes(const ModelLayout& model, int64_t max_batch, int64_t max_groups,
+                                int64_t max_coarse_groups);
 
 // Whether memory of epsd's on `device` (a mapping of an engine's, an allocation) may be
 // freed now without waiting for another engine's queued step, after putting it off for

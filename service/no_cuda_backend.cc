@@ -4,6 +4,7 @@
 namespace eps::service {
 
 bool CudaBackendBuilt() { return false; }
+uint64_t CudaBackendDeviceBytes(const ModelLayout&, int64_t, int64_t, int64_t) { return 0; }
 bool CudaSafeToFree(int, std::chrono::steady_clock::duration, std::chrono::steady_clock::duration) {
   return true;
 }

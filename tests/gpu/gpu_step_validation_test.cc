@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <memory>
 #include <span>
@@ -264,6 +265,39 @@ TEST(GpuStepValidationTest, MalformedRecordsScoreAsCoreScoresThem) {
   EXPECT_NE(core.message().find("holds NaN or Inf"), std::string::npos) << core;
   ExpectEveryPathRefuses(buffers, rows, {{Method::kOnePc, false}},
                          "summary of slot " + std::to_string(slot));
+}
+
+}  // namespace
+}  // namespace eps
+
+namespace eps {
+namespace {
+
+// A session is charged gpu::GpuSelector::DeviceBytes for its selector (service/session.cc).
+// The service's own formula undercounted shapes of few heads and groups 3.5 times (the
+// per-(row, layer) fused masks and arrivals, the terms' padding): here the charge must
+// cover what Create allocates, up to the allocator's rounding of each buffer.
+TEST(GpuSelectorDeviceBytesTest, TheChargeCoversWhatCreateAllocates) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m;
+  m.num_layers = 4096;
+  m.num_q_heads = m.num_kv_heads = 1;
+  m.head_dim = 16;
+  m.sketch_dim = 1;
+  const int64_t batch = 1024, groups = 1;
+  ASSERT_TRUE(gpu::GpuSelector::WarmUp(0).ok());  // the context and kernels, outside
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  size_t free_before = 0, free_after = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  auto selector = gpu::GpuSelector::Create(m, 0, batch, groups);
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
+  const uint64_t allocated = free_before - free_after;
+  const uint64_t charged = gpu::GpuSelector::DeviceBytes(m, batch, groups, 0);
+  std::printf("Create allocated %llu bytes; the charge is %llu\n",
+              static_cast<unsigned long long>(allocated), static_cast<unsigned long long>(charged));
+  EXPECT_GT(charged, uint64_t{200} << 20);  // the old charge was 67 MB for this shape
+  EXPECT_LE(allocated, charged + (uint64_t{32} << 20)) << "32 MiB: each buffer's rounding";
 }
 
 }  // namespace
