@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/bounds.h"
+#include "core/saturating.h"
 #include "core/status.h"
 #include "core/visit_list.h"
 
@@ -21,8 +22,8 @@ void StepStats::Add(const StepStats& o) {
   groups_visited += o.groups_visited;
   blocks_total += o.blocks_total;
   blocks_visited += o.blocks_visited;
-  kv_bytes_dense += o.kv_bytes_dense;
-  kv_bytes_read_est += o.kv_bytes_read_est;
+  kv_bytes_dense = SaturatingMulAdd(kv_bytes_dense, {o.kv_bytes_dense});
+  kv_bytes_read_est = SaturatingMulAdd(kv_bytes_read_est, {o.kv_bytes_read_est});
   summary_bytes_read += o.summary_bytes_read;
 }
 
@@ -376,9 +377,11 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         total.groups_visited += visited_groups;
         total.blocks_total += nb;
         total.blocks_visited += count;
-        total.kv_bytes_dense += row.context_tokens * heads_read * kv_token_bytes;
-        total.kv_bytes_read_est += VisitedTokens(count, row.context_tokens, model_.block_size) *
-                                   heads_read * kv_token_bytes;
+        total.kv_bytes_dense = SaturatingMulAdd(total.kv_bytes_dense,
+                                                {row.context_tokens, heads_read, kv_token_bytes});
+        total.kv_bytes_read_est = SaturatingMulAdd(
+            total.kv_bytes_read_est, {VisitedTokens(count, row.context_tokens, model_.block_size),
+                                      heads_read, kv_token_bytes});
       }
       total.summary_bytes_read += summary_records * layout_.record_bytes();
     }

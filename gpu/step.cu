@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/phi.h"
+#include "core/saturating.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
@@ -381,7 +382,8 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
     row_groups += n;
     host.groups_total += n * m.num_layers * lists;
     host.blocks_total += nb * m.num_layers * lists;
-    host.kv_bytes_dense += r.context_tokens * m.num_kv_heads * kv_token_bytes * m.num_layers;
+    host.kv_bytes_dense = SaturatingMulAdd(
+        host.kv_bytes_dense, {r.context_tokens, m.num_kv_heads, kv_token_bytes, m.num_layers});
   }
   const bool retrieval = policy.heads == HeadMode::kRetrieval;
   const bool method_off = policy.method == Method::kOff;
@@ -602,8 +604,8 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     const int64_t kv_token_bytes = int64_t{2} * m.head_dim * DTypeSize(m.kv_dtype);
     host.groups_visited = static_cast<int64_t>(dstats.groups_visited);
     host.blocks_visited = static_cast<int64_t>(dstats.blocks_visited);
-    host.kv_bytes_read_est = static_cast<int64_t>(dstats.visited_tokens) *
-                             (g.per_head ? 1 : m.num_kv_heads) * kv_token_bytes;
+    host.kv_bytes_read_est = SaturatingMulAdd(0, {static_cast<int64_t>(dstats.visited_tokens),
+                                                  g.per_head ? 1 : m.num_kv_heads, kv_token_bytes});
     // With the coarse level the candidate kernel counted the records read.
     host.summary_bytes_read = (g.pending_coarse ? static_cast<int64_t>(dstats.summary_records)
                                                 : g.row_groups * g.scored_kv_heads_total) *

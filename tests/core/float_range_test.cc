@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/bounds.h"
+#include "core/saturating.h"
 #include "core/select.h"
 #include "core/step.h"
 #include "core/summary.h"
@@ -238,6 +239,16 @@ TEST(FloatRangeTest, MethodOffReadsNoQueryAndSoRefusesNone) {
   const absl::Status s = seq.Select(policy);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("query[layer 0][row 0][head 0][0] is nan"), std::string::npos) << s;
+}
+
+TEST(FloatRangeTest, StepByteCountsStopAtTheTopInsteadOfWrapping) {
+  // A 2^35-token context (the largest tables a request may name) of 16 KV heads of
+  // float32 keys and values at d = 1024 over 2048 layers: 2^63 bytes, past int64.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(SaturatingMulAdd(0, {int64_t{1} << 35, 16, 2 * 1024 * 4, 2048}), kMax);
+  EXPECT_EQ(SaturatingMulAdd(kMax - 1, {2}), kMax);
+  EXPECT_EQ(SaturatingMulAdd(5, {2, 3}), 11);
+  EXPECT_EQ(SaturatingMulAdd(7, {}), 8);  // an empty product is 1
 }
 
 TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {
