@@ -140,6 +140,7 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
 }
 
 void Session::Retire(bool release_now) {
+  retiring_.store(true, std::memory_order_release);
   absl::MutexLock lock(&backend_->step_mu());
   backend_->Retire(release_now);
 }

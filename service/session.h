@@ -86,7 +86,11 @@ class Session {
   // Called once the session is out of the registry, before the call that removed it
   // answers: after that nothing of the session writes the engine's buffers.
   // `release_now` (epsd's shutdown): a queued async step is released at once.
+  // retiring() is true from its first line on, before it waits for the step lock: a
+  // parked step, run on the running step's thread once that step lets the lock go,
+  // may take the lock before Retire does (absl::Mutex is not FIFO), and must not run.
   void Retire(bool release_now = false);
+  bool retiring() const { return retiring_.load(std::memory_order_acquire); }
   // For the janitor (session_janitor.h): a session whose backend frees device memory,
   // or an unfinished cuda session (Create's remains) that holds CUDA IPC mappings, is
   // destroyed on its thread once that cannot wait for another engine (closing a mapping
@@ -126,6 +130,7 @@ class Session {
   std::unique_ptr<StepBackend> backend_;         // null only in Create's remains
   std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"
   mutable StepGate gate_;
+  std::atomic<bool> retiring_{false};  // Retire was called
 };
 
 int64_t SteadyNowMs();

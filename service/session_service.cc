@@ -288,8 +288,8 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   StepBackend& backend = session.backend();
   absl::MutexLock lock(&backend.step_mu());
   // Detached, replaced or expired while this call waited: the engine's buffers may
-  // already belong to its next session.
-  if (backend.retired()) {
+  // already belong to its next session. retiring(): its Retire waits for this lock.
+  if (backend.retired() || session.retiring()) {
     return CountFailure(
         absl::NotFoundError(absl::StrCat("session '", telemetry::SessionLabel(session.id()),
                                          "' was detached, replaced or expired while step ",

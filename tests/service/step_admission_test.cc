@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <thread>
@@ -196,6 +197,40 @@ TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsReplacedDoesNotTouc
   waiting.join();
   EXPECT_EQ(late.code(), absl::StatusCode::kNotFound) << late;
   EXPECT_EQ(engine_.buffers().selection_done(), 1u);  // the new session's, not 500
+}
+
+// The parked step runs on the running step's thread once that step lets the step lock
+// go, and may take it again before a Detach waiting for it does (absl::Mutex is not FIFO):
+// it must still answer NOT_FOUND and leave the buffers alone.
+TEST_F(SessionStepAdmissionTest, AParkedStepDoesNotRunOnceItsSessionStartedRetiring) {
+  const std::string id = Attach("engine-a");
+  std::shared_ptr<Session> session = service_.session_for_test(id);
+  absl::Notification started, release;
+  std::thread running([&] {
+    session->step_gate().Run(1, [&](absl::Status admitted) {
+      EXPECT_TRUE(admitted.ok()) << admitted;
+      absl::MutexLock step(&session->backend().step_mu());  // as a running step holds it
+      started.Notify();
+      release.WaitForNotification();
+    });
+  });
+  started.WaitForNotification();
+  absl::Status late;
+  std::thread waiting([&] { late = Step(id, 2); });
+  EXPECT_TRUE(AwaitParked(session->step_gate()));
+  std::thread detach([&] {
+    v1::DetachRequest request;
+    request.set_session_id(id);
+    EXPECT_TRUE(service_.Detach(request, engine_user_).ok());
+  });
+  while (!session->retiring()) std::this_thread::yield();  // Detach waits for the lock
+  release.Notify();  // the running step ends; its thread runs step 2 next
+  running.join();
+  waiting.join();
+  detach.join();
+  EXPECT_EQ(late.code(), absl::StatusCode::kNotFound) << late;
+  EXPECT_THAT(late.message(), HasSubstr("was detached, replaced or expired while step 2 waited"));
+  EXPECT_EQ(engine_.buffers().selection_done(), 0u);
 }
 
 TEST_F(SessionStepAdmissionTest, DetachAnswersOnlyAfterTheStepRunningNowHasEnded) {
