@@ -148,6 +148,7 @@ void Session::Retire(bool release_now) {
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
 bool Session::Expired(int64_t now_ms) const {
+  if (lease_held_.load()) return false;
   if (now_ms - last_active_ms.load() <= spec_.lease_ms) return false;
   absl::Mutex& step_mu = backend_->step_mu();
   if (!step_mu.TryLock()) return false;  // a step runs: its end renews the lease

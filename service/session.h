@@ -108,6 +108,15 @@ class Session {
   std::atomic<uint64_t> last_step_seen{0};
 
   void Touch();
+  // A replacing Attach holds its new session's lease while it waits for the old session's
+  // step to end (a step may run longer than a lease), and starts it (Touch) once it has
+  // handed over: a session granted to an engine is not expired before the engine heard of
+  // it. A held lease does not run out.
+  void HoldLease() { lease_held_.store(true); }
+  void StartLease() {
+    Touch();
+    lease_held_.store(false);
+  }
   // Past its lease, and no step of it running: a step longer than the lease neither loses
   // its session under it nor holds the reaper (which retires the expired sessions one by
   // one, each under its step lock) while other leases run out.
@@ -131,6 +140,7 @@ class Session {
   std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"
   mutable StepGate gate_;
   std::atomic<bool> retiring_{false};  // Retire was called
+  std::atomic<bool> lease_held_{false};
 };
 
 int64_t SteadyNowMs();

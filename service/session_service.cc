@@ -146,13 +146,15 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
                                    [janitor](Session* s) { janitor->Dispose(s); });
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
   session->set_owner(caller);
-  session->Touch();
+  session->HoldLease();  // until the hand-over below has ended
   response->set_session_id(session->id());
   response->set_lease_ms(session->spec().lease_ms);
   *response->mutable_effective_options() = ToProto(session->policy());
   response->set_backend(ToProto(session->backend().kind()));
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
+  // Kept until the reply: a concurrent Attach of the engine may replace it meanwhile.
+  const std::shared_ptr<Session> granted = session;
   absl::StatusOr<std::shared_ptr<Session>> replaced = sessions_.Add(std::move(session), Limits());
   if (!replaced.ok()) {
     response->Clear();
@@ -161,6 +163,8 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   // The replaced session's step, if one runs, ends before the engine hears of the new
   // session; both may share the engine's buffers.
   if (*replaced != nullptr) (*replaced)->Retire();
+  // The lease runs from the reply: the wait for the old step may have taken longer.
+  granted->StartLease();
   attached_total_.fetch_add(1);
   return absl::OkStatus();
 }

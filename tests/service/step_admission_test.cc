@@ -257,3 +257,44 @@ TEST_F(SessionStepAdmissionTest, DetachAnswersOnlyAfterTheStepRunningNowHasEnded
 
 }  // namespace
 }  // namespace eps::service
+
+namespace eps::service {
+namespace {
+
+// A replacing Attach waits for the old session's running step before it answers; the
+// new session's lease starts once it has, so the session it returns is alive however
+// long that step ran (the reaper once expired it meanwhile: an Attach answered OK after
+// 2.8 s with a 2 s lease, and the engine's next call was NOT_FOUND).
+TEST(SessionHandOverTest, AReplacingAttachThatWaitedPastTheLeaseReturnsALiveSession) {
+  ServerConfig config;
+  config.lease_ms = 300;  // the reaper looks every 30 ms
+  SessionService service(config);
+  TestEngine engine(eps::testing::SmallServiceModel(), /*max_seqs=*/1, /*max_context=*/512,
+                    /*max_batch=*/1, eps::testing::TestSeed());
+  const Peer user{.known = true, .uid = geteuid(), .pid = getpid()};
+  v1::AttachResponse first, second;
+  ASSERT_TRUE(service.Attach(engine.Attach("engine-a"), &first, user).ok());
+  std::shared_ptr<Session> old = service.session_for_test(first.session_id());
+  absl::Status replaced;
+  std::thread attach;
+  {
+    absl::MutexLock step(&old->backend().step_mu());  // the old session's step runs on
+    attach =
+        std::thread([&] { replaced = service.Attach(engine.Attach("engine-a"), &second, user); });
+    // Published, and waiting for that step to end.
+    while (!old->retiring()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(3 * config.lease_ms));
+    service.ExpireSessions();
+  }
+  attach.join();
+  ASSERT_TRUE(replaced.ok()) << replaced;
+  v1::HeartbeatRequest heartbeat;
+  heartbeat.set_session_id(second.session_id());
+  v1::HeartbeatResponse renewed;
+  const absl::Status s = service.Heartbeat(heartbeat, &renewed, user);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(service.session_count(), 1u);
+}
+
+}  // namespace
+}  // namespace eps::service
