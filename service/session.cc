@@ -1,6 +1,7 @@
 #include "service/session.h"
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -144,6 +145,16 @@ void Session::Retire(bool release_now) {
   absl::MutexLock lock(&backend_->step_mu());
   backend_->Retire(release_now);
 }
+
+void Session::KeepUndelivered(std::vector<v1::StepStats> finished) {
+  for (v1::StepStats& f : finished) undelivered_.push_back(std::move(f));
+  if (undelivered_.size() > kMaxUndelivered) {
+    undelivered_.erase(undelivered_.begin(),
+                       undelivered_.end() - static_cast<ptrdiff_t>(kMaxUndelivered));
+  }
+}
+
+std::vector<v1::StepStats> Session::TakeUndelivered() { return std::exchange(undelivered_, {}); }
 
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 

@@ -102,6 +102,14 @@ class Session {
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
   uint64_t charged_bytes() const { return budget_->used(); }
 
+  // Statistics of async steps that a failed call finished (StepOutcome::earlier): a failed
+  // call sends no reply, so they wait here for the session's next successful reply. At most
+  // kMaxUndelivered are kept, the oldest dropped first; they end with the session.
+  static constexpr size_t kMaxUndelivered = 16;
+  void KeepUndelivered(std::vector<v1::StepStats> finished)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(backend_->step_mu());
+  std::vector<v1::StepStats> TakeUndelivered() ABSL_EXCLUSIVE_LOCKS_REQUIRED(backend_->step_mu());
+
   std::atomic<int64_t> last_active_ms{0};  // steady clock
   std::atomic<uint64_t> steps{0}, errors{0};
   std::atomic<int64_t> groups_total{0}, groups_visited{0}, bytes_dense{0}, bytes_read{0};
@@ -139,6 +147,7 @@ class Session {
   std::unique_ptr<StepBackend> backend_;         // null only in Create's remains
   std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"
   mutable StepGate gate_;
+  std::vector<v1::StepStats> undelivered_ ABSL_GUARDED_BY(backend_->step_mu());
   std::atomic<bool> retiring_{false};  // Retire was called
   std::atomic<bool> lease_held_{false};
 };

@@ -327,17 +327,21 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   // A SIGBUS in the engine's shm during the step left zeros in its place (shm_fault_guard.h).
   if (run.ok()) run = session.CheckMemoryIntact();
   // Async steps finished since the last call count now, whatever this step does.
+  std::vector<v1::StepStats> earlier;
   for (const FinishedStep& f : outcome.earlier) {
-    v1::StepStats* earlier = response->add_earlier();
-    ToProto(f.stats, f.step, f.prepass_us, earlier);
+    v1::StepStats& stats = earlier.emplace_back();
+    ToProto(f.stats, f.step, f.prepass_us, &stats);
     if (!WatchDevice(f.status).ok()) {
-      earlier->set_error(f.status.ToString());
+      stats.set_error(f.status.ToString());
       session.errors.fetch_add(1);
       continue;
     }
     count_step(f.stats);
   }
   if (!run.ok()) {
+    // A failed call sends no reply (grpc_service.cc): the engine hears of them with the
+    // session's next successful one.
+    session.KeepUndelivered(std::move(earlier));
     // Stopped because its caller gave up: not run, as a call found dead before it ran
     // (its step number stays free, nothing is counted).
     if ((absl::IsCancelled(run) || absl::IsDeadlineExceeded(run)) &&
@@ -348,6 +352,9 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     return CountFailure(run);
   }
   backend.StepRan(request.step());
+  for (v1::StepStats& stats : session.TakeUndelivered())
+    *response->add_earlier() = std::move(stats);
+  for (v1::StepStats& stats : earlier) *response->add_earlier() = std::move(stats);
   session.last_step_seen.store(request.step());
   response->set_step(request.step());
   response->set_done(outcome.done);
