@@ -69,13 +69,19 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
                                                          const ServerConfig& config,
                                                          ServerBudgets& server, const Peer& caller,
                                                          const BackendFactory& make_backend,
-                                                         std::unique_ptr<Session>* remains) {
+                                                         std::unique_ptr<Session>* remains,
+                                                         const ServerCharges& replacing) {
   std::unique_ptr<Session> s(new Session());
   s->inputs_timeout_ = std::chrono::milliseconds(config.inputs_timeout_ms);
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
                                               &server.allocated);
   s->mapped_budget_ = std::make_unique<MemoryBudget>(
       "--max-session-mapped-bytes", config.max_session_mapped_bytes, &server.mapped);
+  // Only while the session is built: what its steps charge later finds the replaced
+  // session gone, or waits for it (a refusal) as any other session's charge does.
+  s->budget_->set_parent_allowance(replacing.allocated);
+  s->mapped_budget_->set_parent_allowance(replacing.mapped);
+
   ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
   const SessionSpec& spec = s->spec_;
   if (spec.backend == BackendKind::kCuda) {
@@ -114,6 +120,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     s->backend_->set_memory_budget(s->budget_.get());  // what later steps size, charged too
     return absl::OkStatus();
   }();
+  s->budget_->set_parent_allowance(0);
+  s->mapped_budget_->set_parent_allowance(0);
   if (!built.ok()) {
     if (remains != nullptr && s->DefersDestruction()) *remains = std::move(s);
     return built;

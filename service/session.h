@@ -54,6 +54,9 @@ class Session {
   // object's size to its mapped budget (config.max_session_mapped_bytes), which charges
   // `server.mapped`: RESOURCE_EXHAUSTED naming the limit before anything is allocated
   // or mapped past it.
+  // `replacing`: what the live session this Attach replaces holds against the server's
+  // budgets; the new session's charges made here may pass them by as much (the old one
+  // gives its bytes back once the Attach has handed over), its later ones may not.
   // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
   // When it fails after mapping an engine's CUDA buffers or after the backend allocated
   // device memory, `*remains` (when not null) is the unfinished session holding them,
@@ -62,7 +65,7 @@ class Session {
   static absl::StatusOr<std::unique_ptr<Session>> Create(
       const v1::AttachRequest& request, const ServerConfig& config, ServerBudgets& server,
       const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend,
-      std::unique_ptr<Session>* remains = nullptr);
+      std::unique_ptr<Session>* remains = nullptr, const ServerCharges& replacing = {});
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
@@ -101,6 +104,10 @@ class Session {
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
   uint64_t charged_bytes() const { return budget_->used(); }
+  // What it holds against the server's two budgets.
+  ServerCharges server_charges() const {
+    return {.allocated = budget_->used(), .mapped = mapped_budget_->used()};
+  }
 
   // Statistics of async steps that a failed call finished (StepOutcome::earlier): a failed
   // call sends no reply, so they wait here for the session's next successful reply. At most

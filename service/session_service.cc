@@ -129,14 +129,22 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
   if (device_lost_.load()) return CountFailure(Restarting());
+  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room = sessions_.Room(EngineKey::Of(caller, request.engine_id()), Limits());
-      !room.ok()) {
-    return CountFailure(room);
+  if (absl::Status room = sessions_.Room(engine, Limits()); !room.ok()) return CountFailure(room);
+  // A session this Attach replaces gives its bytes back once the Attach has retired it
+  // below: the new one may be built in them, so an engine that restarts with the server's
+  // budgets nearly full re-attaches at once rather than after the old lease. The server's
+  // use then stays within its limits plus one session's charges, and within its limits
+  // once the old session is gone (when Add replaced another session, or none, the one
+  // measured here was retired and is going as well).
+  ServerCharges replacing;
+  if (const std::shared_ptr<Session> old = sessions_.FindEngine(engine); old != nullptr) {
+    replacing = old->server_charges();
   }
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
-      Session::Create(request, config_, budgets_, caller, make_backend_, &remains);
+      Session::Create(request, config_, budgets_, caller, make_backend_, &remains, replacing);
   // What a failed backend allocated is freed as an ended session's is, not here.
   if (remains != nullptr) janitor_.Dispose(remains.release());
   if (!built.ok()) return CountFailure(WatchDevice(built.status()));
