@@ -245,7 +245,8 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
         if (absl::IsDeadlineExceeded(admitted) || absl::IsCancelled(admitted)) {
           // Parked, and its client gave up meanwhile: not run, as in RunStep.
         } else if (!admitted.ok()) {
-          held->errors.fetch_add(1);
+          // Refused before the step lock: a failed call, not a failed step of the session
+          // (SessionStats.errors counts those).
           admitted = CountFailure(absl::Status(
               admitted.code(),
               absl::StrCat("SelectPages: session '", telemetry::SessionLabel(held->id()),

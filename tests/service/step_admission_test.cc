@@ -166,6 +166,43 @@ TEST_F(SessionStepAdmissionTest, AStepBeyondTheOneWaitingIsRefusedNamingTheSessi
   EXPECT_EQ(engine_.buffers().selection_done(), 8u);
 }
 
+// A refused call is a failed call (validation_failures_total), not a failed step of
+// the session: SessionStats.errors counts only steps that reached the step lock.
+TEST_F(SessionStepAdmissionTest, ARefusedStepCountsAsAFailedCallButNotAsASessionError) {
+  const std::string id = Attach("engine-a");
+  StepGate& gate = service_.session_for_test(id)->step_gate();
+  RunningStep running(gate, 1);
+  absl::Status next;
+  std::thread waiting([&] { next = Step(id, 2); });
+  EXPECT_TRUE(AwaitParked(gate));
+  EXPECT_EQ(Step(id, 3).code(), absl::StatusCode::kResourceExhausted);
+  running.Release();
+  waiting.join();
+  EXPECT_TRUE(next.ok()) << next;
+  v1::GetStatsRequest request;
+  request.set_session_id(id);
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats(request, &stats, engine_user_).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 1u);
+  ASSERT_EQ(stats.sessions_size(), 1);
+  EXPECT_EQ(stats.sessions(0).errors(), 0u);
+  EXPECT_EQ(stats.sessions(0).steps(), 1u);
+}
+
+// A call its client gave up on was not run, and is no failed call either (api.md's
+// validation_failures_total, as eps_validation_failures_total).
+TEST_F(SessionStepAdmissionTest, AStepPastItsDeadlineIsNotCountedAsAFailedCall) {
+  const std::string id = Attach("engine-a");
+  v1::SelectPagesResponse response;
+  const absl::Status late =
+      service_.SelectPages(TestEngine::Step(id, 1, rows_), &response, nullptr,
+                           {.deadline = absl::Now() - absl::Seconds(1)}, engine_user_);
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats({}, &stats, engine_user_).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 0u);
+}
+
 TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsDetachedDoesNotTouchTheBuffers) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
