@@ -64,7 +64,8 @@ class CudaBackend final : public StepBackend {
     const uint64_t step = call.step;
     const bool async = call.async;
     telemetry::NvtxRange step_range("eps.step");
-    // An async step still queued finishes first: its statistics ride on this reply.
+    // An async step still queued finishes first: its statistics ride on this reply, or on
+    // the session's next successful one (Session::KeepUndelivered).
     if (selector_->pending()) {
       telemetry::NvtxRange range("eps.finish_earlier");
       FinishedStep& f = result->earlier.emplace_back();

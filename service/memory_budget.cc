@@ -42,10 +42,11 @@ void MemoryCharge::Release() {
   bytes_ = 0;
 }
 
-bool MemoryBudget::TryAdd(uint64_t bytes) {
+bool MemoryBudget::TryAdd(uint64_t bytes, uint64_t allowance) {
+  const uint64_t limit = SaturatingSum({limit_, allowance});
   uint64_t used = used_.load(std::memory_order_relaxed);
   do {
-    if (bytes > limit_ || used > limit_ - bytes) return false;
+    if (bytes > limit || used > limit - bytes) return false;
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return true;
 }
@@ -53,8 +54,9 @@ bool MemoryBudget::TryAdd(uint64_t bytes) {
 void MemoryBudget::Subtract(uint64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
 
 absl::StatusOr<MemoryCharge> MemoryBudget::Charge(uint64_t bytes, std::string_view what) {
+  const uint64_t allowance = parent_allowance_.load(std::memory_order_relaxed);
   for (MemoryBudget* b = this; b != nullptr; b = b->parent_) {
-    if (b->TryAdd(bytes)) continue;
+    if (b->TryAdd(bytes, b == this ? 0 : allowance)) continue;
     const uint64_t used = b->used();
     for (MemoryBudget* undo = this; undo != b; undo = undo->parent_) undo->Subtract(bytes);
     const char* whose = b->parent_ == nullptr && parent_ != nullptr ? " by all sessions" : "";

@@ -1,6 +1,7 @@
 #include "service/session.h"
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -62,13 +63,19 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
                                                          const ServerConfig& config,
                                                          ServerBudgets& server, const Peer& caller,
                                                          const BackendFactory& make_backend,
-                                                         std::unique_ptr<Session>* remains) {
+                                                         std::unique_ptr<Session>* remains,
+                                                         const ServerCharges& replacing) {
   std::unique_ptr<Session> s(new Session());
   s->inputs_timeout_ = std::chrono::milliseconds(config.inputs_timeout_ms);
   s->budget_ = std::make_unique<MemoryBudget>("--max-session-bytes", config.max_session_bytes,
                                               &server.allocated);
   s->mapped_budget_ = std::make_unique<MemoryBudget>(
       "--max-session-mapped-bytes", config.max_session_mapped_bytes, &server.mapped);
+  // Only while the session is built: what its steps charge later finds the replaced
+  // session gone, or waits for it (a refusal) as any other session's charge does.
+  s->budget_->set_parent_allowance(replacing.allocated);
+  s->mapped_budget_->set_parent_allowance(replacing.mapped);
+
   ASSIGN_OR_RETURN(s->spec_, SessionSpecFromProto(request, config));
   const SessionSpec& spec = s->spec_;
   if (spec.backend == BackendKind::kCuda) {
@@ -107,6 +114,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const v1::AttachRequest
     s->backend_->set_memory_budget(s->budget_.get());  // what later steps size, charged too
     return absl::OkStatus();
   }();
+  s->budget_->set_parent_allowance(0);
+  s->mapped_budget_->set_parent_allowance(0);
   if (!built.ok()) {
     if (remains != nullptr && s->DefersDestruction()) *remains = std::move(s);
     return built;
@@ -134,13 +143,25 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
 }
 
 void Session::Retire(bool release_now) {
+  retiring_.store(true, std::memory_order_release);
   absl::MutexLock lock(&backend_->step_mu());
   backend_->Retire(release_now);
 }
 
+void Session::KeepUndelivered(std::vector<v1::StepStats> finished) {
+  for (v1::StepStats& f : finished) undelivered_.push_back(std::move(f));
+  if (undelivered_.size() > kMaxUndelivered) {
+    undelivered_.erase(undelivered_.begin(),
+                       undelivered_.end() - static_cast<ptrdiff_t>(kMaxUndelivered));
+  }
+}
+
+std::vector<v1::StepStats> Session::TakeUndelivered() { return std::exchange(undelivered_, {}); }
+
 void Session::Touch() { last_active_ms.store(SteadyNowMs()); }
 
 bool Session::Expired(int64_t now_ms) const {
+  if (lease_held_.load()) return false;
   if (now_ms - last_active_ms.load() <= spec_.lease_ms) return false;
   absl::Mutex& step_mu = backend_->step_mu();
   if (!step_mu.TryLock()) return false;  // a step runs: its end renews the lease

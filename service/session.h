@@ -54,6 +54,9 @@ class Session {
   // object's size to its mapped budget (config.max_session_mapped_bytes), which charges
   // `server.mapped`: RESOURCE_EXHAUSTED naming the limit before anything is allocated
   // or mapped past it.
+  // `replacing`: what the live session this Attach replaces holds against the server's
+  // budgets; the new session's charges made here may pass them by as much (the old one
+  // gives its bytes back once the Attach has handed over), its later ones may not.
   // `caller` decides whose host_shm objects the buffers may name (ShmOwnerFor).
   // When it fails after mapping an engine's CUDA buffers or after the backend allocated
   // device memory, `*remains` (when not null) is the unfinished session holding them,
@@ -62,7 +65,7 @@ class Session {
   static absl::StatusOr<std::unique_ptr<Session>> Create(
       const v1::AttachRequest& request, const ServerConfig& config, ServerBudgets& server,
       const Peer& caller, const BackendFactory& make_backend = MakeSessionBackend,
-      std::unique_ptr<Session>* remains = nullptr);
+      std::unique_ptr<Session>* remains = nullptr, const ServerCharges& replacing = {});
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
@@ -86,7 +89,11 @@ class Session {
   // Called once the session is out of the registry, before the call that removed it
   // answers: after that nothing of the session writes the engine's buffers.
   // `release_now` (epsd's shutdown): a queued async step is released at once.
+  // retiring() is true from its first line on, before it waits for the step lock: a
+  // parked step, run on the running step's thread once that step lets the lock go,
+  // may take the lock before Retire does (absl::Mutex is not FIFO), and must not run.
   void Retire(bool release_now = false);
+  bool retiring() const { return retiring_.load(std::memory_order_acquire); }
   // For the janitor (session_janitor.h): a session whose backend frees device memory,
   // or an unfinished cuda session (Create's remains) that holds CUDA IPC mappings, is
   // destroyed on its thread once that cannot wait for another engine (closing a mapping
@@ -97,6 +104,18 @@ class Session {
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }
   uint64_t charged_bytes() const { return budget_->used(); }
+  // What it holds against the server's two budgets.
+  ServerCharges server_charges() const {
+    return {.allocated = budget_->used(), .mapped = mapped_budget_->used()};
+  }
+
+  // Statistics of async steps that a failed call finished (StepOutcome::earlier): a failed
+  // call sends no reply, so they wait here for the session's next successful reply. At most
+  // kMaxUndelivered are kept, the oldest dropped first; they end with the session.
+  static constexpr size_t kMaxUndelivered = 16;
+  void KeepUndelivered(std::vector<v1::StepStats> finished)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(backend_->step_mu());
+  std::vector<v1::StepStats> TakeUndelivered() ABSL_EXCLUSIVE_LOCKS_REQUIRED(backend_->step_mu());
 
   std::atomic<int64_t> last_active_ms{0};  // steady clock
   std::atomic<uint64_t> steps{0}, errors{0};
@@ -104,6 +123,15 @@ class Session {
   std::atomic<uint64_t> last_step_seen{0};
 
   void Touch();
+  // A replacing Attach holds its new session's lease while it waits for the old session's
+  // step to end (a step may run longer than a lease), and starts it (Touch) once it has
+  // handed over: a session granted to an engine is not expired before the engine heard of
+  // it. A held lease does not run out.
+  void HoldLease() { lease_held_.store(true); }
+  void StartLease() {
+    Touch();
+    lease_held_.store(false);
+  }
   // Past its lease, and no step of it running: a step longer than the lease neither loses
   // its session under it nor holds the reaper (which retires the expired sessions one by
   // one, each under its step lock) while other leases run out.
@@ -126,6 +154,9 @@ class Session {
   std::unique_ptr<StepBackend> backend_;         // null only in Create's remains
   std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"
   mutable StepGate gate_;
+  std::vector<v1::StepStats> undelivered_ ABSL_GUARDED_BY(backend_->step_mu());
+  std::atomic<bool> retiring_{false};  // Retire was called
+  std::atomic<bool> lease_held_{false};
 };
 
 int64_t SteadyNowMs();

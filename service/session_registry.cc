@@ -77,6 +77,14 @@ std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {
   return it == by_id_.end() ? nullptr : it->second;
 }
 
+std::shared_ptr<Session> SessionRegistry::FindEngine(const EngineKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto engine = id_by_engine_.find(key);
+  if (engine == id_by_engine_.end()) return nullptr;
+  auto it = by_id_.find(engine->second);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
 void SessionRegistry::ForgetEngine(const Session& session) {
   auto engine = id_by_engine_.find(KeyOf(session));
   if (engine != id_by_engine_.end() && engine->second == session.id()) {

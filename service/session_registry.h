@@ -66,6 +66,9 @@ class SessionRegistry {
   // anything (Add decides).
   absl::Status Room(const EngineKey& key, const SessionLimits& limits) const;
   std::shared_ptr<Session> Find(const std::string& id) const;
+  // The live session of `key` (null when none): the one an Add of that engine would
+  // replace, if Add may (see Add).
+  std::shared_ptr<Session> FindEngine(const EngineKey& key) const;
   // Removes `id` and returns its session (null when none), to be let go outside the lock.
   std::shared_ptr<Session> Remove(const std::string& id);
   // Removes and returns the sessions whose lease ran out.

@@ -129,14 +129,22 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
   if (device_lost_.load()) return CountFailure(Restarting());
+  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room = sessions_.Room(EngineKey::Of(caller, request.engine_id()), Limits());
-      !room.ok()) {
-    return CountFailure(room);
+  if (absl::Status room = sessions_.Room(engine, Limits()); !room.ok()) return CountFailure(room);
+  // A session this Attach replaces gives its bytes back once the Attach has retired it
+  // below: the new one may be built in them, so an engine that restarts with the server's
+  // budgets nearly full re-attaches at once rather than after the old lease. The server's
+  // use then stays within its limits plus one session's charges, and within its limits
+  // once the old session is gone (when Add replaced another session, or none, the one
+  // measured here was retired and is going as well).
+  ServerCharges replacing;
+  if (const std::shared_ptr<Session> old = sessions_.FindEngine(engine); old != nullptr) {
+    replacing = old->server_charges();
   }
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
-      Session::Create(request, config_, budgets_, caller, make_backend_, &remains);
+      Session::Create(request, config_, budgets_, caller, make_backend_, &remains, replacing);
   // What a failed backend allocated is freed as an ended session's is, not here.
   if (remains != nullptr) janitor_.Dispose(remains.release());
   if (!built.ok()) return CountFailure(WatchDevice(built.status()));
@@ -146,13 +154,15 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
                                    [janitor](Session* s) { janitor->Dispose(s); });
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
   session->set_owner(caller);
-  session->Touch();
+  session->HoldLease();  // until the hand-over below has ended
   response->set_session_id(session->id());
   response->set_lease_ms(session->spec().lease_ms);
   *response->mutable_effective_options() = ToProto(session->policy());
   response->set_backend(ToProto(session->backend().kind()));
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
+  // Kept until the reply: a concurrent Attach of the engine may replace it meanwhile.
+  const std::shared_ptr<Session> granted = session;
   absl::StatusOr<std::shared_ptr<Session>> replaced = sessions_.Add(std::move(session), Limits());
   if (!replaced.ok()) {
     response->Clear();
@@ -161,6 +171,8 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
   // The replaced session's step, if one runs, ends before the engine hears of the new
   // session; both may share the engine's buffers.
   if (*replaced != nullptr) (*replaced)->Retire();
+  // The lease runs from the reply: the wait for the old step may have taken longer.
+  granted->StartLease();
   attached_total_.fetch_add(1);
   return absl::OkStatus();
 }
@@ -233,7 +245,8 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
         if (absl::IsDeadlineExceeded(admitted) || absl::IsCancelled(admitted)) {
           // Parked, and its client gave up meanwhile: not run, as in RunStep.
         } else if (!admitted.ok()) {
-          held->errors.fetch_add(1);
+          // Refused before the step lock: a failed call, not a failed step of the session
+          // (SessionStats.errors counts those).
           admitted = CountFailure(absl::Status(
               admitted.code(),
               absl::StrCat("SelectPages: session '", telemetry::SessionLabel(held->id()),
@@ -288,8 +301,8 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   StepBackend& backend = session.backend();
   absl::MutexLock lock(&backend.step_mu());
   // Detached, replaced or expired while this call waited: the engine's buffers may
-  // already belong to its next session.
-  if (backend.retired()) {
+  // already belong to its next session. retiring(): its Retire waits for this lock.
+  if (backend.retired() || session.retiring()) {
     return CountFailure(
         absl::NotFoundError(absl::StrCat("session '", telemetry::SessionLabel(session.id()),
                                          "' was detached, replaced or expired while step ",
@@ -323,17 +336,21 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
   // A SIGBUS in the engine's shm during the step left zeros in its place (shm_fault_guard.h).
   if (run.ok()) run = session.CheckMemoryIntact();
   // Async steps finished since the last call count now, whatever this step does.
+  std::vector<v1::StepStats> earlier;
   for (const FinishedStep& f : outcome.earlier) {
-    v1::StepStats* earlier = response->add_earlier();
-    ToProto(f.stats, f.step, f.prepass_us, earlier);
+    v1::StepStats& stats = earlier.emplace_back();
+    ToProto(f.stats, f.step, f.prepass_us, &stats);
     if (!WatchDevice(f.status).ok()) {
-      earlier->set_error(f.status.ToString());
+      stats.set_error(f.status.ToString());
       session.errors.fetch_add(1);
       continue;
     }
     count_step(f.stats);
   }
   if (!run.ok()) {
+    // A failed call sends no reply (grpc_service.cc): the engine hears of them with the
+    // session's next successful one.
+    session.KeepUndelivered(std::move(earlier));
     // Stopped because its caller gave up: not run, as a call found dead before it ran
     // (its step number stays free, nothing is counted).
     if ((absl::IsCancelled(run) || absl::IsDeadlineExceeded(run)) &&
@@ -344,6 +361,9 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
     return CountFailure(run);
   }
   backend.StepRan(request.step());
+  for (v1::StepStats& stats : session.TakeUndelivered())
+    *response->add_earlier() = std::move(stats);
+  for (v1::StepStats& stats : earlier) *response->add_earlier() = std::move(stats);
   session.last_step_seen.store(request.step());
   response->set_step(request.step());
   response->set_done(outcome.done);

@@ -88,6 +88,8 @@ class SessionService {
   size_t session_count() const { return sessions_.size(); }
   // Bytes charged to --max-server-bytes by the live sessions.
   uint64_t charged_bytes() const { return budgets_.allocated.used(); }
+  // Bytes of host_shm mappings charged to --max-server-mapped-bytes by the live sessions.
+  uint64_t mapped_bytes() const { return budgets_.mapped.used(); }
   // Ended cuda sessions the janitor has not freed yet (session_janitor.h); their bytes are
   // still in charged_bytes().
   uint64_t sessions_ending() const { return janitor_.pending(); }

@@ -53,7 +53,7 @@ absl::Status Lost() {
 }
 
 // What the stand-in does at its next Run.
-enum class Fault { kNone, kLoseNow, kLoseInEarlier, kOrdinary };
+enum class Fault { kNone, kLoseNow, kLoseInEarlier, kOrdinary, kFailAfterFinishingEarlier };
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
 // (a sync step's Finish), or in a finished async step reported with a later one.
@@ -73,6 +73,10 @@ class LossyBackend final : public StepBackend {
         outcome->earlier.emplace_back().step = step.step - 1;
         outcome->earlier.back().status = Lost();
         break;
+      case Fault::kFailAfterFinishingEarlier:  // as the cuda backend's checks after Finish
+        outcome->earlier.emplace_back().step = step.step - 1;
+        outcome->earlier.back().stats.groups_total = 7;
+        return absl::FailedPreconditionError("step is not after selection_done");
       case Fault::kNone:
         break;
     }
@@ -200,6 +204,32 @@ TEST_F(DeviceLostTest, AnOrdinaryErrorNeitherCallsTheHandlerNorEndsAttaches) {
   EXPECT_TRUE(Step(a, 2).ok());
   EXPECT_EQ(handled(), 0);
   EXPECT_FALSE(Attach("engine-b").empty());
+}
+
+// A call that finishes the session's queued async step and then fails sends no reply
+// (grpc_service.cc clears it), so that step's statistics come with the next reply that
+// is sent, once.
+using EarlierStepsTest = DeviceLostTest;
+TEST_F(EarlierStepsTest, AStepFinishedByAFailedCallComesWithTheNextSuccessfulReply) {
+  const std::string a = Attach("engine-a");
+  ASSERT_TRUE(Step(a, 1).ok());
+  fault_ = Fault::kFailAfterFinishingEarlier;
+  v1::SelectPagesResponse failed;
+  const absl::Status s = service_.SelectPages(TestEngine::Step(a, 2, rows_), &failed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(failed.earlier_size(), 0);  // not in a reply that is never sent
+  fault_ = Fault::kOrdinary;
+  EXPECT_EQ(Step(a, 2).code(), absl::StatusCode::kInternal);
+  fault_ = Fault::kNone;
+  v1::SelectPagesResponse next;
+  ASSERT_TRUE(service_.SelectPages(TestEngine::Step(a, 2, rows_), &next).ok());
+  ASSERT_EQ(next.earlier_size(), 1);
+  EXPECT_EQ(next.earlier(0).step(), 1u);
+  EXPECT_EQ(next.earlier(0).groups_total(), 7);
+  EXPECT_TRUE(next.earlier(0).error().empty()) << next.earlier(0).error();
+  v1::SelectPagesResponse after;
+  ASSERT_TRUE(service_.SelectPages(TestEngine::Step(a, 3, rows_), &after).ok());
+  EXPECT_EQ(after.earlier_size(), 0);  // delivered once
 }
 
 // The same through the gRPC server epsd runs: the server's fatal hook is called once

@@ -3,6 +3,8 @@
 // and the refusals a step can meet.
 #include "service/session_service.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -492,6 +494,59 @@ TEST(SessionLeaseTest, ASessionWhoseStepRunsPastItsLeaseIsNotExpiredUntilTheStep
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EXPECT_EQ(service.session_count(), 0u);  // once its step ended and its lease ran out
+}
+
+}  // namespace
+}  // namespace eps::service
+
+namespace eps::service {
+namespace {
+
+// A replacing Attach builds its session in the bytes of the session it replaces, which
+// that one gives back once the Attach has retired it: an engine that restarts re-attaches
+// at once with the server's budgets nearly full, not only after its old lease ran out,
+// and the budgets still bound the server once the hand-over is done.
+TEST(SessionBudgetTest, AnEngineReattachesAtOnceWhenTheServerBudgetsHoldOnlyItsSession) {
+  const Peer user{.known = true, .uid = geteuid(), .pid = getpid()};
+  TestEngine engine(eps::testing::SmallServiceModel(), /*max_seqs=*/2, /*max_context=*/512,
+                    /*max_batch=*/2, eps::testing::TestSeed());
+  uint64_t allocated = 0, mapped = 0;  // one session's charges
+  {
+    SessionService probe{ServerConfig{}};
+    v1::AttachResponse attached;
+    ASSERT_TRUE(probe.Attach(engine.Attach("engine-a"), &attached, user).ok());
+    allocated = probe.charged_bytes();
+    mapped = probe.mapped_bytes();
+  }
+  ASSERT_GT(allocated, 0u);
+  ASSERT_GT(mapped, 0u);
+  for (const bool bound_mapped : {false, true}) {
+    const char* flag = bound_mapped ? "--max-server-mapped-bytes" : "--max-server-bytes";
+    SCOPED_TRACE(flag);
+    ServerConfig config;
+    // Room for one session and half of another.
+    if (bound_mapped) {
+      config.max_server_mapped_bytes = mapped + mapped / 2;
+    } else {
+      config.max_server_bytes = allocated + allocated / 2;
+    }
+    SessionService service(config);
+    v1::AttachResponse first, second, third, other;
+    ASSERT_TRUE(service.Attach(engine.Attach("engine-a"), &first, user).ok());
+    const absl::Status again = service.Attach(engine.Attach("engine-a"), &second, user);
+    ASSERT_TRUE(again.ok()) << again;
+    EXPECT_NE(second.session_id(), first.session_id());
+    // The old session gave its bytes back: one session's charges are held.
+    EXPECT_EQ(service.charged_bytes(), allocated);
+    EXPECT_EQ(service.mapped_bytes(), mapped);
+    // Another engine gets no such room.
+    const absl::Status b = service.Attach(engine.Attach("engine-b"), &other, user);
+    EXPECT_EQ(b.code(), absl::StatusCode::kResourceExhausted) << b;
+    EXPECT_THAT(b.message(), HasSubstr(flag));
+    EXPECT_EQ(service.charged_bytes(), allocated);
+    ASSERT_TRUE(service.Attach(engine.Attach("engine-a"), &third, user).ok());
+    EXPECT_EQ(service.session_count(), 1u);
+  }
 }
 
 }  // namespace

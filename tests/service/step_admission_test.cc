@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <thread>
@@ -165,6 +166,43 @@ TEST_F(SessionStepAdmissionTest, AStepBeyondTheOneWaitingIsRefusedNamingTheSessi
   EXPECT_EQ(engine_.buffers().selection_done(), 8u);
 }
 
+// A refused call is a failed call (validation_failures_total), not a failed step of
+// the session: SessionStats.errors counts only steps that reached the step lock.
+TEST_F(SessionStepAdmissionTest, ARefusedStepCountsAsAFailedCallButNotAsASessionError) {
+  const std::string id = Attach("engine-a");
+  StepGate& gate = service_.session_for_test(id)->step_gate();
+  RunningStep running(gate, 1);
+  absl::Status next;
+  std::thread waiting([&] { next = Step(id, 2); });
+  EXPECT_TRUE(AwaitParked(gate));
+  EXPECT_EQ(Step(id, 3).code(), absl::StatusCode::kResourceExhausted);
+  running.Release();
+  waiting.join();
+  EXPECT_TRUE(next.ok()) << next;
+  v1::GetStatsRequest request;
+  request.set_session_id(id);
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats(request, &stats, engine_user_).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 1u);
+  ASSERT_EQ(stats.sessions_size(), 1);
+  EXPECT_EQ(stats.sessions(0).errors(), 0u);
+  EXPECT_EQ(stats.sessions(0).steps(), 1u);
+}
+
+// A call its client gave up on was not run, and is no failed call either (api.md's
+// validation_failures_total, as eps_validation_failures_total).
+TEST_F(SessionStepAdmissionTest, AStepPastItsDeadlineIsNotCountedAsAFailedCall) {
+  const std::string id = Attach("engine-a");
+  v1::SelectPagesResponse response;
+  const absl::Status late =
+      service_.SelectPages(TestEngine::Step(id, 1, rows_), &response, nullptr,
+                           {.deadline = absl::Now() - absl::Seconds(1)}, engine_user_);
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats({}, &stats, engine_user_).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 0u);
+}
+
 TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsDetachedDoesNotTouchTheBuffers) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
@@ -198,6 +236,40 @@ TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsReplacedDoesNotTouc
   EXPECT_EQ(engine_.buffers().selection_done(), 1u);  // the new session's, not 500
 }
 
+// The parked step runs on the running step's thread once that step lets the step lock
+// go, and may take it again before a Detach waiting for it does (absl::Mutex is not FIFO):
+// it must still answer NOT_FOUND and leave the buffers alone.
+TEST_F(SessionStepAdmissionTest, AParkedStepDoesNotRunOnceItsSessionStartedRetiring) {
+  const std::string id = Attach("engine-a");
+  std::shared_ptr<Session> session = service_.session_for_test(id);
+  absl::Notification started, release;
+  std::thread running([&] {
+    session->step_gate().Run(1, [&](absl::Status admitted) {
+      EXPECT_TRUE(admitted.ok()) << admitted;
+      absl::MutexLock step(&session->backend().step_mu());  // as a running step holds it
+      started.Notify();
+      release.WaitForNotification();
+    });
+  });
+  started.WaitForNotification();
+  absl::Status late;
+  std::thread waiting([&] { late = Step(id, 2); });
+  EXPECT_TRUE(AwaitParked(session->step_gate()));
+  std::thread detach([&] {
+    v1::DetachRequest request;
+    request.set_session_id(id);
+    EXPECT_TRUE(service_.Detach(request, engine_user_).ok());
+  });
+  while (!session->retiring()) std::this_thread::yield();  // Detach waits for the lock
+  release.Notify();  // the running step ends; its thread runs step 2 next
+  running.join();
+  waiting.join();
+  detach.join();
+  EXPECT_EQ(late.code(), absl::StatusCode::kNotFound) << late;
+  EXPECT_THAT(late.message(), HasSubstr("was detached, replaced or expired while step 2 waited"));
+  EXPECT_EQ(engine_.buffers().selection_done(), 0u);
+}
+
 TEST_F(SessionStepAdmissionTest, DetachAnswersOnlyAfterTheStepRunningNowHasEnded) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
@@ -218,6 +290,47 @@ TEST_F(SessionStepAdmissionTest, DetachAnswersOnlyAfterTheStepRunningNowHasEnded
   detach.join();
   EXPECT_TRUE(detached.HasBeenNotified());
   EXPECT_EQ(service_.session_count(), 0u);
+}
+
+}  // namespace
+}  // namespace eps::service
+
+namespace eps::service {
+namespace {
+
+// A replacing Attach waits for the old session's running step before it answers; the
+// new session's lease starts once it has, so the session it returns is alive however
+// long that step ran (the reaper once expired it meanwhile: an Attach answered OK after
+// 2.8 s with a 2 s lease, and the engine's next call was NOT_FOUND).
+TEST(SessionHandOverTest, AReplacingAttachThatWaitedPastTheLeaseReturnsALiveSession) {
+  ServerConfig config;
+  config.lease_ms = 300;  // the reaper looks every 30 ms
+  SessionService service(config);
+  TestEngine engine(eps::testing::SmallServiceModel(), /*max_seqs=*/1, /*max_context=*/512,
+                    /*max_batch=*/1, eps::testing::TestSeed());
+  const Peer user{.known = true, .uid = geteuid(), .pid = getpid()};
+  v1::AttachResponse first, second;
+  ASSERT_TRUE(service.Attach(engine.Attach("engine-a"), &first, user).ok());
+  std::shared_ptr<Session> old = service.session_for_test(first.session_id());
+  absl::Status replaced;
+  std::thread attach;
+  {
+    absl::MutexLock step(&old->backend().step_mu());  // the old session's step runs on
+    attach =
+        std::thread([&] { replaced = service.Attach(engine.Attach("engine-a"), &second, user); });
+    // Published, and waiting for that step to end.
+    while (!old->retiring()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(3 * config.lease_ms));
+    service.ExpireSessions();
+  }
+  attach.join();
+  ASSERT_TRUE(replaced.ok()) << replaced;
+  v1::HeartbeatRequest heartbeat;
+  heartbeat.set_session_id(second.session_id());
+  v1::HeartbeatResponse renewed;
+  const absl::Status s = service.Heartbeat(heartbeat, &renewed, user);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(service.session_count(), 1u);
 }
 
 }  // namespace
