@@ -122,13 +122,16 @@ def memory_errors(sidecar: dict[str, Any], flags: list[str]) -> list[str]:
             f"--max-session-bytes ({session // MIB} MiB) exceeds --max-server-bytes "
             f"({server // MIB} MiB)"
         )
-    headroom = PROCESS_BYTES + MESSAGE_FACTOR * sizes["max-message-bytes"]
+    # A replacing Attach builds its session in the bytes the replaced one gives back, so
+    # for that hand-over epsd holds up to one session more than --max-server-bytes.
+    headroom = PROCESS_BYTES + MESSAGE_FACTOR * sizes["max-message-bytes"] + session
     if server + headroom > limit:
         errors.append(
             f"--max-server-bytes ({server // MIB} MiB) plus {headroom // MIB} MiB for the "
-            f"process and one largest message (--max-message-bytes) exceeds epsd's "
-            f"limits.memory {limit_text}: epsd would be OOM-killed before it answers "
-            "RESOURCE_EXHAUSTED; set --max-server-bytes (and --max-session-bytes) lower"
+            f"process, one largest message (--max-message-bytes) and a restarting engine's "
+            f"hand-over (--max-session-bytes) exceeds epsd's limits.memory {limit_text}: "
+            "epsd would be OOM-killed before it answers RESOURCE_EXHAUSTED; set "
+            "--max-server-bytes (and --max-session-bytes) lower"
         )
     return errors
 

@@ -203,7 +203,18 @@ def test_a_memory_limit_below_the_server_budget_fails(deploy: Path) -> None:
     edit(deploy / "k8s/base/deployment.yaml", "              memory: 2Gi\n", "              memory: 1Gi\n")
     edit(deploy / "k8s/base/deployment.yaml", "              memory: 2Gi\n", "              memory: 1Gi\n")
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
-    assert any("--max-server-bytes (1536 MiB)" in p and "OOM-killed" in p for p in problems), (
+    assert any("--max-server-bytes (1024 MiB)" in p and "OOM-killed" in p for p in problems), (
+        problems
+    )
+
+
+def test_the_restart_hand_over_needs_a_session_of_room_beside_the_budget(deploy: Path) -> None:
+    # A replacing Attach may hold one more session's bytes than --max-server-bytes: with
+    # 1536M (the earlier ConfigMaps) and 512M a session, the base's 2Gi is too small.
+    edit(deploy / "k8s/base/configmap-epsd-flags.yaml", "--max-server-bytes=1024M",
+         "--max-server-bytes=1536M")
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("--max-server-bytes (1536 MiB)" in p and "hand-over" in p for p in problems), (
         problems
     )
 
@@ -215,7 +226,7 @@ def test_larger_messages_need_more_room_beside_the_budget(deploy: Path) -> None:
         "--max-message-bytes=128M",
     )
     problems = validate_manifests.validate(deploy / "k8s", {"cpu-demo"})
-    assert any("plus 448 MiB for the process and one largest message" in p for p in problems), (
+    assert any("plus 576 MiB for the process, one largest message" in p for p in problems), (
         problems
     )
 

@@ -194,9 +194,9 @@ TEST_F(SessionStepAdmissionTest, ARefusedStepCountsAsAFailedCallButNotAsASession
 TEST_F(SessionStepAdmissionTest, AStepPastItsDeadlineIsNotCountedAsAFailedCall) {
   const std::string id = Attach("engine-a");
   v1::SelectPagesResponse response;
-  const absl::Status late =
-      service_.SelectPages(TestEngine::Step(id, 1, rows_), &response, nullptr,
-                           {.deadline = absl::Now() - absl::Seconds(1)}, engine_user_);
+  const absl::Status late = service_.SelectPages(
+      TestEngine::Step(id, 1, rows_), &response, nullptr,
+      {.deadline = absl::Now() - absl::Seconds(1), .cancelled = {}}, engine_user_);
   EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
   v1::GetStatsResponse stats;
   ASSERT_TRUE(service_.GetStats({}, &stats, engine_user_).ok());
