@@ -1,5 +1,6 @@
 #include "service/session.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -7,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/saturating.h"
 #include "core/status.h"
 #include "service/cpu_backend.h"
 #include "service/cuda_backend.h"
@@ -169,12 +171,25 @@ bool Session::Expired(int64_t now_ms) const {
   return true;
 }
 
+namespace {
+
+// total += bytes, stopping at INT64_MAX (a step's byte counts saturate there: the session's
+// totals went negative on the next step).
+void AddSaturating(std::atomic<int64_t>& total, int64_t bytes) {
+  int64_t seen = total.load(std::memory_order_relaxed);
+  while (!total.compare_exchange_weak(seen, SaturatingMulAdd(seen, {bytes}),
+                                      std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
+
 void Session::CountStep(const StepStats& stats) {
   steps.fetch_add(1);
   groups_total.fetch_add(stats.groups_total);
   groups_visited.fetch_add(stats.groups_visited);
-  bytes_dense.fetch_add(stats.kv_bytes_dense);
-  bytes_read.fetch_add(stats.kv_bytes_read_est);
+  AddSaturating(bytes_dense, stats.kv_bytes_dense);
+  AddSaturating(bytes_read, stats.kv_bytes_read_est);
 }
 
 }  // namespace eps::service

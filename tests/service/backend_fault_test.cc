@@ -22,6 +22,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -53,7 +54,14 @@ absl::Status Lost() {
 }
 
 // What the stand-in does at its next Run.
-enum class Fault { kNone, kLoseNow, kLoseInEarlier, kOrdinary, kFailAfterFinishingEarlier };
+enum class Fault {
+  kNone,
+  kLoseNow,
+  kLoseInEarlier,
+  kOrdinary,
+  kFailAfterFinishingEarlier,
+  kSaturatedBytes
+};
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
 // (a sync step's Finish), or in a finished async step reported with a later one.
@@ -78,10 +86,15 @@ class LossyBackend final : public StepBackend {
         outcome->earlier.back().stats.groups_total = 7;
         return absl::FailedPreconditionError("step is not after selection_done");
       case Fault::kNone:
+      case Fault::kSaturatedBytes:
         break;
     }
     absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
+    const absl::Status s = inner_->Run(step, outcome);
+    if (fault_->load() == Fault::kSaturatedBytes) {  // a step of a 2^35-token context
+      outcome->stats.kv_bytes_dense = std::numeric_limits<int64_t>::max();
+    }
+    return s;
   }
 
  private:
@@ -230,6 +243,22 @@ TEST_F(EarlierStepsTest, AStepFinishedByAFailedCallComesWithTheNextSuccessfulRep
   v1::SelectPagesResponse after;
   ASSERT_TRUE(service_.SelectPages(TestEngine::Step(a, 3, rows_), &after).ok());
   EXPECT_EQ(after.earlier_size(), 0);  // delivered once
+}
+
+// A step's byte counts stop at INT64_MAX (core/saturating.h); the session's totals did not,
+// and went negative on the next step.
+TEST_F(DeviceLostTest, TheSessionsByteTotalsStopAtTheTopToo) {
+  const std::string a = Attach("engine-a");
+  fault_ = Fault::kSaturatedBytes;
+  ASSERT_TRUE(Step(a, 1).ok());
+  ASSERT_TRUE(Step(a, 2).ok());
+  fault_ = Fault::kNone;
+  v1::GetStatsRequest request;
+  request.set_session_id(a);
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats(request, &stats).ok());
+  ASSERT_EQ(stats.sessions_size(), 1);
+  EXPECT_EQ(stats.sessions(0).bytes_kv_dense(), std::numeric_limits<int64_t>::max());
 }
 
 // The same through the gRPC server epsd runs: the server's fatal hook is called once
