@@ -194,8 +194,12 @@ class Watchdog:
             max(1, int(timeout_s * 1e6)), ctypes.byref(handle)))
         self._h: int | None = handle.value
         if counters.feedback is not None:  # cleared before each release, as release_dense does
-            check("watchdog_clear_feedback", library().eps_engine_watchdog_clear_feedback(
-                self._h, counters.feedback.data_ptr(), counters.feedback.numel()))
+            try:
+                check("watchdog_clear_feedback", library().eps_engine_watchdog_clear_feedback(
+                    self._h, counters.feedback.data_ptr(), counters.feedback.numel()))
+            except BaseException:
+                self.close()  # the caller never gets the object to close
+                raise
 
     def arm(self, step: int) -> None:
         h = _open(self._h, "watchdog", "watchdog_arm")
