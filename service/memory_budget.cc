@@ -6,22 +6,6 @@
 
 namespace eps::service {
 
-uint64_t SaturatingProduct(std::initializer_list<uint64_t> factors) {
-  uint64_t product = 1;
-  for (uint64_t f : factors) {
-    if (__builtin_mul_overflow(product, f, &product)) return UINT64_MAX;
-  }
-  return product;
-}
-
-uint64_t SaturatingSum(std::initializer_list<uint64_t> terms) {
-  uint64_t sum = 0;
-  for (uint64_t t : terms) {
-    if (__builtin_add_overflow(sum, t, &sum)) return UINT64_MAX;
-  }
-  return sum;
-}
-
 MemoryCharge::MemoryCharge(MemoryCharge&& other) noexcept
     : budget_(std::exchange(other.budget_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
 

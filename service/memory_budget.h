@@ -18,20 +18,15 @@
 
 #include <atomic>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "core/saturating.h"  // SaturatingProduct, SaturatingSum: the sizes of charges
 
 namespace eps::service {
 
 class MemoryBudget;
-
-// a * b * ... and a + b + ..., saturating at UINT64_MAX: the sizes of charges (a saturated
-// one is refused by any limit).
-uint64_t SaturatingProduct(std::initializer_list<uint64_t> factors);
-uint64_t SaturatingSum(std::initializer_list<uint64_t> terms);
 
 // Bytes held against a budget (and its parent) until destroyed. Move-only.
 class MemoryCharge {
