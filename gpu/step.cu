@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <span>
 #include <string>
 #include <thread>
@@ -238,37 +237,6 @@ absl::Status GpuSelector::Allocate(Impl& impl, const ModelLayout& model, int dev
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl.stream));
   return absl::OkStatus();
-}
-
-uint64_t GpuSelector::DeviceBytes(const ModelLayout& model, int64_t max_batch, int64_t max_groups,
-                                  int64_t max_coarse_groups) {
-  // Allocate's buffers, one term each (and the coarse level's two), saturating.
-  const auto product = [](std::initializer_list<int64_t> factors) {
-    uint64_t p = 1;
-    for (const int64_t f : factors) {
-      if (f <= 0) return uint64_t{0};
-      if (__builtin_mul_overflow(p, static_cast<uint64_t>(f), &p)) return UINT64_MAX;
-    }
-    return p;
-  };
-  const int64_t batch = max_batch, layers = model.num_layers, q_heads = model.num_q_heads;
-  const uint64_t terms[] = {
-      product({layers, model.num_kv_heads, model.head_dim, model.sketch_dim, sizeof(float)}),
-      product({batch, layers, q_heads, max_groups, sizeof(float)}),                   // scores
-      product({batch, layers, q_heads, TermWords(model.sketch_dim), sizeof(float)}),  // terms
-      product({batch, sizeof(DeviceRow)}),
-      product({layers, q_heads}),  // the retrieval heads' marks
-      product({layers, sizeof(MassRule)}),
-      product({2, sizeof(StepReport)}),
-      product({batch, layers, kFusedMaskWords, sizeof(unsigned)}),
-      product({batch * layers + 1, sizeof(unsigned)}),
-      product({batch, layers, q_heads, max_coarse_groups, sizeof(float)}),  // coarse scores
-      product({batch, layers, model.num_kv_heads, max_coarse_groups})};     // candidates
-  uint64_t total = 0;
-  for (const uint64_t t : terms) {
-    if (__builtin_add_overflow(total, t, &total)) return UINT64_MAX;
-  }
-  return total;
 }
 
 absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(
