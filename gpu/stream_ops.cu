@@ -84,6 +84,12 @@ absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n,
   return err == cudaSuccess ? absl::OkStatus() : CudaStatus("ReleaseDenseKernel", err);
 }
 
+absl::Status StreamClearFeedback(cudaStream_t stream, float* feedback, int64_t n) {
+  if (n <= 0) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(feedback, 0xFF, n * sizeof(float), stream));
+  return absl::OkStatus();
+}
+
 absl::Status PreloadStreamOps() {
   cudaFuncAttributes attributes;
   for (const void* kernel : {reinterpret_cast<const void*>(&RaiseCounterKernel),

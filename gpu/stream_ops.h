@@ -37,6 +37,11 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
                                 uint64_t value);
 
+// Enqueues on `stream`: feedback[0, n) = NaN (all-ones bytes), the selection feedback a
+// fail-open release clears before the released step's attention writes it
+// (docs/api-memory.md, "Selection feedback").
+absl::Status StreamClearFeedback(cudaStream_t stream, float* feedback, int64_t n);
+
 // Loads the release kernels now. Under lazy module loading (CUDA's default) a
 // kernel's first launch may wait for the context to go idle, which never
 // happens while one of its streams waits on a counter that only this release

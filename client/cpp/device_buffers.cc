@@ -99,9 +99,7 @@ absl::Status DeviceBuffers::ReleaseDense(uint64_t step) {
 // rather than combining them with those of the step before (which no selection consumed).
 absl::Status DeviceBuffers::ClearFeedback(cudaStream_t stream) {
   if (feedback() == nullptr) return absl::OkStatus();
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      feedback(), 0xFF, plan_.ElementsOf(SharedBuffer::kFeedback) * sizeof(float), stream));
-  return absl::OkStatus();
+  return gpu::StreamClearFeedback(stream, feedback(), plan_.ElementsOf(SharedBuffer::kFeedback));
 }
 
 absl::StatusOr<uint64_t> DeviceBuffers::ReadSelectionDone() {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -102,6 +103,22 @@ eps::client::EngineTableDevice EngineTable(uint64_t engine_table, int64_t table_
           cache_blocks};
 }
 
+// `work` queued on the caller's `stream` (not waited for), or with stream 0 on a private
+// stream, waited for.
+absl::Status OnStream(uint64_t stream, const std::function<absl::Status(cudaStream_t)>& work) {
+  if (stream != 0) return work(Stream(stream));
+  cudaStream_t own = nullptr;
+  if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) {
+    return absl::InternalError("cudaStreamCreateWithFlags");
+  }
+  absl::Status s = work(own);
+  if (s.ok() && cudaStreamSynchronize(own) != cudaSuccess) {
+    s = absl::InternalError("cudaStreamSynchronize of the private stream");
+  }
+  cudaStreamDestroy(own);
+  return s;
+}
+
 }  // namespace
 
 // The C ABI's watchdog: client/cpp/selection_watchdog.h's, whose device is a stream
@@ -137,9 +154,7 @@ struct EpsEngineWatchdog {
   absl::Status ReleaseDense(uint64_t step) {
     eps::client::DeviceScope scope;
     RETURN_IF_ERROR(scope.Enter(device));
-    if (feedback_n > 0) {
-      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(feedback, 0xFF, feedback_n * sizeof(float), stream));
-    }
+    RETURN_IF_ERROR(eps::gpu::StreamClearFeedback(stream, feedback, feedback_n));
     RETURN_IF_ERROR(eps::gpu::StreamReleaseDense(stream, counts, n, flags + 1, step));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return absl::OkStatus();
@@ -204,21 +219,10 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
   }
   eps::client::DeviceScope scope;  // the caller's current device is restored on return
   if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
-  if (stream != 0) {
-    return Report(eps::gpu::StreamReleaseDense(Stream(stream), Ptr<int32_t>(visit_count), n,
-                                               Ptr<uint64_t>(flags) + 1, step));
-  }
-  cudaStream_t own = nullptr;
-  if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) {
-    return Report(absl::InternalError("cudaStreamCreateWithFlags"));
-  }
-  absl::Status s = eps::gpu::StreamReleaseDense(own, Ptr<int32_t>(visit_count), n,
-                                                Ptr<uint64_t>(flags) + 1, step);
-  if (s.ok() && cudaStreamSynchronize(own) != cudaSuccess) {
-    s = absl::InternalError("cudaStreamSynchronize after ReleaseDense");
-  }
-  cudaStreamDestroy(own);
-  return Report(s);
+  return Report(OnStream(stream, [&](cudaStream_t s) {
+    return eps::gpu::StreamReleaseDense(s, Ptr<int32_t>(visit_count), n, Ptr<uint64_t>(flags) + 1,
+                                        step);
+  }));
 }
 
 int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream) {
@@ -229,22 +233,9 @@ int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint
   if (n == 0) return 0;
   eps::client::DeviceScope scope;  // the caller's current device is restored on return
   if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
-  // All-ones bytes are a float NaN.
-  if (stream != 0) {
-    const cudaError_t err =
-        cudaMemsetAsync(Ptr<float>(feedback), 0xFF, n * sizeof(float), Stream(stream));
-    return Report(err == cudaSuccess ? absl::OkStatus()
-                                     : eps::gpu::CudaStatus("cudaMemsetAsync", err));
-  }
-  cudaStream_t own = nullptr;
-  if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) {
-    return Report(absl::InternalError("cudaStreamCreateWithFlags"));
-  }
-  cudaError_t err = cudaMemsetAsync(Ptr<float>(feedback), 0xFF, n * sizeof(float), own);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(own);
-  cudaStreamDestroy(own);
-  return Report(err == cudaSuccess ? absl::OkStatus()
-                                   : eps::gpu::CudaStatus("clear_feedback", err));
+  return Report(OnStream(stream, [&](cudaStream_t s) {
+    return eps::gpu::StreamClearFeedback(s, Ptr<float>(feedback), n);
+  }));
 }
 
 int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n) {
