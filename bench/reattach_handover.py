@@ -4,7 +4,7 @@ the engine "restarts" (drops its channel without Detach, so the old session live
 until its lease runs out) and attaches again with the same engine_id, retrying every
 --retry-ms while epsd answers RESOURCE_EXHAUSTED, as a client that falls back would.
 Prints, per round, the time from the first try until an Attach succeeded and how many
-tries were refused, then a summary (docs/api-failures.md 5.5, docs/deploy.md).
+tries were refused, then a summary and the other engine's wait (docs/api-failures.md 5.5).
 
   .venv/bin/python bench/reattach_handover.py --epsd build/service/epsd --rounds 5
 
@@ -13,7 +13,9 @@ data, so epsd allocates it zeroed, and the time is not a large message's transfe
 first Attach, into an empty server, is timed too, as what any Attach of that size costs
 without a hand-over. Before the rounds,
 another engine's Attach of the same size is tried and should be RESOURCE_EXHAUSTED: the
-budget really has no room beside the old session.
+budget really has no room beside the old session. After the rounds, that other engine
+retries until it attaches: it gets no hand-over, so it waits out the last session's lease,
+which is what a replacing Attach did before epsd let it use the replaced session's bytes.
 """
 
 from __future__ import annotations
@@ -88,9 +90,12 @@ def main() -> None:
                   f"refused; {old_state}")
             times.append(seconds)
             old = new
+        seconds, refused, _ = attach_until_ok(epsd.target, other, args.retry_ms / 1000,
+                                              give_up_s)
     print(f"{len(times)} replacing Attaches: min {min(times):.3f} s, "
           f"median {statistics.median(times):.3f} s, max {max(times):.3f} s "
           f"(lease {args.lease_ms} ms)")
+    print(f"another engine's Attach (no hand-over): {seconds:.3f} s, {refused} tries refused")
 
 
 if __name__ == "__main__":
