@@ -11,9 +11,9 @@ tries were refused, then a summary and the other engine's wait (docs/api-failure
 Each Attach is a message of about 100 bytes: its summary pool is declared inline with no
 data, so epsd allocates it zeroed, and the time is not a large message's transfer; the
 first Attach, into an empty server, is timed too, as what any Attach of that size costs
-without a hand-over. Before the rounds,
-another engine's Attach of the same size is tried and should be RESOURCE_EXHAUSTED: the
-budget really has no room beside the old session. After the rounds, that other engine
+without a hand-over. Before the rounds, another engine's Attach of the same size is
+tried and should be RESOURCE_EXHAUSTED: the budget really has no room beside the old
+session. After the rounds, that other engine
 retries until it attaches: it gets no hand-over, so it waits out the last session's lease,
 which is what a replacing Attach did before epsd let it use the replaced session's bytes.
 """
