@@ -1,8 +1,9 @@
 """epsd's peak resident memory (VmHWM) before and after one Attach whose message carries
 `--mib` MiB of inline summary-pool data (cpu backend): what receiving a large message
 costs beyond the budgets, which charge the session's buffers but not the request
-(docs/deploy.md, "Memory budgets"). Prints both peaks, the rise and its ratio to the
-message size, and how the Attach ended.
+(docs/deploy.md, "Memory budgets"). Prints both peaks, the resident memory before (idle)
+and after, the rise of the peak and its ratio to the message size, and how the Attach
+ended.
 
   .venv/bin/python bench/attach_peak_rss.py --epsd build/service/epsd --mib 60 \\
       -- --max-server-bytes=1024M --max-session-bytes=512M
@@ -33,7 +34,7 @@ def main() -> None:
     size = request.ByteSize()
     with LocalEpsd(args.epsd, args.flags) as epsd:
         time.sleep(1)  # let start-up allocations settle: a measurement pause, not a sync
-        before = epsd.status_kb("VmHWM")
+        before, idle = epsd.status_kb("VmHWM"), epsd.status_kb("VmRSS")
         with grpc.insecure_channel(epsd.target) as channel:
             try:
                 pb_grpc.PageSelectorStub(channel).Attach(request, timeout=60)
@@ -46,7 +47,9 @@ def main() -> None:
     print(f"epsd flags: {' '.join(args.flags) or '(none)'}")
     print(f"Attach message: {size} bytes ({size / (1 << 20):.1f} MiB); outcome: {outcome}")
     print(f"VmHWM before: {before} kB ({before * 1000 / MB:.0f} MB); "
-          f"after: {after} kB ({after * 1000 / MB:.0f} MB); VmRSS after: {rss} kB")
+          f"after: {after} kB ({after * 1000 / MB:.0f} MB)")
+    print(f"VmRSS before: {idle} kB ({idle * 1000 / MB:.0f} MB); "
+          f"after: {rss} kB ({rss * 1000 / MB:.0f} MB)")
     print(f"peak rise: {rise / MB:.0f} MB, {rise / size:.1f} times the message")
 
 
