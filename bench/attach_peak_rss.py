@@ -21,7 +21,7 @@ import time
 import grpc
 from local_epsd import LocalEpsd, inline_attach, pb_grpc
 
-MB = 1000 * 1000
+MIB = 1 << 20
 
 
 def main() -> None:
@@ -43,14 +43,15 @@ def main() -> None:
                 outcome = f"{e.code().name}: {e.details()}"
         after = epsd.status_kb("VmHWM")
         rss = epsd.status_kb("VmRSS")
-    rise = (after - before) * 1000
+    rise = (after - before) << 10  # /proc's kB are KiB
     print(f"epsd flags: {' '.join(args.flags) or '(none)'}")
-    print(f"Attach message: {size} bytes ({size / (1 << 20):.1f} MiB); outcome: {outcome}")
-    print(f"VmHWM before: {before} kB ({before * 1000 / MB:.0f} MB); "
-          f"after: {after} kB ({after * 1000 / MB:.0f} MB)")
-    print(f"VmRSS before: {idle} kB ({idle * 1000 / MB:.0f} MB); "
-          f"after: {rss} kB ({rss * 1000 / MB:.0f} MB)")
-    print(f"peak rise: {rise / MB:.0f} MB, {rise / size:.1f} times the message")
+    print(f"Attach message: {size} bytes ({size / MIB:.1f} MiB); outcome: {outcome}")
+    print(f"VmHWM before: {before} kB ({before / 1024:.1f} MiB); "
+          f"after: {after} kB ({after / 1024:.1f} MiB)")
+    print(f"VmRSS before: {idle} kB ({idle / 1024:.1f} MiB); "
+          f"after: {rss} kB ({rss / 1024:.1f} MiB)")
+    print(f"peak rise: {rise / MIB:.1f} MiB ({rise / 1e6:.0f} MB), "
+          f"{rise / size:.2f} times the message")
 
 
 if __name__ == "__main__":
