@@ -5,12 +5,13 @@ costs beyond the budgets, which charge the session's buffers but not the request
 and after each Attach, the rise of the peak and its ratio to the message size, and how
 the Attach ended; --count sends several, one after another on one channel.
 
-  .venv/bin/python bench/attach_peak_rss.py --epsd build/service/epsd --mib 60 \\
-      -- --max-server-bytes=1024M --max-session-bytes=512M
+  .venv/bin/python bench/attach_peak_rss.py --epsd build/service/epsd --mib 60 --count 8 \\
+      -- --max-server-bytes=1024M --max-session-bytes=32M
 
 Flags after `--` go to epsd; with a --max-session-bytes below the pool the Attach is
 refused (RESOURCE_EXHAUSTED) after the whole message was received, so the rise is the
-message's alone; accepted, it includes the session's own copy of the pool.
+message's alone; accepted, it includes the session's own copy of the pool, and with
+--count each Attach (one engine_id) replaces the last, so a hand-over holds two.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ __all__ = ["MODEL", "LocalEpsd", "inline_attach", "pb", "pb_grpc"]
 def inline_attach(engine_id: str, pool_bytes: int, send_pool: bool) -> pb.AttachRequest:
     """An AttachRequest for the cpu backend whose buffers are all inline_bytes, its summary
     pool at least `pool_bytes` long: sent as data (send_pool, the message is that large) or
-    declared only (empty data: epsd allocates it zeroed from a message of about 1 kB)."""
+    declared only (empty data: epsd allocates it zeroed from a message of about 100 bytes)."""
     record_words = BufferLayout.compute(MODEL, BufferShape(1, 1, 64, 1)).record_words
     per_slot = 4 * MODEL.num_layers * MODEL.num_kv_heads * record_words  # float32 records
     slots = max(1, -(-pool_bytes // per_slot))
