@@ -38,11 +38,11 @@ MIB = 1 << 20
 # epsd's defaults (service/flags.cc) of the flags the memory rule reads; a test compares
 # them with the built epsd's --help.
 EPSD_DEFAULTS = {"max-server-bytes": "2G", "max-session-bytes": "512M", "max-message-bytes": "64M"}
-# What epsd's memory holds beyond --max-server-bytes: the process itself (17 MB resident
-# idle on the cpu backend) and a request being received, which is not charged to the
-# budget: a 60 MiB Attach raised epsd's peak RSS by 160 MB, 2.6 times its size, before it
-# was refused (developer machine, 2026-11-28). So 64 MiB plus three largest messages: room
-# for one such message at a time (docs/deploy.md, "Memory budgets").
+# What epsd's memory holds beyond --max-server-bytes: the process itself and a request
+# being received, which is not charged to the budget: about 2.6 times the message's size
+# at its peak, more when large Attaches repeat (measured with bench/attach_peak_rss.py;
+# the numbers, command, machine and date are in docs/deploy.md, "Memory budgets"). So
+# 64 MiB plus three largest messages: room for one such message at a time.
 PROCESS_BYTES = 64 * MIB
 MESSAGE_FACTOR = 3
 
