@@ -151,6 +151,16 @@ absl::StatusOr<ServerConfig> ReadFlags() {
     return cli::Invalid(FLAGS_eps_coarse_candidates, "a number in [1, 1024]");
   }
   c.policy.coarse_candidates = static_cast<float>(coarse);
+  // What no engine's layout can make valid (strict mode with another budget, a mass floor
+  // above its ceiling) is refused here, not at every Attach; a layout with every record
+  // part leaves to the Attach only what depends on the engine (a method whose part its
+  // records lack, retrieval marks of its shape).
+  ModelLayout any_layout;
+  any_layout.features = {.key_sum = true, .principal = true, .quest = true, .quest8 = true};
+  if (absl::Status s = c.policy.Validate(any_layout); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the --eps-* flags do not make a selection policy: ", s.message()));
+  }
 
   absl::Duration d;
   RETURN_IF_ERROR(cli::ReadDuration(FLAGS_lease_ms, absl::Milliseconds(50), absl::Hours(1), &d));

@@ -64,6 +64,19 @@ TEST(ConfigTest, CoarseCandidatesDefaultToTwoAndAreRangeChecked) {
   EXPECT_FALSE(ParseFlags({"--eps-coarse-candidates=nan"}).ok());
 }
 
+TEST(ConfigTest, RefusesEpsFlagsThatNoLayoutCanServeAtStartup) {
+  // Each flag is valid alone; together every Attach would fail.
+  EXPECT_EQ(ParseFlags({"--eps-strict", "--eps-budget=fixed"}).status().message(),
+            "the --eps-* flags do not make a selection policy: strict mode replaces the budget "
+            "rule; budget=fixed");
+  EXPECT_EQ(ParseFlags({"--eps-min-pages=8", "--eps-max-pages=4"}).status().message(),
+            "the --eps-* flags do not make a selection policy: min_pages=8 exceeds max_pages=4");
+  // What depends on the engine's layout is left to its Attach.
+  EXPECT_TRUE(ParseFlags({"--eps-method=1pc"}).ok());
+  EXPECT_TRUE(ParseFlags({"--eps-heads=retrieval"}).ok());
+  EXPECT_TRUE(ParseFlags({"--eps-strict", "--eps-budget=threshold"}).ok());
+}
+
 TEST(ConfigTest, RejectsUnknownFlagsAndBadValuesNamingThem) {
   EXPECT_EQ(ParseFlags({"--eps-methd=jl"}).status().message(), "unknown flag --eps-methd");
   EXPECT_EQ(ParseFlags({"--eps-method=best"}).status().message(),
