@@ -12,16 +12,14 @@
 #include "absl/strings/string_view.h"
 #include "core/status.h"
 
-// Returns CudaStatus(#expr, error) when `expr` fails.
-// A failed call's error is also cleared as the thread's last error: left there, a later
-// launch's cudaGetLastError check on this thread reported it as its own.
-#define CUDA_RETURN_IF_ERROR(expr)                         \
-  do {                                                     \
-    const cudaError_t eps_cuda_err_ = (expr);              \
-    if (eps_cuda_err_ != cudaSuccess) {                    \
-      (void)cudaGetLastError();                            \
-      return ::eps::gpu::CudaStatus(#expr, eps_cuda_err_); \
-    }                                                      \
+// Returns CudaFailure(#expr, error) when `expr` fails: the failed call's error is also
+// cleared as the thread's last error.
+#define CUDA_RETURN_IF_ERROR(expr)                          \
+  do {                                                      \
+    const cudaError_t eps_cuda_err_ = (expr);               \
+    if (eps_cuda_err_ != cudaSuccess) {                     \
+      return ::eps::gpu::CudaFailure(#expr, eps_cuda_err_); \
+    }                                                       \
   } while (false)
 
 #define RETURN_IF_CUDA_ALLOC(buffer, count)                                       \
@@ -67,6 +65,21 @@ inline absl::Status CudaStatus(absl::string_view what, cudaError_t error) {
   return ContextLost(error) ? MarkDeviceLost(std::move(status)) : status;
 }
 
+// Takes the error of a runtime call that just failed off the calling thread's last error.
+// Every path that fails on a CUDA call calls this (or CudaFailure) once: the thread is the
+// engine's, and a non-sticky error left there is reported, and cleared, by the next
+// unrelated cudaGetLastError on it (PyTorch's launch check raising on one of its own ops,
+// or another session's Attach in epsd failing on it). A sticky error (ContextLost) stays
+// whatever is done: every later call returns it.
+inline void ClearFailedCall() { (void)cudaGetLastError(); }
+
+// CudaStatus(what, error) for a runtime call that just failed, its error cleared as the
+// thread's last error (ClearFailedCall).
+inline absl::Status CudaFailure(absl::string_view what, cudaError_t error) {
+  ClearFailedCall();
+  return CudaStatus(what, error);
+}
+
 // Owns `count` elements of device memory; freed in the destructor.
 template <typename T>
 class DeviceBuffer {
@@ -86,9 +99,7 @@ class DeviceBuffer {
     if (err != cudaSuccess) {
       const std::string what = absl::StrCat("cudaMalloc(", count * sizeof(T), " bytes)");
       if (ContextLost(err)) return CudaStatus(what, err);
-      // Not left as this thread's last error, where a later launch's cudaGetLastError
-      // check (the next Create on this thread) would report it as its own.
-      (void)cudaGetLastError();
+      ClearFailedCall();
       return absl::ResourceExhaustedError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
     }
     return absl::OkStatus();

@@ -11,7 +11,7 @@ namespace eps::gpu {
 int DeviceCount() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no device: not a sticky error for later calls
+    ClearFailedCall();  // no driver or no device: not a sticky error for later calls
     return 0;
   }
   return count;

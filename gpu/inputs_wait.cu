@@ -54,7 +54,7 @@ absl::StatusOr<bool> InputsWait::DrainsBy(cudaStream_t stream,
     std::this_thread::yield();  // rather than spin a core on the driver
   }
   if (q != cudaSuccess) {
-    return CudaStatus("step stream", q);
+    return CudaFailure("step stream", q);
   }
   return true;
 }

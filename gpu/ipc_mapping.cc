@@ -22,10 +22,11 @@ GetAddressRange AddressRangeFunction() {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult found{};
     if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
+                                         &found) != cudaSuccess) {
+      ClearFailedCall();
       return static_cast<GetAddressRange>(nullptr);
     }
+    if (found != cudaDriverEntryPointSuccess) return static_cast<GetAddressRange>(nullptr);
     return reinterpret_cast<GetAddressRange>(f);
   }();
   return fn;
@@ -40,7 +41,11 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(
                                                    " bytes, want ", sizeof(cudaIpcMemHandle_t)));
   }
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    ClearFailedCall();  // no driver or no device: answered below as no such device
+    count = 0;
+  }
+  if (device < 0 || device >= count) {
     return absl::FailedPreconditionError(
         absl::StrCat("cuda_ipc.device=", device, " is not one of this host's ", count, " devices"));
   }
@@ -51,7 +56,7 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(
   const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
   if (ContextLost(err)) return CudaStatus("cudaIpcOpenMemHandle", err);  // not the handle's fault
   if (err != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error state
+    ClearFailedCall();
     return absl::InvalidArgumentError(
         absl::StrCat("cudaIpcOpenMemHandle: ", cudaGetErrorString(err),
                      " (a handle of a freed allocation, of another device, or not a handle)"));

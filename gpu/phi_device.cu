@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "gpu/cuda_check.h"
+#include "gpu/launch.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/step.h"
 
@@ -15,8 +16,8 @@ absl::Status GeneratePhiOnDevice(uint64_t seed, int layer, int kv_head, int head
   const int per_matrix = head_dim * m;
   DeviceBuffer<float> all;
   RETURN_IF_CUDA_ALLOC(all, int64_t{layer + 1} * (kv_head + 1) * per_matrix);
-  GeneratePhiKernel<<<64, 256>>>(seed, layer + 1, kv_head + 1, per_matrix, PhiScale(m), all.get());
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(LaunchKernel(GeneratePhiKernel, 64, 256, 0, nullptr, seed, layer + 1,
+                                    kv_head + 1, per_matrix, PhiScale(m), all.get()));
   const int64_t offset = (int64_t{layer} * (kv_head + 1) + kv_head) * per_matrix;
   CUDA_RETURN_IF_ERROR(
       cudaMemcpy(host_out, all.get() + offset, per_matrix * sizeof(float), cudaMemcpyDeviceToHost));

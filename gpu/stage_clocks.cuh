@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "gpu/cuda_check.h"
+
 namespace eps::gpu::kernels {
 
 // The stamps, in a block's order; each stage ends at its stamp.
@@ -82,6 +84,7 @@ static std::string StageClockReport(int blocks, int sms) {
   blocks = std::min(blocks, kStampedBlocks);
   std::vector<StageClock> h(static_cast<size_t>(blocks));
   if (cudaMemcpyFromSymbol(h.data(), stage_clocks, sizeof(StageClock) * h.size()) != cudaSuccess) {
+    ClearFailedCall();
     return "stage clocks: cudaMemcpyFromSymbol failed\n";
   }
   unsigned long long first = ~0ull, last = 0;

@@ -20,6 +20,7 @@
 #include "gpu/device.h"
 #include "gpu/fused_select.cuh"
 #include "gpu/inputs_wait.h"
+#include "gpu/launch.cuh"
 #include "gpu/live_streams.h"
 #include "gpu/phi.cuh"
 #include "gpu/score_kernel.cuh"
@@ -117,7 +118,9 @@ struct GpuSelector::Impl {
   void Abort(uint64_t launch) {
     if (!inputs.Settle(stream, launch)) return;
     // On the step stream: before the next launch, after nothing of another stream.
-    (void)cudaMemsetAsync(reports.get(), 0, 2 * sizeof(StepReport), stream);
+    if (cudaMemsetAsync(reports.get(), 0, 2 * sizeof(StepReport), stream) != cudaSuccess) {
+      ClearFailedCall();  // the step's own error is the one reported
+    }
     (void)inputs.ClearReleased();
   }
   ~Impl() {
@@ -231,10 +234,10 @@ absl::Status GpuSelector::Allocate(Impl& impl, const ModelLayout& model, int dev
   CUDA_RETURN_IF_ERROR(
       cudaMemset(impl.fused_arrivals.get(), 0, (row_layers + 1) * sizeof(unsigned)));
   RETURN_IF_ERROR(LoadKernels(device));
-  GeneratePhiKernel<<<256, 256, 0, impl.stream>>>(model.phi_seed, model.num_layers,
-                                                  model.num_kv_heads, static_cast<int>(per_matrix),
-                                                  PhiScale(model.sketch_dim), impl.phi.get());
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(LaunchKernel(GeneratePhiKernel, 256, 256, 0, impl.stream, model.phi_seed,
+                                    model.num_layers, model.num_kv_heads,
+                                    static_cast<int>(per_matrix), PhiScale(model.sketch_dim),
+                                    impl.phi.get()));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl.stream));
   return absl::OkStatus();
 }

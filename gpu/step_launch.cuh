@@ -382,7 +382,13 @@ class CapturedSteps {
         ended = cudaStreamEndCapture(stream, &c.graph);
         return queued;
       }();
-      RETURN_IF_ERROR(launched);
+      if (!launched.ok()) {
+        // A launch that failed mid-capture invalidated it: cudaStreamEndCapture's error
+        // (not this step's) is cleared, and a graph it still made is freed.
+        if (ended != cudaSuccess) ClearFailedCall();
+        Destroy(c);
+        return launched;
+      }
       CUDA_RETURN_IF_ERROR(ended);
       if (absl::Status found = FindStepNode(c.graph, launch.StepKernel(), &c.step_node);
           !found.ok()) {
@@ -391,7 +397,7 @@ class CapturedSteps {
       }
       if (const cudaError_t made = cudaGraphInstantiate(&c.exec, c.graph, 0); made != cudaSuccess) {
         Destroy(c);
-        return CudaStatus("cudaGraphInstantiate", made);
+        return CudaFailure("cudaGraphInstantiate", made);
       }
       if (steps_.size() == kCapacity) {
         Destroy(steps_.back());

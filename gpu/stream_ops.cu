@@ -12,10 +12,11 @@ using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned i
 StreamValueFn Lookup(const char* name) {
   void* f = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess) {
+    ClearFailedCall();
     return nullptr;
   }
+  if (found != cudaDriverEntryPointSuccess) return nullptr;
   return reinterpret_cast<StreamValueFn>(f);
 }
 
@@ -71,7 +72,7 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
   void* args[] = {&target, &raised};
   const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(&RaiseCounterKernel),
                                            dim3(1), dim3(1), args, 0, stream);
-  return err == cudaSuccess ? absl::OkStatus() : CudaStatus("RaiseCounterKernel", err);
+  return err == cudaSuccess ? absl::OkStatus() : CudaFailure("RaiseCounterKernel", err);
 }
 
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
@@ -81,7 +82,7 @@ absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n,
   void* args[] = {&counts, &n, &target, &raised};
   const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(&ReleaseDenseKernel),
                                            dim3(1), dim3(1024), args, 0, stream);
-  return err == cudaSuccess ? absl::OkStatus() : CudaStatus("ReleaseDenseKernel", err);
+  return err == cudaSuccess ? absl::OkStatus() : CudaFailure("ReleaseDenseKernel", err);
 }
 
 absl::Status StreamClearFeedback(cudaStream_t stream, float* feedback, int64_t n) {

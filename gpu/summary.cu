@@ -15,6 +15,7 @@
 #include "core/status.h"
 #include "core/summary.h"
 #include "gpu/cuda_check.h"
+#include "gpu/launch.cuh"
 #include "gpu/phi.cuh"
 #include "gpu/summary.h"
 
@@ -205,14 +206,15 @@ absl::Status WithStreamScratch(const void* host, size_t bytes, cudaStream_t stre
     if (const cudaError_t err =
             cudaMemcpyAsync(scratch, host, bytes, cudaMemcpyHostToDevice, stream);
         err != cudaSuccess) {
-      return CudaStatus("cudaMemcpyAsync", err);
+      return CudaFailure("cudaMemcpyAsync", err);
     }
     return launch(scratch);
   };
   const absl::Status s = copy_and_launch();
   const cudaError_t freed = cudaFreeAsync(scratch, stream);
-  if (s.ok() && freed != cudaSuccess) {
-    return CudaStatus("cudaFreeAsync", freed);
+  if (freed != cudaSuccess) {
+    ClearFailedCall();  // also when `s` is the error returned
+    if (s.ok()) return CudaStatus("cudaFreeAsync", freed);
   }
   return s;
 }
@@ -253,10 +255,18 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
   RETURN_IF_CUDA_ALLOC(impl->empty, impl->layout.record_words);
   CUDA_RETURN_IF_ERROR(cudaMemcpy(impl->empty.get(), empty.data(), empty.size() * sizeof(float),
                                   cudaMemcpyHostToDevice));
-  GeneratePhiKernel<<<128, 256>>>(model.phi_seed, model.num_layers, model.num_kv_heads, per_matrix,
-                                  PhiScale(model.sketch_dim), impl->phi.get());
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(LaunchKernel(GeneratePhiKernel, 128, 256, 0, nullptr, model.phi_seed,
+                                    model.num_layers, model.num_kv_heads, per_matrix,
+                                    PhiScale(model.sketch_dim), impl->phi.get()));
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  // Both kernels loaded now, as gpu/stream_ops.h PreloadStreamOps loads its own: an engine
+  // queues them behind its waits on counters, and a kernel's first launch, were it loaded
+  // lazily then, would wait for the context to go idle, which such a wait holds up.
+  cudaFuncAttributes attributes;
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&AppendKernel)));
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&ResetKernel)));
   return std::unique_ptr<DeviceSummaryWriter>(new DeviceSummaryWriter(std::move(impl)));
 }
 
@@ -310,8 +320,8 @@ absl::Status DeviceSummaryWriter::Launch(const KeyAppend* device_appends, int n,
       w.model.head_dim, w.model.sketch_dim, l.gram_words, w.model.num_layers, w.model.num_kv_heads,
       l.fro2,           l.max_norm,         l.count,      l.key_sum,          l.quest_min,
       l.quest_max,      l.principal,        l.quest8,     key_dtype};
-  AppendKernel<<<(n + 7) / 8, 256, 0, stream>>>(s, device_appends, n, w.phi.get(), bad, skipped);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(LaunchKernel(AppendKernel, (n + 7) / 8, 256, 0, stream, s, device_appends, n,
+                                    w.phi.get(), bad, skipped));
   return absl::OkStatus();
 }
 
@@ -365,10 +375,11 @@ std::string DeviceSummaryWriter::DescribeRefused(const KeyAppend& a, DType key_d
   const int64_t elements = (a.count - 1) * stride + d;
   std::vector<unsigned char> keys(elements * DTypeSize(key_dtype));
   float fro2 = 0.0f;
-  if (a.count <= 0 ||
-      cudaMemcpy(keys.data(), a.keys, keys.size(), cudaMemcpyDeviceToHost) != cudaSuccess ||
+  if (a.count <= 0) return generic;
+  if (cudaMemcpy(keys.data(), a.keys, keys.size(), cudaMemcpyDeviceToHost) != cudaSuccess ||
       cudaMemcpy(&fro2, a.record + w.layout.fro2, sizeof fro2, cudaMemcpyDeviceToHost) !=
           cudaSuccess) {
+    ClearFailedCall();  // the append's refusal is the error this call reports
     return generic;
   }
   double sum = std::max(0.0f, fro2);
@@ -414,9 +425,9 @@ absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cuda
   return WithStreamScratch(
       runs.data(), runs.size() * sizeof(RecordRun), stream, [&](void* scratch) -> absl::Status {
         const int n = static_cast<int>(runs.size());
-        ResetKernel<<<std::min(n, 4096), 256, 0, stream>>>(
-            static_cast<const RecordRun*>(scratch), n, w.empty.get(), static_cast<int>(words));
-        CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        CUDA_RETURN_IF_ERROR(LaunchKernel(ResetKernel, std::min(n, 4096), 256, 0, stream,
+                                          static_cast<const RecordRun*>(scratch), n, w.empty.get(),
+                                          static_cast<int>(words)));
         return absl::OkStatus();
       });
 }

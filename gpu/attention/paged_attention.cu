@@ -20,9 +20,18 @@
 #include "gpu/attention/decode_mma.cuh"
 #include "gpu/attention/paged_attention.h"
 #include "gpu/attention/params_check.h"
+#include "gpu/launch.cuh"
 
 namespace eps::attention {
 namespace {
+
+// EPS_ATTN_ECUDA for a failed CUDA call `what`, its error also cleared as the thread's
+// last error: left there, the next launch check on this thread (of this library's own
+// cudart) would report it as its own.
+int32_t FailCuda(const char* what, cudaError_t e) {
+  (void)cudaGetLastError();
+  return Fail(EPS_ATTN_ECUDA, std::string(what) + ": " + cudaGetErrorString(e));
+}
 
 // Multiprocessor count of the current device, read once per device.
 int32_t SmCount(int* sms) {
@@ -30,15 +39,14 @@ int32_t SmCount(int* sms) {
   static std::vector<int> cache;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
-    return Fail(EPS_ATTN_ECUDA, std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+    return FailCuda("cudaGetDevice", e);
   }
   std::lock_guard<std::mutex> lock(mu);
   if (device >= static_cast<int>(cache.size())) cache.resize(device + 1, 0);
   if (cache[device] == 0) {
     cudaError_t e = cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device);
     if (e != cudaSuccess) {
-      return Fail(EPS_ATTN_ECUDA, std::string("cudaDeviceGetAttribute(MultiProcessorCount): ") +
-                                      cudaGetErrorString(e));
+      return FailCuda("cudaDeviceGetAttribute(MultiProcessorCount)", e);
     }
   }
   *sms = cache[device];
@@ -143,7 +151,7 @@ int32_t CtasPerSm(SplitFn kernel, int* ctas) {
   static std::map<std::pair<int, SplitFn>, int> cache;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
-    return Fail(EPS_ATTN_ECUDA, std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+    return FailCuda("cudaGetDevice", e);
   }
   std::lock_guard<std::mutex> lock(mu);
   auto [it, inserted] = cache.try_emplace({device, kernel}, 0);
@@ -152,8 +160,7 @@ int32_t CtasPerSm(SplitFn kernel, int* ctas) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&it->second, kernel, kThreads, 0);
     if (e != cudaSuccess || it->second < 1) {
       cache.erase(it);
-      return Fail(EPS_ATTN_ECUDA, std::string("cudaOccupancyMaxActiveBlocksPerMultiprocessor: ") +
-                                      cudaGetErrorString(e));
+      return FailCuda("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
     }
   }
   *ctas = it->second;
@@ -249,8 +256,7 @@ int32_t MakePlan(const EpsAttnParams& p, Plan* plan) {
 template <typename T, int D>
 cudaError_t LaunchCombine(const EpsAttnParams& p, const Plan& plan, cudaStream_t stream) {
   const unsigned combines = static_cast<unsigned>(int64_t{p.batch} * p.num_q_heads);
-  CombineKernel<T, D><<<combines, D, 0, stream>>>(p, plan);
-  return cudaGetLastError();
+  return eps::gpu::LaunchKernel(CombineKernel<T, D>, combines, D, 0, stream, p, plan);
 }
 
 template <typename T>
@@ -268,9 +274,12 @@ cudaError_t LaunchCombine(const EpsAttnParams& p, const Plan& plan, cudaStream_t
 cudaError_t Launch(const EpsAttnParams& p, const Plan& plan, cudaStream_t stream) {
   const int64_t units = int64_t{p.batch} * p.num_kv_heads * plan.head_groups * plan.splits;
   const int64_t ctas = IsWarpUnit(plan.variant) ? (units + kWarps - 1) / kWarps : units;
-  SplitKernelFor(p, plan.gt, plan.variant)<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-      p, plan);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || plan.splits == 1) return e;
+  if (cudaError_t e =
+          eps::gpu::LaunchKernel(SplitKernelFor(p, plan.gt, plan.variant),
+                                 static_cast<unsigned>(ctas), kThreads, 0, stream, p, plan);
+      e != cudaSuccess || plan.splits == 1) {
+    return e;
+  }
   return p.dtype == EPS_ATTN_BF16 ? LaunchCombine<__nv_bfloat16>(p, plan, stream)
                                   : LaunchCombine<__half>(p, plan, stream);
 }
@@ -294,6 +303,7 @@ __global__ void BlockPositionsKernel(const int32_t* table, int64_t stride, const
 
 using eps::attention::CheckParams;
 using eps::attention::Fail;
+using eps::attention::FailCuda;
 using eps::attention::Succeed;
 
 extern "C" int32_t eps_attn_workspace_bytes(const EpsAttnParams* params, uint64_t* bytes) {
@@ -330,7 +340,7 @@ extern "C" int32_t eps_attn_paged_decode(const EpsAttnParams* params, void* stre
   const auto s = static_cast<cudaStream_t>(stream);
   const cudaError_t e = eps::attention::Launch(p, plan, s);
   if (e != cudaSuccess) {
-    return Fail(EPS_ATTN_ECUDA, std::string("kernel launch: ") + cudaGetErrorString(e));
+    return FailCuda("kernel launch", e);
   }
   return Succeed();
 }
@@ -343,7 +353,7 @@ extern "C" int32_t eps_attn_read_error(int32_t* error_word, void* stream, int32_
   if (e == cudaSuccess && clear != 0) e = cudaMemsetAsync(error_word, 0, sizeof(word), s);
   if (e == cudaSuccess) e = cudaStreamSynchronize(s);
   if (e != cudaSuccess) {
-    return Fail(EPS_ATTN_ECUDA, std::string("reading error_word: ") + cudaGetErrorString(e));
+    return FailCuda("reading error_word", e);
   }
   if (word[0] == 0) return Succeed();
   return Fail(EPS_ATTN_ELIST, eps::attention::DescribeListError(word));
@@ -371,11 +381,12 @@ extern "C" int32_t eps_attn_block_positions(const int32_t* table, int64_t table_
   const int64_t threads = int64_t{batch} * width;
   constexpr int kBlock = 256;
   const auto s = static_cast<cudaStream_t>(stream);
-  eps::attention::BlockPositionsKernel<<<static_cast<unsigned>((threads + kBlock - 1) / kBlock),
-                                         kBlock, 0, s>>>(table, table_stride_row, lengths, batch,
-                                                         block_size, num_blocks, width, positions);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-    return Fail(EPS_ATTN_ECUDA, std::string("block positions launch: ") + cudaGetErrorString(e));
+  if (cudaError_t e = eps::gpu::LaunchKernel(eps::attention::BlockPositionsKernel,
+                                             static_cast<unsigned>((threads + kBlock - 1) / kBlock),
+                                             kBlock, 0, s, table, table_stride_row, lengths, batch,
+                                             block_size, num_blocks, width, positions);
+      e != cudaSuccess) {
+    return FailCuda("block positions launch", e);
   }
   return Succeed();
 }
