@@ -22,7 +22,7 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   void* base = nullptr;
   const uint64_t bytes = RegionBytes(b->plan_.size);  // whole 2 MiB pages
   if (const cudaError_t err = cudaMalloc(&base, bytes); err != cudaSuccess) {
-    (void)cudaGetLastError();  // not left for a later launch check to report
+    gpu::ClearFailedCall();  // not left for a later launch check to report
     return absl::ResourceExhaustedError(
         absl::StrCat("cudaMalloc(", bytes, " bytes): ", cudaGetErrorString(err)));
   }
@@ -45,7 +45,8 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
 
 DeviceBuffers::~DeviceBuffers() {
   if (base_ == nullptr) return;
-  cudaSetDevice(device_);
+  DeviceScope scope;  // the destroying thread's current device is its own again on return
+  (void)scope.Enter(device_);
   // A stream still waiting for a step's lists (an engine without a watchdog whose sidecar
   // is gone) would hold the synchronisation below for good: release it densely first.
   if (waited_ != 0) {

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "gpu/cuda_check.h"
 
 namespace eps::client {
 
@@ -27,12 +28,15 @@ class DeviceScope {
   // Restores the thread's current device when the scope ends, whatever the calls
   // inside it make current.
   void Hold() {
-    if (!restore_) restore_ = cudaGetDevice(&previous_) == cudaSuccess;
+    if (restore_) return;
+    restore_ = cudaGetDevice(&previous_) == cudaSuccess;
+    if (!restore_) gpu::ClearFailedCall();
   }
   // Makes `device` current until the scope ends (the thread's device is restored then).
   absl::Status Enter(int device) {
     Hold();
     if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
+      gpu::ClearFailedCall();
       return absl::FailedPreconditionError(
           absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(err)));
     }

@@ -12,8 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/cpp/device_scope.h"
 #include "client/cpp/engine_outputs.h"
 #include "client/cpp/engine_summary_queue.h"
@@ -46,6 +48,15 @@ int CheckAppends(const char* call, const EpsKeyAppend* appends, int64_t n) {
   if (n < 0) return Refuse(call, absl::StrCat("n=", n, " is negative"));
   if (n > 0 && appends == nullptr) return Refuse(call, absl::StrCat("appends is null, n=", n));
   return 0;
+}
+
+// 0, or INVALID_ARGUMENT when the device address `address` of `name` is not a multiple of
+// `alignment` (that of the widest word the call's kernels or stream ops access there): a
+// misaligned device atomic or store faults, and a fault ends the CUDA context.
+int CheckAligned(const char* call, const char* name, uint64_t address, uint64_t alignment) {
+  if (address % alignment == 0) return 0;
+  return Refuse(
+      call, absl::StrCat(name, "=0x", absl::Hex(address), " is not ", alignment, "-byte aligned"));
 }
 
 cudaStream_t Stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
@@ -105,17 +116,19 @@ eps::client::EngineTableDevice EngineTable(uint64_t engine_table, int64_t table_
 
 // `work` queued on the caller's `stream` (not waited for), or with stream 0 on a private
 // stream, waited for.
+// A failed call's status is marked device-lost as every other CUDA failure of the ABI is
+// (gpu/cuda_check.h CudaStatus), and its error is not left pending on the caller's thread.
 absl::Status OnStream(uint64_t stream, const std::function<absl::Status(cudaStream_t)>& work) {
   if (stream != 0) return work(Stream(stream));
   cudaStream_t own = nullptr;
-  if (cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking) != cudaSuccess) {
-    return absl::InternalError("cudaStreamCreateWithFlags");
-  }
+  CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
   absl::Status s = work(own);
-  if (s.ok() && cudaStreamSynchronize(own) != cudaSuccess) {
-    s = absl::InternalError("cudaStreamSynchronize of the private stream");
+  if (s.ok()) {
+    if (const cudaError_t err = cudaStreamSynchronize(own); err != cudaSuccess) {
+      s = eps::gpu::CudaFailure("cudaStreamSynchronize of the private stream", err);
+    }
   }
-  cudaStreamDestroy(own);
+  if (cudaStreamDestroy(own) != cudaSuccess) eps::gpu::ClearFailedCall();
   return s;
 }
 
@@ -129,8 +142,12 @@ struct EpsEngineWatchdog {
   int32_t* counts = nullptr;
   int64_t n = 0;
   uint64_t* flags = nullptr;
-  float* feedback = nullptr;  // NaN-filled before each release (eps_engine_watchdog_clear_feedback)
-  int64_t feedback_n = 0;
+  // Set by the engine's thread (eps_engine_watchdog_clear_feedback), read by the watchdog's
+  // in ReleaseDense: a release in progress finishes before the feedback changes.
+  absl::Mutex feedback_mu;
+  // NaN-filled before each release (eps_engine_watchdog_clear_feedback).
+  float* feedback ABSL_GUARDED_BY(feedback_mu) = nullptr;
+  int64_t feedback_n ABSL_GUARDED_BY(feedback_mu) = 0;
   cudaStream_t stream = nullptr;
   uint64_t* host_done = nullptr;  // pinned
   std::unique_ptr<eps::client::SelectionWatchdog> watchdog;
@@ -154,6 +171,7 @@ struct EpsEngineWatchdog {
   absl::Status ReleaseDense(uint64_t step) {
     eps::client::DeviceScope scope;
     RETURN_IF_ERROR(scope.Enter(device));
+    absl::MutexLock lock(&feedback_mu);
     RETURN_IF_ERROR(eps::gpu::StreamClearFeedback(stream, feedback, feedback_n));
     RETURN_IF_ERROR(eps::gpu::StreamReleaseDense(stream, counts, n, flags + 1, step));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -181,32 +199,38 @@ const char* eps_engine_last_error(void) { return last_error.c_str(); }
 int eps_engine_device_count(int32_t* count) {
   if (count == nullptr) return Refuse("eps_engine_device_count", "count is null");
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-  cudaGetLastError();  // no device is not an error here
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    eps::gpu::ClearFailedCall();  // no device is not an error here
+    n = 0;
+  }
   *count = n;
   return 0;
 }
 
 int eps_engine_preload(int32_t device) {
-  const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
-  if (cudaSetDevice(device) != cudaSuccess) {
-    return Report(absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", device, ")")));
-  }
-  return Report(eps::gpu::PreloadStreamOps());
+  eps::client::DeviceScope scope;  // the caller's current device is restored on return
+  if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
+  if (int rc = Report(eps::gpu::PreloadStreamOps()); rc != 0) return rc;
+  return Report(eps::client::PreloadEngineOutputs());
 }
 
 int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step) {
   if (flags == 0) return Refuse("eps_engine_signal_inputs_ready", "flags is null");
+  if (int rc = CheckAligned("eps_engine_signal_inputs_ready", "flags", flags, 8); rc != 0) {
+    return rc;
+  }
   return Report(eps::gpu::StreamWriteCounter(Stream(stream), Ptr<uint64_t>(flags), step));
 }
 
 int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step) {
   if (flags == 0) return Refuse("eps_engine_wait_selection", "flags is null");
+  if (int rc = CheckAligned("eps_engine_wait_selection", "flags", flags, 8); rc != 0) return rc;
   return Report(eps::gpu::StreamWaitCounter(Stream(stream), Ptr<uint64_t>(flags) + 1, step));
 }
 
 int eps_engine_wait_counter(uint64_t stream, uint64_t counter, uint64_t value) {
   if (counter == 0) return Refuse("eps_engine_wait_counter", "counter is null");
+  if (int rc = CheckAligned("eps_engine_wait_counter", "counter", counter, 8); rc != 0) return rc;
   return Report(eps::gpu::StreamWaitCounter(Stream(stream), Ptr<uint64_t>(counter), value));
 }
 
@@ -216,6 +240,10 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
   if (n < 0) return Refuse("eps_engine_release_dense", absl::StrCat("n=", n, " is negative"));
   if (n > 0 && visit_count == 0) {
     return Refuse("eps_engine_release_dense", absl::StrCat("visit_count is null, n=", n));
+  }
+  if (int rc = CheckAligned("eps_engine_release_dense", "flags", flags, 8); rc != 0) return rc;
+  if (int rc = CheckAligned("eps_engine_release_dense", "visit_count", visit_count, 4); rc != 0) {
+    return rc;
   }
   eps::client::DeviceScope scope;  // the caller's current device is restored on return
   if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
@@ -246,6 +274,7 @@ int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, 
     return Refuse("eps_engine_watchdog_clear_feedback",
                   absl::StrCat("n=", n, " must be >= 0 and feedback non-null when n > 0"));
   }
+  absl::MutexLock lock(&w->feedback_mu);
   w->feedback = Ptr<float>(feedback);
   w->feedback_n = n;
   return 0;
@@ -262,22 +291,30 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
         "watchdog: timeout_us=", timeout_us, " must be in [1, ",
         SelectionWatchdog::kMaxTimeout.count(), "], n=", n, " >= 1 and the pointers non-null")));
   }
+  if (int rc = CheckAligned("eps_engine_watchdog_create", "flags", flags, 8); rc != 0) return rc;
+  if (int rc = CheckAligned("eps_engine_watchdog_create", "visit_count", visit_count, 4); rc != 0) {
+    return rc;
+  }
   auto w = std::make_unique<EpsEngineWatchdog>();
   w->device = device;
   w->counts = Ptr<int32_t>(visit_count);
   w->n = n;
   w->flags = Ptr<uint64_t>(flags);
-  auto fail = [](const char* call) {
-    return Report(absl::InternalError(absl::StrCat("watchdog: ", call)));
+  auto fail = [](const char* call, cudaError_t err) {
+    return Report(eps::gpu::CudaFailure(absl::StrCat("watchdog: ", call), err));
   };
-  if (cudaSetDevice(device) != cudaSuccess) return fail("cudaSetDevice");
-  if (cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking) != cudaSuccess) {
-    return fail("cudaStreamCreateWithFlags");
+  if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
+    return fail("cudaSetDevice", err);
+  }
+  if (const cudaError_t err = cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking);
+      err != cudaSuccess) {
+    w->stream = nullptr;
+    return fail("cudaStreamCreateWithFlags", err);
   }
   // From here on a failure leaves the cleanup to ~EpsEngineWatchdog (with `w`).
-  if (cudaMallocHost(&w->host_done, sizeof(uint64_t)) != cudaSuccess) {
+  if (const cudaError_t err = cudaMallocHost(&w->host_done, sizeof(uint64_t)); err != cudaSuccess) {
     w->host_done = nullptr;
-    return fail("cudaMallocHost");
+    return fail("cudaMallocHost", err);
   }
   if (int rc = Report(eps::gpu::PreloadStreamOps()); rc != 0) return rc;
   EpsEngineWatchdog* raw = w.get();
@@ -336,8 +373,10 @@ int eps_engine_summary_writer_create(const EpsEngineModel* m, int32_t device,
   const int words = eps::SummaryLayout::For(model).record_words;
   eps::gpu::DeviceBuffer<float> scratch;
   if (absl::Status s = scratch.Allocate(words + model.head_dim); !s.ok()) return Report(s);
-  if (cudaMemset(scratch.get(), 0, sizeof(float) * (words + model.head_dim)) != cudaSuccess) {
-    return Report(absl::InternalError("cudaMemset of the scratch record"));
+  if (const cudaError_t err =
+          cudaMemset(scratch.get(), 0, sizeof(float) * (words + model.head_dim));
+      err != cudaSuccess) {
+    return Report(eps::gpu::CudaFailure("cudaMemset of the scratch record", err));
   }
   const eps::gpu::KeyAppend warm{scratch.get(), scratch.get() + words, 1, 0, 0, 0};
   if (int rc = Report((*writer)->Append({warm}, eps::DType::kFloat32)); rc != 0) return rc;

@@ -17,11 +17,16 @@
  * owned by the caller and freed with their destroy function (NULL: a no-op). Every
  * entry point refuses, with 3 (INVALID_ARGUMENT) and a message, a NULL handle, a NULL
  * required pointer (flags, counters, out-pointers, the model), a NULL array with n > 0
- * and n < 0, before anything is dereferenced; the two that return a count
+ * and n < 0, and a device pointer not aligned to the words its kernels access there
+ * (flags and counters 8 bytes, visit_count 4), before anything is dereferenced or
+ * queued; the two that return a count
  * (watchdog_releases, summary_queue_errors) return 0 for a NULL handle and set the
  * message. A destroyed handle is the caller's to forget: it cannot be detected.
  * Every entry point leaves the calling thread's current device as it found it, those
- * that take a `device` or a handle on one included. Thread safety: each handle is used by one
+ * that take a `device` or a handle on one included, and leaves no CUDA error pending on
+ * it: a failed call's error is this call's return, not cudaGetLastError()'s for the
+ * engine's next launch check to report (a sticky error, one that ends the context, is
+ * every call's). Thread safety: each handle is used by one
  * thread at a time, except eps_engine_watchdog_* and the summary writer's append and reset, which
  * may be called from any thread.
  */
@@ -70,7 +75,10 @@ int eps_engine_abi_version(void);
 const char* eps_engine_last_error(void);
 int eps_engine_device_count(int32_t* count);
 
-/* Step counters (docs/api-memory.md §3.4). `flags` points at the [2] uint64 flags buffer. */
+/* Step counters (docs/api-memory.md §3.4). `flags` points at the [2] uint64 flags buffer.
+ * eps_engine_preload loads, on `device`, every kernel a call may queue behind a wait on a
+ * counter (the stream ops and the engine outputs' kernels): a first launch of a kernel not
+ * loaded waits for the context to go idle, which a queued wait holds up for good. */
 int eps_engine_preload(int32_t device);
 int eps_engine_signal_inputs_ready(uint64_t stream, uint64_t flags, uint64_t step);
 int eps_engine_wait_selection(uint64_t stream, uint64_t flags, uint64_t step);
@@ -93,7 +101,7 @@ typedef struct EpsEngineWatchdog EpsEngineWatchdog;
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out);
 /* The watchdog clears feedback[0, n) (as eps_engine_clear_feedback) before each release.
- * Call it before the first arm: it is not ordered with a release in progress. */
+ * A release in progress finishes (with the feedback it started with) before this returns. */
 int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n);
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step);
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cpp/engine_outputs.h"
 #include "gpu/cuda_check.h"
+#include "gpu/launch.cuh"
 
 namespace eps::client {
 namespace {
@@ -138,6 +139,15 @@ absl::Status Check(const VisitListsDevice& v, const EngineTableDevice& e) {
 
 }  // namespace
 
+absl::Status PreloadEngineOutputs() {
+  cudaFuncAttributes attributes;
+  CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+      &attributes, reinterpret_cast<const void*>(&FlashAttentionViewsKernel)));
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&FlashInferFixedKernel)));
+  return absl::OkStatus();
+}
+
 absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
                                       const EngineTableDevice& engine, int32_t* block_table,
                                       int32_t* seqused_k, cudaStream_t stream, int32_t* refused) {
@@ -151,9 +161,9 @@ absl::Status BuildFlashAttentionViews(const VisitListsDevice& lists,
                                                    " exceeds max_blocks=", lists.max_blocks));
   }
   const int64_t grid = int64_t{lists.layers} * engine.batch * lists.lists;
-  FlashAttentionViewsKernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      lists, engine, block_table, seqused_k, refused);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(gpu::LaunchKernel(FlashAttentionViewsKernel, static_cast<unsigned>(grid),
+                                         kThreads, 0, stream, lists, engine, block_table, seqused_k,
+                                         refused));
   return absl::OkStatus();
 }
 
@@ -239,9 +249,9 @@ absl::Status BuildFlashInferFixedBudget(const VisitListsDevice& lists,
   }
   if (nnz < 0) return absl::InvalidArgumentError(absl::StrCat("nnz=", nnz, " is negative"));
   const int64_t grid = int64_t{lists.layers} * engine.batch * lists.lists;
-  FlashInferFixedKernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      lists, engine, indptr, nnz, indices, last_page_len, mismatched);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  CUDA_RETURN_IF_ERROR(gpu::LaunchKernel(FlashInferFixedKernel, static_cast<unsigned>(grid),
+                                         kThreads, 0, stream, lists, engine, indptr, nnz, indices,
+                                         last_page_len, mismatched));
   return absl::OkStatus();
 }
 

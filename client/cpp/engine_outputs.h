@@ -59,6 +59,12 @@ struct EngineTableDevice {
   int64_t cache_blocks = 0;  // > 0: list ids must lie in [0, cache_blocks) (defence in depth)
 };
 
+// Loads this library's kernels on the current device (as gpu/stream_ops.h
+// PreloadStreamOps does its own): an engine queues them behind its wait for a step's lists,
+// and a first launch of a kernel not yet loaded waits for the context to go idle, which that
+// wait holds up. Call once per device, before any wait is queued.
+absl::Status PreloadEngineOutputs();
+
 // Writes block_table [layers, batch, lists, max_blocks] (entries past a row's
 // blocks are left as they are) and seqused_k [layers, batch, lists]; adds the
 // lists it refused (above) to *refused (device int32) unless it is null.
