@@ -65,12 +65,21 @@ class _Runtime:
         lib.cudaFree.argtypes = [ctypes.c_void_p]
         lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cudaIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 
     def check(self, rc: int, call: str) -> None:
         if rc != 0:
+            # Not left as the thread's last error: PyTorch's next launch check (the same
+            # libcudart) would raise it on one of its own ops.
+            self.lib.cudaGetLastError()
             message = self.lib.cudaGetErrorString(rc).decode()
             raise CudaError(f"{call} failed: error {rc} ({message})")
+
+    def current_device(self) -> int:
+        device = ctypes.c_int(0)
+        self.check(self.lib.cudaGetDevice(ctypes.byref(device)), "cudaGetDevice")
+        return device.value
 
     def device_uuid(self, device: int) -> bytes:
         """The 16-byte UUID of ``device`` (this process's ordinal), as epsd reads it
@@ -99,7 +108,17 @@ class CudaBuffers:
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape, self.device = model, shape, device
         self._rt = _Runtime(load_cudart(cudart))
+        # The thread's current device is the engine's: made `device` only while the region
+        # is made (device_scope.h's rule), so the engine's next allocation stays on its own.
+        previous = self._rt.current_device()
         self._rt.check(self._rt.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
+        try:
+            self._allocate(device)
+        finally:
+            self._rt.lib.cudaSetDevice(previous)
+
+    def _allocate(self, device: int) -> None:
+        """Takes the region on the current device (``device``) and fills it."""
         ptr = ctypes.c_void_p()
         # whole 2 MiB pages (docs/design.md §5, "Allocate whole 2 MiB pages")
         size = -(-self.layout.size // REGION_ALIGNMENT) * REGION_ALIGNMENT
