@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "tests/client/device_memory.h"
 #include "tests/core/test_util.h"
+#include "tests/gpu/pending_error.h"
 
 namespace {
 
@@ -487,6 +488,105 @@ TEST(EngineCapiArgs, NullHandlesAndPointersAreInvalidArgument) {
   EXPECT_EQ(eps_engine_summary_queue_errors(nullptr, buf, sizeof buf), 0u);
   EXPECT_NE(std::string(buf).find("the queue is null"), std::string::npos) << buf;
   eps_engine_summary_queue_destroy(nullptr);
+}
+
+// A device pointer misaligned for the words the call's kernels or stream ops access there is
+// refused before anything is queued: the raise kernel's 64-bit atomic on flags + 1, or a
+// visit_count store, at a misaligned address faults and ends the CUDA context. No device
+// needed: nothing reaches one.
+TEST(EngineCapiArgs, MisalignedPointersAreInvalidArgument) {
+  ExpectRefused(eps_engine_signal_inputs_ready(0, 0x1004, 1), "flags=0x1004 is not 8-byte aligned");
+  ExpectRefused(eps_engine_wait_selection(0, 0x1004, 1), "flags=0x1004 is not 8-byte aligned");
+  ExpectRefused(eps_engine_wait_counter(0, 0x1001, 1), "counter=0x1001 is not 8-byte aligned");
+  ExpectRefused(eps_engine_release_dense(0, 0x1000, 4, 0x1004, 1, 0),
+                "flags=0x1004 is not 8-byte aligned");
+  ExpectRefused(eps_engine_release_dense(0, 0x1002, 4, 0x1000, 1, 0),
+                "visit_count=0x1002 is not 4-byte aligned");
+  EpsEngineWatchdog* dog = nullptr;
+  ExpectRefused(eps_engine_watchdog_create(0, 0x1000, 4, 0x1004, 100, &dog),
+                "flags=0x1004 is not 8-byte aligned");
+  ExpectRefused(eps_engine_watchdog_create(0, 0x1001, 4, 0x1000, 100, &dog),
+                "visit_count=0x1001 is not 4-byte aligned");
+  EXPECT_EQ(dog, nullptr);
+}
+
+// A failed call leaves no CUDA error of its own pending on the caller's thread, and the
+// caller's current device as it was. Two views of "pending": the thread's last error as this
+// binary's CUDA runtime reads it (the engine's PyTorch checks its launches with it; this
+// sees the library's error only where the library shares the caller's runtime, as a build
+// against the shared cudart does, not the hidden static one libeps_engine links today), and
+// the next call of the library on the thread, whose kernel launch once reported the stale
+// error of the failed call as its own (a failed preload failed the next writer's append).
+// One device suffices: device 0 is made current, and a call on a device past the last must
+// leave it so (with two devices, EveryEntryPointLeavesTheCallersCurrentDevice sees a change).
+TEST_F(EngineCapiTest, AFailedCallLeavesNoErrorPendingAndTheCallersDevice) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  const int32_t absent = count;  // no such device: cudaSetDevice fails, not stickily
+  int32_t* counts = Alloc<int32_t>(4);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  float* feedback = Alloc<float>(4);
+  float* pool = Alloc<float>(RecordWords());
+  EpsSummaryWriter* next = nullptr;  // the next call's: a reset launches a kernel
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &next), 0) << eps_engine_last_error();
+  const EpsRecordRun run{Addr(pool), 1};
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  auto expect_clean = [&](const char* call, int rc) {
+    EXPECT_NE(rc, 0) << call;
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << call << " left an error pending";
+    int current = -1;
+    ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+    EXPECT_EQ(current, 0) << call << " left device " << current << " current";
+    EXPECT_EQ(eps_engine_summary_reset(next, &run, 1, 0), 0)
+        << "the call after " << call << ": " << eps_engine_last_error();
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  };
+  expect_clean("preload", eps_engine_preload(absent));
+  expect_clean("release_dense",
+               eps_engine_release_dense(absent, Addr(counts), 4, Addr(flags), 1, 0));
+  expect_clean("clear_feedback", eps_engine_clear_feedback(absent, Addr(feedback), 4, 0));
+  EpsEngineWatchdog* dog = nullptr;
+  expect_clean("watchdog_create",
+               eps_engine_watchdog_create(absent, Addr(counts), 4, Addr(flags), 1000, &dog));
+  EXPECT_EQ(dog, nullptr);
+  EpsSummaryWriter* writer = nullptr;
+  expect_clean("summary_writer_create", eps_engine_summary_writer_create(&model_, absent, &writer));
+  EXPECT_EQ(writer, nullptr);
+  expect_clean("release_dense (misaligned)",
+               eps_engine_release_dense(0, Addr(counts), 4, Addr(flags) + 4, 1, 0));
+  eps_engine_summary_writer_destroy(next);
+}
+
+// An error the caller left pending is not reported by the entry points that launch kernels
+// (they checked their `<<<>>>` launches with cudaGetLastError, which returned it). The
+// caller's error reaches the library only where the two share a CUDA runtime (above);
+// gpu_summary_test and engine_outputs_test check the same in one runtime whatever the build.
+TEST_F(EngineCapiTest, ACallersPendingErrorIsNotReportedAsTheLibrarys) {
+  const int words = RecordWords(), d = model_.head_dim;
+  float* pool = Alloc<float>(words + d);
+  ASSERT_EQ(cudaMemset(pool, 0, sizeof(float) * (words + d)), cudaSuccess);
+  int32_t* counts = Alloc<int32_t>(4);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  ASSERT_NO_FATAL_FAILURE(eps::testing::LeaveErrorPending());
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0) << eps_engine_last_error();
+  (void)cudaGetLastError();
+  const EpsRecordRun run{Addr(pool), 1};
+  ASSERT_NO_FATAL_FAILURE(eps::testing::LeaveErrorPending());
+  EXPECT_EQ(eps_engine_summary_reset(writer, &run, 1, 0), 0) << eps_engine_last_error();
+  (void)cudaGetLastError();
+  const EpsKeyAppend append{Addr(pool), Addr(pool + words), 1, 0, 0, 0};
+  ASSERT_NO_FATAL_FAILURE(eps::testing::LeaveErrorPending());
+  EXPECT_EQ(eps_engine_summary_append(writer, &append, 1, EPS_ENGINE_FLOAT32, 0), 0)
+      << eps_engine_last_error();
+  (void)cudaGetLastError();
+  ASSERT_NO_FATAL_FAILURE(eps::testing::LeaveErrorPending());
+  EXPECT_EQ(eps_engine_release_dense(0, Addr(counts), 4, Addr(flags), 1, 0), 0)
+      << eps_engine_last_error();
+  (void)cudaGetLastError();
+  ExpectReleasedDensely(counts, 4, flags, 1);
+  eps_engine_summary_writer_destroy(writer);
 }
 
 TEST_F(EngineCapiTest, AppendsAreCheckedBeforeTheyAreRead) {

@@ -17,6 +17,7 @@
 #include "gpu/step.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
+#include "tests/gpu/pending_error.h"
 
 namespace eps::client {
 namespace {
@@ -256,6 +257,40 @@ TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(UnionAndPerKvHead, EngineOutputsTest, ::testing::Values(1, 3));
+
+// An error the caller (the engine's PyTorch) left pending is not the kernels': their launches
+// were checked with cudaGetLastError, which reported it as theirs and cleared it. It stays
+// the caller's. One layer, one sequence of one 16-token block, one list naming block 7.
+TEST(EngineOutputsDevice, ACallersPendingErrorIsNeitherReportedNorTaken) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(PreloadEngineOutputs().ok());
+  gpu::DeviceBuffer<int32_t> blocks, count, table, context, indptr;
+  Upload(std::vector<int32_t>{7}, blocks), Upload(std::vector<int32_t>{1}, count),
+      Upload(std::vector<int32_t>{7}, table), Upload(std::vector<int32_t>{16}, context),
+      Upload(std::vector<int32_t>{0, 1}, indptr);
+  const VisitListsDevice lists{blocks.get(), count.get(), 1, 1, 1, 1};
+  const EngineTableDevice engine{table.get(), 1, context.get(), 1, 16, 0};
+  gpu::DeviceBuffer<int32_t> out, used, indices, last, mismatched;
+  Upload(std::vector<int32_t>{-9}, out), Upload(std::vector<int32_t>{-9}, used),
+      Upload(std::vector<int32_t>{-9}, indices), Upload(std::vector<int32_t>{-9}, last),
+      Upload(std::vector<int32_t>{0}, mismatched);
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  const absl::Status views =
+      BuildFlashAttentionViews(lists, engine, out.get(), used.get(), nullptr);
+  EXPECT_TRUE(views.ok()) << views;
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  const absl::Status fixed = BuildFlashInferFixedBudget(
+      lists, engine, indptr.get(), 1, indices.get(), last.get(), mismatched.get(), nullptr);
+  EXPECT_TRUE(fixed.ok()) << fixed;
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(Download(out, 1)[0], 7);
+  EXPECT_EQ(Download(used, 1)[0], 16);
+  EXPECT_EQ(Download(indices, 1)[0], 7);
+  EXPECT_EQ(Download(last, 1)[0], 16);
+  EXPECT_EQ(Download(mismatched, 1)[0], 0);
+}
 
 TEST(EngineOutputsArgs, NullPointersAndBadShapesAreInvalidArgument) {
   int32_t dummy = 0;

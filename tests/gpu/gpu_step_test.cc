@@ -20,6 +20,7 @@
 #include "tests/core/test_util.h"
 #include "tests/gpu/device_step.h"
 #include "tests/gpu/host_copy.h"
+#include "tests/gpu/pending_error.h"
 
 namespace eps {
 namespace {
@@ -40,6 +41,31 @@ TEST(GpuPhiTest, DeviceGeneratorMatchesCoreBitExactly) {
     ASSERT_EQ(0, std::memcmp(device.data(), want.data(), device.size() * sizeof(float)))
         << "seed " << seed << " layer " << layer << " head " << head;
   }
+}
+
+// An error the caller left pending on the thread is not Create's: its Φ launch was checked
+// with cudaGetLastError, which reported the caller's error as its own (an engine's, or in
+// epsd another session's on the same gRPC thread, failed an unrelated Attach).
+TEST(GpuPhiTest, CreateDoesNotReportACallersPendingError) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 8;
+  m.num_kv_heads = 2;
+  m.head_dim = 64;
+  m.phi_seed = 11;
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  auto selector = gpu::GpuSelector::Create(m, 0, 2, 64);
+  EXPECT_TRUE(selector.ok()) << selector.status();
+  (void)cudaGetLastError();
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  std::vector<float> phi(64 * 8);
+  EXPECT_TRUE(gpu::GeneratePhiOnDevice(11, 0, 0, 64, 8, phi.data()).ok());
+  (void)cudaGetLastError();
+  // A failed Create leaves no error of its own pending.
+  auto none = gpu::GpuSelector::Create(m, 1 << 20, 2, 64);
+  EXPECT_FALSE(none.ok());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 // The mass budget's options (docs/policy-selection.md, "Mass budget") and whether its

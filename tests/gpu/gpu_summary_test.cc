@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 #include "tests/gpu/host_copy.h"
+#include "tests/gpu/pending_error.h"
 
 namespace eps {
 namespace {
@@ -300,6 +301,64 @@ TEST(GpuSummaryValidationTest, SynchronousAppendsFromTwoThreadsAllLand) {
     cudaMemcpy(&count, pool.data + t * words + layout.count, 4, cudaMemcpyDeviceToHost);
     EXPECT_EQ(count, static_cast<float>(calls)) << "thread " << t;
   }
+}
+
+// An error the caller left pending is not the writer's: Append and Reset checked their
+// `<<<>>>` launches with cudaGetLastError, which reported it as theirs (and cleared it).
+TEST(GpuSummaryValidationTest, ACallersPendingErrorIsNotReportedByAppendOrReset) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const ModelLayout m = Model();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);  // still the caller's, not taken
+  DeviceRecords pool(layout.record_words + m.head_dim);
+  float* keys = pool.data + layout.record_words;
+  ASSERT_EQ(cudaMemset(keys, 0, m.head_dim * 4), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  EXPECT_TRUE((*writer)->Reset({{pool.data, 1}}, nullptr).ok());
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  EXPECT_TRUE((*writer)->Append({{pool.data, keys, 1, 0, 0, 0}}, DType::kFloat32, nullptr).ok());
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  unsigned long long* skipped = nullptr;
+  ASSERT_EQ(cudaMalloc(&skipped, sizeof *skipped), cudaSuccess);
+  ASSERT_EQ(cudaMemset(skipped, 0, sizeof *skipped), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
+  EXPECT_TRUE((*writer)
+                  ->AppendAsync({{pool.data, keys, 1, 0, 0, 0}}, DType::kFloat32, nullptr, skipped)
+                  .ok());
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  float count = 0.0f;
+  cudaMemcpy(&count, pool.data + layout.count, 4, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(count, 2.0f);  // both appends landed
+  cudaFree(skipped);
+}
+
+// A failed call leaves no error of its own pending on the caller's thread: here an
+// append refused on the device (a non-finite key), whose message reads the keys back.
+TEST(GpuSummaryValidationTest, ARefusedAppendLeavesNoErrorPending) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const ModelLayout m = Model();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  DeviceRecords pool(layout.record_words + m.head_dim);
+  ASSERT_TRUE((*writer)->Reset({{pool.data, 1}}, nullptr).ok());
+  float* keys = pool.data + layout.record_words;
+  std::vector<float> bad(m.head_dim, 1.0f);
+  bad[3] = std::numeric_limits<float>::infinity();
+  ASSERT_EQ(cudaMemcpy(keys, bad.data(), bad.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const absl::Status s =
+      (*writer)->Append({{pool.data, keys, 1, 0, 0, 0}}, DType::kFloat32, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  // An out-of-range device: the failed cudaSetDevice's error is the call's, not left behind.
+  auto none = gpu::DeviceSummaryWriter::Create(m, 1 << 20);
+  EXPECT_FALSE(none.ok());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace
