@@ -65,8 +65,10 @@ absl::Status CallLiveness::Check(const char* what) const {
 }
 
 SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost,
-                               BackendFactory make_backend)
+                               BackendFactory make_backend, StepExecutor* handoff)
     : config_(config),
+      own_handoff_(handoff == nullptr ? std::make_unique<StepExecutor>(1) : nullptr),
+      handoff_(handoff == nullptr ? own_handoff_.get() : handoff),
       budgets_{.allocated = MemoryBudget("--max-server-bytes", config.max_server_bytes),
                .mapped = MemoryBudget("--max-server-mapped-bytes", config.max_server_mapped_bytes)},
       on_device_lost_(std::move(on_device_lost)),
@@ -78,6 +80,8 @@ SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_
 }
 
 SessionService::~SessionService() {
+  // The steps still parked run (or answer their dead calls) while every session is live.
+  if (own_handoff_ != nullptr) own_handoff_->Stop();
   stop_.Notify();
   reaper_.join();
   // No call runs any more (the server has shut down). Every queued async step is
@@ -237,6 +241,8 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
   // One step of a session runs and one more is parked, holding no thread (step_gate.h).
   Session& gated = *session;  // kept alive by `session` until Run returns
   const CallLiveness step_alive = liveness;
+  // A parked step holds its session until it has run on the executor.
+  StepGate::Handoff handoff{.executor = handoff_, .owner = session};
   gated.step_gate().Run(
       request.step(),
       [this, &request, response, kind, held = session, step_liveness = std::move(liveness),
@@ -258,7 +264,7 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
         }
         std::move(step_done)(std::move(admitted), kind);
       },
-      [alive = step_alive] { return alive.Check("SelectPages"); });
+      [alive = step_alive] { return alive.Check("SelectPages"); }, std::move(handoff));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionService::CheckSelect(

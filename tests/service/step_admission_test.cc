@@ -11,10 +11,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/session_service.h"
+#include "service/step_executor.h"
 #include "service/step_gate.h"
 #include "service/telemetry/telemetry.h"
 #include "tests/core/test_util.h"
@@ -38,17 +42,25 @@ bool AwaitParked(const StepGate& gate) {
   return true;
 }
 
+// Where the gate tests' parked turns run; nothing keeps the gate alive (each test's
+// gate outlives its executor, declared after it and so stopped first).
+StepGate::Handoff On(StepExecutor& executor) { return {.executor = &executor, .owner = nullptr}; }
+
 // Holds `gate` from a thread of its own as a running step would, until Release(),
-// which then lets that thread run the turn parked behind it.
+// which then lets the gate hand the turn parked behind it to that turn's executor.
 class RunningStep {
  public:
   RunningStep(StepGate& gate, uint64_t step)
       : thread_([this, &gate, step] {
-          gate.Run(step, [this](absl::Status admitted) {
-            EXPECT_TRUE(admitted.ok()) << admitted;
-            started_.Notify();
-            release_.WaitForNotification();
-          });
+          // Admitted at once (a free gate): its handoff is never used.
+          gate.Run(step,
+                   [this](absl::Status admitted) {
+                     EXPECT_TRUE(admitted.ok()) << admitted;
+                     thread_id_ = std::this_thread::get_id();
+                     started_.Notify();
+                     release_.WaitForNotification();
+                   },
+                   nullptr, {});
         }) {
     started_.WaitForNotification();
   }
@@ -57,60 +69,218 @@ class RunningStep {
     if (!release_.HasBeenNotified()) release_.Notify();
     if (thread_.joinable()) thread_.join();
   }
+  // The thread the step runs on (a gRPC callback thread, in epsd).
+  std::thread::id thread_id() const { return thread_id_; }
 
  private:
   absl::Notification started_, release_;
+  std::thread::id thread_id_;
   std::thread thread_;
+};
+
+// What happened, in order, across threads.
+class EventLog {
+ public:
+  void Add(std::string event) {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(std::move(event));
+  }
+  // Blocks until one of `wanted` has happened.
+  void AwaitAny(const std::vector<std::string>& wanted) {
+    auto happened = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return absl::c_any_of(
+          wanted, [&](const std::string& e) { return absl::c_linear_search(events_, e); });
+    };
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&happened));
+  }
+  std::vector<std::string> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  // Where `event` happened (events().size() when it did not).
+  size_t Position(const std::string& event) {
+    const std::vector<std::string> all = events();
+    return absl::c_find(all, event) - all.begin();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST(SessionStepGateTest, AThirdTurnIsRefusedAtOnceWhileOneRunsAndOneIsParked) {
   StepGate gate;
+  StepExecutor executor(1);
   RunningStep first(gate, 1);
   std::optional<absl::Status> second, third;
-  gate.Run(2, [&](absl::Status admitted) { second = admitted; });
+  absl::Notification second_ran;
+  gate.Run(
+      2,
+      [&](absl::Status admitted) {
+        second = admitted;
+        second_ran.Notify();
+      },
+      nullptr, On(executor));
   // Parked: Run returned on this thread while step 1 still runs, and holds no thread.
-  EXPECT_FALSE(second.has_value());
+  EXPECT_FALSE(second_ran.HasBeenNotified());
   EXPECT_TRUE(gate.parked());
-  gate.Run(3, [&](absl::Status admitted) { third = admitted; });
+  gate.Run(
+      3, [&](absl::Status admitted) { third = admitted; }, nullptr, On(executor));
   ASSERT_TRUE(third.has_value());  // answered before Run returned
   EXPECT_EQ(third->code(), absl::StatusCode::kResourceExhausted) << *third;
   EXPECT_THAT(third->message(), HasSubstr("step 3 refused: step 1 is running and step 2 waits"));
-  first.Release();  // its thread runs the parked turn before it ends
-  ASSERT_TRUE(second.has_value());
+  first.Release();  // the gate hands the parked turn to the executor
+  second_ran.WaitForNotification();
   EXPECT_TRUE(second->ok()) << *second;
+  executor.Stop();  // the gate's work after the turn is done
   EXPECT_FALSE(gate.running());
   EXPECT_FALSE(gate.parked());
 }
 
 TEST(SessionStepGateTest, AParkedTurnWhoseCallerGaveUpGivesItsPlaceToTheNextStep) {
   StepGate gate;
+  StepExecutor executor(1);
   RunningStep first(gate, 1);
   std::optional<absl::Status> second, third;
-  bool second_alive = true;
+  absl::Notification third_ran;
+  std::atomic<bool> second_alive{true};
   gate.Run(
       2, [&](absl::Status admitted) { second = admitted; },
       [&]() -> absl::Status {
         return second_alive ? absl::OkStatus() : absl::DeadlineExceededError("step 2 expired");
-      });
+      },
+      On(executor));
   second_alive = false;  // its client's deadline ran out; the engine sends step 3
-  gate.Run(3, [&](absl::Status admitted) { third = admitted; });
+  gate.Run(
+      3,
+      [&](absl::Status admitted) {
+        third = admitted;
+        third_ran.Notify();
+      },
+      nullptr, On(executor));
   ASSERT_TRUE(second.has_value());
   EXPECT_EQ(second->code(), absl::StatusCode::kDeadlineExceeded) << *second;
-  EXPECT_FALSE(third.has_value());  // parked in step 2's place, not refused
+  EXPECT_FALSE(third_ran.HasBeenNotified());  // parked in step 2's place, not refused
   first.Release();
-  ASSERT_TRUE(third.has_value());
+  third_ran.WaitForNotification();
   EXPECT_TRUE(third->ok()) << *third;
 }
 
 TEST(SessionStepGateTest, AFreeGateRunsTheTurnOnTheCallersThread) {
   StepGate gate;
+  StepExecutor executor(1);
   std::thread::id ran_on;
-  gate.Run(1, [&](absl::Status admitted) {
-    EXPECT_TRUE(admitted.ok());
-    ran_on = std::this_thread::get_id();
-  });
+  gate.Run(
+      1,
+      [&](absl::Status admitted) {
+        EXPECT_TRUE(admitted.ok());
+        ran_on = std::this_thread::get_id();
+      },
+      nullptr, On(executor));
   EXPECT_EQ(ran_on, std::this_thread::get_id());
   EXPECT_FALSE(gate.running());
+}
+
+// The defect this guards against: the parked turn ran on the running turn's thread
+// right after it, and in epsd that thread is the running step's gRPC callback, whose
+// reply goes out only when it returns: the reply waited for the parked step too.
+TEST(SessionStepGateTest, TheRunningTurnsThreadReturnsBeforeTheParkedTurnEnds) {
+  StepGate gate;
+  StepExecutor executor(1);
+  EventLog log;
+  absl::Notification first_started, release_first, release_second;
+  std::thread::id first_thread;
+  std::thread running([&] {
+    gate.Run(1,
+             [&](absl::Status admitted) {
+               EXPECT_TRUE(admitted.ok()) << admitted;
+               first_thread = std::this_thread::get_id();
+               first_started.Notify();
+               release_first.WaitForNotification();
+               log.Add("step 1 ended");
+             },
+             nullptr, {});
+    log.Add("step 1's thread returned");
+  });
+  first_started.WaitForNotification();
+  gate.Run(
+      2,
+      [&](absl::Status admitted) {
+        EXPECT_TRUE(admitted.ok()) << admitted;
+        log.Add("step 2 started");
+        // On step 1's thread it must not wait for that thread's return: the test would
+        // hang instead of failing.
+        if (std::this_thread::get_id() != first_thread) release_second.WaitForNotification();
+        log.Add("step 2 ended");
+      },
+      nullptr, On(executor));
+  release_first.Notify();
+  log.AwaitAny({"step 1's thread returned", "step 2 ended"});
+  release_second.Notify();
+  running.join();
+  executor.Stop();
+  SCOPED_TRACE(absl::StrJoin(log.events(), ", "));
+  EXPECT_LT(log.Position("step 1 ended"), log.Position("step 2 started"));
+  EXPECT_LT(log.Position("step 1's thread returned"), log.Position("step 2 ended"));
+}
+
+// Turns run one at a time and in the order admitted, also when each parked turn is
+// handed to a pool of several threads.
+TEST(SessionStepGateTest, HandedOffTurnsNeverOverlapAndKeepTheirOrder) {
+  StepGate gate;
+  StepExecutor executor(4);
+  std::atomic<int> inside{0};
+  std::atomic<int> overlaps{0};
+  std::vector<uint64_t> order;  // written by one turn at a time
+  absl::Notification all_ran;
+  constexpr uint64_t kSteps = 200;
+  auto turn_for = [&](uint64_t step) {
+    return [&, step](absl::Status admitted) {
+      EXPECT_TRUE(admitted.ok()) << "step " << step << ": " << admitted;
+      if (inside.fetch_add(1) != 0) overlaps.fetch_add(1);
+      order.push_back(step);
+      std::this_thread::yield();
+      inside.fetch_sub(1);
+      if (step == kSteps) all_ran.Notify();
+    };
+  };
+  RunningStep first(gate, 0);
+  gate.Run(1, turn_for(1), nullptr, On(executor));
+  // Each further step is sent once the one before it left the parked place, so none is
+  // refused: a turn handed off makes room for the next, which parks behind it.
+  for (uint64_t step = 2; step <= kSteps; ++step) {
+    if (step == 2) first.Release();
+    while (gate.parked()) std::this_thread::yield();
+    gate.Run(step, turn_for(step), nullptr, On(executor));
+  }
+  all_ran.WaitForNotification();
+  executor.Stop();
+  EXPECT_EQ(overlaps.load(), 0);
+  ASSERT_EQ(order.size(), kSteps);
+  for (uint64_t i = 0; i < kSteps; ++i) EXPECT_EQ(order[i], i + 1);
+  EXPECT_FALSE(gate.running());
+}
+
+// The gate's owner, held by nothing but the handoff, lives until the handed-off turn and
+// the gate's work after it are done.
+TEST(SessionStepGateTest, AHandedOffTurnKeepsTheGatesOwnerAlive) {
+  struct Owner {
+    StepGate gate;
+  };
+  StepExecutor executor(1);
+  auto owner = std::make_shared<Owner>();
+  std::weak_ptr<Owner> watch = owner;
+  absl::Notification ran;
+  {
+    StepGate& gate = owner->gate;
+    RunningStep first(gate, 1);
+    gate.Run(2, [&](absl::Status) { ran.Notify(); }, nullptr,
+             {.executor = &executor, .owner = std::move(owner)});
+  }  // step 1 ends; only the handoff holds the owner now
+  ran.WaitForNotification();
+  executor.Stop();
+  EXPECT_TRUE(watch.expired());  // let go once done, not leaked
 }
 
 class SessionStepAdmissionTest : public ::testing::Test {
@@ -236,20 +406,23 @@ TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsReplacedDoesNotTouc
   EXPECT_EQ(engine_.buffers().selection_done(), 1u);  // the new session's, not 500
 }
 
-// The parked step runs on the running step's thread once that step lets the step lock
-// go, and may take it again before a Detach waiting for it does (absl::Mutex is not FIFO):
+// The parked step runs on the executor once the running step lets the step lock go,
+// and may take it before a Detach waiting for it does (absl::Mutex is not FIFO):
 // it must still answer NOT_FOUND and leave the buffers alone.
 TEST_F(SessionStepAdmissionTest, AParkedStepDoesNotRunOnceItsSessionStartedRetiring) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
   absl::Notification started, release;
   std::thread running([&] {
-    session->step_gate().Run(1, [&](absl::Status admitted) {
-      EXPECT_TRUE(admitted.ok()) << admitted;
-      absl::MutexLock step(&session->backend().step_mu());  // as a running step holds it
-      started.Notify();
-      release.WaitForNotification();
-    });
+    session->step_gate().Run(
+        1,
+        [&](absl::Status admitted) {
+          EXPECT_TRUE(admitted.ok()) << admitted;
+          absl::MutexLock step(&session->backend().step_mu());  // as a running step holds it
+          started.Notify();
+          release.WaitForNotification();
+        },
+        nullptr, {});
   });
   started.WaitForNotification();
   absl::Status late;
@@ -261,7 +434,7 @@ TEST_F(SessionStepAdmissionTest, AParkedStepDoesNotRunOnceItsSessionStartedRetir
     EXPECT_TRUE(service_.Detach(request, engine_user_).ok());
   });
   while (!session->retiring()) std::this_thread::yield();  // Detach waits for the lock
-  release.Notify();  // the running step ends; its thread runs step 2 next
+  release.Notify();  // the running step ends; the executor runs step 2 next
   running.join();
   waiting.join();
   detach.join();
