@@ -15,8 +15,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "core/status.h"
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "service/cpu_backend.h"
+#include "service/server.h"
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "service/step_gate.h"
@@ -281,6 +286,147 @@ TEST(SessionStepGateTest, AHandedOffTurnKeepsTheGatesOwnerAlive) {
   ran.WaitForNotification();
   executor.Stop();
   EXPECT_TRUE(watch.expired());  // let go once done, not leaked
+}
+
+// The cpu backend, but step 1 waits for release_first once started, and step 2 for
+// release_second, unless it runs on step 1's thread (the defect: it must not wait for
+// that thread's return, or the test would hang instead of failing).
+struct HeldSteps {
+  absl::Notification first_started, release_first, release_second;
+  std::atomic<std::thread::id> first_thread;
+  EventLog log;
+};
+
+class HeldBackend final : public StepBackend {
+ public:
+  HeldBackend(std::unique_ptr<StepBackend> inner, HeldSteps* held)
+      : inner_(std::move(inner)), held_(held) {}
+  BackendKind kind() const override { return inner_->kind(); }
+  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    if (step.step == 1) {
+      held_->first_thread = std::this_thread::get_id();
+      held_->first_started.Notify();
+      held_->release_first.WaitForNotification();
+    }
+    if (step.step == 2) {
+      held_->log.Add("step 2 started");
+      if (std::this_thread::get_id() != held_->first_thread.load()) {
+        held_->release_second.WaitForNotification();
+      }
+    }
+    absl::MutexLock lock(&inner_->step_mu());
+    const absl::Status s = inner_->Run(step, outcome);
+    if (step.step == 2) held_->log.Add("step 2 ended");
+    return s;
+  }
+
+ private:
+  std::unique_ptr<StepBackend> inner_;
+  HeldSteps* held_;
+};
+
+// epsd on a loopback port with HeldBackend sessions, and an engine's client of it.
+class HeldServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<ServerConfig> config =
+        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"});
+    ASSERT_TRUE(config.ok()) << config.status();
+    HeldSteps* held = &held_;
+    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(
+        *config,
+        {.make_backend =
+             [held](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+                    std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+          return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
+        }});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = v1::PageSelector::NewStub(
+        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+    engine_.Fill(0, 0, 300);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::AttachResponse attached;
+    const grpc::Status s = stub_->Attach(&context, engine_.Attach("engine-a"), &attached);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    id_ = attached.session_id();
+  }
+  void TearDown() override {
+    // Whatever failed, nothing waits for ever.
+    Release(held_.release_first);
+    Release(held_.release_second);
+    for (std::thread& call : calls_) call.join();
+  }
+
+  // Sends step `step` from a thread of its own; its status lands in `*status`, and
+  // `event` in the log once its reply has arrived.
+  void Send(uint64_t step, grpc::Status* status, std::string event) {
+    calls_.emplace_back([this, step, status, event = std::move(event)] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::SelectPagesResponse reply;
+      *status = stub_->SelectPages(&context, TestEngine::Step(id_, step, rows_), &reply);
+      held_.log.Add(event);
+    });
+  }
+  StepGate& gate() { return server_->sessions().session_for_test(id_)->step_gate(); }
+  static void Release(absl::Notification& n) {
+    if (!n.HasBeenNotified()) n.Notify();
+  }
+
+  HeldSteps held_;
+  TestEngine engine_{eps::testing::SmallServiceModel(), /*max_seqs=*/1, /*max_context=*/512,
+                     /*max_batch=*/1, eps::testing::TestSeed()};
+  const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300)};
+  std::unique_ptr<EpsServer> server_;
+  std::unique_ptr<v1::PageSelector::Stub> stub_;
+  std::string id_;
+  std::vector<std::thread> calls_;
+};
+
+// The running step's reply reaches its client while the step parked behind it still
+// runs: it used to wait for that step too (docs/design.md, the parked-step cost).
+TEST_F(HeldServerTest, TheRunningStepsReplyArrivesBeforeTheParkedStepEnds) {
+  grpc::Status first, second;
+  Send(1, &first, "step 1 reply arrived");
+  held_.first_started.WaitForNotification();
+  Send(2, &second, "step 2 reply arrived");
+  ASSERT_TRUE(AwaitParked(gate()));
+  Release(held_.release_first);
+  held_.log.AwaitAny({"step 1 reply arrived", "step 2 ended"});
+  Release(held_.release_second);
+  for (std::thread& call : calls_) call.join();
+  calls_.clear();
+  EXPECT_TRUE(first.ok()) << first.error_message();
+  EXPECT_TRUE(second.ok()) << second.error_message();
+  SCOPED_TRACE(absl::StrJoin(held_.log.events(), ", "));
+  EXPECT_LT(held_.log.Position("step 1 reply arrived"), held_.log.Position("step 2 ended"));
+}
+
+// A server shut down while a step is parked still answers it, and its shutdown ends.
+TEST_F(HeldServerTest, AShutdownWithAStepParkedAnswersItAndEnds) {
+  grpc::Status first, second;
+  Send(1, &first, "step 1 reply arrived");
+  held_.first_started.WaitForNotification();
+  Send(2, &second, "step 2 reply arrived");
+  ASSERT_TRUE(AwaitParked(gate()));
+  std::thread shutdown([&] {
+    server_.reset();  // drains, waits for every call, stops the executor
+    held_.log.Add("server gone");
+  });
+  Release(held_.release_first);
+  Release(held_.release_second);
+  shutdown.join();
+  for (std::thread& call : calls_) call.join();
+  calls_.clear();
+  // Answered by epsd (its step ran, or its cancel was seen), not left to the transport.
+  EXPECT_TRUE(first.ok()) << first.error_message();
+  EXPECT_NE(second.error_code(), grpc::StatusCode::UNAVAILABLE) << second.error_message();
+  SCOPED_TRACE(absl::StrJoin(held_.log.events(), ", "));
+  EXPECT_LT(held_.log.Position("step 2 reply arrived"), held_.log.Position("server gone"));
 }
 
 class SessionStepAdmissionTest : public ::testing::Test {
