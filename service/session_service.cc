@@ -96,6 +96,18 @@ absl::Status SessionService::CountFailure(absl::Status status) {
   return status;
 }
 
+template <typename F>
+absl::Status SessionService::Guarded(const char* what, F&& body) {
+  bool threw = true;
+  absl::Status status = CallGuarded(what, [&] {
+    absl::Status returned = body();
+    threw = false;
+    return returned;
+  });
+  // A call that failed inside epsd is a failed call too (api.md, validation_failures_total).
+  return threw ? CountFailure(std::move(status)) : status;
+}
+
 absl::Status SessionService::Restarting() {
   return absl::UnavailableError(
       "epsd lost a CUDA device and is restarting; attach to the new epsd");
@@ -132,6 +144,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
+  return Guarded("Attach", [&] { return AttachSession(request, response, caller); });
+}
+
+absl::Status SessionService::AttachSession(const v1::AttachRequest& request,
+                                           v1::AttachResponse* response, const Peer& caller) {
   if (device_lost_.load()) return CountFailure(Restarting());
   const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // Before any mapping or allocation; Add checks again when it publishes.
@@ -182,6 +199,10 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
 }
 
 absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
+  return Guarded("Detach", [&] { return DetachSession(request, caller); });
+}
+
+absl::Status SessionService::DetachSession(const v1::DetachRequest& request, const Peer& caller) {
   absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
   if (!session.ok()) return CountFailure(session.status());
   const bool removed = sessions_.Remove(request.session_id()) != nullptr;
@@ -215,7 +236,7 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
   std::vector<StepRow> rows;
   absl::StatusOr<SelectPolicy> policy;
   // Everything up to the step gate, on the caller's thread.
-  absl::Status checked = CallGuarded("SelectPages", [&]() -> absl::Status {
+  absl::Status checked = Guarded("SelectPages", [&]() -> absl::Status {
     RETURN_IF_ERROR(liveness.Check("SelectPages"));
     ASSIGN_OR_RETURN(session, CheckSelect(request, caller, &kind));
     policy = MergeOptions(session->policy(), request.options());
@@ -258,7 +279,7 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
               absl::StrCat("SelectPages: session '", telemetry::SessionLabel(held->id()),
                            "' of engine '", held->spec().engine_id, "': ", admitted.message())));
         } else {
-          admitted = CallGuarded("SelectPages", [&] {
+          admitted = Guarded("SelectPages", [&] {
             return RunStep(*held, request, step_rows, step_policy, step_liveness, response);
           });
         }
@@ -387,6 +408,11 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
 
 absl::Status SessionService::Heartbeat(const v1::HeartbeatRequest& request,
                                        v1::HeartbeatResponse* response, const Peer& caller) {
+  return Guarded("Heartbeat", [&] { return RenewLease(request, response, caller); });
+}
+
+absl::Status SessionService::RenewLease(const v1::HeartbeatRequest& request,
+                                        v1::HeartbeatResponse* response, const Peer& caller) {
   absl::StatusOr<std::shared_ptr<Session>> found =
       FindFor(request.session_id(), caller, ": re-attach");
   if (!found.ok()) return CountFailure(found.status());

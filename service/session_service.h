@@ -70,6 +70,8 @@ class SessionService {
   // of its engine_id from another user does not replace it, and the listing
   // (GetStats without a session_id) shows only the caller's own sessions,
   // never a session id (docs/security.md). Root may inspect and detach any.
+  // A call whose body throws answers with CallGuarded's status (call_guard.h) and, as
+  // every failed call but one whose client gave up, counts in validation_failures_total.
   absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                       const Peer& caller = {});
   absl::Status Detach(const v1::DetachRequest& request, const Peer& caller = {});
@@ -115,6 +117,16 @@ class SessionService {
     return {.max_sessions = config_.max_sessions, .max_per_user = config_.max_sessions_per_user};
   }
   absl::Status CountFailure(absl::Status status);
+  // CallGuarded(what, body) (call_guard.h), counting a call whose body threw as a failed
+  // call; the body counts the failures it returns itself.
+  template <typename F>
+  absl::Status Guarded(const char* what, F&& body);
+  // Attach, Detach and Heartbeat, unguarded.
+  absl::Status AttachSession(const v1::AttachRequest& request, v1::AttachResponse* response,
+                             const Peer& caller);
+  absl::Status DetachSession(const v1::DetachRequest& request, const Peer& caller);
+  absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
+                          const Peer& caller);
   // `status`, after calling on_device_lost_ if it is the first device-lost one.
   absl::Status WatchDevice(absl::Status status);
   // UNAVAILABLE: what every Attach and step gets once a device is lost.
