@@ -334,14 +334,14 @@ class HeldServerTest : public ::testing::Test {
         ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"});
     ASSERT_TRUE(config.ok()) << config.status();
     HeldSteps* held = &held_;
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(
-        *config,
-        {.make_backend =
-             [held](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                    std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-          return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
-        }});
+    ServerHooks hooks;
+    hooks.make_backend =
+        [held](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+               std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+      ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+      return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
+    };
+    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     stub_ = v1::PageSelector::NewStub(
