@@ -519,6 +519,27 @@ TEST_F(SessionStepAdmissionTest, AStepPastItsDeadlineIsNotCountedAsAFailedCall) 
   EXPECT_EQ(stats.validation_failures_total(), 0u);
 }
 
+// A parked call whose client gave up while it waited (and no later call took its place)
+// is still answered, from the executor, once the running step has ended: not run.
+TEST_F(SessionStepAdmissionTest, AParkedStepWhoseClientGaveUpIsAnsweredButNotRun) {
+  const std::string id = Attach("engine-a");
+  StepGate& gate = service_.session_for_test(id)->step_gate();
+  RunningStep running(gate, 1);
+  std::atomic<bool> gave_up{false};
+  absl::Status late;
+  std::thread waiting([&] {
+    v1::SelectPagesResponse response;
+    late = service_.SelectPages(TestEngine::Step(id, 2, rows_), &response, nullptr,
+                                {.cancelled = [&] { return gave_up.load(); }}, engine_user_);
+  });
+  EXPECT_TRUE(AwaitParked(gate));
+  gave_up = true;
+  running.Release();
+  waiting.join();  // answered: its `done` was called
+  EXPECT_EQ(late.code(), absl::StatusCode::kCancelled) << late;
+  EXPECT_EQ(engine_.buffers().selection_done(), 0u);
+}
+
 TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsDetachedDoesNotTouchTheBuffers) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
