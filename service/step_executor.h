@@ -38,7 +38,8 @@ class StepExecutor {
   // on the caller's thread before returning (a task is never dropped: a parked call
   // dropped would be a call never answered, and a server shutdown that waits for it).
   void Submit(Task task);
-  // Runs every task submitted, then joins the threads. Idempotent.
+  // Runs every task submitted, then joins the threads. Idempotent; not to be called from
+  // one of its own tasks (the thread would join itself).
   void Stop();
 
   // Threads for a server: as many as gRPC's callback threads (about one per core), and
