@@ -60,7 +60,7 @@ class SelectStream final
       End(started);
       return;
     }
-    // Done here, or on the thread of the session's step before this one (step_gate.h).
+    // Done here, or on the StepExecutor once the session's step before it ended (step_gate.h).
     sessions_.StartSelectPages(request_, &response_, LivenessOf(context_), caller_,
                                [this, step](absl::Status s, BackendKind backend) {
                                  StepDone(step, std::move(s), backend);
@@ -154,7 +154,9 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   });
   if (!started.ok()) return Finish(context, telemetry_, call, started);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Finished here, or on the thread of the session's step before this one (step_gate.h).
+  // Finished here, or, parked, on the StepExecutor once the session's running step has
+  // ended (step_gate.h): that step's callback returns without running this one, so its
+  // reply is not held back.
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
       [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {

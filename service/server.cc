@@ -28,7 +28,7 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
         }
         if (self->on_fatal_) self->on_fatal_();
       },
-      std::move(hooks.make_backend));
+      std::move(hooks.make_backend), &server->handoff_);
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
     // Bound first (connections wait in its backlog until the acceptor starts), and owned
@@ -152,6 +152,9 @@ void EpsServer::Wait() {
 EpsServer::~EpsServer() {
   Shutdown();
   Wait();
+  // Every call has ended, parked ones included (the server waits for them): the executor's
+  // threads end once the gate work they still hold is done, before the sessions go.
+  handoff_.Stop();
   // No call is running now: send the spans still queued, for at most 2 s (a dead collector
   // must not hold up the exit).
   if (telemetry_ != nullptr) telemetry_->Shutdown(std::chrono::milliseconds(2000));

@@ -16,6 +16,7 @@
 #include "service/grpc_service.h"
 #include "service/peer.h"
 #include "service/session_service.h"
+#include "service/step_executor.h"
 #include "service/telemetry/telemetry.h"
 #include "service/unix_socket.h"
 
@@ -62,6 +63,10 @@ class EpsServer {
   std::function<void()> on_fatal_;
   mutable absl::Mutex fatal_mu_;
   absl::Status fatal_ ABSL_GUARDED_BY(fatal_mu_);
+  // Runs the steps parked behind a session's running step (service/step_gate.h). Before
+  // sessions_, which hands it turns; stopped by ~EpsServer once the gRPC server has shut
+  // down (a call parked during the drain is still answered), before sessions_ goes.
+  StepExecutor handoff_{StepExecutor::DefaultThreads()};
   std::unique_ptr<SessionService> sessions_;
   std::unique_ptr<telemetry::Telemetry> telemetry_;  // outlives the service that calls it
   std::unique_ptr<PageSelectorService> service_;

@@ -90,7 +90,7 @@ class Session {
   // answers: after that nothing of the session writes the engine's buffers.
   // `release_now` (epsd's shutdown): a queued async step is released at once.
   // retiring() is true from its first line on, before it waits for the step lock: a
-  // parked step, run on the running step's thread once that step lets the lock go,
+  // parked step, handed to the StepExecutor once the running step lets the lock go,
   // may take the lock before Retire does (absl::Mutex is not FIFO), and must not run.
   void Retire(bool release_now = false);
   bool retiring() const { return retiring_.load(std::memory_order_acquire); }

@@ -65,8 +65,10 @@ absl::Status CallLiveness::Check(const char* what) const {
 }
 
 SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost,
-                               BackendFactory make_backend)
+                               BackendFactory make_backend, StepExecutor* handoff)
     : config_(config),
+      own_handoff_(handoff == nullptr ? std::make_unique<StepExecutor>(1) : nullptr),
+      handoff_(handoff == nullptr ? own_handoff_.get() : handoff),
       budgets_{.allocated = MemoryBudget("--max-server-bytes", config.max_server_bytes),
                .mapped = MemoryBudget("--max-server-mapped-bytes", config.max_server_mapped_bytes)},
       on_device_lost_(std::move(on_device_lost)),
@@ -78,6 +80,8 @@ SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_
 }
 
 SessionService::~SessionService() {
+  // The steps still parked run (or answer their dead calls) while every session is live.
+  if (own_handoff_ != nullptr) own_handoff_->Stop();
   stop_.Notify();
   reaper_.join();
   // No call runs any more (the server has shut down). Every queued async step is
@@ -90,6 +94,18 @@ SessionService::~SessionService() {
 absl::Status SessionService::CountFailure(absl::Status status) {
   if (!status.ok()) validation_failures_.fetch_add(1, std::memory_order_relaxed);
   return status;
+}
+
+template <typename F>
+absl::Status SessionService::Guarded(const char* what, F&& body) {
+  bool threw = true;
+  absl::Status status = CallGuarded(what, [&] {
+    absl::Status returned = body();
+    threw = false;
+    return returned;
+  });
+  // A call that failed inside epsd is a failed call too (api.md, validation_failures_total).
+  return threw ? CountFailure(std::move(status)) : status;
 }
 
 absl::Status SessionService::Restarting() {
@@ -128,6 +144,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
 
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
+  return Guarded("Attach", [&] { return AttachSession(request, response, caller); });
+}
+
+absl::Status SessionService::AttachSession(const v1::AttachRequest& request,
+                                           v1::AttachResponse* response, const Peer& caller) {
   if (device_lost_.load()) return CountFailure(Restarting());
   const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // Before any mapping or allocation; Add checks again when it publishes.
@@ -178,6 +199,10 @@ absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::Attach
 }
 
 absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
+  return Guarded("Detach", [&] { return DetachSession(request, caller); });
+}
+
+absl::Status SessionService::DetachSession(const v1::DetachRequest& request, const Peer& caller) {
   absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
   if (!session.ok()) return CountFailure(session.status());
   const bool removed = sessions_.Remove(request.session_id()) != nullptr;
@@ -211,7 +236,7 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
   std::vector<StepRow> rows;
   absl::StatusOr<SelectPolicy> policy;
   // Everything up to the step gate, on the caller's thread.
-  absl::Status checked = CallGuarded("SelectPages", [&]() -> absl::Status {
+  absl::Status checked = Guarded("SelectPages", [&]() -> absl::Status {
     RETURN_IF_ERROR(liveness.Check("SelectPages"));
     ASSIGN_OR_RETURN(session, CheckSelect(request, caller, &kind));
     policy = MergeOptions(session->policy(), request.options());
@@ -237,6 +262,8 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
   // One step of a session runs and one more is parked, holding no thread (step_gate.h).
   Session& gated = *session;  // kept alive by `session` until Run returns
   const CallLiveness step_alive = liveness;
+  // A parked step holds its session until it has run on the executor.
+  StepGate::Handoff handoff{.executor = handoff_, .owner = session};
   gated.step_gate().Run(
       request.step(),
       [this, &request, response, kind, held = session, step_liveness = std::move(liveness),
@@ -252,13 +279,13 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
               absl::StrCat("SelectPages: session '", telemetry::SessionLabel(held->id()),
                            "' of engine '", held->spec().engine_id, "': ", admitted.message())));
         } else {
-          admitted = CallGuarded("SelectPages", [&] {
+          admitted = Guarded("SelectPages", [&] {
             return RunStep(*held, request, step_rows, step_policy, step_liveness, response);
           });
         }
         std::move(step_done)(std::move(admitted), kind);
       },
-      [alive = step_alive] { return alive.Check("SelectPages"); });
+      [alive = step_alive] { return alive.Check("SelectPages"); }, std::move(handoff));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionService::CheckSelect(
@@ -381,6 +408,11 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
 
 absl::Status SessionService::Heartbeat(const v1::HeartbeatRequest& request,
                                        v1::HeartbeatResponse* response, const Peer& caller) {
+  return Guarded("Heartbeat", [&] { return RenewLease(request, response, caller); });
+}
+
+absl::Status SessionService::RenewLease(const v1::HeartbeatRequest& request,
+                                        v1::HeartbeatResponse* response, const Peer& caller) {
   absl::StatusOr<std::shared_ptr<Session>> found =
       FindFor(request.session_id(), caller, ": re-attach");
   if (!found.ok()) return CountFailure(found.status());

@@ -4,13 +4,16 @@
 // testable in-process and every error is an absl::Status with a canonical code.
 //
 // Thread safety: all methods may be called concurrently. Steps of one session
-// are serialised, one running and one parked at most (service/step_gate.h);
-// steps of different sessions run in parallel. Detach, a replacing Attach and
-// expiry retire the old session under its step lock before they return.
+// are serialised, one running and one parked at most (service/step_gate.h); a
+// parked step runs on a StepExecutor once the running one has ended, so the
+// running step's caller gets its answer at once. Steps of different sessions run
+// in parallel. Detach, a replacing Attach and expiry retire the old session under
+// its step lock before they return.
 #pragma once
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "absl/functional/any_invocable.h"
@@ -24,6 +27,7 @@
 #include "service/peer.h"
 #include "service/session_janitor.h"
 #include "service/session_registry.h"
+#include "service/step_executor.h"
 
 namespace eps::service {
 
@@ -46,11 +50,17 @@ class SessionService {
   using DeviceLostHandler = absl::AnyInvocable<void(const absl::Status& status)>;
   // From the first device-lost status on, every Attach and step is UNAVAILABLE ("epsd
   // is restarting"): clients forget their sessions and re-attach to the next epsd.
-  // `make_backend`: Session::Create's (tests pass their own).
+  // `make_backend`: Session::Create's (tests pass their own). `handoff`: where parked
+  // steps run (step_gate.h); its owner stops it once no call can arrive any more (the
+  // gRPC server has shut down) and before this service is destroyed, since its tasks
+  // use the service. Null: the service starts a one-thread executor of its own and stops
+  // it first thing in its destructor (tests that hold a service without a server).
   explicit SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost = nullptr,
-                          BackendFactory make_backend = MakeSessionBackend);
-  // Stops the lease reaper and retires every session, releasing their queued steps at
-  // once, before any is destroyed (service/session_janitor.h).
+                          BackendFactory make_backend = MakeSessionBackend,
+                          StepExecutor* handoff = nullptr);
+  // Stops its own executor if it has one (running the steps still queued), the lease
+  // reaper, and retires every session, releasing their queued steps at once, before any
+  // is destroyed (service/session_janitor.h).
   ~SessionService();
   SessionService(const SessionService&) = delete;
   SessionService& operator=(const SessionService&) = delete;
@@ -60,6 +70,8 @@ class SessionService {
   // of its engine_id from another user does not replace it, and the listing
   // (GetStats without a session_id) shows only the caller's own sessions,
   // never a session id (docs/security.md). Root may inspect and detach any.
+  // A call whose body throws answers with CallGuarded's status (call_guard.h) and, as
+  // every failed call but one whose client gave up, counts in validation_failures_total.
   absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                       const Peer& caller = {});
   absl::Status Detach(const v1::DetachRequest& request, const Peer& caller = {});
@@ -67,10 +79,12 @@ class SessionService {
   // session is found).
   using SelectDone = absl::AnyInvocable<void(absl::Status status, BackendKind backend) &&>;
   // Checks the call, then runs its step through the session's StepGate: now, on this
-  // thread (before returning), or parked behind the session's running step and run
-  // on that step's thread after it, holding no thread meanwhile; a call beyond the
-  // one parked is refused at once (RESOURCE_EXHAUSTED). `done` reports each outcome;
-  // `request` and `response` must live until it is called.
+  // thread (before returning), or parked behind the session's running step, holding no
+  // thread meanwhile, and run on the service's StepExecutor once that step has ended
+  // (the running step's thread returns without waiting for it); a call beyond the one
+  // parked is refused at once (RESOURCE_EXHAUSTED). `done` reports each outcome, on
+  // this thread or the executor's; `request` and `response` must live until it is
+  // called. The session is held until a parked step has run.
   void StartSelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
                         CallLiveness liveness, const Peer& caller, SelectDone done);
   // StartSelectPages, waiting for `done` on this thread.
@@ -103,6 +117,16 @@ class SessionService {
     return {.max_sessions = config_.max_sessions, .max_per_user = config_.max_sessions_per_user};
   }
   absl::Status CountFailure(absl::Status status);
+  // CallGuarded(what, body) (call_guard.h), counting a call whose body threw as a failed
+  // call; the body counts the failures it returns itself.
+  template <typename F>
+  absl::Status Guarded(const char* what, F&& body);
+  // Attach, Detach and Heartbeat, unguarded.
+  absl::Status AttachSession(const v1::AttachRequest& request, v1::AttachResponse* response,
+                             const Peer& caller);
+  absl::Status DetachSession(const v1::DetachRequest& request, const Peer& caller);
+  absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
+                          const Peer& caller);
   // `status`, after calling on_device_lost_ if it is the first device-lost one.
   absl::Status WatchDevice(absl::Status status);
   // UNAVAILABLE: what every Attach and step gets once a device is lost.
@@ -120,6 +144,9 @@ class SessionService {
                        const CallLiveness& liveness, v1::SelectPagesResponse* response);
 
   const ServerConfig config_;
+  // Where parked steps run: the owner's, or (null when the owner passed one) its own.
+  std::unique_ptr<StepExecutor> own_handoff_;
+  StepExecutor* const handoff_;
   ServerBudgets budgets_;     // outlives the sessions that charge it
   Janitor<Session> janitor_;  // destroys cuda sessions; outlives the registry
   SessionRegistry sessions_;

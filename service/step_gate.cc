@@ -6,24 +6,22 @@
 
 namespace eps::service {
 
-void StepGate::Run(uint64_t step, Turn turn, Liveness alive) {
+void StepGate::Run(uint64_t step, Turn turn, Liveness alive, Handoff handoff) {
   {
     absl::ReleasableMutexLock lock(&mu_);
-    if (running_ && parked_.has_value() && parked_alive_ != nullptr) {
-      if (absl::Status gave_up = parked_alive_(); !gave_up.ok()) {
+    if (running_ && parked_.has_value() && parked_->alive != nullptr) {
+      if (absl::Status gave_up = parked_->alive(); !gave_up.ok()) {
         // The parked call's client is gone: answer it, and keep this one in its place.
-        Turn evicted = std::move(*parked_);
-        parked_.emplace(std::move(turn));
-        parked_alive_ = std::move(alive);
-        parked_step_ = step;
+        Parked evicted = *std::exchange(
+            parked_, Parked{step, std::move(turn), std::move(alive), std::move(handoff)});
         lock.Release();
-        std::move(evicted)(std::move(gave_up));
+        std::move(evicted.turn)(std::move(gave_up));
         return;
       }
     }
     if (running_ && parked_.has_value()) {
       const absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
-          "step ", step, " refused: step ", running_step_, " is running and step ", parked_step_,
+          "step ", step, " refused: step ", running_step_, " is running and step ", parked_->step,
           " waits for it; a session runs one step and holds one more (send the next step after "
           "a reply)"));
       lock.Release();
@@ -31,30 +29,38 @@ void StepGate::Run(uint64_t step, Turn turn, Liveness alive) {
       return;
     }
     if (running_) {
-      parked_.emplace(std::move(turn));
-      parked_alive_ = std::move(alive);
-      parked_step_ = step;
+      parked_.emplace(Parked{step, std::move(turn), std::move(alive), std::move(handoff)});
       return;
     }
     running_ = true;
     running_step_ = step;
   }
-  // This thread runs its turn, then each turn parked meanwhile, one at a time. The
-  // caller keeps the gate's owner alive meanwhile (a turn may hold its last other
-  // reference); a finished turn is let go before the lock is taken.
-  for (;;) {
-    std::move(turn)(absl::OkStatus());
-    turn = nullptr;
+  std::move(turn)(absl::OkStatus());
+  turn = nullptr;  // let go of what the turn holds before the lock is taken
+  EndTurn();
+}
+
+void StepGate::EndTurn() {
+  Parked next;
+  {
     absl::MutexLock lock(&mu_);
     if (!parked_.has_value()) {
       running_ = false;
       return;
     }
-    turn = std::move(*parked_);
+    next = *std::move(parked_);
     parked_.reset();
-    parked_alive_ = nullptr;
-    running_step_ = parked_step_;
+    running_step_ = next.step;  // running from here on, though not yet started
   }
+  // Off this thread: the turn that just ended may be a gRPC callback, whose reply goes
+  // out only once it returns. `owner` keeps the gate alive until the task has ended.
+  StepExecutor& executor = *next.handoff.executor;
+  executor.Submit(
+      [this, turn = std::move(next.turn), owner = std::move(next.handoff.owner)]() mutable {
+        std::move(turn)(absl::OkStatus());
+        turn = nullptr;
+        EndTurn();
+      });
 }
 
 bool StepGate::running() const {

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,7 +61,8 @@ enum class Fault {
   kLoseInEarlier,
   kOrdinary,
   kFailAfterFinishingEarlier,
-  kSaturatedBytes
+  kSaturatedBytes,
+  kThrow  // a bug: CallGuarded (service/call_guard.h) turns it into INTERNAL
 };
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
@@ -85,6 +87,8 @@ class LossyBackend final : public StepBackend {
         outcome->earlier.emplace_back().step = step.step - 1;
         outcome->earlier.back().stats.groups_total = 7;
         return absl::FailedPreconditionError("step is not after selection_done");
+      case Fault::kThrow:
+        throw std::runtime_error("a bug in the backend");
       case Fault::kNone:
       case Fault::kSaturatedBytes:
         break;
@@ -129,6 +133,7 @@ class DeviceLostTest : public ::testing::Test {
   TestEngine engine_;
   std::atomic<Fault> fault_{Fault::kNone};
   std::atomic<bool> lose_at_attach_{false};
+  std::atomic<bool> throw_at_attach_{false};
   absl::Mutex mu_;
   std::vector<absl::Status> seen_;  // what the handler was called with
   ServerConfig config_;
@@ -141,6 +146,7 @@ class DeviceLostTest : public ::testing::Test {
       [this](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
              std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
         if (lose_at_attach_.load()) return Lost();
+        if (throw_at_attach_.load()) throw std::runtime_error("a bug in the backend factory");
         ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
         return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault_));
       }};
@@ -338,6 +344,42 @@ class Remains final : public StepBackend {
   std::atomic<bool>* safe_;
   std::atomic<std::thread::id>* destroyed_on_;
 };
+
+// A call that failed inside epsd (an exception, answered INTERNAL) is a failed call:
+// validation_failures_total counts every failed call but those whose client gave up
+// (docs/api.md), and once missed the SelectPages and Attach calls that threw.
+using ThrowingCallTest = DeviceLostTest;
+
+TEST_F(ThrowingCallTest, AStepWhoseBackendThrowsIsInternalAndCountedAsAFailedCall) {
+  const std::string a = Attach("engine-a");
+  ASSERT_TRUE(Step(a, 1).ok());
+  fault_ = Fault::kThrow;
+  const absl::Status s = Step(a, 2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("SelectPages: epsd failed: a bug in the backend"),
+            std::string_view::npos)
+      << s;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats({}, &stats).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 1u);
+  EXPECT_EQ(handled(), 0);  // no device lost
+  fault_ = Fault::kNone;
+  EXPECT_TRUE(Step(a, 3).ok());  // the session's step lock was let go
+}
+
+TEST_F(ThrowingCallTest, AnAttachWhoseBackendFactoryThrowsIsInternalAndCountedAsAFailedCall) {
+  throw_at_attach_ = true;
+  v1::AttachResponse response;
+  const absl::Status s = service_.Attach(engine_.Attach("engine-a"), &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("Attach: epsd failed: a bug in the backend factory"),
+            std::string_view::npos)
+      << s;
+  EXPECT_EQ(service_.session_count(), 0u);
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(service_.GetStats({}, &stats).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 1u);
+}
 
 TEST(SessionBackendRemainsTest, AFailedBackendsAllocationsAreFreedByTheJanitorOnceSafe) {
   TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());

@@ -11,10 +11,19 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "core/status.h"
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "service/cpu_backend.h"
+#include "service/server.h"
 #include "service/session_service.h"
+#include "service/step_executor.h"
 #include "service/step_gate.h"
 #include "service/telemetry/telemetry.h"
 #include "tests/core/test_util.h"
@@ -38,17 +47,25 @@ bool AwaitParked(const StepGate& gate) {
   return true;
 }
 
+// Where the gate tests' parked turns run; nothing keeps the gate alive (each test's
+// gate outlives its executor, declared after it and so stopped first).
+StepGate::Handoff On(StepExecutor& executor) { return {.executor = &executor, .owner = nullptr}; }
+
 // Holds `gate` from a thread of its own as a running step would, until Release(),
-// which then lets that thread run the turn parked behind it.
+// which then lets the gate hand the turn parked behind it to that turn's executor.
 class RunningStep {
  public:
   RunningStep(StepGate& gate, uint64_t step)
       : thread_([this, &gate, step] {
-          gate.Run(step, [this](absl::Status admitted) {
-            EXPECT_TRUE(admitted.ok()) << admitted;
-            started_.Notify();
-            release_.WaitForNotification();
-          });
+          // Admitted at once (a free gate): its handoff is never used.
+          gate.Run(step,
+                   [this](absl::Status admitted) {
+                     EXPECT_TRUE(admitted.ok()) << admitted;
+                     thread_id_ = std::this_thread::get_id();
+                     started_.Notify();
+                     release_.WaitForNotification();
+                   },
+                   nullptr, {});
         }) {
     started_.WaitForNotification();
   }
@@ -57,60 +74,359 @@ class RunningStep {
     if (!release_.HasBeenNotified()) release_.Notify();
     if (thread_.joinable()) thread_.join();
   }
+  // The thread the step runs on (a gRPC callback thread, in epsd).
+  std::thread::id thread_id() const { return thread_id_; }
 
  private:
   absl::Notification started_, release_;
+  std::thread::id thread_id_;
   std::thread thread_;
+};
+
+// What happened, in order, across threads.
+class EventLog {
+ public:
+  void Add(std::string event) {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(std::move(event));
+  }
+  // Blocks until one of `wanted` has happened.
+  void AwaitAny(const std::vector<std::string>& wanted) {
+    auto happened = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return absl::c_any_of(
+          wanted, [&](const std::string& e) { return absl::c_linear_search(events_, e); });
+    };
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&happened));
+  }
+  std::vector<std::string> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  // Where `event` happened (events().size() when it did not).
+  size_t Position(const std::string& event) {
+    const std::vector<std::string> all = events();
+    return absl::c_find(all, event) - all.begin();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST(SessionStepGateTest, AThirdTurnIsRefusedAtOnceWhileOneRunsAndOneIsParked) {
   StepGate gate;
+  StepExecutor executor(1);
   RunningStep first(gate, 1);
   std::optional<absl::Status> second, third;
-  gate.Run(2, [&](absl::Status admitted) { second = admitted; });
+  absl::Notification second_ran;
+  gate.Run(
+      2,
+      [&](absl::Status admitted) {
+        second = admitted;
+        second_ran.Notify();
+      },
+      nullptr, On(executor));
   // Parked: Run returned on this thread while step 1 still runs, and holds no thread.
-  EXPECT_FALSE(second.has_value());
+  EXPECT_FALSE(second_ran.HasBeenNotified());
   EXPECT_TRUE(gate.parked());
-  gate.Run(3, [&](absl::Status admitted) { third = admitted; });
+  gate.Run(
+      3, [&](absl::Status admitted) { third = admitted; }, nullptr, On(executor));
   ASSERT_TRUE(third.has_value());  // answered before Run returned
   EXPECT_EQ(third->code(), absl::StatusCode::kResourceExhausted) << *third;
   EXPECT_THAT(third->message(), HasSubstr("step 3 refused: step 1 is running and step 2 waits"));
-  first.Release();  // its thread runs the parked turn before it ends
-  ASSERT_TRUE(second.has_value());
+  first.Release();  // the gate hands the parked turn to the executor
+  second_ran.WaitForNotification();
   EXPECT_TRUE(second->ok()) << *second;
+  executor.Stop();  // the gate's work after the turn is done
   EXPECT_FALSE(gate.running());
   EXPECT_FALSE(gate.parked());
 }
 
 TEST(SessionStepGateTest, AParkedTurnWhoseCallerGaveUpGivesItsPlaceToTheNextStep) {
   StepGate gate;
+  StepExecutor executor(1);
   RunningStep first(gate, 1);
   std::optional<absl::Status> second, third;
-  bool second_alive = true;
+  absl::Notification third_ran;
+  std::atomic<bool> second_alive{true};
   gate.Run(
       2, [&](absl::Status admitted) { second = admitted; },
       [&]() -> absl::Status {
         return second_alive ? absl::OkStatus() : absl::DeadlineExceededError("step 2 expired");
-      });
+      },
+      On(executor));
   second_alive = false;  // its client's deadline ran out; the engine sends step 3
-  gate.Run(3, [&](absl::Status admitted) { third = admitted; });
+  gate.Run(
+      3,
+      [&](absl::Status admitted) {
+        third = admitted;
+        third_ran.Notify();
+      },
+      nullptr, On(executor));
   ASSERT_TRUE(second.has_value());
   EXPECT_EQ(second->code(), absl::StatusCode::kDeadlineExceeded) << *second;
-  EXPECT_FALSE(third.has_value());  // parked in step 2's place, not refused
+  EXPECT_FALSE(third_ran.HasBeenNotified());  // parked in step 2's place, not refused
   first.Release();
-  ASSERT_TRUE(third.has_value());
+  third_ran.WaitForNotification();
   EXPECT_TRUE(third->ok()) << *third;
 }
 
 TEST(SessionStepGateTest, AFreeGateRunsTheTurnOnTheCallersThread) {
   StepGate gate;
+  StepExecutor executor(1);
   std::thread::id ran_on;
-  gate.Run(1, [&](absl::Status admitted) {
-    EXPECT_TRUE(admitted.ok());
-    ran_on = std::this_thread::get_id();
-  });
+  gate.Run(
+      1,
+      [&](absl::Status admitted) {
+        EXPECT_TRUE(admitted.ok());
+        ran_on = std::this_thread::get_id();
+      },
+      nullptr, On(executor));
   EXPECT_EQ(ran_on, std::this_thread::get_id());
   EXPECT_FALSE(gate.running());
+}
+
+// The defect this guards against: the parked turn ran on the running turn's thread
+// right after it, and in epsd that thread is the running step's gRPC callback, whose
+// reply goes out only when it returns: the reply waited for the parked step too.
+TEST(SessionStepGateTest, TheRunningTurnsThreadReturnsBeforeTheParkedTurnEnds) {
+  StepGate gate;
+  StepExecutor executor(1);
+  EventLog log;
+  absl::Notification first_started, release_first, release_second;
+  std::thread::id first_thread;
+  std::thread running([&] {
+    gate.Run(1,
+             [&](absl::Status admitted) {
+               EXPECT_TRUE(admitted.ok()) << admitted;
+               first_thread = std::this_thread::get_id();
+               first_started.Notify();
+               release_first.WaitForNotification();
+               log.Add("step 1 ended");
+             },
+             nullptr, {});
+    log.Add("step 1's thread returned");
+  });
+  first_started.WaitForNotification();
+  gate.Run(
+      2,
+      [&](absl::Status admitted) {
+        EXPECT_TRUE(admitted.ok()) << admitted;
+        log.Add("step 2 started");
+        // On step 1's thread it must not wait for that thread's return: the test would
+        // hang instead of failing.
+        if (std::this_thread::get_id() != first_thread) release_second.WaitForNotification();
+        log.Add("step 2 ended");
+      },
+      nullptr, On(executor));
+  release_first.Notify();
+  log.AwaitAny({"step 1's thread returned", "step 2 ended"});
+  release_second.Notify();
+  running.join();
+  executor.Stop();
+  SCOPED_TRACE(absl::StrJoin(log.events(), ", "));
+  EXPECT_LT(log.Position("step 1 ended"), log.Position("step 2 started"));
+  EXPECT_LT(log.Position("step 1's thread returned"), log.Position("step 2 ended"));
+}
+
+// Turns run one at a time and in the order admitted, also when each parked turn is
+// handed to a pool of several threads.
+TEST(SessionStepGateTest, HandedOffTurnsNeverOverlapAndKeepTheirOrder) {
+  StepGate gate;
+  StepExecutor executor(4);
+  std::atomic<int> inside{0};
+  std::atomic<int> overlaps{0};
+  std::vector<uint64_t> order;  // written by one turn at a time
+  absl::Notification all_ran;
+  constexpr uint64_t kSteps = 200;
+  auto turn_for = [&](uint64_t step) {
+    return [&, step](absl::Status admitted) {
+      EXPECT_TRUE(admitted.ok()) << "step " << step << ": " << admitted;
+      if (inside.fetch_add(1) != 0) overlaps.fetch_add(1);
+      order.push_back(step);
+      std::this_thread::yield();
+      inside.fetch_sub(1);
+      if (step == kSteps) all_ran.Notify();
+    };
+  };
+  RunningStep first(gate, 0);
+  gate.Run(1, turn_for(1), nullptr, On(executor));
+  // Each further step is sent once the one before it left the parked place, so none is
+  // refused: a turn handed off makes room for the next, which parks behind it.
+  for (uint64_t step = 2; step <= kSteps; ++step) {
+    if (step == 2) first.Release();
+    while (gate.parked()) std::this_thread::yield();
+    gate.Run(step, turn_for(step), nullptr, On(executor));
+  }
+  all_ran.WaitForNotification();
+  executor.Stop();
+  EXPECT_EQ(overlaps.load(), 0);
+  ASSERT_EQ(order.size(), kSteps);
+  for (uint64_t i = 0; i < kSteps; ++i) EXPECT_EQ(order[i], i + 1);
+  EXPECT_FALSE(gate.running());
+}
+
+// The gate's owner, held by nothing but the handoff, lives until the handed-off turn and
+// the gate's work after it are done.
+TEST(SessionStepGateTest, AHandedOffTurnKeepsTheGatesOwnerAlive) {
+  struct Owner {
+    StepGate gate;
+  };
+  StepExecutor executor(1);
+  auto owner = std::make_shared<Owner>();
+  std::weak_ptr<Owner> watch = owner;
+  absl::Notification ran;
+  {
+    StepGate& gate = owner->gate;
+    RunningStep first(gate, 1);
+    gate.Run(2, [&](absl::Status) { ran.Notify(); }, nullptr,
+             {.executor = &executor, .owner = std::move(owner)});
+  }  // step 1 ends; only the handoff holds the owner now
+  ran.WaitForNotification();
+  executor.Stop();
+  EXPECT_TRUE(watch.expired());  // let go once done, not leaked
+}
+
+// The cpu backend, but step 1 waits for release_first once started, and step 2 for
+// release_second, unless it runs on step 1's thread (the defect: it must not wait for
+// that thread's return, or the test would hang instead of failing).
+struct HeldSteps {
+  absl::Notification first_started, release_first, release_second;
+  std::atomic<std::thread::id> first_thread;
+  EventLog log;
+};
+
+class HeldBackend final : public StepBackend {
+ public:
+  HeldBackend(std::unique_ptr<StepBackend> inner, HeldSteps* held)
+      : inner_(std::move(inner)), held_(held) {}
+  BackendKind kind() const override { return inner_->kind(); }
+  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    if (step.step == 1) {
+      held_->first_thread = std::this_thread::get_id();
+      held_->first_started.Notify();
+      held_->release_first.WaitForNotification();
+    }
+    if (step.step == 2) {
+      held_->log.Add("step 2 started");
+      if (std::this_thread::get_id() != held_->first_thread.load()) {
+        held_->release_second.WaitForNotification();
+      }
+    }
+    absl::MutexLock lock(&inner_->step_mu());
+    const absl::Status s = inner_->Run(step, outcome);
+    if (step.step == 2) held_->log.Add("step 2 ended");
+    return s;
+  }
+
+ private:
+  std::unique_ptr<StepBackend> inner_;
+  HeldSteps* held_;
+};
+
+// epsd on a loopback port with HeldBackend sessions, and an engine's client of it.
+class HeldServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<ServerConfig> config =
+        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"});
+    ASSERT_TRUE(config.ok()) << config.status();
+    HeldSteps* held = &held_;
+    ServerHooks hooks;
+    hooks.make_backend =
+        [held](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+               std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+      ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+      return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
+    };
+    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = v1::PageSelector::NewStub(
+        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+    engine_.Fill(0, 0, 300);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::AttachResponse attached;
+    const grpc::Status s = stub_->Attach(&context, engine_.Attach("engine-a"), &attached);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    id_ = attached.session_id();
+  }
+  void TearDown() override {
+    // Whatever failed, nothing waits for ever.
+    Release(held_.release_first);
+    Release(held_.release_second);
+    for (std::thread& call : calls_) call.join();
+  }
+
+  // Sends step `step` from a thread of its own; its status lands in `*status`, and
+  // `event` in the log once its reply has arrived.
+  void Send(uint64_t step, grpc::Status* status, std::string event) {
+    calls_.emplace_back([this, step, status, event = std::move(event)] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::SelectPagesResponse reply;
+      *status = stub_->SelectPages(&context, TestEngine::Step(id_, step, rows_), &reply);
+      held_.log.Add(event);
+    });
+  }
+  StepGate& gate() { return server_->sessions().session_for_test(id_)->step_gate(); }
+  static void Release(absl::Notification& n) {
+    if (!n.HasBeenNotified()) n.Notify();
+  }
+
+  HeldSteps held_;
+  TestEngine engine_{eps::testing::SmallServiceModel(), /*max_seqs=*/1, /*max_context=*/512,
+                     /*max_batch=*/1, eps::testing::TestSeed()};
+  const std::vector<v1::BatchRow> rows_ = {TestEngine::Row(0, 300)};
+  std::unique_ptr<EpsServer> server_;
+  std::unique_ptr<v1::PageSelector::Stub> stub_;
+  std::string id_;
+  std::vector<std::thread> calls_;
+};
+
+// The running step's reply reaches its client while the step parked behind it still
+// runs: it used to wait for that step too (docs/design.md, the parked-step cost).
+TEST_F(HeldServerTest, TheRunningStepsReplyArrivesBeforeTheParkedStepEnds) {
+  grpc::Status first, second;
+  Send(1, &first, "step 1 reply arrived");
+  held_.first_started.WaitForNotification();
+  Send(2, &second, "step 2 reply arrived");
+  ASSERT_TRUE(AwaitParked(gate()));
+  Release(held_.release_first);
+  held_.log.AwaitAny({"step 1 reply arrived", "step 2 ended"});
+  Release(held_.release_second);
+  for (std::thread& call : calls_) call.join();
+  calls_.clear();
+  EXPECT_TRUE(first.ok()) << first.error_message();
+  EXPECT_TRUE(second.ok()) << second.error_message();
+  SCOPED_TRACE(absl::StrJoin(held_.log.events(), ", "));
+  EXPECT_LT(held_.log.Position("step 1 reply arrived"), held_.log.Position("step 2 ended"));
+}
+
+// A server shut down while a step is parked still answers it, and its shutdown ends.
+TEST_F(HeldServerTest, AShutdownWithAStepParkedAnswersItAndEnds) {
+  grpc::Status first, second;
+  Send(1, &first, "step 1 reply arrived");
+  held_.first_started.WaitForNotification();
+  Send(2, &second, "step 2 reply arrived");
+  ASSERT_TRUE(AwaitParked(gate()));
+  std::thread shutdown([&] {
+    server_.reset();  // drains, waits for every call, stops the executor
+    held_.log.Add("server gone");
+  });
+  Release(held_.release_first);
+  Release(held_.release_second);
+  shutdown.join();
+  for (std::thread& call : calls_) call.join();
+  calls_.clear();
+  // Answered by epsd (its step ran, or its cancel was seen), not left to the transport.
+  EXPECT_TRUE(first.ok()) << first.error_message();
+  EXPECT_NE(second.error_code(), grpc::StatusCode::UNAVAILABLE) << second.error_message();
+  SCOPED_TRACE(absl::StrJoin(held_.log.events(), ", "));
+  EXPECT_LT(held_.log.Position("step 2 reply arrived"), held_.log.Position("server gone"));
 }
 
 class SessionStepAdmissionTest : public ::testing::Test {
@@ -203,6 +519,27 @@ TEST_F(SessionStepAdmissionTest, AStepPastItsDeadlineIsNotCountedAsAFailedCall) 
   EXPECT_EQ(stats.validation_failures_total(), 0u);
 }
 
+// A parked call whose client gave up while it waited (and no later call took its place)
+// is still answered, from the executor, once the running step has ended: not run.
+TEST_F(SessionStepAdmissionTest, AParkedStepWhoseClientGaveUpIsAnsweredButNotRun) {
+  const std::string id = Attach("engine-a");
+  StepGate& gate = service_.session_for_test(id)->step_gate();
+  RunningStep running(gate, 1);
+  std::atomic<bool> gave_up{false};
+  absl::Status late;
+  std::thread waiting([&] {
+    v1::SelectPagesResponse response;
+    late = service_.SelectPages(TestEngine::Step(id, 2, rows_), &response, nullptr,
+                                {.cancelled = [&] { return gave_up.load(); }}, engine_user_);
+  });
+  EXPECT_TRUE(AwaitParked(gate));
+  gave_up = true;
+  running.Release();
+  waiting.join();  // answered: its `done` was called
+  EXPECT_EQ(late.code(), absl::StatusCode::kCancelled) << late;
+  EXPECT_EQ(engine_.buffers().selection_done(), 0u);
+}
+
 TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsDetachedDoesNotTouchTheBuffers) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
@@ -236,20 +573,23 @@ TEST_F(SessionStepAdmissionTest, AStepWaitingWhenItsSessionIsReplacedDoesNotTouc
   EXPECT_EQ(engine_.buffers().selection_done(), 1u);  // the new session's, not 500
 }
 
-// The parked step runs on the running step's thread once that step lets the step lock
-// go, and may take it again before a Detach waiting for it does (absl::Mutex is not FIFO):
+// The parked step runs on the executor once the running step lets the step lock go,
+// and may take it before a Detach waiting for it does (absl::Mutex is not FIFO):
 // it must still answer NOT_FOUND and leave the buffers alone.
 TEST_F(SessionStepAdmissionTest, AParkedStepDoesNotRunOnceItsSessionStartedRetiring) {
   const std::string id = Attach("engine-a");
   std::shared_ptr<Session> session = service_.session_for_test(id);
   absl::Notification started, release;
   std::thread running([&] {
-    session->step_gate().Run(1, [&](absl::Status admitted) {
-      EXPECT_TRUE(admitted.ok()) << admitted;
-      absl::MutexLock step(&session->backend().step_mu());  // as a running step holds it
-      started.Notify();
-      release.WaitForNotification();
-    });
+    session->step_gate().Run(
+        1,
+        [&](absl::Status admitted) {
+          EXPECT_TRUE(admitted.ok()) << admitted;
+          absl::MutexLock step(&session->backend().step_mu());  // as a running step holds it
+          started.Notify();
+          release.WaitForNotification();
+        },
+        nullptr, {});
   });
   started.WaitForNotification();
   absl::Status late;
@@ -261,7 +601,7 @@ TEST_F(SessionStepAdmissionTest, AParkedStepDoesNotRunOnceItsSessionStartedRetir
     EXPECT_TRUE(service_.Detach(request, engine_user_).ok());
   });
   while (!session->retiring()) std::this_thread::yield();  // Detach waits for the lock
-  release.Notify();  // the running step ends; its thread runs step 2 next
+  release.Notify();  // the running step ends; the executor runs step 2 next
   running.join();
   waiting.join();
   detach.join();
