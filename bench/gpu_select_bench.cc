@@ -403,9 +403,35 @@ absl::Status MeasurePolicies(eps::ModelLayout m, int batch, int64_t context, dou
 
 }  // namespace
 
+// Every flag the bench reads; a name outside it is a typo that would run the defaults.
+constexpr const char* kFlags[] = {
+    "--group-blocks=",     "--batches=",        "--contexts=",       "--policy-batch=",
+    "--policy-context=",   "--top-pages=",      "--slots=scattered", "--pool=ipc",
+    "--queued=off",        "--stage-clocks",    "--queries=bf16",    "--pool-offset=",
+    "--pool-pad=",         "--coarse-batches=", "--coarse-context=", "--feedback-batches=",
+    "--feedback-context=", "--policies=",       "--pool=local"};
+
 int main(int argc, char** argv) {
   if (argc == 2 && std::strncmp(argv[1], "--serve-pool=", 13) == 0) {
     return ServePool(std::strtoll(argv[1] + 13, nullptr, 10));
+  }
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0) {
+      std::printf(
+          "usage: eps_gpu_bench [flags]: the GPU pre-pass benchmark "
+          "(docs/benchmarks/gpu.md); needs a CUDA device. Flags:");
+      for (const char* flag : kFlags) std::printf(" %s", flag);
+      std::printf("\n(lists are comma-separated; an empty list skips that table)\n");
+      return 0;
+    }
+    if (std::none_of(std::begin(kFlags), std::end(kFlags), [&](const char* flag) {
+          const size_t n = std::strlen(flag);
+          return flag[n - 1] == '=' ? std::strncmp(argv[i], flag, n) == 0
+                                    : std::strcmp(argv[i], flag) == 0;
+        })) {
+      std::fprintf(stderr, "eps_gpu_bench: unknown flag %s (--help lists them)\n", argv[i]);
+      return 2;
+    }
   }
   std::vector<int64_t> batches{1, 8, 64}, contexts{8192, 32768, 131072};
   std::vector<int64_t> policy_batch{8}, policy_context{32768}, group_blocks{8}, top_pages{16};
@@ -449,8 +475,8 @@ int main(int argc, char** argv) {
   pool_offset = pool_offsets[0];
   pool_pad = pool_pads[0];
   if (!eps::gpu::DeviceAvailable()) {
-    std::printf("no CUDA device\n");
-    return 0;
+    std::fprintf(stderr, "eps_gpu_bench: no CUDA device: nothing measured\n");
+    return 1;
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
