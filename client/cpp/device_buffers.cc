@@ -113,12 +113,16 @@ absl::StatusOr<uint64_t> DeviceBuffers::ReadSelectionDone() {
 }
 
 // DeviceBuffers as a watchdog's device: its side stream reads and releases, so the
-// engine's waiting stream is not in the way.
+// engine's waiting stream is not in the way. Each function holds the buffers: the
+// watchdog's Device lives as long as the watchdog, so the region does too.
 absl::StatusOr<std::unique_ptr<SelectionWatchdog>> SelectionWatchdog::Create(
-    DeviceBuffers& buffers, std::chrono::microseconds timeout) {
+    std::shared_ptr<DeviceBuffers> buffers, std::chrono::microseconds timeout) {
+  if (buffers == nullptr) {
+    return absl::InvalidArgumentError("SelectionWatchdog: buffers is null");
+  }
   return Create(
-      Device{.read_done = [&buffers] { return buffers.ReadSelectionDone(); },
-             .release_dense = [&buffers](uint64_t step) { return buffers.ReleaseDense(step); }},
+      Device{.read_done = [buffers] { return buffers->ReadSelectionDone(); },
+             .release_dense = [buffers](uint64_t step) { return buffers->ReleaseDense(step); }},
       timeout);
 }
 

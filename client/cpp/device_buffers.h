@@ -16,8 +16,9 @@
 // library's own, as the watchdog must; that stream may share a hardware queue
 // with the engine's waiting one: docs/design.md §6.)
 //
-// Ownership: the allocation is freed in the destructor (after the device is
-// idle for it; a WaitSelection still waiting for a step the sidecar never finished is
+// Ownership: a SelectionWatchdog made over the buffers shares them (Create takes a
+// shared_ptr), so they are destroyed after it. The allocation is freed in the destructor (after the
+// device is idle for it; a WaitSelection still waiting for a step the sidecar never finished is
 // released densely first, as the watchdog would). Thread safety: ReleaseDense and ReadSelectionDone
 // may run on another thread (the watchdog's) than the engine's; everything else is the engine
 // thread's. ReleaseDense and ReadSelectionDone leave the calling thread's current device as they

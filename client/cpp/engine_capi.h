@@ -97,6 +97,10 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
  * feedback non-NULL when n > 0; `stream` as for eps_engine_release_dense. */
 int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream);
 
+/* The watchdog borrows visit_count, flags and the feedback: free none of them before
+ * eps_engine_watchdog_destroy returns. Its thread reads flags[1] at an armed step's due time
+ * and may release it (writes) even after epsd answered, and destroy finishes the armed
+ * step's watch. (Python's eps_client.engine.Watchdog keeps its CudaBuffers alive for this.) */
 typedef struct EpsEngineWatchdog EpsEngineWatchdog;
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out);

@@ -263,7 +263,7 @@ class AsyncFenceTest : public ::testing::Test {
   std::unique_ptr<PageSelector> reference_;
   std::unique_ptr<testing::StepBuffers> host_;
   std::vector<StepRow> rows_;
-  std::unique_ptr<client::DeviceBuffers> buffers_;
+  std::shared_ptr<client::DeviceBuffers> buffers_;  // shared with the tests' watchdogs
   cudaStream_t stream_ = nullptr;
   std::vector<float> staged_;
 };

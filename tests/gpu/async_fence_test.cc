@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <future>
+#include <memory>
 #include <random>
 #include <thread>
 #include <utility>
@@ -125,9 +126,20 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
 
 TEST_F(AsyncFenceTest, AWatchdogTimeoutMustBePositive) {
   for (auto timeout : {std::chrono::microseconds(0), std::chrono::microseconds(-1)}) {
-    auto made = client::SelectionWatchdog::Create(*buffers_, timeout);
+    auto made = client::SelectionWatchdog::Create(buffers_, timeout);
     EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << timeout.count();
   }
+}
+
+TEST_F(AsyncFenceTest, AWatchdogKeepsItsBuffersAliveUntilItIsDestroyed) {
+  auto made = client::SelectionWatchdog::Create(buffers_, std::chrono::milliseconds(50));
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::weak_ptr<client::DeviceBuffers> held = buffers_;
+  (*made)->Arm(1);   // never answered: released at its due time, through the buffers
+  buffers_.reset();  // the engine drops its buffers first
+  ASSERT_FALSE(held.expired()) << "the watchdog would read and release freed memory";
+  made->reset();  // finishes the armed step's watch (releases it), then lets go
+  EXPECT_TRUE(held.expired());
 }
 
 TEST_F(AsyncFenceTest, ReleaseDenseLeavesTheCallersCurrentDevice) {
@@ -151,7 +163,7 @@ TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
-  auto made = client::SelectionWatchdog::Create(*buffers_, std::chrono::milliseconds(200));
+  auto made = client::SelectionWatchdog::Create(buffers_, std::chrono::milliseconds(200));
   ASSERT_TRUE(made.ok()) << made.status();
   client::SelectionWatchdog& watchdog = **made;
   // Accepted, then the sidecar dies while its stream waits for the engine's
