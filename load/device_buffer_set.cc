@@ -47,6 +47,7 @@ class DeviceBufferSet final : public BufferSet {
   v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
   v1::Backend backend() const override { return v1::BACKEND_CUDA; }
   int device() const override { return buffers_->device(); }
+  std::string device_uuid() const override { return *buffers_->DeviceUuid(); }  // read at Create
   int64_t max_groups() const override { return buffers_->plan().max_groups; }
   int64_t max_blocks() const override { return buffers_->plan().max_blocks; }
 

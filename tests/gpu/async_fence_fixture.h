@@ -112,7 +112,7 @@ class AsyncFenceTest : public ::testing::Test {
     l->set_phi_seed(m_.phi_seed);
     l->mutable_features()->set_key_sum(true);
     attach.mutable_options()->set_method(v1::METHOD_JL);  // records without a quest part
-    *attach.mutable_buffers() = buffers_->Descriptors();
+    buffers_->DescribeTo(&attach);                        // buffers, device and device_uuid
     attach.set_max_batch(kBatch);
     attach.set_num_kv_blocks(kBatch * host_->max_blocks());
     attach.set_backend(v1::BACKEND_CUDA);
