@@ -128,7 +128,8 @@ int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, 
  * empty record (exactly core's SummaryWriter::Reset bytes). Call it whenever a slot is
  * (re)assigned to a new group, before the group's first append on the same stream: a
  * reused record otherwise keeps the old group's statistics. Runs must be 16-byte aligned
- * and disjoint (INVALID_ARGUMENT, nothing queued). */
+ * and disjoint (INVALID_ARGUMENT, nothing queued). Never waits for the stream: the runs go
+ * up from the writer's pinned memory (as a queue's submissions do). */
 int eps_engine_summary_reset(EpsSummaryWriter* w, const EpsRecordRun* runs, int64_t n,
                              uint64_t stream);
 void eps_engine_summary_writer_destroy(EpsSummaryWriter* w);
