@@ -2,6 +2,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -193,21 +194,142 @@ absl::Status CheckDisjoint(const char* what,
   return absl::OkStatus();
 }
 
-// Copies `bytes` from `host` into stream-ordered scratch on `stream` and runs
-// launch(scratch), then frees the scratch behind it: calls on different streams never
-// share it, and a copy from pageable memory is staged before cudaMemcpyAsync returns.
+// Each staging slot's bytes at Create (DeviceSummaryWriter::kStagingSlots of them).
+constexpr size_t kStagingSlotBytes = size_t{256} << 10;  // 6553 appends
+
+// Pinned host memory that AppendAsync and Reset copy their arguments up from. A copy from
+// pageable memory may wait for its stream (CUDA stages it, and may synchronise with the
+// stream to do so), and the engine's stream may be held by a wait for epsd's lists: the
+// "never waits" calls would then hold the engine's thread. Each slot's event marks its copy
+// done; a slot is refilled only after that, so an in-flight copy never reads new bytes.
+// Slots are never freed before the writer (cudaFreeHost waits for the device): a call that
+// finds none free and large enough adds one (cudaMallocHost, which CUDA may order after the
+// device's work: hence enough slots made at Create for the usual calls).
+class PinnedStaging {
+ public:
+  PinnedStaging() = default;
+  ~PinnedStaging();
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+
+  // Adds `slots` slots of `bytes` each (the writer's Create: the usual calls never allocate).
+  absl::Status Reserve(int slots, size_t bytes);
+  // Queues on `stream` the copy of host[0, bytes) to `device` through a slot; returns once
+  // the bytes are in the slot, without waiting for the stream.
+  absl::Status CopyToDevice(void* device, const void* host, size_t bytes, cudaStream_t stream);
+
+ private:
+  struct Slot {
+    Slot() = default;
+    ~Slot() {  // its copy is done (PinnedStaging's destructor waits for it)
+      if (copied != nullptr) cudaEventDestroy(copied);
+      if (host != nullptr) cudaFreeHost(host);
+    }
+    Slot(const Slot&) = delete;
+    Slot& operator=(const Slot&) = delete;
+    void* host = nullptr;  // pinned, `capacity` bytes
+    size_t capacity = 0;
+    cudaEvent_t copied = nullptr;
+    bool recorded = false;  // `copied` marks a queued copy out of this slot
+    bool filling = false;   // a call holds it between choosing it and recording `copied`
+  };
+  static absl::StatusOr<std::unique_ptr<Slot>> NewSlot(size_t bytes);
+  // A slot of at least `bytes` whose last copy is done, marked filling; null if none.
+  absl::StatusOr<Slot*> TakeFree(size_t bytes);
+
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+};
+
+PinnedStaging::~PinnedStaging() {
+  std::lock_guard lock(mu_);
+  for (const std::unique_ptr<Slot>& s : slots_) {
+    // Its copy may still read the slot. A failure reports nothing here, and is taken off
+    // the thread's last error, not left for the engine's next check; the caller's stays.
+    if (s->recorded && cudaEventSynchronize(s->copied) != cudaSuccess) ClearFailedCall();
+  }
+  slots_.clear();
+}
+
+absl::StatusOr<std::unique_ptr<PinnedStaging::Slot>> PinnedStaging::NewSlot(size_t bytes) {
+  auto slot = std::make_unique<Slot>();
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&slot->host, bytes));
+  slot->capacity = bytes;
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot->copied, cudaEventDisableTiming));
+  return slot;
+}
+
+absl::Status PinnedStaging::Reserve(int slots, size_t bytes) {
+  for (int i = 0; i < slots; ++i) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Slot> slot, NewSlot(bytes));
+    std::lock_guard lock(mu_);
+    slots_.push_back(std::move(slot));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PinnedStaging::Slot*> PinnedStaging::TakeFree(size_t bytes) {
+  std::lock_guard lock(mu_);
+  for (const std::unique_ptr<Slot>& s : slots_) {
+    if (s->filling || s->capacity < bytes) continue;
+    if (s->recorded) {
+      const cudaError_t done = cudaEventQuery(s->copied);
+      if (done == cudaErrorNotReady) {
+        ClearFailedCall();  // "not yet" is no error of the caller's
+        continue;
+      }
+      if (done != cudaSuccess) return CudaFailure("cudaEventQuery", done);
+    }
+    s->filling = true;
+    return s.get();
+  }
+  return nullptr;
+}
+
+absl::Status PinnedStaging::CopyToDevice(void* device, const void* host, size_t bytes,
+                                         cudaStream_t stream) {
+  ASSIGN_OR_RETURN(Slot * slot, TakeFree(bytes));
+  if (slot == nullptr) {
+    // Every slot busy or too small: a new one, sized in powers of two so growth is rare.
+    size_t capacity = size_t{1} << 16;
+    while (capacity < bytes) capacity *= 2;
+    ASSIGN_OR_RETURN(std::unique_ptr<Slot> added, NewSlot(capacity));
+    added->filling = true;
+    slot = added.get();
+    std::lock_guard lock(mu_);
+    slots_.push_back(std::move(added));
+  }
+  std::memcpy(slot->host, host, bytes);
+  const cudaError_t copied =
+      cudaMemcpyAsync(device, slot->host, bytes, cudaMemcpyHostToDevice, stream);
+  const cudaError_t recorded =
+      copied == cudaSuccess ? cudaEventRecord(slot->copied, stream) : cudaSuccess;
+  std::lock_guard lock(mu_);
+  if (copied != cudaSuccess) {
+    slot->filling = false;  // nothing queued reads it; its earlier event still holds
+    return CudaFailure("cudaMemcpyAsync", copied);
+  }
+  if (recorded != cudaSuccess) {
+    // A queued copy reads the slot and no event says when it is done: never reuse it.
+    return CudaFailure("cudaEventRecord", recorded);
+  }
+  slot->recorded = true;
+  slot->filling = false;
+  return absl::OkStatus();
+}
+
+// Copies `bytes` from `host` into stream-ordered scratch on `stream` through `staging`
+// and runs launch(scratch), then frees the scratch behind it: calls on different streams
+// never share it, and nothing here waits for the stream.
 // (Statuses built by returns, not assigned: nvcc warns on the ignored result of
 // absl::Status's assignment, a nodiscard type.)
 template <class Launch>
-absl::Status WithStreamScratch(const void* host, size_t bytes, cudaStream_t stream, Launch launch) {
+absl::Status WithStreamScratch(PinnedStaging& staging, const void* host, size_t bytes,
+                               cudaStream_t stream, Launch launch) {
   void* scratch = nullptr;
   CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, bytes, stream));
   auto copy_and_launch = [&]() -> absl::Status {
-    if (const cudaError_t err =
-            cudaMemcpyAsync(scratch, host, bytes, cudaMemcpyHostToDevice, stream);
-        err != cudaSuccess) {
-      return CudaFailure("cudaMemcpyAsync", err);
-    }
+    RETURN_IF_ERROR(staging.CopyToDevice(scratch, host, bytes, stream));
     return launch(scratch);
   };
   const absl::Status s = copy_and_launch();
@@ -227,6 +349,9 @@ struct DeviceSummaryWriter::Impl {
   int device = 0;
   DeviceBuffer<float> phi;
   DeviceBuffer<float> empty;  // [record_words]: ResetRecord's bytes
+  // AppendAsync's and Reset's arguments on their way up. Declared after the device buffers:
+  // destroyed first, once its copies are done.
+  PinnedStaging staging;
   // Append's scratch: one synchronous call at a time.
   std::mutex mu;
   DeviceBuffer<KeyAppend> appends ABSL_GUARDED_BY(mu);
@@ -259,6 +384,9 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
                                     model.num_layers, model.num_kv_heads, per_matrix,
                                     PhiScale(model.sketch_dim), impl->phi.get()));
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  // Staging for a few calls in flight, each of a decode step's appends of a large batch
+  // (40 bytes an append); a larger or further call adds a slot.
+  RETURN_IF_ERROR(impl->staging.Reserve(kStagingSlots, kStagingSlotBytes));
   // Both kernels loaded now, as gpu/stream_ops.h PreloadStreamOps loads its own: an engine
   // queues them behind its waits on counters, and a kernel's first launch, were it loaded
   // lazily then, would wait for the context to go idle, which such a wait holds up.
@@ -423,7 +551,8 @@ absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cuda
   RETURN_IF_ERROR(CheckDisjoint("runs", spans));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
   return WithStreamScratch(
-      runs.data(), runs.size() * sizeof(RecordRun), stream, [&](void* scratch) -> absl::Status {
+      impl_->staging, runs.data(), runs.size() * sizeof(RecordRun), stream,
+      [&](void* scratch) -> absl::Status {
         const int n = static_cast<int>(runs.size());
         CUDA_RETURN_IF_ERROR(LaunchKernel(ResetKernel, std::min(n, 4096), 256, 0, stream,
                                           static_cast<const RecordRun*>(scratch), n, w.empty.get(),
@@ -438,11 +567,12 @@ absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appe
   if (appends.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Check(appends, key_dtype));
   CUDA_RETURN_IF_ERROR(cudaSetDevice(impl_->device));
-  return WithStreamScratch(
-      appends.data(), appends.size() * sizeof(KeyAppend), stream, [&](void* scratch) {
-        return Launch(static_cast<const KeyAppend*>(scratch), static_cast<int>(appends.size()),
-                      key_dtype, stream, nullptr, skipped);
-      });
+  return WithStreamScratch(impl_->staging, appends.data(), appends.size() * sizeof(KeyAppend),
+                           stream, [&](void* scratch) {
+                             return Launch(static_cast<const KeyAppend*>(scratch),
+                                           static_cast<int>(appends.size()), key_dtype, stream,
+                                           nullptr, skipped);
+                           });
 }
 
 }  // namespace eps::gpu

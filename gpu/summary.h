@@ -12,8 +12,11 @@
 // docs/api-memory.md §3.2) and at least record_words apart; keys aligned to their element size.
 // Thread safety: appends of one call must target distinct, non-overlapping records
 // (checked); calls on one stream are ordered. Append (the synchronous one) shares scratch
-// memory between calls and serialises on a mutex; AppendAsync and Reset share nothing
-// and may be called from any thread.
+// memory between calls and serialises on a mutex; AppendAsync and Reset may be called from
+// any thread and share only the writer's pinned staging (behind a mutex held for no wait).
+// Neither waits for its stream: their arguments go up from pinned memory that the writer
+// owns (a copy from pageable memory may wait for the stream, and the engine's stream may be
+// held by a wait for epsd's lists), each staging slot reused only once its copy is done.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,6 +51,11 @@ struct RecordRun {
 
 class DeviceSummaryWriter {
  public:
+  // AppendAsync and Reset calls whose copies may be in flight at once (queued behind a
+  // held stream) before a call adds pinned staging (cudaMallocHost, which CUDA may order
+  // after the device's work); each of up to 6553 appends or 16384 runs (256 KiB).
+  static constexpr int kStagingSlots = 8;
+
   static absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> Create(const ModelLayout& model,
                                                                      int device);
   ~DeviceSummaryWriter();
@@ -61,7 +69,7 @@ class DeviceSummaryWriter {
   absl::Status Append(const std::vector<KeyAppend>& appends, DType key_dtype,
                       cudaStream_t stream = nullptr);
 
-  // Queues `appends` on `stream` and returns without waiting for the device, so
+  // Queues `appends` on `stream` and returns without waiting for the device or the stream, so
   // an engine can write summaries on its own stream, in order with its other
   // work, and never wait on another stream. The host-side checks fail the call
   // as Append's do (nothing is queued); an append with a bad key is skipped

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "client/cpp/buffer_plan.h"
@@ -50,6 +51,8 @@ class BufferSet {
   virtual v1::SharedBuffers Descriptors() const = 0;
   virtual v1::Backend backend() const = 0;
   virtual int device() const { return 0; }
+  // AttachRequest.device_uuid: the GPU's 16-byte UUID for device memory, empty for host's.
+  virtual std::string device_uuid() const { return {}; }
 
   virtual int64_t max_groups() const = 0;
   virtual int64_t max_blocks() const = 0;

@@ -40,13 +40,14 @@ absl::Status CudaError(const std::string& call, cudaError_t err) {
 
 class DeviceBufferSet final : public BufferSet {
  public:
-  DeviceBufferSet(std::unique_ptr<client::DeviceBuffers> buffers, OwnedStream stream,
+  DeviceBufferSet(std::shared_ptr<client::DeviceBuffers> buffers, OwnedStream stream,
                   std::unique_ptr<client::SelectionWatchdog> watchdog)
       : buffers_(std::move(buffers)), stream_(std::move(stream)), watchdog_(std::move(watchdog)) {}
 
   v1::SharedBuffers Descriptors() const override { return buffers_->Descriptors(); }
   v1::Backend backend() const override { return v1::BACKEND_CUDA; }
   int device() const override { return buffers_->device(); }
+  std::string device_uuid() const override { return *buffers_->DeviceUuid(); }  // read at Create
   int64_t max_groups() const override { return buffers_->plan().max_groups; }
   int64_t max_blocks() const override { return buffers_->plan().max_blocks; }
 
@@ -181,7 +182,7 @@ class DeviceBufferSet final : public BufferSet {
 
   int64_t ElementsOf(SharedBuffer buffer) const { return buffers_->plan().ElementsOf(buffer); }
 
-  std::unique_ptr<client::DeviceBuffers> buffers_;
+  std::shared_ptr<client::DeviceBuffers> buffers_;
   OwnedStream stream_;  // declared after buffers_: destroyed first
   // Declared after both: destroyed first, finishing the watch of a step still armed.
   std::unique_ptr<client::SelectionWatchdog> watchdog_;
@@ -198,8 +199,9 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayo
   if (!gpu::DeviceAvailable()) {
     return absl::FailedPreconditionError("--backend=cuda: no CUDA device is visible to eps-load");
   }
-  auto buffers = client::DeviceBuffers::Create(model, ClientShape(shape), device);
-  if (!buffers.ok()) return buffers.status();
+  auto created = client::DeviceBuffers::Create(model, ClientShape(shape), device);
+  if (!created.ok()) return created.status();
+  std::shared_ptr<client::DeviceBuffers> buffers = std::move(*created);  // the watchdog's too
   cudaStream_t stream = nullptr;
   cudaError_t err = cudaSetDevice(device);
   if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
@@ -207,10 +209,10 @@ absl::StatusOr<std::unique_ptr<BufferSet>> CreateDeviceBufferSet(const ModelLayo
     return absl::InternalError(absl::StrCat("cudaStreamCreate: ", cudaGetErrorString(err)));
   }
   OwnedStream owned(stream);
-  auto watchdog = client::SelectionWatchdog::Create(**buffers, shape.selection_wait);
+  auto watchdog = client::SelectionWatchdog::Create(buffers, shape.selection_wait);
   if (!watchdog.ok()) return watchdog.status();
   return std::unique_ptr<BufferSet>(std::make_unique<DeviceBufferSet>(
-      std::move(*buffers), std::move(owned), std::move(*watchdog)));
+      std::move(buffers), std::move(owned), std::move(*watchdog)));
 }
 
 }  // namespace eps::load

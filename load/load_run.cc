@@ -84,6 +84,7 @@ v1::AttachRequest MakeAttach(const ModelLayout& model, float coarse_candidates,
   a.set_num_kv_blocks(static_cast<uint64_t>(num_kv_blocks));
   a.set_backend(buffers.backend());
   a.set_device(buffers.device());
+  a.set_device_uuid(buffers.device_uuid());  // the GPU whatever epsd's ordinals are
   if (coarse_candidates > 0) a.mutable_options()->set_coarse_candidates(coarse_candidates);
   return a;
 }

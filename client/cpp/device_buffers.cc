@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<DeviceBuffers>> DeviceBuffers::Create(const Model
   cudaIpcMemHandle_t handle;
   CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, b->base_));
   b->handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  ASSIGN_OR_RETURN(b->uuid_, gpu::DeviceUuid(device));
   CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->side_stream_, cudaStreamNonBlocking));
   RETURN_IF_ERROR(gpu::PreloadStreamOps());  // before any wait is queued (stream_ops.h)
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_done_, sizeof(uint64_t)));
@@ -59,13 +60,17 @@ DeviceBuffers::~DeviceBuffers() {
   cudaFree(base_);
 }
 
-absl::StatusOr<std::string> DeviceBuffers::DeviceUuid() const { return gpu::DeviceUuid(device_); }
-
 v1::SharedBuffers DeviceBuffers::Descriptors() const {
   v1::MemoryDescriptor memory;
   memory.mutable_cuda_ipc()->set_handle(handle_);
   memory.mutable_cuda_ipc()->set_device(device_);
   return plan_.Descriptors(memory);
+}
+
+void DeviceBuffers::DescribeTo(v1::AttachRequest* attach) const {
+  *attach->mutable_buffers() = Descriptors();
+  attach->set_device(device_);
+  attach->set_device_uuid(uuid_);
 }
 
 absl::Status DeviceBuffers::SignalInputsReady(cudaStream_t stream, uint64_t step) {
@@ -113,12 +118,16 @@ absl::StatusOr<uint64_t> DeviceBuffers::ReadSelectionDone() {
 }
 
 // DeviceBuffers as a watchdog's device: its side stream reads and releases, so the
-// engine's waiting stream is not in the way.
+// engine's waiting stream is not in the way. Each function holds the buffers: the
+// watchdog's Device lives as long as the watchdog, so the region does too.
 absl::StatusOr<std::unique_ptr<SelectionWatchdog>> SelectionWatchdog::Create(
-    DeviceBuffers& buffers, std::chrono::microseconds timeout) {
+    std::shared_ptr<DeviceBuffers> buffers, std::chrono::microseconds timeout) {
+  if (buffers == nullptr) {
+    return absl::InvalidArgumentError("SelectionWatchdog: buffers is null");
+  }
   return Create(
-      Device{.read_done = [&buffers] { return buffers.ReadSelectionDone(); },
-             .release_dense = [&buffers](uint64_t step) { return buffers.ReleaseDense(step); }},
+      Device{.read_done = [buffers] { return buffers->ReadSelectionDone(); },
+             .release_dense = [buffers](uint64_t step) { return buffers->ReleaseDense(step); }},
       timeout);
 }
 

@@ -16,8 +16,9 @@
 // library's own, as the watchdog must; that stream may share a hardware queue
 // with the engine's waiting one: docs/design.md §6.)
 //
-// Ownership: the allocation is freed in the destructor (after the device is
-// idle for it; a WaitSelection still waiting for a step the sidecar never finished is
+// Ownership: a SelectionWatchdog made over the buffers shares them (Create takes a
+// shared_ptr), so they are destroyed after it. The allocation is freed in the destructor (after the
+// device is idle for it; a WaitSelection still waiting for a step the sidecar never finished is
 // released densely first, as the watchdog would). Thread safety: ReleaseDense and ReadSelectionDone
 // may run on another thread (the watchdog's) than the engine's; everything else is the engine
 // thread's. ReleaseDense and ReadSelectionDone leave the calling thread's current device as they
@@ -47,6 +48,10 @@ class DeviceBuffers {
 
   // Descriptors of every buffer (CudaIpcHandle), for AttachRequest.buffers.
   v1::SharedBuffers Descriptors() const;
+  // Sets attach's buffers (Descriptors), device and device_uuid (DeviceUuid), as Python's
+  // attach_request does for CudaBuffers: epsd finds the GPU by its UUID, so a rank started
+  // with CUDA_VISIBLE_DEVICES (whose ordinals are not epsd's) attaches on the right one.
+  void DescribeTo(v1::AttachRequest* attach) const;
 
   // Device pointers, laid out as docs/api-memory.md says.
   float* summary_pool() const { return At<float>(plan_.pool); }
@@ -82,8 +87,9 @@ class DeviceBuffers {
   const BufferPlan& plan() const { return plan_; }
   int device() const { return device_; }
   // The 16 bytes of the device's cudaDeviceProp.uuid, for AttachRequest.device_uuid
-  // (docs/api-memory.md §3.7: a rank whose ordinals are not epsd's names its GPU by it).
-  absl::StatusOr<std::string> DeviceUuid() const;
+  // (docs/api-memory.md §3.7: a rank whose ordinals are not epsd's names its GPU by it);
+  // read once, in Create.
+  absl::StatusOr<std::string> DeviceUuid() const { return uuid_; }
 
  private:
   DeviceBuffers(BufferPlan plan, int device) : plan_(std::move(plan)), device_(device) {}
@@ -97,6 +103,7 @@ class DeviceBuffers {
   const int device_;
   std::byte* base_ = nullptr;
   std::string handle_;                  // the cudaIpcMemHandle_t bytes
+  std::string uuid_;                    // the device's cudaDeviceProp.uuid, 16 bytes
   cudaStream_t side_stream_ = nullptr;  // ReleaseDense and ReadSelectionDone
   uint64_t* host_done_ = nullptr;       // pinned, for ReadSelectionDone
   uint64_t waited_ = 0;                 // the highest step WaitSelection queued a wait for

@@ -97,6 +97,10 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
  * feedback non-NULL when n > 0; `stream` as for eps_engine_release_dense. */
 int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream);
 
+/* The watchdog borrows visit_count, flags and the feedback: free none of them before
+ * eps_engine_watchdog_destroy returns. Its thread reads flags[1] at an armed step's due time
+ * and may release it (writes) even after epsd answered, and destroy finishes the armed
+ * step's watch. (Python's eps_client.engine.Watchdog keeps its CudaBuffers alive for this.) */
 typedef struct EpsEngineWatchdog EpsEngineWatchdog;
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out);
@@ -124,7 +128,8 @@ int eps_engine_summary_append(EpsSummaryWriter* w, const EpsKeyAppend* appends, 
  * empty record (exactly core's SummaryWriter::Reset bytes). Call it whenever a slot is
  * (re)assigned to a new group, before the group's first append on the same stream: a
  * reused record otherwise keeps the old group's statistics. Runs must be 16-byte aligned
- * and disjoint (INVALID_ARGUMENT, nothing queued). */
+ * and disjoint (INVALID_ARGUMENT, nothing queued). Never waits for the stream: the runs go
+ * up from the writer's pinned memory (as a queue's submissions do). */
 int eps_engine_summary_reset(EpsSummaryWriter* w, const EpsRecordRun* runs, int64_t n,
                              uint64_t stream);
 void eps_engine_summary_writer_destroy(EpsSummaryWriter* w);

@@ -17,7 +17,11 @@
 // timing is tested without a GPU (tests/client/selection_watchdog_test.cc).
 // Thread safety: Arm and releases() from any thread; the Device's functions run
 // on the watchdog's thread, and in the destructor on the destroying thread.
-// Ownership: what the Device's functions borrow must outlive the watchdog.
+// Ownership: the DeviceBuffers form shares the buffers' ownership, so they outlive the
+// watchdog whatever order the engine drops them in (its thread reads selection_done at an
+// armed step's due time, and a release writes -1s, NaNs and the counter: freed memory, or
+// another allocation's, were the buffers gone). What a Device's functions borrow must
+// outlive the watchdog.
 #pragma once
 
 #include <chrono>
@@ -51,9 +55,10 @@ class SelectionWatchdog {
   // without both functions.
   static absl::StatusOr<std::unique_ptr<SelectionWatchdog>> Create(
       Device device, std::chrono::microseconds timeout);
-  // DeviceBuffers' ReadSelectionDone and ReleaseDense(step) (defined in device_buffers.cc).
+  // DeviceBuffers' ReadSelectionDone and ReleaseDense(step) (defined in device_buffers.cc);
+  // the watchdog holds `buffers` until it is destroyed. InvalidArgument for null buffers.
   static absl::StatusOr<std::unique_ptr<SelectionWatchdog>> Create(
-      DeviceBuffers& buffers, std::chrono::microseconds timeout);
+      std::shared_ptr<DeviceBuffers> buffers, std::chrono::microseconds timeout);
   ~SelectionWatchdog();
   SelectionWatchdog(const SelectionWatchdog&) = delete;
   SelectionWatchdog& operator=(const SelectionWatchdog&) = delete;

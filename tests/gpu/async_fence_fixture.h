@@ -112,7 +112,7 @@ class AsyncFenceTest : public ::testing::Test {
     l->set_phi_seed(m_.phi_seed);
     l->mutable_features()->set_key_sum(true);
     attach.mutable_options()->set_method(v1::METHOD_JL);  // records without a quest part
-    *attach.mutable_buffers() = buffers_->Descriptors();
+    buffers_->DescribeTo(&attach);                        // buffers, device and device_uuid
     attach.set_max_batch(kBatch);
     attach.set_num_kv_blocks(kBatch * host_->max_blocks());
     attach.set_backend(v1::BACKEND_CUDA);
@@ -263,7 +263,7 @@ class AsyncFenceTest : public ::testing::Test {
   std::unique_ptr<PageSelector> reference_;
   std::unique_ptr<testing::StepBuffers> host_;
   std::vector<StepRow> rows_;
-  std::unique_ptr<client::DeviceBuffers> buffers_;
+  std::shared_ptr<client::DeviceBuffers> buffers_;  // shared with the tests' watchdogs
   cudaStream_t stream_ = nullptr;
   std::vector<float> staged_;
 };

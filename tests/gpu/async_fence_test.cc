@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <future>
+#include <memory>
 #include <random>
 #include <thread>
 #include <utility>
@@ -28,6 +29,7 @@
 #include "core/phi.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
+#include "gpu/device.h"
 #include "gpu/ipc_mapping.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
@@ -125,9 +127,20 @@ TEST_F(AsyncFenceTest, EpsdReleasesAStepWhoseInputsNeverArrive) {
 
 TEST_F(AsyncFenceTest, AWatchdogTimeoutMustBePositive) {
   for (auto timeout : {std::chrono::microseconds(0), std::chrono::microseconds(-1)}) {
-    auto made = client::SelectionWatchdog::Create(*buffers_, timeout);
+    auto made = client::SelectionWatchdog::Create(buffers_, timeout);
     EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << timeout.count();
   }
+}
+
+TEST_F(AsyncFenceTest, AWatchdogKeepsItsBuffersAliveUntilItIsDestroyed) {
+  auto made = client::SelectionWatchdog::Create(buffers_, std::chrono::milliseconds(50));
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::weak_ptr<client::DeviceBuffers> held = buffers_;
+  (*made)->Arm(1);   // never answered: released at its due time, through the buffers
+  buffers_.reset();  // the engine drops its buffers first
+  ASSERT_FALSE(held.expired()) << "the watchdog would read and release freed memory";
+  made->reset();  // finishes the armed step's watch (releases it), then lets go
+  EXPECT_TRUE(held.expired());
 }
 
 TEST_F(AsyncFenceTest, ReleaseDenseLeavesTheCallersCurrentDevice) {
@@ -151,7 +164,7 @@ TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   ASSERT_NE(epsd, nullptr);
   client::EpsClient client(AsyncOptions(*epsd), Attach());
   ASSERT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
-  auto made = client::SelectionWatchdog::Create(*buffers_, std::chrono::milliseconds(200));
+  auto made = client::SelectionWatchdog::Create(buffers_, std::chrono::milliseconds(200));
   ASSERT_TRUE(made.ok()) << made.status();
   client::SelectionWatchdog& watchdog = **made;
   // Accepted, then the sidecar dies while its stream waits for the engine's
@@ -408,6 +421,57 @@ TEST_F(AsyncFenceTest, ARegionNotInWhole2MiBPagesAttachesWithAWarning) {
   }
   EXPECT_NE(epsd->Log().find(warning), std::string::npos) << epsd->Log();
   EXPECT_EQ(cudaFree(exact), cudaSuccess);
+}
+
+TEST_F(AsyncFenceTest, TheClientNamesItsGpuByUuid) {
+  const v1::AttachRequest attach = Attach();  // DeviceBuffers::DescribeTo
+  const absl::StatusOr<std::string> uuid = gpu::DeviceUuid(buffers_->device());
+  ASSERT_TRUE(uuid.ok()) << uuid.status();
+  EXPECT_EQ(attach.device_uuid(), *uuid);
+  EXPECT_EQ(attach.device(), buffers_->device());
+  EXPECT_EQ(attach.buffers().summary_pool().cuda_ipc().handle(),
+            buffers_->Descriptors().summary_pool().cuda_ipc().handle());
+}
+
+// A rank started with CUDA_VISIBLE_DEVICES=1 calls its GPU 0: sent as epsd's ordinal 0
+// without a device_uuid, its buffers (on epsd's GPU 1) would be peer-mapped on GPU 0 and
+// every step would read them across the link. epsd refuses such a mapping.
+TEST_F(AsyncFenceTest, BuffersOnAnotherGpuThanTheSessionsAreRefused) {
+  if (gpu::DeviceCount() < 2) GTEST_SKIP() << gpu::DeviceCount() << " CUDA device(s): needs 2";
+  client::BufferShape shape{.num_slots = host_->num_slots(),
+                            .max_seqs = kBatch,
+                            .max_context = kTokens,
+                            .max_batch = kBatch};
+  auto other = client::DeviceBuffers::Create(m_, shape, 1);
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto epsd = testing::EpsdProcess::Start(testing::UniqueSocket("othergpu"), {"--backend=cuda"});
+  ASSERT_NE(epsd, nullptr);
+  v1::AttachRequest attach = Attach();
+  attach.set_engine_id("async-fence-other-gpu");
+  (*other)->DescribeTo(&attach);
+  {
+    v1::AttachRequest by_uuid = attach;  // the client library's request: attaches on GPU 1
+    client::EpsClient client(SyncFailClosedOptions(*epsd), by_uuid);
+    EXPECT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
+  }
+  attach.clear_device_uuid();
+  attach.set_device(0);
+  v1::SharedBuffers* b = attach.mutable_buffers();
+  for (v1::MemoryDescriptor* d :
+       {b->mutable_summary_pool(), b->mutable_group_table(), b->mutable_block_table(),
+        b->mutable_queries(), b->mutable_visit_blocks(), b->mutable_visit_count(),
+        b->mutable_flags()}) {
+    d->mutable_cuda_ipc()->set_device(0);  // the rank's own ordinal, not epsd's
+  }
+  attach.set_engine_id("async-fence-wrong-ordinal");
+  client::EpsClient client(SyncFailClosedOptions(*epsd), attach);
+  const absl::Status s = client.Attach();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("lives on epsd's device 1"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("session's device 0"), std::string::npos) << s;
+  // Still serves: the refused mapping was closed, and no CUDA error was left behind.
+  client::EpsClient again(SyncFailClosedOptions(*epsd), Attach());
+  EXPECT_EQ(again.Attach(), absl::OkStatus()) << epsd->Log();
 }
 
 }  // namespace

@@ -1,8 +1,11 @@
 // The device summary writer against core/'s SummaryWriter on fresh random keys.
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <random>
 #include <string>
@@ -12,6 +15,7 @@
 #include "core/phi.h"
 #include "core/summary.h"
 #include "gpu/step.h"
+#include "gpu/stream_ops.h"
 #include "gpu/summary.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -30,6 +34,39 @@ ModelLayout Model() {
   m.phi_seed = 5;
   m.features = {.key_sum = true, .principal = true, .quest = true, .quest8 = true};
   return m;
+}
+
+// `got` holds the device writer's `records` records, `host` core's of the same appends: sums
+// to float rounding (another order), quest and quest8 bit for bit, the principal pair cleared.
+void ExpectRecordsMatch(const ModelLayout& m, const std::vector<float>& host,
+                        const std::vector<float>& got, int records) {
+  const SummaryLayout layout = SummaryLayout::For(m);
+  for (int r = 0; r < records; ++r) {
+    const float* want = host.data() + r * layout.record_words;
+    const float* have = got.data() + r * layout.record_words;
+    const float scale = want[layout.fro2];        // every Gram entry and sum is bounded by it
+    for (int w = 0; w < layout.quest_min; ++w) {  // Gram, norms, count, key sum
+      ASSERT_NEAR(have[w], want[w], 1e-5f * scale + 1e-5f) << "record " << r << " word " << w;
+    }
+    // quest: binary16 min and max of the same keys, rounded outward alike: exact.
+    const std::span<const float> want_record(want, layout.record_words);
+    const std::span<const float> have_record(have, layout.record_words);
+    for (int i = 0; i < m.head_dim; ++i) {
+      ASSERT_EQ(QuestMin(have_record, layout, i), QuestMin(want_record, layout, i))
+          << "record " << r;
+      ASSERT_EQ(QuestMax(have_record, layout, i), QuestMax(want_record, layout, i))
+          << "record " << r;
+    }
+    // quest8: every step exact (a power-of-two scale), so bit for bit.
+    ASSERT_EQ(Quest8Scale(have_record, layout), Quest8Scale(want_record, layout)) << "record " << r;
+    for (int i = 0; i < m.head_dim; ++i) {
+      ASSERT_EQ(Quest8MinCode(have_record, layout, i), Quest8MinCode(want_record, layout, i))
+          << "record " << r << " channel " << i;
+      ASSERT_EQ(Quest8MaxCode(have_record, layout, i), Quest8MaxCode(want_record, layout, i))
+          << "record " << r << " channel " << i;
+    }
+    EXPECT_EQ(have[layout.principal + 2], 0.0f) << "appends clear the principal pair";
+  }
 }
 
 class GpuSummaryTest : public ::testing::TestWithParam<DType> {};
@@ -101,32 +138,7 @@ TEST_P(GpuSummaryTest, DeviceWriterMatchesTheCoreWriter) {
   std::vector<float> got(host.size());
   ASSERT_EQ(cudaMemcpy(got.data(), device, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   cudaFree(device);
-  for (int r = 0; r < records; ++r) {
-    const float* want = host.data() + r * layout.record_words;
-    const float* have = got.data() + r * layout.record_words;
-    const float scale = want[layout.fro2];        // every Gram entry and sum is bounded by it
-    for (int w = 0; w < layout.quest_min; ++w) {  // Gram, norms, count, key sum
-      ASSERT_NEAR(have[w], want[w], 1e-5f * scale + 1e-5f) << "record " << r << " word " << w;
-    }
-    // quest: binary16 min and max of the same keys, rounded outward alike: exact.
-    const std::span<const float> want_record(want, layout.record_words);
-    const std::span<const float> have_record(have, layout.record_words);
-    for (int i = 0; i < m.head_dim; ++i) {
-      ASSERT_EQ(QuestMin(have_record, layout, i), QuestMin(want_record, layout, i))
-          << "record " << r;
-      ASSERT_EQ(QuestMax(have_record, layout, i), QuestMax(want_record, layout, i))
-          << "record " << r;
-    }
-    // quest8: every step exact (a power-of-two scale), so bit for bit.
-    ASSERT_EQ(Quest8Scale(have_record, layout), Quest8Scale(want_record, layout)) << "record " << r;
-    for (int i = 0; i < m.head_dim; ++i) {
-      ASSERT_EQ(Quest8MinCode(have_record, layout, i), Quest8MinCode(want_record, layout, i))
-          << "record " << r << " channel " << i;
-      ASSERT_EQ(Quest8MaxCode(have_record, layout, i), Quest8MaxCode(want_record, layout, i))
-          << "record " << r << " channel " << i;
-    }
-    EXPECT_EQ(have[layout.principal + 2], 0.0f) << "appends clear the principal pair";
-  }
+  ExpectRecordsMatch(m, host, got, records);
 }
 
 INSTANTIATE_TEST_SUITE_P(KeyTypes, GpuSummaryTest,
@@ -176,6 +188,86 @@ struct DeviceRecords {
   ~DeviceRecords() { cudaFree(data); }
   float* data = nullptr;
 };
+
+// The engine's stream is held by a wait (for epsd's lists, here for a host-mapped flag only
+// a CPU store ends): a Reset and AppendAsync calls, as many as the writer has staging
+// slots, queued behind it back to back, return while it still waits (a copy from pageable
+// memory may wait for the stream), and once it runs they leave core's records.
+TEST(GpuSummaryQueuedTest, CallsQueuedBehindAHeldStreamReturnAtOnceAndMatchTheCoreWriter) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const ModelLayout m = Model();
+  const SummaryLayout layout = SummaryLayout::For(m);
+  auto phi = PhiBank::Create(m.phi_seed, 2, 2, 128, 8);
+  SummaryWriter host_writer(m, *phi);
+  auto writer = gpu::DeviceSummaryWriter::Create(m, 0);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  // A Reset and kStagingSlots - 1 appends of 80 KiB each: every staging slot in flight.
+  const int records = 2048, calls = gpu::DeviceSummaryWriter::kStagingSlots - 1;
+  const int words = layout.record_words;
+  std::vector<float> host(int64_t{records} * words);
+  for (int r = 0; r < records; ++r) {
+    ASSERT_TRUE(host_writer.Reset({host.data() + int64_t{r} * words, size_t(words)}).ok());
+  }
+  DeviceRecords pool(int64_t{records} * words);  // dirty until the queued Reset
+  // Everything allocated and uploaded before the stream is held: keys [calls, records, d].
+  const int d = m.head_dim;
+  std::vector<float> keys = testing::GaussianVector(rng, int64_t{calls} * records * d, 1.0f);
+  DeviceRecords device_keys(static_cast<int64_t>(keys.size()));
+  ASSERT_EQ(::eps::testing::CopyToDeviceNow(device_keys.data, keys.data(), keys.size() * 4),
+            cudaSuccess);
+  std::vector<std::vector<gpu::KeyAppend>> appends(calls);
+  for (int c = 0; c < calls; ++c) {
+    for (int r = 0; r < records; ++r) {
+      const int layer = r % 2, kvh = (r / 2) % 2;
+      const float* k = device_keys.data + (int64_t{c} * records + r) * d;
+      appends[c].push_back({pool.data + int64_t{r} * words, k, 1, 0, layer, kvh});
+      ASSERT_TRUE(host_writer
+                      .Append({host.data() + int64_t{r} * words, size_t(words)}, layer, kvh,
+                              {keys.data() + (int64_t{c} * records + r) * d, DType::kFloat32, 1, d})
+                      .ok());
+    }
+  }
+  uint64_t* flag = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(uint64_t), cudaHostAllocMapped),
+            cudaSuccess);
+  *flag = 0;
+  uint64_t* mapped = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped), flag, 0), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_TRUE(gpu::StreamWaitCounter(stream, mapped, 1).ok());
+  // Ends the wait after 20 s should a call wait for the stream, so the test fails, not hangs.
+  std::promise<void> issued;
+  std::atomic<bool> guard_released{false};
+  std::thread guard([&, done = issued.get_future()] {
+    if (done.wait_for(std::chrono::seconds(20)) == std::future_status::timeout) {
+      guard_released = true;
+      __atomic_store_n(flag, uint64_t{1}, __ATOMIC_RELEASE);
+    }
+  });
+  std::vector<absl::Status> queued;
+  queued.push_back((*writer)->Reset({{pool.data, records}}, stream));
+  for (int c = 0; c < calls; ++c) {
+    queued.push_back((*writer)->AppendAsync(appends[c], DType::kFloat32, stream, nullptr));
+  }
+  const cudaError_t still_held = cudaStreamQuery(stream);
+  (void)cudaGetLastError();  // cudaErrorNotReady is no error
+  issued.set_value();
+  guard.join();
+  __atomic_store_n(flag, uint64_t{1}, __ATOMIC_RELEASE);
+  EXPECT_FALSE(guard_released) << "a call waited for the held stream";
+  EXPECT_EQ(still_held, cudaErrorNotReady) << "the stream was not held: this test checks nothing";
+  for (size_t i = 0; i < queued.size(); ++i) EXPECT_TRUE(queued[i].ok()) << i << ": " << queued[i];
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(flag);
+  std::vector<float> got(host.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), pool.data, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ExpectRecordsMatch(m, host, got, records);
+}
 
 TEST(GpuSummaryResetTest, ResetWritesTheBytesOfCoresReset) {
   if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";

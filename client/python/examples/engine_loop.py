@@ -125,7 +125,8 @@ class PagedEngine:
                 torch.from_numpy(self.coarse_slots_host.astype(np.int32)))
             TorchSummaryWriter(eps_model, device=device).reset(
                 self.buffers.coarse_pool, torch.arange(self.buffers.coarse_pool.shape[0]))
-        self.writer = DeviceSummaryWriter(eps_model, device.index or 0)
+        # Made for the buffers: their close() closes it (and the queue) before the pool goes.
+        self.writer = DeviceSummaryWriter(eps_model, device.index or 0, buffers=self.buffers)
         self.queue = SummaryQueue(self.writer)
         self._summary_errors_seen = 0
         self.counters = StepCounters.of(self.buffers)
@@ -574,10 +575,8 @@ class PagedEngine:
         except Exception:  # noqa: BLE001 - epsd may be gone (kill -9 run)
             pass
         self.client.close()
-        self.watchdog.close()
-        self.queue.close()
-        self.writer.close()
         torch.cuda.synchronize(self.device)
+        # Closes the watchdog, the counters, the queue and the writer first (newest first).
         self.buffers.close()
 
 

@@ -15,7 +15,8 @@ import ctypes.util
 import glob
 import os
 import sys
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +29,13 @@ _IPC_HANDLE_BYTES = 64
 
 class CudaError(RuntimeError):
     pass
+
+
+class RegionUser(Protocol):
+    """An object that holds device addresses inside a CudaBuffers region (a StepCounters,
+    a Watchdog, a DeviceSummaryWriter made for it): it must stop using them in close()."""
+
+    def close(self) -> None: ...
 
 
 def _candidate_libraries() -> list[str]:
@@ -98,7 +106,13 @@ class CudaBuffers:
     Attributes mirror ShmBuffers (summary_pool, group_table, block_table, queries,
     visit_blocks, visit_count, flags). ``close()`` frees the region (after the
     sidecar detached: freeing memory another process maps is undefined).
-    Not thread-safe.
+
+    Objects of eps_client.engine that hold addresses in the region (``StepCounters.of``, a
+    ``Watchdog`` over them, a ``DeviceSummaryWriter`` or ``SummaryQueue`` made with
+    ``buffers=``) keep this object alive and are registered here: ``close()`` closes them
+    first, newest first, and frees the region only then. A watchdog's thread would otherwise
+    read selection_done from freed memory at its step's due time, or write -1s, NaNs and a
+    counter into whatever allocation took the address. Not thread-safe.
     """
 
     def __init__(self, model: ModelLayout, shape: BufferShape, device: int = 0,
@@ -107,6 +121,8 @@ class CudaBuffers:
 
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape, self.device = model, shape, device
+        self._users: list[weakref.ref[RegionUser]] = []
+        self._ptr: int | None = None
         self._rt = _Runtime(load_cudart(cudart))
         # The thread's current device is the engine's: made `device` only while the region
         # is made (device_scope.h's rule), so the engine's next allocation stays on its own.
@@ -125,7 +141,7 @@ class CudaBuffers:
         self._rt.check(self._rt.lib.cudaMalloc(ctypes.byref(ptr), size), f"cudaMalloc({size})")
         if ptr.value is None:
             raise CudaError(f"cudaMalloc({size}) returned a null pointer")
-        self._ptr: int | None = ptr.value
+        self._ptr = ptr.value
         try:
             self._fill(ptr, size, device)
         except BaseException:
@@ -173,9 +189,25 @@ class CudaBuffers:
         handle = pb.CudaIpcHandle(handle=self.ipc_handle, device=self.device)
         return self.layout.descriptors({"cuda_ipc": handle})
 
+    def register(self, user: RegionUser) -> None:
+        """Closes ``user`` before the region is freed (``close()``). CudaError once closed:
+        its addresses are already freed."""
+        if self._ptr is None:
+            raise CudaError("the CudaBuffers region is closed (freed)")
+        self._users = [u for u in self._users if u() is not None]
+        self._users.append(weakref.ref(user))
+
     def close(self) -> None:
         if self._ptr is None:
             return
+        # Users first, newest first: a watchdog before the counters it was made over, a
+        # queue before its writer. A watchdog's close finishes its armed step's watch,
+        # which reads the region: it must still be there.
+        users, self._users = self._users, []
+        for ref in reversed(users):
+            user = ref()
+            if user is not None:
+                user.close()
         for name in self.layout.shapes:
             setattr(self, name, None)
         ptr, self._ptr = self._ptr, None

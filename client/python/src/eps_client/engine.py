@@ -17,6 +17,13 @@ addresses (``tensor.data_ptr()``). The library is found through ``EPS_ENGINE_LIB
 this package, or in a build folder of the source tree. Not thread-safe except Watchdog.
 A handle used after its ``close()`` raises EngineLibError with code 9 (FAILED_PRECONDITION);
 a SummaryQueue keeps its writer's device state alive, so closing the writer first is safe.
+
+Lifetimes: an object made for a ``CudaBuffers`` (``StepCounters.of(buffers)``, a ``Watchdog``
+over those counters, a ``DeviceSummaryWriter(..., buffers=b)`` and its ``SummaryQueue``) keeps
+the buffers alive and is closed by ``buffers.close()`` before the region is freed, so no
+order of close() calls lets the library touch freed memory. A Watchdog that is no longer
+referenced closes itself. Counters made from raw addresses (no ``buffers``) borrow them:
+the caller keeps the memory alive until every Watchdog over them is closed.
 """
 
 from __future__ import annotations
@@ -146,26 +153,42 @@ def check(call: str, rc: int) -> None:
 
 class StepCounters:
     """The flags buffer's counters (``flags`` [2] uint64 on the device) and the visit counts
-    that a dense release marks -1."""
+    that a dense release marks -1. ``buffers`` (the CudaBuffers that hold them, as ``of``
+    passes) is kept alive, and its ``close()`` closes these counters first; a call after
+    ``close()`` raises EngineLibError FAILED_PRECONDITION."""
 
     def __init__(self, flags_ptr: int, visit_count_ptr: int, lists: int, device: int,
-                 feedback: Any = None) -> None:
+                 feedback: Any = None, *, buffers: Any = None) -> None:
         self.flags, self.counts, self.lists, self.device = flags_ptr, visit_count_ptr, lists, device
         self.feedback = feedback  # a torch tensor, NaN-filled by release_dense
+        self.buffers = buffers  # the region's owner, or None (the caller keeps it alive)
+        self._closed = False
         check("eps_engine_preload", library().eps_engine_preload(device))
+        if buffers is not None:
+            buffers.register(self)
 
     @staticmethod
     def of(buffers: Any) -> StepCounters:
         """For eps_client.cuda.CudaBuffers."""
         return StepCounters(buffers.flags.data_ptr(), buffers.visit_count.data_ptr(),
                             buffers.visit_count.numel(), buffers.device,
-                            getattr(buffers, "feedback", None))
+                            getattr(buffers, "feedback", None), buffers=buffers)
+
+    def _live(self, call: str) -> None:
+        if self._closed:
+            raise EngineLibError(call, FAILED_PRECONDITION, "the step counters are closed")
+
+    def close(self) -> None:
+        """Stops using the addresses (their buffers are about to be freed)."""
+        self._closed = True
 
     def signal_inputs_ready(self, stream: int, step: int) -> None:
+        self._live("signal_inputs_ready")
         check("signal_inputs_ready",
               library().eps_engine_signal_inputs_ready(stream, self.flags, step))
 
     def wait_selection(self, stream: int, step: int) -> None:
+        self._live("wait_selection")
         check("wait_selection", library().eps_engine_wait_selection(stream, self.flags, step))
 
     def release_dense(self, step: int, stream: int = 0) -> None:
@@ -174,6 +197,7 @@ class StepCounters:
         without one it runs on a private stream and is waited for. A ``feedback`` tensor is
         NaN-filled first, in the same order: no selection consumed the entries of the step
         before, and the released step's attention would combine its masses with them."""
+        self._live("release_dense")
         if self.feedback is not None:
             check("clear_feedback", library().eps_engine_clear_feedback(
                 self.device, self.feedback.data_ptr(), self.feedback.numel(), stream))
@@ -183,22 +207,37 @@ class StepCounters:
 
 class Watchdog:
     """Arm(step) after each accepted async reply; after ``timeout_s`` a step whose
-    selection_done has not come is released densely (counted in ``releases``)."""
+    selection_done has not come is released densely (counted in ``releases``).
+
+    Keeps ``counters`` (and so their buffers) alive; their CudaBuffers' ``close()`` closes
+    this watchdog first. ``close()`` (also run when the object is collected) finishes the
+    armed step's watch: it returns once selection_done reaches the step, or at the step's
+    due time after releasing it (client/cpp/selection_watchdog.h)."""
+
+    _h: int | None = None  # set before anything can fail, so __del__ always finds it
 
     def __init__(self, counters: StepCounters, timeout_s: float) -> None:
         if not timeout_s > 0 or timeout_s == float("inf"):
             raise ValueError(f"Watchdog timeout_s={timeout_s} must be finite and > 0")
+        counters._live("watchdog_create")
         handle = ctypes.c_void_p()
         check("watchdog_create", library().eps_engine_watchdog_create(
             counters.device, counters.counts, counters.lists, counters.flags,
             max(1, int(timeout_s * 1e6)), ctypes.byref(handle)))
-        self._h: int | None = handle.value
+        self._h = handle.value
+        self._counters = counters  # the addresses the watchdog's thread reads and writes
         if counters.feedback is not None:  # cleared before each release, as release_dense does
             try:
                 check("watchdog_clear_feedback", library().eps_engine_watchdog_clear_feedback(
                     self._h, counters.feedback.data_ptr(), counters.feedback.numel()))
             except BaseException:
                 self.close()  # the caller never gets the object to close
+                raise
+        if counters.buffers is not None:
+            try:
+                counters.buffers.register(self)
+            except BaseException:
+                self.close()
                 raise
 
     def arm(self, step: int) -> None:
@@ -212,14 +251,26 @@ class Watchdog:
 
     def close(self) -> None:
         if self._h is not None:
-            library().eps_engine_watchdog_destroy(self._h)
-            self._h = None
+            h, self._h = self._h, None
+            library().eps_engine_watchdog_destroy(h)
+
+    def __del__(self) -> None:
+        # Its thread would otherwise keep the armed step's addresses in use with no owner
+        # left to stop it. Not on a half-torn-down interpreter: the library may be gone.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
 
 
 class DeviceSummaryWriter:
-    """gpu::DeviceSummaryWriter for ``model`` on ``device``."""
+    """gpu::DeviceSummaryWriter for ``model`` on ``device``. With ``buffers`` (the
+    CudaBuffers whose summary pool it writes), it keeps them alive and their ``close()``
+    closes it, and any SummaryQueue made on it, before the pool is freed."""
 
-    def __init__(self, model: ModelLayout, device: int = 0) -> None:
+    _buffers: Any = None
+
+    def __init__(self, model: ModelLayout, device: int = 0, *, buffers: Any = None) -> None:
         f = model.features
         m = _Model(model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
                    model.block_size, model.group_blocks, model.sketch_dim, model.phi_seed,
@@ -240,6 +291,13 @@ class DeviceSummaryWriter:
             raise EngineLibError("eps_engine_summary_writer_create", 9,
                                  f"the library's records have {words.value} words, this client's "
                                  f"{want} ({model.features}): libeps_engine and eps_client differ")
+        if buffers is not None:
+            try:
+                buffers.register(self)
+            except BaseException:
+                self.close()  # the caller never gets the object to close
+                raise
+            self._buffers = buffers
 
     def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
         """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
@@ -275,6 +333,12 @@ class SummaryQueue:
             w, writer.device, ctypes.byref(handle)))
         self._h: int | None = handle.value
         self._writer = writer
+        if writer._buffers is not None:  # closed before the pool its appends write is freed
+            try:
+                writer._buffers.register(self)
+            except BaseException:
+                self.close()
+                raise
 
     def submit(self, appends: np.ndarray, key_dtype: str, after_stream: int, step: int) -> None:
         h = _open(self._h, "summary queue", "summary_queue_submit")
