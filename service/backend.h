@@ -89,17 +89,22 @@ class StepBackend {
   // retired() and not run. Taken under the step lock, so once it returns no step
   // of the session writes the engine's buffers again.
   // `release_now` (epsd's shutdown): a queued step is released without waiting for
-  // its engine's inputs.
-  void Retire(bool release_now = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    FinishQueued(release_now);
+  // its engine's inputs. Returns how the queued work ended: a device-lost status
+  // (core/status.h) means the session's device is lost to this process, though the
+  // session has ended all the same.
+  absl::Status Retire(bool release_now = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    absl::Status finished = FinishQueued(release_now);
     retired_ = true;
+    return finished;
   }
   bool retired() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) { return retired_; }
 
  protected:
   // Finishes, or releases, what a Run left running after it returned (the cuda
   // backend's async step), so that it no longer writes the engine's buffers.
-  virtual void FinishQueued(bool /*release_now*/) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {}
+  virtual absl::Status FinishQueued(bool /*release_now*/) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    return absl::OkStatus();
+  }
 
   mutable absl::Mutex step_mu_;
 

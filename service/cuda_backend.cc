@@ -126,17 +126,20 @@ class CudaBackend final : public StepBackend {
   // --inputs-timeout-ms; not at all with `release_now`), then released by Finish: its
   // lists become -1 (attend densely) and the stream drains, so nothing is left queued
   // when the session ends.
-  void FinishQueued(bool release_now) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    if (!selector_->pending()) return;
+  // Its status goes to the caller, which reports a lost device (session_service.cc).
+  absl::Status FinishQueued(bool release_now) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    if (!selector_->pending()) return absl::OkStatus();
     StepStats stats;
     float us = 0;
     const std::chrono::microseconds wait =
         release_now ? std::chrono::microseconds(0) : inputs_timeout_;
-    if (absl::Status s = selector_->Finish(wait, &stats, &us); !s.ok()) {
+    const uint64_t step = selector_->pending_step();
+    absl::Status s = selector_->Finish(wait, &stats, &us);
+    if (!s.ok()) {
       std::fprintf(stderr, "epsd: the queued step %llu of an ending session: %s\n",
-                   static_cast<unsigned long long>(selector_->pending_step()),
-                   std::string(s.message()).c_str());
+                   static_cast<unsigned long long>(step), std::string(s.message()).c_str());
     }
+    return s;
   }
 
  private:

@@ -144,10 +144,10 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
                                                   caller.Describe()));
 }
 
-void Session::Retire(bool release_now) {
+absl::Status Session::Retire(bool release_now) {
   retiring_.store(true, std::memory_order_release);
   absl::MutexLock lock(&backend_->step_mu());
-  backend_->Retire(release_now);
+  return backend_->Retire(release_now);
 }
 
 void Session::KeepUndelivered(std::vector<v1::StepStats> finished) {

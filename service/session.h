@@ -92,7 +92,9 @@ class Session {
   // retiring() is true from its first line on, before it waits for the step lock: a
   // parked step, handed to the StepExecutor once the running step lets the lock go,
   // may take the lock before Retire does (absl::Mutex is not FIFO), and must not run.
-  void Retire(bool release_now = false);
+  // Returns StepBackend::Retire's status: device-lost when ending the queued work found
+  // the device lost (the caller reports it; the session has ended all the same).
+  absl::Status Retire(bool release_now = false);
   bool retiring() const { return retiring_.load(std::memory_order_acquire); }
   // For the janitor (session_janitor.h): a session whose backend frees device memory,
   // or an unfinished cuda session (Create's remains) that holds CUDA IPC mappings, is

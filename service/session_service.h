@@ -127,7 +127,9 @@ class SessionService {
   absl::Status DetachSession(const v1::DetachRequest& request, const Peer& caller);
   absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
                           const Peer& caller);
-  // `status`, after calling on_device_lost_ if it is the first device-lost one.
+  // `status`, after calling on_device_lost_ if it is the first device-lost one. Every
+  // status that may come from a CUDA call goes through it: a step's, an Attach's, and a
+  // retired session's (Session::Retire), whoever retired it.
   absl::Status WatchDevice(absl::Status status);
   // UNAVAILABLE: what every Attach and step gets once a device is lost.
   static absl::Status Restarting();

@@ -50,6 +50,17 @@ namespace {
 
 using eps::testing::TestEngine;
 
+// Polls `done` for up to 10 s (a loaded machine); true when it held.
+template <typename F>
+bool Eventually(F done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 absl::Status Lost() {
   return MarkDeviceLost(absl::InternalError("cudaStreamQuery: an illegal memory access"));
 }
@@ -62,7 +73,8 @@ enum class Fault {
   kOrdinary,
   kFailAfterFinishingEarlier,
   kSaturatedBytes,
-  kThrow  // a bug: CallGuarded (service/call_guard.h) turns it into INTERNAL
+  kThrow,         // a bug: CallGuarded (service/call_guard.h) turns it into INTERNAL
+  kLoseAtRetire,  // the session's end finds its queued async step met a lost device
 };
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
@@ -91,6 +103,7 @@ class LossyBackend final : public StepBackend {
         throw std::runtime_error("a bug in the backend");
       case Fault::kNone:
       case Fault::kSaturatedBytes:
+      case Fault::kLoseAtRetire:
         break;
     }
     absl::MutexLock lock(&inner_->step_mu());
@@ -99,6 +112,12 @@ class LossyBackend final : public StepBackend {
       outcome->stats.kv_bytes_dense = std::numeric_limits<int64_t>::max();
     }
     return s;
+  }
+
+ protected:
+  // The cuda backend's Finish of a step that hit an illegal address: a sticky error.
+  absl::Status FinishQueued(bool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    return fault_->load() == Fault::kLoseAtRetire ? Lost() : absl::OkStatus();
   }
 
  private:
@@ -212,6 +231,62 @@ TEST_F(DeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
   EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(handled(), 1);
+}
+
+// A session's end finishes its queued async step (StepBackend::Retire); a lost device found
+// there counts as one found by a step, whoever ended the session. It was only printed, and
+// epsd went on serving on a dead context until an unrelated call touched CUDA.
+TEST_F(DeviceLostTest, ADetachWhoseQueuedStepFindsTheDeviceLostCallsTheHandler) {
+  const std::string a = Attach("engine-a");
+  ASSERT_TRUE(Step(a, 1).ok());
+  fault_ = Fault::kLoseAtRetire;
+  v1::DetachRequest detach;
+  detach.set_session_id(a);
+  EXPECT_TRUE(service_.Detach(detach).ok());  // the session has ended all the same
+  ASSERT_EQ(handled(), 1);
+  {
+    absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(IsDeviceLost(seen_[0])) << seen_[0];
+  }
+  v1::AttachResponse response;
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(DeviceLostTest, AnExpiryWhoseQueuedStepFindsTheDeviceLostCallsTheHandler) {
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.set_lease_ms(50);  // the reaper looks every 10 ms or more often
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(request, &attached).ok());
+  ASSERT_TRUE(Step(attached.session_id(), 1).ok());
+  fault_ = Fault::kLoseAtRetire;
+  EXPECT_TRUE(Eventually([&] { return handled() == 1; }));
+  EXPECT_EQ(service_.session_count(), 0u);
+  v1::AttachResponse response;
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+// The replaced session's step ends before the new one is granted; a lost device found
+// there leaves the new session of no use, so the Attach itself is refused as restarting.
+TEST_F(DeviceLostTest, AReplacingAttachWhoseOldStepFindsTheDeviceLostIsRefusedAsRestarting) {
+  // A caller of a known user replaces its engine's live session (one over TCP may not).
+  const Peer engine{.known = true, .uid = getuid(), .pid = getpid()};
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &attached, engine).ok());
+  v1::SelectPagesResponse stepped;
+  ASSERT_TRUE(service_
+                  .SelectPages(TestEngine::Step(attached.session_id(), 1, rows_), &stepped, nullptr,
+                               {}, engine)
+                  .ok());
+  fault_ = Fault::kLoseAtRetire;
+  v1::AttachResponse response;
+  const absl::Status again = service_.Attach(engine_.Attach("engine-a"), &response, engine);
+  EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
+  EXPECT_NE(again.message().find("restarting"), std::string_view::npos) << again;
+  EXPECT_TRUE(response.session_id().empty());
+  EXPECT_EQ(handled(), 1);
+  EXPECT_EQ(service_.session_count(), 0u);
 }
 
 // An ordinary CUDA error fails its step and nothing else.
