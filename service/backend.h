@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -65,6 +66,14 @@ class StepBackend {
   virtual bool frees_device_memory() const { return false; }
   virtual bool SafeToDestroy(std::chrono::steady_clock::duration /*deferred*/) const {
     return true;
+  }
+  // When the oldest work abandoned on this backend's device that may still run was
+  // abandoned (any session's: the device is shared), or none. Such work keeps
+  // SafeToDestroy false for every session on the device until it drains, which only its
+  // engine can make it do (gpu/live_streams.h); the service gives it a bound
+  // (service/session_janitor.h).
+  virtual std::optional<std::chrono::steady_clock::time_point> AbandonedWorkSince() const {
+    return std::nullopt;
   }
 
   // What the backend allocates later, sized by a step's options (the cuda backend's strict

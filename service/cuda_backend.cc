@@ -48,6 +48,9 @@ class CudaBackend final : public StepBackend {
   bool SafeToDestroy(std::chrono::steady_clock::duration deferred) const override {
     return selector_->SafeToFree(deferred, inputs_timeout_);
   }
+  std::optional<std::chrono::steady_clock::time_point> AbandonedWorkSince() const override {
+    return gpu::OldestAbandonment(device_);
+  }
 
   void set_memory_budget(MemoryBudget* budget) override { budget_ = budget; }
 
@@ -166,6 +169,10 @@ bool CudaBackendBuilt() { return true; }
 bool CudaSafeToFree(int device, std::chrono::steady_clock::duration deferred,
                     std::chrono::steady_clock::duration stale) {
   return gpu::SafeToFreeOn(device, nullptr, deferred, stale);
+}
+
+std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int device) {
+  return gpu::OldestAbandonment(device);
 }
 
 bool CudaDevicePresent() { return gpu::DeviceAvailable(); }

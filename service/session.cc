@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/saturating.h"
 #include "core/status.h"
 #include "service/cpu_backend.h"
@@ -133,6 +135,23 @@ bool Session::DefersDestruction() const {
 bool Session::SafeToDestroy(std::chrono::steady_clock::duration put_off) const {
   if (backend_ != nullptr) return backend_->SafeToDestroy(put_off);
   return CudaSafeToFree(spec_.device, put_off, inputs_timeout_);
+}
+
+absl::Status Session::CheckDeviceUsable(std::chrono::steady_clock::duration limit) const {
+  const std::optional<std::chrono::steady_clock::time_point> since =
+      backend_ != nullptr ? backend_->AbandonedWorkSince() : CudaAbandonedWorkSince(spec_.device);
+  if (!since.has_value()) return absl::OkStatus();
+  const auto running = std::chrono::steady_clock::now() - *since;
+  if (running <= limit) return absl::OkStatus();
+  using std::chrono::duration_cast;
+  using std::chrono::milliseconds;
+  return MarkDeviceLost(absl::UnavailableError(absl::StrCat(
+      "device ", spec_.device, ": a stream abandoned ",
+      duration_cast<milliseconds>(running).count(),
+      " ms ago (its engine kept inputs_ready below its step after epsd released the wait) "
+      "still has work that may run, past the bound of ",
+      duration_cast<milliseconds>(limit).count(),
+      " ms; until it drains no ended session's memory on the device can be freed")));
 }
 
 absl::Status Session::CheckCaller(const Peer& caller) const {

@@ -102,6 +102,10 @@ class Session {
   // waits as a free does: measured, docs/design.md §6).
   bool DefersDestruction() const;
   bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const;
+  // A device-lost status (core/status.h) naming the device once work abandoned on the
+  // session's device (StepBackend::AbandonedWorkSince) has run longer than `limit`: no
+  // session on the device can be destroyed until it drains; OK otherwise.
+  absl::Status CheckDeviceUsable(std::chrono::steady_clock::duration limit) const;
   // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }

@@ -72,6 +72,8 @@ SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_
       budgets_{.allocated = MemoryBudget("--max-server-bytes", config.max_server_bytes),
                .mapped = MemoryBudget("--max-server-mapped-bytes", config.max_server_mapped_bytes)},
       on_device_lost_(std::move(on_device_lost)),
+      janitor_(AbandonedStreamLimit(config_),
+               [this](const absl::Status& unusable) { (void)WatchDevice(unusable); }),
       make_backend_(std::move(make_backend)) {
   reaper_ = std::thread([this] {
     const auto period = absl::Milliseconds(std::max<uint32_t>(10, config_.lease_ms / 10));
