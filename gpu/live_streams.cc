@@ -1,9 +1,11 @@
 #include "gpu/live_streams.h"
 
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/base/const_init.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 
 namespace eps::gpu {
@@ -20,9 +22,36 @@ std::vector<LiveStream>& Streams() {                     // guarded by g_mu
   static auto* streams = new std::vector<LiveStream>();  // never destroyed
   return *streams;
 }
-std::vector<std::pair<int, cudaStream_t>>& Abandoned() {  // guarded by g_mu
-  static auto* streams = new std::vector<std::pair<int, cudaStream_t>>();
+struct AbandonedStream {
+  int device;
+  cudaStream_t stream;
+  std::chrono::steady_clock::time_point since;  // when its owner abandoned it
+};
+std::vector<AbandonedStream>& Abandoned() {  // guarded by g_mu
+  static auto* streams = new std::vector<AbandonedStream>();
   return *streams;
+}
+
+// Forgets the abandoned streams that have drained (or broke: their work can touch nothing
+// any more) and returns when the oldest one left on `device` was abandoned.
+std::optional<std::chrono::steady_clock::time_point> OldestRunning(int device)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
+  std::vector<AbandonedStream>& streams = Abandoned();
+  std::optional<std::chrono::steady_clock::time_point> oldest;
+  for (size_t i = 0; i < streams.size();) {
+    const cudaError_t state = cudaStreamQuery(streams[i].stream);
+    if (state != cudaSuccess && state != cudaErrorNotReady) (void)cudaGetLastError();
+    if (state == cudaErrorNotReady) {
+      if (streams[i].device == device && (!oldest || streams[i].since < *oldest)) {
+        oldest = streams[i].since;
+      }
+      ++i;
+    } else {
+      streams[i] = streams.back();
+      streams.pop_back();
+    }
+  }
+  return oldest;
 }
 
 }  // namespace
@@ -43,25 +72,14 @@ void RemoveLiveStream(cudaStream_t stream) {
 void NoteAbandonedStream(int device, cudaStream_t stream) {
   if (stream == nullptr) return;
   absl::MutexLock lock(&g_mu);
-  Abandoned().emplace_back(device, stream);
+  Abandoned().push_back({device, stream, std::chrono::steady_clock::now()});
 }
 
-bool AbandonedStreamRunning(int device) {
+bool AbandonedStreamRunning(int device) { return OldestAbandonment(device).has_value(); }
+
+std::optional<std::chrono::steady_clock::time_point> OldestAbandonment(int device) {
   absl::MutexLock lock(&g_mu);
-  std::vector<std::pair<int, cudaStream_t>>& streams = Abandoned();
-  bool running = false;
-  for (size_t i = 0; i < streams.size();) {
-    const cudaError_t state = cudaStreamQuery(streams[i].second);
-    if (state != cudaSuccess && state != cudaErrorNotReady) (void)cudaGetLastError();
-    if (state == cudaErrorNotReady) {
-      running |= streams[i].first == device;
-      ++i;
-    } else {  // drained (or broken): its work can touch nothing any more
-      streams[i] = streams.back();
-      streams.pop_back();
-    }
-  }
-  return running;
+  return OldestRunning(device);
 }
 
 OtherStreams CheckOtherLiveStreams(int device, cudaStream_t except,

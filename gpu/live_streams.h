@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 
 namespace eps::gpu {
 
@@ -50,6 +51,11 @@ class CaptureHold {
 // mapping open while AbandonedStreamRunning(device). A drained stream is forgotten.
 void NoteAbandonedStream(int device, cudaStream_t stream);
 bool AbandonedStreamRunning(int device);
+// When the oldest stream abandoned on `device` whose work may still run was abandoned, or
+// none. An abandoned stream drains only if its engine raises inputs_ready again; until it
+// does, no memory of epsd's on the device can be freed (SafeToFreeOn), so the service
+// treats one that stays running too long as a lost device (service/session_janitor.h).
+std::optional<std::chrono::steady_clock::time_point> OldestAbandonment(int device);
 
 // Whether the owner of `except` (a live stream, or null) may free its memory on `device`
 // now, after putting it off for `deferred`: when the other live streams have finished

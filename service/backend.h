@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -66,6 +67,14 @@ class StepBackend {
   virtual bool SafeToDestroy(std::chrono::steady_clock::duration /*deferred*/) const {
     return true;
   }
+  // When the oldest work abandoned on this backend's device that may still run was
+  // abandoned (any session's: the device is shared), or none. Such work keeps
+  // SafeToDestroy false for every session on the device until it drains, which only its
+  // engine can make it do (gpu/live_streams.h); the service gives it a bound
+  // (service/session_janitor.h).
+  virtual std::optional<std::chrono::steady_clock::time_point> AbandonedWorkSince() const {
+    return std::nullopt;
+  }
 
   // What the backend allocates later, sized by a step's options (the cuda backend's strict
   // array), is charged to `budget` (the session's, which outlives the backend) first.
@@ -89,17 +98,22 @@ class StepBackend {
   // retired() and not run. Taken under the step lock, so once it returns no step
   // of the session writes the engine's buffers again.
   // `release_now` (epsd's shutdown): a queued step is released without waiting for
-  // its engine's inputs.
-  void Retire(bool release_now = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    FinishQueued(release_now);
+  // its engine's inputs. Returns how the queued work ended: a device-lost status
+  // (core/status.h) means the session's device is lost to this process, though the
+  // session has ended all the same.
+  absl::Status Retire(bool release_now = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    absl::Status finished = FinishQueued(release_now);
     retired_ = true;
+    return finished;
   }
   bool retired() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) { return retired_; }
 
  protected:
   // Finishes, or releases, what a Run left running after it returned (the cuda
   // backend's async step), so that it no longer writes the engine's buffers.
-  virtual void FinishQueued(bool /*release_now*/) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {}
+  virtual absl::Status FinishQueued(bool /*release_now*/) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    return absl::OkStatus();
+  }
 
   mutable absl::Mutex step_mu_;
 

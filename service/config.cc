@@ -190,6 +190,14 @@ absl::StatusOr<ServerConfig> ReadFlags() {
 
 }  // namespace
 
+std::chrono::milliseconds AbandonedStreamLimit(const ServerConfig& config) {
+  if (config.abandoned_stream_limit_ms != 0) {
+    return std::chrono::milliseconds(config.abandoned_stream_limit_ms);
+  }
+  return std::max(std::chrono::milliseconds(30000),
+                  3 * std::chrono::milliseconds(config.inputs_timeout_ms));
+}
+
 const std::vector<std::string>& FlagNames() {
   static const auto* names = new std::vector<std::string>(cli::FlagNames());
   return *names;

@@ -4,6 +4,7 @@
 // times (not concurrently).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -35,14 +36,28 @@ struct ServerConfig {
   // mapped): per session, and for all sessions together (docs/security.md).
   uint64_t max_session_mapped_bytes = uint64_t{1} << 40;
   uint64_t max_server_mapped_bytes = uint64_t{32} << 40;
-  uint32_t drain_ms = 5000;                       // SIGTERM: how long in-flight calls may finish
-  uint32_t inputs_timeout_ms = 1000;              // async steps: the watchdog on inputs_ready
+  uint32_t drain_ms = 5000;           // SIGTERM: how long in-flight calls may finish
+  uint32_t inputs_timeout_ms = 1000;  // async steps: the watchdog on inputs_ready
+  // How long a stream abandoned with work that may still run may keep a device's ended
+  // sessions from being freed before epsd treats the device as lost
+  // (service/session_janitor.h). Not a flag: 0 is AbandonedStreamLimit's default; tests
+  // set a short one.
+  uint32_t abandoned_stream_limit_ms = 0;
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served
   std::string health_listen;  // grpc.health.v1 over TCP (host:port); empty: not served
   std::string step_log;       // JSONL step log path; empty: off
   bool help = false;
   bool version = false;
 };
+
+// `abandoned_stream_limit_ms` when set, else the larger of 30 s and 3 x --inputs-timeout-ms.
+// An abandoned stream is one whose engine kept inputs_ready below its step for
+// --inputs-timeout-ms and then 5 s more after epsd released the wait; a live engine that
+// is merely late raises the counter with its next step (milliseconds), so it drains long
+// before the bound. Past it the engine has exited or keeps the counter low on purpose, and
+// a restart (every engine re-attaches, attending densely meanwhile) costs less than a
+// device whose ended sessions are never freed.
+std::chrono::milliseconds AbandonedStreamLimit(const ServerConfig& config);
 
 // Parses --flag=value and --flag value forms; unknown flags, stray words and bad values
 // are errors that name the flag and the value.

@@ -48,6 +48,9 @@ class CudaBackend final : public StepBackend {
   bool SafeToDestroy(std::chrono::steady_clock::duration deferred) const override {
     return selector_->SafeToFree(deferred, inputs_timeout_);
   }
+  std::optional<std::chrono::steady_clock::time_point> AbandonedWorkSince() const override {
+    return gpu::OldestAbandonment(device_);
+  }
 
   void set_memory_budget(MemoryBudget* budget) override { budget_ = budget; }
 
@@ -126,17 +129,20 @@ class CudaBackend final : public StepBackend {
   // --inputs-timeout-ms; not at all with `release_now`), then released by Finish: its
   // lists become -1 (attend densely) and the stream drains, so nothing is left queued
   // when the session ends.
-  void FinishQueued(bool release_now) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    if (!selector_->pending()) return;
+  // Its status goes to the caller, which reports a lost device (session_service.cc).
+  absl::Status FinishQueued(bool release_now) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    if (!selector_->pending()) return absl::OkStatus();
     StepStats stats;
     float us = 0;
     const std::chrono::microseconds wait =
         release_now ? std::chrono::microseconds(0) : inputs_timeout_;
-    if (absl::Status s = selector_->Finish(wait, &stats, &us); !s.ok()) {
+    const uint64_t step = selector_->pending_step();
+    absl::Status s = selector_->Finish(wait, &stats, &us);
+    if (!s.ok()) {
       std::fprintf(stderr, "epsd: the queued step %llu of an ending session: %s\n",
-                   static_cast<unsigned long long>(selector_->pending_step()),
-                   std::string(s.message()).c_str());
+                   static_cast<unsigned long long>(step), std::string(s.message()).c_str());
     }
+    return s;
   }
 
  private:
@@ -163,6 +169,10 @@ bool CudaBackendBuilt() { return true; }
 bool CudaSafeToFree(int device, std::chrono::steady_clock::duration deferred,
                     std::chrono::steady_clock::duration stale) {
   return gpu::SafeToFreeOn(device, nullptr, deferred, stale);
+}
+
+std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int device) {
+  return gpu::OldestAbandonment(device);
 }
 
 bool CudaDevicePresent() { return gpu::DeviceAvailable(); }

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 
 #include "absl/status/statusor.h"
@@ -36,6 +37,10 @@ uint64_t CudaBackendDeviceBytes(const ModelLayout& model, int64_t max_batch, int
 // `deferred` (gpu/live_streams.h SafeToFreeOn; `stale`: --inputs-timeout-ms).
 bool CudaSafeToFree(int device, std::chrono::steady_clock::duration deferred,
                     std::chrono::steady_clock::duration stale);
+
+// When the oldest stream abandoned on `device` whose work may still run was abandoned, or
+// none (gpu/live_streams.h OldestAbandonment); none in a build without CUDA.
+std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int device);
 
 // True when this build has the CUDA backend (nvcc was found).
 bool CudaBackendBuilt();

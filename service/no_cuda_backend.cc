@@ -8,6 +8,9 @@ uint64_t CudaBackendDeviceBytes(const ModelLayout&, int64_t, int64_t, int64_t) {
 bool CudaSafeToFree(int, std::chrono::steady_clock::duration, std::chrono::steady_clock::duration) {
   return true;
 }
+std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int) {
+  return std::nullopt;
+}
 bool CudaDevicePresent() { return false; }
 CudaIpcOpener MakeCudaIpcOpener(int) { return nullptr; }
 int CudaDeviceCount() { return 0; }

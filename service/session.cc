@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/saturating.h"
 #include "core/status.h"
 #include "service/cpu_backend.h"
@@ -135,6 +137,23 @@ bool Session::SafeToDestroy(std::chrono::steady_clock::duration put_off) const {
   return CudaSafeToFree(spec_.device, put_off, inputs_timeout_);
 }
 
+absl::Status Session::CheckDeviceUsable(std::chrono::steady_clock::duration limit) const {
+  const std::optional<std::chrono::steady_clock::time_point> since =
+      backend_ != nullptr ? backend_->AbandonedWorkSince() : CudaAbandonedWorkSince(spec_.device);
+  if (!since.has_value()) return absl::OkStatus();
+  const auto running = std::chrono::steady_clock::now() - *since;
+  if (running <= limit) return absl::OkStatus();
+  using std::chrono::duration_cast;
+  using std::chrono::milliseconds;
+  return MarkDeviceLost(absl::UnavailableError(absl::StrCat(
+      "device ", spec_.device, ": a stream abandoned ",
+      duration_cast<milliseconds>(running).count(),
+      " ms ago (its engine kept inputs_ready below its step after epsd released the wait) "
+      "still has work that may run, past the bound of ",
+      duration_cast<milliseconds>(limit).count(),
+      " ms; until it drains no ended session's memory on the device can be freed")));
+}
+
 absl::Status Session::CheckCaller(const Peer& caller) const {
   if (!owner_.known) return absl::OkStatus();
   if (caller.known && (caller.uid == owner_.uid || caller.uid == 0)) return absl::OkStatus();
@@ -144,10 +163,10 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
                                                   caller.Describe()));
 }
 
-void Session::Retire(bool release_now) {
+absl::Status Session::Retire(bool release_now) {
   retiring_.store(true, std::memory_order_release);
   absl::MutexLock lock(&backend_->step_mu());
-  backend_->Retire(release_now);
+  return backend_->Retire(release_now);
 }
 
 void Session::KeepUndelivered(std::vector<v1::StepStats> finished) {

@@ -92,7 +92,9 @@ class Session {
   // retiring() is true from its first line on, before it waits for the step lock: a
   // parked step, handed to the StepExecutor once the running step lets the lock go,
   // may take the lock before Retire does (absl::Mutex is not FIFO), and must not run.
-  void Retire(bool release_now = false);
+  // Returns StepBackend::Retire's status: device-lost when ending the queued work found
+  // the device lost (the caller reports it; the session has ended all the same).
+  absl::Status Retire(bool release_now = false);
   bool retiring() const { return retiring_.load(std::memory_order_acquire); }
   // For the janitor (session_janitor.h): a session whose backend frees device memory,
   // or an unfinished cuda session (Create's remains) that holds CUDA IPC mappings, is
@@ -100,6 +102,10 @@ class Session {
   // waits as a free does: measured, docs/design.md §6).
   bool DefersDestruction() const;
   bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const;
+  // A device-lost status (core/status.h) naming the device once work abandoned on the
+  // session's device (StepBackend::AbandonedWorkSince) has run longer than `limit`: no
+  // session on the device can be destroyed until it drains; OK otherwise.
+  absl::Status CheckDeviceUsable(std::chrono::steady_clock::duration limit) const;
   // FAILED_PRECONDITION naming the shm object when the engine shrank one of the
   // session's objects under epsd (service/shm_fault_guard.h).
   absl::Status CheckMemoryIntact() const { return mappings_.CheckIntact(); }

@@ -20,6 +20,16 @@
 // session's memory stays allocated, mapped and charged to --max-server-bytes. Not proof
 // against an engine that dies between the check and the free (a window of one step).
 //
+// One wait has no end of its own: a stream abandoned with work that may still run (an
+// engine lowered inputs_ready below its step after epsd released the wait: gpu/step.cu,
+// gpu/live_streams.h) drains only if that engine raises the counter again, and until it
+// does no session on its device is safe to destroy. Such an engine may exit and never do
+// so; then every later session on the device would keep its memory, mappings and budget
+// for good, for every user. So while an item waits, the janitor asks it
+// (CheckDeviceUsable) whether such work on its device has run past `abandoned_limit`,
+// and reports the first such status, once, to `on_unusable`: the service treats it as a
+// lost device (it stops serving, drains and exits so that its supervisor restarts it).
+//
 // Sessions whose backend frees no device memory (cpu) are destroyed at once, where
 // they were, so that their memory budget is returned before the call that ended them
 // answers. A template only so that its tests can use a stand-in for Session.
@@ -32,18 +42,30 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace eps::service {
 
-// T: `bool DefersDestruction() const` (destroy on the janitor's thread) and
-// `bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const`.
+// T: `bool DefersDestruction() const` (destroy on the janitor's thread),
+// `bool SafeToDestroy(std::chrono::steady_clock::duration put_off) const` and
+// `absl::Status CheckDeviceUsable(std::chrono::steady_clock::duration limit) const` (not
+// OK once work abandoned on its device has run longer than `limit`).
 template <typename T>
 class Janitor {
  public:
-  Janitor() : thread_([this] { Run(); }) {}
+  using UnusableHandler = absl::AnyInvocable<void(const absl::Status& status)>;
+  // `on_unusable` (may be null) is called on the janitor's thread, at most once; it must
+  // stay callable until the janitor is destroyed.
+  explicit Janitor(std::chrono::steady_clock::duration abandoned_limit =
+                       std::chrono::steady_clock::duration::max(),
+                   UnusableHandler on_unusable = nullptr)
+      : abandoned_limit_(abandoned_limit),
+        on_unusable_(std::move(on_unusable)),
+        thread_([this] { Run(); }) {}
   // Destroys every item still queued, except those not safe to destroy even now (an
   // abandoned stream: left to the process's exit rather than block it); joins.
   ~Janitor() {
@@ -78,6 +100,7 @@ class Janitor {
   };
 
   void Run() {
+    bool reported_unusable = false;  // on_unusable_ was called
     for (;;) {
       Ended next;
       bool stopping = false;
@@ -95,6 +118,13 @@ class Janitor {
                                     : std::chrono::steady_clock::now() - next.ended;
       const bool safe = next.item->SafeToDestroy(put_off);
       if (!safe && !stopping) {
+        if (!reported_unusable) {
+          absl::Status usable = next.item->CheckDeviceUsable(abandoned_limit_);
+          if (!usable.ok()) {
+            reported_unusable = true;
+            if (on_unusable_) on_unusable_(usable);
+          }
+        }
         {
           absl::MutexLock lock(&mu_);
           queue_.push_back(std::move(next));
@@ -110,6 +140,8 @@ class Janitor {
   }
   bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); }
 
+  const std::chrono::steady_clock::duration abandoned_limit_;
+  UnusableHandler on_unusable_;  // used by Run's thread only
   mutable absl::Mutex mu_;
   std::deque<Ended> queue_ ABSL_GUARDED_BY(mu_);
   size_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // in queue_, or being checked by Run

@@ -72,6 +72,8 @@ SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_
       budgets_{.allocated = MemoryBudget("--max-server-bytes", config.max_server_bytes),
                .mapped = MemoryBudget("--max-server-mapped-bytes", config.max_server_mapped_bytes)},
       on_device_lost_(std::move(on_device_lost)),
+      janitor_(AbandonedStreamLimit(config_),
+               [this](const absl::Status& unusable) { (void)WatchDevice(unusable); }),
       make_backend_(std::move(make_backend)) {
   reaper_ = std::thread([this] {
     const auto period = absl::Milliseconds(std::max<uint32_t>(10, config_.lease_ms / 10));
@@ -88,7 +90,8 @@ SessionService::~SessionService() {
   // released before any session is destroyed: a session freed first would wait for
   // another's queued wait on its engine (session_janitor.h), which only that
   // session's end would release.
-  for (const std::shared_ptr<Session>& session : sessions_.All()) session->Retire(true);
+  // A lost device found now changes nothing: the process is ending.
+  for (const std::shared_ptr<Session>& session : sessions_.All()) (void)session->Retire(true);
 }
 
 absl::Status SessionService::CountFailure(absl::Status status) {
@@ -129,7 +132,7 @@ void SessionService::ExpireSessions() {
     expired_total_.fetch_add(1);
     // A step still running finishes first; none runs after. The last shared_ptr
     // released (here, or by a call still running) unmaps its memory.
-    session->Retire();
+    (void)WatchDevice(session->Retire());
   }
 }
 
@@ -191,7 +194,19 @@ absl::Status SessionService::AttachSession(const v1::AttachRequest& request,
   }
   // The replaced session's step, if one runs, ends before the engine hears of the new
   // session; both may share the engine's buffers.
-  if (*replaced != nullptr) (*replaced)->Retire();
+  if (*replaced != nullptr) {
+    // Ending its queued step may find the device lost (an async step that hit an illegal
+    // address): the new session is of no use then, and the engine re-attaches to the next
+    // epsd.
+    if (IsDeviceLost(WatchDevice((*replaced)->Retire()))) {
+      response->Clear();
+      if (const std::shared_ptr<Session> removed = sessions_.Remove(granted->id());
+          removed != nullptr) {
+        (void)removed->Retire();  // its device is the lost one; already reported
+      }
+      return CountFailure(Restarting());
+    }
+  }
   // The lease runs from the reply: the wait for the old step may have taken longer.
   granted->StartLease();
   attached_total_.fetch_add(1);
@@ -206,8 +221,9 @@ absl::Status SessionService::DetachSession(const v1::DetachRequest& request, con
   absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
   if (!session.ok()) return CountFailure(session.status());
   const bool removed = sessions_.Remove(request.session_id()) != nullptr;
-  // Either Detach of two at once answers only once the session's steps have ended.
-  (*session)->Retire();
+  // Either Detach of two at once answers only once the session's steps have ended. Its
+  // queued step may find the device lost: reported, though the Detach itself succeeded.
+  (void)WatchDevice((*session)->Retire());
   if (!removed) {
     return CountFailure(NotFound(request.session_id(), ""));
   }

@@ -48,6 +48,9 @@ class SessionService {
   // device-lost (core/status.h) that a step or an Attach returned: a CUDA context of
   // this process is unusable, and only a new process can use the device again.
   using DeviceLostHandler = absl::AnyInvocable<void(const absl::Status& status)>;
+  // Also called, on the session janitor's thread, when work abandoned on a device has kept
+  // its ended sessions from being freed for longer than AbandonedStreamLimit (config.h,
+  // session_janitor.h): the device is as unusable as a lost one.
   // From the first device-lost status on, every Attach and step is UNAVAILABLE ("epsd
   // is restarting"): clients forget their sessions and re-attach to the next epsd.
   // `make_backend`: Session::Create's (tests pass their own). `handoff`: where parked
@@ -127,7 +130,9 @@ class SessionService {
   absl::Status DetachSession(const v1::DetachRequest& request, const Peer& caller);
   absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
                           const Peer& caller);
-  // `status`, after calling on_device_lost_ if it is the first device-lost one.
+  // `status`, after calling on_device_lost_ if it is the first device-lost one. Every
+  // status that may come from a CUDA call goes through it: a step's, an Attach's, and a
+  // retired session's (Session::Retire), whoever retired it.
   absl::Status WatchDevice(absl::Status status);
   // UNAVAILABLE: what every Attach and step gets once a device is lost.
   static absl::Status Restarting();
@@ -147,15 +152,16 @@ class SessionService {
   // Where parked steps run: the owner's, or (null when the owner passed one) its own.
   std::unique_ptr<StepExecutor> own_handoff_;
   StepExecutor* const handoff_;
-  ServerBudgets budgets_;     // outlives the sessions that charge it
+  ServerBudgets budgets_;  // outlives the sessions that charge it
+  // Before the janitor, whose thread reports a device unusable through WatchDevice.
+  DeviceLostHandler on_device_lost_;
+  std::atomic<bool> device_lost_{false};
   Janitor<Session> janitor_;  // destroys cuda sessions; outlives the registry
   SessionRegistry sessions_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<uint64_t> attached_total_{0}, expired_total_{0}, steps_total_{0},
       validation_failures_{0};
-  DeviceLostHandler on_device_lost_;
   const BackendFactory make_backend_;
-  std::atomic<bool> device_lost_{false};
   absl::Notification stop_;
   std::thread reaper_;
 };

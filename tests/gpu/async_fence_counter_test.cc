@@ -12,11 +12,13 @@
 #include <cstdio>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "client/cpp/eps_client.h"
+#include "gpu/live_streams.h"
 #include "gpu/step.h"
 #include "gtest/gtest.h"
 #include "service/backend.h"
@@ -135,8 +137,23 @@ TEST_F(AsyncFenceTest, ASelectorWhoseEngineLowersInputsReadyAgainEndsInBoundedTi
   }
   auto destroyed = std::async(std::launch::async, [&] { selector->reset(); });
   const bool bounded = destroyed.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  // A poisoned selector's stream is abandoned, and the device's oldest abandonment that
+  // may still run is known (epsd bounds it: service/session_janitor.h) until it drains.
+  const auto before_abandoned = std::chrono::steady_clock::now();
+  const std::optional<std::chrono::steady_clock::time_point> abandoned =
+      bounded ? gpu::OldestAbandonment(0) : std::nullopt;
   stop_engine();
   EXPECT_TRUE(bounded) << "the selector's destructor blocked";
+  if (bounded && s.code() == absl::StatusCode::kFailedPrecondition) {
+    ASSERT_TRUE(abandoned.has_value()) << "a poisoned selector's stream was not abandoned";
+    EXPECT_LE(*abandoned, before_abandoned);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (gpu::OldestAbandonment(0).has_value() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_FALSE(gpu::OldestAbandonment(0).has_value())
+        << "the abandoned stream did not drain once the engine raised its counter";
+  }
 }
 
 // epsd raises selection_done, never lowers it: an engine whose call missed its deadline

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -50,6 +51,17 @@ namespace {
 
 using eps::testing::TestEngine;
 
+// Polls `done` for up to 10 s (a loaded machine); true when it held.
+template <typename F>
+bool Eventually(F done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 absl::Status Lost() {
   return MarkDeviceLost(absl::InternalError("cudaStreamQuery: an illegal memory access"));
 }
@@ -62,7 +74,8 @@ enum class Fault {
   kOrdinary,
   kFailAfterFinishingEarlier,
   kSaturatedBytes,
-  kThrow  // a bug: CallGuarded (service/call_guard.h) turns it into INTERNAL
+  kThrow,         // a bug: CallGuarded (service/call_guard.h) turns it into INTERNAL
+  kLoseAtRetire,  // the session's end finds its queued async step met a lost device
 };
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
@@ -91,6 +104,7 @@ class LossyBackend final : public StepBackend {
         throw std::runtime_error("a bug in the backend");
       case Fault::kNone:
       case Fault::kSaturatedBytes:
+      case Fault::kLoseAtRetire:
         break;
     }
     absl::MutexLock lock(&inner_->step_mu());
@@ -99,6 +113,12 @@ class LossyBackend final : public StepBackend {
       outcome->stats.kv_bytes_dense = std::numeric_limits<int64_t>::max();
     }
     return s;
+  }
+
+ protected:
+  // The cuda backend's Finish of a step that hit an illegal address: a sticky error.
+  absl::Status FinishQueued(bool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    return fault_->load() == Fault::kLoseAtRetire ? Lost() : absl::OkStatus();
   }
 
  private:
@@ -212,6 +232,62 @@ TEST_F(DeviceLostTest, AnAttachThatLosesTheDeviceCallsTheHandler) {
   EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(handled(), 1);
+}
+
+// A session's end finishes its queued async step (StepBackend::Retire); a lost device found
+// there counts as one found by a step, whoever ended the session. It was only printed, and
+// epsd went on serving on a dead context until an unrelated call touched CUDA.
+TEST_F(DeviceLostTest, ADetachWhoseQueuedStepFindsTheDeviceLostCallsTheHandler) {
+  const std::string a = Attach("engine-a");
+  ASSERT_TRUE(Step(a, 1).ok());
+  fault_ = Fault::kLoseAtRetire;
+  v1::DetachRequest detach;
+  detach.set_session_id(a);
+  EXPECT_TRUE(service_.Detach(detach).ok());  // the session has ended all the same
+  ASSERT_EQ(handled(), 1);
+  {
+    absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(IsDeviceLost(seen_[0])) << seen_[0];
+  }
+  v1::AttachResponse response;
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(DeviceLostTest, AnExpiryWhoseQueuedStepFindsTheDeviceLostCallsTheHandler) {
+  v1::AttachRequest request = engine_.Attach("engine-a");
+  request.set_lease_ms(50);  // the reaper looks every 10 ms or more often
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(request, &attached).ok());
+  ASSERT_TRUE(Step(attached.session_id(), 1).ok());
+  fault_ = Fault::kLoseAtRetire;
+  EXPECT_TRUE(Eventually([&] { return handled() == 1; }));
+  EXPECT_EQ(service_.session_count(), 0u);
+  v1::AttachResponse response;
+  EXPECT_EQ(service_.Attach(engine_.Attach("engine-b"), &response).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+// The replaced session's step ends before the new one is granted; a lost device found
+// there leaves the new session of no use, so the Attach itself is refused as restarting.
+TEST_F(DeviceLostTest, AReplacingAttachWhoseOldStepFindsTheDeviceLostIsRefusedAsRestarting) {
+  // A caller of a known user replaces its engine's live session (one over TCP may not).
+  const Peer engine{.known = true, .uid = getuid(), .pid = getpid()};
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &attached, engine).ok());
+  v1::SelectPagesResponse stepped;
+  ASSERT_TRUE(service_
+                  .SelectPages(TestEngine::Step(attached.session_id(), 1, rows_), &stepped, nullptr,
+                               {}, engine)
+                  .ok());
+  fault_ = Fault::kLoseAtRetire;
+  v1::AttachResponse response;
+  const absl::Status again = service_.Attach(engine_.Attach("engine-a"), &response, engine);
+  EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
+  EXPECT_NE(again.message().find("restarting"), std::string_view::npos) << again;
+  EXPECT_TRUE(response.session_id().empty());
+  EXPECT_EQ(handled(), 1);
+  EXPECT_EQ(service_.session_count(), 0u);
 }
 
 // An ordinary CUDA error fails its step and nothing else.
@@ -412,6 +488,146 @@ TEST(SessionBackendRemainsTest, AFailedBackendsAllocationsAreFreedByTheJanitorOn
   EXPECT_NE(destroyed_on.load(), std::thread::id());
   EXPECT_NE(destroyed_on.load(), std::this_thread::get_id());
   EXPECT_EQ(service.charged_bytes(), charged_before);
+}
+
+// Work abandoned on a device (an engine lowered inputs_ready below its step after epsd
+// released the wait, gpu/step.cu): until it drains, which only its engine can make it do,
+// no ended session on the device is safe to destroy. The state a cuda backend sees through
+// gpu/live_streams.h, shared by the stand-ins of one device.
+struct AbandonedDevice {
+  absl::Mutex mu;
+  std::optional<std::chrono::steady_clock::time_point> since ABSL_GUARDED_BY(mu);
+  std::atomic<int> checked{0};  // SafeToDestroy calls
+  std::atomic<int> asked{0};    // AbandonedWorkSince calls while work was abandoned
+
+  void Abandon() {
+    absl::MutexLock lock(&mu);
+    since = std::chrono::steady_clock::now();
+  }
+  void Drain() {
+    absl::MutexLock lock(&mu);
+    since.reset();
+  }
+  std::optional<std::chrono::steady_clock::time_point> Since() {
+    absl::MutexLock lock(&mu);
+    return since;
+  }
+};
+
+// A cuda-like session over the cpu backend whose end abandons its stream on `device`.
+class AbandoningBackend final : public StepBackend {
+ public:
+  AbandoningBackend(std::unique_ptr<StepBackend> inner, AbandonedDevice* device)
+      : inner_(std::move(inner)), device_(device) {}
+  BackendKind kind() const override { return BackendKind::kCuda; }
+  bool frees_device_memory() const override { return true; }
+  bool SafeToDestroy(std::chrono::steady_clock::duration) const override {
+    device_->checked.fetch_add(1);
+    return !device_->Since().has_value();
+  }
+  std::optional<std::chrono::steady_clock::time_point> AbandonedWorkSince() const override {
+    std::optional<std::chrono::steady_clock::time_point> since = device_->Since();
+    if (since.has_value()) device_->asked.fetch_add(1);
+    return since;
+  }
+  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    absl::MutexLock lock(&inner_->step_mu());
+    return inner_->Run(step, outcome);
+  }
+
+ protected:
+  // The end of a session (not epsd's shutdown, which releases at once): the release's
+  // drain did not pass (gpu/inputs_wait.cu), and the stream is abandoned.
+  absl::Status FinishQueued(bool release_now) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
+    if (!release_now) device_->Abandon();
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<StepBackend> inner_;
+  AbandonedDevice* device_;
+};
+
+class AbandonedStreamTest : public ::testing::Test {
+ protected:
+  // A service whose bound on abandoned work (ServerConfig::abandoned_stream_limit_ms) is
+  // `limit_ms`.
+  void Start(uint32_t limit_ms) {
+    config_.abandoned_stream_limit_ms = limit_ms;
+    service_ = std::make_unique<SessionService>(
+        config_,
+        [this](const absl::Status& s) {
+          absl::MutexLock lock(&mu_);
+          seen_.push_back(s);
+        },
+        [this](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+               std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+          return std::unique_ptr<StepBackend>(new AbandoningBackend(std::move(cpu), &device_));
+        });
+  }
+  ~AbandonedStreamTest() override {
+    device_.Drain();  // what is still queued is destroyed with the service
+    service_.reset();
+  }
+  // Attaches engine `id` and detaches it: its end abandons its stream.
+  void AttachAndDetach(const std::string& id) {
+    v1::AttachResponse attached;
+    ASSERT_TRUE(service_->Attach(engine_.Attach(id), &attached).ok());
+    v1::DetachRequest detach;
+    detach.set_session_id(attached.session_id());
+    ASSERT_TRUE(service_->Detach(detach).ok());
+  }
+  std::vector<absl::Status> seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+  TestEngine engine_{eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed()};
+  AbandonedDevice device_;
+  ServerConfig config_;
+  absl::Mutex mu_;
+  std::vector<absl::Status> seen_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<SessionService> service_;
+};
+
+// Past the bound the device counts as lost: the handler (epsd: NOT_SERVING, drain, exit 1
+// so that the supervisor restarts it) runs once, naming the device, and Attaches are
+// refused as restarting. Before, epsd kept every later session's memory for good.
+TEST_F(AbandonedStreamTest, WorkAbandonedPastTheBoundCallsTheHandlerOnceAndRefusesAttaches) {
+  Start(/*limit_ms=*/100);
+  AttachAndDetach("engine-a");
+  EXPECT_EQ(service_->sessions_ending(), 1u);
+  ASSERT_TRUE(Eventually([&] { return !seen().empty(); }));
+  const std::vector<absl::Status> lost = seen();
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_TRUE(IsDeviceLost(lost[0])) << lost[0];
+  EXPECT_NE(lost[0].message().find("device 0"), std::string_view::npos) << lost[0];
+  EXPECT_NE(lost[0].message().find("abandoned"), std::string_view::npos) << lost[0];
+  v1::AttachResponse response;
+  const absl::Status refused = service_->Attach(engine_.Attach("engine-b"), &response);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_NE(refused.message().find("restarting"), std::string_view::npos) << refused;
+  // The janitor goes on checking (the session is still unsafe) without reporting again.
+  const int checked = device_.checked.load();
+  ASSERT_TRUE(Eventually([&] { return device_.checked.load() > checked + 3; }));
+  EXPECT_EQ(seen().size(), 1u);
+}
+
+// An abandoned stream of a live engine may still drain (the engine raises its counter
+// again): within the bound nothing fires, and the ended session is freed once it has.
+TEST_F(AbandonedStreamTest, WorkThatDrainsWithinTheBoundStopsNothing) {
+  Start(/*limit_ms=*/600000);
+  AttachAndDetach("engine-a");
+  EXPECT_EQ(service_->sessions_ending(), 1u);
+  // The janitor has asked about the abandoned work, more than once, and let it run on.
+  ASSERT_TRUE(Eventually([&] { return device_.asked.load() > 3; }));
+  device_.Drain();
+  EXPECT_TRUE(Eventually([&] { return service_->sessions_ending() == 0; }));
+  EXPECT_TRUE(seen().empty());
+  v1::AttachResponse response;
+  EXPECT_TRUE(service_->Attach(engine_.Attach("engine-b"), &response).ok());
 }
 
 // What RunEpsd requires of its process: SIGTERM and SIGINT blocked, before any other

@@ -18,6 +18,9 @@ struct Item {
   bool defers = true;
   std::atomic<bool>* safe = nullptr;
   std::atomic<int>* destroyed = nullptr;
+  // What CheckDeviceUsable answers (OK when null), and how often it was asked.
+  const absl::Status* usable = nullptr;
+  mutable std::atomic<int> asked{0};
   mutable std::atomic<int64_t> longest_put_off_ms{-1};  // the largest `put_off` seen, finite
 
   ~Item() { destroyed->fetch_add(1); }
@@ -28,6 +31,10 @@ struct Item {
       if (ms > longest_put_off_ms.load()) longest_put_off_ms.store(ms);
     }
     return safe->load();
+  }
+  absl::Status CheckDeviceUsable(Clock::duration) const {
+    asked.fetch_add(1);
+    return usable == nullptr ? absl::OkStatus() : *usable;
   }
 };
 
@@ -84,6 +91,42 @@ TEST(JanitorTest, OneUnsafeItemDoesNotHoldUpTheOthers) {
   }
   EXPECT_EQ(stuck_destroyed.load(), 0);
   delete stuck;  // the exit's part, here
+}
+
+// Work abandoned on a device past the bound: reported once, however often the janitor
+// finds the item still unsafe afterwards.
+TEST(JanitorTest, AnUnusableDeviceIsReportedOnceWhileItsItemWaits) {
+  std::atomic<bool> safe{false};
+  std::atomic<int> destroyed{0};
+  const absl::Status unusable = absl::UnavailableError("device 0: a stream abandoned");
+  std::atomic<int> reported{0};
+  auto* item = new Item{.safe = &safe, .destroyed = &destroyed, .usable = &unusable};
+  {
+    Janitor<Item> janitor(std::chrono::milliseconds(1), [&](const absl::Status& s) {
+      EXPECT_EQ(s, unusable);
+      reported.fetch_add(1);
+    });
+    janitor.Dispose(item);
+    ASSERT_TRUE(Eventually([&] { return item->asked.load() >= 1 && reported.load() == 1; }));
+    ASSERT_TRUE(Eventually([&] { return item->longest_put_off_ms.load() >= 100; }));
+    EXPECT_EQ(reported.load(), 1);
+    safe.store(true);
+  }
+  EXPECT_EQ(destroyed.load(), 1);
+}
+
+// An item that is safe at its first check never makes the janitor ask about its device.
+TEST(JanitorTest, ASafeItemIsNotAskedAboutItsDevice) {
+  std::atomic<bool> safe{true};
+  std::atomic<int> destroyed{0};
+  const absl::Status unusable = absl::UnavailableError("device 0: a stream abandoned");
+  std::atomic<int> reported{0};
+  Janitor<Item> janitor(std::chrono::milliseconds(1),
+                        [&](const absl::Status&) { reported.fetch_add(1); });
+  auto* item = new Item{.safe = &safe, .destroyed = &destroyed, .usable = &unusable};
+  janitor.Dispose(item);
+  ASSERT_TRUE(Eventually([&] { return destroyed.load() == 1; }));
+  EXPECT_EQ(reported.load(), 0);
 }
 
 TEST(JanitorTest, ShutdownDestroysWhatIsSafeByThen) {
