@@ -149,7 +149,15 @@ TEST_F(AsyncFenceTest, ReleaseDenseLeavesTheCallersCurrentDevice) {
   // With one device the restore is unobservable through the device number alone; the
   // call must still leave device 0 current (and not fail).
   const int other = count > 1 && buffers_->device() == 0 ? 1 : 0;
+  int before = -1;
+  ASSERT_EQ(cudaGetDevice(&before), cudaSuccess);
   ASSERT_EQ(cudaSetDevice(other), cudaSuccess);
+  // The test's own change undone whatever happens: the next test's stream (made on the
+  // current device) must be on its buffers' device.
+  struct Restore {
+    int device;
+    ~Restore() { cudaSetDevice(device); }
+  } restore{before};
   ASSERT_TRUE(buffers_->ReleaseDense(1).ok());
   int current = -1;
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
