@@ -65,22 +65,10 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(
   auto mapping = std::unique_ptr<IpcMapping>(new IpcMapping());
   mapping->data_ = static_cast<std::byte*>(ptr);
   mapping->device_ = device;
-  // cudaIpcMemLazyEnablePeerAccess maps another GPU's allocation too: a rank that sent its
-  // own ordinal for epsd's (CUDA_VISIBLE_DEVICES) would have its step run here and read the
-  // buffers across NVLink, correct and silently slow. The memory must be the session's GPU's.
-  cudaPointerAttributes attributes{};
-  if (const cudaError_t e = cudaPointerGetAttributes(&attributes, ptr); e != cudaSuccess) {
-    if (unusable != nullptr) *unusable = std::move(mapping);
-    return CudaFailure("cudaPointerGetAttributes on an opened IPC handle", e);
-  }
-  if (attributes.device != device) {
-    if (unusable != nullptr) *unusable = std::move(mapping);  // else closed on return
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda_ipc.handle's allocation lives on epsd's device ", attributes.device,
-        ", not on the session's device ", device,
-        ": name the GPU by device_uuid (a rank with CUDA_VISIBLE_DEVICES has other ordinals than "
-        "epsd), or send epsd's ordinal"));
-  }
+  // cudaIpcMemLazyEnablePeerAccess maps another GPU's allocation too, and nothing here can
+  // tell: cudaPointerGetAttributes and cuPointerGetAttribute(DEVICE_ORDINAL) name the device
+  // that opened the handle, not the one the memory lives on (2 x H200, 2026-11-28). A rank
+  // names its GPU by device_uuid (docs/api-memory.md, "Naming the GPU").
   CUdeviceptr base = 0;
   size_t size = 0;
   const GetAddressRange range = AddressRangeFunction();

@@ -5,9 +5,8 @@
 // unless a stream abandoned on its device may still touch it (live_streams.h
 // NoteAbandonedStream): then it stays mapped for the life of the process.
 // The allocation's size comes from the driver (cuMemGetAddressRange), so every
-// descriptor's extent is checked against the real allocation, and its device from
-// cudaPointerGetAttributes: an allocation of another GPU than `device` is refused
-// (INVALID_ARGUMENT), though CUDA would map it across the peer link.
+// descriptor's extent is checked against the real allocation. An allocation of another
+// GPU than `device` is mapped across the peer link, and cannot be told apart (ipc_mapping.cc).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +20,7 @@ namespace eps::gpu {
 class IpcMapping {
  public:
   // `unusable`: where a mapping that this call opened but cannot use (its
-  // allocation's range or device unknown, or another GPU's) goes with the error, so that its caller
+  // allocation's range unknown) goes with the error, so that its caller
   // closes it where a close cannot wait behind another engine's queued step (a session's janitor:
   // closing a mapping waits for the device as a free does); null: closed here.
   static absl::StatusOr<std::unique_ptr<IpcMapping>> Open(

@@ -444,7 +444,7 @@ TEST_F(AsyncFenceTest, TheClientNamesItsGpuByUuid) {
 // A rank started with CUDA_VISIBLE_DEVICES=1 calls its GPU 0: sent as epsd's ordinal 0
 // without a device_uuid, its buffers (on epsd's GPU 1) would be peer-mapped on GPU 0 and
 // every step would read them across the link. epsd refuses such a mapping.
-TEST_F(AsyncFenceTest, BuffersOnAnotherGpuThanTheSessionsAreRefused) {
+TEST_F(AsyncFenceTest, BuffersOnTheSecondGpuAttachThereByTheirUuid) {
   if (gpu::DeviceCount() < 2) GTEST_SKIP() << gpu::DeviceCount() << " CUDA device(s): needs 2";
   client::BufferShape shape{.num_slots = host_->num_slots(),
                             .max_seqs = kBatch,
@@ -457,29 +457,14 @@ TEST_F(AsyncFenceTest, BuffersOnAnotherGpuThanTheSessionsAreRefused) {
   v1::AttachRequest attach = Attach();
   attach.set_engine_id("async-fence-other-gpu");
   (*other)->DescribeTo(&attach);
-  {
-    v1::AttachRequest by_uuid = attach;  // the client library's request: attaches on GPU 1
-    client::EpsClient client(SyncFailClosedOptions(*epsd), by_uuid);
-    EXPECT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
-  }
-  attach.clear_device_uuid();
+  EXPECT_EQ(attach.device_uuid().size(), 16u);
+  // The ordinals are ignored with a UUID: a rank's own (0 under CUDA_VISIBLE_DEVICES) is fine.
   attach.set_device(0);
-  v1::SharedBuffers* b = attach.mutable_buffers();
-  for (v1::MemoryDescriptor* d :
-       {b->mutable_summary_pool(), b->mutable_group_table(), b->mutable_block_table(),
-        b->mutable_queries(), b->mutable_visit_blocks(), b->mutable_visit_count(),
-        b->mutable_flags()}) {
-    d->mutable_cuda_ipc()->set_device(0);  // the rank's own ordinal, not epsd's
-  }
-  attach.set_engine_id("async-fence-wrong-ordinal");
   client::EpsClient client(SyncFailClosedOptions(*epsd), attach);
-  const absl::Status s = client.Attach();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_NE(s.message().find("lives on epsd's device 1"), std::string::npos) << s;
-  EXPECT_NE(s.message().find("session's device 0"), std::string::npos) << s;
-  // Still serves: the refused mapping was closed, and no CUDA error was left behind.
-  client::EpsClient again(SyncFailClosedOptions(*epsd), Attach());
-  EXPECT_EQ(again.Attach(), absl::OkStatus()) << epsd->Log();
+  EXPECT_EQ(client.Attach(), absl::OkStatus()) << epsd->Log();
+  // epsd cannot tell an allocation of another GPU from its own (the driver names the GPU
+  // that opened the handle: docs/api-memory.md), so an Attach by a wrong ordinal is not
+  // refused; the UUID is what keeps a rank's steps on its GPU.
 }
 
 }  // namespace
