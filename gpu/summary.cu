@@ -274,10 +274,9 @@ absl::StatusOr<PinnedStaging::Slot*> PinnedStaging::TakeFree(size_t bytes) {
     if (s->filling || s->capacity < bytes) continue;
     if (s->recorded) {
       const cudaError_t done = cudaEventQuery(s->copied);
-      if (done == cudaErrorNotReady) {
-        ClearFailedCall();  // "not yet" is no error of the caller's
-        continue;
-      }
+      // "Not yet" sets no last error (2 x H200, CUDA 13): clearing here would take the
+      // caller's own pending error.
+      if (done == cudaErrorNotReady) continue;
       if (done != cudaSuccess) return CudaFailure("cudaEventQuery", done);
     }
     s->filling = true;

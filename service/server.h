@@ -24,8 +24,9 @@ namespace eps::service {
 
 // What the process around the server decides.
 struct ServerHooks {
-  // Called once, from a call's thread, when epsd can no longer serve (a CUDA device
-  // lost: SessionService::DeviceLostHandler); EpsServer::fatal() then says why. epsd's
+  // Called once, from a call's thread, the lease reaper's or the session janitor's, when
+  // epsd can no longer serve (a CUDA device lost, or one whose abandoned stream never
+  // drains: SessionService::DeviceLostHandler); EpsServer::fatal() then says why. epsd's
   // main answers it with the drain and exit 1. May be empty.
   std::function<void()> on_fatal;
   // Session::Create's (tests pass stand-ins).

@@ -196,6 +196,8 @@ int eps_engine_abi_version(void) { return EPS_ENGINE_ABI_VERSION; }
 
 const char* eps_engine_last_error(void) { return last_error.c_str(); }
 
+int eps_engine_peek_cuda_error(void) { return static_cast<int>(cudaPeekAtLastError()); }
+
 int eps_engine_device_count(int32_t* count) {
   if (count == nullptr) return Refuse("eps_engine_device_count", "count is null");
   int n = 0;

@@ -73,6 +73,10 @@ enum { EPS_ENGINE_FLOAT32 = 1, EPS_ENGINE_FLOAT16 = 2, EPS_ENGINE_BFLOAT16 = 3 }
 
 int eps_engine_abi_version(void);
 const char* eps_engine_last_error(void);
+/* The error pending on the calling thread in the library's own CUDA runtime (a cudaError_t;
+ * 0 when none), left as it was. The library links its runtime statically, so the caller's
+ * cudaGetLastError does not see it; no entry point leaves one (docs/api-memory.md §3.8). */
+int eps_engine_peek_cuda_error(void);
 int eps_engine_device_count(int32_t* count);
 
 /* Step counters (docs/api-memory.md §3.4). `flags` points at the [2] uint64 flags buffer.

@@ -514,9 +514,9 @@ TEST(EngineCapiArgs, MisalignedPointersAreInvalidArgument) {
 // caller's current device as it was. Two views of "pending": the thread's last error as this
 // binary's CUDA runtime reads it (the engine's PyTorch checks its launches with it; this
 // sees the library's error only where the library shares the caller's runtime, as a build
-// against the shared cudart does, not the hidden static one libeps_engine links today), and
-// the next call of the library on the thread, whose kernel launch once reported the stale
-// error of the failed call as its own (a failed preload failed the next writer's append).
+// against the shared cudart does), and as the library's own static runtime holds it
+// (eps_engine_peek_cuda_error: the view that fails where a failed call leaves its error);
+// then the next call of the library on the thread still succeeds.
 // One device suffices: device 0 is made current, and a call on a device past the last must
 // leave it so (with two devices, EveryEntryPointLeavesTheCallersCurrentDevice sees a change).
 TEST_F(EngineCapiTest, AFailedCallLeavesNoErrorPendingAndTheCallersDevice) {
@@ -535,6 +535,8 @@ TEST_F(EngineCapiTest, AFailedCallLeavesNoErrorPendingAndTheCallersDevice) {
   auto expect_clean = [&](const char* call, int rc) {
     EXPECT_NE(rc, 0) << call;
     EXPECT_EQ(cudaGetLastError(), cudaSuccess) << call << " left an error pending";
+    EXPECT_EQ(eps_engine_peek_cuda_error(), 0)
+        << call << " left an error pending in the library's own runtime";
     int current = -1;
     ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
     EXPECT_EQ(current, 0) << call << " left device " << current << " current";

@@ -248,11 +248,15 @@ TEST(GpuSummaryQueuedTest, CallsQueuedBehindAHeldStreamReturnAtOnceAndMatchTheCo
       __atomic_store_n(flag, uint64_t{1}, __ATOMIC_RELEASE);
     }
   });
+  // The engine's own pending error survives calls that find staging slots still in flight
+  // (a slot's "not ready" took it before).
+  ASSERT_NO_FATAL_FAILURE(testing::LeaveErrorPending());
   std::vector<absl::Status> queued;
   queued.push_back((*writer)->Reset({{pool.data, records}}, stream));
   for (int c = 0; c < calls; ++c) {
     queued.push_back((*writer)->AppendAsync(appends[c], DType::kFloat32, stream, nullptr));
   }
+  const cudaError_t callers = cudaGetLastError();
   const cudaError_t still_held = cudaStreamQuery(stream);
   (void)cudaGetLastError();  // cudaErrorNotReady is no error
   issued.set_value();
@@ -260,6 +264,7 @@ TEST(GpuSummaryQueuedTest, CallsQueuedBehindAHeldStreamReturnAtOnceAndMatchTheCo
   __atomic_store_n(flag, uint64_t{1}, __ATOMIC_RELEASE);
   EXPECT_FALSE(guard_released) << "a call waited for the held stream";
   EXPECT_EQ(still_held, cudaErrorNotReady) << "the stream was not held: this test checks nothing";
+  EXPECT_EQ(callers, cudaErrorMemoryAllocation) << "the caller's pending error was taken";
   for (size_t i = 0; i < queued.size(); ++i) EXPECT_TRUE(queued[i].ok()) << i << ": " << queued[i];
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaStreamDestroy(stream);
