@@ -176,3 +176,23 @@ def test_nothing_registers_with_freed_buffers(log: list[str]) -> None:
     buffers.close()
     with pytest.raises(cuda.CudaError, match="closed"):
         buffers.register(engine.StepCounters(1 << 40, 1 << 40, 4, 0))
+
+
+def test_a_close_interrupted_by_one_user_leaves_the_others_and_the_region_for_the_next(
+        log: list[str]) -> None:
+    buffers = _buffers()
+    older = engine.Watchdog(engine.StepCounters.of(buffers), 1.0)
+    newer = engine.Watchdog(engine.StepCounters.of(buffers), 1.0)
+    real_close = newer.close
+
+    def interrupted() -> None:
+        newer.close = real_close  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    newer.close = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        buffers.close()
+    assert "cudaFree" not in log  # the older watchdog still reads the region
+    buffers.close()
+    assert log[-3:] == ["watchdog 2 destroyed", "watchdog 1 destroyed", "cudaFree"]
+    older.close()

@@ -202,12 +202,14 @@ class CudaBuffers:
             return
         # Users first, newest first: a watchdog before the counters it was made over, a
         # queue before its writer. A watchdog's close finishes its armed step's watch,
-        # which reads the region: it must still be there.
-        users, self._users = self._users, []
-        for ref in reversed(users):
-            user = ref()
+        # which reads the region: it must still be there. One at a time, so that a close
+        # that raises (an interrupt in a watchdog's) leaves the others registered and the
+        # region unfreed, for a later close() to finish.
+        while self._users:
+            user = self._users[-1]()
             if user is not None:
                 user.close()
+            self._users.pop()
         for name in self.layout.shapes:
             setattr(self, name, None)
         ptr, self._ptr = self._ptr, None
