@@ -56,9 +56,18 @@ int Import(const char* hex, int device) {
   }
   cudaPointerAttributes a{};
   const cudaError_t e = cudaPointerGetAttributes(&a, q);
+  // The driver call through the runtime's entry points: no binary links libcuda.
+  using GetAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &f, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    return 1;
+  }
   int ordinal = -1;
-  const CUresult r = cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                           reinterpret_cast<CUdeviceptr>(q));
+  const CUresult r = reinterpret_cast<GetAttribute>(f)(
+      &ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, reinterpret_cast<CUdeviceptr>(q));
   std::printf(
       "  opened on device %d: cudaPointerGetAttributes %s device %d; "
       "cuPointerGetAttribute(DEVICE_ORDINAL) %d ordinal %d\n",

@@ -1,5 +1,6 @@
 #include "gpu/device.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -43,5 +44,29 @@ std::string UuidText(std::string_view uuid) {
 }
 
 bool DeviceAvailable() { return DeviceCount() > 0; }
+
+bool PrimaryContextActive(int device) {
+  // Through the runtime's entry points, as stream_ops.cu: no binary links libcuda.
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  using GetDevice = CUresult (*)(CUdevice*, int);
+  static const auto lookup = [](const char* name) -> void* {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) !=
+        cudaSuccess) {
+      ClearFailedCall();
+      return nullptr;
+    }
+    return found == cudaDriverEntryPointSuccess ? f : nullptr;
+  };
+  static const auto get_state = reinterpret_cast<GetState>(lookup("cuDevicePrimaryCtxGetState"));
+  static const auto get_device = reinterpret_cast<GetDevice>(lookup("cuDeviceGet"));
+  CUdevice handle = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  return get_state != nullptr && get_device != nullptr &&
+         get_device(&handle, device) == CUDA_SUCCESS &&
+         get_state(handle, &flags, &active) == CUDA_SUCCESS && active != 0;
+}
 
 }  // namespace eps::gpu

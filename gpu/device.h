@@ -31,4 +31,9 @@ std::string UuidText(std::string_view uuid);
 // refuse the cuda backend, without one.
 bool DeviceAvailable();
 
+// Whether `device`'s primary context exists (cuDevicePrimaryCtxGetState). A thread that
+// never chose a device reads as device 0; making that current again would create GPU 0's
+// context (hundreds of MiB) in a process that may not use GPU 0. False when unknown.
+bool PrimaryContextActive(int device);
+
 }  // namespace eps::gpu

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/cuda_check.h"
+#include "gpu/device.h"
 
 namespace eps::client {
 
@@ -19,8 +20,17 @@ class DeviceScope {
  public:
   DeviceScope() = default;
   explicit DeviceScope(RestoreCurrentDevice) { Hold(); }
+  // Gives the thread back its device, unless that device's context does not exist: a
+  // thread that never chose a device reads as device 0, and setting 0 would create GPU 0's
+  // context in a process that may never use it (as PyTorch's device guards avoid too).
   ~DeviceScope() {
-    if (restore_) cudaSetDevice(previous_);
+    if (!restore_) return;
+    int now = -1;
+    const cudaError_t got = cudaGetDevice(&now);
+    if (got == cudaSuccess && now == previous_) return;
+    if (got != cudaSuccess) gpu::ClearFailedCall();  // its own failure only: a caller's stays
+    if (!gpu::PrimaryContextActive(previous_)) return;
+    if (cudaSetDevice(previous_) != cudaSuccess) gpu::ClearFailedCall();
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;

@@ -675,4 +675,38 @@ TEST_F(EngineCapiTest, EveryEntryPointLeavesTheCallersCurrentDevice) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
+// A thread that never chose a device reads as device 0; a call on GPU 1 from it must not
+// make GPU 0 current at its end, which would create GPU 0's context in a process that never
+// used GPU 0. In a fresh process (a death test, re-executed), where nothing made one yet.
+TEST(EngineCapiFreshThreadDeathTest, ACallOnGpuOneFromAFreshThreadMakesNoContextOnGpuZero) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 2) {
+    (void)cudaGetLastError();
+    GTEST_SKIP() << count << " CUDA device(s): needs 2";
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // The driver's own answer, asked here (not through the library under test).
+  const auto gpu0_context = [] {
+    using GetState = int (*)(int, unsigned int*, int*);
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    unsigned int flags = 0;
+    int active = 0;
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess ||
+        reinterpret_cast<GetState>(f)(0, &flags, &active) != 0) {
+      std::_Exit(3);  // unknown
+    }
+    return active != 0;
+  };
+  EXPECT_EXIT(
+      {
+        if (gpu0_context()) std::_Exit(2);  // nothing to check
+        std::thread([] { (void)eps_engine_preload(1); }).join();
+        std::_Exit(gpu0_context() ? 1 : 0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 }  // namespace
