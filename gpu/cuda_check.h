@@ -80,6 +80,19 @@ inline absl::Status CudaFailure(absl::string_view what, cudaError_t error) {
   return CudaStatus(what, error);
 }
 
+// The driver API function `name` (CUDA 12 ABI) through the runtime's entry points, so that no
+// binary links libcuda (absent where no driver is installed, as on CI); null when the driver
+// lacks it. Cast it to its own type; look it up once (a function-local static).
+inline void* DriverFunction(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess) {
+    ClearFailedCall();
+    return nullptr;
+  }
+  return found == cudaDriverEntryPointSuccess ? f : nullptr;
+}
+
 // Owns `count` elements of device memory; freed in the destructor.
 template <typename T>
 class DeviceBuffer {

@@ -46,21 +46,11 @@ std::string UuidText(std::string_view uuid) {
 bool DeviceAvailable() { return DeviceCount() > 0; }
 
 bool PrimaryContextActive(int device) {
-  // Through the runtime's entry points, as stream_ops.cu: no binary links libcuda.
   using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
   using GetDevice = CUresult (*)(CUdevice*, int);
-  static const auto lookup = [](const char* name) -> void* {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) !=
-        cudaSuccess) {
-      ClearFailedCall();
-      return nullptr;
-    }
-    return found == cudaDriverEntryPointSuccess ? f : nullptr;
-  };
-  static const auto get_state = reinterpret_cast<GetState>(lookup("cuDevicePrimaryCtxGetState"));
-  static const auto get_device = reinterpret_cast<GetDevice>(lookup("cuDeviceGet"));
+  static const auto get_state =
+      reinterpret_cast<GetState>(DriverFunction("cuDevicePrimaryCtxGetState"));
+  static const auto get_device = reinterpret_cast<GetDevice>(DriverFunction("cuDeviceGet"));
   CUdevice handle = 0;
   unsigned int flags = 0;
   int active = 0;

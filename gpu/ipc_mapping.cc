@@ -18,17 +18,7 @@ namespace {
 using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 GetAddressRange AddressRangeFunction() {
-  static GetAddressRange fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess) {
-      ClearFailedCall();
-      return static_cast<GetAddressRange>(nullptr);
-    }
-    if (found != cudaDriverEntryPointSuccess) return static_cast<GetAddressRange>(nullptr);
-    return reinterpret_cast<GetAddressRange>(f);
-  }();
+  static const auto fn = reinterpret_cast<GetAddressRange>(DriverFunction("cuMemGetAddressRange"));
   return fn;
 }
 

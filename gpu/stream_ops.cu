@@ -10,14 +10,7 @@ namespace {
 using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 StreamValueFn Lookup(const char* name) {
-  void* f = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess) {
-    ClearFailedCall();
-    return nullptr;
-  }
-  if (found != cudaDriverEntryPointSuccess) return nullptr;
-  return reinterpret_cast<StreamValueFn>(f);
+  return reinterpret_cast<StreamValueFn>(DriverFunction(name));
 }
 
 absl::Status Call(const char* name, StreamValueFn fn, cudaStream_t stream, const uint64_t* at,

@@ -2,7 +2,7 @@
 // a stream waits until a 64-bit counter in device memory reaches a value, or
 // writes one after its earlier work (cuStreamWaitValue64 / cuStreamWriteValue64).
 //
-// The driver API is reached through cudaGetDriverEntryPointByVersion, as in
+// The driver API is reached through gpu::DriverFunction (cuda_check.h), as in
 // ipc_mapping.cc, so that no binary links libcuda. Thread safety: the functions
 // are safe to call from any thread; the stream's own rules apply.
 #pragma once
