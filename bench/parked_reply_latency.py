@@ -3,8 +3,7 @@
 same step alone: the real epsd (cpu backend, shm buffers), its steps sent over the Python
 stubs, the parked one from a second channel (docs/design.md, SelectPages).
 
-    EPSD_BIN=build/service/epsd PYTHONPATH=client/python/src:client/python/tests \
-        python3 tests/service/parked_reply_latency.py
+    .venv/bin/python bench/parked_reply_latency.py --epsd build/service/epsd
 
 A measurement, not a test: it prints the medians and exits 0."""
 
@@ -13,19 +12,23 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import tempfile
+import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
+from local_epsd import (  # puts the repository's client on sys.path
+    LocalEpsd,
+    pb,
+    pb_grpc,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client" / "python" / "tests"))
 from engine_state import make_state
 from eps_client import ModelLayout
 from eps_client.client import attach_request
-from eps_client.proto import page_selector_pb2 as pb
-from eps_client.proto import page_selector_pb2_grpc as pb_grpc
 
 
 def model(layers: int) -> ModelLayout:
@@ -52,6 +55,7 @@ def timed(stub: pb_grpc.PageSelectorStub, request: pb.SelectPagesRequest) -> flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epsd", default="build/service/epsd", help="the epsd binary")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4000, 4000],
                     help="tokens of each row (at most 8,192 in all: engine_state's blocks)")
@@ -59,12 +63,8 @@ def main() -> None:
     ap.add_argument("--park-after-s", type=float, default=0.05,
                     help="how long after the running step the parked one is sent")
     args = ap.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="eps-parked-"))
-    target = f"unix://{folder}/epsd.sock"
-    epsd = subprocess.Popen([os.environ["EPSD_BIN"], f"--listen={target}", "--backend=cpu",
-                             "--metrics-listen=off"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
+    with LocalEpsd(args.epsd, []) as epsd:
+        target = epsd.target
         state = make_state(np.random.default_rng(1), contexts=args.contexts,
                            max_context=max(args.contexts), model=model(args.layers))
         with grpc.insecure_channel(target) as first, grpc.insecure_channel(target) as second:
@@ -99,9 +99,6 @@ def main() -> None:
         print(f"the parked step (sent {args.park_after_s} s later): "
               f"{statistics.median(parked):.3f} s")
         state.buffers.close()
-    finally:
-        epsd.kill()
-        epsd.wait()
 
 
 if __name__ == "__main__":
