@@ -10,12 +10,14 @@ as torch tensors (``__cuda_array_interface__``, no copy). Same layout as
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,9 +67,18 @@ def load_cudart(path: str | None = None) -> ctypes.CDLL:
     raise CudaError("cannot load libcudart; set EPS_CUDART. Tried: " + "; ".join(tried[-6:]))
 
 
+def load_driver() -> Any:
+    """Loads libcuda (the driver, which libcudart itself loads), or None where it cannot."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
 class _Runtime:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, driver: Any = None) -> None:
         self.lib = lib
+        self.driver = driver
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         lib.cudaFree.argtypes = [ctypes.c_void_p]
@@ -88,6 +99,32 @@ class _Runtime:
         device = ctypes.c_int(0)
         self.check(self.lib.cudaGetDevice(ctypes.byref(device)), "cudaGetDevice")
         return device.value
+
+    def primary_context_active(self, device: int) -> bool:
+        """Whether ``device``'s primary context exists (cuDevicePrimaryCtxGetState); False
+        where the driver cannot say, as gpu::PrimaryContextActive."""
+        d = self.driver
+        if d is None:
+            return False
+        handle, flags, active = ctypes.c_int(0), ctypes.c_uint(0), ctypes.c_int(0)
+        return (d.cuInit(0) == 0 and d.cuDeviceGet(ctypes.byref(handle), device) == 0 and
+                d.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags),
+                                             ctypes.byref(active)) == 0 and active.value != 0)
+
+    @contextlib.contextmanager
+    def device_scope(self, device: int) -> Iterator[None]:
+        """Makes ``device`` current inside the block, then gives the thread back its own
+        device (client/cpp/device_scope.h's rule): unless that device's context does not
+        exist, since a thread that never chose a device reads as 0 and setting 0 would
+        create GPU 0's context in a process that may never use it."""
+        previous = self.current_device()
+        self.check(self.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
+        try:
+            yield
+        finally:
+            if previous != device and self.primary_context_active(previous):
+                if self.lib.cudaSetDevice(previous) != 0:
+                    self.lib.cudaGetLastError()  # not left for PyTorch's next check
 
     def device_uuid(self, device: int) -> bytes:
         """The 16-byte UUID of ``device`` (this process's ordinal), as epsd reads it
@@ -123,15 +160,11 @@ class CudaBuffers:
         self.model, self.shape, self.device = model, shape, device
         self._users: list[weakref.ref[RegionUser]] = []
         self._ptr: int | None = None
-        self._rt = _Runtime(load_cudart(cudart))
+        self._rt = _Runtime(load_cudart(cudart), load_driver())
         # The thread's current device is the engine's: made `device` only while the region
         # is made (device_scope.h's rule), so the engine's next allocation stays on its own.
-        previous = self._rt.current_device()
-        self._rt.check(self._rt.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
-        try:
+        with self._rt.device_scope(device):
             self._allocate(device)
-        finally:
-            self._rt.lib.cudaSetDevice(previous)
 
     def _allocate(self, device: int) -> None:
         """Takes the region on the current device (``device``) and fills it."""
@@ -213,7 +246,10 @@ class CudaBuffers:
         for name in self.layout.shapes:
             setattr(self, name, None)
         ptr, self._ptr = self._ptr, None
-        self._rt.check(self._rt.lib.cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
+        # On the region's device: cudaFree on a thread whose device has no context yet
+        # would create one there (GPU 0's, on a thread that never chose a device).
+        with self._rt.device_scope(self.device):
+            self._rt.check(self._rt.lib.cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
 
     def __enter__(self) -> CudaBuffers:
         return self
