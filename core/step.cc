@@ -24,7 +24,7 @@ void StepStats::Add(const StepStats& o) {
   blocks_visited += o.blocks_visited;
   kv_bytes_dense = SaturatingMulAdd(kv_bytes_dense, {o.kv_bytes_dense});
   kv_bytes_read_est = SaturatingMulAdd(kv_bytes_read_est, {o.kv_bytes_read_est});
-  summary_bytes_read += o.summary_bytes_read;
+  summary_bytes_read = SaturatingMulAdd(summary_bytes_read, {o.summary_bytes_read});
 }
 
 absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t i) {
@@ -35,10 +35,12 @@ absl::Status CheckRowFits(const ModelLayout& model, const StepInputs& in, size_t
   }
   const int64_t blocks = BlocksFor(row.context_tokens, model.block_size);
   const int64_t groups = GroupsFor(row.context_tokens, model);
-  if (row.context_tokens < 1 || blocks > in.max_blocks || groups > in.max_groups) {
+  // A visit list's count is an int32 (visit_count), whatever the table's row holds.
+  const int64_t max_blocks = std::min<int64_t>(in.max_blocks, std::numeric_limits<int32_t>::max());
+  if (row.context_tokens < 1 || blocks > max_blocks || groups > in.max_groups) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rows[", i, "].context_tokens=", row.context_tokens, " not in [1, ",
-        std::min(in.max_blocks * model.block_size, in.max_groups * model.group_tokens()), "]"));
+        std::min(max_blocks * model.block_size, in.max_groups * model.group_tokens()), "]"));
   }
   if (model.has_coarse_level() && in.coarse_table != nullptr &&
       CoarseGroupsFor(row.context_tokens, model) > in.max_coarse_groups) {
@@ -383,7 +385,8 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
             total.kv_bytes_read_est, {VisitedTokens(count, row.context_tokens, model_.block_size),
                                       heads_read, kv_token_bytes});
       }
-      total.summary_bytes_read += summary_records * layout_.record_bytes();
+      total.summary_bytes_read =
+          SaturatingMulAdd(total.summary_bytes_read, {summary_records, layout_.record_bytes()});
     }
   }
   for (int layer = 0; layer < model_.num_layers; ++layer) {

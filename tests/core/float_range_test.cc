@@ -249,6 +249,15 @@ TEST(FloatRangeTest, StepByteCountsStopAtTheTopInsteadOfWrapping) {
   EXPECT_EQ(SaturatingMulAdd(kMax - 1, {2}), kMax);
   EXPECT_EQ(SaturatingMulAdd(5, {2, 3}), 11);
   EXPECT_EQ(SaturatingMulAdd(7, {}), 8);  // an empty product is 1
+  // Every byte sum of StepStats::Add, the summary bytes' too (the session's totals).
+  StepStats total;
+  total.kv_bytes_dense = total.kv_bytes_read_est = total.summary_bytes_read = kMax - 5;
+  StepStats step;
+  step.kv_bytes_dense = step.kv_bytes_read_est = step.summary_bytes_read = 10;
+  total.Add(step);
+  EXPECT_EQ(total.kv_bytes_dense, kMax);
+  EXPECT_EQ(total.kv_bytes_read_est, kMax);
+  EXPECT_EQ(total.summary_bytes_read, kMax);
 }
 
 TEST(FloatRangeTest, FeedbackEntriesNoAttentionWritesAreNoFeedback) {

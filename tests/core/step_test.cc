@@ -423,6 +423,18 @@ TEST_F(StepValidationTest, ContextLongerThanCapacityIsRejected) {
   ExpectRejected(buffers_->Inputs(rows_), "rows[0].context_tokens=0");
 }
 
+// A visit list's count is an int32: a row of more blocks is refused, whatever max_blocks
+// the table claims (nothing is read: the check comes first).
+TEST_F(StepValidationTest, ARowOfMoreBlocksThanAVisitCountHoldsIsRejected) {
+  StepInputs in = buffers_->Inputs(rows_);
+  in.max_blocks = int64_t{1} << 33;
+  in.max_groups = int64_t{1} << 33;
+  rows_[0].context_tokens = (int64_t{INT32_MAX} + 1) * model_.block_size;
+  in.rows = rows_;
+  ExpectRejected(in, absl::StrCat("rows[0].context_tokens=", rows_[0].context_tokens,
+                                  " not in [1, ", int64_t{INT32_MAX} * model_.block_size, "]"));
+}
+
 TEST_F(StepValidationTest, SlotOutOfRangeIsRejected) {
   buffers_->group_table()[1 * buffers_->max_groups() + 4] =
       static_cast<int32_t>(buffers_->num_slots());
