@@ -15,7 +15,7 @@ raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
 detaches the session and closes the channel.
 
 Thread safety: one engine thread calls select_pages / attach / detach at a time;
-``counters()`` may be read from any thread.
+``counters()`` may be read and ``close()`` called from any thread.
 """
 
 from __future__ import annotations
@@ -244,7 +244,9 @@ class EpsClient:
         self._next_attach_try = 0.0
         self._pending_attach: grpc.Future | None = None
         self._stream: SelectStream | None = None
-        self._lock = threading.Lock()  # guards the counters
+        # Guards the counters, and the swaps of _stream and _pending_attach, which close()
+        # on another thread clears while the engine thread may be using them.
+        self._lock = threading.Lock()
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
         # Fixed for the client's life: epsd keeps the largest totals it saw per id.
@@ -344,14 +346,15 @@ class EpsClient:
         Afterwards every call raises ``EpsError(FAILED_PRECONDITION, "client closed")`` (a
         fail-open ``select_pages`` falls back with that code); closing again does nothing.
         It may be called from another thread while a call is in flight: that call ends as
-        CANCELLED, or, if it had not started yet, as one made after close()."""
+        CANCELLED (the call epsd held was cancelled), or, if it had not reached epsd yet, as
+        one made after close(); a fail-open ``select_pages`` falls back with either code and
+        raises nothing, wherever in the step close() lands."""
         if self._closed:
             return
         self._closed = True
         self._close_stream()
-        if self._pending_attach is not None:
-            self._pending_attach.cancel()
-            self._pending_attach = None
+        if (pending := self._pop_pending_attach()) is not None:
+            pending.cancel()
         self._channel.close()
 
     def __enter__(self) -> EpsClient:
@@ -398,10 +401,10 @@ class EpsClient:
         step = request.step
         if not self.session_id:
             try:
-                reason = self._poll_reattach()
-            except ValueError as e:
-                closed = self._closed_meanwhile(e)
-                return self._failed(step, closed.code, closed.message, start)
+                with self._ended_by_close():
+                    reason = self._poll_reattach()
+            except EpsError as e:
+                return self._failed(step, e.code, e.message, start)
             if reason is not None:
                 return self._failed(step, grpc.StatusCode.UNAVAILABLE, reason, start,
                                     counter="fallback_not_attached")
@@ -409,10 +412,11 @@ class EpsClient:
         now = self.counters()
         self._add_report(request, now)
         try:
-            if self.options.use_stream:
-                response = self._call_stream(request, deadline)
-            else:
-                response = self._call_unary(request, deadline)
+            with self._ended_by_close():
+                if self.options.use_stream:
+                    response = self._call_stream(request, deadline)
+                else:
+                    response = self._call_unary(request, deadline)
             if response.step != step:
                 # epsd echoes the step it ran: another step's reply says nothing of this one.
                 raise EpsError(grpc.StatusCode.INTERNAL,
@@ -430,12 +434,12 @@ class EpsClient:
                           grpc.StatusCode.CANCELLED):
                 self._close_stream()
                 self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
-            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._stream is not None:
+            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # The stream still holds this step (and maybe later ones) for epsd, which
                 # would run them after the engine gave up on them: cancel it now, without
                 # waiting, and open a fresh one for the next step.
-                stream, self._stream = self._stream, None
-                stream.cancel()
+                if (stream := self._take_stream()) is not None:
+                    stream.cancel()
             return self._failed(step, e.code, e.message, start)
         self._reported = now
         self._count("selected")
@@ -494,6 +498,23 @@ class EpsClient:
         except ValueError as e:
             raise self._closed_meanwhile(e) from None
 
+    @contextlib.contextmanager
+    def _ended_by_close(self) -> Iterator[None]:
+        """A step's exchange with epsd, which close() on another thread may end at any point:
+        it clears the stream and the re-attach in flight, cancels their calls and closes
+        the channel. Whatever that makes the exchange raise (grpc's ValueError for a closed
+        channel, a cancelled future, ...) ends the step as one made after close() (EpsError
+        FAILED_PRECONDITION), the documented outcome, rather than escaping select_pages.
+        EpsError passes as it is; an exception while the client is open is re-raised."""
+        try:
+            yield
+        except EpsError:
+            raise
+        except Exception:
+            if not self._closed:
+                raise
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED) from None
+
     def _closed_meanwhile(self, e: ValueError) -> EpsError:
         """grpc raises ValueError for a call on a closed channel: close() from another thread
         after this call passed its check. Such a call ends as one made after close(); any
@@ -524,9 +545,8 @@ class EpsClient:
     def _take_pending_attach(self, deadline: float) -> bool:
         """Waits for a background re-attach until `deadline` (time.monotonic()) and adopts the
         session it was granted, if any (True); one not finished by then is cancelled."""
-        if self._pending_attach is None:
+        if (pending := self._pop_pending_attach()) is None:
             return False
-        pending, self._pending_attach = self._pending_attach, None
         try:
             self._adopt(pending.result(timeout=max(deadline - time.monotonic(), 0.0)))
             return True
@@ -545,24 +565,37 @@ class EpsClient:
     def _poll_reattach(self) -> str | None:
         """Not attached: collects a finished background re-attach or starts one when the
         backoff allows. Never waits. Returns why the step must fall back, or None."""
-        if self._pending_attach is not None:
-            if not self._pending_attach.done():
+        # close() on another thread clears the field (and cancels the call) at any moment:
+        # one read of it, then only the local.
+        if (pending := self._pending_attach) is not None:
+            if not pending.done():
                 return "re-attach in progress"
-            pending, self._pending_attach = self._pending_attach, None
+            with self._lock:
+                if self._pending_attach is pending:
+                    self._pending_attach = None
             try:
                 self._adopt(pending.result())
                 return None
-            except grpc.RpcError as e:
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                if self._closed:  # cancelled by close(), its channel's or its own cancel
+                    raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED) from None
                 self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
-                return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
+                if isinstance(e, grpc.RpcError):
+                    return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
+                return "not attached; re-attach cancelled"
         if time.monotonic() < self._next_attach_try:
             return "not attached; re-attach backing off"
         # wait_for_ready: the Attach waits (up to its deadline) for the channel to connect
         # instead of failing at once while the channel is in reconnect backoff, so the first
         # attempt after epsd comes back succeeds.
-        self._pending_attach = self.stub.Attach.future(
+        pending = self.stub.Attach.future(
             self._attach, timeout=self.options.attach_deadline_s, metadata=self._metadata(),
             wait_for_ready=True)
+        with self._lock:
+            self._pending_attach = pending
+        if self._closed:  # close() ran before the field was set: it never cancelled this one
+            pending.cancel()
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
         return "not attached; re-attach started"
 
     def _call_unary(self, request: pb.SelectPagesRequest,
@@ -580,22 +613,45 @@ class EpsClient:
             future.cancel()
             raise EpsError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            "SelectPages missed the client deadline") from None
+        except grpc.FutureCancelledError:
+            raise EpsError(grpc.StatusCode.CANCELLED, "SelectPages was cancelled") from None
         except grpc.RpcError as e:
             raise EpsError(e.code(), e.details() or "") from None
 
     def _call_stream(self, request: pb.SelectPagesRequest,
                      deadline: float) -> pb.SelectPagesResponse:
-        if self._stream is not None and self._stream.closed.is_set():
+        # close() on another thread clears self._stream (and closes that stream) at any
+        # moment: the step uses its own reference, so it ends on the closed stream's
+        # CANCELLED rather than on a None.
+        stream = self._stream
+        if stream is not None and stream.closed.is_set():
             self._close_stream()
-        if self._stream is None:
+            stream = None
+        if stream is None:
             try:
-                self._stream = SelectStream(self.stub, self._metadata())
+                stream = SelectStream(self.stub, self._metadata())
             except ValueError as e:
                 raise self._closed_meanwhile(e) from None
-        self._stream.send(request)
-        return self._stream.receive(request.step, deadline)
+            with self._lock:
+                self._stream = stream
+            if self._closed:  # close() ran before the field was set: it never saw this one
+                self._close_stream()
+                raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
+        stream.send(request)
+        return stream.receive(request.step, deadline)
+
+    def _take_stream(self) -> SelectStream | None:
+        """The open stream, if any, now the client's no longer (one thread gets it)."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+        return stream
+
+    def _pop_pending_attach(self) -> grpc.Future | None:
+        """The background re-attach in flight, if any, now the caller's alone."""
+        with self._lock:
+            pending, self._pending_attach = self._pending_attach, None
+        return pending
 
     def _close_stream(self) -> None:
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
+        if (stream := self._take_stream()) is not None:
             stream.close()
