@@ -300,6 +300,23 @@ def test_a_client_closed_between_sending_a_step_and_waiting_for_it_ends_it_as_ca
         assert result.fallback and result.code == grpc.StatusCode.CANCELLED, result
 
 
+@pytest.mark.parametrize(("step", "released"), [
+    (7, [7]), (np.uint64(7), [7]), (2**64 - 1, [2**64 - 1]),
+    (-1, []), (None, []), (2**64, []), ("7", []), (7.0, []), (True, []),
+])
+def test_on_fallback_gets_only_a_step_number_the_engine_could_have_waited_on(step, released):
+    # A step refused as no uint64 (-1, None) was handed to on_fallback as it came: the
+    # engine's release_dense(-1) then raised selection_done to 2**64 - 1 for good.
+    seen: list[object] = []
+    with unattached_client(on_fallback=seen.append) as client:
+        result = client.select_pages(step, [Row(0, 100)])
+        assert result.fallback
+        client.close()
+        client.select_pages(step, [Row(0, 100)])  # closed: the same rule
+    assert seen == released * 2
+    assert all(type(s) is int for s in seen)
+
+
 def broken_tracer() -> str:
     raise RuntimeError("tracer broken")
 

@@ -86,8 +86,9 @@ class ClientOptions:
     # W3C trace context sent as "traceparent" metadata: a fixed string, or a
     # callable asked once per call (e.g. the current OpenTelemetry span's).
     traceparent: Traceparent = None
-    # Called with the step number on every fallback, before select_pages returns: an
-    # engine whose stream waits on selection_done releases it here (ReleaseDense).
+    # Called with the step number (an int) on every fallback of a step that has one (a step
+    # refused as not a uint64 has none), before select_pages returns: an engine whose stream
+    # waits on selection_done releases it here (ReleaseDense).
     on_fallback: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
@@ -538,7 +539,15 @@ class EpsClient:
             raise EpsError(code, message)
         self._count(counter or _FALLBACK_REASON.get(code, "fallback_error"))
         if self.options.on_fallback is not None:
-            self.options.on_fallback(step)
+            # Only a step number the engine could have waited on (a uint64, as an int): a
+            # step refused as not one (-1, None, 2**64) has nothing to release, and handed
+            # on it would reach the engine's counters as a wrapped value (2**64 - 1).
+            try:
+                number = _values.integer("step", step, *_values.UINT64)
+            except (TypeError, ValueError):
+                number = None
+            if number is not None:
+                self.options.on_fallback(number)
         return StepResult(step=step, fallback=True, code=code, message=message,
                           round_trip_us=(time.monotonic() - start) * 1e6)
 
