@@ -72,7 +72,13 @@ def valid_traceparent(value: object) -> bool:
 @dataclass
 class ClientOptions:
     """How the client talks to epsd. The defaults come from measurements on a loaded
-    2-core machine (docs/integration/python-client.md): a healthy epsd misses none."""
+    2-core machine (docs/integration/python-client.md): a healthy epsd misses none.
+
+    Every field is checked whenever it is set, at construction and after (a client reads
+    them on every call, so ``options.deadline_s = None`` set later would otherwise reach
+    the calls unchecked): TypeError or ValueError naming the field, the old value kept; a
+    name that is not a field is refused (AttributeError). ``target`` is read once, when a
+    client is made."""
 
     # $EPS_TARGET when set (the deploy manifests set it to epsd's --listen), else epsd's
     # default listener
@@ -91,25 +97,39 @@ class ClientOptions:
     # waits on selection_done releases it here (ReleaseDense).
     on_fallback: Callable[[int], None] | None = None
 
-    def __post_init__(self) -> None:
-        """Refuses a value the client cannot run with (TypeError, ValueError, naming it)."""
-        if not isinstance(self.target, str) or not self.target:
-            raise TypeError(f"ClientOptions.target={self.target!r} is not a non-empty str")
-        for name, positive in (("deadline_s", True), ("attach_deadline_s", True),
-                               ("reattach_backoff_s", False)):
-            setattr(self, name, _values.duration(f"ClientOptions.{name}", getattr(self, name),
-                                                 positive=positive))
-        for name in ("fail_open", "use_stream"):
-            setattr(self, name, _values.boolean(f"ClientOptions.{name}", getattr(self, name)))
-        tp = self.traceparent
-        if isinstance(tp, str):
-            if not valid_traceparent(tp):
-                raise ValueError(f"ClientOptions.traceparent={tp!r} is not a W3C traceparent "
-                                 f"(00-<32 hex>-<16 hex>-<2 hex>)")
-        elif tp is not None and not callable(tp):
-            raise TypeError(f"ClientOptions.traceparent={tp!r} is not a str, a callable or None")
-        if self.on_fallback is not None and not callable(self.on_fallback):
-            raise TypeError(f"ClientOptions.on_fallback={self.on_fallback!r} is not callable")
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, _client_option(name, value))
+
+
+# ClientOptions' durations, and whether 0 is refused.
+_DURATIONS = {"deadline_s": True, "attach_deadline_s": True, "reattach_backoff_s": False}
+
+
+def _client_option(name: str, value: object) -> object:
+    """``value`` checked for the ClientOptions field ``name`` (TypeError, ValueError naming
+    it), as the client will use it."""
+    if name == "target":
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"ClientOptions.target={value!r} is not a non-empty str")
+        return value
+    if name in _DURATIONS:
+        return _values.duration(f"ClientOptions.{name}", value, positive=_DURATIONS[name])
+    if name in ("fail_open", "use_stream"):
+        return _values.boolean(f"ClientOptions.{name}", value)
+    if name == "traceparent":
+        if isinstance(value, str):
+            if not valid_traceparent(value):
+                raise ValueError(f"ClientOptions.traceparent={value!r} is not a W3C "
+                                 f"traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+        elif value is not None and not callable(value):
+            raise TypeError(f"ClientOptions.traceparent={value!r} is not a str, a callable or "
+                            f"None")
+        return value
+    if name == "on_fallback":
+        if value is not None and not callable(value):
+            raise TypeError(f"ClientOptions.on_fallback={value!r} is not callable")
+        return value
+    raise AttributeError(f"ClientOptions has no field {name!r}")
 
 
 @dataclass
