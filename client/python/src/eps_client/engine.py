@@ -13,7 +13,9 @@
   slot's records whenever it is (re)assigned to a new group).
 
 Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
-addresses (``tensor.data_ptr()``). The library is found through ``EPS_ENGINE_LIB``, next to
+addresses (``tensor.data_ptr()``); an integer argument outside its C type (a negative step,
+a device past int32), a bool or a non-integer is refused before the library is called
+(TypeError, ValueError naming it). The library is found through ``EPS_ENGINE_LIB``, next to
 this package, or in a build folder of the source tree. Not thread-safe except Watchdog.
 A handle used after its ``close()`` raises EngineLibError with code 9 (FAILED_PRECONDITION);
 a SummaryQueue keeps its writer's device state alive, so closing the writer first is safe.
@@ -151,15 +153,54 @@ def check(call: str, rc: int) -> None:
         raise EngineLibError(call, rc, message)
 
 
+# ctypes converts a Python int to c_uint64 / c_int32 modulo 2**64 / 2**32, silently: -1 as
+# a step is 2**64 - 1 (a dense release raised selection_done there for good), 2**32 as a
+# device is device 0. Every integer argument goes through these first (TypeError for a
+# non-integer or a bool, ValueError out of range, naming the argument).
+
+
+def _u64(name: str, value: object) -> int:
+    """A step, a stream handle or a device address: an integer in [0, 2**64)."""
+    return _values.integer(name, value, *_values.UINT64)
+
+
+def _device(name: str, value: object) -> int:
+    """A CUDA device ordinal: an int32, >= 0."""
+    return _values.integer(name, value, 0, _values.INT32[1])
+
+
+def _check_feedback(feedback: Any, device: int) -> None:
+    """The selection feedback a dense release NaN-fills as float32 [numel] from its
+    data_ptr(): a contiguous float32 torch tensor on ``device``."""
+    if feedback is None:
+        return
+    dtype = getattr(feedback, "dtype", None)
+    if str(dtype) != "torch.float32":
+        raise TypeError(f"feedback.dtype={dtype} is not torch.float32")
+    if not feedback.is_contiguous():
+        raise ValueError("feedback is not contiguous")
+    where = feedback.device
+    if where.type != "cuda" or where.index != device:
+        raise ValueError(f"feedback is on {where}, the counters on cuda:{device}")
+
+
 class StepCounters:
     """The flags buffer's counters (``flags`` [2] uint64 on the device) and the visit counts
     that a dense release marks -1. ``buffers`` (the CudaBuffers that hold them, as ``of``
     passes) is kept alive, and its ``close()`` closes these counters first; a call after
-    ``close()`` raises EngineLibError FAILED_PRECONDITION."""
+    ``close()`` raises EngineLibError FAILED_PRECONDITION.
+
+    Steps and streams are integers in [0, 2**64), the device an int32 >= 0, ``lists`` >= 0,
+    ``feedback`` a contiguous float32 tensor on ``device``: anything else is refused
+    (TypeError, ValueError naming the argument) before the library is called."""
 
     def __init__(self, flags_ptr: int, visit_count_ptr: int, lists: int, device: int,
                  feedback: Any = None, *, buffers: Any = None) -> None:
-        self.flags, self.counts, self.lists, self.device = flags_ptr, visit_count_ptr, lists, device
+        self.flags = _u64("flags_ptr", flags_ptr)
+        self.counts = _u64("visit_count_ptr", visit_count_ptr)
+        self.lists = _values.integer("lists", lists, 0, _values.INT64[1])
+        self.device = _device("device", device)
+        _check_feedback(feedback, self.device)
         self.feedback = feedback  # a torch tensor, NaN-filled by release_dense
         self.buffers = buffers  # the region's owner, or None (the caller keeps it alive)
         self._closed = False
@@ -183,11 +224,15 @@ class StepCounters:
         self._closed = True
 
     def signal_inputs_ready(self, stream: int, step: int) -> None:
+        stream = _u64("signal_inputs_ready(stream)", stream)
+        step = _u64("signal_inputs_ready(step)", step)
         self._live("signal_inputs_ready")
         check("signal_inputs_ready",
               library().eps_engine_signal_inputs_ready(stream, self.flags, step))
 
     def wait_selection(self, stream: int, step: int) -> None:
+        stream = _u64("wait_selection(stream)", stream)
+        step = _u64("wait_selection(step)", step)
         self._live("wait_selection")
         check("wait_selection", library().eps_engine_wait_selection(stream, self.flags, step))
 
@@ -197,6 +242,8 @@ class StepCounters:
         without one it runs on a private stream and is waited for. A ``feedback`` tensor is
         NaN-filled first, in the same order: no selection consumed the entries of the step
         before, and the released step's attention would combine its masses with them."""
+        step = _u64("release_dense(step)", step)
+        stream = _u64("release_dense(stream)", stream)
         self._live("release_dense")
         if self.feedback is not None:
             check("clear_feedback", library().eps_engine_clear_feedback(
@@ -217,8 +264,7 @@ class Watchdog:
     _h: int | None = None  # set before anything can fail, so __del__ always finds it
 
     def __init__(self, counters: StepCounters, timeout_s: float) -> None:
-        if not timeout_s > 0 or timeout_s == float("inf"):
-            raise ValueError(f"Watchdog timeout_s={timeout_s} must be finite and > 0")
+        timeout_s = _values.duration("Watchdog timeout_s", timeout_s)
         counters._live("watchdog_create")
         handle = ctypes.c_void_p()
         check("watchdog_create", library().eps_engine_watchdog_create(
@@ -241,6 +287,10 @@ class Watchdog:
                 raise
 
     def arm(self, step: int) -> None:
+        """Watches ``step`` (>= 1, < 2**64) from now on, superseding the step armed before.
+        Step 0 is refused: the library takes it as "nothing armed", which would drop the
+        watch of the step before."""
+        step = _values.integer("Watchdog.arm(step)", step, 1, _values.UINT64[1])
         h = _open(self._h, "watchdog", "watchdog_arm")
         check("watchdog_arm", library().eps_engine_watchdog_arm(h, step))
 
@@ -271,6 +321,7 @@ class DeviceSummaryWriter:
     _buffers: Any = None
 
     def __init__(self, model: ModelLayout, device: int = 0, *, buffers: Any = None) -> None:
+        device = _device("device", device)
         f = model.features
         m = _Model(model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
                    model.block_size, model.group_blocks, model.sketch_dim, model.phi_seed,
@@ -301,6 +352,7 @@ class DeviceSummaryWriter:
 
     def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
         """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
+        stream = _u64("append(stream)", stream)
         h = _open(self._h, "summary writer", "summary_append")
         a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_append", library().eps_engine_summary_append(
@@ -311,6 +363,7 @@ class DeviceSummaryWriter:
         RECORD_RUN array, e.g. ``slot_runs``) to the empty record, core's Reset bytes. Call it
         when a slot is (re)assigned to a new group, before the group's first append on the
         same stream: a reused record otherwise keeps the old group's statistics."""
+        stream = _u64("reset(stream)", stream)
         h = _open(self._h, "summary writer", "summary_reset")
         r = np.ascontiguousarray(runs, dtype=RECORD_RUN)
         check("summary_reset", library().eps_engine_summary_reset(h, r.ctypes.data, len(r),
@@ -341,6 +394,10 @@ class SummaryQueue:
                 raise
 
     def submit(self, appends: np.ndarray, key_dtype: str, after_stream: int, step: int) -> None:
+        """Queues ``appends`` (a KEY_APPEND array) on ``after_stream``, then the queue's
+        counter raised to ``step`` (an integer in [0, 2**64)) there."""
+        after_stream = _u64("submit(after_stream)", after_stream)
+        step = _u64("submit(step)", step)
         h = _open(self._h, "summary queue", "summary_queue_submit")
         a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_queue_submit", library().eps_engine_summary_queue_submit(
@@ -348,6 +405,8 @@ class SummaryQueue:
 
     def wait(self, stream: int, step: int) -> None:
         """Enqueues on ``stream``: wait until the appends of ``step`` are applied."""
+        stream = _u64("wait(stream)", stream)
+        step = _u64("wait(step)", step)
         h = _open(self._h, "summary queue", "summary_queue_wait")
         check("summary_queue_wait", library().eps_engine_summary_queue_wait(h, stream, step))
 
