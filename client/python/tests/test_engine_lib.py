@@ -364,6 +364,36 @@ def test_numpy_integers_reach_the_library_as_the_same_ints(fake_lib):
     assert all(type(a) is int for _, args in fake_lib.calls for a in args)
 
 
+@pytest.mark.parametrize(("use", "error", "message"), [
+    # a [2, n] array was read as 2 appends, a float array as appends at garbage addresses
+    (lambda o: o.writer.append(o.appends.reshape(2, -1), "float32"), ValueError,
+     r"appends.shape=\(2, 6\) is not \[n\]"),
+    (lambda o: o.queue.submit(o.appends.reshape(2, 3, 2), "float32", 0, 1), ValueError,
+     r"appends.shape=\(2, 3, 2\) is not \[n\]"),
+    (lambda o: o.writer.append(np.zeros(12), "float32"), TypeError,
+     "appends.dtype=float64 is not KEY_APPEND"),
+    (lambda o: o.queue.submit(list(o.appends), "float32", 0, 1), TypeError,
+     "appends is a list, not a numpy array of KEY_APPEND"),
+    (lambda o: o.writer.append(o.appends[::2], "float32"), ValueError,
+     "appends is not contiguous"),
+    (lambda o: o.writer.reset(o.appends), TypeError, "runs.dtype=.* is not RECORD_RUN"),
+    (lambda o: o.writer.reset(np.zeros((2, 2), RECORD_RUN)), ValueError,
+     r"runs.shape=\(2, 2\) is not \[n\]"),
+    # a bare KeyError named nothing
+    (lambda o: o.writer.append(o.appends, "fp16"), ValueError,
+     r"key_dtype='fp16' is not one of \['bfloat16', 'float16', 'float32'\]"),
+    (lambda o: o.queue.submit(o.appends, None, 0, 1), TypeError,
+     "key_dtype=None is not a str"),
+])
+def test_record_arrays_must_be_one_dimensional_contiguous_arrays_of_their_struct(
+        fake_lib, use, error, message):
+    objects = _objects()
+    fake_lib.calls.clear()
+    with pytest.raises(error, match=message):
+        use(objects)
+    assert fake_lib.calls == []
+
+
 @pytest.mark.parametrize(("feedback", "error", "message"), [
     (FakeFeedback(dtype="torch.float16"), TypeError, "feedback.dtype=torch.float16 is not "
                                                      "torch.float32"),

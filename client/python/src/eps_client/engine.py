@@ -15,7 +15,8 @@
 Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
 addresses (``tensor.data_ptr()``); an integer argument outside its C type (a negative step,
 a device past int32), a bool or a non-integer is refused before the library is called
-(TypeError, ValueError naming it). The library is found through ``EPS_ENGINE_LIB``, next to
+(TypeError, ValueError naming it), as are record arrays that are not 1-D contiguous
+KEY_APPEND / RECORD_RUN arrays. The library is found through ``EPS_ENGINE_LIB``, next to
 this package, or in a build folder of the source tree. Not thread-safe except Watchdog.
 A handle used after its ``close()`` raises EngineLibError with code 9 (FAILED_PRECONDITION);
 a SummaryQueue keeps its writer's device state alive, so closing the writer first is safe.
@@ -167,6 +168,30 @@ def _u64(name: str, value: object) -> int:
 def _device(name: str, value: object) -> int:
     """A CUDA device ordinal: an int32, >= 0."""
     return _values.integer(name, value, 0, _values.INT32[1])
+
+
+def _key_dtype(key_dtype: object) -> int:
+    """The C ABI's code of a key element type name (KEY_DTYPES)."""
+    if not isinstance(key_dtype, str):
+        raise TypeError(f"key_dtype={key_dtype!r} is not a str (one of {sorted(KEY_DTYPES)})")
+    if key_dtype not in KEY_DTYPES:
+        raise ValueError(f"key_dtype={key_dtype!r} is not one of {sorted(KEY_DTYPES)}")
+    return KEY_DTYPES[key_dtype]
+
+
+def _records(name: str, array: object, dtype: np.dtype, dtype_name: str) -> np.ndarray:
+    """``array`` as the C ABI reads it: a 1-D, C-contiguous numpy array of ``dtype``, one
+    struct per element (anything else was converted or reshaped into structs that are not
+    the caller's: a [2, n] array became 2 appends, a float array garbage addresses)."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} is a {type(array).__name__}, not a numpy array of {dtype_name}")
+    if array.dtype != dtype:
+        raise TypeError(f"{name}.dtype={array.dtype} is not {dtype_name}")
+    if array.ndim != 1:
+        raise ValueError(f"{name}.shape={array.shape} is not [n]")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name} is not contiguous (strides {array.strides})")
+    return array
 
 
 def _check_feedback(feedback: Any, device: int) -> None:
@@ -351,21 +376,24 @@ class DeviceSummaryWriter:
             self._buffers = buffers
 
     def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
-        """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
+        """Applies ``appends`` (a 1-D contiguous KEY_APPEND array, as ``key_appends`` makes)
+        on ``stream`` and waits for them. ``key_dtype``: a name of KEY_DTYPES."""
+        a = _records("appends", appends, KEY_APPEND, "KEY_APPEND")
+        code = _key_dtype(key_dtype)
         stream = _u64("append(stream)", stream)
         h = _open(self._h, "summary writer", "summary_append")
-        a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_append", library().eps_engine_summary_append(
-            h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], stream))
+            h, a.ctypes.data, len(a), code, stream))
 
     def reset(self, runs: np.ndarray, stream: int = 0) -> None:
         """Queues on ``stream`` (not waited for) the reset of every record of ``runs`` (a
         RECORD_RUN array, e.g. ``slot_runs``) to the empty record, core's Reset bytes. Call it
         when a slot is (re)assigned to a new group, before the group's first append on the
-        same stream: a reused record otherwise keeps the old group's statistics."""
+        same stream: a reused record otherwise keeps the old group's statistics. ``runs``:
+        a 1-D contiguous RECORD_RUN array."""
+        r = _records("runs", runs, RECORD_RUN, "RECORD_RUN")
         stream = _u64("reset(stream)", stream)
         h = _open(self._h, "summary writer", "summary_reset")
-        r = np.ascontiguousarray(runs, dtype=RECORD_RUN)
         check("summary_reset", library().eps_engine_summary_reset(h, r.ctypes.data, len(r),
                                                                   stream))
 
@@ -394,14 +422,15 @@ class SummaryQueue:
                 raise
 
     def submit(self, appends: np.ndarray, key_dtype: str, after_stream: int, step: int) -> None:
-        """Queues ``appends`` (a KEY_APPEND array) on ``after_stream``, then the queue's
-        counter raised to ``step`` (an integer in [0, 2**64)) there."""
+        """Queues ``appends`` (a 1-D contiguous KEY_APPEND array) on ``after_stream``, then the
+        queue's counter raised to ``step`` (an integer in [0, 2**64)) there."""
+        a = _records("appends", appends, KEY_APPEND, "KEY_APPEND")
+        code = _key_dtype(key_dtype)
         after_stream = _u64("submit(after_stream)", after_stream)
         step = _u64("submit(step)", step)
         h = _open(self._h, "summary queue", "summary_queue_submit")
-        a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_queue_submit", library().eps_engine_summary_queue_submit(
-            h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], after_stream, step))
+            h, a.ctypes.data, len(a), code, after_stream, step))
 
     def wait(self, stream: int, step: int) -> None:
         """Enqueues on ``stream``: wait until the appends of ``step`` are applied."""
