@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import threading
 import time
 import types
 from typing import Any
@@ -136,6 +137,7 @@ def _closed(cls: type) -> object:
     """An instance in the state close() leaves (no device needed to make one)."""
     obj = cls.__new__(cls)
     obj._h = None  # type: ignore[attr-defined]
+    obj._lock = threading.Lock()  # type: ignore[attr-defined]  # a Watchdog's
     return obj
 
 
@@ -407,3 +409,42 @@ def test_the_feedback_a_release_fills_must_be_contiguous_float32_on_the_counters
     with pytest.raises(error, match=message):
         engine.StepCounters(0x100, 0x200, 4, 0, feedback)
     assert fake_lib.calls == []
+
+
+def test_close_waits_for_a_call_in_progress_and_destroys_the_watchdog_once(fake_lib):
+    """close() on one thread while arm() runs on another: the handle was destroyed under
+    the call (the library then armed a freed watchdog). Now close() takes the handle only
+    once the call has returned, and a second close() destroys nothing."""
+    watchdog = engine.Watchdog(engine.StepCounters(0x100, 0x200, 4, 0), 0.1)
+    in_arm, leave_arm, destroyed = threading.Event(), threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def arm(h: int, step: int) -> int:
+        log.append(f"arm {h} enters")
+        in_arm.set()
+        leave_arm.wait(timeout=10)
+        log.append(f"arm {h} returns")
+        return 0
+
+    def destroy(h: int) -> None:
+        log.append(f"destroy {h}")
+        destroyed.set()
+
+    fake_lib.eps_engine_watchdog_arm = arm  # type: ignore[attr-defined]
+    fake_lib.eps_engine_watchdog_destroy = destroy  # type: ignore[attr-defined]
+    armer = threading.Thread(target=watchdog.arm, args=(5,))
+    armer.start()
+    assert in_arm.wait(timeout=10)
+    closers = [threading.Thread(target=watchdog.close) for _ in range(2)]
+    for c in closers:
+        c.start()
+    # Without the lock the destroy came at once, under the arm; with it none comes while
+    # the arm runs (this bounded wait only lets a wrong order show).
+    assert not destroyed.wait(timeout=0.2)
+    leave_arm.set()
+    armer.join()
+    for c in closers:
+        c.join()
+    assert log == ["arm 1 enters", "arm 1 returns", "destroy 1"]
+    with pytest.raises(engine.EngineLibError, match="the watchdog is closed"):
+        watchdog.arm(6)

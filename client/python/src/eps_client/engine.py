@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -284,11 +285,19 @@ class Watchdog:
     Keeps ``counters`` (and so their buffers) alive; their CudaBuffers' ``close()`` closes
     this watchdog first. ``close()`` (also run when the object is collected) finishes the
     armed step's watch: it returns once selection_done reaches the step, or at the step's
-    due time after releasing it (client/cpp/selection_watchdog.h)."""
+    due time after releasing it (client/cpp/selection_watchdog.h).
+
+    Thread-safe: ``arm``, ``releases`` and ``close`` from any thread. A lock holds the
+    handle through each library call, so close() destroys it only once no call is using it
+    (the calls it waits for are short: the library's arm and releases take its mutex only
+    briefly); the destroy itself, which may wait up to the timeout, runs outside the lock,
+    and a call meanwhile raises FAILED_PRECONDITION at once. A second close() returns at
+    once, while the first may still be finishing the watch."""
 
     _h: int | None = None  # set before anything can fail, so __del__ always finds it
 
     def __init__(self, counters: StepCounters, timeout_s: float) -> None:
+        self._lock = threading.Lock()  # guards _h through every library call on it
         timeout_s = _values.duration("Watchdog timeout_s", timeout_s)
         counters._live("watchdog_create")
         handle = ctypes.c_void_p()
@@ -316,17 +325,22 @@ class Watchdog:
         Step 0 is refused: the library takes it as "nothing armed", which would drop the
         watch of the step before."""
         step = _values.integer("Watchdog.arm(step)", step, 1, _values.UINT64[1])
-        h = _open(self._h, "watchdog", "watchdog_arm")
-        check("watchdog_arm", library().eps_engine_watchdog_arm(h, step))
+        with self._lock:
+            h = _open(self._h, "watchdog", "watchdog_arm")
+            check("watchdog_arm", library().eps_engine_watchdog_arm(h, step))
 
     @property
     def releases(self) -> int:
-        h = _open(self._h, "watchdog", "watchdog_releases")
-        return int(library().eps_engine_watchdog_releases(h))
+        with self._lock:
+            h = _open(self._h, "watchdog", "watchdog_releases")
+            return int(library().eps_engine_watchdog_releases(h))
 
     def close(self) -> None:
-        if self._h is not None:
+        if self._h is None:
+            return  # closed, or never made (__init__ failed before the handle)
+        with self._lock:  # after any call that holds the handle
             h, self._h = self._h, None
+        if h is not None:
             library().eps_engine_watchdog_destroy(h)
 
     def __del__(self) -> None:
