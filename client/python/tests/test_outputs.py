@@ -349,3 +349,25 @@ def test_a_batch_outside_the_lists_rows_is_refused_before_a_path_is_chosen(batch
                  lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)):
         with pytest.raises(ValueError, match=re.escape(message)):
             call()
+
+
+@pytest.mark.parametrize(("args", "error", "message"), [
+    # lists <= 0 gave a plan of no entries for any batch
+    (([100, 40], 0, 3, G, BS), ValueError, "lists=0 must be >= 1"),
+    (([100, 40], -2, 3, G, BS), ValueError, "lists=-2 must be >= 1"),
+    (([100, 40], 1.0, 3, G, BS), TypeError, "lists=1.0 is not an integer"),
+    # 100.9 tokens was planned as 100
+    (([100.9, 50.2], 1, 3, G, BS), TypeError, "context_tokens must be integers, got dtype float64"),
+    # past 2**31 - 1 entries the int32 plan wrapped negative
+    (([2**40], 1, 2**30, 4, 16), ValueError, "the plan exceeds 2^31-1 entries at context_tokens"),
+    (([100], 1, 2**31, 4, 16), ValueError, "budget_groups=2147483648 exceeds int32"),
+])
+def test_a_fixed_budget_plan_refuses_what_the_cpp_plan_refuses(args, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fixed_budget_indptr(*args)
+
+
+def test_a_fixed_budget_list_of_a_fractional_context_is_refused():
+    with pytest.raises(TypeError, match="context_tokens=100.9 is not an integer"):
+        fixed_budget_blocks(100.9, 3, G, BS)  # type: ignore[arg-type]
+    assert fixed_budget_blocks(np.int32(100), 3, G, BS) == fixed_budget_blocks(100, 3, G, BS)

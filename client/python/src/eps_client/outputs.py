@@ -45,9 +45,11 @@ def fixed_budget_groups(first_n: int, last_n: int, top_pages: int) -> int:
 def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> int:
     """Blocks of a BUDGET_FIXED list: k groups of g blocks, the newest (partial) among them
-    (0 for a context < 1). ``budget_groups``, ``group_blocks`` and ``block_size`` >= 1, else
-    ValueError (a plan of 0 groups or 0-token blocks is no plan)."""
+    (0 for a context < 1). ``budget_groups``, ``group_blocks`` and ``block_size`` int32s >= 1,
+    else ValueError (a plan of 0 groups or 0-token blocks is no plan); ``context_tokens`` an
+    int64 (TypeError for 100.9: a context is a count of tokens)."""
     _check_plan(budget_groups, group_blocks, block_size)
+    context_tokens = _values.integer("context_tokens", context_tokens, *_values.INT64)
     if context_tokens < 1:
         return 0
     blocks = -(-context_tokens // block_size)
@@ -59,18 +61,35 @@ def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: i
 
 def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> np.ndarray:
-    """indptr [batch * lists + 1] int32 of the fixed-budget plan (the same for every layer)."""
+    """indptr [batch * lists + 1] int32 of the fixed-budget plan (the same for every layer).
+    Refuses what client/cpp's FixedBudgetIndptr refuses (ValueError, TypeError naming it):
+    the sizes fixed_budget_blocks refuses, ``lists`` < 1, contexts that are not integers,
+    and a plan past 2**31 - 1 entries (FlashInfer's indptr is int32; it used to wrap)."""
     _check_plan(budget_groups, group_blocks, block_size)
-    n = [fixed_budget_blocks(int(c), budget_groups, group_blocks, block_size)
-         for c in np.asarray(context_tokens).reshape(-1) for _ in range(lists)]
-    return np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    lists = _values.integer("lists", lists)
+    if not 1 <= lists <= _values.INT32[1]:
+        raise ValueError(f"lists={lists} must be >= 1")
+    contexts = _values.integer_array("context_tokens", context_tokens).reshape(-1)
+    indptr, total = [0], 0
+    for i, c in enumerate(contexts.tolist()):
+        n = fixed_budget_blocks(c, budget_groups, group_blocks, block_size)
+        for h in range(lists):
+            total += n
+            if total > _values.INT32[1]:
+                raise ValueError(f"the plan exceeds 2^31-1 entries at context_tokens[{i}]={c} "
+                                 f"(list {h}): FlashInfer's indptr is int32")
+            indptr.append(total)
+    return np.array(indptr, dtype=np.int32)
 
 
 def _check_plan(budget_groups: int, group_blocks: int, block_size: int) -> None:
+    """The plan's sizes: int32s >= 1, as client/cpp's CheckPlan takes them."""
     for name, value in (("budget_groups", budget_groups), ("group_blocks", group_blocks),
                         ("block_size", block_size)):
         if _values.integer(name, value) < 1:
             raise ValueError(f"{name}={value} must be >= 1")
+        if value > _values.INT32[1]:
+            raise ValueError(f"{name}={value} exceeds int32")
 
 
 def _as_lists(visit_blocks: Any, visit_count: Any) -> tuple[Any, Any]:
