@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -57,6 +59,17 @@ int CheckAligned(const char* call, const char* name, uint64_t address, uint64_t 
   if (address % alignment == 0) return 0;
   return Refuse(
       call, absl::StrCat(name, "=0x", absl::Hex(address), " is not ", alignment, "-byte aligned"));
+}
+
+// CheckAligned over several device arrays of one element type, in order: the first
+// misaligned one's refusal. The engine outputs' arrays are all int32 (4 bytes).
+int CheckAllAligned(const char* call,
+                    std::initializer_list<std::pair<const char*, uint64_t>> addresses,
+                    uint64_t alignment) {
+  for (const auto& [name, address] : addresses) {
+    if (int rc = CheckAligned(call, name, address, alignment); rc != 0) return rc;
+  }
+  return 0;
 }
 
 cudaStream_t Stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
@@ -260,6 +273,10 @@ int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint
   if (n > 0 && feedback == 0) {
     return Refuse("eps_engine_clear_feedback", absl::StrCat("feedback is null, n=", n));
   }
+  if (int rc = CheckAligned("eps_engine_clear_feedback", "feedback", feedback, alignof(float));
+      rc != 0) {
+    return rc;
+  }
   if (n == 0) return 0;
   eps::client::DeviceScope scope;  // the caller's current device is restored on return
   if (int rc = Report(scope.Enter(device)); rc != 0) return rc;
@@ -269,12 +286,19 @@ int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint
 }
 
 int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n) {
-  if (w == nullptr) {
-    return Refuse("eps_engine_watchdog_clear_feedback", "the watchdog is null (destroyed?)");
-  }
+  // The buffer before the handle (either refusal is INVALID_ARGUMENT): its checks need no
+  // watchdog, so they are tested without a device.
   if (n < 0 || (n > 0 && feedback == 0)) {
     return Refuse("eps_engine_watchdog_clear_feedback",
                   absl::StrCat("n=", n, " must be >= 0 and feedback non-null when n > 0"));
+  }
+  if (int rc =
+          CheckAligned("eps_engine_watchdog_clear_feedback", "feedback", feedback, alignof(float));
+      rc != 0) {
+    return rc;
+  }
+  if (w == nullptr) {
+    return Refuse("eps_engine_watchdog_clear_feedback", "the watchdog is null (destroyed?)");
   }
   absl::MutexLock lock(&w->feedback_mu);
   w->feedback = Ptr<float>(feedback);
@@ -492,6 +516,18 @@ int eps_engine_flash_attention_views(uint64_t visit_blocks, uint64_t visit_count
                                      uint64_t context_tokens, int64_t batch, int32_t block_size,
                                      int64_t cache_blocks, uint64_t block_table_out,
                                      uint64_t seqused_out, uint64_t refused_out, uint64_t stream) {
+  if (int rc = CheckAllAligned("eps_engine_flash_attention_views",
+                               {{"visit_blocks", visit_blocks},
+                                {"visit_count", visit_count},
+                                {"engine_table", engine_table},
+                                {"context_tokens", context_tokens},
+                                {"block_table_out", block_table_out},
+                                {"seqused_out", seqused_out},
+                                {"refused_out", refused_out}},
+                               alignof(int32_t));
+      rc != 0) {
+    return rc;
+  }
   const eps::client::VisitListsDevice v =
       VisitLists(visit_blocks, visit_count, layers, max_batch, lists, max_blocks);
   const eps::client::EngineTableDevice e =
@@ -508,6 +544,19 @@ int eps_engine_flashinfer_fixed(uint64_t visit_blocks, uint64_t visit_count, int
                                 int64_t cache_blocks, uint64_t indptr, int64_t nnz,
                                 uint64_t indices_out, uint64_t last_page_len_out,
                                 uint64_t mismatched, uint64_t stream) {
+  if (int rc = CheckAllAligned("eps_engine_flashinfer_fixed",
+                               {{"visit_blocks", visit_blocks},
+                                {"visit_count", visit_count},
+                                {"engine_table", engine_table},
+                                {"context_tokens", context_tokens},
+                                {"indptr", indptr},
+                                {"indices_out", indices_out},
+                                {"last_page_len_out", last_page_len_out},
+                                {"mismatched", mismatched}},
+                               alignof(int32_t));
+      rc != 0) {
+    return rc;
+  }
   const eps::client::VisitListsDevice v =
       VisitLists(visit_blocks, visit_count, layers, max_batch, lists, max_blocks);
   const eps::client::EngineTableDevice e =

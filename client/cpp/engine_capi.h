@@ -18,8 +18,8 @@
  * entry point refuses, with 3 (INVALID_ARGUMENT) and a message, a NULL handle, a NULL
  * required pointer (flags, counters, out-pointers, the model), a NULL array with n > 0
  * and n < 0, and a device pointer not aligned to the words its kernels access there
- * (flags and counters 8 bytes, visit_count 4), before anything is dereferenced or
- * queued; the two that return a count
+ * (flags and counters 8 bytes; visit_count, feedback and the engine outputs' int32 arrays
+ * 4), before anything is dereferenced or queued; the two that return a count
  * (watchdog_releases, summary_queue_errors) return 0 for a NULL handle and set the
  * message. A destroyed handle is the caller's to forget: it cannot be detected.
  * Every entry point leaves the calling thread's current device as it found it, those

@@ -462,6 +462,35 @@ TEST(EngineCapiArgs, MisalignedPointersAreInvalidArgument) {
   ExpectRefused(eps_engine_watchdog_create(0, 0x1001, 4, 0x1000, 100, &dog),
                 "visit_count=0x1001 is not 4-byte aligned");
   EXPECT_EQ(dog, nullptr);
+  // The float32 feedback a fail-open release NaN-fills (it was not checked).
+  ExpectRefused(eps_engine_clear_feedback(0, 0x1002, 4, 0),
+                "feedback=0x1002 is not 4-byte aligned");
+  ExpectRefused(eps_engine_watchdog_clear_feedback(nullptr, 0x1001, 4),
+                "feedback=0x1001 is not 4-byte aligned");
+}
+
+// The engine outputs' int32 arrays, inputs and outputs alike: each one misaligned in turn,
+// the others at a stand-in aligned address that nothing reaches.
+TEST(EngineCapiArgs, MisalignedOutputArraysAreInvalidArgument) {
+  constexpr uint64_t kSome = 256;
+  const char* const views[] = {"visit_blocks",    "visit_count", "engine_table", "context_tokens",
+                               "block_table_out", "seqused_out", "refused_out"};
+  for (int i = 0; i < 7; ++i) {
+    uint64_t p[7] = {kSome, kSome, kSome, kSome, kSome, kSome, kSome};
+    p[i] = kSome + 2;
+    ExpectRefused(eps_engine_flash_attention_views(p[0], p[1], 1, 1, 1, 8, p[2], 8, p[3], 1, 16, 0,
+                                                   p[4], p[5], p[6], 0),
+                  std::string(views[i]) + "=0x102 is not 4-byte aligned");
+  }
+  const char* const fixed[] = {"visit_blocks", "visit_count", "engine_table",      "context_tokens",
+                               "indptr",       "indices_out", "last_page_len_out", "mismatched"};
+  for (int i = 0; i < 8; ++i) {
+    uint64_t p[8] = {kSome, kSome, kSome, kSome, kSome, kSome, kSome, kSome};
+    p[i] = kSome + 1;
+    ExpectRefused(eps_engine_flashinfer_fixed(p[0], p[1], 1, 1, 1, 8, p[2], 8, p[3], 1, 16, 0, p[4],
+                                              8, p[5], p[6], p[7], 0),
+                  std::string(fixed[i]) + "=0x101 is not 4-byte aligned");
+  }
 }
 
 TEST_F(EngineCapiTest, AppendsAreCheckedBeforeTheyAreRead) {

@@ -6,6 +6,7 @@ failure costs the call its traceparent only."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import grpc
 import numpy as np
@@ -15,7 +16,10 @@ from engine_state import make_state
 from test_client import RecordingSelector
 
 from eps_client import ClientOptions, EpsClient, EpsError, Row
+from eps_client import client as client_module
 from eps_client.proto import page_selector_pb2 as pb
+from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+from eps_client.stream import SelectStream
 
 NOWHERE = "unix:///nonexistent/eps-client-inputs.sock"
 
@@ -185,6 +189,132 @@ def test_a_client_closed_while_it_starts_a_re_attach_falls_back_as_closed():
     tracer.client, tracer.armed = client, True
     result = client.select_pages(1, [Row(0, 100)])  # not attached: starts a re-attach
     assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def close_on_another_thread(client: EpsClient) -> None:
+    """close() run to its end on another thread, as an engine's shutdown hook does while the
+    engine thread is inside a call."""
+    closer = threading.Thread(target=client.close)
+    closer.start()
+    closer.join()
+
+
+class ReattachClosedWhileCollected:
+    """A background re-attach that has finished: when the step asks whether it is done,
+    close() runs on another thread (clearing the field and cancelling this future) before
+    the step collects it."""
+
+    def __init__(self, client: EpsClient) -> None:
+        self.client = client
+        self.cancelled = False
+
+    def done(self) -> bool:
+        close_on_another_thread(self.client)
+        return True
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    def result(self, timeout: float | None = None) -> pb.AttachResponse:
+        if self.cancelled:
+            raise grpc.FutureCancelledError()
+        return pb.AttachResponse(session_id="granted")
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_a_client_closed_while_a_step_collects_its_re_attach_ends_the_step_as_closed(fail_open):
+    # The step read the field again after close() had set it None (AttributeError out of
+    # select_pages), and a cancelled future's FutureCancelledError was not caught.
+    client = unattached_client(fail_open=fail_open)
+    client._pending_attach = ReattachClosedWhileCollected(client)  # type: ignore[assignment]
+    if fail_open:
+        result = client.select_pages(1, [Row(0, 100)])
+        assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert result.message == "client closed"
+    else:
+        with pytest.raises(EpsError) as e:
+            client.select_pages(1, [Row(0, 100)])
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+class HeldSelector(pb_grpc.PageSelectorServicer):
+    """Attaches, then holds every step (unary or on the stream) until released, telling the
+    test when one has arrived."""
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.AttachResponse(session_id="held")
+
+    def SelectPages(self, request, context):  # noqa: N802
+        self.arrived.set()
+        self.release.wait(timeout=30)
+        return pb.SelectPagesResponse(step=request.step, done=True)
+
+    def StreamSelectPages(self, request_iterator, context):  # noqa: N802
+        for request in request_iterator:
+            self.arrived.set()
+            self.release.wait(timeout=30)
+            yield pb.SelectPagesResponse(step=request.step, done=True)
+
+
+@pytest.mark.parametrize("use_stream", [False, True])
+def test_a_client_closed_while_epsd_holds_its_step_ends_it_as_cancelled(tmp_path, use_stream):
+    servicer = HeldSelector()
+    with fake_epsd(servicer, tmp_path) as target:
+        client = EpsClient.from_request(
+            ClientOptions(target=target, deadline_s=20.0, use_stream=use_stream),
+            pb.AttachRequest(engine_id="e"))
+        client.attach()
+        closer = threading.Thread(target=lambda: (servicer.arrived.wait(timeout=20),
+                                                  client.close()))
+        closer.start()
+        result = client.select_pages(1, [Row(0, 100)])
+        closer.join()
+        servicer.release.set()
+        assert result.fallback and result.code == grpc.StatusCode.CANCELLED, result
+        assert client.counters().fallbacks == 1
+
+
+def test_a_client_closed_between_sending_a_step_and_waiting_for_it_ends_it_as_cancelled(
+        tmp_path, monkeypatch):
+    # The step read self._stream again after close() had set it None: AttributeError out of
+    # select_pages instead of the closed stream's CANCELLED.
+    servicer = HeldSelector()
+
+    class ClosedAfterSend(SelectStream):
+        def send(self, request: pb.SelectPagesRequest) -> None:
+            super().send(request)
+            close_on_another_thread(client)
+
+    monkeypatch.setattr(client_module, "SelectStream", ClosedAfterSend)
+    with fake_epsd(servicer, tmp_path) as target:
+        client = EpsClient.from_request(ClientOptions(target=target, deadline_s=20.0),
+                                        pb.AttachRequest(engine_id="e"))
+        client.attach()
+        result = client.select_pages(1, [Row(0, 100)])
+        servicer.release.set()
+        assert result.fallback and result.code == grpc.StatusCode.CANCELLED, result
+
+
+@pytest.mark.parametrize(("step", "released"), [
+    (7, [7]), (np.uint64(7), [7]), (2**64 - 1, [2**64 - 1]),
+    (-1, []), (None, []), (2**64, []), ("7", []), (7.0, []), (True, []),
+])
+def test_on_fallback_gets_only_a_step_number_the_engine_could_have_waited_on(step, released):
+    # A step refused as no uint64 (-1, None) was handed to on_fallback as it came: the
+    # engine's release_dense(-1) then raised selection_done to 2**64 - 1 for good.
+    seen: list[object] = []
+    with unattached_client(on_fallback=seen.append) as client:
+        result = client.select_pages(step, [Row(0, 100)])
+        assert result.fallback
+        client.close()
+        client.select_pages(step, [Row(0, 100)])  # closed: the same rule
+    assert seen == released * 2
+    assert all(type(s) is int for s in seen)
 
 
 def broken_tracer() -> str:

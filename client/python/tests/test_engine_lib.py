@@ -4,7 +4,11 @@ record addresses follow the summary pool's layout."""
 from __future__ import annotations
 
 import ctypes
+import re
+import threading
 import time
+import types
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,6 +137,7 @@ def _closed(cls: type) -> object:
     """An instance in the state close() leaves (no device needed to make one)."""
     obj = cls.__new__(cls)
     obj._h = None  # type: ignore[attr-defined]
+    obj._lock = threading.Lock()  # type: ignore[attr-defined]  # a Watchdog's
     return obj
 
 
@@ -237,3 +242,209 @@ def test_a_dense_release_clears_the_feedback_before_it_releases(on_stream):
         assert int(buffers.flags[1]) == 4
     finally:
         buffers.close()
+
+
+class RecordingLib:
+    """A stand-in libeps_engine: every call succeeds and is recorded; a create hands out a
+    handle, and the writer's record has the client's words."""
+
+    def __init__(self, record_words: int = 0) -> None:
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.record_words = record_words
+        self.next = 1
+
+    def eps_engine_last_error(self) -> bytes:
+        return b""
+
+    def __getattr__(self, name: str) -> object:
+        if not name.startswith("eps_engine_"):
+            raise AttributeError(name)
+
+        def call(*args: object) -> int:
+            self.calls.append((name, args))
+            if name.endswith("_create"):
+                args[-1]._obj.value = self.next  # type: ignore[attr-defined]
+                self.next += 1
+            elif name == "eps_engine_summary_writer_record_words":
+                args[-1]._obj.value = self.record_words  # type: ignore[attr-defined]
+            return 0
+        return call
+
+
+MODEL = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def fake_lib(monkeypatch: pytest.MonkeyPatch) -> RecordingLib:
+    lib = RecordingLib(SummaryLayout.for_model(MODEL).record_words)
+    monkeypatch.setattr(engine, "_LIB", lib)
+    return lib
+
+
+class FakeFeedback:
+    """What the counters read of a torch feedback tensor."""
+
+    def __init__(self, dtype: str = "torch.float32", contiguous: bool = True,
+                 device: str = "cuda:0") -> None:
+        self.dtype, self._contiguous = dtype, contiguous
+        kind, index = device.split(":")
+        self.device = types.SimpleNamespace(type=kind, index=int(index))
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
+
+    def data_ptr(self) -> int:
+        return 0x1000
+
+    def numel(self) -> int:
+        return 8
+
+
+def _objects() -> Any:
+    """One of each object over the stand-in library, and a step's appends."""
+    counters = engine.StepCounters(0x100, 0x200, 4, 0)
+    writer = engine.DeviceSummaryWriter(MODEL, 0)
+    return types.SimpleNamespace(
+        counters=counters, watchdog=engine.Watchdog(counters, 0.1), writer=writer,
+        queue=engine.SummaryQueue(writer),
+        appends=key_appends(MODEL, 1 << 20, np.array([0, 1, 2]),
+                            np.full((2, 3, 2), 1 << 22, dtype=np.uint64), num_slots=4))
+
+
+U64 = "[0, 18446744073709551615]"
+
+
+@pytest.mark.parametrize(("use", "error", "message"), [
+    # -1 became 2**64 - 1 through ctypes: selection_done raised there for good
+    (lambda o: o.counters.release_dense(-1), ValueError, f"release_dense(step)=-1 is not in {U64}"),
+    (lambda o: o.counters.release_dense(2**64), ValueError,
+     "release_dense(step)=18446744073709551616"),
+    (lambda o: o.counters.release_dense(3, -1), ValueError, "release_dense(stream)=-1"),
+    (lambda o: o.counters.release_dense(True), TypeError, "release_dense(step)=True is a bool"),
+    (lambda o: o.counters.release_dense(3.0), TypeError, "release_dense(step)=3.0 is not an"),
+    (lambda o: o.counters.signal_inputs_ready(0, -1), ValueError, "signal_inputs_ready(step)=-1"),
+    (lambda o: o.counters.signal_inputs_ready(None, 1), TypeError,
+     "signal_inputs_ready(stream)=None"),
+    (lambda o: o.counters.wait_selection(-1, 1), ValueError, "wait_selection(stream)=-1"),
+    (lambda o: o.counters.wait_selection(0, 2**64), ValueError, "wait_selection(step)="),
+    # 0 is the library's "nothing armed": it dropped the watch of the step before
+    (lambda o: o.watchdog.arm(0), ValueError, "Watchdog.arm(step)=0 is not in [1, "),
+    (lambda o: o.watchdog.arm(-1), ValueError, "Watchdog.arm(step)=-1"),
+    (lambda o: o.watchdog.arm("5"), TypeError, "Watchdog.arm(step)='5' is not an integer"),
+    (lambda o: o.queue.submit(o.appends, "float32", 0, -1), ValueError, "submit(step)=-1"),
+    (lambda o: o.queue.submit(o.appends, "float32", -7, 1), ValueError,
+     "submit(after_stream)=-7"),
+    (lambda o: o.queue.wait(0, 2**64), ValueError, "wait(step)=18446744073709551616"),
+    (lambda o: o.writer.append(o.appends, "float32", -1), ValueError, "append(stream)=-1"),
+    (lambda o: o.writer.reset(np.zeros(1, RECORD_RUN), 2**64), ValueError, "reset(stream)="),
+    # 2**32 was device 0
+    (lambda o: engine.StepCounters(0x100, 0x200, 4, 2**32), ValueError,
+     "device=4294967296 is not in"),
+    (lambda o: engine.StepCounters(-8, 0x200, 4, 0), ValueError, "flags_ptr=-8 is not in"),
+    (lambda o: engine.StepCounters(0x100, 0x200, -1, 0), ValueError, "lists=-1 is not in"),
+    (lambda o: engine.DeviceSummaryWriter(MODEL, -1), ValueError, "device=-1 is not in"),
+    (lambda o: engine.DeviceSummaryWriter(MODEL, True), TypeError, "device=True is a bool"),
+    (lambda o: engine.Watchdog(o.counters, "1"), TypeError,
+     "Watchdog timeout_s='1' is not a number"),
+])
+def test_integer_arguments_outside_their_c_type_are_refused_before_the_library_is_called(
+        fake_lib, use, error, message):
+    objects = _objects()
+    fake_lib.calls.clear()
+    with pytest.raises(error, match=re.escape(message)):
+        use(objects)
+    assert fake_lib.calls == []
+
+
+def test_numpy_integers_reach_the_library_as_the_same_ints(fake_lib):
+    objects = _objects()
+    fake_lib.calls.clear()
+    objects.counters.release_dense(np.int64(3), np.uint64(2**64 - 1))
+    objects.watchdog.arm(np.uint32(4))
+    assert fake_lib.calls == [("eps_engine_release_dense", (0, 0x200, 4, 0x100, 3, 2**64 - 1)),
+                              ("eps_engine_watchdog_arm", (objects.watchdog._h, 4))]
+    assert all(type(a) is int for _, args in fake_lib.calls for a in args)
+
+
+@pytest.mark.parametrize(("use", "error", "message"), [
+    # a [2, n] array was read as 2 appends, a float array as appends at garbage addresses
+    (lambda o: o.writer.append(o.appends.reshape(2, -1), "float32"), ValueError,
+     r"appends.shape=\(2, 6\) is not \[n\]"),
+    (lambda o: o.queue.submit(o.appends.reshape(2, 3, 2), "float32", 0, 1), ValueError,
+     r"appends.shape=\(2, 3, 2\) is not \[n\]"),
+    (lambda o: o.writer.append(np.zeros(12), "float32"), TypeError,
+     "appends.dtype=float64 is not KEY_APPEND"),
+    (lambda o: o.queue.submit(list(o.appends), "float32", 0, 1), TypeError,
+     "appends is a list, not a numpy array of KEY_APPEND"),
+    (lambda o: o.writer.append(o.appends[::2], "float32"), ValueError,
+     "appends is not contiguous"),
+    (lambda o: o.writer.reset(o.appends), TypeError, "runs.dtype=.* is not RECORD_RUN"),
+    (lambda o: o.writer.reset(np.zeros((2, 2), RECORD_RUN)), ValueError,
+     r"runs.shape=\(2, 2\) is not \[n\]"),
+    # a bare KeyError named nothing
+    (lambda o: o.writer.append(o.appends, "fp16"), ValueError,
+     r"key_dtype='fp16' is not one of \['bfloat16', 'float16', 'float32'\]"),
+    (lambda o: o.queue.submit(o.appends, None, 0, 1), TypeError,
+     "key_dtype=None is not a str"),
+])
+def test_record_arrays_must_be_one_dimensional_contiguous_arrays_of_their_struct(
+        fake_lib, use, error, message):
+    objects = _objects()
+    fake_lib.calls.clear()
+    with pytest.raises(error, match=message):
+        use(objects)
+    assert fake_lib.calls == []
+
+
+@pytest.mark.parametrize(("feedback", "error", "message"), [
+    (FakeFeedback(dtype="torch.float16"), TypeError, "feedback.dtype=torch.float16 is not "
+                                                     "torch.float32"),
+    (FakeFeedback(contiguous=False), ValueError, "feedback is not contiguous"),
+    (FakeFeedback(device="cuda:1"), ValueError, "feedback is on .*, the counters on cuda:0"),
+    (FakeFeedback(device="cpu:0"), ValueError, "feedback is on"),
+])
+def test_the_feedback_a_release_fills_must_be_contiguous_float32_on_the_counters_device(
+        fake_lib, feedback, error, message):
+    # It was NaN-filled as float32 [numel] from data_ptr() whatever it was.
+    with pytest.raises(error, match=message):
+        engine.StepCounters(0x100, 0x200, 4, 0, feedback)
+    assert fake_lib.calls == []
+
+
+def test_close_waits_for_a_call_in_progress_and_destroys_the_watchdog_once(fake_lib):
+    """close() on one thread while arm() runs on another: the handle was destroyed under
+    the call (the library then armed a freed watchdog). Now close() takes the handle only
+    once the call has returned, and a second close() destroys nothing."""
+    watchdog = engine.Watchdog(engine.StepCounters(0x100, 0x200, 4, 0), 0.1)
+    in_arm, leave_arm, destroyed = threading.Event(), threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def arm(h: int, step: int) -> int:
+        log.append(f"arm {h} enters")
+        in_arm.set()
+        leave_arm.wait(timeout=10)
+        log.append(f"arm {h} returns")
+        return 0
+
+    def destroy(h: int) -> None:
+        log.append(f"destroy {h}")
+        destroyed.set()
+
+    fake_lib.eps_engine_watchdog_arm = arm  # type: ignore[attr-defined]
+    fake_lib.eps_engine_watchdog_destroy = destroy  # type: ignore[attr-defined]
+    armer = threading.Thread(target=watchdog.arm, args=(5,))
+    armer.start()
+    assert in_arm.wait(timeout=10)
+    closers = [threading.Thread(target=watchdog.close) for _ in range(2)]
+    for c in closers:
+        c.start()
+    # Without the lock the destroy came at once, under the arm; with it none comes while
+    # the arm runs (this bounded wait only lets a wrong order show).
+    assert not destroyed.wait(timeout=0.2)
+    leave_arm.set()
+    armer.join()
+    for c in closers:
+        c.join()
+    assert log == ["arm 1 enters", "arm 1 returns", "destroy 1"]
+    with pytest.raises(engine.EngineLibError, match="the watchdog is closed"):
+        watchdog.arm(6)

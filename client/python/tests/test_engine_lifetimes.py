@@ -23,9 +23,17 @@ from eps_client.layout import ModelLayout
 class _Tensor:
     """What CudaBuffers' fake torch.as_tensor makes of a region's view."""
 
-    def __init__(self, view: Any) -> None:
+    _DTYPES = {"<f4": "torch.float32", "<i4": "torch.int32", "<u8": "torch.uint64"}
+
+    def __init__(self, view: Any, device: str) -> None:
         self._view = view
         self._interface = view.__cuda_array_interface__
+        self.dtype = self._DTYPES.get(self._interface["typestr"], self._interface["typestr"])
+        kind, index = device.split(":")
+        self.device = types.SimpleNamespace(type=kind, index=int(index))
+
+    def is_contiguous(self) -> bool:
+        return True
 
     def data_ptr(self) -> int:
         return int(self._interface["data"][0])
@@ -98,7 +106,7 @@ class _FakeEngineLib:
 def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     torch = types.ModuleType("torch")
-    torch.as_tensor = lambda view, device: _Tensor(view)  # type: ignore[attr-defined]
+    torch.as_tensor = lambda view, device: _Tensor(view, device)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(cuda, "load_cudart", lambda path=None: _LoggingRuntime(calls))
     monkeypatch.setattr(engine, "_LIB", _FakeEngineLib(calls))

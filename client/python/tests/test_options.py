@@ -157,3 +157,30 @@ def test_valid_client_options_are_kept() -> None:
     assert not valid_traceparent("00-" + "0" * 32 + "-b7ad6b7169203331-01")
     assert not valid_traceparent("ff" + tp[2:]) and not valid_traceparent(tp + "-x")
     assert valid_traceparent("01" + tp[2:] + "-later")
+
+
+@pytest.mark.parametrize(("name", "value", "error", "message"), [
+    ("deadline_s", None, TypeError, "ClientOptions.deadline_s=None is not a number"),
+    ("deadline_s", 1e10, ValueError, "ClientOptions.deadline_s=10000000000.0 must be in"),
+    ("use_stream", 1, TypeError, "ClientOptions.use_stream=1 is not a bool"),
+    ("on_fallback", 5, TypeError, "ClientOptions.on_fallback=5 is not callable"),
+    ("target", None, TypeError, "ClientOptions.target=None"),
+])
+def test_client_options_are_checked_when_a_field_is_set_later(name, value, error,
+                                                               message) -> None:
+    # They were checked at construction only: deadline_s = None set afterwards reached
+    # select_pages, which raised TypeError out of a fail-open step.
+    options = ClientOptions()
+    before = getattr(options, name)
+    with pytest.raises(error) as e:
+        setattr(options, name, value)
+    assert message in str(e.value)
+    assert getattr(options, name) == before  # the old value is kept
+
+
+def test_client_options_take_a_checked_value_and_refuse_a_name_that_is_no_field() -> None:
+    options = ClientOptions()
+    options.deadline_s = 2  # type: ignore[assignment]
+    assert options.deadline_s == 2.0 and type(options.deadline_s) is float
+    with pytest.raises(AttributeError, match="ClientOptions has no field 'deadline'"):
+        options.deadline = 0.05  # type: ignore[attr-defined]

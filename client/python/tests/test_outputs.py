@@ -5,6 +5,8 @@ engine's rows; the torch/device versions equal the numpy reference (where torch 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from engine_state import MODEL, make_state
@@ -14,7 +16,9 @@ from eps_client.outputs import (
     fixed_budget_blocks,
     fixed_budget_groups,
     fixed_budget_indptr,
+    flash_attention_views,
     flash_attention_views_reference,
+    flashinfer_fixed_budget,
     flashinfer_fixed_budget_reference,
 )
 
@@ -326,3 +330,44 @@ def test_block_counts_and_seqused_follow_core_on_empty_and_negative_contexts():
     assert visited_tokens(3, 0, 16) == 32  # (3 - 1) * 16 + an empty last block
     assert visited_tokens(3, 17, 16) == 33 and visited_tokens(3, 32, 16) == 48
     assert visited_tokens(0, 100, 16) == 0 and visited_tokens(1, 5, 16) == 5
+
+
+@pytest.mark.parametrize("batch", [0, 2, 3])
+def test_a_batch_outside_the_lists_rows_is_refused_before_a_path_is_chosen(batch):
+    # With max_batch = 1 the torch path broadcast row 0's lists to every position of a
+    # larger batch, silently (the kernel refused it). Numpy inputs: the check comes before
+    # torch is imported, so it runs where torch does not.
+    vb = np.zeros((2, 1, 4), dtype=np.int32)  # [layers, max_batch = 1, max_blocks]
+    vc = np.full((2, 1), -1, dtype=np.int32)
+    table = np.zeros((max(batch, 1), 4), dtype=np.int32)
+    ctx = np.full(batch, 16, dtype=np.int32)
+    indptr = np.zeros(batch + 1, dtype=np.int32)
+    message = f"batch={batch} is not in [1, max_batch=1]"
+    for call in (lambda: flash_attention_views(vb, vc, table, ctx, BS),
+                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, BS, indptr, nnz=0),
+                 lambda: flash_attention_views_reference(vb, vc, table, ctx, BS),
+                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+
+
+@pytest.mark.parametrize(("args", "error", "message"), [
+    # lists <= 0 gave a plan of no entries for any batch
+    (([100, 40], 0, 3, G, BS), ValueError, "lists=0 must be >= 1"),
+    (([100, 40], -2, 3, G, BS), ValueError, "lists=-2 must be >= 1"),
+    (([100, 40], 1.0, 3, G, BS), TypeError, "lists=1.0 is not an integer"),
+    # 100.9 tokens was planned as 100
+    (([100.9, 50.2], 1, 3, G, BS), TypeError, "context_tokens must be integers, got dtype float64"),
+    # past 2**31 - 1 entries the int32 plan wrapped negative
+    (([2**40], 1, 2**30, 4, 16), ValueError, "the plan exceeds 2^31-1 entries at context_tokens"),
+    (([100], 1, 2**31, 4, 16), ValueError, "budget_groups=2147483648 exceeds int32"),
+])
+def test_a_fixed_budget_plan_refuses_what_the_cpp_plan_refuses(args, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fixed_budget_indptr(*args)
+
+
+def test_a_fixed_budget_list_of_a_fractional_context_is_refused():
+    with pytest.raises(TypeError, match="context_tokens=100.9 is not an integer"):
+        fixed_budget_blocks(100.9, 3, G, BS)  # type: ignore[arg-type]
+    assert fixed_budget_blocks(np.int32(100), 3, G, BS) == fixed_budget_blocks(100, 3, G, BS)

@@ -308,6 +308,26 @@ def test_bad_coarse_arguments_leave_both_pools_unchanged():
         flat.append(pool, 0, [0, 1], keys, coarse_pool=coarse, coarse_slots=[0, 0])
 
 
+@pytest.mark.parametrize("read_only", ["pool", "coarse_pool"])
+def test_a_read_only_pool_is_refused_before_either_pool_is_written(read_only):
+    # A read-only coarse pool was found only when its write failed, after the fine pool had
+    # taken the keys: a retry then appended them to the fine records twice.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,
+                        coarse_blocks=4)
+    writer = SummaryWriter(model)
+    pools = {"pool": np.zeros((2, 1, 2, writer.layout.record_words), np.float32),
+             "coarse_pool": np.zeros((1, 1, 2, writer.layout.record_words), np.float32)}
+    for p in pools.values():
+        writer.reset(p)
+    before = {name: p.copy() for name, p in pools.items()}
+    pools[read_only].flags.writeable = False
+    with pytest.raises(ValueError, match=f"^{read_only} is read-only$"):
+        writer.append(pools["pool"], 0, [0, 1], np.ones((2, 2, 8), np.float32),
+                      coarse_pool=pools["coarse_pool"], coarse_slots=[0, 0])
+    for name, p in pools.items():
+        assert p.tobytes() == before[name].tobytes(), name
+
+
 def test_a_bad_coarse_level_is_refused_naming_it():
     with pytest.raises(ValueError, match="coarse_blocks=3 must be 0"):
         ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=4, group_blocks=2,

@@ -15,7 +15,7 @@ raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
 detaches the session and closes the channel.
 
 Thread safety: one engine thread calls select_pages / attach / detach at a time;
-``counters()`` may be read from any thread.
+``counters()`` may be read and ``close()`` called from any thread.
 """
 
 from __future__ import annotations
@@ -72,7 +72,13 @@ def valid_traceparent(value: object) -> bool:
 @dataclass
 class ClientOptions:
     """How the client talks to epsd. The defaults come from measurements on a loaded
-    2-core machine (docs/integration/python-client.md): a healthy epsd misses none."""
+    2-core machine (docs/integration/python-client.md): a healthy epsd misses none.
+
+    Every field is checked whenever it is set, at construction and after (a client reads
+    them on every call, so ``options.deadline_s = None`` set later would otherwise reach
+    the calls unchecked): TypeError or ValueError naming the field, the old value kept; a
+    name that is not a field is refused (AttributeError). ``target`` is read once, when a
+    client is made."""
 
     # $EPS_TARGET when set (the deploy manifests set it to epsd's --listen), else epsd's
     # default listener
@@ -86,29 +92,44 @@ class ClientOptions:
     # W3C trace context sent as "traceparent" metadata: a fixed string, or a
     # callable asked once per call (e.g. the current OpenTelemetry span's).
     traceparent: Traceparent = None
-    # Called with the step number on every fallback, before select_pages returns: an
-    # engine whose stream waits on selection_done releases it here (ReleaseDense).
+    # Called with the step number (an int) on every fallback of a step that has one (a step
+    # refused as not a uint64 has none), before select_pages returns: an engine whose stream
+    # waits on selection_done releases it here (ReleaseDense).
     on_fallback: Callable[[int], None] | None = None
 
-    def __post_init__(self) -> None:
-        """Refuses a value the client cannot run with (TypeError, ValueError, naming it)."""
-        if not isinstance(self.target, str) or not self.target:
-            raise TypeError(f"ClientOptions.target={self.target!r} is not a non-empty str")
-        for name, positive in (("deadline_s", True), ("attach_deadline_s", True),
-                               ("reattach_backoff_s", False)):
-            setattr(self, name, _values.duration(f"ClientOptions.{name}", getattr(self, name),
-                                                 positive=positive))
-        for name in ("fail_open", "use_stream"):
-            setattr(self, name, _values.boolean(f"ClientOptions.{name}", getattr(self, name)))
-        tp = self.traceparent
-        if isinstance(tp, str):
-            if not valid_traceparent(tp):
-                raise ValueError(f"ClientOptions.traceparent={tp!r} is not a W3C traceparent "
-                                 f"(00-<32 hex>-<16 hex>-<2 hex>)")
-        elif tp is not None and not callable(tp):
-            raise TypeError(f"ClientOptions.traceparent={tp!r} is not a str, a callable or None")
-        if self.on_fallback is not None and not callable(self.on_fallback):
-            raise TypeError(f"ClientOptions.on_fallback={self.on_fallback!r} is not callable")
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, _client_option(name, value))
+
+
+# ClientOptions' durations, and whether 0 is refused.
+_DURATIONS = {"deadline_s": True, "attach_deadline_s": True, "reattach_backoff_s": False}
+
+
+def _client_option(name: str, value: object) -> object:
+    """``value`` checked for the ClientOptions field ``name`` (TypeError, ValueError naming
+    it), as the client will use it."""
+    if name == "target":
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"ClientOptions.target={value!r} is not a non-empty str")
+        return value
+    if name in _DURATIONS:
+        return _values.duration(f"ClientOptions.{name}", value, positive=_DURATIONS[name])
+    if name in ("fail_open", "use_stream"):
+        return _values.boolean(f"ClientOptions.{name}", value)
+    if name == "traceparent":
+        if isinstance(value, str):
+            if not valid_traceparent(value):
+                raise ValueError(f"ClientOptions.traceparent={value!r} is not a W3C "
+                                 f"traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+        elif value is not None and not callable(value):
+            raise TypeError(f"ClientOptions.traceparent={value!r} is not a str, a callable or "
+                            f"None")
+        return value
+    if name == "on_fallback":
+        if value is not None and not callable(value):
+            raise TypeError(f"ClientOptions.on_fallback={value!r} is not callable")
+        return value
+    raise AttributeError(f"ClientOptions has no field {name!r}")
 
 
 @dataclass
@@ -244,7 +265,9 @@ class EpsClient:
         self._next_attach_try = 0.0
         self._pending_attach: grpc.Future | None = None
         self._stream: SelectStream | None = None
-        self._lock = threading.Lock()  # guards the counters
+        # Guards the counters, and the swaps of _stream and _pending_attach, which close()
+        # on another thread clears while the engine thread may be using them.
+        self._lock = threading.Lock()
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
         # Fixed for the client's life: epsd keeps the largest totals it saw per id.
@@ -344,14 +367,15 @@ class EpsClient:
         Afterwards every call raises ``EpsError(FAILED_PRECONDITION, "client closed")`` (a
         fail-open ``select_pages`` falls back with that code); closing again does nothing.
         It may be called from another thread while a call is in flight: that call ends as
-        CANCELLED, or, if it had not started yet, as one made after close()."""
+        CANCELLED (the call epsd held was cancelled), or, if it had not reached epsd yet, as
+        one made after close(); a fail-open ``select_pages`` falls back with either code and
+        raises nothing, wherever in the step close() lands."""
         if self._closed:
             return
         self._closed = True
         self._close_stream()
-        if self._pending_attach is not None:
-            self._pending_attach.cancel()
-            self._pending_attach = None
+        if (pending := self._pop_pending_attach()) is not None:
+            pending.cancel()
         self._channel.close()
 
     def __enter__(self) -> EpsClient:
@@ -398,10 +422,10 @@ class EpsClient:
         step = request.step
         if not self.session_id:
             try:
-                reason = self._poll_reattach()
-            except ValueError as e:
-                closed = self._closed_meanwhile(e)
-                return self._failed(step, closed.code, closed.message, start)
+                with self._ended_by_close():
+                    reason = self._poll_reattach()
+            except EpsError as e:
+                return self._failed(step, e.code, e.message, start)
             if reason is not None:
                 return self._failed(step, grpc.StatusCode.UNAVAILABLE, reason, start,
                                     counter="fallback_not_attached")
@@ -409,10 +433,11 @@ class EpsClient:
         now = self.counters()
         self._add_report(request, now)
         try:
-            if self.options.use_stream:
-                response = self._call_stream(request, deadline)
-            else:
-                response = self._call_unary(request, deadline)
+            with self._ended_by_close():
+                if self.options.use_stream:
+                    response = self._call_stream(request, deadline)
+                else:
+                    response = self._call_unary(request, deadline)
             if response.step != step:
                 # epsd echoes the step it ran: another step's reply says nothing of this one.
                 raise EpsError(grpc.StatusCode.INTERNAL,
@@ -430,12 +455,12 @@ class EpsClient:
                           grpc.StatusCode.CANCELLED):
                 self._close_stream()
                 self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
-            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._stream is not None:
+            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # The stream still holds this step (and maybe later ones) for epsd, which
                 # would run them after the engine gave up on them: cancel it now, without
                 # waiting, and open a fresh one for the next step.
-                stream, self._stream = self._stream, None
-                stream.cancel()
+                if (stream := self._take_stream()) is not None:
+                    stream.cancel()
             return self._failed(step, e.code, e.message, start)
         self._reported = now
         self._count("selected")
@@ -494,6 +519,23 @@ class EpsClient:
         except ValueError as e:
             raise self._closed_meanwhile(e) from None
 
+    @contextlib.contextmanager
+    def _ended_by_close(self) -> Iterator[None]:
+        """A step's exchange with epsd, which close() on another thread may end at any point:
+        it clears the stream and the re-attach in flight, cancels their calls and closes
+        the channel. Whatever that makes the exchange raise (grpc's ValueError for a closed
+        channel, a cancelled future, ...) ends the step as one made after close() (EpsError
+        FAILED_PRECONDITION), the documented outcome, rather than escaping select_pages.
+        EpsError passes as it is; an exception while the client is open is re-raised."""
+        try:
+            yield
+        except EpsError:
+            raise
+        except Exception:
+            if not self._closed:
+                raise
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED) from None
+
     def _closed_meanwhile(self, e: ValueError) -> EpsError:
         """grpc raises ValueError for a call on a closed channel: close() from another thread
         after this call passed its check. Such a call ends as one made after close(); any
@@ -517,16 +559,23 @@ class EpsClient:
             raise EpsError(code, message)
         self._count(counter or _FALLBACK_REASON.get(code, "fallback_error"))
         if self.options.on_fallback is not None:
-            self.options.on_fallback(step)
+            # Only a step number the engine could have waited on (a uint64, as an int): a
+            # step refused as not one (-1, None, 2**64) has nothing to release, and handed
+            # on it would reach the engine's counters as a wrapped value (2**64 - 1).
+            try:
+                number = _values.integer("step", step, *_values.UINT64)
+            except (TypeError, ValueError):
+                number = None
+            if number is not None:
+                self.options.on_fallback(number)
         return StepResult(step=step, fallback=True, code=code, message=message,
                           round_trip_us=(time.monotonic() - start) * 1e6)
 
     def _take_pending_attach(self, deadline: float) -> bool:
         """Waits for a background re-attach until `deadline` (time.monotonic()) and adopts the
         session it was granted, if any (True); one not finished by then is cancelled."""
-        if self._pending_attach is None:
+        if (pending := self._pop_pending_attach()) is None:
             return False
-        pending, self._pending_attach = self._pending_attach, None
         try:
             self._adopt(pending.result(timeout=max(deadline - time.monotonic(), 0.0)))
             return True
@@ -545,24 +594,37 @@ class EpsClient:
     def _poll_reattach(self) -> str | None:
         """Not attached: collects a finished background re-attach or starts one when the
         backoff allows. Never waits. Returns why the step must fall back, or None."""
-        if self._pending_attach is not None:
-            if not self._pending_attach.done():
+        # close() on another thread clears the field (and cancels the call) at any moment:
+        # one read of it, then only the local.
+        if (pending := self._pending_attach) is not None:
+            if not pending.done():
                 return "re-attach in progress"
-            pending, self._pending_attach = self._pending_attach, None
+            with self._lock:
+                if self._pending_attach is pending:
+                    self._pending_attach = None
             try:
                 self._adopt(pending.result())
                 return None
-            except grpc.RpcError as e:
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                if self._closed:  # cancelled by close(), its channel's or its own cancel
+                    raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED) from None
                 self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
-                return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
+                if isinstance(e, grpc.RpcError):
+                    return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
+                return "not attached; re-attach cancelled"
         if time.monotonic() < self._next_attach_try:
             return "not attached; re-attach backing off"
         # wait_for_ready: the Attach waits (up to its deadline) for the channel to connect
         # instead of failing at once while the channel is in reconnect backoff, so the first
         # attempt after epsd comes back succeeds.
-        self._pending_attach = self.stub.Attach.future(
+        pending = self.stub.Attach.future(
             self._attach, timeout=self.options.attach_deadline_s, metadata=self._metadata(),
             wait_for_ready=True)
+        with self._lock:
+            self._pending_attach = pending
+        if self._closed:  # close() ran before the field was set: it never cancelled this one
+            pending.cancel()
+            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
         return "not attached; re-attach started"
 
     def _call_unary(self, request: pb.SelectPagesRequest,
@@ -580,22 +642,45 @@ class EpsClient:
             future.cancel()
             raise EpsError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            "SelectPages missed the client deadline") from None
+        except grpc.FutureCancelledError:
+            raise EpsError(grpc.StatusCode.CANCELLED, "SelectPages was cancelled") from None
         except grpc.RpcError as e:
             raise EpsError(e.code(), e.details() or "") from None
 
     def _call_stream(self, request: pb.SelectPagesRequest,
                      deadline: float) -> pb.SelectPagesResponse:
-        if self._stream is not None and self._stream.closed.is_set():
+        # close() on another thread clears self._stream (and closes that stream) at any
+        # moment: the step uses its own reference, so it ends on the closed stream's
+        # CANCELLED rather than on a None.
+        stream = self._stream
+        if stream is not None and stream.closed.is_set():
             self._close_stream()
-        if self._stream is None:
+            stream = None
+        if stream is None:
             try:
-                self._stream = SelectStream(self.stub, self._metadata())
+                stream = SelectStream(self.stub, self._metadata())
             except ValueError as e:
                 raise self._closed_meanwhile(e) from None
-        self._stream.send(request)
-        return self._stream.receive(request.step, deadline)
+            with self._lock:
+                self._stream = stream
+            if self._closed:  # close() ran before the field was set: it never saw this one
+                self._close_stream()
+                raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
+        stream.send(request)
+        return stream.receive(request.step, deadline)
+
+    def _take_stream(self) -> SelectStream | None:
+        """The open stream, if any, now the client's no longer (one thread gets it)."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+        return stream
+
+    def _pop_pending_attach(self) -> grpc.Future | None:
+        """The background re-attach in flight, if any, now the caller's alone."""
+        with self._lock:
+            pending, self._pending_attach = self._pending_attach, None
+        return pending
 
     def _close_stream(self) -> None:
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
+        if (stream := self._take_stream()) is not None:
             stream.close()

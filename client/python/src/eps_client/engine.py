@@ -13,7 +13,10 @@
   slot's records whenever it is (re)assigned to a new group).
 
 Streams are passed as integers (``torch.cuda.Stream.cuda_stream``), memory as device
-addresses (``tensor.data_ptr()``). The library is found through ``EPS_ENGINE_LIB``, next to
+addresses (``tensor.data_ptr()``); an integer argument outside its C type (a negative step,
+a device past int32), a bool or a non-integer is refused before the library is called
+(TypeError, ValueError naming it), as are record arrays that are not 1-D contiguous
+KEY_APPEND / RECORD_RUN arrays. The library is found through ``EPS_ENGINE_LIB``, next to
 this package, or in a build folder of the source tree. Not thread-safe except Watchdog.
 A handle used after its ``close()`` raises EngineLibError with code 9 (FAILED_PRECONDITION);
 a SummaryQueue keeps its writer's device state alive, so closing the writer first is safe.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -151,15 +155,78 @@ def check(call: str, rc: int) -> None:
         raise EngineLibError(call, rc, message)
 
 
+# ctypes converts a Python int to c_uint64 / c_int32 modulo 2**64 / 2**32, silently: -1 as
+# a step is 2**64 - 1 (a dense release raised selection_done there for good), 2**32 as a
+# device is device 0. Every integer argument goes through these first (TypeError for a
+# non-integer or a bool, ValueError out of range, naming the argument).
+
+
+def _u64(name: str, value: object) -> int:
+    """A step, a stream handle or a device address: an integer in [0, 2**64)."""
+    return _values.integer(name, value, *_values.UINT64)
+
+
+def _device(name: str, value: object) -> int:
+    """A CUDA device ordinal: an int32, >= 0."""
+    return _values.integer(name, value, 0, _values.INT32[1])
+
+
+def _key_dtype(key_dtype: object) -> int:
+    """The C ABI's code of a key element type name (KEY_DTYPES)."""
+    if not isinstance(key_dtype, str):
+        raise TypeError(f"key_dtype={key_dtype!r} is not a str (one of {sorted(KEY_DTYPES)})")
+    if key_dtype not in KEY_DTYPES:
+        raise ValueError(f"key_dtype={key_dtype!r} is not one of {sorted(KEY_DTYPES)}")
+    return KEY_DTYPES[key_dtype]
+
+
+def _records(name: str, array: object, dtype: np.dtype, dtype_name: str) -> np.ndarray:
+    """``array`` as the C ABI reads it: a 1-D, C-contiguous numpy array of ``dtype``, one
+    struct per element (anything else was converted or reshaped into structs that are not
+    the caller's: a [2, n] array became 2 appends, a float array garbage addresses)."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} is a {type(array).__name__}, not a numpy array of {dtype_name}")
+    if array.dtype != dtype:
+        raise TypeError(f"{name}.dtype={array.dtype} is not {dtype_name}")
+    if array.ndim != 1:
+        raise ValueError(f"{name}.shape={array.shape} is not [n]")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name} is not contiguous (strides {array.strides})")
+    return array
+
+
+def _check_feedback(feedback: Any, device: int) -> None:
+    """The selection feedback a dense release NaN-fills as float32 [numel] from its
+    data_ptr(): a contiguous float32 torch tensor on ``device``."""
+    if feedback is None:
+        return
+    dtype = getattr(feedback, "dtype", None)
+    if str(dtype) != "torch.float32":
+        raise TypeError(f"feedback.dtype={dtype} is not torch.float32")
+    if not feedback.is_contiguous():
+        raise ValueError("feedback is not contiguous")
+    where = feedback.device
+    if where.type != "cuda" or where.index != device:
+        raise ValueError(f"feedback is on {where}, the counters on cuda:{device}")
+
+
 class StepCounters:
     """The flags buffer's counters (``flags`` [2] uint64 on the device) and the visit counts
     that a dense release marks -1. ``buffers`` (the CudaBuffers that hold them, as ``of``
     passes) is kept alive, and its ``close()`` closes these counters first; a call after
-    ``close()`` raises EngineLibError FAILED_PRECONDITION."""
+    ``close()`` raises EngineLibError FAILED_PRECONDITION.
+
+    Steps and streams are integers in [0, 2**64), the device an int32 >= 0, ``lists`` >= 0,
+    ``feedback`` a contiguous float32 tensor on ``device``: anything else is refused
+    (TypeError, ValueError naming the argument) before the library is called."""
 
     def __init__(self, flags_ptr: int, visit_count_ptr: int, lists: int, device: int,
                  feedback: Any = None, *, buffers: Any = None) -> None:
-        self.flags, self.counts, self.lists, self.device = flags_ptr, visit_count_ptr, lists, device
+        self.flags = _u64("flags_ptr", flags_ptr)
+        self.counts = _u64("visit_count_ptr", visit_count_ptr)
+        self.lists = _values.integer("lists", lists, 0, _values.INT64[1])
+        self.device = _device("device", device)
+        _check_feedback(feedback, self.device)
         self.feedback = feedback  # a torch tensor, NaN-filled by release_dense
         self.buffers = buffers  # the region's owner, or None (the caller keeps it alive)
         self._closed = False
@@ -183,11 +250,15 @@ class StepCounters:
         self._closed = True
 
     def signal_inputs_ready(self, stream: int, step: int) -> None:
+        stream = _u64("signal_inputs_ready(stream)", stream)
+        step = _u64("signal_inputs_ready(step)", step)
         self._live("signal_inputs_ready")
         check("signal_inputs_ready",
               library().eps_engine_signal_inputs_ready(stream, self.flags, step))
 
     def wait_selection(self, stream: int, step: int) -> None:
+        stream = _u64("wait_selection(stream)", stream)
+        step = _u64("wait_selection(step)", step)
         self._live("wait_selection")
         check("wait_selection", library().eps_engine_wait_selection(stream, self.flags, step))
 
@@ -197,6 +268,8 @@ class StepCounters:
         without one it runs on a private stream and is waited for. A ``feedback`` tensor is
         NaN-filled first, in the same order: no selection consumed the entries of the step
         before, and the released step's attention would combine its masses with them."""
+        step = _u64("release_dense(step)", step)
+        stream = _u64("release_dense(stream)", stream)
         self._live("release_dense")
         if self.feedback is not None:
             check("clear_feedback", library().eps_engine_clear_feedback(
@@ -212,13 +285,20 @@ class Watchdog:
     Keeps ``counters`` (and so their buffers) alive; their CudaBuffers' ``close()`` closes
     this watchdog first. ``close()`` (also run when the object is collected) finishes the
     armed step's watch: it returns once selection_done reaches the step, or at the step's
-    due time after releasing it (client/cpp/selection_watchdog.h)."""
+    due time after releasing it (client/cpp/selection_watchdog.h).
+
+    Thread-safe: ``arm``, ``releases`` and ``close`` from any thread. A lock holds the
+    handle through each library call, so close() destroys it only once no call is using it
+    (the calls it waits for are short: the library's arm and releases take its mutex only
+    briefly); the destroy itself, which may wait up to the timeout, runs outside the lock,
+    and a call meanwhile raises FAILED_PRECONDITION at once. A second close() returns at
+    once, while the first may still be finishing the watch."""
 
     _h: int | None = None  # set before anything can fail, so __del__ always finds it
 
     def __init__(self, counters: StepCounters, timeout_s: float) -> None:
-        if not timeout_s > 0 or timeout_s == float("inf"):
-            raise ValueError(f"Watchdog timeout_s={timeout_s} must be finite and > 0")
+        self._lock = threading.Lock()  # guards _h through every library call on it
+        timeout_s = _values.duration("Watchdog timeout_s", timeout_s)
         counters._live("watchdog_create")
         handle = ctypes.c_void_p()
         check("watchdog_create", library().eps_engine_watchdog_create(
@@ -241,17 +321,26 @@ class Watchdog:
                 raise
 
     def arm(self, step: int) -> None:
-        h = _open(self._h, "watchdog", "watchdog_arm")
-        check("watchdog_arm", library().eps_engine_watchdog_arm(h, step))
+        """Watches ``step`` (>= 1, < 2**64) from now on, superseding the step armed before.
+        Step 0 is refused: the library takes it as "nothing armed", which would drop the
+        watch of the step before."""
+        step = _values.integer("Watchdog.arm(step)", step, 1, _values.UINT64[1])
+        with self._lock:
+            h = _open(self._h, "watchdog", "watchdog_arm")
+            check("watchdog_arm", library().eps_engine_watchdog_arm(h, step))
 
     @property
     def releases(self) -> int:
-        h = _open(self._h, "watchdog", "watchdog_releases")
-        return int(library().eps_engine_watchdog_releases(h))
+        with self._lock:
+            h = _open(self._h, "watchdog", "watchdog_releases")
+            return int(library().eps_engine_watchdog_releases(h))
 
     def close(self) -> None:
-        if self._h is not None:
+        if self._h is None:
+            return  # closed, or never made (__init__ failed before the handle)
+        with self._lock:  # after any call that holds the handle
             h, self._h = self._h, None
+        if h is not None:
             library().eps_engine_watchdog_destroy(h)
 
     def __del__(self) -> None:
@@ -271,6 +360,7 @@ class DeviceSummaryWriter:
     _buffers: Any = None
 
     def __init__(self, model: ModelLayout, device: int = 0, *, buffers: Any = None) -> None:
+        device = _device("device", device)
         f = model.features
         m = _Model(model.num_layers, model.num_q_heads, model.num_kv_heads, model.head_dim,
                    model.block_size, model.group_blocks, model.sketch_dim, model.phi_seed,
@@ -300,19 +390,24 @@ class DeviceSummaryWriter:
             self._buffers = buffers
 
     def append(self, appends: np.ndarray, key_dtype: str, stream: int = 0) -> None:
-        """Applies ``appends`` (a KEY_APPEND array) on ``stream`` and waits for them."""
+        """Applies ``appends`` (a 1-D contiguous KEY_APPEND array, as ``key_appends`` makes)
+        on ``stream`` and waits for them. ``key_dtype``: a name of KEY_DTYPES."""
+        a = _records("appends", appends, KEY_APPEND, "KEY_APPEND")
+        code = _key_dtype(key_dtype)
+        stream = _u64("append(stream)", stream)
         h = _open(self._h, "summary writer", "summary_append")
-        a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_append", library().eps_engine_summary_append(
-            h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], stream))
+            h, a.ctypes.data, len(a), code, stream))
 
     def reset(self, runs: np.ndarray, stream: int = 0) -> None:
         """Queues on ``stream`` (not waited for) the reset of every record of ``runs`` (a
         RECORD_RUN array, e.g. ``slot_runs``) to the empty record, core's Reset bytes. Call it
         when a slot is (re)assigned to a new group, before the group's first append on the
-        same stream: a reused record otherwise keeps the old group's statistics."""
+        same stream: a reused record otherwise keeps the old group's statistics. ``runs``:
+        a 1-D contiguous RECORD_RUN array."""
+        r = _records("runs", runs, RECORD_RUN, "RECORD_RUN")
+        stream = _u64("reset(stream)", stream)
         h = _open(self._h, "summary writer", "summary_reset")
-        r = np.ascontiguousarray(runs, dtype=RECORD_RUN)
         check("summary_reset", library().eps_engine_summary_reset(h, r.ctypes.data, len(r),
                                                                   stream))
 
@@ -341,13 +436,20 @@ class SummaryQueue:
                 raise
 
     def submit(self, appends: np.ndarray, key_dtype: str, after_stream: int, step: int) -> None:
+        """Queues ``appends`` (a 1-D contiguous KEY_APPEND array) on ``after_stream``, then the
+        queue's counter raised to ``step`` (an integer in [0, 2**64)) there."""
+        a = _records("appends", appends, KEY_APPEND, "KEY_APPEND")
+        code = _key_dtype(key_dtype)
+        after_stream = _u64("submit(after_stream)", after_stream)
+        step = _u64("submit(step)", step)
         h = _open(self._h, "summary queue", "summary_queue_submit")
-        a = np.ascontiguousarray(appends, dtype=KEY_APPEND)
         check("summary_queue_submit", library().eps_engine_summary_queue_submit(
-            h, a.ctypes.data, len(a), KEY_DTYPES[key_dtype], after_stream, step))
+            h, a.ctypes.data, len(a), code, after_stream, step))
 
     def wait(self, stream: int, step: int) -> None:
         """Enqueues on ``stream``: wait until the appends of ``step`` are applied."""
+        stream = _u64("wait(stream)", stream)
+        step = _u64("wait(step)", step)
         h = _open(self._h, "summary queue", "summary_queue_wait")
         check("summary_queue_wait", library().eps_engine_summary_queue_wait(h, stream, step))
 

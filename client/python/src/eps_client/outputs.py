@@ -45,9 +45,11 @@ def fixed_budget_groups(first_n: int, last_n: int, top_pages: int) -> int:
 def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> int:
     """Blocks of a BUDGET_FIXED list: k groups of g blocks, the newest (partial) among them
-    (0 for a context < 1). ``budget_groups``, ``group_blocks`` and ``block_size`` >= 1, else
-    ValueError (a plan of 0 groups or 0-token blocks is no plan)."""
+    (0 for a context < 1). ``budget_groups``, ``group_blocks`` and ``block_size`` int32s >= 1,
+    else ValueError (a plan of 0 groups or 0-token blocks is no plan); ``context_tokens`` an
+    int64 (TypeError for 100.9: a context is a count of tokens)."""
     _check_plan(budget_groups, group_blocks, block_size)
+    context_tokens = _values.integer("context_tokens", context_tokens, *_values.INT64)
     if context_tokens < 1:
         return 0
     blocks = -(-context_tokens // block_size)
@@ -59,18 +61,35 @@ def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: i
 
 def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, group_blocks: int,
                         block_size: int) -> np.ndarray:
-    """indptr [batch * lists + 1] int32 of the fixed-budget plan (the same for every layer)."""
+    """indptr [batch * lists + 1] int32 of the fixed-budget plan (the same for every layer).
+    Refuses what client/cpp's FixedBudgetIndptr refuses (ValueError, TypeError naming it):
+    the sizes fixed_budget_blocks refuses, ``lists`` < 1, contexts that are not integers,
+    and a plan past 2**31 - 1 entries (FlashInfer's indptr is int32; it used to wrap)."""
     _check_plan(budget_groups, group_blocks, block_size)
-    n = [fixed_budget_blocks(int(c), budget_groups, group_blocks, block_size)
-         for c in np.asarray(context_tokens).reshape(-1) for _ in range(lists)]
-    return np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    lists = _values.integer("lists", lists)
+    if not 1 <= lists <= _values.INT32[1]:
+        raise ValueError(f"lists={lists} must be >= 1")
+    contexts = _values.integer_array("context_tokens", context_tokens).reshape(-1)
+    indptr, total = [0], 0
+    for i, c in enumerate(contexts.tolist()):
+        n = fixed_budget_blocks(c, budget_groups, group_blocks, block_size)
+        for h in range(lists):
+            total += n
+            if total > _values.INT32[1]:
+                raise ValueError(f"the plan exceeds 2^31-1 entries at context_tokens[{i}]={c} "
+                                 f"(list {h}): FlashInfer's indptr is int32")
+            indptr.append(total)
+    return np.array(indptr, dtype=np.int32)
 
 
 def _check_plan(budget_groups: int, group_blocks: int, block_size: int) -> None:
+    """The plan's sizes: int32s >= 1, as client/cpp's CheckPlan takes them."""
     for name, value in (("budget_groups", budget_groups), ("group_blocks", group_blocks),
                         ("block_size", block_size)):
         if _values.integer(name, value) < 1:
             raise ValueError(f"{name}={value} must be >= 1")
+        if value > _values.INT32[1]:
+            raise ValueError(f"{name}={value} exceeds int32")
 
 
 def _as_lists(visit_blocks: Any, visit_count: Any) -> tuple[Any, Any]:
@@ -95,6 +114,19 @@ def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
         return False
     head = ids[:count]
     return cache_blocks <= 0 or bool(np.all((head >= 0) & (head < cache_blocks)))
+
+
+def _batch(context_tokens: Any, max_batch: int) -> int:
+    """B, the step's positions (``context_tokens`` [B]): 1 <= B <= max_batch, the visit
+    lists' rows, as the kernels refuse otherwise. The torch path broadcast row 0 of a
+    max_batch = 1 list to every position of a larger batch, silently."""
+    shape = tuple(context_tokens.shape)
+    if len(shape) != 1:
+        raise ValueError(f"context_tokens must be [batch]; got {shape}")
+    if not 1 <= shape[0] <= max_batch:
+        raise ValueError(f"context_tokens has {shape[0]} positions: batch={shape[0]} is not in "
+                         f"[1, max_batch={max_batch}] (the visit lists' rows)")
+    return int(shape[0])
 
 
 def _check_table_width(width: int, max_blocks: int) -> None:
@@ -154,9 +186,9 @@ def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.nd
     seqused_k [layers, batch, lists] for the first ``len(context_tokens)`` positions; the
     lists refused (count >= 0 but not usable) are added to ``refused[0]`` when given."""
     vb, vc = _as_lists(visit_blocks, visit_count)
-    L, _, lists, max_blocks = vb.shape
+    L, max_batch, lists, max_blocks = vb.shape
     _check_table_width(engine_table.shape[1], max_blocks)
-    B = len(context_tokens)
+    B = _batch(np.asarray(context_tokens), max_batch)
     table = np.full((L, B, lists, max_blocks), -1, dtype=np.int32)
     used = np.zeros((L, B, lists), dtype=np.int32)
     n_refused = 0
@@ -184,8 +216,8 @@ def flashinfer_fixed_budget_reference(visit_blocks: np.ndarray, visit_count: np.
                                       ) -> tuple[np.ndarray, np.ndarray, int]:
     """indices [layers, nnz], last_page_len [batch * lists] and the mismatched lists."""
     vb, vc = _as_lists(visit_blocks, visit_count)
-    L, _, lists, max_blocks = vb.shape
-    B = len(context_tokens)
+    L, max_batch, lists, max_blocks = vb.shape
+    B = _batch(np.asarray(context_tokens), max_batch)
     nnz = int(indptr[-1])
     indices = np.zeros((L, nnz), dtype=np.int32)
     last = np.zeros(B * lists, dtype=np.int32)
@@ -252,13 +284,14 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
     seqused_k [layers, batch, lists] for batch = len(context_tokens). Entries past a row's
     blocks are unspecified. ``out`` reuses preallocated tensors (e.g. in a CUDA graph).
     ``cache_blocks`` > 0 refuses lists naming a block outside [0, cache_blocks); ``refused``
-    (a device int32 tensor of one element) has the refused lists added to it."""
-    import torch
-
+    (a device int32 tensor of one element) has the refused lists added to it. ValueError for
+    a batch outside [1, max_batch] (checked first, whatever path runs)."""
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
     _check_table_width(engine_table.shape[1], max_blocks)
-    B = context_tokens.shape[0]
+    B = _batch(context_tokens, max_batch)
+    import torch
+
     if out is None:
         out = (torch.empty(L, B, lists, max_blocks, dtype=torch.int32, device=vb.device),
                torch.empty(L, B, lists, dtype=torch.int32, device=vb.device))
@@ -307,12 +340,12 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
     ``nnz`` is the plan's last entry (``int(plan[-1])`` of the host array); without it the
     call reads it from ``indptr`` on the device, a host synchronisation that a CUDA graph
     cannot capture. ``cache_blocks`` > 0 refuses (and counts) lists naming a block outside
-    [0, cache_blocks)."""
-    import torch
-
+    [0, cache_blocks). ValueError for a batch outside [1, max_batch] (checked first)."""
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
-    B = context_tokens.shape[0]
+    B = _batch(context_tokens, max_batch)
+    import torch
+
     if nnz is None:  # a host copy: pass the plan's nnz to stay on the device (CUDA graphs)
         nnz = int(indptr[-1].item()) if indptr.numel() else 0
     nnz = _values.integer("nnz", nnz, 0)

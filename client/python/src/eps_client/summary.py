@@ -146,8 +146,8 @@ class SummaryWriter:
         With a coarse level, ``coarse_pool`` and ``coarse_slots`` (token t's coarse slot:
         ``coarse_table[row, coarse_group_of(position)]``) add the same keys to the coarse
         records too. Refuses what core's Append refuses (non-finite keys, keys beyond binary16
-        with quest, keys that would take a record's sums out of the float range) and bad
-        indices, before touching either pool.
+        with quest, keys that would take a record's sums out of the float range), bad
+        indices and a pool that is read-only, before touching either pool.
         """
         if (coarse_pool is None) != (coarse_slots is None):
             raise ValueError("coarse_pool and coarse_slots go together")
@@ -168,7 +168,7 @@ class SummaryWriter:
         """Every check of an append into ``pool``: returns (layer, slots, float32 keys, the rank
         of each key among its slot's keys), or raises having touched nothing."""
         model, lay = self.model, self.layout
-        self._check_pool(pool)
+        self._check_pool(pool, "pool" if name == "slots" else "coarse_pool")
         layer = _writer_checks.layer_index(layer, model.num_layers)
         slots = _writer_checks.slot_array(name, slots, None, pool.shape[0])  # 1.9 is not slot 1
         k = _as_float32(np.asarray(keys), bf16_bits)
@@ -307,26 +307,30 @@ class SummaryWriter:
         raw = rec.view(np.uint8)  # [H, W*4]: u1 bytes from word p + 3
         raw[:, 4 * (p + 3) : 4 * (p + 3) + d] = np.where(ok[:, None], u, 0).view(np.uint8)
 
-    def _check_records(self, records: np.ndarray) -> None:
+    def _check_records(self, records: np.ndarray, name: str = "records") -> None:
         """Records ``[..., record_words]`` float32 whose words are contiguous: the parts are
-        read and written through views of another dtype, which a strided last axis breaks."""
+        read and written through views of another dtype, which a strided last axis breaks.
+        Writeable too: an append checks every pool it writes before writing any, so a
+        read-only coarse pool must not be found only after the fine pool was written."""
         words = self.layout.record_words
         if not isinstance(records, np.ndarray) or records.dtype != np.float32 \
                 or records.ndim < 1 or records.shape[-1] != words:
-            raise ValueError(f"records must be float32 [..., {words}], got "
+            raise ValueError(f"{name} must be float32 [..., {words}], got "
                              f"{getattr(records, 'dtype', type(records).__name__)} "
                              f"{list(getattr(records, 'shape', ()))}")
         if records.strides[-1] != records.itemsize:
-            raise ValueError(f"records' last axis must be contiguous, got a stride of "
+            raise ValueError(f"{name}' last axis must be contiguous, got a stride of "
                              f"{records.strides[-1]} bytes")
+        if not records.flags.writeable:
+            raise ValueError(f"{name} is read-only")
 
-    def _check_pool(self, pool: np.ndarray) -> None:
+    def _check_pool(self, pool: np.ndarray, name: str = "pool") -> None:
         m = self.model
         want = (m.num_layers, m.num_kv_heads, self.layout.record_words)
         if not isinstance(pool, np.ndarray) or pool.dtype != np.float32 or pool.ndim != 4 \
                 or pool.shape[1:] != want:
             raise ValueError(
-                f"pool must be float32 [slots, {want[0]}, {want[1]}, {want[2]}], got "
+                f"{name} must be float32 [slots, {want[0]}, {want[1]}, {want[2]}], got "
                 f"{getattr(pool, 'dtype', type(pool).__name__)} "
                 f"{list(getattr(pool, 'shape', ()))}")
-        self._check_records(pool)
+        self._check_records(pool, name)
