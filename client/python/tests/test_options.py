@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from eps_client import ClientOptions, MassSetting, SelectOptions
-from eps_client.client import valid_traceparent
+from eps_client.client_options import valid_traceparent
 from eps_client.proto import page_selector_pb2 as pb
 
 

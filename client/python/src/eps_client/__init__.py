@@ -19,7 +19,8 @@ torch is optional and imported only by the modules that need it.
 from __future__ import annotations
 
 from eps_client.buffers import BufferLayout, BufferShape, ShmBuffers
-from eps_client.client import ClientCounters, ClientOptions, EpsClient, StepResult
+from eps_client.client import ClientCounters, EpsClient, StepResult
+from eps_client.client_options import ClientOptions
 from eps_client.layout import (
     ModelLayout,
     SummaryFeatures,
