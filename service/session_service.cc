@@ -440,9 +440,14 @@ absl::Status SessionService::RenewLease(const v1::HeartbeatRequest& request,
 
 absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
                                       v1::GetStatsResponse* response, const Peer& caller) {
+  return Guarded("GetStats", [&] { return CollectStats(request, response, caller); });
+}
+
+absl::Status SessionService::CollectStats(const v1::GetStatsRequest& request,
+                                          v1::GetStatsResponse* response, const Peer& caller) {
   if (!request.session_id().empty()) {
     absl::StatusOr<std::shared_ptr<Session>> found = FindFor(request.session_id(), caller, "");
-    if (!found.ok()) return found.status();
+    if (!found.ok()) return CountFailure(found.status());
   }
   response->set_sessions_active(sessions_.size());
   response->set_sessions_attached_total(attached_total_.load());
@@ -465,7 +470,7 @@ absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
     out->set_errors(s->errors.load());
   }
   if (!request.session_id().empty() && response->sessions_size() == 0) {
-    return NotFound(request.session_id(), "");
+    return CountFailure(NotFound(request.session_id(), ""));  // detached meanwhile
   }
   return absl::OkStatus();
 }

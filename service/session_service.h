@@ -124,12 +124,14 @@ class SessionService {
   // call; the body counts the failures it returns itself.
   template <typename F>
   absl::Status Guarded(const char* what, F&& body);
-  // Attach, Detach and Heartbeat, unguarded.
+  // Attach, Detach, Heartbeat and GetStats, unguarded.
   absl::Status AttachSession(const v1::AttachRequest& request, v1::AttachResponse* response,
                              const Peer& caller);
   absl::Status DetachSession(const v1::DetachRequest& request, const Peer& caller);
   absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
                           const Peer& caller);
+  absl::Status CollectStats(const v1::GetStatsRequest& request, v1::GetStatsResponse* response,
+                            const Peer& caller);
   // `status`, after calling on_device_lost_ if it is the first device-lost one. Every
   // status that may come from a CUDA call goes through it: a step's, an Attach's, and a
   // retired session's (Session::Retire), whoever retired it.

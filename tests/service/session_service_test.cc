@@ -106,6 +106,26 @@ TEST_F(SessionServiceTest, AReplayedStepIsRefusedAndCountedAsAnError) {
   EXPECT_EQ(stats.validation_failures_total(), 1u);
 }
 
+// GetStats' validation_failures_total counts every failed call (observability.md), failed
+// GetStats calls too, as eps_validation_failures_total does: it once left them out, so the
+// field counted fewer failures than the metric.
+TEST_F(SessionServiceTest, AFailedGetStatsCountsInValidationFailuresTotal) {
+  const Peer owner{.known = true, .uid = geteuid(), .pid = getpid()};  // may open the shm
+  const Peer other{.known = true, .uid = geteuid() + 1, .pid = 1};
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &attached, owner).ok());
+  v1::GetStatsRequest unknown, not_theirs;
+  unknown.set_session_id("s-none");
+  not_theirs.set_session_id(attached.session_id());
+  v1::GetStatsResponse stats;
+  EXPECT_EQ(service_.GetStats(unknown, &stats, owner).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(service_.GetStats(not_theirs, &stats, other).code(),
+            absl::StatusCode::kPermissionDenied);
+  stats.Clear();
+  ASSERT_TRUE(service_.GetStats(v1::GetStatsRequest(), &stats, owner).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 2u);
+}
+
 // A call's options are checked before its step order and its writes (api-failures.md §4):
 // an alpha below 1 with a stale step number was FAILED_PRECONDITION (the step order came
 // first), and with writes the refused call's writes stayed applied.
