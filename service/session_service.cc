@@ -154,17 +154,21 @@ absl::Status SessionService::AttachSession(const v1::AttachRequest& request,
                                            v1::AttachResponse* response, const Peer& caller) {
   if (device_lost_.load()) return CountFailure(Restarting());
   const EngineKey engine = EngineKey::Of(caller, request.engine_id());
-  // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room = sessions_.Room(engine, Limits()); !room.ok()) return CountFailure(room);
   // A session this Attach replaces gives its bytes back once the Attach has retired it
   // below: the new one may be built in them, so an engine that restarts with the server's
   // budgets nearly full re-attaches at once rather than after the old lease. The server's
   // use then stays within its limits plus one session's charges, and within its limits
   // once the old session is gone (when Add replaced another session, or none, the one
-  // measured here was retired and is going as well).
+  // measured here was retired and is going as well). Only an Attach that Add would let
+  // replace it gets its bytes: one Add would refuse (a live session attached over TCP)
+  // is refused here, before any mapping or allocation, and builds nothing (a loop of
+  // such calls once kept the budget full and refused other engines). Add checks again
+  // when it publishes.
   ServerCharges replacing;
-  if (const std::shared_ptr<Session> old = sessions_.FindEngine(engine); old != nullptr) {
-    replacing = old->server_charges();
+  {
+    absl::StatusOr<std::shared_ptr<Session>> admitted = sessions_.Admission(engine, Limits());
+    if (!admitted.ok()) return CountFailure(admitted.status());
+    if (*admitted != nullptr) replacing = (*admitted)->server_charges();
   }
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
