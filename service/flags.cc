@@ -58,7 +58,9 @@ ABSL_FLAG(double, eps_coarse_candidates, 2.0,
 
 ABSL_FLAG(eps::cli::Millis, lease_ms, {absl::Milliseconds(10000)},
           "session lease, renewed by Attach, SelectPages and Heartbeat, in [50ms, 1h]");
-ABSL_FLAG(int64_t, max_sessions, 64, "sessions at once, in [1, 100000]");
+ABSL_FLAG(int64_t, max_sessions, 64,
+          "sessions at once, in [1, 100000]; also bounds the step threads (one per session "
+          "stepping at once, plus one per core)");
 ABSL_FLAG(int64_t, max_sessions_per_user, 0,
           "sessions at once of one user (by the Unix socket's peer uid; the callers over TCP "
           "are one user), in [0, 100000]; 0: no cap but --max-sessions");

@@ -27,6 +27,18 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
   return reactor;
 }
 
+// The end of a unary call answered later, from whichever thread the session service
+// calls it on (service/session_service.h, CallDone): records the call and finishes it.
+SessionService::CallDone FinishLater(grpc::ServerUnaryReactor* reactor, Telemetry& telemetry,
+                                     const Telemetry::Call& call,
+                                     google::protobuf::Message* response) {
+  return [reactor, &telemetry, call, response](absl::Status status) {
+    if (!status.ok()) response->Clear();
+    telemetry.EndCall(call, status, /*refused=*/true);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+}
+
 // One reply per request, in order. A failed step ends the stream with its
 // status (the client falls back for that step and opens a new stream).
 class SelectStream final
@@ -60,7 +72,7 @@ class SelectStream final
       End(started);
       return;
     }
-    // Done here, or on the StepExecutor once the session's step before it ended (step_gate.h).
+    // Done on the StepExecutor (step_gate.h), or here for a call refused before the gate.
     sessions_.StartSelectPages(request_, &response_, LivenessOf(context_), caller_,
                                [this, step](absl::Status s, BackendKind backend) {
                                  StepDone(step, std::move(s), backend);
@@ -124,23 +136,42 @@ grpc::ServerUnaryReactor* PageSelectorService::Attach(grpc::CallbackServerContex
                                                       const v1::AttachRequest* request,
                                                       v1::AttachResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kAttach, *context);
-  const absl::Status status = CallGuarded("Attach", [&] {
-    RETURN_IF_ERROR(LivenessOf(*context).Check("Attach"));
-    return sessions_.Attach(*request, response, CallerOf(*context));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  SessionService::CallDone done = FinishLater(reactor, telemetry_, call, response);
+  Peer caller;
+  const absl::Status arrived = CallGuarded("Attach", [&] {
+    caller = CallerOf(*context);
+    return LivenessOf(*context).Check("Attach");
   });
-  if (!status.ok()) response->Clear();
-  return Finish(context, telemetry_, call, status);
+  if (!arrived.ok()) {
+    std::move(done)(arrived);
+    return reactor;
+  }
+  // Answered here, or, when it replaces a session whose step runs, from the StepExecutor
+  // once that step has ended: this callback thread does not wait for it.
+  sessions_.StartAttach(*request, response, caller, std::move(done));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::Detach(grpc::CallbackServerContext* context,
                                                       const v1::DetachRequest* request,
-                                                      v1::DetachResponse*) {
+                                                      v1::DetachResponse* response) {
   const Telemetry::Call call = telemetry_.BeginCall(RpcMethod::kDetach, *context);
-  const absl::Status status = CallGuarded("Detach", [&] {
-    RETURN_IF_ERROR(LivenessOf(*context).Check("Detach"));
-    return sessions_.Detach(*request, CallerOf(*context));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  SessionService::CallDone done = FinishLater(reactor, telemetry_, call, response);
+  Peer caller;
+  const absl::Status arrived = CallGuarded("Detach", [&] {
+    caller = CallerOf(*context);
+    return LivenessOf(*context).Check("Detach");
   });
-  return Finish(context, telemetry_, call, status);
+  if (!arrived.ok()) {
+    std::move(done)(arrived);
+    return reactor;
+  }
+  // Answered from the StepExecutor once the session's running step has ended (or here,
+  // when refused): this callback thread does not wait for it.
+  sessions_.StartDetach(*request, caller, std::move(done));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerContext* context,
@@ -154,9 +185,9 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   });
   if (!started.ok()) return Finish(context, telemetry_, call, started);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Finished here, or, parked, on the StepExecutor once the session's running step has
-  // ended (step_gate.h): that step's callback returns without running this one, so its
-  // reply is not held back.
+  // Finished on the StepExecutor, where the step runs (step_gate.h), or here for a call
+  // refused before the gate: this callback thread returns at once, free for other calls
+  // and for this one's cancellation, which a cpu step checks between its (row, layer)s.
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
       [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {

@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   server->config_ = config;
   server->on_fatal_ = std::move(hooks.on_fatal);
   EpsServer* const self = server.get();
+  server->executor_ = StepExecutor::ForSessions(config.max_sessions);
   server->sessions_ = std::make_unique<SessionService>(
       config,
       [self](const absl::Status& lost) {
@@ -28,7 +29,7 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
         }
         if (self->on_fatal_) self->on_fatal_();
       },
-      std::move(hooks.make_backend), &server->handoff_);
+      std::move(hooks.make_backend), server->executor_.get());
   const bool is_unix = absl::StartsWith(config.listen, "unix://");
   if (is_unix) {
     // Bound first (connections wait in its backlog until the acceptor starts), and owned
@@ -152,9 +153,10 @@ void EpsServer::Wait() {
 EpsServer::~EpsServer() {
   Shutdown();
   Wait();
-  // Every call has ended, parked ones included (the server waits for them): the executor's
-  // threads end once the gate work they still hold is done, before the sessions go.
-  handoff_.Stop();
+  // Every call has ended, those answered from the executor included (the server waits for
+  // them): its threads end once the gate work they still hold is done, before the
+  // sessions go.
+  if (executor_ != nullptr) executor_->Stop();
   // No call is running now: send the spans still queued, for at most 2 s (a dead collector
   // must not hold up the exit).
   if (telemetry_ != nullptr) telemetry_->Shutdown(std::chrono::milliseconds(2000));

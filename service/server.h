@@ -64,10 +64,11 @@ class EpsServer {
   std::function<void()> on_fatal_;
   mutable absl::Mutex fatal_mu_;
   absl::Status fatal_ ABSL_GUARDED_BY(fatal_mu_);
-  // Runs the steps parked behind a session's running step (service/step_gate.h). Before
-  // sessions_, which hands it turns; stopped by ~EpsServer once the gRPC server has shut
-  // down (a call parked during the drain is still answered), before sessions_ goes.
-  StepExecutor handoff_{StepExecutor::DefaultThreads()};
+  // Runs every step, and the waits of Detach and replacing Attach calls for one
+  // (service/step_executor.h), sized by --max-sessions. Before sessions_, which hands it
+  // work; stopped by ~EpsServer once the gRPC server has shut down (a call in flight
+  // during the drain is still answered), before sessions_ goes.
+  std::unique_ptr<StepExecutor> executor_;
   std::unique_ptr<SessionService> sessions_;
   std::unique_ptr<telemetry::Telemetry> telemetry_;  // outlives the service that calls it
   std::unique_ptr<PageSelectorService> service_;

@@ -14,43 +14,46 @@ EngineKey KeyOf(const Session& session) {
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Session> session,
                                                               const SessionLimits& limits) {
-  std::shared_ptr<Session> replaced;
   absl::MutexLock lock(&mu_);
   const EngineKey key = KeyOf(*session);
-  auto it = id_by_engine_.find(key);
-  if (it != id_by_engine_.end()) {
-    const auto existing = by_id_.find(it->second);
-    if (existing != by_id_.end()) {
-      const Session& old = *existing->second;
-      // A session whose user is unknown (attached over TCP) is protected by its id
-      // alone: an Attach naming its engine_id, which any caller can learn, replaces it
-      // only once its lease has run out (its Detach, with the id, frees it at once).
-      if (!key.known && !old.Expired(SteadyNowMs())) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "engine '", key.engine_id,
-            "' has a session attached by an unknown peer (over TCP) whose lease of ",
-            old.spec().lease_ms,
-            " ms has not run out: such a session is replaced only after its lease or its "
-            "Detach"));
-      }
-      replaced = std::move(existing->second);
-      by_id_.erase(existing);
-    }
-  } else {
-    RETURN_IF_ERROR(RoomLocked(key, limits));
-  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> replaced, AdmissionLocked(key, limits));
+  if (replaced != nullptr) by_id_.erase(replaced->id());
   id_by_engine_[key] = session->id();
   by_id_[session->id()] = std::move(session);
   return replaced;
 }
 
-absl::Status SessionRegistry::Room(const EngineKey& key, const SessionLimits& limits) const {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Admission(
+    const EngineKey& key, const SessionLimits& limits) const {
   absl::MutexLock lock(&mu_);
-  return RoomLocked(key, limits);
+  return AdmissionLocked(key, limits);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::AdmissionLocked(
+    const EngineKey& key, const SessionLimits& limits) const {
+  const auto engine = id_by_engine_.find(key);
+  if (engine == id_by_engine_.end()) {
+    RETURN_IF_ERROR(RoomLocked(key, limits));
+    return nullptr;
+  }
+  const auto existing = by_id_.find(engine->second);
+  if (existing == by_id_.end()) return nullptr;
+  const Session& old = *existing->second;
+  // A session whose user is unknown (attached over TCP) is protected by its id
+  // alone: an Attach naming its engine_id, which any caller can learn, replaces it
+  // only once its lease has run out (its Detach, with the id, frees it at once).
+  if (!key.known && !old.Expired(SteadyNowMs())) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("engine '", key.engine_id,
+                     "' has a session attached by an unknown peer (over TCP) whose lease of ",
+                     old.spec().lease_ms,
+                     " ms has not run out: such a session is replaced only after its lease or its "
+                     "Detach"));
+  }
+  return existing->second;
 }
 
 absl::Status SessionRegistry::RoomLocked(const EngineKey& key, const SessionLimits& limits) const {
-  if (id_by_engine_.contains(key)) return absl::OkStatus();  // a replacing Attach
   if (by_id_.size() >= limits.max_sessions) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the server holds --max-sessions=", limits.max_sessions, " sessions"));
@@ -74,14 +77,6 @@ absl::Status SessionRegistry::RoomLocked(const EngineKey& key, const SessionLimi
 std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {
   absl::MutexLock lock(&mu_);
   auto it = by_id_.find(id);
-  return it == by_id_.end() ? nullptr : it->second;
-}
-
-std::shared_ptr<Session> SessionRegistry::FindEngine(const EngineKey& key) const {
-  absl::MutexLock lock(&mu_);
-  auto engine = id_by_engine_.find(key);
-  if (engine == id_by_engine_.end()) return nullptr;
-  auto it = by_id_.find(engine->second);
   return it == by_id_.end() ? nullptr : it->second;
 }
 

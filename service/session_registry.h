@@ -61,14 +61,14 @@ class SessionRegistry {
   // outside the lock.
   absl::StatusOr<std::shared_ptr<Session>> Add(std::shared_ptr<Session> session,
                                                const SessionLimits& limits);
-  // What Add would say now of a session of `key` as one beyond `limits`
-  // (RESOURCE_EXHAUSTED, or OK): checked before an Attach maps and allocates
-  // anything (Add decides).
-  absl::Status Room(const EngineKey& key, const SessionLimits& limits) const;
+  // What Add would do now with a session of `key`: OK with the live session it would
+  // replace (null: it would add a new one), or Add's refusal (ALREADY_EXISTS,
+  // RESOURCE_EXHAUSTED). Checked before an Attach maps and allocates anything, so that
+  // an Attach Add would refuse builds nothing, and only one that would replace a session
+  // is let build in that session's charges (Add decides, when it publishes).
+  absl::StatusOr<std::shared_ptr<Session>> Admission(const EngineKey& key,
+                                                     const SessionLimits& limits) const;
   std::shared_ptr<Session> Find(const std::string& id) const;
-  // The live session of `key` (null when none): the one an Add of that engine would
-  // replace, if Add may (see Add).
-  std::shared_ptr<Session> FindEngine(const EngineKey& key) const;
   // Removes `id` and returns its session (null when none), to be let go outside the lock.
   std::shared_ptr<Session> Remove(const std::string& id);
   // Removes and returns the sessions whose lease ran out.
@@ -77,6 +77,9 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
+  absl::StatusOr<std::shared_ptr<Session>> AdmissionLocked(const EngineKey& key,
+                                                           const SessionLimits& limits) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status RoomLocked(const EngineKey& key, const SessionLimits& limits) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Drops `session`'s engine from the index if it still names the session.

@@ -65,10 +65,10 @@ absl::Status CallLiveness::Check(const char* what) const {
 }
 
 SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost,
-                               BackendFactory make_backend, StepExecutor* handoff)
+                               BackendFactory make_backend, StepExecutor* executor)
     : config_(config),
-      own_handoff_(handoff == nullptr ? std::make_unique<StepExecutor>(1) : nullptr),
-      handoff_(handoff == nullptr ? own_handoff_.get() : handoff),
+      own_executor_(executor == nullptr ? StepExecutor::ForSessions(config.max_sessions) : nullptr),
+      executor_(executor == nullptr ? own_executor_.get() : executor),
       budgets_{.allocated = MemoryBudget("--max-server-bytes", config.max_server_bytes),
                .mapped = MemoryBudget("--max-server-mapped-bytes", config.max_server_mapped_bytes)},
       on_device_lost_(std::move(on_device_lost)),
@@ -82,8 +82,8 @@ SessionService::SessionService(const ServerConfig& config, DeviceLostHandler on_
 }
 
 SessionService::~SessionService() {
-  // The steps still parked run (or answer their dead calls) while every session is live.
-  if (own_handoff_ != nullptr) own_handoff_->Stop();
+  // The steps still queued run (or answer their dead calls) while every session is live.
+  if (own_executor_ != nullptr) own_executor_->Stop();
   stop_.Notify();
   reaper_.join();
   // No call runs any more (the server has shut down). Every queued async step is
@@ -145,26 +145,77 @@ absl::StatusOr<std::shared_ptr<Session>> SessionService::FindFor(const std::stri
   return session;
 }
 
-absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
-                                    const Peer& caller) {
-  return Guarded("Attach", [&] { return AttachSession(request, response, caller); });
+namespace {
+
+// Runs `start` (a Start* call) with a `done` that keeps its status, and waits for it.
+template <typename Start>
+absl::Status Await(Start&& start) {
+  absl::Notification finished;
+  absl::Status result;
+  start([&](absl::Status status) {
+    result = std::move(status);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
 }
 
-absl::Status SessionService::AttachSession(const v1::AttachRequest& request,
-                                           v1::AttachResponse* response, const Peer& caller) {
+}  // namespace
+
+absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
+                                    const Peer& caller) {
+  return Await([&](CallDone done) { StartAttach(request, response, caller, std::move(done)); });
+}
+
+absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
+  return Await([&](CallDone done) { StartDetach(request, caller, std::move(done)); });
+}
+
+void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachResponse* response,
+                                 const Peer& caller, CallDone done) {
+  std::shared_ptr<Session> granted, replaced;
+  absl::Status published = Guarded(
+      "Attach", [&] { return PublishSession(request, response, caller, &granted, &replaced); });
+  if (published.ok() && replaced == nullptr) {
+    published = Guarded("Attach", [&] { return HandOver(nullptr, *granted, response); });
+  }
+  if (!published.ok() || replaced == nullptr) {
+    std::move(done)(std::move(published));
+    return;
+  }
+  // The replaced session's step, if one runs, ends before the engine hears of the new
+  // session (both may share the engine's buffers): waited for on the executor, as a
+  // step is, not on this thread (a gRPC callback thread).
+  executor_->Submit([this, response, granted = std::move(granted), replaced = std::move(replaced),
+                     done = std::move(done)]() mutable {
+    absl::Status handed =
+        Guarded("Attach", [&] { return HandOver(std::move(replaced), *granted, response); });
+    granted = nullptr;
+    std::move(done)(std::move(handed));
+  });
+}
+
+absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
+                                            v1::AttachResponse* response, const Peer& caller,
+                                            std::shared_ptr<Session>* granted,
+                                            std::shared_ptr<Session>* replaced) {
   if (device_lost_.load()) return CountFailure(Restarting());
   const EngineKey engine = EngineKey::Of(caller, request.engine_id());
-  // Before any mapping or allocation; Add checks again when it publishes.
-  if (absl::Status room = sessions_.Room(engine, Limits()); !room.ok()) return CountFailure(room);
   // A session this Attach replaces gives its bytes back once the Attach has retired it
   // below: the new one may be built in them, so an engine that restarts with the server's
   // budgets nearly full re-attaches at once rather than after the old lease. The server's
   // use then stays within its limits plus one session's charges, and within its limits
   // once the old session is gone (when Add replaced another session, or none, the one
-  // measured here was retired and is going as well).
+  // measured here was retired and is going as well). Only an Attach that Add would let
+  // replace it gets its bytes: one Add would refuse (a live session attached over TCP)
+  // is refused here, before any mapping or allocation, and builds nothing (a loop of
+  // such calls once kept the budget full and refused other engines). Add checks again
+  // when it publishes.
   ServerCharges replacing;
-  if (const std::shared_ptr<Session> old = sessions_.FindEngine(engine); old != nullptr) {
-    replacing = old->server_charges();
+  {
+    absl::StatusOr<std::shared_ptr<Session>> admitted = sessions_.Admission(engine, Limits());
+    if (!admitted.ok()) return CountFailure(admitted.status());
+    if (*admitted != nullptr) replacing = (*admitted)->server_charges();
   }
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
@@ -186,48 +237,63 @@ absl::Status SessionService::AttachSession(const v1::AttachRequest& request,
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
   // Kept until the reply: a concurrent Attach of the engine may replace it meanwhile.
-  const std::shared_ptr<Session> granted = session;
-  absl::StatusOr<std::shared_ptr<Session>> replaced = sessions_.Add(std::move(session), Limits());
-  if (!replaced.ok()) {
+  *granted = session;
+  absl::StatusOr<std::shared_ptr<Session>> added = sessions_.Add(std::move(session), Limits());
+  if (!added.ok()) {
     response->Clear();
-    return CountFailure(replaced.status());
+    return CountFailure(added.status());
   }
-  // The replaced session's step, if one runs, ends before the engine hears of the new
-  // session; both may share the engine's buffers.
-  if (*replaced != nullptr) {
-    // Ending its queued step may find the device lost (an async step that hit an illegal
-    // address): the new session is of no use then, and the engine re-attaches to the next
-    // epsd.
-    if (IsDeviceLost(WatchDevice((*replaced)->Retire()))) {
-      response->Clear();
-      if (const std::shared_ptr<Session> removed = sessions_.Remove(granted->id());
-          removed != nullptr) {
-        (void)removed->Retire();  // its device is the lost one; already reported
-      }
-      return CountFailure(Restarting());
+  *replaced = *std::move(added);
+  return absl::OkStatus();
+}
+
+absl::Status SessionService::HandOver(std::shared_ptr<Session> replaced, Session& granted,
+                                      v1::AttachResponse* response) {
+  // Ending the replaced session's queued step may find the device lost (an async step
+  // that hit an illegal address): the new session is of no use then, and the engine
+  // re-attaches to the next epsd.
+  if (replaced != nullptr && IsDeviceLost(WatchDevice(replaced->Retire()))) {
+    response->Clear();
+    if (const std::shared_ptr<Session> removed = sessions_.Remove(granted.id());
+        removed != nullptr) {
+      (void)removed->Retire();  // its device is the lost one; already reported
     }
+    return CountFailure(Restarting());
   }
   // The lease runs from the reply: the wait for the old step may have taken longer.
-  granted->StartLease();
+  granted.StartLease();
   attached_total_.fetch_add(1);
   return absl::OkStatus();
 }
 
-absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
-  return Guarded("Detach", [&] { return DetachSession(request, caller); });
-}
-
-absl::Status SessionService::DetachSession(const v1::DetachRequest& request, const Peer& caller) {
-  absl::StatusOr<std::shared_ptr<Session>> session = FindFor(request.session_id(), caller, "");
-  if (!session.ok()) return CountFailure(session.status());
-  const bool removed = sessions_.Remove(request.session_id()) != nullptr;
-  // Either Detach of two at once answers only once the session's steps have ended. Its
-  // queued step may find the device lost: reported, though the Detach itself succeeded.
-  (void)WatchDevice((*session)->Retire());
-  if (!removed) {
-    return CountFailure(NotFound(request.session_id(), ""));
+void SessionService::StartDetach(const v1::DetachRequest& request, const Peer& caller,
+                                 CallDone done) {
+  std::shared_ptr<Session> session;
+  bool removed = false;
+  absl::Status found = Guarded("Detach", [&]() -> absl::Status {
+    absl::StatusOr<std::shared_ptr<Session>> found_session =
+        FindFor(request.session_id(), caller, "");
+    if (!found_session.ok()) return CountFailure(found_session.status());
+    session = *std::move(found_session);
+    removed = sessions_.Remove(request.session_id()) != nullptr;
+    return absl::OkStatus();
+  });
+  if (!found.ok()) {
+    std::move(done)(std::move(found));
+    return;
   }
-  return absl::OkStatus();
+  // Either Detach of two at once answers only once the session's steps have ended: the
+  // wait runs on the executor, not on this thread (a gRPC callback thread).
+  executor_->Submit(
+      [this, session = std::move(session), removed, done = std::move(done)]() mutable {
+        absl::Status detached = Guarded("Detach", [&] {
+          // Its queued step may find the device lost: reported, though the Detach succeeded.
+          (void)WatchDevice(session->Retire());
+          return removed ? absl::OkStatus() : CountFailure(NotFound(session->id(), ""));
+        });
+        session = nullptr;  // its memory goes once no call uses it, before the reply
+        std::move(done)(std::move(detached));
+      });
 }
 
 absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
@@ -275,11 +341,12 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
     std::move(done)(std::move(checked), kind);
     return;
   }
-  // One step of a session runs and one more is parked, holding no thread (step_gate.h).
+  // One step of a session runs and one more is parked, holding no thread; both run on
+  // the executor, never on this thread (step_gate.h).
   Session& gated = *session;  // kept alive by `session` until Run returns
   const CallLiveness step_alive = liveness;
-  // A parked step holds its session until it has run on the executor.
-  StepGate::Handoff handoff{.executor = handoff_, .owner = session};
+  // A step holds its session until it has run on the executor.
+  StepGate::Handoff handoff{.executor = executor_, .owner = session};
   gated.step_gate().Run(
       request.step(),
       [this, &request, response, kind, held = session, step_liveness = std::move(liveness),
@@ -370,8 +437,8 @@ absl::Status SessionService::RunStep(Session& session, const v1::SelectPagesRequ
       .step = request.step(),
       .policy = policy,
       .async = request.reply_mode() == v1::REPLY_MODE_ASYNC,
-      // A step its client gave up on stops (cpu backend): it held a callback thread for
-      // as long as its work took, which other engines' calls waited for.
+      // A step its client gave up on stops (cpu backend): it held a thread for as long
+      // as its work took, and its session's Detach waited for it.
       .stop = [&liveness] { return liveness.Check("SelectPages"); }};
   StepOutcome outcome;
   absl::Status run = WatchDevice(backend.Run(step, &outcome));
@@ -440,9 +507,14 @@ absl::Status SessionService::RenewLease(const v1::HeartbeatRequest& request,
 
 absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
                                       v1::GetStatsResponse* response, const Peer& caller) {
+  return Guarded("GetStats", [&] { return CollectStats(request, response, caller); });
+}
+
+absl::Status SessionService::CollectStats(const v1::GetStatsRequest& request,
+                                          v1::GetStatsResponse* response, const Peer& caller) {
   if (!request.session_id().empty()) {
     absl::StatusOr<std::shared_ptr<Session>> found = FindFor(request.session_id(), caller, "");
-    if (!found.ok()) return found.status();
+    if (!found.ok()) return CountFailure(found.status());
   }
   response->set_sessions_active(sessions_.size());
   response->set_sessions_attached_total(attached_total_.load());
@@ -465,7 +537,7 @@ absl::Status SessionService::GetStats(const v1::GetStatsRequest& request,
     out->set_errors(s->errors.load());
   }
   if (!request.session_id().empty() && response->sessions_size() == 0) {
-    return NotFound(request.session_id(), "");
+    return CountFailure(NotFound(request.session_id(), ""));  // detached meanwhile
   }
   return absl::OkStatus();
 }

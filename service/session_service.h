@@ -4,11 +4,13 @@
 // testable in-process and every error is an absl::Status with a canonical code.
 //
 // Thread safety: all methods may be called concurrently. Steps of one session
-// are serialised, one running and one parked at most (service/step_gate.h); a
-// parked step runs on a StepExecutor once the running one has ended, so the
-// running step's caller gets its answer at once. Steps of different sessions run
-// in parallel. Detach, a replacing Attach and expiry retire the old session under
-// its step lock before they return.
+// are serialised, one running and one parked at most (service/step_gate.h). Every
+// step runs on a StepExecutor (service/step_executor.h), never on the thread that
+// started it, and so do the waits of Detach and of a replacing Attach for the old
+// session's running step: the Start* calls return at once, and the gRPC callback
+// threads that make them stay free for other calls and for cancellations. Steps of
+// different sessions run in parallel. Detach, a replacing Attach and expiry retire
+// the old session under its step lock before they answer.
 #pragma once
 
 #include <atomic>
@@ -53,14 +55,15 @@ class SessionService {
   // session_janitor.h): the device is as unusable as a lost one.
   // From the first device-lost status on, every Attach and step is UNAVAILABLE ("epsd
   // is restarting"): clients forget their sessions and re-attach to the next epsd.
-  // `make_backend`: Session::Create's (tests pass their own). `handoff`: where parked
-  // steps run (step_gate.h); its owner stops it once no call can arrive any more (the
-  // gRPC server has shut down) and before this service is destroyed, since its tasks
-  // use the service. Null: the service starts a one-thread executor of its own and stops
-  // it first thing in its destructor (tests that hold a service without a server).
+  // `make_backend`: Session::Create's (tests pass their own). `executor`: where steps
+  // and the waits for them run; its owner stops it once no call can arrive any more
+  // (the gRPC server has shut down) and before this service is destroyed, since its
+  // tasks use the service. Null: the service starts one of its own
+  // (StepExecutor::ForSessions) and stops it first thing in its destructor (tests that
+  // hold a service without a server).
   explicit SessionService(const ServerConfig& config, DeviceLostHandler on_device_lost = nullptr,
                           BackendFactory make_backend = MakeSessionBackend,
-                          StepExecutor* handoff = nullptr);
+                          StepExecutor* executor = nullptr);
   // Stops its own executor if it has one (running the steps still queued), the lease
   // reaper, and retires every session, releasing their queued steps at once, before any
   // is destroyed (service/session_janitor.h).
@@ -75,19 +78,36 @@ class SessionService {
   // never a session id (docs/security.md). Root may inspect and detach any.
   // A call whose body throws answers with CallGuarded's status (call_guard.h) and, as
   // every failed call but one whose client gave up, counts in validation_failures_total.
+  //
+  // Called once with a call's status.
+  using CallDone = absl::AnyInvocable<void(absl::Status status) &&>;
+  // Attaches a session: on this thread, and, when it replaces a live session of the
+  // engine, on the executor from where it waits for that session's running step to end
+  // (Session::Retire); `done` is called there, or here, before returning, otherwise.
+  // `request` and `response` must live until `done` is called.
+  void StartAttach(const v1::AttachRequest& request, v1::AttachResponse* response,
+                   const Peer& caller, CallDone done);
+  // Removes the session here, then retires it on the executor (waiting for its running
+  // step) and calls `done` there; a call refused (NOT_FOUND, PERMISSION_DENIED) is
+  // answered here.
+  void StartDetach(const v1::DetachRequest& request, const Peer& caller, CallDone done);
+  // StartAttach and StartDetach, waiting for `done` on this thread.
   absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                       const Peer& caller = {});
   absl::Status Detach(const v1::DetachRequest& request, const Peer& caller = {});
   // Called once with a step's status and its session's backend kind (kCpu before the
   // session is found).
   using SelectDone = absl::AnyInvocable<void(absl::Status status, BackendKind backend) &&>;
-  // Checks the call, then runs its step through the session's StepGate: now, on this
-  // thread (before returning), or parked behind the session's running step, holding no
-  // thread meanwhile, and run on the service's StepExecutor once that step has ended
-  // (the running step's thread returns without waiting for it); a call beyond the one
-  // parked is refused at once (RESOURCE_EXHAUSTED). `done` reports each outcome, on
-  // this thread or the executor's; `request` and `response` must live until it is
-  // called. The session is held until a parked step has run.
+  // Checks the call on this thread, then runs its step through the session's StepGate
+  // on the executor: at once when no step of the session runs, or parked behind the
+  // running one, holding no thread meanwhile, until that step has ended (the running
+  // step's thread returns without waiting for it); a call beyond the one parked is
+  // refused at once (RESOURCE_EXHAUSTED). A step whose caller gave up (cancelled,
+  // deadline passed) by the time it holds the session's step lock is answered without
+  // running, its step number left free; on the cpu backend one whose caller gives up
+  // while it runs stops before its next (row, layer). `done` reports each outcome: on
+  // this thread for a call refused before the gate, else on the executor; `request` and
+  // `response` must live until it is called. The session is held until the step has run.
   void StartSelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
                         CallLiveness liveness, const Peer& caller, SelectDone done);
   // StartSelectPages, waiting for `done` on this thread.
@@ -124,12 +144,21 @@ class SessionService {
   // call; the body counts the failures it returns itself.
   template <typename F>
   absl::Status Guarded(const char* what, F&& body);
-  // Attach, Detach and Heartbeat, unguarded.
-  absl::Status AttachSession(const v1::AttachRequest& request, v1::AttachResponse* response,
-                             const Peer& caller);
-  absl::Status DetachSession(const v1::DetachRequest& request, const Peer& caller);
+  // Attach up to the publication of its session, unguarded: `*granted`, the new session
+  // (lease held), and `*replaced`, the live session it replaced (null when none), which
+  // the caller retires before the engine hears of the new one (HandOver).
+  absl::Status PublishSession(const v1::AttachRequest& request, v1::AttachResponse* response,
+                              const Peer& caller, std::shared_ptr<Session>* granted,
+                              std::shared_ptr<Session>* replaced);
+  // The end of an Attach: retires `replaced` (when not null: a wait for its running step)
+  // and starts `granted`'s lease; unguarded.
+  absl::Status HandOver(std::shared_ptr<Session> replaced, Session& granted,
+                        v1::AttachResponse* response);
+  // Heartbeat and GetStats, unguarded.
   absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
                           const Peer& caller);
+  absl::Status CollectStats(const v1::GetStatsRequest& request, v1::GetStatsResponse* response,
+                            const Peer& caller);
   // `status`, after calling on_device_lost_ if it is the first device-lost one. Every
   // status that may come from a CUDA call goes through it: a step's, an Attach's, and a
   // retired session's (Session::Retire), whoever retired it.
@@ -149,9 +178,10 @@ class SessionService {
                        const CallLiveness& liveness, v1::SelectPagesResponse* response);
 
   const ServerConfig config_;
-  // Where parked steps run: the owner's, or (null when the owner passed one) its own.
-  std::unique_ptr<StepExecutor> own_handoff_;
-  StepExecutor* const handoff_;
+  // Where steps and the waits for them run: the owner's, or (null when the owner passed
+  // one) its own.
+  std::unique_ptr<StepExecutor> own_executor_;
+  StepExecutor* const executor_;
   ServerBudgets budgets_;  // outlives the sessions that charge it
   // Before the janitor, whose thread reports a device unusable through WatchDevice.
   DeviceLostHandler on_device_lost_;

@@ -1,19 +1,38 @@
 #include "service/step_executor.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <system_error>
 #include <utility>
 
 namespace eps::service {
 
-StepExecutor::StepExecutor(int threads) {
-  absl::MutexLock lock(&join_mu_);
-  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { Work(); });
+StepExecutor::StepExecutor(int threads, int max_threads)
+    : max_threads_(std::max({1, threads, max_threads})) {
+  absl::MutexLock lock(&mu_);
+  for (int i = 0; i < std::max(1, threads); ++i) StartThread();
 }
 
 StepExecutor::~StepExecutor() { Stop(); }
 
+std::unique_ptr<StepExecutor> StepExecutor::ForSessions(uint32_t max_sessions) {
+  const int at_start = DefaultThreads();
+  // --max-sessions is at most 100,000 (service/flags.cc): an int.
+  return std::make_unique<StepExecutor>(at_start, static_cast<int>(max_sessions) + at_start);
+}
+
 int StepExecutor::DefaultThreads() {
   return std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+void StepExecutor::StartThread() {
+  try {
+    threads_.emplace_back([this] { Work(); });
+  } catch (const std::system_error& e) {
+    // Out of threads (RLIMIT_NPROC, memory): the task waits for one of the running ones.
+    std::fprintf(stderr, "epsd: could not start a step thread (%s); %zu run\n", e.what(),
+                 threads_.size());
+  }
 }
 
 void StepExecutor::Submit(Task task) {
@@ -21,6 +40,11 @@ void StepExecutor::Submit(Task task) {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {
       queue_.push_back(std::move(task));
+      // Each idle thread takes one queued task: a task beyond them gets a thread of its own.
+      if (queue_.size() > static_cast<size_t>(idle_) &&
+          threads_.size() < static_cast<size_t>(max_threads_)) {
+        StartThread();
+      }
       return;
     }
   }
@@ -28,13 +52,19 @@ void StepExecutor::Submit(Task task) {
 }
 
 void StepExecutor::Stop() {
+  absl::MutexLock join(&join_mu_);
+  std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
+    threads.swap(threads_);
   }
-  absl::MutexLock lock(&join_mu_);
-  for (std::thread& thread : threads_) thread.join();
-  threads_.clear();
+  for (std::thread& thread : threads) thread.join();
+}
+
+int StepExecutor::threads() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(threads_.size());
 }
 
 bool StepExecutor::HasWorkOrStops() const { return stopping_ || !queue_.empty(); }
@@ -44,7 +74,9 @@ void StepExecutor::Work() {
     Task task;
     {
       absl::MutexLock lock(&mu_);
+      ++idle_;
       mu_.Await(absl::Condition(this, &StepExecutor::HasWorkOrStops));
+      --idle_;
       // Stopping: the queue is drained first (a turn a task hands on joins its end).
       if (queue_.empty()) return;
       task = std::move(queue_.front());

@@ -1,18 +1,29 @@
-// The threads that run the steps step gates hand off (service/step_gate.h): a step
-// parked behind a session's running step runs here once that step has ended, so the
-// running step's gRPC callback returns at once and its reply goes out (gRPC sends a
-// unary reply when the callback that finished it returns). A fixed pool: each gate
-// hands it at most one turn at a time, so one engine's slow session occupies at most
-// one of its threads, as it occupies at most one of gRPC's.
+// The threads that run every step and every wait for one (service/step_gate.h): a step
+// a session's gate admits runs here, never on the gRPC callback thread that received it,
+// and so do the waits of Detach and of a replacing Attach for the old session's running
+// step. gRPC 1.51's callback API has about one callback thread per core, and it sees a
+// call's cancellation only on a free one: a step or a wait on those threads held off
+// every other call (heartbeats included), the cancellations of the steps themselves (so
+// a cancelled cpu step ran to its end) and SIGTERM's drain.
 //
-// Ownership: whoever owns the SessionService that hands it turns owns it (EpsServer),
-// and stops it only after the gRPC server has shut down: a call parked then is still
-// answered while the server drains, and Stop() runs every turn still queued.
+// The pool grows: it starts a thread for a task submitted while none is idle, up to
+// `max_threads`, and keeps the threads it started until Stop(). A gate hands it at most
+// one turn at a time, so one session's steps occupy at most one thread, and with a thread
+// per session stepping at once no session's step waits for another's. Past
+// `max_threads` a task waits in order for a free thread; nothing run here waits for a
+// task still queued (a step waits only for its own session's lock, and a Detach for the
+// step that holds it, which has its thread), so that delays, it never deadlocks.
+//
+// Ownership: whoever owns the SessionService that hands it work owns it (EpsServer),
+// and stops it only after the gRPC server has shut down: a call in flight then is still
+// answered while the server drains, and Stop() runs every task still queued.
 //
 // Thread safety: all methods may be called concurrently.
 #pragma once
 
+#include <cstdint>
 #include <deque>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -24,37 +35,50 @@ namespace eps::service {
 
 class StepExecutor {
  public:
-  // One handed-off turn; it must not throw.
+  // One step's turn, or a wait for one; it must not throw.
   using Task = absl::AnyInvocable<void() &&>;
 
-  // Starts `threads` threads (at least one).
-  explicit StepExecutor(int threads);
+  // Starts `threads` threads (at least one); grows to `max_threads` (at least `threads`;
+  // 0: no growth) as tasks find no idle thread.
+  explicit StepExecutor(int threads, int max_threads = 0);
   // Stop().
   ~StepExecutor();
   StepExecutor(const StepExecutor&) = delete;
   StepExecutor& operator=(const StepExecutor&) = delete;
 
+  // The pool for a server of at most `max_sessions` sessions (--max-sessions):
+  // DefaultThreads() at start, growing to one thread per session, plus DefaultThreads()
+  // for the waits of Detach and replacing Attach calls and for the steps still running of
+  // sessions that have ended. Threads are started only as sessions step at once, so an
+  // epsd of few engines keeps few.
+  static std::unique_ptr<StepExecutor> ForSessions(uint32_t max_sessions);
+  // Threads at start: as many as gRPC's callback threads (about one per core), and at
+  // least two.
+  static int DefaultThreads();
+
   // Runs `task` on one of the threads, in the order submitted; once Stop() has begun,
-  // on the caller's thread before returning (a task is never dropped: a parked call
-  // dropped would be a call never answered, and a server shutdown that waits for it).
+  // on the caller's thread before returning (a task is never dropped: a step dropped
+  // would be a call never answered, and a server shutdown that waits for it).
   void Submit(Task task);
   // Runs every task submitted, then joins the threads. Idempotent; not to be called from
   // one of its own tasks (the thread would join itself).
   void Stop();
 
-  // Threads for a server: as many as gRPC's callback threads (about one per core), and
-  // at least two.
-  static int DefaultThreads();
+  // Threads running now (none once stopped), for tests.
+  int threads() const;
 
  private:
   void Work();
   bool HasWorkOrStops() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  absl::Mutex mu_;
+  const int max_threads_;
+  mutable absl::Mutex mu_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Mutex join_mu_;  // Stop() joins once
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(join_mu_);
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;  // threads waiting for a task
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex join_mu_;  // Stop() joins once; a second Stop() waits for the first
 };
 
 }  // namespace eps::service

@@ -35,9 +35,17 @@ void StepGate::Run(uint64_t step, Turn turn, Liveness alive, Handoff handoff) {
     running_ = true;
     running_step_ = step;
   }
-  std::move(turn)(absl::OkStatus());
-  turn = nullptr;  // let go of what the turn holds before the lock is taken
-  EndTurn();
+  HandOff(std::move(turn), std::move(handoff));
+}
+
+void StepGate::HandOff(Turn turn, Handoff handoff) {
+  // `owner` keeps the gate alive until the task has ended.
+  StepExecutor& executor = *handoff.executor;
+  executor.Submit([this, turn = std::move(turn), owner = std::move(handoff.owner)]() mutable {
+    std::move(turn)(absl::OkStatus());
+    turn = nullptr;  // let go of what the turn holds before the lock is taken
+    EndTurn();
+  });
 }
 
 void StepGate::EndTurn() {
@@ -52,15 +60,9 @@ void StepGate::EndTurn() {
     parked_.reset();
     running_step_ = next.step;  // running from here on, though not yet started
   }
-  // Off this thread: the turn that just ended may be a gRPC callback, whose reply goes
-  // out only once it returns. `owner` keeps the gate alive until the task has ended.
-  StepExecutor& executor = *next.handoff.executor;
-  executor.Submit(
-      [this, turn = std::move(next.turn), owner = std::move(next.handoff.owner)]() mutable {
-        std::move(turn)(absl::OkStatus());
-        turn = nullptr;
-        EndTurn();
-      });
+  // A task of its own, not a loop on this thread: the parked turn may belong to another
+  // executor, and the one that just ended lets its thread go to the next queued task.
+  HandOff(std::move(next.turn), std::move(next.handoff));
 }
 
 bool StepGate::running() const {

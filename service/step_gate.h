@@ -1,14 +1,14 @@
 // Admission to one session's steps: one step runs, one more may be parked behind
-// it, and any further call is refused at once. A parked step holds no thread: it
-// is kept as a function and, once the step before it has ended, handed to a
-// StepExecutor (service/step_executor.h) to run there. A step runs inline on a gRPC
-// callback thread, so a step that waited on a lock instead would hold one of the
-// server's few threads, and an engine with calls queued on its own slow session
-// would starve every other engine (docs/api-failures.md, "Steps in flight"); and a
-// parked step run on the running step's thread after it would hold back that step's
-// reply, which gRPC sends only when the callback returns (docs/design.md). A normal
-// engine has at most two calls on a session: the step running and, after a client
-// deadline, the next one.
+// it, and any further call is refused at once. No step runs on the thread that calls
+// Run (a gRPC callback thread, in epsd): an admitted turn is handed to a StepExecutor
+// (service/step_executor.h), at once when no step of the session runs, and a parked one
+// once the step before it has ended. gRPC 1.51's callback API has about one callback
+// thread per core and processes a call's cancellation only on a free one: steps run on
+// them held off every other engine's calls and the cancellation of the steps themselves
+// (docs/design.md, SelectPages). A parked step holds no thread meanwhile, so an engine
+// with calls queued on its own slow session takes no more of the pool than one thread
+// (docs/api-failures.md, "Steps in flight"). A normal engine has at most two calls on a
+// session: the step running and, after a client deadline, the next one.
 //
 // Thread safety: all methods may be called concurrently. Turns of one gate never
 // run at the same time, and run in the order admitted.
@@ -34,22 +34,23 @@ class StepGate {
   // Whether a parked turn's caller still waits: OK, or why not (its deadline passed,
   // it was cancelled).
   using Liveness = absl::AnyInvocable<absl::Status() const>;
-  // Where a turn parked by Run runs once the turn before it has ended, and what keeps
-  // the gate alive meanwhile: `owner` (the gate's owner, a Session) is held from the
-  // park until the handed-off turn and the gate's work after it are done, however the
-  // caller's other references to it go.
+  // Where an admitted turn runs, and what keeps the gate alive meanwhile: `owner` (the
+  // gate's owner, a Session) is held from Run until the handed-off turn and the gate's
+  // work after it are done, however the caller's other references to it go.
   struct Handoff {
     StepExecutor* executor = nullptr;  // not null
     std::shared_ptr<const void> owner;
   };
 
-  // Runs `turn` now when no step runs (on this thread, before returning); parks it
-  // when one runs and none is parked, to run on `handoff.executor` once the running
-  // turn has ended (the running turn's thread only hands it over, and returns);
-  // otherwise calls it at once with RESOURCE_EXHAUSTED, unless the parked turn's caller
-  // gave up (`alive` of that turn not OK): that turn is then called with `alive`'s
-  // status and this one parked instead, so an engine whose own deadline ran out is not
-  // refused its next step. The caller keeps the gate alive until Run returns.
+  // Hands `turn` to `handoff.executor` when no step runs, and returns; parks it when
+  // one runs and none is parked, to be handed over once the running turn has ended (the
+  // running turn's thread only hands it over, and returns); otherwise calls it at once,
+  // on this thread, with RESOURCE_EXHAUSTED, unless the parked turn's caller gave up
+  // (`alive` of that turn not OK): that turn is then called with `alive`'s status and
+  // this one parked instead, so an engine whose own deadline ran out is not refused its
+  // next step. An admitted turn is called with OK on the executor; it checks its
+  // caller's liveness itself (its step lock, not the gate, decides when it runs). The
+  // caller keeps the gate alive until Run returns.
   void Run(uint64_t step, Turn turn, Liveness alive, Handoff handoff);
 
   // What the gate holds now, for tests: a step running (here or handed off), one parked.
@@ -64,6 +65,8 @@ class StepGate {
     Handoff handoff;
   };
 
+  // Runs an admitted turn on its executor, then EndTurn() there.
+  void HandOff(Turn turn, Handoff handoff);
   // A turn of this gate has ended (and was let go): hands the parked one, if any, to its
   // executor, else frees the gate.
   void EndTurn();

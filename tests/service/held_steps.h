@@ -1,5 +1,5 @@
 // Helpers of the step-admission tests (step_gate_test.cc, step_admission_test.cc): a step
-// held running from a thread of its own, and a log of what happened in which order.
+// held running on an executor of its own, and a log of what happened in which order.
 #pragma once
 
 #include <string>
@@ -34,36 +34,32 @@ inline StepGate::Handoff On(StepExecutor& executor) {
   return {.executor = &executor, .owner = nullptr};
 }
 
-// Holds `gate` from a thread of its own as a running step would, until Release(),
+// Holds `gate` as a running step would, on an executor of its own, until Release(),
 // which then lets the gate hand the turn parked behind it to that turn's executor.
 class RunningStep {
  public:
-  RunningStep(StepGate& gate, uint64_t step)
-      : thread_([this, &gate, step] {
-          // Admitted at once (a free gate): its handoff is never used.
-          gate.Run(step,
-                   [this](absl::Status admitted) {
-                     EXPECT_TRUE(admitted.ok()) << admitted;
-                     thread_id_ = std::this_thread::get_id();
-                     started_.Notify();
-                     release_.WaitForNotification();
-                   },
-                   nullptr, {});
-        }) {
+  RunningStep(StepGate& gate, uint64_t step) {
+    // Admitted at once (a free gate).
+    gate.Run(
+        step,
+        [this](absl::Status admitted) {
+          EXPECT_TRUE(admitted.ok()) << admitted;
+          started_.Notify();
+          release_.WaitForNotification();
+        },
+        nullptr, On(executor_));
     started_.WaitForNotification();
   }
   ~RunningStep() { Release(); }
+  // Ends the step, and waits for the gate's work after it (the hand-off of a parked turn).
   void Release() {
     if (!release_.HasBeenNotified()) release_.Notify();
-    if (thread_.joinable()) thread_.join();
+    executor_.Stop();
   }
-  // The thread the step runs on (a gRPC callback thread, in epsd).
-  std::thread::id thread_id() const { return thread_id_; }
 
  private:
   absl::Notification started_, release_;
-  std::thread::id thread_id_;
-  std::thread thread_;
+  StepExecutor executor_{1};  // stopped before the notifications go
 };
 
 // What happened, in order, across threads.

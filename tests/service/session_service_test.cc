@@ -14,11 +14,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "core/buffer_contract.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/cuda_backend.h"
 #include "tests/core/test_util.h"
+#include "tests/fuzz/fuzz_session.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -104,6 +106,26 @@ TEST_F(SessionServiceTest, AReplayedStepIsRefusedAndCountedAsAnError) {
   EXPECT_EQ(stats.sessions(0).steps(), 1u);
   EXPECT_EQ(stats.sessions(0).errors(), 1u);
   EXPECT_EQ(stats.validation_failures_total(), 1u);
+}
+
+// GetStats' validation_failures_total counts every failed call (observability.md), failed
+// GetStats calls too, as eps_validation_failures_total does: it once left them out, so the
+// field counted fewer failures than the metric.
+TEST_F(SessionServiceTest, AFailedGetStatsCountsInValidationFailuresTotal) {
+  const Peer owner{.known = true, .uid = geteuid(), .pid = getpid()};  // may open the shm
+  const Peer other{.known = true, .uid = geteuid() + 1, .pid = 1};
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &attached, owner).ok());
+  v1::GetStatsRequest unknown, not_theirs;
+  unknown.set_session_id("s-none");
+  not_theirs.set_session_id(attached.session_id());
+  v1::GetStatsResponse stats;
+  EXPECT_EQ(service_.GetStats(unknown, &stats, owner).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(service_.GetStats(not_theirs, &stats, other).code(),
+            absl::StatusCode::kPermissionDenied);
+  stats.Clear();
+  ASSERT_TRUE(service_.GetStats(v1::GetStatsRequest(), &stats, owner).ok());
+  EXPECT_EQ(stats.validation_failures_total(), 2u);
 }
 
 // A call's options are checked before its step order and its writes (api-failures.md §4):
@@ -549,5 +571,55 @@ TEST(SessionBudgetTest, AnEngineReattachesAtOnceWhenTheServerBudgetsHoldOnlyItsS
   }
 }
 
+// Over TCP an Attach naming a live session's engine_id is refused (ALREADY_EXISTS). It
+// was refused only when it published, after it had built a whole session in the live
+// one's bytes (the replacing Attach's allowance): a loop of such calls kept the server's
+// budget over its limit, and another engine's Attach that fitted was refused
+// RESOURCE_EXHAUSTED (6107 of 6140 tries). The refused call now builds nothing.
+TEST(SessionBudgetTest, AnAttachRefusedOverTcpBuildsNothingSoAnotherEngineStillFits) {
+  const Peer tcp;          // a caller of unknown credentials
+  uint64_t allocated = 0;  // one session's charges
+  {
+    SessionService probe{fuzz::FuzzConfig()};
+    v1::AttachResponse attached;
+    ASSERT_TRUE(probe.Attach(fuzz::SmallInlineAttach("engine-a"), &attached, tcp).ok());
+    allocated = probe.charged_bytes();
+  }
+  ASSERT_GT(allocated, 0u);
+  ServerConfig config = fuzz::FuzzConfig();
+  config.max_server_bytes = 2 * allocated + allocated / 2;  // two sessions, not three
+  // The second build of engine-a (the refused Attach, if it builds) holds its charges
+  // until the test has attached engine-b; 10 s at most, should nothing release it.
+  std::atomic<int> builds_of_a{0};
+  absl::Notification second_build_of_a, release;
+  BackendFactory make_backend = [&](const SessionSpec& spec, const SessionBuffers& buffers,
+                                    const ServerConfig& server,
+                                    std::unique_ptr<StepBackend>* remains) {
+    if (spec.engine_id == "engine-a" && builds_of_a.fetch_add(1) == 1) {
+      second_build_of_a.Notify();
+      release.WaitForNotificationWithTimeout(absl::Seconds(10));
+    }
+    return MakeSessionBackend(spec, buffers, server, remains);
+  };
+  SessionService service(config, nullptr, make_backend);
+  v1::AttachResponse owner, taken, other;
+  ASSERT_TRUE(service.Attach(fuzz::SmallInlineAttach("engine-a"), &owner, tcp).ok());
+  absl::Status refused;
+  absl::Notification refused_done;
+  std::thread attacker([&] {
+    refused = service.Attach(fuzz::SmallInlineAttach("engine-a"), &taken, tcp);
+    refused_done.Notify();
+  });
+  while (!refused_done.HasBeenNotified() && !second_build_of_a.HasBeenNotified()) {
+    std::this_thread::yield();
+  }
+  const absl::Status fits = service.Attach(fuzz::SmallInlineAttach("engine-b"), &other, tcp);
+  release.Notify();
+  attacker.join();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists) << refused;
+  EXPECT_TRUE(fits.ok()) << fits;
+  EXPECT_EQ(builds_of_a.load(), 1);  // the refused Attach built nothing
+  EXPECT_EQ(service.charged_bytes(), 2 * allocated);
+}
 }  // namespace
 }  // namespace eps::service

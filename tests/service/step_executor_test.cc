@@ -1,13 +1,16 @@
-// The pool that runs handed-off steps (service/step_executor.h): tasks run in the order
-// submitted, Stop() runs every task still queued before it returns, and a task
-// submitted once Stop() has begun runs on the caller's thread rather than being dropped.
+// The pool that runs every step (service/step_executor.h): tasks run in the order
+// submitted, Stop() runs every task still queued before it returns, a task submitted once
+// Stop() has begun runs on the caller's thread rather than being dropped, and the pool
+// grows, to its bound, when a task finds every thread busy.
 #include "service/step_executor.h"
 
+#include <memory>
 #include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -61,6 +64,71 @@ TEST(StepExecutorTest, ATaskSubmittedAfterStopRunsOnTheCallersThread) {
   executor.Submit([&] { ran_on = std::this_thread::get_id(); });
   EXPECT_EQ(ran_on, std::this_thread::get_id());
   executor.Stop();  // again: nothing to do
+}
+
+// Counts the tasks that started, for the tests of growth.
+class Started {
+ public:
+  void Add() {
+    absl::MutexLock lock(&mu_);
+    ++count_;
+  }
+  // Whether `n` tasks started within 10 s.
+  bool Await(int n) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return count_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(10));
+  }
+
+ private:
+  absl::Mutex mu_;
+  int count_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Every step runs on the pool: a step submitted while every thread runs another session's
+// long step gets a thread of its own, rather than waiting for one of them to end.
+TEST(StepExecutorTest, ATaskSubmittedWhileEveryThreadIsBusyGetsAThreadOfItsOwn) {
+  StepExecutor executor(1, 4);
+  absl::Notification release;
+  Started started;
+  for (int i = 0; i < 4; ++i) {
+    executor.Submit([&] {
+      started.Add();
+      release.WaitForNotification();
+    });
+  }
+  EXPECT_TRUE(started.Await(4));
+  EXPECT_EQ(executor.threads(), 4);
+  release.Notify();
+  executor.Stop();
+}
+
+// At its bound the pool starts no more threads: a further task waits for a free one.
+TEST(StepExecutorTest, PastItsBoundATaskWaitsForAFreeThread) {
+  StepExecutor executor(1, 2);
+  absl::Notification release, third_ran;
+  Started started;
+  for (int i = 0; i < 2; ++i) {
+    executor.Submit([&] {
+      started.Add();
+      release.WaitForNotification();
+    });
+  }
+  ASSERT_TRUE(started.Await(2));
+  executor.Submit([&] { third_ran.Notify(); });
+  // A negative check: with a thread of its own it would run well within this.
+  EXPECT_FALSE(third_ran.WaitForNotificationWithTimeout(absl::Milliseconds(100)));
+  EXPECT_EQ(executor.threads(), 2);
+  release.Notify();
+  third_ran.WaitForNotification();
+  executor.Stop();
+}
+
+// A server's pool starts with about one thread per core and may grow to one per session
+// (--max-sessions) and as many again for the waits of Detach and replacing Attach calls.
+TEST(StepExecutorTest, AServersPoolStartsSmall) {
+  std::unique_ptr<StepExecutor> executor = StepExecutor::ForSessions(64);
+  EXPECT_EQ(executor->threads(), StepExecutor::DefaultThreads());
 }
 
 }  // namespace

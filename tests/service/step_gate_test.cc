@@ -1,5 +1,5 @@
-// The step gate alone (service/step_gate.h): one turn runs, one is parked and handed to an
-// executor when the running one ends, any further one is refused at once.
+// The step gate alone (service/step_gate.h): one turn runs, on an executor, one is parked
+// and handed to its executor when the running one ends, any further one is refused at once.
 #include "service/step_gate.h"
 
 #include <atomic>
@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/step_executor.h"
@@ -83,62 +84,76 @@ TEST(SessionStepGateTest, AParkedTurnWhoseCallerGaveUpGivesItsPlaceToTheNextStep
   EXPECT_TRUE(third->ok()) << *third;
 }
 
-TEST(SessionStepGateTest, AFreeGateRunsTheTurnOnTheCallersThread) {
+// The caller is a gRPC callback thread in epsd: a step run on it held off other engines'
+// calls and the step's own cancellation (gRPC 1.51 sees a cancel only on a free callback
+// thread), so two cancelled cpu steps on a 2-core machine ran to their end. Run returns
+// before the turn has run, which runs on the executor. (Were it run inline, it would wait
+// 10 s for Run's return, then fail.)
+TEST(SessionStepGateTest, NoTurnRunsOnTheCallersThreadNotEvenOnAFreeGate) {
   StepGate gate;
   StepExecutor executor(1);
+  absl::Notification returned, ran;
   std::thread::id ran_on;
   gate.Run(
       1,
       [&](absl::Status admitted) {
-        EXPECT_TRUE(admitted.ok());
+        EXPECT_TRUE(admitted.ok()) << admitted;
         ran_on = std::this_thread::get_id();
+        returned.WaitForNotificationWithTimeout(absl::Seconds(10));
+        ran.Notify();
       },
       nullptr, On(executor));
-  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  const bool returned_first = !ran.HasBeenNotified();
+  returned.Notify();
+  ran.WaitForNotification();
+  executor.Stop();  // the gate's work after the turn is done
+  EXPECT_TRUE(returned_first);
+  EXPECT_NE(ran_on, std::this_thread::get_id());
   EXPECT_FALSE(gate.running());
 }
 
 // The defect this guards against: the parked turn ran on the running turn's thread
-// right after it, and in epsd that thread is the running step's gRPC callback, whose
-// reply goes out only when it returns: the reply waited for the parked step too.
-TEST(SessionStepGateTest, TheRunningTurnsThreadReturnsBeforeTheParkedTurnEnds) {
+// right after it, so the running turn's task (in epsd: the step that finished the
+// previous call) held its thread until the parked one ended too. The parked turn is a
+// task of its own on its executor; the running turn's executor is free once its turn
+// has ended (a task queued behind it there runs before the parked turn ends).
+TEST(SessionStepGateTest, TheRunningTurnsThreadIsFreeBeforeTheParkedTurnEnds) {
   StepGate gate;
-  StepExecutor executor(1);
+  StepExecutor first_executor(1), second_executor(1);
   EventLog log;
   absl::Notification first_started, release_first, release_second;
   std::thread::id first_thread;
-  std::thread running([&] {
-    gate.Run(1,
-             [&](absl::Status admitted) {
-               EXPECT_TRUE(admitted.ok()) << admitted;
-               first_thread = std::this_thread::get_id();
-               first_started.Notify();
-               release_first.WaitForNotification();
-               log.Add("step 1 ended");
-             },
-             nullptr, {});
-    log.Add("step 1's thread returned");
-  });
+  gate.Run(
+      1,
+      [&](absl::Status admitted) {
+        EXPECT_TRUE(admitted.ok()) << admitted;
+        first_thread = std::this_thread::get_id();
+        first_started.Notify();
+        release_first.WaitForNotification();
+        log.Add("step 1 ended");
+      },
+      nullptr, On(first_executor));
   first_started.WaitForNotification();
+  first_executor.Submit([&] { log.Add("step 1's thread is free"); });
   gate.Run(
       2,
       [&](absl::Status admitted) {
         EXPECT_TRUE(admitted.ok()) << admitted;
         log.Add("step 2 started");
-        // On step 1's thread it must not wait for that thread's return: the test would
+        // On step 1's thread it must not wait for that thread's next task: the test would
         // hang instead of failing.
         if (std::this_thread::get_id() != first_thread) release_second.WaitForNotification();
         log.Add("step 2 ended");
       },
-      nullptr, On(executor));
+      nullptr, On(second_executor));
   release_first.Notify();
-  log.AwaitAny({"step 1's thread returned", "step 2 ended"});
+  log.AwaitAny({"step 1's thread is free", "step 2 ended"});
   release_second.Notify();
-  running.join();
-  executor.Stop();
+  first_executor.Stop();
+  second_executor.Stop();
   SCOPED_TRACE(absl::StrJoin(log.events(), ", "));
   EXPECT_LT(log.Position("step 1 ended"), log.Position("step 2 started"));
-  EXPECT_LT(log.Position("step 1's thread returned"), log.Position("step 2 ended"));
+  EXPECT_LT(log.Position("step 1's thread is free"), log.Position("step 2 ended"));
 }
 
 // Turns run one at a time and in the order admitted, also when each parked turn is
