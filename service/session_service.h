@@ -4,11 +4,12 @@
 // testable in-process and every error is an absl::Status with a canonical code.
 //
 // Thread safety: all methods may be called concurrently. Steps of one session
-// are serialised, one running and one parked at most (service/step_gate.h). Every
-// step runs on a StepExecutor (service/step_executor.h), never on the thread that
-// started it, and so do the waits of Detach and of a replacing Attach for the old
-// session's running step: the Start* calls return at once, and the gRPC callback
-// threads that make them stay free for other calls and for cancellations. Steps of
+// are serialised, one running and one parked at most (service/step_gate.h). A step
+// runs on a StepExecutor (service/step_executor.h), or on the thread that started it
+// while fewer than the executor's bound of steps run so (half of gRPC's callback
+// threads); the waits of Detach and of a replacing Attach for the old session's running
+// step always run on the executor: the Start* calls return at once, and the gRPC
+// callback threads stay free, enough of them, for other calls and for cancellations. Steps of
 // different sessions run in parallel. Detach, a replacing Attach and expiry retire
 // the old session under its step lock before they answer.
 #pragma once

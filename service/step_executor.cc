@@ -7,8 +7,8 @@
 
 namespace eps::service {
 
-StepExecutor::StepExecutor(int threads, int max_threads)
-    : max_threads_(std::max({1, threads, max_threads})) {
+StepExecutor::StepExecutor(int threads, int max_threads, int inline_turns)
+    : max_threads_(std::max({1, threads, max_threads})), inline_turns_(std::max(0, inline_turns)) {
   absl::MutexLock lock(&mu_);
   for (int i = 0; i < std::max(1, threads); ++i) StartThread();
 }
@@ -18,7 +18,24 @@ StepExecutor::~StepExecutor() { Stop(); }
 std::unique_ptr<StepExecutor> StepExecutor::ForSessions(uint32_t max_sessions) {
   const int at_start = DefaultThreads();
   // --max-sessions is at most 100,000 (service/flags.cc): an int.
-  return std::make_unique<StepExecutor>(at_start, static_cast<int>(max_sessions) + at_start);
+  return std::make_unique<StepExecutor>(at_start, static_cast<int>(max_sessions) + at_start,
+                                        DefaultInlineTurns());
+}
+
+int StepExecutor::DefaultInlineTurns() {
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+}
+
+bool StepExecutor::TakeInlineTurn() {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || inline_running_ >= inline_turns_) return false;
+  ++inline_running_;
+  return true;
+}
+
+void StepExecutor::ReturnInlineTurn() {
+  absl::MutexLock lock(&mu_);
+  --inline_running_;
 }
 
 int StepExecutor::DefaultThreads() {

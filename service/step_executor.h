@@ -1,10 +1,13 @@
-// The threads that run every step and every wait for one (service/step_gate.h): a step
-// a session's gate admits runs here, never on the gRPC callback thread that received it,
-// and so do the waits of Detach and of a replacing Attach for the old session's running
-// step. gRPC 1.51's callback API has about one callback thread per core, and it sees a
-// call's cancellation only on a free one: a step or a wait on those threads held off
-// every other call (heartbeats included), the cancellations of the steps themselves (so
-// a cancelled cpu step ran to its end) and SIGTERM's drain.
+// The threads that run steps and every wait for one (service/step_gate.h): a step a
+// session's gate admits runs here, and so do the waits of Detach and of a replacing
+// Attach for the old session's running step. gRPC 1.51's callback API has about one
+// callback thread per core, and it sees a call's cancellation only on a free one: steps
+// or waits on all of those threads held off every other call (heartbeats included), the
+// cancellations of the steps themselves (so a cancelled cpu step ran to its end) and
+// SIGTERM's drain. A step handed here costs a thread hop each way, though (about 30 µs
+// a step on the H100 host, 60 µs with a synchronous reply), so a bounded number of
+// steps, half the callback threads (DefaultInlineTurns), run on the callback thread that
+// admitted them (TakeInlineTurn); the rest, every parked step and every wait run here.
 //
 // The pool grows: it starts a thread for a task submitted while none is idle, up to
 // `max_threads`, and keeps the threads it started until Stop(). A gate hands it at most
@@ -39,8 +42,9 @@ class StepExecutor {
   using Task = absl::AnyInvocable<void() &&>;
 
   // Starts `threads` threads (at least one); grows to `max_threads` (at least `threads`;
-  // 0: no growth) as tasks find no idle thread.
-  explicit StepExecutor(int threads, int max_threads = 0);
+  // 0: no growth) as tasks find no idle thread. `inline_turns`: how many turns at a time
+  // may run on the thread that admits them instead (TakeInlineTurn; 0: none).
+  explicit StepExecutor(int threads, int max_threads = 0, int inline_turns = 0);
   // Stop().
   ~StepExecutor();
   StepExecutor(const StepExecutor&) = delete;
@@ -55,6 +59,17 @@ class StepExecutor {
   // Threads at start: as many as gRPC's callback threads (about one per core), and at
   // least two.
   static int DefaultThreads();
+  // Turns that may run on gRPC's callback threads at once (ForSessions): half of them
+  // (about one per core), at least one. The other half stay free, so the calls of every
+  // engine, and the cancellation of the turns running there, are still seen.
+  static int DefaultInlineTurns();
+
+  // Whether the caller (a gRPC callback thread) may run one turn itself, skipping the
+  // hand-over to a pool thread and back (about 30 µs a step on the H100 host, more for a
+  // synchronous reply: docs/benchmarks/latency.md); true at most `inline_turns` times
+  // until as many ReturnInlineTurn() calls. Never once Stop() has begun.
+  bool TakeInlineTurn();
+  void ReturnInlineTurn();
 
   // Runs `task` on one of the threads, in the order submitted; once Stop() has begun,
   // on the caller's thread before returning (a task is never dropped: a step dropped
@@ -73,7 +88,9 @@ class StepExecutor {
   void StartThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int max_threads_;
+  const int inline_turns_;
   mutable absl::Mutex mu_;
+  int inline_running_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int idle_ ABSL_GUARDED_BY(mu_) = 0;  // threads waiting for a task

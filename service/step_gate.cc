@@ -35,6 +35,16 @@ void StepGate::Run(uint64_t step, Turn turn, Liveness alive, Handoff handoff) {
     running_ = true;
     running_step_ = step;
   }
+  if (handoff.executor->TakeInlineTurn()) {
+    // On this thread, within the executor's bound on such turns (step_executor.h); the
+    // caller keeps the gate alive until Run returns. A turn parked meanwhile still goes
+    // to the pool (EndTurn), so this thread returns as soon as its own turn has ended.
+    std::move(turn)(absl::OkStatus());
+    turn = nullptr;
+    handoff.executor->ReturnInlineTurn();
+    EndTurn();
+    return;
+  }
   HandOff(std::move(turn), std::move(handoff));
 }
 

@@ -1,8 +1,9 @@
 // Admission to one session's steps: one step runs, one more may be parked behind
-// it, and any further call is refused at once. No step runs on the thread that calls
-// Run (a gRPC callback thread, in epsd): an admitted turn is handed to a StepExecutor
+// it, and any further call is refused at once. An admitted turn runs on the thread that
+// calls Run (a gRPC callback thread, in epsd) only while the executor's bound on such
+// turns allows (StepExecutor::TakeInlineTurn); otherwise it is handed to the StepExecutor
 // (service/step_executor.h), at once when no step of the session runs, and a parked one
-// once the step before it has ended. gRPC 1.51's callback API has about one callback
+// always, once the step before it has ended. gRPC 1.51's callback API has about one callback
 // thread per core and processes a call's cancellation only on a free one: steps run on
 // them held off every other engine's calls and the cancellation of the steps themselves
 // (docs/design.md, SelectPages). A parked step holds no thread meanwhile, so an engine
@@ -42,13 +43,14 @@ class StepGate {
     std::shared_ptr<const void> owner;
   };
 
-  // Hands `turn` to `handoff.executor` when no step runs, and returns; parks it when
+  // When no step runs: calls `turn` with OK on this thread if `handoff.executor` grants
+  // an inline turn (and returns after it), else hands it to the executor and returns; parks it when
   // one runs and none is parked, to be handed over once the running turn has ended (the
   // running turn's thread only hands it over, and returns); otherwise calls it at once,
   // on this thread, with RESOURCE_EXHAUSTED, unless the parked turn's caller gave up
   // (`alive` of that turn not OK): that turn is then called with `alive`'s status and
   // this one parked instead, so an engine whose own deadline ran out is not refused its
-  // next step. An admitted turn is called with OK on the executor; it checks its
+  // next step. A handed-off turn is called with OK on the executor; a turn checks its
   // caller's liveness itself (its step lock, not the gate, decides when it runs). The
   // caller keeps the gate alive until Run returns.
   void Run(uint64_t step, Turn turn, Liveness alive, Handoff handoff);

@@ -327,9 +327,10 @@ class BusyServerTest : public ::testing::Test {
 // steps of further sessions waited, another engine's Heartbeat waited 2.9-5.3 s, and the
 // steps' cancellations, which gRPC processes only on a free callback thread, were never
 // seen: two cpu steps of 2.7 s cancelled at 0.3 s ran to their end, their outputs written,
-// their step numbers taken and counted as successes. Every step now runs on the
-// StepExecutor: all of them run at once, the Heartbeat is answered while they run, and
-// once cancelled they stop and leave their step numbers free.
+// their step numbers taken and counted as successes. Now at most half of those threads
+// run steps (StepExecutor::DefaultInlineTurns) and the rest run on the StepExecutor: all
+// of them run at once, the Heartbeat is answered while they run, and once cancelled they
+// stop (the ones on callback threads too) and leave their step numbers free.
 TEST_F(BusyServerTest, LongStepsOfMoreSessionsThanCallbackThreadsRunAtOnceAndStopWhenCancelled) {
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<grpc::Status> statuses(busy_ids_.size());

@@ -85,8 +85,8 @@ class Started {
   int count_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Every step runs on the pool: a step submitted while every thread runs another session's
-// long step gets a thread of its own, rather than waiting for one of them to end.
+// Steps past the inline bound run on the pool: a step submitted while every thread runs another
+// session's long step gets a thread of its own, rather than waiting for one of them to end.
 TEST(StepExecutorTest, ATaskSubmittedWhileEveryThreadIsBusyGetsAThreadOfItsOwn) {
   StepExecutor executor(1, 4);
   absl::Notification release;

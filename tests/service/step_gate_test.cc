@@ -89,6 +89,7 @@ TEST(SessionStepGateTest, AParkedTurnWhoseCallerGaveUpGivesItsPlaceToTheNextStep
 // thread), so two cancelled cpu steps on a 2-core machine ran to their end. Run returns
 // before the turn has run, which runs on the executor. (Were it run inline, it would wait
 // 10 s for Run's return, then fail.)
+// An executor without inline turns (StepExecutor's default): every turn is handed over.
 TEST(SessionStepGateTest, NoTurnRunsOnTheCallersThreadNotEvenOnAFreeGate) {
   StepGate gate;
   StepExecutor executor(1);
@@ -110,6 +111,54 @@ TEST(SessionStepGateTest, NoTurnRunsOnTheCallersThreadNotEvenOnAFreeGate) {
   EXPECT_TRUE(returned_first);
   EXPECT_NE(ran_on, std::this_thread::get_id());
   EXPECT_FALSE(gate.running());
+}
+
+// Within the executor's bound a turn runs on the caller's thread (no hop to the pool and
+// back); past it a turn of another gate goes to the pool, a parked turn always does, and
+// the bound is given back when the inline turn ends. None once the executor stops.
+TEST(SessionStepGateTest, InlineTurnsRunOnTheCallersThreadUpToTheExecutorsBound) {
+  StepGate first, second;
+  StepExecutor executor(1, 0, /*inline_turns=*/1);
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id first_on, second_on, parked_on;
+  absl::Notification second_ran, parked_ran;
+  first.Run(
+      1,
+      [&](absl::Status admitted) {
+        EXPECT_TRUE(admitted.ok()) << admitted;
+        first_on = std::this_thread::get_id();
+        second.Run(
+            1,
+            [&](absl::Status ok) {
+              EXPECT_TRUE(ok.ok()) << ok;
+              second_on = std::this_thread::get_id();
+              second_ran.Notify();
+            },
+            nullptr, On(executor));
+        first.Run(
+            2,
+            [&](absl::Status ok) {
+              EXPECT_TRUE(ok.ok()) << ok;
+              parked_on = std::this_thread::get_id();
+              parked_ran.Notify();
+            },
+            nullptr, On(executor));
+        EXPECT_TRUE(first.parked());
+      },
+      nullptr, On(executor));
+  EXPECT_EQ(first_on, caller);
+  ASSERT_TRUE(second_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(parked_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_NE(second_on, caller);
+  EXPECT_NE(parked_on, caller);
+  // The bound was given back: the next turn on a free gate runs here again.
+  std::thread::id again_on;
+  StepGate third;
+  third.Run(
+      1, [&](absl::Status) { again_on = std::this_thread::get_id(); }, nullptr, On(executor));
+  EXPECT_EQ(again_on, caller);
+  executor.Stop();
+  EXPECT_FALSE(executor.TakeInlineTurn());
 }
 
 // The defect this guards against: the parked turn ran on the running turn's thread
