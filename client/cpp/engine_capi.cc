@@ -355,9 +355,12 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
 }
 
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step) {
+  // The step before the handle (either refusal is INVALID_ARGUMENT), so that its check is
+  // tested without a device. 0 is the watchdog's "nothing armed": taken as a step, it
+  // once dropped the armed step's watch and returned 0.
+  if (step == 0) return Refuse("eps_engine_watchdog_arm", "step=0: steps start at 1");
   if (w == nullptr) return Refuse("eps_engine_watchdog_arm", "the watchdog is null (destroyed?)");
-  w->watchdog->Arm(step);
-  return 0;
+  return Report(w->watchdog->Arm(step));
 }
 
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {

@@ -111,6 +111,10 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
 /* The watchdog clears feedback[0, n) (as eps_engine_clear_feedback) before each release.
  * A release in progress finishes (with the feedback it started with) before this returns. */
 int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n);
+/* Watches `step` (>= 1; 0, the watchdog's "nothing armed", is refused with 3) from now on:
+ * released densely after timeout_us unless selection_done reaches it. A step newer than the
+ * armed one supersedes it (its release raises selection_done past the older step too); an
+ * older or equal one changes nothing (the newer stays armed, with its due time). */
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step);
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w);
 void eps_engine_watchdog_destroy(EpsEngineWatchdog* w);

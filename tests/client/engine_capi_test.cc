@@ -415,6 +415,9 @@ TEST(EngineCapiArgs, NullHandlesAndPointersAreInvalidArgument) {
   ExpectRefused(eps_engine_release_dense(0, 0x1000, -1, 0x1000, 1, 0), "n=-1 is negative");
   ExpectRefused(eps_engine_watchdog_create(0, 0x1000, 4, 0x1000, 100, nullptr), "out is null");
   ExpectRefused(eps_engine_watchdog_arm(nullptr, 1), "the watchdog is null");
+  // Step 0, the watchdog's "nothing armed", once dropped the armed step's watch (and
+  // returned 0); it is checked before the handle.
+  ExpectRefused(eps_engine_watchdog_arm(nullptr, 0), "step=0: steps start at 1");
   EXPECT_EQ(eps_engine_watchdog_releases(nullptr), 0u);
   EXPECT_NE(std::string(eps_engine_last_error()).find("the watchdog is null"), std::string::npos);
   eps_engine_watchdog_destroy(nullptr);  // a no-op, as free(NULL)
