@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <exception>
 #include <future>
 #include <mutex>
 #include <random>
@@ -223,6 +224,9 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
     : options_(std::move(options)),
       options_status_(options_.Validate()),
       attach_(std::move(attach)),
+      start_reattach_([](std::function<absl::StatusOr<std::string>()> call) {
+        return std::async(std::launch::async, std::move(call));
+      }),
       client_id_(NewClientId()) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
@@ -324,7 +328,16 @@ absl::Status EpsClient::PollReattach() {
     std::lock_guard lock(attach_mu_);
     attach_abandoned_ = false;
   }
-  pending_attach_ = std::async(std::launch::async, [this] { return CallAttach(true); });
+  try {
+    pending_attach_ = start_reattach_([this] { return CallAttach(true); });
+  } catch (const std::exception& e) {
+    // No thread to run it (std::system_error EAGAIN: a pids limit, RLIMIT_NPROC, memory):
+    // the step falls back like any other one not attached, and the next try waits out
+    // the backoff rather than failing on every step.
+    next_attach_try_ = After(std::chrono::steady_clock::now(), options_.reattach_backoff);
+    return absl::UnavailableError(
+        absl::StrCat("not attached; could not start the re-attach: ", e.what()));
+  }
   return absl::UnavailableError("not attached; re-attach started");
 }
 

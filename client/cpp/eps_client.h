@@ -134,6 +134,13 @@ class EpsClient {
   ClientCounters counters() const;
   v1::PageSelector::Stub& stub() { return *stub_; }
 
+  // Starts a background re-attach (`attach`) on a thread of its own: std::async. A test
+  // replaces it to make the start fail as std::async does when no thread can be created
+  // (std::system_error); a step then falls back as not attached, never throws.
+  using ReattachStarter = std::function<std::future<absl::StatusOr<std::string>>(
+      std::function<absl::StatusOr<std::string>()> attach)>;
+  void set_reattach_starter_for_test(ReattachStarter start) { start_reattach_ = std::move(start); }
+
  private:
   // A failed step: fail-open, a fallback counted in `counter` (and on_fallback called);
   // fail-closed, an error step counted in errors. `result` keeps what the call measured.
@@ -170,6 +177,7 @@ class EpsClient {
   std::unique_ptr<v1::PageSelector::Stub> stub_;
   std::string session_id_;
   bool attached_before_ = false;
+  ReattachStarter start_reattach_;
   std::chrono::steady_clock::time_point next_attach_try_{};
   std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
   mutable std::mutex attach_mu_;  // guards the three below, shared with the re-attach thread

@@ -1,7 +1,7 @@
 // client/cpp/eps_client.cc against fake epsd servers (no epsd binary): trace metadata
 // gRPC cannot carry is dropped rather than aborting the process, a missed step cancels
-// the stream whether the engine falls back or not, and ClientOptions are validated with
-// deadlines that never wrap.
+// the stream whether the engine falls back or not, a re-attach that cannot start is a
+// fallback, and ClientOptions are validated with deadlines that never wrap.
 #include "client/cpp/eps_client.h"
 
 #include <unistd.h>
@@ -9,9 +9,12 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -469,6 +472,47 @@ TEST(DrainStatusTest, AStepEpsdCancelsIsAnUnavailableFallback) {
     EXPECT_EQ(c.fallback_error, 0u);
   }
   server->Shutdown();
+}
+
+}  // namespace
+}  // namespace eps::client
+
+namespace eps::client {
+namespace {
+
+// std::async throws std::system_error when no thread can be created (EAGAIN: a pids cgroup
+// limit, RLIMIT_NPROC); it once left SelectPages as that exception, with no fallback
+// (on_fallback not called, the engine's stream left waiting) and the step uncounted.
+TEST(ReattachStartTest, AReattachThatCannotStartIsANotAttachedFallbackWithTheBackoff) {
+  ClientOptions options = FakeOptions(FakeTarget("no-threads"), /*use_stream=*/false);
+  options.reattach_backoff = std::chrono::hours(1);
+  std::vector<uint64_t> fell_back;
+  options.on_fallback = [&](uint64_t step) { fell_back.push_back(step); };
+  EpsClient client(options, Attach("e"));
+  int starts = 0;
+  client.set_reattach_starter_for_test([&](std::function<absl::StatusOr<std::string>()>)
+                                           -> std::future<absl::StatusOr<std::string>> {
+    ++starts;
+    throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                            "pthread_create");
+  });
+  const v1::BatchRow row = Row();
+  const StepResult first = client.SelectPages(1, {&row, 1});
+  EXPECT_TRUE(first.fallback);
+  EXPECT_EQ(first.status.code(), absl::StatusCode::kUnavailable) << first.status;
+  EXPECT_NE(first.status.message().find("not attached; could not start the re-attach: "
+                                        "pthread_create"),
+            std::string::npos)
+      << first.status;
+  const StepResult second = client.SelectPages(2, {&row, 1});
+  EXPECT_TRUE(second.fallback);
+  EXPECT_NE(second.status.message().find("backing off"), std::string::npos) << second.status;
+  EXPECT_EQ(starts, 1);  // the backoff held the second try
+  EXPECT_EQ(fell_back, (std::vector<uint64_t>{1, 2}));
+  const ClientCounters c = client.counters();
+  EXPECT_EQ(c.steps, 2u);
+  EXPECT_EQ(c.fallback_not_attached, 2u);
+  EXPECT_EQ(c.fallbacks(), 2u);
 }
 
 }  // namespace
