@@ -92,7 +92,8 @@ absl::Status ClientOptions::Validate() const {
 }
 
 // One open StreamSelectPages call. Replies are queued by the reactor and taken
-// by the engine thread; a reply for an abandoned step is dropped by step number.
+// by the engine thread. A live stream holds only the step being asked (a step that
+// misses its deadline or fails replaces it), so a reply for any other step is an error.
 class StreamCall final
     : public grpc::ClientBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
@@ -118,18 +119,22 @@ class StreamCall final
     return true;
   }
 
-  // Waits for the reply of `step` until `deadline`.
+  // Waits for the reply of `step` until `deadline`. The first reply is the answer: one
+  // for another step is INTERNAL at once (docs/api-failures.md §5.7), not a wait for a
+  // reply that will not come.
   absl::Status Receive(uint64_t step, std::chrono::steady_clock::time_point deadline,
                        v1::SelectPagesResponse* response) {
     std::unique_lock lock(mu_);
     for (;;) {
-      while (!replies_.empty()) {
+      if (!replies_.empty()) {
         v1::SelectPagesResponse reply = std::move(replies_.front());
         replies_.pop_front();
-        if (reply.step() == step) {
-          *response = std::move(reply);
-          return absl::OkStatus();
+        if (reply.step() != step) {
+          return absl::InternalError(
+              absl::StrCat("epsd answered step ", reply.step(), " for step ", step));
         }
+        *response = std::move(reply);
+        return absl::OkStatus();
       }
       if (done_) return final_status_;
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && replies_.empty() && !done_) {
@@ -582,6 +587,12 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
       reason = &fb_unavailable_;
       break;
     default:
+      if (stream_) {
+        // A reply for another step (or a stream that ended with this error): the next step
+        // opens a fresh stream, so that a live stream only ever holds the step asked.
+        stream_->Cancel();
+        abandoned_streams_.push_back(std::move(stream_));
+      }
       break;
   }
   return Failed(step, status, *reason, std::move(result));

@@ -7,9 +7,10 @@
 // counted by reason. After a sidecar restart (or lease expiry) the client
 // re-attaches by itself (idempotent per engine_id) in the background, with
 // attach_deadline and reattach_backoff, while steps fall back. Unary or bidirectional-stream
-// transport; the stream keeps one call open and matches replies by step, and is cancelled
-// on a missed deadline (a fresh one carries the next step), so that epsd does not run
-// steps the engine gave up on. A reply for another step than the one asked is an error.
+// transport; the stream keeps one call open and is cancelled on a missed deadline or any
+// other failed step (a fresh one carries the next step), so that epsd does not run steps
+// the engine gave up on and a live stream holds only the step asked: a reply for another
+// step than the one asked is an error.
 //
 // Options are checked (ClientOptions::Validate): EpsClient::Create refuses invalid ones;
 // a client constructed with them answers Attach and every step with that error. A

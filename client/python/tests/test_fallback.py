@@ -148,7 +148,11 @@ def test_a_stopped_epsd_runs_none_of_the_steps_the_engine_gave_up_on(epsd, use_s
 
 
 class WrongStep(pb_grpc.PageSelectorServicer):
-    """Answers every step with another step's number."""
+    """Answers every step with another step's number, and records the steps each stream
+    carried."""
+
+    def __init__(self) -> None:
+        self.streams: list[list[int]] = []
 
     def Attach(self, request, context):  # noqa: N802 - gRPC method name
         return pb.AttachResponse(session_id="wrong")
@@ -156,16 +160,34 @@ class WrongStep(pb_grpc.PageSelectorServicer):
     def SelectPages(self, request, context):  # noqa: N802
         return pb.SelectPagesResponse(step=request.step + 1000, done=True)
 
+    def StreamSelectPages(self, request_iterator, context):  # noqa: N802
+        steps: list[int] = []
+        self.streams.append(steps)
+        for request in request_iterator:
+            steps.append(request.step)
+            yield pb.SelectPagesResponse(step=request.step + 1000, done=True)
 
-def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
-    with fake_epsd(WrongStep(), tmp_path) as target:
-        options = ClientOptions(target=target, deadline_s=2.0, use_stream=False)
+
+@pytest.mark.parametrize("use_stream", [False, True], ids=["unary", "stream"])
+def test_a_reply_for_another_step_is_an_error_fallback_at_once(tmp_path, use_stream):
+    """On the stream the reply was dropped, and the step waited out its whole deadline for
+    one that never came, counted as a deadline miss."""
+    servicer = WrongStep()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=use_stream)
         with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             client.attach()
-            result = client.select_pages(7, [(0, 1, 0)])
-            assert result.fallback and result.code == grpc.StatusCode.INTERNAL
-            assert "epsd answered step 1007 for step 7" in result.message
-            assert client.counters().fallback_error == 1 and client.counters().selected == 0
+            for step in (7, 8):
+                start = time.monotonic()
+                result = client.select_pages(step, [(0, 1, 0)])
+                assert time.monotonic() - start < 1.0  # far less than the 2 s deadline
+                assert result.fallback and result.code == grpc.StatusCode.INTERNAL
+                assert f"epsd answered step {step + 1000} for step {step}" in result.message
+            counters = client.counters()
+            assert counters.fallback_error == 2 and counters.fallback_deadline == 0
+            assert counters.selected == 0
+    if use_stream:  # a stream that answered another step carries no more
+        assert servicer.streams == [[7], [8]]
 
 
 class Draining(pb_grpc.PageSelectorServicer):

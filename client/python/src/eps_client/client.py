@@ -7,8 +7,9 @@ attends densely with its own block table; every fallback is counted by reason
 and reported to epsd on the next step that reaches it (its
 ``eps_client_fallbacks_total`` metric), as the C++ client does. After a sidecar
 restart (or lease expiry) the client re-attaches by itself (idempotent per
-engine_id) while steps fall back. Unary or bidirectional-stream transport; the
-stream keeps one call open and matches replies by step.
+engine_id) while steps fall back. Unary or bidirectional-stream transport; the stream
+keeps one call open, holding only the step asked (a failed step gives it up), so a reply
+for another step is an error.
 
 The API takes and returns plain Python values (eps_client.types); failed calls
 raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
@@ -373,12 +374,13 @@ class EpsClient:
                           grpc.StatusCode.CANCELLED):
                 self._close_stream()
                 self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
-            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                # The stream still holds this step (and maybe later ones) for epsd, which
-                # would run them after the engine gave up on them: cancel it now, without
-                # waiting, and open a fresh one for the next step.
-                if (stream := self._take_stream()) is not None:
-                    stream.cancel()
+            elif (stream := self._take_stream()) is not None:
+                # A miss: the stream still holds this step (and maybe later ones) for epsd,
+                # which would run them after the engine gave up on them. Any other failure
+                # (a reply for another step, say): a live stream must only ever hold the
+                # step asked. Either way cancel it now, without waiting, and open a fresh
+                # one for the next step.
+                stream.cancel()
             return self._failed(step, e.code, e.message, start)
         self._reported = now
         self._count("selected")
