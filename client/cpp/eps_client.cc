@@ -302,6 +302,7 @@ bool EpsClient::TakePendingAttach(std::chrono::steady_clock::time_point deadline
 
 absl::Status EpsClient::Attach() {
   if (!options_status_.ok()) return options_status_;
+  detached_ = false;  // whatever this call answers: steps may re-attach again
   const auto deadline = After(std::chrono::steady_clock::now(), options_.attach_deadline);
   if (TakePendingAttach(deadline)) return absl::OkStatus();
   if (std::chrono::steady_clock::now() >= deadline) {
@@ -347,6 +348,7 @@ absl::Status EpsClient::PollReattach() {
 }
 
 absl::Status EpsClient::Detach() {
+  detached_ = true;  // steps no longer re-attach by themselves: Attach() first
   // A background re-attach may be about to be granted a session: take it, so that it is
   // detached too rather than left to its lease; all within one attach_deadline.
   const auto deadline = After(std::chrono::steady_clock::now(), options_.attach_deadline);
@@ -507,6 +509,14 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   steps_.fetch_add(1);
   const auto start = std::chrono::steady_clock::now();
   if (!options_status_.ok()) return Failed(step, options_status_, fb_error_);
+  if (detached_) {
+    // The engine ended the session: a step re-attaching behind its back would hold epsd's
+    // memory again (as the Python client's steps after close() are refused).
+    return Failed(step,
+                  absl::FailedPreconditionError(
+                      "the client detached: call Attach() to attach again before a step"),
+                  fb_error_);
+  }
   if (session_id_.empty()) {
     if (absl::Status s = PollReattach(); !s.ok()) return Failed(step, s, fb_not_attached_);
   }

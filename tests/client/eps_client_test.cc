@@ -1,8 +1,8 @@
 // client/cpp/eps_client.cc against fake epsd servers (no epsd binary): trace metadata
 // gRPC cannot carry is dropped rather than aborting the process, a missed step cancels
 // the stream whether the engine falls back or not, a stream reply for another step is an
-// error at once, a re-attach that cannot start is a fallback, and ClientOptions are
-// validated with deadlines that never wrap.
+// error at once, steps after Detach are refused, a re-attach that cannot start is a
+// fallback, and ClientOptions are validated with deadlines that never wrap.
 #include "client/cpp/eps_client.h"
 
 #include <unistd.h>
@@ -575,6 +575,57 @@ TEST(StreamReplyTest, AReplyForAnotherStepIsAnErrorFallbackAtOnce) {
   ASSERT_EQ(streams.size(), 2u);  // a stream that answered another step carries no more
   EXPECT_EQ(streams[0], std::vector<uint64_t>{1});
   EXPECT_EQ(streams[1], std::vector<uint64_t>{2});
+}
+
+// A step after Detach() once started a background Attach: the session the engine had just
+// ended came back behind its back (and its memory on epsd with it).
+TEST(DetachTest, StepsAfterDetachAreRefusedUntilAttachIsCalledAgain) {
+  CountingEpsd epsd;
+  const std::string target = FakeTarget("detached");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    ClientOptions options = FakeOptions(target, /*use_stream=*/false);
+    options.reattach_backoff = std::chrono::milliseconds(0);
+    std::vector<uint64_t> fell_back;
+    options.on_fallback = [&](uint64_t step) { fell_back.push_back(step); };
+    EpsClient client(options, Attach("e"));
+    ASSERT_TRUE(client.Attach().ok());
+    const v1::BatchRow row = Row();
+    ASSERT_TRUE(client.SelectPages(1, {&row, 1}).status.ok());
+    ASSERT_TRUE(client.Detach().ok());
+    for (uint64_t step = 2; step <= 4; ++step) {
+      const StepResult r = client.SelectPages(step, {&row, 1});
+      EXPECT_TRUE(r.fallback);
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+      EXPECT_NE(r.status.message().find("the client detached: call Attach()"), std::string::npos)
+          << r.status;
+    }
+    EXPECT_EQ(fell_back, (std::vector<uint64_t>{2, 3, 4}));
+    EXPECT_EQ(client.session_id(), "");
+    ClientCounters c = client.counters();
+    EXPECT_EQ(c.fallback_error, 3u);
+    EXPECT_EQ(c.fallback_not_attached, 0u);
+    EXPECT_EQ(epsd.attaches(), 1);  // nothing re-attached
+    ASSERT_TRUE(client.Attach().ok());
+    EXPECT_TRUE(client.SelectPages(5, {&row, 1}).status.ok());
+    EXPECT_EQ(epsd.attaches(), 2);
+    c = client.counters();
+    EXPECT_EQ(c.steps, c.selected + c.fallbacks());
+  }
+  server->Shutdown();
+}
+
+TEST(DetachTest, AFailClosedStepAfterDetachIsAnError) {
+  ClientOptions options = FakeOptions(FakeTarget("detached-closed"), /*use_stream=*/false);
+  options.fail_open = false;
+  EpsClient client(options, Attach("e"));
+  EXPECT_TRUE(client.Detach().ok());  // nothing attached: nothing to end, still detached
+  const v1::BatchRow row = Row();
+  const StepResult r = client.SelectPages(1, {&row, 1});
+  EXPECT_FALSE(r.fallback);
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+  EXPECT_EQ(client.counters().errors, 1u);
 }
 
 // std::async throws std::system_error when no thread can be created (EAGAIN: a pids cgroup

@@ -190,6 +190,48 @@ def test_a_reply_for_another_step_is_an_error_fallback_at_once(tmp_path, use_str
         assert servicer.streams == [[7], [8]]
 
 
+class CountingAttach(pb_grpc.PageSelectorServicer):
+    """Grants "s-<n>" for the n-th Attach and answers every step."""
+
+    def __init__(self) -> None:
+        self.attaches = 0
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        self.attaches += 1
+        return pb.AttachResponse(session_id=f"s-{self.attaches}")
+
+    def Detach(self, request, context):  # noqa: N802
+        return pb.DetachResponse()
+
+    def SelectPages(self, request, context):  # noqa: N802
+        return pb.SelectPagesResponse(step=request.step, done=True)
+
+
+def test_steps_after_detach_are_refused_until_attach_is_called_again(tmp_path):
+    """A step after detach() started a background Attach: the session the engine had just
+    ended came back behind its back."""
+    servicer = CountingAttach()
+    released: list[int] = []
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=False,
+                                reattach_backoff_s=0, on_fallback=released.append)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            client.attach()
+            assert client.select_pages(1, [(0, 1, 0)]).ok
+            client.detach()
+            for step in (2, 3, 4):
+                result = client.select_pages(step, [(0, 1, 0)])
+                assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert "the client detached: call attach()" in result.message
+            assert released == [2, 3, 4]
+            counters = client.counters()
+            assert counters.fallback_error == 3 and counters.fallback_not_attached == 0
+            assert servicer.attaches == 1  # nothing re-attached
+            client.attach()
+            assert client.select_pages(5, [(0, 1, 0)]).ok
+            assert servicer.attaches == 2
+
+
 class Draining(pb_grpc.PageSelectorServicer):
     """Cancels every step, as a draining epsd's gRPC refuses new calls, recording the
     fallback reports the steps carried."""
