@@ -146,7 +146,7 @@ class DeviceBufferSet final : public BufferSet {
   absl::Status WaitSelection(uint64_t step) override {
     if (absl::Status s = buffers_->WaitSelection(stream_.get(), step); !s.ok()) return s;
     const uint64_t released = watchdog_->releases();
-    watchdog_->Arm(step);
+    if (absl::Status s = watchdog_->Arm(step); !s.ok()) return s;
     if (cudaError_t err = cudaStreamSynchronize(stream_.get()); err != cudaSuccess) {
       return absl::InternalError(
           absl::StrCat("cudaStreamSynchronize(step ", step, "): ", cudaGetErrorString(err)));

@@ -22,6 +22,7 @@
 #include "client/cpp/engine_outputs.h"
 #include "client/cpp/engine_summary_queue.h"
 #include "client/cpp/selection_watchdog.h"
+#include "client/cpp/watchdog_handle.h"
 #include "core/layout.h"
 #include "core/status.h"
 #include "gpu/cuda_check.h"
@@ -163,10 +164,13 @@ struct EpsEngineWatchdog {
   int64_t feedback_n ABSL_GUARDED_BY(feedback_mu) = 0;
   cudaStream_t stream = nullptr;
   uint64_t* host_done = nullptr;  // pinned
-  std::unique_ptr<eps::client::SelectionWatchdog> watchdog;
+  // Every eps_engine_watchdog_* call goes through it: once the destroy has begun, calls
+  // from other threads are refused while it finishes the armed step's watch.
+  std::unique_ptr<eps::client::WatchdogHandle> watchdog;
 
   ~EpsEngineWatchdog() {
-    watchdog.reset();  // first: it may still read and release through the stream
+    // First: the watchdog reads and releases through the stream.
+    if (watchdog != nullptr) watchdog->Destroy();
     if (stream != nullptr || host_done != nullptr) cudaSetDevice(device);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (host_done != nullptr) cudaFreeHost(host_done);
@@ -300,10 +304,13 @@ int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, 
   if (w == nullptr) {
     return Refuse("eps_engine_watchdog_clear_feedback", "the watchdog is null (destroyed?)");
   }
-  absl::MutexLock lock(&w->feedback_mu);
-  w->feedback = Ptr<float>(feedback);
-  w->feedback_n = n;
-  return 0;
+  return Report(
+      w->watchdog->Run("eps_engine_watchdog_clear_feedback", [&](eps::client::SelectionWatchdog&) {
+        absl::MutexLock lock(&w->feedback_mu);
+        w->feedback = Ptr<float>(feedback);
+        w->feedback_n = n;
+        return absl::OkStatus();
+      }));
 }
 
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
@@ -349,15 +356,20 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
        .release_dense = [raw](uint64_t step) { return raw->ReleaseDense(step); }},
       std::chrono::microseconds(timeout_us));
   if (!made.ok()) return Report(made.status());
-  w->watchdog = *std::move(made);
+  w->watchdog = std::make_unique<eps::client::WatchdogHandle>(*std::move(made));
   *out = w.release();
   return 0;
 }
 
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step) {
+  // The step before the handle (either refusal is INVALID_ARGUMENT), so that its check is
+  // tested without a device. 0 is the watchdog's "nothing armed": taken as a step, it
+  // once dropped the armed step's watch and returned 0.
+  if (step == 0) return Refuse("eps_engine_watchdog_arm", "step=0: steps start at 1");
   if (w == nullptr) return Refuse("eps_engine_watchdog_arm", "the watchdog is null (destroyed?)");
-  w->watchdog->Arm(step);
-  return 0;
+  return Report(
+      w->watchdog->Run("eps_engine_watchdog_arm",
+                       [step](eps::client::SelectionWatchdog& dog) { return dog.Arm(step); }));
 }
 
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {
@@ -365,7 +377,13 @@ uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w) {
     Refuse("eps_engine_watchdog_releases", "the watchdog is null (destroyed?)");
     return 0;
   }
-  return w->watchdog->releases();
+  uint64_t releases = 0;
+  Report(w->watchdog->Run("eps_engine_watchdog_releases",
+                          [&releases](eps::client::SelectionWatchdog& dog) {
+                            releases = dog.releases();
+                            return absl::OkStatus();
+                          }));
+  return releases;
 }
 
 void eps_engine_watchdog_destroy(EpsEngineWatchdog* w) {

@@ -27,8 +27,9 @@
  * it: a failed call's error is this call's return, not cudaGetLastError()'s for the
  * engine's next launch check to report (a sticky error, one that ends the context, is
  * every call's). Thread safety: each handle is used by one
- * thread at a time, except eps_engine_watchdog_* and the summary writer's append and reset, which
- * may be called from any thread.
+ * thread at a time, except eps_engine_watchdog_* (see the watchdog below: a call that
+ * overlaps its destroy is refused, one after it is undefined) and the summary writer's
+ * append and reset, which may be called from any thread.
  */
 #ifndef EPS_CLIENT_CPP_ENGINE_CAPI_H_
 #define EPS_CLIENT_CPP_ENGINE_CAPI_H_
@@ -41,7 +42,10 @@ extern "C" {
 
 /* 3: EpsEngineModel gained quest8 (2026-11-26). 4: eps_engine_summary_reset and
  * EpsRecordRun; queue submit returns a refusal, drain returns DATA_LOSS for skipped appends.
- * 5: eps_engine_clear_feedback and eps_engine_watchdog_clear_feedback (2026-11-28). */
+ * 5: eps_engine_clear_feedback and eps_engine_watchdog_clear_feedback (2026-11-28).
+ * The version names the functions and structs; a call the library starts refusing that
+ * never worked (watchdog_arm of step 0, which dropped the armed step's watch) or a crash
+ * it turns into a refusal (a watchdog call overlapping its destroy) is no new version. */
 #define EPS_ENGINE_ABI_VERSION 5
 
 typedef struct EpsEngineModel {
@@ -104,13 +108,23 @@ int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint
 /* The watchdog borrows visit_count, flags and the feedback: free none of them before
  * eps_engine_watchdog_destroy returns. Its thread reads flags[1] at an armed step's due time
  * and may release it (writes) even after epsd answered, and destroy finishes the armed
- * step's watch. (Python's eps_client.engine.Watchdog keeps its CudaBuffers alive for this.) */
+ * step's watch. (Python's eps_client.engine.Watchdog keeps its CudaBuffers alive for this.)
+ * Any thread may call these functions, destroy included: a call that overlaps a destroy
+ * (which may wait up to the armed step's due time) is refused with 9 (FAILED_PRECONDITION,
+ * "the watchdog is being destroyed"; releases returns 0 then) and touches nothing. A call
+ * made once destroy has returned is undefined, as for every handle: the handle is freed
+ * and cannot be checked, so the caller must order its last calls before the destroy's
+ * return (Python's Watchdog holds a lock through each call for this). */
 typedef struct EpsEngineWatchdog EpsEngineWatchdog;
 int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, uint64_t flags,
                                int64_t timeout_us, EpsEngineWatchdog** out);
 /* The watchdog clears feedback[0, n) (as eps_engine_clear_feedback) before each release.
  * A release in progress finishes (with the feedback it started with) before this returns. */
 int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, int64_t n);
+/* Watches `step` (>= 1; 0, the watchdog's "nothing armed", is refused with 3) from now on:
+ * released densely after timeout_us unless selection_done reaches it. A step newer than the
+ * armed one supersedes it (its release raises selection_done past the older step too); an
+ * older or equal one changes nothing (the newer stays armed, with its due time). */
 int eps_engine_watchdog_arm(EpsEngineWatchdog* w, uint64_t step);
 uint64_t eps_engine_watchdog_releases(EpsEngineWatchdog* w);
 void eps_engine_watchdog_destroy(EpsEngineWatchdog* w);

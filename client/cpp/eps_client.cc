@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <exception>
 #include <future>
 #include <mutex>
 #include <random>
@@ -91,7 +92,8 @@ absl::Status ClientOptions::Validate() const {
 }
 
 // One open StreamSelectPages call. Replies are queued by the reactor and taken
-// by the engine thread; a reply for an abandoned step is dropped by step number.
+// by the engine thread. A live stream holds only the step being asked (a step that
+// misses its deadline or fails replaces it), so a reply for any other step is an error.
 class StreamCall final
     : public grpc::ClientBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
  public:
@@ -117,18 +119,22 @@ class StreamCall final
     return true;
   }
 
-  // Waits for the reply of `step` until `deadline`.
+  // Waits for the reply of `step` until `deadline`. The first reply is the answer: one
+  // for another step is INTERNAL at once (docs/api-failures.md §5.7), not a wait for a
+  // reply that will not come.
   absl::Status Receive(uint64_t step, std::chrono::steady_clock::time_point deadline,
                        v1::SelectPagesResponse* response) {
     std::unique_lock lock(mu_);
     for (;;) {
-      while (!replies_.empty()) {
+      if (!replies_.empty()) {
         v1::SelectPagesResponse reply = std::move(replies_.front());
         replies_.pop_front();
-        if (reply.step() == step) {
-          *response = std::move(reply);
-          return absl::OkStatus();
+        if (reply.step() != step) {
+          return absl::InternalError(
+              absl::StrCat("epsd answered step ", reply.step(), " for step ", step));
         }
+        *response = std::move(reply);
+        return absl::OkStatus();
       }
       if (done_) return final_status_;
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && replies_.empty() && !done_) {
@@ -223,6 +229,9 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
     : options_(std::move(options)),
       options_status_(options_.Validate()),
       attach_(std::move(attach)),
+      start_reattach_([](std::function<absl::StatusOr<std::string>()> call) {
+        return std::async(std::launch::async, std::move(call));
+      }),
       client_id_(NewClientId()) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
@@ -293,6 +302,7 @@ bool EpsClient::TakePendingAttach(std::chrono::steady_clock::time_point deadline
 
 absl::Status EpsClient::Attach() {
   if (!options_status_.ok()) return options_status_;
+  detached_ = false;  // whatever this call answers: steps may re-attach again
   const auto deadline = After(std::chrono::steady_clock::now(), options_.attach_deadline);
   if (TakePendingAttach(deadline)) return absl::OkStatus();
   if (std::chrono::steady_clock::now() >= deadline) {
@@ -324,11 +334,21 @@ absl::Status EpsClient::PollReattach() {
     std::lock_guard lock(attach_mu_);
     attach_abandoned_ = false;
   }
-  pending_attach_ = std::async(std::launch::async, [this] { return CallAttach(true); });
+  try {
+    pending_attach_ = start_reattach_([this] { return CallAttach(true); });
+  } catch (const std::exception& e) {
+    // No thread to run it (std::system_error EAGAIN: a pids limit, RLIMIT_NPROC, memory):
+    // the step falls back like any other one not attached, and the next try waits out
+    // the backoff rather than failing on every step.
+    next_attach_try_ = After(std::chrono::steady_clock::now(), options_.reattach_backoff);
+    return absl::UnavailableError(
+        absl::StrCat("not attached; could not start the re-attach: ", e.what()));
+  }
   return absl::UnavailableError("not attached; re-attach started");
 }
 
 absl::Status EpsClient::Detach() {
+  detached_ = true;  // steps no longer re-attach by themselves: Attach() first
   // A background re-attach may be about to be granted a session: take it, so that it is
   // detached too rather than left to its lease; all within one attach_deadline.
   const auto deadline = After(std::chrono::steady_clock::now(), options_.attach_deadline);
@@ -489,6 +509,14 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   steps_.fetch_add(1);
   const auto start = std::chrono::steady_clock::now();
   if (!options_status_.ok()) return Failed(step, options_status_, fb_error_);
+  if (detached_) {
+    // The engine ended the session: a step re-attaching behind its back would hold epsd's
+    // memory again (as the Python client's steps after close() are refused).
+    return Failed(step,
+                  absl::FailedPreconditionError(
+                      "the client detached: call Attach() to attach again before a step"),
+                  fb_error_);
+  }
   if (session_id_.empty()) {
     if (absl::Status s = PollReattach(); !s.ok()) return Failed(step, s, fb_not_attached_);
   }
@@ -569,6 +597,12 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
       reason = &fb_unavailable_;
       break;
     default:
+      if (stream_) {
+        // A reply for another step (or a stream that ended with this error): the next step
+        // opens a fresh stream, so that a live stream only ever holds the step asked.
+        stream_->Cancel();
+        abandoned_streams_.push_back(std::move(stream_));
+      }
       break;
   }
   return Failed(step, status, *reason, std::move(result));

@@ -6,10 +6,11 @@
 // and the engine attends densely with its own block table; every fallback is
 // counted by reason. After a sidecar restart (or lease expiry) the client
 // re-attaches by itself (idempotent per engine_id) in the background, with
-// attach_deadline and reattach_backoff, while steps fall back. Unary or bidirectional-stream
-// transport; the stream keeps one call open and matches replies by step, and is cancelled
-// on a missed deadline (a fresh one carries the next step), so that epsd does not run
-// steps the engine gave up on. A reply for another step than the one asked is an error.
+// attach_deadline and reattach_backoff, while steps fall back; after Detach() it does not,
+// until Attach(). Unary or bidirectional-stream transport; the stream keeps one call open
+// and is cancelled on a missed deadline or any other failed step (a fresh one carries the
+// next step), so that epsd does not run steps the engine gave up on and a live stream
+// holds only the step asked: a reply for another step than the one asked is an error.
 //
 // Options are checked (ClientOptions::Validate): EpsClient::Create refuses invalid ones;
 // a client constructed with them answers Attach and every step with that error. A
@@ -125,7 +126,9 @@ class EpsClient {
   StepResult SelectPages(uint64_t step, std::span<const v1::BatchRow> rows,
                          const v1::SelectOptions* options = nullptr);
   // Ends the session, also one a background re-attach is being granted (waiting for it),
-  // all within one attach_deadline.
+  // all within one attach_deadline. Until Attach() is called again, every step is refused
+  // with FAILED_PRECONDITION (a fallback counted in fallback_error when fail_open) and
+  // nothing re-attaches by itself.
   absl::Status Detach();
   absl::Status Ping(std::chrono::microseconds deadline);
   absl::Status Heartbeat();
@@ -133,6 +136,13 @@ class EpsClient {
   const std::string& session_id() const { return session_id_; }
   ClientCounters counters() const;
   v1::PageSelector::Stub& stub() { return *stub_; }
+
+  // Starts a background re-attach (`attach`) on a thread of its own: std::async. A test
+  // replaces it to make the start fail as std::async does when no thread can be created
+  // (std::system_error); a step then falls back as not attached, never throws.
+  using ReattachStarter = std::function<std::future<absl::StatusOr<std::string>>(
+      std::function<absl::StatusOr<std::string>()> attach)>;
+  void set_reattach_starter_for_test(ReattachStarter start) { start_reattach_ = std::move(start); }
 
  private:
   // A failed step: fail-open, a fallback counted in `counter` (and on_fallback called);
@@ -170,6 +180,8 @@ class EpsClient {
   std::unique_ptr<v1::PageSelector::Stub> stub_;
   std::string session_id_;
   bool attached_before_ = false;
+  bool detached_ = false;  // Detach() ran and Attach() has not since: steps are refused
+  ReattachStarter start_reattach_;
   std::chrono::steady_clock::time_point next_attach_try_{};
   std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
   mutable std::mutex attach_mu_;  // guards the three below, shared with the re-attach thread

@@ -52,10 +52,18 @@ SelectionWatchdog::~SelectionWatchdog() {
   }
 }
 
-void SelectionWatchdog::Arm(uint64_t step) {
+absl::Status SelectionWatchdog::Arm(uint64_t step) {
+  if (step == 0) {
+    return absl::InvalidArgumentError(
+        "SelectionWatchdog::Arm(step=0): steps start at 1 (0 means nothing armed)");
+  }
   absl::MutexLock lock(&mu_);
+  // An older (or the same) step than the armed one changes nothing: releasing the armed
+  // step releases it too, and its due time stays the earlier arm's.
+  if (step <= armed_step_) return absl::OkStatus();
   armed_step_ = step;
   armed_at_ = std::chrono::steady_clock::now();
+  return absl::OkStatus();
 }
 
 uint64_t SelectionWatchdog::releases() const {

@@ -5,12 +5,15 @@
 // selection_done = step), so no GPU wait on the sidecar is ever unbounded.
 //
 // Arm the step after each accepted async reply; a newer step supersedes an
-// older one (releasing the newer also releases the older wait, the counter
-// being monotonic). Destroying the watchdog finishes the armed step's watch
-// rather than dropping it: the destructor returns once selection_done reaches
-// the step, or at the step's due time after releasing it. An engine that shuts
-// down while epsd is gone would otherwise leave its stream waiting for good, and
-// its buffers' teardown (cudaDeviceSynchronize) with it.
+// older one (releasing the newer also releases the older wait, selection_done
+// being raised to the step, never lowered), and an older step than the one armed
+// leaves it armed, with its due time: two threads arming out of order, or a late
+// Arm, must not drop the watch of the newer step. Destroying the watchdog
+// finishes the armed step's watch rather than dropping it: the destructor
+// returns once selection_done reaches the step, or at the step's due time after
+// releasing it. An engine that shuts down while epsd is gone would otherwise
+// leave its stream waiting for good, and its buffers' teardown
+// (cudaDeviceSynchronize) with it.
 //
 // The device work goes through a `Device`: DeviceBuffers' (client/cpp's) or the
 // C ABI's raw pointers (engine_capi.cc), so one watchdog serves both, and its
@@ -63,7 +66,10 @@ class SelectionWatchdog {
   SelectionWatchdog(const SelectionWatchdog&) = delete;
   SelectionWatchdog& operator=(const SelectionWatchdog&) = delete;
 
-  void Arm(uint64_t step);
+  // Watches `step` from now on, unless a newer step is armed (then nothing changes).
+  // InvalidArgument for step 0, which means "nothing armed" (the armed step's watch
+  // would be dropped).
+  absl::Status Arm(uint64_t step);
   uint64_t releases() const;  // steps the watchdog released
   std::chrono::microseconds timeout() const { return timeout_; }
 

@@ -367,6 +367,36 @@ TEST_F(EngineCapiTest, DestroyingAWatchdogWithAStepArmedReleasesItAtItsDueTime) 
   cudaStreamDestroy(engine);
 }
 
+// The destroy waits up to the armed step's due time; it once cleared the watchdog's pointer
+// first, so an arm or a read from another thread meanwhile dereferenced null (a crash of the
+// engine). A call overlapping the destroy is refused and touches nothing.
+TEST_F(EngineCapiTest, WatchdogCallsOverlappingItsDestroyAreRefused) {
+  const int64_t n = 6;
+  int32_t* counts = Alloc<int32_t>(n);
+  uint64_t* flags = Alloc<uint64_t>(2);
+  ASSERT_EQ(cudaMemset(counts, 0x11, n * 4), cudaSuccess);
+  EpsEngineWatchdog* dog = nullptr;
+  ASSERT_EQ(eps_engine_watchdog_create(0, Addr(counts), n, Addr(flags), 1000000, &dog), 0)
+      << eps_engine_last_error();
+  ASSERT_EQ(eps_engine_watchdog_arm(dog, 3), 0);  // epsd never writes step 3
+  std::thread destroyer([dog] { eps_engine_watchdog_destroy(dog); });
+  // Until the destroy has begun the call succeeds (n = 0: no feedback); then it is refused.
+  int rc = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (rc == 0 && std::chrono::steady_clock::now() < until) {
+    rc = eps_engine_watchdog_clear_feedback(dog, 0, 0);
+  }
+  EXPECT_EQ(rc, 9) << eps_engine_last_error();  // FAILED_PRECONDITION
+  EXPECT_EQ(eps_engine_watchdog_arm(dog, 4), 9);
+  EXPECT_NE(std::string(eps_engine_last_error()).find("the watchdog is being destroyed"),
+            std::string::npos)
+      << eps_engine_last_error();
+  EXPECT_EQ(eps_engine_watchdog_releases(dog), 0u);
+  destroyer.join();  // no call after this: the handle is freed
+  // The refused arm of 4 armed nothing.
+  ExpectReleasedDensely(counts, n, flags, 3);
+}
+
 TEST(EngineCapiArgs, BadArgumentsAreReportedWithTheirValues) {
   EpsEngineWatchdog* dog = nullptr;
   EXPECT_EQ(eps_engine_watchdog_create(0, 0, 0, 0, 0, &dog), 3);  // INVALID_ARGUMENT
@@ -415,6 +445,9 @@ TEST(EngineCapiArgs, NullHandlesAndPointersAreInvalidArgument) {
   ExpectRefused(eps_engine_release_dense(0, 0x1000, -1, 0x1000, 1, 0), "n=-1 is negative");
   ExpectRefused(eps_engine_watchdog_create(0, 0x1000, 4, 0x1000, 100, nullptr), "out is null");
   ExpectRefused(eps_engine_watchdog_arm(nullptr, 1), "the watchdog is null");
+  // Step 0, the watchdog's "nothing armed", once dropped the armed step's watch (and
+  // returned 0); it is checked before the handle.
+  ExpectRefused(eps_engine_watchdog_arm(nullptr, 0), "step=0: steps start at 1");
   EXPECT_EQ(eps_engine_watchdog_releases(nullptr), 0u);
   EXPECT_NE(std::string(eps_engine_last_error()).find("the watchdog is null"), std::string::npos);
   eps_engine_watchdog_destroy(nullptr);  // a no-op, as free(NULL)

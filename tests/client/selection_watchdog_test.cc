@@ -1,22 +1,21 @@
 // client/cpp's SelectionWatchdog over a stand-in device (a counter and a release log, no
 // GPU): a step that never completes is released at its due time, a completed one is not,
-// a newer Arm supersedes an older one, destroying the watchdog finishes the armed step's
-// watch (released at its due time, or not at all once done), and timeouts it cannot keep
-// are refused.
+// a newer Arm supersedes an older one while an older Arm (or step 0, refused) leaves the
+// newer armed, destroying the watchdog finishes the armed step's watch (released at its
+// due time, or not at all once done), and timeouts it cannot keep are refused.
 #include "client/cpp/selection_watchdog.h"
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "tests/client/fake_watchdog_device.h"
 
 namespace eps::client {
 namespace {
@@ -24,33 +23,7 @@ namespace {
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
-// selection_done and the releases, as the device's two functions see them.
-struct FakeDevice {
-  std::atomic<uint64_t> done{0};
-  std::atomic<bool> read_fails{false};
-  std::mutex mu;
-  std::vector<uint64_t> released;  // guarded by mu
-
-  SelectionWatchdog::Device Functions() {
-    return {.read_done = [this]() -> absl::StatusOr<uint64_t> {
-              if (read_fails) return absl::InternalError("the device is gone");
-              return done.load();
-            },
-            .release_dense =
-                [this](uint64_t step) {
-                  std::lock_guard lock(mu);
-                  released.push_back(step);
-                  uint64_t now = done.load();
-                  while (now < step && !done.compare_exchange_weak(now, step)) {
-                  }
-                  return absl::OkStatus();
-                }};
-  }
-  std::vector<uint64_t> Released() {
-    std::lock_guard lock(mu);
-    return released;
-  }
-};
+using FakeDevice = testing::FakeWatchdogDevice;
 
 std::unique_ptr<SelectionWatchdog> Make(FakeDevice& device, milliseconds timeout) {
   auto made = SelectionWatchdog::Create(device.Functions(), timeout);
@@ -71,11 +44,11 @@ TEST(SelectionWatchdogTest, AStepThatNeverCompletesIsReleasedAtItsDueTimeAndACom
   FakeDevice device;
   auto dog = Make(device, milliseconds(20));
   device.done = 4;
-  dog->Arm(4);  // completed before it is due
+  ASSERT_TRUE(dog->Arm(4).ok());  // completed before it is due
   std::this_thread::sleep_for(milliseconds(80));
   EXPECT_TRUE(device.Released().empty());
   const auto armed = Clock::now();
-  dog->Arm(5);  // never completed
+  ASSERT_TRUE(dog->Arm(5).ok());  // never completed
   ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
   EXPECT_GE(Clock::now() - armed, milliseconds(20));
   EXPECT_EQ(device.Released(), std::vector<uint64_t>{5});
@@ -85,18 +58,43 @@ TEST(SelectionWatchdogTest, AStepThatNeverCompletesIsReleasedAtItsDueTimeAndACom
 TEST(SelectionWatchdogTest, ANewerArmSupersedesAnOlderOne) {
   FakeDevice device;
   auto dog = Make(device, milliseconds(60));
-  dog->Arm(1);
-  dog->Arm(2);
+  ASSERT_TRUE(dog->Arm(1).ok());
+  ASSERT_TRUE(dog->Arm(2).ok());
   ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
   std::this_thread::sleep_for(milliseconds(100));
   EXPECT_EQ(device.Released(), std::vector<uint64_t>{2});  // one release, of the newer step
+}
+
+// Arm(6) then Arm(5) (two threads arming out of order) once replaced 6 by 5: the release
+// of 5 left the engine's wait on 6 held for good.
+TEST(SelectionWatchdogTest, AnOlderArmLeavesTheNewerStepArmed) {
+  FakeDevice device;
+  auto dog = Make(device, milliseconds(20));
+  ASSERT_TRUE(dog->Arm(6).ok());
+  ASSERT_TRUE(dog->Arm(5).ok());
+  ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
+  dog.reset();                                             // nothing more to release
+  EXPECT_EQ(device.Released(), std::vector<uint64_t>{6});  // which releases 5's wait too
+  EXPECT_EQ(device.done.load(), 6u);
+}
+
+// Arm(0) once replaced the armed step by "nothing armed": the armed step was never released.
+TEST(SelectionWatchdogTest, ArmingStepZeroIsRefusedAndKeepsTheArmedStep) {
+  FakeDevice device;
+  auto dog = Make(device, milliseconds(20));
+  ASSERT_TRUE(dog->Arm(5).ok());
+  const absl::Status zero = dog->Arm(0);
+  EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument) << zero;
+  EXPECT_NE(zero.message().find("Arm(step=0)"), std::string::npos) << zero;
+  ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
+  EXPECT_EQ(device.Released(), std::vector<uint64_t>{5});
 }
 
 TEST(SelectionWatchdogTest, AFailedReadReleasesTheStep) {
   FakeDevice device;
   device.read_fails = true;
   auto dog = Make(device, milliseconds(10));
-  dog->Arm(7);
+  ASSERT_TRUE(dog->Arm(7).ok());
   ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
   EXPECT_EQ(device.Released(), std::vector<uint64_t>{7});
 }
@@ -107,7 +105,7 @@ TEST(SelectionWatchdogTest, DestroyingItReleasesTheArmedStepAtItsDueTime) {
   FakeDevice device;
   auto dog = Make(device, milliseconds(100));
   const auto armed = Clock::now();
-  dog->Arm(3);
+  ASSERT_TRUE(dog->Arm(3).ok());
   dog.reset();
   EXPECT_GE(Clock::now() - armed, milliseconds(100));  // not before it was due
   EXPECT_EQ(device.Released(), std::vector<uint64_t>{3});
@@ -116,7 +114,7 @@ TEST(SelectionWatchdogTest, DestroyingItReleasesTheArmedStepAtItsDueTime) {
 TEST(SelectionWatchdogTest, DestroyingItReturnsOnceTheArmedStepCompletesWithoutReleasingIt) {
   FakeDevice device;
   auto dog = Make(device, milliseconds(60000));
-  dog->Arm(9);
+  ASSERT_TRUE(dog->Arm(9).ok());
   std::thread epsd([&] {
     std::this_thread::sleep_for(milliseconds(30));
     device.done = 9;

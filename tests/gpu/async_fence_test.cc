@@ -136,7 +136,8 @@ TEST_F(AsyncFenceTest, AWatchdogKeepsItsBuffersAliveUntilItIsDestroyed) {
   auto made = client::SelectionWatchdog::Create(buffers_, std::chrono::milliseconds(50));
   ASSERT_TRUE(made.ok()) << made.status();
   std::weak_ptr<client::DeviceBuffers> held = buffers_;
-  (*made)->Arm(1);   // never answered: released at its due time, through the buffers
+  // Never answered: released at its due time, through the buffers.
+  ASSERT_TRUE((*made)->Arm(1).ok());
   buffers_.reset();  // the engine drops its buffers first
   ASSERT_FALSE(held.expired()) << "the watchdog would read and release freed memory";
   made->reset();  // finishes the armed step's watch (releases it), then lets go
@@ -179,7 +180,7 @@ TEST_F(AsyncFenceTest, WatchdogReleasesTheEngineStreamWhenTheSidecarIsKilled) {
   // inputs: nothing will ever write selection_done = 1.
   const client::StepResult r = client.SelectPages(1, Rows());
   ASSERT_FALSE(r.fallback) << r.status;
-  watchdog.Arm(1);
+  ASSERT_TRUE(watchdog.Arm(1).ok());
   epsd->Signal(SIGKILL);
   ASSERT_TRUE(buffers_->WaitSelection(stream_, 1).ok());
   const bool drained = StreamDrains(std::chrono::seconds(5));

@@ -148,7 +148,11 @@ def test_a_stopped_epsd_runs_none_of_the_steps_the_engine_gave_up_on(epsd, use_s
 
 
 class WrongStep(pb_grpc.PageSelectorServicer):
-    """Answers every step with another step's number."""
+    """Answers every step with another step's number, and records the steps each stream
+    carried."""
+
+    def __init__(self) -> None:
+        self.streams: list[list[int]] = []
 
     def Attach(self, request, context):  # noqa: N802 - gRPC method name
         return pb.AttachResponse(session_id="wrong")
@@ -156,16 +160,76 @@ class WrongStep(pb_grpc.PageSelectorServicer):
     def SelectPages(self, request, context):  # noqa: N802
         return pb.SelectPagesResponse(step=request.step + 1000, done=True)
 
+    def StreamSelectPages(self, request_iterator, context):  # noqa: N802
+        steps: list[int] = []
+        self.streams.append(steps)
+        for request in request_iterator:
+            steps.append(request.step)
+            yield pb.SelectPagesResponse(step=request.step + 1000, done=True)
 
-def test_a_reply_for_another_step_is_an_error_fallback(tmp_path):
-    with fake_epsd(WrongStep(), tmp_path) as target:
-        options = ClientOptions(target=target, deadline_s=2.0, use_stream=False)
+
+@pytest.mark.parametrize("use_stream", [False, True], ids=["unary", "stream"])
+def test_a_reply_for_another_step_is_an_error_fallback_at_once(tmp_path, use_stream):
+    """On the stream the reply was dropped, and the step waited out its whole deadline for
+    one that never came, counted as a deadline miss."""
+    servicer = WrongStep()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=use_stream)
         with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             client.attach()
-            result = client.select_pages(7, [(0, 1, 0)])
-            assert result.fallback and result.code == grpc.StatusCode.INTERNAL
-            assert "epsd answered step 1007 for step 7" in result.message
-            assert client.counters().fallback_error == 1 and client.counters().selected == 0
+            for step in (7, 8):
+                start = time.monotonic()
+                result = client.select_pages(step, [(0, 1, 0)])
+                assert time.monotonic() - start < 1.0  # far less than the 2 s deadline
+                assert result.fallback and result.code == grpc.StatusCode.INTERNAL
+                assert f"epsd answered step {step + 1000} for step {step}" in result.message
+            counters = client.counters()
+            assert counters.fallback_error == 2 and counters.fallback_deadline == 0
+            assert counters.selected == 0
+    if use_stream:  # a stream that answered another step carries no more
+        assert servicer.streams == [[7], [8]]
+
+
+class CountingAttach(pb_grpc.PageSelectorServicer):
+    """Grants "s-<n>" for the n-th Attach and answers every step."""
+
+    def __init__(self) -> None:
+        self.attaches = 0
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        self.attaches += 1
+        return pb.AttachResponse(session_id=f"s-{self.attaches}")
+
+    def Detach(self, request, context):  # noqa: N802
+        return pb.DetachResponse()
+
+    def SelectPages(self, request, context):  # noqa: N802
+        return pb.SelectPagesResponse(step=request.step, done=True)
+
+
+def test_steps_after_detach_are_refused_until_attach_is_called_again(tmp_path):
+    """A step after detach() started a background Attach: the session the engine had just
+    ended came back behind its back."""
+    servicer = CountingAttach()
+    released: list[int] = []
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=2.0, use_stream=False,
+                                reattach_backoff_s=0, on_fallback=released.append)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            client.attach()
+            assert client.select_pages(1, [(0, 1, 0)]).ok
+            client.detach()
+            for step in (2, 3, 4):
+                result = client.select_pages(step, [(0, 1, 0)])
+                assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert "the client detached: call attach()" in result.message
+            assert released == [2, 3, 4]
+            counters = client.counters()
+            assert counters.fallback_error == 3 and counters.fallback_not_attached == 0
+            assert servicer.attaches == 1  # nothing re-attached
+            client.attach()
+            assert client.select_pages(5, [(0, 1, 0)]).ok
+            assert servicer.attaches == 2
 
 
 class Draining(pb_grpc.PageSelectorServicer):

@@ -7,8 +7,9 @@ attends densely with its own block table; every fallback is counted by reason
 and reported to epsd on the next step that reaches it (its
 ``eps_client_fallbacks_total`` metric), as the C++ client does. After a sidecar
 restart (or lease expiry) the client re-attaches by itself (idempotent per
-engine_id) while steps fall back. Unary or bidirectional-stream transport; the
-stream keeps one call open and matches replies by step.
+engine_id) while steps fall back; after detach() it does not, until attach(). Unary or
+bidirectional-stream transport; the stream keeps one call open, holding only the step
+asked (a failed step gives it up), so a reply for another step is an error.
 
 The API takes and returns plain Python values (eps_client.types); failed calls
 raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
@@ -93,6 +94,7 @@ def _new_client_id() -> int:
 
 
 _CLOSED = "client closed"
+_DETACHED = "the client detached: call attach() to attach again before a step"
 
 _FALLBACK_REASON = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "fallback_deadline",
@@ -191,6 +193,9 @@ class EpsClient:
         # Fixed for the client's life: epsd keeps the largest totals it saw per id.
         self.client_id = _new_client_id()
         self._closed = False
+        # detach() ran and attach() has not since: steps are refused rather than re-attaching
+        # by themselves (the session the engine ended would come back behind its back).
+        self._detached = False
         self._traceparent_warned = False
 
     def _new_channel(self) -> grpc.Channel:
@@ -205,8 +210,10 @@ class EpsClient:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def attach(self) -> AttachInfo:
-        """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily."""
+        """Attaches (or re-attaches); raises EpsError. select_pages also does this lazily,
+        unless detach() ran since the last attach()."""
         self._check_open()
+        self._detached = False  # whatever this call answers: steps may re-attach again
         # One attach_deadline for the whole call: a background re-attach in flight is waited
         # for within it, and a session it was granted is this call's answer.
         deadline = time.monotonic() + self.options.attach_deadline_s
@@ -229,8 +236,11 @@ class EpsClient:
     def detach(self) -> None:
         """Ends the session (raises EpsError if epsd refuses; nothing to do if not attached),
         also one a background re-attach is being granted (waiting for it, within
-        attach_deadline_s), which would otherwise stay on epsd until its lease ran out."""
+        attach_deadline_s), which would otherwise stay on epsd until its lease ran out.
+        Until attach() is called again, every step is refused with FAILED_PRECONDITION (a
+        fail-open step falls back, counted in fallback_error) and nothing re-attaches."""
         self._check_open()
+        self._detached = True
         self._close_stream()
         deadline = time.monotonic() + self.options.attach_deadline_s  # one for the whole call
         self._take_pending_attach(deadline)
@@ -331,6 +341,8 @@ class EpsClient:
         deadline = start + self.options.deadline_s
         if self._closed:
             return self._failed(step, grpc.StatusCode.FAILED_PRECONDITION, _CLOSED, start)
+        if self._detached:
+            return self._failed(step, grpc.StatusCode.FAILED_PRECONDITION, _DETACHED, start)
         try:
             request = _step_request(step, rows, options, async_reply)
         except (TypeError, ValueError, OverflowError) as e:
@@ -373,12 +385,13 @@ class EpsClient:
                           grpc.StatusCode.CANCELLED):
                 self._close_stream()
                 self.session_id = ""  # re-attach at the next step (idempotent per engine_id)
-            elif e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                # The stream still holds this step (and maybe later ones) for epsd, which
-                # would run them after the engine gave up on them: cancel it now, without
-                # waiting, and open a fresh one for the next step.
-                if (stream := self._take_stream()) is not None:
-                    stream.cancel()
+            elif (stream := self._take_stream()) is not None:
+                # A miss: the stream still holds this step (and maybe later ones) for epsd,
+                # which would run them after the engine gave up on them. Any other failure
+                # (a reply for another step, say): a live stream must only ever hold the
+                # step asked. Either way cancel it now, without waiting, and open a fresh
+                # one for the next step.
+                stream.cancel()
             return self._failed(step, e.code, e.message, start)
         self._reported = now
         self._count("selected")

@@ -321,9 +321,10 @@ class Watchdog:
                 raise
 
     def arm(self, step: int) -> None:
-        """Watches ``step`` (>= 1, < 2**64) from now on, superseding the step armed before.
-        Step 0 is refused: the library takes it as "nothing armed", which would drop the
-        watch of the step before."""
+        """Watches ``step`` (>= 1, < 2**64) from now on, superseding an older step armed
+        before (its release raises selection_done past the older one too); a step not newer
+        than the armed one changes nothing. Step 0 is refused (here, and with
+        INVALID_ARGUMENT by the library): it is the watchdog's "nothing armed"."""
         step = _values.integer("Watchdog.arm(step)", step, 1, _values.UINT64[1])
         with self._lock:
             h = _open(self._h, "watchdog", "watchdog_arm")

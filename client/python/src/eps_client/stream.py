@@ -1,7 +1,7 @@
 """One open StreamSelectPages call of EpsClient (docs/api-failures.md §5.7).
 
-Requests go through a queue, replies are read by a thread into another queue and matched
-by step; a step that misses its deadline cancels the call without waiting for it.
+Requests go through a queue, replies are read by a thread into another queue, the first
+of them the step's; a step that misses its deadline cancels the call without waiting for it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from eps_client.types import EpsError
 
 class SelectStream:
     """One open StreamSelectPages call: requests go through a queue, replies are
-    read by a thread into another queue and matched by step."""
+    read by a thread into another queue; EpsClient checks each reply's step."""
 
     _END = object()
 
@@ -67,9 +67,11 @@ class SelectStream:
                 self.replies.put(self._END)  # later receives see the end too
                 raise EpsError(*self.final)
             assert isinstance(reply, pb.SelectPagesResponse)
-            if reply.step == step:
-                return reply
-            # a reply to a step the engine gave up on: dropped
+            # The first reply is the answer: a live stream holds only the step asked (a
+            # step that fails gives its stream up), so one for another step is the caller's
+            # error at once (epsd answered step … for step …), not a wait for one that
+            # will not come.
+            return reply
 
     def cancel(self) -> None:
         """Ends the call without waiting: epsd sees it cancelled and runs none of the
