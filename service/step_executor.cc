@@ -5,6 +5,8 @@
 #include <system_error>
 #include <utility>
 
+#include "grpc/support/cpu.h"
+
 namespace eps::service {
 
 StepExecutor::StepExecutor(int threads, int max_threads, int inline_turns)
@@ -22,9 +24,13 @@ std::unique_ptr<StepExecutor> StepExecutor::ForSessions(uint32_t max_sessions) {
                                         DefaultInlineTurns());
 }
 
-int StepExecutor::DefaultInlineTurns() {
-  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+int StepExecutor::GrpcCallbackThreads() {
+  // gRPC 1.51's callback completion queue (CallbackAlternativeCQ, src/core/lib/surface/
+  // completion_queue.cc): Clamp(gpr_cpu_num_cores() / 2, 2, 16) "nexting" threads.
+  return std::clamp(static_cast<int>(gpr_cpu_num_cores()) / 2, 2, 16);
 }
+
+int StepExecutor::DefaultInlineTurns() { return std::max(1, GrpcCallbackThreads() / 2); }
 
 bool StepExecutor::TakeInlineTurn() {
   absl::MutexLock lock(&mu_);

@@ -1,11 +1,11 @@
 // The threads that run steps and every wait for one (service/step_gate.h): a step a
 // session's gate admits runs here, and so do the waits of Detach and of a replacing
-// Attach for the old session's running step. gRPC 1.51's callback API has about one
-// callback thread per core, and it sees a call's cancellation only on a free one: steps
+// Attach for the old session's running step. gRPC 1.51's callback API has few callback
+// threads (GrpcCallbackThreads), and it sees a call's cancellation only on a free one: steps
 // or waits on all of those threads held off every other call (heartbeats included), the
 // cancellations of the steps themselves (so a cancelled cpu step ran to its end) and
-// SIGTERM's drain. A step handed here costs a thread hop each way, though (about 30 µs
-// a step on the H100 host, 60 µs with a synchronous reply), so a bounded number of
+// SIGTERM's drain. A step handed here costs a thread hop each way, though (65-140 µs a
+// step at p50 on the H100 host: docs/benchmarks/latency.md), so a bounded number of
 // steps, half the callback threads (DefaultInlineTurns), run on the callback thread that
 // admitted them (TakeInlineTurn); the rest, every parked step and every wait run here.
 //
@@ -56,12 +56,15 @@ class StepExecutor {
   // sessions that have ended. Threads are started only as sessions step at once, so an
   // epsd of few engines keeps few.
   static std::unique_ptr<StepExecutor> ForSessions(uint32_t max_sessions);
-  // Threads at start: as many as gRPC's callback threads (about one per core), and at
-  // least two.
+  // Threads at start: one per core, and at least two.
   static int DefaultThreads();
-  // Turns that may run on gRPC's callback threads at once (ForSessions): half of them
-  // (about one per core), at least one. The other half stay free, so the calls of every
-  // engine, and the cancellation of the turns running there, are still seen.
+  // The callback threads gRPC 1.51 starts for a server of callback services: one per two
+  // cores, at least 2 and at most 16 (its CallbackAlternativeCQ's "nexting" threads;
+  // step_executor_test counts them in the process).
+  static int GrpcCallbackThreads();
+  // Turns that may run on gRPC's callback threads at once (ForSessions): half of them, at
+  // least one. The other half stay free, so the calls of every engine, and the
+  // cancellation of the turns running there, are still seen.
   static int DefaultInlineTurns();
 
   // Whether the caller (a gRPC callback thread) may run one turn itself, skipping the

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 
 namespace eps::service {
@@ -39,10 +40,15 @@ void StepGate::Run(uint64_t step, Turn turn, Liveness alive, Handoff handoff) {
     // On this thread, within the executor's bound on such turns (step_executor.h); the
     // caller keeps the gate alive until Run returns. A turn parked meanwhile still goes
     // to the pool (EndTurn), so this thread returns as soon as its own turn has ended.
+    // Turns must not throw; one that did (an allocation) still gives back its place in
+    // the bound and the gate, else the session's next steps would wait for good.
+    StepExecutor& executor = *handoff.executor;
+    absl::Cleanup end = [&] {
+      turn = nullptr;
+      executor.ReturnInlineTurn();
+      EndTurn();
+    };
     std::move(turn)(absl::OkStatus());
-    turn = nullptr;
-    handoff.executor->ReturnInlineTurn();
-    EndTurn();
     return;
   }
   HandOff(std::move(turn), std::move(handoff));
@@ -52,9 +58,11 @@ void StepGate::HandOff(Turn turn, Handoff handoff) {
   // `owner` keeps the gate alive until the task has ended.
   StepExecutor& executor = *handoff.executor;
   executor.Submit([this, turn = std::move(turn), owner = std::move(handoff.owner)]() mutable {
+    absl::Cleanup end = [&] {
+      turn = nullptr;  // let go of what the turn holds before the lock is taken
+      EndTurn();
+    };
     std::move(turn)(absl::OkStatus());
-    turn = nullptr;  // let go of what the turn holds before the lock is taken
-    EndTurn();
   });
 }
 

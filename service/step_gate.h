@@ -3,13 +3,14 @@
 // calls Run (a gRPC callback thread, in epsd) only while the executor's bound on such
 // turns allows (StepExecutor::TakeInlineTurn); otherwise it is handed to the StepExecutor
 // (service/step_executor.h), at once when no step of the session runs, and a parked one
-// always, once the step before it has ended. gRPC 1.51's callback API has about one callback
-// thread per core and processes a call's cancellation only on a free one: steps run on
-// them held off every other engine's calls and the cancellation of the steps themselves
-// (docs/design.md, SelectPages). A parked step holds no thread meanwhile, so an engine
-// with calls queued on its own slow session takes no more of the pool than one thread
-// (docs/api-failures.md, "Steps in flight"). A normal engine has at most two calls on a
-// session: the step running and, after a client deadline, the next one.
+// always, once the step before it has ended. gRPC 1.51's callback API has few callback
+// threads (one per two cores, 2 to 16) and processes a call's cancellation only on a free
+// one: steps run on all of them held off every other engine's calls and the cancellation
+// of the steps themselves (docs/design.md, SelectPages). A call refused at the gate, and a
+// parked call replaced because its client gave up, are answered on the caller's thread. A parked
+// step holds no thread meanwhile, so an engine with calls queued on its own slow session takes no
+// more of the pool than one thread (docs/api-failures.md, "Steps in flight"). A normal engine has
+// at most two calls on a session: the step running and, after a client deadline, the next one.
 //
 // Thread safety: all methods may be called concurrently. Turns of one gate never
 // run at the same time, and run in the order admitted.

@@ -244,12 +244,13 @@ class UntilCancelledBackend final : public StepBackend {
 };
 
 // epsd on a loopback port whose sessions' first steps run until cancelled, with more such
-// sessions than gRPC has callback threads (about one per core), and one more session.
+// sessions than gRPC has callback threads, and one more session.
 class BusyServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"});
+        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off",
+                    absl::StrCat("--max-sessions=", kBusy + 1)});  // on any number of cores
     ASSERT_TRUE(config.ok()) << config.status();
     LongSteps* steps = &steps_;
     ServerHooks hooks;
@@ -310,8 +311,8 @@ class BusyServerTest : public ::testing::Test {
     return response.sessions_size() == 1 ? response.sessions(0) : v1::SessionStats();
   }
 
-  // Twice the callback threads gRPC 1.51 starts (about one per core), and more.
-  const int kBusy = 2 * StepExecutor::DefaultThreads() + 2;
+  // Twice the callback threads gRPC 1.51 starts, and more.
+  const int kBusy = 2 * StepExecutor::GrpcCallbackThreads() + 2;
   LongSteps steps_;
   TestEngine engine_{eps::testing::SmallServiceModel(), /*max_seqs=*/1, /*max_context=*/512,
                      /*max_batch=*/1, eps::testing::TestSeed()};
@@ -390,7 +391,7 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
     int status = 0;
     {  // the engine's shm objects are removed before the exit
       const std::string path = absl::StrCat("/tmp/epsd-test-busy-drain-", getpid(), ".sock");
-      const int sessions = 2 * StepExecutor::DefaultThreads() + 2;
+      const int sessions = 2 * StepExecutor::GrpcCallbackThreads() + 2;
       TestEngine engine(eps::testing::SmallServiceModel(), /*max_seqs=*/1, /*max_context=*/512,
                         /*max_batch=*/1, eps::testing::TestSeed());
       engine.Fill(0, 0, 300);
@@ -445,7 +446,8 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
         kill(getpid(), SIGTERM);
       });
       status = RunEpsd(
-          {"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=500"},
+          {"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=500",
+           absl::StrCat("--max-sessions=", sessions)},
           [&steps](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
                    std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
             ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));

@@ -4,14 +4,23 @@
 // grows, to its bound, when a task finds every thread busy.
 #include "service/step_executor.h"
 
+#include <dirent.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace eps::service {
@@ -132,4 +141,46 @@ TEST(StepExecutorTest, AServersPoolStartsSmall) {
 }
 
 }  // namespace
+
+// Threads of this process whose name is `name` (/proc/self/task/*/comm).
+int ThreadsNamed(const std::string& name) {
+  int count = 0;
+  DIR* tasks = opendir("/proc/self/task");
+  if (tasks == nullptr) return -1;
+  while (const dirent* entry = readdir(tasks)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream comm(absl::StrCat("/proc/self/task/", entry->d_name, "/comm"));
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++count;
+  }
+  closedir(tasks);
+  return count;
+}
+
+// The bound on steps run on gRPC's callback threads stays below the number of those
+// threads gRPC really starts, counted by name in this process: with the bound at half the
+// cores it was all of them on 16 cores, and cancellations and SIGTERM's drain stalled
+// again (step_executor.h). Checks the formula GrpcCallbackThreads assumes of gRPC.
+TEST(StepExecutorTest, InlineTurnsLeaveSomeOfGrpcsCallbackThreadsFree) {
+  grpc::CallbackGenericService service;
+  grpc::ServerBuilder builder;
+  const std::string path = absl::StrCat("/tmp/eps-executor-test-", getpid(), ".sock");
+  builder.AddListeningPort("unix://" + path, grpc::InsecureServerCredentials());
+  builder.RegisterCallbackGenericService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  int nexting = 0;
+  for (int i = 0; i < 100 && nexting < StepExecutor::GrpcCallbackThreads(); ++i) {
+    nexting = ThreadsNamed("nexting_thread");
+    if (nexting < StepExecutor::GrpcCallbackThreads()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  server->Shutdown();
+  unlink(path.c_str());
+  EXPECT_EQ(nexting, StepExecutor::GrpcCallbackThreads());
+  EXPECT_GE(StepExecutor::DefaultInlineTurns(), 1);
+  EXPECT_LT(StepExecutor::DefaultInlineTurns(), nexting);
+}
+
 }  // namespace eps::service
