@@ -578,9 +578,13 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
     host.kv_bytes_read_est = SaturatingMulAdd(0, {static_cast<int64_t>(dstats.visited_tokens),
                                                   g.per_head ? 1 : m.num_kv_heads, kv_token_bytes});
     // With the coarse level the candidate kernel counted the records read.
-    host.summary_bytes_read = (g.pending_coarse ? static_cast<int64_t>(dstats.summary_records)
-                                                : g.row_groups * g.scored_kv_heads_total) *
-                              g.layout.record_bytes();
+    // Saturating, as core/ and every other byte sum (rows may share a table row: a batch
+    // of long contexts can pass 2^63 bytes).
+    host.summary_bytes_read =
+        g.pending_coarse
+            ? SaturatingMulAdd(
+                  0, {static_cast<int64_t>(dstats.summary_records), g.layout.record_bytes()})
+            : SaturatingMulAdd(0, {g.row_groups, g.scored_kv_heads_total, g.layout.record_bytes()});
     *stats = host;
   }
   return absl::OkStatus();

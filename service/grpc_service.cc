@@ -72,7 +72,8 @@ class SelectStream final
       End(started);
       return;
     }
-    // Done on the StepExecutor (step_gate.h), or here for a call refused before the gate.
+    // Done here for a call refused at or before the gate or run inline (within the
+    // executor's bound on such steps), else on the StepExecutor (step_gate.h).
     sessions_.StartSelectPages(request_, &response_, LivenessOf(context_), caller_,
                                [this, step](absl::Status s, BackendKind backend) {
                                  StepDone(step, std::move(s), backend);
@@ -185,9 +186,10 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   });
   if (!started.ok()) return Finish(context, telemetry_, call, started);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Finished on the StepExecutor, where the step runs (step_gate.h), or here for a call
-  // refused before the gate: this callback thread returns at once, free for other calls
-  // and for this one's cancellation, which a cpu step checks between its (row, layer)s.
+  // Finished where the step runs: here within the executor's bound on inline steps, else
+  // on the StepExecutor (step_gate.h), this callback thread then returning at once, free
+  // for other calls and for this one's cancellation, which a cpu step checks between its
+  // (row, layer)s; or here for a call refused at or before the gate.
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
       [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {

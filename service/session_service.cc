@@ -341,8 +341,9 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
     std::move(done)(std::move(checked), kind);
     return;
   }
-  // One step of a session runs and one more is parked, holding no thread; both run on
-  // the executor, never on this thread (step_gate.h).
+  // One step of a session runs and one more is parked, holding no thread; the running
+  // one on this thread within the executor's inline bound, else on the executor, the
+  // parked one on the executor (step_gate.h).
   Session& gated = *session;  // kept alive by `session` until Run returns
   const CallLiveness step_alive = liveness;
   // A step holds its session until it has run on the executor.

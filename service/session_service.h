@@ -99,15 +99,17 @@ class SessionService {
   // Called once with a step's status and its session's backend kind (kCpu before the
   // session is found).
   using SelectDone = absl::AnyInvocable<void(absl::Status status, BackendKind backend) &&>;
-  // Checks the call on this thread, then runs its step through the session's StepGate
-  // on the executor: at once when no step of the session runs, or parked behind the
+  // Checks the call on this thread, then runs its step through the session's StepGate:
+  // on this thread while the executor grants an inline turn (StepExecutor::TakeInlineTurn),
+  // else on the executor; at once when no step of the session runs, or parked behind the
   // running one, holding no thread meanwhile, until that step has ended (the running
   // step's thread returns without waiting for it); a call beyond the one parked is
   // refused at once (RESOURCE_EXHAUSTED). A step whose caller gave up (cancelled,
   // deadline passed) by the time it holds the session's step lock is answered without
   // running, its step number left free; on the cpu backend one whose caller gives up
   // while it runs stops before its next (row, layer). `done` reports each outcome: on
-  // this thread for a call refused before the gate, else on the executor; `request` and
+  // this thread for a call refused at or before the gate or run inline, else on the
+  // executor; `request` and
   // `response` must live until it is called. The session is held until the step has run.
   void StartSelectPages(const v1::SelectPagesRequest& request, v1::SelectPagesResponse* response,
                         CallLiveness liveness, const Peer& caller, SelectDone done);

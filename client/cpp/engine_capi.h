@@ -27,9 +27,9 @@
  * it: a failed call's error is this call's return, not cudaGetLastError()'s for the
  * engine's next launch check to report (a sticky error, one that ends the context, is
  * every call's). Thread safety: each handle is used by one
- * thread at a time, except eps_engine_watchdog_* (see the watchdog below: a call that
- * overlaps its destroy is refused, one after it is undefined) and the summary writer's
- * append and reset, which may be called from any thread.
+ * thread at a time, except eps_engine_watchdog_* (see the watchdog below: a call during
+ * its destroy's wait is refused, one that may outlive the destroy is undefined) and the summary
+ * writer's append and reset, which may be called from any thread.
  */
 #ifndef EPS_CLIENT_CPP_ENGINE_CAPI_H_
 #define EPS_CLIENT_CPP_ENGINE_CAPI_H_
@@ -109,10 +109,12 @@ int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint
  * eps_engine_watchdog_destroy returns. Its thread reads flags[1] at an armed step's due time
  * and may release it (writes) even after epsd answered, and destroy finishes the armed
  * step's watch. (Python's eps_client.engine.Watchdog keeps its CudaBuffers alive for this.)
- * Any thread may call these functions, destroy included: a call that overlaps a destroy
- * (which may wait up to the armed step's due time) is refused with 9 (FAILED_PRECONDITION,
- * "the watchdog is being destroyed"; releases returns 0 then) and touches nothing. A call
- * made once destroy has returned is undefined, as for every handle: the handle is freed
+ * Any thread may call these functions, destroy included. Destroy first refuses every
+ * later call and waits for those running, then finishes the armed step's watch (up to its
+ * due time): a call made during that wait is refused with 9 (FAILED_PRECONDITION, "the
+ * watchdog is being destroyed"; releases returns 0 then) and touches nothing, where it
+ * used to crash. A call that may still be in flight when destroy returns is undefined (a
+ * destroy with no step armed returns at once), as for every handle: the handle is freed
  * and cannot be checked, so the caller must order its last calls before the destroy's
  * return (Python's Watchdog holds a lock through each call for this). */
 typedef struct EpsEngineWatchdog EpsEngineWatchdog;

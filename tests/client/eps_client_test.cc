@@ -549,15 +549,15 @@ TEST(StreamReplyTest, AReplyForAnotherStepIsAnErrorFallbackAtOnce) {
   auto server = Serve(&epsd, target);
   ASSERT_NE(server, nullptr);
   {
-    EpsClient client(FakeOptions(target, /*use_stream=*/true, std::chrono::seconds(2)),
+    EpsClient client(FakeOptions(target, /*use_stream=*/true, std::chrono::seconds(20)),
                      Attach("e"));
     ASSERT_TRUE(client.Attach().ok());
     const v1::BatchRow row = Row();
     for (uint64_t step = 1; step <= 2; ++step) {
       const auto start = std::chrono::steady_clock::now();
       const StepResult r = client.SelectPages(step, {&row, 1});
-      // Far less than the 2 s deadline the dropped reply made it wait.
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+      // Far less than the 20 s deadline the dropped reply made it wait.
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
       EXPECT_TRUE(r.fallback);
       EXPECT_EQ(r.status.code(), absl::StatusCode::kInternal) << r.status;
       EXPECT_NE(r.status.message().find(

@@ -95,14 +95,26 @@ TEST(WatchdogHandleTest, ACallRunningWhenADestroyBeginsFinishesOnALiveWatchdogFi
   EXPECT_EQ(device.Released(), std::vector<uint64_t>{4});  // the call's arm was watched
 }
 
-TEST(WatchdogHandleTest, ASecondDestroyReturnsAtOnce) {
-  testing::FakeWatchdogDevice device;
-  auto handle = MakeHandle(device, milliseconds(60000));
+// A second destroy while the first still finishes an armed step's watch returns without
+// waiting for that watch (it finds the watchdog gone); the first still ends it.
+TEST(WatchdogHandleTest, ASecondDestroyReturnsAtOnceWhileTheFirstFinishesTheWatch) {
+  testing::FakeWatchdogDevice device;  // epsd is gone: step 1 never completes
+  auto handle = MakeHandle(device, milliseconds(3000));
+  ASSERT_TRUE(Arm(*handle, 1).ok());
+  std::atomic<bool> first_returned{false};
+  std::thread first([&] {
+    handle->Destroy();  // waits up to step 1's due time, 3 s
+    first_returned = true;
+  });
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  uint64_t releases = 0;
+  while (ReadReleases(*handle, &releases).ok() && Clock::now() < until) {
+  }  // until the first destroy has begun (a call is refused)
   handle->Destroy();
-  const auto start = Clock::now();
-  handle->Destroy();
-  EXPECT_LT(Clock::now() - start, std::chrono::seconds(30));
-  EXPECT_EQ(Arm(*handle, 1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(first_returned);  // the second did not wait out the 3 s watch
+  first.join();
+  EXPECT_EQ(device.Released(), std::vector<uint64_t>{1});
+  EXPECT_EQ(Arm(*handle, 3).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

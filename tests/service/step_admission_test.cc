@@ -47,8 +47,8 @@ using ::testing::Not;
 
 // The cpu backend, but step 1 waits for release_first once started, and step 2 for
 // release_second, 10 s at most (run before step 1's reply went out, the defect, it must
-// not wait for good, or the test would hang instead of failing). Step 2 may run on the
-// thread step 1 ran on once step 1's task has ended: all steps run on the StepExecutor.
+// not wait for good, or the test would hang instead of failing). Step 2, parked, runs on
+// the StepExecutor, possibly on the thread step 1 ran on once step 1's task has ended.
 struct HeldSteps {
   absl::Notification first_started, release_first, release_second;
   EventLog log;

@@ -1,5 +1,6 @@
-// The step gate alone (service/step_gate.h): one turn runs, on an executor, one is parked
-// and handed to its executor when the running one ends, any further one is refused at once.
+// The step gate alone (service/step_gate.h): one turn runs (on the caller's thread within
+// the executor's inline bound, else on the executor), one is parked and handed to its
+// executor when the running one ends, any further one is refused at once.
 #include "service/step_gate.h"
 
 #include <atomic>

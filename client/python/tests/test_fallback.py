@@ -174,13 +174,13 @@ def test_a_reply_for_another_step_is_an_error_fallback_at_once(tmp_path, use_str
     one that never came, counted as a deadline miss."""
     servicer = WrongStep()
     with fake_epsd(servicer, tmp_path) as target:
-        options = ClientOptions(target=target, deadline_s=2.0, use_stream=use_stream)
+        options = ClientOptions(target=target, deadline_s=20.0, use_stream=use_stream)
         with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
             client.attach()
             for step in (7, 8):
                 start = time.monotonic()
                 result = client.select_pages(step, [(0, 1, 0)])
-                assert time.monotonic() - start < 1.0  # far less than the 2 s deadline
+                assert time.monotonic() - start < 10.0  # far less than the 20 s deadline
                 assert result.fallback and result.code == grpc.StatusCode.INTERNAL
                 assert f"epsd answered step {step + 1000} for step {step}" in result.message
             counters = client.counters()

@@ -353,8 +353,9 @@ def test_a_batch_outside_the_lists_rows_is_refused_before_a_path_is_chosen(batch
 
 @pytest.mark.parametrize(("args", "error", "message"), [
     # lists <= 0 gave a plan of no entries for any batch
-    (([100, 40], 0, 3, G, BS), ValueError, "lists=0 must be >= 1"),
-    (([100, 40], -2, 3, G, BS), ValueError, "lists=-2 must be >= 1"),
+    (([100, 40], 0, 3, G, BS), ValueError, "lists=0 not in [1, 2147483647]"),
+    (([100, 40], -2, 3, G, BS), ValueError, "lists=-2 not in [1, 2147483647]"),
+    (([100, 40], 2**31, 3, G, BS), ValueError, "lists=2147483648 not in [1, 2147483647]"),
     (([100, 40], 1.0, 3, G, BS), TypeError, "lists=1.0 is not an integer"),
     # 100.9 tokens was planned as 100
     (([100.9, 50.2], 1, 3, G, BS), TypeError, "context_tokens must be integers, got dtype float64"),

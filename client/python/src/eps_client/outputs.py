@@ -68,7 +68,7 @@ def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, gro
     _check_plan(budget_groups, group_blocks, block_size)
     lists = _values.integer("lists", lists)
     if not 1 <= lists <= _values.INT32[1]:
-        raise ValueError(f"lists={lists} must be >= 1")
+        raise ValueError(f"lists={lists} not in [1, {_values.INT32[1]}]")
     contexts = _values.integer_array("context_tokens", context_tokens).reshape(-1)
     indptr, total = [0], 0
     for i, c in enumerate(contexts.tolist()):

@@ -319,7 +319,7 @@ class SummaryWriter:
                              f"{getattr(records, 'dtype', type(records).__name__)} "
                              f"{list(getattr(records, 'shape', ()))}")
         if records.strides[-1] != records.itemsize:
-            raise ValueError(f"{name}' last axis must be contiguous, got a stride of "
+            raise ValueError(f"{name}'s last axis must be contiguous, got a stride of "
                              f"{records.strides[-1]} bytes")
         if not records.flags.writeable:
             raise ValueError(f"{name} is read-only")
