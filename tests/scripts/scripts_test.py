@@ -40,3 +40,17 @@ def test_demo_stops_with_epsds_status_when_epsd_cannot_start(tmp_path: Path) -> 
     assert "epsd exited with status 2" in done.stderr
     assert not (tmp_path / "demo-ran").exists()
 
+
+def test_fuzz_refuses_a_time_that_is_not_whole_seconds_before_building(tmp_path: Path) -> None:
+    # No compiler: a run that got past the check would fail at cmake, not build for minutes.
+    env = {**os.environ, "EPS_FUZZ_BUILD_DIR": str(tmp_path / "build-fuzz"),
+           "EPS_CLANG": str(tmp_path / "no-clang"), "EPS_CLANGXX": str(tmp_path / "no-clang++")}
+    for args in (["1h"], ["abc"], ["-5"], ["1", "2"]):
+        done = _run(["bash", str(REPO / "scripts" / "fuzz.sh"), *args], env=env)
+        assert done.returncode == 2, (args, done)
+        assert "whole seconds per target" in done.stderr, done.stderr
+    done = _run(["bash", str(REPO / "scripts" / "fuzz.sh"), "5"],
+                env={**env, "EPS_FUZZ_RUNS": "many"})
+    assert done.returncode == 2 and "EPS_FUZZ_RUNS=many" in done.stderr, done
+    assert not (tmp_path / "build-fuzz").exists()
+
