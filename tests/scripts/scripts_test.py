@@ -54,3 +54,19 @@ def test_fuzz_refuses_a_time_that_is_not_whole_seconds_before_building(tmp_path:
     assert done.returncode == 2 and "EPS_FUZZ_RUNS=many" in done.stderr, done
     assert not (tmp_path / "build-fuzz").exists()
 
+
+def test_check_format_says_when_it_has_no_clang_format(tmp_path: Path) -> None:
+    # Once it exited 1 with no word, as if a file were misformatted.
+    done = _run(["bash", str(REPO / "scripts" / "check_format.sh")],
+                env={**os.environ, "CLANG_FORMAT": str(tmp_path / "no-clang-format")})
+    assert done.returncode == 1
+    assert "cannot run clang-format" in done.stderr, done.stderr
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("dirname", "git"):
+        (tools / tool).symlink_to(shutil.which(tool) or tool)
+    env = {k: v for k, v in os.environ.items() if k != "CLANG_FORMAT"}
+    done = _run([shutil.which("bash") or "bash", str(REPO / "scripts" / "check_format.sh")],
+                env={**env, "PATH": str(tools)})
+    assert done.returncode == 1
+    assert "cannot run clang-format (CLANG_FORMAT=unset)" in done.stderr, done.stderr
