@@ -38,6 +38,15 @@ def int_list(arg: str) -> list[int]:
     return [v for v in (non_negative_int(c) for c in arg.split(",") if c.strip()) if v > 0]
 
 
+def positive_int_list(arg: str) -> list[int]:
+    """`1,2,8` -> [1, 2, 8]: one or more integers >= 1, for a list the run cannot do
+    without (its group sizes, its contexts); 0 and an empty list are errors."""
+    values = [positive_int(c) for c in arg.split(",") if c.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{arg!r} names no value")
+    return values
+
+
 def index_list(arg: str) -> list[int]:
     """`0,5,29` -> [0, 5, 29]: indices (layers), 0 included; a negative or none is an
     error."""
