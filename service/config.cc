@@ -1,7 +1,5 @@
 #include "service/config.h"
 
-#include <sys/un.h>
-
 #include <algorithm>
 
 #include "absl/strings/match.h"
@@ -54,11 +52,7 @@ absl::Status ReadListen(std::string* out) {
     if (path.size() < 2 || path[0] != '/') {
       return cli::Invalid(FLAGS_listen, "unix:///path: an absolute path after unix://");
     }
-    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
-      return cli::Invalid(
-          FLAGS_listen, absl::StrCat("a socket path of at most ", sizeof(sockaddr_un::sun_path) - 1,
-                                     " bytes (this one has ", path.size(), ")"));
-    }
+    RETURN_IF_ERROR(cli::CheckSocketPathLength(absl::GetFlagReflectionHandle(FLAGS_listen), path));
     *out = v;
     return absl::OkStatus();
   }
