@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,12 @@ def test_a_unix_socket_path_too_long_for_its_address_is_refused_at_the_command_l
         done = run(paths[name], f"--{flag}=unix://{longest}", "--help")
         assert done.returncode == 0, (name, done.stderr)
 
+
+def test_epsd_refuses_a_step_log_it_cannot_open_as_a_bad_command_line(tmp_path: Path) -> None:
+    # Once exit 1, as a failure to serve; docs/cli.md: a file that cannot be created is 2.
+    missing = tmp_path / "no-such-dir" / "steps.jsonl"
+    done = run(binaries()["epsd"], f"--listen=unix://{tmp_path}/epsd.sock", "--backend=cpu",
+               "--metrics-listen=off", f"--step-log={missing}")
+    assert done.returncode == 2, done
+    assert f"--step-log={missing}: cannot open for appending" in done.stderr, done.stderr
+    assert not (tmp_path / "epsd.sock").exists()
