@@ -133,7 +133,7 @@ def test_a_coarse_level_run_attaches_with_it_and_has_no_errors(
 
 
 def test_bad_coarse_flags_exit_2_and_name_the_flag() -> None:
-    for args, flag in ((["--eps-group-blocks=2", "--coarse-blocks=3"], "coarse_blocks=3"),
+    for args, flag in ((["--eps-group-blocks=2", "--coarse-blocks=3"], "--coarse-blocks=3"),
                        (["--coarse-candidates=2"], "--coarse-candidates=2"),
                        (["--coarse-blocks=16", "--coarse-candidates=0.5"],
                         "--coarse-candidates=0.5")):
