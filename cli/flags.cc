@@ -1,5 +1,7 @@
 #include "cli/flags.h"
 
+#include <sys/un.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -311,8 +313,12 @@ absl::Status CheckDialTarget(const absl::Flag<std::string>& flag) {
   const std::string target = absl::GetFlag(flag);
   if (absl::StartsWith(target, "unix://")) {
     // unix://relative would name an authority, not a path: gRPC refuses it only at a call.
-    if (absl::StartsWith(target, "unix:///") && target.size() > 8) return absl::OkStatus();
-    return Invalid(flag, "unix:///path: an absolute path after unix://");
+    if (!absl::StartsWith(target, "unix:///") || target.size() <= 8) {
+      return Invalid(flag, "unix:///path: an absolute path after unix://");
+    }
+    // A longer path fails only at the first call (and gRPC's error does not say why).
+    return CheckSocketPathLength(absl::GetFlagReflectionHandle(flag),
+                                 absl::string_view(target).substr(7));
   }
   int port = 0;
   if (!IsHostPort(target) || !absl::SimpleAtoi(target.substr(target.rfind(':') + 1), &port) ||
@@ -322,6 +328,14 @@ absl::Status CheckDialTarget(const absl::Flag<std::string>& flag) {
                    "unix-abstract: are not supported)");
   }
   return absl::OkStatus();
+}
+
+size_t MaxSocketPathBytes() { return sizeof(sockaddr_un::sun_path) - 1; }
+
+absl::Status CheckSocketPathLength(const absl::CommandLineFlag& flag, absl::string_view path) {
+  if (path.size() <= MaxSocketPathBytes()) return absl::OkStatus();
+  return Invalid(flag, absl::StrCat("a socket path of at most ", MaxSocketPathBytes(),
+                                    " bytes (this one has ", path.size(), ")"));
 }
 
 bool IsHostPort(absl::string_view address) {

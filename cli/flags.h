@@ -103,9 +103,17 @@ bool IsHostPort(absl::string_view address);
 // A --target flag's value as the clients dial epsd (docs/cli.md): unix:///path, or host:port
 // with a port in [1, 65535]. Anything else would reach gRPC's resolver and fail only when
 // the calls do ("localhost" dials port 443, "h:99999" fails DNS); unix:path and
-// unix-abstract: are refused as epsd's --listen refuses them. InvalidArgument naming the
-// flag otherwise.
+// unix-abstract: are refused as epsd's --listen refuses them, and so is a path too long
+// for a socket address (CheckSocketPathLength). InvalidArgument naming the flag otherwise.
 absl::Status CheckDialTarget(const absl::Flag<std::string>& flag);
+
+// The longest Unix socket path, in bytes, that a socket address holds (sun_path less its
+// terminating NUL: 107 on Linux).
+size_t MaxSocketPathBytes();
+
+// OK when `path` (after unix://) fits a socket address; else InvalidArgument naming the
+// flag, the limit and the path's length. One check for epsd's --listen and the --targets.
+absl::Status CheckSocketPathLength(const absl::CommandLineFlag& flag, absl::string_view path);
 
 // "--name=<value>: want <want>", for a value that parsed but is out of range: the value
 // as ParseArgs was given it, else the flag's current value.

@@ -7,11 +7,8 @@
 // SelectPages at all (the report says which), 2 for bad flags, 1 when the run could not
 // be set up.
 #include <atomic>
-#include <cerrno>
 #include <csignal>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +17,7 @@
 #include "load/load_config.h"
 #include "load/load_run.h"
 #include "load/report.h"
+#include "load/report_file.h"
 #include "load/rpc_floor.h"
 
 namespace {
@@ -45,16 +43,18 @@ int main(int argc, char** argv) {
     std::printf("%s\n", eps::cli::VersionLine("eps-load").c_str());
     return 0;
   }
-  // The report's file is created now: a path that cannot be written is a bad command
-  // line, found before the run rather than after it.
-  std::ofstream json;
+  // The report's temporary is created now: a path that cannot be written is a bad command
+  // line, found before the run rather than after it. The report itself is replaced only
+  // when the run ends with one, so a failed or interrupted run leaves an earlier report.
+  std::optional<eps::load::ReportFile> json;
   if (!config->json_path.empty()) {
-    json.open(config->json_path, std::ios::out | std::ios::trunc);
-    if (!json) {
+    auto opened = eps::load::ReportFile::Open(config->json_path);
+    if (!opened.ok()) {
       std::fprintf(stderr, "eps-load: --json=%s: cannot create it: %s\n", config->json_path.c_str(),
-                   std::strerror(errno));
+                   std::string(opened.status().message()).c_str());
       return 2;
     }
+    json.emplace(*std::move(opened));
   }
   // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
   // destructors remove the shared-memory objects (a killed run would leave them).
@@ -91,11 +91,10 @@ int main(int argc, char** argv) {
   }
   result->floor = std::move(floor);
   eps::load::PrintTable(*config, *result, stdout);
-  if (!config->json_path.empty()) {
-    json << eps::load::ToJson(*config, *result);
-    json.close();
-    if (!json) {
-      std::fprintf(stderr, "eps-load: cannot write %s\n", config->json_path.c_str());
+  if (json.has_value()) {
+    if (auto written = json->Commit(eps::load::ToJson(*config, *result)); !written.ok()) {
+      std::fprintf(stderr, "eps-load: --json=%s: %s\n", config->json_path.c_str(),
+                   std::string(written.message()).c_str());
       return 1;
     }
   }

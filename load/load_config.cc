@@ -162,10 +162,33 @@ std::chrono::microseconds Us(absl::Duration d) {
   return std::chrono::microseconds(absl::ToInt64Microseconds(d));
 }
 
-// A shape flag: 0 keeps the preset's value.
-absl::Status Override(const absl::Flag<int>& flag, int* field) {
+// A shape flag: 0 keeps the preset's value; otherwise [lo, hi], the range that
+// ModelLayout::Validate (core/layout.cc) gives the field, so that its message (which names
+// the field, not the flag) is never the one a command line gets.
+absl::Status Override(const absl::Flag<int>& flag, int lo, int hi, int* field) {
   if (absl::GetFlag(flag) == 0) return absl::OkStatus();
-  return cli::ReadInRange(flag, 1, 4096, field);
+  return cli::ReadInRange(flag, lo, hi, field);
+}
+
+// The shape flags and their relations, each error naming a flag and what it wants.
+absl::Status ReadShape(ModelLayout* m) {
+  RETURN_IF_ERROR(Override(FLAGS_layers, 1, 4096, &m->num_layers));
+  RETURN_IF_ERROR(Override(FLAGS_q_heads, 1, 4096, &m->num_q_heads));
+  RETURN_IF_ERROR(Override(FLAGS_kv_heads, 1, 4096, &m->num_kv_heads));
+  RETURN_IF_ERROR(Override(FLAGS_head_dim, 4, 1024, &m->head_dim));
+  RETURN_IF_ERROR(Override(FLAGS_block_size, 1, 4096, &m->block_size));
+  RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, 1, 1024, &m->group_blocks));
+  RETURN_IF_ERROR(Override(FLAGS_eps_dim, 1, 64, &m->sketch_dim));
+  if (m->head_dim % 4 != 0) {
+    return cli::Invalid(FLAGS_head_dim, "a multiple of 4 in [4, 1024]");
+  }
+  if (m->num_q_heads % m->num_kv_heads != 0) {
+    return cli::Invalid(FLAGS_kv_heads,
+                        absl::StrCat("a divisor of the query heads, ", m->num_q_heads,
+                                     " (--q-heads, or the preset's); the preset's KV heads are "
+                                     "used when it is 0"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -214,20 +237,19 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   absl::StatusOr<ModelLayout> model = PresetModel(c.preset);
   if (!model.ok()) return model.status();
   c.model = *model;
-  RETURN_IF_ERROR(Override(FLAGS_layers, &c.model.num_layers));
-  RETURN_IF_ERROR(Override(FLAGS_q_heads, &c.model.num_q_heads));
-  RETURN_IF_ERROR(Override(FLAGS_kv_heads, &c.model.num_kv_heads));
-  RETURN_IF_ERROR(Override(FLAGS_head_dim, &c.model.head_dim));
-  RETURN_IF_ERROR(Override(FLAGS_block_size, &c.model.block_size));
-  RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, &c.model.group_blocks));
-  RETURN_IF_ERROR(Override(FLAGS_eps_dim, &c.model.sketch_dim));
+  RETURN_IF_ERROR(ReadShape(&c.model));
   c.model.features.quest8 = absl::GetFlag(FLAGS_quest8) || absl::GetFlag(FLAGS_quest8_only);
   if (absl::GetFlag(FLAGS_quest8_only)) c.model.features.quest = false;
-  // The coarse level: 0 = none (ModelLayout::Validate checks the rest, naming the value).
+  // The coarse level: 0 = none, else ModelLayout::Validate's rule, by the flags' names.
   c.model.coarse_blocks = absl::GetFlag(FLAGS_coarse_blocks);
-  if (c.model.coarse_blocks < 0) {
-    return cli::Invalid(FLAGS_coarse_blocks, "0 or a multiple of the group's blocks above it");
+  const int g = c.model.group_blocks;
+  if (c.model.coarse_blocks != 0 &&
+      (c.model.coarse_blocks <= g || c.model.coarse_blocks > 4096 || c.model.coarse_blocks % g)) {
+    return cli::Invalid(FLAGS_coarse_blocks,
+                        absl::StrCat("0 (no coarse level) or a multiple of the group's blocks (", g,
+                                     ", --eps-group-blocks) above it, at most 4096"));
   }
+  // A backstop: every field and relation above was checked by its flag's name.
   RETURN_IF_ERROR(c.model.Validate());
   const double coarse_candidates = absl::GetFlag(FLAGS_coarse_candidates);
   if (coarse_candidates != 0 && !(coarse_candidates >= 1 && coarse_candidates <= 1024)) {

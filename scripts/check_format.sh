@@ -8,7 +8,12 @@
 # would only have made merge conflicts. Once merged, run --fix and empty the list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CLANG_FORMAT=${CLANG_FORMAT:-$(command -v clang-format-14 || command -v clang-format)}
+CLANG_FORMAT=${CLANG_FORMAT:-$(command -v clang-format-14 || command -v clang-format || true)}
+if [[ -z $CLANG_FORMAT ]] || ! command -v "$CLANG_FORMAT" >/dev/null; then
+  echo "check_format.sh: cannot run clang-format (CLANG_FORMAT=${CLANG_FORMAT:-unset}): want" \
+    "clang-format-14 on PATH, as scripts/setup.sh installs it, or CLANG_FORMAT naming it" >&2
+  exit 1
+fi
 mapfile -t files < <(git ls-files -- '*.c' '*.cc' '*.cpp' '*.h' '*.hpp' '*.cu' '*.cuh')
 if [[ ${1:-} == --fix ]]; then
   "$CLANG_FORMAT" -i "${files[@]}"

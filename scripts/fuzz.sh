@@ -10,6 +10,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-5}
 RUNS=${EPS_FUZZ_RUNS:--1}
+# libFuzzer reads its flags with atoi: "1h" would be 1 second and "abc" 0, no limit at all.
+if [[ $# -gt 1 || ! $SECONDS_PER_TARGET =~ ^[0-9]+$ ]]; then
+  echo "fuzz.sh: want one argument, whole seconds per target (5, 3600, 0 for no limit);" \
+    "got: $*" >&2
+  exit 2
+fi
+if [[ ! $RUNS =~ ^(-1|[0-9]+)$ ]]; then
+  echo "fuzz.sh: EPS_FUZZ_RUNS=$RUNS: want a count of executions, or -1 for no limit" >&2
+  exit 2
+fi
 BUILD_DIR=${EPS_FUZZ_BUILD_DIR:-build-fuzz}
 CLANG=${EPS_CLANG:-clang-14}
 CLANGXX=${EPS_CLANGXX:-clang++-14}

@@ -1,8 +1,7 @@
 #include "service/config.h"
 
-#include <sys/un.h>
-
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -42,6 +41,24 @@ absl::Status ReadHostPort(const absl::Flag<std::string>& flag, std::string* out)
   return absl::OkStatus();
 }
 
+// A float the policy holds, from a double flag: checked as the float it becomes, so that a
+// value that narrows to 0 (--eps-top-p=1e-300) is refused here by the flag's name rather
+// than by the policy's check, which knows no flag.
+absl::Status ReadPositiveFloat(const absl::Flag<double>& flag, float hi, float* out) {
+  const double value = absl::GetFlag(flag);
+  const float narrowed = static_cast<float>(value);
+  if (!(narrowed > 0.0f && value <= hi)) {
+    const bool underflows = value > 0.0;
+    return cli::Invalid(
+        flag, absl::StrCat("a number in (0, ", hi, "]",
+                           underflows ? absl::StrCat(" that is not 0 as a float (at least ",
+                                                     std::numeric_limits<float>::denorm_min(), ")")
+                                      : ""));
+  }
+  *out = narrowed;
+  return absl::OkStatus();
+}
+
 // --listen: unix:///path (an absolute path that fits a socket address) or host:port. gRPC's
 // other spellings (unix:path, unix-abstract:name, dns:...) are refused: epsd binds and
 // removes the socket file itself, by path (docs/cli.md). unix://relative.sock would bind a
@@ -54,11 +71,7 @@ absl::Status ReadListen(std::string* out) {
     if (path.size() < 2 || path[0] != '/') {
       return cli::Invalid(FLAGS_listen, "unix:///path: an absolute path after unix://");
     }
-    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
-      return cli::Invalid(
-          FLAGS_listen, absl::StrCat("a socket path of at most ", sizeof(sockaddr_un::sun_path) - 1,
-                                     " bytes (this one has ", path.size(), ")"));
-    }
+    RETURN_IF_ERROR(cli::CheckSocketPathLength(absl::GetFlagReflectionHandle(FLAGS_listen), path));
     *out = v;
     return absl::OkStatus();
   }
@@ -128,19 +141,10 @@ absl::StatusOr<ServerConfig> ReadFlags() {
                                       {"top_p", Budget::kTopP},
                                       {"mass", Budget::kMass}},
                                      &c.policy.budget));
-  const double top_p = absl::GetFlag(FLAGS_eps_top_p);
-  if (!(top_p > 0.0 && top_p <= 1.0)) return cli::Invalid(FLAGS_eps_top_p, "a number in (0, 1]");
-  c.policy.top_p = static_cast<float>(top_p);
-  const double mass = absl::GetFlag(FLAGS_eps_budget_mass);
-  if (!(mass > 0.0 && mass <= 1.0)) {
-    return cli::Invalid(FLAGS_eps_budget_mass, "a number in (0, 1]");
-  }
-  c.policy.mass_target = static_cast<float>(mass);
-  const double tau = absl::GetFlag(FLAGS_eps_mass_temperature);
-  if (!(tau > 0.0 && tau <= 1000.0)) {
-    return cli::Invalid(FLAGS_eps_mass_temperature, "a number in (0, 1000]");
-  }
-  c.policy.mass_temperature = static_cast<float>(tau);
+  RETURN_IF_ERROR(ReadPositiveFloat(FLAGS_eps_top_p, 1.0f, &c.policy.top_p));
+  RETURN_IF_ERROR(ReadPositiveFloat(FLAGS_eps_budget_mass, 1.0f, &c.policy.mass_target));
+  RETURN_IF_ERROR(
+      ReadPositiveFloat(FLAGS_eps_mass_temperature, 1000.0f, &c.policy.mass_temperature));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_min_pages, 0, 1 << 30, &c.policy.min_pages));
   RETURN_IF_ERROR(cli::ReadInRange(FLAGS_eps_max_pages, 0, 1 << 30, &c.policy.max_pages));
   RETURN_IF_ERROR(ReadChoice<MassScope>(FLAGS_eps_mass_scope,

@@ -19,6 +19,7 @@
 #include "service/config.h"
 #include "service/cuda_backend.h"
 #include "service/server.h"
+#include "service/telemetry/step_log.h"
 
 namespace eps::service {
 
@@ -51,6 +52,15 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
   if (config->version) {
     std::printf("%s\n", eps::cli::VersionLine("epsd").c_str());
     return 0;
+  }
+  // A step log that cannot be opened is a bad command line (exit 2, docs/cli.md), found
+  // here before the listeners rather than by the server's start (exit 1). Opening it
+  // creates it, as the server would; the server opens it again for itself.
+  if (!config->step_log.empty()) {
+    if (auto log = telemetry::StepLog::Open(config->step_log); !log.ok()) {
+      std::fprintf(stderr, "epsd: %s\n", std::string(log.status().message()).c_str());
+      return 2;
+    }
   }
   if (config->backend == BackendKind::kCuda && (!CudaBackendBuilt() || !CudaDevicePresent())) {
     std::fprintf(

@@ -38,6 +38,15 @@ def int_list(arg: str) -> list[int]:
     return [v for v in (non_negative_int(c) for c in arg.split(",") if c.strip()) if v > 0]
 
 
+def positive_int_list(arg: str) -> list[int]:
+    """`1,2,8` -> [1, 2, 8]: one or more integers >= 1, for a list the run cannot do
+    without (its group sizes, its contexts); 0 and an empty list are errors."""
+    values = [positive_int(c) for c in arg.split(",") if c.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{arg!r} names no value")
+    return values
+
+
 def index_list(arg: str) -> list[int]:
     """`0,5,29` -> [0, 5, 29]: indices (layers), 0 included; a negative or none is an
     error."""
@@ -55,10 +64,18 @@ def same_settings(ap: argparse.ArgumentParser, out: Path, wanted: dict[str, obje
     recorded when ``out/units`` holds any unit; otherwise records them there, with
     ``extra`` (the machine, the start time)."""
     wanted = json.loads(json.dumps(wanted, default=str))
+    out.mkdir(parents=True, exist_ok=True)  # output_dir checked it, and created nothing
     prior = out / "settings.json"
     units = out / "units"
     if prior.exists() and units.is_dir() and any(units.iterdir()):
-        old = json.loads(prior.read_text())
+        try:
+            old = json.loads(prior.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"{prior} cannot be read as the settings of the units in {units} ({e}); "
+                     f"give another --out, or remove {units} to start over")
+        if not isinstance(old, dict):
+            ap.error(f"{prior} does not hold one run's settings (an object); give another "
+                     f"--out, or remove {units} to start over")
         if {k: old.get(k) for k in wanted} != wanted:
             ap.error(f"{out} holds units made with other settings ({prior}); give another "
                      f"--out, or remove {units} to start over")
@@ -77,13 +94,21 @@ def unit_interval(arg: str) -> float:
 
 
 def output_dir(arg: str) -> Path:
-    """A directory the run writes into, created if missing and probed for writing now: an
+    """A directory the run writes into, probed for writing now but not created: an
     unwritable `--out` is an argparse error before any model loads, not a traceback when the
-    first result is written (possibly hours later)."""
+    first result is written (possibly hours later), and a command line refused for a later
+    argument leaves no directory behind. The run creates it (parents included) once its
+    arguments are all read."""
     path = Path(arg)
+    # The directory itself when it exists, else the nearest ancestor that does, where the
+    # run will create it: a probe directory made and removed there answers for both.
+    probe_in = path
+    while not probe_in.exists() and probe_in != probe_in.parent:
+        probe_in = probe_in.parent
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        if not probe_in.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        with tempfile.TemporaryDirectory(dir=probe_in):
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{arg!r} is not a writable directory: {e.strerror}") from None

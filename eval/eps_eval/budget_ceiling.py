@@ -45,11 +45,10 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
-from eps_eval.args import output_dir, positive_int, unit_interval
+from eps_eval.args import output_dir, positive_int, positive_int_list, unit_interval
 from eps_eval.metrics import Dense, dense, evaluate, group_sum, group_tokens
 from eps_eval.quality import QuestTables
 from eps_eval.run import log
-from eps_eval.run_gemma import contexts
 from eps_eval.run_lowrank import Source, mass_scores
 
 F64 = npt.NDArray[np.float64]
@@ -154,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--model", choices=("gemma", "smollm2"), default="gemma")
-    ap.add_argument("--context", type=contexts, default=[16384, 32768])
+    # Without a context or a g there is nothing to measure: refused, not an empty report.
+    ap.add_argument("--context", type=positive_int_list, default=[16384, 32768])
     ap.add_argument("--steps", type=positive_int, default=12)
-    ap.add_argument("--g", type=contexts, default=[1, 2, 8])
+    ap.add_argument("--g", type=positive_int_list, default=[1, 2, 8])
     ap.add_argument("--target", type=unit_interval, default=0.95)
     ap.add_argument("--cache", type=Path, default=None)
     a = ap.parse_args(argv)

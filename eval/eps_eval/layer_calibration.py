@@ -28,8 +28,12 @@ import csv
 import glob
 import itertools
 import json
+import math
+import os
 from collections import defaultdict
 from pathlib import Path
+
+from eps_eval.args import index_list, non_negative_int, unit_interval
 
 TARGET = 0.95
 Pair = tuple[int, int, int]  # (layer, context, step)
@@ -37,14 +41,59 @@ Point = tuple[float, float]  # (recall, skip)
 Table = dict[tuple[str, ...], dict[Pair, Point]]
 
 
+# The columns of run_quality's unit CSVs that this module reads.
+COLUMNS = ("method", "g", "lag", "layer", "context", "step", "budget", "param", "temperature",
+           "floor", "recall", "skip")
+
+
 def load(patterns: str) -> list[dict[str, str]]:
-    """The rows of every unit CSV matching the comma-separated globs."""
+    """The rows of every unit CSV matching the comma-separated globs. A match that is no
+    unit CSV (a directory, a file without its columns) is a ValueError naming it."""
     rows: list[dict[str, str]] = []
     for pattern in patterns.split(","):
         for path in sorted(glob.glob(pattern)):
+            if not Path(path).is_file():
+                raise ValueError(f"{path} is not a file (give globs of unit CSVs, "
+                                 "e.g. DIR/units/q19_real_8192_*.csv)")
             with open(path, newline="") as f:
-                rows += list(csv.DictReader(f))
+                reader = csv.DictReader(f)
+                missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+                if missing:
+                    raise ValueError(f"{path} is not a unit CSV of run_quality: it has no "
+                                     f"{', '.join(missing)} column")
+                file_rows = list(reader)
+            for line, r in enumerate(file_rows, start=2):
+                try:
+                    int(r["layer"]), int(r["context"]), int(r["step"])
+                    float(r["recall"]), float(r["skip"])
+                except (TypeError, ValueError):
+                    raise ValueError(f"{path}:{line}: a row whose layer, context, step, recall "
+                                     "or skip is not a number") from None
+            rows += file_rows
     return rows
+
+
+def _setting(arg: str) -> tuple[str, ...]:
+    """--setting: p,τ,floor, three numbers, kept as written (the CSVs' spelling)."""
+    parts = tuple(arg.split(","))
+    try:
+        ok = len(parts) == 3 and all(math.isfinite(float(v)) for v in parts)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{arg!r} is not p,τ,floor (three numbers)")
+    return parts
+
+
+def _emit_path(arg: str) -> Path:
+    """--emit: a file in an existing, writable directory (checked before the work)."""
+    path = Path(arg)
+    parent = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{arg!r} is a directory")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{arg!r}: {parent} is not a writable directory")
+    return path
 
 
 def tables(rows: list[dict[str, str]], method: str, g: str,
@@ -168,40 +217,55 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calibrate", required=True, help="comma-separated globs of unit CSVs")
     ap.add_argument("--test", default="", help="globs of unit CSVs (default: --split-steps)")
-    ap.add_argument("--split-steps", default="", help="calibration steps, e.g. 0,2,4")
-    ap.add_argument("--margin", type=float, default=0.97)
+    ap.add_argument("--split-steps", type=index_list, default=None,
+                    help="calibration steps, e.g. 0,2,4")
+    ap.add_argument("--margin", type=unit_interval, default=0.97,
+                    help="the recall a setting must reach on every calibration pair, (0, 1]")
     ap.add_argument("--floors", default="", help="e.g. 0.0 (default: every swept floor)")
     ap.add_argument("--budget", choices=("mass", "massunion"), default="mass")
     ap.add_argument("--scope", choices=("layer", "all"), default="layer")
-    ap.add_argument("--radius", type=int, default=0,
+    ap.add_argument("--radius", type=non_negative_int, default=0,
                     help="with --scope=layer: pool each layer's pairs with N layers each side")
-    ap.add_argument("--lag", default="1")
-    ap.add_argument("--setting", default="", help="p,τ,floor as in the CSVs: no calibration")
-    ap.add_argument("--emit", default="",
+    ap.add_argument("--lag", type=non_negative_int, default=1,
+                    help="the rows' lag (one the CSVs hold: run_quality writes 0 and 1)")
+    ap.add_argument("--setting", type=_setting, default=None,
+                    help="p,τ,floor as in the CSVs: no calibration")
+    ap.add_argument("--emit", type=_emit_path, default=None,
                     help="also write the per-layer settings calibrated on the calibration "
                          "pairs as JSON here (SelectOptions.mass_layers for an engine)")
     a = ap.parse_args(argv)
     floors = set(a.floors.split(",")) if a.floors else None
-    if a.test:
-        calib, test = load(a.calibrate), load(a.test)
-    else:
-        steps = {int(s) for s in a.split_steps.split(",") if s}
-        if not steps:
-            ap.error("give --test or --split-steps")
-        rows = load(a.calibrate)
-        calib = [r for r in rows if int(r["step"]) in steps]
-        test = [r for r in rows if int(r["step"]) not in steps]
+    lag = str(a.lag)
+    try:
+        if a.test:
+            calib, test = load(a.calibrate), load(a.test)
+        else:
+            if a.split_steps is None:
+                ap.error("give --test or --split-steps")
+            steps = set(a.split_steps)
+            rows = load(a.calibrate)
+            calib = [r for r in rows if int(r["step"]) in steps]
+            test = [r for r in rows if int(r["step"]) not in steps]
+    except ValueError as e:
+        ap.error(str(e))
     if not calib or not test:
         ap.error(f"no {'calibration' if not calib else 'test'} rows: the globs match no unit "
                  "CSV with rows, or --split-steps leaves nothing on one side")
-    setting = tuple(a.setting.split(",")) if a.setting else None
-    if a.radius < 0:
-        ap.error("--radius must be >= 0")
-    print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer", a.lag,
-                            setting, a.radius)))
-    if a.emit:
-        Path(a.emit).write_text(json.dumps(
-            settings(calib, a.margin, floors, a.budget, a.lag, a.radius), indent=1) + "\n")
+    # What would otherwise print a table without a row, exit 0.
+    lags = sorted({r["lag"] for r in test if r["budget"] == a.budget})
+    if lag not in lags:
+        ap.error(f"--lag={lag}: the test rows have no --budget={a.budget} row at this lag "
+                 f"(their lags: {', '.join(lags) or 'none'})")
+    if a.setting is not None and not any(
+            (r["param"], r["temperature"], r["floor"]) == a.setting for r in test
+            if r["budget"] == a.budget and r["lag"] == lag):
+        ap.error(f"--setting={','.join(a.setting)}: no test row of --budget={a.budget} at "
+                 f"--lag={lag} has this p,τ,floor (write them as the CSVs do)")
+    print("\n".join(report(calib, test, a.margin, floors, a.budget, a.scope == "layer", lag,
+                            a.setting, a.radius)))
+    if a.emit is not None:
+        a.emit.write_text(json.dumps(
+            settings(calib, a.margin, floors, a.budget, lag, a.radius), indent=1) + "\n")
     return 0
 
 

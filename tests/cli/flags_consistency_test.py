@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,28 @@ def test_a_bad_value_is_an_error_naming_the_flag() -> None:
     assert done.returncode == 2 and "--steps=abc" in done.stderr, done.stderr
     done = run(paths["eps-demo"], "--deadline=2ms", "--context=16k", "--help")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_unix_socket_path_too_long_for_its_address_is_refused_at_the_command_line() -> None:
+    # Once eps-demo and eps-load ran and exited 3, eps-health-probe 1: the path failed only
+    # at the first call. 107 bytes is sun_path less its NUL.
+    paths = binaries()
+    longest = "/tmp/" + "x" * 102  # 107 bytes
+    for name, flag in (("eps-load", "target"), ("eps-demo", "target"),
+                       ("eps-health-probe", "addr"), ("epsd", "listen")):
+        done = run(paths[name], f"--{flag}=unix://{longest}x", "--help")
+        assert done.returncode == 2, (name, done)
+        assert f"--{flag}=unix://{longest}x: want a socket path of at most 107 bytes " \
+               "(this one has 108)" in done.stderr, (name, done.stderr)
+        done = run(paths[name], f"--{flag}=unix://{longest}", "--help")
+        assert done.returncode == 0, (name, done.stderr)
+
+
+def test_epsd_refuses_a_step_log_it_cannot_open_as_a_bad_command_line(tmp_path: Path) -> None:
+    # Once exit 1, as a failure to serve; docs/cli.md: a file that cannot be created is 2.
+    missing = tmp_path / "no-such-dir" / "steps.jsonl"
+    done = run(binaries()["epsd"], f"--listen=unix://{tmp_path}/epsd.sock", "--backend=cpu",
+               "--metrics-listen=off", f"--step-log={missing}")
+    assert done.returncode == 2, done
+    assert f"--step-log={missing}: cannot open for appending" in done.stderr, done.stderr
+    assert not (tmp_path / "epsd.sock").exists()

@@ -54,8 +54,12 @@ def test_a_truncated_model_file_in_the_cache_is_named(tmp_path) -> None:
 
 
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path) -> None:
-    made = args.output_dir(str(tmp_path / "new" / "out"))  # created, parents included
-    assert made.is_dir() and list(made.iterdir()) == []  # the probe leaves nothing behind
+    # Probed where it would be created, and not created: the run makes it once its
+    # arguments are all read (the probe leaves nothing behind).
+    made = args.output_dir(str(tmp_path / "new" / "out"))
+    assert made == tmp_path / "new" / "out" and list(tmp_path.iterdir()) == []
+    with pytest.raises(argparse.ArgumentTypeError, match="not a writable directory"):
+        args.output_dir("/sys/no-such-dir/out")
     a_file = tmp_path / "file"
     a_file.write_text("")
     with pytest.raises(argparse.ArgumentTypeError, match="not a writable directory"):
@@ -124,3 +128,28 @@ def test_the_issue19_runs_refuse_units_made_with_other_settings(tmp_path, capsys
     args.same_settings(argparse.ArgumentParser(), fresh, {"args": {"plan": "mass"}}, {"t": 2})
     with pytest.raises(SystemExit):
         args.same_settings(argparse.ArgumentParser(), fresh, {"args": {"plan": "c2f"}}, {})
+
+
+def test_a_command_line_refused_after_out_leaves_no_out_behind(tmp_path, capsys) -> None:
+    # output_dir once created --out as argparse read it, before a later argument failed.
+    from eps_eval import budget_ceiling, run_gemma, run_quality
+
+    for main, bad in ((budget_ceiling.main, "--g=0"), (run_quality.main, "--synthetic=8k"),
+                      (run_gemma.main, "--workers=-1")):
+        out = tmp_path / "new" / "out"
+        with pytest.raises(SystemExit) as e:
+            main([f"--out={out}", bad])
+        assert e.value.code == 2, bad
+        assert not (tmp_path / "new").exists(), bad
+
+
+def test_settings_json_that_is_not_json_is_named_not_a_traceback(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    (out / "units").mkdir(parents=True)
+    (out / "units" / "u.csv").write_text("x\n")
+    (out / "settings.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        args.same_settings(argparse.ArgumentParser(), out, {"args": {}}, {})
+    assert e.value.code == 2
+    assert f"{out / 'settings.json'} cannot be read as the settings" in capsys.readouterr().err
+    assert (out / "settings.json").read_text() == "{not json"

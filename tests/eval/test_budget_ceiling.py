@@ -85,3 +85,15 @@ def test_a_target_no_budget_reaches_is_not_reported_as_reached() -> None:
     assert got["per_pair_reached"] == 0.0
     row = bc.table({(512, "oracle", 1): got}, 0.95).splitlines()[-1]
     assert "| — | — | — (0%) |" in row, row
+
+
+@pytest.mark.parametrize("arg", ["--g=0", "--context=0", "--g=", "--context=1k"])
+def test_a_run_with_nothing_to_measure_is_refused_before_the_model_loads(
+        tmp_path, capsys: pytest.CaptureFixture[str], arg: str) -> None:
+    # Once --g=0 prefilled the model, then failed on an empty unit list leaving a 0-byte
+    # CSV; --context=0 wrote an empty report and exited 0.
+    with pytest.raises(SystemExit) as e:
+        bc.main([f"--out={tmp_path}", arg])
+    assert e.value.code == 2
+    assert arg.split("=")[0] in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.csv")) and not list(tmp_path.rglob("*.md"))

@@ -124,3 +124,50 @@ def test_emitted_settings_are_the_per_layer_choice(tmp_path) -> None:
     assert lc.main(["--calibrate", str(csv_path), "--split-steps", "0", "--margin", "0.95",
                     "--emit", str(json_path)]) == 0
     assert json.loads(json_path.read_text())["settings"] == out["settings"]
+
+
+def _unit_csv(tmp_path, rows: list[dict[str, str]]):
+    path = tmp_path / "q19_real_8192_L0.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--split-steps=a,b"], "--split-steps"),
+    (["--split-steps=0", "--margin=nan"], "--margin"),
+    (["--split-steps=0", "--lag=-1"], "--lag"),
+    (["--split-steps=0", "--lag=7"], "--lag=7: the test rows have no --budget=mass row"),
+    (["--split-steps=0", "--setting=bad"], "--setting"),
+    (["--split-steps=0", "--setting=0.5,1.0,0.0"], "--setting=0.5,1.0,0.0: no test row"),
+    (["--split-steps=0", "--emit=/nonexistent/dir/x.json"], "--emit"),
+])
+def test_a_bad_command_line_is_an_argparse_error_before_any_output(
+        tmp_path, capsys: pytest.CaptureFixture[str], args: list[str], said: str) -> None:
+    # Once tracebacks, or an empty table with exit 0 (eps_eval/args.py's promise: exit 2).
+    rows = [_row(0, s, "mass", 0.9, 0.97, 0.6) for s in range(2)]
+    path = _unit_csv(tmp_path, rows)
+    with pytest.raises(SystemExit) as e:
+        lc.main([f"--calibrate={path}", *args])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert said in err, err
+    assert out == ""
+
+
+def test_what_is_no_unit_csv_is_named(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "units").mkdir()
+    wrong = tmp_path / "settings.json"
+    wrong.write_text(json.dumps({"settings": {}}) + "\n")
+    rows = [_row(0, s, "mass", 0.9, 0.97, 0.6) for s in range(2)]
+    path = _unit_csv(tmp_path, rows)
+    for args, said in (([f"--calibrate={tmp_path / 'units'}", "--split-steps=0"],
+                        "is not a file"),
+                       ([f"--calibrate={path}", f"--test={wrong}"],
+                        f"{wrong} is not a unit CSV of run_quality")):
+        with pytest.raises(SystemExit) as e:
+            lc.main(args)
+        assert e.value.code == 2
+        assert said in capsys.readouterr().err

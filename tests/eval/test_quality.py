@@ -308,3 +308,30 @@ def test_feedback_plan_rows_name_each_variant(rng: np.random.Generator) -> None:
             for c in plan.c2f_candidates} <= names
     fed = [r for r in rows if r["method"].startswith(("fb-c2f", "fb2-c2f"))]
     assert all(r["lag"] == 1 and 0.0 <= r["recall"] <= 1.0 + 1e-6 for r in fed)
+
+
+def test_report_quality_refuses_a_directory_without_units_and_keeps_its_report(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Once it wrote an empty quality.md over the report and exited 0.
+    from eps_eval import report_quality
+
+    (tmp_path / "units").mkdir()
+    (tmp_path / "quality.md").write_text("earlier report\n")
+    with pytest.raises(SystemExit) as e:
+        report_quality.main([f"--out={tmp_path}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "units") in err and "q19_*.csv" in err
+    assert (tmp_path / "quality.md").read_text() == "earlier report\n"
+
+
+def test_report_quality_refuses_a_missing_directory_by_name(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from eps_eval import report_quality
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(SystemExit) as e:
+        report_quality.main([f"--out={missing}"])
+    assert e.value.code == 2
+    assert f"--out={missing}: no such directory" in capsys.readouterr().err
+    assert not missing.exists()

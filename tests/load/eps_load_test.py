@@ -133,7 +133,7 @@ def test_a_coarse_level_run_attaches_with_it_and_has_no_errors(
 
 
 def test_bad_coarse_flags_exit_2_and_name_the_flag() -> None:
-    for args, flag in ((["--eps-group-blocks=2", "--coarse-blocks=3"], "coarse_blocks=3"),
+    for args, flag in ((["--eps-group-blocks=2", "--coarse-blocks=3"], "--coarse-blocks=3"),
                        (["--coarse-candidates=2"], "--coarse-candidates=2"),
                        (["--coarse-blocks=16", "--coarse-candidates=0.5"],
                         "--coarse-candidates=0.5")):
@@ -496,3 +496,30 @@ def test_the_cuda_backend_without_a_device_is_a_clear_error() -> None:
     result = _run(["--backend=cuda", "--preset=smollm2-135m", "--context=1k", "--batch=1"])
     assert result.returncode == 1
     assert "--backend=cuda" in result.stderr
+
+
+def test_a_failed_run_leaves_an_earlier_json_report_as_it_was(tmp_path: Path) -> None:
+    # Once the report was truncated before the run: a run that failed left it empty.
+    out = tmp_path / "out.json"
+    out.write_text('{"earlier": true}\n')
+    # CI has no GPU: the run cannot be set up (exit 1) after the report's path was checked.
+    result = _run(["--backend=cuda", "--preset=smollm2-135m", "--context=1k", "--batch=1",
+                   f"--json={out}"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert out.read_text() == '{"earlier": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]  # no temporary left
+
+
+def test_sigint_during_the_rpc_floor_leaves_an_earlier_json_report(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    out.write_text('{"earlier": true}\n')
+    proc = _start_until(target, ["--floor-calls=10000000", f"--json={out}"],
+                        "measuring the RPC floor")
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stdout + stderr
+    assert out.read_text() == '{"earlier": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epsd.log", "out.json"]

@@ -29,10 +29,12 @@ TEST(ParseFlags, CoarseFlagsSetTheLayoutsLevelAndTheAttachOption) {
       *ParseFlags({"--eps-group-blocks=2", "--coarse-blocks=16", "--coarse-candidates=3"});
   EXPECT_EQ(c.model.coarse_blocks, 16);
   EXPECT_EQ(c.coarse_candidates, 3.0f);
-  // Not a multiple of g above it: core's check, naming the field.
+  // Not a multiple of g above it: named by the flag, with g's value.
   const auto odd = ParseFlags({"--eps-group-blocks=2", "--coarse-blocks=5"});
   ASSERT_FALSE(odd.ok());
-  EXPECT_NE(odd.status().message().find("coarse_blocks=5"), std::string::npos) << odd.status();
+  EXPECT_EQ(odd.status().message(),
+            "--coarse-blocks=5: want 0 (no coarse level) or a multiple of the group's blocks "
+            "(2, --eps-group-blocks) above it, at most 4096");
   EXPECT_FALSE(ParseFlags({"--coarse-blocks=-4"}).ok());
   EXPECT_FALSE(ParseFlags({"--coarse-blocks=16", "--coarse-candidates=0.5"}).ok());
   const auto alone = ParseFlags({"--coarse-candidates=2"});
@@ -198,10 +200,21 @@ TEST(ParseFlags, CustomShapeFlagsOverrideThePresetInAnyOrder) {
   EXPECT_EQ(c.model.num_q_heads, 9);
 }
 
-TEST(ParseFlags, RejectsAShapeTheServerWouldRefuse) {
-  auto c = ParseFlags({"--preset=llama-3-8b", "--kv-heads=5"});
-  ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.status().message().find("num_kv_heads=5"), std::string::npos) << c.status();
+TEST(ParseFlags, RejectsAShapeTheServerWouldRefuseNamingTheFlagAndItsRange) {
+  // Once these named ModelLayout's fields (num_kv_heads=5, sketch_dim=100) and a range
+  // [1, 4096] that the layout's own check then narrowed.
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--preset=llama-3-8b", "--kv-heads=5"},
+            "--kv-heads=5: want a divisor of the query heads, 32 (--q-heads, or the preset's); "
+            "the preset's KV heads are used when it is 0"},
+           {{"--eps-dim=100"}, "--eps-dim=100: want a value in [1, 64]"},
+           {{"--head-dim=4096"}, "--head-dim=4096: want a value in [4, 1024]"},
+           {{"--head-dim=6"}, "--head-dim=6: want a multiple of 4 in [4, 1024]"},
+           {{"--eps-group-blocks=2000"}, "--eps-group-blocks=2000: want a value in [1, 1024]"}}) {
+    auto c = ParseFlags(args);
+    ASSERT_FALSE(c.ok()) << args[0];
+    EXPECT_EQ(c.status().message(), message);
+  }
 }
 
 TEST(ParseFlags, ReadsTheRunFlags) {

@@ -1,5 +1,7 @@
 #include "service/config.h"
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "service/server.h"
 
@@ -50,6 +52,23 @@ TEST(ConfigTest, ParsesTheMassBudgetFlags) {
             "--eps-budget-mass=0: want a number in (0, 1]");
   EXPECT_EQ(ParseFlags({"--eps-mass-scope=layer"}).status().message(),
             "--eps-mass-scope=layer: want one of head, list");
+}
+
+TEST(ConfigTest, FloatPolicyFlagsAreCheckedAsTheFloatsTheyBecome) {
+  // 1e-300 is in (0, 1] as a double and 0 as a float: once it passed here and was refused
+  // by the policy's check, which does not name the flag.
+  for (const char* flag : {"eps-top-p", "eps-budget-mass", "eps-mass-temperature"}) {
+    const std::string arg = absl::StrCat("--", flag, "=1e-300");
+    const auto parsed = ParseFlags({arg});
+    ASSERT_FALSE(parsed.ok()) << arg;
+    EXPECT_TRUE(absl::StartsWith(parsed.status().message(), arg + ": want a number in (0, "))
+        << parsed.status();
+    EXPECT_TRUE(absl::StrContains(parsed.status().message(), "that is not 0 as a float"))
+        << parsed.status();
+  }
+  auto config = ParseFlags({"--eps-top-p=1e-30", "--eps-budget=top_p"});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FLOAT_EQ(config->policy.top_p, 1e-30f);
 }
 
 TEST(ConfigTest, CoarseCandidatesDefaultToTwoAndAreRangeChecked) {

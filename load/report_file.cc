@@ -1,0 +1,69 @@
+#include "load/report_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace eps::load {
+
+namespace {
+
+absl::Status ErrnoError(const std::string& what, int error) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(error)));
+}
+
+}  // namespace
+
+absl::StatusOr<ReportFile> ReportFile::Open(const std::string& path) {
+  // The pid keeps two runs writing the same report apart; O_EXCL refuses a stale file of
+  // the same name rather than writing through it (it may be a link).
+  std::string temporary = absl::StrCat(path, ".", ::getpid(), ".tmp");
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat(std::strerror(errno), " (creating its temporary ", temporary, ")"));
+  }
+  return ReportFile(path, std::move(temporary), fd);
+}
+
+ReportFile::ReportFile(ReportFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      temporary_path_(std::exchange(other.temporary_path_, std::string())),
+      fd_(std::exchange(other.fd_, -1)) {}
+
+ReportFile::~ReportFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!temporary_path_.empty()) ::unlink(temporary_path_.c_str());
+}
+
+absl::Status ReportFile::Commit(const std::string& contents) {
+  if (fd_ < 0 || temporary_path_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(path_, ": the report is already written"));
+  }
+  const char* data = contents.data();
+  size_t left = contents.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd_, data, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(absl::StrCat("cannot write ", temporary_path_), errno);
+    data += n;
+    left -= static_cast<size_t>(n);
+  }
+  if (::fsync(fd_) != 0) return ErrnoError(absl::StrCat("cannot sync ", temporary_path_), errno);
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) return ErrnoError(absl::StrCat("cannot close ", temporary_path_), errno);
+  if (::rename(temporary_path_.c_str(), path_.c_str()) != 0) {
+    return ErrnoError(absl::StrCat("cannot rename ", temporary_path_, " to ", path_), errno);
+  }
+  temporary_path_.clear();
+  return absl::OkStatus();
+}
+
+}  // namespace eps::load
