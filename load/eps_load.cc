@@ -43,6 +43,16 @@ int main(int argc, char** argv) {
     std::printf("%s\n", eps::cli::VersionLine("eps-load").c_str());
     return 0;
   }
+  // SIGINT / SIGTERM / SIGHUP end the run early with a report, and EngineBuffers'
+  // destructors remove the shared-memory objects (a killed run would leave them). Set
+  // before the report's temporary exists, so that no handled signal leaves it behind.
+  struct sigaction action {};
+  action.sa_handler = RequestStop;
+  action.sa_flags = SA_RESTART;  // the run polls the flag; no system call should fail for it
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGHUP, &action, nullptr);  // a closed terminal: the report, and no temporary left
   // The report's temporary is created now: a path that cannot be written is a bad command
   // line, found before the run rather than after it. The report itself is replaced only
   // when the run ends with one, so a failed or interrupted run leaves an earlier report.
@@ -56,14 +66,6 @@ int main(int argc, char** argv) {
     }
     json.emplace(*std::move(opened));
   }
-  // SIGINT / SIGTERM end the run early with a report, and EngineBuffers'
-  // destructors remove the shared-memory objects (a killed run would leave them).
-  struct sigaction action {};
-  action.sa_handler = RequestStop;
-  action.sa_flags = SA_RESTART;  // the run polls the flag; no system call should fail for it
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
   std::optional<eps::load::FloorResult> floor;
   if (config->floor_calls > 0) {
     std::fprintf(stderr, "eps-load: measuring the RPC floor (%d rounds)\n", config->floor_calls);

@@ -1,6 +1,7 @@
 #include "load/report_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,6 +23,15 @@ absl::Status ErrnoError(const std::string& what, int error) {
 }  // namespace
 
 absl::StatusOr<ReportFile> ReportFile::Open(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    if (S_ISDIR(st.st_mode)) return absl::UnavailableError("it is a directory");
+    // A link, a device or a FIFO: written through, as a plain open would (no truncation
+    // until the report is written).
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return absl::UnavailableError(std::strerror(errno));
+    return ReportFile(path, std::string(), fd, /*direct=*/true);
+  }
   // The pid keeps two runs writing the same report apart; O_EXCL refuses a stale file of
   // the same name rather than writing through it (it may be a link).
   std::string temporary = absl::StrCat(path, ".", ::getpid(), ".tmp");
@@ -30,13 +40,14 @@ absl::StatusOr<ReportFile> ReportFile::Open(const std::string& path) {
     return absl::UnavailableError(
         absl::StrCat(std::strerror(errno), " (creating its temporary ", temporary, ")"));
   }
-  return ReportFile(path, std::move(temporary), fd);
+  return ReportFile(path, std::move(temporary), fd, /*direct=*/false);
 }
 
 ReportFile::ReportFile(ReportFile&& other) noexcept
     : path_(std::move(other.path_)),
       temporary_path_(std::exchange(other.temporary_path_, std::string())),
-      fd_(std::exchange(other.fd_, -1)) {}
+      fd_(std::exchange(other.fd_, -1)),
+      direct_(other.direct_) {}
 
 ReportFile::~ReportFile() {
   if (fd_ >= 0) ::close(fd_);
@@ -44,17 +55,29 @@ ReportFile::~ReportFile() {
 }
 
 absl::Status ReportFile::Commit(const std::string& contents) {
-  if (fd_ < 0 || temporary_path_.empty()) {
+  if (fd_ < 0 || (!direct_ && temporary_path_.empty())) {
     return absl::FailedPreconditionError(absl::StrCat(path_, ": the report is already written"));
+  }
+  const std::string& written = direct_ ? path_ : temporary_path_;
+  if (direct_) {  // a link's regular target is replaced, not appended to
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode) && ::ftruncate(fd_, 0) != 0) {
+      return ErrnoError(absl::StrCat("cannot truncate ", path_), errno);
+    }
   }
   const char* data = contents.data();
   size_t left = contents.size();
   while (left > 0) {
     const ssize_t n = ::write(fd_, data, left);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return ErrnoError(absl::StrCat("cannot write ", temporary_path_), errno);
+    if (n < 0) return ErrnoError(absl::StrCat("cannot write ", written), errno);
     data += n;
     left -= static_cast<size_t>(n);
+  }
+  if (direct_) {  // a device or a FIFO has nothing to sync or rename
+    const int fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0) return ErrnoError(absl::StrCat("cannot close ", path_), errno);
+    return absl::OkStatus();
   }
   if (::fsync(fd_) != 0) return ErrnoError(absl::StrCat("cannot sync ", temporary_path_), errno);
   const int fd = std::exchange(fd_, -1);

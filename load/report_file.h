@@ -1,10 +1,15 @@
 // ReportFile: eps-load's --json report, written whole or not at all.
 //
-// Open() creates a temporary file beside the report (same directory, so the final rename
-// is atomic) and so proves before the run that the report can be written, without touching
-// an existing report. Commit() writes the contents and renames the temporary over the
-// report. A ReportFile destroyed without a successful Commit() removes its temporary: a run
-// that fails or is stopped before its report leaves the previous report as it was.
+// A path that is a regular file or does not exist yet: Open() creates a temporary file
+// beside the report (same directory, so the final rename is atomic) and so proves before
+// the run that the report can be written, without touching an existing report. Commit()
+// writes the contents and renames the temporary over the report. A ReportFile destroyed
+// without a successful Commit() removes its temporary: a run that fails or is stopped
+// before its report leaves the previous report as it was (a process killed by a signal
+// eps-load does not handle leaves `path.PID.tmp`).
+// A path that exists as anything else: a directory is refused at Open(); a symbolic link,
+// a device (/dev/stdout) or a FIFO is opened at Open() and written through at Commit()
+// (a link's target truncated then, not before), as a plain open would.
 //
 // Not thread-safe; one owner.
 #pragma once
@@ -35,12 +40,16 @@ class ReportFile {
   const std::string& temporary_path() const { return temporary_path_; }
 
  private:
-  ReportFile(std::string path, std::string temporary_path, int fd)
-      : path_(std::move(path)), temporary_path_(std::move(temporary_path)), fd_(fd) {}
+  ReportFile(std::string path, std::string temporary_path, int fd, bool direct)
+      : path_(std::move(path)),
+        temporary_path_(std::move(temporary_path)),
+        fd_(fd),
+        direct_(direct) {}
 
   std::string path_;
-  std::string temporary_path_;  // empty once committed or moved from
+  std::string temporary_path_;  // empty once committed or moved from (and when direct)
   int fd_ = -1;
+  bool direct_ = false;  // written through the path itself (not a regular file)
 };
 
 }  // namespace eps::load

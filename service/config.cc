@@ -48,12 +48,10 @@ absl::Status ReadPositiveFloat(const absl::Flag<double>& flag, float hi, float* 
   const double value = absl::GetFlag(flag);
   const float narrowed = static_cast<float>(value);
   if (!(narrowed > 0.0f && value <= hi)) {
-    const bool underflows = value > 0.0;
+    const bool underflows = value > 0.0 && narrowed == 0.0f;
     return cli::Invalid(
         flag, absl::StrCat("a number in (0, ", hi, "]",
-                           underflows ? absl::StrCat(" that is not 0 as a float (at least ",
-                                                     std::numeric_limits<float>::denorm_min(), ")")
-                                      : ""));
+                           underflows ? " that is not 0 as a float (not below about 7e-46)" : ""));
   }
   *out = narrowed;
   return absl::OkStatus();

@@ -485,6 +485,32 @@ def test_a_json_path_that_cannot_be_created_exits_2_before_the_run(tmp_path: Pat
     assert f"--json={missing}: cannot create it" in result.stderr
 
 
+def test_a_json_path_that_is_a_directory_exits_2_before_the_run(tmp_path: Path) -> None:
+    # With the report written through a temporary beside it, a directory was found only
+    # when the finished run's rename failed (exit 1).
+    result = _run(["--duration=10m", f"--json={tmp_path}"], timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "it is a directory" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_json_report_through_a_link_is_written_to_its_target(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # The temporary's rename replaced the link with a plain file and left its target stale.
+    target, _ = epsd
+    report = tmp_path / "target.json"
+    report.write_text('{"earlier": true}\n')
+    link = tmp_path / "link.json"
+    link.symlink_to(report)
+    result = _run(["--target=" + target, "--preset=smollm2-135m", "--context=1k", "--batch=1",
+                   "--duration=500ms", "--warmup=100ms", "--floor-calls=0", f"--json={link}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert link.is_symlink()
+    assert json.loads(report.read_text()).get("earlier") is None  # the run's report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epsd.log", "link.json", "target.json"]
+
+
 def test_bad_flags_exit_2_and_name_the_flag() -> None:
     result = _run(["--rate=fast"])
     assert result.returncode == 2

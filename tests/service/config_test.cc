@@ -66,6 +66,10 @@ TEST(ConfigTest, FloatPolicyFlagsAreCheckedAsTheFloatsTheyBecome) {
     EXPECT_TRUE(absl::StrContains(parsed.status().message(), "that is not 0 as a float"))
         << parsed.status();
   }
+  // Above the range is not an underflow: the message says only the range.
+  const auto above = ParseFlags({"--eps-top-p=1.0000001"});
+  ASSERT_FALSE(above.ok());
+  EXPECT_FALSE(absl::StrContains(above.status().message(), "as a float")) << above.status();
   auto config = ParseFlags({"--eps-top-p=1e-30", "--eps-budget=top_p"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_FLOAT_EQ(config->policy.top_p, 1e-30f);
