@@ -1,8 +1,6 @@
 // client/cpp/eps_client.cc's session against fake epsd servers (no epsd binary): Attach
 // with a background re-attach in flight, a failed or unstartable re-attach, epsd's drain,
 // a stream reply for another step (an error at once), and steps after Detach (refused).
-#include "client/cpp/eps_client.h"
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,12 +16,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/cpp/eps_client.h"
 #include "eps/v1/page_selector.grpc.pb.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/client/fake_epsd.h"
-
 
 namespace eps::client {
 namespace {

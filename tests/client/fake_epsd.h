@@ -27,9 +27,10 @@ inline std::unique_ptr<grpc::Server> Serve(grpc::Service* service, const std::st
 }
 
 // A client of a fake server: `deadline` for a step, `attach_deadline` for an Attach.
-inline ClientOptions FakeOptions(const std::string& target, bool use_stream,
-                          std::chrono::microseconds deadline = std::chrono::seconds(5),
-                          std::chrono::milliseconds attach_deadline = std::chrono::seconds(5)) {
+inline ClientOptions FakeOptions(
+    const std::string& target, bool use_stream,
+    std::chrono::microseconds deadline = std::chrono::seconds(5),
+    std::chrono::milliseconds attach_deadline = std::chrono::seconds(5)) {
   ClientOptions options;
   options.target = target;
   options.use_stream = use_stream;

@@ -27,7 +27,6 @@
 #include "tests/core/test_util.h"
 #include "tests/service/test_engine.h"
 
-
 namespace eps::service {
 namespace {
 
