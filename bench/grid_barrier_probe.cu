@@ -1,9 +1,10 @@
 // What the structure of a step costs on an empty GPU, before any work: one
 // empty kernel, three empty kernels replayed as a graph (the three-kernel
 // step's shape), and one cooperative kernel with 0 and 3 grid-wide barriers
-// (the cooperative step's shape, gpu/cooperative_step.cuh), for a few grid
-// sizes. GPU time between CUDA events, median of 200 launches after 20 of
-// warm-up; blocks of 256 threads.
+// (the shape of a cooperative step, tried and removed:
+// docs/benchmarks/gpu-history-2026-11-25-26.md), for a few grid sizes. GPU
+// time between CUDA events, median of 200 launches after 20 of warm-up; blocks
+// of 256 threads.
 //
 // Usage: eps_grid_barrier_probe        (prints one table)
 #include <cooperative_groups.h>

@@ -180,11 +180,6 @@ bool AbslParseFlag(absl::string_view text, Millis* out, std::string* error) {
 }
 std::string AbslUnparseFlag(Millis d) { return absl::FormatDuration(d.value); }
 
-bool AbslParseFlag(absl::string_view text, Micros* out, std::string* error) {
-  return ParseDurationIn(text, absl::Microseconds(1), &out->value, error);
-}
-std::string AbslUnparseFlag(Micros d) { return absl::FormatDuration(d.value); }
-
 absl::Status ParseArgs(const std::vector<std::string>& args, CommandLine* command_line) {
   // Start from the defaults, so that a second parse (tests) sees none of the first.
   TypedValues().clear();
@@ -275,7 +270,7 @@ std::string Usage(absl::string_view synopsis) {
       "  --help      this text\n"
       "  --version   print the version and exit\n"
       "Sizes take k, M, G, T (powers of 1024); durations a unit (500us, 2ms, 1.5s), and\n"
-      "flags named *-ms or *-us also a bare number: a whole number of that unit either way.\n"
+      "flags named *-ms also a bare number of milliseconds: a whole number of them either way.\n"
       "A value that starts with -- is written --name=VALUE.\n");
   return out;
 }

@@ -5,8 +5,8 @@
 //
 //   sizes      Size: 32768, 32k, 64M, 1G, 1T (k, M, G, T are powers of 1024)
 //   durations  absl::Duration: 2ms, 500us, 1.5s, 10m (a unit is required, except 0);
-//              Millis / Micros: the same, and a bare decimal number is read in the unit
-//              the flag's name carries (--lease-ms=500 or --lease-ms=2s); either way a
+//              Millis: the same, and a bare decimal number is read in milliseconds,
+//              the unit the flag's name carries (--lease-ms=500 or --lease-ms=2s); either way a
 //              whole number of that unit (--drain-ms=500us and --drain-ms=0.4 are errors)
 //
 // Thread safety: ParseArgs writes the process's flags; call it before starting threads.
@@ -40,13 +40,6 @@ struct Millis {
 };
 bool AbslParseFlag(absl::string_view text, Millis* out, std::string* error);
 std::string AbslUnparseFlag(Millis d);
-
-// A duration whose bare number counts microseconds (flags named *-us).
-struct Micros {
-  absl::Duration value;
-};
-bool AbslParseFlag(absl::string_view text, Micros* out, std::string* error);
-std::string AbslUnparseFlag(Micros d);
 
 // An older name of a flag, still accepted: a static FlagAlias registers it.
 //   static const eps::cli::FlagAlias kOld("group-blocks", "eps-group-blocks");

@@ -2,8 +2,8 @@
 # On the lent GPU machine (carry: .carry from scripts/gpu_carry.sh): the
 # pre-pass benchmark under Nsight Compute, one CSV row per kernel launch with
 # its duration, DRAM bytes, active warps and registers, for each batch in
-# EPS_PROFILE_BATCHES at 32k. bench/ncu_summary.py turns the CSVs into a table
-# of where a step's time goes (docs/benchmarks/gpu.md).
+# EPS_PROFILE_BATCHES at 32k (docs/benchmarks/gpu.md reads them: where a step's
+# time goes).
 #   EPS_PROFILE_BATCHES="1 8"  EPS_BENCH_ARGS="--contexts=32768"
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1

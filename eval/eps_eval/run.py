@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=output_dir)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("synthetic", "real", "report"), default=None)
-    ap.add_argument("--cache", type=Path, default=None, help="model cache (default OUT/../.eval-cache)")
+    ap.add_argument("--cache", type=Path, default=None, help="model cache (default $EPS_EVAL_CACHE, else OUT/../.eval-cache)")
     ap.add_argument("--real-context", type=positive_int, default=None,
                     help="the real model's passage length (default: the mode's)")
     ap.add_argument("--passkey-context", type=positive_int, default=None,

@@ -15,7 +15,6 @@ ABSL_FLAG(int, count, 0, "a signed count");
 ABSL_FLAG(int, first_n, 1, "groups always visited, in [0, 2^30]");
 ABSL_FLAG(int64_t, sessions, 1, "sessions");
 ABSL_FLAG(eps::cli::Millis, wait_ms, {absl::Milliseconds(5)}, "a wait");
-ABSL_FLAG(eps::cli::Micros, pause_us, {absl::Microseconds(5)}, "a pause");
 
 namespace eps::cli {
 namespace {
@@ -69,15 +68,6 @@ TEST(ParseArgsTest, MillisRefuseHexExponentsAndInfinities) {
     EXPECT_EQ(s.message().rfind(std::string("--wait-ms=") + text + ": want ", 0), 0u) << s;
   }
   EXPECT_FALSE(Parse({"--wait-ms=" + std::string(400, '9')}).ok());
-}
-
-TEST(ParseArgsTest, MicrosTakeWholeMicroseconds) {
-  ASSERT_TRUE(Parse({"--pause-us=2ms"}).ok());
-  EXPECT_EQ(absl::GetFlag(FLAGS_pause_us).value, absl::Microseconds(2000));
-  EXPECT_EQ(Parse({"--pause-us=1.5"}).message(),
-            "--pause-us=1.5: want a whole number of microseconds");
-  EXPECT_EQ(Parse({"--pause-us=100ns"}).message(),
-            "--pause-us=100ns: want a whole number of microseconds");
 }
 
 TEST(ParseArgsTest, ARangeErrorNamesTheValueAsTyped) {

@@ -99,6 +99,14 @@ def test_a_short_run_reports_both_calls_without_errors(
     assert report["config"]["preset"] == "smollm2-135m"
     assert report["config"]["sessions"] == 2
     assert report["config"]["feedback_share"] == 0 and "feedback" not in report
+    # The records' layout is part of the run's configuration (--quest8 / --quest8-only).
+    assert report["config"]["features"] == {
+        "key_sum": False,
+        "principal": False,
+        "quest": True,
+        "quest8": False,
+    }
+    assert report["config"]["floor_server"] in ("process", "in-process")
     assert report["server"]["pages_total"] > 0
     assert report["epsd"]["pid"] == pid, report["epsd"]
     assert report["epsd"]["samples"][0]["rss_kb"] > 0
