@@ -386,6 +386,14 @@ def test_a_scrape_after_traffic_passes_promtool_check_metrics(tmp_path: Path, se
         check=False,  # the assert below prints promtool's findings
     )
     assert check.returncode == 0, check.stdout + check.stderr
+    # docs/observability.md documents every family the scrape exposes, and the reverse.
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    tabled = set(re.findall(r"^\| `([a-z_:]+)[`{]", doc, re.MULTILINE))  # the metrics tables
+    named = set(re.findall(r"`([a-z_:]+)[`{]", doc))  # the exposer's own are in a sentence
+    exposed = set(re.findall(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) ", text, re.MULTILINE))
+    assert len(exposed) > 10, text
+    assert exposed <= named, f"undocumented: {sorted(exposed - named)}"
+    assert tabled <= exposed, f"documented, not exposed: {sorted(tabled - exposed)}"
 
 
 def test_stream_metrics_count_every_message_and_the_stream_once(tmp_path: Path, seed: int) -> None:
