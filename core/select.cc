@@ -1,6 +1,7 @@
 #include "core/select.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -33,15 +34,25 @@ const char* MassScopeName(MassScope scope) { return scope == MassScope::kHead ? 
 
 namespace {
 
+// A float as the caller sent it, for a refusal: absl::StrCat keeps 6 significant digits,
+// so top_p=1.0000001 was refused as "top_p=1 not in (0, 1]". The shortest text that reads
+// back as the same float (std::to_chars) names it, and 1e30 stays "1e+30".
+std::string AsSent(float value) {
+  char text[32];
+  const auto [end, error] = std::to_chars(text, text + sizeof(text), value);
+  return error == std::errc() ? std::string(text, end) : absl::StrCat(value);
+}
+
 // One mass-budget setting's ranges; `prefix` names where it sits ("" for the policy's own).
 absl::Status ValidateMass(const MassSetting& m, const std::string& prefix) {
   if (!(m.target > 0.0f && m.target <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, prefix.empty() ? "mass_" : "", "target=", m.target, " not in (0, 1]"));
+    return absl::InvalidArgumentError(absl::StrCat(prefix, prefix.empty() ? "mass_" : "",
+                                                   "target=", AsSent(m.target), " not in (0, 1]"));
   }
   if (!(m.temperature > 0.0f && m.temperature <= 1000.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, prefix.empty() ? "mass_" : "", "temperature=", m.temperature, " not in (0, 1000]"));
+    return absl::InvalidArgumentError(absl::StrCat(prefix, prefix.empty() ? "mass_" : "",
+                                                   "temperature=", AsSent(m.temperature),
+                                                   " not in (0, 1000]"));
   }
   if (m.min_pages < 0 || m.max_pages < 0) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", m.min_pages, ", ", prefix,
@@ -58,10 +69,12 @@ absl::Status ValidateMass(const MassSetting& m, const std::string& prefix) {
 
 absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (!(alpha >= 1.0f) || !std::isfinite(alpha)) {
-    return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " must be finite and >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("alpha=", AsSent(alpha), " must be finite and >= 1"));
   }
   if (alpha > kMaxAlpha) {
-    return absl::InvalidArgumentError(absl::StrCat("alpha=", alpha, " exceeds ", kMaxAlpha));
+    return absl::InvalidArgumentError(
+        absl::StrCat("alpha=", AsSent(alpha), " exceeds ", kMaxAlpha));
   }
   if (first_n < 0 || last_n < 0) {
     return absl::InvalidArgumentError(
@@ -97,7 +110,7 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   // Every field is checked whatever the budget: a bad value kept for another budget would
   // be refused only at the step that switches to it.
   if (!(top_p > 0.0f && top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("top_p=", top_p, " not in (0, 1]"));
+    return absl::InvalidArgumentError(absl::StrCat("top_p=", AsSent(top_p), " not in (0, 1]"));
   }
   {
     if (absl::Status s = ValidateMass({mass_target, mass_temperature, min_pages, max_pages}, "");
@@ -128,7 +141,7 @@ absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   }
   if (!(coarse_candidates >= 1.0f && coarse_candidates <= 1024.0f)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("coarse_candidates=", coarse_candidates, " not in [1, 1024]"));
+        absl::StrCat("coarse_candidates=", AsSent(coarse_candidates), " not in [1, 1024]"));
   }
   if (strict && budget != Budget::kThreshold) {
     return absl::InvalidArgumentError(

@@ -100,6 +100,17 @@ def quest8_scores(q: F32, min8: npt.NDArray[np.float64], max8: npt.NDArray[np.fl
 QUEST8_SCALES = ("fp32", "pow2")
 
 
+def quest8_pow2_scale(amax: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """core's Quest8ScaleFor: the smallest power of two s with 127·s >= amax (2^-149 at
+    least; 1 where amax is 0, whose codes are 0 at any scale). A max |k| of exactly 127·2^e
+    gets 2^e, as core's writer stores it."""
+    safe = np.where(amax > 0, amax, 1.0)
+    e = np.ceil(np.log2(safe / 127.0))
+    e -= 127.0 * np.exp2(e - 1) >= safe  # log2 rounded up past an exact power
+    e += 127.0 * np.exp2(e) < safe  # or down below one
+    return np.where(amax > 0, np.exp2(np.maximum(e, -149.0)), 1.0)
+
+
 class QuestTables:
     """Per-group key min/max [kv, G, d] (float64) of one layer, for quest8.
 
@@ -121,11 +132,12 @@ class QuestTables:
         hi = np.pad(kk, ((0, 0), (0, pad), (0, 0)), constant_values=-np.inf)
         kmin = lo.reshape(kv, G, gt, d).min(axis=2)
         kmax = hi.reshape(kv, G, gt, d).max(axis=2)
-        # The scale is widened by 1e-6 so every |code| stays below 127 after rounding.
-        scale = np.maximum(np.abs(kmin), np.abs(kmax)).max(axis=2, keepdims=True) / 127.0
-        scale = np.where(scale > 0, scale * (1 + 1e-6), 1.0)
+        amax = np.maximum(np.abs(kmin), np.abs(kmax)).max(axis=2, keepdims=True)
         if scale_mode == "pow2":
-            scale = np.exp2(np.ceil(np.log2(scale)))
+            scale = quest8_pow2_scale(amax)
+        else:
+            # The scale is widened by 1e-6 so every |code| stays below 127 after rounding.
+            scale = np.where(amax > 0, amax / 127.0 * (1 + 1e-6), 1.0)
         # Outward rounding: the int8 codes bracket the true range (one code more
         # where the product code·scale rounded back inside it).
         lo_code = np.floor(kmin / scale)

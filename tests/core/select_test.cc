@@ -482,6 +482,16 @@ TEST(SelectPolicyTest, ValidateRejectsEveryBadField) {
   p = ok;
   p.mass_target = 2.0f;
   EXPECT_EQ(p.Validate(model).message(), "mass_target=2 not in (0, 1]");
+  // A refused float is named as sent, not rounded to 6 digits into the range it missed.
+  p = ok;
+  p.top_p = std::nextafter(1.0f, 2.0f);
+  EXPECT_EQ(p.Validate(model).message(), "top_p=1.0000001 not in (0, 1]");
+  p = ok;
+  p.alpha = std::nextafter(1.0f, 0.0f);
+  EXPECT_EQ(p.Validate(model).message(), "alpha=0.99999994 must be finite and >= 1");
+  p = ok;
+  p.coarse_candidates = std::nextafter(1024.0f, 2000.0f);
+  EXPECT_EQ(p.Validate(model).message(), "coarse_candidates=1024.0001 not in [1, 1024]");
   p = ok;
   p.budget = Budget::kMass;
   EXPECT_TRUE(p.Validate(model).ok());

@@ -55,7 +55,7 @@ def test_quest8_pow2_scale_stays_a_bound_and_is_what_an_incremental_writer_keeps
     keys = k[0, :min(gt, tokens)].astype(np.float64)
     scale, lo, hi = 0.0, None, None
     for key in keys:
-        need = np.exp2(np.ceil(np.log2(max(np.abs(key).max() / 127.0 * (1 + 1e-6), 1e-300))))
+        need = float(quality.quest8_pow2_scale(np.array(np.abs(key).max())))
         if lo is not None and need > scale:
             step = need / scale  # an integer power of two
             lo, hi = np.floor(lo / step), np.ceil(hi / step)
@@ -66,6 +66,21 @@ def test_quest8_pow2_scale_stays_a_bound_and_is_what_an_incremental_writer_keeps
     np.testing.assert_array_equal(hi * scale, pow2.max8[0, 0])
     with pytest.raises(ValueError, match="quest8 scale"):
         quality.QuestTables(k, tokens, g, "fp16")
+
+
+def test_the_pow2_scale_is_cores_smallest_power_of_two_that_holds_the_largest_key(
+        rng: np.random.Generator) -> None:
+    # core's Quest8ScaleFor: the smallest 2^e with 127·2^e >= max |k|, so a key of exactly
+    # 127·2^e gets 2^e (the harness once widened it by 1e-6 first and took 2^(e+1)).
+    exact = np.array([127 * 2.0**-4, 127.0, 127 * 2.0**5, 127 * 2.0**-20])
+    np.testing.assert_array_equal(quality.quest8_pow2_scale(exact), exact / 127)
+    amax = np.concatenate([exact, np.nextafter(exact, np.inf), rng.uniform(1e-6, 1e4, 200)])
+    for a, s in zip(amax, quality.quest8_pow2_scale(amax)):
+        e = -149
+        while 127 * 2.0**e < a:
+            e += 1
+        assert s == 2.0**e, (a, s)
+    assert quality.quest8_pow2_scale(np.array([0.0])) == 1.0
 
 
 def test_mark_mass_reaches_the_target_share_of_the_estimate(rng: np.random.Generator) -> None:

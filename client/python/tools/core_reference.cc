@@ -45,6 +45,7 @@
 #include "core/summary.h"
 #include "nlohmann/json.hpp"
 #include "service/convert.h"
+#include "service/session_spec.h"
 
 namespace {
 
@@ -156,9 +157,15 @@ int Descriptors(char** argv, bool coarse, bool feedback_arg) {
 int Select(char** argv) {
   eps::v1::AttachRequest attach;
   if (!attach.ParseFromString(ReadFile(argv[0]))) return Fail("cannot parse the AttachRequest");
-  auto model = eps::service::LayoutFromProto(attach.layout(), 8, 8);
-  if (!model.ok()) return Fail(std::string(model.status().message()));
-  auto policy = eps::service::MergeOptions(eps::SelectPolicy{}, attach.options());
+  // epsd's own rules for the session (a cpu backend with its default flags): the layout,
+  // the query dtype, and the policy with the lists' granularity taken from the rank of
+  // visit_blocks when the options leave it unset.
+  eps::service::ServerConfig config;
+  config.backend = eps::service::BackendKind::kCpu;
+  auto spec = eps::service::SessionSpecFromProto(attach, config);
+  if (!spec.ok()) return Fail(std::string(spec.status().message()));
+  const eps::ModelLayout* model = &spec->model;
+  auto policy = eps::service::SessionPolicy(*spec, attach, eps::SelectPolicy{});
   if (!policy.ok()) return Fail(std::string(policy.status().message()));
   const eps::v1::SharedBuffers& b = attach.buffers();
   const std::string name = b.summary_pool().host_shm().name();
@@ -210,6 +217,7 @@ int Select(char** argv) {
   in.max_blocks = b.block_table().shape(1);
   in.num_physical_blocks = attach.num_kv_blocks() == 0 ? -1 : attach.num_kv_blocks();
   in.queries = at(b.queries());
+  in.query_dtype = spec->query_dtype;
   in.max_batch = attach.max_batch();
   in.rows = rows;
   int64_t visit_elems = 1, count_elems = 1;

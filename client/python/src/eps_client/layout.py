@@ -19,8 +19,10 @@ from eps_client.proto import page_selector_pb2 as pb
 # wrong offsets.
 SUMMARY_LAYOUT = 3
 
+# K/V element types epsd accepts (docs/api.md, ModelLayout.kv_dtype): only the byte
+# statistics read it, so an int8 (or fp8, declared int8) cache is counted at a byte a value.
 _KV_DTYPES = {"float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16,
-              "float32": pb.DTYPE_FLOAT32}
+              "float32": pb.DTYPE_FLOAT32, "int8": pb.DTYPE_INT8}
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class ModelLayout:
     group_blocks: int = 2
     sketch_dim: int = 8
     phi_seed: int = 0
-    kv_dtype: str | int = "float16"  # "float16", "bfloat16", "float32" (or an eps.v1 DType)
+    kv_dtype: str | int = "float16"  # "float16", "bfloat16", "float32", "int8" (or an eps.v1 DType)
     features: SummaryFeatures = field(default_factory=SummaryFeatures)
     # The coarse level (docs/api.md): 0 for none, else blocks per coarse group, a multiple
     # of group_blocks above it, at most 4096. Its records (the same layout) go to the
