@@ -53,15 +53,17 @@ class EngineState:
 
 def make_state(rng: np.random.Generator, contexts: list[int], max_context: int = 1024,
                model: ModelLayout = MODEL, select: SelectOptions = OPTIONS,
-               with_feedback: bool = False) -> EngineState:
+               with_feedback: bool = False, per_kv_head: bool = False) -> EngineState:
     """With ``model.coarse_blocks`` > 0, the coarse records of the same keys too; with
-    ``with_feedback`` the (NaN) selection-feedback buffer."""
+    ``with_feedback`` the (NaN) selection-feedback buffer; with ``per_kv_head`` visit lists
+    per KV head."""
     MODEL = model  # noqa: N806 - the module's model unless the test brings its own
     max_groups = groups_for(max_context, MODEL)
     max_coarse = coarse_groups_for(max_context, MODEL)
     shape = BufferShape(num_slots=len(contexts) * max_groups, max_seqs=len(contexts) + 1,
                         max_context=max_context, max_batch=len(contexts),
-                        coarse_slots=len(contexts) * max_coarse, with_feedback=with_feedback)
+                        coarse_slots=len(contexts) * max_coarse, with_feedback=with_feedback,
+                        per_kv_head=per_kv_head)
     buf = ShmBuffers(MODEL, shape, tag="pytest")
     writer = SummaryWriter(MODEL)
     writer.reset(buf.summary_pool)

@@ -72,6 +72,36 @@ def test_visit_lists_equal_the_core_reference_step(epsd, core_reference, tmp_pat
     state.buffers.close()
 
 
+def test_per_kv_head_lists_without_a_granularity_option_equal_the_core_reference_step(
+        epsd, core_reference, tmp_path, rng):
+    # epsd takes the lists' granularity from the rank of visit_blocks when the options leave
+    # it unset; the reference must do the same (it once wrote union lists here).
+    state = make_state(rng, contexts=[700, 1000], per_kv_head=True,
+                       select=replace(OPTIONS, granularity=None))
+    attach = state.attach()
+    assert attach.options.granularity == pb.GRANULARITY_UNSPECIFIED
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        for step in range(1, 3):
+            state.new_queries(rng)
+            assert client.select_pages(step, state.rows).ok
+            want_blocks, want_count = core_visits(core_reference, tmp_path, state, attach)
+            buf = state.buffers
+            np.testing.assert_array_equal(buf.visit_count[:, :2], want_count[:, :2])
+            heads_differ = False
+            for layer in range(MODEL.num_layers):
+                for b in range(2):
+                    lists = []
+                    for h in range(MODEL.num_kv_heads):
+                        n = int(want_count[layer, b, h])
+                        got = buf.visit_blocks[layer, b, h, :n]
+                        np.testing.assert_array_equal(got, want_blocks[layer, b, h, :n])
+                        lists.append(tuple(got))
+                    heads_differ |= len(set(lists)) > 1
+            assert heads_differ  # per-head lists, not one union list copied to every head
+    state.buffers.close()
+
+
 def test_a_coarse_level_session_equals_the_core_reference_step(epsd, core_reference, tmp_path,
                                                                rng):
     model = replace(MODEL, coarse_blocks=8)
