@@ -12,10 +12,11 @@
 // next step), so that epsd does not run steps the engine gave up on and a live stream
 // holds only the step asked: a reply for another step than the one asked is an error.
 //
-// Options are checked (ClientOptions::Validate): EpsClient::Create refuses invalid ones;
-// a client constructed with them answers Attach and every step with that error. A
-// traceparent or tracestate gRPC cannot carry (not W3C, a control character) costs the
-// calls their trace headers only, logged once: never the call, never the process.
+// Options (client/cpp/client_options.h) are checked (ClientOptions::Validate):
+// EpsClient::Create refuses invalid ones; a client constructed with them answers Attach and
+// every step with that error. A traceparent or tracestate gRPC cannot carry (not W3C, a
+// control character) costs the calls their trace headers only, logged once: never the
+// call, never the process.
 //
 // Thread safety: the client is for one engine thread. SelectPages, Attach, Heartbeat and
 // Detach must not run concurrently with each other (they share the session, the stream
@@ -33,56 +34,15 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/cpp/client_options.h"
 #include "eps/v1/page_selector.grpc.pb.h"
 
 namespace eps::client {
-
-// $EPS_TARGET when set (the deploy manifests set it to epsd's --listen), else
-// epsd's default listener, unix:///tmp/epsd.sock.
-std::string DefaultTarget();
-
-struct ClientOptions {
-  std::string target = DefaultTarget();
-  std::chrono::microseconds deadline{2000};         // per SelectPages; > 0
-  std::chrono::milliseconds attach_deadline{500};   // Attach, Detach, re-attach; > 0
-  std::chrono::milliseconds reattach_backoff{100};  // between re-attach attempts; >= 0
-  bool fail_open = true;  // false: a failed step is an error for the engine
-  bool use_stream = false;
-  // W3C trace context to send, when set. One that is not a W3C traceparent
-  // (ValidTraceparent) is not sent, and its tracestate with it (logged once).
-  std::string traceparent;
-  // Its vendor state, sent with a valid traceparent when set and ValidTracestate.
-  std::string tracestate;
-  // REPLY_MODE_ASYNC (cuda backend, flags buffer required): the reply comes once
-  // the step is queued; the engine's stream waits on selection_done.
-  bool reply_async = false;
-  // Called with the step number whenever a step falls back (fail open), on the
-  // engine's thread: e.g. DeviceBuffers::ReleaseDense, so that an engine stream
-  // waiting on selection_done proceeds and attends densely.
-  std::function<void(uint64_t step)> on_fallback;
-  // Extra integer gRPC channel arguments (e.g. "grpc.enable_retries" = 0), set
-  // after the client's own reconnect-backoff arguments; for tuning and benchmarks.
-  std::vector<std::pair<std::string, int>> channel_args;
-
-  // InvalidArgument naming the field and its value: an empty target, a deadline or
-  // attach_deadline <= 0, a reattach_backoff < 0. Durations have no upper bound: one past
-  // a century (milliseconds::max(), say) reads as "no deadline" rather than wrapping.
-  absl::Status Validate() const;
-};
-
-// Whether `value` is a W3C traceparent (version-traceid-parentid-flags, lower-case hex, not
-// all-zero ids, version ff refused, nothing after the flags for version 00): the
-// Python client's valid_traceparent.
-bool ValidTraceparent(std::string_view value);
-// Whether `value` can be sent as a tracestate: at most 512 characters of printable ASCII
-// (gRPC refuses control characters in metadata values).
-bool ValidTracestate(std::string_view value);
 
 struct StepResult {
   bool fallback = false;  // attend densely this step (fail-open only)
