@@ -7,9 +7,10 @@ attends densely with its own block table; every fallback is counted by reason
 and reported to epsd on the next step that reaches it (its
 ``eps_client_fallbacks_total`` metric), as the C++ client does. After a sidecar
 restart (or lease expiry) the client re-attaches by itself (idempotent per
-engine_id) while steps fall back; after detach() it does not, until attach(). Unary or
-bidirectional-stream transport; the stream keeps one call open, holding only the step
-asked (a failed step gives it up), so a reply for another step is an error.
+engine_id) while steps fall back (eps_client.reattach); after detach() it does not, until
+attach(). Unary or bidirectional-stream transport (eps_client.stream); the stream keeps one
+call open, holding only the step asked (a failed step gives it up), so a reply for another
+step is an error.
 
 The API takes and returns plain Python values (eps_client.types); failed calls
 raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
@@ -36,6 +37,7 @@ from eps_client import _values
 from eps_client.client_options import ClientOptions, valid_traceparent
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+from eps_client.reattach import BackgroundAttach
 from eps_client.stream import SelectStream
 from eps_client.types import (
     AttachInfo,
@@ -182,11 +184,10 @@ class EpsClient:
         self.session_id = ""
         self.attach_info: AttachInfo | None = None
         self._attached_before = False
-        self._next_attach_try = 0.0
-        self._pending_attach: grpc.Future | None = None
+        self._reattach = BackgroundAttach(self._start_reattach, self._check_open)
         self._stream: SelectStream | None = None
-        # Guards the counters, and the swaps of _stream and _pending_attach, which close()
-        # on another thread clears while the engine thread may be using them.
+        # Guards the counters, and the swaps of _stream, which close() on another thread clears
+        # while the engine thread may be using it.
         self._lock = threading.Lock()
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
@@ -227,7 +228,7 @@ class EpsClient:
             response = self.stub.Attach(self._attach, timeout=remaining,
                                         metadata=self._metadata())
         except grpc.RpcError as e:
-            self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
+            self._reattach.back_off(self.options.reattach_backoff_s)
             raise EpsError(e.code(), e.details() or "") from None
         except ValueError as e:
             raise self._closed_meanwhile(e) from None
@@ -302,8 +303,7 @@ class EpsClient:
             return
         self._closed = True
         self._close_stream()
-        if (pending := self._pop_pending_attach()) is not None:
-            pending.cancel()
+        self._reattach.cancel()
         self._channel.close()
 
     def __enter__(self) -> EpsClient:
@@ -505,14 +505,10 @@ class EpsClient:
     def _take_pending_attach(self, deadline: float) -> bool:
         """Waits for a background re-attach until `deadline` (time.monotonic()) and adopts the
         session it was granted, if any (True); one not finished by then is cancelled."""
-        if (pending := self._pop_pending_attach()) is None:
+        if (response := self._reattach.take(deadline)) is None:
             return False
-        try:
-            self._adopt(pending.result(timeout=max(deadline - time.monotonic(), 0.0)))
-            return True
-        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-            pending.cancel()
-            return False
+        self._adopt(response)
+        return True
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
         if self._attached_before:
@@ -523,40 +519,23 @@ class EpsClient:
         return self.attach_info
 
     def _poll_reattach(self) -> str | None:
-        """Not attached: collects a finished background re-attach or starts one when the
-        backoff allows. Never waits. Returns why the step must fall back, or None."""
-        # close() on another thread clears the field (and cancels the call) at any moment:
-        # one read of it, then only the local.
-        if (pending := self._pending_attach) is not None:
-            if not pending.done():
-                return "re-attach in progress"
-            with self._lock:
-                if self._pending_attach is pending:
-                    self._pending_attach = None
-            try:
-                self._adopt(pending.result())
-                return None
-            except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                if self._closed:  # cancelled by close(), its channel's or its own cancel
-                    raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED) from None
-                self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
-                if isinstance(e, grpc.RpcError):
-                    return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
-                return "not attached; re-attach cancelled"
-        if time.monotonic() < self._next_attach_try:
-            return "not attached; re-attach backing off"
+        """Not attached: adopts the session a finished background re-attach was granted, or
+        starts one when the backoff allows (eps_client.reattach). Never waits. Returns why the
+        step must fall back, or None."""
+        outcome = self._reattach.poll(self.options.reattach_backoff_s)
+        if isinstance(outcome, str):
+            return outcome
+        self._adopt(outcome)
+        return None
+
+    def _start_reattach(self) -> grpc.Future:
+        """The background re-attach's Attach, not waited for."""
         # wait_for_ready: the Attach waits (up to its deadline) for the channel to connect
         # instead of failing at once while the channel is in reconnect backoff, so the first
         # attempt after epsd comes back succeeds.
-        pending = self.stub.Attach.future(
+        return self.stub.Attach.future(
             self._attach, timeout=self.options.attach_deadline_s, metadata=self._metadata(),
             wait_for_ready=True)
-        with self._lock:
-            self._pending_attach = pending
-        if self._closed:  # close() ran before the field was set: it never cancelled this one
-            pending.cancel()
-            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
-        return "not attached; re-attach started"
 
     def _call_unary(self, request: pb.SelectPagesRequest,
                     deadline: float) -> pb.SelectPagesResponse:
@@ -605,12 +584,6 @@ class EpsClient:
         with self._lock:
             stream, self._stream = self._stream, None
         return stream
-
-    def _pop_pending_attach(self) -> grpc.Future | None:
-        """The background re-attach in flight, if any, now the caller's alone."""
-        with self._lock:
-            pending, self._pending_attach = self._pending_attach, None
-        return pending
 
     def _close_stream(self) -> None:
         if (stream := self._take_stream()) is not None:
