@@ -28,7 +28,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -42,50 +41,17 @@ from eps_client.stream import SelectStream
 from eps_client.types import (
     AttachInfo,
     Backend,
+    ClientCounters,
     EpsError,
     Row,
     SelectOptions,
+    StepResult,
     StepStats,
     backend_proto,
     rows_proto,
 )
 
 _log = logging.getLogger("eps_client")
-
-
-@dataclass
-class StepResult:
-    """One step's outcome. ``fallback``: attend densely this step (fail-open)."""
-
-    step: int = 0
-    fallback: bool = False
-    code: grpc.StatusCode = grpc.StatusCode.OK  # why, when fallback
-    message: str = ""
-    done: bool = False  # the outputs are written (sync); False for an accepted async step
-    stats: StepStats | None = None  # this step's (sync replies)
-    earlier: list[StepStats] = field(default_factory=list)  # async steps finished since
-    round_trip_us: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.fallback and self.code == grpc.StatusCode.OK
-
-
-@dataclass
-class ClientCounters:
-    steps: int = 0
-    selected: int = 0
-    fallback_deadline: int = 0
-    fallback_unavailable: int = 0
-    fallback_not_attached: int = 0
-    fallback_error: int = 0
-    reattaches: int = 0
-    errors: int = 0  # failed steps raised to a fail-closed engine (not fallbacks)
-
-    @property
-    def fallbacks(self) -> int:
-        return (self.fallback_deadline + self.fallback_unavailable + self.fallback_not_attached
-                + self.fallback_error)
 
 
 def _new_client_id() -> int:
