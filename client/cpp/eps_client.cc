@@ -1,27 +1,19 @@
 #include "client/cpp/eps_client.h"
 
-#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
 #include <deque>
-#include <exception>
-#include <future>
 #include <mutex>
 #include <random>
 #include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "client/cpp/deadline.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 
 namespace eps::client {
-
-std::string DefaultTarget() {
-  const char* env = std::getenv("EPS_TARGET");
-  return env != nullptr && env[0] != '\0' ? env : "unix:///tmp/epsd.sock";
-}
 
 namespace {
 
@@ -29,67 +21,7 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-// `start + d`, with a `d` past a century read as a century: a duration such as
-// milliseconds::max() would otherwise wrap the clock's nanoseconds into the past (every
-// call then fails at once). The comparison is in the coarser of the two units.
-template <typename TimePoint, typename Rep, typename Period>
-TimePoint After(TimePoint start, std::chrono::duration<Rep, Period> d) {
-  constexpr std::chrono::hours kCentury(24 * 365 * 100);
-  if (d > kCentury) return start + kCentury;
-  return start + std::chrono::duration_cast<typename TimePoint::duration>(d);
-}
-
-// A deadline for gRPC (system clock) `d` from now.
-template <typename Rep, typename Period>
-std::chrono::system_clock::time_point SystemAfter(std::chrono::duration<Rep, Period> d) {
-  return After(std::chrono::system_clock::now(), d);
-}
-
-bool LowerHex(std::string_view s) {
-  return std::all_of(s.begin(), s.end(),
-                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
-}
-
 }  // namespace
-
-bool ValidTraceparent(std::string_view v) {
-  // version "-" trace-id "-" parent-id "-" flags [ "-" future fields (versions > 00) ]
-  if (v.size() < 55 || v[2] != '-' || v[35] != '-' || v[52] != '-') return false;
-  const std::string_view version = v.substr(0, 2), trace_id = v.substr(3, 32),
-                         parent_id = v.substr(36, 16), flags = v.substr(53, 2);
-  if (!LowerHex(version) || !LowerHex(trace_id) || !LowerHex(parent_id) || !LowerHex(flags)) {
-    return false;
-  }
-  if (version == "ff" || trace_id == std::string(32, '0') || parent_id == std::string(16, '0')) {
-    return false;
-  }
-  if (v.size() == 55) return true;
-  // More only after a '-', from a version above 00, in printable ASCII without spaces.
-  return version != "00" && v[55] == '-' &&
-         std::all_of(v.begin() + 56, v.end(), [](char c) { return c >= '!' && c <= '~'; });
-}
-
-bool ValidTracestate(std::string_view v) {
-  return v.size() <= 512 &&
-         std::all_of(v.begin(), v.end(), [](char c) { return c >= ' ' && c <= '~'; });
-}
-
-absl::Status ClientOptions::Validate() const {
-  if (target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
-  if (deadline.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ClientOptions.deadline=", deadline.count(), "us must be > 0"));
-  }
-  if (attach_deadline.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ClientOptions.attach_deadline=", attach_deadline.count(), "ms must be > 0"));
-  }
-  if (reattach_backoff.count() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ClientOptions.reattach_backoff=", reattach_backoff.count(), "ms must be >= 0"));
-  }
-  return absl::OkStatus();
-}
 
 // One open StreamSelectPages call. Replies are queued by the reactor and taken
 // by the engine thread. A live stream holds only the step being asked (a step that
@@ -229,9 +161,8 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
     : options_(std::move(options)),
       options_status_(options_.Validate()),
       attach_(std::move(attach)),
-      start_reattach_([](std::function<absl::StatusOr<std::string>()> call) {
-        return std::async(std::launch::async, std::move(call));
-      }),
+      reattach_([this](grpc::ClientContext& context) { return CallAttach(context); },
+                options_.reattach_backoff),
       client_id_(NewClientId()) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
@@ -243,43 +174,26 @@ EpsClient::EpsClient(ClientOptions options, v1::AttachRequest attach)
 }
 
 EpsClient::~EpsClient() {
-  CancelBackgroundAttach();  // so that the wait below is short even with epsd stopped
-  if (pending_attach_.valid()) pending_attach_.wait();
+  reattach_.Close();  // cancels it first, so that the wait is short even with epsd stopped
   if (stream_) stream_->Close();
   for (auto& stream : abandoned_streams_) stream->Close();  // cancelled: they end promptly
   ReapAbandoned(/*wait=*/true);                             // cancelled calls finish promptly
 }
 
 absl::StatusOr<std::string> EpsClient::CallAttach(
-    bool background, std::optional<std::chrono::steady_clock::time_point> deadline) const {
-  grpc::ClientContext context;
+    grpc::ClientContext& context,
+    std::optional<std::chrono::steady_clock::time_point> deadline) const {
   context.set_deadline(deadline ? SystemAfter(*deadline - std::chrono::steady_clock::now())
                                 : SystemAfter(options_.attach_deadline));
-  if (background) {
-    std::lock_guard lock(attach_mu_);
-    if (closing_) return absl::CancelledError("the client is closing");
-    if (attach_abandoned_) return absl::CancelledError("the caller stopped waiting for it");
-    attach_context_ = &context;
-  }
   v1::AttachResponse response;
   const grpc::Status status = stub_->Attach(&context, attach_, &response);
-  if (background) {
-    std::lock_guard lock(attach_mu_);
-    attach_context_ = nullptr;
-  }
   if (!status.ok()) return FromGrpc(status);
   return response.session_id();
 }
 
-void EpsClient::CancelBackgroundAttach() {
-  std::lock_guard lock(attach_mu_);
-  closing_ = true;
-  if (attach_context_ != nullptr) attach_context_->TryCancel();
-}
-
 absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
   if (!attached.ok()) {
-    next_attach_try_ = After(std::chrono::steady_clock::now(), options_.reattach_backoff);
+    reattach_.BackOff();
     return attached.status();
   }
   if (attached_before_) reattaches_.fetch_add(1);
@@ -289,15 +203,8 @@ absl::Status EpsClient::Adopt(const absl::StatusOr<std::string>& attached) {
 }
 
 bool EpsClient::TakePendingAttach(std::chrono::steady_clock::time_point deadline) {
-  if (!pending_attach_.valid()) return false;
-  if (pending_attach_.wait_until(deadline) != std::future_status::ready) {
-    std::lock_guard lock(attach_mu_);
-    // A call under way returns promptly; a thread that has not started its call yet
-    // (unscheduled until now) must not start it, or get() below would wait for it whole.
-    if (attach_context_ != nullptr) attach_context_->TryCancel();
-    attach_abandoned_ = true;
-  }
-  return Adopt(pending_attach_.get()).ok();
+  const std::optional<BackgroundAttach::Result> attached = reattach_.Take(deadline);
+  return attached.has_value() && Adopt(*attached).ok();
 }
 
 absl::Status EpsClient::Attach() {
@@ -309,42 +216,16 @@ absl::Status EpsClient::Attach() {
     return absl::DeadlineExceededError(
         "Attach: attach_deadline passed waiting for a background re-attach");
   }
-  return Adopt(CallAttach(/*background=*/false, deadline));
+  grpc::ClientContext context;
+  return Adopt(CallAttach(context, deadline));
 }
 
-// Not attached: collects a finished background re-attach, or starts one when
-// the backoff allows. Never waits; the step falls back meanwhile.
+// Not attached: the step falls back unless a finished background re-attach was granted a
+// session (reattach.h).
 absl::Status EpsClient::PollReattach() {
-  if (pending_attach_.valid()) {
-    if (pending_attach_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-      return absl::UnavailableError("re-attach in progress");
-    }
-    // The step is not attached whatever the Attach answered: UNAVAILABLE naming it (as the
-    // Python client does), not the Attach's own code, which a fail-closed engine would
-    // read as its step's.
-    if (absl::Status s = Adopt(pending_attach_.get()); !s.ok()) {
-      return absl::UnavailableError(absl::StrCat("not attached; re-attach failed: ", s.ToString()));
-    }
-    return absl::OkStatus();
-  }
-  if (std::chrono::steady_clock::now() < next_attach_try_) {
-    return absl::UnavailableError("not attached; re-attach backing off");
-  }
-  {
-    std::lock_guard lock(attach_mu_);
-    attach_abandoned_ = false;
-  }
-  try {
-    pending_attach_ = start_reattach_([this] { return CallAttach(true); });
-  } catch (const std::exception& e) {
-    // No thread to run it (std::system_error EAGAIN: a pids limit, RLIMIT_NPROC, memory):
-    // the step falls back like any other one not attached, and the next try waits out
-    // the backoff rather than failing on every step.
-    next_attach_try_ = After(std::chrono::steady_clock::now(), options_.reattach_backoff);
-    return absl::UnavailableError(
-        absl::StrCat("not attached; could not start the re-attach: ", e.what()));
-  }
-  return absl::UnavailableError("not attached; re-attach started");
+  const BackgroundAttach::Result attached = reattach_.Poll();
+  if (!attached.ok()) return attached.status();
+  return Adopt(attached);
 }
 
 absl::Status EpsClient::Detach() {

@@ -6,16 +6,18 @@
 // and the engine attends densely with its own block table; every fallback is
 // counted by reason. After a sidecar restart (or lease expiry) the client
 // re-attaches by itself (idempotent per engine_id) in the background, with
-// attach_deadline and reattach_backoff, while steps fall back; after Detach() it does not,
-// until Attach(). Unary or bidirectional-stream transport; the stream keeps one call open
-// and is cancelled on a missed deadline or any other failed step (a fresh one carries the
-// next step), so that epsd does not run steps the engine gave up on and a live stream
-// holds only the step asked: a reply for another step than the one asked is an error.
+// attach_deadline and reattach_backoff, while steps fall back (client/cpp/reattach.h);
+// after Detach() it does not, until Attach(). Unary or bidirectional-stream transport; the
+// stream keeps one call open and is cancelled on a missed deadline or any other failed step
+// (a fresh one carries the next step), so that epsd does not run steps the engine gave up
+// on and a live stream holds only the step asked: a reply for another step than the one
+// asked is an error.
 //
-// Options are checked (ClientOptions::Validate): EpsClient::Create refuses invalid ones;
-// a client constructed with them answers Attach and every step with that error. A
-// traceparent or tracestate gRPC cannot carry (not W3C, a control character) costs the
-// calls their trace headers only, logged once: never the call, never the process.
+// Options (client/cpp/client_options.h) are checked (ClientOptions::Validate):
+// EpsClient::Create refuses invalid ones; a client constructed with them answers Attach and
+// every step with that error. A traceparent or tracestate gRPC cannot carry (not W3C, a
+// control character) costs the calls their trace headers only, logged once: never the
+// call, never the process.
 //
 // Thread safety: the client is for one engine thread. SelectPages, Attach, Heartbeat and
 // Detach must not run concurrently with each other (they share the session, the stream
@@ -26,63 +28,20 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <functional>
-#include <future>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/cpp/client_options.h"
+#include "client/cpp/reattach.h"
 #include "eps/v1/page_selector.grpc.pb.h"
 
 namespace eps::client {
-
-// $EPS_TARGET when set (the deploy manifests set it to epsd's --listen), else
-// epsd's default listener, unix:///tmp/epsd.sock.
-std::string DefaultTarget();
-
-struct ClientOptions {
-  std::string target = DefaultTarget();
-  std::chrono::microseconds deadline{2000};         // per SelectPages; > 0
-  std::chrono::milliseconds attach_deadline{500};   // Attach, Detach, re-attach; > 0
-  std::chrono::milliseconds reattach_backoff{100};  // between re-attach attempts; >= 0
-  bool fail_open = true;  // false: a failed step is an error for the engine
-  bool use_stream = false;
-  // W3C trace context to send, when set. One that is not a W3C traceparent
-  // (ValidTraceparent) is not sent, and its tracestate with it (logged once).
-  std::string traceparent;
-  // Its vendor state, sent with a valid traceparent when set and ValidTracestate.
-  std::string tracestate;
-  // REPLY_MODE_ASYNC (cuda backend, flags buffer required): the reply comes once
-  // the step is queued; the engine's stream waits on selection_done.
-  bool reply_async = false;
-  // Called with the step number whenever a step falls back (fail open), on the
-  // engine's thread: e.g. DeviceBuffers::ReleaseDense, so that an engine stream
-  // waiting on selection_done proceeds and attends densely.
-  std::function<void(uint64_t step)> on_fallback;
-  // Extra integer gRPC channel arguments (e.g. "grpc.enable_retries" = 0), set
-  // after the client's own reconnect-backoff arguments; for tuning and benchmarks.
-  std::vector<std::pair<std::string, int>> channel_args;
-
-  // InvalidArgument naming the field and its value: an empty target, a deadline or
-  // attach_deadline <= 0, a reattach_backoff < 0. Durations have no upper bound: one past
-  // a century (milliseconds::max(), say) reads as "no deadline" rather than wrapping.
-  absl::Status Validate() const;
-};
-
-// Whether `value` is a W3C traceparent (version-traceid-parentid-flags, lower-case hex, not
-// all-zero ids, version ff refused, nothing after the flags for version 00): the
-// Python client's valid_traceparent.
-bool ValidTraceparent(std::string_view value);
-// Whether `value` can be sent as a tracestate: at most 512 characters of printable ASCII
-// (gRPC refuses control characters in metadata values).
-bool ValidTracestate(std::string_view value);
 
 struct StepResult {
   bool fallback = false;  // attend densely this step (fail-open only)
@@ -140,27 +99,28 @@ class EpsClient {
   // Starts a background re-attach (`attach`) on a thread of its own: std::async. A test
   // replaces it to make the start fail as std::async does when no thread can be created
   // (std::system_error); a step then falls back as not attached, never throws.
-  using ReattachStarter = std::function<std::future<absl::StatusOr<std::string>>(
-      std::function<absl::StatusOr<std::string>()> attach)>;
-  void set_reattach_starter_for_test(ReattachStarter start) { start_reattach_ = std::move(start); }
+  using ReattachStarter = BackgroundAttach::Starter;
+  void set_reattach_starter_for_test(ReattachStarter start) {
+    reattach_.set_starter(std::move(start));
+  }
 
  private:
   // A failed step: fail-open, a fallback counted in `counter` (and on_fallback called);
   // fail-closed, an error step counted in errors. `result` keeps what the call measured.
   StepResult Failed(uint64_t step, absl::Status status, std::atomic<uint64_t>& counter,
                     StepResult result = {});
-  // Thread-safe (stub, attach_ and the attach lock only). `background`: the call can be
-  // cancelled by the destructor (CancelBackgroundAttach), and is refused once it ran.
-  // `deadline`: the call's (steady clock), else attach_deadline from now.
+  // One Attach on `context` (the background re-attach's, or the caller's). Thread-safe
+  // (stub and attach_ only). `deadline`: the call's (steady clock), else attach_deadline
+  // from now.
   absl::StatusOr<std::string> CallAttach(
-      bool background = false,
+      grpc::ClientContext& context,
       std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt) const;
-  // Before its destruction: cancels a background re-attach and refuses later ones.
-  void CancelBackgroundAttach();
   // Waits for a background re-attach in flight until `deadline`, and adopts its answer
   // (true when it granted a session); one not done by then is cancelled (false).
   bool TakePendingAttach(std::chrono::steady_clock::time_point deadline);
+  // A granted session becomes the client's; a failed Attach starts the re-attach backoff.
   absl::Status Adopt(const absl::StatusOr<std::string>& attached);
+  // Not attached: BackgroundAttach::Poll, adopting the session it returns.
   absl::Status PollReattach();
   using Deadline = std::chrono::steady_clock::time_point;
   absl::Status CallUnary(const v1::SelectPagesRequest& request, Deadline deadline,
@@ -181,15 +141,8 @@ class EpsClient {
   std::string session_id_;
   bool attached_before_ = false;
   bool detached_ = false;  // Detach() ran and Attach() has not since: steps are refused
-  ReattachStarter start_reattach_;
-  std::chrono::steady_clock::time_point next_attach_try_{};
-  std::future<absl::StatusOr<std::string>> pending_attach_;  // background re-attach
-  mutable std::mutex attach_mu_;  // guards the three below, shared with the re-attach thread
-  mutable grpc::ClientContext* attach_context_ = nullptr;  // the running background Attach's
-  mutable bool closing_ = false;                           // set by the destructor
-  // Set when the caller gave up on the background Attach before its thread had started
-  // the call: the thread then does not start it. Cleared as each background Attach starts.
-  mutable bool attach_abandoned_ = false;
+  // Its thread calls CallAttach: after stub_ and attach_, so that it is destroyed first.
+  BackgroundAttach reattach_;
   std::unique_ptr<StreamCall> stream_;
   std::vector<std::unique_ptr<UnaryCall>> abandoned_;           // cancelled, callback pending
   std::vector<std::unique_ptr<StreamCall>> abandoned_streams_;  // cancelled, OnDone pending

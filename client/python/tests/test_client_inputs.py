@@ -227,7 +227,7 @@ def test_a_client_closed_while_a_step_collects_its_re_attach_ends_the_step_as_cl
     # The step read the field again after close() had set it None (AttributeError out of
     # select_pages), and a cancelled future's FutureCancelledError was not caught.
     client = unattached_client(fail_open=fail_open)
-    client._pending_attach = ReattachClosedWhileCollected(client)  # type: ignore[assignment]
+    client._reattach._pending_attach = ReattachClosedWhileCollected(client)  # type: ignore[assignment]
     if fail_open:
         result = client.select_pages(1, [Row(0, 100)])
         assert result.fallback and result.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -15,7 +15,7 @@ from pathlib import Path
 
 REQUIRED = {
     "eps_client/__init__.py", "eps_client/client.py", "eps_client/client_options.py",
-    "eps_client/buffers.py",
+    "eps_client/buffers.py", "eps_client/reattach.py", "eps_client/requests.py",
     "eps_client/cuda.py", "eps_client/phi.py", "eps_client/summary.py",
     "eps_client/torch_writer.py", "eps_client/layout.py", "eps_client/py.typed",
     "eps_client/types.py", "eps_client/engine.py", "eps_client/outputs.py",

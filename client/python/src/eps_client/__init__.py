@@ -19,7 +19,7 @@ torch is optional and imported only by the modules that need it.
 from __future__ import annotations
 
 from eps_client.buffers import BufferLayout, BufferShape, ShmBuffers
-from eps_client.client import ClientCounters, EpsClient, StepResult
+from eps_client.client import EpsClient
 from eps_client.client_options import ClientOptions
 from eps_client.layout import (
     ModelLayout,
@@ -35,11 +35,13 @@ from eps_client.phi import phi_bank, phi_hash, phi_matrix, phi_scale
 from eps_client.summary import SummaryWriter
 from eps_client.types import (
     AttachInfo,
+    ClientCounters,
     EpsError,
     MassSetting,
     Row,
     SelectOptions,
     StatusCode,
+    StepResult,
     StepStats,
 )
 

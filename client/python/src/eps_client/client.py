@@ -7,9 +7,10 @@ attends densely with its own block table; every fallback is counted by reason
 and reported to epsd on the next step that reaches it (its
 ``eps_client_fallbacks_total`` metric), as the C++ client does. After a sidecar
 restart (or lease expiry) the client re-attaches by itself (idempotent per
-engine_id) while steps fall back; after detach() it does not, until attach(). Unary or
-bidirectional-stream transport; the stream keeps one call open, holding only the step
-asked (a failed step gives it up), so a reply for another step is an error.
+engine_id) while steps fall back (eps_client.reattach); after detach() it does not, until
+attach(). Unary or bidirectional-stream transport (eps_client.stream); the stream keeps one
+call open, holding only the step asked (a failed step gives it up), so a reply for another
+step is an error.
 
 The API takes and returns plain Python values (eps_client.types); failed calls
 raise ``EpsError`` with a status code. Leaving a ``with EpsClient(...)`` block
@@ -27,7 +28,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -36,54 +36,21 @@ from eps_client import _values
 from eps_client.client_options import ClientOptions, valid_traceparent
 from eps_client.proto import page_selector_pb2 as pb
 from eps_client.proto import page_selector_pb2_grpc as pb_grpc
+from eps_client.reattach import BackgroundAttach
+from eps_client.requests import _step_request, attach_request
 from eps_client.stream import SelectStream
 from eps_client.types import (
     AttachInfo,
     Backend,
+    ClientCounters,
     EpsError,
     Row,
     SelectOptions,
+    StepResult,
     StepStats,
-    backend_proto,
-    rows_proto,
 )
 
 _log = logging.getLogger("eps_client")
-
-
-@dataclass
-class StepResult:
-    """One step's outcome. ``fallback``: attend densely this step (fail-open)."""
-
-    step: int = 0
-    fallback: bool = False
-    code: grpc.StatusCode = grpc.StatusCode.OK  # why, when fallback
-    message: str = ""
-    done: bool = False  # the outputs are written (sync); False for an accepted async step
-    stats: StepStats | None = None  # this step's (sync replies)
-    earlier: list[StepStats] = field(default_factory=list)  # async steps finished since
-    round_trip_us: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.fallback and self.code == grpc.StatusCode.OK
-
-
-@dataclass
-class ClientCounters:
-    steps: int = 0
-    selected: int = 0
-    fallback_deadline: int = 0
-    fallback_unavailable: int = 0
-    fallback_not_attached: int = 0
-    fallback_error: int = 0
-    reattaches: int = 0
-    errors: int = 0  # failed steps raised to a fail-closed engine (not fallbacks)
-
-    @property
-    def fallbacks(self) -> int:
-        return (self.fallback_deadline + self.fallback_unavailable + self.fallback_not_attached
-                + self.fallback_error)
 
 
 def _new_client_id() -> int:
@@ -103,53 +70,6 @@ _FALLBACK_REASON = {
     grpc.StatusCode.CANCELLED: "fallback_unavailable",
     grpc.StatusCode.NOT_FOUND: "fallback_not_attached",
 }
-
-
-def attach_request(buffers: Any, *, engine_id: str, max_batch: int | None = None,
-                   num_kv_blocks: int = 0, select: SelectOptions | None = None,
-                   backend: Backend = "auto", device: int = 0,
-                   lease_ms: int = 0, device_uuid: bytes = b"") -> pb.AttachRequest:
-    """The AttachRequest that EpsClient sends (and re-sends on every re-attach).
-
-    ``device_uuid``: the 16-byte CUDA UUID of the session's GPU, for a rank whose device
-    ordinals differ from epsd's (CUDA_VISIBLE_DEVICES; docs/api-memory.md §3.7). Empty: the
-    buffers' own (``CudaBuffers.device_uuid``), if they have one."""
-    if not isinstance(engine_id, str):
-        raise TypeError(f"engine_id={engine_id!r} is not a str")
-    if not isinstance(device_uuid, (bytes, bytearray)):
-        raise TypeError(f"device_uuid={device_uuid!r} is not bytes")
-    if select is not None and not isinstance(select, SelectOptions):
-        raise TypeError(f"select={select!r} is not a SelectOptions")
-    layout = buffers.layout
-    if not device_uuid:
-        device_uuid = getattr(buffers, "device_uuid", b"") or b""
-    request = pb.AttachRequest(
-        engine_id=engine_id, layout=layout.model.to_proto(), buffers=buffers.descriptors(),
-        max_batch=_values.integer("max_batch", max_batch if max_batch is not None
-                                  else layout.shape.max_batch, *_values.UINT32),
-        num_kv_blocks=_values.integer("num_kv_blocks", num_kv_blocks, *_values.UINT64),
-        backend=backend_proto(backend),  # type: ignore[arg-type]
-        device=_values.integer("device", device, *_values.INT32),
-        lease_ms=_values.integer("lease_ms", lease_ms, *_values.UINT32),
-        device_uuid=bytes(device_uuid))
-    if select is not None:
-        request.options.CopyFrom(select.to_proto())
-    return request
-
-
-def _step_request(step: int, rows: Iterable[Row | tuple[int, int] | tuple[int, int, int]],
-                  options: SelectOptions | None, async_reply: bool) -> pb.SelectPagesRequest:
-    """A step's request without its session: every input checked first (TypeError,
-    ValueError naming the field and value: ``rows[1].table_row=None is not an integer``)."""
-    request = pb.SelectPagesRequest(step=_values.integer("step", step, *_values.UINT64),
-                                    rows=rows_proto(rows))
-    if options is not None:
-        if not isinstance(options, SelectOptions):
-            raise TypeError(f"options={options!r} is not a SelectOptions")
-        request.options.CopyFrom(options.to_proto())
-    if async_reply:
-        request.reply_mode = pb.REPLY_MODE_ASYNC
-    return request
 
 
 class EpsClient:
@@ -182,11 +102,10 @@ class EpsClient:
         self.session_id = ""
         self.attach_info: AttachInfo | None = None
         self._attached_before = False
-        self._next_attach_try = 0.0
-        self._pending_attach: grpc.Future | None = None
+        self._reattach = BackgroundAttach(self._start_reattach, self._check_open)
         self._stream: SelectStream | None = None
-        # Guards the counters, and the swaps of _stream and _pending_attach, which close()
-        # on another thread clears while the engine thread may be using them.
+        # Guards the counters, and the swaps of _stream, which close() on another thread clears
+        # while the engine thread may be using it.
         self._lock = threading.Lock()
         self._counters = ClientCounters()
         self._reported = ClientCounters()  # fallbacks epsd was told about (engine thread)
@@ -227,7 +146,7 @@ class EpsClient:
             response = self.stub.Attach(self._attach, timeout=remaining,
                                         metadata=self._metadata())
         except grpc.RpcError as e:
-            self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
+            self._reattach.back_off(self.options.reattach_backoff_s)
             raise EpsError(e.code(), e.details() or "") from None
         except ValueError as e:
             raise self._closed_meanwhile(e) from None
@@ -302,8 +221,7 @@ class EpsClient:
             return
         self._closed = True
         self._close_stream()
-        if (pending := self._pop_pending_attach()) is not None:
-            pending.cancel()
+        self._reattach.cancel()
         self._channel.close()
 
     def __enter__(self) -> EpsClient:
@@ -505,14 +423,10 @@ class EpsClient:
     def _take_pending_attach(self, deadline: float) -> bool:
         """Waits for a background re-attach until `deadline` (time.monotonic()) and adopts the
         session it was granted, if any (True); one not finished by then is cancelled."""
-        if (pending := self._pop_pending_attach()) is None:
+        if (response := self._reattach.take(deadline)) is None:
             return False
-        try:
-            self._adopt(pending.result(timeout=max(deadline - time.monotonic(), 0.0)))
-            return True
-        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-            pending.cancel()
-            return False
+        self._adopt(response)
+        return True
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
         if self._attached_before:
@@ -523,40 +437,23 @@ class EpsClient:
         return self.attach_info
 
     def _poll_reattach(self) -> str | None:
-        """Not attached: collects a finished background re-attach or starts one when the
-        backoff allows. Never waits. Returns why the step must fall back, or None."""
-        # close() on another thread clears the field (and cancels the call) at any moment:
-        # one read of it, then only the local.
-        if (pending := self._pending_attach) is not None:
-            if not pending.done():
-                return "re-attach in progress"
-            with self._lock:
-                if self._pending_attach is pending:
-                    self._pending_attach = None
-            try:
-                self._adopt(pending.result())
-                return None
-            except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                if self._closed:  # cancelled by close(), its channel's or its own cancel
-                    raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED) from None
-                self._next_attach_try = time.monotonic() + self.options.reattach_backoff_s
-                if isinstance(e, grpc.RpcError):
-                    return f"not attached; re-attach failed: {e.code().name}: {e.details()}"
-                return "not attached; re-attach cancelled"
-        if time.monotonic() < self._next_attach_try:
-            return "not attached; re-attach backing off"
+        """Not attached: adopts the session a finished background re-attach was granted, or
+        starts one when the backoff allows (eps_client.reattach). Never waits. Returns why the
+        step must fall back, or None."""
+        outcome = self._reattach.poll(self.options.reattach_backoff_s)
+        if isinstance(outcome, str):
+            return outcome
+        self._adopt(outcome)
+        return None
+
+    def _start_reattach(self) -> grpc.Future:
+        """The background re-attach's Attach, not waited for."""
         # wait_for_ready: the Attach waits (up to its deadline) for the channel to connect
         # instead of failing at once while the channel is in reconnect backoff, so the first
         # attempt after epsd comes back succeeds.
-        pending = self.stub.Attach.future(
+        return self.stub.Attach.future(
             self._attach, timeout=self.options.attach_deadline_s, metadata=self._metadata(),
             wait_for_ready=True)
-        with self._lock:
-            self._pending_attach = pending
-        if self._closed:  # close() ran before the field was set: it never cancelled this one
-            pending.cancel()
-            raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, _CLOSED)
-        return "not attached; re-attach started"
 
     def _call_unary(self, request: pb.SelectPagesRequest,
                     deadline: float) -> pb.SelectPagesResponse:
@@ -605,12 +502,6 @@ class EpsClient:
         with self._lock:
             stream, self._stream = self._stream, None
         return stream
-
-    def _pop_pending_attach(self) -> grpc.Future | None:
-        """The background re-attach in flight, if any, now the caller's alone."""
-        with self._lock:
-            pending, self._pending_attach = self._pending_attach, None
-        return pending
 
     def _close_stream(self) -> None:
         if (stream := self._take_stream()) is not None:

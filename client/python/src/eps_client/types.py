@@ -3,7 +3,8 @@
 ``SelectOptions`` (the selection policy) with ``MassSetting`` (one layer's mass budget),
 ``Row`` (one sequence of a step), ``StepStats`` (a step's counters), ``AttachInfo`` (what
 Attach granted) and ``EpsError`` (a failed call, with its status code). Each converts to or from
-its eps.v1 message here and nowhere else.
+its eps.v1 message here and nowhere else. ``StepResult`` (one step's outcome, fallback or not)
+and ``ClientCounters`` (an EpsClient's steps by outcome) have no message of their own.
 """
 
 from __future__ import annotations
@@ -276,3 +277,40 @@ class AttachInfo:
                           backend=backend,  # type: ignore[arg-type]
                           record_words=m.record_words, server_version=m.server_version,
                           options=SelectOptions.from_proto(m.effective_options))
+
+
+@dataclass
+class StepResult:
+    """One step's outcome. ``fallback``: attend densely this step (fail-open)."""
+
+    step: int = 0
+    fallback: bool = False
+    code: grpc.StatusCode = grpc.StatusCode.OK  # why, when fallback
+    message: str = ""
+    done: bool = False  # the outputs are written (sync); False for an accepted async step
+    stats: StepStats | None = None  # this step's (sync replies)
+    earlier: list[StepStats] = field(default_factory=list)  # async steps finished since
+    round_trip_us: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.fallback and self.code == grpc.StatusCode.OK
+
+
+@dataclass
+class ClientCounters:
+    """An EpsClient's steps by outcome, fallbacks by reason (EpsClient.counters())."""
+
+    steps: int = 0
+    selected: int = 0
+    fallback_deadline: int = 0
+    fallback_unavailable: int = 0
+    fallback_not_attached: int = 0
+    fallback_error: int = 0
+    reattaches: int = 0
+    errors: int = 0  # failed steps raised to a fail-closed engine (not fallbacks)
+
+    @property
+    def fallbacks(self) -> int:
+        return (self.fallback_deadline + self.fallback_unavailable + self.fallback_not_attached
+                + self.fallback_error)
