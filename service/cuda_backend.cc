@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/buffer_contract.h"
 #include "core/status.h"
 #include "gpu/device.h"
@@ -175,7 +176,29 @@ std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int 
   return gpu::OldestAbandonment(device);
 }
 
-bool CudaDevicePresent() { return gpu::DeviceAvailable(); }
+namespace {
+absl::Mutex disabled_mu;
+std::string* disabled_reason ABSL_GUARDED_BY(disabled_mu) = nullptr;  // set by DisableCuda
+}  // namespace
+
+bool CudaDevicePresent() {
+  {
+    absl::MutexLock lock(&disabled_mu);
+    if (disabled_reason != nullptr) return false;
+  }
+  return gpu::DeviceAvailable();
+}
+
+void DisableCuda(std::string reason) {
+  absl::MutexLock lock(&disabled_mu);
+  if (disabled_reason == nullptr) disabled_reason = new std::string(std::move(reason));
+}
+
+std::string CudaUnavailableReason() {
+  absl::MutexLock lock(&disabled_mu);
+  if (disabled_reason != nullptr) return *disabled_reason;
+  return "no CUDA device is visible to epsd";
+}
 
 int CudaDeviceCount() { return gpu::DeviceCount(); }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
@@ -45,8 +46,20 @@ std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int 
 // True when this build has the CUDA backend (nvcc was found).
 bool CudaBackendBuilt();
 
-// Whether a CUDA device is visible to this process.
+// Whether a CUDA device is visible to this process, and CUDA was not taken out of service
+// (DisableCuda).
 bool CudaDevicePresent();
+
+// Takes CUDA out of service for the rest of the process: CudaDevicePresent() is false from
+// now on, and a cuda Attach is refused FAILED_PRECONDITION naming `reason`. epsd
+// --backend=auto calls it when the warm-up fails on a GPU it sees but cannot use (a build
+// without code for its architecture, a driver too old), and goes on serving the cpu backend,
+// so that the engine beside it falls back instead of waiting for an epsd that never starts.
+void DisableCuda(std::string reason);
+
+// Why no cuda session can start now: a build without CUDA, no visible device, or
+// DisableCuda's reason.
+std::string CudaUnavailableReason();
 
 // Creates every visible device's context and loads the pre-pass kernels, so that
 // a first Attach pays for neither (500 ms is the clients' default Attach deadline).

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "cli/flags.h"
@@ -22,6 +23,23 @@
 #include "service/telemetry/step_log.h"
 
 namespace eps::service {
+
+absl::StatusOr<std::string> PrepareCuda(BackendKind backend,
+                                        const std::function<absl::Status()>& warm_up) {
+  const auto start = std::chrono::steady_clock::now();
+  if (absl::Status s = warm_up(); !s.ok()) {
+    if (backend == BackendKind::kCuda) return s;
+    const std::string reason = absl::StrCat("the CUDA warm-up failed at start (", s.message(), ")");
+    DisableCuda(reason);
+    return absl::StrCat(reason, "; --backend=auto serves the cpu backend only, and a cuda Attach ",
+                        "is refused FAILED_PRECONDITION");
+  }
+  return absl::StrCat("CUDA ready on ", CudaDeviceCount(), " device(s) in ",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count(),
+                      " ms");
+}
 
 int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
   // Block the termination signals before any thread exists, so that every thread
@@ -69,15 +87,13 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
     return 2;
   }
   if (config->backend != BackendKind::kCpu && CudaDevicePresent()) {
-    const auto start = std::chrono::steady_clock::now();
-    if (absl::Status s = WarmUpCuda(); !s.ok()) {
-      std::fprintf(stderr, "epsd: CUDA warm-up: %s\n", std::string(s.message()).c_str());
+    absl::StatusOr<std::string> cuda = PrepareCuda(config->backend, WarmUpCuda);
+    if (!cuda.ok()) {
+      std::fprintf(stderr, "epsd: CUDA warm-up: %s\n",
+                   std::string(cuda.status().message()).c_str());
       return 1;
     }
-    std::fprintf(stderr, "epsd: CUDA ready on %d device(s) in %lld ms\n", CudaDeviceCount(),
-                 static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                            std::chrono::steady_clock::now() - start)
-                                            .count()));
+    std::fprintf(stderr, "epsd: %s\n", cuda->c_str());
   }
   // A lost CUDA device ends epsd as a signal does (the drain), then with exit 1: only a
   // new process can use the device again, and a supervisor restarts it.

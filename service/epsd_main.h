@@ -3,9 +3,12 @@
 // its own process (exit 1). main() is one call; docs/cli.md lists the exit statuses.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "service/backend_kind.h"
 #include "service/session.h"
 
 namespace eps::service {
@@ -16,5 +19,12 @@ namespace eps::service {
 // inherit the mask, or a signal may end the process without the drain), and once per
 // process. `make_backend`: the sessions' backends (tests pass stand-ins).
 int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend = MakeSessionBackend);
+
+// The CUDA warm-up at start, for a server whose --backend is `backend` (not cpu) on a
+// machine with a visible device: the line to log when CUDA is ready, or when the warm-up
+// failed under --backend=auto (CUDA is then taken out of service, DisableCuda, and epsd
+// serves the cpu backend); the warm-up's error under --backend=cuda (epsd exits 1).
+absl::StatusOr<std::string> PrepareCuda(BackendKind backend,
+                                        const std::function<absl::Status()>& warm_up);
 
 }  // namespace eps::service

@@ -12,6 +12,8 @@ std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int)
   return std::nullopt;
 }
 bool CudaDevicePresent() { return false; }
+void DisableCuda(std::string) {}
+std::string CudaUnavailableReason() { return "epsd was built without CUDA"; }
 CudaIpcOpener MakeCudaIpcOpener(int) { return nullptr; }
 int CudaDeviceCount() { return 0; }
 absl::Status WarmUpCuda() { return absl::OkStatus(); }

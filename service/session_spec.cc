@@ -108,10 +108,8 @@ absl::StatusOr<SessionSpec> SessionSpecFromProto(const v1::AttachRequest& req,
   if (s.backend == BackendKind::kCuda) {
     ASSIGN_OR_RETURN(const std::optional<int> requested, RequestedDevice(req));
     if (!CudaBackendBuilt() || !CudaDevicePresent()) {
-      return absl::FailedPreconditionError(absl::StrCat("backend BACKEND_CUDA is not available: ",
-                                                        CudaBackendBuilt()
-                                                            ? "no CUDA device is visible to epsd"
-                                                            : "epsd was built without CUDA"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("backend BACKEND_CUDA is not available: ", CudaUnavailableReason()));
     }
     ASSIGN_OR_RETURN(s.device, ResolveDevice(req, requested));
   } else if (!req.device_uuid().empty()) {
