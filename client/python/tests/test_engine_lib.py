@@ -448,3 +448,16 @@ def test_close_waits_for_a_call_in_progress_and_destroys_the_watchdog_once(fake_
     assert log == ["arm 1 enters", "arm 1 returns", "destroy 1"]
     with pytest.raises(engine.EngineLibError, match="the watchdog is closed"):
         watchdog.arm(6)
+
+
+def test_a_library_named_by_eps_engine_lib_that_cannot_load_is_the_error(monkeypatch, tmp_path):
+    # A wrong EPS_ENGINE_LIB once fell through to a source tree's build/ library silently, and
+    # the error listed only the last four paths tried, never the one set.
+    monkeypatch.setattr(engine, "_LIB", None)
+    wrong = str(tmp_path / "missing" / "libeps_engine.so")
+    monkeypatch.setenv("EPS_ENGINE_LIB", wrong)
+    with pytest.raises(engine.EngineLibError, match=re.escape(f"EPS_ENGINE_LIB='{wrong}'")) as e:
+        engine.library()
+    assert e.value.code == 5
+    with pytest.raises(engine.EngineLibError, match=re.escape(f"path='{wrong}'")):
+        engine.library(wrong)

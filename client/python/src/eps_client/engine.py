@@ -82,10 +82,10 @@ def library(path: str | None = None) -> ctypes.CDLL:
     if _LIB is not None and path is None:
         return _LIB
     tried = []
-    for candidate in [path or os.environ.get("EPS_ENGINE_LIB", "")] + [str(p) for p in
-                                                                        _candidates()]:
-        if not candidate:
-            continue
+    # A library named by the caller or EPS_ENGINE_LIB is the one to load: its failure is the
+    # error (a wrong setting once loaded a source tree's build/ library instead, silently).
+    chosen = path or os.environ.get("EPS_ENGINE_LIB", "")
+    for candidate in [chosen] if chosen else [str(p) for p in _candidates()]:
         try:
             lib = ctypes.CDLL(candidate)
         except OSError as e:
@@ -97,8 +97,11 @@ def library(path: str | None = None) -> ctypes.CDLL:
                                  f"{lib.eps_engine_abi_version()}, expected {ABI_VERSION}")
         _LIB = lib
         return lib
+    if chosen:
+        raise EngineLibError("load", 5, f"cannot load libeps_engine from "
+                             f"{'path' if path else 'EPS_ENGINE_LIB'}={chosen!r}: {tried[0]}")
     raise EngineLibError("load", 5, "libeps_engine.so not found; set EPS_ENGINE_LIB. Tried: "
-                         + "; ".join(tried[-4:]))
+                         + "; ".join(tried))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
