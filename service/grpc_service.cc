@@ -148,9 +148,10 @@ grpc::ServerUnaryReactor* PageSelectorService::Attach(grpc::CallbackServerContex
     std::move(done)(arrived);
     return reactor;
   }
-  // Answered here, or, when it replaces a session whose step runs, from the StepExecutor
-  // once that step has ended: this callback thread does not wait for it.
-  sessions_.StartAttach(*request, response, caller, std::move(done));
+  // Answered here when refused before any build, else from the StepExecutor, where the
+  // session is built (and a replaced session's running step waited for): this callback
+  // thread waits for neither.
+  sessions_.StartAttach(*request, response, LivenessOf(*context), caller, std::move(done));
   return reactor;
 }
 

@@ -12,7 +12,7 @@
 namespace eps::service {
 namespace {
 
-// The contract's names are the SharedBuffers field names (session_service_test checks).
+// The contract's names are the SharedBuffers field names (session_attach_test checks).
 const google::protobuf::FieldDescriptor* FieldOf(const BufferSpec& spec) {
   return v1::SharedBuffers::descriptor()->FindFieldByName(spec.name);
 }

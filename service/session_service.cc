@@ -164,7 +164,7 @@ absl::Status Await(Start&& start) {
 
 absl::Status SessionService::Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                     const Peer& caller) {
-  return Await([&](CallDone done) { StartAttach(request, response, caller, std::move(done)); });
+  return Await([&](CallDone done) { StartAttach(request, response, {}, caller, std::move(done)); });
 }
 
 absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer& caller) {
@@ -172,27 +172,44 @@ absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer
 }
 
 void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachResponse* response,
-                                 const Peer& caller, CallDone done) {
-  std::shared_ptr<Session> granted, replaced;
-  absl::Status published = Guarded(
-      "Attach", [&] { return PublishSession(request, response, caller, &granted, &replaced); });
-  if (published.ok() && replaced == nullptr) {
-    published = Guarded("Attach", [&] { return HandOver(nullptr, *granted, response); });
-  }
-  if (!published.ok() || replaced == nullptr) {
-    std::move(done)(std::move(published));
+                                 CallLiveness liveness, const Peer& caller, CallDone done) {
+  // Refused here, on the caller's thread, when it would be without a build: these checks
+  // cost a lookup, and PublishSession makes them again on the executor.
+  absl::Status admitted = Guarded("Attach", [&]() -> absl::Status {
+    if (device_lost_.load()) return CountFailure(Restarting());
+    return CountFailure(
+        sessions_.Admission(EngineKey::Of(caller, request.engine_id()), Limits()).status());
+  });
+  if (!admitted.ok()) {
+    std::move(done)(std::move(admitted));
     return;
   }
-  // The replaced session's step, if one runs, ends before the engine hears of the new
-  // session (both may share the engine's buffers): waited for on the executor, as a
-  // step is, not on this thread (a gRPC callback thread).
-  executor_->Submit([this, response, granted = std::move(granted), replaced = std::move(replaced),
+  // The build (mapping the engine's shared memory, opening its CUDA IPC handles,
+  // allocating) and, for a replacing Attach, the wait for the old session's running step
+  // run on the executor, as a step does, not on this thread (a gRPC callback thread):
+  // Attaches of several engines at once, or one whose buffers map slowly, held every
+  // callback thread, and every other engine's calls waited.
+  executor_->Submit([this, &request, response, liveness = std::move(liveness), caller,
                      done = std::move(done)]() mutable {
-    absl::Status handed =
-        Guarded("Attach", [&] { return HandOver(std::move(replaced), *granted, response); });
-    granted = nullptr;
-    std::move(done)(std::move(handed));
+    std::move(done)(BuildAndHandOver(request, response, liveness, caller));
   });
+}
+
+absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
+                                              v1::AttachResponse* response,
+                                              const CallLiveness& liveness, const Peer& caller) {
+  std::shared_ptr<Session> granted, replaced;
+  // A call whose client gave up while it was queued builds nothing (not counted as a
+  // failure, as a step found dead is not).
+  absl::Status status = Guarded("Attach", [&]() -> absl::Status {
+    RETURN_IF_ERROR(liveness.Check("Attach"));
+    return PublishSession(request, response, caller, &granted, &replaced);
+  });
+  if (!status.ok()) return status;
+  // The replaced session's step, if one runs, ends before the engine hears of the new
+  // session (both may share the engine's buffers).
+  return Guarded("Attach",
+                 [&] { return HandOver(std::move(replaced), *granted, liveness, response); });
 }
 
 absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
@@ -248,7 +265,7 @@ absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
 }
 
 absl::Status SessionService::HandOver(std::shared_ptr<Session> replaced, Session& granted,
-                                      v1::AttachResponse* response) {
+                                      const CallLiveness& liveness, v1::AttachResponse* response) {
   // Ending the replaced session's queued step may find the device lost (an async step
   // that hit an illegal address): the new session is of no use then, and the engine
   // re-attaches to the next epsd.
@@ -259,6 +276,17 @@ absl::Status SessionService::HandOver(std::shared_ptr<Session> replaced, Session
       (void)removed->Retire();  // its device is the lost one; already reported
     }
     return CountFailure(Restarting());
+  }
+  // Its client gave up while the session was built or while it waited for the old step:
+  // no engine will hear of the session, so it goes now rather than at the end of a lease
+  // (its memory and its charges against the server's budgets held meanwhile).
+  if (absl::Status alive = liveness.Check("Attach"); !alive.ok()) {
+    response->Clear();
+    if (const std::shared_ptr<Session> removed = sessions_.Remove(granted.id());
+        removed != nullptr) {
+      (void)WatchDevice(removed->Retire());
+    }
+    return alive;
   }
   // The lease runs from the reply: the wait for the old step may have taken longer.
   granted.StartLease();

@@ -7,11 +7,11 @@
 // are serialised, one running and one parked at most (service/step_gate.h). A step
 // runs on a StepExecutor (service/step_executor.h), or on the thread that started it
 // while fewer than the executor's bound of steps run so (half of gRPC's callback
-// threads); the waits of Detach and of a replacing Attach for the old session's running
-// step always run on the executor: the Start* calls return at once, and the gRPC
-// callback threads stay free, enough of them, for other calls and for cancellations. Steps of
-// different sessions run in parallel. Detach, a replacing Attach and expiry retire
-// the old session under its step lock before they answer.
+// threads); the session builds of Attach, and the waits of Detach and of a replacing
+// Attach for the old session's running step, always run on the executor: the Start*
+// calls return at once, and the gRPC callback threads stay free, enough of them, for
+// other calls and for cancellations. Steps of different sessions run in parallel. Detach, a
+// replacing Attach and expiry retire the old session under its step lock before they answer.
 #pragma once
 
 #include <atomic>
@@ -47,7 +47,8 @@ struct CallLiveness {
 
 class SessionService {
  public:
-  // Called once, on the thread of the call that found it, with the first status marked
+  // Called once, on the thread that ran the call that found it (a gRPC callback thread or
+  // the StepExecutor's), with the first status marked
   // device-lost (core/status.h) that a step or an Attach returned: a CUDA context of
   // this process is unusable, and only a new process can use the device again.
   using DeviceLostHandler = absl::AnyInvocable<void(const absl::Status& status)>;
@@ -82,12 +83,16 @@ class SessionService {
   //
   // Called once with a call's status.
   using CallDone = absl::AnyInvocable<void(absl::Status status) &&>;
-  // Attaches a session: on this thread, and, when it replaces a live session of the
-  // engine, on the executor from where it waits for that session's running step to end
-  // (Session::Retire); `done` is called there, or here, before returning, otherwise.
-  // `request` and `response` must live until `done` is called.
+  // Attaches a session: checks here what needs no build (a lost device, the registry's
+  // limits), then builds the session on the executor (maps its buffers, builds its
+  // backend), where, when it replaces a live session of the engine, it also waits for that
+  // session's running step to end (Session::Retire). `done` is called there, or here,
+  // before returning, for a call refused here. A call whose client gave up (`liveness`)
+  // before the build builds nothing, and one that gave up during the build or the wait
+  // ends the session it built before answering. `request` and `response` must live until
+  // `done` is called.
   void StartAttach(const v1::AttachRequest& request, v1::AttachResponse* response,
-                   const Peer& caller, CallDone done);
+                   CallLiveness liveness, const Peer& caller, CallDone done);
   // Removes the session here, then retires it on the executor (waiting for its running
   // step) and calls `done` there; a call refused (NOT_FOUND, PERMISSION_DENIED) is
   // answered here.
@@ -154,9 +159,13 @@ class SessionService {
                               const Peer& caller, std::shared_ptr<Session>* granted,
                               std::shared_ptr<Session>* replaced);
   // The end of an Attach: retires `replaced` (when not null: a wait for its running step)
-  // and starts `granted`'s lease; unguarded.
+  // and starts `granted`'s lease, or, when the call is dead by then (`liveness`), removes
+  // and retires `granted`; unguarded.
   absl::Status HandOver(std::shared_ptr<Session> replaced, Session& granted,
-                        v1::AttachResponse* response);
+                        const CallLiveness& liveness, v1::AttachResponse* response);
+  // An Attach after StartAttach's checks, on the executor: PublishSession, then HandOver.
+  absl::Status BuildAndHandOver(const v1::AttachRequest& request, v1::AttachResponse* response,
+                                const CallLiveness& liveness, const Peer& caller);
   // Heartbeat and GetStats, unguarded.
   absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
                           const Peer& caller);

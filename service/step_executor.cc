@@ -5,14 +5,18 @@
 #include <system_error>
 #include <utility>
 
+#include "absl/algorithm/container.h"
 #include "grpc/support/cpu.h"
 
 namespace eps::service {
 
-StepExecutor::StepExecutor(int threads, int max_threads, int inline_turns)
-    : max_threads_(std::max({1, threads, max_threads})), inline_turns_(std::max(0, inline_turns)) {
+StepExecutor::StepExecutor(int threads, int max_threads, int inline_turns, absl::Duration idle_exit)
+    : min_threads_(std::max(1, threads)),
+      max_threads_(std::max({1, threads, max_threads})),
+      inline_turns_(std::max(0, inline_turns)),
+      idle_exit_(idle_exit) {
   absl::MutexLock lock(&mu_);
-  for (int i = 0; i < std::max(1, threads); ++i) StartThread();
+  for (int i = 0; i < min_threads_; ++i) StartThread();
 }
 
 StepExecutor::~StepExecutor() { Stop(); }
@@ -81,6 +85,8 @@ void StepExecutor::Stop() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     threads.swap(threads_);
+    for (std::thread& thread : exited_) threads.push_back(std::move(thread));
+    exited_.clear();
   }
   for (std::thread& thread : threads) thread.join();
 }
@@ -92,18 +98,48 @@ int StepExecutor::threads() const {
 
 bool StepExecutor::HasWorkOrStops() const { return stopping_ || !queue_.empty(); }
 
+void StepExecutor::LeaveThreads() {
+  const auto self = absl::c_find_if(
+      threads_, [](const std::thread& t) { return t.get_id() == std::this_thread::get_id(); });
+  // Always found: StartThread added it under mu_ before the thread could take the lock,
+  // and only Stop() empties threads_, after which the condition holds (no timeout).
+  exited_.push_back(std::move(*self));
+  threads_.erase(self);
+}
+
 void StepExecutor::Work() {
   for (;;) {
     Task task;
+    bool leave = false;
+    std::vector<std::thread> left_before;  // joined by this thread as it leaves
     {
       absl::MutexLock lock(&mu_);
       ++idle_;
-      mu_.Await(absl::Condition(this, &StepExecutor::HasWorkOrStops));
+      const bool woken =
+          mu_.AwaitWithTimeout(absl::Condition(this, &StepExecutor::HasWorkOrStops), idle_exit_);
       --idle_;
-      // Stopping: the queue is drained first (a turn a task hands on joins its end).
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      if (woken) {
+        // Stopping: the queue is drained first (a turn a task hands on joins its end).
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (threads_.size() > static_cast<size_t>(min_threads_)) {
+        // Idle for idle_exit_ (the condition still false, under the lock): a thread beyond
+        // the initial ones leaves. Submit decides under the same lock whether a task needs
+        // a new thread, counting idle_, which no longer counts this one: a task submitted
+        // from now on finds it gone, one submitted before woke it. The thread that left
+        // before it is joined here, so at most one waits to be joined (by the next to
+        // leave, or by Stop()).
+        left_before.swap(exited_);
+        LeaveThreads();
+        leave = true;
+      } else {
+        continue;  // an initial thread: it stays
+      }
+    }
+    if (leave) {
+      for (std::thread& thread : left_before) thread.join();
+      return;
     }
     // Let go of the task (and what it holds: its session) before the next wait.
     std::move(task)();

@@ -12,16 +12,12 @@
 // A lost CUDA device (a status marked by core/status.h MarkDeviceLost): the handler runs
 // once, with the first such status, whichever call found it; the call that found it
 // answers with its own error, and from then on every Attach and step is UNAVAILABLE.
-// Ordinary failures do neither.
-#include <pthread.h>
-#include <sys/mman.h>
+// Ordinary failures do neither. How epsd's whole process ends on such faults (exit 1,
+// the drain's backstop) is in backend_fault_exit_test.cc.
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -39,7 +35,6 @@
 #include "gtest/gtest.h"
 #include "service/config.h"
 #include "service/cpu_backend.h"
-#include "service/epsd_main.h"
 #include "service/server.h"
 #include "service/session.h"
 #include "service/session_service.h"
@@ -488,139 +483,6 @@ TEST(SessionBackendRemainsTest, AFailedBackendsAllocationsAreFreedByTheJanitorOn
   EXPECT_NE(destroyed_on.load(), std::thread::id());
   EXPECT_NE(destroyed_on.load(), std::this_thread::get_id());
   EXPECT_EQ(service.charged_bytes(), charged_before);
-}
-
-// What RunEpsd requires of its process: SIGTERM and SIGINT blocked, before any other
-// thread exists.
-void BlockStopSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-}
-
-// Attaches `engine` to the epsd about to listen on `path` (waiting up to 20 s for it).
-grpc::Status AttachOnceListening(v1::PageSelector::Stub& stub, TestEngine& engine,
-                                 v1::AttachResponse* attached) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  context.set_wait_for_ready(true);  // until epsd listens
-  return stub.Attach(&context, engine.Attach("engine-a"), attached);
-}
-
-std::unique_ptr<v1::PageSelector::Stub> StubFor(const std::string& path) {
-  return v1::PageSelector::NewStub(
-      grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
-}
-
-// epsd's whole process (RunEpsd, what main runs) after a lost device: it drains as on a
-// signal and exits 1, saying why. In a child process (a death test), since epsd signals
-// its own process; the stand-in backend's Attach reports the device lost.
-TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  const auto run = [] {
-    BlockStopSignals();  // before the client's thread exists
-    int status = 0;
-    {  // the engine's shm objects are removed before the exit
-      const std::string path = absl::StrCat("/tmp/epsd-test-lost-", getpid(), ".sock");
-      TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
-      grpc::StatusCode attach_code = grpc::StatusCode::OK;
-      std::atomic<bool> stopped{false};
-      std::thread client([&] {
-        v1::AttachResponse attached;
-        attach_code = AttachOnceListening(*StubFor(path), engine, &attached).error_code();
-        // Should epsd keep serving (the loss unnoticed), end it as an operator would, so
-        // that the test fails on its exit status instead of hanging.
-        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (!stopped.load() && std::chrono::steady_clock::now() < until) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
-        if (!stopped.load()) kill(getpid(), SIGINT);
-      });
-      status = RunEpsd(
-          {"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=200"},
-          [](const SessionSpec&, const SessionBuffers&, const ServerConfig&,
-             std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-            return MarkDeviceLost(absl::InternalError("cudaMalloc: an illegal memory access"));
-          });
-      stopped = true;
-      client.join();
-      unlink((path + ".lock").c_str());
-      unlink(path.c_str());  // connected: the socket serves on  // epsd keeps it
-                             // (service/unix_socket.h)
-      std::fprintf(stderr, "attach answered %d\n", static_cast<int>(attach_code));
-      std::fflush(stderr);
-    }
-    std::_Exit(status);
-  };
-  // The Attach that met the loss answers its own INTERNAL (13); the process drains, then
-  // says why it stopped and exits 1.
-  EXPECT_EXIT(run(), ::testing::ExitedWithCode(1),
-              "stopping \\(.*illegal memory access.*\\), draining.*"
-              "stopped \\(a CUDA device was lost: exit 1\\).*attach answered 13");
-}
-
-// A step that never ends, whatever its caller does (a backend stuck in a driver call).
-class StuckBackend final : public StepBackend {
- public:
-  explicit StuckBackend(std::atomic<bool>* entered) : entered_(entered) {}
-  BackendKind kind() const override { return BackendKind::kCpu; }
-  absl::Status Run(const BackendStep&, StepOutcome*) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    entered_->store(true);
-    std::this_thread::sleep_for(std::chrono::seconds(60));
-    return absl::OkStatus();
-  }
-
- private:
-  std::atomic<bool>* entered_;
-};
-
-// The drain's backstop runs from the signal: it was armed only once the server's Shutdown
-// returned, and Shutdown waits for every call to end, so a call that outlived its cancel
-// held the backstop off with it (epsd exited 0 after the call, past the documented bound).
-TEST(EpsdDrainDeathTest, AStepThatNeverEndsMeetsTheBackstopWithinItsBound) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  const auto run = [] {
-    static const std::string path = absl::StrCat("/tmp/epsd-test-stuck-", getpid(), ".sock");
-    BlockStopSignals();
-    static TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2,
-                             eps::testing::TestSeed());
-    static std::atomic<bool> entered{false};
-    std::thread([] {
-      auto stub = StubFor(path);
-      v1::AttachResponse attached;
-      if (!AttachOnceListening(*stub, engine, &attached).ok()) return;
-      // The process ends in epsd's backstop (_Exit), so what it leaves is removed now:
-      // the engine's shm object (epsd has it mapped) and epsd's socket lock file.
-      shm_unlink(engine.buffers().shm_name().c_str());
-      unlink((path + ".lock").c_str());
-      unlink(path.c_str());  // connected: the socket serves on
-      std::thread([&stub, &attached] {
-        grpc::ClientContext c;
-        v1::SelectPagesResponse r;
-        (void)stub->SelectPages(
-            &c, TestEngine::Step(attached.session_id(), 1, {TestEngine::Row(0, 300)}), &r);
-      }).detach();
-      while (!entered.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      kill(getpid(), SIGTERM);
-      std::this_thread::sleep_for(std::chrono::seconds(120));  // keeps stub alive
-    }).detach();
-    const int status =
-        RunEpsd({"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=0",
-                 "--inputs-timeout-ms=1ms"},
-                [](const SessionSpec&, const SessionBuffers&, const ServerConfig&,
-                   std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-                  return std::make_unique<StuckBackend>(&entered);
-                });
-    std::_Exit(status);  // not reached: the backstop exits first
-  };
-  const auto start = std::chrono::steady_clock::now();
-  // --drain-ms=0 and --inputs-timeout-ms=1ms: the bound is 0 + max(4 s, 1 ms + 5 s).
-  EXPECT_EXIT(run(), ::testing::ExitedWithCode(1), "drain timed out 5001 ms after the signal");
-  // Well before the step's 60 s: the backstop came from the signal.
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
 }  // namespace

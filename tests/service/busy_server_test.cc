@@ -25,6 +25,7 @@
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
+#include "tests/service/long_calls.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -33,34 +34,7 @@ namespace {
 using eps::testing::TestEngine;
 
 // Counts, across a server's sessions, the long steps UntilCancelledBackend ran.
-class LongSteps {
- public:
-  void Started() { Add(&started_); }
-  void Stopped() { Add(&stopped_); }
-  // Waits (20 s at most, however loaded the machine) until `n` have started or stopped.
-  bool AwaitStarted(int n) { return Await(&started_, n); }
-  bool AwaitStopped(int n) { return Await(&stopped_, n); }
-  int stopped() {
-    absl::MutexLock lock(&mu_);
-    return stopped_;
-  }
-  absl::Notification release;  // ends every long step still running
-
- private:
-  void Add(int* count) {
-    absl::MutexLock lock(&mu_);
-    ++*count;
-  }
-  bool Await(int* count, int n) {
-    absl::MutexLock lock(&mu_);
-    auto reached = [count, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return *count >= n; };
-    return mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(20));
-  }
-
-  absl::Mutex mu_;
-  int started_ ABSL_GUARDED_BY(mu_) = 0;
-  int stopped_ ABSL_GUARDED_BY(mu_) = 0;
-};
+using LongSteps = held::LongCalls;
 
 // The cpu backend, but a session's first step runs until its caller gives up, as a cpu
 // step of a large model runs for seconds and stops before its next (row, layer) once its

@@ -385,7 +385,7 @@ TEST_F(SessionStepAdmissionTest,
         detach_status = std::move(s);
         detach_done.Notify();
       });
-      service_.StartAttach(attach, &attached, engine_user_, [&](absl::Status s) {
+      service_.StartAttach(attach, &attached, {}, engine_user_, [&](absl::Status s) {
         attach_status = std::move(s);
         attach_done.Notify();
       });

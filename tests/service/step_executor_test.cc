@@ -1,7 +1,8 @@
 // The pool that runs every step (service/step_executor.h): tasks run in the order
 // submitted, Stop() runs every task still queued before it returns, a task submitted once
-// Stop() has begun runs on the caller's thread rather than being dropped, and the pool
-// grows, to its bound, when a task finds every thread busy.
+// Stop() has begun runs on the caller's thread rather than being dropped, the pool
+// grows, to its bound, when a task finds every thread busy, and shrinks back to its
+// initial threads once idle, dropping no task.
 #include "service/step_executor.h"
 
 #include <dirent.h>
@@ -10,18 +11,22 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_util.h"
 
 namespace eps::service {
 namespace {
@@ -131,6 +136,83 @@ TEST(StepExecutorTest, PastItsBoundATaskWaitsForAFreeThread) {
   release.Notify();
   third_ran.WaitForNotification();
   executor.Stop();
+}
+
+// Whether `executor` runs `n` threads within 10 s (threads leave on their own time).
+bool AwaitThreads(const StepExecutor& executor, int n) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (executor.threads() != n) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+// The pool kept every thread a burst started until Stop(): after many sessions stepped at
+// once, epsd held hundreds of idle threads for good. A thread started for a burst now
+// leaves once idle for the pool's idle_exit; the initial threads stay.
+TEST(StepExecutorTest, GrowsUnderABurstAndShrinksBackToItsInitialThreadsOnceIdle) {
+  absl::Notification release, again;  // outlive the executor's tasks
+  StepExecutor executor(2, 8, /*inline_turns=*/0, /*idle_exit=*/absl::Milliseconds(20));
+  Started started;
+  for (int i = 0; i < 8; ++i) {
+    executor.Submit([&] {
+      started.Add();
+      release.WaitForNotification();
+    });
+  }
+  EXPECT_TRUE(started.Await(8));
+  EXPECT_EQ(executor.threads(), 8);
+  release.Notify();
+  EXPECT_TRUE(AwaitThreads(executor, 2)) << executor.threads() << " threads";
+  // A negative check: the initial threads, idle for ten times idle_exit, stay.
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(executor.threads(), 2);
+  // And the pool grows again.
+  Started restarted;
+  for (int i = 0; i < 4; ++i) {
+    executor.Submit([&] {
+      restarted.Add();
+      again.WaitForNotification();
+    });
+  }
+  EXPECT_TRUE(restarted.Await(4));
+  EXPECT_EQ(executor.threads(), 4);
+  again.Notify();
+  executor.Stop();
+  EXPECT_EQ(executor.threads(), 0);
+}
+
+// A task submitted while an idle thread leaves runs: the thread counted idle when the task
+// came takes it, or the task gets a new one. With the one initial thread held, a task left
+// queued for a thread that had gone would never run. The gaps between tasks, around the
+// idle time, land before, while and after the thread started for the last task leaves.
+TEST(StepExecutorTest, EveryTaskSubmittedWhileThreadsLeaveRuns) {
+  const uint64_t seed = eps::testing::TestSeed();
+  SCOPED_TRACE(eps::testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> gap_us(0, 600);
+  absl::Notification busy, release;  // outlive the executor's tasks
+  StepExecutor executor(1, 4, /*inline_turns=*/0, /*idle_exit=*/absl::Microseconds(200));
+  // However the test ends, the initial thread is let go before the executor stops.
+  absl::Cleanup free_initial = [&release] {
+    if (!release.HasBeenNotified()) release.Notify();
+  };
+  executor.Submit([&] {
+    busy.Notify();
+    release.WaitForNotification();
+  });
+  busy.WaitForNotification();
+  int found_gone = 0;  // tasks submitted once the last one's thread had left
+  for (int i = 0; i < 1000; ++i) {
+    if (executor.threads() == 1) ++found_gone;
+    auto ran = std::make_shared<absl::Notification>();  // a task left queued runs at Stop()
+    executor.Submit([ran] { ran->Notify(); });
+    ASSERT_TRUE(ran->WaitForNotificationWithTimeout(absl::Seconds(10)))
+        << "task " << i << " was left queued with no thread to run it";
+    absl::SleepFor(absl::Microseconds(gap_us(rng)));
+  }
+  EXPECT_GT(found_gone, 0);  // the threads did leave meanwhile
 }
 
 // A server's pool starts with about one thread per core and may grow to one per session
