@@ -5,7 +5,8 @@ every resource is validated against the strict JSON schemas that kubernetes-vali
 ships for the lowest Kubernetes version the overlay supports and for the newest one
 it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
 Deployment's pod template is checked for what docs/deploy.md promises: epsd as a
-native sidecar with kubelet gRPC probes on its health port, the socket and /dev/shm shared with
+native sidecar with kubelet gRPC startup and liveness probes on its health port and no
+readiness probe (its readiness would be the pod's), the socket and /dev/shm shared with
 the engine, hardened containers with resources, memory budgets (--max-server-bytes) that fit
 epsd's memory limit, and GPU sharing that hands both containers the same device. Exit status 1 lists every problem found.
 
@@ -281,13 +282,22 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         f"--health-listen={health_listen!r} is not host:port on the pod IP: kubelet cannot "
         "probe it",
     )
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         grpc = sidecar.get(probe, {}).get("grpc", {})
         need(
             str(grpc.get("port")) == health_port and grpc.get("service") == SERVICE,
             f"epsd {probe} must be a grpc probe of service {SERVICE} on port {health_port} "
             f"(--health-listen={health_listen})",
         )
+    # A native sidecar's readiness counts in the pod's Ready condition: a readiness probe on
+    # epsd would take the engine out of the Service whenever epsd drains or restarts, while
+    # the engine serves on, falling back to dense attention (docs/deploy.md, section 6).
+    need(
+        "readinessProbe" not in sidecar,
+        "epsd must have no readinessProbe: a native sidecar's readiness is part of the pod's, "
+        "so the engine would leave the Service whenever epsd drains or restarts, though it "
+        "keeps serving densely (fail open)",
+    )
     for name_ in ("metrics-listen", "health-listen"):
         value = flag_value(flags, name_)
         if value and not _loopback(value.rpartition(":")[0]):

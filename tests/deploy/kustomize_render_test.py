@@ -265,4 +265,5 @@ def test_the_cpu_demo_overlay_runs_eps_demo_without_engine_probes() -> None:
     assert c["engine"]["image"] == "registry.example.com/eps/epsd-demo:0.1.0"
     assert c["engine"]["command"][-1] == "/usr/local/bin/eps-demo"
     assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c["engine"])
-    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c["epsd"])
+    assert {"startupProbe", "livenessProbe"} <= set(c["epsd"])
+    assert "readinessProbe" not in c["epsd"]

@@ -98,6 +98,20 @@ def test_an_exec_probe_fails(deploy: Path) -> None:
     assert any("livenessProbe must be a grpc probe" in p for p in problems), problems
 
 
+def test_a_readiness_probe_on_epsd_fails(deploy: Path) -> None:
+    # A native sidecar's readiness is part of the pod's Ready condition: with one, the
+    # engine left the Service whenever epsd drained or restarted, though it served densely.
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "          livenessProbe:\n            grpc:\n              port: 9465\n",
+        "          readinessProbe:\n            grpc:\n              port: 9465\n"
+        "              service: eps.v1.PageSelector\n"
+        "          livenessProbe:\n            grpc:\n              port: 9465\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("epsd must have no readinessProbe" in p for p in problems), problems
+
+
 def test_a_loopback_health_listen_fails(deploy: Path) -> None:
     edit(
         deploy / "k8s/base/configmap-epsd-flags.yaml",
