@@ -347,6 +347,16 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
             _env(sidecar).get("NVIDIA_VISIBLE_DEVICES") == "all",
             "engine has a GPU but epsd has no NVIDIA_VISIBLE_DEVICES=all",
         )
+        # The GPU Operator's CDI default (v25.10+) injects device-plugin GPUs through the
+        # container runtime's own CDI support; only the NVIDIA runtime class still reads
+        # NVIDIA_VISIBLE_DEVICES, so without it epsd silently sees no GPU.
+        need(
+            bool(spec.get("runtimeClassName")),
+            "epsd takes the engine's GPU through NVIDIA_VISIBLE_DEVICES but the pod has no "
+            "runtimeClassName: with CDI (the GPU Operator's default since v25.10) only the "
+            "NVIDIA runtime class (runtimeClassName: nvidia) reads the variable, and epsd "
+            "would see no GPU",
+        )
         count = spec.get("nodeSelector", {}).get("nvidia.com/gpu.count")
         need(
             count == str(gpus(engine)),

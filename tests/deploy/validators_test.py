@@ -142,6 +142,14 @@ def test_a_gpu_engine_without_a_gpu_for_epsd_fails(deploy: Path) -> None:
     )
 
 
+def test_visible_devices_without_a_runtime_class_fails(deploy: Path) -> None:
+    # With CDI (the GPU Operator's default since v25.10) only the NVIDIA runtime class reads
+    # NVIDIA_VISIBLE_DEVICES: without it epsd saw no GPU and served the cpu backend alone.
+    edit(deploy / "k8s/overlays/gpu/deployment-patch.yaml", "      runtimeClassName: nvidia\n", "")
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(p.startswith("gpu:") and "no runtimeClassName" in p for p in problems), problems
+
+
 def test_claims_that_differ_between_the_containers_fail(deploy: Path) -> None:
     edit(
         deploy / "k8s/overlays/gpu-dra/deployment-patch.yaml",
