@@ -150,6 +150,61 @@ def test_visible_devices_without_a_runtime_class_fails(deploy: Path) -> None:
     assert any(p.startswith("gpu:") and "no runtimeClassName" in p for p in problems), problems
 
 
+def test_a_device_plugin_gpu_without_a_compute_capability_floor_fails(deploy: Path) -> None:
+    # The image holds sm_90 code and compute_90 PTX: on an older GPU epsd's CUDA warm-up
+    # fails and it serves the cpu backend alone.
+    edit(
+        deploy / "k8s/overlays/gpu/deployment-patch.yaml",
+        "                    values: [\"8\"]\n",
+        "                    values: [\"7\"]\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(
+        p.startswith("gpu:") and "nvidia.com/gpu.compute.major Gt 8" in p for p in problems
+    ), problems
+
+
+def test_the_compute_capability_floor_follows_the_dockerfiles_architectures(
+    deploy: Path,
+) -> None:
+    edit(
+        deploy / "docker/Dockerfile",
+        "ARG CUDA_ARCHITECTURES=90\n",
+        "ARG CUDA_ARCHITECTURES=80;90\n",
+    )
+    edit(
+        deploy / "k8s/overlays/gpu/deployment-patch.yaml",
+        "                    values: [\"8\"]\n",
+        "                    values: [\"7\"]\n",
+    )
+    assert validate_manifests.validate(deploy / "k8s", {"gpu"}) == []
+
+
+def test_a_dra_claim_without_a_compute_capability_selector_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/gpu-dra/resourceclaimtemplate.yaml",
+        'compareTo(semver("9.0.0"))',
+        'compareTo(semver("8.0.0"))',
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu-dra"})
+    assert any(
+        p.startswith("gpu-dra:") and "request gpu may get a GPU older than compute capability 9.0"
+        in p
+        for p in problems
+    ), problems
+
+
+@pytest.mark.parametrize(
+    "architectures, major", [("90", 9), ("90-real;100", 9), ('"80;90"', 8), ("120a", 12)]
+)
+def test_the_lowest_compute_major_is_read_from_cmakes_architecture_list(
+    tmp_path: Path, architectures: str, major: int
+) -> None:
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(f"FROM x AS build\nARG CUDA_ARCHITECTURES={architectures}\n")
+    assert validate_manifests.lowest_compute_major(dockerfile) == major
+
+
 def test_claims_that_differ_between_the_containers_fail(deploy: Path) -> None:
     edit(
         deploy / "k8s/overlays/gpu-dra/deployment-patch.yaml",
