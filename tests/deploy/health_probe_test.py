@@ -11,6 +11,7 @@ import queue
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -194,6 +195,40 @@ def test_probe_over_the_tcp_health_port_as_kubelet_does(socket_dir: Path) -> Non
         for service in ("", "eps.v1.PageSelector"):
             done = probe(f"--addr={address}", f"--service={service}", "--timeout-ms=2s")
             assert done.returncode == 0, done.stderr
+            assert "SERVING" in done.stdout
+    finally:
+        stop(process)
+
+
+def ipv6_loopback_available() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_the_manifests_wildcard_health_port_answers_over_ipv4_and_ipv6(socket_dir: Path) -> None:
+    # The ConfigMaps' --health-listen=[::]:9465, read from a flags file as the container
+    # reads it (the brackets are no glob there): kubelet dials the pod IP, IPv6 on an
+    # IPv6-only or IPv6-primary cluster.
+    flags = socket_dir / "epsd.flags"
+    flags.write_text(
+        f"--listen=unix://{socket_dir}/epsd.sock\n--health-listen=[::]:0\n--allow-remote\n"
+        "--backend=cpu\n"
+    )
+    process = start_epsd(flags)
+    try:
+        address = wait_line(process, "grpc.health.v1 on ")
+        assert address.startswith("[::]:") and not address.endswith(":0"), address
+        port = address.rsplit(":", 1)[1]
+        hosts = ["127.0.0.1"] + (["[::1]"] if ipv6_loopback_available() else [])
+        for host in hosts:
+            done = probe(
+                f"--addr={host}:{port}", "--service=eps.v1.PageSelector", "--timeout-ms=2s"
+            )
+            assert done.returncode == 0, (host, done.stderr)
             assert "SERVING" in done.stdout
     finally:
         stop(process)

@@ -77,8 +77,8 @@ def test_a_writable_root_filesystem_fails(deploy: Path) -> None:
 def test_a_probe_on_another_port_than_health_listen_fails(deploy: Path) -> None:
     edit(
         deploy / "k8s/overlays/gpu/configmap-patch.yaml",
-        "--health-listen=0.0.0.0:9465",
-        "--health-listen=0.0.0.0:9466",
+        "--health-listen=[::]:9465",
+        "--health-listen=[::]:9466",
     )
     problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
     assert any(p.startswith("gpu:") and "startupProbe must be a grpc probe" in p for p in problems), (
@@ -115,7 +115,7 @@ def test_a_readiness_probe_on_epsd_fails(deploy: Path) -> None:
 def test_a_loopback_health_listen_fails(deploy: Path) -> None:
     edit(
         deploy / "k8s/base/configmap-epsd-flags.yaml",
-        "--health-listen=0.0.0.0:9465",
+        "--health-listen=[::]:9465",
         "--health-listen=127.0.0.1:9465",
     )
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
