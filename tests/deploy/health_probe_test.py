@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import resource
 import selectors
 import shutil
 import signal
@@ -266,6 +267,39 @@ def test_entrypoint_reads_a_flags_file_with_crlf_line_ends(socket_dir: Path) -> 
         assert address == f"unix://{socket_dir}/epsd.sock"
         assert (socket_dir / "epsd.sock").is_socket()
         assert probe(f"--addr={address}").returncode == 0
+    finally:
+        stop(process)
+
+
+def open_file_limits(pid: int) -> tuple[str, str]:
+    """The soft and hard 'Max open files' of a process, as /proc/PID/limits shows them."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return soft, hard
+    pytest.fail(f"/proc/{pid}/limits has no 'Max open files' line")
+
+
+def test_entrypoint_raises_the_open_file_limit_to_the_hard_limit(socket_dir: Path) -> None:
+    # Each client connection holds one of epsd's descriptors: at a soft limit of 1,024,
+    # 1,014 idle connections left epsd unable to open an engine's shm object.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft = min(256, hard)
+    if soft == hard:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves nothing to raise")
+    environment = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE="")
+    # A shell lowers the soft limit, as a runtime's default would, and execs the entrypoint.
+    process = subprocess.Popen(
+        ["sh", "-c", f'ulimit -Sn {soft} && exec sh "$0" "$@"', str(ENTRYPOINT),
+         f"--listen=unix://{socket_dir}/epsd.sock", "--metrics-listen=off"],
+        env=environment,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_listening(process)
+        # The entrypoint execs epsd: the process is epsd itself.
+        assert open_file_limits(process.pid) == (str(hard), str(hard))
     finally:
         stop(process)
 
