@@ -372,13 +372,30 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
             f"engine requests {gpus(engine)} GPU(s) but nodeSelector nvidia.com/gpu.count is "
             f"{count!r}: epsd sees every GPU of the node, so the pod must hold them all",
         )
+    has_gpu = bool(gpus(engine)) or bool(claims["epsd"])
+    if has_gpu:
+        # A GPU newer than the image's code JIT-compiles its PTX at epsd's CUDA warm-up;
+        # the driver caches the result under $HOME, which the read-only root and
+        # HOME=/nonexistent leave unwritable, so every start would compile again.
+        cache = _env(sidecar).get("CUDA_CACHE_PATH", "")
+        mount = next(
+            (m for m in sidecar.get("volumeMounts", [])
+             if cache == m["mountPath"] or cache.startswith(m["mountPath"].rstrip("/") + "/")),
+            None,
+        )
+        need(
+            mount is not None
+            and not mount.get("readOnly")
+            and "emptyDir" in volumes.get(mount["name"], {}),
+            f"epsd's CUDA_CACHE_PATH={cache!r} is not on a writable emptyDir it mounts: the "
+            "driver could not keep its JIT cache (read-only root, HOME=/nonexistent)",
+        )
     if claims["epsd"] or claims["engine"]:
         need(claims["epsd"] == claims["engine"], f"epsd and engine name different claims: {claims}")
         pod_claims = {c["name"] for c in spec.get("resourceClaims", [])}
         need(
             claims["epsd"] <= pod_claims, f"claims {claims['epsd']} are not in spec.resourceClaims"
         )
-    has_gpu = bool(gpus(engine)) or bool(claims["epsd"])
     need(backend != "cuda" or has_gpu, "--backend=cuda but no GPU is given to the pod")
     need(backend != "cpu" or not has_gpu, "--backend=cpu on a pod that holds a GPU")
     return errors

@@ -205,6 +205,23 @@ def test_the_lowest_compute_major_is_read_from_cmakes_architecture_list(
     assert validate_manifests.lowest_compute_major(dockerfile) == major
 
 
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-dra"])
+def test_a_gpu_pod_without_a_writable_cuda_cache_fails(deploy: Path, overlay: str) -> None:
+    # A GPU newer than the image's sm_90 code JIT-compiles its PTX at every epsd start
+    # when the driver cannot keep its cache (read-only root, HOME=/nonexistent).
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "            - name: cuda-cache\n              mountPath: /var/cache/cuda\n",
+        "",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {overlay})
+    assert any(
+        p.startswith(f"{overlay}:") and "CUDA_CACHE_PATH='/var/cache/cuda' is not on a writable"
+        in p
+        for p in problems
+    ), problems
+
+
 def test_claims_that_differ_between_the_containers_fail(deploy: Path) -> None:
     edit(
         deploy / "k8s/overlays/gpu-dra/deployment-patch.yaml",
