@@ -493,6 +493,58 @@ def gpu_architecture_errors(resources: list[Resource], lowest: int) -> list[str]
     return errors
 
 
+def network_policy_errors(
+    by_kind: dict[str, list[Resource]], pods: list[dict[str, Any]]
+) -> list[str]:
+    """An ingress NetworkPolicy selects the pods, names their ports, and admits every port
+    the Services forward to them: any port it leaves out is refused once it applies."""
+    errors: list[str] = []
+    numbers: dict[int | str, int] = {}  # container port name or number -> number
+    for pod in pods:
+        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
+            for port in c.get("ports", []):
+                numbers[port["containerPort"]] = port["containerPort"]
+                if port.get("name"):
+                    numbers[port["name"]] = port["containerPort"]
+    for policy in by_kind.get("NetworkPolicy", []):
+        where = f"NetworkPolicy/{policy['metadata']['name']}"
+        spec = policy["spec"]
+        if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+            continue
+        labels = spec.get("podSelector", {}).get("matchLabels", {})
+        selected = [
+            p for p in pods if all(p["metadata"]["labels"].get(k) == v for k, v in labels.items())
+        ]
+        if not selected:
+            errors.append(f"{where}: podSelector matches no pod template")
+        admitted: set[int] = set()
+        admits_all = False
+        for rule in spec.get("ingress", []):
+            if not rule.get("ports"):
+                admits_all = True
+            for port in rule.get("ports", []):
+                if port.get("port") not in numbers:
+                    errors.append(f"{where}: port {port.get('port')} is no container's port")
+                else:
+                    admitted.add(numbers[port["port"]])
+        for svc in by_kind.get("Service", []):
+            chosen = svc["spec"].get("selector", {})
+            if not chosen or not any(
+                all(p["metadata"]["labels"].get(k) == v for k, v in chosen.items())
+                for p in selected
+            ):
+                continue
+            for port in svc["spec"].get("ports", []):
+                target = numbers.get(port.get("targetPort", port.get("port")))
+                if target is not None and not admits_all and target not in admitted:
+                    errors.append(
+                        f"{where} admits no ingress to port {target}, which Service/"
+                        f"{svc['metadata']['name']} forwards ({port.get('name')}): its "
+                        "clients would be refused"
+                    )
+    return errors
+
+
 def wiring_errors(resources: list[Resource]) -> list[str]:
     """Service, ServiceMonitor and PodDisruptionBudget select the pods and ports that exist."""
     errors: list[str] = []
@@ -532,6 +584,7 @@ def wiring_errors(resources: list[Resource]) -> list[str]:
                 errors.append(f"{where}: targetPort {target} is no container port")
             elif target not in numbers:
                 errors.append(f"{where}: targetPort {target} is no container's port")
+    errors += network_policy_errors(by_kind, pods)
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(selects(sel, p["metadata"]["labels"]) for p in pods):
@@ -563,39 +616,53 @@ def kustomization_dirs(k8s_dir: Path) -> dict[str, Path]:
     return dirs
 
 
+def component_dirs(k8s_dir: Path) -> dict[str, Path]:
+    """The opt-in kustomize Components under k8s_dir/components, by name."""
+    root = k8s_dir / "components"
+    if not root.is_dir():
+        return {}
+    return {c.name: c for c in sorted(root.iterdir()) if c.is_dir()}
+
+
 def validate(k8s_dir: Path, only: set[str] | None = None) -> list[str]:
-    """Problems of every kustomization under k8s_dir (or of those named in only)."""
+    """Problems of every kustomization under k8s_dir (or of those named in only).
+
+    Each opt-in component is checked added to each kustomization, as NAME+COMPONENT.
+    """
     latest = kv_utils.latest_version()
     problems: list[str] = []
     try:
         lowest_major = lowest_compute_major(k8s_dir.parent / "docker" / "Dockerfile")
     except (RenderError, OSError) as e:
         return [f"Dockerfile: {e}"]
+    components = component_dirs(k8s_dir)
     for name, directory in kustomization_dirs(k8s_dir).items():
-        if only is not None and name not in only:
-            continue
-        if name not in MIN_VERSIONS:
-            problems.append(f"{name}: add its lowest Kubernetes version to MIN_VERSIONS")
-            continue
-        versions = [MIN_VERSIONS[name], latest]
-        try:
-            resources = render(directory)
-            flags = flags_of(resources)
-        except (RenderError, OSError) as e:
-            problems.append(f"{name}: {e}")
-            continue
-        found = []
-        for r in resources:
-            found += schema_errors(r, versions)
-            if r["kind"] == "Deployment":
-                found += pod_errors(r, flags)
-        found += gpu_architecture_errors(resources, lowest_major)
-        found += wiring_errors(resources)
-        problems += [f"{name}: {p}" for p in found]
-        print(
-            f"{name}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
-            f"{'ok' if not found else f'{len(found)} problem(s)'}"
-        )
+        variants = {name: ()} | {f"{name}+{c}": (d,) for c, d in components.items()}
+        for variant, extra in variants.items():
+            if only is not None and variant not in only:
+                continue
+            if name not in MIN_VERSIONS:
+                problems.append(f"{variant}: add its lowest Kubernetes version to MIN_VERSIONS")
+                continue
+            versions = [MIN_VERSIONS[name], latest]
+            try:
+                resources = render(directory, extra)
+                flags = flags_of(resources)
+            except (RenderError, OSError) as e:
+                problems.append(f"{variant}: {e}")
+                continue
+            found = []
+            for r in resources:
+                found += schema_errors(r, versions)
+                if r["kind"] == "Deployment":
+                    found += pod_errors(r, flags)
+            found += gpu_architecture_errors(resources, lowest_major)
+            found += wiring_errors(resources)
+            problems += [f"{variant}: {p}" for p in found]
+            print(
+                f"{variant}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
+                f"{'ok' if not found else f'{len(found)} problem(s)'}"
+            )
     return problems
 
 

@@ -258,6 +258,28 @@ def test_a_target_port_number_no_container_declares_fails(deploy: Path) -> None:
     assert any("targetPort 9446 is no container's port" in p for p in problems), problems
 
 
+def test_a_network_policy_that_drops_a_service_port_fails(deploy: Path) -> None:
+    # Without the engine's rule the policy would refuse every client of the Service's
+    # http port once applied.
+    edit(
+        deploy / "k8s/components/networkpolicy/networkpolicy.yaml",
+        "    - ports:\n        - port: 8000\n          protocol: TCP\n",
+        "",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu+networkpolicy"})
+    assert any(
+        p.startswith("gpu+networkpolicy:") and "admits no ingress to port 8000" in p
+        for p in problems
+    ), problems
+
+
+def test_a_network_policy_port_no_container_has_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/components/networkpolicy/networkpolicy.yaml", "port: 9464", "port: 9446")
+    problems = validate_manifests.validate(deploy / "k8s", {"base+networkpolicy"})
+    assert any("port 9446 is no container's port" in p for p in problems), problems
+    assert any("admits no ingress to port 9464" in p for p in problems), problems
+
+
 def test_a_servicemonitor_typo_fails_its_schema(deploy: Path) -> None:
     edit(deploy / "k8s/base/servicemonitor.yaml", "      interval: 15s\n", "      intervall: 15s\n")
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
