@@ -8,7 +8,11 @@ the overlays with this module and validates the output. It supports exactly:
 - ``patches``: entries ``{path: file}`` holding a strategic-merge patch that names
   its target by ``kind`` and ``metadata.name``;
 - ``images``: entries ``{name, newName?, newTag?, digest?}`` applied to every
-  container and init container of Pod templates.
+  container and init container of Pod templates;
+- ``components``: directories whose ``kustomization.yaml`` is a ``Component``
+  (``kustomize.config.k8s.io/v1alpha1``) with ``resources`` (files) and ``patches``;
+  as kustomize does, each is applied in order to the resources loaded so far, before
+  the kustomization's own patches and images.
 
 Anything else in a kustomization (another key, a patch ``target``, a resource
 outside the kustomization root) is an error, so the manifests cannot silently
@@ -39,7 +43,8 @@ MERGE_KEYS: dict[str, str] = {
     "imagePullSecrets": "name",
 }
 
-KNOWN_KEYS = {"apiVersion", "kind", "resources", "patches", "images"}
+KNOWN_KEYS = {"apiVersion", "kind", "resources", "patches", "images", "components"}
+COMPONENT_KEYS = {"apiVersion", "kind", "resources", "patches"}
 
 
 class RenderError(Exception):
@@ -132,8 +137,8 @@ def _identity(resource: Resource) -> tuple[str, str]:
     return resource["kind"], resource.get("metadata", {}).get("name", "")
 
 
-def render(directory: Path) -> list[Resource]:
-    """The resources of the kustomization in directory, with patches and images applied."""
+def _kustomization(directory: Path, kind: str, keys: set[str]) -> tuple[Path, dict[str, Any]]:
+    """The kustomization.yaml of directory, which must be of kind and hold only keys."""
     kfile = directory / "kustomization.yaml"
     if not kfile.is_file():
         raise RenderError(f"{directory} has no kustomization.yaml")
@@ -141,15 +146,23 @@ def render(directory: Path) -> list[Resource]:
     if len(docs) != 1:
         raise RenderError(f"{kfile}: want one document, found {len(docs)}")
     k = docs[0]
-    unknown = sorted(set(k) - KNOWN_KEYS)
+    unknown = sorted(set(k) - keys)
     if unknown:
-        raise RenderError(f"{kfile}: unsupported keys {unknown} (supported: {sorted(KNOWN_KEYS)})")
-    if k.get("kind") != "Kustomization":
-        raise RenderError(f"{kfile}: kind is {k.get('kind')!r}, want Kustomization")
+        raise RenderError(f"{kfile}: unsupported keys {unknown} (supported: {sorted(keys)})")
+    if k.get("kind") != kind:
+        raise RenderError(f"{kfile}: kind is {k.get('kind')!r}, want {kind}")
+    return kfile, k
 
-    resources: list[Resource] = []
-    for entry in k.get("resources", []):
+
+def _add_resources(
+    directory: Path, kfile: Path, entries: list[str], resources: list[Resource], dirs: bool
+) -> None:
+    """Appends the resources entries name (files; kustomizations too where dirs) and
+    fails when one is defined twice."""
+    for entry in entries:
         path = directory / entry
+        if path.is_dir() and not dirs:
+            raise RenderError(f"{kfile}: resource {entry} is a directory: a Component lists files")
         if path.is_dir():
             resources.extend(render(path))
         elif path.is_file():
@@ -162,7 +175,11 @@ def render(directory: Path) -> list[Resource]:
             raise RenderError(f"{kfile}: {_identity(r)} is defined twice")
         seen.add(_identity(r))
 
-    for entry in k.get("patches", []):
+
+def _apply_patches(
+    directory: Path, kfile: Path, entries: list[dict[str, Any]], resources: list[Resource]
+) -> None:
+    for entry in entries:
         if set(entry) != {"path"}:
             raise RenderError(f"{kfile}: patch {entry} must have only 'path'")
         path = directory / entry["path"]
@@ -173,6 +190,25 @@ def render(directory: Path) -> list[Resource]:
             if not matches:
                 raise RenderError(f"{path}: patch target {_identity(patch)} is not a resource")
             resources[matches[0]] = strategic_merge(resources[matches[0]], patch)
+
+
+def render(directory: Path, components: tuple[Path, ...] = ()) -> list[Resource]:
+    """The resources of the kustomization in directory, with patches and images applied.
+
+    components are applied after those the kustomization lists, as if listed last.
+    """
+    kfile, k = _kustomization(directory, "Kustomization", KNOWN_KEYS)
+    resources: list[Resource] = []
+    _add_resources(directory, kfile, k.get("resources", []), resources, dirs=True)
+    for component in [directory / c for c in k.get("components", [])] + list(components):
+        if not component.is_dir():
+            raise RenderError(f"{kfile}: component {component} is not a directory")
+        ckfile, ck = _kustomization(component, "Component", COMPONENT_KEYS)
+        if ck.get("apiVersion") != "kustomize.config.k8s.io/v1alpha1":
+            raise RenderError(f"{ckfile}: a Component is kustomize.config.k8s.io/v1alpha1")
+        _add_resources(component, ckfile, ck.get("resources", []), resources, dirs=False)
+        _apply_patches(component, ckfile, ck.get("patches", []), resources)
+    _apply_patches(directory, kfile, k.get("patches", []), resources)
 
     images = k.get("images", [])
     for entry in images:

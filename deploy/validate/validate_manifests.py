@@ -5,9 +5,12 @@ every resource is validated against the strict JSON schemas that kubernetes-vali
 ships for the lowest Kubernetes version the overlay supports and for the newest one
 it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
 Deployment's pod template is checked for what docs/deploy.md promises: epsd as a
-native sidecar with kubelet gRPC probes on its health port, the socket and /dev/shm shared with
+native sidecar with kubelet gRPC startup and liveness probes on its health port and no
+readiness probe (its readiness would be the pod's), the socket and /dev/shm shared with
 the engine, hardened containers with resources, memory budgets (--max-server-bytes) that fit
-epsd's memory limit, and GPU sharing that hands both containers the same device. Exit status 1 lists every problem found.
+epsd's memory limit, GPU sharing that hands both containers the same device, and a
+GPU the image has code for (the Dockerfile's CUDA_ARCHITECTURES). Exit status 1 lists
+every problem found.
 
 Usage: validate_manifests.py [--k8s-dir deploy/k8s]
 """
@@ -45,6 +48,13 @@ EPSD_DEFAULTS = {"max-server-bytes": "2G", "max-session-bytes": "512M", "max-mes
 # 64 MiB plus three largest messages: room for one such message at a time.
 PROCESS_BYTES = 64 * MIB
 MESSAGE_FACTOR = 3
+# GPU feature discovery's node label of the GPUs' compute capability major (option A).
+COMPUTE_MAJOR_LABEL = "nvidia.com/gpu.compute.major"
+# How the NVIDIA DRA driver's devices are selected by compute capability (option B).
+COMPUTE_CEL = re.compile(
+    r'device\.attributes\["gpu\.nvidia\.com"\]\.cudaComputeCapability'
+    r'\.compareTo\(semver\("([0-9]+)\.[0-9]+\.[0-9]+"\)\)\s*>=\s*0'
+)
 
 
 def flags_of(resources: list[Resource]) -> list[str]:
@@ -281,13 +291,22 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         f"--health-listen={health_listen!r} is not host:port on the pod IP: kubelet cannot "
         "probe it",
     )
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         grpc = sidecar.get(probe, {}).get("grpc", {})
         need(
             str(grpc.get("port")) == health_port and grpc.get("service") == SERVICE,
             f"epsd {probe} must be a grpc probe of service {SERVICE} on port {health_port} "
             f"(--health-listen={health_listen})",
         )
+    # A native sidecar's readiness counts in the pod's Ready condition: a readiness probe on
+    # epsd would take the engine out of the Service whenever epsd drains or restarts, while
+    # the engine serves on, falling back to dense attention (docs/deploy.md, section 6).
+    need(
+        "readinessProbe" not in sidecar,
+        "epsd must have no readinessProbe: a native sidecar's readiness is part of the pod's, "
+        "so the engine would leave the Service whenever epsd drains or restarts, though it "
+        "keeps serving densely (fail open)",
+    )
     for name_ in ("metrics-listen", "health-listen"):
         value = flag_value(flags, name_)
         if value and not _loopback(value.rpartition(":")[0]):
@@ -337,11 +356,39 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
             _env(sidecar).get("NVIDIA_VISIBLE_DEVICES") == "all",
             "engine has a GPU but epsd has no NVIDIA_VISIBLE_DEVICES=all",
         )
+        # The GPU Operator's CDI default (v25.10+) injects device-plugin GPUs through the
+        # container runtime's own CDI support; only the NVIDIA runtime class still reads
+        # NVIDIA_VISIBLE_DEVICES, so without it epsd silently sees no GPU.
+        need(
+            bool(spec.get("runtimeClassName")),
+            "epsd takes the engine's GPU through NVIDIA_VISIBLE_DEVICES but the pod has no "
+            "runtimeClassName: with CDI (the GPU Operator's default since v25.10) only the "
+            "NVIDIA runtime class (runtimeClassName: nvidia) reads the variable, and epsd "
+            "would see no GPU",
+        )
         count = spec.get("nodeSelector", {}).get("nvidia.com/gpu.count")
         need(
             count == str(gpus(engine)),
             f"engine requests {gpus(engine)} GPU(s) but nodeSelector nvidia.com/gpu.count is "
             f"{count!r}: epsd sees every GPU of the node, so the pod must hold them all",
+        )
+    has_gpu = bool(gpus(engine)) or bool(claims["epsd"])
+    if has_gpu:
+        # A GPU newer than the image's code JIT-compiles its PTX at epsd's CUDA warm-up;
+        # the driver caches the result under $HOME, which the read-only root and
+        # HOME=/nonexistent leave unwritable, so every start would compile again.
+        cache = _env(sidecar).get("CUDA_CACHE_PATH", "")
+        mount = next(
+            (m for m in sidecar.get("volumeMounts", [])
+             if cache == m["mountPath"] or cache.startswith(m["mountPath"].rstrip("/") + "/")),
+            None,
+        )
+        need(
+            mount is not None
+            and not mount.get("readOnly")
+            and "emptyDir" in volumes.get(mount["name"], {}),
+            f"epsd's CUDA_CACHE_PATH={cache!r} is not on a writable emptyDir it mounts: the "
+            "driver could not keep its JIT cache (read-only root, HOME=/nonexistent)",
         )
     if claims["epsd"] or claims["engine"]:
         need(claims["epsd"] == claims["engine"], f"epsd and engine name different claims: {claims}")
@@ -349,9 +396,152 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         need(
             claims["epsd"] <= pod_claims, f"claims {claims['epsd']} are not in spec.resourceClaims"
         )
-    has_gpu = bool(gpus(engine)) or bool(claims["epsd"])
     need(backend != "cuda" or has_gpu, "--backend=cuda but no GPU is given to the pod")
     need(backend != "cpu" or not has_gpu, "--backend=cpu on a pod that holds a GPU")
+    return errors
+
+
+def lowest_compute_major(dockerfile: Path) -> int:
+    """The lowest compute capability major the image has GPU code for.
+
+    The Dockerfile's CUDA_ARCHITECTURES default is CMake's list: "90" is sm_90 code plus
+    compute_90 PTX, which the driver compiles for newer GPUs, so the lowest entry is the
+    oldest GPU epsd's kernels run on; below it the CUDA warm-up fails and epsd serves
+    the cpu backend alone.
+    """
+    m = re.search(r"^ARG CUDA_ARCHITECTURES=(\S+)", dockerfile.read_text(), re.MULTILINE)
+    if not m:
+        raise RenderError(f"{dockerfile}: no 'ARG CUDA_ARCHITECTURES=' default")
+    entries = [re.match(r"[0-9]+", e.strip('"')) for e in m.group(1).split(";")]
+    if not entries or not all(entries):
+        raise RenderError(f"{dockerfile}: CUDA_ARCHITECTURES={m.group(1)} is not a CMake list")
+    return min(int(e.group(0)) for e in entries) // 10
+
+
+def _excludes_older_gpus(term: dict[str, Any], lowest: int) -> bool:
+    """A node selector term that admits only nodes whose GPUs have compute major >= lowest."""
+    for e in term.get("matchExpressions", []):
+        if e.get("key") != COMPUTE_MAJOR_LABEL:
+            continue
+        values = e.get("values", [])
+        if not values or not all(str(v).isdigit() for v in values):
+            continue
+        if e.get("operator") == "Gt" and int(values[0]) >= lowest - 1:
+            return True
+        if e.get("operator") == "In" and min(int(v) for v in values) >= lowest:
+            return True
+    return False
+
+
+def gpu_architecture_errors(resources: list[Resource], lowest: int) -> list[str]:
+    """A pod that holds a GPU is placed only on GPUs of compute capability >= lowest.
+
+    Option A (the device plugin): a required node affinity on GPU feature discovery's
+    nvidia.com/gpu.compute.major in every node selector term. Option B (a DRA claim):
+    each request of the claim's template selects devices with a CEL expression on the
+    NVIDIA DRA driver's cudaComputeCapability attribute, in the form COMPUTE_CEL reads.
+    """
+    errors: list[str] = []
+    claim_requests: dict[str, list[dict[str, Any]]] = {}
+    for r in resources:
+        if r["kind"] == "ResourceClaimTemplate":
+            claim_requests[r["metadata"]["name"]] = r["spec"]["spec"]["devices"]["requests"]
+    for d in (r for r in resources if r["kind"] == "Deployment"):
+        name = f"Deployment/{d['metadata']['name']}"
+        spec = d["spec"]["template"]["spec"]
+        engines = spec.get("containers", [])
+        plugin_gpus = any(
+            c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") for c in engines
+        )
+        if plugin_gpus:
+            affinity = spec.get("affinity", {}).get("nodeAffinity", {})
+            terms = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
+                "nodeSelectorTerms", []
+            )
+            selected = spec.get("nodeSelector", {}).get(COMPUTE_MAJOR_LABEL, "")
+            if not (selected.isdigit() and int(selected) >= lowest) and not (
+                terms and all(_excludes_older_gpus(t, lowest) for t in terms)
+            ):
+                errors.append(
+                    f"{name}: the image has GPU code for compute capability {lowest}.0 and "
+                    f"newer only, but the pod may land on an older GPU (where epsd serves the "
+                    f"cpu backend alone): require node affinity {COMPUTE_MAJOR_LABEL} Gt "
+                    f"{lowest - 1} in every nodeSelectorTerm"
+                )
+        for claim in spec.get("resourceClaims", []):
+            template = claim.get("resourceClaimTemplateName")
+            if template not in claim_requests:
+                errors.append(
+                    f"{name}: claim {claim['name']} names no ResourceClaimTemplate of the "
+                    "kustomization, so its GPU's compute capability cannot be checked"
+                )
+                continue
+            for request in claim_requests[template]:
+                selectors = request.get("exactly", {}).get("selectors", [])
+                floors = [
+                    int(m.group(1))
+                    for s in selectors
+                    if (m := COMPUTE_CEL.search(s.get("cel", {}).get("expression", "")))
+                ]
+                if not floors or max(floors) < lowest:
+                    errors.append(
+                        f"ResourceClaimTemplate/{template}: request {request['name']} may get "
+                        f"a GPU older than compute capability {lowest}.0, which the image has "
+                        "no code for: select devices with device.attributes[\"gpu.nvidia.com\"]"
+                        f'.cudaComputeCapability.compareTo(semver("{lowest}.0.0")) >= 0'
+                    )
+    return errors
+
+
+def network_policy_errors(
+    by_kind: dict[str, list[Resource]], pods: list[dict[str, Any]]
+) -> list[str]:
+    """An ingress NetworkPolicy selects the pods, names their ports, and admits every port
+    the Services forward to them: any port it leaves out is refused once it applies."""
+    errors: list[str] = []
+    numbers: dict[int | str, int] = {}  # container port name or number -> number
+    for pod in pods:
+        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
+            for port in c.get("ports", []):
+                numbers[port["containerPort"]] = port["containerPort"]
+                if port.get("name"):
+                    numbers[port["name"]] = port["containerPort"]
+    for policy in by_kind.get("NetworkPolicy", []):
+        where = f"NetworkPolicy/{policy['metadata']['name']}"
+        spec = policy["spec"]
+        if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
+            continue
+        labels = spec.get("podSelector", {}).get("matchLabels", {})
+        selected = [
+            p for p in pods if all(p["metadata"]["labels"].get(k) == v for k, v in labels.items())
+        ]
+        if not selected:
+            errors.append(f"{where}: podSelector matches no pod template")
+        admitted: set[int] = set()
+        admits_all = False
+        for rule in spec.get("ingress", []):
+            if not rule.get("ports"):
+                admits_all = True
+            for port in rule.get("ports", []):
+                if port.get("port") not in numbers:
+                    errors.append(f"{where}: port {port.get('port')} is no container's port")
+                else:
+                    admitted.add(numbers[port["port"]])
+        for svc in by_kind.get("Service", []):
+            chosen = svc["spec"].get("selector", {})
+            if not chosen or not any(
+                all(p["metadata"]["labels"].get(k) == v for k, v in chosen.items())
+                for p in selected
+            ):
+                continue
+            for port in svc["spec"].get("ports", []):
+                target = numbers.get(port.get("targetPort", port.get("port")))
+                if target is not None and not admits_all and target not in admitted:
+                    errors.append(
+                        f"{where} admits no ingress to port {target}, which Service/"
+                        f"{svc['metadata']['name']} forwards ({port.get('name')}): its "
+                        "clients would be refused"
+                    )
     return errors
 
 
@@ -394,6 +584,7 @@ def wiring_errors(resources: list[Resource]) -> list[str]:
                 errors.append(f"{where}: targetPort {target} is no container port")
             elif target not in numbers:
                 errors.append(f"{where}: targetPort {target} is no container's port")
+    errors += network_policy_errors(by_kind, pods)
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
         if not any(selects(sel, p["metadata"]["labels"]) for p in pods):
@@ -425,34 +616,53 @@ def kustomization_dirs(k8s_dir: Path) -> dict[str, Path]:
     return dirs
 
 
+def component_dirs(k8s_dir: Path) -> dict[str, Path]:
+    """The opt-in kustomize Components under k8s_dir/components, by name."""
+    root = k8s_dir / "components"
+    if not root.is_dir():
+        return {}
+    return {c.name: c for c in sorted(root.iterdir()) if c.is_dir()}
+
+
 def validate(k8s_dir: Path, only: set[str] | None = None) -> list[str]:
-    """Problems of every kustomization under k8s_dir (or of those named in only)."""
+    """Problems of every kustomization under k8s_dir (or of those named in only).
+
+    Each opt-in component is checked added to each kustomization, as NAME+COMPONENT.
+    """
     latest = kv_utils.latest_version()
     problems: list[str] = []
+    try:
+        lowest_major = lowest_compute_major(k8s_dir.parent / "docker" / "Dockerfile")
+    except (RenderError, OSError) as e:
+        return [f"Dockerfile: {e}"]
+    components = component_dirs(k8s_dir)
     for name, directory in kustomization_dirs(k8s_dir).items():
-        if only is not None and name not in only:
-            continue
-        if name not in MIN_VERSIONS:
-            problems.append(f"{name}: add its lowest Kubernetes version to MIN_VERSIONS")
-            continue
-        versions = [MIN_VERSIONS[name], latest]
-        try:
-            resources = render(directory)
-            flags = flags_of(resources)
-        except (RenderError, OSError) as e:
-            problems.append(f"{name}: {e}")
-            continue
-        found = []
-        for r in resources:
-            found += schema_errors(r, versions)
-            if r["kind"] == "Deployment":
-                found += pod_errors(r, flags)
-        found += wiring_errors(resources)
-        problems += [f"{name}: {p}" for p in found]
-        print(
-            f"{name}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
-            f"{'ok' if not found else f'{len(found)} problem(s)'}"
-        )
+        variants = {name: ()} | {f"{name}+{c}": (d,) for c, d in components.items()}
+        for variant, extra in variants.items():
+            if only is not None and variant not in only:
+                continue
+            if name not in MIN_VERSIONS:
+                problems.append(f"{variant}: add its lowest Kubernetes version to MIN_VERSIONS")
+                continue
+            versions = [MIN_VERSIONS[name], latest]
+            try:
+                resources = render(directory, extra)
+                flags = flags_of(resources)
+            except (RenderError, OSError) as e:
+                problems.append(f"{variant}: {e}")
+                continue
+            found = []
+            for r in resources:
+                found += schema_errors(r, versions)
+                if r["kind"] == "Deployment":
+                    found += pod_errors(r, flags)
+            found += gpu_architecture_errors(resources, lowest_major)
+            found += wiring_errors(resources)
+            problems += [f"{variant}: {p}" for p in found]
+            print(
+                f"{variant}: {len(resources)} resources, Kubernetes {' and '.join(versions)}: "
+                f"{'ok' if not found else f'{len(found)} problem(s)'}"
+            )
     return problems
 
 

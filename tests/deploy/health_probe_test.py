@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import queue
+import resource
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -199,6 +201,40 @@ def test_probe_over_the_tcp_health_port_as_kubelet_does(socket_dir: Path) -> Non
         stop(process)
 
 
+def ipv6_loopback_available() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_the_manifests_wildcard_health_port_answers_over_ipv4_and_ipv6(socket_dir: Path) -> None:
+    # The ConfigMaps' --health-listen=[::]:9465, read from a flags file as the container
+    # reads it (the brackets are no glob there): kubelet dials the pod IP, IPv6 on an
+    # IPv6-only or IPv6-primary cluster.
+    flags = socket_dir / "epsd.flags"
+    flags.write_text(
+        f"--listen=unix://{socket_dir}/epsd.sock\n--health-listen=[::]:0\n--allow-remote\n"
+        "--backend=cpu\n"
+    )
+    process = start_epsd(flags)
+    try:
+        address = wait_line(process, "grpc.health.v1 on ")
+        assert address.startswith("[::]:") and not address.endswith(":0"), address
+        port = address.rsplit(":", 1)[1]
+        hosts = ["127.0.0.1"] + (["[::1]"] if ipv6_loopback_available() else [])
+        for host in hosts:
+            done = probe(
+                f"--addr={host}:{port}", "--service=eps.v1.PageSelector", "--timeout-ms=2s"
+            )
+            assert done.returncode == 0, (host, done.stderr)
+            assert "SERVING" in done.stdout
+    finally:
+        stop(process)
+
+
 def test_a_non_loopback_health_port_needs_allow_remote(socket_dir: Path) -> None:
     process = start_epsd(
         None, f"--listen=unix://{socket_dir}/epsd.sock", "--health-listen=0.0.0.0:0"
@@ -231,6 +267,39 @@ def test_entrypoint_reads_a_flags_file_with_crlf_line_ends(socket_dir: Path) -> 
         assert address == f"unix://{socket_dir}/epsd.sock"
         assert (socket_dir / "epsd.sock").is_socket()
         assert probe(f"--addr={address}").returncode == 0
+    finally:
+        stop(process)
+
+
+def open_file_limits(pid: int) -> tuple[str, str]:
+    """The soft and hard 'Max open files' of a process, as /proc/PID/limits shows them."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return soft, hard
+    pytest.fail(f"/proc/{pid}/limits has no 'Max open files' line")
+
+
+def test_entrypoint_raises_the_open_file_limit_to_the_hard_limit(socket_dir: Path) -> None:
+    # Each client connection holds one of epsd's descriptors: at a soft limit of 1,024,
+    # 1,014 idle connections left epsd unable to open an engine's shm object.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft = min(256, hard)
+    if soft == hard:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves nothing to raise")
+    environment = dict(os.environ, EPSD_BIN=binary("EPSD"), EPSD_FLAGS_FILE="")
+    # A shell lowers the soft limit, as a runtime's default would, and execs the entrypoint.
+    process = subprocess.Popen(
+        ["sh", "-c", f'ulimit -Sn {soft} && exec sh "$0" "$@"', str(ENTRYPOINT),
+         f"--listen=unix://{socket_dir}/epsd.sock", "--metrics-listen=off"],
+        env=environment,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_listening(process)
+        # The entrypoint execs epsd: the process is epsd itself.
+        assert open_file_limits(process.pid) == (str(hard), str(hard))
     finally:
         stop(process)
 

@@ -235,6 +235,54 @@ def test_unsupported_or_broken_kustomizations_are_errors(
         render(overlay(tmp_path, body, extra))
 
 
+COMPONENT = "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\n"
+
+
+def test_a_component_adds_its_resources_and_patches_before_the_overlays_patches(
+    tmp_path: Path,
+) -> None:
+    root = overlay(
+        tmp_path,
+        "resources: [../base]\ncomponents: [../extra]\npatches:\n  - path: p.yaml\n",
+        {
+            "extra/kustomization.yaml": COMPONENT
+            + "resources: [policy.yaml]\npatches:\n  - path: p.yaml\n",
+            "extra/policy.yaml": "kind: ConfigMap\nmetadata: {name: policy}\n",
+            "extra/p.yaml": "kind: Deployment\nmetadata: {name: app}\nspec: {replicas: 3}\n",
+            "overlay/p.yaml": "kind: Deployment\nmetadata: {name: app}\nspec: {replicas: 5}\n",
+        },
+    )
+    out = render(root)
+    assert [r["metadata"]["name"] for r in out] == ["app", "policy"]
+    assert out[0]["spec"]["replicas"] == 5  # the overlay's patch comes after the component's
+    # The same component given by the caller, as the validator adds an opt-in one.
+    write(tmp_path, {"overlay/kustomization.yaml": kustomization("resources: [../base]\n")})
+    out = render(root, (tmp_path / "extra",))
+    assert out[0]["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize(
+    "component, message",
+    [
+        ("kind: Component\n", "a Component is kustomize.config.k8s.io/v1alpha1"),
+        (
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n",
+            "kind is 'Kustomization', want Component",
+        ),
+        (COMPONENT + "images: []\n", "unsupported keys ['images']"),
+        (COMPONENT + "resources: [../base]\n", "is a directory: a Component lists files"),
+    ],
+)
+def test_a_broken_component_is_an_error(tmp_path: Path, component: str, message: str) -> None:
+    root = overlay(
+        tmp_path,
+        "resources: [../base]\ncomponents: [../extra]\n",
+        {"extra/kustomization.yaml": component},
+    )
+    with pytest.raises(RenderError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        render(root)
+
+
 def test_duplicate_resources_are_an_error(tmp_path: Path) -> None:
     write(
         tmp_path,
@@ -265,4 +313,5 @@ def test_the_cpu_demo_overlay_runs_eps_demo_without_engine_probes() -> None:
     assert c["engine"]["image"] == "registry.example.com/eps/epsd-demo:0.1.0"
     assert c["engine"]["command"][-1] == "/usr/local/bin/eps-demo"
     assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c["engine"])
-    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c["epsd"])
+    assert {"startupProbe", "livenessProbe"} <= set(c["epsd"])
+    assert "readinessProbe" not in c["epsd"]

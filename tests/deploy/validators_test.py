@@ -77,8 +77,8 @@ def test_a_writable_root_filesystem_fails(deploy: Path) -> None:
 def test_a_probe_on_another_port_than_health_listen_fails(deploy: Path) -> None:
     edit(
         deploy / "k8s/overlays/gpu/configmap-patch.yaml",
-        "--health-listen=0.0.0.0:9465",
-        "--health-listen=0.0.0.0:9466",
+        "--health-listen=[::]:9465",
+        "--health-listen=[::]:9466",
     )
     problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
     assert any(p.startswith("gpu:") and "startupProbe must be a grpc probe" in p for p in problems), (
@@ -98,10 +98,24 @@ def test_an_exec_probe_fails(deploy: Path) -> None:
     assert any("livenessProbe must be a grpc probe" in p for p in problems), problems
 
 
+def test_a_readiness_probe_on_epsd_fails(deploy: Path) -> None:
+    # A native sidecar's readiness is part of the pod's Ready condition: with one, the
+    # engine left the Service whenever epsd drained or restarted, though it served densely.
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "          livenessProbe:\n            grpc:\n              port: 9465\n",
+        "          readinessProbe:\n            grpc:\n              port: 9465\n"
+        "              service: eps.v1.PageSelector\n"
+        "          livenessProbe:\n            grpc:\n              port: 9465\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"base"})
+    assert any("epsd must have no readinessProbe" in p for p in problems), problems
+
+
 def test_a_loopback_health_listen_fails(deploy: Path) -> None:
     edit(
         deploy / "k8s/base/configmap-epsd-flags.yaml",
-        "--health-listen=0.0.0.0:9465",
+        "--health-listen=[::]:9465",
         "--health-listen=127.0.0.1:9465",
     )
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
@@ -126,6 +140,86 @@ def test_a_gpu_engine_without_a_gpu_for_epsd_fails(deploy: Path) -> None:
     assert any(p.startswith("gpu:") and "NVIDIA_VISIBLE_DEVICES=all" in p for p in problems), (
         problems
     )
+
+
+def test_visible_devices_without_a_runtime_class_fails(deploy: Path) -> None:
+    # With CDI (the GPU Operator's default since v25.10) only the NVIDIA runtime class reads
+    # NVIDIA_VISIBLE_DEVICES: without it epsd saw no GPU and served the cpu backend alone.
+    edit(deploy / "k8s/overlays/gpu/deployment-patch.yaml", "      runtimeClassName: nvidia\n", "")
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(p.startswith("gpu:") and "no runtimeClassName" in p for p in problems), problems
+
+
+def test_a_device_plugin_gpu_without_a_compute_capability_floor_fails(deploy: Path) -> None:
+    # The image holds sm_90 code and compute_90 PTX: on an older GPU epsd's CUDA warm-up
+    # fails and it serves the cpu backend alone.
+    edit(
+        deploy / "k8s/overlays/gpu/deployment-patch.yaml",
+        "                    values: [\"8\"]\n",
+        "                    values: [\"7\"]\n",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu"})
+    assert any(
+        p.startswith("gpu:") and "nvidia.com/gpu.compute.major Gt 8" in p for p in problems
+    ), problems
+
+
+def test_the_compute_capability_floor_follows_the_dockerfiles_architectures(
+    deploy: Path,
+) -> None:
+    edit(
+        deploy / "docker/Dockerfile",
+        "ARG CUDA_ARCHITECTURES=90\n",
+        "ARG CUDA_ARCHITECTURES=80;90\n",
+    )
+    edit(
+        deploy / "k8s/overlays/gpu/deployment-patch.yaml",
+        "                    values: [\"8\"]\n",
+        "                    values: [\"7\"]\n",
+    )
+    assert validate_manifests.validate(deploy / "k8s", {"gpu"}) == []
+
+
+def test_a_dra_claim_without_a_compute_capability_selector_fails(deploy: Path) -> None:
+    edit(
+        deploy / "k8s/overlays/gpu-dra/resourceclaimtemplate.yaml",
+        'compareTo(semver("9.0.0"))',
+        'compareTo(semver("8.0.0"))',
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu-dra"})
+    assert any(
+        p.startswith("gpu-dra:") and "request gpu may get a GPU older than compute capability 9.0"
+        in p
+        for p in problems
+    ), problems
+
+
+@pytest.mark.parametrize(
+    "architectures, major", [("90", 9), ("90-real;100", 9), ('"80;90"', 8), ("120a", 12)]
+)
+def test_the_lowest_compute_major_is_read_from_cmakes_architecture_list(
+    tmp_path: Path, architectures: str, major: int
+) -> None:
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(f"FROM x AS build\nARG CUDA_ARCHITECTURES={architectures}\n")
+    assert validate_manifests.lowest_compute_major(dockerfile) == major
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-dra"])
+def test_a_gpu_pod_without_a_writable_cuda_cache_fails(deploy: Path, overlay: str) -> None:
+    # A GPU newer than the image's sm_90 code JIT-compiles its PTX at every epsd start
+    # when the driver cannot keep its cache (read-only root, HOME=/nonexistent).
+    edit(
+        deploy / "k8s/base/deployment.yaml",
+        "            - name: cuda-cache\n              mountPath: /var/cache/cuda\n",
+        "",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {overlay})
+    assert any(
+        p.startswith(f"{overlay}:") and "CUDA_CACHE_PATH='/var/cache/cuda' is not on a writable"
+        in p
+        for p in problems
+    ), problems
 
 
 def test_claims_that_differ_between_the_containers_fail(deploy: Path) -> None:
@@ -162,6 +256,28 @@ def test_a_target_port_number_no_container_declares_fails(deploy: Path) -> None:
     edit(deploy / "k8s/base/service.yaml", "      targetPort: 9464\n", "      targetPort: 9446\n")
     problems = validate_manifests.validate(deploy / "k8s", {"base"})
     assert any("targetPort 9446 is no container's port" in p for p in problems), problems
+
+
+def test_a_network_policy_that_drops_a_service_port_fails(deploy: Path) -> None:
+    # Without the engine's rule the policy would refuse every client of the Service's
+    # http port once applied.
+    edit(
+        deploy / "k8s/components/networkpolicy/networkpolicy.yaml",
+        "    - ports:\n        - port: 8000\n          protocol: TCP\n",
+        "",
+    )
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu+networkpolicy"})
+    assert any(
+        p.startswith("gpu+networkpolicy:") and "admits no ingress to port 8000" in p
+        for p in problems
+    ), problems
+
+
+def test_a_network_policy_port_no_container_has_fails(deploy: Path) -> None:
+    edit(deploy / "k8s/components/networkpolicy/networkpolicy.yaml", "port: 9464", "port: 9446")
+    problems = validate_manifests.validate(deploy / "k8s", {"base+networkpolicy"})
+    assert any("port 9446 is no container's port" in p for p in problems), problems
+    assert any("admits no ingress to port 9464" in p for p in problems), problems
 
 
 def test_a_servicemonitor_typo_fails_its_schema(deploy: Path) -> None:
