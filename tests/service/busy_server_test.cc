@@ -144,6 +144,9 @@ class BusyServerTest : public ::testing::Test {
   std::unique_ptr<v1::PageSelector::Stub> stub_;
   std::vector<std::string> busy_ids_;
   std::string idle_;
+  // What the calls on calls_ write to: kept until TearDown has joined them.
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  std::vector<grpc::Status> statuses_;
   std::vector<std::thread> calls_;
 };
 
@@ -156,8 +159,10 @@ class BusyServerTest : public ::testing::Test {
 // of them run at once, the Heartbeat is answered while they run, and once cancelled they
 // stop (the ones on callback threads too) and leave their step numbers free.
 TEST_F(BusyServerTest, LongStepsOfMoreSessionsThanCallbackThreadsRunAtOnceAndStopWhenCancelled) {
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<grpc::Status> statuses(busy_ids_.size());
+  // The fixture's: a failed ASSERT returns while the calls run, and TearDown joins them.
+  std::vector<std::unique_ptr<grpc::ClientContext>>& contexts = contexts_;
+  std::vector<grpc::Status>& statuses = statuses_;
+  statuses.resize(busy_ids_.size());
   for (size_t i = 0; i < busy_ids_.size(); ++i) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
     Send(busy_ids_[i], 7, contexts.back().get(), &statuses[i]);
