@@ -1,5 +1,7 @@
 #include "service/session_registry.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 
@@ -12,66 +14,139 @@ EngineKey KeyOf(const Session& session) {
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Session> session,
-                                                              const SessionLimits& limits) {
+void SessionRegistry::BeginBuild(const EngineKey& key, const SessionLimits& limits,
+                                 BuildStart start) {
+  absl::Status admitted;
+  BuildStart displaced;
+  bool parked = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (const auto build = builds_.find(key); build != builds_.end()) {
+      parked = true;
+      // Two builds of one engine would both be let replace its live session, and the
+      // second to publish would end the first's (a retry whose first call gave up
+      // replaced by that dead call's session); parked, it is admitted once the first ends.
+      displaced = std::exchange(build->second.parked, std::move(start));
+    } else {
+      absl::StatusOr<std::shared_ptr<Session>> live = AdmissionLocked(key, limits);
+      admitted = live.status();
+      if (admitted.ok()) builds_[key].holds_slot = *live == nullptr;
+    }
+  }
+  if (displaced) {
+    std::move(displaced)(absl::AbortedError(
+        absl::StrCat("a later Attach of engine '", key.engine_id,
+                     "' took this one's place while an earlier one was being built")));
+  }
+  if (!parked) std::move(start)(std::move(admitted));
+}
+
+void SessionRegistry::EndBuild(const EngineKey& key, const SessionLimits& limits) {
+  BuildStart next;
+  absl::Status admitted;
+  {
+    absl::MutexLock lock(&mu_);
+    const auto build = builds_.find(key);
+    if (build == builds_.end()) return;
+    const bool waits = static_cast<bool>(build->second.parked);
+    next = std::move(build->second.parked);
+    builds_.erase(build);
+    if (!waits) return;
+    absl::StatusOr<std::shared_ptr<Session>> live = AdmissionLocked(key, limits);
+    admitted = live.status();
+    if (admitted.ok()) builds_[key].holds_slot = *live == nullptr;
+  }
+  std::move(next)(std::move(admitted));
+}
+
+std::shared_ptr<Session> SessionRegistry::Live(const EngineKey& key) const {
+  absl::MutexLock lock(&mu_);
+  return LiveLocked(key);
+}
+
+std::shared_ptr<Session> SessionRegistry::LiveLocked(const EngineKey& key) const {
+  const auto engine = id_by_engine_.find(key);
+  if (engine == id_by_engine_.end()) return nullptr;
+  const auto live = by_id_.find(engine->second);
+  return live == by_id_.end() ? nullptr : live->second;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(
+    std::shared_ptr<Session> session, const Session* expected, const SessionLimits& limits,
+    absl::FunctionRef<absl::Status()> fits_alone) {
   absl::MutexLock lock(&mu_);
   const EngineKey key = KeyOf(*session);
-  ASSIGN_OR_RETURN(std::shared_ptr<Session> replaced, AdmissionLocked(key, limits));
+  std::shared_ptr<Session> replaced = LiveLocked(key);
+  const auto build = builds_.find(key);
+  if (replaced != nullptr) {
+    RETURN_IF_ERROR(CheckReplaceable(key, *replaced));
+  } else if (build == builds_.end() || !build->second.holds_slot) {
+    // No slot held for it: the replaced session it was admitted as went meanwhile.
+    RETURN_IF_ERROR(RoomLocked(key, limits));
+  }
+  // The build was let pass the server's budgets by what `expected` holds; with `expected`
+  // gone (detached, expired) that allowance is stale, and the new session must fit alone.
+  if (replaced.get() != expected) RETURN_IF_ERROR(fits_alone());
   if (replaced != nullptr) by_id_.erase(replaced->id());
+  if (build != builds_.end()) build->second.holds_slot = false;  // the session counts now
   id_by_engine_[key] = session->id();
   by_id_[session->id()] = std::move(session);
   return replaced;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Admission(
-    const EngineKey& key, const SessionLimits& limits) const {
-  absl::MutexLock lock(&mu_);
-  return AdmissionLocked(key, limits);
-}
-
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::AdmissionLocked(
     const EngineKey& key, const SessionLimits& limits) const {
-  const auto engine = id_by_engine_.find(key);
-  if (engine == id_by_engine_.end()) {
+  std::shared_ptr<Session> live = LiveLocked(key);
+  if (live == nullptr) {
     RETURN_IF_ERROR(RoomLocked(key, limits));
     return nullptr;
   }
-  const auto existing = by_id_.find(engine->second);
-  if (existing == by_id_.end()) return nullptr;
-  const Session& old = *existing->second;
+  RETURN_IF_ERROR(CheckReplaceable(key, *live));
+  return live;
+}
+
+absl::Status SessionRegistry::CheckReplaceable(const EngineKey& key, const Session& live) {
   // A session whose user is unknown (attached over TCP) is protected by its id
   // alone: an Attach naming its engine_id, which any caller can learn, replaces it
   // only once its lease has run out (its Detach, with the id, frees it at once).
-  if (!key.known && !old.Expired(SteadyNowMs())) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("engine '", key.engine_id,
-                     "' has a session attached by an unknown peer (over TCP) whose lease of ",
-                     old.spec().lease_ms,
-                     " ms has not run out: such a session is replaced only after its lease or its "
-                     "Detach"));
-  }
-  return existing->second;
+  if (key.known || live.Expired(SteadyNowMs())) return absl::OkStatus();
+  return absl::AlreadyExistsError(
+      absl::StrCat("engine '", key.engine_id,
+                   "' has a session attached by an unknown peer (over TCP) whose lease of ",
+                   live.spec().lease_ms,
+                   " ms has not run out: such a session is replaced only after its lease or its "
+                   "Detach"));
 }
 
 absl::Status SessionRegistry::RoomLocked(const EngineKey& key, const SessionLimits& limits) const {
-  if (by_id_.size() >= limits.max_sessions) {
+  auto owned_by = [&key](const EngineKey& other) {
+    return other.known == key.known && other.uid == key.uid;
+  };
+  size_t building = 0, owned_building = 0;
+  for (const auto& [engine, build] : builds_) {
+    if (!build.holds_slot) continue;
+    ++building;
+    if (owned_by(engine)) ++owned_building;
+  }
+  if (by_id_.size() + building >= limits.max_sessions) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("the server holds --max-sessions=", limits.max_sessions, " sessions"));
+        absl::StrCat("the server holds --max-sessions=", limits.max_sessions, " sessions",
+                     building > 0 ? absl::StrCat(" (", building, " of them being attached)") : ""));
   }
   if (limits.max_per_user == 0) return absl::OkStatus();
   // The owner's engines are one run of the index, ordered by (known, uid, engine_id).
-  size_t owned = 0;
+  size_t owned = owned_building;
   for (auto it = id_by_engine_.lower_bound({.known = key.known, .uid = key.uid, .engine_id = {}});
-       it != id_by_engine_.end() && it->first.known == key.known && it->first.uid == key.uid;
-       ++it) {
+       it != id_by_engine_.end() && owned_by(it->first); ++it) {
     ++owned;
   }
   if (owned < limits.max_per_user) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
-      absl::StrCat(key.known ? absl::StrCat("uid ", key.uid)
-                             : std::string("the callers of unknown credentials (TCP)"),
-                   " hold", key.known ? "s" : "", " --max-sessions-per-user=", limits.max_per_user,
-                   " sessions: detach one, or ask the operator for a larger quota"));
+  return absl::ResourceExhaustedError(absl::StrCat(
+      key.known ? absl::StrCat("uid ", key.uid)
+                : std::string("the callers of unknown credentials (TCP)"),
+      " hold", key.known ? "s" : "", " --max-sessions-per-user=", limits.max_per_user, " sessions",
+      owned_building > 0 ? absl::StrCat(" (", owned_building, " of them being attached)") : "",
+      ": detach one, or ask the operator for a larger quota"));
 }
 
 std::shared_ptr<Session> SessionRegistry::Find(const std::string& id) const {

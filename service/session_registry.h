@@ -5,6 +5,11 @@
 // hold another's engine_id (docs/security.md). Callers of unknown credentials
 // (TCP) share one namespace of engine ids.
 //
+// An Attach builds its session between BeginBuild and EndBuild: one build at a time per
+// engine, the engine's later Attach parked behind it (holding no thread), and a build of
+// an engine with no live session holds a slot of the limits until it publishes, so the
+// limits bound the sessions being built as well as the live ones.
+//
 // Sessions leave the registry (Add's replaced session, Remove, TakeExpired) as
 // shared_ptrs returned to the caller: their teardown (munmap, the cuda
 // backend's stream synchronisation) never runs under the registry's lock,
@@ -24,6 +29,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "service/peer.h"
@@ -44,8 +51,9 @@ struct EngineKey {
 };
 
 // How many sessions the registry holds at most: in all, and per owner (a user, by
-// uid; the callers of unknown credentials, over TCP, are one owner). A replacing
-// Attach counts against neither.
+// uid; the callers of unknown credentials, over TCP, are one owner), the sessions being
+// built for engines with no live session counted. A replacing Attach counts against
+// neither.
 struct SessionLimits {
   size_t max_sessions = 64;
   size_t max_per_user = 0;  // 0: no cap but max_sessions
@@ -53,21 +61,35 @@ struct SessionLimits {
 
 class SessionRegistry {
  public:
-  // Publishes `session`. A session of the same EngineKey is replaced (re-attach
-  // after an engine restart); one attached by an unknown peer (TCP) only once its
-  // lease has run out (ALREADY_EXISTS before). RESOURCE_EXHAUSTED when it would be
-  // a new session beyond `limits` (checked under the lock, so concurrent attaches
-  // agree). OK: the replaced session, or null; the caller retires it and lets it go
-  // outside the lock.
-  absl::StatusOr<std::shared_ptr<Session>> Add(std::shared_ptr<Session> session,
-                                               const SessionLimits& limits);
-  // What Add would do now with a session of `key`: OK with the live session it would
-  // replace (null: it would add a new one), or Add's refusal (ALREADY_EXISTS,
-  // RESOURCE_EXHAUSTED). Checked before an Attach maps and allocates anything, so that
-  // an Attach Add would refuse builds nothing, and only one that would replace a session
-  // is let build in that session's charges (Add decides, when it publishes).
-  absl::StatusOr<std::shared_ptr<Session>> Admission(const EngineKey& key,
-                                                     const SessionLimits& limits) const;
+  // Called once with whether an Attach may build its session now (OK, its slot held until
+  // EndBuild) or why not.
+  using BuildStart = absl::AnyInvocable<void(absl::Status admitted) &&>;
+  // Admits an Attach of `key` to build its session. With no build of the engine in flight,
+  // `start` is called here, before returning: OK when Add would take a session of `key`
+  // now (a new session within `limits`, whose slot the build then holds, or the
+  // replacement of the live one), else Add's refusal (ALREADY_EXISTS,
+  // RESOURCE_EXHAUSTED). While one is in flight, `start` is parked behind it, holding no
+  // thread, and called by that build's EndBuild, admitted then as here; a later Attach of
+  // the engine parks in its place, and the one it displaces is called here with ABORTED
+  // (the later Attach of an engine wins, as it would have replaced the earlier's session).
+  void BeginBuild(const EngineKey& key, const SessionLimits& limits, BuildStart start);
+  // Ends the build BeginBuild admitted for `key`, published or failed: frees its slot, then
+  // admits the Attach parked behind it, if any, calling its `start` outside the lock.
+  void EndBuild(const EngineKey& key, const SessionLimits& limits);
+  // The live session of `key`, or null.
+  std::shared_ptr<Session> Live(const EngineKey& key) const;
+  // Publishes `session`, built by the Attach BeginBuild admitted for its engine (or by a
+  // caller with no build, a test). `expected`: the engine's live session when the build
+  // began (null when none), which it replaces. When the engine's live session is no longer
+  // `expected` (detached or expired during the build), the session was built in an
+  // allowance for a session that is gone: it is published only within `limits` and when
+  // `fits_alone` is OK (the server's budgets without that allowance), else that refusal
+  // (RESOURCE_EXHAUSTED). A session of unknown owner (TCP) is replaced only once its
+  // lease has run out (ALREADY_EXISTS before). OK: the replaced session, or null; the
+  // caller retires it and lets it go outside the lock.
+  absl::StatusOr<std::shared_ptr<Session>> Add(
+      std::shared_ptr<Session> session, const Session* expected, const SessionLimits& limits,
+      absl::FunctionRef<absl::Status()> fits_alone = [] { return absl::OkStatus(); });
   std::shared_ptr<Session> Find(const std::string& id) const;
   // Removes `id` and returns its session (null when none), to be let go outside the lock.
   std::shared_ptr<Session> Remove(const std::string& id);
@@ -77,9 +99,14 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
+  // An Attach of an engine with no build in flight: the live session it would replace
+  // (null: a new session, with room in `limits`), or the refusal.
   absl::StatusOr<std::shared_ptr<Session>> AdmissionLocked(const EngineKey& key,
                                                            const SessionLimits& limits) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<Session> LiveLocked(const EngineKey& key) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // ALREADY_EXISTS when `live` was attached over TCP and its lease has not run out.
+  static absl::Status CheckReplaceable(const EngineKey& key, const Session& live);
   absl::Status RoomLocked(const EngineKey& key, const SessionLimits& limits) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Drops `session`'s engine from the index if it still names the session.
@@ -88,6 +115,12 @@ class SessionRegistry {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> by_id_ ABSL_GUARDED_BY(mu_);
   std::map<EngineKey, std::string> id_by_engine_ ABSL_GUARDED_BY(mu_);
+  // The builds in flight, one per engine.
+  struct Build {
+    bool holds_slot = false;  // the engine had no live session: the build counts as one
+    BuildStart parked;        // the engine's next Attach, when one waits
+  };
+  std::map<EngineKey, Build> builds_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace eps::service

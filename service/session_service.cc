@@ -2,11 +2,13 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
@@ -174,66 +176,104 @@ absl::Status SessionService::Detach(const v1::DetachRequest& request, const Peer
 void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachResponse* response,
                                  CallLiveness liveness, const Peer& caller, CallDone done) {
   // Refused here, on the caller's thread, when it would be without a build: these checks
-  // cost a lookup, and PublishSession makes them again on the executor.
-  absl::Status admitted = Guarded("Attach", [&]() -> absl::Status {
-    if (device_lost_.load()) return CountFailure(Restarting());
-    return CountFailure(
-        sessions_.Admission(EngineKey::Of(caller, request.engine_id()), Limits()).status());
-  });
-  if (!admitted.ok()) {
-    std::move(done)(std::move(admitted));
+  // cost a lookup. Admitted, it holds the engine's build (one at a time per engine) and,
+  // for an engine with no live session, a slot of the limits, until it publishes or fails.
+  auto start = [this, &request, response, liveness = std::move(liveness), caller,
+                done = std::move(done)](absl::Status admitted) mutable {
+    if (!admitted.ok()) {
+      // A call parked behind another build of its engine may have died meanwhile.
+      absl::Status alive = liveness.Check("Attach");
+      std::move(done)(alive.ok() ? CountFailure(std::move(admitted)) : std::move(alive));
+      return;
+    }
+    // The build (mapping the engine's shared memory, opening its CUDA IPC handles,
+    // allocating) and, for a replacing Attach, the wait for the old session's running step
+    // run on the executor, as a step does, not on this thread (a gRPC callback thread):
+    // Attaches of several engines at once, or one whose buffers map slowly, held every
+    // callback thread, and every other engine's calls waited.
+    executor_->Submit([this, &request, response, liveness = std::move(liveness), caller,
+                       done = std::move(done)]() mutable {
+      std::move(done)(BuildAndHandOver(request, response, liveness, caller));
+    });
+  };
+  if (device_lost_.load()) {
+    std::move(start)(Restarting());
     return;
   }
-  // The build (mapping the engine's shared memory, opening its CUDA IPC handles,
-  // allocating) and, for a replacing Attach, the wait for the old session's running step
-  // run on the executor, as a step does, not on this thread (a gRPC callback thread):
-  // Attaches of several engines at once, or one whose buffers map slowly, held every
-  // callback thread, and every other engine's calls waited.
-  executor_->Submit([this, &request, response, liveness = std::move(liveness), caller,
-                     done = std::move(done)]() mutable {
-    std::move(done)(BuildAndHandOver(request, response, liveness, caller));
-  });
+  sessions_.BeginBuild(EngineKey::Of(caller, request.engine_id()), Limits(), std::move(start));
 }
 
 absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
                                               v1::AttachResponse* response,
                                               const CallLiveness& liveness, const Peer& caller) {
+  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   std::shared_ptr<Session> granted, replaced;
+  // Unless the Attach answers OK, no engine hears of the session it published: it goes
+  // now, whatever failed (or threw) after Add, rather than stay published with its lease
+  // held, for good.
+  absl::Cleanup unpublish = [&] {
+    if (granted == nullptr) return;
+    response->Clear();
+    if (const std::shared_ptr<Session> removed = sessions_.Remove(granted->id());
+        removed != nullptr) {
+      (void)WatchDevice(removed->Retire());
+    }
+  };
   // A call whose client gave up while it was queued builds nothing (not counted as a
   // failure, as a step found dead is not).
   absl::Status status = Guarded("Attach", [&]() -> absl::Status {
     RETURN_IF_ERROR(liveness.Check("Attach"));
-    return PublishSession(request, response, caller, &granted, &replaced);
+    return PublishSession(request, response, liveness, caller, &granted, &replaced);
+  });
+  // Published or failed, the engine's build has ended: its next Attach may build.
+  absl::Status ended = Guarded("Attach", [&] {
+    sessions_.EndBuild(engine, Limits());
+    return absl::OkStatus();
   });
   if (!status.ok()) return status;
+  if (!ended.ok()) return ended;
   // The replaced session's step, if one runs, ends before the engine hears of the new
   // session (both may share the engine's buffers).
-  return Guarded("Attach",
-                 [&] { return HandOver(std::move(replaced), *granted, liveness, response); });
+  status = Guarded("Attach", [&] { return HandOver(std::move(replaced), *granted, liveness); });
+  if (status.ok()) std::move(unpublish).Cancel();
+  return status;
+}
+
+absl::Status SessionService::FitsWithout(const Session& gone) const {
+  const ServerCharges freed = gone.server_charges();
+  for (const auto& [budget, bytes] : {std::pair{&budgets_.allocated, freed.allocated},
+                                      std::pair{&budgets_.mapped, freed.mapped}}) {
+    const uint64_t used = budget->used(), alone = used - std::min(used, bytes);
+    if (alone > budget->limit()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the session this Attach was to replace ended while the new one was built in its "
+          "bytes: without them the sessions hold ",
+          alone, " bytes, more than ", budget->flag(), "=", budget->limit(), "; attach again"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
-                                            v1::AttachResponse* response, const Peer& caller,
+                                            v1::AttachResponse* response,
+                                            const CallLiveness& liveness, const Peer& caller,
                                             std::shared_ptr<Session>* granted,
                                             std::shared_ptr<Session>* replaced) {
   if (device_lost_.load()) return CountFailure(Restarting());
   const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // A session this Attach replaces gives its bytes back once the Attach has retired it
   // below: the new one may be built in them, so an engine that restarts with the server's
-  // budgets nearly full re-attaches at once rather than after the old lease. The server's
-  // use then stays within its limits plus one session's charges, and within its limits
-  // once the old session is gone (when Add replaced another session, or none, the one
-  // measured here was retired and is going as well). Only an Attach that Add would let
-  // replace it gets its bytes: one Add would refuse (a live session attached over TCP)
-  // is refused here, before any mapping or allocation, and builds nothing (a loop of
-  // such calls once kept the budget full and refused other engines). Add checks again
-  // when it publishes.
-  ServerCharges replacing;
-  {
-    absl::StatusOr<std::shared_ptr<Session>> admitted = sessions_.Admission(engine, Limits());
-    if (!admitted.ok()) return CountFailure(admitted.status());
-    if (*admitted != nullptr) replacing = (*admitted)->server_charges();
-  }
+  // budgets nearly full re-attaches at once rather than after the old lease. Held here
+  // until Add, its charges stay while the new session is built in them, even if it is
+  // detached or expires meanwhile (Add then publishes the new one only if it fits
+  // without them). The server's use stays within its limits plus one session's charges
+  // while the build runs, and within its limits once an Attach has answered. Only an
+  // Attach that Add would let replace it got here (BeginBuild refused the others, a live
+  // session attached over TCP among them, before any mapping or allocation: a loop of
+  // such calls once kept the budget full and refused other engines).
+  const std::shared_ptr<Session> expected = sessions_.Live(engine);
+  const ServerCharges replacing =
+      expected != nullptr ? expected->server_charges() : ServerCharges{};
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
       Session::Create(request, config_, budgets_, caller, make_backend_, &remains, replacing);
@@ -244,50 +284,48 @@ absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
   Janitor<Session>* const janitor = &janitor_;
   std::shared_ptr<Session> session((*built).release(),
                                    [janitor](Session* s) { janitor->Dispose(s); });
+  // Its client gave up during the build: it publishes nothing and replaces nothing (the
+  // engine keeps its live session), and what it built goes at once.
+  if (absl::Status alive = liveness.Check("Attach"); !alive.ok()) {
+    (void)WatchDevice(session->Retire());
+    return alive;
+  }
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
   session->set_owner(caller);
   session->HoldLease();  // until the hand-over below has ended
+  absl::StatusOr<std::shared_ptr<Session>> added = sessions_.Add(
+      session, expected.get(), Limits(),
+      [&] { return expected != nullptr ? FitsWithout(*expected) : absl::OkStatus(); });
+  if (!added.ok()) {
+    (void)WatchDevice(session->Retire());
+    return CountFailure(added.status());
+  }
+  // Kept until the reply: a concurrent Attach of the engine may replace it meanwhile.
+  *granted = session;
+  *replaced = *std::move(added);
   response->set_session_id(session->id());
   response->set_lease_ms(session->spec().lease_ms);
   *response->mutable_effective_options() = ToProto(session->policy());
   response->set_backend(ToProto(session->backend().kind()));
   response->set_record_words(SummaryLayout::For(session->spec().model).record_words);
   response->set_server_version("epsd 0.1.0");
-  // Kept until the reply: a concurrent Attach of the engine may replace it meanwhile.
-  *granted = session;
-  absl::StatusOr<std::shared_ptr<Session>> added = sessions_.Add(std::move(session), Limits());
-  if (!added.ok()) {
-    response->Clear();
-    return CountFailure(added.status());
-  }
-  *replaced = *std::move(added);
   return absl::OkStatus();
 }
 
 absl::Status SessionService::HandOver(std::shared_ptr<Session> replaced, Session& granted,
-                                      const CallLiveness& liveness, v1::AttachResponse* response) {
+                                      const CallLiveness& liveness) {
   // Ending the replaced session's queued step may find the device lost (an async step
   // that hit an illegal address): the new session is of no use then, and the engine
-  // re-attaches to the next epsd.
+  // re-attaches to the next epsd. BuildAndHandOver removes and retires the new session.
   if (replaced != nullptr && IsDeviceLost(WatchDevice(replaced->Retire()))) {
-    response->Clear();
-    if (const std::shared_ptr<Session> removed = sessions_.Remove(granted.id());
-        removed != nullptr) {
-      (void)removed->Retire();  // its device is the lost one; already reported
-    }
     return CountFailure(Restarting());
   }
-  // Its client gave up while the session was built or while it waited for the old step:
-  // no engine will hear of the session, so it goes now rather than at the end of a lease
-  // (its memory and its charges against the server's budgets held meanwhile).
-  if (absl::Status alive = liveness.Check("Attach"); !alive.ok()) {
-    response->Clear();
-    if (const std::shared_ptr<Session> removed = sessions_.Remove(granted.id());
-        removed != nullptr) {
-      (void)WatchDevice(removed->Retire());
-    }
-    return alive;
-  }
+  // Its client gave up while it waited for the old step (PublishSession checked the call
+  // once the session was built, before it replaced anything): no engine will hear of the
+  // session, so it goes now rather than at the end of a lease (its memory and its charges
+  // against the server's budgets held meanwhile); the session it replaced has ended all
+  // the same.
+  RETURN_IF_ERROR(liveness.Check("Attach"));
   // The lease runs from the reply: the wait for the old step may have taken longer.
   granted.StartLease();
   attached_total_.fetch_add(1);

@@ -84,13 +84,18 @@ class SessionService {
   // Called once with a call's status.
   using CallDone = absl::AnyInvocable<void(absl::Status status) &&>;
   // Attaches a session: checks here what needs no build (a lost device, the registry's
-  // limits), then builds the session on the executor (maps its buffers, builds its
-  // backend), where, when it replaces a live session of the engine, it also waits for that
-  // session's running step to end (Session::Retire). `done` is called there, or here,
-  // before returning, for a call refused here. A call whose client gave up (`liveness`)
-  // before the build builds nothing, and one that gave up during the build or the wait
-  // ends the session it built before answering. `request` and `response` must live until
-  // `done` is called.
+  // limits, which count the sessions being built), then builds the session on the
+  // executor (maps its buffers, builds its backend), where, when it replaces a live
+  // session of the engine, it also waits for that session's running step to end
+  // (Session::Retire). One Attach of an engine builds at a time: a later one is parked
+  // behind it, holding no thread, and admitted once it has published or failed; a third
+  // takes the parked one's place, which is answered ABORTED (SessionRegistry::BeginBuild).
+  // `done` is called on the executor, or here, before returning, for a call refused here
+  // (or, for an Attach it displaced, the parked one's). A call whose client gave up
+  // (`liveness`) before the build builds nothing; one that gave up during the build frees
+  // what it built, publishing and replacing nothing; one that gave up while it waited for
+  // the old session's step ends the session it built before answering (the old one has
+  // ended all the same). `request` and `response` must live until `done` is called.
   void StartAttach(const v1::AttachRequest& request, v1::AttachResponse* response,
                    CallLiveness liveness, const Peer& caller, CallDone done);
   // Removes the session here, then retires it on the executor (waiting for its running
@@ -154,16 +159,24 @@ class SessionService {
   absl::Status Guarded(const char* what, F&& body);
   // Attach up to the publication of its session, unguarded: `*granted`, the new session
   // (lease held), and `*replaced`, the live session it replaced (null when none), which
-  // the caller retires before the engine hears of the new one (HandOver).
+  // the caller retires before the engine hears of the new one (HandOver). A call dead
+  // (`liveness`) once the session is built publishes nothing.
   absl::Status PublishSession(const v1::AttachRequest& request, v1::AttachResponse* response,
-                              const Peer& caller, std::shared_ptr<Session>* granted,
+                              const CallLiveness& liveness, const Peer& caller,
+                              std::shared_ptr<Session>* granted,
                               std::shared_ptr<Session>* replaced);
+  // RESOURCE_EXHAUSTED when the server's budgets are over their limits without what
+  // `gone` holds: a new session built in the allowance for `gone` (PublishSession), which
+  // ended during the build, may not be published then.
+  absl::Status FitsWithout(const Session& gone) const;
   // The end of an Attach: retires `replaced` (when not null: a wait for its running step)
-  // and starts `granted`'s lease, or, when the call is dead by then (`liveness`), removes
-  // and retires `granted`; unguarded.
+  // and starts `granted`'s lease; a call dead by then (`liveness`) fails, and
+  // BuildAndHandOver removes and retires `granted`; unguarded.
   absl::Status HandOver(std::shared_ptr<Session> replaced, Session& granted,
-                        const CallLiveness& liveness, v1::AttachResponse* response);
-  // An Attach after StartAttach's checks, on the executor: PublishSession, then HandOver.
+                        const CallLiveness& liveness);
+  // An Attach after StartAttach's checks, on the executor: PublishSession, then the end of
+  // the engine's build (SessionRegistry::EndBuild), then HandOver; a session published by
+  // an Attach that does not answer OK is removed and retired.
   absl::Status BuildAndHandOver(const v1::AttachRequest& request, v1::AttachResponse* response,
                                 const CallLiveness& liveness, const Peer& caller);
   // Heartbeat and GetStats, unguarded.

@@ -59,9 +59,9 @@ class SessionRegistryTest : public ::testing::Test {
 };
 
 TEST_F(SessionRegistryTest, AReplacedSessionIsFreedOutsideTheRegistryLock) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), {.max_sessions = 8}).ok());
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), nullptr, {.max_sessions = 8}).ok());
   absl::StatusOr<std::shared_ptr<Session>> replaced =
-      registry_.Add(Watched("s-2", "engine-a"), {.max_sessions = 8});
+      registry_.Add(Watched("s-2", "engine-a"), registry_.Find("s-1").get(), {.max_sessions = 8});
   ASSERT_TRUE(replaced.ok()) << replaced.status();
   ASSERT_NE(*replaced, nullptr);
   EXPECT_EQ((*replaced)->id(), "s-1");
@@ -74,7 +74,7 @@ TEST_F(SessionRegistryTest, AReplacedSessionIsFreedOutsideTheRegistryLock) {
 }
 
 TEST_F(SessionRegistryTest, ARemovedSessionIsFreedOutsideTheRegistryLock) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), {.max_sessions = 8}).ok());
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), nullptr, {.max_sessions = 8}).ok());
   std::shared_ptr<Session> removed = registry_.Remove("s-1");
   ASSERT_NE(removed, nullptr);
   EXPECT_EQ(freed_, 0);
@@ -82,6 +82,25 @@ TEST_F(SessionRegistryTest, ARemovedSessionIsFreedOutsideTheRegistryLock) {
   EXPECT_EQ(freed_, 1);
   EXPECT_TRUE(freed_outside_lock_);
   EXPECT_EQ(registry_.Remove("s-1"), nullptr);
+}
+
+// A session built in the allowance of the engine's live session, which went meanwhile, is
+// published only when it fits alone (Add's `fits_alone`); with its session still live, the
+// check is not made.
+TEST_F(SessionRegistryTest, ASessionBuiltToReplaceOneThatWentIsPublishedOnlyIfItFitsAlone) {
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), nullptr, {.max_sessions = 8}).ok());
+  std::shared_ptr<Session> expected = registry_.Remove("s-1");
+  ASSERT_NE(expected, nullptr);
+  auto over = [] { return absl::ResourceExhaustedError("over --max-server-bytes"); };
+  absl::StatusOr<std::shared_ptr<Session>> refused =
+      registry_.Add(Watched("s-2", "engine-a"), expected.get(), {.max_sessions = 8}, over);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  EXPECT_EQ(registry_.size(), 0u);
+  ASSERT_TRUE(registry_.Add(Watched("s-3", "engine-a"), nullptr, {.max_sessions = 8}).ok());
+  absl::StatusOr<std::shared_ptr<Session>> replaced = registry_.Add(
+      Watched("s-4", "engine-a"), registry_.Find("s-3").get(), {.max_sessions = 8}, over);
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  EXPECT_EQ((*replaced)->id(), "s-3");
 }
 
 // A minimal session over inline buffers (no shm object, so any uid may attach it).
