@@ -28,7 +28,7 @@ from local_epsd import (  # puts the repository's client on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client" / "python" / "tests"))
 from engine_state import make_state
 from eps_client import ModelLayout
-from eps_client.client import attach_request
+from eps_client.requests import attach_request
 
 
 def model(layers: int) -> ModelLayout:

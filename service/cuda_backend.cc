@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -177,27 +179,33 @@ std::optional<std::chrono::steady_clock::time_point> CudaAbandonedWorkSince(int 
 }
 
 namespace {
-absl::Mutex disabled_mu;
-std::string* disabled_reason ABSL_GUARDED_BY(disabled_mu) = nullptr;  // set by DisableCuda
+// DisableCuda's reason, once called.
+struct Disabled {
+  absl::Mutex mu;
+  std::optional<std::string> reason ABSL_GUARDED_BY(mu);
+};
+Disabled& disabled() {
+  static Disabled d;
+  return d;
+}
 }  // namespace
 
 bool CudaDevicePresent() {
   {
-    absl::MutexLock lock(&disabled_mu);
-    if (disabled_reason != nullptr) return false;
+    absl::MutexLock lock(&disabled().mu);
+    if (disabled().reason.has_value()) return false;
   }
   return gpu::DeviceAvailable();
 }
 
 void DisableCuda(std::string reason) {
-  absl::MutexLock lock(&disabled_mu);
-  if (disabled_reason == nullptr) disabled_reason = new std::string(std::move(reason));
+  absl::MutexLock lock(&disabled().mu);
+  if (!disabled().reason.has_value()) disabled().reason = std::move(reason);
 }
 
 std::string CudaUnavailableReason() {
-  absl::MutexLock lock(&disabled_mu);
-  if (disabled_reason != nullptr) return *disabled_reason;
-  return "no CUDA device is visible to epsd";
+  absl::MutexLock lock(&disabled().mu);
+  return disabled().reason.value_or("no CUDA device is visible to epsd");
 }
 
 int CudaDeviceCount() { return gpu::DeviceCount(); }

@@ -115,26 +115,30 @@ void StepExecutor::Work() {
     {
       absl::MutexLock lock(&mu_);
       ++idle_;
-      const bool woken =
-          mu_.AwaitWithTimeout(absl::Condition(this, &StepExecutor::HasWorkOrStops), idle_exit_);
+      // A thread that may not leave (the pool at its initial size) waits again without
+      // letting go of the lock, so it never stops counting as idle (a Submit in such a gap
+      // started a thread it did not need).
+      bool woken;
+      while (!(woken = mu_.AwaitWithTimeout(absl::Condition(this, &StepExecutor::HasWorkOrStops),
+                                            idle_exit_)) &&
+             threads_.size() <= static_cast<size_t>(min_threads_)) {
+      }
       --idle_;
       if (woken) {
         // Stopping: the queue is drained first (a turn a task hands on joins its end).
         if (queue_.empty()) return;
         task = std::move(queue_.front());
         queue_.pop_front();
-      } else if (threads_.size() > static_cast<size_t>(min_threads_)) {
-        // Idle for idle_exit_ (the condition still false, under the lock): a thread beyond
-        // the initial ones leaves. Submit decides under the same lock whether a task needs
-        // a new thread, counting idle_, which no longer counts this one: a task submitted
+      } else {
+        // Idle for idle_exit_ (the condition still false, under the lock) with the pool above
+        // its initial size: this thread leaves. Submit decides under the same lock whether a task
+        // needs a new thread, counting idle_, which no longer counts this one: a task submitted
         // from now on finds it gone, one submitted before woke it. The thread that left
         // before it is joined here, so at most one waits to be joined (by the next to
         // leave, or by Stop()).
         left_before.swap(exited_);
         LeaveThreads();
         leave = true;
-      } else {
-        continue;  // an initial thread: it stays
       }
     }
     if (leave) {

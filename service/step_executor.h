@@ -12,11 +12,12 @@
 // run here.
 //
 // The pool grows: it starts a thread for a task submitted while none is idle, up to
-// `max_threads`, and shrinks back: a thread beyond the initial ones that has waited
-// `idle_exit` for a task leaves (a burst of many sessions stepping at once left hundreds of
-// idle threads for good). Whether a task needs a new thread is decided under the lock a
-// leaving thread holds while it leaves, so no task is ever left queued for a thread that
-// has gone; the initial threads stay until Stop(). A gate hands it at most
+// `max_threads`, and shrinks back: while it holds more threads than it started with, a
+// thread that has waited `idle_exit` for a task leaves (a burst of many sessions stepping at
+// once left hundreds of idle threads for good). Whether a task needs a new thread is decided
+// under the lock a leaving thread holds while it leaves, so no task is ever left queued for
+// a thread that has gone; the pool keeps at least its initial number of threads until
+// Stop(). A gate hands it at most
 // one turn at a time, so one session's steps occupy at most one thread, and with a thread
 // per session stepping at once no session's step waits for another's. Past
 // `max_threads` a task waits in order for a free thread; nothing run here waits for a
@@ -49,7 +50,8 @@ class StepExecutor {
   // One step's turn, or a wait for one; it must not throw.
   using Task = absl::AnyInvocable<void() &&>;
 
-  // How long a thread beyond the initial ones waits for a task before it leaves.
+  // How long a thread waits for a task before it leaves, while the pool holds more threads
+  // than it started with.
   static constexpr absl::Duration kDefaultIdleExit = absl::Seconds(30);
 
   // Starts `threads` threads (at least one); grows to `max_threads` (at least `threads`;

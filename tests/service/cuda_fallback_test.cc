@@ -3,7 +3,9 @@
 // serves the cpu backend, refusing a cuda Attach FAILED_PRECONDITION with the reason, instead
 // of exiting (an engine that waits for its sidecar would never start). --backend=cuda still
 // ends epsd. DisableCuda is for the whole process, so each case runs in a child (EXPECT_EXIT).
+#include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -22,6 +24,8 @@ const std::function<absl::Status()> kFailingWarmUp = [] {
 };
 
 TEST(CudaFallbackDeathTest, AFailedWarmUpUnderAutoServesTheCpuBackendAndRefusesCudaAttaches) {
+  // Without CUDA a cuda Attach is refused for that reason (no_cuda_backend.cc): no warm-up.
+  if (!CudaBackendBuilt()) GTEST_SKIP() << "built without CUDA";
   EXPECT_EXIT(
       {
         const absl::StatusOr<std::string> line = PrepareCuda(BackendKind::kAuto, kFailingWarmUp);

@@ -171,7 +171,9 @@ TEST_F(SlowAttachTest, SlowBuildsOfMoreAttachesThanCallbackThreadsRunAtOnceWhile
 // budgets until its lease ran out. Now it is retired and freed before the call ends.
 TEST_F(SlowAttachTest, AnAttachWhoseDeadlinePassesDuringTheBuildFreesWhatItBuilt) {
   const uint64_t idle_charged = server_->sessions().charged_bytes();
-  const AttachCall& call = SendAttach("slow-0", std::chrono::milliseconds(500));
+  // Long enough to reach the build on a loaded machine (a call cancelled while still queued
+  // builds nothing, and the wait below would fail); the build is held past it.
+  const AttachCall& call = SendAttach("slow-0", std::chrono::seconds(2));
   ASSERT_TRUE(builds_.AwaitStarted(1));
   const uint64_t charged_in_build = server_->sessions().charged_bytes();
   JoinCalls();  // the client has given up

@@ -20,7 +20,7 @@ from eps_client import (
     blocks_for,
     groups_for,
 )
-from eps_client.client import attach_request
+from eps_client.requests import attach_request
 from eps_client.layout import coarse_group_of, coarse_groups_for
 from eps_client.proto import page_selector_pb2 as pb
 

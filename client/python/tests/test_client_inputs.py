@@ -390,3 +390,21 @@ def test_attach_arguments_protobuf_would_send_as_zero_are_refused_naming_them(rn
         EpsClient(state.buffers, options=ClientOptions(target=NOWHERE), **arguments)
     assert message in str(e.value)
     state.buffers.close()
+
+
+def test_a_dropped_client_is_freed_without_the_cycle_collector(rng):
+    # The re-attach helper once held the client's bound methods, a cycle that kept a dropped,
+    # unclosed client (its channel, its connection to epsd) alive until gc ran.
+    import gc
+    import weakref
+
+    state = make_state(rng, contexts=[100])
+    gc.disable()
+    try:
+        client = state.client(ClientOptions(target="unix:///tmp/eps-no-such-epsd.sock"))
+        ref = weakref.ref(client)
+        del client
+        assert ref() is None
+    finally:
+        gc.enable()
+        state.buffers.close()

@@ -165,7 +165,7 @@ int Select(char** argv) {
   auto spec = eps::service::SessionSpecFromProto(attach, config);
   if (!spec.ok()) return Fail(std::string(spec.status().message()));
   const eps::ModelLayout* model = &spec->model;
-  auto policy = eps::service::SessionPolicy(*spec, attach, eps::SelectPolicy{});
+  auto policy = eps::service::SessionPolicy(*spec, attach, config.policy);
   if (!policy.ok()) return Fail(std::string(policy.status().message()));
   const eps::v1::SharedBuffers& b = attach.buffers();
   const std::string name = b.summary_pool().host_shm().name();

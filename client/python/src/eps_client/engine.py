@@ -77,7 +77,8 @@ _LIB: ctypes.CDLL | None = None
 
 
 def library(path: str | None = None) -> ctypes.CDLL:
-    """Loads libeps_engine once (``path``, then EPS_ENGINE_LIB, then the usual places)."""
+    """Loads libeps_engine once: ``path``, else EPS_ENGINE_LIB, else the usual places; a named
+    library that cannot load is the error (EngineLibError code 5)."""
     global _LIB
     if _LIB is not None and path is None:
         return _LIB

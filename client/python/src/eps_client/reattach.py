@@ -12,9 +12,12 @@ and the engine thread reads it once.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -30,8 +33,12 @@ class BackgroundAttach:
 
     def __init__(self, start: Callable[[], grpc.Future],
                  check_open: Callable[[], None]) -> None:
-        self._start = start
-        self._check_open = check_open
+        # Held weakly when they are the client's methods: the client holds this object, and a
+        # cycle would keep a dropped, unclosed client (its channel, its connection to epsd)
+        # alive until Python's cycle collector ran. Only the client calls in, so while it
+        # calls they are alive.
+        self._start_ref = _weak(start)
+        self._check_open_ref = _weak(check_open)
         self._next_attach_try = 0.0
         self._pending_attach: grpc.Future | None = None
         # Guards the swaps of _pending_attach, which close() on another thread clears while the
@@ -60,7 +67,7 @@ class BackgroundAttach:
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
                 failure: grpc.RpcError | grpc.FutureCancelledError = e
             # Out of the except: "client closed" carries no gRPC error as its context.
-            self._check_open()  # cancelled by close(), its channel's or its own cancel
+            self._check_open_ref()()  # cancelled by close(), its channel's or its own cancel
             self.back_off(backoff_s)
             if isinstance(failure, grpc.RpcError):
                 return (f"not attached; re-attach failed: {failure.code().name}: "
@@ -68,11 +75,11 @@ class BackgroundAttach:
             return "not attached; re-attach cancelled"
         if time.monotonic() < self._next_attach_try:
             return "not attached; re-attach backing off"
-        pending = self._start()
+        pending = self._start_ref()()
         with self._lock:
             self._pending_attach = pending
         try:
-            self._check_open()
+            self._check_open_ref()()
         except EpsError:
             pending.cancel()  # close() ran before the field was set: it never cancelled this one
             raise
@@ -100,3 +107,16 @@ class BackgroundAttach:
         with self._lock:
             pending, self._pending_attach = self._pending_attach, None
         return pending
+
+
+def _weak(method: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+    """A weak reference to a bound method, else a strong one to any other callable (a test's
+    stand-in); calling it returns the callable."""
+    if inspect.ismethod(method):
+        ref = weakref.WeakMethod(method)
+        return lambda: ref() or _gone
+    return lambda: method
+
+
+def _gone(*_: Any) -> Any:
+    raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, "client closed")
