@@ -20,9 +20,9 @@ from eps_client import (
     blocks_for,
     groups_for,
 )
-from eps_client.requests import attach_request
 from eps_client.layout import coarse_group_of, coarse_groups_for
 from eps_client.proto import page_selector_pb2 as pb
+from eps_client.requests import attach_request
 
 MODEL = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                     group_blocks=2, sketch_dim=8, phi_seed=1234)
