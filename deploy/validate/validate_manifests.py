@@ -27,8 +27,10 @@ from typing import Any
 
 import jsonschema
 import referencing
+from gpu_rules import gpu_architecture_errors, lowest_compute_major
 from kubernetes_validate import utils as kv_utils
 from kustomize_render import RenderError, Resource, render
+from network_rules import network_policy_errors
 from packaging.version import Version
 
 # The lowest Kubernetes release each kustomization targets (native sidecars: 1.29;
@@ -48,13 +50,7 @@ EPSD_DEFAULTS = {"max-server-bytes": "2G", "max-session-bytes": "512M", "max-mes
 # 64 MiB plus three largest messages: room for one such message at a time.
 PROCESS_BYTES = 64 * MIB
 MESSAGE_FACTOR = 3
-# GPU feature discovery's node label of the GPUs' compute capability major (option A).
-COMPUTE_MAJOR_LABEL = "nvidia.com/gpu.compute.major"
-# How the NVIDIA DRA driver's devices are selected by compute capability (option B).
-COMPUTE_CEL = re.compile(
-    r'device\.attributes\["gpu\.nvidia\.com"\]\.cudaComputeCapability'
-    r'\.compareTo\(semver\("([0-9]+)\.[0-9]+\.[0-9]+"\)\)\s*>=\s*0'
-)
+
 
 
 def flags_of(resources: list[Resource]) -> list[str]:
@@ -398,150 +394,6 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         )
     need(backend != "cuda" or has_gpu, "--backend=cuda but no GPU is given to the pod")
     need(backend != "cpu" or not has_gpu, "--backend=cpu on a pod that holds a GPU")
-    return errors
-
-
-def lowest_compute_major(dockerfile: Path) -> int:
-    """The lowest compute capability major the image has GPU code for.
-
-    The Dockerfile's CUDA_ARCHITECTURES default is CMake's list: "90" is sm_90 code plus
-    compute_90 PTX, which the driver compiles for newer GPUs, so the lowest entry is the
-    oldest GPU epsd's kernels run on; below it the CUDA warm-up fails and epsd serves
-    the cpu backend alone.
-    """
-    m = re.search(r"^ARG CUDA_ARCHITECTURES=(\S+)", dockerfile.read_text(), re.MULTILINE)
-    if not m:
-        raise RenderError(f"{dockerfile}: no 'ARG CUDA_ARCHITECTURES=' default")
-    entries = [re.match(r"[0-9]+", e.strip('"')) for e in m.group(1).split(";")]
-    if not entries or not all(entries):
-        raise RenderError(f"{dockerfile}: CUDA_ARCHITECTURES={m.group(1)} is not a CMake list")
-    return min(int(e.group(0)) for e in entries) // 10
-
-
-def _excludes_older_gpus(term: dict[str, Any], lowest: int) -> bool:
-    """A node selector term that admits only nodes whose GPUs have compute major >= lowest."""
-    for e in term.get("matchExpressions", []):
-        if e.get("key") != COMPUTE_MAJOR_LABEL:
-            continue
-        values = e.get("values", [])
-        if not values or not all(str(v).isdigit() for v in values):
-            continue
-        if e.get("operator") == "Gt" and int(values[0]) >= lowest - 1:
-            return True
-        if e.get("operator") == "In" and min(int(v) for v in values) >= lowest:
-            return True
-    return False
-
-
-def gpu_architecture_errors(resources: list[Resource], lowest: int) -> list[str]:
-    """A pod that holds a GPU is placed only on GPUs of compute capability >= lowest.
-
-    Option A (the device plugin): a required node affinity on GPU feature discovery's
-    nvidia.com/gpu.compute.major in every node selector term. Option B (a DRA claim):
-    each request of the claim's template selects devices with a CEL expression on the
-    NVIDIA DRA driver's cudaComputeCapability attribute, in the form COMPUTE_CEL reads.
-    """
-    errors: list[str] = []
-    claim_requests: dict[str, list[dict[str, Any]]] = {}
-    for r in resources:
-        if r["kind"] == "ResourceClaimTemplate":
-            claim_requests[r["metadata"]["name"]] = r["spec"]["spec"]["devices"]["requests"]
-    for d in (r for r in resources if r["kind"] == "Deployment"):
-        name = f"Deployment/{d['metadata']['name']}"
-        spec = d["spec"]["template"]["spec"]
-        engines = spec.get("containers", [])
-        plugin_gpus = any(
-            c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") for c in engines
-        )
-        if plugin_gpus:
-            affinity = spec.get("affinity", {}).get("nodeAffinity", {})
-            terms = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
-                "nodeSelectorTerms", []
-            )
-            selected = spec.get("nodeSelector", {}).get(COMPUTE_MAJOR_LABEL, "")
-            if not (selected.isdigit() and int(selected) >= lowest) and not (
-                terms and all(_excludes_older_gpus(t, lowest) for t in terms)
-            ):
-                errors.append(
-                    f"{name}: the image has GPU code for compute capability {lowest}.0 and "
-                    f"newer only, but the pod may land on an older GPU (where epsd serves the "
-                    f"cpu backend alone): require node affinity {COMPUTE_MAJOR_LABEL} Gt "
-                    f"{lowest - 1} in every nodeSelectorTerm"
-                )
-        for claim in spec.get("resourceClaims", []):
-            template = claim.get("resourceClaimTemplateName")
-            if template not in claim_requests:
-                errors.append(
-                    f"{name}: claim {claim['name']} names no ResourceClaimTemplate of the "
-                    "kustomization, so its GPU's compute capability cannot be checked"
-                )
-                continue
-            for request in claim_requests[template]:
-                selectors = request.get("exactly", {}).get("selectors", [])
-                floors = [
-                    int(m.group(1))
-                    for s in selectors
-                    if (m := COMPUTE_CEL.search(s.get("cel", {}).get("expression", "")))
-                ]
-                if not floors or max(floors) < lowest:
-                    errors.append(
-                        f"ResourceClaimTemplate/{template}: request {request['name']} may get "
-                        f"a GPU older than compute capability {lowest}.0, which the image has "
-                        "no code for: select devices with device.attributes[\"gpu.nvidia.com\"]"
-                        f'.cudaComputeCapability.compareTo(semver("{lowest}.0.0")) >= 0'
-                    )
-    return errors
-
-
-def network_policy_errors(
-    by_kind: dict[str, list[Resource]], pods: list[dict[str, Any]]
-) -> list[str]:
-    """An ingress NetworkPolicy selects the pods, names their ports, and admits every port
-    the Services forward to them: any port it leaves out is refused once it applies."""
-    errors: list[str] = []
-    numbers: dict[int | str, int] = {}  # container port name or number -> number
-    for pod in pods:
-        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
-            for port in c.get("ports", []):
-                numbers[port["containerPort"]] = port["containerPort"]
-                if port.get("name"):
-                    numbers[port["name"]] = port["containerPort"]
-    for policy in by_kind.get("NetworkPolicy", []):
-        where = f"NetworkPolicy/{policy['metadata']['name']}"
-        spec = policy["spec"]
-        if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
-            continue
-        labels = spec.get("podSelector", {}).get("matchLabels", {})
-        selected = [
-            p for p in pods if all(p["metadata"]["labels"].get(k) == v for k, v in labels.items())
-        ]
-        if not selected:
-            errors.append(f"{where}: podSelector matches no pod template")
-        admitted: set[int] = set()
-        admits_all = False
-        for rule in spec.get("ingress", []):
-            if not rule.get("ports"):
-                admits_all = True
-            for port in rule.get("ports", []):
-                if port.get("port") not in numbers:
-                    errors.append(f"{where}: port {port.get('port')} is no container's port")
-                else:
-                    admitted.add(numbers[port["port"]])
-        for svc in by_kind.get("Service", []):
-            chosen = svc["spec"].get("selector", {})
-            if not chosen or not any(
-                all(p["metadata"]["labels"].get(k) == v for k, v in chosen.items())
-                for p in selected
-            ):
-                continue
-            for port in svc["spec"].get("ports", []):
-                target = numbers.get(port.get("targetPort", port.get("port")))
-                if target is not None and not admits_all and target not in admitted:
-                    errors.append(
-                        f"{where} admits no ingress to port {target}, which Service/"
-                        f"{svc['metadata']['name']} forwards ({port.get('name')}): its "
-                        "clients would be refused"
-                    )
     return errors
 
 
