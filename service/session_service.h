@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "eps/v1/page_selector.pb.h"
 #include "service/backend_kind.h"
+#include "service/call_guard.h"
 #include "service/config.h"
 #include "service/memory_budget.h"
 #include "service/peer.h"
@@ -220,5 +221,19 @@ class SessionService {
   absl::Notification stop_;
   std::thread reaper_;
 };
+
+// Defined here for the files that implement the service (session_service.cc,
+// session_attach.cc).
+template <typename F>
+absl::Status SessionService::Guarded(const char* what, F&& body) {
+  bool threw = true;
+  absl::Status status = CallGuarded(what, [&] {
+    absl::Status returned = body();
+    threw = false;
+    return returned;
+  });
+  // A call that failed inside epsd is a failed call too (api.md, validation_failures_total).
+  return threw ? CountFailure(std::move(status)) : status;
+}
 
 }  // namespace eps::service

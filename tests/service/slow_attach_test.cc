@@ -179,6 +179,10 @@ TEST_F(SlowAttachTest, AnAttachWhoseDeadlinePassesDuringTheBuildFreesWhatItBuilt
   JoinCalls();  // the client has given up
   EXPECT_EQ(call.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
       << call.status.error_message();
+  // The server's deadline is the client's plus the request's transit, and gRPC marks the
+  // call cancelled only once it has processed that: released at once, the build could find
+  // the call still alive (and rightly publish). Past both, it cannot.
+  absl::SleepFor(absl::Milliseconds(200));
   builds_.release.Notify();
   EXPECT_TRUE(builds_.AwaitStopped(1)) << "the session built for a dead Attach was not freed";
   // The backend goes first; the rest of the session (its charges) right after it.
