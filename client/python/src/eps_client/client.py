@@ -102,7 +102,7 @@ class EpsClient:
         self.session_id = ""
         self.attach_info: AttachInfo | None = None
         self._attached_before = False
-        self._reattach = BackgroundAttach(self._start_reattach, self._check_open)
+        self._reattach = BackgroundAttach()
         self._stream: SelectStream | None = None
         # Guards the counters, and the swaps of _stream, which close() on another thread clears
         # while the engine thread may be using it.
@@ -440,7 +440,8 @@ class EpsClient:
         """Not attached: adopts the session a finished background re-attach was granted, or
         starts one when the backoff allows (eps_client.reattach). Never waits. Returns why the
         step must fall back, or None."""
-        outcome = self._reattach.poll(self.options.reattach_backoff_s)
+        outcome = self._reattach.poll(self.options.reattach_backoff_s, self._start_reattach,
+                                       self._check_open)
         if isinstance(outcome, str):
             return outcome
         self._adopt(outcome)

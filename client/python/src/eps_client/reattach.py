@@ -12,12 +12,9 @@ and the engine thread reads it once.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
@@ -26,19 +23,14 @@ from eps_client.types import EpsError
 
 
 class BackgroundAttach:
-    """At most one background Attach in flight. ``start`` starts one (wait_for_ready, with the
-    client's metadata) and returns its future; ``check_open`` raises the client's EpsError
-    (FAILED_PRECONDITION, ``client closed``) once close() ran. The backoff is passed with each
-    call, read from the client's options then (an engine may change them)."""
+    """At most one background Attach in flight. poll's ``start`` starts one (wait_for_ready,
+    with the client's metadata) and returns its future; its ``check_open`` raises the client's
+    EpsError (FAILED_PRECONDITION, ``client closed``) once close() ran. They and the backoff are
+    passed with each call, not kept: the backoff is read from the client's options then (an
+    engine may change them), and holding the client's methods would be a cycle that keeps a
+    dropped, unclosed client (its channel, its connection to epsd) alive until gc runs."""
 
-    def __init__(self, start: Callable[[], grpc.Future],
-                 check_open: Callable[[], None]) -> None:
-        # Held weakly when they are the client's methods: the client holds this object, and a
-        # cycle would keep a dropped, unclosed client (its channel, its connection to epsd)
-        # alive until Python's cycle collector ran. Only the client calls in, so while it
-        # calls they are alive.
-        self._start_ref = _weak(start)
-        self._check_open_ref = _weak(check_open)
+    def __init__(self) -> None:
         self._next_attach_try = 0.0
         self._pending_attach: grpc.Future | None = None
         # Guards the swaps of _pending_attach, which close() on another thread clears while the
@@ -49,11 +41,12 @@ class BackgroundAttach:
         """No re-attach starts before ``backoff_s`` from now: after a failed Attach."""
         self._next_attach_try = time.monotonic() + backoff_s
 
-    def poll(self, backoff_s: float) -> pb.AttachResponse | str:
+    def poll(self, backoff_s: float, start: Callable[[], grpc.Future],
+             check_open: Callable[[], None]) -> pb.AttachResponse | str:
         """Not attached: collects a finished background re-attach (the AttachResponse it was
         granted) or starts one when the backoff allows. Never waits. Returns why the step must
         fall back otherwise; a failed re-attach starts a backoff of ``backoff_s``. Raises
-        check_open's EpsError when close() cancelled it or ran while one was starting."""
+        ``check_open``'s EpsError when close() cancelled it or ran while one was starting."""
         # close() on another thread clears the field (and cancels the call) at any moment:
         # one read of it, then only the local.
         if (pending := self._pending_attach) is not None:
@@ -67,7 +60,7 @@ class BackgroundAttach:
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
                 failure: grpc.RpcError | grpc.FutureCancelledError = e
             # Out of the except: "client closed" carries no gRPC error as its context.
-            self._check_open_ref()()  # cancelled by close(), its channel's or its own cancel
+            check_open()  # cancelled by close(), its channel's or its own cancel
             self.back_off(backoff_s)
             if isinstance(failure, grpc.RpcError):
                 return (f"not attached; re-attach failed: {failure.code().name}: "
@@ -75,11 +68,11 @@ class BackgroundAttach:
             return "not attached; re-attach cancelled"
         if time.monotonic() < self._next_attach_try:
             return "not attached; re-attach backing off"
-        pending = self._start_ref()()
+        pending = start()
         with self._lock:
             self._pending_attach = pending
         try:
-            self._check_open_ref()()
+            check_open()
         except EpsError:
             pending.cancel()  # close() ran before the field was set: it never cancelled this one
             raise
@@ -108,15 +101,3 @@ class BackgroundAttach:
             pending, self._pending_attach = self._pending_attach, None
         return pending
 
-
-def _weak(method: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
-    """A weak reference to a bound method, else a strong one to any other callable (a test's
-    stand-in); calling it returns the callable."""
-    if inspect.ismethod(method):
-        ref = weakref.WeakMethod(method)
-        return lambda: ref() or _gone
-    return lambda: method
-
-
-def _gone(*_: Any) -> Any:
-    raise EpsError(grpc.StatusCode.FAILED_PRECONDITION, "client closed")
