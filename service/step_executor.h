@@ -5,7 +5,7 @@
 // (GrpcCallbackThreads), and it sees a call's cancellation only on a free one: steps, builds
 // or waits on all of those threads held off every other call (heartbeats included), the
 // cancellations of the steps themselves (so a cancelled cpu step ran to its end) and
-// SIGTERM's drain. A step handed here costs a thread hop each way, though (65-140 µs a
+// SIGTERM's drain. A step handed here costs a thread hop each way, though (55-145 µs a
 // step at p50 on the H100 host: docs/benchmarks/latency.md), so a bounded number of
 // steps, half the callback threads (DefaultInlineTurns), run on the callback thread that
 // admitted them (TakeInlineTurn); the rest, every parked step, every build and every wait
@@ -84,8 +84,8 @@ class StepExecutor {
   static int DefaultInlineTurns();
 
   // Whether the caller (a gRPC callback thread) may run one turn itself, skipping the
-  // hand-over to a pool thread and back (about 30 µs a step on the H100 host, more for a
-  // synchronous reply: docs/benchmarks/latency.md); true at most `inline_turns` times
+  // hand-over to a pool thread and back (65-125 µs a step at p50 on the H100 host, 55-145 µs
+  // for a synchronous reply: docs/benchmarks/latency.md); true at most `inline_turns` times
   // until as many ReturnInlineTurn() calls. Never once Stop() has begun.
   bool TakeInlineTurn();
   void ReturnInlineTurn();
