@@ -55,7 +55,7 @@ ReportFile::~ReportFile() {
 }
 
 absl::Status ReportFile::Commit(const std::string& contents) {
-  if (fd_ < 0 || (!direct_ && temporary_path_.empty())) {
+  if (fd_ < 0) {  // committed (its descriptor closed) or moved from
     return absl::FailedPreconditionError(absl::StrCat(path_, ": the report is already written"));
   }
   const std::string& written = direct_ ? path_ : temporary_path_;

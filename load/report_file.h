@@ -37,8 +37,6 @@ class ReportFile {
   // Writes `contents` to the temporary, flushes it and renames it to the report's path.
   absl::Status Commit(const std::string& contents);
 
-  const std::string& temporary_path() const { return temporary_path_; }
-
  private:
   ReportFile(std::string path, std::string temporary_path, int fd, bool direct)
       : path_(std::move(path)),
