@@ -9,7 +9,7 @@ namespace eps::client {
 absl::Status WatchdogHandle::Run(absl::string_view what,
                                  absl::FunctionRef<absl::Status(SelectionWatchdog&)> call) {
   absl::ReaderMutexLock lock(&mu_);
-  if (destroying_ || watchdog_ == nullptr) {
+  if (watchdog_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, ": the watchdog is being destroyed (or was)"));
   }
@@ -20,7 +20,6 @@ void WatchdogHandle::Destroy() {
   std::unique_ptr<SelectionWatchdog> watchdog;
   {
     absl::MutexLock lock(&mu_);  // after every Run holding the watchdog
-    destroying_ = true;
     watchdog = std::move(watchdog_);
   }
   // Off the lock: the watch may take up to its timeout, and a Run meanwhile is refused at

@@ -4,8 +4,8 @@
 // finishes that step's watch). The watchdog once went while other threads still called it
 // (its pointer cleared first, then the wait): an arm or a read meanwhile dereferenced null.
 //
-// Here a call runs on the watchdog under a shared lock, and Destroy marks the handle
-// destroying under the exclusive one, so once Destroy has begun every call is refused with
+// Here a call runs on the watchdog under a shared lock, and Destroy takes the watchdog out
+// of the handle under the exclusive one, so once Destroy has begun every call is refused with
 // FailedPrecondition at once, without touching the watchdog, while the destroy waits out
 // the watch; calls already running finish before the watchdog goes.
 // Thread safety: Run from any thread, Destroy from any (once; later calls return at once).
@@ -43,9 +43,8 @@ class WatchdogHandle {
   void Destroy();
 
  private:
-  absl::Mutex mu_;  // shared by each Run, exclusive while Destroy marks the handle
-  bool destroying_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<SelectionWatchdog> watchdog_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex mu_;  // shared by each Run, exclusive while Destroy takes the watchdog
+  std::unique_ptr<SelectionWatchdog> watchdog_ ABSL_GUARDED_BY(mu_);  // null once Destroy began
 };
 
 }  // namespace eps::client
