@@ -51,21 +51,16 @@ class StreamCall final
     return true;
   }
 
-  // Waits for the reply of `step` until `deadline`. The first reply is the answer: one
-  // for another step is INTERNAL at once (docs/api-failures.md §5.7), not a wait for a
-  // reply that will not come.
+  // Waits for the reply of `step` until `deadline`. The first reply is the answer, whatever
+  // step it names: SelectPages refuses one for another step as INTERNAL at once
+  // (docs/api-failures.md §5.7), rather than waiting for a reply that will not come.
   absl::Status Receive(uint64_t step, std::chrono::steady_clock::time_point deadline,
                        v1::SelectPagesResponse* response) {
     std::unique_lock lock(mu_);
     for (;;) {
       if (!replies_.empty()) {
-        v1::SelectPagesResponse reply = std::move(replies_.front());
+        *response = std::move(replies_.front());
         replies_.pop_front();
-        if (reply.step() != step) {
-          return absl::InternalError(
-              absl::StrCat("epsd answered step ", reply.step(), " for step ", step));
-        }
-        *response = std::move(reply);
         return absl::OkStatus();
       }
       if (done_) return final_status_;
@@ -451,16 +446,6 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   // (only the counting and the result differ below).
   std::atomic<uint64_t>* reason = &fb_error_;
   switch (status.code()) {
-    case absl::StatusCode::kDeadlineExceeded:
-      if (stream_) {
-        // The stream still holds this step (and maybe later ones) for epsd, which would
-        // run them after the engine gave up on them: cancel it now (gRPC finishes it in
-        // the background) and open a fresh one for the next step.
-        stream_->Cancel();
-        abandoned_streams_.push_back(std::move(stream_));
-      }
-      reason = &fb_deadline_;
-      break;
     case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
       session_id_.clear();             // re-attach next step
       if (stream_) {
@@ -477,10 +462,15 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
       }
       reason = &fb_unavailable_;
       break;
+    case absl::StatusCode::kDeadlineExceeded:
+      reason = &fb_deadline_;
+      [[fallthrough]];
     default:
       if (stream_) {
-        // A reply for another step (or a stream that ended with this error): the next step
-        // opens a fresh stream, so that a live stream only ever holds the step asked.
+        // The stream may still hold this step (and later ones) for epsd, which would run
+        // them after the engine gave up on them, or it answered another step, or it ended
+        // with this error: cancel it now (gRPC finishes it in the background) and open a
+        // fresh one for the next step, so that a live stream only ever holds the step asked.
         stream_->Cancel();
         abandoned_streams_.push_back(std::move(stream_));
       }
