@@ -105,10 +105,10 @@ def quest8_pow2_scale(amax: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     least; 1 where amax is 0, whose codes are 0 at any scale). A max |k| of exactly 127·2^e
     gets 2^e, as core's writer stores it."""
     safe = np.where(amax > 0, amax, 1.0)
-    e = np.ceil(np.log2(safe / 127.0))
-    e -= 127.0 * np.exp2(e - 1) >= safe  # log2 rounded up past an exact power
-    e += 127.0 * np.exp2(e) < safe  # or down below one
-    return np.where(amax > 0, np.exp2(np.maximum(e, -149.0)), 1.0)
+    _, e = np.frexp(safe)  # safe = f·2^e, f in [0.5, 1): 127·2^(e-8) < safe, as core reads it
+    e = e - 7
+    e = np.where(np.ldexp(127.0, e) < safe, e + 1, e)
+    return np.where(amax > 0, np.ldexp(1.0, np.maximum(e, -149)), 1.0)
 
 
 class QuestTables:

@@ -169,7 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = a.out
     units = out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", out.parent / ".eval-cache"))
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load0 = os.getloadavg()
     # Units are resumed by name (context, layer), which does not hold the settings: a

@@ -314,7 +314,6 @@ def main(argv: list[str] | None = None) -> int:
 
         m = TorchGemma(host, a.device, a.dtype)
     log(f"Gemma 3 270M loaded in {time.time() - t0:.0f} s ({a.device or 'numpy'})")
-    a.out.mkdir(parents=True, exist_ok=True)
     info_path = a.out / "gemma_checks.json"
     if not info_path.exists() and not a.skip_checks:
         info = checks(m)

@@ -113,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
                          "a power of two, as a writer that sees keys one at a time would keep it)")
     a = ap.parse_args(argv)
     units = a.out / "units"
-    a.out.mkdir(parents=True, exist_ok=True)
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
     plan = dataclasses.replace(PLANS[a.plan], quest8_scale=a.quest8_scale)
     t0 = time.time()
