@@ -1,7 +1,6 @@
 #include "service/config.h"
 
 #include <algorithm>
-#include <limits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"

@@ -6,12 +6,9 @@
 #include <utility>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "core/status.h"
-#include "service/call_guard.h"
 #include "service/convert.h"
 #include "service/telemetry/telemetry.h"
 

@@ -24,6 +24,7 @@
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
 #include "tests/service/long_calls.h"
+#include "tests/service/session_service_fixture.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -279,16 +280,6 @@ TEST_F(AttachRacesTest, AnAttachThatFailsAfterPublishingRemovesItsSession) {
   EXPECT_EQ(service.charged_bytes(), 0u);
 }
 
-// Inline outputs: the session's visit lists are allocated by epsd and charged.
-void InlineOutputsOf(v1::AttachRequest& request) {
-  for (v1::MemoryDescriptor* d : {request.mutable_buffers()->mutable_visit_blocks(),
-                                  request.mutable_buffers()->mutable_visit_count()}) {
-    d->mutable_inline_bytes()->set_data("");
-    d->set_offset(0);
-  }
-  request.mutable_buffers()->clear_flags();
-}
-
 // A replacing Attach is let pass --max-server-bytes by what the session it replaces held
 // when its build began (Session::Create's `replacing`), however long the build takes.
 // When that session ended meanwhile (its Detach, its lease) before the build's later
@@ -305,7 +296,7 @@ TEST(AttachAllowanceTest, AReplacedSessionThatEndsDuringTheBuildLeavesTheServerW
   base.max_server_bytes = uint64_t{16} << 30;
   base.max_message_bytes = 2000u << 20;
   v1::AttachRequest big = engine.Attach("e");
-  InlineOutputsOf(big);
+  InlineOutputs(big);  // the session's visit lists allocated by epsd and charged
   uint64_t small = 0, large = 0;
   {
     SessionService probe(base);
