@@ -1,7 +1,7 @@
 """epsd's peak resident memory (VmHWM) before and after one Attach whose message carries
 `--mib` MiB of inline summary-pool data (cpu backend): what receiving a large message
 costs beyond the budgets, which charge the session's buffers but not the request
-(docs/deploy.md, "Memory budgets"). Prints the peak and resident memory before (idle)
+(docs/deploy-operations.md, "Memory budgets"). Prints the peak and resident memory before (idle)
 and after each Attach, the rise of the peak and its ratio to the message size, and how
 the Attach ended; --count sends several, one after another on one channel.
 

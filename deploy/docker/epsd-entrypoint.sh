@@ -10,7 +10,7 @@ EPSD_FLAGS_FILE=${EPSD_FLAGS_FILE-/etc/epsd/epsd.flags}
 
 # Raise the soft open-file limit to the hard one: epsd holds a descriptor per
 # client connection, idle ones included, and container runtimes often start
-# processes at a soft limit of 1024 (docs/deploy.md, "File descriptors"). Where
+# processes at a soft limit of 1024 (docs/deploy-operations.md, "File descriptors"). Where
 # the limit cannot be raised, epsd starts with the one it was given. (-n is not
 # POSIX; dash, the image's /bin/sh, has it.)
 # shellcheck disable=SC3045

@@ -3,7 +3,7 @@
 //
 // For the container image's HEALTHCHECK and for operators (kubectl exec, docker
 // exec): Kubernetes itself probes epsd's --health-listen port natively
-// (docs/deploy.md). One call, a bounded deadline, no retries.
+// (docs/deploy-operations.md). One call, a bounded deadline, no retries.
 //
 // usage: eps-health-probe [--addr=unix:///run/eps/epsd.sock]
 //                         [--service=eps.v1.PageSelector] [--timeout-ms=1s]

@@ -1,6 +1,6 @@
 """The GPU rule of validate_manifests: a pod that holds a GPU lands only on GPUs the image
 has code for (the Dockerfile's CUDA_ARCHITECTURES); below that epsd's CUDA warm-up fails and
-it serves the cpu backend alone (docs/deploy.md, "Startup and fail-open")."""
+it serves the cpu backend alone (docs/deploy-operations.md, "Startup and fail-open")."""
 
 from __future__ import annotations
 

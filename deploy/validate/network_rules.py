@@ -1,5 +1,5 @@
 """The NetworkPolicy rule of validate_manifests: an ingress policy selects the pods, names
-their ports, and admits every port the Services forward to them (docs/deploy.md)."""
+their ports, and admits every port the Services forward to them (docs/deploy-operations.md)."""
 
 from __future__ import annotations
 

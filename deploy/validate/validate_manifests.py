@@ -4,9 +4,9 @@ For the base and every overlay, the kustomization is rendered (kustomize_render)
 every resource is validated against the strict JSON schemas that kubernetes-validate
 ships for the lowest Kubernetes version the overlay supports and for the newest one
 it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
-Deployment's pod template is checked for what docs/deploy.md promises: epsd as a
-native sidecar with kubelet gRPC startup and liveness probes on its health port and no
-readiness probe (its readiness would be the pod's), the socket and /dev/shm shared with
+Deployment's pod template is checked for what docs/deploy.md and docs/deploy-operations.md
+promise: epsd as a native sidecar with kubelet gRPC startup and liveness probes on its
+health port and no readiness probe (its readiness would be the pod's), the socket and /dev/shm shared with
 the engine, hardened containers with resources, memory budgets (--max-server-bytes) that fit
 epsd's memory limit, GPU sharing that hands both containers the same device, and a
 GPU the image has code for (the Dockerfile's CUDA_ARCHITECTURES). Exit status 1 lists
@@ -46,7 +46,7 @@ EPSD_DEFAULTS = {"max-server-bytes": "2G", "max-session-bytes": "512M", "max-mes
 # What epsd's memory holds beyond --max-server-bytes: the process itself and a request
 # being received, which is not charged to the budget: about 2.6 times the message's size
 # at its peak, more when large Attaches repeat (measured with bench/attach_peak_rss.py;
-# the numbers, command, machine and date are in docs/deploy.md, "Memory budgets"). So
+# the numbers, command, machine and date are in docs/deploy-operations.md, "Memory budgets"). So
 # 64 MiB plus three largest messages: room for one such message at a time.
 PROCESS_BYTES = 64 * MIB
 MESSAGE_FACTOR = 3
@@ -108,7 +108,7 @@ def k8s_quantity(text: str) -> int | None:
 
 def memory_errors(sidecar: dict[str, Any], flags: list[str]) -> list[str]:
     """epsd's memory budgets fit its container: past the limit it is OOM-killed instead of
-    answering RESOURCE_EXHAUSTED (docs/deploy.md, "Memory budgets")."""
+    answering RESOURCE_EXHAUSTED (docs/deploy-operations.md, "Memory budgets")."""
     limit_text = str(sidecar.get("resources", {}).get("limits", {}).get("memory", ""))
     if not limit_text:
         return []  # the resources check reports it
@@ -201,7 +201,8 @@ def _mounts(container: dict[str, Any]) -> dict[str, str]:
 
 
 def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
-    """What the sidecar contract of docs/deploy.md needs of a Deployment's pod template."""
+    """What the sidecar contract of docs/deploy.md and docs/deploy-operations.md needs of a
+    Deployment's pod template."""
     name = f"Deployment/{deployment['metadata']['name']}"
     template = deployment["spec"]["template"]
     spec = template["spec"]
@@ -296,7 +297,7 @@ def pod_errors(deployment: Resource, flags: list[str]) -> list[str]:
         )
     # A native sidecar's readiness counts in the pod's Ready condition: a readiness probe on
     # epsd would take the engine out of the Service whenever epsd drains or restarts, while
-    # the engine serves on, falling back to dense attention (docs/deploy.md, section 6).
+    # the engine serves on, falling back to dense attention (docs/deploy-operations.md, section 1).
     need(
         "readinessProbe" not in sidecar,
         "epsd must have no readinessProbe: a native sidecar's readiness is part of the pod's, "

@@ -1,4 +1,4 @@
-"""The command docs/deploy.md gives to restart epsd alone, run as written.
+"""The command docs/deploy-operations.md gives to restart epsd alone, run as written.
 
 It runs in a PID namespace of its own (unshare), where the only epsd is the one the test
 starts: on the host it would signal every epsd. ctest sets EPSD to the built epsd.
@@ -39,9 +39,9 @@ sh -c "$RESTART"; echo "again=$?"
 
 
 def restart_command() -> str:
-    text = (REPO / "docs/deploy.md").read_text()
+    text = (REPO / "docs/deploy-operations.md").read_text()
     found = re.search(r"-- sh -c \\\n\s*'([^']*)'", text)
-    assert found, "docs/deploy.md has no `kubectl exec ... -c epsd -- sh -c '...'` command"
+    assert found, "docs/deploy-operations.md has no `kubectl exec ... -c epsd -- sh -c '...'` command"
     return found.group(1)
 
 

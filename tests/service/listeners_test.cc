@@ -1,6 +1,6 @@
 // Every epsd listener follows --listen's rule (loopback or a Unix socket unless
 // --allow-remote), and the TCP health listener answers grpc.health.v1 for kubelet's
-// native gRPC probes (docs/deploy.md).
+// native gRPC probes (docs/deploy-operations.md).
 #include <unistd.h>
 
 #include <memory>
