@@ -29,11 +29,11 @@ absl::Status Errno(const std::string& what, int err) {
   // Not the request's fault nor a bug: epsd is out of a resource (idle connections
   // hold descriptors, docs/deploy-operations.md), and the engine may retry once some are free.
   if (err == EMFILE || err == ENFILE) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(message,
-                     err == EMFILE ? ": epsd has used its open-file limit (RLIMIT_NOFILE)"
-                                   : ": the system's open-file table is full",
-                     "; close idle connections to epsd or raise the limit (docs/deploy-operations.md)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        message,
+        err == EMFILE ? ": epsd has used its open-file limit (RLIMIT_NOFILE)"
+                      : ": the system's open-file table is full",
+        "; close idle connections to epsd or raise the limit (docs/deploy-operations.md)"));
   }
   if (err == ENOMEM) {
     return absl::ResourceExhaustedError(
