@@ -172,7 +172,7 @@ class PagedEngine:
                                self.eps_model.group_blocks)
                 for layer in range(self.model.c.num_layers)]
 
-    def _attend(self, layer: int, q: torch.Tensor, table: torch.Tensor, used: torch.Tensor,
+    def attend_layer(self, layer: int, q: torch.Tensor, table: torch.Tensor, used: torch.Tensor,
                 gated: bool) -> torch.Tensor:
         """The attention of one layer; gated with feedback, it also writes the feedback."""
         if gated and self.feedback_targets is not None:
@@ -300,7 +300,7 @@ class PagedEngine:
                 table, used = self.view_table[layer, :, 0], self.view_used[layer, :, 0]
             else:
                 table, used = self.table, self.ctx
-            x = m.finish_layer(layer, x, self._attend(layer, q, table, used, gated))
+            x = m.finish_layer(layer, x, self.attend_layer(layer, q, table, used, gated))
         lp = torch.log_softmax(m.logits(x), dim=-1)
         self.logp_out.copy_(lp.gather(1, self.targets[:, None])[:, 0])
         self.argmax_out.copy_(lp.argmax(-1))
@@ -323,12 +323,16 @@ class PagedEngine:
         graph.replay()
 
     def _capture(self, gated: bool) -> Any:
+        return self.capture_graph(lambda: self._body(gated))
+
+    def capture_graph(self, work: Any) -> Any:
+        """``work`` (CUDA launches on the current stream) captured as a CUDA graph."""
         # warm up on a side stream (torch's recipe), then capture on it. thread_local: the
         # watchdog may call CUDA meanwhile without breaking capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._body(gated)
+            work()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -336,7 +340,7 @@ class PagedEngine:
         except TypeError:  # older torch
             ctx = torch.cuda.graph(graph, stream=side)
         with ctx:
-            self._body(gated)
+            work()
         torch.cuda.current_stream(self.device).wait_stream(side)
         return graph
 
@@ -485,75 +489,6 @@ class PagedEngine:
         result = self.client.select_pages(self.step_base, self._rows(context), options)
         self.step_base += 1
         return result.stats if result.ok else None
-
-    @torch.inference_mode()
-    def attention_ms(self, gated: bool, context: int, repeats: int = 10) -> float:
-        """GPU time of one step's attention alone (every layer), with the current lists."""
-        self.ctx.fill_(context)
-        if gated:
-            flash_attention_views(self.buffers.visit_blocks, self.buffers.visit_count,
-                                  self.table, self.ctx, self.bs,
-                                  out=(self.view_table, self.view_used))
-        q = torch.randn(self.B, self.model.c.num_q_heads, self.model.c.head_dim,
-                        device=self.device, dtype=self.dtype)
-        # With feedback, every repeat starts from NaN entries as a step does after epsd
-        # consumed them (finite ones would send every write down the combining path);
-        # the fill is timed alone and subtracted.
-        fill = gated and self.feedback_targets is not None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for r in range(repeats + 1):
-            if r == 1:
-                start.record()
-            if fill:
-                self.buffers.feedback.fill_(float("nan"))
-            for layer in range(self.model.c.num_layers):
-                if gated:
-                    table, used = self.view_table[layer, :, 0], self.view_used[layer, :, 0]
-                else:
-                    table, used = self.table, self.ctx
-                self._attend(layer, q, table, used, gated)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / repeats
-        if fill:
-            start.record()
-            for _ in range(repeats):
-                self.buffers.feedback.fill_(float("nan"))
-            end.record()
-            end.synchronize()
-            ms -= start.elapsed_time(end) / repeats
-        return ms
-
-    @torch.inference_mode()
-    def sdpa_attention_ms(self, context: int, repeats: int = 10) -> float:
-        """PyTorch SDPA over one layer's K/V gathered contiguous, times the layers: the
-        sanity check of the dense attention time (gathering excluded)."""
-        c = self.model.c
-        nb = blocks_for(context, self.bs)
-        blocks = self.table[:, :nb].long()
-        k = self.kv[0][0][blocks].flatten(1, 2)[:, :context].transpose(1, 2)  # [B, kvh, T, d]
-        v = self.kv[0][1][blocks].flatten(1, 2)[:, :context].transpose(1, 2)
-        q = torch.randn(self.B, c.num_q_heads, 1, c.head_dim, device=self.device,
-                        dtype=self.dtype)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        try:
-            def call() -> Any:
-                return sdpa(q, k, v, enable_gqa=True)
-            call()
-        except TypeError:  # torch without enable_gqa
-            g = c.num_q_heads // c.num_kv_heads
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-
-            def call() -> Any:
-                return sdpa(q, k, v)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        call()
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeats * c.num_layers
 
     def snapshot(self) -> BufferSnapshot:
         """The shared state every run starts from (engine_snapshot.py), taken once everything

@@ -24,6 +24,7 @@ from engine_report import (
     ran_gated,
     summarize,
 )
+from engine_timing import attention_ms, sdpa_attention_ms
 from reference_engine import fractions, kill_epsd, now, restart_epsd
 
 from eps_client import MassSetting, ModelLayout, SelectOptions, SummaryFeatures
@@ -177,8 +178,8 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     d = summarize(dense, args.warmup_steps)
     # at P + N, the context of the lists the gated runs' attention is timed with (the last
     # sync step's), so that dense and gated attention read the same context
-    dense_attn = engine.attention_ms(False, P + N)
-    sdpa_attn = engine.sdpa_attention_ms(P + N)
+    dense_attn = attention_ms(engine, False, P + N)
+    sdpa_attn = sdpa_attention_ms(engine, P + N)
     rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], dense_attn, "-", "-",
              "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-"]]
     runs = []
@@ -187,7 +188,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
         top, measured = calibrate(engine, P + 1, f, base)
         gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top))
         s = summarize(gated, args.warmup_steps)
-        attn = engine.attention_ms(True, P + N)
+        attn = attention_ms(engine, True, P + N)
         # The same pre-pass on the same buffers with the engine idle: synchronous
         # selections with nothing else on the GPU (docs/benchmarks/gpu-history-2026-11-25-26.md,
         # "2026-11-25").
