@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -72,13 +73,17 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
     return 0;
   }
   // A step log that cannot be opened is a bad command line (exit 2, docs/cli.md), found
-  // here before the listeners rather than by the server's start (exit 1). Opening it
-  // creates it, as the server would; the server opens it again for itself.
+  // here before the listeners rather than by the server's start (exit 1). The server's
+  // telemetry writes the file opened here.
+  std::unique_ptr<telemetry::StepLog> step_log;
   if (!config->step_log.empty()) {
-    if (auto log = telemetry::StepLog::Open(config->step_log); !log.ok()) {
+    absl::StatusOr<std::unique_ptr<telemetry::StepLog>> log =
+        telemetry::StepLog::Open(config->step_log);
+    if (!log.ok()) {
       std::fprintf(stderr, "epsd: %s\n", std::string(log.status().message()).c_str());
       return 2;
     }
+    step_log = *std::move(log);
   }
   if (config->backend == BackendKind::kCuda && (!CudaBackendBuilt() || !CudaDevicePresent())) {
     std::fprintf(
@@ -97,9 +102,10 @@ int RunEpsd(const std::vector<std::string>& args, BackendFactory make_backend) {
   }
   // A lost CUDA device ends epsd as a signal does (the drain), then with exit 1: only a
   // new process can use the device again, and a supervisor restarts it.
-  absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(
-      *config,
-      {.on_fatal = [] { kill(getpid(), SIGTERM); }, .make_backend = std::move(make_backend)});
+  absl::StatusOr<std::unique_ptr<EpsServer>> server =
+      EpsServer::Start(*config, {.on_fatal = [] { kill(getpid(), SIGTERM); },
+                                 .make_backend = std::move(make_backend),
+                                 .step_log = std::move(step_log)});
   if (!server.ok()) {
     std::fprintf(stderr, "epsd: %s\n", std::string(server.status().message()).c_str());
     return 1;

@@ -42,7 +42,7 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   // After the socket check: a second epsd on a live socket must say so, not fail on the port.
   SessionService* sessions = server->sessions_.get();
   absl::StatusOr<std::unique_ptr<telemetry::Telemetry>> telemetry = telemetry::Telemetry::Create(
-      {.metrics_listen = config.metrics_listen, .step_log_path = config.step_log},
+      {.metrics_listen = config.metrics_listen, .step_log = std::move(hooks.step_log)},
       telemetry::ProcessEnv(), [sessions] {
         v1::GetStatsResponse stats;
         (void)sessions->GetStats(v1::GetStatsRequest(), &stats);

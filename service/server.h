@@ -31,6 +31,10 @@ struct ServerHooks {
   std::function<void()> on_fatal;
   // Session::Create's (tests pass stand-ins).
   BackendFactory make_backend = MakeSessionBackend;
+  // The open --step-log file, which the server's telemetry then writes; null: no step log
+  // (Start does not read ServerConfig::step_log). RunEpsd opens it before anything starts,
+  // so that a path it cannot open is a bad command line (exit 2).
+  std::unique_ptr<telemetry::StepLog> step_log;
 };
 
 class EpsServer {

@@ -34,6 +34,7 @@ class StepLog {
   // `line`: one JSON object without the newline.
   void Append(const std::string& line);
   uint64_t dropped() const;
+  const std::string& path() const { return path_; }
 
  private:
   StepLog(int fd, std::string path, WriteFn write);

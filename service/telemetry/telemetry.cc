@@ -80,18 +80,14 @@ std::optional<TraceContext> ParentFromMetadata(const grpc::ServerContextBase& co
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(
-    const TelemetryOptions& options, const EnvLookup& env,
+    TelemetryOptions options, const EnvLookup& env,
     std::function<ScrapeSources::Sessions()> sessions, std::unique_ptr<SpanExporter> exporter) {
   auto t = std::unique_ptr<Telemetry>(new Telemetry());
-  t->options_ = options;
+  t->metrics_listen_ = options.metrics_listen;
+  t->step_log_ = std::move(options.step_log);
   absl::StatusOr<TraceConfig> config = TraceConfigFromEnv(env);
   if (!config.ok()) return config.status();
   t->config_ = *std::move(config);
-  if (!options.step_log_path.empty()) {
-    absl::StatusOr<std::unique_ptr<StepLog>> log = StepLog::Open(options.step_log_path);
-    if (!log.ok()) return log.status();
-    t->step_log_ = *std::move(log);
-  }
   if (exporter == nullptr && t->config_.enabled) {
     if (t->config_.protocol == OtlpProtocol::kGrpc) {
       exporter = std::make_unique<OtlpGrpcExporter>(t->config_);
@@ -138,19 +134,17 @@ void Telemetry::Shutdown(std::chrono::milliseconds budget) {
 }
 
 std::string Telemetry::Describe() const {
-  std::string out =
-      metrics_->port() > 0
-          ? absl::StrCat("metrics on http://",
-                         options_.metrics_listen.substr(0, options_.metrics_listen.rfind(':')), ":",
-                         metrics_->port(), "/metrics")
-          : std::string("metrics not served");
+  std::string out = metrics_->port() > 0
+                        ? absl::StrCat("metrics on http://",
+                                       metrics_listen_.substr(0, metrics_listen_.rfind(':')), ":",
+                                       metrics_->port(), "/metrics")
+                        : std::string("metrics not served");
   absl::StrAppend(&out, "; traces ",
                   processor_ != nullptr
                       ? absl::StrCat("to ", processor_->exporter().Describe(), " (sampler ",
                                      config_.sampler.Describe(), ")")
                       : std::string("off"));
-  absl::StrAppend(&out, "; step log ",
-                  options_.step_log_path.empty() ? "off" : options_.step_log_path);
+  absl::StrAppend(&out, "; step log ", step_log_ == nullptr ? "off" : step_log_->path());
   return out;
 }
 

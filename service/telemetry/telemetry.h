@@ -30,7 +30,9 @@ namespace eps::telemetry {
 
 struct TelemetryOptions {
   std::string metrics_listen;  // host:port, empty: no /metrics endpoint (metrics still counted)
-  std::string step_log_path;   // empty: no step log
+  // The open --step-log file, which the telemetry then owns; null: no step log. Opened by
+  // the caller, where a path that cannot be opened is a bad command line (epsd's exit 2).
+  std::unique_ptr<StepLog> step_log;
 };
 
 // What traces, the step log and status messages show of a session id: its public part
@@ -58,7 +60,7 @@ class Telemetry {
   // counts. `exporter`, when given, takes the spans instead of the OTLP exporter the variables
   // name, and turns traces on (tests).
   static absl::StatusOr<std::unique_ptr<Telemetry>> Create(
-      const TelemetryOptions& options, const EnvLookup& env,
+      TelemetryOptions options, const EnvLookup& env,
       std::function<ScrapeSources::Sessions()> sessions,
       std::unique_ptr<SpanExporter> exporter = nullptr);
   ~Telemetry();  // Shutdown(2 s) if not done
@@ -111,7 +113,7 @@ class Telemetry {
                     const v1::StepStats& stats, service::BackendKind backend, RpcMethod method);
 
   TraceConfig config_;
-  TelemetryOptions options_;
+  std::string metrics_listen_;  // TelemetryOptions::metrics_listen
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<BatchSpanProcessor> processor_;
   std::unique_ptr<StepLog> step_log_;

@@ -37,11 +37,19 @@ class TelemetryTest : public ::testing::Test {
     path_ = "/tmp/eps-telemetry-test-" + std::to_string(getpid()) + "-" +
             ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".jsonl";
     std::remove(path_.c_str());
-    auto t = Telemetry::Create({.metrics_listen = "", .step_log_path = path_}, NoEnv, {});
+    auto t = Telemetry::Create({.metrics_listen = "", .step_log = OpenLog()}, NoEnv, {});
     ASSERT_TRUE(t.ok()) << t.status();
     telemetry_ = *std::move(t);
   }
   void TearDown() override { std::remove(path_.c_str()); }
+
+  // The step log at path_, which a Telemetry then writes (null, failing the test, if it
+  // cannot be opened).
+  std::unique_ptr<StepLog> OpenLog() {
+    absl::StatusOr<std::unique_ptr<StepLog>> log = StepLog::Open(path_);
+    EXPECT_TRUE(log.ok()) << log.status();
+    return log.ok() ? *std::move(log) : nullptr;
+  }
 
   // Ends the telemetry (its step log flushes) and returns the log's lines as JSON.
   std::vector<Json> Lines() {
@@ -164,7 +172,7 @@ class CapturingExporter final : public SpanExporter {
 TEST_F(TelemetryTest, AFailedStepsMessageIsBoundedInItsSpanAndItsStepLogLine) {
   auto shared = std::make_shared<CapturingExporter::Shared>();
   telemetry_.reset();
-  auto t = Telemetry::Create({.metrics_listen = "", .step_log_path = path_}, NoEnv, {},
+  auto t = Telemetry::Create({.metrics_listen = "", .step_log = OpenLog()}, NoEnv, {},
                              std::make_unique<CapturingExporter>(shared));
   ASSERT_TRUE(t.ok()) << t.status();
   telemetry_ = *std::move(t);
