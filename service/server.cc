@@ -41,6 +41,12 @@ absl::StatusOr<std::unique_ptr<EpsServer>> EpsServer::Start(const ServerConfig& 
   }
   // After the socket check: a second epsd on a live socket must say so, not fail on the port.
   SessionService* sessions = server->sessions_.get();
+  if (hooks.step_log == nullptr && !config.step_log.empty()) {  // a caller other than RunEpsd
+    absl::StatusOr<std::unique_ptr<telemetry::StepLog>> log =
+        telemetry::StepLog::Open(config.step_log);
+    if (!log.ok()) return log.status();
+    hooks.step_log = *std::move(log);
+  }
   absl::StatusOr<std::unique_ptr<telemetry::Telemetry>> telemetry = telemetry::Telemetry::Create(
       {.metrics_listen = config.metrics_listen, .step_log = std::move(hooks.step_log)},
       telemetry::ProcessEnv(), [sessions] {

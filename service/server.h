@@ -31,9 +31,9 @@ struct ServerHooks {
   std::function<void()> on_fatal;
   // Session::Create's (tests pass stand-ins).
   BackendFactory make_backend = MakeSessionBackend;
-  // The open --step-log file, which the server's telemetry then writes; null: no step log
-  // (Start does not read ServerConfig::step_log). RunEpsd opens it before anything starts,
-  // so that a path it cannot open is a bad command line (exit 2).
+  // The open --step-log file, which the server's telemetry then writes. RunEpsd opens it
+  // before anything starts, so that a path it cannot open is a bad command line (exit 2);
+  // null: Start opens ServerConfig::step_log itself, if set.
   std::unique_ptr<telemetry::StepLog> step_log;
 };
 

@@ -72,6 +72,24 @@ ino_t InodeOf(const std::string& path) {
   return lstat(path.c_str(), &info) == 0 ? info.st_ino : 0;
 }
 
+// RunEpsd hands Start the step log it opened; a caller that sets only the path (an
+// embedding process, a test) gets the log opened by Start, or Start's refusal.
+TEST_F(UnixListenTest, AStartGivenOnlyTheStepLogsPathOpensItOrFails) {
+  ServerConfig config = Config();
+  config.step_log = dir_ + "/steps.jsonl";
+  {
+    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(access(config.step_log.c_str(), W_OK), 0) << "Start did not open the step log";
+    (*server)->Shutdown();
+  }
+  config.step_log = dir_ + "/no-such-directory/steps.jsonl";
+  absl::StatusOr<std::unique_ptr<EpsServer>> refused = EpsServer::Start(config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().ToString().find(config.step_log), std::string::npos)
+      << refused.status();
+}
+
 TEST_F(UnixListenTest, TwoServersStartingTogetherLeaveTheWinnersSocket) {
   // The loser of the start race once removed the winner's socket on its way out.
   // Both threads start from one config: parsing flags on two threads at once races on the
