@@ -71,9 +71,8 @@ std::shared_ptr<Session> SessionRegistry::LiveLocked(const EngineKey& key) const
   return live == by_id_.end() ? nullptr : live->second;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(
-    std::shared_ptr<Session> session, const Session* expected, const SessionLimits& limits,
-    absl::FunctionRef<absl::Status()> fits_alone) {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Session> session,
+                                                              const SessionLimits& limits) {
   absl::MutexLock lock(&mu_);
   const EngineKey key = KeyOf(*session);
   std::shared_ptr<Session> replaced = LiveLocked(key);
@@ -81,12 +80,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(
   if (replaced != nullptr) {
     RETURN_IF_ERROR(CheckReplaceable(key, *replaced));
   } else if (build == builds_.end() || !build->second.holds_slot) {
-    // No slot held for it: the replaced session it was admitted as went meanwhile.
+    // No slot held for it: the session it was admitted to replace went meanwhile.
     RETURN_IF_ERROR(RoomLocked(key, limits));
   }
-  // The build was let pass the server's budgets by what `expected` holds; with `expected`
-  // gone (detached, expired) that allowance is stale, and the new session must fit alone.
-  if (replaced.get() != expected) RETURN_IF_ERROR(fits_alone());
   if (replaced != nullptr) by_id_.erase(replaced->id());
   if (build != builds_.end()) build->second.holds_slot = false;  // the session counts now
   id_by_engine_[key] = session->id();

@@ -166,10 +166,6 @@ class SessionService {
                               const CallLiveness& liveness, const Peer& caller,
                               std::shared_ptr<Session>* granted,
                               std::shared_ptr<Session>* replaced);
-  // RESOURCE_EXHAUSTED when the server's budgets are over their limits without what
-  // `gone` holds: a new session built in the allowance for `gone` (PublishSession), which
-  // ended during the build, may not be published then.
-  absl::Status FitsWithout(const Session& gone) const;
   // The end of an Attach: retires `replaced` (when not null: a wait for its running step)
   // and starts `granted`'s lease; a call dead by then (`liveness`) fails, and
   // BuildAndHandOver removes and retires `granted`; unguarded.
