@@ -28,9 +28,7 @@ void SessionRegistry::BeginBuild(const EngineKey& key, const SessionLimits& limi
       // replaced by that dead call's session); parked, it is admitted once the first ends.
       displaced = std::exchange(build->second.parked, std::move(start));
     } else {
-      absl::StatusOr<std::shared_ptr<Session>> live = AdmissionLocked(key, limits);
-      admitted = live.status();
-      if (admitted.ok()) builds_[key].holds_slot = *live == nullptr;
+      admitted = StartBuildLocked(key, limits);
     }
   }
   if (displaced) {
@@ -52,9 +50,7 @@ void SessionRegistry::EndBuild(const EngineKey& key, const SessionLimits& limits
     next = std::move(build->second.parked);
     builds_.erase(build);
     if (!waits) return;
-    absl::StatusOr<std::shared_ptr<Session>> live = AdmissionLocked(key, limits);
-    admitted = live.status();
-    if (admitted.ok()) builds_[key].holds_slot = *live == nullptr;
+    admitted = StartBuildLocked(key, limits);
   }
   std::move(next)(std::move(admitted));
 }
@@ -90,15 +86,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Se
   return replaced;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::AdmissionLocked(
-    const EngineKey& key, const SessionLimits& limits) const {
-  std::shared_ptr<Session> live = LiveLocked(key);
-  if (live == nullptr) {
-    RETURN_IF_ERROR(RoomLocked(key, limits));
-    return nullptr;
-  }
-  RETURN_IF_ERROR(CheckReplaceable(key, *live));
-  return live;
+absl::Status SessionRegistry::StartBuildLocked(const EngineKey& key, const SessionLimits& limits) {
+  const std::shared_ptr<Session> live = LiveLocked(key);
+  RETURN_IF_ERROR(live == nullptr ? RoomLocked(key, limits) : CheckReplaceable(key, *live));
+  builds_[key].holds_slot = live == nullptr;
+  return absl::OkStatus();
 }
 
 absl::Status SessionRegistry::CheckReplaceable(const EngineKey& key, const Session& live) {

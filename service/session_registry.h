@@ -95,11 +95,11 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
-  // An Attach of an engine with no build in flight: the live session it would replace
-  // (null: a new session, with room in `limits`), or the refusal.
-  absl::StatusOr<std::shared_ptr<Session>> AdmissionLocked(const EngineKey& key,
-                                                           const SessionLimits& limits) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Admits an Attach of `key`, whose engine has no build in flight, as Add would take its
+  // session now (BeginBuild): OK with its build recorded, holding a slot of `limits` when
+  // the engine has no live session; else the refusal, and no build.
+  absl::Status StartBuildLocked(const EngineKey& key, const SessionLimits& limits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<Session> LiveLocked(const EngineKey& key) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // ALREADY_EXISTS when `live` was attached over TCP and its lease has not run out.
   static absl::Status CheckReplaceable(const EngineKey& key, const Session& live);
