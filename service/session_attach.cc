@@ -36,7 +36,8 @@ void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachRes
   // Refused here, on the caller's thread, when it would be without a build: these checks
   // cost a lookup. Admitted, it holds the engine's build (one at a time per engine) and,
   // for an engine with no live session, a slot of the limits, until it publishes or fails.
-  auto start = [this, &request, response, liveness = std::move(liveness), caller,
+  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
+  auto start = [this, &request, response, liveness = std::move(liveness), caller, engine,
                 done = std::move(done)](absl::Status admitted) mutable {
     if (!admitted.ok()) {
       // A call parked behind another build of its engine may have died meanwhile.
@@ -50,21 +51,21 @@ void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachRes
     // Attaches of several engines at once, or one whose buffers map slowly, held every
     // callback thread, and every other engine's calls waited.
     executor_->Submit([this, &request, response, liveness = std::move(liveness), caller,
-                       done = std::move(done)]() mutable {
-      std::move(done)(BuildAndHandOver(request, response, liveness, caller));
+                       engine = std::move(engine), done = std::move(done)]() mutable {
+      std::move(done)(BuildAndHandOver(request, response, liveness, caller, engine));
     });
   };
   if (device_lost_.load()) {
     std::move(start)(Restarting());
     return;
   }
-  sessions_.BeginBuild(EngineKey::Of(caller, request.engine_id()), Limits(), std::move(start));
+  sessions_.BeginBuild(engine, Limits(), std::move(start));
 }
 
 absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
                                               v1::AttachResponse* response,
-                                              const CallLiveness& liveness, const Peer& caller) {
-  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
+                                              const CallLiveness& liveness, const Peer& caller,
+                                              const EngineKey& engine) {
   std::shared_ptr<Session> granted, replaced;
   // Unless the Attach answers OK, no engine hears of the session it published: it goes
   // now, whatever failed (or threw) after Add, rather than stay published with its lease
@@ -81,7 +82,7 @@ absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
   // failure, as a step found dead is not).
   absl::Status status = Guarded("Attach", [&]() -> absl::Status {
     RETURN_IF_ERROR(liveness.Check("Attach"));
-    return PublishSession(request, response, liveness, caller, &granted, &replaced);
+    return PublishSession(request, response, liveness, caller, engine, &granted, &replaced);
   });
   // Published or failed, the engine's build has ended: its next Attach may build.
   absl::Status ended = Guarded("Attach", [&] {
@@ -100,10 +101,10 @@ absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
 absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
                                             v1::AttachResponse* response,
                                             const CallLiveness& liveness, const Peer& caller,
+                                            const EngineKey& engine,
                                             std::shared_ptr<Session>* granted,
                                             std::shared_ptr<Session>* replaced) {
   if (device_lost_.load()) return CountFailure(Restarting());
-  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // A session this Attach replaces gives its bytes back once the Attach has retired it
   // below: the new one may be built in them, so an engine that restarts with the server's
   // budgets nearly full re-attaches at once rather than after the old lease. Held here
