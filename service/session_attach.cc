@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
 #include "service/convert.h"
@@ -37,7 +36,8 @@ void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachRes
   // Refused here, on the caller's thread, when it would be without a build: these checks
   // cost a lookup. Admitted, it holds the engine's build (one at a time per engine) and,
   // for an engine with no live session, a slot of the limits, until it publishes or fails.
-  auto start = [this, &request, response, liveness = std::move(liveness), caller,
+  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
+  auto start = [this, &request, response, liveness = std::move(liveness), caller, engine,
                 done = std::move(done)](absl::Status admitted) mutable {
     if (!admitted.ok()) {
       // A call parked behind another build of its engine may have died meanwhile.
@@ -51,21 +51,21 @@ void SessionService::StartAttach(const v1::AttachRequest& request, v1::AttachRes
     // Attaches of several engines at once, or one whose buffers map slowly, held every
     // callback thread, and every other engine's calls waited.
     executor_->Submit([this, &request, response, liveness = std::move(liveness), caller,
-                       done = std::move(done)]() mutable {
-      std::move(done)(BuildAndHandOver(request, response, liveness, caller));
+                       engine = std::move(engine), done = std::move(done)]() mutable {
+      std::move(done)(BuildAndHandOver(request, response, liveness, caller, engine));
     });
   };
   if (device_lost_.load()) {
     std::move(start)(Restarting());
     return;
   }
-  sessions_.BeginBuild(EngineKey::Of(caller, request.engine_id()), Limits(), std::move(start));
+  sessions_.BeginBuild(engine, Limits(), std::move(start));
 }
 
 absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
                                               v1::AttachResponse* response,
-                                              const CallLiveness& liveness, const Peer& caller) {
-  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
+                                              const CallLiveness& liveness, const Peer& caller,
+                                              const EngineKey& engine) {
   std::shared_ptr<Session> granted, replaced;
   // Unless the Attach answers OK, no engine hears of the session it published: it goes
   // now, whatever failed (or threw) after Add, rather than stay published with its lease
@@ -82,7 +82,7 @@ absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
   // failure, as a step found dead is not).
   absl::Status status = Guarded("Attach", [&]() -> absl::Status {
     RETURN_IF_ERROR(liveness.Check("Attach"));
-    return PublishSession(request, response, liveness, caller, &granted, &replaced);
+    return PublishSession(request, response, liveness, caller, engine, &granted, &replaced);
   });
   // Published or failed, the engine's build has ended: its next Attach may build.
   absl::Status ended = Guarded("Attach", [&] {
@@ -98,41 +98,29 @@ absl::Status SessionService::BuildAndHandOver(const v1::AttachRequest& request,
   return status;
 }
 
-absl::Status SessionService::FitsWithout(const Session& gone) const {
-  const ServerCharges freed = gone.server_charges();
-  for (const auto& [budget, bytes] : {std::pair{&budgets_.allocated, freed.allocated},
-                                      std::pair{&budgets_.mapped, freed.mapped}}) {
-    const uint64_t used = budget->used(), alone = used - std::min(used, bytes);
-    if (alone > budget->limit()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the session this Attach was to replace ended while the new one was built in its "
-          "bytes: without them the sessions hold ",
-          alone, " bytes, more than ", budget->flag(), "=", budget->limit(), "; attach again"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
                                             v1::AttachResponse* response,
                                             const CallLiveness& liveness, const Peer& caller,
+                                            const EngineKey& engine,
                                             std::shared_ptr<Session>* granted,
                                             std::shared_ptr<Session>* replaced) {
   if (device_lost_.load()) return CountFailure(Restarting());
-  const EngineKey engine = EngineKey::Of(caller, request.engine_id());
   // A session this Attach replaces gives its bytes back once the Attach has retired it
   // below: the new one may be built in them, so an engine that restarts with the server's
   // budgets nearly full re-attaches at once rather than after the old lease. Held here
-  // until Add, its charges stay while the new session is built in them, even if it is
-  // detached or expires meanwhile (Add then publishes the new one only if it fits
-  // without them). The server's use stays within its limits plus one session's charges
-  // while the build runs, and within its limits once an Attach has answered. Only an
-  // Attach that Add would let replace it got here (BeginBuild refused the others, a live
-  // session attached over TCP among them, before any mapping or allocation: a loop of
-  // such calls once kept the budget full and refused other engines).
-  const std::shared_ptr<Session> expected = sessions_.Live(engine);
+  // until this returns, the old session's charges (which only grow while it lives) stay
+  // while the new one is built in them, even if it is detached or expires meanwhile, so
+  // every charge made in the allowance is made beside them: once they are freed the server
+  // is within its limits again, whether the new session is published or not (let go with a
+  // detached session, they once left the build's later charges past the limits, for good).
+  // While replacing builds run, the server's use stays within its limits plus the largest
+  // of their allowances (one session's charges at most). Only an Attach that Add would let
+  // replace it got here (BeginBuild refused the others, a live session attached over TCP
+  // among them, before any mapping or allocation: a loop of such calls once kept the
+  // budget full and refused other engines).
+  const std::shared_ptr<Session> replacing_session = sessions_.Live(engine);
   const ServerCharges replacing =
-      expected != nullptr ? expected->server_charges() : ServerCharges{};
+      replacing_session != nullptr ? replacing_session->server_charges() : ServerCharges{};
   std::unique_ptr<Session> remains;
   absl::StatusOr<std::unique_ptr<Session>> built =
       Session::Create(request, config_, budgets_, caller, make_backend_, &remains, replacing);
@@ -152,9 +140,9 @@ absl::Status SessionService::PublishSession(const v1::AttachRequest& request,
   session->set_id(NewSessionId(next_session_.fetch_add(1)));
   session->set_owner(caller);
   session->HoldLease();  // until the hand-over below has ended
-  absl::StatusOr<std::shared_ptr<Session>> added = sessions_.Add(
-      session, expected.get(), Limits(),
-      [&] { return expected != nullptr ? FitsWithout(*expected) : absl::OkStatus(); });
+  // Published as a new session, within the session limits, if the one it was built to
+  // replace went meanwhile.
+  absl::StatusOr<std::shared_ptr<Session>> added = sessions_.Add(session, Limits());
   if (!added.ok()) {
     (void)WatchDevice(session->Retire());
     return CountFailure(added.status());

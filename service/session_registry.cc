@@ -28,9 +28,7 @@ void SessionRegistry::BeginBuild(const EngineKey& key, const SessionLimits& limi
       // replaced by that dead call's session); parked, it is admitted once the first ends.
       displaced = std::exchange(build->second.parked, std::move(start));
     } else {
-      absl::StatusOr<std::shared_ptr<Session>> live = AdmissionLocked(key, limits);
-      admitted = live.status();
-      if (admitted.ok()) builds_[key].holds_slot = *live == nullptr;
+      admitted = StartBuildLocked(key, limits);
     }
   }
   if (displaced) {
@@ -52,9 +50,7 @@ void SessionRegistry::EndBuild(const EngineKey& key, const SessionLimits& limits
     next = std::move(build->second.parked);
     builds_.erase(build);
     if (!waits) return;
-    absl::StatusOr<std::shared_ptr<Session>> live = AdmissionLocked(key, limits);
-    admitted = live.status();
-    if (admitted.ok()) builds_[key].holds_slot = *live == nullptr;
+    admitted = StartBuildLocked(key, limits);
   }
   std::move(next)(std::move(admitted));
 }
@@ -71,9 +67,8 @@ std::shared_ptr<Session> SessionRegistry::LiveLocked(const EngineKey& key) const
   return live == by_id_.end() ? nullptr : live->second;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(
-    std::shared_ptr<Session> session, const Session* expected, const SessionLimits& limits,
-    absl::FunctionRef<absl::Status()> fits_alone) {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(std::shared_ptr<Session> session,
+                                                              const SessionLimits& limits) {
   absl::MutexLock lock(&mu_);
   const EngineKey key = KeyOf(*session);
   std::shared_ptr<Session> replaced = LiveLocked(key);
@@ -81,12 +76,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(
   if (replaced != nullptr) {
     RETURN_IF_ERROR(CheckReplaceable(key, *replaced));
   } else if (build == builds_.end() || !build->second.holds_slot) {
-    // No slot held for it: the replaced session it was admitted as went meanwhile.
+    // No slot held for it: the session it was admitted to replace went meanwhile.
     RETURN_IF_ERROR(RoomLocked(key, limits));
   }
-  // The build was let pass the server's budgets by what `expected` holds; with `expected`
-  // gone (detached, expired) that allowance is stale, and the new session must fit alone.
-  if (replaced.get() != expected) RETURN_IF_ERROR(fits_alone());
   if (replaced != nullptr) by_id_.erase(replaced->id());
   if (build != builds_.end()) build->second.holds_slot = false;  // the session counts now
   id_by_engine_[key] = session->id();
@@ -94,15 +86,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Add(
   return replaced;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::AdmissionLocked(
-    const EngineKey& key, const SessionLimits& limits) const {
-  std::shared_ptr<Session> live = LiveLocked(key);
-  if (live == nullptr) {
-    RETURN_IF_ERROR(RoomLocked(key, limits));
-    return nullptr;
-  }
-  RETURN_IF_ERROR(CheckReplaceable(key, *live));
-  return live;
+absl::Status SessionRegistry::StartBuildLocked(const EngineKey& key, const SessionLimits& limits) {
+  const std::shared_ptr<Session> live = LiveLocked(key);
+  RETURN_IF_ERROR(live == nullptr ? RoomLocked(key, limits) : CheckReplaceable(key, *live));
+  builds_[key].holds_slot = live == nullptr;
+  return absl::OkStatus();
 }
 
 absl::Status SessionRegistry::CheckReplaceable(const EngineKey& key, const Session& live) {

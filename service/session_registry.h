@@ -30,7 +30,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "service/peer.h"
@@ -53,7 +52,7 @@ struct EngineKey {
 // How many sessions the registry holds at most: in all, and per owner (a user, by
 // uid; the callers of unknown credentials, over TCP, are one owner), the sessions being
 // built for engines with no live session counted. A replacing Attach counts against
-// neither.
+// neither, unless the session it replaces goes before it publishes (SessionRegistry::Add).
 struct SessionLimits {
   size_t max_sessions = 64;
   size_t max_per_user = 0;  // 0: no cap but max_sessions
@@ -79,17 +78,14 @@ class SessionRegistry {
   // The live session of `key`, or null.
   std::shared_ptr<Session> Live(const EngineKey& key) const;
   // Publishes `session`, built by the Attach BeginBuild admitted for its engine (or by a
-  // caller with no build, a test). `expected`: the engine's live session when the build
-  // began (null when none), which it replaces. When the engine's live session is no longer
-  // `expected` (detached or expired during the build), the session was built in an
-  // allowance for a session that is gone: it is published only within `limits` and when
-  // `fits_alone` is OK (the server's budgets without that allowance), else that refusal
-  // (RESOURCE_EXHAUSTED). A session of unknown owner (TCP) is replaced only once its
-  // lease has run out (ALREADY_EXISTS before). OK: the replaced session, or null; the
+  // caller with no build, a test), replacing the engine's live session if it has one. One
+  // that holds no slot of `limits` (admitted to replace a live session that was detached
+  // or expired during the build, or added with no build) is published only within
+  // `limits` (RESOURCE_EXHAUSTED). A session of unknown owner (TCP) is replaced only once
+  // its lease has run out (ALREADY_EXISTS before). OK: the replaced session, or null; the
   // caller retires it and lets it go outside the lock.
-  absl::StatusOr<std::shared_ptr<Session>> Add(
-      std::shared_ptr<Session> session, const Session* expected, const SessionLimits& limits,
-      absl::FunctionRef<absl::Status()> fits_alone = [] { return absl::OkStatus(); });
+  absl::StatusOr<std::shared_ptr<Session>> Add(std::shared_ptr<Session> session,
+                                               const SessionLimits& limits);
   std::shared_ptr<Session> Find(const std::string& id) const;
   // Removes `id` and returns its session (null when none), to be let go outside the lock.
   std::shared_ptr<Session> Remove(const std::string& id);
@@ -99,11 +95,11 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> All() const;
 
  private:
-  // An Attach of an engine with no build in flight: the live session it would replace
-  // (null: a new session, with room in `limits`), or the refusal.
-  absl::StatusOr<std::shared_ptr<Session>> AdmissionLocked(const EngineKey& key,
-                                                           const SessionLimits& limits) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Admits an Attach of `key`, whose engine has no build in flight, as Add would take its
+  // session now (BeginBuild): OK with its build recorded, holding a slot of `limits` when
+  // the engine has no live session; else the refusal, and no build.
+  absl::Status StartBuildLocked(const EngineKey& key, const SessionLimits& limits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<Session> LiveLocked(const EngineKey& key) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // ALREADY_EXISTS when `live` was attached over TCP and its lease has not run out.
   static absl::Status CheckReplaceable(const EngineKey& key, const Session& live);

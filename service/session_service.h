@@ -161,15 +161,12 @@ class SessionService {
   // Attach up to the publication of its session, unguarded: `*granted`, the new session
   // (lease held), and `*replaced`, the live session it replaced (null when none), which
   // the caller retires before the engine hears of the new one (HandOver). A call dead
-  // (`liveness`) once the session is built publishes nothing.
+  // (`liveness`) once the session is built publishes nothing. `engine`: the request's
+  // engine_id in `caller`'s namespace (EngineKey::Of), as StartAttach admitted it.
   absl::Status PublishSession(const v1::AttachRequest& request, v1::AttachResponse* response,
                               const CallLiveness& liveness, const Peer& caller,
-                              std::shared_ptr<Session>* granted,
+                              const EngineKey& engine, std::shared_ptr<Session>* granted,
                               std::shared_ptr<Session>* replaced);
-  // RESOURCE_EXHAUSTED when the server's budgets are over their limits without what
-  // `gone` holds: a new session built in the allowance for `gone` (PublishSession), which
-  // ended during the build, may not be published then.
-  absl::Status FitsWithout(const Session& gone) const;
   // The end of an Attach: retires `replaced` (when not null: a wait for its running step)
   // and starts `granted`'s lease; a call dead by then (`liveness`) fails, and
   // BuildAndHandOver removes and retires `granted`; unguarded.
@@ -179,7 +176,8 @@ class SessionService {
   // the engine's build (SessionRegistry::EndBuild), then HandOver; a session published by
   // an Attach that does not answer OK is removed and retired.
   absl::Status BuildAndHandOver(const v1::AttachRequest& request, v1::AttachResponse* response,
-                                const CallLiveness& liveness, const Peer& caller);
+                                const CallLiveness& liveness, const Peer& caller,
+                                const EngineKey& engine);
   // Heartbeat and GetStats, unguarded.
   absl::Status RenewLease(const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response,
                           const Peer& caller);

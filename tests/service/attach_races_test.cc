@@ -3,8 +3,9 @@
 // StartAttach; service/session_registry.h, BeginBuild): a call that gives up during its
 // build leaves the engine's session alone; one Attach of an engine builds at a time; the
 // builds in flight count against --max-sessions and --max-sessions-per-user; a session
-// built in the allowance of one that ended meanwhile is published only within
-// --max-server-bytes; and an Attach that fails after publishing takes its session back.
+// built in the allowance of one that ended meanwhile leaves the server within
+// --max-server-bytes, and is published when it fits beside another engine's replacement;
+// and an Attach that fails after publishing takes its session back.
 #include <unistd.h>
 
 #include <atomic>
@@ -41,6 +42,28 @@ BackendFactory SlowBuilds(held::LongCalls* builds) {
     if (!absl::StartsWith(spec.engine_id, "slow-")) return cpu;
     builds->Started();
     builds->release.WaitForNotification();
+    return cpu;
+  };
+}
+
+// Holds, once `armed`, each build of engine "a" and of engine "b" until that engine's
+// release, counting it as started when it begins: after its charges are made.
+struct EngineGates {
+  std::atomic<bool> armed{false};
+  held::LongCalls a, b;
+};
+
+BackendFactory GatedBuilds(EngineGates* gates) {
+  return [gates](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
+                 std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+    if (!gates->armed.load()) return cpu;
+    held::LongCalls* gate = spec.engine_id == "a"   ? &gates->a
+                            : spec.engine_id == "b" ? &gates->b
+                                                    : nullptr;
+    if (gate == nullptr) return cpu;
+    gate->Started();
+    gate->release.WaitForNotification();
     return cpu;
   };
 }
@@ -278,6 +301,59 @@ TEST_F(AttachRacesTest, AnAttachThatFailsAfterPublishingRemovesItsSession) {
   EXPECT_TRUE(second.session_id().empty());
   EXPECT_EQ(service.session_count(), 0u);
   EXPECT_EQ(service.charged_bytes(), 0u);
+}
+
+// Two replacing Attaches build at once, of engines a and b, each in the allowance of its
+// engine's live session, and a's live session is detached during a's build. --max-server-bytes
+// holds a's small session, b's big one and one more small one: a's new session fits beside
+// b's. Add refused it all the same (RESOURCE_EXHAUSTED, "... ended while the new one was
+// built in its bytes"): it checked the server's use less a's old bytes against the limit,
+// and that use held b's new session, built in b's own allowance, which b's hand-over gives
+// back. The server passes its limit by no more than b's allowance meanwhile, and is within
+// it once both have answered.
+TEST_F(AttachRacesTest, AReplacingAttachWhoseOldSessionEndsIsPublishedBesideAnotherReplacement) {
+  uint64_t small = 0, big = 0;
+  v1::AttachRequest big_request = engine_.Attach("b");
+  InlineOutputs(big_request);  // its visit lists allocated by epsd and charged
+  {
+    SessionService probe{ServerConfig()};
+    v1::AttachResponse r;
+    ASSERT_TRUE(probe.Attach(engine_.Attach("a"), &r, kUser).ok());
+    small = probe.charged_bytes();
+    ASSERT_TRUE(probe.Attach(big_request, &r, kUser).ok());
+    big = probe.charged_bytes() - small;
+  }
+  ASSERT_GT(big, small);
+  ServerConfig config;
+  config.max_server_bytes = 2 * small + big;
+  std::printf("a small session charges %llu, a big one %llu, --max-server-bytes %llu\n",
+              static_cast<unsigned long long>(small), static_cast<unsigned long long>(big),
+              static_cast<unsigned long long>(config.max_server_bytes));
+  EngineGates gates;
+  SessionService service(config, nullptr, GatedBuilds(&gates));
+  v1::AttachResponse a_live, b_live;
+  ASSERT_TRUE(service.Attach(engine_.Attach("a"), &a_live, kUser).ok());
+  ASSERT_TRUE(service.Attach(big_request, &b_live, kUser).ok());
+  gates.armed.store(true);
+  const v1::AttachRequest a_request = engine_.Attach("a");
+  Answer a_new, b_new;
+  Start(service, a_request, kUser, &a_new);
+  ASSERT_TRUE(gates.a.AwaitStarted(1));  // a's new session charged, within the limit
+  Start(service, big_request, kUser, &b_new);
+  ASSERT_TRUE(gates.b.AwaitStarted(1));  // b's, in b's allowance
+  EXPECT_EQ(service.charged_bytes(), config.max_server_bytes + big);
+  v1::DetachRequest detach;
+  detach.set_session_id(a_live.session_id());
+  ASSERT_TRUE(service.Detach(detach, kUser).ok());
+  gates.a.release.Notify();
+  a_new.done.WaitForNotification();
+  EXPECT_TRUE(a_new.status.ok()) << a_new.status;
+  EXPECT_LE(service.charged_bytes(), config.max_server_bytes + big);
+  gates.b.release.Notify();
+  b_new.done.WaitForNotification();
+  EXPECT_TRUE(b_new.status.ok()) << b_new.status;
+  EXPECT_EQ(service.session_count(), 2u);
+  EXPECT_EQ(service.charged_bytes(), small + big);
 }
 
 // A replacing Attach is let pass --max-server-bytes by what the session it replaces held

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <future>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -59,9 +60,9 @@ class SessionRegistryTest : public ::testing::Test {
 };
 
 TEST_F(SessionRegistryTest, AReplacedSessionIsFreedOutsideTheRegistryLock) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), nullptr, {.max_sessions = 8}).ok());
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), {.max_sessions = 8}).ok());
   absl::StatusOr<std::shared_ptr<Session>> replaced =
-      registry_.Add(Watched("s-2", "engine-a"), registry_.Find("s-1").get(), {.max_sessions = 8});
+      registry_.Add(Watched("s-2", "engine-a"), {.max_sessions = 8});
   ASSERT_TRUE(replaced.ok()) << replaced.status();
   ASSERT_NE(*replaced, nullptr);
   EXPECT_EQ((*replaced)->id(), "s-1");
@@ -74,7 +75,7 @@ TEST_F(SessionRegistryTest, AReplacedSessionIsFreedOutsideTheRegistryLock) {
 }
 
 TEST_F(SessionRegistryTest, ARemovedSessionIsFreedOutsideTheRegistryLock) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), nullptr, {.max_sessions = 8}).ok());
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), {.max_sessions = 8}).ok());
   std::shared_ptr<Session> removed = registry_.Remove("s-1");
   ASSERT_NE(removed, nullptr);
   EXPECT_EQ(freed_, 0);
@@ -84,23 +85,27 @@ TEST_F(SessionRegistryTest, ARemovedSessionIsFreedOutsideTheRegistryLock) {
   EXPECT_EQ(registry_.Remove("s-1"), nullptr);
 }
 
-// A session built in the allowance of the engine's live session, which went meanwhile, is
-// published only when it fits alone (Add's `fits_alone`); with its session still live, the
-// check is not made.
-TEST_F(SessionRegistryTest, ASessionBuiltToReplaceOneThatWentIsPublishedOnlyIfItFitsAlone) {
-  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), nullptr, {.max_sessions = 8}).ok());
-  std::shared_ptr<Session> expected = registry_.Remove("s-1");
-  ASSERT_NE(expected, nullptr);
-  auto over = [] { return absl::ResourceExhaustedError("over --max-server-bytes"); };
-  absl::StatusOr<std::shared_ptr<Session>> refused =
-      registry_.Add(Watched("s-2", "engine-a"), expected.get(), {.max_sessions = 8}, over);
+// A build admitted to replace the engine's live session holds no slot of the limits: when
+// that session goes during the build (detached, expired), the built session is published
+// as a new one, only within the limits.
+TEST_F(SessionRegistryTest, ASessionBuiltToReplaceOneThatWentIsPublishedOnlyWithinTheLimits) {
+  const SessionLimits one{.max_sessions = 1};
+  ASSERT_TRUE(registry_.Add(Watched("s-1", "engine-a"), one).ok());
+  const EngineKey engine_a = EngineKey::Of(Peer{}, "engine-a");
+  absl::Status admitted = absl::UnknownError("BeginBuild did not call start");
+  registry_.BeginBuild(engine_a, one, [&admitted](absl::Status s) { admitted = std::move(s); });
+  ASSERT_TRUE(admitted.ok()) << admitted;  // a replacement, at --max-sessions
+  ASSERT_NE(registry_.Remove("s-1"), nullptr);
+  ASSERT_TRUE(registry_.Add(Watched("s-2", "engine-b"), one).ok());  // the slot s-1 left
+  absl::StatusOr<std::shared_ptr<Session>> refused = registry_.Add(Watched("s-3", "engine-a"), one);
   EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
-  EXPECT_EQ(registry_.size(), 0u);
-  ASSERT_TRUE(registry_.Add(Watched("s-3", "engine-a"), nullptr, {.max_sessions = 8}).ok());
-  absl::StatusOr<std::shared_ptr<Session>> replaced = registry_.Add(
-      Watched("s-4", "engine-a"), registry_.Find("s-3").get(), {.max_sessions = 8}, over);
-  ASSERT_TRUE(replaced.ok()) << replaced.status();
-  EXPECT_EQ((*replaced)->id(), "s-3");
+  EXPECT_EQ(registry_.Find("s-3"), nullptr);
+  ASSERT_NE(registry_.Remove("s-2"), nullptr);
+  absl::StatusOr<std::shared_ptr<Session>> added = registry_.Add(Watched("s-4", "engine-a"), one);
+  ASSERT_TRUE(added.ok()) << added.status();
+  EXPECT_EQ(*added, nullptr);  // it replaced nothing
+  registry_.EndBuild(engine_a, one);
+  EXPECT_EQ(registry_.size(), 1u);
 }
 
 // A minimal session over inline buffers (no shm object, so any uid may attach it).
