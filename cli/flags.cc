@@ -352,11 +352,14 @@ bool IsHostPort(absl::string_view address) {
   });
 }
 
-absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {
+std::string AsTyped(const absl::CommandLineFlag& flag) {
   const auto typed = TypedValues().find(std::string(flag.Name()));
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--", DisplayName(flag), "=",
-      typed != TypedValues().end() ? typed->second : flag.CurrentValue(), ": want ", want));
+  return absl::StrCat("--", DisplayName(flag), "=",
+                      typed != TypedValues().end() ? typed->second : flag.CurrentValue());
+}
+
+absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {
+  return absl::InvalidArgumentError(absl::StrCat(AsTyped(flag), ": want ", want));
 }
 
 absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value, absl::Duration lo,
