@@ -232,11 +232,12 @@ struct ShapeFlagValues {
 };
 
 TEST(ParseFlags, RefusesExactlyTheShapesCoreRefusesWithCoresReason) {
-  // Kept small enough (one token, one row, no KV head count near 4096) that every shape
-  // core accepts fits this machine's memory, so that only core's check can refuse it.
+  // Kept small enough (one token, one row, no more heads than a preset's: the queries are
+  // [layers, batch, q_heads, d]) that every shape core accepts needs a few GB at most, so
+  // that only core's check can refuse it.
   const std::vector<ShapeFlagValues> flags = {
       {"layers", &ModelLayout::num_layers, {0, -1, 1, 4096, 4097}},
-      {"q-heads", &ModelLayout::num_q_heads, {0, -1, 1, 6, 4096, 4097}},
+      {"q-heads", &ModelLayout::num_q_heads, {0, -1, 1, 6, 4097}},
       {"kv-heads", &ModelLayout::num_kv_heads, {0, -1, 1, 3, 4097}},
       {"head-dim", &ModelLayout::head_dim, {0, 3, 4, 6, 64, 1024, 1025, 1028}},
       {"block-size", &ModelLayout::block_size, {0, -1, 1, 4096, 4097}},
