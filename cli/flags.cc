@@ -23,53 +23,11 @@ bool AllDigits(absl::string_view text) {
   return std::all_of(text.begin(), text.end(), [](char c) { return absl::ascii_isdigit(c); });
 }
 
-// "milliseconds" for absl::Milliseconds(1), "microseconds" for absl::Microseconds(1).
-std::string UnitName(absl::Duration unit) {
-  return unit == absl::Milliseconds(1) ? "milliseconds" : "microseconds";
-}
-
 // The value each flag was given on the command line, as typed: errors found after parsing
 // (range checks) name it, not abseil's unparsed form ("1e9", not "277h46m40s").
 std::map<std::string, std::string>& TypedValues() {
   static auto* typed = new std::map<std::string, std::string>();
   return *typed;
-}
-
-// A duration: abseil's syntax ("2ms", "1.5s"), or a bare decimal number of `unit`
-// ("250", "1.5"); either way a whole number of `unit`s, since the programs read these
-// flags in that unit and a finer value would be cut to it ("500us" was 0 ms).
-bool ParseDurationIn(absl::string_view text, absl::Duration unit, absl::Duration* out,
-                     std::string* error) {
-  const std::string whole = absl::StrCat("want a whole number of ", UnitName(unit));
-  // Digits with an optional fraction only: SimpleAtod also takes "0x10", "1e9" and "inf".
-  const size_t dot = text.find('.');
-  const absl::string_view integral = text.substr(0, dot);
-  const absl::string_view fraction =
-      dot == absl::string_view::npos ? absl::string_view() : text.substr(dot + 1);
-  if (!integral.empty() && AllDigits(integral) &&
-      (dot == absl::string_view::npos || (!fraction.empty() && AllDigits(fraction)))) {
-    double n = 0;
-    if (!absl::SimpleAtod(text, &n) || !std::isfinite(n) || n * unit == absl::InfiniteDuration()) {
-      *error = "want a finite duration";
-      return false;
-    }
-    if (n != std::floor(n)) {
-      *error = whole;
-      return false;
-    }
-    *out = n * unit;
-    return true;
-  }
-  if (!absl::ParseDuration(text, out) || *out < absl::ZeroDuration() ||
-      *out == absl::InfiniteDuration()) {
-    *error = absl::StrCat("want a duration such as 2ms, 1.5s or a number of ", UnitName(unit));
-    return false;
-  }
-  if (*out % unit != absl::ZeroDuration()) {
-    *error = whole;
-    return false;
-  }
-  return true;
 }
 
 // The flag "--name" names, and whether it takes a value after a space.
@@ -175,8 +133,42 @@ std::string AbslUnparseFlag(Size size) {
   return absl::StrCat(size.value);
 }
 
-bool AbslParseFlag(absl::string_view text, Millis* out, std::string* error) {
-  return ParseDurationIn(text, absl::Milliseconds(1), &out->value, error);
+// A Millis flag: abseil's syntax ("2ms", "1.5s"), or a bare decimal number of milliseconds
+// ("250", "1.5"); either way a whole number of milliseconds, since the programs read these
+// flags in milliseconds and a finer value would be cut to it ("500us" was 0 ms).
+bool AbslParseFlag(absl::string_view text, Millis* millis, std::string* error) {
+  absl::Duration* out = &millis->value;
+  constexpr char kWhole[] = "want a whole number of milliseconds";
+  // Digits with an optional fraction only: SimpleAtod also takes "0x10", "1e9" and "inf".
+  const size_t dot = text.find('.');
+  const absl::string_view integral = text.substr(0, dot);
+  const absl::string_view fraction =
+      dot == absl::string_view::npos ? absl::string_view() : text.substr(dot + 1);
+  if (!integral.empty() && AllDigits(integral) &&
+      (dot == absl::string_view::npos || (!fraction.empty() && AllDigits(fraction)))) {
+    double n = 0;
+    if (!absl::SimpleAtod(text, &n) || !std::isfinite(n) ||
+        n * absl::Milliseconds(1) == absl::InfiniteDuration()) {
+      *error = "want a finite duration";
+      return false;
+    }
+    if (n != std::floor(n)) {
+      *error = kWhole;
+      return false;
+    }
+    *out = n * absl::Milliseconds(1);
+    return true;
+  }
+  if (!absl::ParseDuration(text, out) || *out < absl::ZeroDuration() ||
+      *out == absl::InfiniteDuration()) {
+    *error = "want a duration such as 2ms, 1.5s or a number of milliseconds";
+    return false;
+  }
+  if (*out % absl::Milliseconds(1) != absl::ZeroDuration()) {
+    *error = kWhole;
+    return false;
+  }
+  return true;
 }
 std::string AbslUnparseFlag(Millis d) { return absl::FormatDuration(d.value); }
 
@@ -360,11 +352,14 @@ bool IsHostPort(absl::string_view address) {
   });
 }
 
-absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {
+std::string AsTyped(const absl::CommandLineFlag& flag) {
   const auto typed = TypedValues().find(std::string(flag.Name()));
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--", DisplayName(flag), "=",
-      typed != TypedValues().end() ? typed->second : flag.CurrentValue(), ": want ", want));
+  return absl::StrCat("--", DisplayName(flag), "=",
+                      typed != TypedValues().end() ? typed->second : flag.CurrentValue());
+}
+
+absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want) {
+  return absl::InvalidArgumentError(absl::StrCat(AsTyped(flag), ": want ", want));
 }
 
 absl::Status ReadInRange(const absl::CommandLineFlag& flag, absl::Duration value, absl::Duration lo,

@@ -108,8 +108,12 @@ size_t MaxSocketPathBytes();
 // flag, the limit and the path's length. One check for epsd's --listen and the --targets.
 absl::Status CheckSocketPathLength(const absl::CommandLineFlag& flag, absl::string_view path);
 
-// "--name=<value>: want <want>", for a value that parsed but is out of range: the value
-// as ParseArgs was given it, else the flag's current value.
+// "--name=<value>": the value as ParseArgs was given it, else the flag's current value.
+// How errors name a flag.
+std::string AsTyped(const absl::CommandLineFlag& flag);
+
+// "--name=<value>: want <want>" (the value as AsTyped gives it), for a value that parsed
+// but is out of range.
 absl::Status Invalid(const absl::CommandLineFlag& flag, absl::string_view want);
 
 template <typename T>

@@ -1,47 +1,67 @@
 #include "core/layout.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace eps {
 namespace {
 
-absl::Status CheckRange(const char* field, int64_t value, int64_t lo, int64_t hi) {
-  if (value < lo || value > hi) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, "=", value, " not in [", lo, ", ", hi, "]"));
-  }
-  return absl::OkStatus();
+// The range of each integer field; the relations between fields follow in Check.
+struct FieldRange {
+  const char* name;
+  int ModelLayout::*field;
+  int lo;
+  int hi;
+};
+constexpr FieldRange kFieldRanges[] = {
+    {"num_layers", &ModelLayout::num_layers, 1, 4096},
+    {"num_q_heads", &ModelLayout::num_q_heads, 1, 4096},
+    {"num_kv_heads", &ModelLayout::num_kv_heads, 1, 4096},
+    {"head_dim", &ModelLayout::head_dim, 4, 1024},
+    {"block_size", &ModelLayout::block_size, 1, 4096},
+    {"group_blocks", &ModelLayout::group_blocks, 1, 1024},
+    {"sketch_dim", &ModelLayout::sketch_dim, 1, 64},
+};
+
+LayoutRefusal Refuse(std::vector<int ModelLayout::*> fields, std::string message) {
+  return {absl::InvalidArgumentError(message), std::move(fields)};
 }
 
 }  // namespace
 
-absl::Status ModelLayout::Validate() const {
-  for (const auto& [field, value, lo, hi] : {
-           std::tuple{"num_layers", num_layers, 1, 4096},
-           std::tuple{"num_q_heads", num_q_heads, 1, 4096},
-           std::tuple{"num_kv_heads", num_kv_heads, 1, 4096},
-           std::tuple{"head_dim", head_dim, 4, 1024},
-           std::tuple{"block_size", block_size, 1, 4096},
-           std::tuple{"group_blocks", group_blocks, 1, 1024},
-           std::tuple{"sketch_dim", sketch_dim, 1, 64},
-       }) {
-    if (absl::Status s = CheckRange(field, value, lo, hi); !s.ok()) return s;
+std::optional<LayoutRefusal> ModelLayout::Check() const {
+  for (const FieldRange& r : kFieldRanges) {
+    const int value = this->*r.field;
+    if (value < r.lo || value > r.hi) {
+      return Refuse({r.field},
+                    absl::StrCat(r.name, "=", value, " not in [", r.lo, ", ", r.hi, "]"));
+    }
   }
   if (num_q_heads % num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_q_heads=", num_q_heads, " is not a multiple of num_kv_heads=", num_kv_heads));
+    return Refuse({&ModelLayout::num_q_heads, &ModelLayout::num_kv_heads},
+                  absl::StrCat("num_q_heads=", num_q_heads,
+                               " is not a multiple of num_kv_heads=", num_kv_heads));
   }
   if (coarse_blocks != 0 && (coarse_blocks <= group_blocks || coarse_blocks > 4096 ||
                              coarse_blocks % group_blocks != 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("coarse_blocks=", coarse_blocks, " must be 0 (no coarse level) or a multiple ",
-                     "of group_blocks=", group_blocks, " above it, at most 4096"));
+    return Refuse({&ModelLayout::coarse_blocks, &ModelLayout::group_blocks},
+                  absl::StrCat("coarse_blocks=", coarse_blocks,
+                               " must be 0 (no coarse level) or a multiple of group_blocks=",
+                               group_blocks, " above it, at most 4096"));
   }
   if (head_dim % 4 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("head_dim=", head_dim, " is not a multiple of 4"));
+    return Refuse({&ModelLayout::head_dim},
+                  absl::StrCat("head_dim=", head_dim, " is not a multiple of 4"));
   }
-  return absl::OkStatus();
+  return std::nullopt;
+}
+
+absl::Status ModelLayout::Validate() const {
+  std::optional<LayoutRefusal> refusal = Check();
+  return refusal ? refusal->reason : absl::OkStatus();
 }
 
 std::string ModelLayout::DebugString() const {

@@ -25,8 +25,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "core/half.h"
@@ -40,6 +42,8 @@ struct SummaryFeatures {
   bool quest = true;       // Per-channel key min/max: the `quest` bound (the default method).
   bool quest8 = false;     // The same in 8 bits a channel: what questclt reads when present.
 };
+
+struct LayoutRefusal;
 
 // The model and paging shape a session attaches with.
 struct ModelLayout {
@@ -68,7 +72,18 @@ struct ModelLayout {
 
   // Checks every field and their relations; the message names the offending field.
   absl::Status Validate() const;
+  // The same check, with the fields the first broken rule reads; nullopt when valid.
+  std::optional<LayoutRefusal> Check() const;
   std::string DebugString() const;
+};
+
+// What ModelLayout::Check refuses: Validate's status (InvalidArgument, naming the fields
+// and their values) and the fields of the rule it breaks (one for a range, the two a
+// relation ties), so that a caller that set them from inputs of its own (eps-load's
+// shape flags) can name those inputs and give this reason, whatever the ranges are.
+struct LayoutRefusal {
+  absl::Status reason;
+  std::vector<int ModelLayout::*> fields;
 };
 
 // Word offsets inside one summary record (see the file comment).

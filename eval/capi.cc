@@ -11,8 +11,11 @@
 //     of core/select.h (EvalBudget below; threshold when none is given), which the
 //     harness uses for strict mode, the coarse level, feedback and list budgets, and
 //     to cross-check the two calls above.
+// Besides, the quest8 scale core's writer stores for a group's largest key magnitude
+// (Quest8ScaleFor, core/summary.h), for the harness's own quest8 tables (quality.py).
 // Every function returns 0 on success or -1 with a message in `err`.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "core/bounds.h"
 #include "core/layout.h"
 #include "core/phi.h"
@@ -345,6 +349,20 @@ int eps_eval_record_bytes(int head_dim, int sketch_dim, int features) {
   model.sketch_dim = sketch_dim;
   model.features = eps::eval::FeaturesFromMask(features);
   return static_cast<int>(eps::SummaryLayout::For(model).record_bytes());
+}
+
+// out[i] = Quest8ScaleFor(amax[i]) for i < n; every amax[i] finite and > 0 (the writer
+// stores no scale for all-zero keys).
+int eps_eval_quest8_scales(const float* amax, int64_t n, float* out, char* err, int err_len) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(amax[i] > 0.0f && std::isfinite(amax[i]))) {
+      return Fail(absl::InvalidArgumentError(
+                      absl::StrCat("amax[", i, "]=", amax[i], " is not a finite number > 0")),
+                  err, err_len);
+    }
+    out[i] = eps::Quest8ScaleFor(amax[i]);
+  }
+  return 0;
 }
 
 int eps_eval_scores(const void* seq, const char* method, const float* queries, float* out,

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -162,33 +163,44 @@ std::chrono::microseconds Us(absl::Duration d) {
   return std::chrono::microseconds(absl::ToInt64Microseconds(d));
 }
 
-// A shape flag: 0 keeps the preset's value; otherwise [lo, hi], the range that
-// ModelLayout::Validate (core/layout.cc) gives the field, so that its message (which names
-// the field, not the flag) is never the one a command line gets.
-absl::Status Override(const absl::Flag<int>& flag, int lo, int hi, int* field) {
-  if (absl::GetFlag(flag) == 0) return absl::OkStatus();
-  return cli::ReadInRange(flag, lo, hi, field);
-}
+// A shape flag and the field of ModelLayout it sets.
+struct ShapeFlag {
+  const absl::Flag<int>* flag;
+  int ModelLayout::*field;
+};
 
-// The shape flags and their relations, each error naming a flag and what it wants.
-absl::Status ReadShape(ModelLayout* m) {
-  RETURN_IF_ERROR(Override(FLAGS_layers, 1, 4096, &m->num_layers));
-  RETURN_IF_ERROR(Override(FLAGS_q_heads, 1, 4096, &m->num_q_heads));
-  RETURN_IF_ERROR(Override(FLAGS_kv_heads, 1, 4096, &m->num_kv_heads));
-  RETURN_IF_ERROR(Override(FLAGS_head_dim, 4, 1024, &m->head_dim));
-  RETURN_IF_ERROR(Override(FLAGS_block_size, 1, 4096, &m->block_size));
-  RETURN_IF_ERROR(Override(FLAGS_eps_group_blocks, 1, 1024, &m->group_blocks));
-  RETURN_IF_ERROR(Override(FLAGS_eps_dim, 1, 64, &m->sketch_dim));
-  if (m->head_dim % 4 != 0) {
-    return cli::Invalid(FLAGS_head_dim, "a multiple of 4 in [4, 1024]");
+// The shape flags over the preset: each nonzero value replaces its field (0 keeps the
+// preset's; no preset has a coarse level). Core's own check (ModelLayout::Check) then
+// judges the shape, so that its ranges and relations are eps-load's too; a refusal names
+// the flags that set the fields of the broken rule (the preset when none did) and gives
+// core's reason: "--head-dim=6: head_dim=6 is not a multiple of 4".
+absl::Status ReadShape(const std::string& preset, ModelLayout* m) {
+  const ShapeFlag flags[] = {
+      {&FLAGS_layers, &ModelLayout::num_layers},
+      {&FLAGS_q_heads, &ModelLayout::num_q_heads},
+      {&FLAGS_kv_heads, &ModelLayout::num_kv_heads},
+      {&FLAGS_head_dim, &ModelLayout::head_dim},
+      {&FLAGS_block_size, &ModelLayout::block_size},
+      {&FLAGS_eps_group_blocks, &ModelLayout::group_blocks},
+      {&FLAGS_eps_dim, &ModelLayout::sketch_dim},
+      {&FLAGS_coarse_blocks, &ModelLayout::coarse_blocks},
+  };
+  for (const auto& [flag, field] : flags) {
+    if (const int value = absl::GetFlag(*flag); value != 0) m->*field = value;
   }
-  if (m->num_q_heads % m->num_kv_heads != 0) {
-    return cli::Invalid(FLAGS_kv_heads,
-                        absl::StrCat("a divisor of the query heads, ", m->num_q_heads,
-                                     " (--q-heads, or the preset's); the preset's KV heads are "
-                                     "used when it is 0"));
+  const std::optional<LayoutRefusal> refusal = m->Check();
+  if (!refusal) return absl::OkStatus();
+  std::vector<std::string> named;
+  for (int ModelLayout::*field : refusal->fields) {
+    for (const auto& [flag, set] : flags) {
+      if (set == field && absl::GetFlag(*flag) != 0) {
+        named.push_back(cli::AsTyped(absl::GetFlagReflectionHandle(*flag)));
+      }
+    }
   }
-  return absl::OkStatus();
+  if (named.empty()) named.push_back(absl::StrCat("--preset=", preset));
+  return absl::InvalidArgumentError(
+      absl::StrCat(absl::StrJoin(named, ", "), ": ", refusal->reason.message()));
 }
 
 }  // namespace
@@ -237,20 +249,9 @@ absl::StatusOr<LoadConfig> ParseFlags(const std::vector<std::string>& args) {
   absl::StatusOr<ModelLayout> model = PresetModel(c.preset);
   if (!model.ok()) return model.status();
   c.model = *model;
-  RETURN_IF_ERROR(ReadShape(&c.model));
   c.model.features.quest8 = absl::GetFlag(FLAGS_quest8) || absl::GetFlag(FLAGS_quest8_only);
   if (absl::GetFlag(FLAGS_quest8_only)) c.model.features.quest = false;
-  // The coarse level: 0 = none, else ModelLayout::Validate's rule, by the flags' names.
-  c.model.coarse_blocks = absl::GetFlag(FLAGS_coarse_blocks);
-  const int g = c.model.group_blocks;
-  if (c.model.coarse_blocks != 0 &&
-      (c.model.coarse_blocks <= g || c.model.coarse_blocks > 4096 || c.model.coarse_blocks % g)) {
-    return cli::Invalid(FLAGS_coarse_blocks,
-                        absl::StrCat("0 (no coarse level) or a multiple of the group's blocks (", g,
-                                     ", --eps-group-blocks) above it, at most 4096"));
-  }
-  // A backstop: every field and relation above was checked by its flag's name.
-  RETURN_IF_ERROR(c.model.Validate());
+  RETURN_IF_ERROR(ReadShape(c.preset, &c.model));
   const double coarse_candidates = absl::GetFlag(FLAGS_coarse_candidates);
   if (coarse_candidates != 0 && !(coarse_candidates >= 1 && coarse_candidates <= 1024)) {
     return cli::Invalid(FLAGS_coarse_candidates, "0 (epsd's) or a number in [1, 1024]");

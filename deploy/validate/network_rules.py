@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kustomize_render import Resource
+from pod_templates import container_ports, matches, selects
 
 
 def network_policy_errors(
@@ -15,21 +16,17 @@ def network_policy_errors(
     the Services forward to them: any port it leaves out is refused once it applies."""
     errors: list[str] = []
     numbers: dict[int | str, int] = {}  # container port name or number -> number
-    for pod in pods:
-        for c in pod["spec"].get("initContainers", []) + pod["spec"].get("containers", []):
-            for port in c.get("ports", []):
-                numbers[port["containerPort"]] = port["containerPort"]
-                if port.get("name"):
-                    numbers[port["name"]] = port["containerPort"]
+    for _, port in container_ports(pods):
+        numbers[port["containerPort"]] = port["containerPort"]
+        if port.get("name"):
+            numbers[port["name"]] = port["containerPort"]
     for policy in by_kind.get("NetworkPolicy", []):
         where = f"NetworkPolicy/{policy['metadata']['name']}"
         spec = policy["spec"]
         if "Ingress" not in spec.get("policyTypes", ["Ingress"]):
             continue
         labels = spec.get("podSelector", {}).get("matchLabels", {})
-        selected = [
-            p for p in pods if all(p["metadata"]["labels"].get(k) == v for k, v in labels.items())
-        ]
+        selected = [p for p in pods if matches(labels, p["metadata"]["labels"])]
         if not selected:
             errors.append(f"{where}: podSelector matches no pod template")
         admitted: set[int] = set()
@@ -44,10 +41,7 @@ def network_policy_errors(
                     admitted.add(numbers[port["port"]])
         for svc in by_kind.get("Service", []):
             chosen = svc["spec"].get("selector", {})
-            if not chosen or not any(
-                all(p["metadata"]["labels"].get(k) == v for k, v in chosen.items())
-                for p in selected
-            ):
+            if not any(selects(chosen, p["metadata"]["labels"]) for p in selected):
                 continue
             for port in svc["spec"].get("ports", []):
                 target = numbers.get(port.get("targetPort", port.get("port")))

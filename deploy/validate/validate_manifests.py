@@ -32,6 +32,7 @@ from kubernetes_validate import utils as kv_utils
 from kustomize_render import RenderError, Resource, render
 from network_rules import network_policy_errors
 from packaging.version import Version
+from pod_templates import container_ports, selects
 
 # The lowest Kubernetes release each kustomization targets (native sidecars: 1.29;
 # resource.k8s.io/v1 for DRA: 1.34). A new overlay must be added here.
@@ -406,19 +407,15 @@ def wiring_errors(resources: list[Resource]) -> list[str]:
         by_kind.setdefault(r["kind"], []).append(r)
     pods = [d["spec"]["template"] for d in by_kind.get("Deployment", [])]
 
-    def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-        return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
     # Port names of the regular containers and of the init containers (epsd, the native
     # sidecar), and every port number. Before Kubernetes 1.32 the endpoints controllers
     # resolve a named targetPort in spec.containers only (kubernetes/kubernetes#127958).
     names: dict[str, set[str]] = {"containers": set(), "initContainers": set()}
     numbers: set[int] = set()
-    for pod in pods:
-        for field, found in names.items():
-            for c in pod["spec"].get(field, []):
-                found.update(p.get("name") for p in c.get("ports", []) if p.get("name"))
-                numbers.update(p["containerPort"] for p in c.get("ports", []))
+    for field, port in container_ports(pods):
+        if port.get("name"):
+            names[field].add(port["name"])
+        numbers.add(port["containerPort"])
     for svc in by_kind.get("Service", []):
         where = f"Service/{svc['metadata']['name']}"
         if not any(selects(svc["spec"].get("selector", {}), p["metadata"]["labels"]) for p in pods):

@@ -108,6 +108,13 @@ def lib() -> ctypes.CDLL:
         so.eps_eval_groups.restype = ctypes.c_int64
         so.eps_eval_groups.argtypes = [ctypes.c_void_p]
         so.eps_eval_record_bytes.argtypes = [ctypes.c_int] * 3
+        so.eps_eval_quest8_scales.argtypes = [
+            _F32P,
+            ctypes.c_int64,
+            _F32P,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         so.eps_eval_scores.argtypes = [
             ctypes.c_void_p,
             ctypes.c_char_p,
@@ -186,6 +193,18 @@ def _ptr(a: np.ndarray, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg
 
 def record_bytes(head_dim: int, sketch_dim: int, features: int) -> int:
     return int(lib().eps_eval_record_bytes(head_dim, sketch_dim, features))
+
+
+def quest8_scales(amax: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """core's Quest8ScaleFor of each element of amax (float32, every one finite and > 0):
+    the smallest power of two s >= 2^-149 with 127·s >= amax, the scale core's writer
+    stores in a quest8 record. One call into the core for the whole array."""
+    a = _f32(amax)  # at least 1-d: amax's shape is restored below
+    out = np.empty_like(a)
+    err = ctypes.create_string_buffer(512)
+    if lib().eps_eval_quest8_scales(_ptr(a, _F32P), a.size, _ptr(out, _F32P), err, len(err)) != 0:
+        raise CoreError(err.value.decode())
+    return out.reshape(np.shape(amax))
 
 
 def mark(

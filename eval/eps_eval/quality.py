@@ -101,14 +101,16 @@ QUEST8_SCALES = ("fp32", "pow2")
 
 
 def quest8_pow2_scale(amax: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    """core's Quest8ScaleFor: the smallest power of two s with 127·s >= amax (2^-149 at
-    least; 1 where amax is 0, whose codes are 0 at any scale). A max |k| of exactly 127·2^e
-    gets 2^e, as core's writer stores it."""
-    safe = np.where(amax > 0, amax, 1.0)
-    _, e = np.frexp(safe)  # safe = f·2^e, f in [0.5, 1): 127·2^(e-8) < safe, as core reads it
-    e = e - 7
-    e = np.where(np.ldexp(127.0, e) < safe, e + 1, e)
-    return np.where(amax > 0, np.ldexp(1.0, np.maximum(e, -149)), 1.0)
+    """core's Quest8ScaleFor, called through libeps_eval (core.quest8_scales): the smallest
+    power of two s with 127·s >= amax (2^-149 at least; 1 where amax is 0, whose codes are
+    0 at any scale). A max |k| of exactly 127·2^e gets 2^e, as core's writer stores it."""
+    positive = amax > 0
+    a = np.where(positive, amax, 1.0)
+    # Core reads float32: the smallest float32 >= amax (amax itself for float32 keys) has
+    # the same scale, since every 127·2^e it is compared with is a float32.
+    a32 = a.astype(np.float32)
+    a32 = np.where(a32 < a, np.nextafter(a32, np.float32(np.inf)), a32)
+    return np.where(positive, core.quest8_scales(a32).astype(np.float64), 1.0)
 
 
 class QuestTables:

@@ -1,5 +1,6 @@
 """The feedback-memory table (plans.FEEDBACK_MEMORY_PLAN): `python -m eps_eval.report_fbmem
---out=DIR` reads DIR/units/q19_*.csv and prints, per (workload, context), each row's gap to
+--out=DIR` reads DIR/units/q19_*.csv (`--units DIR...`: those of several runs' units
+directories instead) and prints, per (workload, context), each row's gap to
 the g = 1 mass oracle at 75 % of KV bytes skipped (summary bytes counted), paired over the
 (layer, step) pairs, its gain over fbmem1 (the steady state of today's feedback; `--base=`
 another row's name, or the start of it), and its summary bytes relative to quest fp16 at
@@ -15,11 +16,13 @@ import numpy as np
 from eps_eval.report_quality import (
     SKIP,
     Row,
+    add_units_argument,
     at_skip,
     col,
     group,
     load,
     paired_gain,
+    unit_dirs,
     where,
 )
 
@@ -81,11 +84,18 @@ def table(rows: list[Row], base_prefix: str = "fbmem1-c2f") -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", type=Path, help="the directory run_quality or run_gemma wrote "
+                                               "(its units/q19_*.csv are read)")
+    add_units_argument(ap)
     ap.add_argument("--base", default="fbmem1-c2f",
                     help="the row (start of its name) the gain column is paired against")
     a = ap.parse_args(argv)
-    print("\n".join(table(load(a.out / "units"), a.base)))
+    dirs = unit_dirs(ap, a.out, a.units)
+    try:
+        rows = load(dirs)
+    except ValueError as e:
+        ap.error(str(e))
+    print("\n".join(table(rows, a.base)))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Tables of issue 19's evaluation: `python -m eps_eval.report_quality --out=DIR`.
 
-Reads DIR/units/q19_*.csv and writes DIR/quality.md. Every "recall at S skipped"
+Reads DIR/units/q19_*.csv (or those of the --units directories: several runs' units,
+each run with its own --out) and writes DIR/quality.md. Every "recall at S skipped"
 is interpolated per (layer, step) along that pair's own sweep, then averaged;
 the ± is 1.96 standard errors over the pairs (a normal 95 % interval; pairs of
 one layer are not independent, so it is optimistic).
@@ -28,9 +29,45 @@ NUMERIC = {"context", "layer", "step", "g", "lag", "param", "temperature", "floo
            "recall_min", "top10", "out_err", "visited", "summary_frac", "skip"}
 
 
-def load(units: Path) -> list[Row]:
+def unit_files(dirs: list[Path], pattern: str) -> list[Path]:
+    """The files matching `pattern` in any of `dirs`, sorted by name. A name found in two
+    of them is a ValueError naming both: one run's units would be counted twice."""
+    found: dict[str, Path] = {}
+    for d in dirs:
+        for f in d.glob(pattern):
+            if f.name in found:
+                raise ValueError(f"{f.name} is in both {found[f.name].parent} and {d}: "
+                                 "give each run's units once")
+            found[f.name] = f
+    return [found[name] for name in sorted(found)]
+
+
+def add_units_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--units", nargs="+", action="extend", type=Path, metavar="DIR",
+                    help="read the unit CSVs of these directories (each run's OUT/units; "
+                         "repeatable, and a shell glob such as OUT/*/units works) instead "
+                         "of --out's units/")
+
+
+def unit_dirs(ap: argparse.ArgumentParser, out: Path | None,
+              units: list[Path] | None) -> list[Path]:
+    """The directories whose units a report reads: --units, else --out's units/; exits
+    with status 2 naming one that does not exist."""
+    if units:
+        for d in units:
+            if not d.is_dir():
+                ap.error(f"--units {d}: no such directory")
+        return units
+    if out is None:
+        ap.error("give --out or --units")
+    if not out.is_dir():
+        ap.error(f"--out={out}: no such directory")
+    return [out / "units"]
+
+
+def load(dirs: list[Path]) -> list[Row]:
     rows: list[Row] = []
-    for f in sorted(units.glob("q19_*.csv")):
+    for f in unit_files(dirs, "q19_*.csv"):
         with f.open() as fh:
             for r in csv.DictReader(fh):
                 rows.append({k: (float(v) if k in NUMERIC else v) for k, v in r.items()})
@@ -341,12 +378,12 @@ def plots(rows: list[Row], out: Path, lag: int = 1) -> list[str]:
     return names
 
 
-def table_passkeys(units: Path) -> list[str]:
+def table_passkeys(dirs: list[Path]) -> list[str]:
     """Gemma passkeys per variant: retrieved, and retrieved where dense retrieves."""
     out = []
     # One file per context (q19gemma_passkey_4096) or per prompt (q19gemma_passkey_32768_p07).
     by_context: dict[str, list[dict[str, str]]] = defaultdict(list)
-    for f in sorted(units.glob("q19gemma_passkey_*.csv")):
+    for f in unit_files(dirs, "q19gemma_passkey_*.csv"):
         with f.open() as fh:
             by_context[re.sub(r"_p\d+$", "", f.stem)] += list(csv.DictReader(fh))
     for stem, rows in sorted(by_context.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])):
@@ -370,16 +407,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True, type=Path,
                     help="the directory run_quality wrote (its units/q19_*.csv are read, "
-                         "quality.md and the plots written there)")
+                         "quality.md and the plots written there; created with --units)")
+    add_units_argument(ap)
     a = ap.parse_args(argv)
-    units = a.out / "units"
-    if not a.out.is_dir():
-        ap.error(f"--out={a.out}: no such directory")
+    dirs = unit_dirs(ap, a.out, a.units)
+    try:  # a unit in two directories is refused before anything is written
+        units = unit_files(dirs, "q19_*.csv")
+        unit_files(dirs, "q19gemma_passkey_*.csv")
+    except ValueError as e:
+        ap.error(str(e))
     # An empty report over a good one is no report: the units come first (run_quality).
-    if not any(units.glob("q19_*.csv")):
-        ap.error(f"--out={a.out}: {units} holds no q19_*.csv unit to report on "
+    if not units and a.units:
+        ap.error(f"--units: {', '.join(map(str, dirs))} hold no q19_*.csv unit to report on")
+    if not units:
+        ap.error(f"--out={a.out}: {dirs[0]} holds no q19_*.csv unit to report on "
                  f"(run eps_eval.run_quality --out={a.out} first)")
-    rows = load(units)
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows = load(dirs)
     lines = ["# Issue 19: group size, reuse, 8-bit quest, coarse-to-fine, adaptive budget", "",
              ("Generated by `python -m eps_eval.report_quality`; the runs, machines and dates "
               "are in docs/eval/README.md."), "",
@@ -393,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
     lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
     lines += table_mass(rows)
-    lines += ["", "## Gemma 3 270M passkeys"] + table_passkeys(units)
+    lines += ["", "## Gemma 3 270M passkeys"] + table_passkeys(dirs)
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots(rows, a.out)]
     (a.out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,5 +1,8 @@
 #include "core/layout.h"
 
+#include <optional>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace eps {
@@ -114,6 +117,35 @@ TEST(LayoutTest, ValidateNamesTheOffendingField) {
   m = Llama8B();
   m.head_dim = 66;
   EXPECT_FALSE(m.Validate().ok());
+}
+
+TEST(LayoutTest, CheckGivesValidatesReasonAndTheFieldsOfTheBrokenRule) {
+  ModelLayout m = Llama8B();
+  EXPECT_FALSE(m.Check().has_value());
+  using Fields = std::vector<int ModelLayout::*>;
+  m.sketch_dim = 65;
+  std::optional<LayoutRefusal> r = m.Check();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->reason, m.Validate());
+  EXPECT_EQ(r->reason.message(), "sketch_dim=65 not in [1, 64]");
+  EXPECT_EQ(r->fields, Fields{&ModelLayout::sketch_dim});
+  m = Llama8B();
+  m.num_kv_heads = 5;
+  r = m.Check();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->reason, m.Validate());
+  EXPECT_EQ(r->fields, (Fields{&ModelLayout::num_q_heads, &ModelLayout::num_kv_heads}));
+  m = Llama8B();
+  m.coarse_blocks = m.group_blocks + 1;
+  r = m.Check();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->fields, (Fields{&ModelLayout::coarse_blocks, &ModelLayout::group_blocks}));
+  m = Llama8B();
+  m.head_dim = 66;
+  r = m.Check();
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->reason.message(), "head_dim=66 is not a multiple of 4");
+  EXPECT_EQ(r->fields, Fields{&ModelLayout::head_dim});
 }
 
 TEST(LayoutTest, GqaMapsQueryHeadsToKvHeads) {

@@ -273,6 +273,20 @@ def test_a_network_policy_that_drops_a_service_port_fails(deploy: Path) -> None:
     ), problems
 
 
+def test_an_empty_pod_selector_applies_the_network_policy_to_every_pod(deploy: Path) -> None:
+    # A NetworkPolicy's empty podSelector selects every pod of its namespace, where a
+    # Service's empty selector selects none: the dropped port is still found, and no
+    # "matches no pod template".
+    policy = deploy / "k8s/components/networkpolicy/networkpolicy.yaml"
+    edit(policy, "  podSelector:\n    matchLabels:\n      app.kubernetes.io/name: vllm-eps\n",
+         "  podSelector: {}\n")
+    assert validate_manifests.validate(deploy / "k8s", {"gpu+networkpolicy"}) == []
+    edit(policy, "    - ports:\n        - port: 8000\n          protocol: TCP\n", "")
+    problems = validate_manifests.validate(deploy / "k8s", {"gpu+networkpolicy"})
+    assert any("admits no ingress to port 8000" in p for p in problems), problems
+    assert not any("matches no pod template" in p for p in problems), problems
+
+
 def test_a_network_policy_port_no_container_has_fails(deploy: Path) -> None:
     edit(deploy / "k8s/components/networkpolicy/networkpolicy.yaml", "port: 9464", "port: 9446")
     problems = validate_manifests.validate(deploy / "k8s", {"base+networkpolicy"})

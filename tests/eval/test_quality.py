@@ -68,18 +68,48 @@ def test_quest8_pow2_scale_stays_a_bound_and_is_what_an_incremental_writer_keeps
         quality.QuestTables(k, tokens, g, "fp16")
 
 
-def test_the_pow2_scale_is_cores_smallest_power_of_two_that_holds_the_largest_key(
+def _smallest_holding_power_of_two(a: float) -> float:
+    """The quest8 scale by its definition: the smallest 2^e, e >= -149, with 127·2^e >= a."""
+    e = -149
+    while 127 * 2.0**e < a:
+        e += 1
+    return 2.0**e
+
+
+def test_cores_quest8_scale_is_the_smallest_power_of_two_that_holds_the_largest_key(
         rng: np.random.Generator) -> None:
-    # core's Quest8ScaleFor: the smallest 2^e with 127·2^e >= max |k|, so a key of exactly
-    # 127·2^e gets 2^e (the harness once widened it by 1e-6 first and took 2^(e+1)).
-    exact = np.array([127 * 2.0**-4, 127.0, 127 * 2.0**5, 127 * 2.0**-20])
-    np.testing.assert_array_equal(quality.quest8_pow2_scale(exact), exact / 127)
-    amax = np.concatenate([exact, np.nextafter(exact, np.inf), rng.uniform(1e-6, 1e4, 200)])
+    # core's Quest8ScaleFor through libeps_eval, at 127·2^e exactly (2^e: the harness once
+    # widened it by 1e-6 first and took 2^(e+1)), one float32 below (2^e) and one above
+    # (2^(e+1)), from the smallest float32 scale to the largest, and at random magnitudes.
+    e = np.concatenate([[-149, -126, 0, 120], rng.integers(-149, 121, 30)])
+    exact = np.ldexp(np.float32(127.0), e).astype(np.float32)
+    assert np.all(exact.astype(np.float64) == 127 * np.ldexp(1.0, e))  # no rounding
+    amax = np.concatenate([exact, np.nextafter(exact, np.float32(0)),
+                           np.nextafter(exact, np.float32(np.inf)),
+                           (10.0 ** rng.uniform(-44, 38, 200)).astype(np.float32),
+                           [np.float32(1e-45)]])
+    scales = core.quest8_scales(amax)
+    assert scales.dtype == np.float32 and scales.shape == amax.shape
+    for a, s in zip(amax, scales):
+        assert s == _smallest_holding_power_of_two(float(a)), (a, s)
+    np.testing.assert_array_equal(scales[: len(e)], np.ldexp(1.0, e))
+    for bad in (0.0, -1.0, np.nan, np.inf):
+        with pytest.raises(core.CoreError, match=r"amax\[1\]=.* is not a finite number > 0"):
+            core.quest8_scales([1.0, bad])
+
+
+def test_the_harness_pow2_scale_is_cores_for_float64_magnitudes_too(
+        rng: np.random.Generator) -> None:
+    # quality reads float64 magnitudes: one float64 step below 127·2^e still gets 2^e, one
+    # above gets 2^(e+1), although neither is a float32; 0 gets 1 (its codes are 0).
+    e = rng.integers(-149, 121, 30)
+    exact = 127 * np.ldexp(1.0, e)
+    amax = np.concatenate([exact, np.nextafter(exact, 0), np.nextafter(exact, np.inf),
+                           10.0 ** rng.uniform(-44, 38, 200)])
     for a, s in zip(amax, quality.quest8_pow2_scale(amax)):
-        e = -149
-        while 127 * 2.0**e < a:
-            e += 1
-        assert s == 2.0**e, (a, s)
+        assert s == _smallest_holding_power_of_two(a), (a, s)
+    grid = np.abs(rng.standard_normal((2, 5, 1)).astype(np.float32)).astype(np.float64)
+    np.testing.assert_array_equal(quality.quest8_pow2_scale(grid), core.quest8_scales(grid))
     assert quality.quest8_pow2_scale(np.array([0.0])) == 1.0
 
 

@@ -1,5 +1,10 @@
 #include "load/load_config.h"
 
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
 #include "load/buffer_set.h"
 
@@ -29,12 +34,12 @@ TEST(ParseFlags, CoarseFlagsSetTheLayoutsLevelAndTheAttachOption) {
       *ParseFlags({"--eps-group-blocks=2", "--coarse-blocks=16", "--coarse-candidates=3"});
   EXPECT_EQ(c.model.coarse_blocks, 16);
   EXPECT_EQ(c.coarse_candidates, 3.0f);
-  // Not a multiple of g above it: named by the flag, with g's value.
+  // Not a multiple of g above it: named by the two flags of the rule, with core's reason.
   const auto odd = ParseFlags({"--eps-group-blocks=2", "--coarse-blocks=5"});
   ASSERT_FALSE(odd.ok());
   EXPECT_EQ(odd.status().message(),
-            "--coarse-blocks=5: want 0 (no coarse level) or a multiple of the group's blocks "
-            "(2, --eps-group-blocks) above it, at most 4096");
+            "--coarse-blocks=5, --eps-group-blocks=2: coarse_blocks=5 must be 0 (no coarse "
+            "level) or a multiple of group_blocks=2 above it, at most 4096");
   EXPECT_FALSE(ParseFlags({"--coarse-blocks=-4"}).ok());
   EXPECT_FALSE(ParseFlags({"--coarse-blocks=16", "--coarse-candidates=0.5"}).ok());
   const auto alone = ParseFlags({"--coarse-candidates=2"});
@@ -92,7 +97,7 @@ TEST(ParseContext, RejectsInvertedOrMalformedRanges) {
 
 TEST(ContextDistribution, DrawsStayInsideTheRange) {
   const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   const ContextDistribution d = *ParseContext("uniform:100-130");
   bool saw_lo = false, saw_hi = false;
@@ -200,21 +205,79 @@ TEST(ParseFlags, CustomShapeFlagsOverrideThePresetInAnyOrder) {
   EXPECT_EQ(c.model.num_q_heads, 9);
 }
 
-TEST(ParseFlags, RejectsAShapeTheServerWouldRefuseNamingTheFlagAndItsRange) {
-  // Once these named ModelLayout's fields (num_kv_heads=5, sketch_dim=100) and a range
-  // [1, 4096] that the layout's own check then narrowed.
+TEST(ParseFlags, RejectsAShapeTheServerWouldRefuseNamingTheFlagAndCoresReason) {
+  // Once eps-load kept its own copy of core's ranges and relations, in its own words.
   for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--preset=llama-3-8b", "--kv-heads=5"},
-            "--kv-heads=5: want a divisor of the query heads, 32 (--q-heads, or the preset's); "
-            "the preset's KV heads are used when it is 0"},
-           {{"--eps-dim=100"}, "--eps-dim=100: want a value in [1, 64]"},
-           {{"--head-dim=4096"}, "--head-dim=4096: want a value in [4, 1024]"},
-           {{"--head-dim=6"}, "--head-dim=6: want a multiple of 4 in [4, 1024]"},
-           {{"--eps-group-blocks=2000"}, "--eps-group-blocks=2000: want a value in [1, 1024]"}}) {
+            "--kv-heads=5: num_q_heads=32 is not a multiple of num_kv_heads=5"},
+           {{"--q-heads=30"}, "--q-heads=30: num_q_heads=30 is not a multiple of num_kv_heads=8"},
+           {{"--eps-dim=100"}, "--eps-dim=100: sketch_dim=100 not in [1, 64]"},
+           {{"--sketch-dim=100"}, "--eps-dim=100: sketch_dim=100 not in [1, 64]"},
+           {{"--head-dim=4096"}, "--head-dim=4096: head_dim=4096 not in [4, 1024]"},
+           {{"--head-dim=6"}, "--head-dim=6: head_dim=6 is not a multiple of 4"},
+           {{"--layers=-1"}, "--layers=-1: num_layers=-1 not in [1, 4096]"},
+           {{"--eps-group-blocks=2000"},
+            "--eps-group-blocks=2000: group_blocks=2000 not in [1, 1024]"}}) {
     auto c = ParseFlags(args);
     ASSERT_FALSE(c.ok()) << args[0];
     EXPECT_EQ(c.status().message(), message);
   }
+}
+
+// One shape flag's values: 0 (the preset's), and values on both sides of core's bounds.
+struct ShapeFlagValues {
+  const char* flag;
+  int ModelLayout::*field;
+  std::vector<int> values;
+};
+
+TEST(ParseFlags, RefusesExactlyTheShapesCoreRefusesWithCoresReason) {
+  // Kept small enough (one token, one row, no more heads than a preset's: the queries are
+  // [layers, batch, q_heads, d]) that every shape core accepts needs a few GB at most, so
+  // that only core's check can refuse it.
+  const std::vector<ShapeFlagValues> flags = {
+      {"layers", &ModelLayout::num_layers, {0, -1, 1, 4096, 4097}},
+      {"q-heads", &ModelLayout::num_q_heads, {0, -1, 1, 6, 4097}},
+      {"kv-heads", &ModelLayout::num_kv_heads, {0, -1, 1, 3, 4097}},
+      {"head-dim", &ModelLayout::head_dim, {0, 3, 4, 6, 64, 1024, 1025, 1028}},
+      {"block-size", &ModelLayout::block_size, {0, -1, 1, 4096, 4097}},
+      {"eps-group-blocks", &ModelLayout::group_blocks, {0, -1, 1, 2, 1024, 1025}},
+      {"eps-dim", &ModelLayout::sketch_dim, {0, -1, 1, 64, 65}},
+      {"coarse-blocks", &ModelLayout::coarse_blocks, {0, -4, 2, 5, 8, 4096, 4098}},
+  };
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
+  std::mt19937_64 rng(seed);
+  int refused = 0;
+  for (int run = 0; run < 300; ++run) {
+    const std::string preset =
+        PresetNames()[std::uniform_int_distribution<size_t>(0, PresetNames().size() - 1)(rng)];
+    std::vector<std::string> args = {"--preset=" + preset, "--batch=1", "--context=1"};
+    ModelLayout model = *PresetModel(preset);
+    for (const ShapeFlagValues& f : flags) {
+      // Most flags keep the preset's value, so that most shapes break one rule or none.
+      if (std::uniform_int_distribution<int>(0, 3)(rng) != 0) continue;
+      const int value =
+          f.values[std::uniform_int_distribution<size_t>(0, f.values.size() - 1)(rng)];
+      args.push_back(absl::StrCat("--", f.flag, "=", value));
+      if (value != 0) model.*f.field = value;
+    }
+    const absl::Status core = model.Validate();
+    const absl::StatusOr<LoadConfig> c = ParseFlags(args);
+    SCOPED_TRACE(absl::StrJoin(args, " "));
+    if (core.ok()) {
+      ASSERT_TRUE(c.ok()) << c.status();
+      EXPECT_EQ(c->model.DebugString(), model.DebugString());
+      continue;
+    }
+    ++refused;
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    const std::string message(c.status().message());
+    EXPECT_TRUE(absl::StartsWith(message, "--")) << message;
+    EXPECT_TRUE(absl::EndsWith(message, absl::StrCat(": ", core.message()))) << message;
+  }
+  EXPECT_GT(refused, 0);  // the draw reaches core's refusals
 }
 
 TEST(ParseFlags, ReadsTheRunFlags) {
