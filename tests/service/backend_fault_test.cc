@@ -357,7 +357,8 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
               std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
         ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
         return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault));
-      }};
+      },
+      .step_log = nullptr};
   absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = v1::PageSelector::NewStub(
