@@ -123,6 +123,57 @@ def test_quest8_scale_steps_and_zero_keys_equal_core_bit_for_bit(core_reference,
     assert np.all(scale == quest8_scale_for(np.abs(keys).max(axis=(0, 2))))
 
 
+def quest8_edge_magnitudes() -> np.ndarray:
+    """127·2^e for every e whose product is a float32 (subnormal ones included), with the
+    float32 just below and just above each: where the scale's power of two changes."""
+    exact = np.array([127.0 * 2.0**e for e in range(-149, 121)], dtype=np.float32)
+    below = np.nextafter(exact, np.float32(0.0))
+    above = np.nextafter(exact, np.float32(np.inf))
+    return np.concatenate([exact, below, above])
+
+
+def plain_quest8_scale(a: float) -> float:
+    """The definition itself, in exact float64 arithmetic: the smallest power of two
+    s >= 2^-149 with 127·s >= a."""
+    e = -149
+    while 127.0 * 2.0**e < a:
+        e += 1
+    return 2.0**e
+
+
+def test_quest8_scale_at_the_power_of_two_edges_is_the_definition():
+    a = quest8_edge_magnitudes()
+    expected = np.array([plain_quest8_scale(float(x)) for x in a], dtype=np.float32)
+    assert np.array_equal(quest8_scale_for(a), expected)
+    assert quest8_scale_for(np.zeros(1, np.float32))[0] == 0.0
+
+
+def test_quest8_records_at_the_power_of_two_edges_equal_core_bit_for_bit(core_reference,
+                                                                       tmp_path, rng):
+    # One group per slot whose largest |k| is 127·2^e, or the float32 just below or above it,
+    # in a random channel and sign, the other keys smaller: core's scale and codes exactly.
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        phi_seed=int(rng.integers(0, 1 << 63)),
+                        features=SummaryFeatures(key_sum=False, quest=False, quest8=True))
+    edges = quest8_edge_magnitudes()
+    edges = edges[edges <= 1e17]  # keys past ~3e18 overflow the records' header sums
+    picks = edges[rng.choice(edges.size, size=24, replace=False)]
+    ops = []
+    for slot, amax in enumerate(picks):
+        keys = (random_keys(rng, 3, model) * 0.1 * amax).astype(np.float32)
+        keys = np.clip(keys, -0.99 * amax, 0.99 * amax).astype(np.float32)
+        t, h, c = rng.integers(0, 3), rng.integers(0, 2), rng.integers(0, 64)
+        keys[t, h, c] = amax if rng.integers(0, 2) else -amax
+        ops.append((0, slot, keys))
+    expected = core_pool(core_reference, tmp_path, model, len(picks), ops, "f32")
+    writer = SummaryWriter(model)
+    pool = np.zeros_like(expected)
+    writer.reset(pool)
+    for _, slot, keys in ops:
+        writer.append(pool, 0, [slot] * keys.shape[0], keys)
+    assert pool.tobytes() == expected.tobytes()
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_half_precision_keys_equal_core_bit_for_bit(core_reference, tmp_path, rng, dtype):
     model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=32,
