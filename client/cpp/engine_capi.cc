@@ -336,9 +336,7 @@ int eps_engine_watchdog_create(int32_t device, uint64_t visit_count, int64_t n, 
   auto fail = [](const char* call, cudaError_t err) {
     return Report(eps::gpu::CudaFailure(absl::StrCat("watchdog: ", call), err));
   };
-  if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
-    return fail("cudaSetDevice", err);
-  }
+  if (int rc = Report(eps::gpu::SetDevice(device)); rc != 0) return rc;
   if (const cudaError_t err = cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking);
       err != cudaSuccess) {
     w->stream = nullptr;

@@ -22,6 +22,10 @@
  * 4), before anything is dereferenced or queued; the two that return a count
  * (watchdog_releases, summary_queue_errors) return 0 for a NULL handle and set the
  * message. A destroyed handle is the caller's to forget: it cannot be detected.
+ * A device that cannot be made current (an ordinal this process lacks, no driver) is 9
+ * (FAILED_PRECONDITION) from every entry point that takes a device or a handle on one, its
+ * message naming the ordinal and CUDA's error ("cudaSetDevice(9999): invalid device
+ * ordinal").
  * Every entry point leaves the calling thread's current device as it found it, those
  * that take a `device` or a handle on one included, and leaves no CUDA error pending on
  * it: a failed call's error is this call's return, not cudaGetLastError()'s for the
