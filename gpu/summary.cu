@@ -405,7 +405,7 @@ absl::Status DeviceSummaryWriter::Check(const std::vector<KeyAppend>& appends,
     return absl::InvalidArgumentError(
         absl::StrCat("key dtype ", DTypeName(key_dtype), " is not a float type"));
   }
-  if (appends.size() > static_cast<size_t>(INT32_MAX / 32)) {
+  if (appends.size() > static_cast<size_t>(kMaxAppends)) {
     return absl::InvalidArgumentError(absl::StrCat(appends.size(), " appends in one call"));
   }
   for (size_t i = 0; i < appends.size(); ++i) {
@@ -534,7 +534,7 @@ std::string DeviceSummaryWriter::DescribeRefused(const KeyAppend& a, DType key_d
 absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cudaStream_t stream) {
   const Impl& w = *impl_;
   if (runs.empty()) return absl::OkStatus();
-  if (runs.size() > static_cast<size_t>(INT32_MAX)) {
+  if (runs.size() > static_cast<size_t>(kMaxRuns)) {
     return absl::InvalidArgumentError(absl::StrCat(runs.size(), " runs in one call"));
   }
   std::vector<std::tuple<uintptr_t, int64_t, size_t>> spans(runs.size());

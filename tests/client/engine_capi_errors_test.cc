@@ -1,6 +1,6 @@
 // libeps_engine's C ABI (client/cpp/engine_capi.h) on failures that are no malformed
 // argument: one code for a device that cannot be made current, whichever entry point is
-// asked.
+// asked, and a count too large for one call refused before anything is sized by it.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -13,6 +13,7 @@
 namespace {
 
 using eps::capi_testing::EngineCapiTest;
+using eps::capi_testing::ExpectRefused;
 
 // No process has a device of this ordinal: cudaSetDevice fails for it on a GPU machine
 // (invalid device ordinal) as on one without a driver or a device, so these tests run on both.
@@ -63,6 +64,31 @@ TEST_F(EngineCapiTest, AQueueOnADeviceThatCannotBeMadeCurrentIsFailedPreconditio
   ExpectCannotMakeCurrent("summary_queue_create",
                           eps_engine_summary_queue_create(writer, kAbsent, &queue));
   EXPECT_EQ(queue, nullptr);
+  eps_engine_summary_writer_destroy(writer);
+}
+
+// A count past what one call takes (the writer's kernels count in int) is refused before a
+// host array is sized by it: std::vector(n) of a huge n threw through the C ABI and ended
+// the process. The arrays hold one element: nothing reads past it.
+TEST_F(EngineCapiTest, ACountTooLargeForOneCallIsRefusedBeforeAnythingIsSizedByIt) {
+  EpsSummaryWriter* writer = nullptr;
+  ASSERT_EQ(eps_engine_summary_writer_create(&model_, 0, &writer), 0) << eps_engine_last_error();
+  EpsSummaryQueue* queue = nullptr;
+  ASSERT_EQ(eps_engine_summary_queue_create(writer, 0, &queue), 0) << eps_engine_last_error();
+  const EpsKeyAppend one{};
+  const EpsRecordRun run{};
+  ExpectRefused(eps_engine_summary_append(writer, &one, INT64_MAX, EPS_ENGINE_FLOAT32, 0),
+                "n=9223372036854775807 exceeds the 67108863 appends of one call");
+  ExpectRefused(eps_engine_summary_append(writer, &one, 67108864, EPS_ENGINE_FLOAT32, 0),
+                "n=67108864 exceeds");
+  ExpectRefused(
+      eps_engine_summary_queue_submit(queue, &one, INT64_MAX / 40, EPS_ENGINE_FLOAT32, 0, 1),
+      "exceeds the 67108863 appends of one call");
+  ExpectRefused(eps_engine_summary_reset(writer, &run, INT64_MAX, 0),
+                "n=9223372036854775807 exceeds the 2147483647 runs of one call");
+  ExpectRefused(eps_engine_summary_reset(writer, &run, int64_t{1} << 31, 0),
+                "n=2147483648 exceeds");
+  eps_engine_summary_queue_destroy(queue);
   eps_engine_summary_writer_destroy(writer);
 }
 
