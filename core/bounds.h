@@ -5,9 +5,10 @@
 //                                          q⊥ = q − (u1·q)u1, tighter than DESIGN's ‖q‖)
 //   fro    ‖q‖ sqrt(fro2)                   upper bound of sqrt(qᵀCq) (loose)
 //   quest  Σ_j min(q_j,0) min_j + max(q_j,0) max_j
-//                                          upper bound of max_i q·k_i (= Σ_j max(q_j min_j,
-//                                          q_j max_j) for a well-formed record; this form,
-//                                          the GPU's, is what both backends score)
+//                                          upper bound of max_i q·k_i in exact arithmetic
+//                                          (= Σ_j max(q_j min_j, q_j max_j) for a well-formed
+//                                          record; this form, the GPU's, is what both
+//                                          backends score)
 //   questclt  q·c + sqrt(Σ_j (q_j w_j)²)    estimate, not a bound: c = (min + max)/2 and
 //                                          w = (max − min)/2 per channel of the quest part;
 //                                          the spread of q·k over independent channels
@@ -15,6 +16,14 @@
 //                                          quest8 part when the record has one
 //
 // plus the mean-key lower bound q·k̄ ≤ max_i q·k_i used by strict mode.
+//
+// The kinds above are the exact formulas'. Every score is computed in float32, and rounding
+// can put a computed bound below what it bounds: quest's d-term sum cancels on a key with
+// large channels of opposite signs (key (65504, 2^-14, -65504, 0) and query (1, 1, 1, 0)
+// score 0 against q·k = 2^-14). So the scores rank groups, and none is a guarantee; strict
+// mode's guarantee is BracketMaxScore's, whose slack covers that rounding (docs/policy.md,
+// "Rounding slack"). The arithmetic stays as it is: the GPU's scores are checked bit for bit
+// against these.
 // All functions read one record (see core/layout.h) and never allocate.
 #pragma once
 

@@ -80,6 +80,22 @@ inline absl::Status CudaFailure(absl::string_view what, cudaError_t error) {
   return CudaStatus(what, error);
 }
 
+// Makes `device` current on the calling thread. A device that cannot be made current (an
+// ordinal past the last, no device, no driver) is FAILED_PRECONDITION naming the ordinal and
+// CUDA's error, `cudaSetDevice(9999): invalid device ordinal`, whichever call asked for it: the
+// caller named a device this process cannot use, which no retry changes and no bug of ours
+// caused (libeps_engine's entry points all return this code for it, engine_capi.h). An error
+// that ends the context (ContextLost) stays CudaStatus's INTERNAL, marked device-lost, as every
+// call's does. The failed call's error is cleared (ClearFailedCall).
+inline absl::Status SetDevice(int device) {
+  const cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) return absl::OkStatus();
+  const std::string what = absl::StrCat("cudaSetDevice(", device, ")");
+  if (ContextLost(err)) return CudaFailure(what, err);
+  ClearFailedCall();
+  return absl::FailedPreconditionError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
 // The driver API function `name` (CUDA 12 ABI) through the runtime's entry points, so that no
 // binary links libcuda (absent where no driver is installed, as on CI); null when the driver
 // lacks it. Cast it to its own type; look it up once (a function-local static).

@@ -370,7 +370,7 @@ absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> DeviceSummaryWriter::Create
   impl->model = model;
   impl->layout = SummaryLayout::For(model);
   impl->device = device;
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  RETURN_IF_ERROR(SetDevice(device));
   const int per_matrix = model.head_dim * model.sketch_dim;
   RETURN_IF_CUDA_ALLOC(impl->phi, int64_t{model.num_layers} * model.num_kv_heads * per_matrix);
   RETURN_IF_CUDA_ALLOC(impl->bad, 1);
@@ -405,7 +405,7 @@ absl::Status DeviceSummaryWriter::Check(const std::vector<KeyAppend>& appends,
     return absl::InvalidArgumentError(
         absl::StrCat("key dtype ", DTypeName(key_dtype), " is not a float type"));
   }
-  if (appends.size() > static_cast<size_t>(INT32_MAX / 32)) {
+  if (appends.size() > static_cast<size_t>(kMaxAppends)) {
     return absl::InvalidArgumentError(absl::StrCat(appends.size(), " appends in one call"));
   }
   for (size_t i = 0; i < appends.size(); ++i) {
@@ -458,7 +458,7 @@ absl::Status DeviceSummaryWriter::Append(const std::vector<KeyAppend>& appends, 
   if (appends.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Check(appends, key_dtype));
   std::lock_guard lock(w.mu);
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
+  RETURN_IF_ERROR(SetDevice(w.device));
   if (static_cast<int64_t>(appends.size()) > w.capacity) {
     w.capacity = 0;  // a failed allocation leaves none (the old one is freed first)
     RETURN_IF_CUDA_ALLOC(w.appends, static_cast<int64_t>(appends.size()));
@@ -534,7 +534,7 @@ std::string DeviceSummaryWriter::DescribeRefused(const KeyAppend& a, DType key_d
 absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cudaStream_t stream) {
   const Impl& w = *impl_;
   if (runs.empty()) return absl::OkStatus();
-  if (runs.size() > static_cast<size_t>(INT32_MAX)) {
+  if (runs.size() > static_cast<size_t>(kMaxRuns)) {
     return absl::InvalidArgumentError(absl::StrCat(runs.size(), " runs in one call"));
   }
   std::vector<std::tuple<uintptr_t, int64_t, size_t>> spans(runs.size());
@@ -548,7 +548,7 @@ absl::Status DeviceSummaryWriter::Reset(const std::vector<RecordRun>& runs, cuda
     spans[i] = {reinterpret_cast<uintptr_t>(runs[i].first), runs[i].records * words, i};
   }
   RETURN_IF_ERROR(CheckDisjoint("runs", spans));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(w.device));
+  RETURN_IF_ERROR(SetDevice(w.device));
   return WithStreamScratch(
       impl_->staging, runs.data(), runs.size() * sizeof(RecordRun), stream,
       [&](void* scratch) -> absl::Status {
@@ -565,7 +565,7 @@ absl::Status DeviceSummaryWriter::AppendAsync(const std::vector<KeyAppend>& appe
                                               unsigned long long* skipped) {
   if (appends.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Check(appends, key_dtype));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(impl_->device));
+  RETURN_IF_ERROR(SetDevice(impl_->device));
   return WithStreamScratch(impl_->staging, appends.data(), appends.size() * sizeof(KeyAppend),
                            stream, [&](void* scratch) {
                              return Launch(static_cast<const KeyAppend*>(scratch),

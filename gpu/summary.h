@@ -55,6 +55,10 @@ class DeviceSummaryWriter {
   // held stream) before a call adds pinned staging (cudaMallocHost, which CUDA may order
   // after the device's work); each of up to 6553 appends or 16384 runs (256 KiB).
   static constexpr int kStagingSlots = 8;
+  // The most appends, and record runs, one call takes (more is INVALID_ARGUMENT): the append
+  // kernel runs 32 threads an append and the reset kernel takes an int count, both in int.
+  static constexpr int64_t kMaxAppends = INT32_MAX / 32;
+  static constexpr int64_t kMaxRuns = INT32_MAX;
 
   static absl::StatusOr<std::unique_ptr<DeviceSummaryWriter>> Create(const ModelLayout& model,
                                                                      int device);

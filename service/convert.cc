@@ -1,8 +1,11 @@
 #include "service/convert.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "core/visit_list.h"
 
 namespace eps::service {
@@ -121,8 +124,42 @@ absl::StatusOr<ModelLayout> LayoutFromProto(const v1::ModelLayout& p, int defaul
   return m;
 }
 
+namespace {
+
+// A count field of SelectOptions or MassSetting (first_n, last_n, top_pages, min_pages,
+// max_pages) as SelectPolicy's int holds it: a value above 2^30 acts as 2^30, as many
+// groups as there are in a row of up to 2^30 groups (docs/api.md).
+constexpr uint32_t kCountCap = uint32_t{1} << 30;
+int CappedCount(uint32_t sent) { return static_cast<int>(std::min(sent, kCountCap)); }
+
+// min_pages <= max_pages (max_pages 0: no ceiling) on the values as sent, before CappedCount:
+// capped first, min_pages=2^31+5 and max_pages=2^31 both read 2^30 and passed. `prefix`
+// names the setting ("" for the options' own, "mass_layers[i]."), as SelectPolicy::Validate's
+// message does.
+absl::Status CheckFloorBelowCeiling(uint32_t min_pages, uint32_t max_pages,
+                                    const std::string& prefix) {
+  if (max_pages > 0 && min_pages > max_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", min_pages, " exceeds ",
+                                                   prefix, "max_pages=", max_pages));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::SelectOptions& o) {
   SelectPolicy p = base;
+  // The relations of the count fields, on the values as sent where both came in this message
+  // (one left unset takes base's value, whose relation SelectPolicy::Validate checks after the
+  // cap: a base value of 2^30 may stand for any larger one sent before).
+  if (o.has_min_pages() && o.has_max_pages()) {
+    RETURN_IF_ERROR(CheckFloorBelowCeiling(o.min_pages(), o.max_pages(), ""));
+  }
+  for (int i = 0; i < o.mass_layers_size(); ++i) {
+    RETURN_IF_ERROR(CheckFloorBelowCeiling(o.mass_layers(i).min_pages(),
+                                           o.mass_layers(i).max_pages(),
+                                           absl::StrCat("mass_layers[", i, "].")));
+  }
   switch (o.method()) {
     case v1::METHOD_UNSPECIFIED:
       break;
@@ -148,10 +185,9 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
       return absl::InvalidArgumentError(absl::StrCat("options.method=", o.method(), " is unknown"));
   }
   if (o.has_alpha()) p.alpha = o.alpha();
-  if (o.has_first_n()) p.first_n = static_cast<int>(std::min<uint32_t>(o.first_n(), 1u << 30));
-  if (o.has_last_n()) p.last_n = static_cast<int>(std::min<uint32_t>(o.last_n(), 1u << 30));
-  if (o.has_top_pages())
-    p.top_pages = static_cast<int>(std::min<uint32_t>(o.top_pages(), 1u << 30));
+  if (o.has_first_n()) p.first_n = CappedCount(o.first_n());
+  if (o.has_last_n()) p.last_n = CappedCount(o.last_n());
+  if (o.has_top_pages()) p.top_pages = CappedCount(o.top_pages());
   if (o.has_strict()) p.strict = o.strict();
   if (o.heads() == v1::HEAD_MODE_ALL) p.heads = HeadMode::kAll;
   if (o.heads() == v1::HEAD_MODE_RETRIEVAL) p.heads = HeadMode::kRetrieval;
@@ -182,10 +218,8 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
   if (o.has_top_p()) p.top_p = o.top_p();
   if (o.has_mass_target()) p.mass_target = o.mass_target();
   if (o.has_mass_temperature()) p.mass_temperature = o.mass_temperature();
-  if (o.has_min_pages())
-    p.min_pages = static_cast<int>(std::min<uint32_t>(o.min_pages(), 1u << 30));
-  if (o.has_max_pages())
-    p.max_pages = static_cast<int>(std::min<uint32_t>(o.max_pages(), 1u << 30));
+  if (o.has_min_pages()) p.min_pages = CappedCount(o.min_pages());
+  if (o.has_max_pages()) p.max_pages = CappedCount(o.max_pages());
   if (o.has_coarse_candidates()) p.coarse_candidates = o.coarse_candidates();
   // A repeated field has no presence: empty keeps the base's list (the session's, in a
   // step), so a step can leave a session's per-layer settings alone; a non-empty list
@@ -194,9 +228,8 @@ absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::Se
     p.mass_layers.clear();
     p.mass_layers.reserve(static_cast<size_t>(o.mass_layers_size()));
     for (const v1::MassSetting& m : o.mass_layers()) {
-      p.mass_layers.push_back({m.target(), m.temperature(),
-                               static_cast<int>(std::min<uint32_t>(m.min_pages(), 1u << 30)),
-                               static_cast<int>(std::min<uint32_t>(m.max_pages(), 1u << 30))});
+      p.mass_layers.push_back(
+          {m.target(), m.temperature(), CappedCount(m.min_pages()), CappedCount(m.max_pages())});
     }
   }
   switch (o.mass_scope()) {

@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "gpu/cuda_check.h"
 #include "gpu/device.h"
 
@@ -42,15 +41,11 @@ class DeviceScope {
     restore_ = cudaGetDevice(&previous_) == cudaSuccess;
     if (!restore_) gpu::ClearFailedCall();
   }
-  // Makes `device` current until the scope ends (the thread's device is restored then).
+  // Makes `device` current until the scope ends (the thread's device is restored then);
+  // gpu::SetDevice's FAILED_PRECONDITION when it cannot be made current.
   absl::Status Enter(int device) {
     Hold();
-    if (const cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
-      gpu::ClearFailedCall();
-      return absl::FailedPreconditionError(
-          absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(err)));
-    }
-    return absl::OkStatus();
+    return gpu::SetDevice(device);
   }
 
  private:

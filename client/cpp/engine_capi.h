@@ -22,6 +22,14 @@
  * 4), before anything is dereferenced or queued; the two that return a count
  * (watchdog_releases, summary_queue_errors) return 0 for a NULL handle and set the
  * message. A destroyed handle is the caller's to forget: it cannot be detected.
+ * A device that cannot be made current (an ordinal this process lacks, no driver) is 9
+ * (FAILED_PRECONDITION) from every entry point that takes a device or a handle on one, its
+ * message naming the ordinal and CUDA's error ("cudaSetDevice(9999): invalid device
+ * ordinal"). No C++ exception leaves an entry point (one would end the process): the host
+ * out of memory is 8 (RESOURCE_EXHAUSTED), any other exception 13 (INTERNAL), both with a
+ * message naming the call; the calls that return a count return 0 then. A count of appends or
+ * record runs past one call's (67108863 appends, 2147483647 runs) is refused with 3 before
+ * anything is sized by it.
  * Every entry point leaves the calling thread's current device as it found it, those
  * that take a `device` or a handle on one included, and leaves no CUDA error pending on
  * it: a failed call's error is this call's return, not cudaGetLastError()'s for the

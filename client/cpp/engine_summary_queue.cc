@@ -15,7 +15,7 @@ absl::StatusOr<std::unique_ptr<SummaryQueue>> SummaryQueue::Create(
     std::shared_ptr<gpu::DeviceSummaryWriter> writer, int device) {
   if (writer == nullptr) return absl::InvalidArgumentError("SummaryQueue: the writer is null");
   auto q = std::unique_ptr<SummaryQueue>(new SummaryQueue(std::move(writer), device));
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  RETURN_IF_ERROR(gpu::SetDevice(device));
   void* counters = nullptr;
   CUDA_RETURN_IF_ERROR(cudaMalloc(&counters, 2 * sizeof(uint64_t)));
   q->done_ = static_cast<uint64_t*>(counters);
@@ -40,7 +40,7 @@ SummaryQueue::~SummaryQueue() {
 
 absl::StatusOr<unsigned long long> SummaryQueue::ReadSkipped() const {
   unsigned long long skipped = 0;
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(gpu::SetDevice(device_));
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(&skipped, skipped_, sizeof skipped, cudaMemcpyDeviceToHost, read_));
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(read_));
@@ -58,7 +58,7 @@ absl::Status SummaryQueue::Submit(std::vector<gpu::KeyAppend> appends, DType key
                      absl::Hex(reinterpret_cast<uintptr_t>(stream_)),
                      " (one stream per queue: Drain waits for that stream's work only)"));
   }
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(gpu::SetDevice(device_));
   const absl::Status applied = writer_->AppendAsync(appends, key_dtype, stream, skipped_);
   if (!applied.ok()) {
     std::lock_guard lock(mu_);
@@ -101,7 +101,7 @@ std::string SkippedMessage(unsigned long long skipped) {
 
 absl::Status SummaryQueue::Drain() {
   if (!submitted_) return absl::OkStatus();
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  RETURN_IF_ERROR(gpu::SetDevice(device_));
   CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_));
   ASSIGN_OR_RETURN(const unsigned long long skipped, ReadSkipped());
   std::lock_guard lock(mu_);

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <span>
 #include <vector>
 
+#include "core/bounds.h"
 #include "core/step.h"
 #include "core/summary.h"
 #include "core/testing/synthetic.h"
@@ -160,6 +162,67 @@ TEST(StrictOracleTest, DefaultModeRecallOfTrueTopMIsReported) {
       "visiting %.1f%% of groups\n",
       recall, 100 * fraction);
   EXPECT_GT(recall, fraction) << "no better than visiting groups at random";
+}
+
+// quest is an upper bound of max_i q·k_i in exact arithmetic only: summed in float32 it
+// cancels on a key with large channels of opposite signs, 65504 + 2^-14 - 65504 giving 0
+// where q·k = 2^-14, below a group whose true max is lower (docs/policy.md, "Scores"). Strict
+// mode keeps the true top-M there: its bracket adds a slack that covers that rounding.
+TEST(StrictOracleTest, StrictModeKeepsTheTrueTopMWhereQuestsFloatSumCancels) {
+  ModelLayout m;
+  m.num_layers = m.num_q_heads = m.num_kv_heads = 1;
+  m.head_dim = 4;
+  m.block_size = 1;
+  m.group_blocks = 1;
+  m.sketch_dim = 1;
+  m.phi_seed = 3;
+  m.features = {.key_sum = true, .principal = false, .quest = true};
+  auto phi = PhiBank::Create(m.phi_seed, 1, 1, m.head_dim, m.sketch_dim);
+  ASSERT_TRUE(phi.ok());
+  auto selector = PageSelector::Create(m, *phi);
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  SummaryWriter writer(m, *phi);
+  // One key a group: the cancelling key (q·k = 2^-14), a key at 2^-15, and the newest group
+  // (always visited) far below both.
+  const std::vector<float> keys = {65504.0f, 0x1p-14f, -65504.0f, 0.0f,  //
+                                   0.0f,     0x1p-15f, 0.0f,      0.0f,  //
+                                   -1.0f,    0.0f,     0.0f,      0.0f};
+  const std::vector<float> query = {1.0f, 1.0f, 1.0f, 0.0f};
+  StepBuffers buffers(m, 2, 3, 1, Granularity::kUnion);
+  buffers.AssignRow(1, 3, 7);
+  for (int64_t p = 0; p < 3; ++p) {
+    const std::span<float> record = buffers.Record(buffers.SlotOf(1, p), 0, 0);
+    const KeyRows rows{keys.data() + p * m.head_dim, DType::kFloat32, 1, m.head_dim};
+    ASSERT_TRUE(writer.Reset(record).ok());
+    ASSERT_TRUE(writer.Append(record, 0, 0, rows).ok());
+    ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());
+  }
+  std::copy(query.begin(), query.end(), buffers.Query(0, 0, 0).begin());
+  const std::vector<double> best = testing::GroupMaxScore(keys, query, m.head_dim, 1);
+  ASSERT_EQ(best[0], 0x1p-14);
+  ASSERT_EQ(best[1], 0x1p-15);
+  // The premise: quest's float sum scores the true top group below the next one.
+  QueryTerms terms;
+  terms.Prepare(*phi, 0, 0, query);
+  const SummaryLayout layout = writer.layout();
+  const float cancelled = QuestBound(buffers.Record(buffers.SlotOf(1, 0), 0, 0), layout, terms);
+  const float next = QuestBound(buffers.Record(buffers.SlotOf(1, 1), 0, 0), layout, terms);
+  ASSERT_EQ(cancelled, 0.0f);
+  ASSERT_EQ(next, 0x1p-15f);
+
+  SelectPolicy policy;
+  policy.strict = true;
+  policy.method = Method::kQuest;
+  policy.first_n = 0;
+  policy.last_n = 0;
+  policy.top_pages = 1;
+  const StepRow rows[] = {{.table_row = 1, .context_tokens = 3, .seq_id = 9}};
+  StepStats stats;
+  ASSERT_TRUE(selector->Select(buffers.Inputs(rows), policy, buffers.Outputs(), &stats).ok());
+  const std::vector<uint8_t> got = testing::VisitedGroups(buffers, 1, buffers.VisitBlocks(0, 0), 3);
+  EXPECT_TRUE(got[0]) << "the true top-1 group, whose quest sum cancelled to 0, was skipped";
+  const std::vector<uint8_t> top = TrueTopM(best, policy.top_pages);
+  for (int p = 0; p < 3; ++p) EXPECT_TRUE(!top[p] || got[p]) << "group " << p;
 }
 
 TEST(StrictOracleTest, EmptyBatchWritesNothingAndSucceeds) {

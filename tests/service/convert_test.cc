@@ -275,16 +275,68 @@ TEST(ConvertTest, MassLayersOfTheWrongCountOrRangeAreRefusedWithCoresMessage) {
   v1::SelectOptions bad = ToProto(p);
   bad.mutable_mass_layers(1)->set_min_pages(5);
   bad.mutable_mass_layers(1)->set_max_pages(2);
+  // A floor above its ceiling is refused as sent, by MergeOptions, in core's words.
   merged = MergeOptions(SelectPolicy{}, bad);
-  ASSERT_TRUE(merged.ok()) << merged.status();
-  s = merged->Validate(model);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.message(), "mass_layers[1].min_pages=5 exceeds mass_layers[1].max_pages=2");
+  EXPECT_EQ(merged.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(merged.status().message(),
+            "mass_layers[1].min_pages=5 exceeds mass_layers[1].max_pages=2");
   // An unset target is 0 on the wire, not the policy's: refused, not defaulted.
   bad = ToProto(p);
   bad.mutable_mass_layers(0)->clear_target();
   s = MergeOptions(SelectPolicy{}, bad)->Validate(model);
   EXPECT_EQ(s.message(), "mass_layers[0].target=0 not in (0, 1]");
+}
+
+// Counts above 2^30 act as 2^30 (as many groups as there are), but the relation of a floor
+// and its ceiling is checked on the values as sent: capped first, min_pages=2^31+5 and
+// max_pages=2^31 both read 2^30, and a floor above its ceiling passed.
+TEST(ConvertTest, AFloorAboveItsCeilingIsRefusedAsSentNotAsCapped) {
+  v1::SelectOptions o;
+  o.set_min_pages((1u << 31) + 5);
+  o.set_max_pages(1u << 31);
+  absl::StatusOr<SelectPolicy> merged = MergeOptions(SelectPolicy{}, o);
+  EXPECT_EQ(merged.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(merged.status().message(), "min_pages=2147483653 exceeds max_pages=2147483648");
+
+  v1::SelectOptions layers = ToProto(TwoLayerMassPolicy());
+  layers.mutable_mass_layers(1)->set_min_pages(UINT32_MAX);
+  layers.mutable_mass_layers(1)->set_max_pages(UINT32_MAX - 1);
+  merged = MergeOptions(SelectPolicy{}, layers);
+  EXPECT_EQ(merged.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(merged.status().message(),
+            "mass_layers[1].min_pages=4294967295 exceeds mass_layers[1].max_pages=4294967294");
+}
+
+TEST(ConvertTest, CountsAboveTheCapActAsTheCapWhenTheirRelationHolds) {
+  v1::SelectOptions o;
+  o.set_first_n(UINT32_MAX);
+  o.set_last_n(1u << 31);
+  o.set_top_pages((1u << 30) + 1);
+  o.set_min_pages(1u << 31);
+  o.set_max_pages((1u << 31) + 5);
+  v1::MassSetting* layer = o.add_mass_layers();
+  layer->set_target(0.9f);
+  layer->set_temperature(1.0f);
+  layer->set_min_pages(UINT32_MAX);  // no ceiling
+  absl::StatusOr<SelectPolicy> merged = MergeOptions(SelectPolicy{}, o);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->first_n, 1 << 30);
+  EXPECT_EQ(merged->last_n, 1 << 30);
+  EXPECT_EQ(merged->top_pages, 1 << 30);
+  EXPECT_EQ(merged->min_pages, 1 << 30);
+  EXPECT_EQ(merged->max_pages, 1 << 30);
+  EXPECT_EQ(merged->mass_layers[0].min_pages, 1 << 30);
+  EXPECT_EQ(merged->mass_layers[0].max_pages, 0);
+  // A floor sent alone is checked against the base's ceiling after the cap (Validate).
+  SelectPolicy base;
+  base.max_pages = 8;
+  v1::SelectOptions floor_only;
+  floor_only.set_min_pages(1u << 31);
+  merged = MergeOptions(base, floor_only);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  ModelLayout model;
+  model.num_layers = 1;
+  EXPECT_EQ(merged->Validate(model).message(), "min_pages=1073741824 exceeds max_pages=8");
 }
 
 TEST(ConvertTest, BackendUnspecifiedIsAutoAndUnknownIsAnError) {

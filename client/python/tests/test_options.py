@@ -109,6 +109,51 @@ def test_a_bad_mass_setting_is_refused_at_construction_naming_it(fields, error, 
     assert message in str(e.value)
 
 
+# The float32 field carries the value rounded; epsd checks that against the interval. A value
+# rounding moves across an end was sent as one the caller never gave (top_p=1e-46 reached
+# epsd as 0 and was refused as "top_p=0 not in (0, 1]") or taken though outside (alpha just
+# under 1 reached epsd as 1).
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"top_p": 1e-46}, "SelectOptions.top_p=1e-46 is in (0, 1], but the float32 field sends it "
+                       "as 0.0, which is not in (0, 1]"),
+    ({"top_p": 1.00000001}, "SelectOptions.top_p=1.00000001 is not in (0, 1], but the float32 "
+                            "field sends it as 1.0, which is in (0, 1]"),
+    ({"mass_target": 1e-50}, "SelectOptions.mass_target=1e-50 is in (0, 1], but the float32 "
+                             "field sends it as 0.0, which is not in"),
+    ({"mass_temperature": 1000.00001}, "SelectOptions.mass_temperature=1000.00001 is not in "
+                                       "(0, 1000], but the float32 field sends it as 1000.0"),
+    ({"alpha": 0.99999999}, "SelectOptions.alpha=0.99999999 is not in [1, 1e+06], but the "
+                            "float32 field sends it as 1.0, which is in"),
+    ({"coarse_candidates": 1024.00001}, "SelectOptions.coarse_candidates=1024.00001 is not in "
+                                        "[1, 1024], but the float32 field sends it as 1024.0"),
+])
+def test_a_value_float32_rounding_moves_across_its_interval_is_refused_naming_both(
+        fields, message) -> None:
+    with pytest.raises(ValueError) as e:
+        SelectOptions(**fields)
+    assert message in str(e.value)
+
+
+def test_a_mass_setting_float32_rounding_moves_across_its_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"MassSetting.target=1e-46 is in \(0, 1\], but the "
+                                         r"float32 field sends it as 0.0"):
+        MassSetting(target=1e-46)
+    with pytest.raises(ValueError, match=r"MassSetting.temperature=1e-46 is in \(0, 1000\]"):
+        MassSetting(target=0.9, temperature=1e-46)
+
+
+def test_values_rounding_keeps_on_their_side_are_sent_for_epsd_to_judge() -> None:
+    # Inside both ways (the smallest float32 above 0 included), and outside both ways: epsd
+    # refuses the latter itself, naming the value it received, which is the one given.
+    tiny = float(np.nextafter(np.float32(0), np.float32(1)))
+    message = SelectOptions(top_p=tiny, alpha=1.0, mass_temperature=1000.0,
+                            coarse_candidates=1.0).to_proto()
+    assert message.top_p == tiny and message.alpha == 1.0
+    assert SelectOptions(top_p=0.0).to_proto().top_p == 0.0
+    assert SelectOptions(alpha=0.5).to_proto().alpha == 0.5
+    assert MassSetting(target=1.5).to_proto().target == 1.5
+
+
 def test_numpy_numbers_are_taken_as_plain_ones_and_none_stays_unset() -> None:
     options = SelectOptions(top_pages=np.int64(3), alpha=np.float32(0.5), strict=np.bool_(True),
                             retrieval_heads=bytearray(b"\x01\x00"),

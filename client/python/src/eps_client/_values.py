@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,14 +37,46 @@ def integer(name: str, value: object, lo: int | None = None, hi: int | None = No
     return out
 
 
-def real(name: str, value: object) -> float:
-    """``value`` as a finite float that a float32 field holds (ints are welcome, bools not)."""
+class Interval(NamedTuple):
+    """Where epsd takes a float field: [lo, hi], either end open."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        v = float(value)  # type: ignore[arg-type]
+        return ((self.lo < v) if self.lo_open else (self.lo <= v)) and (
+            (v < self.hi) if self.hi_open else (v <= self.hi))
+
+    def __str__(self) -> str:
+        return (f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                f"{')' if self.hi_open else ']'}")
+
+
+def real(name: str, value: object, interval: Interval | None = None) -> float:
+    """``value`` as a finite float that a float32 field holds (ints are welcome, bools not).
+
+    The field carries ``value`` rounded to float32, and epsd checks that value against the
+    field's ``interval``: where the rounding moves it across an end (``top_p=1e-46`` is sent
+    as 0, which epsd would refuse as ``top_p=0``, a value never given; ``alpha=0.99999999``
+    as 1, which epsd would take), this refuses it, naming both. A value outside the interval
+    both ways is left for epsd to refuse (it names the float32 value, the one it received).
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                       np.floating)):
         raise TypeError(f"{name}={value!r} is not a number")
     out = float(value)
     if not math.isfinite(out) or abs(out) > FLOAT32_MAX:
         raise ValueError(f"{name}={out} is not a finite float32")
+    if interval is not None:
+        sent = float(np.float32(out))
+        if (out in interval) != (sent in interval):
+            given, rounded = ("in", "not in") if out in interval else ("not in", "in")
+            raise ValueError(f"{name}={out!r} is {given} {interval}, but the float32 field "
+                             f"sends it as {sent!r}, which is {rounded} {interval}: give a "
+                             f"value that float32 holds on the same side")
     return out
 
 

@@ -57,6 +57,13 @@ def _pick(table: Mapping[str, int], name: str, value: str | None) -> int:
     return table[value]
 
 
+# epsd's intervals of the float32 fields (SelectPolicy::Validate, docs/api.md), repeated here
+# only to refuse a value that rounding to float32 moves across an end (_values.real): epsd
+# checks the intervals themselves.
+_MASS_SETTING_FLOATS = {"target": _values.Interval(0.0, 1.0, lo_open=True),
+                        "temperature": _values.Interval(0.0, 1000.0, lo_open=True)}
+
+
 @dataclass(frozen=True)
 class MassSetting:
     """One layer's mass budget (``SelectOptions.mass_layers``): the SelectOptions fields of the
@@ -68,10 +75,11 @@ class MassSetting:
     max_pages: int = 0  # ceiling per head (list), 0 = none
 
     def __post_init__(self) -> None:
-        # Types and the wire's ranges only: epsd checks p and τ against their intervals.
-        for name in ("target", "temperature"):
+        # Types and the wire's ranges only: epsd checks p and τ against their intervals (a
+        # value that float32 rounding moves across an end is refused here).
+        for name, interval in _MASS_SETTING_FLOATS.items():
             object.__setattr__(self, name, _values.real(f"MassSetting.{name}",
-                                                        getattr(self, name)))
+                                                        getattr(self, name), interval))
         for name in ("min_pages", "max_pages"):
             object.__setattr__(self, name, _values.integer(f"MassSetting.{name}",
                                                            getattr(self, name), *_values.UINT32))
@@ -86,7 +94,12 @@ class MassSetting:
                            min_pages=message.min_pages, max_pages=message.max_pages)
 
 
-_FLOAT_FIELDS = ("alpha", "top_p", "mass_target", "mass_temperature", "coarse_candidates")
+# SelectOptions' float32 fields and epsd's intervals for them, as _MASS_SETTING_FLOATS.
+_FLOAT_FIELDS = {"alpha": _values.Interval(1.0, 1e6),
+                 "top_p": _values.Interval(0.0, 1.0, lo_open=True),
+                 "mass_target": _values.Interval(0.0, 1.0, lo_open=True),
+                 "mass_temperature": _values.Interval(0.0, 1000.0, lo_open=True),
+                 "coarse_candidates": _values.Interval(1.0, 1024.0)}
 _UINT32_FIELDS = ("first_n", "last_n", "top_pages", "min_pages", "max_pages")
 
 
@@ -129,10 +142,10 @@ class SelectOptions:
         for name, table in (("method", _METHOD), ("heads", _HEADS), ("budget", _BUDGET),
                             ("granularity", _GRANULARITY), ("mass_scope", _MASS_SCOPE)):
             _pick(table, f"SelectOptions.{name}", getattr(self, name))
-        for name in _FLOAT_FIELDS:
+        for name, interval in _FLOAT_FIELDS.items():
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _values.real(f"SelectOptions.{name}",
-                                                            getattr(self, name)))
+                                                            getattr(self, name), interval))
         for name in _UINT32_FIELDS:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _values.integer(
