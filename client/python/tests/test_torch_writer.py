@@ -228,3 +228,25 @@ def test_quest8_scale_at_the_power_of_two_edges_is_the_numpy_writers():
                         np.nextafter(exact, np.float32(np.inf))])
     got = _scale_for(torch.from_numpy(a)).numpy()
     assert np.array_equal(got, quest8_scale_for(a))
+
+
+def test_quest8_codes_that_read_as_a_signalling_nan_survive_an_append():
+    # Minimum codes 1, 0, -100, -1 in channels 0-3 pack into the word 0xFF9C0001, a
+    # signalling NaN when read as float32: the sums' update must not touch that word
+    # (adding 0.0 quieted it, turning code -100 into -36).
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8,
+                        features=SummaryFeatures(key_sum=False, quest=False, quest8=True))
+    key = np.array([[[1.0, 0.0, -100.0, -1.0, 127.0, 5.0, 6.0, 7.0]]], np.float32)
+    ref = SummaryWriter(model)
+    expected = np.zeros((1, 1, 1, ref.layout.record_words), np.float32)
+    ref.reset(expected)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(expected.shape)
+    writer.reset(pool, torch.arange(1))
+    for _ in range(2):
+        ref.append(expected, 0, [0], key)
+        writer.append(pool, 0, torch.tensor([0]), torch.from_numpy(key))
+    lay = ref.layout
+    assert expected[0, 0, 0, lay.quest8 : lay.quest8 + 1].view(np.uint32)[0] == 0xFF9C0001
+    span = slice(lay.quest8, lay.quest8 + model.head_dim // 2 + 1)
+    assert pool.numpy()[..., span].tobytes() == expected[..., span].tobytes()

@@ -146,7 +146,11 @@ class TorchSummaryWriter:
         n = k.shape[0]
         y = torch.einsum("nhd,hdm->nhm", k, self.phi[layer])  # [n, H, m]
         norm2 = (k * k).sum(-1)  # [n, H]
-        delta = torch.zeros(n, H, W, device=pool.device, dtype=torch.float32)
+        # The sums (G, fro2, count, key_sum) are added; the words after them are left alone:
+        # adding 0.0 to packed codes read as float32 would quiet a signalling-NaN pattern
+        # and turn -0.0 into +0.0, changing a code.
+        summed = lay.key_sum + d if lay.key_sum >= 0 else lay.count + 1
+        delta = torch.zeros(n, H, summed, device=pool.device, dtype=torch.float32)
         delta[..., : lay.gram_words] = y[..., self._gi] * y[..., self._gj]
         delta[..., lay.fro2] = norm2
         delta[..., lay.count] = 1.0
@@ -155,7 +159,7 @@ class TorchSummaryWriter:
         rows = ((slots * L + layer) * H)[:, None] + torch.arange(H, device=pool.device)[None]
         rows = rows.reshape(-1)  # [n*H] rows of the [slots*L*H, W] view
         flat = pool.view(-1, W)
-        flat.index_add_(0, rows, delta.view(n * H, W))
+        flat[:, :summed].index_add_(0, rows, delta.view(n * H, summed))
         flat[:, lay.max_norm].scatter_reduce_(0, rows, norm2.sqrt().reshape(-1), reduce="amax")
         if lay.quest_min >= 0:
             kk = k.reshape(n * H, d)
