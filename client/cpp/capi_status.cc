@@ -2,6 +2,7 @@
 
 #include <exception>
 #include <new>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 
@@ -36,6 +37,8 @@ int ReportCurrentException(const char* call) noexcept {
   try {
     throw;
   } catch (const std::bad_alloc& e) {
+    return report(absl::StatusCode::kResourceExhausted, e.what());
+  } catch (const std::length_error& e) {  // a container asked for more than it can hold
     return report(absl::StatusCode::kResourceExhausted, e.what());
   } catch (const std::exception& e) {
     return report(absl::StatusCode::kInternal, e.what());

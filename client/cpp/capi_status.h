@@ -3,7 +3,8 @@
 // (eps_engine_last_error), and never a C++ exception. One thrown through an `extern "C"`
 // frame ends the engine's process (std::terminate): a std::vector of a caller's n, say,
 // throws std::bad_alloc or std::length_error for a huge n. So every entry point that does
-// more than return a constant runs its body in Guarded or GuardedCount.
+// more than return a constant or run destructors (the *_destroy calls: noexcept) runs its
+// body in Guarded or GuardedCount.
 //
 // Thread safety: the last error is per thread; everything here is safe from any thread.
 #pragma once
@@ -26,8 +27,9 @@ int Report(const absl::Status& status);
 int Refuse(const char* call, const std::string& what);
 
 // Called inside a catch block: the exception in flight as a code, with "<call>: <what()>" as
-// the thread's last error. std::bad_alloc (the host cannot hold what the caller's sizes ask
-// for) is RESOURCE_EXHAUSTED; any other exception is INTERNAL (a bug of the library). Never
+// the thread's last error. std::bad_alloc and std::length_error (the host cannot hold what
+// the caller's sizes ask for; epsd's call guard maps them alike) are RESOURCE_EXHAUSTED; any
+// other exception is INTERNAL (a bug of the library). Never
 // throws: were even the message's copy to fail, the last error is left empty.
 int ReportCurrentException(const char* call) noexcept;
 

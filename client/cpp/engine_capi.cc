@@ -1,6 +1,7 @@
 // The C ABI of engine_capi.h over gpu/stream_ops.h, the selection watchdog and
 // engine_outputs.h: conversions and error codes only (the summary writer's and queue's entry
-// points are engine_capi_summary.cc's). Every entry point runs in capi::Guarded.
+// points are engine_capi_summary.cc's). Every entry point but the *_destroy calls (destructors,
+// noexcept) runs in capi::Guarded.
 #include "client/cpp/engine_capi.h"
 
 #include <cuda_runtime.h>

@@ -168,9 +168,11 @@ typedef struct EpsSummaryQueue EpsSummaryQueue;
 int eps_engine_summary_queue_create(EpsSummaryWriter* writer, int32_t device,
                                     EpsSummaryQueue** out);
 /* Queues the appends on `after_stream` (after its work so far), then the queue's counter
- * is raised to `step` there. No host wait. Appends the host checks refuse: the counter is
- * still raised and the refusal returned. One stream per queue: a stream other than the
- * first submit's is refused with INVALID_ARGUMENT (nothing queued, no raise). */
+ * is raised to `step` there. No host wait. Appends refused (a negative or too large n, a
+ * null array, a bad key_dtype, keys the host checks refuse, a host copy that cannot be
+ * allocated): the counter is still raised and the refusal returned. A null queue raises
+ * nothing. One stream per queue: a stream other than the first submit's is refused with
+ * INVALID_ARGUMENT (nothing queued, no raise). */
 int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appends, int64_t n,
                                     int32_t key_dtype, uint64_t after_stream, uint64_t step);
 /* Enqueues on `stream`: wait until the appends of `step` are applied. */

@@ -198,10 +198,24 @@ int eps_engine_summary_queue_submit(EpsSummaryQueue* q, const EpsKeyAppend* appe
     const eps::client::DeviceScope scope(eps::client::RestoreCurrentDevice{});
     if (q == nullptr)
       return Refuse("eps_engine_summary_queue_submit", "the queue is null (destroyed?)");
-    if (int rc = CheckAppends("eps_engine_summary_queue_submit", appends, n); rc != 0) return rc;
+    int rc = CheckAppends("eps_engine_summary_queue_submit", appends, n);
     absl::StatusOr<eps::DType> dtype = KeyDType(key_dtype);
-    if (!dtype.ok()) return Report(dtype.status());
-    return Report(q->queue->Submit(Appends(appends, n), *dtype, Stream(after_stream), step));
+    if (rc == 0 && !dtype.ok()) rc = Report(dtype.status());
+    std::vector<eps::gpu::KeyAppend> copied;
+    if (rc == 0) {
+      try {
+        copied = Appends(appends, n);
+      } catch (...) {
+        rc = eps::capi::ReportCurrentException("eps_engine_summary_queue_submit");
+      }
+    }
+    if (rc != 0) {
+      // Refused appends still raise the counter (engine_capi.h): a stream waiting for this
+      // step must not hang. The refusal, already the thread's last error, is what returns.
+      (void)q->queue->Submit({}, eps::DType::kFloat32, Stream(after_stream), step);
+      return rc;
+    }
+    return Report(q->queue->Submit(std::move(copied), *dtype, Stream(after_stream), step));
   });
 }
 

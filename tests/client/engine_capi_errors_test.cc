@@ -3,8 +3,10 @@
 // asked, and a count too large for one call refused before anything is sized by it.
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include "client/cpp/engine_capi.h"
 #include "gtest/gtest.h"
@@ -84,6 +86,15 @@ TEST_F(EngineCapiTest, ACountTooLargeForOneCallIsRefusedBeforeAnythingIsSizedByI
   ExpectRefused(
       eps_engine_summary_queue_submit(queue, &one, INT64_MAX / 40, EPS_ENGINE_FLOAT32, 0, 1),
       "exceeds the 67108863 appends of one call");
+  // The refused submit still raised the counter to its step: a stream waiting for step 1
+  // goes on (it waited for ever when the refusal came before the queue's raise).
+  ASSERT_EQ(eps_engine_summary_queue_wait(queue, 0, 1), 0) << eps_engine_last_error();
+  bool done = false;
+  for (int i = 0; i < 5000 && !done; ++i) {  // 5 s: the raise is queued on the same stream
+    done = cudaStreamQuery(nullptr) == cudaSuccess;
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(done) << "a wait for the refused step's counter never ended";
   ExpectRefused(eps_engine_summary_reset(writer, &run, INT64_MAX, 0),
                 "n=9223372036854775807 exceeds the 2147483647 runs of one call");
   ExpectRefused(eps_engine_summary_reset(writer, &run, int64_t{1} << 31, 0),
