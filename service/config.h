@@ -45,7 +45,7 @@ struct ServerConfig {
   uint32_t abandoned_stream_limit_ms = 0;
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; empty: not served
   std::string health_listen;  // grpc.health.v1 over TCP (host:port); empty: not served
-  std::string step_log;       // JSONL step log path; empty: off (RunEpsd opens it)
+  std::string step_log;       // JSONL step log path; empty: off (RunEpsd opens it, else Start)
   bool help = false;
   bool version = false;
 };
