@@ -6,11 +6,11 @@ ships for the lowest Kubernetes version the overlay supports and for the newest 
 it knows; the ServiceMonitor against servicemonitor.schema.json. Then every
 Deployment's pod template is checked for what docs/deploy.md and docs/deploy-operations.md
 promise: epsd as a native sidecar with kubelet gRPC startup and liveness probes on its
-health port and no readiness probe (its readiness would be the pod's), the socket and /dev/shm shared with
-the engine, hardened containers with resources, memory budgets (--max-server-bytes) that fit
-epsd's memory limit, GPU sharing that hands both containers the same device, and a
-GPU the image has code for (the Dockerfile's CUDA_ARCHITECTURES). Exit status 1 lists
-every problem found.
+health port and no readiness probe (its readiness would be the pod's), the socket and
+/dev/shm shared with the engine, hardened containers with resources, memory budgets
+(--max-server-bytes) that fit epsd's memory limit, GPU sharing that hands both containers
+the same device, and a GPU the image has code for (the Dockerfile's CUDA_ARCHITECTURES).
+Exit status 1 lists every problem found.
 
 Usage: validate_manifests.py [--k8s-dir deploy/k8s]
 """

@@ -41,7 +41,8 @@ sh -c "$RESTART"; echo "again=$?"
 def restart_command() -> str:
     text = (REPO / "docs/deploy-operations.md").read_text()
     found = re.search(r"-- sh -c \\\n\s*'([^']*)'", text)
-    assert found, "docs/deploy-operations.md has no `kubectl exec ... -c epsd -- sh -c '...'` command"
+    assert found, ("docs/deploy-operations.md has no `kubectl exec ... -c epsd -- sh -c '...'` "
+                   "command")
     return found.group(1)
 
 

@@ -172,8 +172,8 @@ class PagedEngine:
                                self.eps_model.group_blocks)
                 for layer in range(self.model.c.num_layers)]
 
-    def attend_layer(self, layer: int, q: torch.Tensor, table: torch.Tensor, used: torch.Tensor,
-                gated: bool) -> torch.Tensor:
+    def attend_layer(self, layer: int, q: torch.Tensor, table: torch.Tensor,
+                     used: torch.Tensor, gated: bool) -> torch.Tensor:
         """The attention of one layer; gated with feedback, it also writes the feedback."""
         if gated and self.feedback_targets is not None:
             return self.attend(q, self.kv[layer], table, used,

@@ -97,3 +97,12 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     seed = int(os.environ.get("EPS_TEST_SEED", random.randrange(1 << 31)))
     print(f"{request.node.name}: seed {seed} (replay with EPS_TEST_SEED={seed})")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def quest8_edges() -> np.ndarray:
+    """127·2^e for every e whose product is a float32 (subnormal ones included), with the
+    float32 just below and just above each: where the quest8 scale's power of two changes."""
+    exact = np.array([127.0 * 2.0**e for e in range(-149, 121)], dtype=np.float32)
+    return np.concatenate([exact, np.nextafter(exact, np.float32(0.0)),
+                           np.nextafter(exact, np.float32(np.inf))])

@@ -123,15 +123,6 @@ def test_quest8_scale_steps_and_zero_keys_equal_core_bit_for_bit(core_reference,
     assert np.all(scale == quest8_scale_for(np.abs(keys).max(axis=(0, 2))))
 
 
-def quest8_edge_magnitudes() -> np.ndarray:
-    """127·2^e for every e whose product is a float32 (subnormal ones included), with the
-    float32 just below and just above each: where the scale's power of two changes."""
-    exact = np.array([127.0 * 2.0**e for e in range(-149, 121)], dtype=np.float32)
-    below = np.nextafter(exact, np.float32(0.0))
-    above = np.nextafter(exact, np.float32(np.inf))
-    return np.concatenate([exact, below, above])
-
-
 def plain_quest8_scale(a: float) -> float:
     """The definition itself, in exact float64 arithmetic: the smallest power of two
     s >= 2^-149 with 127·s >= a."""
@@ -141,22 +132,23 @@ def plain_quest8_scale(a: float) -> float:
     return 2.0**e
 
 
-def test_quest8_scale_at_the_power_of_two_edges_is_the_definition():
-    a = quest8_edge_magnitudes()
+def test_quest8_scale_at_the_power_of_two_edges_is_the_definition(quest8_edges):
+    a = quest8_edges
     expected = np.array([plain_quest8_scale(float(x)) for x in a], dtype=np.float32)
     assert np.array_equal(quest8_scale_for(a), expected)
     assert quest8_scale_for(np.zeros(1, np.float32))[0] == 0.0
 
 
 def test_quest8_records_at_the_power_of_two_edges_equal_core_bit_for_bit(core_reference,
-                                                                       tmp_path, rng):
+                                                                       tmp_path, rng,
+                                                                       quest8_edges):
     # One group per slot whose largest |k| is 127·2^e, or the float32 just below or above it,
     # in a random channel and sign, the other keys smaller: core's scale and codes exactly.
     model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
                         phi_seed=int(rng.integers(0, 1 << 63)),
                         features=SummaryFeatures(key_sum=False, quest=False, quest8=True))
-    edges = quest8_edge_magnitudes()
-    edges = edges[edges <= 1e17]  # keys past ~3e18 overflow the records' header sums
+    # keys past ~3e18 overflow the records' header sums
+    edges = quest8_edges[quest8_edges <= 1e17]
     picks = edges[rng.choice(edges.size, size=24, replace=False)]
     ops = []
     for slot, amax in enumerate(picks):

@@ -60,8 +60,9 @@ def _pick(table: Mapping[str, int], name: str, value: str | None) -> int:
 # epsd's intervals of the float32 fields (SelectPolicy::Validate, docs/api.md), repeated here
 # only to refuse a value that rounding to float32 moves across an end (_values.real): epsd
 # checks the intervals themselves.
-_MASS_SETTING_FLOATS = {"target": _values.Interval(0.0, 1.0, lo_open=True),
-                        "temperature": _values.Interval(0.0, 1000.0, lo_open=True)}
+_SHARE = _values.Interval(0.0, 1.0, lo_open=True)  # p: top_p, a mass target
+_TEMPERATURE = _values.Interval(0.0, 1000.0, lo_open=True)
+_MASS_SETTING_FLOATS = {"target": _SHARE, "temperature": _TEMPERATURE}
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,9 @@ class MassSetting:
 
 # SelectOptions' float32 fields and epsd's intervals for them, as _MASS_SETTING_FLOATS.
 _FLOAT_FIELDS = {"alpha": _values.Interval(1.0, 1e6),
-                 "top_p": _values.Interval(0.0, 1.0, lo_open=True),
-                 "mass_target": _values.Interval(0.0, 1.0, lo_open=True),
-                 "mass_temperature": _values.Interval(0.0, 1000.0, lo_open=True),
+                 "top_p": _SHARE,
+                 "mass_target": _SHARE,
+                 "mass_temperature": _TEMPERATURE,
                  "coarse_candidates": _values.Interval(1.0, 1024.0)}
 _UINT32_FIELDS = ("first_n", "last_n", "top_pages", "min_pages", "max_pages")
 
