@@ -58,14 +58,18 @@ absl::Status ValidateMass(const MassSetting& m, const std::string& prefix) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", m.min_pages, ", ", prefix,
                                                    "max_pages=", m.max_pages, " must be >= 0"));
   }
-  if (m.max_pages > 0 && m.min_pages > m.max_pages) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", m.min_pages, " exceeds ",
-                                                   prefix, "max_pages=", m.max_pages));
-  }
-  return absl::OkStatus();
+  return CheckPageBounds(m.min_pages, m.max_pages, prefix);
 }
 
 }  // namespace
+
+absl::Status CheckPageBounds(int64_t min_pages, int64_t max_pages, const std::string& prefix) {
+  if (max_pages > 0 && min_pages > max_pages) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", min_pages, " exceeds ",
+                                                   prefix, "max_pages=", max_pages));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status SelectPolicy::Validate(const ModelLayout& model) const {
   if (!(alpha >= 1.0f) || !std::isfinite(alpha)) {

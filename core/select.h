@@ -56,6 +56,12 @@ const char* BudgetName(Budget budget);
 const char* GranularityName(Granularity granularity);
 const char* MassScopeName(MassScope scope);
 
+// A floor of unforced groups above its ceiling (max_pages 0: no ceiling) is refused, naming
+// both as `<prefix>min_pages` and `<prefix>max_pages` ("" for the policy's own fields,
+// "mass_layers[i]." for a layer's). SelectPolicy::Validate checks it; epsd also checks it on
+// the values as sent, before they are capped (service/convert.cc).
+absl::Status CheckPageBounds(int64_t min_pages, int64_t max_pages, const std::string& prefix);
+
 struct SelectPolicy {
   // questclt: the best ranking of real keys from quest's record (docs/policy.md,
   // "The default method").

@@ -132,33 +132,20 @@ namespace {
 constexpr uint32_t kCountCap = uint32_t{1} << 30;
 int CappedCount(uint32_t sent) { return static_cast<int>(std::min(sent, kCountCap)); }
 
-// min_pages <= max_pages (max_pages 0: no ceiling) on the values as sent, before CappedCount:
-// capped first, min_pages=2^31+5 and max_pages=2^31 both read 2^30 and passed. `prefix`
-// names the setting ("" for the options' own, "mass_layers[i]."), as SelectPolicy::Validate's
-// message does.
-absl::Status CheckFloorBelowCeiling(uint32_t min_pages, uint32_t max_pages,
-                                    const std::string& prefix) {
-  if (max_pages > 0 && min_pages > max_pages) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "min_pages=", min_pages, " exceeds ",
-                                                   prefix, "max_pages=", max_pages));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<SelectPolicy> MergeOptions(const SelectPolicy& base, const v1::SelectOptions& o) {
   SelectPolicy p = base;
-  // The relations of the count fields, on the values as sent where both came in this message
-  // (one left unset takes base's value, whose relation SelectPolicy::Validate checks after the
-  // cap: a base value of 2^30 may stand for any larger one sent before).
+  // The relations of the count fields, on the values as sent where both came in this message,
+  // before CappedCount (capped first, min_pages=2^31+5 and max_pages=2^31 both read 2^30 and
+  // passed). One left unset takes base's value, whose relation SelectPolicy::Validate checks
+  // after the cap: a base value of 2^30 may stand for any larger one sent before.
   if (o.has_min_pages() && o.has_max_pages()) {
-    RETURN_IF_ERROR(CheckFloorBelowCeiling(o.min_pages(), o.max_pages(), ""));
+    RETURN_IF_ERROR(CheckPageBounds(o.min_pages(), o.max_pages(), ""));
   }
   for (int i = 0; i < o.mass_layers_size(); ++i) {
-    RETURN_IF_ERROR(CheckFloorBelowCeiling(o.mass_layers(i).min_pages(),
-                                           o.mass_layers(i).max_pages(),
-                                           absl::StrCat("mass_layers[", i, "].")));
+    RETURN_IF_ERROR(CheckPageBounds(o.mass_layers(i).min_pages(), o.mass_layers(i).max_pages(),
+                                    absl::StrCat("mass_layers[", i, "].")));
   }
   switch (o.method()) {
     case v1::METHOD_UNSPECIFIED:
