@@ -30,8 +30,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/status.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/config.h"
 #include "service/cpu_backend.h"
@@ -39,6 +37,7 @@
 #include "service/session.h"
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
+#include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -347,9 +346,6 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
   const std::string path = absl::StrCat("/tmp/epsd-test-fault-", getpid(), ".sock");
   // After the server (declared below it): epsd keeps the lock file (service/unix_socket.h).
   absl::Cleanup remove_lock = [&] { unlink((path + ".lock").c_str()); };
-  absl::StatusOr<ServerConfig> config =
-      ParseFlags({"--listen=unix://" + path, "--metrics-listen=off"});
-  ASSERT_TRUE(config.ok()) << config.status();
   ServerHooks hooks{
       .on_fatal = [&] { fatal_calls.fetch_add(1); },
       .make_backend =
@@ -359,10 +355,11 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
         return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault));
       },
       .step_log = nullptr};
-  absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = v1::PageSelector::NewStub(
-      grpc::CreateChannel((*server)->bound_address(), grpc::InsecureChannelCredentials()));
+  absl::StatusOr<LoopbackServer> epsd =
+      StartLoopbackServer({"--listen=unix://" + path, "--metrics-listen=off"}, std::move(hooks));
+  ASSERT_TRUE(epsd.ok()) << epsd.status();
+  EpsServer& server = *epsd->server;
+  v1::PageSelector::Stub* stub = epsd->stub.get();
   TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
   engine.Fill(0, 0, 300);
   const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 300)};
@@ -383,14 +380,14 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
   };
   ASSERT_TRUE(step(1).ok());
   EXPECT_EQ(fatal_calls.load(), 0);
-  EXPECT_TRUE((*server)->fatal().ok());
+  EXPECT_TRUE(server.fatal().ok());
 
   fault = Fault::kLoseNow;
   const grpc::Status lost = step(2);
   EXPECT_EQ(lost.error_code(), grpc::StatusCode::INTERNAL) << lost.error_message();
   EXPECT_EQ(step(3).error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(fatal_calls.load(), 1);
-  EXPECT_TRUE(IsDeviceLost((*server)->fatal())) << (*server)->fatal();
+  EXPECT_TRUE(IsDeviceLost(server.fatal())) << server.fatal();
   v1::AttachResponse refused;
   const grpc::Status again = call(
       [&](grpc::ClientContext* c) { return stub->Attach(c, engine.Attach("engine-b"), &refused); });

@@ -26,6 +26,7 @@
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
 #include "tests/service/long_calls.h"
+#include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -71,30 +72,22 @@ class UntilCancelledBackend final : public StepBackend {
 class BusyServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off",
-                    absl::StrCat("--max-sessions=", kBusy + 1)});  // on any number of cores
-    ASSERT_TRUE(config.ok()) << config.status();
     LongSteps* steps = &steps_;
-    ServerHooks hooks;
-    hooks.make_backend =
+    absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(
         [steps](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
                 std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-      ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-      return std::unique_ptr<StepBackend>(new UntilCancelledBackend(std::move(cpu), steps));
-    };
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    stub_ = v1::PageSelector::NewStub(
-        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+          return std::unique_ptr<StepBackend>(new UntilCancelledBackend(std::move(cpu), steps));
+        },
+        {absl::StrCat("--max-sessions=", kBusy + 1)});  // on any number of cores
+    ASSERT_TRUE(epsd.ok()) << epsd.status();
+    server_ = std::move(epsd->server);
+    stub_ = std::move(epsd->stub);
     engine_.Fill(0, 0, 300);
     for (int i = 0; i <= kBusy; ++i) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       v1::AttachResponse attached;
       const std::string engine_id = i < kBusy ? absl::StrCat("busy-", i) : "idle";
-      const grpc::Status s = stub_->Attach(&context, engine_.Attach(engine_id), &attached);
+      const grpc::Status s = eps::testing::RawAttach(*stub_, engine_.Attach(engine_id), &attached);
       ASSERT_TRUE(s.ok()) << engine_id << ": " << s.error_message();
       if (i < kBusy) {
         busy_ids_.push_back(attached.session_id());

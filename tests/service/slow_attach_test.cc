@@ -18,8 +18,6 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/status.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/cpu_backend.h"
 #include "service/server.h"
@@ -27,6 +25,7 @@
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
 #include "tests/service/long_calls.h"
+#include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -75,22 +74,14 @@ class SlowAttachTest : public ::testing::Test {
  protected:
   void SetUp() override {
     // A lease far past the tests' waits: a session still held after one was never freed.
-    absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off", "--lease-ms=60000",
-                    absl::StrCat("--max-sessions=", kSlow + 1)});
-    ASSERT_TRUE(config.ok()) << config.status();
-    ServerHooks hooks;
-    hooks.make_backend = SlowBuilds(&builds_);
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    stub_ = v1::PageSelector::NewStub(
-        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+    absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(
+        SlowBuilds(&builds_), {"--lease-ms=60000", absl::StrCat("--max-sessions=", kSlow + 1)});
+    ASSERT_TRUE(epsd.ok()) << epsd.status();
+    server_ = std::move(epsd->server);
+    stub_ = std::move(epsd->stub);
     engine_.Fill(0, 0, 300);
-    grpc::ClientContext context;
-    context.set_deadline(In(std::chrono::seconds(30)));
     v1::AttachResponse attached;
-    const grpc::Status s = stub_->Attach(&context, engine_.Attach("idle"), &attached);
+    const grpc::Status s = eps::testing::RawAttach(*stub_, engine_.Attach("idle"), &attached);
     ASSERT_TRUE(s.ok()) << s.error_message();
     idle_ = attached.session_id();
   }

@@ -17,8 +17,6 @@
 #include "absl/synchronization/notification.h"
 #include "core/status.h"
 #include "gmock/gmock.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/cpu_backend.h"
 #include "service/server.h"
@@ -28,6 +26,7 @@
 #include "service/telemetry/telemetry.h"
 #include "tests/core/test_util.h"
 #include "tests/service/held_steps.h"
+#include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -80,27 +79,19 @@ class HeldBackend final : public StepBackend {
 class HeldServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"});
-    ASSERT_TRUE(config.ok()) << config.status();
     HeldSteps* held = &held_;
-    ServerHooks hooks;
-    hooks.make_backend =
+    absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(
         [held](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
                std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-      ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-      return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
-    };
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    stub_ = v1::PageSelector::NewStub(
-        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
+          return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
+        });
+    ASSERT_TRUE(epsd.ok()) << epsd.status();
+    server_ = std::move(epsd->server);
+    stub_ = std::move(epsd->stub);
     engine_.Fill(0, 0, 300);
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::AttachResponse attached;
-    const grpc::Status s = stub_->Attach(&context, engine_.Attach("engine-a"), &attached);
+    const grpc::Status s = eps::testing::RawAttach(*stub_, engine_.Attach("engine-a"), &attached);
     ASSERT_TRUE(s.ok()) << s.error_message();
     id_ = attached.session_id();
   }
