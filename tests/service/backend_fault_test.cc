@@ -37,6 +37,7 @@
 #include "service/session.h"
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
@@ -74,11 +75,10 @@ enum class Fault {
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
 // (a sync step's Finish), or in a finished async step reported with a later one.
-class LossyBackend final : public StepBackend {
+class LossyBackend final : public ForwardingBackend {
  public:
   LossyBackend(std::unique_ptr<StepBackend> inner, std::atomic<Fault>* fault)
-      : inner_(std::move(inner)), fault_(fault) {}
-  BackendKind kind() const override { return inner_->kind(); }
+      : ForwardingBackend(std::move(inner)), fault_(fault) {}
   absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     switch (fault_->load()) {
@@ -101,8 +101,7 @@ class LossyBackend final : public StepBackend {
       case Fault::kLoseAtRetire:
         break;
     }
-    absl::MutexLock lock(&inner_->step_mu());
-    const absl::Status s = inner_->Run(step, outcome);
+    const absl::Status s = RunInner(step, outcome);
     if (fault_->load() == Fault::kSaturatedBytes) {  // a step of a 2^35-token context
       outcome->stats.kv_bytes_dense = std::numeric_limits<int64_t>::max();
     }
@@ -116,7 +115,6 @@ class LossyBackend final : public StepBackend {
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   std::atomic<Fault>* fault_;
 };
 
@@ -346,15 +344,9 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
   const std::string path = absl::StrCat("/tmp/epsd-test-fault-", getpid(), ".sock");
   // After the server (declared below it): epsd keeps the lock file (service/unix_socket.h).
   absl::Cleanup remove_lock = [&] { unlink((path + ".lock").c_str()); };
-  ServerHooks hooks{
-      .on_fatal = [&] { fatal_calls.fetch_add(1); },
-      .make_backend =
-          [&](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-              std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-        ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-        return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault));
-      },
-      .step_log = nullptr};
+  ServerHooks hooks{.on_fatal = [&] { fatal_calls.fetch_add(1); },
+                    .make_backend = WrapCpuBackend<LossyBackend>(&fault),
+                    .step_log = nullptr};
   absl::StatusOr<LoopbackServer> epsd =
       StartLoopbackServer({"--listen=unix://" + path, "--metrics-listen=off"}, std::move(hooks));
   ASSERT_TRUE(epsd.ok()) << epsd.status();

@@ -15,16 +15,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "core/status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "service/cpu_backend.h"
 #include "service/epsd_main.h"
 #include "service/server.h"
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
 #include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
@@ -40,11 +39,10 @@ using LongSteps = held::LongCalls;
 // The cpu backend, but a session's first step runs until its caller gives up, as a cpu
 // step of a large model runs for seconds and stops before its next (row, layer) once its
 // caller has gone (or until the test releases it).
-class UntilCancelledBackend final : public StepBackend {
+class UntilCancelledBackend final : public ForwardingBackend {
  public:
   UntilCancelledBackend(std::unique_ptr<StepBackend> inner, LongSteps* steps)
-      : inner_(std::move(inner)), steps_(steps) {}
-  BackendKind kind() const override { return inner_->kind(); }
+      : ForwardingBackend(std::move(inner)), steps_(steps) {}
   absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     if (!ran_long_) {
@@ -57,12 +55,10 @@ class UntilCancelledBackend final : public StepBackend {
         }
       }
     }
-    absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
+    return RunInner(step, outcome);
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   LongSteps* steps_;
   bool ran_long_ ABSL_GUARDED_BY(step_mu_) = false;
 };
@@ -72,13 +68,8 @@ class UntilCancelledBackend final : public StepBackend {
 class BusyServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    LongSteps* steps = &steps_;
     absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(
-        [steps](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-          return std::unique_ptr<StepBackend>(new UntilCancelledBackend(std::move(cpu), steps));
-        },
+        WrapCpuBackend<UntilCancelledBackend>(&steps_),
         {absl::StrCat("--max-sessions=", kBusy + 1)});  // on any number of cores
     ASSERT_TRUE(epsd.ok()) << epsd.status();
     server_ = std::move(epsd->server);
@@ -266,14 +257,9 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
         }
         kill(getpid(), SIGTERM);
       });
-      status = RunEpsd(
-          {"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=500",
-           absl::StrCat("--max-sessions=", sessions)},
-          [&steps](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                   std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-            ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-            return std::unique_ptr<StepBackend>(new UntilCancelledBackend(std::move(cpu), &steps));
-          });
+      status = RunEpsd({"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu",
+                        "--drain-ms=500", absl::StrCat("--max-sessions=", sessions)},
+                       WrapCpuBackend<UntilCancelledBackend>(&steps));
       client.join();
       for (std::thread& call : calls) call.join();
       unlink((path + ".lock").c_str());

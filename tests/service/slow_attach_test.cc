@@ -24,6 +24,7 @@
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
 #include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
@@ -34,20 +35,13 @@ namespace {
 using eps::testing::TestEngine;
 
 // The cpu backend, counting its destruction as the end of the build that made it.
-class CountedBackend final : public StepBackend {
+class CountedBackend final : public ForwardingBackend {
  public:
   CountedBackend(std::unique_ptr<StepBackend> inner, held::LongCalls* builds)
-      : inner_(std::move(inner)), builds_(builds) {}
+      : ForwardingBackend(std::move(inner)), builds_(builds) {}
   ~CountedBackend() override { builds_->Stopped(); }
-  BackendKind kind() const override { return inner_->kind(); }
-  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
-  }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   held::LongCalls* builds_;
 };
 
