@@ -27,25 +27,13 @@
 #include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
 #include "tests/service/session_service_fixture.h"
+#include "tests/service/slow_builds.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
 namespace {
 
 using eps::testing::TestEngine;
-
-// Builds the sessions of engines named "slow-*" only once `builds->release` is notified,
-// counting each as started when it begins.
-BackendFactory SlowBuilds(held::LongCalls* builds) {
-  return [builds](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                  std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-    if (!absl::StartsWith(spec.engine_id, "slow-")) return cpu;
-    builds->Started();
-    builds->release.WaitForNotification();
-    return cpu;
-  };
-}
 
 // Holds, once `armed`, each build of engine "a" and of engine "b" until that engine's
 // release, counting it as started when it begins: after its charges are made.

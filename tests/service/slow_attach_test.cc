@@ -13,7 +13,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -24,39 +23,15 @@
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
-#include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
 #include "tests/service/loopback_server.h"
+#include "tests/service/slow_builds.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
 namespace {
 
 using eps::testing::TestEngine;
-
-// The cpu backend, counting its destruction as the end of the build that made it.
-class CountedBackend final : public ForwardingBackend {
- public:
-  CountedBackend(std::unique_ptr<StepBackend> inner, held::LongCalls* builds)
-      : ForwardingBackend(std::move(inner)), builds_(builds) {}
-  ~CountedBackend() override { builds_->Stopped(); }
-
- private:
-  held::LongCalls* builds_;
-};
-
-// Builds the sessions of engines named "slow-*" only once `builds->release` is notified,
-// counting each as started when it begins and as stopped when its backend is destroyed.
-BackendFactory SlowBuilds(held::LongCalls* builds) {
-  return [builds](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                  std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-    if (!absl::StartsWith(spec.engine_id, "slow-")) return cpu;
-    builds->Started();
-    builds->release.WaitForNotification();
-    return std::unique_ptr<StepBackend>(new CountedBackend(std::move(cpu), builds));
-  };
-}
 
 std::chrono::system_clock::time_point In(std::chrono::milliseconds wait) {
   return std::chrono::system_clock::now() + wait;
