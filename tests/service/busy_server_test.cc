@@ -1,7 +1,6 @@
 // epsd with more long steps than gRPC has callback threads: the steps run at once, other
 // engines' calls are served, cancellations stop the steps, and SIGTERM's drain ends while
 // Detach calls wait for them (service/step_gate.h, service/step_executor.h).
-#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,8 +14,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/epsd_main.h"
 #include "service/server.h"
@@ -26,6 +23,7 @@
 #include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
 #include "tests/service/loopback_server.h"
+#include "tests/service/run_epsd.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -179,16 +177,6 @@ TEST_F(BusyServerTest, LongStepsOfMoreSessionsThanCallbackThreadsRunAtOnceAndSto
   }
 }
 
-// What RunEpsd requires of its process: SIGTERM and SIGINT blocked, before any other
-// thread exists.
-void BlockStopSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-}
-
 // SIGTERM while Detach calls wait for their sessions' long steps, with more such sessions
 // than gRPC has callback threads: the drain cancels the steps at --drain-ms, they stop,
 // the Detach calls end and epsd exits 0. The steps and the Detach waits held the callback
@@ -208,8 +196,7 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
                         /*max_batch=*/1, eps::testing::TestSeed());
       engine.Fill(0, 0, 300);
       LongSteps steps;
-      std::unique_ptr<v1::PageSelector::Stub> stub = v1::PageSelector::NewStub(
-          grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
+      std::unique_ptr<v1::PageSelector::Stub> stub = StubFor(path);
       auto deadline = [](grpc::ClientContext& context, int seconds) {
         context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
       };
@@ -217,11 +204,8 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
       std::thread client([&] {
         std::vector<std::string> ids;
         for (int i = 0; i < sessions; ++i) {
-          grpc::ClientContext context;
-          deadline(context, 20);
-          context.set_wait_for_ready(true);  // until epsd listens
           v1::AttachResponse attached;
-          if (stub->Attach(&context, engine.Attach(absl::StrCat("busy-", i)), &attached).ok()) {
+          if (AttachOnceListening(*stub, engine.Attach(absl::StrCat("busy-", i)), &attached).ok()) {
             ids.push_back(attached.session_id());
           }
         }
