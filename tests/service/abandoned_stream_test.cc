@@ -16,9 +16,9 @@
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "service/config.h"
-#include "service/cpu_backend.h"
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -62,10 +62,10 @@ struct AbandonedDevice {
 };
 
 // A cuda-like session over the cpu backend whose end abandons its stream on `device`.
-class AbandoningBackend final : public StepBackend {
+class AbandoningBackend final : public ForwardingBackend {
  public:
   AbandoningBackend(std::unique_ptr<StepBackend> inner, AbandonedDevice* device)
-      : inner_(std::move(inner)), device_(device) {}
+      : ForwardingBackend(std::move(inner)), device_(device) {}
   BackendKind kind() const override { return BackendKind::kCuda; }
   bool frees_device_memory() const override { return true; }
   bool SafeToDestroy(std::chrono::steady_clock::duration) const override {
@@ -77,11 +77,6 @@ class AbandoningBackend final : public StepBackend {
     if (since.has_value()) device_->asked.fetch_add(1);
     return since;
   }
-  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
-  }
 
  protected:
   // The end of a session (not epsd's shutdown, which releases at once): the release's
@@ -92,7 +87,6 @@ class AbandoningBackend final : public StepBackend {
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   AbandonedDevice* device_;
 };
 
@@ -108,11 +102,7 @@ class AbandonedStreamTest : public ::testing::Test {
           absl::MutexLock lock(&mu_);
           seen_.push_back(s);
         },
-        [this](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-               std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-          ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-          return std::unique_ptr<StepBackend>(new AbandoningBackend(std::move(cpu), &device_));
-        });
+        WrapCpuBackend<AbandoningBackend>(&device_));
   }
   ~AbandonedStreamTest() override {
     device_.Drain();  // what is still queued is destroyed with the service

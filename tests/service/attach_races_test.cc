@@ -24,27 +24,16 @@
 #include "service/cpu_backend.h"
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
 #include "tests/service/session_service_fixture.h"
+#include "tests/service/slow_builds.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
 namespace {
 
 using eps::testing::TestEngine;
-
-// Builds the sessions of engines named "slow-*" only once `builds->release` is notified,
-// counting each as started when it begins.
-BackendFactory SlowBuilds(held::LongCalls* builds) {
-  return [builds](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                  std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-    if (!absl::StartsWith(spec.engine_id, "slow-")) return cpu;
-    builds->Started();
-    builds->release.WaitForNotification();
-    return cpu;
-  };
-}
 
 // Holds, once `armed`, each build of engine "a" and of engine "b" until that engine's
 // release, counting it as started when it begins: after its charges are made.
@@ -258,15 +247,10 @@ TEST_F(AttachRacesTest, BuildsInFlightCountAgainstMaxSessions) {
 
 // A backend whose Retire throws, once: an exception in the hand-over, after the new
 // session was published.
-class ThrowingRetire final : public StepBackend {
+class ThrowingRetire final : public ForwardingBackend {
  public:
-  explicit ThrowingRetire(std::unique_ptr<StepBackend> inner) : inner_(std::move(inner)) {}
-  BackendKind kind() const override { return inner_->kind(); }
-  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
-  }
+  explicit ThrowingRetire(std::unique_ptr<StepBackend> inner)
+      : ForwardingBackend(std::move(inner)) {}
 
  protected:
   absl::Status FinishQueued(bool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
@@ -278,7 +262,6 @@ class ThrowingRetire final : public StepBackend {
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   bool thrown_ ABSL_GUARDED_BY(step_mu_) = false;
 };
 

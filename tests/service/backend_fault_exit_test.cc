@@ -3,7 +3,6 @@
 // device drains the server and exits 1, and a step that never ends meets the drain's
 // backstop within its bound. The session service's side of the same faults is in
 // backend_fault_test.cc.
-#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -19,43 +18,18 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "eps/v1/page_selector.grpc.pb.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/config.h"
 #include "service/epsd_main.h"
 #include "service/session.h"
 #include "tests/core/test_util.h"
+#include "tests/service/run_epsd.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
 namespace {
 
 using eps::testing::TestEngine;
-
-// What RunEpsd requires of its process: SIGTERM and SIGINT blocked, before any other
-// thread exists.
-void BlockStopSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-}
-
-// Attaches `engine` to the epsd about to listen on `path` (waiting up to 20 s for it).
-grpc::Status AttachOnceListening(v1::PageSelector::Stub& stub, TestEngine& engine,
-                                 v1::AttachResponse* attached) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  context.set_wait_for_ready(true);  // until epsd listens
-  return stub.Attach(&context, engine.Attach("engine-a"), attached);
-}
-
-std::unique_ptr<v1::PageSelector::Stub> StubFor(const std::string& path) {
-  return v1::PageSelector::NewStub(
-      grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
-}
 
 // epsd's whole process (RunEpsd, what main runs) after a lost device: it drains as on a
 // signal and exits 1, saying why. In a child process (a death test), since epsd signals
@@ -72,7 +46,8 @@ TEST(EpsdDeviceLostDeathTest, ALostDeviceDrainsTheServerAndExitsOne) {
       std::atomic<bool> stopped{false};
       std::thread client([&] {
         v1::AttachResponse attached;
-        attach_code = AttachOnceListening(*StubFor(path), engine, &attached).error_code();
+        attach_code =
+            AttachOnceListening(*StubFor(path), engine.Attach("engine-a"), &attached).error_code();
         // Should epsd keep serving (the loss unnoticed), end it as an operator would, so
         // that the test fails on its exit status instead of hanging.
         const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -134,7 +109,7 @@ TEST(EpsdDrainDeathTest, AStepThatNeverEndsMeetsTheBackstopWithinItsBound) {
     std::thread([] {
       auto stub = StubFor(path);
       v1::AttachResponse attached;
-      if (!AttachOnceListening(*stub, engine, &attached).ok()) return;
+      if (!AttachOnceListening(*stub, engine.Attach("engine-a"), &attached).ok()) return;
       // The process ends in epsd's backstop (_Exit), so what it leaves is removed now:
       // the engine's shm object (epsd has it mapped) and epsd's socket lock file.
       shm_unlink(engine.buffers().shm_name().c_str());

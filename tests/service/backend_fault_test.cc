@@ -30,8 +30,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/status.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/config.h"
 #include "service/cpu_backend.h"
@@ -39,6 +37,8 @@
 #include "service/session.h"
 #include "service/session_service.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
+#include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -75,11 +75,10 @@ enum class Fault {
 
 // The cpu backend, or a lost device when `fault` says so: in the step's own status
 // (a sync step's Finish), or in a finished async step reported with a later one.
-class LossyBackend final : public StepBackend {
+class LossyBackend final : public ForwardingBackend {
  public:
   LossyBackend(std::unique_ptr<StepBackend> inner, std::atomic<Fault>* fault)
-      : inner_(std::move(inner)), fault_(fault) {}
-  BackendKind kind() const override { return inner_->kind(); }
+      : ForwardingBackend(std::move(inner)), fault_(fault) {}
   absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     switch (fault_->load()) {
@@ -102,8 +101,7 @@ class LossyBackend final : public StepBackend {
       case Fault::kLoseAtRetire:
         break;
     }
-    absl::MutexLock lock(&inner_->step_mu());
-    const absl::Status s = inner_->Run(step, outcome);
+    const absl::Status s = RunInner(step, outcome);
     if (fault_->load() == Fault::kSaturatedBytes) {  // a step of a 2^35-token context
       outcome->stats.kv_bytes_dense = std::numeric_limits<int64_t>::max();
     }
@@ -117,7 +115,6 @@ class LossyBackend final : public StepBackend {
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   std::atomic<Fault>* fault_;
 };
 
@@ -347,22 +344,14 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
   const std::string path = absl::StrCat("/tmp/epsd-test-fault-", getpid(), ".sock");
   // After the server (declared below it): epsd keeps the lock file (service/unix_socket.h).
   absl::Cleanup remove_lock = [&] { unlink((path + ".lock").c_str()); };
-  absl::StatusOr<ServerConfig> config =
-      ParseFlags({"--listen=unix://" + path, "--metrics-listen=off"});
-  ASSERT_TRUE(config.ok()) << config.status();
-  ServerHooks hooks{
-      .on_fatal = [&] { fatal_calls.fetch_add(1); },
-      .make_backend =
-          [&](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-              std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-        ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-        return std::unique_ptr<StepBackend>(new LossyBackend(std::move(cpu), &fault));
-      },
-      .step_log = nullptr};
-  absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = v1::PageSelector::NewStub(
-      grpc::CreateChannel((*server)->bound_address(), grpc::InsecureChannelCredentials()));
+  ServerHooks hooks{.on_fatal = [&] { fatal_calls.fetch_add(1); },
+                    .make_backend = WrapCpuBackend<LossyBackend>(&fault),
+                    .step_log = nullptr};
+  absl::StatusOr<LoopbackServer> epsd =
+      StartLoopbackServer({"--listen=unix://" + path, "--metrics-listen=off"}, std::move(hooks));
+  ASSERT_TRUE(epsd.ok()) << epsd.status();
+  EpsServer& server = *epsd->server;
+  v1::PageSelector::Stub* stub = epsd->stub.get();
   TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
   engine.Fill(0, 0, 300);
   const std::vector<v1::BatchRow> rows = {TestEngine::Row(0, 300)};
@@ -383,14 +372,14 @@ TEST(ServerDeviceLostTest, ALostDeviceCallsTheFatalHookOnceAndLaterCallsAreUnava
   };
   ASSERT_TRUE(step(1).ok());
   EXPECT_EQ(fatal_calls.load(), 0);
-  EXPECT_TRUE((*server)->fatal().ok());
+  EXPECT_TRUE(server.fatal().ok());
 
   fault = Fault::kLoseNow;
   const grpc::Status lost = step(2);
   EXPECT_EQ(lost.error_code(), grpc::StatusCode::INTERNAL) << lost.error_message();
   EXPECT_EQ(step(3).error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(fatal_calls.load(), 1);
-  EXPECT_TRUE(IsDeviceLost((*server)->fatal())) << (*server)->fatal();
+  EXPECT_TRUE(IsDeviceLost(server.fatal())) << server.fatal();
   v1::AttachResponse refused;
   const grpc::Status again = call(
       [&](grpc::ClientContext* c) { return stub->Attach(c, engine.Attach("engine-b"), &refused); });

@@ -1,7 +1,6 @@
 // epsd with more long steps than gRPC has callback threads: the steps run at once, other
 // engines' calls are served, cancellations stop the steps, and SIGTERM's drain ends while
 // Detach calls wait for them (service/step_gate.h, service/step_executor.h).
-#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,17 +14,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "core/status.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "service/cpu_backend.h"
 #include "service/epsd_main.h"
 #include "service/server.h"
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/long_calls.h"
+#include "tests/service/loopback_server.h"
+#include "tests/service/run_epsd.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -39,11 +37,10 @@ using LongSteps = held::LongCalls;
 // The cpu backend, but a session's first step runs until its caller gives up, as a cpu
 // step of a large model runs for seconds and stops before its next (row, layer) once its
 // caller has gone (or until the test releases it).
-class UntilCancelledBackend final : public StepBackend {
+class UntilCancelledBackend final : public ForwardingBackend {
  public:
   UntilCancelledBackend(std::unique_ptr<StepBackend> inner, LongSteps* steps)
-      : inner_(std::move(inner)), steps_(steps) {}
-  BackendKind kind() const override { return inner_->kind(); }
+      : ForwardingBackend(std::move(inner)), steps_(steps) {}
   absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     if (!ran_long_) {
@@ -56,12 +53,10 @@ class UntilCancelledBackend final : public StepBackend {
         }
       }
     }
-    absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
+    return RunInner(step, outcome);
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   LongSteps* steps_;
   bool ran_long_ ABSL_GUARDED_BY(step_mu_) = false;
 };
@@ -71,30 +66,17 @@ class UntilCancelledBackend final : public StepBackend {
 class BusyServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off",
-                    absl::StrCat("--max-sessions=", kBusy + 1)});  // on any number of cores
-    ASSERT_TRUE(config.ok()) << config.status();
-    LongSteps* steps = &steps_;
-    ServerHooks hooks;
-    hooks.make_backend =
-        [steps](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-      ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-      return std::unique_ptr<StepBackend>(new UntilCancelledBackend(std::move(cpu), steps));
-    };
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    stub_ = v1::PageSelector::NewStub(
-        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+    absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(
+        WrapCpuBackend<UntilCancelledBackend>(&steps_),
+        {absl::StrCat("--max-sessions=", kBusy + 1)});  // on any number of cores
+    ASSERT_TRUE(epsd.ok()) << epsd.status();
+    server_ = std::move(epsd->server);
+    stub_ = std::move(epsd->stub);
     engine_.Fill(0, 0, 300);
     for (int i = 0; i <= kBusy; ++i) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       v1::AttachResponse attached;
       const std::string engine_id = i < kBusy ? absl::StrCat("busy-", i) : "idle";
-      const grpc::Status s = stub_->Attach(&context, engine_.Attach(engine_id), &attached);
+      const grpc::Status s = eps::testing::RawAttach(*stub_, engine_.Attach(engine_id), &attached);
       ASSERT_TRUE(s.ok()) << engine_id << ": " << s.error_message();
       if (i < kBusy) {
         busy_ids_.push_back(attached.session_id());
@@ -195,16 +177,6 @@ TEST_F(BusyServerTest, LongStepsOfMoreSessionsThanCallbackThreadsRunAtOnceAndSto
   }
 }
 
-// What RunEpsd requires of its process: SIGTERM and SIGINT blocked, before any other
-// thread exists.
-void BlockStopSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-}
-
 // SIGTERM while Detach calls wait for their sessions' long steps, with more such sessions
 // than gRPC has callback threads: the drain cancels the steps at --drain-ms, they stop,
 // the Detach calls end and epsd exits 0. The steps and the Detach waits held the callback
@@ -224,8 +196,7 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
                         /*max_batch=*/1, eps::testing::TestSeed());
       engine.Fill(0, 0, 300);
       LongSteps steps;
-      std::unique_ptr<v1::PageSelector::Stub> stub = v1::PageSelector::NewStub(
-          grpc::CreateChannel("unix://" + path, grpc::InsecureChannelCredentials()));
+      std::unique_ptr<v1::PageSelector::Stub> stub = StubFor(path);
       auto deadline = [](grpc::ClientContext& context, int seconds) {
         context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
       };
@@ -233,11 +204,8 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
       std::thread client([&] {
         std::vector<std::string> ids;
         for (int i = 0; i < sessions; ++i) {
-          grpc::ClientContext context;
-          deadline(context, 20);
-          context.set_wait_for_ready(true);  // until epsd listens
           v1::AttachResponse attached;
-          if (stub->Attach(&context, engine.Attach(absl::StrCat("busy-", i)), &attached).ok()) {
+          if (AttachOnceListening(*stub, engine.Attach(absl::StrCat("busy-", i)), &attached).ok()) {
             ids.push_back(attached.session_id());
           }
         }
@@ -273,14 +241,9 @@ TEST(EpsdDrainDeathTest, SigtermWhileDetachCallsWaitForLongStepsEndsTheDrainWith
         }
         kill(getpid(), SIGTERM);
       });
-      status = RunEpsd(
-          {"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu", "--drain-ms=500",
-           absl::StrCat("--max-sessions=", sessions)},
-          [&steps](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                   std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-            ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-            return std::unique_ptr<StepBackend>(new UntilCancelledBackend(std::move(cpu), &steps));
-          });
+      status = RunEpsd({"--listen=unix://" + path, "--metrics-listen=off", "--backend=cpu",
+                        "--drain-ms=500", absl::StrCat("--max-sessions=", sessions)},
+                       WrapCpuBackend<UntilCancelledBackend>(&steps));
       client.join();
       for (std::thread& call : calls) call.join();
       unlink((path + ".lock").c_str());

@@ -1,6 +1,7 @@
-// Helper of the busy-server tests (busy_server_test.cc, slow_attach_test.cc): counts the
-// long calls (steps, session builds) that a test's backend holds until their callers give
-// up or the test releases them, across a server's sessions.
+// Helper of the busy-server tests (busy_server_test.cc; slow_attach_test.cc and
+// attach_races_test.cc through slow_builds.h): counts the long calls (steps, session
+// builds) that a test's backend holds until their callers give up or the test releases
+// them, across a server's sessions.
 #pragma once
 
 #include "absl/synchronization/mutex.h"

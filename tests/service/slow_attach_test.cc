@@ -13,13 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/status.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "service/cpu_backend.h"
 #include "service/server.h"
@@ -27,43 +24,14 @@
 #include "service/step_executor.h"
 #include "tests/core/test_util.h"
 #include "tests/service/long_calls.h"
+#include "tests/service/loopback_server.h"
+#include "tests/service/slow_builds.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
 namespace {
 
 using eps::testing::TestEngine;
-
-// The cpu backend, counting its destruction as the end of the build that made it.
-class CountedBackend final : public StepBackend {
- public:
-  CountedBackend(std::unique_ptr<StepBackend> inner, held::LongCalls* builds)
-      : inner_(std::move(inner)), builds_(builds) {}
-  ~CountedBackend() override { builds_->Stopped(); }
-  BackendKind kind() const override { return inner_->kind(); }
-  absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
-    absl::MutexLock lock(&inner_->step_mu());
-    return inner_->Run(step, outcome);
-  }
-
- private:
-  std::unique_ptr<StepBackend> inner_;
-  held::LongCalls* builds_;
-};
-
-// Builds the sessions of engines named "slow-*" only once `builds->release` is notified,
-// counting each as started when it begins and as stopped when its backend is destroyed.
-BackendFactory SlowBuilds(held::LongCalls* builds) {
-  return [builds](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-                  std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-    ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-    if (!absl::StartsWith(spec.engine_id, "slow-")) return cpu;
-    builds->Started();
-    builds->release.WaitForNotification();
-    return std::unique_ptr<StepBackend>(new CountedBackend(std::move(cpu), builds));
-  };
-}
 
 std::chrono::system_clock::time_point In(std::chrono::milliseconds wait) {
   return std::chrono::system_clock::now() + wait;
@@ -75,22 +43,14 @@ class SlowAttachTest : public ::testing::Test {
  protected:
   void SetUp() override {
     // A lease far past the tests' waits: a session still held after one was never freed.
-    absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off", "--lease-ms=60000",
-                    absl::StrCat("--max-sessions=", kSlow + 1)});
-    ASSERT_TRUE(config.ok()) << config.status();
-    ServerHooks hooks;
-    hooks.make_backend = SlowBuilds(&builds_);
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    stub_ = v1::PageSelector::NewStub(
-        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+    absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(
+        SlowBuilds(&builds_), {"--lease-ms=60000", absl::StrCat("--max-sessions=", kSlow + 1)});
+    ASSERT_TRUE(epsd.ok()) << epsd.status();
+    server_ = std::move(epsd->server);
+    stub_ = std::move(epsd->stub);
     engine_.Fill(0, 0, 300);
-    grpc::ClientContext context;
-    context.set_deadline(In(std::chrono::seconds(30)));
     v1::AttachResponse attached;
-    const grpc::Status s = stub_->Attach(&context, engine_.Attach("idle"), &attached);
+    const grpc::Status s = eps::testing::RawAttach(*stub_, engine_.Attach("idle"), &attached);
     ASSERT_TRUE(s.ok()) << s.error_message();
     idle_ = attached.session_id();
   }

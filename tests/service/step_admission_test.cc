@@ -15,19 +15,17 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "core/status.h"
 #include "gmock/gmock.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "service/cpu_backend.h"
 #include "service/server.h"
 #include "service/session_service.h"
 #include "service/step_executor.h"
 #include "service/step_gate.h"
 #include "service/telemetry/telemetry.h"
 #include "tests/core/test_util.h"
+#include "tests/service/forwarding_backend.h"
 #include "tests/service/held_steps.h"
+#include "tests/service/loopback_server.h"
 #include "tests/service/test_engine.h"
 
 namespace eps::service {
@@ -50,11 +48,10 @@ struct HeldSteps {
   EventLog log;
 };
 
-class HeldBackend final : public StepBackend {
+class HeldBackend final : public ForwardingBackend {
  public:
   HeldBackend(std::unique_ptr<StepBackend> inner, HeldSteps* held)
-      : inner_(std::move(inner)), held_(held) {}
-  BackendKind kind() const override { return inner_->kind(); }
+      : ForwardingBackend(std::move(inner)), held_(held) {}
   absl::Status Run(const BackendStep& step, StepOutcome* outcome) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     if (step.step == 1) {
@@ -65,14 +62,12 @@ class HeldBackend final : public StepBackend {
       held_->log.Add("step 2 started");
       held_->release_second.WaitForNotificationWithTimeout(absl::Seconds(10));
     }
-    absl::MutexLock lock(&inner_->step_mu());
-    const absl::Status s = inner_->Run(step, outcome);
+    const absl::Status s = RunInner(step, outcome);
     if (step.step == 2) held_->log.Add("step 2 ended");
     return s;
   }
 
  private:
-  std::unique_ptr<StepBackend> inner_;
   HeldSteps* held_;
 };
 
@@ -80,27 +75,13 @@ class HeldBackend final : public StepBackend {
 class HeldServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<ServerConfig> config =
-        ParseFlags({"--listen=127.0.0.1:0", "--metrics-listen=off"});
-    ASSERT_TRUE(config.ok()) << config.status();
-    HeldSteps* held = &held_;
-    ServerHooks hooks;
-    hooks.make_backend =
-        [held](const SessionSpec& spec, const SessionBuffers&, const ServerConfig&,
-               std::unique_ptr<StepBackend>*) -> absl::StatusOr<std::unique_ptr<StepBackend>> {
-      ASSIGN_OR_RETURN(std::unique_ptr<StepBackend> cpu, MakeCpuBackend(spec.model));
-      return std::unique_ptr<StepBackend>(new HeldBackend(std::move(cpu), held));
-    };
-    absl::StatusOr<std::unique_ptr<EpsServer>> server = EpsServer::Start(*config, std::move(hooks));
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    stub_ = v1::PageSelector::NewStub(
-        grpc::CreateChannel(server_->bound_address(), grpc::InsecureChannelCredentials()));
+    absl::StatusOr<LoopbackServer> epsd = StartLoopbackServer(WrapCpuBackend<HeldBackend>(&held_));
+    ASSERT_TRUE(epsd.ok()) << epsd.status();
+    server_ = std::move(epsd->server);
+    stub_ = std::move(epsd->stub);
     engine_.Fill(0, 0, 300);
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::AttachResponse attached;
-    const grpc::Status s = stub_->Attach(&context, engine_.Attach("engine-a"), &attached);
+    const grpc::Status s = eps::testing::RawAttach(*stub_, engine_.Attach("engine-a"), &attached);
     ASSERT_TRUE(s.ok()) << s.error_message();
     id_ = attached.session_id();
   }
