@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 
@@ -21,8 +22,18 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(const Model
   static std::atomic<int> counter{0};
   auto b = std::unique_ptr<EngineBuffers>(new EngineBuffers(*std::move(plan)));
   const uint64_t size = b->plan_.size;
+  // /eps-<tag>-<pid>-<n>, created exclusively. A name can be taken by an object a dead
+  // process of the same pid left behind: a crashed engine restarted in its container, whose
+  // /dev/shm outlives it, often gets its old pid back. Such a name is left alone (it may
+  // not be stale) and a random suffix makes another.
   b->name_ = absl::StrCat("/eps-", tag, "-", getpid(), "-", counter.fetch_add(1));
-  const int fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  const std::string base = b->name_;
+  int fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  for (int retry = 0; fd < 0 && errno == EEXIST && retry < 8; ++retry) {
+    std::random_device entropy;
+    b->name_ = absl::StrCat(base, "-", absl::Hex(uint64_t{entropy()} << 32 | entropy()));
+    fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  }
   if (fd < 0)
     return absl::InternalError(absl::StrCat("shm_open ", b->name_, ": ", std::strerror(errno)));
   // posix_fallocate, not ftruncate alone: on tmpfs a truncated object is sparse, so a

@@ -3,14 +3,18 @@
 // accessors on the plan's offsets. Host memory only.
 #include "client/cpp/buffer_plan.h"
 
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <span>
 #include <string>
 
@@ -285,6 +289,34 @@ TEST(EngineBuffersTest, AttendDenselyIsNotAnEmptyListAndListsStayWithinTheirRow)
   ASSERT_TRUE(b.Visits(1, 0).has_value());
   EXPECT_EQ(b.Visits(1, 0)->size(), static_cast<size_t>(plan.max_blocks));
   EXPECT_EQ(b.VisitBlocks(1, 0).size(), static_cast<size_t>(plan.max_blocks));
+}
+
+// A crashed engine restarted in its container often gets its old pid back while /dev/shm
+// still holds the object it left: the name Create would choose is taken. Create chose
+// another name and left that object alone (before, it failed with "File exists").
+TEST(EngineBuffersTest, ANameADeadProcessLeftBehindIsLeftAloneAndAnotherChosen) {
+  auto first = EngineBuffers::Create(Model(0), Shape(0), "stale-name");
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string name = (*first)->shm_name();  // /eps-stale-name-<pid>-<n>
+  const size_t dash = name.rfind('-');
+  const std::string next =
+      name.substr(0, dash + 1) + std::to_string(std::stoi(name.substr(dash + 1)) + 1);
+  const int stale = shm_open(next.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(stale, 0) << next << ": " << std::strerror(errno);
+  ASSERT_EQ(ftruncate(stale, 4096), 0);
+  close(stale);
+
+  auto second = EngineBuffers::Create(Model(0), Shape(0), "stale-name");
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE((*second)->shm_name(), next);
+  EXPECT_EQ((*second)->shm_name().rfind(next + "-", 0), 0u) << (*second)->shm_name();
+  struct stat left {};
+  const int kept = shm_open(next.c_str(), O_RDONLY, 0);
+  ASSERT_GE(kept, 0) << "the other process's object was removed";
+  EXPECT_EQ(fstat(kept, &left), 0);
+  EXPECT_EQ(left.st_size, 4096);
+  close(kept);
+  shm_unlink(next.c_str());
 }
 
 }  // namespace

@@ -301,3 +301,27 @@ def test_a_dev_shm_too_small_is_an_oserror_not_a_sigbus(tmp_path):
          str(script)], capture_output=True, text=True, env=env)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
     assert "refused:" in run.stdout and "No space left" in run.stdout
+
+
+def test_a_name_a_dead_process_left_behind_is_left_alone_and_another_chosen():
+    # A crashed engine restarted in its container often gets its pid back while /dev/shm
+    # keeps the object it left: the name ShmBuffers would choose is taken (before, it raised
+    # FileExistsError).
+    from multiprocessing import shared_memory
+
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+    shape = BufferShape(1, 1, 64, 1)
+    with ShmBuffers(model, shape, tag="stale") as first:
+        base, n = first.shm_name.lstrip("/").rsplit("-", 1)
+    taken = f"{base}-{int(n) + 1}"
+    stale = shared_memory.SharedMemory(name=taken, create=True, size=4096)
+    try:
+        with ShmBuffers(model, shape, tag="stale") as second:
+            assert second.shm_name != "/" + taken
+            assert second.shm_name.startswith(f"/{taken}-")
+        kept = shared_memory.SharedMemory(name=taken)
+        assert kept.size >= 4096
+        kept.close()
+    finally:
+        stale.close()
+        stale.unlink()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -202,10 +203,28 @@ def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
                       f"{e.strerror} (is /dev/shm large enough? `df -h /dev/shm`)") from None
 
 
+def _create_shm(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new object named ``name``, or, when a dead process of the same pid left an object of
+    that name (a crashed engine restarted in its container often gets its pid back while
+    /dev/shm keeps the object), ``name`` with a random suffix: the other object is left alone,
+    as the C++ client's EngineBuffers does."""
+    try:
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+    except FileExistsError:
+        for _ in range(7):
+            try:
+                return shared_memory.SharedMemory(name=f"{name}-{secrets.token_hex(8)}",
+                                                  create=True, size=size)
+            except FileExistsError:
+                continue
+        raise
+
+
 class ShmBuffers:
     """The shared buffers in one POSIX shared-memory object, as numpy views.
 
-    Creates ``/eps-<tag>-<pid>-<n>``; ``close()`` (or the context manager, or
+    Creates ``/eps-<tag>-<pid>-<n>`` (with a random suffix when a dead process left that
+    name); ``close()`` (or the context manager, or
     garbage collection) unmaps and unlinks it. Not thread-safe: the engine writes
     inputs before SelectPages and reads outputs after it.
     """
@@ -213,10 +232,9 @@ class ShmBuffers:
     def __init__(self, model: ModelLayout, shape: BufferShape, tag: str = "py") -> None:
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape = model, shape
-        name = f"eps-{tag}-{os.getpid()}-{next(_counter)}"
-        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            name=name, create=True, size=self.layout.size)
-        self.shm_name = "/" + name
+        self._shm: shared_memory.SharedMemory | None = _create_shm(
+            f"eps-{tag}-{os.getpid()}-{next(_counter)}", self.layout.size)
+        self.shm_name = "/" + self._shm.name.lstrip("/")
         _reserve(self._shm, self.layout.size)
         buf = self._shm.buf
         views: dict[str, np.ndarray] = {
