@@ -1,5 +1,6 @@
 #include "service/grpc_service.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/status.h"
 #include "service/call_guard.h"
@@ -26,6 +27,29 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
+
+// A unary SelectPages call's reactor: a reply it holds counts against its session's
+// UnsentReplies until the call is done (written, or dropped with its connection).
+class SelectPagesReply final : public grpc::ServerUnaryReactor {
+ public:
+  explicit SelectPagesReply(UnsentReplies& unsent) : unsent_(unsent) {}
+  // Counts this call's reply against `session`; false when the session has too many waiting.
+  bool Hold(const std::string& session) {
+    if (!unsent_.TryHold(session)) return false;
+    session_ = session;
+    held_ = true;
+    return true;
+  }
+  void OnDone() override {
+    if (held_) unsent_.Release(session_);
+    delete this;
+  }
+
+ private:
+  UnsentReplies& unsent_;
+  std::string session_;
+  bool held_ = false;
+};
 
 // The end of a unary call answered later, from whichever thread the session service
 // calls it on (service/session_service.h, CallDone): records the call and finishes it.
@@ -186,7 +210,7 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
     return absl::OkStatus();
   });
   if (!started.ok()) return Finish(context, telemetry_, call, started);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = new SelectPagesReply(unsent_);
   // Finished where the step runs: here within the executor's bound on inline steps, else
   // on the StepExecutor (step_gate.h), this callback thread then returning at once, free
   // for other calls and for this one's cancellation, which a cpu step checks between its
@@ -194,6 +218,14 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
       [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {
+        if (s.ok() && !reactor->Hold(request->session_id())) {
+          // Its client has not read the session's last replies: this one would wait in
+          // epsd's memory as theirs do (unsent_replies.h). The step has run.
+          s = absl::ResourceExhaustedError(absl::StrCat(
+              "SelectPages: session '", telemetry::SessionLabel(request->session_id()),
+              "': ", UnsentReplies::kMaxUnsentReplies,
+              " replies of its earlier steps are not yet read by its client; read them"));
+        }
         const absl::Status status = CallGuarded("SelectPages", [&] {
           telemetry_.EndStep(call, step, *request, *response, s, backend);
           return s;

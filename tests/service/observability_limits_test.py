@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -236,3 +238,121 @@ def test_spans_the_receiver_refuses_are_dropped_and_logged_not_exported(
     assert metric(m, "eps_trace_export_failures_total") == 0  # answered: nothing to retry
     epsd.stop()
     assert "rejected" in epsd.log() and "over quota" in epsd.log()
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _literal(name: str, value: str) -> bytes:  # HPACK: literal, not indexed, no Huffman
+    n, v = name.encode(), value.encode()
+    return b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+
+
+class _UnreadingClient:
+    """HTTP/2 on epsd's socket, by hand: a zero initial window that is never opened, so no
+    reply message can reach it, while headers (not flow-controlled) still do. Acknowledges
+    SETTINGS and PING; records which streams got headers, and which ended (END_STREAM)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+        self.headers: set[int] = set()
+        self.ended: set[int] = set()
+        self._cond = threading.Condition()
+        settings = _frame(4, 0, 0, (4).to_bytes(2, "big") + (0).to_bytes(4, "big"))
+        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + settings)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):  # the test closes the socket
+            self._frames()
+
+    def _frames(self) -> None:
+        buf = b""
+        while data := self.sock.recv(65536):
+            buf += data
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                size = int.from_bytes(buf[:3], "big")
+                kind, flags = buf[3], buf[4]
+                stream = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                payload, buf = buf[9 : 9 + size], buf[9 + size :]
+                if kind == 4 and not flags & 1:
+                    self.sock.sendall(_frame(4, 1, 0, b""))
+                elif kind == 6 and not flags & 1:
+                    self.sock.sendall(_frame(6, 1, 0, payload))
+                elif kind == 1:
+                    with self._cond:
+                        self.headers.add(stream)
+                        if flags & 1:
+                            self.ended.add(stream)
+                        self._cond.notify_all()
+
+    def call(self, stream: int, method: str, message: bytes) -> None:
+        """Sends one unary call and waits until epsd has answered it with headers."""
+        headers = b"".join(_literal(n, v) for n, v in [
+            (":method", "POST"), (":scheme", "http"), (":path", method),
+            (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")])
+        body = b"\x00" + len(message).to_bytes(4, "big") + message
+        self.sock.sendall(_frame(1, 4, stream, headers) + _frame(0, 1, stream, body))
+        with self._cond:
+            assert self._cond.wait_for(lambda: stream in self.headers, timeout=30), stream
+
+
+def test_replies_a_client_never_reads_wait_at_most_four_per_session(
+    tmp_path: Path, start_epsd: Callable[..., Epsd]
+) -> None:
+    # A step's reply waits in epsd until the client's window lets it out. Every reply of a
+    # client that never read waited: 200 calls of 6.3 MB replies grew epsd from 41 MB to
+    # 2.84 GB, past --max-server-bytes. Now a session has at most four waiting and a later
+    # step answers RESOURCE_EXHAUSTED, a status alone, which reaches the client with its
+    # window still closed (before, no call of this test ended).
+    epsd = start_epsd(tmp_path, {}, [])
+    blocks, batch = 64, 2
+
+    def inline(shape: list[int], dtype: int, data: bytes = b"") -> pb.MemoryDescriptor:
+        return pb.MemoryDescriptor(
+            inline_bytes=pb.InlineBytes(data=data), shape=shape, dtype=dtype)
+
+    def attach(words: int) -> pb.AttachRequest:
+        layout = pb.ModelLayout(num_layers=2, num_q_heads=1, num_kv_heads=1, head_dim=4,
+                                block_size=16, group_blocks=1, sketch_dim=1)
+        table = b"".join(i.to_bytes(4, "little") for i in range(blocks))
+        return pb.AttachRequest(
+            engine_id="unread", layout=layout, max_batch=batch,
+            options=pb.SelectOptions(method=pb.METHOD_OFF),
+            buffers=pb.SharedBuffers(
+                summary_pool=inline([1, 2, 1, words], pb.DTYPE_FLOAT32),
+                group_table=inline([1, blocks], pb.DTYPE_INT32),
+                block_table=inline([1, blocks], pb.DTYPE_INT32, table),
+                queries=inline([2, batch, 1, 4], pb.DTYPE_FLOAT32),
+                visit_blocks=inline([2, batch, blocks], pb.DTYPE_INT32),
+                visit_count=inline([2, batch], pb.DTYPE_INT32)))
+
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        try:
+            session = stub.Attach(attach(1), timeout=30).session_id
+        except grpc.RpcError as refused:  # the record's size, as epsd names it
+            words = int(re.search(r"record_words=(\d+)", refused.details()).group(1))
+            session = stub.Attach(attach(words), timeout=30).session_id
+        rows = [pb.BatchRow(table_row=0, context_tokens=blocks * 16)] * batch
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        calls = 10
+        for i in range(calls):
+            step = pb.SelectPagesRequest(session_id=session, step=i + 1, rows=rows)
+            client.call(2 * i + 1, "/eps.v1.PageSelector/SelectPages", step.SerializeToString())
+        # The first four replies wait for the window; each later step ended with its status.
+        assert client.ended == {2 * i + 1 for i in range(4, calls)}
+        # Dropping the connection drops its replies: the session steps again.
+        client.sock.close()
+        for attempt in range(100):
+            try:
+                stub.SelectPages(pb.SelectPagesRequest(session_id=session, step=calls + 1 + attempt,
+                                                       rows=rows), timeout=30)
+                break
+            except grpc.RpcError as refused:
+                assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+                time.sleep(0.05)
+        else:
+            pytest.fail("the session's replies stayed counted after their connection closed")

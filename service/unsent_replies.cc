@@ -1,0 +1,26 @@
+#include "service/unsent_replies.h"
+
+namespace eps::service {
+
+bool UnsentReplies::TryHold(const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  int& n = held_[session];
+  if (n >= kMaxUnsentReplies) return false;
+  ++n;
+  return true;
+}
+
+void UnsentReplies::Release(const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  const auto it = held_.find(session);
+  if (it == held_.end()) return;
+  if (--it->second <= 0) held_.erase(it);
+}
+
+int UnsentReplies::held(const std::string& session) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = held_.find(session);
+  return it == held_.end() ? 0 : it->second;
+}
+
+}  // namespace eps::service
