@@ -218,13 +218,16 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
       [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {
-        if (s.ok() && !reactor->Hold(request->session_id())) {
-          // Its client has not read the session's last replies: this one would wait in
-          // epsd's memory as theirs do (unsent_replies.h). The step has run.
-          s = absl::ResourceExhaustedError(absl::StrCat(
-              "SelectPages: session '", telemetry::SessionLabel(request->session_id()),
-              "': ", UnsentReplies::kMaxUnsentReplies,
-              " replies of its earlier steps are not yet read by its client; read them"));
+        if (s.ok()) {
+          s = CallGuarded("SelectPages", [&] {
+            if (reactor->Hold(request->session_id())) return absl::OkStatus();
+            // Its client has not read the session's last replies: this one would wait in
+            // epsd's memory as theirs do (unsent_replies.h). The step has run.
+            return absl::ResourceExhaustedError(absl::StrCat(
+                "SelectPages: session '", telemetry::SessionLabel(request->session_id()),
+                "': ", UnsentReplies::kMaxUnsentReplies,
+                " replies of its earlier steps are not yet read by its client; read them"));
+          });
         }
         const absl::Status status = CallGuarded("SelectPages", [&] {
           telemetry_.EndStep(call, step, *request, *response, s, backend);
