@@ -211,7 +211,7 @@ def _create_shm(name: str, size: int) -> shared_memory.SharedMemory:
     try:
         return shared_memory.SharedMemory(name=name, create=True, size=size)
     except FileExistsError:
-        for _ in range(7):
+        for _ in range(8):  # as many tries as EngineBuffers::Create makes
             try:
                 return shared_memory.SharedMemory(name=f"{name}-{secrets.token_hex(8)}",
                                                   create=True, size=size)
