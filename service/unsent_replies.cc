@@ -17,10 +17,4 @@ void UnsentReplies::Release(const std::string& session) {
   if (--it->second <= 0) held_.erase(it);
 }
 
-int UnsentReplies::held(const std::string& session) const {
-  absl::MutexLock lock(&mu_);
-  const auto it = held_.find(session);
-  return it == held_.end() ? 0 : it->second;
-}
-
 }  // namespace eps::service

@@ -29,11 +29,9 @@ class UnsentReplies {
   bool TryHold(const std::string& session);
   // The reply TryHold counted for `session` has been written or dropped (the call is done).
   void Release(const std::string& session);
-  // Replies of `session` counted now, for tests.
-  int held(const std::string& session) const;
 
  private:
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   absl::flat_hash_map<std::string, int> held_ ABSL_GUARDED_BY(mu_);
 };
 
