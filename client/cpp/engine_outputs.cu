@@ -44,6 +44,26 @@ __device__ inline bool ListUsable(const int32_t* list, int32_t count, int64_t bl
   return __syncthreads_or(outside) == 0;
 }
 
+// How many blocks a usable list of count >= 1 gains from the engine's row: a list that
+// ends at one of the row's blocks before its newest, among the newest kReuseWindowBlocks
+// (a list selected at a shorter context and reused, engine_outputs.h), gains the blocks
+// after it, when the row has room for them; any other list gains none. Called once by
+// every thread of the block (barriers inside).
+__device__ inline int64_t ReuseTail(const int32_t* list, int32_t count, const int32_t* engine_row,
+                                    int64_t blocks) {
+  __shared__ unsigned long long found;  // 1 + the row position of the list's last block
+  if (threadIdx.x == 0) found = 0;
+  __syncthreads();
+  const int32_t last = list[count - 1];
+  const int64_t low = blocks > kReuseWindowBlocks ? blocks - kReuseWindowBlocks : 0;
+  for (int64_t j = blocks - 1 - threadIdx.x; j >= low; j -= blockDim.x) {
+    if (engine_row[j] == last) atomicMax(&found, static_cast<unsigned long long>(j + 1));
+  }
+  __syncthreads();
+  const int64_t gain = found == 0 ? 0 : blocks - static_cast<int64_t>(found);
+  return count + gain <= blocks ? gain : 0;
+}
+
 // grid: layers * batch * lists. block_table [L, B, lists, max_blocks], seqused [L, B, lists].
 __global__ void FlashAttentionViewsKernel(VisitListsDevice v, EngineTableDevice e,
                                           int32_t* block_table, int32_t* seqused,
@@ -57,13 +77,18 @@ __global__ void FlashAttentionViewsKernel(VisitListsDevice v, EngineTableDevice 
   const int32_t count = v.count[in];
   const int32_t* list = v.blocks + in * v.max_blocks;
   int32_t* out = block_table + r * v.max_blocks;
+  const int32_t* engine_row = e.table + b * e.stride;
   if (ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks)) {
+    const int64_t gain = count > 0 ? ReuseTail(list, count, engine_row, row.blocks) : 0;
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x) out[j] = list[j];
+    for (int64_t j = threadIdx.x; j < gain; j += blockDim.x) {
+      out[count + j] = engine_row[row.blocks - gain + j];
+    }
+    const int64_t n = count + gain;
     if (threadIdx.x == 0) {
-      seqused[r] = count == 0 ? 0 : static_cast<int32_t>((count - 1) * e.block_size + row.last);
+      seqused[r] = n == 0 ? 0 : static_cast<int32_t>((n - 1) * e.block_size + row.last);
     }
   } else {
-    const int32_t* engine_row = e.table + b * e.stride;
     for (int64_t j = threadIdx.x; j < row.blocks; j += blockDim.x) out[j] = engine_row[j];
     if (threadIdx.x == 0) {
       seqused[r] = static_cast<int32_t>(row.tokens);

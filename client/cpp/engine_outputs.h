@@ -18,6 +18,15 @@
 // or (with `cache_blocks` > 0) a block id outside [0, cache_blocks); for
 // FlashAttention such lists are counted in `*refused` when it is given.
 //
+// A list may be reused for later steps (docs/api.md, "Reusing a selection"): selected at a
+// shorter context, it ends at a block before the row's newest. FlashAttention's views then
+// extend it: a usable list whose last block is one of the row's newest kReuseWindowBlocks
+// blocks, but not the newest, is followed by the row's blocks after it (when the row has
+// room for them: count + gained <= the row's blocks), and seqused_k counts them. A list
+// whose last block is elsewhere is used as it is. FlashInfer's fixed plan is not extended:
+// its indptr fixes every list's length, so a reused list whose count is not the plan's is
+// mismatched as above.
+//
 // The kernels never read or write outside the rows they are given, whatever the
 // device data: a context < 1 is an empty row (seqused_k 0); a context longer than
 // the table's row is cut to the row (stride blocks); a plan entry whose indptr
@@ -40,6 +49,10 @@
 #include "absl/status/statusor.h"
 
 namespace eps::client {
+
+// How far back FlashAttention's views look for a reused list's last block (above): 64
+// blocks of 16 tokens are 1,024 tokens of decode between two selections.
+inline constexpr int64_t kReuseWindowBlocks = 64;
 
 struct VisitListsDevice {
   const int32_t* blocks = nullptr;  // visit_blocks

@@ -55,7 +55,23 @@ bool Usable(const Case& c, int64_t in, int64_t blocks, int64_t cache_blocks) {
   return true;
 }
 
-// Random lists: ascending subsets of each row that end with its last block, some -1
+// Blocks a usable list of `n` >= 1 blocks gains from its row (engine_outputs.h): the row's
+// blocks after the list's last one, when that one is among the row's newest
+// kReuseWindowBlocks and the row has room.
+int64_t Gain(const Case& c, int64_t in, int64_t b, int64_t blocks) {
+  const int32_t n = c.count[in];
+  if (n < 1) return 0;
+  const int32_t last = c.blocks[in * c.max_blocks + n - 1];
+  for (int64_t j = blocks - 1; j >= std::max<int64_t>(0, blocks - kReuseWindowBlocks); --j) {
+    if (c.table[b * c.max_blocks + j] == last) {
+      return n + (blocks - 1 - j) <= blocks ? blocks - 1 - j : 0;
+    }
+  }
+  return 0;
+}
+
+// Random lists: ascending subsets of each row that end with its last block or (reused) a
+// few blocks before it, some -1
 // (dense), some with a count larger than the row (malformed: treated as dense).
 Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_blocks) {
   Case c;
@@ -114,9 +130,12 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
             }
           }
         } else {
-          for (int64_t j = 0; j + 1 < blocks; ++j)
+          // Half of these as an earlier step's list, reused: it ends up to 3 blocks
+          // before the row's newest (engine_outputs.h).
+          const int64_t end = blocks - 1 - (rng() % 2 ? 0 : rng() % std::min<int64_t>(blocks, 4));
+          for (int64_t j = 0; j < end; ++j)
             if (rng() % 3 == 0) picked.push_back(j);
-          picked.push_back(blocks - 1);
+          picked.push_back(end);
         }
         c.count[in] = static_cast<int32_t>(picked.size());
         for (size_t j = 0; j < picked.size(); ++j) {
@@ -183,10 +202,19 @@ TEST_P(EngineOutputsTest, FlashAttentionViewsEqualTheHostReference) {
           const int32_t n = c.count[in];
           const bool dense = !Usable(c, in, row.blocks, cache_blocks);
           if (dense && n >= 0) ++want_refused;
-          const int32_t* want = dense ? &c.table[b * c.max_blocks] : &c.blocks[in * c.max_blocks];
-          const int64_t k = dense ? row.blocks : n;
+          std::vector<int32_t> want;
+          if (dense) {
+            want.assign(&c.table[b * c.max_blocks], &c.table[b * c.max_blocks] + row.blocks);
+          } else {
+            want.assign(&c.blocks[in * c.max_blocks], &c.blocks[in * c.max_blocks] + n);
+            const int64_t gain = Gain(c, in, b, row.blocks);
+            for (int64_t j = row.blocks - gain; j < row.blocks; ++j) {
+              want.push_back(c.table[b * c.max_blocks + j]);
+            }
+          }
+          const int64_t k = static_cast<int64_t>(want.size());
           EXPECT_EQ(got_used[r],
-                    dense ? row.tokens : (n == 0 ? 0 : (n - 1) * c.block_size + row.last))
+                    dense ? row.tokens : (k == 0 ? 0 : (k - 1) * c.block_size + row.last))
               << "seed " << seed << " layer " << layer << " b " << b << " h " << h;
           for (int64_t j = 0; j < k; ++j) {
             ASSERT_EQ(got[r * c.max_blocks + j], want[j]) << "seed " << seed << " entry " << j;

@@ -59,6 +59,62 @@ def test_flash_attention_views_reproduce_epsd_lists_and_dense_fallbacks(epsd, rn
     state.buffers.close()
 
 
+def test_epsd_lists_reused_at_a_longer_context_gain_the_blocks_written_since(epsd, rng):
+    """An engine that reuses a selection for later steps (docs/api.md, "Reusing a
+    selection"): each list, selected when the rows were shorter, is followed by the blocks
+    the row gained since, and seqused_k counts the grown context."""
+    state = make_state(rng, contexts=[900, 517, 1000])
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        assert client.select_pages(1, state.rows).ok
+    buf = state.buffers
+    table, ctx = engine_table(state)
+    table = table.copy()
+    grown = ctx + np.array([3, 30, 20], dtype=np.int32)  # no new block, 2 new, 1 new
+    for b in range(3):  # the engine's new blocks: ids no row holds yet
+        old, new = blocks_for(int(ctx[b]), BS), blocks_for(int(grown[b]), BS)
+        table[b, old:new] = NUM_NEW + 10 * b + np.arange(new - old)
+    block_table, seqused = flash_attention_views_reference(buf.visit_blocks, buf.visit_count,
+                                                           table, grown, BS)
+    for layer in range(MODEL.num_layers):
+        for b in range(3):
+            old, new = blocks_for(int(ctx[b]), BS), blocks_for(int(grown[b]), BS)
+            want = list(buf.visits(layer, b)) + list(table[b, old:new])
+            np.testing.assert_array_equal(block_table[layer, b, 0, :len(want)], want)
+            assert seqused[layer, b, 0] == visited_tokens(len(want), int(grown[b]), BS)
+    state.buffers.close()
+
+
+NUM_NEW = 1000  # block ids past the test state's cache: no row holds them
+
+
+def test_a_reused_list_gains_only_what_its_row_can_say_it_lost():
+    """By hand: the list's last block found among the row's newest 64 blocks extends it;
+    found further back, not in the row, or with no room in the row, it is used as it is."""
+    row = np.arange(100, 200, dtype=np.int32)[None]  # 100 blocks
+    ctx = np.array([99 * BS + 5], dtype=np.int32)  # the row's 100th block holds 5 tokens
+
+    def views(ids, count=None):
+        vb = np.zeros((1, 1, 1, 100), dtype=np.int32)
+        vb[0, 0, 0, :len(ids)] = ids
+        vc = np.array([[[len(ids) if count is None else count]]], dtype=np.int32)
+        bt, used = flash_attention_views_reference(vb, vc, row, ctx, BS)
+        return list(bt[0, 0, 0, :used[0, 0, 0] // BS + 1]), int(used[0, 0, 0])
+
+    got, used = views([100, 150, 195])  # selected when block 195 was the newest
+    assert got == [100, 150, 195, 196, 197, 198, 199] and used == 6 * BS + 5
+    got, used = views([100, 136])  # 63 blocks back: inside the window
+    assert got == [100] + list(range(136, 200)) and used == 64 * BS + 5
+    got, used = views([100, 135])  # 64 blocks back: outside it, used as it is
+    assert got == [100, 135] and used == BS + 5
+    got, used = views([100, 7])  # a last block the row does not hold
+    assert got == [100, 7] and used == BS + 5
+    # No room: a list of 99 blocks ending 2 blocks back would need 101 of the row's 100.
+    ids = list(range(100, 197)) + [150, 197]
+    got, used = views(ids)
+    assert got == ids and used == 98 * BS + 5
+
+
 @pytest.mark.parametrize("last_n", [1, 0])
 def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng, last_n):
     state = make_state(rng, contexts=[900, 517, 1000, 40])
@@ -166,6 +222,11 @@ def random_lists(rng, L=3, max_batch=5, B=4, lists=1, max_blocks=40):
             blocks = min(blocks_for(max(int(ctx[b]), 0), BS), max_blocks)
             for h in range(lists):
                 vc[layer, b, h] = rng.choice([-1, blocks + 1, rng.integers(0, blocks + 1)])
+                if blocks and rng.random() < 0.4:  # epsd's shape, maybe selected earlier
+                    end = blocks - 1 - int(rng.integers(0, min(blocks, 80)))
+                    ids = table[b, :end][rng.random(end) < 0.3].tolist() + [table[b, end]]
+                    vb[layer, b, h, :len(ids)] = ids
+                    vc[layer, b, h] = len(ids)
     return vb, vc, table, ctx
 
 
@@ -181,8 +242,8 @@ def test_torch_views_and_arrays_equal_the_reference(rng, lists, use_kernel):
         library()  # the kernel path needs libeps_engine; fail loudly if it is missing
     from eps_client.outputs import flash_attention_views, flashinfer_fixed_budget
 
-    for trial in range(10):
-        vb, vc, table, ctx = random_lists(rng, lists=lists)
+    for trial in range(10):  # rows of 40 blocks, or 100: reused lists past the window
+        vb, vc, table, ctx = random_lists(rng, lists=lists, max_blocks=100 if trial > 5 else 40)
         cache = 10**5 if trial % 2 else 0  # checked, then trusted
         d = {k: torch.from_numpy(v).cuda() for k, v in
              dict(vb=vb, vc=vc, table=table, ctx=ctx).items()}

@@ -15,6 +15,12 @@ So does a list that cannot be the sequence's: a count above its blocks or, with
 FlashAttention). Whatever the data, nothing is read past the engine's rows: a context < 1
 is an empty row, a longer one than the table's row is cut to the row, and a plan asking
 for more blocks than a row holds repeats its oldest block (block 0 for an empty row).
+A list selected at a shorter context and reused for later steps (docs/api.md, "Reusing a
+selection") ends before the row's newest block: FlashAttention's views extend it with the
+row's blocks after its last one, when that block is among the row's newest
+``REUSE_WINDOW_BLOCKS`` and the row has room (count + gained <= the row's blocks); a list
+ending elsewhere is used as it is. The fixed-budget plan is not extended (its ``indptr``
+fixes each length): such a list whose count is not the plan's is mismatched.
 The torch functions run on the device without host copies: through libeps_engine's kernel
 when it loads (``eps_client.engine``), else with torch operations. The ``*_reference``
 functions are numpy, for tests. Shapes: visit_blocks [layers, max_batch, (lists,)
@@ -29,6 +35,10 @@ from typing import Any
 import numpy as np
 
 from eps_client import _values
+
+# How far back FlashAttention's views look for a reused list's last block (libeps_engine's
+# kReuseWindowBlocks): 64 blocks of 16 tokens are 1,024 tokens of decode between selections.
+REUSE_WINDOW_BLOCKS = 64
 
 
 def fixed_budget_groups(first_n: int, last_n: int, top_pages: int) -> int:
@@ -116,6 +126,16 @@ def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
     return cache_blocks <= 0 or bool(np.all((head >= 0) & (head < cache_blocks)))
 
 
+def _reuse_gain(ids: np.ndarray, count: int, row: np.ndarray, blocks: int) -> int:
+    """Blocks a usable list gains from its engine row (the module's docstring)."""
+    if count < 1:
+        return 0
+    low = max(blocks - REUSE_WINDOW_BLOCKS, 0)
+    at = np.flatnonzero(row[low:blocks] == ids[count - 1])
+    gain = blocks - 1 - (low + int(at[-1])) if at.size else 0
+    return gain if count + gain <= blocks else 0
+
+
 def _batch(context_tokens: Any, max_batch: int) -> int:
     """B, the step's positions (``context_tokens`` [B]): 1 <= B <= max_batch, the visit
     lists' rows, as the kernels refuse otherwise. The torch path broadcast row 0 of a
@@ -199,7 +219,10 @@ def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.nd
             for h in range(lists):
                 n = int(vc[layer, b, h])
                 if _usable(vb[layer, b, h], n, blocks, max_blocks, cache_blocks):
+                    gain = _reuse_gain(vb[layer, b, h], n, engine_table[b], blocks)
                     table[layer, b, h, :n] = vb[layer, b, h, :n]
+                    table[layer, b, h, n:n + gain] = engine_table[b, blocks - gain:blocks]
+                    n += gain
                     used[layer, b, h] = 0 if n == 0 else (n - 1) * block_size + last
                 else:
                     table[layer, b, h, :blocks] = engine_table[b, :blocks]
@@ -275,6 +298,25 @@ def _torch_usable(vb: Any, count: Any, blocks: Any, max_blocks: int, cache_block
     return ok
 
 
+def _torch_reuse_gain(vb: Any, count: Any, engine_rows: Any, blocks: Any) -> Any:
+    """_reuse_gain for lists [L, B, lists] (count, ids vb) over engine_rows [B, max_blocks]
+    whose first blocks [B] entries are the rows."""
+    import torch
+
+    window = min(REUSE_WINDOW_BLOCKS, engine_rows.shape[1])
+    back = torch.arange(window, device=vb.device)  # 0 is the row's newest block
+    at = blocks[:, None] - 1 - back[None]  # [B, window]
+    seen = engine_rows.gather(1, torch.clamp(at, min=0))
+    # any count (the unusable ones too, discarded later) reads inside the list
+    last = vb.gather(-1, torch.clamp(count - 1, 0, vb.shape[-1] - 1)[..., None])
+    match = (seen[None, :, None, :] == last) & (at >= 0)[None, :, None, :] \
+        & (count > 0)[..., None]
+    # the nearest match to the newest block: the first True along `back`
+    gain = torch.where(match.any(-1), match.to(torch.int32).argmax(-1).to(torch.int64),
+                       torch.zeros_like(count))
+    return torch.where(count + gain <= blocks[None, :, None], gain, torch.zeros_like(gain))
+
+
 def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any,
                           context_tokens: Any, block_size: int, *,
                           out: tuple[Any, Any] | None = None, cache_blocks: int = 0,
@@ -322,7 +364,15 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
     usable = _torch_usable(vb[:, :B], count, blocks, max_blocks, cache_blocks)
     engine_rows = torch.zeros(B, max_blocks, dtype=torch.int32, device=vb.device)
     engine_rows[:, :width] = engine_table[:, :width]
-    table.copy_(torch.where(usable[..., None], vb[:, :B], engine_rows[None, :, None, :]))
+    gain = _torch_reuse_gain(vb[:, :B], count, engine_rows, blocks)
+    # position p of a list: its own entry below count, then the row's blocks it gains
+    p = torch.arange(max_blocks, device=vb.device)
+    from_row = torch.clamp(blocks[None, :, None, None] - gain[..., None] + p - count[..., None],
+                           0, max_blocks - 1)
+    rows = engine_rows[None, :, None, :].expand(L, B, lists, max_blocks)
+    listed = torch.where(p < count[..., None], vb[:, :B], rows.gather(-1, from_row))
+    table.copy_(torch.where(usable[..., None], listed, engine_rows[None, :, None, :]))
+    count = count + gain
     seq = torch.where(count == 0, torch.zeros_like(count),
                       (count - 1) * block_size + last[None, :, None])
     used.copy_(torch.where(usable, seq, tokens[None, :, None]).to(torch.int32))
