@@ -61,6 +61,7 @@ class RunRecord:
 
     gated: bool
     first_step: int = 0  # the selection step number of decode step 0
+    reuse: int = 1  # decode step t read the lists of selection step first_step + t - t % reuse
     step_ms: list[float] = field(default_factory=list)  # GPU time from step to step
     graph_ms: list[float] = field(default_factory=list)
     wait_selection_ms: list[float] = field(default_factory=list)
@@ -375,10 +376,15 @@ class PagedEngine:
     @torch.inference_mode()
     def decode(self, inputs: torch.Tensor, targets: torch.Tensor | None, start: int,
                gated: bool, options: SelectOptions | None = None, greedy: bool = False,
-               on_step: Any = None) -> RunRecord:
+               on_step: Any = None, reuse: int = 1) -> RunRecord:
         """Decodes inputs.shape[1] steps from position ``start`` (teacher-forced on
-        ``inputs``; greedy: feeds back the argmax). ``on_step(t)`` runs before step t."""
-        rec = RunRecord(gated=gated)
+        ``inputs``; greedy: feeds back the argmax). ``on_step(t)`` runs before step t.
+        ``reuse`` k: one selection every k steps, step t reading the lists selected for step
+        t - t % k (selection step number first_step + t - t % k), extended by the blocks
+        written since (flash_attention_views); the steps between neither wait nor select."""
+        if reuse < 1:
+            raise ValueError(f"reuse={reuse} must be >= 1")
+        rec = RunRecord(gated=gated, reuse=reuse)
         steps = inputs.shape[1]
         dev = self.device
         L = self.model.c.num_layers
@@ -413,8 +419,9 @@ class PagedEngine:
                 self.pos.fill_(pos)
                 self.ctx.fill_(pos + 1)
                 ev[t][0].record()
-                if gated:
+                if gated and t % reuse == 0:
                     self.counters.wait_selection(sid, base + t)
+                if gated:
                     torch.lt(self.buffers.visit_count[0, 0], 0, out=marks[t])
                 ev[t][1].record()
                 self._run_body(gated)
@@ -427,7 +434,7 @@ class PagedEngine:
                     ev[t][3].record()
                     self.queue.wait(sid, base + t)
                     ev[t][4].record()
-                    if t + 1 < steps:
+                    if t + 1 < steps and (t + 1) % reuse == 0:
                         self._select(rec, base + t + 1, pos + 2, options, sid)
                 else:
                     ev[t][3].record()

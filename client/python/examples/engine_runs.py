@@ -180,13 +180,14 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     # sync step's), so that dense and gated attention read the same context
     dense_attn = attention_ms(engine, False, P + N)
     sdpa_attn = sdpa_attention_ms(engine, P + N)
-    rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], dense_attn, "-", "-",
+    rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], d["step_ms_mean"],
+             dense_attn, "-", "-",
              "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-"]]
     runs = []
-    for f in fractions(args.fractions):
+    for f, k in ((f, k) for f in fractions(args.fractions) for k in args.reuse):
         engine.restore(saved)
         top, measured = calibrate(engine, P + 1, f, base)
-        gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top))
+        gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top), reuse=k)
         s = summarize(gated, args.warmup_steps)
         attn = attention_ms(engine, True, P + N)
         # The same pre-pass on the same buffers with the engine idle: synchronous
@@ -195,23 +196,27 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
         idle = [st.prepass_us for st in
                 (engine.select_sync(P + N, _at(base, top)) for _ in range(12)) if st]
         limit = attention_limit_ms(d["step_ms_p50"], dense_attn, s["pages_read_fraction"])
-        s.update({"target_fraction": f, "top_pages": top, "calibrated_fraction": measured,
+        s.update({"target_fraction": f, "reuse": k, "top_pages": top,
+                  "calibrated_fraction": measured,
                   "attention_ms": attn, "limit_ms": limit,
                   "prepass_idle_us_p50": statistics.median(idle) if idle else math.nan,
                   "p50_vs_dense": s["step_ms_p50"] / d["step_ms_p50"] - 1.0,
+                  "mean_vs_dense": s["step_ms_mean"] / d["step_ms_mean"] - 1.0,
                   **gating(gated), "fallback_reasons": gated.fallback_reasons,
                   "summary_errors": gated.summary_errors, "summary_error": gated.summary_error})
         runs.append(s)
-        rows.append([f"gated {f:.3g}", f"{100 * s['pages_read_fraction']:.1f}%", top,
-                     s["step_ms_p50"], s["step_ms_p95"], attn, s["wait_selection_ms_p50"],
+        rows.append([f"gated {f:.3g}" + (f" reuse {k}" if k > 1 else ""),
+                     f"{100 * s['pages_read_fraction']:.1f}%", top,
+                     s["step_ms_p50"], s["step_ms_p95"], s["step_ms_mean"], attn,
+                     s["wait_selection_ms_mean"],
                      s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["prepass_idle_us_p50"],
                      s["rpc_us_p50"],
                      s["host_ms_p50"], limit, s["fallbacks"], s["dense_steps"],
                      s["watchdog_releases"], s["device_errors"]])
     engine.close()
     table = markdown(["run", "blocks read", "top_pages", "step p50 ms", "step p95 ms",
-                      "attention ms", "wait sel ms", "wait sum ms", "pre-pass us",
-                      "pre-pass idle us", "RPC us",
+                      "step mean ms", "attention ms", "wait sel ms (mean)", "wait sum ms",
+                      "pre-pass us", "pre-pass idle us", "RPC us",
                       "host ms", "limit ms", "fallbacks", "dense steps", "watchdog releases",
                       "device errors"], rows)
     title = (f"speed: {common['model']}, batch {args.batch} x {P} tokens, {N} steps "
@@ -311,26 +316,26 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     off_delta = (off.logp - dense.logp).abs().max().item()
     off_gating = gating(off)  # method=off visits every group: lists, not dense releases
     rows, runs = [], []
-    for method in args.methods.split(","):
-        for top in [int(v) for v in args.top_pages.split(",")]:
-            engine.restore(saved)
-            gated = engine.decode(inputs, targets, P, gated=True,
-                                  options=_at(_with(base, method=method), top))
-            s = summarize(gated, 0)  # blocks read over every step, as Δ NLL counts them
-            dnll = -gated.logp.double().mean().item() - dense_nll
-            agree = (gated.argmax == dense.argmax).double().mean().item()
-            r = {"method": method, "top_pages": top,
-                 "blocks_read": s["pages_read_fraction"], "delta_nll_per_token": dnll,
-                 "delta_ppl_percent": delta_ppl_percent(dnll), "top1_agreement": agree,
-                 **gating(gated)}
-            runs.append(r)
-            meets = abs(r["delta_ppl_percent"]) <= 1.0 and agree >= 0.95 and \
-                r["blocks_read"] <= 0.5
-            rows.append([method, top, f"{100 * r['blocks_read']:.1f}%", dnll,
-                         r["delta_ppl_percent"], agree, r["fallbacks"], r["dense_steps"],
-                         r["watchdog_releases"], r["device_errors"], "yes" if meets else ""])
+    for method, top, k in ((m, int(t), k) for m in args.methods.split(",")
+                           for t in args.top_pages.split(",") for k in args.reuse):
+        engine.restore(saved)
+        gated = engine.decode(inputs, targets, P, gated=True,
+                              options=_at(_with(base, method=method), top), reuse=k)
+        s = summarize(gated, 0)  # blocks read over every step, as Δ NLL counts them
+        dnll = -gated.logp.double().mean().item() - dense_nll
+        agree = (gated.argmax == dense.argmax).double().mean().item()
+        r = {"method": method, "top_pages": top, "reuse": k,
+             "blocks_read": s["pages_read_fraction"], "delta_nll_per_token": dnll,
+             "delta_ppl_percent": delta_ppl_percent(dnll), "top1_agreement": agree,
+             **gating(gated)}
+        runs.append(r)
+        meets = abs(r["delta_ppl_percent"]) <= 1.0 and agree >= 0.95 and \
+            r["blocks_read"] <= 0.5
+        rows.append([method, top, k, f"{100 * r['blocks_read']:.1f}%", dnll,
+                     r["delta_ppl_percent"], agree, r["fallbacks"], r["dense_steps"],
+                     r["watchdog_releases"], r["device_errors"], "yes" if meets else ""])
     engine.close()
-    table = markdown(["method", "top_pages", "blocks read", "Δ NLL/token", "Δ ppl %",
+    table = markdown(["method", "top_pages", "reuse", "blocks read", "Δ NLL/token", "Δ ppl %",
                       "top-1 agreement", "fallbacks", "dense steps", "watchdog releases",
                       "device errors", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
                      rows)
@@ -390,24 +395,24 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
 
     dense = engine.decode(start, None, P - 1, gated=False, greedy=True)
     d_acc, d_out = accuracy(dense)
-    rows = [["dense", "-", "100%", d_acc, "-", "-", "-", "-"]]
+    rows = [["dense", "-", "-", "100%", d_acc, "-", "-", "-", "-"]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
     base = _base(args)
-    for method in args.methods.split(","):
-        for top in [int(v) for v in args.top_pages.split(",")]:
-            engine.restore(saved)
-            run = engine.decode(start, None, P - 1, gated=True, greedy=True,
-                                options=_at(_with(base, method=method), top))
-            acc, outs = accuracy(run)
-            frac = summarize(run, 0)["pages_read_fraction"]
-            counts = gating(run)
-            runs.append({"method": method, "top_pages": top, "blocks_read": frac,
-                         "accuracy": acc, **counts, "outputs": outs[:3]})
-            rows.append([method, top, f"{100 * frac:.1f}%", acc, counts["fallbacks"],
-                         counts["dense_steps"], counts["watchdog_releases"],
-                         counts["device_errors"]])
+    for method, top, k in ((m, int(t), k) for m in args.methods.split(",")
+                           for t in args.top_pages.split(",") for k in args.reuse):
+        engine.restore(saved)
+        run = engine.decode(start, None, P - 1, gated=True, greedy=True,
+                            options=_at(_with(base, method=method), top), reuse=k)
+        acc, outs = accuracy(run)
+        frac = summarize(run, 0)["pages_read_fraction"]
+        counts = gating(run)
+        runs.append({"method": method, "top_pages": top, "reuse": k, "blocks_read": frac,
+                     "accuracy": acc, **counts, "outputs": outs[:3]})
+        rows.append([method, top, k, f"{100 * frac:.1f}%", acc, counts["fallbacks"],
+                     counts["dense_steps"], counts["watchdog_releases"],
+                     counts["device_errors"]])
     engine.close()
-    table = markdown(["run", "top_pages", "blocks read", "passkey accuracy", "fallbacks",
+    table = markdown(["run", "top_pages", "reuse", "blocks read", "passkey accuracy", "fallbacks",
                       "dense steps", "watchdog releases", "device errors"], rows)
     title = (f"passkey: {common['model']}, {n} prompts of {P} tokens, depths 10-90 %, greedy "
              f"{gen} tokens, {common['device']}, {common['date']}")

@@ -71,6 +71,20 @@ def test_limit_and_summaries():
     assert s["rpc_us_p50"] == 400.0 and s["prepass_us_p50"] == 50.0
 
 
+def test_a_run_that_reuses_its_selections_reports_the_mean_step_and_wait():
+    # reuse 4: one step in four waits for its lists (3 ms), the others do not (1 ms); the
+    # p50 is a step that did not wait, the mean is what a step costs on average
+    run = SimpleNamespace(step_ms=[9.0] + [3.0, 1.0, 1.0, 1.0] * 2, graph_ms=[1.0] * 9,
+                          wait_selection_ms=[5.0] + [2.0, 0.0, 0.0, 0.0] * 2,
+                          wait_summaries_ms=[0.2] * 9, host_ms=[0.5] * 9, first_step=10,
+                          accepted_steps=[10, 11, 15], rtt_us=[1.0, 2.0, 3.0],
+                          stats=[StepStats(step=s, pages_visited=10, pages_total=100)
+                                 for s in (10, 11, 15)])
+    s = summarize(run, warmup=1)
+    assert s["step_ms_p50"] == 1.0 and s["step_ms_mean"] == 1.5
+    assert s["wait_selection_ms_mean"] == 0.5 and s["pages_read_fraction"] == 0.1
+
+
 def test_selections_of_warm_up_steps_and_of_steps_outside_the_run_are_not_summarized():
     # selection steps 20..23 are decode steps 0..3; 19 (calibration) and 26 (the sync step
     # after the run) are not the run's; 20 and 21 are warm-up
