@@ -4,7 +4,9 @@ Reads DIR/units/q19_*.csv (or those of the --units directories: several runs' un
 each run with its own --out) and writes DIR/quality.md. Every "recall at S skipped"
 is interpolated per (layer, step) along that pair's own sweep, then averaged;
 the ± is 1.96 standard errors over the pairs (a normal 95 % interval; pairs of
-one layer are not independent, so it is optimistic).
+one layer are not independent, so it is optimistic). "—" is a value not there to
+report (a sweep that never reaches S, a reuse length whose lags were not all measured),
+never a neighbouring value.
 """
 
 from __future__ import annotations
@@ -128,6 +130,17 @@ def fmt(mean: float, half: float) -> str:
     return f"{mean:.3f} ± {half:.3f}" if not np.isnan(half) else f"{mean:.3f}"
 
 
+def of_pairs(n: int, pairs: int) -> str:
+    """" (n of N pairs)" for a value over fewer pairs than its table's header counts."""
+    return f" ({n} of {pairs} pairs)" if n < pairs else ""
+
+
+def cell(value: tuple[float, float, int], pairs: int) -> str:
+    """A mean ± interval over `value`'s n pairs (at_skip), naming n when below `pairs`."""
+    mean, half, n = value
+    return fmt(mean, half) + ("" if np.isnan(mean) else of_pairs(n, pairs))
+
+
 HEAD_DIM = {"real": 64, "synthetic": 128, "gemma": 256}
 
 
@@ -240,12 +253,40 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
     return out
 
 
+def reuse_rows(rows: list[Row], k: int) -> tuple[list[Row], int]:
+    """A selection reused for k steps, read with lags 1…k: per pair and sweep point, recall
+    and skip averaged over those lags, for the pairs with every one of them measured at
+    every sweep point (a pair short of one lag is left out, never averaged over the lags it
+    has); and how many pairs that is. rows: one method and g, any lags."""
+    want = {float(lag) for lag in range(1, k + 1)}
+    within = [r for r in rows if float(r["lag"]) in want]  # type: ignore[arg-type]
+    out: list[Row] = []
+    pairs = 0
+    for key, pts in group(within, PAIR).items():
+        points = group(pts, ("param",))
+        if any(len(p) != k or {float(r["lag"]) for r in p} != want  # type: ignore[arg-type]
+               for p in points.values()):
+            continue
+        pairs += 1
+        for (param,), p in points.items():
+            out.append({**dict(zip(PAIR, key)), "param": param,
+                        "recall": float(col(p, "recall").mean()),
+                        "skip": float(col(p, "skip").mean())})
+    return out, pairs
+
+
+REUSE_STEPS = (1, 2, 4)
+
+
 def table_reuse(rows: list[Row], methods: tuple[str, ...], gs: tuple[int, ...]) -> list[str]:
     out = ["",
            ("A selection made with the query of step t−1 and reused for steps t…t+k−1 is read "
-            "with lags 1…k: per sweep point the recall is averaged over those lags."), "",
-           "| workload | context | method | g | k = 1 | k = 2 | k = 4 |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+            "with lags 1…k: per sweep point the recall is averaged over those lags, on the pairs "
+            "that have every lag 1…k measured (a run that measured lag 1 only has no k = 2 or "
+            "4: \"—\", as where the sweep never reaches 75 %)."), "",
+           "| workload | context | method | g | "
+           + " | ".join(f"k = {k}" for k in REUSE_STEPS) + " |",
+           "| --- | --- | --- | --- |" + " --- |" * len(REUSE_STEPS)]
     thr = where(rows, lambda r: r["budget"] == "threshold")
     for (wl, ctx), w in sorted(group(thr, ("workload", "context")).items()):
         for m in methods:
@@ -253,15 +294,12 @@ def table_reuse(rows: list[Row], methods: tuple[str, ...], gs: tuple[int, ...]) 
                 sel = [r for r in w if r["method"] == m and r["g"] == g]
                 if not sel:
                     continue
+                # The pairs measured at lag 1 are the row's; a k over fewer names its count.
+                pairs = len(group(where(sel, lambda r: r["lag"] == 1), PAIR))
                 cells = []
-                for k in (1, 2, 4):
-                    avg = []
-                    within = [r for r in sel if 1 <= float(r["lag"]) <= k]  # type: ignore[arg-type]
-                    for key, pts in group(within, PAIR + ("param",)).items():
-                        avg.append({**dict(zip(PAIR + ("param",), key)),
-                                    "recall": col(pts, "recall").mean(),
-                                    "skip": col(pts, "skip").mean()})
-                    cells.append(fmt(*at_skip(avg)[:2]))
+                for k in REUSE_STEPS:
+                    avg, n = reuse_rows(sel, k)
+                    cells.append(cell(at_skip(avg), pairs) if n else "—")
                 out.append(f"| {wl} | {int(ctx)} | {m} | {g} | " + " | ".join(cells) + " |")  # type: ignore[call-overload]
     return out
 

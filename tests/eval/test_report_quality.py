@@ -79,3 +79,88 @@ def test_a_missing_units_directory_is_refused_by_name(
     assert e.value.code == 2
     assert f"--units {missing}: no such directory" in capsys.readouterr().err
     assert not (runs / "report").exists()
+
+
+# Hand-made rows as report_quality.load gives them (the NUMERIC columns as floats).
+def _row(layer: int, lag: int, param: float, skip: float, recall: float, *,
+         method: str = "quest", g: int = 1, budget: str = "threshold",
+         summary_frac: float = 0.0) -> dict[str, object]:
+    return {"workload": "real", "kind": "smollm2", "context": 8192.0, "layer": float(layer),
+            "step": 0.0, "budget": budget, "method": method, "g": float(g), "lag": float(lag),
+            "param": param, "temperature": 0.0, "floor": 0.0, "recall": recall, "skip": skip,
+            "summary_frac": summary_frac, "visited": 1.0 - skip - summary_frac}
+
+
+def _sweep(layer: int, lag: int, skips: tuple[float, ...], recalls: tuple[float, ...],
+           **kw: object) -> list[dict[str, object]]:
+    """A pair's sweep (params 1, 2, …) at one lag."""
+    return [_row(layer, lag, float(i + 1), s, r, **kw)  # type: ignore[arg-type]
+            for i, (s, r) in enumerate(zip(skips, recalls))]
+
+
+def _cells(lines: list[str], start: str) -> list[str]:
+    """The cells after `start` of the one table line that begins with it."""
+    found = [line for line in lines if line.startswith(start)]
+    assert len(found) == 1, (start, lines)
+    return [c.strip() for c in found[0][len(start):].strip(" |").split(" | ")]
+
+
+def _reuse_units(lags: tuple[int, ...]) -> list[dict[str, object]]:
+    """Two pairs; at lag l pair 0's sweep recalls 0.9 and 0.7 less 0.02·(l − 1), pair 1's
+    0.8 and 0.6 less 0.04·(l − 1); both sweeps' skips are 0.5 and 1.0 at lags 1 and 2, 0.6
+    and 1.0 at lags 3 and 4."""
+    rows = []
+    for lag in lags:
+        skips = (0.5, 1.0) if lag <= 2 else (0.6, 1.0)
+        rows += _sweep(0, lag, skips, (0.9 - 0.02 * (lag - 1), 0.7 - 0.02 * (lag - 1)))
+        rows += _sweep(1, lag, skips, (0.8 - 0.04 * (lag - 1), 0.6 - 0.04 * (lag - 1)))
+    return rows
+
+
+def _two_pairs(x: float, y: float) -> tuple[float, float, int]:
+    """Mean and 95 % half-width of two pairs' values: 1.96 · (|x − y| / √2) / √2."""
+    return (x + y) / 2, 0.98 * abs(x - y), 2
+
+
+def test_reuse_with_lag_1_only_has_no_k_2_or_4() -> None:
+    # An estimators-plan run measures lag 1 only: k = 2 and 4 used to repeat k = 1's value
+    # (the mean over "lags 1…k" of the lags there were), printed as if measured.
+    rows = _reuse_units((1,))
+    cells = _cells(report_quality.table_reuse(rows, ("quest",), (1,)), "| real | 8192 | quest | 1 |")
+    mean, half, _ = _two_pairs(0.8, 0.7)
+    assert cells == [f"{mean:.3f} ± {half:.3f}", "—", "—"]
+    for k in (2, 4):
+        assert report_quality.reuse_rows(rows, k) == ([], 0)
+
+
+def test_reuse_averages_every_lag_1_to_k_at_each_sweep_point() -> None:
+    rows = _reuse_units((0, 1, 2, 3, 4))  # lag 0 is no reuse: left out of every k
+    # k = 1 and 2: both sweeps' skips 0.5 and 1.0, so 75 % is halfway: pair 0 0.8, then
+    # (0.8 + 0.78) / 2; pair 1 0.7, then (0.7 + 0.66) / 2.
+    want = {1: _two_pairs(0.8, 0.7), 2: _two_pairs(0.79, 0.68)}
+    # k = 4: skips average to 0.55 and 1.0, so 75 % is 4/9 of the way; the recalls to
+    # 0.87 and 0.67 (pair 0), 0.74 and 0.54 (pair 1).
+    t = (0.75 - 0.55) / (1.0 - 0.55)
+    want[4] = _two_pairs(0.87 + t * (0.67 - 0.87), 0.74 + t * (0.54 - 0.74))
+    for k, (mean, half, n) in want.items():
+        avg, pairs = report_quality.reuse_rows(rows, k)
+        assert pairs == 2
+        got = report_quality.at_skip(avg)
+        assert got == (pytest.approx(mean, abs=1e-12), pytest.approx(half, abs=1e-12), n), k
+    cells = _cells(report_quality.table_reuse(rows, ("quest",), (1,)), "| real | 8192 | quest | 1 |")
+    assert cells == [f"{want[k][0]:.3f} ± {want[k][1]:.3f}" for k in (1, 2, 4)]
+
+
+def test_reuse_leaves_out_a_pair_short_of_a_lag_and_says_so() -> None:
+    rows = [r for r in _reuse_units((1, 2, 3, 4))
+            if not (r["layer"] == 1.0 and r["lag"] == 3.0)]  # pair 1 lacks lag 3
+    # A missing lag at one sweep point is as short: pair 0's second point lacks lag 2.
+    short = [r for r in rows if not (r["layer"] == 0.0 and r["lag"] == 2.0 and r["param"] == 2.0)]
+    assert report_quality.reuse_rows(rows, 4)[1] == 1
+    assert report_quality.reuse_rows(short, 2)[1] == 1
+    cells = _cells(report_quality.table_reuse(rows, ("quest",), (1,)), "| real | 8192 | quest | 1 |")
+    t = (0.75 - 0.55) / (1.0 - 0.55)
+    alone = 0.87 + t * (0.67 - 0.87)  # pair 0 alone: no interval over one pair
+    assert cells[2] == f"{alone:.3f} (1 of 2 pairs)"
+    cells = _cells(report_quality.table_reuse(short, ("quest",), (1,)), "| real | 8192 | quest | 1 |")
+    assert cells[1] == f"{(0.7 + 0.66) / 2:.3f} (1 of 2 pairs)"
