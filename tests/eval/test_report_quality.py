@@ -164,3 +164,42 @@ def test_reuse_leaves_out_a_pair_short_of_a_lag_and_says_so() -> None:
     assert cells[2] == f"{alone:.3f} (1 of 2 pairs)"
     cells = _cells(report_quality.table_reuse(short, ("quest",), (1,)), "| real | 8192 | quest | 1 |")
     assert cells[1] == f"{(0.7 + 0.66) / 2:.3f} (1 of 2 pairs)"
+
+
+def _fbmem_units() -> list[dict[str, object]]:
+    """Two pairs (their oracle recalling `top` and top − 0.1 at skips 0.5 and 1.0): the exact
+    lag-1 mass at g = 1 and 2, and two c2f rows whose sweeps pass 75 % skipped."""
+    rows: list[dict[str, object]] = []
+    for layer, top in ((0, 1.0), (1, 0.9)):
+        rows += _sweep(layer, 0, (0.5, 1.0), (top, top - 0.1), method="oracle_mass")
+        rows += _sweep(layer, 1, (0.5, 1.0), (top - 0.02, top - 0.1),
+                       method="oracle_mass_lag")
+        rows += _sweep(layer, 1, (0.6, 0.9), (top - 0.2, top - 0.4), method="oracle_mass_lag",
+                       g=2)
+        for name, drop in (("fbmem1-c2f4x2-q", 0.04), ("fbmem1-c2f8x3-q", 0.06)):
+            rows += _sweep(layer, 1, (0.5, 0.75, 1.0),
+                           (top - drop, top - (drop + 0.1) / 2, top - 0.1), budget="c2f",
+                           method=name, summary_frac=0.02)
+    return rows
+
+
+def test_fbmem_table_gives_each_g_its_own_row_and_prints_no_nan() -> None:
+    # At 75 % skipped the oracle recalls top − 0.05 on each pair; the exact lag-1 mass
+    # top − 0.06 at g = 1, and top − 0.3 at g = 2 (halfway from 0.6 to 0.9). The two used to
+    # be one row, both sweeps interpolated as one.
+    lines = report_fbmem.table(_fbmem_units(), base_prefix="fbmem1-c2f4x2")
+    assert _cells(lines, "| oracle_mass_lag (g = 1) |") == [
+        "0.0100 ± 0.0000", "+0.0100 ± 0.0000", "—", "—"]
+    assert _cells(lines, "| oracle_mass_lag (g = 2) |") == [
+        "0.2500 ± 0.0000", "-0.2300 ± 0.0000", "—", "—"]
+    # The base's own row has no gain; bytes 0.02 of dense over quest fp16's 1/16. No union
+    # oracle in these units: "—", not "nan ± nan".
+    assert _cells(lines, "| fbmem1-c2f4x2-q |") == ["0.0200 ± 0.0000", "", "0.32", "—"]
+    assert _cells(lines, "| fbmem1-c2f8x3-q |") == ["0.0300 ± 0.0000", "-0.0100 ± 0.0000",
+                                                   "0.32", "—"]
+
+
+def test_fbmem_base_that_starts_several_rows_is_refused() -> None:
+    # Their sweeps would be interpolated as one base.
+    with pytest.raises(ValueError, match="--base=fbmem1-c2f starts 2 rows"):
+        report_fbmem.table(_fbmem_units(), base_prefix="fbmem1-c2f")
