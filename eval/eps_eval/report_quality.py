@@ -26,6 +26,8 @@ SKIP = 0.75
 TARGET = 0.95
 Row = dict[str, object]
 PAIR = ("workload", "kind", "context", "layer", "step")
+# What makes rows one sweep of a pair: its points differ in `param` only.
+SWEEP = ("method", "g", "lag", "budget", "temperature", "floor")
 NUMERIC = {"context", "layer", "step", "g", "lag", "param", "temperature", "floor", "groups",
            "recall",
            "recall_min", "top10", "out_err", "visited", "summary_frac", "skip"}
@@ -92,9 +94,19 @@ def col(rows: list[Row], name: str) -> np.ndarray:
 
 
 def per_pair_at_skip(rows: list[Row], skip: float = SKIP) -> dict[tuple[object, ...], float]:
-    """Recall interpolated at `skip` per (layer, step) pair; {} when a pair's sweep misses it."""
+    """Recall interpolated at `skip` per (layer, step) pair; {} when a pair's sweep misses it.
+    A pair's rows must be one sweep (one method, g, lag, budget, τ and floor, each point
+    once): rows of two sweeps, or a unit read twice, are a ValueError naming the pair, since
+    interpolating along their mixture gives no configuration's recall."""
     vals = {}
     for key, g in group(rows, PAIR).items():
+        sweeps = {tuple(r.get(k) for k in SWEEP) for r in g}
+        params = [r.get("param", r["skip"]) for r in g]  # a point: its budget (or skip)
+        if len(sweeps) > 1 or len(set(params)) < len(params):
+            named = "; ".join(", ".join(f"{k} {v}" for k, v in zip(SWEEP, sw) if v is not None)
+                              for sw in sorted(sweeps, key=str))
+            raise ValueError(f"pair {dict(zip(PAIR, key))}: its rows are not one sweep "
+                             f"({named}; {len(params)} points, {len(set(params))} distinct)")
         g = sorted(g, key=lambda r: float(r["skip"]))  # type: ignore[arg-type]
         x, y = col(g, "skip"), col(g, "recall")
         if x.min() > skip or x.max() < skip:
@@ -304,17 +316,30 @@ def table_reuse(rows: list[Row], methods: tuple[str, ...], gs: tuple[int, ...]) 
     return out
 
 
+def ranked_points(rows: list[Row]) -> list[list[Row]]:
+    """The k-th sweep point (k-th smallest parameter) of every pair, for each k: the same
+    share of the unforced groups across pairs. Pairs whose sweeps differ in length are a
+    ValueError naming the lengths: their k-th points are no common budget, and the last
+    points would average over the longer sweeps' pairs only."""
+    sweeps = [sorted(pts, key=lambda r: float(r["param"]))  # type: ignore[arg-type]
+              for pts in group(rows, PAIR).values()]
+    lengths = sorted({len(s) for s in sweeps})
+    if len(lengths) > 1:
+        r = rows[0]
+        raise ValueError(f"{r['workload']} {float(r['context']):g} {r['method']} "  # type: ignore[arg-type]
+                         f"g = {float(r['g']):g}, lag {float(r['lag']):g}: the "  # type: ignore[arg-type]
+                         f"pairs' sweeps have {' or '.join(map(str, lengths))} points: no "
+                         "mean per sweep point over every pair")
+    return [list(points) for points in zip(*sweeps)]
+
+
 def fixed_skip_at_recall(rows: list[Row], target: float) -> str:
     """Largest mean skip among the sweep points (same share of unforced groups across pairs)
     whose mean recall over the pairs reaches `target`."""
     if not rows:
         return "—"
-    ranked: dict[int, list[Row]] = defaultdict(list)
-    for pts in group(rows, PAIR).values():
-        for i, r in enumerate(sorted(pts, key=lambda r: float(r["param"]))):  # type: ignore[arg-type]
-            ranked[i].append(r)
     best, top = None, 0.0
-    for pts in ranked.values():
+    for pts in ranked_points(rows):
         rec, sk = col(pts, "recall").mean(), col(pts, "skip").mean()
         top = max(top, rec)
         if rec >= target and (best is None or sk > best):
@@ -367,11 +392,7 @@ def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
 
 def curve(rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
     """Mean (skip, recall) per sweep point (k-th smallest parameter of every pair)."""
-    ranked: dict[int, list[Row]] = defaultdict(list)
-    for pts in group(rows, PAIR).values():
-        for i, r in enumerate(sorted(pts, key=lambda r: float(r["param"]))):  # type: ignore[arg-type]
-            ranked[i].append(r)
-    pts = sorted((col(v, "skip").mean(), col(v, "recall").mean()) for v in ranked.values())
+    pts = sorted((col(v, "skip").mean(), col(v, "recall").mean()) for v in ranked_points(rows))
     return np.asarray([p[0] for p in pts]), np.asarray([p[1] for p in pts])
 
 
@@ -460,23 +481,29 @@ def main(argv: list[str] | None = None) -> int:
     if not units:
         ap.error(f"--out={a.out}: {dirs[0]} holds no q19_*.csv unit to report on "
                  f"(run eps_eval.run_quality --out={a.out} first)")
-    a.out.mkdir(parents=True, exist_ok=True)
     rows = load(dirs)
     lines = ["# Issue 19: group size, reuse, 8-bit quest, coarse-to-fine, adaptive budget", "",
              ("Generated by `python -m eps_eval.report_quality`; the runs, machines and dates "
               "are in docs/eval/README.md."), "",
              "## Recall at 75 % of KV bytes skipped (summary bytes counted), threshold budget"]
-    for lag in (1, 0):
-        lines += table_methods(rows, lag)
-    est = table_estimators(rows)
-    if est:
-        lines += ["", "## Estimators from the quest8 record, at quest8's bytes"] + est
-    lines += ["", "## Reusing one selection for k steps (recall at 75 % skipped)"]
-    lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
-    lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
-    lines += table_mass(rows)
+    try:  # rows that are no one sweep of a pair are refused before anything is written
+        for lag in (1, 0):
+            lines += table_methods(rows, lag)
+        est = table_estimators(rows)
+        if est:
+            lines += ["", "## Estimators from the quest8 record, at quest8's bytes"] + est
+        lines += ["", "## Reusing one selection for k steps (recall at 75 % skipped)"]
+        lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
+        lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
+        lines += table_mass(rows)
+    except ValueError as e:
+        ap.error(str(e))
     lines += ["", "## Gemma 3 270M passkeys"] + table_passkeys(dirs)
-    lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots(rows, a.out)]
+    a.out.mkdir(parents=True, exist_ok=True)
+    try:
+        lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots(rows, a.out)]
+    except ValueError as e:  # quality.md is not written
+        ap.error(str(e))
     (a.out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -203,3 +203,42 @@ def test_fbmem_base_that_starts_several_rows_is_refused() -> None:
     # Their sweeps would be interpolated as one base.
     with pytest.raises(ValueError, match="--base=fbmem1-c2f starts 2 rows"):
         report_fbmem.table(_fbmem_units(), base_prefix="fbmem1-c2f")
+
+
+def test_rows_of_two_sweeps_in_one_pair_are_refused_not_interpolated_together() -> None:
+    g1 = _sweep(0, 1, (0.5, 1.0), (0.9, 0.7))
+    g2 = _sweep(0, 1, (0.6, 0.9), (0.8, 0.5), g=2)
+    with pytest.raises(ValueError, match="not one sweep"):
+        report_quality.at_skip(g1 + g2)
+    # One unit read twice: each point twice.
+    with pytest.raises(ValueError, match="2 distinct"):
+        report_quality.at_skip(g1 + g1)
+    assert report_quality.at_skip(g1)[0] == pytest.approx(0.8)
+
+
+def test_a_pair_whose_rows_two_units_hold_is_refused_before_the_report(
+        runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One run's units per layer, and the same run's pairs gathered into one file beside
+    # them: each point of layer 5 twice, its sweep interpolated through both.
+    units = runs / "run16k" / "units"
+    name = RUNS["run16k"]
+    (units / "q19_gemma_16384.csv").write_bytes((units / name).read_bytes())
+    out = runs / "report"
+    with pytest.raises(SystemExit) as e:
+        report_quality.main([f"--out={out}", "--units", str(units)])
+    assert e.value.code == 2
+    assert "its rows are not one sweep" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sweep_points_of_pairs_with_sweeps_of_different_lengths_are_refused() -> None:
+    # The k-th point stands for one share of the groups in every pair; with a pair short of
+    # a point, the last mean was over the longer pairs alone.
+    rows = _sweep(0, 1, (0.5, 0.7, 1.0), (0.9, 0.8, 0.7)) + _sweep(1, 1, (0.5, 1.0), (0.9, 0.7))
+    with pytest.raises(ValueError, match="real 8192 quest g = 1, lag 1: .* 2 or 3 points"):
+        report_quality.curve(rows)
+    with pytest.raises(ValueError, match="real 8192 quest g = 1, lag 1: .* 2 or 3 points"):
+        report_quality.fixed_skip_at_recall(rows, 0.95)
+    x, y = report_quality.curve(rows[:3] + _sweep(1, 1, (0.5, 0.8, 1.0), (0.9, 0.8, 0.6)))
+    assert x.tolist() == pytest.approx([0.5, 0.75, 1.0]) and y.tolist() == pytest.approx(
+        [0.9, 0.8, 0.65])
