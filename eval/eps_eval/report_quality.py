@@ -6,7 +6,8 @@ is interpolated per (layer, step) along that pair's own sweep, then averaged;
 the ± is 1.96 standard errors over the pairs (a normal 95 % interval; pairs of
 one layer are not independent, so it is optimistic). "—" is a value not there to
 report (a sweep that never reaches S, a reuse length whose lags were not all measured),
-never a neighbouring value.
+never a neighbouring value; a cell over fewer pairs than its table's header says
+names its count ("(6 of 9 pairs)").
 """
 
 from __future__ import annotations
@@ -153,6 +154,23 @@ def cell(value: tuple[float, float, int], pairs: int) -> str:
     return fmt(mean, half) + ("" if np.isnan(mean) else of_pairs(n, pairs))
 
 
+def gain_text(gain: tuple[float, float, int], pairs: int) -> str:
+    """A paired gain (paired_gain): "" when no pair has both, no ± over one pair."""
+    mean, half, n = gain
+    if np.isnan(mean):
+        return ""
+    return (f"{mean:+.3f}" + ("" if np.isnan(half) else f" ± {half:.3f}")
+            + of_pairs(n, pairs))
+
+
+def bytes_ratio(near: list[Row], base_frac: float) -> str:
+    """Mean summary_frac of the sweep points near 75 % skipped over `base_frac`; "—" when no
+    point is near it or the base is unmeasured (it printed "nan")."""
+    if not near or np.isnan(base_frac):
+        return "—"
+    return f"{float(col(near, 'summary_frac').mean()) / base_frac:.2f}"
+
+
 HEAD_DIM = {"real": 64, "synthetic": 128, "gemma": 256}
 
 
@@ -172,9 +190,10 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
     out: list[str] = []
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
         thr = where(w, lambda r: r["budget"] == "threshold")
+        pairs = len(group(w, PAIR))
         o = at_skip(where(thr, lambda r: r["method"] == "oracle_mass" and r["g"] == 1))
-        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {o[2]}; "  # type: ignore[call-overload]
-                   f"mass oracle at g = 1: {fmt(o[0], o[1])}\n")
+        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {pairs}; "  # type: ignore[call-overload]
+                   f"mass oracle at g = 1: {cell(o, pairs)}\n")
         gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
         out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
         out.append("| --- |" + " --- |" * len(gs))
@@ -183,14 +202,14 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
             cells = []
             for g in gs:
                 sel = [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == want_lag]
-                cells.append(fmt(*at_skip(sel)[:2]) if sel else "")
+                cells.append(cell(at_skip(sel), pairs) if sel else "")
             out.append(f"| {m}{' (lag 0)' if want_lag != lag else ''} | " + " | ".join(cells) + " |")
             if m == "quest":
                 d = HEAD_DIM.get(str(wl), 128)
                 cells = []
                 for g in gs:
                     sel = [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == lag]
-                    cells.append(fmt(*at_skip(epsd_record_rows(sel, d))[:2]) if sel else "")
+                    cells.append(cell(at_skip(epsd_record_rows(sel, d)), pairs) if sel else "")
                 out.append("| quest, epsd's fp32 record today | " + " | ".join(cells) + " |")
         q16 = where(thr, lambda r: r["method"] == "quest" and r["g"] == 1 and r["lag"] == lag)
         q16_frac = float(col(q16, "summary_frac").mean()) if q16 else float("nan")
@@ -203,8 +222,8 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
             out.append("| --- | --- | --- |")
             for (name,), sel in sorted(group(c2f, ("method",)).items()):
                 near = [r for r in sel if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
-                frac = float(col(near, "summary_frac").mean()) / q16_frac if near else float("nan")
-                out.append(f"| {name} | {fmt(*at_skip(sel)[:2])} | {frac:.2f} |")
+                out.append(f"| {name} | {cell(at_skip(sel), pairs)} | "
+                           f"{bytes_ratio(near, q16_frac)} |")
     return out
 
 
@@ -220,11 +239,12 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
                         or r["method"] in ("momentlgn", "oracle_mass_lag")})
         if not names:
             continue
+        pairs = len(group(w, PAIR))
         o = at_skip(where(thr, lambda r: r["method"] == "oracle_mass" and r["g"] == 1))
         gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
         d = HEAD_DIM.get(str(wl), 128)
-        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {o[2]}; "  # type: ignore[call-overload]
-                   f"mass oracle at g = 1: {fmt(o[0], o[1])}\n")
+        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {pairs}; "  # type: ignore[call-overload]
+                   f"mass oracle at g = 1: {cell(o, pairs)}\n")
         out.append("Recall at 75 % skipped (gain over quest8 at the same g, paired).\n")
         out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
         out.append("| --- |" + " --- |" * len(gs))
@@ -238,10 +258,9 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
             cells = []
             for g in gs:
                 rec = at_skip(sel(m, g))
-                gain = paired_gain(sel(m, g), sel("quest8", g))
-                paired = m != "quest8" and not np.isnan(gain[0])
-                cells.append(fmt(*rec[:2]) + (f" ({gain[0]:+.3f} ± {gain[1]:.3f})" if paired
-                                              else ""))
+                gain = gain_text(paired_gain(sel(m, g), sel("quest8", g)), pairs)
+                paired = m != "quest8" and gain
+                cells.append(cell(rec, pairs) + (f" ({gain})" if paired else ""))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
         c2f = where(w, lambda r: r["budget"] == "c2f" and r["lag"] == lag)
         q16 = sel("quest", 1)
@@ -258,10 +277,9 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
             out.append("| --- | --- | --- | --- |")
             for m, v in [(str(base), bsel)] + variants:
                 near = [r for r in v if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
-                frac = float(col(near, "summary_frac").mean()) / q16_frac if near else float("nan")
-                gain = paired_gain(v, bsel) if m != base else (float("nan"), 0.0, 0)
-                gtxt = "" if np.isnan(gain[0]) else f"{gain[0]:+.3f} ± {gain[1]:.3f}"
-                out.append(f"| {m} | {fmt(*at_skip(v)[:2])} | {gtxt} | {frac:.2f} |")
+                gtxt = gain_text(paired_gain(v, bsel), pairs) if m != base else ""
+                out.append(f"| {m} | {cell(at_skip(v), pairs)} | {gtxt} | "
+                           f"{bytes_ratio(near, q16_frac)} |")
     return out
 
 
@@ -455,9 +473,12 @@ def table_passkeys(dirs: list[Path]) -> list[str]:
             if m == "dense":
                 continue
             ok = sum(r["correct"] == "1" for r in sel)
-            both = sum(r["correct"] == "1" for r in sel if r["prompt"] in dense_ok)
+            # Out of the prompts dense retrieves that this variant ran: one it did not run
+            # is no miss.
+            ran = dense_ok & {str(r["prompt"]) for r in sel}
+            both = sum(r["correct"] == "1" for r in sel if r["prompt"] in ran)
             vis = np.mean([float(r["visited"]) for r in sel])
-            out.append(f"| {m}, g = {g} | {ok} of {len(sel)} | {both} of {len(dense_ok)} | "
+            out.append(f"| {m}, g = {g} | {ok} of {len(sel)} | {both} of {len(ran)} | "
                        f"{vis:.3f} |")
     return out
 

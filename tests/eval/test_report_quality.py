@@ -242,3 +242,46 @@ def test_sweep_points_of_pairs_with_sweeps_of_different_lengths_are_refused() ->
     x, y = report_quality.curve(rows[:3] + _sweep(1, 1, (0.5, 0.8, 1.0), (0.9, 0.8, 0.6)))
     assert x.tolist() == pytest.approx([0.5, 0.75, 1.0]) and y.tolist() == pytest.approx(
         [0.9, 0.8, 0.65])
+
+
+def test_methods_table_names_a_cell_over_fewer_pairs_and_prints_no_nan() -> None:
+    rows = (_sweep(0, 0, (0.5, 1.0), (1.0, 0.9), method="oracle_mass")
+            + _sweep(1, 0, (0.5, 1.0), (1.0, 0.8), method="oracle_mass")
+            + _sweep(0, 1, (0.5, 1.0), (0.9, 0.7))  # quest: pair 0 only
+            + _sweep(0, 1, (0.5, 1.0), (0.9, 0.7), method="quest8")
+            + _sweep(1, 1, (0.5, 1.0), (0.8, 0.6), method="quest8")
+            # c2f with no sweep point near 75 % skipped: its bytes are "—", not "nan".
+            + _sweep(0, 1, (0.1, 0.2), (0.9, 0.8), budget="c2f", method="c2f16x2")
+            + _sweep(1, 1, (0.1, 0.2), (0.9, 0.8), budget="c2f", method="c2f16x2"))
+    lines = report_quality.table_methods(rows, 1)
+    assert "### real, context 8192, lag 1; pairs: 2; mass oracle at g = 1: 0.925 ± 0.049" \
+        in "\n".join(lines)
+    assert _cells(lines, "| quest |") == ["0.800 (1 of 2 pairs)"]
+    assert _cells(lines, "| quest8 |") == ["0.750 ± 0.098"]
+    assert _cells(lines, "| c2f16x2 |") == ["—", "—"]
+
+
+def test_passkeys_count_retrieved_where_dense_does_over_the_prompts_a_variant_ran(
+        tmp_path: Path) -> None:
+    units = tmp_path / "units"
+    units.mkdir()
+    head = "prompt,method,g,correct,visited\n"
+    rows = ["p1,dense,1,1,1", "p2,dense,1,1,1", "p3,dense,1,0,1",
+            "p1,quest,1,1,0.25", "p2,quest,1,0,0.25", "p3,quest,1,1,0.25",
+            "p1,questclt,2,1,0.25"]  # questclt ran p1 only
+    (units / "q19gemma_passkey_4096.csv").write_text(head + "\n".join(rows) + "\n")
+    lines = report_quality.table_passkeys([units])
+    assert _cells(lines, "| quest, g = 1 |") == ["2 of 3", "1 of 2", "0.250"]
+    # One dense-retrieved prompt run, one retrieved: not "1 of 2", as if it missed p2.
+    assert _cells(lines, "| questclt, g = 2 |") == ["1 of 1", "1 of 1", "0.250"]
+
+
+def test_estimators_table_gives_a_gain_over_one_pair_no_nan_interval() -> None:
+    rows = (_sweep(0, 0, (0.5, 1.0), (1.0, 0.9), method="oracle_mass")
+            + _sweep(1, 0, (0.5, 1.0), (1.0, 0.8), method="oracle_mass")
+            + _sweep(0, 1, (0.5, 1.0), (0.9, 0.7), method="quest8")
+            + _sweep(1, 1, (0.5, 1.0), (0.8, 0.6), method="quest8")
+            + _sweep(0, 1, (0.5, 1.0), (0.95, 0.75), method="questclt1"))  # pair 0 only
+    lines = report_quality.table_estimators(rows)
+    # Paired over the one pair both have: +0.05, no interval (it printed "± nan").
+    assert _cells(lines, "| questclt1 |") == ["0.850 (1 of 2 pairs) (+0.050 (1 of 2 pairs))"]
