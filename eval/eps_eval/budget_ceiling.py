@@ -100,13 +100,27 @@ def greedy_skip(dn: Dense, scores: npt.NDArray[np.float32], g: int, record_bytes
     return 1.0 - (read + record_bytes * groups) / (dn.tokens * kv_tok_bytes)
 
 
+def needed_percentile(needed: F64, q: float) -> float:
+    """np.percentile's linear q-th percentile of the shares the pairs need, inf for a pair
+    no swept share serves (needed = inf): inf when the percentile reads such a pair (it is
+    above the largest swept share, by an unknown amount), never that largest share."""
+    v = np.sort(needed)
+    h = (len(v) - 1) * q / 100.0
+    lo, hi = int(np.floor(h)), int(np.ceil(h))
+    if np.isinf(v[hi]) and (hi != lo or np.isinf(v[lo])):
+        return math.inf
+    return float(v[lo] + (h - lo) * (v[hi] - v[lo])) if hi != lo else float(v[lo])
+
+
 def summarize(recall: F64, skip: F64, greedy: F64, target: float,
               fractions: tuple[float, ...] = FRACTIONS) -> dict[str, float]:
     """recall, skip [pairs, budgets] (budgets increasing) and greedy [pairs] -> the skips of
     the fixed budget (mean recall at the target, interpolated; and safe on ≥ 95 % of the
     pairs), of each pair's own budget, and of the greedy lists; the needed shares. A skip
     whose budget no swept fraction reaches is NaN (the table prints "—"), never the
-    largest budget's as if it had reached it; per_pair counts the pairs that reach it."""
+    largest budget's as if it had reached it; per_pair counts the pairs that reach it. A
+    pair no swept share serves needs more than the largest: a needed-share percentile
+    that reads it is inf (the table prints "> " that share), not the largest share."""
     mean_r, mean_s = recall.mean(axis=0), skip.mean(axis=0)
     reach = recall >= target
     fixed = math.nan
@@ -120,18 +134,19 @@ def summarize(recall: F64, skip: F64, greedy: F64, target: float,
     share = reach.mean(axis=0)
     fixed_safe = float(mean_s[int(np.argmax(share >= 0.95))]) if (share >= 0.95).any() else math.nan
     reached = reach.any(axis=1)
-    need = np.where(reached, np.argmax(reach, axis=1), len(fractions) - 1)
+    need = np.argmax(reach, axis=1)
     own = skip[np.arange(len(skip)), need]
-    needed = np.asarray(fractions)[need]
+    needed = np.where(reached, np.asarray(fractions)[need], math.inf)
     return {"pairs": float(len(recall)), "fixed": fixed, "fixed_safe": fixed_safe,
             "per_pair": float(own[reached].mean()) if reached.any() else math.nan,
             "per_pair_reached": float(reached.mean()),
-            "greedy": float(greedy.mean()), "needed_p10": float(np.percentile(needed, 10)),
-            "needed_p50": float(np.percentile(needed, 50)),
-            "needed_p90": float(np.percentile(needed, 90))}
+            "greedy": float(greedy.mean()), "needed_p10": needed_percentile(needed, 10),
+            "needed_p50": needed_percentile(needed, 50),
+            "needed_p90": needed_percentile(needed, 90)}
 
 
-def table(results: dict[tuple[int, str, int], dict[str, float]], target: float) -> str:
+def table(results: dict[tuple[int, str, int], dict[str, float]], target: float,
+          fractions: tuple[float, ...] = FRACTIONS) -> str:
     header = (f"| context | ranking | g | pairs | fixed, mean recall {target} | fixed, {target} on "
               "95 % of pairs | per-pair budget (pairs reaching it) | greedy ceiling | "
               "greedy − fixed | needed share p10 / p50 / p90 |")
@@ -140,12 +155,15 @@ def table(results: dict[tuple[int, str, int], dict[str, float]], target: float) 
     def cell(x: float, sign: str = "") -> str:
         return "—" if math.isnan(x) else f"{x:{sign}.3f}"
 
+    def share(x: float) -> str:
+        return f"> {max(fractions):.3f}" if math.isinf(x) else f"{x:.3f}"
+
     for (ctx, ranking, g), r in sorted(results.items()):
         lines.append(
             f"| {ctx} | {ranking} | {g} | {r['pairs']:.0f} | {cell(r['fixed'])} | "
             f"{cell(r['fixed_safe'])} | {cell(r['per_pair'])} ({r['per_pair_reached']:.0%}) | "
             f"{r['greedy']:.3f} | {cell(r['greedy'] - r['fixed'], '+')} | "
-            f"{r['needed_p10']:.3f} / {r['needed_p50']:.3f} / {r['needed_p90']:.3f} |")
+            f"{share(r['needed_p10'])} / {share(r['needed_p50'])} / {share(r['needed_p90'])} |")
     return "\n".join(lines)
 
 

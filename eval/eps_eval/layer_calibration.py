@@ -9,9 +9,11 @@ mass budget and the threshold budget's sweep for each (method, g)). For each lay
 picks the (τ, p, floor) with the most bytes skipped whose recall reaches `margin` on
 every calibration pair of that layer, then reports on the test pairs: how many reach
 the target recall (0.95) and the mean skip, beside the best single fixed budget whose
-mean recall over the test pairs reaches 0.95 (at a swept point, and interpolated
-linearly between the two swept points around 0.95). With --split-steps=0,2,4 the
-calibration and test pairs come from the same files, split by step. --budget picks the
+mean recall over the same test pairs reaches 0.95 (at a swept point, and interpolated
+linearly between the two swept points around 0.95; "—" where none does). A layer that no
+setting is safe on is left out of both sides and counted in the row. With
+--split-steps=0,2,4 the calibration and test pairs come from the same files, split by
+step. --budget picks the
 adaptive budget's rows (mass: core's per-head MarkByMass; massunion: the list-level
 budget of quality.py); --scope=all calibrates one setting for every layer, --radius=N
 pools each layer's calibration pairs with those of N layers on each side; --emit=FILE writes
@@ -175,20 +177,29 @@ def report(calib_rows: list[dict[str, str]], test_rows: list[dict[str, str]], ma
             chosen = {p[0]: setting for p in tpairs}
         else:
             chosen = calibrate(cm, cpairs, margin, floors, per_layer, radius)
-        points = [tm[chosen[p[0]]][p] for p in tpairs if p[0] in chosen]
+        covered = [p for p in tpairs if p[0] in chosen]
+        points = [tm[chosen[p[0]]][p] for p in covered]
         uncalibrated = len({p[0] for p in tpairs} - set(chosen))
-        swept, interpolated = best_fixed(tf, tpairs)
         if not points:
-            out.append(f"| {method} | {g} | no layer calibrated | | | {swept:.3f} / "
-                       f"{interpolated:.3f} |")
+            swept, interpolated = best_fixed(tf, tpairs)
+            out.append(f"| {method} | {g} | no layer calibrated | | | {_skip(swept)} / "
+                       f"{_skip(interpolated)} |")
             continue
+        # The fixed budget on the pairs the adaptive one is reported on: a layer without a
+        # setting leaves its pairs out of both sides of the comparison.
+        swept, interpolated = best_fixed(tf, covered)
         ok = sum(r >= TARGET for r, _ in points)
         skip = sum(s for _, s in points) / len(points)
         recall = sum(r for r, _ in points) / len(points)
         note = f" ({uncalibrated} layers without a setting)" if uncalibrated else ""
         out.append(f"| {method} | {g} | {ok} of {len(points)}{note} | {skip:.3f} | "
-                   f"{recall:.3f} | {swept:.3f} / {interpolated:.3f} |")
+                   f"{recall:.3f} | {_skip(swept)} / {_skip(interpolated)} |")
     return out
+
+
+def _skip(x: float) -> str:
+    """A fixed budget's skip; "—" where no swept budget reaches TARGET on average."""
+    return "—" if math.isnan(x) else f"{x:.3f}"
 
 
 def settings(calib_rows: list[dict[str, str]], margin: float, floors: set[str] | None,

@@ -254,5 +254,6 @@ def write(out: Path, *, t0: float | None = None, load0: tuple[float, ...] | None
                   f"`{m0['greedy_sample']!r}`; prefill {m0['prefill_seconds']} s.")]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Units", "", "| unit | seconds |", "| --- | --- |"]
-    lines += [f"| {k} | {float(m.get('seconds', 0)):.0f} |" for k, m in sorted(metas.items())]
+    # A unit whose JSON holds no time shows "—", not 0 seconds.
+    lines += [f"| {k} | {_fmt(m.get('seconds'), 0)} |" for k, m in sorted(metas.items())]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

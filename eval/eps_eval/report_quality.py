@@ -4,7 +4,10 @@ Reads DIR/units/q19_*.csv (or those of the --units directories: several runs' un
 each run with its own --out) and writes DIR/quality.md. Every "recall at S skipped"
 is interpolated per (layer, step) along that pair's own sweep, then averaged;
 the ± is 1.96 standard errors over the pairs (a normal 95 % interval; pairs of
-one layer are not independent, so it is optimistic).
+one layer are not independent, so it is optimistic). "—" is a value not there to
+report (a sweep that never reaches S, a reuse length whose lags were not all measured),
+never a neighbouring value; a cell over fewer pairs than its table's header says
+names its count ("(6 of 9 pairs)").
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ SKIP = 0.75
 TARGET = 0.95
 Row = dict[str, object]
 PAIR = ("workload", "kind", "context", "layer", "step")
+# What makes rows one sweep of a pair: its points differ in `param` only.
+SWEEP = ("method", "g", "lag", "budget", "temperature", "floor")
 NUMERIC = {"context", "layer", "step", "g", "lag", "param", "temperature", "floor", "groups",
            "recall",
            "recall_min", "top10", "out_err", "visited", "summary_frac", "skip"}
@@ -90,9 +95,19 @@ def col(rows: list[Row], name: str) -> np.ndarray:
 
 
 def per_pair_at_skip(rows: list[Row], skip: float = SKIP) -> dict[tuple[object, ...], float]:
-    """Recall interpolated at `skip` per (layer, step) pair; {} when a pair's sweep misses it."""
+    """Recall interpolated at `skip` per (layer, step) pair; {} when a pair's sweep misses it.
+    A pair's rows must be one sweep (one method, g, lag, budget, τ and floor, each point
+    once): rows of two sweeps, or a unit read twice, are a ValueError naming the pair, since
+    interpolating along their mixture gives no configuration's recall."""
     vals = {}
     for key, g in group(rows, PAIR).items():
+        sweeps = {tuple(r.get(k) for k in SWEEP) for r in g}
+        params = [r.get("param", r["skip"]) for r in g]  # a point: its budget (or skip)
+        if len(sweeps) > 1 or len(set(params)) < len(params):
+            named = "; ".join(", ".join(f"{k} {v}" for k, v in zip(SWEEP, sw) if v is not None)
+                              for sw in sorted(sweeps, key=str))
+            raise ValueError(f"pair {dict(zip(PAIR, key))}: its rows are not one sweep "
+                             f"({named}; {len(params)} points, {len(set(params))} distinct)")
         g = sorted(g, key=lambda r: float(r["skip"]))  # type: ignore[arg-type]
         x, y = col(g, "skip"), col(g, "recall")
         if x.min() > skip or x.max() < skip:
@@ -128,6 +143,34 @@ def fmt(mean: float, half: float) -> str:
     return f"{mean:.3f} ± {half:.3f}" if not np.isnan(half) else f"{mean:.3f}"
 
 
+def of_pairs(n: int, pairs: int) -> str:
+    """" (n of N pairs)" for a value over fewer pairs than its table's header counts."""
+    return f" ({n} of {pairs} pairs)" if n < pairs else ""
+
+
+def cell(value: tuple[float, float, int], pairs: int) -> str:
+    """A mean ± interval over `value`'s n pairs (at_skip), naming n when below `pairs`."""
+    mean, half, n = value
+    return fmt(mean, half) + ("" if np.isnan(mean) else of_pairs(n, pairs))
+
+
+def gain_text(gain: tuple[float, float, int], pairs: int) -> str:
+    """A paired gain (paired_gain): "" when no pair has both, no ± over one pair."""
+    mean, half, n = gain
+    if np.isnan(mean):
+        return ""
+    return (f"{mean:+.3f}" + ("" if np.isnan(half) else f" ± {half:.3f}")
+            + of_pairs(n, pairs))
+
+
+def bytes_ratio(near: list[Row], base_frac: float) -> str:
+    """Mean summary_frac of the sweep points near 75 % skipped over `base_frac`; "—" when no
+    point is near it or the base is unmeasured (it printed "nan")."""
+    if not near or np.isnan(base_frac):
+        return "—"
+    return f"{float(col(near, 'summary_frac').mean()) / base_frac:.2f}"
+
+
 HEAD_DIM = {"real": 64, "synthetic": 128, "gemma": 256}
 
 
@@ -147,9 +190,10 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
     out: list[str] = []
     for (wl, ctx), w in sorted(group(rows, ("workload", "context")).items()):
         thr = where(w, lambda r: r["budget"] == "threshold")
+        pairs = len(group(w, PAIR))
         o = at_skip(where(thr, lambda r: r["method"] == "oracle_mass" and r["g"] == 1))
-        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {o[2]}; "  # type: ignore[call-overload]
-                   f"mass oracle at g = 1: {fmt(o[0], o[1])}\n")
+        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {pairs}; "  # type: ignore[call-overload]
+                   f"mass oracle at g = 1: {cell(o, pairs)}\n")
         gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
         out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
         out.append("| --- |" + " --- |" * len(gs))
@@ -158,14 +202,14 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
             cells = []
             for g in gs:
                 sel = [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == want_lag]
-                cells.append(fmt(*at_skip(sel)[:2]) if sel else "")
+                cells.append(cell(at_skip(sel), pairs) if sel else "")
             out.append(f"| {m}{' (lag 0)' if want_lag != lag else ''} | " + " | ".join(cells) + " |")
             if m == "quest":
                 d = HEAD_DIM.get(str(wl), 128)
                 cells = []
                 for g in gs:
                     sel = [r for r in thr if r["method"] == m and r["g"] == g and r["lag"] == lag]
-                    cells.append(fmt(*at_skip(epsd_record_rows(sel, d))[:2]) if sel else "")
+                    cells.append(cell(at_skip(epsd_record_rows(sel, d)), pairs) if sel else "")
                 out.append("| quest, epsd's fp32 record today | " + " | ".join(cells) + " |")
         q16 = where(thr, lambda r: r["method"] == "quest" and r["g"] == 1 and r["lag"] == lag)
         q16_frac = float(col(q16, "summary_frac").mean()) if q16 else float("nan")
@@ -178,8 +222,8 @@ def table_methods(rows: list[Row], lag: int) -> list[str]:
             out.append("| --- | --- | --- |")
             for (name,), sel in sorted(group(c2f, ("method",)).items()):
                 near = [r for r in sel if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
-                frac = float(col(near, "summary_frac").mean()) / q16_frac if near else float("nan")
-                out.append(f"| {name} | {fmt(*at_skip(sel)[:2])} | {frac:.2f} |")
+                out.append(f"| {name} | {cell(at_skip(sel), pairs)} | "
+                           f"{bytes_ratio(near, q16_frac)} |")
     return out
 
 
@@ -195,11 +239,12 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
                         or r["method"] in ("momentlgn", "oracle_mass_lag")})
         if not names:
             continue
+        pairs = len(group(w, PAIR))
         o = at_skip(where(thr, lambda r: r["method"] == "oracle_mass" and r["g"] == 1))
         gs = sorted({int(r["g"]) for r in thr})  # type: ignore[call-overload]
         d = HEAD_DIM.get(str(wl), 128)
-        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {o[2]}; "  # type: ignore[call-overload]
-                   f"mass oracle at g = 1: {fmt(o[0], o[1])}\n")
+        out.append(f"\n### {wl}, context {int(ctx)}, lag {lag}; pairs: {pairs}; "  # type: ignore[call-overload]
+                   f"mass oracle at g = 1: {cell(o, pairs)}\n")
         out.append("Recall at 75 % skipped (gain over quest8 at the same g, paired).\n")
         out.append("| method | " + " | ".join(f"g = {g}" for g in gs) + " |")
         out.append("| --- |" + " --- |" * len(gs))
@@ -213,10 +258,9 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
             cells = []
             for g in gs:
                 rec = at_skip(sel(m, g))
-                gain = paired_gain(sel(m, g), sel("quest8", g))
-                paired = m != "quest8" and not np.isnan(gain[0])
-                cells.append(fmt(*rec[:2]) + (f" ({gain[0]:+.3f} ± {gain[1]:.3f})" if paired
-                                              else ""))
+                gain = gain_text(paired_gain(sel(m, g), sel("quest8", g)), pairs)
+                paired = m != "quest8" and gain
+                cells.append(cell(rec, pairs) + (f" ({gain})" if paired else ""))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
         c2f = where(w, lambda r: r["budget"] == "c2f" and r["lag"] == lag)
         q16 = sel("quest", 1)
@@ -233,19 +277,46 @@ def table_estimators(rows: list[Row], lag: int = 1) -> list[str]:
             out.append("| --- | --- | --- | --- |")
             for m, v in [(str(base), bsel)] + variants:
                 near = [r for r in v if abs(float(r["skip"]) - SKIP) < 0.05]  # type: ignore[arg-type]
-                frac = float(col(near, "summary_frac").mean()) / q16_frac if near else float("nan")
-                gain = paired_gain(v, bsel) if m != base else (float("nan"), 0.0, 0)
-                gtxt = "" if np.isnan(gain[0]) else f"{gain[0]:+.3f} ± {gain[1]:.3f}"
-                out.append(f"| {m} | {fmt(*at_skip(v)[:2])} | {gtxt} | {frac:.2f} |")
+                gtxt = gain_text(paired_gain(v, bsel), pairs) if m != base else ""
+                out.append(f"| {m} | {cell(at_skip(v), pairs)} | {gtxt} | "
+                           f"{bytes_ratio(near, q16_frac)} |")
     return out
+
+
+def reuse_rows(rows: list[Row], k: int) -> tuple[list[Row], int]:
+    """A selection reused for k steps, read with lags 1…k: per pair and sweep point, recall
+    and skip averaged over those lags, for the pairs with every one of them measured at
+    every sweep point (a pair short of one lag is left out, never averaged over the lags it
+    has); and how many pairs that is. rows: one method and g, any lags."""
+    want = {float(lag) for lag in range(1, k + 1)}
+    within = [r for r in rows if float(r["lag"]) in want]  # type: ignore[arg-type]
+    out: list[Row] = []
+    pairs = 0
+    for key, pts in group(within, PAIR).items():
+        points = group(pts, ("param",))
+        if any(len(p) != k or {float(r["lag"]) for r in p} != want  # type: ignore[arg-type]
+               for p in points.values()):
+            continue
+        pairs += 1
+        for (param,), p in points.items():
+            out.append({**dict(zip(PAIR, key)), "param": param,
+                        "recall": float(col(p, "recall").mean()),
+                        "skip": float(col(p, "skip").mean())})
+    return out, pairs
+
+
+REUSE_STEPS = (1, 2, 4)
 
 
 def table_reuse(rows: list[Row], methods: tuple[str, ...], gs: tuple[int, ...]) -> list[str]:
     out = ["",
            ("A selection made with the query of step t−1 and reused for steps t…t+k−1 is read "
-            "with lags 1…k: per sweep point the recall is averaged over those lags."), "",
-           "| workload | context | method | g | k = 1 | k = 2 | k = 4 |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+            "with lags 1…k: per sweep point the recall is averaged over those lags, on the pairs "
+            "that have every lag 1…k measured (a run that measured lag 1 only has no k = 2 or "
+            "4: \"—\", as where the sweep never reaches 75 %)."), "",
+           "| workload | context | method | g | "
+           + " | ".join(f"k = {k}" for k in REUSE_STEPS) + " |",
+           "| --- | --- | --- | --- |" + " --- |" * len(REUSE_STEPS)]
     thr = where(rows, lambda r: r["budget"] == "threshold")
     for (wl, ctx), w in sorted(group(thr, ("workload", "context")).items()):
         for m in methods:
@@ -253,17 +324,31 @@ def table_reuse(rows: list[Row], methods: tuple[str, ...], gs: tuple[int, ...]) 
                 sel = [r for r in w if r["method"] == m and r["g"] == g]
                 if not sel:
                     continue
+                # The pairs measured at lag 1 are the row's; a k over fewer names its count.
+                pairs = len(group(where(sel, lambda r: r["lag"] == 1), PAIR))
                 cells = []
-                for k in (1, 2, 4):
-                    avg = []
-                    within = [r for r in sel if 1 <= float(r["lag"]) <= k]  # type: ignore[arg-type]
-                    for key, pts in group(within, PAIR + ("param",)).items():
-                        avg.append({**dict(zip(PAIR + ("param",), key)),
-                                    "recall": col(pts, "recall").mean(),
-                                    "skip": col(pts, "skip").mean()})
-                    cells.append(fmt(*at_skip(avg)[:2]))
+                for k in REUSE_STEPS:
+                    avg, n = reuse_rows(sel, k)
+                    cells.append(cell(at_skip(avg), pairs) if n else "—")
                 out.append(f"| {wl} | {int(ctx)} | {m} | {g} | " + " | ".join(cells) + " |")  # type: ignore[call-overload]
     return out
+
+
+def ranked_points(rows: list[Row]) -> list[list[Row]]:
+    """The k-th sweep point (k-th smallest parameter) of every pair, for each k: the same
+    share of the unforced groups across pairs. Pairs whose sweeps differ in length are a
+    ValueError naming the lengths: their k-th points are no common budget, and the last
+    points would average over the longer sweeps' pairs only."""
+    sweeps = [sorted(pts, key=lambda r: float(r["param"]))  # type: ignore[arg-type]
+              for pts in group(rows, PAIR).values()]
+    lengths = sorted({len(s) for s in sweeps})
+    if len(lengths) > 1:
+        r = rows[0]
+        raise ValueError(f"{r['workload']} {float(r['context']):g} {r['method']} "  # type: ignore[arg-type]
+                         f"g = {float(r['g']):g}, lag {float(r['lag']):g}: the "  # type: ignore[arg-type]
+                         f"pairs' sweeps have {' or '.join(map(str, lengths))} points: no "
+                         "mean per sweep point over every pair")
+    return [list(points) for points in zip(*sweeps)]
 
 
 def fixed_skip_at_recall(rows: list[Row], target: float) -> str:
@@ -271,12 +356,8 @@ def fixed_skip_at_recall(rows: list[Row], target: float) -> str:
     whose mean recall over the pairs reaches `target`."""
     if not rows:
         return "—"
-    ranked: dict[int, list[Row]] = defaultdict(list)
-    for pts in group(rows, PAIR).values():
-        for i, r in enumerate(sorted(pts, key=lambda r: float(r["param"]))):  # type: ignore[arg-type]
-            ranked[i].append(r)
     best, top = None, 0.0
-    for pts in ranked.values():
+    for pts in ranked_points(rows):
         rec, sk = col(pts, "recall").mean(), col(pts, "skip").mean()
         top = max(top, rec)
         if rec >= target and (best is None or sk > best):
@@ -329,11 +410,7 @@ def table_mass(rows: list[Row], target: float = TARGET) -> list[str]:
 
 def curve(rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
     """Mean (skip, recall) per sweep point (k-th smallest parameter of every pair)."""
-    ranked: dict[int, list[Row]] = defaultdict(list)
-    for pts in group(rows, PAIR).values():
-        for i, r in enumerate(sorted(pts, key=lambda r: float(r["param"]))):  # type: ignore[arg-type]
-            ranked[i].append(r)
-    pts = sorted((col(v, "skip").mean(), col(v, "recall").mean()) for v in ranked.values())
+    pts = sorted((col(v, "skip").mean(), col(v, "recall").mean()) for v in ranked_points(rows))
     return np.asarray([p[0] for p in pts]), np.asarray([p[1] for p in pts])
 
 
@@ -396,9 +473,12 @@ def table_passkeys(dirs: list[Path]) -> list[str]:
             if m == "dense":
                 continue
             ok = sum(r["correct"] == "1" for r in sel)
-            both = sum(r["correct"] == "1" for r in sel if r["prompt"] in dense_ok)
+            # Out of the prompts dense retrieves that this variant ran: one it did not run
+            # is no miss.
+            ran = dense_ok & {str(r["prompt"]) for r in sel}
+            both = sum(r["correct"] == "1" for r in sel if r["prompt"] in ran)
             vis = np.mean([float(r["visited"]) for r in sel])
-            out.append(f"| {m}, g = {g} | {ok} of {len(sel)} | {both} of {len(dense_ok)} | "
+            out.append(f"| {m}, g = {g} | {ok} of {len(sel)} | {both} of {len(ran)} | "
                        f"{vis:.3f} |")
     return out
 
@@ -422,23 +502,29 @@ def main(argv: list[str] | None = None) -> int:
     if not units:
         ap.error(f"--out={a.out}: {dirs[0]} holds no q19_*.csv unit to report on "
                  f"(run eps_eval.run_quality --out={a.out} first)")
-    a.out.mkdir(parents=True, exist_ok=True)
     rows = load(dirs)
     lines = ["# Issue 19: group size, reuse, 8-bit quest, coarse-to-fine, adaptive budget", "",
              ("Generated by `python -m eps_eval.report_quality`; the runs, machines and dates "
               "are in docs/eval/README.md."), "",
              "## Recall at 75 % of KV bytes skipped (summary bytes counted), threshold budget"]
-    for lag in (1, 0):
-        lines += table_methods(rows, lag)
-    est = table_estimators(rows)
-    if est:
-        lines += ["", "## Estimators from the quest8 record, at quest8's bytes"] + est
-    lines += ["", "## Reusing one selection for k steps (recall at 75 % skipped)"]
-    lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
-    lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
-    lines += table_mass(rows)
+    try:  # rows that are no one sweep of a pair are refused before anything is written
+        for lag in (1, 0):
+            lines += table_methods(rows, lag)
+        est = table_estimators(rows)
+        if est:
+            lines += ["", "## Estimators from the quest8 record, at quest8's bytes"] + est
+        lines += ["", "## Reusing one selection for k steps (recall at 75 % skipped)"]
+        lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
+        lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
+        lines += table_mass(rows)
+    except ValueError as e:
+        ap.error(str(e))
     lines += ["", "## Gemma 3 270M passkeys"] + table_passkeys(dirs)
-    lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots(rows, a.out)]
+    a.out.mkdir(parents=True, exist_ok=True)
+    try:
+        lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots(rows, a.out)]
+    except ValueError as e:  # quality.md is not written
+        ap.error(str(e))
     (a.out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

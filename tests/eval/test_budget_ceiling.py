@@ -87,6 +87,25 @@ def test_a_target_no_budget_reaches_is_not_reported_as_reached() -> None:
     assert "| — | — | — (0%) |" in row, row
 
 
+def test_a_pair_no_swept_share_serves_needs_more_than_the_largest_not_it() -> None:
+    # Pairs 0 and 1 reach 0.95 at shares 0.1 and 0.2; pair 2 at none of 0.1-0.3. Its need
+    # was counted as 0.3, the largest share, and p90 read 0.28 as if measured.
+    recall = np.array([[0.96, 0.97, 0.98], [0.90, 0.95, 0.97], [0.80, 0.85, 0.90]])
+    skip = np.array([[0.8, 0.7, 0.6], [0.8, 0.7, 0.6], [0.8, 0.7, 0.6]])
+    got = bc.summarize(recall, skip, np.array([0.7, 0.7, 0.7]), 0.95, (0.1, 0.2, 0.3))
+    # np.percentile's linear rule over (0.1, 0.2, above 0.3): p10 at 0.2 of the way from the
+    # first to the second, p50 the second, p90 between the second and the unserved one.
+    assert got["needed_p10"] == pytest.approx(0.12)
+    assert got["needed_p50"] == pytest.approx(0.2)
+    assert got["needed_p90"] == np.inf
+    row = bc.table({(512, "oracle", 1): got}, 0.95, (0.1, 0.2, 0.3)).splitlines()[-1]
+    assert row.endswith("| 0.120 / 0.200 / > 0.300 |"), row
+    # Served by every share, the percentiles are np.percentile's.
+    served = bc.summarize(recall[:2], skip[:2], np.array([0.7, 0.7]), 0.95, (0.1, 0.2, 0.3))
+    for q in (10, 50, 90):
+        assert served[f"needed_p{q}"] == pytest.approx(np.percentile([0.1, 0.2], q))
+
+
 @pytest.mark.parametrize("arg", ["--g=0", "--context=0", "--g=", "--context=1k"])
 def test_a_run_with_nothing_to_measure_is_refused_before_the_model_loads(
         tmp_path, capsys: pytest.CaptureFixture[str], arg: str) -> None:

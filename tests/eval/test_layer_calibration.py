@@ -171,3 +171,25 @@ def test_what_is_no_unit_csv_is_named(tmp_path, capsys: pytest.CaptureFixture[st
             lc.main(args)
         assert e.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def test_the_fixed_budget_is_compared_on_the_pairs_of_the_layers_with_a_setting() -> None:
+    # Layer 0 has a safe setting, layer 1 none. The fixed budget reaches 0.95 on average
+    # over layer 0's pairs at both budgets, over all pairs only at the larger one: compared
+    # on every test pair it read 0.5, as if layer 1's pairs had been tested.
+    rows = []
+    for step in range(2):
+        rows.append(_row(0, step, "mass", 0.95, 0.96, 0.6))
+        rows.append(_row(1, step, "mass", 0.95, 0.80, 0.6))
+        for layer, small in ((0, 0.96), (1, 0.90)):
+            rows.append(_row(layer, step, "threshold", 5, small, 0.7))
+            rows.append(_row(layer, step, "threshold", 10, 0.99, 0.5))
+    out = lc.report(rows, rows, 0.95, None)
+    assert out[-1] == "| questclt | 2 | 2 of 2 (1 layers without a setting) | 0.600 | 0.960 | " \
+                      "0.700 / 0.700 |", out
+
+
+def test_a_fixed_budget_that_never_reaches_the_target_is_a_dash_not_nan() -> None:
+    rows = [_row(0, s, b, 0.95, 0.9, 0.6) for s in range(2) for b in ("mass", "threshold")]
+    out = lc.report(rows, rows, 0.95, None)
+    assert out[-1] == "| questclt | 2 | no layer calibrated | | | — / — |", out
