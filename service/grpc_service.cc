@@ -1,5 +1,8 @@
 #include "service/grpc_service.h"
 
+#include <functional>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/status.h"
@@ -28,27 +31,95 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
   return reactor;
 }
 
-// A unary SelectPages call's reactor: a reply it holds counts against its session's
-// UnsentReplies until the call is done (written, or dropped with its connection).
-class SelectPagesReply final : public grpc::ServerUnaryReactor {
+// A unary SelectPages call's reactor. Its reply holds a place in its session's
+// UnsentReplies until the call is done (written, or dropped with its connection); a reply
+// that finds no place is parked there and handed to gRPC when one frees (unsent_replies.h).
+class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentReplies::Parked {
  public:
-  explicit SelectPagesReply(UnsentReplies& unsent) : unsent_(unsent) {}
-  // Counts this call's reply against `session`; false when the session has too many waiting.
-  bool Hold(const std::string& session) {
-    if (!unsent_.TryHold(session)) return false;
-    session_ = session;
-    held_ = true;
-    return true;
+  // Records the call's end (telemetry) and returns the status to finish it with.
+  using Ending = std::function<absl::Status(absl::Status)>;
+
+  SelectPagesReply(UnsentReplies& unsent, grpc::CallbackServerContext& context)
+      : unsent_(unsent), context_(context) {}
+
+  // The step ended with `status`; `ending` records the call and gives its final status.
+  // An OK reply takes a place in `session`'s UnsentReplies, or waits for one.
+  void StepDone(const std::string& session, absl::Status status, Ending ending) {
+    if (status.ok()) {
+      absl::MutexLock lock(&mu_);
+      session_ = session;
+      ending_ = std::move(ending);
+      UnsentReplies::Hold hold = UnsentReplies::Hold::kRefused;
+      const absl::Status counted = CallGuarded("SelectPages", [&] {  // its map allocates
+        hold = unsent_.TryHold(session, this);
+        return absl::OkStatus();
+      });
+      if (!counted.ok()) {
+        status = counted;  // nothing counted or parked
+      } else if (hold == UnsentReplies::Hold::kHeld) {
+        held_ = true;
+      } else if (hold == UnsentReplies::Hold::kParked) {
+        parked_ = true;
+        // A call cancelled before it was parked gets no OnCancel now: take it back.
+        if (!context_.IsCancelled() || !unsent_.Unpark(session_, this)) return;
+        parked_ = false;
+        status = absl::CancelledError("SelectPages: the call was cancelled");
+      } else {
+        // Its client has not read the session's last replies: this one would wait in
+        // epsd's memory as theirs do (unsent_replies.h). The step has run.
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "SelectPages: session '", telemetry::SessionLabel(session),
+            "': ", UnsentReplies::kMaxUnsentReplies + UnsentReplies::kMaxParkedReplies,
+            " replies of its earlier steps are not yet read by its client; read them"));
+      }
+      ending = std::move(ending_);
+    }
+    Finish(ToGrpcStatus(ending(status)));
   }
+
+  // A place freed for the parked reply (UnsentReplies::Release's thread).
+  void Resume() override {
+    Ending ending;
+    {
+      absl::MutexLock lock(&mu_);
+      parked_ = false;
+      held_ = true;
+      ending = std::move(ending_);
+    }
+    Finish(ToGrpcStatus(ending(absl::OkStatus())));
+  }
+
+  void OnCancel() override {
+    Ending ending;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!parked_ || !unsent_.Unpark(session_, this)) return;  // not parked, or resuming
+      parked_ = false;
+      ending = std::move(ending_);
+    }
+    Finish(ToGrpcStatus(ending(absl::CancelledError("SelectPages: the call was cancelled"))));
+  }
+
   void OnDone() override {
-    if (held_) unsent_.Release(session_);
+    bool held;
+    std::string session;
+    {
+      absl::MutexLock lock(&mu_);
+      held = held_;
+      session = session_;
+    }
+    if (held) unsent_.Release(session);
     delete this;
   }
 
  private:
   UnsentReplies& unsent_;
-  std::string session_;
-  bool held_ = false;
+  grpc::CallbackServerContext& context_;
+  absl::Mutex mu_;
+  std::string session_ ABSL_GUARDED_BY(mu_);
+  Ending ending_ ABSL_GUARDED_BY(mu_);
+  bool held_ ABSL_GUARDED_BY(mu_) = false;    // a place is this reply's: released at OnDone
+  bool parked_ ABSL_GUARDED_BY(mu_) = false;  // waiting in unsent_ for a place
 };
 
 // The end of a unary call answered later, from whichever thread the session service
@@ -210,35 +281,34 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
     return absl::OkStatus();
   });
   if (!started.ok()) return Finish(context, telemetry_, call, started);
-  auto* reactor = new SelectPagesReply(unsent_);
+  auto* reactor = new SelectPagesReply(unsent_, *context);
   // Finished where the step runs: here within the executor's bound on inline steps, else
   // on the StepExecutor (step_gate.h), this callback thread then returning at once, free
   // for other calls and for this one's cancellation, which a cpu step checks between its
-  // (row, layer)s; or here for a call refused at or before the gate.
+  // (row, layer)s; or here for a call refused at or before the gate; or, for a reply parked
+  // behind the session's unsent replies, where one of those is done (unsent_replies.h).
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
-      [this, request, response, reactor, call, step](absl::Status s, BackendKind backend) {
-        if (s.ok()) {
-          s = CallGuarded("SelectPages", [&] {
-            if (reactor->Hold(request->session_id())) return absl::OkStatus();
-            // Its client has not read the session's last replies: this one would wait in
-            // epsd's memory as theirs do (unsent_replies.h). The step has run.
-            return absl::ResourceExhaustedError(absl::StrCat(
-                "SelectPages: session '", telemetry::SessionLabel(request->session_id()),
-                "': ", UnsentReplies::kMaxUnsentReplies,
-                " replies of its earlier steps are not yet read by its client; read them"));
+      [this, request, response, reactor, call, step](absl::Status ran, BackendKind backend) {
+        // What the call answers: the step's status, or the reply's (unsent_replies.h).
+        auto ending = [this, request, response, call, step, backend](absl::Status s) {
+          const absl::Status status = CallGuarded("SelectPages", [&] {
+            telemetry_.EndStep(call, step, *request, *response, s, backend);
+            return s;
           });
+          if (!status.ok()) response->Clear();
+          (void)CallGuarded("SelectPages", [&] {
+            telemetry_.EndCall(call, status, /*refused=*/false);  // EndStep counted it
+            return absl::OkStatus();
+          });
+          return status;
+        };
+        try {  // nothing may leave the step's done callback (an allocation that fails)
+          reactor->StepDone(request->session_id(), std::move(ran), std::move(ending));
+        } catch (...) {  // StepDone finishes last: the call is not finished yet
+          reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                       "SelectPages: out of memory for the reply"));
         }
-        const absl::Status status = CallGuarded("SelectPages", [&] {
-          telemetry_.EndStep(call, step, *request, *response, s, backend);
-          return s;
-        });
-        if (!status.ok()) response->Clear();
-        (void)CallGuarded("SelectPages", [&] {
-          telemetry_.EndCall(call, status, /*refused=*/false);  // EndStep counted it
-          return absl::OkStatus();
-        });
-        reactor->Finish(ToGrpcStatus(status));
       });
   return reactor;
 }

@@ -288,25 +288,38 @@ class _UnreadingClient:
                             self.ended.add(stream)
                         self._cond.notify_all()
 
-    def call(self, stream: int, method: str, message: bytes) -> None:
-        """Sends one unary call and waits until epsd has answered it with headers."""
+    def wait(self, done: Callable[[], bool]) -> None:
+        with self._cond:
+            assert self._cond.wait_for(done, timeout=30)
+
+    def open_window(self, streams: list[int]) -> None:
+        """Lets those streams' replies in (a WINDOW_UPDATE each, and the connection's)."""
+        grow = (1 << 24).to_bytes(4, "big")
+        self.sock.sendall(b"".join(_frame(8, 0, s, grow) for s in [0, *streams]))
+
+    def call(self, stream: int, method: str, message: bytes, wait: bool = True) -> None:
+        """Sends one unary call and (``wait``) waits until epsd has answered it with headers."""
         headers = b"".join(_literal(n, v) for n, v in [
             (":method", "POST"), (":scheme", "http"), (":path", method),
             (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")])
         body = b"\x00" + len(message).to_bytes(4, "big") + message
         self.sock.sendall(_frame(1, 4, stream, headers) + _frame(0, 1, stream, body))
-        with self._cond:
-            assert self._cond.wait_for(lambda: stream in self.headers, timeout=30), stream
+        if wait:
+            with self._cond:
+                assert self._cond.wait_for(lambda: stream in self.headers, timeout=30), stream
 
 
-def test_replies_a_client_never_reads_wait_at_most_four_per_session(
+def test_replies_a_client_never_reads_wait_at_most_eight_per_session(
     tmp_path: Path, start_epsd: Callable[..., Epsd]
 ) -> None:
     # A step's reply waits in epsd until the client's window lets it out. Every reply of a
     # client that never read waited: 200 calls of 6.3 MB replies grew epsd from 41 MB to
-    # 2.84 GB, past --max-server-bytes. Now a session has at most four waiting and a later
-    # step answers RESOURCE_EXHAUSTED, a status alone, which reaches the client with its
-    # window still closed (before, no call of this test ended).
+    # 2.84 GB, past --max-server-bytes. Now a session has at most four replies handed to
+    # gRPC and four parked behind them; a later step answers RESOURCE_EXHAUSTED, a status
+    # alone, which reaches the client with its window still closed (before, no call of
+    # this test ended). A parked reply goes out once an earlier one is done: a client that
+    # reads late (or whose earlier calls' OnDone runs late, on a loaded host) is answered,
+    # never refused (before, the fifth unread reply was refused at once).
     epsd = start_epsd(tmp_path, {}, [])
     blocks, batch = 64, 2
 
@@ -339,11 +352,31 @@ def test_replies_a_client_never_reads_wait_at_most_four_per_session(
         rows = [pb.BatchRow(table_row=0, context_tokens=blocks * 16)] * batch
         client = _UnreadingClient(epsd.target.removeprefix("unix://"))
         calls = 10
+
+        def last_step() -> int:
+            return stub.GetStats(pb.GetStatsRequest(session_id=session), timeout=30) \
+                .sessions[0].last_step
+
         for i in range(calls):
             step = pb.SelectPagesRequest(session_id=session, step=i + 1, rows=rows)
-            client.call(2 * i + 1, "/eps.v1.PageSelector/SelectPages", step.SerializeToString())
-        # The first four replies wait for the window; each later step ended with its status.
-        assert client.ended == {2 * i + 1 for i in range(4, calls)}
+            parked = 4 <= i < 8  # no headers until a place frees: wait for its step instead
+            client.call(2 * i + 1, "/eps.v1.PageSelector/SelectPages", step.SerializeToString(),
+                        wait=not parked)
+            deadline = time.monotonic() + 30
+            while parked and last_step() < i + 1:
+                assert time.monotonic() < deadline, f"step {i + 1} did not run"
+                time.sleep(0.01)
+        # Four replies wait for the window (headers sent), four are parked (nothing sent),
+        # the last two ended with their status.
+        stream = [2 * i + 1 for i in range(calls)]
+        assert client.ended == set(stream[8:])
+        assert client.headers == set(stream[:4]) | set(stream[8:])
+        # The client reads its first two replies: the two oldest parked ones take their
+        # places and send their headers (their messages then wait for the window in turn).
+        client.open_window(stream[:2])
+        client.wait(lambda: {stream[0], stream[1]} <= client.ended
+                    and {stream[4], stream[5]} <= client.headers)
+        assert stream[6] not in client.headers and stream[7] not in client.headers
         # Dropping the connection drops its replies: the session steps again.
         client.sock.close()
         for attempt in range(100):
