@@ -1,31 +1,125 @@
 #include "client/cpp/engine_buffers.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <random>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 
 namespace eps::client {
-absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(const ModelLayout& model,
-                                                                     const BufferShape& shape,
-                                                                     const std::string& tag) {
+namespace {
+
+// Where glibc's shm_open (and Python's) keeps every object on Linux.
+constexpr char kShmDir[] = "/dev/shm";
+
+// One descriptor, closed when it goes.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  const int fd_;
+};
+
+bool AllOf(absl::string_view s, bool (*in)(char), size_t max_size) {
+  return !s.empty() && s.size() <= max_size && std::all_of(s.begin(), s.end(), in);
+}
+
+// Whether `entry` (a /dev/shm name) is one Create makes for `tag`: eps-<tag>-<pid>-<n>, or
+// that with -<hex> (absl::Hex of 64 random bits, or Python's 16 digits).
+bool NamedForTag(absl::string_view entry, const std::string& tag) {
+  const std::string prefix = absl::StrCat("eps-", tag, "-");
+  if (entry.substr(0, prefix.size()) != prefix) return false;
+  const std::vector<absl::string_view> parts = absl::StrSplit(entry.substr(prefix.size()), '-');
+  auto decimal = [](char c) { return absl::ascii_isdigit(static_cast<unsigned char>(c)); };
+  auto hex = [](char c) {
+    return absl::ascii_isdigit(static_cast<unsigned char>(c)) || (c >= 'a' && c <= 'f');
+  };
+  constexpr size_t kDigits = 20;  // a 64-bit number's
+  return (parts.size() == 2 || parts.size() == 3) && AllOf(parts[0], decimal, kDigits) &&
+         AllOf(parts[1], decimal, kDigits) && (parts.size() == 2 || AllOf(parts[2], hex, 16));
+}
+
+// Whether neither the object's ctime nor its mtime is within `grace` of `now` (a clock set
+// back makes an object younger: kept).
+bool UnchangedFor(const struct stat& st, const timespec& now, std::chrono::seconds grace) {
+  auto ns = [](const timespec& t) { return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec; };
+  const int64_t changed = std::max(ns(st.st_ctim), ns(st.st_mtim));
+  return ns(now) - changed >= std::chrono::nanoseconds(grace).count();
+}
+
+}  // namespace
+
+std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::seconds grace) {
+  std::vector<std::string> reaped;
+  std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(kShmDir), closedir);
+  if (dir == nullptr) return reaped;
+  const int dir_fd = dirfd(dir.get());
+  const uid_t uid = geteuid();
+  timespec now{};
+  clock_gettime(CLOCK_REALTIME, &now);  // the clock of st_ctim and st_mtim
+  while (const dirent* entry = readdir(dir.get())) {
+    const char* name = entry->d_name;
+    if (!NamedForTag(name, tag)) continue;
+    // O_NOFOLLOW | O_NONBLOCK: a link or FIFO planted under the name is neither followed
+    // nor waited on (it is not a regular file: skipped below).
+    const ScopedFd fd(openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    struct stat opened {};
+    if (fd.get() < 0 || fstat(fd.get(), &opened) != 0 || !S_ISREG(opened.st_mode) ||
+        opened.st_uid != uid || !UnchangedFor(opened, now, grace)) {
+      continue;
+    }
+    // Fails while anyone holds the object: its creator (LOCK_SH), or another reaper.
+    if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    // Only the object locked: since it was opened, another reaper may have removed it and a
+    // new creator made the name again.
+    struct stat named {};
+    if (fstatat(dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) != 0 || named.st_dev != opened.st_dev ||
+        named.st_ino != opened.st_ino) {
+      continue;
+    }
+    // EPERM (another user's object in the sticky /dev/shm) and ENOENT are left quietly.
+    if (unlinkat(dir_fd, name, 0) == 0) reaped.push_back(absl::StrCat("/", name));
+  }
+  return reaped;
+}
+
+absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
+    const ModelLayout& model, const BufferShape& shape, const std::string& tag,
+    std::chrono::seconds stale_grace) {
   absl::StatusOr<BufferPlan> plan = BufferPlan::For(model, shape);
   if (!plan.ok()) return plan.status();
+  // Before creating: a crash-looping engine's dead objects would otherwise fill /dev/shm
+  // until this Create could not fit its own.
+  ReapStaleShm(tag, stale_grace);
   static std::atomic<int> counter{0};
   auto b = std::unique_ptr<EngineBuffers>(new EngineBuffers(*std::move(plan)));
   const uint64_t size = b->plan_.size;
   // /eps-<tag>-<pid>-<n>, created exclusively. A name can be taken by an object a dead
   // process of the same pid left behind: a crashed engine restarted in its container, whose
-  // /dev/shm outlives it, often gets its old pid back. Such a name is left alone (it may
-  // not be stale) and a random suffix makes another.
+  // /dev/shm outlives it, often gets its old pid back. The reaping above removed such an
+  // object if it was old enough; one still there is left alone (it may not be stale) and a
+  // random suffix makes another name.
   b->name_ = absl::StrCat("/eps-", tag, "-", getpid(), "-", counter.fetch_add(1));
   const std::string base = b->name_;
   int fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
@@ -36,23 +130,34 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(const Model
   }
   if (fd < 0)
     return absl::InternalError(absl::StrCat("shm_open ", b->name_, ": ", std::strerror(errno)));
+  // Held from now until the destructor: what tells ReapStaleShm that the object's creator
+  // lives. Until this line the object is unheld, which kStaleShmGrace covers. It cannot be
+  // held already but by a reaper (LOCK_EX) about to remove it: an error then, not an
+  // object that is gone.
+  if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
+    const int err = errno;
+    shm_unlink(b->name_.c_str());
+    close(fd);
+    return absl::InternalError(absl::StrCat("flock(LOCK_SH) ", b->name_, ": ", std::strerror(err)));
+  }
   // posix_fallocate, not ftruncate alone: on tmpfs a truncated object is sparse, so a
   // /dev/shm too small for it (a container's 64 MiB) would surface as SIGBUS at the first
   // write of a page it cannot hold, here or in the engine, instead of as an error now.
   if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
-    close(fd);
     shm_unlink(b->name_.c_str());
+    close(fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("posix_fallocate ", b->name_, " (", size, " bytes): ", std::strerror(err),
                      err == ENOSPC ? " (is /dev/shm large enough? `df -h /dev/shm`)" : ""));
   }
   void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
   if (addr == MAP_FAILED) {
+    const int err = errno;
     shm_unlink(b->name_.c_str());
+    close(fd);
     return absl::InternalError(absl::StrCat("mmap ", b->name_, ": ", std::strerror(err)));
   }
+  b->lock_fd_ = fd;
   b->base_ = static_cast<std::byte*>(addr);
   b->pool_ = b->At<float>(b->plan_.pool);
   if (shape.with_feedback) {
@@ -69,6 +174,8 @@ EngineBuffers::~EngineBuffers() {
     munmap(base_, plan_.size);
     shm_unlink(name_.c_str());
   }
+  // After the unlink: unheld, the object could be taken for a dead process's.
+  if (lock_fd_ >= 0) close(lock_fd_);
 }
 
 v1::SharedBuffers EngineBuffers::Descriptors() const {

@@ -2,9 +2,17 @@
 // (docs/design.md §5: never the engine's own tensors) in one POSIX shared-memory
 // object that epsd maps. CPU mode; the CUDA allocator comes with the GPU backend.
 //
-// Ownership: EngineBuffers creates the object, maps it, and unlinks and unmaps
-// it in its destructor. Thread safety: none; the engine writes inputs before
-// SelectPages and reads outputs after it.
+// Ownership: EngineBuffers creates the object, maps it, holds a shared flock on it
+// (below), and unlinks, unmaps and unlocks it in its destructor. Thread safety: none; the
+// engine writes inputs before SelectPages and reads outputs after it.
+//
+// Stale objects (docs/api-memory.md §3.3): a process killed before its destructor runs
+// leaves its object in /dev/shm, which in a pod is memory. The object must outlive
+// nothing but its creator (epsd re-opens it by name at a re-attach), so the creator's
+// lock tells a live one from a dead one's: every object Create makes is held with
+// flock(LOCK_SH) for as long as its EngineBuffers lives, and the kernel drops the lock
+// when the process dies, however it dies and whatever its pid namespace. Create first
+// removes the objects of its tag that no one holds (ReapStaleShm).
 //
 // Indices are checked on every access (a few integer compares): an index outside the
 // plan's shape (slot >= num_slots, row >= max_seqs, layer, batch position, head or
@@ -13,11 +21,13 @@
 // VisitBlocks and Visits are at most max_blocks long whatever visit_count holds.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/cpp/buffer_plan.h"
@@ -26,12 +36,30 @@
 
 namespace eps::client {
 
+// How long an object must have gone unchanged (its ctime and mtime) before a Create may
+// remove it as stale: the creator locks its object just after making it, and an object in
+// between must never be taken, however long its creator is descheduled there. The Python
+// client's STALE_SHM_GRACE_S is the same (a test compares them).
+inline constexpr std::chrono::seconds kStaleShmGrace{60};
+
+// Removes the stale objects of `tag` from /dev/shm and returns their names ('/'-prefixed):
+// every entry named as Create names `tag`'s objects (`eps-<tag>-<pid>-<n>`, or with a
+// suffix `-<1 to 16 lower-case hex digits>`), a regular file owned by this process's
+// effective uid, unchanged for at least `grace`, that flock(LOCK_EX | LOCK_NB) can lock: its
+// creator is gone. Everything else is left alone, quietly: another tag's, another
+// user's, a held one (a live creator's, this process's own included), a younger one. Best
+// effort: an entry that cannot be opened, locked or unlinked is skipped. Safe to run in
+// several threads and processes at once (an object goes once, under its reaper's lock).
+std::vector<std::string> ReapStaleShm(const std::string& tag,
+                                      std::chrono::seconds grace = kStaleShmGrace);
+
 class EngineBuffers {
  public:
-  // Creates `/eps-<tag>-<pid>-<n>` sized for `model` and `shape`.
-  static absl::StatusOr<std::unique_ptr<EngineBuffers>> Create(const ModelLayout& model,
-                                                               const BufferShape& shape,
-                                                               const std::string& tag);
+  // Reaps `tag`'s stale objects (ReapStaleShm with `stale_grace`; tests pass a shorter
+  // one), then creates `/eps-<tag>-<pid>-<n>` sized for `model` and `shape` and locks it.
+  static absl::StatusOr<std::unique_ptr<EngineBuffers>> Create(
+      const ModelLayout& model, const BufferShape& shape, const std::string& tag,
+      std::chrono::seconds stale_grace = kStaleShmGrace);
   ~EngineBuffers();
   EngineBuffers(const EngineBuffers&) = delete;
   EngineBuffers& operator=(const EngineBuffers&) = delete;
@@ -86,6 +114,7 @@ class EngineBuffers {
 
   const BufferPlan plan_;
   std::string name_;
+  int lock_fd_ = -1;  // the object, flock(LOCK_SH) held until the destructor closes it
   std::byte* base_ = nullptr;
   float* pool_ = nullptr;
 };

@@ -325,3 +325,158 @@ def test_a_name_a_dead_process_left_behind_is_left_alone_and_another_chosen():
     finally:
         stale.close()
         stale.unlink()
+
+
+# Stale objects (docs/api-memory.md §3.3): ShmBuffers removes the objects of its tag that a
+# dead process left, and nothing else. Each test's tag has this process's pid in it, so
+# that tests running side by side never see each other's objects.
+
+REAP_MODEL = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+REAP_SHAPE = BufferShape(1, 1, 64, 1)
+
+# A creator that lives, holding its buffers, until killed (-9, as a crashed engine dies:
+# nothing of its own runs). Its multiprocessing resource tracker would outlive it and unlink
+# what it registered, hiding what is tested; in a crashed container the tracker dies with
+# the engine, so the child registers nothing with one.
+CREATOR = """
+import sys
+from multiprocessing import resource_tracker
+resource_tracker.register = lambda name, rtype: None
+from eps_client import BufferShape, ModelLayout, ShmBuffers
+model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+held = [ShmBuffers(model, BufferShape(1, 1, 64, 1), tag=sys.argv[1])
+        for _ in range(int(sys.argv[2]))]
+print(" ".join(b.shm_name for b in held), flush=True)
+sys.stdin.read()
+"""
+
+
+class Creator:
+    def __init__(self, tag: str, count: int) -> None:
+        import eps_client
+
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(eps_client.__file__))}
+        self.process = subprocess.Popen([sys.executable, "-c", CREATOR, tag, str(count)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, env=env)
+        assert self.process.stdout is not None
+        self.names = self.process.stdout.readline().split()
+        assert len(self.names) == count, "the child could not create its buffers"
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture
+def creator():
+    made: list[Creator] = []
+
+    def make(tag: str, count: int) -> Creator:
+        made.append(Creator(tag, count))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.kill()
+        for name in c.names:
+            if os.path.exists(f"/dev/shm{name}"):
+                os.unlink(f"/dev/shm{name}")
+
+
+def make_unheld(name: str) -> None:
+    """An object no one holds, as one is between its creation and its creator's lock."""
+    fd = os.open(f"/dev/shm{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+
+
+def exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm{name}")
+
+
+def test_the_objects_of_a_killed_creator_are_removed_by_the_next_shm_buffers(creator):
+    tag = f"killed{os.getpid()}"
+    child = creator(tag, 2)
+    child.kill()
+    assert all(exists(name) for name in child.names)
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0) as buf:
+        assert [name for name in child.names if exists(name)] == []
+        assert exists(buf.shm_name)
+
+
+def test_the_object_of_a_live_creator_is_kept(creator):
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"live{os.getpid()}"
+    child = creator(tag, 1)
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+        assert exists(child.names[0])
+        assert reap_stale(tag, 0) == [], "this process's own object was taken"
+        # Only the lock kept it: once its creator is gone, it goes.
+        child.kill()
+        assert reap_stale(tag, 0) == child.names
+
+
+def test_an_unheld_object_younger_than_the_grace_period_is_kept():
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"young{os.getpid()}"
+    young = f"/eps-{tag}-1-0"
+    make_unheld(young)
+    try:
+        with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag):  # STALE_SHM_GRACE_S
+            assert exists(young)
+        # Only its age kept it.
+        assert reap_stale(tag, 0) == [young]
+    finally:
+        if exists(young):
+            os.unlink(f"/dev/shm{young}")
+
+
+def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
+    tag = f"names{os.getpid()}"
+    prefix = f"/eps-{tag}-"
+    reaped = [prefix + "1-0", prefix + "4194304-17",
+              prefix + "1-1-abc",  # EngineBuffers' suffix (absl::Hex, no padding)
+              prefix + "1-2-0123456789abcdef"]  # ShmBuffers' suffix (16 digits)
+    kept = [f"/eps-{tag}x-1-0", f"/eps-x{tag}-1-0", f"/eps-{tag}-other-1-0",
+            f"/epsx-{tag}-1-0", f"/x-eps-{tag}-1-0", prefix + "1", prefix + "1-",
+            prefix + "-1-0", prefix + "1-0-", prefix + "1-0-0-0", prefix + "1-0-ABC",
+            prefix + "1-0-xyz", prefix + "1-0-0123456789abcdef0", prefix + "1-0.lock",
+            prefix + "+1-0", prefix + "١-0"]  # an Arabic-Indic digit: not \d in C++
+    for name in reaped + kept:
+        make_unheld(name)
+    try:
+        with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+            assert [name for name in reaped if exists(name)] == []
+            assert [name for name in kept if not exists(name)] == []
+    finally:
+        for name in reaped + kept:
+            if exists(name):
+                os.unlink(f"/dev/shm{name}")
+
+
+def test_another_users_object_is_kept(creator, monkeypatch):
+    # As another user: this process's uid is not the one the reaper takes for its own.
+    tag = f"user{os.getpid()}"
+    child = creator(tag, 1)
+    child.kill()
+    monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+        assert exists(child.names[0])
+    monkeypatch.undo()
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+        assert not exists(child.names[0])
+
+
+def test_the_grace_period_is_the_cpp_clients():
+    from eps_client._stale_shm import STALE_SHM_GRACE_S
+
+    header = os.path.join(os.path.dirname(__file__), "..", "..", "cpp", "engine_buffers.h")
+    with open(header) as f:
+        cpp = re.search(r"kStaleShmGrace\{(\d+)\}", f.read())
+    assert cpp is not None and float(cpp.group(1)) == STALE_SHM_GRACE_S

@@ -39,7 +39,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from eps_client import _values
+from eps_client import _stale_shm, _values
 from eps_client.layout import (
     ModelLayout,
     SummaryLayout,
@@ -223,19 +223,42 @@ def _create_shm(name: str, size: int) -> shared_memory.SharedMemory:
 class ShmBuffers:
     """The shared buffers in one POSIX shared-memory object, as numpy views.
 
-    Creates ``/eps-<tag>-<pid>-<n>`` (with a random suffix when a dead process left that
-    name); ``close()`` (or the context manager, or
-    garbage collection) unmaps and unlinks it. Not thread-safe: the engine writes
-    inputs before SelectPages and reads outputs after it.
+    First removes the objects of ``tag`` that dead processes left (unheld and unchanged for
+    ``stale_grace_s``, ``STALE_SHM_GRACE_S`` = 60 s; tests pass a shorter one: see
+    eps_client._stale_shm and docs/api-memory.md §3.3), then creates
+    ``/eps-<tag>-<pid>-<n>`` (with a random suffix when a dead process left that name) and
+    holds ``flock(LOCK_SH)`` on it; ``close()`` (or the context manager, or garbage
+    collection) unmaps, unlinks and unlocks it. Not thread-safe: the engine writes inputs
+    before SelectPages and reads outputs after it.
     """
 
-    def __init__(self, model: ModelLayout, shape: BufferShape, tag: str = "py") -> None:
+    def __init__(self, model: ModelLayout, shape: BufferShape, tag: str = "py", *,
+                 stale_grace_s: float = _stale_shm.STALE_SHM_GRACE_S) -> None:
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape = model, shape
+        self._lock_fd = -1
+        # Before creating: a crash-looping engine's dead objects would otherwise fill
+        # /dev/shm until this one could not fit.
+        _stale_shm.reap_stale(tag, stale_grace_s)
         self._shm: shared_memory.SharedMemory | None = _create_shm(
             f"eps-{tag}-{os.getpid()}-{next(_counter)}", self.layout.size)
         self.shm_name = "/" + self._shm.name.lstrip("/")
-        _reserve(self._shm, self.layout.size)
+        # Held from now until close(): what tells a later reaper that this object's creator
+        # lives (until this line, STALE_SHM_GRACE_S covers it).
+        try:
+            self._lock_fd = _stale_shm.hold(self.shm_name[1:])
+        except OSError as e:
+            shm, self._shm = self._shm, None
+            shm.unlink()
+            shm.close()
+            raise OSError(e.errno, f"ShmBuffers: cannot lock {self.shm_name}: {e.strerror}") \
+                from None
+        try:
+            _reserve(self._shm, self.layout.size)
+        except OSError:
+            self._shm = None  # _reserve closed and unlinked it
+            self._unlock()
+            raise
         buf = self._shm.buf
         views: dict[str, np.ndarray] = {
             n: np.ndarray(dims, dtype=self.layout.dtypes[n], buffer=buf,
@@ -310,10 +333,16 @@ class ShmBuffers:
         try:
             shm.unlink()  # the name goes now; the mapping when the last view does
         finally:
+            self._unlock()  # after the unlink: unheld, the object could be taken for stale
             try:
                 shm.close()
             except BufferError:  # the caller still holds a view: unmapped when it goes
                 pass
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __enter__(self) -> ShmBuffers:
         return self

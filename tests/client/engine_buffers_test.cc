@@ -1,0 +1,201 @@
+// client/cpp/engine_buffers.cc's stale-object reaping: Create removes the /dev/shm objects
+// of its tag that a dead process left, and nothing else (docs/api-memory.md §3.3). Each
+// test uses a tag of its own with this process's pid in it, so that tests running side
+// by side never see each other's objects.
+#include "client/cpp/engine_buffers.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+
+namespace eps::client {
+namespace {
+
+using std::chrono_literals::operator""s;
+
+ModelLayout Model() {
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 2;
+  m.num_kv_heads = 1;
+  m.head_dim = 8;
+  return m;
+}
+
+BufferShape Shape() {
+  BufferShape s;
+  s.num_slots = 4;
+  s.max_seqs = 2;
+  s.max_context = 256;
+  s.max_batch = 2;
+  return s;
+}
+
+std::string Tag(const std::string& test) { return absl::StrCat(test, getpid()); }
+
+bool Exists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) close(fd);
+  return fd >= 0;
+}
+
+// An object no one holds, as one is between its creation and its creator's lock.
+void MakeUnheld(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0) << name << ": " << std::strerror(errno);
+  EXPECT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+}
+
+// A child process that creates `count` EngineBuffers of `tag` and lives, holding them,
+// until killed (-9, as a crashed engine dies: no destructor runs).
+class Creator {
+ public:
+  Creator(const std::string& tag, int count) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      close(fds[0]);
+      std::vector<std::unique_ptr<EngineBuffers>> held;
+      std::string names;
+      for (int i = 0; i < count; ++i) {
+        auto made = EngineBuffers::Create(Model(), Shape(), tag);
+        if (!made.ok()) _exit(1);
+        absl::StrAppend(&names, (*made)->shm_name(), "\n");
+        held.push_back(*std::move(made));
+      }
+      if (write(fds[1], names.data(), names.size()) != static_cast<ssize_t>(names.size())) {
+        _exit(1);
+      }
+      close(fds[1]);
+      for (;;) pause();
+    }
+    close(fds[1]);
+    std::string out;
+    char chunk[256];
+    ssize_t n;
+    while ((n = read(fds[0], chunk, sizeof chunk)) > 0) {
+      out.append(chunk, static_cast<size_t>(n));
+      if (std::count(out.begin(), out.end(), '\n') == count) break;
+    }
+    close(fds[0]);
+    names_ = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  }
+  ~Creator() {
+    Kill();
+    for (const std::string& name : names_) shm_unlink(name.c_str());  // after a failure
+  }
+  Creator(const Creator&) = delete;
+  Creator& operator=(const Creator&) = delete;
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::vector<std::string> names_;
+};
+
+TEST(StaleShmTest, TheObjectsOfAKilledCreatorAreRemovedByTheNextCreate) {
+  const std::string tag = Tag("killed");
+  Creator creator(tag, 2);
+  ASSERT_EQ(creator.names().size(), 2u) << "the child could not create its buffers";
+  creator.Kill();
+  for (const std::string& name : creator.names()) ASSERT_TRUE(Exists(name)) << name;
+
+  auto next = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(next.ok()) << next.status();
+  for (const std::string& name : creator.names()) EXPECT_FALSE(Exists(name)) << name;
+  EXPECT_TRUE(Exists((*next)->shm_name()));
+}
+
+TEST(StaleShmTest, TheObjectOfALiveCreatorIsKept) {
+  const std::string tag = Tag("live");
+  Creator creator(tag, 1);
+  ASSERT_EQ(creator.names().size(), 1u) << "the child could not create its buffers";
+  auto next = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(Exists(creator.names()[0]));
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).empty()) << "this process's own object was taken";
+
+  // Only the lock kept it: once its creator is gone, it goes.
+  creator.Kill();
+  EXPECT_EQ(ReapStaleShm(tag, 0s), creator.names());
+}
+
+TEST(StaleShmTest, AnUnheldObjectYoungerThanTheGracePeriodIsKept) {
+  const std::string tag = Tag("young");
+  const std::string young = absl::StrCat("/eps-", tag, "-1-0");
+  MakeUnheld(young);
+  auto next = EngineBuffers::Create(Model(), Shape(), tag);  // kStaleShmGrace
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(Exists(young));
+
+  // Only its age kept it.
+  EXPECT_EQ(ReapStaleShm(tag, 0s), std::vector<std::string>{young});
+  shm_unlink(young.c_str());  // after a failure
+}
+
+TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
+  const std::string tag = Tag("names");
+  const std::string prefix = absl::StrCat("/eps-", tag, "-");
+  const std::vector<std::string> reaped = {
+      prefix + "1-0", prefix + "4194304-17",
+      prefix + "1-1-abc",               // EngineBuffers' suffix (absl::Hex, no padding)
+      prefix + "1-2-0123456789abcdef",  // ShmBuffers' suffix (16 digits)
+  };
+  const std::vector<std::string> kept = {
+      absl::StrCat("/eps-", tag, "x-1-0"),       // another tag
+      absl::StrCat("/eps-x", tag, "-1-0"),       // another tag
+      absl::StrCat("/eps-", tag, "-other-1-0"),  // another tag
+      prefix + "1-0-0-0",
+      absl::StrCat("/epsx-", tag, "-1-0"),
+      absl::StrCat("/x-eps-", tag, "-1-0"),
+      prefix + "1",
+      prefix + "1-",
+      prefix + "-1-0",
+      prefix + "1-0-",
+      prefix + "1-0-ABC",
+      prefix + "1-0-xyz",
+      prefix + "1-0-0123456789abcdef0",
+      prefix + "1-0.lock",
+      prefix + "+1-0",
+      prefix + "\xd9\xa1-0",  // an Arabic-Indic digit one (UTF-8)
+  };
+  for (const std::string& name : reaped) MakeUnheld(name);
+  for (const std::string& name : kept) MakeUnheld(name);
+
+  auto next = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(next.ok()) << next.status();
+  for (const std::string& name : reaped) {
+    EXPECT_FALSE(Exists(name)) << name;
+    shm_unlink(name.c_str());  // after a failure
+  }
+  for (const std::string& name : kept) {
+    EXPECT_TRUE(Exists(name)) << name;
+    shm_unlink(name.c_str());
+  }
+}
+
+}  // namespace
+}  // namespace eps::client
