@@ -44,11 +44,12 @@ __device__ inline bool ListUsable(const int32_t* list, int32_t count, int64_t bl
   return __syncthreads_or(outside) == 0;
 }
 
-// How many blocks a usable list of count >= 1 gains from the engine's row: a list that
-// ends at one of the row's blocks before its newest, among the newest kReuseWindowBlocks
-// (a list selected at a shorter context and reused, engine_outputs.h), gains the blocks
-// after it, when the row has room for them; any other list gains none. Called once by
-// every thread of the block (barriers inside).
+// How many blocks a list of count >= 1 gains from the engine's row: a list ends at one of
+// the row's blocks, the newest, or (selected at a shorter context and reused,
+// engine_outputs.h) one of the newest kReuseWindowBlocks before it, and gains the row's
+// blocks after it. -1 when its last block is none of those, or the row has no room for
+// what it would gain: not this sequence's list. Called once by every thread of the block
+// (barriers inside).
 __device__ inline int64_t ReuseTail(const int32_t* list, int32_t count, const int32_t* engine_row,
                                     int64_t blocks) {
   __shared__ unsigned long long found;  // 1 + the row position of the list's last block
@@ -60,8 +61,9 @@ __device__ inline int64_t ReuseTail(const int32_t* list, int32_t count, const in
     if (engine_row[j] == last) atomicMax(&found, static_cast<unsigned long long>(j + 1));
   }
   __syncthreads();
-  const int64_t gain = found == 0 ? 0 : blocks - static_cast<int64_t>(found);
-  return count + gain <= blocks ? gain : 0;
+  if (found == 0) return -1;
+  const int64_t gain = blocks - static_cast<int64_t>(found);
+  return count + gain <= blocks ? gain : -1;
 }
 
 // grid: layers * batch * lists. block_table [L, B, lists, max_blocks], seqused [L, B, lists].
@@ -78,8 +80,9 @@ __global__ void FlashAttentionViewsKernel(VisitListsDevice v, EngineTableDevice 
   const int32_t* list = v.blocks + in * v.max_blocks;
   int32_t* out = block_table + r * v.max_blocks;
   const int32_t* engine_row = e.table + b * e.stride;
-  if (ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks)) {
-    const int64_t gain = count > 0 ? ReuseTail(list, count, engine_row, row.blocks) : 0;
+  const bool usable = ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks);
+  const int64_t gain = usable && count > 0 ? ReuseTail(list, count, engine_row, row.blocks) : 0;
+  if (usable && gain >= 0) {
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x) out[j] = list[j];
     for (int64_t j = threadIdx.x; j < gain; j += blockDim.x) {
       out[count + j] = engine_row[row.blocks - gain + j];

@@ -15,17 +15,19 @@
 // n blocks, and the list is counted in `*mismatched` (so is a list whose count
 // is not n), which the engine reads when it likes (it never forces a sync).
 // So is a list that cannot be one of this sequence's: a count above its blocks,
-// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks); for
+// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or for
+// FlashAttention a last block that is not one of the row's newest (below); for
 // FlashAttention such lists are counted in `*refused` when it is given.
 //
-// A list may be reused for later steps (docs/api.md, "Reusing a selection"): selected at a
-// shorter context, it ends at a block before the row's newest. FlashAttention's views then
-// extend it: a usable list whose last block is one of the row's newest kReuseWindowBlocks
-// blocks, but not the newest, is followed by the row's blocks after it (when the row has
-// room for them: count + gained <= the row's blocks), and seqused_k counts them. A list
-// whose last block is elsewhere is used as it is. FlashInfer's fixed plan is not extended:
-// its indptr fixes every list's length, so a reused list whose count is not the plan's is
-// mismatched as above.
+// epsd's lists end at the row's newest block. A list may be reused for later steps
+// (docs/api.md, "Reusing a selection"): selected at a shorter context, it ends at a block
+// before the row's newest. FlashAttention's views then extend it: a list whose last block
+// is one of the row's newest kReuseWindowBlocks blocks, but not the newest, is followed by
+// the row's blocks after it, and seqused_k counts them. A list whose last block is none of
+// those, or that the row has no room to extend (count + gained > the row's blocks), cannot
+// be this sequence's (another position's, or older than the window): refused as above.
+// FlashInfer's fixed plan is not extended: its indptr fixes every list's length, so a
+// reused list whose count is not the plan's is mismatched as above.
 //
 // The kernels never read or write outside the rows they are given, whatever the
 // device data: a context < 1 is an empty row (seqused_k 0); a context longer than

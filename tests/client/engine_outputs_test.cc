@@ -55,23 +55,23 @@ bool Usable(const Case& c, int64_t in, int64_t blocks, int64_t cache_blocks) {
   return true;
 }
 
-// Blocks a usable list of `n` >= 1 blocks gains from its row (engine_outputs.h): the row's
-// blocks after the list's last one, when that one is among the row's newest
-// kReuseWindowBlocks and the row has room.
+// Blocks a usable list gains from its row (engine_outputs.h): the row's blocks after the
+// list's last one, when that one is among the row's newest kReuseWindowBlocks and the row
+// has room; -1 (not this row's list) otherwise.
 int64_t Gain(const Case& c, int64_t in, int64_t b, int64_t blocks) {
   const int32_t n = c.count[in];
   if (n < 1) return 0;
   const int32_t last = c.blocks[in * c.max_blocks + n - 1];
   for (int64_t j = blocks - 1; j >= std::max<int64_t>(0, blocks - kReuseWindowBlocks); --j) {
     if (c.table[b * c.max_blocks + j] == last) {
-      return n + (blocks - 1 - j) <= blocks ? blocks - 1 - j : 0;
+      return n + (blocks - 1 - j) <= blocks ? blocks - 1 - j : -1;
     }
   }
-  return 0;
+  return -1;
 }
 
 // Random lists: ascending subsets of each row that end with its last block or (reused) a
-// few blocks before it, some -1
+// few blocks before it, some of another sequence (refused), some -1
 // (dense), some with a count larger than the row (malformed: treated as dense).
 Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_blocks) {
   Case c;
@@ -141,6 +141,12 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
         for (size_t j = 0; j < picked.size(); ++j) {
           c.blocks[in * c.max_blocks + j] = c.table[b * c.max_blocks + picked[j]];
         }
+        if (kind == 6 && rng() % 2 == 0) {  // another sequence's list: its blocks are not
+          for (size_t j = 0; j < picked.size(); ++j) {  // this row's (refused)
+            int32_t& id = c.blocks[in * c.max_blocks + j];
+            id = static_cast<int32_t>((id + 1 + rng() % 7) % kCacheBlocks);
+          }
+        }
         if (kind == 7 && !picked.empty()) {  // an id outside the cache
           c.blocks[in * c.max_blocks + rng() % picked.size()] =
               rng() % 2 ? -1 : static_cast<int32_t>(kCacheBlocks + rng() % 5);
@@ -200,14 +206,15 @@ TEST_P(EngineOutputsTest, FlashAttentionViewsEqualTheHostReference) {
           const int64_t in = (layer * c.max_batch + b) * c.lists + h;
           const int64_t r = (layer * c.batch + b) * c.lists + h;
           const int32_t n = c.count[in];
-          const bool dense = !Usable(c, in, row.blocks, cache_blocks);
+          const int64_t gain =
+              Usable(c, in, row.blocks, cache_blocks) ? Gain(c, in, b, row.blocks) : -1;
+          const bool dense = gain < 0;
           if (dense && n >= 0) ++want_refused;
           std::vector<int32_t> want;
           if (dense) {
             want.assign(&c.table[b * c.max_blocks], &c.table[b * c.max_blocks] + row.blocks);
           } else {
             want.assign(&c.blocks[in * c.max_blocks], &c.blocks[in * c.max_blocks] + n);
-            const int64_t gain = Gain(c, in, b, row.blocks);
             for (int64_t j = row.blocks - gain; j < row.blocks; ++j) {
               want.push_back(c.table[b * c.max_blocks + j]);
             }

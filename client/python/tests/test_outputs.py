@@ -90,29 +90,33 @@ NUM_NEW = 1000  # block ids past the test state's cache: no row holds them
 
 def test_a_reused_list_gains_only_what_its_row_can_say_it_lost():
     """By hand: the list's last block found among the row's newest 64 blocks extends it;
-    found further back, not in the row, or with no room in the row, it is used as it is."""
+    found further back, not in the row, or with no room in the row, the list cannot be this
+    sequence's (another position's, or too old): refused, the engine's row instead."""
     row = np.arange(100, 200, dtype=np.int32)[None]  # 100 blocks
     ctx = np.array([99 * BS + 5], dtype=np.int32)  # the row's 100th block holds 5 tokens
+
+    refused = np.zeros(1, dtype=np.int64)
 
     def views(ids, count=None):
         vb = np.zeros((1, 1, 1, 100), dtype=np.int32)
         vb[0, 0, 0, :len(ids)] = ids
         vc = np.array([[[len(ids) if count is None else count]]], dtype=np.int32)
-        bt, used = flash_attention_views_reference(vb, vc, row, ctx, BS)
+        bt, used = flash_attention_views_reference(vb, vc, row, ctx, BS, refused=refused)
         return list(bt[0, 0, 0, :used[0, 0, 0] // BS + 1]), int(used[0, 0, 0])
+
+    dense = (list(range(100, 200)), 99 * BS + 5)
 
     got, used = views([100, 150, 195])  # selected when block 195 was the newest
     assert got == [100, 150, 195, 196, 197, 198, 199] and used == 6 * BS + 5
     got, used = views([100, 136])  # 63 blocks back: inside the window
     assert got == [100] + list(range(136, 200)) and used == 64 * BS + 5
-    got, used = views([100, 135])  # 64 blocks back: outside it, used as it is
-    assert got == [100, 135] and used == BS + 5
-    got, used = views([100, 7])  # a last block the row does not hold
-    assert got == [100, 7] and used == BS + 5
+    assert refused[0] == 0
+    assert views([100, 135]) == dense  # 64 blocks back: outside the window
+    assert views([100, 7]) == dense  # a last block the row does not hold
     # No room: a list of 99 blocks ending 2 blocks back would need 101 of the row's 100.
-    ids = list(range(100, 197)) + [150, 197]
-    got, used = views(ids)
-    assert got == ids and used == 98 * BS + 5
+    assert views(list(range(100, 197)) + [150, 197]) == dense
+    assert refused[0] == 3
+    assert views([], count=-1) == dense and refused[0] == 3  # released densely: not refused
 
 
 @pytest.mark.parametrize("last_n", [1, 0])

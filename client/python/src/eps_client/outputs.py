@@ -15,12 +15,13 @@ So does a list that cannot be the sequence's: a count above its blocks or, with
 FlashAttention). Whatever the data, nothing is read past the engine's rows: a context < 1
 is an empty row, a longer one than the table's row is cut to the row, and a plan asking
 for more blocks than a row holds repeats its oldest block (block 0 for an empty row).
-A list selected at a shorter context and reused for later steps (docs/api.md, "Reusing a
-selection") ends before the row's newest block: FlashAttention's views extend it with the
-row's blocks after its last one, when that block is among the row's newest
-``REUSE_WINDOW_BLOCKS`` and the row has room (count + gained <= the row's blocks); a list
-ending elsewhere is used as it is. The fixed-budget plan is not extended (its ``indptr``
-fixes each length): such a list whose count is not the plan's is mismatched.
+epsd's lists end at the row's newest block. A list selected at a shorter context and reused
+for later steps (docs/api.md, "Reusing a selection") ends before it: FlashAttention's views
+extend it with the row's blocks after its last one, when that block is among the row's
+newest ``REUSE_WINDOW_BLOCKS``. A list whose last block is none of those, or that the row
+has no room to extend (count + gained > the row's blocks), cannot be the sequence's: it is
+refused like the above. The fixed-budget plan is not extended (its ``indptr`` fixes each
+length): a reused list whose count is not the plan's is mismatched.
 The torch functions run on the device without host copies: through libeps_engine's kernel
 when it loads (``eps_client.engine``), else with torch operations. The ``*_reference``
 functions are numpy, for tests. Shapes: visit_blocks [layers, max_batch, (lists,)
@@ -127,13 +128,16 @@ def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
 
 
 def _reuse_gain(ids: np.ndarray, count: int, row: np.ndarray, blocks: int) -> int:
-    """Blocks a usable list gains from its engine row (the module's docstring)."""
+    """Blocks a list gains from its engine row, -1 when it cannot be the row's (the module's
+    docstring)."""
     if count < 1:
         return 0
     low = max(blocks - REUSE_WINDOW_BLOCKS, 0)
     at = np.flatnonzero(row[low:blocks] == ids[count - 1])
-    gain = blocks - 1 - (low + int(at[-1])) if at.size else 0
-    return gain if count + gain <= blocks else 0
+    if not at.size:
+        return -1
+    gain = blocks - 1 - (low + int(at[-1]))
+    return gain if count + gain <= blocks else -1
 
 
 def _batch(context_tokens: Any, max_batch: int) -> int:
@@ -218,8 +222,9 @@ def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.nd
                                         engine_table.shape[1])
             for h in range(lists):
                 n = int(vc[layer, b, h])
-                if _usable(vb[layer, b, h], n, blocks, max_blocks, cache_blocks):
-                    gain = _reuse_gain(vb[layer, b, h], n, engine_table[b], blocks)
+                usable = _usable(vb[layer, b, h], n, blocks, max_blocks, cache_blocks)
+                gain = _reuse_gain(vb[layer, b, h], n, engine_table[b], blocks) if usable else -1
+                if gain >= 0:
                     table[layer, b, h, :n] = vb[layer, b, h, :n]
                     table[layer, b, h, n:n + gain] = engine_table[b, blocks - gain:blocks]
                     n += gain
@@ -300,7 +305,8 @@ def _torch_usable(vb: Any, count: Any, blocks: Any, max_blocks: int, cache_block
 
 def _torch_reuse_gain(vb: Any, count: Any, engine_rows: Any, blocks: Any) -> Any:
     """_reuse_gain for lists [L, B, lists] (count, ids vb) over engine_rows [B, max_blocks]
-    whose first blocks [B] entries are the rows."""
+    whose first blocks [B] entries are the rows (any value for a count the caller
+    refuses anyway)."""
     import torch
 
     window = min(REUSE_WINDOW_BLOCKS, engine_rows.shape[1])
@@ -313,8 +319,9 @@ def _torch_reuse_gain(vb: Any, count: Any, engine_rows: Any, blocks: Any) -> Any
         & (count > 0)[..., None]
     # the nearest match to the newest block: the first True along `back`
     gain = torch.where(match.any(-1), match.to(torch.int32).argmax(-1).to(torch.int64),
-                       torch.zeros_like(count))
-    return torch.where(count + gain <= blocks[None, :, None], gain, torch.zeros_like(gain))
+                       torch.full_like(count, -1))
+    gain = torch.where(count + gain <= blocks[None, :, None], gain, torch.full_like(gain, -1))
+    return torch.where(count > 0, gain, torch.zeros_like(gain))
 
 
 def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any,
@@ -365,6 +372,8 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
     engine_rows = torch.zeros(B, max_blocks, dtype=torch.int32, device=vb.device)
     engine_rows[:, :width] = engine_table[:, :width]
     gain = _torch_reuse_gain(vb[:, :B], count, engine_rows, blocks)
+    usable &= gain >= 0
+    gain = torch.clamp(gain, min=0)
     # position p of a list: its own entry below count, then the row's blocks it gains
     p = torch.arange(max_blocks, device=vb.device)
     from_row = torch.clamp(blocks[None, :, None, None] - gain[..., None] + p - count[..., None],
