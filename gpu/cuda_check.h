@@ -84,7 +84,8 @@ inline absl::Status CudaFailure(absl::string_view what, cudaError_t error) {
 // ordinal past the last, no device, no driver) is FAILED_PRECONDITION naming the ordinal and
 // CUDA's error, `cudaSetDevice(9999): invalid device ordinal`, whichever call asked for it: the
 // caller named a device this process cannot use, which no retry changes and no bug of ours
-// caused (libeps_engine's entry points all return this code for it, engine_capi.h). An error
+// caused (libeps_engine's entry points all return this code for it, engine_capi.h, and so do
+// epsd's selector and IPC mappings, gpu/step.h and gpu/ipc_mapping.h). An error
 // that ends the context (ContextLost) stays CudaStatus's INTERNAL, marked device-lost, as every
 // call's does. The failed call's error is cleared (ClearFailedCall).
 inline absl::Status SetDevice(int device) {
@@ -94,6 +95,16 @@ inline absl::Status SetDevice(int device) {
   if (ContextLost(err)) return CudaFailure(what, err);
   ClearFailedCall();
   return absl::FailedPreconditionError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+// Makes `device` current where a failure can only be ignored (a destructor): false when it
+// cannot be made current, the failed call's error cleared (ClearFailedCall), so that the
+// thread's next unrelated error check does not report it (a later step of another session
+// failing on a destructor's leftover).
+inline bool TrySetDevice(int device) {
+  if (cudaSetDevice(device) == cudaSuccess) return true;
+  ClearFailedCall();
+  return false;
 }
 
 // The driver API function `name` (CUDA 12 ABI) through the runtime's entry points, so that no

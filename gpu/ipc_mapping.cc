@@ -39,7 +39,7 @@ absl::StatusOr<std::unique_ptr<IpcMapping>> IpcMapping::Open(
     return absl::FailedPreconditionError(
         absl::StrCat("cuda_ipc.device=", device, " is not one of this host's ", count, " devices"));
   }
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  RETURN_IF_ERROR(SetDevice(device));
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   void* ptr = nullptr;
@@ -76,13 +76,13 @@ IpcMapping::~IpcMapping() {
   // run and read or write this mapping (gpu/inputs_wait.h): leave it mapped,
   // since a kernel touching an unmapped address would fault the whole context.
   if (data_ != nullptr && !AbandonedStreamRunning(device_)) {
-    cudaSetDevice(device_);
-    cudaIpcCloseMemHandle(data_);
+    (void)TrySetDevice(device_);
+    if (cudaIpcCloseMemHandle(data_) != cudaSuccess) ClearFailedCall();
   }
 }
 
 absl::StatusOr<uint64_t> ReadCounter(int device, const uint64_t* at) {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  RETURN_IF_ERROR(SetDevice(device));
   uint64_t value = 0;
   CUDA_RETURN_IF_ERROR(cudaMemcpy(&value, at, sizeof(value), cudaMemcpyDeviceToHost));
   return value;

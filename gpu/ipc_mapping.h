@@ -19,6 +19,8 @@ namespace eps::gpu {
 
 class IpcMapping {
  public:
+  // A `device` this process does not have, or one it cannot make current (SetDevice,
+  // gpu/cuda_check.h), is FAILED_PRECONDITION naming it.
   // `unusable`: where a mapping that this call opened but cannot use (its
   // allocation's range unknown) goes with the error, so that its caller
   // closes it where a close cannot wait behind another engine's queued step (a session's janitor:
@@ -40,7 +42,8 @@ class IpcMapping {
   int device_ = 0;
 };
 
-// Reads the uint64 at device address `at` (a step counter of the flags buffer).
+// Reads the uint64 at device address `at` (a step counter of the flags buffer) on `device`:
+// FAILED_PRECONDITION naming the ordinal when it cannot be made current (SetDevice).
 absl::StatusOr<uint64_t> ReadCounter(int device, const uint64_t* at);
 
 }  // namespace eps::gpu

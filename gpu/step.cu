@@ -140,7 +140,7 @@ struct GpuSelector::Impl {
 GpuSelector::GpuSelector(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GpuSelector::~GpuSelector() {
   // Sessions end on any thread (the lease reaper's device is 0): free on ours.
-  cudaSetDevice(impl_->device);
+  (void)TrySetDevice(impl_->device);
   if (impl_->stream != nullptr && !impl_->inputs.Settle(impl_->stream, impl_->sequence)) {
     // The stream still holds a wait on engine memory that our release did not
     // end. Synchronising would block this thread (the reaper: no lease would
@@ -187,7 +187,7 @@ absl::Status LoadKernels(int device) {
 }  // namespace
 
 absl::Status GpuSelector::WarmUp(int device) {
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  RETURN_IF_ERROR(SetDevice(device));
   CUDA_RETURN_IF_ERROR(cudaFree(nullptr));  // the primary context
   return LoadKernels(device);
 }
@@ -248,7 +248,7 @@ absl::StatusOr<std::unique_ptr<GpuSelector>> GpuSelector::Create(
   if (absl::Status s = model.Validate(); !s.ok()) return s;
   RETURN_IF_ERROR(CheckLaunchLimits(model, max_batch, max_groups));
   int max_shared = 0;
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  RETURN_IF_ERROR(SetDevice(device));
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // Static shared memory of the select kernel: at most 40 KiB (select_kernel.cuh).
@@ -304,7 +304,7 @@ absl::Status GpuSelector::Enqueue(const StepInputs& in, const SelectPolicy& poli
   RETURN_IF_ERROR(g.inputs.Usable());
   // First: steps run on any server thread, whose current device is whichever it used
   // last, and the allocations and occupancy queries below are the device's.
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
+  RETURN_IF_ERROR(SetDevice(g.device));
   const ModelLayout& m = g.model;
   if (absl::Status s = policy.Validate(m); !s.ok()) return s;
   const bool per_head = policy.granularity == Granularity::kPerKvHead;
@@ -546,7 +546,7 @@ absl::Status GpuSelector::Finish(std::chrono::microseconds timeout, StepStats* s
                                  float* prepass_us) {
   Impl& g = *impl_;
   if (!g.pending) return absl::FailedPreconditionError("no step is pending");
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(g.device));
+  RETURN_IF_ERROR(SetDevice(g.device));
   // Bounded whenever a wait on engine memory is queued (inputs_wait.h): released
   // after `timeout`, then poisoned if the stream still does not drain.
   g.pending = false;

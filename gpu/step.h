@@ -132,6 +132,11 @@ struct GpuSelectorOptions {
 
 class GpuSelector {
  public:
+  // Every call that makes the selector's device current (WarmUp, Create, Enqueue, Finish)
+  // answers a device that cannot be made current as SetDevice does (gpu/cuda_check.h):
+  // FAILED_PRECONDITION naming the ordinal and CUDA's error (an error that ends the context
+  // stays INTERNAL, marked device-lost).
+  //
   // Creates `device`'s context and loads the pre-pass and stream-op kernels, so
   // that the first Create on it (a first Attach) pays neither.
   static absl::Status WarmUp(int device);

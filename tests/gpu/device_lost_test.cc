@@ -1,10 +1,12 @@
 // A CUDA error that loses the context (gpu/cuda_check.h ContextLost) comes out of the
 // GPU selector marked device-lost (core/status.h), so that epsd stops serving and
-// restarts (service/session_service.h); an ordinary CUDA error does not.
+// restarts (service/session_service.h); an ordinary CUDA error does not, and a device that
+// cannot be made current is FAILED_PRECONDITION naming its ordinal.
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,6 +43,42 @@ TEST(CudaStatusTest, ErrorsThatLoseTheContextAreMarkedAndOthersAreNot) {
   }
   EXPECT_FALSE(IsDeviceLost(absl::OkStatus()));
   EXPECT_TRUE(MarkDeviceLost(absl::OkStatus()).ok());  // nothing to mark
+}
+
+// No process has a device of ordinal 9999: cudaSetDevice fails for it on a GPU machine
+// (invalid device ordinal) as on one without a driver or a device, with an error that leaves
+// the context usable. Every call of epsd's that makes a device current answers it as the
+// engine library's calls do (gpu::SetDevice): FAILED_PRECONDITION naming the ordinal and
+// CUDA's error; they said INTERNAL `cudaSetDevice(device): …`, without the ordinal. The
+// failed call's error is not left on the thread. Runs with or without a device.
+TEST(CudaStatusTest, ADeviceThatCannotBeMadeCurrentIsFailedPreconditionNamingTheOrdinal) {
+  constexpr int kAbsent = 9999;
+  const cudaError_t err = cudaSetDevice(kAbsent);
+  ASSERT_NE(err, cudaSuccess);
+  ASSERT_FALSE(gpu::ContextLost(err)) << cudaGetErrorString(err);
+  (void)cudaGetLastError();
+  // What the thread's last error reads with nothing left on it: cudaSuccess where a driver
+  // is installed; without one every call, cudaGetLastError too, returns the missing
+  // driver's error, so there the check below can only pass (a GPU machine runs it).
+  const cudaError_t clear = cudaGetLastError();
+  const std::string want = std::string("cudaSetDevice(9999): ") + cudaGetErrorString(err);
+  const auto expect_named = [&](const char* call, const absl::Status& s) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << call << ": " << s;
+    EXPECT_EQ(s.message(), want) << call;
+    EXPECT_FALSE(IsDeviceLost(s)) << call;
+    EXPECT_EQ(cudaGetLastError(), clear) << call << " left its error on the thread";
+  };
+  ModelLayout m;
+  m.num_layers = 2;
+  m.num_q_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 64;
+  expect_named("WarmUp", gpu::GpuSelector::WarmUp(kAbsent));
+  std::unique_ptr<gpu::GpuSelector> remains;
+  expect_named("Create", gpu::GpuSelector::Create(m, kAbsent, 1, 64, {}, &remains).status());
+  EXPECT_EQ(remains, nullptr) << "nothing was allocated";
+  const uint64_t* const counter = nullptr;  // not read: the device is made current first
+  expect_named("ReadCounter", gpu::ReadCounter(kAbsent, counter).status());
 }
 
 // The trap runs in a child process (gtest's threadsafe death test starts the binary
