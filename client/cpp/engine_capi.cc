@@ -118,9 +118,11 @@ struct EpsEngineWatchdog {
   ~EpsEngineWatchdog() {
     // First: the watchdog reads and releases through the stream.
     if (watchdog != nullptr) watchdog->Destroy();
-    if (stream != nullptr || host_done != nullptr) cudaSetDevice(device);
-    if (stream != nullptr) cudaStreamDestroy(stream);
-    if (host_done != nullptr) cudaFreeHost(host_done);
+    // Failures can only be ignored here; each is cleared (gpu::ClearFailedCall) so that the
+    // engine thread's next unrelated error check does not report it.
+    if (stream != nullptr || host_done != nullptr) eps::gpu::TrySetDevice(device);
+    if (stream != nullptr && cudaStreamDestroy(stream) != cudaSuccess) eps::gpu::ClearFailedCall();
+    if (host_done != nullptr && cudaFreeHost(host_done) != cudaSuccess) eps::gpu::ClearFailedCall();
   }
 
   absl::StatusOr<uint64_t> ReadDone() {

@@ -29,13 +29,18 @@ absl::StatusOr<std::unique_ptr<SummaryQueue>> SummaryQueue::Create(
 }
 
 SummaryQueue::~SummaryQueue() {
-  cudaSetDevice(device_);
+  // Failures here can only be ignored; each is cleared so that the engine thread's next
+  // unrelated error check does not report it (gpu::ClearFailedCall).
+  const auto quiet = [](cudaError_t e) {
+    if (e != cudaSuccess) gpu::ClearFailedCall();
+  };
+  gpu::TrySetDevice(device_);
   if (last_ != nullptr) {
-    if (submitted_) cudaEventSynchronize(last_);
-    cudaEventDestroy(last_);
+    if (submitted_) quiet(cudaEventSynchronize(last_));
+    quiet(cudaEventDestroy(last_));
   }
-  if (read_ != nullptr) cudaStreamDestroy(read_);
-  if (done_ != nullptr) cudaFree(done_);
+  if (read_ != nullptr) quiet(cudaStreamDestroy(read_));
+  if (done_ != nullptr) quiet(cudaFree(done_));
 }
 
 absl::StatusOr<unsigned long long> SummaryQueue::ReadSkipped() const {
