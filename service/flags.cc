@@ -1,4 +1,4 @@
-// Every flag epsd accepts (docs/api.md lists them with their ranges; config.cc checks them).
+// Every flag epsd accepts (docs/api-server.md lists them with their ranges; config.cc checks them).
 #include "service/flags.h"
 
 #include "absl/flags/flag.h"
