@@ -64,7 +64,7 @@ def test_the_binaries_share_their_common_flags() -> None:
 
 # Where each binary's flags are documented (docs/cli.md names the pages).
 REFERENCE_PAGES = {
-    "epsd": ["docs/api.md"],
+    "epsd": ["docs/api-server.md"],
     "eps-load": ["docs/benchmarks/latency.md", "docs/cli.md"],
     "eps-demo": ["docs/cli.md"],
     "eps_core_demo": ["docs/cli.md"],
