@@ -121,12 +121,19 @@ __global__ void FlashInferFixedKernel(VisitListsDevice v, EngineTableDevice e,
   int32_t* out = indices + layer * nnz + begin;
   const int32_t count = v.count[in];
   const int32_t* list = v.blocks + in * v.max_blocks;
-  if (ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks) && count == n) {
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) out[j] = list[j];
+  const int32_t* engine_row = e.table + b * e.stride;
+  const bool usable = ListUsable(list, count, row.blocks, v.max_blocks, e.cache_blocks);
+  // A reused list gains its row's newer blocks, as FlashAttention's views do; a plan made
+  // with the selection's contexts has room for them (FixedBudgetIndptr).
+  const int64_t gain = usable && count > 0 ? ReuseTail(list, count, engine_row, row.blocks) : 0;
+  if (usable && gain >= 0 && count + gain == n) {
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) out[j] = list[j];
+    for (int64_t j = threadIdx.x; j < gain; j += blockDim.x) {
+      out[count + j] = engine_row[row.blocks - gain + j];
+    }
   } else {
     // The plan has room for n blocks: the newest n of the sequence (its oldest block
     // repeated where the row holds fewer, block 0 for an empty row).
-    const int32_t* engine_row = e.table + b * e.stride;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
       const int64_t k = row.blocks - n + j;
       out[j] = row.blocks == 0 ? 0 : engine_row[k > 0 ? k : 0];
@@ -208,6 +215,11 @@ absl::Status CheckPlan(int budget_groups, int group_blocks, int block_size) {
   return absl::OkStatus();
 }
 
+// Blocks of a context (0 for a context < 1).
+int64_t BlocksOf(int64_t context_tokens, int block_size) {
+  return context_tokens < 1 ? 0 : (context_tokens - 1) / block_size + 1;
+}
+
 // The plan's blocks for one list, the sizes checked. Never overflows: blocks <= 2^59 for
 // an int64 context, and the budget's product is below 2^62.
 int64_t PlanBlocks(int64_t context_tokens, int budget_groups, int group_blocks, int block_size) {
@@ -243,15 +255,31 @@ absl::StatusOr<int64_t> FixedBudgetBlocks(int64_t context_tokens, int budget_gro
   return PlanBlocks(context_tokens, budget_groups, group_blocks, block_size);
 }
 
-absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens,
-                                                       int lists, int budget_groups,
-                                                       int group_blocks, int block_size) {
+absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(
+    const std::vector<int64_t>& context_tokens, int lists, int budget_groups, int group_blocks,
+    int block_size, const std::vector<int64_t>& selected_context_tokens) {
   if (absl::Status s = CheckPlan(budget_groups, group_blocks, block_size); !s.ok()) return s;
   if (lists < 1) return absl::InvalidArgumentError(absl::StrCat("lists=", lists, " must be >= 1"));
+  const bool reused = !selected_context_tokens.empty();
+  if (reused && selected_context_tokens.size() != context_tokens.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("selected_context_tokens has ", selected_context_tokens.size(),
+                     " entries, context_tokens ", context_tokens.size()));
+  }
   std::vector<int32_t> indptr(1, 0);
   int64_t total = 0;
   for (size_t i = 0; i < context_tokens.size(); ++i) {
-    const int64_t n = PlanBlocks(context_tokens[i], budget_groups, group_blocks, block_size);
+    int64_t n = PlanBlocks(context_tokens[i], budget_groups, group_blocks, block_size);
+    if (reused) {  // the selection's list and the blocks written since (engine_outputs.h)
+      const int64_t selected = selected_context_tokens[i];
+      if (selected > context_tokens[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "selected_context_tokens[", i, "]=", selected, " exceeds context_tokens[", i,
+            "]=", context_tokens[i], ": a selection is not made after the step that reuses it"));
+      }
+      n = PlanBlocks(selected, budget_groups, group_blocks, block_size) +
+          BlocksOf(context_tokens[i], block_size) - BlocksOf(selected, block_size);
+    }
     for (int h = 0; h < lists; ++h) {
       // FlashInfer's indptr is int32: a plan past 2^31-1 entries has no such array.
       if (n > std::numeric_limits<int32_t>::max() - total) {

@@ -15,9 +15,9 @@
 // n blocks, and the list is counted in `*mismatched` (so is a list whose count
 // is not n), which the engine reads when it likes (it never forces a sync).
 // So is a list that cannot be one of this sequence's: a count above its blocks,
-// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or for
-// FlashAttention a last block that is not one of the row's newest (below); for
-// FlashAttention such lists are counted in `*refused` when it is given.
+// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or a last block
+// that is not one of the row's newest (below); for FlashAttention such lists are
+// counted in `*refused` when it is given.
 //
 // epsd's lists end at the row's newest block. A list may be reused for later steps
 // (docs/api.md, "Reusing a selection"): selected at a shorter context, it ends at a block
@@ -26,8 +26,9 @@
 // the row's blocks after it, and seqused_k counts them. A list whose last block is none of
 // those, or that the row has no room to extend (count + gained > the row's blocks), cannot
 // be this sequence's (another position's, or older than the window): refused as above.
-// FlashInfer's fixed plan is not extended: its indptr fixes every list's length, so a
-// reused list whose count is not the plan's is mismatched as above.
+// FlashInfer's fixed plan extends a reused list the same way when the plan has room for
+// it: FixedBudgetIndptr given the selection's contexts plans each list as the selection's
+// length and the blocks written since; a list that does not fill its plan so is mismatched.
 //
 // The kernels never read or write outside the rows they are given, whatever the
 // device data: a context < 1 is an empty row (seqused_k 0); a context longer than
@@ -102,11 +103,14 @@ absl::StatusOr<int64_t> FixedBudgetBlocks(int64_t context_tokens, int budget_gro
                                           int group_blocks, int block_size);
 
 // indptr [batch * lists + 1] of the fixed-budget plan (host; the same for every layer).
-// InvalidArgument for sizes FixedBudgetBlocks refuses, lists < 1, or a plan whose
-// entries exceed int32 (FlashInfer's indptr type).
-absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(const std::vector<int64_t>& context_tokens,
-                                                       int lists, int budget_groups,
-                                                       int group_blocks, int block_size);
+// `selected_context_tokens` (empty: the contexts themselves) are the contexts at the
+// selection whose lists the step reuses: each list then holds that selection's
+// FixedBudgetBlocks and the blocks written since. InvalidArgument for sizes
+// FixedBudgetBlocks refuses, lists < 1, a plan whose entries exceed int32 (FlashInfer's
+// indptr type), or selected contexts that are not one per context, each at most it.
+absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(
+    const std::vector<int64_t>& context_tokens, int lists, int budget_groups, int group_blocks,
+    int block_size, const std::vector<int64_t>& selected_context_tokens = {});
 
 // Writes indices [layers, indptr.back()] and last_page_len [batch * lists] for the
 // plan `indptr` (device, from FixedBudgetIndptr); adds mismatched lists to

@@ -28,6 +28,8 @@ struct Case {
   int layers = 3, lists = 1, block_size = 16;
   int64_t max_batch = 5, batch = 4, max_blocks = 40;
   std::vector<int32_t> blocks, count, table, context;  // host, epsd's and the engine's layouts
+  // The contexts at the selection the lists come from (reused: up to 2 blocks shorter).
+  std::vector<int64_t> selected;
 };
 
 // The row the kernels use (engine_outputs.h): a context < 1 is empty, a longer one than
@@ -73,7 +75,8 @@ int64_t Gain(const Case& c, int64_t in, int64_t b, int64_t blocks) {
 // Random lists: ascending subsets of each row that end with its last block or (reused) a
 // few blocks before it, some of another sequence (refused), some -1
 // (dense), some with a count larger than the row (malformed: treated as dense).
-Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_blocks) {
+Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_blocks,
+              bool reused = false) {
   Case c;
   c.lists = lists;
   c.table.assign(c.batch * c.max_blocks, -7);
@@ -93,6 +96,13 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
     for (int64_t j = 0; j < RowOf(c, b).blocks; ++j) {
       c.table[b * c.max_blocks + j] = static_cast<int32_t>(rng() % kCacheBlocks);
     }
+    // A reused selection was made up to 2 blocks ago (only inside the row, whose context
+    // is not cut: a cut row has no tokens past its stride to have been written since).
+    const int64_t back = reused ? static_cast<int64_t>(rng() % 3) : 0;
+    const bool inside = c.context[b] <= c.max_blocks * c.block_size;
+    c.selected.push_back(inside && c.context[b] > back * c.block_size
+                             ? c.context[b] - back * c.block_size
+                             : c.context[b]);
   }
   const int64_t n_lists = int64_t{c.layers} * c.max_batch * lists;
   c.blocks.assign(n_lists * c.max_blocks, -3);
@@ -116,8 +126,10 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
           continue;
         }
         std::vector<int64_t> picked;
-        if (kind <= 4 && budget_groups > 0) {  // the fixed budget's shape
-          const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
+        if (kind <= 4 && budget_groups > 0) {  // the fixed budget's shape, at the selection
+          const int64_t selected_blocks =
+              std::min((c.selected[b] + c.block_size - 1) / c.block_size, blocks);
+          const int64_t groups = (selected_blocks + group_blocks - 1) / group_blocks;
           std::vector<int64_t> g(groups - 1);
           std::iota(g.begin(), g.end(), 0);
           std::shuffle(g.begin(), g.end(), rng);
@@ -125,7 +137,8 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
           g.push_back(groups - 1);
           std::sort(g.begin(), g.end());
           for (int64_t p : g) {
-            for (int64_t j = p * group_blocks; j < std::min(blocks, (p + 1) * group_blocks); ++j) {
+            for (int64_t j = p * group_blocks;
+                 j < std::min(selected_blocks, (p + 1) * group_blocks); ++j) {
               picked.push_back(j);
             }
           }
@@ -237,11 +250,15 @@ TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
   const uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng(seed);
   const int budget = 3, g = 4;
+  int fitted = 0;  // reused lists that filled a plan made with their selection's contexts
   for (int trial = 0; trial < 20; ++trial) {
-    const Case c = MakeCase(rng, GetParam(), budget, g);
+    // Trials 2 and 3 of every 4 reuse an earlier selection's lists, planned with its contexts.
+    const bool reused = trial % 4 >= 2;
+    const Case c = MakeCase(rng, GetParam(), budget, g, reused);
     const int64_t cache_blocks = trial % 2 ? kCacheBlocks : 0;
     std::vector<int64_t> contexts(c.context.begin(), c.context.end());
-    std::vector<int32_t> indptr = *FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size);
+    std::vector<int32_t> indptr = *FixedBudgetIndptr(contexts, c.lists, budget, g, c.block_size,
+                                                     reused ? c.selected : std::vector<int64_t>{});
     if (trial % 5 == 4) {  // a plan that is not one: an entry past nnz, one ending before it
       indptr[indptr.size() - 2] = indptr.back() + 1;  // begins (overlapping ranges would race)
     }
@@ -275,13 +292,18 @@ TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
           }
           const int64_t n = indptr[q + 1] - indptr[q];
           const int64_t in = (layer * c.max_batch + b) * c.lists + h;
-          const bool fits = c.count[in] == n && Usable(c, in, row.blocks, cache_blocks);
+          const int64_t gain =
+              Usable(c, in, row.blocks, cache_blocks) ? Gain(c, in, b, row.blocks) : -1;
+          const bool fits = gain >= 0 && c.count[in] + gain == n;
           if (!fits) ++want_mismatched;
+          fitted += fits && gain > 0;
           for (int64_t j = 0; j < n; ++j) {
             const int64_t k = std::max<int64_t>(row.blocks - n + j, 0);
-            const int32_t want = fits              ? c.blocks[in * c.max_blocks + j]
-                                 : row.blocks == 0 ? 0
-                                                   : c.table[b * c.max_blocks + k];
+            const int64_t from_row = row.blocks - gain + (j - c.count[in]);
+            const int32_t want = fits && j < c.count[in] ? c.blocks[in * c.max_blocks + j]
+                                 : fits                  ? c.table[b * c.max_blocks + from_row]
+                                 : row.blocks == 0       ? 0
+                                                         : c.table[b * c.max_blocks + k];
             ASSERT_EQ(got[layer * nnz + indptr[q] + j], want) << "seed " << seed;
           }
         }
@@ -289,6 +311,7 @@ TEST_P(EngineOutputsTest, FlashInferFixedBudgetArraysEqualTheHostReference) {
     }
     EXPECT_EQ(Download(mismatched, 1)[0], want_mismatched) << "seed " << seed;
   }
+  EXPECT_GT(fitted, 0) << "no reused list filled its plan: seed " << seed;
 }
 
 INSTANTIATE_TEST_SUITE_P(UnionAndPerKvHead, EngineOutputsTest, ::testing::Values(1, 3));
@@ -387,6 +410,22 @@ TEST(EngineOutputsArgs, AFixedBudgetPlanPastInt32IsRefused) {
       << indptr.status();
   EXPECT_TRUE(
       FixedBudgetIndptr(std::vector<int64_t>(1, (int64_t{1} << 31) - 1), 1, 1 << 30, 1, 1).ok());
+}
+
+// A plan for lists reused from an earlier selection: that selection's list and the blocks
+// written since. By hand, k = 2 groups of g = 2 blocks of 16 tokens: selected at 60 tokens
+// (4 blocks, 2 groups: all 4), now 100 (7 blocks): 4 + 3 = 7 entries, where a plan at 100
+// alone has 2 + 1 = 3 (the selection's list would not fit it).
+TEST(EngineOutputsArgs, AFixedBudgetPlanForReusedListsCountsTheBlocksWrittenSince) {
+  EXPECT_EQ(*FixedBudgetIndptr({100, 40}, 1, 2, 2, 16, {60, 40}), (std::vector<int32_t>{0, 7, 10}));
+  EXPECT_EQ(*FixedBudgetIndptr({100, 40}, 1, 2, 2, 16), (std::vector<int32_t>{0, 3, 6}));
+  const absl::Status later = FixedBudgetIndptr({100}, 1, 2, 2, 16, {101}).status();
+  EXPECT_EQ(later.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(later.message().find("selected_context_tokens[0]=101 exceeds context_tokens[0]=100"),
+            std::string::npos)
+      << later;
+  EXPECT_EQ(FixedBudgetIndptr({100, 40}, 1, 2, 2, 16, {60}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

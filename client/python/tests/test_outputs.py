@@ -157,6 +157,75 @@ def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng, l
     state.buffers.close()
 
 
+def test_epsd_fixed_lists_reused_fill_a_plan_made_with_the_selections_contexts(epsd, rng):
+    """A fixed-budget step reused at longer contexts: planned with the selection's contexts,
+    every list fills its plan with its blocks and the blocks written since; planned with the
+    longer contexts alone, a list whose newest group was full no longer fits."""
+    state = make_state(rng, contexts=[900, 517, 1000, 40])
+    k = fixed_budget_groups(1, 1, 2)
+    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
+        client.attach()
+        result = client.select_pages(
+            1, state.rows, SelectOptions(budget="fixed", first_n=1, last_n=1, top_pages=2))
+        assert result.ok, result.message
+    buf = state.buffers
+    table, ctx = engine_table(state)
+    table = table.copy()
+    grown = ctx + np.array([20, 40, 20, 10], dtype=np.int32)  # 1, 2, 1 and 1 new blocks
+    for b in range(len(ctx)):
+        old, new = blocks_for(int(ctx[b]), BS), blocks_for(int(grown[b]), BS)
+        table[b, old:new] = NUM_NEW + 10 * b + np.arange(new - old)
+    indptr = fixed_budget_indptr(grown, 1, k, G, BS, selected_tokens=ctx)
+    indices, _, mismatched = flashinfer_fixed_budget_reference(
+        buf.visit_blocks, buf.visit_count, table, grown, BS, indptr)
+    assert mismatched == 0
+    for layer in range(MODEL.num_layers):
+        for b in range(len(ctx)):
+            old, new = blocks_for(int(ctx[b]), BS), blocks_for(int(grown[b]), BS)
+            want = list(buf.visits(layer, b)) + list(table[b, old:new])
+            np.testing.assert_array_equal(indices[layer, indptr[b] : indptr[b + 1]], want)
+    # Planned at the longer contexts alone: 517 -> 557 tokens (33 -> 35 blocks, g = 2) starts
+    # a new group, whose plan holds 7 entries where the list and its new blocks are 9; the
+    # other rows stay in their newest group and fit either plan.
+    alone = fixed_budget_indptr(grown, 1, k, G, BS)
+    assert alone[2] - alone[1] == 7 and indptr[2] - indptr[1] == 9
+    _, _, mismatched = flashinfer_fixed_budget_reference(
+        buf.visit_blocks, buf.visit_count, table, grown, BS, alone)
+    assert mismatched == MODEL.num_layers
+    # Where torch and a device are, the kernel and the torch path give the same arrays.
+    torch = _torch_on_a_device()
+    for use_kernel in (False, True) if torch is not None else ():
+        d = [torch.from_numpy(np.ascontiguousarray(a)).cuda()
+             for a in (buf.visit_blocks, buf.visit_count, table, grown, indptr)]
+        got_i, _, got_m = flashinfer_fixed_budget(*d[:4], BS, d[4], nnz=int(indptr[-1]),
+                                                  use_kernel=use_kernel)
+        np.testing.assert_array_equal(got_i.cpu().numpy(), indices)
+        assert int(got_m.item()) == 0
+    state.buffers.close()
+
+
+def _torch_on_a_device():
+    """torch, when it is installed and sees a CUDA device; else None (the numpy checks run)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def test_a_plan_for_reused_lists_counts_the_blocks_written_since():
+    # By hand, as client/cpp's test: k = 2 groups of g = 2 blocks of 16 tokens; selected at
+    # 60 tokens (4 blocks), now 100 (7): 4 + 3 entries, where 100 alone plans 2 + 1.
+    np.testing.assert_array_equal(fixed_budget_indptr([100, 40], 1, 2, 2, 16, [60, 40]),
+                                  [0, 7, 10])
+    np.testing.assert_array_equal(fixed_budget_indptr([100, 40], 1, 2, 2, 16), [0, 3, 6])
+    with pytest.raises(ValueError, match=r"selected_tokens\[0\]=101 exceeds "
+                                         r"context_tokens\[0\]=100"):
+        fixed_budget_indptr([100], 1, 2, 2, 16, [101])
+    with pytest.raises(ValueError, match="selected_tokens has 1 entries, context_tokens 2"):
+        fixed_budget_indptr([100, 40], 1, 2, 2, 16, [60])
+
+
 def test_fixed_budget_groups_counts_the_newest_group_and_refuses_bad_counts():
     assert fixed_budget_groups(1, 2, 8) == 11
     assert fixed_budget_groups(0, 0, 8) == 9  # the newest group is always kept

@@ -20,8 +20,9 @@ for later steps (docs/api.md, "Reusing a selection") ends before it: FlashAttent
 extend it with the row's blocks after its last one, when that block is among the row's
 newest ``REUSE_WINDOW_BLOCKS``. A list whose last block is none of those, or that the row
 has no room to extend (count + gained > the row's blocks), cannot be the sequence's: it is
-refused like the above. The fixed-budget plan is not extended (its ``indptr`` fixes each
-length): a reused list whose count is not the plan's is mismatched.
+refused like the above (mismatched in a fixed-budget plan). A fixed-budget plan made with
+the selection's contexts (``fixed_budget_indptr(..., selected_tokens=...)``) has room for
+the reused lists so extended; a list that does not fill its plan is mismatched.
 The torch functions run on the device without host copies: through libeps_engine's kernel
 when it loads (``eps_client.engine``), else with torch operations. The ``*_reference``
 functions are numpy, for tests. Shapes: visit_blocks [layers, max_batch, (lists,)
@@ -71,19 +72,31 @@ def fixed_budget_blocks(context_tokens: int, budget_groups: int, group_blocks: i
 
 
 def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, group_blocks: int,
-                        block_size: int) -> np.ndarray:
+                        block_size: int, selected_tokens: Any = None) -> np.ndarray:
     """indptr [batch * lists + 1] int32 of the fixed-budget plan (the same for every layer).
-    Refuses what client/cpp's FixedBudgetIndptr refuses (ValueError, TypeError naming it):
-    the sizes fixed_budget_blocks refuses, ``lists`` < 1, contexts that are not integers,
+    ``selected_tokens`` (None: the contexts themselves): the contexts at the selection whose
+    lists the step reuses; each list then holds that selection's fixed_budget_blocks and the
+    blocks written since. Refuses what client/cpp's FixedBudgetIndptr refuses (ValueError,
+    TypeError naming it): the sizes fixed_budget_blocks refuses, ``lists`` < 1, contexts
+    that are not integers, selected contexts that are not one per context each at most it,
     and a plan past 2**31 - 1 entries (FlashInfer's indptr is int32; it used to wrap)."""
     _check_plan(budget_groups, group_blocks, block_size)
     lists = _values.integer("lists", lists)
     if not 1 <= lists <= _values.INT32[1]:
         raise ValueError(f"lists={lists} not in [1, {_values.INT32[1]}]")
     contexts = _values.integer_array("context_tokens", context_tokens).reshape(-1)
+    selected = contexts if selected_tokens is None else \
+        _values.integer_array("selected_tokens", selected_tokens).reshape(-1)
+    if selected.shape != contexts.shape:
+        raise ValueError(f"selected_tokens has {selected.size} entries, context_tokens "
+                         f"{contexts.size}")
     indptr, total = [0], 0
-    for i, c in enumerate(contexts.tolist()):
-        n = fixed_budget_blocks(c, budget_groups, group_blocks, block_size)
+    for i, (c, sel) in enumerate(zip(contexts.tolist(), selected.tolist(), strict=True)):
+        if sel > c:
+            raise ValueError(f"selected_tokens[{i}]={sel} exceeds context_tokens[{i}]={c}: a "
+                             "selection is not made after the step that reuses it")
+        n = fixed_budget_blocks(sel, budget_groups, group_blocks, block_size) \
+            + _blocks(c, block_size) - _blocks(sel, block_size)
         for h in range(lists):
             total += n
             if total > _values.INT32[1]:
@@ -91,6 +104,11 @@ def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, gro
                                  f"(list {h}): FlashInfer's indptr is int32")
             indptr.append(total)
     return np.array(indptr, dtype=np.int32)
+
+
+def _blocks(context_tokens: int, block_size: int) -> int:
+    """Blocks of a context (0 for a context < 1)."""
+    return -(-context_tokens // block_size) if context_tokens > 0 else 0
 
 
 def _check_plan(budget_groups: int, group_blocks: int, block_size: int) -> None:
@@ -262,8 +280,12 @@ def flashinfer_fixed_budget_reference(visit_blocks: np.ndarray, visit_count: np.
                     continue
                 n = hi - lo
                 count = int(vc[layer, b, h])
-                if _usable(vb[layer, b, h], count, blocks, max_blocks, cache_blocks) and count == n:
-                    indices[layer, lo:hi] = vb[layer, b, h, :n]
+                usable = _usable(vb[layer, b, h], count, blocks, max_blocks, cache_blocks)
+                gain = _reuse_gain(vb[layer, b, h], count, engine_table[b], blocks) \
+                    if usable else -1
+                if gain >= 0 and count + gain == n:
+                    indices[layer, lo:lo + count] = vb[layer, b, h, :count]
+                    indices[layer, lo + count:hi] = engine_table[b, blocks - gain:blocks]
                 else:
                     k = np.maximum(np.arange(blocks - n, blocks), 0)
                     indices[layer, lo:hi] = engine_table[b, k] if blocks else 0
@@ -443,10 +465,19 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
     b, h = q // lists, q % lists
     count = vc[:, :B].to(torch.int64)  # [L, B, lists]
     usable = _torch_usable(vb[:, :B], count, blocks, max_blocks, cache_blocks)
-    fits = (usable & (count == n.reshape(B, lists)[None])).reshape(L, B * lists)
+    engine_rows = engine_table[:B].to(torch.int32)  # rows of up to its width's blocks
+    gain = _torch_reuse_gain(vb[:, :B], count, engine_rows, blocks)  # -1: not the row's
+    fits = (usable & (gain >= 0) & (count + gain == n.reshape(B, lists)[None])) \
+        .reshape(L, B * lists)
+    gain = torch.clamp(gain, min=0).reshape(L, B * lists)[:, q]  # [L, nnz]
+    cnt = count.reshape(L, B * lists)[:, q]
     # j past max_blocks belongs to a list that does not fit: clamped, so the gather stays
     # inside the lists (torch.where discards it; unclamped it was a device-side assert).
     from_list = vb[:, b, h, torch.clamp(j, max=max_blocks - 1)]  # [L, nnz]
+    # entries past the list's own count: the blocks its row gained since
+    gained = engine_rows[b, torch.clamp(blocks[b] - gain + j - cnt, 0,
+                                        engine_rows.shape[1] - 1)]
+    from_list = torch.where(j < cnt, from_list, gained)
     k = torch.clamp(blocks[b] - n[q] + j, min=0)
     from_table = torch.where(blocks[b] > 0, engine_table[b, torch.minimum(
         k, torch.clamp(blocks[b] - 1, min=0))].to(torch.int32), 0)[None].expand(L, -1)
