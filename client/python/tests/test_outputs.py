@@ -31,13 +31,21 @@ def engine_table(state) -> tuple[np.ndarray, np.ndarray]:
     return state.buffers.block_table[rows], np.array(state.contexts, dtype=np.int32)
 
 
-def test_flash_attention_views_reproduce_epsd_lists_and_dense_fallbacks(epsd, rng):
-    state = make_state(rng, contexts=[900, 517, 1000])
+def selected(epsd, rng, contexts, options=None):
+    """A random engine state whose lists the real epsd selected (step 1, ``options``), its
+    engine table (a copy) and contexts."""
+    state = make_state(rng, contexts=contexts)
     with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
         client.attach()
-        assert client.select_pages(1, state.rows).ok
-    buf = state.buffers
+        result = client.select_pages(1, state.rows, options)
+        assert result.ok, result.message
     table, ctx = engine_table(state)
+    return state, table.copy(), ctx
+
+
+def test_flash_attention_views_reproduce_epsd_lists_and_dense_fallbacks(epsd, rng):
+    state, table, ctx = selected(epsd, rng, [900, 517, 1000])
+    buf = state.buffers
     count = buf.visit_count.copy()
     count[1, 2] = -1  # a list released densely
     block_table, seqused = flash_attention_views_reference(buf.visit_blocks, count, table, ctx,
@@ -63,13 +71,8 @@ def test_epsd_lists_reused_at_a_longer_context_gain_the_blocks_written_since(eps
     """An engine that reuses a selection for later steps (docs/api.md, "Reusing a
     selection"): each list, selected when the rows were shorter, is followed by the blocks
     the row gained since, and seqused_k counts the grown context."""
-    state = make_state(rng, contexts=[900, 517, 1000])
-    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
-        client.attach()
-        assert client.select_pages(1, state.rows).ok
+    state, table, ctx = selected(epsd, rng, [900, 517, 1000])
     buf = state.buffers
-    table, ctx = engine_table(state)
-    table = table.copy()
     grown = ctx + np.array([3, 30, 20], dtype=np.int32)  # no new block, 2 new, 1 new
     for b in range(3):  # the engine's new blocks: ids no row holds yet
         old, new = blocks_for(int(ctx[b]), BS), blocks_for(int(grown[b]), BS)
@@ -121,18 +124,13 @@ def test_a_reused_list_gains_only_what_its_row_can_say_it_lost():
 
 @pytest.mark.parametrize("last_n", [1, 0])
 def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng, last_n):
-    state = make_state(rng, contexts=[900, 517, 1000, 40])
     budget = SelectOptions(budget="fixed", first_n=1, last_n=last_n, top_pages=2)
     # last_n = 0 still keeps the newest group: k is 4 either way (first_n + last_n +
     # top_pages, the formula the docs once gave, planned one group too few).
     k = fixed_budget_groups(1, last_n, 2)
     assert k == 4
-    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
-        client.attach()
-        result = client.select_pages(1, state.rows, budget)
-        assert result.ok, result.message
+    state, table, ctx = selected(epsd, rng, [900, 517, 1000, 40], budget)
     buf = state.buffers
-    table, ctx = engine_table(state)
     indptr = fixed_budget_indptr(ctx, 1, k, G, BS)
     for layer in range(MODEL.num_layers):
         for b, c in enumerate(state.contexts):
@@ -161,16 +159,10 @@ def test_epsd_fixed_lists_reused_fill_a_plan_made_with_the_selections_contexts(e
     """A fixed-budget step reused at longer contexts: planned with the selection's contexts,
     every list fills its plan with its blocks and the blocks written since; planned with the
     longer contexts alone, a list whose newest group was full no longer fits."""
-    state = make_state(rng, contexts=[900, 517, 1000, 40])
+    state, table, ctx = selected(epsd, rng, [900, 517, 1000, 40],
+                                 SelectOptions(budget="fixed", first_n=1, last_n=1, top_pages=2))
     k = fixed_budget_groups(1, 1, 2)
-    with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
-        client.attach()
-        result = client.select_pages(
-            1, state.rows, SelectOptions(budget="fixed", first_n=1, last_n=1, top_pages=2))
-        assert result.ok, result.message
     buf = state.buffers
-    table, ctx = engine_table(state)
-    table = table.copy()
     grown = ctx + np.array([20, 40, 20, 10], dtype=np.int32)  # 1, 2, 1 and 1 new blocks
     for b in range(len(ctx)):
         old, new = blocks_for(int(ctx[b]), BS), blocks_for(int(grown[b]), BS)
