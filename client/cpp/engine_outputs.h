@@ -6,8 +6,10 @@
 //   FlashInfer (fixed budget): the paged-KV arrays indptr, indices and
 //     last_page_len of BatchDecodeWithPagedKVCacheWrapper. FlashInfer plans a
 //     step on the host from indptr, so indptr must be known before selection:
-//     with a fixed budget each list holds n = min(budget_blocks, blocks) blocks,
-//     and FixedBudgetIndptr computes it from the contexts alone.
+//     with a fixed budget each list holds n blocks (FixedBudgetBlocks: every block of
+//     a row of at most k groups, else k - 1 whole groups and the newest), and
+//     FixedBudgetIndptr computes it from the contexts (for reused lists, also the
+//     selection's: below).
 //
 // A list whose count is < 0 ("attend densely": a fallback or a failed step) is
 // replaced by the engine's own block-table row: in full for FlashAttention; for

@@ -6,7 +6,7 @@ docs/integration/outputs.md).
 - FlashInfer's paged-KV arrays ``indptr``, ``indices``, ``last_page_len`` with epsd's fixed
   budget (``fixed_budget_indptr`` on the host before the step, ``flashinfer_fixed_budget``
   on the device after it): FlashInfer plans on the host from ``indptr``, which the fixed
-  budget makes known from the contexts alone.
+  budget makes known from the contexts (for reused lists, also the selection's).
 
 A list with count < 0 ("attend densely") becomes the engine's own block-table row; in a
 fixed-budget plan only its newest n blocks fit, and the list is counted in ``mismatched``.
