@@ -11,6 +11,10 @@ and with no host wait on the GPU:
     SelectPages(s + 1, async)           (lag-1 queries: step t's; the pre-pass of t+1 runs
                                          while the host already queues step t+1)
 
+With selections reused for k steps (``decode(reuse=k)``), only a step t with t % k == 0
+waits, and inputs_ready and SelectPages come only before such a step; the steps between
+read the last lists, which the step's views extend by the blocks written since.
+
 The dense run executes the same graph code with the engine's block table and the context
 as seqused_k; both call the same attention kernel. Fail open: a fallback releases step
 s + 1 densely on this stream, before its wait (visit_count = -1); a step epsd accepted and

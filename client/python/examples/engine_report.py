@@ -27,11 +27,11 @@ def mean(values: Sequence[float]) -> float:
 
 
 def summarize(run: Any, warmup: int) -> dict[str, float]:
-    """p50/p95 of the step and the p50 of each part, after ``warmup`` steps: the GPU and host
-    times by position in the run, the selections' statistics and round trips by step number
-    (decode step t ran selection step ``run.first_step`` + t; the statistics of the sync
-    steps around the run, calibration's and the one that collects the last ones, are not
-    the run's)."""
+    """p50/p95 and mean of the step, the p50 of each part and the mean wait for the lists,
+    after ``warmup`` steps: the GPU and host times by position in the run, the selections'
+    statistics and round trips by step number (decode step t read selection step
+    ``run.first_step`` + t - t % ``run.reuse``; the statistics of the sync steps around the
+    run, calibration's and the one that collects the last ones, are not the run's)."""
     steps = len(run.step_ms)
     w = min(warmup, max(steps - 1, 0))
     measured = range(run.first_step + w, run.first_step + steps)

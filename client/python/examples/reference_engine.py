@@ -3,8 +3,9 @@
 dense run of the same loop and kernel (docs/benchmarks/reference-engine.md).
 
 Modes:
-  speed    random-weight Llama-3-8B shape: decode-step p50/p95 dense vs gated at target
-           fractions of blocks read, the breakdown, the attention limit, SDPA's dense time
+  speed    random-weight Llama-3-8B shape: decode-step p50/p95 and mean dense vs gated at
+           target fractions of blocks read (and --reuse lengths), the breakdown, the
+           attention limit, SDPA's dense time
   quality  a real model (GGUF, e.g. SmolLM2-135M) teacher-forced on real text: Δ NLL and
            top-1 agreement against dense per method and budget; method=off must equal dense
   passkey  the real model: pass-key retrieval, dense vs gated, greedy
