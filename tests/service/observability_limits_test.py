@@ -252,13 +252,15 @@ def _literal(name: str, value: str) -> bytes:  # HPACK: literal, not indexed, no
 class _UnreadingClient:
     """HTTP/2 on epsd's socket, by hand: a zero initial window that is never opened, so no
     reply message can reach it, while headers (not flow-controlled) still do. Acknowledges
-    SETTINGS and PING; records which streams got headers, and which ended (END_STREAM)."""
+    SETTINGS and PING; records which streams got headers, which ended (END_STREAM), and which
+    epsd reset (RST_STREAM)."""
 
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.connect(path)
         self.headers: set[int] = set()
         self.ended: set[int] = set()
+        self.reset: set[int] = set()
         self._cond = threading.Condition()
         settings = _frame(4, 0, 0, (4).to_bytes(2, "big") + (0).to_bytes(4, "big"))
         self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + settings)
@@ -286,6 +288,10 @@ class _UnreadingClient:
                         self.headers.add(stream)
                         if flags & 1:
                             self.ended.add(stream)
+                        self._cond.notify_all()
+                elif kind == 3:
+                    with self._cond:
+                        self.reset.add(stream)
                         self._cond.notify_all()
 
     def close(self) -> None:
@@ -317,6 +323,52 @@ class _UnreadingClient:
                 assert self._cond.wait_for(lambda: stream in self.headers, timeout=30), stream
 
 
+_UNREAD_BLOCKS, _UNREAD_BATCH = 64, 2
+_UNREAD_ROWS = [pb.BatchRow(table_row=0, context_tokens=_UNREAD_BLOCKS * 16)] * _UNREAD_BATCH
+
+
+def _attach_unread(stub: pb_grpc.PageSelectorStub, engine: str = "unread") -> str:
+    """Attaches a small inline cpu session of `engine` (replacing its live one); its id."""
+    blocks, batch = _UNREAD_BLOCKS, _UNREAD_BATCH
+
+    def inline(shape: list[int], dtype: int, data: bytes = b"") -> pb.MemoryDescriptor:
+        return pb.MemoryDescriptor(
+            inline_bytes=pb.InlineBytes(data=data), shape=shape, dtype=dtype)
+
+    def attach(words: int) -> pb.AttachRequest:
+        layout = pb.ModelLayout(num_layers=2, num_q_heads=1, num_kv_heads=1, head_dim=4,
+                                block_size=16, group_blocks=1, sketch_dim=1)
+        table = b"".join(i.to_bytes(4, "little") for i in range(blocks))
+        return pb.AttachRequest(
+            engine_id=engine, layout=layout, max_batch=batch,
+            options=pb.SelectOptions(method=pb.METHOD_OFF),
+            buffers=pb.SharedBuffers(
+                summary_pool=inline([1, 2, 1, words], pb.DTYPE_FLOAT32),
+                group_table=inline([1, blocks], pb.DTYPE_INT32),
+                block_table=inline([1, blocks], pb.DTYPE_INT32, table),
+                queries=inline([2, batch, 1, 4], pb.DTYPE_FLOAT32),
+                visit_blocks=inline([2, batch, blocks], pb.DTYPE_INT32),
+                visit_count=inline([2, batch], pb.DTYPE_INT32)))
+
+    try:
+        return stub.Attach(attach(1), timeout=30).session_id
+    except grpc.RpcError as refused:  # the record's size, as epsd names it
+        words = int(re.search(r"record_words=(\d+)", refused.details()).group(1))
+        return stub.Attach(attach(words), timeout=30).session_id
+
+
+def _last_step(stub: pb_grpc.PageSelectorStub, session: str) -> int:
+    return stub.GetStats(pb.GetStatsRequest(session_id=session), timeout=30).sessions[0].last_step
+
+
+def _wait_for_step(stub: pb_grpc.PageSelectorStub, session: str, step: int) -> None:
+    """Waits until `session` has run `step` (a parked reply sends nothing to wait for)."""
+    deadline = time.monotonic() + 30
+    while _last_step(stub, session) < step:
+        assert time.monotonic() < deadline, f"step {step} did not run"
+        time.sleep(0.01)
+
+
 def test_replies_a_client_never_reads_wait_at_most_eight_per_session(
     tmp_path: Path, start_epsd: Callable[..., Epsd]
 ) -> None:
@@ -329,51 +381,19 @@ def test_replies_a_client_never_reads_wait_at_most_eight_per_session(
     # reads late (or whose earlier calls' OnDone runs late, on a loaded host) is answered,
     # never refused (before, the fifth unread reply was refused at once).
     epsd = start_epsd(tmp_path, {}, [])
-    blocks, batch = 64, 2
-
-    def inline(shape: list[int], dtype: int, data: bytes = b"") -> pb.MemoryDescriptor:
-        return pb.MemoryDescriptor(
-            inline_bytes=pb.InlineBytes(data=data), shape=shape, dtype=dtype)
-
-    def attach(words: int) -> pb.AttachRequest:
-        layout = pb.ModelLayout(num_layers=2, num_q_heads=1, num_kv_heads=1, head_dim=4,
-                                block_size=16, group_blocks=1, sketch_dim=1)
-        table = b"".join(i.to_bytes(4, "little") for i in range(blocks))
-        return pb.AttachRequest(
-            engine_id="unread", layout=layout, max_batch=batch,
-            options=pb.SelectOptions(method=pb.METHOD_OFF),
-            buffers=pb.SharedBuffers(
-                summary_pool=inline([1, 2, 1, words], pb.DTYPE_FLOAT32),
-                group_table=inline([1, blocks], pb.DTYPE_INT32),
-                block_table=inline([1, blocks], pb.DTYPE_INT32, table),
-                queries=inline([2, batch, 1, 4], pb.DTYPE_FLOAT32),
-                visit_blocks=inline([2, batch, blocks], pb.DTYPE_INT32),
-                visit_count=inline([2, batch], pb.DTYPE_INT32)))
-
+    rows = _UNREAD_ROWS
     with grpc.insecure_channel(epsd.target) as channel:
         stub = pb_grpc.PageSelectorStub(channel)
-        try:
-            session = stub.Attach(attach(1), timeout=30).session_id
-        except grpc.RpcError as refused:  # the record's size, as epsd names it
-            words = int(re.search(r"record_words=(\d+)", refused.details()).group(1))
-            session = stub.Attach(attach(words), timeout=30).session_id
-        rows = [pb.BatchRow(table_row=0, context_tokens=blocks * 16)] * batch
+        session = _attach_unread(stub)
         client = _UnreadingClient(epsd.target.removeprefix("unix://"))
         calls = 10
-
-        def last_step() -> int:
-            return stub.GetStats(pb.GetStatsRequest(session_id=session), timeout=30) \
-                .sessions[0].last_step
-
         for i in range(calls):
             step = pb.SelectPagesRequest(session_id=session, step=i + 1, rows=rows)
             parked = 4 <= i < 8  # no headers until a place frees: wait for its step instead
             client.call(2 * i + 1, "/eps.v1.PageSelector/SelectPages", step.SerializeToString(),
                         wait=not parked)
-            deadline = time.monotonic() + 30
-            while parked and last_step() < i + 1:
-                assert time.monotonic() < deadline, f"step {i + 1} did not run"
-                time.sleep(0.01)
+            if parked:
+                _wait_for_step(stub, session, i + 1)
         # Four replies wait for the window (headers sent), four are parked (nothing sent),
         # the last two ended with their status.
         stream = [2 * i + 1 for i in range(calls)]
@@ -397,3 +417,42 @@ def test_replies_a_client_never_reads_wait_at_most_eight_per_session(
                 time.sleep(0.05)
         else:
             pytest.fail("the session's replies stayed counted after their connection closed")
+
+
+@pytest.mark.parametrize("end", ["detach", "replace"])
+def test_the_replies_a_session_left_unread_end_with_it(
+    tmp_path: Path, end: str, start_epsd: Callable[..., Epsd]
+) -> None:
+    # The eight replies were counted per session, and kept when the session ended: with
+    # --max-sessions=1, five rounds of Attach, eight steps never read and Detach (or a
+    # replacing Attach) left 20 replies handed to gRPC and 20 parked on their open
+    # connections, five times what the one session allowed may hold, and more each round.
+    # A session's end now cancels the replies it holds (RST_STREAM: gRPC drops what it
+    # kept for them) and answers its parked ones NOT_FOUND.
+    epsd = start_epsd(tmp_path, {}, ["--max-sessions=1"])
+    step = pb.SelectPagesRequest(rows=_UNREAD_ROWS)
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        streams = [2 * i + 1 for i in range(7)]  # four held, three parked
+        for i, stream in enumerate(streams):
+            step.session_id, step.step = session, i + 1
+            client.call(stream, "/eps.v1.PageSelector/SelectPages", step.SerializeToString(),
+                        wait=False)
+            _wait_for_step(stub, session, i + 1)
+        # A client that reads, on another connection, parks behind them.
+        step.step = len(streams) + 1
+        reader = stub.SelectPages.future(step, timeout=30)
+        _wait_for_step(stub, session, step.step)
+        client.wait(lambda: set(streams[:4]) <= client.headers)
+        assert not client.headers & set(streams[4:]) and not reader.done()
+        if end == "detach":
+            stub.Detach(pb.DetachRequest(session_id=session), timeout=30)
+        else:
+            assert _attach_unread(stub) != session
+        client.wait(lambda: set(streams[:4]) <= client.reset and set(streams[4:]) <= client.ended)
+        assert reader.exception().code() == grpc.StatusCode.NOT_FOUND, reader.exception()
+        assert "before this step's reply was sent" in reader.exception().details()
+        assert not client.reset & set(streams[4:])
+        client.close()
