@@ -311,16 +311,24 @@ class _UnreadingClient:
         grow = (1 << 24).to_bytes(4, "big")
         self.sock.sendall(b"".join(_frame(8, 0, s, grow) for s in [0, *streams]))
 
-    def call(self, stream: int, method: str, message: bytes, wait: bool = True) -> None:
-        """Sends one unary call and (``wait``) waits until epsd has answered it with headers."""
-        headers = b"".join(_literal(n, v) for n, v in [
-            (":method", "POST"), (":scheme", "http"), (":path", method),
-            (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")])
+    def call(self, stream: int, method: str, message: bytes, wait: bool = True,
+             timeout: str = "") -> None:
+        """Sends one unary call and (``wait``) waits until epsd has answered it with headers.
+        ``timeout``: a grpc-timeout header's value ("200m": 200 ms), none when empty."""
+        fields = [(":method", "POST"), (":scheme", "http"), (":path", method),
+                  (":authority", "localhost"), ("content-type", "application/grpc"),
+                  ("te", "trailers")] + ([("grpc-timeout", timeout)] if timeout else [])
+        headers = b"".join(_literal(n, v) for n, v in fields)
         body = b"\x00" + len(message).to_bytes(4, "big") + message
         self.sock.sendall(_frame(1, 4, stream, headers) + _frame(0, 1, stream, body))
         if wait:
             with self._cond:
                 assert self._cond.wait_for(lambda: stream in self.headers, timeout=30), stream
+
+
+    def cancel(self, streams: list[int]) -> None:
+        """Cancels those calls (RST_STREAM, CANCEL), as a client that gives up does."""
+        self.sock.sendall(b"".join(_frame(3, 0, s, (8).to_bytes(4, "big")) for s in streams))
 
 
 _UNREAD_BLOCKS, _UNREAD_BATCH = 64, 2
@@ -367,6 +375,26 @@ def _wait_for_step(stub: pb_grpc.PageSelectorStub, session: str, step: int) -> N
     while _last_step(stub, session) < step:
         assert time.monotonic() < deadline, f"step {step} did not run"
         time.sleep(0.01)
+
+
+def _step_unread(stub: pb_grpc.PageSelectorStub, client: _UnreadingClient, session: str,
+                 step: int, timeout: str = "") -> int:
+    """Sends `session`'s `step` on `client` (stream 2 * step - 1), waits until it has run, and
+    returns the stream."""
+    stream = 2 * step - 1
+    request = pb.SelectPagesRequest(session_id=session, step=step, rows=_UNREAD_ROWS)
+    client.call(stream, "/eps.v1.PageSelector/SelectPages", request.SerializeToString(),
+                wait=False, timeout=timeout)
+    _wait_for_step(stub, session, step)
+    return stream
+
+
+def _steps_all_answered(stub: pb_grpc.PageSelectorStub, session: str, first: int) -> None:
+    """A reading client's 20 steps of `session` from `first` on are all answered OK: the
+    session holds no place of a call that has ended."""
+    for step in range(first, first + 20):
+        stub.SelectPages(pb.SelectPagesRequest(session_id=session, step=step, rows=_UNREAD_ROWS),
+                         timeout=30)
 
 
 def test_replies_a_client_never_reads_wait_at_most_eight_per_session(
@@ -456,3 +484,71 @@ def test_the_replies_a_session_left_unread_end_with_it(
         assert "before this step's reply was sent" in reader.exception().details()
         assert not client.reset & set(streams[4:])
         client.close()
+
+
+def test_a_parked_call_its_client_cancels_or_lets_expire_leaves_the_line(
+    tmp_path: Path, start_epsd: Callable[..., Epsd]
+) -> None:
+    # A parked reply is not in gRPC's hands: only epsd can end its call, and take it out of
+    # the line, when the client cancels it (RST_STREAM) or its grpc-timeout passes.
+    epsd = start_epsd(tmp_path, {}, [])
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        held = [_step_unread(stub, client, session, step) for step in range(1, 5)]
+        client.wait(lambda: set(held) <= client.headers)
+        cancelled = [_step_unread(stub, client, session, step) for step in (5, 6)]
+        expiring = _step_unread(stub, client, session, 7, timeout="200m")
+        waiting = _step_unread(stub, client, session, 8)
+        client.cancel(cancelled)
+        client.wait(lambda: expiring in client.ended)  # its deadline ended it
+        # Three places in line are free again: three more park, a fourth is refused.
+        parked = [_step_unread(stub, client, session, step) for step in (9, 10, 11)]
+        refused = _step_unread(stub, client, session, 12)
+        client.wait(lambda: refused in client.ended)
+        assert not client.ended & {waiting, *parked}
+        # The first held reply read: the oldest parked one still waiting takes its place.
+        client.open_window(held[:1])
+        client.wait(lambda: held[0] in client.ended and waiting in client.headers)
+        assert not client.headers & set(parked)
+        client.close()
+        _steps_all_answered(stub, session, 13)
+
+
+def test_a_reading_client_behind_a_connection_that_never_reads_is_answered_once_it_closes(
+    tmp_path: Path, start_epsd: Callable[..., Epsd]
+) -> None:
+    # Two connections of one session: the replies one never reads hold the session's places,
+    # and the other's step parks behind them; the first closing hands it a place.
+    epsd = start_epsd(tmp_path, {}, [])
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        for step in range(1, 7):  # four held, two parked
+            _step_unread(stub, client, session, step)
+        reader = stub.SelectPages.future(
+            pb.SelectPagesRequest(session_id=session, step=7, rows=_UNREAD_ROWS), timeout=30)
+        _wait_for_step(stub, session, 7)
+        assert not reader.done()
+        client.close()
+        assert reader.result().step == 7
+        _steps_all_answered(stub, session, 8)
+
+
+def test_sigterm_ends_epsd_with_replies_held_and_parked(
+    tmp_path: Path, start_epsd: Callable[..., Epsd]
+) -> None:
+    # gRPC cancels the calls left at --drain-ms; the parked replies' calls, which gRPC was
+    # never handed, must then end too (cancelled, or handed the places the held ones free),
+    # or the drain would wait for them until the backstop (exit 1, "drain timed out").
+    epsd = start_epsd(tmp_path, {}, ["--drain-ms=200"])
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        for step in range(1, 9):  # four held, four parked
+            _step_unread(stub, client, session, step)
+    epsd.stop()  # asserts exit status 0
+    assert "drain timed out" not in epsd.log()
