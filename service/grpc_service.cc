@@ -33,25 +33,27 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
 
 // A unary SelectPages call's reactor. Its reply holds a place in its session's
 // UnsentReplies until the call is done (written, or dropped with its connection); a reply
-// that finds no place is parked there and handed to gRPC when one frees (unsent_replies.h).
-class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentReplies::Parked {
+// that finds no place is parked there and handed to gRPC when one frees, and the session's
+// end cancels a held reply's call and answers a parked one without it (unsent_replies.h).
+class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentReplies::Reply {
  public:
   // Records the call's end (telemetry) and returns the status to finish it with.
   using Ending = std::function<absl::Status(absl::Status)>;
 
-  SelectPagesReply(UnsentReplies& unsent, grpc::CallbackServerContext& context)
-      : unsent_(unsent), context_(context) {}
+  explicit SelectPagesReply(grpc::CallbackServerContext& context) : context_(context) {}
 
   // The step ended with `status`; `ending` records the call and gives its final status.
-  // An OK reply takes a place in `session`'s UnsentReplies, or waits for one.
-  void StepDone(const std::string& session, absl::Status status, Ending ending) {
+  // An OK reply takes a place in its session's `replies`, or waits for one.
+  void StepDone(const std::string& session, absl::Status status,
+                std::shared_ptr<UnsentReplies> replies, Ending ending) {
     if (status.ok()) {
       absl::MutexLock lock(&mu_);
       session_ = session;
+      replies_ = std::move(replies);
       ending_ = std::move(ending);
       UnsentReplies::Hold hold = UnsentReplies::Hold::kRefused;
-      const absl::Status counted = CallGuarded("SelectPages", [&] {  // its map allocates
-        hold = unsent_.TryHold(session, this);
+      const absl::Status counted = CallGuarded("SelectPages", [&] {  // its queue allocates
+        hold = replies_->TryHold(this);
         return absl::OkStatus();
       });
       if (!counted.ok()) {
@@ -61,9 +63,11 @@ class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentRep
       } else if (hold == UnsentReplies::Hold::kParked) {
         parked_ = true;
         // A call cancelled before it was parked gets no OnCancel now: take it back.
-        if (!context_.IsCancelled() || !unsent_.Unpark(session_, this)) return;
+        if (!context_.IsCancelled() || !replies_->Unpark(this)) return;
         parked_ = false;
         status = absl::CancelledError("SelectPages: the call was cancelled");
+      } else if (hold == UnsentReplies::Hold::kEnded) {
+        status = SessionEnded();
       } else {
         // Its client has not read the session's last replies: this one would wait in
         // epsd's memory as theirs do (unsent_replies.h). The step has run.
@@ -89,11 +93,29 @@ class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentRep
     Finish(ToGrpcStatus(ending(absl::OkStatus())));
   }
 
+  // The session ended while the reply was parked (UnsentReplies::End's thread).
+  void Drop() override {
+    Ending ending;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      parked_ = false;
+      ending = std::move(ending_);
+      status = SessionEnded();
+    }
+    Finish(ToGrpcStatus(ending(std::move(status))));
+  }
+
+  // The session ended while the reply was held: gRPC drops what it keeps for the call,
+  // whose OnDone then releases its place.
+  void Cancel() override { context_.TryCancel(); }
+
   void OnCancel() override {
     Ending ending;
     {
       absl::MutexLock lock(&mu_);
-      if (!parked_ || !unsent_.Unpark(session_, this)) return;  // not parked, or resuming
+      // Not parked, or resuming, or dropped by the session's end.
+      if (!parked_ || !replies_->Unpark(this)) return;
       parked_ = false;
       ending = std::move(ending_);
     }
@@ -102,24 +124,30 @@ class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentRep
 
   void OnDone() override {
     bool held;
-    std::string session;
+    std::shared_ptr<UnsentReplies> replies;
     {
       absl::MutexLock lock(&mu_);
       held = held_;
-      session = session_;
+      replies = replies_;
     }
-    if (held) unsent_.Release(session);
+    if (held) replies->Release(this);
     delete this;
   }
 
  private:
-  UnsentReplies& unsent_;
+  absl::Status SessionEnded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::NotFoundError(absl::StrCat(
+        "SelectPages: session '", telemetry::SessionLabel(session_),
+        "' was detached, replaced or expired before this step's reply was sent: re-attach"));
+  }
+
   grpc::CallbackServerContext& context_;
   absl::Mutex mu_;
   std::string session_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<UnsentReplies> replies_ ABSL_GUARDED_BY(mu_);  // its session's
   Ending ending_ ABSL_GUARDED_BY(mu_);
   bool held_ ABSL_GUARDED_BY(mu_) = false;    // a place is this reply's: released at OnDone
-  bool parked_ ABSL_GUARDED_BY(mu_) = false;  // waiting in unsent_ for a place
+  bool parked_ ABSL_GUARDED_BY(mu_) = false;  // waiting in replies_ for a place
 };
 
 // The end of a unary call answered later, from whichever thread the session service
@@ -169,10 +197,11 @@ class SelectStream final
     }
     // Done here for a call refused at or before the gate or run inline (within the
     // executor's bound on such steps), else on the StepExecutor (step_gate.h).
-    sessions_.StartSelectPages(request_, &response_, LivenessOf(context_), caller_,
-                               [this, step](absl::Status s, BackendKind backend) {
-                                 StepDone(step, std::move(s), backend);
-                               });
+    sessions_.StartSelectPages(
+        request_, &response_, LivenessOf(context_), caller_,
+        [this, step](absl::Status s, BackendKind backend, std::shared_ptr<UnsentReplies>) {
+          StepDone(step, std::move(s), backend);
+        });
   }
   void StepDone(const Telemetry::Step& step, absl::Status s, BackendKind backend) {
     const absl::Status status = CallGuarded("StreamSelectPages", [&] {
@@ -281,7 +310,7 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
     return absl::OkStatus();
   });
   if (!started.ok()) return Finish(context, telemetry_, call, started);
-  auto* reactor = new SelectPagesReply(unsent_, *context);
+  auto* reactor = new SelectPagesReply(*context);
   // Finished where the step runs: here within the executor's bound on inline steps, else
   // on the StepExecutor (step_gate.h), this callback thread then returning at once, free
   // for other calls and for this one's cancellation, which a cpu step checks between its
@@ -289,7 +318,8 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
   // behind the session's unsent replies, where one of those is done (unsent_replies.h).
   sessions_.StartSelectPages(
       *request, response, LivenessOf(*context), CallerOf(*context),
-      [this, request, response, reactor, call, step](absl::Status ran, BackendKind backend) {
+      [this, request, response, reactor, call, step](absl::Status ran, BackendKind backend,
+                                                     std::shared_ptr<UnsentReplies> replies) {
         // What the call answers: the step's status, or the reply's (unsent_replies.h).
         auto ending = [this, request, response, call, step, backend](absl::Status s) {
           const absl::Status status = CallGuarded("SelectPages", [&] {
@@ -304,7 +334,8 @@ grpc::ServerUnaryReactor* PageSelectorService::SelectPages(grpc::CallbackServerC
           return status;
         };
         try {  // nothing may leave the step's done callback (an allocation that fails)
-          reactor->StepDone(request->session_id(), std::move(ran), std::move(ending));
+          reactor->StepDone(request->session_id(), std::move(ran), std::move(replies),
+                            std::move(ending));
         } catch (...) {  // StepDone finishes last: the call is not finished yet
           reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                                        "SelectPages: out of memory for the reply"));

@@ -7,7 +7,6 @@
 #include "service/peer.h"
 #include "service/session_service.h"
 #include "service/telemetry/telemetry.h"
-#include "service/unsent_replies.h"
 
 namespace eps::service {
 
@@ -45,7 +44,6 @@ class PageSelectorService final : public v1::PageSelector::CallbackService {
   SessionService& sessions_;
   telemetry::Telemetry& telemetry_;
   const PeerTable* const peers_;
-  UnsentReplies unsent_;  // SelectPages replies not yet written, per session
 };
 
 }  // namespace eps::service

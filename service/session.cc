@@ -165,6 +165,9 @@ absl::Status Session::CheckCaller(const Peer& caller) const {
 
 absl::Status Session::Retire(bool release_now) {
   retiring_.store(true, std::memory_order_release);
+  // Before the wait for the running step (on the cuda backend up to --inputs-timeout-ms): an
+  // ended session's replies are of no use to its client, and no session limit counts them.
+  unsent_replies_->End();
   absl::MutexLock lock(&backend_->step_mu());
   return backend_->Retire(release_now);
 }

@@ -31,6 +31,7 @@
 #include "service/session_buffers.h"
 #include "service/session_spec.h"
 #include "service/step_gate.h"
+#include "service/unsent_replies.h"
 
 namespace eps::service {
 
@@ -84,8 +85,13 @@ class Session {
   StepBackend& backend() const { return *backend_; }
   // Admits the session's steps before they take the step lock: one runs, one waits.
   StepGate& step_gate() const { return gate_; }
-  // Ends the session's steps under its step lock (StepBackend::Retire): waits for
-  // the step running now, finishes queued work, and every later step is refused.
+  // Its unary replies not yet read by its client (unsent_replies.h), shared with the calls
+  // that hold or park one, which may outlive the session; ended by Retire.
+  const std::shared_ptr<UnsentReplies>& unsent_replies() const { return unsent_replies_; }
+  // Ends the session's unsent replies (UnsentReplies::End: held ones cancelled, parked
+  // ones answered without their reply), then its steps under its step lock
+  // (StepBackend::Retire): waits for the step running now, finishes queued work, and every
+  // later step is refused (a step that ends after the replies did answers without its reply).
   // Called once the session is out of the registry, before the call that removed it
   // answers: after that nothing of the session writes the engine's buffers.
   // `release_now` (epsd's shutdown): a queued async step is released at once.
@@ -160,6 +166,7 @@ class Session {
   std::unique_ptr<StepBackend> backend_;         // null only in Create's remains
   std::chrono::milliseconds inputs_timeout_{0};  // --inputs-timeout-ms: SafeToDestroy's "stale"
   mutable StepGate gate_;
+  const std::shared_ptr<UnsentReplies> unsent_replies_ = std::make_shared<UnsentReplies>();
   std::vector<v1::StepStats> undelivered_ ABSL_GUARDED_BY(backend_->step_mu());
   std::atomic<bool> retiring_{false};  // Retire was called
   std::atomic<bool> lease_held_{false};

@@ -178,11 +178,12 @@ absl::Status SessionService::SelectPages(const v1::SelectPagesRequest& request,
                                          const CallLiveness& liveness, const Peer& caller) {
   absl::Notification finished;
   absl::Status result;
-  StartSelectPages(request, response, liveness, caller, [&](absl::Status status, BackendKind kind) {
-    result = std::move(status);
-    if (backend != nullptr) *backend = kind;
-    finished.Notify();
-  });
+  StartSelectPages(request, response, liveness, caller,
+                   [&](absl::Status status, BackendKind kind, std::shared_ptr<UnsentReplies>) {
+                     result = std::move(status);
+                     if (backend != nullptr) *backend = kind;
+                     finished.Notify();
+                   });
   finished.WaitForNotification();
   return result;
 }
@@ -215,7 +216,7 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
     return absl::OkStatus();
   });
   if (!checked.ok()) {
-    std::move(done)(std::move(checked), kind);
+    std::move(done)(std::move(checked), kind, nullptr);
     return;
   }
   // One step of a session runs and one more is parked, holding no thread; the running
@@ -244,7 +245,7 @@ void SessionService::StartSelectPages(const v1::SelectPagesRequest& request,
             return RunStep(*held, request, step_rows, step_policy, step_liveness, response);
           });
         }
-        std::move(step_done)(std::move(admitted), kind);
+        std::move(step_done)(std::move(admitted), kind, held->unsent_replies());
       },
       [alive = step_alive] { return alive.Check("SelectPages"); }, std::move(handoff));
 }

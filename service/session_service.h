@@ -32,6 +32,7 @@
 #include "service/session_janitor.h"
 #include "service/session_registry.h"
 #include "service/step_executor.h"
+#include "service/unsent_replies.h"
 
 namespace eps::service {
 
@@ -107,9 +108,11 @@ class SessionService {
   absl::Status Attach(const v1::AttachRequest& request, v1::AttachResponse* response,
                       const Peer& caller = {});
   absl::Status Detach(const v1::DetachRequest& request, const Peer& caller = {});
-  // Called once with a step's status and its session's backend kind (kCpu before the
-  // session is found).
-  using SelectDone = absl::AnyInvocable<void(absl::Status status, BackendKind backend) &&>;
+  // Called once with a step's status, its session's backend kind (kCpu before the
+  // session is found) and its session's unsent replies (unsent_replies.h; null before the
+  // session is found), where a unary call holds its reply until the client has read it.
+  using SelectDone = absl::AnyInvocable<void(absl::Status status, BackendKind backend,
+                                             std::shared_ptr<UnsentReplies> replies) &&>;
   // Checks the call on this thread, then runs its step through the session's StepGate:
   // on this thread while the executor grants an inline turn (StepExecutor::TakeInlineTurn),
   // else on the executor; at once when no step of the session runs, or parked behind the

@@ -1,4 +1,4 @@
-// Unary SelectPages replies queued for a client that has not read them yet, per session.
+// Unary SelectPages replies of one session queued for a client that has not read them yet.
 // A step frees its session's gate once it has run (step_gate.h); its reply then waits in
 // gRPC's transport until the client's HTTP/2 window lets it out. A client that never opens
 // its window (never reads) would so make epsd hold every reply of every step it sends,
@@ -14,15 +14,22 @@
 // message body, which HTTP/2 sends without flow-control window. A session's replies in
 // epsd's memory are so at most kMaxUnsentReplies + kMaxParkedReplies.
 //
-// Thread safety: all methods may be called concurrently. A parked reply's Resume is called
-// from the Release that frees its place, on that caller's thread, with no lock held.
+// The session owns its UnsentReplies (Session::unsent_replies), and its end (End, from
+// Session::Retire) ends them: the held replies' calls are cancelled, which drops what gRPC
+// keeps for them, and the parked ones are answered without their reply. Only the live
+// sessions, which the session limits bound, hold replies: a client that ended its session
+// and attached another, over and over, kept each ended session's eight.
+//
+// Thread safety: all methods may be called concurrently. Reply's methods are called with no
+// lock of this class held: Resume from the Release that frees the place, Drop and Cancel
+// from End. A held reply's Release (its call's OnDone, before the reply is destroyed) waits
+// while End cancels it.
 #pragma once
 
 #include <deque>
-#include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 
 namespace eps::service {
@@ -35,37 +42,52 @@ class UnsentReplies {
   static constexpr int kMaxUnsentReplies = 4;
   static constexpr int kMaxParkedReplies = 4;
 
-  // A reply that may wait for a place (the call's reactor).
-  class Parked {
+  // One call's reply (the call's reactor).
+  class Reply {
    public:
-    virtual ~Parked() = default;
-    // The reply now holds a place (Release will be called for it): hand it to gRPC.
+    virtual ~Reply() = default;
+    // The parked reply now holds a place (Release will be called for it): hand it to gRPC.
     virtual void Resume() = 0;
+    // The session ended while the reply was parked: answer the call without it. It holds
+    // no place (no Release for it).
+    virtual void Drop() = 0;
+    // The session ended while the reply was held: cancel the call. Its Release still comes
+    // (its OnDone), and it is not destroyed before.
+    virtual void Cancel() = 0;
   };
 
   enum class Hold {
-    kHeld,     // counted: hand the reply to gRPC now
-    kParked,   // waits: `parked->Resume()` comes with a place, unless Unpark takes it back
+    kHeld,     // counted: hand the reply to gRPC now, and Release it once its call is done
+    kParked,   // waits: Resume comes with a place, or Drop with the session's end, unless
+               // Unpark takes it back first
     kRefused,  // the session has its maximum of replies held and parked: nothing counted
+    kEnded,    // the session has ended (End): nothing counted
   };
 
-  // Counts one more reply of `session`, or parks `parked` (not null) until a place is free.
-  Hold TryHold(const std::string& session, Parked* parked);
-  // A reply that held a place is done (written, or dropped with its connection): the place
-  // goes to the session's oldest parked reply, if any (its Resume is called here).
-  void Release(const std::string& session);
+  UnsentReplies();
+  UnsentReplies(const UnsentReplies&) = delete;
+  UnsentReplies& operator=(const UnsentReplies&) = delete;
+
+  // Counts `reply` as held, or parks it until a place is free.
+  Hold TryHold(Reply* reply);
+  // A held reply is done (written, or dropped with its connection): its place goes to the
+  // oldest parked reply, if any (its Resume is called here). Waits while End cancels it.
+  void Release(Reply* reply);
   // Takes back a parked reply whose call ended (cancelled): true when it was still parked
-  // (no Resume will come); false when a Release has already given it a place (its Resume
-  // comes or came, and it must then be released as a held reply).
-  bool Unpark(const std::string& session, Parked* parked);
+  // (no Resume or Drop will come); false when a Release has already given it a place (its
+  // Resume comes or came, and it must then be released as a held reply), or End took it
+  // (its Drop comes or came).
+  bool Unpark(Reply* reply);
+  // The session has ended: cancels the held replies, drops the parked ones, and every later
+  // TryHold is kEnded. Returns once each has been called. Idempotent.
+  void End();
 
  private:
-  struct Entry {
-    int held = 0;
-    std::deque<Parked*> parked;  // oldest first
-  };
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Reply*> held_ ABSL_GUARDED_BY(mu_);   // at most kMaxUnsentReplies
+  std::deque<Reply*> parked_ ABSL_GUARDED_BY(mu_);  // oldest first
+  int cancelling_ ABSL_GUARDED_BY(mu_) = 0;         // End calls running Cancel
 };
 
 }  // namespace eps::service

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -244,6 +245,98 @@ TEST_F(SessionServiceTest, PerCallMassLayersReplaceTheSessionsForThatCallOnly) {
   EXPECT_THAT(s.message(), HasSubstr("mass_layers[0].target=1.5 not in (0, 1]"));
   ASSERT_TRUE(service_.SelectPages(Step(id, 4), &response).ok());
   EXPECT_TRUE(engine_.MatchesReference(rows_, session));
+}
+
+// A reply counted in a session's UnsentReplies, which records how the session's end met it.
+struct CountedReply final : UnsentReplies::Reply {
+  void Resume() override { resumed.fetch_add(1); }
+  void Drop() override { dropped.fetch_add(1); }
+  void Cancel() override { cancelled.fetch_add(1); }
+  std::atomic<int> resumed{0}, dropped{0}, cancelled{0};
+};
+
+// The unsent replies of `step`'s session, as the step's done callback gets them; holds
+// kMaxUnsentReplies of `replies` there and parks the rest.
+std::shared_ptr<UnsentReplies> HoldReplies(SessionService& service,
+                                           const v1::SelectPagesRequest& step,
+                                           std::vector<CountedReply>& replies,
+                                           const Peer& caller = {}) {
+  std::shared_ptr<UnsentReplies> unsent;
+  absl::Notification done;
+  v1::SelectPagesResponse response;
+  service.StartSelectPages(step, &response, {}, caller,
+                           [&](absl::Status s, BackendKind, std::shared_ptr<UnsentReplies> r) {
+                             EXPECT_TRUE(s.ok()) << s;
+                             unsent = std::move(r);
+                             done.Notify();
+                           });
+  done.WaitForNotification();
+  if (unsent == nullptr) return nullptr;
+  for (size_t i = 0; i < replies.size(); ++i) {
+    EXPECT_EQ(unsent->TryHold(&replies[i]), i < UnsentReplies::kMaxUnsentReplies
+                                                ? UnsentReplies::Hold::kHeld
+                                                : UnsentReplies::Hold::kParked);
+  }
+  return unsent;
+}
+
+// What a session's end must have done to the replies HoldReplies counted.
+void ExpectEnded(UnsentReplies& unsent, const std::vector<CountedReply>& replies) {
+  for (size_t i = 0; i < replies.size(); ++i) {
+    const bool held = i < UnsentReplies::kMaxUnsentReplies;
+    EXPECT_EQ(replies[i].cancelled.load(), held ? 1 : 0) << i;
+    EXPECT_EQ(replies[i].dropped.load(), held ? 0 : 1) << i;
+    EXPECT_EQ(replies[i].resumed.load(), 0) << i;
+  }
+  CountedReply late;
+  EXPECT_EQ(unsent.TryHold(&late), UnsentReplies::Hold::kEnded);
+}
+
+// A session's replies its client has not read end with it (unsent_replies.h): a client
+// that detached or re-attached, over and over, kept every ended session's replies.
+TEST_F(SessionServiceTest, DetachAndAReplacingAttachEndTheSessionsUnsentReplies) {
+  // A caller of known user: only its sessions are replaced by its next Attach (not TCP's).
+  const Peer owner{.known = true, .uid = geteuid(), .pid = getpid()};
+  for (const bool detach : {true, false}) {
+    SCOPED_TRACE(detach ? "Detach" : "a replacing Attach");
+    v1::AttachResponse attached;
+    ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &attached, owner).ok());
+    const std::string& id = attached.session_id();
+    std::vector<CountedReply> replies(UnsentReplies::kMaxUnsentReplies + 2);
+    std::shared_ptr<UnsentReplies> unsent = HoldReplies(service_, Step(id, 1), replies, owner);
+    ASSERT_NE(unsent, nullptr);
+    for (const CountedReply& r : replies) EXPECT_EQ(r.cancelled.load() + r.dropped.load(), 0);
+    if (detach) {
+      v1::DetachRequest request;
+      request.set_session_id(id);
+      ASSERT_TRUE(service_.Detach(request, owner).ok());
+    } else {
+      v1::AttachResponse replacing;
+      ASSERT_TRUE(service_.Attach(engine_.Attach("engine-a"), &replacing, owner).ok());
+      ASSERT_NE(replacing.session_id(), id);
+    }
+    ExpectEnded(*unsent, replies);
+  }
+}
+
+TEST(SessionLeaseTest, AnExpiredSessionsUnsentRepliesEndWithIt) {
+  ServerConfig config;
+  config.lease_ms = 50;  // the reaper looks every 10 ms
+  SessionService service(config);
+  TestEngine engine(eps::testing::SmallServiceModel(), 2, 512, 2, eps::testing::TestSeed());
+  engine.Fill(0, 0, 300);
+  v1::AttachResponse attached;
+  ASSERT_TRUE(service.Attach(engine.Attach("engine-a"), &attached).ok());
+  std::vector<CountedReply> replies(UnsentReplies::kMaxUnsentReplies + 1);
+  std::shared_ptr<UnsentReplies> unsent = HoldReplies(
+      service, TestEngine::Step(attached.session_id(), 1, {TestEngine::Row(0, 300)}), replies);
+  ASSERT_NE(unsent, nullptr);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (service.session_count() > 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(service.session_count(), 0u);
+  ExpectEnded(*unsent, replies);
 }
 
 // A step longer than the lease neither loses its session under it nor holds up the reaper:
