@@ -137,7 +137,9 @@ TEST(UnsentRepliesTest, AHeldReplyIsNeverCancelledAfterItsReleaseReturned) {
     for (size_t i = 0; i < calls.size(); ++i) {
       ASSERT_EQ(calls[i].cancelled_after_release.load(), 0) << i << " seed " << seed;
       ASSERT_LE(calls[i].cancelled.load(), 1) << i << " seed " << seed;
-      if (i < first) ASSERT_EQ(calls[i].cancelled.load(), 0) << i << " seed " << seed;
+      if (i < first) {
+        ASSERT_EQ(calls[i].cancelled.load(), 0) << i << " seed " << seed;
+      }
     }
   }
 }
