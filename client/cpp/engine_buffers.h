@@ -38,9 +38,11 @@ namespace eps::client {
 
 // How long an object must have gone unchanged (its ctime and mtime) before a Create may
 // remove it as stale: the creator locks its object just after making it, and an object in
-// between must never be taken, however long its creator is descheduled there. The Python
-// client's STALE_SHM_GRACE_S is the same (a test compares them).
-inline constexpr std::chrono::seconds kStaleShmGrace{60};
+// between must never be taken, however long its creator is descheduled there. 10 s is
+// that, and no longer than Kubernetes' first restart back-off (10 s), so an engine restarted
+// after a crash finds the crashed one's objects old enough. The Python client's
+// STALE_SHM_GRACE_S is the same (a test compares them).
+inline constexpr std::chrono::seconds kStaleShmGrace{10};
 
 // Removes the stale objects of `tag` from /dev/shm and returns their names ('/'-prefixed):
 // every entry named as Create names `tag`'s objects (`eps-<tag>-<pid>-<n>`, or with a

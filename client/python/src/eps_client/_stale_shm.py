@@ -20,8 +20,10 @@ import time
 SHM_DIR = "/dev/shm"  # where shm_open (glibc's and Python's) keeps every object on Linux
 # How long an object must have gone unchanged (ctime and mtime) before it may be removed:
 # its creator locks it just after making it, and an object in between must never be taken,
-# however long its creator is descheduled there. client/cpp's kStaleShmGrace.
-STALE_SHM_GRACE_S = 60.0
+# however long its creator is descheduled there; no longer than Kubernetes' first restart
+# back-off (10 s), so a restarted engine finds a crashed one's objects old enough.
+# client/cpp's kStaleShmGrace.
+STALE_SHM_GRACE_S = 10.0
 
 _SUFFIX = re.compile(r"[0-9]{1,20}-[0-9]{1,20}(-[0-9a-f]{1,16})?")
 

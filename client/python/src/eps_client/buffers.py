@@ -224,7 +224,7 @@ class ShmBuffers:
     """The shared buffers in one POSIX shared-memory object, as numpy views.
 
     First removes the objects of ``tag`` that dead processes left (unheld and unchanged for
-    ``stale_grace_s``, ``STALE_SHM_GRACE_S`` = 60 s; tests pass a shorter one: see
+    ``stale_grace_s``, ``STALE_SHM_GRACE_S`` = 10 s; tests pass a shorter one: see
     eps_client._stale_shm and docs/api-memory.md §3.3), then creates
     ``/eps-<tag>-<pid>-<n>`` (with a random suffix when a dead process left that name) and
     holds ``flock(LOCK_SH)`` on it; ``close()`` (or the context manager, or garbage
