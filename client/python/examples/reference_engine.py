@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quest8-only", action="store_true",
                     help="records hold the quest8 part and no key_sum or binary16 quest part "
                          "(432 bytes at d = 128 instead of 1,184; method=quest is then refused)")
-    ap.add_argument("--reuse", default="1",
+    ap.add_argument("--reuse", default="1", type=reuses,
                     help="selections reused for k steps, a comma list (each gated row runs "
                          "once per k): one SelectPages every k decode steps, the steps "
                          "between read the same lists extended by their new blocks "
@@ -105,18 +105,18 @@ def fractions(text: str) -> list[float]:
 
 
 def reuses(text: str) -> list[int]:
+    """--reuse's comma list of counts >= 1 (a usage error, exit 2, otherwise)."""
     try:
         out = [int(v) for v in text.split(",") if v]
-    except ValueError as e:
-        raise SystemExit(f"--reuse: {e}") from None
+    except ValueError:
+        out = []
     if not out or any(k < 1 for k in out):
-        raise SystemExit(f"--reuse: {text!r} is not a comma list of counts >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of counts >= 1")
     return out
 
 
 def main() -> int:
     args = build_parser().parse_args()
-    args.reuse = reuses(args.reuse)
     if args.mode in ("quality", "passkey") and args.model != "gguf":
         raise SystemExit(f"--mode {args.mode} needs --model gguf --gguf FILE (real weights)")
     if args.model == "gguf" and not args.gguf:
