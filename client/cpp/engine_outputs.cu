@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/engine_outputs.h"
+#include "core/layout.h"
 #include "gpu/cuda_check.h"
 #include "gpu/launch.cuh"
 
@@ -215,16 +216,11 @@ absl::Status CheckPlan(int budget_groups, int group_blocks, int block_size) {
   return absl::OkStatus();
 }
 
-// Blocks of a context (0 for a context < 1).
-int64_t BlocksOf(int64_t context_tokens, int block_size) {
-  return context_tokens < 1 ? 0 : (context_tokens - 1) / block_size + 1;
-}
-
 // The plan's blocks for one list, the sizes checked. Never overflows: blocks <= 2^59 for
 // an int64 context, and the budget's product is below 2^62.
 int64_t PlanBlocks(int64_t context_tokens, int budget_groups, int group_blocks, int block_size) {
   if (context_tokens < 1) return 0;
-  const int64_t blocks = (context_tokens - 1) / block_size + 1;
+  const int64_t blocks = BlocksFor(context_tokens, block_size);
   const int64_t groups = (blocks - 1) / group_blocks + 1;
   if (groups <= budget_groups) return blocks;
   const int64_t newest = blocks - (groups - 1) * group_blocks;
@@ -278,7 +274,7 @@ absl::StatusOr<std::vector<int32_t>> FixedBudgetIndptr(
             "]=", context_tokens[i], ": a selection is not made after the step that reuses it"));
       }
       n = PlanBlocks(selected, budget_groups, group_blocks, block_size) +
-          BlocksOf(context_tokens[i], block_size) - BlocksOf(selected, block_size);
+          BlocksFor(context_tokens[i], block_size) - BlocksFor(selected, block_size);
     }
     for (int h = 0; h < lists; ++h) {
       // FlashInfer's indptr is int32: a plan past 2^31-1 entries has no such array.

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from eps_client import _values
+from eps_client.layout import blocks_for
 
 # How far back FlashAttention's views look for a reused list's last block (libeps_engine's
 # kReuseWindowBlocks): 64 blocks of 16 tokens are 1,024 tokens of decode between selections.
@@ -96,7 +97,7 @@ def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, gro
             raise ValueError(f"selected_tokens[{i}]={sel} exceeds context_tokens[{i}]={c}: a "
                              "selection is not made after the step that reuses it")
         n = fixed_budget_blocks(sel, budget_groups, group_blocks, block_size) \
-            + _blocks(c, block_size) - _blocks(sel, block_size)
+            + blocks_for(c, block_size) - blocks_for(sel, block_size)
         for h in range(lists):
             total += n
             if total > _values.INT32[1]:
@@ -104,11 +105,6 @@ def fixed_budget_indptr(context_tokens: Any, lists: int, budget_groups: int, gro
                                  f"(list {h}): FlashInfer's indptr is int32")
             indptr.append(total)
     return np.array(indptr, dtype=np.int32)
-
-
-def _blocks(context_tokens: int, block_size: int) -> int:
-    """Blocks of a context (0 for a context < 1)."""
-    return -(-context_tokens // block_size) if context_tokens > 0 else 0
 
 
 def _check_plan(budget_groups: int, group_blocks: int, block_size: int) -> None:
