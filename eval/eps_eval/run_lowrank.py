@@ -31,6 +31,9 @@ values of each head's best ρ·top_pages of them; both reads counted); `--own=r,
 keys in a basis of its own (its mean, r principal directions, every token's coefficients:
 lowrank.OwnBlocks), `own{r}` under the lag-1 query and `own{r}-lag0` under the current one
 (with `questclt1-lag0` beside them);
+`--window=W,...` forces each list's newest W blocks (core's last_n; every other row forces
+2) under the lag-1 exact masses (`w{W}-lag1`) and questclt (`w{W}-questclt1`): whether a
+wider recent window buys back what the lag loses, its blocks counted as read;
 `--no-lowrank` leaves the bases out.
 
 Units: DIR/units/lowrank_{model}_{context}.csv (one row per pair and configuration); the
@@ -100,7 +103,8 @@ def mass_scores(mass: np.ndarray, d: int) -> np.ndarray:
 def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c: int,
               bases: dict[str, lowrank.Basis],
               q_spec: dict[int, np.ndarray] | None = None,
-              kfirst: tuple[float, ...] = (), own: tuple[int, ...] = ()) -> dict[str, float]:
+              kfirst: tuple[float, ...] = (), own: tuple[int, ...] = (),
+              windows: tuple[int, ...] = ()) -> dict[str, float]:
     """Recall at 75 % skipped for every configuration at one (layer, position);
     q_spec (with `--spec`; it also adds `questclt1-lag0`, questclt under the current
     query): the current position's query predicted from the input of the layer j before
@@ -113,8 +117,8 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
     tps = top_pages_for(nb, SWEEP)
     out: dict[str, float] = {}
 
-    def run(name: str, scores: np.ndarray) -> None:
-        masks = core.mark(scores.astype(np.float32), k.shape[0], tps)
+    def run(name: str, scores: np.ndarray, last_n: int = 2) -> None:
+        masks = core.mark(scores.astype(np.float32), k.shape[0], tps, last_n=last_n)
         m = evaluate(dn, 1, masks, tps, [record_of(name, d)] * len(tps))
         out[name] = recall_at(m["recall"], m["skip"])
 
@@ -124,6 +128,9 @@ def pair_rows(k: np.ndarray, v: np.ndarray, q: np.ndarray, q_lag: np.ndarray, c:
     tables = QuestTables(k, c, 1)
     est_lag = tables.estimate("questclt1", q_lag)
     run("questclt1", est_lag)
+    for w in windows:  # a wider forced recent window under the lag-1 query
+        run(f"w{w}-lag1", mass_scores(lag.mass, d), last_n=w)
+        run(f"w{w}-questclt1", est_lag, last_n=w)
     if q_spec is not None or own:  # the estimator's own loss: questclt with the current query
         run("questclt1-lag0", tables.estimate("questclt1", q))
     for j, qs in (q_spec or {}).items():
@@ -184,6 +191,7 @@ def make_bases(keys: np.ndarray, cal_k: np.ndarray, cal_q: np.ndarray) -> dict[s
 
 def record_of(name: str, d: int = 256) -> float:
     """Summary bytes a block read by configuration `name` (0: exact or free)."""
+    name = re.sub(r"^w\d+-", "", name)  # a wider forced window reads the same records
     if name in ("oracle_mass", "lag1") or name.endswith("-free") or name.startswith(("spec", "lag1+")):
         return 0.0
     if name.startswith(("questclt1", "kfirst")):
@@ -282,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--own", type=contexts, default=[],
                     help="r,...: also each block's keys in a basis of its own (own{r}, "
                          "lowrank.OwnBlocks), under the lag-1 and the current query")
+    ap.add_argument("--window", type=contexts, default=[],
+                    help="W,...: also each list's newest W blocks forced (w{W}-lag1, "
+                         "w{W}-questclt1; the other rows force 2)")
     a = ap.parse_args(argv)
     spec = tuple(a.spec)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             for si, p in enumerate(qpos[1:]):
                 q_spec = {j: src.spec_query(tr, qpos, L, j, p) for j in spec} if spec else None
                 got = pair_rows(k, v, src.query(tr, L, p), src.query(tr, L, p - 1), p + 1, bases,
-                                q_spec, a.kfirst, tuple(a.own))
+                                q_spec, a.kfirst, tuple(a.own), tuple(a.window))
                 rows.append({"context": ctx, "layer": L, "step": si, **got})
             log(f"context {ctx} layer {L} done")
         del tr

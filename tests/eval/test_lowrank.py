@@ -168,3 +168,32 @@ def test_recall_at_is_nan_outside_the_sweep() -> None:
     # A sweep that never skips 75 % (a short context): no recall "at 75 %", not the end's.
     assert np.isnan(recall_at(np.array([0.9, 0.95, 0.99]), np.array([0.1, 0.25, 0.4])))
     assert recall_at(np.array([0.9, 0.8]), np.array([0.7, 0.8])) == pytest.approx(0.85)
+
+
+def test_a_wider_forced_window_keeps_recent_blocks_the_lagged_query_misses(
+    rng: np.random.Generator,
+) -> None:
+    # run_lowrank --window: the current query reads blocks 116-123 (not the newest two,
+    # which every row forces), the previous query, orthogonal to it, blocks 10-17 and,
+    # more weakly, 30-53 (enough to fill the lists at 75 % skipped); forcing the newest 12
+    # blocks must keep what the lag loses, and the forced blocks cost no summary bytes.
+    from eps_eval import run_lowrank
+
+    d, nb = 32, 128
+    c = nb * BLOCK
+    k = rng.standard_normal((1, c, d)).astype(np.float32) * 0.1
+    v = rng.standard_normal((1, c, d)).astype(np.float32)
+    now = rng.standard_normal(d)
+    now /= np.linalg.norm(now)
+    before = rng.standard_normal(d)
+    before -= (before @ now) * now
+    before /= np.linalg.norm(before)
+    k[0, 116 * BLOCK:124 * BLOCK] += 3.0 * now
+    k[0, 10 * BLOCK:18 * BLOCK] += 3.0 * before
+    k[0, 30 * BLOCK:54 * BLOCK] += 1.5 * before
+    q, q_lag = (8.0 * now)[None, :].astype(np.float32), (8.0 * before)[None, :].astype(np.float32)
+    out = run_lowrank.pair_rows(k, v, q, q_lag, c, {}, windows=(2, 12))
+    assert out["w2-lag1"] == pytest.approx(out["lag1"])
+    assert out["w12-lag1"] > out["lag1"] + 0.3
+    assert out["w12-questclt1"] > out["questclt1"] + 0.3
+    assert run_lowrank.record_of("w12-questclt1", d) == run_lowrank.record_of("questclt1", d)
