@@ -197,5 +197,29 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
   }
 }
 
+// A forked child has a copy of the parent's EngineBuffers (and of its lock's descriptor).
+// Its destructor, run in the child, must not remove the live parent's object: epsd opens
+// it again by name when the engine re-attaches.
+TEST(StaleShmTest, AForkedChildsDestructorLeavesItsParentsObjectNamedAndHeld) {
+  const std::string tag = Tag("fork");
+  auto made = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<EngineBuffers> buffers = *std::move(made);
+  const std::string name = buffers->shm_name();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    buffers.reset();
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(Exists(name)) << "the child removed its parent's object";
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).empty()) << "the parent's lock went with the child's copy";
+  buffers.reset();
+  EXPECT_FALSE(Exists(name));
+}
+
 }  // namespace
 }  // namespace eps::client

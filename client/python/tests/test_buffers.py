@@ -473,6 +473,44 @@ def test_another_users_object_is_kept(creator, monkeypatch):
         assert not exists(child.names[0])
 
 
+
+def test_a_forked_childs_close_leaves_its_parents_object_named_and_held():
+    # A forked child has a copy of the parent's ShmBuffers (and of its lock's descriptor).
+    # Its close(), or its garbage collection when it ends, must not remove the live
+    # parent's object: epsd opens it again by name when the engine re-attaches.
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"fork{os.getpid()}"
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0) as buf:
+        pid = os.fork()
+        if pid == 0:  # the child: close its copy, then end without running anything else
+            try:
+                buf.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert exists(buf.shm_name), "the child removed its parent's object"
+        assert reap_stale(tag, 0) == [], "the parent's lock went with the child's copy"
+    assert not exists(buf.shm_name)
+
+
+def test_shm_buffers_cannot_be_pickled():
+    # A copy in another process (multiprocessing's spawn and forkserver pickle a Process's
+    # arguments) would hold copies of the arrays, not views of the object, and the lock's
+    # descriptor number of this process; its close() would remove this process's object.
+    import copy
+    import pickle
+
+    tag = f"pickle{os.getpid()}"
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag) as buf:
+        with pytest.raises(TypeError, match=re.escape(buf.shm_name)):
+            pickle.dumps(buf)
+        with pytest.raises(TypeError, match=re.escape(buf.shm_name)):
+            copy.copy(buf)
+        assert exists(buf.shm_name)
+
+
 def test_the_grace_period_is_the_cpp_clients():
     from eps_client._stale_shm import STALE_SHM_GRACE_S
 
