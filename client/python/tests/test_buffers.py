@@ -511,6 +511,14 @@ def test_shm_buffers_cannot_be_pickled():
         assert exists(buf.shm_name)
 
 
+def test_close_after_the_name_went_releases_the_object_quietly():
+    # Someone removed the name (an operator's rm, an old client's reaper): close() still
+    # unmaps and unlocks, and does not raise for a name that is already gone.
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=f"gone{os.getpid()}") as buf:
+        os.unlink(f"/dev/shm{buf.shm_name}")
+        buf.close()
+        assert buf._lock_fd == -1 and buf._shm is None
+
 def test_the_grace_period_is_the_cpp_clients():
     from eps_client._stale_shm import STALE_SHM_GRACE_S
 

@@ -342,6 +342,8 @@ class ShmBuffers:
             # a forked child's copy names its parent's object, which may well be live.
             if os.getpid() == self._creator_pid:
                 shm.unlink()
+        except FileNotFoundError:
+            pass  # already gone (an operator's rm, an old client's reaper): what close wants
         finally:
             self._unlock()  # after the unlink: unheld, the object could be taken for stale
             try:
