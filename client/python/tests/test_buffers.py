@@ -519,6 +519,23 @@ def test_close_after_the_name_went_releases_the_object_quietly():
         buf.close()
         assert buf._lock_fd == -1 and buf._shm is None
 
+
+def test_without_flock_shm_buffers_raise_and_leave_no_object(monkeypatch):
+    # A /dev/shm whose flock fails (ENOLCK): an unheld object would be taken for a dead
+    # engine's, so none is made (docs/api-memory.md §3.3).
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    tag = f"nolock{os.getpid()}"
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(OSError, match="cannot lock") as raised:
+        ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag)
+    assert raised.value.errno == errno.ENOLCK
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"eps-{tag}-")] == []
+
 def test_the_grace_period_is_the_cpp_clients():
     from eps_client._stale_shm import STALE_SHM_GRACE_S
 
