@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -228,6 +229,28 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
     EXPECT_TRUE(Exists(name)) << name;
     shm_unlink(name.c_str());
   }
+}
+
+// Entries under the tag's names that are no objects: a FIFO (an open that waited on it
+// would hang the engine's Create) and a symlink to an unheld object of the same user (the
+// link is not the object; neither is followed). Both stay, and Create returns.
+TEST(StaleShmTest, AFifoOrSymlinkUnderTheTagsNamesIsLeftAlone) {
+  const std::string tag = Tag("special");
+  const std::string fifo = absl::StrCat("/eps-", tag, "-1-0");
+  const std::string link = absl::StrCat("/eps-", tag, "-1-1");
+  const std::string target = absl::StrCat("/eps-", tag, "x-1-0");  // another tag's: kept
+  ASSERT_EQ(mkfifo(("/dev/shm" + fifo).c_str(), 0600), 0) << std::strerror(errno);
+  MakeUnheld(target);
+  ASSERT_EQ(symlink(("/dev/shm" + target).c_str(), ("/dev/shm" + link).c_str()), 0)
+      << std::strerror(errno);
+
+  auto next = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(next.ok()) << next.status();
+  struct stat st {};
+  EXPECT_EQ(lstat(("/dev/shm" + fifo).c_str(), &st), 0) << fifo;
+  EXPECT_EQ(lstat(("/dev/shm" + link).c_str(), &st), 0) << link;
+  EXPECT_TRUE(Exists(target));
+  for (const std::string& name : {fifo, link, target}) unlink(("/dev/shm" + name).c_str());
 }
 
 // A forked child has a copy of the parent's EngineBuffers (and of its lock's descriptor).

@@ -460,6 +460,25 @@ def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
                 os.unlink(f"/dev/shm{name}")
 
 
+
+def test_a_fifo_or_symlink_under_the_tags_names_is_left_alone():
+    # Entries under the tag's names that are no objects: a FIFO (an open that waited on it
+    # would hang ShmBuffers) and a symlink to an unheld object of the same user (the link is
+    # not the object; neither is followed). Both stay, and ShmBuffers returns.
+    tag = f"special{os.getpid()}"
+    fifo, link, target = f"/eps-{tag}-1-0", f"/eps-{tag}-1-1", f"/eps-{tag}x-1-0"
+    os.mkfifo(f"/dev/shm{fifo}", 0o600)
+    make_unheld(target)
+    os.symlink(f"/dev/shm{target}", f"/dev/shm{link}")
+    try:
+        with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+            assert os.path.lexists(f"/dev/shm{fifo}") and os.path.lexists(f"/dev/shm{link}")
+            assert exists(target)
+    finally:
+        for name in (fifo, link, target):
+            if os.path.lexists(f"/dev/shm{name}"):
+                os.unlink(f"/dev/shm{name}")
+
 def test_another_users_object_is_kept(creator, monkeypatch):
     # As another user: this process's uid is not the one the reaper takes for its own.
     tag = f"user{os.getpid()}"
