@@ -158,6 +158,7 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
     return absl::InternalError(absl::StrCat("mmap ", b->name_, ": ", std::strerror(err)));
   }
   b->lock_fd_ = fd;
+  b->creator_ = getpid();
   b->base_ = static_cast<std::byte*>(addr);
   b->pool_ = b->At<float>(b->plan_.pool);
   if (shape.with_feedback) {
@@ -172,9 +173,12 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
 EngineBuffers::~EngineBuffers() {
   if (base_ != nullptr) {
     munmap(base_, plan_.size);
-    shm_unlink(name_.c_str());
+    // Only in the creating process: a forked child's copy names its parent's object, which
+    // may well be live (epsd opens it again by name at a re-attach).
+    if (getpid() == creator_) shm_unlink(name_.c_str());
   }
-  // After the unlink: unheld, the object could be taken for a dead process's.
+  // After the unlink: unheld, the object could be taken for a dead process's. In a forked
+  // child this closes the child's copy of the descriptor; the parent's keeps the lock.
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 

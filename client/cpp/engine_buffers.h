@@ -3,8 +3,10 @@
 // object that epsd maps. CPU mode; the CUDA allocator comes with the GPU backend.
 //
 // Ownership: EngineBuffers creates the object, maps it, holds a shared flock on it
-// (below), and unlinks, unmaps and unlocks it in its destructor. Thread safety: none; the
-// engine writes inputs before SelectPages and reads outputs after it.
+// (below), and unlinks, unmaps and unlocks it in its destructor. Only the creating process
+// unlinks: in a forked child the destructor unmaps the child's copy and closes its copy of
+// the lock's descriptor, and the parent's object stays, held while the parent lives. Thread
+// safety: none; the engine writes inputs before SelectPages and reads outputs after it.
 //
 // Stale objects (docs/api-memory.md §3.3): a process killed before its destructor runs
 // leaves its object in /dev/shm, which in a pod is memory. The object must outlive
@@ -20,6 +22,8 @@
 // VisitCount -1 ("attend densely", always a correct attention). The spans of
 // VisitBlocks and Visits are at most max_blocks long whatever visit_count holds.
 #pragma once
+
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstdint>
@@ -116,7 +120,8 @@ class EngineBuffers {
 
   const BufferPlan plan_;
   std::string name_;
-  int lock_fd_ = -1;  // the object, flock(LOCK_SH) held until the destructor closes it
+  int lock_fd_ = -1;    // the object, flock(LOCK_SH) held until the destructor closes it
+  pid_t creator_ = -1;  // the process that unlinks the object (not a forked child)
   std::byte* base_ = nullptr;
   float* pool_ = nullptr;
 };

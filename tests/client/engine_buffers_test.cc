@@ -4,20 +4,28 @@
 // by side never see each other's objects.
 #include "client/cpp/engine_buffers.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
@@ -51,6 +59,32 @@ bool Exists(const std::string& name) {
   const int fd = shm_open(name.c_str(), O_RDONLY, 0);
   if (fd >= 0) close(fd);
   return fd >= 0;
+}
+
+// The /dev/shm entries whose names start with `prefix`.
+std::vector<std::string> ShmEntries(const std::string& prefix) {
+  std::vector<std::string> found;
+  std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir("/dev/shm"), closedir);
+  while (dir != nullptr) {
+    const dirent* entry = readdir(dir.get());
+    if (entry == nullptr) break;
+    if (absl::StartsWith(entry->d_name, prefix)) found.push_back(entry->d_name);
+  }
+  return found;
+}
+
+// Makes every flock(2) of this process fail with `err`, as on a /dev/shm without flock.
+bool FailFlock(int err) {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_flock, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K,
+               SECCOMP_RET_ERRNO | (static_cast<unsigned>(err) & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog program{static_cast<unsigned short>(sizeof filter / sizeof filter[0]), filter};
+  return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+         prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
 }
 
 // An object no one holds, as one is between its creation and its creator's lock.
@@ -195,6 +229,75 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
     EXPECT_TRUE(Exists(name)) << name;
     shm_unlink(name.c_str());
   }
+}
+
+// Entries under the tag's names that are no objects: a FIFO (an open that waited on it
+// would hang the engine's Create) and a symlink to an unheld object of the same user (the
+// link is not the object; neither is followed). Both stay, and Create returns.
+TEST(StaleShmTest, AFifoOrSymlinkUnderTheTagsNamesIsLeftAlone) {
+  const std::string tag = Tag("special");
+  const std::string fifo = absl::StrCat("/eps-", tag, "-1-0");
+  const std::string link = absl::StrCat("/eps-", tag, "-1-1");
+  const std::string target = absl::StrCat("/eps-", tag, "x-1-0");  // another tag's: kept
+  ASSERT_EQ(mkfifo(("/dev/shm" + fifo).c_str(), 0600), 0) << std::strerror(errno);
+  MakeUnheld(target);
+  ASSERT_EQ(symlink(("/dev/shm" + target).c_str(), ("/dev/shm" + link).c_str()), 0)
+      << std::strerror(errno);
+
+  auto next = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(next.ok()) << next.status();
+  struct stat st {};
+  EXPECT_EQ(lstat(("/dev/shm" + fifo).c_str(), &st), 0) << fifo;
+  EXPECT_EQ(lstat(("/dev/shm" + link).c_str(), &st), 0) << link;
+  EXPECT_TRUE(Exists(target));
+  for (const std::string& name : {fifo, link, target}) unlink(("/dev/shm" + name).c_str());
+}
+
+// A forked child has a copy of the parent's EngineBuffers (and of its lock's descriptor).
+// Its destructor, run in the child, must not remove the live parent's object: epsd opens
+// it again by name when the engine re-attaches.
+TEST(StaleShmTest, AForkedChildsDestructorLeavesItsParentsObjectNamedAndHeld) {
+  const std::string tag = Tag("fork");
+  auto made = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<EngineBuffers> buffers = *std::move(made);
+  const std::string name = buffers->shm_name();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    buffers.reset();
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(Exists(name)) << "the child removed its parent's object";
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).empty()) << "the parent's lock went with the child's copy";
+  buffers.reset();
+  EXPECT_FALSE(Exists(name));
+}
+
+// A /dev/shm whose flock fails (ENOLCK): an unheld object would be taken for a dead
+// engine's, so Create makes none and says why (docs/api-memory.md §3.3).
+TEST(StaleShmTest, WithoutFlockCreateFailsAndLeavesNoObject) {
+  const std::string tag = Tag("nolock");
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {  // the filter stays with the child
+    if (!FailFlock(ENOLCK)) _exit(2);
+    auto made = EngineBuffers::Create(Model(), Shape(), tag);
+    const bool refused = !made.ok() && made.status().code() == absl::StatusCode::kInternal &&
+                         absl::StrContains(made.status().message(), "flock(LOCK_SH)");
+    _exit(refused ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  ASSERT_NE(WEXITSTATUS(status), 2) << "seccomp could not be set up";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "Create did not fail naming flock(LOCK_SH)";
+  const std::vector<std::string> left = ShmEntries(absl::StrCat("eps-", tag, "-"));
+  EXPECT_TRUE(left.empty()) << left[0];
+  for (const std::string& name : left) shm_unlink(("/" + name).c_str());
 }
 
 }  // namespace

@@ -460,6 +460,25 @@ def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
                 os.unlink(f"/dev/shm{name}")
 
 
+
+def test_a_fifo_or_symlink_under_the_tags_names_is_left_alone():
+    # Entries under the tag's names that are no objects: a FIFO (an open that waited on it
+    # would hang ShmBuffers) and a symlink to an unheld object of the same user (the link is
+    # not the object; neither is followed). Both stay, and ShmBuffers returns.
+    tag = f"special{os.getpid()}"
+    fifo, link, target = f"/eps-{tag}-1-0", f"/eps-{tag}-1-1", f"/eps-{tag}x-1-0"
+    os.mkfifo(f"/dev/shm{fifo}", 0o600)
+    make_unheld(target)
+    os.symlink(f"/dev/shm{target}", f"/dev/shm{link}")
+    try:
+        with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+            assert os.path.lexists(f"/dev/shm{fifo}") and os.path.lexists(f"/dev/shm{link}")
+            assert exists(target)
+    finally:
+        for name in (fifo, link, target):
+            if os.path.lexists(f"/dev/shm{name}"):
+                os.unlink(f"/dev/shm{name}")
+
 def test_another_users_object_is_kept(creator, monkeypatch):
     # As another user: this process's uid is not the one the reaper takes for its own.
     tag = f"user{os.getpid()}"
@@ -472,6 +491,69 @@ def test_another_users_object_is_kept(creator, monkeypatch):
     with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
         assert not exists(child.names[0])
 
+
+
+def test_a_forked_childs_close_leaves_its_parents_object_named_and_held():
+    # A forked child has a copy of the parent's ShmBuffers (and of its lock's descriptor).
+    # Its close(), or its garbage collection when it ends, must not remove the live
+    # parent's object: epsd opens it again by name when the engine re-attaches.
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"fork{os.getpid()}"
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0) as buf:
+        pid = os.fork()
+        if pid == 0:  # the child: close its copy, then end without running anything else
+            try:
+                buf.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert exists(buf.shm_name), "the child removed its parent's object"
+        assert reap_stale(tag, 0) == [], "the parent's lock went with the child's copy"
+    assert not exists(buf.shm_name)
+
+
+def test_shm_buffers_cannot_be_pickled():
+    # A copy in another process (multiprocessing's spawn and forkserver pickle a Process's
+    # arguments) would hold copies of the arrays, not views of the object, and the lock's
+    # descriptor number of this process; its close() would remove this process's object.
+    import copy
+    import pickle
+
+    tag = f"pickle{os.getpid()}"
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag) as buf:
+        with pytest.raises(TypeError, match=re.escape(buf.shm_name)):
+            pickle.dumps(buf)
+        with pytest.raises(TypeError, match=re.escape(buf.shm_name)):
+            copy.copy(buf)
+        assert exists(buf.shm_name)
+
+
+def test_close_after_the_name_went_releases_the_object_quietly():
+    # Someone removed the name (an operator's rm, an old client's reaper): close() still
+    # unmaps and unlocks, and does not raise for a name that is already gone.
+    with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=f"gone{os.getpid()}") as buf:
+        os.unlink(f"/dev/shm{buf.shm_name}")
+        buf.close()
+        assert buf._lock_fd == -1 and buf._shm is None
+
+
+def test_without_flock_shm_buffers_raise_and_leave_no_object(monkeypatch):
+    # A /dev/shm whose flock fails (ENOLCK): an unheld object would be taken for a dead
+    # engine's, so none is made (docs/api-memory.md §3.3).
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    tag = f"nolock{os.getpid()}"
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(OSError, match="cannot lock") as raised:
+        ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag)
+    assert raised.value.errno == errno.ENOLCK
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"eps-{tag}-")] == []
 
 def test_the_grace_period_is_the_cpp_clients():
     from eps_client._stale_shm import STALE_SHM_GRACE_S

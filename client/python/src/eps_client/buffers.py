@@ -36,6 +36,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from typing import NoReturn
 
 import numpy as np
 
@@ -228,8 +229,12 @@ class ShmBuffers:
     eps_client._stale_shm and docs/api-memory.md §3.3), then creates
     ``/eps-<tag>-<pid>-<n>`` (with a random suffix when a dead process left that name) and
     holds ``flock(LOCK_SH)`` on it; ``close()`` (or the context manager, or garbage
-    collection) unmaps, unlinks and unlocks it. Not thread-safe: the engine writes inputs
-    before SelectPages and reads outputs after it.
+    collection) unmaps, unlinks and unlocks it. Only the creating process unlinks: in a
+    forked child, ``close()`` unmaps the child's copy and closes its copy of the lock's
+    descriptor, and the parent's object stays, held while the parent lives. Not picklable
+    (nor copyable): a copy would hold copies of the arrays and another process's descriptor
+    number. Not thread-safe: the engine writes inputs before SelectPages and reads outputs
+    after it.
     """
 
     def __init__(self, model: ModelLayout, shape: BufferShape, tag: str = "py", *,
@@ -237,6 +242,8 @@ class ShmBuffers:
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape = model, shape
         self._lock_fd = -1
+        # The one process that removes the object (close() in a forked child must not).
+        self._creator_pid = os.getpid()
         # Before creating: a crash-looping engine's dead objects would otherwise fill
         # /dev/shm until this one could not fit.
         _stale_shm.reap_stale(tag, stale_grace_s)
@@ -331,7 +338,12 @@ class ShmBuffers:
             setattr(self, name, None)
         shm, self._shm = self._shm, None
         try:
-            shm.unlink()  # the name goes now; the mapping when the last view does
+            # The name goes now (the mapping when the last view does), and only in the creator:
+            # a forked child's copy names its parent's object, which may well be live.
+            if os.getpid() == self._creator_pid:
+                shm.unlink()
+        except FileNotFoundError:
+            pass  # already gone (an operator's rm, an old client's reaper): what close wants
         finally:
             self._unlock()  # after the unlink: unheld, the object could be taken for stale
             try:
@@ -343,6 +355,11 @@ class ShmBuffers:
         fd, self._lock_fd = self._lock_fd, -1
         if fd >= 0:
             os.close(fd)
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(f"ShmBuffers ({self.shm_name}) cannot be pickled or copied: a copy "
+                        "would hold copies of the arrays, not views of the object; open the "
+                        "object by name in the other process")
 
     def __enter__(self) -> ShmBuffers:
         return self
