@@ -16,8 +16,9 @@
 // FlashInfer, whose plan has room for n blocks only, by the sequence's newest
 // n blocks, and the list is counted in `*mismatched` (so is a list whose count
 // is not n), which the engine reads when it likes (it never forces a sync).
-// So is a list that cannot be one of this sequence's: a count above its blocks,
-// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or a last block
+// So is a list that cannot be one of this sequence's: a count above its blocks, an
+// empty list of a row with blocks (never written: epsd's lists hold the row's newest
+// block), or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or a last block
 // that is not one of the row's newest (below); for FlashAttention such lists are
 // counted in `*refused` when it is given.
 //

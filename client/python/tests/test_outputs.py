@@ -122,6 +122,28 @@ def test_a_reused_list_gains_only_what_its_row_can_say_it_lost():
     assert views([], count=-1) == dense and refused[0] == 3  # released densely: not refused
 
 
+def test_an_empty_list_of_a_row_with_blocks_is_refused():
+    """epsd writes no empty list for a row with tokens (a context < 1 is refused), so a count
+    of 0 there is a list nobody wrote: a position that joined the batch after the selection
+    whose lists the step reuses (zeroed buffers read count 0). It was taken as a list of no
+    blocks: seqused_k 0, the row's every token (the newest too) unread, nothing refused; the
+    fixed arrays counted it only because no plan has 0 entries for such a row."""
+    table = np.array([[10, 11, 12], [20, 21, 22]], dtype=np.int32)
+    ctx = np.array([2 * BS + 3, 0], dtype=np.int32)  # 3 blocks, and an empty row
+    vb = np.zeros((1, 2, 1, 3), dtype=np.int32)
+    vc = np.zeros((1, 2, 1), dtype=np.int32)  # both lists empty: as never written
+    refused = np.zeros(1, dtype=np.int64)
+    bt, used = flash_attention_views_reference(vb, vc, table, ctx, BS, refused=refused)
+    np.testing.assert_array_equal(bt[0, 0, 0], table[0])  # the engine's row instead
+    assert used[0, 0, 0] == 2 * BS + 3
+    assert used[0, 1, 0] == 0  # the empty row's empty list is its list
+    assert refused[0] == 1
+    # A plan of no entries for the row (made at other contexts) is not filled by it either.
+    _, _, mismatched = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS,
+                                                         np.array([0, 0, 0], dtype=np.int32))
+    assert mismatched == 1
+
+
 @pytest.mark.parametrize("last_n", [1, 0])
 def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng, last_n):
     budget = SelectOptions(budget="fixed", first_n=1, last_n=last_n, top_pages=2)

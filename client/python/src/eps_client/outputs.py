@@ -10,7 +10,8 @@ docs/integration/outputs.md).
 
 A list with count < 0 ("attend densely") becomes the engine's own block-table row; in a
 fixed-budget plan only its newest n blocks fit, and the list is counted in ``mismatched``.
-So does a list that cannot be the sequence's: a count above its blocks or, with
+So does a list that cannot be the sequence's: a count above its blocks, an empty list of a
+row with blocks (never written: epsd's lists hold the row's newest block) or, with
 ``cache_blocks`` > 0, a block id outside [0, cache_blocks) (counted in ``refused`` for
 FlashAttention). Whatever the data, nothing is read past the engine's rows: a context < 1
 is an empty row, a longer one than the table's row is cut to the row, and a plan asking
@@ -135,7 +136,11 @@ def _row(ctx: int, block_size: int, stride: int) -> tuple[int, int, int]:
 
 def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
             cache_blocks: int) -> bool:
-    if not 0 <= count <= min(blocks, max_blocks):
+    """Whether a list can be the row's (client/cpp's ListUsable): a count within the row and
+    the output's width, not 0 for a row with blocks (epsd's lists hold the row's newest
+    block: an empty one there was never written, e.g. a position that joined the batch after
+    the selection a step reuses), and every id inside the cache when its size is given."""
+    if not 0 <= count <= min(blocks, max_blocks) or (count == 0 and blocks > 0):
         return False
     head = ids[:count]
     return cache_blocks <= 0 or bool(np.all((head >= 0) & (head < cache_blocks)))
@@ -313,7 +318,8 @@ def _torch_usable(vb: Any, count: Any, blocks: Any, max_blocks: int, cache_block
     """_usable for lists [L, B, lists] (count) with ids vb [L, B, lists, max_blocks]."""
     import torch
 
-    ok = (count >= 0) & (count <= blocks[None, :, None]) & (count <= max_blocks)
+    ok = (count >= 0) & (count <= blocks[None, :, None]) & (count <= max_blocks) \
+        & ((count > 0) | (blocks[None, :, None] == 0))
     if cache_blocks > 0:
         listed = torch.arange(max_blocks, device=vb.device) < count[..., None]
         outside = listed & ((vb < 0) | (vb >= cache_blocks))
