@@ -56,8 +56,9 @@
 
 namespace eps::client {
 
-// How far back FlashAttention's views look for a reused list's last block (above): 64
-// blocks of 16 tokens are 1,024 tokens of decode between two selections.
+// How far back the views look for a reused list's last block (above): the row's newest 64
+// blocks, so a list gains at most 63. With 16-token blocks a selection serves at least the
+// 1,008 tokens decoded after it (1,023 when its context began a block).
 inline constexpr int64_t kReuseWindowBlocks = 64;
 
 struct VisitListsDevice {

@@ -40,8 +40,10 @@ import numpy as np
 from eps_client import _values
 from eps_client.layout import blocks_for
 
-# How far back FlashAttention's views look for a reused list's last block (libeps_engine's
-# kReuseWindowBlocks): 64 blocks of 16 tokens are 1,024 tokens of decode between selections.
+# How far back the views look for a reused list's last block (libeps_engine's
+# kReuseWindowBlocks): the row's newest 64 blocks, so a list gains at most 63. With 16-token
+# blocks a selection serves at least the 1,008 tokens decoded after it (1,023 when its
+# context began a block).
 REUSE_WINDOW_BLOCKS = 64
 
 
