@@ -32,11 +32,15 @@ __device__ inline Row RowOf(int64_t context, const EngineTableDevice& e) {
 }
 
 // Whether epsd's list can be one of this sequence's: a count within the row and the
-// output's width, and (when the engine names its cache's size) every id in the cache.
-// Called by every thread of the block (a barrier inside).
+// output's width, not 0 for a row with blocks (epsd's lists hold the row's newest block: an
+// empty one there was never written, e.g. a position that joined the batch after the
+// selection a step reuses), and (when the engine names its cache's size) every id in the
+// cache. Called by every thread of the block (a barrier inside).
 __device__ inline bool ListUsable(const int32_t* list, int32_t count, int64_t blocks,
                                   int64_t max_blocks, int64_t cache_blocks) {
-  if (count < 0 || count > blocks || count > max_blocks) return false;
+  if (count < 0 || count > blocks || count > max_blocks || (count == 0 && blocks > 0)) {
+    return false;
+  }
   if (cache_blocks <= 0) return true;
   bool outside = false;
   for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {

@@ -16,8 +16,9 @@
 // FlashInfer, whose plan has room for n blocks only, by the sequence's newest
 // n blocks, and the list is counted in `*mismatched` (so is a list whose count
 // is not n), which the engine reads when it likes (it never forces a sync).
-// So is a list that cannot be one of this sequence's: a count above its blocks,
-// or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or a last block
+// So is a list that cannot be one of this sequence's: a count above its blocks, an
+// empty list of a row with blocks (never written: epsd's lists hold the row's newest
+// block), or (with `cache_blocks` > 0) a block id outside [0, cache_blocks), or a last block
 // that is not one of the row's newest (below); for FlashAttention such lists are
 // counted in `*refused` when it is given.
 //
@@ -55,8 +56,9 @@
 
 namespace eps::client {
 
-// How far back FlashAttention's views look for a reused list's last block (above): 64
-// blocks of 16 tokens are 1,024 tokens of decode between two selections.
+// How far back the views look for a reused list's last block (above): the row's newest 64
+// blocks, so a list gains at most 63. With 16-token blocks a selection serves at least the
+// 1,008 tokens decoded after it (1,023 when its context began a block).
 inline constexpr int64_t kReuseWindowBlocks = 64;
 
 struct VisitListsDevice {

@@ -45,11 +45,11 @@ Row RowOf(const Case& c, int64_t b) {
   return {blocks, tokens, blocks > 0 ? tokens - (blocks - 1) * c.block_size : 0};
 }
 
-// Whether list `in` can be used: a count within its row, every id inside the cache
-// (when `cache_blocks` > 0).
+// Whether list `in` can be used: a count within its row, not 0 for a row with blocks (a
+// list never written), every id inside the cache (when `cache_blocks` > 0).
 bool Usable(const Case& c, int64_t in, int64_t blocks, int64_t cache_blocks) {
   const int32_t n = c.count[in];
-  if (n < 0 || n > blocks) return false;
+  if (n < 0 || n > blocks || (n == 0 && blocks > 0)) return false;
   for (int32_t j = 0; j < n && cache_blocks > 0; ++j) {
     const int32_t id = c.blocks[in * c.max_blocks + j];
     if (id < 0 || id >= cache_blocks) return false;
@@ -74,7 +74,8 @@ int64_t Gain(const Case& c, int64_t in, int64_t b, int64_t blocks) {
 
 // Random lists: ascending subsets of each row that end with its last block or (reused) a
 // few blocks before it, some of another sequence (refused), some -1
-// (dense), some with a count larger than the row (malformed: treated as dense).
+// (dense), some with a count larger than the row or never written (count 0: malformed,
+// treated as dense).
 Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_blocks,
               bool reused = false) {
   Case c;
@@ -117,8 +118,8 @@ Case MakeCase(std::mt19937_64& rng, int lists, int budget_groups, int group_bloc
           c.count[in] = -1;
           continue;
         }
-        if (kind == 1) {
-          c.count[in] = static_cast<int32_t>(blocks + 1);
+        if (kind == 1) {  // a count beyond the row, or a list never written (count 0)
+          c.count[in] = rng() % 2 ? static_cast<int32_t>(blocks + 1) : 0;
           continue;
         }
         if (blocks == 0) {  // an empty row's only list
@@ -348,6 +349,35 @@ TEST(EngineOutputsDevice, ACallersPendingErrorIsNeitherReportedNorTaken) {
   EXPECT_EQ(Download(indices, 1)[0], 7);
   EXPECT_EQ(Download(last, 1)[0], 16);
   EXPECT_EQ(Download(mismatched, 1)[0], 0);
+}
+
+// A position that joined the batch after the selection a step reuses has a list nobody
+// wrote (count 0 in zeroed buffers). It was taken as an empty list: seqused_k 0, the row's
+// every token unread, not refused; and it filled a plan of 0 entries. One layer, two
+// positions of 3 blocks (35 tokens) and none, both lists empty.
+TEST(EngineOutputsDevice, AnEmptyListOfARowWithBlocksIsRefused) {
+  if (!gpu::DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  gpu::DeviceBuffer<int32_t> blocks, count, table, context, indptr;
+  Upload(std::vector<int32_t>(6, 0), blocks), Upload(std::vector<int32_t>{0, 0}, count),
+      Upload(std::vector<int32_t>{10, 11, 12, 20, 21, 22}, table),
+      Upload(std::vector<int32_t>{35, 0}, context), Upload(std::vector<int32_t>{0, 0, 0}, indptr);
+  const VisitListsDevice lists{blocks.get(), count.get(), 1, 2, 1, 3};
+  const EngineTableDevice engine{table.get(), 3, context.get(), 2, 16, 0};
+  gpu::DeviceBuffer<int32_t> out, used, refused, indices, last, mismatched;
+  Upload(std::vector<int32_t>(6, -9), out), Upload(std::vector<int32_t>{-9, -9}, used),
+      Upload(std::vector<int32_t>{0}, refused), Upload(std::vector<int32_t>{-9}, indices),
+      Upload(std::vector<int32_t>{-9, -9}, last), Upload(std::vector<int32_t>{0}, mismatched);
+  ASSERT_TRUE(
+      BuildFlashAttentionViews(lists, engine, out.get(), used.get(), nullptr, refused.get()).ok());
+  ASSERT_TRUE(BuildFlashInferFixedBudget(lists, engine, indptr.get(), 0, indices.get(), last.get(),
+                                         mismatched.get(), nullptr)
+                  .ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The engine's row instead; the empty row's empty list is its own (nothing to read).
+  EXPECT_EQ(Download(out, 3), (std::vector<int32_t>{10, 11, 12}));
+  EXPECT_EQ(Download(used, 2), (std::vector<int32_t>{35, 0}));
+  EXPECT_EQ(Download(refused, 1)[0], 1);
+  EXPECT_EQ(Download(mismatched, 1)[0], 1);
 }
 
 TEST(EngineOutputsArgs, NullPointersAndBadShapesAreInvalidArgument) {

@@ -122,6 +122,28 @@ def test_a_reused_list_gains_only_what_its_row_can_say_it_lost():
     assert views([], count=-1) == dense and refused[0] == 3  # released densely: not refused
 
 
+def test_an_empty_list_of_a_row_with_blocks_is_refused():
+    """epsd writes no empty list for a row with tokens (a context < 1 is refused), so a count
+    of 0 there is a list nobody wrote: a position that joined the batch after the selection
+    whose lists the step reuses (zeroed buffers read count 0). It was taken as a list of no
+    blocks: seqused_k 0, the row's every token (the newest too) unread, nothing refused; the
+    fixed arrays counted it only because no plan has 0 entries for such a row."""
+    table = np.array([[10, 11, 12], [20, 21, 22]], dtype=np.int32)
+    ctx = np.array([2 * BS + 3, 0], dtype=np.int32)  # 3 blocks, and an empty row
+    vb = np.zeros((1, 2, 1, 3), dtype=np.int32)
+    vc = np.zeros((1, 2, 1), dtype=np.int32)  # both lists empty: as never written
+    refused = np.zeros(1, dtype=np.int64)
+    bt, used = flash_attention_views_reference(vb, vc, table, ctx, BS, refused=refused)
+    np.testing.assert_array_equal(bt[0, 0, 0], table[0])  # the engine's row instead
+    assert used[0, 0, 0] == 2 * BS + 3
+    assert used[0, 1, 0] == 0  # the empty row's empty list is its list
+    assert refused[0] == 1
+    # A plan of no entries for the row (made at other contexts) is not filled by it either.
+    _, _, mismatched = flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS,
+                                                         np.array([0, 0, 0], dtype=np.int32))
+    assert mismatched == 1
+
+
 @pytest.mark.parametrize("last_n", [1, 0])
 def test_fixed_budget_plan_has_exactly_the_room_of_epsd_fixed_lists(epsd, rng, last_n):
     budget = SelectOptions(budget="fixed", first_n=1, last_n=last_n, top_pages=2)
@@ -375,6 +397,30 @@ def test_slices_int64_contexts_and_column_views_read_as_the_reference(rng, use_k
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
+def test_an_engine_table_of_more_rows_than_positions_reads_as_the_reference(rng, use_kernel):
+    """An engine's table sized for its largest batch: the torch views failed on its extra
+    rows (a copy into a [batch, max_blocks] tensor); the kernel always took it."""
+    torch = _cuda_torch(use_kernel)
+    from eps_client.outputs import flash_attention_views, flashinfer_fixed_budget
+
+    vb, vc, table, ctx = random_lists(rng, max_batch=5, B=3, lists=2)
+    tall = np.concatenate([table, rng.integers(0, 10**5, size=(2, table.shape[1]))
+                           .astype(np.int32)])
+    want_t, want_u = flash_attention_views_reference(vb, vc, tall, ctx, BS)
+    d = [torch.from_numpy(a).cuda() for a in (vb, vc, tall, ctx)]
+    got_t, got_u = flash_attention_views(*d, BS, use_kernel=use_kernel)
+    np.testing.assert_array_equal(got_u.cpu().numpy(), want_u)
+    valid = want_t >= 0
+    np.testing.assert_array_equal(got_t.cpu().numpy()[valid], want_t[valid])
+    indptr = fixed_budget_indptr(ctx, 2, 3, G, BS)
+    want_i, _, want_m = flashinfer_fixed_budget_reference(vb, vc, tall, ctx, BS, indptr)
+    got_i, _, got_m = flashinfer_fixed_budget(*d, BS, torch.from_numpy(indptr).cuda(),
+                                              nnz=int(indptr[-1]), use_kernel=use_kernel)
+    np.testing.assert_array_equal(got_i.cpu().numpy(), want_i)
+    assert int(got_m.item()) == want_m
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
 def test_outputs_the_kernels_cannot_write_are_refused(rng, use_kernel):
     """An out= view of a larger buffer (a CUDA graph's, sized for the largest batch) was
     written as if compact: the rows of every layer after the first landed elsewhere."""
@@ -475,6 +521,30 @@ def test_a_batch_outside_the_lists_rows_is_refused_before_a_path_is_chosen(batch
                  lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)):
         with pytest.raises(ValueError, match=re.escape(message)):
             call()
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4,)])
+def test_an_engine_table_without_a_row_for_every_position_is_refused_before_a_path(shape):
+    """The kernel reads a row per position. The torch views broadcast a one-row table to
+    every position (row 0's blocks, another sequence's, became each position's dense row,
+    and each reused list was looked for in it), the torch arrays failed on the device and
+    the references on an index. Numpy inputs: the check runs where torch does not."""
+    vb = np.zeros((1, 2, 4), dtype=np.int32)  # [layers, max_batch = 2, max_blocks]
+    vc = np.full((1, 2), -1, dtype=np.int32)
+    ctx = np.full(2, 16, dtype=np.int32)
+    indptr = np.array([0, 1, 2], dtype=np.int32)
+    table = np.zeros(shape, dtype=np.int32)
+    message = f"engine_table must be [>= 2 rows, blocks]; got {shape}"
+    for call in (lambda: flash_attention_views(vb, vc, table, ctx, BS),
+                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, BS, indptr, nnz=2),
+                 lambda: flash_attention_views_reference(vb, vc, table, ctx, BS),
+                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    # More rows than positions (an engine's table for its largest batch) are fine.
+    bt, used = flash_attention_views_reference(vb, vc, np.arange(12, dtype=np.int32)
+                                               .reshape(3, 4), ctx, BS)
+    assert bt[0, :, 0, 0].tolist() == [0, 4] and used[0, :, 0].tolist() == [16, 16]
 
 
 @pytest.mark.parametrize(("args", "error", "message"), [

@@ -10,7 +10,8 @@ docs/integration/outputs.md).
 
 A list with count < 0 ("attend densely") becomes the engine's own block-table row; in a
 fixed-budget plan only its newest n blocks fit, and the list is counted in ``mismatched``.
-So does a list that cannot be the sequence's: a count above its blocks or, with
+So does a list that cannot be the sequence's: a count above its blocks, an empty list of a
+row with blocks (never written: epsd's lists hold the row's newest block) or, with
 ``cache_blocks`` > 0, a block id outside [0, cache_blocks) (counted in ``refused`` for
 FlashAttention). Whatever the data, nothing is read past the engine's rows: a context < 1
 is an empty row, a longer one than the table's row is cut to the row, and a plan asking
@@ -26,8 +27,8 @@ the reused lists so extended; a list that does not fill its plan is mismatched.
 The torch functions run on the device without host copies: through libeps_engine's kernel
 when it loads (``eps_client.engine``), else with torch operations. The ``*_reference``
 functions are numpy, for tests. Shapes: visit_blocks [layers, max_batch, (lists,)
-max_blocks], visit_count [layers, max_batch(, lists)], engine_table [batch, >= blocks],
-context_tokens [batch].
+max_blocks], visit_count [layers, max_batch(, lists)], engine_table [>= batch, >= blocks]
+(row i: position i's blocks), context_tokens [batch].
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ import numpy as np
 from eps_client import _values
 from eps_client.layout import blocks_for
 
-# How far back FlashAttention's views look for a reused list's last block (libeps_engine's
-# kReuseWindowBlocks): 64 blocks of 16 tokens are 1,024 tokens of decode between selections.
+# How far back the views look for a reused list's last block (libeps_engine's
+# kReuseWindowBlocks): the row's newest 64 blocks, so a list gains at most 63. With 16-token
+# blocks a selection serves at least the 1,008 tokens decoded after it (1,023 when its
+# context began a block).
 REUSE_WINDOW_BLOCKS = 64
 
 
@@ -135,7 +138,11 @@ def _row(ctx: int, block_size: int, stride: int) -> tuple[int, int, int]:
 
 def _usable(ids: np.ndarray, count: int, blocks: int, max_blocks: int,
             cache_blocks: int) -> bool:
-    if not 0 <= count <= min(blocks, max_blocks):
+    """Whether a list can be the row's (client/cpp's ListUsable): a count within the row and
+    the output's width, not 0 for a row with blocks (epsd's lists hold the row's newest
+    block: an empty one there was never written, e.g. a position that joined the batch after
+    the selection a step reuses), and every id inside the cache when its size is given."""
+    if not 0 <= count <= min(blocks, max_blocks) or (count == 0 and blocks > 0):
         return False
     head = ids[:count]
     return cache_blocks <= 0 or bool(np.all((head >= 0) & (head < cache_blocks)))
@@ -176,6 +183,16 @@ def _check_table_width(width: int, max_blocks: int) -> None:
                          f"max_blocks={max_blocks}")
 
 
+def _check_engine_table(engine_table: Any, batch: int) -> None:
+    """The engine's table has a row for every position (as the kernel reads it; checked
+    before a path is chosen). A table of fewer rows was broadcast by the torch views (row
+    0, another sequence's blocks, became every position's dense row and every list was
+    looked for in it), failed on a gather in the torch arrays and on an index in numpy."""
+    shape = tuple(engine_table.shape)
+    if len(shape) != 2 or shape[0] < batch:
+        raise ValueError(f"engine_table must be [>= {batch} rows, blocks]; got {shape}")
+
+
 def _check_out(name: str, t: Any, shape: tuple[int, ...], device: Any) -> None:
     """An output tensor the kernels write as a compact int32 array of ``shape``."""
     import torch
@@ -203,9 +220,7 @@ def _kernel_inputs(vb: Any, vc: Any, engine_table: Any, context_tokens: Any,
     read with the wrong strides), and an engine table with a row for every position."""
     if context_tokens.dim() != 1:
         raise ValueError(f"context_tokens must be [batch]; got {tuple(context_tokens.shape)}")
-    if engine_table.dim() != 2 or engine_table.shape[0] < batch:
-        raise ValueError(f"engine_table must be [>= {batch} rows, blocks]; got "
-                         f"{tuple(engine_table.shape)}")
+    _check_engine_table(engine_table, batch)
     if tuple(vc.shape) != tuple(vb.shape[:3]):
         raise ValueError(f"visit_count {tuple(vc.shape)} does not match visit_blocks "
                          f"{tuple(vb.shape)}")
@@ -225,8 +240,9 @@ def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.nd
     lists refused (count >= 0 but not usable) are added to ``refused[0]`` when given."""
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
-    _check_table_width(engine_table.shape[1], max_blocks)
     B = _batch(np.asarray(context_tokens), max_batch)
+    _check_engine_table(engine_table, B)
+    _check_table_width(engine_table.shape[1], max_blocks)
     table = np.full((L, B, lists, max_blocks), -1, dtype=np.int32)
     used = np.zeros((L, B, lists), dtype=np.int32)
     n_refused = 0
@@ -260,6 +276,7 @@ def flashinfer_fixed_budget_reference(visit_blocks: np.ndarray, visit_count: np.
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
     B = _batch(np.asarray(context_tokens), max_batch)
+    _check_engine_table(engine_table, B)
     nnz = int(indptr[-1])
     indices = np.zeros((L, nnz), dtype=np.int32)
     last = np.zeros(B * lists, dtype=np.int32)
@@ -313,7 +330,8 @@ def _torch_usable(vb: Any, count: Any, blocks: Any, max_blocks: int, cache_block
     """_usable for lists [L, B, lists] (count) with ids vb [L, B, lists, max_blocks]."""
     import torch
 
-    ok = (count >= 0) & (count <= blocks[None, :, None]) & (count <= max_blocks)
+    ok = (count >= 0) & (count <= blocks[None, :, None]) & (count <= max_blocks) \
+        & ((count > 0) | (blocks[None, :, None] == 0))
     if cache_blocks > 0:
         listed = torch.arange(max_blocks, device=vb.device) < count[..., None]
         outside = listed & ((vb < 0) | (vb >= cache_blocks))
@@ -355,8 +373,9 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
     a batch outside [1, max_batch] (checked first, whatever path runs)."""
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
-    _check_table_width(engine_table.shape[1], max_blocks)
     B = _batch(context_tokens, max_batch)
+    _check_engine_table(engine_table, B)
+    _check_table_width(engine_table.shape[1], max_blocks)
     import torch
 
     if out is None:
@@ -388,7 +407,7 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
     count = vc[:, :B].to(torch.int64)  # [L, B, lists]
     usable = _torch_usable(vb[:, :B], count, blocks, max_blocks, cache_blocks)
     engine_rows = torch.zeros(B, max_blocks, dtype=torch.int32, device=vb.device)
-    engine_rows[:, :width] = engine_table[:, :width]
+    engine_rows[:, :width] = engine_table[:B, :width]
     gain = _torch_reuse_gain(vb[:, :B], count, engine_rows, blocks)
     usable &= gain >= 0
     gain = torch.clamp(gain, min=0)
@@ -421,6 +440,7 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
     vb, vc = _as_lists(visit_blocks, visit_count)
     L, max_batch, lists, max_blocks = vb.shape
     B = _batch(context_tokens, max_batch)
+    _check_engine_table(engine_table, B)
     import torch
 
     if nnz is None:  # a host copy: pass the plan's nnz to stay on the device (CUDA graphs)
