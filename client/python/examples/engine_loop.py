@@ -55,7 +55,7 @@ from eps_client.engine import (
     Watchdog,
     key_appends,
 )
-from eps_client.outputs import flash_attention_views
+from eps_client.outputs import REUSE_WINDOW_BLOCKS, flash_attention_views
 from eps_client.torch_writer import TorchSummaryWriter
 
 
@@ -78,6 +78,7 @@ class RunRecord:
     accepted_steps: list[int] = field(default_factory=list)
     dense_marks: list[bool] = field(default_factory=list)  # lists dense on the device
     watchdog_releases: int = 0  # steps of this run the watchdog released
+    refused_lists: int = 0  # (layer, row) lists the views refused: the engine's row was read
     logp: Any = None
     argmax: Any = None
     events: list[str] = field(default_factory=list)
@@ -158,6 +159,9 @@ class PagedEngine:
         self.view_table = torch.zeros(L, batch, 1, self.max_blocks, dtype=torch.int32,
                                       device=device)
         self.view_used = torch.zeros(L, batch, 1, dtype=torch.int32, device=device)
+        # lists flash_attention_views refused (the engine's row read instead), counted on the
+        # device by the captured step: a reused list past the window, a list never written
+        self.refused = torch.zeros(1, dtype=torch.int32, device=device)
         self.step_base = 1  # selection step numbers only grow (docs/api-memory.md §3.4)
 
     def _feedback_targets(self) -> list[Any]:
@@ -294,7 +298,7 @@ class PagedEngine:
         if gated:
             flash_attention_views(self.buffers.visit_blocks, self.buffers.visit_count,
                                   self.table, self.ctx, self.bs,
-                                  out=(self.view_table, self.view_used))
+                                  out=(self.view_table, self.view_used), refused=self.refused)
         x = m.embed[self.ids]
         for layer in range(c.num_layers):
             q, k, v = m.qkv(layer, x, cos, sin,
@@ -386,8 +390,11 @@ class PagedEngine:
         ``reuse`` k: one selection every k steps, step t reading the lists selected for step
         t - t % k (selection step number first_step + t - t % k), extended by the blocks
         written since (flash_attention_views); the steps between neither wait nor select."""
-        if reuse < 1:
-            raise ValueError(f"reuse={reuse} must be >= 1")
+        # a list may gain REUSE_WINDOW_BLOCKS - 1 blocks: past that the views refuse it
+        longest = (REUSE_WINDOW_BLOCKS - 1) * self.bs + 1
+        if not 1 <= reuse <= longest:
+            raise ValueError(f"reuse={reuse} not in [1, {longest}] (the views' reuse window "
+                             f"at {self.bs}-token blocks)")
         rec = RunRecord(gated=gated, reuse=reuse)
         steps = inputs.shape[1]
         dev = self.device
@@ -402,6 +409,7 @@ class PagedEngine:
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # inputs made on the default
         with torch.cuda.stream(self.stream):
             sid = self.stream.cuda_stream
+            self.refused.zero_()
             if gated and self.buffers.feedback is not None:
                 # no entries from an earlier run (another query, maybe another position)
                 self.buffers.feedback.fill_(float("nan"))
@@ -454,6 +462,7 @@ class PagedEngine:
             rec.graph_ms.append(ev[t][1].elapsed_time(ev[t][2]))
             rec.wait_summaries_ms.append(ev[t][3].elapsed_time(ev[t][4]))
         rec.dense_marks = marks.cpu().tolist() if gated else []
+        rec.refused_lists = int(self.refused.item()) if gated else 0
         rec.logp, rec.argmax = logps.cpu(), argmaxes.cpu()
         if gated:
             try:

@@ -99,19 +99,22 @@ def gating(run: Any) -> dict[str, int]:
     the step's attention read them: client fallbacks, steps the watchdog or a later fallback
     released, steps that failed on the device), ``fallbacks`` (client fallbacks alone),
     ``watchdog_releases`` (a released step whose lists epsd then wrote late may read as not
-    dense, yet its attention may have read part of them dense) and ``device_errors`` (steps
-    of the run that epsd reported failed on the device)."""
+    dense, yet its attention may have read part of them dense), ``device_errors`` (steps
+    of the run that epsd reported failed on the device) and ``refused_lists`` ((layer, row)
+    lists that flash_attention_views refused and read as the engine's row: a list reused
+    past the window, one never written)."""
     steps = range(run.first_step, run.first_step + len(run.dense_marks))
     return {"dense_steps": sum(1 for dense in run.dense_marks if dense),
             "fallbacks": len(run.fallback_steps),
             "watchdog_releases": run.watchdog_releases,
-            "device_errors": sum(1 for s in run.stats if s.error and s.step in steps)}
+            "device_errors": sum(1 for s in run.stats if s.error and s.step in steps),
+            "refused_lists": run.refused_lists}
 
 
 def ran_gated(counts: Mapping[str, Any]) -> bool:
     """Every step of the run ran with epsd's lists (``gating``'s counts all 0)."""
     return all(counts[k] == 0 for k in ("dense_steps", "fallbacks", "watchdog_releases",
-                                         "device_errors"))
+                                         "device_errors", "refused_lists"))
 
 
 def delta_ppl_percent(delta_nll_per_token: float) -> float:

@@ -212,13 +212,13 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
                      s["wait_summaries_ms_p50"], s["prepass_us_p50"], s["prepass_idle_us_p50"],
                      s["rpc_us_p50"],
                      s["host_ms_p50"], limit, s["fallbacks"], s["dense_steps"],
-                     s["watchdog_releases"], s["device_errors"]])
+                     s["watchdog_releases"], s["device_errors"], s["refused_lists"]])
     engine.close()
     table = markdown(["run", "blocks read", "top_pages", "step p50 ms", "step p95 ms",
                       "step mean ms", "attention ms", "wait sel ms (mean)", "wait sum ms",
                       "pre-pass us", "pre-pass idle us", "RPC us",
                       "host ms", "limit ms", "fallbacks", "dense steps", "watchdog releases",
-                      "device errors"], rows)
+                      "device errors", "refused lists"], rows)
     title = (f"speed: {common['model']}, batch {args.batch} x {P} tokens, {N} steps "
              f"({args.warmup_steps} warm-up), {common['device']}, {common['date']}; "
              f"SDPA dense attention {sdpa_attn:.3f} ms/step (one layer x {config.num_layers})")
@@ -260,20 +260,22 @@ def _kill_run(engine: PagedEngine, args: argparse.Namespace, inputs: torch.Tenso
     acc.update({"client_counters": vars(counters), "events": events,
                 "reattaches": counters.reattaches,
                 "steps_selected_after_restart": len(selected_after),
+                "refused_lists": run.refused_lists,
                 "fallback_reasons": run.fallback_reasons,
                 "summary_errors": run.summary_errors, "summary_error": run.summary_error,
                 "steps": len(run.step_ms), "step_ms_p50": float(np.median(run.step_ms)),
                 "step_ms_max": float(np.max(run.step_ms))})
     ok = bool(acc["ok"]) and counters.reattaches >= 1 and len(selected_after) > 0 \
-        and len(run.step_ms) == inputs.shape[1]
+        and len(run.step_ms) == inputs.shape[1] and run.refused_lists == 0
     acc["ok"] = ok
     engine.close()
     table = markdown(
         ["steps", "dense steps", "client fallbacks", "accepted then released",
-         "watchdog releases", "re-attaches", "selected after restart", "unexplained", "ok"],
+         "watchdog releases", "re-attaches", "selected after restart", "unexplained",
+         "refused lists", "ok"],
         [[acc["steps"], acc["dense_steps"], acc["client_fallbacks"],
           acc["accepted_then_released"], releases, counters.reattaches, len(selected_after),
-          len(acc["unexplained_dense_steps"]), ok]])
+          len(acc["unexplained_dense_steps"]), run.refused_lists, ok]])
     title = (f"kill -9: {common['model']}, batch {args.batch} x {P} tokens, epsd killed at "
              f"step {args.kill_at}, restarted at {args.restart_at}; {'; '.join(events)}")
     return {"common": common, "kill": acc, "ok": ok, "table": title + "\n" + table}
@@ -333,11 +335,12 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
             r["blocks_read"] <= 0.5
         rows.append([method, top, k, f"{100 * r['blocks_read']:.1f}%", dnll,
                      r["delta_ppl_percent"], agree, r["fallbacks"], r["dense_steps"],
-                     r["watchdog_releases"], r["device_errors"], "yes" if meets else ""])
+                     r["watchdog_releases"], r["device_errors"], r["refused_lists"],
+                     "yes" if meets else ""])
     engine.close()
     table = markdown(["method", "top_pages", "reuse", "blocks read", "Δ NLL/token", "Δ ppl %",
                       "top-1 agreement", "fallbacks", "dense steps", "watchdog releases",
-                      "device errors", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
+                      "device errors", "refused lists", "meets (≤50% read, |Δppl|≤1%, ≥95%)"],
                      rows)
     title = (f"quality: {common['model']}, batch {args.batch} x {P} tokens of Python stdlib "
              f"source, {N} teacher-forced steps, {common['device']}, {common['date']}; dense "
@@ -395,7 +398,7 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
 
     dense = engine.decode(start, None, P - 1, gated=False, greedy=True)
     d_acc, d_out = accuracy(dense)
-    rows = [["dense", "-", "-", "100%", d_acc, "-", "-", "-", "-"]]
+    rows = [["dense", "-", "-", "100%", d_acc, "-", "-", "-", "-", "-"]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
     base = _base(args)
     for method, top, k in ((m, int(t), k) for m in args.methods.split(",")
@@ -410,10 +413,11 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
                      "accuracy": acc, **counts, "outputs": outs[:3]})
         rows.append([method, top, k, f"{100 * frac:.1f}%", acc, counts["fallbacks"],
                      counts["dense_steps"], counts["watchdog_releases"],
-                     counts["device_errors"]])
+                     counts["device_errors"], counts["refused_lists"]])
     engine.close()
     table = markdown(["run", "top_pages", "reuse", "blocks read", "passkey accuracy", "fallbacks",
-                      "dense steps", "watchdog releases", "device errors"], rows)
+                      "dense steps", "watchdog releases", "device errors", "refused lists"],
+                     rows)
     title = (f"passkey: {common['model']}, {n} prompts of {P} tokens, depths 10-90 %, greedy "
              f"{gen} tokens, {common['device']}, {common['date']}")
     ok = all(ran_gated(r) for r in runs[1:])  # runs[0] is dense

@@ -107,19 +107,21 @@ def test_steps_that_ran_dense_or_failed_on_the_device_are_counted_against_the_ru
     # selection steps 30..33: 31 released by the watchdog (dense, no client fallback), 32
     # failed on the device; 29 (calibration) failed too but is not the run's
     run = SimpleNamespace(first_step=30, dense_marks=[False, True, True, False],
-                          fallback_steps=[], watchdog_releases=1,
+                          fallback_steps=[], watchdog_releases=1, refused_lists=0,
                           stats=[StepStats(step=29, error="x"), StepStats(step=30),
                                  StepStats(step=32, error="device")])
     counts = gating(run)
     assert counts == {"dense_steps": 2, "fallbacks": 0, "watchdog_releases": 1,
-                      "device_errors": 1}
+                      "device_errors": 1, "refused_lists": 0}
     assert not ran_gated(counts)
     clean = SimpleNamespace(first_step=30, dense_marks=[False] * 4, fallback_steps=[],
-                            watchdog_releases=0,
+                            watchdog_releases=0, refused_lists=0,
                             stats=[StepStats(step=s) for s in range(30, 34)])
     assert ran_gated(gating(clean))
     # a release alone (the step's lists came late and no longer read dense) fails the run
     assert not ran_gated(gating(SimpleNamespace(**{**vars(clean), "watchdog_releases": 1})))
+    # a list the views refused (reused past the window, never written) read the engine's row
+    assert not ran_gated(gating(SimpleNamespace(**{**vars(clean), "refused_lists": 1})))
 
 
 class HostTensor(np.ndarray):
