@@ -547,6 +547,33 @@ def test_an_engine_table_without_a_row_for_every_position_is_refused_before_a_pa
     assert bt[0, :, 0, 0].tolist() == [0, 4] and used[0, :, 0].tolist() == [16, 16]
 
 
+@pytest.mark.parametrize(("block_size", "cache_blocks", "error", "message"), [
+    (0, 0, ValueError, "block_size=0 is not in [1, 2147483647]"),
+    ((1 << 32) + 16, 0, ValueError, "block_size=4294967312 is not in [1, 2147483647]"),
+    (16.0, 0, TypeError, "block_size=16.0 is not an integer"),
+    (16, 1 << 63, ValueError, "cache_blocks=9223372036854775808 is not in"),
+])
+def test_a_block_size_or_cache_size_the_c_abi_cannot_take_is_refused_before_a_path(
+        block_size, cache_blocks, error, message):
+    """libeps_engine takes an int32 block size and an int64 cache size: 2**32 + 16 wrapped to
+    16 in the call, and 0 divided by zero in the torch and numpy paths."""
+    vb = np.zeros((1, 1, 4), dtype=np.int32)
+    vc = np.full((1, 1), -1, dtype=np.int32)
+    table = np.zeros((1, 4), dtype=np.int32)
+    ctx = np.full(1, 16, dtype=np.int32)
+    indptr = np.array([0, 1], dtype=np.int32)
+    for call in (lambda: flash_attention_views(vb, vc, table, ctx, block_size,
+                                               cache_blocks=cache_blocks),
+                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, block_size, indptr, nnz=1,
+                                                 cache_blocks=cache_blocks),
+                 lambda: flash_attention_views_reference(vb, vc, table, ctx, block_size,
+                                                         cache_blocks=cache_blocks),
+                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, block_size,
+                                                           indptr, cache_blocks=cache_blocks)):
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+
+
 @pytest.mark.parametrize(("args", "error", "message"), [
     # lists <= 0 gave a plan of no entries for any batch
     (([100, 40], 0, 3, G, BS), ValueError, "lists=0 not in [1, 2147483647]"),

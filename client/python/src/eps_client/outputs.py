@@ -193,6 +193,14 @@ def _check_engine_table(engine_table: Any, batch: int) -> None:
         raise ValueError(f"engine_table must be [>= {batch} rows, blocks]; got {shape}")
 
 
+def _check_sizes(block_size: int, cache_blocks: int) -> None:
+    """The views' and arrays' sizes as the C ABI takes them (an int32 block size >= 1, an
+    int64 cache size): past int32 a block size wrapped in the call to libeps_engine, and 0
+    divided by zero in the torch and numpy paths."""
+    _values.integer("block_size", block_size, 1, _values.INT32[1])
+    _values.integer("cache_blocks", cache_blocks, *_values.INT64)
+
+
 def _check_out(name: str, t: Any, shape: tuple[int, ...], device: Any) -> None:
     """An output tensor the kernels write as a compact int32 array of ``shape``."""
     import torch
@@ -242,6 +250,7 @@ def flash_attention_views_reference(visit_blocks: np.ndarray, visit_count: np.nd
     L, max_batch, lists, max_blocks = vb.shape
     B = _batch(np.asarray(context_tokens), max_batch)
     _check_engine_table(engine_table, B)
+    _check_sizes(block_size, cache_blocks)
     _check_table_width(engine_table.shape[1], max_blocks)
     table = np.full((L, B, lists, max_blocks), -1, dtype=np.int32)
     used = np.zeros((L, B, lists), dtype=np.int32)
@@ -277,6 +286,7 @@ def flashinfer_fixed_budget_reference(visit_blocks: np.ndarray, visit_count: np.
     L, max_batch, lists, max_blocks = vb.shape
     B = _batch(np.asarray(context_tokens), max_batch)
     _check_engine_table(engine_table, B)
+    _check_sizes(block_size, cache_blocks)
     nnz = int(indptr[-1])
     indices = np.zeros((L, nnz), dtype=np.int32)
     last = np.zeros(B * lists, dtype=np.int32)
@@ -375,6 +385,7 @@ def flash_attention_views(visit_blocks: Any, visit_count: Any, engine_table: Any
     L, max_batch, lists, max_blocks = vb.shape
     B = _batch(context_tokens, max_batch)
     _check_engine_table(engine_table, B)
+    _check_sizes(block_size, cache_blocks)
     _check_table_width(engine_table.shape[1], max_blocks)
     import torch
 
@@ -441,6 +452,7 @@ def flashinfer_fixed_budget(visit_blocks: Any, visit_count: Any, engine_table: A
     L, max_batch, lists, max_blocks = vb.shape
     B = _batch(context_tokens, max_batch)
     _check_engine_table(engine_table, B)
+    _check_sizes(block_size, cache_blocks)
     import torch
 
     if nnz is None:  # a host copy: pass the plan's nnz to stay on the device (CUDA graphs)
