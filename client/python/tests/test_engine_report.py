@@ -182,6 +182,16 @@ def test_reuse_and_select_after_are_comma_lists_and_a_bad_entry_is_a_usage_error
         assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
+def test_reuse_is_a_comma_list_and_a_bad_entry_is_a_usage_error(capsys):
+    mode = ["--mode", "speed"]
+    assert build_parser().parse_args([*mode, "--reuse", "1,4"]).reuse == [1, 4]
+    assert build_parser().parse_args(mode).reuse == [1]
+    for value in ("0", "2,x", ""):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([*mode, "--reuse", value])
+        assert e.value.code == 2 and "--reuse" in capsys.readouterr().err
+
+
 def test_the_process_tree_lists_the_root_then_its_descendants_and_nothing_else():
     parents = {1: 0, 10: 1, 11: 10, 12: 10, 13: 11, 20: 1, 21: 20}
     assert process_tree(10, parents) == [10, 11, 12, 13]
