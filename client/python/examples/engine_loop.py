@@ -147,7 +147,7 @@ class PagedEngine:
         self.attend, self.attention_name = attention_kernel()
         self.feedback_targets = self._feedback_targets() if feedback else None
         self.use_graphs = use_graphs
-        self.graphs: dict[tuple[bool, str], Any] = {}
+        self.graphs: dict[bool, Any] = {}
         # static inputs and outputs of a step (graph-captured addresses)
         self.ids = torch.zeros(batch, dtype=torch.long, device=device)
         self.targets = torch.zeros(batch, dtype=torch.long, device=device)
@@ -163,7 +163,6 @@ class PagedEngine:
         # device by the captured step: a reused list past the window, a list never written
         self.refused = torch.zeros(1, dtype=torch.int32, device=device)
         self.step_base = 1  # selection step numbers only grow (docs/api-memory.md §3.4)
-        self._mid: tuple[torch.Tensor, torch.Tensor] | None = None  # _head's x and last q
 
     def _feedback_targets(self) -> list[Any]:
         """Selection feedback (docs/policy-selection.md): per layer, where the gated attention
@@ -292,14 +291,6 @@ class PagedEngine:
 
     def _body(self, gated: bool) -> None:
         """The graph-captured part of a decode step (static inputs and outputs)."""
-        self._head(gated)
-        self._tail(gated)
-
-    def _head(self, gated: bool) -> None:
-        """The step up to the last layer's K/V write: the views, every layer but the last, and
-        the last layer's q, k, v (its q into epsd's query buffer: every input of the next
-        selection is written once this has run). The residual and the last q are left in
-        static tensors for ``_tail``."""
         m, c = self.model, self.model.c
         cos, sin = m.rope_tables(self.pos)  # [1, 1, d]
         blocks = self.table.gather(1, (self.pos // self.bs).expand(self.B)[:, None]).long()[:, 0]
@@ -309,60 +300,39 @@ class PagedEngine:
                                   self.table, self.ctx, self.bs,
                                   out=(self.view_table, self.view_used), refused=self.refused)
         x = m.embed[self.ids]
-        last = c.num_layers - 1
         for layer in range(c.num_layers):
             q, k, v = m.qkv(layer, x, cos, sin,
                             query_out=self.buffers.queries[layer, : self.B] if gated else None)
             self.kv[layer][0][blocks, within] = k
             self.kv[layer][1][blocks, within] = v
-            if layer == last:
-                break
-            x = m.finish_layer(layer, x, self.attend_layer(layer, q, *self._lists(layer, gated),
-                                                           gated))
-        if self._mid is None:  # first run: a warm-up outside any capture, so not a graph's pool
-            self._mid = (torch.empty_like(x), torch.empty_like(q))
-        self._mid[0].copy_(x)
-        self._mid[1].copy_(q)
-
-    def _tail(self, gated: bool) -> None:
-        """The rest of the step: the last layer's attention and FFN, the logits."""
-        m, last = self.model, self.model.c.num_layers - 1
-        if self._mid is None:
-            raise RuntimeError("_tail before _head")
-        x, q = self._mid
-        x = m.finish_layer(last, x, self.attend_layer(last, q, *self._lists(last, gated), gated))
+            if gated:
+                table, used = self.view_table[layer, :, 0], self.view_used[layer, :, 0]
+            else:
+                table, used = self.table, self.ctx
+            x = m.finish_layer(layer, x, self.attend_layer(layer, q, table, used, gated))
         lp = torch.log_softmax(m.logits(x), dim=-1)
         self.logp_out.copy_(lp.gather(1, self.targets[:, None])[:, 0])
         self.argmax_out.copy_(lp.argmax(-1))
 
-    def _lists(self, layer: int, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block table and seqused_k the layer's attention reads."""
-        if gated:
-            return self.view_table[layer, :, 0], self.view_used[layer, :, 0]
-        return self.table, self.ctx
-
-    def _run_body(self, gated: bool, part: str = "all") -> None:
-        """The step's ``part`` ("all", or "head" then "tail": _head, _tail) as a CUDA graph."""
-        work = {"all": self._body, "head": self._head, "tail": self._tail}[part]
+    def _run_body(self, gated: bool) -> None:
         if not self.use_graphs:
-            work(gated)
+            self._body(gated)
             return
-        graph = self.graphs.get((gated, part))
+        graph = self.graphs.get(gated)
         if graph is None:
             try:
-                graph = self._capture(gated, part)
+                graph = self._capture(gated)
             except Exception as e:  # noqa: BLE001 - eager still measures something
                 print(f"CUDA graph capture failed ({type(e).__name__}: {e}); running eager",
                       flush=True)
                 self.use_graphs = False
-                work(gated)
+                self._body(gated)
                 return
-            self.graphs[(gated, part)] = graph
+            self.graphs[gated] = graph
         graph.replay()
 
-    def _capture(self, gated: bool, part: str = "all") -> Any:
-        work = {"all": self._body, "head": self._head, "tail": self._tail}[part]
-        return self.capture_graph(lambda: work(gated))
+    def _capture(self, gated: bool) -> Any:
+        return self.capture_graph(lambda: self._body(gated))
 
     def capture_graph(self, work: Any) -> Any:
         """``work`` (CUDA launches on the current stream) captured as a CUDA graph."""
@@ -398,10 +368,10 @@ class PagedEngine:
         torch.lt(self.buffers.visit_count[0, 0], 0, out=mark[0])
         self.ids.copy_(self.argmax_out)
         self.logp_out.copy_(self.logp_out)
-        for gated, part in ((False, "all"), (True, "all"), (True, "head"), (True, "tail")):
-            if (gated, part) not in self.graphs:
+        for gated in (False, True):
+            if gated not in self.graphs:
                 try:
-                    self.graphs[(gated, part)] = self._capture(gated, part)
+                    self.graphs[gated] = self._capture(gated)
                 except Exception as e:  # noqa: BLE001 - eager still measures something
                     print(f"CUDA graph capture failed ({type(e).__name__}: {e}); eager",
                           flush=True)
@@ -414,20 +384,12 @@ class PagedEngine:
     @torch.inference_mode()
     def decode(self, inputs: torch.Tensor, targets: torch.Tensor | None, start: int,
                gated: bool, options: SelectOptions | None = None, greedy: bool = False,
-               on_step: Any = None, reuse: int = 1, early: bool = False) -> RunRecord:
+               on_step: Any = None, reuse: int = 1) -> RunRecord:
         """Decodes inputs.shape[1] steps from position ``start`` (teacher-forced on
         ``inputs``; greedy: feeds back the argmax). ``on_step(t)`` runs before step t.
         ``reuse`` k: one selection every k steps, step t reading the lists selected for step
         t - t % k (selection step number first_step + t - t % k), extended by the blocks
-        written since (flash_attention_views); the steps between neither wait nor select.
-        ``early``: the next selection is requested once the step's last layer has written its
-        query and keys (the head), and epsd's pre-pass runs beside the rest of the step (the
-        tail: the last layer's attention and FFN, the logits); the views copied the lists at
-        the head's start, so epsd may write the next ones meanwhile. Not with feedback, which
-        the last layer's attention writes in the tail."""
-        if early and self.feedback_targets is not None:
-            raise ValueError("early selection with feedback: the last layer's attention writes "
-                             "the feedback the next selection reads")
+        written since (flash_attention_views); the steps between neither wait nor select."""
         # a list may gain REUSE_WINDOW_BLOCKS - 1 blocks: past that the views refuse it
         longest = (REUSE_WINDOW_BLOCKS - 1) * self.bs + 1
         if not 1 <= reuse <= longest:
@@ -474,22 +436,19 @@ class PagedEngine:
                 if gated:
                     torch.lt(self.buffers.visit_count[0, 0], 0, out=marks[t])
                 ev[t][1].record()
-                if gated and early:
-                    # every input of the next selection is written after the head: select
-                    # while the last layer's attention, its FFN and the logits run
-                    self._run_body(gated, "head")
-                    self._summaries_then_select(rec, ev[t], base, t, steps, reuse, pos,
-                                                options, sid)
-                    self._run_body(gated, "tail")
-                else:
-                    self._run_body(gated)
+                self._run_body(gated)
                 ev[t][2].record()
                 logps[:, t].copy_(self.logp_out)
                 argmaxes[:, t].copy_(self.argmax_out)
-                if gated and not early:
-                    self._summaries_then_select(rec, ev[t], base, t, steps, reuse, pos,
-                                                options, sid)
-                elif not gated:
+                if gated:
+                    self.queue.submit(self._step_appends(pos), _dtype_name(self.dtype), sid,
+                                      base + t)
+                    ev[t][3].record()
+                    self.queue.wait(sid, base + t)
+                    ev[t][4].record()
+                    if t + 1 < steps and (t + 1) % reuse == 0:
+                        self._select(rec, base + t + 1, pos + 2, options, sid)
+                else:
                     ev[t][3].record()
                     ev[t][4].record()
                 rec.host_ms.append((time.perf_counter() - h0) * 1e3)
@@ -527,18 +486,6 @@ class PagedEngine:
 
     def _rows(self, context: int) -> list[Row]:
         return [Row(b, context, b) for b in range(self.B)]
-
-    def _summaries_then_select(self, rec: RunRecord, ev: list[Any], base: int, t: int,
-                               steps: int, reuse: int, pos: int, options: SelectOptions | None,
-                               stream: int) -> None:
-        """Decode step t's keys into the summaries (ev[3] to ev[4]: the wait for them), then
-        the next step's selection when that step selects."""
-        self.queue.submit(self._step_appends(pos), _dtype_name(self.dtype), stream, base + t)
-        ev[3].record()
-        self.queue.wait(stream, base + t)
-        ev[4].record()
-        if t + 1 < steps and (t + 1) % reuse == 0:
-            self._select(rec, base + t + 1, pos + 2, options, stream)
 
     def _select(self, rec: RunRecord, step: int, context: int, options: SelectOptions | None,
                 stream: int) -> None:

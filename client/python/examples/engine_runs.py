@@ -184,12 +184,10 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
              dense_attn, "-", "-",
              "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-"]]
     runs = []
-    for f, k, at in ((f, k, at) for f in fractions(args.fractions) for k in args.reuse
-                     for at in args.select_after):
+    for f, k in ((f, k) for f in fractions(args.fractions) for k in args.reuse):
         engine.restore(saved)
         top, measured = calibrate(engine, P + 1, f, base)
-        gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top), reuse=k,
-                              early=at == "head")
+        gated = engine.decode(inputs, targets, P, gated=True, options=_at(base, top), reuse=k)
         s = summarize(gated, args.warmup_steps)
         attn = attention_ms(engine, True, P + N)
         # The same pre-pass on the same buffers with the engine idle: synchronous
@@ -198,7 +196,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
         idle = [st.prepass_us for st in
                 (engine.select_sync(P + N, _at(base, top)) for _ in range(12)) if st]
         limit = attention_limit_ms(d["step_ms_p50"], dense_attn, s["pages_read_fraction"])
-        s.update({"target_fraction": f, "reuse": k, "select_after": at, "top_pages": top,
+        s.update({"target_fraction": f, "reuse": k, "top_pages": top,
                   "calibrated_fraction": measured,
                   "attention_ms": attn, "limit_ms": limit,
                   "prepass_idle_us_p50": statistics.median(idle) if idle else math.nan,
@@ -207,8 +205,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
                   **gating(gated), "fallback_reasons": gated.fallback_reasons,
                   "summary_errors": gated.summary_errors, "summary_error": gated.summary_error})
         runs.append(s)
-        rows.append([f"gated {f:.3g}" + (f" reuse {k}" if k > 1 else "")
-                     + (" after head" if at == "head" else ""),
+        rows.append([f"gated {f:.3g}" + (f" reuse {k}" if k > 1 else ""),
                      f"{100 * s['pages_read_fraction']:.1f}%", top,
                      s["step_ms_p50"], s["step_ms_p95"], s["step_ms_mean"], attn,
                      s["wait_selection_ms_mean"],
@@ -321,25 +318,22 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     off_delta = (off.logp - dense.logp).abs().max().item()
     off_gating = gating(off)  # method=off visits every group: lists, not dense releases
     rows, runs = [], []
-    for method, top, k, at in ((m, int(t), k, at) for m in args.methods.split(",")
-                               for t in args.top_pages.split(",") for k in args.reuse
-                               for at in args.select_after):
+    for method, top, k in ((m, int(t), k) for m in args.methods.split(",")
+                           for t in args.top_pages.split(",") for k in args.reuse):
         engine.restore(saved)
         gated = engine.decode(inputs, targets, P, gated=True,
-                              options=_at(_with(base, method=method), top), reuse=k,
-                              early=at == "head")
+                              options=_at(_with(base, method=method), top), reuse=k)
         s = summarize(gated, 0)  # blocks read over every step, as Δ NLL counts them
         dnll = -gated.logp.double().mean().item() - dense_nll
         agree = (gated.argmax == dense.argmax).double().mean().item()
-        r = {"method": method, "top_pages": top, "reuse": k, "select_after": at,
+        r = {"method": method, "top_pages": top, "reuse": k,
              "blocks_read": s["pages_read_fraction"], "delta_nll_per_token": dnll,
              "delta_ppl_percent": delta_ppl_percent(dnll), "top1_agreement": agree,
              **gating(gated)}
         runs.append(r)
         meets = abs(r["delta_ppl_percent"]) <= 1.0 and agree >= 0.95 and \
             r["blocks_read"] <= 0.5
-        rows.append([method + (" after head" if at == "head" else ""), top, k,
-                     f"{100 * r['blocks_read']:.1f}%", dnll,
+        rows.append([method, top, k, f"{100 * r['blocks_read']:.1f}%", dnll,
                      r["delta_ppl_percent"], agree, r["fallbacks"], r["dense_steps"],
                      r["watchdog_releases"], r["device_errors"], r["refused_lists"],
                      "yes" if meets else ""])
@@ -407,21 +401,17 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     rows = [["dense", "-", "-", "100%", d_acc, "-", "-", "-", "-", "-"]]
     runs = [{"method": "dense", "accuracy": d_acc, "outputs": d_out[:3]}]
     base = _base(args)
-    for method, top, k, at in ((m, int(t), k, at) for m in args.methods.split(",")
-                               for t in args.top_pages.split(",") for k in args.reuse
-                               for at in args.select_after):
+    for method, top, k in ((m, int(t), k) for m in args.methods.split(",")
+                           for t in args.top_pages.split(",") for k in args.reuse):
         engine.restore(saved)
         run = engine.decode(start, None, P - 1, gated=True, greedy=True,
-                            options=_at(_with(base, method=method), top), reuse=k,
-                            early=at == "head")
+                            options=_at(_with(base, method=method), top), reuse=k)
         acc, outs = accuracy(run)
         frac = summarize(run, 0)["pages_read_fraction"]
         counts = gating(run)
-        runs.append({"method": method, "top_pages": top, "reuse": k, "select_after": at,
-                     "blocks_read": frac,
+        runs.append({"method": method, "top_pages": top, "reuse": k, "blocks_read": frac,
                      "accuracy": acc, **counts, "outputs": outs[:3]})
-        rows.append([method + (" after head" if at == "head" else ""), top, k,
-                     f"{100 * frac:.1f}%", acc, counts["fallbacks"],
+        rows.append([method, top, k, f"{100 * frac:.1f}%", acc, counts["fallbacks"],
                      counts["dense_steps"], counts["watchdog_releases"],
                      counts["device_errors"], counts["refused_lists"]])
     engine.close()

@@ -80,12 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "once per k): one SelectPages every k decode steps, the steps "
                          "between read the same lists extended by their new blocks "
                          "(docs/api.md, \"Reusing a selection\")")
-    ap.add_argument("--select-after", default="step", type=select_points,
-                    help="when a gated step requests the next selection, a comma list (each "
-                         "gated row runs once per entry): step (after the whole step) or "
-                         "head (once the last layer has written its query and keys, so that "
-                         "epsd's pre-pass runs beside the last layer's attention, its FFN and "
-                         "the logits; not with --feedback)")
     ap.add_argument("--passkeys", type=int, default=20)
     ap.add_argument("--deadline-ms", type=float, default=50.0,
                     help="ClientOptions.deadline_s of each SelectPages, in ms")
@@ -121,23 +115,12 @@ def reuses(text: str) -> list[int]:
     return out
 
 
-def select_points(text: str) -> list[str]:
-    """--select-after's comma list of "step" and "head" (a usage error, exit 2, otherwise)."""
-    out = [v for v in text.split(",") if v]
-    if not out or any(v not in ("step", "head") for v in out):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of step and head")
-    return out
-
-
 def main() -> int:
     args = build_parser().parse_args()
     if args.mode in ("quality", "passkey") and args.model != "gguf":
         raise SystemExit(f"--mode {args.mode} needs --model gguf --gguf FILE (real weights)")
     if args.model == "gguf" and not args.gguf:
         raise SystemExit("--model gguf needs --gguf FILE")
-    if args.feedback and "head" in args.select_after:
-        raise SystemExit("--select-after head with --feedback: the last layer's attention "
-                         "writes the feedback the next selection reads")
     if args.feedback and "EPS_ATTN_VARIANT" not in os.environ:
         # Feedback is written by the kernel's tensor-core unit alone (paged_attention.h):
         # the dense run takes the same unit, so that dense and gated differ only in their

@@ -27,7 +27,7 @@ from engine_report import (  # noqa: E402
     summarize,
 )
 from engine_snapshot import CHANGED_BY_DECODE, BufferSnapshot  # noqa: E402
-from reference_engine import build_parser, kill_epsd, process_tree  # noqa: E402
+from reference_engine import kill_epsd, process_tree  # noqa: E402
 
 from eps_client import StepStats  # noqa: E402
 
@@ -167,19 +167,6 @@ def test_a_restore_undoes_everything_a_decode_run_writes_for_the_next_run(coarse
     if feedback:  # no entries from the earlier run
         assert np.isnan(buf.feedback).all()
     np.testing.assert_array_equal(buf.visit_count, lists)  # epsd's, not the engine's
-
-
-def test_reuse_and_select_after_are_comma_lists_and_a_bad_entry_is_a_usage_error(capsys):
-    mode = ["--mode", "speed"]
-    args = build_parser().parse_args([*mode, "--reuse", "1,4", "--select-after", "step,head"])
-    assert args.reuse == [1, 4] and args.select_after == ["step", "head"]
-    defaults = build_parser().parse_args(mode)
-    assert defaults.reuse == [1] and defaults.select_after == ["step"]
-    for flag, value in (("--reuse", "0"), ("--reuse", "2,x"), ("--select-after", "tail"),
-                        ("--select-after", "")):
-        with pytest.raises(SystemExit) as e:
-            build_parser().parse_args([*mode, flag, value])
-        assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_reuse_is_a_comma_list_and_a_bad_entry_is_a_usage_error(capsys):
