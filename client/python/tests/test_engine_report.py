@@ -27,7 +27,7 @@ from engine_report import (  # noqa: E402
     summarize,
 )
 from engine_snapshot import CHANGED_BY_DECODE, BufferSnapshot  # noqa: E402
-from reference_engine import kill_epsd, process_tree  # noqa: E402
+from reference_engine import build_parser, kill_epsd, process_tree  # noqa: E402
 
 from eps_client import StepStats  # noqa: E402
 
