@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "core/status.h"
 
 namespace eps::client {
 namespace {
@@ -68,9 +69,18 @@ bool UnchangedFor(const struct stat& st, const timespec& now, std::chrono::secon
   return ns(now) - changed >= std::chrono::nanoseconds(grace).count();
 }
 
+// A grace period below zero would make an object stale before its creator could lock it.
+absl::Status CheckGrace(absl::string_view name, std::chrono::seconds grace) {
+  if (grace.count() >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, "=", grace.count(), "s must be >= 0 (a grace period in seconds)"));
+}
+
 }  // namespace
 
-std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::seconds grace) {
+absl::StatusOr<std::vector<std::string>> ReapStaleShm(const std::string& tag,
+                                                      std::chrono::seconds grace) {
+  RETURN_IF_ERROR(CheckGrace("grace", grace));
   std::vector<std::string> reaped;
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(kShmDir), closedir);
   if (dir == nullptr) return reaped;
@@ -107,11 +117,13 @@ std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::secon
 absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
     const ModelLayout& model, const BufferShape& shape, const std::string& tag,
     std::chrono::seconds stale_grace) {
+  RETURN_IF_ERROR(CheckGrace("stale_grace", stale_grace));
   absl::StatusOr<BufferPlan> plan = BufferPlan::For(model, shape);
   if (!plan.ok()) return plan.status();
   // Before creating: a crash-looping engine's dead objects would otherwise fill /dev/shm
-  // until this Create could not fit its own.
-  ReapStaleShm(tag, stale_grace);
+  // until this Create could not fit its own. Best effort, and its grace is checked above:
+  // nothing fails here.
+  (void)ReapStaleShm(tag, stale_grace);
   static std::atomic<int> counter{0};
   auto b = std::unique_ptr<EngineBuffers>(new EngineBuffers(*std::move(plan)));
   const uint64_t size = b->plan_.size;

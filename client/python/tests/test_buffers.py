@@ -437,6 +437,28 @@ def test_an_unheld_object_younger_than_the_grace_period_is_kept():
             os.unlink(f"/dev/shm{young}")
 
 
+@pytest.mark.parametrize("grace", [-1, -0.5, float("nan"), float("inf"), float("-inf")])
+def test_a_negative_or_non_finite_grace_period_is_refused_before_anything_is_removed(grace):
+    # A negative one would take an object whose creator has not locked it yet (as young as
+    # one can be); NaN and infinity would quietly take none. Refused before the reaping and
+    # the creation: the young unheld object stays, and no object is made.
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"grace{os.getpid()}"
+    young = f"/eps-{tag}-1-0"
+    make_unheld(young)
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"stale_grace_s={float(grace)!r}")):
+            ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=grace)
+        with pytest.raises(ValueError, match=re.escape(f"grace_s={float(grace)!r}")):
+            reap_stale(tag, grace)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"eps-{tag}-")] == [young[1:]]
+    finally:
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"eps-{tag}-"):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
     tag = f"names{os.getpid()}"
     prefix = f"/eps-{tag}-"

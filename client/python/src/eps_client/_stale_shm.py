@@ -12,6 +12,8 @@ The same rule as client/cpp's ReapStaleShm (engine_buffers.h).
 from __future__ import annotations
 
 import fcntl
+import math
+import numbers
 import os
 import re
 import stat
@@ -48,6 +50,18 @@ def hold(name: str) -> int:
     return fd
 
 
+def grace_period(name: str, value: float) -> float:
+    """``value`` as a grace period in seconds: a finite number >= 0, else ValueError (TypeError
+    for what is no number), naming ``name`` and the value. A negative one would take an object
+    whose creator has not locked it yet; NaN or infinity would quietly take none."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} is not a number of seconds")
+    out = float(value)
+    if not math.isfinite(out) or out < 0:
+        raise ValueError(f"{name}={out!r} must be a finite number of seconds >= 0")
+    return out
+
+
 def _unchanged_for(st: os.stat_result, now_ns: int, grace_s: float) -> bool:
     """Whether neither ctime nor mtime is within ``grace_s`` of now (a clock set back makes
     an object younger: kept)."""
@@ -60,7 +74,9 @@ def reap_stale(tag: str, grace_s: float = STALE_SHM_GRACE_S) -> list[str]:
     ``grace_s``, that ``flock(LOCK_EX | LOCK_NB)`` can lock (its creator is gone). Everything
     else is left alone, quietly: another tag's, another user's, a held one (a live creator's,
     this process's own included), a younger one. Best effort: an entry that cannot be opened,
-    locked or unlinked is skipped."""
+    locked or unlinked is skipped. A ``grace_s`` that ``grace_period`` refuses raises before
+    anything is removed."""
+    grace_s = grace_period("grace_s", grace_s)
     reaped: list[str] = []
     try:
         dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
