@@ -51,7 +51,8 @@ inline constexpr std::chrono::seconds kStaleShmGrace{10};
 // Removes the stale objects of `tag` from /dev/shm and returns their names ('/'-prefixed):
 // every entry named as Create names `tag`'s objects (`eps-<tag>-<pid>-<n>`, or with a
 // suffix `-<1 to 16 lower-case hex digits>`), a regular file owned by this process's
-// effective uid, unchanged for at least `grace`, that flock(LOCK_EX | LOCK_NB) can lock: its
+// effective uid (checked before the entry is opened: nothing else is ever opened),
+// unchanged for at least `grace`, that flock(LOCK_EX | LOCK_NB) can lock: its
 // creator is gone. Everything else is left alone, quietly: another tag's, another
 // user's, a held one (a live creator's, this process's own included), a younger one. Best
 // effort: an entry that cannot be opened, locked or unlinked is skipped. Safe to run in

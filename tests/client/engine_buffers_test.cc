@@ -9,6 +9,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <signal.h>
+#include <sys/inotify.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -249,6 +250,25 @@ TEST(StaleShmTest, ANegativeGracePeriodIsRefusedBeforeAnythingIsRemoved) {
   EXPECT_TRUE(absl::StrContains(reaped.status().message(), "grace=-1s")) << reaped.status();
   EXPECT_TRUE(Exists(young));
   shm_unlink(young.c_str());
+}
+
+// Checked before it is opened: opening a FIFO wakes a writer waiting on it (a device would
+// do more). inotify reports every open of the FIFO, here none.
+TEST(StaleShmTest, WhatIsNoRegularFileUnderTheTagsNamesIsNotEvenOpened) {
+  const std::string tag = Tag("unopened");
+  const std::string fifo = absl::StrCat("/dev/shm/eps-", tag, "-1-0");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const int watch = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  ASSERT_GE(watch, 0) << std::strerror(errno);
+  ASSERT_GE(inotify_add_watch(watch, fifo.c_str(), IN_OPEN | IN_DONT_FOLLOW), 0)
+      << std::strerror(errno);
+
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).value().empty());
+  char events[4096];
+  const ssize_t n = read(watch, events, sizeof events);
+  EXPECT_TRUE(n < 0 && errno == EAGAIN) << "the reaper opened the FIFO (" << n << " bytes)";
+  close(watch);
+  unlink(fifo.c_str());
 }
 
 // Entries under the tag's names that are no objects: a FIFO (an open that waited on it

@@ -501,6 +501,64 @@ def test_a_fifo_or_symlink_under_the_tags_names_is_left_alone():
             if os.path.lexists(f"/dev/shm{name}"):
                 os.unlink(f"/dev/shm{name}")
 
+def test_what_is_no_regular_file_under_the_tags_names_is_not_even_opened():
+    # Checked before it is opened: opening a FIFO wakes a writer waiting on it (a device
+    # would do more). inotify reports every open of the FIFO, here none.
+    import ctypes
+
+    from eps_client._stale_shm import reap_stale
+
+    in_open, in_dont_follow = 0x20, 0x02000000  # <sys/inotify.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    tag = f"unopened{os.getpid()}"
+    fifo = f"/dev/shm/eps-{tag}-1-0"
+    os.mkfifo(fifo, 0o600)
+    watch = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert watch >= 0, os.strerror(ctypes.get_errno())
+    try:
+        assert libc.inotify_add_watch(watch, fifo.encode(), in_open | in_dont_follow) >= 0, \
+            os.strerror(ctypes.get_errno())
+        assert reap_stale(tag, 0) == []
+        with pytest.raises(BlockingIOError):  # no event: the reaper did not open it
+            os.read(watch, 4096)
+    finally:
+        os.close(watch)
+        os.unlink(fifo)
+
+
+def test_an_entry_replaced_between_its_check_and_its_open_is_left_alone(monkeypatch):
+    # The name can come to name something else after the reaper checked it (here a FIFO
+    # renamed over an unheld object just before the open): only the inode checked is taken.
+    # The reaper's clock is an hour ahead, so that the FIFO's fresh ctime (the rename's) does
+    # not keep it as young: only the inode check may.
+    import stat
+    import time
+
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"swapped{os.getpid()}"
+    name, fifo = f"eps-{tag}-1-0", f"/dev/shm/{tag}-fifo"
+    make_unheld("/" + name)
+    os.mkfifo(fifo, 0o600)
+    real_open = os.open
+
+    def open_after_swap(path, flags, mode=0o777, *, dir_fd=None):
+        if path == name and os.path.lexists(fifo):
+            os.rename(fifo, f"/dev/shm/{name}")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_after_swap)
+    monkeypatch.setattr(time, "time_ns", lambda real=time.time_ns: real() + 3600 * 10**9)
+    try:
+        assert reap_stale(tag, 0) == []
+        assert stat.S_ISFIFO(os.lstat(f"/dev/shm/{name}").st_mode)
+    finally:
+        monkeypatch.undo()
+        for path in (f"/dev/shm/{name}", fifo):
+            if os.path.lexists(path):
+                os.unlink(path)
+
+
 def test_another_users_object_is_kept(creator, monkeypatch):
     # As another user: this process's uid is not the one the reaper takes for its own.
     tag = f"user{os.getpid()}"
