@@ -619,6 +619,33 @@ def test_close_after_the_name_went_releases_the_object_quietly():
         assert buf._lock_fd == -1 and buf._shm is None
 
 
+# A process whose buffers' name someone removes (an operator's rm, an old client's reaper)
+# before it closes them and ends.
+CLOSE_AFTER_RM = """
+import os
+import sys
+from eps_client import BufferShape, ModelLayout, ShmBuffers
+model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+buf = ShmBuffers(model, BufferShape(1, 1, 64, 1), tag=sys.argv[1])
+os.unlink("/dev/shm" + buf.shm_name)
+buf.close()
+"""
+
+
+def test_close_after_the_name_went_leaves_the_resource_tracker_nothing_to_clean_up():
+    # SharedMemory registers the object with multiprocessing's resource tracker, and only
+    # its unlink() of a name still there unregisters it. A name left registered has the
+    # tracker warn of a leak when the process ends and unlink the name itself: by then
+    # maybe another process's object.
+    import eps_client
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(eps_client.__file__))}
+    ended = subprocess.run([sys.executable, "-c", CLOSE_AFTER_RM, f"rm{os.getpid()}"],
+                           capture_output=True, text=True, env=env)
+    assert ended.returncode == 0, ended.stderr
+    assert "resource_tracker" not in ended.stderr, ended.stderr
+
+
 def test_without_flock_shm_buffers_raise_and_leave_no_object(monkeypatch):
     # A /dev/shm whose flock fails (ENOLCK): an unheld object would be taken for a dead
     # engine's, so none is made (docs/api-memory.md §3.3).

@@ -35,7 +35,7 @@ import itertools
 import os
 import secrets
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import NoReturn
 
 import numpy as np
@@ -345,7 +345,13 @@ class ShmBuffers:
             if os.getpid() == self._creator_pid:
                 shm.unlink()
         except FileNotFoundError:
-            pass  # already gone (an operator's rm, an old client's reaper): what close wants
+            # Already gone (an operator's rm, an old client's reaper): what close wants. But
+            # SharedMemory(create=True) registered the name with multiprocessing's resource
+            # tracker (every Python this package supports does, track=True being 3.13's
+            # default), and unlink() unregisters it only after removing it: left registered,
+            # the tracker would warn of a leak at exit and unlink the name, by then maybe
+            # another process's object.
+            resource_tracker.unregister(self.shm_name, "shared_memory")
         finally:
             self._unlock()  # after the unlink: unheld, the object could be taken for stale
             try:
