@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "core/status.h"
 
 namespace eps::client {
 namespace {
@@ -68,9 +69,22 @@ bool UnchangedFor(const struct stat& st, const timespec& now, std::chrono::secon
   return ns(now) - changed >= std::chrono::nanoseconds(grace).count();
 }
 
+bool SameInode(const struct stat& a, const struct stat& b) {
+  return a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+// A grace period below zero would make an object stale before its creator could lock it.
+absl::Status CheckGrace(absl::string_view name, std::chrono::seconds grace) {
+  if (grace.count() >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, "=", grace.count(), "s must be >= 0 (a grace period in seconds)"));
+}
+
 }  // namespace
 
-std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::seconds grace) {
+absl::StatusOr<std::vector<std::string>> ReapStaleShm(const std::string& tag,
+                                                      std::chrono::seconds grace) {
+  RETURN_IF_ERROR(CheckGrace("grace", grace));
   std::vector<std::string> reaped;
   std::unique_ptr<DIR, int (*)(DIR*)> dir(opendir(kShmDir), closedir);
   if (dir == nullptr) return reaped;
@@ -81,12 +95,22 @@ std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::secon
   while (const dirent* entry = readdir(dir.get())) {
     const char* name = entry->d_name;
     if (!NamedForTag(name, tag)) continue;
-    // O_NOFOLLOW | O_NONBLOCK: a link or FIFO planted under the name is neither followed
-    // nor waited on (it is not a regular file: skipped below).
-    const ScopedFd fd(openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    // Checked before it is opened, without following a link: what is not a regular file of
+    // this uid (a FIFO, whose open would wake a writer waiting on it, a device, a link,
+    // another user's file) is never opened.
+    struct stat checked {};
+    if (fstatat(dir_fd, name, &checked, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(checked.st_mode) ||
+        checked.st_uid != uid) {
+      continue;
+    }
+    // O_NOFOLLOW | O_NONBLOCK | O_NOCTTY: what may have replaced the entry since is neither
+    // followed, waited on nor made the controlling terminal, and is left unless it is the
+    // very inode checked.
+    const ScopedFd fd(
+        openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
     struct stat opened {};
-    if (fd.get() < 0 || fstat(fd.get(), &opened) != 0 || !S_ISREG(opened.st_mode) ||
-        opened.st_uid != uid || !UnchangedFor(opened, now, grace)) {
+    if (fd.get() < 0 || fstat(fd.get(), &opened) != 0 || !SameInode(opened, checked) ||
+        !UnchangedFor(opened, now, grace)) {
       continue;
     }
     // Fails while anyone holds the object: its creator (LOCK_SH), or another reaper.
@@ -94,8 +118,7 @@ std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::secon
     // Only the object locked: since it was opened, another reaper may have removed it and a
     // new creator made the name again.
     struct stat named {};
-    if (fstatat(dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) != 0 || named.st_dev != opened.st_dev ||
-        named.st_ino != opened.st_ino) {
+    if (fstatat(dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) != 0 || !SameInode(named, opened)) {
       continue;
     }
     // EPERM (another user's object in the sticky /dev/shm) and ENOENT are left quietly.
@@ -107,11 +130,13 @@ std::vector<std::string> ReapStaleShm(const std::string& tag, std::chrono::secon
 absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
     const ModelLayout& model, const BufferShape& shape, const std::string& tag,
     std::chrono::seconds stale_grace) {
+  RETURN_IF_ERROR(CheckGrace("stale_grace", stale_grace));
   absl::StatusOr<BufferPlan> plan = BufferPlan::For(model, shape);
   if (!plan.ok()) return plan.status();
   // Before creating: a crash-looping engine's dead objects would otherwise fill /dev/shm
-  // until this Create could not fit its own.
-  ReapStaleShm(tag, stale_grace);
+  // until this Create could not fit its own. Best effort, and its grace is checked above:
+  // nothing fails here.
+  (void)ReapStaleShm(tag, stale_grace);
   static std::atomic<int> counter{0};
   auto b = std::unique_ptr<EngineBuffers>(new EngineBuffers(*std::move(plan)));
   const uint64_t size = b->plan_.size;

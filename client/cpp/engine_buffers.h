@@ -51,18 +51,22 @@ inline constexpr std::chrono::seconds kStaleShmGrace{10};
 // Removes the stale objects of `tag` from /dev/shm and returns their names ('/'-prefixed):
 // every entry named as Create names `tag`'s objects (`eps-<tag>-<pid>-<n>`, or with a
 // suffix `-<1 to 16 lower-case hex digits>`), a regular file owned by this process's
-// effective uid, unchanged for at least `grace`, that flock(LOCK_EX | LOCK_NB) can lock: its
+// effective uid (checked before the entry is opened: nothing else is ever opened),
+// unchanged for at least `grace`, that flock(LOCK_EX | LOCK_NB) can lock: its
 // creator is gone. Everything else is left alone, quietly: another tag's, another
 // user's, a held one (a live creator's, this process's own included), a younger one. Best
 // effort: an entry that cannot be opened, locked or unlinked is skipped. Safe to run in
 // several threads and processes at once (an object goes once, under its reaper's lock).
-std::vector<std::string> ReapStaleShm(const std::string& tag,
-                                      std::chrono::seconds grace = kStaleShmGrace);
+// A negative `grace` (it would take an object whose creator has not locked it yet) is
+// INVALID_ARGUMENT, before anything is removed.
+absl::StatusOr<std::vector<std::string>> ReapStaleShm(const std::string& tag,
+                                                      std::chrono::seconds grace = kStaleShmGrace);
 
 class EngineBuffers {
  public:
   // Reaps `tag`'s stale objects (ReapStaleShm with `stale_grace`; tests pass a shorter
   // one), then creates `/eps-<tag>-<pid>-<n>` sized for `model` and `shape` and locks it.
+  // A negative `stale_grace` is INVALID_ARGUMENT, before anything is removed or created.
   static absl::StatusOr<std::unique_ptr<EngineBuffers>> Create(
       const ModelLayout& model, const BufferShape& shape, const std::string& tag,
       std::chrono::seconds stale_grace = kStaleShmGrace);

@@ -9,6 +9,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <signal.h>
+#include <sys/inotify.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -170,11 +171,11 @@ TEST(StaleShmTest, TheObjectOfALiveCreatorIsKept) {
   auto next = EngineBuffers::Create(Model(), Shape(), tag, 0s);
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_TRUE(Exists(creator.names()[0]));
-  EXPECT_TRUE(ReapStaleShm(tag, 0s).empty()) << "this process's own object was taken";
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).value().empty()) << "this process's own object was taken";
 
   // Only the lock kept it: once its creator is gone, it goes.
   creator.Kill();
-  EXPECT_EQ(ReapStaleShm(tag, 0s), creator.names());
+  EXPECT_EQ(ReapStaleShm(tag, 0s).value(), creator.names());
 }
 
 TEST(StaleShmTest, AnUnheldObjectYoungerThanTheGracePeriodIsKept) {
@@ -186,7 +187,7 @@ TEST(StaleShmTest, AnUnheldObjectYoungerThanTheGracePeriodIsKept) {
   EXPECT_TRUE(Exists(young));
 
   // Only its age kept it.
-  EXPECT_EQ(ReapStaleShm(tag, 0s), std::vector<std::string>{young});
+  EXPECT_EQ(ReapStaleShm(tag, 0s).value(), std::vector<std::string>{young});
   shm_unlink(young.c_str());  // after a failure
 }
 
@@ -231,6 +232,45 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
   }
 }
 
+// A negative grace period would take an object whose creator has not locked it yet (one as
+// young as can be): refused, naming the value, before anything is removed or created.
+TEST(StaleShmTest, ANegativeGracePeriodIsRefusedBeforeAnythingIsRemoved) {
+  const std::string tag = Tag("grace");
+  const std::string young = absl::StrCat("/eps-", tag, "-1-0");
+  MakeUnheld(young);
+  {
+    auto made = EngineBuffers::Create(Model(), Shape(), tag, -1s);
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << made.status();
+    EXPECT_TRUE(absl::StrContains(made.status().message(), "stale_grace=-1s")) << made.status();
+    EXPECT_EQ(ShmEntries(absl::StrCat("eps-", tag, "-")),
+              std::vector<std::string>{young.substr(1)});
+  }
+  absl::StatusOr<std::vector<std::string>> reaped = ReapStaleShm(tag, -1s);
+  EXPECT_EQ(reaped.status().code(), absl::StatusCode::kInvalidArgument) << reaped.status();
+  EXPECT_TRUE(absl::StrContains(reaped.status().message(), "grace=-1s")) << reaped.status();
+  EXPECT_TRUE(Exists(young));
+  shm_unlink(young.c_str());
+}
+
+// Checked before it is opened: opening a FIFO wakes a writer waiting on it (a device would
+// do more). inotify reports every open of the FIFO, here none.
+TEST(StaleShmTest, WhatIsNoRegularFileUnderTheTagsNamesIsNotEvenOpened) {
+  const std::string tag = Tag("unopened");
+  const std::string fifo = absl::StrCat("/dev/shm/eps-", tag, "-1-0");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const int watch = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  ASSERT_GE(watch, 0) << std::strerror(errno);
+  ASSERT_GE(inotify_add_watch(watch, fifo.c_str(), IN_OPEN | IN_DONT_FOLLOW), 0)
+      << std::strerror(errno);
+
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).value().empty());
+  char events[4096];
+  const ssize_t n = read(watch, events, sizeof events);
+  EXPECT_TRUE(n < 0 && errno == EAGAIN) << "the reaper opened the FIFO (" << n << " bytes)";
+  close(watch);
+  unlink(fifo.c_str());
+}
+
 // Entries under the tag's names that are no objects: a FIFO (an open that waited on it
 // would hang the engine's Create) and a symlink to an unheld object of the same user (the
 // link is not the object; neither is followed). Both stay, and Create returns.
@@ -272,7 +312,8 @@ TEST(StaleShmTest, AForkedChildsDestructorLeavesItsParentsObjectNamedAndHeld) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_TRUE(Exists(name)) << "the child removed its parent's object";
-  EXPECT_TRUE(ReapStaleShm(tag, 0s).empty()) << "the parent's lock went with the child's copy";
+  EXPECT_TRUE(ReapStaleShm(tag, 0s).value().empty())
+      << "the parent's lock went with the child's copy";
   buffers.reset();
   EXPECT_FALSE(Exists(name));
 }

@@ -437,6 +437,28 @@ def test_an_unheld_object_younger_than_the_grace_period_is_kept():
             os.unlink(f"/dev/shm{young}")
 
 
+@pytest.mark.parametrize("grace", [-1, -0.5, float("nan"), float("inf"), float("-inf")])
+def test_a_negative_or_non_finite_grace_period_is_refused_before_anything_is_removed(grace):
+    # A negative one would take an object whose creator has not locked it yet (as young as
+    # one can be); NaN and infinity would quietly take none. Refused before the reaping and
+    # the creation: the young unheld object stays, and no object is made.
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"grace{os.getpid()}"
+    young = f"/eps-{tag}-1-0"
+    make_unheld(young)
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"stale_grace_s={float(grace)!r}")):
+            ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=grace)
+        with pytest.raises(ValueError, match=re.escape(f"grace_s={float(grace)!r}")):
+            reap_stale(tag, grace)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"eps-{tag}-")] == [young[1:]]
+    finally:
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"eps-{tag}-"):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
     tag = f"names{os.getpid()}"
     prefix = f"/eps-{tag}-"
@@ -478,6 +500,64 @@ def test_a_fifo_or_symlink_under_the_tags_names_is_left_alone():
         for name in (fifo, link, target):
             if os.path.lexists(f"/dev/shm{name}"):
                 os.unlink(f"/dev/shm{name}")
+
+def test_what_is_no_regular_file_under_the_tags_names_is_not_even_opened():
+    # Checked before it is opened: opening a FIFO wakes a writer waiting on it (a device
+    # would do more). inotify reports every open of the FIFO, here none.
+    import ctypes
+
+    from eps_client._stale_shm import reap_stale
+
+    in_open, in_dont_follow = 0x20, 0x02000000  # <sys/inotify.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    tag = f"unopened{os.getpid()}"
+    fifo = f"/dev/shm/eps-{tag}-1-0"
+    os.mkfifo(fifo, 0o600)
+    watch = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert watch >= 0, os.strerror(ctypes.get_errno())
+    try:
+        assert libc.inotify_add_watch(watch, fifo.encode(), in_open | in_dont_follow) >= 0, \
+            os.strerror(ctypes.get_errno())
+        assert reap_stale(tag, 0) == []
+        with pytest.raises(BlockingIOError):  # no event: the reaper did not open it
+            os.read(watch, 4096)
+    finally:
+        os.close(watch)
+        os.unlink(fifo)
+
+
+def test_an_entry_replaced_between_its_check_and_its_open_is_left_alone(monkeypatch):
+    # The name can come to name something else after the reaper checked it (here a FIFO
+    # renamed over an unheld object just before the open): only the inode checked is taken.
+    # The reaper's clock is an hour ahead, so that the FIFO's fresh ctime (the rename's) does
+    # not keep it as young: only the inode check may.
+    import stat
+    import time
+
+    from eps_client._stale_shm import reap_stale
+
+    tag = f"swapped{os.getpid()}"
+    name, fifo = f"eps-{tag}-1-0", f"/dev/shm/{tag}-fifo"
+    make_unheld("/" + name)
+    os.mkfifo(fifo, 0o600)
+    real_open = os.open
+
+    def open_after_swap(path, flags, mode=0o777, *, dir_fd=None):
+        if path == name and os.path.lexists(fifo):
+            os.rename(fifo, f"/dev/shm/{name}")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_after_swap)
+    monkeypatch.setattr(time, "time_ns", lambda real=time.time_ns: real() + 3600 * 10**9)
+    try:
+        assert reap_stale(tag, 0) == []
+        assert stat.S_ISFIFO(os.lstat(f"/dev/shm/{name}").st_mode)
+    finally:
+        monkeypatch.undo()
+        for path in (f"/dev/shm/{name}", fifo):
+            if os.path.lexists(path):
+                os.unlink(path)
+
 
 def test_another_users_object_is_kept(creator, monkeypatch):
     # As another user: this process's uid is not the one the reaper takes for its own.
@@ -537,6 +617,33 @@ def test_close_after_the_name_went_releases_the_object_quietly():
         os.unlink(f"/dev/shm{buf.shm_name}")
         buf.close()
         assert buf._lock_fd == -1 and buf._shm is None
+
+
+# A process whose buffers' name someone removes (an operator's rm, an old client's reaper)
+# before it closes them and ends.
+CLOSE_AFTER_RM = """
+import os
+import sys
+from eps_client import BufferShape, ModelLayout, ShmBuffers
+model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
+buf = ShmBuffers(model, BufferShape(1, 1, 64, 1), tag=sys.argv[1])
+os.unlink("/dev/shm" + buf.shm_name)
+buf.close()
+"""
+
+
+def test_close_after_the_name_went_leaves_the_resource_tracker_nothing_to_clean_up():
+    # SharedMemory registers the object with multiprocessing's resource tracker, and only
+    # its unlink() of a name still there unregisters it. A name left registered has the
+    # tracker warn of a leak when the process ends and unlink the name itself: by then
+    # maybe another process's object.
+    import eps_client
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(eps_client.__file__))}
+    ended = subprocess.run([sys.executable, "-c", CLOSE_AFTER_RM, f"rm{os.getpid()}"],
+                           capture_output=True, text=True, env=env)
+    assert ended.returncode == 0, ended.stderr
+    assert "resource_tracker" not in ended.stderr, ended.stderr
 
 
 def test_without_flock_shm_buffers_raise_and_leave_no_object(monkeypatch):

@@ -12,6 +12,8 @@ The same rule as client/cpp's ReapStaleShm (engine_buffers.h).
 from __future__ import annotations
 
 import fcntl
+import math
+import numbers
 import os
 import re
 import stat
@@ -48,6 +50,18 @@ def hold(name: str) -> int:
     return fd
 
 
+def grace_period(name: str, value: float) -> float:
+    """``value`` as a grace period in seconds: a finite number >= 0, else ValueError (TypeError
+    for what is no number), naming ``name`` and the value. A negative one would take an object
+    whose creator has not locked it yet; NaN or infinity would quietly take none."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} is not a number of seconds")
+    out = float(value)
+    if not math.isfinite(out) or out < 0:
+        raise ValueError(f"{name}={out!r} must be a finite number of seconds >= 0")
+    return out
+
+
 def _unchanged_for(st: os.stat_result, now_ns: int, grace_s: float) -> bool:
     """Whether neither ctime nor mtime is within ``grace_s`` of now (a clock set back makes
     an object younger: kept)."""
@@ -56,11 +70,14 @@ def _unchanged_for(st: os.stat_result, now_ns: int, grace_s: float) -> bool:
 
 def reap_stale(tag: str, grace_s: float = STALE_SHM_GRACE_S) -> list[str]:
     """Removes ``tag``'s stale objects and returns their names ('/'-prefixed): every entry
-    ``named_for_tag``, a regular file of this process's effective uid, unchanged for at least
-    ``grace_s``, that ``flock(LOCK_EX | LOCK_NB)`` can lock (its creator is gone). Everything
-    else is left alone, quietly: another tag's, another user's, a held one (a live creator's,
-    this process's own included), a younger one. Best effort: an entry that cannot be opened,
-    locked or unlinked is skipped."""
+    ``named_for_tag``, a regular file of this process's effective uid (checked before the
+    entry is opened: nothing else is ever opened), unchanged for at least ``grace_s``, that
+    ``flock(LOCK_EX | LOCK_NB)`` can lock (its creator is gone). Everything else is left
+    alone, quietly: another tag's, another user's, a held one (a live creator's, this
+    process's own included), a younger one. Best effort: an entry that cannot be opened,
+    locked or unlinked is skipped. A ``grace_s`` that ``grace_period`` refuses raises before
+    anything is removed."""
+    grace_s = grace_period("grace_s", grace_s)
     reaped: list[str] = []
     try:
         dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -81,16 +98,26 @@ def reap_stale(tag: str, grace_s: float = STALE_SHM_GRACE_S) -> list[str]:
 
 
 def _reap_one(dir_fd: int, entry: str, uid: int, now_ns: int, grace_s: float) -> bool:
-    # O_NOFOLLOW | O_NONBLOCK: a link or FIFO planted under the name is neither followed nor
-    # waited on (it is not a regular file: skipped).
+    # Checked before it is opened, without following a link: what is not a regular file of
+    # this uid (a FIFO, whose open would wake a writer waiting on it, a device, a link,
+    # another user's file) is never opened.
     try:
-        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=dir_fd)
+        checked = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISREG(checked.st_mode) or checked.st_uid != uid:
+        return False
+    # O_NOFOLLOW | O_NONBLOCK | O_NOCTTY: what may have replaced the entry since is neither
+    # followed, waited on nor made the controlling terminal, and is left unless it is the
+    # very inode checked.
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                     | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return False
     try:
         opened = os.fstat(fd)
-        if (not stat.S_ISREG(opened.st_mode) or opened.st_uid != uid
+        if ((opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino)
                 or not _unchanged_for(opened, now_ns, grace_s)):
             return False
         try:  # fails while anyone holds the object: its creator (LOCK_SH), or another reaper

@@ -35,7 +35,7 @@ import itertools
 import os
 import secrets
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import NoReturn
 
 import numpy as np
@@ -226,7 +226,8 @@ class ShmBuffers:
 
     First removes the objects of ``tag`` that dead processes left (unheld and unchanged for
     ``stale_grace_s``, ``STALE_SHM_GRACE_S`` = 10 s; tests pass a shorter one: see
-    eps_client._stale_shm and docs/api-memory.md §3.3), then creates
+    eps_client._stale_shm and docs/api-memory.md §3.3; a negative, NaN or infinite one raises
+    ValueError before anything is removed or created), then creates
     ``/eps-<tag>-<pid>-<n>`` (with a random suffix when a dead process left that name) and
     holds ``flock(LOCK_SH)`` on it; ``close()`` (or the context manager, or garbage
     collection) unmaps, unlinks and unlocks it. Only the creating process unlinks: in a
@@ -239,6 +240,7 @@ class ShmBuffers:
 
     def __init__(self, model: ModelLayout, shape: BufferShape, tag: str = "py", *,
                  stale_grace_s: float = _stale_shm.STALE_SHM_GRACE_S) -> None:
+        stale_grace_s = _stale_shm.grace_period("stale_grace_s", stale_grace_s)
         self.layout = BufferLayout.compute(model, shape)
         self.model, self.shape = model, shape
         self._lock_fd = -1
@@ -343,7 +345,13 @@ class ShmBuffers:
             if os.getpid() == self._creator_pid:
                 shm.unlink()
         except FileNotFoundError:
-            pass  # already gone (an operator's rm, an old client's reaper): what close wants
+            # Already gone (an operator's rm, an old client's reaper): what close wants. But
+            # SharedMemory(create=True) registered the name with multiprocessing's resource
+            # tracker (every Python this package supports does, track=True being 3.13's
+            # default), and unlink() unregisters it only after removing it: left registered,
+            # the tracker would warn of a leak at exit and unlink the name, by then maybe
+            # another process's object.
+            resource_tracker.unregister(self.shm_name, "shared_memory")
         finally:
             self._unlock()  # after the unlink: unheld, the object could be taken for stale
             try:
