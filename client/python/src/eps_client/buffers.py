@@ -187,6 +187,19 @@ class BufferLayout:
         return out
 
 
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    """Removes the object's name; one already gone (an operator's rm, an old client's reaper)
+    is what the caller wanted. But SharedMemory(create=True) registered the name with
+    multiprocessing's resource tracker (every Python this package supports does, track=True
+    being 3.13's default), and unlink() unregisters it only after removing it: left
+    registered, the tracker would warn of a leak at exit and unlink the name, by then maybe
+    another process's object."""
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        resource_tracker.unregister("/" + shm.name.lstrip("/"), "shared_memory")
+
+
 def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
     """Allocates the object's pages now. SharedMemory sizes it with ftruncate, which on
     tmpfs leaves it sparse: a /dev/shm too small for it (a container's 64 MiB) would kill
@@ -199,7 +212,7 @@ def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         shm.close()
-        shm.unlink()
+        _unlink(shm)
         raise OSError(e.errno, f"ShmBuffers: cannot reserve {size} bytes for /{shm.name}: "
                       f"{e.strerror} (is /dev/shm large enough? `df -h /dev/shm`)") from None
 
@@ -258,7 +271,7 @@ class ShmBuffers:
             self._lock_fd = _stale_shm.hold(self.shm_name[1:])
         except OSError as e:
             shm, self._shm = self._shm, None
-            shm.unlink()
+            _unlink(shm)
             shm.close()
             raise OSError(e.errno, f"ShmBuffers: cannot lock {self.shm_name}: {e.strerror}") \
                 from None
@@ -343,15 +356,7 @@ class ShmBuffers:
             # The name goes now (the mapping when the last view does), and only in the creator:
             # a forked child's copy names its parent's object, which may well be live.
             if os.getpid() == self._creator_pid:
-                shm.unlink()
-        except FileNotFoundError:
-            # Already gone (an operator's rm, an old client's reaper): what close wants. But
-            # SharedMemory(create=True) registered the name with multiprocessing's resource
-            # tracker (every Python this package supports does, track=True being 3.13's
-            # default), and unlink() unregisters it only after removing it: left registered,
-            # the tracker would warn of a leak at exit and unlink the name, by then maybe
-            # another process's object.
-            resource_tracker.unregister(self.shm_name, "shared_memory")
+                _unlink(shm)
         finally:
             self._unlock()  # after the unlink: unheld, the object could be taken for stale
             try:
