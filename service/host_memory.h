@@ -47,7 +47,8 @@ class HostMemory final : public MappedMemory {
   // epsd opens it with its own rights, which must not stand in for the caller's.
   static absl::StatusOr<std::unique_ptr<HostMemory>> MapShm(
       const std::string& name, uint64_t declared_size, std::optional<uid_t> owner = std::nullopt);
-  // Allocates `size` zeroed bytes, then copies `initial` (at most `size` bytes) in.
+  // Allocates `size` zeroed bytes, pages of their own that go back to the system with the
+  // value, then copies `initial` (at most `size` bytes) in.
   static absl::StatusOr<std::unique_ptr<HostMemory>> Allocate(uint64_t size,
                                                               const std::string& initial);
 
@@ -57,7 +58,7 @@ class HostMemory final : public MappedMemory {
 
   std::byte* data() const override { return data_; }
   uint64_t size() const override { return size_; }
-  bool is_inline() const override { return owned_ != nullptr; }
+  bool is_inline() const override { return inline_; }
   const std::string& name() const override { return name_; }
   bool faulted() const override;
 
@@ -66,9 +67,9 @@ class HostMemory final : public MappedMemory {
   std::byte* data_ = nullptr;
   uint64_t size_ = 0;
   std::string name_;
-  std::unique_ptr<std::byte[]> owned_;  // inline buffers
-  bool mapped_ = false;                 // shm: munmap on destruction
-  int guard_region_ = -1;               // shm: its ShmFaultGuard region
+  bool inline_ = false;    // an anonymous mapping of its own: munmap on destruction
+  bool mapped_ = false;    // shm: munmap on destruction
+  int guard_region_ = -1;  // shm: its ShmFaultGuard region
 };
 
 }  // namespace eps::service
