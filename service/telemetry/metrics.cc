@@ -10,6 +10,7 @@
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/text_serializer.h"
+#include "service/telemetry/listener_wake.h"
 
 namespace eps::telemetry {
 namespace {
@@ -225,7 +226,11 @@ ServerMetrics::ServerMetrics(ScrapeSources sources)
   }
 }
 
-ServerMetrics::~ServerMetrics() = default;
+ServerMetrics::~ServerMetrics() {
+  if (exposer_ == nullptr) return;
+  // Stopped with its listener woken: about 15 ms instead of civetweb's 0.8-2 s.
+  StopWhileWaking(listen_host_, port_, [&] { exposer_.reset(); });
+}
 
 void ServerMetrics::RpcStarted(RpcMethod method) {
   started_[static_cast<int>(method)]->Increment();
@@ -295,6 +300,7 @@ absl::Status ServerMetrics::Serve(const std::string& listen) {
   exposer_->RegisterCollectable(histograms_);
   const std::vector<int> ports = exposer_->GetListeningPorts();
   port_ = ports.empty() ? 0 : ports.front();
+  listen_host_ = listen.substr(0, listen.rfind(':'));  // host:port, checked by the config
   return absl::OkStatus();
 }
 

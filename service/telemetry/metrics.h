@@ -98,6 +98,7 @@ class ServerMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<HistogramCollectable> histograms_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string listen_host_;  // the host of Serve's host:port, where the stop wakes civetweb
   int port_ = 0;
 
   std::array<prometheus::Counter*, kRpcMethods> started_{};
