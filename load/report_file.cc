@@ -30,28 +30,40 @@ absl::StatusOr<ReportFile> ReportFile::Open(const std::string& path) {
     // until the report is written).
     const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
     if (fd < 0) return absl::UnavailableError(std::strerror(errno));
-    return ReportFile(path, std::string(), fd, /*direct=*/true);
+    return ReportFile(path, std::string(), fd, /*direct=*/true, /*unnamed=*/false);
   }
   // The pid keeps two runs writing the same report apart; O_EXCL refuses a stale file of
   // the same name rather than writing through it (it may be a link).
   std::string temporary = absl::StrCat(path, ".", ::getpid(), ".tmp");
+  // First a file with no name in the report's directory (O_TMPFILE), named only at
+  // Commit(): a run killed by a signal it does not handle then leaves nothing behind.
+  const size_t slash = path.rfind('/');
+  const std::string directory =
+      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const int unnamed = ::open(directory.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
+  if (unnamed >= 0) return ReportFile(path, std::move(temporary), unnamed, false, true);
+  if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {  // not the filesystem's lack
+    return absl::UnavailableError(
+        absl::StrCat(std::strerror(errno), " (creating its temporary in ", directory, ")"));
+  }
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) {
     return absl::UnavailableError(
         absl::StrCat(std::strerror(errno), " (creating its temporary ", temporary, ")"));
   }
-  return ReportFile(path, std::move(temporary), fd, /*direct=*/false);
+  return ReportFile(path, std::move(temporary), fd, /*direct=*/false, /*unnamed=*/false);
 }
 
 ReportFile::ReportFile(ReportFile&& other) noexcept
     : path_(std::move(other.path_)),
       temporary_path_(std::exchange(other.temporary_path_, std::string())),
       fd_(std::exchange(other.fd_, -1)),
-      direct_(other.direct_) {}
+      direct_(other.direct_),
+      unnamed_(other.unnamed_) {}
 
 ReportFile::~ReportFile() {
   if (fd_ >= 0) ::close(fd_);
-  if (!temporary_path_.empty()) ::unlink(temporary_path_.c_str());
+  if (!temporary_path_.empty() && !unnamed_) ::unlink(temporary_path_.c_str());
 }
 
 absl::Status ReportFile::Commit(const std::string& contents) {
@@ -80,6 +92,14 @@ absl::Status ReportFile::Commit(const std::string& contents) {
     return absl::OkStatus();
   }
   if (::fsync(fd_) != 0) return ErrnoError(absl::StrCat("cannot sync ", temporary_path_), errno);
+  if (unnamed_) {  // named now, for the rename (linkat through /proc needs no privilege)
+    const std::string self = absl::StrCat("/proc/self/fd/", fd_);
+    if (::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, temporary_path_.c_str(), AT_SYMLINK_FOLLOW) !=
+        0) {
+      return ErrnoError(absl::StrCat("cannot name ", temporary_path_), errno);
+    }
+    unnamed_ = false;  // from here on a failure removes the name, as for a named temporary
+  }
   const int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) return ErrnoError(absl::StrCat("cannot close ", temporary_path_), errno);
   if (::rename(temporary_path_.c_str(), path_.c_str()) != 0) {

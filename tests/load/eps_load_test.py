@@ -455,6 +455,21 @@ def test_sigint_ends_a_long_run_early_with_a_report(epsd: tuple[str, int], tmp_p
     assert not [p for p in Path("/dev/shm").glob(f"eps-load-{proc.pid}-*")]
 
 
+def test_a_run_killed_by_sigkill_leaves_no_temporary_beside_its_report(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # The report's temporary was `out.json.PID.tmp` from the start: a run killed by a signal
+    # it cannot handle left it behind. Now it has no name until the report is written.
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    proc = _start_until(target, ["--warmup=0", "--floor-calls=0", "--rate=poisson:50",
+                                 f"--json={out}"], "running")
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("out.json")]
+
+
 def test_sigint_ends_an_open_loop_between_its_calls(epsd: tuple[str, int], tmp_path: Path) -> None:
     # At 0.02 calls/s the sessions sleep tens of seconds between calls; SIGINT once waited
     # that out.
