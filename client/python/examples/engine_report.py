@@ -122,6 +122,10 @@ def delta_ppl_percent(delta_nll_per_token: float) -> float:
 
 
 def markdown(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    for row in rows:  # a short row shifts every later column under the wrong heading
+        if len(row) != len(header):
+            raise ValueError(f"a row of {len(row)} cells under {len(header)} headings: {row}")
+
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return "nan" if math.isnan(v) else f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"

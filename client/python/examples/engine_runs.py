@@ -182,7 +182,7 @@ def run_speed(args: argparse.Namespace, kill: bool = False) -> dict[str, Any]:
     sdpa_attn = sdpa_attention_ms(engine, P + N)
     rows = [["dense", "100%", "-", d["step_ms_p50"], d["step_ms_p95"], d["step_ms_mean"],
              dense_attn, "-", "-",
-             "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-"]]
+             "-", "-", "-", d["host_ms_p50"], "-", "-", "-", "-", "-", "-"]]
     runs = []
     for f, k in ((f, k) for f in fractions(args.fractions) for k in args.reuse):
         engine.restore(saved)

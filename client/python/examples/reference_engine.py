@@ -110,8 +110,13 @@ def reuses(text: str) -> list[int]:
         out = [int(v) for v in text.split(",") if v]
     except ValueError:
         out = []
-    if not out or any(k < 1 for k in out):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of counts >= 1")
+    from eps_client.outputs import REUSE_WINDOW_BLOCKS
+
+    # the views' reuse window at the engine's 16-token blocks (engine_loop.PagedEngine.decode)
+    longest = (REUSE_WINDOW_BLOCKS - 1) * 16 + 1
+    if not out or any(not 1 <= k <= longest for k in out):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma list of counts in [1, {longest}]")
     return out
 
 

@@ -23,6 +23,7 @@ from engine_report import (  # noqa: E402
     attention_limit_ms,
     delta_ppl_percent,
     gating,
+    markdown,
     ran_gated,
     summarize,
 )
@@ -169,11 +170,18 @@ def test_a_restore_undoes_everything_a_decode_run_writes_for_the_next_run(coarse
     np.testing.assert_array_equal(buf.visit_count, lists)  # epsd's, not the engine's
 
 
+def test_a_table_row_of_another_width_than_its_header_is_refused():
+    # the speed table's dense row was one cell short: every later column under the wrong name
+    assert markdown(["a", "b"], [[1, 2.5]]).splitlines()[2] == "| 1 | 2.5 |"
+    with pytest.raises(ValueError, match="a row of 1 cells under 2 headings"):
+        markdown(["a", "b"], [[1]])
+
+
 def test_reuse_is_a_comma_list_and_a_bad_entry_is_a_usage_error(capsys):
     mode = ["--mode", "speed"]
     assert build_parser().parse_args([*mode, "--reuse", "1,4"]).reuse == [1, 4]
     assert build_parser().parse_args(mode).reuse == [1]
-    for value in ("0", "2,x", ""):
+    for value in ("0", "2,x", "", "1010"):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args([*mode, "--reuse", value])
         assert e.value.code == 2 and "--reuse" in capsys.readouterr().err
