@@ -32,8 +32,8 @@ absl::StatusOr<ReportFile> ReportFile::Open(const std::string& path) {
     if (fd < 0) return absl::UnavailableError(std::strerror(errno));
     return ReportFile(path, std::string(), fd, /*direct=*/true, /*unnamed=*/false);
   }
-  // The pid keeps two runs writing the same report apart; O_EXCL refuses a stale file of
-  // the same name rather than writing through it (it may be a link).
+  // The pid keeps two runs writing the same report apart; a stale file of the same name is
+  // refused rather than written through (it may be a link): O_EXCL below, lstat above.
   std::string temporary = absl::StrCat(path, ".", ::getpid(), ".tmp");
   // First a file with no name in the report's directory (O_TMPFILE), named only at
   // Commit(): a run killed by a signal it does not handle then leaves nothing behind.
@@ -41,8 +41,24 @@ absl::StatusOr<ReportFile> ReportFile::Open(const std::string& path) {
   const std::string directory =
       slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
   const int unnamed = ::open(directory.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
-  if (unnamed >= 0) return ReportFile(path, std::move(temporary), unnamed, false, true);
-  if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {  // not the filesystem's lack
+  if (unnamed >= 0) {
+    // What Commit() will need, checked now rather than after the run: the name it links
+    // free (a stale file of a dead process with this pid is refused, as O_EXCL refuses it
+    // below), and /proc, through which it links.
+    struct stat existing {};
+    const bool name_taken = ::lstat(temporary.c_str(), &existing) == 0;
+    const bool proc = ::access(absl::StrCat("/proc/self/fd/", unnamed).c_str(), F_OK) == 0;
+    if (name_taken) {
+      ::close(unnamed);
+      return absl::UnavailableError(
+          absl::StrCat(std::strerror(EEXIST), " (creating its temporary ", temporary, ")"));
+    }
+    if (proc) {
+      return ReportFile(path, std::move(temporary), unnamed, /*direct=*/false, /*unnamed=*/true);
+    }
+    ::close(unnamed);  // no /proc: the named temporary below
+  } else if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
+    // not the filesystem's lack of O_TMPFILE
     return absl::UnavailableError(
         absl::StrCat(std::strerror(errno), " (creating its temporary in ", directory, ")"));
   }
