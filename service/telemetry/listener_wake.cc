@@ -10,12 +10,13 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 namespace eps::telemetry {
-namespace {
 
-std::optional<sockaddr_in> Resolve(const std::string& host, int port) {
+std::optional<sockaddr_in> ListenerAddress(const std::string& host, int port) {
+  if (port < 1 || port > 65535) return std::nullopt;
   const std::string name = host.empty() || host == "0.0.0.0" ? "127.0.0.1" : host;
   addrinfo hints{};
   hints.ai_family = AF_INET;
@@ -31,6 +32,8 @@ std::optional<sockaddr_in> Resolve(const std::string& host, int port) {
   return address;
 }
 
+namespace {
+
 // One connection, closed at once; a failure (the listener already gone) is no error.
 void Poke(const sockaddr_in& address) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -43,23 +46,25 @@ void Poke(const sockaddr_in& address) {
 
 }  // namespace
 
-void StopWhileWaking(const std::string& host, int port, absl::FunctionRef<void()> stop) {
-  const std::optional<sockaddr_in> address =
-      port > 0 ? Resolve(host, port) : std::optional<sockaddr_in>{};
+void StopWhileWaking(const std::optional<sockaddr_in>& address, absl::FunctionRef<void()> stop) {
   if (!address) {
     stop();
     return;
   }
   std::atomic<bool> stopped{false};
-  std::thread waker([&] {
-    while (!stopped.load(std::memory_order_acquire)) {
-      Poke(*address);
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  });
+  std::optional<std::thread> waker;
+  try {
+    waker.emplace([&] {
+      while (!stopped.load(std::memory_order_acquire)) {
+        Poke(*address);
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    });
+  } catch (const std::system_error&) {  // no thread to spare: the slow stop, not an abort
+  }
   stop();
   stopped.store(true, std::memory_order_release);
-  waker.join();
+  if (waker) waker->join();
 }
 
 }  // namespace eps::telemetry

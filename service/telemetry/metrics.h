@@ -10,9 +10,12 @@
 // Thread safety: all methods may be called concurrently.
 #pragma once
 
+#include <netinet/in.h>
+
 #include <array>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -98,7 +101,7 @@ class ServerMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<HistogramCollectable> histograms_;
   std::unique_ptr<prometheus::Exposer> exposer_;
-  std::string listen_host_;  // the host of Serve's host:port, where the stop wakes civetweb
+  std::optional<sockaddr_in> wake_address_;  // the listener the stop wakes (listener_wake.h)
   int port_ = 0;
 
   std::array<prometheus::Counter*, kRpcMethods> started_{};

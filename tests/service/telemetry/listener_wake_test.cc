@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <optional>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -53,10 +54,12 @@ TEST(StopWhileWaking, TheListenerIsConnectedToWhileTheStopRuns) {
   for (const std::string host : {"127.0.0.1", "0.0.0.0", "", "localhost"}) {
     Listener listener;
     ASSERT_GT(listener.port(), 0);
+    const std::optional<sockaddr_in> address = ListenerAddress(host, listener.port());
+    ASSERT_TRUE(address.has_value()) << "host '" << host << "'";
     bool woken = false;
     int stops = 0;
     // The stop waits for the wake (10 s bounds a failure, not a time measured).
-    StopWhileWaking(host, listener.port(), [&] {
+    StopWhileWaking(address, [&] {
       ++stops;
       woken = listener.ConnectionWithin(10'000);
     });
@@ -65,13 +68,19 @@ TEST(StopWhileWaking, TheListenerIsConnectedToWhileTheStopRuns) {
   }
 }
 
-TEST(StopWhileWaking, WithoutAnAddressToWakeTheStopStillRunsOnce) {
-  for (const auto& [host, port] :
-       {std::pair<std::string, int>{"no-such-host.invalid", 9464}, {"127.0.0.1", 0}}) {
-    int stops = 0;
-    StopWhileWaking(host, port, [&] { ++stops; });
-    EXPECT_EQ(stops, 1) << host << ":" << port;
+TEST(ListenerAddress, IsIpv4LoopbackForEveryInterfaceAndNoneWithoutAPortOrAnIpv4Host) {
+  for (const std::string host : {"0.0.0.0", ""}) {
+    const std::optional<sockaddr_in> a = ListenerAddress(host, 9464);
+    ASSERT_TRUE(a.has_value()) << "host '" << host << "'";
+    EXPECT_EQ(a->sin_family, AF_INET);
+    EXPECT_EQ(ntohl(a->sin_addr.s_addr), INADDR_LOOPBACK);
+    EXPECT_EQ(ntohs(a->sin_port), 9464);
   }
+  EXPECT_FALSE(ListenerAddress("127.0.0.1", 0).has_value());  // not serving
+  EXPECT_FALSE(ListenerAddress("::1", 9464).has_value());     // IPv6: never resolved to IPv4
+  int stops = 0;
+  StopWhileWaking(std::nullopt, [&] { ++stops; });  // nothing to wake: the stop alone
+  EXPECT_EQ(stops, 1);
 }
 
 TEST(StopWhileWaking, APortNothingListensOnDoesNotHoldTheStop) {
@@ -82,7 +91,7 @@ TEST(StopWhileWaking, APortNothingListensOnDoesNotHoldTheStop) {
   }
   ASSERT_GT(port, 0);
   int stops = 0;
-  StopWhileWaking("127.0.0.1", port, [&] { ++stops; });
+  StopWhileWaking(ListenerAddress("127.0.0.1", port), [&] { ++stops; });
   EXPECT_EQ(stops, 1);
 }
 
