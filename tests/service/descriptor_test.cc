@@ -6,11 +6,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdint>
 #include <memory>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "service/host_memory.h"
 
 namespace eps::service {
 namespace {
@@ -259,6 +262,37 @@ TEST(DescriptorTest, AnOutputOverlappingAnotherBufferIsRefused) {
   absl::StatusOr<MappedTensor> c = ResolveTensor(shm.Descriptor(4096, 64, {8}), out, cache);
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(CheckNoOverlap({{in, *a}, {out, *c}}).ok());
+}
+
+}  // namespace
+}  // namespace eps::service
+
+namespace eps::service {
+namespace {
+
+// An inline buffer is a mapping of its own (service/host_memory.h): its initial bytes copied
+// in, the rest zero, and the mapping gone with it (mincore answers ENOMEM for an unmapped
+// page), so a session's inline memory goes back to the system when the session ends.
+TEST(HostMemoryTest, AnInlineBufferIsItsOwnMappingAndGoesWithIt) {
+  const uint64_t size = uint64_t{3} << 20;
+  auto memory = HostMemory::Allocate(size, std::string("\x01\x02\x03", 3));
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  std::byte* data = (*memory)->data();
+  ASSERT_EQ((*memory)->size(), size);
+  EXPECT_EQ(data[0], std::byte{1});
+  EXPECT_EQ(data[2], std::byte{3});
+  EXPECT_EQ(data[3], std::byte{0});
+  EXPECT_EQ(data[size - 1], std::byte{0});
+  const long page = sysconf(_SC_PAGESIZE);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(page), 0u);
+  unsigned char resident = 0;
+  ASSERT_EQ(mincore(data, static_cast<size_t>(page), &resident), 0);
+  memory->reset();
+  for (const uint64_t offset : {uint64_t{0}, size / 2, size - static_cast<uint64_t>(page)}) {
+    errno = 0;
+    EXPECT_EQ(mincore(data + offset, static_cast<size_t>(page), &resident), -1) << offset;
+    EXPECT_EQ(errno, ENOMEM) << offset;
+  }
 }
 
 }  // namespace
