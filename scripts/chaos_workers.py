@@ -218,6 +218,16 @@ def act_steps(e: Engine, tally: Tally, rng: random.Random, args: argparse.Namesp
         time.sleep(rng.choice([0, 0.01, 0.05]))
 
 
+def attach(e: Engine, tally: Tally) -> None:
+    """An Attach of a chaos engine: refused only for lack of room, time or a build in flight."""
+    try:
+        e.client.attach()
+        tally.add("chaos.attach", "OK")
+    except EpsError as x:
+        tally.add("chaos.attach", code_of(x), {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
+                                              "ABORTED"})
+
+
 def act_detach(e: Engine, tally: Tally, rng: random.Random, args: argparse.Namespace) -> None:
     try:
         e.client.detach()
@@ -225,12 +235,7 @@ def act_detach(e: Engine, tally: Tally, rng: random.Random, args: argparse.Names
     except EpsError as x:
         tally.add("chaos.detach", code_of(x), {"NOT_FOUND", "DEADLINE_EXCEEDED"})
     e.select(tally, "chaos.select_after_detach", {"FAILED_PRECONDITION"})
-    try:
-        e.client.attach()
-        tally.add("chaos.attach", "OK")
-    except EpsError as x:
-        tally.add("chaos.attach", code_of(x), {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
-                                              "ABORTED"})
+    attach(e, tally)
 
 
 def act_replace(e: Engine, tally: Tally, rng: random.Random, args: argparse.Namespace) -> None:
@@ -458,12 +463,7 @@ def run_chaos(args: argparse.Namespace, tally: Tally) -> None:
                     deadline_s=0.5, lease_ms=rng.choice([0, 0, 50, 200]))
     if rng.random() < 0.15:
         self_kill_after(rng.uniform(0, 0.01))  # often mid-Attach
-    try:
-        engine.client.attach()
-        tally.add("chaos.attach", "OK")
-    except EpsError as x:
-        tally.add("chaos.attach", code_of(x), {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
-                                              "ABORTED"})
+    attach(engine, tally)
     publish_session(args.run_dir, engine)
     actions, weights = zip(*ACTIONS)
     for _ in range(rng.randint(1, 12)):

@@ -24,25 +24,19 @@ namespace {
 using testing::EpsdProcess;
 using testing::TestEngine;
 
-// Peak resident bytes of a process (VmHWM), 0 when unreadable.
-uint64_t PeakRssBytes(pid_t pid) {
+// A byte count of a process's /proc status (`field` e.g. "VmHWM:"), 0 when unreadable.
+uint64_t StatusBytes(pid_t pid, const std::string& field) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
   std::string line;
   while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    if (line.rfind(field, 0) == 0) return std::stoull(line.substr(field.size())) * 1024;
   }
   return 0;
 }
 
-// Resident bytes of a process now (VmRSS), 0 when unreadable.
-uint64_t RssBytes(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
+// Peak resident bytes (VmHWM) and resident bytes now (VmRSS).
+uint64_t PeakRssBytes(pid_t pid) { return StatusBytes(pid, "VmHWM:"); }
+uint64_t RssBytes(pid_t pid) { return StatusBytes(pid, "VmRSS:"); }
 
 v1::MemoryDescriptor Inline(v1::DType dtype, std::vector<int64_t> shape) {
   v1::MemoryDescriptor d;

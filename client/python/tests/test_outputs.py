@@ -504,6 +504,21 @@ def test_block_counts_and_seqused_follow_core_on_empty_and_negative_contexts():
     assert visited_tokens(0, 100, 16) == 0 and visited_tokens(1, 5, 16) == 5
 
 
+def _refused_by_every_path(vb, vc, table, ctx, block_size, indptr, nnz, error, message,
+                           **sizes):
+    """The four entry points (views and fixed arrays, each with its numpy reference) all raise
+    ``error`` with ``message`` before any path runs."""
+    for call in (lambda: flash_attention_views(vb, vc, table, ctx, block_size, **sizes),
+                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, block_size, indptr,
+                                                 nnz=nnz, **sizes),
+                 lambda: flash_attention_views_reference(vb, vc, table, ctx, block_size,
+                                                         **sizes),
+                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, block_size,
+                                                           indptr, **sizes)):
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+
+
 @pytest.mark.parametrize("batch", [0, 2, 3])
 def test_a_batch_outside_the_lists_rows_is_refused_before_a_path_is_chosen(batch):
     # With max_batch = 1 the torch path broadcast row 0's lists to every position of a
@@ -515,12 +530,7 @@ def test_a_batch_outside_the_lists_rows_is_refused_before_a_path_is_chosen(batch
     ctx = np.full(batch, 16, dtype=np.int32)
     indptr = np.zeros(batch + 1, dtype=np.int32)
     message = f"batch={batch} is not in [1, max_batch=1]"
-    for call in (lambda: flash_attention_views(vb, vc, table, ctx, BS),
-                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, BS, indptr, nnz=0),
-                 lambda: flash_attention_views_reference(vb, vc, table, ctx, BS),
-                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)):
-        with pytest.raises(ValueError, match=re.escape(message)):
-            call()
+    _refused_by_every_path(vb, vc, table, ctx, BS, indptr, 0, ValueError, message)
 
 
 @pytest.mark.parametrize("shape", [(1, 4), (4,)])
@@ -535,12 +545,7 @@ def test_an_engine_table_without_a_row_for_every_position_is_refused_before_a_pa
     indptr = np.array([0, 1, 2], dtype=np.int32)
     table = np.zeros(shape, dtype=np.int32)
     message = f"engine_table must be [>= 2 rows, blocks]; got {shape}"
-    for call in (lambda: flash_attention_views(vb, vc, table, ctx, BS),
-                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, BS, indptr, nnz=2),
-                 lambda: flash_attention_views_reference(vb, vc, table, ctx, BS),
-                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, BS, indptr)):
-        with pytest.raises(ValueError, match=re.escape(message)):
-            call()
+    _refused_by_every_path(vb, vc, table, ctx, BS, indptr, 2, ValueError, message)
     # More rows than positions (an engine's table for its largest batch) are fine.
     bt, used = flash_attention_views_reference(vb, vc, np.arange(12, dtype=np.int32)
                                                .reshape(3, 4), ctx, BS)
@@ -562,16 +567,8 @@ def test_a_block_size_or_cache_size_the_c_abi_cannot_take_is_refused_before_a_pa
     table = np.zeros((1, 4), dtype=np.int32)
     ctx = np.full(1, 16, dtype=np.int32)
     indptr = np.array([0, 1], dtype=np.int32)
-    for call in (lambda: flash_attention_views(vb, vc, table, ctx, block_size,
-                                               cache_blocks=cache_blocks),
-                 lambda: flashinfer_fixed_budget(vb, vc, table, ctx, block_size, indptr, nnz=1,
-                                                 cache_blocks=cache_blocks),
-                 lambda: flash_attention_views_reference(vb, vc, table, ctx, block_size,
-                                                         cache_blocks=cache_blocks),
-                 lambda: flashinfer_fixed_budget_reference(vb, vc, table, ctx, block_size,
-                                                           indptr, cache_blocks=cache_blocks)):
-        with pytest.raises(error, match=re.escape(message)):
-            call()
+    _refused_by_every_path(vb, vc, table, ctx, block_size, indptr, 1, error, message,
+                           cache_blocks=cache_blocks)
 
 
 @pytest.mark.parametrize(("args", "error", "message"), [
