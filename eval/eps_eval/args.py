@@ -56,6 +56,20 @@ def index_list(arg: str) -> list[int]:
     return values
 
 
+def check_context(ap: argparse.ArgumentParser, flag: str, ctx: int, steps: int, history: int,
+                  first: int = 0) -> None:
+    """Refuses (an argparse error naming `flag`) a context too short for its query positions:
+    the last `steps` positions and the `history` positions before them (the largest lag, a
+    warm-up) all need a query, and the first of them, ctx - steps - history, must be at least
+    `first`. Below 0 a run read queries at negative positions (the synthetic workload made
+    them up, a model's trace wrapped to its end) or failed deep inside numpy; checked before
+    any model loads."""
+    if ctx - steps - history < first:
+        ap.error(f"{flag}: context {ctx} is too short for {steps} measured positions with "
+                 f"{history} positions of query history before them: the first query would "
+                 f"be at position {ctx - steps - history}, and it must be >= {first}")
+
+
 def same_settings(ap: argparse.ArgumentParser, out: Path, wanted: dict[str, object],
                   extra: dict[str, object]) -> None:
     """Units resume by name (context, layer, prompt), which does not hold the settings: a

@@ -45,7 +45,13 @@ import numpy as np
 import numpy.typing as npt
 
 from eps_eval import core
-from eps_eval.args import output_dir, positive_int, positive_int_list, unit_interval
+from eps_eval.args import (
+    check_context,
+    output_dir,
+    positive_int,
+    positive_int_list,
+    unit_interval,
+)
 from eps_eval.metrics import Dense, dense, evaluate, group_sum, group_tokens
 from eps_eval.quality import QuestTables
 from eps_eval.run import log
@@ -178,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=unit_interval, default=0.95)
     ap.add_argument("--cache", type=Path, default=None)
     a = ap.parse_args(argv)
+    for ctx in a.context:  # Source.context reads the query one before the last steps
+        check_context(ap, "--context", ctx, a.steps, 1)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
     src = Source(a.model, a.cache or Path(os.environ.get("EPS_EVAL_CACHE",
                                                             a.out.parent / ".eval-cache")))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.args import output_dir, positive_int, same_settings
+from eps_eval.args import check_context, output_dir, positive_int, same_settings
 from eps_eval.selection import LayerSequences, Plan, step_rows
 
 
@@ -166,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, real_context=a.real_context)
     if a.passkey_context is not None:
         s = replace(s, passkey_context=a.passkey_context)
+    if a.only in (None, "real"):
+        # passage_trace's query positions: the selection steps with their lags, and the
+        # teacher-forced positions with the two before them (checked before the model loads)
+        for steps, history in ((s.real_steps, max(s.plan_for(s.real_context).lags)),
+                               (s.ppl_positions, 2)):
+            check_context(ap, "--real-context", s.real_context, steps, history)
     out: Path = a.out
     units = out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", out.parent / ".eval-cache"))

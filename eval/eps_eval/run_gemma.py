@@ -35,6 +35,7 @@ import numpy as np
 
 from eps_eval import core
 from eps_eval.args import (
+    check_context,
     int_list,
     non_negative_int,
     output_dir,
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-checks", action="store_true",
                     help="leave out the forward-pass checks (known answers, perplexity)")
     a = ap.parse_args(argv)
+    for ctx in a.context:  # the first query is at ctx - steps - the plan's history
+        check_context(ap, "--context", ctx, a.steps, query_history(PLANS[a.plan]))
     units = a.out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
     t0 = time.time()

@@ -20,6 +20,7 @@ import numpy as np
 
 from eps_eval import synthetic
 from eps_eval.args import (
+    check_context,
     index_list,
     int_list,
     non_negative_int,
@@ -118,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if a.real_context and (bad := [layer for layer in a.real_layers if layer >= REAL_LAYERS]):
         ap.error(f"--real-layers: SmolLM2 has layers 0-{REAL_LAYERS - 1}, not {bad}")
+    for ctx in a.synthetic:
+        check_context(ap, "--synthetic", ctx, a.synthetic_steps, query_history(plan),
+                      synthetic.FIRST_QUERY)
+    if a.real_context:
+        # passage_trace's window of 1 needs the 3 last positions' queries as well
+        for steps, history in ((a.real_steps, query_history(plan)), (1, 2)):
+            check_context(ap, "--real-context", a.real_context, steps, history)
     settings = {k: v for k, v in vars(a).items() if k not in ("out", "cache")}
     same_settings(ap, a.out, {"args": settings, "plan": plan.__dict__},
                   {"machine": platform.platform(), "cpus": os.cpu_count(),

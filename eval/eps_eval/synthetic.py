@@ -20,6 +20,9 @@ import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
 KINDS = ("needle", "multi", "spread")
+# The earliest query position make_layer accepts: the 4 sinks and at least one position for
+# the needles and spans lie before it.
+FIRST_QUERY = 5
 
 
 @dataclass
@@ -56,6 +59,12 @@ def make_layer(
 ) -> LayerTrace:
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; known: {KINDS}")
+    # Needles and spans are planted at [4, earliest query - 1): with an earliest query below
+    # FIRST_QUERY they landed at or after it (invisible to it) or past the last key.
+    if not q_positions or min(q_positions) < FIRST_QUERY or max(q_positions) >= tokens:
+        raise ValueError(f"query positions {min(q_positions, default=None)}.."
+                         f"{max(q_positions, default=None)} must lie in [{FIRST_QUERY}, "
+                         f"{tokens}) (tokens={tokens})")
     rng = np.random.default_rng(seed)
     d, r = head_dim, q_heads // kv_heads
     ref = min(q_positions)  # needles are planted against the queries at this position

@@ -153,3 +153,43 @@ def test_settings_json_that_is_not_json_is_named_not_a_traceback(tmp_path, capsy
     assert e.value.code == 2
     assert f"{out / 'settings.json'} cannot be read as the settings" in capsys.readouterr().err
     assert (out / "settings.json").read_text() == "{not json"
+
+
+def test_a_context_too_short_for_its_query_positions_is_refused_before_any_work(
+        tmp_path, capsys) -> None:
+    # run_quality --synthetic=5 (2 steps, lags up to 4) made up queries at position -1 and
+    # planted its needles after its earliest query; --synthetic=3 was an IndexError inside
+    # numpy; run_gemma, run_lowrank, budget_ceiling and run --real-context loaded the model
+    # first and then read negative positions or raised deep in the trace.
+    from eps_eval import budget_ceiling, run, run_gemma, run_lowrank, run_quality
+
+    out = tmp_path / "out"
+    for main, argv, flag in (
+            (run_quality.main, ["--synthetic=5"], "--synthetic: context 5"),
+            (run_quality.main, ["--synthetic=3", "--plan=mass"], "--synthetic: context 3"),
+            (run_quality.main, ["--real-context=6"], "--real-context: context 6"),
+            (run_gemma.main, ["--context=4", "--steps=3"], "--context: context 4"),
+            (run_lowrank.main, ["--context=12"], "--context: context 12"),
+            (budget_ceiling.main, ["--context=64,12"], "--context: context 12"),
+            (run.main, ["--real-context=41"], "--real-context: context 41"),
+            (run.main, ["--quick", "--real-context=6"], "--real-context: context 6")):
+        with pytest.raises(SystemExit) as e:
+            main([f"--out={out}", *argv])
+        assert e.value.code == 2, argv
+        assert f"{flag} is too short" in capsys.readouterr().err, argv
+        assert not out.exists(), argv
+    # the shortest contexts that fit are accepted by the check
+    ap = argparse.ArgumentParser()
+    args.check_context(ap, "--context", 7, 2, 4, 1)
+    args.check_context(ap, "--context", 42, 40, 2)
+
+
+def test_the_synthetic_workload_refuses_queries_before_its_planted_keys() -> None:
+    from eps_eval import synthetic
+
+    for positions in ([-1, 4], [2, 3], [4, 9], [5, 10]):
+        with pytest.raises(ValueError, match="must lie in"):
+            synthetic.make_layer("needle", 10, positions, head_dim=16)
+    tr = synthetic.make_layer("needle", 10, [5, 9], head_dim=16)
+    assert tr.k.shape == (2, 10, 16) and sorted(tr.q) == [5, 9]
+    assert all(p < 5 for p in tr.info["needles"][0])  # planted before the earliest query
