@@ -36,10 +36,15 @@ class Plan:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def record_bytes(method: str, d: int, g: int) -> float:
-    """Summary bytes read per (group, KV head) by `method` at group size g."""
+def record_bytes(method: str, d: int, g: int, tokens: int | None = None) -> float:
+    """Summary bytes read per (group, KV head) by `method` at group size g, over a context of
+    `tokens` (a two-level method's mean: it reads a g = 1 record per 16-token block, and a
+    partial last group has fewer than g blocks; None: g blocks in every group)."""
     if method.endswith("-2l"):
-        return g * record_bytes(method[:-3], d, 1)
+        per_block = record_bytes(method[:-3], d, 1)
+        if tokens is None:
+            return g * per_block
+        return per_block * -(-tokens // BLOCK) / -(-tokens // (g * BLOCK))
     if method.startswith("jl"):
         return core.record_bytes(d, int(method[2:]), 0)
     if method == "fro":
@@ -140,7 +145,7 @@ def step_rows(
         add("oracle_max", 0, group_max(dn.maxdot, g).astype(np.float32))
         add("oracle_mass", 0, np.log(np.maximum(group_sum_mass(dn, g), 1e-300)).astype(np.float32))
         for method, lag, gran, masks, tp in batches:
-            rb = record_bytes(method, d, g)
+            rb = record_bytes(method, d, g, c)
             met = evaluate(dn, g, masks, tp, [rb] * len(tp))
             for i, t in enumerate(tp):
                 rows.append(_row(method, g, lag, gran, t, G, {k2: v2[i] for k2, v2 in met.items()}))

@@ -145,6 +145,28 @@ def test_skip_counts_the_partial_last_block_and_summary_bytes() -> None:
     assert met["recall"][0] == pytest.approx(0.2)
 
 
+def test_two_level_summary_bytes_count_the_blocks_of_a_partial_last_group(
+    rng: np.random.Generator,
+) -> None:
+    # 300 tokens at g = 8: 3 groups but 19 blocks, so 19 block records per KV head, not the
+    # 24 that "g per group" charged for the partial last group.
+    kv, q, d, tokens, g = 2, 4, 32, 300, 8
+    tr = synthetic.make_layer("needle", tokens, [tokens - 2, tokens - 1], q_heads=q,
+                              kv_heads=kv, head_dim=d, seed=int(rng.integers(1 << 30)))
+    plan = selection.Plan(group_blocks=(g,), jl_dims=(8,), lags=(1,), per_kv_head_lags=(),
+                          fractions=(0.3,), exact=False)
+    rows = selection.step_rows(selection.LayerSequences(plan, q, kv, d, tokens), tr.k, tr.v,
+                               tr.q, tokens - 1)
+    dense_bytes = tokens * kv * 2 * d * 2
+    for name in selection.TWO_LEVEL:
+        (row,) = [r for r in rows if r["method"] == f"{name}-2l"]
+        block_record = selection.record_bytes(name, d, 1)
+        assert row["summary_frac"] == pytest.approx(19 * kv * block_record / dense_bytes)
+    # a context of whole groups: g records per group, as before
+    assert selection.record_bytes("quest-2l", d, g, 256) == g * selection.record_bytes(
+        "quest", d, 1)
+
+
 def test_oracle_by_mass_reaches_recall_one_at_its_budget(rng: np.random.Generator) -> None:
     # All attention mass in 3 unforced groups (besides forced ones): a budget of 3 recalls it all.
     kv, q, d, tokens = 1, 2, 32, 64 * 16
