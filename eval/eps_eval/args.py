@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -56,6 +57,20 @@ def index_list(arg: str) -> list[int]:
     return values
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes `path` whole or not at all: a file beside it, renamed over it. The documented
+    full run starts two processes on one --out, and each reads settings.json before it
+    writes it: a plain write let the other read it truncated (a resumed run then refused
+    its own directory), and a write that failed midway left it half there for every later
+    run to refuse."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def check_context(ap: argparse.ArgumentParser, flag: str, ctx: int, steps: int, history: int,
                   first: int = 0) -> None:
     """Refuses (an argparse error naming `flag`) a context too short for its query positions:
@@ -93,7 +108,7 @@ def same_settings(ap: argparse.ArgumentParser, out: Path, wanted: dict[str, obje
         if {k: old.get(k) for k in wanted} != wanted:
             ap.error(f"{out} holds units made with other settings ({prior}); give another "
                      f"--out, or remove {units} to start over")
-    prior.write_text(json.dumps({**wanted, **extra}, indent=1, default=str))
+    write_text_atomic(prior, json.dumps({**wanted, **extra}, indent=1, default=str))
 
 
 def unit_interval(arg: str) -> float:

@@ -193,3 +193,28 @@ def test_the_synthetic_workload_refuses_queries_before_its_planted_keys() -> Non
     tr = synthetic.make_layer("needle", 10, [5, 9], head_dim=16)
     assert tr.k.shape == (2, 10, 16) and sorted(tr.q) == [5, 9]
     assert all(p < 5 for p in tr.info["needles"][0])  # planted before the earliest query
+
+
+def test_settings_json_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch) -> None:
+    # It was written in place: a write that failed midway (a full disk, a killed run) left
+    # half a file, which every later run on that --out refused; a run of the documented
+    # parallel pair could read the other's half-written file.
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    (out / "units").mkdir(parents=True)
+    (out / "units" / "u.csv").write_text("x\n")
+    args.same_settings(argparse.ArgumentParser(), out, {"args": {"plan": "mass"}}, {"t": 1})
+    before = (out / "settings.json").read_text()
+    real_write = Path.write_text
+
+    def half_then_fail(self: Path, data: str, *a: object, **k: object) -> int:
+        real_write(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError):
+        args.same_settings(argparse.ArgumentParser(), out, {"args": {"plan": "mass"}}, {"t": 2})
+    monkeypatch.undo()
+    assert (out / "settings.json").read_text() == before
+    assert sorted(p.name for p in out.iterdir()) == ["settings.json", "units"]
