@@ -87,6 +87,17 @@ def _setting(arg: str) -> tuple[str, ...]:
     return parts
 
 
+def _floor_list(arg: str) -> list[float]:
+    """--floors: one or more floors, shares of the unforced groups in [0, 1)."""
+    try:
+        values = [float(v) for v in arg.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{arg!r} is not a list of numbers") from None
+    if not values or not all(0.0 <= v < 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{arg!r}: floors are shares in [0, 1), one or more")
+    return values
+
+
 def _emit_path(arg: str) -> Path:
     """--emit: a file in an existing, writable directory (checked before the work)."""
     path = Path(arg)
@@ -232,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration steps, e.g. 0,2,4")
     ap.add_argument("--margin", type=unit_interval, default=0.97,
                     help="the recall a setting must reach on every calibration pair, (0, 1]")
-    ap.add_argument("--floors", default="", help="e.g. 0.0 (default: every swept floor)")
+    ap.add_argument("--floors", type=_floor_list, default=None,
+                    help="e.g. 0,0.05: floors the calibration rows hold (default: every swept "
+                         "floor)")
     ap.add_argument("--budget", choices=("mass", "massunion"), default="mass")
     ap.add_argument("--scope", choices=("layer", "all"), default="layer")
     ap.add_argument("--radius", type=non_negative_int, default=0,
@@ -245,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write the per-layer settings calibrated on the calibration "
                          "pairs as JSON here (SelectOptions.mass_layers for an engine)")
     a = ap.parse_args(argv)
-    floors = set(a.floors.split(",")) if a.floors else None
     lag = str(a.lag)
     try:
         if a.test:
@@ -262,6 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     if not calib or not test:
         ap.error(f"no {'calibration' if not calib else 'test'} rows: the globs match no unit "
                  "CSV with rows, or --split-steps leaves nothing on one side")
+    floors = None
+    if a.floors is not None:
+        # By value, in the CSVs' spelling: "0" was compared as text with the rows' "0.0" and
+        # matched nothing, and a floor never swept was taken, both leaving every layer
+        # uncalibrated (and --emit an empty setting) with exit 0.
+        swept = {r["floor"] for r in calib if r["budget"] == a.budget and r["lag"] == lag}
+        floors = {f for f in swept if float(f) in a.floors}
+        if missing := sorted(set(a.floors) - {float(f) for f in floors}):
+            ap.error(f"--floors: {', '.join(f'{f:g}' for f in missing)} not among the "
+                     f"calibration rows' floors at --budget={a.budget} --lag={lag} "
+                     f"({', '.join(sorted(swept, key=float)) or 'none'})")
     # What would otherwise print a table without a row, exit 0.
     lags = sorted({r["lag"] for r in test if r["budget"] == a.budget})
     if lag not in lags:

@@ -143,6 +143,11 @@ def _unit_csv(tmp_path, rows: list[dict[str, str]]):
     (["--split-steps=0", "--setting=bad"], "--setting"),
     (["--split-steps=0", "--setting=0.5,1.0,0.0"], "--setting=0.5,1.0,0.0: no test row"),
     (["--split-steps=0", "--emit=/nonexistent/dir/x.json"], "--emit"),
+    (["--split-steps=0", "--floors=x"], "--floors"),
+    (["--split-steps=0", "--floors=1.5"], "--floors"),
+    # a floor never swept left every layer uncalibrated, exit 0
+    (["--split-steps=0", "--floors=0.05"],
+     "--floors: 0.05 not among the calibration rows' floors at --budget=mass --lag=1 (0.0)"),
 ])
 def test_a_bad_command_line_is_an_argparse_error_before_any_output(
         tmp_path, capsys: pytest.CaptureFixture[str], args: list[str], said: str) -> None:
@@ -193,3 +198,17 @@ def test_a_fixed_budget_that_never_reaches_the_target_is_a_dash_not_nan() -> Non
     rows = [_row(0, s, b, 0.95, 0.9, 0.6) for s in range(2) for b in ("mass", "threshold")]
     out = lc.report(rows, rows, 0.95, None)
     assert out[-1] == "| questclt | 2 | no layer calibrated | | | — / — |", out
+
+
+def test_floors_are_matched_by_value_not_spelling(tmp_path, capsys) -> None:
+    # --floors=0 was compared as text with the rows' "0.0": no setting matched, and every
+    # layer was reported uncalibrated (exit 0).
+    rows = [_row(0, s, "mass", 0.9, 0.97, 0.6) for s in range(2)]
+    rows += [_row(0, s, "threshold", 5, 0.97, 0.6) for s in range(2)]
+    path = _unit_csv(tmp_path, rows)
+    tables = []
+    for floors in ("0", "0.0"):
+        assert lc.main([f"--calibrate={path}", "--split-steps=0", f"--floors={floors}"]) == 0
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1]
+    assert "no layer calibrated" not in tables[0] and "| 1 of 1 |" in tables[0], tables[0]
