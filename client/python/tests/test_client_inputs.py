@@ -408,3 +408,19 @@ def test_a_dropped_client_is_freed_without_the_cycle_collector(rng):
     finally:
         gc.enable()
         state.buffers.close()
+
+
+def test_a_dropped_client_closes_its_stream_and_its_channel(epsd, rng):
+    # A client dropped without close() kept its stream open for good: the stream's reader
+    # thread, gRPC's thread blocked on its requests, the channel and its connection to epsd.
+    state = make_state(rng, contexts=[100])
+    client = state.client(ClientOptions(target=epsd.target, deadline_s=2.0, use_stream=True))
+    client.attach()
+    assert client.select_pages(1, state.rows).ok
+    stream, channel = client._stream, client._channel
+    assert stream is not None and not stream.closed.is_set()
+    del client  # no cycle: freed at once
+    assert stream.closed.wait(timeout=10), "the dropped client's stream is still open"
+    with pytest.raises(ValueError, match="closed channel"):
+        channel.unary_unary("/eps.v1.PageSelector/Ping")(b"")
+    state.buffers.close()

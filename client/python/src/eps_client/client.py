@@ -217,10 +217,29 @@ class EpsClient:
         CANCELLED (the call epsd held was cancelled), or, if it had not reached epsd yet, as
         one made after close(); a fail-open ``select_pages`` falls back with either code and
         raises nothing, wherever in the step close() lands."""
-        if self._closed:
-            return
+        self._shut_down(wait=True)
+
+    def __del__(self) -> None:
+        """A client dropped without close() is closed as it is collected (its stream, its
+        background re-attach and its channel; not detached: the session stays on epsd until
+        its lease runs out). Nothing else ends them: the stream's threads hold the call, and
+        gRPC does not close a channel it collects."""
+        try:
+            self._shut_down(wait=False)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter teardown)
+            pass
+
+    def _shut_down(self, *, wait: bool) -> None:
+        """close()'s work. ``wait``: join the stream's reader thread; a finalizer does not,
+        since it may run on any thread that collects the client."""
+        if getattr(self, "_closed", True):
+            return  # closed, or never made (the constructor raised before _init)
         self._closed = True
-        self._close_stream()
+        if (stream := self._take_stream()) is not None:
+            if wait:
+                stream.close()
+            else:
+                stream.cancel()
         self._reattach.cancel()
         self._channel.close()
 
