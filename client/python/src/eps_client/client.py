@@ -448,12 +448,22 @@ class EpsClient:
         return True
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
+        """The session an Attach was granted, now this client's. A reply this client cannot
+        read (an effective option no SelectOptions holds: a NaN top_p, say) grants nothing:
+        EpsError INTERNAL naming it, and the next re-attach waits out the backoff, as after
+        a failed Attach. epsd's reply is not trusted to be well-formed."""
+        try:
+            info = AttachInfo.from_proto(response)
+        except (TypeError, ValueError) as e:
+            self._reattach.back_off(self.options.reattach_backoff_s)
+            raise EpsError(grpc.StatusCode.INTERNAL,
+                           f"epsd's Attach reply does not decode: {e}") from None
         if self._attached_before:
             self._count("reattaches")
         self._attached_before = True
         self.session_id = response.session_id
-        self.attach_info = AttachInfo.from_proto(response)
-        return self.attach_info
+        self.attach_info = info
+        return info
 
     def _poll_reattach(self) -> str | None:
         """Not attached: adopts the session a finished background re-attach was granted, or
