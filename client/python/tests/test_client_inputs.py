@@ -71,6 +71,15 @@ def test_per_step_options_that_are_not_select_options_fail_the_step():
         assert "options={'top_pages': 3} is not a SelectOptions" in result.message
 
 
+@pytest.mark.parametrize("async_reply", ["no", 1, None, 0.0])
+def test_an_async_reply_that_is_not_a_bool_fails_the_step_naming_it(async_reply):
+    # It was read as truthy: async_reply="no" asked epsd for an async reply.
+    with unattached_client() as client:
+        result = client.select_pages(1, [Row(0, 100)], async_reply=async_reply)
+        assert result.fallback and result.code == grpc.StatusCode.INVALID_ARGUMENT, result
+        assert f"async_reply={async_reply!r} is not a bool" in result.message
+
+
 def test_a_none_step_is_not_sent_as_step_zero(epsd, rng):
     state = make_state(rng, contexts=[300])
     with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:

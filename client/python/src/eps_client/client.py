@@ -268,8 +268,8 @@ class EpsClient:
                      options: SelectOptions | None = None, *,
                      async_reply: bool = False) -> StepResult:
         """One decode step. ``rows``: Row or (table_row, context_tokens[, seq_id]) per batch
-        position. ``async_reply`` (cuda backend): the reply comes once the step is queued and
-        the engine's stream waits on selection_done.
+        position. ``async_reply`` (a bool; cuda backend): the reply comes once the step is
+        queued and the engine's stream waits on selection_done.
 
         Never waits past the deadline; on a fallback, attend densely. A fail-closed client
         raises EpsError instead of falling back."""
