@@ -240,3 +240,20 @@ def test_client_options_defaults_are_the_documented_ones(monkeypatch) -> None:
     assert (o.fail_open, o.use_stream, o.traceparent, o.on_fallback) == (True, True, None, None)
     monkeypatch.setenv("EPS_TARGET", "unix:///run/eps/epsd.sock")
     assert ClientOptions().target == "unix:///run/eps/epsd.sock"
+
+
+def test_an_eps_error_survives_pickling_and_copying_with_its_code_and_message() -> None:
+    # A failed call raised in a worker process crosses to the parent by pickling (a
+    # ProcessPoolExecutor, multiprocessing); EpsError could not be rebuilt from its args.
+    import copy
+    import pickle
+
+    import grpc
+
+    from eps_client import EpsError
+
+    error = EpsError(grpc.StatusCode.NOT_FOUND, "session s-1 is not attached")
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is EpsError
+        assert (again.code, again.message, str(again)) == (error.code, error.message,
+                                                           str(error))
