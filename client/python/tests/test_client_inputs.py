@@ -401,6 +401,20 @@ def test_attach_arguments_protobuf_would_send_as_zero_are_refused_naming_them(rn
     state.buffers.close()
 
 
+@pytest.mark.parametrize("options", [{}, {"deadline_s": 1.0}, "unix:///tmp/epsd.sock"])
+def test_options_that_are_not_client_options_are_refused_naming_them(rng, options):
+    # An empty dict was taken as "no options" (the defaults, silently), a filled one raised
+    # AttributeError from inside the client.
+    state = make_state(rng, contexts=[100])
+    try:
+        with pytest.raises(TypeError, match=r"options=.* is not a ClientOptions"):
+            EpsClient(state.buffers, engine_id="e", options=options)
+        with pytest.raises(TypeError, match=r"options=.* is not a ClientOptions"):
+            EpsClient.from_request(options, pb.AttachRequest(engine_id="e"))
+    finally:
+        state.buffers.close()
+
+
 def test_a_dropped_client_is_freed_without_the_cycle_collector(rng):
     # The re-attach helper once held the client's bound methods, a cycle that kept a dropped,
     # unclosed client (its channel, its connection to epsd) alive until gc ran.

@@ -85,7 +85,7 @@ class EpsClient:
         request = attach_request(buffers, engine_id=engine_id, max_batch=max_batch,
                                  num_kv_blocks=num_kv_blocks, select=select, backend=backend,
                                  device=device, lease_ms=lease_ms, device_uuid=device_uuid)
-        self._init(options or ClientOptions(), request)
+        self._init(ClientOptions() if options is None else options, request)
 
     @classmethod
     def from_request(cls, options: ClientOptions, request: pb.AttachRequest) -> EpsClient:
@@ -95,6 +95,8 @@ class EpsClient:
         return client
 
     def _init(self, options: ClientOptions, request: pb.AttachRequest) -> None:
+        if not isinstance(options, ClientOptions):  # {} would read as "the defaults"
+            raise TypeError(f"options={options!r} is not a ClientOptions")
         self.options = options
         self._attach = pb.AttachRequest()
         self._attach.CopyFrom(request)
