@@ -71,6 +71,15 @@ def test_per_step_options_that_are_not_select_options_fail_the_step():
         assert "options={'top_pages': 3} is not a SelectOptions" in result.message
 
 
+@pytest.mark.parametrize("async_reply", ["no", 1, None, 0.0])
+def test_an_async_reply_that_is_not_a_bool_fails_the_step_naming_it(async_reply):
+    # It was read as truthy: async_reply="no" asked epsd for an async reply.
+    with unattached_client() as client:
+        result = client.select_pages(1, [Row(0, 100)], async_reply=async_reply)
+        assert result.fallback and result.code == grpc.StatusCode.INVALID_ARGUMENT, result
+        assert f"async_reply={async_reply!r} is not a bool" in result.message
+
+
 def test_a_none_step_is_not_sent_as_step_zero(epsd, rng):
     state = make_state(rng, contexts=[300])
     with state.client(ClientOptions(target=epsd.target, deadline_s=2.0)) as client:
@@ -392,6 +401,20 @@ def test_attach_arguments_protobuf_would_send_as_zero_are_refused_naming_them(rn
     state.buffers.close()
 
 
+@pytest.mark.parametrize("options", [{}, {"deadline_s": 1.0}, "unix:///tmp/epsd.sock"])
+def test_options_that_are_not_client_options_are_refused_naming_them(rng, options):
+    # An empty dict was taken as "no options" (the defaults, silently), a filled one raised
+    # AttributeError from inside the client.
+    state = make_state(rng, contexts=[100])
+    try:
+        with pytest.raises(TypeError, match=r"options=.* is not a ClientOptions"):
+            EpsClient(state.buffers, engine_id="e", options=options)
+        with pytest.raises(TypeError, match=r"options=.* is not a ClientOptions"):
+            EpsClient.from_request(options, pb.AttachRequest(engine_id="e"))
+    finally:
+        state.buffers.close()
+
+
 def test_a_dropped_client_is_freed_without_the_cycle_collector(rng):
     # The re-attach helper once held the client's bound methods, a cycle that kept a dropped,
     # unclosed client (its channel, its connection to epsd) alive until gc ran.
@@ -408,3 +431,19 @@ def test_a_dropped_client_is_freed_without_the_cycle_collector(rng):
     finally:
         gc.enable()
         state.buffers.close()
+
+
+def test_a_dropped_client_closes_its_stream_and_its_channel(epsd, rng):
+    # A client dropped without close() kept its stream open for good: the stream's reader
+    # thread, gRPC's thread blocked on its requests, the channel and its connection to epsd.
+    state = make_state(rng, contexts=[100])
+    client = state.client(ClientOptions(target=epsd.target, deadline_s=2.0, use_stream=True))
+    client.attach()
+    assert client.select_pages(1, state.rows).ok
+    stream, channel = client._stream, client._channel
+    assert stream is not None and not stream.closed.is_set()
+    del client  # no cycle: freed at once
+    assert stream.closed.wait(timeout=10), "the dropped client's stream is still open"
+    with pytest.raises(ValueError, match="closed channel"):
+        channel.unary_unary("/eps.v1.PageSelector/Ping")(b"")
+    state.buffers.close()

@@ -121,6 +121,42 @@ def test_key_appends_refuse_slots_outside_the_pool_and_negative_counts(slots, kw
         key_appends(model, 0x7F0000000000, np.array(slots), ptrs, **args)
 
 
+@pytest.mark.parametrize(("pool_ptr", "key_ptrs", "error", "message"), [
+    (-4096, 1 << 40, ValueError, r"pool_ptr=-4096 is not in"),
+    (1.5e12, 1 << 40, TypeError, r"pool_ptr=1500000000000.0 is not an integer"),
+    (True, 1 << 40, TypeError, "pool_ptr=True is a bool"),
+    (2**63 - 64, 1 << 40, ValueError, r"pool_ptr=9223372036854775744: the pool's 4 slots"),
+    (1 << 40, -5, ValueError, "key_ptrs: -5 is not a device address"),
+    (1 << 40, 1.5e12, TypeError, "key_ptrs must be integers, got dtype float64"),
+    (1 << 40, True, TypeError, "key_ptrs must be integers, got dtype bool"),
+])
+def test_key_appends_refuse_addresses_that_are_not_device_addresses(pool_ptr, key_ptrs, error,
+                                                                    message):
+    # They were converted as they came (a negative pool_ptr wrapped to a record address near
+    # 2**64, a float truncated, True read as address 1) into the appends the device runs.
+    model = ModelLayout(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    with pytest.raises(error, match=message):
+        key_appends(model, pool_ptr, np.array([0, 1, 2]), np.full((2, 3, 2), key_ptrs),
+                    num_slots=4)
+
+
+@pytest.mark.parametrize(("pool_ptr", "error", "message"), [
+    (-4096, ValueError, r"pool_ptr=-4096 is not in"),
+    (1.5, TypeError, r"pool_ptr=1.5 is not an integer"),
+    (True, TypeError, "pool_ptr=True is a bool"),
+])
+def test_slot_runs_and_coarse_appends_refuse_pool_addresses_that_are_not_addresses(
+        pool_ptr, error, message):
+    model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
+                        group_blocks=2, coarse_blocks=8)
+    with pytest.raises(error, match=message):
+        slot_runs(model, pool_ptr, [0, 1], num_slots=4)
+    with pytest.raises(error, match=f"coarse_{message}"):
+        key_appends(model, 1 << 40, np.array([0, 1]), np.zeros((1, 2, 2), np.int64),
+                    num_slots=2, coarse_pool_ptr=pool_ptr, coarse_slots=np.array([0, 1]),
+                    num_coarse_slots=2)
+
+
 def test_coarse_key_appends_refuse_coarse_slots_outside_the_coarse_pool():
     model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=64,
                         group_blocks=2, coarse_blocks=8)

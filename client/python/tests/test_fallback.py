@@ -338,3 +338,44 @@ def test_attach_adopts_a_background_reattach_granted_meanwhile(tmp_path):
             info = client.attach()
             assert info.session_id == "s-1" and client.session_id == "s-1"
         assert servicer.granted == ["s-1"]  # no second Attach replaced it
+
+
+class UndecodableAttach(pb_grpc.PageSelectorServicer):
+    """Grants sessions whose effective options no SelectOptions holds (a NaN top_p)."""
+
+    def __init__(self) -> None:
+        self.attaches = 0
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        self.attaches += 1
+        reply = pb.AttachResponse(session_id=f"s-{self.attaches}")
+        reply.effective_options.top_p = float("nan")
+        return reply
+
+    def SelectPages(self, request, context):  # noqa: N802
+        return pb.SelectPagesResponse(step=request.step, done=True)
+
+
+def test_an_attach_reply_that_does_not_decode_is_an_internal_error_not_a_session(tmp_path):
+    # It raised the ValueError of SelectOptions out of attach(), with the session adopted
+    # anyway, and out of a fail-open select_pages that collected a background re-attach.
+    servicer = UndecodableAttach()
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=5.0, attach_deadline_s=5.0,
+                                reattach_backoff_s=0.0, use_stream=False)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            with pytest.raises(EpsError) as e:
+                client.attach()
+            assert e.value.code == grpc.StatusCode.INTERNAL
+            assert "top_p=nan" in e.value.message
+            assert client.session_id == "" and client.attach_info is None
+            assert client.select_pages(1, [(0, 1, 0)]).fallback  # the re-attach starts
+            client._reattach._pending_attach.result(timeout=5.0)
+            options.reattach_backoff_s = 3600.0
+            result = client.select_pages(2, [(0, 1, 0)])  # it collects the reply
+            assert result.fallback and result.code == grpc.StatusCode.INTERNAL, result
+            assert "top_p=nan" in result.message and client.session_id == ""
+            result = client.select_pages(3, [(0, 1, 0)])  # backing off: no third Attach
+            assert result.fallback and "backing off" in result.message, result
+            assert servicer.attaches == 2
+            assert client.counters().fallback_error == 1

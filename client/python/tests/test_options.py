@@ -229,3 +229,31 @@ def test_client_options_take_a_checked_value_and_refuse_a_name_that_is_no_field(
     assert options.deadline_s == 2.0 and type(options.deadline_s) is float
     with pytest.raises(AttributeError, match="ClientOptions has no field 'deadline'"):
         options.deadline = 0.05  # type: ignore[attr-defined]
+
+
+def test_client_options_defaults_are_the_documented_ones(monkeypatch) -> None:
+    # docs/integration/python-client.md, "Defaults"; api-failures.md §5.4 names the back-off.
+    monkeypatch.delenv("EPS_TARGET", raising=False)
+    o = ClientOptions()
+    assert (o.target, o.deadline_s, o.attach_deadline_s, o.reattach_backoff_s) == (
+        "unix:///tmp/epsd.sock", 0.100, 0.5, 0.05)
+    assert (o.fail_open, o.use_stream, o.traceparent, o.on_fallback) == (True, True, None, None)
+    monkeypatch.setenv("EPS_TARGET", "unix:///run/eps/epsd.sock")
+    assert ClientOptions().target == "unix:///run/eps/epsd.sock"
+
+
+def test_an_eps_error_survives_pickling_and_copying_with_its_code_and_message() -> None:
+    # A failed call raised in a worker process crosses to the parent by pickling (a
+    # ProcessPoolExecutor, multiprocessing); EpsError could not be rebuilt from its args.
+    import copy
+    import pickle
+
+    import grpc
+
+    from eps_client import EpsError
+
+    error = EpsError(grpc.StatusCode.NOT_FOUND, "session s-1 is not attached")
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is EpsError
+        assert (again.code, again.message, str(again)) == (error.code, error.message,
+                                                           str(error))

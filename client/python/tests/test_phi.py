@@ -48,3 +48,27 @@ def test_out_of_range_coordinates_are_rejected():
         phi_hash(0, 1 << 16, 0, 0)
     with pytest.raises(ValueError, match="index"):
         phi_hash(0, 0, 0, np.array([1 << 32], dtype=np.uint64))
+
+
+@pytest.mark.parametrize(("args", "error", "message"), [
+    ((-1, 0, 0, 0), ValueError, r"seed=-1 is not in \[0, 18446744073709551615\]"),
+    ((np.int64(-1), 0, 0, 0), ValueError, r"seed=-1 is not in"),
+    ((1 << 64, 0, 0, 0), ValueError, r"seed=18446744073709551616 is not in"),
+    ((True, 0, 0, 0), TypeError, "seed=True is a bool"),
+    ((1.0, 0, 0, 0), TypeError, r"seed=1.0 is not an integer"),
+    ((0, 1.0, 0, 0), TypeError, r"layer=1.0 is not an integer"),
+    ((0, 0, True, 0), TypeError, "kv_head=True is a bool"),
+    ((0, 0, 0, -1), ValueError, "index must be in"),
+    ((0, 0, 0, np.array([0.5])), TypeError, "index must be integers"),
+])
+def test_a_seed_or_coordinate_that_is_no_uint_of_its_width_is_refused_naming_it(args, error,
+                                                                               message):
+    # -1 was hashed as seed 2**64 - 1 (and np.int64(-1) raised OverflowError), True as seed
+    # 1, 0.5 as index 0: each a Φ of another model, where ModelLayout refuses the value.
+    with pytest.raises(error, match=message):
+        phi_hash(*args)
+
+
+def test_numpy_integer_seeds_hash_as_the_same_ints():
+    for seed in (5, 2**63 + 7, 2**64 - 1):
+        assert phi_hash(np.uint64(seed), 1, 2, 3) == phi_hash(seed, 1, 2, 3)

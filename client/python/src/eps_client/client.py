@@ -85,7 +85,7 @@ class EpsClient:
         request = attach_request(buffers, engine_id=engine_id, max_batch=max_batch,
                                  num_kv_blocks=num_kv_blocks, select=select, backend=backend,
                                  device=device, lease_ms=lease_ms, device_uuid=device_uuid)
-        self._init(options or ClientOptions(), request)
+        self._init(ClientOptions() if options is None else options, request)
 
     @classmethod
     def from_request(cls, options: ClientOptions, request: pb.AttachRequest) -> EpsClient:
@@ -95,6 +95,8 @@ class EpsClient:
         return client
 
     def _init(self, options: ClientOptions, request: pb.AttachRequest) -> None:
+        if not isinstance(options, ClientOptions):  # {} would read as "the defaults"
+            raise TypeError(f"options={options!r} is not a ClientOptions")
         self.options = options
         self._attach = pb.AttachRequest()
         self._attach.CopyFrom(request)
@@ -217,10 +219,29 @@ class EpsClient:
         CANCELLED (the call epsd held was cancelled), or, if it had not reached epsd yet, as
         one made after close(); a fail-open ``select_pages`` falls back with either code and
         raises nothing, wherever in the step close() lands."""
-        if self._closed:
-            return
+        self._shut_down(wait=True)
+
+    def __del__(self) -> None:
+        """A client dropped without close() is closed as it is collected (its stream, its
+        background re-attach and its channel; not detached: the session stays on epsd until
+        its lease runs out). Nothing else ends them: the stream's threads hold the call, and
+        gRPC does not close a channel it collects."""
+        try:
+            self._shut_down(wait=False)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter teardown)
+            pass
+
+    def _shut_down(self, *, wait: bool) -> None:
+        """close()'s work. ``wait``: join the stream's reader thread; a finalizer does not,
+        since it may run on any thread that collects the client."""
+        if getattr(self, "_closed", True):
+            return  # closed, or never made (the constructor raised before _init)
         self._closed = True
-        self._close_stream()
+        if (stream := self._take_stream()) is not None:
+            if wait:
+                stream.close()
+            else:
+                stream.cancel()
         self._reattach.cancel()
         self._channel.close()
 
@@ -249,8 +270,8 @@ class EpsClient:
                      options: SelectOptions | None = None, *,
                      async_reply: bool = False) -> StepResult:
         """One decode step. ``rows``: Row or (table_row, context_tokens[, seq_id]) per batch
-        position. ``async_reply`` (cuda backend): the reply comes once the step is queued and
-        the engine's stream waits on selection_done.
+        position. ``async_reply`` (a bool; cuda backend): the reply comes once the step is
+        queued and the engine's stream waits on selection_done.
 
         Never waits past the deadline; on a fallback, attend densely. A fail-closed client
         raises EpsError instead of falling back."""
@@ -429,12 +450,22 @@ class EpsClient:
         return True
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
+        """The session an Attach was granted, now this client's. A reply this client cannot
+        read (an effective option no SelectOptions holds: a NaN top_p, say) grants nothing:
+        EpsError INTERNAL naming it, and the next re-attach waits out the backoff, as after
+        a failed Attach. epsd's reply is not trusted to be well-formed."""
+        try:
+            info = AttachInfo.from_proto(response)
+        except (TypeError, ValueError) as e:
+            self._reattach.back_off(self.options.reattach_backoff_s)
+            raise EpsError(grpc.StatusCode.INTERNAL,
+                           f"epsd's Attach reply does not decode: {e}") from None
         if self._attached_before:
             self._count("reattaches")
         self._attached_before = True
         self.session_id = response.session_id
-        self.attach_info = AttachInfo.from_proto(response)
-        return self.attach_info
+        self.attach_info = info
+        return info
 
     def _poll_reattach(self) -> str | None:
         """Not attached: adopts the session a finished background re-attach was granted, or

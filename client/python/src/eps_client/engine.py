@@ -488,7 +488,9 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
     apart), for every layer and KV head. Returns a KEY_APPEND array of layers * n *
     kv_heads, ordered by layer, then n, then KV head. The addresses are computed here and
     the device writes through them, so a slot outside the pool is refused (ValueError), as is
-    a float or bool slot (TypeError): nothing is built outside the pool.
+    a float or bool slot (TypeError): nothing is built outside the pool. ``pool_ptr`` and
+    ``key_ptrs`` are integers >= 0 (a negative, float or bool address is refused the same
+    way, rather than wrapped or truncated into one).
 
     With a coarse level, ``coarse_pool_ptr``, ``coarse_slots`` [n] (run i's coarse slot:
     ``coarse_table[row, coarse_group_of(position, model)]``) and ``num_coarse_slots`` (the
@@ -504,6 +506,7 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
         if num_coarse_slots is None:
             raise ValueError("coarse appends need num_coarse_slots (the coarse pool's slots)")
         coarse = _slots("coarse_slots", coarse_slots, num_coarse_slots)
+        coarse_pool_ptr = _pool_ptr("coarse_pool_ptr", coarse_pool_ptr, num_coarse_slots, model)
         if coarse.shape != np.asarray(slots).shape:
             raise ValueError(f"coarse_slots.shape={coarse.shape}, expected "
                              f"{np.asarray(slots).shape}")
@@ -521,6 +524,10 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
     if slots.ndim != 1:
         raise ValueError(f"slots.shape={slots.shape}, expected [n]")
     n = slots.shape[0]
+    pool_ptr = _pool_ptr("pool_ptr", pool_ptr, num_slots, model)
+    key_ptrs = _values.integer_array("key_ptrs", key_ptrs)
+    if key_ptrs.size and key_ptrs.min() < 0:
+        raise ValueError(f"key_ptrs: {int(key_ptrs.min())} is not a device address")
     counts = _values.integer_array("count", count)
     if counts.ndim > 1 or (counts.ndim == 1 and counts.shape != (n,)):
         raise ValueError(f"count.shape={counts.shape}, expected a scalar or {(n,)}")
@@ -546,16 +553,29 @@ def key_appends(model: ModelLayout, pool_ptr: int, slots: np.ndarray, key_ptrs: 
 def slot_runs(model: ModelLayout, pool_ptr: int, slots: object, *,
               num_slots: int) -> np.ndarray:
     """The RECORD_RUN of each of ``slots`` (integers in [0, num_slots), ``num_slots`` the
-    pool's first dimension) in the pool at device address ``pool_ptr``: its num_layers *
-    num_kv_heads records, for ``DeviceSummaryWriter.reset``. A slot outside the pool is
-    refused (ValueError), a float or bool slot too (TypeError)."""
+    pool's first dimension) in the pool at device address ``pool_ptr`` (an integer >= 0):
+    its num_layers * num_kv_heads records, for ``DeviceSummaryWriter.reset``. A slot outside
+    the pool is refused (ValueError), a float or bool slot or address too (TypeError)."""
     s = _slots("slots", slots, num_slots).reshape(-1)
+    pool_ptr = _pool_ptr("pool_ptr", pool_ptr, num_slots, model)
     per_slot = model.num_layers * model.num_kv_heads
     words = SummaryLayout.for_model(model).record_words
     out = np.empty(s.size, dtype=RECORD_RUN)
     out["first"] = (pool_ptr + s * (per_slot * words * 4)).astype(np.uint64)
     out["records"] = per_slot
     return out
+
+
+def _pool_ptr(name: str, pool_ptr: object, num_slots: int, model: ModelLayout) -> int:
+    """A pool's device address: an integer >= 0 (not a float, not a bool) whose ``num_slots``
+    slots of records end below 2**63, where the records' addresses are computed (int64)."""
+    ptr = _values.integer(name, pool_ptr, 0, _values.INT64[1])
+    size = (num_slots * model.num_layers * model.num_kv_heads
+            * SummaryLayout.for_model(model).record_words * 4)
+    if ptr + size > _values.INT64[1] + 1:
+        raise ValueError(f"{name}={ptr}: the pool's {num_slots} slots ({size} bytes) would end "
+                         f"past 2**63")
+    return ptr
 
 
 def _slots(name: str, slots: object, num_slots: int) -> np.ndarray:

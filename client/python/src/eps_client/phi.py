@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from eps_client import _values
+
 GOLDEN64 = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
@@ -23,12 +25,20 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 def phi_hash(seed: int, layer: int, kv_head: int, index: np.ndarray | int) -> np.ndarray:
-    """PhiHash(seed, layer, kv_head, index) for scalar or array indices (uint64)."""
+    """PhiHash(seed, layer, kv_head, index) for scalar or array indices (uint64).
+
+    Each argument is an integer of its width (core/phi.h: a uint64 seed, 16-bit layer and
+    head, 32-bit index), numpy's welcome: a bool, a float or a value outside it is refused
+    (TypeError, ValueError naming it) rather than wrapped or truncated into another Φ."""
+    seed = _values.integer("seed", seed, *_values.UINT64)
+    layer = _values.integer("layer", layer)
+    kv_head = _values.integer("kv_head", kv_head)
     if not (0 <= layer < 1 << 16 and 0 <= kv_head < 1 << 16):
         raise ValueError(f"(layer, kv_head)=({layer}, {kv_head}) outside [0, 65535]")
-    idx = np.asarray(index, dtype=np.uint64)
-    if np.any(idx >= np.uint64(1 << 32)):
-        raise ValueError("index must be < 2^32")
+    idx = _values.integer_array("index", index)
+    if idx.size and (idx.min() < 0 or idx.max() >= 1 << 32):
+        raise ValueError(f"index must be in [0, 2^32), got {idx.min()}..{idx.max()}")
+    idx = idx.astype(np.uint64)
     with np.errstate(over="ignore"):
         key = mix64(np.array([(seed + GOLDEN64) & _M64], dtype=np.uint64))[0]
         counter = np.uint64((layer << 48) | (kv_head << 32)) | idx

@@ -56,6 +56,6 @@ def _step_request(step: int, rows: Iterable[Row | tuple[int, int] | tuple[int, i
         if not isinstance(options, SelectOptions):
             raise TypeError(f"options={options!r} is not a SelectOptions")
         request.options.CopyFrom(options.to_proto())
-    if async_reply:
+    if _values.boolean("async_reply", async_reply):  # "no" is not False
         request.reply_mode = pb.REPLY_MODE_ASYNC
     return request

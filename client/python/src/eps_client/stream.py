@@ -25,7 +25,9 @@ class SelectStream:
     _END = object()
 
     def __init__(self, stub: pb_grpc.PageSelectorStub, metadata: list[tuple[str, str]]) -> None:
-        self._requests: queue.Queue[object] = queue.Queue()
+        # SimpleQueue: its put may run in a finalizer (a dropped EpsClient cancels its stream
+        # from __del__, on whatever thread collects it), which Queue's lock would not allow.
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.replies: queue.Queue[object] = queue.Queue()
         self.closed = threading.Event()
         self.final: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "stream closed")
@@ -75,7 +77,8 @@ class SelectStream:
 
     def cancel(self) -> None:
         """Ends the call without waiting: epsd sees it cancelled and runs none of the
-        requests it has not read; the reader thread ends on its own."""
+        requests it has not read; the reader thread, and gRPC's thread that reads the
+        requests, end on their own. Safe in a finalizer."""
         self._requests.put(self._END)
         self._call.cancel()
 

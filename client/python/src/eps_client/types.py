@@ -46,6 +46,11 @@ class EpsError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[EpsError], tuple[grpc.StatusCode, str]]:
+        # Rebuilt from (code, message), not from the one formatted arg Exception keeps: a
+        # failed call crosses processes (multiprocessing, a ProcessPoolExecutor) pickled.
+        return (EpsError, (self.code, self.message))
+
 
 def _pick(table: Mapping[str, int], name: str, value: str | None) -> int:
     if value is None:
