@@ -379,3 +379,23 @@ def test_an_attach_reply_that_does_not_decode_is_an_internal_error_not_a_session
             assert result.fallback and "backing off" in result.message, result
             assert servicer.attaches == 2
             assert client.counters().fallback_error == 1
+
+
+def test_an_exception_from_on_fallback_reaches_the_caller_with_the_fallback_counted(tmp_path):
+    """The client does not hide the engine's own error (docs/integration/python-client.md):
+    the callback's exception leaves select_pages, and the fallback it was called for is
+    counted before it runs."""
+
+    class ReleaseFailed(RuntimeError):
+        pass
+
+    def release(step: int) -> None:
+        raise ReleaseFailed(f"could not release step {step}")
+
+    options = ClientOptions(target=f"unix://{tmp_path}/nobody.sock", deadline_s=0.002,
+                            reattach_backoff_s=0.05, on_fallback=release)
+    with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+        with pytest.raises(ReleaseFailed, match="could not release step 7"):
+            client.select_pages(7, [(0, 1, 0)])
+        counters = client.counters()
+        assert counters.steps == 1 and counters.fallback_not_attached == 1

@@ -72,3 +72,20 @@ def test_a_seed_or_coordinate_that_is_no_uint_of_its_width_is_refused_naming_it(
 def test_numpy_integer_seeds_hash_as_the_same_ints():
     for seed in (5, 2**63 + 7, 2**64 - 1):
         assert phi_hash(np.uint64(seed), 1, 2, 3) == phi_hash(seed, 1, 2, 3)
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda: phi_matrix(0, 0, 0, True, 8), TypeError, "head_dim=True is a bool"),
+    (lambda: phi_matrix(0, 0, 0, 64, 8.0), TypeError, "sketch_dim=8.0 is not an integer"),
+    (lambda: phi_bank(0, True, 1, 64, 8), TypeError, "num_layers=True is a bool"),
+    (lambda: phi_bank(0, 1, 2.0, 64, 8), TypeError, "num_kv_heads=2.0 is not an integer"),
+])
+def test_a_dimension_that_is_no_integer_is_refused_naming_it(call, error, match):
+    """A bool dimension was taken as 1 (True) and a float reached numpy's arange deep inside."""
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_numpy_integer_dimensions_give_the_same_bank():
+    assert np.array_equal(phi_bank(3, np.int32(2), np.int64(1), np.uint16(16), np.int8(4)),
+                          phi_bank(3, 2, 1, 16, 4))

@@ -51,7 +51,10 @@ def phi_scale(m: int) -> np.float32:
 
 
 def phi_matrix(seed: int, layer: int, kv_head: int, head_dim: int, sketch_dim: int) -> np.ndarray:
-    """Φ of one (layer, KV head): float32 [head_dim, sketch_dim], element (i, j) = index i*m + j."""
+    """Φ of one (layer, KV head): float32 [head_dim, sketch_dim], element (i, j) = index i*m + j.
+    The dimensions are integers (a bool or a float is refused, naming it, as phi_hash's are)."""
+    head_dim = _values.integer("head_dim", head_dim)
+    sketch_dim = _values.integer("sketch_dim", sketch_dim)
     if head_dim < 1 or sketch_dim < 1 or head_dim * sketch_dim > 1 << 31:
         raise ValueError(f"head_dim={head_dim}, sketch_dim={sketch_dim} out of range")
     h = phi_hash(seed, layer, kv_head, np.arange(head_dim * sketch_dim, dtype=np.uint64))
@@ -63,6 +66,8 @@ def phi_matrix(seed: int, layer: int, kv_head: int, head_dim: int, sketch_dim: i
 def phi_bank(seed: int, num_layers: int, num_kv_heads: int, head_dim: int,
              sketch_dim: int) -> np.ndarray:
     """Φ of every (layer, KV head): float32 [layers, kv_heads, d, m] (core::PhiBank)."""
+    num_layers = _values.integer("num_layers", num_layers)
+    num_kv_heads = _values.integer("num_kv_heads", num_kv_heads)
     if not 1 <= num_layers <= 65535 or not 1 <= num_kv_heads <= 65535:
         raise ValueError(f"num_layers={num_layers}, num_kv_heads={num_kv_heads} not in [1, 65535]")
     return np.stack([
