@@ -77,6 +77,24 @@ def test_wrong_pool_shape_is_rejected():
         writer.append(torch.zeros(2, 1, 1, 3), 0, [0], torch.zeros(1, 1, 8))
 
 
+@pytest.mark.parametrize(("keys", "match"), [
+    (lambda: torch.ones(2, 1, 8, dtype=torch.int32), "keys.dtype=torch.int32 is not a floating"),
+    (lambda: torch.ones(2, 1, 8, dtype=torch.bool), "keys.dtype=torch.bool is not a floating"),
+    (lambda: np.ones((2, 1, 8), np.float32), "keys must be a torch.Tensor, not ndarray"),
+])
+def test_keys_that_are_no_float_tensor_are_refused_before_the_pool_is_touched(keys, match):
+    """Integer and bool keys were converted to float32 and written (the numpy writer refuses
+    them); numpy keys failed with an AttributeError from inside the writer."""
+    model = ModelLayout(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=8)
+    writer = TorchSummaryWriter(model, device="cpu")
+    pool = torch.zeros(3, 1, 1, writer.layout.record_words)
+    writer.reset(pool, torch.arange(3))
+    before = pool.clone()
+    with pytest.raises(TypeError, match=match):
+        writer.append(pool, 0, [0, 1], keys())
+    assert torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("features", [SummaryFeatures(), SummaryFeatures(quest=False, quest8=True)])
 def test_bad_keys_are_rejected_before_the_pool_is_touched(features):
     model = ModelLayout(num_layers=1, num_q_heads=2, num_kv_heads=2, head_dim=8,

@@ -94,6 +94,12 @@ class TorchSummaryWriter:
         H, d = model.num_kv_heads, model.head_dim
         self._check_pool(pool)
         layer = _writer_checks.layer_index(layer, model.num_layers)
+        # As the numpy writer refuses integer keys, not a tensor of another kind converted.
+        if not isinstance(keys, torch.Tensor):
+            raise TypeError(f"keys must be a torch.Tensor, not {type(keys).__name__} "
+                            "(the numpy writer, eps_client.SummaryWriter, takes arrays)")
+        if not keys.dtype.is_floating_point:
+            raise TypeError(f"keys.dtype={keys.dtype} is not a floating dtype")
         n = keys.shape[0]
         s = _device_slots(name, slots, pool.device)
         if s.numel() != n:
