@@ -57,6 +57,20 @@ def index_list(arg: str) -> list[int]:
     return values
 
 
+# The shortest pass-key prompt the runners' --passkey-context takes: room for the question,
+# a margin and realmodel.PASSKEY_MIN_FILLER tokens of filler around the key.
+PASSKEY_MIN_CONTEXT = 128
+
+
+def passkey_contexts(ap: argparse.ArgumentParser, flag: str, values: list[int]) -> None:
+    """Refuses (an argparse error naming `flag`) a pass-key context too short for a prompt
+    (0, "none", passes)."""
+    for ctx in values:
+        if 0 < ctx < PASSKEY_MIN_CONTEXT:
+            ap.error(f"{flag}: {ctx} tokens is too short for a pass-key prompt "
+                     f"(at least {PASSKEY_MIN_CONTEXT})")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Writes `path` whole or not at all: a file beside it, renamed over it. The documented
     full run starts two processes on one --out, and each reads settings.json before it

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from eps_eval import core
+from eps_eval import args, core
 from eps_eval.metrics import BLOCK, dots
 from eps_eval.model import Model, Trace, fetch_gguf
 from eps_eval.selection import LayerSequences, Plan, step_rows
@@ -50,6 +50,9 @@ def _nll(logits: F32, target: int) -> float:
 
 
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+# Filler a pass-key prompt needs around its key (a negative budget took a slice of the
+# filler that made the prompt far longer than asked); args.PASSKEY_MIN_CONTEXT leaves it.
+PASSKEY_MIN_FILLER = 32
 
 
 def passkey_prompt(tok: Any, filler_ids: list[int], ctx: int,
@@ -60,6 +63,9 @@ def passkey_prompt(tok: Any, filler_ids: list[int], ctx: int,
     key = str(int(rng.integers(10000, 99999)))
     depth = float(rng.uniform(0.1, 0.9))
     budget = ctx - len(tok.encode(PASSKEY_QUESTION)) - 40
+    if budget < PASSKEY_MIN_FILLER:
+        raise ValueError(f"a pass-key prompt of {ctx} tokens leaves {budget} tokens of filler "
+                         f"(at least {PASSKEY_MIN_FILLER}: ask for {args.PASSKEY_MIN_CONTEXT} or more)")
     start = int(rng.integers(0, max(1, len(filler_ids) - budget)))
     filler = tok.decode(filler_ids[start:start + budget])
     cut = filler.find(". ", int(depth * len(filler)))

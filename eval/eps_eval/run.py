@@ -20,7 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from eps_eval import synthetic
-from eps_eval.args import check_context, output_dir, positive_int, same_settings
+from eps_eval.args import (
+    check_context,
+    output_dir,
+    passkey_contexts,
+    positive_int,
+    same_settings,
+)
 from eps_eval.selection import LayerSequences, Plan, step_rows
 
 
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.real_context is not None:
         s = replace(s, real_context=a.real_context)
     if a.passkey_context is not None:
+        passkey_contexts(ap, "--passkey-context", [a.passkey_context])
         s = replace(s, passkey_context=a.passkey_context)
     if a.only in (None, "real"):
         # passage_trace's query positions: the selection steps with their lags, and the

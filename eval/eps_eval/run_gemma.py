@@ -39,6 +39,7 @@ from eps_eval.args import (
     int_list,
     non_negative_int,
     output_dir,
+    passkey_contexts,
     positive_int,
     same_settings,
 )
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     for ctx in a.context:  # the first query is at ctx - steps - the plan's history
         check_context(ap, "--context", ctx, a.steps, query_history(PLANS[a.plan]))
+    if a.passkeys:
+        passkey_contexts(ap, "--passkey-context", a.passkey_context)
     units = a.out / "units"
     cache = a.cache or Path(os.environ.get("EPS_EVAL_CACHE", a.out.parent / ".eval-cache"))
     t0 = time.time()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 from eps_eval import args
 from eps_eval.run_gemma import variant_list
@@ -182,6 +183,45 @@ def test_a_context_too_short_for_its_query_positions_is_refused_before_any_work(
     ap = argparse.ArgumentParser()
     args.check_context(ap, "--context", 7, 2, 4, 1)
     args.check_context(ap, "--context", 42, 40, 2)
+
+
+def test_a_passkey_context_too_short_for_a_prompt_is_refused_before_any_work(
+        tmp_path, capsys) -> None:
+    # A context shorter than the question and its margin left a negative filler budget: the
+    # filler's slice [start:start + budget] then took nearly all of it, and the "short" prompt
+    # was as long as the filler text.
+    from eps_eval import run, run_gemma
+
+    out = tmp_path / "out"
+    for main, argv in ((run.main, ["--passkey-context=40"]),
+                       (run_gemma.main, ["--context=0", "--passkey-context=2048,100"])):
+        with pytest.raises(SystemExit) as e:
+            main([f"--out={out}", *argv])
+        assert e.value.code == 2, argv
+        assert "--passkey-context: " in capsys.readouterr().err, argv
+        assert not out.exists(), argv
+    ap = argparse.ArgumentParser()
+    args.passkey_contexts(ap, "--passkey-context", [0, args.PASSKEY_MIN_CONTEXT])
+
+
+def test_a_passkey_prompt_without_room_for_filler_is_refused() -> None:
+    from eps_eval.realmodel import PASSKEY_MIN_FILLER, passkey_prompt
+
+    class Tok:  # one token a character
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(i) for i in ids)
+
+    filler = Tok().encode("A sentence. " * 2000)
+    rng = np.random.default_rng(1)
+    question = len(Tok().encode("\n\nWhat is the pass key? The pass key is"))
+    with pytest.raises(ValueError, match="leaves 31 tokens of filler"):
+        passkey_prompt(Tok(), filler, question + 40 + PASSKEY_MIN_FILLER - 1, rng)
+    ctx = question + 40 + PASSKEY_MIN_FILLER
+    key, _, prompt = passkey_prompt(Tok(), filler, ctx, rng)
+    assert key in prompt and len(Tok().encode(prompt)) < ctx + 80
 
 
 def test_the_synthetic_workload_refuses_queries_before_its_planted_keys() -> None:
