@@ -145,8 +145,14 @@ LIST_COUNT_PLAN = QualityPlan(
                   for r in (1.0, 0.5, 0.25)),
                 ListCountConfig(0, 1, 1.0, "list"), ListCountConfig(0, 2, 1.0, "list"),
                 ListCountConfig(4, 1, 2.0, "threshold"), ListCountConfig(8, 1, 3.0, "threshold")))
+# Reusing one selection for k steps with epsd's default scorer: questclt (and quest8, the
+# record it reads, as the bound) under the threshold budget at lags 1-4 (report_quality's
+# reuse table), g = 1, 2 (epsd's default) and 8.
+REUSE_PLAN = QualityPlan(
+    group_blocks=(1, 2, 8), lags=(1, 2, 3, 4), mass_methods=(), mass_lags=(), c2f_coarse=(),
+    c2f_candidates=(), methods=("questclt", "quest8"), c2f_scorers=())
 PLANS = {"full": QualityPlan(), "estimators": ESTIMATOR_PLAN, "mass": MASS_PLAN,
          "massunion": MASS_UNION_PLAN, "c2f": C2F_PLAN, "meancentre": MEAN_PLAN,
          "feedback": FEEDBACK_PLAN, "epsdc2f": EPSD_C2F_PLAN,
          "epsdfeedback": EPSD_FEEDBACK_PLAN, "fbmemory": FEEDBACK_MEMORY_PLAN,
-         "massfeedback": MASS_FEEDBACK_PLAN, "listcount": LIST_COUNT_PLAN}
+         "massfeedback": MASS_FEEDBACK_PLAN, "listcount": LIST_COUNT_PLAN, "reuse": REUSE_PLAN}

@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         if est:
             lines += ["", "## Estimators from the quest8 record, at quest8's bytes"] + est
         lines += ["", "## Reusing one selection for k steps (recall at 75 % skipped)"]
-        lines += table_reuse(rows, ("quest", "quest8", "jl8"), (1, 4, 8))
+        lines += table_reuse(rows, ("quest", "quest8", "questclt", "jl8"), (1, 2, 4, 8))
         lines += ["", "## Adaptive mass budget against the fixed budgets (target recall 0.95)"]
         lines += table_mass(rows)
     except ValueError as e:

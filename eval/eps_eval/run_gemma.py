@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="estimators: plans.ESTIMATOR_PLAN (lag 1, quest, quest8, estimators); "
                          "mass: plans.MASS_PLAN (the mass budget, quest and questclt); "
                          "massunion: plans.MASS_UNION_PLAN (mass plus the list-level mass "
-                         "budget and the exact lag-1 mass)")
+                         "budget and the exact lag-1 mass); reuse: plans.REUSE_PLAN "
+                         "(questclt and quest8 at lags 1-4, report_quality's reuse table); "
+                         "the others: eps_eval.plans")
     ap.add_argument("--variants", type=variant_list, default=VARIANTS,
                     help="gated passkey variants METHOD:G,... (default: run_gemma.VARIANTS)")
     ap.add_argument("--skip-checks", action="store_true",

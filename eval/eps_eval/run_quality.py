@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                          "massunion: plans.MASS_UNION_PLAN (mass plus the list-level mass "
                          "budget and the exact lag-1 mass); c2f: plans.C2F_PLAN (coarse-to-"
                          "fine swept); meancentre: plans.MEAN_PLAN (questclt centred on the "
-                         "mean key)")
+                         "mean key); reuse: plans.REUSE_PLAN (questclt and quest8 at lags "
+                         "1-4, report_quality's reuse table); the others: eps_eval.plans")
     ap.add_argument("--quest8-scale", choices=QUEST8_SCALES, default="fp32",
                     help="quest8's scale per group: fp32 (max |k| / 127) or pow2 (rounded up to "
                          "a power of two, as a writer that sees keys one at a time would keep it)")
