@@ -183,6 +183,13 @@ absl::StatusOr<std::string> EpsClient::CallAttach(
   v1::AttachResponse response;
   const grpc::Status status = stub_->Attach(&context, attach_, &response);
   if (!status.ok()) return FromGrpc(status);
+  // An empty id is no session: adopted, the client would read as attached while every step
+  // went out with no id (NOT_FOUND), each one's re-attach counted as granted.
+  if (response.session_id().empty()) {
+    return absl::InternalError(
+        "Attach: epsd answered OK but granted no session_id (AttachResponse.session_id is "
+        "empty)");
+  }
   return response.session_id();
 }
 

@@ -1,9 +1,11 @@
 // client/cpp/eps_client.cc's session against fake epsd servers (no epsd binary): Attach
-// with a background re-attach in flight, a failed or unstartable re-attach, epsd's drain,
-// a stream reply for another step (an error at once), and steps after Detach (refused).
+// with a background re-attach in flight, an Attach granting no session id, a failed or
+// unstartable re-attach, epsd's drain, a stream reply for another step (an error at once),
+// and steps after Detach (refused).
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -128,6 +130,24 @@ class FailingEpsd final : public v1::PageSelector::Service {
   const grpc::Status attach_, step_;
 };
 
+// Answers every Attach OK without a session id, and counts the steps that reach it.
+class EmptySessionEpsd final : public v1::PageSelector::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
+                      v1::AttachResponse*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest*,
+                           v1::SelectPagesResponse*) override {
+    ++steps_;
+    return {grpc::StatusCode::NOT_FOUND, "session '' not found (detached or lease expired)"};
+  }
+  int steps() const { return steps_.load(); }
+
+ private:
+  std::atomic<int> steps_{0};
+};
+
 // A fail-closed step while the background re-attach has failed once returned the Attach's
 // own INVALID_ARGUMENT, which an engine reads as its step's; it is UNAVAILABLE naming the
 // re-attach (docs/api-failures.md 5.3), as in the Python client.
@@ -160,6 +180,43 @@ TEST(ReattachStatusTest, AStepWhileNotAttachedIsUnavailableNamingTheFailedReatta
     EXPECT_FALSE(later.fallback);
   }
   server->Shutdown();
+}
+
+// An Attach epsd answers OK without a session id (a server that lost the field, or another
+// service on the socket) once read as attached: Attach() returned OK with no session, and every
+// step went to epsd with an empty id (NOT_FOUND), each answer counted as a re-attach. It is an
+// INTERNAL error naming the missing field, and the background re-attach fails with it.
+TEST(AttachReplyTest, AnAttachGrantingNoSessionIdIsAnError) {
+  EmptySessionEpsd epsd;
+  const std::string target = FakeTarget("no-session-id");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    ClientOptions options = FakeOptions(target, /*use_stream=*/false);
+    options.reattach_backoff = std::chrono::milliseconds(0);
+    EpsClient client(options, Attach("e"));
+    const absl::Status attached = client.Attach();
+    EXPECT_EQ(attached.code(), absl::StatusCode::kInternal) << attached;
+    EXPECT_NE(attached.message().find("granted no session_id"), std::string::npos) << attached;
+    EXPECT_EQ(client.session_id(), "");
+    const v1::BatchRow row = Row();
+    StepResult later;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (uint64_t step = 1; std::chrono::steady_clock::now() < until; ++step) {
+      later = client.SelectPages(step, {&row, 1});
+      ASSERT_TRUE(later.fallback);
+      if (later.status.message().find("re-attach failed") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(later.status.code(), absl::StatusCode::kUnavailable) << later.status;
+    EXPECT_NE(later.status.message().find("re-attach failed: INTERNAL"), std::string::npos)
+        << later.status;
+    const ClientCounters c = client.counters();
+    EXPECT_EQ(c.fallback_not_attached, c.steps);
+    EXPECT_EQ(c.reattaches, 0u);
+  }
+  server->Shutdown();
+  EXPECT_EQ(epsd.steps(), 0);  // no step went out with an empty session id
 }
 
 // A step epsd cancels (its SIGTERM drain) was an error fallback; it is an unavailable one,
