@@ -183,6 +183,13 @@ absl::StatusOr<std::string> EpsClient::CallAttach(
   v1::AttachResponse response;
   const grpc::Status status = stub_->Attach(&context, attach_, &response);
   if (!status.ok()) return FromGrpc(status);
+  // An empty id is no session: adopted, the client would read as attached while every step
+  // went out with no id (NOT_FOUND), each one's re-attach counted as granted.
+  if (response.session_id().empty()) {
+    return absl::InternalError(
+        "Attach: epsd answered OK but granted no session_id (AttachResponse.session_id is "
+        "empty)");
+  }
   return response.session_id();
 }
 
@@ -257,7 +264,19 @@ absl::Status EpsClient::Heartbeat() {
   v1::HeartbeatRequest request;
   request.set_session_id(session_id_);
   v1::HeartbeatResponse response;
-  return FromGrpc(stub_->Heartbeat(&context, request, &response));
+  const absl::Status status = FromGrpc(stub_->Heartbeat(&context, request, &response));
+  // epsd no longer knows the session (restarted, lease expired): forgotten as a step's
+  // NOT_FOUND forgets it, so that the next step re-attaches rather than naming it again.
+  if (status.code() == absl::StatusCode::kNotFound) ForgetSession();
+  return status;
+}
+
+void EpsClient::ForgetSession() {
+  session_id_.clear();
+  if (stream_) {
+    stream_->Close();
+    stream_.reset();
+  }
 }
 
 std::vector<std::pair<std::string, std::string>> EpsClient::TraceMetadata() {
@@ -447,11 +466,7 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
   std::atomic<uint64_t>* reason = &fb_error_;
   switch (status.code()) {
     case absl::StatusCode::kNotFound:  // sidecar restarted or lease expired
-      session_id_.clear();             // re-attach next step
-      if (stream_) {
-        stream_->Close();
-        stream_.reset();
-      }
+      ForgetSession();                 // re-attach next step
       reason = &fb_not_attached_;
       break;
     case absl::StatusCode::kCancelled:  // epsd shutting down (its drain cancels calls)

@@ -90,6 +90,8 @@ class EpsClient {
   // nothing re-attaches by itself.
   absl::Status Detach();
   absl::Status Ping(std::chrono::microseconds deadline);
+  // Renews the lease within attach_deadline. NOT_FOUND (epsd restarted, the lease expired)
+  // forgets the session, as a step's NOT_FOUND does: the next step re-attaches.
   absl::Status Heartbeat();
 
   const std::string& session_id() const { return session_id_; }
@@ -120,6 +122,9 @@ class EpsClient {
   bool TakePendingAttach(std::chrono::steady_clock::time_point deadline);
   // A granted session becomes the client's; a failed Attach starts the re-attach backoff.
   absl::Status Adopt(const absl::StatusOr<std::string>& attached);
+  // epsd no longer knows the session (NOT_FOUND): drops it and its stream, so that the next
+  // step re-attaches.
+  void ForgetSession();
   // Not attached: BackgroundAttach::Poll, adopting the session it returns.
   absl::Status PollReattach();
   using Deadline = std::chrono::steady_clock::time_point;

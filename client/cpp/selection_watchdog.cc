@@ -46,7 +46,7 @@ SelectionWatchdog::~SelectionWatchdog() {
     if (*done >= step) return;
     absl::SleepFor(absl::Milliseconds(1));
   }
-  if (CheckAndRelease(step)) {
+  if (const absl::StatusOr<bool> released = CheckAndRelease(step); released.ok() && *released) {
     absl::MutexLock lock(&mu_);
     ++releases_;
   }
@@ -71,10 +71,11 @@ uint64_t SelectionWatchdog::releases() const {
   return releases_;
 }
 
-bool SelectionWatchdog::CheckAndRelease(uint64_t step) {
+absl::StatusOr<bool> SelectionWatchdog::CheckAndRelease(uint64_t step) {
   const absl::StatusOr<uint64_t> done = device_.read_done();
   if (done.ok() && *done >= step) return false;
-  return device_.release_dense(step).ok();
+  if (absl::Status s = device_.release_dense(step); !s.ok()) return s;
+  return true;
 }
 
 void SelectionWatchdog::Loop() {
@@ -102,9 +103,19 @@ void SelectionWatchdog::Loop() {
     if (stop_ || armed_step_ != step) continue;
     armed_step_ = 0;
     mu_.Unlock();
-    const bool released = CheckAndRelease(step);  // off the lock: device work
+    const absl::StatusOr<bool> released = CheckAndRelease(step);  // off the lock: device work
     mu_.Lock();
-    if (released) ++releases_;
+    if (!released.ok()) {
+      // The engine's stream still waits on the step: try again one timeout from now (a
+      // failed release once dropped the watch, leaving that wait unbounded), unless a newer
+      // step was armed meanwhile, whose release raises selection_done past this one too.
+      if (armed_step_ < step) {
+        armed_step_ = step;
+        armed_at_ = std::chrono::steady_clock::now();
+      }
+    } else if (*released) {
+      ++releases_;
+    }
   }
 }
 

@@ -8,10 +8,12 @@
 // older one (releasing the newer also releases the older wait, selection_done
 // being raised to the step, never lowered), and an older step than the one armed
 // leaves it armed, with its due time: two threads arming out of order, or a late
-// Arm, must not drop the watch of the newer step. Destroying the watchdog
+// Arm, must not drop the watch of the newer step. A release that fails (a device call
+// refused) leaves the step armed, due one timeout later, so that it is tried again (it was
+// once dropped, and the engine's wait with it). Destroying the watchdog
 // finishes the armed step's watch rather than dropping it: the destructor
 // returns once selection_done reaches the step, or at the step's due time after
-// releasing it. An engine that shuts down while epsd is gone would otherwise
+// releasing it (one try). An engine that shuts down while epsd is gone would otherwise
 // leave its stream waiting for good, and its buffers' teardown
 // (cudaDeviceSynchronize) with it.
 //
@@ -76,8 +78,9 @@ class SelectionWatchdog {
  private:
   SelectionWatchdog(Device device, std::chrono::microseconds timeout);
   void Loop();
-  // Reads selection_done and releases `step` unless it reached it; true if released.
-  bool CheckAndRelease(uint64_t step);
+  // Reads selection_done and releases `step` unless it reached it: true if released, false
+  // if it had no need, the release's error if it failed.
+  absl::StatusOr<bool> CheckAndRelease(uint64_t step);
 
   const Device device_;
   const std::chrono::microseconds timeout_;

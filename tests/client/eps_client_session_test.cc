@@ -1,9 +1,11 @@
 // client/cpp/eps_client.cc's session against fake epsd servers (no epsd binary): Attach
-// with a background re-attach in flight, a failed or unstartable re-attach, epsd's drain,
-// a stream reply for another step (an error at once), and steps after Detach (refused).
+// with a background re-attach in flight, an Attach granting no session id, a Heartbeat
+// answered NOT_FOUND, a failed or unstartable re-attach, epsd's drain, a stream reply for another
+// step (an error at once), and steps after Detach (refused).
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -128,6 +130,24 @@ class FailingEpsd final : public v1::PageSelector::Service {
   const grpc::Status attach_, step_;
 };
 
+// Answers every Attach OK without a session id, and counts the steps that reach it.
+class EmptySessionEpsd final : public v1::PageSelector::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
+                      v1::AttachResponse*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest*,
+                           v1::SelectPagesResponse*) override {
+    ++steps_;
+    return {grpc::StatusCode::NOT_FOUND, "session '' not found (detached or lease expired)"};
+  }
+  int steps() const { return steps_.load(); }
+
+ private:
+  std::atomic<int> steps_{0};
+};
+
 // A fail-closed step while the background re-attach has failed once returned the Attach's
 // own INVALID_ARGUMENT, which an engine reads as its step's; it is UNAVAILABLE naming the
 // re-attach (docs/api-failures.md 5.3), as in the Python client.
@@ -160,6 +180,109 @@ TEST(ReattachStatusTest, AStepWhileNotAttachedIsUnavailableNamingTheFailedReatta
     EXPECT_FALSE(later.fallback);
   }
   server->Shutdown();
+}
+
+// An Attach epsd answers OK without a session id (a server that lost the field, or another
+// service on the socket) once read as attached: Attach() returned OK with no session, and every
+// step went to epsd with an empty id (NOT_FOUND), each answer counted as a re-attach. It is an
+// INTERNAL error naming the missing field, and the background re-attach fails with it.
+TEST(AttachReplyTest, AnAttachGrantingNoSessionIdIsAnError) {
+  EmptySessionEpsd epsd;
+  const std::string target = FakeTarget("no-session-id");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    ClientOptions options = FakeOptions(target, /*use_stream=*/false);
+    options.reattach_backoff = std::chrono::milliseconds(0);
+    EpsClient client(options, Attach("e"));
+    const absl::Status attached = client.Attach();
+    EXPECT_EQ(attached.code(), absl::StatusCode::kInternal) << attached;
+    EXPECT_NE(attached.message().find("granted no session_id"), std::string::npos) << attached;
+    EXPECT_EQ(client.session_id(), "");
+    const v1::BatchRow row = Row();
+    StepResult later;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (uint64_t step = 1; std::chrono::steady_clock::now() < until; ++step) {
+      later = client.SelectPages(step, {&row, 1});
+      ASSERT_TRUE(later.fallback);
+      if (later.status.message().find("re-attach failed") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(later.status.code(), absl::StatusCode::kUnavailable) << later.status;
+    EXPECT_NE(later.status.message().find("re-attach failed: INTERNAL"), std::string::npos)
+        << later.status;
+    const ClientCounters c = client.counters();
+    EXPECT_EQ(c.fallback_not_attached, c.steps);
+    EXPECT_EQ(c.reattaches, 0u);
+  }
+  server->Shutdown();
+  EXPECT_EQ(epsd.steps(), 0);  // no step went out with an empty session id
+}
+
+// Grants "s-<n>" for the n-th Attach and answers every Heartbeat NOT_FOUND, forgetting every
+// session granted so far (a restarted epsd, an expired lease); a step is answered for the
+// newest session granted since, NOT_FOUND for any other (counted).
+class ForgettingEpsd final : public v1::PageSelector::Service {
+ public:
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
+                      v1::AttachResponse* response) override {
+    response->set_session_id("s-" + std::to_string(++attaches_));
+    return grpc::Status::OK;
+  }
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+                         v1::HeartbeatResponse*) override {
+    forgotten_ = attaches_.load();
+    return {grpc::StatusCode::NOT_FOUND,
+            absl::StrCat("session '", request->session_id(), "' not found: re-attach")};
+  }
+  grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest* request,
+                           v1::SelectPagesResponse* response) override {
+    const int newest = attaches_.load();
+    if (newest <= forgotten_.load() || request->session_id() != "s-" + std::to_string(newest)) {
+      ++stale_steps_;
+      return {grpc::StatusCode::NOT_FOUND, "session not found (detached or lease expired)"};
+    }
+    response->set_step(request->step());
+    return grpc::Status::OK;
+  }
+  int stale_steps() const { return stale_steps_.load(); }
+
+ private:
+  std::atomic<int> attaches_{0}, forgotten_{0}, stale_steps_{0};
+};
+
+// A Heartbeat answered NOT_FOUND left the dead session in place: the next step went to epsd
+// with it (one more NOT_FOUND fallback, and on the stream a stream opened for nothing) before
+// the client re-attached. The session is forgotten, as the Python client's heartbeat() does:
+// the next step starts the background re-attach at once.
+TEST(HeartbeatTest, AHeartbeatAnsweredNotFoundForgetsTheSession) {
+  ForgettingEpsd epsd;
+  const std::string target = FakeTarget("heartbeat-not-found");
+  auto server = Serve(&epsd, target);
+  ASSERT_NE(server, nullptr);
+  {
+    ClientOptions options = FakeOptions(target, /*use_stream=*/false);
+    options.reattach_backoff = std::chrono::milliseconds(0);
+    EpsClient client(options, Attach("e"));
+    ASSERT_TRUE(client.Attach().ok());
+    ASSERT_EQ(client.session_id(), "s-1");
+    const absl::Status beat = client.Heartbeat();
+    EXPECT_EQ(beat.code(), absl::StatusCode::kNotFound) << beat;
+    EXPECT_EQ(client.session_id(), "");
+    const v1::BatchRow row = Row();
+    StepResult r;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (uint64_t step = 1; std::chrono::steady_clock::now() < until; ++step) {
+      r = client.SelectPages(step, {&row, 1});
+      if (r.status.ok()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_TRUE(r.status.ok()) << r.status;
+    EXPECT_EQ(client.session_id(), "s-2");
+    EXPECT_EQ(client.counters().fallback_not_attached, client.counters().fallbacks());
+  }
+  server->Shutdown();
+  EXPECT_EQ(epsd.stale_steps(), 0);  // no step named the session epsd had forgotten
 }
 
 // A step epsd cancels (its SIGTERM drain) was an error fallback; it is an unavailable one,

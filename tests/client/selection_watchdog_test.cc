@@ -2,7 +2,8 @@
 // GPU): a step that never completes is released at its due time, a completed one is not,
 // a newer Arm supersedes an older one while an older Arm (or step 0, refused) leaves the
 // newer armed, destroying the watchdog finishes the armed step's watch (released at its
-// due time, or not at all once done), and timeouts it cannot keep are refused.
+// due time, or not at all once done), a failed release is tried again, and timeouts it
+// cannot keep are refused.
 #include "client/cpp/selection_watchdog.h"
 
 #include <chrono>
@@ -97,6 +98,19 @@ TEST(SelectionWatchdogTest, AFailedReadReleasesTheStep) {
   ASSERT_TRUE(dog->Arm(7).ok());
   ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
   EXPECT_EQ(device.Released(), std::vector<uint64_t>{7});
+}
+
+// A release that failed once dropped the step's watch: the engine's stream waited on
+// selection_done for good, which the watchdog exists to prevent.
+TEST(SelectionWatchdogTest, AFailedReleaseIsTriedAgainUntilItSucceeds) {
+  FakeDevice device;
+  device.release_failures = 2;
+  auto dog = Make(device, milliseconds(10));
+  ASSERT_TRUE(dog->Arm(8).ok());
+  ASSERT_TRUE(WaitFor([&] { return dog->releases() == 1; }, milliseconds(10000)));
+  EXPECT_EQ(device.release_calls.load(), 3);
+  EXPECT_EQ(device.Released(), std::vector<uint64_t>{8});
+  EXPECT_EQ(device.done.load(), 8u);
 }
 
 // The destroy once dropped the armed step: an engine shutting down while epsd was gone
