@@ -341,19 +341,43 @@ def test_attach_adopts_a_background_reattach_granted_meanwhile(tmp_path):
 
 
 class UndecodableAttach(pb_grpc.PageSelectorServicer):
-    """Grants sessions whose effective options no SelectOptions holds (a NaN top_p)."""
+    """Grants sessions whose effective options no SelectOptions holds (a NaN top_p), or
+    answers OK with no session id at all."""
 
-    def __init__(self) -> None:
+    def __init__(self, no_id: bool = False) -> None:
         self.attaches = 0
+        self.no_id = no_id
+        self.selects = 0
 
     def Attach(self, request, context):  # noqa: N802 - gRPC method name
         self.attaches += 1
+        if self.no_id:
+            return pb.AttachResponse()
         reply = pb.AttachResponse(session_id=f"s-{self.attaches}")
         reply.effective_options.top_p = float("nan")
         return reply
 
     def SelectPages(self, request, context):  # noqa: N802
+        self.selects += 1
         return pb.SelectPagesResponse(step=request.step, done=True)
+
+
+def test_an_attach_answered_ok_without_a_session_id_is_an_internal_error(tmp_path):
+    # As the C++ client's (docs/api-failures.md §5.4): it was adopted as a session with an
+    # empty id, and every step then went to epsd naming none.
+    servicer = UndecodableAttach(no_id=True)
+    with fake_epsd(servicer, tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=5.0, attach_deadline_s=5.0,
+                                reattach_backoff_s=3600.0, use_stream=False)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            with pytest.raises(EpsError) as e:
+                client.attach()
+            assert e.value.code == grpc.StatusCode.INTERNAL
+            assert "granted no session_id" in e.value.message
+            assert client.attach_info is None
+            result = client.select_pages(1, [(0, 1, 0)])
+            assert result.fallback and "backing off" in result.message, result
+    assert servicer.selects == 0
 
 
 def test_an_attach_reply_that_does_not_decode_is_an_internal_error_not_a_session(tmp_path):

@@ -451,10 +451,13 @@ class EpsClient:
 
     def _adopt(self, response: pb.AttachResponse) -> AttachInfo:
         """The session an Attach was granted, now this client's. A reply this client cannot
-        read (an effective option no SelectOptions holds: a NaN top_p, say) grants nothing:
+        read (an empty session_id, an effective option no SelectOptions holds: a NaN top_p,
+        say) grants nothing:
         EpsError INTERNAL naming it, and the next re-attach waits out the backoff, as after
         a failed Attach. epsd's reply is not trusted to be well-formed."""
         try:
+            if not response.session_id:  # no step may go out with an empty id
+                raise ValueError("epsd answered OK but granted no session_id")
             info = AttachInfo.from_proto(response)
         except (TypeError, ValueError) as e:
             self._reattach.back_off(self.options.reattach_backoff_s)
