@@ -47,7 +47,12 @@ bool AllOf(absl::string_view s, bool (*in)(char), size_t max_size) {
 }
 
 // Whether `entry` (a /dev/shm name) is one Create makes for `tag`: eps-<tag>-<pid>-<n>, or
-// that with -<hex> (absl::Hex of 64 random bits, or Python's 16 digits).
+// that with -<hex>: a pid of at most 7 digits (Linux's pid_max is at most 2^22), a count of
+// at most 10 (a uint32) and exactly 16 lower-case hex digits (64 random bits, zero-padded;
+// Python's token_hex(8) alike). The widths make the grammar unambiguous where one tag is
+// another's prefix and a '-' (tags "a" and "a-1"): a name of one never reads as the other's
+// (with a suffix of 1 to 16 digits, "eps-a-1-100-5", tag a-1's, read as tag a's pid 1,
+// count 100, suffix 5).
 bool NamedForTag(absl::string_view entry, const std::string& tag) {
   const std::string prefix = absl::StrCat("eps-", tag, "-");
   if (entry.substr(0, prefix.size()) != prefix) return false;
@@ -56,9 +61,11 @@ bool NamedForTag(absl::string_view entry, const std::string& tag) {
   auto hex = [](char c) {
     return absl::ascii_isdigit(static_cast<unsigned char>(c)) || (c >= 'a' && c <= 'f');
   };
-  constexpr size_t kDigits = 20;  // a 64-bit number's
-  return (parts.size() == 2 || parts.size() == 3) && AllOf(parts[0], decimal, kDigits) &&
-         AllOf(parts[1], decimal, kDigits) && (parts.size() == 2 || AllOf(parts[2], hex, 16));
+  constexpr size_t kPidDigits = 7, kCountDigits = 10, kSuffixDigits = 16;
+  return (parts.size() == 2 || parts.size() == 3) && AllOf(parts[0], decimal, kPidDigits) &&
+         AllOf(parts[1], decimal, kCountDigits) &&
+         (parts.size() == 2 ||
+          (parts[2].size() == kSuffixDigits && AllOf(parts[2], hex, kSuffixDigits)));
 }
 
 // Whether neither the object's ctime nor its mtime is within `grace` of `now` (a clock set
@@ -137,7 +144,7 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
   // until this Create could not fit its own. Best effort, and its grace is checked above:
   // nothing fails here.
   (void)ReapStaleShm(tag, stale_grace);
-  static std::atomic<int> counter{0};
+  static std::atomic<uint32_t> counter{0};  // at most 10 digits: NamedForTag's grammar
   auto b = std::unique_ptr<EngineBuffers>(new EngineBuffers(*std::move(plan)));
   const uint64_t size = b->plan_.size;
   // /eps-<tag>-<pid>-<n>, created exclusively. A name can be taken by an object a dead
@@ -150,7 +157,8 @@ absl::StatusOr<std::unique_ptr<EngineBuffers>> EngineBuffers::Create(
   int fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   for (int retry = 0; fd < 0 && errno == EEXIST && retry < 8; ++retry) {
     std::random_device entropy;
-    b->name_ = absl::StrCat(base, "-", absl::Hex(uint64_t{entropy()} << 32 | entropy()));
+    b->name_ =
+        absl::StrCat(base, "-", absl::Hex(uint64_t{entropy()} << 32 | entropy(), absl::kZeroPad16));
     fd = shm_open(b->name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   }
   if (fd < 0)

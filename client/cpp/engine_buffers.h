@@ -49,8 +49,9 @@ namespace eps::client {
 inline constexpr std::chrono::seconds kStaleShmGrace{10};
 
 // Removes the stale objects of `tag` from /dev/shm and returns their names ('/'-prefixed):
-// every entry named as Create names `tag`'s objects (`eps-<tag>-<pid>-<n>`, or with a
-// suffix `-<1 to 16 lower-case hex digits>`), a regular file owned by this process's
+// every entry named as Create names `tag`'s objects (`eps-<tag>-<pid>-<n>`: a pid of 1 to 7
+// digits, a count of 1 to 10; or with a suffix `-<16 lower-case hex digits>`: one tag's names
+// never read as another's, "a" and "a-1" alike), a regular file owned by this process's
 // effective uid (checked before the entry is opened: nothing else is ever opened),
 // unchanged for at least `grace`, that flock(LOCK_EX | LOCK_NB) can lock: its
 // creator is gone. Everything else is left alone, quietly: another tag's, another

@@ -195,9 +195,8 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
   const std::string tag = Tag("names");
   const std::string prefix = absl::StrCat("/eps-", tag, "-");
   const std::vector<std::string> reaped = {
-      prefix + "1-0", prefix + "4194304-17",
-      prefix + "1-1-abc",               // EngineBuffers' suffix (absl::Hex, no padding)
-      prefix + "1-2-0123456789abcdef",  // ShmBuffers' suffix (16 digits)
+      prefix + "1-0", prefix + "4194304-4294967295",
+      prefix + "1-2-0123456789abcdef",  // the random suffix (16 digits, both clients)
   };
   const std::vector<std::string> kept = {
       absl::StrCat("/eps-", tag, "x-1-0"),       // another tag
@@ -213,6 +212,10 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
       prefix + "1-0-ABC",
       prefix + "1-0-xyz",
       prefix + "1-0-0123456789abcdef0",
+      prefix + "1-1-abc",        // a suffix of fewer than 16 digits (before 2026-11-28)
+      prefix + "1-100-5",        // tag <tag>-1's pid 100, count 5 (read as ours before)
+      prefix + "12345678-0",     // a pid of 8 digits
+      prefix + "1-12345678901",  // a count of 11 digits
       prefix + "1-0.lock",
       prefix + "+1-0",
       prefix + "\xd9\xa1-0",  // an Arabic-Indic digit one (UTF-8)
@@ -230,6 +233,32 @@ TEST(StaleShmTest, OnlyTheNamesCreateMakesForTheTagAreRemoved) {
     EXPECT_TRUE(Exists(name)) << name;
     shm_unlink(name.c_str());
   }
+}
+
+// Where one tag is another's prefix and a '-' ("t" and "t-1"), neither tag's reaping takes
+// the other's objects, whichever way round: "eps-t-1-100-5" is t-1's (pid 100, count 5), and
+// "eps-t-1-5-0123456789012345" t's (pid 1, count 5, an all-decimal suffix).
+TEST(StaleShmTest, ATagThatExtendsAnotherTakesNoneOfItsObjectsNorGivesItsOwn) {
+  const std::string tag = Tag("pre");
+  const std::string longer = absl::StrCat("/eps-", tag, "-1-100-5");                // tag-1's
+  const std::string shorter = absl::StrCat("/eps-", tag, "-1-5-0123456789012345");  // tag's
+  MakeUnheld(longer);
+  MakeUnheld(shorter);
+  {
+    auto made = EngineBuffers::Create(Model(), Shape(), tag, 0s);
+    ASSERT_TRUE(made.ok()) << made.status();
+    EXPECT_TRUE(Exists(longer));
+    EXPECT_FALSE(Exists(shorter));
+  }
+  MakeUnheld(shorter);
+  {
+    auto made = EngineBuffers::Create(Model(), Shape(), absl::StrCat(tag, "-1"), 0s);
+    ASSERT_TRUE(made.ok()) << made.status();
+    EXPECT_TRUE(Exists(shorter));
+    EXPECT_FALSE(Exists(longer));
+  }
+  shm_unlink(longer.c_str());
+  shm_unlink(shorter.c_str());
 }
 
 // A negative grace period would take an object whose creator has not locked it yet (one as

@@ -144,14 +144,16 @@ def test_a_negative_or_non_finite_grace_period_is_refused_before_anything_is_rem
 def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
     tag = f"names{os.getpid()}"
     prefix = f"/eps-{tag}-"
-    reaped = [prefix + "1-0", prefix + "4194304-17",
-              prefix + "1-1-abc",  # EngineBuffers' suffix (absl::Hex, no padding)
-              prefix + "1-2-0123456789abcdef"]  # ShmBuffers' suffix (16 digits)
+    reaped = [prefix + "1-0", prefix + "4194304-4294967295",
+              prefix + "1-2-0123456789abcdef"]  # the random suffix (16 digits, both clients)
     kept = [f"/eps-{tag}x-1-0", f"/eps-x{tag}-1-0", f"/eps-{tag}-other-1-0",
             f"/epsx-{tag}-1-0", f"/x-eps-{tag}-1-0", prefix + "1", prefix + "1-",
             prefix + "-1-0", prefix + "1-0-", prefix + "1-0-0-0", prefix + "1-0-ABC",
             prefix + "1-0-xyz", prefix + "1-0-0123456789abcdef0", prefix + "1-0.lock",
-            prefix + "+1-0", prefix + "١-0"]  # an Arabic-Indic digit: not \d in C++
+            prefix + "+1-0", prefix + "١-0",  # an Arabic-Indic digit: not \d in C++
+            prefix + "1-1-abc",  # a suffix of fewer than 16 digits (before 2026-11-28)
+            prefix + "1-100-5",  # tag <tag>-1's pid 100, count 5 (read as ours before)
+            prefix + "12345678-0", prefix + "1-12345678901"]  # 8-digit pid, 11-digit count
     for name in reaped + kept:
         make_unheld(name)
     try:
@@ -163,6 +165,25 @@ def test_only_the_names_shm_buffers_makes_for_the_tag_are_removed():
             if exists(name):
                 os.unlink(f"/dev/shm{name}")
 
+
+
+def test_a_tag_that_extends_another_takes_none_of_its_objects_nor_gives_its_own():
+    """Tags "t" and "t-1": "eps-t-1-100-5" is t-1's (pid 100, count 5) and
+    "eps-t-1-5-0123456789012345" t's (pid 1, count 5, an all-decimal suffix)."""
+    tag = f"pre{os.getpid()}"
+    longer, shorter = f"/eps-{tag}-1-100-5", f"/eps-{tag}-1-5-0123456789012345"
+    try:
+        make_unheld(longer)
+        make_unheld(shorter)
+        with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=tag, stale_grace_s=0):
+            assert exists(longer) and not exists(shorter)
+        make_unheld(shorter)
+        with ShmBuffers(REAP_MODEL, REAP_SHAPE, tag=f"{tag}-1", stale_grace_s=0):
+            assert exists(shorter) and not exists(longer)
+    finally:
+        for name in (longer, shorter):
+            if exists(name):
+                os.unlink(f"/dev/shm{name}")
 
 
 def test_a_fifo_or_symlink_under_the_tags_names_is_left_alone():

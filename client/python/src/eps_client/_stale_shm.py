@@ -27,12 +27,15 @@ SHM_DIR = "/dev/shm"  # where shm_open (glibc's and Python's) keeps every object
 # client/cpp's kStaleShmGrace.
 STALE_SHM_GRACE_S = 10.0
 
-_SUFFIX = re.compile(r"[0-9]{1,20}-[0-9]{1,20}(-[0-9a-f]{1,16})?")
+# A pid of at most 7 digits (Linux's pid_max is at most 2^22), a count of at most 10, a
+# suffix of exactly 16 hex digits: no tag's name reads as another's where one tag is the
+# other's prefix and a '-' ("a" and "a-1"; docs/api-memory.md, "Stale objects").
+_SUFFIX = re.compile(r"[0-9]{1,7}-[0-9]{1,10}(-[0-9a-f]{16})?")
 
 
 def named_for_tag(entry: str, tag: str) -> bool:
     """Whether ``entry`` (a /dev/shm name) is one ShmBuffers or EngineBuffers makes for
-    ``tag``: ``eps-<tag>-<pid>-<n>``, or that with ``-<1 to 16 lower-case hex digits>``."""
+    ``tag``: ``eps-<tag>-<pid>-<n>``, or that with ``-<16 lower-case hex digits>``."""
     prefix = f"eps-{tag}-"
     return entry.startswith(prefix) and _SUFFIX.fullmatch(entry, len(prefix)) is not None
 

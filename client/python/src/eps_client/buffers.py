@@ -263,7 +263,7 @@ class ShmBuffers:
         # /dev/shm until this one could not fit.
         _stale_shm.reap_stale(tag, stale_grace_s)
         self._shm: shared_memory.SharedMemory | None = _create_shm(
-            f"eps-{tag}-{os.getpid()}-{next(_counter)}", self.layout.size)
+            f"eps-{tag}-{os.getpid()}-{next(_counter) % 10**10}", self.layout.size)
         self.shm_name = "/" + self._shm.name.lstrip("/")
         # Held from now until close(): what tells a later reaper that this object's creator
         # lives (until this line, STALE_SHM_GRACE_S covers it).
