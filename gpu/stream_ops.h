@@ -9,7 +9,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 
@@ -37,9 +39,14 @@ absl::Status StreamRaiseCounter(cudaStream_t stream, uint64_t* counter, uint64_t
 absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n, uint64_t* counter,
                                 uint64_t value);
 
+// The most floats whose bytes a size_t counts (cudaMemsetAsync's count).
+inline constexpr int64_t kMaxFeedbackEntries =
+    static_cast<int64_t>(std::numeric_limits<size_t>::max() / sizeof(float));
+
 // Enqueues on `stream`: feedback[0, n) = NaN (all-ones bytes), the selection feedback a
 // fail-open release clears before the released step's attention writes it
-// (docs/api-memory.md, "Selection feedback").
+// (docs/api-memory.md, "Selection feedback"). n above kMaxFeedbackEntries is
+// INVALID_ARGUMENT (its byte count would wrap).
 absl::Status StreamClearFeedback(cudaStream_t stream, float* feedback, int64_t n);
 
 // Loads the release kernels now. Under lazy module loading (CUDA's default) a

@@ -10,6 +10,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -222,9 +223,19 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
   });
 }
 
+namespace {
+// n floats past what a byte count holds: n * 4 wrapped to a small size, and a call that
+// cleared nothing, or a few bytes, answered 0.
+std::string TooMany(int64_t n) {
+  return absl::StrCat("n=", n, " floats are more bytes than an address space holds (at most ",
+                      eps::gpu::kMaxFeedbackEntries, ")");
+}
+}  // namespace
+
 int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream) {
   return eps::capi::Guarded("eps_engine_clear_feedback", [&] {
     if (n < 0) return Refuse("eps_engine_clear_feedback", absl::StrCat("n=", n, " is negative"));
+    if (n > eps::gpu::kMaxFeedbackEntries) return Refuse("eps_engine_clear_feedback", TooMany(n));
     if (n > 0 && feedback == 0) {
       return Refuse("eps_engine_clear_feedback", absl::StrCat("feedback is null, n=", n));
     }
@@ -248,6 +259,9 @@ int eps_engine_watchdog_clear_feedback(EpsEngineWatchdog* w, uint64_t feedback, 
     if (n < 0 || (n > 0 && feedback == 0)) {
       return Refuse("eps_engine_watchdog_clear_feedback",
                     absl::StrCat("n=", n, " must be >= 0 and feedback non-null when n > 0"));
+    }
+    if (n > eps::gpu::kMaxFeedbackEntries) {
+      return Refuse("eps_engine_watchdog_clear_feedback", TooMany(n));
     }
     if (int rc = CheckAligned("eps_engine_watchdog_clear_feedback", "feedback", feedback,
                               alignof(float));

@@ -110,7 +110,8 @@ int eps_engine_release_dense(int32_t device, uint64_t visit_count, int64_t n, ui
 /* feedback[0, n) = NaN (float32): a step that falls back clears the selection feedback
  * before its attention writes it (docs/api-memory.md: no selection consumed the entries of
  * the step before, and the attention would combine its masses with them). n >= 0,
- * feedback non-NULL when n > 0; `stream` as for eps_engine_release_dense. */
+ * feedback non-NULL when n > 0, n * 4 bytes within a size_t (INVALID_ARGUMENT beyond); `stream`
+ * as for eps_engine_release_dense. */
 int eps_engine_clear_feedback(int32_t device, uint64_t feedback, int64_t n, uint64_t stream);
 
 /* The watchdog borrows visit_count, flags and the feedback: free none of them before

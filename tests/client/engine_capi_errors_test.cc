@@ -58,6 +58,17 @@ TEST(EngineCapiDevice, ADeviceThatCannotBeMadeCurrentIsFailedPreconditionEverywh
   EXPECT_EQ(writer, nullptr);
 }
 
+// A feedback count whose bytes wrap a size_t (n * 4 past 2^64) is refused before any device
+// is asked: it cleared a few bytes, or none, and answered 0. Stand-in addresses.
+TEST(EngineCapiDevice, AFeedbackCountWhoseBytesWrapIsRefused) {
+  constexpr uint64_t kSome = 0x1000;
+  constexpr int64_t kWraps = (int64_t{1} << 62) + 1;  // * 4 = 2^64 + 4: 4 bytes
+  ExpectRefused(eps_engine_clear_feedback(kAbsent, kSome, kWraps, 0),
+                "floats are more bytes than an address space holds");
+  ExpectRefused(eps_engine_watchdog_clear_feedback(nullptr, kSome, kWraps),
+                "floats are more bytes than an address space holds");
+}
+
 // The queue is made for a writer, which needs a device.
 TEST_F(EngineCapiTest, AQueueOnADeviceThatCannotBeMadeCurrentIsFailedPrecondition) {
   EpsSummaryWriter* writer = nullptr;
