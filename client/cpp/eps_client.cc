@@ -443,6 +443,12 @@ StepResult EpsClient::SelectPages(uint64_t step, std::span<const v1::BatchRow> r
     status = absl::InternalError(
         absl::StrCat("epsd answered step ", result.response.step(), " for step ", step));
   }
+  if (status.ok() && request.reply_mode() != v1::REPLY_MODE_ASYNC && !result.response.done()) {
+    // A sync reply comes once the outputs are written: one that says otherwise would have
+    // the engine read lists epsd has not finished (or has not written at all).
+    status = absl::InternalError(absl::StrCat(
+        "epsd answered step ", step, " with done=false, though the call asked for a sync reply"));
+  }
   if (status.ok() && std::chrono::steady_clock::now() > deadline) {
     // A reply taken late (this thread was descheduled, say) is a miss: the
     // engine has moved on and must not use it.

@@ -243,6 +243,7 @@ class ForgettingEpsd final : public v1::PageSelector::Service {
       return {grpc::StatusCode::NOT_FOUND, "session not found (detached or lease expired)"};
     }
     response->set_step(request->step());
+    response->set_done(true);  // a sync reply: the outputs are written
     return grpc::Status::OK;
   }
   int stale_steps() const { return stale_steps_.load(); }
@@ -313,11 +314,12 @@ namespace eps::client {
 namespace {
 
 // Grants "s-<n>" for the n-th Attach and answers every step at once, on the stream with
-// `stream_offset` added to the step (a confused epsd when non-zero); records the steps each
-// stream carried.
+// `stream_offset` added to the step and `done` as the reply's (a confused epsd when non-zero
+// or false); records the steps each stream carried.
 class CountingEpsd final : public v1::PageSelector::Service {
  public:
-  explicit CountingEpsd(uint64_t stream_offset = 0) : stream_offset_(stream_offset) {}
+  explicit CountingEpsd(uint64_t stream_offset = 0, bool done = true)
+      : stream_offset_(stream_offset), done_(done) {}
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*,
                       v1::AttachResponse* response) override {
     std::lock_guard lock(mu_);
@@ -331,6 +333,7 @@ class CountingEpsd final : public v1::PageSelector::Service {
   grpc::Status SelectPages(grpc::ServerContext*, const v1::SelectPagesRequest* request,
                            v1::SelectPagesResponse* response) override {
     response->set_step(request->step());
+    response->set_done(done_);
     return grpc::Status::OK;
   }
   grpc::Status StreamSelectPages(
@@ -350,6 +353,7 @@ class CountingEpsd final : public v1::PageSelector::Service {
       }
       v1::SelectPagesResponse response;
       response.set_step(request.step() + stream_offset_);
+      response.set_done(done_);
       if (!stream->Write(response)) break;
     }
     return grpc::Status::OK;
@@ -365,6 +369,7 @@ class CountingEpsd final : public v1::PageSelector::Service {
 
  private:
   const uint64_t stream_offset_;
+  const bool done_;
   std::mutex mu_;
   int attaches_ = 0;
   std::vector<std::vector<uint64_t>> streams_;
@@ -405,6 +410,37 @@ TEST(StreamReplyTest, AReplyForAnotherStepIsAnErrorFallbackAtOnce) {
   ASSERT_EQ(streams.size(), 2u);  // a stream that answered another step carries no more
   EXPECT_EQ(streams[0], std::vector<uint64_t>{1});
   EXPECT_EQ(streams[1], std::vector<uint64_t>{2});
+}
+
+// A sync reply says its outputs are written (done): one that says otherwise was handed to
+// the engine as a selection, whose lists epsd had not finished. An error fallback, on both
+// transports; an async call's reply (done=false by design) is a selection.
+TEST(StreamReplyTest, ASyncReplyThatIsNotDoneIsAnErrorFallback) {
+  for (const bool use_stream : {false, true}) {
+    CountingEpsd epsd(/*stream_offset=*/0, /*done=*/false);
+    const std::string target = FakeTarget(use_stream ? "not-done-stream" : "not-done-unary");
+    auto server = Serve(&epsd, target);
+    ASSERT_NE(server, nullptr);
+    {
+      EpsClient client(FakeOptions(target, use_stream, std::chrono::seconds(20)), Attach("e"));
+      ASSERT_TRUE(client.Attach().ok());
+      const v1::BatchRow row = Row();
+      const StepResult r = client.SelectPages(1, {&row, 1});
+      EXPECT_TRUE(r.fallback) << use_stream;
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kInternal) << r.status;
+      EXPECT_NE(r.status.message().find("epsd answered step 1 with done=false"), std::string::npos)
+          << r.status;
+      EXPECT_EQ(client.counters().fallback_error, 1u);
+      ClientOptions async_options = FakeOptions(target, use_stream, std::chrono::seconds(20));
+      async_options.reply_async = true;
+      EpsClient async_client(async_options, Attach("f"));
+      ASSERT_TRUE(async_client.Attach().ok());
+      const StepResult async = async_client.SelectPages(1, {&row, 1});
+      EXPECT_TRUE(async.status.ok()) << async.status;
+      EXPECT_FALSE(async.fallback);
+    }
+    server->Shutdown();
+  }
 }
 
 // A step after Detach() once started a background Attach: the session the engine had just

@@ -59,6 +59,7 @@ class RecordingEpsd final : public v1::PageSelector::Service {
                            v1::SelectPagesResponse* response) override {
     Record(*context);
     response->set_step(request->step());
+    response->set_done(true);  // a sync reply: the outputs are written
     return grpc::Status::OK;
   }
   grpc::Status StreamSelectPages(
@@ -82,6 +83,7 @@ class RecordingEpsd final : public v1::PageSelector::Service {
       }
       v1::SelectPagesResponse response;
       response.set_step(request.step());
+      response.set_done(true);  // a sync reply: the outputs are written
       if (!stream->Write(response)) break;
     }
     return grpc::Status::OK;

@@ -57,6 +57,7 @@ class SlowFirstSteps final : public GrantsAtOnce {
     // Far past the client's 2 ms: the step reached epsd, yet the client falls back.
     if (request->step() <= slow_steps_) std::this_thread::sleep_for(std::chrono::milliseconds(30));
     response->set_step(request->step());
+    response->set_done(true);  // a sync reply: the outputs are written
     auto* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;

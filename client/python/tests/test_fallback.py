@@ -190,6 +190,36 @@ def test_a_reply_for_another_step_is_an_error_fallback_at_once(tmp_path, use_str
         assert servicer.streams == [[7], [8]]
 
 
+class NotDone(pb_grpc.PageSelectorServicer):
+    """Grants a session and answers every step with done=False, sync or not."""
+
+    def Attach(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.AttachResponse(session_id="s-1")
+
+    def SelectPages(self, request, context):  # noqa: N802
+        return pb.SelectPagesResponse(step=request.step, done=False)
+
+    def StreamSelectPages(self, request_iterator, context):  # noqa: N802
+        for request in request_iterator:
+            yield pb.SelectPagesResponse(step=request.step, done=False)
+
+
+@pytest.mark.parametrize("use_stream", [False, True], ids=["unary", "stream"])
+def test_a_sync_reply_that_is_not_done_is_an_error_fallback(tmp_path, use_stream):
+    """It was handed to the engine as a selection whose lists epsd had not finished; an
+    async call's reply (done=False by design) stays a selection."""
+    with fake_epsd(NotDone(), tmp_path) as target:
+        options = ClientOptions(target=target, deadline_s=20.0, use_stream=use_stream)
+        with EpsClient.from_request(options, pb.AttachRequest(engine_id="e")) as client:
+            client.attach()
+            result = client.select_pages(1, [(0, 1, 0)])
+            assert result.fallback and result.code == grpc.StatusCode.INTERNAL, result
+            assert "epsd answered step 1 with done=false" in result.message
+            result = client.select_pages(2, [(0, 1, 0)], async_reply=True)
+            assert result.ok and not result.done, result
+            assert client.counters().fallback_error == 1
+
+
 class CountingAttach(pb_grpc.PageSelectorServicer):
     """Grants "s-<n>" for the n-th Attach and answers every step."""
 

@@ -311,6 +311,12 @@ class EpsClient:
                 # epsd echoes the step it ran: another step's reply says nothing of this one.
                 raise EpsError(grpc.StatusCode.INTERNAL,
                                f"epsd answered step {response.step} for step {step}")
+            if request.reply_mode != pb.REPLY_MODE_ASYNC and not response.done:
+                # A sync reply comes once the outputs are written: one that says otherwise
+                # would have the engine read lists epsd has not finished (or written at all).
+                raise EpsError(grpc.StatusCode.INTERNAL,
+                               f"epsd answered step {step} with done=false, though the call "
+                               "asked for a sync reply")
             if time.monotonic() > deadline:
                 # A reply taken late (this thread was descheduled, say) is a miss: the
                 # engine has moved on and must not use it.
