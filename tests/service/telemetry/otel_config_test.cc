@@ -2,6 +2,8 @@
 
 #include <map>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace eps::telemetry {
@@ -84,6 +86,47 @@ TEST(OtelConfigTest, BadNumbersWarnAndKeepTheDefault) {
   EXPECT_EQ(c->batch.schedule_delay.count(), 250);
   EXPECT_EQ(c->timeout.count(), 10000);
   EXPECT_EQ(c->warnings.size(), 2u);
+}
+
+TEST(OtelConfigTest, ADurationPastTwoToThe31MillisecondsWarnsAndKeepsTheDefault) {
+  // A value "large enough to mean never" once wrapped when the processor added it to the
+  // clock in nanoseconds: OTEL_EXPORTER_OTLP_TIMEOUT=9223372036854775807 gave every export
+  // a deadline before it began, and no span was ever exported.
+  const auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_TIMEOUT", "9223372036854775807"},
+                                         {"OTEL_BSP_SCHEDULE_DELAY", "2147483648"},
+                                         {"OTEL_BSP_EXPORT_TIMEOUT", "2147483647"}}));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->timeout.count(), 10000);
+  EXPECT_EQ(c->batch.schedule_delay.count(), 5000);
+  EXPECT_EQ(c->batch.export_timeout.count(), 2147483647);  // the largest taken
+  ASSERT_EQ(c->warnings.size(), 2u);
+  EXPECT_EQ(c->warnings[0],
+            "OTEL_EXPORTER_OTLP_TIMEOUT=9223372036854775807 is not a duration in ms in [0, "
+            "2147483647]; using 10000");
+}
+
+TEST(OtelConfigTest, HeadersThatGrpcOrHttpCannotCarryAreErrorsNamingTheVariable) {
+  // gRPC aborted epsd at the first export with such metadata ("API misuse"), and a CR or LF
+  // split the OTLP/HTTP request.
+  for (const char* headers : {"api key=x", "a/b=x", "x-user=Jos%C3%A9", "x-a=1%0D%0Ax-b: 2",
+                              "x-a=tab%09in", "%3Apath=x"}) {
+    for (const char* variable :
+         {"OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"}) {
+      const auto c = TraceConfigFromEnv(
+          Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"}, {variable, headers}}));
+      ASSERT_FALSE(c.ok()) << variable << "=" << headers;
+      EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_TRUE(absl::StartsWith(c.status().message(), absl::StrCat(variable, ": ")))
+          << c.status().message();
+    }
+  }
+  // What both carry: upper case is lowered, spaces inside a value are printable.
+  const auto c = TraceConfigFromEnv(Env(
+      {{"OTEL_EXPORTER_OTLP_HEADERS", "X-Scope.OrgID_1=tenant a,authorization=Basic%20dXM6cA=="}}));
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->headers.size(), 2u);
+  EXPECT_EQ(c->headers[0], (std::pair<std::string, std::string>{"x-scope.orgid_1", "tenant a"}));
+  EXPECT_EQ(c->headers[1].second, "Basic dXM6cA==");
 }
 
 TEST(OtelConfigTest, AScheduleDelayBelowOneMillisecondIsRaisedToItWithAWarning) {
