@@ -416,6 +416,40 @@ def test_an_open_loop_far_behind_its_schedule_counts_the_unsent_calls_and_ends(
     assert "unsent" in result.stdout
 
 
+def test_a_rate_too_small_for_a_second_call_sends_one_and_ends(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # 1e-12 calls/s: gaps of 3e12 s, past what the clock holds in nanoseconds. The
+    # conversion once overflowed, and the sessions spun for good, deaf to SIGTERM.
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    for rate in ("1e-12", "poisson:1e-12"):
+        result = _run(
+            [
+                f"--target={target}",
+                "--preset=smollm2-135m",
+                "--batch=1",
+                "--context=1k",
+                "--duration=1s",
+                "--warmup=0",
+                "--floor-calls=0",
+                "--sessions=3",
+                f"--rate={rate}",
+                f"--json={out}",
+            ],
+            timeout=30,
+        )
+        select = json.loads(out.read_text())["select"]
+        assert select["errors"] == 0 and select["unsent"] == 0, (rate, select)
+        if rate == "1e-12":
+            # Session 0's first call is due at the start; the others' a lifetime later.
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert select["count"] == 1, select
+        else:  # every first call is a lifetime away: nothing measured
+            assert result.returncode == 3, result.stdout + result.stderr
+            assert select["count"] == 0, select
+
+
 def _start_until(target: str, flags: list[str], marker: str) -> subprocess.Popen[str]:
     """A long eps-load run at a small shape, read until a stderr line holds `marker`."""
     proc = subprocess.Popen(
