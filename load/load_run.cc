@@ -276,7 +276,12 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   // Whether it succeeded; nothing when SIGINT / SIGTERM came during the wait (not sent).
   auto timed = [&](Clock::time_point scheduled, CallResults& out, const char* name, bool from_send,
                    auto&& call) -> std::optional<bool> {
-    if (!closed && !WaitUntilUnlessStopped(scheduled, stop)) return std::nullopt;
+    // A closed loop waits for nothing, but sends nothing once stopped either: its Ping
+    // after a SelectPages was sent after SIGINT, and against an epsd that had stopped
+    // answering held the exit for a second --deadline.
+    if (closed ? stop != nullptr && stop->load() : !WaitUntilUnlessStopped(scheduled, stop)) {
+      return std::nullopt;
+    }
     const Clock::time_point sent = Clock::now();
     const absl::Status status = call();
     const Clock::time_point done = Clock::now();
@@ -387,6 +392,10 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     if (closed && !ok) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     next = scheduled + gap;
   }
+  // Each session detaches as it ends, all at once: one after another, after the run,
+  // an epsd that no longer answered held the exit for an attach deadline (500 ms) per
+  // session, over two minutes with --sessions=256.
+  (void)s.client->Detach();
 }
 
 }  // namespace
@@ -553,7 +562,6 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     r.fallbacks.fallback_error += c.fallback_error;
     r.fallbacks.reattaches += c.reattaches;
     r.fallbacks.errors += c.errors;
-    (void)s.client->Detach();
   }
   log.MoveInto(r);
   return r;

@@ -520,6 +520,42 @@ def test_sigint_ends_an_open_loop_between_its_calls(epsd: tuple[str, int], tmp_p
     assert waited < 5, f"SIGINT took {waited:.1f} s to end the run"
 
 
+def test_sigint_against_an_epsd_that_stopped_answering_waits_one_deadline(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # A closed loop once sent its Ping after SIGINT (a second deadline), and the sessions
+    # detached one after another after the run (500 ms each): 11-14 s here, minutes with
+    # more sessions. Now the calls in flight end at their deadline and every session
+    # detaches at once.
+    target, pid = epsd
+    out = tmp_path / "out.json"
+    proc = _start_until(
+        target,
+        ["--warmup=0", "--floor-calls=0", "--sessions=16", "--deadline=3s", f"--json={out}"],
+        "running",
+    )
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # every session's call in flight is now one epsd will not answer
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True
+    # Calls were in flight when epsd stopped, and their deadline ended them (the first
+    # call of a session may fall before the window, which starts 10 ms after "running").
+    assert report["client_fallbacks"]["deadline"] >= 1, report
+    errors = report["select"]["errors_by_code"] | report["ping"]["errors_by_code"]
+    assert set(errors) <= {"DEADLINE_EXCEEDED"}, report
+    # The failed calls the window measured make it exit 3, with the report.
+    assert proc.returncode == (3 if errors else 0), stdout + stderr
+    # One 3 s deadline, then the detaches together (500 ms).
+    assert waited < 7, f"SIGINT took {waited:.1f} s to end the run"
+
+
 def test_sigint_ends_the_rpc_floor(epsd: tuple[str, int], tmp_path: Path) -> None:
     # The floor's rounds once ignored the stop flag: SIGINT waited for all of them.
     target, _ = epsd
