@@ -122,7 +122,11 @@ absl::StatusOr<OtlpEndpoint> ParseEndpoint(const std::string& name, const std::s
       return absl::InvalidArgumentError(absl::StrCat(name, "=", url, ": unclosed [ in host"));
     }
     e.host = std::string(authority.substr(1, close - 1));
-    if (close + 1 < authority.size() && authority[close + 1] == ':') {
+    if (close + 1 < authority.size()) {
+      if (authority[close + 1] != ':') {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, "=", url, ": want ':' and a port or nothing after ']'"));
+      }
       port_text = std::string(authority.substr(close + 2));
     }
   } else {
@@ -131,6 +135,27 @@ absl::StatusOr<OtlpEndpoint> ParseEndpoint(const std::string& name, const std::s
     if (colon != absl::string_view::npos) port_text = std::string(authority.substr(colon + 1));
   }
   if (e.host.empty()) return absl::InvalidArgumentError(absl::StrCat(name, "=", url, ": no host"));
+  // A host name, an IPv4 address or (bracketed) an IPv6 one; the path without spaces or
+  // control characters. Anything else went into the OTLP/HTTP request line or Host header
+  // as it was (a space made every request malformed, a CR/LF split it) or failed every
+  // export's name lookup, each batch dropped in turn, instead of stopping epsd here.
+  const bool bracketed = absl::StartsWith(authority, "[");
+  const bool host_ok = std::all_of(e.host.begin(), e.host.end(), [bracketed](char c) {
+    return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_' ||
+           (bracketed && (c == ':' || c == '%'));
+  });
+  if (!host_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "=", absl::CHexEscape(url),
+                     ": want a host name, an IPv4 address or a bracketed IPv6 address"));
+  }
+  if (!std::all_of(path.begin(), path.end(), [](char c) {
+        return static_cast<unsigned char>(c) > 0x20 && static_cast<unsigned char>(c) < 0x7f;
+      })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "=", absl::CHexEscape(url),
+                     ": want a path without spaces or control characters (%-encode them)"));
+  }
   if (port_text.empty()) {
     e.port = protocol == OtlpProtocol::kGrpc ? 4317 : (e.tls ? 443 : 80);
   } else if (!absl::SimpleAtoi(port_text, &e.port) || e.port < 1 || e.port > 65535) {

@@ -77,6 +77,26 @@ TEST(OtelConfigTest, UnsupportedSettingsAreErrorsNamingTheVariable) {
   EXPECT_NE(c.status().message().find("OTEL_RESOURCE_ATTRIBUTES"), std::string::npos);
 }
 
+TEST(OtelConfigTest, AnEndpointWhoseHostOrPathCannotGoIntoARequestIsAnError) {
+  // A space or CR/LF in the path went into the OTLP/HTTP request line as it was, a host
+  // with a space failed every export's lookup, and junk after an IPv6 ']' was ignored.
+  for (const char* url : {"http://c:4318/v1 traces", "http://c:4318/v1\r\nX-A: 1",
+                          "http://c d:4318", "http://[::1]junk", "http://c/\x01"}) {
+    const auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"},
+                                           {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", url}}));
+    ASSERT_FALSE(c.ok()) << url;
+    EXPECT_TRUE(absl::StartsWith(c.status().message(), "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="))
+        << c.status().message();
+  }
+  // What they may be.
+  for (const char* url : {"http://collector-0.otel_ns.svc:4318/v1/traces?x=%20y",
+                          "http://[fe80::1%25eth0]:4318/p", "http://10.0.0.7/"}) {
+    const auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"},
+                                           {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", url}}));
+    EXPECT_TRUE(c.ok()) << url << ": " << c.status();
+  }
+}
+
 TEST(OtelConfigTest, BadNumbersWarnAndKeepTheDefault) {
   const auto c = TraceConfigFromEnv(Env({{"OTEL_BSP_MAX_QUEUE_SIZE", "lots"},
                                          {"OTEL_BSP_SCHEDULE_DELAY", "250"},
