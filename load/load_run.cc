@@ -40,6 +40,17 @@ bool WaitUntilUnlessStopped(Clock::time_point t, const std::atomic<bool>* stop) 
   }
 }
 
+// A gap of the schedule, in seconds, on the clock: capped at 10^9 s (31 years), past the end
+// of any run (--warmup and --duration are at most a day and a year), so that a tiny --rate
+// cannot overflow the clock's 64-bit nanoseconds. At --rate=1e-12 the conversion once gave
+// INT64_MIN, and the loop that counts the unsent calls of a session behind its schedule
+// then stepped between two times for good, spinning and deaf to SIGINT and SIGTERM.
+Clock::duration GapOf(double seconds) {
+  constexpr double kMaxGapSeconds = 1e9;
+  return std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(std::min(seconds, kMaxGapSeconds)));
+}
+
 std::string CodeName(absl::StatusCode code) { return absl::StatusCodeToString(code); }
 
 std::string ReadLoadAvg() {
@@ -248,16 +259,12 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   std::exponential_distribution<double> exp_gap(closed ? 1.0 : per_session_rate);
   auto next_gap = [&]() -> Clock::duration {
     if (closed) return Clock::duration::zero();
-    const double gap_s = config.arrivals.poisson ? exp_gap(rng) : 1.0 / per_session_rate;
-    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
+    return GapOf(config.arrivals.poisson ? exp_gap(rng) : 1.0 / per_session_rate);
   };
   // Fixed rate: sessions evenly staggered, so the sum is evenly spaced too.
   Clock::time_point next = t0;
   if (!closed) {
-    next += config.arrivals.poisson
-                ? next_gap()
-                : std::chrono::duration_cast<Clock::duration>(
-                      std::chrono::duration<double>(index / config.arrivals.rate));
+    next += config.arrivals.poisson ? next_gap() : GapOf(index / config.arrivals.rate);
   }
   std::vector<v1::BatchRow> rows(config.batch);
   for (int r = 0; r < config.batch; ++r) {
@@ -269,7 +276,12 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   // Whether it succeeded; nothing when SIGINT / SIGTERM came during the wait (not sent).
   auto timed = [&](Clock::time_point scheduled, CallResults& out, const char* name, bool from_send,
                    auto&& call) -> std::optional<bool> {
-    if (!closed && !WaitUntilUnlessStopped(scheduled, stop)) return std::nullopt;
+    // A closed loop waits for nothing, but sends nothing once stopped either: its Ping
+    // after a SelectPages was sent after SIGINT, and against an epsd that had stopped
+    // answering held the exit for a second --deadline.
+    if (closed ? stop != nullptr && stop->load() : !WaitUntilUnlessStopped(scheduled, stop)) {
+      return std::nullopt;
+    }
     const Clock::time_point sent = Clock::now();
     const absl::Status status = call();
     const Clock::time_point done = Clock::now();
@@ -380,6 +392,10 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
     if (closed && !ok) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     next = scheduled + gap;
   }
+  // Each session detaches as it ends, all at once: one after another, after the run,
+  // an epsd that no longer answered held the exit for an attach deadline (500 ms) per
+  // session, over two minutes with --sessions=256.
+  (void)s.client->Detach();
 }
 
 }  // namespace
@@ -546,7 +562,6 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
     r.fallbacks.fallback_error += c.fallback_error;
     r.fallbacks.reattaches += c.reattaches;
     r.fallbacks.errors += c.errors;
-    (void)s.client->Detach();
   }
   log.MoveInto(r);
   return r;

@@ -132,7 +132,8 @@ struct RunResult {
 // Builds every session's buffers, attaches and runs the load. Errors only for
 // setup failures (bad backend, shared memory); call failures are results.
 // Setting `*stop` (e.g. from a signal handler) ends the run early: each session
-// stops before its next call, and the report covers the window run so far.
+// stops before its next call (a call in flight ends with its reply or its deadline),
+// detaches, and the report covers the window run so far.
 absl::StatusOr<RunResult> RunLoad(const LoadConfig& config,
                                   const std::atomic<bool>* stop = nullptr);
 

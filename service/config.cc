@@ -1,5 +1,8 @@
 #include "service/config.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
 
 #include "absl/strings/match.h"
@@ -227,7 +230,12 @@ absl::Status CheckListenAddress(const std::string& flag, const std::string& addr
   if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
     host = host.substr(1, host.size() - 2);
   }
-  if (host == "localhost" || host == "::1" || absl::StartsWith(host, "127.")) {
+  // 127.* is an IPv4 address in 127/8, as inet_aton reads one (127.0.0.1, 127.1), never a
+  // host name that merely starts so: "127.example.com" resolves to whatever DNS says, and
+  // passed this check as text, binding a public address without --allow-remote.
+  in_addr v4{};
+  if (host == "localhost" || host == "::1" ||
+      (inet_aton(host.c_str(), &v4) != 0 && (ntohl(v4.s_addr) >> 24) == 127)) {
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", address,

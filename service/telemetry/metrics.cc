@@ -1,6 +1,12 @@
 #include "service/telemetry/metrics.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
@@ -276,6 +282,41 @@ void ServerMetrics::ValidationFailure(absl::StatusCode code) {
   if (c != 0) validation_[c]->Increment();
 }
 
+namespace {
+
+// Why `listen` (host:port) cannot be bound, found by resolving and binding it as civetweb
+// does (IPv4, SO_REUSEADDR): civetweb says only "null context", and "is the port in use?"
+// sent an operator after a port when the address was not this host's or the name did not
+// resolve. Empty when the bind works now (a port freed meanwhile): the cause is unknown.
+std::string BindFailure(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  const std::string host = listen.substr(0, colon);
+  const std::string port = listen.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    return absl::StrCat("cannot resolve ", host, " to an IPv4 address: ", gai_strerror(rc));
+  }
+  const int fd = socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(found);
+    return absl::StrCat("socket: ", std::strerror(errno));
+  }
+  const int on = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+  std::string why;
+  if (bind(fd, found->ai_addr, found->ai_addrlen) != 0) {
+    why = absl::StrCat("bind: ", std::strerror(errno));
+  }
+  close(fd);
+  freeaddrinfo(found);
+  return why;
+}
+
+}  // namespace
+
 absl::Status ServerMetrics::Serve(const std::string& listen) {
   if (exposer_ != nullptr) return absl::FailedPreconditionError("/metrics is already served");
   try {
@@ -290,11 +331,13 @@ absl::Status ServerMetrics::Serve(const std::string& listen) {
                                  "num_threads", std::to_string(kHttpThreads),  //
                                  "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs)});
   } catch (const std::exception& e) {
-    // civetweb logs why and throws "null context when constructing CivetServer",
-    // which says nothing to an operator; the likeliest cause is a port in use.
+    // civetweb throws "null context when constructing CivetServer", which says nothing
+    // to an operator: the reason is found again here.
+    const std::string why = BindFailure(listen);
     return absl::UnavailableError(
-        absl::StrCat("--metrics-listen=", listen,
-                     ": could not bind it (is the port in use?); civetweb: ", e.what()));
+        why.empty() ? absl::StrCat("--metrics-listen=", listen,
+                                   ": could not serve /metrics on it; civetweb: ", e.what())
+                    : absl::StrCat("--metrics-listen=", listen, ": could not bind it: ", why));
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(histograms_);

@@ -1,13 +1,17 @@
 #include "service/telemetry/otel_config.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstdlib>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/status.h"
 
 namespace eps::telemetry {
 namespace {
@@ -40,17 +44,49 @@ absl::StatusOr<std::string> PercentDecode(const std::string& name, const std::st
   return out;
 }
 
+// The longest duration an OTEL_* variable may set, in ms: 2^31 - 1, about 24.8 days, the
+// most poll(2) waits at once. The processor adds these to steady_clock::now() in
+// nanoseconds; a value near int64's end (one "large enough to mean never") wrapped there,
+// to a deadline before the attempt began, and every export failed at once.
+constexpr int64_t kMaxMillis = INT32_MAX;
+
 void Millis(const EnvLookup& env, const char* name, std::chrono::milliseconds* out,
             std::vector<std::string>* warnings) {
   const std::string v = Get(env, name);
   if (v.empty()) return;
   int64_t ms = 0;
-  if (!absl::SimpleAtoi(v, &ms) || ms < 0) {
-    warnings->push_back(
-        absl::StrCat(name, "=", v, " is not a duration in ms; using ", out->count()));
+  if (!absl::SimpleAtoi(v, &ms) || ms < 0 || ms > kMaxMillis) {
+    warnings->push_back(absl::StrCat(name, "=", v, " is not a duration in ms in [0, ", kMaxMillis,
+                                     "]; using ", out->count()));
     return;
   }
   *out = std::chrono::milliseconds(ms);
+}
+
+// What gRPC metadata and an HTTP/1.1 header both carry: a key of lower-case letters,
+// digits, '-', '_' and '.' (the key is lower-cased first), and a value of printable ASCII.
+// gRPC aborts the process at the first export whose metadata breaks its rules (the call's
+// start fails as an API misuse), and an HTTP header with a CR or LF in it splits the
+// request; both are refused at start instead, naming the variable.
+absl::Status CheckHeader(const std::string& name, const std::string& key,
+                         const std::string& value) {
+  const bool key_ok = !key.empty() && std::all_of(key.begin(), key.end(), [](char c) {
+    return absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '-' || c == '_' || c == '.';
+  });
+  if (!key_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": header name '", absl::CHexEscape(key),
+                     "': want lower-case letters, digits, '-', '_' and '.' only"));
+  }
+  const bool value_ok = std::all_of(value.begin(), value.end(), [](char c) {
+    return static_cast<unsigned char>(c) >= 0x20 && static_cast<unsigned char>(c) <= 0x7e;
+  });
+  if (!value_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": the value of header '", key,
+                                                   "': want printable ASCII only (no control "
+                                                   "characters, no bytes above 0x7e)"));
+  }
+  return absl::OkStatus();
 }
 
 void Size(const EnvLookup& env, const char* name, size_t* out, std::vector<std::string>* warnings) {
@@ -86,7 +122,11 @@ absl::StatusOr<OtlpEndpoint> ParseEndpoint(const std::string& name, const std::s
       return absl::InvalidArgumentError(absl::StrCat(name, "=", url, ": unclosed [ in host"));
     }
     e.host = std::string(authority.substr(1, close - 1));
-    if (close + 1 < authority.size() && authority[close + 1] == ':') {
+    if (close + 1 < authority.size()) {
+      if (authority[close + 1] != ':') {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, "=", url, ": want ':' and a port or nothing after ']'"));
+      }
       port_text = std::string(authority.substr(close + 2));
     }
   } else {
@@ -95,6 +135,27 @@ absl::StatusOr<OtlpEndpoint> ParseEndpoint(const std::string& name, const std::s
     if (colon != absl::string_view::npos) port_text = std::string(authority.substr(colon + 1));
   }
   if (e.host.empty()) return absl::InvalidArgumentError(absl::StrCat(name, "=", url, ": no host"));
+  // A host name, an IPv4 address or (bracketed) an IPv6 one; the path without spaces or
+  // control characters. Anything else went into the OTLP/HTTP request line or Host header
+  // as it was (a space made every request malformed, a CR/LF split it) or failed every
+  // export's name lookup, each batch dropped in turn, instead of stopping epsd here.
+  const bool bracketed = absl::StartsWith(authority, "[");
+  const bool host_ok = std::all_of(e.host.begin(), e.host.end(), [bracketed](char c) {
+    return absl::ascii_isalnum(c) || c == '.' || c == '-' || c == '_' ||
+           (bracketed && (c == ':' || c == '%'));
+  });
+  if (!host_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "=", absl::CHexEscape(url),
+                     ": want a host name, an IPv4 address or a bracketed IPv6 address"));
+  }
+  if (!std::all_of(path.begin(), path.end(), [](char c) {
+        return static_cast<unsigned char>(c) > 0x20 && static_cast<unsigned char>(c) < 0x7f;
+      })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "=", absl::CHexEscape(url),
+                     ": want a path without spaces or control characters (%-encode them)"));
+  }
   if (port_text.empty()) {
     e.port = protocol == OtlpProtocol::kGrpc ? 4317 : (e.tls ? 443 : 80);
   } else if (!absl::SimpleAtoi(port_text, &e.port) || e.port < 1 || e.port > 65535) {
@@ -181,11 +242,17 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
         "collector"));
   }
 
+  const std::string headers_name = Get(env, "OTEL_EXPORTER_OTLP_TRACES_HEADERS").empty()
+                                       ? "OTEL_EXPORTER_OTLP_HEADERS"
+                                       : "OTEL_EXPORTER_OTLP_TRACES_HEADERS";
   absl::StatusOr<std::vector<std::pair<std::string, std::string>>> headers =
-      ParseKeyValueList("OTEL_EXPORTER_OTLP_HEADERS", GetTraces(env, "HEADERS"));
+      ParseKeyValueList(headers_name, GetTraces(env, "HEADERS"));
   if (!headers.ok()) return headers.status();
   c.headers = *std::move(headers);
-  for (auto& [key, value] : c.headers) key = absl::AsciiStrToLower(key);  // gRPC metadata keys
+  for (auto& [key, value] : c.headers) {
+    key = absl::AsciiStrToLower(key);  // gRPC metadata keys
+    RETURN_IF_ERROR(CheckHeader(headers_name, key, value));
+  }
 
   const std::string timeout_name = Get(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT").empty()
                                        ? "OTEL_EXPORTER_OTLP_TIMEOUT"

@@ -416,6 +416,40 @@ def test_an_open_loop_far_behind_its_schedule_counts_the_unsent_calls_and_ends(
     assert "unsent" in result.stdout
 
 
+def test_a_rate_too_small_for_a_second_call_sends_one_and_ends(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # 1e-12 calls/s: gaps of 3e12 s, past what the clock holds in nanoseconds. The
+    # conversion once overflowed, and the sessions spun for good, deaf to SIGTERM.
+    target, _ = epsd
+    out = tmp_path / "out.json"
+    for rate in ("1e-12", "poisson:1e-12"):
+        result = _run(
+            [
+                f"--target={target}",
+                "--preset=smollm2-135m",
+                "--batch=1",
+                "--context=1k",
+                "--duration=1s",
+                "--warmup=0",
+                "--floor-calls=0",
+                "--sessions=3",
+                f"--rate={rate}",
+                f"--json={out}",
+            ],
+            timeout=30,
+        )
+        select = json.loads(out.read_text())["select"]
+        assert select["errors"] == 0 and select["unsent"] == 0, (rate, select)
+        if rate == "1e-12":
+            # Session 0's first call is due at the start; the others' a lifetime later.
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert select["count"] == 1, select
+        else:  # every first call is a lifetime away: nothing measured
+            assert result.returncode == 3, result.stdout + result.stderr
+            assert select["count"] == 0, select
+
+
 def _start_until(target: str, flags: list[str], marker: str) -> subprocess.Popen[str]:
     """A long eps-load run at a small shape, read until a stderr line holds `marker`."""
     proc = subprocess.Popen(
@@ -484,6 +518,42 @@ def test_sigint_ends_an_open_loop_between_its_calls(epsd: tuple[str, int], tmp_p
     assert "stopped early" in stdout
     # A hang guard, well under the gaps: the wait is cut into 20 ms slices.
     assert waited < 5, f"SIGINT took {waited:.1f} s to end the run"
+
+
+def test_sigint_against_an_epsd_that_stopped_answering_waits_one_deadline(
+    epsd: tuple[str, int], tmp_path: Path
+) -> None:
+    # A closed loop once sent its Ping after SIGINT (a second deadline), and the sessions
+    # detached one after another after the run (500 ms each): 11-14 s here, minutes with
+    # more sessions. Now the calls in flight end at their deadline and every session
+    # detaches at once.
+    target, pid = epsd
+    out = tmp_path / "out.json"
+    proc = _start_until(
+        target,
+        ["--warmup=0", "--floor-calls=0", "--sessions=16", "--deadline=3s", f"--json={out}"],
+        "running",
+    )
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # every session's call in flight is now one epsd will not answer
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True
+    # Calls were in flight when epsd stopped, and their deadline ended them (the first
+    # call of a session may fall before the window, which starts 10 ms after "running").
+    assert report["client_fallbacks"]["deadline"] >= 1, report
+    errors = report["select"]["errors_by_code"] | report["ping"]["errors_by_code"]
+    assert set(errors) <= {"DEADLINE_EXCEEDED"}, report
+    # The failed calls the window measured make it exit 3, with the report.
+    assert proc.returncode == (3 if errors else 0), stdout + stderr
+    # One 3 s deadline, then the detaches together (500 ms).
+    assert waited < 7, f"SIGINT took {waited:.1f} s to end the run"
 
 
 def test_sigint_ends_the_rpc_floor(epsd: tuple[str, int], tmp_path: Path) -> None:

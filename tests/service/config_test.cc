@@ -130,6 +130,25 @@ TEST(ConfigTest, TcpListenIsLoopbackOnlyUnlessAllowed) {
   EXPECT_FALSE(CheckListenAddress("listen", "unix://relative.sock", false).ok());
 }
 
+TEST(ConfigTest, AHostNameThatStartsLike127IsNotLoopback) {
+  // "127.*" once matched as text: a name such as 127.example.com resolves to whatever DNS
+  // says, and every listener bound it without --allow-remote.
+  for (const char* flag : {"--listen", "--metrics-listen", "--health-listen"}) {
+    const auto parsed = ParseFlags({absl::StrCat(flag, "=127.example.com:5000")});
+    ASSERT_FALSE(parsed.ok()) << flag;
+    EXPECT_EQ(parsed.status().message(),
+              absl::StrCat(flag,
+                           "=127.example.com:5000 is not a Unix socket or a loopback "
+                           "address; pass --allow-remote"));
+  }
+  EXPECT_TRUE(ParseFlags({"--listen=127.example.com:5000", "--allow-remote"}).ok());
+  // Every IPv4 spelling of an address in 127/8 still is.
+  for (const char* loopback : {"127.0.0.1:5000", "127.255.255.254:5000", "127.1:5000"}) {
+    EXPECT_TRUE(CheckListenAddress("listen", loopback, false).ok()) << loopback;
+  }
+  EXPECT_FALSE(CheckListenAddress("listen", "128.0.0.1:5000", false).ok());
+}
+
 TEST(ConfigTest, MetricsListenDefaultsToLoopbackAndOffOrEmptyDisablesIt) {
   EXPECT_EQ(ParseFlags({})->metrics_listen, "127.0.0.1:9464");
   EXPECT_EQ(ParseFlags({"--metrics-listen=off"})->metrics_listen, "");
