@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,15 @@ def schema_errors(resource: Resource, versions: list[str]) -> list[str]:
 
 
 def _loopback(host: str) -> bool:
-    return host in ("localhost", "[::1]") or host.startswith("127.")
+    """epsd's rule (service/config.cc): localhost, [::1], or an IPv4 address in 127/8 as
+    inet_aton reads one (127.0.0.1, 127.1), never a host name that merely starts with
+    "127." (it resolves to whatever DNS says)."""
+    if host in ("localhost", "[::1]"):
+        return True
+    try:
+        return socket.inet_aton(host)[0] == 127
+    except OSError:
+        return False
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:

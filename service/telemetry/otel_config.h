@@ -39,8 +39,9 @@ struct OtlpEndpoint {
   bool tls = false;  // https://
   std::string host;  // without brackets for IPv6
   int port = 0;
-  std::string path;                 // HTTP only: the request path, /v1/traces unless given
-  std::string grpc_target() const;  // host:port for grpc::CreateChannel
+  std::string path;  // HTTP only: the request path, /v1/traces unless given
+  // host:port, an IPv6 host in brackets: grpc::CreateChannel's target and HTTP's Host.
+  std::string grpc_target() const;
 };
 
 struct TraceConfig {

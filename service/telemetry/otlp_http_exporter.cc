@@ -311,8 +311,8 @@ ExportOutcome OtlpHttpExporter::TryOnce(
   if (fd < 0) return ExportOutcome::Failure(ExportResult::kRetryable, std::move(error));
   Socket socket(fd);
   std::string head =
-      absl::StrCat("POST ", config_.endpoint.path, " HTTP/1.1\r\nHost: ", config_.endpoint.host,
-                   ":", config_.endpoint.port,
+      absl::StrCat("POST ", config_.endpoint.path,
+                   " HTTP/1.1\r\nHost: ", config_.endpoint.grpc_target(),  // [v6]:port
                    "\r\nContent-Type: application/x-protobuf\r\nContent-Length: ", body.size(),
                    "\r\nConnection: close\r\n");
   for (const auto& [key, value] : config_.headers) absl::StrAppend(&head, key, ": ", value, "\r\n");
@@ -337,8 +337,7 @@ ExportOutcome OtlpHttpExporter::TryOnce(
 }
 
 std::string OtlpHttpExporter::Describe() const {
-  return absl::StrCat("otlp/http http://", config_.endpoint.host, ":", config_.endpoint.port,
-                      config_.endpoint.path);
+  return absl::StrCat("otlp/http http://", config_.endpoint.grpc_target(), config_.endpoint.path);
 }
 
 }  // namespace eps::telemetry

@@ -500,3 +500,14 @@ def test_hadolint_findings_fail_the_lint(
     )
     assert lint_dockerfile.main() == 1
     assert "DL3003" in capsys.readouterr().err
+
+
+def test_loopback_is_an_address_in_127_8_not_a_name_that_starts_so() -> None:
+    """As epsd's own check (service/config.cc): "127.example.com" resolves to whatever DNS
+    says, and the validator took it for loopback as text."""
+    assert validate_manifests._loopback("127.0.0.1")
+    assert validate_manifests._loopback("127.1")
+    assert validate_manifests._loopback("localhost") and validate_manifests._loopback("[::1]")
+    assert not validate_manifests._loopback("127.example.com")
+    assert not validate_manifests._loopback("128.0.0.1")
+    assert not validate_manifests._loopback("0.0.0.0")

@@ -171,6 +171,16 @@ class HttpCollector {
   int connection_ = -1;
 };
 
+// An IPv6 host is bracketed where it meets its port (the Host header is written the same
+// way): "http://::1:4318/v1/traces" named no endpoint, and "Host: ::1:4318" no host.
+TEST(OtlpHttpExporterTest, AnIpv6EndpointIsNamedWithItsHostInBrackets) {
+  TraceConfig config = ConfigFor(4318);
+  config.endpoint.host = "::1";
+  EXPECT_EQ(OtlpHttpExporter(config).Describe(), "otlp/http http://[::1]:4318/v1/traces");
+  EXPECT_EQ(OtlpHttpExporter(ConfigFor(4318)).Describe(),
+            "otlp/http http://127.0.0.1:4318/v1/traces");
+}
+
 TEST(OtlpHttpExporterTest, CancelEndsAnExportTheCollectorNeverAnswers) {
   HttpCollector collector;
   ASSERT_GT(collector.port(), 0);
