@@ -1,6 +1,7 @@
 #include "client/cpp/selection_watchdog.h"
 
 #include <algorithm>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,7 +19,15 @@ absl::StatusOr<std::unique_ptr<SelectionWatchdog>> SelectionWatchdog::Create(
   if (!device.read_done || !device.release_dense) {
     return absl::InvalidArgumentError("SelectionWatchdog: the device lacks a function");
   }
-  return std::unique_ptr<SelectionWatchdog>(new SelectionWatchdog(std::move(device), timeout));
+  // The loop's thread starts in the constructor: a process out of threads (RLIMIT_NPROC, a
+  // cgroup's pids limit) gets a status, not std::system_error through a caller that
+  // expects none.
+  try {
+    return std::unique_ptr<SelectionWatchdog>(new SelectionWatchdog(std::move(device), timeout));
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("SelectionWatchdog: no thread for its loop: ", e.what()));
+  }
 }
 
 SelectionWatchdog::SelectionWatchdog(Device device, std::chrono::microseconds timeout)

@@ -6,6 +6,10 @@
 // cannot keep are refused.
 #include "client/cpp/selection_watchdog.h"
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -165,6 +169,29 @@ TEST(SelectionWatchdogTest, TimeoutsItCannotKeepAndMissingFunctionsAreRefused) {
   auto missing =
       SelectionWatchdog::Create({.read_done = nullptr, .release_dense = nullptr}, milliseconds(1));
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A process that cannot start another thread (RLIMIT_NPROC, a cgroup's pids limit) gets
+// RESOURCE_EXHAUSTED from Create: std::thread's std::system_error went through it to a caller
+// that expects a status (the C ABI turned it into INTERNAL; a C++ engine's Create threw). In
+// a child made to run out of threads: a limit of one process for its uid (as root, first
+// another uid: root's own limit is not enforced).
+TEST(SelectionWatchdogTest, NoThreadForItsLoopIsResourceExhaustedNotAnException) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(2);
+    const rlimit one{1, 1};
+    if (setrlimit(RLIMIT_NPROC, &one) != 0) _exit(3);
+    FakeDevice device;
+    auto made = SelectionWatchdog::Create(device.Functions(), milliseconds(20));
+    if (made.ok()) _exit(4);  // a thread started after all: the limit did not hold
+    _exit(made.status().code() == absl::StatusCode::kResourceExhausted ? 0 : 5);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 }  // namespace
