@@ -56,7 +56,7 @@ ABSL_FLAG(absl::Duration, deadline, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, slo, absl::Milliseconds(2), "calls slower than this count as over_slo");
 ABSL_FLAG(int, ping_every, 1, "one Ping per N SelectPages on each session (0: none)");
 ABSL_FLAG(int, floor_calls, 1000,
-          "before the run: rounds of empty calls to a minimal in-process gRPC server and to "
+          "before the run: rounds of empty calls to a minimal gRPC server (--floor-server) and to "
           "epsd's Ping, callback and sync clients interleaved, on --target's transport (the "
           "RPC floor and the ratios to it); 0: skip");
 ABSL_FLAG(std::string, floor_server, "process",
