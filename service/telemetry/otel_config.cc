@@ -222,8 +222,12 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
   } else if (protocol == "http/protobuf") {
     c.protocol = OtlpProtocol::kHttpProtobuf;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("OTEL_EXPORTER_OTLP_PROTOCOL=", protocol,
-                                                   ": epsd speaks grpc or http/protobuf"));
+    // Named as set: the traces variable wins over the general one (GetTraces).
+    const char* protocol_name = Get(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL").empty()
+                                    ? "OTEL_EXPORTER_OTLP_PROTOCOL"
+                                    : "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
+    return absl::InvalidArgumentError(
+        absl::StrCat(protocol_name, "=", protocol, ": epsd speaks grpc or http/protobuf"));
   }
   const char* endpoint_name =
       traces.empty() ? "OTEL_EXPORTER_OTLP_ENDPOINT" : "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";

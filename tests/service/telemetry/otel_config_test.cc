@@ -68,6 +68,12 @@ TEST(OtelConfigTest, HttpAppendsV1TracesToTheGeneralEndpointOnly) {
 TEST(OtelConfigTest, UnsupportedSettingsAreErrorsNamingTheVariable) {
   auto c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"}}));
   EXPECT_NE(c.status().message().find("OTEL_EXPORTER_OTLP_PROTOCOL=http/json"), std::string::npos);
+  // The traces variable, which wins, is the one named (it was named the general one's).
+  c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"},
+                              {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"}}));
+  EXPECT_NE(c.status().message().find("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json"),
+            std::string::npos)
+      << c.status();
   c = TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"},
                               {"OTEL_EXPORTER_OTLP_ENDPOINT", "https://c:4318"}}));
   EXPECT_NE(c.status().message().find("TLS"), std::string::npos);
