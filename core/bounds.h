@@ -98,7 +98,9 @@ bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout);
 
 // Rigorous bracket of max_i q·k_i over the group's keys, rounding slack included:
 // lower from the mean key (or -fro without key_sum), upper the tightest of fro,
-// 1pc and quest that the record holds. An empty group gets (-inf, -inf).
+// 1pc and quest that the record holds. An empty group gets (-inf, -inf); a query or
+// record whose squared norm lies below the float range (‖q‖ < sqrt(d)·2^-60, or
+// fro2 < count·d·2^-120), where no bound is known, gets (-inf, +inf).
 struct MaxScoreBracket {
   float lower;
   float upper;

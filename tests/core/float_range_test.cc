@@ -197,6 +197,30 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenSquaredNormsUnderflow) {
   }
 }
 
+TEST(FloatRangeTest, StrictKeepsATopGroupOfMixedSignsWhoseSquaresUnderflow) {
+  // Group 0's keys are +k and -k: their mean scores 0, and with q or k below about 2^-75
+  // the squares vanish, so fro gave group 0 the bracket [0, 0] around its maximum q·k > 0,
+  // while group 1's one smaller positive key gave a mean above 0: strict mode skipped the
+  // true top group 0 (the upper bound was dropped only where it fell below the mean).
+  for (const float q_scale : {1e-25f, 1.0f}) {
+    const float k_scale = q_scale == 1.0f ? 1e-25f : 1.0f;
+    Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = false, .quest8 = false}), 3);
+    ASSERT_TRUE(seq.Append(0, Key(8.0f * k_scale)).ok());
+    ASSERT_TRUE(seq.Append(0, Key(-8.0f * k_scale)).ok());
+    ASSERT_TRUE(seq.Append(1, Key(1.0f * k_scale)).ok());
+    ASSERT_TRUE(seq.Append(2, Key(0.0f)).ok());  // the newest, forced
+    seq.query[0] = q_scale;
+    SelectPolicy policy;
+    policy.strict = true;
+    policy.first_n = policy.last_n = 0;
+    policy.top_pages = 1;
+    ASSERT_TRUE(seq.Select(policy).ok());
+    const std::vector<int32_t> list = seq.List();
+    EXPECT_NE(std::find(list.begin(), list.end(), 100), list.end())
+        << "q " << q_scale << ", keys " << k_scale << ": " << ::testing::PrintToString(list);
+  }
+}
+
 TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
   // Group 0 holds 1024 equal keys and group 1 one larger key; every key and the query
   // are inside the accepted range, and every q·k is finite, but q·Σk of group 0 is not.
