@@ -174,8 +174,12 @@ bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout) 
       (layout.quest8 >= 0 && !finite(layout.quest8 + layout.head_dim / 2, 1))) {
     return false;
   }
+  // Reset's empty range is ±∞; a record with keys holds finite halves (Append refuses keys
+  // beyond ±65504, whose outward rounding would be infinite).
+  const bool has_keys = record[layout.count] > 0.0f;
   for (int i = 0; layout.quest_min >= 0 && i < layout.head_dim; ++i) {
-    if (std::isnan(QuestMin(record, layout, i)) || std::isnan(QuestMax(record, layout, i))) {
+    const float lo = QuestMin(record, layout, i), hi = QuestMax(record, layout, i);
+    if (std::isnan(lo) || std::isnan(hi) || (has_keys && (std::isinf(lo) || std::isinf(hi)))) {
       return false;
     }
   }

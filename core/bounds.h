@@ -93,7 +93,8 @@ float Score(Method method, std::span<const float> record, const SummaryLayout& l
 
 // Whether the record's float words (the Gram, fro2, max_norm, count, key_sum,
 // λ1, r², the principal scale, the quest8 scale) are all finite and no quest
-// half is NaN: what decides whether a non-finite score blames the summary.
+// half is NaN, nor infinite in a record with keys (count > 0): what decides
+// whether a non-finite score blames the summary.
 bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout);
 
 // Rigorous bracket of max_i q·k_i over the group's keys, rounding slack included:
