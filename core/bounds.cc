@@ -174,8 +174,12 @@ bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout) 
       (layout.quest8 >= 0 && !finite(layout.quest8 + layout.head_dim / 2, 1))) {
     return false;
   }
+  // Reset's empty range is ±∞; a record with keys holds finite halves (Append refuses keys
+  // beyond ±65504, whose outward rounding would be infinite).
+  const bool has_keys = record[layout.count] > 0.0f;
   for (int i = 0; layout.quest_min >= 0 && i < layout.head_dim; ++i) {
-    if (std::isnan(QuestMin(record, layout, i)) || std::isnan(QuestMax(record, layout, i))) {
+    const float lo = QuestMin(record, layout, i), hi = QuestMax(record, layout, i);
+    if (std::isnan(lo) || std::isnan(hi) || (has_keys && (std::isinf(lo) || std::isinf(hi)))) {
       return false;
     }
   }
@@ -185,9 +189,18 @@ bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout) 
 MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayout& layout,
                                 const QueryTerms& q) {
   const float count = record[layout.count];
-  if (count <= 0.0f) {
-    const float inf = std::numeric_limits<float>::infinity();
-    return {-inf, -inf};
+  const float inf = std::numeric_limits<float>::infinity();
+  if (count <= 0.0f) return {-inf, -inf};
+  // ‖q‖² and fro2 are float sums of squares, and a square below the float range (an element
+  // under about 2^-63) keeps few of its bits or none: ‖q‖ or fro2 can read 0 for a query or
+  // keys that are not 0, and fro, 1pc and the slack, all scaled by them, then bound nothing
+  // (a group of keys +k and -k got [0, 0] around its max q·k > 0). Above these floors every
+  // square's loss is under 2^-30 of the sum, far inside the slack; below them no bound is
+  // known, and the group stays a candidate for every rule.
+  const float d = static_cast<float>(layout.head_dim);
+  if (!(q.norm >= std::ldexp(std::sqrt(d), -60)) ||
+      !(record[layout.fro2] >= std::ldexp(count * d, -120))) {
+    return {-inf, inf};
   }
   const float slack = BoundSlack(count, layout.head_dim) * q.norm * record[layout.max_norm];
   // fro and 1pc bound max_i |q·k_i|; quest bounds the signed max only.
@@ -206,8 +219,9 @@ MaxScoreBracket BracketMaxScore(std::span<const float> record, const SummaryLayo
     if (const float mean = dot / count; std::isfinite(mean)) lower = mean;
   }
   // Bounds that contradict each other (the upper below the mean, which is a max's lower
-  // bound) can only come from squared norms below the float range: no upper bound then.
-  if (lower > upper) upper = std::numeric_limits<float>::infinity();
+  // bound) came from squared norms below the float range, which return above now; kept as a
+  // guard against rounding putting the mean over a tight upper bound: no upper bound then.
+  if (lower > upper) upper = inf;
   return {lower - slack, upper + slack};
 }
 

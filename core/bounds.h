@@ -93,12 +93,15 @@ float Score(Method method, std::span<const float> record, const SummaryLayout& l
 
 // Whether the record's float words (the Gram, fro2, max_norm, count, key_sum,
 // λ1, r², the principal scale, the quest8 scale) are all finite and no quest
-// half is NaN: what decides whether a non-finite score blames the summary.
+// half is NaN, nor infinite in a record with keys (count > 0): what decides
+// whether a non-finite score blames the summary.
 bool RecordIsFinite(std::span<const float> record, const SummaryLayout& layout);
 
 // Rigorous bracket of max_i q·k_i over the group's keys, rounding slack included:
 // lower from the mean key (or -fro without key_sum), upper the tightest of fro,
-// 1pc and quest that the record holds. An empty group gets (-inf, -inf).
+// 1pc and quest that the record holds. An empty group gets (-inf, -inf); a query or
+// record whose squared norm lies below the float range (‖q‖ < sqrt(d)·2^-60, or
+// fro2 < count·d·2^-120), where no bound is known, gets (-inf, +inf).
 struct MaxScoreBracket {
   float lower;
   float upper;

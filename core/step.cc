@@ -212,7 +212,10 @@ absl::Status PageSelector::Select(const StepInputs& in, const SelectPolicy& poli
         bad_score = std::isnan(brackets[p].lower) || std::isnan(brackets[p].upper);
       } else {
         scores[p] = Score(policy.method, record, layout_, terms);
-        bad_score = std::isnan(scores[p]) || scores[p] == kInf;
+        // −∞ is an empty group's score only: a record with keys scores it from an infinite
+        // quest half (corruption), and would be ranked as if it held none.
+        bad_score = std::isnan(scores[p]) || scores[p] == kInf ||
+                    (scores[p] == -kInf && record[layout_.count] > 0.0f);
       }
       const float* stat = record.data() + layout_.fro2;
       if (bad_score || !std::isfinite(stat[0]) || !std::isfinite(stat[1]) ||

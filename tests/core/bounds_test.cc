@@ -1,10 +1,13 @@
 #include "core/bounds.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "core/half.h"
 #include "core/summary.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -275,6 +278,111 @@ TEST_F(BoundsTest, BracketContainsTheTrueMaxScore) {
     const double truth = MaxDot(keys, q, d);
     ASSERT_LE(b.lower, truth) << "trial " << trial;
     ASSERT_GE(b.upper, truth) << "trial " << trial;
+  }
+}
+
+// A key or query element at 2^e times a normal deviate, e in [lo, hi].
+float ScaledDeviate(std::mt19937_64& rng, int lo, int hi) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  return normal(rng) * std::ldexp(1.0f, lo + static_cast<int>(rng() % (hi - lo + 1)));
+}
+
+// Keys at the edges of what the writer accepts: one magnitude for the whole group or one per
+// element, from subnormal to the binary16 limit (beyond it without the quest part), signed
+// zeros, groups of one key or of equal keys, stored as float32, float16 or bfloat16.
+std::vector<float> EdgeGroup(std::mt19937_64& rng, int n, int d, float limit, DType dtype) {
+  std::vector<float> keys(static_cast<size_t>(n) * d);
+  const int shape = static_cast<int>(rng() % 5);
+  const int exponent = -149 + static_cast<int>(rng() % 220);
+  for (size_t e = 0; e < keys.size(); ++e) {
+    float& x = keys[e];
+    switch (shape) {
+      case 0:  // one magnitude
+        x = ScaledDeviate(rng, exponent, exponent);
+        break;
+      case 1:  // a magnitude per element
+        x = ScaledDeviate(rng, -149, 70);
+        break;
+      case 2:  // the range's ends, signed zeros and subnormals
+        x = std::array<float, 5>{limit, -limit, 0.0f, -0.0f,
+                                 ScaledDeviate(rng, -149, -120)}[rng() % 5];
+        break;
+      case 3:  // every key the first
+        x = e < static_cast<size_t>(d) ? ScaledDeviate(rng, exponent, exponent) : keys[e % d];
+        break;
+      default:  // mostly signed zeros
+        x = rng() % 3 == 0 ? ScaledDeviate(rng, exponent, exponent) : (rng() % 2 ? 0.0f : -0.0f);
+    }
+    x = std::clamp(x, -limit, limit);
+    if (dtype == DType::kFloat16) x = HalfToFloat(FloatToHalf(x));
+    if (dtype == DType::kBFloat16) x = BFloat16ToFloat(FloatToBFloat16(x));
+  }
+  return keys;
+}
+
+// The bracket holds for every group the writer accepts and every query the step accepts,
+// however far from 1 their magnitudes: squares below the float range (keys or a query
+// under about 2^-75) used to give fro2 or ‖q‖ of 0, so a bracket of [0, 0] around a
+// positive maximum (or a mean's 0 above a negative one).
+TEST(BoundsEdgeTest, BracketHoldsForKeysAndQueriesAcrossTheFloatRange) {
+  const uint64_t seed = testing::TestSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 4000; ++trial) {
+    ModelLayout m;
+    m.num_layers = m.num_q_heads = m.num_kv_heads = 1;
+    m.head_dim = std::array<int, 4>{4, 8, 64, 128}[rng() % 4];
+    m.sketch_dim = 1 + static_cast<int>(rng() % 8);
+    m.phi_seed = rng();
+    m.features = {.key_sum = rng() % 4 != 0,
+                  .principal = rng() % 2 == 0,
+                  .quest = rng() % 2 == 0,
+                  .quest8 = rng() % 2 == 0};
+    const int d = m.head_dim;
+    const int n = 1 + static_cast<int>(rng() % (rng() % 2 ? 3 : 48));
+    const DType dtype = static_cast<DType>(rng() % 3);  // float32, float16, bfloat16
+    const float limit = m.features.quest || dtype == DType::kFloat16 ? kHalfMax : 1e30f;
+    const std::vector<float> keys = EdgeGroup(rng, n, d, limit, dtype);
+    const PhiBank phi = *PhiBank::Create(m.phi_seed, 1, 1, d, m.sketch_dim);
+    const SummaryWriter writer(m, phi);
+    std::vector<float> record(writer.layout().record_words);
+    ASSERT_TRUE(writer.Reset(record).ok());
+    const KeyRows rows{keys.data(), DType::kFloat32, n, 0};
+    if (!writer.Append(record, 0, 0, rows).ok()) continue;  // sums beyond the float range
+    if (m.features.principal && rng() % 2) {
+      ASSERT_TRUE(writer.Seal(record, 0, 0, rows).ok());
+    }
+    std::vector<float> q(d);
+    const int q_exponent = -149 + static_cast<int>(rng() % 210);
+    for (float& x : q) {
+      x = rng() % 2 ? ScaledDeviate(rng, q_exponent, q_exponent) : ScaledDeviate(rng, -149, 60);
+      if (rng() % 8 == 0) x = -0.0f;
+    }
+    double norm2 = 0;
+    for (float x : q) norm2 += double{x} * x;
+    if (norm2 >= kMaxQueryNorm2) continue;  // the step refuses it
+    QueryTerms terms;
+    terms.Prepare(phi, 0, 0, q);
+    // max_t q·k_t: products of floats are exact in long double, and the sums err by less
+    // than 2^-60 of the sum of the terms' magnitudes (the tolerance).
+    long double truth = -std::numeric_limits<long double>::infinity(), tolerance = 0;
+    for (int t = 0; t < n; ++t) {
+      long double dot = 0, magnitude = 0;
+      for (int i = 0; i < d; ++i) {
+        const long double term = static_cast<long double>(q[i]) * keys[t * d + i];
+        dot += term;
+        magnitude += std::fabs(term);
+      }
+      truth = std::max(truth, dot);
+      tolerance = std::max(tolerance, std::ldexp(magnitude, -60));
+    }
+    const MaxScoreBracket b = BracketMaxScore(record, writer.layout(), terms);
+    ASSERT_LE(b.lower, truth + tolerance)
+        << "trial " << trial << ": " << m.DebugString() << ", n=" << n << ", |q|=" << terms.norm
+        << ", max_norm=" << record[writer.layout().max_norm];
+    ASSERT_GE(b.upper, truth - tolerance)
+        << "trial " << trial << ": " << m.DebugString() << ", n=" << n << ", |q|=" << terms.norm
+        << ", max_norm=" << record[writer.layout().max_norm];
   }
 }
 

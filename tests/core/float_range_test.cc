@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/bounds.h"
 #include "core/saturating.h"
 #include "core/select.h"
@@ -197,6 +198,30 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenSquaredNormsUnderflow) {
   }
 }
 
+TEST(FloatRangeTest, StrictKeepsATopGroupOfMixedSignsWhoseSquaresUnderflow) {
+  // Group 0's keys are +k and -k: their mean scores 0, and with q or k below about 2^-75
+  // the squares vanish, so fro gave group 0 the bracket [0, 0] around its maximum q·k > 0,
+  // while group 1's one smaller positive key gave a mean above 0: strict mode skipped the
+  // true top group 0 (the upper bound was dropped only where it fell below the mean).
+  for (const float q_scale : {1e-25f, 1.0f}) {
+    const float k_scale = q_scale == 1.0f ? 1e-25f : 1.0f;
+    Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = false, .quest8 = false}), 3);
+    ASSERT_TRUE(seq.Append(0, Key(8.0f * k_scale)).ok());
+    ASSERT_TRUE(seq.Append(0, Key(-8.0f * k_scale)).ok());
+    ASSERT_TRUE(seq.Append(1, Key(1.0f * k_scale)).ok());
+    ASSERT_TRUE(seq.Append(2, Key(0.0f)).ok());  // the newest, forced
+    seq.query[0] = q_scale;
+    SelectPolicy policy;
+    policy.strict = true;
+    policy.first_n = policy.last_n = 0;
+    policy.top_pages = 1;
+    ASSERT_TRUE(seq.Select(policy).ok());
+    const std::vector<int32_t> list = seq.List();
+    EXPECT_NE(std::find(list.begin(), list.end(), 100), list.end())
+        << "q " << q_scale << ", keys " << k_scale << ": " << ::testing::PrintToString(list);
+  }
+}
+
 TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
   // Group 0 holds 1024 equal keys and group 1 one larger key; every key and the query
   // are inside the accepted range, and every q·k is finite, but q·Σk of group 0 is not.
@@ -374,6 +399,32 @@ TEST(FloatRangeTest, ANaNInAQuestHalfOrThePrincipalPairIsBlamedOnTheSummary) {
     ASSERT_NE(seq.Record(1)[seq.layout.principal + 2], 0.0f) << "sealed";
     seq.Record(1)[seq.layout.principal + word] = std::nanf("");
     expect_blamed(seq, Method::kOnePc, word == 0 ? "lambda1" : word == 1 ? "r2" : "scale");
+  }
+}
+
+// An infinite quest half in a record that holds keys (the writer never stores one: keys
+// beyond ±65504 are refused, and ±∞ are only Reset's empty range) fails the step naming the
+// summary. quest scored a −∞ maximum met by a positive q_j, or a +∞ minimum met by a negative
+// one, −∞, as if the group were empty, and the step passed without it; questclt's NaN was
+// blamed on the queries.
+TEST(FloatRangeTest, AnInfiniteQuestHalfInARecordWithKeysIsBlamedOnTheSummary) {
+  for (const Method method : {Method::kQuest, Method::kQuestClt}) {
+    for (const bool max_half : {true, false}) {
+      Sequence seq(Tiny({.key_sum = true, .principal = false, .quest = true, .quest8 = false}), 3);
+      for (int64_t p = 0; p < 3; ++p) ASSERT_TRUE(seq.Append(p, Key(1.0f + p)).ok());
+      const int word = max_half ? seq.layout.quest_max : seq.layout.quest_min;
+      // −∞ as the maximum, +∞ as the minimum: Reset's values, the range of no key.
+      reinterpret_cast<uint16_t*>(seq.Record(1).data() + word)[0] = max_half ? 0xFC00 : 0x7C00;
+      std::fill(seq.query.begin(), seq.query.end(), max_half ? 0.5f : -0.5f);
+      SelectPolicy policy;
+      policy.method = method;
+      policy.top_pages = 1;
+      const absl::Status s = seq.Select(policy);
+      const std::string what = absl::StrCat(MethodName(method), max_half ? ", max" : ", min");
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << ": " << s;
+      EXPECT_NE(s.message().find("summary of slot 1"), std::string::npos) << what << ": " << s;
+      EXPECT_NE(s.message().find("holds NaN or Inf"), std::string::npos) << what << ": " << s;
+    }
   }
 }
 

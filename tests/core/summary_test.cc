@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "core/half.h"
 #include "core/layout.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -204,6 +205,58 @@ TEST_F(SummaryTest, Quest8AppendedInAnyOrderEqualsTheOfflineQuantization) {
       }
       // The parts before quest8 are those of a record without it.
       ASSERT_GE(Quest8MinCode(record, s, 0), -127);
+    }
+  }
+}
+
+// Both quest parts contain every key the writer accepts, in exact arithmetic, at every
+// magnitude: subnormal floats (below binary16's least subnormal, so rounded out to ±2^-24),
+// signed zeros, the binary16 limit ±65504, and for quest8 alone keys far beyond it, as
+// float32, float16 or bfloat16 keys appended in runs of any length.
+TEST_F(SummaryTest, QuestPartsContainEveryAcceptedKeyAtEveryMagnitude) {
+  SCOPED_TRACE(testing::SeedTrace(seed_));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int trial = 0; trial < 300; ++trial) {
+    ModelLayout model = SmallModel(8 << (trial % 3), 4);
+    const bool half_part = trial % 2 == 0;
+    model.features = {.key_sum = false, .principal = false, .quest = half_part, .quest8 = true};
+    auto phi = PhiBank::Create(model.phi_seed, 2, 2, model.head_dim, model.sketch_dim);
+    const SummaryWriter writer(model, *phi);
+    const SummaryLayout& s = writer.layout();
+    const int d = model.head_dim;
+    const int n = 1 + static_cast<int>(rng_() % 40);
+    const float limit = half_part ? kHalfMax : 1e15f;
+    const DType dtype = static_cast<DType>(rng_() % 3);
+    std::vector<float> keys(static_cast<size_t>(n) * d);
+    for (float& x : keys) {
+      const int pick = static_cast<int>(rng_() % 6);
+      x = pick == 0   ? (rng_() % 2 ? limit : -limit)
+          : pick == 1 ? (rng_() % 2 ? 0.0f : -0.0f)
+                      : normal(rng_) * std::ldexp(1.0f, -149 + static_cast<int>(rng_() % 200));
+      x = std::clamp(x, -limit, limit);
+      if (dtype == DType::kFloat16) x = HalfToFloat(FloatToHalf(x));
+      if (dtype == DType::kBFloat16) x = BFloat16ToFloat(FloatToBFloat16(x));
+      if (std::abs(x) > limit) x = std::copysign(65280.0f, x);  // bfloat16 rounded 65504 up
+    }
+    std::vector<float> record(s.record_words);
+    ASSERT_TRUE(writer.Reset(record).ok());
+    for (int t = 0; t < n;) {
+      const int run = std::min(n - t, 1 + static_cast<int>(rng_() % 8));
+      ASSERT_TRUE(writer.Append(record, 1, 0, {keys.data() + t * d, DType::kFloat32, run, 0}).ok())
+          << "trial " << trial;
+      t += run;
+    }
+    const double scale = Quest8Scale(record, s);
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < d; ++i) {
+        const double k = keys[t * d + i];
+        ASSERT_LE(Quest8MinCode(record, s, i) * scale, k) << "trial " << trial << " key " << t;
+        ASSERT_GE(Quest8MaxCode(record, s, i) * scale, k) << "trial " << trial << " key " << t;
+        if (half_part) {
+          ASSERT_LE(QuestMin(record, s, i), k) << "trial " << trial << " key " << t;
+          ASSERT_GE(QuestMax(record, s, i), k) << "trial " << trial << " key " << t;
+        }
+      }
     }
   }
 }
