@@ -174,6 +174,11 @@ __device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const Record
   const float count = rec[o.count];
   if (count <= 0.0f) return {-INFINITY, -INFINITY};
   const float d = static_cast<float>(o.d);
+  // core: below these floors ‖q‖² or fro2 lost their squares to the float range and bound
+  // nothing; the group stays a candidate for every rule (core/bounds.cc says why).
+  if (!(h.norm >= ldexpf(sqrtf(d), -60)) || !(rec[o.fro2] >= ldexpf(count * d, -120))) {
+    return {-INFINITY, INFINITY};
+  }
   const float slack =
       fmaxf(kBoundSlack, ldexpf(count + d * sqrtf(d), -22)) * h.norm * rec[o.max_norm];
   float abs_upper = FroBound(rec, o, h);
@@ -183,7 +188,8 @@ __device__ inline MaxScoreBracket BracketMaxScore(const float* rec, const Record
   // core: a mean that left the float range (q·Σk overflowing) is no bound.
   const float mean = o.key_sum >= 0 ? sums.key_sum[r] / count : -abs_upper;
   const float lower = isfinite(mean) ? mean : -abs_upper;
-  // core: contradicting bounds (squared norms below the float range) give no upper bound.
+  // core: contradicting bounds (rounding, now that the floors above return first) give no
+  // upper bound.
   if (lower > upper) upper = INFINITY;
   return {lower - slack, upper + slack};
 }

@@ -340,7 +340,9 @@ __device__ __forceinline__ void ScoreGroups(const Shape& s, const ScoreArgs& a, 
             } else {
               a.scores[out] = score;
             }
-            bad = isnan(score) || score == INFINITY;
+            // core: -inf is an empty group's score only; a record with keys scores it from
+            // an infinite quest half (corruption) and would be ranked as holding none.
+            bad = isnan(score) || score == INFINITY || (score == -INFINITY && rec[o.count] > 0.0f);
           }
           if (bad || !stats_ok) {
             Fail(status, a.coarse ? kBadCoarseScore : kBadScore, row, static_cast<int>(p), slot);

@@ -4,6 +4,7 @@
 // under memcheck by scripts/gpu_check.sh). Skips without a CUDA device.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -265,6 +266,83 @@ TEST(GpuStepValidationTest, MalformedRecordsScoreAsCoreScoresThem) {
   EXPECT_NE(core.message().find("holds NaN or Inf"), std::string::npos) << core;
   ExpectEveryPathRefuses(buffers, rows, {{Method::kOnePc, false}},
                          "summary of slot " + std::to_string(slot));
+}
+
+// core fails a step whose record holds keys and an infinite quest half (core/step.cc): quest
+// scored a -inf maximum met by a positive q_j as -inf, an empty group's score, and the step
+// passed without the group. The GPU fails it too, naming the summary, on quest and questclt.
+TEST(GpuStepValidationTest, AnInfiniteQuestHalfInARecordWithKeysFailsTheStepAsInCore) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m = ValidationModel();
+  m.features = {.key_sum = true, .principal = false, .quest = true};
+  testing::StepBuffers buffers(m, 1, 4096, 1, Granularity::kUnion);
+  buffers.AssignRow(0, 4096, 1);
+  buffers.FillRandomSummaries(4);
+  const SummaryLayout l = SummaryLayout::For(m);
+  const int32_t slot = buffers.SlotOf(0, 3);
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (int kvh = 0; kvh < m.num_kv_heads; ++kvh) {
+      // -inf as channel 0's maximum: Reset's value, the range of no key.
+      reinterpret_cast<uint16_t*>(buffers.Record(slot, layer, kvh).data() + l.quest_max)[0] =
+          0xFC00;
+    }
+    for (int h = 0; h < m.num_q_heads; ++h) {
+      for (float& x : buffers.Query(layer, 0, h)) x = 0.5f;
+    }
+  }
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  const std::string named = "summary of slot " + std::to_string(slot);
+  for (Method method : {Method::kQuest, Method::kQuestClt}) {
+    SelectPolicy policy;
+    policy.method = method;
+    const absl::Status core =
+        reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+    EXPECT_EQ(core.code(), absl::StatusCode::kInvalidArgument) << core;
+    EXPECT_NE(core.message().find(named), std::string::npos) << core;
+  }
+  ExpectEveryPathRefuses(buffers, rows, {{Method::kQuest, false}, {Method::kQuestClt, false}},
+                         named);
+}
+
+// A query whose squares fall below the float range (elements near 1e-25) leaves strict mode
+// no bound on any group (core/bounds.cc's floors): every group is a candidate and the list
+// holds them all, on the GPU as in core. Before, fro and the slack, scaled by a ‖q‖ that read
+// 0, bracketed groups at [0, 0] and strict mode could skip the true top group.
+TEST(GpuStepValidationTest, StrictModeWithAQueryBelowTheSquaresRangeVisitsEveryGroupAsCore) {
+  SKIP_WITHOUT_DEVICE();
+  ModelLayout m = ValidationModel();
+  m.features = {.key_sum = true, .principal = true, .quest = true};
+  const int64_t tokens = 4096;
+  testing::StepBuffers buffers(m, 1, tokens, 1, Granularity::kUnion);
+  buffers.AssignRow(0, tokens, 1);
+  buffers.FillRandomSummaries(5);
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (int h = 0; h < m.num_q_heads; ++h) {
+      for (float& x : buffers.Query(layer, 0, h)) x *= 1e-25f;
+    }
+  }
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  ASSERT_TRUE(selector.ok()) << selector.status();
+  const StepRow rows[] = {{.table_row = 0, .context_tokens = tokens, .seq_id = 0}};
+  SelectPolicy policy;
+  policy.strict = true;
+  policy.top_pages = 4;
+  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    const auto want =
+        testing::VisitedGroups(buffers, 0, buffers.VisitBlocks(layer, 0, 0), buffers.max_groups());
+    const auto have = testing::VisitedGroups(
+        buffers, 0, got.List(1, 1, buffers.max_blocks(), layer, 0, 0), buffers.max_groups());
+    EXPECT_EQ(have, want) << "layer " << layer;
+    EXPECT_EQ(std::count(have.begin(), have.end(), true), static_cast<std::ptrdiff_t>(have.size()))
+        << "layer " << layer;
+  }
 }
 
 }  // namespace
