@@ -164,8 +164,19 @@ SessionService::CallDone FinishLater(grpc::ServerUnaryReactor* reactor, Telemetr
 
 // One reply per request, in order. A failed step ends the stream with its
 // status (the client falls back for that step and opens a new stream).
+//
+// A stream reads its next request only once its last reply is written, so it holds one
+// reply at a time; but a client may open many streams of one session, and a reply waits in
+// gRPC's transport until the client's window lets it out. So a reply takes a place in its
+// session's UnsentReplies while it is written, as a unary one does from its step's end to
+// its call's end (unsent_replies.h): parked when the session's places are taken, refused
+// (the stream ends RESOURCE_EXHAUSTED) past those parked, and the session's end cancels
+// the stream whose reply it holds and ends a parked one NOT_FOUND. Before, 60 streams of
+// one session whose client never read held 60 replies (4.2 MB each: epsd's RSS grew by
+// 250 MB), and they stayed after the session's Detach.
 class SelectStream final
-    : public grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse> {
+    : public grpc::ServerBidiReactor<v1::SelectPagesRequest, v1::SelectPagesResponse>,
+      public UnsentReplies::Reply {
  public:
   SelectStream(SessionService& sessions, Telemetry& telemetry, grpc::CallbackServerContext& context,
                Peer caller)
@@ -199,22 +210,104 @@ class SelectStream final
     // executor's bound on such steps), else on the StepExecutor (step_gate.h).
     sessions_.StartSelectPages(
         request_, &response_, LivenessOf(context_), caller_,
-        [this, step](absl::Status s, BackendKind backend, std::shared_ptr<UnsentReplies>) {
-          StepDone(step, std::move(s), backend);
+        [this, step](absl::Status s, BackendKind backend, std::shared_ptr<UnsentReplies> replies) {
+          StepDone(step, std::move(s), backend, std::move(replies));
         });
   }
-  void StepDone(const Telemetry::Step& step, absl::Status s, BackendKind backend) {
-    const absl::Status status = CallGuarded("StreamSelectPages", [&] {
-      telemetry_.EndStep(call_, step, request_, response_, s, backend);
-      return s;
-    });
-    if (!status.ok()) {
-      End(status);
-      return;
+
+  // The step ended: an OK reply takes a place in its session's `replies` (or waits for one)
+  // before it is written.
+  void StepDone(const Telemetry::Step& step, absl::Status s, BackendKind backend,
+                std::shared_ptr<UnsentReplies> replies) {
+    if (s.ok()) {
+      absl::MutexLock lock(&mu_);
+      step_ = step;
+      backend_ = backend;
+      replies_ = std::move(replies);
+      UnsentReplies::Hold hold = UnsentReplies::Hold::kRefused;
+      const absl::Status counted = CallGuarded("StreamSelectPages", [&] {  // its queue allocates
+        hold = replies_->TryHold(this);
+        return absl::OkStatus();
+      });
+      if (!counted.ok()) {
+        s = counted;  // nothing counted or parked
+      } else if (hold == UnsentReplies::Hold::kHeld) {
+        held_ = true;
+      } else if (hold == UnsentReplies::Hold::kParked) {
+        parked_ = true;
+        // A stream cancelled before it was parked gets no OnCancel now: take it back.
+        if (!context_.IsCancelled() || !replies_->Unpark(this)) return;
+        parked_ = false;
+        s = absl::CancelledError("StreamSelectPages: the client cancelled the stream");
+      } else if (hold == UnsentReplies::Hold::kEnded) {
+        s = SessionEnded();
+      } else {
+        // Its client has not read the session's last replies (on this stream's connection
+        // or others): this one would wait in epsd's memory as theirs do. The step has run.
+        s = absl::ResourceExhaustedError(absl::StrCat(
+            "StreamSelectPages: session '", telemetry::SessionLabel(request_.session_id()),
+            "': ", UnsentReplies::kMaxUnsentReplies + UnsentReplies::kMaxParkedReplies,
+            " replies of its earlier steps are not yet read by its client; read them"));
+      }
     }
-    StartWrite(&response_);
+    Answer(step, std::move(s), backend);
   }
+
+  // A place freed for the parked reply (UnsentReplies::Release's thread).
+  void Resume() override {
+    Telemetry::Step step{};
+    BackendKind backend = BackendKind::kCpu;
+    {
+      absl::MutexLock lock(&mu_);
+      parked_ = false;
+      held_ = true;
+      step = step_;
+      backend = backend_;
+    }
+    Answer(step, absl::OkStatus(), backend);
+  }
+
+  // The session ended while the reply was parked (UnsentReplies::End's thread).
+  void Drop() override {
+    Telemetry::Step step{};
+    BackendKind backend = BackendKind::kCpu;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      parked_ = false;
+      step = step_;
+      backend = backend_;
+      status = SessionEnded();
+    }
+    Answer(step, std::move(status), backend);
+  }
+
+  // The session ended while its reply was written: gRPC drops what it keeps for the
+  // stream, and the write's end releases the place.
+  void Cancel() override { context_.TryCancel(); }
+
+  void OnCancel() override {
+    Telemetry::Step step{};
+    BackendKind backend = BackendKind::kCpu;
+    {
+      absl::MutexLock lock(&mu_);
+      // Not parked, or resuming, or dropped by the session's end.
+      if (!parked_ || !replies_->Unpark(this)) return;
+      parked_ = false;
+      step = step_;
+      backend = backend_;
+    }
+    Answer(step, absl::CancelledError("StreamSelectPages: the client cancelled the stream"),
+           backend);
+  }
+
   void OnWriteDone(bool ok) override {
+    std::shared_ptr<UnsentReplies> replies;
+    {
+      absl::MutexLock lock(&mu_);
+      if (std::exchange(held_, false)) replies = replies_;
+    }
+    if (replies != nullptr) replies->Release(this);  // written, or dropped: its place is free
     if (!ok) {
       // A write fails when the client cancelled the stream (or its deadline passed) while
       // the step ran: the client went away, epsd did not fail. (A stream the client closes
@@ -230,10 +323,40 @@ class SelectStream final
   void OnDone() override { delete this; }
 
  private:
+  // Records the step with the status the stream answers it with, then writes its reply
+  // (OK) or ends the stream with that status.
+  void Answer(const Telemetry::Step& step, absl::Status s, BackendKind backend) {
+    const absl::Status status = CallGuarded("StreamSelectPages", [&] {
+      telemetry_.EndStep(call_, step, request_, response_, s, backend);
+      return s;
+    });
+    if (!status.ok()) {
+      // A place taken for a reply that is not written (its telemetry threw) is given back.
+      std::shared_ptr<UnsentReplies> replies;
+      {
+        absl::MutexLock lock(&mu_);
+        if (std::exchange(held_, false)) replies = replies_;
+      }
+      if (replies != nullptr) replies->Release(this);
+      End(status);
+      return;
+    }
+    StartWrite(&response_);
+  }
+
+  absl::Status SessionEnded() const {
+    return absl::NotFoundError(absl::StrCat(
+        "StreamSelectPages: session '", telemetry::SessionLabel(request_.session_id()),
+        "' was detached, replaced or expired before this step's reply was sent: re-attach"));
+  }
+
   // The stream's own status; a failed step was already counted by EndStep.
   void End(const absl::Status& status) {
-    if (ended_) return;  // Finish once, whatever called twice
-    ended_ = true;
+    {
+      absl::MutexLock lock(&mu_);
+      if (ended_) return;  // Finish once, whatever called twice
+      ended_ = true;
+    }
     (void)CallGuarded("StreamSelectPages", [&] {
       telemetry_.EndCall(call_, status, /*refused=*/false);
       return absl::OkStatus();
@@ -245,10 +368,18 @@ class SelectStream final
   Telemetry& telemetry_;
   grpc::CallbackServerContext& context_;
   const Peer caller_;
-  bool ended_ = false;  // gRPC serialises a reactor's callbacks
   const Telemetry::Call call_;
   v1::SelectPagesRequest request_;
   v1::SelectPagesResponse response_;
+  // gRPC serialises the reactor's own callbacks; Resume, Drop and Cancel come from other
+  // threads (a parked reply's), as may OnCancel while the reply is parked.
+  absl::Mutex mu_;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  std::shared_ptr<UnsentReplies> replies_ ABSL_GUARDED_BY(mu_);  // the last step's session's
+  bool held_ ABSL_GUARDED_BY(mu_) = false;    // a place is this reply's: released at its write
+  bool parked_ ABSL_GUARDED_BY(mu_) = false;  // waiting in replies_ for a place
+  Telemetry::Step step_ ABSL_GUARDED_BY(mu_) = {};  // the parked reply's step, for telemetry
+  BackendKind backend_ ABSL_GUARDED_BY(mu_) = BackendKind::kCpu;
 };
 
 }  // namespace

@@ -1,8 +1,10 @@
-// Unary SelectPages replies of one session queued for a client that has not read them yet.
+// SelectPages replies of one session queued for a client that has not read them yet: a
+// unary call's, and a stream's while it is written (grpc_service.cc, SelectStream).
 // A step frees its session's gate once it has run (step_gate.h); its reply then waits in
 // gRPC's transport until the client's HTTP/2 window lets it out. A client that never opens
 // its window (never reads) would so make epsd hold every reply of every step it sends,
-// charged to no budget (docs/security.md, "replies never read").
+// charged to no budget (docs/security.md, "replies never read"); a stream holds one reply
+// at a time, but a client may open many streams of a session.
 //
 // A session may have kMaxUnsentReplies replies handed to gRPC and not yet done. A reply
 // beyond them is parked: it waits, not handed to gRPC, until one of those is done, and then
@@ -42,7 +44,7 @@ class UnsentReplies {
   static constexpr int kMaxUnsentReplies = 4;
   static constexpr int kMaxParkedReplies = 4;
 
-  // One call's reply (the call's reactor).
+  // One call's reply (the call's reactor: a unary call's, or a stream's for its current step).
   class Reply {
    public:
     virtual ~Reply() = default;

@@ -378,12 +378,13 @@ def _wait_for_step(stub: pb_grpc.PageSelectorStub, session: str, step: int) -> N
 
 
 def _step_unread(stub: pb_grpc.PageSelectorStub, client: _UnreadingClient, session: str,
-                 step: int, timeout: str = "") -> int:
+                 step: int, timeout: str = "", method: str = "SelectPages") -> int:
     """Sends `session`'s `step` on `client` (stream 2 * step - 1), waits until it has run, and
-    returns the stream."""
+    returns the stream. `method`: SelectPages, or StreamSelectPages (one request, then the
+    client's half-close)."""
     stream = 2 * step - 1
     request = pb.SelectPagesRequest(session_id=session, step=step, rows=_UNREAD_ROWS)
-    client.call(stream, "/eps.v1.PageSelector/SelectPages", request.SerializeToString(),
+    client.call(stream, f"/eps.v1.PageSelector/{method}", request.SerializeToString(),
                 wait=False, timeout=timeout)
     _wait_for_step(stub, session, step)
     return stream
@@ -535,6 +536,60 @@ def test_a_reading_client_behind_a_connection_that_never_reads_is_answered_once_
         client.close()
         assert reader.result().step == 7
         _steps_all_answered(stub, session, 8)
+
+
+def test_stream_replies_a_client_never_reads_take_the_sessions_places(
+    tmp_path: Path, start_epsd: Callable[..., Epsd]
+) -> None:
+    # A stream reads its next request only once its last reply is written, so one stream
+    # holds one reply; but a client opens as many streams as it likes (100 at once per
+    # connection, on any number of connections), one step each. Their replies were counted
+    # nowhere: 60 streams of one session, 4.2 MB replies never read, grew epsd from 21 MB to
+    # 272 MB (developer machine, 2026-11-28), and Detach left them all. A stream's reply now
+    # takes a place among its session's unsent replies as a unary one does: four held, four
+    # parked, the rest refused with a status alone; a connection that closes gives its
+    # places back.
+    epsd = start_epsd(tmp_path, {}, [])
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        streams = [_step_unread(stub, client, session, step, method="StreamSelectPages")
+                   for step in range(1, 11)]
+        client.wait(lambda: set(streams[:4]) <= client.headers
+                    and set(streams[8:]) <= client.ended)
+        assert client.headers == set(streams[:4]) | set(streams[8:])
+        # Unary replies share the places: this one is refused too.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SelectPages(pb.SelectPagesRequest(session_id=session, step=11,
+                                                   rows=_UNREAD_ROWS), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+        # The first held reply read: the oldest parked stream takes its place.
+        client.open_window(streams[:1])
+        client.wait(lambda: streams[0] in client.ended and streams[4] in client.headers)
+        assert not client.headers & set(streams[5:8])
+        client.close()
+        _steps_all_answered(stub, session, 12)
+
+
+def test_stream_replies_a_session_left_unread_end_with_it(
+    tmp_path: Path, start_epsd: Callable[..., Epsd]
+) -> None:
+    # The session's end cancels the stream replies it holds (RST_STREAM) and ends its
+    # parked streams with NOT_FOUND, as for unary replies; before, Detach left every one.
+    epsd = start_epsd(tmp_path, {}, [])
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+        streams = [_step_unread(stub, client, session, step, method="StreamSelectPages")
+                   for step in range(1, 8)]  # four held, three parked
+        client.wait(lambda: set(streams[:4]) <= client.headers)
+        assert not client.headers & set(streams[4:])
+        stub.Detach(pb.DetachRequest(session_id=session), timeout=30)
+        client.wait(lambda: set(streams[:4]) <= client.reset and set(streams[4:]) <= client.ended)
+        assert not client.reset & set(streams[4:])
+        client.close()
 
 
 def test_sigterm_ends_epsd_with_replies_held_and_parked(
