@@ -81,8 +81,9 @@ absl::Status StreamReleaseDense(cudaStream_t stream, int32_t* counts, int64_t n,
 absl::Status StreamClearFeedback(cudaStream_t stream, float* feedback, int64_t n) {
   if (n <= 0) return absl::OkStatus();
   if (n > kMaxFeedbackEntries) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("StreamClearFeedback: n=", n, " floats are more bytes than a size_t holds"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "StreamClearFeedback: n=", n,
+        " floats are more bytes than an address space holds (at most ", kMaxFeedbackEntries, ")"));
   }
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(feedback, 0xFF, n * sizeof(float), stream));
   return absl::OkStatus();

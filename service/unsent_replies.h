@@ -8,7 +8,9 @@
 //
 // A session may have kMaxUnsentReplies replies handed to gRPC and not yet done. A reply
 // beyond them is parked: it waits, not handed to gRPC, until one of those is done, and then
-// takes its place. Done is reported by gRPC's OnDone, which can run well after the client
+// takes its place. Done is reported by gRPC's OnDone for a unary call, by the write's
+// OnWriteDone for a stream's reply (the stream then lives on and may hold a place again for
+// its next step); either can run well after the client
 // has read the reply (a loaded host runs the callback late), so a client that reads every
 // reply before its next step can still find four not yet done: parked, its reply comes
 // as late as that callback, never refused. At most kMaxParkedReplies replies of a session
@@ -24,8 +26,8 @@
 //
 // Thread safety: all methods may be called concurrently. Reply's methods are called with no
 // lock of this class held: Resume from the Release that frees the place, Drop and Cancel
-// from End. A held reply's Release (its call's OnDone, before the reply is destroyed) waits
-// while End cancels it.
+// from End. A held reply's Release (its call's OnDone, or a stream's OnWriteDone, before the
+// reply is destroyed) waits while End cancels it.
 #pragma once
 
 #include <deque>
@@ -54,12 +56,13 @@ class UnsentReplies {
     // no place (no Release for it).
     virtual void Drop() = 0;
     // The session ended while the reply was held: cancel the call. Its Release still comes
-    // (its OnDone), and it is not destroyed before.
+    // (a unary call's OnDone, a stream's OnWriteDone), and it is not destroyed before.
     virtual void Cancel() = 0;
   };
 
   enum class Hold {
-    kHeld,     // counted: hand the reply to gRPC now, and Release it once its call is done
+    kHeld,     // counted: hand the reply to gRPC now, and Release it once it is done (a
+               // unary call's end, a stream's write's end)
     kParked,   // waits: Resume comes with a place, or Drop with the session's end, unless
                // Unpark takes it back first
     kRefused,  // the session has its maximum of replies held and parked: nothing counted

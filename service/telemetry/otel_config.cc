@@ -21,10 +21,15 @@ std::string Get(const EnvLookup& env, const char* name) {
   return v == nullptr ? std::string() : std::string(absl::StripAsciiWhitespace(v));
 }
 
-// The signal-specific variable wins over the general one.
+// The signal-specific variable wins over the general one: the name of the one that applies
+// (the general one when neither is set), for values and errors alike.
+std::string TracesName(const EnvLookup& env, const std::string& suffix) {
+  std::string traces = "OTEL_EXPORTER_OTLP_TRACES_" + suffix;
+  return Get(env, traces.c_str()).empty() ? "OTEL_EXPORTER_OTLP_" + suffix : traces;
+}
+
 std::string GetTraces(const EnvLookup& env, const std::string& suffix) {
-  std::string v = Get(env, ("OTEL_EXPORTER_OTLP_TRACES_" + suffix).c_str());
-  return v.empty() ? Get(env, ("OTEL_EXPORTER_OTLP_" + suffix).c_str()) : v;
+  return Get(env, TracesName(env, suffix).c_str());
 }
 
 absl::StatusOr<std::string> PercentDecode(const std::string& name, const std::string& in) {
@@ -180,7 +185,7 @@ EnvLookup ProcessEnv() {
   return [](const char* name) { return std::getenv(name); };
 }
 
-std::string OtlpEndpoint::grpc_target() const {
+std::string OtlpEndpoint::authority() const {
   return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port)
                                              : absl::StrCat(host, ":", port);
 }
@@ -222,12 +227,8 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
   } else if (protocol == "http/protobuf") {
     c.protocol = OtlpProtocol::kHttpProtobuf;
   } else {
-    // Named as set: the traces variable wins over the general one (GetTraces).
-    const char* protocol_name = Get(env, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL").empty()
-                                    ? "OTEL_EXPORTER_OTLP_PROTOCOL"
-                                    : "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
-    return absl::InvalidArgumentError(
-        absl::StrCat(protocol_name, "=", protocol, ": epsd speaks grpc or http/protobuf"));
+    return absl::InvalidArgumentError(absl::StrCat(TracesName(env, "PROTOCOL"), "=", protocol,
+                                                   ": epsd speaks grpc or http/protobuf"));
   }
   const char* endpoint_name =
       traces.empty() ? "OTEL_EXPORTER_OTLP_ENDPOINT" : "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
@@ -246,9 +247,7 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
         "collector"));
   }
 
-  const std::string headers_name = Get(env, "OTEL_EXPORTER_OTLP_TRACES_HEADERS").empty()
-                                       ? "OTEL_EXPORTER_OTLP_HEADERS"
-                                       : "OTEL_EXPORTER_OTLP_TRACES_HEADERS";
+  const std::string headers_name = TracesName(env, "HEADERS");
   absl::StatusOr<std::vector<std::pair<std::string, std::string>>> headers =
       ParseKeyValueList(headers_name, GetTraces(env, "HEADERS"));
   if (!headers.ok()) return headers.status();
@@ -258,9 +257,7 @@ absl::StatusOr<TraceConfig> TraceConfigFromEnv(const EnvLookup& env) {
     RETURN_IF_ERROR(CheckHeader(headers_name, key, value));
   }
 
-  const std::string timeout_name = Get(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT").empty()
-                                       ? "OTEL_EXPORTER_OTLP_TIMEOUT"
-                                       : "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT";
+  const std::string timeout_name = TracesName(env, "TIMEOUT");
   Millis(env, timeout_name.c_str(), &c.timeout, &c.warnings);
 
   absl::StatusOr<std::vector<std::pair<std::string, std::string>>> resource =

@@ -41,7 +41,7 @@ struct OtlpEndpoint {
   int port = 0;
   std::string path;  // HTTP only: the request path, /v1/traces unless given
   // host:port, an IPv6 host in brackets: grpc::CreateChannel's target and HTTP's Host.
-  std::string grpc_target() const;
+  std::string authority() const;
 };
 
 struct TraceConfig {

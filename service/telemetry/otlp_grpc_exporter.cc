@@ -14,7 +14,7 @@ OtlpGrpcExporter::OtlpGrpcExporter(const TraceConfig& config) : config_(config) 
   auto credentials = config.endpoint.tls ? grpc::SslCredentials(grpc::SslCredentialsOptions())
                                          : grpc::InsecureChannelCredentials();
   stub_ = opentelemetry::proto::collector::trace::v1::TraceService::NewStub(
-      grpc::CreateCustomChannel(config.endpoint.grpc_target(), credentials, args));
+      grpc::CreateCustomChannel(config.endpoint.authority(), credentials, args));
 }
 
 ExportOutcome OtlpGrpcExporter::Export(
@@ -67,7 +67,7 @@ void OtlpGrpcExporter::Cancel() {
 
 std::string OtlpGrpcExporter::Describe() const {
   return absl::StrCat("otlp/grpc ", config_.endpoint.tls ? "https://" : "http://",
-                      config_.endpoint.grpc_target());
+                      config_.endpoint.authority());
 }
 
 }  // namespace eps::telemetry

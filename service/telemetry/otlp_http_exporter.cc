@@ -310,11 +310,10 @@ ExportOutcome OtlpHttpExporter::TryOnce(
   // Refused, unreachable or slow: try later.
   if (fd < 0) return ExportOutcome::Failure(ExportResult::kRetryable, std::move(error));
   Socket socket(fd);
-  std::string head =
-      absl::StrCat("POST ", config_.endpoint.path,
-                   " HTTP/1.1\r\nHost: ", config_.endpoint.grpc_target(),  // [v6]:port
-                   "\r\nContent-Type: application/x-protobuf\r\nContent-Length: ", body.size(),
-                   "\r\nConnection: close\r\n");
+  std::string head = absl::StrCat(
+      "POST ", config_.endpoint.path, " HTTP/1.1\r\nHost: ", config_.endpoint.authority(),
+      "\r\nContent-Type: application/x-protobuf\r\nContent-Length: ", body.size(),
+      "\r\nConnection: close\r\n");
   for (const auto& [key, value] : config_.headers) absl::StrAppend(&head, key, ": ", value, "\r\n");
   absl::StrAppend(&head, "\r\n");
   if (!SendAll(fd, head + body, attempt, &error)) {
@@ -337,7 +336,7 @@ ExportOutcome OtlpHttpExporter::TryOnce(
 }
 
 std::string OtlpHttpExporter::Describe() const {
-  return absl::StrCat("otlp/http http://", config_.endpoint.grpc_target(), config_.endpoint.path);
+  return absl::StrCat("otlp/http http://", config_.endpoint.authority(), config_.endpoint.path);
 }
 
 }  // namespace eps::telemetry

@@ -191,6 +191,9 @@ TEST(SelectionWatchdogTest, NoThreadForItsLoopIsResourceExhaustedNotAnException)
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status);
+  // Where the limit cannot be set up, the case cannot be made: say so, not pass or fail.
+  if (WEXITSTATUS(status) == 2) GTEST_SKIP() << "root here cannot switch to uid 65534";
+  if (WEXITSTATUS(status) == 4) GTEST_SKIP() << "RLIMIT_NPROC is not enforced here";
   EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 

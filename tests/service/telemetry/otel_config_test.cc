@@ -45,9 +45,9 @@ TEST(OtelConfigTest, GrpcEndpointDefaultsToPort4317AndTlsFollowsTheScheme) {
   EXPECT_TRUE(c->enabled);
   EXPECT_EQ(c->protocol, OtlpProtocol::kGrpc);
   EXPECT_TRUE(c->endpoint.tls);
-  EXPECT_EQ(c->endpoint.grpc_target(), "collector:4317");
+  EXPECT_EQ(c->endpoint.authority(), "collector:4317");
   EXPECT_EQ(TraceConfigFromEnv(Env({{"OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1]:5555"}}))
-                ->endpoint.grpc_target(),
+                ->endpoint.authority(),
             "[::1]:5555");
 }
 
