@@ -22,10 +22,10 @@ def sources(*folders: str, suffixes: tuple[str, ...] = (".cc", ".h")) -> str:
 
 
 def otel_read_by(code: str) -> set[str]:
-    """OTEL_* names a C++ source reads: literals, and the suffixes given to GetTraces, which
-    reads OTEL_EXPORTER_OTLP_TRACES_X and then OTEL_EXPORTER_OTLP_X."""
+    """OTEL_* names a C++ source reads: literals, and the suffixes given to GetTraces or
+    TracesName, which read OTEL_EXPORTER_OTLP_TRACES_X and then OTEL_EXPORTER_OTLP_X."""
     names = set(re.findall(r"\"(OTEL_[A-Z_]*[A-Z])\"", code))
-    for suffix in re.findall(r"GetTraces\(\w+, \"([A-Z_]+)\"\)", code):
+    for suffix in re.findall(r"(?:GetTraces|TracesName)\(\w+, \"([A-Z_]+)\"\)", code):
         names |= {f"OTEL_EXPORTER_OTLP_{suffix}", f"OTEL_EXPORTER_OTLP_TRACES_{suffix}"}
     return names
 
@@ -43,9 +43,10 @@ def otel_named_in(text: str) -> set[str]:
 
 
 def test_the_readers_expand_both_spellings() -> None:
-    code = 'Get(env, "OTEL_SDK_DISABLED"); GetTraces(env, "PROTOCOL");'
+    code = 'Get(env, "OTEL_SDK_DISABLED"); GetTraces(env, "PROTOCOL"); TracesName(env, "TIMEOUT");'
     assert otel_read_by(code) == {"OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_PROTOCOL",
-                                  "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"}
+                                  "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_TIMEOUT",
+                                  "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"}
     assert otel_named_in("| `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS` | `OTEL_BSP_X` "
                          "`OTEL_EXPORTER_OTLP_…`") == {
         "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_BSP_X"}
