@@ -195,6 +195,9 @@ struct Session {
   std::span<const float> feedback_image;
   LatencySamples feedback_write_us;
   int64_t feedback_probes = 0, feedback_written = 0, feedback_consumed = 0;
+  // When its loop ended, before its Detach: the measured window ends with the last of them
+  // (a Detach against a stalled epsd takes up to an attach deadline, no part of the run).
+  Clock::time_point loop_end{};
 };
 
 // One step's feedback write, and the entry the step reads back to see it written, then
@@ -395,6 +398,7 @@ void RunSession(const LoadConfig& config, int index, Session& s, RunLog& log, Cl
   // Each session detaches as it ends, all at once: one after another, after the run,
   // an epsd that no longer answered held the exit for an attach deadline (500 ms) per
   // session, over two minutes with --sessions=256.
+  s.loop_end = Clock::now();
   (void)s.client->Detach();
 }
 
@@ -519,8 +523,9 @@ absl::StatusOr<RunResult> RunLoad(const LoadConfig& config, const std::atomic<bo
   log.Sample("end");
   r.load_end = ReadLoadAvg();
   r.stopped_early = stop != nullptr && stop->load();
-  r.measured_s =
-      Seconds(std::clamp(std::min(Clock::now(), end), measure_begin, end) - measure_begin);
+  Clock::time_point loops_end = measure_begin;
+  for (const Session& s : sessions) loops_end = std::max(loops_end, s.loop_end);
+  r.measured_s = Seconds(std::clamp(std::min(loops_end, end), measure_begin, end) - measure_begin);
 
   if (config.ranks > 0) {
     // The spread of every step that all ranks measured (a failed call has no reply time).
