@@ -99,6 +99,13 @@ def check_context(ap: argparse.ArgumentParser, flag: str, ctx: int, steps: int, 
                  f"be at position {ctx - steps - history}, and it must be >= {first}")
 
 
+def check_contexts(ap: argparse.ArgumentParser, flag: str, contexts: list[int], steps: int,
+                   history: int) -> None:
+    """check_context for each of `contexts`."""
+    for ctx in contexts:
+        check_context(ap, flag, ctx, steps, history)
+
+
 def same_settings(ap: argparse.ArgumentParser, out: Path, wanted: dict[str, object],
                   extra: dict[str, object]) -> None:
     """Units resume by name (context, layer, prompt), which does not hold the settings: a

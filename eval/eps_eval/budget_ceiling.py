@@ -46,7 +46,7 @@ import numpy.typing as npt
 
 from eps_eval import core
 from eps_eval.args import (
-    check_context,
+    check_contexts,
     output_dir,
     positive_int,
     positive_int_list,
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=unit_interval, default=0.95)
     ap.add_argument("--cache", type=Path, default=None)
     a = ap.parse_args(argv)
-    for ctx in a.context:  # Source.context reads the query one before the last steps
-        check_context(ap, "--context", ctx, a.steps, 1)
+    # Source.context reads the query one before the last steps
+    check_contexts(ap, "--context", a.context, a.steps, 1)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
     src = Source(a.model, a.cache or Path(os.environ.get("EPS_EVAL_CACHE",
                                                             a.out.parent / ".eval-cache")))

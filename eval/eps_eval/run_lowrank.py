@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from eps_eval import core, lowrank
-from eps_eval.args import check_context, output_dir, positive_int
+from eps_eval.args import check_contexts, output_dir, positive_int
 from eps_eval.gemma import GLOBAL_LAYERS, Gemma, fetch_gguf
 from eps_eval.metrics import BLOCK, dense, evaluate
 from eps_eval.plans import FRACTIONS
@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="W,...: also each list's newest W blocks forced (w{W}-lag1, "
                          "w{W}-questclt1; the other rows force 2)")
     a = ap.parse_args(argv)
-    for ctx in a.context:  # Source.context reads the query one before the last steps
-        check_context(ap, "--context", ctx, a.steps, 1)
+    # Source.context reads the query one before the last steps
+    check_contexts(ap, "--context", a.context, a.steps, 1)
     spec = tuple(a.spec)
     (a.out / "units").mkdir(parents=True, exist_ok=True)
     src = Source(a.model, a.cache or Path(os.environ.get("EPS_EVAL_CACHE",
