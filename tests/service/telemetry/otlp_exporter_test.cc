@@ -156,8 +156,11 @@ class HttpCollector {
         need = head_end + 4 + std::stoul(in.substr(length_at + 16));
       }
     }
+    request_ = std::move(in);
     return true;
   }
+  // The request ReadOneRequest read, head and body.
+  const std::string& request() const { return request_; }
   // Sends `reply` on the accepted connection and closes it.
   void Answer(const std::string& reply) {
     (void)!send(connection_, reply.data(), reply.size(), MSG_NOSIGNAL);
@@ -169,6 +172,7 @@ class HttpCollector {
   int listener_;
   int port_ = 0;
   int connection_ = -1;
+  std::string request_;
 };
 
 // An IPv6 host is bracketed where it meets its port (the Host header is written the same
@@ -217,6 +221,9 @@ TEST(OtlpHttpExporterTest, APartialSuccessSaysHowManySpansTheReceiverRefused) {
     ExportOutcome outcome;
     std::thread attempt([&] { outcome = exporter.Export(Spans(3), Clock::now() + kFarDeadline); });
     ASSERT_TRUE(collector.ReadOneRequest());
+    // The Host header is the endpoint's authority (an IPv6 host bracketed, as Describe shows).
+    EXPECT_THAT(collector.request(),
+                HasSubstr(absl::StrCat("\r\nHost: 127.0.0.1:", collector.port(), "\r\n")));
     collector.Answer(reply);
     attempt.join();
     EXPECT_EQ(outcome.result, ExportResult::kSuccess) << outcome.message;
