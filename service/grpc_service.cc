@@ -31,6 +31,56 @@ grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, Telemetry
   return reactor;
 }
 
+// The NOT_FOUND of a reply whose session ended before it was sent (unsent_replies.h).
+absl::Status SessionEnded(const char* call, const std::string& session) {
+  return absl::NotFoundError(absl::StrCat(
+      call, ": session '", telemetry::SessionLabel(session),
+      "' was detached, replaced or expired before this step's reply was sent: re-attach"));
+}
+
+// Where an OK reply stands once its step ended (TakePlace).
+enum class Place { kHeld, kParked, kAnswer };
+
+// Takes a place for `reply` (the call's reactor, as an UnsentReplies::Reply) in its session's
+// `replies`, under the reactor's lock: kHeld (hand the reply to gRPC now), kParked (Resume
+// or Drop comes from another thread), or kAnswer with `status` set to what the call answers
+// instead (the session ended, its places are all taken, the call was cancelled while it was
+// being parked, or the queue could not grow). `call` names the RPC in the messages.
+Place TakePlace(UnsentReplies& replies, UnsentReplies::Reply* reply,
+                grpc::CallbackServerContext& context, const char* call, const std::string& session,
+                absl::Status& status) {
+  UnsentReplies::Hold hold = UnsentReplies::Hold::kRefused;
+  const absl::Status counted = CallGuarded(call, [&] {  // its queue allocates
+    hold = replies.TryHold(reply);
+    return absl::OkStatus();
+  });
+  if (!counted.ok()) {
+    status = counted;  // nothing counted or parked
+    return Place::kAnswer;
+  }
+  switch (hold) {
+    case UnsentReplies::Hold::kHeld:
+      return Place::kHeld;
+    case UnsentReplies::Hold::kParked:
+      // A call cancelled before it was parked gets no OnCancel now: take it back.
+      if (!context.IsCancelled() || !replies.Unpark(reply)) return Place::kParked;
+      status = absl::CancelledError(absl::StrCat(call, ": the call was cancelled"));
+      return Place::kAnswer;
+    case UnsentReplies::Hold::kEnded:
+      status = SessionEnded(call, session);
+      return Place::kAnswer;
+    case UnsentReplies::Hold::kRefused:
+      break;
+  }
+  // Its client has not read the session's last replies (on this call's connection or
+  // others): this one would wait in epsd's memory as theirs do. The step has run.
+  status = absl::ResourceExhaustedError(
+      absl::StrCat(call, ": session '", telemetry::SessionLabel(session),
+                   "': ", UnsentReplies::kMaxUnsentReplies + UnsentReplies::kMaxParkedReplies,
+                   " replies of its earlier steps are not yet read by its client; read them"));
+  return Place::kAnswer;
+}
+
 // A unary SelectPages call's reactor. Its reply holds a place in its session's
 // UnsentReplies until the call is done (written, or dropped with its connection); a reply
 // that finds no place is parked there and handed to gRPC when one frees, and the session's
@@ -51,31 +101,12 @@ class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentRep
       session_ = session;
       replies_ = std::move(replies);
       ending_ = std::move(ending);
-      UnsentReplies::Hold hold = UnsentReplies::Hold::kRefused;
-      const absl::Status counted = CallGuarded("SelectPages", [&] {  // its queue allocates
-        hold = replies_->TryHold(this);
-        return absl::OkStatus();
-      });
-      if (!counted.ok()) {
-        status = counted;  // nothing counted or parked
-      } else if (hold == UnsentReplies::Hold::kHeld) {
-        held_ = true;
-      } else if (hold == UnsentReplies::Hold::kParked) {
-        parked_ = true;
-        // A call cancelled before it was parked gets no OnCancel now: take it back.
-        if (!context_.IsCancelled() || !replies_->Unpark(this)) return;
-        parked_ = false;
-        status = absl::CancelledError("SelectPages: the call was cancelled");
-      } else if (hold == UnsentReplies::Hold::kEnded) {
-        status = SessionEnded();
-      } else {
-        // Its client has not read the session's last replies: this one would wait in
-        // epsd's memory as theirs do (unsent_replies.h). The step has run.
-        status = absl::ResourceExhaustedError(absl::StrCat(
-            "SelectPages: session '", telemetry::SessionLabel(session),
-            "': ", UnsentReplies::kMaxUnsentReplies + UnsentReplies::kMaxParkedReplies,
-            " replies of its earlier steps are not yet read by its client; read them"));
+      const Place place = TakePlace(*replies_, this, context_, "SelectPages", session, status);
+      if (place == Place::kParked) {
+        parked_ = true;  // Resume, Drop or OnCancel finishes the call
+        return;
       }
+      held_ = place == Place::kHeld;
       ending = std::move(ending_);
     }
     Finish(ToGrpcStatus(ending(status)));
@@ -101,7 +132,7 @@ class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentRep
       absl::MutexLock lock(&mu_);
       parked_ = false;
       ending = std::move(ending_);
-      status = SessionEnded();
+      status = SessionEnded("SelectPages", session_);
     }
     Finish(ToGrpcStatus(ending(std::move(status))));
   }
@@ -135,12 +166,6 @@ class SelectPagesReply final : public grpc::ServerUnaryReactor, public UnsentRep
   }
 
  private:
-  absl::Status SessionEnded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return absl::NotFoundError(absl::StrCat(
-        "SelectPages: session '", telemetry::SessionLabel(session_),
-        "' was detached, replaced or expired before this step's reply was sent: re-attach"));
-  }
-
   grpc::CallbackServerContext& context_;
   absl::Mutex mu_;
   std::string session_ ABSL_GUARDED_BY(mu_);
@@ -224,31 +249,13 @@ class SelectStream final
       step_ = step;
       backend_ = backend;
       replies_ = std::move(replies);
-      UnsentReplies::Hold hold = UnsentReplies::Hold::kRefused;
-      const absl::Status counted = CallGuarded("StreamSelectPages", [&] {  // its queue allocates
-        hold = replies_->TryHold(this);
-        return absl::OkStatus();
-      });
-      if (!counted.ok()) {
-        s = counted;  // nothing counted or parked
-      } else if (hold == UnsentReplies::Hold::kHeld) {
-        held_ = true;
-      } else if (hold == UnsentReplies::Hold::kParked) {
-        parked_ = true;
-        // A stream cancelled before it was parked gets no OnCancel now: take it back.
-        if (!context_.IsCancelled() || !replies_->Unpark(this)) return;
-        parked_ = false;
-        s = absl::CancelledError("StreamSelectPages: the client cancelled the stream");
-      } else if (hold == UnsentReplies::Hold::kEnded) {
-        s = SessionEnded();
-      } else {
-        // Its client has not read the session's last replies (on this stream's connection
-        // or others): this one would wait in epsd's memory as theirs do. The step has run.
-        s = absl::ResourceExhaustedError(absl::StrCat(
-            "StreamSelectPages: session '", telemetry::SessionLabel(request_.session_id()),
-            "': ", UnsentReplies::kMaxUnsentReplies + UnsentReplies::kMaxParkedReplies,
-            " replies of its earlier steps are not yet read by its client; read them"));
+      const Place place =
+          TakePlace(*replies_, this, context_, "StreamSelectPages", request_.session_id(), s);
+      if (place == Place::kParked) {
+        parked_ = true;  // Resume, Drop or OnCancel answers the step
+        return;
       }
+      held_ = place == Place::kHeld;
     }
     Answer(step, std::move(s), backend);
   }
@@ -277,7 +284,7 @@ class SelectStream final
       parked_ = false;
       step = step_;
       backend = backend_;
-      status = SessionEnded();
+      status = SessionEnded("StreamSelectPages", request_.session_id());
     }
     Answer(step, std::move(status), backend);
   }
@@ -297,8 +304,7 @@ class SelectStream final
       step = step_;
       backend = backend_;
     }
-    Answer(step, absl::CancelledError("StreamSelectPages: the client cancelled the stream"),
-           backend);
+    Answer(step, absl::CancelledError("StreamSelectPages: the call was cancelled"), backend);
   }
 
   void OnWriteDone(bool ok) override {
@@ -342,12 +348,6 @@ class SelectStream final
       return;
     }
     StartWrite(&response_);
-  }
-
-  absl::Status SessionEnded() const {
-    return absl::NotFoundError(absl::StrCat(
-        "StreamSelectPages: session '", telemetry::SessionLabel(request_.session_id()),
-        "' was detached, replaced or expired before this step's reply was sent: re-attach"));
   }
 
   // The stream's own status; a failed step was already counted by EndStep.
