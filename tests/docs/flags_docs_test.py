@@ -9,6 +9,8 @@ its range where the flag has one (`in [1, 64]`, `in (0, 1]`, `in [50ms, 1h]`). C
 - a default the prose gives (`--slo` (default 2 ms), `--mode=stream`, the default) is the
   binary's;
 - every range `--help` prints is written, the same, where the flag's reference page names it;
+- every flag a binary takes is named in its reference page (moved here from
+  tests/cli/flags_consistency_test.py);
 - every `--flag` docs/cli.md names is a flag (or an older name) of one of the binaries.
 
 The binaries come from EPS_BINARIES ("name=path;…", as ctest sets it) or else the build/
@@ -22,7 +24,7 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
-from docs_binaries import BUILT, binary
+from docs_binaries import BUILT, binaries, binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,6 +234,16 @@ def test_every_default_the_prose_gives_is_the_binarys() -> None:
                                 f"{printed}")
     assert checked >= 10  # the reader still finds the prose defaults
     assert problems == []
+
+
+def test_every_flag_a_binary_takes_is_named_in_its_reference_page() -> None:
+    assert set(REFERENCE_PAGES) == set(binaries())
+    for name, pages in REFERENCE_PAGES.items():
+        text = "\n".join((ROOT / page).read_text() for page in pages)
+        named = set(re.findall(r"--([a-z0-9][a-z0-9-]*)", text))
+        flags = {flag for flag, (default, _) in usage(name).items() if default != "alias"}
+        missing = sorted(flags - named)
+        assert not missing, f"{name} takes flags {pages} never names: {missing}"
 
 
 def test_every_range_help_prints_is_in_the_reference_page() -> None:
