@@ -13,7 +13,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -148,6 +148,17 @@ def _attach_unread(stub: pb_grpc.PageSelectorStub, engine: str = "unread") -> st
         return stub.Attach(attach(words), timeout=30).session_id
 
 
+@contextlib.contextmanager
+def _unread_session(
+        epsd: Epsd) -> Iterator[tuple[pb_grpc.PageSelectorStub, str, _UnreadingClient]]:
+    """A channel's stub to `epsd`, a session attached through it, and a client on epsd's
+    socket that never reads (each test's steps go out on it)."""
+    with grpc.insecure_channel(epsd.target) as channel:
+        stub = pb_grpc.PageSelectorStub(channel)
+        session = _attach_unread(stub)
+        yield stub, session, _UnreadingClient(epsd.target.removeprefix("unix://"))
+
+
 def _last_step(stub: pb_grpc.PageSelectorStub, session: str) -> int:
     return stub.GetStats(pb.GetStatsRequest(session_id=session), timeout=30).sessions[0].last_step
 
@@ -194,10 +205,7 @@ def test_replies_a_client_never_reads_wait_at_most_eight_per_session(
     # never refused (before, the fifth unread reply was refused at once).
     epsd = start_epsd(tmp_path, {}, [])
     rows = _UNREAD_ROWS
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         calls = 10
         for i in range(calls):
             step = pb.SelectPagesRequest(session_id=session, step=i + 1, rows=rows)
@@ -243,10 +251,7 @@ def test_the_replies_a_session_left_unread_end_with_it(
     # kept for them) and answers its parked ones NOT_FOUND.
     epsd = start_epsd(tmp_path, {}, ["--max-sessions=1"])
     step = pb.SelectPagesRequest(rows=_UNREAD_ROWS)
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         streams = [2 * i + 1 for i in range(7)]  # four held, three parked
         for i, stream in enumerate(streams):
             step.session_id, step.step = session, i + 1
@@ -276,10 +281,7 @@ def test_a_parked_call_its_client_cancels_or_lets_expire_leaves_the_line(
     # A parked reply is not in gRPC's hands: only epsd can end its call, and take it out of
     # the line, when the client cancels it (RST_STREAM) or its grpc-timeout passes.
     epsd = start_epsd(tmp_path, {}, [])
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         held = [_step_unread(stub, client, session, step) for step in range(1, 5)]
         client.wait(lambda: set(held) <= client.headers)
         cancelled = [_step_unread(stub, client, session, step) for step in (5, 6)]
@@ -306,10 +308,7 @@ def test_a_reading_client_behind_a_connection_that_never_reads_is_answered_once_
     # Two connections of one session: the replies one never reads hold the session's places,
     # and the other's step parks behind them; the first closing hands it a place.
     epsd = start_epsd(tmp_path, {}, [])
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         for step in range(1, 7):  # four held, two parked
             _step_unread(stub, client, session, step)
         reader = stub.SelectPages.future(
@@ -333,10 +332,7 @@ def test_stream_replies_a_client_never_reads_take_the_sessions_places(
     # parked, the rest refused with a status alone; a connection that closes gives its
     # places back.
     epsd = start_epsd(tmp_path, {}, [])
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         streams = [_step_unread(stub, client, session, step, method="StreamSelectPages")
                    for step in range(1, 11)]
         client.wait(lambda: set(streams[:4]) <= client.headers
@@ -361,10 +357,7 @@ def test_stream_replies_a_session_left_unread_end_with_it(
     # The session's end cancels the stream replies it holds (RST_STREAM) and ends its
     # parked streams with NOT_FOUND, as for unary replies; before, Detach left every one.
     epsd = start_epsd(tmp_path, {}, [])
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         streams = [_step_unread(stub, client, session, step, method="StreamSelectPages")
                    for step in range(1, 8)]  # four held, three parked
         client.wait(lambda: set(streams[:4]) <= client.headers)
@@ -382,10 +375,7 @@ def test_sigterm_ends_epsd_with_replies_held_and_parked(
     # never handed, must then end too (cancelled, or handed the places the held ones free),
     # or the drain would wait for them until the backstop (exit 1, "drain timed out").
     epsd = start_epsd(tmp_path, {}, ["--drain-ms=200"])
-    with grpc.insecure_channel(epsd.target) as channel:
-        stub = pb_grpc.PageSelectorStub(channel)
-        session = _attach_unread(stub)
-        client = _UnreadingClient(epsd.target.removeprefix("unix://"))
+    with _unread_session(epsd) as (stub, session, client):
         for step in range(1, 9):  # four held, four parked
             _step_unread(stub, client, session, step)
     epsd.stop()  # asserts exit status 0
