@@ -48,6 +48,42 @@ void ExpectEveryPathRefuses(testing::StepBuffers& buffers, std::span<const StepR
   }
 }
 
+// core/'s answer to one step of `policy` over `buffers` (its lists land in buffers.Outputs()).
+absl::Status SelectInCore(testing::StepBuffers& buffers, std::span<const StepRow> rows,
+                          const SelectPolicy& policy) {
+  const ModelLayout& m = buffers.model();
+  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
+  auto reference = PageSelector::Create(m, *phi);
+  return reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+}
+
+// One layer's visited groups of row 0's union list, as core/ and as the device chose them.
+struct LayerGroups {
+  std::vector<uint8_t> core, device;
+};
+
+// One step of `policy` on the device and in core/ (both must succeed): each layer's groups.
+std::vector<LayerGroups> VisitedOnBoth(testing::StepBuffers& buffers, std::span<const StepRow> rows,
+                                       const SelectPolicy& policy) {
+  const ModelLayout& m = buffers.model();
+  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
+  EXPECT_TRUE(selector.ok()) << selector.status();
+  if (!selector.ok()) return {};
+  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
+  EXPECT_TRUE(got.status.ok()) << got.status;
+  const absl::Status core = SelectInCore(buffers, rows, policy);
+  EXPECT_TRUE(core.ok()) << core;
+  if (!got.status.ok() || !core.ok()) return {};
+  std::vector<LayerGroups> layers;
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    layers.push_back(
+        {testing::VisitedGroups(buffers, 0, buffers.VisitBlocks(layer, 0, 0), buffers.max_groups()),
+         testing::VisitedGroups(buffers, 0, got.List(1, 1, buffers.max_blocks(), layer, 0, 0),
+                                buffers.max_groups())});
+  }
+  return layers;
+}
+
 ModelLayout ValidationModel() {
   ModelLayout m;
   m.num_layers = 2;
@@ -134,22 +170,14 @@ TEST(GpuStepValidationTest, FixedBudgetOverAFullTableStaysInItsSharedMemory) {
   buffers.AssignRow(0, tokens, 1);
   buffers.FillRandomSummaries(5);
   ASSERT_EQ(buffers.max_groups() % 4, 1);
-  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
-  auto reference = PageSelector::Create(m, *phi);
-  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
-  ASSERT_TRUE(selector.ok());
   const StepRow rows[] = {{.table_row = 0, .context_tokens = tokens, .seq_id = 0}};
   SelectPolicy policy;
   policy.budget = Budget::kFixed;
   policy.top_pages = 40;
-  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
-  ASSERT_TRUE(got.status.ok()) << got.status;
-  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+  const std::vector<LayerGroups> layers = VisitedOnBoth(buffers, rows, policy);
+  ASSERT_EQ(layers.size(), static_cast<size_t>(m.num_layers));
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    const auto core_list = buffers.VisitBlocks(layer, 0, 0);
-    const std::vector<int32_t> list = got.List(1, 1, buffers.max_blocks(), layer, 0, 0);
-    const auto want = testing::VisitedGroups(buffers, 0, core_list, buffers.max_groups());
-    const auto have = testing::VisitedGroups(buffers, 0, list, buffers.max_groups());
+    const auto& [want, have] = layers[layer];
     int differing = 0;
     for (size_t p = 0; p < want.size(); ++p) differing += want[p] != have[p];
     EXPECT_LE(differing, 2) << "layer " << layer;  // a tie at the 40th rank moves one group
@@ -192,13 +220,10 @@ TEST(GpuStepValidationTest, AQueryBeyondTheFloatRangeIsRefusedAsCoreRefusesIt) {
     }
   }
   const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
-  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
-  auto reference = PageSelector::Create(m, *phi);
   for (Method method : {Method::kJl, Method::kQuestClt, Method::kQuest, Method::kOnePc}) {
     SelectPolicy policy;
     policy.method = method;
-    const absl::Status core =
-        reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+    const absl::Status core = SelectInCore(buffers, rows, policy);
     EXPECT_EQ(core.code(), absl::StatusCode::kInvalidArgument) << core;
     EXPECT_NE(core.message().find("|q|^2"), std::string::npos) << core;
   }
@@ -233,22 +258,14 @@ TEST(GpuStepValidationTest, MalformedRecordsScoreAsCoreScoresThem) {
       }
     }
   }
-  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
-  auto reference = PageSelector::Create(m, *phi);
-  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
-  ASSERT_TRUE(selector.ok()) << selector.status();
   const StepRow rows[] = {{.table_row = 0, .context_tokens = tokens, .seq_id = 0}};
   SelectPolicy policy;
   policy.method = Method::kQuest;
   policy.top_pages = 16;
-  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
-  ASSERT_TRUE(got.status.ok()) << got.status;
-  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+  const std::vector<LayerGroups> layers = VisitedOnBoth(buffers, rows, policy);
+  ASSERT_EQ(layers.size(), static_cast<size_t>(m.num_layers));
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    const auto want =
-        testing::VisitedGroups(buffers, 0, buffers.VisitBlocks(layer, 0, 0), buffers.max_groups());
-    const auto have = testing::VisitedGroups(
-        buffers, 0, got.List(1, 1, buffers.max_blocks(), layer, 0, 0), buffers.max_groups());
+    const auto& [want, have] = layers[layer];
     int differing = 0;
     for (size_t p = 0; p < want.size(); ++p) differing += want[p] != have[p];
     EXPECT_LE(differing, 2) << "layer " << layer;  // a tie at the cut moves one group
@@ -260,8 +277,7 @@ TEST(GpuStepValidationTest, MalformedRecordsScoreAsCoreScoresThem) {
   r[l.principal + 1] = 1.0f;
   r[l.principal + 2] = 1.0f / 127.0f;
   policy.method = Method::kOnePc;
-  const absl::Status core =
-      reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+  const absl::Status core = SelectInCore(buffers, rows, policy);
   EXPECT_EQ(core.code(), absl::StatusCode::kInvalidArgument) << core;
   EXPECT_NE(core.message().find("holds NaN or Inf"), std::string::npos) << core;
   ExpectEveryPathRefuses(buffers, rows, {{Method::kOnePc, false}},
@@ -291,14 +307,11 @@ TEST(GpuStepValidationTest, AnInfiniteQuestHalfInARecordWithKeysFailsTheStepAsIn
     }
   }
   const StepRow rows[] = {{.table_row = 0, .context_tokens = 4096, .seq_id = 0}};
-  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
-  auto reference = PageSelector::Create(m, *phi);
   const std::string named = "summary of slot " + std::to_string(slot);
   for (Method method : {Method::kQuest, Method::kQuestClt}) {
     SelectPolicy policy;
     policy.method = method;
-    const absl::Status core =
-        reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr);
+    const absl::Status core = SelectInCore(buffers, rows, policy);
     EXPECT_EQ(core.code(), absl::StatusCode::kInvalidArgument) << core;
     EXPECT_NE(core.message().find(named), std::string::npos) << core;
   }
@@ -323,22 +336,14 @@ TEST(GpuStepValidationTest, StrictModeWithAQueryBelowTheSquaresRangeVisitsEveryG
       for (float& x : buffers.Query(layer, 0, h)) x *= 1e-25f;
     }
   }
-  auto phi = PhiBank::Create(m.phi_seed, m.num_layers, m.num_kv_heads, m.head_dim, m.sketch_dim);
-  auto reference = PageSelector::Create(m, *phi);
-  auto selector = gpu::GpuSelector::Create(m, 0, 1, buffers.max_groups());
-  ASSERT_TRUE(selector.ok()) << selector.status();
   const StepRow rows[] = {{.table_row = 0, .context_tokens = tokens, .seq_id = 0}};
   SelectPolicy policy;
   policy.strict = true;
   policy.top_pages = 4;
-  const testing::DeviceStep got = testing::SelectOnDevice(**selector, buffers, 1, rows, policy);
-  ASSERT_TRUE(got.status.ok()) << got.status;
-  ASSERT_TRUE(reference->Select(buffers.Inputs(rows), policy, buffers.Outputs(), nullptr).ok());
+  const std::vector<LayerGroups> layers = VisitedOnBoth(buffers, rows, policy);
+  ASSERT_EQ(layers.size(), static_cast<size_t>(m.num_layers));
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    const auto want =
-        testing::VisitedGroups(buffers, 0, buffers.VisitBlocks(layer, 0, 0), buffers.max_groups());
-    const auto have = testing::VisitedGroups(
-        buffers, 0, got.List(1, 1, buffers.max_blocks(), layer, 0, 0), buffers.max_groups());
+    const auto& [want, have] = layers[layer];
     EXPECT_EQ(have, want) << "layer " << layer;
     EXPECT_EQ(std::count(have.begin(), have.end(), true), static_cast<std::ptrdiff_t>(have.size()))
         << "layer " << layer;
