@@ -97,6 +97,19 @@ std::vector<float> Key(float first, int d = 8) {
   return k;
 }
 
+// Strict mode's list of the top group alone, by `method`, no group forced: it must hold the
+// true top-1 whatever the bounds' rounding (empty, and a failure, if the step failed).
+std::vector<int32_t> StrictTopOne(Sequence& seq, Method method = SelectPolicy{}.method) {
+  SelectPolicy policy;
+  policy.method = method;
+  policy.strict = true;
+  policy.first_n = policy.last_n = 0;
+  policy.top_pages = 1;
+  const absl::Status selected = seq.Select(policy);
+  EXPECT_TRUE(selected.ok()) << selected;
+  return selected.ok() ? seq.List() : std::vector<int32_t>{};
+}
+
 TEST(FloatRangeTest, ResetRefusesARecordShorterThanTheLayoutAndTouchesNothing) {
   const ModelLayout m = Tiny();
   const PhiBank phi = *PhiBank::Create(m.phi_seed, 1, 1, m.head_dim, m.sketch_dim);
@@ -186,12 +199,7 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenSquaredNormsUnderflow) {
       const float values[4] = {1.0f, 8.0f, 2.0f, 0.5f};
       for (int64_t p = 0; p < 4; ++p) ASSERT_TRUE(seq.Append(p, Key(values[p] * k_scale)).ok());
       seq.query[0] = q_scale;
-      SelectPolicy policy;
-      policy.strict = true;
-      policy.first_n = policy.last_n = 0;
-      policy.top_pages = 1;
-      ASSERT_TRUE(seq.Select(policy).ok());
-      const std::vector<int32_t> list = seq.List();
+      const std::vector<int32_t> list = StrictTopOne(seq);
       EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end())
           << "q " << q_scale << ", keys " << k_scale << ": " << ::testing::PrintToString(list);
     }
@@ -211,12 +219,7 @@ TEST(FloatRangeTest, StrictKeepsATopGroupOfMixedSignsWhoseSquaresUnderflow) {
     ASSERT_TRUE(seq.Append(1, Key(1.0f * k_scale)).ok());
     ASSERT_TRUE(seq.Append(2, Key(0.0f)).ok());  // the newest, forced
     seq.query[0] = q_scale;
-    SelectPolicy policy;
-    policy.strict = true;
-    policy.first_n = policy.last_n = 0;
-    policy.top_pages = 1;
-    ASSERT_TRUE(seq.Select(policy).ok());
-    const std::vector<int32_t> list = seq.List();
+    const std::vector<int32_t> list = StrictTopOne(seq);
     EXPECT_NE(std::find(list.begin(), list.end(), 100), list.end())
         << "q " << q_scale << ", keys " << k_scale << ": " << ::testing::PrintToString(list);
   }
@@ -240,13 +243,7 @@ TEST(FloatRangeTest, StrictKeepsTheTrueTopGroupWhenTheMeanKeysDotOverflows) {
     EXPECT_LE(b.lower, true_max) << "group " << p;
     EXPECT_GE(b.upper, true_max) << "group " << p;
   }
-  SelectPolicy policy;
-  policy.method = Method::kFro;
-  policy.strict = true;
-  policy.first_n = policy.last_n = 0;
-  policy.top_pages = 1;
-  ASSERT_TRUE(seq.Select(policy).ok());
-  const std::vector<int32_t> list = seq.List();
+  const std::vector<int32_t> list = StrictTopOne(seq, Method::kFro);
   EXPECT_NE(std::find(list.begin(), list.end(), 101), list.end()) << ::testing::PrintToString(list);
 }
 
